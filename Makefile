@@ -1,0 +1,34 @@
+# Two commands set up and run everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU build of torch lies on disk; pinning it first keeps pip from pulling
+# several GB of CUDA wheels when a dependency asks for "torch".
+TORCH  := torch==2.13.0
+
+.PHONY: install demo test lint fuzz bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e ".[test,sweep]" $(TORCH)
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m hftc demo
+
+test: install
+	$(PY) -m pytest -q -x --timeout=900 tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) -m hftc bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
