@@ -1,0 +1,25 @@
+"""Fused optimizers: one vectorised update for N stacked models, each with its own hyper-parameters.
+
+::
+
+    opt = hftc.optim.Adam(fused.parameters(), lr=[1e-3, 3e-3, 1e-2])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [f0, f1, f2])   # per-model schedules
+
+``opt.param_groups[i]`` is model i's hyper-parameter dict, so every stock
+``torch.optim.lr_scheduler`` works unchanged and per model; the stacked
+parameters themselves live in ``param_groups[0]["params"]`` (see
+``hftc/optim/optimizer.py`` for why).
+"""
+
+from .adagrad import Adagrad
+from .adam import Adam, AdamW
+from .convert import fuse_optimizers
+from .lr_scheduler import ReduceLROnPlateau
+from .optimizer import FusedOptimizer
+from .rmsprop import RMSprop
+from .sgd import SGD
+
+__all__ = [
+    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "FusedOptimizer",
+    "ReduceLROnPlateau", "fuse_optimizers",
+]

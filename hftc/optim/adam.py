@@ -1,0 +1,120 @@
+"""Fused Adam and AdamW: torch's Adam update for N stacked models, each with its own settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .optimizer import FusedOptimizer, _Coefficients
+
+__all__ = ["Adam", "AdamW"]
+
+
+class Adam(FusedOptimizer):
+    """Adam (and, with ``decoupled_weight_decay=True``, AdamW) for N fused models.
+
+    The arguments are ``torch.optim.Adam``'s; each is one shared value or a
+    sequence of N values, one per model (``betas``: one pair, or N pairs)::
+
+        opt = hftc.optim.Adam(fused.parameters(), lr=[1e-3, 3e-3, 1e-2],
+                              betas=[(0.9, 0.999), (0.8, 0.99), (0.9, 0.999)],
+                              amsgrad=[False, True, False])
+
+    State per stacked parameter: ``step`` ``[N]`` (per-model step counts, on the
+    CPU), ``exp_avg`` and ``exp_avg_sq`` ``[N, *shape]``, and ``max_exp_avg_sq``
+    if some model uses amsgrad. Bias corrections use each model's own step.
+    """
+
+    _hyperparameters = {
+        "lr": "float", "betas": "pair", "eps": "float", "weight_decay": "float",
+        "amsgrad": "flag", "maximize": "flag", "decoupled_weight_decay": "flag",
+    }
+
+    def __init__(self, params, num_models: int | None = None, lr=1e-3, betas=(0.9, 0.999),
+                 eps=1e-8, weight_decay=0.0, amsgrad=False, *, maximize=False,
+                 decoupled_weight_decay=False):
+        super().__init__(params, num_models, {
+            "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+            "amsgrad": amsgrad, "maximize": maximize,
+            "decoupled_weight_decay": decoupled_weight_decay,
+        })
+
+    def _init_state(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
+        state = self.state[p]
+        state["step"] = self._new_steps(p)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if any(hp["amsgrad"]):
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
+        lr, wd, amsgrad = hp["lr"], hp["weight_decay"], hp["amsgrad"]
+        beta1 = [b[0] for b in hp["betas"]]
+        beta2 = [b[1] for b in hp["betas"]]
+        decoupled = hp["decoupled_weight_decay"]
+        # Adam adds wd*p to the gradient; AdamW multiplies p by 1 - lr*wd. Per model,
+        # the other one's coefficient is the identity (0 added, times 1.0).
+        coupled_wd = [0.0 if d else w for w, d in zip(wd, decoupled)]
+        decay = [1 - r * w if d else 1.0 for r, w, d in zip(lr, wd, decoupled)]
+        any_coupled = any(w != 0 for w in coupled_wd)
+        any_decoupled = any(d and w != 0 for w, d in zip(wd, decoupled))
+        coef = _Coefficients({
+            "sign": [-1.0 if m else 1.0 for m in hp["maximize"]],
+            "coupled_wd": coupled_wd,
+            "decay": decay,
+            "one_minus_beta1": [1 - b for b in beta1],
+            "beta2": beta2,
+            "one_minus_beta2": [1 - b for b in beta2],
+            "eps": hp["eps"],
+            "amsgrad": amsgrad,
+        })
+        by_steps: dict[tuple[float, ...], _Coefficients] = {}
+        for p in params:
+            state = self.state[p]
+            if any(amsgrad) and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            steps = tuple(state["step"].tolist())
+            if steps not in by_steps:
+                # Python doubles, as stock computes them from step.item().
+                by_steps[steps] = _Coefficients({
+                    "neg_step_size": [-(r / (1 - b ** s)) for r, b, s in zip(lr, beta1, steps)],
+                    "bc2_sqrt": [(1 - b ** s) ** 0.5 for b, s in zip(beta2, steps)],
+                })
+            step_coef = by_steps[steps]
+
+            grad = p.grad
+            if any(hp["maximize"]):
+                grad = grad * coef("sign", p)
+            if any_decoupled:
+                p.mul_(coef("decay", p))
+            if any_coupled:
+                grad = torch.addcmul(grad, p, coef("coupled_wd", p))
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.lerp_(grad, coef("one_minus_beta1", p))
+            exp_avg_sq.mul_(coef("beta2", p)).addcmul_(grad * coef("one_minus_beta2", p), grad)
+            if any(amsgrad):
+                max_sq = state["max_exp_avg_sq"]
+                torch.maximum(max_sq, exp_avg_sq, out=max_sq)
+                second = max_sq if all(amsgrad) else torch.where(
+                    coef.mask("amsgrad", p), max_sq, exp_avg_sq)
+            else:
+                second = exp_avg_sq
+            denom = (second.sqrt() / step_coef("bc2_sqrt", p)).add_(coef("eps", p))
+            p.addcdiv_(exp_avg * step_coef("neg_step_size", p), denom)
+
+
+class AdamW(Adam):
+    """AdamW (decoupled weight decay) for N fused models: ``torch.optim.AdamW``'s arguments.
+
+    ``hftc.optim.Adam`` with ``decoupled_weight_decay=True`` and a default
+    ``weight_decay`` of 1e-2, as in torch.
+    """
+
+    def __init__(self, params, num_models: int | None = None, lr=1e-3, betas=(0.9, 0.999),
+                 eps=1e-8, weight_decay=1e-2, amsgrad=False, *, maximize=False):
+        super().__init__(params, num_models, lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                         decoupled_weight_decay=True)

@@ -1,0 +1,136 @@
+"""``fuse_optimizers``: N stock torch optimizers -> one fused optimizer, state included."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .adagrad import Adagrad
+from .adam import Adam, AdamW
+from .optimizer import FusedOptimizer
+from .rmsprop import RMSprop
+from .sgd import SGD
+
+__all__ = ["fuse_optimizers"]
+
+# Exact classes: AdamW subclasses Adam in torch, and must map to AdamW.
+_FUSED_CLASS: dict[type, type[FusedOptimizer]] = {
+    torch.optim.SGD: SGD,
+    torch.optim.Adam: Adam,
+    torch.optim.AdamW: AdamW,
+    torch.optim.RMSprop: RMSprop,
+    torch.optim.Adagrad: Adagrad,
+}
+# Group keys that pick a kernel, not a result: dropped.
+_IGNORED_KEYS = {"params", "param_names", "foreach", "fused", "capturable", "differentiable"}
+
+
+def fuse_optimizers(fused: torch.nn.Module,
+                    optimizers: Sequence[torch.optim.Optimizer]) -> FusedOptimizer:
+    """One fused optimizer that continues N stock optimizers, each model as if alone.
+
+    ``optimizers[i]`` is a stock ``torch.optim`` optimizer (all of one class: SGD,
+    Adam, AdamW, RMSprop or Adagrad) with one param group over the parameters of
+    the model that was ``models[i]`` in ``fused = hftc.fuse(models)``::
+
+        opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(models, lrs)]
+        fused = hftc.fuse(models)
+        opt = hftc.optim.fuse_optimizers(fused, opts)   # hftc.optim.Adam, lr=lrs
+
+    Model i's hyper-parameters become ``opt.param_groups[i]`` (other keys in its
+    group, such as a scheduler's ``initial_lr``, are copied too), and its state
+    (``step``, ``exp_avg``, ``momentum_buffer``, ...) becomes slice i of the
+    stacked state, so optimizers that already stepped continue where they were.
+    Parameters are matched through ``fused.source_parameter_names``.
+
+    Raises:
+        TypeError: classes differ or are not supported, or ``fused`` is not fused.
+        ValueError: wrong number of optimizers, more than one param group, or a
+            parameter that is not one of model i's.
+    """
+    n = getattr(fused, "num_models", None)
+    sources = getattr(fused, "source_parameter_names", None)
+    if n is None or sources is None:
+        raise TypeError(
+            f"fuse_optimizers needs a fused module (hftc.fuse(models)) with num_models "
+            f"and source_parameter_names; got {type(fused).__name__}"
+        )
+    optimizers = list(optimizers)
+    if len(optimizers) != n:
+        raise ValueError(
+            f"fuse_optimizers got {len(optimizers)} optimizers for {n} fused models; "
+            f"give one per model, in the order the models were fused"
+        )
+    cls = type(optimizers[0])
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch optimizer")
+        if type(opt) is not cls:
+            raise TypeError(
+                f"fuse_optimizers needs optimizers of one class: optimizers[0] is "
+                f"{cls.__name__}, optimizers[{i}] is {type(opt).__name__}"
+            )
+    if cls not in _FUSED_CLASS:
+        supported = ", ".join(f"torch.optim.{c.__name__}" for c in _FUSED_CLASS)
+        raise TypeError(f"fuse_optimizers does not support {cls.__name__}; supported: {supported}")
+    fused_cls = _FUSED_CLASS[cls]
+    for i, opt in enumerate(optimizers):
+        if len(opt.param_groups) != 1:
+            raise ValueError(
+                f"optimizers[{i}] has {len(opt.param_groups)} param groups; fuse_optimizers "
+                f"needs one group per model (param_groups[i] of the fused optimizer is model i)"
+            )
+        if opt.param_groups[0].get("differentiable", False):
+            raise ValueError(f"optimizers[{i}] is differentiable=True, which hftc does not support")
+
+    names = [_fused_names(i, opt, sources[i]) for i, opt in enumerate(optimizers)]
+    for i in range(1, n):
+        if set(names[i]) != set(names[0]):
+            only_0 = sorted(set(names[0]) - set(names[i]))
+            only_i = sorted(set(names[i]) - set(names[0]))
+            raise ValueError(
+                f"optimizers[0] and optimizers[{i}] optimize different parameters "
+                f"(only in 0: {only_0}; only in {i}: {only_i}); every model's optimizer "
+                f"must cover the same parameters"
+            )
+    by_name = dict(fused.named_parameters())
+    params = [by_name[name] for name in names[0]]
+
+    groups = [opt.param_groups[0] for opt in optimizers]
+    hyper = {key: [g[key] for g in groups]
+             for key in fused_cls._hyperparameters if key in groups[0]}
+    if fused_cls is AdamW:
+        hyper.pop("decoupled_weight_decay", None)
+    out = fused_cls(params, num_models=n, **hyper)
+    for i, g in enumerate(groups):
+        for key, value in g.items():
+            if key not in _IGNORED_KEYS and key not in fused_cls._hyperparameters:
+                out.param_groups[i][key] = value
+
+    hp = out.hyperparameters()
+    for i, opt in enumerate(optimizers):
+        for p_stock, name in zip(opt.param_groups[0]["params"], names[i]):
+            stock_state = opt.state.get(p_stock)
+            if not stock_state:
+                continue  # not stepped yet: slice i keeps the fresh state stock would create
+            p = by_name[name]
+            if not out.state[p]:
+                out._init_state(p, hp)
+            out._import_model_state(p, i, stock_state)
+    return out
+
+
+def _fused_names(model: int, opt: torch.optim.Optimizer, source: dict[int, str]) -> list[str]:
+    names = []
+    for k, p in enumerate(opt.param_groups[0]["params"]):
+        name = source.get(id(p))
+        if name is None:
+            raise ValueError(
+                f"optimizers[{model}] holds a parameter (#{k}, shape {list(p.shape)}) that is "
+                f"not a parameter of model {model}; build optimizer i on the parameters of "
+                f"the module passed as models[i] to hftc.fuse"
+            )
+        names.append(name)
+    return names
+

@@ -1,0 +1,117 @@
+"""Schedules that torch cannot run per model unchanged: ReduceLROnPlateau.
+
+Every other ``torch.optim.lr_scheduler`` class already works per model on a
+fused optimizer, since ``param_groups[i]`` is model i. ``ReduceLROnPlateau``
+is different: its ``step(metric)`` takes one number for all groups. Here each
+model gets its own torch ``ReduceLROnPlateau`` (so the plateau logic is
+torch's own), watching only model i's group and stepped with model i's metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim import lr_scheduler as _torch_sched
+
+__all__ = ["ReduceLROnPlateau"]
+
+
+class _ModelGroups(Optimizer):
+    """The slice of a fused optimizer that a per-model scheduler sees: group i only.
+
+    ``param_groups`` is looked up on every access, so it stays right after the
+    fused optimizer's ``load_state_dict`` replaces its group dicts.
+    """
+
+    def __init__(self, optimizer: Optimizer, model: int):  # no super(): it wants params
+        self._optimizer = optimizer
+        self._model = model
+        self.defaults = optimizer.defaults
+        self.state = {}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [self._optimizer.param_groups[self._model]]
+
+
+def _per_model(name: str, value: Any, n: int) -> list[Any]:
+    if isinstance(value, (str, int, float)) or value is None:
+        return [value] * n
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return [value.item()] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} values but there are {n} models")
+    return values
+
+
+class ReduceLROnPlateau:
+    """Reduce each model's learning rate when its own metric stops improving.
+
+    Takes ``torch.optim.lr_scheduler.ReduceLROnPlateau``'s arguments, each one
+    shared value or one per model, and ``step(metrics)`` takes N metrics::
+
+        sched = hftc.optim.ReduceLROnPlateau(opt, mode="min", patience=[2, 5, 5])
+        for epoch in range(epochs):
+            ...
+            sched.step(val_losses)          # a [N] tensor or N numbers
+
+    A model whose metric is NaN counts it as a bad epoch, as torch does; no
+    model's metric affects another's learning rate.
+    """
+
+    def __init__(self, optimizer: Optimizer, mode="min", factor=0.1, patience=10,
+                 threshold=1e-4, threshold_mode="rel", cooldown=0, min_lr=0.0, eps=1e-8):
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+        n = len(optimizer.param_groups)
+        self.optimizer = optimizer
+        args = {
+            "mode": mode, "factor": factor, "patience": patience, "threshold": threshold,
+            "threshold_mode": threshold_mode, "cooldown": cooldown, "min_lr": min_lr,
+            "eps": eps,
+        }
+        per_model = {k: _per_model(k, v, n) for k, v in args.items()}
+        self.schedulers = [
+            _torch_sched.ReduceLROnPlateau(_ModelGroups(optimizer, i),
+                                           **{k: v[i] for k, v in per_model.items()})
+            for i in range(n)
+        ]
+
+    @property
+    def num_models(self) -> int:
+        return len(self.schedulers)
+
+    def step(self, metrics: Sequence[float] | torch.Tensor) -> None:
+        """Take one step for each model with its own metric (N values)."""
+        if isinstance(metrics, torch.Tensor):
+            values = metrics.detach().reshape(-1).tolist()
+        else:
+            values = [float(m) for m in metrics]
+        if len(values) != self.num_models:
+            raise ValueError(
+                f"ReduceLROnPlateau.step got {len(values)} metrics but there are "
+                f"{self.num_models} models (one metric per model)"
+            )
+        for sched, value in zip(self.schedulers, values):
+            sched.step(value)
+
+    def get_last_lr(self) -> list[float]:
+        """Each model's learning rate after the last step."""
+        return [s.get_last_lr()[0] for s in self.schedulers]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The N torch schedulers' state dicts (no optimizer), for ``torch.save``."""
+        return {"schedulers": [s.state_dict() for s in self.schedulers]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        states = state_dict["schedulers"]
+        if len(states) != self.num_models:
+            raise ValueError(
+                f"state dict has {len(states)} models' schedules, this one {self.num_models}"
+            )
+        for sched, state in zip(self.schedulers, states):
+            sched.load_state_dict(state)

@@ -1,0 +1,389 @@
+"""The base of every fused optimizer: N models' hyper-parameters, one vectorised update.
+
+A fused parameter is the stack of N models' parameters, ``[N, *shape]``. A fused
+optimizer updates all N slices at once, each with its own hyper-parameters::
+
+    stock, per model i:      p_i.add_(g_i, alpha=-lr_i)                  (N kernels)
+    fused, all models:       P.addcmul_(G, (-lr).view(N, 1, ..., 1))     (1 kernel)
+
+Layout of the ``torch.optim.Optimizer`` it subclasses:
+
+* ``param_groups[i]`` is **model i's** hyper-parameter dict (``lr``, ``momentum``,
+  ``betas``, ...). Every ``torch.optim.lr_scheduler`` class reads and writes
+  ``param_groups[i]["lr"]`` etc., so each schedules its model on its own.
+* ``param_groups[0]["params"]`` holds every stacked parameter; the other groups
+  hold ``[]``. ``torch.optim.Optimizer`` forbids a tensor in two groups, and
+  per-model views (``P[i]``) are not leaves and carry no ``.grad``; with the
+  params in one group, ``zero_grad``, ``state_dict`` and anything else that walks
+  ``param_groups`` sees each parameter exactly once.
+* ``state[P]`` holds ``[N, *shape]`` tensors (``exp_avg``, ...) and a per-model
+  ``step`` counter of shape ``[N]`` (on the CPU, like stock non-capturable
+  optimizers), so models may take different numbers of steps (an AMP scaler
+  skips only the models whose gradients overflowed).
+
+Numerics: each subclass repeats stock torch's single-tensor update op for op.
+A Python scalar ``s`` becomes a coefficient tensor ``c`` of shape
+``[N, 1, ..., 1]`` (computed in Python double exactly as torch computes ``s``,
+then cast to the parameter dtype, as torch's kernels cast ``s``), and each op is
+rewritten into one that rounds the same way on every element:
+
+    x.add_(y, alpha=s)           ->  x.addcmul_(y, c)       (both one fused multiply-add)
+    x.addcmul_(y, z, value=s)    ->  x.addcmul_(y * c, z)
+    x.addcdiv_(y, z, value=s)    ->  x.addcdiv_(y * c, z)
+    x.mul_(s), x.div(s), x.lerp_(y, s), x.add_(s)  ->  the same op with c
+
+On the CPU this reproduces stock results bit for bit (tests assert 1e-9 / 1e-4).
+Hyper-parameters that switch the algorithm (``nesterov``, ``amsgrad``,
+``centered``, ``maximize``, a momentum of 0) may differ across models too: the
+models' results are then selected with ``torch.where``, never blended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+__all__ = ["FusedOptimizer"]
+
+
+def _scalar_dtype() -> torch.dtype:
+    # The dtype stock optimizers give state["step"] (torch.optim.optimizer._get_scalar_dtype).
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _is_number(x: Any) -> bool:
+    if isinstance(x, Tensor):
+        return x.dim() == 0
+    return isinstance(x, (int, float)) and not isinstance(x, complex)
+
+
+def _is_sequence(x: Any) -> bool:
+    if isinstance(x, (str, bytes, dict)):
+        return False
+    if isinstance(x, Tensor):
+        return x.dim() == 1
+    return isinstance(x, Sequence) or hasattr(x, "__len__") and hasattr(x, "__getitem__")
+
+
+def _as_float(name: str, value: Any, model: int | None = None) -> float:
+    where = f"{name}[{model}]" if model is not None else name
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{where} must be a number, got a tensor of shape {list(value.shape)}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{where} must be a number, got {type(value).__name__}: {value!r}")
+    return float(value)
+
+
+def _as_flag(name: str, value: Any, model: int | None = None) -> bool:
+    where = f"{name}[{model}]" if model is not None else name
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, (bool, int)):
+        raise TypeError(f"{where} must be a bool, got {type(value).__name__}: {value!r}")
+    return bool(value)
+
+
+def _as_pair(name: str, value: Any, model: int | None = None) -> tuple[float, float]:
+    where = f"{name}[{model}]" if model is not None else name
+    if not _is_sequence(value) or len(value) != 2 or not all(_is_number(v) for v in value):
+        raise TypeError(f"{where} must be a pair of numbers, got {value!r}")
+    return (_as_float(name, value[0], model), _as_float(name, value[1], model))
+
+
+class _Coefficients:
+    """Per-model scalars, as ``[N, 1, ..., 1]`` tensors that broadcast over ``[N, *shape]``.
+
+    Built from Python values once per step (one host-to-device copy per dtype and
+    device, not one per parameter or per coefficient).
+    """
+
+    def __init__(self, values: dict[str, Sequence[float]]):
+        self._row = {name: k for k, name in enumerate(values)}
+        self._table = torch.tensor([[float(v) for v in vs] for vs in values.values()],
+                                   dtype=torch.float64)
+        self._cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def __call__(self, name: str, like: Tensor) -> Tensor:
+        """Row ``name`` in ``like``'s dtype and device, shaped to broadcast over ``like``."""
+        key = (like.dtype, like.device)
+        table = self._cache.get(key)
+        if table is None:
+            table = self._table.to(device=like.device, dtype=like.dtype)
+            self._cache[key] = table
+        return table[self._row[name]].view(-1, *([1] * (like.dim() - 1)))
+
+    def mask(self, name: str, like: Tensor) -> Tensor:
+        """Row ``name`` (0/1 values) as a bool ``[N, 1, ..., 1]`` tensor on ``like``'s device."""
+        return self(name, like) != 0
+
+
+class FusedOptimizer(Optimizer):
+    """Base class: the bookkeeping shared by ``hftc.optim.SGD``, ``Adam``, ``AdamW``, ...
+
+    Subclasses declare their hyper-parameters and implement ``_init_state`` and
+    ``_update``; the base class expands scalar-or-list hyper-parameters into N
+    param groups, checks shapes, reads the groups' current values on every step
+    (schedulers change them) and implements ``skip_models``.
+    """
+
+    # Hyper-parameter name -> kind ("float", "flag" or "pair"), in constructor order.
+    _hyperparameters: ClassVar[dict[str, str]] = {}
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[tuple[str, Tensor]] | torch.nn.Module,
+        num_models: int | None,
+        hyperparameters: dict[str, Any],
+    ):
+        if isinstance(params, torch.nn.Module):
+            if num_models is None:
+                num_models = getattr(params, "num_models", None)
+            params = params.named_parameters()
+        if isinstance(params, Tensor):
+            raise TypeError(
+                f"{type(self).__name__} takes an iterable of stacked parameters "
+                f"(fused.parameters()), got a single Tensor"
+            )
+        items = list(params)
+        if not items:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        if any(isinstance(x, dict) for x in items):
+            raise TypeError(
+                f"{type(self).__name__} takes one flat list of stacked parameters, not "
+                f"param-group dicts: param_groups[i] is model i, and per-model "
+                f"hyper-parameters are lists (lr=[1e-3, 3e-3, ...])"
+            )
+        named = all(isinstance(x, tuple) and len(x) == 2 for x in items)
+        if named:
+            names = [str(x[0]) for x in items]
+            tensors = [x[1] for x in items]
+        else:
+            names = [f"#{k}" for k in range(len(items))]
+            tensors = items
+        for name, t in zip(names, tensors):
+            if not isinstance(t, Tensor):
+                raise TypeError(
+                    f"{type(self).__name__} can only optimize Tensors, but parameter "
+                    f"{name} is a {type(t).__name__}"
+                )
+
+        n = self._infer_num_models(names, tensors, num_models, hyperparameters)
+        per_model = {
+            key: self._expand(key, kind, hyperparameters[key], n)
+            for key, kind in self._hyperparameters.items()
+        }
+        for i in range(n):
+            self._check_hyperparameters({k: v[i] for k, v in per_model.items()}, i)
+
+        groups = []
+        for i in range(n):
+            group: dict[str, Any] = {"params": tensors if i == 0 else []}
+            if named:
+                group["param_names"] = names if i == 0 else []
+            group.update({k: v[i] for k, v in per_model.items()})
+            groups.append(group)
+        defaults = {k: self._default_of(k, hyperparameters[k]) for k in self._hyperparameters}
+        defaults["differentiable"] = False
+        self._groups_frozen = False
+        super().__init__(groups, defaults)
+        self._groups_frozen = True
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def num_models(self) -> int:
+        """N, the number of fused models (one param group each)."""
+        return len(self.param_groups)
+
+    def _infer_num_models(self, names, tensors, num_models, hyperparameters) -> int:
+        cls = type(self).__name__
+        for name, t in zip(names, tensors):
+            if t.dim() == 0:
+                raise ValueError(
+                    f"{cls}: parameter {name} is a 0-dim tensor; fused parameters are "
+                    f"stacked [N, *shape] (N = number of models)"
+                )
+        leading = {t.shape[0] for t in tensors}
+        if len(leading) > 1:
+            shapes = ", ".join(f"{n}: {list(t.shape)}" for n, t in zip(names, tensors))
+            raise ValueError(
+                f"{cls}: fused parameters must all be stacked [N, *shape] with one N, "
+                f"but their leading dims differ ({shapes})"
+            )
+        n = leading.pop()
+        if num_models is not None and num_models != n:
+            bad = next(name for name, t in zip(names, tensors) if t.shape[0] != num_models)
+            shape = list(tensors[names.index(bad)].shape)
+            raise ValueError(
+                f"{cls}: num_models={num_models}, but parameter {bad} has shape {shape}: "
+                f"each fused parameter must be [N, *shape] with N = {num_models}"
+            )
+        for key, kind in self._hyperparameters.items():
+            value = hyperparameters[key]
+            if self._is_per_model(kind, value) and len(value) != n:
+                raise ValueError(
+                    f"{cls}: {key} has {len(value)} values but there are {n} models "
+                    f"(the parameters' leading dim); give one value per model or one shared value"
+                )
+        return n
+
+    @staticmethod
+    def _is_per_model(kind: str, value: Any) -> bool:
+        if kind == "pair":
+            # (0.9, 0.999) is one shared pair; [(0.9, 0.999), (0.8, 0.99)] is one per model.
+            return _is_sequence(value) and len(value) > 0 and all(_is_sequence(v) for v in value)
+        return _is_sequence(value)
+
+    def _expand(self, key: str, kind: str, value: Any, n: int) -> list[Any]:
+        convert = {"float": _as_float, "flag": _as_flag, "pair": _as_pair}[kind]
+        if self._is_per_model(kind, value):
+            return [convert(key, v, i) for i, v in enumerate(value)]
+        return [convert(key, value)] * n
+
+    def _default_of(self, key: str, value: Any) -> Any:
+        # optimizer.defaults only has to name the hyper-parameters (OneCycleLR and
+        # CyclicLR look for "momentum" / "betas" there); model 0's value stands in.
+        return self._expand(key, self._hyperparameters[key], value, 1)[0]
+
+    def _check_hyperparameters(self, hp: dict[str, Any], model: int) -> None:
+        """Raise ``ValueError`` for model ``model``'s bad values, as the stock class would."""
+        for key in ("lr", "eps", "weight_decay", "momentum", "lr_decay",
+                    "initial_accumulator_value", "alpha"):
+            if key in hp and not hp[key] >= 0.0:
+                raise ValueError(f"Invalid {key} for model {model}: {hp[key]} (must be >= 0)")
+        if "betas" in hp:
+            for k, b in enumerate(hp["betas"]):
+                if not 0.0 <= b < 1.0:
+                    raise ValueError(
+                        f"Invalid beta parameter at index {k} for model {model}: {b} "
+                        f"(must be in [0, 1))"
+                    )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only used while constructing: groups are models, so none can be added later."""
+        if getattr(self, "_groups_frozen", True):
+            raise NotImplementedError(
+                f"{type(self).__name__}.add_param_group: param_groups[i] is model i's "
+                f"hyper-parameters, so groups cannot be added; build a new fused optimizer "
+                f"over all the stacked parameters instead"
+            )
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_groups_frozen", True)
+
+    # -------------------------------------------------------------- the step
+
+    def hyperparameters(self) -> dict[str, list[Any]]:
+        """Each hyper-parameter's current value per model: ``{"lr": [lr_0, ..., lr_{N-1}], ...}``.
+
+        Read from ``param_groups`` on every step, so schedulers' changes apply at once.
+        """
+        out = {}
+        for key, kind in self._hyperparameters.items():
+            convert = {"float": _as_float, "flag": _as_flag, "pair": _as_pair}[kind]
+            out[key] = [convert(key, g[key], i) for i, g in enumerate(self.param_groups)]
+        return out
+
+    @torch.no_grad()
+    def step(self, closure=None, *, skip_models: Sequence[bool] | Tensor | None = None):
+        """Update every model with its own current hyper-parameters.
+
+        Args:
+            closure: re-evaluates the loss (as in ``torch.optim``); its value is returned.
+            skip_models: optional ``[N]`` bools. Models marked ``True`` are left exactly
+                as they were: parameters, optimizer state and step counter
+                (``hftc.amp.GradScaler`` passes the models whose gradients overflowed).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for p in self.param_groups[0]["params"] if p.grad is not None]
+        if not params:
+            return loss
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        skip = self._skip_indices(skip_models)
+        if len(skip) == self.num_models:
+            return loss
+        hp = self.hyperparameters()
+        for p in params:
+            if not self.state[p]:
+                self._init_state(p, hp)
+        saved = self._save_models(params, skip) if skip else None
+        self._update(params, hp)
+        if saved is not None:
+            self._restore_models(saved, skip)
+        return loss
+
+    def _skip_indices(self, skip_models) -> list[int]:
+        if skip_models is None:
+            return []
+        flags = torch.as_tensor(skip_models).detach().to("cpu", torch.bool).reshape(-1)
+        if flags.numel() != self.num_models:
+            raise ValueError(
+                f"skip_models has {flags.numel()} entries but there are {self.num_models} models"
+            )
+        return flags.nonzero().flatten().tolist()
+
+    def _per_model_tensors(self, p: Tensor) -> dict[str, Tensor]:
+        n = self.num_models
+        return {k: v for k, v in self.state[p].items()
+                if isinstance(v, Tensor) and v.dim() > 0 and v.shape[0] == n}
+
+    def _save_models(self, params: list[Tensor], skip: list[int]):
+        # Copies only the skipped models' slices: an overflow in one model of N
+        # costs 1/N of a full copy, and nothing when no model is skipped.
+        saved = []
+        for p in params:
+            idx = torch.tensor(skip, device=p.device)
+            state = {k: v.index_select(0, idx.to(v.device))
+                     for k, v in self._per_model_tensors(p).items()}
+            saved.append((p, p.index_select(0, idx), state))
+        return saved
+
+    def _restore_models(self, saved, skip: list[int]) -> None:
+        for p, p_saved, state_saved in saved:
+            idx = torch.tensor(skip, device=p.device)
+            p.index_copy_(0, idx, p_saved)
+            for k, v in state_saved.items():
+                self.state[p][k].index_copy_(0, idx.to(v.device), v)
+
+    def _new_steps(self, p: Tensor) -> Tensor:
+        return torch.zeros(self.num_models, dtype=_scalar_dtype())
+
+    # ------------------------------------------------------ subclass hooks
+
+    def _init_state(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
+        """Create ``state[p]`` (all models at once), as the stock class's first step would."""
+        raise NotImplementedError
+
+    def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
+        """Apply one step to every parameter in ``params`` (all have a ``.grad``)."""
+        raise NotImplementedError
+
+    def _import_model_state(self, p: Tensor, model: int, stock_state: dict[str, Any]) -> None:
+        """Copy a stock optimizer's ``state[p_i]`` into slice ``model`` of ``state[p]``."""
+        state = self.state[p]
+        for key, value in stock_state.items():
+            if value is None:
+                continue
+            if key not in state:
+                raise ValueError(
+                    f"{type(self).__name__}: the stock optimizer of model {model} has state "
+                    f"{key!r}, which {type(self).__name__} does not keep"
+                )
+            if key == "step":
+                state["step"][model] = float(value)
+            else:
+                state[key][model].copy_(value)
+

@@ -1,0 +1,124 @@
+"""Fused SGD: torch.optim.SGD's update for N stacked models, each with its own settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .optimizer import FusedOptimizer, _Coefficients
+
+__all__ = ["SGD"]
+
+
+class SGD(FusedOptimizer):
+    """Stochastic gradient descent, optionally with momentum, for N fused models.
+
+    The arguments are ``torch.optim.SGD``'s; each hyper-parameter is one shared
+    value or a sequence of N values (one per model)::
+
+        opt = hftc.optim.SGD(fused.parameters(), lr=[0.1, 0.03, 0.01],
+                             momentum=[0.0, 0.9, 0.9], nesterov=[False, False, True])
+
+    Model i then trains exactly as ``torch.optim.SGD(model_i.parameters(), lr=lr[i],
+    momentum=momentum[i], nesterov=nesterov[i])`` would.
+
+    State per stacked parameter (only if some model has a momentum):
+    ``momentum_buffer`` ``[N, *shape]`` and ``has_momentum_buffer`` ``[N]`` (0/1;
+    stock SGD starts a model's buffer as a copy of its first gradient).
+    """
+
+    _hyperparameters = {
+        "lr": "float", "momentum": "float", "dampening": "float",
+        "weight_decay": "float", "nesterov": "flag", "maximize": "flag",
+    }
+
+    def __init__(self, params, num_models: int | None = None, lr=1e-3, momentum=0.0,
+                 dampening=0.0, weight_decay=0.0, nesterov=False, *, maximize=False):
+        super().__init__(params, num_models, {
+            "lr": lr, "momentum": momentum, "dampening": dampening,
+            "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
+        })
+
+    def _check_hyperparameters(self, hp: dict[str, Any], model: int) -> None:
+        super()._check_hyperparameters(hp, model)
+        if hp["nesterov"] and (hp["momentum"] <= 0 or hp["dampening"] != 0):
+            raise ValueError(
+                f"Nesterov momentum requires a momentum and zero dampening (model {model}: "
+                f"momentum={hp['momentum']}, dampening={hp['dampening']})"
+            )
+
+    def _init_state(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
+        if any(m != 0 for m in hp["momentum"]):
+            state = self.state[p]
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["has_momentum_buffer"] = torch.zeros(
+                self.num_models, dtype=p.dtype, device=p.device)
+
+    def _import_model_state(self, p: Tensor, model: int, stock_state: dict[str, Any]) -> None:
+        buf = stock_state.get("momentum_buffer")
+        if buf is not None:
+            if "momentum_buffer" not in self.state[p]:
+                raise ValueError(
+                    f"SGD: the stock optimizer of model {model} has a momentum buffer, but "
+                    f"no model has a momentum"
+                )
+            self.state[p]["momentum_buffer"][model].copy_(buf)
+            self.state[p]["has_momentum_buffer"][model] = 1
+
+    def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
+        maximize, nesterov = hp["maximize"], hp["nesterov"]
+        active = [m != 0 for m in hp["momentum"]]
+        any_decay = any(w != 0 for w in hp["weight_decay"])
+        coef = _Coefficients({
+            "neg_lr": [-lr for lr in hp["lr"]],
+            "sign": [-1.0 if m else 1.0 for m in maximize],
+            "weight_decay": hp["weight_decay"],
+            "momentum": hp["momentum"],
+            "one_minus_dampening": [1 - d for d in hp["dampening"]],
+            "active": active,
+            "nesterov": nesterov,
+        })
+        for p in params:
+            grad = p.grad
+            if any(maximize):
+                grad = grad * coef("sign", p)
+            if any_decay:
+                # grad.add(p, alpha=wd); a model with wd = 0 gets grad + p*0 == grad.
+                grad = torch.addcmul(grad, p, coef("weight_decay", p))
+            if any(active):
+                grad = self._momentum_direction(p, grad, coef, active, nesterov)
+            p.addcmul_(grad, coef("neg_lr", p))
+
+    def _momentum_direction(self, p: Tensor, grad: Tensor, coef: _Coefficients,
+                            active: list[bool], nesterov: list[bool]) -> Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:  # a scheduler turned momentum on
+            self._init_state(p, {"momentum": [1.0]})
+        buf, has_buf = state["momentum_buffer"], state["has_momentum_buffer"]
+        momentum = coef("momentum", p)
+        ready = (has_buf != 0).view(momentum.shape)
+        # Stock: the first step sets buf = grad, later ones buf = m*buf + (1-d)*grad.
+        # With m -> 0 and 1-d -> 1 for models without a buffer yet (theirs is all
+        # zeros), one formula does both: 0*0 + grad*1 == grad exactly.
+        m_eff = torch.where(ready, momentum, 0.0)
+        a_eff = torch.where(ready, coef("one_minus_dampening", p), 1.0)
+        if all(active):
+            buf.mul_(m_eff).addcmul_(grad, a_eff)
+            has_buf.fill_(1)
+        else:
+            # A model whose momentum is 0 leaves its buffer alone and steps along grad.
+            act = coef.mask("active", p)
+            buf.copy_(torch.where(act, (buf * m_eff).addcmul_(grad, a_eff), buf))
+            has_buf.copy_(torch.where(act.view(-1), 1.0, has_buf))
+        if all(nesterov):
+            direction = torch.addcmul(grad, buf, momentum)
+        elif any(nesterov):
+            direction = torch.where(coef.mask("nesterov", p),
+                                    torch.addcmul(grad, buf, momentum), buf)
+        else:
+            direction = buf
+        if not all(active):
+            direction = torch.where(coef.mask("active", p), direction, grad)
+        return direction
