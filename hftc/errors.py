@@ -1,0 +1,37 @@
+"""Every error a user's input can cause, as a class.
+
+Each message names the model index, the node, its module path in the user's
+code and what to change.  Internals never leak a bare ``AssertionError`` or
+``IndexError``: anything that reaches the user is one of these (or a
+``ValueError`` / ``TypeError`` subclass of them, for bad arguments).
+"""
+
+from __future__ import annotations
+
+
+class FusionError(Exception):
+    """Base class of every error hftc raises because of its input."""
+
+
+class MismatchError(FusionError):
+    """The N models are not structurally identical, so they cannot be fused."""
+
+
+class TraceError(FusionError):
+    """A model cannot be traced into a graph; the message says what to pass or change."""
+
+
+class UnsupportedOperatorError(FusionError):
+    """Operators that cannot be fused, all of them listed (not just the first)."""
+
+    def __init__(self, message: str, operators: list[str] | None = None):
+        super().__init__(message)
+        self.operators = list(operators or [])
+
+
+class FusionArgumentError(FusionError, ValueError):
+    """A bad argument to ``hftc.fuse`` or to a fused module (list, inputs, in_dims)."""
+
+
+class FusionTypeError(FusionError, TypeError):
+    """An argument of the wrong type (a non-module in the model list, say)."""

@@ -1,0 +1,371 @@
+"""``hftc.fuse`` and the module it returns: the pipeline, end to end.
+
+::
+
+    models --trace.py--> N fx graphs (train and eval) --match.py--> node mapping
+           --lowering/modules.py--> stacked parameters under the original names
+    first call, per input signature:
+           --trace.annotate_example_values--> shapes --passes/--> fused fx graph
+           --lowering/codegen.py--> forward(self, *inputs)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .errors import FusionArgumentError, FusionError, FusionTypeError, MismatchError
+from .lowering.codegen import compile_graph
+from .lowering.modules import StackedModule, build_module_tree
+from .match import GraphMatch, match_graphs
+from .passes import FusionReport, fuse_graph
+from .trace import annotate_example_values, meta_copy, trace_model
+
+
+@dataclass
+class Program:
+    """One compiled fused forward: for one mode and one input signature."""
+
+    forward: Any
+    graph: fx.Graph
+    report: FusionReport
+    source: str
+
+
+@dataclass
+class _ModeGraphs:
+    """Model 0's graph for one mode, rooted at the meta template, and its matching."""
+
+    graph_module: fx.GraphModule
+    match: GraphMatch
+    attr_targets: dict[str, str]
+
+
+InDims = int | None | Sequence[int | None]
+
+
+def _check_models(models: Any) -> list[nn.Module]:
+    if isinstance(models, nn.Module):
+        raise FusionTypeError(
+            "hftc.fuse takes a list of models, got a single nn.Module; "
+            "wrap it in a list: hftc.fuse([model])"
+        )
+    if not isinstance(models, Iterable) or isinstance(models, (str, bytes)):
+        raise FusionTypeError(f"hftc.fuse takes a list of nn.Module, got {type(models).__name__}")
+    models = list(models)
+    if not models:
+        raise FusionArgumentError("hftc.fuse needs at least one model, got an empty list")
+    for i, m in enumerate(models):
+        if not isinstance(m, nn.Module):
+            raise FusionTypeError(
+                f"model {i} is a {type(m).__name__}, not a torch.nn.Module; "
+                f"hftc.fuse takes a list of nn.Module instances"
+            )
+    return models
+
+
+def _tensor_name_maps(match: GraphMatch, graphs: Sequence[fx.GraphModule]) -> list[dict]:
+    """Model 0's parameter/buffer names -> model i's, from the matched graph nodes."""
+    maps: list[dict[str, str]] = []
+    for mapping, gm in zip(match.mapping, graphs):
+        names: dict[str, str] = {}
+        for n0, ni in mapping.items():
+            if n0.op == "call_module":
+                sub = gm.get_submodule(ni.target)
+                for local, _ in list(sub.named_parameters(remove_duplicate=False)) + list(
+                    sub.named_buffers(remove_duplicate=False)
+                ):
+                    names[f"{n0.target}.{local}"] = f"{ni.target}.{local}"
+            elif n0.op == "get_attr":
+                names[n0.target] = ni.target
+        maps.append(names)
+    return maps
+
+
+def _get_path(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+class FusedModule(nn.Module):
+    """N models fused into one: ``fused(x)[i] == models[i](x)``.
+
+    Every parameter and buffer is the stack of the N originals under the original
+    name (``fused.state_dict()["fc.weight"]`` is ``[N, *fc.weight.shape]``).
+    The fused forward is compiled on the first call (and again for a new mode or
+    input rank/dtype), when shapes are known.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        *,
+        in_dims: InDims = None,
+        example_inputs: tuple | None = None,
+    ):
+        super().__init__()
+        models = _check_models(models)
+        n = len(models)
+        self.num_models = n
+        self.in_dims = in_dims
+        self._check_modes(models)
+        graphs = {
+            mode: [trace_model(m, i, training=mode) for i, m in enumerate(models)]
+            for mode in (True, False)
+        }
+        matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}
+        template = meta_copy(models[0])
+        name_maps = _tensor_name_maps(matches[True], graphs[True])
+        root, sources = build_module_tree(models, template, name_maps)
+        self._adopt(root, models[0])
+        fused_names = {id(p): name for name, p in self.named_parameters()}
+        self.source_parameter_names: list[dict[int, str]] = [
+            {id(p): fused_names[id(sources[id(p)])] for p in m.parameters() if id(p) in sources}
+            for m in models
+        ]
+        object.__setattr__(self, "_template", template)
+        self._mode_graphs: dict[bool, _ModeGraphs] = {}
+        for mode in (True, False):
+            attr_targets = self._stack_constants(graphs[mode], matches[mode])
+            gm0 = fx.GraphModule(template, graphs[mode][0].graph)
+            self._mode_graphs[mode] = _ModeGraphs(gm0, matches[mode], attr_targets)
+        for mode in (True, False):  # let the originals go: keep graphs, not their modules
+            for g in graphs[mode][1:]:
+                g.graph.owning_module = None
+        self._programs: dict[Any, Program] = {}
+        self.training = models[0].training
+        if example_inputs is not None:
+            if not isinstance(example_inputs, tuple):
+                example_inputs = (example_inputs,)
+            self.compile(*example_inputs)
+
+    # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def _check_modes(models: Sequence[nn.Module]) -> None:
+        modes = ["train" if m.training else "eval" for m in models]
+        if len(set(modes)) > 1:
+            listing = "; ".join(f"model {i}: {m}" for i, m in enumerate(modes))
+            raise MismatchError(
+                f"the models are in different modes ({listing}); a fused module has one mode. "
+                f"Call .train() or .eval() on all of them before fusing "
+                f"(fused.train() / fused.eval() switch all models later)."
+            )
+
+    def _adopt(self, root: nn.Module, model0: nn.Module) -> None:
+        """Take over the root's children and tensors (the tree was built for model 0's root)."""
+        for name, child in root.named_children():
+            self.add_module(name, child)
+        for name, p in root._parameters.items():
+            self.register_parameter(name, p)
+        for name, b in root._buffers.items():
+            self.register_buffer(name, b, persistent=name not in model0._non_persistent_buffers_set)
+
+    def _stack_constants(self, graphs: Sequence[fx.GraphModule], match: GraphMatch) -> dict:
+        """Tensor attributes the graphs read that are not parameters or buffers (constants
+        symbolic tracing lifted, plain tensor attributes): stacked as non-persistent buffers."""
+        known = {name for name, _ in self.named_parameters(remove_duplicate=False)}
+        known |= {name for name, _ in self.named_buffers(remove_duplicate=False)}
+        targets: dict[str, str] = {}
+        for node in graphs[0].graph.nodes:
+            if node.op != "get_attr" or node.target in known:
+                continue
+            values = [_get_path(g, m[node].target) for g, m in zip(graphs, match.mapping)]
+            if not isinstance(values[0], torch.Tensor):
+                continue
+            name = f"_hftc_constant_{len(list(self.buffers()))}"
+            self.register_buffer(name, torch.stack([v.detach() for v in values]), persistent=False)
+            targets[node.target] = name
+        return targets
+
+    # ------------------------------------------------------------------ calling
+
+    def _in_dims_for(self, count: int) -> tuple[int | None, ...]:
+        dims = self.in_dims
+        if dims is None or isinstance(dims, int):
+            return (dims,) * count
+        dims = tuple(dims)
+        if len(dims) != count:
+            raise FusionArgumentError(
+                f"in_dims has {len(dims)} entries but the fused module got {count} positional "
+                f"inputs; give one entry (an int or None) per positional input"
+            )
+        return dims
+
+    def _merge_inputs(self, args: tuple) -> tuple[list[Any], list[bool]]:
+        """Inputs -> fused inputs: stacked ones get the model dim at 0, shared ones stay."""
+        merged, batched = [], []
+        for k, (a, d) in enumerate(zip(args, self._in_dims_for(len(args)))):
+            if d is None:
+                merged.append(a)
+                batched.append(False)
+                continue
+            if not isinstance(a, torch.Tensor):
+                raise FusionArgumentError(
+                    f"input {k} has in_dims={d} but is a {type(a).__name__}, not a tensor"
+                )
+            if a.dim() <= d or a.shape[d] != self.num_models:
+                got = "no such dim" if a.dim() <= d else f"size {a.shape[d]}"
+                raise FusionArgumentError(
+                    f"input {k} is stacked per model along dim {d} (in_dims) but has {got} there "
+                    f"(shape {tuple(a.shape)}); it needs size {self.num_models}, one slice per "
+                    f"model. Pass in_dims=None for an input all models share."
+                )
+            merged.append(a.movedim(d, 0) if d != 0 else a)
+            batched.append(True)
+        return merged, batched
+
+    def _bind(self, args: tuple, kwargs: dict) -> list[Any]:
+        """Positional + keyword inputs -> one value per placeholder of the traced forward."""
+        placeholders = [
+            n for n in self._mode_graphs[self.training].graph_module.graph.nodes
+            if n.op == "placeholder"
+        ]
+        if len(args) > len(placeholders):
+            raise FusionArgumentError(
+                f"the models' forward takes {len(placeholders)} inputs "
+                f"({', '.join(p.target for p in placeholders)}), got {len(args)}"
+            )
+        values = list(args)
+        for p in placeholders[len(args):]:
+            if p.target in kwargs:
+                values.append(kwargs.pop(p.target))
+            elif p.args:
+                values.append(p.args[0])
+            else:
+                raise FusionArgumentError(f"missing input `{p.target}` of the models' forward")
+        if kwargs:
+            raise FusionArgumentError(f"unexpected keyword inputs {sorted(kwargs)}")
+        return values
+
+    @staticmethod
+    def _signature(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
+        sig = []
+        for v, b in zip(values, batched):
+            if isinstance(v, torch.Tensor):
+                sig.append(("tensor", v.dim(), v.dtype, v.device.type, b))
+            else:
+                sig.append((type(v).__name__, repr(v) if len(repr(v)) < 64 else id(v)))
+        return tuple(sig)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        merged, batched = self._merge_inputs(args)
+        values = self._bind(tuple(merged), dict(kwargs))
+        batched = batched + [False] * (len(values) - len(batched))
+        program = self._program(values, batched)
+        return program.forward(self, *values)
+
+    @torch.compiler.disable
+    def _program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
+        key = (self.training, self._signature(values, batched))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._compile_program(values, batched)
+            self._programs[key] = program
+        return program
+
+    def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
+        mode_graphs = self._mode_graphs[self.training]
+        per_model = [v[0] if b else v for v, b in zip(values, batched)]
+        annotate_example_values(mode_graphs.graph_module.graph, self._template, per_model, {})
+        graph, report = fuse_graph(
+            mode_graphs.graph_module, mode_graphs.match, self.num_models, batched,
+            mode_graphs.attr_targets,
+        )
+        forward, source = compile_graph(graph)
+        return Program(forward, graph, report, source)
+
+    def compile(self, *args: Any, **kwargs: Any) -> Program:
+        """Compile the fused forward for these inputs (in the current mode) without running it."""
+        merged, batched = self._merge_inputs(args)
+        values = self._bind(tuple(merged), dict(kwargs))
+        batched = batched + [False] * (len(values) - len(batched))
+        return self._program(values, batched)
+
+    # ------------------------------------------------------------------ inspection
+
+    def last_program(self) -> Program:
+        """The most recently compiled program (fused graph, fusion report, source)."""
+        if not self._programs:
+            raise FusionError("the fused module has not been called yet; call it or .compile(x)")
+        return next(reversed(self._programs.values()))
+
+    @property
+    def fusion_report(self) -> FusionReport:
+        return self.last_program().report
+
+    @property
+    def fused_graph(self) -> fx.Graph:
+        return self.last_program().graph
+
+    # ------------------------------------------------------------------ unfusing
+
+    def model_state_dict(self, index: int) -> dict[str, torch.Tensor]:
+        """Model ``index``'s ``state_dict`` with the original keys (copies)."""
+        self._check_index(index)
+        return {k: v[index].clone() for k, v in self.state_dict().items()}
+
+    def _check_index(self, index: int) -> None:
+        if not -self.num_models <= index < self.num_models:
+            raise IndexError(f"model index {index} out of range for {self.num_models} models")
+
+    def unfuse(self) -> list[nn.Module]:
+        """N modules of the original class holding this module's current weights and buffers."""
+        return [self.unfuse_model(i) for i in range(self.num_models)]
+
+    def unfuse_model(self, index: int) -> nn.Module:
+        self._check_index(index)
+        model = copy.deepcopy(self._template)
+        made: dict[int, nn.Parameter] = {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(p.detach()[index].clone(), requires_grad=p.requires_grad)
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner).register_parameter(leaf, made[id(p)])
+        for name, b in self.named_buffers(remove_duplicate=False):
+            owner, _, leaf = name.rpartition(".")
+            if leaf.startswith("_hftc_constant_"):
+                continue
+            sub = model.get_submodule(owner)
+            sub._buffers[leaf] = b[index].clone()
+        for (_, fused_sub), (_, sub) in zip(
+            self.named_modules(remove_duplicate=False), model.named_modules(remove_duplicate=False)
+        ):
+            sub.training = fused_sub.training
+        return model
+
+    # ------------------------------------------------------------------ pickling
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_programs"] = {}  # generated code is recompiled on the next call
+        return state
+
+    def extra_repr(self) -> str:
+        return f"num_models={self.num_models}"
+
+
+def fuse(
+    models: Iterable[nn.Module],
+    *,
+    in_dims: InDims = None,
+    example_inputs: tuple | None = None,
+) -> FusedModule:
+    """Fuse N structurally identical models into one module (see ``API.md``).
+
+    ``in_dims`` follows ``torch.func.vmap``: ``None`` (default) shares every input
+    among the N models, ``0`` takes each input stacked per model along dim 0, a
+    tuple gives one entry per positional input.  ``example_inputs`` compiles the
+    fused forward right away (otherwise it is compiled on the first call).
+    """
+    return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs)
+
+
+__all__ = ["FusedModule", "Program", "fuse", "StackedModule"]

@@ -1,0 +1,614 @@
+"""The fused operators: what a fused graph calls at run time.
+
+Every fused activation is *logically* ``[N, *per_model_shape]`` (the model dim
+first, as under ``vmap``).  Physically the kernels keep whatever layout is
+cheapest: a grouped conv returns ``[B, N*C, H, W]`` memory viewed as
+``[N, B, C, H, W]`` (a ``movedim``, no copy), so the next conv folds it back with
+a free ``reshape``.  Elementwise ops preserve strides, so a chain of
+conv -> batch norm -> relu -> conv never copies between the layers.
+
+Parameters arrive stacked, ``[N, *shape]``; each kernel takes free views of them
+(``[N, Cout, Cin/g, k, k]`` -> ``[N*Cout, Cin/g, k, k]``).
+
+A kernel is the exact equivalent of the per-model op applied to each slice:
+``kernel(x)[i] == op(x[i])``.  ``x_batched=False`` means ``x`` is shared by all
+models (no model dim): the fast path of a hyper-parameter sweep, where the first
+layer of N models reads one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from ..errors import FusionError
+
+# --------------------------------------------------------------------------- layouts
+
+
+def fold_channels(x: Tensor, has_batch_dim: bool) -> Tensor:
+    """``[N, B, C, *S] -> [B, N*C, *S]`` (or ``[N, C, *S] -> [N*C, *S]`` without a batch dim).
+
+    Model n's channels land at ``[n*C, (n+1)*C)``, so a grouped op with ``N*g``
+    groups sees each model's channels as its own groups.
+    """
+    if has_batch_dim:
+        return x.movedim(0, 1).flatten(1, 2)
+    return x.flatten(0, 1)
+
+
+def unfold_channels(y: Tensor, n: int, has_batch_dim: bool) -> Tensor:
+    """Inverse of :func:`fold_channels`: ``[B, N*C, *S] -> [N, B, C, *S]`` as a view."""
+    if has_batch_dim:
+        return y.unflatten(1, (n, -1)).movedim(1, 0)
+    return y.unflatten(0, (n, -1))
+
+
+def expand_models(x: Any, n: int) -> Any:
+    """A shared value seen by all N models: every tensor leaf gains a model dim (a view)."""
+    return pytree.tree_map(
+        lambda t: t.unsqueeze(0).expand(n, *t.shape) if isinstance(t, Tensor) else t, x
+    )
+
+
+def pad_model_dims(x: Tensor, per_model_ndim: int) -> Tensor:
+    """``[N, *s] -> [N, 1, ..., 1, *s]`` with ``per_model_ndim`` dims after the model dim.
+
+    Broadcasting aligns trailing dims; a batched operand with fewer per-model dims
+    than the result must get its missing dims *after* the model dim, not before it.
+    """
+    missing = per_model_ndim - (x.dim() - 1)
+    if missing <= 0:
+        return x
+    return x.reshape(x.shape[0], *([1] * missing), *x.shape[1:])
+
+
+# --------------------------------------------------------------------------- convolutions
+
+
+def _conv_fn(spatial: int, transposed: bool) -> Callable[..., Tensor]:
+    if transposed:
+        return (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1]
+    return (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
+
+
+def conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+    *,
+    spatial: int,
+    x_batched: bool,
+    padding_mode: str = "zeros",
+    explicit_padding: Sequence[int] | None = None,
+) -> Tensor:
+    """N convolutions as one.
+
+    ``weight``: ``[N, Cout, Cin/g, *k]``.  Batched ``x`` ``[N, B, Cin, *S]`` becomes
+    ``[B, N*Cin, *S]`` and one conv with ``N*g`` groups; a shared ``x``
+    ``[B, Cin, *S]`` needs no groups at all: one conv with ``N*Cout`` output
+    channels.  ``padding_mode`` other than zeros pads first, as ``nn.ConvNd`` does,
+    with ``explicit_padding`` (the module's ``_reversed_padding_repeated_twice``).
+    """
+    n = weight.shape[0]
+    w = weight.flatten(0, 1)
+    b = bias.flatten() if bias is not None else None
+    fn = _conv_fn(spatial, transposed=False)
+    if not x_batched and groups != 1:
+        x, x_batched = expand_models(x, n), True
+    if x_batched:
+        has_batch = x.dim() == spatial + 3
+        xf = fold_channels(x, has_batch)
+        groups = groups * n
+    else:
+        has_batch = x.dim() == spatial + 2
+        xf = x
+    if padding_mode != "zeros":
+        xf = F.pad(xf, tuple(explicit_padding), mode=padding_mode)
+        padding = 0
+    y = fn(xf, w, b, stride, padding, dilation, groups)
+    return unfold_channels(y, n, has_batch)
+
+
+def conv_transpose(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: Any = 1,
+    padding: Any = 0,
+    output_padding: Any = 0,
+    groups: int = 1,
+    dilation: Any = 1,
+    *,
+    spatial: int,
+    x_batched: bool,
+) -> Tensor:
+    """N transposed convolutions as one grouped transposed conv.
+
+    ``weight``: ``[N, Cin, Cout/g, *k]`` -> ``[N*Cin, Cout/g, *k]`` with ``N*g`` groups.
+    """
+    n = weight.shape[0]
+    if not x_batched:
+        x = expand_models(x, n)
+    has_batch = x.dim() == spatial + 3
+    fn = _conv_fn(spatial, transposed=True)
+    y = fn(
+        fold_channels(x, has_batch),
+        weight.flatten(0, 1),
+        bias.flatten() if bias is not None else None,
+        stride,
+        padding,
+        output_padding,
+        groups * n,
+        dilation,
+    )
+    return unfold_channels(y, n, has_batch)
+
+
+def conv_transpose_output_padding(
+    x: Tensor, output_size: Sequence[int], stride, padding, kernel_size, dilation, *, spatial: int
+) -> list[int]:
+    """``nn.ConvTransposeNd(x, output_size=...)``'s output padding, for one model's input."""
+    # _output_padding reads nothing from self; it is a plain function of its arguments.
+    return torch.nn.modules.conv._ConvTransposeNd._output_padding(
+        None, x[0], list(output_size), list(stride), list(padding), list(kernel_size),
+        spatial, list(dilation),
+    )
+
+
+# --------------------------------------------------------------------------- linear algebra
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool) -> Tensor:
+    """N linears: one ``baddbmm`` (batched input) or one GEMM (shared input).
+
+    ``weight``: ``[N, out, in]``.  Shared ``x`` ``[*lead, in]``:
+    ``F.linear(x, W.view(N*out, in))`` -> ``[*lead, N*out]`` viewed as ``[N, *lead, out]``.
+    Batched ``x`` ``[N, *lead, in]`` -> ``[N, M, in]`` and
+    ``baddbmm(bias[:, None], x, W^T)``.
+    """
+    n, out_features, in_features = weight.shape
+    if not x_batched:
+        y = F.linear(x, weight.reshape(n * out_features, in_features),
+                     bias.flatten() if bias is not None else None)
+        return y.unflatten(-1, (n, out_features)).movedim(-2, 0)
+    lead = x.shape[1:-1]
+    x3 = x.reshape(n, -1, in_features)
+    wt = weight.transpose(1, 2)
+    y = torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
+    return y.reshape(n, *lead, out_features)
+
+
+def matmul(a: Tensor, b: Tensor, *, a_batched: bool, b_batched: bool) -> Tensor:
+    """Per-model ``torch.matmul(a, b)`` (also ``bmm`` and ``@``) with either operand shared.
+
+    1-D operands become matrices (and the added dim is dropped after); batched
+    operands get their per-model batch dims padded after the model dim so that
+    ``torch.matmul``'s broadcasting lines up per model, not across models.
+    """
+    a_nd = a.dim() - a_batched
+    b_nd = b.dim() - b_batched
+    if a_nd == 1:
+        a = a.unsqueeze(-2)
+    if b_nd == 1:
+        b = b.unsqueeze(-1)
+    rank = max(a.dim() - a_batched, b.dim() - b_batched)
+    if a_batched:
+        a = pad_model_dims(a, rank)
+    if b_batched:
+        b = pad_model_dims(b, rank)
+    if a_batched and not b_batched:
+        b = b.unsqueeze(0) if b.dim() == rank else b
+    if b_batched and not a_batched:
+        a = a.unsqueeze(0) if a.dim() == rank else a
+    y = torch.matmul(a, b)
+    if b_nd == 1:
+        y = y.squeeze(-1)
+    if a_nd == 1:
+        y = y.squeeze(-2 if b_nd != 1 else -1)
+    return y
+
+
+# --------------------------------------------------------------------------- normalization
+
+
+def _channel_view(t: Tensor | None) -> Tensor | None:
+    return t.flatten() if t is not None else None
+
+
+def batch_norm(
+    x: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    training: bool,
+    *,
+    momentum: float | None,
+    eps: float,
+    track_running_stats: bool,
+) -> Tensor:
+    """N batch norms as one batch norm over ``N*C`` channels, each model its own stats.
+
+    Mirrors ``nn.modules.batchnorm._BatchNorm.forward``.  The running stats are
+    views of the stacked ``[N, C]`` buffers, so ATen's in-place update writes each
+    model's own slice.  ``momentum=None`` (cumulative average) uses each model's
+    ``num_batches_tracked``; when those differ across models the update is done here.
+    """
+    n = x.shape[0]
+    eaf = 0.0 if momentum is None else momentum
+    manual_update = False
+    if training and track_running_stats and num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+        if momentum is None:
+            counts = num_batches_tracked
+            if bool((counts == counts[0]).all()):
+                eaf = 1.0 / float(counts[0])
+            else:
+                manual_update = True
+    bn_training = training or (running_mean is None and running_var is None)
+    use_stats = not training or track_running_stats
+    xf = fold_channels(x, has_batch_dim=True)
+    rm = _channel_view(running_mean) if use_stats else None
+    rv = _channel_view(running_var) if use_stats else None
+    if manual_update and bn_training:
+        y = F.batch_norm(xf, None, None, _channel_view(weight), _channel_view(bias), True, 0.0, eps)
+        with torch.no_grad():
+            dims = [d for d in range(xf.dim()) if d != 1]
+            mean = xf.mean(dims)
+            var = xf.var(dims, unbiased=True)
+            factor = (1.0 / num_batches_tracked.to(mean.dtype)).repeat_interleave(xf.shape[1] // n)
+            rm.mul_(1 - factor).add_(factor * mean)
+            rv.mul_(1 - factor).add_(factor * var)
+    else:
+        y = F.batch_norm(
+            xf, rm, rv, _channel_view(weight), _channel_view(bias), bn_training, eaf, eps
+        )
+    return unfold_channels(y, n, has_batch_dim=True)
+
+
+def instance_norm(
+    x: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    training: bool,
+    *,
+    momentum: float | None,
+    eps: float,
+    track_running_stats: bool,
+    spatial: int,
+) -> Tensor:
+    """N instance norms as one over ``N*C`` channels (``_InstanceNorm._apply_instance_norm``)."""
+    n = x.shape[0]
+    has_batch = x.dim() == spatial + 3
+    xf = fold_channels(x, has_batch)
+    if not has_batch:
+        xf = xf.unsqueeze(0)
+    y = F.instance_norm(
+        xf,
+        _channel_view(running_mean),
+        _channel_view(running_var),
+        _channel_view(weight),
+        _channel_view(bias),
+        training or not track_running_stats,
+        momentum if momentum is not None else 0.0,
+        eps,
+    )
+    if not has_batch:
+        y = y.squeeze(0)
+    return unfold_channels(y, n, has_batch)
+
+
+def group_norm(
+    x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> Tensor:
+    """N group norms as one with ``N*G`` groups over ``N*C`` channels."""
+    n = x.shape[0]
+    y = F.group_norm(
+        fold_channels(x, True), n * num_groups, _channel_view(weight), _channel_view(bias), eps
+    )
+    return unfold_channels(y, n, True)
+
+
+def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: int) -> Tensor:
+    """``y * weight + bias`` with ``[N, *D]`` parameters broadcast over ``[N, *lead, *D]``."""
+    if weight is None and bias is None:
+        return y
+    rank = y.dim() - 1
+    w = pad_model_dims(weight, rank) if weight is not None else None
+    b = pad_model_dims(bias, rank) if bias is not None else None
+    if w is not None and b is not None:
+        return torch.addcmul(b, y, w)
+    return y * w if w is not None else y + b
+
+
+def layer_norm(
+    x: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    *,
+    x_batched: bool,
+) -> Tensor:
+    """Per-model ``F.layer_norm``: normalize the last dims once, then each model's affine.
+
+    Normalizing needs no parameters, so a shared ``x`` is normalized once for all N.
+    """
+    y = F.layer_norm(x, tuple(normalized_shape), None, None, eps)
+    if not x_batched:
+        y = y.unsqueeze(0)
+    return _affine(y, weight, bias, len(normalized_shape))
+
+
+def rms_norm(
+    x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None,
+    *, x_batched: bool,
+) -> Tensor:
+    """Per-model ``F.rms_norm``: normalize once, then scale by each model's weight."""
+    y = F.rms_norm(x, tuple(normalized_shape), None, eps)
+    if not x_batched:
+        y = y.unsqueeze(0)
+    return _affine(y, weight, None, len(normalized_shape))
+
+
+# --------------------------------------------------------------------------- embedding, prelu
+
+
+def embedding(
+    indices: Tensor,
+    weight: Tensor,
+    padding_idx: int | None,
+    max_norm: float | None,
+    norm_type: float,
+    scale_grad_by_freq: bool,
+    sparse: bool,
+    *,
+    indices_batched: bool,
+) -> Tensor:
+    """N embedding tables as one ``[N*V, D]`` table, model n's indices offset by ``n*V``.
+
+    ``padding_idx`` is per model (HFTA honoured model 0's only): the lookup is
+    exact, and the gradient at positions holding a model's padding index is cut,
+    which is what ``F.embedding(padding_idx=...)`` does to that row's gradient.
+    """
+    n, vocab, dim = weight.shape
+    if not indices_batched:
+        indices = indices.unsqueeze(0).expand(n, *indices.shape)
+    offsets = torch.arange(n, device=indices.device, dtype=indices.dtype) * vocab
+    shifted = indices + offsets.view(n, *([1] * (indices.dim() - 1)))
+    out = F.embedding(
+        shifted, weight.reshape(n * vocab, dim), None, max_norm, norm_type,
+        scale_grad_by_freq, sparse,
+    )
+    if padding_idx is not None:
+        pad = padding_idx if padding_idx >= 0 else padding_idx + vocab
+        out = torch.where((indices == pad).unsqueeze(-1), out.detach(), out)
+    return out
+
+
+def prelu(x: Tensor, weight: Tensor, *, x_batched: bool) -> Tensor:
+    """Per-model ``F.prelu`` with each model's own slopes (HFTA shared one across models)."""
+    n = weight.shape[0]
+    per_model_ndim = x.dim() - x_batched
+    channel_dim = 1 if per_model_ndim >= 2 else 0
+    shape = [n] + [1] * per_model_ndim
+    if weight.shape[1] != 1:
+        shape[1 + channel_dim] = weight.shape[1]
+    w = weight.reshape(shape)
+    if x_batched:
+        return torch.where(x > 0, x, w * x)
+    x = x.unsqueeze(0)
+    return torch.where(x > 0, x, w * x)
+
+
+# --------------------------------------------------------------------------- channel-wise ops
+
+
+def channelwise(fn: Callable[..., Any], x: Tensor, *args: Any, spatial: int, **kwargs: Any) -> Any:
+    """Apply a per-channel op (pooling, channel dropout) to N models' channels at once.
+
+    ``[N, B, C, *S] -> [B, N*C, *S]``, ``fn``, and back; tuple results (max pooling
+    with ``return_indices``) are unfolded leaf by leaf.  Indices stay per-channel
+    plane offsets, so they equal each model's own.
+    """
+    n = x.shape[0]
+    has_batch = x.dim() == spatial + 3
+    y = fn(fold_channels(x, has_batch), *args, **kwargs)
+    return pytree.tree_map(lambda t: unfold_channels(t, n, has_batch), y)
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def shift_dim(dim: int) -> int:
+    """A per-model dim as a fused dim: non-negative dims move past the model dim."""
+    return dim + 1 if dim >= 0 else dim
+
+
+def shift_dims(dims: Any) -> Any:
+    if isinstance(dims, (tuple, list)):
+        return type(dims)(shift_dim(d) for d in dims)
+    return shift_dim(dims)
+
+
+def _shape_arg(shape: Sequence[Any]) -> tuple:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        return tuple(shape[0])
+    return tuple(shape)
+
+
+def reshape(x: Tensor, *shape: Any) -> Tensor:
+    """``x.view(*shape)`` / ``x.reshape(*shape)`` per model: prepend the model dim."""
+    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+        return x.view(shape[0])
+    return x.reshape(x.shape[0], *_shape_arg(shape))
+
+
+def permute(x: Tensor, *dims: Any) -> Tensor:
+    dims = _shape_arg(dims)
+    rank = x.dim() - 1
+    return x.permute(0, *(d % rank + 1 for d in dims))
+
+
+def expand(x: Tensor, *sizes: Any) -> Tensor:
+    """``x.expand(*sizes)`` per model; new leading per-model dims go after the model dim."""
+    sizes = _shape_arg(sizes)
+    x = pad_model_dims(x, len(sizes))
+    return x.expand(x.shape[0], *sizes)
+
+
+def repeat(x: Tensor, *sizes: Any) -> Tensor:
+    sizes = _shape_arg(sizes)
+    x = pad_model_dims(x, len(sizes))
+    return x.repeat(1, *sizes)
+
+
+def squeeze_all(x: Tensor) -> Tensor:
+    """``x.squeeze()`` per model: never squeeze the model dim, even when N == 1."""
+    dims = tuple(d for d in range(1, x.dim()) if x.shape[d] == 1)
+    return x.squeeze(dims) if dims else x
+
+
+def getitem(x: Tensor, index: Any) -> Tensor:
+    """``x[index]`` per model: the model dim is kept whole (``x[:, *index]``)."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    return x[(slice(None), *index)]
+
+
+def reduce_all(fn_name: str, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """A full reduction (``x.sum()``, ``x.max()``, ``x.argmax()``) per model: over all but dim 0."""
+    flat = x.reshape(x.shape[0], -1)
+    result = getattr(flat, fn_name)(1, *args, **kwargs)
+    if fn_name in ("max", "min", "median") and isinstance(result, tuple):
+        result = result[0]
+    return result
+
+
+def stack_or_cat(fn: Callable[..., Tensor], tensors: Sequence[Any], dim: int,
+                 batched: Sequence[bool]) -> Tensor:
+    """``torch.cat`` / ``torch.stack`` of batched and shared tensors: shared ones are expanded."""
+    n = next(t.shape[0] for t, b in zip(tensors, batched) if b)
+    parts = [t if b else expand_models(t, n) for t, b in zip(tensors, batched)]
+    return fn(parts, dim)
+
+
+def size(x: Tensor, dim: int | None = None) -> Any:
+    """``x.size()`` / ``x.size(d)`` / ``x.shape`` per model."""
+    if dim is None:
+        return x.shape[1:]
+    return x.shape[shift_dim(dim)]
+
+
+# --------------------------------------------------------------------------- the fallback
+
+
+def _stack_results(outs: list[Any], name: str) -> Any:
+    """Stack N per-model results: tensors along a new model dim; Python values once."""
+    flat = [pytree.tree_flatten(o) for o in outs]
+    first, out_spec = flat[0]
+    stacked = []
+    for pos, leaf in enumerate(first):
+        column = [f[0][pos] for f in flat]
+        if isinstance(leaf, Tensor):
+            stacked.append(torch.stack(column))
+        else:
+            if any(v != leaf for v in column[1:]):
+                raise FusionError(
+                    f"{name} returned different Python values for different models "
+                    f"({column}); hftc needs them equal to fuse the models"
+                )
+            stacked.append(leaf)
+    return pytree.tree_unflatten(stacked, out_spec)
+
+
+def _per_model_arguments(n: int, batched: Sequence[bool], args: tuple, kwargs: dict):
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    for i in range(n):
+        picked = [leaf[i] if flag else leaf for leaf, flag in zip(leaves, batched)]
+        yield pytree.tree_unflatten(picked, spec)
+
+
+def loop_over_models(fn: Callable[..., Any], n: int, batched: Sequence[bool],
+                     args: tuple, kwargs: dict) -> Any:
+    """The lowering of last resort: call ``fn`` once per model and stack the results.
+
+    ``batched`` flags each leaf of ``(args, kwargs)`` (flattened with pytree):
+    flagged leaves are indexed by model, the others are passed as they are.
+    Tensor results are stacked along a new model dim; Python values must agree
+    across models (they are shapes and flags) and are returned once.
+    """
+    outs = [fn(*a, **k) for a, k in _per_model_arguments(n, batched, args, kwargs)]
+    return _stack_results(outs, getattr(fn, "__name__", str(fn)))
+
+
+def loop_module(module: torch.nn.Module, n: int, batched: Sequence[bool],
+                args: tuple, kwargs: dict) -> Any:
+    """Per-model loop over a module no rule fuses.
+
+    ``module`` is the fused tree's node for it: a :class:`~hftc.lowering.modules.StackedModule`
+    (model i runs as ``functional_call(template, {name: stacked[i]})``, so gradients
+    and in-place buffer updates land in the stacked tensors) or, for a module
+    without parameters or buffers, the module itself.
+    """
+    template = getattr(module, "_hftc_template", None)
+    outs = []
+    for i, (a, k) in enumerate(_per_model_arguments(n, batched, args, kwargs)):
+        if template is None:
+            outs.append(module(*a, **k))
+            continue
+        template.train(module.training)
+        tensors = {name: t[i] for name, t in module.named_parameters(remove_duplicate=False)}
+        tensors.update({name: t[i] for name, t in module.named_buffers(remove_duplicate=False)})
+        outs.append(torch.func.functional_call(template, tensors, a, k, strict=True))
+    return _stack_results(outs, type(template or module).__name__)
+
+
+_METHODS: dict[str, Callable[..., Any]] = {}
+
+
+def call_method(name: str) -> Callable[..., Any]:
+    """A function that calls ``name`` as a method of its first argument (for loops)."""
+    if name not in _METHODS:
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self, name)(*args, **kwargs)
+
+        method.__name__ = method.__qualname__ = f"Tensor_{name}"
+        _METHODS[name] = method
+    return _METHODS[name]
+
+
+_BOUND: dict[tuple[Any, Any], Callable[..., Any]] = {}
+
+
+def bind(kernel: Callable[..., Any], fn: Any) -> Callable[..., Any]:
+    """``kernel`` with ``fn`` as its first argument, as a named function a graph can call.
+
+    torch.fx cannot print a function as an argument of a node, so a kernel that
+    wraps another op (``channelwise(F.max_pool2d, ...)``, the per-model loop) is
+    emitted as ``channelwise__max_pool2d(x, ...)``.  Cached: one function per pair.
+    """
+    key = (kernel, fn)
+    if key not in _BOUND:
+
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            return kernel(fn, *args, **kwargs)
+
+        name = getattr(fn, "__name__", type(fn).__name__)
+        bound.__name__ = bound.__qualname__ = f"{kernel.__name__}__{name}".replace(".", "_")
+        _BOUND[key] = bound
+    return _BOUND[key]

@@ -1,0 +1,306 @@
+"""Stage 2: are the N graphs the same program?  Which node of model i is node k of model 0?
+
+Every node gets a *signature*: its op, its target (the function, the method name,
+or the module's class with its constructor hyper-parameters and the shapes,
+dtypes and devices of its own parameters and buffers), and the constant part of
+its arguments (``x.view(-1, 400)`` keeps ``-1`` and ``400``; each tensor argument
+becomes a numbered slot).  Two models fuse when their graphs are isomorphic as
+labelled DAGs: a bijection of nodes that keeps signatures and maps every
+argument edge (producer -> consumer, slot number) onto an edge with the same slot.
+
+Algorithm (:func:`match_graphs`):
+
+1. Trace order, fast path: models built by the same code give their nodes in the
+   same order.  Zip the node lists, compare signatures and argument slots
+   (slot ``j`` of node ``k`` must point at the same position in both lists).
+   Cost ``O(V + E)`` per model; this is what every same-class sweep hits.
+2. Otherwise build a ``networkx.DiGraph`` per model (nodes labelled with their
+   signature, edges with their slots) and ask VF2
+   (``networkx.algorithms.isomorphism.DiGraphMatcher``) for an isomorphism.
+   Models written by different code (another attribute order, branches computed
+   in another order) land here.  VF2 is exponential in the worst case, but with
+   every node labelled by op and target and every edge by slot the candidate
+   pairs are few and the search stays close to linear on real networks.
+3. If neither finds a mapping, the models differ: the nodes whose signatures
+   differ at the same trace position are reported, every differing attribute
+   with the values of every model (``kernel_size: (3, 3) in models 0, 1;
+   (5, 5) in model 2``), as a :class:`~hftc.errors.MismatchError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .errors import MismatchError
+
+#: Stand-in for a tensor argument inside a node's constant-argument skeleton.
+_SLOT = "<tensor>"
+
+
+@dataclass(frozen=True)
+class ArgSkeleton:
+    """The constant part of a node's arguments; graph inputs become :data:`_SLOT`."""
+
+    args: Any
+    kwargs: Any
+
+
+def _simple(value: Any) -> bool:
+    if isinstance(value, (bool, int, float, str, type(None), torch.dtype, torch.device)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_simple(v) for v in value)
+    return False
+
+
+def _tensor_signature(t: torch.Tensor) -> tuple:
+    kind = "parameter" if isinstance(t, nn.Parameter) else "tensor"
+    return (kind, tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+
+
+def module_hyperparameters(module: nn.Module) -> dict[str, Any]:
+    """The constructor hyper-parameters of a module, as a user would compare them.
+
+    Public, simple-valued attributes (``in_channels``, ``kernel_size``, ``eps``,
+    ``padding_mode`` ...) plus the mode flag.  Private attributes are derived from
+    public ones and left out.
+    """
+    params = {
+        k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"
+    }
+    return {k: v for k, v in sorted(params.items()) if _simple(v)}
+
+
+def module_signature(module: nn.Module) -> dict[str, Any]:
+    sig: dict[str, Any] = {"class": type(module).__qualname__}
+    sig.update(module_hyperparameters(module))
+    for name, p in module.named_parameters(recurse=False):
+        sig[f"parameter `{name}`"] = _tensor_signature(p)
+    for name, b in module.named_buffers(recurse=False):
+        sig[f"buffer `{name}`"] = _tensor_signature(b)
+    sig["mode"] = "train" if module.training else "eval"
+    return sig
+
+
+def target_name(node: fx.Node) -> str:
+    """A readable name for what a node calls (``torch.nn.functional.relu``, ``.view``)."""
+    if node.op == "call_function":
+        return fx.node._get_qualified_name(node.target)
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    return str(node.target)
+
+
+def module_path(node: fx.Node) -> str:
+    """Where a node lives in the user's code: the module path (``layer3.1.conv2``)."""
+    if node.op in ("call_module", "get_attr"):
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return str(next(reversed(stack.values()))[0]) or "<root>"
+    return "<root>"
+
+
+def describe_node(node: fx.Node, root: nn.Module | None = None) -> str:
+    """``node `conv1` (module path `conv1`, Conv2d)``: how errors name a node."""
+    what = target_name(node)
+    if node.op == "call_module" and root is not None:
+        what = type(root.get_submodule(node.target)).__name__
+    return f"node `{node.name}` (module path `{module_path(node)}`, {what})"
+
+
+def _fold_constant(value: Any) -> Any:
+    # NaN != NaN would make two identical graphs differ.
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return value
+
+
+def node_signature(node: fx.Node, root: nn.Module) -> dict[str, Any]:
+    """Everything about a node that must agree across models, as ``{attribute: value}``."""
+    sig: dict[str, Any] = {"op": node.op}
+    if node.op == "call_module":
+        sig.update(module_signature(root.get_submodule(node.target)))
+    elif node.op == "get_attr":
+        value = _get_attr(root, node.target)
+        if isinstance(value, torch.Tensor):
+            sig["attribute"] = _tensor_signature(value)
+        elif isinstance(value, nn.Module):
+            sig["attribute"] = module_signature(value)
+        else:
+            sig["attribute"] = repr(value)
+    elif node.op in ("call_function", "call_method"):
+        sig["target"] = target_name(node)
+    skeleton = fx.node.map_aggregate(
+        (node.args, node.kwargs),
+        lambda a: _SLOT if isinstance(a, fx.Node) else _fold_constant(a),
+    )
+    if node.op != "placeholder":  # input names differ between codebases; order is what counts
+        sig["arguments"] = repr(skeleton)
+    return sig
+
+
+def _get_attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def argument_nodes(node: fx.Node) -> list[fx.Node]:
+    """The tensor-valued arguments of ``node`` in a fixed order (slot 0, 1, ...)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(a) or a)
+    return found
+
+
+@dataclass
+class GraphMatch:
+    """For each model i, ``mapping[i][node_of_model_0] -> node_of_model_i``."""
+
+    mapping: list[dict[fx.Node, fx.Node]]
+    method: str  # "trace order" or "vf2"
+
+
+def _try_trace_order(
+    nodes0: list[fx.Node], sigs0: list[dict], nodes: list[fx.Node], sigs: list[dict]
+) -> dict[fx.Node, fx.Node] | None:
+    if len(nodes0) != len(nodes):
+        return None
+    pos0 = {n: k for k, n in enumerate(nodes0)}
+    pos = {n: k for k, n in enumerate(nodes)}
+    for a, b, sa, sb in zip(nodes0, nodes, sigs0, sigs):
+        if sa != sb:
+            return None
+        if [pos0[x] for x in argument_nodes(a)] != [pos[x] for x in argument_nodes(b)]:
+            return None
+    return dict(zip(nodes0, nodes))
+
+
+def _to_networkx(nodes: list[fx.Node], sigs: list[dict]) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for n, s in zip(nodes, sigs):
+        g.add_node(n, sig=s)
+    for n in nodes:
+        for slot, a in enumerate(argument_nodes(n)):
+            if g.has_edge(a, n):
+                g[a][n]["slots"] = g[a][n]["slots"] + (slot,)
+            else:
+                g.add_edge(a, n, slots=(slot,))
+    return g
+
+
+def _vf2(g0: nx.DiGraph, gi: nx.DiGraph) -> dict[fx.Node, fx.Node] | None:
+    matcher = nx.algorithms.isomorphism.DiGraphMatcher(
+        g0,
+        gi,
+        node_match=lambda a, b: a["sig"] == b["sig"],
+        edge_match=lambda a, b: a["slots"] == b["slots"],
+    )
+    if matcher.is_isomorphic():
+        return dict(matcher.mapping)
+    return None
+
+
+def _group_values(values: list[Any], indices: list[int]) -> str:
+    """``(3, 3) in models 0, 1; (5, 5) in model 2`` (most common value first)."""
+    groups: list[tuple[Any, list[int]]] = []
+    for idx, v in zip(indices, values):
+        for g in groups:
+            if g[0] == v:
+                g[1].append(idx)
+                break
+        else:
+            groups.append((v, [idx]))
+    groups.sort(key=lambda g: -len(g[1]))
+    parts = []
+    for v, idxs in groups:
+        label = "model" if len(idxs) == 1 else "models"
+        parts.append(f"{v} in {label} {', '.join(map(str, idxs))}")
+    return "; ".join(parts)
+
+
+def _explain_mismatch(
+    graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module], sigs: list[list[dict]],
+    failed: list[int],
+) -> str:
+    """Compare the graphs position by position and list every differing node."""
+    nodes = [list(g.graph.nodes) for g in graphs]
+    lines: list[str] = []
+    lengths = [len(n) for n in nodes]
+    for k in range(max(lengths)):
+        present = [i for i in [0, *failed] if k < lengths[i]]
+        if len(present) < 1 + len(failed):
+            missing = [i for i in [0, *failed] if k >= lengths[i]]
+            lines.append(
+                f"  models {missing} end before position {k}; the graphs have "
+                + _group_values([lengths[i] for i in [0, *failed]], [0, *failed])
+                + " nodes (an extra or missing layer)"
+            )
+            break
+        row = [sigs[i][k] for i in present]
+        if all(s == row[0] for s in row):
+            continue
+        where = describe_node(nodes[0][k], graphs[0])
+        diffs = []
+        for attr in dict.fromkeys(a for s in row for a in s):
+            vals = [s.get(attr, "<absent>") for s in row]
+            if any(v != vals[0] for v in vals):
+                diffs.append(f"{attr}: {_group_values(vals, present)}")
+        others = ", ".join(
+            f"model {i} has {describe_node(nodes[i][k], graphs[i])}"
+            for i in present[1:]
+            if nodes[i][k].name != nodes[0][k].name
+        )
+        lines.append(f"  at {where}" + (f" ({others})" if others else "") + ":")
+        lines.extend(f"    {d}" for d in diffs)
+        if len(lines) > 30:
+            lines.append("  ... (more differences follow)")
+            break
+    if not lines:
+        lines.append("  the nodes agree one by one, but the argument edges connect them differently")
+    return "\n".join(lines)
+
+
+def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module]) -> GraphMatch:
+    """Map every node of model 0's graph onto its counterpart in each model's graph.
+
+    ``graphs[i]`` is model i traced (its ``GraphModule`` is the root its call_module
+    and get_attr targets resolve against).  Raises :class:`MismatchError` listing
+    every difference when some model is not isomorphic to model 0.
+    """
+    node_lists = [list(g.graph.nodes) for g in graphs]
+    sigs = [[node_signature(n, g) for n in nodes] for g, nodes in zip(graphs, node_lists)]
+    mapping: list[dict[fx.Node, fx.Node]] = [{n: n for n in node_lists[0]}]
+    method = "trace order"
+    failed: list[int] = []
+    g0_nx: nx.DiGraph | None = None
+    for i in range(1, len(graphs)):
+        found = _try_trace_order(node_lists[0], sigs[0], node_lists[i], sigs[i])
+        if found is None:
+            if g0_nx is None:
+                g0_nx = _to_networkx(node_lists[0], sigs[0])
+            found = _vf2(g0_nx, _to_networkx(node_lists[i], sigs[i]))
+            method = "vf2"
+        if found is None:
+            failed.append(i)
+        else:
+            mapping.append(found)
+    if failed:
+        label = "model" if len(failed) == 1 else "models"
+        raise MismatchError(
+            f"{label} {', '.join(map(str, failed))} of {len(graphs)} cannot be fused with model 0: "
+            f"the models are not structurally identical.\n"
+            + _explain_mismatch(graphs, models, sigs, failed)
+            + "\nFuse only models built with the same architecture and hyper-parameters "
+            "(hftc.fuse_groups splits a mixed list into groups that can be fused)."
+        )
+    return GraphMatch(mapping=mapping, method=method)

@@ -1,0 +1,23 @@
+"""Fusion rules, one per operator family, and the driver that applies them.
+
+| file            | operators                                                        |
+|-----------------|------------------------------------------------------------------|
+| conv.py         | Conv1d/2d/3d, ConvTranspose1d/2d/3d, F.conv*, F.conv_transpose*  |
+| linear.py       | Linear, F.linear, matmul / @ / bmm / mm                          |
+| norm.py         | BatchNorm, LayerNorm, GroupNorm, InstanceNorm, RMSNorm           |
+| embedding.py    | Embedding, PReLU                                                 |
+| elementwise.py  | activations, arithmetic, comparisons, dropout (all spellings)    |
+| shape.py        | view/reshape/flatten/permute/transpose/getitem/cat/stack/...     |
+| reduction.py    | sum/mean/max/min/softmax/... (dims shifted past the model dim)   |
+| pooling.py      | max/avg/adaptive/lp pooling, channel dropout, interpolation      |
+| driver.py       | walks the graph, applies the rules, falls back to loops          |
+"""
+
+from . import conv, elementwise, embedding, linear, norm, pooling, reduction, shape  # noqa: F401
+from .driver import FusionRecord, FusionReport, fuse_graph
+from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, register_rule
+
+__all__ = [
+    "RULES", "FusionGroup", "FusionRecord", "FusionReport", "GraphBuilder", "NotFusable",
+    "fuse_graph", "register_rule",
+]

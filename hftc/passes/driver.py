@@ -1,0 +1,283 @@
+"""Stage 3: rewrite model 0's graph, node by node, into the fused graph.
+
+Walks model 0's graph in order.  For each node, with its N matched counterparts:
+
+1. ``placeholder``: a fused input, batched (``in_dims`` not None) or shared.
+2. ``get_attr`` of a parameter/buffer: the stacked ``[N, ...]`` tensor (batched).
+3. No argument carries the model dim, the op has no state and draws no random
+   numbers: the op runs once, unchanged, and its result stays shared
+   (``x.size(0)``, arithmetic on shapes, a pooling of the shared input).
+4. A rule in the registry: the rule emits the fused op(s).
+5. No rule, or the rule raised :class:`NotFusable`: a per-model loop inside the
+   fused graph (exact, slow, reported as a fallback).
+
+Before and after, with N = 3::
+
+    x -> conv1 -> relu -> flatten -> fc            (model 0; models 1, 2 alike)
+
+    x -> conv(x, conv1.weight[3,...]) -> relu -> reshape(3, B, -1) -> linear(fc.weight[3,...])
+         (one conv with 3*Cout channels)          (one baddbmm)
+
+The output's tensor leaves all get the model dim (shared ones are expanded).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..errors import FusionError, UnsupportedOperatorError
+from ..lowering import kernels
+from ..match import GraphMatch, describe_node, module_path, target_name
+from ..trace import EXAMPLE_VALUE
+from .registry import FusionGroup, GraphBuilder, NotFusable, lookup
+
+#: Ops that draw random numbers: with a shared input each model still draws its own.
+RANDOM_FUNCTIONS = {
+    torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial, torch.randperm,
+    torch.poisson,
+}
+RANDOM_METHODS = {"bernoulli", "bernoulli_", "normal_", "uniform_", "random_", "exponential_",
+                  "geometric_", "log_normal_", "cauchy_", "multinomial"}
+
+
+@dataclass
+class FusionRecord:
+    """What became of one node of model 0 (and its N counterparts)."""
+
+    node: str
+    source: str
+    kind: str  # "fused" | "shared" | "loop" | "input" | "parameter"
+    rule: str = ""
+    fused_nodes: list[str] = field(default_factory=list)
+    reason: str = ""
+    originals: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FusionReport:
+    """Which operators fused into what, and what fell back to a per-model loop."""
+
+    num_models: int
+    records: list[FusionRecord]
+    match_method: str = "trace order"
+
+    @property
+    def fallbacks(self) -> list[FusionRecord]:
+        return [r for r in self.records if r.kind == "loop"]
+
+    @property
+    def fused(self) -> list[FusionRecord]:
+        return [r for r in self.records if r.kind == "fused"]
+
+    def rule_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.records:
+            if r.kind in ("fused", "loop"):
+                counts[r.rule] = counts.get(r.rule, 0) + 1
+        return counts
+
+    def __str__(self) -> str:
+        lines = [
+            f"hftc fusion report: {self.num_models} models, graphs matched by {self.match_method}",
+            f"  {len(self.fused)} ops fused, "
+            f"{sum(r.kind == 'shared' for r in self.records)} computed once (shared), "
+            f"{len(self.fallbacks)} per-model loops",
+            "",
+            f"  {'node':<24} {'kind':<7} {'rule':<28} fused node(s)   <- originals",
+        ]
+        for r in self.records:
+            if r.kind in ("input", "parameter"):
+                continue
+            origin = ", ".join(r.originals[:3]) + (" ..." if len(r.originals) > 3 else "")
+            lines.append(
+                f"  {r.node:<24} {r.kind:<7} {r.rule:<28} {', '.join(r.fused_nodes) or '-'}"
+                f"   <- {origin}"
+            )
+        if self.fallbacks:
+            lines.append("")
+            lines.append("  fell back to a per-model loop (exact, but not faster):")
+            for r in self.fallbacks:
+                lines.append(f"    {r.source}: {r.reason}")
+        return "\n".join(lines)
+
+
+def _has_state(module: nn.Module | None) -> bool:
+    if module is None:
+        return False
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _is_random(node: fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in RANDOM_FUNCTIONS
+    return node.op == "call_method" and node.target in RANDOM_METHODS
+
+
+def _contains_tensor(value: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
+
+
+def _leaf_flags(builder: GraphBuilder, args: Any, kwargs: Any) -> tuple[bool, ...]:
+    leaves = pytree.tree_leaves((args, kwargs))
+    return tuple(isinstance(a, fx.Node) and a in builder.batched for a in leaves)
+
+
+def _emit_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """Emit the per-model loop for a node no rule fuses."""
+    node = group.node
+    flags = _leaf_flags(builder, group.args, group.kwargs)
+    batched_out = _contains_tensor(group.example)
+    if node.op == "call_module":
+        container = builder.attr(node.target, batched=False)
+        return builder.call(
+            kernels.loop_module, container, builder.num_models, flags, group.args, group.kwargs,
+            batched=batched_out,
+        )
+    fn = node.target if node.op == "call_function" else kernels.call_method(node.target)
+    return builder.call(
+        kernels.bind(kernels.loop_over_models, fn), builder.num_models, flags, group.args,
+        group.kwargs, batched=batched_out,
+    )
+
+
+def fuse_graph(
+    graph_module: fx.GraphModule,
+    match: GraphMatch,
+    num_models: int,
+    input_batched: Sequence[bool],
+    attr_targets: dict[str, str],
+) -> tuple[fx.Graph, FusionReport]:
+    """Rewrite model 0's annotated graph into the fused graph (see the module docstring).
+
+    ``graph_module`` is model 0's traced graph rooted at its meta template (every
+    node carries ``meta["example_value"]``); ``input_batched[k]`` says whether the
+    k-th input carries the model dim; ``attr_targets`` maps a get_attr target of
+    model 0 onto the fused module's attribute holding the stacked values.
+    """
+    builder = GraphBuilder(fx.Graph(), num_models)
+    env: dict[fx.Node, Any] = {}
+    records: list[FusionRecord] = []
+    unsupported: list[str] = []
+    placeholders = 0
+    for node in graph_module.graph.nodes:
+        originals = [m[node].name for m in match.mapping]
+        if node.op == "placeholder":
+            batched = input_batched[placeholders] if placeholders < len(input_batched) else False
+            placeholders += 1
+            default = node.args[0] if node.args else inspect.Signature.empty
+            new = builder.graph.placeholder(node.target, default_value=default)
+            new.meta.update(node.meta)
+            if batched:
+                builder.batched.add(new)
+            env[node] = new
+            records.append(FusionRecord(node.name, "input", "input", "", [new.name], "", originals))
+            continue
+        if node.op == "output":
+            out = fx.node.map_arg(node.args[0], lambda a: env[a])
+            examples = fx.node.map_arg(node.args[0], lambda a: a.meta.get(EXAMPLE_VALUE))
+            builder.current = None
+
+            def finish(value: Any, example: Any) -> Any:
+                if isinstance(value, fx.Node) and value not in builder.batched \
+                        and _contains_tensor(example):
+                    return builder.call(kernels.expand_models, value, num_models)
+                return value
+
+            out = _map_pair(out, examples, finish)
+            builder.graph.output(out)
+            continue
+        if node.op == "get_attr":
+            target = attr_targets.get(node.target, node.target)
+            value = node.meta.get(EXAMPLE_VALUE)
+            new = builder.attr(target, batched=isinstance(value, torch.Tensor))
+            new.meta[EXAMPLE_VALUE] = value
+            env[node] = new
+            records.append(FusionRecord(node.name, describe_node(node), "parameter", "",
+                                        [new.name], "", originals))
+            continue
+
+        module = graph_module.get_submodule(node.target) if node.op == "call_module" else None
+        group = FusionGroup(
+            node=node,
+            nodes=[m[node] for m in match.mapping],
+            args=fx.node.map_arg(node.args, lambda a: env[a]),
+            kwargs=fx.node.map_arg(node.kwargs, lambda a: env[a]),
+            module=module,
+        )
+        builder.current = group
+        first_new = len(builder.graph.nodes)
+        entry = lookup(node, module)
+        any_batched = builder.is_batched((group.args, group.kwargs))
+        kind, rule_name, reason = "fused", entry.name if entry else "", ""
+        if not any_batched and not _has_state(module) and not _is_random(node) \
+                and not (entry is not None and entry.random):
+            builder.current_rule = "shared"
+            new, kind, rule_name = builder.copy(group, batched=False), "shared", "shared"
+        else:
+            new = None
+            if entry is not None:
+                builder.current_rule = entry.name
+                try:
+                    new = entry.rule(group, builder)
+                except NotFusable as exc:
+                    reason = str(exc)
+                except FusionError:
+                    raise
+                except Exception as exc:  # a bug in a rule must still name the user's node
+                    raise FusionError(
+                        f"internal error in fusion rule `{entry.name}` at {describe_node(node)}: "
+                        f"{type(exc).__name__}: {exc}. Please report this with the model."
+                    ) from exc
+            else:
+                reason = f"no fusion rule for {target_name(node)}"
+                if node.op == "call_module":
+                    reason = f"no fusion rule for module {type(module).__name__}"
+            if new is None:
+                if _inplace_on_shared(node, group, builder):
+                    unsupported.append(
+                        f"{describe_node(node)}: in-place `{node.target}` writes a value shared by "
+                        f"all models ({module_path(node)}) with a per-model operand; use the "
+                        f"out-of-place form"
+                    )
+                    new = builder.copy(group, batched=False)
+                else:
+                    builder.current_rule = "loop"
+                    new = _emit_loop(group, builder)
+                    kind, rule_name = "loop", "loop"
+        made = list(builder.graph.nodes)[first_new:]
+        new.meta[EXAMPLE_VALUE] = node.meta.get(EXAMPLE_VALUE)
+        env[node] = new
+        records.append(FusionRecord(node.name, describe_node(node, graph_module), kind, rule_name,
+                                    [m.name for m in made], reason, originals))
+    if unsupported:
+        raise UnsupportedOperatorError(
+            f"{len(unsupported)} operator(s) cannot be fused:\n  " + "\n  ".join(unsupported),
+            unsupported,
+        )
+    builder.graph.lint()
+    return builder.graph, FusionReport(num_models, records, match.method)
+
+
+def _inplace_on_shared(node: fx.Node, group: FusionGroup, builder: GraphBuilder) -> bool:
+    if node.op != "call_method" or not str(node.target).endswith("_"):
+        return False
+    return bool(group.args) and not builder.is_batched(group.args[0])
+
+
+def _map_pair(value: Any, example: Any, fn: Any) -> Any:
+    """Map ``fn(leaf, example_leaf)`` over the output structure (tuples, lists, dicts)."""
+    if isinstance(value, (tuple, list)) and isinstance(example, (tuple, list)) \
+            and len(value) == len(example):
+        return type(value)(_map_pair(v, e, fn) for v, e in zip(value, example))
+    if isinstance(value, dict) and isinstance(example, dict):
+        return {k: _map_pair(v, example.get(k), fn) for k, v in value.items()}
+    return fn(value, example)

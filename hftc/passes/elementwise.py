@@ -1,0 +1,124 @@
+"""Elementwise ops in every spelling: activations, arithmetic, comparisons, dropout.
+
+An elementwise op on ``[N, *s]`` computes each model's slice independently, so
+it runs unchanged on fused data.  The one subtlety is broadcasting: per model,
+``x [C] + y [B, C]`` lines up trailing dims; fused, ``x [N, C]`` must become
+``[N, 1, C]`` first or its model dim would line up with ``B``::
+
+    before (per model):  add(x_i [C], y [B, C])
+    after:               add(x.reshape(N, 1, C), y)        -> [N, B, C]
+
+Dropout and other random ops expand a shared input first, so each model draws
+its own mask.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..lowering import kernels
+from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry, register_family
+
+UNARY = """
+abs absolute acos arccos acosh arccosh asin arcsin asinh arcsinh atan arctan atanh arctanh
+ceil cos cosh deg2rad digamma erf erfc erfinv exp exp2 expm1 floor frac lgamma log log10
+log1p log2 logit neg negative rad2deg reciprocal round rsqrt sigmoid sign sgn sin sinc sinh
+sqrt square tan tanh trunc fix relu nan_to_num clamp clip clamp_min clamp_max bitwise_not
+logical_not isnan isinf isfinite signbit positive i0 angle conj
+relu6 elu selu celu gelu silu mish leaky_relu hardtanh hardswish hardsigmoid softplus
+softsign softshrink hardshrink tanhshrink threshold logsigmoid
+float double half bfloat16 int long bool short char byte to type type_as contiguous clone
+detach requires_grad_ cpu cuda zeros_like ones_like full_like empty_like rand_like randn_like
+randint_like fill_ zero_ tril triu
+""".split()
+
+BINARY = """
+add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow
+float_power atan2 arctan2 hypot maximum minimum fmax fmin eq ne lt le gt ge greater less
+greater_equal less_equal not_equal logical_and logical_or logical_xor bitwise_and bitwise_or
+bitwise_xor copysign xlogy where masked_fill lerp addcmul addcdiv rsub heaviside
+""".split()
+
+OPERATORS = [
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+    operator.mod, operator.pow, operator.neg, operator.pos, operator.abs, operator.invert,
+    operator.and_, operator.or_, operator.xor, operator.eq, operator.ne, operator.lt,
+    operator.le, operator.gt, operator.ge, operator.iadd, operator.isub, operator.imul,
+    operator.itruediv,
+]
+DUNDER = """__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__
+__pow__ __rpow__ __neg__ __and__ __or__ __xor__ __iadd__ __isub__ __imul__ __itruediv__""".split()
+
+#: Parameterless modules that act elementwise: run unchanged on fused data.
+ELEMENTWISE_MODULES = [
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
+    nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign,
+    nn.Softshrink, nn.Hardshrink, nn.Tanhshrink, nn.Threshold, nn.LogSigmoid, nn.Identity,
+]
+RANDOM_MODULES = [nn.Dropout, nn.AlphaDropout]
+RANDOM_FUNCTIONS = [F.dropout, F.alpha_dropout, torch.dropout, torch.alpha_dropout]
+
+
+def _is_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """Run the op unchanged, after lining up batched operands with the result's rank."""
+    out = group.example
+    if not _is_tensor(out):
+        if isinstance(out, (tuple, list)) or out is None:
+            raise NotFusable("elementwise op with a non-tensor result")
+        return builder.copy(group, batched=builder.is_batched((group.args, group.kwargs)))
+    if group.node.target == "where" or group.node.target is torch.where:
+        if len(group.args) + len(group.kwargs) == 1:
+            raise NotFusable("torch.where(condition) returns data-dependent indices")
+    rank = out.dim()
+
+    def align(fused, original):
+        if isinstance(fused, fx.Node) and fused in builder.batched and isinstance(
+            original, fx.Node
+        ):
+            example = original.meta.get("example_value")
+            if _is_tensor(example) and example.dim() < rank:
+                return builder.call(kernels.pad_model_dims, fused, rank)
+        return fused
+
+    args = tuple(align(f, o) for f, o in zip(group.args, group.node.args))
+    kwargs = {k: align(v, group.node.kwargs[k]) for k, v in group.kwargs.items()}
+    aligned = FusionGroup(group.node, group.nodes, args, kwargs, group.module)
+    return builder.copy(aligned, batched=True)
+
+
+def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """Dropout and friends: a shared input is expanded so every model draws its own mask."""
+    args = (builder.broadcast(group.args[0]), *group.args[1:])
+    return builder.copy(FusionGroup(group.node, group.nodes, args, group.kwargs, group.module),
+                        batched=True)
+
+
+def fuse_new_tensor(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``x.new_zeros(shape)``: only x's dtype and device are read; the result is shared."""
+    return builder.copy(group, batched=False)
+
+
+register_family(UNARY + BINARY, fuse_pointwise)
+for op in OPERATORS:
+    RULES[("call_function", op)] = RuleEntry(fuse_pointwise, f"fuse_pointwise[{op.__name__}]")
+for name in DUNDER:
+    RULES[("call_method", name)] = RuleEntry(fuse_pointwise, f"fuse_pointwise[{name}]")
+for cls in ELEMENTWISE_MODULES:
+    RULES[("call_module", cls)] = RuleEntry(fuse_pointwise, f"fuse_pointwise[{cls.__name__}]")
+for cls in RANDOM_MODULES:
+    RULES[("call_module", cls)] = RuleEntry(fuse_random, f"fuse_random[{cls.__name__}]", True)
+for fn in RANDOM_FUNCTIONS:
+    RULES[("call_function", fn)] = RuleEntry(fuse_random, f"fuse_random[{fn.__name__}]", True)
+for name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
+    RULES[("call_method", name)] = RuleEntry(fuse_random, f"fuse_random[{name}]", True)
+for name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
+    RULES[("call_method", name)] = RuleEntry(fuse_new_tensor, f"fuse_new_tensor[{name}]")

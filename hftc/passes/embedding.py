@@ -1,0 +1,52 @@
+"""Embedding lookups and PReLU: layers whose parameters index or scale per model.
+
+::
+
+    embedding:  table [N, V, D] -> [N*V, D]; model n's indices + n*V; one F.embedding
+    prelu:      where(x > 0, x, slope[n] * x) with each model's own slopes
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..lowering import kernels
+from .registry import FusionGroup, GraphBuilder, register_rule
+
+
+@register_rule(("call_module", nn.Embedding))
+def fuse_embedding_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    emb = group.module
+    idx = group.args[0]
+    return builder.call(
+        kernels.embedding, idx, builder.module_attr(group, "weight"), emb.padding_idx,
+        emb.max_norm, emb.norm_type, emb.scale_grad_by_freq, emb.sparse,
+        indices_batched=builder.is_batched(idx),
+    )
+
+
+@register_rule(("call_function", F.embedding))
+def fuse_embedding_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    idx = group.arg(0, "input")
+    return builder.call(
+        kernels.embedding, idx, builder.broadcast(group.arg(1, "weight")),
+        group.arg(2, "padding_idx"), group.arg(3, "max_norm"), group.arg(4, "norm_type", 2.0),
+        group.arg(5, "scale_grad_by_freq", False), group.arg(6, "sparse", False),
+        indices_batched=builder.is_batched(idx),
+    )
+
+
+@register_rule(("call_module", nn.PReLU))
+def fuse_prelu_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x = group.args[0]
+    return builder.call(kernels.prelu, x, builder.module_attr(group, "weight"),
+                        x_batched=builder.is_batched(x))
+
+
+@register_rule(("call_function", F.prelu))
+def fuse_prelu_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x = group.arg(0, "input")
+    return builder.call(kernels.prelu, x, builder.broadcast(group.arg(1, "weight")),
+                        x_batched=builder.is_batched(x))

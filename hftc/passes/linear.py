@@ -1,0 +1,57 @@
+"""Linear layers and matrix products: N GEMMs are one batched GEMM.
+
+::
+
+    before (per model i):  y_i = x_i @ W_i^T + b_i              W_i: [out, in]
+    after, batched x:      y   = baddbmm(b[:, None], x.view(N, M, in), W.transpose(1, 2))
+    after, shared x:       y   = F.linear(x, W.view(N*out, in), b.view(N*out))  (one GEMM)
+
+``x @ W`` with a parameter, ``torch.matmul``/``bmm``/``mm`` between activations
+go through :func:`~hftc.lowering.kernels.matmul`, which pads per-model batch
+dims after the model dim so broadcasting stays within each model.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..lowering import kernels
+from .registry import FusionGroup, GraphBuilder, register_rule
+
+
+@register_rule(("call_module", nn.Linear))
+def fuse_linear_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x = group.args[0]
+    return builder.call(
+        kernels.linear, x, builder.module_attr(group, "weight"),
+        builder.module_attr(group, "bias"), x_batched=builder.is_batched(x),
+    )
+
+
+@register_rule(("call_function", F.linear))
+def fuse_linear_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x = group.arg(0, "input")
+    bias = group.arg(2, "bias")
+    return builder.call(
+        kernels.linear, x, builder.broadcast(group.arg(1, "weight")),
+        None if bias is None else builder.broadcast(bias), x_batched=builder.is_batched(x),
+    )
+
+
+@register_rule(
+    ("call_function", torch.matmul), ("call_function", operator.matmul),
+    ("call_method", "matmul"), ("call_method", "__matmul__"),
+    ("call_function", torch.bmm), ("call_method", "bmm"),
+    ("call_function", torch.mm), ("call_method", "mm"),
+    ("call_function", torch.mv), ("call_method", "mv"),
+)
+def fuse_matmul(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    a, b = group.args[0], group.args[1]
+    return builder.call(
+        kernels.matmul, a, b, a_batched=builder.is_batched(a), b_batched=builder.is_batched(b)
+    )

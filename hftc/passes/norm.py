@@ -1,0 +1,141 @@
+"""Normalizations: N norms are one norm over N*C channels, each model its own statistics.
+
+::
+
+    batch norm:     [N, B, C, *S] -> [B, N*C, *S] -> F.batch_norm(running stats [N*C] views)
+    group norm:     [B, N*C, *S]  -> F.group_norm(num_groups = N*G)
+    instance norm:  [B, N*C, *S]  -> F.instance_norm
+    layer/rms norm: normalize the last dims (no parameters needed), then each model's affine
+
+Nothing is reduced across models: batch statistics of model n come from its
+own channels only, and its running stats are its own slice of the stacked buffer.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..lowering import kernels
+from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
+
+
+def _optional(builder: GraphBuilder, value):
+    return None if value is None else builder.broadcast(value)
+
+
+@register_rule(("call_module", nn.BatchNorm1d), ("call_module", nn.BatchNorm2d),
+               ("call_module", nn.BatchNorm3d))
+def fuse_batch_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    bn = group.module
+    attr = lambda name: builder.module_attr(group, name)  # noqa: E731
+    return builder.call(
+        kernels.batch_norm, builder.broadcast(group.args[0]), attr("running_mean"),
+        attr("running_var"), attr("weight"), attr("bias"), attr("num_batches_tracked"),
+        builder.training_flag(group), momentum=bn.momentum, eps=bn.eps,
+        track_running_stats=bn.track_running_stats,
+    )
+
+
+@register_rule(("call_function", F.batch_norm))
+def fuse_batch_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    running_mean = group.arg(1, "running_mean")
+    if running_mean is not None and not builder.is_batched(running_mean):
+        raise NotFusable("running statistics shared by all models would mix the models")
+    return builder.call(
+        kernels.batch_norm, builder.broadcast(group.arg(0, "input")), running_mean,
+        group.arg(2, "running_var"), _optional(builder, group.arg(3, "weight")),
+        _optional(builder, group.arg(4, "bias")), None, group.arg(5, "training", False),
+        momentum=group.arg(6, "momentum", 0.1), eps=group.arg(7, "eps", 1e-5),
+        track_running_stats=running_mean is not None,
+    )
+
+
+@register_rule(("call_module", nn.InstanceNorm1d), ("call_module", nn.InstanceNorm2d),
+               ("call_module", nn.InstanceNorm3d))
+def fuse_instance_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    norm = group.module
+    attr = lambda name: builder.module_attr(group, name)  # noqa: E731
+    spatial = {nn.InstanceNorm1d: 1, nn.InstanceNorm2d: 2, nn.InstanceNorm3d: 3}[
+        next(c for c in type(norm).__mro__ if c in (nn.InstanceNorm1d, nn.InstanceNorm2d,
+                                                   nn.InstanceNorm3d))]
+    return builder.call(
+        kernels.instance_norm, builder.broadcast(group.args[0]), attr("running_mean"),
+        attr("running_var"), attr("weight"), attr("bias"), builder.training_flag(group),
+        momentum=norm.momentum, eps=norm.eps, track_running_stats=norm.track_running_stats,
+        spatial=spatial,
+    )
+
+
+@register_rule(("call_function", F.instance_norm))
+def fuse_instance_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    running_mean = group.arg(1, "running_mean")
+    if running_mean is not None and not builder.is_batched(running_mean):
+        raise NotFusable("running statistics shared by all models would mix the models")
+    x = group.arg_example(0)
+    return builder.call(
+        kernels.instance_norm, builder.broadcast(group.arg(0, "input")), running_mean,
+        group.arg(2, "running_var"), _optional(builder, group.arg(3, "weight")),
+        _optional(builder, group.arg(4, "bias")), group.arg(5, "use_input_stats", True),
+        momentum=group.arg(6, "momentum", 0.1), eps=group.arg(7, "eps", 1e-5),
+        track_running_stats=False, spatial=x.dim() - 2,
+    )
+
+
+@register_rule(("call_module", nn.GroupNorm))
+def fuse_group_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    norm = group.module
+    return builder.call(
+        kernels.group_norm, builder.broadcast(group.args[0]), norm.num_groups,
+        builder.module_attr(group, "weight"), builder.module_attr(group, "bias"), norm.eps,
+    )
+
+
+@register_rule(("call_function", F.group_norm))
+def fuse_group_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    return builder.call(
+        kernels.group_norm, builder.broadcast(group.arg(0, "input")), group.arg(1, "num_groups"),
+        _optional(builder, group.arg(2, "weight")), _optional(builder, group.arg(3, "bias")),
+        group.arg(4, "eps", 1e-5),
+    )
+
+
+@register_rule(("call_module", nn.LayerNorm))
+def fuse_layer_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    norm = group.module
+    x = group.args[0]
+    return builder.call(
+        kernels.layer_norm, x, tuple(norm.normalized_shape), builder.module_attr(group, "weight"),
+        builder.module_attr(group, "bias"), norm.eps, x_batched=builder.is_batched(x),
+    )
+
+
+@register_rule(("call_function", F.layer_norm))
+def fuse_layer_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x = group.arg(0, "input")
+    return builder.call(
+        kernels.layer_norm, x, group.arg(1, "normalized_shape"),
+        _optional(builder, group.arg(2, "weight")), _optional(builder, group.arg(3, "bias")),
+        group.arg(4, "eps", 1e-5), x_batched=builder.is_batched(x),
+    )
+
+
+@register_rule(("call_module", nn.RMSNorm))
+def fuse_rms_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    norm = group.module
+    x = group.args[0]
+    return builder.call(
+        kernels.rms_norm, x, tuple(norm.normalized_shape), builder.module_attr(group, "weight"),
+        norm.eps, x_batched=builder.is_batched(x),
+    )
+
+
+@register_rule(("call_function", F.rms_norm))
+def fuse_rms_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x = group.arg(0, "input")
+    return builder.call(
+        kernels.rms_norm, x, group.arg(1, "normalized_shape"),
+        _optional(builder, group.arg(2, "weight")), group.arg(3, "eps"),
+        x_batched=builder.is_batched(x),
+    )

@@ -1,0 +1,98 @@
+"""Per-channel ops: pooling, channel dropout, padding, upsampling, pixel shuffle.
+
+They treat every channel alike, so N models' channels side by side are one call::
+
+    before (per model):  max_pool2d(x_i [B, C, H, W])
+    after:               max_pool2d(x [B, N*C, H, W]) viewed back as [N, B, C, H', W']
+
+The module forms call the (parameterless) module itself on the folded input, so
+its hyper-parameters and train/eval mode are exactly the original's.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..lowering import kernels
+from .registry import RULES, FusionGroup, GraphBuilder, RuleEntry
+
+_SPATIAL_MODULES = {
+    nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3,
+    nn.AvgPool1d: 1, nn.AvgPool2d: 2, nn.AvgPool3d: 3,
+    nn.AdaptiveMaxPool1d: 1, nn.AdaptiveMaxPool2d: 2, nn.AdaptiveMaxPool3d: 3,
+    nn.AdaptiveAvgPool1d: 1, nn.AdaptiveAvgPool2d: 2, nn.AdaptiveAvgPool3d: 3,
+    nn.LPPool1d: 1, nn.LPPool2d: 2, nn.LPPool3d: 3,
+    nn.Dropout1d: 1, nn.Dropout2d: 2, nn.Dropout3d: 3,
+    nn.ZeroPad1d: 1, nn.ZeroPad2d: 2, nn.ZeroPad3d: 3,
+    nn.ConstantPad1d: 1, nn.ConstantPad2d: 2, nn.ConstantPad3d: 3,
+    nn.ReflectionPad1d: 1, nn.ReflectionPad2d: 2, nn.ReflectionPad3d: 3,
+    nn.ReplicationPad1d: 1, nn.ReplicationPad2d: 2, nn.ReplicationPad3d: 3,
+    nn.CircularPad1d: 1, nn.CircularPad2d: 2, nn.CircularPad3d: 3,
+    nn.PixelShuffle: 2, nn.PixelUnshuffle: 2, nn.ChannelShuffle: 2,
+    nn.LocalResponseNorm: None, nn.Upsample: None, nn.UpsamplingNearest2d: 2,
+    nn.UpsamplingBilinear2d: 2, nn.FeatureAlphaDropout: None,
+}
+_RANDOM = {nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.FeatureAlphaDropout}
+
+_SPATIAL_FUNCTIONS = {
+    F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3,
+    F.max_pool1d_with_indices: 1, F.max_pool2d_with_indices: 2, F.max_pool3d_with_indices: 3,
+    F.avg_pool1d: 1, F.avg_pool2d: 2, F.avg_pool3d: 3,
+    F.adaptive_max_pool1d: 1, F.adaptive_max_pool2d: 2, F.adaptive_max_pool3d: 3,
+    F.adaptive_avg_pool1d: 1, F.adaptive_avg_pool2d: 2, F.adaptive_avg_pool3d: 3,
+    F.lp_pool1d: 1, F.lp_pool2d: 2, F.lp_pool3d: 3,
+    F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3,
+    F.pixel_shuffle: 2, F.pixel_unshuffle: 2, F.interpolate: None, F.upsample: None,
+    F.feature_alpha_dropout: None, F.local_response_norm: None,
+}
+_RANDOM_FUNCTIONS = {F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout}
+
+
+def _spatial(known: int | None, group: FusionGroup) -> int:
+    # Ops that take any rank see a per-model [B, C, *S] input.
+    return known if known is not None else group.arg_example(0).dim() - 2
+
+
+def fuse_channelwise_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    spatial = _spatial(_SPATIAL_MODULES[_base(type(group.module))], group)
+    module = builder.attr(group.node.target, batched=False)
+    return builder.call(kernels.channelwise, module, builder.broadcast(group.args[0]),
+                        *group.args[1:], spatial=spatial, **group.kwargs)
+
+
+def _base(cls: type) -> type:
+    return next(c for c in cls.__mro__ if c in _SPATIAL_MODULES)
+
+
+def fuse_channelwise_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    fn = group.node.target
+    spatial = _spatial(_SPATIAL_FUNCTIONS[fn], group)
+    if fn is F.pad:
+        spatial = len(group.arg(1, "pad")) // 2
+    return builder.call(kernels.bind(kernels.channelwise, fn), builder.broadcast(group.args[0]),
+                        *group.args[1:], spatial=spatial, **group.kwargs)
+
+
+def fuse_pad(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """Constant padding is elementwise-safe on any rank; reflect/replicate/circular need
+    the per-model [B, C, *S] layout, so they go through the channel fold."""
+    mode = group.arg(2, "mode", "constant")
+    if mode == "constant":
+        from .elementwise import fuse_pointwise
+
+        return fuse_pointwise(group, builder)
+    return fuse_channelwise_function(group, builder)
+
+
+for _cls in _SPATIAL_MODULES:
+    RULES[("call_module", _cls)] = RuleEntry(
+        fuse_channelwise_module, f"fuse_channelwise[{_cls.__name__}]", _cls in _RANDOM
+    )
+for _fn in _SPATIAL_FUNCTIONS:
+    RULES[("call_function", _fn)] = RuleEntry(
+        fuse_channelwise_function, f"fuse_channelwise[{_fn.__name__}]", _fn in _RANDOM_FUNCTIONS
+    )
+_SPATIAL_FUNCTIONS[F.pad] = None
+RULES[("call_function", F.pad)] = RuleEntry(fuse_pad, "fuse_pad")

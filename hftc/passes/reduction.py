@@ -1,0 +1,107 @@
+"""Reductions and softmax: reduce over per-model dims, never over the model dim.
+
+::
+
+    x.sum(1)          ->  x.sum(2)
+    x.mean()          ->  x.reshape(N, -1).mean(1)          (a full reduction per model)
+    x.max(dim=1)      ->  x.max(dim=2)                       (values, indices per model)
+    F.softmax(x, -1)  ->  F.softmax(x, -1)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..lowering import kernels
+from ..lowering.kernels import shift_dims
+from .elementwise import fuse_pointwise
+from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
+
+#: op name -> position of ``dim`` (self/input at 0) for ``op(x, dim, ...)``.
+REDUCTIONS = {
+    "sum": 1, "mean": 1, "prod": 1, "amax": 1, "amin": 1, "max": 1, "min": 1, "argmax": 1,
+    "argmin": 1, "std": 1, "var": 1, "logsumexp": 1, "all": 1, "any": 1, "median": 1,
+    "nansum": 1, "nanmean": 1, "count_nonzero": 1, "std_mean": 1, "var_mean": 1, "norm": 2,
+    "aminmax": None, "nanmedian": 1, "mode": 1,
+}
+
+
+def _reduction_rule(op_name: str, position: int | None):
+    def fuse_reduction(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+        # max/min of two tensors is elementwise, not a reduction.
+        if op_name in ("max", "min") and len(group.node.args) > 1 and isinstance(
+            group.arg_example(1), torch.Tensor
+        ):
+            return fuse_pointwise(group, builder)
+        args = list(group.args)
+        kwargs = dict(group.kwargs)
+        key = "dim"
+        if position is None:
+            dim = kwargs.get("dim")
+        elif position < len(args):
+            dim = args[position]
+        else:
+            dim = kwargs.get(key)
+        if isinstance(dim, bool):  # std(x, unbiased) overload: no dim
+            dim = None
+        x = builder.broadcast(args[0])
+        if dim is None:
+            if position is not None and position < len(args):
+                args = args[:position] + args[position + 1:]
+            kwargs.pop(key, None)
+            if op_name in ("norm", "aminmax", "mode", "std_mean", "var_mean"):
+                raise NotFusable(f"{op_name} over all dims")
+            return builder.call(kernels.reduce_all, op_name, x, *args[1:], **kwargs)
+        if position is not None and position < len(args):
+            args[position] = shift_dims(dim)
+        else:
+            kwargs[key] = shift_dims(dim)
+        args[0] = x
+        return builder.copy(FusionGroup(group.node, group.nodes, tuple(args), kwargs,
+                                        group.module), batched=True)
+
+    fuse_reduction.__name__ = f"fuse_reduction[{op_name}]"
+    return fuse_reduction
+
+
+for _name, _pos in REDUCTIONS.items():
+    register_rule(*spellings(_name, functional=False), name=f"fuse_reduction[{_name}]")(
+        _reduction_rule(_name, _pos)
+    )
+
+
+def _softmax_rule(fn):
+    def fuse_softmax(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+        dim = group.arg(1, "dim")
+        if dim is None:
+            raise NotFusable("softmax without an explicit dim (legacy implicit dim)")
+        dtype = group.kwargs.get("dtype")
+        return builder.call(fn, builder.broadcast(group.args[0]), kernels.shift_dim(dim),
+                            dtype=dtype)
+
+    return fuse_softmax
+
+
+for _fn, _names in [(F.softmax, ("softmax",)), (F.log_softmax, ("log_softmax",)),
+                    (F.softmin, ("softmin",))]:
+    register_rule(*spellings(_names[0]), name=f"fuse_softmax[{_names[0]}]")(_softmax_rule(_fn))
+
+
+def _softmax_module_rule(fn):
+    def fuse_softmax_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+        if group.module.dim is None:
+            raise NotFusable("softmax without an explicit dim (legacy implicit dim)")
+        return builder.call(fn, builder.broadcast(group.args[0]),
+                            kernels.shift_dim(group.module.dim))
+
+    return fuse_softmax_module
+
+
+for _cls, _fn in [(nn.Softmax, F.softmax), (nn.LogSoftmax, F.log_softmax),
+                  (nn.Softmin, F.softmin), (nn.GLU, F.glu)]:
+    register_rule(("call_module", _cls), name=f"fuse_softmax_module[{_cls.__name__}]")(
+        _softmax_module_rule(_fn)
+    )

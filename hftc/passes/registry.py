@@ -1,0 +1,212 @@
+"""The rule table: one fusion rule per operator, looked up by what a node calls.
+
+A rule takes a :class:`FusionGroup` (model 0's node, its N counterparts, its
+arguments already rewritten into the fused graph) and a :class:`GraphBuilder`
+(which emits nodes into the fused graph), and returns the fused node, whose
+value is every model's result stacked along a leading model dim.  A rule that
+cannot fuse a particular use raises :class:`NotFusable`; the driver then falls
+back to a per-model loop and says so in the fusion report.
+
+Keys are ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
+``("call_method", "name")``.  The ``register_*`` helpers register whole
+families (every elementwise op in all its spellings) at once, so only the ops
+with parameters or layouts (conv, linear, norms, embedding) need their own code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..lowering import kernels
+from ..match import describe_node
+from ..trace import EXAMPLE_VALUE
+
+
+class NotFusable(Exception):
+    """Raised by a rule for a use it cannot fuse; the driver loops over models instead."""
+
+
+@dataclass
+class FusionGroup:
+    """N matched nodes, one per model, about to become one fused node.
+
+    ``args``/``kwargs`` are model 0's arguments with every graph input replaced by
+    its fused node (batched or shared: ask the builder); ``module`` is model 0's
+    submodule for a ``call_module`` node (on the meta device: hyper-parameters
+    only, never weights).
+    """
+
+    node: fx.Node
+    nodes: list[fx.Node]
+    args: tuple
+    kwargs: dict
+    module: nn.Module | None = None
+
+    @property
+    def example(self) -> Any:
+        """Model 0's value at this node (meta tensors)."""
+        return self.node.meta.get(EXAMPLE_VALUE)
+
+    def arg_example(self, position: int | str) -> Any:
+        """Model 0's value of an argument, by position or keyword."""
+        a = self.node.args[position] if isinstance(position, int) else self.node.kwargs[position]
+        return a.meta.get(EXAMPLE_VALUE) if isinstance(a, fx.Node) else a
+
+    def arg(self, position: int, name: str, default: Any = None) -> Any:
+        """A (fused) argument given by position or keyword, or ``default``."""
+        if position < len(self.args):
+            return self.args[position]
+        return self.kwargs.get(name, default)
+
+    def has_arg(self, position: int, name: str) -> bool:
+        return position < len(self.args) or name in self.kwargs
+
+
+Rule = Callable[[FusionGroup, "GraphBuilder"], fx.Node]
+
+
+@dataclass
+class RuleEntry:
+    rule: Rule
+    name: str
+    #: Random ops must give each model its own draw, even from a shared input.
+    random: bool = False
+
+
+RULES: dict[tuple[str, Any], RuleEntry] = {}
+
+
+def register_rule(*keys: tuple[str, Any], name: str | None = None,
+                  random: bool = False) -> Callable[[Rule], Rule]:
+    """Decorator: ``@register_rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))``."""
+
+    def wrap(rule: Rule) -> Rule:
+        for key in keys:
+            RULES[key] = RuleEntry(rule, name or rule.__name__, random)
+        return rule
+
+    return wrap
+
+
+def spellings(name: str, *, torch_fn: bool = True, method: bool = True,
+              functional: bool = True, inplace: bool = False) -> list[tuple[str, Any]]:
+    """Every way user code calls one op: ``torch.relu``, ``F.relu``, ``x.relu()``, ``x.relu_()``."""
+    keys: list[tuple[str, Any]] = []
+    if torch_fn and hasattr(torch, name):
+        keys.append(("call_function", getattr(torch, name)))
+    if functional and hasattr(torch.nn.functional, name):
+        keys.append(("call_function", getattr(torch.nn.functional, name)))
+    if method and hasattr(torch.Tensor, name):
+        keys.append(("call_method", name))
+    if inplace:
+        if method and hasattr(torch.Tensor, name + "_"):
+            keys.append(("call_method", name + "_"))
+        if hasattr(torch.nn.functional, name + "_"):
+            keys.append(("call_function", getattr(torch.nn.functional, name + "_")))
+        if hasattr(torch, name + "_"):
+            keys.append(("call_function", getattr(torch, name + "_")))
+    return keys
+
+
+def lookup(node: fx.Node, module: nn.Module | None) -> RuleEntry | None:
+    """The rule for a node: by module class (walking the MRO while ``forward`` is
+    inherited unchanged, so a subclass that overrides ``forward`` is not mistaken
+    for its base), by function, or by method name."""
+    if node.op == "call_module":
+        assert module is not None
+        forward = type(module).forward
+        for cls in type(module).__mro__:
+            if cls is nn.Module:
+                break
+            entry = RULES.get(("call_module", cls))
+            if entry is not None and getattr(cls, "forward", None) is forward:
+                return entry
+        return None
+    return RULES.get((node.op, node.target))
+
+
+# --------------------------------------------------------------------------- the builder
+
+
+@dataclass
+class GraphBuilder:
+    """Emits nodes into the fused graph and remembers which ones carry a model dim."""
+
+    graph: fx.Graph
+    num_models: int
+    batched: set[fx.Node] = field(default_factory=set)
+    #: Set by the driver while a group is being fused: provenance for every node made.
+    current: FusionGroup | None = None
+    current_rule: str = ""
+
+    def is_batched(self, value: Any) -> bool:
+        """Does this (fused) argument, or any node inside it, carry the model dim?"""
+        found = []
+        fx.node.map_arg(value, lambda n: found.append(n in self.batched) or n)
+        return any(found)
+
+    def _record(self, node: fx.Node, batched: bool, example: Any = None) -> fx.Node:
+        if batched:
+            self.batched.add(node)
+        if self.current is not None:
+            node.meta["hftc_origin"] = [n.name for n in self.current.nodes]
+            node.meta["hftc_rule"] = self.current_rule
+            node.meta["hftc_source"] = describe_node(self.current.node)
+        return node
+
+    def call(self, fn: Callable[..., Any], *args: Any, batched: bool = True,
+             **kwargs: Any) -> fx.Node:
+        """Emit ``fn(*args, **kwargs)``; ``batched`` says whether its result has the model dim."""
+        return self._record(self.graph.call_function(fn, args, kwargs), batched)
+
+    def method(self, name: str, *args: Any, batched: bool = True, **kwargs: Any) -> fx.Node:
+        return self._record(self.graph.call_method(name, args, kwargs), batched)
+
+    def module(self, target: str, *args: Any, batched: bool = True, **kwargs: Any) -> fx.Node:
+        return self._record(self.graph.call_module(target, args, kwargs), batched)
+
+    def attr(self, target: str, *, batched: bool = True) -> fx.Node:
+        """A stacked parameter/buffer (batched) or a plain attribute (``training``)."""
+        return self._record(self.graph.get_attr(target), batched)
+
+    def module_attr(self, group: FusionGroup, name: str) -> fx.Node | None:
+        """The stacked tensor ``name`` of the group's module, or None if it has none."""
+        assert group.node.op == "call_module"
+        if getattr(group.module, name, None) is None:
+            return None
+        return self.attr(f"{group.node.target}.{name}")
+
+    def training_flag(self, group: FusionGroup) -> fx.Node:
+        """The fused submodule's ``training`` flag, read at run time (``fused.eval()`` works)."""
+        return self.attr(f"{group.node.target}.training", batched=False)
+
+    def broadcast(self, value: Any) -> Any:
+        """A shared value as a batched one (each model sees the same data)."""
+        if self.is_batched(value) or not isinstance(value, fx.Node):
+            return value
+        return self.call(kernels.expand_models, value, self.num_models)
+
+    def copy(self, group: FusionGroup, batched: bool) -> fx.Node:
+        """Emit the original op unchanged on the fused arguments."""
+        node = group.node
+        if node.op == "call_function":
+            return self.call(node.target, *group.args, batched=batched, **group.kwargs)
+        if node.op == "call_method":
+            return self.method(node.target, *group.args, batched=batched, **group.kwargs)
+        if node.op == "call_module":
+            return self.module(node.target, *group.args, batched=batched, **group.kwargs)
+        raise NotFusable(f"cannot copy a {node.op} node")
+
+
+def register_family(names: Iterable[str], rule: Rule, *, inplace: bool = True,
+                    random: bool = False, **spelling_options: Any) -> None:
+    """Register ``rule`` for every spelling of every op in ``names``."""
+    for op_name in names:
+        for key in spellings(op_name, inplace=inplace, **spelling_options):
+            RULES.setdefault(key, RuleEntry(rule, f"{rule.__name__}[{op_name}]", random))

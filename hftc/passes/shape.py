@@ -1,0 +1,266 @@
+"""Views, shapes and indexing: every per-model dim moves one place right.
+
+::
+
+    x.view(x.size(0), -1)      ->  reshape(x, x.size(1), -1)  == x.reshape(N, B, -1)
+    torch.flatten(x, 1)        ->  x.flatten(2)
+    x.permute(0, 2, 1)         ->  x.permute(0, 1, 3, 2)
+    x[:, 0]                    ->  x[:, :, 0]
+    torch.cat([a, b], dim=1)   ->  torch.cat([a, b], dim=2)   (shared operands expanded)
+    x.size(1) / x.shape        ->  x.size(2) / x.shape[1:]    (shared: plain ints)
+
+Non-negative dims shift by one; negative dims count from the end and stay.
+"""
+
+from __future__ import annotations
+
+import builtins
+import operator
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..lowering import kernels
+from ..lowering.kernels import shift_dim, shift_dims
+from ..trace import EXAMPLE_VALUE
+from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
+
+
+def _self_and_rest(group: FusionGroup) -> tuple:
+    return group.args[0], group.args[1:]
+
+
+@register_rule(*spellings("view", torch_fn=False), *spellings("reshape"))
+def fuse_reshape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x, rest = _self_and_rest(group)
+    shape = rest or (group.kwargs.get("shape") or group.kwargs.get("size"),)
+    return builder.call(kernels.reshape, x, *shape)
+
+
+@register_rule(*spellings("view_as", torch_fn=False), *spellings("reshape_as", torch_fn=False),
+               *spellings("expand_as", torch_fn=False))
+def fuse_as(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x, other = group.args[0], group.args[1]
+    size = (builder.call(kernels.size, other, batched=False) if builder.is_batched(other)
+            else builder.method("size", other, batched=False))
+    if not builder.is_batched(x):
+        x = builder.broadcast(x)
+    kernel = kernels.expand if group.node.target == "expand_as" else kernels.reshape
+    return builder.call(kernel, x, size)
+
+
+@register_rule(*spellings("flatten"))
+def fuse_flatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x = group.args[0]
+    start = group.arg(1, "start_dim", 0)
+    end = group.arg(2, "end_dim", -1)
+    if group.arg_example(0).dim() == 0:
+        return builder.method("reshape", x, -1, 1)
+    return builder.method("flatten", x, shift_dim(start), shift_dim(end))
+
+
+@register_rule(("call_module", nn.Flatten))
+def fuse_flatten_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    m = group.module
+    return builder.method("flatten", group.args[0], shift_dim(m.start_dim), shift_dim(m.end_dim))
+
+
+@register_rule(*spellings("unflatten"))
+def fuse_unflatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    return builder.method("unflatten", group.args[0], shift_dim(group.arg(1, "dim")),
+                          group.arg(2, "sizes"))
+
+
+@register_rule(("call_module", nn.Unflatten))
+def fuse_unflatten_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    m = group.module
+    return builder.method("unflatten", group.args[0], shift_dim(m.dim), m.unflattened_size)
+
+
+@register_rule(*spellings("permute"))
+def fuse_permute(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x, dims = _self_and_rest(group)
+    dims = dims or (group.kwargs["dims"],)
+    return builder.call(kernels.permute, x, *dims)
+
+
+@register_rule(*spellings("transpose"), *spellings("swapaxes"), *spellings("swapdims"))
+def fuse_transpose(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    return builder.method("transpose", group.args[0], shift_dim(group.arg(1, "dim0")),
+                          shift_dim(group.arg(2, "dim1")))
+
+
+@register_rule(*spellings("movedim"), *spellings("moveaxis"))
+def fuse_movedim(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    return builder.method("movedim", group.args[0], shift_dims(group.arg(1, "source")),
+                          shift_dims(group.arg(2, "destination")))
+
+
+@register_rule(*spellings("t"))
+def fuse_t(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    if group.arg_example(0).dim() < 2:  # t() of a vector is the vector
+        return builder.method("view_as", group.args[0], group.args[0])
+    return builder.method("transpose", group.args[0], 1, 2)
+
+
+@register_rule(*spellings("unsqueeze"))
+def fuse_unsqueeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    return builder.method("unsqueeze", group.args[0], shift_dim(group.arg(1, "dim")))
+
+
+@register_rule(*spellings("squeeze"))
+def fuse_squeeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    dim = group.arg(1, "dim")
+    if dim is None:
+        return builder.call(kernels.squeeze_all, group.args[0])
+    return builder.method("squeeze", group.args[0], shift_dims(dim))
+
+
+@register_rule(*spellings("expand", torch_fn=False))
+def fuse_expand(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x, sizes = _self_and_rest(group)
+    return builder.call(kernels.expand, x, *(sizes or (group.kwargs["size"],)))
+
+
+@register_rule(*spellings("repeat", torch_fn=False))
+def fuse_repeat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x, sizes = _self_and_rest(group)
+    return builder.call(kernels.repeat, x, *(sizes or (group.kwargs["repeats"],)))
+
+
+def _dim_rule(position: int, name: str, default: int):
+    """A rule for ops whose only per-model concern is one ``dim`` argument."""
+
+    def fuse_dim_op(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+        args = list(group.args)
+        kwargs = dict(group.kwargs)
+        if position < len(args):
+            args[position] = shift_dims(args[position])
+        else:
+            kwargs[name] = shift_dims(kwargs.get(name, default))
+        args[0] = builder.broadcast(args[0])
+        return builder.copy(FusionGroup(group.node, group.nodes, tuple(args), kwargs,
+                                        group.module), batched=True)
+
+    return fuse_dim_op
+
+
+for op_name, pos, kw, default in [
+    ("chunk", 2, "dim", 0), ("split", 2, "dim", 0), ("tensor_split", 2, "dim", 0),
+    ("unbind", 1, "dim", 0), ("narrow", 1, "dim", None), ("select", 1, "dim", None),
+    ("flip", 1, "dims", None), ("diff", 2, "dim", -1), ("cumsum", 1, "dim", None),
+    ("cumprod", 1, "dim", None), ("logcumsumexp", 1, "dim", None), ("cummax", 1, "dim", None),
+    ("cummin", 1, "dim", None), ("sort", 1, "dim", -1), ("argsort", 1, "dim", -1),
+    ("topk", 2, "dim", -1), ("kthvalue", 2, "dim", -1), ("glu", 1, "dim", -1),
+    ("normalize", 2, "dim", 1), ("split_with_sizes", 2, "dim", 0),
+]:
+    register_rule(*spellings(op_name, inplace=False), name=f"fuse_dim_op[{op_name}]")(
+        _dim_rule(pos, kw, default)
+    )
+
+
+@register_rule(*spellings("roll"))
+def fuse_roll(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    dims = group.arg(2, "dims")
+    if dims is None:
+        raise NotFusable("roll without dims rolls the flattened tensor")
+    return builder.call(torch.roll, group.args[0], group.arg(1, "shifts"), shift_dims(dims))
+
+
+@register_rule(*spellings("index_select"))
+def fuse_index_select(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    index = group.arg(2, "index")
+    if builder.is_batched(index):
+        raise NotFusable("per-model index tensors")
+    return builder.call(torch.index_select, builder.broadcast(group.args[0]),
+                        shift_dim(group.arg(1, "dim")), index)
+
+
+@register_rule(*spellings("gather"))
+def fuse_gather(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    return builder.call(torch.gather, builder.broadcast(group.args[0]),
+                        shift_dim(group.arg(1, "dim")), builder.broadcast(group.arg(2, "index")))
+
+
+@register_rule(("call_function", torch.cat), ("call_function", torch.concat),
+               ("call_function", torch.concatenate), ("call_function", torch.stack))
+def fuse_cat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    tensors = group.arg(0, "tensors")
+    dim = group.arg(1, "dim", group.kwargs.get("axis", 0))
+    flags = tuple(builder.is_batched(t) for t in tensors)
+    fn = torch.stack if group.node.target is torch.stack else torch.cat
+    return builder.call(kernels.bind(kernels.stack_or_cat, fn), tensors, shift_dim(dim), flags)
+
+
+@register_rule(("call_method", "size"))
+def fuse_size(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    return builder.call(kernels.size, group.args[0], group.arg(1, "dim"), batched=False)
+
+
+@register_rule(("call_method", "dim"), ("call_method", "ndimension"))
+def fuse_ndim(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    return builder.call(operator.sub, builder.method("dim", group.args[0], batched=False), 1,
+                        batched=False)
+
+
+@register_rule(("call_method", "numel"), ("call_function", torch.numel))
+def fuse_numel(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    total = builder.method("numel", group.args[0], batched=False)
+    count = builder.method("size", group.args[0], 0, batched=False)
+    return builder.call(operator.floordiv, total, count, batched=False)
+
+
+@register_rule(("call_function", builtins.getattr))
+def fuse_getattr(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    x, name = group.args[0], group.args[1]
+    example = group.arg_example(0)
+    if not isinstance(example, torch.Tensor):  # a namedtuple field (values, indices)
+        return builder.copy(group, batched=builder.is_batched(x) and _has_tensor(group.example))
+    if name == "shape":
+        return builder.call(kernels.size, x, batched=False)
+    if name == "ndim":
+        return builder.call(operator.sub, builder.call(getattr, x, "ndim", batched=False), 1,
+                            batched=False)
+    if name == "T":
+        dims = tuple(reversed(range(example.dim())))
+        return builder.call(kernels.permute, x, *dims)
+    if name in ("mT", "mH"):
+        return builder.method("transpose", x, -2, -1)
+    if name in ("data", "real", "imag"):
+        return builder.copy(group, batched=True)
+    if name in ("dtype", "device", "is_cuda", "requires_grad", "layout", "is_sparse"):
+        return builder.copy(group, batched=False)
+    raise NotFusable(f"tensor attribute `{name}`")
+
+
+def _has_tensor(value) -> bool:
+    return any(isinstance(v, torch.Tensor)
+               for v in torch.utils._pytree.tree_leaves(value))
+
+
+def _index_is_fusable(group: FusionGroup, builder: GraphBuilder) -> None:
+    index = group.node.args[1]
+    parts = index if isinstance(index, tuple) else (index,)
+    advanced = []
+    for k, p in enumerate(parts):
+        if isinstance(p, fx.Node):
+            example = p.meta.get(EXAMPLE_VALUE)
+            if builder.is_batched(group.args[1][k] if isinstance(index, tuple) else group.args[1]):
+                raise NotFusable("indexing with per-model index tensors")
+            if isinstance(example, torch.Tensor):
+                advanced.append(k)
+        elif isinstance(p, (list, torch.Tensor)):
+            advanced.append(k)
+    if len(advanced) > 1 and advanced != list(range(advanced[0], advanced[0] + len(advanced))):
+        raise NotFusable("advanced indices separated by slices move their dims to the front")
+
+
+@register_rule(("call_function", operator.getitem))
+def fuse_getitem(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    container = group.arg_example(0)
+    if not isinstance(container, torch.Tensor):  # a tuple/list/Size of per-model values
+        batched = builder.is_batched(group.args[0]) and _has_tensor(group.example)
+        return builder.copy(group, batched=batched)
+    _index_is_fusable(group, builder)
+    return builder.call(kernels.getitem, group.args[0], group.args[1])

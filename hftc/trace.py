@@ -1,0 +1,130 @@
+"""Stage 1 of the pipeline: N ``nn.Module`` instances -> N ``torch.fx`` graphs.
+
+Each model is traced twice with ``torch.fx.symbolic_trace``, once with every
+submodule in train mode and once in eval mode: symbolic tracing bakes Python
+values such as ``self.training`` into the graph (``F.dropout(x, p,
+self.training)``, ``if self.training:``), so the fused module keeps one graph
+per mode and picks the one that matches ``fused.training`` at run time.
+
+Shapes are not needed to trace.  They are propagated later, once per input
+signature, by running model 0's graph on ``meta`` tensors
+(:func:`annotate_example_values`): every node then carries
+``node.meta["example_value"]``, the value model 0 computes there (a meta tensor,
+an int, a tuple ...), which is what the fusion rules read to know ranks,
+dtypes and Python types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .errors import TraceError
+
+#: ``node.meta`` key of the value model 0 computes at a node, on the meta device.
+EXAMPLE_VALUE = "example_value"
+
+
+@contextlib.contextmanager
+def _uniform_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Put every submodule in one mode for the duration; restore each one's own flag after."""
+    saved = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, flag in saved:
+            m.training = flag
+
+
+def trace_model(model: nn.Module, index: int, *, training: bool) -> fx.GraphModule:
+    """Trace ``model`` (the ``index``-th of the N) with every submodule in ``training`` mode.
+
+    Raises :class:`TraceError` naming the model and the Python line that symbolic
+    tracing cannot follow, and saying to pass ``example_inputs``.
+    """
+    try:
+        with _uniform_mode(model, training):
+            return fx.symbolic_trace(model)
+    except Exception as exc:  # symbolic tracing raises anything: TraceError, TypeError, ...
+        raise TraceError(
+            f"model {index} ({type(model).__name__}) cannot be traced by torch.fx.symbolic_trace: "
+            f"{type(exc).__name__}: {exc}. Data-dependent Python (an `if` on a tensor, "
+            f"`len(x)`, `.item()`) and many third-party models cannot be traced symbolically; "
+            f"pass `example_inputs=(...)` to hftc.fuse so the model can be traced with real "
+            f"inputs, or rewrite the data-dependent part with tensor ops."
+        ) from exc
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers live on the meta device.
+
+    No tensor data is copied (each tensor is mapped to a fresh meta tensor through
+    ``deepcopy``'s memo), so this is cheap even for large models.  Used as the
+    shape-propagation root and as the template :meth:`FusedModule.unfuse` rebuilds
+    models from.
+    """
+    memo: dict[int, Any] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a graph and stores every node's value in ``node.meta[EXAMPLE_VALUE]``."""
+
+    def __init__(self, module: fx.GraphModule, targets: Sequence[fx.Node]):
+        super().__init__(module)
+        self._targets = dict(zip(module.graph.nodes, targets))
+
+    def run_node(self, n: fx.Node) -> Any:
+        value = super().run_node(n)
+        self._targets[n].meta[EXAMPLE_VALUE] = value
+        return value
+
+
+def _to_meta(value: Any) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, value
+    )
+
+
+def annotate_example_values(
+    graph: fx.Graph, template: nn.Module, inputs: Sequence[Any], kwargs: dict[str, Any]
+) -> None:
+    """Propagate model 0's values through ``graph`` on the meta device.
+
+    ``template`` is model 0 on the meta device (:func:`meta_copy`) and ``inputs``
+    one model's inputs.  The graph is copied before it runs, so ``graph`` itself
+    only gains ``meta`` entries.
+    """
+    copied = fx.Graph()
+    env = copied.graph_copy(graph, {})
+    runner = fx.GraphModule(template, copied)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    args = list(inputs)
+    # Keyword inputs fill the placeholders after the positional ones, by name.
+    for p in placeholders[len(args) :]:
+        if p.name in kwargs or p.target in kwargs:
+            args.append(kwargs.get(p.target, kwargs.get(p.name)))
+        elif p.args:  # the forward's default value
+            args.append(p.args[0])
+        else:
+            raise TraceError(f"input `{p.target}` of the models' forward is missing")
+    del env
+    try:
+        with torch.no_grad():
+            _Recorder(runner, list(graph.nodes)).run(*_to_meta(args))
+    except Exception as exc:
+        raise TraceError(
+            f"running model 0 on meta tensors to learn its shapes failed: "
+            f"{type(exc).__name__}: {exc}. If the model reads tensor values in Python "
+            f"(`.item()`, `.tolist()`), pass `example_inputs` and rewrite that part with tensor ops."
+        ) from exc
