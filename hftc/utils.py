@@ -1,0 +1,248 @@
+"""Per-model training utilities: gradient clipping and losses over N stacked outputs.
+
+Nothing here mixes models: each model's gradients are clipped by its own norm,
+and ``per_model`` gives one loss per model, so a model that diverges cannot
+change another's numbers (stock ``clip_grad_norm_`` on a fused module would clip
+all N models by one global norm).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
+
+
+def _grads_and_num_models(parameters, num_models: int | None, fn: str) -> tuple[list[Tensor], int]:
+    if isinstance(parameters, nn.Module):
+        if num_models is None:
+            num_models = getattr(parameters, "num_models", None)
+        parameters = parameters.parameters()
+    elif isinstance(parameters, Tensor):
+        parameters = [parameters]
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    leading = {g.shape[0] if g.dim() > 0 else None for g in grads}
+    if None in leading:
+        raise ValueError(f"{fn}: a gradient is 0-dim; fused gradients are [N, *shape]")
+    if len(leading) > 1:
+        raise ValueError(
+            f"{fn}: gradients must all be [N, *shape] with one N, but their leading dims "
+            f"are {sorted(leading)}"
+        )
+    if num_models is None:
+        if not leading:
+            raise ValueError(f"{fn}: no gradients, and num_models was not given")
+        num_models = leading.pop()
+    elif leading and leading != {num_models}:
+        raise ValueError(
+            f"{fn}: num_models={num_models}, but the gradients' leading dim is {leading.pop()}"
+        )
+    return grads, num_models
+
+
+def _per_model_values(name: str, value: float | Sequence[float] | Tensor, n: int,
+                      like: Tensor) -> Tensor:
+    """A scalar or N values, as a [N] tensor in ``like``'s dtype and device."""
+    t = torch.as_tensor(value, dtype=torch.float64).reshape(-1)
+    if t.numel() == 1:
+        t = t.expand(n)
+    elif t.numel() != n:
+        raise ValueError(f"{name} has {t.numel()} values but there are {n} models")
+    return t.to(device=like.device, dtype=like.dtype)
+
+
+def _broadcast(v: Tensor, like: Tensor) -> Tensor:
+    return v.view(-1, *([1] * (like.dim() - 1)))
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: nn.Module | Tensor | Iterable[Tensor],
+    max_norm: float | Sequence[float],
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    *,
+    num_models: int | None = None,
+) -> Tensor:
+    """Clip each model's gradients by its own total norm; return the N norms.
+
+    ``torch.nn.utils.clip_grad_norm_`` applied to each model separately, in one
+    pass over the stacked ``[N, *shape]`` gradients::
+
+        norms = hftc.utils.clip_grad_norm_(fused, max_norm=1.0)     # tensor [N]
+        # model i's grads *= min(1, max_norm / (norms[i] + 1e-6))
+
+    Args:
+        parameters: a fused module, or its (stacked) parameters.
+        max_norm: one value, or one per model.
+        norm_type: as in torch (``float("inf")`` for the max norm).
+        error_if_nonfinite: raise if some model's norm is NaN or inf (names them);
+            otherwise such a model's gradients become NaN / 0 and no other model's change.
+        num_models: N, if it cannot be read from ``parameters``.
+    """
+    grads, n = _grads_and_num_models(parameters, num_models, "clip_grad_norm_")
+    if not grads:
+        return torch.zeros(n)
+    norm_type = float(norm_type)
+    device = grads[0].device
+    # Per parameter, each model's norm ([N]); then each model's norm over its parameters.
+    norms = [torch.linalg.vector_norm(g.reshape(n, -1), norm_type, dim=1).to(device)
+             for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms, dim=1), norm_type, dim=1)
+    if error_if_nonfinite:
+        bad = (~torch.isfinite(total)).nonzero().flatten().tolist()
+        if bad:
+            raise RuntimeError(
+                f"The total norm of order {norm_type} of the gradients of model(s) {bad} is "
+                f"non-finite, so they cannot be clipped. To leave them as they are, set "
+                f"error_if_nonfinite=False"
+            )
+    limit = _per_model_values("max_norm", max_norm, n, total)
+    coef = torch.clamp(limit / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(_broadcast(coef.to(device=g.device, dtype=g.dtype), g))
+    return total
+
+
+@torch.no_grad()
+def clip_grad_value_(
+    parameters: nn.Module | Tensor | Iterable[Tensor],
+    clip_value: float | Sequence[float],
+    *,
+    num_models: int | None = None,
+) -> None:
+    """Clamp each model's gradients to ``[-clip_value_i, clip_value_i]``.
+
+    ``torch.nn.utils.clip_grad_value_`` with one value, or one per model::
+
+        hftc.utils.clip_grad_value_(fused, [0.5, 1.0, 5.0])
+    """
+    grads, n = _grads_and_num_models(parameters, num_models, "clip_grad_value_")
+    if not isinstance(clip_value, (Sequence, Tensor)):
+        for g in grads:
+            g.clamp_(min=-float(clip_value), max=float(clip_value))
+        return
+    for g in grads:
+        c = _broadcast(_per_model_values("clip_value", clip_value, n, g), g)
+        g.clamp_(min=-c, max=c)
+
+
+# Losses whose reduction="none" result is one value per sample (or per element):
+# the N models' batches can be flattened into one batch of N*B and reduced per model.
+_ELEMENTWISE_LOSSES = {
+    F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
+    F.binary_cross_entropy_with_logits, F.soft_margin_loss,
+}
+_CLASS_LOSSES = {F.cross_entropy, F.nll_loss}
+
+
+def per_model(loss_fn: Callable[..., Tensor], *,
+              in_dims: int | None | tuple[int | None, ...] = (0, None)) -> Callable[..., Tensor]:
+    """Turn a loss over one model's output into N losses over N stacked outputs.
+
+    ``in_dims`` says which positional arguments carry the model dim first (``0``)
+    and which are shared by all models (``None``), as in ``torch.func.vmap``. The
+    default ``(0, None)``: the first argument (the fused output ``[N, B, ...]``)
+    is stacked, the second (the target) is shared; positional arguments past the
+    end of ``in_dims`` are shared; keyword arguments are always shared::
+
+        loss_fn = hftc.per_model(F.cross_entropy)
+        losses = loss_fn(out, y)          # out [N, B, C], y [B]  -> [N]
+        losses.sum().backward()           # each model gets its own gradient
+
+        hftc.per_model(F.mse_loss, in_dims=0)(out, y_stacked)   # y_stacked [N, B, D]
+
+    No Python loop for ``cross_entropy``, ``nll_loss`` (class-index targets, no
+    ``weight``) and elementwise losses (``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
+    ``huber_loss``, ``binary_cross_entropy[_with_logits]``, ``soft_margin_loss``):
+    the N batches are flattened into one, the loss is taken with
+    ``reduction="none"`` and reduced per model. Other losses run under
+    ``torch.func.vmap``, or, if vmap cannot run them, in a loop over models.
+    Result: ``[N]`` for reduction ``"mean"`` / ``"sum"``; ``[N, ...]`` for ``"none"``.
+    """
+    if not isinstance(in_dims, tuple):
+        in_dims = (in_dims,)
+    for d in in_dims:
+        if d not in (0, None):
+            raise ValueError(f"per_model: in_dims entries must be 0 or None, got {in_dims}")
+
+    @functools.wraps(loss_fn)
+    def losses(*args: Any, **kwargs: Any) -> Tensor:
+        dims = tuple(in_dims) + (None,) * (len(args) - len(in_dims))
+        if len(dims) > len(args):
+            dims = dims[: len(args)]
+        stacked = [a for a, d in zip(args, dims) if d == 0]
+        if not stacked:
+            raise ValueError("per_model: in_dims marks no argument as stacked (0)")
+        n = stacked[0].shape[0]
+        for a in stacked:
+            if not isinstance(a, Tensor) or a.dim() == 0 or a.shape[0] != n:
+                raise ValueError(
+                    f"per_model: every argument marked 0 in in_dims must be a tensor with "
+                    f"leading dim N = {n}; got shape {getattr(a, 'shape', type(a).__name__)}"
+                )
+        fast = _flattened_loss(loss_fn, args, dims, n, kwargs)
+        if fast is not None:
+            return fast
+        try:
+            return torch.func.vmap(functools.partial(loss_fn, **kwargs), in_dims=dims)(*args)
+        except Exception:
+            # vmap cannot run every function (data-dependent Python, .item()); a loop can.
+            outs = [loss_fn(*[a[i] if d == 0 else a for a, d in zip(args, dims)], **kwargs)
+                    for i in range(n)]
+            return torch.stack(outs)
+
+    return losses
+
+
+def _flattened_loss(loss_fn, args, dims, n: int, kwargs: dict[str, Any]) -> Tensor | None:
+    """The N losses from one call on the flattened [N*B, ...] batch, or None if not applicable."""
+    if len(args) != 2 or dims[0] != 0:
+        return None
+    reduction = kwargs.get("reduction", "mean")
+    if reduction not in ("mean", "sum", "none") or kwargs.get("size_average") is not None \
+            or kwargs.get("reduce") is not None:
+        return None
+    out, target = args
+    if not isinstance(target, Tensor) or out.dim() < 3:
+        return None  # no batch dim per model: nothing to flatten
+    if dims[1] is None:
+        target = target.expand(n, *target.shape)
+    flat_out = out.reshape(n * out.shape[1], *out.shape[2:])
+    flat_target = target.reshape(n * target.shape[1], *target.shape[2:])
+    rest = {k: v for k, v in kwargs.items() if k != "reduction"}
+
+    if loss_fn in _CLASS_LOSSES:
+        class_indices = not target.is_floating_point()
+        if rest.get("weight") is not None or not class_indices:
+            return None  # weighted means and probability targets: vmap handles them
+        if target.shape[1:] != out.shape[1:2] + out.shape[3:]:
+            return None
+        per_sample = loss_fn(flat_out, flat_target, reduction="none", **rest)
+        per_sample = per_sample.reshape(n, -1)
+        if reduction == "none":
+            return per_sample.reshape(n, *target.shape[1:])
+        total = per_sample.sum(dim=1)
+        if reduction == "sum":
+            return total
+        # torch's mean divides by the number of targets that are not ignore_index.
+        ignore = rest.get("ignore_index", -100)
+        count = (target.reshape(n, -1) != ignore).sum(dim=1)
+        return total / count
+
+    if loss_fn in _ELEMENTWISE_LOSSES:
+        if target.shape != out.shape or any(rest.get(k) is not None
+                                            for k in ("weight", "pos_weight")):
+            return None
+        per_element = loss_fn(flat_out, flat_target, reduction="none", **rest).reshape(n, -1)
+        if reduction == "none":
+            return per_element.reshape(out.shape)
+        return per_element.sum(dim=1) if reduction == "sum" else per_element.mean(dim=1)
+    return None
