@@ -18,15 +18,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def make_model(seed: int, dtype: torch.dtype = torch.float64) -> nn.Module:
-    """A small model with 3-d, 2-d and 1-d parameters: input [B, 2, 8] -> logits [B, 5]."""
+def make_model(seed: int, dtype: torch.dtype = torch.float64,
+               activation: type[nn.Module] = nn.Tanh) -> nn.Module:
+    """A small model with 3-d, 2-d and 1-d parameters: input [B, 2, 8] -> logits [B, 5].
+
+    With ``activation=nn.ReLU`` nothing bounds the logits, so a huge learning rate
+    really overflows to inf / NaN (tanh would saturate and keep the loss finite).
+    """
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(18, 5))
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), activation(), nn.Flatten(), nn.Linear(18, 5))
     return model.to(dtype)
 
 
-def make_models(n: int, dtype: torch.dtype = torch.float64, seed: int = 0) -> list[nn.Module]:
-    return [make_model(seed + i, dtype) for i in range(n)]
+def make_models(n: int, dtype: torch.dtype = torch.float64, seed: int = 0,
+                activation: type[nn.Module] = nn.Tanh) -> list[nn.Module]:
+    return [make_model(seed + i, dtype, activation) for i in range(n)]
 
 
 def make_batches(steps: int, dtype: torch.dtype = torch.float64, batch: int = 8,

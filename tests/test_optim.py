@@ -1,0 +1,408 @@
+"""Fused optimizers vs stock torch.optim, model by model.
+
+Every test trains N models fused (one stacked update, per-model hyper-parameters)
+and each model alone with its stock optimizer, then asserts that model i's slice
+equals the solo model (float64: relative difference <= 1e-9, float32: <= 1e-4).
+The fused module here is ``StackedModels`` (exact per-model gradients), so a
+failure points at the optimizer; tests/test_optim_fuse.py runs ``hftc.fuse``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+from optim_helpers import (
+    StackedModels,
+    assert_all_match,
+    make_batches,
+    make_models,
+    per_model_losses,
+    tolerance,
+    train_fused,
+    train_solo,
+)
+
+import hftc.optim as ho
+
+# name -> (fused class, stock class, one stock kwargs dict per model)
+CASES = {
+    "sgd": (ho.SGD, torch.optim.SGD, [
+        dict(lr=0.1),
+        dict(lr=0.05, momentum=0.9),
+        dict(lr=0.02, momentum=0.5, dampening=0.3, weight_decay=0.01),
+        dict(lr=0.03, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    ]),
+    "sgd_maximize": (ho.SGD, torch.optim.SGD, [
+        dict(lr=0.1, maximize=True),
+        dict(lr=0.05, momentum=0.9, maximize=True, weight_decay=0.1),
+        dict(lr=0.02, momentum=0.9, nesterov=True),
+    ]),
+    "adam": (ho.Adam, torch.optim.Adam, [
+        dict(lr=1e-2),
+        dict(lr=3e-2, betas=(0.8, 0.99), amsgrad=True),
+        dict(lr=1e-3, weight_decay=0.1, eps=1e-6),
+        dict(lr=5e-3, betas=(0.5, 0.9), maximize=True, amsgrad=True, weight_decay=0.01),
+    ]),
+    "adam_decoupled_mixed": (ho.Adam, torch.optim.Adam, [
+        dict(lr=1e-2, weight_decay=0.1),
+        dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+        dict(lr=3e-2, weight_decay=0.0, decoupled_weight_decay=True),
+    ]),
+    "adamw": (ho.AdamW, torch.optim.AdamW, [
+        dict(lr=1e-2),
+        dict(lr=3e-2, betas=(0.8, 0.99), amsgrad=True, weight_decay=0.1),
+        dict(lr=1e-3, weight_decay=0.0, eps=1e-6, maximize=True),
+    ]),
+    "rmsprop": (ho.RMSprop, torch.optim.RMSprop, [
+        dict(lr=1e-2),
+        dict(lr=3e-3, momentum=0.9),
+        dict(lr=1e-3, alpha=0.9, weight_decay=0.1, centered=True),
+        dict(lr=5e-3, momentum=0.5, centered=True, eps=1e-4, maximize=True),
+    ]),
+    "adagrad": (ho.Adagrad, torch.optim.Adagrad, [
+        dict(lr=1e-2),
+        dict(lr=3e-2, lr_decay=0.01, initial_accumulator_value=0.1),
+        dict(lr=1e-1, weight_decay=0.1, eps=1e-6, maximize=True),
+    ]),
+}
+
+DTYPES = [torch.float64, torch.float32]
+
+
+def fused_kwargs(stock_cls, configs: list[dict]) -> dict:
+    """Per-model lists for the fused constructor, filling in the stock defaults."""
+    defaults = {k: p.default for k, p in inspect.signature(stock_cls).parameters.items()}
+    keys = sorted(set().union(*configs))
+    return {k: [c.get(k, defaults[k]) for c in configs] for k in keys}
+
+
+def run_case(case: str, dtype: torch.dtype, steps: int = 10):
+    fused_cls, stock_cls, configs = CASES[case]
+    n = len(configs)
+    models = make_models(n, dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = fused_cls(fused.parameters(), **fused_kwargs(stock_cls, configs))
+    batches = make_batches(steps, dtype)
+    train_fused(fused, opt, batches)
+    for solo, config in zip(solos, configs):
+        train_solo(solo, stock_cls(solo.parameters(), **config), batches)
+    return fused, opt, solos
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_model_matches_its_stock_run(case, dtype):
+    fused, _, solos = run_case(case, dtype)
+    assert_all_match(fused, solos, tolerance(dtype))
+
+
+@pytest.mark.parametrize("case", ["sgd", "adam", "rmsprop"])
+def test_matches_stock_bit_for_bit_on_cpu(case):
+    # The update repeats stock's ops with the same rounding, so on the CPU the
+    # result is identical, not just close. (A GPU may round x*c+y differently.)
+    fused, _, solos = run_case(case, torch.float64)
+    params = dict(fused.named_parameters())
+    for i, solo in enumerate(solos):
+        for name, p in solo.named_parameters():
+            assert torch.equal(params[name][i], p), (case, i, name)
+
+
+def test_shared_scalars_equal_lists_of_equal_values():
+    models = make_models(3)
+    a, b = StackedModels(models), StackedModels(models)
+    opt_a = ho.Adam(a.parameters(), lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1)
+    opt_b = ho.Adam(b.parameters(), lr=[1e-2] * 3, betas=[(0.8, 0.9)] * 3,
+                    weight_decay=[0.1] * 3)
+    batches = make_batches(5)
+    train_fused(a, opt_a, batches)
+    train_fused(b, opt_b, batches)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_param_groups_are_models():
+    models = make_models(3)
+    fused = StackedModels(models)
+    opt = ho.SGD(fused.parameters(), lr=[0.1, 0.2, 0.3], momentum=0.9)
+    assert opt.num_models == 3
+    assert len(opt.param_groups) == 3
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2, 0.3]
+    assert all(g["momentum"] == 0.9 for g in opt.param_groups)
+    # Each stacked parameter appears once: in group 0.
+    assert opt.param_groups[0]["params"] == list(fused.parameters())
+    assert all(g["params"] == [] for g in opt.param_groups[1:])
+    assert "momentum" in opt.defaults
+
+
+def test_named_parameters_keep_their_names():
+    fused = StackedModels(make_models(2))
+    opt = ho.Adam(fused.named_parameters(), lr=[1e-3, 1e-2])
+    assert opt.param_groups[0]["param_names"] == [n for n, _ in fused.named_parameters()]
+    assert opt.param_groups[1]["param_names"] == []
+
+
+def test_a_fused_module_can_be_passed_directly():
+    fused = StackedModels(make_models(3))
+    opt = ho.SGD(fused, lr=[0.1, 0.2, 0.3])
+    assert opt.num_models == 3
+    assert len(opt.param_groups[0]["params"]) == len(list(fused.parameters()))
+
+
+def test_betas_one_pair_or_one_per_model():
+    fused = StackedModels(make_models(2))
+    shared = ho.Adam(fused.parameters(), betas=(0.8, 0.9))
+    assert [g["betas"] for g in shared.param_groups] == [(0.8, 0.9), (0.8, 0.9)]
+    per_model = ho.Adam(fused.parameters(), betas=[(0.8, 0.9), (0.7, 0.95)])
+    assert [g["betas"] for g in per_model.param_groups] == [(0.8, 0.9), (0.7, 0.95)]
+    tensor_lr = ho.Adam(fused.parameters(), lr=torch.tensor([1e-3, 1e-2]))
+    assert [g["lr"] for g in tensor_lr.param_groups] == pytest.approx([1e-3, 1e-2])
+
+
+def test_hyperparameters_are_read_at_every_step():
+    # A change to param_groups[i] (what schedulers do) applies to model i only, at once.
+    dtype = torch.float64
+    momenta = [0.0, 0.9, 0.9]
+    models = make_models(3, dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = ho.SGD(fused.parameters(), lr=0.1, momentum=momenta)
+    solo_opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=m)
+                 for s, m in zip(solos, momenta)]
+
+    def change(groups_1, groups_2):
+        groups_1["lr"] = 0.01
+        groups_2["momentum"] = 0.5
+
+    batches = make_batches(8, dtype)
+    train_fused(fused, opt, batches, after_step=lambda k, _: k == 3 and change(
+        opt.param_groups[1], opt.param_groups[2]))
+    for k, (x, y) in enumerate(batches):
+        for s, o in zip(solos, solo_opts):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(s(x), y).backward()
+            o.step()
+        if k == 3:
+            change(solo_opts[1].param_groups[0], solo_opts[2].param_groups[0])
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01, 0.1]
+    assert_all_match(fused, solos, 1e-9)
+
+
+def test_momentum_switched_on_later_starts_its_buffer_like_stock():
+    # Model 1 has no momentum for 3 steps, then gets one: stock SGD starts its buffer
+    # then, as a copy of that step's gradient (no dampening on that first step).
+    dtype = torch.float64
+    models = make_models(2, dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = ho.SGD(fused.parameters(), lr=0.1, momentum=[0.9, 0.0], dampening=0.5)
+    solo_opts = [torch.optim.SGD(s.parameters(), lr=0.1, momentum=m, dampening=0.5)
+                 for s, m in zip(solos, [0.9, 0.0])]
+    batches = make_batches(7, dtype)
+    for k, (x, y) in enumerate(batches):
+        if k == 3:
+            opt.param_groups[1]["momentum"] = 0.8
+            solo_opts[1].param_groups[0]["momentum"] = 0.8
+        opt.zero_grad()
+        per_model_losses(fused, x, y).sum().backward()
+        opt.step()
+        for s, o in zip(solos, solo_opts):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(s(x), y).backward()
+            o.step()
+    assert_all_match(fused, solos, 1e-9)
+
+
+# ----------------------------------------------------------------- skipping models
+
+
+@pytest.mark.parametrize("case", ["sgd", "adam", "rmsprop", "adagrad"])
+def test_skip_models_leaves_a_model_exactly_as_it_was(case):
+    fused_cls, stock_cls, configs = CASES[case]
+    n = len(configs)
+    fused = StackedModels(make_models(n))
+    opt = fused_cls(fused.parameters(), **fused_kwargs(stock_cls, configs))
+    batches = make_batches(4)
+    train_fused(fused, opt, batches[:3])
+    before = {name: p.detach().clone() for name, p in fused.named_parameters()}
+    state_before = {name: {k: v.clone() for k, v in opt.state[p].items()}
+                    for name, p in fused.named_parameters()}
+    x, y = batches[3]
+    opt.zero_grad()
+    per_model_losses(fused, x, y).sum().backward()
+    opt.step(skip_models=[False, True] + [False] * (n - 2))
+    for name, p in fused.named_parameters():
+        assert torch.equal(p[1], before[name][1]), name
+        assert not torch.equal(p[0], before[name][0]), name
+        for key, value in opt.state[p].items():
+            assert torch.equal(value[1], state_before[name][key][1]), (name, key)
+
+
+def test_skipped_steps_make_step_counts_diverge_like_solo_runs():
+    # Model 1 skips steps 2 and 4: its Adam bias corrections use its own count,
+    # as a solo model that never saw those batches would.
+    dtype = torch.float64
+    configs = [dict(lr=1e-2), dict(lr=3e-2, amsgrad=True), dict(lr=1e-3)]
+    models = make_models(3, dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = ho.Adam(fused.parameters(), **fused_kwargs(torch.optim.Adam, configs))
+    batches = make_batches(8, dtype)
+    skipped = {2, 4}
+    for k, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        per_model_losses(fused, x, y).sum().backward()
+        opt.step(skip_models=torch.tensor([False, k in skipped, False]))
+    for i, (solo, config) in enumerate(zip(solos, configs)):
+        mine = [b for k, b in enumerate(batches) if i != 1 or k not in skipped]
+        train_solo(solo, torch.optim.Adam(solo.parameters(), **config), mine)
+    assert_all_match(fused, solos, 1e-9)
+    step = opt.state[next(fused.parameters())]["step"]
+    assert step.tolist() == [8.0, 6.0, 8.0]
+
+
+def test_skipping_every_model_changes_nothing():
+    fused = StackedModels(make_models(2))
+    opt = ho.Adam(fused.parameters())
+    x, y = make_batches(1)[0]
+    per_model_losses(fused, x, y).sum().backward()
+    before = [p.detach().clone() for p in fused.parameters()]
+    opt.step(skip_models=[True, True])
+    assert all(torch.equal(a, b) for a, b in zip(before, fused.parameters()))
+    assert not any(opt.state[p] for p in fused.parameters())
+
+
+# ----------------------------------------------------------------------- isolation
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_non_finite_gradients_of_one_model_leave_the_others_alone(case):
+    fused_cls, stock_cls, configs = CASES[case]
+    n = len(configs)
+    dtype = torch.float64
+    models = make_models(n, dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = fused_cls(fused.parameters(), **fused_kwargs(stock_cls, configs))
+    batches = make_batches(6, dtype)
+    for k, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        per_model_losses(fused, x, y).sum().backward()
+        if k == 2:
+            grads = [p.grad for p in fused.parameters()]
+            grads[0][1].fill_(float("nan"))
+            grads[-1][1][0] = float("inf")
+        opt.step()
+    for solo, config in zip(solos, configs):
+        train_solo(solo, stock_cls(solo.parameters(), **config), batches)
+    others = [i for i in range(n) if i != 1]
+    assert_all_match(fused, solos, 1e-9, models=others)
+    assert not all(torch.isfinite(p[1]).all() for p in fused.parameters())
+
+
+DIVERGING = {
+    "sgd": (ho.SGD, torch.optim.SGD, [dict(lr=0.1), dict(lr=1e200), dict(lr=0.05, momentum=0.9)]),
+    "sgd_momentum": (ho.SGD, torch.optim.SGD, [
+        dict(lr=0.1, momentum=0.9), dict(lr=1e200, momentum=0.9),
+        dict(lr=0.05, momentum=0.9, nesterov=True)]),
+    "adam": (ho.Adam, torch.optim.Adam, [dict(lr=1e-2), dict(lr=1e300), dict(lr=3e-3)]),
+    "adamw": (ho.AdamW, torch.optim.AdamW, [dict(lr=1e-2), dict(lr=1e300), dict(lr=3e-3)]),
+    "rmsprop": (ho.RMSprop, torch.optim.RMSprop, [
+        dict(lr=1e-2), dict(lr=1e300), dict(lr=1e-3, centered=True, momentum=0.5)]),
+    "adagrad": (ho.Adagrad, torch.optim.Adagrad, [dict(lr=1e-2), dict(lr=1e300), dict(lr=1e-1)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DIVERGING))
+def test_a_diverging_model_does_not_touch_the_others(case):
+    fused_cls, stock_cls, configs = DIVERGING[case]
+    dtype = torch.float64
+    models = make_models(3, dtype, activation=torch.nn.ReLU)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = fused_cls(fused.parameters(), **fused_kwargs(stock_cls, configs))
+    batches = make_batches(6, dtype)
+    losses = train_fused(fused, opt, batches)
+    assert not all(torch.isfinite(p[1]).all() for p in fused.parameters()), "1 did not diverge"
+    assert not all(torch.isfinite(torch.tensor(loss[1])) for loss in losses)
+    for i in (0, 2):
+        train_solo(solos[i], stock_cls(solos[i].parameters(), **configs[i]), batches)
+    assert_all_match(fused, solos, 1e-9, models=[0, 2])
+
+
+# -------------------------------------------------------------------------- errors
+
+
+def test_parameters_with_different_leading_dims_are_rejected():
+    a = torch.nn.Parameter(torch.zeros(3, 4))
+    b = torch.nn.Parameter(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="leading dims differ"):
+        ho.SGD([a, b], lr=0.1)
+    with pytest.raises(ValueError, match="0-dim"):
+        ho.SGD([torch.nn.Parameter(torch.tensor(1.0))], lr=0.1)
+    with pytest.raises(ValueError, match="num_models=4.*\\[3, 4\\]"):
+        ho.SGD([a], num_models=4, lr=0.1)
+
+
+def test_hyperparameter_lists_must_have_one_value_per_model():
+    fused = StackedModels(make_models(3))
+    with pytest.raises(ValueError, match="lr has 2 values but there are 3 models"):
+        ho.Adam(fused.parameters(), lr=[1e-3, 1e-2])
+    with pytest.raises(ValueError, match="betas has 2 values"):
+        ho.Adam(fused.parameters(), betas=[(0.9, 0.99), (0.8, 0.9)])
+
+
+def test_bad_hyperparameter_values_name_the_model():
+    fused = StackedModels(make_models(3))
+    with pytest.raises(ValueError, match="lr for model 2"):
+        ho.SGD(fused.parameters(), lr=[0.1, 0.1, -0.1])
+    with pytest.raises(ValueError, match="beta parameter at index 1 for model 0"):
+        ho.Adam(fused.parameters(), betas=[(0.9, 1.5), (0.9, 0.9), (0.9, 0.9)])
+    with pytest.raises(ValueError, match="Nesterov.*model 1"):
+        ho.SGD(fused.parameters(), lr=0.1, momentum=[0.9, 0.0, 0.9], nesterov=True)
+    with pytest.raises(TypeError, match="must be a number"):
+        ho.SGD(fused.parameters(), lr="fast")
+    with pytest.raises(TypeError, match="must be a bool"):
+        ho.Adam(fused.parameters(), amsgrad=[True, "no", False])
+
+
+def test_param_group_dicts_and_added_groups_are_rejected():
+    fused = StackedModels(make_models(2))
+    with pytest.raises(TypeError, match="param_groups\\[i\\] is model i"):
+        ho.SGD([{"params": list(fused.parameters())}], lr=0.1)
+    opt = ho.SGD(fused.parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match="groups cannot be added"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, 3))]})
+    with pytest.raises(TypeError, match="single Tensor"):
+        ho.SGD(next(fused.parameters()), lr=0.1)
+    with pytest.raises(TypeError, match="can only optimize Tensors"):
+        ho.SGD([next(fused.parameters()), 3.0], lr=0.1)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        ho.SGD([], lr=0.1)
+
+
+def test_skip_models_must_have_one_flag_per_model():
+    fused = StackedModels(make_models(3))
+    opt = ho.SGD(fused.parameters(), lr=0.1)
+    x, y = make_batches(1)[0]
+    per_model_losses(fused, x, y).sum().backward()
+    with pytest.raises(ValueError, match="skip_models has 2 entries but there are 3 models"):
+        opt.step(skip_models=[True, False])
+
+
+def test_closure_is_evaluated_and_returned():
+    fused = StackedModels(make_models(2))
+    opt = ho.SGD(fused.parameters(), lr=0.1)
+    x, y = make_batches(1)[0]
+
+    def closure():
+        opt.zero_grad()
+        loss = per_model_losses(fused, x, y).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert torch.isfinite(loss)
