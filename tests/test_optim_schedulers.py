@@ -1,0 +1,179 @@
+"""Stock torch.optim.lr_scheduler classes on a fused optimizer: one schedule per model.
+
+Each test schedules the fused optimizer with a stock scheduler (model i = param
+group i) and each solo model's stock optimizer with the same scheduler built for
+model i alone, then asserts equal learning-rate histories and equal weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from optim_helpers import (
+    StackedModels,
+    assert_all_match,
+    make_batches,
+    make_models,
+    per_model_losses,
+)
+from test_optim import fused_kwargs
+from torch.optim import lr_scheduler as sched
+
+import hftc.optim as ho
+
+DTYPE = torch.float64
+
+
+def run(fused_cls, stock_cls, configs, make_fused_sched, make_solo_sched, steps=10,
+        metrics=None):
+    """Train fused and solo with schedules; return (fused, solos, fused lrs, solo lrs).
+
+    ``metrics[k]`` (N values) is passed to the schedulers' ``step`` if given
+    (ReduceLROnPlateau), else ``step()`` takes no argument.
+    """
+    n = len(configs)
+    models = make_models(n, DTYPE)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = fused_cls(fused.parameters(), **fused_kwargs(stock_cls, configs))
+    scheduler = make_fused_sched(opt)
+    batches = make_batches(steps, DTYPE)
+    fused_lrs = []
+    for k, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        per_model_losses(fused, x, y).sum().backward()
+        opt.step()
+        scheduler.step(metrics[k]) if metrics is not None else scheduler.step()
+        fused_lrs.append([g["lr"] for g in opt.param_groups])
+    solo_lrs = []
+    for i, (solo, config) in enumerate(zip(solos, configs)):
+        solo_opt = stock_cls(solo.parameters(), **config)
+        solo_sched = make_solo_sched(solo_opt, i)
+        lrs = []
+        for k, (x, y) in enumerate(batches):
+            solo_opt.zero_grad()
+            torch.nn.functional.cross_entropy(solo(x), y).backward()
+            solo_opt.step()
+            solo_sched.step(metrics[k][i]) if metrics is not None else solo_sched.step()
+            lrs.append(solo_opt.param_groups[0]["lr"])
+        solo_lrs.append(lrs)
+    fused_lrs = [list(col) for col in zip(*fused_lrs)]  # [model][step]
+    return fused, solos, fused_lrs, solo_lrs
+
+
+def check(fused, solos, fused_lrs, solo_lrs):
+    assert fused_lrs == solo_lrs
+    assert len({tuple(lrs) for lrs in fused_lrs}) > 1, "the models' schedules should differ"
+    assert_all_match(fused, solos, 1e-9)
+
+
+SGD_CONFIGS = [dict(lr=0.1, momentum=0.9), dict(lr=0.05), dict(lr=0.02, momentum=0.5)]
+ADAM_CONFIGS = [dict(lr=1e-2), dict(lr=3e-2, betas=(0.8, 0.99)), dict(lr=5e-3, amsgrad=True)]
+
+
+def test_lambda_lr_with_one_lambda_per_model():
+    lambdas = [lambda e: 0.9**e, lambda e: 1.0 / (1 + e), lambda e: 1.0 if e < 5 else 0.1]
+    check(*run(ho.Adam, torch.optim.Adam, ADAM_CONFIGS,
+               lambda opt: sched.LambdaLR(opt, lambdas),
+               lambda opt, i: sched.LambdaLR(opt, lambdas[i])))
+
+
+def test_step_lr():
+    check(*run(ho.SGD, torch.optim.SGD, SGD_CONFIGS,
+               lambda opt: sched.StepLR(opt, step_size=3, gamma=0.5),
+               lambda opt, i: sched.StepLR(opt, step_size=3, gamma=0.5)))
+
+
+def test_multi_step_lr():
+    check(*run(ho.RMSprop, torch.optim.RMSprop,
+               [dict(lr=1e-2), dict(lr=3e-3, momentum=0.9), dict(lr=1e-3, centered=True)],
+               lambda opt: sched.MultiStepLR(opt, milestones=[2, 5], gamma=0.3),
+               lambda opt, i: sched.MultiStepLR(opt, milestones=[2, 5], gamma=0.3)))
+
+
+def test_cosine_annealing_lr():
+    check(*run(ho.AdamW, torch.optim.AdamW,
+               [dict(lr=1e-2), dict(lr=3e-2, weight_decay=0.1), dict(lr=1e-3)],
+               lambda opt: sched.CosineAnnealingLR(opt, T_max=6, eta_min=1e-4),
+               lambda opt, i: sched.CosineAnnealingLR(opt, T_max=6, eta_min=1e-4)))
+
+
+def test_one_cycle_lr_cycles_sgd_momentum_per_model():
+    # Model 1 starts without momentum: OneCycleLR gives it one, and its buffer
+    # starts as stock SGD starts it.
+    max_lr, base_m, max_m = [0.1, 0.05, 0.2], [0.8, 0.85, 0.7], [0.9, 0.95, 0.99]
+    fused, solos, fused_lrs, solo_lrs = run(
+        ho.SGD, torch.optim.SGD, SGD_CONFIGS,
+        lambda opt: sched.OneCycleLR(opt, max_lr=max_lr, total_steps=12,
+                                     base_momentum=base_m, max_momentum=max_m),
+        lambda opt, i: sched.OneCycleLR(opt, max_lr=max_lr[i], total_steps=12,
+                                        base_momentum=base_m[i], max_momentum=max_m[i]))
+    check(fused, solos, fused_lrs, solo_lrs)
+
+
+def test_one_cycle_lr_cycles_adam_beta1_per_model():
+    max_lr, base_m, max_m = [1e-2, 3e-2, 5e-3], [0.8, 0.85, 0.7], [0.9, 0.95, 0.99]
+    fused_opts = []
+
+    def make(opt):
+        s = sched.OneCycleLR(opt, max_lr=max_lr, total_steps=12, base_momentum=base_m,
+                             max_momentum=max_m, anneal_strategy="linear")
+        fused_opts.append(opt)
+        return s
+
+    fused, solos, fused_lrs, solo_lrs = run(
+        ho.Adam, torch.optim.Adam, ADAM_CONFIGS, make,
+        lambda opt, i: sched.OneCycleLR(opt, max_lr=max_lr[i], total_steps=12,
+                                        base_momentum=base_m[i], max_momentum=max_m[i],
+                                        anneal_strategy="linear"))
+    check(fused, solos, fused_lrs, solo_lrs)
+    # The schedule moved each model's beta1 (and kept its beta2).
+    groups = fused_opts[0].param_groups
+    assert [g["betas"][1] for g in groups] == [0.999, 0.99, 0.999]
+    assert len({g["betas"][0] for g in groups}) == 3
+
+
+def test_sequential_lr():
+    def make(opt):
+        return sched.SequentialLR(opt, [sched.LinearLR(opt, start_factor=0.1, total_iters=3),
+                                        sched.ExponentialLR(opt, gamma=0.9)], milestones=[3])
+
+    check(*run(ho.Adagrad, torch.optim.Adagrad,
+               [dict(lr=1e-2), dict(lr=3e-2, lr_decay=0.01), dict(lr=1e-1)],
+               make, lambda opt, i: make(opt)))
+
+
+# Per-model metric tables that plateau at different times.
+PLATEAU_METRICS = [
+    [1.0, 5.0, 2.0], [0.9, 5.0, 2.0], [0.9, 4.0, 2.0], [0.9, 4.0, 2.0], [0.9, 4.0, 1.0],
+    [0.8, 4.0, 1.0], [0.8, 4.0, 1.0], [0.8, math.nan, 1.0], [0.8, math.nan, 1.0], [0.7, 3.0, 1.0],
+]
+
+
+def test_reduce_lr_on_plateau_is_per_model():
+    patience = [1, 0, 2]
+    fused, solos, fused_lrs, solo_lrs = run(
+        ho.SGD, torch.optim.SGD, SGD_CONFIGS,
+        lambda opt: ho.ReduceLROnPlateau(opt, factor=0.5, patience=patience),
+        lambda opt, i: sched.ReduceLROnPlateau(opt, factor=0.5, patience=patience[i]),
+        metrics=PLATEAU_METRICS)
+    check(fused, solos, fused_lrs, solo_lrs)
+    # Each model was reduced on its own (0.1 -> ..., 0.05 -> ..., 0.02 -> ...).
+    assert all(lrs[-1] < lrs[0] for lrs in fused_lrs)
+
+
+def test_reduce_lr_on_plateau_takes_a_tensor_of_metrics_and_checks_its_length():
+    opt = ho.SGD(StackedModels(make_models(3)).parameters(), lr=[0.1, 0.2, 0.3])
+    plateau = ho.ReduceLROnPlateau(opt, mode="max", patience=0, factor=0.5)
+    plateau.step(torch.tensor([1.0, 1.0, 1.0]))
+    plateau.step(torch.tensor([2.0, 0.5, 1.0]))
+    assert plateau.get_last_lr() == [0.1, 0.1, 0.15]
+    with pytest.raises(ValueError, match="got 2 metrics but there are 3 models"):
+        plateau.step([1.0, 2.0])
+    with pytest.raises(ValueError, match="patience has 2 values but there are 3 models"):
+        ho.ReduceLROnPlateau(opt, patience=[1, 2])
+    with pytest.raises(TypeError, match="not an Optimizer"):
+        ho.ReduceLROnPlateau(object())
