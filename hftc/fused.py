@@ -123,6 +123,8 @@ class FusedModule(nn.Module):
         matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}
         template = meta_copy(models[0])
         name_maps = _tensor_name_maps(matches[True], graphs[True])
+        object.__setattr__(self, "_template", template)
+        self._template_extras: list[str] = []  # lifted constants, not the user's attributes
         root, sources = build_module_tree(models, template, name_maps)
         self._adopt(root, models[0])
         fused_names = {id(p): name for name, p in self.named_parameters()}
@@ -130,7 +132,6 @@ class FusedModule(nn.Module):
             {id(p): fused_names[id(sources[id(p)])] for p in m.parameters() if id(p) in sources}
             for m in models
         ]
-        object.__setattr__(self, "_template", template)
         self._mode_graphs: dict[bool, _ModeGraphs] = {}
         for mode in (True, False):
             attr_targets = self._stack_constants(graphs[mode], matches[mode])
@@ -183,6 +184,13 @@ class FusedModule(nn.Module):
             name = f"_hftc_constant_{len(list(self.buffers()))}"
             self.register_buffer(name, torch.stack([v.detach() for v in values]), persistent=False)
             targets[node.target] = name
+            # Shape propagation runs model 0's graph on the template: give it the constant too.
+            owner_path, _, leaf = node.target.rpartition(".")
+            owner = self._template.get_submodule(owner_path)
+            if not hasattr(owner, leaf):
+                owner.register_buffer(leaf, torch.empty_like(values[0], device="meta"),
+                                      persistent=False)
+                self._template_extras.append(node.target)
         return targets
 
     # ------------------------------------------------------------------ calling
@@ -273,14 +281,44 @@ class FusedModule(nn.Module):
 
     def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
         mode_graphs = self._mode_graphs[self.training]
+        self._sync_template()
         per_model = [v[0] if b else v for v, b in zip(values, batched)]
-        annotate_example_values(mode_graphs.graph_module.graph, self._template, per_model, {})
+        annotate_example_values(
+            mode_graphs.graph_module.graph, self._template, per_model, {}, self._model_tensors
+        )
         graph, report = fuse_graph(
             mode_graphs.graph_module, mode_graphs.match, self.num_models, batched,
             mode_graphs.attr_targets,
         )
         forward, source = compile_graph(graph)
         return Program(forward, graph, report, source)
+
+    def _model_tensors(self, index: int = 0) -> dict[str, torch.Tensor]:
+        """Copies of model ``index``'s parameters and buffers, by name (constants included)."""
+        with torch.no_grad():
+            return {
+                name: t[index].clone()
+                for name, t in list(self.named_parameters(remove_duplicate=False))
+                + list(self.named_buffers(remove_duplicate=False))
+                if not name.rpartition(".")[2].startswith("_hftc_constant_")
+            }
+
+    def _sync_template(self) -> None:
+        """Give the meta template the fused tensors' current dtypes (after ``.double()``)."""
+        template = self._template
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            owner_path, _, leaf = name.rpartition(".")
+            if leaf.startswith("_hftc_constant_"):
+                continue
+            owner = template.get_submodule(owner_path)
+            current = getattr(owner, leaf, None)
+            if current is None or current.dtype == t.dtype:
+                continue
+            meta = torch.empty(t.shape[1:], dtype=t.dtype, device="meta")
+            if isinstance(current, nn.Parameter):
+                owner._parameters[leaf] = nn.Parameter(meta, current.requires_grad)
+            else:
+                owner._buffers[leaf] = meta
 
     def compile(self, *args: Any, **kwargs: Any) -> Program:
         """Compile the fused forward for these inputs (in the current mode) without running it."""
@@ -323,6 +361,9 @@ class FusedModule(nn.Module):
     def unfuse_model(self, index: int) -> nn.Module:
         self._check_index(index)
         model = copy.deepcopy(self._template)
+        for target in self._template_extras:
+            owner_path, _, leaf = target.rpartition(".")
+            del model.get_submodule(owner_path)._buffers[leaf]
         made: dict[int, nn.Parameter] = {}
         for name, p in self.named_parameters(remove_duplicate=False):
             if id(p) not in made:

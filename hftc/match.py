@@ -266,7 +266,7 @@ def _explain_mismatch(
             lines.append("  ... (more differences follow)")
             break
     if not lines:
-        lines.append("  the nodes agree one by one, but the argument edges connect them differently")
+        lines.append("  the nodes agree one by one, but their argument edges differ")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -96,35 +96,60 @@ def _to_meta(value: Any) -> Any:
     )
 
 
-def annotate_example_values(
-    graph: fx.Graph, template: nn.Module, inputs: Sequence[Any], kwargs: dict[str, Any]
-) -> None:
-    """Propagate model 0's values through ``graph`` on the meta device.
-
-    ``template`` is model 0 on the meta device (:func:`meta_copy`) and ``inputs``
-    one model's inputs.  The graph is copied before it runs, so ``graph`` itself
-    only gains ``meta`` entries.
-    """
-    copied = fx.Graph()
-    env = copied.graph_copy(graph, {})
-    runner = fx.GraphModule(template, copied)
+def _bind_placeholders(graph: fx.Graph, inputs: Sequence[Any], kwargs: dict[str, Any]) -> list:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     args = list(inputs)
     # Keyword inputs fill the placeholders after the positional ones, by name.
     for p in placeholders[len(args) :]:
-        if p.name in kwargs or p.target in kwargs:
-            args.append(kwargs.get(p.target, kwargs.get(p.name)))
+        if p.target in kwargs:
+            args.append(kwargs[p.target])
         elif p.args:  # the forward's default value
             args.append(p.args[0])
         else:
             raise TraceError(f"input `{p.target}` of the models' forward is missing")
-    del env
+    return args
+
+
+def annotate_example_values(
+    graph: fx.Graph,
+    template: nn.Module,
+    inputs: Sequence[Any],
+    kwargs: dict[str, Any],
+    real_tensors: Callable[[], dict[str, torch.Tensor]],
+) -> None:
+    """Propagate model 0's values through ``graph``, storing them in ``node.meta``.
+
+    First on the meta device: ``template`` is model 0 on meta (:func:`meta_copy`),
+    ``inputs`` one model's inputs, and no data is touched.  A model that reads a
+    tensor's value in Python (``float(self.num_batches_tracked)`` in a batch norm
+    with ``momentum=None``) cannot run on meta; it then runs once for real on a
+    copy of model 0's tensors (``real_tensors()``), with the random number
+    generator state restored afterwards, so nothing the user sees changes.
+    """
+    args = _bind_placeholders(graph, inputs, kwargs)
+    copied = fx.Graph()
+    copied.graph_copy(graph, {})
     try:
         with torch.no_grad():
-            _Recorder(runner, list(graph.nodes)).run(*_to_meta(args))
+            _Recorder(fx.GraphModule(template, copied), list(graph.nodes)).run(*_to_meta(args))
+        return
+    except Exception as exc:
+        meta_error = exc
+    real = copy.deepcopy(template)
+    for name, tensor in real_tensors().items():
+        owner_path, _, leaf = name.rpartition(".")
+        owner = real.get_submodule(owner_path)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            owner._buffers[leaf] = tensor
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            _Recorder(fx.GraphModule(real, copied), list(graph.nodes)).run(*args)
     except Exception as exc:
         raise TraceError(
-            f"running model 0 on meta tensors to learn its shapes failed: "
-            f"{type(exc).__name__}: {exc}. If the model reads tensor values in Python "
-            f"(`.item()`, `.tolist()`), pass `example_inputs` and rewrite that part with tensor ops."
+            f"running model 0 to learn its shapes failed: {type(exc).__name__}: {exc} "
+            f"(on meta tensors: {type(meta_error).__name__}: {meta_error})"
         ) from exc
+    for node in graph.nodes:
+        node.meta[EXAMPLE_VALUE] = _to_meta(node.meta.get(EXAMPLE_VALUE))

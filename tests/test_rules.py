@@ -1,0 +1,265 @@
+"""Equivalence grid per fusion rule: fused vs a Python loop over the original models.
+
+Each case is a tiny model exercising one rule (module and functional spellings,
+the interesting hyper-parameters), checked by ``check_equivalence`` for
+N in {1, 2, 3, 8}, shared and stacked inputs, train and eval, float64 and
+float32: forward, every parameter gradient, every input gradient and buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from equivalence import check_equivalence
+
+
+@dataclass
+class Case:
+    name: str
+    make: Callable[[], nn.Module]
+    input_shape: tuple
+    stacked: bool = True  # also run with in_dims=0
+    integer_input: int | None = None  # vocabulary size for index inputs
+
+
+class Lambda(nn.Module):
+    """A model whose forward is a function of (self, x); for functional spellings."""
+
+    def __init__(self, fn, **params):
+        super().__init__()
+        self.fn = fn
+        for name, value in params.items():
+            if isinstance(value, nn.Module):
+                self.add_module(name, value)
+            else:
+                self.register_parameter(name, nn.Parameter(value))
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+def seq(layers):
+    return lambda: nn.Sequential(*layers())
+
+
+CASES = [
+    # ---- convolutions
+    Case("conv1d_stride_pad", seq(lambda: [nn.Conv1d(3, 4, 3, stride=2, padding=1)]), (2, 3, 9)),
+    Case("conv2d_same_dilation", seq(lambda: [nn.Conv2d(3, 4, 3, padding="same", dilation=2)]),
+         (2, 3, 7, 7)),
+    Case("conv2d_groups_stride", seq(lambda: [nn.Conv2d(4, 6, 3, groups=2, stride=2)]),
+         (2, 4, 9, 9)),
+    Case("conv2d_depthwise", seq(lambda: [nn.Conv2d(4, 4, 3, groups=4, padding=1)]), (2, 4, 6, 6)),
+    Case("conv2d_valid_nobias", seq(lambda: [nn.Conv2d(3, 5, 2, padding="valid", bias=False)]),
+         (2, 3, 6, 6)),
+    Case("conv2d_reflect", seq(lambda: [nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")]),
+         (2, 3, 6, 6)),
+    Case("conv2d_circular", seq(lambda: [nn.Conv2d(3, 4, 3, padding=2, padding_mode="circular")]),
+         (2, 3, 6, 6)),
+    Case("conv2d_replicate_same",
+         seq(lambda: [nn.Conv2d(3, 4, 4, padding="same", padding_mode="replicate")]), (2, 3, 6, 6)),
+    Case("conv2d_unbatched", seq(lambda: [nn.Conv2d(3, 4, 3)]), (3, 6, 6)),
+    Case("conv3d", seq(lambda: [nn.Conv3d(2, 3, (1, 3, 3), stride=(1, 2, 1))]), (2, 2, 3, 6, 6)),
+    Case("conv2d_chain_relu", seq(lambda: [nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3,
+                                           groups=2)]), (2, 3, 8, 8)),
+    Case("f_conv2d", lambda: Lambda(lambda s, x: F.conv2d(x, s.w, s.b, stride=2, padding=1),
+                                    w=torch.randn(4, 3, 3, 3), b=torch.randn(4)), (2, 3, 7, 7)),
+    Case("f_conv1d_groups", lambda: Lambda(lambda s, x: F.conv1d(x, s.w, groups=2),
+                                           w=torch.randn(4, 2, 3)), (2, 4, 8)),
+    Case("conv_transpose1d", seq(lambda: [nn.ConvTranspose1d(3, 4, 3, stride=2,
+                                                             output_padding=1)]), (2, 3, 5)),
+    Case("conv_transpose2d_groups",
+         seq(lambda: [nn.ConvTranspose2d(4, 2, 4, stride=2, padding=1, groups=2)]), (2, 4, 5, 5)),
+    Case("conv_transpose2d_dilation",
+         seq(lambda: [nn.ConvTranspose2d(3, 2, 3, dilation=2, bias=False)]), (2, 3, 4, 4)),
+    Case("conv_transpose3d", seq(lambda: [nn.ConvTranspose3d(2, 2, 2, stride=2)]), (1, 2, 2, 3, 3)),
+    Case("conv_transpose_output_size",
+         lambda: Lambda(lambda s, x: s.up(x, output_size=[x.size(2) * 2, x.size(3) * 2]),
+                        up=nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1)), (2, 3, 4, 4)),
+    Case("f_conv_transpose2d",
+         lambda: Lambda(lambda s, x: F.conv_transpose2d(x, s.w, stride=2), w=torch.randn(3, 2, 2, 2)),
+         (2, 3, 4, 4)),
+    # ---- linear and matmul
+    Case("linear", seq(lambda: [nn.Linear(5, 7)]), (4, 5)),
+    Case("linear_3d_nobias", seq(lambda: [nn.Linear(5, 7, bias=False), nn.Tanh()]), (2, 3, 5)),
+    Case("linear_vector", seq(lambda: [nn.Linear(5, 3)]), (5,)),
+    Case("f_linear", lambda: Lambda(lambda s, x: F.linear(x, s.w, s.b), w=torch.randn(3, 5),
+                                    b=torch.randn(3)), (4, 5)),
+    Case("matmul_param", lambda: Lambda(lambda s, x: x @ s.w, w=torch.randn(5, 3)), (2, 4, 5)),
+    Case("matmul_param_left", lambda: Lambda(lambda s, x: torch.matmul(s.w, x), w=torch.randn(3, 4)),
+         (2, 4, 5)),
+    Case("bmm_activations",
+         lambda: Lambda(lambda s, x: torch.bmm(s.fc(x), s.fc(x).transpose(1, 2)).softmax(-1),
+                        fc=nn.Linear(5, 6)), (2, 3, 5)),
+    Case("matmul_vectors", lambda: Lambda(lambda s, x: torch.matmul(s.fc(x), s.v), fc=nn.Linear(5, 4),
+                                          v=torch.randn(4)), (3, 5)),
+    # ---- normalization
+    Case("batchnorm1d_2d", seq(lambda: [nn.BatchNorm1d(5)]), (4, 5)),
+    Case("batchnorm1d_3d", seq(lambda: [nn.BatchNorm1d(5, momentum=None)]), (4, 5, 6)),
+    Case("batchnorm2d", seq(lambda: [nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()]),
+         (3, 3, 6, 6)),
+    Case("batchnorm2d_no_stats", seq(lambda: [nn.BatchNorm2d(3, track_running_stats=False)]),
+         (3, 3, 4, 4)),
+    Case("batchnorm2d_no_affine", seq(lambda: [nn.BatchNorm2d(3, affine=False, momentum=0.3)]),
+         (3, 3, 4, 4)),
+    Case("batchnorm3d", seq(lambda: [nn.BatchNorm3d(2)]), (2, 2, 3, 3, 3)),
+    Case("layernorm", seq(lambda: [nn.LayerNorm(6)]), (2, 3, 6)),
+    Case("layernorm_2d_nobias", seq(lambda: [nn.LayerNorm([3, 6], bias=False)]), (2, 3, 6)),
+    Case("layernorm_no_affine", seq(lambda: [nn.Linear(6, 6), nn.LayerNorm(6,
+                                              elementwise_affine=False)]), (4, 6)),
+    Case("f_layer_norm", lambda: Lambda(lambda s, x: F.layer_norm(x, (6,), s.w, s.b, 1e-3),
+                                        w=torch.randn(6), b=torch.randn(6)), (4, 6)),
+    Case("groupnorm", seq(lambda: [nn.GroupNorm(2, 4)]), (2, 4, 5, 5)),
+    Case("groupnorm_1d", seq(lambda: [nn.GroupNorm(3, 6, affine=False)]), (2, 6, 5)),
+    Case("instancenorm1d", seq(lambda: [nn.InstanceNorm1d(4, affine=True)]), (2, 4, 7)),
+    Case("instancenorm2d_stats", seq(lambda: [nn.InstanceNorm2d(3, affine=True,
+                                                                track_running_stats=True)]),
+         (2, 3, 5, 5)),
+    Case("instancenorm2d_unbatched", seq(lambda: [nn.InstanceNorm2d(3, affine=True)]), (3, 5, 5)),
+    Case("instancenorm3d", seq(lambda: [nn.InstanceNorm3d(2)]), (2, 2, 3, 3, 3)),
+    Case("rmsnorm", seq(lambda: [nn.RMSNorm(6)]), (2, 3, 6)),
+    Case("rmsnorm_eps", seq(lambda: [nn.Linear(4, 6), nn.RMSNorm([6], eps=1e-3)]), (3, 4)),
+    # ---- embedding, prelu
+    Case("embedding", seq(lambda: [nn.Embedding(10, 4)]), (3, 5), integer_input=10),
+    Case("embedding_padding", seq(lambda: [nn.Embedding(10, 4, padding_idx=0), nn.Flatten(),
+                                           nn.Linear(20, 3)]), (3, 5), integer_input=10),
+    Case("embedding_scale_grad", seq(lambda: [nn.Embedding(10, 4, scale_grad_by_freq=True,
+                                                           padding_idx=-1)]),
+         (3, 5), integer_input=10),
+    Case("f_embedding", lambda: Lambda(lambda s, x: F.embedding(x, s.w, padding_idx=2),
+                                       w=torch.randn(10, 3)), (4,), integer_input=10),
+    Case("prelu_shared", seq(lambda: [nn.PReLU()]), (2, 4, 5)),
+    Case("prelu_channels", seq(lambda: [nn.Linear(5, 4), nn.PReLU(4)]), (3, 5)),
+    Case("prelu_conv", seq(lambda: [nn.Conv2d(2, 3, 1), nn.PReLU(3, init=0.1)]), (2, 2, 3, 3)),
+]
+
+
+class Activations(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.randn(6))
+        self.shift = nn.Parameter(torch.randn(6))
+        self.act = nn.Hardswish()
+        self.elu = nn.ELU(alpha=0.7)
+
+    def forward(self, x):
+        h = self.fc(x)
+        a = F.relu(h) + F.gelu(h, approximate="tanh") - F.silu(h) * torch.sigmoid(h)
+        b = F.leaky_relu(h, 0.2) * h.tanh() + F.elu(h) / 3 + F.relu6(h) ** 2
+        c = torch.clamp(h, -0.5, 0.5) + torch.where(h > 0, h, a) + torch.maximum(a, b)
+        d = F.softplus(h, beta=2.0) + self.act(h) + self.elu(h) + (1 - h).abs().sqrt()
+        e = h * self.scale + self.shift  # batched [N, 6] params against [N, B, 6]
+        f = 2.0 / (1.0 + h.exp()) + h.neg() - F.hardtanh(h, -0.3, 0.3)
+        return a + b + c + d + e + f + (h >= 0).to(h.dtype) + h.masked_fill(h < -0.5, 0.0)
+
+
+class Shapes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 5 * 5, 6)
+        self.token = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = self.conv(x)                                        # [B, 4, 5, 5]
+        flat = h.view(h.size(0), -1)                            # [B, 100]
+        t = torch.flatten(h, 2).transpose(1, 2)                 # [B, 25, 4]
+        p = t.permute(0, 2, 1).reshape(x.shape[0], 4, 5, 5)     # back to [B, 4, 5, 5]
+        q = torch.cat([p[:, :2], h[:, 2:]], dim=1)              # cat of two slices
+        s = torch.stack([q, h], dim=-1).sum(-1)                 # stack + reduce
+        a, b = torch.chunk(s, 2, dim=1)
+        c, d = s.split([1, 3], dim=1)
+        u = a.unsqueeze(1).squeeze(1) + b - c.expand(-1, 2, -1, -1) + d[:, :2]
+        v = u.mean(dim=(2, 3)) + u.amax(-1).sum(-1) + u[..., 1:3, 0].max(dim=-1)[0]
+        w = v.softmax(-1) * F.log_softmax(v, dim=1) + v.repeat(1, 2)[:, :2]
+        z = self.fc(flat) + w.sum(1, keepdim=True) + t.std(1).mean(-1, keepdim=True)
+        tok = self.token.expand(x.size(0), -1) + self.token[None, :]
+        return z + tok.sum(-1, keepdim=True) + torch.cat([w, w], 1)[:, :6].logsumexp(1)[:, None]
+
+
+class Reductions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        full = h.sum() + h.mean() + h.max() + h.amin() + h.var(unbiased=False) + h.std()
+        idx = h.argmax(-1).to(h.dtype) + torch.argmin(h).to(h.dtype)
+        return h.T @ h + full + idx.sum() + h.prod(1).sum() + h.norm(dim=-1).sum() + h.t().sum()
+
+
+class Pooling(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.avg = nn.AvgPool2d(3, stride=2, padding=1, count_include_pad=False)
+        self.adapt = nn.AdaptiveAvgPool2d((1, 1))
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
+        self.shuffle = nn.PixelShuffle(2)
+        self.pad = nn.ReflectionPad2d(1)
+        self.lp = nn.LPPool2d(2, 2)
+
+    def forward(self, x):
+        h = self.conv(x)                                   # [B, 4, 6, 6]
+        a = self.pool(h) + self.avg(h) + self.lp(h.abs() + 0.1)
+        b = self.adapt(self.up(a)).flatten(1)              # [B, 4]
+        c = self.shuffle(h).mean((1, 2, 3))[:, None]       # [B, 1]
+        d = F.max_pool1d(h.flatten(2), 4).sum(-1) + F.adaptive_max_pool2d(h, 2).sum((2, 3))
+        e = self.pad(h)[:, :, 0, :4].sum(-1) + F.pad(h.flatten(2), (1, 1), mode="replicate").mean(-1)
+        f = F.avg_pool2d(h, 2, ceil_mode=True).sum((2, 3)) + F.pad(h, (0, 1, 2, 0)).sum((2, 3))
+        vals, idx = F.max_pool2d(h, 2, return_indices=True)
+        return b + c + d + e + f + vals.sum((2, 3)) + idx.sum((2, 3)).to(h.dtype) * 1e-3
+
+
+CASES += [
+    Case("activations", Activations, (4, 6)),
+    Case("shapes", Shapes, (2, 3, 5, 5)),
+    Case("reductions", Reductions, (3, 5)),
+    Case("pooling", Pooling, (2, 2, 6, 6)),
+    Case("dropout_eval_or_zero", seq(lambda: [nn.Linear(4, 4), nn.Dropout(0.0), nn.Dropout2d(0.0)]),
+         (2, 4, 4)),
+]
+
+
+def _inputs(case: Case, n: int, stacked: bool):
+    shape = ((n,) if stacked else ()) + case.input_shape
+    if case.integer_input is not None:
+        x = torch.randint(0, case.integer_input, shape)
+        x.view(-1)[0] = 0  # make sure padding indices occur
+        return x
+    return torch.randn(shape, dtype=torch.float64)
+
+
+def _models(case: Case, n: int):
+    return [case.make() for _ in range(n)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("n", [1, 3, 8])
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
+def test_rule_float64_train(case, n, stacked):
+    if stacked and not case.stacked:
+        pytest.skip("case has no stacked form")
+    check_equivalence(_models(case, n), _inputs(case, n, stacked), in_dims=0 if stacked else None,
+                      train=True, dtype=torch.float64, steps=2)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_rule_float64_eval_n2(case):
+    check_equivalence(_models(case, 2), _inputs(case, 2, False), train=False, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_rule_float32(case, train):
+    check_equivalence(_models(case, 3), _inputs(case, 3, True), in_dims=0, train=train,
+                      dtype=torch.float32)
