@@ -1,0 +1,139 @@
+"""``fuse_optimizers``, and fused optimizers on modules made by ``hftc.fuse``.
+
+Stock optimizers are built on the original models, some step alone first (a
+different number of steps per model), then the models and optimizers are fused
+and train on; each model must end where its stock optimizer alone takes it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from optim_helpers import (
+    StackedModels,
+    assert_all_match,
+    make_batches,
+    make_models,
+    tolerance,
+    train_fused,
+    train_solo,
+)
+
+import hftc
+import hftc.optim as ho
+
+FUSERS = {"stacked": StackedModels, "hftc.fuse": hftc.fuse}
+
+STOCK = {
+    "sgd": (torch.optim.SGD, ho.SGD, [
+        dict(lr=0.1, momentum=0.9), dict(lr=0.05), dict(lr=0.02, momentum=0.9, nesterov=True)]),
+    "adam": (torch.optim.Adam, ho.Adam, [
+        dict(lr=1e-2), dict(lr=3e-2, betas=(0.8, 0.99), amsgrad=True),
+        dict(lr=1e-3, weight_decay=0.1)]),
+    "adamw": (torch.optim.AdamW, ho.AdamW, [
+        dict(lr=1e-2), dict(lr=3e-2, weight_decay=0.1), dict(lr=1e-3, amsgrad=True)]),
+    "rmsprop": (torch.optim.RMSprop, ho.RMSprop, [
+        dict(lr=1e-2, momentum=0.9), dict(lr=3e-3, centered=True), dict(lr=1e-3)]),
+    "adagrad": (torch.optim.Adagrad, ho.Adagrad, [
+        dict(lr=1e-2), dict(lr=3e-2, lr_decay=0.01, initial_accumulator_value=0.1),
+        dict(lr=1e-1)]),
+}
+
+
+def continue_fused(case: str, fuser, pre_steps: list[int], dtype=torch.float64, steps=5):
+    stock_cls, fused_cls, configs = STOCK[case]
+    n = len(configs)
+    models = make_models(n, dtype)
+    opts = [stock_cls(m.parameters(), **c) for m, c in zip(models, configs)]
+    warmup = make_batches(max(pre_steps) or 1, dtype, seed=99)
+    for m, o, k in zip(models, opts, pre_steps):
+        train_solo(m, o, warmup[:k])
+    fused = fuser(models)
+    opt = ho.fuse_optimizers(fused, opts)
+    assert type(opt) is fused_cls
+    batches = make_batches(steps, dtype)
+    train_fused(fused, opt, batches)
+    for m, o in zip(models, opts):  # the originals carry on alone
+        train_solo(m, o, batches)
+    return fused, opt, models
+
+
+@pytest.mark.parametrize("fuser", sorted(FUSERS))
+@pytest.mark.parametrize("case", sorted(STOCK))
+def test_fused_from_stock_optimizers_that_already_stepped(case, fuser):
+    fused, opt, models = continue_fused(case, FUSERS[fuser], pre_steps=[3, 1, 0])
+    assert_all_match(fused, models, 1e-9)
+    if "step" in opt.state[next(fused.parameters())]:
+        assert opt.state[next(fused.parameters())]["step"].tolist() == [8.0, 6.0, 5.0]
+
+
+@pytest.mark.parametrize("case", sorted(STOCK))
+def test_fused_from_fresh_stock_optimizers(case):
+    fused, opt, models = continue_fused(case, StackedModels, pre_steps=[0, 0, 0])
+    assert_all_match(fused, models, 1e-9)
+    _, _, configs = STOCK[case]
+    for group, config in zip(opt.param_groups, configs):
+        for key, value in config.items():
+            assert group[key] == value, key
+
+
+def test_float32_through_hftc_fuse():
+    fused, _, models = continue_fused("adam", hftc.fuse, pre_steps=[2, 2, 0],
+                                      dtype=torch.float32)
+    assert_all_match(fused, models, tolerance(torch.float32))
+
+
+def test_scheduler_keys_are_carried_over():
+    models = make_models(2)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m, lr in zip(models, [0.1, 0.2])]
+    for o in opts:
+        torch.optim.lr_scheduler.StepLR(o, step_size=2)
+    opt = ho.fuse_optimizers(StackedModels(models), opts)
+    assert [g["initial_lr"] for g in opt.param_groups] == [0.1, 0.2]
+    assert "foreach" not in opt.param_groups[0]
+
+
+def test_errors_name_what_is_wrong():
+    models = make_models(3)
+    fused = StackedModels(models)
+    sgd = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    with pytest.raises(ValueError, match="got 2 optimizers for 3 fused models"):
+        ho.fuse_optimizers(fused, sgd[:2])
+    mixed = sgd[:2] + [torch.optim.Adam(models[2].parameters())]
+    with pytest.raises(TypeError, match="optimizers\\[2\\] is Adam"):
+        ho.fuse_optimizers(fused, mixed)
+    with pytest.raises(TypeError, match="does not support Adamax"):
+        ho.fuse_optimizers(fused, [torch.optim.Adamax(m.parameters()) for m in models])
+    swapped = [sgd[0], torch.optim.SGD(models[0].parameters(), lr=0.1), sgd[2]]
+    with pytest.raises(ValueError, match="optimizers\\[1\\] holds a parameter .* not a "
+                                         "parameter of model 1"):
+        ho.fuse_optimizers(fused, swapped)
+    two_groups = torch.optim.SGD([{"params": models[1][0].parameters()},
+                                  {"params": models[1][3].parameters(), "lr": 0.01}], lr=0.1)
+    with pytest.raises(ValueError, match="optimizers\\[1\\] has 2 param groups"):
+        ho.fuse_optimizers(fused, [sgd[0], two_groups, sgd[2]])
+    subset = torch.optim.SGD(models[1][3].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="optimize different parameters"):
+        ho.fuse_optimizers(fused, [sgd[0], subset, sgd[2]])
+    with pytest.raises(TypeError, match="needs a fused module"):
+        ho.fuse_optimizers(models[0], sgd)
+
+
+def test_hftc_fuse_with_per_model_adam_and_unfuse():
+    # The public contract end to end: fuse, train with hftc.optim, unfuse.
+    dtype = torch.float64
+    lrs = [1e-3, 3e-3, 1e-2]
+    models = make_models(3, dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = hftc.fuse(models)
+    opt = ho.Adam(fused.parameters(), lr=lrs, weight_decay=0.0)
+    batches = make_batches(6, dtype)
+    train_fused(fused, opt, batches)
+    for solo, lr in zip(solos, lrs):
+        train_solo(solo, torch.optim.Adam(solo.parameters(), lr=lr), batches)
+    for i, (model, solo) in enumerate(zip(fused.unfuse(), solos)):
+        for (name, p), q in zip(model.named_parameters(), solo.parameters()):
+            err = (p - q).abs().max() / q.abs().max()
+            assert err <= 1e-9, (i, name, err.item())
