@@ -93,6 +93,10 @@ def module_signature(module: nn.Module) -> dict[str, Any]:
 def target_name(node: fx.Node) -> str:
     """A readable name for what a node calls (``torch.nn.functional.relu``, ``.view``)."""
     if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        for prefix, namespace in (("torch.nn.functional", torch.nn.functional), ("torch", torch)):
+            if name and getattr(namespace, name, None) is node.target:
+                return f"{prefix}.{name}"
         return fx.node._get_qualified_name(node.target)
     if node.op == "call_method":
         return f"Tensor.{node.target}"
@@ -236,15 +240,15 @@ def _explain_mismatch(
     nodes = [list(g.graph.nodes) for g in graphs]
     lines: list[str] = []
     lengths = [len(n) for n in nodes]
+    everyone = list(range(len(graphs)))
+    if len(set(lengths)) > 1:
+        lines.append(
+            "  the graphs have different numbers of nodes (an extra or missing layer): "
+            + _group_values(lengths, everyone)
+        )
     for k in range(max(lengths)):
-        present = [i for i in [0, *failed] if k < lengths[i]]
-        if len(present) < 1 + len(failed):
-            missing = [i for i in [0, *failed] if k >= lengths[i]]
-            lines.append(
-                f"  models {missing} end before position {k}; the graphs have "
-                + _group_values([lengths[i] for i in [0, *failed]], [0, *failed])
-                + " nodes (an extra or missing layer)"
-            )
+        present = [i for i in everyone if k < lengths[i]]
+        if len(present) < len(everyone):
             break
         row = [sigs[i][k] for i in present]
         if all(s == row[0] for s in row):
@@ -258,7 +262,7 @@ def _explain_mismatch(
         others = ", ".join(
             f"model {i} has {describe_node(nodes[i][k], graphs[i])}"
             for i in present[1:]
-            if nodes[i][k].name != nodes[0][k].name
+            if i in failed and nodes[i][k].name != nodes[0][k].name
         )
         lines.append(f"  at {where}" + (f" ({others})" if others else "") + ":")
         lines.extend(f"    {d}" for d in diffs)

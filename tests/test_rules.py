@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from equivalence import check_equivalence
+from torch import nn
 
 
 @dataclass

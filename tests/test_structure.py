@@ -1,0 +1,257 @@
+"""Structure: what the fused graph looks like, not only what it computes.
+
+N conv nodes become exactly one conv node; likewise linear and norms; an op no
+rule covers becomes a reported per-model loop; a graph with nothing to fuse is
+left as it was.  Also the module-level contract of API.md: stacked parameter
+names and shapes, unfuse, model_state_dict, state_dict round trips, dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from equivalence import check_equivalence
+from torch import nn
+
+import hftc
+from hftc.lowering import kernels
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3)
+        self.ln = nn.LayerNorm(4)
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.conv2(x).mean((2, 3))
+        return self.fc(self.ln(x))
+
+
+def _calls(graph, fn):
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is fn]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_n_convs_become_one_conv_node(n):
+    fused = hftc.fuse([ConvNet() for _ in range(n)])
+    fused(torch.randn(2, 3, 8, 8))
+    graph = fused.fused_graph
+    assert len(_calls(graph, kernels.conv)) == 2  # conv1, conv2: one fused node each
+    assert len(_calls(graph, kernels.batch_norm)) == 1
+    assert len(_calls(graph, kernels.layer_norm)) == 1
+    assert len(_calls(graph, kernels.linear)) == 1
+    assert not [n for n in graph.nodes if "loop" in str(n.target)]
+    report = fused.fusion_report
+    assert report.fallbacks == []
+    counts = report.rule_counts()
+    assert counts["fuse_conv_module"] == 2
+    assert counts["fuse_linear_module"] == 1
+
+
+def test_shared_input_first_conv_is_ungrouped():
+    fused = hftc.fuse([ConvNet() for _ in range(3)])
+    fused(torch.randn(2, 3, 8, 8))
+    first, second = _calls(fused.fused_graph, kernels.conv)
+    assert first.kwargs["x_batched"] is False  # one conv with N*Cout channels
+    assert second.kwargs["x_batched"] is True  # grouped conv over N*C channels
+
+
+def test_rule_that_must_not_fire_leaves_graph_unchanged():
+    class NoParams(nn.Module):
+        def forward(self, x):
+            return F.relu(x.view(x.size(0), -1)) * 2
+
+    fused = hftc.fuse([NoParams(), NoParams()])
+    x = torch.randn(3, 2, 2)
+    out = fused(x)
+    ops = [n.target for n in fused.fused_graph.nodes if n.op in ("call_function", "call_method")]
+    # The original ops, unchanged (computed once, shared), then the output expand.
+    assert ops == ["size", "view", F.relu, __import__("operator").mul, kernels.expand_models]
+    assert all(r.kind == "shared" for r in fused.fusion_report.records
+               if r.kind not in ("input", "parameter"))
+    torch.testing.assert_close(out, NoParams()(x).expand(2, 3, 4))
+
+
+def test_unfusable_op_falls_back_to_a_reported_loop():
+    class WithFFT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.fft.rfft(self.fc(x)).abs()
+
+    models = [WithFFT() for _ in range(3)]
+    fused = check_equivalence(models, torch.randn(2, 8))
+    report = fused.fusion_report
+    assert [r.node for r in report.fallbacks] == ["fft_rfft"]
+    assert "no fusion rule" in report.fallbacks[0].reason
+    assert "per-model loop" in str(report)
+
+
+def test_unknown_module_with_parameters_loops_over_models():
+    class WithBilinear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bil = nn.Bilinear(3, 4, 2)
+
+        def forward(self, x):
+            return self.bil(x[..., :3], x)
+
+    fused = check_equivalence([WithBilinear() for _ in range(2)], torch.randn(5, 4))
+    assert [r.rule for r in fused.fusion_report.fallbacks] == ["loop"]
+
+
+def test_parameters_are_stacked_under_original_names():
+    models = [ConvNet() for _ in range(3)]
+    fused = hftc.fuse(models)
+    sd = fused.state_dict()
+    assert list(sd) == list(models[0].state_dict())
+    for name, t in models[0].state_dict().items():
+        assert sd[name].shape == (3, *t.shape), name
+        for i, m in enumerate(models):
+            assert torch.equal(sd[name][i], m.state_dict()[name])
+    assert fused.num_models == 3
+
+
+def test_unfuse_and_model_state_dict_after_training():
+    models = [ConvNet().double() for _ in range(3)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    opt = torch.optim.SGD(fused.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        fused(x).sum().backward()
+        opt.step()
+    back = fused.unfuse()
+    for i, m in enumerate(back):
+        assert type(m) is ConvNet
+        assert m.training
+        sd = fused.model_state_dict(i)
+        assert sd.keys() == m.state_dict().keys()
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, sd[k])
+        fresh = ConvNet().double()
+        fresh.load_state_dict(sd)
+        torch.testing.assert_close(fresh.eval()(x), m.eval()(x), rtol=0, atol=0)
+        torch.testing.assert_close(m(x), fused.eval()(x)[i], rtol=1e-12, atol=1e-12)
+        fused.train()
+        assert not torch.equal(m.fc.weight, models[i].fc.weight)  # it did train
+
+
+def test_state_dict_round_trip_through_torch_save():
+    fused = hftc.fuse([ConvNet() for _ in range(2)])
+    x = torch.randn(2, 3, 8, 8)
+    fused(x)
+    buffer = io.BytesIO()
+    torch.save(fused.state_dict(), buffer)
+    buffer.seek(0)
+    other = hftc.fuse([ConvNet() for _ in range(2)])
+    other.load_state_dict(torch.load(buffer, weights_only=True))
+    torch.testing.assert_close(other.eval()(x), fused.eval()(x), rtol=0, atol=0)
+
+
+def test_double_and_eval_switch_after_fusing():
+    models = [ConvNet() for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models)).double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    fused.eval()
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m.double().eval()(x), rtol=1e-12, atol=1e-12)
+    assert out.dtype == torch.float64
+
+
+def test_functional_dropout_follows_the_fused_mode():
+    class Drop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(50, 50)
+
+        def forward(self, x):
+            return F.dropout(self.fc(x), 0.5, self.training)
+
+    fused = hftc.fuse([Drop(), Drop()])
+    x = torch.randn(8, 50)
+    assert (fused.train()(x) == 0).float().mean() > 0.3
+    assert (fused.eval()(x) == 0).float().mean() < 0.05
+
+
+def test_dropout_masks_differ_between_models_and_keep_rate_matches():
+    p = 0.3
+    models = [nn.Sequential(nn.Identity(), nn.Dropout(p)) for _ in range(4)]
+    fused = hftc.fuse(models)
+    x = torch.ones(200, 100)
+    out = fused(x)  # shared input: each model must still draw its own mask
+    kept = out != 0
+    for i in range(4):
+        rate = kept[i].float().mean().item()
+        assert abs(rate - (1 - p)) < 0.02, rate
+        torch.testing.assert_close(out[i][kept[i]], torch.full_like(out[i][kept[i]], 1 / (1 - p)))
+    for i in range(1, 4):
+        assert (kept[0] != kept[i]).float().mean() > 0.2
+
+
+def test_batch_size_can_change_between_calls():
+    models = [ConvNet() for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    for batch in (2, 5, 1):
+        x = torch.randn(batch, 3, 8, 8)
+        out = fused(x)
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i], m(x))
+    assert len(fused._programs) == 1  # one program serves every batch size
+
+
+def test_structured_outputs_keep_their_structure():
+    class Multi(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return {"logits": h, "pair": (h.sum(-1), x), "size": h.size(-1)}
+
+    models = [Multi() for _ in range(3)]
+    fused = hftc.fuse(models)
+    x = torch.randn(2, 3)
+    out = fused(x)
+    assert set(out) == {"logits", "pair", "size"}
+    assert out["size"] == 4
+    assert out["pair"][1].shape == (3, 2, 3)  # a shared input returned: stacked too
+    for i, m in enumerate(models):
+        ref = m(x)
+        torch.testing.assert_close(out["logits"][i], ref["logits"])
+        torch.testing.assert_close(out["pair"][0][i], ref["pair"][0])
+
+
+def test_same_model_instance_twice_gives_independent_copies():
+    m = ConvNet()
+    fused = hftc.fuse([m, m])
+    opt = torch.optim.SGD(fused.parameters(), lr=0.1)
+    x = torch.randn(2, 3, 8, 8)
+    (fused(x)[0].sum()).backward()  # only model 0's loss
+    opt.step()
+    w = fused.state_dict()["fc.weight"]
+    assert not torch.equal(w[0], w[1])
+    assert torch.equal(w[1], m.fc.weight)  # the original is untouched
+
+
+def test_torch_compile_runs_the_fused_module():
+    models = [ConvNet() for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(2, 3, 8, 8)
+    compiled = torch.compile(fused, backend="eager")
+    out = compiled(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
