@@ -167,17 +167,16 @@ def per_model(loss_fn: Callable[..., Tensor], *,
     ``torch.func.vmap``, or, if vmap cannot run them, in a loop over models.
     Result: ``[N]`` for reduction ``"mean"`` / ``"sum"``; ``[N, ...]`` for ``"none"``.
     """
-    if not isinstance(in_dims, tuple):
-        in_dims = (in_dims,)
-    for d in in_dims:
+    for d in in_dims if isinstance(in_dims, tuple) else (in_dims,):
         if d not in (0, None):
             raise ValueError(f"per_model: in_dims entries must be 0 or None, got {in_dims}")
 
     @functools.wraps(loss_fn)
     def losses(*args: Any, **kwargs: Any) -> Tensor:
-        dims = tuple(in_dims) + (None,) * (len(args) - len(in_dims))
-        if len(dims) > len(args):
-            dims = dims[: len(args)]
+        if isinstance(in_dims, tuple):
+            dims = (in_dims + (None,) * len(args))[: len(args)]
+        else:  # one int (or None) for every positional argument, as in vmap
+            dims = (in_dims,) * len(args)
         stacked = [a for a, d in zip(args, dims) if d == 0]
         if not stacked:
             raise ValueError("per_model: in_dims marks no argument as stacked (0)")

@@ -1,0 +1,362 @@
+"""Per-model clipping, ``hftc.per_model`` losses and the per-model ``hftc.amp.GradScaler``.
+
+Each is compared with the stock tool applied to each model alone
+(``torch.nn.utils.clip_grad_norm_``, a loop of loss calls, ``torch.amp.GradScaler``),
+and a model that overflows or diverges must leave the others exactly as alone.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from optim_helpers import (
+    StackedModels,
+    assert_all_match,
+    make_batches,
+    make_models,
+    per_model_losses,
+    rel_diff,
+    tolerance,
+)
+
+import hftc.optim as ho
+from hftc.amp import GradScaler
+from hftc.utils import clip_grad_norm_, clip_grad_value_, per_model
+
+
+def fused_and_solo_grads(n=3, dtype=torch.float64, scale=(1.0, 1.0, 1.0)):
+    """A stand-in fused module and n solo copies, all holding the gradients of one batch."""
+    models = make_models(n, dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    x, y = make_batches(1, dtype)[0]
+    out = fused(x)
+    sum(F.cross_entropy(out[i] * scale[i], y) for i in range(n)).backward()
+    for solo, s in zip(solos, scale):
+        F.cross_entropy(solo(x) * s, y).backward()
+    return fused, solos
+
+
+def assert_grads_match(fused, solos, rtol=1e-12):
+    grads = {name: p.grad for name, p in fused.named_parameters()}
+    for i, solo in enumerate(solos):
+        for name, p in solo.named_parameters():
+            assert rel_diff(grads[name][i], p.grad) <= rtol, (i, name)
+
+
+# ------------------------------------------------------------------------ clipping
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_clips_each_model_by_its_own_norm(norm_type):
+    fused, solos = fused_and_solo_grads(scale=(1.0, 30.0, 0.01))
+    max_norms = [0.5, 1.0, 2.0]
+    norms = clip_grad_norm_(fused, max_norms, norm_type=norm_type)
+    assert norms.shape == (3,)
+    for i, solo in enumerate(solos):
+        stock = torch.nn.utils.clip_grad_norm_(solo.parameters(), max_norms[i], norm_type)
+        assert rel_diff(norms[i], stock) <= 1e-12
+    assert_grads_match(fused, solos)
+
+
+def test_clip_grad_norm_takes_parameters_and_a_shared_max_norm():
+    fused, solos = fused_and_solo_grads(scale=(1.0, 30.0, 0.01))
+    norms = clip_grad_norm_(list(fused.parameters()), 0.3)
+    stock = [torch.nn.utils.clip_grad_norm_(s.parameters(), 0.3) for s in solos]
+    assert rel_diff(norms, torch.stack(stock)) <= 1e-12
+    assert_grads_match(fused, solos)
+
+
+def test_clip_grad_norm_keeps_a_non_finite_model_to_itself():
+    fused, solos = fused_and_solo_grads()
+    next(fused.parameters()).grad[1, 0] = float("nan")
+    norms = clip_grad_norm_(fused, 0.1)
+    assert torch.isnan(norms[1]) and torch.isfinite(norms[[0, 2]]).all()
+    for i in (0, 2):
+        torch.nn.utils.clip_grad_norm_(solos[i].parameters(), 0.1)
+    grads = {n: p.grad for n, p in fused.named_parameters()}
+    for i in (0, 2):
+        for name, p in solos[i].named_parameters():
+            assert rel_diff(grads[name][i], p.grad) <= 1e-12
+    with pytest.raises(RuntimeError, match="model\\(s\\) \\[1\\] is non-finite"):
+        clip_grad_norm_(fused, 0.1, error_if_nonfinite=True)
+
+
+def test_clip_grad_value_shared_and_per_model():
+    fused, solos = fused_and_solo_grads(scale=(1.0, 30.0, 0.01))
+    clip_grad_value_(fused, 0.05)
+    for s in solos:
+        torch.nn.utils.clip_grad_value_(s.parameters(), 0.05)
+    assert_grads_match(fused, solos, 0.0)
+    fused, solos = fused_and_solo_grads(scale=(1.0, 30.0, 0.01))
+    clip_grad_value_(fused, [0.01, 0.1, 1.0])
+    for s, c in zip(solos, [0.01, 0.1, 1.0]):
+        torch.nn.utils.clip_grad_value_(s.parameters(), c)
+    assert_grads_match(fused, solos, 0.0)
+
+
+def test_clip_errors():
+    fused, _ = fused_and_solo_grads()
+    with pytest.raises(ValueError, match="max_norm has 2 values but there are 3 models"):
+        clip_grad_norm_(fused, [1.0, 2.0])
+    with pytest.raises(ValueError, match="num_models=4, but the gradients' leading dim is 3"):
+        clip_grad_norm_(fused.parameters(), 1.0, num_models=4)
+    a, b = torch.zeros(3, 2, requires_grad=True), torch.zeros(2, 2, requires_grad=True)
+    a.grad, b.grad = torch.ones(3, 2), torch.ones(2, 2)
+    with pytest.raises(ValueError, match="leading dims are \\[2, 3\\]"):
+        clip_grad_value_([a, b], 0.1)
+    assert clip_grad_norm_(StackedModels(make_models(2)), 1.0).tolist() == [0.0, 0.0]
+
+
+def test_clipping_keeps_a_diverging_model_from_the_others():
+    # Model 1's lr is huge: it overflows to NaN even with clipping, while models
+    # 0 and 2 (clipped by their own norms) train exactly as alone.
+    dtype = torch.float64
+    lrs, max_norms = [0.1, 1e200, 0.3], [0.5, 1.0, 0.2]
+    models = make_models(3, dtype, activation=torch.nn.ReLU)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = ho.SGD(fused.parameters(), lr=lrs, momentum=0.9)
+    batches = make_batches(6, dtype)
+    for x, y in batches:
+        opt.zero_grad()
+        per_model_losses(fused, x, y).sum().backward()
+        clip_grad_norm_(fused, max_norms)
+        opt.step()
+    assert not all(torch.isfinite(p[1]).all() for p in fused.parameters())
+    for i in (0, 2):
+        solo_opt = torch.optim.SGD(solos[i].parameters(), lr=lrs[i], momentum=0.9)
+        for x, y in batches:
+            solo_opt.zero_grad()
+            F.cross_entropy(solos[i](x), y).backward()
+            torch.nn.utils.clip_grad_norm_(solos[i].parameters(), max_norms[i])
+            solo_opt.step()
+    assert_all_match(fused, solos, 1e-9, models=[0, 2])
+
+
+# ------------------------------------------------------------------------ per_model
+
+
+def loop(fn, out, *args, stacked=False, **kwargs):
+    return torch.stack([fn(out[i], *[a[i] if stacked else a for a in args], **kwargs)
+                        for i in range(out.shape[0])])
+
+
+def test_per_model_cross_entropy_with_shared_and_stacked_targets():
+    out = torch.randn(3, 8, 5, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 5, (8,))
+    losses = per_model(F.cross_entropy)(out, y)
+    assert losses.shape == (3,)
+    assert rel_diff(losses, loop(F.cross_entropy, out, y)) <= 1e-12
+    # Each model's gradient is its own (the loop's).
+    (g,) = torch.autograd.grad(losses.sum(), out)
+    (g_loop,) = torch.autograd.grad(loop(F.cross_entropy, out, y).sum(), out)
+    assert rel_diff(g, g_loop) <= 1e-12
+    ys = torch.randint(0, 5, (3, 8))
+    stacked = per_model(F.cross_entropy, in_dims=0)(out, ys)
+    assert rel_diff(stacked, loop(F.cross_entropy, out, ys, stacked=True)) <= 1e-12
+
+
+def test_per_model_cross_entropy_options():
+    out = torch.randn(2, 6, 4, 3, dtype=torch.float64)        # [N, B, C, d]
+    y = torch.randint(0, 4, (6, 3))
+    y[0, 0] = y[2, 1] = -100
+    for kwargs in [{}, {"reduction": "sum"}, {"label_smoothing": 0.1}, {"reduction": "none"}]:
+        got = per_model(F.cross_entropy)(out, y, **kwargs)
+        assert rel_diff(got, loop(F.cross_entropy, out, y, **kwargs)) <= 1e-12, kwargs
+    y2 = torch.where(y == -100, 2, y)
+    got = per_model(F.cross_entropy)(out, y2, ignore_index=2)
+    assert rel_diff(got, loop(F.cross_entropy, out, y2, ignore_index=2)) <= 1e-12
+    weight = torch.rand(4, dtype=torch.float64)
+    got = per_model(F.cross_entropy)(out, y, weight=weight)        # through vmap
+    assert rel_diff(got, loop(F.cross_entropy, out, y, weight=weight)) <= 1e-12
+    probs = torch.softmax(torch.randn(6, 4, 3, dtype=torch.float64), 1)
+    got = per_model(F.cross_entropy)(out, probs)
+    assert rel_diff(got, loop(F.cross_entropy, out, probs)) <= 1e-12
+
+
+@pytest.mark.parametrize("fn", [F.mse_loss, F.l1_loss, F.smooth_l1_loss,
+                                F.binary_cross_entropy_with_logits])
+def test_per_model_elementwise_losses(fn):
+    out = torch.randn(3, 5, 2, dtype=torch.float64)
+    target = torch.rand(5, 2, dtype=torch.float64)
+    assert rel_diff(per_model(fn)(out, target), loop(fn, out, target)) <= 1e-12
+    stacked = torch.rand(3, 5, 2, dtype=torch.float64)
+    got = per_model(fn, in_dims=(0, 0))(out, stacked, reduction="sum")
+    assert rel_diff(got, loop(fn, out, stacked, stacked=True, reduction="sum")) <= 1e-12
+
+
+def test_per_model_generic_losses_via_vmap_and_via_a_loop():
+    out = torch.randn(3, 5, 2, dtype=torch.float64)
+    target = torch.randn(5, 2, dtype=torch.float64)
+
+    def smooth(o, t):
+        return ((o - t) ** 2).mean() + o.abs().amax()
+
+    assert rel_diff(per_model(smooth)(out, target), loop(smooth, out, target)) <= 1e-12
+
+    def data_dependent(o, t):  # .item() cannot run under vmap
+        return (o - t).abs().sum() if (o - t).sum().item() > 0 else (o - t).pow(2).sum()
+
+    got = per_model(data_dependent)(out, target)
+    assert rel_diff(got, loop(data_dependent, out, target)) <= 1e-12
+
+
+def test_per_model_argument_errors():
+    with pytest.raises(ValueError, match="in_dims entries must be 0 or None"):
+        per_model(F.mse_loss, in_dims=(1, None))
+    out = torch.randn(3, 4, 2)
+    with pytest.raises(ValueError, match="leading dim N = 3"):
+        per_model(F.mse_loss, in_dims=0)(out, torch.randn(2, 4, 2))
+
+
+# ------------------------------------------------------------------------- scaler
+
+
+def train_scaled(fused, opt, scaler, batches, boost, autocast=None, clip=None):
+    n = fused.num_models
+    scales = []
+    for x, y in batches:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            out = fused(x)
+            losses = torch.stack([F.cross_entropy(out[i].float() * boost[i], y)
+                                  for i in range(n)])
+        scaler.scale(losses).sum().backward()
+        if clip is not None:
+            scaler.unscale_(opt)
+            clip_grad_norm_(fused, clip)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale().tolist())
+    return scales
+
+
+def train_scaled_solo(model, opt, scaler, batches, boost, autocast=None, clip=None):
+    scales = []
+    for x, y in batches:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = F.cross_entropy(model(x).float() * boost, y)
+        scaler.scale(loss).backward()
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_scaler_skips_only_the_model_that_overflows(opt_name, autocast):
+    # Model 1's loss is 1e12 times larger: with a scale of 2**100 its float32
+    # gradients overflow. torch's scaler would skip all 3 models; this one skips
+    # model 1 only, backs off model 1's scale only, and every model follows the
+    # path torch.amp.GradScaler gives it alone.
+    dtype, n = torch.float32, 3
+    boost = [1.0, 1e12, 1.0]
+    make_opt = {
+        "adam": (lambda ps, i: torch.optim.Adam(ps, lr=[1e-2, 3e-2, 1e-3][i]),
+                 lambda ps: ho.Adam(ps, lr=[1e-2, 3e-2, 1e-3])),
+        "sgd": (lambda ps, i: torch.optim.SGD(ps, lr=0.1, momentum=[0.9, 0.5, 0.0][i]),
+                lambda ps: ho.SGD(ps, lr=0.1, momentum=[0.9, 0.5, 0.0])),
+    }[opt_name]
+    models = make_models(n, dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = make_opt[1](fused.parameters())
+    scaler = GradScaler(init_scale=2.0**100, growth_interval=3)
+    batches = make_batches(8, dtype)
+    scales = train_scaled(fused, opt, scaler, batches, boost, autocast)
+    for i, solo in enumerate(solos):
+        stock = torch.amp.GradScaler("cpu", init_scale=2.0**100, growth_interval=3)
+        solo_scales = train_scaled_solo(solo, make_opt[0](solo.parameters(), i), stock,
+                                        batches, boost[i], autocast)
+        assert [s[i] for s in scales] == solo_scales, i
+    assert_all_match(fused, solos, tolerance(dtype))
+    assert scales[-1][1] < scales[-1][0] == scales[-1][2]
+    if opt_name == "adam":
+        assert opt.state[next(fused.parameters())]["step"].tolist()[1] < len(batches)
+
+
+def test_scaler_with_a_diverging_model_and_per_model_clipping():
+    # Model 1's huge lr makes it NaN; the scaler skips it from then on, and models
+    # 0 and 2 (unscaled, clipped by their own norms) equal their solo runs.
+    dtype, lrs = torch.float64, [0.1, 1e200, 0.05]
+    models = make_models(3, dtype, activation=torch.nn.ReLU)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = ho.SGD(fused.parameters(), lr=lrs, momentum=0.9)
+    scaler = GradScaler(init_scale=2.0**10, growth_interval=2)
+    batches = make_batches(6, dtype)
+    scales = train_scaled(fused, opt, scaler, batches, [1.0] * 3, clip=1.0)
+    # Its loss overflowed (its weights stay finite: every later step was skipped).
+    assert not torch.isfinite(per_model_losses(fused, *batches[-1])[1])
+    assert scales[-1][1] < 2.0**10 < scales[-1][0]
+    for i in (0, 2):
+        stock = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        solo_opt = torch.optim.SGD(solos[i].parameters(), lr=lrs[i], momentum=0.9)
+        solo_scales = train_scaled_solo(solos[i], solo_opt, stock, batches, 1.0, clip=1.0)
+        assert [s[i] for s in scales] == solo_scales
+    assert_all_match(fused, solos, 1e-9, models=[0, 2])
+
+
+def test_scaler_update_follows_torch_growth_and_backoff_rules():
+    scaler = GradScaler(init_scale=8.0, growth_factor=4.0, backoff_factor=0.25,
+                        growth_interval=2)
+    fused = StackedModels(make_models(2))
+    opt = ho.SGD(fused.parameters(), lr=0.0)
+    x, y = make_batches(1)[0]
+    history = []
+    for overflow in [(False, True), (False, False), (True, False), (False, False)]:
+        opt.zero_grad()
+        scaler.scale(per_model_losses(fused, x, y)).sum().backward()
+        for i, bad in enumerate(overflow):
+            if bad:
+                next(fused.parameters()).grad[i].fill_(float("inf"))
+        scaler.step(opt)
+        scaler.update()
+        history.append(scaler.get_scale().tolist())
+    # model 0: ok, ok -> x4; inf -> x0.25; ok.   model 1: inf -> x0.25; ok, ok -> x4; ok.
+    assert history == [[8.0, 2.0], [32.0, 2.0], [8.0, 8.0], [8.0, 8.0]]
+    assert scaler.get_growth_tracker().tolist() == [1, 1]
+    scaler.update(new_scale=[1.0, 2.0])
+    assert scaler.get_scale().tolist() == [1.0, 2.0]
+
+
+def test_scaler_misuse_is_reported():
+    fused = StackedModels(make_models(2))
+    x, y = make_batches(1)[0]
+    scaler = GradScaler()
+    with pytest.raises(ValueError, match="per-model losses .* not their sum"):
+        scaler.scale(per_model_losses(fused, x, y).sum())
+    stock = torch.optim.SGD(fused.parameters(), lr=0.1)
+    scaler.scale(per_model_losses(fused, x, y)).sum().backward()
+    with pytest.raises(TypeError, match="hftc.optim optimizers"):
+        scaler.step(stock)
+    opt = ho.SGD(fused.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="No inf checks"):
+        scaler.update()
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.step(opt)
+    with pytest.raises(ValueError, match="got 3 per-model losses but the scaler has 2"):
+        scaler.scale(torch.ones(3))
+
+
+def test_disabled_scaler_is_a_no_op():
+    fused = StackedModels(make_models(2))
+    opt = ho.SGD(fused.parameters(), lr=0.1)
+    scaler = GradScaler(enabled=False)
+    x, y = make_batches(1)[0]
+    losses = per_model_losses(fused, x, y)
+    assert scaler.scale(losses) is losses
+    losses.sum().backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.state_dict() == {}
