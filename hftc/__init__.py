@@ -4,7 +4,7 @@
     out = fused(x)                      # out[i] == m_i(x)
 """
 
-from . import errors
+from . import amp, errors, optim, utils  # noqa: E402  (they import the names above)
 from .errors import (
     FusionError,
     MismatchError,
@@ -12,9 +12,10 @@ from .errors import (
     UnsupportedOperatorError,
 )
 from .fused import FusedModule, fuse
+from .utils import per_model
 
 __all__ = [
     "FusedModule", "FusionError", "MismatchError", "TraceError", "UnsupportedOperatorError",
-    "errors", "fuse",
+    "amp", "errors", "fuse", "optim", "per_model", "utils",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,154 @@
+"""``python -m hftc``: inspect a fusion, run the demo, run benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .errors import FusionError
+
+
+def _load_factory(spec: str):
+    """``package.module:factory`` or ``path/to/file.py:factory`` -> the factory callable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not attr:
+        raise SystemExit(f"hftc: expected MODULE:FACTORY (e.g. mymodels:make_cnn), got {spec!r}")
+    if module_name.endswith(".py") or "/" in module_name:
+        path = Path(module_name)
+        if not path.exists():
+            raise SystemExit(f"hftc: no such file {path}")
+        loaded = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(loaded)
+        sys.modules[path.stem] = module
+        loaded.loader.exec_module(module)
+    else:
+        sys.path.insert(0, str(Path.cwd()))
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise SystemExit(f"hftc: cannot import {module_name!r}: {exc}") from exc
+    try:
+        return getattr(module, attr)
+    except AttributeError as exc:
+        raise SystemExit(f"hftc: {module_name} has no attribute {attr!r}") from exc
+
+
+def graph_to_dot(fused, title: str = "fused") -> str:
+    """The fused graph as Graphviz DOT: one box per op, labelled with the rule that made it."""
+    program = fused.last_program()
+    lines = [f'digraph "{title}" {{', "  rankdir=TB;", '  node [shape=box, fontname="monospace"];']
+    colors = {"loop": "mistyrose", "shared": "lightgrey"}
+    for node in program.graph.nodes:
+        if node.op == "get_attr":
+            continue
+        rule = node.meta.get("hftc_rule", node.op)
+        origin = node.meta.get("hftc_origin", [])
+        label = f"{node.name}\\n{getattr(node.target, '__name__', node.target)}\\n[{rule}]"
+        if origin:
+            label += f"\\n<- {origin[0]} x{len(origin)}"
+        color = colors.get(rule, "lightblue" if rule not in ("placeholder", "output") else "white")
+        lines.append(f'  "{node.name}" [label="{label}", style=filled, fillcolor={color}];')
+        for arg in node.all_input_nodes:
+            if arg.op != "get_attr":
+                lines.append(f'  "{arg.name}" -> "{node.name}";')
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import hftc
+
+    factory = _load_factory(args.factory)
+    models = [factory() for _ in range(args.n)]
+    shape = tuple(int(s) for s in args.input_shape.split(","))
+    fused = hftc.fuse(models)
+    fused.compile(torch.randn(*shape))
+    program = fused.last_program()
+    if args.format == "text":
+        text = f"{program.report}\n\nfused graph (generated forward):\n{program.source}"
+        if args.output:
+            Path(args.output).write_text(text)
+        else:
+            print(text)
+        return 0
+    dot = graph_to_dot(fused, args.factory)
+    if args.format == "dot":
+        if args.output:
+            Path(args.output).write_text(dot)
+        else:
+            print(dot)
+        return 0
+    if shutil.which("dot") is None:
+        print("hftc: --format svg needs Graphviz's `dot` program, which is not installed "
+              "(Debian: apt-get install graphviz). Use --format dot to write the DOT text.",
+              file=sys.stderr)
+        return 2
+    if not args.output:
+        print("hftc: --format svg needs -o FILE", file=sys.stderr)
+        return 2
+    subprocess.run(["dot", "-Tsvg", "-o", args.output], input=dot.encode(), check=True)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .speed import run_demo
+
+    run_demo(args.n)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .speed import WORKLOADS, run_bench
+
+    workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        print(f"hftc: unknown workloads {unknown}; choose from {list(WORKLOADS)}", file=sys.stderr)
+        return 2
+    run_bench(workloads, [int(n) for n in args.sizes.split(",")], batch=args.batch)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hftc", description="hftc: fuse N PyTorch models into one module."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="fuse N models from a factory; print the fusion report "
+                                       "and the fused graph")
+    p.add_argument("factory", help="MODULE:FACTORY or path/to/file.py:FACTORY (called N times)")
+    p.add_argument("-n", type=int, default=3, help="number of models (default 3)")
+    p.add_argument("--input-shape", required=True, help="e.g. 8,3,32,32 (a shared input)")
+    p.add_argument("--format", choices=["text", "dot", "svg"], default="text")
+    p.add_argument("-o", "--output", help="write to this file instead of stdout")
+    p.set_defaults(fn=cmd_inspect)
+    p = sub.add_parser("demo", help="measure a fused training step against a serial loop")
+    p.add_argument("-n", type=int, default=16, help="number of models (default 16)")
+    p.set_defaults(fn=cmd_demo)
+    p = sub.add_parser("bench", help="training-step speedup over workloads and N")
+    p.add_argument("--workloads", default="", help="comma-separated (default: all)")
+    p.add_argument("--sizes", default="1,2,4,8,16,32", help="values of N (default 1,2,...,32)")
+    p.add_argument("--batch", type=int, default=64)
+    p.set_defaults(fn=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except FusionError as exc:
+        print(f"hftc: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
