@@ -12,10 +12,11 @@ from .errors import (
     UnsupportedOperatorError,
 )
 from .fused import FusedModule, fuse
+from .group import fuse_groups
 from .utils import per_model
 
 __all__ = [
     "FusedModule", "FusionError", "MismatchError", "TraceError", "UnsupportedOperatorError",
-    "amp", "errors", "fuse", "optim", "per_model", "utils",
+    "amp", "errors", "fuse", "fuse_groups", "optim", "per_model", "utils",
 ]
 __version__ = "0.1.0"

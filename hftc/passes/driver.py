@@ -253,7 +253,7 @@ def fuse_graph(
                     builder.current_rule = "loop"
                     new = _emit_loop(group, builder)
                     kind, rule_name = "loop", "loop"
-        made = list(builder.graph.nodes)[first_new:]
+        made = [m for m in list(builder.graph.nodes)[first_new:] if m.op != "get_attr"]
         new.meta[EXAMPLE_VALUE] = node.meta.get(EXAMPLE_VALUE)
         env[node] = new
         records.append(FusionRecord(node.name, describe_node(node, graph_module), kind, rule_name,

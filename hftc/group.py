@@ -1,0 +1,51 @@
+"""``hftc.fuse_groups``: split a mixed list of models into fusable groups and fuse each.
+
+A sweep over widths (or any architectural hyper-parameter) gives models that
+cannot all be fused together, but do fall into groups that can.  Each model is
+traced once and keyed by the signature of its graph in trace order (the same
+signatures the matcher compares); models with equal keys are fused together.
+
+    groups = hftc.fuse_groups(models)       # [(fused, [indices]), ...]
+    for fused, indices in groups:
+        out = fused(x)                      # out[j] == models[indices[j]](x)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from .fused import FusedModule, _check_models
+from .match import node_signature
+from .trace import trace_model
+
+
+def structure_key(model: nn.Module, index: int) -> str:
+    """A string equal for two models exactly when their traced graphs match in trace order."""
+    gm = trace_model(model, index, training=model.training)
+    position = {n: k for k, n in enumerate(gm.graph.nodes)}
+    parts = []
+    for node in gm.graph.nodes:
+        sig = node_signature(node, gm)
+        inputs = [position[a] for a in node.all_input_nodes]
+        parts.append(repr((sorted(sig.items(), key=lambda kv: kv[0]), inputs)))
+    return "\n".join(parts)
+
+
+def fuse_groups(models: Iterable[nn.Module], **fuse_kwargs: Any) -> list[tuple[FusedModule, list[int]]]:
+    """Partition ``models`` into structurally identical groups and fuse each group.
+
+    Returns ``[(fused_module, indices), ...]`` in order of each group's first model;
+    ``indices`` are positions in ``models``, so ``fused(x)[j]`` is
+    ``models[indices[j]](x)``.  ``fuse_kwargs`` go to :func:`hftc.fuse`.
+    """
+    models = _check_models(models)
+    groups: dict[str, list[int]] = {}
+    for i, m in enumerate(models):
+        groups.setdefault(structure_key(m, i), []).append(i)
+    return [
+        (FusedModule([models[i] for i in indices], **fuse_kwargs), indices)
+        for indices in groups.values()
+    ]
