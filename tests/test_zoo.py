@@ -26,6 +26,18 @@ from equivalence import (
 from zoo import ZOO, make_input, make_models
 
 BATCH = 4  # never equal to an N in the grid, so a confused batch/model dim shows
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors are tiny: intra-op threads only add overhead, and on a loaded
+    2-core machine their spin-waits made this file 134 s instead of 20 s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm)
 _DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d)
 
@@ -97,11 +109,19 @@ def test_zoo_in_dims_tuple():
     check_equivalence(models, (xs,), in_dims=(0,), train=True)
 
 
-@pytest.mark.parametrize("name", ["resnet", "pointnet_cls"])
+# PointNet's float32 gradients are ill-conditioned (batch norm over 4 samples after
+# a max over points): the plain float32 loop is itself ~5e-5 (relative) away from
+# the float64 one, and after one SGD step model 1's is 2.6e-2 away.  So PointNet
+# gets a wider tolerance and a single step; float64 runs check it at 1e-10.
+FLOAT32_CASES = {"resnet": (None, 2), "pointnet_cls": (2e-4, 1)}
+
+
+@pytest.mark.parametrize("name", list(FLOAT32_CASES))
 def test_zoo_float32(name):
+    tol, steps = FLOAT32_CASES[name]
     models = _zoo_models(name, 3, train=True)
     x = make_input(name, BATCH, seed=1)
-    check_equivalence(models, x, dtype=torch.float32, train=True, steps=2)
+    check_equivalence(models, x, dtype=torch.float32, train=True, steps=steps, tol=tol)
 
 
 @pytest.mark.parametrize("name", ["lenet5_cifar", "resnet"])
