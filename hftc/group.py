@@ -34,7 +34,9 @@ def structure_key(model: nn.Module, index: int) -> str:
     return "\n".join(parts)
 
 
-def fuse_groups(models: Iterable[nn.Module], **fuse_kwargs: Any) -> list[tuple[FusedModule, list[int]]]:
+def fuse_groups(
+    models: Iterable[nn.Module], **fuse_kwargs: Any
+) -> list[tuple[FusedModule, list[int]]]:
     """Partition ``models`` into structurally identical groups and fuse each group.
 
     Returns ``[(fused_module, indices), ...]`` in order of each group's first model;

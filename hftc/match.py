@@ -30,6 +30,7 @@ Algorithm (:func:`match_graphs`):
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,77 @@ from .errors import MismatchError
 
 #: Stand-in for a tensor argument inside a node's constant-argument skeleton.
 _SLOT = "<tensor>"
+#: Stand-in for a scalar hyper-parameter that may differ per model.
+_PER_MODEL = "<per-model scalar>"
+#: ``node.meta`` key: ``{key: [value of model 0, ..., model N-1]}`` for hyper-parameters
+#: that differ between the models (absent when they all agree).
+PER_MODEL = "hftc_per_model"
+
+#: Module hyper-parameters that may differ between models: the node still fuses, and
+#: its rule receives one value per model (HFTA and Hydro force these to be equal).
+SOFT_MODULE_ATTRIBUTES: list[tuple[type, tuple[str, ...]]] = [
+    (nn.modules.dropout._DropoutNd, ("p",)),
+    (nn.LeakyReLU, ("negative_slope",)),
+    (nn.ELU, ("alpha",)),
+    (nn.CELU, ("alpha",)),
+    (nn.modules.batchnorm._BatchNorm, ("momentum", "eps")),
+    (nn.modules.instancenorm._InstanceNorm, ("momentum", "eps")),
+    (nn.LayerNorm, ("eps",)),
+    (nn.GroupNorm, ("eps",)),
+    (nn.RMSNorm, ("eps",)),
+]
+#: Function arguments that may differ between models: ``{function: {position: keyword}}``.
+SOFT_FUNCTION_ARGUMENTS: dict[Any, dict[int, str]] = {
+    torch.nn.functional.dropout: {1: "p"},
+    torch.nn.functional.leaky_relu: {1: "negative_slope"},
+    torch.nn.functional.elu: {1: "alpha"},
+    torch.nn.functional.celu: {1: "alpha"},
+}
+#: Arithmetic whose float constants may differ between models (a per-model scale).
+SCALAR_ARITHMETIC = {
+    operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
+    torch.mul, torch.div, "add", "sub", "mul", "div", "__mul__", "__rmul__", "__add__",
+    "__radd__", "__sub__", "__rsub__", "__truediv__", "__rtruediv__",
+}
+
+
+def soft_module_attributes(module: nn.Module) -> tuple[str, ...]:
+    for cls, names in SOFT_MODULE_ATTRIBUTES:
+        if isinstance(module, cls):
+            return names
+    return ()
+
+
+def _soft_argument_keys(node: fx.Node) -> dict[str, Any]:
+    """``{"args[1]": value, "kwargs[p]": value}`` for the node's per-model-able scalars."""
+    found: dict[str, Any] = {}
+    if node.op not in ("call_function", "call_method"):
+        return found
+    positions = SOFT_FUNCTION_ARGUMENTS.get(node.target, {})
+    for pos, name in positions.items():
+        if pos < len(node.args) and isinstance(node.args[pos], (int, float)):
+            found[f"args[{pos}]"] = node.args[pos]
+        elif isinstance(node.kwargs.get(name), (int, float)):
+            found[f"kwargs[{name}]"] = node.kwargs[name]
+    if node.target in SCALAR_ARITHMETIC and any(isinstance(a, fx.Node) for a in node.args):
+        for pos, a in enumerate(node.args):
+            if isinstance(a, float):
+                found[f"args[{pos}]"] = a
+    return found
+
+
+def per_model_values(node: fx.Node, root: nn.Module) -> dict[str, Any]:
+    """The node's hyper-parameters that are allowed to differ between models, by key.
+
+    Keys: a module attribute name (``"p"``, ``"eps"``) or an argument slot
+    (``"args[1]"``, ``"kwargs[p]"``).
+    """
+    values = _soft_argument_keys(node)
+    if node.op == "call_module":
+        module = root.get_submodule(node.target)
+        for name in soft_module_attributes(module):
+            values[name] = getattr(module, name)
+    return values
 
 
 @dataclass(frozen=True)
@@ -69,12 +141,14 @@ def _tensor_signature(t: torch.Tensor) -> tuple:
 def module_hyperparameters(module: nn.Module) -> dict[str, Any]:
     """The constructor hyper-parameters of a module, as a user would compare them.
 
-    Public, simple-valued attributes (``in_channels``, ``kernel_size``, ``eps``,
-    ``padding_mode`` ...) plus the mode flag.  Private attributes are derived from
-    public ones and left out.
+    Public, simple-valued attributes (``in_channels``, ``kernel_size``,
+    ``padding_mode`` ...).  Private attributes are derived from public ones and
+    left out, and so are the scalars that may differ per model (``p``, ``eps``).
     """
+    soft = soft_module_attributes(module)
     params = {
-        k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"
+        k: v for k, v in vars(module).items()
+        if not k.startswith("_") and k != "training" and k not in soft
     }
     return {k: v for k, v in sorted(params.items()) if _simple(v)}
 
@@ -143,8 +217,15 @@ def node_signature(node: fx.Node, root: nn.Module) -> dict[str, Any]:
             sig["attribute"] = repr(value)
     elif node.op in ("call_function", "call_method"):
         sig["target"] = target_name(node)
+    soft = _soft_argument_keys(node)
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for key in soft:  # scalars that may differ per model are not part of the signature
+        if key.startswith("args["):
+            args[int(key[5:-1])] = _PER_MODEL
+        else:
+            kwargs[key[7:-1]] = _PER_MODEL
     skeleton = fx.node.map_aggregate(
-        (node.args, node.kwargs),
+        (tuple(args), kwargs),
         lambda a: _SLOT if isinstance(a, fx.Node) else _fold_constant(a),
     )
     if node.op != "placeholder":  # input names differ between codebases; order is what counts
@@ -307,4 +388,22 @@ def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module]) 
             + "\nFuse only models built with the same architecture and hyper-parameters "
             "(hftc.fuse_groups splits a mixed list into groups that can be fused)."
         )
+    _record_per_model_values(graphs, mapping)
     return GraphMatch(mapping=mapping, method=method)
+
+
+def _record_per_model_values(
+    graphs: Sequence[fx.GraphModule], mapping: list[dict[fx.Node, fx.Node]]
+) -> None:
+    """Store each node's differing per-model scalars on model 0's node (``meta[PER_MODEL]``)."""
+    for node in graphs[0].graph.nodes:
+        per_model = [per_model_values(m[node], g) for m, g in zip(mapping, graphs)]
+        differing = {
+            key: [values.get(key) for values in per_model]
+            for key in per_model[0]
+            if any(values.get(key) != per_model[0][key] for values in per_model)
+        }
+        if differing:
+            node.meta[PER_MODEL] = differing
+        else:
+            node.meta.pop(PER_MODEL, None)

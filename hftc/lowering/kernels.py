@@ -542,8 +542,10 @@ def _per_model_arguments(n: int, batched: Sequence[bool], args: tuple, kwargs: d
         yield pytree.tree_unflatten(picked, spec)
 
 
-def loop_over_models(fn: Callable[..., Any], n: int, batched: Sequence[bool],
-                     args: tuple, kwargs: dict) -> Any:
+def loop_over_models(
+    fn: Callable[..., Any], n: int, batched: Sequence[bool], args: tuple, kwargs: dict,
+    per_model: dict[str, Sequence] | None = None,
+) -> Any:
     """The lowering of last resort: call ``fn`` once per model and stack the results.
 
     ``batched`` flags each leaf of ``(args, kwargs)`` (flattened with pytree):
@@ -551,12 +553,21 @@ def loop_over_models(fn: Callable[..., Any], n: int, batched: Sequence[bool],
     Tensor results are stacked along a new model dim; Python values must agree
     across models (they are shapes and flags) and are returned once.
     """
-    outs = [fn(*a, **k) for a, k in _per_model_arguments(n, batched, args, kwargs)]
+    outs = []
+    for i, (a, k) in enumerate(_per_model_arguments(n, batched, args, kwargs)):
+        if per_model:  # model i's own scalar arguments ("args[1]" / "kwargs[p]" slots)
+            a, k = list(a), dict(k)
+            for slot, values in per_model.items():
+                if slot.startswith("args["):
+                    a[int(slot[5:-1])] = values[i]
+                else:
+                    k[slot[7:-1]] = values[i]
+        outs.append(fn(*a, **k))
     return _stack_results(outs, getattr(fn, "__name__", str(fn)))
 
 
 def loop_module(module: torch.nn.Module, n: int, batched: Sequence[bool],
-                args: tuple, kwargs: dict) -> Any:
+                args: tuple, kwargs: dict, overrides: Sequence[Sequence] | None = None) -> Any:
     """Per-model loop over a module no rule fuses.
 
     ``module`` is the fused tree's node for it: a :class:`~hftc.lowering.modules.StackedModule`
@@ -565,8 +576,12 @@ def loop_module(module: torch.nn.Module, n: int, batched: Sequence[bool],
     without parameters or buffers, the module itself.
     """
     template = getattr(module, "_hftc_template", None)
+    target = module if template is None else template
+    saved = {name: getattr(target, name) for name, _ in (overrides[0] if overrides else ())}
     outs = []
     for i, (a, k) in enumerate(_per_model_arguments(n, batched, args, kwargs)):
+        for name, value in (overrides[i] if overrides else ()):
+            setattr(target, name, value)  # model i's own hyper-parameter (dropout p, eps ...)
         if template is None:
             outs.append(module(*a, **k))
             continue
@@ -574,6 +589,8 @@ def loop_module(module: torch.nn.Module, n: int, batched: Sequence[bool],
         tensors = {name: t[i] for name, t in module.named_parameters(remove_duplicate=False)}
         tensors.update({name: t[i] for name, t in module.named_buffers(remove_duplicate=False)})
         outs.append(torch.func.functional_call(template, tensors, a, k, strict=True))
+    for name, value in saved.items():
+        setattr(target, name, value)
     return _stack_results(outs, type(template or module).__name__)
 
 

@@ -138,14 +138,20 @@ def _emit_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     batched_out = _contains_tensor(group.example)
     if node.op == "call_module":
         container = builder.attr(node.target, batched=False)
+        # Each model runs with its own hyper-parameters (dropout p, eps ...) set on the template.
+        overrides = tuple(
+            tuple((k, values[i]) for k, values in group.per_model.items())
+            for i in range(builder.num_models)
+        ) if group.per_model else None
         return builder.call(
             kernels.loop_module, container, builder.num_models, flags, group.args, group.kwargs,
-            batched=batched_out,
+            batched=batched_out, overrides=overrides,
         )
     fn = node.target if node.op == "call_function" else kernels.call_method(node.target)
+    per_model = {k: tuple(v) for k, v in group.per_model.items()} or None
     return builder.call(
         kernels.bind(kernels.loop_over_models, fn), builder.num_models, flags, group.args,
-        group.kwargs, batched=batched_out,
+        group.kwargs, per_model, batched=batched_out,
     )
 
 
@@ -219,7 +225,7 @@ def fuse_graph(
         any_batched = builder.is_batched((group.args, group.kwargs))
         kind, rule_name, reason = "fused", entry.name if entry else "", ""
         if not any_batched and not _has_state(module) and not _is_random(node) \
-                and not (entry is not None and entry.random):
+                and not (entry is not None and entry.random) and not group.per_model:
             builder.current_rule = "shared"
             new, kind, rule_name = builder.copy(group, batched=False), "shared", "shared"
         else:

@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..lowering import kernels
+from ..lowering import kernels, per_model
 from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry, register_family
 
 UNARY = """
@@ -89,17 +89,60 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                 return builder.call(kernels.pad_model_dims, fused, rank)
         return fused
 
-    args = tuple(align(f, o) for f, o in zip(group.args, group.node.args))
+    args = [align(f, o) for f, o in zip(group.args, group.node.args)]
     kwargs = {k: align(v, group.node.kwargs[k]) for k, v in group.kwargs.items()}
-    aligned = FusionGroup(group.node, group.nodes, args, kwargs, group.module)
+    # A float constant that differs per model (x * 0.5 in one, x * 0.7 in another) becomes
+    # a [N, 1, ..., 1] tensor of the dtype the Python scalar would have promoted to.
+    if group.per_model:
+        like = next(f for f, o in zip(args, group.node.args)
+                    if isinstance(o, fx.Node) and _is_tensor(o.meta.get("example_value")))
+        for pos in range(len(args)):
+            values = group.per_model_arg(pos, "")
+            if values is not None:
+                args[pos] = builder.call(per_model.scalars, tuple(values), like, rank)
+    aligned = FusionGroup(group.node, group.nodes, tuple(args), kwargs, group.module)
     return builder.copy(aligned, batched=True)
 
 
 def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """Dropout and friends: a shared input is expanded so every model draws its own mask."""
+    node = group.node
+    p = group.per_model.get("p") or group.per_model_arg(1, "p")
+    if p is not None:
+        if node.op == "call_module" and isinstance(group.module, nn.Dropout):
+            training = builder.training_flag(group)
+        elif node.target is F.dropout:
+            training = group.arg(2, "training", True)
+        else:
+            raise NotFusable("per-model rates for this kind of dropout")
+        return builder.call(per_model.dropout, builder.broadcast(group.args[0]), tuple(p),
+                            training)
     args = (builder.broadcast(group.args[0]), *group.args[1:])
     return builder.copy(FusionGroup(group.node, group.nodes, args, group.kwargs, group.module),
                         batched=True)
+
+
+def fuse_slope(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """LeakyReLU / ELU / CELU, with a slope or alpha that may differ per model."""
+    node = group.node
+    module_attr = {nn.LeakyReLU: "negative_slope", nn.ELU: "alpha", nn.CELU: "alpha"}
+    if type(group.module) is nn.CELU or node.target is F.celu:
+        if group.per_model:
+            # ATen differentiates celu with 1/alpha rounded to float32; only a per-model
+            # call reproduces that gradient bit for bit.
+            raise NotFusable("celu with a per-model alpha (exact only model by model)")
+        return fuse_pointwise(group, builder)
+    if node.op == "call_module":
+        values = group.per_model.get(module_attr.get(type(group.module), ""))
+        kernel = {nn.LeakyReLU: per_model.leaky_relu, nn.ELU: per_model.elu}.get(
+            type(group.module))
+    else:
+        values = group.per_model_arg(1, "negative_slope" if node.target is F.leaky_relu
+                                     else "alpha")
+        kernel = {F.leaky_relu: per_model.leaky_relu, F.elu: per_model.elu}.get(node.target)
+    if values is None:
+        return fuse_pointwise(group, builder)
+    return builder.call(kernel, builder.broadcast(group.args[0]), tuple(values))
 
 
 def fuse_new_tensor(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
@@ -120,5 +163,8 @@ for fn in RANDOM_FUNCTIONS:
     RULES[("call_function", fn)] = RuleEntry(fuse_random, f"fuse_random[{fn.__name__}]", True)
 for name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
     RULES[("call_method", name)] = RuleEntry(fuse_random, f"fuse_random[{name}]", True)
+for _key in [("call_module", nn.LeakyReLU), ("call_module", nn.ELU), ("call_module", nn.CELU),
+             ("call_function", F.leaky_relu), ("call_function", F.elu), ("call_function", F.celu)]:
+    RULES[_key] = RuleEntry(fuse_slope, f"fuse_slope[{getattr(_key[1], '__name__', _key[1])}]")
 for name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     RULES[("call_method", name)] = RuleEntry(fuse_new_tensor, f"fuse_new_tensor[{name}]")

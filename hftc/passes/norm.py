@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..lowering import kernels
+from ..lowering import kernels, per_model
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
 
@@ -30,6 +30,16 @@ def _optional(builder: GraphBuilder, value):
 def fuse_batch_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     bn = group.module
     attr = lambda name: builder.module_attr(group, name)  # noqa: E731
+    if group.per_model:  # momentum or eps differ between the models
+        n = builder.num_models
+        return builder.call(
+            per_model.batch_norm, builder.broadcast(group.args[0]), attr("running_mean"),
+            attr("running_var"), attr("weight"), attr("bias"), attr("num_batches_tracked"),
+            builder.training_flag(group),
+            momentum=tuple(group.per_model.get("momentum", [bn.momentum] * n)),
+            eps=tuple(group.per_model.get("eps", [bn.eps] * n)),
+            track_running_stats=bn.track_running_stats,
+        )
     return builder.call(
         kernels.batch_norm, builder.broadcast(group.args[0]), attr("running_mean"),
         attr("running_var"), attr("weight"), attr("bias"), attr("num_batches_tracked"),
@@ -56,6 +66,8 @@ def fuse_batch_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
                ("call_module", nn.InstanceNorm3d))
 def fuse_instance_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
+    if group.per_model:
+        raise NotFusable("instance norms whose momentum or eps differ per model")
     attr = lambda name: builder.module_attr(group, name)  # noqa: E731
     spatial = {nn.InstanceNorm1d: 1, nn.InstanceNorm2d: 2, nn.InstanceNorm3d: 3}[
         next(c for c in type(norm).__mro__ if c in (nn.InstanceNorm1d, nn.InstanceNorm2d,
@@ -86,6 +98,12 @@ def fuse_instance_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx
 @register_rule(("call_module", nn.GroupNorm))
 def fuse_group_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
+    if "eps" in group.per_model:
+        return builder.call(
+            per_model.group_norm, builder.broadcast(group.args[0]), norm.num_groups,
+            builder.module_attr(group, "weight"), builder.module_attr(group, "bias"),
+            tuple(group.per_model["eps"]),
+        )
     return builder.call(
         kernels.group_norm, builder.broadcast(group.args[0]), norm.num_groups,
         builder.module_attr(group, "weight"), builder.module_attr(group, "bias"), norm.eps,
@@ -105,9 +123,12 @@ def fuse_group_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
 def fuse_layer_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     x = group.args[0]
+    kernel, eps = kernels.layer_norm, norm.eps
+    if "eps" in group.per_model:
+        kernel, eps = per_model.layer_norm, tuple(group.per_model["eps"])
     return builder.call(
-        kernels.layer_norm, x, tuple(norm.normalized_shape), builder.module_attr(group, "weight"),
-        builder.module_attr(group, "bias"), norm.eps, x_batched=builder.is_batched(x),
+        kernel, x, tuple(norm.normalized_shape), builder.module_attr(group, "weight"),
+        builder.module_attr(group, "bias"), eps, x_batched=builder.is_batched(x),
     )
 
 
@@ -125,9 +146,12 @@ def fuse_layer_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
 def fuse_rms_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     x = group.args[0]
+    kernel, eps = kernels.rms_norm, norm.eps
+    if "eps" in group.per_model:
+        kernel, eps = per_model.rms_norm, tuple(group.per_model["eps"])
     return builder.call(
-        kernels.rms_norm, x, tuple(norm.normalized_shape), builder.module_attr(group, "weight"),
-        norm.eps, x_batched=builder.is_batched(x),
+        kernel, x, tuple(norm.normalized_shape), builder.module_attr(group, "weight"), eps,
+        x_batched=builder.is_batched(x),
     )
 
 

@@ -15,8 +15,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..lowering import kernels
-from .registry import RULES, FusionGroup, GraphBuilder, RuleEntry
+from ..lowering import kernels, per_model
+from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry
 
 _SPATIAL_MODULES = {
     nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3,
@@ -57,6 +57,15 @@ def _spatial(known: int | None, group: FusionGroup) -> int:
 
 def fuse_channelwise_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     spatial = _spatial(_SPATIAL_MODULES[_base(type(group.module))], group)
+    if group.per_model:
+        if "p" not in group.per_model or not isinstance(
+            group.module, (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+        ):
+            raise NotFusable("per-model hyper-parameters of this module")
+        return builder.call(
+            per_model.dropout, builder.broadcast(group.args[0]), tuple(group.per_model["p"]),
+            builder.training_flag(group), feature_dims=spatial,
+        )
     module = builder.attr(group.node.target, batched=False)
     return builder.call(kernels.channelwise, module, builder.broadcast(group.args[0]),
                         *group.args[1:], spatial=spatial, **group.kwargs)

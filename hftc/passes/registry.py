@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..lowering import kernels
-from ..match import describe_node
+from ..match import PER_MODEL, describe_node
 from ..trace import EXAMPLE_VALUE
 
 
@@ -66,6 +66,20 @@ class FusionGroup:
 
     def has_arg(self, position: int, name: str) -> bool:
         return position < len(self.args) or name in self.kwargs
+
+    @property
+    def per_model(self) -> dict[str, list]:
+        """Hyper-parameters that differ between the models: ``{key: [value_0, ...]}``.
+
+        Keys are module attributes (``"p"``, ``"eps"``) or argument slots
+        (``"args[1]"``, ``"kwargs[p]"``); empty when every model agrees.
+        """
+        return self.node.meta.get(PER_MODEL, {})
+
+    def per_model_arg(self, position: int, name: str) -> list | None:
+        """The per-model values of an argument, or None if all models pass the same."""
+        values = self.per_model
+        return values.get(f"args[{position}]", values.get(f"kwargs[{name}]"))
 
 
 Rule = Callable[[FusionGroup, "GraphBuilder"], fx.Node]

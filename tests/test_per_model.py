@@ -1,0 +1,120 @@
+"""Models that differ only in a scalar hyper-parameter fuse, each model with its own value.
+
+HFTA and Hydro force dropout p, slopes, norm eps/momentum to be equal across the
+fused models; hftc keeps one value per model.  Deterministic cases are checked
+against the loop over the originals (forward, backward, running stats); dropout
+is checked statistically (each model's keep rate is its own 1 - p).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from equivalence import check_equivalence
+from torch import nn
+
+import hftc
+
+
+class Scaled(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.fc(x) * self.scale + 0.5 / self.scale
+
+
+class FunctionalSlopes(nn.Module):
+    def __init__(self, slope: float, alpha: float):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.slope, self.alpha = slope, alpha
+
+    def forward(self, x):
+        h = self.fc(x)
+        return F.leaky_relu(h, self.slope) + F.elu(h, self.alpha) + F.celu(h, alpha=self.alpha)
+
+
+FACTORIES = {
+    "leaky_relu": lambda v: nn.Sequential(nn.Linear(4, 4), nn.LeakyReLU(v)),
+    "elu": lambda v: nn.Sequential(nn.Linear(4, 4), nn.ELU(alpha=v)),
+    "celu": lambda v: nn.Sequential(nn.Linear(4, 4), nn.CELU(alpha=v)),
+    "batchnorm_momentum": lambda v: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=v)),
+    "batchnorm_eps": lambda v: nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3, eps=v * 1e-2)),
+    "batchnorm_cumulative": lambda v: nn.Sequential(
+        nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None if v < 0.25 else v)),
+    "layernorm_eps": lambda v: nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4, eps=v)),
+    "groupnorm_eps": lambda v: nn.Sequential(nn.Conv2d(2, 4, 1), nn.GroupNorm(2, 4, eps=v)),
+    "rmsnorm_eps": lambda v: nn.Sequential(nn.Linear(4, 4), nn.RMSNorm(4, eps=v)),
+    "instancenorm_eps": lambda v: nn.Sequential(
+        nn.Conv2d(2, 3, 1), nn.InstanceNorm2d(3, eps=v, affine=True, track_running_stats=True)),
+    "constant_scale": lambda v: Scaled(v),
+    "functional_slopes": lambda v: FunctionalSlopes(v, 2 * v),
+}
+INPUTS = {"batchnorm_eps": (4, 2, 3, 3), "groupnorm_eps": (2, 2, 3, 3),
+          "instancenorm_eps": (2, 2, 3, 3)}
+VALUES = [0.1, 0.3, 0.2]
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_per_model_scalars_match_the_loop(name, train):
+    models = [FACTORIES[name](v) for v in VALUES]
+    fused = check_equivalence(models, torch.randn(INPUTS.get(name, (5, 4))), train=train,
+                              steps=2 if train else 1)
+    assert fused.num_models == 3
+    # instance norm and celu with per-model values run as exact per-model loops
+    loops = [r.node for r in fused.fusion_report.fallbacks]
+    expected = {"instancenorm_eps": ["_1"], "celu": ["_1"], "functional_slopes": ["celu"]}
+    assert loops == expected.get(name, [])
+
+
+@pytest.mark.parametrize("layer", ["module", "functional", "channels"])
+def test_per_model_dropout_rates(layer):
+    rates = [0.1, 0.5, 0.8]
+
+    class Functional(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.p = p
+
+        def forward(self, x):
+            return F.dropout(x, self.p, self.training)
+
+    make = {"module": nn.Dropout, "functional": Functional,
+            "channels": lambda p: nn.Sequential(nn.Dropout2d(p))}[layer]
+    fused = hftc.fuse([make(p) for p in rates])
+    assert fused.fusion_report.fallbacks == [] if fused._programs else True
+    x = torch.ones(64, 32, 4, 4)
+    out = fused(x)
+    for i, p in enumerate(rates):
+        kept = out[i] != 0
+        assert abs(kept.float().mean().item() - (1 - p)) < 0.03, (i, p)
+        torch.testing.assert_close(out[i][kept], torch.full_like(out[i][kept], 1 / (1 - p)))
+        if layer == "channels":  # whole channels are dropped
+            assert torch.equal(kept.all((-1, -2)), kept.any((-1, -2)))
+    assert fused.fusion_report.fallbacks == []
+    fused.eval()
+    torch.testing.assert_close(fused(x), x.expand(3, *x.shape))
+
+
+def test_fuse_groups_sweep_of_dropout_and_width():
+    """8 models, 4 dropout rates x 2 widths -> 2 groups, each matching its originals."""
+    models = [nn.Sequential(nn.Linear(6, w), nn.ReLU(), nn.Dropout(p), nn.Linear(w, 3))
+              for w in (8, 16) for p in (0.1, 0.2, 0.3, 0.4)]
+    groups = hftc.fuse_groups(models)
+    assert [indices for _, indices in groups] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    x = torch.randn(5, 6)
+    for fused, indices in groups:
+        fused.eval()
+        out = fused(x)
+        for j, i in enumerate(indices):
+            torch.testing.assert_close(out[j], models[i].eval()(x))
+
+
+def test_widths_still_refuse_to_fuse_directly():
+    with pytest.raises(hftc.MismatchError, match="out_features: 8 in model 0; 16 in model 1"):
+        hftc.fuse([nn.Sequential(nn.Linear(2, 8)), nn.Sequential(nn.Linear(2, 16))])
