@@ -13,9 +13,24 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Run a test with one intra-op thread (import it into a test module to apply it).
+
+    The tests' tensors are tiny: extra threads only add overhead, and on a busy
+    2-core machine a parallel region waiting for a descheduled thread made these
+    tests 10-50x slower.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def make_model(seed: int, dtype: torch.dtype = torch.float64,

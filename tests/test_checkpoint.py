@@ -12,7 +12,13 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from optim_helpers import StackedModels, make_batches, make_models, per_model_losses
+from optim_helpers import (
+    StackedModels,
+    make_batches,
+    make_models,
+    per_model_losses,
+    single_thread,  # noqa: F401  (autouse fixture)
+)
 
 import hftc
 import hftc.optim as ho

@@ -20,6 +20,7 @@ from optim_helpers import (
     make_batches,
     make_models,
     per_model_losses,
+    single_thread,  # noqa: F401  (autouse fixture)
     tolerance,
     train_fused,
     train_solo,

@@ -16,6 +16,7 @@ from optim_helpers import (
     assert_all_match,
     make_batches,
     make_models,
+    single_thread,  # noqa: F401  (autouse fixture)
     tolerance,
     train_fused,
     train_solo,

@@ -18,6 +18,7 @@ from optim_helpers import (
     make_batches,
     make_models,
     per_model_losses,
+    single_thread,  # noqa: F401  (autouse fixture)
 )
 from test_optim import fused_kwargs
 from torch.optim import lr_scheduler as sched

@@ -19,6 +19,7 @@ from optim_helpers import (
     make_models,
     per_model_losses,
     rel_diff,
+    single_thread,  # noqa: F401  (autouse fixture)
     tolerance,
 )
 
