@@ -98,8 +98,9 @@ def fuse_optimizers(fused: torch.nn.Module,
     params = [by_name[name] for name in names[0]]
 
     groups = [opt.param_groups[0] for opt in optimizers]
+    # A key missing from some group (an optimizer pickled by an older torch) takes the default.
     hyper = {key: [g[key] for g in groups]
-             for key in fused_cls._hyperparameters if key in groups[0]}
+             for key in fused_cls._hyperparameters if all(key in g for g in groups)}
     if fused_cls is AdamW:
         hyper.pop("decoupled_weight_decay", None)
     out = fused_cls(params, num_models=n, **hyper)

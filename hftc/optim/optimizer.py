@@ -40,6 +40,7 @@ models' results are then selected with ``torch.where``, never blended.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -58,7 +59,7 @@ def _scalar_dtype() -> torch.dtype:
 def _is_number(x: Any) -> bool:
     if isinstance(x, Tensor):
         return x.dim() == 0
-    return isinstance(x, (int, float)) and not isinstance(x, complex)
+    return isinstance(x, numbers.Real)
 
 
 def _is_sequence(x: Any) -> bool:
@@ -75,7 +76,7 @@ def _as_float(name: str, value: Any, model: int | None = None) -> float:
         if value.numel() != 1:
             raise ValueError(f"{where} must be a number, got a tensor of shape {list(value.shape)}")
         return float(value.item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where} must be a number, got {type(value).__name__}: {value!r}")
     return float(value)
 
@@ -84,7 +85,7 @@ def _as_flag(name: str, value: Any, model: int | None = None) -> bool:
     where = f"{name}[{model}]" if model is not None else name
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
-    if not isinstance(value, (bool, int)):
+    if not isinstance(value, (bool, numbers.Integral)):
         raise TypeError(f"{where} must be a bool, got {type(value).__name__}: {value!r}")
     return bool(value)
 
