@@ -23,8 +23,6 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import hftc
-import hftc.optim
-from hftc.utils import per_model
 
 
 def make_cnn() -> nn.Module:
@@ -59,7 +57,7 @@ def train_fused(models, lrs, train, order, steps):
     fused = hftc.fuse(models)
     opt = hftc.optim.Adam(fused.parameters(), lr=lrs)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    loss_fn = per_model(F.cross_entropy)          # [N, B, 10], [B] -> [N]
+    loss_fn = hftc.per_model(F.cross_entropy)     # [N, B, 10], [B] -> [N]
     x, y = train
     start = time.perf_counter()
     for idx in order:
