@@ -27,6 +27,10 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# The long fuzzing profile: HFTC_FUZZ_EXAMPLES random architectures (default 5000).
+fuzz: install
+	HFTC_FUZZ_PROFILE=fuzz $(PY) -m pytest -q -x tests/test_fuzz.py
+
 bench: install
 	$(PY) -m hftc bench
 

@@ -14,3 +14,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 def _seed_torch():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The test models are tiny: intra-op threads cost more than they give, and on a
+    # busy 2-core machine they make the suite many times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
