@@ -1,0 +1,732 @@
+"""One sweep worker: Optuna asks, hftc fuses, trains, checkpoints and tells.
+
+::
+
+    loop:   fail stale trials (Optuna heartbeat; a dead worker's trials are retried)
+            ask trials until the array holds per_array of them (or the budget is spent)
+            group the array's models by structure, fuse each group (hftc.fuse_groups)
+            train one epoch: every batch through every fused group
+            checkpoint every group (fused state_dict + optimizer state_dict) + manifest
+            report each trial's metric; complete / prune it (Optuna's pruner decides)
+    end:    results.csv, best.pt, curves.png, leaderboard (report.py)
+
+Everything that must survive a crash is in the storage (Optuna's RDB: SQLite by
+default, PostgreSQL across machines) or in this worker's folder
+``OUT/workers/<id>/`` (checkpoints and ``manifest.json``, which lists each live
+trial, its epoch and where its weights are). The folder's ``lock`` file is held
+with ``flock`` while the worker lives, so ``--resume`` knows a dead worker's
+folder when it sees one (the kernel drops the lock on SIGKILL too).
+
+Never run twice, never lost: ``study.ask()`` hands each trial to one worker
+only; a resumed worker re-attaches only trials that are still RUNNING in the
+storage, from their checkpoints; a worker that dies without being resumed stops
+its heartbeat, Optuna fails its trials after the grace period and
+``RetryHeartbeatStaleTrialCallback`` enqueues each again (same parameters, same
+seed) for the next ``ask()`` of any worker; a worker whose trial was taken over
+(its ``tell`` finds it finished) drops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import torch
+from optuna.trial import TrialState
+from torch import nn
+
+import hftc
+
+from .optstate import fused_param_names, load_model_slice
+from .spec import SweepSpec
+from .training import (
+    SweepData,
+    batches,
+    build_model,
+    epoch_order,
+    evaluate,
+    is_finite,
+    metric_value,
+)
+
+__all__ = ["Sweep", "SweepError", "SweepResult", "make_storage"]
+
+
+class SweepError(RuntimeError):
+    """A sweep cannot start or go on; the message says what to do."""
+
+
+@dataclass
+class _Run:
+    """A live trial of this worker: where its weights are and what it has done."""
+
+    trial: optuna.Trial
+    params: dict[str, Any]
+    seed: int
+    module: nn.Module  # the trial's own module (its Python attributes are the trial's)
+    optimizer: torch.optim.Optimizer | None = None  # stock, while not in an array
+    array: _Array | None = None
+    slot: int = 0
+    epoch: int = 0
+    history: list[float] = field(default_factory=list)
+    orders: list[int] = field(default_factory=list)
+    reported: int = 0  # the last step reported to the storage
+    ckpt: tuple[str, int] | None = None  # (checkpoint file, index in it)
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+    @property
+    def trial_id(self) -> int:
+        return self.trial._trial_id
+
+
+@dataclass
+class _Array:
+    """One fused group: trials whose models have one structure, trained as one module."""
+
+    fused: hftc.FusedModule
+    optimizer: torch.optim.Optimizer
+    members: list[_Run]
+
+
+@dataclass
+class SweepResult:
+    """What a worker leaves: the study, the files it wrote and how long it took."""
+
+    study: optuna.Study
+    out: Path
+    wall_s: float
+    train_s: float
+    trial_epochs: int
+    files: dict[str, Path]
+    leaderboard: str
+
+    @property
+    def best_trial(self) -> optuna.trial.FrozenTrial | None:
+        try:
+            return self.study.best_trial
+        except ValueError:
+            return None
+
+
+# ---------------------------------------------------------------------- storage
+
+
+def _retry_callback() -> Any:
+    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    if cls is None:  # optuna < 4.9
+        cls = optuna.storages.RetryFailedTrialCallback
+    return cls(max_retry=3)
+
+
+def _masked(url: str) -> str:
+    head, sep, tail = url.partition("@")
+    if not sep or "://" not in head:
+        return url
+    scheme, _, creds = head.partition("://")
+    user = creds.partition(":")[0]
+    return f"{scheme}://{user}:***@{tail}"
+
+
+def make_storage(url: str, heartbeat_interval: int = 30,
+                 grace_period: int | None = None) -> optuna.storages.RDBStorage:
+    """An Optuna RDB storage (``sqlite:///...`` or ``postgresql://...``) with heartbeats
+    on, and stale trials retried (same parameters) by whichever worker asks next."""
+    kwargs: dict[str, Any] = {"heartbeat_interval": int(heartbeat_interval),
+                              "grace_period": int(grace_period or 4 * heartbeat_interval)}
+    try:
+        import inspect
+        accepted = inspect.signature(optuna.storages.RDBStorage).parameters
+        key = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in accepted
+               else "failed_trial_callback")
+    except (TypeError, ValueError):
+        key = "failed_trial_callback"
+    kwargs[key] = _retry_callback()
+    if url.startswith("sqlite"):
+        # The heartbeat thread writes while the main thread does: wait for the lock.
+        engine_kwargs = {"connect_args": {"timeout": 60}}
+    else:
+        engine_kwargs = {"pool_pre_ping": True}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+    except ModuleNotFoundError as exc:
+        raise SweepError(
+            f"the storage {_masked(url)} needs the Python driver {exc.name!r}: "
+            f"pip install 'hftc[sweep]' (it brings psycopg2-binary for PostgreSQL)"
+        ) from exc
+    except Exception as exc:
+        raise SweepError(f"cannot open the Optuna storage {_masked(url)}: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+
+
+def _make_sampler(spec: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:
+    s = spec.sampler
+    if isinstance(s, optuna.samplers.BaseSampler):
+        return s
+    if s in (None, "tpe"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # constant_liar: an array asks N trials before any finishes.
+            return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+    if s == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if callable(s):
+        return s(seed)
+    raise SweepError(f"unknown sampler {s!r}: use 'tpe', 'random' or an optuna sampler")
+
+
+def _make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
+    p = spec.pruner
+    if isinstance(p, optuna.pruners.BasePruner):
+        return p
+    if p in (None, "none", False):
+        return optuna.pruners.NopPruner()
+    if p == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=4,
+                                           n_warmup_steps=min(2, spec.epochs - 1))
+    if p in ("sha", "asha", "successive_halving"):
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
+    if p == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=spec.epochs,
+                                              reduction_factor=3)
+    raise SweepError(f"unknown pruner {p!r}: use 'median', 'sha', 'hyperband', 'none' or an "
+                     f"optuna pruner")
+
+
+# ---------------------------------------------------------------------- small helpers
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _save(obj: Any, path: Path) -> None:
+    _atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def _try_lock(path: Path):
+    """An open, exclusively flock-ed file object, or None when a live process holds it."""
+    try:
+        f = open(path, "a+")
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    if not path.exists():  # removed by the one who held it before us
+        f.close()
+        return None
+    return f
+
+
+class _Heartbeat(threading.Thread):
+    """Records a heartbeat for every trial this worker holds, every ``interval`` seconds.
+
+    ``study.optimize`` runs one such thread per trial; a fused array holds N trials,
+    so one thread beats for all of them."""
+
+    def __init__(self, storage: optuna.storages.RDBStorage, interval: int):
+        super().__init__(name="hftc-sweep-heartbeat", daemon=True)
+        self.storage, self.interval = storage, interval
+        self.ids: set[int] = set()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+
+    def add(self, trial_id: int) -> None:
+        with self.lock:
+            self.ids.add(trial_id)
+        self.storage.record_heartbeat(trial_id)
+
+    def discard(self, trial_id: int) -> None:
+        with self.lock:
+            self.ids.discard(trial_id)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            with self.lock:
+                ids = list(self.ids)
+            for tid in ids:
+                with contextlib.suppress(Exception):  # a blip must not kill the beat
+                    self.storage.record_heartbeat(tid)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def _counts(study: optuna.Study) -> dict[str, int]:
+    """Trials that use the budget (finished, running, or failed for a reason of their own:
+    a heartbeat-stale failure is retried, and its retry counts instead), and waiting ones."""
+    c = {"budget": 0, "waiting": 0, "running": 0, "finished": 0}
+    for t in study.get_trials(deepcopy=False):
+        if t.state == TrialState.WAITING:
+            c["waiting"] += 1
+        elif t.state == TrialState.RUNNING:
+            c["running"] += 1
+            c["budget"] += 1
+        elif t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (
+                t.state == TrialState.FAIL and "hftc_fail_reason" in t.user_attrs):
+            c["finished"] += 1
+            c["budget"] += 1
+    return c
+
+
+# ---------------------------------------------------------------------- the worker
+
+
+class Sweep:
+    """One worker of a fused sweep (run the same on every machine to share a study).
+
+    Args:
+        spec: the :class:`SweepSpec`.
+        out: folder for checkpoints, the default SQLite storage and the results.
+        storage: an Optuna RDB URL; default ``sqlite:///OUT/study.db``.
+        study_name: default ``spec.name``.
+        resume: re-attach the trials of this folder's dead workers from their
+            checkpoints (otherwise an interrupted sweep in ``out`` is an error).
+        heartbeat_interval / grace_period: seconds; a worker silent for
+            ``grace_period`` has its trials failed and retried by another.
+        progress: tqdm bars (default: when stderr is a terminal).
+    """
+
+    def __init__(self, spec: SweepSpec, *, out: str | Path | None = None,
+                 storage: str | None = None, study_name: str | None = None,
+                 resume: bool = False, heartbeat_interval: int = 30,
+                 grace_period: int | None = None, progress: bool | None = None,
+                 log=None):
+        self.spec = spec
+        self.study_name = study_name or spec.name
+        self.out = Path(out if out is not None else Path("sweeps") / self.study_name).resolve()
+        self.default_storage = storage is None
+        self.storage_url = storage or f"sqlite:///{self.out / 'study.db'}"
+        self.resume = resume
+        self.heartbeat_interval = max(1, int(heartbeat_interval))
+        self.grace_period = grace_period
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.log = log if log is not None else (lambda msg: None)
+        self.live: list[_Run] = []
+        self.arrays: list[_Array] = []
+        self.round = 0
+        self.train_s = 0.0
+        self.trial_epochs = 0
+        self._loss = hftc.per_model(spec.loss)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _open(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "trials").mkdir(exist_ok=True)
+        self.storage = make_storage(self.storage_url, self.heartbeat_interval, self.grace_period)
+        existing = None
+        with contextlib.suppress(KeyError):
+            existing = self.storage.get_study_id_from_name(self.study_name)
+        n_before = 0
+        if existing is not None:
+            n_before = len(self.storage.get_all_trials(existing, deepcopy=False))
+            directions = self.storage.get_study_directions(existing)
+            if [d.name.lower() for d in directions] != [self.spec.direction]:
+                raise SweepError(
+                    f"the study {self.study_name!r} in {_masked(self.storage_url)} is "
+                    f"{'/'.join(d.name.lower() for d in directions)}, but the spec says "
+                    f"{self.spec.direction}; pick another --study name"
+                )
+        # Samplers must not repeat themselves: reseed past the trials already there, and
+        # apart from other workers when the storage is shared.
+        seed = self.spec.seed + n_before
+        if not self.default_storage:
+            seed += uuid.uuid4().int % 1_000_000
+        self.study = optuna.create_study(
+            study_name=self.study_name, storage=self.storage, load_if_exists=True,
+            direction=self.spec.direction, sampler=_make_sampler(self.spec, seed),
+            pruner=_make_pruner(self.spec),
+        )
+        self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.dir = self.out / "workers" / self.worker_id
+        self.dir.mkdir(parents=True)
+        (self.dir / "lock").touch()
+        self._lock = _try_lock(self.dir / "lock")
+        self.heartbeat = _Heartbeat(self.storage, self.heartbeat_interval)
+        self.heartbeat.start()
+        self.data = SweepData.from_spec(self.spec)
+
+    def _dead_workers(self) -> list[tuple[Path, Any, dict]]:
+        """This folder's workers that died with a manifest: (folder, held lock, manifest)."""
+        found = []
+        root = self.out / "workers"
+        for d in sorted(root.iterdir()) if root.exists() else []:
+            if d == self.dir or not d.is_dir():
+                continue
+            lock = _try_lock(d / "lock")
+            if lock is None:
+                continue  # alive (or being adopted by someone else)
+            try:
+                manifest = json.loads((d / "manifest.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                manifest = {"study": self.study_name, "trials": [], "round": 0}
+            if manifest.get("study") != self.study_name:
+                lock.close()
+                continue
+            found.append((d, lock, manifest))
+        return found
+
+    # ------------------------------------------------------------------ trials
+
+    def _params(self, trial: optuna.Trial) -> dict[str, Any]:
+        params = self.spec.space(trial)
+        if params is None:
+            params = dict(trial.params)
+        if not isinstance(params, dict):
+            raise SweepError(f"spec.space(trial) returned a {type(params).__name__}; return "
+                             f"a dict of hyper-parameters (or None for trial.params)")
+        return params
+
+    def _seed(self, trial: optuna.Trial, params: dict[str, Any]) -> int:
+        if "seed" in params:
+            return int(params["seed"])
+        attrs = trial.user_attrs
+        if "hftc_seed" in attrs:  # a retry keeps the seed of the trial it retries
+            return int(attrs["hftc_seed"])
+        return self.spec.seed + trial.number
+
+    def _new_run(self, trial: optuna.Trial) -> _Run:
+        params = self._params(trial)
+        seed = self._seed(trial, params)
+        trial.set_user_attr("hftc_seed", seed)
+        trial.set_user_attr("hftc_worker", self.worker_id)
+        module = build_model(self.spec, params, seed)
+        optimizer = self.spec.optimizer(params, module)
+        return _Run(trial, params, seed, module, optimizer)
+
+    def _refill(self) -> bool:
+        """Ask trials until the array is full or the budget is spent; True if any came."""
+        spec, came = self.spec, False
+        while len(self.live) < spec.per_array:
+            c = _counts(self.study)
+            if c["waiting"] == 0 and c["budget"] >= spec.n_trials:
+                break
+            trial = self.study.ask()
+            self.heartbeat.add(trial._trial_id)
+            try:
+                run = self._new_run(trial)
+            except Exception as exc:
+                self._fail(trial, f"error while starting the trial: {type(exc).__name__}: {exc}")
+                raise
+            self.live.append(run)
+            came = True
+            self.log(f"trial {trial.number} started: {run.params}")
+        if came:
+            self._write_manifest()
+        return came
+
+    def _fail(self, trial: optuna.Trial, reason: str) -> None:
+        with contextlib.suppress(Exception):
+            trial.set_user_attr("hftc_fail_reason", reason)
+            self.study.tell(trial, state=TrialState.FAIL)
+        self.heartbeat.discard(trial._trial_id)
+
+    # ------------------------------------------------------------------ arrays
+
+    def _take_out(self, array: _Array) -> None:
+        """Dissolve an array: each live member gets its weights and a stock optimizer back."""
+        state = array.optimizer.state_dict()
+        names = fused_param_names(array.fused, array.optimizer)
+        live = {id(r) for r in self.live}
+        for j, run in enumerate(array.members):
+            if id(run) not in live or run.array is not array:
+                continue
+            # Into the trial's own module, not fused.unfuse_model(j): unfuse rebuilds every
+            # model from model 0's template, so per-model attributes (Dropout.p) would be lost.
+            run.module.load_state_dict(array.fused.model_state_dict(j))
+            run.optimizer = load_model_slice(state, names, j,
+                                             self.spec.optimizer(run.params, run.module),
+                                             run.module)
+            run.array = None
+        self.arrays.remove(array)
+
+    def _regroup(self) -> None:
+        """Fuse the live trials into arrays: survivors of a shrunk array and new trials
+        are grouped by structure (hftc.fuse_groups) and fused with their state."""
+        loose = [r for r in self.live if r.array is None]
+        live = {id(r) for r in self.live}
+        broken = [a for a in self.arrays if any(id(m) not in live for m in a.members)]
+        if not loose and not broken:
+            return
+        for array in list(self.arrays if loose else broken):
+            self._take_out(array)  # newcomers may join an intact array's group: re-form all
+        loose = [r for r in self.live if r.array is None]
+        if not loose:
+            return
+        for fused, indices in hftc.fuse_groups([r.module for r in loose]):
+            members = [loose[i] for i in indices]
+            optimizer = hftc.optim.fuse_optimizers(fused, [r.optimizer for r in members])
+            array = _Array(fused, optimizer, members)
+            for j, r in enumerate(members):
+                r.array, r.slot, r.optimizer = array, j, None
+            self.arrays.append(array)
+        sizes = ", ".join(str(len(a.members)) for a in self.arrays)
+        self.log(f"arrays re-formed: {len(self.live)} trials in {len(self.arrays)} fused "
+                 f"array(s) of {sizes}")
+
+    # ------------------------------------------------------------------ one round
+
+    def _train_round(self, bar=None) -> None:
+        spec, data = self.spec, self.data
+        key = spec.seed * 1_000_003 + self.round  # one data order for the whole round
+        self.round += 1
+        start = time.perf_counter()
+        for a in self.arrays:
+            a.fused.train()
+        order = epoch_order(key, data.n_train)
+        for idx in batches(order, spec.batch_size):
+            xb = tuple(x[idx] for x in data.x_train)
+            yb = data.y_train[idx]
+            for a in self.arrays:
+                a.optimizer.zero_grad(set_to_none=True)
+                # Sum of per-model losses: each model gets exactly its own gradient.
+                self._loss(a.fused(*xb), yb).sum().backward()
+                a.optimizer.step()
+            if bar is not None:
+                bar.update(1)
+        for a in self.arrays:
+            a.fused.eval()
+            out = evaluate(a.fused, data, spec.eval_batch_size, batch_dim=1)
+            for j, run in enumerate(a.members):
+                run.history.append(metric_value(spec, out[j], data.y_val))
+                run.orders.append(key)
+                run.epoch += 1
+                self.trial_epochs += 1
+        self.train_s += time.perf_counter() - start
+
+    def _checkpoint(self) -> None:
+        """Every array's fused state and optimizer state, then the manifest that points
+        at them: after a crash, a trial restarts from its last completed epoch."""
+        for k, a in enumerate(self.arrays):
+            name = f"array-{self.round}-{k}.pt"
+            _save({
+                "trials": [r.number for r in a.members],
+                "model": a.fused.state_dict(),
+                "optimizer": a.optimizer.state_dict(),
+                "param_names": fused_param_names(a.fused, a.optimizer),
+                "epochs": [r.epoch for r in a.members],
+            }, self.dir / name)
+            for j, r in enumerate(a.members):
+                r.ckpt = (name, j)
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        manifest = {
+            "study": self.study_name,
+            "worker": self.worker_id,
+            "round": self.round,
+            "trials": [{"number": r.number, "trial_id": r.trial_id, "epoch": r.epoch,
+                        "history": r.history, "orders": r.orders,
+                        "ckpt": list(r.ckpt) if r.ckpt else None} for r in self.live],
+        }
+        _atomic_write(self.dir / "manifest.json",
+                      lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+        used = {r.ckpt[0] for r in self.live if r.ckpt}
+        for f in self.dir.glob("array-*.pt"):
+            if f.name not in used:
+                f.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ decisions
+
+    def _model_state(self, run: _Run) -> dict[str, torch.Tensor]:
+        if run.array is not None:
+            return run.array.fused.model_state_dict(run.slot)
+        return {k: v.detach().clone() for k, v in run.module.state_dict().items()}
+
+    def _decide(self, runs: list[_Run]) -> None:
+        """Report each trial's new metrics, then complete, prune or keep it."""
+        done: list[_Run] = []
+        for run in runs:
+            trial = run.trial
+            try:
+                for step in range(run.reported + 1, run.epoch + 1):
+                    trial.report(run.history[step - 1], step)
+                run.reported = run.epoch
+                value = run.history[-1]
+                trial.set_user_attr("hftc_orders", run.orders)
+                if not is_finite(value):
+                    self._fail(trial, f"diverged: {self.spec.metric_name} is {value} after "
+                                      f"epoch {run.epoch}")
+                    done.append(run)
+                    self.log(f"trial {run.number} failed (diverged) at epoch {run.epoch}")
+                elif run.epoch >= self.spec.epochs:
+                    self._save_if_best(run, value)
+                    self.study.tell(trial, value)
+                    done.append(run)
+                    self.log(f"trial {run.number} complete: {value:.6g}")
+                elif trial.should_prune():
+                    self.study.tell(trial, state=TrialState.PRUNED)
+                    done.append(run)
+                    self.log(f"trial {run.number} pruned at epoch {run.epoch}: {value:.6g}")
+            except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
+                state = self.storage.get_trial(run.trial_id).state
+                if state == TrialState.RUNNING:
+                    raise
+                # Finished elsewhere: our heartbeat lapsed and another worker took it over.
+                self.log(f"trial {run.number} was {state.name} in the storage ({exc}); dropped")
+                done.append(run)
+        for run in done:
+            self.heartbeat.discard(run.trial_id)
+            self.live.remove(run)
+
+    def _save_if_best(self, run: _Run, value: float) -> None:
+        try:
+            best = self.study.best_value
+        except ValueError:
+            best = None
+        better = best is None or (value >= best if self.spec.direction == "maximize"
+                                  else value <= best)
+        if better:
+            _save(self._model_state(run), self.out / "trials" / f"trial-{run.number}.pt")
+
+    # ------------------------------------------------------------------ resume
+
+    def _adopt(self, dead: list[tuple[Path, Any, dict]]) -> None:
+        """Re-attach the trials of dead workers that are still RUNNING, from their
+        checkpoints; then their folders go."""
+        adopted = []
+        for folder, _lock, manifest in dead:
+            files: dict[str, dict] = {}
+            for entry in manifest.get("trials", []):
+                frozen = self.storage.get_trial(entry["trial_id"])
+                if frozen.state != TrialState.RUNNING:
+                    continue  # finished, or failed (stale) and retried: not ours to run
+                trial = optuna.Trial(self.study, entry["trial_id"])
+                self.heartbeat.add(entry["trial_id"])
+                params = self._params(trial)
+                seed = self._seed(trial, params)
+                module = build_model(self.spec, params, seed)
+                optimizer = self.spec.optimizer(params, module)
+                ckpt = entry.get("ckpt")
+                if ckpt:
+                    name, j = ckpt
+                    if name not in files:
+                        files[name] = torch.load(folder / name, map_location=self.spec.device,
+                                                 weights_only=True)
+                    saved = files[name]
+                    module.load_state_dict({k: v[j] for k, v in saved["model"].items()})
+                    load_model_slice(saved["optimizer"], saved["param_names"], j, optimizer,
+                                     module)
+                    epoch = entry["epoch"]
+                else:
+                    epoch = 0
+                run = _Run(trial, params, seed, module, optimizer, epoch=epoch,
+                           history=list(entry["history"][:epoch]),
+                           orders=list(entry["orders"][:epoch]),
+                           reported=max(frozen.intermediate_values, default=0))
+                self.live.append(run)
+                adopted.append(run)
+            self.round = max(self.round, int(manifest.get("round", 0)))
+        if adopted:
+            self.log(f"resumed {len(adopted)} trial(s): "
+                     + ", ".join(f"{r.number}@epoch {r.epoch}" for r in adopted))
+            # Finish what the dead worker may not have: report, complete, prune.
+            self._decide([r for r in adopted if r.epoch > 0])
+            self._regroup()
+            self._checkpoint()
+        for folder, lock, _ in dead:
+            shutil.rmtree(folder, ignore_errors=True)
+            lock.close()
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> SweepResult:
+        """Run this worker until the study has ``n_trials`` finished trials and none
+        is running anywhere; then write the results. Returns a :class:`SweepResult`."""
+        from .report import write_results
+
+        start = time.perf_counter()
+        verbosity = optuna.logging.get_verbosity()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        with warnings.catch_warnings():
+            # Heartbeats and ask-and-tell are experimental in Optuna's eyes; we use both.
+            warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+            warnings.filterwarnings("ignore", message=".*Heartbeat of storage.*")
+            warnings.filterwarnings("ignore", message=".*already reported.*")
+            warnings.filterwarnings("ignore", category=FutureWarning, module="optuna")
+            try:
+                self._open()
+                dead = self._dead_workers()
+                pending = [d for d in dead if any(
+                    self.storage.get_trial(e["trial_id"]).state == TrialState.RUNNING
+                    for e in d[2].get("trials", []))]
+                if pending and not self.resume:
+                    numbers = sorted(e["number"] for d in pending for e in d[2]["trials"])
+                    for _, lock, _ in dead:
+                        lock.close()
+                    raise SweepError(
+                        f"{self.out} holds an interrupted sweep (trials {numbers} were "
+                        f"running); rerun with --resume to continue them from their "
+                        f"checkpoints, or use another --out / --study"
+                    )
+                self._adopt(dead)
+                self._loop()
+            finally:
+                if hasattr(self, "heartbeat"):
+                    self.heartbeat.stop()
+                optuna.logging.set_verbosity(verbosity)
+            wall = time.perf_counter() - start
+            files, board = write_results(self)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if getattr(self, "_lock", None) is not None:
+            self._lock.close()
+        return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
+                           files, board)
+
+    def _loop(self) -> None:
+        from .report import progress_bars
+
+        bars = progress_bars(self)
+        try:
+            while True:
+                optuna.storages.fail_stale_trials(self.study)
+                self._refill()
+                if not self.live:
+                    c = _counts(self.study)
+                    if c["running"] == 0 and c["waiting"] == 0:
+                        break
+                    # Trials still run elsewhere: wait, and retry them should their worker die.
+                    bars.waiting(c["running"])
+                    time.sleep(self.heartbeat_interval)
+                    continue
+                self._regroup()
+                bars.round_start(self)
+                self._train_round(bars.epoch)
+                self._checkpoint()
+                self._decide(list(self.live))
+                bars.round_end(self)
+        except KeyboardInterrupt:
+            self.log("interrupted: rerun with --resume to continue from the last epoch")
+            raise
+        except Exception as exc:
+            # A bug in the spec (or ours) would fail the same way on every retry: fail the
+            # live trials for good, with the reason, instead of leaving them to be retried.
+            for run in list(self.live):
+                self._fail(run.trial, f"error: {type(exc).__name__}: {exc}")
+            self.live.clear()
+            raise
+        finally:
+            bars.close()

@@ -1,0 +1,118 @@
+"""The inverse of ``hftc.optim.fuse_optimizers``: one model's slice of a fused optimizer.
+
+A sweep re-forms its fused arrays when trials are pruned or finish: the
+survivors' weights come back with ``fused.unfuse()``, and their optimizer state
+must come back too, or momentum / Adam moments restart from zero and a survivor
+no longer trains as if alone. ``hftc.optim`` converts N stock optimizers into one
+fused optimizer (``fuse_optimizers``) but not back; this module does the way
+back, into stock ``torch.optim`` optimizers, so the round trip
+
+    fused optimizer --load_model_slice--> N stock optimizers --fuse_optimizers--> fused
+
+is exact and also leaves optimizers a user can keep training with alone.
+
+It works from a fused optimizer's ``state_dict()`` (the live one or one read
+from a checkpoint), so resuming from disk and re-fusing in memory share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["fused_param_names", "load_model_slice"]
+
+
+def fused_param_names(fused: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The fused module's parameter name of each parameter the fused optimizer holds, in
+    the order of its ``state_dict()["param_groups"][0]["params"]``."""
+    names = {id(p): name for name, p in fused.named_parameters()}
+    try:
+        return [names[id(p)] for p in optimizer.param_groups[0]["params"]]
+    except KeyError as exc:
+        raise ValueError("the fused optimizer holds a parameter that is not one of the fused "
+                         "module's; build it on fused.parameters()") from exc
+
+
+def _keep(key: str, value: Tensor, state: dict[str, Any], index: int,
+          group: dict[str, Any]) -> bool:
+    """Does stock torch keep ``key`` for this model? (The fused optimizer keeps every
+    buffer any model needs; stock creates one only for the models that use it.)"""
+    if key.startswith("has_"):
+        return False  # bookkeeping of the fused class (e.g. SGD's has_momentum_buffer)
+    flag = state.get(f"has_{key}")
+    if isinstance(flag, Tensor) and flag.dim() == 1:
+        return bool(flag[index] != 0)  # SGD: a buffer exists once the model stepped with it
+    if key == "momentum_buffer" and "momentum" in group:
+        return group["momentum"] > 0  # RMSprop: only with momentum
+    if key == "max_exp_avg_sq":
+        return bool(group.get("amsgrad", False))
+    if key == "grad_avg":
+        return bool(group.get("centered", False))
+    return True
+
+
+def load_model_slice(
+    fused_state: dict[str, Any],
+    param_names: Sequence[str],
+    index: int,
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+) -> torch.optim.Optimizer:
+    """Load model ``index``'s hyper-parameters and state from a fused optimizer into ``optimizer``.
+
+    Args:
+        fused_state: ``fused_opt.state_dict()`` of an ``hftc.optim`` optimizer.
+        param_names: :func:`fused_param_names` of that optimizer.
+        index: which model of the fused array.
+        optimizer: a stock optimizer of the matching class with one param group over
+            ``model``'s parameters (e.g. ``torch.optim.Adam(model.parameters())``).
+        model: model ``index`` as a plain module (``fused.unfuse()[index]``), whose
+            parameter names are the fused ones.
+
+    Returns ``optimizer``, which then continues model ``index`` exactly where the fused
+    optimizer would have: ``fuse_optimizers`` of such optimizers rebuilds the fused
+    state bit for bit.
+    """
+    groups = fused_state["param_groups"]
+    n = len(groups)
+    if not 0 <= index < n:
+        raise IndexError(f"model index {index} out of range for a fused optimizer of {n} models")
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(f"the stock optimizer has {len(optimizer.param_groups)} param groups; "
+                         f"give it one group over the model's parameters")
+    group = groups[index]
+    stock_group = optimizer.param_groups[0]
+    for key in stock_group:
+        if key not in ("params", "param_names") and key in group:
+            stock_group[key] = group[key]
+    for key in group:  # what schedulers add (initial_lr, ...) travels too
+        if key not in stock_group and key not in ("params", "param_names"):
+            stock_group[key] = group[key]
+
+    by_name = dict(model.named_parameters())
+    order = groups[0]["params"]
+    if len(order) != len(param_names):
+        raise ValueError(f"param_names has {len(param_names)} names for {len(order)} fused "
+                         f"parameters")
+    stock_params = {id(p) for p in stock_group["params"]}
+    for pid, name in zip(order, param_names):
+        p = by_name.get(name)
+        if p is None or id(p) not in stock_params:
+            raise ValueError(f"parameter {name!r} of the fused optimizer is not among the stock "
+                             f"optimizer's parameters of the model")
+        state = fused_state["state"].get(pid)
+        if not state:
+            optimizer.state.pop(p, None)  # not stepped yet, as stock would be
+            continue
+        sliced: dict[str, Any] = {}
+        for key, value in state.items():
+            if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != n:
+                sliced[key] = value
+            elif _keep(key, value, state, index, group):
+                sliced[key] = value[index].clone()
+        optimizer.state[p] = sliced
+    return optimizer

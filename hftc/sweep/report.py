@@ -1,0 +1,203 @@
+"""What a sweep shows and leaves: progress bars, the leaderboard, results.csv, best.pt,
+best.json and curves.png (the learning curves of every trial)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+__all__ = ["leaderboard", "write_results", "progress_bars", "plot_curves"]
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _sorted_complete(study: optuna.Study) -> list[FrozenTrial]:
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.value is not None and math.isfinite(t.value)]
+    maximize = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    return sorted(done, key=lambda t: (-t.value if maximize else t.value, t.number))
+
+
+def leaderboard(study: optuna.Study, metric: str = "value", top: int = 10) -> str:
+    """The ``top`` complete trials, best first, as a text table, and the count of each state."""
+    ranked = _sorted_complete(study)[:top]
+    names = sorted({k for t in ranked for k in t.params})
+    header = ["rank", "trial", metric, "epochs", *names]
+    rows = [[str(i + 1), str(t.number), f"{t.value:.4f}", str(len(t.intermediate_values)),
+             *(_fmt(t.params.get(k, "")) for k in names)] for i, t in enumerate(ranked)]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    counts: dict[str, int] = {}
+    for t in study.get_trials(deepcopy=False):
+        counts[t.state.name.lower()] = counts.get(t.state.name.lower(), 0) + 1
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    lines.append(f"{len(study.get_trials(deepcopy=False))} trials: {summary}")
+    return "\n".join(lines)
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_csv(study: optuna.Study, path: Path, metric: str) -> None:
+    """One row per trial: number, state, metric, epochs, hyper-parameters, seed, ..."""
+    trials = study.get_trials(deepcopy=False)
+    names = sorted({k for t in trials for k in t.params})
+    header = ["number", "state", metric, "epochs", *names, "seed", "duration_s", "retry_of",
+              "note"]
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            for t in trials:
+                duration = t.duration.total_seconds() if t.duration else ""
+                w.writerow([t.number, t.state.name, "" if t.value is None else repr(t.value),
+                            len(t.intermediate_values), *(t.params.get(k, "") for k in names),
+                            t.user_attrs.get("hftc_seed", ""),
+                            f"{duration:.2f}" if duration != "" else "",
+                            t.system_attrs.get("failed_trial", ""),
+                            t.user_attrs.get("hftc_fail_reason", "")])
+
+    _atomic(path, write)
+
+
+def plot_curves(study: optuna.Study, path: Path, metric: str) -> None:
+    """Every trial's metric per epoch: complete trials in colour, pruned ones grey,
+    the best one thick. Drawn with the Agg canvas (no display, no global backend)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ranked = _sorted_complete(study)
+    best = ranked[0].number if ranked else None
+    for t in study.get_trials(deepcopy=False):
+        steps = sorted(t.intermediate_values)
+        if not steps:
+            continue
+        values = [t.intermediate_values[s] for s in steps]
+        if t.number == best:
+            ax.plot(steps, values, color="crimson", lw=2.5, zorder=5,
+                    label=f"best: trial {t.number} ({values[-1]:.4f})")
+        elif t.state == TrialState.COMPLETE:
+            ax.plot(steps, values, color="tab:blue", lw=1, alpha=0.6)
+        elif t.state == TrialState.PRUNED:
+            ax.plot(steps, values, color="grey", lw=0.8, ls="--", alpha=0.6)
+        else:
+            ax.plot(steps, values, color="orange", lw=0.8, ls=":", alpha=0.6)
+    ax.plot([], [], color="tab:blue", label="complete")
+    ax.plot([], [], color="grey", ls="--", label="pruned")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{study.study_name}: learning curves of {len(study.trials)} trials")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best")
+    fig.tight_layout()
+    _atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+
+
+def write_results(sweep) -> tuple[dict[str, Path], str]:
+    """results.csv, curves.png, best.pt and best.json in ``sweep.out``; the leaderboard."""
+    study, out, metric = sweep.study, sweep.out, sweep.spec.metric_name
+    files = {"results": out / "results.csv", "curves": out / "curves.png"}
+    write_csv(study, files["results"], metric)
+    plot_curves(study, files["curves"], metric)
+    board = leaderboard(study, metric)
+    ranked = _sorted_complete(study)
+    if ranked:
+        best = ranked[0]
+        weights = out / "trials" / f"trial-{best.number}.pt"
+        info = {"number": best.number, "value": best.value, "metric": metric,
+                "direction": sweep.spec.direction, "params": best.params,
+                "seed": best.user_attrs.get("hftc_seed"),
+                "orders": best.user_attrs.get("hftc_orders"),
+                "epochs": len(best.intermediate_values)}
+        files["best_json"] = out / "best.json"
+        _atomic(files["best_json"], lambda tmp: tmp.write_text(json.dumps(info, indent=1)))
+        if weights.exists():
+            files["best"] = out / "best.pt"
+            _atomic(files["best"], lambda tmp: shutil.copyfile(weights, tmp))
+        else:
+            board += (f"\n(best.pt not written: trial {best.number} was trained by worker "
+                      f"{best.user_attrs.get('hftc_worker')}; its weights are in that "
+                      f"worker's OUT/trials/)")
+    return files, board
+
+
+class _Bars:
+    """tqdm bars for trials and for the batches of the current epoch; silent off a terminal."""
+
+    def __init__(self, sweep, enabled: bool):
+        self.sweep = sweep
+        self.epoch = None
+        self.trials = None
+        if not enabled:
+            return
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return
+        self.tqdm = tqdm
+        self.trials = tqdm(total=sweep.spec.n_trials, desc="trials", unit="trial", position=0,
+                           dynamic_ncols=True)
+        self._update_trials()
+
+    def _update_trials(self) -> None:
+        if self.trials is None:
+            return
+        study = self.sweep.study
+        finished = sum(1 for t in study.get_trials(deepcopy=False)
+                       if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
+        self.trials.n = min(finished, self.trials.total)
+        ranked = _sorted_complete(study)
+        if ranked:
+            self.trials.set_postfix(best=f"{ranked[0].value:.4f}", refresh=False)
+        self.trials.refresh()
+
+    def round_start(self, sweep) -> None:
+        if self.trials is None:
+            return
+        n_batches = -(-sweep.data.n_train // sweep.spec.batch_size)
+        sizes = "+".join(str(len(a.members)) for a in sweep.arrays)
+        self.epoch = self.tqdm(total=n_batches, desc=f"round {sweep.round + 1} [{sizes}]",
+                               unit="batch", position=1, leave=False, dynamic_ncols=True)
+
+    def round_end(self, sweep) -> None:
+        if self.epoch is not None:
+            self.epoch.close()
+            self.epoch = None
+        self._update_trials()
+
+    def waiting(self, running: int) -> None:
+        if self.trials is not None:
+            self.trials.set_description(f"trials (waiting for {running} on other workers)")
+            self._update_trials()
+
+    def close(self) -> None:
+        if self.epoch is not None:
+            self.epoch.close()
+        if self.trials is not None:
+            self._update_trials()
+            self.trials.close()
+
+
+def progress_bars(sweep) -> _Bars:
+    return _Bars(sweep, sweep.progress)

@@ -1,0 +1,209 @@
+"""What a sweep is made of: :class:`SweepSpec`, and loading one from a user's file or module.
+
+A spec file is plain Python that names the pieces (see ``docs/SWEEP.md``)::
+
+    # spec.py
+    def space(trial):                    # an Optuna search space
+        return {"lr": trial.suggest_float("lr", 1e-3, 1.0, log=True)}
+
+    def model(params):                   # one unmodified nn.Module per trial
+        return MyCNN()
+
+    def data():                          # ((x_train, y_train), (x_val, y_val)), tensors
+        ...
+
+    metric = "accuracy"                  # or "loss", or a function (output, target) -> float
+    epochs = 10
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer"]
+
+
+class SpecError(ValueError):
+    """A sweep spec is missing a piece or has one of the wrong kind (the message says which)."""
+
+
+def default_optimizer(params: dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:
+    """``torch.optim.SGD`` with ``lr`` / ``momentum`` / ``weight_decay`` / ``nesterov`` from
+    ``params`` when the space names them (defaults 0.01, 0, 0, False)."""
+    return torch.optim.SGD(
+        model.parameters(),
+        lr=params.get("lr", 0.01),
+        momentum=params.get("momentum", 0.0),
+        weight_decay=params.get("weight_decay", 0.0),
+        nesterov=params.get("nesterov", False),
+    )
+
+
+@dataclass
+class SweepSpec:
+    """Everything a fused sweep needs; the same for every trial except ``params``.
+
+    Required:
+        space: ``space(trial) -> dict`` suggests one trial's hyper-parameters with
+            ``trial.suggest_*`` (Optuna's define-by-run API). Return the dict that
+            ``model`` and ``optimizer`` receive (derived values allowed), or ``None``
+            to use ``trial.params``.
+        model: ``model(params) -> nn.Module``, called under ``torch.manual_seed(seed)``.
+        data: ``data() -> ((x_train, y_train), (x_val, y_val))``: tensors (``x`` may
+            be a tuple of tensors for a multi-input model), called once per worker.
+
+    Optional:
+        optimizer: ``optimizer(params, model) -> torch.optim.Optimizer``: a *stock*
+            optimizer on the model's parameters (SGD, Adam, AdamW, RMSprop, Adagrad);
+            hftc fuses the N of an array with ``hftc.optim.fuse_optimizers``. Default:
+            :func:`default_optimizer`.
+        loss: training loss ``loss(output, target)`` (default ``F.cross_entropy``).
+        metric: ``"accuracy"``, ``"loss"`` (``loss`` on the validation set) or a
+            function ``metric(output, target) -> float`` of one model's validation
+            output; measured after every epoch and reported to Optuna.
+        direction: ``"maximize"`` or ``"minimize"`` (default: maximize accuracy,
+            minimize anything else).
+        epochs: epochs per trial (the pruners' maximum resource). batch_size: training
+            batch. eval_batch_size: validation batch.
+        n_trials / per_array: defaults for the sweep's size and N per fused array.
+        seed: base seed (trial seeds are ``seed + trial number`` unless the space
+            suggests ``"seed"``; data order, sampler). dtype: the models' and data's
+            floating dtype. device: where training runs.
+        sampler / pruner: Optuna objects, or names (``"tpe"``, ``"random"``;
+            ``"median"``, ``"sha"``, ``"hyperband"``, ``"none"``).
+    """
+
+    space: Callable[[Any], dict[str, Any] | None]
+    model: Callable[[dict[str, Any]], nn.Module]
+    data: Callable[[], Any]
+    optimizer: Callable[[dict[str, Any], nn.Module], torch.optim.Optimizer] = default_optimizer
+    loss: Callable[..., torch.Tensor] = F.cross_entropy
+    metric: str | Callable[[torch.Tensor, torch.Tensor], float] = "accuracy"
+    direction: str | None = None
+    epochs: int = 10
+    batch_size: int = 64
+    eval_batch_size: int = 1024
+    n_trials: int = 32
+    per_array: int = 16
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    sampler: Any = "tpe"
+    pruner: Any = "median"
+    name: str = "sweep"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for key in ("space", "model", "data", "optimizer", "loss"):
+            if not callable(getattr(self, key)):
+                raise SpecError(f"spec.{key} must be callable, got {getattr(self, key)!r}")
+        if isinstance(self.metric, str) and self.metric not in ("accuracy", "loss"):
+            raise SpecError(
+                f"spec.metric is {self.metric!r}; use 'accuracy', 'loss' or a function "
+                f"metric(output, target) -> float"
+            )
+        if not isinstance(self.metric, str) and not callable(self.metric):
+            raise SpecError(f"spec.metric must be a name or a function, got {self.metric!r}")
+        if self.direction is None:
+            self.direction = "maximize" if self.metric == "accuracy" else "minimize"
+        if self.direction not in ("maximize", "minimize"):
+            raise SpecError(f"spec.direction must be 'maximize' or 'minimize', got "
+                            f"{self.direction!r}")
+        for key in ("epochs", "batch_size", "eval_batch_size", "n_trials", "per_array"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(f"spec.{key} must be a positive int, got {value!r}")
+        if isinstance(self.dtype, str):
+            self.dtype = getattr(torch, self.dtype)
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise SpecError(f"spec.dtype must be a floating torch.dtype, got {self.dtype!r}")
+
+    @property
+    def metric_name(self) -> str:
+        return self.metric if isinstance(self.metric, str) else getattr(
+            self.metric, "__name__", "metric")
+
+    def replace(self, **changes: Any) -> SweepSpec:
+        """A copy with some fields changed (``None`` values are ignored)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update({k: v for k, v in changes.items() if v is not None})
+        if "metric" in changes and "direction" not in changes:
+            values["direction"] = None
+        return SweepSpec(**values)
+
+
+_FIELDS = None
+
+
+def _spec_fields() -> list[str]:
+    global _FIELDS
+    if _FIELDS is None:
+        _FIELDS = [f.name for f in fields(SweepSpec) if f.name != "extra"]
+    return _FIELDS
+
+
+def load_spec(target: str | Path | Any) -> SweepSpec:
+    """A :class:`SweepSpec` from a spec file (``path/to/spec.py``), a module path
+    (``mypkg.sweeps.digits``), a module object, or a ``SweepSpec`` (returned as is).
+
+    The module names the pieces as module-level attributes (``space``, ``model``,
+    ``data``, and optionally every other :class:`SweepSpec` field), or defines
+    ``spec`` / ``SPEC``, a ready ``SweepSpec``.
+    """
+    if isinstance(target, SweepSpec):
+        return target
+    if isinstance(target, (str, Path)):
+        module = _import(str(target))
+    else:
+        module = target
+    for name in ("spec", "SPEC"):
+        ready = getattr(module, name, None)
+        if isinstance(ready, SweepSpec):
+            return ready
+    where = getattr(module, "__file__", None) or getattr(module, "__name__", repr(module))
+    missing = [k for k in ("space", "model", "data") if not hasattr(module, k)]
+    if missing:
+        raise SpecError(
+            f"the sweep spec {where} does not define {', '.join(missing)}; a spec defines "
+            f"space(trial), model(params) and data() (see docs/SWEEP.md)"
+        )
+    values = {k: getattr(module, k) for k in _spec_fields() if hasattr(module, k)}
+    if "name" not in values:
+        values["name"] = Path(str(where)).stem if str(where).endswith(".py") else str(
+            getattr(module, "__name__", "sweep")).rpartition(".")[2]
+    return SweepSpec(**values)
+
+
+def _import(target: str):
+    if target.endswith(".py") or "/" in target or Path(target).is_file():
+        path = Path(target)
+        if not path.is_file():
+            raise SpecError(f"no such sweep spec file: {path}")
+        name = f"_hftc_spec_{path.stem}"
+        loaded = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(loaded)
+        sys.modules[name] = module  # so pickling / dataclasses inside the spec work
+        # The spec may import its neighbours, also later (inside model()), as a script could.
+        _add_to_path(path.resolve().parent)
+        loaded.loader.exec_module(module)
+        return module
+    _add_to_path(Path.cwd())
+    try:
+        return importlib.import_module(target)
+    except ImportError as exc:
+        raise SpecError(f"cannot import the sweep spec module {target!r}: {exc}") from exc
+
+
+def _add_to_path(folder: Path) -> None:
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
