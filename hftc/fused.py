@@ -20,7 +20,14 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import FusionArgumentError, FusionError, FusionTypeError, MismatchError
+from .errors import (
+    FusionArgumentError,
+    FusionError,
+    FusionTypeError,
+    MismatchError,
+    TraceError,
+    UnsupportedOperatorError,
+)
 from .lowering.codegen import compile_graph
 from .lowering.modules import StackedModule, build_module_tree
 from .match import GraphMatch, match_graphs
@@ -48,6 +55,35 @@ class _ModeGraphs:
 
 
 InDims = int | None | Sequence[int | None]
+
+
+def _check_hooks(models: Sequence[nn.Module]) -> None:
+    """Refuse hooks: tracing would skip them, and a hook silently skipped is a wrong answer."""
+    problems = []
+    kinds = (("forward hook", "_forward_hooks"), ("forward pre-hook", "_forward_pre_hooks"),
+             ("backward hook", "_backward_hooks"), ("backward pre-hook", "_backward_pre_hooks"))
+    for i, model in enumerate(models):
+        for path, sub in model.named_modules():
+            for kind, attr in kinds:
+                count = len(getattr(sub, attr, {}) or {})
+                if count:
+                    problems.append(f"model {i}, module `{path or '<root>'}` "
+                                    f"({type(sub).__name__}): {count} {kind}(s)")
+    module_globals = torch.nn.modules.module
+    for kind, attr in (("global forward hook", "_global_forward_hooks"),
+                       ("global forward pre-hook", "_global_forward_pre_hooks"),
+                       ("global backward hook", "_global_backward_hooks")):
+        if getattr(module_globals, attr, None):
+            problems.append(f"a {kind} (torch.nn.modules.module.register_module_{attr[8:-1]})")
+    if problems:
+        raise UnsupportedOperatorError(
+            "hooks cannot be fused: the fused module runs one fused op where each model ran "
+            "its module, so a hook would be skipped or see all models at once:\n  "
+            + "\n  ".join(problems)
+            + "\nRemove the hooks before fusing (read activations from the fused outputs "
+            "instead).",
+            problems,
+        )
 
 
 def _check_models(models: Any) -> list[nn.Module]:
@@ -116,6 +152,7 @@ class FusedModule(nn.Module):
         self.num_models = n
         self.in_dims = in_dims
         self._check_modes(models)
+        _check_hooks(models)
         graphs = {
             mode: [trace_model(m, i, training=mode) for i, m in enumerate(models)]
             for mode in (True, False)
@@ -268,7 +305,11 @@ class FusedModule(nn.Module):
         values = self._bind(tuple(merged), dict(kwargs))
         batched = batched + [False] * (len(values) - len(batched))
         program = self._program(values, batched)
-        return program.forward(self, *values)
+        try:
+            return program.forward(self, *values)
+        except RuntimeError as exc:
+            self._explain_input_mismatch(values, exc)
+            raise
 
     @torch.compiler.disable
     def _program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
@@ -283,15 +324,33 @@ class FusedModule(nn.Module):
         mode_graphs = self._mode_graphs[self.training]
         self._sync_template()
         per_model = [v[0] if b else v for v, b in zip(values, batched)]
-        annotate_example_values(
-            mode_graphs.graph_module.graph, self._template, per_model, {}, self._model_tensors
-        )
+        try:
+            annotate_example_values(
+                mode_graphs.graph_module.graph, self._template, per_model, {}, self._model_tensors
+            )
+        except TraceError as exc:
+            self._explain_input_mismatch(values, exc)
+            raise
         graph, report = fuse_graph(
             mode_graphs.graph_module, mode_graphs.match, self.num_models, batched,
             mode_graphs.attr_targets,
         )
         forward, source = compile_graph(graph)
         return Program(forward, graph, report, source)
+
+    def _explain_input_mismatch(self, values: Sequence[Any], cause: Exception) -> None:
+        """An input of another dtype or device than the parameters: say so, not the ATen error."""
+        param = next((p for p in self.parameters() if p.is_floating_point()), None)
+        if param is None:
+            return
+        for k, v in enumerate(values):
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                if v.dtype != param.dtype or v.device != param.device:
+                    raise FusionArgumentError(
+                        f"input {k} is {v.dtype} on {v.device} but the models' parameters are "
+                        f"{param.dtype} on {param.device}; cast the input "
+                        f"(x.to({param.dtype})) or the fused module (fused.to({v.dtype}))"
+                    ) from cause
 
     def _model_tensors(self, index: int = 0) -> dict[str, torch.Tensor]:
         """Copies of model ``index``'s parameters and buffers, by name (constants included)."""

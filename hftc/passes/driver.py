@@ -228,6 +228,13 @@ def fuse_graph(
                 and not (entry is not None and entry.random) and not group.per_model:
             builder.current_rule = "shared"
             new, kind, rule_name = builder.copy(group, batched=False), "shared", "shared"
+        elif _inplace_on_shared(node, group, builder):
+            unsupported.append(
+                f"{describe_node(node)}: in-place `{node.target}` writes a value shared by "
+                f"all models ({module_path(node)}) with a per-model operand; use the "
+                f"out-of-place form"
+            )
+            new, kind, rule_name = builder.copy(group, batched=False), "refused", "refused"
         else:
             new = None
             if entry is not None:
@@ -248,17 +255,9 @@ def fuse_graph(
                 if node.op == "call_module":
                     reason = f"no fusion rule for module {type(module).__name__}"
             if new is None:
-                if _inplace_on_shared(node, group, builder):
-                    unsupported.append(
-                        f"{describe_node(node)}: in-place `{node.target}` writes a value shared by "
-                        f"all models ({module_path(node)}) with a per-model operand; use the "
-                        f"out-of-place form"
-                    )
-                    new = builder.copy(group, batched=False)
-                else:
-                    builder.current_rule = "loop"
-                    new = _emit_loop(group, builder)
-                    kind, rule_name = "loop", "loop"
+                builder.current_rule = "loop"
+                new = _emit_loop(group, builder)
+                kind, rule_name = "loop", "loop"
         made = [m for m in list(builder.graph.nodes)[first_new:] if m.op != "get_attr"]
         new.meta[EXAMPLE_VALUE] = node.meta.get(EXAMPLE_VALUE)
         env[node] = new

@@ -1,0 +1,178 @@
+"""The catalogue of bad input: each case refused with a message a user can act on, or fused
+exactly.  None may surface as a bare AttributeError / RuntimeError / IndexError from hftc."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from equivalence import check_equivalence
+from torch import nn
+
+import hftc
+from hftc.errors import (
+    FusionArgumentError,
+    MismatchError,
+    UnsupportedOperatorError,
+)
+
+
+def mlp(width=8, act=nn.ReLU, bias=True):
+    return nn.Sequential(nn.Linear(4, width, bias=bias), act(), nn.Linear(width, 2))
+
+
+class Ordered(nn.Module):
+    """Two branches whose submodules are defined and applied in a configurable order."""
+
+    def __init__(self, first_conv: bool):
+        super().__init__()
+        self.first_conv = first_conv
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+
+    def forward(self, x):
+        if self.first_conv:
+            return self.pool(self.conv(x))
+        return self.conv(self.pool(x))
+
+
+@pytest.mark.parametrize(("models", "pattern"), [
+    ([mlp(), mlp(16)], r"out_features: 8 in model 0; 16 in model 1"),
+    ([nn.Sequential(nn.Conv2d(3, 4, 3)), nn.Sequential(nn.Conv2d(3, 4, 5))],
+     r"kernel_size: \(3, 3\) in model 0; \(5, 5\) in model 1"),
+    ([nn.Sequential(nn.Conv2d(3, 4, 3, stride=1)), nn.Sequential(nn.Conv2d(3, 4, 3, stride=2))],
+     r"stride: \(1, 1\) in model 0; \(2, 2\) in model 1"),
+    ([mlp(), nn.Sequential(nn.Linear(4, 8), nn.ReLU())], r"extra or missing layer"),
+    ([mlp(), mlp(act=nn.Tanh)], r"class: ReLU in model 0; Tanh in model 1"),
+    ([Ordered(True), Ordered(False)], r"model 1 of 2 cannot be fused"),
+    ([mlp(), mlp(bias=False)], r"parameter `bias`"),
+], ids=["width", "kernel", "stride", "missing-layer", "activation", "submodule-order", "bias"])
+def test_models_that_differ(models, pattern):
+    with pytest.raises(MismatchError, match=pattern):
+        hftc.fuse(models)
+
+
+def test_different_dtypes():
+    with pytest.raises(MismatchError, match=r"torch.float32.*in model 0.*torch.float64.*model 1"):
+        hftc.fuse([mlp(), mlp().double()])
+
+
+def test_parameters_frozen_in_some_models_only():
+    frozen = mlp()
+    frozen[0].weight.requires_grad_(False)
+    with pytest.raises(MismatchError, match=r"module path `0`.*\n.*parameter `weight`.*True\) in "
+                                            r"model 0; .*False\) in model 1"):
+        hftc.fuse([mlp(), frozen])
+
+
+def test_frozen_in_all_models_stays_frozen():
+    models = [mlp() for _ in range(2)]
+    for m in models:
+        m[0].requires_grad_(False)
+    fused = hftc.fuse(models)
+    assert not fused.state_dict(keep_vars=True)["0.weight"].requires_grad
+    assert fused.state_dict(keep_vars=True)["2.weight"].requires_grad
+
+
+def test_wrong_number_of_inputs():
+    fused = hftc.fuse([mlp(), mlp()])
+    with pytest.raises(FusionArgumentError, match=r"takes 1 inputs \(input\), got 2"):
+        fused(torch.randn(2, 4), torch.randn(2, 4))
+    with pytest.raises(FusionArgumentError, match=r"missing input `input`"):
+        fused()
+
+
+def test_input_of_another_dtype():
+    fused = hftc.fuse([mlp(), mlp()])
+    with pytest.raises(FusionArgumentError, match=r"input 0 is torch.float64 .* parameters are "
+                                                  r"torch.float32.*fused.to\(torch.float64\)"):
+        fused(torch.randn(2, 4, dtype=torch.float64))
+
+
+def test_forward_hooks_are_refused_not_ignored():
+    hooked = mlp()
+    hooked[1].register_forward_hook(lambda m, i, o: o * 2)
+    hooked.register_forward_pre_hook(lambda m, i: i)
+    with pytest.raises(UnsupportedOperatorError, match=r"(?s)model 1, module `<root>` \(Sequential\): "
+                                                       r"1 forward pre-hook.*model 1, module `1` "
+                                                       r"\(ReLU\): 1 forward hook"):
+        hftc.fuse([mlp(), hooked])
+
+
+def test_in_place_ops_on_inputs_match_each_model_alone():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            x.mul_(2)  # the input itself is modified, as the model alone would
+            return self.fc(x.relu_())
+
+    models = [InPlace() for _ in range(3)]
+    x = torch.randn(2, 4)
+    out = hftc.fuse(models)(x.clone())
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x.clone()))
+
+
+def test_in_place_op_mixing_shared_and_per_model_values_is_refused():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return x.add_(self.fc(x))  # writes per-model values into the shared input
+
+    with pytest.raises(UnsupportedOperatorError, match=r"in-place `add_` writes a value shared"):
+        hftc.fuse([Bad(), Bad()])(torch.randn(2, 4))
+
+
+def test_non_tensor_outputs_pass_through():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h, h.size(1), "label", None
+
+    models = [Mixed() for _ in range(2)]
+    out = hftc.fuse(models)(torch.ones(2, 4))
+    assert out[1:] == (3, "label", None)
+    assert out[0].shape == (2, 2, 3)
+
+
+def test_same_instance_twice_and_stacked_inputs():
+    m = mlp()
+    check_equivalence([m, m], torch.randn(2, 3, 4), in_dims=0)
+
+
+def test_unsupported_ops_are_all_listed():
+    class TwoBad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            x.add_(self.a(x))
+            return x.mul_(self.a(x))
+
+    with pytest.raises(UnsupportedOperatorError, match=r"(?s)2 operator\(s\).*add_.*mul_") as info:
+        hftc.fuse([TwoBad(), TwoBad()])(torch.randn(2, 4))
+    assert len(info.value.operators) == 2
+
+
+def test_functional_call_difference_names_the_function():
+    class A(nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.dim = dim
+
+        def forward(self, x):
+            return F.softmax(x, dim=self.dim)
+
+    with pytest.raises(MismatchError, match=r"arguments: .*'dim': 1.* in model 0; .*'dim': 0"):
+        hftc.fuse([A(1), A(0)])
