@@ -49,9 +49,16 @@ class Program:
 class _ModeGraphs:
     """Model 0's graph for one mode, rooted at the meta template, and its matching."""
 
-    graph_module: fx.GraphModule
-    match: GraphMatch
+    graph: fx.Graph  # not owned by any module, so deepcopy and pickle keep it whole
+    originals: list[dict[str, str]]  # per model: model 0's node name -> model i's node name
+    match_method: str
     attr_targets: dict[str, str]
+
+    def graph_module(self, template: nn.Module) -> fx.GraphModule:
+        """Model 0's graph rooted at the meta template, for shape propagation and fusion."""
+        gm = fx.GraphModule(template, self.graph)
+        self.graph.owning_module = None
+        return gm
 
 
 InDims = int | None | Sequence[int | None]
@@ -172,8 +179,11 @@ class FusedModule(nn.Module):
         self._mode_graphs: dict[bool, _ModeGraphs] = {}
         for mode in (True, False):
             attr_targets = self._stack_constants(graphs[mode], matches[mode])
-            gm0 = fx.GraphModule(template, graphs[mode][0].graph)
-            self._mode_graphs[mode] = _ModeGraphs(gm0, matches[mode], attr_targets)
+            graph0 = graphs[mode][0].graph
+            graph0.owning_module = None
+            originals = [{n0.name: ni.name for n0, ni in m.items()} for m in matches[mode].mapping]
+            self._mode_graphs[mode] = _ModeGraphs(graph0, originals, matches[mode].method,
+                                                  attr_targets)
         for mode in (True, False):  # let the originals go: keep graphs, not their modules
             for g in graphs[mode][1:]:
                 g.graph.owning_module = None
@@ -270,7 +280,7 @@ class FusedModule(nn.Module):
     def _bind(self, args: tuple, kwargs: dict) -> list[Any]:
         """Positional + keyword inputs -> one value per placeholder of the traced forward."""
         placeholders = [
-            n for n in self._mode_graphs[self.training].graph_module.graph.nodes
+            n for n in self._mode_graphs[self.training].graph.nodes
             if n.op == "placeholder"
         ]
         if len(args) > len(placeholders):
@@ -326,13 +336,14 @@ class FusedModule(nn.Module):
         per_model = [v[0] if b else v for v, b in zip(values, batched)]
         try:
             annotate_example_values(
-                mode_graphs.graph_module.graph, self._template, per_model, {}, self._model_tensors
+                mode_graphs.graph, self._template, per_model, {}, self._model_tensors
             )
         except TraceError as exc:
             self._explain_input_mismatch(values, exc)
             raise
         graph, report = fuse_graph(
-            mode_graphs.graph_module, mode_graphs.match, self.num_models, batched,
+            mode_graphs.graph_module(self._template), mode_graphs.originals,
+            mode_graphs.match_method, self.num_models, batched,
             mode_graphs.attr_targets,
         )
         forward, source = compile_graph(graph)

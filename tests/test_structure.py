@@ -255,3 +255,35 @@ def test_torch_compile_runs_the_fused_module():
     out = compiled(x)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x))
+
+
+def test_autocast_runs_the_fused_ops_in_bfloat16():
+    models = [ConvNet() for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(2, 3, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fused(x)
+        refs = [m(x) for m in models]
+    assert out.dtype == refs[0].dtype
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(out[i].float(), ref.float(), rtol=0.05, atol=0.05)
+
+
+def test_deepcopy_of_a_fused_module_is_independent():
+    fused = hftc.fuse([ConvNet() for _ in range(2)])
+    x = torch.randn(2, 3, 8, 8)
+    expected = fused(x)
+    twin = copy.deepcopy(fused)
+    torch.testing.assert_close(twin(x), expected)
+    with torch.no_grad():
+        twin.fc.weight.add_(1.0)
+    torch.testing.assert_close(fused(x), expected)
+
+
+def test_torch_save_of_the_whole_module(tmp_path):
+    fused = hftc.fuse([ConvNet() for _ in range(2)])
+    x = torch.randn(2, 3, 8, 8)
+    expected = fused(x)
+    torch.save(fused, tmp_path / "fused.pt")
+    loaded = torch.load(tmp_path / "fused.pt", weights_only=False)
+    torch.testing.assert_close(loaded(x), expected)

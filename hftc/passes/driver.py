@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import FusionError, UnsupportedOperatorError
 from ..lowering import kernels
-from ..match import GraphMatch, describe_node, module_path, target_name
+from ..match import describe_node, module_path, target_name
 from ..trace import EXAMPLE_VALUE
 from .registry import FusionGroup, GraphBuilder, NotFusable, lookup
 
@@ -157,7 +157,8 @@ def _emit_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 def fuse_graph(
     graph_module: fx.GraphModule,
-    match: GraphMatch,
+    originals: Sequence[dict[str, str]],
+    match_method: str,
     num_models: int,
     input_batched: Sequence[bool],
     attr_targets: dict[str, str],
@@ -165,7 +166,8 @@ def fuse_graph(
     """Rewrite model 0's annotated graph into the fused graph (see the module docstring).
 
     ``graph_module`` is model 0's traced graph rooted at its meta template (every
-    node carries ``meta["example_value"]``); ``input_batched[k]`` says whether the
+    node carries ``meta["example_value"]``); ``originals[i]`` maps each node name of
+    model 0 onto model i's matched node; ``input_batched[k]`` says whether the
     k-th input carries the model dim; ``attr_targets`` maps a get_attr target of
     model 0 onto the fused module's attribute holding the stacked values.
     """
@@ -175,7 +177,7 @@ def fuse_graph(
     unsupported: list[str] = []
     placeholders = 0
     for node in graph_module.graph.nodes:
-        originals = [m[node].name for m in match.mapping]
+        names = [m[node.name] for m in originals]
         if node.op == "placeholder":
             batched = input_batched[placeholders] if placeholders < len(input_batched) else False
             placeholders += 1
@@ -185,7 +187,7 @@ def fuse_graph(
             if batched:
                 builder.batched.add(new)
             env[node] = new
-            records.append(FusionRecord(node.name, "input", "input", "", [new.name], "", originals))
+            records.append(FusionRecord(node.name, "input", "input", "", [new.name], "", names))
             continue
         if node.op == "output":
             out = fx.node.map_arg(node.args[0], lambda a: env[a])
@@ -208,13 +210,13 @@ def fuse_graph(
             new.meta[EXAMPLE_VALUE] = value
             env[node] = new
             records.append(FusionRecord(node.name, describe_node(node), "parameter", "",
-                                        [new.name], "", originals))
+                                        [new.name], "", names))
             continue
 
         module = graph_module.get_submodule(node.target) if node.op == "call_module" else None
         group = FusionGroup(
             node=node,
-            nodes=[m[node] for m in match.mapping],
+            nodes=names,
             args=fx.node.map_arg(node.args, lambda a: env[a]),
             kwargs=fx.node.map_arg(node.kwargs, lambda a: env[a]),
             module=module,
@@ -262,14 +264,14 @@ def fuse_graph(
         new.meta[EXAMPLE_VALUE] = node.meta.get(EXAMPLE_VALUE)
         env[node] = new
         records.append(FusionRecord(node.name, describe_node(node, graph_module), kind, rule_name,
-                                    [m.name for m in made], reason, originals))
+                                    [m.name for m in made], reason, names))
     if unsupported:
         raise UnsupportedOperatorError(
             f"{len(unsupported)} operator(s) cannot be fused:\n  " + "\n  ".join(unsupported),
             unsupported,
         )
     builder.graph.lint()
-    return builder.graph, FusionReport(num_models, records, match.method)
+    return builder.graph, FusionReport(num_models, records, match_method)
 
 
 def _inplace_on_shared(node: fx.Node, group: FusionGroup, builder: GraphBuilder) -> bool:

@@ -43,7 +43,7 @@ class FusionGroup:
     """
 
     node: fx.Node
-    nodes: list[fx.Node]
+    nodes: list[str]  # the names of the N matched nodes, model by model
     args: tuple
     kwargs: dict
     module: nn.Module | None = None
@@ -169,7 +169,7 @@ class GraphBuilder:
         if batched:
             self.batched.add(node)
         if self.current is not None:
-            node.meta["hftc_origin"] = [n.name for n in self.current.nodes]
+            node.meta["hftc_origin"] = list(self.current.nodes)
             node.meta["hftc_rule"] = self.current_rule
             node.meta["hftc_source"] = describe_node(self.current.node)
         return node

@@ -165,7 +165,7 @@ def make_storage(url: str, heartbeat_interval: int = 30,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
     except ModuleNotFoundError as exc:
         raise SweepError(
             f"the storage {_masked(url)} needs the Python driver {exc.name!r}: "
@@ -174,6 +174,26 @@ def make_storage(url: str, heartbeat_interval: int = 30,
     except Exception as exc:
         raise SweepError(f"cannot open the Optuna storage {_masked(url)}: "
                          f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    if storage.engine.name == "sqlite":
+        _fast_sqlite(storage)
+    return storage
+
+
+def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
+    """Write-ahead logging and fsync at checkpoints only: a sweep commits a few times per
+    trial and epoch, and a full fsync per commit costs more than the training on a
+    small model. A killed process loses nothing (the WAL is in the OS's hands); a power
+    cut may lose the last commits, never the database."""
+    import sqlalchemy
+
+    def pragmas(dbapi_connection, _record) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    sqlalchemy.event.listen(storage.engine, "connect", pragmas)
+    storage.engine.dispose()  # connections opened before the listener reconnect with it
 
 
 def _make_sampler(spec: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:
@@ -412,7 +432,6 @@ class Sweep:
         params = self._params(trial)
         seed = self._seed(trial, params)
         trial.set_user_attr("hftc_seed", seed)
-        trial.set_user_attr("hftc_worker", self.worker_id)
         module = build_model(self.spec, params, seed)
         optimizer = self.spec.optimizer(params, module)
         return _Run(trial, params, seed, module, optimizer)
@@ -420,10 +439,15 @@ class Sweep:
     def _refill(self) -> bool:
         """Ask trials until the array is full or the budget is spent; True if any came."""
         spec, came = self.spec, False
+        room = 0
         while len(self.live) < spec.per_array:
-            c = _counts(self.study)
-            if c["waiting"] == 0 and c["budget"] >= spec.n_trials:
+            if room == 0 or not self.default_storage:
+                # On a shared storage, count before every ask: other workers ask too.
+                c = _counts(self.study)
+                room = c["waiting"] + max(0, spec.n_trials - c["budget"])
+            if room == 0:
                 break
+            room -= 1
             trial = self.study.ask()
             self.heartbeat.add(trial._trial_id)
             try:
@@ -566,18 +590,20 @@ class Sweep:
                     trial.report(run.history[step - 1], step)
                 run.reported = run.epoch
                 value = run.history[-1]
-                trial.set_user_attr("hftc_orders", run.orders)
                 if not is_finite(value):
+                    self._record(run)
                     self._fail(trial, f"diverged: {self.spec.metric_name} is {value} after "
                                       f"epoch {run.epoch}")
                     done.append(run)
                     self.log(f"trial {run.number} failed (diverged) at epoch {run.epoch}")
                 elif run.epoch >= self.spec.epochs:
                     self._save_if_best(run, value)
+                    self._record(run)
                     self.study.tell(trial, value)
                     done.append(run)
                     self.log(f"trial {run.number} complete: {value:.6g}")
                 elif trial.should_prune():
+                    self._record(run)
                     self.study.tell(trial, state=TrialState.PRUNED)
                     done.append(run)
                     self.log(f"trial {run.number} pruned at epoch {run.epoch}: {value:.6g}")
@@ -591,6 +617,11 @@ class Sweep:
         for run in done:
             self.heartbeat.discard(run.trial_id)
             self.live.remove(run)
+
+    def _record(self, run: _Run) -> None:
+        """What it takes to retrain the trial alone: the data order keys of its epochs."""
+        run.trial.set_user_attr("hftc_orders", run.orders)
+        run.trial.set_user_attr("hftc_worker", self.worker_id)
 
     def _save_if_best(self, run: _Run, value: float) -> None:
         try:
