@@ -106,15 +106,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .speed import WORKLOADS, run_bench
-
-    workloads = args.workloads.split(",") if args.workloads else list(WORKLOADS)
-    unknown = [w for w in workloads if w not in WORKLOADS]
-    if unknown:
-        print(f"hftc: unknown workloads {unknown}; choose from {list(WORKLOADS)}", file=sys.stderr)
+    """The benchmark suite lives in the source checkout's ``benchmarks/``, next to ``hftc/``."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "cli.py").exists():
+        print(f"hftc: bench needs the source checkout's benchmarks/ folder (looked in {root}); "
+              f"run it from a clone of the repository", file=sys.stderr)
         return 2
-    run_bench(workloads, [int(n) for n in args.sizes.split(",")], batch=args.batch)
-    return 0
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from benchmarks.cli import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,10 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="measure a fused training step against a serial loop")
     p.add_argument("-n", type=int, default=16, help="number of models (default 16)")
     p.set_defaults(fn=cmd_demo)
-    p = sub.add_parser("bench", help="training-step speedup over workloads and N")
-    p.add_argument("--workloads", default="", help="comma-separated (default: all)")
-    p.add_argument("--sizes", default="1,2,4,8,16,32", help="values of N (default 1,2,...,32)")
-    p.add_argument("--batch", type=int, default=64)
+    p = sub.add_parser("bench", help="training-step throughput of hftc against serial, "
+                                     "concurrent, torch.func and hand-fused baselines")
+    p.add_argument("--quick", action="store_true", help="the < 3 min suite (MLP, LeNet-5)")
+    p.add_argument("--workloads", default="", help="comma-separated (default: the suite's)")
+    p.add_argument("--sizes", default="", help="values of N for every workload, e.g. 1,4,16")
+    p.add_argument("--contenders", default="", help="comma-separated (default: all)")
+    p.add_argument("--rounds", type=int, default=0, help="timed rounds (default: per workload)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads per process (default 1)")
+    p.add_argument("--compile-sizes", default=None,
+                   help="values of N that also run hftc+compile ('' for none)")
+    p.add_argument("--max-n", default=None, metavar="WORKLOAD:CONTENDER[,...]",
+                   help="search the largest N that fits the memory cap ('' for none)")
+    p.add_argument("--mem-cap", type=float, default=2048, help="MiB, for --max-n")
+    p.add_argument("--out", default="", help="results JSON (default benchmarks/results/NAME.json)")
+    p.add_argument("--docs", default="", help="also update this markdown file's tables")
+    p.add_argument("--plots", default="", help="also write PNG plots into this folder")
     p.set_defaults(fn=cmd_bench)
     return parser
 

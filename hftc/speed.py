@@ -1,10 +1,14 @@
-"""Measure a fused training step against the serial loop it replaces (``make demo``, ``bench``).
+"""Measure a fused training step against the serial loop it replaces (``make demo``).
 
 A *step* is what a sweep does per batch: forward, per-model loss, backward,
 optimizer step.  Serial: N stock models and N ``torch.optim.SGD`` one after the
 other.  Fused: one :class:`~hftc.FusedModule` and one :class:`hftc.optim.SGD`
 with a learning rate per model.  The two contenders alternate round by round so
 machine noise hits both alike; the medians are reported with their min-max.
+
+The full comparison (concurrent processes, torch.func, hand-fused, torch.compile,
+memory, FLOP/s efficiency) is the benchmark suite in ``benchmarks/``
+(``python -m hftc bench``, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -138,15 +142,4 @@ def run_demo(num_models: int = 16) -> list[StepTiming]:
         results.append(timing)
     print("\nserial = N stock models + N torch.optim.SGD run one after another; fused = "
           "hftc.fuse + hftc.optim.SGD. Medians of interleaved rounds, [min-max].")
-    return results
-
-
-def run_bench(workloads: list[str], sizes: list[int], batch: int = 64) -> list[StepTiming]:
-    """``python -m hftc bench``: the same measurement over workloads and N."""
-    results = []
-    for workload in workloads:
-        for n in sizes:
-            timing = time_training_step(workload, n, batch=batch)
-            print(timing.row(), flush=True)
-            results.append(timing)
     return results

@@ -1,0 +1,177 @@
+"""The contenders: ways to train N models on one batch, each as a ``step()`` callable.
+
+One *step* is what a sweep does per batch for all N models: forward, loss,
+backward, optimizer step.  Every contender trains the same N models (same seed,
+same initial weights, model i with learning rate ``lrs[i]``) on the same batch:
+
+==============  ==========================================================================
+serial          N stock models + N stock ``torch.optim.Adam``, one after another
+concurrent      N processes at once, each one stock model + Adam (built by ``runner.py``
+                from ``build_step("serial", ..., model_index=i)``)
+torch.func      ``stack_module_state`` + ``functional_call`` + ``vmap(grad(loss))``, one stock
+                Adam over the stacked parameters (one learning rate for all: stock
+                optimizers cannot take one per model, so it gets ``lrs[0]``)
+hand-fused      HFTA-style hand-written fused model and fused Adam (``handfused.py``)
+hftc            ``hftc.fuse`` + ``hftc.optim.Adam`` + ``hftc.per_model(loss)``
+hftc+compile    the same with the forward and loss under ``torch.compile`` (inductor);
+                backward through AOTAutograd's compiled graph; optimizer eager
+==============  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .workloads import WORKLOADS, Workload
+
+CONTENDERS = ("serial", "concurrent", "torch.func", "hand-fused", "hftc", "hftc+compile")
+#: Contenders that fuse the N models into one step (their FLOP/s efficiency is reported).
+FUSED = ("torch.func", "hand-fused", "hftc", "hftc+compile")
+
+
+def learning_rates(n: int, base: float = 1e-3) -> list[float]:
+    """A sweep's per-model learning rates: base x 0.5, 1, 2, 4, 0.5, ..."""
+    return [base * (0.5, 1.0, 2.0, 4.0)[i % 4] for i in range(n)]
+
+
+def make_models(workload: Workload, n: int, seed: int = 0) -> list[nn.Module]:
+    """The N models every contender starts from (model i depends only on seed and i)."""
+    models = []
+    for i in range(n):
+        torch.manual_seed(seed * 1000 + i)
+        models.append(workload.factory())
+    return models
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+@dataclass
+class Step:
+    """A contender ready to run: ``fn()`` performs one training step of all its models.
+
+    ``parameters()`` returns the N models' current parameters, stacked ``[N, ...]``
+    under the stock model's names (the tests compare contenders with it).
+    """
+
+    fn: Callable[[], Any]
+    num_models: int
+    parameters: Callable[[], dict[str, torch.Tensor]]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _stacked(models: list[nn.Module]) -> Callable[[], dict[str, torch.Tensor]]:
+    def parameters():
+        named = [dict(m.named_parameters()) for m in models]
+        return {k: torch.stack([p[k].detach() for p in named]) for k in named[0]}
+
+    return parameters
+
+
+def _named(module: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
+    return lambda: {k: p.detach() for k, p in module.named_parameters()}
+
+
+def build_step(contender: str, workload: str | Workload, n: int, *, seed: int = 0,
+               model_index: int | None = None) -> Step:
+    """Build contender ``contender`` for N models of ``workload``.
+
+    ``model_index``: for one process of the concurrent contender, build only model
+    ``model_index`` of the N (with its learning rate), as the serial contender would.
+    """
+    w = WORKLOADS[workload] if isinstance(workload, str) else workload
+    lrs = learning_rates(n)
+    x, y = w.inputs()
+    models = make_models(w, n, seed)
+    if model_index is not None:
+        models, lrs = [models[model_index]], [lrs[model_index]]
+    builder = _BUILDERS[contender]
+    return builder(w, models, lrs, x, y)
+
+
+def _serial(w: Workload, models, lrs, x, y) -> Step:
+    opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(models, lrs)]
+
+    def step():
+        for m, opt in zip(models, opts):
+            opt.zero_grad(set_to_none=True)
+            w.loss(m(x), y).backward()
+            opt.step()
+
+    return Step(step, len(models), _stacked(models))
+
+
+def _torch_func(w: Workload, models, lrs, x, y) -> Step:
+    from torch.func import functional_call, grad, stack_module_state, vmap
+
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+
+    def loss_of(p, b, xi, yi):
+        return w.loss(functional_call(base, (p, b), (xi,)), yi)
+
+    grads_of = vmap(grad(loss_of), in_dims=(0, 0, None, None), randomness="different")
+    opt = torch.optim.Adam(params.values(), lr=lrs[0])
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        grads = grads_of(params, buffers, x, y)
+        for name, p in params.items():
+            p.grad = grads[name]
+        opt.step()
+
+    return Step(step, len(models), lambda: {k: p.detach() for k, p in params.items()},
+                {"note": "one learning rate for all models"})
+
+
+def _hand_fused(w: Workload, models, lrs, x, y) -> Step:
+    from .handfused import HandFusedAdam, hand_fuse, hand_fused_loss
+
+    fused = hand_fuse(w.name, models)
+    opt = HandFusedAdam(fused.parameters(), lrs)
+
+    def step():
+        opt.zero_grad()
+        hand_fused_loss(w, fused(x), y).backward()
+        opt.step()
+
+    return Step(step, len(models), _named(fused))
+
+
+def _hftc(w: Workload, models, lrs, x, y, *, compile: bool = False) -> Step:
+    import hftc
+
+    fused = hftc.fuse(models)
+    opt = hftc.optim.Adam(fused.parameters(), lr=lrs)
+    per_model_loss = hftc.per_model(w.loss_fn)
+
+    def forward_loss(x, y):
+        return per_model_loss(_first(fused(x)), y).sum()
+
+    fn = torch.compile(forward_loss) if compile else forward_loss
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        fn(x, y).backward()
+        opt.step()
+
+    fused.compile(x)
+    report = fused.fusion_report
+    info = {"fallbacks": [f"{r.node} ({r.reason})" for r in report.fallbacks]}
+    return Step(step, len(models), _named(fused), info)
+
+
+_BUILDERS: dict[str, Callable[..., Step]] = {
+    "serial": _serial,
+    "torch.func": _torch_func,
+    "hand-fused": _hand_fused,
+    "hftc": _hftc,
+    "hftc+compile": lambda *a: _hftc(*a, compile=True),
+}

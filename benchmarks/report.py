@@ -1,0 +1,322 @@
+"""Results JSON -> markdown tables and PNG plots (docs/BENCHMARKS.md).
+
+``python -m benchmarks.report RESULTS.json [--docs docs/BENCHMARKS.md] [--plots docs]``
+prints the tables; with ``--docs`` it replaces the part of the file between
+``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with them, so the prose
+around the numbers stays hand-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .contenders import CONTENDERS, FUSED
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+#: The targets of issue 7: (workload, N, contender hftc is compared with, ratio).
+TARGETS = [
+    ("mlp", 32, "serial", 4.0), ("mlp", 32, "concurrent", 4.0),
+    ("mlp", 32, "torch.func", 1.1), ("mlp", 32, "hand-fused", 0.95),
+    ("lenet5", 16, "serial", 1.3), ("lenet5", 16, "torch.func", 1.3),
+]
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def throughput(run: dict[str, Any], n: int, batch: int) -> tuple[float, float, float] | None:
+    """Samples/s summed over the N models: (median, min, max) over rounds."""
+    times = run.get("step_s") or []
+    if not times:
+        return None
+    return (n * batch / statistics.median(times), n * batch / max(times), n * batch / min(times))
+
+
+def ratio(result: dict, workload: str, n: int, a: str, b: str) -> float | None:
+    """Median step time of ``b`` / median step time of ``a`` (a's speedup over b)."""
+    for cfg in result["workloads"].get(workload, {}).get("configs", []):
+        if cfg["n"] != n:
+            continue
+        ra, rb = cfg["contenders"].get(a), cfg["contenders"].get(b)
+        if ra and rb and ra.get("step_s") and rb.get("step_s"):
+            return statistics.median(rb["step_s"]) / statistics.median(ra["step_s"])
+    return None
+
+
+def peak(result: dict) -> tuple[float, float, float]:
+    values = result["peak_gflops"]
+    return statistics.median(values), min(values), max(values)
+
+
+def _fmt_rate(t: tuple[float, float, float] | None) -> str:
+    if t is None:
+        return "n/a"
+    return f"{t[0]:,.0f} [{t[1]:,.0f}-{t[2]:,.0f}]"
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}x"
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _contenders(result: dict) -> list[str]:
+    seen = []
+    for entry in result["workloads"].values():
+        for cfg in entry["configs"]:
+            seen += [c for c in cfg["contenders"] if c not in seen]
+    return [c for c in CONTENDERS if c in seen]
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    pk = peak(result)
+    lines = [
+        f"Run `{result['config']['name']}` of {result['started']}, "
+        f"{result.get('wall_s', 0) / 60:.1f} min: {m['cpu']}, {m['cores']} cores, "
+        f"{(m.get('memory_gib') or 0):.0f} GiB, Python {m['python']}, torch {m['torch']}, "
+        f"hftc at `{m['git_commit']}`; {result['threads']} intra-op thread per process. "
+        f"Load average (1, 5, 15 min) at the start "
+        f"{', '.join(f'{v:.1f}' for v in result['load_start'])}, at the end "
+        f"{', '.join(f'{v:.1f}' for v in result.get('load_end', []))}.",
+        "",
+        f"Peak fp32 matmul (2048^3, {result['threads']} thread): **{pk[0]:.1f} GFLOP/s** "
+        f"median [{pk[1]:.1f}-{pk[2]:.1f}] over {len(result['peak_gflops'])} measurements "
+        f"taken through the run.",
+        "",
+    ]
+    contenders = _contenders(result)
+    lines += _targets_table(result)
+    lines += _speedup_table(result)
+    for name, entry in result["workloads"].items():
+        lines += _workload_tables(name, entry, contenders, pk[0])
+    lines += _max_n_tables(result)
+    return "\n".join(lines) + "\n"
+
+
+def _targets_table(result: dict) -> list[str]:
+    out = ["### Targets", "", "| target | measured (ratio of medians) | met |", "|---|---|---|"]
+    for workload, n, other, want in TARGETS:
+        got = ratio(result, workload, n, "hftc", other)
+        met = "n/a" if got is None else ("yes" if got >= want else "**no**")
+        out.append(f"| {workload} N={n}: hftc >= {want}x {other} | {_fmt_ratio(got)} | {met} |")
+    worst = None
+    for name, entry in result["workloads"].items():
+        for cfg in entry["configs"]:
+            if cfg["n"] < 2:
+                continue
+            r = ratio(result, name, cfg["n"], "hftc", "serial")
+            if r is not None and (worst is None or r < worst[0]):
+                worst = (r, name, cfg["n"])
+    if worst:
+        met = "yes" if worst[0] >= 1.0 else "**no**"
+        out.append(f"| every workload, every N >= 2: hftc >= 1.0x serial | lowest "
+                   f"{worst[0]:.2f}x ({worst[1]} N={worst[2]}) | {met} |")
+    return out + [""]
+
+
+def _speedup_table(result: dict) -> list[str]:
+    others = ["serial", "concurrent", "torch.func", "hand-fused"]
+    out = ["### hftc (eager) against each baseline: speedup = baseline median step time / "
+           "hftc median step time", "",
+           "| workload | N | " + " | ".join(f"vs {o}" for o in others)
+           + " | hftc+compile vs hftc |", "|---|---|" + "---|" * (len(others) + 1)]
+    for name, entry in result["workloads"].items():
+        for cfg in entry["configs"]:
+            n = cfg["n"]
+            cells = [_fmt_ratio(ratio(result, name, n, "hftc", o)) for o in others]
+            comp = ratio(result, name, n, "hftc+compile", "hftc")
+            out.append(f"| {name} | {n} | " + " | ".join(cells)
+                       + f" | {_fmt_ratio(comp) if comp else ''} |")
+    return out + [""]
+
+
+def _workload_tables(name: str, entry: dict, contenders: list[str], peak_gflops: float
+                     ) -> list[str]:
+    batch, flops = entry["batch"], entry["flops_per_model_step"]
+    out = [f"### {name}", ""]
+    if entry.get("note"):
+        out += [f"*{entry['note']}.*", ""]
+    out += [f"Batch {batch}; one model's forward + loss + backward = "
+            f"{flops / 1e9:.3f} GFLOP (FlopCounterMode).", "",
+            "Throughput, samples/s summed over the N models: median [min-max] over rounds.", "",
+            "| N | " + " | ".join(contenders) + " |", "|---|" + "---|" * len(contenders)]
+    for cfg in entry["configs"]:
+        n = cfg["n"]
+        cells = []
+        for c in contenders:
+            run = cfg["contenders"].get(c)
+            if run is None:
+                cells.append("")
+            elif run.get("error"):
+                cells.append("failed")
+            else:
+                cells.append(_fmt_rate(throughput(run, n, batch)))
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    out += ["", "Peak memory, MiB above a bare worker process (RSS high-water mark); for "
+            "concurrent, the sum over its N processes, each of which also holds its own torch "
+            "runtime (in brackets).", "",
+            "| N | " + " | ".join(contenders) + " |", "|---|" + "---|" * len(contenders)]
+    for cfg in entry["configs"]:
+        cells = []
+        for c in contenders:
+            run = cfg["contenders"].get(c)
+            if not run or run.get("peak_mib") is None:
+                cells.append("")
+            elif c == "concurrent":
+                cells.append(f"{run['peak_mib']:.0f} (+{run['runtime_mib']:.0f})")
+            else:
+                cells.append(f"{run['peak_mib']:.0f}")
+        out.append(f"| {cfg['n']} | " + " | ".join(cells) + " |")
+    fused = [c for c in contenders if c in FUSED]
+    out += ["", f"Efficiency: achieved model GFLOP/s (N x FLOPs of one model's step / median "
+            f"step time) and its fraction of the peak matmul rate ({peak_gflops:.1f} GFLOP/s).",
+            "", "| N | " + " | ".join(["serial"] + fused) + " |",
+            "|---|" + "---|" * (len(fused) + 1)]
+    for cfg in entry["configs"]:
+        n = cfg["n"]
+        cells = []
+        for c in ["serial"] + fused:
+            run = cfg["contenders"].get(c)
+            if not run or not run.get("step_s"):
+                cells.append("")
+                continue
+            rate = n * flops / statistics.median(run["step_s"]) / 1e9
+            cells.append(f"{rate:.1f} ({rate / peak_gflops:.0%})")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    comp = [(cfg["n"], cfg["contenders"]["hftc+compile"]) for cfg in entry["configs"]
+            if "hftc+compile" in cfg["contenders"]]
+    hftc = [(cfg["n"], cfg["contenders"]["hftc"]) for cfg in entry["configs"]
+            if "hftc" in cfg["contenders"]]
+    if hftc:
+        out += ["", "Set-up: `hftc.fuse` + first call (trace, match, fuse, codegen): "
+                + ", ".join(f"N={n} {r['build_s']:.2f} s" for n, r in hftc) + "."]
+    if comp:
+        out += ["", "torch.compile: first step (dynamo + inductor, forward and backward; the "
+                "inductor cache in /tmp may have been warm): "
+                + ", ".join(f"N={n} {r['first_step_s']:.1f} s" for n, r in comp)
+                + ". Steady-state steps only are timed."]
+    fallbacks = {f for _, r in hftc for f in (r.get("info") or {}).get("fallbacks", [])}
+    if fallbacks:
+        out += ["", "hftc fell back to per-model loops for: " + "; ".join(sorted(fallbacks)) + "."]
+    return out + [""]
+
+
+def _max_n_tables(result: dict) -> list[str]:
+    if not result.get("max_n"):
+        return []
+    out = ["### Largest N that fits", "",
+           "| workload | contender | memory cap (MiB above a bare process) | largest N | probes |",
+           "|---|---|---|---|---|"]
+    for s in result["max_n"]:
+        probes = ", ".join(
+            f"{p['n']}: {'ok' if p['fits'] else 'no'}"
+            + (f" {p['peak_mib']:.0f}" if p.get("peak_mib") is not None else "")
+            for p in s["probes"])
+        out.append(f"| {s['workload']} | {s['contender']} | {s['cap_mib']} | "
+                   f"**{s['largest_n']}** | {probes} |")
+    return out + [""]
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
+    """Throughput vs N per contender (one panel per workload) and peak memory vs N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["workloads"])
+    contenders = _contenders(result)
+    cols = min(3, len(names))
+    rows = (len(names) + cols - 1) // cols
+    paths = []
+    for kind in ("throughput", "memory"):
+        fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False)
+        for ax, name in zip(axes.flat, names):
+            entry = result["workloads"][name]
+            for c in contenders:
+                xs, ys, lo, hi = [], [], [], []
+                for cfg in entry["configs"]:
+                    run = cfg["contenders"].get(c)
+                    if not run:
+                        continue
+                    if kind == "throughput":
+                        t = throughput(run, cfg["n"], entry["batch"])
+                        if t is None:
+                            continue
+                        xs.append(cfg["n"])
+                        ys.append(t[0])
+                        lo.append(t[0] - t[1])
+                        hi.append(t[2] - t[0])
+                    elif run.get("peak_mib") is not None:
+                        xs.append(cfg["n"])
+                        ys.append(max(run["peak_mib"], 1e-1))
+                if not xs:
+                    continue
+                style = "-o" if c.startswith("hftc") else "--s"
+                if kind == "throughput":
+                    ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, ms=4, capsize=2, label=c)
+                else:
+                    ax.plot(xs, ys, style, ms=4, label=c)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{name} (batch {entry['batch']})")
+            ax.set_xlabel("N (models)")
+            ax.set_ylabel("samples/s (sum over N)" if kind == "throughput"
+                          else "peak MiB above bare process")
+            ax.grid(True, which="both", alpha=0.3)
+        for ax in list(axes.flat)[len(names):]:
+            ax.axis("off")
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels),
+                   bbox_to_anchor=(0.5, -0.01))
+        fig.suptitle(f"hftc bench ({result['config']['name']}): training-step "
+                     f"{kind} vs N, {result['machine']['cpu']}, {result['threads']} thread/process")
+        fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+        path = out_dir / f"{stem}_{kind}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def update_docs(doc: Path, text: str) -> None:
+    """Replace the generated part of ``doc`` (between the markers) with ``text``."""
+    body = doc.read_text() if doc.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in body or END not in body:
+        body = body.rstrip() + f"\n\n{BEGIN}\n{END}\n"
+    head, rest = body.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report")
+    p.add_argument("results", type=Path)
+    p.add_argument("--docs", type=Path, help="update this markdown file between the markers")
+    p.add_argument("--plots", type=Path, help="write the PNG plots into this folder")
+    args = p.parse_args(argv)
+    result = json.loads(args.results.read_text())
+    text = markdown(result)
+    if args.plots:
+        for path in plot(result, args.plots):
+            print(f"wrote {path}")
+    if args.docs:
+        update_docs(args.docs, text)
+        print(f"updated {args.docs}")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,389 @@
+"""Run the contenders side by side: one worker process per contender, interleaved rounds.
+
+Every contender of a configuration (workload, N) lives in its own worker process
+(the concurrent contender in N of them), forked from a forkserver that has
+imported torch and hftc but computed nothing.  So no contender inherits another's
+allocator state or compiled caches, and each one's peak memory is its own.
+
+::
+
+    coordinator                         workers (one per contender; N for concurrent)
+    start all, wait "ready"     <----   build models + optimizer, 1st step (compiles), warm-up
+    round r: for c in rotate(contenders, r):
+        send ("run", k_c)       ---->   k_c steps, timed
+        wait for reply          <----   (only one contender computes at a time)
+    ("mem",)                    ---->   peak RSS above the worker's own start (VmHWM)
+
+A round runs each contender ``k_c`` steps, ``k_c`` chosen from the warm-up so a
+sample lasts at least ``min_sample_s`` (the timer and the machine's noise then
+matter less for sub-millisecond steps); the sample is the mean step time of
+those ``k_c``.  The contenders' order rotates every round.  Medians and min-max
+over rounds are reported.
+
+Memory: ``VmHWM`` (peak resident set) of the worker after the run, minus its
+``VmRSS`` when it started (after ``/proc/self/clear_refs`` reset the peak).
+tracemalloc cannot see torch's allocations; the RSS peak can, at the cost of
+counting the allocator's cached blocks (which a real job holds too).
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import statistics
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+#: How long a worker may take to build, compile and warm up before it is given up on.
+START_TIMEOUT_S = 1800.0
+
+
+# --------------------------------------------------------------------------- in the worker
+
+
+def _status_mib() -> dict[str, float]:
+    """VmRSS, VmHWM and RssAnon of this process, in MiB (Linux ``/proc/self/status``)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "RssAnon"):
+                    out[key] = int(value.split()[0]) / 1024
+    except OSError:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out = {"VmRSS": rss, "VmHWM": rss, "RssAnon": 0.0}
+    return out
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _watch_memory(base_mib: float, cap_mib: float) -> None:
+    """Exit the process (status 3) as soon as its RSS grows past ``cap_mib`` above ``base_mib``."""
+
+    def watch():
+        while True:
+            if _status_mib()["VmRSS"] - base_mib > cap_mib:
+                os._exit(3)
+            time.sleep(0.002)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _matmul_step(size: int = 2048):
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    out = torch.empty(size, size)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
+    """One contender's process: build it, warm it up, then run steps on request."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    start = _status_mib()
+    peak_reset = _reset_peak()
+    base = _status_mib()["VmRSS"] if peak_reset else start["VmHWM"]
+    if spec.get("cap_mib"):
+        _watch_memory(base, spec["cap_mib"])
+    try:
+        from .contenders import build_step
+
+        t0 = time.perf_counter()
+        if spec["contender"] == "matmul":
+            fn, info = _matmul_step(), {}
+        else:
+            step = build_step(spec["contender"], spec["workload"], spec["n"],
+                              model_index=spec.get("model_index"))
+            fn, info = step.fn, step.info
+        build_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fn()
+        first_s = time.perf_counter() - t0
+        warm = []
+        for _ in range(spec.get("warmup", 2)):
+            t0 = time.perf_counter()
+            fn()
+            warm.append(time.perf_counter() - t0)
+        conn.send(("ready", {"build_s": build_s, "first_step_s": first_s, "warm_s": warm,
+                             "info": info}))
+    except Exception as exc:  # reported as the contender's result, not a crash of the suite
+        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))
+        return
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "run":
+            t0 = time.perf_counter()
+            for _ in range(arg):
+                fn()
+            conn.send(time.perf_counter() - t0)
+        elif cmd == "mem":
+            now = _status_mib()
+            conn.send({"peak_mib": now["VmHWM"] - base, "runtime_mib": start["RssAnon"],
+                       "exact_peak": peak_reset})
+        else:
+            conn.send(None)
+            return
+
+
+# --------------------------------------------------------------------------- in the coordinator
+
+
+_CONTEXT: Any = None
+
+
+def context():
+    """The forkserver that forks every worker (torch and hftc imported once, nothing computed)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        # With more than one intra-op thread on a busy machine, OpenMP threads that
+        # spin-wait for each other cost 10-200x (measured); workers wait passively.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "hftc", "benchmarks.contenders"])
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+class Worker:
+    """A worker process and the coordinator's end of its pipe."""
+
+    def __init__(self, spec: dict[str, Any]):
+        ctx = context()
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=worker_main, args=(child, spec), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready: dict[str, Any] = {}
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict[str, Any]:
+        kind, payload = self._recv(timeout)
+        if kind == "error":
+            self.close()
+            raise WorkerError(payload)
+        self.ready = payload
+        return payload
+
+    def _recv(self, timeout: float | None = None) -> Any:
+        try:
+            if timeout is not None and not self.conn.poll(timeout):
+                raise WorkerError(f"no answer within {timeout:.0f} s")
+            return self.conn.recv()
+        except (EOFError, ConnectionError, BrokenPipeError) as exc:
+            self.process.join(5)
+            code = self.process.exitcode
+            why = "over the memory cap" if code == 3 else f"exit code {code}"
+            raise WorkerError(f"worker died ({why})") from exc
+
+    def send(self, msg: Any) -> None:
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, ConnectionError) as exc:
+            raise WorkerError("worker died") from exc
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop", None))
+                self.process.join(10)
+            except (BrokenPipeError, ConnectionError, OSError):
+                pass
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.conn.close()
+
+
+@dataclass
+class ContenderRun:
+    """One contender's measurements at one (workload, N)."""
+
+    name: str
+    step_s: list[float] = field(default_factory=list)   # mean step time per round
+    steps_per_sample: int = 1
+    build_s: float = 0.0
+    first_step_s: float = 0.0
+    peak_mib: float | None = None
+    runtime_mib: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def median(self) -> float:
+        return statistics.median(self.step_s)
+
+
+class Contender:
+    """A contender's worker(s): one, or N for the concurrent contender."""
+
+    def __init__(self, name: str, workload: str, n: int, *, threads: int, warmup: int):
+        self.run = ContenderRun(name)
+        base = {"workload": workload, "n": n, "threads": threads, "warmup": warmup}
+        if name == "concurrent":
+            specs = [dict(base, contender="serial", model_index=i) for i in range(n)]
+        else:
+            specs = [dict(base, contender=name)]
+        self.workers: list[Worker] = []
+        try:
+            self.workers = [Worker(s) for s in specs]
+            readies = [w.wait_ready() for w in self.workers]
+        except WorkerError as exc:
+            self.run.error = str(exc).strip()
+            self.close()
+            return
+        self.run.build_s = max(r["build_s"] for r in readies)
+        self.run.first_step_s = max(r["first_step_s"] for r in readies)
+        self.run.info = readies[0]["info"]
+        self.warm_s = max(statistics.median(r["warm_s"]) if r["warm_s"] else r["first_step_s"]
+                          for r in readies)
+
+    @property
+    def ok(self) -> bool:
+        return self.run.error is None
+
+    def calibrate(self, min_sample_s: float, max_steps: int = 50) -> None:
+        self.run.steps_per_sample = max(1, min(max_steps, math.ceil(min_sample_s / self.warm_s)))
+
+    def time_round(self) -> None:
+        """Run ``steps_per_sample`` steps (in every worker at once) and record the mean step."""
+        k = self.run.steps_per_sample
+        try:
+            t0 = time.perf_counter()
+            for w in self.workers:
+                w.send(("run", k))
+            for w in self.workers:
+                w._recv(START_TIMEOUT_S)
+            self.run.step_s.append((time.perf_counter() - t0) / k)
+        except WorkerError as exc:
+            self.run.error = str(exc)
+            self.close()
+
+    def collect_memory(self) -> None:
+        try:
+            mems = []
+            for w in self.workers:
+                w.send(("mem", None))
+                mems.append(w._recv(60))
+        except WorkerError:
+            return
+        self.run.peak_mib = sum(m["peak_mib"] for m in mems)
+        self.run.runtime_mib = sum(m["runtime_mib"] for m in mems)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.workers = []
+
+
+def run_config(workload: str, n: int, contenders: Sequence[str], *, rounds: int,
+               threads: int = 1, warmup: int = 2, min_sample_s: float = 0.05,
+               log=print) -> dict[str, ContenderRun]:
+    """Time every contender on N models of ``workload``, interleaved round by round."""
+    live: list[Contender] = []
+    results: dict[str, ContenderRun] = {}
+    try:
+        for name in contenders:
+            c = Contender(name, workload, n, threads=threads, warmup=warmup)
+            results[name] = c.run
+            if c.ok:
+                c.calibrate(min_sample_s)
+                live.append(c)
+            else:
+                log(f"    {name}: failed: {c.run.error.splitlines()[0]}")
+        for r in range(rounds):
+            shift = r % len(live) if live else 0
+            for c in live[shift:] + live[:shift]:
+                if c.ok:
+                    c.time_round()
+        for c in live:
+            if c.ok:
+                c.collect_memory()
+    finally:
+        for c in live:
+            c.close()
+    return results
+
+
+def measure_matmul(worker: Worker, reps: int = 3, size: int = 2048) -> list[float]:
+    """GFLOP/s of ``reps`` fp32 ``size``^3 matmuls in a worker (the suite's peak)."""
+    out = []
+    for _ in range(reps):
+        worker.send(("run", 1))
+        seconds = worker._recv(600)
+        out.append(2 * size**3 / seconds / 1e9)
+    return out
+
+
+def matmul_worker(threads: int) -> Worker:
+    w = Worker({"contender": "matmul", "workload": None, "n": 0, "threads": threads,
+                "warmup": 1})
+    w.wait_ready()
+    return w
+
+
+def fits(workload: str, contender: str, n: int, cap_mib: float, threads: int = 1
+         ) -> tuple[bool, float | None, str]:
+    """Does one training step of N models stay within ``cap_mib`` above a bare process?"""
+    w = Worker({"workload": workload, "n": n, "threads": threads, "warmup": 1,
+                "contender": contender, "cap_mib": cap_mib})
+    try:
+        w.wait_ready()
+        w.send(("mem", None))
+        peak = w._recv(60)["peak_mib"]
+        return peak <= cap_mib, peak, ""
+    except WorkerError as exc:
+        return False, None, str(exc).splitlines()[0]
+    finally:
+        w.close()
+
+
+def largest_n(workload: str, contender: str, cap_mib: float, *, threads: int = 1,
+              limit: int = 4096, log=print) -> dict[str, Any]:
+    """HFTA's search for the largest N that fits: double N until it fails, then bisect."""
+    probes: list[dict[str, Any]] = []
+
+    def probe(n: int) -> bool:
+        ok, peak, why = fits(workload, contender, n, cap_mib, threads)
+        probes.append({"n": n, "fits": ok, "peak_mib": peak, "why": why})
+        log(f"    N={n:<5} {'fits' if ok else 'does not fit'}"
+            + (f" ({peak:.0f} MiB)" if peak is not None else f" ({why})"))
+        return ok
+
+    lo, hi = 0, None
+    n = 1
+    while n <= limit:
+        if probe(n):
+            lo, n = n, n * 2
+        else:
+            hi = n
+            break
+    if hi is not None:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+    return {"workload": workload, "contender": contender, "cap_mib": cap_mib,
+            "largest_n": lo, "limit": limit, "probes": probes}

@@ -1,0 +1,196 @@
+"""The benchmark suite: every workload, every N, every contender, in one run.
+
+``python -m hftc bench`` (or ``python -m benchmarks``) runs :func:`run_suite` and
+writes ``benchmarks/results/<name>.json``; :mod:`benchmarks.report` turns that
+into the tables and plots of ``docs/BENCHMARKS.md``.
+
+Per workload, in order: the peak fp32 matmul rate (a 2048^3 matmul in a worker
+with the contenders' thread count; again at the end of the run), the FLOPs of one
+model's training step (``torch.utils.flop_counter.FlopCounterMode`` over forward,
+loss and backward; the optimizer's elementwise work is not counted), then for
+each N all contenders side by side (``runner.run_config``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import runner
+from .contenders import CONTENDERS
+from .workloads import WORKLOADS
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+@dataclass
+class SuiteConfig:
+    """What to run. ``default_config(quick)`` gives the two standard suites."""
+
+    workloads: list[str]
+    sizes: dict[str, list[int]]
+    contenders: list[str]
+    rounds: dict[str, int]
+    compile_sizes: dict[str, list[int]] = field(default_factory=dict)
+    threads: int = 1
+    min_sample_s: float = 0.05
+    max_n: list[dict[str, Any]] = field(default_factory=list)  # {workload, contender, cap_mib}
+    name: str = "full"
+
+
+def default_config(quick: bool = False) -> SuiteConfig:
+    """The full suite (< 30 min on the 2-core development machine) or ``--quick`` (< 3 min)."""
+    if quick:
+        names = ["mlp", "lenet5"]
+        return SuiteConfig(
+            workloads=names,
+            sizes={w: list(WORKLOADS[w].quick_sizes) for w in names},
+            contenders=list(CONTENDERS),
+            rounds={w: 3 for w in names},
+            compile_sizes={"mlp": [8]},
+            name="quick",
+        )
+    names = [w for w in WORKLOADS]
+    return SuiteConfig(
+        workloads=names,
+        sizes={w: list(WORKLOADS[w].sizes) for w in names},
+        contenders=list(CONTENDERS),
+        rounds={w: WORKLOADS[w].rounds for w in names},
+        compile_sizes={w: list(WORKLOADS[w].compile_sizes) for w in names},
+        max_n=[{"workload": "pointnet", "contender": "hftc", "cap_mib": 2048},
+               {"workload": "pointnet", "contender": "hand-fused", "cap_mib": 2048}],
+    )
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem_gib = int(next(ln for ln in f if ln.startswith("MemTotal")).split()[1]) / 2**20
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "git_commit": commit}
+
+
+def _load() -> list[float]:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return []
+
+
+def flops_per_model_step(workload: str) -> float:
+    """FLOPs of one model's forward + loss + backward on one batch (FlopCounterMode)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from .contenders import make_models
+
+    w = WORKLOADS[workload]
+    model = make_models(w, 1)[0]
+    x, y = w.inputs()
+    with FlopCounterMode(display=False) as counter:
+        w.loss(model(x), y).backward()
+    return float(counter.get_total_flops())
+
+
+def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[str, Any]:
+    """Run the suite; return (and write to ``out``, if given) the results as JSON data."""
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    started = time.time()
+    result: dict[str, Any] = {
+        "config": asdict(cfg),
+        "machine": _machine(),
+        "threads": cfg.threads,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load_start": _load(),
+        "peak_gflops": [],
+        "workloads": {},
+        "max_n": [],
+    }
+
+    def save():
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1))
+
+    log(f"hftc bench ({cfg.name}): {result['machine']['cpu']}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {cfg.threads} intra-op thread(s) per process, "
+        f"load {', '.join(f'{v:.1f}' for v in result['load_start'])}")
+    peak_worker = runner.matmul_worker(cfg.threads)
+    try:
+        for name in cfg.workloads:
+            w = WORKLOADS[name]
+            peak = runner.measure_matmul(peak_worker)
+            result["peak_gflops"] += peak
+            flops = flops_per_model_step(name)
+            entry = {"batch": w.batch, "note": w.note, "flops_per_model_step": flops,
+                     "peak_gflops": peak, "configs": []}
+            result["workloads"][name] = entry
+            log(f"\n{name}: batch {w.batch}, {flops / 1e9:.3f} GFLOP per model step; "
+                f"peak matmul now {max(peak):.1f} GFLOP/s" + (f"  ({w.note})" if w.note else ""))
+            for n in cfg.sizes[name]:
+                contenders = [c for c in cfg.contenders
+                              if c != "hftc+compile" or n in cfg.compile_sizes.get(name, [])]
+                runs = runner.run_config(name, n, contenders, rounds=cfg.rounds[name],
+                                         threads=cfg.threads, min_sample_s=cfg.min_sample_s,
+                                         log=log)
+                entry["configs"].append({"n": n, "load": _load(),
+                                         "contenders": {k: asdict(v) for k, v in runs.items()}})
+                log(_config_line(name, n, w.batch, runs))
+                save()
+        for search in cfg.max_n:
+            log(f"\nlargest N of {search['workload']} ({search['contender']}) within "
+                f"{search['cap_mib']} MiB:")
+            found = runner.largest_n(search["workload"], search["contender"], search["cap_mib"],
+                                     threads=cfg.threads, log=log)
+            result["max_n"].append(found)
+            log(f"    -> N = {found['largest_n']}")
+            save()
+        result["peak_gflops"] += runner.measure_matmul(peak_worker)
+    finally:
+        peak_worker.close()
+    result["load_end"] = _load()
+    result["wall_s"] = time.time() - started
+    save()
+    log(f"\ndone in {result['wall_s'] / 60:.1f} min; load "
+        f"{', '.join(f'{v:.1f}' for v in result['load_end'])}")
+    return result
+
+
+def _config_line(name: str, n: int, batch: int, runs: dict[str, runner.ContenderRun]) -> str:
+    parts = []
+    serial = runs.get("serial")
+    base = serial.median() if serial and serial.step_s else None
+    for c, r in runs.items():
+        if not r.step_s:
+            parts.append(f"{c} failed")
+            continue
+        sps = n * batch / r.median()
+        ratio = f" {base / r.median():.2f}x" if base else ""
+        parts.append(f"{c} {sps:,.0f}/s{ratio}")
+    return f"  N={n:<3} " + " | ".join(parts)

@@ -1,0 +1,134 @@
+"""The benchmark suite's machinery (benchmarks/): correctness and output structure, no timings.
+
+* the hand-fused references compute what the N stock models compute;
+* every in-process contender trains the same N models: after one step their
+  parameters agree with the serial contender's (torch.func: model 0, whose
+  learning rate it shares; Adam's first step is nearly lr * sign(grad), so a
+  gradient that rounds differently near 0 moves a weight by up to ~lr * 1e-2);
+* a tiny suite (MLP, N in {1, 2}, 2 rounds, a largest-N search with a small
+  limit) runs end to end in worker processes and writes the documented JSON,
+  markdown tables and plots.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import report, runner  # noqa: E402
+from benchmarks.contenders import CONTENDERS, build_step, make_models  # noqa: E402
+from benchmarks.handfused import HAND_FUSED, hand_fuse  # noqa: E402
+from benchmarks.suite import SuiteConfig, run_suite  # noqa: E402
+from benchmarks.workloads import WORKLOADS  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _prediction(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("name", sorted(HAND_FUSED))
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_hand_fused_equals_stock_models(name, mode):
+    w = WORKLOADS[name]
+    models = make_models(w, 3)
+    for m in models:
+        getattr(m, mode)()
+        for sub in m.modules():  # dropout masks cannot be compared; everything else can
+            if isinstance(sub, torch.nn.Dropout):
+                sub.p = 0.0
+    x, _ = w.inputs()
+    x = x[:4]
+    fused = hand_fuse(name, copy.deepcopy(models))
+    for sub in [fused, *fused.modules()]:
+        if isinstance(getattr(sub, "p", None), float):
+            sub.p = 0.0
+    got = _prediction(fused(x))
+    want = torch.stack([_prediction(m(x)) for m in models])
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mlp", "lenet5"])
+def test_contenders_train_the_same_models(name):
+    steps = {c: build_step(c, name, 3) for c in ("serial", "hand-fused", "hftc", "torch.func")}
+    for s in steps.values():
+        s.fn()
+    want = steps["serial"].parameters()
+    for c, s in steps.items():
+        got = s.parameters()
+        assert set(got) == set(want), c
+        for k in want:
+            rows = slice(0, 1) if c == "torch.func" else slice(None)
+            torch.testing.assert_close(got[k][rows], want[k][rows], rtol=1e-3, atol=2e-5,
+                                       msg=lambda m, c=c, k=k: f"{c} {k}: {m}")
+
+
+def test_tiny_suite_end_to_end(tmp_path):
+    contenders = [c for c in CONTENDERS if c != "hftc+compile"]
+    cfg = SuiteConfig(workloads=["mlp"], sizes={"mlp": [1, 2]}, contenders=contenders,
+                      rounds={"mlp": 2}, min_sample_s=0.0, name="smoke")
+    out = tmp_path / "smoke.json"
+    lines = []
+    result = run_suite(cfg, out=out, log=lines.append)
+    assert json.loads(out.read_text())["config"]["name"] == "smoke"
+
+    assert result["threads"] == 1 and result["peak_gflops"]
+    assert all(g > 0 for g in result["peak_gflops"])
+    entry = result["workloads"]["mlp"]
+    assert entry["batch"] == 64 and entry["flops_per_model_step"] > 0
+    assert [c["n"] for c in entry["configs"]] == [1, 2]
+    for cfg_result in entry["configs"]:
+        assert list(cfg_result["contenders"]) == contenders
+        for name, run in cfg_result["contenders"].items():
+            assert run["error"] is None, (name, run["error"])
+            assert len(run["step_s"]) == 2 and all(t > 0 for t in run["step_s"])
+            assert run["steps_per_sample"] >= 1
+            assert run["peak_mib"] is not None and run["peak_mib"] >= 0
+    assert result["workloads"]["mlp"]["configs"][1]["contenders"]["hftc"]["info"] == {
+        "fallbacks": []}
+
+    text = report.markdown(result)
+    for heading in ("### Targets", "### mlp", "Peak memory", "Efficiency"):
+        assert heading in text
+    assert report.ratio(result, "mlp", 2, "hftc", "serial") > 0
+    paths = report.plot(result, tmp_path)
+    assert [p.name for p in paths] == ["bench_throughput.png", "bench_memory.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+    doc = tmp_path / "BENCHMARKS.md"
+    doc.write_text(f"# prose\n\n{report.BEGIN}\nstale tables\n{report.END}\n\nmore prose\n")
+    report.update_docs(doc, text)
+    body = doc.read_text()
+    assert "stale tables" not in body and "### mlp" in body and body.endswith("more prose\n")
+
+
+def test_largest_n_search_and_memory_cap():
+    found = runner.largest_n("mlp", "hftc", cap_mib=4096, limit=4, log=lambda *_: None)
+    assert found["largest_n"] == 4
+    assert [p["n"] for p in found["probes"]] == [1, 2, 4]
+    # A cap no process can meet: the search says so instead of failing.
+    found = runner.largest_n("mlp", "hftc", cap_mib=0.001, limit=4, log=lambda *_: None)
+    assert found["largest_n"] == 0 and found["probes"][0]["fits"] is False
+
+
+def test_a_failing_contender_is_reported_not_raised():
+    runs = runner.run_config("transformer_stock", 1, ["hand-fused", "serial"], rounds=1,
+                             min_sample_s=0.0, log=lambda *_: None)
+    assert "no hand-fused version" in runs["hand-fused"].error
+    assert runs["serial"].error is None and len(runs["serial"].step_s) == 1
