@@ -32,7 +32,7 @@ from .lowering.codegen import compile_graph
 from .lowering.modules import StackedModule, build_module_tree
 from .match import GraphMatch, match_graphs
 from .passes import FusionReport, fuse_graph
-from .trace import annotate_example_values, meta_copy, trace_model
+from .trace import OutputSpec, annotate_example_values, meta_copy, output_spec, trace_model
 
 
 @dataclass
@@ -43,6 +43,8 @@ class Program:
     graph: fx.Graph
     report: FusionReport
     source: str
+    #: Rebuilds an output type the graph returns flat (a dataclass, a ModelOutput).
+    output_spec: OutputSpec | None = None
 
 
 @dataclass
@@ -152,6 +154,7 @@ class FusedModule(nn.Module):
         *,
         in_dims: InDims = None,
         example_inputs: tuple | None = None,
+        frontend: str = "auto",
     ):
         super().__init__()
         models = _check_models(models)
@@ -160,10 +163,7 @@ class FusedModule(nn.Module):
         self.in_dims = in_dims
         self._check_modes(models)
         _check_hooks(models)
-        graphs = {
-            mode: [trace_model(m, i, training=mode) for i, m in enumerate(models)]
-            for mode in (True, False)
-        }
+        graphs = self._trace(models, example_inputs, frontend)
         matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}
         template = meta_copy(models[0])
         name_maps = _tensor_name_maps(matches[True], graphs[True])
@@ -206,6 +206,33 @@ class FusedModule(nn.Module):
                 f"Call .train() or .eval() on all of them before fusing "
                 f"(fused.train() / fused.eval() switch all models later)."
             )
+
+    def _trace(self, models: Sequence[nn.Module], example_inputs: Any,
+               frontend: str) -> dict[bool, list[fx.GraphModule]]:
+        """Each model's graph in both modes: ``torch.fx.symbolic_trace``, or ``torch.export``
+        (:mod:`hftc.export`) when symbolic tracing fails and ``example_inputs`` are given
+        (or ``frontend="export"``)."""
+        if frontend not in ("auto", "symbolic", "export"):
+            raise FusionArgumentError(
+                f"frontend must be 'auto', 'symbolic' or 'export', got {frontend!r}")
+        if frontend != "export":
+            try:
+                return {mode: [trace_model(m, i, training=mode) for i, m in enumerate(models)]
+                        for mode in (True, False)}
+            except TraceError:
+                if example_inputs is None or frontend == "symbolic":
+                    raise
+        if example_inputs is None:
+            raise FusionArgumentError("frontend='export' needs example_inputs=(...)")
+        from .export import export_model
+
+        if not isinstance(example_inputs, tuple):
+            example_inputs = (example_inputs,)
+        merged, batched = self._merge_inputs(example_inputs)
+        return {mode: [export_model(m, i, training=mode,
+                                    args=tuple(v[i] if b else v for v, b in zip(merged, batched)))
+                       for i, m in enumerate(models)]
+                for mode in (True, False)}
 
     def _adopt(self, root: nn.Module, model0: nn.Module) -> None:
         """Take over the root's children and tensors (the tree was built for model 0's root)."""
@@ -316,7 +343,8 @@ class FusedModule(nn.Module):
         batched = batched + [False] * (len(values) - len(batched))
         program = self._program(values, batched)
         try:
-            return program.forward(self, *values)
+            out = program.forward(self, *values)
+            return out if program.output_spec is None else program.output_spec.rebuild(out)
         except RuntimeError as exc:
             self._explain_input_mismatch(values, exc)
             raise
@@ -347,7 +375,7 @@ class FusedModule(nn.Module):
             mode_graphs.attr_targets,
         )
         forward, source = compile_graph(graph)
-        return Program(forward, graph, report, source)
+        return Program(forward, graph, report, source, output_spec(mode_graphs.graph))
 
     def _explain_input_mismatch(self, values: Sequence[Any], cause: Exception) -> None:
         """An input of another dtype or device than the parameters: say so, not the ATen error."""
@@ -468,15 +496,19 @@ def fuse(
     *,
     in_dims: InDims = None,
     example_inputs: tuple | None = None,
+    frontend: str = "auto",
 ) -> FusedModule:
     """Fuse N structurally identical models into one module (see ``API.md``).
 
     ``in_dims`` follows ``torch.func.vmap``: ``None`` (default) shares every input
     among the N models, ``0`` takes each input stacked per model along dim 0, a
     tuple gives one entry per positional input.  ``example_inputs`` compiles the
-    fused forward right away (otherwise it is compiled on the first call).
+    fused forward right away (otherwise it is compiled on the first call), and lets
+    models that ``torch.fx.symbolic_trace`` rejects be traced by ``torch.export``
+    (``frontend="auto"``); ``frontend="symbolic"`` / ``"export"`` pick one.
     """
-    return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs)
+    return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs,
+                       frontend=frontend)
 
 
 __all__ = ["FusedModule", "Program", "fuse", "StackedModule"]

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -29,6 +32,89 @@ from .errors import TraceError
 
 #: ``node.meta`` key of the value model 0 computes at a node, on the meta device.
 EXAMPLE_VALUE = "example_value"
+
+#: Modules symbolic tracing would keep as opaque leaves but that hftc traces *through*,
+#: with a traceable forward of the same math (``torch.nn.TransformerEncoderLayer`` ->
+#: its self-attention, linears and norms).  Filled by the rule modules
+#: (:mod:`hftc.passes.attention`): ``{module class: forward(module, *args, **kwargs)}``.
+TRACEABLE_FORWARDS: dict[type, Callable[..., Any]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """How to rebuild a model's output from the flat tuple a graph returns.
+
+    Output types an fx output node cannot hold (a dataclass, a transformers
+    ``ModelOutput``) leave the graph as a flat tuple of their leaves; the fused
+    module rebuilds the model's own type, each tensor stacked.  Kept in the output
+    node's ``meta[OutputSpec.META_KEY]``.
+    """
+
+    META_KEY = "hftc_output_spec"
+
+    treespec: Any = None  # a pytree TreeSpec (torch.export's out_spec)
+    dataclass: type | None = None  # a dataclass built by the traced forward
+    fields: tuple[str, ...] = ()
+
+    def rebuild(self, flat: Sequence[Any]) -> Any:
+        if self.treespec is not None:
+            return torch.utils._pytree.tree_unflatten(list(flat), self.treespec)
+        return self.dataclass(**dict(zip(self.fields, flat)))
+
+
+def output_spec(graph: fx.Graph) -> OutputSpec | None:
+    """The :class:`OutputSpec` of a traced graph, or None when it returns plain structures."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    return output.meta.get(OutputSpec.META_KEY)
+
+
+def _flatten_dataclass_output(graph: fx.Graph) -> None:
+    """``return Out(logits=y, extra=x)`` -> ``return (y, x)`` + an :class:`OutputSpec`.
+
+    Symbolic tracing records a dataclass built in ``forward`` as a call of its class;
+    fused, every field must carry the model dim, so the fields leave the graph one
+    by one and the fused module builds the dataclass around the stacked values.
+    """
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    built = output.args[0]
+    if not (isinstance(built, fx.Node) and built.op == "call_function"
+            and isinstance(built.target, type) and dataclasses.is_dataclass(built.target)):
+        return
+    try:
+        bound = inspect.signature(built.target).bind(*built.args, **built.kwargs)
+    except TypeError:
+        return
+    bound.apply_defaults()
+    fields = tuple(f.name for f in dataclasses.fields(built.target) if f.init)
+    values = tuple(bound.arguments.get(f) for f in fields)
+    output.args = (values,)
+    output.meta[OutputSpec.META_KEY] = OutputSpec(dataclass=built.target, fields=fields)
+    if not built.users:
+        graph.erase_node(built)
+
+
+def _traceable_forward(module: nn.Module) -> Callable[..., Any] | None:
+    forward = type(module).forward
+    for cls in type(module).__mro__:
+        if cls in TRACEABLE_FORWARDS and getattr(cls, "forward", None) is forward:
+            return TRACEABLE_FORWARDS[cls]
+    return None
+
+
+class _Tracer(fx.Tracer):
+    """``symbolic_trace``'s tracer, tracing through :data:`TRACEABLE_FORWARDS` modules."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if _traceable_forward(m) is not None:
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple,
+                    kwargs: dict) -> Any:
+        replacement = _traceable_forward(m)
+        if replacement is not None:
+            forward = functools.partial(replacement, m)
+        return super().call_module(m, forward, args, kwargs)
 
 
 @contextlib.contextmanager
@@ -51,7 +137,10 @@ def trace_model(model: nn.Module, index: int, *, training: bool) -> fx.GraphModu
     """
     try:
         with _uniform_mode(model, training):
-            return fx.symbolic_trace(model)
+            tracer = _Tracer()
+            graph = tracer.trace(model)
+            _flatten_dataclass_output(graph)
+            return fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # symbolic tracing raises anything: TraceError, TypeError, ...
         raise TraceError(
             f"model {index} ({type(model).__name__}) cannot be traced by torch.fx.symbolic_trace: "

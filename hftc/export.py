@@ -1,0 +1,625 @@
+"""Stage 1, second front-end: ``torch.export`` for models symbolic tracing cannot follow.
+
+``torch.fx.symbolic_trace`` needs no inputs but stops at data-dependent Python
+(``if x.dim() == 3:``, ``len(x)``) and at most third-party models (Hugging Face
+transformers 5.x does not trace symbolically at all).  ``torch.export`` runs the
+model on fake tensors made from ``example_inputs`` and records ATen ops.  This
+module turns its graph into the graph language the rest of hftc speaks, so every
+fusion rule is written once, against the symbolic front-end's vocabulary:
+
+::
+
+    exported (training IR, ATen)                      normalised (what the rules read)
+    ----------------------------------------------    -----------------------------------------
+    p_fc_weight = placeholder  (PARAMETER fc.weight)  fc_weight = get_attr fc.weight
+    c_scale     = placeholder  (CONSTANT_TENSOR)      scale = get_attr scale / _hftc_lifted_0
+    x           = placeholder  (USER_INPUT)           x = placeholder; check_input_shape(x, ...)
+    aten.conv2d.default(x, w, b)                      torch.conv2d(x, w, b)         (== F.conv2d)
+    aten.linear.default(x, w, b)                      F.linear(x, w, b)
+    aten.batch_norm.default(x, w, b, rm, rv, t, m, e) F.batch_norm(x, rm, rv, w, b, t, m, e)
+    aten.embedding.default(w, idx, pad)               F.embedding(idx, w, pad)
+    aten.relu.default(x) / aten.add.Tensor(a, b)      torch.relu(x) / torch.add(a, b)
+    aten.view.default(x, [s0, 144])                   x.view([s0, 144])
+    aten.sym_size.int(x, 0)                           x.size(0)
+    aten.slice.Tensor(x, 1, 0, 5)                     x[:, 0:5]
+    aten.addmm.default(b, x, w)                       torch.add(b, torch.matmul(x, w))
+    aten.arange(..., device=cpu)                      torch.arange(..., device=x.device)
+    aten._assert_tensor_metadata(...)                 (dropped)
+    output (flat user outputs, out_spec)              output, rebuilt into the model's structure
+
+Resolution of an ATen op ``aten.NAME.overload``, in order: an explicit converter
+(:data:`CONVERTERS`: ops whose canonical spelling is ``F.*`` with other argument
+orders, slicing, ``addmm``), then ``torch.NAME`` when it is the native binding of
+the same ATen function (same arguments), then ``F.NAME`` when that is the
+native binding, then the Tensor method ``NAME``; an op none of these spell stays
+an ATen call, which the driver runs as a per-model loop (exact, reported).
+
+Train/eval: export bakes the mode into the graph (``aten.dropout(x, p, True)``,
+``batch_norm(..., training=True)``, the ``num_batches_tracked.add_(1)`` of a
+batch norm), so each model is exported once per mode, exactly as the symbolic
+front-end traces once per mode; the fused module picks the graph of its mode.
+
+Shapes: every dim of every tensor input is exported ``Dim.AUTO``, so the batch
+size (and a sequence length, where the model allows) stays symbolic: sizes
+the graph needs are read at run time (``x.size(0)``).  Dims the model's code
+fixes (a positional table of 32 entries, a batch of 1 in the example: export
+specialises sizes 0 and 1) are checked on every call by ``check_input_shape``
+nodes, with an error that says which input and dim, never a silent wrong answer.
+Python inputs (``k=2``, ``None``) are baked in and checked the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import operator
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .errors import FusionArgumentError, TraceError
+from .trace import OutputSpec, _uniform_mode
+
+aten = torch.ops.aten
+
+#: ``node.meta`` keys carried from the exported graph (module path, source line).
+_KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
+
+
+# --------------------------------------------------------------------------- run-time guards
+
+
+def check_input_shape(x: Any, shape: tuple, name: str, offset: int = 0) -> None:
+    """Raise unless ``x`` has the rank and the fixed sizes the model was exported with.
+
+    ``shape`` has an int for every dim export fixed and ``None`` for symbolic
+    ones; ``offset`` skips leading model dims (1 for an input stacked per model).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise FusionArgumentError(
+            f"input `{name}` was a tensor in example_inputs but is a {type(x).__name__} now; "
+            f"fuse again with example_inputs of this kind"
+        )
+    got = tuple(x.shape[offset:])
+    if len(got) != len(shape) or any(s is not None and s != g for s, g in zip(shape, got)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise FusionArgumentError(
+            f"input `{name}` has shape {list(got)}, but the models were exported (torch.export, "
+            f"from example_inputs) with shape {want}: the sizes given as numbers were fixed by "
+            f"the model's code or by the example (export specialises sizes 0 and 1, so give "
+            f"example inputs with a batch size of at least 2). Call with that shape, or fuse "
+            f"again with example_inputs of the new shape."
+        )
+
+
+def check_input_value(value: Any, expected: Any, name: str) -> None:
+    """Raise unless a Python input (an int, a flag, ``None``) is what export baked in."""
+    same = value is expected if expected is None else (
+        type(value) is type(expected) and value == expected
+    )
+    if not same:
+        raise FusionArgumentError(
+            f"input `{name}` is {value!r}, but the models were exported (torch.export, from "
+            f"example_inputs) with {expected!r}, which their graph has baked in; fuse again "
+            f"with example_inputs holding {value!r}"
+        )
+
+
+def check_input_structure(value: Any, expected: str, name: str) -> None:
+    """Raise unless a structured input (a tuple of tensors, None) has the example's structure."""
+    got = str(pytree.tree_structure(value))
+    if got != expected:
+        raise FusionArgumentError(
+            f"input `{name}` has structure {got}, but the models were exported (torch.export, "
+            f"from example_inputs) with {expected}; fuse again with example_inputs of this "
+            f"structure"
+        )
+
+
+# --------------------------------------------------------------------------- exporting
+
+
+def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple:
+    """``Dim.AUTO`` on every dim of every tensor input (export keeps what it can symbolic)."""
+    auto = torch.export.Dim.AUTO
+
+    def spec(v: Any) -> Any:
+        return {d: auto for d in range(v.dim())} if isinstance(v, torch.Tensor) else None
+
+    return tuple(pytree.tree_map(spec, a) for a in (*args, *kwargs.values()))
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """Export warns about specialised dims and assigned attributes; the guards say it better."""
+    loggers = [logging.getLogger(n) for n in ("torch._export", "torch.export", "torch.fx",
+                                               "torch._dynamo", "torch.fx.experimental")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def export_model(
+    model: nn.Module, index: int, *, training: bool, args: tuple, kwargs: dict | None = None
+) -> fx.GraphModule:
+    """Export ``model`` (the ``index``-th of the N) in one mode and normalise its graph.
+
+    ``args``/``kwargs`` are this model's own example inputs.  Raises
+    :class:`TraceError` naming the model when ``torch.export`` fails.
+    """
+    kwargs = dict(kwargs or {})
+    try:
+        with _uniform_mode(model, training), _quiet():
+            program = torch.export.export(
+                model, tuple(args), kwargs, dynamic_shapes=_dynamic_shapes(tuple(args), kwargs),
+                strict=False,
+            )
+    except Exception as exc:  # export raises many types; the user needs the model and the cause
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TraceError(
+            f"model {index} ({type(model).__name__}) cannot be traced by torch.export with the "
+            f"given example_inputs ({'train' if training else 'eval'} mode): "
+            f"{type(exc).__name__}: {first}. Check that example_inputs are valid inputs of the "
+            f"model (model(*example_inputs) runs); control flow that depends on tensor values "
+            f"needs torch.cond or must be rewritten with tensor ops."
+        ) from exc
+    return normalize_exported(program, model, index, tuple(args), kwargs)
+
+
+# --------------------------------------------------------------------------- normalising
+
+
+@dataclass
+class _Emitter:
+    """Emits the normalised graph, copying provenance from the exported node at hand."""
+
+    graph: fx.Graph
+    source: fx.Node | None = None
+
+    def _made(self, node: fx.Node) -> fx.Node:
+        if self.source is not None:
+            for key in _KEPT_META:
+                if key in self.source.meta:
+                    node.meta[key] = self.source.meta[key]
+        return node
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> fx.Node:
+        return self._made(self.graph.call_function(fn, args, kwargs))
+
+    def method(self, name: str, *args: Any, **kwargs: Any) -> fx.Node:
+        return self._made(self.graph.call_method(name, args, kwargs))
+
+
+Converter = Callable[[_Emitter, tuple, dict], Any]
+
+#: ``aten`` op name (the overload packet's) -> converter emitting canonical ops.
+CONVERTERS: dict[str, Converter] = {}
+
+#: ATen ops that only assert or annotate; they compute nothing the model returns.
+DROPPED = {
+    "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range",
+    "sym_constrain_range_for_size", "_assert_async", "_functional_assert_async",
+    "_functional_sym_constrain_range", "_functional_sym_constrain_range_for_size",
+}
+
+
+def _fill(args: tuple, defaults: tuple) -> tuple:
+    """``args`` padded with the schema's defaults of the positions not given."""
+    return (*args, *defaults[len(args):])
+
+
+def converter(*names: str) -> Callable[[Converter], Converter]:
+    def wrap(fn: Converter) -> Converter:
+        for name in names:
+            CONVERTERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def _functional(fn: Callable[..., Any]) -> Converter:
+    """Same arguments, another spelling (``aten.linear`` -> ``F.linear``)."""
+    return lambda e, args, kwargs: e.call(fn, *args, **kwargs)
+
+
+for _name, _fn in [
+    ("linear", F.linear), ("scaled_dot_product_attention", F.scaled_dot_product_attention),
+    ("gelu", F.gelu), ("silu", F.silu), ("mish", F.mish), ("hardswish", F.hardswish),
+    ("hardsigmoid", F.hardsigmoid), ("hardtanh", F.hardtanh), ("leaky_relu", F.leaky_relu),
+    ("softplus", F.softplus), ("log_sigmoid", F.logsigmoid), ("relu6", F.relu6),
+    ("glu", F.glu), ("pad", F.pad), ("rms_norm", F.rms_norm), ("prelu", F.prelu),
+    ("max_pool1d", F.max_pool1d), ("max_pool2d", F.max_pool2d), ("max_pool3d", F.max_pool3d),
+    ("max_pool1d_with_indices", F.max_pool1d_with_indices),
+    ("max_pool2d_with_indices", F.max_pool2d_with_indices),
+    ("max_pool3d_with_indices", F.max_pool3d_with_indices),
+    ("avg_pool1d", F.avg_pool1d), ("avg_pool2d", F.avg_pool2d), ("avg_pool3d", F.avg_pool3d),
+    ("adaptive_avg_pool1d", F.adaptive_avg_pool1d), ("adaptive_avg_pool2d", F.adaptive_avg_pool2d),
+    ("adaptive_avg_pool3d", F.adaptive_avg_pool3d), ("pixel_shuffle", F.pixel_shuffle),
+    ("pixel_unshuffle", F.pixel_unshuffle), ("split", torch.split),
+    ("conv_transpose1d", F.conv_transpose1d), ("conv_transpose2d", F.conv_transpose2d),
+    ("conv_transpose3d", F.conv_transpose3d),
+]:
+    CONVERTERS[_name] = _functional(_fn)
+
+
+@converter("elu")
+def _elu(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, alpha, scale, input_scale = _fill(args, (None, 1.0, 1.0, 1.0))
+    if scale == 1 and input_scale == 1:
+        return e.call(F.elu, x, alpha)
+    return e.call(aten.elu.default, *args, **kwargs)
+
+
+@converter("adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d")
+def _adaptive_max_pool(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    spatial = int(e.source.target.name().split("::")[1][len("adaptive_max_pool")])
+    fn = (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)[spatial - 1]
+    return e.call(fn, *args, return_indices=True)
+
+
+@converter("convolution")
+def _convolution(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, w, b, stride, padding, dilation, transposed, output_padding, groups = args
+    spatial = len(stride)
+    if transposed:
+        fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1]
+        return e.call(fn, x, w, b, stride, padding, output_padding, groups, dilation)
+    fn = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
+    return e.call(fn, x, w, b, stride, padding, dilation, groups)
+
+
+@converter("batch_norm")
+def _batch_norm(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, w, b, rm, rv, training, momentum, eps = args[:8]
+    return e.call(F.batch_norm, x, rm, rv, w, b, training, momentum, eps)
+
+
+@converter("instance_norm")
+def _instance_norm(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, w, b, rm, rv, use_input_stats, momentum, eps = args[:8]
+    return e.call(F.instance_norm, x, rm, rv, w, b, use_input_stats, momentum, eps)
+
+
+@converter("layer_norm")
+def _layer_norm(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, shape, w, b, eps = _fill(args, (None, None, None, None, 1e-5))[:5]
+    return e.call(F.layer_norm, x, shape, w, b, eps)
+
+
+@converter("group_norm")
+def _group_norm(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, groups, w, b, eps = _fill(args, (None, None, None, None, 1e-5))[:5]
+    return e.call(F.group_norm, x, groups, w, b, eps)
+
+
+@converter("embedding")
+def _embedding(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    weight, indices, padding_idx, scale_grad, sparse = _fill(args, (None, None, -1, False, False))
+    return e.call(F.embedding, indices, weight, None if padding_idx == -1 else padding_idx,
+                  None, 2.0, scale_grad, sparse)
+
+
+@converter("dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout")
+def _dropout(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    name = e.source.target.name().split("::")[1].split(".")[0]
+    fn = {"alpha_dropout": F.alpha_dropout, "feature_alpha_dropout": F.feature_alpha_dropout}.get(
+        name, F.dropout)
+    x, p, train = args
+    if name == "dropout_":
+        return e.call(fn, x, p, train, True)
+    return e.call(fn, x, p, train)
+
+
+@converter("softmax", "log_softmax", "_softmax", "_log_softmax")
+def _softmax(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    name = e.source.target.name().split("::")[1].split(".")[0]
+    fn = torch.log_softmax if "log" in name else torch.softmax
+    x, dim = args[0], args[1]
+    dtype = kwargs.get("dtype", args[2] if len(args) > 2 and not name.startswith("_") else None)
+    return e.call(fn, x, dim, dtype=dtype) if dtype is not None else e.call(fn, x, dim)
+
+
+@converter("constant_pad_nd")
+def _constant_pad(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, pad, value = _fill(args, (None, None, 0.0))
+    return e.call(F.pad, x, pad, "constant", value)
+
+
+@converter("slice")
+def _slice(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    names = ("dim", "start", "end", "step")
+    given = dict(zip(names, args[1:]), **kwargs)
+    dim, step = given.get("dim", 0), given.get("step", 1)
+    part = slice(given.get("start"), given.get("end"), step)
+    index = (*([slice(None)] * dim), part) if dim >= 0 else (
+        Ellipsis, part, *([slice(None)] * (-dim - 1)))
+    return e.call(operator.getitem, args[0], index)
+
+
+@converter("index")
+def _index(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, indices = args
+    return e.call(operator.getitem, x, tuple(slice(None) if i is None else i for i in indices))
+
+
+@converter("sym_size")
+def _sym_size(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.method("size", *args)
+
+
+@converter("sym_numel")
+def _sym_numel(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.method("numel", *args)
+
+
+@converter("expand")
+def _expand(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.method("expand", args[0], args[1])
+
+
+@converter("to", "_to_copy")
+def _to(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    kept = {k: v for k, v in kwargs.items()
+            if k in ("dtype", "device", "non_blocking", "copy", "memory_format")}
+    if e.source.target.name() == "aten::_to_copy":
+        kept["copy"] = True
+    return e.method("to", *args, **kept)
+
+
+@converter("lift_fresh_copy")
+def _lift_fresh_copy(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.call(torch.clone, args[0])
+
+
+@converter("addmm", "baddbmm", "addbmm", "addmv")
+def _add_product(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``addmm(b, x, w, beta, alpha)`` -> ``beta * b + alpha * (x @ w)``: the product is a
+    matmul (fused as one batched GEMM), the bias an elementwise add."""
+    bias, a, b = args[:3]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    name = e.source.target.name().split("::")[1].split(".")[0]
+    product = e.call(torch.matmul, a, b)
+    if name == "addbmm":
+        product = e.call(torch.sum, product, 0)
+    if alpha != 1:
+        product = e.call(torch.mul, product, alpha)
+    if beta == 0:
+        return product
+    if beta != 1:
+        bias = e.call(torch.mul, bias, beta)
+    return e.call(torch.add, bias, product)
+
+
+def _native_spelling(name: str) -> tuple[str, Any] | None:
+    """``torch.NAME`` / ``F.NAME`` / ``Tensor.NAME`` binding the same ATen function."""
+    variable_functions = torch._C._VariableFunctions
+    fn = getattr(torch, name, None)
+    if fn is not None and getattr(variable_functions, name, None) is fn:
+        return "call_function", fn
+    fn = getattr(F, name, None)
+    if fn is not None and getattr(torch._C._nn, name, None) is fn:
+        return "call_function", fn
+    if hasattr(torch.Tensor, name):
+        return "call_method", name
+    return None
+
+
+def _convert(e: _Emitter, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return e.call(target, *args, **kwargs)  # operator.getitem, SymInt arithmetic, ...
+    name = target.name().split("::")[1].split(".")[0]
+    if name in CONVERTERS:
+        return CONVERTERS[name](e, args, kwargs)
+    spelling = _native_spelling(name)
+    if spelling is None:
+        return e.call(target, *args, **kwargs)
+    op, fn = spelling
+    if op == "call_method":
+        return e.method(fn, *args, **kwargs)
+    return e.call(fn, *args, **kwargs)
+
+
+def _emit_path(e: _Emitter, value: fx.Node, path: Sequence[Any]) -> fx.Node:
+    """``value[0]["h"].field`` for a pytree key path (tuples, dicts, dataclass fields)."""
+    for key in path:
+        if isinstance(key, pytree.SequenceKey):
+            value = e.call(operator.getitem, value, key.idx)
+        elif isinstance(key, pytree.MappingKey):
+            value = e.call(operator.getitem, value, key.key)
+        elif isinstance(key, pytree.GetAttrKey):
+            value = e.call(getattr, value, key.name)
+        else:
+            raise TraceError(f"cannot read input part {key!r} of an exported model")
+    return value
+
+
+def _input_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The forward's parameter name of each positional input (``x``, ``input_ids``)."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = []
+    for k in range(len(args)):
+        p = params[k] if k < len(params) else None
+        if p is None or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            names.append(f"input_{k}")
+        else:
+            names.append(p.name)
+    return names
+
+
+def normalize_exported(
+    program: torch.export.ExportedProgram, model: nn.Module, index: int, args: tuple,
+    kwargs: dict,
+) -> fx.GraphModule:
+    """An exported program as a graph in the symbolic front-end's language (module docstring).
+
+    Placeholders are the forward's inputs as the user passes them (one per
+    positional input, then one per keyword input); parameters, buffers and tensor
+    constants are ``get_attr`` nodes of their original names; every ATen op is
+    spelled as the symbolic front-end would have seen it.  The returned
+    ``GraphModule`` is rooted at the model's own tensors (no copies).
+    """
+    signature = program.graph_signature
+    kinds = torch.export.graph_signature.InputKind
+    specs = {s.arg.name: s for s in signature.input_specs if hasattr(s.arg, "name")}
+    graph = fx.Graph()
+    e = _Emitter(graph)
+    env: dict[fx.Node, Any] = {}
+    attrs: dict[str, Any] = {}
+    lifted = 0
+    # 1. The user's inputs, one placeholder per top-level input, parts read off by key path.
+    names = _input_names(model, args, kwargs)
+    tops: dict[tuple, fx.Node] = {}
+    for k, name in enumerate(names):
+        tops[(0, k)] = graph.placeholder(name)
+    for key in kwargs:
+        tops[(1, key)] = graph.placeholder(key)
+    in_spec = program.call_spec.in_spec
+    leaf_paths = [p for p, _ in pytree.tree_flatten_with_path(
+        pytree.tree_unflatten(list(range(in_spec.num_leaves)), in_spec))[0]]
+    example_leaves = pytree.tree_leaves((args, kwargs))
+    for (k, top_value), (top_key, top_node) in zip(
+        [*enumerate(args), *kwargs.items()], tops.items()
+    ):
+        label = names[k] if top_key[0] == 0 else str(k)
+        if not isinstance(top_value, torch.Tensor):
+            e.call(check_input_structure, top_node, str(pytree.tree_structure(top_value)), label)
+    user_inputs = [n for n in program.graph.nodes if n.op == "placeholder"
+                   and specs[n.name].kind == kinds.USER_INPUT]
+    device_ref: fx.Node | None = None
+    example_device = None
+    made_device: list[fx.Node] = []
+
+    def device_node(e: _Emitter) -> fx.Node:
+        if not made_device:
+            made_device.append(e.call(getattr, device_ref, "device"))
+        return made_device[0]
+
+    for node, path, example in zip(user_inputs, leaf_paths, example_leaves):
+        top = (path[0].idx, path[1].idx if isinstance(path[1], pytree.SequenceKey)
+               else path[1].key)
+        label = (names[top[1]] if top[0] == 0 else str(top[1])) + pytree.keystr(tuple(path[2:]))
+        value = _emit_path(e, tops[top], path[2:]) if len(path) > 2 else tops[top]
+        if isinstance(example, torch.Tensor):
+            val = node.meta.get("val")
+            shape = tuple(s if isinstance(s, int) else None for s in val.shape)
+            e.call(check_input_shape, value, shape, label)
+            if device_ref is None:
+                device_ref, example_device = value, example.device
+        else:
+            e.call(check_input_value, value, example, label)
+        env[node] = value
+    # 2. Parameters, buffers and constants: get_attr of the names the user knows.
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or specs[node.name].kind == kinds.USER_INPUT:
+            continue
+        spec = specs[node.name]
+        target = spec.target
+        if spec.kind in (kinds.CONSTANT_TENSOR, kinds.CUSTOM_OBJ):
+            value = program.constants[target]
+            try:
+                owned = _get_path(model, target)
+            except AttributeError:
+                owned = None
+            if owned is not value:  # created in forward: not an attribute of the model
+                target = f"_hftc_lifted_{lifted}"
+                lifted += 1
+            attrs[target] = value
+        else:
+            attrs[target] = _get_path(model, target)
+        e.source = node
+        env[node] = e._made(graph.get_attr(target))
+    # 3. The ops.
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload) and \
+                target.name().split("::")[1].split(".")[0] in DROPPED:
+            continue
+        e.source = node
+        call_args = fx.node.map_arg(node.args, lambda a: env[a])
+        call_kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+        if device_ref is not None:
+            call_args, call_kwargs = _swap_device((call_args, call_kwargs), example_device,
+                                                  lambda: device_node(e))
+        try:
+            env[node] = _convert(e, node, tuple(call_args), dict(call_kwargs))
+        except Exception as exc:
+            raise TraceError(
+                f"model {index} ({type(model).__name__}): cannot normalise exported node "
+                f"`{node.name}` ({node.target}) at {_where(node)}: {type(exc).__name__}: {exc}"
+            ) from exc
+    # 4. The outputs, in the model's own structure.
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    out_kinds = torch.export.graph_signature.OutputKind
+    flat = []
+    for spec, value in zip(signature.output_specs, output.args[0]):
+        mapped = env[value] if isinstance(value, fx.Node) else value
+        if spec.kind == out_kinds.USER_OUTPUT:
+            flat.append(mapped)
+        elif spec.kind == out_kinds.BUFFER_MUTATION:
+            e.source = None
+            e.method("copy_", graph.get_attr(spec.target), mapped)
+            attrs.setdefault(spec.target, _get_path(model, spec.target))
+        else:
+            raise TraceError(
+                f"model {index} ({type(model).__name__}): the exported graph has an output of "
+                f"kind {spec.kind.name} ({spec.target}), which hftc cannot fuse"
+            )
+    out_spec = program.call_spec.out_spec
+    e.source = None
+    if _plain_structure(out_spec):
+        graph.output(pytree.tree_unflatten(flat, out_spec))
+    else:
+        out = graph.output(tuple(flat))
+        out.meta[OutputSpec.META_KEY] = OutputSpec(treespec=out_spec)
+    graph.lint()
+    gm = fx.GraphModule(attrs, graph, class_name=type(model).__name__)
+    return gm
+
+
+def _swap_device(value: Any, device: torch.device, make: Callable[[], fx.Node]) -> Any:
+    """The example's device baked into factory ops -> the input's device read at run time,
+    so a fused module moved with ``.to()`` makes its masks and ranges where it runs."""
+    return fx.node.map_aggregate(
+        value, lambda v: make() if isinstance(v, torch.device) and v == device else v)
+
+
+def _plain_structure(spec: pytree.TreeSpec) -> bool:
+    """Only tuples, lists, dicts and leaves: an fx output node holds them as they are."""
+    if spec.is_leaf():
+        return True
+    if spec.type not in (tuple, list, dict):
+        return False
+    return all(_plain_structure(c) for c in spec.children_specs)
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    path = str(next(reversed(stack.values()))[0]) if stack else ""
+    return f"module path `{path or '<root>'}`"
+
+
+def _get_path(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
