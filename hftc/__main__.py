@@ -119,6 +119,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep.cli import main as sweep_main
+
+    return sweep_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hftc", description="hftc: fuse N PyTorch models into one module."
@@ -153,6 +159,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", default="", help="also update this markdown file's tables")
     p.add_argument("--plots", default="", help="also write PNG plots into this folder")
     p.set_defaults(fn=cmd_bench)
+    from .sweep.cli import add_arguments as add_sweep_arguments
+
+    p = sub.add_parser("sweep", help="a fused hyper-parameter sweep with Optuna (make demo: "
+                                     "--demo)")
+    add_sweep_arguments(p)
+    p.set_defaults(fn=cmd_sweep)
     return parser
 
 

@@ -17,23 +17,35 @@ has the whole story.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
-from .engine import Sweep, SweepError, SweepResult, make_storage
-from .optstate import fused_param_names, load_model_slice
-from .spec import SpecError, SweepSpec, default_optimizer, load_spec
-from .training import SweepData, epoch_order, train_alone
+_LAZY = {
+    "Sweep": "engine", "SweepError": "engine", "SweepResult": "engine", "make_storage": "engine",
+    "fused_param_names": "optstate", "load_model_slice": "optstate",
+    "SpecError": "spec", "SweepSpec": "spec", "default_optimizer": "spec", "load_spec": "spec",
+    "SweepData": "training", "epoch_order": "training", "train_alone": "training",
+}
 
-__all__ = [
-    "SpecError", "Sweep", "SweepData", "SweepError", "SweepResult", "SweepSpec",
-    "default_optimizer", "epoch_order", "fused_param_names", "load_model_slice",
-    "load_spec", "make_storage", "run", "train_alone",
-]
+__all__ = [*sorted(_LAZY), "run"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `python -m hftc --help` and `import hftc` must not need Optuna (an extra).
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hftc.sweep' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"hftc.sweep needs {exc.name!r}: pip install 'hftc[sweep]'", name=exc.name
+        ) from exc
+    return getattr(module, name)
 
 
 def run(
-    spec: SweepSpec | str | Path | Any,
+    spec: Any,
     *,
     n_trials: int | None = None,
     per_array: int | None = None,
@@ -49,9 +61,13 @@ def run(
     grace_period: int | None = None,
     progress: bool | None = None,
     log=None,
-) -> SweepResult:
+) -> Any:
     """Run one sweep worker to the end (see :class:`Sweep`); arguments given here
-    override the spec's. Returns a :class:`SweepResult` (study, files, leaderboard)."""
+    override the spec's. ``spec`` is a :class:`SweepSpec`, a spec file or module (see
+    :func:`load_spec`). Returns a :class:`SweepResult` (study, files, leaderboard)."""
+    from .engine import Sweep
+    from .spec import load_spec
+
     spec = load_spec(spec).replace(n_trials=n_trials, per_array=per_array, epochs=epochs,
                                    sampler=sampler, pruner=pruner, seed=seed)
     return Sweep(spec, out=out, storage=storage, study_name=study_name, resume=resume,

@@ -15,8 +15,8 @@ name = "digits"
 metric = "accuracy"
 direction = "maximize"
 epochs = 8
-batch_size = 64
-n_trials = 32
+batch_size = 32
+n_trials = 48
 per_array = 16
 pruner = "median"
 

@@ -115,6 +115,7 @@ class SweepResult:
     trial_epochs: int
     files: dict[str, Path]
     leaderboard: str
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def best_trial(self) -> optuna.trial.FrozenTrial | None:
@@ -349,6 +350,8 @@ class Sweep:
         self.round = 0
         self.train_s = 0.0
         self.trial_epochs = 0
+        # Where the wall clock went: training, fusing, Optuna (ask/report/tell), checkpoints.
+        self.timings = {"train": 0.0, "fuse": 0.0, "optuna": 0.0, "checkpoint": 0.0}
         self._loss = hftc.per_model(spec.loss)
 
     # ------------------------------------------------------------------ set-up
@@ -725,7 +728,15 @@ class Sweep:
         if getattr(self, "_lock", None) is not None:
             self._lock.close()
         return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
-                           files, board)
+                           files, board, dict(self.timings))
+
+    @contextlib.contextmanager
+    def _timed(self, what: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[what] += time.perf_counter() - start
 
     def _loop(self) -> None:
         from .report import progress_bars
@@ -733,8 +744,9 @@ class Sweep:
         bars = progress_bars(self)
         try:
             while True:
-                optuna.storages.fail_stale_trials(self.study)
-                self._refill()
+                with self._timed("optuna"):
+                    optuna.storages.fail_stale_trials(self.study)
+                    self._refill()
                 if not self.live:
                     c = _counts(self.study)
                     if c["running"] == 0 and c["waiting"] == 0:
@@ -743,11 +755,15 @@ class Sweep:
                     bars.waiting(c["running"])
                     time.sleep(self.heartbeat_interval)
                     continue
-                self._regroup()
+                with self._timed("fuse"):
+                    self._regroup()
                 bars.round_start(self)
-                self._train_round(bars.epoch)
-                self._checkpoint()
-                self._decide(list(self.live))
+                with self._timed("train"):
+                    self._train_round(bars.epoch)
+                with self._timed("checkpoint"):
+                    self._checkpoint()
+                with self._timed("optuna"):
+                    self._decide(list(self.live))
                 bars.round_end(self)
         except KeyboardInterrupt:
             self.log("interrupted: rerun with --resume to continue from the last epoch")

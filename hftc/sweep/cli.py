@@ -1,0 +1,104 @@
+"""``python -m hftc sweep``: the command line of :mod:`hftc.sweep`.
+
+    python -m hftc sweep spec.py                  # SQLite in ./sweeps/<name>/
+    python -m hftc sweep spec.py --resume         # after a crash or Ctrl-C
+    python -m hftc sweep spec.py --storage postgresql://u:p@db/hftc --study lr   # every machine
+    python -m hftc sweep --demo                   # make demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_arguments", "main"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``sweep`` subcommand's options (options override the spec's values)."""
+    p.add_argument("spec", nargs="?",
+                   help="the sweep spec: path/to/spec.py or a module path (pkg.sweeps.digits) "
+                        "defining space(trial), model(params), data() (see docs/SWEEP.md)")
+    p.add_argument("--demo", action="store_true",
+                   help="run the demo sweep (a CNN on 8x8 digits) and measure its speedup "
+                        "against training the same trials one by one")
+    p.add_argument("--trials", type=int, help="number of trials in the study (default: spec's "
+                                              "n_trials, else 32)")
+    p.add_argument("-n", "--per-array", type=int,
+                   help="trials trained at once per fused array (default: spec's per_array, "
+                        "else 16)")
+    p.add_argument("--epochs", type=int, help="epochs per trial (default: spec's epochs)")
+    p.add_argument("--out", help="folder for results, checkpoints and the default SQLite "
+                                 "storage (default: sweeps/<study>)")
+    p.add_argument("--storage", help="Optuna RDB URL: sqlite:///file.db (default: OUT/study.db) "
+                                     "or postgresql://user:pass@host/db to share a study "
+                                     "between machines")
+    p.add_argument("--study", help="study name (default: the spec's name or file name)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted sweep in OUT from its checkpoints")
+    p.add_argument("--sampler", help="tpe (default) or random")
+    p.add_argument("--pruner", help="median (default), sha, hyperband or none")
+    p.add_argument("--seed", type=int, help="base seed (trial seeds, data order, sampler)")
+    p.add_argument("--heartbeat-interval", type=int, default=30,
+                   help="seconds between heartbeats of this worker's trials (default 30)")
+    p.add_argument("--grace-period", type=int,
+                   help="seconds without a heartbeat before a trial is failed and retried by "
+                        "another worker (default: 4 heartbeats)")
+    progress = p.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
+                          help="progress bars even when stderr is not a terminal")
+    progress.add_argument("--no-progress", dest="progress", action="store_false",
+                          help="no progress bars")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="a line per started, pruned and finished trial")
+    p.add_argument("--threads", type=int,
+                   help="torch intra-op threads (default: torch's; --demo: 1)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the ``sweep`` subcommand; returns the exit status."""
+    import torch
+
+    from .engine import SweepError
+    from .spec import SpecError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        if args.demo:
+            if args.spec:
+                print("hftc sweep: --demo runs its own spec; leave out SPEC", file=sys.stderr)
+                return 2
+            from .demo import run_demo
+
+            run_demo(args.out or "sweeps/demo-digits", n_trials=args.trials,
+                     per_array=args.per_array, epochs=args.epochs,
+                     threads=args.threads or 1, progress=args.progress)
+            return 0
+        if not args.spec:
+            print("hftc sweep: give a SPEC (path/to/spec.py or a module path), or --demo",
+                  file=sys.stderr)
+            return 2
+        from . import run
+
+        log = (lambda msg: print(msg, flush=True)) if args.verbose else None
+        result = run(args.spec, n_trials=args.trials, per_array=args.per_array,
+                     epochs=args.epochs, out=args.out, storage=args.storage,
+                     study_name=args.study, resume=args.resume, sampler=args.sampler,
+                     pruner=args.pruner, seed=args.seed,
+                     heartbeat_interval=args.heartbeat_interval,
+                     grace_period=args.grace_period, progress=args.progress, log=log)
+    except (SpecError, SweepError) as exc:
+        print(f"hftc sweep: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hftc sweep: interrupted; rerun the same command with --resume to continue",
+              file=sys.stderr)
+        return 130
+    print(result.leaderboard)
+    best = result.best_trial
+    if best is not None:
+        print(f"\nbest: trial {best.number}, {result.study.study_name} "
+              f"{best.value:.6g} ({', '.join(f'{k}={v!r}' for k, v in best.params.items())})")
+    print(f"{result.wall_s:.1f} s; files: " + ", ".join(str(p) for p in result.files.values()))
+    return 0

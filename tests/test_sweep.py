@@ -1,0 +1,260 @@
+"""hftc.sweep end to end: a fused Optuna sweep on SQLite, its files, its numbers, resume.
+
+The spec is a tiny CNN on synthetic data in float64, so a fused trial and the same
+trial trained alone with stock torch agree to 1e-9, epoch by epoch.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+import torch.nn.functional as F
+from optuna.trial import TrialState
+
+import hftc.sweep as hs
+from hftc.sweep.training import SweepData, batches, epoch_order
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SPEC_SOURCE = '''
+"""A tiny sweep for the tests: a CNN on 6x6 synthetic images, float64."""
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+name = "tiny"
+metric = "loss"
+epochs = 4
+batch_size = 32
+n_trials = 6
+per_array = 3
+dtype = torch.float64
+pruner = "sha"
+SLOW = float(os.environ.get("HFTC_TEST_SLOW", "0"))  # seconds per model and epoch
+
+
+class Tiny(nn.Module):
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.drop = nn.Dropout(p)
+        self.fc = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        return self.fc(self.drop(torch.flatten(F.relu(self.conv(x)), 1)))
+
+
+def space(trial):
+    return {
+        "lr": trial.suggest_float("lr", 0.01, 0.5, log=True),
+        "momentum": trial.suggest_float("momentum", 0.0, 0.9),
+        "weight_decay": trial.suggest_float("weight_decay", 1e-5, 1e-2, log=True),
+    }
+
+
+def model(params):
+    return Tiny(params.get("dropout", 0.0))
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(240, 1, 6, 6, generator=g)
+    y = (x.flatten(1) @ torch.randn(36, 3, generator=g)).argmax(1)
+    return (x[:160], y[:160]), (x[160:], y[160:])
+
+
+def loss(output, target):
+    if SLOW:
+        time.sleep(SLOW / 5)  # per batch: 5 batches an epoch
+    return F.cross_entropy(output, target)
+'''
+
+
+@pytest.fixture
+def spec_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny_spec.py"
+    path.write_text(SPEC_SOURCE)
+    return path
+
+
+def retrain_alone(spec, trial) -> list[float]:
+    """The trial trained alone: stock model, stock torch.optim.SGD, its seed and data order."""
+    params = dict(trial.params)
+    data = SweepData.from_spec(spec)
+    torch.manual_seed(trial.user_attrs["hftc_seed"])
+    model = spec.model(params).to(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=params["lr"], momentum=params["momentum"],
+                          weight_decay=params["weight_decay"])
+    history = []
+    for key in trial.user_attrs["hftc_orders"]:
+        model.train()
+        for idx in batches(epoch_order(key, data.n_train), spec.batch_size):
+            opt.zero_grad()
+            F.cross_entropy(model(data.x_train[0][idx]), data.y_train[idx]).backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            history.append(F.cross_entropy(model(data.x_val[0]), data.y_val).item())
+    return history
+
+
+def test_sweep_end_to_end_files_and_best(spec_file: Path, tmp_path: Path):
+    base = hs.load_spec(spec_file)
+
+    def space(trial):  # with dropout: models differ in Dropout.p, one fused group all the same
+        return {**base.space(trial), "dropout": trial.suggest_float("dropout", 0.0, 0.3)}
+
+    spec = base.replace(space=space, metric="accuracy", epochs=3)
+    out = tmp_path / "out"
+    result = hs.run(spec, out=out, progress=False)
+    trials = result.study.trials
+    assert len(trials) == 6
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    assert any(t.state == TrialState.COMPLETE for t in trials)
+
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert [int(r["number"]) for r in rows] == list(range(6))
+    for r, t in zip(rows, trials):
+        assert r["state"] == t.state.name
+        assert int(r["epochs"]) == len(t.intermediate_values) >= 1
+        assert float(r["accuracy"]) == t.value
+        for k in ("lr", "momentum", "weight_decay", "dropout"):
+            assert float(r[k]) == t.params[k]
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "rank" in result.leaderboard and "trials:" in result.leaderboard
+
+    best = result.study.best_trial
+    info = json.loads((out / "best.json").read_text())
+    assert info["number"] == best.number and info["value"] == best.value
+    fresh = spec.model(best.params).to(torch.float64)
+    fresh.load_state_dict(torch.load(out / "best.pt", weights_only=True))
+    fresh.eval()
+    data = SweepData.from_spec(spec)
+    with torch.no_grad():
+        acc = (fresh(data.x_val[0]).argmax(-1) == data.y_val).double().mean().item()
+    assert acc == best.value
+    assert not list((out / "workers").iterdir())  # a finished worker leaves no folder
+
+
+def test_fused_trials_match_stock_training_alone(spec_file: Path, tmp_path: Path):
+    """Every trial of a sweep with pruning and re-formed arrays reports, epoch by epoch,
+    what stock torch reports for it trained alone (float64, dropout off)."""
+    spec = hs.load_spec(spec_file).replace(n_trials=7)
+    result = hs.run(spec, out=tmp_path / "out", progress=False)
+    trials = result.study.trials
+    states = [t.state for t in trials]
+    assert states.count(TrialState.PRUNED) >= 1, states  # arrays shrank and took newcomers
+    assert set(states) <= {TrialState.COMPLETE, TrialState.PRUNED}
+    for t in trials:
+        fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+        alone = retrain_alone(spec, t)
+        assert len(alone) == len(fused)
+        for a, b in zip(alone, fused):
+            assert abs(a - b) <= 1e-9, (t.number, alone, fused)
+    best = result.study.best_trial
+    assert abs(retrain_alone(spec, best)[-1] - best.value) <= 1e-9
+    # hftc.sweep.train_alone is the same loop, from the spec.
+    _, history = hs.train_alone(spec, dict(best.params), best.user_attrs["hftc_seed"],
+                                best.user_attrs["hftc_orders"])
+    assert abs(history[-1] - best.value) <= 1e-9
+
+
+def _sweep_cmd(spec_file: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "hftc", "sweep", str(spec_file), "--out", str(out),
+            "--heartbeat-interval", "1", "--no-progress", *extra]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"the sweep ended (rc {proc.returncode}) too early:\n{out}")
+        time.sleep(0.1)
+    raise AssertionError("timed out waiting for the sweep")
+
+
+def _max_epoch_in_manifests(out: Path) -> int:
+    best = 0
+    for m in out.glob("workers/*/manifest.json"):
+        try:
+            trials = json.loads(m.read_text())["trials"]
+        except (ValueError, KeyError):
+            continue
+        best = max([best, *(t["epoch"] for t in trials)])
+    return best
+
+
+def test_resume_after_sigkill_loses_and_repeats_nothing(spec_file: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(_sweep_cmd(spec_file, out), cwd=ROOT, env=_env(HFTC_TEST_SLOW="0.3"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(lambda: _max_epoch_in_manifests(out) >= 2, 120, proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    storage = f"sqlite:///{out / 'study.db'}"
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    running = {t.number for t in study.trials if t.state == TrialState.RUNNING}
+    assert running, "the sweep was killed with no trial running"
+
+    # Without --resume: an error that says what to do.
+    again = subprocess.run(_sweep_cmd(spec_file, out), cwd=ROOT, env=_env(),
+                           capture_output=True, text=True)
+    assert again.returncode == 2 and "--resume" in again.stderr, again.stderr
+
+    resumed = subprocess.run(_sweep_cmd(spec_file, out, "--resume", "-v"), cwd=ROOT, env=_env(),
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed" in resumed.stdout
+
+    study = optuna.load_study(study_name="tiny", storage=storage)
+    trials = study.trials
+    assert len(trials) == 6, [(t.number, t.state) for t in trials]
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    assert running <= {t.number for t in trials}  # re-attached under their own numbers
+    spec = hs.load_spec(spec_file)
+    for t in trials:
+        steps = sorted(t.intermediate_values)
+        assert steps == list(range(1, len(steps) + 1))
+        # Weights and momentum came back from the checkpoint exactly: the trial still
+        # matches stock training alone, across the kill.
+        fused = [t.intermediate_values[s] for s in steps]
+        alone = retrain_alone(spec, t)
+        assert max(abs(a - b) for a, b in zip(alone, fused)) <= 1e-9, t.number
+    assert len({tuple(sorted(t.params.items())) for t in trials}) == 6  # nothing ran twice
+
+
+def test_spec_errors_say_what_is_missing(tmp_path: Path):
+    bad = tmp_path / "bad_spec.py"
+    bad.write_text("def model(params):\n    pass\n")
+    with pytest.raises(hs.SpecError, match="space, data"):
+        hs.load_spec(bad)
+    with pytest.raises(hs.SpecError, match="no such sweep spec file"):
+        hs.load_spec(tmp_path / "missing.py")
+    r = subprocess.run([sys.executable, "-m", "hftc", "sweep", str(bad)], cwd=ROOT,
+                       capture_output=True, text=True, env=_env())
+    assert r.returncode == 2 and "does not define space, data" in r.stderr
