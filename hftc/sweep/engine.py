@@ -144,6 +144,20 @@ def _masked(url: str) -> str:
     return f"{scheme}://{user}:***@{tail}"
 
 
+def _with_driver(url: str) -> str:
+    """``postgresql://`` names no driver, and SQLAlchemy's default changed (psycopg2 up to
+    2.0, psycopg 3 from 2.1): name the one that is installed, psycopg 3 first."""
+    if not url.startswith(("postgresql://", "postgres://")):
+        return url
+    import importlib.util
+
+    rest = url.split("://", 1)[1]
+    for module, dialect in (("psycopg", "postgresql+psycopg"), ("psycopg2", "postgresql+psycopg2")):
+        if importlib.util.find_spec(module) is not None:
+            return f"{dialect}://{rest}"
+    return url
+
+
 def make_storage(url: str, heartbeat_interval: int = 30,
                  grace_period: int | None = None) -> optuna.storages.RDBStorage:
     """An Optuna RDB storage (``sqlite:///...`` or ``postgresql://...``) with heartbeats
@@ -158,6 +172,7 @@ def make_storage(url: str, heartbeat_interval: int = 30,
     except (TypeError, ValueError):
         key = "failed_trial_callback"
     kwargs[key] = _retry_callback()
+    url = _with_driver(url)
     if url.startswith("sqlite"):
         # The heartbeat thread writes while the main thread does: wait for the lock.
         engine_kwargs = {"connect_args": {"timeout": 60}}
@@ -167,10 +182,11 @@ def make_storage(url: str, heartbeat_interval: int = 30,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
-    except ModuleNotFoundError as exc:
+    except ImportError as exc:
+        missing = getattr(exc.__cause__, "name", None) or exc.name or "its database driver"
         raise SweepError(
-            f"the storage {_masked(url)} needs the Python driver {exc.name!r}: "
-            f"pip install 'hftc[sweep]' (it brings psycopg2-binary for PostgreSQL)"
+            f"the storage {_masked(url)} needs the Python module {missing!r}: "
+            f"pip install 'hftc[sweep]' (it brings psycopg for postgresql:// URLs)"
         ) from exc
     except Exception as exc:
         raise SweepError(f"cannot open the Optuna storage {_masked(url)}: "
