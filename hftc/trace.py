@@ -109,6 +109,18 @@ class _Tracer(fx.Tracer):
             return False
         return super().is_leaf_module(m, module_qualified_name)
 
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
+        if replacement is None:
+            return super().trace(root, concrete_args)
+        # The root itself is such a module: trace the replacement as its forward.
+        original = type(root)
+        root.__class__ = type(original.__name__, (original,), {"forward": replacement})
+        try:
+            return super().trace(root, concrete_args)
+        finally:
+            root.__class__ = original
+
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple,
                     kwargs: dict) -> Any:
         replacement = _traceable_forward(m)

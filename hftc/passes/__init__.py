@@ -10,10 +10,21 @@
 | shape.py        | view/reshape/flatten/permute/transpose/getitem/cat/stack/...     |
 | reduction.py    | sum/mean/max/min/softmax/... (dims shifted past the model dim)   |
 | pooling.py      | max/avg/adaptive/lp pooling, channel dropout, interpolation      |
+| attention.py    | MultiheadAttention, F.scaled_dot_product_attention, Transformer* |
 | driver.py       | walks the graph, applies the rules, falls back to loops          |
 """
 
-from . import conv, elementwise, embedding, linear, norm, pooling, reduction, shape  # noqa: F401
+from . import (  # noqa: F401  (each module registers its rules)
+    attention,
+    conv,
+    elementwise,
+    embedding,
+    linear,
+    norm,
+    pooling,
+    reduction,
+    shape,
+)
 from .driver import FusionRecord, FusionReport, fuse_graph
 from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, register_rule
 

@@ -1,0 +1,250 @@
+"""Fused attention kernels: N models' heads are one batch of ``N*B*H`` attention problems.
+
+Logical layout as everywhere: ``[N, *per_model_shape]``.  Projections go through
+:func:`~hftc.lowering.kernels.linear` (one ``baddbmm``, or one GEMM with ``N*3E``
+outputs when all models read one shared input); the attention core folds the
+model dim into the batch of heads, so one ``bmm``/softmax/``bmm`` (or one
+``scaled_dot_product_attention``) serves every model::
+
+    per model:  q, k, v = in_proj(x)            [L, B, E]
+                q -> [B*H, L, hd]; softmax(q k^T + mask) v; out_proj
+    fused:      q, k, v = baddbmm(x, W_in^T)    [N, L, B, E]
+                q -> [N*B*H, L, hd]; one bmm/softmax/bmm over N*B*H; baddbmm out_proj
+
+Each kernel mirrors the slow path of its PyTorch original step by step
+(``F.multi_head_attention_forward``, the nested-tensor fast path of
+``nn.TransformerEncoder``), so float64 results agree to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .kernels import expand_models, linear, pad_model_dims
+
+
+def _models(x: Tensor, n: int, batched: bool) -> Tensor:
+    return x if batched else expand_models(x, n)
+
+
+def scaled_dot_product_attention(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+    enable_gqa: bool = False, *, n: int, flags: tuple[bool, bool, bool, bool],
+) -> Tensor:
+    """Per-model ``F.scaled_dot_product_attention`` as one call over ``N*B`` batches.
+
+    ``flags`` marks query, key, value and mask.  Per-model operands ``[*lead, L, E]``
+    become ``[N*lead0, *lead[1:], L, E]``; the mask is broadcast per model first
+    (a shared ``[B, 1, L, S]`` mask must repeat for each model, not tile the batch).
+    """
+    q, k, v = (_models(t, n, b) for t, b in zip((query, key, value), flags))
+    rank = q.dim() - 1
+    mask = attn_mask
+    if mask is not None:
+        mask = mask if flags[3] else mask.unsqueeze(0)
+        mask = pad_model_dims(mask, rank)
+    if rank >= 3:
+        lead = q.shape[1]
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        if mask is not None:
+            mask = mask.expand(n, lead, *mask.shape[2:]).flatten(0, 1)
+    elif mask is not None:
+        mask = mask.expand(n, *mask.shape[1:])
+    y = F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale=scale,
+                                       enable_gqa=enable_gqa)
+    return y.unflatten(0, (n, -1)) if rank >= 3 else y
+
+
+def _seq_first(x: Tensor, batched: bool, batch_first: bool, unbatched: bool) -> Tensor:
+    """A per-model ``[B, L, E]`` (batch_first) or ``[L, E]`` (unbatched) input as ``[L, B, E]``."""
+    if unbatched:
+        return x.unsqueeze(1 + int(batched))
+    if batch_first:
+        return x.transpose(int(batched), int(batched) + 1)
+    return x
+
+
+def multi_head_attention(
+    query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None, in_proj_weight: Tensor | None, in_proj_bias: Tensor | None,
+    q_proj_weight: Tensor | None, k_proj_weight: Tensor | None, v_proj_weight: Tensor | None,
+    bias_k: Tensor | None, bias_v: Tensor | None, out_proj_weight: Tensor,
+    out_proj_bias: Tensor | None, training: bool, *, num_heads: int, dropout: float,
+    batch_first: bool, add_zero_attn: bool, need_weights: bool, average_attn_weights: bool,
+    is_causal: bool, flags: tuple[bool, bool, bool, bool, bool], self_attention: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """N ``nn.MultiheadAttention`` modules as one (``F.multi_head_attention_forward``'s math).
+
+    ``flags`` marks query, key, value, key_padding_mask and attn_mask (a shared
+    operand has no model dim); ``self_attention`` says query, key and value are
+    one tensor, whose projection is then one GEMM for q, k and v together.
+    Parameters are stacked ``[N, ...]``.  Returns ``(out [N, ...], weights or None)``.
+    """
+    qb, kb, vb, kpm_b, mask_b = flags
+    n, embed_dim = out_proj_weight.shape[0], out_proj_weight.shape[1]
+    unbatched = query.dim() - qb == 2
+    head_dim = embed_dim // num_heads
+    dtype = query.dtype
+    key_padding_mask = F._canonical_mask(
+        mask=key_padding_mask, mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask), other_name="attn_mask", target_type=dtype)
+    attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None,
+                                  other_name="", target_type=dtype, check_other=False)
+    query = _seq_first(query, qb, batch_first, unbatched)
+    key = _seq_first(key, kb, batch_first, unbatched)
+    value = _seq_first(value, vb, batch_first, unbatched)
+    if unbatched and key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.unsqueeze(int(kpm_b))
+    tgt_len, bsz = query.shape[qb], query.shape[qb + 1]
+    if is_causal and attn_mask is None:
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
+            "module method `generate_square_subsequent_mask` to create this mask.")
+    if is_causal and key_padding_mask is None and not need_weights:
+        attn_mask = None
+    elif key_padding_mask is not None:
+        is_causal = False
+
+    # in-projection: [N, L, B, E] each
+    if in_proj_weight is not None and self_attention:
+        qkv = linear(query, in_proj_weight, in_proj_bias, x_batched=qb)
+        q, k, v = qkv.chunk(3, dim=-1)
+    else:
+        if in_proj_weight is not None:
+            wq, wk, wv = in_proj_weight.chunk(3, dim=1)
+        else:
+            wq, wk, wv = q_proj_weight, k_proj_weight, v_proj_weight
+        bq = bk = bv = None
+        if in_proj_bias is not None:
+            bq, bk, bv = in_proj_bias.chunk(3, dim=1)
+        q = linear(query, wq, bq, x_batched=qb)
+        k = linear(key, wk, bk, x_batched=kb)
+        v = linear(value, wv, bv, x_batched=vb)
+
+    # masks, per model: attn [N|1, 1|B*H, L, S], key padding [N|1, B, S]
+    if attn_mask is not None:
+        attn_mask = attn_mask if mask_b else attn_mask.unsqueeze(0)
+        if attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)
+    if key_padding_mask is not None and not kpm_b:
+        key_padding_mask = key_padding_mask.unsqueeze(0)
+    if bias_k is not None and bias_v is not None:
+        k = torch.cat([k, bias_k.reshape(n, 1, 1, embed_dim).expand(n, 1, bsz, embed_dim)], 1)
+        v = torch.cat([v, bias_v.reshape(n, 1, 1, embed_dim).expand(n, 1, bsz, embed_dim)], 1)
+        if attn_mask is not None:
+            attn_mask = F.pad(attn_mask, (0, 1))
+        if key_padding_mask is not None:
+            key_padding_mask = F.pad(key_padding_mask, (0, 1))
+
+    # heads: [N, L, B, E] -> [N*B*H, L, hd]
+    def heads(t: Tensor) -> Tensor:
+        length = t.shape[1]
+        return t.reshape(n, length, bsz * num_heads, head_dim).transpose(1, 2).reshape(
+            n * bsz * num_heads, length, head_dim)
+
+    q, k, v = heads(q), heads(k), heads(v)
+    if add_zero_attn:
+        zeros = torch.zeros((n * bsz * num_heads, 1, head_dim), dtype=k.dtype, device=k.device)
+        k = torch.cat([k, zeros], dim=1)
+        v = torch.cat([v, zeros], dim=1)
+        if attn_mask is not None:
+            attn_mask = F.pad(attn_mask, (0, 1))
+        if key_padding_mask is not None:
+            key_padding_mask = F.pad(key_padding_mask, (0, 1))
+    src_len = k.shape[1]
+
+    # merged mask: [N*B*H, L|1, S]
+    mask = attn_mask
+    if key_padding_mask is not None:
+        kpm = key_padding_mask.reshape(key_padding_mask.shape[0], bsz, 1, 1, src_len).expand(
+            -1, -1, num_heads, -1, -1).reshape(key_padding_mask.shape[0], bsz * num_heads, 1,
+                                               src_len)
+        mask = kpm if mask is None else mask + kpm
+    if mask is not None:
+        mask = mask.expand(n, bsz * num_heads, *mask.shape[2:]).reshape(
+            n * bsz * num_heads, mask.shape[2], src_len)
+    dropout_p = dropout if training else 0.0
+
+    if need_weights:
+        q_scaled = q * math.sqrt(1.0 / float(head_dim))
+        if mask is not None:
+            weights = torch.baddbmm(mask, q_scaled, k.transpose(-2, -1))
+        else:
+            weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+        weights = F.softmax(weights, dim=-1)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, p=dropout_p)
+        out = torch.bmm(weights, v)  # [N*B*H, L, hd]
+        out = out.reshape(n, bsz * num_heads, tgt_len, head_dim).transpose(1, 2).reshape(
+            n, tgt_len, bsz, embed_dim)
+        weights = weights.reshape(n, bsz, num_heads, tgt_len, src_len)
+        if average_attn_weights:
+            weights = weights.mean(dim=2)
+    else:
+        if mask is not None:
+            mask = mask.reshape(n * bsz, num_heads, mask.shape[1], src_len)
+        out = F.scaled_dot_product_attention(
+            q.reshape(n * bsz, num_heads, tgt_len, head_dim),
+            k.reshape(n * bsz, num_heads, src_len, head_dim),
+            v.reshape(n * bsz, num_heads, src_len, head_dim), mask, dropout_p, is_causal)
+        out = out.reshape(n, bsz, num_heads, tgt_len, head_dim).permute(0, 3, 1, 2, 4).reshape(
+            n, tgt_len, bsz, embed_dim)
+        weights = None
+    out = linear(out, out_proj_weight, out_proj_bias, x_batched=True)
+    if unbatched:
+        out = out.squeeze(2)
+        if weights is not None:
+            weights = weights.squeeze(1)
+    elif batch_first:
+        out = out.transpose(1, 2)
+    return out, weights
+
+
+def encoder_nested_padding(
+    output: Tensor, src: Tensor, key_padding_mask: Tensor | None, mask: Tensor | None,
+    training: bool, *params: Tensor, use_nested_tensor: bool, mask_check: bool,
+    batch_first: bool, flags: tuple[bool, bool, bool], n: int,
+) -> Tensor:
+    """``nn.TransformerEncoder``'s nested-tensor fast path, made explicit.
+
+    In eval mode without autograd and with a ``src_key_padding_mask``, the encoder
+    runs its layers on a nested tensor and pads the result back with zeros: the
+    output at padded positions is 0, not what the layers compute there.  The fused
+    encoder computes the layers densely (equal at every real position) and zeroes
+    the padded positions of each model whose original would have taken that path,
+    checking the same conditions at run time.  ``params`` are the first layer's
+    tensors (any requiring grad under autograd blocks the path, as in PyTorch).
+    """
+    out_b, src_b, kpm_b = flags
+    if not out_b:
+        output = expand_models(output, n)
+    if (key_padding_mask is None or mask is not None or training or not use_nested_tensor
+            or not torch.backends.mha.get_fastpath_enabled() or torch.is_autocast_enabled()
+            or src.dim() - src_b != 3 or src.is_nested):
+        return output
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (src, *params)):
+        return output
+    supported = ["cpu", "cuda", "xpu", "mps",
+                 torch.utils.backend_registration._privateuse1_backend_name]
+    if src.device.type not in supported:
+        return output
+    if key_padding_mask.dtype != torch.bool:
+        key_padding_mask = key_padding_mask.bool() if not key_padding_mask.is_floating_point() \
+            else key_padding_mask != 0
+    keep = torch.ones(n, dtype=torch.bool, device=output.device)
+    for i in range(n):
+        kpm_i = key_padding_mask[i] if kpm_b else key_padding_mask
+        src_i = src[i] if src_b else src
+        if mask_check and not torch._nested_tensor_from_mask_left_aligned(
+                src_i, kpm_i.logical_not()):
+            keep[i] = False
+    padded = key_padding_mask if kpm_b else key_padding_mask.unsqueeze(0)  # [N|1, B, S]
+    if not batch_first:
+        padded = padded.transpose(1, 2)
+    zero = padded.unsqueeze(-1) & keep.view(n, 1, 1, 1)
+    return output.masked_fill(zero, 0.0)

@@ -1,0 +1,230 @@
+"""Attention: ``nn.MultiheadAttention``, ``F.scaled_dot_product_attention`` and the
+``nn.Transformer*`` family, fused as batched matmuls over ``N*B*H`` heads.
+
+Per module, the choice between a rule on the leaf and tracing through:
+
+| module                        | how it fuses                                                   |
+|-------------------------------|----------------------------------------------------------------|
+| ``nn.MultiheadAttention``     | leaf, one rule: ``lowering.attention.multi_head_attention``   |
+| ``F.scaled_dot_product_attention`` | rule: the model dim folded into the batch, one SDPA call  |
+| ``nn.TransformerEncoderLayer``| traced through (its slow path): attention leaf, linears, norms  |
+| ``nn.TransformerDecoderLayer``| traced through (its own forward)                               |
+| ``nn.TransformerEncoder``     | traced through, + the nested-tensor fast path's zeros, explicit |
+| ``nn.TransformerDecoder`` / ``nn.Transformer`` | traced through (shape checks dropped)          |
+
+::
+
+    before (per model i, self-attention, shared x [L, B, E]):
+        q, k, v = linear(x, W_in_i, b_in_i).chunk(3)         # N GEMMs
+        softmax(q_h k_h^T / sqrt(d) + mask) v_h  for each of B*H heads
+        y_i = linear(., W_out_i, b_out_i)
+    after:
+        qkv = linear(x, W_in.view(N*3E, E))                   # one GEMM, [N, L, B, 3E]
+        one bmm / softmax / bmm (or one SDPA) over N*B*H heads
+        y = baddbmm(b_out, ., W_out^T)                        # [N, L, B, E]
+
+The encoder's and encoder layer's fast paths (``torch._transformer_encoder_layer_fwd``,
+nested tensors) are never taken silently: the traced forwards are the slow
+paths, which compute the same numbers, except that the encoder's nested-tensor
+path returns zeros at padded positions; :func:`encoder_nested_padding` makes
+that explicit and checks at run time, per model, whether PyTorch would have
+taken it (eval mode, no autograd, a left-aligned padding mask, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from ..lowering import attention as kernels
+from ..trace import TRACEABLE_FORWARDS
+from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
+
+_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
+             "average_attn_weights", "is_causal")
+_MHA_DEFAULTS = (None, None, None, None, True, None, True, False)
+
+
+def _bind(group: FusionGroup, names: tuple[str, ...], defaults: tuple) -> tuple[dict, dict]:
+    """Fused and original (model 0's) values of a call's arguments, by parameter name."""
+    fused, original = {}, {}
+    for k, (name, default) in enumerate(zip(names, defaults)):
+        if k < len(group.args):
+            fused[name], original[name] = group.args[k], group.node.args[k]
+        else:
+            fused[name] = group.kwargs.get(name, default)
+            original[name] = group.node.kwargs.get(name, default)
+    return fused, original
+
+
+def _constant(value: Any, what: str) -> Any:
+    if isinstance(value, fx.Node):
+        raise NotFusable(f"{what} computed in the graph (it must be a Python constant)")
+    return value
+
+
+@register_rule(("call_module", nn.MultiheadAttention))
+def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """N attention modules -> one :func:`~hftc.lowering.attention.multi_head_attention`."""
+    mha = group.module
+    fused, original = _bind(group, _MHA_ARGS, _MHA_DEFAULTS)
+    target = group.node.target
+
+    def attr(path: str) -> fx.Node | None:
+        owner, _, leaf = f"{target}.{path}".rpartition(".")
+        module = mha.get_submodule(owner[len(target) + 1:]) if owner != target else mha
+        return None if getattr(module, leaf, None) is None else builder.attr(f"{owner}.{leaf}")
+
+    flags = tuple(builder.is_batched(fused[name]) for name in
+                  ("query", "key", "value", "key_padding_mask", "attn_mask"))
+    self_attention = original["query"] is original["key"] is original["value"]
+    return builder.call(
+        kernels.multi_head_attention, fused["query"], fused["key"], fused["value"],
+        fused["key_padding_mask"], fused["attn_mask"], attr("in_proj_weight"),
+        attr("in_proj_bias"), attr("q_proj_weight"), attr("k_proj_weight"),
+        attr("v_proj_weight"), attr("bias_k"), attr("bias_v"), attr("out_proj.weight"),
+        attr("out_proj.bias"), builder.training_flag(group),
+        num_heads=mha.num_heads, dropout=mha.dropout, batch_first=mha.batch_first,
+        add_zero_attn=mha.add_zero_attn,
+        need_weights=fused["need_weights"], average_attn_weights=fused["average_attn_weights"],
+        is_causal=fused["is_causal"],  # flags may be graph values (a traced root's inputs)
+        flags=flags, self_attention=self_attention,
+    )
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")
+_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+@register_rule(("call_function", F.scaled_dot_product_attention), random=True)
+def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """The model dim joins the batch dim: one SDPA over ``N*B`` batches (random: dropout)."""
+    fused, _ = _bind(group, _SDPA_ARGS, _SDPA_DEFAULTS)
+    flags = tuple(builder.is_batched(fused[name]) for name in
+                  ("query", "key", "value", "attn_mask"))
+    dropout_p = _constant(fused["dropout_p"], "dropout_p")
+    if not any(flags) and dropout_p == 0:
+        return builder.copy(group, batched=False)
+    return builder.call(
+        kernels.scaled_dot_product_attention, fused["query"], fused["key"], fused["value"],
+        fused["attn_mask"], dropout_p, _constant(fused["is_causal"], "is_causal"),
+        _constant(fused["scale"], "scale"), _constant(fused["enable_gqa"], "enable_gqa"),
+        n=builder.num_models, flags=flags,
+    )
+
+
+# --------------------------------------------------------------------------- tracing through
+
+
+def encoder_nested_padding(output: torch.Tensor, src: torch.Tensor,
+                           key_padding_mask: torch.Tensor | None, mask: torch.Tensor | None,
+                           training: bool, *params: torch.Tensor, use_nested_tensor: bool,
+                           mask_check: bool, batch_first: bool) -> torch.Tensor:
+    """One model's ``nn.TransformerEncoder`` nested-tensor fast path, as a graph op:
+    zeros at padded positions when PyTorch would have taken it (see the kernel)."""
+    if output.device.type == "meta":  # shape propagation: the values do not matter
+        return output
+    return kernels.encoder_nested_padding(
+        output.unsqueeze(0), src, key_padding_mask, mask, training, *params,
+        use_nested_tensor=use_nested_tensor, mask_check=mask_check, batch_first=batch_first,
+        flags=(True, False, False), n=1).squeeze(0)
+
+
+torch.fx.wrap("encoder_nested_padding")
+
+
+@register_rule(("call_function", encoder_nested_padding))
+def fuse_encoder_nested_padding(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    output, src, kpm, mask, training, *params = group.args
+    return builder.call(
+        kernels.encoder_nested_padding, output, src, kpm, mask, training, *params,
+        **group.kwargs, flags=(builder.is_batched(output), builder.is_batched(src),
+                                 builder.is_batched(kpm)), n=builder.num_models,
+    )
+
+
+def causal_hint(is_causal: bool | None) -> bool:
+    """``is_causal=None`` asks PyTorch to detect a causal mask by comparing values; the hint
+    only picks a kernel, so computing with the mask itself gives the same numbers."""
+    return bool(is_causal) if is_causal is not None else False
+
+
+torch.fx.wrap("causal_hint")  # a graph op: the flag may be an input of a traced root
+
+
+def _encoder_layer_forward(self: nn.TransformerEncoderLayer, src, src_mask=None,
+                           src_key_padding_mask=None, is_causal=False):
+    """``TransformerEncoderLayer.forward``'s slow path (masks are canonicalised by attention)."""
+    x = src
+    if self.norm_first:
+        x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+        x = x + self._ff_block(self.norm2(x))
+    else:
+        x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+        x = self.norm2(x + self._ff_block(x))
+    return x
+
+
+def _encoder_forward(self: nn.TransformerEncoder, src, mask=None, src_key_padding_mask=None,
+                     is_causal=None):
+    """``TransformerEncoder.forward`` with its fast path's zeros made explicit."""
+    output = src
+    first = self.layers[0]
+    for mod in self.layers:
+        output = mod(output, src_mask=mask, is_causal=causal_hint(is_causal),
+                     src_key_padding_mask=src_key_padding_mask)
+    if self.norm is not None:
+        output = self.norm(output)
+    if not getattr(self, "use_nested_tensor", False):
+        return output
+    params = [p for p in (
+        first.self_attn.in_proj_weight, first.self_attn.in_proj_bias,
+        first.self_attn.out_proj.weight, first.self_attn.out_proj.bias, first.norm1.weight,
+        first.norm1.bias, first.norm2.weight, first.norm2.bias, first.linear1.weight,
+        first.linear1.bias, first.linear2.weight, first.linear2.bias) if p is not None]
+    return encoder_nested_padding(
+        output, src, src_key_padding_mask, mask, first.training, *params,
+        use_nested_tensor=True, mask_check=getattr(self, "mask_check", True),
+        batch_first=first.self_attn.batch_first)
+
+
+def _decoder_forward(self: nn.TransformerDecoder, tgt, memory, tgt_mask=None, memory_mask=None,
+                     tgt_key_padding_mask=None, memory_key_padding_mask=None,
+                     tgt_is_causal=None, memory_is_causal=False):
+    """``TransformerDecoder.forward`` without its data-dependent causal-mask detection."""
+    output = tgt
+    for mod in self.layers:
+        output = mod(output, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                     tgt_key_padding_mask=tgt_key_padding_mask,
+                     memory_key_padding_mask=memory_key_padding_mask,
+                     tgt_is_causal=causal_hint(tgt_is_causal), memory_is_causal=memory_is_causal)
+    if self.norm is not None:
+        output = self.norm(output)
+    return output
+
+
+def _transformer_forward(self: nn.Transformer, src, tgt, src_mask=None, tgt_mask=None,
+                         memory_mask=None, src_key_padding_mask=None, tgt_key_padding_mask=None,
+                         memory_key_padding_mask=None, src_is_causal=None, tgt_is_causal=None,
+                         memory_is_causal=False):
+    """``Transformer.forward`` without its shape checks (the modules check their inputs)."""
+    memory = self.encoder(src, mask=src_mask, src_key_padding_mask=src_key_padding_mask,
+                          is_causal=src_is_causal)
+    return self.decoder(tgt, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                        tgt_key_padding_mask=tgt_key_padding_mask,
+                        memory_key_padding_mask=memory_key_padding_mask,
+                        tgt_is_causal=tgt_is_causal, memory_is_causal=memory_is_causal)
+
+
+TRACEABLE_FORWARDS.update({
+    nn.TransformerEncoderLayer: _encoder_layer_forward,
+    nn.TransformerDecoderLayer: nn.TransformerDecoderLayer.forward,
+    nn.TransformerEncoder: _encoder_forward,
+    nn.TransformerDecoder: _decoder_forward,
+    nn.Transformer: _transformer_forward,
+})
