@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients
+from .optimizer import FusedOptimizer, _Coefficients, addcmul_
 
 __all__ = ["Adam", "AdamW"]
 
@@ -89,12 +89,13 @@ class Adam(FusedOptimizer):
             if any(hp["maximize"]):
                 grad = grad * coef("sign", p)
             if any_decoupled:
-                p.mul_(coef("decay", p))
+                p.mul_(coef.get("decay", p))
             if any_coupled:
                 grad = torch.addcmul(grad, p, coef("coupled_wd", p))
             exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.lerp_(grad, coef("one_minus_beta1", p))
-            exp_avg_sq.mul_(coef("beta2", p)).addcmul_(grad * coef("one_minus_beta2", p), grad)
+            exp_avg.lerp_(grad, coef.get("one_minus_beta1", p))
+            addcmul_(exp_avg_sq.mul_(coef.get("beta2", p)), grad, grad,
+                     coef.get("one_minus_beta2", p))
             if any(amsgrad):
                 max_sq = state["max_exp_avg_sq"]
                 torch.maximum(max_sq, exp_avg_sq, out=max_sq)
@@ -102,9 +103,14 @@ class Adam(FusedOptimizer):
                     coef.mask("amsgrad", p), max_sq, exp_avg_sq)
             else:
                 second = exp_avg_sq
-            denom = (second.sqrt() / step_coef("bc2_sqrt", p)).add_(coef("eps", p))
-            p.addcdiv_(exp_avg * step_coef("neg_step_size", p), denom)
-
+            # Stock: denom = (second.sqrt() / bc2_sqrt).add_(eps), written into scratch space.
+            denom = torch.sqrt(second, out=self._scratch(p, 0))
+            denom.div_(step_coef.get("bc2_sqrt", p)).add_(coef.get("eps", p))
+            neg_step_size = step_coef.get("neg_step_size", p)
+            if isinstance(neg_step_size, Tensor):  # stock's value=-step_size, per model
+                p.addcdiv_(torch.mul(exp_avg, neg_step_size, out=self._scratch(p, 1)), denom)
+            else:
+                p.addcdiv_(exp_avg, denom, value=neg_step_size)
 
 class AdamW(Adam):
     """AdamW (decoupled weight decay) for N fused models: ``torch.optim.AdamW``'s arguments.
