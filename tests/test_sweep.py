@@ -258,3 +258,45 @@ def test_spec_errors_say_what_is_missing(tmp_path: Path):
     r = subprocess.run([sys.executable, "-m", "hftc", "sweep", str(bad)], cwd=ROOT,
                        capture_output=True, text=True, env=_env())
     assert r.returncode == 2 and "does not define space, data" in r.stderr
+
+
+def test_orphaned_running_trial_is_failed_and_retried(spec_file: Path, tmp_path: Path):
+    """A trial left RUNNING with no heartbeat and no manifest (its worker died right after
+    asking) is failed and retried with its parameters, not waited for forever."""
+    spec = hs.load_spec(spec_file).replace(n_trials=3, epochs=1, pruner="none")
+    out = tmp_path / "out"
+    out.mkdir()
+    storage = hs.make_storage(f"sqlite:///{out / 'study.db'}")
+    study = optuna.create_study(study_name="tiny", storage=storage, direction="minimize")
+    orphan = study.ask()
+    spec.space(orphan)
+    result = hs.run(spec, out=out, progress=False)
+    trials = result.study.trials
+    assert trials[orphan.number].state == TrialState.FAIL
+    finished = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(finished) == 3
+    retry = [t for t in finished if t.system_attrs.get("failed_trial") == orphan.number]
+    assert len(retry) == 1 and retry[0].params == trials[orphan.number].params
+
+
+def test_median_pruner_decides_as_optuna_does():
+    """The sweep asks the median pruner with one read per round; its answers are Optuna's."""
+    from hftc.sweep.engine import _CompletedView
+
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
+    study = optuna.create_study(pruner=pruner)
+    for k in range(4):
+        study.add_trial(optuna.trial.create_trial(
+            value=float(k), intermediate_values={s: k + 1.0 / s for s in range(1, 5)},
+            params={}, distributions={}))
+    for values in ([0.5, 3.0, 0.1], [5.0, 4.0], [2.0, 2.5, 1.6, 1.7], [float("nan")]):
+        trial = study.ask()
+        for s, v in enumerate(values, 1):
+            trial.report(v, s)
+        frozen = optuna.trial.FrozenTrial(
+            number=trial.number, state=TrialState.RUNNING, value=None, datetime_start=None,
+            datetime_complete=None, params={}, distributions={}, user_attrs={},
+            system_attrs={}, trial_id=trial._trial_id,
+            intermediate_values={s: v for s, v in enumerate(values, 1)})
+        assert pruner.prune(_CompletedView(study), frozen) == trial.should_prune(), values
+        study.tell(trial, state=TrialState.FAIL)

@@ -132,7 +132,9 @@ def _retry_callback() -> Any:
     cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
     if cls is None:  # optuna < 4.9
         cls = optuna.storages.RetryFailedTrialCallback
-    return cls(max_retry=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "experimental" since 2.8
+        return cls(max_retry=3)
 
 
 def _masked(url: str) -> str:
@@ -328,6 +330,21 @@ def _counts(study: optuna.Study) -> dict[str, int]:
     return c
 
 
+class _CompletedView:
+    """The part of a study a percentile pruner reads (its direction, its complete trials),
+    read once. ``get_trials`` with other states goes to the study itself."""
+
+    def __init__(self, study: optuna.Study):
+        self._study = study
+        self.direction = study.direction
+        self._complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+
+    def get_trials(self, deepcopy: bool = True, states=None):
+        if states is not None and tuple(states) == (TrialState.COMPLETE,):
+            return list(self._complete)
+        return self._study.get_trials(deepcopy=deepcopy, states=states)
+
+
 # ---------------------------------------------------------------------- the worker
 
 
@@ -463,7 +480,8 @@ class Sweep:
             if room == 0 or not self.default_storage:
                 # On a shared storage, count before every ask: other workers ask too.
                 c = _counts(self.study)
-                room = c["waiting"] + max(0, spec.n_trials - c["budget"])
+                # Waiting trials (retries, enqueued ones) run first and use the budget too.
+                room = c["waiting"] + max(0, spec.n_trials - c["budget"] - c["waiting"])
             if room == 0:
                 break
             room -= 1
@@ -602,6 +620,7 @@ class Sweep:
     def _decide(self, runs: list[_Run]) -> None:
         """Report each trial's new metrics, then complete, prune or keep it."""
         done: list[_Run] = []
+        self._view = None  # read the complete trials afresh: other workers finish some too
         for run in runs:
             trial = run.trial
             try:
@@ -619,9 +638,10 @@ class Sweep:
                     self._save_if_best(run, value)
                     self._record(run)
                     self.study.tell(trial, value)
+                    self._view = None  # one more complete trial for the pruner to compare
                     done.append(run)
                     self.log(f"trial {run.number} complete: {value:.6g}")
-                elif trial.should_prune():
+                elif self._should_prune(run):
                     self._record(run)
                     self.study.tell(trial, state=TrialState.PRUNED)
                     done.append(run)
@@ -636,6 +656,26 @@ class Sweep:
         for run in done:
             self.heartbeat.discard(run.trial_id)
             self.live.remove(run)
+
+    def _should_prune(self, run: _Run) -> bool:
+        """``trial.should_prune()``, with one storage read per round instead of one per
+        trial for the pruners that only compare with complete trials (median, percentile):
+        with N trials per array, N reads of the whole study per epoch cost more than the
+        epoch on a small model."""
+        pruner = self.study.pruner
+        if isinstance(pruner, optuna.pruners.NopPruner):
+            return False
+        if type(pruner) not in (optuna.pruners.MedianPruner, optuna.pruners.PercentilePruner):
+            return run.trial.should_prune()
+        if getattr(self, "_view", None) is None:
+            self._view = _CompletedView(self.study)
+        frozen = optuna.trial.FrozenTrial(
+            number=run.number, state=TrialState.RUNNING, value=None, datetime_start=None,
+            datetime_complete=None, params={}, distributions={}, user_attrs={},
+            system_attrs={}, trial_id=run.trial_id,
+            intermediate_values={k + 1: v for k, v in enumerate(run.history)},
+        )
+        return pruner.prune(self._view, frozen)
 
     def _record(self, run: _Run) -> None:
         """What it takes to retrain the trial alone: the data order keys of its epochs."""
@@ -746,6 +786,39 @@ class Sweep:
         return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
                            files, board, dict(self.timings))
 
+    def _others_alive(self) -> bool:
+        """Does another live worker use this folder? (Its lock is held.)"""
+        root = self.out / "workers"
+        for d in root.iterdir() if root.exists() else []:
+            if d != self.dir and d.is_dir():
+                lock = _try_lock(d / "lock")
+                if lock is None and (d / "lock").exists():
+                    return True
+                if lock is not None:
+                    lock.close()
+        return False
+
+    def _reap_orphans(self) -> bool:
+        """On the default storage (this folder's SQLite file) with no other worker alive,
+        a RUNNING trial that is not ours runs nowhere: its worker died before recording a
+        heartbeat or a manifest. Fail it and enqueue it again, as a heartbeat would."""
+        if not self.default_storage or self._others_alive():
+            return False
+        mine = {r.trial_id for r in self.live}
+        callback = self.storage.get_heartbeat_stale_trial_callback() if hasattr(
+            self.storage, "get_heartbeat_stale_trial_callback") else None
+        reaped = False
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t._trial_id in mine:
+                continue
+            with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                if self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                    self.log(f"trial {t.number} was running nowhere; failed and retried")
+                    if callback is not None:
+                        callback(self.study, self.storage.get_trial(t._trial_id))
+                    reaped = True
+        return reaped
+
     @contextlib.contextmanager
     def _timed(self, what: str):
         start = time.perf_counter()
@@ -767,6 +840,8 @@ class Sweep:
                     c = _counts(self.study)
                     if c["running"] == 0 and c["waiting"] == 0:
                         break
+                    if self._reap_orphans():
+                        continue
                     # Trials still run elsewhere: wait, and retry them should their worker die.
                     bars.waiting(c["running"])
                     time.sleep(self.heartbeat_interval)
