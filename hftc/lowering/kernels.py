@@ -183,9 +183,49 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool) -
         return y.unflatten(-1, (n, out_features)).movedim(-2, 0)
     lead = x.shape[1:-1]
     x3 = x.reshape(n, -1, in_features)
-    wt = weight.transpose(1, 2)
-    y = torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
+    y = _BatchedLinear.apply(x3, weight, bias)
     return y.reshape(n, *lead, out_features)
+
+
+class _BatchedLinear(torch.autograd.Function):
+    """``baddbmm(b[:, None], x, W^T)`` whose backward gives ``W`` its gradient in ``W``'s layout.
+
+    ::
+
+        autograd's bmm:  dW^T = x^T @ dy   [N, in, out]  -> W.grad = a transposed view
+                         -> AccumulateGrad copies it into W's [N, out, in] strides
+        here:            dW   = dy^T @ x   [N, out, in]  (the transpose is a GEMM flag)
+
+    The strided copy it saves costs about as much as the product itself for the
+    small layers of a sweep (as ``torch.mm``'s backward already avoids for
+    ``nn.Linear``).  Under autocast the products run in the output's dtype and each
+    gradient is cast back to its input's dtype, as the recorded casts would do.
+    The backward is made of differentiable ops, so double backward works.
+    """
+
+    @staticmethod
+    def forward(x3: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        wt = weight.transpose(1, 2)
+        return torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        x3, weight, bias = inputs
+        ctx.save_for_backward(x3, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x3, weight = ctx.saved_tensors
+        dtype = grad.dtype
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.bmm(grad, weight.to(dtype)).to(x3.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.bmm(grad.transpose(1, 2), x3.to(dtype)).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = grad.sum(1).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b
 
 
 def matmul(a: Tensor, b: Tensor, *, a_batched: bool, b_batched: bool) -> Tensor:
