@@ -140,8 +140,9 @@ def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple:
 @contextlib.contextmanager
 def _quiet() -> Any:
     """Export warns about specialised dims and assigned attributes; the guards say it better."""
-    loggers = [logging.getLogger(n) for n in ("torch._export", "torch.export", "torch.fx",
-                                               "torch._dynamo", "torch.fx.experimental")]
+    loggers = [logging.getLogger(n) for n in ("torch", "torch._export", "torch.export",
+                                               "torch.fx", "torch._dynamo", "torch.__trace",
+                                               "torch.fx.experimental")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)

@@ -11,6 +11,7 @@
 | reduction.py    | sum/mean/max/min/softmax/... (dims shifted past the model dim)   |
 | pooling.py      | max/avg/adaptive/lp pooling, channel dropout, interpolation      |
 | attention.py    | MultiheadAttention, F.scaled_dot_product_attention, Transformer* |
+| recurrent.py    | LSTM/GRU/RNN (+ cells, torch.lstm & co.): one bmm per time step  |
 | driver.py       | walks the graph, applies the rules, falls back to loops          |
 """
 
@@ -22,6 +23,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     linear,
     norm,
     pooling,
+    recurrent,
     reduction,
     shape,
 )

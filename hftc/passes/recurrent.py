@@ -1,0 +1,111 @@
+"""Recurrent layers: N LSTMs/GRUs/RNNs are one recurrence, one batched GEMM per time step.
+
+::
+
+    before (per model i):  out_i, (h_i, c_i) = lstm_i(x, (h0_i, c0_i))     N recurrences
+    after:                 out, (h, c) = rnn("LSTM", x, (h0, c0), [W_ih, W_hh, b_ih, b_hh]
+                                             stacked [N, ...], ...)          one recurrence:
+                           xproj = baddbmm over all steps; per step one baddbmm for N*D cells
+
+Both front-ends meet here: ``nn.LSTM`` & co. are leaves of the symbolic
+front-end (``call_module``), and ``torch.export`` gives ``aten.lstm.input``,
+normalised to ``torch.lstm`` (the function ``nn.LSTM`` calls), whose
+parameter list holds the same stacked tensors.  Packed sequences run as
+per-model loops (reported).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..lowering import recurrent as kernels
+from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
+
+
+def _hx_flags(builder: GraphBuilder, hx: Any) -> tuple[bool, ...]:
+    if hx is None:
+        return ()
+    parts = hx if isinstance(hx, (tuple, list)) else (hx,)
+    return tuple(builder.is_batched(p) for p in parts)
+
+
+def _check_tensor_input(group: FusionGroup) -> None:
+    if not isinstance(group.arg_example(0), torch.Tensor):
+        raise NotFusable("packed sequences (PackedSequence) are not fused")
+
+
+@register_rule(("call_module", nn.LSTM), ("call_module", nn.GRU), ("call_module", nn.RNN))
+def fuse_rnn_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``nn.LSTM/GRU/RNN(x, hx)`` -> :func:`~hftc.lowering.recurrent.rnn` on stacked weights."""
+    _check_tensor_input(group)
+    m = group.module
+    x, hx = group.arg(0, "input"), group.arg(1, "hx")
+    weights = [builder.attr(f"{group.node.target}.{name}") for name in m._flat_weights_names]
+    return builder.call(
+        kernels.rnn, m.mode, x, hx, weights, m.bias, m.num_layers, float(m.dropout),
+        builder.training_flag(group), m.bidirectional, m.batch_first,
+        input_batched=builder.is_batched(x), hx_batched=_hx_flags(builder, hx),
+    )
+
+
+_FUNCTION_MODES = {torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN_TANH",
+                   torch.rnn_relu: "RNN_RELU"}
+
+
+@register_rule(*(("call_function", fn) for fn in _FUNCTION_MODES))
+def fuse_rnn_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``torch.lstm(x, hx, params, has_biases, layers, dropout, train, bidir, batch_first)``."""
+    args = group.args
+    if len(args) != 9 or not isinstance(args[2], (list, tuple)):
+        raise NotFusable("the packed-sequence overload (data, batch_sizes, ...)")
+    _check_tensor_input(group)
+    x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
+    mode = _FUNCTION_MODES[group.node.target]
+    if mode != "LSTM":
+        hx_flags = (builder.is_batched(hx),)
+    else:
+        hx_flags = _hx_flags(builder, hx)
+    return builder.call(
+        kernels.rnn, mode, x, hx, [builder.broadcast(p) for p in params], has_biases, layers,
+        dropout, train, bidirectional, batch_first, input_batched=builder.is_batched(x),
+        hx_batched=hx_flags, flat_states=True,
+    )
+
+
+_CELL_MODES = {nn.LSTMCell: "LSTM", nn.GRUCell: "GRU"}
+
+
+@register_rule(("call_module", nn.LSTMCell), ("call_module", nn.GRUCell),
+               ("call_module", nn.RNNCell))
+def fuse_rnn_cell_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    m = group.module
+    mode = next((v for k, v in _CELL_MODES.items() if isinstance(m, k)), None)
+    if mode is None:
+        mode = "RNN_TANH" if m.nonlinearity == "tanh" else "RNN_RELU"
+    x, hx = group.arg(0, "input"), group.arg(1, "hx")
+    attr = lambda name: builder.module_attr(group, name)  # noqa: E731
+    return builder.call(
+        kernels.rnn_cell, mode, x, hx, attr("weight_ih"), attr("weight_hh"), attr("bias_ih"),
+        attr("bias_hh"), input_batched=builder.is_batched(x), hx_batched=_hx_flags(builder, hx),
+    )
+
+
+_CELL_FUNCTIONS = {torch.lstm_cell: "LSTM", torch.gru_cell: "GRU",
+                   torch.rnn_tanh_cell: "RNN_TANH", torch.rnn_relu_cell: "RNN_RELU"}
+
+
+@register_rule(*(("call_function", fn) for fn in _CELL_FUNCTIONS))
+def fuse_rnn_cell_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``torch.lstm_cell(x, [h, c], w_ih, w_hh, b_ih, b_hh)`` and the GRU/RNN cells."""
+    args = list(group.args) + [None] * (6 - len(group.args))
+    x, hx, w_ih, w_hh, b_ih, b_hh = args[:6]
+    optional = lambda t: None if t is None else builder.broadcast(t)  # noqa: E731
+    return builder.call(
+        kernels.rnn_cell, _CELL_FUNCTIONS[group.node.target], x, hx, builder.broadcast(w_ih),
+        builder.broadcast(w_hh), optional(b_ih), optional(b_hh),
+        input_batched=builder.is_batched(x), hx_batched=_hx_flags(builder, hx),
+    )

@@ -1,0 +1,145 @@
+"""Recurrent layers fused across models: LSTM, GRU, RNN and their cells.
+
+Equivalence (float64, forward, every gradient, returned states) over a grid of
+layers, directions, batch_first, initial states given or not, shared or stacked
+inputs; structure: one fused recurrence, no per-model loop.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from equivalence import check_equivalence
+
+import hftc
+
+N = 3
+T, B, IN, H = 4, 2, 3, 5
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cls, with_state: bool, **kwargs):
+        super().__init__()
+        self.rnn = cls(IN, H, **kwargs)
+        self.with_state = with_state
+
+    def forward(self, x, h0, c0):
+        if not self.with_state:
+            return self.rnn(x)
+        if isinstance(self.rnn, nn.LSTM):
+            return self.rnn(x, (h0, c0))
+        return self.rnn(x, h0)
+
+
+GRID = [
+    dict(),
+    dict(num_layers=2, bidirectional=True),
+    dict(num_layers=2, batch_first=True, bias=False),
+    dict(bidirectional=True, batch_first=True),
+    dict(num_layers=3, dropout=0.0),
+]
+
+
+def _inputs(kwargs, cls, stacked: bool):
+    layers = kwargs.get("num_layers", 1) * (2 if kwargs.get("bidirectional") else 1)
+    x = torch.randn(B, T, IN) if kwargs.get("batch_first") else torch.randn(T, B, IN)
+    hout = kwargs.get("proj_size", 0) or H
+    h0, c0 = torch.randn(layers, B, hout), torch.randn(layers, B, H)
+    if stacked:
+        x, h0, c0 = (torch.stack([t + k for k in range(N)]) for t in (x, h0, c0))
+    return x, h0, c0
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("kwargs", GRID, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()) or "default")
+def test_recurrent_grid(cls, kwargs):
+    for with_state, stacked in ((False, False), (True, True)):
+        models = [Recurrent(cls, with_state, **kwargs) for _ in range(N)]
+        inputs = _inputs(kwargs, cls, stacked)
+        fused = check_equivalence(models, inputs, in_dims=0 if stacked else None)
+        assert fused.fusion_report.fallbacks == []
+        assert fused.fusion_report.rule_counts()["fuse_rnn_module"] == 1
+
+
+def test_lstm_projection_relu_rnn_and_unbatched():
+    models = [Recurrent(nn.LSTM, True, proj_size=2, num_layers=2, bidirectional=True)
+              for _ in range(N)]
+    check_equivalence(models, _inputs(dict(proj_size=2, num_layers=2, bidirectional=True),
+                                      nn.LSTM, False))
+    models = [Recurrent(nn.RNN, True, nonlinearity="relu", num_layers=2) for _ in range(N)]
+    check_equivalence(models, _inputs(dict(num_layers=2), nn.RNN, False), train=False)
+    # unbatched input [T, IN] with state [layers, H]
+    models = [Recurrent(nn.GRU, True, num_layers=2) for _ in range(N)]
+    check_equivalence(models, (torch.randn(T, IN), torch.randn(2, H), torch.randn(2, H)))
+
+
+def test_dropout_between_layers():
+    """Dropout between layers: exact in eval; in train each model draws its own masks."""
+    models = [Recurrent(nn.LSTM, False, num_layers=2, dropout=0.5) for _ in range(N)]
+    x = torch.randn(T, B, IN)
+    check_equivalence(models, (x, None, None), train=False)
+    fused = hftc.fuse(models)
+    for m in models:
+        m.load_state_dict(models[0].state_dict())
+    fused = hftc.fuse(models).train()
+    out, _ = fused(x, None, None)
+    assert not torch.allclose(out[0], out[1])  # same weights, different dropout masks
+
+
+class Cells(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTMCell(IN, H)
+        self.gru = nn.GRUCell(IN, H, bias=False)
+        self.rnn = nn.RNNCell(IN, H, nonlinearity="relu")
+
+    def forward(self, xs, h0):
+        h, c = h0, h0
+        g = r = None
+        outs = []
+        for t in range(T):  # unrolled by tracing
+            h, c = self.lstm(xs[t], (h, c))
+            g = self.gru(xs[t], g)
+            r = self.rnn(xs[t], r)
+            outs.append(h + g + r)
+        return torch.stack(outs), c, self.lstm(xs[0][0])
+
+
+def test_cells():
+    xs, h0 = torch.randn(T, B, IN), torch.randn(B, H)
+    fused = check_equivalence([Cells() for _ in range(N)], (xs, h0))
+    assert fused.fusion_report.fallbacks == []
+    counts = fused.fusion_report.rule_counts()
+    assert counts["fuse_rnn_cell_module"] == 3 * T + 1
+
+
+class LSTMClassifier(nn.Module):
+    def __init__(self, vocab=20, classes=4, cls=nn.LSTM):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 6)
+        self.rnn = cls(6, H, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * H, classes)
+
+    def forward(self, ids):
+        out, _ = self.rnn(self.embed(ids))
+        return self.head(out.mean(1))
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU])
+def test_classifier(cls):
+    ids = torch.randint(0, 20, (3, 6))
+    fused = check_equivalence([LSTMClassifier(cls=cls) for _ in range(N)], ids, steps=2)
+    assert fused.fusion_report.fallbacks == []
+
+
+def test_recurrent_through_export():
+    """torch.export gives aten.lstm; normalised to torch.lstm, the same kernel fuses it.
+    (One case: exporting an LSTM costs about 2 s per model and mode.)"""
+    ids = torch.randint(0, 20, (3, 6))
+    fused = check_equivalence(
+        [LSTMClassifier() for _ in range(N)], ids,
+        fuser=lambda ms, in_dims: hftc.fuse(ms, in_dims=in_dims, example_inputs=(ids,),
+                                            frontend="export"))
+    assert fused.fusion_report.fallbacks == []
+    assert fused.fusion_report.rule_counts()["fuse_rnn_function"] == 1
