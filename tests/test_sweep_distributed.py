@@ -56,7 +56,7 @@ def test_two_workers_one_killed_nothing_lost_nothing_twice(spec_file: Path,  # n
     study = f"tiny-{uuid.uuid4().hex[:8]}"
     n_trials = 8
     args = ("--storage", postgres_url, "--study", study, "--trials", str(n_trials),
-            "--grace-period", "3", "--pruner", "none")
+            "--grace-period", "3", "--pruner", "none", "--epochs", "3")
     slow = _env(HFTC_TEST_SLOW="1.0")
     a = subprocess.Popen(_sweep_cmd(spec_file, tmp_path / "a", *args), cwd=ROOT, env=slow,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

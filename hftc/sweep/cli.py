@@ -98,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
     print(result.leaderboard)
     best = result.best_trial
     if best is not None:
-        print(f"\nbest: trial {best.number}, {result.study.study_name} "
-              f"{best.value:.6g} ({', '.join(f'{k}={v!r}' for k, v in best.params.items())})")
+        print(f"\nbest: trial {best.number}, {result.metric} {best.value:.6g} "
+              f"({', '.join(f'{k}={v!r}' for k, v in best.params.items())})")
     print(f"{result.wall_s:.1f} s; files: " + ", ".join(str(p) for p in result.files.values()))
     return 0

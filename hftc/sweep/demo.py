@@ -39,6 +39,8 @@ def run_demo(out: str | Path = "sweeps/demo-digits", *, n_trials: int | None = N
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / ".gitignore").write_text("# hftc sweep --demo output\n*\n")  # not for committing
     print(f"hftc sweep demo: {spec.n_trials} trials of a small CNN on scikit-learn's 8x8 digits "
           f"(1,437 train / 360 val images), {spec.epochs} epochs each, {spec.per_array} trials "
           f"per fused array, Optuna TPE sampler + median pruner, SQLite storage in {out}/")

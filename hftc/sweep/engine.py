@@ -116,6 +116,7 @@ class SweepResult:
     files: dict[str, Path]
     leaderboard: str
     timings: dict[str, float] = field(default_factory=dict)
+    metric: str = "value"
 
     @property
     def best_trial(self) -> optuna.trial.FrozenTrial | None:
@@ -784,7 +785,7 @@ class Sweep:
         if getattr(self, "_lock", None) is not None:
             self._lock.close()
         return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
-                           files, board, dict(self.timings))
+                           files, board, dict(self.timings), self.spec.metric_name)
 
     def _others_alive(self) -> bool:
         """Does another live worker use this folder? (Its lock is held.)"""

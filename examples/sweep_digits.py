@@ -1,0 +1,83 @@
+"""A sweep spec, as a user writes one: a CNN on scikit-learn's 8x8 digits, AdamW.
+
+    python -m hftc sweep examples/sweep_digits.py                 # 32 trials, 16 per array
+    python -m hftc sweep examples/sweep_digits.py --resume        # after Ctrl-C or a crash
+    python examples/sweep_digits.py                               # the same, from Python
+
+The search space mixes optimizer hyper-parameters (learning rate, weight decay,
+Adam's beta1), a regularizer inside the model (dropout p: one fused array
+trains models with different p) and an architectural choice (the width: models
+of different widths cannot be one fused module, so each array is split into one
+fused group per width by ``hftc.fuse_groups``). Nothing here knows about fusion.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+name = "digits-adamw"          # the study name (and the default folder: sweeps/digits-adamw)
+metric = "accuracy"            # or "loss", or a function (output, target) -> float
+direction = "maximize"
+epochs = 10
+batch_size = 32
+n_trials = 32
+per_array = 16
+pruner = "median"              # or "sha", "hyperband", "none", or an optuna pruner
+seed = 0
+
+
+class CNN(nn.Module):
+    def __init__(self, width: int, dropout: float):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.drop = nn.Dropout(dropout)
+        self.fc = nn.Linear(2 * width * 4 * 4, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.relu(self.conv2(x))
+        return self.fc(self.drop(torch.flatten(x, 1)))
+
+
+def space(trial):
+    """One trial's hyper-parameters (Optuna's define-by-run API); the dict goes to
+    model() and optimizer()."""
+    return {
+        "lr": trial.suggest_float("lr", 1e-4, 3e-2, log=True),
+        "weight_decay": trial.suggest_float("weight_decay", 1e-5, 1e-1, log=True),
+        "beta1": trial.suggest_float("beta1", 0.8, 0.95),
+        "dropout": trial.suggest_float("dropout", 0.0, 0.5),
+        "width": trial.suggest_categorical("width", [8, 16]),
+    }
+
+
+def model(params):
+    """Called under torch.manual_seed(the trial's seed)."""
+    return CNN(params["width"], params["dropout"])
+
+
+def optimizer(params, module):
+    """A stock optimizer; hftc fuses the N of an array into one hftc.optim.AdamW."""
+    return torch.optim.AdamW(module.parameters(), lr=params["lr"],
+                             weight_decay=params["weight_decay"],
+                             betas=(params["beta1"], 0.999))
+
+
+def data():
+    """((x_train, y_train), (x_val, y_val)) as tensors."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+
+
+if __name__ == "__main__":
+    import hftc.sweep
+
+    result = hftc.sweep.run(__file__)
+    print(result.leaderboard)
