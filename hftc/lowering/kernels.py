@@ -204,15 +204,13 @@ class _BatchedLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(x3: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        wt = weight.transpose(1, 2)
-        return torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        x3, weight, bias = inputs
+    def forward(ctx: Any, x3: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        # ctx in forward, not setup_context: with setup_context, Function.apply binds
+        # the arguments with inspect.signature on every call (~20 us per linear).
         ctx.save_for_backward(x3, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
+        wt = weight.transpose(1, 2)
+        return torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
