@@ -25,6 +25,20 @@ class Adam(FusedOptimizer):
     State per stacked parameter: ``step`` ``[N]`` (per-model step counts, on the
     CPU), ``exp_avg`` and ``exp_avg_sq`` ``[N, *shape]``, and ``max_exp_avg_sq``
     if some model uses amsgrad. Bias corrections use each model's own step.
+
+    ``fused=True`` takes torch's fused Adam kernel (one pass over each tensor, as
+    ``torch.optim.Adam(fused=True)``) instead of stock's default op-by-op update:
+
+    * models that share every hyper-parameter but the learning rate (a learning-rate
+      sweep) and their step count: one kernel call over the stacked tensors computes
+      the unit step ``-m_hat / (sqrt(v_hat) + eps)`` once into scratch space, and
+      ``p += lr_i * step`` applies it per model (within a rounding of the step of
+      stock ``Adam(fused=True)``; bit for bit when the learning rates are shared too);
+    * anything else: one kernel call per model over its slices, which is stock
+      ``Adam(fused=True)`` for that model bit for bit.
+
+    The default (``fused=None`` or ``False``) repeats stock's default update and
+    matches it bit for bit on the CPU.
     """
 
     _hyperparameters = {
@@ -34,12 +48,13 @@ class Adam(FusedOptimizer):
 
     def __init__(self, params, num_models: int | None = None, lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.0, amsgrad=False, *, maximize=False,
-                 decoupled_weight_decay=False):
+                 decoupled_weight_decay=False, fused: bool | None = None):
         super().__init__(params, num_models, {
             "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
             "amsgrad": amsgrad, "maximize": maximize,
             "decoupled_weight_decay": decoupled_weight_decay,
         })
+        self.defaults["fused"] = bool(fused)
 
     def _init_state(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
         state = self.state[p]
@@ -50,6 +65,14 @@ class Adam(FusedOptimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
+        if self.defaults.get("fused"):
+            # The fused kernel walks raw memory: every tensor it is given must be dense
+            # and laid out alike (stock relies on AccumulateGrad's layout contract too).
+            dense = [p for p in params if self._dense(p)]
+            self._update_fused(dense, hp)
+            params = [p for p in params if not self._dense(p)]
+            if not params:
+                return
         lr, wd, amsgrad = hp["lr"], hp["weight_decay"], hp["amsgrad"]
         beta1 = [b[0] for b in hp["betas"]]
         beta2 = [b[1] for b in hp["betas"]]
@@ -112,6 +135,68 @@ class Adam(FusedOptimizer):
             else:
                 p.addcdiv_(exp_avg, denom, value=neg_step_size)
 
+    # ------------------------------------------------------------------ fused=True
+
+    def _dense(self, p: Tensor) -> bool:
+        state = self.state[p]
+        tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")]
+        return all(t is None or t.is_contiguous() for t in tensors)
+
+    def _update_fused(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
+        n = self.num_models
+        shared = all(all(v == hp[k][0] for v in hp[k]) for k in hp if k != "lr")
+        for p in params:
+            state = self.state[p]
+            if any(hp["amsgrad"]) and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            steps = state["step"]
+            if shared and bool((steps == steps[0]).all()):
+                self._fused_all_models(p, hp)
+            else:
+                for i in range(n):
+                    self._fused_call([p[i]], [p.grad[i]], p, i, hp, lr=hp["lr"][i],
+                                     step=steps[i])
+
+    def _fused_call(self, targets: list[Tensor], grads: list[Tensor], p: Tensor, i: int | None,
+                    hp: dict[str, list[Any]], *, lr: float, step: Tensor,
+                    weight_decay: float | None = None, maximize: bool | None = None) -> None:
+        """torch's fused Adam(W) kernel on ``targets``, model ``i``'s (or the shared) settings."""
+        state, k = self.state[p], 0 if i is None else i
+        pick = (lambda t: [t]) if i is None else (lambda t: [t[i]])
+        decoupled = hp["decoupled_weight_decay"][k]
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        amsgrad = hp["amsgrad"][k]
+        kernel(
+            targets, grads, pick(state["exp_avg"]), pick(state["exp_avg_sq"]),
+            pick(state["max_exp_avg_sq"]) if amsgrad else [], [step],
+            amsgrad=amsgrad, lr=lr, beta1=hp["betas"][k][0], beta2=hp["betas"][k][1],
+            weight_decay=hp["weight_decay"][k] if weight_decay is None else weight_decay,
+            eps=hp["eps"][k], maximize=hp["maximize"][k] if maximize is None else maximize,
+        )
+
+    def _fused_all_models(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
+        """One kernel call for N models that differ at most in their learning rates."""
+        lr, step = hp["lr"], self.state[p]["step"][0]
+        if all(r == lr[0] for r in lr):
+            self._fused_call([p], [p.grad], p, None, hp, lr=lr[0], step=step)
+            return
+        # The update is linear in lr: compute the unit step (lr = 1) into scratch space,
+        # then p += lr_i * step per model.  Decays that read p are applied here, to p.
+        wd, maximize = hp["weight_decay"][0], hp["maximize"][0]
+        coef = _Coefficients({"lr": lr, "decay": [1 - r * wd for r in lr]})
+        grad = p.grad
+        if wd != 0 and hp["decoupled_weight_decay"][0]:
+            p.mul_(coef("decay", p))
+        elif wd != 0:
+            grad = torch.add(grad.neg() if maximize else grad, p, alpha=wd)
+            maximize = False
+        unit = self._scratch(p, 0).zero_()
+        self._fused_call([unit], [grad], p, None, hp, lr=1.0, step=step, weight_decay=0.0,
+                         maximize=maximize)
+        p.addcmul_(unit, coef("lr", p))
+
+
 class AdamW(Adam):
     """AdamW (decoupled weight decay) for N fused models: ``torch.optim.AdamW``'s arguments.
 
@@ -120,7 +205,8 @@ class AdamW(Adam):
     """
 
     def __init__(self, params, num_models: int | None = None, lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=1e-2, amsgrad=False, *, maximize=False):
+                 eps=1e-8, weight_decay=1e-2, amsgrad=False, *, maximize=False,
+                 fused: bool | None = None):
         super().__init__(params, num_models, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                         decoupled_weight_decay=True)
+                         decoupled_weight_decay=True, fused=fused)
