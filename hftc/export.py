@@ -66,6 +66,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .errors import FusionArgumentError, TraceError
+from .passes.registry import FusionGroup, GraphBuilder, register_rule
 from .trace import OutputSpec, _uniform_mode
 
 aten = torch.ops.aten
@@ -80,8 +81,9 @@ _KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
 def check_input_shape(x: Any, shape: tuple, name: str, offset: int = 0) -> None:
     """Raise unless ``x`` has the rank and the fixed sizes the model was exported with.
 
-    ``shape`` has an int for every dim export fixed and ``None`` for symbolic
-    ones; ``offset`` skips leading model dims (1 for an input stacked per model).
+    ``shape`` has an int for every dim export fixed, ``None`` for free symbolic
+    ones and ``(low, high)`` for bounded ones (``None`` for no bound); ``offset``
+    skips leading model dims (1 for an input stacked per model).
     """
     if not isinstance(x, torch.Tensor):
         raise FusionArgumentError(
@@ -89,8 +91,16 @@ def check_input_shape(x: Any, shape: tuple, name: str, offset: int = 0) -> None:
             f"fuse again with example_inputs of this kind"
         )
     got = tuple(x.shape[offset:])
-    if len(got) != len(shape) or any(s is not None and s != g for s, g in zip(shape, got)):
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+    def fits(want: Any, size: int) -> bool:
+        if isinstance(want, tuple):
+            return (want[0] is None or size >= want[0]) and (want[1] is None or size <= want[1])
+        return want is None or want == size
+
+    if len(got) != len(shape) or not all(fits(s, g) for s, g in zip(shape, got)):
+        want = "[" + ", ".join(
+            "*" if s is None else f"{s[0] or ''}..{s[1] or ''}" if isinstance(s, tuple)
+            else str(s) for s in shape) + "]"
         raise FusionArgumentError(
             f"input `{name}` has shape {list(got)}, but the models were exported (torch.export, "
             f"from example_inputs) with shape {want}: the sizes given as numbers were fixed by "
@@ -98,6 +108,13 @@ def check_input_shape(x: Any, shape: tuple, name: str, offset: int = 0) -> None:
             f"example inputs with a batch size of at least 2). Call with that shape, or fuse "
             f"again with example_inputs of the new shape."
         )
+
+
+@register_rule(("call_function", check_input_shape))
+def fuse_check_input_shape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """A stacked input's fixed sizes sit after its model dim."""
+    x, shape, name = group.args[:3]
+    return builder.call(check_input_shape, x, shape, name, offset=1, batched=False)
 
 
 def check_input_value(value: Any, expected: Any, name: str) -> None:
@@ -520,8 +537,7 @@ def normalize_exported(
         label = (names[top[1]] if top[0] == 0 else str(top[1])) + pytree.keystr(tuple(path[2:]))
         value = _emit_path(e, tops[top], path[2:]) if len(path) > 2 else tops[top]
         if isinstance(example, torch.Tensor):
-            val = node.meta.get("val")
-            shape = tuple(s if isinstance(s, int) else None for s in val.shape)
+            shape = _exported_shape(node.meta["val"], program.range_constraints)
             e.call(check_input_shape, value, shape, label)
             if device_ref is None:
                 device_ref, example_device = value, example.device
@@ -596,6 +612,29 @@ def normalize_exported(
     graph.lint()
     gm = fx.GraphModule(attrs, graph, class_name=type(model).__name__)
     return gm
+
+
+def _exported_shape(val: torch.Tensor, ranges: dict) -> tuple:
+    """Per dim: the int export fixed, ``None`` (any size), or ``(low, high)`` bounds the
+    model's code imposes (``if x.shape[0] > 100: raise``)."""
+    shape: list[Any] = []
+    for size in val.shape:
+        fixed = size if isinstance(size, int) else size.node.maybe_as_int()
+        if fixed is not None:
+            shape.append(int(fixed))
+            continue
+        bounds = ranges.get(size.node.expr)
+        low, high = _finite(getattr(bounds, "lower", None)), _finite(getattr(bounds, "upper", None))
+        low = low if low is not None and low > 2 else None
+        shape.append(None if low is None and high is None else (low, high))
+    return tuple(shape)
+
+
+def _finite(bound: Any) -> int | None:
+    try:
+        return int(bound) if bound is not None and bool(bound.is_finite) else None
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
 
 
 def _swap_device(value: Any, device: torch.device, make: Callable[[], fx.Node]) -> Any:

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .errors import TraceError
+from .errors import FusionError, TraceError
 
 #: ``node.meta`` key of the value model 0 computes at a node, on the meta device.
 EXAMPLE_VALUE = "example_value"
@@ -234,6 +234,8 @@ def annotate_example_values(
         with torch.no_grad():
             _Recorder(fx.GraphModule(template, copied), list(graph.nodes)).run(*_to_meta(args))
         return
+    except FusionError:  # a guard of the graph (hftc.export) rejected the inputs: say why
+        raise
     except Exception as exc:
         meta_error = exc
     real = copy.deepcopy(template)

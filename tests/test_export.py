@@ -1,0 +1,193 @@
+"""The torch.export front-end: models symbolic tracing rejects, fused through example_inputs.
+
+Checks the normalisation (the same rules fire as for the symbolic front-end),
+train/eval read at run time, a dynamic batch size, the guards on what export
+baked in, dataclass outputs, and the errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from equivalence import check_equivalence
+
+import hftc
+from hftc.errors import FusionArgumentError, TraceError
+
+N = 3
+
+
+class DataDependent(nn.Module):
+    """Python that symbolic tracing cannot follow: branches on rank and on a size."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.0)
+        self.fc = nn.Linear(4, 5)
+        self.register_buffer("offset", torch.randn(5))
+
+    def forward(self, x):
+        if x.dim() == 3:  # an unbatched image
+            x = x.unsqueeze(0)
+        h = F.relu(self.bn(self.conv(x)))
+        if h.shape[-1] > 2:
+            h = F.max_pool2d(h, 2)
+        h = self.drop(h.mean((2, 3)))
+        return self.fc(h) + self.offset
+
+
+def _export_fuser(example, **kwargs):
+    return lambda models, in_dims: hftc.fuse(models, in_dims=in_dims, example_inputs=example,
+                                             **kwargs)
+
+
+def test_symbolic_tracing_rejects_it_without_example_inputs():
+    with pytest.raises(TraceError, match=r"model 0 \(DataDependent\).*example_inputs"):
+        hftc.fuse([DataDependent() for _ in range(N)])
+
+
+def test_data_dependent_model_through_example_inputs():
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    models = [DataDependent() for _ in range(N)]
+    for train in (True, False):
+        fused = check_equivalence(models, x, train=train, steps=2, fuser=_export_fuser((x,)))
+        report = fused.fusion_report
+        assert report.fallbacks == [], str(report)
+        counts = report.rule_counts()
+        assert counts["fuse_conv_function"] == 1 and counts["fuse_batch_norm_function"] == 1
+    # the example's batch size is not baked in
+    fused = hftc.fuse([m.double() for m in models], example_inputs=(x,))
+    y = torch.randn(7, 3, 8, 8, dtype=torch.float64)
+    out = fused(y)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m.train()(y), rtol=1e-10, atol=1e-10)
+
+
+def test_train_eval_switch_reads_the_mode():
+    """Export bakes the mode into ops; the fused module keeps one graph per mode."""
+    models = [DataDependent().double() for _ in range(N)]
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    fused = hftc.fuse(models, example_inputs=(x,))
+    fused(x)  # train: batch statistics, running stats updated
+    for m in models:
+        m(x)
+    torch.testing.assert_close(fused.bn.running_mean[2], models[2].bn.running_mean)
+    fused.eval()
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m.eval()(x), rtol=1e-10, atol=1e-10)
+
+
+def test_export_front_end_matches_symbolic_rules_and_stacked_inputs():
+    """A traceable model through export: the same fusion rules fire as for symbolic tracing."""
+    model = lambda: nn.Sequential(  # noqa: E731
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 6),
+        nn.LayerNorm(6), nn.GELU())
+    models = [model() for _ in range(N)]
+    xs = torch.randn(N, 2, 3, 8, 8, dtype=torch.float64)
+    fused = check_equivalence(models, xs, in_dims=0,
+                              fuser=_export_fuser((xs,), frontend="export"))
+    names = set(fused.fusion_report.rule_counts())
+    assert {"fuse_conv_function", "fuse_batch_norm_function", "fuse_linear_function",
+            "fuse_layer_norm_function"} <= names
+    assert fused.fusion_report.fallbacks == []
+
+
+class FixedLength(nn.Module):
+    """A model whose code fixes the sequence length (a positional table of 6)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(6, 4))
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x, scale=1.0):
+        if x.shape[0] > 100:
+            raise ValueError("too big")
+        return self.fc(x + self.pos) * scale
+
+
+def test_guards_on_what_export_baked_in():
+    models = [FixedLength() for _ in range(N)]
+    x = torch.randn(3, 6, 4)
+    fused = hftc.fuse(models, example_inputs=(x, 2.0))
+    assert fused(torch.randn(5, 6, 4), 2.0).shape == (N, 5, 6, 2)  # batch size is free
+    with pytest.raises(FusionArgumentError, match=r"input `x` has shape \[5, 7, 4\].*\[\.\.100, 6, 4\]"):
+        fused(torch.randn(5, 7, 4), 2.0)
+    with pytest.raises(FusionArgumentError, match=r"input `scale` is 3.0.*with 2.0"):
+        fused(x, 3.0)
+    with pytest.raises(FusionArgumentError, match=r"\[101, 6, 4\].*\[\.\.100, 6, 4\]"):
+        fused(torch.randn(101, 6, 4), 2.0)  # the model's own `if` bounds the batch
+
+
+def test_batch_of_one_is_specialised_and_says_so():
+    models = [FixedLength() for _ in range(N)]
+    fused = hftc.fuse(models, example_inputs=(torch.randn(1, 6, 4),))
+    with pytest.raises(FusionArgumentError, match="batch size of at least 2"):
+        fused(torch.randn(4, 6, 4))
+
+
+def test_export_error_names_the_model():
+    with pytest.raises(TraceError, match=r"model 0 \(DataDependent\) cannot be traced by "
+                                         r"torch.export"):
+        hftc.fuse([DataDependent() for _ in range(N)], example_inputs=(torch.randn(2, 5),))
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    features: torch.Tensor
+    note: str = "out"
+
+
+# The harness (and torch.export) walk outputs with pytree: tell it about the dataclass.
+torch.utils._pytree.register_dataclass(Out)
+
+
+class WithDataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return Out(logits=self.fc(x), features=x * 2)
+
+
+class WithDataclassUntraceable(WithDataclass):
+    def forward(self, x):
+        if x.dim() == 1:
+            x = x.unsqueeze(0)
+        return Out(self.fc(x), x * 2)
+
+
+class ValueDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        if x.sum() > 0:  # on values: neither front-end can trace it
+            x = -x
+        return self.fc(x)
+
+
+def test_value_dependent_python_says_what_to_do():
+    with pytest.raises(TraceError, match=r"model 0 \(ValueDependent\).*torch.cond"):
+        hftc.fuse([ValueDependent() for _ in range(N)], example_inputs=(torch.randn(2, 3),))
+
+
+@pytest.mark.parametrize("cls", [WithDataclass, WithDataclassUntraceable])
+def test_dataclass_outputs_keep_their_type(cls):
+    x = torch.randn(4, 3)
+    fused = check_equivalence([cls() for _ in range(N)], x,
+                              fuser=_export_fuser((x.double(),)))
+    out = fused(x.double())
+    assert isinstance(out, Out)
+    assert out.logits.shape == (N, 4, 2) and out.features.shape == (N, 4, 3)
+    assert out.note == "out"
