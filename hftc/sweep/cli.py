@@ -95,6 +95,9 @@ def main(args: argparse.Namespace) -> int:
         print("hftc sweep: interrupted; rerun the same command with --resume to continue",
               file=sys.stderr)
         return 130
+    if result.trial_epochs == 0:
+        print(f"nothing to train: study {result.study.study_name!r} already has its trials "
+              f"(raise --trials to run more); results written again\n")
     print(result.leaderboard)
     best = result.best_trial
     if best is not None:

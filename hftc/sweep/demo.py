@@ -31,10 +31,19 @@ def run_demo(out: str | Path = "sweeps/demo-digits", *, n_trials: int | None = N
              progress: bool | None = None) -> dict:
     """Run the demo sweep in ``out`` (wiped first: the demo always starts afresh) and
     print the leaderboard, the best accuracy and the measured speedup. Returns the numbers."""
+    before = torch.get_num_threads()
     if threads:
         # Small kernels on a shared 2-core machine: one intra-op thread per process is
         # both faster and steadier (the serial baseline gets the same).
         torch.set_num_threads(threads)
+    try:
+        return _run_demo(out, n_trials, per_array, epochs, serial_trials, serial_epochs,
+                         progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_demo(out, n_trials, per_array, epochs, serial_trials, serial_epochs, progress) -> dict:
     spec = load_spec(digits).replace(n_trials=n_trials, per_array=per_array, epochs=epochs)
     out = Path(out)
     if out.exists():
