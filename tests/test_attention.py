@@ -195,6 +195,8 @@ def test_encoder_language_model(norm_first, batch_first):
 
 
 class Seq2Seq(nn.Module):
+    """An encoder-decoder nn.Transformer over padded sources with a causal target mask."""
+
     def __init__(self, norm_first=False):
         super().__init__()
         self.src_embed = nn.Linear(4, E)

@@ -151,6 +151,8 @@ torch.utils._pytree.register_dataclass(Out)
 
 
 class WithDataclass(nn.Module):
+    """A model returning a dataclass."""
+
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(3, 2)

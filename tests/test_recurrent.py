@@ -19,6 +19,8 @@ T, B, IN, H = 4, 2, 3, 5
 
 
 class Recurrent(nn.Module):
+    """One LSTM/GRU/RNN, initial states given or not, states returned."""
+
     def __init__(self, cls, with_state: bool, **kwargs):
         super().__init__()
         self.rnn = cls(IN, H, **kwargs)
@@ -88,6 +90,8 @@ def test_dropout_between_layers():
 
 
 class Cells(nn.Module):
+    """LSTMCell, GRUCell and RNNCell unrolled over time."""
+
     def __init__(self):
         super().__init__()
         self.lstm = nn.LSTMCell(IN, H)
@@ -115,6 +119,8 @@ def test_cells():
 
 
 class LSTMClassifier(nn.Module):
+    """An embedding, a 2-layer bidirectional LSTM (or GRU) and a linear head."""
+
     def __init__(self, vocab=20, classes=4, cls=nn.LSTM):
         super().__init__()
         self.embed = nn.Embedding(vocab, 6)

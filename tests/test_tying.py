@@ -17,6 +17,8 @@ V, D = 11, 6
 
 
 class TiedLM(nn.Module):
+    """A language model whose output projection is the embedding table (tied)."""
+
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(V, D)
