@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -210,7 +211,9 @@ def _max_epoch_in_manifests(out: Path) -> int:
 
 def test_resume_after_sigkill_loses_and_repeats_nothing(spec_file: Path, tmp_path: Path, capsys):
     out = tmp_path / "out"
-    proc = subprocess.Popen(_sweep_cmd(spec_file, out), cwd=ROOT, env=_env(HFTC_TEST_SLOW="0.3"),
+    # 9 trials, 3 at a time: when the first trial reaches epoch 2 there is work left.
+    proc = subprocess.Popen(_sweep_cmd(spec_file, out, "--trials", "9"), cwd=ROOT,
+                            env=_env(HFTC_TEST_SLOW="0.3"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(lambda: _max_epoch_in_manifests(out) >= 2, 120, proc)
@@ -223,15 +226,16 @@ def test_resume_after_sigkill_loses_and_repeats_nothing(spec_file: Path, tmp_pat
     assert running, "the sweep was killed with no trial running"
 
     # Without --resume: an error that says what to do. (In this process: it is faster.)
-    assert main(_sweep_cmd(spec_file, out)[3:]) == 2
+    assert main(_sweep_cmd(spec_file, out, "--trials", "9")[3:]) == 2
     assert "--resume" in capsys.readouterr().err
 
-    assert main(_sweep_cmd(spec_file, out, "--resume", "-v")[3:]) == 0
-    assert "resumed" in capsys.readouterr().out
+    assert main(_sweep_cmd(spec_file, out, "--trials", "9", "--resume", "-v")[3:]) == 0
+    log = capsys.readouterr().out
+    assert re.search(r"resumed \d+ trial\(s\): .*@epoch [1-9]", log), log  # from checkpoints
 
     study = optuna.load_study(study_name="tiny", storage=storage)
     trials = study.trials
-    assert len(trials) == 6, [(t.number, t.state) for t in trials]
+    assert len(trials) == 9, [(t.number, t.state) for t in trials]
     assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
     assert running <= {t.number for t in trials}  # re-attached under their own numbers
     spec = hs.load_spec(spec_file)
@@ -243,7 +247,7 @@ def test_resume_after_sigkill_loses_and_repeats_nothing(spec_file: Path, tmp_pat
         fused = [t.intermediate_values[s] for s in steps]
         alone = retrain_alone(spec, t)
         assert max(abs(a - b) for a, b in zip(alone, fused)) <= 1e-9, t.number
-    assert len({tuple(sorted(t.params.items())) for t in trials}) == 6  # nothing ran twice
+    assert len({tuple(sorted(t.params.items())) for t in trials}) == 9  # nothing ran twice
 
 
 def test_spec_errors_say_what_is_missing(tmp_path: Path, capsys):
