@@ -53,6 +53,9 @@ def config_from_args(args: argparse.Namespace):
         for search in cfg.max_n:
             search["cap_mib"] = args.mem_cap
     cfg.threads = args.threads
+    cfg.adam = args.adam
+    if args.adam != "default":
+        cfg.name += f"-adam-{args.adam}"
     return cfg
 
 

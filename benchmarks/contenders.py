@@ -80,12 +80,17 @@ def _named(module: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
 
 
 def build_step(contender: str, workload: str | Workload, n: int, *, seed: int = 0,
-               model_index: int | None = None) -> Step:
+               model_index: int | None = None, adam: str = "default") -> Step:
     """Build contender ``contender`` for N models of ``workload``.
 
     ``model_index``: for one process of the concurrent contender, build only model
     ``model_index`` of the N (with its learning rate), as the serial contender would.
+    ``adam``: ``"default"`` (every optimizer as constructed with its defaults: on the
+    CPU stock Adam is the op-by-op loop, hftc's repeats it bit for bit) or ``"fused"``
+    (``fused=True`` for stock and hftc Adam; the hand-fused reference keeps HFTA's).
     """
+    if adam not in ("default", "fused"):
+        raise ValueError(f"adam must be 'default' or 'fused', got {adam!r}")
     w = WORKLOADS[workload] if isinstance(workload, str) else workload
     lrs = learning_rates(n)
     x, y = w.inputs()
@@ -93,11 +98,11 @@ def build_step(contender: str, workload: str | Workload, n: int, *, seed: int = 
     if model_index is not None:
         models, lrs = [models[model_index]], [lrs[model_index]]
     builder = _BUILDERS[contender]
-    return builder(w, models, lrs, x, y)
+    return builder(w, models, lrs, x, y, {"fused": True} if adam == "fused" else {})
 
 
-def _serial(w: Workload, models, lrs, x, y) -> Step:
-    opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(models, lrs)]
+def _serial(w: Workload, models, lrs, x, y, adam_kwargs) -> Step:
+    opts = [torch.optim.Adam(m.parameters(), lr=lr, **adam_kwargs) for m, lr in zip(models, lrs)]
 
     def step():
         for m, opt in zip(models, opts):
@@ -108,7 +113,7 @@ def _serial(w: Workload, models, lrs, x, y) -> Step:
     return Step(step, len(models), _stacked(models))
 
 
-def _torch_func(w: Workload, models, lrs, x, y) -> Step:
+def _torch_func(w: Workload, models, lrs, x, y, adam_kwargs) -> Step:
     from torch.func import functional_call, grad, stack_module_state, vmap
 
     params, buffers = stack_module_state(models)
@@ -118,7 +123,7 @@ def _torch_func(w: Workload, models, lrs, x, y) -> Step:
         return w.loss(functional_call(base, (p, b), (xi,)), yi)
 
     grads_of = vmap(grad(loss_of), in_dims=(0, 0, None, None), randomness="different")
-    opt = torch.optim.Adam(params.values(), lr=lrs[0])
+    opt = torch.optim.Adam(params.values(), lr=lrs[0], **adam_kwargs)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -131,7 +136,7 @@ def _torch_func(w: Workload, models, lrs, x, y) -> Step:
                 {"note": "one learning rate for all models"})
 
 
-def _hand_fused(w: Workload, models, lrs, x, y) -> Step:
+def _hand_fused(w: Workload, models, lrs, x, y, adam_kwargs) -> Step:
     from .handfused import HandFusedAdam, hand_fuse, hand_fused_loss
 
     fused = hand_fuse(w.name, models)
@@ -145,11 +150,11 @@ def _hand_fused(w: Workload, models, lrs, x, y) -> Step:
     return Step(step, len(models), _named(fused))
 
 
-def _hftc(w: Workload, models, lrs, x, y, *, compile: bool = False) -> Step:
+def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, *, compile: bool = False) -> Step:
     import hftc
 
     fused = hftc.fuse(models)
-    opt = hftc.optim.Adam(fused.parameters(), lr=lrs)
+    opt = hftc.optim.Adam(fused.parameters(), lr=lrs, **adam_kwargs)
     per_model_loss = hftc.per_model(w.loss_fn)
 
     def forward_loss(x, y):

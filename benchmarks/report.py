@@ -81,7 +81,8 @@ def markdown(result: dict) -> str:
         f"Run `{result['config']['name']}` of {result['started']}, "
         f"{result.get('wall_s', 0) / 60:.1f} min: {m['cpu']}, {m['cores']} cores, "
         f"{(m.get('memory_gib') or 0):.0f} GiB, Python {m['python']}, torch {m['torch']}, "
-        f"hftc at `{m['git_commit']}`; {result['threads']} intra-op thread per process. "
+        f"hftc at `{m['git_commit']}`; {result['threads']} intra-op thread per process; "
+        f"Adam: {result['config'].get('adam', 'default')}. "
         f"Load average (1, 5, 15 min) at the start "
         f"{', '.join(f'{v:.1f}' for v in result['load_start'])}, at the end "
         f"{', '.join(f'{v:.1f}' for v in result.get('load_end', []))}.",

@@ -112,7 +112,8 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
             fn, info = _matmul_step(), {}
         else:
             step = build_step(spec["contender"], spec["workload"], spec["n"],
-                              model_index=spec.get("model_index"))
+                              model_index=spec.get("model_index"),
+                              adam=spec.get("adam", "default"))
             fn, info = step.fn, step.info
         build_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -237,9 +238,11 @@ class ContenderRun:
 class Contender:
     """A contender's worker(s): one, or N for the concurrent contender."""
 
-    def __init__(self, name: str, workload: str, n: int, *, threads: int, warmup: int):
+    def __init__(self, name: str, workload: str, n: int, *, threads: int, warmup: int,
+                 adam: str = "default"):
         self.run = ContenderRun(name)
-        base = {"workload": workload, "n": n, "threads": threads, "warmup": warmup}
+        base = {"workload": workload, "n": n, "threads": threads, "warmup": warmup,
+                "adam": adam}
         if name == "concurrent":
             specs = [dict(base, contender="serial", model_index=i) for i in range(n)]
         else:
@@ -298,13 +301,13 @@ class Contender:
 
 def run_config(workload: str, n: int, contenders: Sequence[str], *, rounds: int,
                threads: int = 1, warmup: int = 2, min_sample_s: float = 0.05,
-               log=print) -> dict[str, ContenderRun]:
+               adam: str = "default", log=print) -> dict[str, ContenderRun]:
     """Time every contender on N models of ``workload``, interleaved round by round."""
     live: list[Contender] = []
     results: dict[str, ContenderRun] = {}
     try:
         for name in contenders:
-            c = Contender(name, workload, n, threads=threads, warmup=warmup)
+            c = Contender(name, workload, n, threads=threads, warmup=warmup, adam=adam)
             results[name] = c.run
             if c.ok:
                 c.calibrate(min_sample_s)
@@ -342,11 +345,11 @@ def matmul_worker(threads: int) -> Worker:
     return w
 
 
-def fits(workload: str, contender: str, n: int, cap_mib: float, threads: int = 1
-         ) -> tuple[bool, float | None, str]:
+def fits(workload: str, contender: str, n: int, cap_mib: float, threads: int = 1,
+         adam: str = "default") -> tuple[bool, float | None, str]:
     """Does one training step of N models stay within ``cap_mib`` above a bare process?"""
     w = Worker({"workload": workload, "n": n, "threads": threads, "warmup": 1,
-                "contender": contender, "cap_mib": cap_mib})
+                "contender": contender, "cap_mib": cap_mib, "adam": adam})
     try:
         w.wait_ready()
         w.send(("mem", None))
@@ -359,12 +362,12 @@ def fits(workload: str, contender: str, n: int, cap_mib: float, threads: int = 1
 
 
 def largest_n(workload: str, contender: str, cap_mib: float, *, threads: int = 1,
-              limit: int = 4096, log=print) -> dict[str, Any]:
+              limit: int = 4096, adam: str = "default", log=print) -> dict[str, Any]:
     """HFTA's search for the largest N that fits: double N until it fails, then bisect."""
     probes: list[dict[str, Any]] = []
 
     def probe(n: int) -> bool:
-        ok, peak, why = fits(workload, contender, n, cap_mib, threads)
+        ok, peak, why = fits(workload, contender, n, cap_mib, threads, adam)
         probes.append({"n": n, "fits": ok, "peak_mib": peak, "why": why})
         log(f"    N={n:<5} {'fits' if ok else 'does not fit'}"
             + (f" ({peak:.0f} MiB)" if peak is not None else f" ({why})"))

@@ -40,6 +40,7 @@ class SuiteConfig:
     rounds: dict[str, int]
     compile_sizes: dict[str, list[int]] = field(default_factory=dict)
     threads: int = 1
+    adam: str = "default"              # "fused": fused=True for stock and hftc Adam
     min_sample_s: float = 0.05
     max_n: list[dict[str, Any]] = field(default_factory=list)  # {workload, contender, cap_mib}
     name: str = "full"
@@ -140,6 +141,7 @@ def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[s
 
     log(f"hftc bench ({cfg.name}): {result['machine']['cpu']}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {cfg.threads} intra-op thread(s) per process, "
+        f"Adam: {cfg.adam}, "
         f"load {', '.join(f'{v:.1f}' for v in result['load_start'])}")
     peak_worker = runner.matmul_worker(cfg.threads)
     try:
@@ -158,7 +160,7 @@ def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[s
                               if c != "hftc+compile" or n in cfg.compile_sizes.get(name, [])]
                 runs = runner.run_config(name, n, contenders, rounds=cfg.rounds[name],
                                          threads=cfg.threads, min_sample_s=cfg.min_sample_s,
-                                         log=log)
+                                         adam=cfg.adam, log=log)
                 entry["configs"].append({"n": n, "load": _load(),
                                          "contenders": {k: asdict(v) for k, v in runs.items()}})
                 log(_config_line(name, n, w.batch, runs))
@@ -167,7 +169,7 @@ def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[s
             log(f"\nlargest N of {search['workload']} ({search['contender']}) within "
                 f"{search['cap_mib']} MiB:")
             found = runner.largest_n(search["workload"], search["contender"], search["cap_mib"],
-                                     threads=cfg.threads, log=log)
+                                     threads=cfg.threads, adam=cfg.adam, log=log)
             result["max_n"].append(found)
             log(f"    -> N = {found['largest_n']}")
             save()

@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=0, help="timed rounds (default: per workload)")
     p.add_argument("--threads", type=int, default=1,
                    help="intra-op threads per process (default 1)")
+    p.add_argument("--adam", choices=["default", "fused"], default="default",
+                   help="Adam as constructed by default, or fused=True for stock and hftc")
     p.add_argument("--compile-sizes", default=None,
                    help="values of N that also run hftc+compile ('' for none)")
     p.add_argument("--max-n", default=None, metavar="WORKLOAD:CONTENDER[,...]",
