@@ -38,8 +38,28 @@ def fold_channels(x: Tensor, has_batch_dim: bool) -> Tensor:
     groups sees each model's channels as its own groups.
     """
     if has_batch_dim:
-        return x.movedim(0, 1).flatten(1, 2)
-    return x.flatten(0, 1)
+        return _canonical_strides(x.movedim(0, 1).flatten(1, 2))
+    return _canonical_strides(x.flatten(0, 1))
+
+
+def _canonical_strides(x: Tensor) -> Tensor:
+    """A contiguous tensor whose size-1 dims carry odd strides, restrided canonically.
+
+    Such a tensor (``[1, 4, 1]`` with strides ``(4, 1, 2)``, from a transpose) also
+    looks channels-last to ATen, whose CPU convolution then picks a channels-last
+    gradient buffer and fails ("slow_conv2d: grad_weight must be contiguous").
+    The memory is the same; only the strides of size-1 dims change.
+    """
+    if not x.is_contiguous():
+        return x
+    canonical, step = [], 1
+    for size in reversed(x.shape):
+        canonical.append(step)
+        step *= size
+    canonical.reverse()
+    if list(x.stride()) == canonical:
+        return x
+    return x.as_strided(x.shape, canonical)
 
 
 def unfold_channels(y: Tensor, n: int, has_batch_dim: bool) -> Tensor:

@@ -1,0 +1,25 @@
+"""Every failure the fuzzer found, kept as a regression test (see tests/test_fuzz.py)."""
+
+from __future__ import annotations
+
+import pytest
+from test_fuzz import check_spec
+
+REGRESSIONS = [
+    # A conv1d after a transpose with T == 1: the folded input was contiguous with odd
+    # size-1 strides, which ATen took for channels-last and whose CPU conv backward failed
+    # ("slow_conv2d: grad_weight must be contiguous").  Fixed by restriding canonically.
+    ({"family": "sequence", "input": (1, 1, 2),
+      "layers": [("seq_residual", 2), ("conv1d", 2, 3)], "head": ("seq", 2, 1, "mean")},
+     2, False, False),
+    # Norms of a single value: torch itself refuses them; the generator now avoids them,
+    # and the fused module must run what the originals run around them.
+    ({"family": "image", "input": (1, 2, 4, 4),
+      "layers": [("conv", 2, 1, 1, 2, 0, 1, "zeros", False), ("pool", "max")],
+      "head": ("view", 1, 2, 1, "relu")}, 1, False, False),
+]
+
+
+@pytest.mark.parametrize(("spec", "n", "stacked", "train"), REGRESSIONS)
+def test_fuzz_regression(spec, n, stacked, train):
+    check_spec(spec, n, stacked, train, seed=0)
