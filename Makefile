@@ -31,7 +31,10 @@ lint: install
 
 # The long fuzzing profile: HFTC_FUZZ_EXAMPLES random architectures (default 5000).
 fuzz: install
-	HFTC_FUZZ_PROFILE=fuzz $(PY) -m pytest -q -x tests/test_fuzz.py
+	rm -f fuzz.log
+	HFTC_FUZZ_PROFILE=fuzz HFTC_FUZZ_LOG=fuzz.log $(PY) -m pytest -q -x tests/test_fuzz.py \
+		--hypothesis-show-statistics
+	@echo "examples checked: $$(wc -l < fuzz.log)"
 
 bench: install
 	$(PY) -m hftc bench

@@ -27,6 +27,10 @@ PROFILE = os.environ.get("HFTC_FUZZ_PROFILE", "ci")
 
 
 def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int) -> None:
+    log = os.environ.get("HFTC_FUZZ_LOG")  # make fuzz counts the examples it checked
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{spec['family']} n={n} stacked={stacked} train={train}\n")
     torch.manual_seed(seed)
     models = [FuzzNet(spec) for _ in range(n)]
     shape = ((n,) if stacked else ()) + tuple(spec["input"])
