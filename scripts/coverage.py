@@ -51,6 +51,7 @@ def _spelling(op: str, target: object) -> str:
 
 
 def operator_table() -> list[str]:
+    import hftc.export  # noqa: F401  (registers its guard rule, as a fused export does)
     from hftc.passes import RULES
 
     groups: dict[str, list[str]] = defaultdict(list)

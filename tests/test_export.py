@@ -7,6 +7,7 @@ baked in, dataclass outputs, and the errors.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -53,35 +54,28 @@ def test_symbolic_tracing_rejects_it_without_example_inputs():
 
 
 def test_data_dependent_model_through_example_inputs():
+    """Train and eval (export bakes the mode into ops: one graph per mode, picked at run
+    time), two SGD steps, then another batch size through the same graphs."""
     x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
-    models = [DataDependent() for _ in range(N)]
+    models = [DataDependent().double() for _ in range(N)]
+    fused = hftc.fuse(models, example_inputs=(x,))
     for train in (True, False):
-        fused = check_equivalence(models, x, train=train, steps=2, fuser=_export_fuser((x,)))
-        report = fused.fusion_report
+        checked = check_equivalence(models, x, train=train, steps=2,
+                                    fused=copy.deepcopy(fused))
+        report = checked.fusion_report
         assert report.fallbacks == [], str(report)
         counts = report.rule_counts()
         assert counts["fuse_conv_function"] == 1 and counts["fuse_batch_norm_function"] == 1
     # the example's batch size is not baked in
-    fused = hftc.fuse([m.double() for m in models], example_inputs=(x,))
     y = torch.randn(7, 3, 8, 8, dtype=torch.float64)
     out = fused(y)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m.train()(y), rtol=1e-10, atol=1e-10)
-
-
-def test_train_eval_switch_reads_the_mode():
-    """Export bakes the mode into ops; the fused module keeps one graph per mode."""
-    models = [DataDependent().double() for _ in range(N)]
-    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
-    fused = hftc.fuse(models, example_inputs=(x,))
-    fused(x)  # train: batch statistics, running stats updated
-    for m in models:
-        m(x)
     torch.testing.assert_close(fused.bn.running_mean[2], models[2].bn.running_mean)
     fused.eval()
-    out = fused(x)
+    out = fused(y)
     for i, m in enumerate(models):
-        torch.testing.assert_close(out[i], m.eval()(x), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(out[i], m.eval()(y), rtol=1e-10, atol=1e-10)
 
 
 def test_export_front_end_matches_symbolic_rules_and_stacked_inputs():

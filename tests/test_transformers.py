@@ -32,7 +32,7 @@ def _batch(vocab=50, batch=3, length=7):
 
 def test_bert_sequence_classifier():
     config = transformers.BertConfig(
-        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, num_labels=3)
     models = [transformers.BertForSequenceClassification(config) for _ in range(N)]
@@ -54,7 +54,7 @@ def test_bert_sequence_classifier():
 
 def test_gpt2_language_model():
     config = transformers.GPT2Config(
-        vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
+        vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     models = [transformers.GPT2LMHeadModel(config) for _ in range(N)]
     assert models[0].lm_head.weight is models[0].transformer.wte.weight  # tied
