@@ -182,9 +182,21 @@ def make_storage(url: str, heartbeat_interval: int = 30,
     else:
         engine_kwargs = {"pool_pre_ping": True}
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+        for attempt in range(4):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs,
+                                                         **kwargs)
+                break
+            except ImportError:
+                raise
+            except Exception:
+                # Workers started together on a fresh database race to create its tables;
+                # the losers find them made a moment later.
+                if attempt == 3:
+                    raise
+                time.sleep(0.5 + attempt)
     except ImportError as exc:
         missing = getattr(exc.__cause__, "name", None) or exc.name or "its database driver"
         raise SweepError(
@@ -466,9 +478,15 @@ class Sweep:
         return self.spec.seed + trial.number
 
     def _new_run(self, trial: optuna.Trial) -> _Run:
+        # The seed is recorded before the space is sampled: a worker that dies in between
+        # leaves a trial whose retry (which copies user attributes) keeps the seed.
+        seed = self._seed(trial, {})
+        if "hftc_seed" not in trial.user_attrs:
+            trial.set_user_attr("hftc_seed", seed)
         params = self._params(trial)
-        seed = self._seed(trial, params)
-        trial.set_user_attr("hftc_seed", seed)
+        if "seed" in params and int(params["seed"]) != seed:
+            seed = int(params["seed"])
+            trial.set_user_attr("hftc_seed", seed)
         module = build_model(self.spec, params, seed)
         optimizer = self.spec.optimizer(params, module)
         return _Run(trial, params, seed, module, optimizer)
