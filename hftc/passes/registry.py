@@ -112,9 +112,10 @@ def spellings(name: str, *, torch_fn: bool = True, method: bool = True,
               functional: bool = True, inplace: bool = False) -> list[tuple[str, Any]]:
     """Every way user code calls one op: ``torch.relu``, ``F.relu``, ``x.relu()``, ``x.relu_()``."""
     keys: list[tuple[str, Any]] = []
-    if torch_fn and hasattr(torch, name):
+    # torch.float, torch.long ... are dtypes, not functions: only the method spelling exists.
+    if torch_fn and callable(getattr(torch, name, None)):
         keys.append(("call_function", getattr(torch, name)))
-    if functional and hasattr(torch.nn.functional, name):
+    if functional and callable(getattr(torch.nn.functional, name, None)):
         keys.append(("call_function", getattr(torch.nn.functional, name)))
     if method and hasattr(torch.Tensor, name):
         keys.append(("call_method", name))
