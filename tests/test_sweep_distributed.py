@@ -54,10 +54,10 @@ def _trials(url: str, study: str):
 def test_two_workers_one_killed_nothing_lost_nothing_twice(spec_file: Path,  # noqa: F811
                                                            tmp_path: Path, postgres_url: str):
     study = f"tiny-{uuid.uuid4().hex[:8]}"
-    n_trials = 10
+    n_trials = 8
     args = ("--storage", postgres_url, "--study", study, "--trials", str(n_trials),
             "--grace-period", "3", "--pruner", "none", "--epochs", "3")
-    slow = _env(HFTC_TEST_SLOW="1.0")
+    slow = _env(HFTC_TEST_SLOW="0.5")
     # Both start together (under load, a worker that starts late may find no work left).
     a, b = (subprocess.Popen(_sweep_cmd(spec_file, tmp_path / name, *args), cwd=ROOT, env=slow,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
