@@ -301,37 +301,32 @@ def batch_norm(
     Mirrors ``nn.modules.batchnorm._BatchNorm.forward``.  The running stats are
     views of the stacked ``[N, C]`` buffers, so ATen's in-place update writes each
     model's own slice.  ``momentum=None`` (cumulative average) uses each model's
-    ``num_batches_tracked``; when those differ across models the update is done here.
+    ``num_batches_tracked``; when those differ across models (models loaded from
+    different checkpoints) each model's factor differs, which one ATen call cannot
+    take: :func:`hftc.lowering.per_model.batch_norm` does it.
     """
     n = x.shape[0]
     eaf = 0.0 if momentum is None else momentum
-    manual_update = False
     if training and track_running_stats and num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
         if momentum is None:
             counts = num_batches_tracked
-            if bool((counts == counts[0]).all()):
-                eaf = 1.0 / float(counts[0])
-            else:
-                manual_update = True
+            if not bool((counts == counts[0]).all()):
+                from . import per_model  # per_model builds on this module
+
+                return per_model.batch_norm(
+                    x, running_mean, running_var, weight, bias, num_batches_tracked, training,
+                    momentum=[None] * n, eps=[eps] * n, track_running_stats=True,
+                )
+            eaf = 1.0 / float(counts[0] + 1)
+        num_batches_tracked.add_(1)
     bn_training = training or (running_mean is None and running_var is None)
     use_stats = not training or track_running_stats
-    xf = fold_channels(x, has_batch_dim=True)
-    rm = _channel_view(running_mean) if use_stats else None
-    rv = _channel_view(running_var) if use_stats else None
-    if manual_update and bn_training:
-        y = F.batch_norm(xf, None, None, _channel_view(weight), _channel_view(bias), True, 0.0, eps)
-        with torch.no_grad():
-            dims = [d for d in range(xf.dim()) if d != 1]
-            mean = xf.mean(dims)
-            var = xf.var(dims, unbiased=True)
-            factor = (1.0 / num_batches_tracked.to(mean.dtype)).repeat_interleave(xf.shape[1] // n)
-            rm.mul_(1 - factor).add_(factor * mean)
-            rv.mul_(1 - factor).add_(factor * var)
-    else:
-        y = F.batch_norm(
-            xf, rm, rv, _channel_view(weight), _channel_view(bias), bn_training, eaf, eps
-        )
+    y = F.batch_norm(
+        fold_channels(x, has_batch_dim=True),
+        _channel_view(running_mean) if use_stats else None,
+        _channel_view(running_var) if use_stats else None,
+        _channel_view(weight), _channel_view(bias), bn_training, eaf, eps,
+    )
     return unfold_channels(y, n, has_batch_dim=True)
 
 
