@@ -513,9 +513,10 @@ class Sweep:
                 raise
             self.live.append(run)
             came = True
-            self.log(f"trial {trial.number} started: {run.params}")
-        if came:
+            # At once, not after the last ask: asking can take a while (the sampler), and a
+            # trial in the manifest is re-attached by --resume instead of failed and retried.
             self._write_manifest()
+            self.log(f"trial {trial.number} started: {run.params}")
         return came
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
