@@ -315,3 +315,17 @@ def test_demo_runs_small(tmp_path: Path, capsys):
     assert "rank" in text and "best: trial" in text and "speedup" in text and "estimate" in text
     assert numbers["trial_epochs"] == 4 and numbers["speedup"] > 0
     assert 0 < numbers["best_value"] <= 1
+
+
+def test_data_may_be_datasets(spec_file: Path):
+    """(train_dataset, val_dataset) of (x, y) pairs is read once into the same tensors."""
+    from torch.utils.data import TensorDataset
+
+    spec = hs.load_spec(spec_file)
+    (xt, yt), (xv, yv) = spec.data()
+    as_datasets = spec.replace(data=lambda: (TensorDataset(xt, yt), TensorDataset(xv, yv)))
+    a, b = SweepData.from_spec(spec), SweepData.from_spec(as_datasets)
+    assert torch.equal(a.x_train[0], b.x_train[0]) and torch.equal(a.y_train, b.y_train)
+    assert torch.equal(a.x_val[0], b.x_val[0]) and torch.equal(a.y_val, b.y_val)
+    with pytest.raises(hs.SpecError, match="must be a pair"):
+        SweepData.from_spec(spec.replace(data=lambda: ((xt, yt, yt), (xv, yv))))

@@ -60,7 +60,9 @@ class SweepSpec:
             to use ``trial.params``.
         model: ``model(params) -> nn.Module``, called under ``torch.manual_seed(seed)``.
         data: ``data() -> ((x_train, y_train), (x_val, y_val))``: tensors (``x`` may
-            be a tuple of tensors for a multi-input model), called once per worker.
+            be a tuple of tensors for a multi-input model), or ``(train_dataset,
+            val_dataset)``, map-style Datasets of ``(x, y)`` read once into memory;
+            called once per worker.
 
     Optional:
         optimizer: ``optimizer(params, model) -> torch.optim.Optimizer``: a *stock*

@@ -51,10 +51,26 @@ class SweepData:
         return cls(xt, yt, xv, yv)
 
 
+def _materialize(dataset: Any, name: str) -> tuple[Any, Tensor]:
+    """A map-style Dataset of (x, y) samples, read once into stacked tensors."""
+    from torch.utils.data import default_collate
+
+    if len(dataset) == 0:
+        raise SpecError(f"spec.data(): the {name} dataset is empty")
+    samples = [dataset[i] for i in range(len(dataset))]
+    if not all(isinstance(s, (tuple, list)) and len(s) == 2 for s in samples[:1]):
+        raise SpecError(f"spec.data(): the {name} dataset must give (x, y) pairs, got "
+                        f"{type(samples[0]).__name__}")
+    x, y = default_collate(samples)
+    return x, torch.as_tensor(y)
+
+
 def _split(spec: SweepSpec, split: Any, name: str) -> tuple[tuple[Tensor, ...], Tensor]:
+    if isinstance(split, torch.utils.data.Dataset) and hasattr(split, "__len__"):
+        split = _materialize(split, name)  # the sweep indexes batches itself, in memory
     if not (isinstance(split, (tuple, list)) and len(split) == 2):
-        raise SpecError(f"spec.data(): the {name} split must be a pair (x_{name}, y_{name}), "
-                        f"got {type(split).__name__}")
+        raise SpecError(f"spec.data(): the {name} split must be a pair (x_{name}, y_{name}) "
+                        f"or a Dataset of (x, y), got {type(split).__name__}")
     x, y = split
     xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
     out = []
