@@ -430,10 +430,14 @@ class Sweep:
             pruner=_make_pruner(self.spec),
         )
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        # Made under a hidden name, locked, then renamed: no other worker ever sees this
+        # folder unlocked (and takes it for a dead one).
         self.dir = self.out / "workers" / self.worker_id
-        self.dir.mkdir(parents=True)
-        (self.dir / "lock").touch()
-        self._lock = _try_lock(self.dir / "lock")
+        hidden = self.dir.with_name(f".{self.worker_id}")
+        hidden.mkdir(parents=True)
+        (hidden / "lock").touch()
+        self._lock = _try_lock(hidden / "lock")
+        os.rename(hidden, self.dir)
         self.heartbeat = _Heartbeat(self.storage, self.heartbeat_interval)
         self.heartbeat.start()
         self.data = SweepData.from_spec(self.spec)
@@ -443,7 +447,7 @@ class Sweep:
         found = []
         root = self.out / "workers"
         for d in sorted(root.iterdir()) if root.exists() else []:
-            if d == self.dir or not d.is_dir():
+            if d == self.dir or not d.is_dir() or d.name.startswith("."):
                 continue
             lock = _try_lock(d / "lock")
             if lock is None:
@@ -810,7 +814,7 @@ class Sweep:
         """Does another live worker use this folder? (Its lock is held.)"""
         root = self.out / "workers"
         for d in root.iterdir() if root.exists() else []:
-            if d != self.dir and d.is_dir():
+            if d != self.dir and d.is_dir() and not d.name.startswith("."):
                 lock = _try_lock(d / "lock")
                 if lock is None and (d / "lock").exists():
                     return True
