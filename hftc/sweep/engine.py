@@ -722,38 +722,45 @@ class Sweep:
         """Re-attach the trials of dead workers that are still RUNNING, from their
         checkpoints; then their folders go."""
         adopted = []
+        # A resumer killed while adopting leaves the trials in two folders: take each
+        # trial once, from the folder where it got furthest.
+        chosen: dict[int, tuple[Path, dict]] = {}
         for folder, _lock, manifest in dead:
-            files: dict[str, dict] = {}
             for entry in manifest.get("trials", []):
-                frozen = self.storage.get_trial(entry["trial_id"])
-                if frozen.state != TrialState.RUNNING:
-                    continue  # finished, or failed (stale) and retried: not ours to run
-                trial = optuna.Trial(self.study, entry["trial_id"])
-                self.heartbeat.add(entry["trial_id"])
-                params = self._params(trial)
-                seed = self._seed(trial, params)
-                module = build_model(self.spec, params, seed)
-                optimizer = self.spec.optimizer(params, module)
-                ckpt = entry.get("ckpt")
-                if ckpt:
-                    name, j = ckpt
-                    if name not in files:
-                        files[name] = torch.load(folder / name, map_location=self.spec.device,
-                                                 weights_only=True)
-                    saved = files[name]
-                    module.load_state_dict({k: v[j] for k, v in saved["model"].items()})
-                    load_model_slice(saved["optimizer"], saved["param_names"], j, optimizer,
-                                     module)
-                    epoch = entry["epoch"]
-                else:
-                    epoch = 0
-                run = _Run(trial, params, seed, module, optimizer, epoch=epoch,
-                           history=list(entry["history"][:epoch]),
-                           orders=list(entry["orders"][:epoch]),
-                           reported=max(frozen.intermediate_values, default=0))
-                self.live.append(run)
-                adopted.append(run)
+                seen = chosen.get(entry["trial_id"])
+                if seen is None or entry["epoch"] > seen[1]["epoch"]:
+                    chosen[entry["trial_id"]] = (folder, entry)
             self.round = max(self.round, int(manifest.get("round", 0)))
+        files: dict[tuple[Path, str], dict] = {}
+        for folder, entry in chosen.values():
+            frozen = self.storage.get_trial(entry["trial_id"])
+            if frozen.state != TrialState.RUNNING:
+                continue  # finished, or failed (stale) and retried: not ours to run
+            trial = optuna.Trial(self.study, entry["trial_id"])
+            self.heartbeat.add(entry["trial_id"])
+            params = self._params(trial)
+            seed = self._seed(trial, params)
+            module = build_model(self.spec, params, seed)
+            optimizer = self.spec.optimizer(params, module)
+            ckpt = entry.get("ckpt")
+            if ckpt:
+                name, j = ckpt
+                if (folder, name) not in files:
+                    files[folder, name] = torch.load(folder / name, weights_only=True,
+                                                     map_location=self.spec.device)
+                saved = files[folder, name]
+                module.load_state_dict({k: v[j] for k, v in saved["model"].items()})
+                load_model_slice(saved["optimizer"], saved["param_names"], j, optimizer,
+                                 module)
+                epoch = entry["epoch"]
+            else:
+                epoch = 0
+            run = _Run(trial, params, seed, module, optimizer, epoch=epoch,
+                       history=list(entry["history"][:epoch]),
+                       orders=list(entry["orders"][:epoch]),
+                       reported=max(frozen.intermediate_values, default=0))
+            self.live.append(run)
+            adopted.append(run)
         if adopted:
             self.log(f"resumed {len(adopted)} trial(s): "
                      + ", ".join(f"{r.number}@epoch {r.epoch}" for r in adopted))
