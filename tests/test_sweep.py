@@ -309,8 +309,7 @@ def test_demo_runs_small(tmp_path: Path, capsys):
     """make demo's code path, shrunk: leaderboard, best accuracy, a labelled speedup."""
     from hftc.sweep.demo import run_demo
 
-    numbers = run_demo(tmp_path / "demo", n_trials=4, per_array=2, epochs=1, serial_trials=1,
-                       serial_epochs=1, progress=False)
+    numbers = run_demo(tmp_path / "demo", n_trials=4, per_array=2, epochs=1, progress=False)
     text = capsys.readouterr().out
     assert "rank" in text and "best: trial" in text and "speedup" in text and "estimate" in text
     assert numbers["trial_epochs"] == 4 and numbers["speedup"] > 0

@@ -2,10 +2,11 @@
 
 Runs :mod:`hftc.sweep.digits` (48 trials over learning rate, momentum, weight
 decay and dropout, 16 per fused array, median pruning), prints the leaderboard
-and the best accuracy, then measures the same trials trained one by one (stock
-model, stock ``torch.optim.SGD``, :func:`hftc.sweep.train_alone`) on a subset of
-trials and epochs, scales that to the sweep's trial-epochs and reports the
-wall-clock speedup, labelled as the estimate it is.
+and the best accuracy, and the wall-clock speedup against the same trials trained
+one by one (stock model, stock ``torch.optim.SGD``, :func:`hftc.sweep.train_alone`):
+a sample of such epochs, timed after every round of the sweep (off its clock, so
+both sides see the same machine load), scaled to the sweep's trial-epochs, and
+labelled as the estimate it is.
 """
 
 from __future__ import annotations
@@ -27,23 +28,27 @@ __all__ = ["run_demo"]
 
 def run_demo(out: str | Path = "sweeps/demo-digits", *, n_trials: int | None = None,
              per_array: int | None = None, epochs: int | None = None,
-             serial_trials: int = 4, serial_epochs: int = 2, threads: int | None = 1,
+             serial_per_round: int = 1, threads: int | None = 1,
              progress: bool | None = None) -> dict:
     """Run the demo sweep in ``out`` (wiped first: the demo always starts afresh) and
-    print the leaderboard, the best accuracy and the measured speedup. Returns the numbers."""
+    print the leaderboard, the best accuracy and the measured speedup. Returns the numbers.
+
+    The serial side is sampled while the sweep runs: after every round, off the sweep's
+    clock, ``serial_per_round`` trial-epochs of trials in the array are trained alone
+    (stock model, stock SGD). On a shared machine whose load comes and goes, both sides
+    are then measured under the same load."""
     before = torch.get_num_threads()
     if threads:
         # Small kernels on a shared 2-core machine: one intra-op thread per process is
         # both faster and steadier (the serial baseline gets the same).
         torch.set_num_threads(threads)
     try:
-        return _run_demo(out, n_trials, per_array, epochs, serial_trials, serial_epochs,
-                         progress)
+        return _run_demo(out, n_trials, per_array, epochs, serial_per_round, progress)
     finally:
         torch.set_num_threads(before)
 
 
-def _run_demo(out, n_trials, per_array, epochs, serial_trials, serial_epochs, progress) -> dict:
+def _run_demo(out, n_trials, per_array, epochs, serial_per_round, progress) -> dict:
     spec = load_spec(digits).replace(n_trials=n_trials, per_array=per_array, epochs=epochs)
     out = Path(out)
     if out.exists():
@@ -56,7 +61,21 @@ def _run_demo(out, n_trials, per_array, epochs, serial_trials, serial_epochs, pr
     print(f"search space: lr, momentum, weight_decay (SGD) and dropout p; torch "
           f"{torch.__version__}, {torch.get_num_threads()} thread(s), CPU\n", flush=True)
 
-    result = Sweep(spec, out=out, progress=progress).run()
+    data = SweepData.from_spec(spec)
+    serial: list[float] = []
+
+    def time_serial_epochs(sweep) -> None:
+        # The same trials one by one: a trial of the array, this round's data order, one
+        # epoch of a stock model and stock SGD (train_alone), evaluation included.
+        arrays = [r for a in sweep.arrays for r in a.members]
+        for k in range(serial_per_round):
+            run = arrays[(sweep.round + k) % len(arrays)]
+            with torch.random.fork_rng(devices=[]):  # the sweep's dropout masks stay its own
+                start = time.perf_counter()
+                train_alone(spec, run.params, run.seed, run.orders[-1:], data)
+                serial.append(time.perf_counter() - start)
+
+    result = Sweep(spec, out=out, progress=progress, on_round=time_serial_epochs).run()
     study = result.study
     print(result.leaderboard)
     best = result.best_trial
@@ -65,20 +84,7 @@ def _run_demo(out, n_trials, per_array, epochs, serial_trials, serial_epochs, pr
               f"({', '.join(f'{k}={v:.3g}' for k, v in best.params.items())})")
     print(f"files: {', '.join(str(p) for p in result.files.values())}\n")
 
-    # The serial baseline: the same trials, one by one, each a stock model + stock SGD.
-    data = SweepData.from_spec(spec)
-    finished = sorted((t for t in study.trials if t.user_attrs.get("hftc_orders")),
-                      key=lambda t: t.number)
-    picked = finished[:: max(1, len(finished) // serial_trials)][:serial_trials]
-    per_epoch = []
-    for t in picked:
-        for k in range(1, serial_epochs + 1):
-            orders = t.user_attrs["hftc_orders"][:k]
-            start = time.perf_counter()
-            train_alone(spec, digits_params(t), t.user_attrs["hftc_seed"], orders, data)
-            per_epoch.append((time.perf_counter() - start, len(orders)))
-    # The median per-epoch time over the measured runs: robust to a busy neighbour.
-    serial_epoch_s = statistics.median(s / k for s, k in per_epoch)
+    serial_epoch_s = statistics.median(serial)
     trial_epochs = sum(len(t.intermediate_values) for t in study.trials)
     serial_s = serial_epoch_s * trial_epochs
     speedup = serial_s / result.wall_s
@@ -88,15 +94,11 @@ def _run_demo(out, n_trials, per_array, epochs, serial_trials, serial_epochs, pr
           f"trial-epochs (training {tm['train']:.1f} s, fusing {tm['fuse']:.1f} s, Optuna "
           f"{tm['optuna']:.1f} s, checkpoints {tm['checkpoint']:.1f} s, start-up {other:.1f} s)")
     print(f"one by one, estimated: {serial_s:6.1f} s = {serial_epoch_s * 1e3:.1f} ms per "
-          f"trial-epoch (measured: {len(picked)} of these trials x {serial_epochs} epochs, "
-          f"trained alone) x {trial_epochs} trial-epochs")
+          f"trial-epoch x {trial_epochs} trial-epochs (the median of {len(serial)} epochs of "
+          f"these trials trained alone, one after every round of the sweep)")
     print(f"speedup: {speedup:.2f}x wall clock (estimate: the serial side is measured on a "
-          f"subset and scaled, and leaves out its own Optuna and start-up costs)")
-    return {"wall_s": result.wall_s, "train_s": result.train_s, "serial_s": serial_s,
+          f"sample of epochs and scaled, and leaves out its own Optuna and start-up costs; "
+          f"training alone: {serial_epoch_s * trial_epochs / tm['train']:.2f}x)")
+    return {"wall_s": result.wall_s, "train_s": tm["train"], "serial_s": serial_s,
             "speedup": speedup, "trial_epochs": trial_epochs,
             "best_value": best.value if best else None}
-
-
-def digits_params(trial) -> dict:
-    """The params dict the spec's space gives for a finished trial."""
-    return dict(trial.params)
