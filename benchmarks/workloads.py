@@ -274,6 +274,7 @@ class Workload:
     sizes: tuple[int, ...]                # values of N in the full run
     quick_sizes: tuple[int, ...]          # values of N in --quick
     rounds: int = 10                      # timed rounds in the full run
+    warmup: int = 2                       # untimed steps after the first, per contender
     compile_sizes: tuple[int, ...] = ()   # values of N for hftc+compile in the full run
     log_probs: bool = False               # the model ends in log_softmax: NLL loss
     int_input: int | None = None          # token ids in [0, int_input) instead of floats
@@ -303,16 +304,18 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Workload("mlp", MLP, (64,), 64, 10, sizes=(1, 2, 4, 8, 16, 32, 64),
              quick_sizes=(1, 8, 32), rounds=15, compile_sizes=(4, 32)),
     Workload("lenet5", LeNet5, (1, 28, 28), 64, 10, sizes=(1, 2, 4, 8, 16, 32),
-             quick_sizes=(1, 16), rounds=10, compile_sizes=(16,)),
-    Workload("pointnet", PointNetCls, (3, 256), 16, 40, sizes=(1, 2, 4, 8),
-             quick_sizes=(1, 4), rounds=5, log_probs=True, compile_sizes=(4,),
-             note="256 points and batch 16 instead of 1024 points and batch 32 (CPU time)"),
-    Workload("resnet18", ResNet18, (3, 32, 32), 16, 10, sizes=(1, 2, 4),
-             quick_sizes=(2,), rounds=4, compile_sizes=(2,),
-             note="batch 16 (CPU time); N <= 4"),
-    Workload("mobilenet_v2", MobileNetV2, (3, 32, 32), 16, 10, sizes=(1, 2, 4),
-             quick_sizes=(2,), rounds=4,
-             note="batch 16 (CPU time); N <= 4"),
+             quick_sizes=(1, 16), rounds=8, compile_sizes=(16,)),
+    Workload("pointnet", PointNetCls, (3, 128), 8, 40, sizes=(1, 2, 4, 8),
+             quick_sizes=(1, 4), rounds=6, log_probs=True, compile_sizes=(4,),
+             note="128 points and batch 8 instead of 1024 points and batch 32 (CPU time: "
+                  "the full size is 28 GFLOP per model step)"),
+    Workload("resnet18", ResNet18, (3, 32, 32), 8, 10, sizes=(1, 2, 4),
+             quick_sizes=(2,), rounds=3, warmup=1,
+             note="batch 8 (CPU time: 27 GFLOP per model step); N <= 4; no torch.compile "
+                  "(minutes of compile per N)"),
+    Workload("mobilenet_v2", MobileNetV2, (3, 32, 32), 8, 10, sizes=(1, 2, 4),
+             quick_sizes=(2,), rounds=4, warmup=1,
+             note="batch 8 (CPU time); N <= 4; no torch.compile (minutes of compile per N)"),
     Workload("transformer", TransformerClassifier, (64,), 16, 10, sizes=(1, 2, 4, 8, 16),
              quick_sizes=(1, 4), rounds=6, int_input=1000, compile_sizes=(4,),
              note="d_model 128, 4 heads, FFN 512, vocab 1000, batch 16; attention written "
@@ -320,5 +323,5 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Workload("transformer_stock", StockTransformerClassifier, (64,), 16, 10, sizes=(1, 4),
              quick_sizes=(), rounds=4, int_input=1000,
              note="nn.TransformerEncoderLayer: hftc has no rule for it yet and runs it as a "
-                  "per-model loop inside the fused graph"),
+                  "per-model loop inside the fused graph; no hand-fused version"),
 ]}

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="values of N that also run hftc+compile ('' for none)")
     p.add_argument("--max-n", default=None, metavar="WORKLOAD:CONTENDER[,...]",
                    help="search the largest N that fits the memory cap ('' for none)")
-    p.add_argument("--mem-cap", type=float, default=2048, help="MiB, for --max-n")
+    p.add_argument("--mem-cap", type=float, default=1024, help="MiB, for --max-n")
     p.add_argument("--out", default="", help="results JSON (default benchmarks/results/NAME.json)")
     p.add_argument("--docs", default="", help="also update this markdown file's tables")
     p.add_argument("--plots", default="", help="also write PNG plots into this folder")
