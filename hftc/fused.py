@@ -133,6 +133,35 @@ def _tensor_name_maps(match: GraphMatch, graphs: Sequence[fx.GraphModule]) -> li
     return maps
 
 
+def _differing_attributes(model0: nn.Module, model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Public plain-Python attributes of ``model``'s modules that differ from model 0's.
+
+    ``{module path: {attribute: value}}``; only modules at the same path and of the
+    same class are compared (models from other code keep model 0's attributes).
+    """
+    reference = dict(model0.named_modules(remove_duplicate=False))
+    found: dict[str, dict[str, Any]] = {}
+    for path, sub in model.named_modules(remove_duplicate=False):
+        ref = reference.get(path)
+        if ref is None or type(ref) is not type(sub):
+            continue
+        ref_vars = vars(ref)
+        diffs = {
+            k: copy.deepcopy(v) for k, v in vars(sub).items()
+            if not k.startswith("_") and k != "training" and _simple_value(v)
+            and (k not in ref_vars or ref_vars[k] != v)
+        }
+        if diffs:
+            found[path] = diffs
+    return found
+
+
+def _simple_value(value: Any) -> bool:
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return True
+    return isinstance(value, (tuple, list)) and all(_simple_value(v) for v in value)
+
+
 def _get_path(root: Any, path: str) -> Any:
     for part in path.split("."):
         root = getattr(root, part)
@@ -168,6 +197,9 @@ class FusedModule(nn.Module):
         template = meta_copy(models[0])
         name_maps = _tensor_name_maps(matches[True], graphs[True])
         object.__setattr__(self, "_template", template)
+        # Hyper-parameters each model keeps as its own (dropout p, eps, self.scale ...):
+        # unfuse() gives them back, not model 0's.
+        self._attribute_overrides = [_differing_attributes(models[0], m) for m in models]
         self._template_extras: list[str] = []  # lifted constants, not the user's attributes
         root, sources = build_module_tree(models, template, name_maps)
         self._adopt(root, models[0])
@@ -478,6 +510,10 @@ class FusedModule(nn.Module):
             self.named_modules(remove_duplicate=False), model.named_modules(remove_duplicate=False)
         ):
             sub.training = fused_sub.training
+        for path, attributes in self._attribute_overrides[index].items():
+            sub = model.get_submodule(path)
+            for name, value in attributes.items():
+                setattr(sub, name, copy.deepcopy(value))
         return model
 
     # ------------------------------------------------------------------ pickling

@@ -118,3 +118,22 @@ def test_fuse_groups_sweep_of_dropout_and_width():
 def test_widths_still_refuse_to_fuse_directly():
     with pytest.raises(hftc.MismatchError, match="out_features: 8 in model 0; 16 in model 1"):
         hftc.fuse([nn.Sequential(nn.Linear(2, 8)), nn.Sequential(nn.Linear(2, 16))])
+
+
+def test_unfuse_gives_each_model_its_own_hyper_parameters():
+    class Head(nn.Module):
+        def __init__(self, p, scale):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.drop = nn.Dropout(p)
+            self.act = nn.LeakyReLU(scale)
+            self.scale = scale
+
+        def forward(self, x):
+            return self.act(self.drop(self.fc(x))) * self.scale
+
+    models = [Head(0.1, 0.2), Head(0.7, 0.3)]
+    back = hftc.fuse(models).unfuse()
+    assert [m.drop.p for m in back] == [0.1, 0.7]
+    assert [m.act.negative_slope for m in back] == [0.2, 0.3]
+    assert [m.scale for m in back] == [0.2, 0.3]
