@@ -12,8 +12,8 @@ fused group per width by ``hftc.fuse_groups``). Nothing here knows about fusion.
 """
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+from hftc.sweep.digits import DigitsCNN
 
 name = "digits-adamw"          # the study name (and the default folder: sweeps/digits-adamw)
 metric = "accuracy"            # or "loss", or a function (output, target) -> float
@@ -26,18 +26,9 @@ pruner = "median"              # or "sha", "hyperband", "none", or an optuna pru
 seed = 0
 
 
-class CNN(nn.Module):
-    def __init__(self, width: int, dropout: float):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, width, 3, padding=1)
-        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
-        self.drop = nn.Dropout(dropout)
-        self.fc = nn.Linear(2 * width * 4 * 4, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.relu(self.conv2(x))
-        return self.fc(self.drop(torch.flatten(x, 1)))
+# The demo's CNN (conv 3x3 -> max-pool -> conv 3x3 -> dropout -> linear); any nn.Module
+# factory works here.
+CNN = DigitsCNN
 
 
 def space(trial):
@@ -54,7 +45,7 @@ def space(trial):
 
 def model(params):
     """Called under torch.manual_seed(the trial's seed)."""
-    return CNN(params["width"], params["dropout"])
+    return CNN(dropout=params["dropout"], width=params["width"])
 
 
 def optimizer(params, module):
