@@ -111,16 +111,23 @@ class _Coefficients:
 
     def __init__(self, values: dict[str, Sequence[float]]):
         self._row = {name: k for k, name in enumerate(values)}
-        self._table = torch.tensor([[float(v) for v in vs] for vs in values.values()],
-                                   dtype=torch.float64)
+        self._rows = [[float(v) for v in vs] for vs in values.values()]
+        # Shared by all N models -> that value; else False.  (NaN never compares equal,
+        # so a NaN hyper-parameter takes the tensor path.)
+        self._uniform: dict[str, float | bool] = {
+            name: row[0] if all(v == row[0] for v in row) else False
+            for name, row in zip(values, self._rows)
+        }
+        self._table: Tensor | None = None   # built on first use: a sweep may need none
         self._cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-        self._uniform: dict[str, float | bool] = {}
 
     def __call__(self, name: str, like: Tensor) -> Tensor:
         """Row ``name`` in ``like``'s dtype and device, shaped to broadcast over ``like``."""
         key = (like.dtype, like.device)
         table = self._cache.get(key)
         if table is None:
+            if self._table is None:
+                self._table = torch.tensor(self._rows, dtype=torch.float64)
             table = self._table.to(device=like.device, dtype=like.dtype)
             self._cache[key] = table
         return table[self._row[name]].view(-1, *([1] * (like.dim() - 1)))
@@ -136,11 +143,7 @@ class _Coefficients:
         passes it (one op fewer where the tensor form needs a multiply first, and the
         scalar fast paths of the elementwise kernels).
         """
-        uniform = self._uniform.get(name)
-        if uniform is None:
-            row = self._table[self._row[name]]
-            uniform = float(row[0]) if bool((row == row[0]).all()) else False
-            self._uniform[name] = uniform
+        uniform = self._uniform[name]
         return self(name, like) if uniform is False else uniform
 
 
@@ -411,13 +414,21 @@ class FusedOptimizer(Optimizer):
         a copy of the model.  Not part of ``state_dict`` (nor of pickling, which
         ``torch.optim.Optimizer.__getstate__`` limits to defaults, state, groups).
         """
+        views = self.__dict__.setdefault("_scratch_views", {})
+        view = views.get((slot, like))
+        if view is not None and view.shape == like.shape and view.dtype == like.dtype \
+                and view.device == like.device:
+            return view
         buffers = self.__dict__.setdefault("_scratch_buffers", {})
         key = (slot, like.dtype, like.device)
         buf = buffers.get(key)
         if buf is None or buf.numel() < like.numel():
             buf = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
             buffers[key] = buf
-        return buf[: like.numel()].view(like.shape)
+            views.clear()  # views of the old buffer would keep it alive
+        view = buf[: like.numel()].view(like.shape)
+        views[(slot, like)] = view
+        return view
 
     def _new_steps(self, p: Tensor) -> Tensor:
         return torch.zeros(self.num_models, dtype=_scalar_dtype())
