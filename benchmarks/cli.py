@@ -66,11 +66,13 @@ def run(args: argparse.Namespace) -> int:
     text = markdown(result)
     print("\n" + text)
     print(f"results: {out}")
+    # A run with every Adam fused goes into its own block and plot files.
+    block = "" if cfg.adam == "default" else f"adam-{cfg.adam}"
     if args.plots:
-        for path in plot(result, Path(args.plots)):
+        for path in plot(result, Path(args.plots), "bench" if not block else f"bench_{block}"):
             print(f"wrote {path}")
     if args.docs:
-        update_docs(Path(args.docs), text)
+        update_docs(Path(args.docs), text, block)
         print(f"updated {args.docs}")
     sys.stdout.flush()
     return 0

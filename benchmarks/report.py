@@ -290,14 +290,22 @@ def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
     return paths
 
 
-def update_docs(doc: Path, text: str) -> None:
-    """Replace the generated part of ``doc`` (between the markers) with ``text``."""
-    body = doc.read_text() if doc.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in body or END not in body:
-        body = body.rstrip() + f"\n\n{BEGIN}\n{END}\n"
-    head, rest = body.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+def markers(block: str = "") -> tuple[str, str]:
+    """The comment lines around a generated block (``block`` names a second one)."""
+    if not block:
+        return BEGIN, END
+    return f"<!-- bench:{block}:begin -->", f"<!-- bench:{block}:end -->"
+
+
+def update_docs(doc: Path, text: str, block: str = "") -> None:
+    """Replace the generated part of ``doc`` (between the block's markers) with ``text``."""
+    begin, end = markers(block)
+    body = doc.read_text() if doc.exists() else f"# Benchmarks\n\n{begin}\n{end}\n"
+    if begin not in body or end not in body:
+        body = body.rstrip() + f"\n\n{begin}\n{end}\n"
+    head, rest = body.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,14 +313,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("results", type=Path)
     p.add_argument("--docs", type=Path, help="update this markdown file between the markers")
     p.add_argument("--plots", type=Path, help="write the PNG plots into this folder")
+    p.add_argument("--block", default="", help="update the block with these markers")
+    p.add_argument("--stem", default="bench", help="plot file names: STEM_throughput.png, ...")
     args = p.parse_args(argv)
     result = json.loads(args.results.read_text())
     text = markdown(result)
     if args.plots:
-        for path in plot(result, args.plots):
+        for path in plot(result, args.plots, args.stem):
             print(f"wrote {path}")
     if args.docs:
-        update_docs(args.docs, text)
+        update_docs(args.docs, text, args.block)
         print(f"updated {args.docs}")
     else:
         print(text)
