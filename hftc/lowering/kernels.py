@@ -125,9 +125,9 @@ def conv(
         return _pointwise_conv(x, weight, bias, spatial)
     w = weight.flatten(0, 1)
     b = bias.flatten() if bias is not None else None
-    # _shared_unfold_conv (im2col + one GEMM for a shared input) is kept but not
-    # dispatched: the fuzzer found wrong gradients with it in a residual block followed
-    # by a batch norm (tests/test_fuzz_regressions.py); exactness comes first.
+    # An im2col + one-GEMM lowering for shared inputs was tried here and removed: the
+    # fuzzer found wrong gradients with it in a residual block followed by a batch norm
+    # (tests/test_fuzz_regressions.py).
     fn = _conv_fn(spatial, transposed=False)
     if not x_batched and groups != 1:
         x, x_batched = expand_models(x, n), True
@@ -150,31 +150,6 @@ def conv(
         xf = xf.contiguous(memory_format=torch.channels_last)
     y = fn(xf, w, b, stride, padding, dilation, groups)
     return unfold_channels(y, n, has_batch)
-
-
-def _shared_unfold_conv(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, padding: Any,
-                        dilation: Any, n: int) -> Tensor:
-    """N convolutions of one shared input with few taps (``Cin*kh*kw <= 32``) as one GEMM.
-
-    ::
-
-        cols = unfold(x)  [B, Cin*kh*kw, L]     (once, for all N models)
-        y    = cols^T @ W^T + b  [B, L, N*Cout]  = [B, N*Cout, H', W'] in channels-last memory
-
-    The first layer of a sweep's CNNs (LeNet-5's 1 -> 6 5x5, the 3-channel stems
-    of ResNet and MobileNet): oneDNN measured 1.5-2x slower on these few-tap
-    convolutions, and the channels-last result suits the pooling and the
-    grouped convolutions that follow (see :func:`conv`).
-    """
-    batch, _, height, width = x.shape
-    k = w.shape[2:]
-    stride, padding, dilation = (_ntuple(v, 2) for v in (stride, padding, dilation))
-    out_h = (height + 2 * padding[0] - dilation[0] * (k[0] - 1) - 1) // stride[0] + 1
-    out_w = (width + 2 * padding[1] - dilation[1] * (k[1] - 1) - 1) // stride[1] + 1
-    cols = F.unfold(x, tuple(k), dilation=dilation, padding=padding, stride=stride)
-    y = F.linear(cols.transpose(1, 2), w.reshape(w.shape[0], -1), b)       # [B, L, N*Cout]
-    y = y.view(batch, out_h, out_w, -1).permute(0, 3, 1, 2)                # channels-last
-    return unfold_channels(y, n, True)
 
 
 def _ntuple(v: Any, spatial: int) -> tuple:
