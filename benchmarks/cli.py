@@ -52,7 +52,8 @@ def config_from_args(args: argparse.Namespace):
     else:
         for search in cfg.max_n:
             search["cap_mib"] = args.mem_cap
-    cfg.threads = args.threads
+    cfg.cores = args.cores
+    cfg.threads = args.threads if args.threads else max(1, args.cores)
     cfg.adam = args.adam
     if args.adam != "default":
         cfg.name += f"-adam-{args.adam}"

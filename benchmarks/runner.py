@@ -98,6 +98,8 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
     """One contender's process: build it, warm it up, then run steps on request."""
     import torch
 
+    if spec.get("cpus"):
+        os.sched_setaffinity(0, spec["cpus"])
     torch.set_num_threads(spec["threads"])
     start = _status_mib()
     peak_reset = _reset_peak()
@@ -168,10 +170,26 @@ class WorkerError(RuntimeError):
     pass
 
 
+#: CPU ids every worker is confined to (``set_cpus``); empty: wherever the OS puts it.
+_CPUS: list[int] = []
+
+
+def set_cpus(cores: int) -> list[int]:
+    """Confine every worker started from now on to the first ``cores`` CPUs (0: no pinning).
+
+    All contenders then get the same share of the machine: the concurrent contender's
+    N processes share those cores instead of spreading over the idle ones.
+    """
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    _CPUS[:] = available[:cores] if cores and available else []
+    return list(_CPUS)
+
+
 class Worker:
     """A worker process and the coordinator's end of its pipe."""
 
     def __init__(self, spec: dict[str, Any]):
+        spec = dict(spec, cpus=list(_CPUS))
         ctx = context()
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=worker_main, args=(child, spec), daemon=True)
@@ -244,7 +262,10 @@ class Contender:
         base = {"workload": workload, "n": n, "threads": threads, "warmup": warmup,
                 "adam": adam}
         if name == "concurrent":
-            specs = [dict(base, contender="serial", model_index=i) for i in range(n)]
+            # The contender gets `threads` cores in all: its N processes share them.
+            per_process = max(1, threads // n)
+            specs = [dict(base, contender="serial", model_index=i, threads=per_process)
+                     for i in range(n)]
         else:
             specs = [dict(base, contender=name)]
         self.workers: list[Worker] = []

@@ -41,6 +41,7 @@ class SuiteConfig:
     rounds: dict[str, int]
     compile_sizes: dict[str, list[int]] = field(default_factory=dict)
     threads: int = 1
+    cores: int = 1                     # workers confined to this many CPUs (0: not pinned)
     adam: str = "default"              # "fused": fused=True for stock and hftc Adam
     min_sample_s: float = 0.05
     max_n: list[dict[str, Any]] = field(default_factory=list)  # {workload, contender, cap_mib}
@@ -143,11 +144,13 @@ def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[s
     import torch
 
     torch.set_num_threads(cfg.threads)
+    cpus = runner.set_cpus(cfg.cores)
     started = time.time()
     result: dict[str, Any] = {
         "config": asdict(cfg),
         "machine": _machine(),
         "threads": cfg.threads,
+        "cpus": cpus,
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "load_start": _load(),
         "peak_gflops": [],
@@ -162,6 +165,7 @@ def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[s
 
     log(f"hftc bench ({cfg.name}): {result['machine']['cpu']}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {cfg.threads} intra-op thread(s) per process, "
+        f"workers on CPU(s) {cpus or 'any'}, "
         f"Adam: {cfg.adam}, "
         f"load {', '.join(f'{v:.1f}' for v in result['load_start'])}")
     peak_worker = runner.matmul_worker(cfg.threads)

@@ -148,8 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="", help="values of N for every workload, e.g. 1,4,16")
     p.add_argument("--contenders", default="", help="comma-separated (default: all)")
     p.add_argument("--rounds", type=int, default=0, help="timed rounds (default: per workload)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="intra-op threads per process (default 1)")
+    p.add_argument("--cores", type=int, default=1,
+                   help="confine every contender to this many CPUs (default 1; 0: no pinning)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads per process (default: --cores, at least 1)")
     p.add_argument("--adam", choices=["default", "fused"], default="default",
                    help="Adam as constructed by default, or fused=True for stock and hftc")
     p.add_argument("--compile-sizes", default=None,
