@@ -228,6 +228,10 @@ def _max_n_tables(result: dict) -> list[str]:
 
 # --------------------------------------------------------------------------- plots
 
+#: One colour per contender in every panel.
+COLORS = {"serial": "tab:blue", "concurrent": "tab:orange", "torch.func": "tab:green",
+          "hand-fused": "tab:red", "hftc": "tab:purple", "hftc+compile": "tab:brown"}
+
 
 def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
     """Throughput vs N per contender (one panel per workload) and peak memory vs N."""
@@ -260,29 +264,39 @@ def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
                         lo.append(t[0] - t[1])
                         hi.append(t[2] - t[0])
                     elif run.get("peak_mib") is not None:
+                        # concurrent: its N processes' own torch runtimes are part of the cost
+                        extra = run.get("runtime_mib") or 0 if c == "concurrent" else 0
                         xs.append(cfg["n"])
-                        ys.append(max(run["peak_mib"], 1e-1))
+                        ys.append(max(run["peak_mib"] + extra, 1e-1))
                 if not xs:
                     continue
                 style = "-o" if c.startswith("hftc") else "--s"
+                color = COLORS.get(c)
+                width = 2.2 if c.startswith("hftc") else 1.2
                 if kind == "throughput":
-                    ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, ms=4, capsize=2, label=c)
+                    ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, ms=4, capsize=2, label=c,
+                                color=color, lw=width)
                 else:
-                    ax.plot(xs, ys, style, ms=4, label=c)
+                    ax.plot(xs, ys, style, ms=4, label=c, color=color, lw=width)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{name} (batch {entry['batch']})")
             ax.set_xlabel("N (models)")
             ax.set_ylabel("samples/s (sum over N)" if kind == "throughput"
-                          else "peak MiB above bare process")
+                          else "peak MiB above a bare process\n(concurrent: + N runtimes)")
             ax.grid(True, which="both", alpha=0.3)
         for ax in list(axes.flat)[len(names):]:
             ax.axis("off")
-        handles, labels = axes.flat[0].get_legend_handles_labels()
+        handles, labels = max((ax.get_legend_handles_labels() for ax in axes.flat),
+                              key=lambda hl: len(hl[1]))
         fig.legend(handles, labels, loc="lower center", ncol=len(labels),
                    bbox_to_anchor=(0.5, -0.01))
-        fig.suptitle(f"hftc bench ({result['config']['name']}): training-step "
-                     f"{kind} vs N, {result['machine']['cpu']}, {result['threads']} thread/process")
+        fig.suptitle(f"hftc bench ({result['config']['name']}): training-step {kind} vs N; "
+                     f"{result['machine']['cpu']}, one core per contender, "
+                     f"{result['threads']} thread/process; median and min-max over rounds"
+                     if kind == "throughput" else
+                     f"hftc bench ({result['config']['name']}): peak memory vs N; "
+                     f"{result['machine']['cpu']}")
         fig.tight_layout(rect=(0, 0.05, 1, 0.97))
         path = out_dir / f"{stem}_{kind}.png"
         fig.savefig(path, dpi=110)
