@@ -265,7 +265,7 @@ def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
                         hi.append(t[2] - t[0])
                     elif run.get("peak_mib") is not None:
                         # concurrent: its N processes' own torch runtimes are part of the cost
-                        extra = run.get("runtime_mib") or 0 if c == "concurrent" else 0
+                        extra = (run.get("runtime_mib") or 0) if c == "concurrent" else 0
                         xs.append(cfg["n"])
                         ys.append(max(run["peak_mib"] + extra, 1e-1))
                 if not xs:
