@@ -43,20 +43,26 @@ def fold_channels(x: Tensor, has_batch_dim: bool) -> Tensor:
 
 
 def _canonical_strides(x: Tensor) -> Tensor:
-    """A contiguous tensor whose size-1 dims carry odd strides, restrided canonically.
+    """A contiguous (or channels-last) tensor whose size-1 dims carry odd strides, restrided.
 
     Such a tensor (``[1, 4, 1]`` with strides ``(4, 1, 2)``, from a transpose) also
     looks channels-last to ATen, whose CPU convolution then picks a channels-last
     gradient buffer and fails ("slow_conv2d: grad_weight must be contiguous").
     The memory is the same; only the strides of size-1 dims change.
     """
-    if not x.is_contiguous():
+    if x.is_contiguous():
+        order = list(range(x.dim()))
+    elif x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        # The same for channels-last memory: [1, C, H, W] with batch stride 2 instead
+        # of C*H*W (B = 1 after a movedim) made ATen's CPU batch-norm backward return
+        # wrong gradients (torch 2.13, float32 and float64).
+        order = [0, 2, 3, 1]
+    else:
         return x
-    canonical, step = [], 1
-    for size in reversed(x.shape):
-        canonical.append(step)
-        step *= size
-    canonical.reverse()
+    canonical, step = [0] * x.dim(), 1
+    for d in reversed(order):
+        canonical[d] = step
+        step *= x.shape[d]
     if list(x.stride()) == canonical:
         return x
     return x.as_strided(x.shape, canonical)
@@ -125,9 +131,12 @@ def conv(
         return _pointwise_conv(x, weight, bias, spatial)
     w = weight.flatten(0, 1)
     b = bias.flatten() if bias is not None else None
-    # An im2col + one-GEMM lowering for shared inputs was tried here and removed: the
-    # fuzzer found wrong gradients with it in a residual block followed by a batch norm
-    # (tests/test_fuzz_regressions.py).
+    if not x_batched and groups == 1 and spatial == 2 and padding_mode == "zeros" \
+            and not isinstance(padding, str) and x.dim() == 4 and w[0].numel() <= 32:
+        # (Its channels-last output once met an ATen batch-norm backward bug with
+        # odd size-1 strides, tests/test_fuzz_regressions.py; fold_channels now
+        # restrides those canonically, see _canonical_strides.)
+        return _shared_unfold_conv(x, w, b, stride, padding, dilation, n)
     fn = _conv_fn(spatial, transposed=False)
     if not x_batched and groups != 1:
         x, x_batched = expand_models(x, n), True
@@ -150,6 +159,31 @@ def conv(
         xf = xf.contiguous(memory_format=torch.channels_last)
     y = fn(xf, w, b, stride, padding, dilation, groups)
     return unfold_channels(y, n, has_batch)
+
+
+def _shared_unfold_conv(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, padding: Any,
+                        dilation: Any, n: int) -> Tensor:
+    """N convolutions of one shared input with few taps (``Cin*kh*kw <= 32``) as one GEMM.
+
+    ::
+
+        cols = unfold(x)  [B, Cin*kh*kw, L]     (once, for all N models)
+        y    = cols^T @ W^T + b  [B, L, N*Cout]  = [B, N*Cout, H', W'] in channels-last memory
+
+    The first layer of a sweep's CNNs (LeNet-5's 1 -> 6 5x5, the 3-channel stems
+    of ResNet and MobileNet): oneDNN measured 1.5-2x slower on these few-tap
+    convolutions, and the channels-last result suits the pooling and the
+    grouped convolutions that follow (see :func:`conv`).
+    """
+    batch, _, height, width = x.shape
+    k = w.shape[2:]
+    stride, padding, dilation = (_ntuple(v, 2) for v in (stride, padding, dilation))
+    out_h = (height + 2 * padding[0] - dilation[0] * (k[0] - 1) - 1) // stride[0] + 1
+    out_w = (width + 2 * padding[1] - dilation[1] * (k[1] - 1) - 1) // stride[1] + 1
+    cols = F.unfold(x, tuple(k), dilation=dilation, padding=padding, stride=stride)
+    y = F.linear(cols.transpose(1, 2), w.reshape(w.shape[0], -1), b)       # [B, L, N*Cout]
+    y = y.view(batch, out_h, out_w, -1).permute(0, 3, 1, 2)                # channels-last
+    return unfold_channels(y, n, True)
 
 
 def _ntuple(v: Any, spatial: int) -> tuple:
