@@ -28,6 +28,7 @@ from .errors import (
     TraceError,
     UnsupportedOperatorError,
 )
+from .lowering.autotune import autotune_graph
 from .lowering.codegen import compile_graph
 from .lowering.modules import StackedModule, build_module_tree
 from .match import GraphMatch, match_graphs
@@ -184,12 +185,17 @@ class FusedModule(nn.Module):
         in_dims: InDims = None,
         example_inputs: tuple | None = None,
         frontend: str = "auto",
+        autotune: bool = False,
     ):
         super().__init__()
         models = _check_models(models)
         n = len(models)
         self.num_models = n
         self.in_dims = in_dims
+        if not isinstance(autotune, bool):
+            raise FusionArgumentError(f"autotune must be True or False, got {autotune!r}")
+        #: Time each fused op's lowerings at compile time (hftc.lowering.autotune).
+        self.autotune = autotune
         self._check_modes(models)
         _check_hooks(models)
         graphs = self._trace(models, example_inputs, frontend)
@@ -406,6 +412,10 @@ class FusedModule(nn.Module):
             mode_graphs.match_method, self.num_models, batched,
             mode_graphs.attr_targets,
         )
+        if self.autotune:
+            # Training programs are timed forward + backward, as a training step runs them.
+            backward = self.training and any(p.requires_grad for p in self.parameters())
+            report.lowerings = autotune_graph(graph, self, values, backward=backward)
         forward, source = compile_graph(graph)
         return Program(forward, graph, report, source, output_spec(mode_graphs.graph))
 
@@ -533,6 +543,7 @@ def fuse(
     in_dims: InDims = None,
     example_inputs: tuple | None = None,
     frontend: str = "auto",
+    autotune: bool = False,
 ) -> FusedModule:
     """Fuse N structurally identical models into one module (see ``API.md``).
 
@@ -542,9 +553,13 @@ def fuse(
     fused forward right away (otherwise it is compiled on the first call), and lets
     models that ``torch.fx.symbolic_trace`` rejects be traced by ``torch.export``
     (``frontend="auto"``); ``frontend="symbolic"`` / ``"export"`` pick one.
+    ``autotune=True`` times each fused op's lowerings (grouped conv in NCHW or
+    channels-last, im2col, batched GEMM, a per-model loop ...) on the real shapes
+    when the forward is compiled and keeps the fastest, cached on disk per device
+    and shape (:mod:`hftc.lowering.autotune`); otherwise a cost model picks.
     """
     return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs,
-                       frontend=frontend)
+                       frontend=frontend, autotune=autotune)
 
 
 __all__ = ["FusedModule", "Program", "fuse", "StackedModule"]

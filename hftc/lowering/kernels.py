@@ -103,6 +103,56 @@ def _conv_fn(spatial: int, transposed: bool) -> Callable[..., Tensor]:
     return (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
 
 
+def conv_lowerings(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+    *,
+    spatial: int,
+    x_batched: bool,
+    padding_mode: str = "zeros",
+    explicit_padding: Sequence[int] | None = None,
+) -> list[str]:
+    """The lowerings :func:`conv` can run for these arguments, the cost model's choice first.
+
+    ============================  ====================================================
+    ``grouped``                   one conv with ``N*g`` groups, NCHW (always applies)
+    ``grouped_channels_last``     the same in channels-last memory (2-d, with a batch)
+    ``pointwise_bmm``             1x1 conv of batched inputs as one ``baddbmm``
+    ``shared_conv``               shared input, ``g == 1``: one conv, ``N*Cout`` outputs
+    ``shared_im2col``             shared input, 2-d: ``unfold`` once, one GEMM
+    ``loop``                      N separate convs (what the serial loop runs)
+    ============================  ====================================================
+
+    The cost model (measured on CPUs with oneDNN, see each lowering's docstring):
+    1x1 convs as batched GEMMs; few-tap shared convs (``Cin*kh*kw <= 32``) as
+    im2col; grouped convs with few input channels per group and large kernels in
+    channels-last memory; every other conv as one grouped (or shared) conv.
+    ``hftc.fuse(..., autotune=True)`` times the rest (:mod:`hftc.lowering.autotune`).
+    """
+    two_d = spatial == 2 and padding_mode == "zeros"
+    has_batch = x.dim() == spatial + 2 + x_batched
+    if not x_batched and groups == 1:
+        im2col = two_d and not isinstance(padding, str) and x.dim() == 4
+        names = ["shared_conv", "loop"]
+        if im2col:
+            few_taps = weight[0, 0].numel() <= 32
+            names.insert(0 if few_taps else 1, "shared_im2col")
+        return names
+    names = ["grouped"]
+    if spatial == 2 and has_batch:
+        few_channels = weight.shape[2] <= 8 and weight.shape[3] * weight.shape[4] >= 25
+        names.insert(0 if few_channels else 1, "grouped_channels_last")
+    if x_batched and groups == 1 and spatial == 2 and _is_pointwise(
+            weight, stride, padding, dilation, padding_mode, spatial):
+        names.insert(0, "pointwise_bmm")
+    return names + ["loop"]
+
+
 def conv(
     x: Tensor,
     weight: Tensor,
@@ -116,6 +166,7 @@ def conv(
     x_batched: bool,
     padding_mode: str = "zeros",
     explicit_padding: Sequence[int] | None = None,
+    lowering: str | None = None,
 ) -> Tensor:
     """N convolutions as one.
 
@@ -124,20 +175,33 @@ def conv(
     ``[B, Cin, *S]`` needs no groups at all: one conv with ``N*Cout`` output
     channels.  ``padding_mode`` other than zeros pads first, as ``nn.ConvNd`` does,
     with ``explicit_padding`` (the module's ``_reversed_padding_repeated_twice``).
+    ``lowering`` names one of :func:`conv_lowerings` (default: the cost model's).
+    Every lowering returns ``[N, B, Cout, *S']`` viewing ``[B, N*Cout, *S']`` memory.
     """
+    names = conv_lowerings(x, weight, bias, stride, padding, dilation, groups, spatial=spatial,
+                           x_batched=x_batched, padding_mode=padding_mode)
+    lowering = _check_lowering("conv", lowering, names)
     n = weight.shape[0]
-    if x_batched and groups == 1 and spatial == 2 and _is_pointwise(
-            weight, stride, padding, dilation, padding_mode, spatial):
+    if lowering == "pointwise_bmm":
         return _pointwise_conv(x, weight, bias, spatial)
     w = weight.flatten(0, 1)
     b = bias.flatten() if bias is not None else None
-    if not x_batched and groups == 1 and spatial == 2 and padding_mode == "zeros" \
-            and not isinstance(padding, str) and x.dim() == 4 and w[0].numel() <= 32:
-        # (Its channels-last output once met an ATen batch-norm backward bug with
-        # odd size-1 strides, tests/test_fuzz_regressions.py; fold_channels now
-        # restrides those canonically, see _canonical_strides.)
+    if lowering == "shared_im2col":
         return _shared_unfold_conv(x, w, b, stride, padding, dilation, n)
+    if padding_mode != "zeros":
+        pad = tuple(explicit_padding)
+        if x_batched:  # padded in the folded layout, which the grouped conv reads for free
+            has_batch = x.dim() == spatial + 3
+            x = unfold_channels(F.pad(fold_channels(x, has_batch), pad, mode=padding_mode), n,
+                                has_batch)
+        else:
+            x = F.pad(x, pad, mode=padding_mode)
+        padding = 0
     fn = _conv_fn(spatial, transposed=False)
+    if lowering == "loop":
+        return _loop_over_channels(
+            [fn(x[i] if x_batched else x, weight[i], None if bias is None else bias[i],
+                stride, padding, dilation, groups) for i in range(n)], n, spatial)
     if not x_batched and groups != 1:
         x, x_batched = expand_models(x, n), True
     if x_batched:
@@ -147,11 +211,7 @@ def conv(
     else:
         has_batch = x.dim() == spatial + 2
         xf = x
-    if padding_mode != "zeros":
-        xf = F.pad(xf, tuple(explicit_padding), mode=padding_mode)
-        padding = 0
-    if x_batched and has_batch and spatial == 2 and weight.shape[2] <= 8 \
-            and weight.shape[3] * weight.shape[4] >= 25:
+    if lowering == "grouped_channels_last":
         # oneDNN's NCHW kernel for grouped convolutions with few input channels per
         # group and large kernels (LeNet's 6 -> 16, 5x5) measured 2x slower than its
         # channels-last one and than N separate convolutions; for 3x3 kernels and for
@@ -159,6 +219,27 @@ def conv(
         xf = xf.contiguous(memory_format=torch.channels_last)
     y = fn(xf, w, b, stride, padding, dilation, groups)
     return unfold_channels(y, n, has_batch)
+
+
+def _check_lowering(op: str, lowering: str | None, names: list[str]) -> str:
+    if lowering is None:
+        return names[0]
+    if lowering not in names:
+        raise FusionError(
+            f"lowering {lowering!r} does not apply to this {op}; it can run as {names} "
+            f"(an autotune cache written for other shapes? delete it, see hftc.lowering.autotune)"
+        )
+    return lowering
+
+
+def _loop_over_channels(outs: list[Tensor], n: int, spatial: int) -> Tensor:
+    """N per-model outputs ``[B, C, *S]`` -> ``[N, B, C, *S]`` viewing ``[B, N*C, *S]`` memory.
+
+    The layout every grouped lowering returns, so the op after a loop folds the
+    channels back for free, as it would after a grouped conv.
+    """
+    has_batch = outs[0].dim() == spatial + 2
+    return unfold_channels(torch.cat(outs, dim=1 if has_batch else 0), n, has_batch)
 
 
 def _shared_unfold_conv(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, padding: Any,
@@ -229,6 +310,12 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spatial: int
     return y if has_batch else y.squeeze(1)
 
 
+def conv_transpose_lowerings(*args: Any, **kwargs: Any) -> list[str]:
+    """:func:`conv_transpose`'s lowerings, the cost model's first: one grouped
+    transposed conv, or N separate ones."""
+    return ["grouped", "loop"]
+
+
 def conv_transpose(
     x: Tensor,
     weight: Tensor,
@@ -241,16 +328,22 @@ def conv_transpose(
     *,
     spatial: int,
     x_batched: bool,
+    lowering: str | None = None,
 ) -> Tensor:
     """N transposed convolutions as one grouped transposed conv.
 
     ``weight``: ``[N, Cin, Cout/g, *k]`` -> ``[N*Cin, Cout/g, *k]`` with ``N*g`` groups.
     """
+    lowering = _check_lowering("transposed conv", lowering, conv_transpose_lowerings())
     n = weight.shape[0]
+    fn = _conv_fn(spatial, transposed=True)
+    if lowering == "loop":
+        return _loop_over_channels(
+            [fn(x[i] if x_batched else x, weight[i], None if bias is None else bias[i], stride,
+                padding, output_padding, groups, dilation) for i in range(n)], n, spatial)
     if not x_batched:
         x = expand_models(x, n)
     has_batch = x.dim() == spatial + 3
-    fn = _conv_fn(spatial, transposed=True)
     y = fn(
         fold_channels(x, has_batch),
         weight.flatten(0, 1),
@@ -278,7 +371,20 @@ def conv_transpose_output_padding(
 # --------------------------------------------------------------------------- linear algebra
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool) -> Tensor:
+def linear_lowerings(x: Tensor, weight: Tensor, bias: Tensor | None, *,
+                     x_batched: bool) -> list[str]:
+    """:func:`linear`'s lowerings, the cost model's choice first.
+
+    Batched input: ``baddbmm`` (one batched GEMM whose weight gradient comes out
+    in the weight's layout, :class:`_BatchedLinear`), ``baddbmm_autograd`` (the
+    same product with autograd's own backward), ``loop`` (N ``F.linear``).
+    Shared input: ``gemm`` (one ``F.linear`` with ``N*out`` outputs) or ``loop``.
+    """
+    return ["baddbmm", "baddbmm_autograd", "loop"] if x_batched else ["gemm", "loop"]
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool,
+           lowering: str | None = None) -> Tensor:
     """N linears: one ``baddbmm`` (batched input) or one GEMM (shared input).
 
     ``weight``: ``[N, out, in]``.  Shared ``x`` ``[*lead, in]``:
@@ -286,14 +392,23 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool) -
     Batched ``x`` ``[N, *lead, in]`` -> ``[N, M, in]`` and
     ``baddbmm(bias[:, None], x, W^T)``.
     """
+    lowering = _check_lowering("linear", lowering,
+                               linear_lowerings(x, weight, bias, x_batched=x_batched))
     n, out_features, in_features = weight.shape
-    if not x_batched:
+    if lowering == "loop":
+        return torch.stack([F.linear(x[i] if x_batched else x, weight[i],
+                                     None if bias is None else bias[i]) for i in range(n)])
+    if lowering == "gemm":
         y = F.linear(x, weight.reshape(n * out_features, in_features),
                      bias.flatten() if bias is not None else None)
         return y.unflatten(-1, (n, out_features)).movedim(-2, 0)
     lead = x.shape[1:-1]
     x3 = x.reshape(n, -1, in_features)
-    y = _BatchedLinear.apply(x3, weight, bias)
+    if lowering == "baddbmm_autograd":
+        wt = weight.transpose(1, 2)
+        y = torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
+    else:
+        y = _BatchedLinear.apply(x3, weight, bias)
     return y.reshape(n, *lead, out_features)
 
 

@@ -69,6 +69,8 @@ class FusionReport:
     num_models: int
     records: list[FusionRecord]
     match_method: str = "trace order"
+    #: The lowerings ``autotune=True`` chose (hftc.lowering.autotune.LoweringChoice).
+    lowerings: list[Any] = field(default_factory=list)
 
     @property
     def fallbacks(self) -> list[FusionRecord]:
@@ -107,6 +109,10 @@ class FusionReport:
             lines.append("  fell back to a per-model loop (exact, but not faster):")
             for r in self.fallbacks:
                 lines.append(f"    {r.source}: {r.reason}")
+        if self.lowerings:
+            lines.append("")
+            lines.append("  lowerings chosen by autotune (median forward + backward per call):")
+            lines.extend(f"    {choice}" for choice in self.lowerings)
         return "\n".join(lines)
 
 

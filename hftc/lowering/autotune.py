@@ -1,0 +1,324 @@
+"""Autotuning: time each fused op's lowerings on the real shapes, on the real device.
+
+``hftc.fuse(models, autotune=True)``: when the fused forward is compiled (first
+call per mode and input signature), :func:`autotune_graph` walks the fused graph
+on the real inputs and, at each node that calls a tunable kernel::
+
+    candidates = kernel's lowerings(args)        conv: grouped, grouped_channels_last,
+                                                 pointwise_bmm, shared_im2col, loop ...
+    for each: forward (+ backward when training) on the node's real inputs,
+              interleaved round by round, median time
+    drop a candidate whose output differs from the cost model's choice
+    node.kwargs["lowering"] = the fastest
+
+``loop`` (N separate calls, what the serial loop runs) is always a candidate,
+so a tuned op is never slower than the N ops it replaces, as timed.  Without
+autotune each kernel takes its cost model's choice (the first of its lowerings).
+
+Choices are cached in memory and in a JSON file (``$HFTC_CACHE_DIR/autotune.json``,
+else ``$XDG_CACHE_HOME/hftc/``, else ``~/.cache/hftc/``), keyed by the device,
+the torch version and thread count, the kernel, every argument's shape, strides
+and dtype and whether a backward was timed: a second process (the next trial
+of a sweep) with the same shapes times nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from . import kernels
+
+#: Tunable kernels -> the function listing their lowerings (cost model's first).
+TUNABLE: dict[Callable[..., Any], Callable[..., list[str]]] = {
+    kernels.conv: kernels.conv_lowerings,
+    kernels.conv_transpose: kernels.conv_transpose_lowerings,
+    kernels.linear: kernels.linear_lowerings,
+}
+
+#: Seconds of work per timed measurement (repeats are added until it is reached).
+_TARGET_S = 0.004
+_ROUNDS = 5
+
+
+@dataclass
+class LoweringChoice:
+    """What autotune chose for one fused node, and the medians it chose from."""
+
+    node: str
+    kernel: str
+    chosen: str
+    default: str
+    #: lowering -> median seconds of one forward (+ backward) call
+    times: dict[str, float] = field(default_factory=dict)
+    cached: bool = False
+    rejected: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        timings = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in self.times.items())
+        source = "cache" if self.cached else timings
+        note = f"; rejected (outputs differ): {self.rejected}" if self.rejected else ""
+        return (f"{self.node:<24} {self.kernel:<15} {self.chosen:<22} "
+                f"(cost model: {self.default}; {source}{note})")
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+def cache_path() -> Path:
+    """Where choices persist: ``$HFTC_CACHE_DIR`` / ``$XDG_CACHE_HOME/hftc`` / ``~/.cache/hftc``."""
+    root = os.environ.get("HFTC_CACHE_DIR")
+    if root is None:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "hftc")
+    return Path(root) / "autotune.json"
+
+
+_MEMORY: dict[str, dict[str, Any]] = {}
+
+
+def _load(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+        return entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError):
+        return {}  # no cache yet, or a torn/corrupt one: tune again
+
+
+def _lookup(key: str, path: Path) -> dict[str, Any] | None:
+    if key not in _MEMORY:
+        entry = _load(path).get(key)
+        if entry is None:
+            return None
+        _MEMORY[key] = entry
+    return _MEMORY[key]
+
+
+def _store(key: str, entry: dict[str, Any], path: Path) -> None:
+    """Merge into the file and replace it atomically (concurrent trials lose nothing
+    worse than an entry to re-time)."""
+    _MEMORY[key] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entries = _load(path)
+        entries[key] = entry
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only home: keep the choice for this process
+        warnings.warn(f"hftc autotune: cannot write its cache {path}: {exc}", stacklevel=3)
+
+
+def device_key(device: torch.device) -> str:
+    """The hardware and software a timing holds for."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return f"cuda:{name}:torch {torch.__version__}"
+    return (f"{device.type}:{_cpu_name()}:{torch.get_num_threads()} threads:"
+            f"torch {torch.__version__}")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return [list(value.shape), list(value.stride()), str(value.dtype)]
+    if isinstance(value, (tuple, list)):
+        return [_describe(v) for v in value]
+    return repr(value)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    if dtype == torch.float64:
+        return 1e-9
+    if dtype == torch.float32:
+        return 1e-4
+    return 2e-2
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = b.abs().max().item() + 1.0 if b.numel() else 1.0
+    return b.numel() == 0 or (a - b).abs().max().item() <= _tolerance(b.dtype) * scale
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Candidate:
+    """One lowering of one node, runnable on that node's inputs."""
+
+    def __init__(self, kernel: Callable[..., Tensor], name: str, args: Sequence[Any],
+                 kwargs: dict[str, Any], grad_flags: Sequence[bool], grad_out: Tensor | None):
+        self.kernel, self.name = kernel, name
+        self.args, self.kwargs = args, {**kwargs, "lowering": name}
+        self.grad_flags, self.grad_out = grad_flags, grad_out
+        self.times: list[float] = []
+        self.repeats = 1
+
+    def run(self) -> Tensor:
+        if self.grad_out is None:
+            with torch.no_grad():
+                return self.kernel(*self.args, **self.kwargs)
+        leaves = [a.detach().requires_grad_() if flag else a
+                  for a, flag in zip(self.args, self.grad_flags)]
+        with torch.enable_grad():
+            y = self.kernel(*leaves, **self.kwargs)
+            y.backward(self.grad_out)
+        return y.detach()
+
+    def measure(self, device: torch.device) -> None:
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(self.repeats):
+            self.run()
+        _sync(device)
+        self.times.append((time.perf_counter() - start) / self.repeats)
+
+
+def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[str, Any],
+              grad_flags: Sequence[bool], *, node: str = "?",
+              path: Path | None = None) -> LoweringChoice:
+    """Time ``kernel``'s lowerings on these arguments and return the fastest (cached)."""
+    names = TUNABLE[kernel](*args, **kwargs)
+    backward = any(grad_flags)
+    device = next(a.device for a in args if isinstance(a, Tensor))
+    key = json.dumps([device_key(device), kernel.__name__, _describe(list(args)),
+                      {k: _describe(v) for k, v in sorted(kwargs.items())},
+                      [bool(f) for f in grad_flags], names])
+    path = path or cache_path()
+    choice = LoweringChoice(node, kernel.__name__, names[0], names[0])
+    if len(names) == 1:
+        return choice
+    entry = _lookup(key, path)
+    if entry is not None and entry.get("chosen") in names:
+        choice.chosen, choice.times, choice.cached = entry["chosen"], entry["times"], True
+        return choice
+
+    grad_out = None
+    reference = _Candidate(kernel, names[0], args, kwargs, grad_flags, None).run()
+    if backward:
+        generator = torch.Generator(device=device).manual_seed(0)
+        grad_out = torch.randn(reference.shape, dtype=reference.dtype, device=device,
+                               generator=generator)
+    candidates = []
+    for name in names:
+        candidate = _Candidate(kernel, name, args, kwargs, grad_flags, grad_out)
+        _sync(device)
+        start = time.perf_counter()
+        out = candidate.run()  # the warm-up run, checked against the cost model's output
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        if not _same(out, reference):
+            choice.rejected.append(name)
+            warnings.warn(f"hftc autotune: lowering {name!r} of node {node} ({kernel.__name__}) "
+                          f"gave other outputs than {names[0]!r}; it is not used", stacklevel=2)
+            continue
+        candidate.repeats = max(1, min(50, int(_TARGET_S / max(elapsed, 1e-7))))
+        candidates.append(candidate)
+    for _ in range(_ROUNDS):  # interleaved, so machine noise hits every candidate alike
+        for candidate in candidates:
+            candidate.measure(device)
+    choice.times = {c.name: statistics.median(c.times) for c in candidates}
+    choice.chosen = min(choice.times, key=choice.times.get)
+    _store(key, {"chosen": choice.chosen, "times": choice.times}, path)
+    return choice
+
+
+# --------------------------------------------------------------------------- the graph
+
+
+def _get_path(root: Any, path: str) -> Any:
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def autotune_graph(graph: fx.Graph, module: torch.nn.Module, inputs: Sequence[Any], *,
+                   backward: bool, path: Path | None = None) -> list[LoweringChoice]:
+    """Run ``graph`` once on ``inputs`` (no autograd) and set each tunable node's lowering.
+
+    ``module`` is what the generated code calls ``self`` (the FusedModule).  Values
+    are freed after their last use, so tuning needs the memory of one inference
+    forward.  ``backward`` times forward + backward (training), else forward only.
+    Returns the choices in graph order.
+    """
+    last_use: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        for source in node.all_input_nodes:
+            last_use[source] = node
+    env: dict[fx.Node, Any] = {}
+    needs_grad: set[fx.Node] = set()
+    placeholders = iter(inputs)
+    choices = []
+
+    def load(arg: Any) -> Any:
+        return fx.node.map_arg(arg, lambda n: env[n])
+
+    with torch.no_grad():
+        for node in graph.nodes:
+            if node.op == "output":
+                break
+            if node.op == "placeholder":
+                value = next(placeholders)
+                flag = isinstance(value, Tensor) and value.requires_grad
+            elif node.op == "get_attr":
+                value = _get_path(module, node.target)
+                flag = isinstance(value, Tensor) and value.requires_grad
+            else:
+                args, kwargs = load(node.args), load(node.kwargs)
+                flag = backward and any(n in needs_grad for n in node.all_input_nodes)
+                if node.op == "call_function" and node.target in TUNABLE \
+                        and node.kwargs.get("lowering") is None:
+                    flags = [backward and isinstance(a, fx.Node) and a in needs_grad
+                             for a in node.args]
+                    choice = tune_call(node.target, args, kwargs, flags, node=node.name,
+                                       path=path)
+                    node.kwargs = {**node.kwargs, "lowering": choice.chosen}
+                    kwargs = {**kwargs, "lowering": choice.chosen}
+                    choices.append(choice)
+                if node.op == "call_function":
+                    value = node.target(*args, **kwargs)
+                elif node.op == "call_method":
+                    value = getattr(args[0], node.target)(*args[1:], **kwargs)
+                else:
+                    value = module.get_submodule(node.target)(*args, **kwargs)
+            env[node] = value
+            if flag:
+                needs_grad.add(node)
+            for source in node.all_input_nodes:
+                if last_use.get(source) is node:
+                    del env[source]
+    return choices
+
+
+__all__ = ["LoweringChoice", "TUNABLE", "autotune_graph", "cache_path", "device_key",
+           "tune_call"]

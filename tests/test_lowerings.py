@@ -1,0 +1,220 @@
+"""Every lowering of every tunable kernel against a loop over the original modules.
+
+Autotune may pick any lowering a kernel lists, so each one must be exact on its
+own: forward, the input gradient and every parameter gradient, float64 and
+float32, shared and batched inputs, over a grid of layer configurations and N.
+Then ``hftc.fuse(..., autotune=True)`` end to end: the equivalence harness, the
+report, the disk cache and the check that drops a lowering with other outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+
+import pytest
+import torch
+from equivalence import DEFAULT_TOL, check_equivalence
+from torch import nn
+
+import hftc
+from hftc.errors import FusionArgumentError, FusionError
+from hftc.lowering import autotune, kernels
+from hftc.speed import MLP, LeNet5
+
+DTYPES = [torch.float64, torch.float32]
+
+# (module class, constructor kwargs, per-model input shape without the batch dim)
+CONVS = [
+    (nn.Conv1d, dict(in_channels=3, out_channels=4, kernel_size=3, padding=1), (3, 9)),
+    (nn.Conv1d, dict(in_channels=4, out_channels=4, kernel_size=1), (4, 7)),
+    (nn.Conv2d, dict(in_channels=1, out_channels=6, kernel_size=5, padding=2), (1, 12, 12)),
+    (nn.Conv2d, dict(in_channels=6, out_channels=5, kernel_size=5), (6, 11, 11)),
+    (nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1,
+                     groups=2), (4, 9, 8)),
+    (nn.Conv2d, dict(in_channels=3, out_channels=4, kernel_size=3, padding="same",
+                     dilation=2), (3, 8, 8)),
+    (nn.Conv2d, dict(in_channels=3, out_channels=4, kernel_size=3, padding=1,
+                     padding_mode="reflect"), (3, 7, 7)),
+    (nn.Conv2d, dict(in_channels=5, out_channels=7, kernel_size=1), (5, 6, 6)),
+    (nn.Conv2d, dict(in_channels=5, out_channels=7, kernel_size=1, bias=False), (5, 6, 6)),
+    (nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=3, padding=1,
+                     padding_mode="circular"), (2, 5, 5, 5)),
+]
+CONV_TRANSPOSES = [
+    (nn.ConvTranspose1d, dict(in_channels=3, out_channels=4, kernel_size=3, stride=2),
+     (3, 6)),
+    (nn.ConvTranspose2d, dict(in_channels=4, out_channels=6, kernel_size=4, stride=2,
+                              padding=1, output_padding=1, groups=2), (4, 5, 5)),
+]
+LINEARS = [
+    (nn.Linear, dict(in_features=7, out_features=5), (7,)),
+    (nn.Linear, dict(in_features=6, out_features=3, bias=False), (4, 6)),
+]
+
+
+def _layer_args(kernel, module: nn.Module, x_batched: bool) -> dict:
+    """The keyword arguments the fusion rules give ``kernel`` for ``module``."""
+    if kernel is kernels.linear:
+        return dict(x_batched=x_batched)
+    spatial = len(module.kernel_size)
+    if kernel is kernels.conv_transpose:
+        return dict(stride=module.stride, padding=module.padding,
+                    output_padding=module.output_padding, groups=module.groups,
+                    dilation=module.dilation, spatial=spatial, x_batched=x_batched)
+    return dict(stride=module.stride, padding=module.padding, dilation=module.dilation,
+                groups=module.groups, spatial=spatial, x_batched=x_batched,
+                padding_mode=module.padding_mode,
+                explicit_padding=tuple(module._reversed_padding_repeated_twice))
+
+
+def _check_every_lowering(kernel, cls, kwargs, shape, n, x_batched, batch, dtype):
+    torch.manual_seed(0)
+    modules = [cls(**kwargs).to(dtype) for _ in range(n)]
+    per_model = ((batch,) if batch else ()) + shape
+    x = torch.randn(((n,) if x_batched else ()) + per_model, dtype=dtype)
+    weight = torch.stack([m.weight.detach() for m in modules])
+    bias = None if modules[0].bias is None else torch.stack([m.bias.detach() for m in modules])
+    layer_args = _layer_args(kernel, modules[0], x_batched)
+
+    # The reference: each module on its own slice, and its gradients.
+    xs = x.detach().requires_grad_()
+    ref = torch.stack([m(xs[i] if x_batched else xs) for i, m in enumerate(modules)])
+    grad_out = torch.randn_like(ref)
+    ref.backward(grad_out)
+    tol = DEFAULT_TOL[dtype]
+
+    names = autotune.TUNABLE[kernel](x, weight, bias, **layer_args)
+    assert "loop" in names, "the per-model loop must always be a candidate"
+    for name in names:
+        xl = x.detach().requires_grad_()
+        wl = weight.detach().requires_grad_()
+        bl = None if bias is None else bias.detach().requires_grad_()
+        y = kernel(xl, wl, bl, lowering=name, **layer_args)
+        assert y.shape == ref.shape, name
+        torch.testing.assert_close(y, ref, rtol=tol, atol=tol, msg=f"{name}: forward")
+        y.backward(grad_out)
+        torch.testing.assert_close(xl.grad, xs.grad, rtol=tol, atol=tol,
+                                   msg=f"{name}: input grad")
+        torch.testing.assert_close(wl.grad, torch.stack([m.weight.grad for m in modules]),
+                                   rtol=tol, atol=tol, msg=f"{name}: weight grad")
+        if bias is not None:
+            torch.testing.assert_close(bl.grad, torch.stack([m.bias.grad for m in modules]),
+                                       rtol=tol, atol=tol, msg=f"{name}: bias grad")
+    return names
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("layer", CONVS, ids=lambda c: f"{c[0].__name__}{c[1]}")
+def test_every_conv_lowering_matches_the_loop(layer, n, x_batched, dtype):
+    cls, kwargs, shape = layer
+    names = _check_every_lowering(kernels.conv, cls, kwargs, shape, n, x_batched, 2, dtype)
+    assert len(names) >= 2
+
+
+@pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
+@pytest.mark.parametrize("layer", CONVS[2:5], ids=lambda c: f"{c[0].__name__}{c[1]}")
+def test_conv_lowerings_at_batch_one_and_unbatched(layer, x_batched):
+    cls, kwargs, shape = layer
+    for batch in (1, 0):
+        _check_every_lowering(kernels.conv, cls, kwargs, shape, 3, x_batched, batch,
+                              torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
+@pytest.mark.parametrize("layer", CONV_TRANSPOSES, ids=lambda c: f"{c[0].__name__}{c[1]}")
+def test_every_conv_transpose_lowering_matches_the_loop(layer, x_batched, dtype):
+    cls, kwargs, shape = layer
+    _check_every_lowering(kernels.conv_transpose, cls, kwargs, shape, 3, x_batched, 2, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
+@pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("layer", LINEARS, ids=lambda c: f"{c[1]}-{c[2]}")
+def test_every_linear_lowering_matches_the_loop(layer, n, x_batched, dtype):
+    cls, kwargs, shape = layer
+    _check_every_lowering(kernels.linear, cls, kwargs, shape, n, x_batched, 5, dtype)
+
+
+def test_a_lowering_that_does_not_apply_is_refused():
+    x, w = torch.randn(2, 3, 5, 5), torch.randn(4, 6, 3, 3, 3)
+    with pytest.raises(FusionError, match="lowering 'pointwise_bmm' does not apply"):
+        kernels.conv(x, w, None, spatial=2, x_batched=False, lowering="pointwise_bmm")
+
+
+# --------------------------------------------------------------------------- autotune
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+    monkeypatch.setattr(autotune, "_ROUNDS", 2)
+    return tmp_path
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("workload", [LeNet5, MLP], ids=["lenet5", "mlp"])
+def test_autotuned_fusion_matches_the_loop(workload, train, dtype, cache_dir):
+    torch.manual_seed(0)
+    models = [workload() for _ in range(3)]
+    x = torch.randn(4, 1, 28, 28) if workload is LeNet5 else torch.randn(4, 64)
+    fused = check_equivalence(models, x, train=train, dtype=dtype, steps=2,
+                              fuser=functools.partial(hftc.fuse, autotune=True))
+    choices = fused.fusion_report.lowerings
+    assert [c.kernel for c in choices] == (["conv", "conv"] if workload is LeNet5 else []) \
+        + ["linear"] * 3
+    assert all(c.chosen in c.times or c.cached for c in choices)
+    assert "lowerings chosen by autotune" in str(fused.fusion_report)
+    # The choices are in the generated code, so a reader sees what runs.
+    assert all(f"lowering = '{c.chosen}'" in fused.last_program().source for c in choices)
+
+
+def test_autotune_cache_is_reused_across_fusions(cache_dir, monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(8, 1, 28, 28)
+    first = hftc.fuse([LeNet5() for _ in range(2)], autotune=True)
+    first(x)
+    stored = json.loads((cache_dir / "autotune.json").read_text())
+    assert len(stored) == 5  # 2 convs + 3 linears
+    chosen = [c.chosen for c in first.fusion_report.lowerings]
+
+    monkeypatch.setattr(autotune, "_MEMORY", {})  # a new process: only the file is left
+
+    def no_timing(self, device):
+        raise AssertionError("a cached choice was timed again")
+
+    monkeypatch.setattr(autotune._Candidate, "measure", no_timing)
+    second = hftc.fuse([LeNet5() for _ in range(2)], autotune=True)
+    second(x)
+    assert all(c.cached for c in second.fusion_report.lowerings)
+    assert [c.chosen for c in second.fusion_report.lowerings] == chosen
+
+
+def test_autotune_drops_a_lowering_with_other_outputs(cache_dir, monkeypatch):
+    def kernel(x, weight, bias, *, x_batched, lowering=None):
+        y = kernels.linear(x, weight, bias, x_batched=x_batched)
+        return y + 1 if lowering == "wrong" else y
+
+    kernel.__name__ = "toy_linear"
+    monkeypatch.setitem(autotune.TUNABLE, kernel, lambda *a, **k: ["right", "wrong"])
+    x, w = torch.randn(3, 5, 4), torch.randn(3, 2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        choice = autotune.tune_call(kernel, (x, w, None), {"x_batched": True},
+                                    [False, True, False], node="fc")
+    assert choice.chosen == "right"
+    assert choice.rejected == ["wrong"]
+    assert list(choice.times) == ["right"]
+    assert any("gave other outputs" in str(w.message) for w in caught)
+
+
+def test_autotune_must_be_a_bool():
+    with pytest.raises(FusionArgumentError, match="autotune must be True or False"):
+        hftc.fuse([MLP(), MLP()], autotune="fast")
