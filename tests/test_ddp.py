@@ -7,6 +7,8 @@ steps both ranks must hold the weights one process reaches with the whole batch.
 
 from __future__ import annotations
 
+import datetime
+import gc
 import os
 import socket
 
@@ -53,7 +55,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two processes on a 2-core machine
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A timeout, so a lost peer fails the test instead of hanging it.
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         for name, fuser in FUSERS.items():
             fused = fuser(make_models(len(LRS), torch.float64))
@@ -61,6 +65,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             _train(ddp, make_batches(STEPS, torch.float64, batch=BATCH), rank)
             weights = {k: v.detach().clone() for k, v in fused.named_parameters()}
             torch.save(weights, os.path.join(out_dir, f"{name}-{rank}.pt"))
+            # DDP's reducer must die before its process group: destroyed after it, at
+            # interpreter exit, gloo's worker thread waits for the GIL the main thread
+            # holds while it waits for that thread (a deadlock seen on torch 2.13).
+            del ddp
+            gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
