@@ -12,7 +12,8 @@ torch.func      ``stack_module_state`` + ``functional_call`` + ``vmap(grad(loss)
                 Adam over the stacked parameters (one learning rate for all: stock
                 optimizers cannot take one per model, so it gets ``lrs[0]``)
 hand-fused      HFTA-style hand-written fused model and fused Adam (``handfused.py``)
-hftc            ``hftc.fuse`` + ``hftc.optim.Adam`` + ``hftc.per_model(loss)``
+hftc            ``hftc.fuse(models, autotune=True)`` + ``hftc.optim.Adam`` +
+                ``hftc.per_model(loss)``
 hftc+compile    the same with the forward and loss under ``torch.compile`` (inductor);
                 backward through AOTAutograd's compiled graph; optimizer eager
 ==============  ==========================================================================
@@ -21,6 +22,8 @@ hftc+compile    the same with the forward and loss under ``torch.compile`` (indu
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +68,8 @@ class Step:
     num_models: int
     parameters: Callable[[], dict[str, torch.Tensor]]
     info: dict[str, Any] = field(default_factory=dict)
+    #: Where a step's time goes (:func:`step_phases`), for the contenders that offer it.
+    phases: Callable[[], dict[str, float]] | None = None
 
 
 def _stacked(models: list[nn.Module]) -> Callable[[], dict[str, torch.Tensor]]:
@@ -153,7 +158,8 @@ def _hand_fused(w: Workload, models, lrs, x, y, adam_kwargs) -> Step:
 def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, *, compile: bool = False) -> Step:
     import hftc
 
-    fused = hftc.fuse(models)
+    # autotune: each fused op's lowering timed on these shapes (cached on disk).
+    fused = hftc.fuse(models, autotune=True)
     opt = hftc.optim.Adam(fused.parameters(), lr=lrs, **adam_kwargs)
     per_model_loss = hftc.per_model(w.loss_fn)
 
@@ -169,8 +175,57 @@ def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, *, compile: bool = False)
 
     fused.compile(x)
     report = fused.fusion_report
-    info = {"fallbacks": [f"{r.node} ({r.reason})" for r in report.fallbacks]}
-    return Step(step, len(models), _named(fused), info)
+    info = {"fallbacks": [f"{r.node} ({r.reason})" for r in report.fallbacks],
+            "lowerings": {c.node: c.chosen for c in report.lowerings}}
+    return Step(step, len(models), _named(fused), info,
+                phases=lambda: step_phases(lambda: fn(x, y), opt))
+
+
+#: Ops whose self time counts as matrix products / convolutions in :func:`step_phases`.
+_GEMM_OPS = ("mm", "bmm", "addmm", "baddbmm", "convolution", "conv", "linear")
+
+
+def step_phases(forward_loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer,
+                steps: int = 10) -> dict[str, float]:
+    """Where one training step's time goes: median seconds of forward + loss, backward and
+    optimizer step (zero_grad included), and (on the CPU, from ``torch.profiler``) the
+    fractions of the step's self time spent in GEMMs/convolutions, in the optimizer
+    step and in everything else (elementwise ops, layout copies, Python)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times: dict[str, list[float]] = {"forward_loss_s": [], "backward_s": [], "optimizer_s": []}
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = forward_loss()
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        t3 = time.perf_counter()
+        for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
+            times[key].append(value)
+    phases = {k: statistics.median(v) for k, v in times.items()}
+    if torch.cuda.is_available():
+        return phases
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            forward_loss().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    gemm = sum(e.self_cpu_time_total for e in events
+               if e.key.startswith("aten::") and any(op in e.key[6:] for op in _GEMM_OPS))
+    optimizer = sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step"))
+    phases.update(gemm_fraction=gemm / total, optimizer_fraction=optimizer / total,
+                  other_fraction=max(0.0, 1 - (gemm + optimizer) / total))
+    return phases
 
 
 _BUILDERS: dict[str, Callable[..., Step]] = {

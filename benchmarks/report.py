@@ -204,10 +204,40 @@ def _workload_tables(name: str, entry: dict, contenders: list[str], peak_gflops:
                 "inductor cache in /tmp may have been warm): "
                 + ", ".join(f"N={n} {r['first_step_s']:.1f} s" for n, r in comp)
                 + ". Steady-state steps only are timed."]
+    out += _phase_table(hftc)
+    lowerings = {}
+    for n, r in hftc:
+        for node, chosen in (r.get("info") or {}).get("lowerings", {}).items():
+            lowerings.setdefault(node, {})[n] = chosen
+    if lowerings:
+        out += ["", "Lowerings autotune chose (`hftc.fuse(..., autotune=True)`), per fused "
+                "node: " + "; ".join(
+                    f"`{node}` " + ", ".join(f"N={n} {c}" for n, c in by_n.items())
+                    for node, by_n in lowerings.items()) + "."]
     fallbacks = {f for _, r in hftc for f in (r.get("info") or {}).get("fallbacks", [])}
     if fallbacks:
         out += ["", "hftc fell back to per-model loops for: " + "; ".join(sorted(fallbacks)) + "."]
     return out + [""]
+
+
+def _phase_table(hftc: list[tuple[int, dict]]) -> list[str]:
+    """Where hftc's step goes: forward, backward, optimizer; GEMM / optimizer / other time."""
+    rows = [(n, (r.get("info") or {}).get("phases")) for n, r in hftc]
+    rows = [(n, p) for n, p in rows if p]
+    if not rows:
+        return []
+    out = ["", "Where hftc's step goes: median ms of forward + loss, backward and optimizer "
+           "step (+ zero_grad), timed apart after the warm-up; and the step's self CPU time "
+           "(torch.profiler) in matrix products and convolutions, in the optimizer step and "
+           "in everything else (elementwise tails, layout copies, Python).", "",
+           "| N | forward + loss | backward | optimizer | GEMM/conv | optimizer | other |",
+           "|---|---|---|---|---|---|---|"]
+    for n, p in rows:
+        fractions = [f"{p[k]:.0%}" if k in p else "" for k in
+                     ("gemm_fraction", "optimizer_fraction", "other_fraction")]
+        out.append(f"| {n} | {p['forward_loss_s'] * 1e3:.2f} | {p['backward_s'] * 1e3:.2f} | "
+                   f"{p['optimizer_s'] * 1e3:.2f} | " + " | ".join(fractions) + " |")
+    return out
 
 
 def _max_n_tables(result: dict) -> list[str]:

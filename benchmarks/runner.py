@@ -110,13 +110,14 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
         from .contenders import build_step
 
         t0 = time.perf_counter()
+        phases = None
         if spec["contender"] == "matmul":
             fn, info = _matmul_step(), {}
         else:
             step = build_step(spec["contender"], spec["workload"], spec["n"],
                               model_index=spec.get("model_index"),
                               adam=spec.get("adam", "default"))
-            fn, info = step.fn, step.info
+            fn, info, phases = step.fn, step.info, step.phases
         build_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         fn()
@@ -126,6 +127,8 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             fn()
             warm.append(time.perf_counter() - t0)
+        if phases is not None:  # where a warm step's time goes, apart from the timed rounds
+            info = dict(info, phases=phases())
         conn.send(("ready", {"build_s": build_s, "first_step_s": first_s, "warm_s": warm,
                              "info": info}))
     except Exception as exc:  # reported as the contender's result, not a crash of the suite

@@ -100,11 +100,22 @@ def test_tiny_suite_end_to_end(tmp_path):
             assert len(run["step_s"]) == 2 and all(t > 0 for t in run["step_s"])
             assert run["steps_per_sample"] >= 1
             assert run["peak_mib"] is not None and run["peak_mib"] >= 0
-    assert result["workloads"]["mlp"]["configs"][1]["contenders"]["hftc"]["info"] == {
-        "fallbacks": []}
+    info = result["workloads"]["mlp"]["configs"][1]["contenders"]["hftc"]["info"]
+    assert info["fallbacks"] == []
+    # autotune picked one of each linear's lowerings (MLP: a shared first layer, then two
+    # batched ones) ...
+    assert info["lowerings"]["linear"] in ("gemm", "loop")
+    assert {info["lowerings"][k] for k in ("linear_1", "linear_2")} <= {
+        "baddbmm", "baddbmm_autograd", "loop"}
+    # ... and the step's phases were timed and its self time split three ways.
+    phases = info["phases"]
+    assert all(phases[k] > 0 for k in ("forward_loss_s", "backward_s", "optimizer_s"))
+    fractions = [phases[k] for k in ("gemm_fraction", "optimizer_fraction", "other_fraction")]
+    assert all(0 <= f <= 1 for f in fractions) and sum(fractions) == pytest.approx(1.0)
 
     text = report.markdown(result)
-    for heading in ("### Targets", "### mlp", "Peak memory", "Efficiency"):
+    for heading in ("### Targets", "### mlp", "Peak memory", "Efficiency",
+                    "Where hftc's step goes", "Lowerings autotune chose"):
         assert heading in text
     assert report.ratio(result, "mlp", 2, "hftc", "serial") > 0
     paths = report.plot(result, tmp_path)
