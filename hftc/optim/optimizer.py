@@ -120,9 +120,16 @@ class _Coefficients:
         }
         self._table: Tensor | None = None   # built on first use: a sweep may need none
         self._cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._views: dict[tuple[Any, ...], Tensor] = {}
 
     def __call__(self, name: str, like: Tensor) -> Tensor:
         """Row ``name`` in ``like``'s dtype and device, shaped to broadcast over ``like``."""
+        # Memoised per (row, dtype, device, rank): an update asks for the same few views
+        # once per parameter, and each view costs more than the op it feeds at small N.
+        view_key = (name, like.dtype, like.device, like.dim())
+        view = self._views.get(view_key)
+        if view is not None:
+            return view
         key = (like.dtype, like.device)
         table = self._cache.get(key)
         if table is None:
@@ -130,7 +137,9 @@ class _Coefficients:
                 self._table = torch.tensor(self._rows, dtype=torch.float64)
             table = self._table.to(device=like.device, dtype=like.dtype)
             self._cache[key] = table
-        return table[self._row[name]].view(-1, *([1] * (like.dim() - 1)))
+        view = table[self._row[name]].view(-1, *([1] * (like.dim() - 1)))
+        self._views[view_key] = view
+        return view
 
     def mask(self, name: str, like: Tensor) -> Tensor:
         """Row ``name`` (0/1 values) as a bool ``[N, 1, ..., 1]`` tensor on ``like``'s device."""
