@@ -27,6 +27,7 @@ from optim_helpers import (
 )
 
 import hftc.optim as ho
+import hftc.optim.adam as adam_module
 
 # name -> (fused class, stock class, one stock kwargs dict per model)
 CASES = {
@@ -46,6 +47,12 @@ CASES = {
         dict(lr=3e-2, betas=(0.8, 0.99), amsgrad=True),
         dict(lr=1e-3, weight_decay=0.1, eps=1e-6),
         dict(lr=5e-3, betas=(0.5, 0.9), maximize=True, amsgrad=True, weight_decay=0.01),
+    ]),
+    # Neither amsgrad nor maximize: the foreach update of small parameters.
+    "adam_plain": (ho.Adam, torch.optim.Adam, [
+        dict(lr=1e-2),
+        dict(lr=3e-2, betas=(0.8, 0.99), weight_decay=0.1),
+        dict(lr=1e-3, eps=1e-6),
     ]),
     "adam_decoupled_mixed": (ho.Adam, torch.optim.Adam, [
         dict(lr=1e-2, weight_decay=0.1),
@@ -110,6 +117,21 @@ def test_matches_stock_bit_for_bit_on_cpu(case):
     for i, solo in enumerate(solos):
         for name, p in solo.named_parameters():
             assert torch.equal(params[name][i], p), (case, i, name)
+
+
+@pytest.mark.parametrize("foreach_max_numel", [0, 1 << 16], ids=["one-by-one", "foreach"])
+@pytest.mark.parametrize("case", ["adam_plain", "adam_decoupled_mixed"])
+def test_adam_foreach_and_one_by_one_updates_are_stock_bit_for_bit(case, foreach_max_numel,
+                                                                    monkeypatch):
+    # Small parameters take _foreach ops, large ones per-tensor ops into scratch space;
+    # a threshold of 0 sends every parameter of these small models the second way.
+    monkeypatch.setattr(adam_module, "_FOREACH_MAX_NUMEL", foreach_max_numel)
+    for dtype in DTYPES:
+        fused, _, solos = run_case(case, dtype)
+        params = dict(fused.named_parameters())
+        for i, solo in enumerate(solos):
+            for name, p in solo.named_parameters():
+                assert torch.equal(params[name][i], p), (case, dtype, i, name)
 
 
 def test_shared_scalars_equal_lists_of_equal_values():

@@ -11,6 +11,11 @@ from .optimizer import FusedOptimizer, _Coefficients, addcmul_
 
 __all__ = ["Adam", "AdamW"]
 
+#: Parameters up to this many elements (all N models) are updated together by
+#: ``_foreach`` ops; larger ones one by one into reused scratch space, where the
+#: allocations ``_foreach`` ops make measured 2x slower (MLP at N = 32: 2.9 vs 6.4 ms).
+_FOREACH_MAX_NUMEL = 1 << 16
+
 
 class Adam(FusedOptimizer):
     """Adam (and, with ``decoupled_weight_decay=True``, AdamW) for N fused models.
@@ -93,47 +98,100 @@ class Adam(FusedOptimizer):
             "eps": hp["eps"],
             "amsgrad": amsgrad,
         })
-        by_steps: dict[tuple[float, ...], _Coefficients] = {}
+        # Parameters grouped by their models' step counts (one group unless some model
+        # skipped steps), each group with its bias corrections.
+        by_steps: dict[tuple[float, ...], list[Tensor]] = {}
         for p in params:
             state = self.state[p]
             if any(amsgrad) and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
-            steps = tuple(state["step"].tolist())
-            if steps not in by_steps:
-                # Python doubles, as stock computes them from step.item().
-                by_steps[steps] = _Coefficients({
-                    "neg_step_size": [-(r / (1 - b ** s)) for r, b, s in zip(lr, beta1, steps)],
-                    "bc2_sqrt": [(1 - b ** s) ** 0.5 for b, s in zip(beta2, steps)],
-                })
-            step_coef = by_steps[steps]
+            by_steps.setdefault(tuple(state["step"].tolist()), []).append(p)
+        simple = not any(amsgrad) and not any(hp["maximize"])
+        for steps, group in by_steps.items():
+            # Python doubles, as stock computes them from step.item().
+            step_coef = _Coefficients({
+                "neg_step_size": [-(r / (1 - b ** s)) for r, b, s in zip(lr, beta1, steps)],
+                "bc2_sqrt": [(1 - b ** s) ** 0.5 for b, s in zip(beta2, steps)],
+            })
+            small = [p for p in group if simple and p.numel() <= _FOREACH_MAX_NUMEL]
+            if small:
+                self._update_foreach(small, coef, step_coef, any_coupled, any_decoupled)
+            for p in group:
+                if not (simple and p.numel() <= _FOREACH_MAX_NUMEL):
+                    self._update_one(p, hp, coef, step_coef, any_coupled, any_decoupled)
 
-            grad = p.grad
-            if any(hp["maximize"]):
-                grad = grad * coef("sign", p)
-            if any_decoupled:
-                p.mul_(coef.get("decay", p))
-            if any_coupled:
-                grad = torch.addcmul(grad, p, coef("coupled_wd", p))
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.lerp_(grad, coef.get("one_minus_beta1", p))
-            addcmul_(exp_avg_sq.mul_(coef.get("beta2", p)), grad, grad,
-                     coef.get("one_minus_beta2", p))
-            if any(amsgrad):
-                max_sq = state["max_exp_avg_sq"]
-                torch.maximum(max_sq, exp_avg_sq, out=max_sq)
-                second = max_sq if all(amsgrad) else torch.where(
-                    coef.mask("amsgrad", p), max_sq, exp_avg_sq)
-            else:
-                second = exp_avg_sq
-            # Stock: denom = (second.sqrt() / bc2_sqrt).add_(eps), written into scratch space.
-            denom = torch.sqrt(second, out=self._scratch(p, 0))
-            denom.div_(step_coef.get("bc2_sqrt", p)).add_(coef.get("eps", p))
-            neg_step_size = step_coef.get("neg_step_size", p)
-            if isinstance(neg_step_size, Tensor):  # stock's value=-step_size, per model
-                p.addcdiv_(torch.mul(exp_avg, neg_step_size, out=self._scratch(p, 1)), denom)
-            else:
-                p.addcdiv_(exp_avg, denom, value=neg_step_size)
+    def _update_one(self, p: Tensor, hp: dict[str, list[Any]], coef: _Coefficients,
+                    step_coef: _Coefficients, any_coupled: bool, any_decoupled: bool) -> None:
+        """Stock's single-tensor update of one stacked parameter, op for op."""
+        state, amsgrad = self.state[p], hp["amsgrad"]
+        grad = p.grad
+        if any(hp["maximize"]):
+            grad = grad * coef("sign", p)
+        if any_decoupled:
+            p.mul_(coef.get("decay", p))
+        if any_coupled:
+            grad = torch.addcmul(grad, p, coef("coupled_wd", p))
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, coef.get("one_minus_beta1", p))
+        addcmul_(exp_avg_sq.mul_(coef.get("beta2", p)), grad, grad,
+                 coef.get("one_minus_beta2", p))
+        if any(amsgrad):
+            max_sq = state["max_exp_avg_sq"]
+            torch.maximum(max_sq, exp_avg_sq, out=max_sq)
+            second = max_sq if all(amsgrad) else torch.where(
+                coef.mask("amsgrad", p), max_sq, exp_avg_sq)
+        else:
+            second = exp_avg_sq
+        # Stock: denom = (second.sqrt() / bc2_sqrt).add_(eps), written into scratch space.
+        denom = torch.sqrt(second, out=self._scratch(p, 0))
+        denom.div_(step_coef.get("bc2_sqrt", p)).add_(coef.get("eps", p))
+        neg_step_size = step_coef.get("neg_step_size", p)
+        if isinstance(neg_step_size, Tensor):  # stock's value=-step_size, per model
+            p.addcdiv_(torch.mul(exp_avg, neg_step_size, out=self._scratch(p, 1)), denom)
+        else:
+            p.addcdiv_(exp_avg, denom, value=neg_step_size)
+
+    def _update_foreach(self, params: list[Tensor], coef: _Coefficients,
+                        step_coef: _Coefficients, any_coupled: bool,
+                        any_decoupled: bool) -> None:
+        """:meth:`_update_one` for many small parameters at once, with ``torch._foreach_*`` ops.
+
+        The same ops in the same order on each tensor (on the CPU, ``_foreach_*`` runs
+        the per-tensor kernel on each), so the results are stock's bit for bit; one call
+        per op instead of one per op and parameter: at small N the per-call cost, not the
+        arithmetic, is the update's time (MLP at N = 2: 0.6 -> 0.35 ms per step).
+        Without maximize or amsgrad (those take :meth:`_update_one`).
+        """
+        state = [self.state[p] for p in params]
+        grads = [p.grad for p in params]
+        exp_avgs = [s["exp_avg"] for s in state]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in state]
+
+        def each(c: _Coefficients, name: str) -> float | list[Tensor]:
+            value = c.get(name, params[0])
+            return value if not isinstance(value, Tensor) else [c(name, p) for p in params]
+
+        if any_decoupled:
+            torch._foreach_mul_(params, each(coef, "decay"))
+        if any_coupled:
+            grads = torch._foreach_addcmul(grads, params, [coef("coupled_wd", p) for p in params])
+        torch._foreach_lerp_(exp_avgs, grads, each(coef, "one_minus_beta1"))
+        torch._foreach_mul_(exp_avg_sqs, each(coef, "beta2"))
+        one_minus_beta2 = each(coef, "one_minus_beta2")
+        if isinstance(one_minus_beta2, list):  # addcmul_ with a per-model value
+            torch._foreach_addcmul_(exp_avg_sqs, torch._foreach_mul(grads, one_minus_beta2),
+                                    grads)
+        else:
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=one_minus_beta2)
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denoms, each(step_coef, "bc2_sqrt"))
+        torch._foreach_add_(denoms, each(coef, "eps"))
+        neg_step_size = each(step_coef, "neg_step_size")
+        if isinstance(neg_step_size, list):
+            torch._foreach_addcdiv_(params, torch._foreach_mul(exp_avgs, neg_step_size), denoms)
+        else:
+            torch._foreach_addcdiv_(params, exp_avgs, denoms, value=neg_step_size)
 
     # ------------------------------------------------------------------ fused=True
 
