@@ -28,8 +28,9 @@ from .errors import (
     TraceError,
     UnsupportedOperatorError,
 )
-from .lowering.autotune import autotune_graph
+from .lowering.autotune import autotune_graph, choose_model_loop, preserved_state
 from .lowering.codegen import compile_graph
+from .lowering.model_loop import ModelLoop
 from .lowering.modules import StackedModule, build_module_tree
 from .match import GraphMatch, match_graphs
 from .passes import FusionReport, fuse_graph
@@ -46,6 +47,9 @@ class Program:
     source: str
     #: Rebuilds an output type the graph returns flat (a dataclass, a ModelOutput).
     output_spec: OutputSpec | None = None
+    #: Set when autotune measured the N models run one by one faster than the fused
+    #: program (hftc.lowering.model_loop); ``forward`` then runs it instead.
+    model_loop: ModelLoop | None = None
 
 
 @dataclass
@@ -380,6 +384,8 @@ class FusedModule(nn.Module):
         values = self._bind(tuple(merged), dict(kwargs))
         batched = batched + [False] * (len(values) - len(batched))
         program = self._program(values, batched)
+        if program.model_loop is not None:
+            return program.model_loop(self, values, batched)
         try:
             out = program.forward(self, *values)
             return out if program.output_spec is None else program.output_spec.rebuild(out)
@@ -415,9 +421,15 @@ class FusedModule(nn.Module):
         if self.autotune:
             # Training programs are timed forward + backward, as a training step runs them.
             backward = self.training and any(p.requires_grad for p in self.parameters())
-            report.lowerings = autotune_graph(graph, self, values, backward=backward)
+            with preserved_state(self):
+                report.lowerings = autotune_graph(graph, self, values, backward=backward)
         forward, source = compile_graph(graph)
-        return Program(forward, graph, report, source, output_spec(mode_graphs.graph))
+        program = Program(forward, graph, report, source, output_spec(mode_graphs.graph))
+        if self.autotune and self.num_models > 1 and program.output_spec is None:
+            program.model_loop, choice = choose_model_loop(
+                self, forward, values, batched, backward=backward, key_source=source)
+            report.lowerings.append(choice)
+        return program
 
     def _explain_input_mismatch(self, values: Sequence[Any], cause: Exception) -> None:
         """An input of another dtype or device than the parameters: say so, not the ATen error."""

@@ -16,11 +16,15 @@ import warnings
 import pytest
 import torch
 from equivalence import DEFAULT_TOL, check_equivalence
+from test_zoo import _zoo_models
 from torch import nn
+from zoo import make_input
 
 import hftc
+import hftc.fused
 from hftc.errors import FusionArgumentError, FusionError
 from hftc.lowering import autotune, kernels
+from hftc.lowering.model_loop import ModelLoop
 from hftc.speed import MLP, LeNet5
 
 DTYPES = [torch.float64, torch.float32]
@@ -169,11 +173,11 @@ def test_autotuned_fusion_matches_the_loop(workload, train, dtype, cache_dir):
                               fuser=functools.partial(hftc.fuse, autotune=True))
     choices = fused.fusion_report.lowerings
     assert [c.kernel for c in choices] == (["conv", "conv"] if workload is LeNet5 else []) \
-        + ["linear"] * 3
+        + ["linear"] * 3 + ["forward"]  # the last: fused program or whole-model loop
     assert all(c.chosen in c.times or c.cached for c in choices)
     assert "lowerings chosen by autotune" in str(fused.fusion_report)
     # The choices are in the generated code, so a reader sees what runs.
-    assert all(f"lowering = '{c.chosen}'" in fused.last_program().source for c in choices)
+    assert all(f"lowering = '{c.chosen}'" in fused.last_program().source for c in choices[:-1])
 
 
 def test_autotune_cache_is_reused_across_fusions(cache_dir, monkeypatch):
@@ -182,7 +186,7 @@ def test_autotune_cache_is_reused_across_fusions(cache_dir, monkeypatch):
     first = hftc.fuse([LeNet5() for _ in range(2)], autotune=True)
     first(x)
     stored = json.loads((cache_dir / "autotune.json").read_text())
-    assert len(stored) == 5  # 2 convs + 3 linears
+    assert len(stored) == 6  # 2 convs + 3 linears + fused program vs whole-model loop
     chosen = [c.chosen for c in first.fusion_report.lowerings]
 
     monkeypatch.setattr(autotune, "_MEMORY", {})  # a new process: only the file is left
@@ -218,3 +222,60 @@ def test_autotune_drops_a_lowering_with_other_outputs(cache_dir, monkeypatch):
 def test_autotune_must_be_a_bool():
     with pytest.raises(FusionArgumentError, match="autotune must be True or False"):
         hftc.fuse([MLP(), MLP()], autotune="fast")
+
+
+# --------------------------------------------------------------------------- the whole-model loop
+
+
+def _force_model_loop(monkeypatch):
+    """Make autotune take the whole-model loop, as it does where that measured faster."""
+    def choose(fused, *args, **kwargs):
+        return ModelLoop(fused), autotune.LoweringChoice("<whole model>", "forward",
+                                                         "model_loop", "fused")
+
+    monkeypatch.setattr(hftc.fused, "choose_model_loop", choose)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", ["resnet", "pointnet_cls", "mobilenet_v2", "residual_mlp"])
+def test_model_loop_matches_the_loop(name, train, monkeypatch, cache_dir):
+    _force_model_loop(monkeypatch)
+    models = _zoo_models(name, 3, train)
+    x = make_input(name, 4, seed=1)
+    fused = check_equivalence(models, x, train=train, steps=2 if train else 1,
+                              fuser=functools.partial(hftc.fuse, autotune=True))
+    assert fused.last_program().model_loop is not None
+    assert fused.fusion_report.lowerings[-1].chosen == "model_loop"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_model_loop_with_stacked_inputs(dtype, monkeypatch, cache_dir):
+    _force_model_loop(monkeypatch)
+    models = _zoo_models("lenet5_mnist", 3, True)
+    x = make_input("lenet5_mnist", 4, seed=1).unsqueeze(0).repeat(3, 1, 1, 1, 1)
+    x = x + 0.1 * torch.randn_like(x)
+    fused = check_equivalence(models, x, in_dims=0, dtype=dtype, steps=2,
+                              fuser=functools.partial(hftc.fuse, autotune=True))
+    assert fused.last_program().model_loop is not None
+
+
+def test_autotune_leaves_running_stats_and_rng_alone(cache_dir):
+    torch.manual_seed(0)
+    fused = hftc.fuse(_zoo_models("resnet", 2, True), autotune=True)
+    before = {k: v.clone() for k, v in fused.named_buffers()}
+    rng = torch.random.get_rng_state()
+    fused.compile(make_input("resnet", 4, seed=1))  # tunes: runs the model several times
+    assert fused.fusion_report.lowerings[-1].node == "<whole model>"
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    for k, v in fused.named_buffers():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_model_loop_with_other_outputs_is_rejected(cache_dir, monkeypatch):
+    run = ModelLoop.__call__
+    monkeypatch.setattr(ModelLoop, "__call__", lambda self, *a: run(self, *a) + 1)
+    fused = hftc.fuse([MLP() for _ in range(2)], autotune=True)
+    fused.compile(torch.randn(8, 64))
+    choice = fused.fusion_report.lowerings[-1]
+    assert choice.rejected == ["model_loop"] and choice.chosen == "fused"
+    assert fused.last_program().model_loop is None

@@ -24,13 +24,15 @@ of a sweep) with the same shapes times nothing.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,8 +40,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from . import kernels
+from .model_loop import ModelLoop, plain_output
 
 #: Tunable kernels -> the function listing their lowerings (cost model's first).
 TUNABLE: dict[Callable[..., Any], Callable[..., list[str]]] = {
@@ -320,5 +324,104 @@ def autotune_graph(graph: fx.Graph, module: torch.nn.Module, inputs: Sequence[An
     return choices
 
 
-__all__ = ["LoweringChoice", "TUNABLE", "autotune_graph", "cache_path", "device_key",
-           "tune_call"]
+# --------------------------------------------------------------------------- state
+
+
+@contextlib.contextmanager
+def preserved_state(module: torch.nn.Module) -> Iterator[None]:
+    """Leave ``module``'s buffers and the RNG as they were: tuning runs the model's ops
+    (batch norm updates its running statistics, dropout draws numbers), and what a
+    user's model computes must not depend on whether it was tuned."""
+    saved = [(b, b.clone()) for b in module.buffers()]
+    cpu_rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+# --------------------------------------------------------------------------- the whole model
+
+
+def _rng_state(device: torch.device) -> Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.random.get_rng_state()
+
+
+def choose_model_loop(fused: torch.nn.Module, program_forward: Callable[..., Any],
+                      values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
+                      key_source: str, path: Path | None = None,
+                      ) -> tuple[ModelLoop | None, LoweringChoice]:
+    """Time the fused program against the whole-model loop (:mod:`.model_loop`) on the
+    real inputs, forward + parameter gradients when ``backward``; the loop is taken
+    only if it is faster and its outputs equal the fused program's.  ``key_source``
+    (the generated code) identifies the program in the disk cache."""
+    choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
+    params = [p for p in fused.parameters() if p.requires_grad]
+    backward = backward and bool(params)
+    device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
+    key = json.dumps([device_key(device), "model_loop", fused.num_models,
+                      hashlib.sha1(key_source.encode()).hexdigest(),
+                      _describe([v for v in values if isinstance(v, Tensor)]), list(batched),
+                      backward])
+    path = path or cache_path()
+    entry = _lookup(key, path)
+    if entry is not None and entry.get("chosen") in ("fused", "model_loop"):
+        choice.chosen, choice.times, choice.cached = entry["chosen"], entry["times"], True
+        return (ModelLoop(fused) if choice.chosen == "model_loop" else None), choice
+
+    def run(forward: Callable[[], Any]) -> Any:
+        with torch.enable_grad() if backward else torch.no_grad():
+            out = forward()
+            if backward:
+                leaves = [t for t in pytree.tree_leaves(out)
+                          if isinstance(t, Tensor) and t.requires_grad]
+                if leaves:
+                    torch.autograd.grad(sum(t.float().sum() for t in leaves), params,
+                                        allow_unused=True)
+        return out
+
+    with preserved_state(fused):
+        rng = _rng_state(device)
+        fused_out = run(lambda: program_forward(fused, *values))
+        # A program that draws random numbers (dropout) gives the loop other draws:
+        # then only the shapes can be compared.
+        random = not torch.equal(rng, _rng_state(device))
+        if not plain_output(fused_out):
+            return None, choice
+        try:
+            loop = ModelLoop(fused)
+            loop_out = run(lambda: loop(fused, values, batched))
+        except Exception:  # noqa: BLE001 - a model the loop cannot run keeps the fused program
+            return None, choice
+        loop_leaves, fused_leaves = pytree.tree_leaves(loop_out), pytree.tree_leaves(fused_out)
+        if len(loop_leaves) != len(fused_leaves) or not all(
+                isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                and (random or _same(a.detach(), b.detach()))
+                for a, b in zip(loop_leaves, fused_leaves)):
+            choice.rejected.append("model_loop")
+            return None, choice
+        times: dict[str, list[float]] = {"fused": [], "model_loop": []}
+        for _ in range(3):  # interleaved rounds, as for single ops
+            for name, forward in (("fused", lambda: program_forward(fused, *values)),
+                                  ("model_loop", lambda: loop(fused, values, batched))):
+                _sync(device)
+                start = time.perf_counter()
+                run(forward)
+                _sync(device)
+                times[name].append(time.perf_counter() - start)
+    choice.times = {k: statistics.median(v) for k, v in times.items()}
+    choice.chosen = min(choice.times, key=choice.times.get)
+    _store(key, {"chosen": choice.chosen, "times": choice.times}, path)
+    return (loop if choice.chosen == "model_loop" else None), choice
+
+
+__all__ = ["LoweringChoice", "TUNABLE", "autotune_graph", "cache_path", "choose_model_loop",
+           "device_key", "preserved_state", "tune_call"]

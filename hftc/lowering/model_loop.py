@@ -1,0 +1,77 @@
+"""The whole-model loop: each model's own forward on its slice of the stacked parameters.
+
+::
+
+    slices = {name: P.unbind(0) for each stacked parameter / buffer P}     (views)
+    for i in range(N):
+        out_i = functional_call(shell_i, {name: slices[name][i]}, inputs_i)
+    out = stack(out_0, ..., out_N-1)
+
+It is what the serial loop runs, on the fused module's own tensors: the
+parameters, their gradients (``unbind``'s backward stacks the N gradients in
+one copy), the running statistics (updated in place through the views), the
+state_dict and the fused optimizer stay as they are; only how the forward runs
+changes.  ``hftc.fuse(..., autotune=True)`` times it against the fused program
+and takes it where the fused program was slower: on a CPU, activations that
+fit a cache one model at a time but not N at a time (PointNet's ``[B, 1024, P]``
+feature maps) made every memory-bound op of the fused step slower than the N
+separate ones.  The shells are the unfused models (``unfuse_model(i)``), so each
+keeps its own plain hyper-parameters (dropout ``p``, ``eps`` ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+
+class ModelLoop:
+    """Runs a fused module's N models one by one (see the module docstring)."""
+
+    def __init__(self, fused: nn.Module):
+        self.num_models = fused.num_models
+        self.shells = [fused.unfuse_model(i) for i in range(self.num_models)]
+        shell_params = dict(self.shells[0].named_parameters())
+        shell_buffers = dict(self.shells[0].named_buffers())
+        # Names the shells have (tied parameters once: functional_call ties the rest).
+        self.param_names = [n for n, _ in fused.named_parameters() if n in shell_params]
+        self.buffer_names = [n for n, _ in fused.named_buffers() if n in shell_buffers]
+        for shell in self.shells:  # the stacked tensors replace these at every call
+            for p in shell.parameters():
+                p.requires_grad_(False)
+
+    def __call__(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool]) -> Any:
+        tensors = dict(fused.named_parameters())
+        tensors.update(fused.named_buffers())
+        slices = {name: tensors[name].unbind(0)
+                  for name in self.param_names + self.buffer_names}
+        outs = []
+        for i, shell in enumerate(self.shells):
+            if shell.training != fused.training:
+                shell.train(fused.training)
+            args = tuple(v[i] if b else v for v, b in zip(values, batched))
+            outs.append(torch.func.functional_call(
+                shell, {name: parts[i] for name, parts in slices.items()}, args))
+        return stack_outputs(outs)
+
+
+def stack_outputs(outs: Sequence[Any]) -> Any:
+    """N per-model outputs -> one with every tensor stacked on a new dim 0."""
+    def stack(*leaves: Any) -> Any:
+        if isinstance(leaves[0], Tensor):
+            return torch.stack(leaves)
+        if any(leaf != leaves[0] for leaf in leaves[1:]):
+            raise ValueError(f"models returned different non-tensor outputs: {leaves}")
+        return leaves[0]
+
+    return pytree.tree_map(stack, outs[0], *outs[1:])
+
+
+def plain_output(out: Any) -> bool:
+    """Tensors in tuples, lists and dicts only: what :func:`stack_outputs` rebuilds."""
+    leaves = pytree.tree_leaves(out)
+    return bool(leaves) and all(isinstance(leaf, Tensor) for leaf in leaves)
