@@ -16,6 +16,8 @@ import warnings
 import pytest
 import torch
 from equivalence import DEFAULT_TOL, check_equivalence
+from test_tying import TiedLM, TiedLMUntraceable
+from test_tying import V as TIED_VOCAB
 from test_zoo import _zoo_models
 from torch import nn
 from zoo import make_input
@@ -279,3 +281,16 @@ def test_a_model_loop_with_other_outputs_is_rejected(cache_dir, monkeypatch):
     choice = fused.fusion_report.lowerings[-1]
     assert choice.rejected == ["model_loop"] and choice.chosen == "fused"
     assert fused.last_program().model_loop is None
+
+
+@pytest.mark.parametrize("cls", [TiedLM, TiedLMUntraceable], ids=["symbolic", "export"])
+def test_model_loop_keeps_tied_weights_tied(cls, monkeypatch, cache_dir):
+    # The shells' own tensors are dropped; a tied pair must still get one slice.
+    _force_model_loop(monkeypatch)
+    torch.manual_seed(0)
+    ids = torch.randint(0, TIED_VOCAB, (4, 5))
+    fused = check_equivalence(
+        [cls() for _ in range(3)], ids, steps=2,
+        fuser=functools.partial(hftc.fuse, autotune=True, example_inputs=(ids,)))
+    assert fused.last_program().model_loop is not None
+    assert fused.head.weight is fused.embed.weight

@@ -40,9 +40,27 @@ class ModelLoop:
         # Names the shells have (tied parameters once: functional_call ties the rest).
         self.param_names = [n for n, _ in fused.named_parameters() if n in shell_params]
         self.buffer_names = [n for n, _ in fused.named_buffers() if n in shell_buffers]
-        for shell in self.shells:  # the stacked tensors replace these at every call
-            for p in shell.parameters():
-                p.requires_grad_(False)
+        # The stacked tensors replace the shells' own at every call: let those go (a
+        # second copy of the model's weights otherwise; 112 MiB for PointNet at N = 8).
+        # Tied tensors stay tied (one empty tensor for all their names), so that
+        # functional_call still sees the tie and feeds every name the one slice.
+        replaced = set(self.param_names) | set(self.buffer_names)
+        for shell in self.shells:
+            empties: dict[int, Tensor] = {}
+            named = list(shell.named_parameters(remove_duplicate=False))
+            named += list(shell.named_buffers(remove_duplicate=False))
+            tied = {id(t) for name, t in named if name in replaced}
+            for name, t in named:
+                if id(t) not in tied:
+                    continue
+                if id(t) not in empties:
+                    empty = t.detach().new_empty(0)
+                    empties[id(t)] = (nn.Parameter(empty, t.requires_grad)
+                                      if isinstance(t, nn.Parameter) else empty)
+                owner, _, leaf = name.rpartition(".")
+                module = shell.get_submodule(owner)
+                registry = module._parameters if leaf in module._parameters else module._buffers
+                registry[leaf] = empties[id(t)]
 
     def __call__(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool]) -> Any:
         tensors = dict(fused.named_parameters())
