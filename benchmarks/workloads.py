@@ -322,6 +322,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
                   "with nn.Linear + matmul + softmax"),
     Workload("transformer_stock", StockTransformerClassifier, (64,), 16, 10, sizes=(1, 4),
              quick_sizes=(), rounds=4, int_input=1000,
-             note="nn.TransformerEncoderLayer: hftc has no rule for it yet and runs it as a "
-                  "per-model loop inside the fused graph; no hand-fused version"),
+             note="nn.TransformerEncoderLayer, fused by hftc's attention rules "
+                  "(nn.MultiheadAttention as batched matmuls over N*heads); no hand-fused "
+                  "version"),
 ]}
