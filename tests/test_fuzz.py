@@ -7,13 +7,22 @@ Every failure found becomes a regression test in tests/test_fuzz_regressions.py.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import random
+from unittest import mock
 
 import torch
 from equivalence import check_equivalence
 from fuzz_models import FuzzNet, architectures
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import hftc
+import hftc.fused
+from hftc.lowering import autotune
+from hftc.lowering.model_loop import ModelLoop
 
 settings.register_profile(
     "ci", max_examples=200, derandomize=True, deadline=None, print_blob=True,
@@ -26,7 +35,8 @@ settings.register_profile(
 PROFILE = os.environ.get("HFTC_FUZZ_PROFILE", "ci")
 
 
-def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int) -> None:
+def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int,
+               fuser=None) -> None:
     log = os.environ.get("HFTC_FUZZ_LOG")  # make fuzz counts the examples it checked
     if log:
         with open(log, "a") as f:
@@ -36,7 +46,7 @@ def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int) -> Non
     shape = ((n,) if stacked else ()) + tuple(spec["input"])
     x = torch.randn(shape)
     check_equivalence(models, x, in_dims=0 if stacked else None, train=train,
-                      dtype=torch.float64)
+                      dtype=torch.float64, fuser=fuser)
 
 
 @settings(settings.get_profile(PROFILE))
@@ -44,3 +54,31 @@ def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int) -> Non
        train=st.booleans(), seed=st.integers(0, 2**16))
 def test_random_architectures_fuse_exactly(spec, n, stacked, train, seed):
     check_spec(spec, n, stacked, train, seed)
+
+
+@contextlib.contextmanager
+def random_lowerings(pick: random.Random):
+    """Autotune with a random lowering per node, and the whole-model loop one time in three,
+    instead of the timed choice: every lowering a kernel lists must be exact anywhere."""
+    def tune_call(kernel, args, kwargs, grad_flags, *, node="?", path=None):
+        names = autotune.TUNABLE[kernel](*args, **kwargs)
+        return autotune.LoweringChoice(node, kernel.__name__, pick.choice(names), names[0])
+
+    def choose_model_loop(fused, *args, **kwargs):
+        chosen = "model_loop" if pick.random() < 1 / 3 else "fused"
+        choice = autotune.LoweringChoice("<whole model>", "forward", chosen, "fused")
+        return (ModelLoop(fused) if chosen == "model_loop" else None), choice
+
+    with mock.patch.object(autotune, "tune_call", tune_call), \
+            mock.patch.object(hftc.fused, "choose_model_loop", choose_model_loop):
+        yield
+
+
+@settings(settings.get_profile(PROFILE),
+          max_examples=60 if PROFILE == "ci" else settings.get_profile(PROFILE).max_examples)
+@given(spec=architectures, n=st.sampled_from([2, 3]), stacked=st.booleans(),
+       train=st.booleans(), seed=st.integers(0, 2**16), pick=st.randoms(use_true_random=False))
+def test_random_architectures_with_random_lowerings(spec, n, stacked, train, seed, pick):
+    with random_lowerings(pick):
+        check_spec(spec, n, stacked, train, seed,
+                   fuser=functools.partial(hftc.fuse, autotune=True))
