@@ -34,33 +34,39 @@ class ModelLoop:
 
     def __init__(self, fused: nn.Module):
         self.num_models = fused.num_models
-        self.shells = [fused.unfuse_model(i) for i in range(self.num_models)]
-        shell_params = dict(self.shells[0].named_parameters())
-        shell_buffers = dict(self.shells[0].named_buffers())
-        # Names the shells have (tied parameters once: functional_call ties the rest).
-        self.param_names = [n for n, _ in fused.named_parameters() if n in shell_params]
-        self.buffer_names = [n for n, _ in fused.named_buffers() if n in shell_buffers]
-        # The stacked tensors replace the shells' own at every call: let those go (a
-        # second copy of the model's weights otherwise; 112 MiB for PointNet at N = 8).
-        # Tied tensors stay tied (one empty tensor for all their names), so that
-        # functional_call still sees the tie and feeds every name the one slice.
+        self.shells: list[nn.Module] = []
+        for i in range(self.num_models):
+            shell = fused.unfuse_model(i)
+            if i == 0:
+                shell_params = dict(shell.named_parameters())
+                shell_buffers = dict(shell.named_buffers())
+                # Names the shells have (tied parameters once: functional_call ties the rest).
+                self.param_names = [n for n, _ in fused.named_parameters() if n in shell_params]
+                self.buffer_names = [n for n, _ in fused.named_buffers() if n in shell_buffers]
+            self._drop_tensors(shell)  # one model's copy at a time, never N
+            self.shells.append(shell)
+
+    def _drop_tensors(self, shell: nn.Module) -> None:
+        """The stacked tensors replace the shell's own at every call: let those go (a
+        second copy of the model's weights otherwise; 112 MiB for PointNet at N = 8).
+        Tied tensors stay tied (one empty tensor for all their names), so that
+        functional_call still sees the tie and feeds every name the one slice."""
         replaced = set(self.param_names) | set(self.buffer_names)
-        for shell in self.shells:
-            empties: dict[int, Tensor] = {}
-            named = list(shell.named_parameters(remove_duplicate=False))
-            named += list(shell.named_buffers(remove_duplicate=False))
-            tied = {id(t) for name, t in named if name in replaced}
-            for name, t in named:
-                if id(t) not in tied:
-                    continue
-                if id(t) not in empties:
-                    empty = t.detach().new_empty(0)
-                    empties[id(t)] = (nn.Parameter(empty, t.requires_grad)
-                                      if isinstance(t, nn.Parameter) else empty)
-                owner, _, leaf = name.rpartition(".")
-                module = shell.get_submodule(owner)
-                registry = module._parameters if leaf in module._parameters else module._buffers
-                registry[leaf] = empties[id(t)]
+        empties: dict[int, Tensor] = {}
+        named = list(shell.named_parameters(remove_duplicate=False))
+        named += list(shell.named_buffers(remove_duplicate=False))
+        tied = {id(t) for name, t in named if name in replaced}
+        for name, t in named:
+            if id(t) not in tied:
+                continue
+            if id(t) not in empties:
+                empty = t.detach().new_empty(0)
+                empties[id(t)] = (nn.Parameter(empty, t.requires_grad)
+                                  if isinstance(t, nn.Parameter) else empty)
+            owner, _, leaf = name.rpartition(".")
+            module = shell.get_submodule(owner)
+            registry = module._parameters if leaf in module._parameters else module._buffers
+            registry[leaf] = empties[id(t)]
 
     def __call__(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool]) -> Any:
         tensors = dict(fused.named_parameters())
