@@ -420,7 +420,9 @@ class FusedModule(nn.Module):
         )
         if self.autotune:
             # Training programs are timed forward + backward, as a training step runs them.
-            backward = self.training and any(p.requires_grad for p in self.parameters())
+            # (Not under inference_mode, where no tensor may require grad.)
+            backward = self.training and not torch.is_inference_mode_enabled() \
+                and any(p.requires_grad for p in self.parameters())
             with preserved_state(self):
                 report.lowerings = autotune_graph(graph, self, values, backward=backward)
         forward, source = compile_graph(graph)

@@ -294,3 +294,15 @@ def test_model_loop_keeps_tied_weights_tied(cls, monkeypatch, cache_dir):
         fuser=functools.partial(hftc.fuse, autotune=True, example_inputs=(ids,)))
     assert fused.last_program().model_loop is not None
     assert fused.head.weight is fused.embed.weight
+
+
+def test_autotune_under_inference_mode(cache_dir):
+    # A training-mode module first called under inference_mode: tuned forward only.
+    torch.manual_seed(0)
+    models = [LeNet5() for _ in range(2)]
+    fused = hftc.fuse(models, autotune=True)
+    x = torch.randn(2, 1, 28, 28)
+    with torch.inference_mode():
+        out = fused(x)
+    torch.testing.assert_close(out, torch.stack([m(x) for m in models]).detach())
+    assert len(fused.fusion_report.lowerings) == 6  # 2 convs, 3 linears, the whole model
