@@ -254,7 +254,9 @@ def _shared_unfold_conv(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, pad
     The first layer of a sweep's CNNs (LeNet-5's 1 -> 6 5x5, the 3-channel stems
     of ResNet and MobileNet): oneDNN measured 1.5-2x slower on these few-tap
     convolutions, and the channels-last result suits the pooling and the
-    grouped convolutions that follow (see :func:`conv`).
+    grouped convolutions that follow (see :func:`conv`).  (That output once met an
+    ATen batch-norm backward bug with odd size-1 strides,
+    tests/test_fuzz_regressions.py; :func:`fold_channels` restrides those.)
     """
     batch, _, height, width = x.shape
     k = w.shape[2:]
