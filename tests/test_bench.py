@@ -30,14 +30,6 @@ from benchmarks.suite import SuiteConfig, run_suite  # noqa: E402
 from benchmarks.workloads import WORKLOADS  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _prediction(out):
     return out[0] if isinstance(out, tuple) else out
 
