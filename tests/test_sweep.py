@@ -282,6 +282,27 @@ def test_orphaned_running_trial_is_failed_and_retried(spec_file: Path, tmp_path:
     assert len(retry) == 1 and retry[0].params == trials[orphan.number].params
 
 
+def test_resume_restarts_a_trial_killed_before_its_first_manifest(spec_file: Path,
+                                                                    tmp_path: Path):
+    """A worker killed between asking a trial and writing its manifest leaves a RUNNING
+    trial that did no work. --resume runs it under its own number, from epoch 0, and
+    the study ends with no failed trial; the result is stock training alone."""
+    spec = hs.load_spec(spec_file).replace(n_trials=3, epochs=2, pruner="none")
+    out = tmp_path / "out"
+    out.mkdir()
+    storage = hs.make_storage(f"sqlite:///{out / 'study.db'}")
+    study = optuna.create_study(study_name="tiny", storage=storage, direction="minimize")
+    unstarted = study.ask()  # killed before sampling its space: no parameters yet
+    result = hs.run(spec, out=out, progress=False, resume=True)
+    trials = result.study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert trials[unstarted.number].params  # sampled on restart, under its own number
+    for t in trials:
+        fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+        assert len(fused) == 2
+        assert max(abs(a - b) for a, b in zip(retrain_alone(spec, t), fused)) <= 1e-9
+
+
 def test_median_pruner_decides_as_optuna_does():
     """The sweep asks the median pruner with one read per round; its answers are Optuna's."""
     from hftc.sweep.engine import _CompletedView

@@ -778,6 +778,27 @@ class Sweep:
             shutil.rmtree(folder, ignore_errors=True)
             lock.close()
 
+    def _restart_unstarted(self) -> None:
+        """On the default storage with no other worker alive, a RUNNING trial that no
+        manifest names was asked by a worker killed before its first manifest: it did no
+        work. ``--resume`` runs it from epoch 0 under its own number (without --resume,
+        :meth:`_reap_orphans` fails and retries it, as a heartbeat would)."""
+        if not self.default_storage or self._others_alive():
+            return
+        mine = {r.trial_id for r in self.live}
+        restarted = []
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if t._trial_id in mine:
+                continue
+            trial = optuna.Trial(self.study, t._trial_id)
+            self.heartbeat.add(t._trial_id)
+            self.live.append(self._new_run(trial))
+            restarted.append(t.number)
+        if restarted:
+            self._write_manifest()
+            self.log(f"restarted {len(restarted)} trial(s) killed before their first "
+                     f"epoch: {restarted}")
+
     # ------------------------------------------------------------------ main loop
 
     def run(self) -> SweepResult:
@@ -810,6 +831,8 @@ class Sweep:
                         f"checkpoints, or use another --out / --study"
                     )
                 self._adopt(dead)
+                if self.resume:
+                    self._restart_unstarted()
                 self._loop()
             finally:
                 if hasattr(self, "heartbeat"):
