@@ -28,7 +28,13 @@ from .errors import (
     TraceError,
     UnsupportedOperatorError,
 )
-from .lowering.autotune import autotune_graph, choose_model_loop, preserved_state
+from .lowering.autotune import (
+    ProgramChoice,
+    autotune_graph,
+    choose_program,
+    preserved_state,
+    run_program,
+)
 from .lowering.codegen import compile_graph
 from .lowering.model_loop import ModelLoop
 from .lowering.modules import StackedModule, build_module_tree
@@ -47,9 +53,14 @@ class Program:
     source: str
     #: Rebuilds an output type the graph returns flat (a dataclass, a ModelOutput).
     output_spec: OutputSpec | None = None
-    #: Set when autotune measured the N models run one by one faster than the fused
-    #: program (hftc.lowering.model_loop); ``forward`` then runs it instead.
-    model_loop: ModelLoop | None = None
+    #: How the forward runs, when autotune measured something faster than the fused
+    #: program on the inputs as given: the N models one by one
+    #: (hftc.lowering.model_loop), channels-last inputs (hftc.lowering.layout), or both.
+    how: ProgramChoice | None = None
+
+    @property
+    def model_loop(self) -> ModelLoop | None:
+        return None if self.how is None else self.how.model_loop
 
 
 @dataclass
@@ -384,8 +395,8 @@ class FusedModule(nn.Module):
         values = self._bind(tuple(merged), dict(kwargs))
         batched = batched + [False] * (len(values) - len(batched))
         program = self._program(values, batched)
-        if program.model_loop is not None:
-            return program.model_loop(self, values, batched)
+        if program.how is not None:
+            return run_program(self, program.forward, program.how, values, batched)
         try:
             out = program.forward(self, *values)
             return out if program.output_spec is None else program.output_spec.rebuild(out)
@@ -428,8 +439,9 @@ class FusedModule(nn.Module):
         forward, source = compile_graph(graph)
         program = Program(forward, graph, report, source, output_spec(mode_graphs.graph))
         if self.autotune and self.num_models > 1 and program.output_spec is None:
-            program.model_loop, choice = choose_model_loop(
+            how, choice = choose_program(
                 self, forward, values, batched, backward=backward, key_source=source)
+            program.how = how if how.name != "fused" else None
             report.lowerings.append(choice)
         return program
 

@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 import hftc
 import hftc.fused
 from hftc.lowering import autotune
-from hftc.lowering.model_loop import ModelLoop
 
 settings.register_profile(
     "ci", max_examples=200, derandomize=True, deadline=None, print_blob=True,
@@ -58,19 +57,22 @@ def test_random_architectures_fuse_exactly(spec, n, stacked, train, seed):
 
 @contextlib.contextmanager
 def random_lowerings(pick: random.Random):
-    """Autotune with a random lowering per node, and the whole-model loop one time in three,
+    """Autotune with a random lowering per node, and a random one of the ways to run the
+    whole forward that run (fused or whole-model loop, inputs as given or channels-last),
     instead of the timed choice: every lowering a kernel lists must be exact anywhere."""
     def tune_call(kernel, args, kwargs, grad_flags, *, node="?", path=None):
         names = autotune.TUNABLE[kernel](*args, **kwargs)
         return autotune.LoweringChoice(node, kernel.__name__, pick.choice(names), names[0])
 
-    def choose_model_loop(fused, *args, **kwargs):
-        chosen = "model_loop" if pick.random() < 1 / 3 else "fused"
-        choice = autotune.LoweringChoice("<whole model>", "forward", chosen, "fused")
-        return (ModelLoop(fused) if chosen == "model_loop" else None), choice
+    def choose_program(fused, forward, values, batched, *, backward, **kwargs):
+        with autotune.preserved_state(fused):
+            valid, _ = autotune.program_candidates(fused, forward, values, batched,
+                                                   backward=backward)
+        how = pick.choice(list(valid.values()))
+        return how, autotune.LoweringChoice("<whole model>", "forward", how.name, "fused")
 
     with mock.patch.object(autotune, "tune_call", tune_call), \
-            mock.patch.object(hftc.fused, "choose_model_loop", choose_model_loop):
+            mock.patch.object(hftc.fused, "choose_program", choose_program):
         yield
 
 

@@ -26,6 +26,7 @@ import hftc
 import hftc.fused
 from hftc.errors import FusionArgumentError, FusionError
 from hftc.lowering import autotune, kernels
+from hftc.lowering.layout import sample_shapes
 from hftc.lowering.model_loop import ModelLoop
 from hftc.speed import MLP, LeNet5
 
@@ -229,30 +230,76 @@ def test_autotune_must_be_a_bool():
 # --------------------------------------------------------------------------- the whole-model loop
 
 
-def _force_model_loop(monkeypatch):
-    """Make autotune take the whole-model loop, as it does where that measured faster."""
-    def choose(fused, *args, **kwargs):
-        return ModelLoop(fused), autotune.LoweringChoice("<whole model>", "forward",
-                                                         "model_loop", "fused")
+def _force_program(monkeypatch, loop: bool = True, layout: str | None = None):
+    """Make autotune run the whole forward as the whole-model loop and/or with channels-last
+    inputs, as it does where that measured faster."""
+    def choose(fused, forward, values, batched, **kwargs):
+        how = autotune.ProgramChoice(ModelLoop(fused) if loop else None, layout,
+                                     sample_shapes(values, batched))
+        return how, autotune.LoweringChoice("<whole model>", "forward", how.name, "fused")
 
-    monkeypatch.setattr(hftc.fused, "choose_model_loop", choose)
+    monkeypatch.setattr(hftc.fused, "choose_program", choose)
 
 
+
+@pytest.mark.parametrize(("loop", "layout"), [(True, None), (True, "channels_last"),
+                                              (False, "channels_last")],
+                         ids=["model_loop", "model_loop+channels_last", "channels_last"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("name", ["resnet", "pointnet_cls", "mobilenet_v2", "residual_mlp"])
-def test_model_loop_matches_the_loop(name, train, monkeypatch, cache_dir):
-    _force_model_loop(monkeypatch)
+def test_model_loop_matches_the_loop(name, train, loop, layout, monkeypatch, cache_dir):
+    # (The fused program with its inputs as given: every other equivalence test.)
+    _force_program(monkeypatch, loop, layout)
     models = _zoo_models(name, 3, train)
     x = make_input(name, 4, seed=1)
     fused = check_equivalence(models, x, train=train, steps=2 if train else 1,
                               fuser=functools.partial(hftc.fuse, autotune=True))
-    assert fused.last_program().model_loop is not None
-    assert fused.fusion_report.lowerings[-1].chosen == "model_loop"
+    assert (fused.last_program().model_loop is not None) == loop
+    assert fused.last_program().how.layout == layout
+    assert fused.fusion_report.lowerings[-1].chosen == fused.last_program().how.name
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
+def test_channels_last_inputs_keep_values_and_give_contiguous_outputs(stacked):
+    from hftc.lowering import layout
+
+    x = torch.randn(3, 2, 4, 5, 6) if stacked else torch.randn(2, 4, 5, 6)
+    ids = torch.randint(0, 9, (2, 4, 5, 6))
+    assert layout.applies([x, ids], [stacked, False])
+    assert not layout.applies([ids], [False])  # integers are not feature maps
+    converted, same_ids = layout.to_layout([x, ids], [stacked, False])
+    assert same_ids is ids and torch.equal(converted, x)
+    per_model = converted[0] if stacked else converted
+    assert per_model.is_contiguous(memory_format=torch.channels_last)
+    assert not layout.applies([converted], [stacked])  # already channels-last
+    out = layout.contiguous_outputs({"y": (converted, 3)})
+    assert out["y"][0].is_contiguous() and out["y"][1] == 3
+
+
+def test_channels_last_candidate_a_model_cannot_run_is_rejected(cache_dir):
+    # x.view(B, -1) of a channels-last map raises: autotune drops that candidate.
+    class ViewNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return self.conv(x).view(x.shape[0], -1)
+
+    torch.manual_seed(0)
+    fused = hftc.fuse([ViewNet() for _ in range(2)], autotune=True)
+    x = torch.randn(2, 3, 6, 6)
+    out = fused(x)
+    choice = fused.fusion_report.lowerings[-1]
+    assert "model_loop+channels_last" in choice.rejected
+    assert choice.chosen not in choice.rejected
+    for i, m in enumerate(fused.unfuse()):
+        torch.testing.assert_close(out[i], m(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_model_loop_with_stacked_inputs(dtype, monkeypatch, cache_dir):
-    _force_model_loop(monkeypatch)
+    _force_program(monkeypatch)
     models = _zoo_models("lenet5_mnist", 3, True)
     x = make_input("lenet5_mnist", 4, seed=1).unsqueeze(0).repeat(3, 1, 1, 1, 1)
     x = x + 0.1 * torch.randn_like(x)
@@ -286,7 +333,7 @@ def test_a_model_loop_with_other_outputs_is_rejected(cache_dir, monkeypatch):
 @pytest.mark.parametrize("cls", [TiedLM, TiedLMUntraceable], ids=["symbolic", "export"])
 def test_model_loop_keeps_tied_weights_tied(cls, monkeypatch, cache_dir):
     # The shells' own tensors are dropped; a tied pair must still get one slice.
-    _force_model_loop(monkeypatch)
+    _force_program(monkeypatch)
     torch.manual_seed(0)
     ids = torch.randint(0, TIED_VOCAB, (4, 5))
     fused = check_equivalence(

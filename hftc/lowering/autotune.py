@@ -42,7 +42,7 @@ import torch.fx as fx
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from . import kernels
+from . import kernels, layout
 from .model_loop import ModelLoop, plain_output
 
 #: Tunable kernels -> the function listing their lowerings (cost model's first).
@@ -55,7 +55,8 @@ TUNABLE: dict[Callable[..., Any], Callable[..., list[str]]] = {
 #: Seconds of work per timed measurement (repeats are added until it is reached).
 _TARGET_S = 0.004
 _ROUNDS = 5
-#: How much faster (a fraction) the whole-model loop must measure to replace the fused program.
+#: How much faster (a fraction) another way to run the whole forward (the whole-model
+#: loop, another input layout) must measure to replace the fused program as given.
 _LOOP_MARGIN = 0.05
 
 
@@ -357,76 +358,153 @@ def _rng_state(device: torch.device) -> Tensor:
     return torch.random.get_rng_state()
 
 
-def choose_model_loop(fused: torch.nn.Module, program_forward: Callable[..., Any],
-                      values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
-                      key_source: str, path: Path | None = None,
-                      ) -> tuple[ModelLoop | None, LoweringChoice]:
-    """Time the fused program against the whole-model loop (:mod:`.model_loop`) on the
-    real inputs, forward + parameter gradients when ``backward``; the loop is taken
-    only if it is faster and its outputs equal the fused program's.  ``key_source``
-    (the generated code) identifies the program in the disk cache."""
-    choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
-    params = [p for p in fused.parameters() if p.requires_grad]
-    backward = backward and bool(params)
+@dataclass
+class ProgramChoice:
+    """How the whole forward runs: the fused program or the whole-model loop, and in
+    which input layout (``None``: as given; ``"channels_last"``: :mod:`.layout`).
+
+    ``layout_shapes``: the feature maps' per-sample shapes the layout was tuned and
+    checked on; inputs of other shapes run as given (model code that calls ``.view()``
+    on a map can work on channels-last maps of one size and not of another)."""
+
+    model_loop: ModelLoop | None = None
+    layout: str | None = None
+    layout_shapes: tuple | None = None
+
+    @property
+    def name(self) -> str:
+        run = "fused" if self.model_loop is None else "model_loop"
+        return run if self.layout is None else f"{run}+{self.layout}"
+
+
+def run_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
+                how: ProgramChoice, values: Sequence[Any], batched: Sequence[bool]) -> Any:
+    """One forward of the fused module as ``how`` says."""
+    relayout = how.layout is not None and layout.sample_shapes(values, batched) == \
+        how.layout_shapes
+    if relayout:
+        values = layout.to_layout(values, batched)
+    if how.model_loop is not None:
+        out = how.model_loop(fused, values, batched)
+    else:
+        out = program_forward(fused, *values)
+    return layout.contiguous_outputs(out) if relayout else out
+
+
+def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., Any],
+                       values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
+                       ) -> tuple[dict[str, ProgramChoice], list[str]]:
+    """The ways to run the whole forward on these inputs whose outputs equal the fused
+    program's (the fused program as given first), and the names of those that
+    failed or differed::
+
+        fused program | whole-model loop (:mod:`.model_loop`)
+          x  inputs as given | feature maps channels-last (:mod:`.layout`)
+
+    Each runs once, forward (+ parameter gradients when ``backward``); the caller
+    keeps buffers and the RNG (:func:`preserved_state`)."""
+    default = ProgramChoice()
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
-    key = json.dumps([device_key(device), "model_loop", fused.num_models,
+    rng = _rng_state(device)
+    fused_out = _run_step(fused, program_forward, default, values, batched, backward)
+    # A program that draws random numbers (dropout) gives the others other draws:
+    # then only the shapes can be compared.
+    random = not torch.equal(rng, _rng_state(device))
+    if not plain_output(fused_out):
+        return {default.name: default}, []
+    try:
+        loop = ModelLoop(fused)
+    except Exception:  # noqa: BLE001 - a model the loop cannot run keeps the fused program
+        loop = None
+    shapes = layout.sample_shapes(values, batched)
+    layouts = [None] + ([layout.CHANNELS_LAST] if layout.applies(values, batched) else [])
+    valid, rejected = {default.name: default}, []
+    fused_leaves = pytree.tree_leaves(fused_out)
+    for run in [None] + ([loop] if loop is not None else []):
+        for lay in layouts:
+            how = ProgramChoice(run, lay, shapes if lay is not None else None)
+            if how.name in valid:
+                continue
+            try:
+                leaves = pytree.tree_leaves(
+                    _run_step(fused, program_forward, how, values, batched, backward))
+            except Exception:  # noqa: BLE001 - e.g. model code that .view()s a channels-last map
+                rejected.append(how.name)
+                continue
+            if len(leaves) == len(fused_leaves) and all(
+                    isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                    and (random or _same(a.detach(), b.detach()))
+                    for a, b in zip(leaves, fused_leaves)):
+                valid[how.name] = how
+            else:
+                rejected.append(how.name)
+    return valid, rejected
+
+
+def _run_step(fused: torch.nn.Module, program_forward: Callable[..., Any], how: ProgramChoice,
+              values: Sequence[Any], batched: Sequence[bool], backward: bool) -> Any:
+    """A forward as ``how`` says, and the parameters' gradients when ``backward``."""
+    params = [p for p in fused.parameters() if p.requires_grad]
+    with torch.enable_grad() if backward and params else torch.no_grad():
+        out = run_program(fused, program_forward, how, values, batched)
+        if backward and params:
+            leaves = [t for t in pytree.tree_leaves(out)
+                      if isinstance(t, Tensor) and t.requires_grad]
+            if leaves:
+                torch.autograd.grad(sum(t.float().sum() for t in leaves), params,
+                                    allow_unused=True)
+    return out
+
+
+def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
+                   values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
+                   key_source: str, path: Path | None = None,
+                   ) -> tuple[ProgramChoice, LoweringChoice]:
+    """Time the whole forward's :func:`program_candidates` on the real inputs, forward
+    (+ backward), interleaved over rounds.  A candidate other than the fused program
+    as given is taken only if it is faster by ``_LOOP_MARGIN``.  ``key_source`` (the
+    generated code) identifies the program in the disk cache."""
+    choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
+    device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
+    key = json.dumps([device_key(device), "program", fused.num_models,
                       hashlib.sha1(key_source.encode()).hexdigest(),
                       _describe([v for v in values if isinstance(v, Tensor)]), list(batched),
                       backward])
     path = path or cache_path()
     entry = _lookup(key, path)
-    if entry is not None and entry.get("chosen") in ("fused", "model_loop"):
-        choice.chosen, choice.times, choice.cached = entry["chosen"], entry["times"], True
-        return (ModelLoop(fused) if choice.chosen == "model_loop" else None), choice
-
-    def run(forward: Callable[[], Any]) -> Any:
-        with torch.enable_grad() if backward else torch.no_grad():
-            out = forward()
-            if backward:
-                leaves = [t for t in pytree.tree_leaves(out)
-                          if isinstance(t, Tensor) and t.requires_grad]
-                if leaves:
-                    torch.autograd.grad(sum(t.float().sum() for t in leaves), params,
-                                        allow_unused=True)
-        return out
+    wanted = entry.get("chosen") if entry is not None else None
+    if isinstance(wanted, str) and wanted.split("+")[0] in ("fused", "model_loop"):
+        run, _, lay = wanted.partition("+")
+        if lay in ("", layout.CHANNELS_LAST):
+            with contextlib.suppress(Exception):  # a model the loop cannot run: tune again
+                how = ProgramChoice(ModelLoop(fused) if run == "model_loop" else None,
+                                    lay or None, layout.sample_shapes(values, batched))
+                choice.chosen, choice.times, choice.cached = wanted, entry["times"], True
+                return how, choice
 
     with preserved_state(fused):
-        rng = _rng_state(device)
-        fused_out = run(lambda: program_forward(fused, *values))
-        # A program that draws random numbers (dropout) gives the loop other draws:
-        # then only the shapes can be compared.
-        random = not torch.equal(rng, _rng_state(device))
-        if not plain_output(fused_out):
-            return None, choice
-        try:
-            loop = ModelLoop(fused)
-            loop_out = run(lambda: loop(fused, values, batched))
-        except Exception:  # noqa: BLE001 - a model the loop cannot run keeps the fused program
-            return None, choice
-        loop_leaves, fused_leaves = pytree.tree_leaves(loop_out), pytree.tree_leaves(fused_out)
-        if len(loop_leaves) != len(fused_leaves) or not all(
-                isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype
-                and (random or _same(a.detach(), b.detach()))
-                for a, b in zip(loop_leaves, fused_leaves)):
-            choice.rejected.append("model_loop")
-            return None, choice
-        times: dict[str, list[float]] = {"fused": [], "model_loop": []}
+        valid, choice.rejected = program_candidates(fused, program_forward, values, batched,
+                                                    backward=backward)
+        if len(valid) == 1:
+            return ProgramChoice(), choice
+        times: dict[str, list[float]] = {name: [] for name in valid}
         for _ in range(_ROUNDS):  # interleaved rounds, as for single ops
-            for name, forward in (("fused", lambda: program_forward(fused, *values)),
-                                  ("model_loop", lambda: loop(fused, values, batched))):
+            for name, how in valid.items():
                 _sync(device)
                 start = time.perf_counter()
-                run(forward)
+                _run_step(fused, program_forward, how, values, batched, backward)
                 _sync(device)
                 times[name].append(time.perf_counter() - start)
     choice.times = {k: statistics.median(v) for k, v in times.items()}
-    # The loop must win by a margin: within the noise of a few rounds the fused
-    # program stays (a coin flip between near-equal medians measured worse later).
-    faster = choice.times["model_loop"] < (1 - _LOOP_MARGIN) * choice.times["fused"]
-    choice.chosen = "model_loop" if faster else "fused"
+    # Another candidate must win by a margin: within the noise of a few rounds the
+    # fused program stays (a coin flip between near-equal medians measured worse later).
+    bar = (1 - _LOOP_MARGIN) * choice.times["fused"]
+    winners = [name for name, t in choice.times.items() if t < bar]
+    choice.chosen = min(winners, key=choice.times.get) if winners else "fused"
     _store(key, {"chosen": choice.chosen, "times": choice.times}, path)
-    return (loop if choice.chosen == "model_loop" else None), choice
+    return valid[choice.chosen], choice
 
 
-__all__ = ["LoweringChoice", "TUNABLE", "autotune_graph", "cache_path", "choose_model_loop",
-           "device_key", "preserved_state", "tune_call"]
+__all__ = ["LoweringChoice", "ProgramChoice", "TUNABLE", "autotune_graph", "cache_path",
+           "choose_program", "device_key", "preserved_state", "program_candidates",
+           "run_program", "tune_call"]

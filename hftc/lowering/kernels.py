@@ -441,8 +441,9 @@ class _BatchedLinear(torch.autograd.Function):
     small layers of a sweep (as ``torch.mm``'s backward already avoids for
     ``nn.Linear``).  With ``transposed``, the forward computes
     ``baddbmm(b[:, :, None], W, x^T)`` ``[N, out, M]`` and returns it transposed
-    into ``[N, M, out]`` (the backward is the same).  Under autocast the products run in the output's dtype and each
-    gradient is cast back to its input's dtype, as the recorded casts would do.
+    into ``[N, M, out]`` (the backward is the same).  Under autocast the products
+    run in the output's dtype and each gradient is cast back to its input's dtype,
+    as the recorded casts would do.
     The backward is made of differentiable ops, so double backward works.
     """
 
