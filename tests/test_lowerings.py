@@ -276,16 +276,34 @@ def test_channels_last_inputs_keep_values_and_give_contiguous_outputs(stacked):
     assert out["y"][0].is_contiguous() and out["y"][1] == 3
 
 
+class ViewNet(nn.Module):
+    """A conv whose output is ``.view()``-ed: a channels-last map of more than 1x1 raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x).view(x.shape[0], -1)
+
+
+def test_channels_last_runs_only_on_the_shapes_it_was_checked_on(monkeypatch, cache_dir):
+    # Tuned on 3x3 inputs (a 1x1 map: views fine channels-last); a 6x6 input (a 4x4 map
+    # that would not view channels-last) runs with its inputs as given.
+    _force_program(monkeypatch, loop=False, layout="channels_last")
+    torch.manual_seed(0)
+    models = [ViewNet() for _ in range(2)]
+    fused = hftc.fuse(models, autotune=True)
+    for size in (3, 6, 3):
+        x = torch.randn(2, 3, size, size)
+        out = fused(x)
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i], m(x))
+    assert fused.last_program().how.layout_shapes == (((3, 3, 3)),)
+
+
 def test_channels_last_candidate_a_model_cannot_run_is_rejected(cache_dir):
     # x.view(B, -1) of a channels-last map raises: autotune drops that candidate.
-    class ViewNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv = nn.Conv2d(3, 4, 3)
-
-        def forward(self, x):
-            return self.conv(x).view(x.shape[0], -1)
-
     torch.manual_seed(0)
     fused = hftc.fuse([ViewNet() for _ in range(2)], autotune=True)
     x = torch.randn(2, 3, 6, 6)
