@@ -290,7 +290,8 @@ class ViewNet(nn.Module):
 def test_channels_last_runs_only_on_the_shapes_it_was_checked_on(monkeypatch, cache_dir):
     # Tuned on 3x3 inputs (a 1x1 map: views fine channels-last); a 6x6 input (a 4x4 map
     # that would not view channels-last) runs with its inputs as given.
-    _force_program(monkeypatch, loop=False, layout="channels_last")
+    # (The whole-model loop runs ViewNet's own .view.)
+    _force_program(monkeypatch, loop=True, layout="channels_last")
     torch.manual_seed(0)
     models = [ViewNet() for _ in range(2)]
     fused = hftc.fuse(models, autotune=True)
