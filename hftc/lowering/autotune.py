@@ -494,7 +494,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
         if len(valid) == 1:
             return ProgramChoice(), choice
         times: dict[str, list[float]] = {name: [] for name in valid}
-        for _ in range(_MORE_ROUNDS):
+        for _extra in range(_MORE_ROUNDS):
             for _ in range(_ROUNDS):  # interleaved rounds, as for single ops
                 for name, how in valid.items():
                     _sync(device)
