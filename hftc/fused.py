@@ -395,9 +395,9 @@ class FusedModule(nn.Module):
         values = self._bind(tuple(merged), dict(kwargs))
         batched = batched + [False] * (len(values) - len(batched))
         program = self._program(values, batched)
-        if program.how is not None:
-            return run_program(self, program.forward, program.how, values, batched)
         try:
+            if program.how is not None:  # autotune's whole-model loop and/or layout
+                return run_program(self, program.forward, program.how, values, batched)
             out = program.forward(self, *values)
             return out if program.output_spec is None else program.output_spec.rebuild(out)
         except RuntimeError as exc:
