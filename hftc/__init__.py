@@ -13,10 +13,12 @@ from .errors import (
 )
 from .fused import FusedModule, fuse
 from .group import fuse_groups
+from .lowering.heap import keep_freed_memory
 from .utils import per_model
 
 __all__ = [
     "FusedModule", "FusionError", "MismatchError", "TraceError", "UnsupportedOperatorError",
-    "amp", "errors", "fuse", "fuse_groups", "optim", "per_model", "utils",
+    "amp", "errors", "fuse", "fuse_groups", "keep_freed_memory", "optim", "per_model",
+    "utils",
 ]
 __version__ = "0.1.0"

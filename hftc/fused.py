@@ -36,6 +36,7 @@ from .lowering.autotune import (
     run_program,
 )
 from .lowering.codegen import compile_graph
+from .lowering.heap import keep_freed_memory_for_tuning
 from .lowering.model_loop import ModelLoop
 from .lowering.modules import StackedModule, build_module_tree
 from .match import GraphMatch, match_graphs
@@ -434,6 +435,10 @@ class FusedModule(nn.Module):
             # (Not under inference_mode, where no tensor may require grad.)
             backward = self.training and not torch.is_inference_mode_enabled() \
                 and any(p.requires_grad for p in self.parameters())
+            if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values):
+                # A fused step's activations outgrow glibc's adaptive thresholds: keep the
+                # freed memory instead of faulting it in every step (lowering/heap.py).
+                keep_freed_memory_for_tuning()
             with preserved_state(self):
                 report.lowerings = autotune_graph(graph, self, values, backward=backward)
         forward, source = compile_graph(graph)

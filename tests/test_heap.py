@@ -1,0 +1,80 @@
+"""``hftc.keep_freed_memory``: freed memory stays with the process between steps.
+
+Measured in fresh interpreters (the setting is process-wide and cannot be undone):
+a step-like pattern that allocates and frees ~160 MiB in 8 MiB blocks faults its
+pages in again every repetition under glibc's defaults, and once only after
+``keep_freed_memory()``; ``hftc.fuse(..., autotune=True)`` applies it on the CPU
+unless ``HFTC_KEEP_FREED_MEMORY=0``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+    reason="mallopt thresholds are glibc's")
+
+_STEPS = """
+import json, resource, sys, torch
+import hftc
+keep = sys.argv[1] == "keep"
+applied = hftc.keep_freed_memory() if keep else False
+
+def step():
+    blocks = [torch.ones(2 * 1024 * 1024) for _ in range(20)]   # 20 x 8 MiB, touched
+    return sum(float(b[0]) for b in blocks)
+
+step()  # the first step faults its memory in, in every configuration
+faults = []
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    step()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"applied": applied, "faults": faults}))
+"""
+
+
+def _run(code: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                         check=True, env={**os.environ, **(env or {})}, timeout=300)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_freed_memory_is_faulted_in_again_by_default_and_not_once_kept():
+    default = _run(_STEPS, "default")
+    kept = _run(_STEPS, "keep")
+    assert kept["applied"] is True
+    # 160 MiB = 40,960 pages of 4 KiB: the default faults (most of) them in every step.
+    assert min(default["faults"]) > 20_000, default
+    # Kept: the heap settles within a repetition or two (0-8,193 faults measured), then
+    # none.
+    assert sum(kept["faults"]) < 20_000 and max(kept["faults"][3:]) < 500, kept
+
+
+_FUSE = """
+import json, torch
+import hftc
+from hftc.lowering import heap
+models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+          for _ in range(2)]
+before = heap._applied
+fused = hftc.fuse(models, autotune=True)
+fused(torch.randn(3, 4)).sum().backward()
+print(json.dumps({"before": before, "after": heap._applied}))
+"""
+
+
+@pytest.mark.parametrize("setting, expected", [(None, True), ("0", False)])
+def test_autotune_on_cpu_keeps_freed_memory_unless_told_not_to(tmp_path, setting, expected):
+    env = {"HFTC_CACHE_DIR": str(tmp_path)}
+    if setting is not None:
+        env["HFTC_KEEP_FREED_MEMORY"] = setting
+    result = _run(_FUSE, env=env)
+    assert result == {"before": False, "after": expected}
