@@ -17,7 +17,15 @@ def _ints(text: str) -> list[int]:
 
 
 def config_from_args(args: argparse.Namespace):
-    cfg = default_config(quick=args.quick)
+    device = args.device
+    if device != "cpu":
+        import torch
+
+        if not device.startswith("cuda") or not torch.cuda.is_available():
+            raise SystemExit(f"hftc bench: --device {device}: no such device here "
+                             f"(torch.cuda.is_available() is {torch.cuda.is_available()})")
+    cfg = default_config(quick=args.quick, device=device)
+    cfg.precision = args.precision
     if args.workloads:
         names = args.workloads.split(",")
         unknown = [w for w in names if w not in WORKLOADS]
@@ -26,9 +34,9 @@ def config_from_args(args: argparse.Namespace):
                              f"choose from {list(WORKLOADS)}")
         cfg.workloads = names
         for w in names:
-            cfg.sizes.setdefault(w, list(WORKLOADS[w].quick_sizes if args.quick
-                                         else WORKLOADS[w].sizes))
-            cfg.rounds.setdefault(w, 3 if args.quick else WORKLOADS[w].rounds)
+            on = WORKLOADS[w].on(device)
+            cfg.sizes.setdefault(w, list(on.quick_sizes if args.quick else on.sizes))
+            cfg.rounds.setdefault(w, 3 if args.quick else on.rounds)
         cfg.name = "custom"
     if args.sizes:
         cfg.sizes = {w: _ints(args.sizes) for w in cfg.workloads}
@@ -43,21 +51,38 @@ def config_from_args(args: argparse.Namespace):
         cfg.rounds = {w: args.rounds for w in cfg.workloads}
     if args.compile_sizes is not None:
         cfg.compile_sizes = {w: _ints(args.compile_sizes) for w in cfg.workloads}
+    # The CPU's cap is 1 GiB above a bare process; a GPU's, its whole memory (0).
+    cap = args.mem_cap if args.mem_cap is not None else (1024 if device == "cpu" else 0)
     if args.max_n is not None:
         cfg.max_n = []
         for item in filter(None, args.max_n.split(",")):
             workload, _, contender = item.partition(":")
             cfg.max_n.append({"workload": workload, "contender": contender or "hftc",
-                              "cap_mib": args.mem_cap})
+                              "cap_mib": cap})
     else:
         for search in cfg.max_n:
-            search["cap_mib"] = args.mem_cap
-    cfg.cores = args.cores
-    cfg.threads = args.threads if args.threads else max(1, args.cores)
+            search["cap_mib"] = cap
+    # On the CPU every contender gets one pinned core; a GPU's contenders are not pinned
+    # (the concurrent contender's N processes each feed the GPU from a core of their own).
+    cfg.cores = args.cores if args.cores is not None else (1 if device == "cpu" else 0)
+    cfg.threads = args.threads if args.threads else max(1, cfg.cores)
     cfg.adam = args.adam
-    if args.adam != "default":
-        cfg.name += f"-adam-{args.adam}"
+    if docs_block(cfg):
+        cfg.name += f"-{docs_block(cfg)}"
     return cfg
+
+
+def docs_block(cfg) -> str:
+    """The BENCHMARKS.md block (and plot-file infix) of a run: "" for the CPU fp32 default
+    Adam suite, else e.g. "cuda", "cuda-bf16", "adam-fused"."""
+    parts = []
+    if cfg.device != "cpu":
+        parts.append("cuda")
+    if cfg.precision != "fp32":
+        parts.append(cfg.precision)
+    if cfg.adam != "default":
+        parts.append(f"adam-{cfg.adam}")
+    return "-".join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
     text = markdown(result)
     print("\n" + text)
     print(f"results: {out}")
-    # A run with every Adam fused goes into its own block and plot files.
-    block = "" if cfg.adam == "default" else f"adam-{cfg.adam}"
+    # A GPU run, a bf16 run, a run with every Adam fused: each its own block and plots.
+    block = docs_block(cfg)
     if args.plots:
         for path in plot(result, Path(args.plots), "bench" if not block else f"bench_{block}"):
             print(f"wrote {path}")

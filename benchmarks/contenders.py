@@ -16,11 +16,18 @@ hftc            ``hftc.fuse(models, autotune=True)`` + ``hftc.optim.Adam`` +
                 ``hftc.per_model(loss)``
 hftc+compile    the same with the forward and loss under ``torch.compile`` (inductor);
                 backward through AOTAutograd's compiled graph; optimizer eager
+concurrent-mps  concurrent, on a GPU, with CUDA's MPS daemon sharing the device (the
+                suite starts it where it can; ``suite.py``)
 ==============  ==========================================================================
+
+Every contender runs on ``device`` ("cpu" or "cuda") and in ``precision``: "fp32",
+or "bf16" (AMP: fp32 weights and optimizer, forward and loss under
+``torch.autocast(device, torch.bfloat16)``, as a user would turn it on).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -33,7 +40,11 @@ from torch import nn
 
 from .workloads import WORKLOADS, Workload
 
-CONTENDERS = ("serial", "concurrent", "torch.func", "hand-fused", "hftc", "hftc+compile")
+CONTENDERS = ("serial", "concurrent", "concurrent-mps", "torch.func", "hand-fused", "hftc",
+              "hftc+compile")
+#: Contenders that run the N models in N processes (runner.py builds each from "serial").
+MULTI_PROCESS = ("concurrent", "concurrent-mps")
+PRECISIONS = ("fp32", "bf16")
 #: Contenders that fuse the N models into one step (their FLOP/s efficiency is reported).
 FUSED = ("torch.func", "hand-fused", "hftc", "hftc+compile")
 
@@ -50,6 +61,29 @@ def make_models(workload: Workload, n: int, seed: int = 0) -> list[nn.Module]:
         torch.manual_seed(seed * 1000 + i)
         models.append(workload.factory())
     return models
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Where and in what precision a contender trains: ``device`` and ``precision``."""
+
+    device: str = "cpu"
+    precision: str = "fp32"
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context the forward and loss run in (AMP for "bf16")."""
+        if self.precision == "bf16":
+            return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def sync(self) -> None:
+        """Wait for the device (CUDA runs asynchronously: a step is timed to its end)."""
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -85,7 +119,8 @@ def _named(module: nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
 
 
 def build_step(contender: str, workload: str | Workload, n: int, *, seed: int = 0,
-               model_index: int | None = None, adam: str = "default") -> Step:
+               model_index: int | None = None, adam: str = "default",
+               setting: Setting | None = None) -> Step:
     """Build contender ``contender`` for N models of ``workload``.
 
     ``model_index``: for one process of the concurrent contender, build only model
@@ -93,32 +128,38 @@ def build_step(contender: str, workload: str | Workload, n: int, *, seed: int = 
     ``adam``: ``"default"`` (every optimizer as constructed with its defaults: on the
     CPU stock Adam is the op-by-op loop, hftc's repeats it bit for bit) or ``"fused"``
     (``fused=True`` for stock and hftc Adam; the hand-fused reference keeps HFTA's).
+    ``setting``: device and precision (default: the CPU, fp32); the workload's sizes for
+    that device (``Workload.on``).
     """
     if adam not in ("default", "fused"):
         raise ValueError(f"adam must be 'default' or 'fused', got {adam!r}")
+    setting = setting or Setting()
     w = WORKLOADS[workload] if isinstance(workload, str) else workload
+    w = w.on(setting.device)
     lrs = learning_rates(n)
-    x, y = w.inputs()
-    models = make_models(w, n, seed)
+    x, y = (t.to(setting.device) for t in w.inputs())
+    models = [m.to(setting.device) for m in make_models(w, n, seed)]
     if model_index is not None:
         models, lrs = [models[model_index]], [lrs[model_index]]
     builder = _BUILDERS[contender]
-    return builder(w, models, lrs, x, y, {"fused": True} if adam == "fused" else {})
+    return builder(w, models, lrs, x, y, {"fused": True} if adam == "fused" else {}, setting)
 
 
-def _serial(w: Workload, models, lrs, x, y, adam_kwargs) -> Step:
+def _serial(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting) -> Step:
     opts = [torch.optim.Adam(m.parameters(), lr=lr, **adam_kwargs) for m, lr in zip(models, lrs)]
 
     def step():
         for m, opt in zip(models, opts):
             opt.zero_grad(set_to_none=True)
-            w.loss(m(x), y).backward()
+            with setting.autocast():
+                loss = w.loss(m(x), y)
+            loss.backward()
             opt.step()
 
     return Step(step, len(models), _stacked(models))
 
 
-def _torch_func(w: Workload, models, lrs, x, y, adam_kwargs) -> Step:
+def _torch_func(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting) -> Step:
     from torch.func import functional_call, grad, stack_module_state, vmap
 
     params, buffers = stack_module_state(models)
@@ -132,7 +173,8 @@ def _torch_func(w: Workload, models, lrs, x, y, adam_kwargs) -> Step:
 
     def step():
         opt.zero_grad(set_to_none=True)
-        grads = grads_of(params, buffers, x, y)
+        with setting.autocast():
+            grads = grads_of(params, buffers, x, y)
         for name, p in params.items():
             p.grad = grads[name]
         opt.step()
@@ -141,7 +183,7 @@ def _torch_func(w: Workload, models, lrs, x, y, adam_kwargs) -> Step:
                 {"note": "one learning rate for all models"})
 
 
-def _hand_fused(w: Workload, models, lrs, x, y, adam_kwargs) -> Step:
+def _hand_fused(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting) -> Step:
     from .handfused import HandFusedAdam, hand_fuse, hand_fused_loss
 
     fused = hand_fuse(w.name, models)
@@ -149,13 +191,16 @@ def _hand_fused(w: Workload, models, lrs, x, y, adam_kwargs) -> Step:
 
     def step():
         opt.zero_grad()
-        hand_fused_loss(w, fused(x), y).backward()
+        with setting.autocast():
+            loss = hand_fused_loss(w, fused(x), y)
+        loss.backward()
         opt.step()
 
     return Step(step, len(models), _named(fused))
 
 
-def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, *, compile: bool = False) -> Step:
+def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
+          compile: bool = False) -> Step:
     import hftc
 
     # autotune: each fused op's lowering timed on these shapes (cached on disk).
@@ -164,7 +209,8 @@ def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, *, compile: bool = False)
     per_model_loss = hftc.per_model(w.loss_fn)
 
     def forward_loss(x, y):
-        return per_model_loss(_first(fused(x)), y).sum()
+        with setting.autocast():
+            return per_model_loss(_first(fused(x)), y).sum()
 
     fn = torch.compile(forward_loss) if compile else forward_loss
 
@@ -173,12 +219,13 @@ def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, *, compile: bool = False)
         fn(x, y).backward()
         opt.step()
 
-    fused.compile(x)
+    with setting.autocast():  # lowerings are timed as the step runs them
+        fused.compile(x)
     report = fused.fusion_report
     info = {"fallbacks": [f"{r.node} ({r.reason})" for r in report.fallbacks],
             "lowerings": {c.node: c.chosen for c in report.lowerings}}
     return Step(step, len(models), _named(fused), info,
-                phases=lambda: step_phases(lambda: fn(x, y), opt))
+                phases=lambda: step_phases(lambda: fn(x, y), opt, setting))
 
 
 #: Ops whose self time counts as matrix products / convolutions in :func:`step_phases`.
@@ -186,12 +233,13 @@ _GEMM_OPS = ("mm", "bmm", "addmm", "baddbmm", "convolution", "conv", "linear")
 
 
 def step_phases(forward_loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer,
-                steps: int = 10) -> dict[str, float]:
+                setting: Setting | None = None, steps: int = 10) -> dict[str, float]:
     """Where one training step's time goes: median seconds of forward + loss, backward and
     optimizer step (zero_grad included), and (on the CPU, from ``torch.profiler``) the
     fractions of the step's self time spent in GEMMs/convolutions, in the optimizer
     step and in everything else (elementwise ops, layout copies, Python)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    setting = setting or Setting()
+    sync = setting.sync
     times: dict[str, list[float]] = {"forward_loss_s": [], "backward_s": [], "optimizer_s": []}
     for _ in range(steps):
         sync()
@@ -209,8 +257,8 @@ def step_phases(forward_loss: Callable[[], torch.Tensor], opt: torch.optim.Optim
         for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2)):
             times[key].append(value)
     phases = {k: statistics.median(v) for k, v in times.items()}
-    if torch.cuda.is_available():
-        return phases
+    if torch.device(setting.device).type != "cpu":
+        return phases  # the profiler's CPU self times say nothing of a GPU step
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:

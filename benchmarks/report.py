@@ -74,21 +74,33 @@ def _contenders(result: dict) -> list[str]:
     return [c for c in CONTENDERS if c in seen]
 
 
+def _on_gpu(result: dict) -> bool:
+    return result["config"].get("device", "cpu") != "cpu"
+
+
 def markdown(result: dict) -> str:
-    m = result["machine"]
+    m, cfg = result["machine"], result["config"]
     pk = peak(result)
+    device, precision = cfg.get("device", "cpu"), cfg.get("precision", "fp32")
+    gpu = m.get("gpu")
+    where = (f"**{gpu['name']}** ({gpu['memory_gib']:.0f} GiB, CUDA {gpu['cuda']}), "
+             if gpu else "")
+    size = result.get("matmul_size", 2048)
     lines = [
-        f"Run `{result['config']['name']}` of {result['started']}, "
-        f"{result.get('wall_s', 0) / 60:.1f} min: {m['cpu']}, {m['cores']} cores, "
+        f"Run `{cfg['name']}` of {result['started']}, "
+        f"{result.get('wall_s', 0) / 60:.1f} min: {where}{m['cpu']}, {m['cores']} cores, "
         f"{(m.get('memory_gib') or 0):.0f} GiB, Python {m['python']}, torch {m['torch']}, "
-        f"hftc at `{m['git_commit']}`; {result['threads']} intra-op thread per process, "
+        f"hftc at `{m['git_commit']}`; device `{device}`, {precision}"
+        + (" (forward and loss under `torch.autocast(bfloat16)`)" if precision == "bf16" else "")
+        + f"; {result['threads']} intra-op thread per process, "
         f"every worker on CPU(s) {result.get('cpus') or 'any'}; "
-        f"Adam: {result['config'].get('adam', 'default')}. "
+        f"Adam: {cfg.get('adam', 'default')}. "
         f"Load average (1, 5, 15 min) at the start "
         f"{', '.join(f'{v:.1f}' for v in result['load_start'])}, at the end "
         f"{', '.join(f'{v:.1f}' for v in result.get('load_end', []))}.",
         "",
-        f"Peak fp32 matmul (2048^3, {result['threads']} thread): **{pk[0]:.1f} GFLOP/s** "
+        f"Peak {precision} matmul ({size}^3, {result['threads']} thread): "
+        f"**{pk[0]:.1f} GFLOP/s** "
         f"median [{pk[1]:.1f}-{pk[2]:.1f}] over {len(result['peak_gflops'])} measurements "
         f"taken through the run.",
         "",
@@ -97,7 +109,7 @@ def markdown(result: dict) -> str:
     lines += _targets_table(result)
     lines += _speedup_table(result)
     for name, entry in result["workloads"].items():
-        lines += _workload_tables(name, entry, contenders, pk[0])
+        lines += _workload_tables(name, entry, contenders, pk[0], _on_gpu(result))
     lines += _max_n_tables(result)
     return "\n".join(lines) + "\n"
 
@@ -120,11 +132,37 @@ def _targets_table(result: dict) -> list[str]:
         met = "yes" if worst[0] >= 1.0 else "**no**"
         out.append(f"| every workload, every N >= 2: hftc >= 1.0x serial | lowest "
                    f"{worst[0]:.2f}x ({worst[1]} N={worst[2]}) | {met} |")
+    if _on_gpu(result):
+        out += _gpu_targets(result)
     return out + [""]
 
 
+#: HFTA's lowest published training speedup over serial on a GPU (ANCHORS.md: 2.42-11.50x
+#: on V100/RTX6000/A100 across its workloads); per-workload figures are not in ANCHORS.md.
+HFTA_GPU_SERIAL = 2.42
+
+
+def _gpu_targets(result: dict) -> list[str]:
+    """On a GPU: ResNet-18, PointNet, MobileNetV2 at their largest N measured."""
+    out = []
+    for name in ("resnet18", "pointnet", "mobilenet_v2"):
+        configs = result["workloads"].get(name, {}).get("configs", [])
+        if not configs:
+            continue
+        n = max(c["n"] for c in configs)
+        for other, want in (("serial", HFTA_GPU_SERIAL), ("torch.func", 1.5)):
+            got = ratio(result, name, n, "hftc", other)
+            met = "n/a" if got is None else ("yes" if got >= want else "**no**")
+            label = "HFTA's lowest published" if other == "serial" else ""
+            out.append(f"| {name} N={n} (largest run): hftc >= {want}x {other}"
+                       f"{' (' + label + ')' if label else ''} | {_fmt_ratio(got)} | {met} |")
+    return out
+
+
 def _speedup_table(result: dict) -> list[str]:
-    others = ["serial", "concurrent", "torch.func", "hand-fused"]
+    ran = _contenders(result)
+    others = [c for c in ("serial", "concurrent", "concurrent-mps", "torch.func", "hand-fused")
+              if c in ran or c != "concurrent-mps"]
     out = ["### hftc (eager) against each baseline: speedup = baseline median step time / "
            "hftc median step time", "",
            "| workload | N | " + " | ".join(f"vs {o}" for o in others)
@@ -139,8 +177,8 @@ def _speedup_table(result: dict) -> list[str]:
     return out + [""]
 
 
-def _workload_tables(name: str, entry: dict, contenders: list[str], peak_gflops: float
-                     ) -> list[str]:
+def _workload_tables(name: str, entry: dict, contenders: list[str], peak_gflops: float,
+                     on_gpu: bool = False) -> list[str]:
     batch, flops = entry["batch"], entry["flops_per_model_step"]
     out = [f"### {name}", ""]
     if entry.get("note"):
@@ -161,7 +199,10 @@ def _workload_tables(name: str, entry: dict, contenders: list[str], peak_gflops:
             else:
                 cells.append(_fmt_rate(throughput(run, n, batch)))
         out.append(f"| {n} | " + " | ".join(cells) + " |")
-    out += ["", "Peak memory, MiB above a bare worker process (RSS high-water mark); for "
+    out += ["", "Peak device memory, MiB (`torch.cuda.max_memory_allocated`); for the "
+            "concurrent contenders, the sum over their N processes (each of which also holds "
+            "a CUDA context, not counted)." if on_gpu else
+            "Peak memory, MiB above a bare worker process (RSS high-water mark); for "
             "concurrent, the sum over its N processes, each of which also holds its own torch "
             "runtime (in brackets).", "",
             "| N | " + " | ".join(contenders) + " |", "|---|" + "---|" * len(contenders)]
@@ -171,7 +212,7 @@ def _workload_tables(name: str, entry: dict, contenders: list[str], peak_gflops:
             run = cfg["contenders"].get(c)
             if not run or run.get("peak_mib") is None:
                 cells.append("")
-            elif c == "concurrent":
+            elif c == "concurrent" and not on_gpu:
                 cells.append(f"{run['peak_mib']:.0f} (+{run['runtime_mib']:.0f})")
             else:
                 cells.append(f"{run['peak_mib']:.0f}")
@@ -259,8 +300,9 @@ def _max_n_tables(result: dict) -> list[str]:
 # --------------------------------------------------------------------------- plots
 
 #: One colour per contender in every panel.
-COLORS = {"serial": "tab:blue", "concurrent": "tab:orange", "torch.func": "tab:green",
-          "hand-fused": "tab:red", "hftc": "tab:purple", "hftc+compile": "tab:brown"}
+COLORS = {"serial": "tab:blue", "concurrent": "tab:orange", "concurrent-mps": "tab:olive",
+          "torch.func": "tab:green", "hand-fused": "tab:red", "hftc": "tab:purple",
+          "hftc+compile": "tab:brown"}
 
 
 def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
@@ -295,7 +337,8 @@ def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
                         hi.append(t[2] - t[0])
                     elif run.get("peak_mib") is not None:
                         # concurrent: its N processes' own torch runtimes are part of the cost
-                        extra = (run.get("runtime_mib") or 0) if c == "concurrent" else 0
+                        extra = ((run.get("runtime_mib") or 0)
+                                 if c == "concurrent" and not _on_gpu(result) else 0)
                         xs.append(cfg["n"])
                         ys.append(max(run["peak_mib"] + extra, 1e-1))
                 if not xs:
@@ -313,7 +356,8 @@ def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
             ax.set_title(f"{name} (batch {entry['batch']})")
             ax.set_xlabel("N (models)")
             ax.set_ylabel("samples/s (sum over N)" if kind == "throughput"
-                          else "peak MiB above a bare process\n(concurrent: + N runtimes)")
+                          else "peak device MiB" if _on_gpu(result) else
+                          "peak MiB above a bare process\n(concurrent: + N runtimes)")
             ax.grid(True, which="both", alpha=0.3)
         for ax in list(axes.flat)[len(names):]:
             ax.axis("off")
@@ -321,12 +365,13 @@ def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
                               key=lambda hl: len(hl[1]))
         fig.legend(handles, labels, loc="lower center", ncol=len(labels),
                    bbox_to_anchor=(0.5, -0.01))
+        gpu = result["machine"].get("gpu")
+        where = (f"{gpu['name']}, {result['config'].get('precision', 'fp32')}" if gpu else
+                 f"{result['machine']['cpu']}, one core per contender, "
+                 f"{result['threads']} thread/process")
         fig.suptitle(f"hftc bench ({result['config']['name']}): training-step {kind} vs N; "
-                     f"{result['machine']['cpu']}, one core per contender, "
-                     f"{result['threads']} thread/process; median and min-max over rounds"
-                     if kind == "throughput" else
-                     f"hftc bench ({result['config']['name']}): peak memory vs N; "
-                     f"{result['machine']['cpu']}")
+                     f"{where}; median and min-max over rounds" if kind == "throughput" else
+                     f"hftc bench ({result['config']['name']}): peak memory vs N; {where}")
         fig.tight_layout(rect=(0, 0.05, 1, 0.97))
         path = out_dir / f"{stem}_{kind}.png"
         fig.savefig(path, dpi=110)

@@ -46,6 +46,12 @@ from typing import Any
 #: How long a worker may take to build, compile and warm up before it is given up on.
 START_TIMEOUT_S = 1800.0
 
+#: Contenders that run N processes (built from "serial", one model each).
+MULTI_PROCESS = ("concurrent", "concurrent-mps")
+#: The environment of concurrent-mps's processes: the MPS daemon's pipe and log
+#: directories (set by ``suite.mps_daemon`` while the daemon runs).
+MPS_ENV: dict[str, str] = {}
+
 
 # --------------------------------------------------------------------------- in the worker
 
@@ -89,22 +95,38 @@ def _watch_memory(base_mib: float, cap_mib: float) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _matmul_step(size: int = 2048):
+def matmul_size(device: str, precision: str = "fp32") -> int:
+    """The peak-rate matmul's size: 2048^3 on a CPU (512^3 in bf16, which CPUs without
+    bf16 instructions run at ~1 GFLOP/s), 8192^3 on a GPU (2048^3 is ~0.1 ms there)."""
+    if device != "cpu":
+        return 8192
+    return 2048 if precision == "fp32" else 512
+
+
+def _matmul_step(setting):
+    """One ``size``^3 matmul in the setting's precision (bf16 AMP: a bf16 matmul)."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    out = torch.empty(size, size)
+    size = matmul_size(setting.device, setting.precision)
+    dtype = torch.bfloat16 if setting.precision == "bf16" else torch.float32
+    a, b = (torch.randn(size, size, device=setting.device, dtype=dtype) for _ in range(2))
+    out = torch.empty(size, size, device=setting.device, dtype=dtype)
     return lambda: torch.mm(a, b, out=out)
 
 
 def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
     """One contender's process: build it, warm it up, then run steps on request."""
+    os.environ.update(spec.get("env", {}))  # e.g. MPS's pipe directory, before CUDA starts
     import torch
 
+    from .contenders import Setting
+
+    setting = Setting(spec.get("device", "cpu"), spec.get("precision", "fp32"))
+    on_gpu = setting.device != "cpu"
     if spec.get("cpus"):
         os.sched_setaffinity(0, spec["cpus"])
     torch.set_num_threads(spec["threads"])
-    if spec.get("keep_freed_memory", True):
+    if not on_gpu:
         # What hftc.fuse(autotune=True) does on the CPU, done for every contender alike:
         # no contender's step time then counts page faults the others do not pay.
         import hftc
@@ -113,7 +135,15 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
     start = _status_mib()
     peak_reset = _reset_peak()
     base = _status_mib()["VmRSS"] if peak_reset else start["VmHWM"]
-    if spec.get("cap_mib"):
+    if on_gpu:
+        # Device memory: the allocator's peak, and a cap the allocator enforces (OOM).
+        if torch.device(setting.device).index is not None:
+            torch.cuda.set_device(torch.device(setting.device))
+        torch.cuda.reset_peak_memory_stats()
+        if spec.get("cap_mib"):
+            total = torch.cuda.get_device_properties(torch.device(setting.device)).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, spec["cap_mib"] * 2**20 / total))
+    elif spec.get("cap_mib"):
         _watch_memory(base, spec["cap_mib"])
     try:
         from .contenders import build_step
@@ -121,25 +151,30 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         phases = None
         if spec["contender"] == "matmul":
-            fn, info = _matmul_step(), {}
+            fn, info = _matmul_step(setting), {}
         else:
             step = build_step(spec["contender"], spec["workload"], spec["n"],
                               model_index=spec.get("model_index"),
-                              adam=spec.get("adam", "default"))
+                              adam=spec.get("adam", "default"), setting=setting)
             fn, info, phases = step.fn, step.info, step.phases
-        build_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        fn()
-        first_s = time.perf_counter() - t0
-        warm = []
-        for _ in range(spec.get("warmup", 2)):
+
+        def timed(k: int) -> float:
             t0 = time.perf_counter()
-            fn()
-            warm.append(time.perf_counter() - t0)
+            for _ in range(k):
+                fn()
+            setting.sync()
+            return time.perf_counter() - t0
+
+        build_s = time.perf_counter() - t0
+        first_s = timed(1)
+        warm = [timed(1) for _ in range(spec.get("warmup", 2))]
         # The peak of building and warm steps; the profiler that splits a step's time
         # (phases) holds hundreds of MiB of its own (PointNet N=8: 433 -> 745 MiB) and
         # must not count as the contender's memory.
-        step_peak = _status_mib()["VmHWM"]
+        if on_gpu:
+            step_peak, base = torch.cuda.max_memory_allocated() / 2**20, 0.0
+        else:
+            step_peak = _status_mib()["VmHWM"]
         if phases is not None and spec.get("phases", True):
             # where a warm step's time goes, apart from the timed rounds
             info = dict(info, phases=phases())
@@ -151,10 +186,7 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
     while True:
         cmd, arg = conn.recv()
         if cmd == "run":
-            t0 = time.perf_counter()
-            for _ in range(arg):
-                fn()
-            conn.send(time.perf_counter() - t0)
+            conn.send(timed(arg))
         elif cmd == "mem":
             # Timed rounds repeat the warm steps: they add no new peak.
             conn.send({"peak_mib": step_peak - base, "runtime_mib": start["RssAnon"],
@@ -274,14 +306,15 @@ class Contender:
     """A contender's worker(s): one, or N for the concurrent contender."""
 
     def __init__(self, name: str, workload: str, n: int, *, threads: int, warmup: int,
-                 adam: str = "default"):
+                 adam: str = "default", setting: dict[str, str] | None = None):
         self.run = ContenderRun(name)
         base = {"workload": workload, "n": n, "threads": threads, "warmup": warmup,
-                "adam": adam}
-        if name == "concurrent":
+                "adam": adam, **(setting or {})}
+        if name in MULTI_PROCESS:
             # The contender gets `threads` cores in all: its N processes share them.
             per_process = max(1, threads // n)
-            specs = [dict(base, contender="serial", model_index=i, threads=per_process)
+            env = dict(MPS_ENV) if name == "concurrent-mps" else {}
+            specs = [dict(base, contender="serial", model_index=i, threads=per_process, env=env)
                      for i in range(n)]
         else:
             specs = [dict(base, contender=name)]
@@ -339,13 +372,18 @@ class Contender:
 
 def run_config(workload: str, n: int, contenders: Sequence[str], *, rounds: int,
                threads: int = 1, warmup: int = 2, min_sample_s: float = 0.05,
-               adam: str = "default", log=print) -> dict[str, ContenderRun]:
-    """Time every contender on N models of ``workload``, interleaved round by round."""
+               adam: str = "default", setting: dict[str, str] | None = None,
+               log=print) -> dict[str, ContenderRun]:
+    """Time every contender on N models of ``workload``, interleaved round by round.
+
+    ``setting``: ``{"device": ..., "precision": ...}`` (``contenders.Setting``'s fields).
+    """
     live: list[Contender] = []
     results: dict[str, ContenderRun] = {}
     try:
         for name in contenders:
-            c = Contender(name, workload, n, threads=threads, warmup=warmup, adam=adam)
+            c = Contender(name, workload, n, threads=threads, warmup=warmup, adam=adam,
+                          setting=setting)
             results[name] = c.run
             if c.ok:
                 c.calibrate(min_sample_s)
@@ -366,28 +404,33 @@ def run_config(workload: str, n: int, contenders: Sequence[str], *, rounds: int,
     return results
 
 
-def measure_matmul(worker: Worker, reps: int = 3, size: int = 2048) -> list[float]:
-    """GFLOP/s of ``reps`` fp32 ``size``^3 matmuls in a worker (the suite's peak)."""
+def measure_matmul(worker: Worker, reps: int = 3, size: int = 2048,
+                   steps: int = 1) -> list[float]:
+    """GFLOP/s of ``reps`` timings of ``steps`` ``size``^3 matmuls in a worker (the suite's
+    peak; ``size``: :func:`matmul_size` of the worker's device)."""
     out = []
     for _ in range(reps):
-        worker.send(("run", 1))
+        worker.send(("run", steps))
         seconds = worker._recv(600)
-        out.append(2 * size**3 / seconds / 1e9)
+        out.append(2 * size**3 * steps / seconds / 1e9)
     return out
 
 
-def matmul_worker(threads: int) -> Worker:
+def matmul_worker(threads: int, setting: dict[str, str] | None = None) -> Worker:
     w = Worker({"contender": "matmul", "workload": None, "n": 0, "threads": threads,
-                "warmup": 1})
+                "warmup": 1, **(setting or {})})
     w.wait_ready()
     return w
 
 
 def fits(workload: str, contender: str, n: int, cap_mib: float, threads: int = 1,
-         adam: str = "default") -> tuple[bool, float | None, str]:
-    """Does one training step of N models stay within ``cap_mib`` above a bare process?"""
+         adam: str = "default", setting: dict[str, str] | None = None,
+         ) -> tuple[bool, float | None, str]:
+    """Does one training step of N models stay within ``cap_mib`` above a bare process
+    (on a GPU: within ``cap_mib`` of device memory)?"""
     w = Worker({"workload": workload, "n": n, "threads": threads, "warmup": 1,
-                "contender": contender, "cap_mib": cap_mib, "adam": adam, "phases": False})
+                "contender": contender, "cap_mib": cap_mib, "adam": adam, "phases": False,
+                **(setting or {})})
     try:
         w.wait_ready()
         w.send(("mem", None))
@@ -400,12 +443,13 @@ def fits(workload: str, contender: str, n: int, cap_mib: float, threads: int = 1
 
 
 def largest_n(workload: str, contender: str, cap_mib: float, *, threads: int = 1,
-              limit: int = 4096, adam: str = "default", log=print) -> dict[str, Any]:
+              limit: int = 4096, adam: str = "default", setting: dict[str, str] | None = None,
+              log=print) -> dict[str, Any]:
     """HFTA's search for the largest N that fits: double N until it fails, then bisect."""
     probes: list[dict[str, Any]] = []
 
     def probe(n: int) -> bool:
-        ok, peak, why = fits(workload, contender, n, cap_mib, threads, adam)
+        ok, peak, why = fits(workload, contender, n, cap_mib, threads, adam, setting)
         probes.append({"n": n, "fits": ok, "peak_mib": peak, "why": why})
         log(f"    N={n:<5} {'fits' if ok else 'does not fit'}"
             + (f" ({peak:.0f} MiB)" if peak is not None else f" ({why})"))

@@ -14,12 +14,16 @@ each N all contenders side by side (``runner.run_config``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
+import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,36 +47,78 @@ class SuiteConfig:
     threads: int = 1
     cores: int = 1                     # workers confined to this many CPUs (0: not pinned)
     adam: str = "default"              # "fused": fused=True for stock and hftc Adam
+    device: str = "cpu"                # or "cuda": every contender on the GPU
+    precision: str = "fp32"            # or "bf16": forward and loss under autocast
     min_sample_s: float = 0.05
     max_n: list[dict[str, Any]] = field(default_factory=list)  # {workload, contender, cap_mib}
     name: str = "full"
 
 
-def default_config(quick: bool = False) -> SuiteConfig:
-    """The full suite (< 30 min on the 2-core development machine) or ``--quick`` (< 3 min)."""
+def default_config(quick: bool = False, device: str = "cpu") -> SuiteConfig:
+    """The full suite (< 30 min on the 2-core development machine) or ``--quick`` (< 3 min),
+    with the workloads' sizes for ``device`` (``Workload.on``)."""
+    on = {name: w.on(device) for name, w in WORKLOADS.items()}
     if quick:
         names = ["mlp", "lenet5"]
         return SuiteConfig(
             workloads=names,
-            sizes={w: list(WORKLOADS[w].quick_sizes) for w in names},
-            contenders=list(CONTENDERS),
+            sizes={w: list(on[w].quick_sizes) for w in names},
+            contenders=default_contenders(device),
             rounds={w: 3 for w in names},
             compile_sizes={"mlp": [8]},
+            device=device,
             name="quick",
         )
-    names = [w for w in WORKLOADS]
+    names = list(WORKLOADS)
     return SuiteConfig(
         workloads=names,
-        sizes={w: list(WORKLOADS[w].sizes) for w in names},
-        contenders=list(CONTENDERS),
-        rounds={w: WORKLOADS[w].rounds for w in names},
-        compile_sizes={w: list(WORKLOADS[w].compile_sizes) for w in names},
+        sizes={w: list(on[w].sizes) for w in names},
+        contenders=default_contenders(device),
+        rounds={w: on[w].rounds for w in names},
+        compile_sizes={w: list(on[w].compile_sizes) for w in names},
         max_n=[{"workload": "pointnet", "contender": "hftc", "cap_mib": 1024},
                {"workload": "pointnet", "contender": "hand-fused", "cap_mib": 1024}],
+        device=device,
     )
 
 
-def _machine() -> dict[str, Any]:
+def default_contenders(device: str) -> list[str]:
+    """Every contender that runs on ``device`` (concurrent-mps: a GPU's only)."""
+    return [c for c in CONTENDERS if device != "cpu" or c != "concurrent-mps"]
+
+
+@contextlib.contextmanager
+def mps_daemon(log=print) -> Iterator[str | None]:
+    """CUDA's MPS control daemon for the concurrent-mps contender, in a private pipe
+    directory; yields None (and why, in the log) where it cannot be started."""
+    binary = shutil.which("nvidia-cuda-mps-control")
+    if binary is None:
+        log("MPS: nvidia-cuda-mps-control not found; concurrent-mps is not run")
+        yield None
+        return
+    root = tempfile.mkdtemp(prefix="hftc-mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(root, "pipe"),
+           "CUDA_MPS_LOG_DIRECTORY": os.path.join(root, "log")}
+    for d in env.values():
+        os.makedirs(d)
+    proc = subprocess.run([binary, "-d"], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=60)
+    if proc.returncode != 0:
+        log(f"MPS: the daemon did not start ({proc.stderr.strip() or proc.returncode}); "
+            "concurrent-mps is not run")
+        yield None
+        return
+    runner.MPS_ENV.update(env)
+    try:
+        yield root
+    finally:
+        runner.MPS_ENV.clear()
+        subprocess.run([binary], input="quit\n", env={**os.environ, **env}, text=True,
+                       capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _machine(device: str = "cpu") -> dict[str, Any]:
     import torch
 
     cpu = platform.processor()
@@ -93,7 +139,12 @@ def _machine() -> dict[str, Any]:
                                 text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib,
+    gpu = None
+    if device != "cpu" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(device))
+        gpu = {"name": props.name, "memory_gib": props.total_memory / 2**30,
+               "cuda": torch.version.cuda}
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "gpu": gpu,
             "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(), "git_commit": commit}
 
@@ -123,14 +174,15 @@ def _conv_backward_flops(grad_out_shape, x_shape, w_shape, bias, stride, padding
     return forward * (int(output_mask[0]) + int(output_mask[1]))
 
 
-def flops_per_model_step(workload: str) -> float:
-    """FLOPs of one model's forward + loss + backward on one batch (FlopCounterMode)."""
+def flops_per_model_step(workload: str, device: str = "cpu") -> float:
+    """FLOPs of one model's forward + loss + backward on one batch (FlopCounterMode),
+    counted on the CPU at the workload's sizes for ``device``."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from .contenders import make_models
 
-    w = WORKLOADS[workload]
+    w = WORKLOADS[workload].on(device)
     model = make_models(w, 1)[0]
     x, y = w.inputs()
     mapping = {torch.ops.aten.convolution_backward: _conv_backward_flops}
@@ -145,10 +197,12 @@ def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[s
 
     torch.set_num_threads(cfg.threads)
     cpus = runner.set_cpus(cfg.cores)
+    setting = {"device": cfg.device, "precision": cfg.precision}
+    on_gpu = cfg.device != "cpu"
     started = time.time()
     result: dict[str, Any] = {
         "config": asdict(cfg),
-        "machine": _machine(),
+        "machine": _machine(cfg.device),
         "threads": cfg.threads,
         "cpus": cpus,
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -163,50 +217,73 @@ def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[s
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=1))
 
+    gpu = result["machine"]["gpu"]
     log(f"hftc bench ({cfg.name}): {result['machine']['cpu']}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, {cfg.threads} intra-op thread(s) per process, "
+        + (f"{gpu['name']}, " if gpu else "")
+        + f"torch {torch.__version__}, {cfg.device}, {cfg.precision}, "
+        f"{cfg.threads} intra-op thread(s) per process, "
         f"workers on CPU(s) {cpus or 'any'}, "
         f"Adam: {cfg.adam}, "
         f"load {', '.join(f'{v:.1f}' for v in result['load_start'])}")
-    peak_worker = runner.matmul_worker(cfg.threads)
-    try:
-        for name in cfg.workloads:
-            w = WORKLOADS[name]
-            peak = runner.measure_matmul(peak_worker)
-            result["peak_gflops"] += peak
-            flops = flops_per_model_step(name)
-            entry = {"batch": w.batch, "note": w.note, "flops_per_model_step": flops,
-                     "peak_gflops": peak, "configs": []}
-            result["workloads"][name] = entry
-            log(f"\n{name}: batch {w.batch}, {flops / 1e9:.3f} GFLOP per model step; "
-                f"peak matmul now {max(peak):.1f} GFLOP/s" + (f"  ({w.note})" if w.note else ""))
-            for n in cfg.sizes[name]:
-                contenders = [c for c in cfg.contenders
-                              if c != "hftc+compile" or n in cfg.compile_sizes.get(name, [])]
-                runs = runner.run_config(name, n, contenders, rounds=cfg.rounds[name],
-                                         threads=cfg.threads, min_sample_s=cfg.min_sample_s,
-                                         warmup=w.warmup, adam=cfg.adam, log=log)
-                entry["configs"].append({"n": n, "load": _load(),
-                                         "contenders": {k: asdict(v) for k, v in runs.items()}})
-                log(_config_line(name, n, w.batch, runs))
-                save()
-        for search in cfg.max_n:
-            log(f"\nlargest N of {search['workload']} ({search['contender']}) within "
-                f"{search['cap_mib']} MiB:")
-            found = runner.largest_n(search["workload"], search["contender"], search["cap_mib"],
-                                     threads=cfg.threads, adam=cfg.adam, log=log)
-            result["max_n"].append(found)
-            log(f"    -> N = {found['largest_n']}")
-            save()
-        result["peak_gflops"] += runner.measure_matmul(peak_worker)
-    finally:
-        peak_worker.close()
+    contenders = list(cfg.contenders)
+    with contextlib.ExitStack() as stack:
+        if "concurrent-mps" in contenders:
+            if not on_gpu or stack.enter_context(mps_daemon(log)) is None:
+                contenders.remove("concurrent-mps")
+        result["contenders"] = contenders
+        peak_worker = runner.matmul_worker(cfg.threads, setting)
+        stack.callback(peak_worker.close)
+        _run_workloads(cfg, contenders, setting, peak_worker, result, save, log)
     result["load_end"] = _load()
     result["wall_s"] = time.time() - started
     save()
     log(f"\ndone in {result['wall_s'] / 60:.1f} min; load "
         f"{', '.join(f'{v:.1f}' for v in result['load_end'])}")
     return result
+
+
+def _run_workloads(cfg: SuiteConfig, contenders: list[str], setting: dict[str, str],
+                   peak_worker: runner.Worker, result: dict[str, Any], save, log) -> None:
+    """Every workload's configurations, then the largest-N searches (into ``result``)."""
+    on_gpu = cfg.device != "cpu"
+    matmul = {"size": runner.matmul_size(cfg.device, cfg.precision),
+              "steps": 10 if on_gpu else 1}
+    result["matmul_size"] = matmul["size"]
+    for name in cfg.workloads:
+        w = WORKLOADS[name].on(cfg.device)
+        peak = runner.measure_matmul(peak_worker, **matmul)
+        result["peak_gflops"] += peak
+        flops = flops_per_model_step(name, cfg.device)
+        entry = {"batch": w.batch, "note": w.note, "flops_per_model_step": flops,
+                 "peak_gflops": peak, "configs": []}
+        result["workloads"][name] = entry
+        log(f"\n{name}: batch {w.batch}, {flops / 1e9:.3f} GFLOP per model step; "
+            f"peak matmul now {max(peak):.1f} GFLOP/s" + (f"  ({w.note})" if w.note else ""))
+        for n in cfg.sizes[name]:
+            here = [c for c in contenders
+                    if c != "hftc+compile" or n in cfg.compile_sizes.get(name, [])]
+            runs = runner.run_config(name, n, here, rounds=cfg.rounds[name],
+                                     threads=cfg.threads, min_sample_s=cfg.min_sample_s,
+                                     warmup=w.warmup, adam=cfg.adam, setting=setting, log=log)
+            entry["configs"].append({"n": n, "load": _load(),
+                                     "contenders": {k: asdict(v) for k, v in runs.items()}})
+            log(_config_line(name, n, w.batch, runs))
+            save()
+    for search in cfg.max_n:
+        cap = search["cap_mib"]
+        if on_gpu and not cap:  # the whole device, as HFTA searched
+            import torch
+
+            cap = search["cap_mib"] = (
+                torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory / 2**20)
+        log(f"\nlargest N of {search['workload']} ({search['contender']}) within "
+            f"{cap:.0f} MiB:")
+        found = runner.largest_n(search["workload"], search["contender"], cap,
+                                 threads=cfg.threads, adam=cfg.adam, setting=setting, log=log)
+        result["max_n"].append(found)
+        log(f"    -> N = {found['largest_n']}")
+        save()
+    result["peak_gflops"] += runner.measure_matmul(peak_worker, **matmul)
 
 
 def _config_line(name: str, n: int, batch: int, runs: dict[str, runner.ContenderRun]) -> str:

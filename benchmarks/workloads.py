@@ -11,6 +11,7 @@ batch, the number of points or the values of N are reduced, and ``note`` says so
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -280,6 +281,14 @@ class Workload:
     int_input: int | None = None          # token ids in [0, int_input) instead of floats
     note: str = ""
     extra: dict = field(default_factory=dict)
+    #: What changes on a GPU (``on("cuda")``): the full sizes the CPU cannot afford.
+    gpu: dict = field(default_factory=dict)
+
+    def on(self, device: str | torch.device) -> Workload:
+        """This workload as run on ``device``: on a GPU, with its ``gpu`` overrides."""
+        if torch.device(device).type == "cpu" or not self.gpu:
+            return self
+        return dataclasses.replace(self, **self.gpu, gpu={})
 
     def inputs(self, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         g = generator or torch.Generator().manual_seed(0)
@@ -308,16 +317,24 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
     Workload("pointnet", PointNetCls, (3, 128), 8, 40, sizes=(1, 2, 4, 8),
              quick_sizes=(1, 4), rounds=8, log_probs=True, compile_sizes=(4,),
              note="128 points and batch 8 instead of 1024 points and batch 32 (CPU time: "
-                  "the full size is 28 GFLOP per model step)"),
+                  "the full size is 28 GFLOP per model step)",
+             gpu={"input_shape": (3, 1024), "batch": 32, "sizes": (1, 2, 4, 8, 16, 32),
+                  "note": "1024 points, batch 32"}),
     Workload("resnet18", ResNet18, (3, 32, 32), 8, 10, sizes=(1, 2, 4),
              quick_sizes=(2,), rounds=4, warmup=1,
              note="batch 8 (CPU time: 27 GFLOP per model step); N <= 4; no torch.compile "
-                  "(minutes of compile per N)"),
+                  "(minutes of compile per N)",
+             gpu={"batch": 128, "sizes": (1, 2, 4, 8, 16), "rounds": 8, "compile_sizes": (4,),
+                  "note": "batch 128"}),
     Workload("mobilenet_v2", MobileNetV2, (3, 32, 32), 8, 10, sizes=(1, 2, 4),
              quick_sizes=(2,), rounds=5, warmup=1,
-             note="batch 8 (CPU time); N <= 4; no torch.compile (minutes of compile per N)"),
+             note="batch 8 (CPU time); N <= 4; no torch.compile (minutes of compile per N)",
+             gpu={"batch": 128, "sizes": (1, 2, 4, 8, 16), "rounds": 8, "compile_sizes": (4,),
+                  "note": "batch 128"}),
     Workload("transformer", TransformerClassifier, (64,), 16, 10, sizes=(1, 2, 4, 8, 16),
              quick_sizes=(1, 4), rounds=8, int_input=1000, compile_sizes=(4,),
+             gpu={"batch": 64, "sizes": (1, 2, 4, 8, 16, 32),
+                  "note": "d_model 128, 4 heads, FFN 512, vocab 1000, batch 64"},
              note="d_model 128, 4 heads, FFN 512, vocab 1000, batch 16; attention written "
                   "with nn.Linear + matmul + softmax"),
     Workload("transformer_stock", StockTransformerClassifier, (64,), 16, 10, sizes=(1, 4),

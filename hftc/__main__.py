@@ -148,8 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="", help="values of N for every workload, e.g. 1,4,16")
     p.add_argument("--contenders", default="", help="comma-separated (default: all)")
     p.add_argument("--rounds", type=int, default=0, help="timed rounds (default: per workload)")
-    p.add_argument("--cores", type=int, default=1,
-                   help="confine every contender to this many CPUs (default 1; 0: no pinning)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda (cuda:K): every contender on that GPU (full-size "
+                        "workloads, concurrent also under MPS where its daemon starts)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: forward and loss under torch.autocast(bfloat16) (AMP)")
+    p.add_argument("--cores", type=int, default=None,
+                   help="confine every contender to this many CPUs (default: 1 for --device "
+                        "cpu, 0 for a GPU; 0: no pinning)")
     p.add_argument("--threads", type=int, default=0,
                    help="intra-op threads per process (default: --cores, at least 1)")
     p.add_argument("--adam", choices=["default", "fused"], default="default",
@@ -158,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="values of N that also run hftc+compile ('' for none)")
     p.add_argument("--max-n", default=None, metavar="WORKLOAD:CONTENDER[,...]",
                    help="search the largest N that fits the memory cap ('' for none)")
-    p.add_argument("--mem-cap", type=float, default=1024, help="MiB, for --max-n")
+    p.add_argument("--mem-cap", type=float, default=None,
+                   help="MiB, for --max-n (default 1024 on the CPU, the whole GPU on a GPU)")
     p.add_argument("--out", default="", help="results JSON (default benchmarks/results/NAME.json)")
     p.add_argument("--docs", default="", help="also update this markdown file's tables")
     p.add_argument("--plots", default="", help="also write PNG plots into this folder")

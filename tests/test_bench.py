@@ -85,8 +85,11 @@ def test_tiny_suite_end_to_end(tmp_path):
     entry = result["workloads"]["mlp"]
     assert entry["batch"] == 64 and entry["flops_per_model_step"] > 0
     assert [c["n"] for c in entry["configs"]] == [1, 2]
+    # concurrent-mps is a GPU's contender: asked for on the CPU, it is left out.
+    ran = [c for c in contenders if c != "concurrent-mps"]
+    assert result["contenders"] == ran
     for cfg_result in entry["configs"]:
-        assert list(cfg_result["contenders"]) == contenders
+        assert list(cfg_result["contenders"]) == ran
         for name, run in cfg_result["contenders"].items():
             assert run["error"] is None, (name, run["error"])
             assert len(run["step_s"]) == 2 and all(t > 0 for t in run["step_s"])
@@ -135,3 +138,110 @@ def test_a_failing_contender_is_reported_not_raised():
                              min_sample_s=0.0, log=lambda *_: None)
     assert "no hand-fused version" in runs["hand-fused"].error
     assert runs["serial"].error is None and len(runs["serial"].step_s) == 1
+
+
+# --------------------------------------------------------------------------- device, precision
+
+
+class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the dtype of every matrix product / convolution the step runs."""
+
+    OPS = ("mm", "bmm", "addmm", "baddbmm", "convolution")
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.OPS:
+            self.dtypes.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("contender", ["serial", "torch.func", "hand-fused", "hftc"])
+def test_precision_runs_the_products_in_that_dtype(contender, precision, dtype):
+    """bf16: AMP (matrix products in bfloat16, parameters and optimizer in fp32)."""
+    from benchmarks.contenders import Setting
+
+    step = build_step(contender, "mlp", 2, setting=Setting("cpu", precision))
+    with _MatmulDtypes() as seen:
+        step.fn()
+    assert seen.dtypes == {dtype}, (contender, seen.dtypes)
+    params = step.parameters()
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in params.values())
+
+
+def test_bf16_contenders_train_like_serial():
+    """Under bf16 autocast the fused contenders take serial's step up to bf16 rounding:
+    Adam's first step is about lr * sign(grad), so a gradient whose sign bf16 rounding
+    flips moves a weight by 2 * lr; all but a few weights agree to fp32 precision."""
+    from benchmarks.contenders import Setting
+
+    setting = Setting("cpu", "bf16")
+    steps = {c: build_step(c, "mlp", 3, setting=setting) for c in ("serial", "hftc",
+                                                                    "hand-fused")}
+    before = steps["serial"].parameters()
+    for s in steps.values():
+        s.fn()
+    want = steps["serial"].parameters()
+    for c, s in steps.items():
+        got = s.parameters()
+        for k in want:
+            moved = (want[k] - before[k]).abs() > 0
+            assert moved.float().mean() > 0.5, (c, k)  # the step did happen
+            close = torch.isclose(got[k], want[k], rtol=1e-4, atol=1e-6)
+            assert close.float().mean() > 0.97, (c, k, close.float().mean())
+
+
+def test_workloads_on_a_gpu_take_their_full_sizes():
+    pointnet = WORKLOADS["pointnet"]
+    assert pointnet.on("cpu") is pointnet
+    full = pointnet.on("cuda")
+    assert full.input_shape == (3, 1024) and full.batch == 32 and full.gpu == {}
+    assert WORKLOADS["mlp"].on("cuda") is WORKLOADS["mlp"]  # no overrides: the same
+
+
+def test_bf16_suite_end_to_end(tmp_path):
+    cfg = SuiteConfig(workloads=["mlp"], sizes={"mlp": [2]}, contenders=["serial", "hftc"],
+                      rounds={"mlp": 1}, min_sample_s=0.0, precision="bf16", name="smoke-bf16")
+    result = run_suite(cfg, log=lambda *_: None)
+    runs = result["workloads"]["mlp"]["configs"][0]["contenders"]
+    assert all(r["error"] is None and r["step_s"] for r in runs.values())
+    text = report.markdown(result)
+    assert "device `cpu`, bf16 (forward and loss under `torch.autocast(bfloat16)`)" in text
+    assert "Peak bf16 matmul (512^3" in text
+
+
+def test_bench_cli_names_each_kind_of_run_and_refuses_a_missing_gpu():
+    from benchmarks.cli import config_from_args, docs_block
+    from hftc.__main__ import build_parser
+
+    def cfg(*argv):
+        return config_from_args(build_parser().parse_args(["bench", *argv]))
+
+    assert (cfg().name, docs_block(cfg())) == ("full", "")
+    both = cfg("--quick", "--precision", "bf16", "--adam", "fused")
+    assert (both.name, docs_block(both)) == ("quick-bf16-adam-fused", "bf16-adam-fused")
+    assert both.cores == 1 and both.threads == 1  # the CPU: one pinned core each
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no such device"):
+            cfg("--device", "cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_suite_end_to_end(tmp_path):
+    from benchmarks.suite import default_contenders
+
+    contenders = [c for c in default_contenders("cuda") if c != "hftc+compile"]
+    cfg = SuiteConfig(workloads=["mlp"], sizes={"mlp": [1, 2]}, contenders=contenders,
+                      rounds={"mlp": 2}, min_sample_s=0.0, device="cuda", cores=0,
+                      name="smoke-cuda")
+    result = run_suite(cfg, log=lambda *_: None)
+    assert result["machine"]["gpu"]["name"]
+    for cfg_result in result["workloads"]["mlp"]["configs"]:
+        for name, run in cfg_result["contenders"].items():
+            assert run["error"] is None and run["step_s"], (name, run["error"])
+            assert run["peak_mib"] > 0  # device memory
+    text = report.markdown(result)
+    assert "device `cuda`" in text and "Peak device memory" in text
