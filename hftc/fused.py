@@ -435,10 +435,6 @@ class FusedModule(nn.Module):
             # (Not under inference_mode, where no tensor may require grad.)
             backward = self.training and not torch.is_inference_mode_enabled() \
                 and any(p.requires_grad for p in self.parameters())
-            if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values):
-                # A fused step's activations outgrow glibc's adaptive thresholds: keep the
-                # freed memory instead of faulting it in every step (lowering/heap.py).
-                keep_freed_memory_for_tuning()
             with preserved_state(self):
                 report.lowerings = autotune_graph(graph, self, values, backward=backward)
         forward, source = compile_graph(graph)
@@ -448,6 +444,12 @@ class FusedModule(nn.Module):
                 self, forward, values, batched, backward=backward, key_source=source)
             program.how = how if how.name != "fused" else None
             report.lowerings.append(choice)
+        if self.autotune and any(isinstance(v, torch.Tensor) and v.device.type == "cpu"
+                                 for v in values):
+            # A fused step's activations outgrow glibc's adaptive thresholds: keep the
+            # memory a step frees for the next one (lowering/heap.py). After tuning, whose
+            # candidates' buffers of every size would otherwise stay in the heap.
+            keep_freed_memory_for_tuning()
         return program
 
     def _explain_input_mismatch(self, values: Sequence[Any], cause: Exception) -> None:
