@@ -321,7 +321,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in [
              gpu={"input_shape": (3, 1024), "batch": 32, "sizes": (1, 2, 4, 8, 16, 32),
                   "note": "1024 points, batch 32"}),
     Workload("resnet18", ResNet18, (3, 32, 32), 8, 10, sizes=(1, 2, 4),
-             quick_sizes=(2,), rounds=4, warmup=1,
+             quick_sizes=(2,), rounds=6, warmup=1,
              note="batch 8 (CPU time: 27 GFLOP per model step); N <= 4; no torch.compile "
                   "(minutes of compile per N)",
              gpu={"batch": 128, "sizes": (1, 2, 4, 8, 16), "rounds": 8, "compile_sizes": (4,),
