@@ -245,3 +245,60 @@ def test_gpu_suite_end_to_end(tmp_path):
             assert run["peak_mib"] > 0  # device memory
     text = report.markdown(result)
     assert "device `cuda`" in text and "Peak device memory" in text
+
+
+def _fake_mps_control(tmp_path, exit_code: int):
+    """An ``nvidia-cuda-mps-control`` stand-in that logs how it was called."""
+    log = tmp_path / "mps.log"
+    script = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n"
+                      f'echo "args=$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$(cat)" >> {log}\n'
+                      f"exit {exit_code}\n")
+    script.chmod(0o755)
+    return script.parent, log
+
+
+def test_mps_daemon_is_started_in_a_private_pipe_directory_and_stopped(tmp_path, monkeypatch):
+    from benchmarks.suite import mps_daemon
+
+    bin_dir, log = _fake_mps_control(tmp_path, 0)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{runner.os.environ['PATH']}")
+    with mps_daemon(log=lambda *_: None) as root:
+        assert root is not None
+        pipe = runner.MPS_ENV["CUDA_MPS_PIPE_DIRECTORY"]
+        assert pipe.startswith(root) and Path(pipe).is_dir()
+        # concurrent-mps's N processes get the daemon's directories; concurrent's do not
+        specs = []
+
+        class Recorder:
+            def __init__(self, spec):
+                specs.append(spec)
+
+            def wait_ready(self):
+                return {"build_s": 0.0, "first_step_s": 0.0, "warm_s": [], "info": {}}
+
+        monkeypatch.setattr(runner, "Worker", Recorder)
+        for name in ("concurrent-mps", "concurrent"):
+            runner.Contender(name, "mlp", 2, threads=1, warmup=0)
+        assert [s["env"] for s in specs] == [dict(runner.MPS_ENV)] * 2 + [{}] * 2
+        assert all(s["contender"] == "serial" for s in specs)
+    started, stopped = log.read_text().splitlines()
+    assert started.startswith(f"args=-d pipe={pipe}")
+    assert stopped == f"args= pipe={pipe} stdin=quit"
+    assert runner.MPS_ENV == {} and not Path(root).exists()
+
+
+def test_mps_daemon_that_does_not_start_leaves_concurrent_mps_out(tmp_path, monkeypatch):
+    from benchmarks.suite import mps_daemon
+
+    bin_dir, _ = _fake_mps_control(tmp_path, 1)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{runner.os.environ['PATH']}")
+    lines = []
+    with mps_daemon(log=lines.append) as root:
+        assert root is None and runner.MPS_ENV == {}
+    assert "did not start" in lines[0]
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    with mps_daemon(log=lines.append) as root:
+        assert root is None
+    assert "not found" in lines[1]
