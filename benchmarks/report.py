@@ -398,15 +398,37 @@ def update_docs(doc: Path, text: str, block: str = "") -> None:
     doc.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
+def merge(results: list[dict]) -> dict:
+    """Several runs of one kind (e.g. a GPU suite run workload by workload, each within a
+    time limit) as one: their workloads, peak-rate samples and largest-N searches
+    together, in order; the first run's machine and configuration, the runs' wall times
+    summed.  Runs on other devices or in other precisions are refused."""
+    first = results[0]
+    kinds = {(r["config"].get("device", "cpu"), r["config"].get("precision", "fp32"),
+              r["config"].get("adam", "default")) for r in results}
+    if len(kinds) > 1:
+        raise ValueError(f"cannot merge runs of different kinds (device, precision, adam): "
+                         f"{sorted(kinds)}")
+    merged = dict(first, workloads={}, peak_gflops=[], max_n=[], wall_s=0.0)
+    for r in results:
+        merged["workloads"].update(r["workloads"])
+        merged["peak_gflops"] += r["peak_gflops"]
+        merged["max_n"] += r.get("max_n", [])
+        merged["wall_s"] += r.get("wall_s", 0.0)
+    merged["load_end"] = results[-1].get("load_end", [])
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.report")
-    p.add_argument("results", type=Path)
+    p.add_argument("results", type=Path, nargs="+",
+                   help="results JSON; several runs of one kind are merged (merge())")
     p.add_argument("--docs", type=Path, help="update this markdown file between the markers")
     p.add_argument("--plots", type=Path, help="write the PNG plots into this folder")
     p.add_argument("--block", default="", help="update the block with these markers")
     p.add_argument("--stem", default="bench", help="plot file names: STEM_throughput.png, ...")
     args = p.parse_args(argv)
-    result = json.loads(args.results.read_text())
+    result = merge([json.loads(path.read_text()) for path in args.results])
     text = markdown(result)
     if args.plots:
         for path in plot(result, args.plots, args.stem):

@@ -302,3 +302,35 @@ def test_mps_daemon_that_does_not_start_leaves_concurrent_mps_out(tmp_path, monk
     with mps_daemon(log=lines.append) as root:
         assert root is None
     assert "not found" in lines[1]
+
+
+def _fake_result(device: str, workload: str, n: int, step_s: list[float]) -> dict:
+    runs = {c: {"step_s": step_s, "peak_mib": 1.0, "runtime_mib": 0.0, "error": None,
+                "build_s": 0.1, "first_step_s": 0.1, "info": {}} for c in ("serial", "hftc")}
+    return {"config": {"name": "part", "device": device, "precision": "fp32", "adam": "default"},
+            "machine": {"cpu": "x", "cores": 1, "memory_gib": 1, "python": "3", "torch": "t",
+                        "git_commit": "c", "gpu": None},
+            "threads": 1, "cpus": [], "started": "s", "load_start": [0.0], "load_end": [0.0],
+            "peak_gflops": [10.0], "max_n": [], "wall_s": 60.0,
+            "workloads": {workload: {"batch": 8, "note": "", "flops_per_model_step": 1e9,
+                                     "peak_gflops": [10.0],
+                                     "configs": [{"n": n, "contenders": runs}]}}}
+
+
+def test_runs_of_one_kind_merge_into_one_report(tmp_path):
+    """A GPU suite run workload by workload (each call within a time limit) is reported as
+    one run; runs of different kinds are not mixed."""
+    parts = [_fake_result("cuda", "mlp", 4, [1.0]), _fake_result("cuda", "lenet5", 2, [2.0])]
+    paths = []
+    for k, part in enumerate(parts):
+        paths.append(tmp_path / f"part{k}.json")
+        paths[-1].write_text(json.dumps(part))
+    merged = report.merge(parts)
+    assert list(merged["workloads"]) == ["mlp", "lenet5"]
+    assert merged["wall_s"] == 120.0 and merged["peak_gflops"] == [10.0, 10.0]
+    doc = tmp_path / "B.md"
+    assert report.main([str(p) for p in paths] + ["--docs", str(doc), "--block", "cuda"]) == 0
+    body = doc.read_text()
+    assert "<!-- bench:cuda:begin -->" in body and "### mlp" in body and "### lenet5" in body
+    with pytest.raises(ValueError, match="different kinds"):
+        report.merge([parts[0], _fake_result("cpu", "lenet5", 2, [2.0])])
