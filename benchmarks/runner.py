@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from .contenders import MULTI_PROCESS
+
 #: How long a worker may take to build, compile and warm up before it is given up on.
 START_TIMEOUT_S = 1800.0
 
-#: Contenders that run N processes (built from "serial", one model each).
-MULTI_PROCESS = ("concurrent", "concurrent-mps")
 #: The environment of concurrent-mps's processes: the MPS daemon's pipe and log
 #: directories (set by ``suite.mps_daemon`` while the daemon runs).
 MPS_ENV: dict[str, str] = {}
