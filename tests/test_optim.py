@@ -452,3 +452,32 @@ def test_cuda_matches_stock(case):
         mine = [b for k, b in enumerate(batches) if i != 0 or k != 4]
         train_solo(solo, stock_cls(solo.parameters(), **config), mine)
     assert_all_match(fused, solos, 1e-9)
+
+
+@pytest.mark.parametrize("case", ["sgd", "adam", "adam_plain", "rmsprop"])
+def test_compiled_step_is_the_eager_update_and_never_recompiles(case):
+    # A user following torch's "compile the optimizer step" recipe: torch.compile(opt.step).
+    # The step runs eagerly (step counts would otherwise be traced as constants and
+    # recompile every step), so the result is stock's bit for bit and dynamo compiles
+    # nothing more after the first call.
+    import torch._dynamo
+
+    fused_cls, stock_cls, configs = CASES[case]
+    models = make_models(len(configs), torch.float64)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = fused_cls(fused.parameters(), **fused_kwargs(stock_cls, configs))
+    torch._dynamo.reset()
+    compiled_step = torch.compile(opt.step)
+    batches = make_batches(6, torch.float64)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for x, y in batches:
+            opt.zero_grad()
+            per_model_losses(fused, x, y).sum().backward()
+            compiled_step()
+    for solo, config in zip(solos, configs):
+        train_solo(solo, stock_cls(solo.parameters(), **config), batches)
+    params = dict(fused.named_parameters())
+    for i, solo in enumerate(solos):
+        for name, p in solo.named_parameters():
+            assert torch.equal(params[name][i], p), (case, i, name)
