@@ -48,6 +48,23 @@ def ratio(result: dict, workload: str, n: int, a: str, b: str) -> float | None:
     return None
 
 
+def paired_ratios(result: dict, workload: str, n: int, a: str,
+                  b: str) -> tuple[float, float, float] | None:
+    """``b``'s step time / ``a``'s, round by round: (median, min, max) over the rounds.
+
+    Both ran in the same round, seconds apart, so a slow stretch of the machine moves
+    both: the spread says how much of a ratio of medians is the machine's noise.
+    """
+    for cfg in result["workloads"].get(workload, {}).get("configs", []):
+        if cfg["n"] != n:
+            continue
+        ra, rb = cfg["contenders"].get(a), cfg["contenders"].get(b)
+        if ra and rb and ra.get("step_s") and rb.get("step_s"):
+            ratios = [tb / ta for ta, tb in zip(ra["step_s"], rb["step_s"])]
+            return statistics.median(ratios), min(ratios), max(ratios)
+    return None
+
+
 def peak(result: dict) -> tuple[float, float, float]:
     values = result["peak_gflops"]
     return statistics.median(values), min(values), max(values)
@@ -61,6 +78,10 @@ def _fmt_rate(t: tuple[float, float, float] | None) -> str:
 
 def _fmt_ratio(r: float | None) -> str:
     return "n/a" if r is None else f"{r:.2f}x"
+
+
+def _fmt_ratios(t: tuple[float, float, float] | None) -> str:
+    return "n/a" if t is None else f"{t[0]:.2f}x [{t[1]:.2f}-{t[2]:.2f}]"
 
 
 # --------------------------------------------------------------------------- tables
@@ -166,12 +187,16 @@ def _speedup_table(result: dict) -> list[str]:
         others.remove("concurrent-mps")
     out = ["### hftc (eager) against each baseline: speedup = baseline median step time / "
            "hftc median step time", "",
+           "*vs serial, per round*: serial's step time / hftc's in the same round, median "
+           "[min-max] over the rounds.", "",
            "| workload | N | " + " | ".join(f"vs {o}" for o in others)
-           + " | hftc+compile vs hftc |", "|---|---|" + "---|" * (len(others) + 1)]
+           + " | vs serial, per round | hftc+compile vs hftc |",
+           "|---|---|" + "---|" * (len(others) + 2)]
     for name, entry in result["workloads"].items():
         for cfg in entry["configs"]:
             n = cfg["n"]
             cells = [_fmt_ratio(ratio(result, name, n, "hftc", o)) for o in others]
+            cells.append(_fmt_ratios(paired_ratios(result, name, n, "hftc", "serial")))
             comp = ratio(result, name, n, "hftc+compile", "hftc")
             out.append(f"| {name} | {n} | " + " | ".join(cells)
                        + f" | {_fmt_ratio(comp) if comp else ''} |")

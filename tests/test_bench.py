@@ -124,6 +124,17 @@ def test_tiny_suite_end_to_end(tmp_path):
     assert "stale tables" not in body and "### mlp" in body and body.endswith("more prose\n")
 
 
+def test_paired_ratios_pair_each_round():
+    # serial / hftc round by round: 2/1, 3/2, 1/2 -> median 1.5, range 0.5-2.
+    runs = {"serial": {"step_s": [2.0, 3.0, 1.0]}, "hftc": {"step_s": [1.0, 2.0, 2.0]}}
+    result = {"workloads": {"mlp": {"configs": [{"n": 4, "contenders": runs}]}}}
+    assert report.paired_ratios(result, "mlp", 4, "hftc", "serial") == (1.5, 0.5, 2.0)
+    assert report.ratio(result, "mlp", 4, "hftc", "serial") == 1.0  # medians 2 and 2
+    assert report.paired_ratios(result, "mlp", 8, "hftc", "serial") is None
+    assert "1.50x [0.50-2.00]" in "\n".join(report._speedup_table(
+        {**result, "contenders": ["serial", "hftc"]}))
+
+
 def test_largest_n_search_and_memory_cap():
     found = runner.largest_n("mlp", "hftc", cap_mib=4096, limit=4, log=lambda *_: None)
     assert found["largest_n"] == 4
