@@ -37,15 +37,22 @@ def throughput(run: dict[str, Any], n: int, batch: int) -> tuple[float, float, f
     return (n * batch / statistics.median(times), n * batch / max(times), n * batch / min(times))
 
 
-def ratio(result: dict, workload: str, n: int, a: str, b: str) -> float | None:
-    """Median step time of ``b`` / median step time of ``a`` (a's speedup over b)."""
+def _paired_times(result: dict, workload: str, n: int, a: str,
+                  b: str) -> tuple[list[float], list[float]] | None:
+    """``a``'s and ``b``'s step times (one per round) at ``workload`` N = ``n``, if both ran."""
     for cfg in result["workloads"].get(workload, {}).get("configs", []):
         if cfg["n"] != n:
             continue
         ra, rb = cfg["contenders"].get(a), cfg["contenders"].get(b)
         if ra and rb and ra.get("step_s") and rb.get("step_s"):
-            return statistics.median(rb["step_s"]) / statistics.median(ra["step_s"])
+            return ra["step_s"], rb["step_s"]
     return None
+
+
+def ratio(result: dict, workload: str, n: int, a: str, b: str) -> float | None:
+    """Median step time of ``b`` / median step time of ``a`` (a's speedup over b)."""
+    times = _paired_times(result, workload, n, a, b)
+    return None if times is None else statistics.median(times[1]) / statistics.median(times[0])
 
 
 def paired_ratios(result: dict, workload: str, n: int, a: str,
@@ -55,14 +62,11 @@ def paired_ratios(result: dict, workload: str, n: int, a: str,
     Both ran in the same round, seconds apart, so a slow stretch of the machine moves
     both: the spread says how much of a ratio of medians is the machine's noise.
     """
-    for cfg in result["workloads"].get(workload, {}).get("configs", []):
-        if cfg["n"] != n:
-            continue
-        ra, rb = cfg["contenders"].get(a), cfg["contenders"].get(b)
-        if ra and rb and ra.get("step_s") and rb.get("step_s"):
-            ratios = [tb / ta for ta, tb in zip(ra["step_s"], rb["step_s"])]
-            return statistics.median(ratios), min(ratios), max(ratios)
-    return None
+    times = _paired_times(result, workload, n, a, b)
+    if times is None:
+        return None
+    ratios = [tb / ta for ta, tb in zip(*times)]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 def peak(result: dict) -> tuple[float, float, float]:
