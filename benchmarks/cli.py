@@ -33,6 +33,7 @@ def config_from_args(args: argparse.Namespace):
             raise SystemExit(f"hftc bench: unknown workloads {unknown}; "
                              f"choose from {list(WORKLOADS)}")
         cfg.workloads = names
+        cfg.max_n = [s for s in cfg.max_n if s["workload"] in names]
         for w in names:
             on = WORKLOADS[w].on(device)
             cfg.sizes.setdefault(w, list(on.quick_sizes if args.quick else on.sizes))

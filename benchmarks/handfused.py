@@ -377,7 +377,7 @@ class HandFusedAdam:
         self.t += 1
         bc1 = 1 - self.beta1 ** self.t
         bc2_sqrt = math.sqrt(1 - self.beta2 ** self.t)
-        neg_step = (-self.lr / bc1).to(self.params[0].dtype)
+        neg_step = (-self.lr / bc1).to(self.params[0])  # dtype and device
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
             g = p.grad
             if g is None:

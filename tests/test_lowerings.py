@@ -76,11 +76,12 @@ def _layer_args(kernel, module: nn.Module, x_batched: bool) -> dict:
                 explicit_padding=tuple(module._reversed_padding_repeated_twice))
 
 
-def _check_every_lowering(kernel, cls, kwargs, shape, n, x_batched, batch, dtype):
+def _check_every_lowering(kernel, cls, kwargs, shape, n, x_batched, batch, dtype,
+                          device="cpu"):
     torch.manual_seed(0)
-    modules = [cls(**kwargs).to(dtype) for _ in range(n)]
+    modules = [cls(**kwargs).to(device=device, dtype=dtype) for _ in range(n)]
     per_model = ((batch,) if batch else ()) + shape
-    x = torch.randn(((n,) if x_batched else ()) + per_model, dtype=dtype)
+    x = torch.randn(((n,) if x_batched else ()) + per_model, dtype=dtype).to(device)
     weight = torch.stack([m.weight.detach() for m in modules])
     bias = None if modules[0].bias is None else torch.stack([m.bias.detach() for m in modules])
     layer_args = _layer_args(kernel, modules[0], x_batched)

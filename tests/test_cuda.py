@@ -1,0 +1,79 @@
+"""hftc on a CUDA GPU: every lowering and the fused zoo against the loop, on the device.
+
+The CPU suite checks the same rules on the CPU; here the kernels are cuDNN's and
+cuBLAS's. TF32 is switched off for these tests (``allow_tf32``): with it a grouped
+convolution and N separate ones round differently at 1e-3, which would hide a real
+fusion error behind the tolerance. Skipped where no CUDA device is present.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from equivalence import check_equivalence
+from test_lowerings import CONVS, LINEARS, _check_every_lowering
+from test_zoo import _zoo_models
+from zoo import make_input
+
+import hftc
+from hftc.lowering import autotune, kernels
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DTYPES = [torch.float64, torch.float32]
+ZOO_CASES = ["mlp", "lenet5_cifar", "resnet", "mobilenet_v2", "pointnet_cls",
+             "dcgan_generator", "residual_mlp"]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
+@pytest.mark.parametrize("layer", CONVS, ids=lambda c: f"{c[0].__name__}{c[1]}")
+def test_every_conv_lowering_on_cuda(layer, x_batched, dtype):
+    cls, kwargs, shape = layer
+    _check_every_lowering(kernels.conv, cls, kwargs, shape, 3, x_batched, 2, dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
+@pytest.mark.parametrize("layer", LINEARS, ids=lambda c: f"{c[1]}-{c[2]}")
+def test_every_linear_lowering_on_cuda(layer, x_batched, dtype):
+    cls, kwargs, shape = layer
+    _check_every_lowering(kernels.linear, cls, kwargs, shape, 4, x_batched, 5, dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("n", [2, 5])
+@pytest.mark.parametrize("name", ZOO_CASES)
+def test_zoo_on_cuda(name, n, train, dtype):
+    # As on the CPU: randomized norm statistics, and dropout off in train mode (hftc
+    # draws every model's mask from one generator, so masks differ from the loop's).
+    models = [m.cuda() for m in _zoo_models(name, n, train)]
+    fused = check_equivalence(models, make_input(name, 4, seed=0).cuda(), train=train,
+                              dtype=dtype, steps=2)
+    assert all(p.is_cuda for p in fused.parameters())
+
+
+@pytest.mark.parametrize("name", ["lenet5_cifar", "resnet", "pointnet_cls", "mlp"])
+def test_autotune_on_cuda_times_on_the_gpu_and_stays_equivalent(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+    models = [m.cuda() for m in _zoo_models(name, 3, train=True)]
+    fused = check_equivalence(models, make_input(name, 8, seed=0).cuda(), steps=2,
+                              dtype=torch.float32,
+                              fuser=functools.partial(hftc.fuse, autotune=True))
+    choices = fused.fusion_report.lowerings
+    assert choices and all(c.chosen in c.times or c.cached for c in choices)
+    # The cache is per device: the GPU's name is in every key.
+    assert torch.cuda.get_device_name() in (tmp_path / "autotune.json").read_text()
