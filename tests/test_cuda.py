@@ -28,6 +28,14 @@ ZOO_CASES = ["mlp", "lenet5_cifar", "resnet", "mobilenet_v2", "pointnet_cls",
              "dcgan_generator", "residual_mlp"]
 
 
+#: PointNet in float32: the T-Net's batch norm after ``fc1`` makes ``fc1.bias``'s true
+#: gradient zero, so what is compared there is rounding noise, and cuDNN sums the
+#: max-pooled point features in another order than the per-model loop; the fused
+#: gradients sat 1.1-2.8x over the default 1e-5 (an H100, torch 2.11). A fusion error
+#: is of the order of the values themselves.
+TOL = {("pointnet_cls", torch.float32): 1e-4}
+
+
 @pytest.fixture(autouse=True)
 def _no_tf32():
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -61,7 +69,7 @@ def test_zoo_on_cuda(name, n, train, dtype):
     # draws every model's mask from one generator, so masks differ from the loop's).
     models = [m.cuda() for m in _zoo_models(name, n, train)]
     fused = check_equivalence(models, make_input(name, 4, seed=0).cuda(), train=train,
-                              dtype=dtype, steps=2)
+                              dtype=dtype, steps=2, tol=TOL.get((name, dtype)))
     assert all(p.is_cuda for p in fused.parameters())
 
 
@@ -71,7 +79,7 @@ def test_autotune_on_cuda_times_on_the_gpu_and_stays_equivalent(name, tmp_path, 
     monkeypatch.setattr(autotune, "_MEMORY", {})
     models = [m.cuda() for m in _zoo_models(name, 3, train=True)]
     fused = check_equivalence(models, make_input(name, 8, seed=0).cuda(), steps=2,
-                              dtype=torch.float32,
+                              dtype=torch.float32, tol=TOL.get((name, torch.float32)),
                               fuser=functools.partial(hftc.fuse, autotune=True))
     choices = fused.fusion_report.lowerings
     assert choices and all(c.chosen in c.times or c.cached for c in choices)
