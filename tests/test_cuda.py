@@ -28,14 +28,6 @@ ZOO_CASES = ["mlp", "lenet5_cifar", "resnet", "mobilenet_v2", "pointnet_cls",
              "dcgan_generator", "residual_mlp"]
 
 
-#: PointNet in float32: the T-Net's batch norm after ``fc1`` makes ``fc1.bias``'s true
-#: gradient zero, so what is compared there is rounding noise, and cuDNN sums the
-#: max-pooled point features in another order than the per-model loop; the fused
-#: gradients sat 1.1-2.8x over the default 1e-5 (an H100, torch 2.11). A fusion error
-#: is of the order of the values themselves.
-TOL = {("pointnet_cls", torch.float32): 1e-4}
-
-
 @pytest.fixture(autouse=True)
 def _no_tf32():
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
@@ -60,26 +52,34 @@ def test_every_linear_lowering_on_cuda(layer, x_batched, dtype):
     _check_every_lowering(kernels.linear, cls, kwargs, shape, 4, x_batched, 5, dtype, "cuda")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+#: PointNet is checked in float64 only, as on the CPU: in float32 its max-pool over
+#: points turns rounding into a different argmax. On an H100 (torch 2.11) the fused
+#: gradients sat 1.1-2.8x over the 1e-5 tolerance after one step (the T-Net's
+#: ``fc1.bias``, whose true gradient is zero under the batch norm, is pure noise), and
+#: after an SGD step a flipped maximum made model 1's gradients differ by O(1).
+GRID = [(name, dtype) for name in ZOO_CASES for dtype in DTYPES
+        if (name, dtype) != ("pointnet_cls", torch.float32)]
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("n", [2, 5])
-@pytest.mark.parametrize("name", ZOO_CASES)
-def test_zoo_on_cuda(name, n, train, dtype):
+@pytest.mark.parametrize(("name", "dtype"), GRID, ids=[f"{m}-{d}" for m, d in GRID])
+def test_zoo_on_cuda(name, dtype, n, train):
     # As on the CPU: randomized norm statistics, and dropout off in train mode (hftc
     # draws every model's mask from one generator, so masks differ from the loop's).
     models = [m.cuda() for m in _zoo_models(name, n, train)]
     fused = check_equivalence(models, make_input(name, 4, seed=0).cuda(), train=train,
-                              dtype=dtype, steps=2, tol=TOL.get((name, dtype)))
+                              dtype=dtype, steps=2)
     assert all(p.is_cuda for p in fused.parameters())
 
 
-@pytest.mark.parametrize("name", ["lenet5_cifar", "resnet", "pointnet_cls", "mlp"])
+@pytest.mark.parametrize("name", ["lenet5_cifar", "resnet", "mlp"])
 def test_autotune_on_cuda_times_on_the_gpu_and_stays_equivalent(name, tmp_path, monkeypatch):
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "_MEMORY", {})
     models = [m.cuda() for m in _zoo_models(name, 3, train=True)]
     fused = check_equivalence(models, make_input(name, 8, seed=0).cuda(), steps=2,
-                              dtype=torch.float32, tol=TOL.get((name, torch.float32)),
+                              dtype=torch.float32,
                               fuser=functools.partial(hftc.fuse, autotune=True))
     choices = fused.fusion_report.lowerings
     assert choices and all(c.chosen in c.times or c.cached for c in choices)
