@@ -361,7 +361,9 @@ class HandFusedAdam:
 
     def __init__(self, params, lr: Sequence[float], betas=(0.9, 0.999), eps=1e-8):
         self.params = [p for p in params if p.requires_grad]
-        self.lr = torch.tensor([float(v) for v in lr], dtype=torch.float64)
+        # On the parameters' device: a copy per step from the host would stall a GPU.
+        self.lr = torch.tensor([float(v) for v in lr], dtype=torch.float64,
+                               device=self.params[0].device)
         self.beta1, self.beta2 = betas
         self.eps = eps
         self.t = 0
@@ -377,7 +379,7 @@ class HandFusedAdam:
         self.t += 1
         bc1 = 1 - self.beta1 ** self.t
         bc2_sqrt = math.sqrt(1 - self.beta2 ** self.t)
-        neg_step = (-self.lr / bc1).to(self.params[0])  # dtype and device
+        neg_step = (-self.lr / bc1).to(self.params[0].dtype)
         for p, m, v in zip(self.params, self.exp_avg, self.exp_avg_sq):
             g = p.grad
             if g is None:

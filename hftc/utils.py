@@ -19,6 +19,22 @@ from torch import Tensor, nn
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
 
 
+def values_on(values: Sequence[float] | Sequence[Sequence[float]], dtype: torch.dtype,
+              device: torch.device) -> Tensor:
+    """Python numbers as a tensor on ``device`` without stalling a GPU.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which
+    synchronizes the stream: the CPU would wait for every queued kernel (the whole
+    backward) before issuing the next op. From pinned memory the copy is queued like a
+    kernel. The values are made float64 first and cast on the device, so the result is
+    what ``torch.tensor(values, dtype=dtype)`` gives on the CPU.
+    """
+    host = torch.tensor(values, dtype=torch.float64)
+    if torch.device(device).type != "cuda":
+        return host.to(device=device, dtype=dtype)
+    return host.pin_memory().to(device=device, non_blocking=True).to(dtype)
+
+
 def _grads_and_num_models(parameters, num_models: int | None, fn: str) -> tuple[list[Tensor], int]:
     if isinstance(parameters, nn.Module):
         if num_models is None:

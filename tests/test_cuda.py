@@ -12,6 +12,8 @@ import functools
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from equivalence import check_equivalence
 from test_lowerings import CONVS, LINEARS, _check_every_lowering
 from test_zoo import _zoo_models
@@ -85,3 +87,32 @@ def test_autotune_on_cuda_times_on_the_gpu_and_stays_equivalent(name, tmp_path, 
     assert choices and all(c.chosen in c.times or c.cached for c in choices)
     # The cache is per device: the GPU's name is in every key.
     assert torch.cuda.get_device_name() in (tmp_path / "autotune.json").read_text()
+
+
+def test_a_fused_training_step_never_waits_for_the_gpu():
+    # As in a stock loop, the CPU queues the next ops while the GPU works: no op of the
+    # fused forward (per-model dropout rates), loss, backward or Adam step (per-model
+    # learning rates) synchronizes with the device. A host-to-device copy of per-model
+    # values from pageable memory would (sync debug mode "error" raises on it).
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(p), nn.Linear(32, 10))
+              for p in (0.1, 0.2, 0.3)]
+    fused = hftc.fuse([m.cuda() for m in models])
+    opt = hftc.optim.Adam(fused.parameters(), lr=[1e-3, 2e-3, 4e-3])
+    x, y = torch.randn(8, 64, device="cuda"), torch.randint(0, 10, (8,), device="cuda")
+    loss_fn = hftc.per_model(F.cross_entropy)
+
+    def step():
+        opt.zero_grad()
+        loss_fn(fused(x), y).sum().backward()
+        opt.step()
+
+    step()  # the first builds the optimizer state
+    before = [p.detach().clone() for p in fused.parameters()]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(not torch.equal(a, p) for a, p in zip(before, fused.parameters()))

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..utils import values_on
 from .kernels import fold_channels, pad_model_dims, unfold_channels
 
 
@@ -29,7 +30,7 @@ def scalars(values: Sequence[float], like: Tensor, rank: int) -> Tensor:
     so ``x * per_model_scale`` keeps ``x * 0.5``'s dtype.
     """
     dtype = torch.result_type(like, values[0])
-    t = torch.tensor(list(values), dtype=dtype, device=like.device)
+    t = values_on(list(values), dtype, like.device)
     return t.reshape(len(values), *([1] * rank))
 
 
@@ -57,7 +58,7 @@ def elu(x: Tensor, alpha: Sequence[float]) -> Tensor:
 
 def _per_channel(values: Sequence[float], channels: int, like: Tensor) -> Tensor:
     """One value per model -> one per fused channel ``[N*C]`` (model n's C channels)."""
-    return torch.tensor(list(values), dtype=like.dtype, device=like.device).repeat_interleave(
+    return values_on(list(values), like.dtype, like.device).repeat_interleave(
         channels
     )
 

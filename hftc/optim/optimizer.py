@@ -53,6 +53,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..utils import values_on
+
 __all__ = ["FusedOptimizer"]
 
 
@@ -118,7 +120,6 @@ class _Coefficients:
             name: row[0] if all(v == row[0] for v in row) else False
             for name, row in zip(values, self._rows)
         }
-        self._table: Tensor | None = None   # built on first use: a sweep may need none
         self._cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
         self._views: dict[tuple[Any, ...], Tensor] = {}
 
@@ -133,10 +134,7 @@ class _Coefficients:
         key = (like.dtype, like.device)
         table = self._cache.get(key)
         if table is None:
-            if self._table is None:
-                self._table = torch.tensor(self._rows, dtype=torch.float64)
-            table = self._table.to(device=like.device, dtype=like.dtype)
-            self._cache[key] = table
+            table = self._cache[key] = values_on(self._rows, like.dtype, like.device)
         view = table[self._row[name]].view(-1, *([1] * (like.dim() - 1)))
         self._views[view_key] = view
         return view
