@@ -219,7 +219,33 @@ class Pooling(nn.Module):
         return b + c + d + e + f + vals.sum((2, 3)) + idx.sum((2, 3)).to(h.dtype) * 1e-3
 
 
+class InplaceActivations(nn.Module):
+    """In-place activation modules: on a fused intermediate they run out of place (no
+    other user sees the difference); where another op reads the mutated input, in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.bn = nn.BatchNorm2d(3)
+        self.relu = nn.ReLU(inplace=True)
+        self.fc = nn.Linear(3, 4)
+        self.fc2 = nn.Linear(4, 4)
+        self.relu6 = nn.ReLU6(inplace=True)
+        self.hardtanh = nn.Hardtanh(-0.5, 0.5, inplace=True)
+        self.leaky = nn.LeakyReLU(0.2, inplace=True)
+        self.shared = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        h = self.relu(self.bn(self.conv(x)))        # BN output: a view of the fused layout
+        h = self.fc(h.mean((2, 3)))
+        a = self.leaky(self.hardtanh(self.relu6(h * 3)))
+        b = self.fc2(a)
+        c = self.shared(b)                              # b has another user below:
+        return c + b                                    # it must see relu(b) -> 2 relu(b)
+
+
 CASES += [
+    Case("inplace_activations", InplaceActivations, (2, 2, 5, 5)),
     Case("activations", Activations, (4, 6)),
     Case("shapes", Shapes, (2, 3, 5, 5)),
     Case("reductions", Reductions, (3, 5)),
@@ -266,3 +292,16 @@ def test_rule_float64_eval_n2(case):
 def test_rule_float32(case, train):
     check_equivalence(_models(case, 3), _inputs(case, 3, True), in_dims=0, train=train,
                       dtype=torch.float32)
+
+
+def test_inplace_activations_run_out_of_place_where_no_one_sees_it():
+    import hftc
+
+    torch.manual_seed(0)
+    fused = hftc.fuse([InplaceActivations() for _ in range(2)])
+    fused(torch.randn(3, 2, 5, 5))
+    source = fused.last_program().source
+    assert source.count("torch.nn.functional.relu(") == 1      # self.relu
+    assert source.count("torch.nn.functional.hardtanh(") == 2  # relu6, hardtanh
+    assert source.count("torch.nn.functional.leaky_relu(") == 1
+    assert "self.shared(" in source  # its input has another user: stays in place
