@@ -439,7 +439,7 @@ class FusedModule(nn.Module):
                 report.lowerings = autotune_graph(graph, self, values, backward=backward)
         forward, source = compile_graph(graph)
         program = Program(forward, graph, report, source, output_spec(mode_graphs.graph))
-        if self.autotune and self.num_models > 1 and program.output_spec is None:
+        if self.autotune and program.output_spec is None:
             how, choice = choose_program(
                 self, forward, values, batched, backward=backward, key_source=source)
             program.how = how if how.name != "fused" else None
