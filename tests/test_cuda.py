@@ -38,20 +38,18 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
-@pytest.mark.parametrize("layer", CONVS, ids=lambda c: f"{c[0].__name__}{c[1]}")
-def test_every_conv_lowering_on_cuda(layer, x_batched, dtype):
-    cls, kwargs, shape = layer
-    _check_every_lowering(kernels.conv, cls, kwargs, shape, 3, x_batched, 2, dtype, "cuda")
+#: (kernel, layer, N, batch): every conv and linear layer of the CPU lowering tests.
+LAYERS = [(kernels.conv, layer, 3, 2) for layer in CONVS] + [
+    (kernels.linear, layer, 4, 5) for layer in LINEARS]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
-@pytest.mark.parametrize("layer", LINEARS, ids=lambda c: f"{c[1]}-{c[2]}")
-def test_every_linear_lowering_on_cuda(layer, x_batched, dtype):
+@pytest.mark.parametrize(("kernel", "layer", "n", "batch"), LAYERS,
+                         ids=[f"{k.__name__}-{c[0].__name__}{c[1]}" for k, c, _, _ in LAYERS])
+def test_every_lowering_on_cuda(kernel, layer, n, batch, x_batched, dtype):
     cls, kwargs, shape = layer
-    _check_every_lowering(kernels.linear, cls, kwargs, shape, 4, x_batched, 5, dtype, "cuda")
+    _check_every_lowering(kernel, cls, kwargs, shape, n, x_batched, batch, dtype, "cuda")
 
 
 #: PointNet is checked in float64 only, as on the CPU: in float32 its max-pool over
