@@ -10,6 +10,7 @@ allocator state or compiled caches, and each one's peak memory is its own.
     coordinator                         workers (one per contender; N for concurrent)
     start all, wait "ready"     <----   build models + optimizer, 1st step (compiles), warm-up
     round r: for c in rotate(contenders, r):
+        send ("warm",)          ---->   on a GPU one untimed step (after the cache release)
         send ("run", k_c)       ---->   k_c steps, timed
         wait for reply          <----   (only one contender computes at a time)
     ("mem",)                    ---->   peak RSS of building + warm-up above the worker's start
@@ -188,9 +189,13 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
         return
     while True:
         cmd, arg = conn.recv()
-        if cmd == "run":
+        if cmd == "warm":
+            # Before the coordinator starts its clock: on a GPU one untimed step, in which
+            # the allocator takes back what the last sample released.
             if on_gpu:
-                timed(1)  # untimed: the allocator takes back what the last sample released
+                timed(1)
+            conn.send(None)
+        elif cmd == "run":
             conn.send(timed(arg))
             if on_gpu:
                 _release_device_cache()
@@ -210,7 +215,8 @@ def _release_device_cache() -> None:
     one GPU for the whole configuration, and each allocator keeps its peak cached: in
     the H100 run of 2026-11-22 the peaks added up and hftc ran out of the 80 GB at
     MobileNetV2 N = 4, torch.func holding 35 GB it was not using. A worker now keeps
-    only its live tensors between samples, and re-warms untimed before each one.
+    only its live tensors between samples, and re-warms untimed before each one (the
+    coordinator's "warm", before its clock starts).
     """
     import torch
 
@@ -364,6 +370,10 @@ class Contender:
         """Run ``steps_per_sample`` steps (in every worker at once) and record the mean step."""
         k = self.run.steps_per_sample
         try:
+            for w in self.workers:
+                w.send(("warm", None))
+            for w in self.workers:
+                w._recv(START_TIMEOUT_S)
             t0 = time.perf_counter()
             for w in self.workers:
                 w.send(("run", k))

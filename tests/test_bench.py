@@ -345,3 +345,35 @@ def test_runs_of_one_kind_merge_into_one_report(tmp_path):
     assert "<!-- bench:cuda:begin -->" in body and "### mlp" in body and "### lenet5" in body
     with pytest.raises(ValueError, match="different kinds"):
         report.merge([parts[0], _fake_result("cpu", "lenet5", 2, [2.0])])
+
+
+def test_a_round_warms_every_worker_before_the_clock_starts(monkeypatch):
+    # On a GPU a worker re-warms its allocator with an untimed step before each sample;
+    # the coordinator's clock must start only once every worker has done so.
+    events = []
+
+    class Recorder:
+        def __init__(self, spec):
+            self.name = spec.get("model_index")
+
+        def wait_ready(self):
+            return {"build_s": 0.0, "first_step_s": 0.0, "warm_s": [], "info": {}}
+
+        def send(self, msg):
+            events.append(("send", msg[0]))
+
+        def _recv(self, timeout):
+            return None
+
+        def close(self):
+            pass
+
+    clock = iter(range(100))
+    monkeypatch.setattr(runner, "Worker", Recorder)
+    monkeypatch.setattr(runner.time, "perf_counter",
+                        lambda: events.append(("clock", None)) or float(next(clock)))
+    c = runner.Contender("concurrent", "mlp", 3, threads=1, warmup=0)
+    c.time_round()
+    assert events == [("send", "warm")] * 3 + [("clock", None)] + [("send", "run")] * 3 \
+        + [("clock", None)]
+    assert c.run.step_s == [1.0]
