@@ -228,7 +228,8 @@ def _flattened_loss(loss_fn, args, dims, n: int, kwargs: dict[str, Any]) -> Tens
     out, target = args
     if not isinstance(target, Tensor) or out.dim() < 3:
         return None  # no batch dim per model: nothing to flatten
-    if dims[1] is None:
+    shared_target = target if dims[1] is None else None
+    if shared_target is not None:
         target = target.expand(n, *target.shape)
     flat_out = out.reshape(n * out.shape[1], *out.shape[2:])
     flat_target = target.reshape(n * target.shape[1], *target.shape[2:])
@@ -247,10 +248,13 @@ def _flattened_loss(loss_fn, args, dims, n: int, kwargs: dict[str, Any]) -> Tens
         total = per_sample.sum(dim=1)
         if reduction == "sum":
             return total
-        # torch's mean divides by the number of targets that are not ignore_index.
+        # torch's mean divides by the number of targets that are not ignore_index; a
+        # shared target has one count for all N models (counted on its [B] values, not
+        # on the N copies: at small N these few ops are a visible part of the step).
         ignore = rest.get("ignore_index", -100)
-        count = (target.reshape(n, -1) != ignore).sum(dim=1)
-        return total / count
+        if shared_target is not None:
+            return total / (shared_target != ignore).sum()
+        return total / (target.reshape(n, -1) != ignore).sum(dim=1)
 
     if loss_fn in _ELEMENTWISE_LOSSES:
         if target.shape != out.shape or any(rest.get(k) is not None
