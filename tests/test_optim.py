@@ -134,6 +134,45 @@ def test_adam_foreach_and_one_by_one_updates_are_stock_bit_for_bit(case, foreach
                 assert torch.equal(params[name][i], p), (case, dtype, i, name)
 
 
+
+@pytest.mark.parametrize("case", ["adam", "adam_plain", "adam_decoupled_mixed", "adamw"])
+def test_adam_updates_in_column_blocks_are_stock_bit_for_bit(case, monkeypatch):
+    # Every parameter takes the per-tensor update in column blocks of 64 elements per
+    # model: the Linear weight (90 per model) in a full block and a ragged one.
+    monkeypatch.setattr(adam_module, "_FOREACH_MAX_NUMEL", 0)
+    monkeypatch.setattr(adam_module, "_BLOCK_ABOVE", 0)
+    monkeypatch.setattr(adam_module, "_BLOCK_NUMEL", 1)
+    for dtype in DTYPES:
+        fused, _, solos = run_case(case, dtype)
+        params = dict(fused.named_parameters())
+        for i, solo in enumerate(solos):
+            for name, p in solo.named_parameters():
+                assert torch.equal(params[name][i], p), (case, dtype, i, name)
+
+
+def test_adam_blocks_a_parameter_larger_than_the_cache_as_stock_would_update_it():
+    # Past _BLOCK_ABOVE elements (here 2 x 1.1M) the update runs block by block with
+    # the module's own sizes; each model's slice is still stock Adam's, bit for bit.
+    width = 1_100_003
+    assert 2 * width > adam_module._BLOCK_ABOVE
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(2, width, generator=g)
+    fused = torch.nn.Parameter(start.clone())
+    solos = [torch.nn.Parameter(start[i].clone()) for i in range(2)]
+    opt = ho.Adam([fused], lr=[1e-2, 3e-3], weight_decay=[0.0, 0.1])
+    stock = [torch.optim.Adam([solos[0]], lr=1e-2),
+             torch.optim.Adam([solos[1]], lr=3e-3, weight_decay=0.1)]
+    for _ in range(3):
+        grad = torch.randn(2, width, generator=g)
+        fused.grad = grad.clone()
+        opt.step()
+        for i in range(2):
+            solos[i].grad = grad[i].clone()
+            stock[i].step()
+    for i in range(2):
+        assert torch.equal(fused.detach()[i], solos[i].detach()), i
+
+
 def test_shared_scalars_equal_lists_of_equal_values():
     models = make_models(3)
     a, b = StackedModels(models), StackedModels(models)
