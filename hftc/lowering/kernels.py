@@ -125,6 +125,7 @@ def conv_lowerings(
     ``pointwise_bmm``             1x1 conv of batched inputs as one ``baddbmm``
     ``shared_conv``               shared input, ``g == 1``: one conv, ``N*Cout`` outputs
     ``shared_im2col``             shared input, 2-d: ``unfold`` once, one GEMM
+    ``im2col_bmm``                batched input, 2-d, ``g == 1``: ``unfold`` + a batched GEMM
     ``loop``                      N separate convs (what the serial loop runs)
     ============================  ====================================================
 
@@ -150,6 +151,8 @@ def conv_lowerings(
     if x_batched and groups == 1 and spatial == 2 and _is_pointwise(
             weight, stride, padding, dilation, padding_mode, spatial):
         names.insert(0, "pointwise_bmm")
+    if x_batched and groups == 1 and two_d and not isinstance(padding, str):
+        names.append("im2col_bmm")  # never the cost model's choice: autotune's to find
     return names + ["loop"]
 
 
@@ -188,6 +191,8 @@ def conv(
     b = bias.flatten() if bias is not None else None
     if lowering == "shared_im2col":
         return _shared_unfold_conv(x, w, b, stride, padding, dilation, n)
+    if lowering == "im2col_bmm":
+        return _batched_unfold_conv(x, weight, bias, stride, padding, dilation)
     if padding_mode != "zeros":
         pad = tuple(explicit_padding)
         if x_batched:  # padded in the folded layout, which the grouped conv reads for free
@@ -267,6 +272,38 @@ def _shared_unfold_conv(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, pad
     y = F.linear(cols.transpose(1, 2), w.reshape(w.shape[0], -1), b)       # [B, L, N*Cout]
     y = y.view(batch, out_h, out_w, -1).permute(0, 3, 1, 2)                # channels-last
     return unfold_channels(y, n, True)
+
+
+def _batched_unfold_conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Any,
+                         padding: Any, dilation: Any) -> Tensor:
+    """N 2-d convolutions of N inputs (``groups == 1``) as ``unfold`` + one batched GEMM.
+
+    ::
+
+        cols = unfold(x folded [B, N*Cin, H, W])  [B, N*Cin*kh*kw, L] = [B, N, Cin*kh*kw, L]
+        y    = W [1, N, Cout, Cin*kh*kw] @ cols   [B, N, Cout, L] = [B, N*Cout, H', W']
+
+    The product is ``torch.matmul`` broadcasting each model's weight over the batch,
+    and the result is already the grouped conv's folded layout.  ``unfold`` writes
+    ``kh*kw`` copies of the input, so on a CPU this is rarely faster than oneDNN's
+    direct grouped convolution; it is a candidate for autotune (small maps with few
+    input channels per model, and GPUs where the grouped kernel is a slow path).
+    """
+    has_batch = x.dim() == 5
+    if not has_batch:
+        x = x.unsqueeze(1)
+    n, batch, _, height, width = x.shape
+    cout, k = weight.shape[1], weight.shape[3:]
+    stride, padding, dilation = (_ntuple(v, 2) for v in (stride, padding, dilation))
+    out_h = (height + 2 * padding[0] - dilation[0] * (k[0] - 1) - 1) // stride[0] + 1
+    out_w = (width + 2 * padding[1] - dilation[1] * (k[1] - 1) - 1) // stride[1] + 1
+    cols = F.unfold(fold_channels(x, True), tuple(k), dilation=dilation, padding=padding,
+                    stride=stride)
+    y = torch.matmul(weight.reshape(1, n, cout, -1), cols.view(batch, n, -1, out_h * out_w))
+    if bias is not None:
+        y = y + bias.view(1, n, cout, 1)
+    y = unfold_channels(y.view(batch, n * cout, out_h, out_w), n, True)
+    return y if has_batch else y.squeeze(1)
 
 
 def _ntuple(v: Any, spatial: int) -> tuple:
@@ -380,7 +417,8 @@ def linear_lowerings(x: Tensor, weight: Tensor, bias: Tensor | None, *,
     Batched input: ``baddbmm`` (one batched GEMM whose weight gradient comes out
     in the weight's layout, :class:`_BatchedLinear`), ``baddbmm_t`` (the same, with
     the forward product computed transposed, ``(W @ x^T)^T``), ``baddbmm_autograd``
-    (the product with autograd's own backward), ``loop`` (N ``F.linear``).
+    (the product with autograd's own backward), ``einsum`` (``torch.einsum`` picks the
+    product's layout and backward), ``loop`` (N ``F.linear``).
     Shared input: ``gemm`` (one ``F.linear`` with ``N*out`` outputs) or ``loop``.
 
     The cost model puts ``baddbmm_t`` first for narrow outputs (a classifier head):
@@ -392,8 +430,8 @@ def linear_lowerings(x: Tensor, weight: Tensor, bias: Tensor | None, *,
     if not x_batched:
         return ["gemm", "loop"]
     if weight.shape[1] < _NARROW_OUTPUT:
-        return ["baddbmm_t", "baddbmm", "baddbmm_autograd", "loop"]
-    return ["baddbmm", "baddbmm_t", "baddbmm_autograd", "loop"]
+        return ["baddbmm_t", "baddbmm", "baddbmm_autograd", "einsum", "loop"]
+    return ["baddbmm", "baddbmm_t", "baddbmm_autograd", "einsum", "loop"]
 
 
 #: Output widths below this take the transposed forward product by default.
@@ -424,6 +462,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool,
     if lowering == "baddbmm_autograd":
         wt = weight.transpose(1, 2)
         y = torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
+    elif lowering == "einsum":
+        y = torch.einsum("nmi,noi->nmo", x3, weight)
+        if bias is not None:
+            y = y + bias.unsqueeze(1)
     else:
         y = _BatchedLinear.apply(x3, weight, bias, lowering == "baddbmm_t")
     return y.reshape(n, *lead, out_features)
