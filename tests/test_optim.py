@@ -520,3 +520,16 @@ def test_compiled_step_is_the_eager_update_and_never_recompiles(case):
     for i, solo in enumerate(solos):
         for name, p in solo.named_parameters():
             assert torch.equal(params[name][i], p), (case, i, name)
+
+
+def test_per_model_coefficients_are_built_once_while_the_values_stay_the_same():
+    # The [N, 1, ...] coefficient tensors are reused step to step; any change, even
+    # 0.0 -> -0.0 (another bit pattern, another product's sign), builds new ones.
+    fused = StackedModels(make_models(2))
+    opt = ho.SGD(fused.parameters(), lr=[0.1, 0.2], weight_decay=[0.0, 0.0])
+    first = opt._coefficients({"wd": [0.0, 0.0], "neg_lr": [-0.1, -0.2]})
+    assert opt._coefficients({"wd": [0.0, 0.0], "neg_lr": [-0.1, -0.2]}) is first
+    signed = opt._coefficients({"wd": [0.0, -0.0], "neg_lr": [-0.1, -0.2]})
+    assert signed is not first
+    like = torch.zeros(2, 3, dtype=torch.float64)
+    assert torch.equal(torch.signbit(signed("wd", like)).flatten(), torch.tensor([False, True]))

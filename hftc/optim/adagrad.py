@@ -52,7 +52,7 @@ class Adagrad(FusedOptimizer):
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
         lr, lr_decay = hp["lr"], hp["lr_decay"]
         any_decay = any(w != 0 for w in hp["weight_decay"])
-        coef = _Coefficients({
+        coef = self._coefficients({
             "sign": [-1.0 if m else 1.0 for m in hp["maximize"]],
             "weight_decay": hp["weight_decay"],
             "eps": hp["eps"],

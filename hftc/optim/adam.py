@@ -104,7 +104,7 @@ class Adam(FusedOptimizer):
         decay = [1 - r * w if d else 1.0 for r, w, d in zip(lr, wd, decoupled)]
         any_coupled = any(w != 0 for w in coupled_wd)
         any_decoupled = any(d and w != 0 for w, d in zip(wd, decoupled))
-        coef = _Coefficients({
+        coef = self._coefficients({
             "sign": [-1.0 if m else 1.0 for m in hp["maximize"]],
             "coupled_wd": coupled_wd,
             "decay": decay,
@@ -294,7 +294,7 @@ class Adam(FusedOptimizer):
         # The update is linear in lr: compute the unit step (lr = 1) into scratch space,
         # then p += lr_i * step per model.  Decays that read p are applied here, to p.
         wd, maximize = hp["weight_decay"][0], hp["maximize"][0]
-        coef = _Coefficients({"lr": lr, "decay": [1 - r * wd for r in lr]})
+        coef = self._coefficients({"lr": lr, "decay": [1 - r * wd for r in lr]})
         grad = p.grad
         if wd != 0 and hp["decoupled_weight_decay"][0]:
             p.mul_(coef("decay", p))

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients
+from .optimizer import FusedOptimizer
 
 __all__ = ["RMSprop"]
 
@@ -55,7 +55,7 @@ class RMSprop(FusedOptimizer):
         centered = hp["centered"]
         active = [m > 0 for m in hp["momentum"]]
         any_decay = any(w != 0 for w in hp["weight_decay"])
-        coef = _Coefficients({
+        coef = self._coefficients({
             "sign": [-1.0 if m else 1.0 for m in hp["maximize"]],
             "weight_decay": hp["weight_decay"],
             "alpha": hp["alpha"],

@@ -71,7 +71,7 @@ class SGD(FusedOptimizer):
         maximize, nesterov = hp["maximize"], hp["nesterov"]
         active = [m != 0 for m in hp["momentum"]]
         any_decay = any(w != 0 for w in hp["weight_decay"])
-        coef = _Coefficients({
+        coef = self._coefficients({
             "neg_lr": [-lr for lr in hp["lr"]],
             "sign": [-1.0 if m else 1.0 for m in maximize],
             "weight_decay": hp["weight_decay"],
