@@ -156,7 +156,8 @@ class Adam(FusedOptimizer):
         tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]]
         if any(amsgrad):
             tensors.append(state["max_exp_avg_sq"])
-        if p.is_cuda or p.numel() <= _BLOCK_ABOVE or not all(t.is_contiguous() for t in tensors):
+        if p.device.type != "cpu" or p.numel() <= _BLOCK_ABOVE \
+                or not all(t.is_contiguous() for t in tensors):
             self._adam_math(tensors, (self._scratch(p, 0), self._scratch(p, 1)), hp, coef,
                             step_coef, any_coupled, any_decoupled)
             return
