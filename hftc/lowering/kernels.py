@@ -285,9 +285,10 @@ def _batched_unfold_conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride:
 
     The product is ``torch.matmul`` broadcasting each model's weight over the batch,
     and the result is already the grouped conv's folded layout.  ``unfold`` writes
-    ``kh*kw`` copies of the input, so on a CPU this is rarely faster than oneDNN's
-    direct grouped convolution; it is a candidate for autotune (small maps with few
-    input channels per model, and GPUs where the grouped kernel is a slow path).
+    ``kh*kw`` copies of the input, so on a CPU it rarely beats oneDNN's direct grouped
+    convolution; autotune found it faster for 1x1 stride-2 convolutions (ResNet-18's
+    shortcuts, N = 1-4, one core), where ``unfold`` is a strided subsample and the
+    product one batched GEMM.
     """
     has_batch = x.dim() == 5
     if not has_batch:
