@@ -112,11 +112,16 @@ def test_each_model_matches_its_stock_run(case, dtype):
 def test_matches_stock_bit_for_bit_on_cpu(case):
     # The update repeats stock's ops with the same rounding, so on the CPU the
     # result is identical, not just close. (A GPU may round x*c+y differently.)
-    fused, _, solos = run_case(case, torch.float64)
+    assert_stock_bit_for_bit(case, torch.float64)
+
+
+def assert_stock_bit_for_bit(case: str, dtype: torch.dtype) -> None:
+    """Train ``case`` fused and solo; every model's slice must equal its solo run exactly."""
+    fused, _, solos = run_case(case, dtype)
     params = dict(fused.named_parameters())
     for i, solo in enumerate(solos):
         for name, p in solo.named_parameters():
-            assert torch.equal(params[name][i], p), (case, i, name)
+            assert torch.equal(params[name][i], p), (case, dtype, i, name)
 
 
 @pytest.mark.parametrize("foreach_max_numel", [0, 1 << 16], ids=["one-by-one", "foreach"])
@@ -127,12 +132,7 @@ def test_adam_foreach_and_one_by_one_updates_are_stock_bit_for_bit(case, foreach
     # a threshold of 0 sends every parameter of these small models the second way.
     monkeypatch.setattr(adam_module, "_FOREACH_MAX_NUMEL", foreach_max_numel)
     for dtype in DTYPES:
-        fused, _, solos = run_case(case, dtype)
-        params = dict(fused.named_parameters())
-        for i, solo in enumerate(solos):
-            for name, p in solo.named_parameters():
-                assert torch.equal(params[name][i], p), (case, dtype, i, name)
-
+        assert_stock_bit_for_bit(case, dtype)
 
 
 @pytest.mark.parametrize("case", ["adam", "adam_plain", "adam_decoupled_mixed", "adamw"])
@@ -143,11 +143,7 @@ def test_adam_updates_in_column_blocks_are_stock_bit_for_bit(case, monkeypatch):
     monkeypatch.setattr(adam_module, "_BLOCK_ABOVE", 0)
     monkeypatch.setattr(adam_module, "_BLOCK_NUMEL", 1)
     for dtype in DTYPES:
-        fused, _, solos = run_case(case, dtype)
-        params = dict(fused.named_parameters())
-        for i, solo in enumerate(solos):
-            for name, p in solo.named_parameters():
-                assert torch.equal(params[name][i], p), (case, dtype, i, name)
+        assert_stock_bit_for_bit(case, dtype)
 
 
 def test_adam_blocks_a_parameter_larger_than_the_cache_as_stock_would_update_it():
