@@ -235,6 +235,34 @@ def test_autotune_drops_a_lowering_with_other_outputs(cache_dir, monkeypatch):
     assert any("gave other outputs" in str(w.message) for w in caught)
 
 
+@pytest.mark.parametrize("other_time, expected", [
+    (0.97, "model"),   # 3% faster: a near-tie, the cost model's choice stays
+    (0.90, "other"),   # 10% faster: taken
+    (1.20, "model"),
+])
+def test_autotune_takes_another_lowering_only_by_a_margin(cache_dir, monkeypatch, other_time,
+                                                         expected):
+    def kernel(x, weight, bias, *, x_batched, lowering=None):
+        return kernels.linear(x, weight, bias, x_batched=x_batched)
+
+    kernel.__name__ = "toy_linear"
+    monkeypatch.setitem(autotune.TUNABLE, kernel, lambda *a, **k: ["model", "other"])
+    seconds = {"model": 1.0, "other": other_time}
+
+    def fixed_timing(self, device):
+        self.times.append(seconds[self.name])
+
+    monkeypatch.setattr(autotune._Candidate, "measure", fixed_timing)
+    args = (torch.randn(3, 5, 4), torch.randn(3, 2, 4), None)
+    choice = autotune.tune_call(kernel, args, {"x_batched": True}, [False, True, False])
+    assert choice.times == seconds
+    assert choice.chosen == expected and choice.default == "model"
+    # From the cache (another process), the same rule on the stored times.
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+    again = autotune.tune_call(kernel, args, {"x_batched": True}, [False, True, False])
+    assert again.cached and again.chosen == expected
+
+
 def test_autotune_must_be_a_bool():
     with pytest.raises(FusionArgumentError, match="autotune must be True or False"):
         hftc.fuse([MLP(), MLP()], autotune="fast")
