@@ -117,12 +117,11 @@ class Adam(FusedOptimizer):
         # Parameters grouped by their models' step counts (one group unless some model
         # skipped steps), each group with its bias corrections.
         by_steps: dict[tuple[float, ...], list[Tensor]] = {}
-        for p in params:
+        for p, steps in zip(params, self._count_steps(params)):
             state = self.state[p]
             if any(amsgrad) and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            by_steps.setdefault(tuple(state["step"].tolist()), []).append(p)
+            by_steps.setdefault(steps, []).append(p)
         simple = not any(amsgrad) and not any(hp["maximize"])
         for steps, group in by_steps.items():
             # Python doubles, as stock computes them from step.item().
@@ -256,11 +255,11 @@ class Adam(FusedOptimizer):
     def _update_fused(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
         n = self.num_models
         shared = all(all(v == hp[k][0] for v in hp[k]) for k in hp if k != "lr")
+        self._count_steps(params)
         for p in params:
             state = self.state[p]
             if any(hp["amsgrad"]) and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
             steps = state["step"]
             if shared and bool((steps == steps[0]).all()):
                 self._fused_all_models(p, hp)

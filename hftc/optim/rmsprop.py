@@ -66,10 +66,10 @@ class RMSprop(FusedOptimizer):
             "active": active,
             "centered": centered,
         })
+        self._count_steps(params)
         for p in params:
             state = self.state[p]
             self._add_missing_buffers(p, hp)
-            state["step"] += 1
             grad = p.grad
             if any(hp["maximize"]):
                 grad = grad * coef("sign", p)
