@@ -588,7 +588,8 @@ def fuse(
     (``frontend="auto"``); ``frontend="symbolic"`` / ``"export"`` pick one.
     ``autotune=True`` times each fused op's lowerings (grouped conv in NCHW or
     channels-last, im2col, batched GEMM, a per-model loop ...) on the real shapes
-    when the forward is compiled and keeps the fastest, cached on disk per device
+    when the forward is compiled and keeps the fastest (the cost model's choice
+    unless another is 5% faster), cached on disk per device
     and shape (:mod:`hftc.lowering.autotune`); otherwise a cost model picks.
     """
     return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs,

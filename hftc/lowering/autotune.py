@@ -236,7 +236,8 @@ class _Candidate:
 def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[str, Any],
               grad_flags: Sequence[bool], *, node: str = "?",
               path: Path | None = None) -> LoweringChoice:
-    """Time ``kernel``'s lowerings on these arguments and return the fastest (cached)."""
+    """Time ``kernel``'s lowerings on these arguments and return the fastest, or the
+    cost model's choice if that is within ``_OP_MARGIN`` of it (cached)."""
     names = TUNABLE[kernel](*args, **kwargs)
     backward = any(grad_flags)
     device = next(a.device for a in args if isinstance(a, Tensor))
