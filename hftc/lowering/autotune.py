@@ -72,7 +72,8 @@ _CLOSE = 0.05
 #: flipping from run to run.  Measured on the MLP at N = 32 (one CPU core, one
 #: process, steps alternating): autotune had taken ``baddbmm_t`` for the 128-wide
 #: hidden linear (3% faster alone) and ``baddbmm`` for the 10-wide head (1% faster
-#: alone); the step with those took 10.9 ms, with the cost model's two 10.3 ms.
+#: alone); the step with those took 13.65 and 13.49 ms in two processes, with the
+#: cost model's two 12.96 and 13.24 ms.
 _OP_MARGIN = 0.05
 
 
