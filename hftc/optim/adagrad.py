@@ -58,8 +58,9 @@ class Adagrad(FusedOptimizer):
             "eps": hp["eps"],
         })
         by_steps: dict[tuple[float, ...], _Coefficients] = {}
-        for p, steps in zip(params, self._count_steps(params)):
+        for p, step in zip(params, self._count_steps(params)):
             state = self.state[p]
+            steps = tuple(step.tolist())
             if steps not in by_steps:
                 by_steps[steps] = _Coefficients({
                     "neg_clr": [-(r / (1 + (s - 1) * d)) for r, d, s in zip(lr, lr_decay, steps)],

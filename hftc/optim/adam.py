@@ -121,7 +121,7 @@ class Adam(FusedOptimizer):
             state = self.state[p]
             if any(amsgrad) and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            by_steps.setdefault(steps, []).append(p)
+            by_steps.setdefault(tuple(steps.tolist()), []).append(p)
         simple = not any(amsgrad) and not any(hp["maximize"])
         for steps, group in by_steps.items():
             # Python doubles, as stock computes them from step.item().
