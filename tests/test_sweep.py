@@ -282,6 +282,54 @@ def test_orphaned_running_trial_is_failed_and_retried(spec_file: Path, tmp_path:
     assert len(retry) == 1 and retry[0].params == trials[orphan.number].params
 
 
+def test_orphan_without_heartbeat_on_a_shared_storage_is_retried(spec_file: Path,
+                                                                 tmp_path: Path, monkeypatch):
+    """On a shared storage (one given by URL: other machines' workers may be alive), a
+    trial left RUNNING by a worker killed while asking it never gets a heartbeat, which
+    Optuna's stale check skips: it is failed and retried once it has stayed without one
+    for the wait, and only then (a CI run hung on this with PostgreSQL)."""
+    import hftc.sweep.engine as engine
+
+    monkeypatch.setattr(engine, "_NO_HEARTBEAT_S", 0.0)
+    spec = hs.load_spec(spec_file).replace(n_trials=3, epochs=1, pruner="none")
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    study = optuna.create_study(study_name="tiny", storage=hs.make_storage(url),
+                                direction="minimize")
+    orphan = study.ask()
+    spec.space(orphan)
+    logged: list[str] = []
+    result = hs.run(spec, out=tmp_path / "out", storage=url, study_name="tiny",
+                    heartbeat_interval=1, grace_period=1, progress=False, log=logged.append)
+    trials = result.study.trials
+    assert trials[orphan.number].state == TrialState.FAIL
+    finished = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(finished) == 3
+    retry = [t for t in finished if t.system_attrs.get("failed_trial") == orphan.number]
+    assert len(retry) == 1 and retry[0].params == trials[orphan.number].params
+    assert any(f"trial {orphan.number} was running nowhere" in m for m in logged)
+
+
+def test_a_trial_asked_a_moment_ago_is_not_taken_for_dead(spec_file: Path, tmp_path: Path):
+    """The first sight of a RUNNING trial without a heartbeat starts its wait: a live
+    worker between asking a trial and its first heartbeat keeps it."""
+    import hftc.sweep.engine as engine
+
+    spec = hs.load_spec(spec_file).replace(n_trials=2, epochs=1, pruner="none")
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    sweep = engine.Sweep(spec, out=tmp_path / "out", storage=url, study_name="tiny",
+                         heartbeat_interval=1, grace_period=1, progress=False)
+    sweep.storage = hs.make_storage(url)
+    sweep.study = optuna.create_study(study_name="tiny", storage=sweep.storage,
+                                      direction="minimize")
+    fresh = sweep.study.ask()
+    assert not sweep._reap_orphans()  # seen now: the wait starts
+    assert sweep.study.trials[fresh.number].state == TrialState.RUNNING
+    sweep.storage.record_heartbeat(fresh._trial_id)  # its worker is alive after all
+    sweep._silent_since[fresh._trial_id] -= 3600  # (as if watched for an hour)
+    assert not sweep._reap_orphans()
+    assert sweep.study.trials[fresh.number].state == TrialState.RUNNING
+
+
 def test_resume_restarts_a_trial_killed_before_its_first_manifest(spec_file: Path,
                                                                     tmp_path: Path):
     """A worker killed between asking a trial and writing its manifest leaves a RUNNING

@@ -292,6 +292,12 @@ def _try_lock(path: Path):
     return f
 
 
+#: A trial that never recorded a heartbeat is taken for dead (its worker killed while
+#: asking it) once this worker has seen it so for this long, or the grace period if
+#: longer: asking a trial (the sampler) takes well under it.
+_NO_HEARTBEAT_S = 30.0
+
+
 class _Heartbeat(threading.Thread):
     """Records a heartbeat for every trial this worker holds, every ``interval`` seconds.
 
@@ -398,6 +404,7 @@ class Sweep:
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.log = log if log is not None else (lambda msg: None)
         self.live: list[_Run] = []
+        self._silent_since: dict[int, float] = {}  # trial id -> first seen without a heartbeat
         self.arrays: list[_Array] = []
         self.round = 0
         self.train_s = 0.0
@@ -859,18 +866,28 @@ class Sweep:
         return False
 
     def _reap_orphans(self) -> bool:
-        """On the default storage (this folder's SQLite file) with no other worker alive,
-        a RUNNING trial that is not ours runs nowhere: its worker died before recording a
-        heartbeat or a manifest. Fail it and enqueue it again, as a heartbeat would."""
-        if not self.default_storage or self._others_alive():
+        """Fail and enqueue again, as a heartbeat would, each RUNNING trial that is not
+        ours and runs nowhere: its worker died after asking it and before recording its
+        first heartbeat (Optuna's heartbeat check skips a trial that never had one, so
+        it would stay RUNNING for good and the other workers would wait for it).
+
+        * On the default storage (this folder's SQLite file): any such trial, once no
+          other worker is alive.
+        * On a shared storage: one that has had no heartbeat while this worker watched
+          it for ``_NO_HEARTBEAT_S`` or the grace period, whichever is longer (timed on
+          this worker's clock: other machines' clocks may differ).
+        """
+        if self.default_storage and self._others_alive():
             return False
         mine = {r.trial_id for r in self.live}
+        running = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                   if t._trial_id not in mine]
+        if not self.default_storage:
+            running = self._without_heartbeat(running)
         callback = self.storage.get_heartbeat_stale_trial_callback() if hasattr(
             self.storage, "get_heartbeat_stale_trial_callback") else None
         reaped = False
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if t._trial_id in mine:
-                continue
+        for t in running:
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
                 if self.storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
                     self.log(f"trial {t.number} was running nowhere; failed and retried")
@@ -878,6 +895,29 @@ class Sweep:
                         callback(self.study, self.storage.get_trial(t._trial_id))
                     reaped = True
         return reaped
+
+    def _without_heartbeat(self, trials: list[optuna.trial.FrozenTrial],
+                           ) -> list[optuna.trial.FrozenTrial]:
+        """Those of ``trials`` that have never recorded a heartbeat and have been seen
+        so, by this worker, for long enough to be dead (see :meth:`_reap_orphans`)."""
+        try:
+            from optuna.storages._rdb.models import TrialHeartbeatModel
+            from optuna.storages._rdb.storage import _create_scoped_session
+
+            with _create_scoped_session(self.storage.scoped_session) as session:
+                beating = {tid for tid in (t._trial_id for t in trials)
+                           if TrialHeartbeatModel.where_trial_id(tid, session) is not None}
+        except Exception:  # noqa: BLE001 - another Optuna's internals: leave them to it
+            return []
+        now = time.monotonic()
+        silent = {t._trial_id for t in trials} - beating
+        seen = self._silent_since
+        for tid in list(seen):
+            if tid not in silent:
+                del seen[tid]
+        wait = max(_NO_HEARTBEAT_S, self.grace_period or 4 * self.heartbeat_interval)
+        return [t for t in trials if t._trial_id in silent
+                and now - seen.setdefault(t._trial_id, now) >= wait]
 
     @contextlib.contextmanager
     def _timed(self, what: str):
