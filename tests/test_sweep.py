@@ -263,6 +263,15 @@ def test_spec_errors_say_what_is_missing(tmp_path: Path, capsys):
     assert "give a SPEC" in capsys.readouterr().err
 
 
+def _assert_failed_once_and_retried(trials, orphan, n_finished: int) -> None:
+    """``orphan`` failed, and exactly one finished trial retried it with its parameters."""
+    assert trials[orphan.number].state == TrialState.FAIL
+    finished = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(finished) == n_finished
+    retry = [t for t in finished if t.system_attrs.get("failed_trial") == orphan.number]
+    assert len(retry) == 1 and retry[0].params == trials[orphan.number].params
+
+
 def test_orphaned_running_trial_is_failed_and_retried(spec_file: Path, tmp_path: Path):
     """A trial left RUNNING with no heartbeat and no manifest (its worker died right after
     asking) is failed and retried with its parameters, not waited for forever."""
@@ -274,12 +283,7 @@ def test_orphaned_running_trial_is_failed_and_retried(spec_file: Path, tmp_path:
     orphan = study.ask()
     spec.space(orphan)
     result = hs.run(spec, out=out, progress=False)
-    trials = result.study.trials
-    assert trials[orphan.number].state == TrialState.FAIL
-    finished = [t for t in trials if t.state == TrialState.COMPLETE]
-    assert len(finished) == 3
-    retry = [t for t in finished if t.system_attrs.get("failed_trial") == orphan.number]
-    assert len(retry) == 1 and retry[0].params == trials[orphan.number].params
+    _assert_failed_once_and_retried(result.study.trials, orphan, n_finished=3)
 
 
 def test_orphan_without_heartbeat_on_a_shared_storage_is_retried(spec_file: Path,
@@ -287,7 +291,7 @@ def test_orphan_without_heartbeat_on_a_shared_storage_is_retried(spec_file: Path
     """On a shared storage (one given by URL: other machines' workers may be alive), a
     trial left RUNNING by a worker killed while asking it never gets a heartbeat, which
     Optuna's stale check skips: it is failed and retried once it has stayed without one
-    for the wait, and only then (a CI run hung on this with PostgreSQL)."""
+    for the wait (a CI run hung on this with PostgreSQL)."""
     import hftc.sweep.engine as engine
 
     monkeypatch.setattr(engine, "_NO_HEARTBEAT_S", 0.0)
@@ -300,12 +304,7 @@ def test_orphan_without_heartbeat_on_a_shared_storage_is_retried(spec_file: Path
     logged: list[str] = []
     result = hs.run(spec, out=tmp_path / "out", storage=url, study_name="tiny",
                     heartbeat_interval=1, grace_period=1, progress=False, log=logged.append)
-    trials = result.study.trials
-    assert trials[orphan.number].state == TrialState.FAIL
-    finished = [t for t in trials if t.state == TrialState.COMPLETE]
-    assert len(finished) == 3
-    retry = [t for t in finished if t.system_attrs.get("failed_trial") == orphan.number]
-    assert len(retry) == 1 and retry[0].params == trials[orphan.number].params
+    _assert_failed_once_and_retried(result.study.trials, orphan, n_finished=3)
     assert any(f"trial {orphan.number} was running nowhere" in m for m in logged)
 
 
