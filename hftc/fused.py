@@ -437,6 +437,16 @@ class FusedModule(nn.Module):
                 and any(p.requires_grad for p in self.parameters())
             with preserved_state(self):
                 report.lowerings = autotune_graph(graph, self, values, backward=backward)
+            if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values):
+                # A fused step's activations outgrow glibc's adaptive thresholds: keep the
+                # memory a step frees for the next one (lowering/heap.py).  After the ops'
+                # tuning, whose candidates' buffers of every size would otherwise stay in
+                # the heap; before the whole forward's, so its candidates run as the steps
+                # will.  Under glibc's defaults the fused program, whose buffers are N
+                # models' at once, was faulted in page by page on every timed run and the
+                # loop was not (PointNet N = 16 timed 1.33 vs 0.98 s, where the steps
+                # after took 0.95 s either way: the loop was chosen for a tie).
+                keep_freed_memory_for_tuning()
         forward, source = compile_graph(graph)
         program = Program(forward, graph, report, source, output_spec(mode_graphs.graph))
         if self.autotune and program.output_spec is None:
@@ -444,12 +454,6 @@ class FusedModule(nn.Module):
                 self, forward, values, batched, backward=backward, key_source=source)
             program.how = how if how.name != "fused" else None
             report.lowerings.append(choice)
-        if self.autotune and any(isinstance(v, torch.Tensor) and v.device.type == "cpu"
-                                 for v in values):
-            # A fused step's activations outgrow glibc's adaptive thresholds: keep the
-            # memory a step frees for the next one (lowering/heap.py). After tuning, whose
-            # candidates' buffers of every size would otherwise stay in the heap.
-            keep_freed_memory_for_tuning()
         return program
 
     def _explain_input_mismatch(self, values: Sequence[Any], cause: Exception) -> None:

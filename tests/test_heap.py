@@ -79,3 +79,35 @@ def test_autotune_on_cpu_keeps_freed_memory_unless_told_not_to(tmp_path, setting
         env["HFTC_KEEP_FREED_MEMORY"] = setting
     result = _run(_FUSE, env=env)
     assert result == {"before": False, "after": expected}
+
+
+_ORDER = """
+import json, torch
+import hftc
+import hftc.fused as fused_module
+from hftc.lowering import heap
+seen = {}
+
+def recording(name, fn):
+    def call(*args, **kwargs):
+        seen[name] = heap._applied
+        return fn(*args, **kwargs)
+    return call
+
+fused_module.autotune_graph = recording("ops", fused_module.autotune_graph)
+fused_module.choose_program = recording("whole forward", fused_module.choose_program)
+models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+          for _ in range(2)]
+hftc.fuse(models, autotune=True)(torch.randn(3, 4)).sum().backward()
+print(json.dumps(seen))
+"""
+
+
+def test_the_whole_forward_is_timed_with_freed_memory_kept_as_the_steps_run(tmp_path):
+    # The ops are tuned under glibc's defaults (their candidates' buffers of every size
+    # would stay in the heap); the whole forward's candidates (fused program, model loop)
+    # run as the training steps after them will. Timed under the defaults, the fused
+    # program, whose buffers hold N models at once, paid page faults that no step pays
+    # and lost ties to the loop.
+    seen = _run(_ORDER, env={"HFTC_CACHE_DIR": str(tmp_path)})
+    assert seen == {"ops": False, "whole forward": True}

@@ -501,7 +501,9 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     generated code) identifies the program in the disk cache."""
     choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
-    key = json.dumps([device_key(device), "program", fused.num_models,
+    # "program-2": choices cached before the whole forward was timed with freed memory
+    # kept (fused.py), when a fused program paid page faults its steps do not, are retimed.
+    key = json.dumps([device_key(device), "program-2", fused.num_models,
                       hashlib.sha1(key_source.encode()).hexdigest(),
                       _describe([v for v in values if isinstance(v, Tensor)]), list(batched),
                       backward])

@@ -21,12 +21,16 @@ one-model working set stays under the thresholds, took none (measured with
 so a step's memory is faulted in once, in the first step, and reused after.
 The process's resident memory then stays at its peak, which a training job
 reaches every step anyway.  ``hftc.fuse(..., autotune=True)`` calls it once it
-has tuned a forward on CPU tensors (set ``HFTC_KEEP_FREED_MEMORY=0`` to prevent
-that): after the tuning, whose candidates allocate buffers of every size that
-would otherwise stay in the heap (PointNet N = 16, tuning and 3 steps from an
-empty cache: peak 828 MiB, 2,218 faults and 1,034 ms per step after; 818 MiB,
-47,844 faults and 1,138 ms under glibc's defaults; called before the tuning the
-peak passed 1 GiB).  Elsewhere (not glibc) it does nothing and says so.
+has tuned a forward's ops on CPU tensors (set ``HFTC_KEEP_FREED_MEMORY=0`` to
+prevent that): after the ops' tuning, whose candidates allocate buffers of every
+size that would otherwise stay in the heap (PointNet N = 16, tuning and 3 steps
+from an empty cache: peak 828 MiB, 2,218 faults and 1,034 ms per step after;
+818 MiB, 47,844 faults and 1,138 ms under glibc's defaults; called before the
+tuning the peak passed 1 GiB), and before the whole forward's, whose candidates
+must be timed as the steps will run them: under the defaults the fused program
+(N models' buffers at once) was faulted in on every timed run and the model loop
+was not, and PointNet N = 16 timed 1.33 s against the loop's 0.98 s where the
+steps took 0.95 s either way.  Elsewhere (not glibc) it does nothing and says so.
 """
 
 from __future__ import annotations
