@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import platform
 import warnings
 
 import pytest
@@ -261,6 +262,60 @@ def test_autotune_takes_another_lowering_only_by_a_margin(cache_dir, monkeypatch
     monkeypatch.setattr(autotune, "_MEMORY", {})
     again = autotune.tune_call(kernel, args, {"x_batched": True}, [False, True, False])
     assert again.cached and again.chosen == expected
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize("times, peaks, expected", [
+    # the fused program as given stays unless another is 2% faster
+    ({"fused": 1.00, "model_loop": 0.99}, {"fused": 100, "model_loop": 100}, "fused"),
+    ({"fused": 1.00, "model_loop": 0.95}, {"fused": 100, "model_loop": 100}, "model_loop"),
+    # a tie on time (within 2%) goes to a footprint 20% smaller, either way round
+    ({"fused": 1.00, "model_loop": 1.01}, {"fused": 100, "model_loop": 70}, "model_loop"),
+    ({"fused": 1.00, "model_loop": 0.95}, {"fused": 70, "model_loop": 100}, "model_loop"),
+    # the window is around the fastest winner
+    ({"fused": 1.00, "model_loop": 0.97, "fused+channels_last": 0.985},
+     {"fused": 50, "model_loop": 100, "fused+channels_last": 60}, "fused+channels_last"),
+    # ... and only to one that much smaller, and only on a tie
+    ({"fused": 1.00, "model_loop": 1.01}, {"fused": 100, "model_loop": 90}, "fused"),
+    ({"fused": 1.00, "model_loop": 1.05}, {"fused": 100, "model_loop": 50}, "fused"),
+    # the lightest of several tied candidates; an unmeasured peak takes no part
+    ({"fused": 1.00, "model_loop": 1.00, "fused+channels_last": 1.01},
+     {"fused": 100, "model_loop": 60, "fused+channels_last": 40}, "fused+channels_last"),
+    ({"fused": 1.00, "model_loop": 1.00}, {"fused": None, "model_loop": 10}, "fused"),
+    ({"fused": 1.00, "model_loop": 1.00}, {"fused": 100, "model_loop": None}, "fused"),
+])
+def test_whole_forward_choice_takes_time_then_memory(times, peaks, expected):
+    peaks = {k: None if v is None else v * MIB for k, v in peaks.items()}
+    assert autotune._pick_program(times, peaks) == expected
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="the resident set is read from /proc")
+def test_peak_memory_counts_what_the_call_allocates_and_frees():
+    def step():
+        held = [torch.ones(8 * MIB // 4) for _ in range(4)]   # 32 MiB touched at once
+        return float(sum(t[0] for t in held))
+
+    out, peak = autotune.peak_memory(step, torch.device("cpu"))
+    assert out == 4.0
+    if peak is None:
+        pytest.skip("no glibc here")
+    assert 32 * MIB <= peak < 64 * MIB, peak / MIB
+    # freed and measured again: the same, not zero (the heap's free memory is handed
+    # back before each measurement)
+    _, again = autotune.peak_memory(step, torch.device("cpu"))
+    assert 32 * MIB <= again < 64 * MIB, again / MIB
+
+
+def test_whole_forward_peaks_are_in_the_report(cache_dir):
+    models = [MLP() for _ in range(2)]
+    fused = hftc.fuse(models, autotune=True)
+    fused.compile(torch.randn(8, 64))
+    whole = next(c for c in fused.fusion_report.lowerings if c.node == "<whole model>")
+    assert set(whole.peaks) == set(whole.times) and "fused" in whole.peaks
+    assert all(v >= 0 for v in whole.peaks.values())
+    assert "peak" in str(whole)
 
 
 def test_autotune_must_be_a_bool():

@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from . import kernels, layout
+from .heap import peak_memory
 from .model_loop import ModelLoop, plain_output
 
 #: Tunable kernels -> the function listing their lowerings (cost model's first).
@@ -65,6 +66,12 @@ _LOOP_MARGIN = 0.02
 #: (other jobs on the same cores) moves single rounds by 10-20%.
 _MORE_ROUNDS = 3
 _CLOSE = 0.05
+#: Between ways to run the whole forward that tie on time (within ``_LOOP_MARGIN`` of
+#: the chosen one), one whose peak memory over a forward + backward is at least this
+#: fraction below the chosen one's is taken instead: a larger N then fits, for no time.
+#: (PointNet N = 12 on one CPU core: the fused program and the model loop took the
+#: same time, and the fused program peaked at 357 MiB, the loop at 198 MiB.)
+_MEMORY_MARGIN = 0.2
 #: How much faster (a fraction) than the cost model's choice a single op's other
 #: lowering must measure to replace it.  An op timed alone is not the op in its
 #: program: what its output's layout costs the next op is not in its time.  Between
@@ -89,9 +96,14 @@ class LoweringChoice:
     times: dict[str, float] = field(default_factory=dict)
     cached: bool = False
     rejected: list[str] = field(default_factory=list)
+    #: the whole forward's candidates: name -> peak MiB allocated over one forward
+    #: (+ backward), where it could be measured
+    peaks: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
         timings = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in self.times.items())
+        if self.peaks:
+            timings += "; peak " + ", ".join(f"{k} {v:.4g} MiB" for k, v in self.peaks.items())
         source = "cache" if self.cached else timings
         note = f"; rejected (outputs differ): {self.rejected}" if self.rejected else ""
         return (f"{self.node:<24} {self.kernel:<15} {self.chosen:<22} "
@@ -404,6 +416,8 @@ class ProgramChoice:
     model_loop: ModelLoop | None = None
     layout: str | None = None
     layout_shapes: tuple | None = None
+    #: peak bytes of one forward (+ backward) (:func:`.heap.peak_memory`)
+    peak: int | None = None
 
     @property
     def name(self) -> str:
@@ -435,12 +449,14 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
         fused program | whole-model loop (:mod:`.model_loop`)
           x  inputs as given | feature maps channels-last (:mod:`.layout`)
 
-    Each runs once, forward (+ parameter gradients when ``backward``); the caller
-    keeps buffers and the RNG (:func:`preserved_state`)."""
+    Each runs once, forward (+ parameter gradients when ``backward``), and its peak
+    memory is measured (``ProgramChoice.peak``); the caller keeps buffers and the RNG
+    (:func:`preserved_state`)."""
     default = ProgramChoice()
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
     rng = _rng_state(device)
-    fused_out = _run_step(fused, program_forward, default, values, batched, backward)
+    fused_out, default.peak = peak_memory(
+        lambda: _run_step(fused, program_forward, default, values, batched, backward), device)
     # A program that draws random numbers (dropout) gives the others other draws:
     # then only the shapes can be compared.
     random = not torch.equal(rng, _rng_state(device))
@@ -460,8 +476,10 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
             if how.name in valid:
                 continue
             try:
-                leaves = pytree.tree_leaves(
-                    _run_step(fused, program_forward, how, values, batched, backward))
+                out, how.peak = peak_memory(
+                    lambda how=how: _run_step(fused, program_forward, how, values, batched,
+                                              backward), device)
+                leaves = pytree.tree_leaves(out)
             except Exception:  # noqa: BLE001 - e.g. model code that .view()s a channels-last map
                 rejected.append(how.name)
                 continue
@@ -502,7 +520,8 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
     # "program-2": choices cached before the whole forward was timed with freed memory
-    # kept (fused.py), when a fused program paid page faults its steps do not, are retimed.
+    # kept (fused.py), when a fused program paid page faults its steps do not, and before
+    # ties went to the smaller peak, are retimed.
     key = json.dumps([device_key(device), "program-2", fused.num_models,
                       hashlib.sha1(key_source.encode()).hexdigest(),
                       _describe([v for v in values if isinstance(v, Tensor)]), list(batched),
@@ -525,6 +544,10 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
         if len(valid) == 1:
             return ProgramChoice(), choice
         times: dict[str, list[float]] = {name: [] for name in valid}
+        # One untimed round: measuring the peaks handed the heap's free memory back,
+        # and the first round would fault it in again.
+        for how in valid.values():
+            _run_step(fused, program_forward, how, values, batched, backward)
         for _extra in range(_MORE_ROUNDS):
             for _ in range(_ROUNDS):  # interleaved rounds, as for single ops
                 for name, how in valid.items():
@@ -537,13 +560,29 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
             if medians[1] > (1 + _CLOSE) * medians[0]:
                 break  # a clear winner
     choice.times = {k: statistics.median(v) for k, v in times.items()}
-    # Another candidate must still win by a (small) margin: between medians within the
-    # noise the fused program stays, so a choice does not flip from run to run.
-    bar = (1 - _LOOP_MARGIN) * choice.times["fused"]
-    winners = [name for name, t in choice.times.items() if t < bar]
-    choice.chosen = min(winners, key=choice.times.get) if winners else "fused"
-    _store(key, {"chosen": choice.chosen, "times": choice.times}, path)
+    choice.peaks = {k: how.peak / 2**20 for k, how in valid.items() if how.peak is not None}
+    choice.chosen = _pick_program(choice.times, {k: how.peak for k, how in valid.items()})
+    _store(key, {"chosen": choice.chosen, "times": choice.times, "peaks": choice.peaks}, path)
     return valid[choice.chosen], choice
+
+
+def _pick_program(times: dict[str, float], peaks: dict[str, int | None]) -> str:
+    """The whole forward's choice from its candidates' median times and peak bytes.
+
+    Another candidate than the fused program as given must win by ``_LOOP_MARGIN``:
+    between medians within the noise the fused program stays, so a choice does not flip
+    from run to run.  Then a tie on time goes to the smaller footprint: a candidate
+    within ``_LOOP_MARGIN`` of the chosen one's time that peaks ``_MEMORY_MARGIN`` lower.
+    """
+    bar = (1 - _LOOP_MARGIN) * times["fused"]
+    winners = [name for name, t in times.items() if t < bar]
+    chosen = min(winners, key=times.get) if winners else "fused"
+    if peaks.get(chosen) is None:
+        return chosen
+    lighter = [name for name, t in times.items()
+               if t <= (1 + _LOOP_MARGIN) * times[chosen] and peaks.get(name) is not None
+               and peaks[name] <= (1 - _MEMORY_MARGIN) * peaks[chosen]]
+    return min(lighter, key=peaks.get) if lighter else chosen
 
 
 __all__ = ["LoweringChoice", "ProgramChoice", "TUNABLE", "autotune_graph", "cache_path",

@@ -38,8 +38,12 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["keep_freed_memory"]
+import torch
+
+__all__ = ["keep_freed_memory", "peak_memory"]
 
 # mallopt parameters (glibc malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -60,11 +64,12 @@ def keep_freed_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+        mallopt = libc.mallopt
+    except AttributeError:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
@@ -79,3 +84,58 @@ def keep_freed_memory_for_tuning() -> bool:
     if os.environ.get("HFTC_KEEP_FREED_MEMORY", "1").strip().lower() in ("0", "false", "no"):
         return False
     return keep_freed_memory()
+
+
+def _libc() -> Any:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name == key:
+                    return int(value.split()[0])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def peak_memory(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int | None]:
+    """``fn()``, and how many bytes above its starting point its memory peaked at.
+
+    On a GPU: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
+    On the CPU (Linux with glibc): the rise of the process's resident set, with the
+    heap's free memory handed back first (``malloc_trim``) and the high-water mark
+    reset (``/proc/self/clear_refs``), so ``fn``'s own allocations are what is counted,
+    oneDNN's and MKL's buffers included.  ``None`` where it cannot be measured.
+    Both reset the peak the process reports (``VmHWM``; CUDA's peak statistics).
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - start
+    libc = _libc()
+    if device.type != "cpu" or libc is None:
+        return fn(), None
+    libc.malloc_trim(0)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return fn(), None
+    start = _status_kib("VmRSS")
+    out = fn()
+    peak = _status_kib("VmHWM")
+    if start is None or peak is None:
+        return out, None
+    return out, max(0, peak - start) * 1024
