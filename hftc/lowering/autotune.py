@@ -544,8 +544,8 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
         if len(valid) == 1:
             return ProgramChoice(), choice
         times: dict[str, list[float]] = {name: [] for name in valid}
-        # One untimed round: measuring the peaks handed the heap's free memory back,
-        # and the first round would fault it in again.
+        # One untimed round: measuring the peaks on the CPU handed the heap's free
+        # memory back, and the first timed round would fault it in again.
         for how in valid.values():
             _run_step(fused, program_forward, how, values, batched, backward)
         for _extra in range(_MORE_ROUNDS):
