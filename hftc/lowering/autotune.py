@@ -69,8 +69,8 @@ _CLOSE = 0.05
 #: Between ways to run the whole forward that tie on time (within ``_LOOP_MARGIN`` of
 #: the chosen one), one whose peak memory over a forward + backward is at least this
 #: fraction below the chosen one's is taken instead: a larger N then fits, for no time.
-#: (PointNet N = 12 on one CPU core: the fused program and the model loop took the
-#: same time, and the fused program peaked at 357 MiB, the loop at 198 MiB.)
+#: (PointNet N = 12 on one CPU core: the fused program peaked at 461 MiB, the model
+#: loop at 322 MiB; the loop was 4% slower there, 685 vs 659 ms, so it was not taken.)
 _MEMORY_MARGIN = 0.2
 #: How much faster (a fraction) than the cost model's choice a single op's other
 #: lowering must measure to replace it.  An op timed alone is not the op in its
@@ -544,10 +544,11 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
         if len(valid) == 1:
             return ProgramChoice(), choice
         times: dict[str, list[float]] = {name: [] for name in valid}
-        # One untimed round: measuring the peaks on the CPU handed the heap's free
-        # memory back, and the first timed round would fault it in again.
-        for how in valid.values():
-            _run_step(fused, program_forward, how, values, batched, backward)
+        if device.type == "cpu":
+            # One untimed round: measuring the peaks handed the heap's free memory
+            # back, and the first timed round would fault it in again.
+            for how in valid.values():
+                _run_step(fused, program_forward, how, values, batched, backward)
         for _extra in range(_MORE_ROUNDS):
             for _ in range(_ROUNDS):  # interleaved rounds, as for single ops
                 for name, how in valid.items():
