@@ -28,6 +28,7 @@ from .errors import (
     TraceError,
     UnsupportedOperatorError,
 )
+from .lowering import layout
 from .lowering.autotune import (
     ProgramChoice,
     autotune_graph,
@@ -450,8 +451,11 @@ class FusedModule(nn.Module):
         forward, source = compile_graph(graph)
         program = Program(forward, graph, report, source, output_spec(mode_graphs.graph))
         if self.autotune and program.output_spec is None:
+            device = next((v.device for v in values if isinstance(v, torch.Tensor)),
+                          torch.device("cpu"))
             how, choice = choose_program(
-                self, forward, values, batched, backward=backward, key_source=source)
+                self, forward, values, batched, backward=backward, key_source=source,
+                channels_last=layout.safe(self._template, mode_graphs.graph, device))
             program.how = how if how.name != "fused" else None
             report.lowerings.append(choice)
         return program

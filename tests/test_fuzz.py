@@ -66,8 +66,9 @@ def random_lowerings(pick: random.Random):
 
     def choose_program(fused, forward, values, batched, *, backward, **kwargs):
         with autotune.preserved_state(fused):
-            valid, _ = autotune.program_candidates(fused, forward, values, batched,
-                                                   backward=backward)
+            valid, _ = autotune.program_candidates(
+                fused, forward, values, batched, backward=backward,
+                channels_last=kwargs.get("channels_last", True))
         how = pick.choice(list(valid.values()))
         return how, autotune.LoweringChoice("<whole model>", "forward", how.name, "fused")
 

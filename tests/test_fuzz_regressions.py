@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from test_fuzz import check_spec
+
+import hftc
 
 REGRESSIONS = [
     # A shared-input 3x3 conv lowered as im2col + one GEMM (channels-last output) inside a
@@ -29,3 +33,18 @@ REGRESSIONS = [
 @pytest.mark.parametrize(("spec", "n", "stacked", "train"), REGRESSIONS)
 def test_fuzz_regression(spec, n, stacked, train):
     check_spec(spec, n, stacked, train, seed=0)
+
+
+def test_group_norm_on_the_inputs_is_never_run_channels_last(tmp_path, monkeypatch):
+    # Found with random lowerings: a group norm on the (stacked) inputs, tried by autotune
+    # as the whole-model loop with channels-last inputs.  torch's CPU group-norm backward
+    # crashes the process on a channels-last input that needs no gradient of its own;
+    # a model with a group norm now keeps its inputs as given on the CPU (layout.safe).
+    from hftc.lowering import autotune
+
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # every candidate runs: no cache
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+    spec = {"family": "image", "input": (1, 3, 5, 5),
+            "layers": [("group", 3, 3), ("pool", "adaptive"), ("act", "tanh", 3)],
+            "head": ("mean", 3, 8, 3, "gelu")}
+    check_spec(spec, 3, True, True, seed=4662, fuser=functools.partial(hftc.fuse, autotune=True))

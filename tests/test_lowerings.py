@@ -416,6 +416,49 @@ def test_channels_last_candidate_a_model_cannot_run_is_rejected(cache_dir):
         torch.testing.assert_close(out[i], m(x))
 
 
+class GroupNormFirst(nn.Module):
+    """A group norm on the inputs (its input needs no gradient, its weight does)."""
+
+    def __init__(self, functional: bool = False):
+        super().__init__()
+        self.functional = functional
+        self.norm = nn.GroupNorm(2, 4)
+        self.conv = nn.Conv2d(4, 3, 3)
+
+    def forward(self, x):
+        if self.functional:
+            x = nn.functional.group_norm(x, 2, self.norm.weight, self.norm.bias)
+        else:
+            x = self.norm(x)
+        return self.conv(x).mean((2, 3))
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
+def test_a_model_with_a_group_norm_is_never_run_channels_last_on_the_cpu(functional,
+                                                                         cache_dir):
+    # torch's CPU group-norm backward crashes the process (segfault) on a channels-last
+    # input whose own gradient is not needed: autotune must not try that layout.
+    from hftc.lowering import layout
+
+    torch.manual_seed(0)
+    models = [GroupNormFirst(functional) for _ in range(2)]
+    fused = hftc.fuse(models, autotune=True)
+    x = torch.randn(2, 4, 6, 6)
+    hftc.per_model(lambda out, y: out.square().mean())(fused(x), None).sum().backward()
+    choice = fused.fusion_report.lowerings[-1]
+    assert choice.node == "<whole model>"
+    tried = set(choice.times) | set(choice.rejected)
+    assert tried and not any(layout.CHANNELS_LAST in name for name in tried), tried
+    for p, (name, _) in zip(fused.parameters(), fused.named_parameters()):
+        assert p.grad is not None, name
+    template = fused.unfuse_model(0)
+    graph = torch.fx.symbolic_trace(template).graph
+    assert not layout.safe(template, graph, torch.device("cpu"))
+    assert layout.safe(template, graph, torch.device("cuda"))  # the crash is the CPU kernel
+    plain = ViewNet()
+    assert layout.safe(plain, torch.fx.symbolic_trace(plain).graph, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_model_loop_with_stacked_inputs(dtype, monkeypatch, cache_dir):
     _force_program(monkeypatch)

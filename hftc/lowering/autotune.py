@@ -441,6 +441,7 @@ def run_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
 
 def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., Any],
                        values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
+                       channels_last: bool = True,
                        ) -> tuple[dict[str, ProgramChoice], list[str]]:
     """The ways to run the whole forward on these inputs whose outputs equal the fused
     program's (the fused program as given first), and the names of those that
@@ -449,6 +450,7 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
         fused program | whole-model loop (:mod:`.model_loop`)
           x  inputs as given | feature maps channels-last (:mod:`.layout`)
 
+    Channels-last only where ``channels_last`` (:func:`.layout.safe`).
     Each runs once, forward (+ parameter gradients when ``backward``), and its peak
     memory is measured (``ProgramChoice.peak``); the caller keeps buffers and the RNG
     (:func:`preserved_state`)."""
@@ -467,7 +469,8 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
     except Exception:  # noqa: BLE001 - a model the loop cannot run keeps the fused program
         loop = None
     shapes = layout.sample_shapes(values, batched)
-    layouts = [None] + ([layout.CHANNELS_LAST] if layout.applies(values, batched) else [])
+    layouts = [None] + ([layout.CHANNELS_LAST]
+                        if channels_last and layout.applies(values, batched) else [])
     valid, rejected = {default.name: default}, []
     fused_leaves = pytree.tree_leaves(fused_out)
     for run in [None] + ([loop] if loop is not None else []):
@@ -510,13 +513,14 @@ def _run_step(fused: torch.nn.Module, program_forward: Callable[..., Any], how: 
 
 def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
                    values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
-                   key_source: str, path: Path | None = None,
+                   key_source: str, path: Path | None = None, channels_last: bool = True,
                    ) -> tuple[ProgramChoice, LoweringChoice]:
     """Time the whole forward's :func:`program_candidates` on the real inputs, forward
     (+ backward), interleaved over rounds (more while the fastest two are close).  A
     candidate other than the fused program as given is taken only if it is faster by
     ``_LOOP_MARGIN``.  ``key_source`` (the
-    generated code) identifies the program in the disk cache."""
+    generated code) identifies the program in the disk cache.  ``channels_last``: whether
+    the inputs may be laid out channels-last (:func:`.layout.safe`)."""
     choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
     # "program-2": choices cached before the whole forward was timed with freed memory
@@ -531,7 +535,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     wanted = entry.get("chosen") if entry is not None else None
     if isinstance(wanted, str) and wanted.split("+")[0] in ("fused", "model_loop"):
         run, _, lay = wanted.partition("+")
-        if lay in ("", layout.CHANNELS_LAST):
+        if lay == "" or (lay == layout.CHANNELS_LAST and channels_last):
             with contextlib.suppress(Exception):  # a model the loop cannot run: tune again
                 how = ProgramChoice(ModelLoop(fused) if run == "model_loop" else None,
                                     lay or None, layout.sample_shapes(values, batched))
@@ -540,7 +544,8 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
 
     with preserved_state(fused):
         valid, choice.rejected = program_candidates(fused, program_forward, values, batched,
-                                                    backward=backward)
+                                                    backward=backward,
+                                                    channels_last=channels_last)
         if len(valid) == 1:
             return ProgramChoice(), choice
         times: dict[str, list[float]] = {name: [] for name in valid}

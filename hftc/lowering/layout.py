@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
 CHANNELS_LAST = "channels_last"
@@ -49,6 +50,28 @@ def applies(values: Sequence[Any], batched: Sequence[bool]) -> bool:
                for v, b in zip(values, batched))
 
 
+def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
+    """May the program run channels-last on ``device``?  Not on the CPU if the model
+    has a group norm (``model``: one model, its modules; ``graph``: its traced graph,
+    its calls).
+
+    torch 2.13's CPU group-norm backward crashes the process (segmentation fault) on a
+    channels-last input when only the norm's weight and bias need gradients: a norm
+    on the inputs, or after frozen layers.  Every shape tried crashed, in float32 and
+    float64; batch, instance and layer norms do not.  Whether an input will need its
+    gradient is not known when the program is chosen (layers are frozen later, eval
+    programs are differentiated), so a model with a group norm keeps its inputs as
+    given on the CPU.
+    """
+    if device.type != "cpu":
+        return True
+    if any(isinstance(m, nn.GroupNorm) for m in model.modules()):
+        return False
+    return not any(node.op == "call_function"
+                   and "group_norm" in getattr(node.target, "__name__", "")
+                   for node in graph.nodes)
+
+
 def sample_shapes(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
     """The feature maps' shapes without the model and batch dims: what a layout is
     tuned and checked for."""
@@ -67,4 +90,5 @@ def contiguous_outputs(out: Any) -> Any:
     return pytree.tree_map(lambda t: t.contiguous() if isinstance(t, Tensor) else t, out)
 
 
-__all__ = ["CHANNELS_LAST", "applies", "contiguous_outputs", "sample_shapes", "to_layout"]
+__all__ = ["CHANNELS_LAST", "applies", "contiguous_outputs", "safe", "sample_shapes",
+           "to_layout"]
