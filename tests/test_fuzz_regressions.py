@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from test_fuzz import check_spec
+from test_fuzz import check_spec, random_lowerings
 
 import hftc
 
@@ -48,3 +48,29 @@ def test_group_norm_on_the_inputs_is_never_run_channels_last(tmp_path, monkeypat
             "layers": [("group", 3, 3), ("pool", "adaptive"), ("act", "tanh", 3)],
             "head": ("mean", 3, 8, 3, "gelu")}
     check_spec(spec, 3, True, True, seed=4662, fuser=functools.partial(hftc.fuse, autotune=True))
+
+
+class _Picks:
+    """The lowerings random_lowerings takes, in the order it asks for them."""
+
+    def __init__(self, names):
+        self.names = list(names)
+
+    def choice(self, options):
+        want = self.names.pop(0)
+        return next(o for o in options if (o if isinstance(o, str) else o.name) == want)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_batch_norm_of_one_sample_before_a_channels_last_conv(train, tmp_path, monkeypatch):
+    # Found with random lowerings (eval): a batch norm of one sample, then a conv lowered as
+    # a channels-last grouped conv.  The input gradient reached ATen's CPU batch-norm
+    # backward channels-last with an odd batch stride (B = 1), for which it returns wrong
+    # gradients (torch 2.13); unfold_channels now restrides the gradient first.
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
+    spec = {"family": "image", "input": (1, 2, 4, 4),
+            "layers": [("batch", 2, False), ("conv", 2, 1, 1, 1, 1, 1, "zeros", False)],
+            "head": ("view", 36, 2, 1, "relu")}
+    with random_lowerings(_Picks(["grouped_channels_last", "baddbmm", "baddbmm", "fused"])):
+        check_spec(spec, 2, False, train, seed=0,
+                   fuser=functools.partial(hftc.fuse, autotune=True))

@@ -69,10 +69,30 @@ def _canonical_strides(x: Tensor) -> Tensor:
 
 
 def unfold_channels(y: Tensor, n: int, has_batch_dim: bool) -> Tensor:
-    """Inverse of :func:`fold_channels`: ``[B, N*C, *S] -> [N, B, C, *S]`` as a view."""
+    """Inverse of :func:`fold_channels`: ``[B, N*C, *S] -> [N, B, C, *S]`` as a view.
+
+    The gradient that comes back to ``y`` through these views reaches the op that
+    made ``y`` with canonical strides (:func:`_canonical_grad`).
+    """
+    _canonical_grad(y)
     if has_batch_dim:
         return y.unflatten(1, (n, -1)).movedim(1, 0)
     return y.unflatten(0, (n, -1))
+
+
+def _canonical_grad(y: Tensor) -> None:
+    """Restride the gradient that reaches ``y`` (:func:`_canonical_strides`) before the
+    backward of the op that made ``y`` reads it.
+
+    Where a dim of ``y`` has size 1, the gradient coming back through the fold / unfold
+    views can carry odd strides there: ``[1, C, H, W]`` in channels-last memory with a
+    batch stride of ``C`` instead of ``C*H*W``.  ATen's CPU batch-norm backward returns
+    wrong input gradients for such a ``grad_output`` (torch 2.13, float32 and float64,
+    training and eval; exact for the same values with canonical strides).  A hook only
+    where a size-1 dim makes odd strides possible; the memory is not touched.
+    """
+    if y.requires_grad and 1 in y.shape:
+        y.register_hook(_canonical_strides)
 
 
 def expand_models(x: Any, n: int) -> Any:
