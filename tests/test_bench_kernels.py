@@ -95,6 +95,29 @@ def test_channels_last_and_pointwise_lowerings_equal_the_loop(batch, train):
     _grads_match(models, fused, torch.randn(batch, 1, 16, 16, dtype=DT))
 
 
+@pytest.mark.parametrize("shape", [(1, 4, 3, 5), (2, 4, 1, 5), (1, 4, 2, 3, 5)],
+                         ids=["image_one_sample", "image_one_row", "volume_one_sample"])
+def test_gradients_reach_a_folded_op_with_canonical_strides(shape):
+    # A gradient in channels-last memory with an odd stride on a size-1 dim (batch stride
+    # C for one sample, or on H = 1), as the fold / unfold views can hand one back:
+    # ATen's CPU batch-norm backward gets it wrong.  unfold_channels restrides it first.
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    x = torch.randn(shape, dtype=DT).requires_grad_()
+    stats = torch.zeros(4, dtype=DT), torch.ones(4, dtype=DT)
+    g = torch.randn(shape, dtype=DT).contiguous(memory_format=fmt)
+    odd = list(g.stride())
+    odd[shape.index(1)] = 4  # any stride will do for a dim of one element
+    g_odd = g.as_strided(shape, odd)
+    want, = torch.autograd.grad(F.batch_norm(x, *stats, None, None, True), x, g)
+    y = F.batch_norm(x, *stats, None, None, True)
+    kernels.unfold_channels(y, 2, True)  # hooks y
+    seen = []
+    y.register_hook(lambda grad: seen.append(grad.stride()))
+    got, = torch.autograd.grad(y, x, g_odd)
+    assert seen == [g.stride()]
+    torch.testing.assert_close(got, want)
+
+
 def test_fold_channels_restrides_channels_last_size_one_dims():
     # [N=2, B=1, C=1, H, W] in channels-last memory: folding gives [1, 2, H, W] with a
     # batch stride of 2; ATen's CPU batch-norm backward got such a tensor wrong.

@@ -55,8 +55,10 @@ def _canonical_strides(x: Tensor) -> Tensor:
     elif x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
         # The same for channels-last memory: [1, C, H, W] with batch stride 2 instead
         # of C*H*W (B = 1 after a movedim) made ATen's CPU batch-norm backward return
-        # wrong gradients (torch 2.13, float32 and float64).
+        # wrong gradients (torch 2.13, float32 and float64; an odd stride on H = 1 too).
         order = [0, 2, 3, 1]
+    elif x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        order = [0, 2, 3, 4, 1]  # volumes alike: [1, C, D, H, W], batch stride C
     else:
         return x
     canonical, step = [0] * x.dim(), 1
