@@ -74,3 +74,21 @@ def test_batch_norm_of_one_sample_before_a_channels_last_conv(train, tmp_path, m
     with random_lowerings(_Picks(["grouped_channels_last", "baddbmm", "baddbmm", "fused"])):
         check_spec(spec, 2, False, train, seed=0,
                    fuser=functools.partial(hftc.fuse, autotune=True))
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_instance_norm_of_one_sample_before_a_channels_last_conv(train, tmp_path, monkeypatch):
+    # Found with random lowerings (eval): an instance norm of one sample, then a conv
+    # lowered channels-last.  ATen's instance_norm hands its batch_norm the gradient
+    # through a view with an odd batch stride, and batch_norm's CPU backward got the
+    # input gradients wrong; hftc's fused instance norm of one sample now calls that
+    # batch_norm itself, and its gradient is restrided (kernels.instance_norm).
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
+    spec = {"family": "image", "input": (1, 2, 4, 4),
+            "layers": [("batch", 2, False), ("conv", 2, 1, 1, 2, 0, 1, "zeros", False),
+                       ("instance", 1, False), ("conv", 1, 1, 1, 1, 1, 1, "zeros", False)],
+            "head": ("view", 16, 2, 1, "relu")}
+    picks = ["grouped", "grouped_channels_last", "baddbmm_t", "baddbmm_t", "fused"]
+    with random_lowerings(_Picks(picks)):
+        check_spec(spec, 2, False, train, seed=0,
+                   fuser=functools.partial(hftc.fuse, autotune=True))

@@ -457,6 +457,9 @@ def test_a_model_with_a_group_norm_is_never_run_channels_last_on_the_cpu(functio
     assert layout.safe(template, graph, torch.device("cuda"))  # the crash is the CPU kernel
     plain = ViewNet()
     assert layout.safe(plain, torch.fx.symbolic_trace(plain).graph, torch.device("cpu"))
+    instance = nn.Sequential(nn.Conv2d(3, 3, 1), nn.InstanceNorm2d(3))  # wrong gradients
+    assert not layout.safe(instance, torch.fx.symbolic_trace(instance).graph,
+                           torch.device("cpu"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

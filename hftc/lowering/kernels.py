@@ -646,16 +646,18 @@ def instance_norm(
     xf = fold_channels(x, has_batch)
     if not has_batch:
         xf = xf.unsqueeze(0)
-    y = F.instance_norm(
-        xf,
-        _channel_view(running_mean),
-        _channel_view(running_var),
-        _channel_view(weight),
-        _channel_view(bias),
-        training or not track_running_stats,
-        momentum if momentum is not None else 0.0,
-        eps,
-    )
+    args = (_channel_view(running_mean), _channel_view(running_var), _channel_view(weight),
+            _channel_view(bias), training or not track_running_stats,
+            momentum if momentum is not None else 0.0, eps)
+    if xf.shape[0] == 1 and xf[0, 0].numel() > 1:
+        # One sample: ATen's instance_norm is batch_norm on the contiguous input viewed
+        # as [1, C, *S], and the backward of that view hands batch_norm a channels-last
+        # gradient an odd batch stride, for which it returns wrong input gradients
+        # (torch 2.13; _canonical_grad).  The same batch_norm called here, whose output
+        # unfold_channels hooks, reads the gradient restrided (values unchanged).
+        y = F.batch_norm(xf.contiguous(), *args)
+    else:
+        y = F.instance_norm(xf, *args)
     if not has_batch:
         y = y.squeeze(0)
     return unfold_channels(y, n, has_batch)

@@ -50,25 +50,36 @@ def applies(values: Sequence[Any], batched: Sequence[bool]) -> bool:
                for v, b in zip(values, batched))
 
 
+#: Norms whose CPU backward torch 2.13 gets wrong on channels-last tensors (:func:`safe`).
+_UNSAFE_MODULES = (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+_UNSAFE_FUNCTIONS = ("group_norm", "instance_norm")
+
+
 def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
     """May the program run channels-last on ``device``?  Not on the CPU if the model
-    has a group norm (``model``: one model, its modules; ``graph``: its traced graph,
-    its calls).
+    has a group or instance norm (``model``: one model, its modules; ``graph``: its
+    traced graph, its calls).  On torch 2.13's CPU:
 
-    torch 2.13's CPU group-norm backward crashes the process (segmentation fault) on a
-    channels-last input when only the norm's weight and bias need gradients: a norm
-    on the inputs, or after frozen layers.  Every shape tried crashed, in float32 and
-    float64; batch, instance and layer norms do not.  Whether an input will need its
-    gradient is not known when the program is chosen (layers are frozen later, eval
-    programs are differentiated), so a model with a group norm keeps its inputs as
-    given on the CPU.
+    * the group-norm backward crashes the process (segmentation fault) on a
+      channels-last input when only the norm's weight and bias need gradients (a
+      norm on the inputs, or after frozen layers): every shape tried, float32 and
+      float64;
+    * the instance-norm backward returns wrong input gradients for one sample with a
+      channels-last gradient (its batch_norm reads it through a view with an odd
+      batch stride); a batch of one can come at any epoch's end.
+
+    Batch and layer norms do neither.  Whether an input will need its gradient, or
+    how large a batch will be, is not known when the program is chosen, so a model
+    with such a norm keeps its inputs as given on the CPU.  (hftc's own fused norms
+    are exact in either layout: ``kernels.instance_norm``; the whole-model loop runs
+    the models' own modules.)
     """
     if device.type != "cpu":
         return True
-    if any(isinstance(m, nn.GroupNorm) for m in model.modules()):
+    if any(isinstance(m, _UNSAFE_MODULES) for m in model.modules()):
         return False
     return not any(node.op == "call_function"
-                   and "group_norm" in getattr(node.target, "__name__", "")
+                   and any(f in getattr(node.target, "__name__", "") for f in _UNSAFE_FUNCTIONS)
                    for node in graph.nodes)
 
 
