@@ -416,6 +416,34 @@ def test_channels_last_candidate_a_model_cannot_run_is_rejected(cache_dir):
         torch.testing.assert_close(out[i], m(x))
 
 
+def test_a_whole_forward_with_right_outputs_and_wrong_gradients_is_rejected(monkeypatch,
+                                                                            cache_dir):
+    # As torch's CPU norms did for channels-last gradients with odd strides: the outputs
+    # agree, the gradients do not.  Autotune compares both.
+    call = ModelLoop.__call__
+
+    def doubled_gradients(self, fused, values, batched):
+        out = call(self, fused, values, batched)
+        return out.detach() + 2 * (out - out.detach())
+
+    monkeypatch.setattr(ModelLoop, "__call__", doubled_gradients)
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)) for _ in range(2)]
+    fused = hftc.fuse(models, autotune=True)
+    x = torch.randn(5, 4)
+    out = fused(x)
+    choice = fused.fusion_report.lowerings[-1]
+    assert choice.node == "<whole model>" and "model_loop" in choice.rejected
+    assert fused.last_program().model_loop is None
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+    with torch.no_grad():  # no backward to compare: the loop is a candidate
+        fused.eval()
+        fused(x)
+    eval_choice = fused.fusion_report.lowerings[-1]
+    assert "model_loop" not in eval_choice.rejected, eval_choice
+
+
 class GroupNormFirst(nn.Module):
     """A group norm on the inputs (its input needs no gradient, its weight does)."""
 

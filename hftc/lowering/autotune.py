@@ -457,7 +457,7 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
     default = ProgramChoice()
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
     rng = _rng_state(device)
-    fused_out, default.peak = peak_memory(
+    (fused_out, fused_grads), default.peak = peak_memory(
         lambda: _run_step(fused, program_forward, default, values, batched, backward), device)
     # A program that draws random numbers (dropout) gives the others other draws:
     # then only the shapes can be compared.
@@ -479,17 +479,20 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
             if how.name in valid:
                 continue
             try:
-                out, how.peak = peak_memory(
+                (out, grads), how.peak = peak_memory(
                     lambda how=how: _run_step(fused, program_forward, how, values, batched,
                                               backward), device)
                 leaves = pytree.tree_leaves(out)
             except Exception:  # noqa: BLE001 - e.g. model code that .view()s a channels-last map
                 rejected.append(how.name)
                 continue
+            # Gradients too: torch's CPU norms computed some wrong for channels-last
+            # gradients with odd strides (kernels._canonical_grad), outputs right.
             if len(leaves) == len(fused_leaves) and all(
                     isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype
                     and (random or _same(a.detach(), b.detach()))
-                    for a, b in zip(leaves, fused_leaves)):
+                    for a, b in zip(leaves, fused_leaves)) and (
+                    random or _same_gradients(grads, fused_grads)):
                 valid[how.name] = how
             else:
                 rejected.append(how.name)
@@ -497,18 +500,26 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
 
 
 def _run_step(fused: torch.nn.Module, program_forward: Callable[..., Any], how: ProgramChoice,
-              values: Sequence[Any], batched: Sequence[bool], backward: bool) -> Any:
-    """A forward as ``how`` says, and the parameters' gradients when ``backward``."""
+              values: Sequence[Any], batched: Sequence[bool], backward: bool,
+              ) -> tuple[Any, tuple[Tensor | None, ...]]:
+    """A forward as ``how`` says, and the parameters' gradients when ``backward`` (else
+    none)."""
     params = [p for p in fused.parameters() if p.requires_grad]
+    grads: tuple[Tensor | None, ...] = ()
     with torch.enable_grad() if backward and params else torch.no_grad():
         out = run_program(fused, program_forward, how, values, batched)
         if backward and params:
             leaves = [t for t in pytree.tree_leaves(out)
                       if isinstance(t, Tensor) and t.requires_grad]
             if leaves:
-                torch.autograd.grad(sum(t.float().sum() for t in leaves), params,
-                                    allow_unused=True)
-    return out
+                grads = torch.autograd.grad(sum(t.float().sum() for t in leaves), params,
+                                            allow_unused=True)
+    return out, grads
+
+
+def _same_gradients(grads: Sequence[Tensor | None], want: Sequence[Tensor | None]) -> bool:
+    return len(grads) == len(want) and all(
+        (a is None) == (b is None) and (a is None or _same(a, b)) for a, b in zip(grads, want))
 
 
 def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
