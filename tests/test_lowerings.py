@@ -237,6 +237,22 @@ def test_autotune_drops_a_lowering_with_other_outputs(cache_dir, monkeypatch):
     assert any("gave other outputs" in str(w.message) for w in caught)
 
 
+def test_autotune_drops_a_lowering_with_other_gradients(cache_dir, monkeypatch):
+    def kernel(x, weight, bias, *, x_batched, lowering=None):
+        y = kernels.linear(x, weight, bias, x_batched=x_batched)
+        return y.detach() + 2 * (y - y.detach()) if lowering == "wrong" else y
+
+    kernel.__name__ = "toy_linear"
+    monkeypatch.setitem(autotune.TUNABLE, kernel, lambda *a, **k: ["right", "wrong"])
+    x, w = torch.randn(3, 5, 4), torch.randn(3, 2, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        choice = autotune.tune_call(kernel, (x, w, None), {"x_batched": True},
+                                    [False, True, False], node="fc")
+    assert choice.chosen == "right" and choice.rejected == ["wrong"]
+    assert any("gave other outputs or gradients" in str(w.message) for w in caught)
+
+
 @pytest.mark.parametrize("other_time, expected", [
     (0.97, "model"),   # 3% faster: a near-tie, the cost model's choice stays
     (0.90, "other"),   # 10% faster: taken

@@ -227,15 +227,19 @@ class _Candidate:
         self.repeats = 1
 
     def run(self) -> Tensor:
+        return self.run_with_gradients()[0]
+
+    def run_with_gradients(self) -> tuple[Tensor, list[Tensor | None]]:
+        """The output and (given ``grad_out``) the gradients of the flagged arguments."""
         if self.grad_out is None:
             with torch.no_grad():
-                return self.kernel(*self.args, **self.kwargs)
+                return self.kernel(*self.args, **self.kwargs), []
         leaves = [a.detach().requires_grad_() if flag else a
                   for a, flag in zip(self.args, self.grad_flags)]
         with torch.enable_grad():
             y = self.kernel(*leaves, **self.kwargs)
             y.backward(self.grad_out)
-        return y.detach()
+        return y.detach(), [a.grad for a, flag in zip(leaves, self.grad_flags) if flag]
 
     def measure(self, device: torch.device) -> None:
         _sync(device)
@@ -274,18 +278,22 @@ def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[s
         generator = torch.Generator(device=device).manual_seed(0)
         grad_out = torch.randn(reference.shape, dtype=reference.dtype, device=device,
                                generator=generator)
-    candidates = []
+    candidates, reference_grads = [], None
     for name in names:
         candidate = _Candidate(kernel, name, args, kwargs, grad_flags, grad_out)
         _sync(device)
         start = time.perf_counter()
-        out = candidate.run()  # the warm-up run, checked against the cost model's output
+        # The warm-up run, checked against the cost model's output and gradients.
+        out, grads = candidate.run_with_gradients()
         _sync(device)
         elapsed = time.perf_counter() - start
-        if not _same(out, reference):
+        if reference_grads is None:
+            reference_grads = grads
+        if not (_same(out, reference) and _same_gradients(grads, reference_grads)):
             choice.rejected.append(name)
             warnings.warn(f"hftc autotune: lowering {name!r} of node {node} ({kernel.__name__}) "
-                          f"gave other outputs than {names[0]!r}; it is not used", stacklevel=2)
+                          f"gave other outputs or gradients than {names[0]!r}; it is not "
+                          f"used", stacklevel=2)
             continue
         candidate.repeats = max(1, min(50, int(_TARGET_S / max(elapsed, 1e-7))))
         candidates.append(candidate)
