@@ -656,6 +656,7 @@ def instance_norm(
         # (torch 2.13; _canonical_grad).  The same batch_norm called here, whose output
         # unfold_channels hooks, reads the gradient restrided (values unchanged).
         y = F.batch_norm(xf.contiguous(), *args)
+        _canonical_grad(y)  # here: the squeeze below would hide it from unfold_channels'
     else:
         y = F.instance_norm(xf, *args)
     if not has_batch:
