@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
+from equivalence import check_equivalence
 from test_fuzz import check_spec, random_lowerings
+from torch import nn
 
 import hftc
 
@@ -92,3 +95,18 @@ def test_instance_norm_of_one_sample_before_a_channels_last_conv(train, tmp_path
     with random_lowerings(_Picks(picks)):
         check_spec(spec, 2, False, train, seed=0,
                    fuser=functools.partial(hftc.fuse, autotune=True))
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("unbatched", [False, True], ids=["batch_of_one", "unbatched"])
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
+@pytest.mark.parametrize("track", [False, True], ids=["input_stats", "tracked"])
+def test_instance_norm_of_one_sample_matches_the_loop(track, affine, unbatched, train):
+    # The one-sample path of kernels.instance_norm (batch_norm called directly), with
+    # running statistics, affine parameters and unbatched inputs.
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv2d(2, 3, 3, padding=1),
+                            nn.InstanceNorm2d(3, affine=affine, track_running_stats=track),
+                            nn.Conv2d(3, 2, 1)) for _ in range(2)]
+    x = torch.randn(2, 5, 5) if unbatched else torch.randn(1, 2, 5, 5)
+    check_equivalence(models, x, train=train, steps=2 if train else 1)
