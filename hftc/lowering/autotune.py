@@ -105,7 +105,8 @@ class LoweringChoice:
         if self.peaks:
             timings += "; peak " + ", ".join(f"{k} {v:.4g} MiB" for k, v in self.peaks.items())
         source = "cache" if self.cached else timings
-        note = f"; rejected (outputs differ): {self.rejected}" if self.rejected else ""
+        note = (f"; rejected (failed, or outputs or gradients differ): {self.rejected}"
+                if self.rejected else "")
         return (f"{self.node:<24} {self.kernel:<15} {self.chosen:<22} "
                 f"(cost model: {self.default}; {source}{note})")
 
@@ -451,9 +452,9 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
                        values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
                        channels_last: bool = True,
                        ) -> tuple[dict[str, ProgramChoice], list[str]]:
-    """The ways to run the whole forward on these inputs whose outputs equal the fused
-    program's (the fused program as given first), and the names of those that
-    failed or differed::
+    """The ways to run the whole forward on these inputs whose outputs (and parameter
+    gradients) equal the fused program's (the fused program as given first), and the
+    names of those that failed or differed::
 
         fused program | whole-model loop (:mod:`.model_loop`)
           x  inputs as given | feature maps channels-last (:mod:`.layout`)

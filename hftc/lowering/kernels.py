@@ -90,8 +90,9 @@ def _canonical_grad(y: Tensor) -> None:
     views can carry odd strides there: ``[1, C, H, W]`` in channels-last memory with a
     batch stride of ``C`` instead of ``C*H*W``.  ATen's CPU batch-norm backward returns
     wrong input gradients for such a ``grad_output`` (torch 2.13, float32 and float64,
-    training and eval; exact for the same values with canonical strides).  A hook only
-    where a size-1 dim makes odd strides possible; the memory is not touched.
+    training and eval; exact for the same values with canonical strides), and so does
+    the batch_norm :func:`instance_norm` calls for one sample.  A hook only where a
+    size-1 dim makes odd strides possible; the memory is not touched.
     """
     if y.requires_grad and 1 in y.shape:
         y.register_hook(_canonical_strides)
