@@ -521,3 +521,56 @@ def check_equivalence(
 
     report.raise_if_failed()
     return fused
+
+
+# --------------------------------------------------------------------------- rounding
+
+
+def _loop_results(models: Sequence[nn.Module], inputs: Any, in_dims: InDims, train: bool,
+                  dtype: torch.dtype, loss_seed: int) -> list[torch.Tensor]:
+    """What :func:`check_equivalence` compares after one step of the loop in ``dtype``:
+    output leaves, buffers, parameter gradients and input gradients, in a fixed order."""
+    refs = _copy_models(models, dtype)
+    for m in refs:
+        m.train(train)
+    args = _prepare_inputs(inputs, dtype, True)
+    outs = reference_outputs(refs, args, in_dims)
+    weights = _default_loss_weights(outs, loss_seed)
+    sum(_weighted_sum(o, w) for o, w in zip(outs, weights)).backward()
+    results = [leaf for o in outs for leaf in pytree.tree_leaves(o) if torch.is_tensor(leaf)]
+    for m in refs:
+        results += list(m.buffers())
+        results += [p.grad if p.grad is not None else torch.zeros_like(p)
+                    for p in m.parameters()]
+    results += [a.grad for a in pytree.tree_leaves(args) if torch.is_tensor(a) and
+                a.grad is not None]
+    return [r.detach() for r in results]
+
+
+def loop_rounding_error(models: Sequence[nn.Module], inputs: Any, *, in_dims: InDims = None,
+                        train: bool = True, dtype: torch.dtype = torch.float32,
+                        loss_seed: int = 1234) -> float:
+    """How far the plain loop in ``dtype`` is from the same loop in float64: the largest
+    ``max|loop_dtype - loop_float64| / max(1, max|loop_float64|)`` over everything
+    :func:`check_equivalence` compares (its first step, same loss), in its metric.
+
+    A fused module computes the same values with sums in another order, so its own
+    distance from float64 is of this size; a tolerance a few times this one tells
+    rounding from wrong results on ill-conditioned models (a layer norm over two
+    features, a softmax of large scores), where the fixed float32 tolerance cannot::
+
+        tol = max(DEFAULT_TOL[torch.float32], 10 * loop_rounding_error(models, x))
+        check_equivalence(models, x, dtype=torch.float32, tol=tol)
+    """
+    low = _loop_results(models, inputs, in_dims, train, dtype, loss_seed)
+    high = _loop_results(models, inputs, in_dims, train, torch.float64, loss_seed)
+    worst = 0.0
+    for a, e in zip(low, high):
+        if not e.is_floating_point() or not e.numel():
+            continue
+        finite = torch.isfinite(e) & torch.isfinite(a)
+        if not finite.any():
+            continue
+        diff = (a.double()[finite] - e[finite]).abs().max().item()
+        worst = max(worst, diff / max(1.0, e[finite].abs().max().item()))
+    return worst

@@ -16,9 +16,11 @@ import pytest
 import torch
 import torch.nn as nn
 from equivalence import (
+    DEFAULT_TOL,
     LoopFused,
     check_equivalence,
     loop_fuse,
+    loop_rounding_error,
     model_inputs,
     reference_outputs,
     stack_inputs,
@@ -254,6 +256,41 @@ def test_harness_catches_wrong_output_in_float32():
     fused = _PerturbOutput(models)
     with pytest.raises(AssertionError, match=r"model 1: output"):
         check_equivalence(models, x, fused=fused, dtype=torch.float32, tol=1e-8)
+
+
+class _PerturbGradientSlightly(LoopFused):
+    """Right values, but model 1's gradient is scaled by 1 + 1e-4: a wrong result that
+    float32's rounding alone does not give."""
+
+    def forward(self, *args):
+        out = super().forward(*args)
+        scale = torch.ones(out.shape[0], *([1] * (out.dim() - 1)), dtype=out.dtype)
+        scale[1] = 1 + 1e-4
+        return out * scale - (out * (scale - 1)).detach()
+
+
+def test_loop_rounding_error_sets_a_float32_tolerance_that_still_catches_wrong_gradients():
+    models, x = _lenet()
+    rounding = loop_rounding_error(models, x)
+    # LeNet-5's float32 loop is close to its float64 loop (float32's epsilon is 1.2e-7) ...
+    assert 0 < rounding < 1e-5
+    tol = max(DEFAULT_TOL[torch.float32], 10 * rounding)
+    check_equivalence(models, x, dtype=torch.float32, tol=tol, fuser=loop_fuse)
+    # ... and a gradient off by 1e-4 is far outside that.
+    with pytest.raises(AssertionError, match=r"model 1: grad of"):
+        check_equivalence(models, x, fused=_PerturbGradientSlightly(models),
+                          dtype=torch.float32, tol=tol)
+
+
+def test_loop_rounding_error_grows_with_ill_conditioning():
+    """A layer norm over two features after a linear amplifies rounding (the case that
+    made the fixed float32 tolerance too tight for fuzzing)."""
+    torch.manual_seed(0)
+    well = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)]
+    ill = [nn.Sequential(nn.Linear(8, 2), nn.LayerNorm(2)) for _ in range(2)]
+    x = torch.randn(4, 8)
+    assert loop_rounding_error(well, x, dtype=torch.float64) == 0.0
+    assert loop_rounding_error(ill, x) > loop_rounding_error(well, x)
 
 
 def test_harness_catches_wrong_gradient():
