@@ -53,6 +53,33 @@ def test_group_norm_on_the_inputs_is_never_run_channels_last(tmp_path, monkeypat
     check_spec(spec, 3, True, True, seed=4662, fuser=functools.partial(hftc.fuse, autotune=True))
 
 
+def test_strided_1x1_conv_over_few_channels_is_never_run_channels_last(tmp_path, monkeypatch):
+    # Found fuzzing in float32 with random lowerings: the process died ("Aborted",
+    # "Segmentation fault") in autotune's whole-model loop with channels-last inputs.
+    # oneDNN's 1x1 conv with a stride over < 16 input channels (here 4 -> 3, stride 2,
+    # after a reflect pad) writes past its workspace on channels-last inputs and gets the
+    # weight gradient wrong (uxlfoundation/oneDNN#6035): such a model keeps its inputs as
+    # given on the CPU (layout.safe), and kernels.conv runs such a conv on contiguous maps.
+    from fuzz_models import FuzzNet
+
+    from hftc.lowering import autotune
+
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # every candidate runs: no cache
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+    spec = {"family": "image", "input": (3, 4, 8, 8),
+            "layers": [("dropout",), ("dropout",), ("conv", 4, 3, 1, 2, 1, 1, "reflect", False),
+                       ("conv", 3, 1, 2, 2, 1, 1, "zeros", False)],
+            "head": ("adaptive", 1, 5, 3, "prelu")}
+    fuser = functools.partial(hftc.fuse, autotune=True)
+    check_spec(spec, 3, False, True, seed=627, fuser=fuser, dtype=torch.float32)
+    torch.manual_seed(627)
+    fused = fuser([FuzzNet(spec) for _ in range(3)])
+    fused(torch.randn(spec["input"])).sum().backward()
+    choice = fused.fusion_report.lowerings[-1]
+    assert choice.node == "<whole model>"
+    assert not any("channels_last" in name for name in set(choice.times) | set(choice.rejected))
+
+
 class _Picks:
     """The lowerings random_lowerings takes, in the order it asks for them."""
 

@@ -494,6 +494,94 @@ def test_a_model_with_a_group_norm_is_never_run_channels_last_on_the_cpu(functio
                            torch.device("cpu"))
 
 
+@pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_every_lowering_of_a_strided_1x1_conv_on_a_channels_last_input(groups, x_batched):
+    # oneDNN (torch 2.13's CPU build) gets the weight gradient of a 1x1 conv with a stride
+    # over fewer than 16 channels per group wrong on a channels-last input, and writes
+    # past its workspace (uxlfoundation/oneDNN#6035; here: wrong with 2 threads, "double
+    # free or corruption" with one).  Found by fuzzing in float32.  Every lowering, in
+    # float32, must give the float64 loop's gradients on such an input.
+    torch.manual_seed(0)
+    n = 3
+    modules = [nn.Conv2d(4, 6, 1, stride=2, groups=groups) for _ in range(n)]
+    x = torch.randn(((n,) if x_batched else ()) + (8, 4, 8, 8))  # odd sizes: no error
+    layer_args = _layer_args(kernels.conv, modules[0], x_batched)
+    weight = torch.stack([m.weight.detach() for m in modules])
+    bias = torch.stack([m.bias.detach() for m in modules])
+
+    ref_x = x.double().requires_grad_()
+    ref = torch.stack([m.double()(ref_x[i] if x_batched else ref_x)
+                       for i, m in enumerate(modules)])
+    grad_out = torch.randn_like(ref)
+    ref.backward(grad_out)
+    ref_weight_grad = torch.stack([m.weight.grad for m in modules]).float()
+
+    channels_last = x.movedim(-3, -1).contiguous().movedim(-1, -3)
+    assert not channels_last.is_contiguous()
+    names = kernels.conv_lowerings(channels_last, weight, bias, **layer_args)
+    assert "grouped_channels_last" not in names  # never chosen for such a conv on the CPU
+    for name in names:
+        xl = channels_last.detach().requires_grad_()
+        wl = weight.detach().requires_grad_()
+        y = kernels.conv(xl, wl, bias, lowering=name, **layer_args)
+        y.backward(grad_out.float())
+        torch.testing.assert_close(y, ref.float(), rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(wl.grad, ref_weight_grad, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(xl.grad, ref_x.grad.float(), rtol=1e-5, atol=1e-5,
+                                   msg=name)
+
+
+class StridedPointwise(nn.Module):
+    """One conv (a module, or F.conv2d on its weight), then a mean over the map."""
+
+    def __init__(self, cin: int, kernel: int, stride: int, functional: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, 8, kernel, stride=stride)
+        self.functional = functional
+
+    def forward(self, x):
+        if self.functional:
+            x = nn.functional.conv2d(x, self.conv.weight, self.conv.bias, self.conv.stride)
+        else:
+            x = self.conv(x)
+        return x.relu().mean((2, 3))
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["module", "functional"])
+def test_a_strided_1x1_conv_over_few_channels_is_never_run_channels_last_on_the_cpu(
+        functional, cache_dir):
+    # (cin, kernel, stride) -> whether the whole forward may try channels-last.  All four
+    # share their generated code and input shapes: the cached whole-forward choice of one
+    # must not be taken for another (the parameters' shapes are in its key).
+    cases = {(4, 1, 2): False, (16, 1, 2): True, (4, 3, 2): True, (4, 1, 1): True}
+    for (cin, kernel, stride), allowed in cases.items():
+        torch.manual_seed(0)
+        models = [StridedPointwise(cin, kernel, stride, functional) for _ in range(2)]
+        fused = hftc.fuse(models, autotune=True, in_dims=0)
+        x = torch.randn(2, 8, cin, 9, 9)
+        hftc.per_model(lambda out, y: out.square().mean())(fused(x), None).sum().backward()
+        choice = fused.fusion_report.lowerings[-1]
+        assert not choice.cached
+        tried = set(choice.times) | set(choice.rejected)
+        assert any("channels_last" in name for name in tried) == allowed, (cin, kernel, tried)
+
+    # Inputs the caller laid out channels-last: the fused program's convs guard themselves
+    # (kernels.conv), the whole-model loop would run the models' own: it is not a candidate.
+    torch.manual_seed(0)
+    models = [StridedPointwise(4, 1, 2, functional) for _ in range(2)]
+    fused = hftc.fuse(models, autotune=True, in_dims=0)
+    x = torch.randn(2, 8, 4, 9, 9).movedim(2, -1).contiguous().movedim(-1, 2)
+    out = fused(x)
+    choice = fused.fusion_report.lowerings[-1]
+    assert set(choice.times) | set(choice.rejected) <= {"fused"}, choice
+    out.sum().backward()
+    for i, m in enumerate(models):
+        m.zero_grad()
+        m(x[i].contiguous()).sum().backward()
+        torch.testing.assert_close(fused.conv.weight.grad[i], m.conv.weight.grad)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_model_loop_with_stacked_inputs(dtype, monkeypatch, cache_dir):
     _force_program(monkeypatch)

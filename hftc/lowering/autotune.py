@@ -459,7 +459,8 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
         fused program | whole-model loop (:mod:`.model_loop`)
           x  inputs as given | feature maps channels-last (:mod:`.layout`)
 
-    Channels-last only where ``channels_last`` (:func:`.layout.safe`).
+    Channels-last only where ``channels_last`` (:func:`.layout.safe`); where not, no
+    whole-model loop on inputs the caller laid out channels-last either.
     Each runs once, forward (+ parameter gradients when ``backward``), and its peak
     memory is measured (``ProgramChoice.peak``); the caller keeps buffers and the RNG
     (:func:`preserved_state`)."""
@@ -474,7 +475,9 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
     if not plain_output(fused_out):
         return {default.name: default}, []
     try:
-        loop = ModelLoop(fused)
+        # The loop runs the models' own modules, which on inputs the caller laid out
+        # channels-last meet what ``channels_last`` rules out (hftc's kernels do not).
+        loop = ModelLoop(fused) if channels_last or not layout.given(values, batched) else None
     except Exception:  # noqa: BLE001 - a model the loop cannot run keeps the fused program
         loop = None
     shapes = layout.sample_shapes(values, batched)
@@ -543,19 +546,22 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     the inputs may be laid out channels-last (:func:`.layout.safe`)."""
     choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
-    # "program-2": choices cached before the whole forward was timed with freed memory
-    # kept (fused.py), when a fused program paid page faults its steps do not, and before
-    # ties went to the smaller peak, are retimed.
-    key = json.dumps([device_key(device), "program-2", fused.num_models,
+    # "program-3": choices cached before the whole forward was timed with freed memory
+    # kept (fused.py), when a fused program paid page faults its steps do not, before
+    # ties went to the smaller peak, and before the parameters' shapes were in the key
+    # (the generated code does not name them: models with 1x1 and 3x3 convolutions
+    # shared a choice), are retimed.
+    key = json.dumps([device_key(device), "program-3", fused.num_models,
                       hashlib.sha1(key_source.encode()).hexdigest(),
                       _describe([v for v in values if isinstance(v, Tensor)]), list(batched),
-                      backward])
+                      backward, [list(p.shape) for p in fused.parameters()]])
     path = path or cache_path()
     entry = _lookup(key, path)
     wanted = entry.get("chosen") if entry is not None else None
     if isinstance(wanted, str) and wanted.split("+")[0] in ("fused", "model_loop"):
         run, _, lay = wanted.partition("+")
-        if lay == "" or (lay == layout.CHANNELS_LAST and channels_last):
+        if (lay == "" and (run == "fused" or channels_last or not layout.given(values, batched))
+                or (lay == layout.CHANNELS_LAST and channels_last)):
             with contextlib.suppress(Exception):  # a model the loop cannot run: tune again
                 how = ProgramChoice(ModelLoop(fused) if run == "model_loop" else None,
                                     lay or None, layout.sample_shapes(values, batched))

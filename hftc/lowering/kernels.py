@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ..errors import FusionError
+from . import layout
 
 # --------------------------------------------------------------------------- layouts
 
@@ -168,7 +169,7 @@ def conv_lowerings(
             names.insert(0 if few_taps else 1, "shared_im2col")
         return names
     names = ["grouped"]
-    if spatial == 2 and has_batch:
+    if spatial == 2 and has_batch and not _onednn_unsafe(x, weight, stride):
         few_channels = weight.shape[2] <= 8 and weight.shape[3] * weight.shape[4] >= 25
         names.insert(0 if few_channels else 1, "grouped_channels_last")
     if x_batched and groups == 1 and spatial == 2 and _is_pointwise(
@@ -228,8 +229,9 @@ def conv(
     fn = _conv_fn(spatial, transposed=False)
     if lowering == "loop":
         return _loop_over_channels(
-            [fn(x[i] if x_batched else x, weight[i], None if bias is None else bias[i],
-                stride, padding, dilation, groups) for i in range(n)], n, spatial)
+            [fn(_onednn_safe(x[i] if x_batched else x, weight, stride), weight[i],
+                None if bias is None else bias[i], stride, padding, dilation, groups)
+             for i in range(n)], n, spatial)
     if not x_batched and groups != 1:
         x, x_batched = expand_models(x, n), True
     if x_batched:
@@ -245,8 +247,24 @@ def conv(
         # channels-last one and than N separate convolutions; for 3x3 kernels and for
         # wider layers (ResNet's) channels-last measured equal or slower.
         xf = xf.contiguous(memory_format=torch.channels_last)
-    y = fn(xf, w, b, stride, padding, dilation, groups)
+    y = fn(_onednn_safe(xf, weight, stride), w, b, stride, padding, dilation, groups)
     return unfold_channels(y, n, has_batch)
+
+
+def _onednn_safe(x: Tensor, weight: Tensor, stride: Any) -> Tensor:
+    """``x``, contiguous where oneDNN's CPU convolution would get the weight gradient wrong
+    (and write past its workspace) on it channels-last: a 1x1 kernel with a stride, over
+    fewer than 16 input channels per group (:func:`.layout.unsafe_strided_pointwise_conv`;
+    ``weight`` is ``[N, Cout, Cin/g, *k]``).  Such a map reaches a conv channels-last from
+    the caller, the channels-last program, or :func:`_shared_unfold_conv`'s output."""
+    return x.contiguous() if layout.is_channels_last(x) and _onednn_unsafe(x, weight, stride) \
+        else x
+
+
+def _onednn_unsafe(x: Tensor, weight: Tensor, stride: Any) -> bool:
+    """Is this a conv that oneDNN must not run channels-last (:func:`_onednn_safe`)?"""
+    return x.device.type == "cpu" and x.dtype != torch.float64 and \
+        layout.unsafe_strided_pointwise_conv(weight.shape[2], weight.shape[3:], stride)
 
 
 def _check_lowering(op: str, lowering: str | None, names: list[str]) -> str:

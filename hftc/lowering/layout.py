@@ -44,10 +44,64 @@ def _channels_last(value: Tensor, batched: bool) -> Tensor:
     return value.movedim(channels, -1).contiguous().movedim(-1, channels)
 
 
+def given(values: Sequence[Any], batched: Sequence[bool]) -> bool:
+    """Is a feature-map input already channels-last (and not also contiguous)?"""
+    return any(_is_feature_map(v, b) and not v.is_contiguous()
+               and _channels_last(v, b).stride() == v.stride()
+               for v, b in zip(values, batched))
+
+
 def applies(values: Sequence[Any], batched: Sequence[bool]) -> bool:
     """Is there a feature-map input whose layout converting would change?"""
     return any(_is_feature_map(v, b) and _channels_last(v, b).stride() != v.stride()
                for v, b in zip(values, batched))
+
+
+#: oneDNN's 1x1 convolutions with a stride (torch 2.13's CPU build) reduce a channels-last
+#: input to unit stride in a workspace that is too small when a group has fewer input
+#: channels than oneDNN's channel block (8 with AVX2, 16 with AVX-512): the weight
+#: gradient is wrong, and the write past the workspace corrupts the heap (a crash or,
+#: with 2 threads, a hang).  uxlfoundation/oneDNN#6035; measured here (AVX2, float32):
+#: 1x1 stride 2 with 2-4 input channels, wrong weight gradients with 2 threads and
+#: "double free or corruption" with one.
+_ONEDNN_CHANNEL_BLOCK = 16
+
+
+def unsafe_strided_pointwise_conv(in_channels_per_group: int, kernel: Sequence[int],
+                                  stride: int | Sequence[int]) -> bool:
+    """Would torch's CPU convolution (oneDNN) get this convolution's weight gradient
+    wrong, or corrupt memory, on a channels-last input?  A 1x1 (1x1x1) kernel with a
+    stride, over fewer than 16 input channels per group."""
+    strides = [stride] * len(kernel) if isinstance(stride, int) else list(stride)
+    return (all(k == 1 for k in kernel) and any(s != 1 for s in strides)
+            and in_channels_per_group < _ONEDNN_CHANNEL_BLOCK)
+
+
+def is_channels_last(x: Tensor) -> bool:
+    """A 4-D (5-D) tensor that ATen's CPU convolution reads as channels-last."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    return x.dim() in formats and not x.is_contiguous() \
+        and x.is_contiguous(memory_format=formats[x.dim()])
+
+
+def _unsafe_conv_module(m: nn.Module) -> bool:
+    return isinstance(m, (nn.Conv2d, nn.Conv3d)) and unsafe_strided_pointwise_conv(
+        m.in_channels // m.groups, m.kernel_size, m.stride)
+
+
+_CONV_FUNCTIONS = {torch.nn.functional.conv2d, torch.nn.functional.conv3d, torch.conv2d,
+                   torch.conv3d}
+
+
+def _unsafe_conv_call(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in _CONV_FUNCTIONS:
+        return False
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    shape = getattr(getattr(weight, "meta", {}).get("example_value"), "shape", None)
+    stride = node.args[3] if len(node.args) > 3 else node.kwargs.get("stride", 1)
+    if shape is None or not isinstance(stride, (int, tuple, list)):
+        return True  # not known: assume the worst
+    return unsafe_strided_pointwise_conv(shape[1], shape[2:], stride)
 
 
 #: Norms whose CPU backward torch 2.13 gets wrong on channels-last tensors (:func:`safe`).
@@ -57,8 +111,9 @@ _UNSAFE_FUNCTIONS = ("group_norm", "instance_norm")
 
 def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
     """May the program run channels-last on ``device``?  Not on the CPU if the model
-    has a group or instance norm (``model``: one model, its modules; ``graph``: its
-    traced graph, its calls).  On torch 2.13's CPU:
+    has a group or instance norm, or a strided 1x1 convolution over few channels
+    (:func:`unsafe_strided_pointwise_conv`) (``model``: one model, its modules;
+    ``graph``: its traced graph, its calls).  On torch 2.13's CPU:
 
     * the group-norm backward crashes the process (segmentation fault) on a
       channels-last input when only the norm's weight and bias need gradients (a
@@ -68,19 +123,22 @@ def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
       channels-last gradient (its batch_norm reads it through a view with an odd
       batch stride); a batch of one can come at any epoch's end.
 
+    * oneDNN's strided 1x1 convolutions over fewer than 16 channels get their weight
+      gradients wrong on channels-last inputs and write past their workspace.
+
     Batch and layer norms do neither.  Whether an input will need its gradient, or
     how large a batch will be, is not known when the program is chosen, so a model
     with such a norm keeps its inputs as given on the CPU.  (hftc's own fused norms
-    are exact in either layout: ``kernels.instance_norm``; the whole-model loop runs
-    the models' own modules.)
+    are exact in either layout: ``kernels.instance_norm``, ``kernels.conv``; the
+    whole-model loop runs the models' own modules.)
     """
     if device.type != "cpu":
         return True
-    if any(isinstance(m, _UNSAFE_MODULES) for m in model.modules()):
+    if any(isinstance(m, _UNSAFE_MODULES) or _unsafe_conv_module(m) for m in model.modules()):
         return False
-    return not any(node.op == "call_function"
-                   and any(f in getattr(node.target, "__name__", "") for f in _UNSAFE_FUNCTIONS)
-                   for node in graph.nodes)
+    return not any((node.op == "call_function" and any(
+        f in getattr(node.target, "__name__", "") for f in _UNSAFE_FUNCTIONS))
+        or _unsafe_conv_call(node) for node in graph.nodes)
 
 
 def sample_shapes(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
@@ -101,5 +159,5 @@ def contiguous_outputs(out: Any) -> Any:
     return pytree.tree_map(lambda t: t.contiguous() if isinstance(t, Tensor) else t, out)
 
 
-__all__ = ["CHANNELS_LAST", "applies", "contiguous_outputs", "safe", "sample_shapes",
-           "to_layout"]
+__all__ = ["CHANNELS_LAST", "applies", "contiguous_outputs", "given", "is_channels_last", "safe",
+           "sample_shapes", "to_layout", "unsafe_strided_pointwise_conv"]
