@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
+from ..trace import EXAMPLE_VALUE
+
 CHANNELS_LAST = "channels_last"
 
 
@@ -60,10 +62,10 @@ def applies(values: Sequence[Any], batched: Sequence[bool]) -> bool:
 #: oneDNN's 1x1 convolutions with a stride (torch 2.13's CPU build) reduce a channels-last
 #: input to unit stride in a workspace that is too small when a group has fewer input
 #: channels than oneDNN's channel block (8 with AVX2, 16 with AVX-512): the weight
-#: gradient is wrong, and the write past the workspace corrupts the heap (a crash or,
-#: with 2 threads, a hang).  uxlfoundation/oneDNN#6035; measured here (AVX2, float32):
-#: 1x1 stride 2 with 2-4 input channels, wrong weight gradients with 2 threads and
-#: "double free or corruption" with one.
+#: gradient is wrong, and the write past the workspace corrupts the heap (a crash, or a
+#: hang: uxlfoundation/oneDNN#6035).  Measured here (AVX2, float32, 8x8 maps): 1x1
+#: stride 2 over 2-4 input channels, wrong weight gradients with 2 threads and "double
+#: free or corruption" with one.
 _ONEDNN_CHANNEL_BLOCK = 16
 
 
@@ -97,7 +99,7 @@ def _unsafe_conv_call(node: fx.Node) -> bool:
     if node.op != "call_function" or node.target not in _CONV_FUNCTIONS:
         return False
     weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    shape = getattr(getattr(weight, "meta", {}).get("example_value"), "shape", None)
+    shape = getattr(getattr(weight, "meta", {}).get(EXAMPLE_VALUE), "shape", None)
     stride = node.args[3] if len(node.args) > 3 else node.kwargs.get("stride", 1)
     if shape is None or not isinstance(stride, (int, tuple, list)):
         return True  # not known: assume the worst
@@ -121,14 +123,13 @@ def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
       float64;
     * the instance-norm backward returns wrong input gradients for one sample with a
       channels-last gradient (its batch_norm reads it through a view with an odd
-      batch stride); a batch of one can come at any epoch's end.
-
+      batch stride); a batch of one can come at any epoch's end;
     * oneDNN's strided 1x1 convolutions over fewer than 16 channels get their weight
       gradients wrong on channels-last inputs and write past their workspace.
 
     Batch and layer norms do neither.  Whether an input will need its gradient, or
-    how large a batch will be, is not known when the program is chosen, so a model
-    with such a norm keeps its inputs as given on the CPU.  (hftc's own fused norms
+    how large a batch will be, is not known when the program is chosen, so such a
+    model keeps its inputs as given on the CPU.  (hftc's own fused norms
     are exact in either layout: ``kernels.instance_norm``, ``kernels.conv``; the
     whole-model loop runs the models' own modules.)
     """
