@@ -56,9 +56,13 @@ def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int,
         # The loop's own distance from float64 sets the bar (ill-conditioned specs, such
         # as a layer norm over two features, round far above the fixed tolerance); specs
         # too ill-conditioned to tell rounding from a wrong result are not examples.
+        # The factor: the loop's error is one sample of its order's rounding; a sum that
+        # cancels to ~0 (a conv's bias gradient before a training-mode batch norm) came
+        # out 17x the loop's error with oneDNN's channels-last reduction order (3.5e-4
+        # vs 2.1e-5, terms of ~100); wrong results are off by their whole scale.
         rounding = loop_rounding_error(models, x, in_dims=in_dims, train=train, dtype=dtype)
         assume(rounding < 1e-4)
-        tol = max(DEFAULT_TOL[dtype], 10 * rounding)
+        tol = max(DEFAULT_TOL[dtype], 30 * rounding)
     check_equivalence(models, x, in_dims=in_dims, train=train, dtype=dtype, fuser=fuser,
                       tol=tol)
 
