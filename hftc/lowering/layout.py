@@ -74,9 +74,9 @@ def unsafe_strided_pointwise_conv(in_channels_per_group: int, kernel: Sequence[i
     """Would torch's CPU convolution (oneDNN) get this convolution's weight gradient
     wrong, or corrupt memory, on a channels-last input?  A 1x1 (1x1x1) kernel with a
     stride, over fewer than 16 input channels per group."""
-    strides = [stride] * len(kernel) if isinstance(stride, int) else list(stride)
-    return (all(k == 1 for k in kernel) and any(s != 1 for s in strides)
-            and in_channels_per_group < _ONEDNN_CHANNEL_BLOCK)
+    if in_channels_per_group >= _ONEDNN_CHANNEL_BLOCK or any(k != 1 for k in kernel):
+        return False  # first: every fused conv call asks (kernels.conv_lowerings)
+    return any(s != 1 for s in ([stride] if isinstance(stride, int) else stride))
 
 
 def is_channels_last(x: Tensor) -> bool:
@@ -129,7 +129,7 @@ def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
 
     Batch and layer norms do neither.  Whether an input will need its gradient, or
     how large a batch will be, is not known when the program is chosen, so such a
-    model keeps its inputs as given on the CPU.  (hftc's own fused norms
+    model keeps its inputs as given on the CPU.  (hftc's own fused kernels
     are exact in either layout: ``kernels.instance_norm``, ``kernels.conv``; the
     whole-model loop runs the models' own modules.)
     """
