@@ -20,22 +20,13 @@ from unittest import mock
 import torch
 from equivalence import DEFAULT_TOL, check_equivalence, loop_rounding_error
 from fuzz_models import FuzzNet, architectures
-from hypothesis import HealthCheck, assume, given, settings
+from fuzz_profiles import FUZZ, examples
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import hftc
 import hftc.fused
 from hftc.lowering import autotune
-
-settings.register_profile(
-    "ci", max_examples=200, derandomize=True, deadline=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile(
-    "fuzz", max_examples=int(os.environ.get("HFTC_FUZZ_EXAMPLES", "5000")), deadline=None,
-    print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-PROFILE = os.environ.get("HFTC_FUZZ_PROFILE", "ci")
 
 
 def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int,
@@ -67,7 +58,7 @@ def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int,
                       tol=tol)
 
 
-@settings(settings.get_profile(PROFILE))
+@FUZZ
 @given(spec=architectures, n=st.sampled_from([1, 2, 3]), stacked=st.booleans(),
        train=st.booleans(), seed=st.integers(0, 2**16))
 def test_random_architectures_fuse_exactly(spec, n, stacked, train, seed):
@@ -96,8 +87,7 @@ def random_lowerings(pick: random.Random):
         yield
 
 
-@settings(settings.get_profile(PROFILE),
-          max_examples=60 if PROFILE == "ci" else settings.get_profile(PROFILE).max_examples)
+@examples(ci=60)
 @given(spec=architectures, n=st.sampled_from([2, 3]), stacked=st.booleans(),
        train=st.booleans(), seed=st.integers(0, 2**16), pick=st.randoms(use_true_random=False))
 def test_random_architectures_with_random_lowerings(spec, n, stacked, train, seed, pick):
@@ -106,8 +96,7 @@ def test_random_architectures_with_random_lowerings(spec, n, stacked, train, see
                    fuser=functools.partial(hftc.fuse, autotune=True))
 
 
-@settings(settings.get_profile(PROFILE),
-          max_examples=60 if PROFILE == "ci" else settings.get_profile(PROFILE).max_examples)
+@examples(ci=60)
 @given(spec=architectures, n=st.sampled_from([2, 3]), stacked=st.booleans(),
        train=st.booleans(), seed=st.integers(0, 2**16), pick=st.randoms(use_true_random=False))
 def test_random_architectures_in_float32_with_random_lowerings(spec, n, stacked, train, seed,

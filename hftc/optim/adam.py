@@ -53,8 +53,12 @@ class Adam(FusedOptimizer):
     * models that share every hyper-parameter but the learning rate (a learning-rate
       sweep) and their step count: one kernel call over the stacked tensors computes
       the unit step ``-m_hat / (sqrt(v_hat) + eps)`` once into scratch space, and
-      ``p += lr_i * step`` applies it per model (within a rounding of the step of
-      stock ``Adam(fused=True)``; bit for bit when the learning rates are shared too);
+      ``p += lr_i * step`` applies it per model (one call with ``lr`` itself when the
+      learning rates are shared too). Within a rounding of stock ``Adam(fused=True)``,
+      not bit for bit: the CPU kernel rounds its vector body and its scalar tail
+      differently, and over the stacked tensor a model's last elements can fall in
+      the body where stock's call over that model alone ends in the tail (seen in
+      ``exp_avg_sq``, 1 ulp, with 4 or 12 elements per model on AVX2);
     * anything else: one kernel call per model over its slices, which is stock
       ``Adam(fused=True)`` for that model bit for bit.
 
