@@ -375,6 +375,7 @@ def check_equivalence(
     tol: float | None = None,
     steps: int = 1,
     lr: float = 1e-2,
+    optimizers: tuple[Callable[[nn.Module], Any], Callable[[int, nn.Module], Any]] | None = None,
     cast_after_fuse: bool = False,
     fuse_train: bool | None = None,
     loss_seed: int = 1234,
@@ -396,7 +397,11 @@ def check_equivalence(
             imported); it is cast to ``dtype`` and put in the mode ``train``.
         fuser: ``fuser(models, in_dims=...)``, default ``hftc.fuse``.
         tol: relative tolerance, default :data:`DEFAULT_TOL` for ``dtype``.
-        steps: forward/backward rounds; between rounds an SGD step of ``lr`` on both.
+        steps: forward/backward rounds; between rounds an SGD step of ``lr`` on both,
+            or the steps of ``optimizers``.
+        optimizers: ``(fused_optimizer(fused), model_optimizer(i, model_i))``: the
+            fused module's optimizer (an ``hftc.optim`` one) and model i's stock one,
+            which step both sides between rounds instead of plain SGD.
         cast_after_fuse: fuse the models in their own dtype, then cast the fused
             module (``.double()`` for float64), which tests the module's ``.to``.
         fuse_train: the mode the copies are in when fused (default ``train``), to
@@ -430,6 +435,9 @@ def check_equivalence(
     fused.train(train)
     for p in fused.parameters():
         p.grad = None
+    if optimizers is not None:
+        fused_opt = optimizers[0](fused)
+        ref_opts = [optimizers[1](i, m) for i, m in enumerate(refs)]
 
     if tol is None:
         tol = DEFAULT_TOL.get(dtype or torch.get_default_dtype(), 1e-5)
@@ -515,9 +523,13 @@ def check_equivalence(
                         report.compare(f"{step}: grad of input leaf {k}", fa.grad, ra.grad)
         report.raise_if_failed()
 
-        if step_index + 1 < steps:
+        if step_index + 1 < steps and optimizers is None:
             _sgd_step(refs, lr)
             _sgd_step([fused], lr)
+        elif step_index + 1 < steps:
+            for opt in [fused_opt, *ref_opts]:
+                opt.step()
+                opt.zero_grad()
 
     report.raise_if_failed()
     return fused

@@ -26,17 +26,19 @@ from hypothesis import strategies as st
 
 import hftc
 import hftc.fused
+import hftc.optim as ho
 from hftc.lowering import autotune
 
 
 def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int,
-               fuser=None, dtype: torch.dtype = torch.float64) -> None:
+               fuser=None, dtype: torch.dtype = torch.float64, **check) -> None:
+    """``check``: more of :func:`check_equivalence`'s arguments (steps, optimizers)."""
     log = os.environ.get("HFTC_FUZZ_LOG")  # make fuzz counts the examples it checked
     if log:
         with open(log, "a") as f:
             # The whole example, flushed before it runs: a crash's example is the last line.
             f.write(f"{spec!r} n={n} stacked={stacked} train={train} seed={seed} "
-                    f"dtype={dtype}\n")
+                    f"dtype={dtype} {check}\n")
     torch.manual_seed(seed)
     models = [FuzzNet(spec) for _ in range(n)]
     shape = ((n,) if stacked else ()) + tuple(spec["input"])
@@ -55,7 +57,7 @@ def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int,
         assume(rounding < 1e-4)
         tol = max(DEFAULT_TOL[dtype], 30 * rounding)
     check_equivalence(models, x, in_dims=in_dims, train=train, dtype=dtype, fuser=fuser,
-                      tol=tol)
+                      tol=tol, **check)
 
 
 @FUZZ
@@ -105,4 +107,41 @@ def test_random_architectures_in_float32_with_random_lowerings(spec, n, stacked,
     channels-last too), so every lowering is fuzzed in float32 as well."""
     with random_lowerings(pick):
         check_spec(spec, n, stacked, train, seed, dtype=torch.float32,
+                   fuser=functools.partial(hftc.fuse, autotune=True))
+
+
+# Per-model settings of each optimizer: (hftc.optim class, torch.optim class, model i's).
+TRAINING = {
+    "sgd": (ho.SGD, torch.optim.SGD,
+            lambda i: dict(lr=0.01 * (i + 1), momentum=0.9 * (i % 2), weight_decay=1e-3 * i)),
+    "adam": (ho.Adam, torch.optim.Adam,
+             lambda i: dict(lr=1e-3 * (i + 1), betas=((0.9, 0.999), (0.8, 0.99))[i % 2],
+                            amsgrad=i == 1)),
+    "adamw": (ho.AdamW, torch.optim.AdamW, lambda i: dict(lr=1e-3 * (i + 1), weight_decay=0.1 * i)),
+    "rmsprop": (ho.RMSprop, torch.optim.RMSprop,
+                lambda i: dict(lr=1e-3 * (i + 1), momentum=0.5 * i, centered=i == 2)),
+}
+
+
+@examples(ci=25)
+@given(spec=architectures, n=st.sampled_from([2, 3]), stacked=st.booleans(),
+       seed=st.integers(0, 2**16), pick=st.randoms(use_true_random=False),
+       optimizer=st.sampled_from(sorted(TRAINING)))
+def test_random_architectures_train_with_fused_optimizers(spec, n, stacked, seed, pick,
+                                                         optimizer):
+    """Three training steps, in train mode (batch norms update their running statistics)
+    with a random lowering per node: each model's parameters, buffers and gradients
+    after every step equal its own stock optimizer's run on the original model."""
+    fused_cls, stock_cls, settings_of = TRAINING[optimizer]
+    per_model = [settings_of(i) for i in range(n)]
+
+    def fused_optimizer(fused):
+        return fused_cls(fused, **{k: [s[k] for s in per_model] for k in per_model[0]})
+
+    def model_optimizer(i, model):
+        return stock_cls(model.parameters(), **per_model[i])
+
+    with random_lowerings(pick):
+        check_spec(spec, n, stacked, True, seed, steps=3,
+                   optimizers=(fused_optimizer, model_optimizer),
                    fuser=functools.partial(hftc.fuse, autotune=True))
