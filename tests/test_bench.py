@@ -135,6 +135,32 @@ def test_paired_ratios_pair_each_round():
         {**result, "contenders": ["serial", "hftc"]}))
 
 
+def _one_config(serial: list[float], hftc: list[float]) -> dict:
+    runs = {"serial": {"step_s": serial}, "hftc": {"step_s": hftc}}
+    return {"workloads": {"mlp": {"configs": [{"n": 2, "contenders": runs}]}}}
+
+
+def test_the_ratio_interval_separates_noise_from_a_clear_result():
+    # Every round 2x faster: every resample's ratio is 2, the interval is [2, 2].
+    clear = _one_config([2.0, 4.0, 3.0, 5.0], [1.0, 2.0, 1.5, 2.5])
+    assert report.ratio_interval(clear, "mlp", 2, "hftc", "serial") == (2.0, 2.0)
+    assert report._verdict(2.0, (2.0, 2.0), 1.0) == "yes"
+    # Rounds on both sides of 1.0: the interval holds the ratio of medians and spans 1.0.
+    noisy = _one_config([1.0, 1.2, 0.9, 1.1, 1.0, 0.95], [1.1, 1.0, 1.0, 1.2, 0.9, 1.05])
+    got = report.ratio(noisy, "mlp", 2, "hftc", "serial")
+    low, high = report.ratio_interval(noisy, "mlp", 2, "hftc", "serial")
+    assert low < 1.0 < high and low <= got <= high
+    assert report._verdict(got, (low, high), 1.0) == "**no** (within noise)"
+    # Fixed seed: the same rounds give the same interval.
+    assert report.ratio_interval(noisy, "mlp", 2, "hftc", "serial") == (low, high)
+    # Clearly below: no "within noise".
+    assert report._verdict(0.9, (0.85, 0.95), 1.0) == "**no**"
+    # One round has no spread to resample.
+    assert report.ratio_interval(_one_config([1.0], [1.0]), "mlp", 2, "hftc", "serial") is None
+    table = "\n".join(report._targets_table({**noisy, "config": {"device": "cpu"}}))
+    assert f"lowest {got:.2f}x (mlp N=2) | {low:.2f}-{high:.2f}x | **no** (within noise)" in table
+
+
 def test_largest_n_search_and_memory_cap():
     found = runner.largest_n("mlp", "hftc", cap_mib=4096, limit=4, log=lambda *_: None)
     assert found["largest_n"] == 4
