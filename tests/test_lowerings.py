@@ -38,6 +38,8 @@ DTYPES = [torch.float64, torch.float32]
 CONVS = [
     (nn.Conv1d, dict(in_channels=3, out_channels=4, kernel_size=3, padding=1), (3, 9)),
     (nn.Conv1d, dict(in_channels=4, out_channels=4, kernel_size=1), (4, 7)),
+    (nn.Conv1d, dict(in_channels=5, out_channels=3, kernel_size=1, padding="same",
+                     bias=False), (5, 6)),
     (nn.Conv2d, dict(in_channels=1, out_channels=6, kernel_size=5, padding=2), (1, 12, 12)),
     (nn.Conv2d, dict(in_channels=6, out_channels=5, kernel_size=5), (6, 11, 11)),
     (nn.Conv2d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1,
@@ -126,7 +128,8 @@ def test_every_conv_lowering_matches_the_loop(layer, n, x_batched, dtype):
 
 
 @pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
-@pytest.mark.parametrize("layer", CONVS[2:5], ids=lambda c: f"{c[0].__name__}{c[1]}")
+@pytest.mark.parametrize("layer", CONVS[1:2] + CONVS[3:6],
+                         ids=lambda c: f"{c[0].__name__}{c[1]}")
 def test_conv_lowerings_at_batch_one_and_unbatched(layer, x_batched):
     cls, kwargs, shape = layer
     for batch in (1, 0):
@@ -149,6 +152,17 @@ def test_every_conv_transpose_lowering_matches_the_loop(layer, x_batched, dtype)
 def test_every_linear_lowering_matches_the_loop(layer, n, x_batched, dtype):
     cls, kwargs, shape = layer
     _check_every_lowering(kernels.linear, cls, kwargs, shape, n, x_batched, 5, dtype)
+
+
+def test_a_pointwise_conv1d_of_batched_inputs_can_run_as_a_batched_gemm():
+    # Autotune's candidate, not the cost model's choice (kernels._pointwise_conv).
+    x, w = torch.randn(2, 8, 4, 16), torch.randn(2, 6, 4, 1)
+    names = kernels.conv_lowerings(x, w, None, spatial=1, x_batched=True)
+    assert names[0] == "grouped" and "pointwise_bmm" in names
+    strided = kernels.conv_lowerings(x, w, None, stride=2, spatial=1, x_batched=True)
+    assert "pointwise_bmm" not in strided
+    assert "pointwise_bmm" not in kernels.conv_lowerings(x[0], w, None, spatial=1,
+                                                         x_batched=False)
 
 
 def test_a_lowering_that_does_not_apply_is_refused():

@@ -146,7 +146,8 @@ def conv_lowerings(
     ============================  ====================================================
     ``grouped``                   one conv with ``N*g`` groups, NCHW (always applies)
     ``grouped_channels_last``     the same in channels-last memory (2-d, with a batch)
-    ``pointwise_bmm``             1x1 conv of batched inputs as one ``baddbmm``
+    ``pointwise_bmm``             1x1 conv of batched inputs as one ``baddbmm`` (2-d;
+                                  1-d: autotune's candidate)
     ``shared_conv``               shared input, ``g == 1``: one conv, ``N*Cout`` outputs
     ``shared_im2col``             shared input, 2-d: ``unfold`` once, one GEMM
     ``im2col_bmm``                batched input, 2-d, ``g == 1``: ``unfold`` + a batched GEMM
@@ -172,9 +173,9 @@ def conv_lowerings(
     if spatial == 2 and has_batch and not _onednn_unsafe(x, weight, stride):
         few_channels = weight.shape[2] <= 8 and weight.shape[3] * weight.shape[4] >= 25
         names.insert(0 if few_channels else 1, "grouped_channels_last")
-    if x_batched and groups == 1 and spatial == 2 and _is_pointwise(
+    if x_batched and groups == 1 and spatial in (1, 2) and _is_pointwise(
             weight, stride, padding, dilation, padding_mode, spatial):
-        names.insert(0, "pointwise_bmm")
+        names.insert(0 if spatial == 2 else 1, "pointwise_bmm")
     if x_batched and groups == 1 and two_d and not isinstance(padding, str):
         names.append("im2col_bmm")  # never the cost model's choice: autotune's to find
     return names + ["loop"]
@@ -375,8 +376,11 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spatial: int
     oneDNN's grouped 1x1 convolution (groups = N) measured 1.5-2.5x slower than N
     separate ones on the CPU; the batched GEMM is as fast as they are, and its
     weight gradient comes out in the weight's layout.  The two layout copies are
-    elementwise passes over the activation.  Only for Conv2d: Conv1d's grouped
-    fallback in ATen already runs one convolution per group and measured no slower.
+    elementwise passes over the activation.  Conv1d's grouped 1x1 conv on one thread
+    with a batch under 16 is not oneDNN's but ATen's own, one convolution per group
+    on a copy of its input slice, then a ``cat``: this measured 0-20% faster than that
+    forward + backward (PointNet's layers, N = 2-8) and up to 45% slower at N = 8, so
+    for Conv1d it is autotune's candidate, not the cost model's choice.
     """
     n, cout, cin = weight.shape[:3]
     has_batch = x.dim() == spatial + 3
