@@ -652,3 +652,39 @@ def test_autotune_under_inference_mode(cache_dir):
         out = fused(x)
     torch.testing.assert_close(out, torch.stack([m(x) for m in models]).detach())
     assert len(fused.fusion_report.lowerings) == 6  # 2 convs, 3 linears, the whole model
+
+
+@pytest.mark.parametrize("keepdim", [True, False])
+@pytest.mark.parametrize("name", kernels.SELECTING_REDUCTIONS)
+def test_selecting_reductions_hand_the_gradient_back_in_the_input_layout(name, keepdim):
+    # A grouped conv's output [N, B, C, L] views [B, N*C, L] memory. Reduced in memory
+    # order, max & co. give the plain call's values, indices and gradient, and that
+    # gradient reaches the input in the input's own strides (plain: [N, B, C, L]-
+    # contiguous, which the batch norm behind it then copies).
+    base = torch.randint(0, 4, (3, 2 * 4, 5), dtype=torch.float64)  # ties included
+    dims = [3, -1, 2, 1] + ([(2, 3)] if name in ("amax", "amin") else [])
+    for dim in dims:
+        leaf = base.clone().requires_grad_()
+        x = leaf.view(3, 2, 4, 5).permute(1, 0, 2, 3)
+        strides = []
+        x.register_hook(lambda g, seen=strides: seen.append(g.stride()))
+        got = kernels.reduce_in_memory_order(name, x, dim, keepdim=keepdim)
+        want = getattr(torch, name)(base.view(3, 2, 4, 5).permute(1, 0, 2, 3), dim,
+                                    keepdim=keepdim)
+        assert type(got) is type(want)
+        got_values = got if isinstance(got, torch.Tensor) else got[0]
+        want_values = want if isinstance(want, torch.Tensor) else want[0]
+        assert torch.equal(got_values, want_values), (name, dim)
+        if not isinstance(want, torch.Tensor):
+            assert torch.equal(got[1], want[1]), (name, dim)
+        grad = torch.randn_like(want_values)
+        reference = base.clone().requires_grad_()
+        plain = getattr(torch, name)(reference.view(3, 2, 4, 5).permute(1, 0, 2, 3), dim,
+                                     keepdim=keepdim)
+        (plain if isinstance(plain, torch.Tensor) else plain[0]).backward(grad)
+        got_values.backward(grad)
+        assert torch.equal(leaf.grad, reference.grad), (name, dim)
+        assert strides == [x.stride()], (name, dim)
+    # A contiguous input takes the plain call.
+    y = base.view(3, 2, 4, 5)
+    assert torch.equal(kernels.reduce_in_memory_order("amax", y, 3), torch.amax(y, 3))

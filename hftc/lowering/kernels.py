@@ -874,6 +874,70 @@ def reduce_all(fn_name: str, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     return result
 
 
+#: Reductions whose gradient ATen builds as a fresh tensor in the input's *logical*
+#: order (``zeros(sizes).scatter_`` for max/min/median/mode with a dim; the count mask
+#: for amax/amin), whatever the input's memory layout.
+SELECTING_REDUCTIONS = ("max", "min", "amax", "amin", "median", "nanmedian", "mode")
+
+
+def reduce_in_memory_order(fn_name: str, x: Tensor, dim: Any, *args: Any,
+                           **kwargs: Any) -> Any:
+    """``torch.<fn_name>(x, dim, ...)`` on ``x``'s dims in memory order, permuted back.
+
+    A fused activation is often a permuted view: a grouped conv's output ``[N, B, C, L]``
+    views ``[B, N*C, L]`` memory.  ``torch.max(x, 3)`` returns the same values either way,
+    but its backward scatters the gradient into a new ``[N, B, C, L]``-contiguous tensor,
+    so every op behind it in the backward (the ReLU's, the batch norm's, which folds it
+    back to ``[B, N*C, L]``) then reads a layout that is not its input's: ATen copies it
+    or takes a strided loop.  Reduced in memory order::
+
+        xm = x.permute(order)              (contiguous: a view)
+        y  = torch.max(xm, order.index(dim), ...)
+        y.permute(back)                    (its gradient comes back in x's layout)
+
+    Selections are exact, so the values and indices are the plain call's.
+    """
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    if order == list(range(x.dim())) or not x.permute(order).is_contiguous():
+        return getattr(torch, fn_name)(x, dim, *args, **kwargs)
+    dims = [d % x.dim() for d in (dim if isinstance(dim, (tuple, list)) else (dim,))]
+    moved = [order.index(d) for d in dims]
+    result = getattr(torch, fn_name)(x.permute(order), moved if isinstance(dim, (tuple, list))
+                                     else moved[0], *args, **kwargs)
+    keepdim = kwargs.get("keepdim", args[0] if args else False)
+    kept = order if keepdim else [d for d in order if d not in dims]
+    back = sorted(range(len(kept)), key=lambda k: kept[k])  # result dim k holds kept[k]
+
+    def restore(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        if t.requires_grad:  # amax's backward lays its gradient out like the incoming one
+            t = _ContiguousGradient.apply(t)
+        return t.permute(back)
+
+    if isinstance(result, Tensor):
+        return restore(result)
+    return type(result)([restore(t) for t in result])  # torch.return_types.max, ...
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous.
+
+    :func:`reduce_in_memory_order` puts it before permuting a result back: the gradient
+    of the permuted result arrives contiguous in *its* order, which is a strided view
+    in memory order; ``amax``'s backward (``grad / count * mask``) would lay its output
+    out like that view.  The copy is of the reduced tensor only.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor) -> Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def stack_or_cat(fn: Callable[..., Tensor], tensors: Sequence[Any], dim: int,
                  batched: Sequence[bool]) -> Tensor:
     """``torch.cat`` / ``torch.stack`` of batched and shared tensors: shared ones are expanded."""

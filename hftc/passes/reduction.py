@@ -4,7 +4,8 @@
 
     x.sum(1)          ->  x.sum(2)
     x.mean()          ->  x.reshape(N, -1).mean(1)          (a full reduction per model)
-    x.max(dim=1)      ->  x.max(dim=2)                       (values, indices per model)
+    x.max(dim=1)      ->  reduce_in_memory_order("max", x, 2) (values, indices per model;
+                                                             in x's memory order)
     F.softmax(x, -1)  ->  F.softmax(x, -1)
 """
 
@@ -55,6 +56,12 @@ def _reduction_rule(op_name: str, position: int | None):
             if op_name in ("norm", "aminmax", "mode", "std_mean", "var_mean"):
                 raise NotFusable(f"{op_name} over all dims")
             return builder.call(kernels.reduce_all, op_name, x, *args[1:], **kwargs)
+        if op_name in kernels.SELECTING_REDUCTIONS and position == 1:
+            if len(args) > 1:
+                args = args[:1] + args[2:]
+            kwargs.pop(key, None)
+            return builder.call(kernels.reduce_in_memory_order, op_name, x, shift_dims(dim),
+                                *args[1:], **kwargs)
         if position is not None and position < len(args):
             args[position] = shift_dims(dim)
         else:
