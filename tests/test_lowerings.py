@@ -377,6 +377,23 @@ def test_model_loop_matches_the_loop(name, train, loop, layout, monkeypatch, cac
     assert fused.fusion_report.lowerings[-1].chosen == fused.last_program().how.name
 
 
+def test_model_loop_of_one_model_copies_no_gradient(monkeypatch, cache_dir):
+    # N = 1: each stacked tensor's one slice is a squeeze, whose backward is a view;
+    # unbind's backward stacks the gradients (a copy of every one).
+    _force_program(monkeypatch)
+    models = _zoo_models("resnet", 1, True)
+    x = make_input("resnet", 4, seed=1)
+    fused = check_equivalence(models, x, train=True, steps=2,
+                              fuser=functools.partial(hftc.fuse, autotune=True))
+    assert fused.last_program().model_loop is not None
+    loss = fused(x.double()).sum()
+    with torch.profiler.profile() as prof:
+        loss.backward()
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::convolution_backward" in ops
+    assert "aten::stack" not in ops
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
 def test_channels_last_inputs_keep_values_and_give_contiguous_outputs(stacked):
     from hftc.lowering import layout

@@ -71,8 +71,13 @@ class ModelLoop:
     def __call__(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool]) -> Any:
         tensors = dict(fused.named_parameters())
         tensors.update(fused.named_buffers())
-        slices = {name: tensors[name].unbind(0)
-                  for name in self.param_names + self.buffer_names}
+        names = self.param_names + self.buffer_names
+        if self.num_models == 1:
+            # One model: squeeze's backward is a view, where unbind's stacks a copy of
+            # every gradient.
+            slices = {name: (tensors[name].squeeze(0),) for name in names}
+        else:
+            slices = {name: tensors[name].unbind(0) for name in names}
         outs = []
         for i, shell in enumerate(self.shells):
             if shell.training != fused.training:
