@@ -9,13 +9,14 @@
 
 It is what the serial loop runs, on the fused module's own tensors: the
 parameters, their gradients (``unbind``'s backward stacks the N gradients in
-one copy), the running statistics (updated in place through the views), the
-state_dict and the fused optimizer stay as they are; only how the forward runs
-changes.  ``hftc.fuse(..., autotune=True)`` times it against the fused program
-and takes it where the fused program was slower: on a CPU, activations that
-fit a cache one model at a time but not N at a time (PointNet's ``[B, 1024, P]``
-feature maps) made every memory-bound op of the fused step slower than the N
-separate ones.  The shells are the unfused models (``unfuse_model(i)``), so each
+one copy; with one model the slice is a ``squeeze``, and no copy is made), the
+running statistics (updated in place through the views), the state_dict and the
+fused optimizer stay as they are; only how the forward runs changes.
+``hftc.fuse(..., autotune=True)`` times it against the fused program and takes
+it where the fused program was slower: on a CPU, activations that fit a cache
+one model at a time but not N at a time (PointNet's ``[B, 1024, P]`` feature
+maps) made every memory-bound op of the fused step slower than the N separate
+ones.  The shells are the unfused models (``unfuse_model(i)``), so each
 keeps its own plain hyper-parameters (dropout ``p``, ``eps`` ...).
 """
 
