@@ -2,10 +2,12 @@
 
 In float64 with the harness's tolerance, and (every lowering) in float32, where the CPU
 runs other kernels (oneDNN convolutions), with a tolerance set by the float32 loop's own
-distance from float64 (:func:`equivalence.loop_rounding_error`).
+distance from float64 (:func:`equivalence.loop_rounding_error`); and three training
+steps with each fused optimizer against stock optimizers on the original models.
 
-``make test`` runs the fixed-seed ``ci`` profile (derandomized, 200 examples);
-``make fuzz`` runs the ``fuzz`` profile (HFTC_FUZZ_EXAMPLES examples, default 5000).
+``make test`` runs the fixed-seed ``ci`` profile (derandomized; 200 examples, fewer for
+the slower tests); ``make fuzz`` runs the ``fuzz`` profile (HFTC_FUZZ_EXAMPLES examples
+per test, default 5000); both in tests/fuzz_profiles.py.
 Every failure found becomes a regression test in tests/test_fuzz_regressions.py.
 """
 
