@@ -179,6 +179,38 @@ def test_per_model_cross_entropy_options():
     assert rel_diff(got, loop(F.cross_entropy, out, probs)) <= 1e-12
 
 
+def _autograd_nodes(t: torch.Tensor) -> set[str]:
+    """The class names of every node of ``t``'s backward graph."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
+def test_per_model_cross_entropy_over_few_classes(monkeypatch):
+    # N * B rows of 10 classes in float32: the log-softmax takes kernels.softmax's
+    # short-row path (forced here as under AVX512), within a rounding of the loop.
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    out = (torch.randn(8, 64, 10) * 4).requires_grad_()
+    y = torch.randint(0, 10, (64,))
+    y[:5] = -100
+    for kwargs in [{}, {"reduction": "sum"}, {"reduction": "none"}, {"ignore_index": 3},
+                   {"label_smoothing": 0.2}]:
+        target = y.clamp(min=0) if "ignore_index" in kwargs else y
+        losses = per_model(F.cross_entropy)(out, target, **kwargs)
+        if not kwargs.get("label_smoothing"):
+            assert "_ShortRowSoftmaxBackward" in _autograd_nodes(losses), kwargs
+        want = loop(F.cross_entropy, out, target, **kwargs)
+        torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
+        g = torch.randn_like(losses)
+        (grad,) = torch.autograd.grad(losses, out, g)
+        (grad_loop,) = torch.autograd.grad(want, out, g)
+        torch.testing.assert_close(grad, grad_loop, rtol=1e-5, atol=1e-6)  # grads ~1e-2
+
+
 @pytest.mark.parametrize("fn", [F.mse_loss, F.l1_loss, F.smooth_l1_loss,
                                 F.binary_cross_entropy_with_logits])
 def test_per_model_elementwise_losses(fn):

@@ -6,7 +6,8 @@
     x.mean()          ->  x.reshape(N, -1).mean(1)          (a full reduction per model)
     x.max(dim=1)      ->  reduce_in_memory_order("max", x, 2) (values, indices per model;
                                                              in x's memory order)
-    F.softmax(x, -1)  ->  F.softmax(x, -1)
+    F.softmax(x, -1)  ->  kernels.softmax(x, -1)           (ATen's, or whole-tensor ops for
+                                                          rows shorter than a SIMD vector)
 """
 
 from __future__ import annotations
@@ -80,14 +81,25 @@ for _name, _pos in REDUCTIONS.items():
     )
 
 
+#: softmax and log_softmax run through ``kernels.softmax`` (ATen's kernel, or a faster
+#: formula for rows shorter than a SIMD vector on the CPU); the rest call ``fn`` itself.
+_SOFTMAX_KERNELS = {F.softmax: {"log": False}, F.log_softmax: {"log": True}}
+
+
+def _call_softmax(builder: GraphBuilder, fn, x: fx.Node, dim: int, **kwargs) -> fx.Node:
+    if fn in _SOFTMAX_KERNELS:
+        return builder.call(kernels.softmax, x, dim, **_SOFTMAX_KERNELS[fn], **kwargs)
+    return builder.call(fn, x, dim, **kwargs)
+
+
 def _softmax_rule(fn):
     def fuse_softmax(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         dim = group.arg(1, "dim")
         if dim is None:
             raise NotFusable("softmax without an explicit dim (legacy implicit dim)")
         dtype = group.kwargs.get("dtype")
-        return builder.call(fn, builder.broadcast(group.args[0]), kernels.shift_dim(dim),
-                            dtype=dtype)
+        return _call_softmax(builder, fn, builder.broadcast(group.args[0]),
+                             kernels.shift_dim(dim), dtype=dtype)
 
     return fuse_softmax
 
@@ -101,8 +113,8 @@ def _softmax_module_rule(fn):
     def fuse_softmax_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         if group.module.dim is None:
             raise NotFusable("softmax without an explicit dim (legacy implicit dim)")
-        return builder.call(fn, builder.broadcast(group.args[0]),
-                            kernels.shift_dim(group.module.dim))
+        return _call_softmax(builder, fn, builder.broadcast(group.args[0]),
+                             kernels.shift_dim(group.module.dim))
 
     return fuse_softmax_module
 
