@@ -810,3 +810,64 @@ def test_fused_softmax_over_short_rows_equals_the_loop(short_row_path):
     code = fused.graph_module.code if hasattr(fused, "graph_module") else ""
     out = fused(torch.randn(512, 12))[0]
     assert "ShortRowSoftmax" in type(out.grad_fn).__name__, code
+
+
+# ------------------------------------------------- 2-d max pool through channels-last
+
+
+def _graph_nodes(t: torch.Tensor) -> set[str]:
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("call", [
+    (F.max_pool2d, (2,), {}),
+    (F.max_pool2d, (3, 2, 1), {"ceil_mode": True}),
+    (F.max_pool2d_with_indices, (2,), {}),
+    (F.max_pool2d, (3,), {"return_indices": True, "dilation": 2, "stride": [1, 2]}),
+    (nn.MaxPool2d(2, return_indices=True), (), {}),
+    (nn.MaxPool2d((2, 3), padding=1), (), {}),
+], ids=["2", "3s2p1ceil", "with_indices", "dilated", "module", "module_padded"])
+def test_max_pool2d_through_channels_last_equals_the_plain_pool(monkeypatch, dtype, call):
+    # Values, indices and the input gradient (double backward too) equal the plain call's
+    # bit for bit, ties (small integers after a ReLU-like clamp) and a NaN included.
+    fn, args, kwargs = call
+    base = torch.randint(-2, 3, (3, 8, 6, 13, 13)).clamp_min(0).to(dtype)
+    base[1, 2, 3, 4, 5] = float("nan")
+    outs = []
+    for min_numel in (1, 1 << 60):  # the channels-last detour, then ATen's NCHW pool
+        monkeypatch.setattr(kernels, "_POOL_VIA_CHANNELS_LAST_MIN_NUMEL", min_numel)
+        x = base.clone().requires_grad_()
+        y = kernels.channelwise(fn, x, *args, spatial=2, **kwargs)
+        values = y[0] if isinstance(y, tuple) else y
+        took = "_MaxPool2dThroughChannelsLastBackward" in _graph_nodes(values)
+        assert took == (min_numel == 1)
+        g = torch.randn(values.shape, dtype=dtype, generator=torch.Generator().manual_seed(0),
+                        requires_grad=True)
+        (gx,) = torch.autograd.grad(values, x, g, create_graph=True)
+        (ggx,) = torch.autograd.grad((gx * base.nan_to_num()).sum(), g)
+        outs.append((y, gx.detach(), ggx))
+    (y, gx, ggx), (y_ref, gx_ref, ggx_ref) = outs
+    for got, want in zip(y if isinstance(y, tuple) else (y,),
+                         y_ref if isinstance(y_ref, tuple) else (y_ref,)):
+        assert torch.equal(got.nan_to_num(-7), want.nan_to_num(-7))
+        assert got.stride() == want.stride()
+    assert torch.equal(gx, gx_ref)
+    assert torch.equal(ggx, ggx_ref)
+
+
+def test_max_pool2d_through_channels_last_only_where_it_pays():
+    x = torch.randn(64, 6, 28, 28)       # NCHW, 301,056 elements: the detour
+    assert kernels._max_pool2d_arguments(F.max_pool2d, x, (2,), {}) == (2, 2, 0, 1, False, False)
+    assert kernels._max_pool2d_arguments(F.max_pool2d, x[:1, :1], (2,), {}) is None  # small
+    assert kernels._max_pool2d_arguments(
+        F.max_pool2d, x.contiguous(memory_format=torch.channels_last), (2,), {}) is None
+    assert kernels._max_pool2d_arguments(F.max_pool2d, x.half(), (2,), {}) is None
+    assert kernels._max_pool2d_arguments(F.avg_pool2d, x, (2,), {}) is None
+    assert kernels._max_pool2d_arguments(F.max_pool2d, x[0], (2,), {}) is None   # unbatched

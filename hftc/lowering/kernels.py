@@ -802,8 +802,84 @@ def channelwise(fn: Callable[..., Any], x: Tensor, *args: Any, spatial: int, **k
     """
     n = x.shape[0]
     has_batch = x.dim() == spatial + 3
-    y = fn(fold_channels(x, has_batch), *args, **kwargs)
+    folded = fold_channels(x, has_batch)
+    pool = _max_pool2d_arguments(fn, folded, args, kwargs)
+    if pool is not None:
+        values, indices = _MaxPool2dThroughChannelsLast.apply(folded, *pool[:-1])
+        y = (values, indices) if pool[-1] else values
+    else:
+        y = fn(folded, *args, **kwargs)
     return pytree.tree_map(lambda t: unfold_channels(t, n, has_batch), y)
+
+
+#: Below this many input elements ATen's NCHW max pool is as fast as the detour.
+_POOL_VIA_CHANNELS_LAST_MIN_NUMEL = 1 << 16
+_MAX_POOL2D_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")
+
+
+def _max_pool2d_arguments(fn: Any, x: Tensor, args: tuple, kwargs: dict) -> tuple | None:
+    """``(kernel_size, stride, padding, dilation, ceil_mode, return_indices)`` where a 2-d
+    max pool of ``x`` should take :class:`_MaxPool2dThroughChannelsLast`, else ``None``."""
+    if not (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and x.dim() == 4 and x.is_contiguous()
+            and not x.is_contiguous(memory_format=torch.channels_last)
+            and x.numel() >= _POOL_VIA_CHANNELS_LAST_MIN_NUMEL):
+        return None
+    if isinstance(fn, torch.nn.MaxPool2d) and not args and not kwargs:
+        bound = {name: getattr(fn, name) for name in _MAX_POOL2D_ARGS}
+    elif fn in (F.max_pool2d, F.max_pool2d_with_indices):
+        if len(args) > len(_MAX_POOL2D_ARGS) or set(kwargs) - set(_MAX_POOL2D_ARGS):
+            return None
+        bound = dict(zip(_MAX_POOL2D_ARGS, args)) | kwargs
+        bound.setdefault("return_indices", fn is F.max_pool2d_with_indices)
+    else:
+        return None
+    stride = bound.get("stride")
+    return (bound["kernel_size"], bound["kernel_size"] if stride in (None, []) else stride,
+            bound.get("padding", 0), bound.get("dilation", 1), bool(bound.get("ceil_mode")),
+            bool(bound["return_indices"]))
+
+
+class _MaxPool2dThroughChannelsLast(torch.autograd.Function):
+    """A CPU 2-d max pool of an NCHW map, computed on a channels-last copy.
+
+    ATen's NCHW max-pool forward on the CPU takes ~6 ns per input element whatever the
+    window, its channels-last one ~0.3 ns (one core, torch 2.13, AVX512 and AVX2 alike:
+    LeNet-5's first pool at N = 16, [64, 96, 28, 28], 27.8 ms against 1.6 ms plus 3.0 ms
+    for the copy)::
+
+        y, idx = max_pool2d_with_indices(x.contiguous(channels_last))   -> NCHW copies
+        backward: max_pool2d_with_indices_backward(grad, x, ..., idx)   (NCHW, ATen's)
+
+    A max picks an element, so values and indices (offsets within each channel's plane,
+    ties to the first in the window, as NCHW) are the plain call's; the backward is
+    ATen's own NCHW backward with the same indices, hence the same gradient.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, kernel_size: Any, stride: Any, padding: Any,
+                dilation: Any, ceil_mode: bool) -> tuple[Tensor, Tensor]:
+        values, indices = F.max_pool2d_with_indices(
+            x.contiguous(memory_format=torch.channels_last), kernel_size, stride, padding,
+            dilation, ceil_mode)
+        values, indices = values.contiguous(), indices.contiguous()
+        ctx.args = (kernel_size, stride, padding, dilation, ceil_mode)
+        ctx.save_for_backward(x, indices)
+        ctx.mark_non_differentiable(indices)
+        return values, indices
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _: Any) -> tuple:
+        x, indices = ctx.saved_tensors
+        kernel_size, stride, padding, dilation, ceil_mode = (
+            _pair(v) if i < 4 else v for i, v in enumerate(ctx.args))
+        grad_x = torch.ops.aten.max_pool2d_with_indices_backward(
+            grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices)
+        return grad_x, None, None, None, None, None
+
+
+def _pair(v: Any) -> list[int]:
+    return list(v) if isinstance(v, (tuple, list)) else [v, v]
 
 
 # --------------------------------------------------------------------------- shapes
