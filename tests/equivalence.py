@@ -586,3 +586,14 @@ def loop_rounding_error(models: Sequence[nn.Module], inputs: Any, *, in_dims: In
         diff = (a.double()[finite] - e[finite]).abs().max().item()
         worst = max(worst, diff / max(1.0, e[finite].abs().max().item()))
     return worst
+
+
+def autograd_nodes(t: torch.Tensor) -> set[str]:
+    """The class names of every node of ``t``'s backward graph (which kernels ran)."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}

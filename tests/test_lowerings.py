@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from equivalence import DEFAULT_TOL, check_equivalence
+from equivalence import DEFAULT_TOL, autograd_nodes, check_equivalence
 from test_tying import TiedLM, TiedLMUntraceable
 from test_tying import V as TIED_VOCAB
 from test_zoo import _zoo_models
@@ -815,16 +815,6 @@ def test_fused_softmax_over_short_rows_equals_the_loop(short_row_path):
 # ------------------------------------------------- 2-d max pool through channels-last
 
 
-def _graph_nodes(t: torch.Tensor) -> set[str]:
-    seen, todo = set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            todo.extend(n for n, _ in node.next_functions)
-    return {type(node).__name__ for node in seen}
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("call", [
     (F.max_pool2d, (2,), {}),
@@ -846,7 +836,7 @@ def test_max_pool2d_through_channels_last_equals_the_plain_pool(monkeypatch, dty
         x = base.clone().requires_grad_()
         y = kernels.channelwise(fn, x, *args, spatial=2, **kwargs)
         values = y[0] if isinstance(y, tuple) else y
-        took = "_MaxPool2dThroughChannelsLastBackward" in _graph_nodes(values)
+        took = "_MaxPool2dThroughChannelsLastBackward" in autograd_nodes(values)
         assert took == (min_numel == 1)
         g = torch.randn(values.shape, dtype=dtype, generator=torch.Generator().manual_seed(0),
                         requires_grad=True)

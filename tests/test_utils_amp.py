@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from equivalence import autograd_nodes
 from optim_helpers import (
     StackedModels,
     assert_all_match,
@@ -179,17 +180,6 @@ def test_per_model_cross_entropy_options():
     assert rel_diff(got, loop(F.cross_entropy, out, probs)) <= 1e-12
 
 
-def _autograd_nodes(t: torch.Tensor) -> set[str]:
-    """The class names of every node of ``t``'s backward graph."""
-    seen, todo = set(), [t.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is not None and node not in seen:
-            seen.add(node)
-            todo.extend(n for n, _ in node.next_functions)
-    return {type(node).__name__ for node in seen}
-
-
 def test_per_model_cross_entropy_over_few_classes(monkeypatch):
     # N * B rows of 10 classes in float32: the log-softmax takes kernels.softmax's
     # short-row path (forced here as under AVX512), within a rounding of the loop.
@@ -202,7 +192,7 @@ def test_per_model_cross_entropy_over_few_classes(monkeypatch):
         target = y.clamp(min=0) if "ignore_index" in kwargs else y
         losses = per_model(F.cross_entropy)(out, target, **kwargs)
         if not kwargs.get("label_smoothing"):
-            assert "_ShortRowSoftmaxBackward" in _autograd_nodes(losses), kwargs
+            assert "_ShortRowSoftmaxBackward" in autograd_nodes(losses), kwargs
         want = loop(F.cross_entropy, out, target, **kwargs)
         torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
         g = torch.randn_like(losses)
