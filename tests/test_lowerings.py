@@ -820,10 +820,12 @@ def test_fused_softmax_over_short_rows_equals_the_loop(short_row_path):
     (F.max_pool2d, (2,), {}),
     (F.max_pool2d, (3, 2, 1), {"ceil_mode": True}),
     (F.max_pool2d_with_indices, (2,), {}),
+    (F.max_pool2d_with_indices, (2,), {"return_indices": False}),   # returns both anyway
     (F.max_pool2d, (3,), {"return_indices": True, "dilation": 2, "stride": [1, 2]}),
     (nn.MaxPool2d(2, return_indices=True), (), {}),
     (nn.MaxPool2d((2, 3), padding=1), (), {}),
-], ids=["2", "3s2p1ceil", "with_indices", "dilated", "module", "module_padded"])
+], ids=["2", "3s2p1ceil", "with_indices", "with_indices_false", "dilated", "module",
+        "module_padded"])
 def test_max_pool2d_through_channels_last_equals_the_plain_pool(monkeypatch, dtype, call):
     # Values, indices and the input gradient (double backward too) equal the plain call's
     # bit for bit, ties (small integers after a ReLU-like clamp) and a NaN included.
@@ -844,6 +846,7 @@ def test_max_pool2d_through_channels_last_equals_the_plain_pool(monkeypatch, dty
         (ggx,) = torch.autograd.grad((gx * base.nan_to_num()).sum(), g)
         outs.append((y, gx.detach(), ggx))
     (y, gx, ggx), (y_ref, gx_ref, ggx_ref) = outs
+    assert type(y) is type(y_ref)
     for got, want in zip(y if isinstance(y, tuple) else (y,),
                          y_ref if isinstance(y_ref, tuple) else (y_ref,)):
         assert torch.equal(got.nan_to_num(-7), want.nan_to_num(-7))

@@ -831,7 +831,9 @@ def _max_pool2d_arguments(fn: Any, x: Tensor, args: tuple, kwargs: dict) -> tupl
         if len(args) > len(_MAX_POOL2D_ARGS) or set(kwargs) - set(_MAX_POOL2D_ARGS):
             return None
         bound = dict(zip(_MAX_POOL2D_ARGS, args)) | kwargs
-        bound.setdefault("return_indices", fn is F.max_pool2d_with_indices)
+        # max_pool2d_with_indices returns both whatever its return_indices says.
+        if fn is F.max_pool2d_with_indices or "return_indices" not in bound:
+            bound["return_indices"] = fn is F.max_pool2d_with_indices or False
     else:
         return None
     stride = bound.get("stride")
