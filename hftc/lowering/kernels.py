@@ -820,12 +820,8 @@ _MAX_POOL2D_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode",
 def _max_pool2d_arguments(fn: Any, x: Tensor, args: tuple, kwargs: dict) -> tuple | None:
     """``(kernel_size, stride, padding, dilation, ceil_mode, return_indices)`` where a 2-d
     max pool of ``x`` should take :class:`_MaxPool2dThroughChannelsLast`, else ``None``."""
-    if not (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
-            and x.dim() == 4 and x.is_contiguous()
-            and not x.is_contiguous(memory_format=torch.channels_last)
-            and x.numel() >= _POOL_VIA_CHANNELS_LAST_MIN_NUMEL):
-        return None
-    if isinstance(fn, torch.nn.MaxPool2d) and not args and not kwargs:
+    # Only torch's own pool: a subclass of nn.MaxPool2d may have a forward of its own.
+    if type(fn) is torch.nn.MaxPool2d and not args and not kwargs:
         bound = {name: getattr(fn, name) for name in _MAX_POOL2D_ARGS}
     elif fn in (F.max_pool2d, F.max_pool2d_with_indices):
         if len(args) > len(_MAX_POOL2D_ARGS) or set(kwargs) - set(_MAX_POOL2D_ARGS):
@@ -835,6 +831,11 @@ def _max_pool2d_arguments(fn: Any, x: Tensor, args: tuple, kwargs: dict) -> tupl
         if fn is F.max_pool2d_with_indices or "return_indices" not in bound:
             bound["return_indices"] = fn is F.max_pool2d_with_indices or False
     else:
+        return None
+    if not (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and x.dim() == 4 and x.is_contiguous()
+            and not x.is_contiguous(memory_format=torch.channels_last)
+            and x.numel() >= _POOL_VIA_CHANNELS_LAST_MIN_NUMEL):
         return None
     stride = bound.get("stride")
     return (bound["kernel_size"], bound["kernel_size"] if stride in (None, []) else stride,
