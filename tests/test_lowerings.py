@@ -576,6 +576,61 @@ def test_every_lowering_of_a_strided_1x1_conv_on_a_channels_last_input(groups, x
                                    msg=name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
+@pytest.mark.parametrize(("cin", "cout", "size", "groups", "cost_model"), [
+    (4, 4, 12, 1, "grouped_channels_last"),    # the map outsizes the weight: stays
+    (8, 8, 2, 1, "grouped"),                   # the weight outsizes the map: NCHW
+    (6, 6, 5, 6, "grouped_channels_last"),     # depthwise: a tiny weight
+])
+def test_a_channels_last_map_reaching_a_conv(cin, cout, size, groups, cost_model, x_batched,
+                                             dtype):
+    # A map arrives channels-last after a shared_im2col stem or a channels-last conv.
+    # ``grouped`` runs NCHW as named (oneDNN would otherwise reorder the weight on every
+    # call), ``grouped_channels_last`` channels-last; the cost model keeps the map's
+    # layout while its weight is the smaller tensor.  Every lowering: the loop's values
+    # and gradients.
+    torch.manual_seed(0)
+    n, batch = 3, 2
+    modules = [nn.Conv2d(cin, cout, 3, padding=1, groups=groups).to(dtype) for _ in range(n)]
+    x = torch.randn(((n,) if x_batched else ()) + (batch, cin, size, size), dtype=dtype)
+    if x_batched:  # [N, B, C, H, W] viewing a channels-last [B, N*C, H, W], as programs run
+        folded = kernels.fold_channels(x, True).contiguous(memory_format=torch.channels_last)
+        channels_last = kernels.unfold_channels(folded, n, True)
+    else:
+        channels_last = x.contiguous(memory_format=torch.channels_last)
+    layer_args = _layer_args(kernels.conv, modules[0], x_batched)
+    weight = torch.stack([m.weight.detach() for m in modules])
+    bias = torch.stack([m.bias.detach() for m in modules])
+    xs = x.detach().requires_grad_()
+    ref = torch.stack([m(xs[i] if x_batched else xs) for i, m in enumerate(modules)])
+    grad_out = torch.randn_like(ref)
+    ref.backward(grad_out)
+
+    names = kernels.conv_lowerings(channels_last, weight, bias, **layer_args)
+    if x_batched or groups != 1:
+        assert names[0] == cost_model, names
+        assert kernels.conv_lowerings(x, weight, bias, **layer_args)[0] == "grouped"
+    tol = DEFAULT_TOL[dtype]
+    for name in names:
+        xl = channels_last.detach().requires_grad_()
+        wl = weight.detach().requires_grad_()
+        bl = bias.detach().requires_grad_()
+        y = kernels.conv(xl, wl, bl, lowering=name, **layer_args)
+        if name.startswith("grouped"):
+            folded = kernels.fold_channels(y, True)
+            assert folded.is_contiguous(memory_format=torch.channels_last
+                                        if name == "grouped_channels_last"
+                                        else torch.contiguous_format), name
+        y.backward(grad_out)
+        _assert_close_to_scale(y, ref, tol, f"{name}: forward")
+        _assert_close_to_scale(xl.grad, xs.grad, tol, f"{name}: input grad")
+        _assert_close_to_scale(wl.grad, torch.stack([m.weight.grad for m in modules]), tol,
+                               f"{name}: weight grad")
+        _assert_close_to_scale(bl.grad, torch.stack([m.bias.grad for m in modules]), tol,
+                               f"{name}: bias grad")
+
+
 class StridedPointwise(nn.Module):
     """One conv (a module, or F.conv2d on its weight), then a mean over the map."""
 

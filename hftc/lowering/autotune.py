@@ -259,7 +259,8 @@ def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[s
     names = TUNABLE[kernel](*args, **kwargs)
     backward = any(grad_flags)
     device = next(a.device for a in args if isinstance(a, Tensor))
-    key = json.dumps([device_key(device), kernel.__name__, _describe(list(args)),
+    # "op-2": before ``grouped`` converted a channels-last map to NCHW (kernels.conv).
+    key = json.dumps([device_key(device), "op-2", kernel.__name__, _describe(list(args)),
                       {k: _describe(v) for k, v in sorted(kwargs.items())},
                       [bool(f) for f in grad_flags], names])
     path = path or cache_path()

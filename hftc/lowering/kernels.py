@@ -156,8 +156,9 @@ def conv_lowerings(
 
     The cost model (measured on CPUs with oneDNN, see each lowering's docstring):
     1x1 convs as batched GEMMs; few-tap shared convs (``Cin*kh*kw <= 32``) as
-    im2col; grouped convs with few input channels per group and large kernels in
-    channels-last memory; every other conv as one grouped (or shared) conv.
+    im2col; grouped convs with few input channels per group and large kernels, and
+    those whose map arrives channels-last and outsizes their weight, in channels-last
+    memory; every other conv as one grouped (or shared) conv.
     ``hftc.fuse(..., autotune=True)`` times the rest (:mod:`hftc.lowering.autotune`).
     """
     two_d = spatial == 2 and padding_mode == "zeros"
@@ -172,7 +173,17 @@ def conv_lowerings(
     names = ["grouped"]
     if spatial == 2 and has_batch and not _onednn_unsafe(x, weight, stride):
         few_channels = weight.shape[2] <= 8 and weight.shape[3] * weight.shape[4] >= 25
-        names.insert(0 if few_channels else 1, "grouped_channels_last")
+        # A map that arrives channels-last (after a shared_im2col stem, a channels-last
+        # conv or pool) stays so while its weight is the smaller tensor: oneDNN reorders
+        # the weight to the map's layout on every call, forward and backward, and below
+        # that size the reorder costs less than converting the map.  Measured on ResNet's
+        # 3x3 layers at N = 2, batch 8, forward + backward, channels-last vs NCHW (map
+        # converted): 64 ch 32x32 42 vs 61 ms, 128 ch 16x16 34 vs 41, 256 ch 8x8 49 vs 41,
+        # 512 ch 4x4 111 vs 56; depthwise convs (tiny weights) 1.5-3.5x faster channels-last.
+        folded = fold_channels(x, True) if x_batched else x
+        map_numel = folded.numel() * (1 if x_batched else weight.shape[0])
+        stays_channels_last = layout.is_channels_last(folded) and weight.numel() <= map_numel
+        names.insert(0 if few_channels or stays_channels_last else 1, "grouped_channels_last")
     if x_batched and groups == 1 and spatial in (1, 2) and _is_pointwise(
             weight, stride, padding, dilation, padding_mode, spatial):
         names.insert(0 if spatial == 2 else 1, "pointwise_bmm")
@@ -248,6 +259,10 @@ def conv(
         # channels-last one and than N separate convolutions; for 3x3 kernels and for
         # wider layers (ResNet's) channels-last measured equal or slower.
         xf = xf.contiguous(memory_format=torch.channels_last)
+    elif lowering == "grouped":
+        # NCHW as named: a channels-last map would make oneDNN reorder the weight on
+        # every call (see conv_lowerings), the slow part for wide layers.
+        xf = xf.contiguous()
     y = fn(_onednn_safe(xf, weight, stride), w, b, stride, padding, dilation, groups)
     return unfold_channels(y, n, has_batch)
 
