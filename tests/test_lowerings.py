@@ -492,6 +492,29 @@ def test_a_whole_forward_with_right_outputs_and_wrong_gradients_is_rejected(monk
     assert "model_loop" not in eval_choice.rejected, eval_choice
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_whole_forward_gradients_are_compared_in_norm(dtype):
+    # Two equal programs that round differently drift apart through a deep network, most
+    # in the few elements a batch norm's backward cancels: that is noise, a kernel's
+    # wrong gradient over part of a tensor is not.
+    torch.manual_seed(0)
+    want = torch.randn(1000, dtype=dtype)
+    tol = autotune._gradient_tolerance(want)
+    drifted = want.clone()
+    drifted[:3] += 0.1 * tol * want.abs().max()  # 0.1 tol of the largest, in 3 elements
+    assert not autotune._same_gradients([drifted], [want])  # too far element by element
+    assert autotune._close_gradients([drifted, None], [want, None])
+    wrong = want.clone()
+    wrong[:50] = 0  # a kernel that left 5% of a gradient unwritten
+    assert not autotune._close_gradients([wrong], [want])
+    assert not autotune._close_gradients([2 * want], [want])
+    nan = want.clone()
+    nan[0] = float("nan")
+    assert not autotune._close_gradients([nan], [want])
+    assert not autotune._close_gradients([want, want], [want, None])
+    assert autotune._close_gradients([torch.zeros(3, dtype=dtype)], [torch.zeros(3, dtype=dtype)])
+
+
 class GroupNormFirst(nn.Module):
     """A group norm on the inputs (its input needs no gradient, its weight does)."""
 

@@ -505,7 +505,7 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
                     isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype
                     and (random or _same(a.detach(), b.detach()))
                     for a, b in zip(leaves, fused_leaves)) and (
-                    random or _same_gradients(grads, fused_grads)):
+                    random or _close_gradients(grads, fused_grads)):
                 valid[how.name] = how
             else:
                 rejected.append(how.name)
@@ -525,14 +525,59 @@ def _run_step(fused: torch.nn.Module, program_forward: Callable[..., Any], how: 
             leaves = [t for t in pytree.tree_leaves(out)
                       if isinstance(t, Tensor) and t.requires_grad]
             if leaves:
-                grads = torch.autograd.grad(sum(t.float().sum() for t in leaves), params,
+                grads = torch.autograd.grad(leaves, params, _output_gradients(leaves),
                                             allow_unused=True)
     return out, grads
+
+
+def _output_gradients(leaves: Sequence[Tensor]) -> list[Tensor]:
+    """Random gradients for a forward's outputs, the same at every call (seeded).
+
+    Not the gradient of the outputs' sum: through a training-mode batch norm that one is
+    constant over the batch, and the norm's backward cancels it to rounding noise.  On
+    ResNet-18 (N = 2, float32) the fused program's and the loop's parameter gradients of
+    the sum then differed by up to 10% of their largest element, and both were as far
+    from float64's, where with the real loss or random output gradients they agree.
+    Every whole-forward candidate was rejected for a difference that was noise."""
+    generator = torch.Generator(device=leaves[0].device).manual_seed(0)
+    return [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=generator)
+            for t in leaves]
 
 
 def _same_gradients(grads: Sequence[Tensor | None], want: Sequence[Tensor | None]) -> bool:
     return len(grads) == len(want) and all(
         (a is None) == (b is None) and (a is None or _same(a, b)) for a, b in zip(grads, want))
+
+
+def _gradient_tolerance(t: Tensor) -> float:
+    """How far (norm-wise, relative) a whole forward's parameter gradients may be from
+    the fused program's on ``t``'s dtype and device (:func:`_close_gradients`)."""
+    if t.dtype == torch.float64:
+        return 1e-7
+    if t.dtype == torch.float32 and _tolerance(t) <= 1e-4:  # not TF32
+        return 1e-2
+    return 5e-2
+
+
+def _close_gradients(grads: Sequence[Tensor | None], want: Sequence[Tensor | None]) -> bool:
+    """Whole-forward candidates' parameter gradients against the fused program's: each
+    within :func:`_gradient_tolerance` of it in norm, relative to its norm.
+
+    Not element by element, as for one op (:func:`_same_gradients`): two equal programs
+    that round differently drift apart through a deep network, and most of all in the
+    elements a training-mode batch norm's backward cancels.  ResNet-18 at N = 2 in
+    float32: the fused program's and the whole-model loop's weight gradients differed by
+    up to 1% of their largest element (each was 0.5% from float64's with the real loss),
+    and by at most 0.2% in norm.  The bugs this check is for (a kernel's wrong gradient
+    for some memory layout) are off by far more than that."""
+    def close(a: Tensor, b: Tensor) -> bool:
+        if a.shape != b.shape:
+            return False
+        diff, norm = (a - b).double().norm().item(), b.double().norm().item()
+        return diff <= _gradient_tolerance(b) * norm or diff == 0.0
+
+    return len(grads) == len(want) and all(
+        (a is None) == (b is None) and (a is None or close(a, b)) for a, b in zip(grads, want))
 
 
 def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
@@ -547,12 +592,14 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     the inputs may be laid out channels-last (:func:`.layout.safe`)."""
     choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
-    # "program-3": choices cached before the whole forward was timed with freed memory
+    # "program-4": before the candidates' gradients were checked for random output
+    # gradients (_output_gradients).  "program-3": choices cached before the whole
+    # forward was timed with freed memory
     # kept (fused.py), when a fused program paid page faults its steps do not, before
     # ties went to the smaller peak, and before the parameters' shapes were in the key
     # (the generated code does not name them: models with 1x1 and 3x3 convolutions
     # shared a choice), are retimed.
-    key = json.dumps([device_key(device), "program-3", fused.num_models,
+    key = json.dumps([device_key(device), "program-4", fused.num_models,
                       hashlib.sha1(key_source.encode()).hexdigest(),
                       _describe([v for v in values if isinstance(v, Tensor)]), list(batched),
                       backward, [list(p.shape) for p in fused.parameters()]])
