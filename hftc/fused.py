@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from .lowering.autotune import (
     ProgramChoice,
     autotune_graph,
     choose_program,
+    cost_model_graph,
     preserved_state,
     run_program,
 )
@@ -453,9 +454,19 @@ class FusedModule(nn.Module):
         if self.autotune and program.output_spec is None:
             device = next((v.device for v in values if isinstance(v, torch.Tensor)),
                           torch.device("cpu"))
+            cost_graph = cost_model_graph(graph, report.lowerings)
+            cost_forward, cost_source = compile_graph(cost_graph) if cost_graph else (None, "")
             how, choice = choose_program(
                 self, forward, values, batched, backward=backward, key_source=source,
-                channels_last=layout.safe(self._template, mode_graphs.graph, device))
+                channels_last=layout.safe(self._template, mode_graphs.graph, device),
+                cost_model=cost_forward)
+            if how.forward is not None:  # the cost model's lowerings ran faster together
+                program.forward, program.graph, program.source = how.forward, cost_graph, \
+                    cost_source
+                how = replace(how, forward=None)
+                for op in report.lowerings:
+                    if op.chosen != op.default:
+                        op.overruled, op.chosen = op.chosen, op.default
             program.how = how if how.name != "fused" else None
             report.lowerings.append(choice)
         return program

@@ -353,6 +353,100 @@ def test_whole_forward_peaks_are_in_the_report(cache_dir):
     assert "peak" in str(whole)
 
 
+def _tune_ops_away_from_the_cost_model(monkeypatch):
+    """Make every op's timing alone choose a lowering other than the cost model's, as
+    noise or an op's neighbours' layouts can."""
+    def pick(times, default):  # as the real one, of the times alone, not of their order
+        return min((name for name in times if name != default), default=default)
+
+    monkeypatch.setattr(autotune, "_pick", pick)
+
+
+def test_cost_model_graph_resets_only_the_nodes_autotune_moved():
+    graph = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU())).graph
+    first, second = [n for n in graph.nodes if n.op == "call_module"]
+    first.kwargs, second.kwargs = {"lowering": "loop"}, {"lowering": "baddbmm"}
+    choices = [autotune.LoweringChoice(first.name, "linear", "loop", "baddbmm"),
+               autotune.LoweringChoice(second.name, "linear", "baddbmm", "baddbmm")]
+    copy = autotune.cost_model_graph(graph, choices)
+    lowerings = {n.name: n.kwargs.get("lowering") for n in copy.nodes}
+    assert lowerings[first.name] == "baddbmm" and lowerings[second.name] == "baddbmm"
+    assert first.kwargs == {"lowering": "loop"}  # the tuned graph is left as it was
+    assert autotune.cost_model_graph(graph, choices[1:]) is None
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_the_cost_models_program_is_a_whole_forward_candidate(train, monkeypatch, cache_dir):
+    # Each op timed alone chose another lowering than the cost model's; together they
+    # ran slower (ResNet-18 N = 4 on one CPU core: 0.80x serial).  The cost model's
+    # program is timed beside them, and where it wins it is what runs.
+    _tune_ops_away_from_the_cost_model(monkeypatch)
+    pick_program = autotune._pick_program
+
+    def cost_model_wins(times, peaks):
+        assert "cost_model" in times, times
+        times = {**times, "cost_model": 0.5 * min(times.values())}
+        return pick_program(times, peaks)
+
+    monkeypatch.setattr(autotune, "_pick_program", cost_model_wins)
+    torch.manual_seed(0)
+    models = [LeNet5() for _ in range(3)]
+    fused = check_equivalence(models, torch.randn(4, 1, 28, 28), train=train, steps=2,
+                              fuser=functools.partial(hftc.fuse, autotune=True))
+    *ops, whole = fused.fusion_report.lowerings
+    assert whole.chosen.startswith("cost_model")
+    assert all(op.overruled not in (None, op.default) for op in ops if len(op.times) > 1)
+    assert all(op.chosen == op.default for op in ops)
+    source = fused.last_program().source
+    assert all(f"lowering = '{op.default}'" in source for op in ops)
+    assert all("the whole forward ran faster with the cost model's lowerings" in str(op)
+               for op in ops if op.overruled)
+
+    # Another process with the same shapes: every choice from the disk cache, no timing,
+    # the same program.
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a cached choice was timed again")
+
+    monkeypatch.setattr(autotune._Candidate, "measure", no_timing)
+    monkeypatch.setattr(autotune, "_run_step", no_timing)
+    # (check_equivalence ran float64 models on an input that requires grad.)
+    again = hftc.fuse([m.double() for m in models], autotune=True).train(train)
+    x = torch.randn(4, 1, 28, 28, dtype=torch.float64, requires_grad=True)
+    out = again(x)
+    assert all(c.cached for c in again.fusion_report.lowerings)
+    assert again.fusion_report.lowerings[-1].chosen == whole.chosen
+    assert again.last_program().source == source
+    for i, m in enumerate(again.unfuse()):
+        m.train(train)
+        if not train:
+            torch.testing.assert_close(out[i], m(x))
+
+
+def test_autotunes_own_program_stays_where_the_cost_models_is_no_faster(monkeypatch,
+                                                                         cache_dir):
+    _tune_ops_away_from_the_cost_model(monkeypatch)
+    pick_program = autotune._pick_program
+    seen = {}
+
+    def cost_model_loses(times, peaks):
+        seen.update(times)
+        times = {**times, "cost_model": 2.0 * max(times.values())}
+        times = {k: v for k, v in times.items() if not k.startswith("cost_model+")}
+        return pick_program(times, {k: v for k, v in peaks.items() if k in times})
+
+    monkeypatch.setattr(autotune, "_pick_program", cost_model_loses)
+    torch.manual_seed(0)
+    fused = hftc.fuse([MLP() for _ in range(2)], autotune=True)
+    fused(torch.randn(8, 64))
+    *ops, whole = fused.fusion_report.lowerings
+    assert "cost_model" in seen and not whole.chosen.startswith("cost_model")
+    assert any(op.chosen != op.default for op in ops)
+    assert all(op.overruled is None for op in ops)
+    assert all(f"lowering = '{op.chosen}'" in fused.last_program().source for op in ops)
+
+
 def test_autotune_must_be_a_bool():
     with pytest.raises(FusionArgumentError, match="autotune must be True or False"):
         hftc.fuse([MLP(), MLP()], autotune="fast")
@@ -690,13 +784,14 @@ def test_a_strided_1x1_conv_over_few_channels_is_never_run_channels_last_on_the_
 
     # Inputs the caller laid out channels-last: the fused program's convs guard themselves
     # (kernels.conv), the whole-model loop would run the models' own: it is not a candidate.
+    # (The cost model's program is the fused program with other lowerings, as guarded.)
     torch.manual_seed(0)
     models = [StridedPointwise(4, 1, 2, functional) for _ in range(2)]
     fused = hftc.fuse(models, autotune=True, in_dims=0)
     x = torch.randn(2, 8, 4, 9, 9).movedim(2, -1).contiguous().movedim(-1, 2)
     out = fused(x)
     choice = fused.fusion_report.lowerings[-1]
-    assert set(choice.times) | set(choice.rejected) <= {"fused"}, choice
+    assert set(choice.times) | set(choice.rejected) <= {"fused", "cost_model"}, choice
     out.sum().backward()
     for i, m in enumerate(models):
         m.zero_grad()

@@ -35,6 +35,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,9 @@ class LoweringChoice:
     #: the whole forward's candidates: name -> peak MiB allocated over one forward
     #: (+ backward), where it could be measured
     peaks: dict[str, float] = field(default_factory=dict)
+    #: the lowering this op's timing alone chose, where the whole forward then ran
+    #: faster with the cost model's lowerings (``chosen`` is then the cost model's)
+    overruled: str | None = None
 
     def __str__(self) -> str:
         timings = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in self.times.items())
@@ -107,6 +111,9 @@ class LoweringChoice:
         source = "cache" if self.cached else timings
         note = (f"; rejected (failed, or outputs or gradients differ): {self.rejected}"
                 if self.rejected else "")
+        if self.overruled is not None:
+            note += (f"; {self.overruled} alone, but the whole forward ran faster with the "
+                     f"cost model's lowerings")
         return (f"{self.node:<24} {self.kernel:<15} {self.chosen:<22} "
                 f"(cost model: {self.default}; {source}{note})")
 
@@ -416,8 +423,9 @@ def _rng_state(device: torch.device) -> Tensor:
 
 @dataclass
 class ProgramChoice:
-    """How the whole forward runs: the fused program or the whole-model loop, and in
-    which input layout (``None``: as given; ``"channels_last"``: :mod:`.layout`).
+    """How the whole forward runs: the fused program (with autotune's per-op lowerings,
+    or with the cost model's: ``forward``) or the whole-model loop, and in which input
+    layout (``None``: as given; ``"channels_last"``: :mod:`.layout`).
 
     ``layout_shapes``: the feature maps' per-sample shapes the layout was tuned and
     checked on; inputs of other shapes run as given (model code that calls ``.view()``
@@ -428,11 +436,38 @@ class ProgramChoice:
     layout_shapes: tuple | None = None
     #: peak bytes of one forward (+ backward) (:func:`.heap.peak_memory`)
     peak: int | None = None
+    #: the fused program to run instead of the one with autotune's per-op choices: the
+    #: same graph with the cost model's lowerings (:func:`cost_model_graph`)
+    forward: Callable[..., Any] | None = None
 
     @property
     def name(self) -> str:
-        run = "fused" if self.model_loop is None else "model_loop"
+        run = ("model_loop" if self.model_loop is not None
+               else "cost_model" if self.forward is not None else "fused")
         return run if self.layout is None else f"{run}+{self.layout}"
+
+
+def cost_model_graph(graph: fx.Graph, choices: Sequence[LoweringChoice]) -> fx.Graph | None:
+    """A copy of ``graph`` with the cost model's lowering at each node where autotune's
+    timing of the op alone chose another (``None`` if it chose none)::
+
+        graph:       conv(..., lowering='loop')     conv_1(..., lowering='grouped_channels_last')
+        the copy:    conv(..., lowering='grouped')  conv_1(..., lowering='grouped')
+
+    An op timed alone is not the op in its program: what its output's layout costs the
+    next op is not in its time, and choices that each win alone can lose together.
+    ResNet-18 at N = 4 on one CPU core: two channels-last convs, three per-model loops
+    and an im2col stem, each faster alone, made the step 1.39-1.55 s where the cost
+    model's took 1.16-1.27 s.  :func:`choose_program` times this program beside
+    autotune's, so tuning never ends slower than not tuning, as measured."""
+    defaults = {c.node: c.default for c in choices if c.chosen != c.default}
+    if not defaults:
+        return None
+    copy = deepcopy(graph)
+    for node in copy.nodes:
+        if node.name in defaults:
+            node.kwargs = {**node.kwargs, "lowering": defaults[node.name]}
+    return copy
 
 
 def run_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
@@ -445,19 +480,21 @@ def run_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     if how.model_loop is not None:
         out = how.model_loop(fused, values, batched)
     else:
-        out = program_forward(fused, *values)
+        out = (how.forward or program_forward)(fused, *values)
     return layout.contiguous_outputs(out) if relayout else out
 
 
 def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., Any],
                        values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
                        channels_last: bool = True,
+                       cost_model: Callable[..., Any] | None = None,
                        ) -> tuple[dict[str, ProgramChoice], list[str]]:
     """The ways to run the whole forward on these inputs whose outputs (and parameter
     gradients) equal the fused program's (the fused program as given first), and the
     names of those that failed or differed::
 
-        fused program | whole-model loop (:mod:`.model_loop`)
+        fused program | with the cost model's lowerings (``cost_model``, if given)
+                      | whole-model loop (:mod:`.model_loop`)
           x  inputs as given | feature maps channels-last (:mod:`.layout`)
 
     Channels-last only where ``channels_last`` (:func:`.layout.safe`); where not, no
@@ -486,9 +523,11 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
                         if channels_last and layout.applies(values, batched) else [])
     valid, rejected = {default.name: default}, []
     fused_leaves = pytree.tree_leaves(fused_out)
-    for run in [None] + ([loop] if loop is not None else []):
+    runs = [(None, None)] + ([(None, cost_model)] if cost_model is not None else []) \
+        + ([(loop, None)] if loop is not None else [])
+    for run, forward in runs:
         for lay in layouts:
-            how = ProgramChoice(run, lay, shapes if lay is not None else None)
+            how = ProgramChoice(run, lay, shapes if lay is not None else None, forward=forward)
             if how.name in valid:
                 continue
             try:
@@ -583,43 +622,50 @@ def _close_gradients(grads: Sequence[Tensor | None], want: Sequence[Tensor | Non
 def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
                    values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
                    key_source: str, path: Path | None = None, channels_last: bool = True,
+                   cost_model: Callable[..., Any] | None = None,
                    ) -> tuple[ProgramChoice, LoweringChoice]:
     """Time the whole forward's :func:`program_candidates` on the real inputs, forward
     (+ backward), interleaved over rounds (more while the fastest two are close).  A
     candidate other than the fused program as given is taken only if it is faster by
     ``_LOOP_MARGIN``.  ``key_source`` (the
     generated code) identifies the program in the disk cache.  ``channels_last``: whether
-    the inputs may be laid out channels-last (:func:`.layout.safe`)."""
+    the inputs may be laid out channels-last (:func:`.layout.safe`).  ``cost_model``: the
+    program compiled from :func:`cost_model_graph`, a candidate too (the chosen
+    ``ProgramChoice.forward`` is then it)."""
     choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
-    # "program-4": before the candidates' gradients were checked for random output
-    # gradients (_output_gradients).  "program-3": choices cached before the whole
+    # "program-5": before the cost model's program was a candidate.  "program-4": before
+    # the candidates' gradients were checked for random output gradients
+    # (_output_gradients).  "program-3": choices cached before the whole
     # forward was timed with freed memory
     # kept (fused.py), when a fused program paid page faults its steps do not, before
     # ties went to the smaller peak, and before the parameters' shapes were in the key
     # (the generated code does not name them: models with 1x1 and 3x3 convolutions
     # shared a choice), are retimed.
-    key = json.dumps([device_key(device), "program-4", fused.num_models,
+    key = json.dumps([device_key(device), "program-5", fused.num_models,
                       hashlib.sha1(key_source.encode()).hexdigest(),
                       _describe([v for v in values if isinstance(v, Tensor)]), list(batched),
                       backward, [list(p.shape) for p in fused.parameters()]])
     path = path or cache_path()
     entry = _lookup(key, path)
     wanted = entry.get("chosen") if entry is not None else None
-    if isinstance(wanted, str) and wanted.split("+")[0] in ("fused", "model_loop"):
-        run, _, lay = wanted.partition("+")
-        if (lay == "" and (run == "fused" or channels_last or not layout.given(values, batched))
+    run, _, lay = wanted.partition("+") if isinstance(wanted, str) else ("", "", "")
+    if run in ("fused", "model_loop") or (run == "cost_model" and cost_model is not None):
+        if (lay == "" and (run != "model_loop" or channels_last
+                           or not layout.given(values, batched))
                 or (lay == layout.CHANNELS_LAST and channels_last)):
             with contextlib.suppress(Exception):  # a model the loop cannot run: tune again
                 how = ProgramChoice(ModelLoop(fused) if run == "model_loop" else None,
-                                    lay or None, layout.sample_shapes(values, batched))
+                                    lay or None, layout.sample_shapes(values, batched),
+                                    forward=cost_model if run == "cost_model" else None)
                 choice.chosen, choice.times, choice.cached = wanted, entry["times"], True
                 return how, choice
 
     with preserved_state(fused):
         valid, choice.rejected = program_candidates(fused, program_forward, values, batched,
                                                     backward=backward,
-                                                    channels_last=channels_last)
+                                                    channels_last=channels_last,
+                                                    cost_model=cost_model)
         if len(valid) == 1:
             return ProgramChoice(), choice
         times: dict[str, list[float]] = {name: [] for name in valid}
@@ -666,5 +712,5 @@ def _pick_program(times: dict[str, float], peaks: dict[str, int | None]) -> str:
 
 
 __all__ = ["LoweringChoice", "ProgramChoice", "TUNABLE", "autotune_graph", "cache_path",
-           "choose_program", "device_key", "preserved_state", "program_candidates",
-           "run_program", "tune_call"]
+           "choose_program", "cost_model_graph", "device_key", "preserved_state",
+           "program_candidates", "run_program", "tune_call"]
