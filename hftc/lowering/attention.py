@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .kernels import dropout as dropout_kernel
 from .kernels import expand_models, linear, pad_model_dims
 
 
@@ -178,7 +179,7 @@ def multi_head_attention(
             weights = torch.bmm(q_scaled, k.transpose(-2, -1))
         weights = F.softmax(weights, dim=-1)
         if dropout_p > 0.0:
-            weights = F.dropout(weights, p=dropout_p)
+            weights = dropout_kernel(weights, dropout_p)
         out = torch.bmm(weights, v)  # [N*B*H, L, hd]
         out = out.reshape(n, bsz * num_heads, tgt_len, head_dim).transpose(1, 2).reshape(
             n, tgt_len, bsz, embed_dim)

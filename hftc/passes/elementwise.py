@@ -140,7 +140,11 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 
 def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """Dropout and friends: a shared input is expanded so every model draws its own mask."""
+    """Dropout and friends: a shared input is expanded so every model draws its own mask.
+
+    ``nn.Dropout``, ``F.dropout`` and ``torch.dropout`` run as :func:`kernels.dropout`
+    (on the CPU a faster mask sampler than ATen's), with per-model rates as
+    :func:`per_model.dropout`; the rest as the original op on the fused tensor."""
     node = group.node
     p = group.per_model.get("p") or group.per_model_arg(1, "p")
     if p is not None:
@@ -152,6 +156,16 @@ def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             raise NotFusable("per-model rates for this kind of dropout")
         return builder.call(per_model.dropout, builder.broadcast(group.args[0]), tuple(p),
                             training)
+    if node.op == "call_module" and type(group.module) is nn.Dropout:
+        return builder.call(kernels.dropout, builder.broadcast(group.args[0]), group.module.p,
+                            builder.training_flag(group), group.module.inplace)
+    if node.target is F.dropout:
+        return builder.call(kernels.dropout, builder.broadcast(group.args[0]),
+                            group.arg(1, "p", 0.5), group.arg(2, "training", True),
+                            group.arg(3, "inplace", False))
+    if node.target is torch.dropout:
+        return builder.call(kernels.dropout, builder.broadcast(group.args[0]),
+                            group.arg(1, "p"), group.arg(2, "train"))
     args = (builder.broadcast(group.args[0]), *group.args[1:])
     return builder.copy(FusionGroup(group.node, group.nodes, args, group.kwargs, group.module),
                         batched=True)
