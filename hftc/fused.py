@@ -455,7 +455,8 @@ class FusedModule(nn.Module):
             device = next((v.device for v in values if isinstance(v, torch.Tensor)),
                           torch.device("cpu"))
             cost_graph = cost_model_graph(graph, report.lowerings)
-            cost_forward, cost_source = compile_graph(cost_graph) if cost_graph else (None, "")
+            cost_forward, cost_source = (compile_graph(cost_graph) if cost_graph is not None
+                                         else (None, ""))
             how, choice = choose_program(
                 self, forward, values, batched, backward=backward, key_source=source,
                 channels_last=layout.safe(self._template, mode_graphs.graph, device),
