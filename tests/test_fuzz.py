@@ -72,8 +72,9 @@ def test_random_architectures_fuse_exactly(spec, n, stacked, train, seed):
 @contextlib.contextmanager
 def random_lowerings(pick: random.Random):
     """Autotune with a random lowering per node, and a random one of the ways to run the
-    whole forward that run (fused or whole-model loop, inputs as given or channels-last),
-    instead of the timed choice: every lowering a kernel lists must be exact anywhere."""
+    whole forward that run (fused with those lowerings or the cost model's, or whole-model
+    loop; inputs as given or channels-last), instead of the timed choice: every lowering a
+    kernel lists must be exact anywhere."""
     def tune_call(kernel, args, kwargs, grad_flags, *, node="?", path=None):
         names = autotune.TUNABLE[kernel](*args, **kwargs)
         return autotune.LoweringChoice(node, kernel.__name__, pick.choice(names), names[0])
@@ -82,7 +83,8 @@ def random_lowerings(pick: random.Random):
         with autotune.preserved_state(fused):
             valid, _ = autotune.program_candidates(
                 fused, forward, values, batched, backward=backward,
-                channels_last=kwargs.get("channels_last", True))
+                channels_last=kwargs.get("channels_last", True),
+                cost_model=kwargs.get("cost_model"))
         how = pick.choice(list(valid.values()))
         return how, autotune.LoweringChoice("<whole model>", "forward", how.name, "fused")
 
