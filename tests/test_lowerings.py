@@ -9,9 +9,11 @@ report, the disk cache and the check that drops a lowering with other outputs.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import platform
+import time
 import warnings
 
 import pytest
@@ -447,6 +449,31 @@ def test_autotunes_own_program_stays_where_the_cost_models_is_no_faster(monkeypa
     assert all(f"lowering = '{op.chosen}'" in fused.last_program().source for op in ops)
 
 
+def test_a_whole_forward_candidate_far_behind_is_timed_no_more(monkeypatch, cache_dir):
+    # Six candidates of a long step took minutes to time to the end; one 10% behind the
+    # fastest after a block of rounds cannot win and is dropped, the close ones go on.
+    _tune_ops_away_from_the_cost_model(monkeypatch)
+    run_step, runs = autotune._run_step, collections.Counter()
+
+    def slow_loop(fused, forward, how, *args):
+        runs[how.name] += 1
+        time.sleep(0.01 + (0.05 if how.model_loop is not None else 0.0))
+        return run_step(fused, forward, how, *args)
+
+    monkeypatch.setattr(autotune, "_run_step", slow_loop)
+    monkeypatch.setattr(autotune, "_CLOSE", 1.0)  # fused and cost_model: always "close"
+    torch.manual_seed(0)
+    fused = hftc.fuse([MLP() for _ in range(2)], autotune=True)
+    fused(torch.randn(8, 64))
+    whole = fused.fusion_report.lowerings[-1]
+    assert set(whole.times) == {"fused", "cost_model", "model_loop"}
+    assert not whole.chosen.startswith("model_loop")
+    # each: one run to check it, one untimed, then the timed rounds
+    rounds = autotune._ROUNDS
+    assert runs["model_loop"] == 2 + rounds
+    assert runs["fused"] == runs["cost_model"] == 2 + rounds * autotune._MORE_ROUNDS
+
+
 def test_autotune_must_be_a_bool():
     with pytest.raises(FusionArgumentError, match="autotune must be True or False"):
         hftc.fuse([MLP(), MLP()], autotune="fast")
@@ -828,7 +855,8 @@ def test_a_model_loop_with_other_outputs_is_rejected(cache_dir, monkeypatch):
     fused = hftc.fuse([MLP() for _ in range(2)], autotune=True)
     fused.compile(torch.randn(8, 64))
     choice = fused.fusion_report.lowerings[-1]
-    assert choice.rejected == ["model_loop"] and choice.chosen == "fused"
+    # the fused program runs, with autotune's lowerings or the cost model's (as timed)
+    assert choice.rejected == ["model_loop"] and choice.chosen in ("fused", "cost_model")
     assert fused.last_program().model_loop is None
 
 
