@@ -150,3 +150,12 @@ def test_fused_dropouts_run_hftcs_kernel_and_each_model_draws_its_own_mask():
     # eval: no dropout, the loop's values and gradients (float64 and float32)
     for dtype in (torch.float64, torch.float32):
         check_equivalence(models, x, train=False, dtype=dtype)
+
+
+def test_dropout_masks_are_drawn_on_the_inputs_device_whatever_the_default():
+    x, keep = torch.ones(64, 64), torch.tensor([[0.5], [1.0]])
+    with torch.device("meta"):  # a default device other than the input's
+        out = kernels.dropout(x, 0.5, True)
+        per_model = kernels.bernoulli_mask((2, 8), keep, x)
+    assert out.device.type == "cpu" and per_model.device.type == "cpu"
+    assert per_model[1].all()

@@ -859,12 +859,13 @@ def bernoulli_mask(shape: Sequence[int], keep: float | Tensor, like: Tensor) -> 
         return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(keep)
     if isinstance(keep, Tensor):  # int64 thresholds: keep = 1 is 2**31, past int32
         threshold = (keep.double() * 2**_MASK_BITS).round().to(torch.int64)
-        bits = torch.empty(shape, dtype=torch.int32).random_()
+        bits = torch.empty(shape, dtype=torch.int32, device=like.device).random_()
         return torch.lt(bits, threshold).to(like.dtype)
     threshold = round(keep * 2**_MASK_BITS)
     if threshold >= 2**_MASK_BITS:
-        return torch.ones(shape, dtype=like.dtype)
-    return torch.empty(shape, dtype=torch.int32).random_().lt_(threshold).to(like.dtype)
+        return torch.ones(shape, dtype=like.dtype, device=like.device)
+    bits = torch.empty(shape, dtype=torch.int32, device=like.device).random_()
+    return bits.lt_(threshold).to(like.dtype)
 
 
 # --------------------------------------------------------------------------- channel-wise ops
