@@ -377,8 +377,10 @@ def test_cost_model_graph_resets_only_the_nodes_autotune_moved():
     assert autotune.cost_model_graph(graph, choices[1:]) is None
 
 
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-def test_the_cost_models_program_is_a_whole_forward_candidate(train, monkeypatch, cache_dir):
+def test_the_cost_models_program_is_a_whole_forward_candidate(train, frontend, monkeypatch,
+                                                              cache_dir):
     # Each op timed alone chose another lowering than the cost model's; together they
     # ran slower (ResNet-18 N = 4 on one CPU core: 0.80x serial).  The cost model's
     # program is timed beside them, and where it wins it is what runs.
@@ -393,8 +395,11 @@ def test_the_cost_models_program_is_a_whole_forward_candidate(train, monkeypatch
     monkeypatch.setattr(autotune, "_pick_program", cost_model_wins)
     torch.manual_seed(0)
     models = [LeNet5() for _ in range(3)]
+    example = (torch.randn(4, 1, 28, 28, dtype=torch.float64),)
+    fuser = functools.partial(hftc.fuse, autotune=True, frontend=frontend,
+                              example_inputs=example if frontend == "export" else None)
     fused = check_equivalence(models, torch.randn(4, 1, 28, 28), train=train, steps=2,
-                              fuser=functools.partial(hftc.fuse, autotune=True))
+                              fuser=fuser)
     *ops, whole = fused.fusion_report.lowerings
     assert whole.chosen.startswith("cost_model")
     assert all(op.overruled not in (None, op.default) for op in ops if len(op.times) > 1)
@@ -413,8 +418,9 @@ def test_the_cost_models_program_is_a_whole_forward_candidate(train, monkeypatch
 
     monkeypatch.setattr(autotune._Candidate, "measure", no_timing)
     monkeypatch.setattr(autotune, "_run_step", no_timing)
-    # (check_equivalence ran float64 models on an input that requires grad.)
-    again = hftc.fuse([m.double() for m in models], autotune=True).train(train)
+    # (check_equivalence ran float64 models, in the mode they were fused in, on an input
+    # that requires grad; the export front-end compiles at fuse time, in that mode.)
+    again = fuser([m.double().train(train) for m in models])
     x = torch.randn(4, 1, 28, 28, dtype=torch.float64, requires_grad=True)
     out = again(x)
     assert all(c.cached for c in again.fusion_report.lowerings)
