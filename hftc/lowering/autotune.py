@@ -464,7 +464,8 @@ def cost_model_graph(graph: fx.Graph, choices: Sequence[LoweringChoice]) -> fx.G
     ResNet-18 at N = 4 on one CPU core: two channels-last convs, three per-model loops
     and an im2col stem, each faster alone, made the step 1.39-1.55 s where the cost
     model's took 1.16-1.27 s.  :func:`choose_program` times this program beside
-    autotune's, so tuning never ends slower than not tuning, as measured."""
+    autotune's, so tuning ends at most ``_LOOP_MARGIN`` slower than not tuning, as timed
+    (the cost model's program must win by that margin to replace autotune's)."""
     defaults = {c.node: c.default for c in choices if c.chosen != c.default}
     if not defaults:
         return None
