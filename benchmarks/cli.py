@@ -75,10 +75,13 @@ def config_from_args(args: argparse.Namespace):
 
 def docs_block(cfg) -> str:
     """The BENCHMARKS.md block (and plot-file infix) of a run: "" for the CPU fp32 default
-    Adam suite, else e.g. "cuda", "cuda-bf16", "adam-fused"."""
+    Adam suite on one pinned core, else e.g. "cuda", "cuda-bf16", "adam-fused", "cores-2"."""
     parts = []
     if cfg.device != "cpu":
         parts.append("cuda")
+    elif cfg.cores != 1 or cfg.threads != 1:
+        parts.append(f"cores-{cfg.cores or 'all'}" + (f"-threads-{cfg.threads}"
+                                                      if cfg.threads != max(1, cfg.cores) else ""))
     if cfg.precision != "fp32":
         parts.append(cfg.precision)
     if cfg.adam != "default":

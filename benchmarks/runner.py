@@ -233,9 +233,6 @@ def context():
     """The forkserver that forks every worker (torch and hftc imported once, nothing computed)."""
     global _CONTEXT
     if _CONTEXT is None:
-        # With more than one intra-op thread on a busy machine, OpenMP threads that
-        # spin-wait for each other cost 10-200x (measured); workers wait passively.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "hftc", "benchmarks.contenders"])
         _CONTEXT = ctx
@@ -250,14 +247,24 @@ class WorkerError(RuntimeError):
 _CPUS: list[int] = []
 
 
-def set_cpus(cores: int) -> list[int]:
+def set_cpus(cores: int, threads: int = 1) -> list[int]:
     """Confine every worker started from now on to the first ``cores`` CPUs (0: no pinning).
 
     All contenders then get the same share of the machine: the concurrent contender's
     N processes share those cores instead of spreading over the idle ones.
+
+    OpenMP's wait policy stays the default (spin a little, then sleep), as a user's
+    torch has it, unless a process gets more threads than it has cores: then threads
+    that spin-wait for a descheduled peer cost 10-200x (measured), so they wait
+    passively.  Not the other way round: passive waiting made the stock MLP loop with
+    2 threads on 2 cores 3x slower (29 -> 95 ms at N = 32), a handicap no user has.
+    libgomp reads the policy when torch loads, so it is set before the forkserver
+    (which preloads torch) starts.
     """
     available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     _CPUS[:] = available[:cores] if cores and available else []
+    if threads > (len(_CPUS) or os.cpu_count() or 1):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return list(_CPUS)
 
 

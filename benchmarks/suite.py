@@ -196,7 +196,7 @@ def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[s
     import torch
 
     torch.set_num_threads(cfg.threads)
-    cpus = runner.set_cpus(cfg.cores)
+    cpus = runner.set_cpus(cfg.cores, cfg.threads)
     setting = {"device": cfg.device, "precision": cfg.precision}
     on_gpu = cfg.device != "cpu"
     started = time.time()

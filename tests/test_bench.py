@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -261,6 +262,9 @@ def test_bench_cli_names_each_kind_of_run_and_refuses_a_missing_gpu():
     both = cfg("--quick", "--precision", "bf16", "--adam", "fused")
     assert (both.name, docs_block(both)) == ("quick-bf16-adam-fused", "bf16-adam-fused")
     assert both.cores == 1 and both.threads == 1  # the CPU: one pinned core each
+    # The whole 2-core machine is its own block, beside the one-core default.
+    assert docs_block(cfg("--cores", "2")) == "cores-2"
+    assert docs_block(cfg("--cores", "0", "--threads", "2")) == "cores-all-threads-2"
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no such device"):
             cfg("--device", "cuda")
@@ -403,3 +407,20 @@ def test_a_round_warms_every_worker_before_the_clock_starts(monkeypatch):
     assert events == [("send", "warm")] * 3 + [("clock", None)] + [("send", "run")] * 3 \
         + [("clock", None)]
     assert c.run.step_s == [1.0]
+
+
+def test_workers_wait_passively_only_where_threads_outnumber_their_cores(monkeypatch):
+    """Passive OpenMP waiting is for oversubscribed workers; a user's default otherwise."""
+    from benchmarks import runner
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    try:
+        runner.set_cpus(1, 1)
+        assert "OMP_WAIT_POLICY" not in os.environ
+        runner.set_cpus(cores, cores)
+        assert "OMP_WAIT_POLICY" not in os.environ
+        runner.set_cpus(1, 2)
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    finally:
+        runner.set_cpus(0)
