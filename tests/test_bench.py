@@ -100,7 +100,7 @@ def test_tiny_suite_end_to_end(tmp_path):
     assert info["fallbacks"] == []
     # autotune picked one of each linear's lowerings (MLP: a shared first layer, then two
     # batched ones) ...
-    assert info["lowerings"]["linear"] in ("gemm", "loop")
+    assert info["lowerings"]["linear"] in ("baddbmm", "gemm", "loop")
     assert {info["lowerings"][k] for k in ("linear_1", "linear_2")} <= {
         "baddbmm", "baddbmm_t", "baddbmm_autograd", "einsum", "loop"}
     # ... and the step's phases were timed and its self time split three ways.

@@ -1,8 +1,8 @@
 """Fused attention kernels: N models' heads are one batch of ``N*B*H`` attention problems.
 
 Logical layout as everywhere: ``[N, *per_model_shape]``.  Projections go through
-:func:`~hftc.lowering.kernels.linear` (one ``baddbmm``, or one GEMM with ``N*3E``
-outputs when all models read one shared input); the attention core folds the
+:func:`~hftc.lowering.kernels.linear` (one ``baddbmm``; a shared input is broadcast
+over the models, or is one GEMM with ``N*3E`` outputs); the attention core folds the
 model dim into the batch of heads, so one ``bmm``/softmax/``bmm`` (or one
 ``scaled_dot_product_attention``) serves every model::
 

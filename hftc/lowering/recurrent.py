@@ -9,7 +9,8 @@ Per layer, the two directions of a bidirectional RNN join the model dim (``N*D``
                        -> one bmm per time step for all N models and directions
 
 (the reverse direction reads ``xproj`` flipped in time).  A shared input (a
-sweep's batch) makes the first projection one GEMM with ``N*D*G*H`` outputs.
+sweep's batch) is broadcast over the models for the first projection (or, with the
+``gemm`` lowering, is one GEMM with ``N*D*G*H`` outputs).
 Gate formulas follow ATen's CPU cells (``aten/src/ATen/native/RNN.cpp``):
 
 - LSTM (i, f, g, o): ``c' = f*c + i*g``, ``h' = o*tanh(c')`` (then ``W_hr h'`` with ``proj_size``)

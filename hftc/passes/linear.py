@@ -4,7 +4,9 @@
 
     before (per model i):  y_i = x_i @ W_i^T + b_i              W_i: [out, in]
     after, batched x:      y   = baddbmm(b[:, None], x.view(N, M, in), W.transpose(1, 2))
-    after, shared x:       y   = F.linear(x, W.view(N*out, in), b.view(N*out))  (one GEMM)
+    after, shared x:       y   = baddbmm(b[:, None], x.expand(N, M, in), W.transpose(1, 2))
+                           (the broadcast is a view), or as one GEMM:
+                           y   = F.linear(x, W.view(N*out, in), b.view(N*out))
 
 ``x @ W`` with a parameter, ``torch.matmul``/``bmm``/``mm`` between activations
 go through :func:`~hftc.lowering.kernels.matmul`, which pads per-model batch
