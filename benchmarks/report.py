@@ -154,14 +154,15 @@ def markdown(result: dict) -> str:
         f"{(m.get('memory_gib') or 0):.0f} GiB, Python {m['python']}, torch {m['torch']}, "
         f"hftc at `{m['git_commit']}`; device `{device}`, {precision}"
         + (" (forward and loss under `torch.autocast(bfloat16)`)" if precision == "bf16" else "")
-        + f"; {result['threads']} intra-op thread per process, "
+        + f"; {result['threads']} intra-op thread{'s' * (result['threads'] != 1)} per process, "
         f"every worker on CPU(s) {result.get('cpus') or 'any'}; "
         f"Adam: {cfg.get('adam', 'default')}. "
         f"Load average (1, 5, 15 min) at the start "
         f"{', '.join(f'{v:.1f}' for v in result['load_start'])}, at the end "
         f"{', '.join(f'{v:.1f}' for v in result.get('load_end', []))}.",
         "",
-        f"Peak {precision} matmul ({size}^3, {result['threads']} thread): "
+        f"Peak {precision} matmul ({size}^3, {result['threads']} "
+        f"thread{'s' * (result['threads'] != 1)}): "
         f"**{pk[0]:.1f} GFLOP/s** "
         f"median [{pk[1]:.1f}-{pk[2]:.1f}] over {len(result['peak_gflops'])} measurements "
         f"taken through the run.",
