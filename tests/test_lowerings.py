@@ -169,6 +169,17 @@ def test_every_linear_lowering_matches_the_loop(layer, n, x_batched, dtype):
     _check_every_lowering(kernels.linear, cls, kwargs, shape, n, x_batched, 5, dtype)
 
 
+def test_a_shared_inputs_linear_is_broadcast_unless_the_input_needs_a_gradient():
+    """The cost model: a contiguous broadcast product for a shared input; one wide GEMM
+    where the input needs its own gradient (the broadcast's would be N products summed)."""
+    weight, bias = torch.randn(3, 5, 4), torch.randn(3, 5)
+    x = torch.randn(6, 4)
+    assert kernels.linear_lowerings(x, weight, bias, x_batched=False)[0] == "baddbmm"
+    assert kernels.linear(x, weight, bias, x_batched=False).is_contiguous()
+    x.requires_grad_()
+    assert kernels.linear_lowerings(x, weight, bias, x_batched=False)[0] == "gemm"
+
+
 def test_a_pointwise_conv1d_of_batched_inputs_can_run_as_a_batched_gemm():
     # Autotune's candidate, not the cost model's choice (kernels._pointwise_conv).
     x, w = torch.randn(2, 8, 4, 16), torch.randn(2, 6, 4, 1)

@@ -487,7 +487,9 @@ def linear_lowerings(x: Tensor, weight: Tensor, bias: Tensor | None, *,
     ``[M, N*out]`` memory that every following op reads strided, and its gradient
     must be copied back into that layout; with ``baddbmm`` the layer's output is a
     contiguous ``[N, M, out]`` (MLP training step, one core, cost model otherwise:
-    N = 32 5.93 vs 6.11 ms, N = 8 2.12 vs 2.19, N = 2 1.10 vs 1.16).
+    N = 32 5.93 vs 6.11 ms, N = 8 2.12 vs 2.19, N = 2 1.10 vs 1.16).  Not where the
+    shared input needs a gradient of its own: ``gemm``'s is one product, where the
+    broadcast's is N products ``[N, M, in]`` summed over the models.
 
     The cost model puts ``baddbmm_t`` first for narrow outputs (a classifier head):
     CPU BLAS kernels run ``[M, in] @ [in, out]`` with ``out`` of 10 at a third of the
@@ -496,7 +498,7 @@ def linear_lowerings(x: Tensor, weight: Tensor, bias: Tensor | None, *,
     while wide outputs run alike either way.
     """
     if not x_batched:
-        return ["baddbmm", "gemm", "loop"]
+        return ["gemm", "baddbmm", "loop"] if x.requires_grad else ["baddbmm", "gemm", "loop"]
     if weight.shape[1] < _NARROW_OUTPUT:
         return ["baddbmm_t", "baddbmm", "baddbmm_autograd", "einsum", "loop"]
     return ["baddbmm", "baddbmm_t", "baddbmm_autograd", "einsum", "loop"]
@@ -508,7 +510,7 @@ _NARROW_OUTPUT = 32
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool,
            lowering: str | None = None) -> Tensor:
-    """N linears: one ``baddbmm`` (batched input) or one GEMM (shared input).
+    """N linears as one batched product (``baddbmm``), or one wide GEMM of a shared input.
 
     ``weight``: ``[N, out, in]``.  Shared ``x`` ``[*lead, in]``:
     ``F.linear(x, W.view(N*out, in))`` -> ``[*lead, N*out]`` viewed as ``[N, *lead, out]``
