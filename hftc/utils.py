@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .lowering.kernels import softmax
+from .lowering.kernels import short_row_cross_entropy
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
 
@@ -243,14 +243,14 @@ def _flattened_loss(loss_fn, args, dims, n: int, kwargs: dict[str, Any]) -> Tens
             return None  # weighted means and probability targets: vmap handles them
         if target.shape[1:] != out.shape[1:2] + out.shape[3:]:
             return None
+        per_sample = None
         if loss_fn is F.cross_entropy and flat_out.dim() == 2 \
                 and not rest.get("label_smoothing"):
-            # cross_entropy is nll_loss of log_softmax; ours is faster where the classes
-            # are fewer than a SIMD vector's lanes (kernels.softmax: 10 classes, N*B rows).
-            per_sample = F.nll_loss(softmax(flat_out, 1, log=True), flat_target,
-                                    reduction="none",
-                                    ignore_index=rest.get("ignore_index", -100))
-        else:
+            # Classes fewer than a SIMD vector's lanes (10 classes, N*B rows) make ATen's
+            # CPU (log_)softmax slow: kernels.short_row_cross_entropy instead.
+            per_sample = short_row_cross_entropy(flat_out, flat_target,
+                                                 rest.get("ignore_index", -100))
+        if per_sample is None:
             per_sample = loss_fn(flat_out, flat_target, reduction="none", **rest)
         per_sample = per_sample.reshape(n, -1)
         if reduction == "none":

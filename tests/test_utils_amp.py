@@ -181,8 +181,8 @@ def test_per_model_cross_entropy_options():
 
 
 def test_per_model_cross_entropy_over_few_classes(monkeypatch):
-    # N * B rows of 10 classes in float32: the log-softmax takes kernels.softmax's
-    # short-row path (forced here as under AVX512), within a rounding of the loop.
+    # N * B rows of 10 classes in float32: the loss takes kernels.short_row_cross_entropy
+    # (forced here as under AVX512), within a rounding of the loop.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     out = (torch.randn(8, 64, 10) * 4).requires_grad_()
     y = torch.randint(0, 10, (64,))
@@ -192,13 +192,34 @@ def test_per_model_cross_entropy_over_few_classes(monkeypatch):
         target = y.clamp(min=0) if "ignore_index" in kwargs else y
         losses = per_model(F.cross_entropy)(out, target, **kwargs)
         if not kwargs.get("label_smoothing"):
-            assert "_ShortRowSoftmaxBackward" in autograd_nodes(losses), kwargs
+            assert "_ShortRowCrossEntropyBackward" in autograd_nodes(losses), kwargs
         want = loop(F.cross_entropy, out, target, **kwargs)
         torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
         g = torch.randn_like(losses)
         (grad,) = torch.autograd.grad(losses, out, g)
         (grad_loop,) = torch.autograd.grad(want, out, g)
         torch.testing.assert_close(grad, grad_loop, rtol=1e-5, atol=1e-6)  # grads ~1e-2
+
+
+def test_per_model_cross_entropy_over_few_classes_stacked_targets_and_double_backward(
+        monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    out = (torch.randn(4, 128, 7) * 3).requires_grad_()
+    ys = torch.randint(0, 7, (4, 128))
+    ys[1, :3] = -100  # ignored rows in one model only
+    losses = per_model(F.cross_entropy, in_dims=0)(out, ys)
+    assert "_ShortRowCrossEntropyBackward" in autograd_nodes(losses)
+    want = loop(F.cross_entropy, out, ys, stacked=True)
+    torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-6)
+    # create_graph: the gradient is itself differentiable (a gradient penalty)
+    (grad,) = torch.autograd.grad(losses.sum(), out, create_graph=True)
+    (grad_loop,) = torch.autograd.grad(want.sum(), out, create_graph=True)
+    torch.testing.assert_close(grad, grad_loop, rtol=1e-5, atol=1e-7)
+    v = torch.randn_like(out)
+    (gg,) = torch.autograd.grad((grad * v).sum(), out)
+    (gg_loop,) = torch.autograd.grad((grad_loop * v).sum(), out)
+    torch.testing.assert_close(gg, gg_loop, rtol=1e-4, atol=1e-7)
+    assert gg.abs().sum() > 0
 
 
 @pytest.mark.parametrize("fn", [F.mse_loss, F.l1_loss, F.smooth_l1_loss,

@@ -1187,6 +1187,71 @@ class _ShortRowSoftmax(torch.autograd.Function):
         return out * (grad - (grad * out).sum(-1, keepdim=True)), None
 
 
+def short_row_cross_entropy(x: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor | None:
+    """Per-row ``F.cross_entropy(x, target, reduction="none")`` for rows of few classes,
+    or ``None`` where :func:`_short_rows` says ATen's kernels are the fast ones.
+
+    ``x`` ``[R, C]`` float32 logits (the N models' batches flattened, ``R = N*B``),
+    ``target`` ``[R]`` class indices.  :class:`_ShortRowCrossEntropy` computes what
+    ATen's ``nll_loss(log_softmax(x))`` computes, in fewer whole-tensor passes and
+    without ``log_softmax``'s ``[R, C]`` output::
+
+        ATen:  log_softmax (amax, sub, exp, sum, log, sub) -> nll_loss (gather)
+               backward: nll_loss's scatter into zeros [R, C], then log_softmax's
+               g - exp(out) * g.sum(-1)
+        here:  amax, sub, gather, exp_, sum -> log(sum) - picked
+               backward: exp * (g / sum), scatter_add_ -g at the targets
+
+    Measured on one core, the MLP benchmark's fused loss (2048 rows of 10 classes)
+    forward and backward: 197 against 422 us.  Within a rounding of ATen's (its row
+    sums run in another order), not bit for bit.
+    """
+    if not _short_rows(x, 1) or x.dim() != 2 or target.dtype != torch.long \
+            or target.shape != x.shape[:1]:
+        return None
+    return _ShortRowCrossEntropy.apply(x, target, ignore_index)
+
+
+class _ShortRowCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over short rows (see :func:`short_row_cross_entropy`).
+
+    Loss of row r with target t: ``log(sum_j exp(x_rj - m_r)) - (x_rt - m_r)``, ``m_r``
+    the row's max, as ATen's ``-log_softmax(x)[r, t]``; 0 where t is ``ignore_index``.
+    Gradient: ``g_r * (softmax(x_r) - onehot(t))``, 0 on ignored rows.  A double
+    backward (``create_graph=True``) gets the same gradient in differentiable ops.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+        ignored = target == ignore_index
+        if not bool(ignored.any()):
+            ignored = None
+        index = (target if ignored is None else target.masked_fill(ignored, 0)).unsqueeze(1)
+        shifted = x - x.amax(1, keepdim=True)
+        picked = shifted.gather(1, index)
+        exp = shifted.exp_()
+        total = exp.sum(1, keepdim=True)
+        loss = total.log().sub_(picked).squeeze(1)
+        if ignored is not None:
+            loss.masked_fill_(ignored, 0.0)
+        ctx.save_for_backward(x, index, ignored)
+        ctx.exp, ctx.total = exp, total
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        x, index, ignored = ctx.saved_tensors
+        if ignored is not None:
+            grad = grad.masked_fill(ignored, 0.0)
+        g = grad.unsqueeze(1)
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated
+            onehot = torch.zeros_like(x).scatter_(1, index, 1.0)
+            return (torch.softmax(x, 1) - onehot) * g, None, None
+        out = ctx.exp * (g / ctx.total)  # softmax(x) * g in one pass over [R, C]
+        out.scatter_add_(1, index, -g)
+        return out, None, None
+
+
 def stack_or_cat(fn: Callable[..., Tensor], tensors: Sequence[Any], dim: int,
                  batched: Sequence[bool]) -> Tensor:
     """``torch.cat`` / ``torch.stack`` of batched and shared tensors: shared ones are expanded."""
