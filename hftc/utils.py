@@ -243,16 +243,15 @@ def _flattened_loss(loss_fn, args, dims, n: int, kwargs: dict[str, Any]) -> Tens
             return None  # weighted means and probability targets: vmap handles them
         if target.shape[1:] != out.shape[1:2] + out.shape[3:]:
             return None
-        per_sample = None
         if loss_fn is F.cross_entropy and flat_out.dim() == 2 \
                 and not rest.get("label_smoothing"):
             # Classes fewer than a SIMD vector's lanes (10 classes, N*B rows) make ATen's
             # CPU (log_)softmax slow: kernels.short_row_cross_entropy instead.
-            per_sample = short_row_cross_entropy(flat_out, flat_target,
-                                                 rest.get("ignore_index", -100))
-        if per_sample is None:
-            per_sample = loss_fn(flat_out, flat_target, reduction="none", **rest)
-        per_sample = per_sample.reshape(n, -1)
+            losses = short_row_cross_entropy(flat_out, flat_target, n, reduction,
+                                             rest.get("ignore_index", -100))
+            if losses is not None:
+                return losses.reshape(n, *target.shape[1:]) if reduction == "none" else losses
+        per_sample = loss_fn(flat_out, flat_target, reduction="none", **rest).reshape(n, -1)
         if reduction == "none":
             return per_sample.reshape(n, *target.shape[1:])
         total = per_sample.sum(dim=1)

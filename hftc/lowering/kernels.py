@@ -528,12 +528,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool,
         y = F.linear(x, weight.reshape(n * out_features, in_features),
                      bias.flatten() if bias is not None else None)
         return y.unflatten(-1, (n, out_features)).movedim(-2, 0)
+    # Reshapes only where the rank differs: a no-op reshape is still a view, and one
+    # more node for autograd to run on every backward.
     if x_batched:
         lead = x.shape[1:-1]
-        x3 = x.reshape(n, -1, in_features)
+        x3 = x if x.dim() == 3 else x.reshape(n, -1, in_features)
     else:  # every model reads the same rows: a broadcast view, no copy
         lead = x.shape[:-1]
-        x3 = x.reshape(1, -1, in_features).expand(n, -1, -1)
+        x3 = (x if x.dim() == 2 else x.reshape(-1, in_features)).expand(n, -1, -1)
     if lowering == "baddbmm_autograd":
         wt = weight.transpose(1, 2)
         y = torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
@@ -543,7 +545,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool,
             y = y + bias.unsqueeze(1)
     else:
         y = _BatchedLinear.apply(x3, weight, bias, lowering == "baddbmm_t")
-    return y.reshape(n, *lead, out_features)
+    return y if len(lead) == 1 else y.reshape(n, *lead, out_features)
 
 
 class _BatchedLinear(torch.autograd.Function):
@@ -585,13 +587,22 @@ class _BatchedLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x3, weight = ctx.saved_tensors
         dtype = grad.dtype
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.bmm(grad, weight.to(dtype)).to(x3.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.bmm(grad.transpose(1, 2), x3.to(dtype)).to(weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = grad.sum(1).to(ctx.bias_dtype)
+        if dtype == x3.dtype == weight.dtype:  # no autocast: no casts (each a call per step)
+            if need_x:
+                grad_x = torch.bmm(grad, weight)
+            if need_w:
+                grad_w = torch.bmm(grad.transpose(1, 2), x3)
+        else:
+            if need_x:
+                grad_x = torch.bmm(grad, weight.to(dtype)).to(x3.dtype)
+            if need_w:
+                grad_w = torch.bmm(grad.transpose(1, 2), x3.to(dtype)).to(weight.dtype)
+        if ctx.bias_dtype is not None and need_b:
+            grad_b = grad.sum(1)
+            if grad_b.dtype != ctx.bias_dtype:
+                grad_b = grad_b.to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None
 
 
@@ -1187,29 +1198,35 @@ class _ShortRowSoftmax(torch.autograd.Function):
         return out * (grad - (grad * out).sum(-1, keepdim=True)), None
 
 
-def short_row_cross_entropy(x: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor | None:
-    """Per-row ``F.cross_entropy(x, target, reduction="none")`` for rows of few classes,
-    or ``None`` where :func:`_short_rows` says ATen's kernels are the fast ones.
+def short_row_cross_entropy(x: Tensor, target: Tensor, num_models: int,
+                            reduction: str = "mean", ignore_index: int = -100) -> Tensor | None:
+    """N models' ``F.cross_entropy`` over rows of few classes, or ``None`` where
+    :func:`_short_rows` says ATen's kernels are the fast ones.
 
-    ``x`` ``[R, C]`` float32 logits (the N models' batches flattened, ``R = N*B``),
-    ``target`` ``[R]`` class indices.  :class:`_ShortRowCrossEntropy` computes what
-    ATen's ``nll_loss(log_softmax(x))`` computes, in fewer whole-tensor passes and
-    without ``log_softmax``'s ``[R, C]`` output::
+    ``x`` ``[R, C]`` float32 logits, the N models' batches flattened (``R = N*B``,
+    model i's rows ``[i*B, (i+1)*B)``), ``target`` ``[R]`` class indices.  Returns each
+    model's loss ``[N]`` for ``reduction`` ``"mean"`` or ``"sum"``, each row's ``[R]`` for
+    ``"none"``.  :class:`_ShortRowCrossEntropy` computes what ATen's
+    ``nll_loss(log_softmax(x))`` computes, in fewer whole-tensor passes, without
+    ``log_softmax``'s ``[R, C]`` output, and with the reduction inside (one autograd
+    node, not five)::
 
         ATen:  log_softmax (amax, sub, exp, sum, log, sub) -> nll_loss (gather)
-               backward: nll_loss's scatter into zeros [R, C], then log_softmax's
-               g - exp(out) * g.sum(-1)
-        here:  amax, sub, gather, exp_, sum -> log(sum) - picked
-               backward: exp * (g / sum), scatter_add_ -g at the targets
+               -> per model: view, sum, divide by the count
+               backward: the reduction's, nll_loss's scatter into zeros [R, C], then
+               log_softmax's g - exp(out) * g.sum(-1)
+        here:  amax, sub, gather, exp_, sum -> log(sum) - picked -> per model: sum, div_
+               backward: exp * (g_row / sum), scatter_add_ -g_row at the targets
 
     Measured on one core, the MLP benchmark's fused loss (2048 rows of 10 classes)
-    forward and backward: 197 against 422 us.  Within a rounding of ATen's (its row
-    sums run in another order), not bit for bit.
+    forward and backward: 197 against 422 us (before the reduction moved inside).
+    Within a rounding of ATen's (its sums run in another order), not bit for bit.
     """
     if not _short_rows(x, 1) or x.dim() != 2 or target.dtype != torch.long \
-            or target.shape != x.shape[:1]:
+            or target.shape != x.shape[:1] or x.shape[0] % num_models \
+            or reduction not in ("mean", "sum", "none"):
         return None
-    return _ShortRowCrossEntropy.apply(x, target, ignore_index)
+    return _ShortRowCrossEntropy.apply(x, target, num_models, reduction, ignore_index)
 
 
 class _ShortRowCrossEntropy(torch.autograd.Function):
@@ -1217,12 +1234,15 @@ class _ShortRowCrossEntropy(torch.autograd.Function):
 
     Loss of row r with target t: ``log(sum_j exp(x_rj - m_r)) - (x_rt - m_r)``, ``m_r``
     the row's max, as ATen's ``-log_softmax(x)[r, t]``; 0 where t is ``ignore_index``.
-    Gradient: ``g_r * (softmax(x_r) - onehot(t))``, 0 on ignored rows.  A double
-    backward (``create_graph=True``) gets the same gradient in differentiable ops.
+    A model's mean divides its rows' sum by its rows that are not ignored, as ATen's.
+    Gradient: ``g_r * (softmax(x_r) - onehot(t))`` with ``g_r`` the row's share of its
+    model's gradient, 0 on ignored rows.  A double backward (``create_graph=True``) gets
+    the same gradient in differentiable ops.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    def forward(ctx: Any, x: Tensor, target: Tensor, num_models: int, reduction: str,
+                ignore_index: int) -> Tensor:
         ignored = target == ignore_index
         if not bool(ignored.any()):
             ignored = None
@@ -1234,22 +1254,35 @@ class _ShortRowCrossEntropy(torch.autograd.Function):
         loss = total.log().sub_(picked).squeeze(1)
         if ignored is not None:
             loss.masked_fill_(ignored, 0.0)
-        ctx.save_for_backward(x, index, ignored)
-        ctx.exp, ctx.total = exp, total
-        return loss
+        counts: Tensor | int = x.shape[0] // num_models
+        if reduction == "mean" and ignored is not None:
+            counts = ignored.logical_not().view(num_models, -1).sum(1)
+        ctx.save_for_backward(x, index, ignored, counts if isinstance(counts, Tensor) else None)
+        ctx.exp, ctx.total, ctx.counts = exp, total, counts
+        ctx.num_models, ctx.reduction = num_models, reduction
+        if reduction == "none":
+            return loss
+        per_model = loss.view(num_models, -1).sum(1)
+        return per_model.div_(counts) if reduction == "mean" else per_model
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
-        x, index, ignored = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, index, ignored, counts = ctx.saved_tensors
+        n = ctx.num_models
+        if ctx.reduction == "none":
+            rows = grad.reshape(-1, 1)
+        else:
+            if ctx.reduction == "mean":
+                grad = grad / (ctx.counts if counts is None else counts)
+            rows = grad.reshape(n, 1).expand(n, x.shape[0] // n).reshape(-1, 1)
         if ignored is not None:
-            grad = grad.masked_fill(ignored, 0.0)
-        g = grad.unsqueeze(1)
+            rows = rows.masked_fill(ignored.unsqueeze(1), 0.0)
         if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated
             onehot = torch.zeros_like(x).scatter_(1, index, 1.0)
-            return (torch.softmax(x, 1) - onehot) * g, None, None
-        out = ctx.exp * (g / ctx.total)  # softmax(x) * g in one pass over [R, C]
-        out.scatter_add_(1, index, -g)
-        return out, None, None
+            return (torch.softmax(x, 1) - onehot) * rows, None, None, None, None
+        out = ctx.exp * (rows / ctx.total)  # softmax(x) * g_row in one pass over [R, C]
+        out.scatter_add_(1, index, -rows)
+        return out, None, None, None, None
 
 
 def stack_or_cat(fn: Callable[..., Tensor], tensors: Sequence[Any], dim: int,
