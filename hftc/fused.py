@@ -37,6 +37,7 @@ from .lowering.autotune import (
     preserved_state,
     run_program,
 )
+from .lowering.chains import chain_linears
 from .lowering.codegen import compile_graph
 from .lowering.heap import keep_freed_memory_for_tuning
 from .lowering.model_loop import ModelLoop
@@ -449,13 +450,14 @@ class FusedModule(nn.Module):
                 # loop was not (PointNet N = 16 timed 1.33 vs 0.98 s, where the steps
                 # after took 0.95 s either way: the loop was chosen for a tie).
                 keep_freed_memory_for_tuning()
-        forward, source = compile_graph(graph)
+        forward, source = compile_graph(chain_linears(graph, self))
         program = Program(forward, graph, report, source, output_spec(mode_graphs.graph))
         if self.autotune and program.output_spec is None:
             device = next((v.device for v in values if isinstance(v, torch.Tensor)),
                           torch.device("cpu"))
             cost_graph = cost_model_graph(graph, report.lowerings)
-            cost_forward, cost_source = (compile_graph(cost_graph) if cost_graph is not None
+            cost_forward, cost_source = (compile_graph(chain_linears(cost_graph, self))
+                                         if cost_graph is not None
                                          else (None, ""))
             how, choice = choose_program(
                 self, forward, values, batched, backward=backward, key_source=source,

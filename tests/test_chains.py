@@ -1,0 +1,209 @@
+"""Linear chains (hftc/lowering/chains.py): consecutive linears and ReLUs as one autograd node.
+
+The chain runs the very ops of the unchained layers, so it is checked three ways:
+against the loop over the original models (tests/equivalence.py), bit for bit
+against the same fused program with chaining turned off, and through the cases that
+must stay unchained.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from equivalence import check_equivalence
+from torch import nn
+
+import hftc
+import hftc.fused
+from hftc.lowering import chains
+
+DTYPES = [torch.float64, torch.float32]
+
+
+class FunctionalMLP(nn.Module):
+    def __init__(self, sizes=(6, 9, 7, 4), bias=True, relu="functional"):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(sizes, sizes[1:]))
+        self.relu, self.act = relu, nn.ReLU()
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = {"functional": F.relu, "torch": torch.relu, "module": self.act,
+                     "method": lambda t: t.relu(), "none": lambda t: t}[self.relu](x)
+        return x
+
+
+def sequential(sizes=(6, 9, 7, 4)):
+    layers = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU(inplace=True)]
+    return nn.Sequential(*layers[:-1])
+
+
+def chain_calls(fused) -> int:
+    return fused.last_program().source.count("hftc_lowering_chains_linear_chain(")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("relu", ["functional", "torch", "module", "method", "none"])
+def test_chained_mlp_matches_the_loop(relu, n, dtype):
+    torch.manual_seed(n)
+    models = [FunctionalMLP(relu=relu) for _ in range(n)]
+    fused = check_equivalence(models, torch.randn(5, 6), dtype=dtype, steps=2)
+    assert chain_calls(fused) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(5, 6), (2, 3, 6), (6,)], ids=["2d", "3d", "1d"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_chain_inputs_shared_or_stacked_any_lead_dims(shape, stacked, bias, dtype):
+    torch.manual_seed(0)
+    n = 3
+    models = [FunctionalMLP(bias=bias) for _ in range(n)]
+    x = torch.randn(n, *shape) if stacked else torch.randn(*shape)
+    fused = check_equivalence(models, x, in_dims=0 if stacked else None, dtype=dtype, steps=2)
+    assert chain_calls(fused) == 1
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_sequential_with_inplace_relus_and_a_narrow_head(train):
+    # 10 outputs: the head's product runs transposed (baddbmm_t) inside the chain
+    torch.manual_seed(0)
+    models = [sequential((16, 32, 32, 10)) for _ in range(4)]
+    fused = check_equivalence(models, torch.randn(8, 16), train=train, dtype=torch.float32)
+    assert chain_calls(fused) == 1
+
+
+def _unchained(monkeypatch):
+    monkeypatch.setattr(hftc.fused, "chain_linears", lambda graph, root: graph)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
+def test_the_chain_is_the_unchained_program_bit_for_bit(monkeypatch, stacked):
+    torch.manual_seed(0)
+    models = [sequential((16, 32, 32, 10)) for _ in range(4)]
+    x = torch.randn(4, 8, 16) if stacked else torch.randn(8, 16)
+    results = []
+    for chained in (True, False):
+        if not chained:
+            _unchained(monkeypatch)
+        fused = hftc.fuse(models, in_dims=0 if stacked else None)
+        xi = x.clone().requires_grad_()
+        out = fused(xi)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        assert chain_calls(fused) == (1 if chained else 0)
+        with torch.no_grad():  # no Function: the plain ops
+            again = fused(x)
+        results.append([out.detach(), again, xi.grad, *(p.grad for p in fused.parameters())])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_double_backward_through_a_chain(monkeypatch):
+    # A gradient penalty: the chain's backward recomputes with autograd under create_graph.
+    torch.manual_seed(0)
+    models = [FunctionalMLP() for _ in range(3)]
+    x = torch.randn(5, 6, dtype=torch.float64)
+    results = []
+    for chained in (True, False):
+        if not chained:
+            _unchained(monkeypatch)
+        fused = hftc.fuse([m.double() for m in models])
+        xi = x.clone().requires_grad_()
+        out = fused(xi)
+        (g,) = torch.autograd.grad(out.square().sum(), xi, create_graph=True)
+        penalty = g.square().sum()
+        penalty.backward()
+        assert chain_calls(fused) == (1 if chained else 0)
+        results.append([g.detach(), *(p.grad for p in fused.parameters())])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert results[0][1].abs().sum() > 0
+
+
+def test_under_autocast_the_chain_runs_its_layers_one_by_one(monkeypatch):
+    torch.manual_seed(0)
+    models = [sequential() for _ in range(3)]
+    x = torch.randn(5, 6)
+    outs = []
+    for chained in (True, False):
+        if not chained:
+            _unchained(monkeypatch)
+        fused = hftc.fuse(models)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fused(x)
+        out.float().sum().backward()
+        outs.append([out, *(p.grad for p in fused.parameters())])
+    assert outs[0][0].dtype == torch.bfloat16
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+class Branchy(nn.Module):
+    """fc1's output is used twice: no chain through it; fc2 -> tanh -> fc3 neither."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        return self.fc3(torch.tanh(self.fc2(h) + h))
+
+
+class TwoChains(nn.Module):
+    """Two chains joined by a residual add: each chained on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.a1, self.a2 = nn.Linear(6, 8), nn.Linear(8, 6)
+        self.b1, self.b2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = x + self.a2(F.relu(self.a1(x)))
+        return self.b2(F.relu(self.b1(h)))
+
+
+@pytest.mark.parametrize("model, chains_expected", [(Branchy, 0), (TwoChains, 2)])
+def test_what_is_chained_and_what_is_not(model, chains_expected):
+    torch.manual_seed(0)
+    fused = check_equivalence([model() for _ in range(3)], torch.randn(5, 6), steps=2)
+    assert chain_calls(fused) == chains_expected
+
+
+def test_an_autotuned_loop_lowering_breaks_the_chain(monkeypatch, tmp_path):
+    # A layer autotune runs as a per-model loop is left to kernels.linear.
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    models = [sequential((6, 9, 7, 4)) for _ in range(3)]
+    fused = hftc.fuse(models)
+    fused(torch.randn(5, 6))
+    graph = fused.fused_graph
+    linears = [n for n in graph.nodes if n.target is hftc.lowering.kernels.linear]
+    linears[1].kwargs = {**linears[1].kwargs, "lowering": "loop"}
+    rewritten = chains.chain_linears(graph, fused)
+    calls = [n.target for n in rewritten.nodes if n.op == "call_function"]
+    assert calls.count(hftc.lowering.kernels.linear) == 3  # 0 and 2 are no chain alone
+    assert chains.linear_chain not in calls
+    linears[1].kwargs = {**linears[1].kwargs, "lowering": "baddbmm"}
+    rewritten = chains.chain_linears(graph, fused)
+    calls = [n.target for n in rewritten.nodes if n.op == "call_function"]
+    assert calls.count(chains.linear_chain) == 1 and hftc.lowering.kernels.linear not in calls
+    assert graph is fused.fused_graph and len(linears) == 3  # the rewrite copies
+
+
+def test_a_shared_input_that_needs_its_gradient_runs_the_wide_gemm_unchained():
+    # The cost model's choice for that first layer is gemm: the chain runs one by one.
+    torch.manual_seed(0)
+    models = [sequential() for _ in range(3)]
+    fused = check_equivalence(models, torch.randn(5, 6), dtype=torch.float32)
+    assert chain_calls(fused) == 1
+    x = torch.randn(5, 6)
+    assert chains._transposed(x.requires_grad_(), [p for n, p in fused.named_parameters()
+                                                   if n.endswith("weight")],
+                              [None] * 3, False, (None, None, None)) is None
