@@ -222,6 +222,27 @@ def test_per_model_cross_entropy_over_few_classes_stacked_targets_and_double_bac
     assert gg.abs().sum() > 0
 
 
+def test_per_model_cross_entropy_over_few_classes_under_torch_compile(monkeypatch):
+    # Under torch.compile the loss is ATen's (inductor fuses it): one graph, no break on
+    # the CPU capability or on whether a target is ignored.
+    import torch._dynamo
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    out = torch.randn(4, 128, 7, requires_grad=True)
+    y = torch.randint(0, 7, (128,))
+    loss_fn = per_model(F.cross_entropy)
+    explain = torch._dynamo.explain(lambda o, t: loss_fn(o, t).sum())(out, y)
+    assert explain.graph_count == 1 and explain.graph_break_count == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda o, t: loss_fn(o, t))
+    got = compiled(out, y)
+    want = loop(F.cross_entropy, out, y)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    (g,) = torch.autograd.grad(got.sum(), out)
+    (g_loop,) = torch.autograd.grad(want.sum(), out)
+    torch.testing.assert_close(g, g_loop, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("fn", [F.mse_loss, F.l1_loss, F.smooth_l1_loss,
                                 F.binary_cross_entropy_with_logits])
 def test_per_model_elementwise_losses(fn):

@@ -1138,7 +1138,10 @@ def _short_rows(x: Tensor, dim: int) -> bool:
     and rows under 8 slow.  The decomposition below took 67 us.  The fused losses of N
     classifiers are exactly this shape (``[N*B, classes]``, 10 classes).
     """
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 \
+            or torch.compiler.is_compiling():
+        # (Under torch.compile inductor generates its own softmax; and reading the CPU's
+        # capability, a str, would break the graph in every fused loss.)
         return False
     lanes = _FLOAT_LANES.get(torch.backends.cpu.get_cpu_capability())
     return (lanes is not None and dim % x.dim() == x.dim() - 1 and x.shape[-1] < lanes
@@ -1244,7 +1247,9 @@ class _ShortRowCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, target: Tensor, num_models: int, reduction: str,
                 ignore_index: int) -> Tensor:
         ignored = target == ignore_index
-        if not bool(ignored.any()):
+        # Eager: the masks only where some target is ignored (rare).  Under torch.compile
+        # always, as reading the tensor's value in Python would break the graph there.
+        if not torch.compiler.is_compiling() and not bool(ignored.any()):
             ignored = None
         index = (target if ignored is None else target.masked_fill(ignored, 0)).unsqueeze(1)
         shifted = x - x.amax(1, keepdim=True)
