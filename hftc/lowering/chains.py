@@ -190,7 +190,8 @@ def _recomputed_gradients(ctx: Any, grad: Tensor, x3: Tensor, params: list) -> l
 
 def _is_linear(node: fx.Node) -> bool:
     return (node.op == "call_function" and node.target is kernels.linear
-            and len(node.args) == 3 and set(node.kwargs) <= {"x_batched", "lowering"}
+            and len(node.args) == 3 and "x_batched" in node.kwargs
+            and set(node.kwargs) <= {"x_batched", "lowering"}
             and node.kwargs.get("lowering") in _CHAINABLE)
 
 
