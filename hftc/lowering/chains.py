@@ -100,23 +100,13 @@ def _one_by_one(x, weights, biases, x_batched, activations, lowerings) -> Tensor
     return h
 
 
-def _product(h: Tensor, w: Tensor, b: Tensor | None, transposed: bool) -> Tensor:
-    """One layer's product, as ``kernels._BatchedLinear.forward`` computes it."""
-    if transposed:
-        ht = h.transpose(1, 2)
-        yt = torch.bmm(w, ht) if b is None else torch.baddbmm(b.unsqueeze(2), w, ht)
-        return yt.transpose(1, 2).contiguous()
-    wt = w.transpose(1, 2)
-    return torch.bmm(h, wt) if b is None else torch.baddbmm(b.unsqueeze(1), h, wt)
-
-
 def _forward(x3: Tensor, params: list[Tensor | None], activations, transposed,
              ) -> tuple[Tensor, list[Tensor]]:
     """The chain's output and each layer's input (``x3``, then the activations)."""
     inputs, h = [], x3
     for i, flag in enumerate(transposed):
         inputs.append(h)
-        h = _product(h, params[2 * i], params[2 * i + 1], flag)
+        h = kernels.batched_product(h, params[2 * i], params[2 * i + 1], flag)
         if i < len(activations) and activations[i] == "relu":
             h = h.relu_()  # its own fresh output: in place, as no one else sees it
     return h, inputs
@@ -174,13 +164,9 @@ def _recomputed_gradients(ctx: Any, grad: Tensor, x3: Tensor, params: list) -> l
     inputs = [x3, *params]
     flags = [needs[0], *needs[3:]]
     wanted = [t for t, flag in zip(inputs, flags) if flag]
-    with torch.enable_grad():
-        h = x3
-        for i, flag in enumerate(ctx.transposed):
-            h = _product(h, params[2 * i], params[2 * i + 1], flag)
-            if i < len(ctx.activations) and ctx.activations[i] == "relu":
-                h = F.relu(h)
-        got = iter(torch.autograd.grad(h, wanted, grad, create_graph=True, allow_unused=True))
+    with torch.enable_grad():  # the forward again, this time recorded
+        y = _forward(x3, params, ctx.activations, ctx.transposed)[0]
+        got = iter(torch.autograd.grad(y, wanted, grad, create_graph=True, allow_unused=True))
     out = [next(got) if flag else None for flag in flags]
     return [out[0], None, None, *out[1:]]
 

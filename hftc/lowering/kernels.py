@@ -574,14 +574,7 @@ class _BatchedLinear(torch.autograd.Function):
         # the arguments with inspect.signature on every call (~20 us per linear).
         ctx.save_for_backward(x3, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        if transposed:
-            xt = x3.transpose(1, 2)
-            yt = torch.bmm(weight, xt) if bias is None else torch.baddbmm(
-                bias.unsqueeze(2), weight, xt)
-            # Contiguous, as nn.Linear's output is: model code may .view() it.
-            return yt.transpose(1, 2).contiguous()
-        wt = weight.transpose(1, 2)
-        return torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
+        return batched_product(x3, weight, bias, transposed)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -604,6 +597,20 @@ class _BatchedLinear(torch.autograd.Function):
             if grad_b.dtype != ctx.bias_dtype:
                 grad_b = grad_b.to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None
+
+
+def batched_product(x3: Tensor, weight: Tensor, bias: Tensor | None,
+                    transposed: bool = False) -> Tensor:
+    """``x3 @ W^T + b`` per model (``[N, M, in]``, ``[N, out, in]`` -> ``[N, M, out]``), or
+    with ``transposed`` as ``(W @ x3^T + b)^T``, made contiguous."""
+    if transposed:
+        xt = x3.transpose(1, 2)
+        yt = torch.bmm(weight, xt) if bias is None else torch.baddbmm(
+            bias.unsqueeze(2), weight, xt)
+        # Contiguous, as nn.Linear's output is: model code may .view() it.
+        return yt.transpose(1, 2).contiguous()
+    wt = weight.transpose(1, 2)
+    return torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
 
 
 def matmul(a: Tensor, b: Tensor, *, a_batched: bool, b_batched: bool) -> Tensor:
