@@ -207,3 +207,27 @@ def test_a_shared_input_that_needs_its_gradient_runs_the_wide_gemm_unchained():
     assert chains._transposed(x.requires_grad_(), [p for n, p in fused.named_parameters()
                                                    if n.endswith("weight")],
                               [None] * 3, False, (None, None, None)) is None
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
+def test_linear_chain_kernel_against_its_layers_one_by_one(stacked):
+    # Every input needing a gradient, the shared one included (its gradient is the sum
+    # over the models of the broadcast's), each layer's lowering given explicitly.
+    torch.manual_seed(0)
+    n, sizes = 3, (5, 8, 8, 4)
+    weights = [torch.randn(n, b, a, dtype=torch.float64, requires_grad=True)
+               for a, b in zip(sizes, sizes[1:])]
+    biases = [torch.randn(n, b, dtype=torch.float64, requires_grad=True) for b in sizes[1:]]
+    x = torch.randn(*((n,) if stacked else ()), 7, sizes[0], dtype=torch.float64,
+                    requires_grad=True)
+    kwargs = dict(x_batched=stacked, activations=("relu", "relu"),
+                  lowerings=("baddbmm", "baddbmm_t", "baddbmm_t"))
+    results = []
+    for run in (chains.linear_chain, chains._one_by_one):
+        args = (x, tuple(weights), tuple(biases))
+        out = run(*args, **kwargs) if run is chains.linear_chain else run(
+            *args, kwargs["x_batched"], kwargs["activations"], kwargs["lowerings"])
+        grads = torch.autograd.grad(out, [x, *weights, *biases], torch.ones_like(out))
+        results.append([out, *grads])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
