@@ -146,6 +146,19 @@ def test_adam_updates_in_column_blocks_are_stock_bit_for_bit(case, monkeypatch):
         assert_stock_bit_for_bit(case, dtype)
 
 
+@pytest.mark.parametrize("per_model_calls_min", [0, 1 << 62], ids=["per-model-calls", "product"])
+@pytest.mark.parametrize("case", ["adam", "adam_plain", "adam_decoupled_mixed", "adamw"])
+def test_adam_per_model_learning_rates_either_way_are_stock_bit_for_bit(case, per_model_calls_min,
+                                                                         monkeypatch):
+    # Models with different learning rates: one addcdiv_ per model with its own
+    # value=-step_size (stock's call), or the product exp_avg * -step_size over [N, ...]
+    # first (addcdiv_ computes value * t1 first, so the rounding is the same).
+    monkeypatch.setattr(adam_module, "_FOREACH_MAX_NUMEL", 0)
+    monkeypatch.setattr(adam_module, "_PER_MODEL_CALLS_MIN", per_model_calls_min)
+    for dtype in DTYPES:
+        assert_stock_bit_for_bit(case, dtype)
+
+
 def test_adam_blocks_a_parameter_larger_than_the_cache_as_stock_would_update_it():
     # Past _BLOCK_ABOVE elements (here 2 x 1.1M) the update runs block by block with
     # the module's own sizes; each model's slice is still stock Adam's, bit for bit.

@@ -140,6 +140,10 @@ class _Coefficients:
         self._views[view_key] = view
         return view
 
+    def row(self, name: str) -> list[float]:
+        """Row ``name`` as N Python floats (model i's value at index i)."""
+        return self._rows[self._row[name]]
+
     def mask(self, name: str, like: Tensor) -> Tensor:
         """Row ``name`` (0/1 values) as a bool ``[N, 1, ..., 1]`` tensor on ``like``'s device."""
         return self(name, like) != 0
