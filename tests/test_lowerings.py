@@ -898,6 +898,25 @@ def test_model_loop_keeps_tied_weights_tied(cls, monkeypatch, cache_dir):
     assert fused.head.weight is fused.embed.weight
 
 
+def test_model_loop_leaves_no_view_of_the_stacked_tensors_in_its_shells(monkeypatch, cache_dir):
+    # A call puts the slices into the shells' registries and its placeholders back after,
+    # also when the model raises.
+    _force_program(monkeypatch)
+    torch.manual_seed(0)
+    fused = hftc.fuse([MLP() for _ in range(2)], autotune=True)
+    fused(torch.randn(8, 64)).sum().backward()
+    loop = fused.last_program().model_loop
+    assert loop is not None
+
+    def held(shell):
+        return [t.numel() for t in [*shell.parameters(), *shell.buffers()]]
+
+    assert all(n == 0 for shell in loop.shells for n in held(shell))
+    with pytest.raises(RuntimeError):
+        loop(fused, [torch.randn(8, 5)], [False])  # wrong width: the first linear raises
+    assert all(n == 0 for shell in loop.shells for n in held(shell))
+
+
 def test_autotune_under_inference_mode(cache_dir):
     # A training-mode module first called under inference_mode: tuned forward only.
     torch.manual_seed(0)

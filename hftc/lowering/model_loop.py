@@ -4,7 +4,8 @@
 
     slices = {name: P.unbind(0) for each stacked parameter / buffer P}     (views)
     for i in range(N):
-        out_i = functional_call(shell_i, {name: slices[name][i]}, inputs_i)
+        shell_i.<name> = slices[name][i] for every name      (tied names: the one slice)
+        out_i = shell_i(*inputs_i)
     out = stack(out_0, ..., out_N-1)
 
 It is what the serial loop runs, on the fused module's own tensors: the
@@ -46,6 +47,7 @@ class ModelLoop:
                 self.buffer_names = [n for n, _ in fused.named_buffers() if n in shell_buffers]
             self._drop_tensors(shell)  # one model's copy at a time, never N
             self.shells.append(shell)
+        self.slots = [self._slots(shell) for shell in self.shells]
 
     def _drop_tensors(self, shell: nn.Module) -> None:
         """The stacked tensors replace the shell's own at every call: let those go (a
@@ -69,6 +71,29 @@ class ModelLoop:
             registry = module._parameters if leaf in module._parameters else module._buffers
             registry[leaf] = empties[id(t)]
 
+    def _slots(self, shell: nn.Module) -> list[tuple[dict[str, Any], str, str, Any]]:
+        """Where each stacked tensor's slice goes in ``shell``: ``(the registry dict of its
+        module, the key in it, the fused name, the placeholder that stays there between
+        calls)``, one per name (tied names each get the one slice, as functional_call
+        gives them).  Writing the registries directly is what ``functional_call`` does,
+        without its per-call name checks and tie search: PointNet's 4 models took
+        8.9 -> 7.2 ms per forward of tiny inputs (N direct module calls: 7.2 ms)."""
+        named = list(shell.named_parameters(remove_duplicate=False))
+        named += list(shell.named_buffers(remove_duplicate=False))
+        replaced = set(self.param_names) | set(self.buffer_names)
+        fused_name: dict[int, str] = {}
+        for name, t in named:
+            if name in replaced:
+                fused_name.setdefault(id(t), name)
+        slots = []
+        for name, t in named:
+            if id(t) in fused_name:
+                owner, _, leaf = name.rpartition(".")
+                module = shell.get_submodule(owner)
+                registry = module._parameters if leaf in module._parameters else module._buffers
+                slots.append((registry, leaf, fused_name[id(t)], t))
+        return slots
+
     def __call__(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool]) -> Any:
         tensors = dict(fused.named_parameters())
         tensors.update(fused.named_buffers())
@@ -80,12 +105,17 @@ class ModelLoop:
         else:
             slices = {name: tensors[name].unbind(0) for name in names}
         outs = []
-        for i, shell in enumerate(self.shells):
+        for i, (shell, slots) in enumerate(zip(self.shells, self.slots)):
             if shell.training != fused.training:
                 shell.train(fused.training)
             args = tuple(v[i] if b else v for v, b in zip(values, batched))
-            outs.append(torch.func.functional_call(
-                shell, {name: parts[i] for name, parts in slices.items()}, args))
+            for registry, key, name, _ in slots:
+                registry[key] = slices[name][i]
+            try:
+                outs.append(shell(*args))
+            finally:  # no view of the stacked tensors outlives the call
+                for registry, key, _, placeholder in slots:
+                    registry[key] = placeholder
         return stack_outputs(outs)
 
 
