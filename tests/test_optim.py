@@ -28,6 +28,7 @@ from optim_helpers import (
 
 import hftc.optim as ho
 import hftc.optim.adam as adam_module
+import hftc.optim.optimizer as optimizer_module
 
 # name -> (fused class, stock class, one stock kwargs dict per model)
 CASES = {
@@ -69,6 +70,12 @@ CASES = {
         dict(lr=3e-3, momentum=0.9),
         dict(lr=1e-3, alpha=0.9, weight_decay=0.1, centered=True),
         dict(lr=5e-3, momentum=0.5, centered=True, eps=1e-4, maximize=True),
+    ]),
+    # No model with momentum: the update ends in addcdiv_ with each model's -lr.
+    "rmsprop_plain": (ho.RMSprop, torch.optim.RMSprop, [
+        dict(lr=1e-2),
+        dict(lr=3e-3, alpha=0.9, centered=True),
+        dict(lr=1e-3, weight_decay=0.1, eps=1e-4),
     ]),
     "adagrad": (ho.Adagrad, torch.optim.Adagrad, [
         dict(lr=1e-2),
@@ -147,14 +154,15 @@ def test_adam_updates_in_column_blocks_are_stock_bit_for_bit(case, monkeypatch):
 
 
 @pytest.mark.parametrize("per_model_calls_min", [0, 1 << 62], ids=["per-model-calls", "product"])
-@pytest.mark.parametrize("case", ["adam", "adam_plain", "adam_decoupled_mixed", "adamw"])
-def test_adam_per_model_learning_rates_either_way_are_stock_bit_for_bit(case, per_model_calls_min,
-                                                                         monkeypatch):
-    # Models with different learning rates: one addcdiv_ per model with its own
-    # value=-step_size (stock's call), or the product exp_avg * -step_size over [N, ...]
-    # first (addcdiv_ computes value * t1 first, so the rounding is the same).
+@pytest.mark.parametrize("case", ["adam", "adam_plain", "adam_decoupled_mixed", "adamw",
+                                  "rmsprop_plain", "adagrad"])
+def test_per_model_addcdiv_values_either_way_are_stock_bit_for_bit(case, per_model_calls_min,
+                                                                   monkeypatch):
+    # Models with different learning rates: the last addcdiv_ runs as one call per model
+    # with its own value= (stock's call), or on the product y * value over [N, ...]
+    # first (addcdiv_ computes value * y first, so the rounding is the same).
     monkeypatch.setattr(adam_module, "_FOREACH_MAX_NUMEL", 0)
-    monkeypatch.setattr(adam_module, "_PER_MODEL_CALLS_MIN", per_model_calls_min)
+    monkeypatch.setattr(optimizer_module, "PER_MODEL_CALLS_MIN", per_model_calls_min)
     for dtype in DTYPES:
         assert_stock_bit_for_bit(case, dtype)
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients
+from .optimizer import FusedOptimizer, _Coefficients, addcdiv_
 
 __all__ = ["Adagrad"]
 
@@ -73,4 +73,4 @@ class Adagrad(FusedOptimizer):
             state_sum = state["sum"]
             state_sum.addcmul_(grad, grad, value=1)
             std = state_sum.sqrt().add_(coef("eps", p))
-            p.addcdiv_(grad * by_steps[steps]("neg_clr", p), std)
+            addcdiv_(p, grad, std, by_steps[steps], "neg_clr")  # stock: value=-clr

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients, addcmul_
+from .optimizer import FusedOptimizer, _Coefficients, addcdiv_, addcmul_
 
 __all__ = ["Adam", "AdamW"]
 
@@ -27,14 +27,6 @@ _FOREACH_MAX_NUMEL = 1 << 16
 #: about ``_BLOCK_NUMEL`` elements (:meth:`Adam._update_one`).
 _BLOCK_ABOVE = 1 << 21
 _BLOCK_NUMEL = 1 << 18
-
-#: On the CPU, models with different learning rates take one ``addcdiv_`` per model (with
-#: its own ``value=``, stock's very call) where each model's slice has at least this many
-#: elements: one pass over the parameter fewer than the per-model product
-#: ``exp_avg * -step_size`` first (Adam step, one core: PointNet at N = 4 22.9 -> 20.3 ms,
-#: ResNet-18 at N = 2 73.4 -> 68.2 ms).  Below, the calls cost more than the pass (MLP at
-#: N = 32, 8K-16K elements per model: equal on one core, slower with two threads).
-_PER_MODEL_CALLS_MIN = 1 << 15
 
 
 def _takes_foreach(p: Tensor) -> bool:
@@ -210,16 +202,7 @@ class Adam(FusedOptimizer):
         # Stock: denom = (second.sqrt() / bc2_sqrt).add_(eps), written into scratch space.
         denom = torch.sqrt(second, out=scratch[0])
         denom.div_(step_coef.get("bc2_sqrt", p)).add_(coef.get("eps", p))
-        neg_step_size = step_coef.get("neg_step_size", p)
-        if not isinstance(neg_step_size, Tensor):  # shared: stock's value=-step_size
-            p.addcdiv_(exp_avg, denom, value=neg_step_size)
-        elif p.device.type == "cpu" and p.numel() // p.shape[0] >= _PER_MODEL_CALLS_MIN:
-            # Stock's own call on each model's slice, its value a Python float as stock
-            # passes it.
-            for i, value in enumerate(step_coef.row("neg_step_size")):
-                p[i].addcdiv_(exp_avg[i], denom[i], value=value)
-        else:  # per model in one call: addcdiv_ computes (value * t1) / t2, so t1 = the product
-            p.addcdiv_(torch.mul(exp_avg, neg_step_size, out=scratch[1]), denom)
+        addcdiv_(p, exp_avg, denom, step_coef, "neg_step_size", scratch[1])  # value=-step_size
 
     def _update_foreach(self, params: list[Tensor], coef: _Coefficients,
                         step_coef: _Coefficients, any_coupled: bool,

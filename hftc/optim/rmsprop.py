@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer
+from .optimizer import FusedOptimizer, addcdiv_
 
 __all__ = ["RMSprop"]
 
@@ -92,7 +92,7 @@ class RMSprop(FusedOptimizer):
                 buf.mul_(coef("momentum", p)).addcdiv_(grad, avg)
                 p.addcmul_(buf, neg_lr)
             elif not any(active):
-                p.addcdiv_(grad * neg_lr, avg)
+                addcdiv_(p, grad, avg, coef, "neg_lr")  # stock: value=-lr
             else:
                 # Stock rounds the two forms differently, so each model gets its own form.
                 act = coef.mask("active", p)
