@@ -573,6 +573,17 @@ def normalize_exported(
                 target.name().split("::")[1].split(".")[0] in DROPPED:
             continue
         e.source = node
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            # e.g. wrap_with_set_grad_enabled around a graph of its own, from a
+            # `torch.no_grad()` block in forward (spectral_norm's power iteration)
+            raise TraceError(
+                f"model {index} ({type(model).__name__}): the exported forward has "
+                f"`{node.name}` ({target.name()}) at {_where(node)}, a higher-order op with "
+                f"a graph of its own (a `torch.no_grad()` / `torch.enable_grad()` block, "
+                f"`torch.cond`, ... inside forward), which hftc cannot fuse. Make the "
+                f"forward traceable by torch.fx (hftc's first front-end, which runs such "
+                f"a module per model), or move that block out of forward"
+            )
         call_args = fx.node.map_arg(node.args, lambda a: env[a])
         call_kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
         if device_ref is not None:

@@ -178,6 +178,39 @@ def test_value_dependent_python_says_what_to_do():
         hftc.fuse([ValueDependent() for _ in range(N)], example_inputs=(torch.randn(2, 3),))
 
 
+class ShapeBranchWithParametrized(nn.Module):
+    """A parametrized linear in a forward torch.fx cannot trace (a branch on the rank)."""
+
+    def __init__(self, parametrization: str):
+        super().__init__()
+        wrap = getattr(torch.nn.utils.parametrizations, parametrization)
+        self.fc = wrap(nn.Linear(3, 3))
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x):
+        if x.dim() == 1:
+            x = x.unsqueeze(0)
+        return self.out(torch.relu(self.fc(x)))
+
+
+def test_exported_weight_norm_computes_the_weight_per_model():
+    # Export inlines the parametrization: its ops on the stacked originals.
+    torch.manual_seed(0)
+    x = torch.randn(4, 3)
+    models = [ShapeBranchWithParametrized("weight_norm") for _ in range(N)]
+    fused = check_equivalence(models, x, steps=2, fuser=_export_fuser((x.double(),)))
+    assert any(r.node == "_weight_norm" for r in fused.fusion_report.fallbacks)
+
+
+def test_exported_no_grad_block_says_what_to_do():
+    # spectral_norm's power iteration runs under torch.no_grad(): export wraps it in a
+    # higher-order op with a graph of its own, which the export front-end cannot fuse.
+    with pytest.raises(TraceError, match=r"model 0 \(ShapeBranchWithParametrized\).*"
+                                         r"higher-order op.*torch.fx"):
+        hftc.fuse([ShapeBranchWithParametrized("spectral_norm") for _ in range(N)],
+                  example_inputs=(torch.randn(4, 3),))
+
+
 @pytest.mark.parametrize("cls", [WithDataclass, WithDataclassUntraceable])
 def test_dataclass_outputs_keep_their_type(cls):
     x = torch.randn(4, 3)

@@ -98,6 +98,32 @@ def test_unfusable_op_falls_back_to_a_reported_loop():
     assert "per-model loop" in str(report)
 
 
+@pytest.mark.parametrize("parametrization", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_parametrized_module_runs_as_a_reported_per_model_loop(parametrization):
+    # Its weight is computed from other tensors on every access (spectral_norm's power
+    # iteration also updates buffers): the module runs per model on its slices of the
+    # stacked originals, not as a fused linear that reads a `weight` that is not there.
+    wrap = getattr(torch.nn.utils.parametrizations, parametrization)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = wrap(nn.Linear(5, 5))
+            self.b = nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    fused = check_equivalence([Net() for _ in range(3)], torch.randn(4, 5), steps=2)
+    report = fused.fusion_report
+    assert [r.node for r in report.fallbacks] == ["a"]
+    assert "parametrized" in report.fallbacks[0].reason
+    # the originals are what is stacked (and trained), as in the models
+    assert any(name.startswith("a.parametrizations.weight.original")
+               for name, _ in fused.named_parameters())
+
+
 def test_unknown_module_with_parameters_loops_over_models():
     class WithBilinear(nn.Module):
         def __init__(self):

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
 from ..errors import FusionError, UnsupportedOperatorError
@@ -262,6 +263,11 @@ def fuse_graph(
                 reason = f"no fusion rule for {target_name(node)}"
                 if node.op == "call_module":
                     reason = f"no fusion rule for module {type(module).__name__}"
+                    if parametrize.is_parametrized(module):
+                        reason = (f"module {type(module).__name__} is parametrized "
+                                  f"(torch.nn.utils.parametrize: its "
+                                  f"{', '.join(module.parametrizations)} computed on every "
+                                  f"access)")
             if new is None:
                 builder.current_rule = "loop"
                 new = _emit_loop(group, builder)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..lowering import kernels
 from ..match import PER_MODEL, describe_node
@@ -135,6 +136,11 @@ def lookup(node: fx.Node, module: nn.Module | None) -> RuleEntry | None:
     for its base), by function, or by method name."""
     if node.op == "call_module":
         assert module is not None
+        if parametrize.is_parametrized(module):
+            # Its weight is computed from other tensors on every access (weight_norm,
+            # spectral_norm, orthogonal ...), which the fused op would not recompute:
+            # the per-model loop runs the module itself.
+            return None
         forward = type(module).forward
         for cls in type(module).__mro__:
             if cls is nn.Module:
