@@ -86,6 +86,18 @@ class _ModeGraphs:
 InDims = int | None | Sequence[int | None]
 
 
+def _hook_hint(hooks: Sequence[Any]) -> str:
+    """What to use instead of the hooks that torch's deprecated reparametrizations install."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for hook, name in ((WeightNorm, "weight_norm"), (SpectralNorm, "spectral_norm")):
+        if any(isinstance(h, hook) for h in hooks):
+            return (f", from torch.nn.utils.{name}: use torch.nn.utils.parametrizations."
+                    f"{name} instead, whose module runs per model")
+    return ""
+
+
 def _check_hooks(models: Sequence[nn.Module]) -> None:
     """Refuse hooks: tracing would skip them, and a hook silently skipped is a wrong answer."""
     problems = []
@@ -94,10 +106,11 @@ def _check_hooks(models: Sequence[nn.Module]) -> None:
     for i, model in enumerate(models):
         for path, sub in model.named_modules():
             for kind, attr in kinds:
-                count = len(getattr(sub, attr, {}) or {})
-                if count:
+                hooks = list((getattr(sub, attr, {}) or {}).values())
+                if hooks:
                     problems.append(f"model {i}, module `{path or '<root>'}` "
-                                    f"({type(sub).__name__}): {count} {kind}(s)")
+                                    f"({type(sub).__name__}): {len(hooks)} {kind}(s)"
+                                    + _hook_hint(hooks))
     module_globals = torch.nn.modules.module
     for kind, attr in (("global forward hook", "_global_forward_hooks"),
                        ("global forward pre-hook", "_global_forward_pre_hooks"),

@@ -99,6 +99,19 @@ def test_forward_hooks_are_refused_not_ignored():
         hftc.fuse([mlp(), hooked])
 
 
+@pytest.mark.parametrize("name", ["weight_norm", "spectral_norm"])
+def test_deprecated_reparametrization_hooks_name_the_replacement(name):
+    # torch.nn.utils.weight_norm / spectral_norm work through a forward pre-hook; their
+    # torch.nn.utils.parametrizations versions run per model inside the fused module.
+    models = [mlp() for _ in range(2)]
+    for m in models:
+        getattr(torch.nn.utils, name)(m[0])
+    with pytest.raises(UnsupportedOperatorError,
+                       match=rf"model 0, module `0` \(Linear\): 1 forward pre-hook\(s\), from "
+                             rf"torch.nn.utils.{name}: use torch.nn.utils.parametrizations.{name}"):
+        hftc.fuse(models)
+
+
 def test_in_place_ops_on_inputs_match_each_model_alone():
     class InPlace(nn.Module):
         def __init__(self):
