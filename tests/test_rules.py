@@ -219,6 +219,57 @@ class Pooling(nn.Module):
         return b + c + d + e + f + vals.sum((2, 3)) + idx.sum((2, 3)).to(h.dtype) * 1e-3
 
 
+class ChannelMixing(nn.Module):
+    """Ops that mix a sample's channels (local response norm, channel shuffle): folded
+    into N*C channels they would mix neighbouring models, so they take the models as more
+    samples.  Four channels, windows of 2 and 3: every window crosses a model boundary
+    of the folded layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.lrn = nn.LocalResponseNorm(3, alpha=0.5, k=1.5)
+        self.shuffle = nn.ChannelShuffle(2)
+
+    def forward(self, x):
+        h = self.conv(x)                                              # [B, 4, 5, 5]
+        a = self.lrn(h) + F.local_response_norm(h.flatten(2), 2).unflatten(2, (5, 5))
+        b = self.shuffle(h) * torch.arange(4.0, dtype=h.dtype)[:, None, None]
+        c = F.channel_shuffle(h, 2) + F.channel_shuffle(h, 4)
+        return a + b + c + self.lrn(h[0])[None]                        # and one unbatched
+
+
+class PaddingAndResampling(nn.Module):
+    """The per-channel ops Pooling leaves out: padding modes, the upsampling modules,
+    pixel unshuffle, 1-d/3-d pooling, feature dropouts (their eval / p = 0 forms)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.pads = nn.ModuleList([nn.ReplicationPad2d(1), nn.CircularPad2d((1, 0, 0, 1)),
+                                   nn.ConstantPad2d(1, 0.5), nn.ZeroPad2d((0, 1, 1, 0))])
+        self.nearest = nn.UpsamplingNearest2d(scale_factor=2)
+        self.bilinear = nn.UpsamplingBilinear2d(scale_factor=2)
+        self.unshuffle = nn.PixelUnshuffle(2)
+        self.pool1d = nn.MaxPool1d(3, stride=2)
+        self.pool3d = nn.AvgPool3d(2)
+        self.adapt3d = nn.AdaptiveMaxPool3d(1)
+        self.drop3d = nn.Dropout3d(0.0)
+        self.alpha_drop = nn.FeatureAlphaDropout(0.0)
+
+    def forward(self, x):
+        h = self.conv(x)                                                # [B, 4, 6, 6]
+        a = sum(pad(h).sum((2, 3)) for pad in self.pads)
+        b = (self.nearest(h) - self.bilinear(h)).sum((2, 3)) \
+            + F.interpolate(h, size=(4, 5), mode="nearest").sum((2, 3))
+        c = self.unshuffle(h).sum((2, 3)).unflatten(1, (4, 4)).sum(2) \
+            + F.pixel_unshuffle(h, 3).sum((2, 3)).unflatten(1, (4, 9)).sum(2)
+        d = self.pool1d(h.flatten(2)).sum(-1) + F.lp_pool1d(h.flatten(2).abs() + 0.1, 2, 4).sum(-1)
+        v = self.drop3d(self.alpha_drop(h.unflatten(3, (2, 3))))       # [B, 4, 6, 2, 3]
+        e = self.pool3d(v).sum((2, 3, 4)) + self.adapt3d(v).flatten(1)
+        return a + b + c + d + e
+
+
 class InplaceActivations(nn.Module):
     """In-place activation modules: on a fused intermediate they run out of place (no
     other user sees the difference); where another op reads the mutated input, in place."""
@@ -250,6 +301,8 @@ CASES += [
     Case("shapes", Shapes, (2, 3, 5, 5)),
     Case("reductions", Reductions, (3, 5)),
     Case("pooling", Pooling, (2, 2, 6, 6)),
+    Case("channel_mixing", ChannelMixing, (2, 2, 5, 5)),
+    Case("padding_and_resampling", PaddingAndResampling, (2, 2, 6, 6)),
     Case("dropout_eval_or_zero", seq(lambda: [nn.Linear(4, 4), nn.Dropout(0.0), nn.Dropout1d(0.0)]),
          (2, 4, 4)),
 ]

@@ -930,6 +930,20 @@ def channelwise(fn: Callable[..., Any], x: Tensor, *args: Any, spatial: int, **k
     return pytree.tree_map(lambda t: unfold_channels(t, n, has_batch), y)
 
 
+def samplewise(fn: Callable[..., Any], x: Tensor, *args: Any, **kwargs: Any) -> Any:
+    """Apply an op that mixes a sample's channels (local response norm, channel shuffle)
+    to N models' samples at once, each model's samples as more of the batch::
+
+        [N, B, C, *S] -> [N*B, C, *S], fn, -> [N, B, C', *S']
+
+    Folding the models into the channels, as :func:`channelwise` does, would let the op
+    mix one model's channels with the next model's.  The op treats its first dim as
+    independent samples, so an unbatched ``[N, C, *S]`` (whose ``C`` the op takes as its
+    batch) folds alike.
+    """
+    return fn(x.flatten(0, 1), *args, **kwargs).unflatten(0, (x.shape[0], -1))
+
+
 #: Below this many input elements ATen's NCHW max pool is as fast as the detour.
 _POOL_VIA_CHANNELS_LAST_MIN_NUMEL = 1 << 16
 _MAX_POOL2D_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")

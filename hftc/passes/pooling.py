@@ -5,6 +5,12 @@ They treat every channel alike, so N models' channels side by side are one call:
     before (per model):  max_pool2d(x_i [B, C, H, W])
     after:               max_pool2d(x [B, N*C, H, W]) viewed back as [N, B, C, H', W']
 
+Ops that mix a sample's channels (local response norm, channel shuffle) would mix the
+models that way; they take the models as more samples instead::
+
+    before (per model):  local_response_norm(x_i [B, C, H, W], size)
+    after:               local_response_norm(x [N*B, C, H, W], size) viewed as [N, B, C, H, W]
+
 The module forms call the (parameterless) module itself on the folded input, so
 its hyper-parameters and train/eval mode are exactly the original's.
 """
@@ -30,8 +36,8 @@ _SPATIAL_MODULES = {
     nn.ReflectionPad1d: 1, nn.ReflectionPad2d: 2, nn.ReflectionPad3d: 3,
     nn.ReplicationPad1d: 1, nn.ReplicationPad2d: 2, nn.ReplicationPad3d: 3,
     nn.CircularPad1d: 1, nn.CircularPad2d: 2, nn.CircularPad3d: 3,
-    nn.PixelShuffle: 2, nn.PixelUnshuffle: 2, nn.ChannelShuffle: 2,
-    nn.LocalResponseNorm: None, nn.Upsample: None, nn.UpsamplingNearest2d: 2,
+    nn.PixelShuffle: 2, nn.PixelUnshuffle: 2,
+    nn.Upsample: None, nn.UpsamplingNearest2d: 2,
     nn.UpsamplingBilinear2d: 2, nn.FeatureAlphaDropout: None,
 }
 _RANDOM = {nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.FeatureAlphaDropout}
@@ -45,7 +51,7 @@ _SPATIAL_FUNCTIONS = {
     F.lp_pool1d: 1, F.lp_pool2d: 2, F.lp_pool3d: 3,
     F.dropout1d: 1, F.dropout2d: 2, F.dropout3d: 3,
     F.pixel_shuffle: 2, F.pixel_unshuffle: 2, F.interpolate: None, F.upsample: None,
-    F.feature_alpha_dropout: None, F.local_response_norm: None,
+    F.feature_alpha_dropout: None,
 }
 _RANDOM_FUNCTIONS = {F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout}
 
@@ -84,6 +90,23 @@ def fuse_channelwise_function(group: FusionGroup, builder: GraphBuilder) -> fx.N
                         *group.args[1:], spatial=spatial, **group.kwargs)
 
 
+#: Ops that mix the channels of one sample: the models go into the batch.
+_SAMPLEWISE = [("call_module", nn.LocalResponseNorm), ("call_module", nn.ChannelShuffle),
+               ("call_function", F.local_response_norm), ("call_function", F.channel_shuffle)]
+
+
+def fuse_samplewise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    if group.per_model:
+        raise NotFusable("per-model hyper-parameters of this op")
+    if group.node.op == "call_module":
+        kernel, fn = kernels.samplewise, builder.attr(group.node.target, batched=False)
+        args: tuple = (fn, builder.broadcast(group.args[0]))
+    else:
+        kernel = kernels.bind(kernels.samplewise, group.node.target)
+        args = (builder.broadcast(group.args[0]),)
+    return builder.call(kernel, *args, *group.args[1:], **group.kwargs)
+
+
 def fuse_pad(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """Constant padding is elementwise-safe on any rank; reflect/replicate/circular need
     the per-model [B, C, *S] layout, so they go through the channel fold."""
@@ -103,5 +126,7 @@ for _fn in _SPATIAL_FUNCTIONS:
     RULES[("call_function", _fn)] = RuleEntry(
         fuse_channelwise_function, f"fuse_channelwise[{_fn.__name__}]", _fn in _RANDOM_FUNCTIONS
     )
+for _key in _SAMPLEWISE:
+    RULES[_key] = RuleEntry(fuse_samplewise, f"fuse_samplewise[{_key[1].__name__}]")
 _SPATIAL_FUNCTIONS[F.pad] = None
 RULES[("call_function", F.pad)] = RuleEntry(fuse_pad, "fuse_pad")
