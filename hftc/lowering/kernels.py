@@ -1080,7 +1080,7 @@ def reduce_all(fn_name: str, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     """A full reduction (``x.sum()``, ``x.max()``, ``x.argmax()``) per model: over all but dim 0."""
     flat = x.reshape(x.shape[0], -1)
     result = getattr(flat, fn_name)(1, *args, **kwargs)
-    if fn_name in ("max", "min", "median") and isinstance(result, tuple):
+    if fn_name in ("max", "min", "median", "nanmedian") and isinstance(result, tuple):
         result = result[0]
     return result
 
