@@ -102,7 +102,54 @@ def _traceable_forward(module: nn.Module) -> Callable[..., Any] | None:
 
 
 class _Tracer(fx.Tracer):
-    """``symbolic_trace``'s tracer, tracing through :data:`TRACEABLE_FORWARDS` modules."""
+    """``symbolic_trace``'s tracer, tracing through :data:`TRACEABLE_FORWARDS` modules.
+
+    Buffers are proxies too (``get_attr`` nodes), as parameters are: with fx's default a
+    buffer read in forward is the real tensor, so an in-place update of it that involves
+    no traced value (``self.ema.mul_(0.9)``, ``self.count += 1``) ran once, on the
+    original model, while tracing, and was missing from the graph.
+    """
+
+    proxy_buffer_attributes = True
+
+    def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any,
+                     **options: Any) -> fx.Proxy:
+        """Record an in-place method on a buffer with its other tensor arguments detached.
+
+        Forward code updates a buffer (running statistics, an EMA, a step counter) under
+        ``torch.no_grad()``, which fx does not record: recorded as written, the update
+        would put the buffer on the autograd graph, and gradients would flow through
+        it into the model.  A buffer carries no gradient here, as under ``no_grad``.
+        """
+        aliases = self.__dict__.setdefault("_buffer_aliases", set())
+        inplace = (kind == "call_method" and isinstance(target, str) and target.endswith("_")
+                   and not target.startswith("_") and args and isinstance(args[0], fx.Proxy)
+                   and args[0].node in aliases)
+        if inplace:
+            def detached(a: Any) -> Any:
+                return (super(_Tracer, self).create_proxy("call_method", "detach", (a,), {})
+                        if isinstance(a, fx.Proxy) else a)
+
+            args = (args[0], *(detached(a) for a in args[1:]))
+            kwargs = {k: detached(v) for k, v in kwargs.items()}
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **options)
+        if inplace or (kind == "get_attr" and self._is_buffer(target)):
+            aliases.add(proxy.node)
+        return proxy
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        assigned = self.__dict__.get("_assigned_buffers", {})
+        if id(attr_val) in assigned:  # a buffer this forward assigned: its new value
+            return assigned[id(attr_val)]
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def _is_buffer(self, target: str) -> bool:
+        names = self.__dict__.get("_buffer_names")
+        if names is None:
+            root = getattr(self, "root", None)
+            names = {n for n, _ in root.named_buffers()} if isinstance(root, nn.Module) else set()
+            self.__dict__["_buffer_names"] = names
+        return target in names
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if _traceable_forward(m) is not None:
@@ -110,16 +157,49 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
-        replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
-        if replacement is None:
-            return super().trace(root, concrete_args)
-        # The root itself is such a module: trace the replacement as its forward.
-        original = type(root)
-        root.__class__ = type(original.__name__, (original,), {"forward": replacement})
+        with self._buffer_assignments_recorded(root):
+            replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
+            if replacement is None:
+                return super().trace(root, concrete_args)
+            # The root itself is such a module: trace the replacement as its forward.
+            original = type(root)
+            root.__class__ = type(original.__name__, (original,), {"forward": replacement})
+            try:
+                return super().trace(root, concrete_args)
+            finally:
+                root.__class__ = original
+
+    @contextlib.contextmanager
+    def _buffer_assignments_recorded(self, root: Any) -> Iterator[None]:
+        """While tracing, ``module.buf = <traced value>`` becomes ``buf.copy_(value)`` in the
+        graph, and the buffer stays the model's own tensor.
+
+        ``self.count += 1`` is such an assignment: on a traced value ``+=`` is ``+``, then
+        the assignment.  Left to ``nn.Module.__setattr__``, the model's buffer became the
+        tracer's proxy and the update was lost from the graph."""
+        paths = ({id(m): path for path, m in root.named_modules()}
+                 if isinstance(root, nn.Module) else {})
+        setattr_ = nn.Module.__setattr__
+        assigned = self.__dict__.setdefault("_assigned_buffers", {})
+
+        def recording_setattr(module: nn.Module, name: str, value: Any) -> None:
+            buffers = module.__dict__.get("_buffers", {})
+            if isinstance(value, fx.Proxy) and buffers.get(name) is not None \
+                    and id(module) in paths:
+                path = paths[id(module)]
+                buffer = self.create_proxy("get_attr", f"{path}.{name}" if path else name, (), {})
+                self.create_proxy("call_method", "copy_", (buffer, value), {})  # detached
+                # Later reads in this forward see the value itself, as in eager code
+                # (where the attribute *is* the new tensor, gradient history included).
+                assigned[id(buffers[name])] = value
+                return
+            setattr_(module, name, value)
+
+        nn.Module.__setattr__ = recording_setattr
         try:
-            return super().trace(root, concrete_args)
+            yield
         finally:
-            root.__class__ = original
+            nn.Module.__setattr__ = setattr_
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple,
                     kwargs: dict) -> Any:

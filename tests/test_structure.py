@@ -124,6 +124,44 @@ def test_parametrized_module_runs_as_a_reported_per_model_loop(parametrization):
                for name, _ in fused.named_parameters())
 
 
+class BufferUpdates(nn.Module):
+    """Buffers updated in forward as statistics code does: in place under no_grad (an
+    EMA), by augmented assignment (a step counter) and by assignment (the last batch's
+    mean, read again in the same forward, gradient included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("last", torch.zeros(4))
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(h.mean((0, 1)), alpha=0.1)
+            self.count += 1
+            self.last = h.mean((0, 1))
+        return (h - self.ema) * self.count.to(h.dtype) + self.last
+
+
+def test_buffers_updated_in_forward_are_updated_per_model():
+    # Symbolic tracing used to run such updates once on the models' own buffers, leaving
+    # them out of the graph (and an update under no_grad put the buffer on the autograd
+    # graph): the fused buffers never moved and the originals had moved by one step.
+    torch.manual_seed(0)
+    models = [BufferUpdates() for _ in range(3)]
+    x = torch.randn(2, 5, 4)
+    before = [copy.deepcopy(m.state_dict()) for m in models]
+    hftc.fuse(models)
+    for model, saved in zip(models, before):  # fusing runs nothing on the models' tensors
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, saved[name]), name
+    for train in (True, False):
+        check_equivalence(models, x, train=train, steps=3 if train else 1)
+
+
 def test_unknown_module_with_parameters_loops_over_models():
     class WithBilinear(nn.Module):
         def __init__(self):
