@@ -412,13 +412,20 @@ class FusedModule(nn.Module):
         values = self._bind(tuple(merged), dict(kwargs))
         batched = batched + [False] * (len(values) - len(batched))
         program = self._program(values, batched)
+        # The program switches grad mode where the models' forward did (a no_grad block);
+        # an exception inside such a block must not leave it switched.
+        grad_mode = torch.is_grad_enabled()
         try:
             if program.how is not None:  # autotune's whole-model loop and/or layout
                 return run_program(self, program.forward, program.how, values, batched)
             out = program.forward(self, *values)
             return out if program.output_spec is None else program.output_spec.rebuild(out)
         except RuntimeError as exc:
+            torch.set_grad_enabled(grad_mode)
             self._explain_input_mismatch(values, exc)
+            raise
+        except BaseException:
+            torch.set_grad_enabled(grad_mode)
             raise
 
     @torch.compiler.disable

@@ -157,7 +157,7 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
-        with self._buffer_assignments_recorded(root):
+        with self._buffer_assignments_recorded(root), self._grad_mode_recorded():
             replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
             if replacement is None:
                 return super().trace(root, concrete_args)
@@ -168,6 +168,34 @@ class _Tracer(fx.Tracer):
                 return super().trace(root, concrete_args)
             finally:
                 root.__class__ = original
+
+    @contextlib.contextmanager
+    def _grad_mode_recorded(self) -> Iterator[None]:
+        """While tracing, a change of grad mode in forward (``with torch.no_grad():``,
+        ``torch.enable_grad()``, ``torch.set_grad_enabled(...)``) is also a node of the graph,
+        ``torch._C._set_grad_enabled(mode)``, where fx alone would drop it (and a teacher
+        network run under ``no_grad`` would get gradients).  Traced with grad enabled, so
+        that a caller's own ``no_grad`` around ``hftc.fuse`` is not taken for the model's."""
+        real = torch._C._set_grad_enabled
+        caller_mode: list[fx.Proxy] = []
+
+        def recording(mode: bool) -> None:
+            real(mode)
+            if getattr(self, "graph", None) is None:
+                return
+            if not caller_mode:  # the caller's mode, read where forward first changes it
+                caller_mode.append(self.create_proxy("call_function", torch.is_grad_enabled,
+                                                     (), {}))
+            # Traced with grad enabled, so enabling it is a return to the caller's mode
+            # (the end of a no_grad block): under a caller's no_grad it stays disabled.
+            self.create_proxy("call_function", real, (caller_mode[0] if mode else False,), {})
+
+        with torch.enable_grad():  # entered and left while nothing is recorded
+            torch._C._set_grad_enabled = recording
+            try:
+                yield
+            finally:
+                torch._C._set_grad_enabled = real
 
     @contextlib.contextmanager
     def _buffer_assignments_recorded(self, root: Any) -> Iterator[None]:

@@ -162,6 +162,40 @@ def test_buffers_updated_in_forward_are_updated_per_model():
         check_equivalence(models, x, train=train, steps=3 if train else 1)
 
 
+class TeacherStudent(nn.Module):
+    """A teacher run under no_grad in forward (distillation, target networks): it must
+    get no gradient; fx drops the block unless the tracer records it."""
+
+    def __init__(self):
+        super().__init__()
+        self.teacher = nn.Linear(4, 4)
+        self.student = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x)
+        torch.set_grad_enabled(False)  # the function form too
+        scale = self.teacher(x).abs().mean()
+        torch.set_grad_enabled(True)
+        return (self.student(x) - target) * scale
+
+
+def test_no_grad_blocks_in_forward_are_kept():
+    torch.manual_seed(0)
+    models = [TeacherStudent() for _ in range(3)]
+    x = torch.randn(2, 4)
+    fused = check_equivalence(models, x, steps=2)
+    assert fused.get_parameter("teacher.weight").grad is None
+    # Under the caller's own no_grad the forward's blocks end in no_grad, not in grad mode.
+    with torch.no_grad():
+        assert not fused(x.double()).requires_grad
+        assert not torch.is_grad_enabled()
+    # An error inside a block (a wrong width reaching the teacher) leaves grad mode as it was.
+    with pytest.raises(RuntimeError):
+        fused(torch.randn(2, 5, dtype=torch.float64))
+    assert torch.is_grad_enabled()
+
+
 def test_unknown_module_with_parameters_loops_over_models():
     class WithBilinear(nn.Module):
         def __init__(self):
