@@ -179,8 +179,7 @@ class _Tracer(fx.Tracer):
         real = torch._C._set_grad_enabled
         caller_mode: list[fx.Proxy] = []
 
-        def recording(mode: bool) -> None:
-            real(mode)
+        def record(mode: bool) -> None:
             if getattr(self, "graph", None) is None:
                 return
             if not caller_mode:  # the caller's mode, read where forward first changes it
@@ -190,12 +189,32 @@ class _Tracer(fx.Tracer):
             # (the end of a no_grad block): under a caller's no_grad it stays disabled.
             self.create_proxy("call_function", real, (caller_mode[0] if mode else False,), {})
 
+        def recording(mode: bool) -> None:
+            real(mode)
+            record(mode)
+
+        # An inference_mode block computes without gradient too: recorded as no_grad.
+        inference = torch.autograd.grad_mode.inference_mode
+        enter, exit_ = inference.__enter__, inference.__exit__
+
+        def recording_enter(context: Any) -> None:
+            enter(context)
+            if context.mode:
+                record(False)
+
+        def recording_exit(context: Any, *exc: Any) -> None:
+            exit_(context, *exc)
+            if context.mode:
+                record(True)
+
         with torch.enable_grad():  # entered and left while nothing is recorded
             torch._C._set_grad_enabled = recording
+            inference.__enter__, inference.__exit__ = recording_enter, recording_exit
             try:
                 yield
             finally:
                 torch._C._set_grad_enabled = real
+                inference.__enter__, inference.__exit__ = enter, exit_
 
     @contextlib.contextmanager
     def _buffer_assignments_recorded(self, root: Any) -> Iterator[None]:

@@ -163,8 +163,8 @@ def test_buffers_updated_in_forward_are_updated_per_model():
 
 
 class TeacherStudent(nn.Module):
-    """A teacher run under no_grad in forward (distillation, target networks): it must
-    get no gradient; fx drops the block unless the tracer records it."""
+    """A teacher run under no_grad / inference_mode in forward (distillation, target
+    networks): it must get no gradient; fx drops the blocks unless the tracer records them."""
 
     def __init__(self):
         super().__init__()
@@ -174,10 +174,12 @@ class TeacherStudent(nn.Module):
     def forward(self, x):
         with torch.no_grad():
             target = self.teacher(x)
+        with torch.inference_mode():
+            baseline = self.teacher(x).mean()
         torch.set_grad_enabled(False)  # the function form too
         scale = self.teacher(x).abs().mean()
         torch.set_grad_enabled(True)
-        return (self.student(x) - target) * scale
+        return (self.student(x) - target) * scale + baseline
 
 
 def test_no_grad_blocks_in_forward_are_kept():
