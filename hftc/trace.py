@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -157,7 +158,8 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
-        with self._buffer_assignments_recorded(root), self._grad_mode_recorded():
+        with self._buffer_assignments_recorded(root), self._grad_mode_recorded(), \
+                _python_random_refused():
             replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
             if replacement is None:
                 return super().trace(root, concrete_args)
@@ -254,6 +256,42 @@ class _Tracer(fx.Tracer):
         if replacement is not None:
             forward = functools.partial(replacement, m)
         return super().call_module(m, forward, args, kwargs)
+
+
+#: Python's and numpy's random draws: a traced forward would keep the one drawn while
+#: tracing for every call (a layer dropped at random would be dropped always, or never).
+_PYTHON_RANDOM = [(random, name) for name in (
+    "random", "uniform", "randint", "randrange", "choice", "choices", "gauss",
+    "normalvariate", "shuffle", "sample", "betavariate", "expovariate")]
+
+
+@contextlib.contextmanager
+def _python_random_refused() -> Iterator[None]:
+    """While tracing, a draw from Python's ``random`` or ``numpy.random`` raises, naming it."""
+    import numpy
+
+    targets = _PYTHON_RANDOM + [(numpy.random, name) for name in (
+        "rand", "randn", "random", "random_sample", "uniform", "normal", "randint",
+        "choice", "permutation", "shuffle", "binomial")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in targets
+             if hasattr(owner, name)]
+
+    def refuse(owner: Any, name: str) -> Callable[..., Any]:
+        def draw(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(
+                f"forward calls {owner.__name__}.{name}(): a traced forward would keep "
+                f"the value drawn while tracing for every call. Draw with torch instead "
+                f"(torch.rand, torch.bernoulli ...), which hftc draws anew on every call "
+                f"and per model")
+        return draw
+
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse(owner, name))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager

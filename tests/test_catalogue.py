@@ -13,6 +13,7 @@ import hftc
 from hftc.errors import (
     FusionArgumentError,
     MismatchError,
+    TraceError,
     UnsupportedOperatorError,
 )
 
@@ -110,6 +111,39 @@ def test_deprecated_reparametrization_hooks_name_the_replacement(name):
                        match=rf"model 0, module `0` \(Linear\): 1 forward pre-hook\(s\), from "
                              rf"torch.nn.utils.{name}: use torch.nn.utils.parametrizations.{name}"):
         hftc.fuse(models)
+
+
+class StochasticDepth(nn.Module):
+    """Skips its layer at random, drawing with Python's ``random`` or ``numpy``."""
+
+    def __init__(self, use_numpy: bool):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.use_numpy = use_numpy
+
+    def forward(self, x):
+        import random
+
+        import numpy
+
+        draw = numpy.random.rand() if self.use_numpy else random.random()
+        if self.training and draw < 0.5:
+            return x
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("use_numpy", [False, True], ids=["random", "numpy"])
+def test_python_random_in_forward_is_refused(use_numpy):
+    # Traced, a Python draw would be one value for every call (a layer dropped at random
+    # dropped always, or never): hftc names it and says to draw with torch.
+    import random
+
+    import numpy
+
+    name = r"numpy[.]random[.]rand" if use_numpy else r"random[.]random"
+    with pytest.raises(TraceError, match=rf"forward calls {name}\(\).*torch.rand"):
+        hftc.fuse([StochasticDepth(use_numpy) for _ in range(2)])
+    assert random.random() < 1 and numpy.random.rand() < 1  # the real ones are back
 
 
 def test_in_place_ops_on_inputs_match_each_model_alone():
