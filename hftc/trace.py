@@ -159,7 +159,7 @@ class _Tracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         with self._buffer_assignments_recorded(root), self._grad_mode_recorded(), \
-                _python_random_refused():
+                self._autograd_functions_recorded(), _python_random_refused():
             replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
             if replacement is None:
                 return super().trace(root, concrete_args)
@@ -170,6 +170,31 @@ class _Tracer(fx.Tracer):
                 return super().trace(root, concrete_args)
             finally:
                 root.__class__ = original
+
+    @contextlib.contextmanager
+    def _autograd_functions_recorded(self) -> Iterator[None]:
+        """While tracing, ``MyFunction.apply(traced values)`` is one node of the graph (which
+        the fused module runs per model), where fx alone would trace through its forward
+        and drop its backward (a gradient reversal would reverse nothing)."""
+        function = torch.autograd.Function
+        apply = function.__dict__["apply"]
+        tracer = self
+
+        def recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            # A Function given a callable (torch.utils.checkpoint's reentrant one runs a
+            # module of the model) is traced through, as before: its callable is the
+            # model's own code, and what it computes is recorded op by op.
+            if any(isinstance(leaf, fx.Proxy) for leaf in leaves) and \
+                    not any(callable(leaf) and not isinstance(leaf, fx.Proxy) for leaf in leaves):
+                return tracer.create_proxy("call_function", _applying(cls), args, kwargs)
+            return apply.__func__(cls, *args, **kwargs)
+
+        function.apply = classmethod(recording_apply)
+        try:
+            yield
+        finally:
+            function.apply = apply
 
     @contextlib.contextmanager
     def _grad_mode_recorded(self) -> Iterator[None]:
@@ -256,6 +281,20 @@ class _Tracer(fx.Tracer):
         if replacement is not None:
             forward = functools.partial(replacement, m)
         return super().call_module(m, forward, args, kwargs)
+
+
+_APPLY: dict[type, Callable[..., Any]] = {}
+
+
+def _applying(cls: type) -> Callable[..., Any]:
+    """``cls.apply`` as a named function a graph can call (one per Function class)."""
+    if cls not in _APPLY:
+        def apply(*args: Any, **kwargs: Any) -> Any:
+            return cls.apply(*args, **kwargs)
+
+        apply.__name__ = apply.__qualname__ = f"{cls.__name__}_apply"
+        _APPLY[cls] = apply
+    return _APPLY[cls]
 
 
 #: Python's and numpy's random draws: a traced forward would keep the one drawn while

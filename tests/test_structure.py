@@ -198,6 +198,37 @@ def test_no_grad_blocks_in_forward_are_kept():
     assert torch.is_grad_enabled()
 
 
+class _ReverseGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.scale * grad, None
+
+
+class DomainAdversarial(nn.Module):
+    """A gradient reversal layer (a custom autograd Function) between features and a head:
+    fx alone traces through the Function's forward and drops its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(_ReverseGradient.apply(self.features(x), 0.5))
+
+
+def test_custom_autograd_function_keeps_its_backward():
+    torch.manual_seed(0)
+    fused = check_equivalence([DomainAdversarial() for _ in range(3)], torch.randn(2, 4),
+                              steps=2)
+    assert [r.node for r in fused.fusion_report.fallbacks] == ["_reverse_gradient_apply"]
+
+
 def test_unknown_module_with_parameters_loops_over_models():
     class WithBilinear(nn.Module):
         def __init__(self):
