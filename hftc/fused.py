@@ -420,12 +420,10 @@ class FusedModule(nn.Module):
                 return run_program(self, program.forward, program.how, values, batched)
             out = program.forward(self, *values)
             return out if program.output_spec is None else program.output_spec.rebuild(out)
-        except RuntimeError as exc:
+        except BaseException as exc:
             torch.set_grad_enabled(grad_mode)
-            self._explain_input_mismatch(values, exc)
-            raise
-        except BaseException:
-            torch.set_grad_enabled(grad_mode)
+            if isinstance(exc, RuntimeError):
+                self._explain_input_mismatch(values, exc)
             raise
 
     @torch.compiler.disable

@@ -108,24 +108,35 @@ class _Tracer(fx.Tracer):
     Buffers are proxies too (``get_attr`` nodes), as parameters are: with fx's default a
     buffer read in forward is the real tensor, so an in-place update of it that involves
     no traced value (``self.ema.mul_(0.9)``, ``self.count += 1``) ran once, on the
-    original model, while tracing, and was missing from the graph.
+    original model, while tracing, and was missing from the graph.  Grad-mode changes,
+    buffer assignments and custom autograd Functions are recorded too, and Python's
+    random draws refused (the context managers below, entered by :meth:`trace`).
     """
 
     proxy_buffer_attributes = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: names of the root's buffers (set by trace), and the graph's nodes that are a
+        #: buffer or an in-place update of one
+        self._buffer_names: set[str] = set()
+        self._buffer_aliases: set[fx.Node] = set()
+        #: id(buffer) -> the value forward assigned to it (its later reads in forward)
+        self._assigned_buffers: dict[int, fx.Proxy] = {}
 
     def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any,
                      **options: Any) -> fx.Proxy:
         """Record an in-place method on a buffer with its other tensor arguments detached.
 
-        Forward code updates a buffer (running statistics, an EMA, a step counter) under
-        ``torch.no_grad()``, which fx does not record: recorded as written, the update
-        would put the buffer on the autograd graph, and gradients would flow through
-        it into the model.  A buffer carries no gradient here, as under ``no_grad``.
+        Eager code updates a buffer (running statistics, an EMA, a step counter) under
+        ``torch.no_grad()``, or assigns it a new tensor, which replaces the old one.  In
+        the graph both are in-place updates of the stacked buffer: one that carried
+        gradient would tie the buffer to the step's autograd graph, and each step's to
+        the last.  A buffer carries no gradient from one forward to the next.
         """
-        aliases = self.__dict__.setdefault("_buffer_aliases", set())
         inplace = (kind == "call_method" and isinstance(target, str) and target.endswith("_")
                    and not target.startswith("_") and args and isinstance(args[0], fx.Proxy)
-                   and args[0].node in aliases)
+                   and args[0].node in self._buffer_aliases)
         if inplace:
             def detached(a: Any) -> Any:
                 return (super(_Tracer, self).create_proxy("call_method", "detach", (a,), {})
@@ -134,23 +145,14 @@ class _Tracer(fx.Tracer):
             args = (args[0], *(detached(a) for a in args[1:]))
             kwargs = {k: detached(v) for k, v in kwargs.items()}
         proxy = super().create_proxy(kind, target, args, kwargs, *rest, **options)
-        if inplace or (kind == "get_attr" and self._is_buffer(target)):
-            aliases.add(proxy.node)
+        if inplace or (kind == "get_attr" and target in self._buffer_names):
+            self._buffer_aliases.add(proxy.node)
         return proxy
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
-        assigned = self.__dict__.get("_assigned_buffers", {})
-        if id(attr_val) in assigned:  # a buffer this forward assigned: its new value
-            return assigned[id(attr_val)]
+        if id(attr_val) in self._assigned_buffers:  # assigned by this forward: its new value
+            return self._assigned_buffers[id(attr_val)]
         return super().getattr(attr, attr_val, parameter_proxy_cache)
-
-    def _is_buffer(self, target: str) -> bool:
-        names = self.__dict__.get("_buffer_names")
-        if names is None:
-            root = getattr(self, "root", None)
-            names = {n for n, _ in root.named_buffers()} if isinstance(root, nn.Module) else set()
-            self.__dict__["_buffer_names"] = names
-        return target in names
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if _traceable_forward(m) is not None:
@@ -176,6 +178,8 @@ class _Tracer(fx.Tracer):
         """While tracing, ``MyFunction.apply(traced values)`` is one node of the graph (which
         the fused module runs per model), where fx alone would trace through its forward
         and drop its backward (a gradient reversal would reverse nothing)."""
+        from .lowering.kernels import apply_function, bind  # (kernels imports this module)
+
         function = torch.autograd.Function
         apply = function.__dict__["apply"]
         tracer = self
@@ -187,7 +191,8 @@ class _Tracer(fx.Tracer):
             # model's own code, and what it computes is recorded op by op.
             if any(isinstance(leaf, fx.Proxy) for leaf in leaves) and \
                     not any(callable(leaf) and not isinstance(leaf, fx.Proxy) for leaf in leaves):
-                return tracer.create_proxy("call_function", _applying(cls), args, kwargs)
+                return tracer.create_proxy("call_function", bind(apply_function, cls), args,
+                                           kwargs)
             return apply.__func__(cls, *args, **kwargs)
 
         function.apply = classmethod(recording_apply)
@@ -253,8 +258,9 @@ class _Tracer(fx.Tracer):
         tracer's proxy and the update was lost from the graph."""
         paths = ({id(m): path for path, m in root.named_modules()}
                  if isinstance(root, nn.Module) else {})
+        if isinstance(root, nn.Module):
+            self._buffer_names = {name for name, _ in root.named_buffers()}
         setattr_ = nn.Module.__setattr__
-        assigned = self.__dict__.setdefault("_assigned_buffers", {})
 
         def recording_setattr(module: nn.Module, name: str, value: Any) -> None:
             buffers = module.__dict__.get("_buffers", {})
@@ -265,7 +271,7 @@ class _Tracer(fx.Tracer):
                 self.create_proxy("call_method", "copy_", (buffer, value), {})  # detached
                 # Later reads in this forward see the value itself, as in eager code
                 # (where the attribute *is* the new tensor, gradient history included).
-                assigned[id(buffers[name])] = value
+                self._assigned_buffers[id(buffers[name])] = value
                 return
             setattr_(module, name, value)
 
@@ -281,20 +287,6 @@ class _Tracer(fx.Tracer):
         if replacement is not None:
             forward = functools.partial(replacement, m)
         return super().call_module(m, forward, args, kwargs)
-
-
-_APPLY: dict[type, Callable[..., Any]] = {}
-
-
-def _applying(cls: type) -> Callable[..., Any]:
-    """``cls.apply`` as a named function a graph can call (one per Function class)."""
-    if cls not in _APPLY:
-        def apply(*args: Any, **kwargs: Any) -> Any:
-            return cls.apply(*args, **kwargs)
-
-        apply.__name__ = apply.__qualname__ = f"{cls.__name__}_apply"
-        _APPLY[cls] = apply
-    return _APPLY[cls]
 
 
 #: Python's and numpy's random draws: a traced forward would keep the one drawn while

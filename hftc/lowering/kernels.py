@@ -1434,6 +1434,12 @@ def call_method(name: str) -> Callable[..., Any]:
 _BOUND: dict[tuple[Any, Any], Callable[..., Any]] = {}
 
 
+def apply_function(function: type, *args: Any, **kwargs: Any) -> Any:
+    """``function.apply(*args)``: a custom ``torch.autograd.Function`` of the models' code
+    as one node of a graph (:func:`bind` names it per class); it runs per model."""
+    return function.apply(*args, **kwargs)
+
+
 def bind(kernel: Callable[..., Any], fn: Any) -> Callable[..., Any]:
     """``kernel`` with ``fn`` as its first argument, as a named function a graph can call.
 

@@ -37,61 +37,51 @@ class ModelLoop:
     def __init__(self, fused: nn.Module):
         self.num_models = fused.num_models
         self.shells: list[nn.Module] = []
+        #: per shell: (the registry dict of a module, the key in it, the fused name, the
+        #: placeholder that stays there between calls), one per name, tied names included
+        self.slots: list[list[tuple[dict[str, Any], str, str, Any]]] = []
         for i in range(self.num_models):
             shell = fused.unfuse_model(i)
             if i == 0:
                 shell_params = dict(shell.named_parameters())
                 shell_buffers = dict(shell.named_buffers())
-                # Names the shells have (tied parameters once: functional_call ties the rest).
+                # Names the shells have (tied parameters once: the slots tie the rest).
                 self.param_names = [n for n, _ in fused.named_parameters() if n in shell_params]
                 self.buffer_names = [n for n, _ in fused.named_buffers() if n in shell_buffers]
-            self._drop_tensors(shell)  # one model's copy at a time, never N
+            self.slots.append(self._take_tensors(shell))  # one model's copy at a time, never N
             self.shells.append(shell)
-        self.slots = [self._slots(shell) for shell in self.shells]
 
-    def _drop_tensors(self, shell: nn.Module) -> None:
-        """The stacked tensors replace the shell's own at every call: let those go (a
-        second copy of the model's weights otherwise; 112 MiB for PointNet at N = 8).
-        Tied tensors stay tied (one empty tensor for all their names), so that
-        functional_call still sees the tie and feeds every name the one slice."""
+    def _take_tensors(self, shell: nn.Module) -> list[tuple[dict[str, Any], str, str, Any]]:
+        """Replace the shell's own tensors, which the stacked tensors' slices replace at
+        every call, by empty placeholders (a second copy of the model's weights otherwise;
+        112 MiB for PointNet at N = 8), and return where each slice goes (``slots``).
+
+        Tied tensors share one placeholder and one fused name, so every name of a tie
+        gets the one slice.  Writing the registries directly at each call is what
+        ``functional_call`` does, without its per-call name checks and tie search:
+        PointNet's 4 models took 8.9 -> 7.2 ms per forward of tiny inputs (N direct
+        module calls: 7.2 ms)."""
         replaced = set(self.param_names) | set(self.buffer_names)
-        empties: dict[int, Tensor] = {}
         named = list(shell.named_parameters(remove_duplicate=False))
         named += list(shell.named_buffers(remove_duplicate=False))
-        tied = {id(t) for name, t in named if name in replaced}
-        for name, t in named:
-            if id(t) not in tied:
-                continue
-            if id(t) not in empties:
-                empty = t.detach().new_empty(0)
-                empties[id(t)] = (nn.Parameter(empty, t.requires_grad)
-                                  if isinstance(t, nn.Parameter) else empty)
-            owner, _, leaf = name.rpartition(".")
-            module = shell.get_submodule(owner)
-            registry = module._parameters if leaf in module._parameters else module._buffers
-            registry[leaf] = empties[id(t)]
-
-    def _slots(self, shell: nn.Module) -> list[tuple[dict[str, Any], str, str, Any]]:
-        """Where each stacked tensor's slice goes in ``shell``: ``(the registry dict of its
-        module, the key in it, the fused name, the placeholder that stays there between
-        calls)``, one per name (tied names each get the one slice, as functional_call
-        gives them).  Writing the registries directly is what ``functional_call`` does,
-        without its per-call name checks and tie search: PointNet's 4 models took
-        8.9 -> 7.2 ms per forward of tiny inputs (N direct module calls: 7.2 ms)."""
-        named = list(shell.named_parameters(remove_duplicate=False))
-        named += list(shell.named_buffers(remove_duplicate=False))
-        replaced = set(self.param_names) | set(self.buffer_names)
         fused_name: dict[int, str] = {}
         for name, t in named:
             if name in replaced:
                 fused_name.setdefault(id(t), name)
+        placeholders: dict[int, Tensor] = {}
         slots = []
         for name, t in named:
-            if id(t) in fused_name:
-                owner, _, leaf = name.rpartition(".")
-                module = shell.get_submodule(owner)
-                registry = module._parameters if leaf in module._parameters else module._buffers
-                slots.append((registry, leaf, fused_name[id(t)], t))
+            if id(t) not in fused_name:
+                continue
+            if id(t) not in placeholders:
+                empty = t.detach().new_empty(0)
+                placeholders[id(t)] = (nn.Parameter(empty, t.requires_grad)
+                                       if isinstance(t, nn.Parameter) else empty)
+            owner, _, leaf = name.rpartition(".")
+            module = shell.get_submodule(owner)
+            registry = module._parameters if leaf in module._parameters else module._buffers
+            registry[leaf] = placeholders[id(t)]
+            slots.append((registry, leaf, fused_name[id(t)], placeholders[id(t)]))
         return slots
 
     def __call__(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool]) -> Any:
