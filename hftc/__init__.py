@@ -7,6 +7,7 @@
 from . import amp, errors, optim, utils  # noqa: E402  (they import the names above)
 from .errors import (
     FusionError,
+    FusionWarning,
     MismatchError,
     TraceError,
     UnsupportedOperatorError,
@@ -17,8 +18,8 @@ from .lowering.heap import keep_freed_memory
 from .utils import per_model
 
 __all__ = [
-    "FusedModule", "FusionError", "MismatchError", "TraceError", "UnsupportedOperatorError",
-    "amp", "errors", "fuse", "fuse_groups", "keep_freed_memory", "optim", "per_model",
-    "utils",
+    "FusedModule", "FusionError", "FusionWarning", "MismatchError", "TraceError",
+    "UnsupportedOperatorError", "amp", "errors", "fuse", "fuse_groups", "keep_freed_memory",
+    "optim", "per_model", "utils",
 ]
 __version__ = "0.1.0"

@@ -29,6 +29,11 @@ class UnsupportedOperatorError(FusionError):
         self.operators = list(operators or [])
 
 
+class FusionWarning(UserWarning):
+    """hftc runs something slower than asked, correctly, and says why (the first-call
+    check found the fused program's outputs not the models': they run one by one)."""
+
+
 class FusionArgumentError(FusionError, ValueError):
     """A bad argument to ``hftc.fuse`` or to a fused module (list, inputs, in_dims)."""
 

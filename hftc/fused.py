@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -20,10 +21,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .check import compare_with_models
 from .errors import (
     FusionArgumentError,
     FusionError,
     FusionTypeError,
+    FusionWarning,
     MismatchError,
     TraceError,
     UnsupportedOperatorError,
@@ -34,6 +37,7 @@ from .lowering.autotune import (
     autotune_graph,
     choose_program,
     cost_model_graph,
+    input_copies,
     preserved_state,
     run_program,
 )
@@ -218,16 +222,20 @@ class FusedModule(nn.Module):
         example_inputs: tuple | None = None,
         frontend: str = "auto",
         autotune: bool = False,
+        check: bool = True,
     ):
         super().__init__()
         models = _check_models(models)
         n = len(models)
         self.num_models = n
         self.in_dims = in_dims
-        if not isinstance(autotune, bool):
-            raise FusionArgumentError(f"autotune must be True or False, got {autotune!r}")
+        for name, flag in (("autotune", autotune), ("check", check)):
+            if not isinstance(flag, bool):
+                raise FusionArgumentError(f"{name} must be True or False, got {flag!r}")
         #: Time each fused op's lowerings at compile time (hftc.lowering.autotune).
         self.autotune = autotune
+        #: Compare each new program's outputs with models 0 and N-1's own (hftc.check).
+        self.check = check
         self._check_modes(models)
         _check_hooks(models)
         graphs = self._trace(models, example_inputs, frontend)
@@ -451,13 +459,23 @@ class FusedModule(nn.Module):
             mode_graphs.match_method, self.num_models, batched,
             mode_graphs.attr_targets,
         )
+        spec = output_spec(mode_graphs.graph)
+        forward, source = compile_graph(chain_linears(graph, self))
+        if self.check:
+            report.check = compare_with_models(
+                self, lambda inputs: self._run_fused(forward, spec, inputs), values, batched)
+            if not report.check.passed:
+                return self._model_loop_program(
+                    Program(forward, graph, report, source, spec), values, batched)
         if self.autotune:
             # Training programs are timed forward + backward, as a training step runs them.
             # (Not under inference_mode, where no tensor may require grad.)
             backward = self.training and not torch.is_inference_mode_enabled() \
                 and any(p.requires_grad for p in self.parameters())
+            # Tuning runs the program: on copies of the inputs, which it may write into.
+            tuning_values = input_copies(values)
             with preserved_state(self):
-                report.lowerings = autotune_graph(graph, self, values, backward=backward)
+                report.lowerings = autotune_graph(graph, self, tuning_values, backward=backward)
             if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values):
                 # A fused step's activations outgrow glibc's adaptive thresholds: keep the
                 # memory a step frees for the next one (lowering/heap.py).  After the ops'
@@ -468,8 +486,8 @@ class FusedModule(nn.Module):
                 # loop was not (PointNet N = 16 timed 1.33 vs 0.98 s, where the steps
                 # after took 0.95 s either way: the loop was chosen for a tie).
                 keep_freed_memory_for_tuning()
-        forward, source = compile_graph(chain_linears(graph, self))
-        program = Program(forward, graph, report, source, output_spec(mode_graphs.graph))
+            forward, source = compile_graph(chain_linears(graph, self))
+        program = Program(forward, graph, report, source, spec)
         if self.autotune and program.output_spec is None:
             device = next((v.device for v in values if isinstance(v, torch.Tensor)),
                           torch.device("cpu"))
@@ -478,7 +496,7 @@ class FusedModule(nn.Module):
                                          if cost_graph is not None
                                          else (None, ""))
             how, choice = choose_program(
-                self, forward, values, batched, backward=backward, key_source=source,
+                self, forward, tuning_values, batched, backward=backward, key_source=source,
                 channels_last=layout.safe(self._template, mode_graphs.graph, device),
                 cost_model=cost_forward)
             if how.forward is not None:  # the cost model's lowerings ran faster together
@@ -490,6 +508,36 @@ class FusedModule(nn.Module):
                         op.overruled, op.chosen = op.chosen, op.default
             program.how = how if how.name != "fused" else None
             report.lowerings.append(choice)
+        return program
+
+    def _run_fused(self, forward: Any, spec: OutputSpec | None, values: Sequence[Any]) -> Any:
+        out = forward(self, *values)
+        return out if spec is None else spec.rebuild(out)
+
+    def _model_loop_program(self, program: Program, values: Sequence[Any],
+                            batched: Sequence[bool]) -> Program:
+        """The program for inputs on which the fused program's outputs are not the models'
+        (``report.check``): the N models one by one, with a warning that says why."""
+        message = (
+            f"{program.report.check.difference}. The fused program, traced from the "
+            f"models' forward, does not compute what that forward computes on these inputs. "
+            f"The usual cause is Python in forward that inspects a value instead of "
+            f"computing with it, which tracing cannot follow: isinstance(x, torch.Tensor) "
+            f"or type(x) is ... on a tensor (while tracing, x is a torch.fx Proxy). To fuse "
+            f"the models, compute without such checks, or trace with torch.export, which "
+            f"runs forward's Python on real values: hftc.fuse(models, "
+            f"example_inputs=(x,), frontend='export'). (If forward has no such code, the "
+            f"bug is hftc's: please report it with the model.)")
+        try:
+            how = ProgramChoice(ModelLoop(self))
+            with preserved_state(self), torch.no_grad():
+                run_program(self, program.forward, how, values, batched)
+        except Exception as exc:  # noqa: BLE001 - any failure means: no correct way to run
+            raise TraceError(f"{message} The models cannot run one by one either "
+                             f"({type(exc).__name__}: {exc})") from exc
+        warnings.warn(f"hftc runs the {self.num_models} models one by one (not fused: no "
+                      f"speed-up), because {message}", FusionWarning, stacklevel=2)
+        program.how = how
         return program
 
     def _explain_input_mismatch(self, values: Sequence[Any], cause: Exception) -> None:
@@ -617,6 +665,7 @@ def fuse(
     example_inputs: tuple | None = None,
     frontend: str = "auto",
     autotune: bool = False,
+    check: bool = True,
 ) -> FusedModule:
     """Fuse N structurally identical models into one module (see ``API.md``).
 
@@ -631,9 +680,12 @@ def fuse(
     when the forward is compiled and keeps the fastest (the cost model's choice
     unless another is 5% faster), cached on disk per device
     and shape (:mod:`hftc.lowering.autotune`); otherwise a cost model picks.
+    ``check=True`` runs each new program once against models 0 and N-1's own forward
+    (:mod:`hftc.check`); where their outputs differ (forward's Python took another
+    branch while traced), the models run one by one, with a ``FusionWarning``.
     """
     return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs,
-                       frontend=frontend, autotune=autotune)
+                       frontend=frontend, autotune=autotune, check=check)
 
 
 __all__ = ["FusedModule", "Program", "fuse", "StackedModule"]

@@ -417,6 +417,22 @@ def preserved_state(module: torch.nn.Module) -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+def input_copies(values: Sequence[Any]) -> list[Any]:
+    """The inputs' tensors copied (one copy per tensor, however often it is passed), for
+    runs the caller does not see (tuning, the first-call check): a forward that writes
+    into its input (``x.mul_(2)``) must write into the caller's once, in the call."""
+    memo: dict[int, Tensor] = {}
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        if id(t) not in memo:
+            memo[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
+        return memo[id(t)]
+
+    return [pytree.tree_map(copy, v) for v in values]
+
+
 # --------------------------------------------------------------------------- the whole model
 
 
@@ -511,8 +527,10 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
     default = ProgramChoice()
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
     rng = _rng_state(device)
+    # Each candidate on its own copy of the inputs: a forward may write into them.
     (fused_out, fused_grads), default.peak = peak_memory(
-        lambda: _run_step(fused, program_forward, default, values, batched, backward), device)
+        lambda: _run_step(fused, program_forward, default, input_copies(values), batched,
+                          backward), device)
     # A program that draws random numbers (dropout) gives the others other draws:
     # then only the shapes can be compared.
     random = not torch.equal(rng, _rng_state(device))
@@ -538,8 +556,8 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
                 continue
             try:
                 (out, grads), how.peak = peak_memory(
-                    lambda how=how: _run_step(fused, program_forward, how, values, batched,
-                                              backward), device)
+                    lambda how=how: _run_step(fused, program_forward, how,
+                                              input_copies(values), batched, backward), device)
                 leaves = pytree.tree_leaves(out)
             except Exception:  # noqa: BLE001 - e.g. model code that .view()s a channels-last map
                 rejected.append(how.name)
@@ -725,4 +743,4 @@ def _pick_program(times: dict[str, float], peaks: dict[str, int | None]) -> str:
 
 __all__ = ["LoweringChoice", "ProgramChoice", "TUNABLE", "autotune_graph", "cache_path",
            "choose_program", "cost_model_graph", "device_key", "preserved_state",
-           "program_candidates", "run_program", "tune_call"]
+           "input_copies", "program_candidates", "run_program", "tune_call"]

@@ -72,6 +72,8 @@ class FusionReport:
     match_method: str = "trace order"
     #: The lowerings ``autotune=True`` chose (hftc.lowering.autotune.LoweringChoice).
     lowerings: list[Any] = field(default_factory=list)
+    #: The first-call check against the models' own forward (hftc.check.CheckResult).
+    check: Any = None
 
     @property
     def fallbacks(self) -> list[FusionRecord]:
@@ -110,6 +112,9 @@ class FusionReport:
             lines.append("  fell back to a per-model loop (exact, but not faster):")
             for r in self.fallbacks:
                 lines.append(f"    {r.source}: {r.reason}")
+        if self.check is not None:
+            lines.append("")
+            lines.append(f"  {self.check}")
         if self.lowerings:
             lines.append("")
             lines.append("  lowerings chosen by autotune (median forward + backward per call):")

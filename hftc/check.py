@@ -1,0 +1,337 @@
+"""The first-call check: each compiled program against the models' own forward.
+
+Tracing runs a model's forward on proxies, not tensors.  Python that inspects a value
+instead of computing with it can then take another branch than it takes on tensors,
+and fx records only what the proxies compute, so the branch leaves no trace::
+
+    def forward(self, x, mask=None):
+        y = self.fc(x)
+        if isinstance(mask, torch.Tensor):   # a Proxy is no Tensor: False while tracing
+            y = y * mask                      # never in the graph: no model masks
+        return y
+
+The fused program would compute something else than the models, and say nothing.
+So when a program is compiled (the first call per mode and input signature),
+:func:`compare_with_models` runs it once and models 0 and N-1 on their own (unfused
+copies with their current weights and buffers), on the same inputs, and compares the
+outputs::
+
+    fused program(x)[0]   vs   model 0's forward(x)       relative difference in norm
+    fused program(x)[N-1] vs   model N-1's forward(x)     <= 1e-3 (fp32), 1e-6 (fp64)
+
+Random numbers are made equal for both (:class:`ConstantRandomness`): dropout keeps
+every element, ``rand`` is 0, ``randn`` 0 ..., so a training-mode program with
+dropout is compared by value too.  Nothing the check runs is kept: buffers and the
+RNG are restored (``preserved_state``) and the copies are dropped.  Where the outputs
+differ, the fused module runs the N models one by one instead (the whole-model loop,
+:mod:`.lowering.model_loop`) and warns (:class:`~hftc.errors.FusionWarning`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .lowering.autotune import input_copies, preserved_state
+
+aten = torch.ops.aten
+
+
+# --------------------------------------------------------------------------- randomness
+
+
+def _probability_fill(out: Tensor, p: Any) -> Tensor:
+    """A Bernoulli draw made constant: ``u < p`` for a uniform ``u`` of 0, so 1 wherever
+    the probability is not 0."""
+    if isinstance(p, Tensor):
+        return out.copy_(torch.broadcast_to(p > 0, out.shape))
+    return out.fill_(1.0 if p > 0 else 0.0)
+
+
+def _mean_fill(out: Tensor, mean: Any) -> Tensor:
+    if isinstance(mean, Tensor):
+        return out.copy_(torch.broadcast_to(mean, out.shape))
+    return out.fill_(mean)
+
+
+def _dropout(args: tuple, kwargs: dict, out: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    x, p = args[0], args[1]
+    result, mask = out
+    mask.fill_(True)
+    return result.copy_(x * (1.0 / (1.0 - p)) if p < 1 else torch.zeros_like(x)), mask
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+#: For each random op: its result made a constant that does not depend on the shape of
+#: the draw (the fused program draws for N models at once, each model for itself):
+#: ``(args, kwargs, result) -> result``.  Every uniform draw is its lowest value (0 for
+#: ``rand``, ``from`` for ``uniform_``, ``low`` for ``randint`` and ``random_``), so the
+#: ways of drawing a keep mask agree: ``bernoulli_(keep)`` (ATen's dropout),
+#: ``random_() < keep * 2**31`` (hftc's, :func:`~hftc.lowering.kernels.bernoulli_mask`)
+#: and ``rand() < keep`` all keep every element.
+_CONSTANT_DRAWS: dict[Any, Callable[[tuple, dict, Any], Any]] = {
+    aten.native_dropout: _dropout,
+    aten.bernoulli: lambda a, k, out: _probability_fill(out, _arg(a, k, 1, "p", a[0])),
+    aten.bernoulli_: lambda a, k, out: _probability_fill(out, _arg(a, k, 1, "p", 0.5)),
+    aten.rand: lambda a, k, out: out.fill_(0.0),
+    aten.rand_like: lambda a, k, out: out.fill_(0.0),
+    aten.uniform: lambda a, k, out: out.fill_(_arg(a, k, 1, "from", 0.0)),
+    aten.uniform_: lambda a, k, out: out.fill_(_arg(a, k, 1, "from", 0.0)),
+    aten.randn: lambda a, k, out: out.fill_(0.0),
+    aten.randn_like: lambda a, k, out: out.fill_(0.0),
+    aten.normal_: lambda a, k, out: out.fill_(_arg(a, k, 1, "mean", 0.0)),
+    aten.normal: lambda a, k, out: _mean_fill(out, _arg(a, k, 0, "mean", 0.0)),
+    aten.randint: lambda a, k, out: out.fill_(a[0] if len(a) > 2 else 0),
+    aten.randint_like: lambda a, k, out: out.fill_(a[1] if len(a) > 2 else 0),
+    aten.random_: lambda a, k, out: out.fill_(a[1] if len(a) > 2 else 0),
+    aten.randperm: lambda a, k, out: out.copy_(torch.arange(out.numel(), dtype=out.dtype,
+                                                            device=out.device)),
+    aten.exponential_: lambda a, k, out: out.fill_(1.0 / _arg(a, k, 1, "lambd", 1.0)),
+}
+
+
+@contextlib.contextmanager
+def _rng_kept() -> Iterator[None]:
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+class ConstantRandomness(TorchDispatchMode):
+    """Replaces the draws of the common random ops (dropout, ``bernoulli``, ``rand``,
+    ``randn``, ``normal_``, ``uniform_``, ``randint``, ``randperm`` ...) by constants
+    that do not depend on how many numbers are drawn at once (``_CONSTANT_DRAWS``)::
+
+        model i alone:   F.dropout(x_i, 0.1)        -> x_i / 0.9   (every element kept)
+        fused program:   dropout of [N, B, ...]     -> x / 0.9     (the same, per model)
+
+    The generator does not advance; an op that draws otherwise (``rrelu`` in training,
+    a recurrent layer's dropout) does, and :func:`compare_with_models` then compares
+    shapes only."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        constant = _CONSTANT_DRAWS.get(func.overloadpacket)
+        if constant is None:
+            return func(*args, **kwargs)
+        if func.overloadpacket is aten.native_dropout and not _arg(args, kwargs, 2, "train",
+                                                                     True):
+            return func(*args, **kwargs)
+        with _rng_kept():
+            out = func(*args, **kwargs)
+        return constant(args, kwargs, out)
+
+
+def _rng_states() -> list[Tensor]:
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def tolerance(t: Tensor) -> float:
+    """How far (relative, in norm) a fused program's output may be from a model's own."""
+    low_precision = t.dtype in (torch.float16, torch.bfloat16) or any(
+        torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+    if low_precision:
+        return 5e-2
+    if t.dtype == torch.float64 or t.dtype == torch.complex128:
+        return 1e-6
+    if t.is_cuda and (torch.backends.cuda.matmul.allow_tf32
+                      or torch.backends.cudnn.allow_tf32):
+        return 1e-2  # TF32 rounds products' inputs to 10 mantissa bits
+    return 1e-3
+
+
+def _tensor_difference(got: Tensor, want: Tensor, where: str, shapes_only: bool,
+                       errors: list[float]) -> str | None:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return (f"{where} is {got.dtype} of shape {list(got.shape)} where the model's own "
+                f"forward gives {want.dtype} of shape {list(want.shape)}")
+    if shapes_only or want.numel() == 0:
+        return None
+    got, want = got.detach(), want.detach()
+    if not (want.is_floating_point() or want.is_complex()):
+        # Integers (an argmax, a count): a rounding may flip a near tie, no more.
+        differ = (got != want).sum().item()
+        if differ <= 0.01 * want.numel():
+            return None
+        return f"{where} differs in {differ} of its {want.numel()} elements"
+    limit = tolerance(want)
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(
+            got[~finite].nan_to_num(), want[~finite].nan_to_num()):
+        return f"{where} has NaN or infinite elements where the model's own forward does not"
+    got, want = got[finite].to(torch.complex128 if want.is_complex() else torch.float64), \
+        want[finite].to(torch.complex128 if want.is_complex() else torch.float64)
+    diff = (got - want).norm().item()
+    scale = max(got.norm().item(), want.norm().item())
+    floor = torch.finfo(want.real.dtype if want.is_complex() else want.dtype).tiny
+    floor = max(floor, torch.finfo(torch.float32).eps * math.sqrt(want.numel()) * 1e-6)
+    errors.append(diff / scale if scale else 0.0)
+    if diff <= limit * scale or diff <= floor:
+        return None
+    return (f"{where} differs from the model's own forward by {diff / scale:.3g} "
+            f"(relative, in norm; {limit:g} allowed)")
+
+
+def output_difference(got: Any, want: Any, where: str = "output", shapes_only: bool = False,
+                      errors: list[float] | None = None) -> str | None:
+    """What differs between one model's slice of the fused output and its own output
+    (``None``: nothing beyond rounding).  Tuples, lists, dicts (a ``ModelOutput``),
+    dataclasses and tensors are compared leaf by leaf; other values with ``==``.
+    ``errors``: gets each floating leaf's relative difference in norm."""
+    errors = [] if errors is None else errors
+    if isinstance(want, Tensor):
+        if not isinstance(got, Tensor):
+            return f"{where} is a {type(got).__name__} where the model gives a tensor"
+        return _tensor_difference(got, want, where, shapes_only, errors)
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or list(got) != list(want):
+            keys = list(got) if isinstance(got, dict) else type(got).__name__
+            return f"{where} has keys {keys} where the model's has {list(want)}"
+        for key in want:
+            problem = output_difference(got[key], want[key], f"{where}[{key!r}]", shapes_only,
+                                        errors)
+            if problem:
+                return problem
+        return None
+    if isinstance(want, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(want):
+            return f"{where} is {type(got).__name__} where the model's is a " \
+                   f"{type(want).__name__} of {len(want)}"
+        for k, (a, b) in enumerate(zip(got, want)):
+            problem = output_difference(a, b, f"{where}[{k}]", shapes_only, errors)
+            if problem:
+                return problem
+        return None
+    if dataclasses.is_dataclass(want) and not isinstance(want, type):
+        if type(got) is not type(want):
+            return f"{where} is a {type(got).__name__} where the model's is a " \
+                   f"{type(want).__name__}"
+        for f in dataclasses.fields(want):
+            problem = output_difference(getattr(got, f.name), getattr(want, f.name),
+                                        f"{where}.{f.name}", shapes_only, errors)
+            if problem:
+                return problem
+        return None
+    try:
+        same = bool(got == want)
+    except Exception:  # noqa: BLE001 - a value without a plain == (compare types then)
+        same = type(got) is type(want)
+    return None if same else f"{where} is {got!r} where the model's own forward gives {want!r}"
+
+
+def model_slice(out: Any, index: int) -> Any:
+    """Model ``index``'s part of a fused output: each tensor leaf's row ``index`` (dicts,
+    ``ModelOutput`` included, as plain dicts: :func:`output_difference` compares keys)."""
+    if isinstance(out, Tensor):
+        return out[index]
+    if isinstance(out, dict):
+        return {k: model_slice(v, index) for k, v in out.items()}
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple
+        return type(out)(*(model_slice(v, index) for v in out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(model_slice(v, index) for v in out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return dataclasses.replace(out, **{f.name: model_slice(getattr(out, f.name), index)
+                                           for f in dataclasses.fields(out) if f.init})
+    return out
+
+
+# --------------------------------------------------------------------------- the check
+
+
+@dataclasses.dataclass
+class CheckResult:
+    """What the first-call check compared and found (``FusionReport.check``)."""
+
+    #: The models compared (0 and N-1).
+    models: tuple[int, ...]
+    #: ``None``: the outputs agree; else what differs, for the warning and the report.
+    difference: str | None = None
+    #: The check could not run (the model's own forward raised on these inputs ...).
+    skipped: str | None = None
+    #: A random op the constants do not cover ran: only shapes and dtypes were compared.
+    shapes_only: bool = False
+    #: The largest relative difference (in norm) of a floating output compared.
+    largest: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.difference is None
+
+    def __str__(self) -> str:
+        models = ("model " if len(self.models) == 1 else "models ") + \
+            " and ".join(str(i) for i in self.models)
+        if self.skipped:
+            return f"not checked against the models' own forward: {self.skipped}"
+        if self.difference:
+            return f"FAILED: {self.difference}; the models run one by one"
+        if self.shapes_only:
+            return (f"checked against {models}'s own forward: shapes and dtypes agree (the "
+                    f"program draws random numbers)")
+        return (f"checked against {models}'s own forward: values agree (largest "
+                f"difference {self.largest:.2g}, relative)")
+
+
+def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
+                        values: Sequence[Any], batched: Sequence[bool]) -> CheckResult:
+    """Run the fused program (``run(values)``) and models 0 and N-1 on their own on
+    copies of ``values`` (placeholder values; ``batched``: stacked per model), compare
+    (see the module docstring), and leave the fused module's buffers and the RNG as
+    they were."""
+    n = fused.num_models
+    picks = tuple(sorted({0, n - 1}))
+    result = CheckResult(picks)
+    # The copies hold the weights and buffers the program is about to read.
+    shells = {i: fused.unfuse_model(i) for i in picks}
+    with preserved_state(fused), torch.no_grad():
+        before = _rng_states()
+        try:
+            with ConstantRandomness():
+                out = run(input_copies(values))
+        except Exception as exc:  # noqa: BLE001 - the call itself raises it again, explained
+            result.skipped = f"the fused program raised {type(exc).__name__}"
+            return result
+        result.shapes_only = any(not torch.equal(a, b) for a, b in zip(before, _rng_states()))
+        for i in picks:
+            args = [v[i] if b else v for v, b in zip(input_copies(values), batched)]
+            try:
+                with ConstantRandomness():
+                    want = shells[i](*args)
+            except Exception as exc:  # noqa: BLE001 - a model we cannot call like this
+                result.skipped = (f"model {i}'s own forward raised {type(exc).__name__}: "
+                                  f"{exc}".splitlines()[0])
+                return result
+            errors: list[float] = []
+            result.difference = output_difference(model_slice(out, i), want,
+                                                  shapes_only=result.shapes_only,
+                                                  errors=errors)
+            result.largest = max([result.largest, *errors])
+            if result.difference:
+                result.difference = f"model {i}'s {result.difference}"
+                break
+    return result
+
+
+__all__ = ["CheckResult", "ConstantRandomness", "compare_with_models", "model_slice",
+           "output_difference", "tolerance"]

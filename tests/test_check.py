@@ -1,0 +1,248 @@
+"""The first-call check (hftc/check.py): a program whose outputs are not the models' own
+is never run; the models then run one by one, with a FusionWarning that says why."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from equivalence import check_equivalence
+from torch import nn
+
+import hftc
+from hftc.check import ConstantRandomness, output_difference
+from hftc.errors import FusionWarning, TraceError
+from hftc.lowering import kernels
+
+
+class MaskIfTensor(nn.Module):
+    """Masks only when the mask is a tensor: while traced it is a Proxy, so never."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, mask=None):
+        y = self.fc(x)
+        if isinstance(mask, torch.Tensor):
+            y = y * mask
+        return y
+
+
+class ExactTypeCheck(nn.Module):
+    """Inspects the type of an intermediate value: a Proxy while traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.norm = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        y = self.norm(self.fc(x))
+        if type(y) is torch.Tensor:
+            return y.relu()
+        return y
+
+
+def models_of(cls, n=3, seed=0):
+    torch.manual_seed(seed)
+    return [cls() for _ in range(n)]
+
+
+def test_isinstance_on_an_input_runs_the_models_one_by_one_and_warns():
+    models = models_of(MaskIfTensor)
+    x, mask = torch.randn(5, 4), (torch.rand(5, 1) > 0.5).float()
+    fused = hftc.fuse(models)
+    with pytest.warns(FusionWarning, match=r"model 0's output differs from the model's own "
+                                           r"forward by [0-9.]+ .*isinstance.*frontend='export'"):
+        out = fused(x, mask)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x, mask))
+    report = fused.fusion_report
+    assert not report.check.passed and "FAILED" in str(report)
+    assert fused.last_program().model_loop is not None
+    # The same program on the next call: no second warning, still right.
+    x2 = torch.randn(5, 4)
+    out = fused(x2, mask)
+    torch.testing.assert_close(out[2], models[2](x2, mask))
+
+
+def test_a_failed_check_trains_as_the_models_alone():
+    """The fallback trains: forward, backward and hftc's Adam equal a loop over the models
+    (float64 and float32, 2 steps, batch norm statistics compared too)."""
+    for dtype in (torch.float64, torch.float32):
+        with pytest.warns(FusionWarning, match="one by one"):
+            check_equivalence(models_of(ExactTypeCheck, n=4), torch.randn(6, 4), dtype=dtype,
+                              steps=2)
+
+
+def test_export_traces_the_branch_and_fuses():
+    """The warning's advice works: torch.export runs forward's Python on real tensors."""
+    models = models_of(MaskIfTensor)
+    x, mask = torch.randn(5, 4), (torch.rand(5, 1) > 0.5).float()
+    fused = hftc.fuse(models, example_inputs=(x, mask), frontend="export")
+    out = fused(x, mask)  # a FusionWarning would fail this test (pyproject filterwarnings)
+    assert fused.last_program().model_loop is None and fused.fusion_report.check.passed
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x, mask))
+
+
+def test_check_false_skips_the_check():
+    models = models_of(ExactTypeCheck)
+    fused = hftc.fuse(models, check=False)
+    fused(torch.randn(6, 4))
+    assert fused.fusion_report.check is None and fused.last_program().model_loop is None
+    with pytest.raises(hftc.errors.FusionArgumentError, match="check must be True or False"):
+        hftc.fuse(models, check="yes")
+
+
+def test_a_passed_check_is_in_the_report_and_changes_nothing():
+    """The check's own runs leave no trace: running statistics, the input written in
+    place, the RNG (the next dropout draws are the ones without the check)."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.norm = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            x.mul_(2)
+            return F.dropout(self.norm(self.fc(x)), 0.3, self.training)
+
+    outs = {}
+    for check in (True, False):
+        models = models_of(Model)
+        fused = hftc.fuse(models, check=check)
+        torch.manual_seed(7)
+        x = torch.randn(6, 4)
+        outs[check] = (fused(x), x, fused.norm.running_mean.clone(), torch.rand(3))
+        if check:
+            assert fused.fusion_report.check.passed
+            assert not fused.fusion_report.check.shapes_only  # dropout made constant
+            assert "checked against models 0 and 2's own forward: values agree" in \
+                str(fused.fusion_report)
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
+
+
+def test_a_random_op_without_a_constant_is_compared_by_shape():
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return F.rrelu(self.fc(x), training=True)
+
+    fused = hftc.fuse(models_of(Noisy))
+    fused(torch.randn(5, 4))
+    assert fused.fusion_report.check.passed and fused.fusion_report.check.shapes_only
+
+
+def test_in_place_writes_into_the_input_happen_once_with_autotune(tmp_path, monkeypatch):
+    """Tuning runs the program many times: on copies of the inputs, never on the caller's
+    (it used to double the input once per tuning run: outputs off by 10x)."""
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
+
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            x.mul_(2)
+            return self.fc(x.relu_())
+
+    models = models_of(InPlace)
+    x = torch.randn(2, 4)
+    given = x.clone()
+    out = hftc.fuse(models, autotune=True)(given)
+    assert torch.equal(given, (2 * x).relu())
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x.clone()))
+
+
+def test_a_fallback_that_cannot_run_is_a_trace_error():
+    """Divergent and not runnable one by one (the loop cannot stack a dataclass output):
+    an error, never the wrong program."""
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return Out(y if isinstance(y, torch.Tensor) else -y)
+
+    with pytest.raises(TraceError, match=r"output.y differs.*cannot run one by one either"):
+        hftc.fuse(models_of(Model))(torch.randn(5, 4))
+
+
+def test_a_model_that_cannot_be_called_is_not_checked():
+    class KeywordOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x, *, scale=2.0):
+            return self.fc(x) * scale
+
+    fused = hftc.fuse(models_of(KeywordOnly))
+    fused(torch.randn(5, 4))
+    check = fused.fusion_report.check
+    assert check.passed and check.skipped and "not checked" in str(check)
+
+
+@pytest.mark.parametrize("draw", ["F.dropout", "kernels.dropout", "bernoulli_", "rand",
+                                  "randn", "normal_", "uniform_", "randint", "randperm"])
+def test_constant_randomness_is_one_value_per_op_whatever_the_shape(draw):
+    x = torch.randn(3, 5, dtype=torch.float64)
+    fns = {
+        "F.dropout": lambda t: F.dropout(t, 0.25),
+        "kernels.dropout": lambda t: kernels.dropout(t, 0.25),
+        "bernoulli_": lambda t: torch.empty_like(t).bernoulli_(0.25),
+        "rand": lambda t: torch.rand(t.shape, dtype=t.dtype),
+        "randn": lambda t: torch.randn_like(t),
+        "normal_": lambda t: torch.empty_like(t).normal_(1.5, 2.0),
+        "uniform_": lambda t: torch.empty_like(t).uniform_(-1.0, 1.0),
+        "randint": lambda t: torch.randint(3, 9, t.shape),
+        "randperm": lambda t: torch.randperm(t.numel()),
+    }
+    expected = {
+        "F.dropout": x / 0.75, "kernels.dropout": x / 0.75,
+        "bernoulli_": torch.ones_like(x), "rand": torch.zeros_like(x),
+        "randn": torch.zeros_like(x), "normal_": torch.full_like(x, 1.5),
+        "uniform_": torch.full_like(x, -1.0), "randint": torch.full(x.shape, 3),
+        "randperm": torch.arange(x.numel()),
+    }
+    state = torch.random.get_rng_state()
+    with ConstantRandomness():
+        got = fns[draw](x)
+        stacked = fns[draw](x.repeat(2, 1))  # N models' draw at once: the same values
+    assert torch.equal(torch.random.get_rng_state(), state)  # the generator did not move
+    torch.testing.assert_close(got, expected[draw], rtol=1e-15, atol=0)  # dropout: x * (1/0.75)
+    if draw != "randperm":
+        assert torch.equal(stacked[:3], got)
+
+
+def test_output_difference_names_what_differs():
+    y = torch.ones(2, 3)
+    assert output_difference((y, {"a": y}), (y.clone(), {"a": y + 1e-9})) is None
+    assert "output[1]['a'] differs" in output_difference((y, {"a": y}), (y, {"a": 2 * y}))
+    assert "keys ['a'] where the model's has ['b']" in output_difference({"a": y}, {"b": y})
+    assert "shape [2, 3]" in output_difference(y, y[0])
+    assert "NaN or infinite" in output_difference(y, torch.full_like(y, float("nan")))
+    nan = torch.tensor([float("nan"), 1.0])
+    assert output_difference(nan, nan.clone()) is None
+    labels = torch.arange(200)
+    flipped = labels.clone()
+    flipped[0] = 7
+    assert output_difference(flipped, labels) is None  # a near tie may flip one in 100
+    assert "differs in 200 of its 200" in output_difference(labels + 1, labels)
+    assert "output[1] is 'b'" in output_difference((y, "b"), (y, "a"))
