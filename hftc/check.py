@@ -302,26 +302,30 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
     n = fused.num_models
     picks = tuple(sorted({0, n - 1}))
     result = CheckResult(picks)
-    # The copies hold the weights and buffers the program is about to read.
-    shells = {i: fused.unfuse_model(i) for i in picks}
-    with preserved_state(fused), torch.no_grad():
+    with _rng_kept(), torch.no_grad():
         before = _rng_states()
         try:
-            with ConstantRandomness():
-                out = run(input_copies(values))
+            with preserved_state(fused):  # buffers (and the RNG) back after the run
+                with ConstantRandomness():
+                    out = run(input_copies(values))
+                result.shapes_only = any(not torch.equal(a, b)
+                                         for a, b in zip(before, _rng_states()))
         except Exception as exc:  # noqa: BLE001 - the call itself raises it again, explained
             result.skipped = f"the fused program raised {type(exc).__name__}"
             return result
-        result.shapes_only = any(not torch.equal(a, b) for a, b in zip(before, _rng_states()))
         for i in picks:
+            # A copy of model i with the weights and buffers the program read, one at a
+            # time (two copies of a large model could be what does not fit).
+            shell = fused.unfuse_model(i)
             args = [v[i] if b else v for v, b in zip(input_copies(values), batched)]
             try:
                 with ConstantRandomness():
-                    want = shells[i](*args)
+                    want = shell(*args)
             except Exception as exc:  # noqa: BLE001 - a model we cannot call like this
                 result.skipped = (f"model {i}'s own forward raised {type(exc).__name__}: "
                                   f"{exc}".splitlines()[0])
                 return result
+            del shell
             errors: list[float] = []
             result.difference = output_difference(model_slice(out, i), want,
                                                   shapes_only=result.shapes_only,

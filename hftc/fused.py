@@ -7,6 +7,8 @@
     first call, per input signature:
            --trace.annotate_example_values--> shapes --passes/--> fused fx graph
            --lowering/codegen.py--> forward(self, *inputs)
+           --check.py--> run once beside models 0 and N-1 alone: the same outputs?
+                         (if not: the N models one by one, with a FusionWarning)
 """
 
 from __future__ import annotations
