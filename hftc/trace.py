@@ -110,7 +110,8 @@ class _Tracer(fx.Tracer):
     no traced value (``self.ema.mul_(0.9)``, ``self.count += 1``) ran once, on the
     original model, while tracing, and was missing from the graph.  Grad-mode changes,
     buffer assignments and custom autograd Functions are recorded too, and Python's
-    random draws refused (the context managers below, entered by :meth:`trace`).
+    random draws refused; torch's random draws are nodes even from constant arguments
+    (the context managers below, entered by :meth:`trace`).
     """
 
     proxy_buffer_attributes = True
@@ -161,7 +162,8 @@ class _Tracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         with self._buffer_assignments_recorded(root), self._grad_mode_recorded(), \
-                self._autograd_functions_recorded(), _python_random_refused():
+                self._autograd_functions_recorded(), self._torch_random_recorded(), \
+                _python_random_refused():
             replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
             if replacement is None:
                 return super().trace(root, concrete_args)
@@ -200,6 +202,36 @@ class _Tracer(fx.Tracer):
             yield
         finally:
             function.apply = apply
+
+    @contextlib.contextmanager
+    def _torch_random_recorded(self) -> Iterator[None]:
+        """While tracing, a call of one of torch's random functions (``torch.randn(4)``,
+        ``torch.rand(())``, ``torch.bernoulli(p)`` ...) is a node of the graph, drawn anew
+        at every call and per model, also when no traced value goes in.
+
+        fx records a call only when a traced value goes in: with constant arguments it
+        ran the draw once, while tracing, and kept the drawn tensor as a constant: the
+        same noise at every call and for every model, and ``if torch.rand(()) < p`` (a
+        layer dropped at random) taken always or never.  As a node, such a branch is
+        refused (a traced value cannot decide Python's control flow), and said so."""
+        tracer = self
+        saved = {name: getattr(torch, name) for name in _TORCH_RANDOM}
+
+        def recording(draw: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(draw)
+            def recorded(*args: Any, **kwargs: Any) -> Any:
+                if getattr(tracer, "graph", None) is None:
+                    return draw(*args, **kwargs)
+                return tracer.create_proxy("call_function", draw, args, kwargs)
+            return recorded
+
+        for name, draw in saved.items():
+            setattr(torch, name, recording(draw))
+        try:
+            yield
+        finally:
+            for name, draw in saved.items():
+                setattr(torch, name, draw)
 
     @contextlib.contextmanager
     def _grad_mode_recorded(self) -> Iterator[None]:
@@ -288,6 +320,10 @@ class _Tracer(fx.Tracer):
             forward = functools.partial(replacement, m)
         return super().call_module(m, forward, args, kwargs)
 
+
+#: torch's random functions, recorded by ``_Tracer._torch_random_recorded``.
+_TORCH_RANDOM = ("rand", "randn", "randint", "randperm", "rand_like", "randn_like",
+                 "randint_like", "normal", "bernoulli", "multinomial", "poisson")
 
 #: Python's and numpy's random draws: a traced forward would keep the one drawn while
 #: tracing for every call (a layer dropped at random would be dropped always, or never).

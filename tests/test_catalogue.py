@@ -132,6 +132,49 @@ class StochasticDepth(nn.Module):
         return self.fc(x)
 
 
+def test_a_random_branch_drawn_with_torch_is_refused():
+    """``if torch.rand(()) < p`` takes no traced value: fx drew it once while tracing and
+    kept the branch (models whose draws differed were "not structurally identical";
+    equal draws fused, the branch taken always or never).  The draw is now a node, and
+    a node cannot decide Python's control flow."""
+    class TorchStochasticDepth(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if self.training and torch.rand(()).item() < 0.5:
+                return x
+            return self.fc(x)
+
+    for seed in range(4):
+        torch.manual_seed(seed)
+        with pytest.raises(TraceError, match="cannot be used as inputs to control flow"):
+            hftc.fuse([TorchStochasticDepth() for _ in range(3)])
+
+
+def test_torch_noise_of_a_constant_shape_is_drawn_per_call_and_per_model():
+    """``torch.randn(4)`` takes no traced value: fx kept the tensor drawn while tracing,
+    the same noise for every model at every call."""
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) + torch.randn(4) + torch.rand(()) * torch.randint(1, 3, ())
+
+    models = [Noisy() for _ in range(3)]
+    fused = hftc.fuse(models)
+    x = torch.randn(5, 4)
+    noise = [fused(x) - torch.stack([m(x) for m in models]).detach() for _ in range(2)]
+    for a in noise:
+        assert torch.allclose(a[:, 0], a[:, 1])  # one draw per model, for the whole batch
+        assert not torch.allclose(a[0], a[1]) and not torch.allclose(a[1], a[2])
+    assert not torch.allclose(noise[0], noise[1])
+    assert fused.fusion_report.check.passed  # with the draws made constant, exact
+
+
 @pytest.mark.parametrize("use_numpy", [False, True], ids=["random", "numpy"])
 def test_python_random_in_forward_is_refused(use_numpy):
     # Traced, a Python draw would be one value for every call (a layer dropped at random
