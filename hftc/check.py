@@ -124,17 +124,29 @@ class ConstantRandomness(TorchDispatchMode):
     a recurrent layer's dropout) does, and :func:`compare_with_models` then compares
     shapes only."""
 
+    #: Whether an op computed in bfloat16 or float16 (an autocast region in forward): the
+    #: outputs are then compared at that precision's tolerance.
+    low_precision = False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         constant = _CONSTANT_DRAWS.get(func.overloadpacket)
         if constant is None:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if not self.low_precision:
+                self.low_precision = any(
+                    isinstance(t, Tensor) and t.dtype in _LOW_PRECISION
+                    for t in (out if isinstance(out, (tuple, list)) else (out,)))
+            return out
         if func.overloadpacket is aten.native_dropout and not _arg(args, kwargs, 2, "train",
                                                                      True):
             return func(*args, **kwargs)
         with _rng_kept():
             out = func(*args, **kwargs)
         return constant(args, kwargs, out)
+
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _rng_states() -> list[Tensor]:
@@ -147,11 +159,11 @@ def _rng_states() -> list[Tensor]:
 # --------------------------------------------------------------------------- comparing
 
 
-def tolerance(t: Tensor) -> float:
-    """How far (relative, in norm) a fused program's output may be from a model's own."""
-    low_precision = t.dtype in (torch.float16, torch.bfloat16) or any(
-        torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
-    if low_precision:
+def tolerance(t: Tensor, low_precision: bool = False) -> float:
+    """How far (relative, in norm) a fused program's output may be from a model's own;
+    ``low_precision``: some op on the way computed in bfloat16 or float16."""
+    if low_precision or t.dtype in _LOW_PRECISION or any(
+            torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
         return 5e-2
     if t.dtype == torch.float64 or t.dtype == torch.complex128:
         return 1e-6
@@ -162,7 +174,7 @@ def tolerance(t: Tensor) -> float:
 
 
 def _tensor_difference(got: Tensor, want: Tensor, where: str, shapes_only: bool,
-                       errors: list[float]) -> str | None:
+                       errors: list[float], low_precision: bool) -> str | None:
     if got.shape != want.shape or got.dtype != want.dtype:
         return (f"{where} is {got.dtype} of shape {list(got.shape)} where the model's own "
                 f"forward gives {want.dtype} of shape {list(want.shape)}")
@@ -175,7 +187,7 @@ def _tensor_difference(got: Tensor, want: Tensor, where: str, shapes_only: bool,
         if differ <= 0.01 * want.numel():
             return None
         return f"{where} differs in {differ} of its {want.numel()} elements"
-    limit = tolerance(want)
+    limit = tolerance(want, low_precision)
     finite = torch.isfinite(want)
     if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(
             got[~finite].nan_to_num(), want[~finite].nan_to_num()):
@@ -194,23 +206,25 @@ def _tensor_difference(got: Tensor, want: Tensor, where: str, shapes_only: bool,
 
 
 def output_difference(got: Any, want: Any, where: str = "output", shapes_only: bool = False,
-                      errors: list[float] | None = None) -> str | None:
+                      errors: list[float] | None = None,
+                      low_precision: bool = False) -> str | None:
     """What differs between one model's slice of the fused output and its own output
     (``None``: nothing beyond rounding).  Tuples, lists, dicts (a ``ModelOutput``),
     dataclasses and tensors are compared leaf by leaf; other values with ``==``.
-    ``errors``: gets each floating leaf's relative difference in norm."""
+    ``errors``: gets each floating leaf's relative difference in norm; ``low_precision``:
+    compare at bfloat16's tolerance (:func:`tolerance`)."""
     errors = [] if errors is None else errors
     if isinstance(want, Tensor):
         if not isinstance(got, Tensor):
             return f"{where} is a {type(got).__name__} where the model gives a tensor"
-        return _tensor_difference(got, want, where, shapes_only, errors)
+        return _tensor_difference(got, want, where, shapes_only, errors, low_precision)
     if isinstance(want, dict):
         if not isinstance(got, dict) or list(got) != list(want):
             keys = list(got) if isinstance(got, dict) else type(got).__name__
             return f"{where} has keys {keys} where the model's has {list(want)}"
         for key in want:
             problem = output_difference(got[key], want[key], f"{where}[{key!r}]", shapes_only,
-                                        errors)
+                                        errors, low_precision)
             if problem:
                 return problem
         return None
@@ -219,7 +233,7 @@ def output_difference(got: Any, want: Any, where: str = "output", shapes_only: b
             return f"{where} is {type(got).__name__} where the model's is a " \
                    f"{type(want).__name__} of {len(want)}"
         for k, (a, b) in enumerate(zip(got, want)):
-            problem = output_difference(a, b, f"{where}[{k}]", shapes_only, errors)
+            problem = output_difference(a, b, f"{where}[{k}]", shapes_only, errors, low_precision)
             if problem:
                 return problem
         return None
@@ -229,7 +243,7 @@ def output_difference(got: Any, want: Any, where: str = "output", shapes_only: b
                    f"{type(want).__name__}"
         for f in dataclasses.fields(want):
             problem = output_difference(getattr(got, f.name), getattr(want, f.name),
-                                        f"{where}.{f.name}", shapes_only, errors)
+                                        f"{where}.{f.name}", shapes_only, errors, low_precision)
             if problem:
                 return problem
         return None
@@ -306,7 +320,7 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
         before = _rng_states()
         try:
             with preserved_state(fused):  # buffers (and the RNG) back after the run
-                with ConstantRandomness():
+                with ConstantRandomness() as fused_mode:
                     out = run(input_copies(values))
                 result.shapes_only = any(not torch.equal(a, b)
                                          for a, b in zip(before, _rng_states()))
@@ -319,7 +333,7 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
             shell = fused.unfuse_model(i)
             args = [v[i] if b else v for v, b in zip(input_copies(values), batched)]
             try:
-                with ConstantRandomness():
+                with ConstantRandomness() as model_mode:
                     want = shell(*args)
             except Exception as exc:  # noqa: BLE001 - a model we cannot call like this
                 result.skipped = (f"model {i}'s own forward raised {type(exc).__name__}: "
@@ -329,7 +343,9 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
             errors: list[float] = []
             result.difference = output_difference(model_slice(out, i), want,
                                                   shapes_only=result.shapes_only,
-                                                  errors=errors)
+                                                  errors=errors,
+                                                  low_precision=fused_mode.low_precision
+                                                  or model_mode.low_precision)
             result.largest = max([result.largest, *errors])
             if result.difference:
                 result.difference = f"model {i}'s {result.difference}"

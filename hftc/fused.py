@@ -33,7 +33,7 @@ from .errors import (
     TraceError,
     UnsupportedOperatorError,
 )
-from .lowering import layout
+from .lowering import kernels, layout
 from .lowering.autotune import (
     ProgramChoice,
     autotune_graph,
@@ -422,18 +422,14 @@ class FusedModule(nn.Module):
         values = self._bind(tuple(merged), dict(kwargs))
         batched = batched + [False] * (len(values) - len(batched))
         program = self._program(values, batched)
-        # The program switches grad mode where the models' forward did (a no_grad block);
-        # an exception inside such a block must not leave it switched.
-        grad_mode = torch.is_grad_enabled()
         try:
-            if program.how is not None:  # autotune's whole-model loop and/or layout
-                return run_program(self, program.forward, program.how, values, batched)
-            out = program.forward(self, *values)
+            with kernels.modes_restored_on_error():
+                if program.how is not None:  # autotune's whole-model loop and/or layout
+                    return run_program(self, program.forward, program.how, values, batched)
+                out = program.forward(self, *values)
             return out if program.output_spec is None else program.output_spec.rebuild(out)
-        except BaseException as exc:
-            torch.set_grad_enabled(grad_mode)
-            if isinstance(exc, RuntimeError):
-                self._explain_input_mismatch(values, exc)
+        except RuntimeError as exc:
+            self._explain_input_mismatch(values, exc)
             raise
 
     @torch.compiler.disable
@@ -513,7 +509,8 @@ class FusedModule(nn.Module):
         return program
 
     def _run_fused(self, forward: Any, spec: OutputSpec | None, values: Sequence[Any]) -> Any:
-        out = forward(self, *values)
+        with kernels.modes_restored_on_error():
+            out = forward(self, *values)
         return out if spec is None else spec.rebuild(out)
 
     def _model_loop_program(self, program: Program, values: Sequence[Any],

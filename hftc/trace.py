@@ -110,8 +110,8 @@ class _Tracer(fx.Tracer):
     no traced value (``self.ema.mul_(0.9)``, ``self.count += 1``) ran once, on the
     original model, while tracing, and was missing from the graph.  Grad-mode changes,
     buffer assignments and custom autograd Functions are recorded too, and Python's
-    random draws refused; torch's random draws are nodes even from constant arguments
-    (the context managers below, entered by :meth:`trace`).
+    random draws refused; torch's random draws are nodes even from constant arguments, and
+    so are autocast regions (the context managers below, entered by :meth:`trace`).
     """
 
     proxy_buffer_attributes = True
@@ -163,7 +163,7 @@ class _Tracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         with self._buffer_assignments_recorded(root), self._grad_mode_recorded(), \
                 self._autograd_functions_recorded(), self._torch_random_recorded(), \
-                _python_random_refused():
+                self._autocast_recorded(), _python_random_refused():
             replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
             if replacement is None:
                 return super().trace(root, concrete_args)
@@ -202,6 +202,41 @@ class _Tracer(fx.Tracer):
             yield
         finally:
             function.apply = apply
+
+    @contextlib.contextmanager
+    def _autocast_recorded(self) -> Iterator[None]:
+        """While tracing, entering and leaving an autocast region in forward (``with
+        torch.autocast("cpu", dtype=torch.bfloat16):``, also ``enabled=False`` inside the
+        caller's autocast) are nodes of the graph, ``kernels.enter_autocast`` and
+        ``kernels.exit_autocast``, where fx alone would drop them: the fused program ran
+        the region in the caller's precision."""
+        from .lowering.kernels import enter_autocast, exit_autocast
+
+        region = torch.amp.autocast_mode.autocast
+        enter, exit_ = region.__enter__, region.__exit__
+        tracer = self
+        entered: list[fx.Proxy] = []
+
+        def recording_enter(context: Any) -> Any:
+            result = enter(context)
+            if getattr(tracer, "graph", None) is not None:
+                entered.append(tracer.create_proxy(
+                    "call_function", enter_autocast,
+                    (context.device, context.fast_dtype, context._enabled,
+                     context._cache_enabled), {}))
+            return result
+
+        def recording_exit(context: Any, *exc: Any) -> Any:
+            result = exit_(context, *exc)
+            if entered and getattr(tracer, "graph", None) is not None:
+                tracer.create_proxy("call_function", exit_autocast, (entered.pop(),), {})
+            return result
+
+        region.__enter__, region.__exit__ = recording_enter, recording_exit
+        try:
+            yield
+        finally:
+            region.__enter__, region.__exit__ = enter, exit_
 
     @contextlib.contextmanager
     def _torch_random_recorded(self) -> Iterator[None]:

@@ -583,7 +583,8 @@ def _run_step(fused: torch.nn.Module, program_forward: Callable[..., Any], how: 
     params = [p for p in fused.parameters() if p.requires_grad]
     grads: tuple[Tensor | None, ...] = ()
     with torch.enable_grad() if backward and params else torch.no_grad():
-        out = run_program(fused, program_forward, how, values, batched)
+        with kernels.modes_restored_on_error():  # a candidate may fail (and be dropped)
+            out = run_program(fused, program_forward, how, values, batched)
         if backward and params:
             leaves = [t for t in pytree.tree_leaves(out)
                       if isinstance(t, Tensor) and t.requires_grad]

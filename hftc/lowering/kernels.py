@@ -18,7 +18,9 @@ layer of N models reads one batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -1432,6 +1434,52 @@ def call_method(name: str) -> Callable[..., Any]:
 
 
 _BOUND: dict[tuple[Any, Any], Callable[..., Any]] = {}
+
+
+# --------------------------------------------------------------------------- autocast regions
+
+#: The autocast regions of a model's forward that the running program has entered and
+#: not yet left (:func:`enter_autocast`), innermost last, per thread.
+_AUTOCAST_REGIONS = threading.local()
+
+
+def _open_regions() -> list[Any]:
+    if not hasattr(_AUTOCAST_REGIONS, "modes"):
+        _AUTOCAST_REGIONS.modes = []
+    return _AUTOCAST_REGIONS.modes
+
+
+def enter_autocast(device_type: str, dtype: torch.dtype | None, enabled: bool,
+                   cache_enabled: bool | None) -> Any:
+    """``with torch.autocast(device_type, dtype, enabled, cache_enabled):`` in a model's
+    forward, entered (the tracer records it: :mod:`hftc.trace`); returns the region for
+    :func:`exit_autocast`."""
+    mode = torch.amp.autocast_mode._enter_autocast(device_type, dtype, enabled, cache_enabled)
+    _open_regions().append(mode)
+    return mode
+
+
+def exit_autocast(mode: Any) -> None:
+    """The end of the autocast region :func:`enter_autocast` entered."""
+    _open_regions().remove(mode)
+    torch.amp.autocast_mode._exit_autocast(mode)
+
+
+@contextlib.contextmanager
+def modes_restored_on_error() -> Iterator[None]:
+    """Around a run of a generated program: if it raises, grad mode is the caller's again
+    and the autocast regions it entered are left (the generated code switches grad mode
+    and enters regions where the models' forward did, with no ``with`` block that would
+    undo them)."""
+    grad_mode, regions = torch.is_grad_enabled(), _open_regions()
+    depth = len(regions)
+    try:
+        yield
+    except BaseException:
+        torch.set_grad_enabled(grad_mode)
+        while len(regions) > depth:
+            torch.amp.autocast_mode._exit_autocast(regions.pop())
+        raise
 
 
 def apply_function(function: type, *args: Any, **kwargs: Any) -> Any:
