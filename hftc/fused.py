@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .check import compare_with_models
+from .check import CheckResult, compare_with_models
 from .errors import (
     FusionArgumentError,
     FusionError,
@@ -50,7 +50,14 @@ from .lowering.model_loop import ModelLoop
 from .lowering.modules import StackedModule, build_module_tree
 from .match import GraphMatch, match_graphs
 from .passes import FusionReport, fuse_graph
-from .trace import OutputSpec, annotate_example_values, meta_copy, output_spec, trace_model
+from .trace import (
+    PYTHON_STATE,
+    OutputSpec,
+    annotate_example_values,
+    meta_copy,
+    output_spec,
+    trace_model,
+)
 
 
 @dataclass
@@ -242,6 +249,14 @@ class FusedModule(nn.Module):
         _check_hooks(models)
         graphs = self._trace(models, example_inputs, frontend)
         matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}
+        #: (model index, attributes) of the first model whose forward changed plain
+        #: Python attributes while traced (hftc.trace.PYTHON_STATE), or None.
+        self._python_state = next(
+            ((i, sorted({n for mode in (True, False)
+                         for n in graphs[mode][i].meta.get(PYTHON_STATE, [])}))
+             for i in range(n)
+             if any(graphs[mode][i].meta.get(PYTHON_STATE) for mode in (True, False))),
+            None)
         template = meta_copy(models[0])
         name_maps = _tensor_name_maps(matches[True], graphs[True])
         object.__setattr__(self, "_template", template)
@@ -459,12 +474,36 @@ class FusedModule(nn.Module):
         )
         spec = output_spec(mode_graphs.graph)
         forward, source = compile_graph(chain_linears(graph, self))
+        if self._python_state:
+            index, names = self._python_state
+            report.check = CheckResult((index,), difference=(
+                f"model {index}'s forward changes the Python attribute(s) "
+                + ", ".join(f"`{n}`" for n in names) + " on every call"))
+            return self._model_loop_program(
+                Program(forward, graph, report, source, spec), values, batched,
+                f"{report.check.difference} (a counter, a flag set on the first call), "
+                f"which a traced program keeps at the value it had while tracing: the "
+                f"models' own forwards run instead, each with its own attributes. To fuse "
+                f"the models, keep such state in a buffer (self.register_buffer('calls', "
+                f"torch.zeros((), dtype=torch.long))), which the fused module updates per "
+                f"model.")
         if self.check:
             report.check = compare_with_models(
                 self, lambda inputs: self._run_fused(forward, spec, inputs), values, batched)
             if not report.check.passed:
                 return self._model_loop_program(
-                    Program(forward, graph, report, source, spec), values, batched)
+                    Program(forward, graph, report, source, spec), values, batched,
+                    f"{report.check.difference}. The fused program, traced from the models' "
+                    f"forward, does not compute what that forward computes on these inputs. "
+                    f"The usual cause is Python in forward that inspects a value instead of "
+                    f"computing with it, which tracing cannot follow: isinstance(x, "
+                    f"torch.Tensor) or type(x) is ... on a tensor (while tracing, x is a "
+                    f"torch.fx Proxy), or a branch on a tracing flag (torch.fx."
+                    f"_symbolic_trace.is_fx_tracing(), torch.jit.is_tracing()). To fuse the "
+                    f"models, compute without such checks, or trace with torch.export, which "
+                    f"runs forward's Python on real values: hftc.fuse(models, "
+                    f"example_inputs=(x,), frontend='export'). (If forward has no such code, "
+                    f"the bug is hftc's: please report it with the model.)")
         if self.autotune:
             # Training programs are timed forward + backward, as a training step runs them.
             # (Not under inference_mode, where no tensor may require grad.)
@@ -514,25 +553,15 @@ class FusedModule(nn.Module):
         return out if spec is None else spec.rebuild(out)
 
     def _model_loop_program(self, program: Program, values: Sequence[Any],
-                            batched: Sequence[bool]) -> Program:
-        """The program for inputs on which the fused program's outputs are not the models'
-        (``report.check``): the N models one by one, with a warning that says why."""
-        message = (
-            f"{program.report.check.difference}. The fused program, traced from the "
-            f"models' forward, does not compute what that forward computes on these inputs. "
-            f"The usual cause is Python in forward that inspects a value instead of "
-            f"computing with it, which tracing cannot follow: isinstance(x, torch.Tensor) "
-            f"or type(x) is ... on a tensor (while tracing, x is a torch.fx Proxy), or a "
-            f"branch on a tracing flag (torch.fx._symbolic_trace.is_fx_tracing(), "
-            f"torch.jit.is_tracing()). To fuse "
-            f"the models, compute without such checks, or trace with torch.export, which "
-            f"runs forward's Python on real values: hftc.fuse(models, "
-            f"example_inputs=(x,), frontend='export'). (If forward has no such code, the "
-            f"bug is hftc's: please report it with the model.)")
-        try:
-            how = ProgramChoice(ModelLoop(self))
+                            batched: Sequence[bool], why: str) -> Program:
+        """The program for models the fused program does not compute: the N models one by
+        one, with a warning that says ``why``."""
+        message = why
+        try:  # a trial run, on shells of its own (forward may change their attributes)
             with preserved_state(self), torch.no_grad():
-                run_program(self, program.forward, how, values, batched)
+                run_program(self, program.forward, ProgramChoice(ModelLoop(self)),
+                            input_copies(values), batched)
+            how = ProgramChoice(ModelLoop(self))
         except Exception as exc:  # noqa: BLE001 - any failure means: no correct way to run
             raise TraceError(f"{message} The models cannot run one by one either "
                              f"({type(exc).__name__}: {exc})") from exc

@@ -408,18 +408,63 @@ def _uniform_mode(model: nn.Module, training: bool) -> Iterator[None]:
             m.training = flag
 
 
+#: ``GraphModule.meta`` key: the plain attributes of the model's modules that its forward
+#: changed while traced (``["encoder.calls"]``), which the tracer put back.
+PYTHON_STATE = "hftc_python_state"
+
+#: What every module's ``__dict__`` holds for ``nn.Module`` itself (mode, registries).
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _unchanged(new: Any, old: Any) -> bool:
+    if new is old:
+        return True
+    plain = (bool, int, float, complex, str, bytes, type(None))
+    return type(new) is type(old) and isinstance(new, plain) and new == old
+
+
+@contextlib.contextmanager
+def _python_state_kept(model: nn.Module, changes: list[str]) -> Iterator[None]:
+    """Put the modules' plain attributes back as they were before tracing, and list in
+    ``changes`` those that forward changed to values it did not trace (a counter
+    ``self.calls += 1``, a flag set on the first call): fusing must not change the
+    user's models, and a traced program keeps such a value as it was while tracing
+    (``FusedModule`` then runs the models' own forwards).  Traced values assigned to an
+    attribute (``self.last = h``, for inspection) are not listed."""
+    saved = [(path, m, dict(m.__dict__)) for path, m in model.named_modules()]
+    try:
+        yield
+    finally:
+        for path, module, before in saved:
+            for key, value in module.__dict__.items():
+                if key in _MODULE_INTERNALS or key in before and _unchanged(value, before[key]):
+                    continue
+                if any(isinstance(leaf, fx.Proxy)
+                       for leaf in torch.utils._pytree.tree_leaves(value)):
+                    continue
+                changes.append(f"{path}.{key}" if path else key)
+            module.__dict__.clear()
+            module.__dict__.update(before)
+
+
 def trace_model(model: nn.Module, index: int, *, training: bool) -> fx.GraphModule:
     """Trace ``model`` (the ``index``-th of the N) with every submodule in ``training`` mode.
+
+    The model's plain Python attributes are as they were before (``PYTHON_STATE`` in
+    the graph module's ``meta`` lists those forward changed).
 
     Raises :class:`TraceError` naming the model and the Python line that symbolic
     tracing cannot follow, and saying to pass ``example_inputs``.
     """
+    changes: list[str] = []
     try:
-        with _uniform_mode(model, training):
+        with _uniform_mode(model, training), _python_state_kept(model, changes):
             tracer = _Tracer()
             graph = tracer.trace(model)
             _flatten_dataclass_output(graph)
-            return fx.GraphModule(tracer.root, graph, type(model).__name__)
+            gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        gm.meta[PYTHON_STATE] = changes
+        return gm
     except Exception as exc:  # symbolic tracing raises anything: TraceError, TypeError, ...
         raise TraceError(
             f"model {index} ({type(model).__name__}) cannot be traced by torch.fx.symbolic_trace: "

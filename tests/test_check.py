@@ -3,6 +3,7 @@ is never run; the models then run one by one, with a FusionWarning that says why
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -246,3 +247,53 @@ def test_output_difference_names_what_differs():
     assert output_difference(flipped, labels) is None  # a near tie may flip one in 100
     assert "differs in 200 of its 200" in output_difference(labels + 1, labels)
     assert "output[1] is 'b'" in output_difference((y, "b"), (y, "a"))
+
+
+class WarmUp(nn.Module):
+    """A Python counter that changes what forward computes from call to call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.fc(x) * min(1.0, self.calls / 3)
+
+
+def test_python_state_changed_by_forward_runs_the_models_one_by_one():
+    """Traced, ``self.calls`` would keep its value from tracing (a warm-up stuck at its
+    first step; the first call agreed, so the check alone cannot see it).  Fusing leaves
+    the originals' attributes as they were; the models then run their own forwards."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(WarmUp(), nn.ReLU()) for _ in range(3)]
+    fused = hftc.fuse(models)
+    assert [m[0].calls for m in models] == [0, 0, 0]  # tracing ran forward twice
+    alone = copy.deepcopy(models)
+    x = torch.randn(5, 4)
+    with pytest.warns(FusionWarning, match=r"changes the Python attribute\(s\) `0.calls`.*"
+                                           r"register_buffer"):
+        outs = [fused(x) for _ in range(4)]
+    for step, out in enumerate(outs):
+        for i, m in enumerate(alone):
+            torch.testing.assert_close(out[i], m(x), msg=f"call {step}, model {i}")
+    assert "FAILED: model 0's forward changes" in str(fused.fusion_report)
+
+
+def test_traced_values_kept_in_attributes_are_not_python_state():
+    class Inspectable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            self.last_hidden = h  # for inspection: a traced value, not state
+            return h.relu()
+
+    models = models_of(Inspectable)
+    fused = hftc.fuse(models)
+    assert not any(hasattr(m, "last_hidden") for m in models)  # no Proxy left behind
+    fused(torch.randn(5, 4))
+    assert fused.fusion_report.check.passed and fused.last_program().model_loop is None
