@@ -463,7 +463,10 @@ def trace_model(model: nn.Module, index: int, *, training: bool) -> fx.GraphModu
             graph = tracer.trace(model)
             _flatten_dataclass_output(graph)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-        gm.meta[PYTHON_STATE] = changes
+        # Constants fx lifted onto the model while tracing (``_tensor_constant0``) are the
+        # graph's own attributes (the GraphModule holds them), not the model's state.
+        lifted = {node.target for node in graph.nodes if node.op == "get_attr"}
+        gm.meta[PYTHON_STATE] = [name for name in changes if name not in lifted]
         return gm
     except Exception as exc:  # symbolic tracing raises anything: TraceError, TypeError, ...
         raise TraceError(
