@@ -50,6 +50,10 @@ SEQUENCE_OPS: dict[str, Callable] = {
     "roll_flat": lambda h: h.roll(3),
     "roll_1_2": lambda h: h.roll((1, 2), (1, 2)),
     "unbind_0": _pair(lambda h: h.unbind(0)),
+    # cat / stack of a sequence one node made (fuse_cat took it for a list of nodes)
+    "cat_chunk_-1": lambda h: torch.cat(h.chunk(2, -1)[::-1], -1),
+    "cat_split_0": lambda h: torch.cat(h.split(1, 0), 1),
+    "stack_unbind_1": lambda h: torch.stack(h.unbind(1)[::2], 0),
     "aminmax": _pair(lambda h: torch.aminmax(h)),
     "aminmax_0": _pair(lambda h: h.aminmax(dim=0)),
     "count_nonzero_0": lambda h: (h > 0).count_nonzero(0) * h.sum(0),

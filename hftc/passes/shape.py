@@ -188,8 +188,12 @@ def fuse_gather(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 def fuse_cat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     tensors = group.arg(0, "tensors")
     dim = group.arg(1, "dim", group.kwargs.get("axis", 0))
-    flags = tuple(builder.is_batched(t) for t in tensors)
     fn = torch.stack if group.node.target is torch.stack else torch.cat
+    if isinstance(tensors, fx.Node):
+        # A sequence one node computed (``torch.cat(x.chunk(2, -1), -1)``): the fused
+        # node's value is the sequence of the fused parts, each with the model dim first.
+        return builder.call(fn, tensors, shift_dim(dim))
+    flags = tuple(builder.is_batched(t) for t in tensors)
     return builder.call(kernels.bind(kernels.stack_or_cat, fn), tensors, shift_dim(dim), flags)
 
 
