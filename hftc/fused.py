@@ -282,6 +282,14 @@ class FusedModule(nn.Module):
         for mode in (True, False):  # let the originals go: keep graphs, not their modules
             for g in graphs[mode][1:]:
                 g.graph.owning_module = None
+        #: Graphs traced again with some inputs None (:meth:`_graphs_for`), by (mode,
+        #: names), and what they are traced from: each model's meta copy (no weights), kept
+        #: where symbolic tracing was used and forward has an input that defaults to None.
+        self._none_graphs: dict[tuple[bool, frozenset[str]], _ModeGraphs] = {}
+        optional = any(p.op == "placeholder" and p.args == (None,)
+                       for p in self._mode_graphs[True].graph.nodes)
+        self._retrace_sources = ([meta_copy(m) for m in models]
+                                 if optional and PYTHON_STATE in graphs[True][0].meta else None)
         self._programs: dict[Any, Program] = {}
         self.training = models[0].training
         if example_inputs is not None:
@@ -456,8 +464,40 @@ class FusedModule(nn.Module):
             self._programs[key] = program
         return program
 
+    def _graphs_for(self, values: Sequence[Any]) -> _ModeGraphs:
+        """The graphs for a call whose inputs are ``values``, in the current mode.
+
+        Symbolic tracing gives every input a traced value, never ``None``, so forward's
+        ``if mask is not None:`` is taken in the graphs traced at fusing.  A call that
+        leaves such an input ``None`` (``fused(x)`` for ``forward(self, x, mask=None)``)
+        gets graphs traced again (once per mode and set of ``None`` inputs) from the
+        models' meta copies, with those inputs ``None``."""
+        default = self._mode_graphs[self.training]
+        placeholders = [n.target for n in default.graph.nodes if n.op == "placeholder"]
+        nones = frozenset(name for name, v in zip(placeholders, values) if v is None)
+        if not nones or self._retrace_sources is None:
+            return default
+        key = (self.training, nones)
+        if key not in self._none_graphs:
+            models = self._retrace_sources
+            graphs = [trace_model(m, i, training=self.training, none_inputs=sorted(nones))
+                      for i, m in enumerate(models)]
+            match = match_graphs(graphs, models)
+            attr_targets = self._stack_constants(graphs, match)
+            # Constants made now go where the module went (.to("cuda")) since fusing.
+            device = next((t.device for t in self.parameters()), None)
+            for name in attr_targets.values():
+                if device is not None:
+                    self._buffers[name] = self.get_buffer(name).to(device)
+            for g in graphs:
+                g.graph.owning_module = None
+            originals = [{n0.name: ni.name for n0, ni in m.items()} for m in match.mapping]
+            self._none_graphs[key] = _ModeGraphs(graphs[0].graph, originals, match.method,
+                                                 attr_targets)
+        return self._none_graphs[key]
+
     def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
-        mode_graphs = self._mode_graphs[self.training]
+        mode_graphs = self._graphs_for(values)
         self._sync_template()
         per_model = [v[0] if b else v for v, b in zip(values, batched)]
         try:

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import inspect
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -447,8 +447,11 @@ def _python_state_kept(model: nn.Module, changes: list[str]) -> Iterator[None]:
             module.__dict__.update(before)
 
 
-def trace_model(model: nn.Module, index: int, *, training: bool) -> fx.GraphModule:
-    """Trace ``model`` (the ``index``-th of the N) with every submodule in ``training`` mode.
+def trace_model(model: nn.Module, index: int, *, training: bool,
+                none_inputs: Iterable[str] = ()) -> fx.GraphModule:
+    """Trace ``model`` (the ``index``-th of the N) with every submodule in ``training`` mode,
+    the inputs named in ``none_inputs`` ``None`` (fx's ``concrete_args``; the others are
+    traced values, which are never ``None``: ``if mask is not None`` is taken).
 
     The model's plain Python attributes are as they were before (``PYTHON_STATE`` in
     the graph module's ``meta`` lists those forward changed).
@@ -460,7 +463,7 @@ def trace_model(model: nn.Module, index: int, *, training: bool) -> fx.GraphModu
     try:
         with _uniform_mode(model, training), _python_state_kept(model, changes):
             tracer = _Tracer()
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, {name: None for name in none_inputs} or None)
             _flatten_dataclass_output(graph)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         # Constants fx lifted onto the model while tracing (``_tensor_constant0``) are the

@@ -400,6 +400,68 @@ def test_autocast_runs_the_fused_ops_in_bfloat16():
         torch.testing.assert_close(out[i].float(), ref.float(), rtol=0.05, atol=0.05)
 
 
+class OptionalMask(nn.Module):
+    """``forward(x, mask=None)``: symbolic tracing never sees None, so the graphs traced at
+    fusing take ``if mask is not None``; a call without a mask needs the other branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x, mask=None, scale=None):
+        h = self.norm(self.fc(x))
+        if mask is not None:
+            h = h.masked_fill(mask, 0.0)
+        else:  # a constant only this branch makes
+            h = h * torch.tensor([0.1, 0.2, 0.3, 0.4])
+        return h if scale is None else h * scale
+
+
+def test_inputs_left_none_trace_the_none_branch():
+    """``fused(x)`` used to fail ("running model 0 to learn its shapes failed: masked_fill()
+    received (NoneType, float)"); each set of None inputs now gets graphs of its own."""
+    torch.manual_seed(0)
+    models = [OptionalMask() for _ in range(3)]
+    x, mask = torch.randn(6, 4), torch.rand(6, 4) > 0.5
+    for train in (True, False):
+        check_equivalence(models, (x,), train=train, steps=2)
+        check_equivalence(models, (x, mask), train=train, steps=2)
+        check_equivalence(models, (x, None, torch.tensor(0.5)), train=train)
+    # Traced again after .double(): the other branch's constant as forward makes it.
+    check_equivalence(models, (x,), cast_after_fuse=True)
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT's signature: ``forward(idx, targets=None)`` gives logits, or the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(11, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.wte.weight = self.head.weight
+
+    def forward(self, idx, targets=None):
+        logits = self.head(torch.tanh(self.wte(idx)))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                               ignore_index=-1)
+
+
+def test_nanogpt_style_optional_targets():
+    torch.manual_seed(0)
+    models = [TinyGPT() for _ in range(3)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    idx, targets = torch.randint(0, 11, (2, 5)), torch.randint(0, 11, (2, 5))
+    losses = fused(idx, targets)
+    logits = fused(idx)
+    assert losses.shape == (3,) and logits.shape == (3, 2, 5, 11)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(losses[i], m(idx, targets))
+        torch.testing.assert_close(logits[i], m(idx))
+
+
 class MixedPrecisionBlocks(nn.Module):
     """Autocast regions in forward: a bfloat16 block, and inside it a float32 island
     (``enabled=False``) for the softmax, as mixed-precision code writes them."""
