@@ -514,36 +514,10 @@ class FusedModule(nn.Module):
         )
         spec = output_spec(mode_graphs.graph)
         forward, source = compile_graph(chain_linears(graph, self))
-        if self._python_state:
-            index, names = self._python_state
-            report.check = CheckResult((index,), difference=(
-                f"model {index}'s forward changes the Python attribute(s) "
-                + ", ".join(f"`{n}`" for n in names) + " on every call"))
-            return self._model_loop_program(
-                Program(forward, graph, report, source, spec), values, batched,
-                f"{report.check.difference} (a counter, a flag set on the first call), "
-                f"which a traced program keeps at the value it had while tracing: the "
-                f"models' own forwards run instead, each with its own attributes. To fuse "
-                f"the models, keep such state in a buffer (self.register_buffer('calls', "
-                f"torch.zeros((), dtype=torch.long))), which the fused module updates per "
-                f"model.")
-        if self.check:
-            report.check = compare_with_models(
-                self, lambda inputs: self._run_fused(forward, spec, inputs), values, batched)
-            if not report.check.passed:
-                return self._model_loop_program(
-                    Program(forward, graph, report, source, spec), values, batched,
-                    f"{report.check.difference}. The fused program, traced from the models' "
-                    f"forward, does not compute what that forward computes on these inputs. "
-                    f"The usual cause is Python in forward that inspects a value instead of "
-                    f"computing with it, which tracing cannot follow: isinstance(x, "
-                    f"torch.Tensor) or type(x) is ... on a tensor (while tracing, x is a "
-                    f"torch.fx Proxy), or a branch on a tracing flag (torch.fx."
-                    f"_symbolic_trace.is_fx_tracing(), torch.jit.is_tracing()). To fuse the "
-                    f"models, compute without such checks, or trace with torch.export, which "
-                    f"runs forward's Python on real values: hftc.fuse(models, "
-                    f"example_inputs=(x,), frontend='export'). (If forward has no such code, "
-                    f"the bug is hftc's: please report it with the model.)")
+        why = self._why_not_fused(report, forward, spec, values, batched)
+        if why is not None:
+            return self._model_loop_program(Program(forward, graph, report, source, spec),
+                                            values, batched, why)
         if self.autotune:
             # Training programs are timed forward + backward, as a training step runs them.
             # (Not under inference_mode, where no tensor may require grad.)
@@ -586,6 +560,40 @@ class FusedModule(nn.Module):
             program.how = how if how.name != "fused" else None
             report.lowerings.append(choice)
         return program
+
+    def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,
+                       values: Sequence[Any], batched: Sequence[bool]) -> str | None:
+        """Why the fused program must not run on these inputs (``report.check`` says what
+        was found), or ``None``: forward keeps Python state a traced program cannot, or
+        the first-call check (:mod:`hftc.check`) found its outputs not the models'."""
+        if self._python_state:
+            index, names = self._python_state
+            report.check = CheckResult((index,), difference=(
+                f"model {index}'s forward changes the Python attribute(s) "
+                + ", ".join(f"`{n}`" for n in names) + " on every call"))
+            return (f"{report.check.difference} (a counter, a flag set on the first call), "
+                    f"which a traced program keeps at the value it had while tracing: the "
+                    f"models' own forwards run instead, each with its own attributes. To "
+                    f"fuse the models, keep such state in a buffer (self.register_buffer("
+                    f"'calls', torch.zeros((), dtype=torch.long))), which the fused module "
+                    f"updates per model.")
+        if not self.check:
+            return None
+        report.check = compare_with_models(
+            self, lambda inputs: self._run_fused(forward, spec, inputs), values, batched)
+        if report.check.passed:
+            return None
+        return (f"{report.check.difference}. The fused program, traced from the models' "
+                f"forward, does not compute what that forward computes on these inputs. "
+                f"The usual cause is Python in forward that inspects a value instead of "
+                f"computing with it, which tracing cannot follow: isinstance(x, "
+                f"torch.Tensor) or type(x) is ... on a tensor (while tracing, x is a "
+                f"torch.fx Proxy), or a branch on a tracing flag (torch.fx."
+                f"_symbolic_trace.is_fx_tracing(), torch.jit.is_tracing()). To fuse the "
+                f"models, compute without such checks, or trace with torch.export, which "
+                f"runs forward's Python on real values: hftc.fuse(models, "
+                f"example_inputs=(x,), frontend='export'). (If forward has no such code, "
+                f"the bug is hftc's: please report it with the model.)")
 
     def _run_fused(self, forward: Any, spec: OutputSpec | None, values: Sequence[Any]) -> Any:
         with kernels.modes_restored_on_error():
