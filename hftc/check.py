@@ -36,9 +36,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .lowering import kernels
 from .lowering.autotune import input_copies, preserved_state
 
 aten = torch.ops.aten
@@ -288,6 +290,8 @@ class CheckResult:
     shapes_only: bool = False
     #: The largest relative difference (in norm) of a floating output compared.
     largest: float = 0.0
+    #: The model whose outputs differed (with ``difference``).
+    failed_model: int = 0
 
     @property
     def passed(self) -> bool:
@@ -349,9 +353,76 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
             result.largest = max([result.largest, *errors])
             if result.difference:
                 result.difference = f"model {i}'s {result.difference}"
+                result.failed_model = i
                 break
     return result
 
 
-__all__ = ["CheckResult", "ConstantRandomness", "compare_with_models", "model_slice",
-           "output_difference", "tolerance"]
+def locate_difference(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
+                      records: Sequence[Any], values: Sequence[Any], batched: Sequence[bool],
+                      index: int) -> str:
+    """Where model ``index``'s outputs part: the first of its leaf modules (in model 0's
+    traced graph, in order) whose output in the fused program differs from its output in
+    the model's own forward (read with forward hooks on an unfused copy), or that its own
+    forward did not run as often.  Both run on copies of ``values`` with constant
+    randomness; ``records``: the fusion report's, which name each node's fused value.
+    Best effort: a diagnosis that cannot be made is ``""``."""
+    try:
+        return _locate(fused, fused_graph, model_graph, records, values, batched, index)
+    except Exception:  # noqa: BLE001 - a diagnosis must never make the error worse
+        return ""
+
+
+def _locate(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
+            records: Sequence[Any], values: Sequence[Any], batched: Sequence[bool],
+            index: int) -> str:
+    by_node = {r.node: r for r in records if r.value}
+    calls = [(n.name, str(n.target)) for n in model_graph.nodes
+             if n.op == "call_module" and n.name in by_node]
+    wanted = {by_node[name].value for name, _ in calls}
+    fused_values: dict[str, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> Any:
+            value = super().run_node(node)
+            if node.name in wanted:
+                fused_values[node.name] = value
+            return value
+
+    program = fx.GraphModule(fused, fused_graph)
+    fused_graph.owning_module = None
+    shell = fused.unfuse_model(index)
+    seen: dict[str, list[Any]] = {}
+    for path, module in shell.named_modules():
+        if path:
+            module.register_forward_hook(
+                lambda _m, _i, out, path=path: seen.setdefault(path, []).append(out))
+    args = [v[index] if b else v for v, b in zip(input_copies(values), batched)]
+    with _rng_kept(), preserved_state(fused), torch.no_grad():
+        with ConstantRandomness(), kernels.modes_restored_on_error():
+            Recorder(program).run(*input_copies(values))
+        with ConstantRandomness():
+            shell(*args)
+    calls_so_far: dict[str, int] = {}
+    for name, path in calls:
+        k = calls_so_far.get(path, 0)
+        calls_so_far[path] = k + 1
+        record = by_node[name]
+        if record.value not in fused_values:
+            continue
+        what = f"module `{path}` ({type(shell.get_submodule(path)).__name__})"
+        outs = seen.get(path, [])
+        if k >= len(outs):
+            return (f"{what} ran {len(outs)} time(s) in model {index}'s own forward and more "
+                    f"in the traced program")
+        got = fused_values[record.value]
+        got = got if record.kind == "shared" else model_slice(got, index)
+        problem = output_difference(got, outs[k], where=f"its output (call {k + 1})")
+        if problem:
+            return f"the first module whose output differs is {what}: {problem}"
+    return (f"every module's output agrees with model {index}'s own forward: the "
+            f"difference arises in forward's own code between modules")
+
+
+__all__ = ["CheckResult", "ConstantRandomness", "compare_with_models", "locate_difference",
+           "model_slice", "output_difference", "tolerance"]

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .check import CheckResult, compare_with_models
+from .check import CheckResult, compare_with_models, locate_difference
 from .errors import (
     FusionArgumentError,
     FusionError,
@@ -514,7 +514,8 @@ class FusedModule(nn.Module):
         )
         spec = output_spec(mode_graphs.graph)
         forward, source = compile_graph(chain_linears(graph, self))
-        why = self._why_not_fused(report, forward, spec, values, batched)
+        why = self._why_not_fused(report, forward, spec, values, batched, graph,
+                                  mode_graphs.graph)
         if why is not None:
             return self._model_loop_program(Program(forward, graph, report, source, spec),
                                             values, batched, why)
@@ -562,10 +563,12 @@ class FusedModule(nn.Module):
         return program
 
     def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,
-                       values: Sequence[Any], batched: Sequence[bool]) -> str | None:
-        """Why the fused program must not run on these inputs (``report.check`` says what
-        was found), or ``None``: forward keeps Python state a traced program cannot, or
-        the first-call check (:mod:`hftc.check`) found its outputs not the models'."""
+                       values: Sequence[Any], batched: Sequence[bool], graph: fx.Graph,
+                       model_graph: fx.Graph) -> str | None:
+        """Why the fused program (``forward``, compiled from ``graph``, which was fused from
+        model 0's ``model_graph``) must not run on these inputs (``report.check`` says
+        what was found), or ``None``: forward keeps Python state a traced program cannot,
+        or the first-call check (:mod:`hftc.check`) found its outputs not the models'."""
         if self._python_state:
             index, names = self._python_state
             report.check = CheckResult((index,), difference=(
@@ -583,6 +586,10 @@ class FusedModule(nn.Module):
             self, lambda inputs: self._run_fused(forward, spec, inputs), values, batched)
         if report.check.passed:
             return None
+        where = locate_difference(self, graph, model_graph, report.records, values, batched,
+                                  report.check.failed_model)
+        if where:
+            report.check.difference += f" ({where})"
         return (f"{report.check.difference}. The fused program, traced from the models' "
                 f"forward, does not compute what that forward computes on these inputs. "
                 f"The usual cause is Python in forward that inspects a value instead of "

@@ -297,3 +297,32 @@ def test_traced_values_kept_in_attributes_are_not_python_state():
     assert not any(hasattr(m, "last_hidden") for m in models)  # no Proxy left behind
     fused(torch.randn(5, 4))
     assert fused.fusion_report.check.passed and fused.last_program().model_loop is None
+
+
+def test_a_wrong_fused_op_is_named_by_module(monkeypatch):
+    """A fusion rule that computes something else (here a layer norm kernel off by a
+    factor, as a bug would be) is caught by the check, which names the first module whose
+    output differs; the models then run one by one, correctly."""
+    real = kernels.layer_norm
+
+    def off_by_ten_percent(*args, **kwargs):
+        return real(*args, **kwargs) * 1.1
+
+    monkeypatch.setattr(kernels, "layer_norm", off_by_ten_percent)
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.ReLU(), nn.Linear(4, 2))
+              for _ in range(3)]
+    x = torch.randn(5, 4)
+    fused = hftc.fuse(models)
+    with pytest.warns(FusionWarning, match=r"the first module whose output differs is "
+                                           r"module `1` \(LayerNorm\): its output \(call 1\)"):
+        out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+
+
+def test_a_branch_between_modules_is_said_so():
+    with pytest.warns(FusionWarning, match=r"every module's output agrees with model 0's own "
+                                           r"forward: the difference arises in forward's own "
+                                           r"code between modules"):
+        hftc.fuse(models_of(ExactTypeCheck))(torch.randn(6, 4))

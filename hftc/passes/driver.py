@@ -61,6 +61,9 @@ class FusionRecord:
     fused_nodes: list[str] = field(default_factory=list)
     reason: str = ""
     originals: list[str] = field(default_factory=list)
+    #: The fused node that holds this node's value (``[N, ...]`` unless ``kind`` is
+    #: "shared"), for :func:`hftc.check.locate_difference`.
+    value: str = ""
 
 
 @dataclass
@@ -281,7 +284,8 @@ def fuse_graph(
         new.meta[EXAMPLE_VALUE] = node.meta.get(EXAMPLE_VALUE)
         env[node] = new
         records.append(FusionRecord(node.name, describe_node(node, graph_module), kind, rule_name,
-                                    [m.name for m in made], reason, names))
+                                    [m.name for m in made], reason, names,
+                                    new.name if isinstance(new, fx.Node) else ""))
     if unsupported:
         raise UnsupportedOperatorError(
             f"{len(unsupported)} operator(s) cannot be fused:\n  " + "\n  ".join(unsupported),
