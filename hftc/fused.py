@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -97,6 +98,9 @@ class _ModeGraphs:
 
 
 InDims = int | None | Sequence[int | None]
+
+#: ``torch.compile``'s keyword options (what ``nn.Module.compile`` passes on).
+_TORCH_COMPILE_OPTIONS = frozenset(inspect.signature(torch.compile).parameters) - {"model"}
 
 
 def _hook_hint(hooks: Sequence[Any]) -> str:
@@ -666,8 +670,16 @@ class FusedModule(nn.Module):
             else:
                 owner._buffers[leaf] = meta
 
-    def compile(self, *args: Any, **kwargs: Any) -> Program:
-        """Compile the fused forward for these inputs (in the current mode) without running it."""
+    def compile(self, *args: Any, **kwargs: Any) -> Program | None:
+        """Compile the fused forward for these inputs (in the current mode) without running it.
+
+        Called with no inputs and only ``torch.compile``'s options (``fused.compile()``,
+        ``fused.compile(mode="max-autotune")``), it is ``nn.Module.compile``, as PyTorch
+        users know it: ``torch.compile`` of the module's calls, in place."""
+        inputs = {n.target for n in self._mode_graphs[self.training].graph.nodes
+                  if n.op == "placeholder"}
+        if not args and set(kwargs) <= _TORCH_COMPILE_OPTIONS and not set(kwargs) & inputs:
+            return super().compile(**kwargs)
         merged, batched = self._merge_inputs(args)
         values = self._bind(tuple(merged), dict(kwargs))
         batched = batched + [False] * (len(values) - len(batched))

@@ -527,3 +527,20 @@ def test_torch_save_of_the_whole_module(tmp_path):
     torch.save(fused, tmp_path / "fused.pt")
     loaded = torch.load(tmp_path / "fused.pt", weights_only=False)
     torch.testing.assert_close(loaded(x), expected)
+
+
+def test_compile_without_inputs_is_torch_compile():
+    """``fused.compile()`` is what PyTorch users know (``nn.Module.compile``: torch.compile
+    in place); with inputs it compiles hftc's program for them, as before."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)) for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(3, 4)
+    assert fused.compile(x) is fused.last_program()
+    assert fused.compile(backend="eager") is None and fused._compiled_call_impl is not None
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"unexpected keyword inputs \['backend'\]"):
+        hftc.fuse(copy.deepcopy(models)).compile(backend="eager", input=x)
