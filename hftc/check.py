@@ -70,6 +70,26 @@ def _dropout(args: tuple, kwargs: dict, out: tuple[Tensor, Tensor]) -> tuple[Ten
     return result.copy_(x * (1.0 / (1.0 - p)) if p < 1 else torch.zeros_like(x)), mask
 
 
+#: ATen's alpha dropout constant (``_dropout_impl``).
+_ALPHA = 1.7580993408473766
+
+
+def _whole_dropout(alpha: bool) -> Callable[[tuple, dict, Any], Any]:
+    """``aten.dropout`` and its kin, which reach the mode whole (not as ``bernoulli_`` and
+    a product) under ``inference_mode``: every element kept, as ATen computes it then."""
+    def constant(args: tuple, kwargs: dict, out: Tensor) -> Tensor:
+        x, p, train = args[0], args[1], _arg(args, kwargs, 2, "train", True)
+        if not train or p == 0:
+            return out
+        if p >= 1:
+            return out.copy_(x * 0)
+        if not alpha:
+            return out.copy_(x * (1.0 / (1.0 - p)))
+        a = 1.0 / ((_ALPHA * _ALPHA * p + 1) * (1 - p)) ** 0.5
+        return out.copy_(x * a + _ALPHA * a * p)
+    return constant
+
+
 def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
     return args[index] if len(args) > index else kwargs.get(name, default)
 
@@ -83,6 +103,10 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
 #: and ``rand() < keep`` all keep every element.
 _CONSTANT_DRAWS: dict[Any, Callable[[tuple, dict, Any], Any]] = {
     aten.native_dropout: _dropout,
+    aten.dropout: _whole_dropout(alpha=False),
+    aten.feature_dropout: _whole_dropout(alpha=False),
+    aten.alpha_dropout: _whole_dropout(alpha=True),
+    aten.feature_alpha_dropout: _whole_dropout(alpha=True),
     aten.bernoulli: lambda a, k, out: _probability_fill(out, _arg(a, k, 1, "p", a[0])),
     aten.bernoulli_: lambda a, k, out: _probability_fill(out, _arg(a, k, 1, "p", 0.5)),
     aten.rand: lambda a, k, out: out.fill_(0.0),
@@ -140,9 +164,9 @@ class ConstantRandomness(TorchDispatchMode):
                     isinstance(t, Tensor) and t.dtype in _LOW_PRECISION
                     for t in (out if isinstance(out, (tuple, list)) else (out,)))
             return out
-        if func.overloadpacket is aten.native_dropout and not _arg(args, kwargs, 2, "train",
-                                                                     True):
-            return func(*args, **kwargs)
+        if func.overloadpacket is aten.native_dropout and _arg(args, kwargs, 2, "train",
+                                                                 None) is False:
+            return func(*args, **kwargs)  # train=None is training, as in ATen
         with _rng_kept():
             out = func(*args, **kwargs)
         return constant(args, kwargs, out)
@@ -337,8 +361,12 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
             shell = fused.unfuse_model(i)
             args = [v[i] if b else v for v, b in zip(input_copies(values), batched)]
             try:
+                drawn = _rng_states()
                 with ConstantRandomness() as model_mode:
                     want = shell(*args)
+                # A draw without a constant in the model's own forward: shapes only too.
+                result.shapes_only |= any(not torch.equal(a, b)
+                                          for a, b in zip(drawn, _rng_states()))
             except Exception as exc:  # noqa: BLE001 - a model we cannot call like this
                 result.skipped = (f"model {i}'s own forward raised {type(exc).__name__}: "
                                   f"{exc}".splitlines()[0])

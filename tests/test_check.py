@@ -326,3 +326,29 @@ def test_a_branch_between_modules_is_said_so():
                                            r"forward: the difference arises in forward's own "
                                            r"code between modules"):
         hftc.fuse(models_of(ExactTypeCheck))(torch.randn(6, 4))
+
+
+@pytest.mark.parametrize("layer", [nn.Dropout, nn.Dropout2d, nn.AlphaDropout,
+                                   nn.FeatureAlphaDropout])
+def test_dropout_under_inference_mode_is_compared_by_value(layer):
+    """Under inference_mode ATen's dropout reaches the mode whole (``aten.dropout``), not
+    as ``bernoulli_`` and a product: the model's own forward kept its random mask and the
+    check failed a right program."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv2d(2, 4, 1), layer(0.3)) for _ in range(3)]
+    fused = hftc.fuse(models)
+    with torch.inference_mode():
+        fused(torch.randn(2, 2, 3, 3))
+    check = fused.fusion_report.check
+    assert check.passed and not check.shapes_only
+
+
+@pytest.mark.parametrize("fn", [F.dropout, F.alpha_dropout, F.dropout2d,
+                                F.feature_alpha_dropout])
+def test_constant_dropout_is_the_same_whole_or_decomposed(fn):
+    x = torch.randn(2, 4, 3, 3, dtype=torch.float64)
+    with ConstantRandomness():
+        decomposed = fn(x, 0.3, True)
+        with torch.inference_mode():
+            whole = fn(x, 0.3, True)
+    torch.testing.assert_close(whole, decomposed, rtol=1e-12, atol=1e-12)
