@@ -247,6 +247,10 @@ def test_output_difference_names_what_differs():
     assert output_difference(flipped, labels) is None  # a near tie may flip one in 100
     assert "differs in 200 of its 200" in output_difference(labels + 1, labels)
     assert "output[1] is 'b'" in output_difference((y, "b"), (y, "a"))
+    # Zero but for rounding on either side: not a difference; a small real one is.
+    noise = torch.full((4, 4), 3e-8)
+    assert output_difference(noise, torch.zeros(4, 4)) is None
+    assert "differs" in output_difference(noise * 1e3, torch.zeros(4, 4))
 
 
 class WarmUp(nn.Module):
