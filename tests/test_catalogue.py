@@ -175,6 +175,32 @@ def test_torch_noise_of_a_constant_shape_is_drawn_per_call_and_per_model():
     assert fused.fusion_report.check.passed  # with the draws made constant, exact
 
 
+def test_draws_into_a_shared_tensor_are_per_model():
+    """``torch.empty_like(x).normal_()`` on the shared input (noise injection; how
+    torch.distributions' rsample draws) was refused as an in-place write into a value
+    shared by all models.  Each model now draws into its own copy, which later reads of
+    the tensor see."""
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            e = torch.empty_like(x)
+            e.uniform_(-0.1, 0.1)  # in place; e is read below
+            y = x + torch.empty_like(x).normal_() * 0.1
+            return self.fc(y + e), e
+
+    models = [Noisy() for _ in range(3)]
+    fused = hftc.fuse(models)
+    out, e = fused(torch.randn(5, 4))
+    assert e.shape == (3, 5, 4) and e.abs().max() <= 0.1
+    assert not torch.equal(e[0], e[1]) and not torch.equal(e[1], e[2])
+    assert [r.rule for r in fused.fusion_report.records if r.rule == "per_model_draw"] == \
+        ["per_model_draw"] * 2
+    assert fused.fusion_report.check.passed  # with the draws made constant, exact
+
+
 @pytest.mark.parametrize("use_numpy", [False, True], ids=["random", "numpy"])
 def test_python_random_in_forward_is_refused(use_numpy):
     # Traced, a Python draw would be one value for every call (a layer dropped at random

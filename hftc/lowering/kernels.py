@@ -108,6 +108,11 @@ def expand_models(x: Any, n: int) -> Any:
     )
 
 
+def model_copies(x: Tensor, n: int) -> Tensor:
+    """N copies of a shared tensor, ``[*s] -> [N, *s]``, each model's own to write into."""
+    return x.unsqueeze(0).repeat(n, *([1] * x.dim()))
+
+
 def pad_model_dims(x: Tensor, per_model_ndim: int) -> Tensor:
     """``[N, *s] -> [N, 1, ..., 1, *s]`` with ``per_model_ndim`` dims after the model dim.
 

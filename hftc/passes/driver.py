@@ -245,6 +245,15 @@ def fuse_graph(
                 and not (entry is not None and entry.random) and not group.per_model:
             builder.current_rule = "shared"
             new, kind, rule_name = builder.copy(group, batched=False), "shared", "shared"
+        elif _is_random(node) and _inplace_on_shared(node, group, builder):
+            # A draw into a shared tensor (``torch.empty(shape).normal_()``, as
+            # torch.distributions' rsample draws; ``torch.empty_like(x).uniform_()``):
+            # each model draws its own, into its own copy, which later reads of the
+            # tensor see too.
+            builder.current_rule = rule_name = "per_model_draw"
+            own = builder.call(kernels.model_copies, group.args[0], num_models)
+            env[node.args[0]] = own
+            new = builder.method(node.target, own, *group.args[1:], **group.kwargs)
         elif _inplace_on_shared(node, group, builder):
             unsupported.append(
                 f"{describe_node(node)}: in-place `{node.target}` writes a value shared by "
