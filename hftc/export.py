@@ -67,7 +67,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import FusionArgumentError, TraceError
 from .passes.registry import FusionGroup, GraphBuilder, register_rule
-from .trace import OutputSpec, _uniform_mode
+from .trace import OutputSpec, _uniform_mode, trace_hint
 
 aten = torch.ops.aten
 
@@ -194,7 +194,7 @@ def export_model(
             f"given example_inputs ({'train' if training else 'eval'} mode): "
             f"{type(exc).__name__}: {first}. Check that example_inputs are valid inputs of the "
             f"model (model(*example_inputs) runs); control flow that depends on tensor values "
-            f"needs torch.cond or must be rewritten with tensor ops."
+            f"needs torch.cond or must be rewritten with tensor ops.{trace_hint(exc)}"
         ) from exc
     return normalize_exported(program, model, index, tuple(args), kwargs)
 

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import inspect
 import random
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -447,6 +448,22 @@ def _python_state_kept(model: nn.Module, changes: list[str]) -> Iterator[None]:
             module.__dict__.update(before)
 
 
+def trace_hint(exc: BaseException) -> str:
+    """A sentence for a tracing error raised inside code whose fix is known, else ``""``.
+
+    ``torch.distributions`` checks its arguments with Python branches on tensor values
+    (``if not valid.all(): raise``), which neither front-end can trace."""
+    frames = [frame.filename for frame in traceback.extract_tb(exc.__traceback__)]
+    where = " ".join(frames) + " " + str(exc)
+    if "torch/distributions/" in where.replace("\\", "/"):
+        return (" The failing code is in torch.distributions, whose argument checks are "
+                "Python branches on tensor values: construct the distributions with "
+                "validate_args=False (or call torch.distributions.Distribution."
+                "set_default_validate_args(False)) and pass example_inputs=(...), which "
+                "traces them with torch.export.")
+    return ""
+
+
 def trace_model(model: nn.Module, index: int, *, training: bool,
                 none_inputs: Iterable[str] = ()) -> fx.GraphModule:
     """Trace ``model`` (the ``index``-th of the N) with every submodule in ``training`` mode,
@@ -477,7 +494,7 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
             f"{type(exc).__name__}: {exc}. Data-dependent Python (an `if` on a tensor, "
             f"`len(x)`, `.item()`) and many third-party models cannot be traced symbolically; "
             f"pass `example_inputs=(...)` to hftc.fuse so the model can be traced with real "
-            f"inputs, or rewrite the data-dependent part with tensor ops."
+            f"inputs, or rewrite the data-dependent part with tensor ops.{trace_hint(exc)}"
         ) from exc
 
 

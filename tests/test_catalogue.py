@@ -201,6 +201,34 @@ def test_draws_into_a_shared_tensor_are_per_model():
     assert fused.fusion_report.check.passed  # with the draws made constant, exact
 
 
+class GaussianPolicy(nn.Module):
+    """A reparameterised Gaussian policy head (torch.distributions), as RL code writes it."""
+
+    def __init__(self, validate_args=None):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.validate_args = validate_args
+
+    def forward(self, x):
+        mean, log_std = self.fc(x).chunk(2, -1)
+        dist = torch.distributions.Normal(mean, log_std.exp(), validate_args=self.validate_args)
+        action = dist.rsample()
+        return action, dist.log_prob(action).sum(-1)
+
+
+def test_torch_distributions_say_how_to_fuse_them():
+    x = torch.randn(5, 4)
+    with pytest.raises(TraceError, match=r"torch.distributions.*validate_args=False"):
+        hftc.fuse([GaussianPolicy() for _ in range(3)])
+    models = [GaussianPolicy(validate_args=False) for _ in range(3)]
+    fused = hftc.fuse(models, example_inputs=(x,))  # the advice: traced by torch.export
+    action, log_prob = fused(x)
+    assert action.shape == (3, 5, 2) and log_prob.shape == (3, 5)
+    assert fused.fusion_report.check.passed and not fused.fusion_report.check.shapes_only
+    log_prob.sum().backward()  # reparameterised: gradients reach the weights
+    assert fused.fc.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("use_numpy", [False, True], ids=["random", "numpy"])
 def test_python_random_in_forward_is_refused(use_numpy):
     # Traced, a Python draw would be one value for every call (a layer dropped at random
