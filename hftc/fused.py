@@ -59,6 +59,7 @@ from .trace import (
     output_spec,
     trace_model,
 )
+from .utils import STACKED_MARK
 
 
 @dataclass
@@ -349,6 +350,14 @@ class FusedModule(nn.Module):
             self.register_parameter(name, p)
         for name, b in root._buffers.items():
             self.register_buffer(name, b, persistent=name not in model0._non_persistent_buffers_set)
+        self._mark_stacked()
+
+    def _mark_stacked(self) -> None:
+        """Mark the stacked parameters, which torch's ``clip_grad_norm_`` then clips per
+        model (:mod:`hftc.utils`); again after a copy (``Parameter.__deepcopy__`` makes
+        a new tensor without the mark)."""
+        for p in self.parameters():
+            setattr(p, STACKED_MARK, self.num_models)
 
     def _stack_constants(self, graphs: Sequence[fx.GraphModule], match: GraphMatch) -> dict:
         """Tensor attributes the graphs read that are not parameters or buffers (constants
@@ -745,6 +754,10 @@ class FusedModule(nn.Module):
         return model
 
     # ------------------------------------------------------------------ pickling
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._mark_stacked()
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

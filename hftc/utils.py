@@ -2,8 +2,9 @@
 
 Nothing here mixes models: each model's gradients are clipped by its own norm,
 and ``per_model`` gives one loss per model, so a model that diverges cannot
-change another's numbers (stock ``clip_grad_norm_`` on a fused module would clip
-all N models by one global norm).
+change another's numbers.  Stock ``clip_grad_norm_`` on a fused module would clip
+all N models by one global norm: ``import hftc`` makes
+``torch.nn.utils.clip_grad_norm_`` clip a fused module's parameters per model.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .errors import FusionArgumentError
 from .lowering.kernels import short_row_cross_entropy
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
@@ -35,6 +37,47 @@ def values_on(values: Sequence[float] | Sequence[Sequence[float]], dtype: torch.
     if torch.device(device).type != "cuda":
         return host.to(device=device, dtype=dtype)
     return host.pin_memory().to(device=device, non_blocking=True).to(dtype)
+
+
+# --------------------------------------------------------------------------- torch's own clipping
+
+#: The attribute that marks a fused module's stacked parameters (``FusedModule`` sets it
+#: to N): what ``torch.nn.utils.clip_grad_norm_`` clips per model.  An attribute of the
+#: tensor, so deepcopy, pickling and ``.to()`` keep it.
+STACKED_MARK = "_hftc_num_models"
+
+
+def _is_stacked(p: Tensor) -> bool:
+    return getattr(p, STACKED_MARK, None) is not None
+
+
+_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+
+
+@functools.wraps(_torch_clip_grad_norm_)
+def _clip_grad_norm_per_model(parameters: Tensor | Iterable[Tensor], max_norm: float,
+                              norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                              foreach: bool | None = None) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` as installed by ``import hftc``: on a fused
+    module's parameters it clips each model by its own norm (:func:`clip_grad_norm_`)
+    and returns the N norms, so the habit ``clip_grad_norm_(model.parameters(), 1.0)``
+    trains each model as it trained alone; one norm over all N models would make each
+    model's step depend on the others'.  Other parameters: torch's own, unchanged."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    stacked = [_is_stacked(p) for p in params]
+    if not any(stacked):
+        return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
+                                      foreach)
+    if not all(stacked):
+        raise FusionArgumentError(
+            "torch.nn.utils.clip_grad_norm_ got a fused module's stacked parameters together "
+            "with other parameters; clip the fused ones on their own (each model by its own "
+            "norm: hftc.utils.clip_grad_norm_) and the others apart")
+    return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
+
+torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_per_model
+torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_per_model
 
 
 def _grads_and_num_models(parameters, num_models: int | None, fn: str) -> tuple[list[Tensor], int]:

@@ -8,6 +8,7 @@ and a model that overflows or diverges must leave the others exactly as alone.
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ from optim_helpers import (
     single_thread,  # noqa: F401  (autouse fixture)
     tolerance,
 )
+from torch import nn
 
+import hftc
 import hftc.optim as ho
 from hftc.amp import GradScaler
 from hftc.utils import clip_grad_norm_, clip_grad_value_, per_model
@@ -425,3 +428,30 @@ def test_disabled_scaler_is_a_no_op():
     scaler.step(opt)
     scaler.update()
     assert scaler.state_dict() == {}
+
+
+def test_torch_clip_grad_norm_clips_a_fused_module_per_model():
+    """The habit ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on a fused
+    module clipped all N models by one norm (each model's step then depended on the
+    others'); after ``import hftc`` it clips each by its own, as each model alone, also on
+    a deep copy and after torch.save / torch.load, and returns the N norms."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)) for _ in range(3)]
+    x = torch.randn(5, 4)
+    buffer = io.BytesIO()
+    torch.save(hftc.fuse(copy.deepcopy(models)), buffer)
+    buffer.seek(0)
+    for fused in (hftc.fuse(copy.deepcopy(models)),
+                  copy.deepcopy(hftc.fuse(copy.deepcopy(models))),
+                  torch.load(buffer, weights_only=False)):
+        (fused(x) ** 2).sum().backward()
+        norms = torch.nn.utils.clip_grad_norm_(fused.parameters(), 0.5)
+        alone = copy.deepcopy(models)
+        for i, m in enumerate(alone):
+            (m(x) ** 2).sum().backward()
+            torch.testing.assert_close(norms[i], torch.nn.utils.clip_grad_norm_(
+                m.parameters(), 0.5))
+            for name, p in m.named_parameters():
+                torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad)
+        with pytest.raises(hftc.errors.FusionArgumentError, match="together with other"):
+            torch.nn.utils.clip_grad_norm_([*fused.parameters(), *alone[0].parameters()], 1.0)
