@@ -455,3 +455,25 @@ def test_torch_clip_grad_norm_clips_a_fused_module_per_model():
                 torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad)
         with pytest.raises(hftc.errors.FusionArgumentError, match="together with other"):
             torch.nn.utils.clip_grad_norm_([*fused.parameters(), *alone[0].parameters()], 1.0)
+
+
+def test_torch_grad_scaler_on_a_fused_optimizer_is_refused():
+    """torch.amp.GradScaler keeps one scale for all N models: an overflow in one skipped
+    every model's step.  Stepping a fused optimizer with it says to use hftc's scaler,
+    changes nothing, and leaves the optimizer usable with hftc.amp.GradScaler."""
+    torch.manual_seed(0)
+    fused = hftc.fuse([nn.Linear(4, 2) for _ in range(3)])
+    opt = ho.SGD(fused.parameters(), lr=0.1)
+    before = fused.weight.detach().clone()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(fused(torch.randn(5, 4)).sum()).backward()
+    with pytest.raises(hftc.errors.FusionArgumentError, match=r"one loss scale for all 3 "
+                                                              r"models.*hftc.amp.GradScaler"):
+        scaler.step(opt)
+    assert torch.equal(fused.weight, before)
+    opt.zero_grad()
+    per_model = GradScaler()
+    per_model.scale(fused(torch.randn(5, 4)).sum((1, 2))).sum().backward()
+    per_model.step(opt)
+    per_model.update()
+    assert not torch.equal(fused.weight, before)

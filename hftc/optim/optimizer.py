@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..errors import FusionArgumentError
 from ..utils import values_on
 
 __all__ = ["FusedOptimizer"]
@@ -207,6 +208,12 @@ class FusedOptimizer(Optimizer):
 
     # Hyper-parameter name -> kind ("float", "flag" or "pair"), in constructor order.
     _hyperparameters: ClassVar[dict[str, str]] = {}
+
+    #: Tells torch.amp.GradScaler to hand its scale and found-inf flag to ``step`` (as
+    #: ``self.grad_scale`` / ``self.found_inf``) instead of skipping the whole step
+    #: itself: ``step`` then refuses with a message that says to use
+    #: hftc.amp.GradScaler (one scale for all models would couple them).
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -421,6 +428,16 @@ class FusedOptimizer(Optimizer):
                 as they were: parameters, optimizer state and step counter
                 (``hftc.amp.GradScaler`` passes the models whose gradients overflowed).
         """
+        if hasattr(self, "found_inf"):  # set by torch.amp.GradScaler.step (see below)
+            del self.found_inf  # which would delete them after a step: usable again
+            self.__dict__.pop("grad_scale", None)
+            raise FusionArgumentError(
+                "torch.amp.GradScaler steps this fused optimizer with one loss scale for all "
+                f"{self.num_models} models: an overflow in one model would skip every "
+                "model's step and shrink every model's scale. Use hftc.amp.GradScaler, "
+                "which keeps a scale per model and skips only the models that overflowed "
+                "(scaler.scale(per_model_losses).sum().backward(); scaler.step(opt); "
+                "scaler.update())")
         loss = None
         if closure is not None:
             with torch.enable_grad():
