@@ -448,10 +448,18 @@ def test_bad_hyperparameter_values_name_the_model():
         ho.Adam(fused.parameters(), amsgrad=[True, "no", False])
 
 
-def test_param_group_dicts_and_added_groups_are_rejected():
+def test_added_groups_and_param_groups_with_their_own_lr_are_rejected():
     fused = StackedModels(make_models(2))
-    with pytest.raises(TypeError, match="param_groups\\[i\\] is model i"):
-        ho.SGD([{"params": list(fused.parameters())}], lr=0.1)
+    params = list(fused.parameters())
+    with pytest.raises(TypeError, match="param group 1 sets lr; param_groups\\[i\\] of a "
+                                        "fused optimizer is model i"):
+        ho.SGD([{"params": params[:1]}, {"params": params[1:], "lr": 0.2}], lr=0.1)
+    with pytest.raises(TypeError, match="not both"):
+        ho.SGD([{"params": params[:1]}, params[1]], lr=0.1)
+    with pytest.raises(TypeError, match="unknown hyper-parameter.*'dampning'"):
+        ho.SGD([{"params": params, "dampning": 0.1}], lr=0.1)
+    with pytest.raises(ValueError, match="Invalid weight_decay for model 1"):
+        ho.SGD([{"params": params, "weight_decay": [0.1, -1.0]}], lr=0.1)
     opt = ho.SGD(fused.parameters(), lr=0.1)
     with pytest.raises(NotImplementedError, match="groups cannot be added"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, 3))]})
@@ -550,3 +558,39 @@ def test_per_model_coefficients_are_built_once_while_the_values_stay_the_same():
     assert signed is not first
     like = torch.zeros(2, 3, dtype=torch.float64)
     assert torch.equal(torch.signbit(signed("wd", like)).flatten(), torch.tensor([False, True]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_param_groups_with_their_own_weight_decay_match_stock(dtype):
+    """nanoGPT's AdamW grouping: weight decay on the matrices, none on biases, the
+    models' learning rates their own and scheduled.  Each model equals stock AdamW over
+    the same two groups, with the same schedule."""
+    models = make_models(3, dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    lrs, wds = [1e-2, 3e-2, 5e-3], [0.1, 0.0, 0.3]
+
+    def groups(module, wd):
+        named = list(module.named_parameters())
+        return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": wd},
+                {"params": [p for n, p in named if not n.endswith("weight")],
+                 "weight_decay": 0.0}]
+
+    opt = ho.AdamW(groups(fused, wds), lr=lrs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    stock = [torch.optim.AdamW(groups(m, wd), lr=lr) for m, lr, wd in zip(solos, lrs, wds)]
+    stock_scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5 ** step)
+                    for o in stock]
+    for x, y in make_batches(3, dtype):
+        opt.zero_grad()
+        per_model_losses(fused, x, y).sum().backward()
+        opt.step()
+        sched.step()
+        for m, o, s in zip(solos, stock, stock_scheds):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+            s.step()
+    assert_all_match(fused, solos, tolerance(dtype))
+    # The groups survive a pickle (deepcopy) of the optimizer.
+    assert copy.deepcopy(opt)._group_overrides == opt._group_overrides

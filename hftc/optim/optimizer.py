@@ -233,12 +233,7 @@ class FusedOptimizer(Optimizer):
         items = list(params)
         if not items:
             raise ValueError(f"{type(self).__name__} got an empty parameter list")
-        if any(isinstance(x, dict) for x in items):
-            raise TypeError(
-                f"{type(self).__name__} takes one flat list of stacked parameters, not "
-                f"param-group dicts: param_groups[i] is model i, and per-model "
-                f"hyper-parameters are lists (lr=[1e-3, 3e-3, ...])"
-            )
+        items, group_of, overrides = self._split_groups(items)
         named = all(isinstance(x, tuple) and len(x) == 2 for x in items)
         if named:
             names = [str(x[0]) for x in items]
@@ -260,6 +255,17 @@ class FusedOptimizer(Optimizer):
         }
         for i in range(n):
             self._check_hyperparameters({k: v[i] for k, v in per_model.items()}, i)
+        #: Per-parameter hyper-parameters (param-group dicts, :meth:`_split_groups`): for
+        #: each parameter the index of its group in ``_group_overrides``, and per group
+        #: each overridden hyper-parameter's N values.
+        self._group_of = group_of
+        self._group_overrides = [
+            {key: self._expand(key, self._hyperparameters[key], value, n)
+             for key, value in extra.items()} for extra in overrides]
+        for extra in self._group_overrides:
+            for i in range(n):
+                self._check_hyperparameters({**{k: v[i] for k, v in per_model.items()},
+                                             **{k: v[i] for k, v in extra.items()}}, i)
 
         groups = []
         for i in range(n):
@@ -275,6 +281,48 @@ class FusedOptimizer(Optimizer):
         self._groups_frozen = True
 
     # ------------------------------------------------------------------ set-up
+
+    def _split_groups(self, items: list[Any]) -> tuple[list[Any], list[int], list[dict]]:
+        """Param-group dicts, as torch takes them, -> one flat list of parameters, each
+        parameter's group index, and each group's hyper-parameters (``[]`` for none)::
+
+            AdamW([{"params": matrices, "weight_decay": 0.1},      # nanoGPT's grouping
+                   {"params": biases_and_norms, "weight_decay": 0.0}], lr=[...])
+
+        A group's values (one shared, or N per model) hold for its parameters, the
+        constructor's for the rest.  Not ``lr``: ``param_groups[i]`` is model i, whose
+        learning rate its scheduler sets for all of its parameters."""
+        if not any(isinstance(x, dict) for x in items):
+            return items, [0] * len(items), [{}]
+        cls = type(self).__name__
+        if not all(isinstance(x, dict) for x in items):
+            raise TypeError(f"{cls} takes stacked parameters or param-group dicts, not both")
+        flat, group_of, overrides = [], [], []
+        for k, group in enumerate(items):
+            if "params" not in group:
+                raise TypeError(f"{cls}: param group {k} has no 'params'")
+            params = group["params"]
+            params = [params] if isinstance(params, Tensor) else list(params)
+            extra = {key: value for key, value in group.items() if key != "params"}
+            if "lr" in extra:
+                raise TypeError(
+                    f"{cls}: param group {k} sets lr; param_groups[i] of a fused optimizer "
+                    f"is model i, whose learning rate (and its scheduler) holds for all its "
+                    f"parameters. Give those parameters a second fused optimizer instead")
+            unknown = sorted(set(extra) - set(self._hyperparameters))
+            if unknown:
+                raise TypeError(f"{cls}: param group {k} has unknown hyper-parameter(s) "
+                                f"{unknown}; {cls} takes {sorted(self._hyperparameters)}")
+            flat += params
+            group_of += [k] * len(params)
+            overrides.append(extra)
+        return flat, group_of, overrides
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_group_of"] = self.__dict__.get("_group_of")
+        state["_group_overrides"] = self.__dict__.get("_group_overrides")
+        return state
 
     @property
     def num_models(self) -> int:
@@ -358,6 +406,9 @@ class FusedOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_groups_frozen", True)
+        if self.__dict__.get("_group_of") is None:
+            self._group_of = [0] * len(self.param_groups[0]["params"])
+            self._group_overrides = [{}]
 
     # -------------------------------------------------------------- the step
 
@@ -452,11 +503,19 @@ class FusedOptimizer(Optimizer):
         if len(skip) == self.num_models:
             return loss
         hp = self.hyperparameters()
+        # Parameters by param group (one unless groups set their own hyper-parameters).
+        group_of = {id(p): k for p, k in zip(self.param_groups[0]["params"], self._group_of)}
+        groups: dict[int, list[Tensor]] = {}
         for p in params:
-            if not self.state[p]:
-                self._init_state(p, hp)
+            groups.setdefault(group_of[id(p)], []).append(p)
+        group_hp = {k: {**hp, **self._group_overrides[k]} for k in groups}
+        for k, group in groups.items():
+            for p in group:
+                if not self.state[p]:
+                    self._init_state(p, group_hp[k])
         saved = self._save_models(params, skip) if skip else None
-        self._update(params, hp)
+        for k, group in groups.items():
+            self._update(group, group_hp[k])
         if saved is not None:
             self._restore_models(saved, skip)
         return loss
