@@ -111,10 +111,15 @@ def test_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="optimizers\\[1\\] holds a parameter .* not a "
                                          "parameter of model 1"):
         ho.fuse_optimizers(fused, swapped)
-    two_groups = torch.optim.SGD([{"params": models[1][0].parameters()},
-                                  {"params": models[1][3].parameters(), "lr": 0.01}], lr=0.1)
-    with pytest.raises(ValueError, match="optimizers\\[1\\] has 2 param groups"):
-        ho.fuse_optimizers(fused, [sgd[0], two_groups, sgd[2]])
+    two_groups = [torch.optim.SGD([{"params": m[0].parameters()},
+                                   {"params": m[3].parameters(), "lr": 0.01}], lr=0.1)
+                  for m in models]
+    with pytest.raises(ValueError, match="optimizers\\[0\\] has 1 param groups and "
+                                         "optimizers\\[1\\] 2"):
+        ho.fuse_optimizers(fused, [sgd[0], two_groups[1], sgd[2]])
+    with pytest.raises(ValueError, match="optimizers\\[0\\]'s param groups have different "
+                                         "learning rates"):
+        ho.fuse_optimizers(fused, two_groups)
     subset = torch.optim.SGD(models[1][3].parameters(), lr=0.1)
     with pytest.raises(ValueError, match="optimize different parameters"):
         ho.fuse_optimizers(fused, [sgd[0], subset, sgd[2]])
@@ -138,3 +143,32 @@ def test_hftc_fuse_with_per_model_adam_and_unfuse():
         for (name, p), q in zip(model.named_parameters(), solo.parameters()):
             err = (p - q).abs().max() / q.abs().max()
             assert err <= 1e-9, (i, name, err.item())
+
+
+@pytest.mark.parametrize("fuser", sorted(FUSERS))
+def test_stock_optimizers_with_param_groups(fuser):
+    """Each model's stock AdamW over two groups (weight decay on weights, none on biases,
+    as nanoGPT builds it), some already stepped: the fused optimizer carries each group's
+    values and state on, and every model equals its stock optimizer carrying on alone."""
+    models = make_models(3)
+    decay = [0.1, 0.0, 0.3]
+
+    def grouped(m, wd, lr):
+        named = list(m.named_parameters())
+        return torch.optim.AdamW(
+            [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": wd},
+             {"params": [p for n, p in named if not n.endswith("weight")],
+              "weight_decay": 0.0}], lr=lr)
+
+    opts = [grouped(m, wd, lr) for m, wd, lr in zip(models, decay, [1e-2, 3e-2, 5e-3])]
+    warmup = make_batches(3, seed=99)
+    for m, o, k in zip(models, opts, [3, 1, 0]):
+        train_solo(m, o, warmup[:k])
+    fused = FUSERS[fuser](models)
+    opt = ho.fuse_optimizers(fused, opts)
+    batches = make_batches(4)
+    train_fused(fused, opt, batches)
+    for m, o in zip(models, opts):
+        train_solo(m, o, batches)
+    assert_all_match(fused, models, 1e-9)
+    assert [g["weight_decay"] for g in opt.param_groups] == decay

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -76,55 +77,77 @@ def fuse_optimizers(fused: torch.nn.Module,
         raise TypeError(f"fuse_optimizers does not support {cls.__name__}; supported: {supported}")
     fused_cls = _FUSED_CLASS[cls]
     for i, opt in enumerate(optimizers):
-        if len(opt.param_groups) != 1:
+        if len(opt.param_groups) != len(optimizers[0].param_groups):
             raise ValueError(
-                f"optimizers[{i}] has {len(opt.param_groups)} param groups; fuse_optimizers "
-                f"needs one group per model (param_groups[i] of the fused optimizer is model i)"
-            )
-        if opt.param_groups[0].get("differentiable", False):
+                f"optimizers[0] has {len(optimizers[0].param_groups)} param groups and "
+                f"optimizers[{i}] {len(opt.param_groups)}; every model's optimizer needs the "
+                f"same groups")
+        if len({g["lr"] for g in opt.param_groups}) > 1:
+            raise ValueError(
+                f"optimizers[{i}]'s param groups have different learning rates "
+                f"({[g['lr'] for g in opt.param_groups]}); param_groups[i] of the fused "
+                f"optimizer is model i, whose lr holds for all its parameters: fuse such "
+                f"groups into separate fused optimizers")
+        if any(g.get("differentiable", False) for g in opt.param_groups):
             raise ValueError(f"optimizers[{i}] is differentiable=True, which hftc does not support")
 
-    names = [_fused_names(i, opt, sources[i]) for i, opt in enumerate(optimizers)]
+    # names[i][k]: model i's group k, as fused parameter names.
+    names = [[_fused_names(i, g, sources[i]) for g in opt.param_groups]
+             for i, opt in enumerate(optimizers)]
     for i in range(1, n):
-        if set(names[i]) != set(names[0]):
-            only_0 = sorted(set(names[0]) - set(names[i]))
-            only_i = sorted(set(names[i]) - set(names[0]))
-            raise ValueError(
-                f"optimizers[0] and optimizers[{i}] optimize different parameters "
-                f"(only in 0: {only_0}; only in {i}: {only_i}); every model's optimizer "
-                f"must cover the same parameters"
-            )
+        for k, (group0, group_i) in enumerate(zip(names[0], names[i])):
+            if set(group_i) != set(group0):
+                only_0 = sorted(set(group0) - set(group_i))
+                only_i = sorted(set(group_i) - set(group0))
+                where = f"param group {k} of " if len(names[0]) > 1 else ""
+                raise ValueError(
+                    f"{where}optimizers[0] and optimizers[{i}] optimize different parameters "
+                    f"(only in 0: {only_0}; only in {i}: {only_i}); every model's optimizer "
+                    f"must cover the same parameters"
+                )
     by_name = dict(fused.named_parameters())
-    params = [by_name[name] for name in names[0]]
 
-    groups = [opt.param_groups[0] for opt in optimizers]
-    # A key missing from some group (an optimizer pickled by an older torch) takes the default.
-    hyper = {key: [g[key] for g in groups]
-             for key in fused_cls._hyperparameters if all(key in g for g in groups)}
-    if fused_cls is AdamW:
-        hyper.pop("decoupled_weight_decay", None)
+    def values(k: int) -> dict[str, list[Any]]:
+        """Group k's hyper-parameters, one value per model.  A key missing from some group
+        (an optimizer pickled by an older torch) takes the default."""
+        groups = [opt.param_groups[k] for opt in optimizers]
+        hyper = {key: [g[key] for g in groups]
+                 for key in fused_cls._hyperparameters if all(key in g for g in groups)}
+        if fused_cls is AdamW:
+            hyper.pop("decoupled_weight_decay", None)
+        return hyper
+
+    hyper = values(0)
+    if len(names[0]) == 1:
+        params: list[Any] = [by_name[name] for name in names[0][0]]
+    else:  # group 0's values as the fused optimizer's; the other groups' where they differ
+        params = [{"params": [by_name[name] for name in group],
+                   **{key: v for key, v in values(k).items() if key != "lr" and v != hyper[key]}}
+                  for k, group in enumerate(names[0])]
     out = fused_cls(params, num_models=n, **hyper)
-    for i, g in enumerate(groups):
-        for key, value in g.items():
+    for i, opt in enumerate(optimizers):
+        for key, value in opt.param_groups[0].items():
             if key not in _IGNORED_KEYS and key not in fused_cls._hyperparameters:
                 out.param_groups[i][key] = value
 
     hp = out.hyperparameters()
+    group_of = {id(p): k for p, k in zip(out.param_groups[0]["params"], out._group_of)}
     for i, opt in enumerate(optimizers):
-        for p_stock, name in zip(opt.param_groups[0]["params"], names[i]):
-            stock_state = opt.state.get(p_stock)
-            if not stock_state:
-                continue  # not stepped yet: slice i keeps the fresh state stock would create
-            p = by_name[name]
-            if not out.state[p]:
-                out._init_state(p, hp)
-            out._import_model_state(p, i, stock_state)
+        for stock_group, group_names in zip(opt.param_groups, names[i]):
+            for p_stock, name in zip(stock_group["params"], group_names):
+                stock_state = opt.state.get(p_stock)
+                if not stock_state:
+                    continue  # not stepped yet: slice i keeps the fresh state stock would make
+                p = by_name[name]
+                if not out.state[p]:
+                    out._init_state(p, {**hp, **out._group_overrides[group_of[id(p)]]})
+                out._import_model_state(p, i, stock_state)
     return out
 
 
-def _fused_names(model: int, opt: torch.optim.Optimizer, source: dict[int, str]) -> list[str]:
+def _fused_names(model: int, group: dict[str, Any], source: dict[int, str]) -> list[str]:
     names = []
-    for k, p in enumerate(opt.param_groups[0]["params"]):
+    for k, p in enumerate(group["params"]):
         name = source.get(id(p))
         if name is None:
             raise ValueError(
