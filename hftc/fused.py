@@ -200,7 +200,7 @@ def _differing_attributes(model0: nn.Module, model: nn.Module) -> dict[str, dict
         diffs = {
             k: copy.deepcopy(v) for k, v in vars(sub).items()
             if not k.startswith("_") and k != "training" and _simple_value(v)
-            and (k not in ref_vars or ref_vars[k] != v)
+            and (k not in ref_vars or not _same_value(ref_vars[k], v))
         }
         if diffs:
             found[path] = diffs
@@ -208,9 +208,21 @@ def _differing_attributes(model0: nn.Module, model: nn.Module) -> dict[str, dict
 
 
 def _simple_value(value: Any) -> bool:
-    if isinstance(value, (bool, int, float, str, type(None))):
+    """A plain value a model may hold as its own: numbers, strings, tensors that are
+    not parameters or buffers (``self.scale = torch.tensor(2.0)``), tuples / lists of
+    them."""
+    if isinstance(value, (bool, int, float, str, type(None), torch.Tensor)):
         return True
     return isinstance(value, (tuple, list)) and all(_simple_value(v) for v in value)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_value, a, b))
+    return a == b
 
 
 def _get_path(root: Any, path: str) -> Any:

@@ -544,3 +544,28 @@ def test_compile_without_inputs_is_torch_compile():
     with pytest.raises(hftc.errors.FusionArgumentError,
                        match=r"unexpected keyword inputs \['backend'\]"):
         hftc.fuse(copy.deepcopy(models)).compile(backend="eager", input=x)
+
+
+def test_plain_tensor_attributes_are_each_models_own():
+    """A plain tensor attribute (not a parameter or buffer) that differs per model: the
+    fused program stacks it; unfuse() gave back model 0's to every model, and the
+    first-call check, whose copies come from unfuse, ran the models one by one."""
+    class Scaled(nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.scale = torch.tensor(float(i + 1))
+            self.shift = [0.5 * i]
+
+        def forward(self, x):
+            return self.fc(x) * self.scale + self.shift[0]
+
+    models = [Scaled(i) for i in range(3)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(2, 4)
+    out = fused(x)  # a FusionWarning would fail this test
+    assert fused.fusion_report.check.passed
+    for i, (m, back) in enumerate(zip(models, fused.unfuse())):
+        torch.testing.assert_close(out[i], m(x))
+        torch.testing.assert_close(back(x), m(x))
+        assert torch.equal(back.scale, m.scale)
