@@ -402,12 +402,18 @@ class FusedModule(nn.Module):
         if dims is None or isinstance(dims, int):
             return (dims,) * count
         dims = tuple(dims)
-        if len(dims) != count:
+        # More entries than inputs given: a call that leaves optional inputs out (fused(x)
+        # and fused(x, mask) with in_dims=(0, None)); not more than forward has.
+        graphs = self.__dict__.get("_mode_graphs")  # not yet while export traces
+        inputs = len(dims) if graphs is None else sum(
+            n.op == "placeholder" for n in graphs[self.training].graph.nodes)
+        if len(dims) < count or len(dims) > inputs:
             raise FusionArgumentError(
                 f"in_dims has {len(dims)} entries but the fused module got {count} positional "
-                f"inputs; give one entry (an int or None) per positional input"
+                f"inputs (the models' forward takes {inputs}); give one entry (an int or "
+                f"None) per positional input"
             )
-        return dims
+        return dims[:count]
 
     def _merge_inputs(self, args: tuple) -> tuple[list[Any], list[bool]]:
         """Inputs -> fused inputs: stacked ones get the model dim at 0, shared ones stay."""

@@ -72,9 +72,9 @@ def _normalize_in_dims(in_dims: InDims, nargs: int) -> tuple[int | None, ...]:
     if in_dims is None or isinstance(in_dims, int):
         return (in_dims,) * nargs
     in_dims = tuple(in_dims)
-    if len(in_dims) != nargs:
+    if len(in_dims) < nargs:  # more: entries for optional inputs this call leaves out
         raise ValueError(f"in_dims has {len(in_dims)} entries but there are {nargs} inputs")
-    return in_dims
+    return in_dims[:nargs]
 
 
 def model_inputs(inputs: Any, in_dims: InDims, i: int) -> tuple:

@@ -569,3 +569,15 @@ def test_plain_tensor_attributes_are_each_models_own():
         torch.testing.assert_close(out[i], m(x))
         torch.testing.assert_close(back(x), m(x))
         assert torch.equal(back.scale, m.scale)
+
+
+def test_in_dims_may_name_inputs_a_call_leaves_out():
+    """in_dims=(0, None) for forward(x, mask=None): fused(x) and fused(x, mask) both run
+    (in_dims used to need exactly one entry per input given)."""
+    torch.manual_seed(0)
+    models = [OptionalMask() for _ in range(3)]
+    x, mask = torch.randn(3, 6, 4), torch.rand(6, 4) > 0.5
+    check_equivalence(models, (x,), in_dims=(0, None), train=False)
+    check_equivalence(models, (x, mask), in_dims=(0, None), train=False)
+    with pytest.raises(hftc.errors.FusionArgumentError, match="forward takes 3"):
+        hftc.fuse(models, in_dims=(0, None, None, None))(x)
