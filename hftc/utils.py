@@ -80,6 +80,28 @@ torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_per_model
 torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_per_model
 
 
+_torch_update_bn = torch.optim.swa_utils.update_bn
+
+
+@functools.wraps(_torch_update_bn)
+def _update_bn_refusing_fused(loader: Any, model: nn.Module, device: Any = None) -> None:
+    """``torch.optim.swa_utils.update_bn`` as installed by ``import hftc``: it finds batch
+    norms by type, and a fused module's are stacked tensors in ``StackedModule``s, so on
+    one it would silently recompute nothing.  Refused there, saying what to do."""
+    fused = any(getattr(p, STACKED_MARK, None) is not None for p in model.parameters())
+    if fused and any(name.endswith("running_mean") for name, _ in model.named_buffers()):
+        raise FusionArgumentError(
+            "torch.optim.swa_utils.update_bn finds batch norms by their class, and a fused "
+            "module holds them as stacked tensors, so it would recompute no statistics. "
+            "Recompute them per model on the unfused models: for m in "
+            "fused.unfuse(): update_bn(loader, m) (for an AveragedModel, "
+            "swa_model.module.unfuse())")
+    return _torch_update_bn(loader, model, device)
+
+
+torch.optim.swa_utils.update_bn = _update_bn_refusing_fused
+
+
 def _grads_and_num_models(parameters, num_models: int | None, fn: str) -> tuple[list[Tensor], int]:
     if isinstance(parameters, nn.Module):
         if num_models is None:

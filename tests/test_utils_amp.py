@@ -477,3 +477,22 @@ def test_torch_grad_scaler_on_a_fused_optimizer_is_refused():
     per_model.step(opt)
     per_model.update()
     assert not torch.equal(fused.weight, before)
+
+
+def test_swa_update_bn_on_a_fused_module_is_refused():
+    """update_bn finds batch norms by class; a fused module's are stacked tensors, so it
+    silently recomputed nothing.  It now says to run it on the unfused models."""
+    from torch.optim.swa_utils import AveragedModel, update_bn
+
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+              for _ in range(2)]
+    swa = AveragedModel(hftc.fuse(models))
+    loader = [torch.randn(16, 4) for _ in range(2)]
+    with pytest.raises(hftc.errors.FusionArgumentError, match=r"unfuse\(\): update_bn"):
+        update_bn(loader, swa)
+    for m in swa.module.unfuse():  # the advice works
+        update_bn(loader, m)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+    update_bn(loader, plain)  # other models: torch's own
+    assert plain[1].num_batches_tracked == 2
