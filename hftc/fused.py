@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 from .check import CheckResult, compare_with_models, locate_difference
 from .errors import (
@@ -163,7 +164,11 @@ def _check_models(models: Any) -> list[nn.Module]:
                 f"model {i} is a {type(m).__name__}, not a torch.nn.Module; "
                 f"hftc.fuse takes a list of nn.Module instances"
             )
-    return models
+    # torch.compile(model) wraps the model, which it shares (tensors included): fuse the
+    # models themselves (symbolic tracing cannot read the wrapper), and compile the fused
+    # module if wanted (fused.compile()).
+    return [getattr(m, "_orig_mod", m) if isinstance(m, OptimizedModule) else m
+            for m in models]
 
 
 def _tensor_name_maps(match: GraphMatch, graphs: Sequence[fx.GraphModule]) -> list[dict]:

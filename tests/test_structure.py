@@ -581,3 +581,17 @@ def test_in_dims_may_name_inputs_a_call_leaves_out():
     check_equivalence(models, (x, mask), in_dims=(0, None), train=False)
     with pytest.raises(hftc.errors.FusionArgumentError, match="forward takes 3"):
         hftc.fuse(models, in_dims=(0, None, None, None))(x)
+
+
+def test_compiled_models_are_fused_from_the_models_they_wrap():
+    """hftc.fuse([torch.compile(m) ...]) failed with "OptimizedModule is missing the
+    required forward"; the compiled wrappers share their models, which are fused."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)) for _ in range(2)]
+    fused = hftc.fuse([torch.compile(m, backend="eager") for m in models])
+    x = torch.randn(3, 4)
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+    assert type(fused.unfuse()[0]) is nn.Sequential
+    assert set(fused.state_dict()) == set(models[0].state_dict())
