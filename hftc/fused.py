@@ -117,6 +117,21 @@ def _hook_hint(hooks: Sequence[Any]) -> str:
     return ""
 
 
+def _check_initialized(models: Sequence[nn.Module]) -> None:
+    """Lazy modules (``nn.LazyLinear`` ...) get their shapes on their first call, through a
+    forward pre-hook: before it there are no parameters to stack."""
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    lazy = [f"model {i}, module `{path or '<root>'}` ({type(sub).__name__})"
+            for i, model in enumerate(models) for path, sub in model.named_modules()
+            if isinstance(sub, LazyModuleMixin) and sub.has_uninitialized_params()]
+    if lazy:
+        raise FusionArgumentError(
+            "lazy modules have no parameters yet (their shapes come from their first "
+            "call): " + "; ".join(lazy) + ". Call each model once on an example input "
+            "before fusing (with torch.no_grad(): model(x)), which initializes them")
+
+
 def _check_hooks(models: Sequence[nn.Module]) -> None:
     """Refuse hooks: tracing would skip them, and a hook silently skipped is a wrong answer."""
     problems = []
@@ -268,6 +283,7 @@ class FusedModule(nn.Module):
         #: Compare each new program's outputs with models 0 and N-1's own (hftc.check).
         self.check = check
         self._check_modes(models)
+        _check_initialized(models)
         _check_hooks(models)
         graphs = self._trace(models, example_inputs, frontend)
         matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}

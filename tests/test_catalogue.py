@@ -320,3 +320,19 @@ def test_functional_call_difference_names_the_function():
 
     with pytest.raises(MismatchError, match=r"arguments: .*'dim': 1.* in model 0; .*'dim': 0"):
         hftc.fuse([A(1), A(0)])
+
+
+def test_uninitialized_lazy_modules_say_to_call_the_models_once():
+    """A LazyLinear before its first call was refused as a module with a forward
+    pre-hook ("remove the hooks"), which its user never added."""
+    models = [nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2)) for _ in range(2)]
+    with pytest.raises(FusionArgumentError, match=r"model 0, module `0` \(LazyLinear\).*"
+                                                  r"Call each model once"):
+        hftc.fuse(models)
+    x = torch.randn(3, 5)
+    with torch.no_grad():
+        for m in models:
+            m(x)
+    out = hftc.fuse(models)(x)  # initialized: the hook is gone, and they fuse
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
