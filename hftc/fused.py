@@ -423,6 +423,8 @@ class FusedModule(nn.Module):
         if dims is None or isinstance(dims, int):
             return (dims,) * count
         dims = tuple(dims)
+        if len(dims) == count:
+            return dims
         # More entries than inputs given: a call that leaves optional inputs out (fused(x)
         # and fused(x, mask) with in_dims=(0, None)); not more than forward has.
         graphs = self.__dict__.get("_mode_graphs")  # not yet while export traces

@@ -18,9 +18,8 @@ layer of N models reads one batch.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -106,11 +105,6 @@ def expand_models(x: Any, n: int) -> Any:
     return pytree.tree_map(
         lambda t: t.unsqueeze(0).expand(n, *t.shape) if isinstance(t, Tensor) else t, x
     )
-
-
-def model_copies(x: Tensor, n: int) -> Tensor:
-    """N copies of a shared tensor, ``[*s] -> [N, *s]``, each model's own to write into."""
-    return x.unsqueeze(0).repeat(n, *([1] * x.dim()))
 
 
 def pad_model_dims(x: Tensor, per_model_ndim: int) -> Tensor:
@@ -1470,21 +1464,24 @@ def exit_autocast(mode: Any) -> None:
     torch.amp.autocast_mode._exit_autocast(mode)
 
 
-@contextlib.contextmanager
-def modes_restored_on_error() -> Iterator[None]:
+class modes_restored_on_error:  # noqa: N801 - used as a context manager, like a function
     """Around a run of a generated program: if it raises, grad mode is the caller's again
     and the autocast regions it entered are left (the generated code switches grad mode
     and enters regions where the models' forward did, with no ``with`` block that would
-    undo them)."""
-    grad_mode, regions = torch.is_grad_enabled(), _open_regions()
-    depth = len(regions)
-    try:
-        yield
-    except BaseException:
-        torch.set_grad_enabled(grad_mode)
-        while len(regions) > depth:
+    undo them).  A class, not a generator: it wraps every fused forward."""
+
+    __slots__ = ("grad_mode", "depth")
+
+    def __enter__(self) -> None:
+        self.grad_mode, self.depth = torch.is_grad_enabled(), len(_open_regions())
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        if kind is None:
+            return
+        torch.set_grad_enabled(self.grad_mode)
+        regions = _open_regions()
+        while len(regions) > self.depth:
             torch.amp.autocast_mode._exit_autocast(regions.pop())
-        raise
 
 
 def apply_function(function: type, *args: Any, **kwargs: Any) -> Any:

@@ -504,10 +504,13 @@ class FusedOptimizer(Optimizer):
             return loss
         hp = self.hyperparameters()
         # Parameters by param group (one unless groups set their own hyper-parameters).
-        group_of = {id(p): k for p, k in zip(self.param_groups[0]["params"], self._group_of)}
-        groups: dict[int, list[Tensor]] = {}
-        for p in params:
-            groups.setdefault(group_of[id(p)], []).append(p)
+        groups: dict[int, list[Tensor]] = {0: params}
+        if len(self._group_overrides) > 1:
+            group_of = {id(p): k for p, k in zip(self.param_groups[0]["params"],
+                                                 self._group_of)}
+            groups = {}
+            for p in params:
+                groups.setdefault(group_of[id(p)], []).append(p)
         group_hp = {k: {**hp, **self._group_overrides[k]} for k in groups}
         for k, group in groups.items():
             for p in group:

@@ -251,7 +251,8 @@ def fuse_graph(
             # each model draws its own, into its own copy, which later reads of the
             # tensor see too.
             builder.current_rule = rule_name = "per_model_draw"
-            own = builder.call(kernels.model_copies, group.args[0], num_models)
+            own = builder.method("clone", builder.broadcast(group.args[0]),
+                                 memory_format=torch.contiguous_format)
             env[node.args[0]] = own
             new = builder.method(node.target, own, *group.args[1:], **group.kwargs)
         elif _inplace_on_shared(node, group, builder):
