@@ -60,7 +60,7 @@ from .trace import (
     output_spec,
     trace_model,
 )
-from .utils import STACKED_MARK
+from .utils import mark_stacked
 
 
 @dataclass
@@ -390,7 +390,7 @@ class FusedModule(nn.Module):
         model (:mod:`hftc.utils`); again after a copy (``Parameter.__deepcopy__`` makes
         a new tensor without the mark)."""
         for p in self.parameters():
-            setattr(p, STACKED_MARK, self.num_models)
+            mark_stacked(p, self.num_models)
 
     def _stack_constants(self, graphs: Sequence[fx.GraphModule], match: GraphMatch) -> dict:
         """Tensor attributes the graphs read that are not parameters or buffers (constants

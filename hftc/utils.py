@@ -10,6 +10,7 @@ all N models by one global norm: ``import hftc`` makes
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -78,6 +79,84 @@ def _clip_grad_norm_per_model(parameters: Tensor | Iterable[Tensor], max_norm: f
 
 torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_per_model
 torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_per_model
+
+# torch's two-step form of clip_grad_norm_: ``total = get_total_norm(grads)`` then
+# ``clip_grads_with_norm_(params, max_norm, total)``.  Gradients carry no mark of their
+# own, so the live stacked parameters are kept (weakly) to recognise theirs.
+_STACKED_PARAMETERS: weakref.WeakSet[Tensor] = weakref.WeakSet()
+
+
+def mark_stacked(p: Tensor, num_models: int) -> None:
+    """Mark ``p`` as a fused module's stacked ``[N, ...]`` parameter (see ``STACKED_MARK``)."""
+    setattr(p, STACKED_MARK, num_models)
+    _STACKED_PARAMETERS.add(p)
+
+
+def _stacked_gradients(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The stacked parameters whose ``.grad`` is among ``tensors``."""
+    ids = {id(t) for t in tensors}
+    return [p for p in list(_STACKED_PARAMETERS) if p.grad is not None and id(p.grad) in ids]
+
+
+_torch_get_total_norm = torch.nn.utils.get_total_norm
+_torch_clip_grads_with_norm_ = torch.nn.utils.clip_grads_with_norm_
+
+
+@functools.wraps(_torch_get_total_norm)
+def _get_total_norm_per_model(tensors: Tensor | Iterable[Tensor], norm_type: float = 2.0,
+                              error_if_nonfinite: bool = False,
+                              foreach: bool | None = None) -> Tensor:
+    """``torch.nn.utils.get_total_norm`` as installed by ``import hftc``: on the gradients
+    of a fused module's stacked parameters it returns each model's norm (``[N]``), which
+    ``clip_grads_with_norm_`` then applies per model.  Other tensors: torch's own."""
+    tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+    owners = _stacked_gradients(tensors)
+    if not owners:
+        return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+    counts = {getattr(p, STACKED_MARK) for p in owners}
+    if len(owners) != len(tensors) or len(counts) > 1:
+        raise FusionArgumentError(
+            "torch.nn.utils.get_total_norm got the gradients of a fused module's stacked "
+            "parameters together with other tensors (or with another fused module's); take "
+            "the fused ones' norms on their own (one per model) and the others apart")
+    return _per_model_norms(tensors, counts.pop(), norm_type, error_if_nonfinite)
+
+
+@functools.wraps(_torch_clip_grads_with_norm_)
+def _clip_grads_with_norm_per_model(parameters: Tensor | Iterable[Tensor], max_norm: float,
+                                    total_norm: Tensor, foreach: bool | None = None) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_`` as installed by ``import hftc``: on a fused
+    module's stacked parameters ``total_norm`` must hold each model's norm (``[N]``, as
+    ``get_total_norm`` returns for their gradients); one norm for all N models would
+    clip each model by the others' gradients, and is refused.  Other parameters: torch's."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    stacked = [_is_stacked(p) for p in params]
+    if not any(stacked):
+        return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+    counts = {getattr(p, STACKED_MARK) for p in params if _is_stacked(p)}
+    if not all(stacked) or len(counts) > 1:
+        raise FusionArgumentError(
+            "torch.nn.utils.clip_grads_with_norm_ got a fused module's stacked parameters "
+            "together with other parameters; clip the fused ones on their own and the others "
+            "apart")
+    n = counts.pop()
+    total = torch.as_tensor(total_norm)
+    if total.numel() != n:
+        raise FusionArgumentError(
+            f"torch.nn.utils.clip_grads_with_norm_ on a fused module's parameters needs each "
+            f"model's norm ({n} values), got a total_norm of {total.numel()} value(s): one "
+            f"norm over all models would clip each model by the others' gradients. Take it "
+            f"with torch.nn.utils.get_total_norm of the fused gradients (per model after "
+            f"import hftc), or call torch.nn.utils.clip_grad_norm_(fused.parameters(), "
+            f"max_norm)")
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        _clip_by_norms(grads, max_norm, total.reshape(n).to(grads[0].device))
+
+
+for _module in (torch.nn.utils, torch.nn.utils.clip_grad):
+    _module.get_total_norm = _get_total_norm_per_model
+    _module.clip_grads_with_norm_ = _clip_grads_with_norm_per_model
 
 
 _torch_update_bn = torch.optim.swa_utils.update_bn
@@ -173,6 +252,14 @@ def clip_grad_norm_(
     grads, n = _grads_and_num_models(parameters, num_models, "clip_grad_norm_")
     if not grads:
         return torch.zeros(n)
+    total = _per_model_norms(grads, n, norm_type, error_if_nonfinite)
+    _clip_by_norms(grads, max_norm, total)
+    return total
+
+
+def _per_model_norms(grads: Sequence[Tensor], n: int, norm_type: float,
+                     error_if_nonfinite: bool) -> Tensor:
+    """Each model's total gradient norm ([N]) over stacked ``[N, *shape]`` gradients."""
     norm_type = float(norm_type)
     device = grads[0].device
     # Per parameter, each model's norm ([N]); then each model's norm over its parameters.
@@ -187,11 +274,16 @@ def clip_grad_norm_(
                 f"non-finite, so they cannot be clipped. To leave them as they are, set "
                 f"error_if_nonfinite=False"
             )
-    limit = _per_model_values("max_norm", max_norm, n, total)
+    return total
+
+
+def _clip_by_norms(grads: Sequence[Tensor], max_norm: float | Sequence[float],
+                   total: Tensor) -> None:
+    """Scale model i's gradients by ``min(1, max_norm_i / (total[i] + 1e-6))``."""
+    limit = _per_model_values("max_norm", max_norm, total.numel(), total)
     coef = torch.clamp(limit / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(_broadcast(coef.to(device=g.device, dtype=g.dtype), g))
-    return total
 
 
 @torch.no_grad()

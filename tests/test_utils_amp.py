@@ -456,6 +456,37 @@ def test_torch_clip_grad_norm_clips_a_fused_module_per_model():
         with pytest.raises(hftc.errors.FusionArgumentError, match="together with other"):
             torch.nn.utils.clip_grad_norm_([*fused.parameters(), *alone[0].parameters()], 1.0)
 
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_torch_two_step_clipping_clips_a_fused_module_per_model(norm_type):
+    """torch's two-step form of clip_grad_norm_, ``get_total_norm`` of the gradients then
+    ``clip_grads_with_norm_``, took one norm over all N models (model 0's gradients were
+    off by 0.7 after clipping); after ``import hftc`` it is per model, as each model alone.
+    A single norm given for the fused parameters is refused, not applied to all."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+              for _ in range(3)]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    fused = hftc.fuse(copy.deepcopy(models))
+    out = fused(x)
+    sum((i + 1) * (out[i] ** 2).sum() for i in range(3)).backward()
+    params = list(fused.parameters())
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+    torch.nn.utils.clip_grads_with_norm_(params, 1.0, total)
+    assert total.shape == (3,)
+    for i, m in enumerate(models):
+        ((i + 1) * (m(x) ** 2).sum()).backward()
+        own = [p.grad for p in m.parameters()]
+        alone = torch.nn.utils.get_total_norm(own, norm_type)
+        torch.nn.utils.clip_grads_with_norm_(list(m.parameters()), 1.0, alone)
+        torch.testing.assert_close(total[i], alone)
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad)
+    with pytest.raises(hftc.errors.FusionArgumentError, match="each model's norm"):
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, total.norm())
+    with pytest.raises(hftc.errors.FusionArgumentError, match="together with other"):
+        torch.nn.utils.get_total_norm([params[0].grad, models[0][0].weight.grad])
+
+
 
 def test_torch_grad_scaler_on_a_fused_optimizer_is_refused():
     """torch.amp.GradScaler keeps one scale for all N models: an overflow in one skipped
