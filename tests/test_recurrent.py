@@ -160,3 +160,34 @@ def test_recurrent_through_export():
                                             frontend="export"))
     assert fused.fusion_report.fallbacks == []
     assert fused.fusion_report.rule_counts()["fuse_rnn_function"] == 1
+
+
+class Seq2Seq(nn.Module):
+    """The state as one value: the encoder's ``(h, c)`` handed whole to a decoder LSTM and
+    to an LSTMCell loop (``state = cell(x_t, state)``), and a forward input ``hc`` passed
+    whole to an LSTM (the word-language-model habit ``rnn(x, hidden)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.LSTM(IN, H, num_layers=2)
+        self.dec = nn.LSTM(IN, H, num_layers=2)
+        self.cell = nn.LSTMCell(IN, H)
+        self.given = nn.LSTM(IN, H)
+
+    def forward(self, src, tgt, hc):
+        _, state = self.enc(src)
+        y, _ = self.dec(tgt, state)
+        step = (state[0][0], state[1][0])
+        for t in range(2):
+            step = self.cell(tgt[t], step)
+        z, _ = self.given(src, hc)
+        return y, step[0], z
+
+
+def test_a_state_passed_as_one_value():
+    """Such a state was one node at fusion time: the LSTM got one per-model flag for its two
+    parts and failed with an IndexError on the first call."""
+    src, tgt = torch.randn(T, B, IN), torch.randn(T, B, IN)
+    hc = (torch.randn(1, B, H), torch.randn(1, B, H))
+    fused = check_equivalence([Seq2Seq() for _ in range(N)], (src, tgt, hc))
+    assert fused.fusion_report.fallbacks == []

@@ -23,14 +23,26 @@ import torch.fx as fx
 from torch import nn
 
 from ..lowering import recurrent as kernels
+from ..trace import EXAMPLE_VALUE
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
 
-def _hx_flags(builder: GraphBuilder, hx: Any) -> tuple[bool, ...]:
+def _hx_flags(group: FusionGroup, builder: GraphBuilder, hx: Any) -> tuple[bool, ...]:
+    """Per part of the initial state ``hx``: does it carry the model dim?
+
+    ``hx`` is a tensor, a tuple of nodes (``rnn(x, (h0, c0))``) or one node whose value
+    is a tuple (``rnn(x, state)`` with ``state`` a forward input or another LSTM's
+    returned ``(h, c)``): such a node's parts are all per-model or all shared."""
     if hx is None:
         return ()
-    parts = hx if isinstance(hx, (tuple, list)) else (hx,)
-    return tuple(builder.is_batched(p) for p in parts)
+    if isinstance(hx, (tuple, list)):
+        return tuple(builder.is_batched(p) for p in hx)
+    example = (group.arg_example(1) if len(group.node.args) > 1
+               else group.node.kwargs.get("hx"))
+    if isinstance(example, fx.Node):
+        example = example.meta.get(EXAMPLE_VALUE)
+    parts = len(example) if isinstance(example, (tuple, list)) else 1
+    return (builder.is_batched(hx),) * parts
 
 
 def _check_tensor_input(group: FusionGroup) -> None:
@@ -48,7 +60,7 @@ def fuse_rnn_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(
         kernels.rnn, m.mode, x, hx, weights, m.bias, m.num_layers, float(m.dropout),
         builder.training_flag(group), m.bidirectional, m.batch_first,
-        input_batched=builder.is_batched(x), hx_batched=_hx_flags(builder, hx),
+        input_batched=builder.is_batched(x), hx_batched=_hx_flags(group, builder, hx),
     )
 
 
@@ -68,7 +80,7 @@ def fuse_rnn_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if mode != "LSTM":
         hx_flags = (builder.is_batched(hx),)
     else:
-        hx_flags = _hx_flags(builder, hx)
+        hx_flags = _hx_flags(group, builder, hx)
     return builder.call(
         kernels.rnn, mode, x, hx, [builder.broadcast(p) for p in params], has_biases, layers,
         dropout, train, bidirectional, batch_first, input_batched=builder.is_batched(x),
@@ -90,7 +102,8 @@ def fuse_rnn_cell_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     attr = lambda name: builder.module_attr(group, name)  # noqa: E731
     return builder.call(
         kernels.rnn_cell, mode, x, hx, attr("weight_ih"), attr("weight_hh"), attr("bias_ih"),
-        attr("bias_hh"), input_batched=builder.is_batched(x), hx_batched=_hx_flags(builder, hx),
+        attr("bias_hh"), input_batched=builder.is_batched(x),
+        hx_batched=_hx_flags(group, builder, hx),
     )
 
 
@@ -107,5 +120,5 @@ def fuse_rnn_cell_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     return builder.call(
         kernels.rnn_cell, _CELL_FUNCTIONS[group.node.target], x, hx, builder.broadcast(w_ih),
         builder.broadcast(w_hh), optional(b_ih), optional(b_hh),
-        input_batched=builder.is_batched(x), hx_batched=_hx_flags(builder, hx),
+        input_batched=builder.is_batched(x), hx_batched=_hx_flags(group, builder, hx),
     )
