@@ -358,3 +358,42 @@ def test_inplace_activations_run_out_of_place_where_no_one_sees_it():
     assert source.count("torch.nn.functional.hardtanh(") == 2  # relu6, hardtanh
     assert source.count("torch.nn.functional.leaky_relu(") == 1
     assert "self.shared(" in source  # its input has another user: stays in place
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "shared"])
+@pytest.mark.parametrize("bad", [10, 13, -1])
+def test_embedding_index_out_of_range_raises_as_alone(stacked, bad):
+    """The N tables are one [N*V, D] table with model n's indices offset by n*V: model 0's
+    index 12 (V = 10) silently read model 1's row 2. Out-of-range indices raise
+    IndexError, as each model alone does."""
+    import hftc
+
+    models = [nn.Embedding(10, 3) for _ in range(3)]
+    fused = hftc.fuse(models, in_dims=0 if stacked else None)
+    ids = torch.tensor([[bad, 1], [3, 4], [5, 6]]) if stacked else torch.tensor([bad, 1])
+    with pytest.raises(IndexError, match="index out of range"):
+        models[0](ids[0] if stacked else ids)
+    with pytest.raises(IndexError, match="index out of range"):
+        fused(ids)
+    good = ids.clamp(0, 9)
+    torch.testing.assert_close(fused(good), torch.stack(
+        [m(good[i] if stacked else good) for i, m in enumerate(models)]))
+
+
+def test_sparse_embedding_is_refused_with_what_to_change():
+    """sparse=True fused, then failed in backward with torch's 'reshape is not implemented
+    for sparse tensors'; it is refused when fusing, naming the layer."""
+    import hftc
+    from hftc.errors import UnsupportedOperatorError
+
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.words = nn.Embedding(10, 4, sparse=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, ids):
+            return self.head(self.words(ids))
+
+    with pytest.raises(UnsupportedOperatorError, match=r"words.*sparse=True.*sparse=False"):
+        hftc.fuse([Tagger() for _ in range(2)])(torch.tensor([[1, 2]]))

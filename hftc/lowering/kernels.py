@@ -817,6 +817,7 @@ def embedding(
     which is what ``F.embedding(padding_idx=...)`` does to that row's gradient.
     """
     n, vocab, dim = weight.shape
+    _check_indices(indices, vocab)
     if not indices_batched:
         indices = indices.unsqueeze(0).expand(n, *indices.shape)
     offsets = torch.arange(n, device=indices.device, dtype=indices.dtype) * vocab
@@ -829,6 +830,18 @@ def embedding(
         pad = padding_idx if padding_idx >= 0 else padding_idx + vocab
         out = torch.where((indices == pad).unsqueeze(-1), out.detach(), out)
     return out
+
+
+def _check_indices(indices: Tensor, vocab: int) -> None:
+    """Each model's indices must lie in its own table, as ``F.embedding`` demands: offset
+    by ``n*V``, model n's index ``V + k`` would silently read model n+1's row k."""
+    if indices.numel() == 0:
+        return
+    in_range = (indices.min() >= 0) & (indices.max() < vocab)
+    if indices.device.type != "cpu" or torch.compiler.is_compiling():
+        torch._assert_async(in_range, "index out of range in self")  # no host sync
+    elif not in_range:
+        raise IndexError("index out of range in self")
 
 
 def prelu(x: Tensor, weight: Tensor, *, x_batched: bool) -> Tensor:

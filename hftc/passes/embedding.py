@@ -13,13 +13,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..lowering import kernels
+from ..errors import UnsupportedOperatorError
+from ..match import describe_node
 from .registry import FusionGroup, GraphBuilder, register_rule
+
+
+def _refuse_sparse(group: FusionGroup) -> None:
+    """A sparse gradient cannot flow back into a stacked table: neither through the
+    ``[N*V, D]`` reshape nor through a per-model ``select`` (torch has no sparse kernel
+    for their backward), and the fused optimizers update dense gradients."""
+    message = (f"{describe_node(group.node)}: an embedding with sparse=True cannot be fused (its sparse "
+               f"gradient cannot reach the stacked [N, V, D] table); use sparse=False: the "
+               f"same values, with a dense gradient")
+    raise UnsupportedOperatorError(message, [message])
 
 
 @register_rule(("call_module", nn.Embedding))
 def fuse_embedding_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     emb = group.module
     idx = group.args[0]
+    if emb.sparse:
+        _refuse_sparse(group)
     return builder.call(
         kernels.embedding, idx, builder.module_attr(group, "weight"), emb.padding_idx,
         emb.max_norm, emb.norm_type, emb.scale_grad_by_freq, emb.sparse,
@@ -30,6 +44,8 @@ def fuse_embedding_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 @register_rule(("call_function", F.embedding))
 def fuse_embedding_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     idx = group.arg(0, "input")
+    if group.arg(6, "sparse", False):
+        _refuse_sparse(group)
     return builder.call(
         kernels.embedding, idx, builder.broadcast(group.arg(1, "weight")),
         group.arg(2, "padding_idx"), group.arg(3, "max_norm"), group.arg(4, "norm_type", 2.0),
