@@ -12,8 +12,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..lowering import kernels
 from ..errors import UnsupportedOperatorError
+from ..lowering import kernels
 from ..match import describe_node
 from .registry import FusionGroup, GraphBuilder, register_rule
 
