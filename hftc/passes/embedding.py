@@ -22,9 +22,9 @@ def _refuse_sparse(group: FusionGroup) -> None:
     """A sparse gradient cannot flow back into a stacked table: neither through the
     ``[N*V, D]`` reshape nor through a per-model ``select`` (torch has no sparse kernel
     for their backward), and the fused optimizers update dense gradients."""
-    message = (f"{describe_node(group.node)}: an embedding with sparse=True cannot be fused (its sparse "
-               f"gradient cannot reach the stacked [N, V, D] table); use sparse=False: the "
-               f"same values, with a dense gradient")
+    message = (f"{describe_node(group.node)}: an embedding with sparse=True cannot be "
+               f"fused (its sparse gradient cannot reach the stacked [N, V, D] table); use "
+               f"sparse=False: the same values, with a dense gradient")
     raise UnsupportedOperatorError(message, [message])
 
 
