@@ -201,6 +201,39 @@ def test_draws_into_a_shared_tensor_are_per_model():
     assert fused.fusion_report.check.passed  # with the draws made constant, exact
 
 
+@pytest.mark.parametrize("batch", [2, 3, 5])
+def test_noise_like_a_shared_input_is_drawn_per_model(batch):
+    """A diffusion model's loss, ``noise = torch.randn_like(img)`` mixed into the input and
+    used as the target: on a shared input the fused program drew one ``[B, ...]`` tensor
+    and called it per model's, so model i's target was sample i's noise for its whole
+    batch (a silent wrong loss when B == N, a crash otherwise), and every model got the
+    same noise. Each model draws its own ``[B, ...]`` noise, and its loss is the one its
+    own noise gives."""
+    class Denoiser(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 4)
+
+        def forward(self, x):
+            noise = torch.randn_like(x)
+            coin = torch.rand_like(x) + torch.randint_like(x, 0, 3)
+            x_t = 0.8 * x + 0.6 * noise
+            return F.mse_loss(self.net(x_t), noise), noise, x_t, coin
+
+    models = [Denoiser() for _ in range(3)]
+    fused = hftc.fuse(models)
+    x = torch.randn(batch, 4)
+    loss, noise, x_t, coin = fused(x)
+    assert noise.shape == x_t.shape == coin.shape == (3, batch, 4)
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[1], noise[2])
+    assert not torch.equal(coin[0], coin[1])
+    torch.testing.assert_close(x_t, 0.8 * x + 0.6 * noise)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(loss[i], F.mse_loss(m.net(x_t[i]), noise[i]))
+    # the draws are fused; a loss inside forward runs per model
+    assert [r.node for r in fused.fusion_report.fallbacks] == ["mse_loss"]
+
+
 class GaussianPolicy(nn.Module):
     """A reparameterised Gaussian policy head (torch.distributions), as RL code writes it."""
 

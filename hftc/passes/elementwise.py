@@ -33,9 +33,12 @@ logical_not isnan isinf isfinite signbit positive i0 angle conj
 relu6 elu selu celu gelu silu mish leaky_relu hardtanh hardswish hardsigmoid softplus
 softsign softshrink hardshrink tanhshrink threshold logsigmoid
 float double half bfloat16 int long bool short char byte to type type_as contiguous clone
-detach requires_grad_ cpu cuda zeros_like ones_like full_like empty_like rand_like randn_like
-randint_like fill_ zero_ tril triu
+detach requires_grad_ cpu cuda zeros_like ones_like full_like empty_like fill_ zero_ tril triu
 """.split()
+
+#: Draws shaped like their input: from a shared ``[B, ...]`` input each model draws its own
+#: ``[B, ...]`` (the input is broadcast to ``[N, B, ...]`` first, :func:`fuse_random`).
+RANDOM_LIKE = "rand_like randn_like randint_like".split()
 
 BINARY = """
 add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow
@@ -200,6 +203,7 @@ def fuse_new_tensor(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 
 register_family(UNARY + BINARY, fuse_pointwise)
+register_family(RANDOM_LIKE, fuse_random, random=True)
 for op in OPERATORS:
     RULES[("call_function", op)] = RuleEntry(fuse_pointwise, f"fuse_pointwise[{op.__name__}]")
 for name in DUNDER:
