@@ -369,3 +369,30 @@ def test_uninitialized_lazy_modules_say_to_call_the_models_once():
     out = hftc.fuse(models)(x)  # initialized: the hook is gone, and they fuse
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x))
+
+
+class SizeArguments(nn.Module):
+    """Ops that run model by model, given a ``torch.Size`` (``x.size()``, ``h.shape[-2:]``):
+    the spatial transformer tutorial's ``F.affine_grid(theta, x.size())``, ``F.fold``'s
+    ``output_size``, and a draw shaped like the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.theta = nn.Parameter(torch.tensor([[1.0, 0, 0], [0, 1.0, 0]])
+                                  + 0.1 * torch.randn(2, 3))
+
+    def forward(self, x):
+        h = self.conv(x)
+        grid = F.affine_grid(self.theta.expand(x.shape[0], 2, 3), x.size(), align_corners=False)
+        warped = F.grid_sample(h, grid, align_corners=False)
+        folded = F.fold(F.unfold(h, 2, stride=2), output_size=h.shape[-2:], kernel_size=2,
+                        stride=2)
+        return warped + folded + 0.0 * torch.randn(x.shape, dtype=x.dtype)
+
+
+def test_size_arguments_of_ops_that_run_per_model():
+    """The per-model loop flattened its arguments at run time with pytree, which splits a
+    ``torch.Size`` into its ints, while its flags counted the Size as one value: every such
+    call failed with a pytree 'leaves has length 3 but the spec refers to 6' error."""
+    check_equivalence([SizeArguments() for _ in range(3)], torch.randn(2, 3, 4, 4))

@@ -1371,21 +1371,33 @@ def _stack_results(outs: list[Any], name: str) -> Any:
     return pytree.tree_unflatten(stacked, out_spec)
 
 
-def _per_model_arguments(n: int, batched: Sequence[bool], args: tuple, kwargs: dict):
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+def _model_slice(value: Any, flag: Any, i: int) -> Any:
+    """Model ``i``'s part of ``value``: ``flag`` mirrors its containers down to the
+    graph's values, each flagged ``True`` (index its tensors by ``i``) or ``False``."""
+    if isinstance(flag, bool):
+        if not flag:
+            return value
+        return pytree.tree_map(lambda t: t[i] if isinstance(t, Tensor) else t, value)
+    if isinstance(flag, dict):
+        return {k: _model_slice(v, flag[k], i) for k, v in value.items()}
+    if isinstance(flag, slice):
+        return value
+    return type(value)(_model_slice(v, f, i) for v, f in zip(value, flag))
+
+
+def _per_model_arguments(n: int, batched: Any, args: tuple, kwargs: dict):
     for i in range(n):
-        picked = [leaf[i] if flag else leaf for leaf, flag in zip(leaves, batched)]
-        yield pytree.tree_unflatten(picked, spec)
+        yield _model_slice((args, kwargs), batched, i)
 
 
 def loop_over_models(
-    fn: Callable[..., Any], n: int, batched: Sequence[bool], args: tuple, kwargs: dict,
+    fn: Callable[..., Any], n: int, batched: Any, args: tuple, kwargs: dict,
     per_model: dict[str, Sequence] | None = None,
 ) -> Any:
     """The lowering of last resort: call ``fn`` once per model and stack the results.
 
-    ``batched`` flags each leaf of ``(args, kwargs)`` (flattened with pytree):
-    flagged leaves are indexed by model, the others are passed as they are.
+    ``batched`` is ``(args, kwargs)`` with each graph value replaced by a flag: the
+    flagged values' tensors are indexed by model, the others are passed as they are.
     Tensor results are stacked along a new model dim; Python values must agree
     across models (they are shapes and flags) and are returned once.
     """
@@ -1402,7 +1414,7 @@ def loop_over_models(
     return _stack_results(outs, getattr(fn, "__name__", str(fn)))
 
 
-def loop_module(module: torch.nn.Module, n: int, batched: Sequence[bool],
+def loop_module(module: torch.nn.Module, n: int, batched: Any,
                 args: tuple, kwargs: dict, overrides: Sequence[Sequence] | None = None) -> Any:
     """Per-model loop over a module no rule fuses.
 

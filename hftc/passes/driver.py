@@ -141,9 +141,14 @@ def _contains_tensor(value: Any) -> bool:
     return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
 
 
-def _leaf_flags(builder: GraphBuilder, args: Any, kwargs: Any) -> tuple[bool, ...]:
-    leaves = pytree.tree_leaves((args, kwargs))
-    return tuple(isinstance(a, fx.Node) and a in builder.batched for a in leaves)
+def _leaf_flags(builder: GraphBuilder, args: Any, kwargs: Any) -> Any:
+    """``(args, kwargs)`` with each value replaced by whether it carries the model dim.
+
+    The flags follow the argument containers written in the graph, not the values the
+    nodes hold at run time: a node's value is one entry however it is built (a
+    ``torch.Size`` from ``x.shape``, another op's returned tuple)."""
+    return fx.node.map_aggregate(
+        (args, kwargs), lambda a: isinstance(a, fx.Node) and a in builder.batched)
 
 
 def _emit_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
