@@ -39,15 +39,28 @@ class GradScaler:
     """Per-model dynamic loss scaling for a fused optimizer (see the module docstring).
 
     Args:
-        num_models: N; if ``None``, taken from the first ``scale()`` call.
+        num_models: N; if ``None``, taken from the first ``scale()`` call.  A device
+            (``"cuda"``, ``torch.device``) in its place, ``torch.amp.GradScaler``'s first
+            argument, is accepted as ``device``.
         init_scale, growth_factor, backoff_factor, growth_interval: as in
             ``torch.amp.GradScaler``, applied to each model's scale separately.
         enabled: if ``False``, ``scale`` returns its input and ``step`` just steps.
+        device: accepted for ``torch.amp.GradScaler``'s signature; the scales live on the
+            device of the losses ``scale()`` is given.
     """
 
-    def __init__(self, num_models: int | None = None, init_scale: float = 2.0**16,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True):
+    def __init__(self, num_models: int | str | torch.device | None = None,
+                 init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 enabled: bool = True, *, device: str | torch.device | None = None):
+        if isinstance(num_models, (str, torch.device)):  # GradScaler("cuda"), torch's habit
+            device, num_models = num_models, None
+        if device is not None:
+            torch.device(device)  # a bad device name fails here, as in torch
+        if num_models is not None and (isinstance(num_models, bool)
+                                       or not isinstance(num_models, int) or num_models < 1):
+            raise TypeError(f"GradScaler: num_models must be a positive int (or a device, as "
+                            f"torch.amp.GradScaler takes), got {num_models!r}")
         if growth_factor <= 1.0:
             raise ValueError(f"growth_factor must be > 1.0, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:

@@ -527,3 +527,24 @@ def test_swa_update_bn_on_a_fused_module_is_refused():
     plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
     update_bn(loader, plain)  # other models: torch's own
     assert plain[1].num_batches_tracked == 2
+
+
+def test_scaler_takes_torch_grad_scalers_device_argument():
+    """``torch.amp.GradScaler("cuda")`` is the habit: hftc's took the device string as N and
+    failed at ``scale()`` with 'the scaler has cuda models'. A device in N's place (or as
+    ``device=``) is accepted; a bad N is a TypeError when constructed."""
+    torch.manual_seed(0)
+    fused = hftc.fuse([nn.Linear(4, 2) for _ in range(3)])
+    opt = ho.SGD(fused.parameters(), lr=0.1)
+    for scaler in (GradScaler("cpu"), GradScaler(torch.device("cpu"), init_scale=2.0**8),
+                   GradScaler(device="cpu")):
+        scaler.scale(fused(torch.randn(5, 4)).sum((1, 2))).sum().backward()
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.num_models == 3
+        opt.zero_grad()
+    for bad in (0, 2.5, True):
+        with pytest.raises(TypeError, match="num_models must be a positive int"):
+            GradScaler(bad)
+    with pytest.raises(RuntimeError):
+        GradScaler("not-a-device")
