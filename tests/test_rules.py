@@ -98,6 +98,16 @@ CASES = [
                         fc=nn.Linear(5, 6)), (2, 3, 5)),
     Case("matmul_vectors", lambda: Lambda(lambda s, x: torch.matmul(s.fc(x), s.v), fc=nn.Linear(5, 4),
                                           v=torch.randn(4)), (3, 5)),
+    Case("einsum_attention",  # lucidrains' spelling: spaces, both operands per model
+         lambda: Lambda(lambda s, x: torch.einsum(
+             "b i d, b j d -> b i j", s.fc(x), s.fc(x)).softmax(-1), fc=nn.Linear(5, 6)),
+         (2, 3, 5)),
+    Case("einsum_param_implicit",  # "...i,ij" means "...i,ij->...j"; input shared or not
+         lambda: Lambda(lambda s, x: torch.einsum("...i,ij", x, s.w), w=torch.randn(5, 3)),
+         (2, 4, 5)),
+    Case("einsum_list_and_trace",
+         lambda: Lambda(lambda s, x: torch.einsum("bij,jk->bik", [x, s.w]) + torch.einsum(
+             "ii", s.w[:, :5]), w=torch.randn(5, 6)), (2, 4, 5)),
     # ---- normalization
     Case("batchnorm1d_2d", seq(lambda: [nn.BatchNorm1d(5)]), (4, 5)),
     Case("batchnorm1d_3d", seq(lambda: [nn.BatchNorm1d(5, momentum=None)]), (4, 5, 6)),
@@ -397,3 +407,21 @@ def test_sparse_embedding_is_refused_with_what_to_change():
 
     with pytest.raises(UnsupportedOperatorError, match=r"words.*sparse=True.*sparse=False"):
         hftc.fuse([Tagger() for _ in range(2)])(torch.tensor([[1, 2]]))
+
+
+def test_einsum_is_one_einsum_with_a_model_index():
+    """torch.einsum had no rule: it ran model by model. Attention code written with it
+    (lucidrains' spelling) is now one einsum over the N models."""
+    import hftc
+    from hftc.passes.linear import batched_equation
+
+    assert batched_equation("b i d, b j d -> b i j", [True, False]) == "Abid,bjd->Abij"
+    assert batched_equation("...i,ij", [False, True]) == "...i,Aij->A...j"
+    assert batched_equation("Abc,c", [True, True]) == "BAbc,Bc->BAb"
+    models = [Lambda(lambda s, x: torch.einsum("b i d, b j d -> b i j", s.fc(x), x),
+                     fc=nn.Linear(5, 5)) for _ in range(3)]
+    fused = hftc.fuse(models)
+    x = torch.randn(2, 3, 5)
+    torch.testing.assert_close(fused(x), torch.stack([m(x) for m in models]))
+    assert fused.fusion_report.fallbacks == []
+    assert fused.fusion_report.rule_counts()["fuse_einsum"] == 1

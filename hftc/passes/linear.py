@@ -11,6 +11,9 @@
 ``x @ W`` with a parameter, ``torch.matmul``/``bmm``/``mm`` between activations
 go through :func:`~hftc.lowering.kernels.matmul`, which pads per-model batch
 dims after the model dim so broadcasting stays within each model.
+
+``torch.einsum`` gets one more index, the model dim, on its per-model operands and
+its result: ``einsum("bhid,bhjd->bhij", q, k)`` -> ``einsum("Abhid,Abhjd->Abhij", q, k)``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..lowering import kernels
-from .registry import FusionGroup, GraphBuilder, register_rule
+from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
 
 @register_rule(("call_module", nn.Linear))
@@ -57,3 +60,38 @@ def fuse_matmul(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(
         kernels.matmul, a, b, a_batched=builder.is_batched(a), b_batched=builder.is_batched(b)
     )
+
+
+_EINSUM_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def batched_equation(equation: str, batched: list[bool]) -> str:
+    """``equation`` with a fresh index for the model dim on the ``batched`` operands and
+    on the result (which is then explicit: ``"ij,jk"`` means ``"ij,jk->ik"``)::
+
+        batched_equation("b i d, b j d -> b i j", [True, False]) == "Abid,bjd->Abij"
+    """
+    equation = equation.replace(" ", "")
+    inputs, arrow, output = equation.partition("->")
+    terms = inputs.split(",")
+    if len(terms) != len(batched):
+        raise NotFusable(f"einsum equation {equation!r} for {len(batched)} operands")
+    if not arrow:  # implicit: the indices used once, in order, after any ellipsis
+        letters = inputs.replace(".", "").replace(",", "")
+        output = ("..." if "..." in inputs else "") + "".join(
+            sorted(c for c in set(letters) if letters.count(c) == 1))
+    model = next(c for c in _EINSUM_LETTERS if c not in equation)
+    terms = [model + t if b else t for t, b in zip(terms, batched)]
+    return ",".join(terms) + "->" + model + output
+
+
+@register_rule(("call_function", torch.einsum))
+def fuse_einsum(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``torch.einsum(equation, *operands)`` (or a list of operands) as one einsum."""
+    equation, *operands = group.args
+    if not isinstance(equation, str) or group.kwargs:
+        raise NotFusable("einsum in the sublist form")
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    batched = [builder.is_batched(op) for op in operands]
+    return builder.call(torch.einsum, batched_equation(equation, batched), *operands)
