@@ -118,7 +118,10 @@ class _Tracer(fx.Tracer):
     proxy_buffer_attributes = True
 
     def __init__(self) -> None:
-        super().__init__()
+        # ``from torch.nn.utils.rnn import pack_padded_sequence`` in a model's module: fx
+        # wraps such global names; attribute calls are wrapped by _sequence_packing_recorded.
+        super().__init__(autowrap_functions=tuple(
+            getattr(torch.nn.utils.rnn, name) for name in _SEQUENCE_PACKING))
         #: names of the root's buffers (set by trace), and the graph's nodes that are a
         #: buffer or an in-place update of one
         self._buffer_names: set[str] = set()
@@ -164,15 +167,16 @@ class _Tracer(fx.Tracer):
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         with self._buffer_assignments_recorded(root), self._grad_mode_recorded(), \
                 self._autograd_functions_recorded(), self._torch_random_recorded(), \
-                self._autocast_recorded(), _python_random_refused():
+                self._autocast_recorded(), self._sequence_packing_recorded(), \
+                _python_random_refused():
             replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
             if replacement is None:
-                return super().trace(root, concrete_args)
+                return _unmark_wrapped(super().trace(root, concrete_args))
             # The root itself is such a module: trace the replacement as its forward.
             original = type(root)
             root.__class__ = type(original.__name__, (original,), {"forward": replacement})
             try:
-                return super().trace(root, concrete_args)
+                return _unmark_wrapped(super().trace(root, concrete_args))
             finally:
                 root.__class__ = original
 
@@ -270,6 +274,34 @@ class _Tracer(fx.Tracer):
                 setattr(torch, name, draw)
 
     @contextlib.contextmanager
+    def _sequence_packing_recorded(self) -> Iterator[None]:
+        """While tracing, ``nn.utils.rnn.pack_padded_sequence(x, lengths)`` and its kin are
+        one node each (as fx's ``wrap`` makes them), where fx would trace into their
+        Python and fail (``lengths`` made a list, sorted).  The recurrent layer given the
+        PackedSequence then runs model by model (reported), the packing once if shared."""
+        tracer = self
+        rnn_utils = torch.nn.utils.rnn
+        saved = {name: getattr(rnn_utils, name) for name in _SEQUENCE_PACKING}
+
+        def recording(fn: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(fn)
+            def recorded(*args: Any, **kwargs: Any) -> Any:
+                traced = any(isinstance(leaf, fx.Proxy)
+                             for leaf in torch.utils._pytree.tree_leaves((args, kwargs)))
+                if getattr(tracer, "graph", None) is None or not traced:
+                    return fn(*args, **kwargs)
+                return tracer.create_proxy("call_function", fn, args, kwargs)
+            return recorded
+
+        for name, fn in saved.items():
+            setattr(rnn_utils, name, recording(fn))
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(rnn_utils, name, fn)
+
+    @contextlib.contextmanager
     def _grad_mode_recorded(self) -> Iterator[None]:
         """While tracing, a change of grad mode in forward (``with torch.no_grad():``,
         ``torch.enable_grad()``, ``torch.set_grad_enabled(...)``) is also a node of the graph,
@@ -358,6 +390,19 @@ class _Tracer(fx.Tracer):
 
 
 #: torch's random functions, recorded by ``_Tracer._torch_random_recorded``.
+def _unmark_wrapped(graph: fx.Graph) -> fx.Graph:
+    """Drop fx's mark on the calls it auto-wrapped: for a marked node codegen emits
+    ``wrap("torch.nn.utils.rnn.pack_padded_sequence")`` into the generated module, which
+    registers that dotted name as a global to patch in every later trace (a KeyError)."""
+    for node in graph.nodes:
+        node.meta.pop("is_wrapped", None)
+    return graph
+
+
+#: ``torch.nn.utils.rnn``'s packing helpers: one graph node each (_sequence_packing_recorded).
+_SEQUENCE_PACKING = ("pack_padded_sequence", "pad_packed_sequence", "pack_sequence",
+                     "pad_sequence", "unpack_sequence", "unpad_sequence")
+
 _TORCH_RANDOM = ("rand", "randn", "randint", "randperm", "rand_like", "randn_like",
                  "randint_like", "normal", "bernoulli", "multinomial", "poisson")
 
@@ -527,9 +572,16 @@ class _Recorder(fx.Interpreter):
 
 
 def _to_meta(value: Any) -> Any:
+    def meta(v: Any) -> Any:
+        if isinstance(v, torch.nn.utils.rnn.PackedSequence):
+            # Its constructor demands batch_sizes on the CPU: rebuilt without it, the lengths
+            # kept (a small CPU tensor).
+            data, batch_sizes, *indices = v
+            return tuple.__new__(type(v), (meta(data), batch_sizes, *map(meta, indices)))
+        return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+
     return torch.utils._pytree.tree_map(
-        lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, value
-    )
+        meta, value, is_leaf=lambda v: isinstance(v, torch.nn.utils.rnn.PackedSequence))
 
 
 def _bind_placeholders(graph: fx.Graph, inputs: Sequence[Any], kwargs: dict[str, Any]) -> list:

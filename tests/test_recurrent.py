@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 from equivalence import check_equivalence
+from torch.nn.utils.rnn import pad_packed_sequence
 
 import hftc
 
@@ -191,3 +192,31 @@ def test_a_state_passed_as_one_value():
     hc = (torch.randn(1, B, H), torch.randn(1, B, H))
     fused = check_equivalence([Seq2Seq() for _ in range(N)], (src, tgt, hc))
     assert fused.fusion_report.fallbacks == []
+
+
+class PackedTagger(nn.Module):
+    """Variable-length sequences as PyTorch's tutorials pack them: ``pack_padded_sequence``
+    in, an LSTM over the PackedSequence, ``pad_packed_sequence`` out."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(IN, H, batch_first=True)
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        out, (h, _) = self.rnn(packed)
+        padded, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return self.head(padded), self.head(h[-1])
+
+
+def test_packed_sequences_run_the_recurrence_per_model():
+    """fx traced into pack_padded_sequence's Python and failed (`__cuda_array_interface__`
+    must be a dict): no packed model could be fused. The packing helpers are graph nodes
+    now; the LSTM over a PackedSequence runs model by model (reported), the rest fused."""
+    x, lengths = torch.randn(4, T, IN), torch.tensor([T, 2, T - 1, 1])
+    fused = check_equivalence([PackedTagger() for _ in range(N)], (x, lengths))
+    assert [r.node for r in fused.fusion_report.fallbacks] == ["rnn", "pad_packed_sequence"]
+    stacked = torch.randn(N, 4, T, IN)
+    check_equivalence([PackedTagger() for _ in range(N)], (stacked, lengths), in_dims=(0, None))

@@ -10,8 +10,9 @@
 Both front-ends meet here: ``nn.LSTM`` & co. are leaves of the symbolic
 front-end (``call_module``), and ``torch.export`` gives ``aten.lstm.input``,
 normalised to ``torch.lstm`` (the function ``nn.LSTM`` calls), whose
-parameter list holds the same stacked tensors.  Packed sequences run as
-per-model loops (reported).
+parameter list holds the same stacked tensors.  Packed sequences
+(``nn.utils.rnn.pack_padded_sequence``, a graph node of the tracer) run as per-model
+loops (reported).
 """
 
 from __future__ import annotations
