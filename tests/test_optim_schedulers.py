@@ -178,3 +178,19 @@ def test_reduce_lr_on_plateau_takes_a_tensor_of_metrics_and_checks_its_length():
         ho.ReduceLROnPlateau(opt, patience=[1, 2])
     with pytest.raises(TypeError, match="not an Optimizer"):
         ho.ReduceLROnPlateau(object())
+
+
+def test_stock_reduce_lr_on_plateau_with_one_metric_per_model_points_to_hftcs():
+    """torch's ReduceLROnPlateau on a fused optimizer takes one metric for all models; given
+    N it failed inside torch ('only one element tensors can be converted'). It says to use
+    hftc.optim.ReduceLROnPlateau; one metric still reduces every model's rate together."""
+    from hftc.errors import FusionArgumentError
+
+    opt = ho.SGD(StackedModels(make_models(3)).parameters(), lr=[0.1, 0.2, 0.3])
+    stock = sched.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    for metrics in ([1.0, 2.0, 3.0], torch.tensor([1.0, 2.0, 3.0])):
+        with pytest.raises(FusionArgumentError, match="hftc.optim.ReduceLROnPlateau"):
+            stock.step(metrics)
+    stock.step(1.0)
+    stock.step(torch.tensor(2.0))
+    assert stock.get_last_lr() == [0.05, 0.1, 0.15]

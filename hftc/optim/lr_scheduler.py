@@ -9,12 +9,15 @@ torch's own), watching only model i's group and stepped with model i's metric.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as _torch_sched
+
+from ..errors import FusionArgumentError
 
 __all__ = ["ReduceLROnPlateau"]
 
@@ -115,3 +118,27 @@ class ReduceLROnPlateau:
             )
         for sched, state in zip(self.schedulers, states):
             sched.load_state_dict(state)
+
+
+_torch_plateau_step = _torch_sched.ReduceLROnPlateau.step
+
+
+@functools.wraps(_torch_plateau_step)
+def _plateau_step_on_fused(self: Any, metrics: Any, epoch: Any = None) -> None:
+    """``torch.optim.lr_scheduler.ReduceLROnPlateau.step`` as installed by ``import hftc``:
+    on a fused optimizer, one metric reduces every model's rate together (what it asks);
+    N metrics, one per model, failed inside torch (``float()`` of N values): refused here,
+    pointing to :class:`ReduceLROnPlateau`, which watches each model's own."""
+    from .optimizer import FusedOptimizer  # (the optimizers import this package)
+
+    if isinstance(self.optimizer, FusedOptimizer) and not isinstance(metrics, (int, float)) \
+            and torch.as_tensor(metrics).numel() > 1:
+        raise FusionArgumentError(
+            f"torch.optim.lr_scheduler.ReduceLROnPlateau.step got "
+            f"{torch.as_tensor(metrics).numel()} metrics for a fused optimizer, and takes one "
+            f"for all models; use hftc.optim.ReduceLROnPlateau(optimizer, ...), whose step "
+            f"takes one metric per model and reduces each model's rate on its own plateau")
+    return _torch_plateau_step(self, metrics, epoch)
+
+
+_torch_sched.ReduceLROnPlateau.step = _plateau_step_on_fused
