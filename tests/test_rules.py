@@ -108,6 +108,16 @@ CASES = [
     Case("einsum_list_and_trace",
          lambda: Lambda(lambda s, x: torch.einsum("bij,jk->bik", [x, s.w]) + torch.einsum(
              "ii", s.w[:, :5]), w=torch.randn(5, 6)), (2, 4, 5)),
+    # ---- im2col, spatial transformer
+    Case("unfold_fold", lambda: Lambda(lambda s, x: F.fold(
+        F.unfold(s.conv(x), 2, stride=2) * 2, output_size=(4, 4), kernel_size=2, stride=2),
+        conv=nn.Conv2d(2, 3, 1)), (2, 2, 4, 4)),
+    Case("nn_unfold", seq(lambda: [nn.Conv2d(2, 3, 1), nn.Unfold(2, padding=1)]), (2, 2, 4, 4)),
+    Case("nn_unfold_unbatched", seq(lambda: [nn.Conv2d(2, 3, 1), nn.Unfold(2)]), (2, 4, 4)),
+    Case("spatial_transformer", lambda: Lambda(lambda s, x: F.grid_sample(
+        s.conv(x), F.affine_grid(s.theta.expand(x.shape[0], 2, 3), x.size(), align_corners=False),
+        align_corners=False), conv=nn.Conv2d(2, 2, 1),
+        theta=torch.tensor([[1.0, 0, 0], [0, 1.0, 0]]) + 0.1 * torch.randn(2, 3)), (2, 2, 5, 5)),
     # ---- normalization
     Case("batchnorm1d_2d", seq(lambda: [nn.BatchNorm1d(5)]), (4, 5)),
     Case("batchnorm1d_3d", seq(lambda: [nn.BatchNorm1d(5, momentum=None)]), (4, 5, 6)),
@@ -425,3 +435,15 @@ def test_einsum_is_one_einsum_with_a_model_index():
     torch.testing.assert_close(fused(x), torch.stack([m(x) for m in models]))
     assert fused.fusion_report.fallbacks == []
     assert fused.fusion_report.rule_counts()["fuse_einsum"] == 1
+
+
+@pytest.mark.parametrize("name", ["unfold_fold", "nn_unfold", "spatial_transformer"])
+def test_im2col_and_spatial_transformer_ops_are_fused(name):
+    """F.unfold / F.fold, nn.Unfold, F.affine_grid and F.grid_sample ran model by model;
+    each is now one call over the N models' samples as one batch."""
+    import hftc
+
+    case = next(c for c in CASES if c.name == name)
+    fused = hftc.fuse([m.double() for m in _models(case, 3)])
+    fused(_inputs(case, 3, False))
+    assert fused.fusion_report.fallbacks == []

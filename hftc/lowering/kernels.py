@@ -958,6 +958,21 @@ def samplewise(fn: Callable[..., Any], x: Tensor, *args: Any, **kwargs: Any) -> 
     return fn(x.flatten(0, 1), *args, **kwargs).unflatten(0, (x.shape[0], -1))
 
 
+def grid_sample(x: Tensor, grid: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """``F.grid_sample`` of N models' ``[N, B, C, *S]`` maps at their ``[N, B, *S', D]``
+    grids, as one batch of N*B."""
+    return F.grid_sample(x.flatten(0, 1), grid.flatten(0, 1), *args, **kwargs).unflatten(
+        0, (x.shape[0], -1))
+
+
+def affine_grid(theta: Tensor, size: Sequence[int], *args: Any, **kwargs: Any) -> Tensor:
+    """``F.affine_grid`` of N models' ``[N, B, 2, 3]`` (or 3-d ``[N, B, 3, 4]``) thetas for
+    one model's output ``size`` ``(B, C, *S)``, as one batch of N*B."""
+    n = theta.shape[0]
+    folded = (n * size[0], *size[1:])
+    return F.affine_grid(theta.flatten(0, 1), folded, *args, **kwargs).unflatten(0, (n, -1))
+
+
 #: Below this many input elements ATen's NCHW max pool is as fast as the detour.
 _POOL_VIA_CHANNELS_LAST_MIN_NUMEL = 1 << 16
 _MAX_POOL2D_ARGS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices")

@@ -6,7 +6,8 @@ They treat every channel alike, so N models' channels side by side are one call:
     after:               max_pool2d(x [B, N*C, H, W]) viewed back as [N, B, C, H', W']
 
 Ops that mix a sample's channels (local response norm, channel shuffle) would mix the
-models that way; they take the models as more samples instead::
+models that way; they take the models as more samples instead (so do im2col's
+``unfold``/``fold`` and the spatial transformer's ``affine_grid``/``grid_sample``)::
 
     before (per model):  local_response_norm(x_i [B, C, H, W], size)
     after:               local_response_norm(x [N*B, C, H, W], size) viewed as [N, B, C, H, W]
@@ -90,9 +91,12 @@ def fuse_channelwise_function(group: FusionGroup, builder: GraphBuilder) -> fx.N
                         *group.args[1:], spatial=spatial, **group.kwargs)
 
 
-#: Ops that mix the channels of one sample: the models go into the batch.
+#: Ops that mix the channels of one sample (or work on sample at a time, as im2col
+#: does): the models go into the batch.
 _SAMPLEWISE = [("call_module", nn.LocalResponseNorm), ("call_module", nn.ChannelShuffle),
-               ("call_function", F.local_response_norm), ("call_function", F.channel_shuffle)]
+               ("call_function", F.local_response_norm), ("call_function", F.channel_shuffle),
+               ("call_module", nn.Unfold), ("call_module", nn.Fold),
+               ("call_function", F.unfold), ("call_function", F.fold)]
 
 
 def fuse_samplewise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
@@ -105,6 +109,23 @@ def fuse_samplewise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         kernel = kernels.bind(kernels.samplewise, group.node.target)
         args = (builder.broadcast(group.args[0]),)
     return builder.call(kernel, *args, *group.args[1:], **group.kwargs)
+
+
+def fuse_grid_sample(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``F.grid_sample(x, grid)``: sample b of model n reads its own map with its own grid;
+    both fold into a batch of N*B (a shared one is broadcast first, a view)."""
+    x, grid = group.arg(0, "input"), group.arg(1, "grid")
+    rest = {k: v for k, v in group.kwargs.items() if k not in ("input", "grid")}
+    return builder.call(kernels.grid_sample, builder.broadcast(x), builder.broadcast(grid),
+                        *group.args[2:], **rest)
+
+
+def fuse_affine_grid(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``F.affine_grid(theta, size)`` (the spatial transformer's sampling grid): each
+    model's ``[B, 2, 3]`` thetas as a batch of N*B, for ``size`` with N*B samples."""
+    theta = group.arg(0, "theta")
+    rest = {k: v for k, v in group.kwargs.items() if k != "theta"}
+    return builder.call(kernels.affine_grid, builder.broadcast(theta), *group.args[1:], **rest)
 
 
 def fuse_pad(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
@@ -130,3 +151,5 @@ for _key in _SAMPLEWISE:
     RULES[_key] = RuleEntry(fuse_samplewise, f"fuse_samplewise[{_key[1].__name__}]")
 _SPATIAL_FUNCTIONS[F.pad] = None
 RULES[("call_function", F.pad)] = RuleEntry(fuse_pad, "fuse_pad")
+RULES[("call_function", F.grid_sample)] = RuleEntry(fuse_grid_sample, "fuse_grid_sample")
+RULES[("call_function", F.affine_grid)] = RuleEntry(fuse_affine_grid, "fuse_affine_grid")
