@@ -270,9 +270,17 @@ for _name, _fn in [
     ("adaptive_avg_pool3d", F.adaptive_avg_pool3d), ("pixel_shuffle", F.pixel_shuffle),
     ("pixel_unshuffle", F.pixel_unshuffle), ("split", torch.split),
     ("conv_transpose1d", F.conv_transpose1d), ("conv_transpose2d", F.conv_transpose2d),
-    ("conv_transpose3d", F.conv_transpose3d),
+    ("conv_transpose3d", F.conv_transpose3d), ("linalg_vector_norm", torch.linalg.vector_norm),
+    ("affine_grid_generator", F.affine_grid),
 ]:
     CONVERTERS[_name] = _functional(_fn)
+
+
+@converter("grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
+def _grid_sampler(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, grid, interpolation, padding, align_corners = args
+    return e.call(F.grid_sample, x, grid, ("bilinear", "nearest", "bicubic")[interpolation],
+                  ("zeros", "border", "reflection")[padding], align_corners)
 
 
 @converter("elu")
@@ -661,7 +669,7 @@ def _plain_structure(spec: pytree.TreeSpec) -> bool:
         return True
     if spec.type not in (tuple, list, dict):
         return False
-    return all(_plain_structure(c) for c in spec.children_specs)
+    return all(_plain_structure(c) for c in spec.children())
 
 
 def _where(node: fx.Node) -> str:

@@ -220,3 +220,33 @@ def test_dataclass_outputs_keep_their_type(cls):
     assert isinstance(out, Out)
     assert out.logits.shape == (N, 4, 2) and out.features.shape == (N, 4, 3)
     assert out.note == "out"
+
+
+class SpatialTransformer(nn.Module):
+    """The spatial transformer tutorial's sampling, and F.normalize / vector norms: under
+    torch.export these became ATen ops (grid_sampler with integer modes,
+    affine_grid_generator, linalg_vector_norm) that ran model by model."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+        self.theta = nn.Parameter(torch.tensor([[1.0, 0, 0], [0, 1.0, 0]])
+                                  + 0.1 * torch.randn(2, 3))
+
+    def forward(self, x):
+        h = self.conv(x)
+        for mode in ("bilinear", "nearest"):
+            grid = F.affine_grid(self.theta.expand(x.shape[0], 2, 3), x.size(),
+                                 align_corners=False)
+            h = F.grid_sample(h, grid, mode=mode, padding_mode="border", align_corners=False)
+        return (F.normalize(h.flatten(1), dim=-1), torch.linalg.vector_norm(h),
+                torch.linalg.vector_norm(h, 1, (1, 2)))
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+def test_spatial_transformer_and_norms_fuse_in_both_front_ends(frontend):
+    x = torch.randn(2, 2, 5, 5)
+    models = [SpatialTransformer() for _ in range(3)]
+    fused = check_equivalence(models, x,
+                              fuser=_export_fuser((x.double(),), frontend=frontend))
+    assert fused.fusion_report.fallbacks == []

@@ -81,6 +81,21 @@ for _name, _pos in REDUCTIONS.items():
     )
 
 
+@register_rule(("call_function", torch.linalg.vector_norm))
+def fuse_vector_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``torch.linalg.vector_norm(x, ord, dim, keepdim)`` (what ``F.normalize`` exports to)
+    over each model's dims; over all of them: ``vector_norm(x.flatten(1), ord, 1)``."""
+    x = builder.broadcast(group.arg(0, "x"))
+    ord_, dim = group.arg(1, "ord", 2), group.arg(2, "dim")
+    keepdim, dtype = group.arg(3, "keepdim", False), group.kwargs.get("dtype")
+    if dim is None:
+        if keepdim:
+            raise NotFusable("vector_norm over all dims with keepdim")
+        return builder.call(torch.linalg.vector_norm, builder.method("flatten", x, 1), ord_, 1,
+                            dtype=dtype)
+    return builder.call(torch.linalg.vector_norm, x, ord_, shift_dims(dim), keepdim, dtype=dtype)
+
+
 #: softmax and log_softmax run through ``kernels.softmax`` (ATen's kernel, or a faster
 #: formula for rows shorter than a SIMD vector on the CPU); the rest call ``fn`` itself.
 _SOFTMAX_KERNELS = {F.softmax: {"log": False}, F.log_softmax: {"log": True}}
