@@ -254,24 +254,8 @@ class _Tracer(fx.Tracer):
         same noise at every call and for every model, and ``if torch.rand(()) < p`` (a
         layer dropped at random) taken always or never.  As a node, such a branch is
         refused (a traced value cannot decide Python's control flow), and said so."""
-        tracer = self
-        saved = {name: getattr(torch, name) for name in _TORCH_RANDOM}
-
-        def recording(draw: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(draw)
-            def recorded(*args: Any, **kwargs: Any) -> Any:
-                if getattr(tracer, "graph", None) is None:
-                    return draw(*args, **kwargs)
-                return tracer.create_proxy("call_function", draw, args, kwargs)
-            return recorded
-
-        for name, draw in saved.items():
-            setattr(torch, name, recording(draw))
-        try:
+        with self._calls_recorded(torch, _TORCH_RANDOM, only_traced=False):
             yield
-        finally:
-            for name, draw in saved.items():
-                setattr(torch, name, draw)
 
     @contextlib.contextmanager
     def _sequence_packing_recorded(self) -> Iterator[None]:
@@ -279,27 +263,35 @@ class _Tracer(fx.Tracer):
         one node each (as fx's ``wrap`` makes them), where fx would trace into their
         Python and fail (``lengths`` made a list, sorted).  The recurrent layer given the
         PackedSequence then runs model by model (reported), the packing once if shared."""
+        with self._calls_recorded(torch.nn.utils.rnn, _SEQUENCE_PACKING, only_traced=True):
+            yield
+
+    @contextlib.contextmanager
+    def _calls_recorded(self, namespace: Any, names: Sequence[str], *,
+                        only_traced: bool) -> Iterator[None]:
+        """While tracing, a call of ``namespace.<name>`` is a ``call_function`` node (with
+        ``only_traced``, only where a traced value goes in; else it runs as it is)."""
         tracer = self
-        rnn_utils = torch.nn.utils.rnn
-        saved = {name: getattr(rnn_utils, name) for name in _SEQUENCE_PACKING}
+        saved = {name: getattr(namespace, name) for name in names}
 
         def recording(fn: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(fn)
             def recorded(*args: Any, **kwargs: Any) -> Any:
-                traced = any(isinstance(leaf, fx.Proxy)
-                             for leaf in torch.utils._pytree.tree_leaves((args, kwargs)))
+                traced = not only_traced or any(
+                    isinstance(leaf, fx.Proxy)
+                    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)))
                 if getattr(tracer, "graph", None) is None or not traced:
                     return fn(*args, **kwargs)
                 return tracer.create_proxy("call_function", fn, args, kwargs)
             return recorded
 
         for name, fn in saved.items():
-            setattr(rnn_utils, name, recording(fn))
+            setattr(namespace, name, recording(fn))
         try:
             yield
         finally:
             for name, fn in saved.items():
-                setattr(rnn_utils, name, fn)
+                setattr(namespace, name, fn)
 
     @contextlib.contextmanager
     def _grad_mode_recorded(self) -> Iterator[None]:
