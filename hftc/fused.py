@@ -52,6 +52,7 @@ from .lowering.model_loop import ModelLoop
 from .lowering.modules import StackedModule, build_module_tree
 from .match import GraphMatch, match_graphs
 from .passes import FusionReport, fuse_graph
+from .passes.driver import SHARED_CONSTANT_PREFIX
 from .trace import (
     PYTHON_STATE,
     OutputSpec,
@@ -394,7 +395,9 @@ class FusedModule(nn.Module):
 
     def _stack_constants(self, graphs: Sequence[fx.GraphModule], match: GraphMatch) -> dict:
         """Tensor attributes the graphs read that are not parameters or buffers (constants
-        symbolic tracing lifted, plain tensor attributes): stacked as non-persistent buffers."""
+        symbolic tracing lifted, plain tensor attributes): stacked as non-persistent buffers,
+        or, where every model's is equal (a token id the models' code lifted, say), one
+        buffer all models share (its name tells the fusion passes so)."""
         known = {name for name, _ in self.named_parameters(remove_duplicate=False)}
         known |= {name for name, _ in self.named_buffers(remove_duplicate=False)}
         targets: dict[str, str] = {}
@@ -404,8 +407,13 @@ class FusedModule(nn.Module):
             values = [_get_path(g, m[node].target) for g, m in zip(graphs, match.mapping)]
             if not isinstance(values[0], torch.Tensor):
                 continue
-            name = f"_hftc_constant_{len(list(self.buffers()))}"
-            self.register_buffer(name, torch.stack([v.detach() for v in values]), persistent=False)
+            shared = all(v.shape == values[0].shape and v.dtype == values[0].dtype
+                         and torch.equal(v, values[0]) for v in values[1:])
+            prefix = SHARED_CONSTANT_PREFIX if shared else "_hftc_constant_"
+            name = f"{prefix}{len(list(self.buffers()))}"
+            value = values[0].detach().clone() if shared else torch.stack(
+                [v.detach() for v in values])
+            self.register_buffer(name, value, persistent=False)
             targets[node.target] = name
             # Shape propagation runs model 0's graph on the template: give it the constant too.
             owner_path, _, leaf = node.target.rpartition(".")

@@ -396,3 +396,87 @@ def test_size_arguments_of_ops_that_run_per_model():
     ``torch.Size`` into its ints, while its flags counted the Size as one value: every such
     call failed with a pytree 'leaves has length 3 but the spec refers to 6' error."""
     check_equivalence([SizeArguments() for _ in range(3)], torch.randn(2, 3, 4, 4))
+
+
+class WritesIntoNewTensor(nn.Module):
+    """Per-model values written in place into tensors forward created, the ways models
+    write them: ``y[idx] = v``, ``torch.index_put_``, a ``fill_`` / ``clamp_`` with a
+    per-model operand, ``+=``; and ``y & mask`` (``__and__``, not in place)."""
+
+    def __init__(self, item_assignment: bool):
+        super().__init__()
+        self.item_assignment = item_assignment  # fx's symbolic tracing cannot record it
+        self.v = nn.Parameter(torch.randn(4))
+        self.register_buffer("c", torch.randn(()))
+
+    def forward(self, x):
+        y = torch.zeros_like(x)
+        if self.item_assignment:  # torch.export records it as index_put_
+            y[torch.tensor([0, 2])] = self.v
+        z = x.new_zeros(x.shape)
+        torch.index_put_(z, (torch.tensor([1]),), self.v * 2)
+        z.clamp_(min=self.c)
+        w = torch.clone(x)
+        w += self.v
+        mask = torch.ones_like(x, dtype=torch.bool) & (x * self.v > 0)
+        return y + z + w * mask
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+def test_per_model_writes_into_a_tensor_forward_made(frontend):
+    """Such writes went into one tensor all models shared (each model read the last one's
+    write: a silent wrong answer the first-call check missed when models 0 and N-1 wrote
+    alike), or crashed (``fill_`` of a stacked value); ``y & mask`` was refused as an
+    in-place write. Each model now writes into its own copy."""
+    x = torch.randn(3, 4)
+    models = [WritesIntoNewTensor(item_assignment=frontend == "export") for _ in range(3)]
+    check_equivalence(models, x,
+                      fuser=lambda models, in_dims: hftc.fuse(
+                          models, in_dims=in_dims, frontend=frontend,
+                          example_inputs=(x.double(),)))
+
+
+def test_a_per_model_write_into_a_view_of_the_input_is_refused():
+    class IntoView(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2))
+
+        def forward(self, x):
+            head = x[:, :2]
+            head.mul_(self.w)  # writes the caller's x through the view
+            return x
+
+    with pytest.raises(UnsupportedOperatorError, match=r"in-place `mul_` writes a value shared"):
+        hftc.fuse([IntoView() for _ in range(2)])(torch.randn(3, 4))
+
+
+class ShiftRight(nn.Module):
+    """T5's ``_shift_right``: a start token id the traced code lifts as a tensor constant."""
+
+    def __init__(self, start: int):
+        super().__init__()
+        self.start = torch.tensor(start)
+        self.embed = nn.Embedding(10, 3)
+
+    def forward(self, ids):
+        shifted = ids.new_zeros(ids.shape)
+        shifted[..., 1:] = ids[..., :-1].clone()
+        shifted[..., 0] = self.start
+        return self.embed(shifted)
+
+
+def test_constant_equal_in_every_model_stays_shared():
+    """Lifted tensor constants were stacked per model even when equal, so T5 / BART with
+    labels= failed on their first call (``fill_`` of a stacked start token id into a
+    shared tensor). Equal ones are one shared buffer. Per-model ones, written through a
+    view of the shared tensor (``shifted[..., 0]``), are refused, clearly."""
+    ids = torch.randint(1, 10, (2, 5))
+
+    def fuser(models, in_dims):
+        return hftc.fuse(models, in_dims=in_dims, example_inputs=(ids,))
+
+    fused = check_equivalence([ShiftRight(0) for _ in range(3)], ids, fuser=fuser)
+    assert [n for n, _ in fused.named_buffers() if n.startswith("_hftc_constant_shared_")]
+    with pytest.raises(UnsupportedOperatorError, match="writes a value shared by all models"):
+        fuser([ShiftRight(s) for s in (0, 4, 0)], None)(ids)

@@ -24,6 +24,7 @@ The output's tensor leaves all get the model dim (shared ones are expanded).
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,10 @@ from ..lowering import kernels
 from ..match import describe_node, module_path, target_name
 from ..trace import EXAMPLE_VALUE
 from .registry import FusionGroup, GraphBuilder, NotFusable, lookup
+
+#: The fused module's name for a constant tensor every model holds equal (one copy, shared;
+#: other constants are stacked ``[N, ...]``).  It starts like every constant's name.
+SHARED_CONSTANT_PREFIX = "_hftc_constant_shared_"
 
 #: Ops that draw random numbers: with a shared input each model still draws its own.
 RANDOM_FUNCTIONS = {
@@ -196,6 +201,7 @@ def fuse_graph(
     records: list[FusionRecord] = []
     unsupported: list[str] = []
     placeholders = 0
+    position = {node: i for i, node in enumerate(graph_module.graph.nodes)}
     for node in graph_module.graph.nodes:
         names = [m[node.name] for m in originals]
         if node.op == "placeholder":
@@ -226,7 +232,8 @@ def fuse_graph(
         if node.op == "get_attr":
             target = attr_targets.get(node.target, node.target)
             value = node.meta.get(EXAMPLE_VALUE)
-            new = builder.attr(target, batched=isinstance(value, torch.Tensor))
+            shared = target.startswith(SHARED_CONSTANT_PREFIX)
+            new = builder.attr(target, batched=isinstance(value, torch.Tensor) and not shared)
             new.meta[EXAMPLE_VALUE] = value
             env[node] = new
             records.append(FusionRecord(node.name, describe_node(node), "parameter", "",
@@ -246,11 +253,22 @@ def fuse_graph(
         entry = lookup(node, module)
         any_batched = builder.is_batched((group.args, group.kwargs))
         kind, rule_name, reason = "fused", entry.name if entry else "", ""
+        writes_shared = _inplace_on_shared(node, group, builder)
+        if writes_shared and (any_batched or group.per_model) and not _is_random(node) \
+                and _fresh_and_unaliased(node, position):
+            # A per-model write into a tensor forward made and nothing else sees yet
+            # (``y = torch.zeros_like(x); y[idx] = self.c``, HF's label shifting): each
+            # model writes into its own copy, which later reads of the tensor see.
+            own = builder.method("clone", builder.broadcast(group.args[0]),
+                                 memory_format=torch.contiguous_format)
+            env[node.args[0]] = own
+            group = FusionGroup(node, names, (own, *group.args[1:]), group.kwargs, module)
+            builder.current, writes_shared = group, False
         if not any_batched and not _has_state(module) and not _is_random(node) \
                 and not (entry is not None and entry.random) and not group.per_model:
             builder.current_rule = "shared"
             new, kind, rule_name = builder.copy(group, batched=False), "shared", "shared"
-        elif _is_random(node) and _inplace_on_shared(node, group, builder):
+        elif _is_random(node) and writes_shared:
             # A draw into a shared tensor (``torch.empty(shape).normal_()``, as
             # torch.distributions' rsample draws; ``torch.empty_like(x).uniform_()``):
             # each model draws its own, into its own copy, which later reads of the
@@ -260,7 +278,7 @@ def fuse_graph(
                                  memory_format=torch.contiguous_format)
             env[node.args[0]] = own
             new = builder.method(node.target, own, *group.args[1:], **group.kwargs)
-        elif _inplace_on_shared(node, group, builder):
+        elif writes_shared:
             unsupported.append(
                 f"{describe_node(node)}: in-place `{node.target}` writes a value shared by "
                 f"all models ({module_path(node)}) with a per-model operand; use the "
@@ -310,10 +328,63 @@ def fuse_graph(
     return builder.graph, FusionReport(num_models, records, match_method)
 
 
+#: Python's in-place operators, as fx records them (``y[i] = v``, ``y += v``).
+_INPLACE_OPERATORS = {
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
+}
+_INPLACE_DUNDERS = {f"__{op.__name__}__" for op in _INPLACE_OPERATORS}
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """Does ``node`` write into its first argument?  ``y.add_(v)``, ``torch.index_put_(y,
+    ...)``, ``y[i] = v``, ``y += v``; not ``y & m`` (``__and__``) nor ``y.__iand__``'s kin
+    read as a dunder: only the ``__i*__`` ones and ``__setitem__`` write."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+    if node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return True
+        if getattr(node.target, "__module__", None) in ("operator", "_operator"):
+            return False  # operator.and_, or_: named for the keyword, not in place
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.startswith("_")
+    return False
+
+
 def _inplace_on_shared(node: fx.Node, group: FusionGroup, builder: GraphBuilder) -> bool:
-    if node.op != "call_method" or not str(node.target).endswith("_"):
+    """An in-place write into a value all models share (the caller decides whether a
+    per-model operand makes that a problem)."""
+    if not _writes_in_place(node) or not group.args:
         return False
-    return bool(group.args) and not builder.is_batched(group.args[0])
+    written = node.args[0]
+    return isinstance(written, fx.Node) and isinstance(
+        written.meta.get(EXAMPLE_VALUE), torch.Tensor) and not builder.is_batched(group.args[0])
+
+
+#: Ops whose result is a new tensor, aliasing nothing: a per-model write into one can go
+#: into a per-model copy.
+_FRESH_FUNCTIONS = {torch.zeros, torch.ones, torch.full, torch.empty, torch.zeros_like,
+                    torch.ones_like, torch.full_like, torch.empty_like, torch.arange,
+                    torch.tensor, torch.eye, torch.clone}
+_FRESH_METHODS = {"new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "clone"}
+
+
+def _fresh_and_unaliased(node: fx.Node, position: dict[fx.Node, int]) -> bool:
+    """Is ``node``'s written tensor one forward created (:data:`_FRESH_FUNCTIONS`) that no
+    earlier node could hold a view of (its earlier users are writes whose results go
+    unused)?  Then a per-model copy of it stands for it exactly; a view of an input or
+    a weight written in place would have to change what it views, too."""
+    written = node.args[0]
+    fresh = (written.op == "call_function" and written.target in _FRESH_FUNCTIONS) or (
+        written.op == "call_method" and written.target in _FRESH_METHODS)
+    if not fresh:
+        return False
+    return all(position[user] > position[node] or (
+        _writes_in_place(user) and user.args[0] is written and not user.users)
+        for user in written.users if user is not node)
 
 
 def _map_pair(value: Any, example: Any, fn: Any) -> Any:
