@@ -498,6 +498,11 @@ def trace_hint(exc: BaseException) -> str:
                 "validate_args=False (or call torch.distributions.Distribution."
                 "set_default_validate_args(False)) and pass example_inputs=(...), which "
                 "traces them with torch.export.")
+    if "Cache" in str(exc) and "pytree" in str(exc):
+        return (" The models return a key/value cache object (Hugging Face's DynamicCache, "
+                "returned while use_cache is on), which is not a tensor structure: build them "
+                "with use_cache=False (config.use_cache = False) for training, or pass "
+                "use_cache=False to forward.")
     return ""
 
 

@@ -68,3 +68,14 @@ def test_gpt2_language_model():
     assert out.logits.shape == (N, 3, 7, 50)
     unfused = fused.unfuse()
     assert unfused[1].lm_head.weight is unfused[1].transformer.wte.weight
+
+
+def test_a_returned_cache_says_to_turn_use_cache_off():
+    """A config left at use_cache=True returns a DynamicCache, which torch.export cannot
+    flatten; the error quoted torch's pytree advice only. It now says what to change."""
+    config = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2,
+                                     n_positions=16, bos_token_id=0, eos_token_id=0)
+    ids, _ = _batch()
+    with pytest.raises(hftc.errors.TraceError, match=r"DynamicCache.*use_cache=False"):
+        hftc.fuse([transformers.GPT2LMHeadModel(config) for _ in range(2)],
+                  example_inputs=(ids,))
