@@ -283,6 +283,39 @@ def _grid_sampler(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
                   ("zeros", "border", "reflection")[padding], align_corners)
 
 
+#: ATen's loss functions -> the functional, and their arguments after (self, target) by
+#: name; ``reduction`` is ATen's enum (0 none, 1 mean, 2 sum).
+_LOSSES = {
+    "cross_entropy_loss": (F.cross_entropy, ("weight", "reduction", "ignore_index",
+                                             "label_smoothing")),
+    "nll_loss_nd": (F.nll_loss, ("weight", "reduction", "ignore_index")),
+    "nll_loss": (F.nll_loss, ("weight", "reduction", "ignore_index")),
+    "mse_loss": (F.mse_loss, ("reduction",)),
+    "l1_loss": (F.l1_loss, ("reduction",)),
+    "smooth_l1_loss": (F.smooth_l1_loss, ("reduction", "beta")),
+    "huber_loss": (F.huber_loss, ("reduction", "delta")),
+    "binary_cross_entropy": (F.binary_cross_entropy, ("weight", "reduction")),
+    "binary_cross_entropy_with_logits": (F.binary_cross_entropy_with_logits,
+                                         ("weight", "pos_weight", "reduction")),
+    "soft_margin_loss": (F.soft_margin_loss, ("reduction",)),
+}
+
+
+@converter("broadcast_tensors")
+def _broadcast_tensors(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.call(torch.broadcast_tensors, *args[0])
+
+
+@converter(*_LOSSES)
+def _loss(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    fn, names = _LOSSES[e.source.target.name().split("::")[1].split(".")[0]]
+    output, target, *rest = args
+    named = {**dict(zip(names, rest)), **kwargs}
+    if "reduction" in named:
+        named["reduction"] = ("none", "mean", "sum")[named["reduction"]]
+    return e.call(fn, output, target, **named)
+
+
 @converter("elu")
 def _elu(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
     x, alpha, scale, input_scale = _fill(args, (None, 1.0, 1.0, 1.0))

@@ -447,3 +447,40 @@ def test_im2col_and_spatial_transformer_ops_are_fused(name):
     fused = hftc.fuse([m.double() for m in _models(case, 3)])
     fused(_inputs(case, 3, False))
     assert fused.fusion_report.fallbacks == []
+
+
+class LossInForward(nn.Module):
+    """A model that computes its own loss (``labels=``), in the spellings models use."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.ce = nn.CrossEntropyLoss(label_smoothing=0.1)
+        self.mse = nn.MSELoss(reduction="sum")
+
+    def forward(self, x, labels, target):
+        out = self.fc(x)
+        a, b = torch.broadcast_tensors(out, target[:1])
+        return (F.cross_entropy(out, labels), F.cross_entropy(out, labels, None, None, 2, None,
+                                                              "none"),
+                self.ce(out, labels), self.mse(out, target), F.smooth_l1_loss(a, b, beta=0.5),
+                F.nll_loss(out.log_softmax(-1), labels, reduction="sum"))
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
+def test_losses_inside_forward_are_one_loss_per_model(frontend, stacked):
+    """A model's own loss (Hugging Face's labels=) ran model by model: now each is
+    hftc.per_model's N losses, in both front-ends (ATen's loss ops spelled as F.*)."""
+    import hftc
+
+    n = 3
+    x, labels, target = torch.randn(6, 4), torch.randint(0, 5, (6,)), torch.randn(6, 5)
+    inputs = (x.expand(n, 6, 4).clone(), labels.expand(n, 6).clone(), target.expand(
+        n, 6, 5).clone()) if stacked else (x, labels, target)
+    example = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    fused = check_equivalence(
+        [LossInForward() for _ in range(n)], inputs, in_dims=0 if stacked else None,
+        fuser=lambda models, in_dims: hftc.fuse(models, in_dims=in_dims, frontend=frontend,
+                                                example_inputs=example))
+    assert fused.fusion_report.fallbacks == []

@@ -119,6 +119,15 @@ def pad_model_dims(x: Tensor, per_model_ndim: int) -> Tensor:
     return x.reshape(x.shape[0], *([1] * missing), *x.shape[1:])
 
 
+def broadcast_per_model(tensors: Sequence[Tensor], batched: Sequence[bool]) -> tuple:
+    """``torch.broadcast_tensors`` of each model's operands: every result ``[N, *S]``."""
+    n = next(t.shape[0] for t, b in zip(tensors, batched) if b)
+    rank = max(t.dim() - b for t, b in zip(tensors, batched))
+    parts = [pad_model_dims(t if b else expand_models(t, n), rank)
+             for t, b in zip(tensors, batched)]
+    return torch.broadcast_tensors(*parts)
+
+
 # --------------------------------------------------------------------------- convolutions
 
 
@@ -956,6 +965,15 @@ def samplewise(fn: Callable[..., Any], x: Tensor, *args: Any, **kwargs: Any) -> 
     batch) folds alike.
     """
     return fn(x.flatten(0, 1), *args, **kwargs).unflatten(0, (x.shape[0], -1))
+
+
+def per_model_loss(fn: Callable[..., Tensor], output: Tensor, target: Any, *,
+                   target_batched: bool, **kwargs: Any) -> Tensor:
+    """``fn(output_i, target_i, **kwargs)`` for every model i, stacked: ``[N]`` for a
+    reduced loss, what ``hftc.per_model(fn)`` computes (:mod:`hftc.passes.loss`)."""
+    from ..utils import per_model  # (hftc.utils imports this module)
+
+    return per_model(fn, in_dims=(0, 0 if target_batched else None))(output, target, **kwargs)
 
 
 def grid_sample(x: Tensor, grid: Tensor, *args: Any, **kwargs: Any) -> Tensor:

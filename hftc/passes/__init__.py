@@ -12,6 +12,7 @@
 | pooling.py      | max/avg/adaptive/lp pooling, channel dropout, interpolation      |
 | attention.py    | MultiheadAttention, F.scaled_dot_product_attention, Transformer* |
 | recurrent.py    | LSTM/GRU/RNN (+ cells, torch.lstm & co.): one bmm per time step  |
+| loss.py         | losses inside forward (F.cross_entropy, nn.MSELoss ...): N losses |
 | driver.py       | walks the graph, applies the rules, falls back to loops          |
 """
 
@@ -21,6 +22,7 @@ from . import (  # noqa: F401  (each module registers its rules)
     elementwise,
     embedding,
     linear,
+    loss,
     norm,
     pooling,
     recurrent,

@@ -160,6 +160,17 @@ for op_name, pos, kw, default in [
     )
 
 
+@register_rule(("call_function", torch.broadcast_tensors))
+def fuse_broadcast_tensors(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``torch.broadcast_tensors(a, b, ...)`` (``F.mse_loss`` calls it) per model: batched
+    operands get their missing dims after the model dim, shared ones a model dim."""
+    tensors = group.args
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    return builder.call(kernels.broadcast_per_model, list(tensors),
+                        [builder.is_batched(t) for t in tensors])
+
+
 @register_rule(*spellings("roll"))
 def fuse_roll(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     dims = group.arg(2, "dims")
