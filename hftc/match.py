@@ -69,6 +69,9 @@ SOFT_FUNCTION_ARGUMENTS: dict[Any, dict[int, str]] = {
     torch.nn.functional.leaky_relu: {1: "negative_slope"},
     torch.nn.functional.elu: {1: "alpha"},
     torch.nn.functional.celu: {1: "alpha"},
+    torch.nn.functional.layer_norm: {4: "eps"},
+    torch.nn.functional.group_norm: {4: "eps"},
+    torch.nn.functional.rms_norm: {3: "eps"},
 }
 #: Arithmetic whose float constants may differ between models (a per-model scale).
 SCALAR_ARITHMETIC = {

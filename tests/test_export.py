@@ -250,3 +250,23 @@ def test_spatial_transformer_and_norms_fuse_in_both_front_ends(frontend):
     fused = check_equivalence(models, x,
                               fuser=_export_fuser((x.double(),), frontend=frontend))
     assert fused.fusion_report.fallbacks == []
+
+
+class Norms(nn.Module):
+    def __init__(self, eps):
+        super().__init__()
+        self.ln = nn.LayerNorm(4, eps=eps)
+        self.gn = nn.GroupNorm(2, 4, eps=eps)
+        self.rms = nn.RMSNorm(4, eps=eps)
+
+    def forward(self, x):
+        return self.rms(self.ln(x)) + self.gn(x.unsqueeze(-1)).squeeze(-1)
+
+
+def test_per_model_norm_eps_through_export():
+    """LayerNorm / GroupNorm / RMSNorm eps may differ per model (documented); through the
+    export front-end, where they are F.* calls, differing eps raised a MismatchError."""
+    x = torch.randn(3, 4)
+    fused = check_equivalence([Norms(eps) for eps in (1e-5, 1e-1, 1.0)], x,
+                              fuser=_export_fuser((x.double(),), frontend="export"))
+    assert fused.fusion_report.fallbacks == []

@@ -112,11 +112,21 @@ def fuse_group_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
 
 @register_rule(("call_function", F.group_norm))
 def fuse_group_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    kernel, eps = _eps(group, 4, kernels.group_norm, per_model.group_norm)
     return builder.call(
-        kernels.group_norm, builder.broadcast(group.arg(0, "input")), group.arg(1, "num_groups"),
+        kernel, builder.broadcast(group.arg(0, "input")), group.arg(1, "num_groups"),
         _optional(builder, group.arg(2, "weight")), _optional(builder, group.arg(3, "bias")),
-        group.arg(4, "eps", 1e-5),
+        eps,
     )
+
+
+def _eps(group: FusionGroup, position: int, shared_kernel, per_model_kernel) -> tuple:
+    """The kernel and ``eps`` of a functional norm: the models' ``eps`` values where they
+    differ (what the export front-end gives for norm modules with per-model ``eps``)."""
+    values = group.per_model_arg(position, "eps")
+    if values is not None:
+        return per_model_kernel, tuple(values)
+    return shared_kernel, group.arg(position, "eps", 1e-5)
 
 
 @register_rule(("call_module", nn.LayerNorm))
@@ -135,10 +145,11 @@ def fuse_layer_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
 @register_rule(("call_function", F.layer_norm))
 def fuse_layer_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
+    kernel, eps = _eps(group, 4, kernels.layer_norm, per_model.layer_norm)
     return builder.call(
-        kernels.layer_norm, x, group.arg(1, "normalized_shape"),
+        kernel, x, group.arg(1, "normalized_shape"),
         _optional(builder, group.arg(2, "weight")), _optional(builder, group.arg(3, "bias")),
-        group.arg(4, "eps", 1e-5), x_batched=builder.is_batched(x),
+        eps, x_batched=builder.is_batched(x),
     )
 
 
@@ -158,8 +169,10 @@ def fuse_rms_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 @register_rule(("call_function", F.rms_norm))
 def fuse_rms_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
+    kernel, eps = _eps(group, 3, kernels.rms_norm, per_model.rms_norm)
+    if kernel is kernels.rms_norm:
+        eps = group.arg(3, "eps")  # None: torch's default for the dtype
     return builder.call(
-        kernels.rms_norm, x, group.arg(1, "normalized_shape"),
-        _optional(builder, group.arg(2, "weight")), group.arg(3, "eps"),
-        x_batched=builder.is_batched(x),
+        kernel, x, group.arg(1, "normalized_shape"),
+        _optional(builder, group.arg(2, "weight")), eps, x_batched=builder.is_batched(x),
     )
