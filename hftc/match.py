@@ -72,6 +72,7 @@ SOFT_FUNCTION_ARGUMENTS: dict[Any, dict[int, str]] = {
     torch.nn.functional.layer_norm: {4: "eps"},
     torch.nn.functional.group_norm: {4: "eps"},
     torch.nn.functional.rms_norm: {3: "eps"},
+    torch.nn.functional.scaled_dot_product_attention: {4: "dropout_p"},
 }
 #: Arithmetic whose float constants may differ between models (a per-model scale).
 SCALAR_ARITHMETIC = {
@@ -88,15 +89,40 @@ def soft_module_attributes(module: nn.Module) -> tuple[str, ...]:
     return ()
 
 
+#: The defaults of the positional arguments up to the last per-model-able one, for the
+#: functions that torch records without trailing defaults: ``F.scaled_dot_product_attention(
+#: q, k, v, dropout_p=0.0)`` arrives as ``(q, k, v)``, with ``dropout_p=0.1`` as ``(q, k, v,
+#: None, 0.1)``; both are read as ``(q, k, v, None, <per-model>)``.
+SOFT_FUNCTION_DEFAULTS: dict[Any, tuple] = {
+    torch.nn.functional.scaled_dot_product_attention: (None, 0.0),  # attn_mask, dropout_p
+}
+
+
+def canonical_args(node: fx.Node) -> tuple:
+    """``node.args`` with the trailing defaults of :data:`SOFT_FUNCTION_DEFAULTS` filled in
+    up to the per-model-able position, where it is not given by keyword."""
+    args = tuple(node.args)
+    defaults = SOFT_FUNCTION_DEFAULTS.get(node.target) if node.op == "call_function" else None
+    if defaults is None:
+        return args
+    positions = SOFT_FUNCTION_ARGUMENTS[node.target]
+    last = max(positions)
+    if len(args) > last or positions[last] in node.kwargs:
+        return args
+    first = last + 1 - len(defaults)
+    return args + defaults[len(args) - first:] if len(args) >= first else args
+
+
 def _soft_argument_keys(node: fx.Node) -> dict[str, Any]:
     """``{"args[1]": value, "kwargs[p]": value}`` for the node's per-model-able scalars."""
     found: dict[str, Any] = {}
     if node.op not in ("call_function", "call_method"):
         return found
     positions = SOFT_FUNCTION_ARGUMENTS.get(node.target, {})
+    args = canonical_args(node)
     for pos, name in positions.items():
-        if pos < len(node.args) and isinstance(node.args[pos], (int, float)):
-            found[f"args[{pos}]"] = node.args[pos]
+        if pos < len(args) and isinstance(args[pos], (int, float)):
+            found[f"args[{pos}]"] = args[pos]
         elif isinstance(node.kwargs.get(name), (int, float)):
             found[f"kwargs[{name}]"] = node.kwargs[name]
     if node.target in SCALAR_ARITHMETIC and any(isinstance(a, fx.Node) for a in node.args):
@@ -221,7 +247,7 @@ def node_signature(node: fx.Node, root: nn.Module) -> dict[str, Any]:
     elif node.op in ("call_function", "call_method"):
         sig["target"] = target_name(node)
     soft = _soft_argument_keys(node)
-    args, kwargs = list(node.args), dict(node.kwargs)
+    args, kwargs = list(canonical_args(node)), dict(node.kwargs)
     for key in soft:  # scalars that may differ per model are not part of the signature
         if key.startswith("args["):
             args[int(key[5:-1])] = _PER_MODEL
@@ -408,5 +434,6 @@ def _record_per_model_values(
         }
         if differing:
             node.meta[PER_MODEL] = differing
+            node.args = canonical_args(node)  # the per-model slot exists in model 0's call
         else:
             node.meta.pop(PER_MODEL, None)

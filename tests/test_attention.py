@@ -278,3 +278,32 @@ def test_vit_classifier():
     _no_loops(fused)
     check_equivalence([ViT() for _ in range(N)], torch.randn(N, 2, 3, 8, 8), in_dims=0,
                       train=False)
+
+
+class SdpaDropout(nn.Module):
+    """Attention dropout as Hugging Face models pass it to SDPA."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0)
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+def test_per_model_attention_dropout_rate_in_sdpa(frontend):
+    """A sweep over the attention dropout rate (attention_probs_dropout_prob) raised a
+    MismatchError: torch records dropout_p=0.0 as no argument at all. The rate may differ
+    per model: in training the SDPA runs model by model, each with its own rate."""
+    x = torch.randn(2, 5, 8)
+    models = [SdpaDropout(p) for p in (0.0, 0.5, 0.0)]
+    fused = hftc.fuse(models, frontend=frontend, example_inputs=(x,))  # compiled, training
+    assert [r.node for r in fused.fusion_report.fallbacks] == ["scaled_dot_product_attention"]
+    out = fused(x)
+    torch.testing.assert_close(out[0], models[0](x))  # rate 0: exact
+    torch.testing.assert_close(out[2], models[2](x))
+    torch.testing.assert_close(fused.eval()(x), torch.stack([m.eval()(x) for m in models]))
+    assert not torch.allclose(out[1], models[1](x))  # rate 0.5: dropped, unlike eval

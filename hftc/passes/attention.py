@@ -104,6 +104,9 @@ _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 @register_rule(("call_function", F.scaled_dot_product_attention), random=True)
 def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The model dim joins the batch dim: one SDPA over ``N*B`` batches (random: dropout)."""
+    if group.per_model_arg(4, "dropout_p") is not None:
+        # one SDPA call takes one rate: models with their own run one by one
+        raise NotFusable("a per-model attention dropout rate")
     fused, _ = _bind(group, _SDPA_ARGS, _SDPA_DEFAULTS)
     flags = tuple(builder.is_batched(fused[name]) for name in
                   ("query", "key", "value", "attn_mask"))
