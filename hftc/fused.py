@@ -477,8 +477,10 @@ class FusedModule(nn.Module):
         ]
         if len(args) > len(placeholders):
             raise FusionArgumentError(
-                f"the models' forward takes {len(placeholders)} inputs "
-                f"({', '.join(p.target for p in placeholders)}), got {len(args)}"
+                f"the models' forward, as traced, takes {len(placeholders)} inputs "
+                f"({', '.join(p.target for p in placeholders)}), got {len(args)} (traced by "
+                f"torch.export, forward takes the inputs example_inputs gave: give "
+                f"example_inputs every input the fused module will be called with)"
             )
         values = list(args)
         for p in placeholders[len(args):]:
