@@ -498,6 +498,11 @@ def trace_hint(exc: BaseException) -> str:
                 "validate_args=False (or call torch.distributions.Distribution."
                 "set_default_validate_args(False)) and pass example_inputs=(...), which "
                 "traces them with torch.export.")
+    if "nn/modules/batchnorm.py" in where.replace("\\", "/") and "data-dependent" in str(exc):
+        return (" The failing code is a batch norm with momentum=None (a cumulative "
+                "average), which reads num_batches_tracked as a Python number: torch.export "
+                "cannot trace that. Fuse without example_inputs (the symbolic front-end "
+                "traces it), or give the batch norm a momentum.")
     if "Cache" in str(exc) and "pytree" in str(exc):
         return (" The models return a key/value cache object (Hugging Face's DynamicCache, "
                 "returned while use_cache is on), which is not a tensor structure: build them "

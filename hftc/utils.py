@@ -355,9 +355,16 @@ def per_model(loss_fn: Callable[..., Tensor], *,
         stacked = [a for a, d in zip(args, dims) if d == 0]
         if not stacked:
             raise ValueError("per_model: in_dims marks no argument as stacked (0)")
-        n = stacked[0].shape[0]
         for a in stacked:
-            if not isinstance(a, Tensor) or a.dim() == 0 or a.shape[0] != n:
+            if not isinstance(a, Tensor):
+                raise ValueError(
+                    f"per_model: an argument marked 0 in in_dims is a {type(a).__name__}, "
+                    f"not a tensor; a fused module's output with several fields (a dict, "
+                    f"a ModelOutput, a tuple) is stacked field by field: pass the one the "
+                    f"loss takes (out['logits'], out.logits, out[0])")
+        n = stacked[0].shape[0] if stacked[0].dim() else None
+        for a in stacked:
+            if a.dim() == 0 or a.shape[0] != n:
                 raise ValueError(
                     f"per_model: every argument marked 0 in in_dims must be a tensor with "
                     f"leading dim N = {n}; got shape {getattr(a, 'shape', type(a).__name__)}"

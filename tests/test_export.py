@@ -270,3 +270,20 @@ def test_per_model_norm_eps_through_export():
     fused = check_equivalence([Norms(eps) for eps in (1e-5, 1e-1, 1.0)], x,
                               fuser=_export_fuser((x.double(),), frontend="export"))
     assert fused.fusion_report.fallbacks == []
+
+
+def test_cumulative_batch_norm_through_export_says_what_to_do():
+    """torch.export cannot trace BatchNorm(momentum=None) (it reads num_batches_tracked as
+    a number); the TraceError quoted torch's 'data-dependent expression u0' only."""
+    class Cumulative(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 6)
+            self.bn = nn.BatchNorm1d(6, momentum=None)
+
+        def forward(self, x):
+            return self.bn(self.fc(x))
+
+    x = torch.randn(4, 4)
+    with pytest.raises(TraceError, match="momentum=None.*without example_inputs"):
+        hftc.fuse([Cumulative(), Cumulative()], frontend="export", example_inputs=(x,))

@@ -594,3 +594,57 @@ def test_param_groups_with_their_own_weight_decay_match_stock(dtype):
     assert_all_match(fused, solos, tolerance(dtype))
     # The groups survive a pickle (deepcopy) of the optimizer.
     assert copy.deepcopy(opt)._group_overrides == opt._group_overrides
+
+
+def test_state_dict_keeps_param_group_hyperparameters_and_refuses_other_state():
+    """Per-parameter hyper-parameters from param-group dicts (nanoGPT's weight decay on
+    matrices only) were not in state_dict: loading into an optimizer built with other
+    values trained with those, silently. A stock optimizer's state loaded into N = 1
+    failed inside the next step; into other N, with torch's generic message."""
+    import io
+
+    from torch import nn
+
+    import hftc
+    from hftc.errors import FusionArgumentError
+
+    torch.manual_seed(0)
+    fused = hftc.fuse([nn.Linear(4, 3).double() for _ in range(2)])
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def make(decay_of_weight):
+        return ho.AdamW([{"params": [fused.weight], "weight_decay": decay_of_weight},
+                         {"params": [fused.bias], "weight_decay": 0.0}], lr=[1e-2, 2e-2])
+
+    opt = make(0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        (fused(x) ** 2).sum().backward()
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed_model = copy.deepcopy(fused)
+    resumed = ho.AdamW([{"params": [resumed_model.weight], "weight_decay": 0.01},
+                        {"params": [resumed_model.bias], "weight_decay": 0.01}],
+                       lr=[1e-2, 2e-2])
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    for model, optimizer in ((fused, opt), (resumed_model, resumed)):
+        for _ in range(2):
+            optimizer.zero_grad()
+            (model(x) ** 2).sum().backward()
+            optimizer.step()
+    torch.testing.assert_close(resumed_model.weight, fused.weight, rtol=0, atol=0)
+    torch.testing.assert_close(resumed_model.bias, fused.bias, rtol=0, atol=0)
+
+    stock = torch.optim.Adam(nn.Linear(4, 3).parameters())
+    with pytest.raises(FusionArgumentError,
+                       match="1 param group.*one per model, 2.*fuse_optimizers"):
+        ho.Adam(fused.parameters(), lr=1e-3).load_state_dict(stock.state_dict())
+    single = hftc.fuse([nn.Linear(4, 3)])
+    layer = nn.Linear(4, 3)
+    stock = torch.optim.Adam(layer.parameters())
+    layer(torch.randn(2, 4)).sum().backward()
+    stock.step()
+    with pytest.raises(FusionArgumentError, match="exp_avg.*not a fused optimizer's state"):
+        ho.Adam(single.parameters(), lr=1e-3).load_state_dict(stock.state_dict())

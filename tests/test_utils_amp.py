@@ -279,6 +279,10 @@ def test_per_model_argument_errors():
     out = torch.randn(3, 4, 2)
     with pytest.raises(ValueError, match="leading dim N = 3"):
         per_model(F.mse_loss, in_dims=0)(out, torch.randn(2, 4, 2))
+    # a fused module's dict / ModelOutput / tuple output (was: AttributeError on .shape)
+    for output in ({"logits": out}, [out]):
+        with pytest.raises(ValueError, match=r"is a (dict|list), not a tensor.*out\['logits'\]"):
+            per_model(F.cross_entropy)(output, torch.randint(0, 2, (4,)))
 
 
 # ------------------------------------------------------------------------- scaler

@@ -329,6 +329,54 @@ class FusedOptimizer(Optimizer):
         """N, the number of fused models (one param group each)."""
         return len(self.param_groups)
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's ``state_dict``, and under ``"hftc"`` N and the per-parameter
+        hyper-parameters of param-group dicts (which torch's groups, one per model, do
+        not hold), so that ``load_state_dict`` restores them as torch restores a group's."""
+        saved = super().state_dict()
+        saved["hftc"] = {
+            "num_models": self.num_models,
+            "group_of": list(self._group_of),
+            "group_overrides": [{k: list(v) for k, v in extra.items()}
+                                for extra in self._group_overrides],
+        }
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, refusing a state dict that is not a fused
+        optimizer's over the same N models and parameters (a stock optimizer's loaded
+        into N = 1 failed on the next step, inside the update)."""
+        extra = state_dict.get("hftc")
+        groups = state_dict.get("param_groups", [])
+        n, cls = self.num_models, type(self).__name__
+        fix = ("N stock optimizers' state goes into a fused one through "
+               "hftc.optim.fuse_optimizers(fused, stock_optimizers), which converts it")
+        saved_n = extra["num_models"] if extra is not None else len(groups)
+        if saved_n != n or len(groups) != n:
+            raise FusionArgumentError(
+                f"{cls}.load_state_dict: the state dict has {len(groups)} param group(s); "
+                f"this fused optimizer has one per model, {n}: it is a stock optimizer's or "
+                f"a fused one's over another number of models; {fix}")
+        params = self.param_groups[0]["params"]
+        for index, p in zip(groups[0]["params"], params):
+            for key, value in state_dict.get("state", {}).get(index, {}).items():
+                if isinstance(value, Tensor) and value.dim() > 0 \
+                        and value.numel() == p.numel() and value.shape != p.shape:
+                    raise FusionArgumentError(
+                        f"{cls}.load_state_dict: state {key!r} of parameter {index} has shape "
+                        f"{list(value.shape)}, its stacked parameter {list(p.shape)}: not a "
+                        f"fused optimizer's state; {fix}")
+        if extra is not None and len(extra["group_of"]) != len(params):
+            raise FusionArgumentError(
+                f"{cls}.load_state_dict: the state dict is for {len(extra['group_of'])} "
+                f"parameters, this optimizer has {len(params)}")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "hftc"})
+        if extra is not None:  # as torch restores each group's hyper-parameters
+            self._group_of = list(extra["group_of"])
+            self._group_overrides = [
+                {k: list(v) for k, v in overrides.items()}
+                for overrides in extra["group_overrides"]]
+
     def _infer_num_models(self, names, tensors, num_models, hyperparameters) -> int:
         cls = type(self).__name__
         for name, t in zip(names, tensors):
