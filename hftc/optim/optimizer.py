@@ -360,8 +360,8 @@ class FusedOptimizer(Optimizer):
         params = self.param_groups[0]["params"]
         for index, p in zip(groups[0]["params"], params):
             for key, value in state_dict.get("state", {}).get(index, {}).items():
-                if isinstance(value, Tensor) and value.dim() > 0 \
-                        and value.numel() == p.numel() and value.shape != p.shape:
+                if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == p.numel() \
+                        and value.shape not in (p.shape, (n,)):  # (n,): per-model step counts
                     raise FusionArgumentError(
                         f"{cls}.load_state_dict: state {key!r} of parameter {index} has shape "
                         f"{list(value.shape)}, its stacked parameter {list(p.shape)}: not a "
