@@ -396,3 +396,64 @@ def test_data_may_be_datasets(spec_file: Path):
     assert torch.equal(a.x_val[0], b.x_val[0]) and torch.equal(a.y_val, b.y_val)
     with pytest.raises(hs.SpecError, match="must be a pair"):
         SweepData.from_spec(spec.replace(data=lambda: ((xt, yt, yt), (xv, yv))))
+
+
+def _space_with_optimizer_choice(trial):
+    return {"lr": trial.suggest_float("lr", 0.01, 0.1, log=True),
+            "opt": trial.suggest_categorical("opt", ["sgd", "adam"])}
+
+
+def _optimizer_of_choice(params, model):
+    if params["opt"] == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=params["lr"], momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=params["lr"])
+
+
+def test_a_categorical_optimizer_choice_fuses_each_class_apart(spec_file: Path, tmp_path: Path):
+    """Trials whose optimizer() returned SGD and Adam landed in one array, and
+    fuse_optimizers' 'needs optimizers of one class' failed every trial for good. Each
+    class is its own array; every trial reports what it reports trained alone."""
+    spec = hs.load_spec(spec_file).replace(
+        space=_space_with_optimizer_choice, optimizer=_optimizer_of_choice, n_trials=6,
+        per_array=6, pruner="none", sampler="random", epochs=2)
+    trials = hs.run(spec, out=tmp_path / "out", progress=False).study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 6
+    assert {t.params["opt"] for t in trials} == {"sgd", "adam"}
+    for t in trials:
+        _, history = hs.train_alone(spec, dict(t.params), t.user_attrs["hftc_seed"],
+                                    t.user_attrs["hftc_orders"])
+        assert abs(history[-1] - t.value) <= 1e-9, (t.number, history, t.value)
+
+
+def test_a_grid_sampler_running_out_ends_the_sweep(spec_file: Path, tmp_path: Path):
+    """optuna's GridSampler calls study.stop() when its grid is used up, which raises
+    outside study.optimize: the sweep crashed and failed a trial that had trained. Now it
+    asks for no more trials once the grid is done, and ends. (While grid points still run,
+    optuna's GridSampler hands them out again, as it does to parallel workers: an array of
+    2 over a grid of 3 may train one point twice.)"""
+    grid = {"lr": [0.01, 0.03, 0.1], "momentum": [0.5], "weight_decay": [1e-4]}
+    spec = hs.load_spec(spec_file).replace(
+        sampler=optuna.samplers.GridSampler(grid, seed=0), n_trials=5, per_array=2,
+        pruner="none", epochs=2)
+    trials = hs.run(spec, out=tmp_path / "out", progress=False).study.trials
+    assert 3 <= len(trials) <= 4
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    assert sorted({t.params["lr"] for t in trials}) == grid["lr"]
+
+
+def _space_with_derived_values(trial):
+    log_lr = trial.suggest_float("log_lr", -2.0, -1.0)
+    return {"lr": 10 ** log_lr, "momentum": 0.5, "weight_decay": 1e-4}
+
+
+def test_best_json_gives_the_params_space_returned(spec_file: Path, tmp_path: Path):
+    """best.json held Optuna's trial.params, without the values space() derives or fixes
+    (lr = 10 ** log_lr, a constant momentum): model(best["params"]) and train_alone with
+    them built or trained another model than the sweep's best."""
+    spec = hs.load_spec(spec_file).replace(space=_space_with_derived_values, n_trials=2,
+                                           per_array=2, pruner="none", epochs=2)
+    result = hs.run(spec, out=tmp_path / "out", progress=False)
+    best = json.loads((tmp_path / "out" / "best.json").read_text())
+    assert set(best["params"]) == {"lr", "momentum", "weight_decay"}
+    _, history = hs.train_alone(spec, best["params"], best["seed"], best["orders"])
+    assert abs(history[-1] - result.study.best_trial.value) <= 1e-9

@@ -404,6 +404,8 @@ class Sweep:
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.log = log if log is not None else (lambda msg: None)
         self.live: list[_Run] = []
+        #: the sampler asked the study to stop (GridSampler, its grid used up): ask no more
+        self.sampler_stopped = False
         self._silent_since: dict[int, float] = {}  # trial id -> first seen without a heartbeat
         self.arrays: list[_Array] = []
         self.round = 0
@@ -504,6 +506,11 @@ class Sweep:
         if "seed" in params and int(params["seed"]) != seed:
             seed = int(params["seed"])
             trial.set_user_attr("hftc_seed", seed)
+        if params != trial.params:
+            # What space() returned (derived values and constants too, which trial.params
+            # lacks): best.json gives these, so model(best["params"]) builds the model.
+            with contextlib.suppress(TypeError, ValueError):
+                trial.set_user_attr("hftc_params", json.loads(json.dumps(params)))
         module = build_model(self.spec, params, seed)
         optimizer = self.spec.optimizer(params, module)
         return _Run(trial, params, seed, module, optimizer)
@@ -512,14 +519,15 @@ class Sweep:
         """Ask trials until the array is full or the budget is spent; True if any came."""
         spec, came = self.spec, False
         room = 0
-        while len(self.live) < spec.per_array:
+        while len(self.live) < spec.per_array and not self.sampler_stopped:
             if room == 0 or not self.default_storage:
                 # On a shared storage, count before every ask: other workers ask too.
                 c = _counts(self.study)
                 # Waiting trials (retries, enqueued ones) run first and use the budget too.
                 room = c["waiting"] + max(0, spec.n_trials - c["budget"] - c["waiting"])
-            if room == 0:
-                break
+            exhausted = getattr(self.study.sampler, "is_exhausted", None)
+            if room == 0 or (exhausted is not None and exhausted(self.study)):
+                break  # (a GridSampler whose every point is taken would repeat one)
             room -= 1
             trial = self.study.ask()
             self.heartbeat.add(trial._trial_id)
@@ -539,8 +547,20 @@ class Sweep:
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         with contextlib.suppress(Exception):
             trial.set_user_attr("hftc_fail_reason", reason)
-            self.study.tell(trial, state=TrialState.FAIL)
+            self._tell(trial, state=TrialState.FAIL)
         self.heartbeat.discard(trial._trial_id)
+
+    def _tell(self, trial: optuna.Trial, *args: Any, **kwargs: Any) -> None:
+        """``study.tell``, where a sampler may ask the study to stop (optuna's GridSampler
+        once its grid is used up calls ``study.stop()``, which works only inside
+        ``study.optimize``: a RuntimeError here).  Optuna has stored the trial by then;
+        the sweep asks for no new trials and finishes the ones it has."""
+        try:
+            self.study.tell(trial, *args, **kwargs)
+        except RuntimeError as exc:
+            if "Study.stop" not in str(exc):
+                raise
+            self.sampler_stopped = True
 
     # ------------------------------------------------------------------ arrays
 
@@ -574,13 +594,19 @@ class Sweep:
         loose = [r for r in self.live if r.array is None]
         if not loose:
             return
-        for fused, indices in hftc.fuse_groups([r.module for r in loose]):
-            members = [loose[i] for i in indices]
-            optimizer = hftc.optim.fuse_optimizers(fused, [r.optimizer for r in members])
-            array = _Array(fused, optimizer, members)
-            for j, r in enumerate(members):
-                r.array, r.slot, r.optimizer = array, j, None
-            self.arrays.append(array)
+        # One fused optimizer per array: trials whose optimizer() picked another class
+        # (a categorical SGD / Adam choice) go into other arrays.
+        by_optimizer: dict[type, list[_Run]] = {}
+        for r in loose:
+            by_optimizer.setdefault(type(r.optimizer), []).append(r)
+        for same in by_optimizer.values():
+            for fused, indices in hftc.fuse_groups([r.module for r in same]):
+                members = [same[i] for i in indices]
+                optimizer = hftc.optim.fuse_optimizers(fused, [r.optimizer for r in members])
+                array = _Array(fused, optimizer, members)
+                for j, r in enumerate(members):
+                    r.array, r.slot, r.optimizer = array, j, None
+                self.arrays.append(array)
         sizes = ", ".join(str(len(a.members)) for a in self.arrays)
         self.log(f"arrays re-formed: {len(self.live)} trials in {len(self.arrays)} fused "
                  f"array(s) of {sizes}")
@@ -674,13 +700,13 @@ class Sweep:
                 elif run.epoch >= self.spec.epochs:
                     self._save_if_best(run, value)
                     self._record(run)
-                    self.study.tell(trial, value)
+                    self._tell(trial, value)
                     self._view = None  # one more complete trial for the pruner to compare
                     done.append(run)
                     self.log(f"trial {run.number} complete: {value:.6g}")
                 elif self._should_prune(run):
                     self._record(run)
-                    self.study.tell(trial, state=TrialState.PRUNED)
+                    self._tell(trial, state=TrialState.PRUNED)
                     done.append(run)
                     self.log(f"trial {run.number} pruned at epoch {run.epoch}: {value:.6g}")
             except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:

@@ -126,7 +126,8 @@ def write_results(sweep) -> tuple[dict[str, Path], str]:
         best = ranked[0]
         weights = out / "trials" / f"trial-{best.number}.pt"
         info = {"number": best.number, "value": best.value, "metric": metric,
-                "direction": sweep.spec.direction, "params": best.params,
+                "direction": sweep.spec.direction,
+                "params": best.user_attrs.get("hftc_params", best.params),
                 "seed": best.user_attrs.get("hftc_seed"),
                 "orders": best.user_attrs.get("hftc_orders"),
                 "epochs": len(best.intermediate_values)}
