@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .cli_args import int_list, non_negative_int, positive_int
 from .errors import FusionError
 
 
@@ -133,30 +134,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="fuse N models from a factory; print the fusion report "
                                        "and the fused graph")
     p.add_argument("factory", help="MODULE:FACTORY or path/to/file.py:FACTORY (called N times)")
-    p.add_argument("-n", type=int, default=3, help="number of models (default 3)")
-    p.add_argument("--input-shape", required=True, help="e.g. 8,3,32,32 (a shared input)")
+    p.add_argument("-n", type=positive_int, default=3, help="number of models (default 3)")
+    p.add_argument("--input-shape", type=int_list, required=True,
+                   help="e.g. 8,3,32,32 (a shared input)")
     p.add_argument("--format", choices=["text", "dot", "svg"], default="text")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("demo", help="measure a fused training step against a serial loop")
-    p.add_argument("-n", type=int, default=16, help="number of models (default 16)")
+    p.add_argument("-n", type=positive_int, default=16, help="number of models (default 16)")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("bench", help="training-step throughput of hftc against serial, "
                                      "concurrent, torch.func and hand-fused baselines")
     p.add_argument("--quick", action="store_true", help="the < 3 min suite (MLP, LeNet-5)")
     p.add_argument("--workloads", default="", help="comma-separated (default: the suite's)")
-    p.add_argument("--sizes", default="", help="values of N for every workload, e.g. 1,4,16")
+    p.add_argument("--sizes", type=int_list, default="",
+                   help="values of N for every workload, e.g. 1,4,16")
     p.add_argument("--contenders", default="", help="comma-separated (default: all)")
-    p.add_argument("--rounds", type=int, default=0, help="timed rounds (default: per workload)")
+    p.add_argument("--rounds", type=non_negative_int, default=0,
+                   help="timed rounds (default: per workload)")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda (cuda:K): every contender on that GPU (full-size "
                         "workloads, concurrent also under MPS where its daemon starts)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: forward and loss under torch.autocast(bfloat16) (AMP)")
-    p.add_argument("--cores", type=int, default=None,
+    p.add_argument("--cores", type=non_negative_int, default=None,
                    help="confine every contender to this many CPUs (default: 1 for --device "
                         "cpu, 0 for a GPU; 0: no pinning)")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=non_negative_int, default=0,
                    help="intra-op threads per process (default: --cores, at least 1)")
     p.add_argument("--adam", choices=["default", "fused"], default="default",
                    help="Adam as constructed by default, or fused=True for stock and hftc")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,19 @@ def test_help_lists_every_command():
                          text=True, check=True).stdout
     for command in ("inspect", "demo", "bench"):
         assert command in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sweep", "spec.py", "--threads", "-1"], "--threads: must be at least 1"),
+    (["inspect", "m:f", "--input-shape", "8,x"], "--input-shape: '8,x': expected a whole"),
+    (["bench", "--sizes", "0"], "--sizes: '0': must be at least 1"),
+    (["bench", "--rounds", "-3"], "--rounds: must be 0 .the default. or more"),
+    (["demo", "-n", "-2"], "-n: must be at least 1"),
+])
+def test_bad_numbers_are_usage_errors(argv, message, capsys):
+    """Such values gave a traceback from the command (set_num_threads, int()), a run that
+    printed nonsense and exited 0 (--sizes 0), or 'N=-2 models' then an empty-list error."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

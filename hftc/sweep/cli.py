@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli_args import positive_int
+
 __all__ = ["add_arguments", "main"]
 
 
@@ -51,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line per started, pruned and finished trial")
-    p.add_argument("--threads", type=int,
+    p.add_argument("--threads", type=positive_int,
                    help="torch intra-op threads (default: torch's; --demo: 1)")
 
 

@@ -453,6 +453,11 @@ class Sweep:
         (hidden / "lock").touch()
         self._lock = _try_lock(hidden / "lock")
         os.rename(hidden, self.dir)
+        if self.default_storage and self._others_alive():
+            # Another worker on this folder's study started with the same seed (both
+            # counted the same trials before them): sample apart from it.
+            with contextlib.suppress(NotImplementedError):
+                self.study.sampler.reseed_rng()
         self.heartbeat = _Heartbeat(self.storage, self.heartbeat_interval)
         self.heartbeat.start()
         self.data = SweepData.from_spec(self.spec)
@@ -855,7 +860,9 @@ class Sweep:
                     self.storage.get_trial(e["trial_id"]).state == TrialState.RUNNING
                     for e in d[2].get("trials", []))]
                 if pending and not self.resume:
-                    numbers = sorted(e["number"] for d in pending for e in d[2]["trials"])
+                    numbers = sorted(
+                        e["number"] for d in pending for e in d[2]["trials"]
+                        if self.storage.get_trial(e["trial_id"]).state == TrialState.RUNNING)
                     for _, lock, _ in dead:
                         lock.close()
                     raise SweepError(
