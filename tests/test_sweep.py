@@ -457,3 +457,24 @@ def test_best_json_gives_the_params_space_returned(spec_file: Path, tmp_path: Pa
     assert set(best["params"]) == {"lr", "momentum", "weight_decay"}
     _, history = hs.train_alone(spec, best["params"], best["seed"], best["orders"])
     assert abs(history[-1] - result.study.best_trial.value) <= 1e-9
+
+
+def test_a_trial_whose_model_raises_is_named_in_the_others_reasons(spec_file: Path,
+                                                                   tmp_path: Path):
+    """model() raising for one trial failed the other live trials with that trial's error,
+    as if their own: their reason now says the sweep stopped on the other trial's."""
+    spec = hs.load_spec(spec_file)
+    calls = []
+
+    def model(params):
+        calls.append(params)
+        if len(calls) == 2:
+            raise RuntimeError("this model refuses these params")
+        return spec.model(params)
+
+    with pytest.raises(RuntimeError, match="refuses"):
+        hs.run(spec.replace(model=model, pruner="none"), out=tmp_path / "out", progress=False)
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    reasons = {t.number: t.user_attrs["hftc_fail_reason"] for t in study.trials}
+    assert reasons[1].startswith("error while starting the trial: RuntimeError")
+    assert reasons[0].startswith("the sweep stopped on trial 1's error: RuntimeError")

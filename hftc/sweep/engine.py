@@ -540,6 +540,8 @@ class Sweep:
                 run = self._new_run(trial)
             except Exception as exc:
                 self._fail(trial, f"error while starting the trial: {type(exc).__name__}: {exc}")
+                with contextlib.suppress(AttributeError):
+                    exc.hftc_trial = trial.number
                 raise
             self.live.append(run)
             came = True
@@ -999,8 +1001,12 @@ class Sweep:
         except Exception as exc:
             # A bug in the spec (or ours) would fail the same way on every retry: fail the
             # live trials for good, with the reason, instead of leaving them to be retried.
+            culprit = getattr(exc, "hftc_trial", None)  # set where one trial's code raised
             for run in list(self.live):
-                self._fail(run.trial, f"error: {type(exc).__name__}: {exc}")
+                reason = f"error: {type(exc).__name__}: {exc}"
+                if culprit is not None and culprit != run.number:
+                    reason = f"the sweep stopped on trial {culprit}'s {reason}"
+                self._fail(run.trial, reason)
             self.live.clear()
             raise
         finally:
