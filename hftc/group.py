@@ -17,14 +17,26 @@ from typing import Any
 
 from torch import nn
 
+from .errors import TraceError
 from .fused import FusedModule, _check_models
 from .match import node_signature
 from .trace import trace_model
 
 
-def structure_key(model: nn.Module, index: int) -> str:
-    """A string equal for two models exactly when their traced graphs match in trace order."""
-    gm = trace_model(model, index, training=model.training)
+def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> str:
+    """A string equal for two models exactly when their traced graphs match in trace order.
+
+    Traced symbolically, or, where that fails and ``example_inputs`` (shared by all
+    models) are given, by torch.export, as :func:`hftc.fuse` would trace them."""
+    try:
+        gm = trace_model(model, index, training=model.training)
+    except TraceError:
+        if example_inputs is None:
+            raise
+        from .export import export_model
+
+        args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        gm = export_model(model, index, training=model.training, args=args)
     position = {n: k for k, n in enumerate(gm.graph.nodes)}
     parts = []
     for node in gm.graph.nodes:
@@ -44,9 +56,12 @@ def fuse_groups(
     ``models[indices[j]](x)``.  ``fuse_kwargs`` go to :func:`hftc.fuse`.
     """
     models = _check_models(models)
+    # Shared example inputs also trace the models that only torch.export can read.
+    shared = fuse_kwargs.get("in_dims") is None and fuse_kwargs.get("frontend") != "symbolic"
+    example = fuse_kwargs.get("example_inputs") if shared else None
     groups: dict[str, list[int]] = {}
     for i, m in enumerate(models):
-        groups.setdefault(structure_key(m, i), []).append(i)
+        groups.setdefault(structure_key(m, i, example), []).append(i)
     return [
         (FusedModule([models[i] for i in indices], **fuse_kwargs), indices)
         for indices in groups.values()

@@ -478,3 +478,29 @@ def test_a_trial_whose_model_raises_is_named_in_the_others_reasons(spec_file: Pa
     reasons = {t.number: t.user_attrs["hftc_fail_reason"] for t in study.trials}
     assert reasons[1].startswith("error while starting the trial: RuntimeError")
     assert reasons[0].startswith("the sweep stopped on trial 1's error: RuntimeError")
+
+
+class _ExportOnly(torch.nn.Module):
+    """Symbolic tracing cannot build torch.zeros of a traced size; torch.export can."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(36, 3)
+
+    def forward(self, x):
+        x = x.flatten(1)
+        return self.fc(x) + torch.zeros(x.shape[0], 3, dtype=x.dtype)
+
+
+def test_a_model_only_torch_export_traces_is_swept(spec_file: Path, tmp_path: Path):
+    """The sweep fused without example_inputs, so such a model failed every trial with a
+    TraceError that said to pass example_inputs, which a spec cannot. The engine gives a
+    training batch as example_inputs; the trials match training alone."""
+    spec = hs.load_spec(spec_file).replace(model=lambda params: _ExportOnly(), n_trials=2,
+                                           per_array=2, pruner="none", epochs=2)
+    trials = hs.run(spec, out=tmp_path / "out", progress=False).study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    for t in trials:
+        _, history = hs.train_alone(spec, dict(t.params), t.user_attrs["hftc_seed"],
+                                    t.user_attrs["hftc_orders"])
+        assert abs(history[-1] - t.value) <= 1e-9

@@ -606,8 +606,12 @@ class Sweep:
         by_optimizer: dict[type, list[_Run]] = {}
         for r in loose:
             by_optimizer.setdefault(type(r.optimizer), []).append(r)
+        # A batch of the training data as example_inputs: a model symbolic tracing cannot
+        # read (a Hugging Face model, say) is traced by torch.export from it.
+        example = tuple(x[:self.spec.batch_size] for x in self.data.x_train)
         for same in by_optimizer.values():
-            for fused, indices in hftc.fuse_groups([r.module for r in same]):
+            for fused, indices in hftc.fuse_groups([r.module for r in same],
+                                                   example_inputs=example):
                 members = [same[i] for i in indices]
                 optimizer = hftc.optim.fuse_optimizers(fused, [r.optimizer for r in members])
                 array = _Array(fused, optimizer, members)
