@@ -504,3 +504,19 @@ def test_a_model_only_torch_export_traces_is_swept(spec_file: Path, tmp_path: Pa
         _, history = hs.train_alone(spec, dict(t.params), t.user_attrs["hftc_seed"],
                                     t.user_attrs["hftc_orders"])
         assert abs(history[-1] - t.value) <= 1e-9
+
+
+def _space_one_trial_blows_up(trial):
+    lr = trial.suggest_float("lr", 0.01, 0.1, log=True)
+    return {"lr": 1e12 if trial.number == 0 else lr, "momentum": 0.9, "weight_decay": 1e-4}
+
+
+def test_weights_gone_nan_are_diverged_whatever_the_metric(spec_file: Path, tmp_path: Path):
+    """With metric='accuracy', a model whose weights went NaN still scored (argmax of NaN)
+    and completed; it is failed as diverged, and its array's other trials go on alone."""
+    spec = hs.load_spec(spec_file).replace(space=_space_one_trial_blows_up, metric="accuracy",
+                                           n_trials=2, per_array=2, pruner="none", epochs=3)
+    trials = hs.run(spec, out=tmp_path / "out", progress=False).study.trials
+    assert trials[0].state == TrialState.FAIL
+    assert "weights not finite" in trials[0].user_attrs["hftc_fail_reason"]
+    assert trials[1].state == TrialState.COMPLETE

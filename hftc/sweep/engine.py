@@ -69,6 +69,16 @@ class SweepError(RuntimeError):
     """A sweep cannot start or go on; the message says what to do."""
 
 
+def _finite_models(fused: nn.Module) -> list[bool]:
+    """Per model: are all its weights finite?"""
+    n = fused.num_models
+    finite = torch.ones(n, dtype=torch.bool)
+    with torch.no_grad():
+        for p in fused.parameters():
+            finite &= torch.isfinite(p.reshape(n, -1)).all(dim=1).cpu()
+    return finite.tolist()
+
+
 @dataclass
 class _Run:
     """A live trial of this worker: where its weights are and what it has done."""
@@ -84,6 +94,7 @@ class _Run:
     history: list[float] = field(default_factory=list)
     orders: list[int] = field(default_factory=list)
     reported: int = 0  # the last step reported to the storage
+    weights_finite: bool = True  # False once a weight is NaN or inf: diverged
     ckpt: tuple[str, int] | None = None  # (checkpoint file, index in it)
 
     @property
@@ -645,8 +656,10 @@ class Sweep:
         for a in self.arrays:
             a.fused.eval()
             out = evaluate(a.fused, data, spec.eval_batch_size, batch_dim=1)
+            finite = _finite_models(a.fused)
             for j, run in enumerate(a.members):
                 run.history.append(metric_value(spec, out[j], data.y_val))
+                run.weights_finite = finite[j]
                 run.orders.append(key)
                 run.epoch += 1
                 self.trial_epochs += 1
@@ -702,10 +715,12 @@ class Sweep:
                     trial.report(run.history[step - 1], step)
                 run.reported = run.epoch
                 value = run.history[-1]
-                if not is_finite(value):
+                if not is_finite(value) or not run.weights_finite:
+                    # (a model whose weights went NaN can still score an accuracy: argmax)
+                    weights = "" if run.weights_finite else ", its weights not finite,"
                     self._record(run)
-                    self._fail(trial, f"diverged: {self.spec.metric_name} is {value} after "
-                                      f"epoch {run.epoch}")
+                    self._fail(trial, f"diverged: {self.spec.metric_name} is {value}{weights} "
+                                      f"after epoch {run.epoch}")
                     done.append(run)
                     self.log(f"trial {run.number} failed (diverged) at epoch {run.epoch}")
                 elif run.epoch >= self.spec.epochs:
