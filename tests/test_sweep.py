@@ -520,3 +520,33 @@ def test_weights_gone_nan_are_diverged_whatever_the_metric(spec_file: Path, tmp_
     assert trials[0].state == TrialState.FAIL
     assert "weights not finite" in trials[0].user_attrs["hftc_fail_reason"]
     assert trials[1].state == TrialState.COMPLETE
+
+
+def _space_with_dropout(trial):
+    return {"lr": trial.suggest_float("lr", 0.01, 0.5, log=True), "momentum": 0.5,
+            "weight_decay": 1e-4, "dropout": 0.3}
+
+
+def test_resume_draws_the_dropout_an_uninterrupted_sweep_draws(spec_file: Path,
+                                                               tmp_path: Path):
+    """A resumed sweep restarted its trials' dropout draws from their seeds, so with dropout
+    its metrics after the resume differed from an uninterrupted sweep's. The random state
+    the next round starts from is in the manifest, and resuming restores it."""
+    spec = hs.load_spec(spec_file).replace(space=_space_with_dropout, n_trials=4,
+                                           per_array=2, pruner="none", epochs=4)
+    full = hs.run(spec, out=tmp_path / "full", progress=False).study.trials
+
+    def interrupt(sweep):
+        if sweep.round == 2:
+            raise KeyboardInterrupt
+
+    cut = hs.Sweep(spec, out=tmp_path / "cut", progress=False, on_round=interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        cut.run()
+    cut._lock.close()  # as if its process had died
+    resumed = hs.Sweep(spec, out=tmp_path / "cut", progress=False, resume=True).run()
+    trials = resumed.study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    for a, b in zip(full[:2], trials[:2]):  # the two trials the interruption cut
+        assert a.params == b.params
+        assert a.intermediate_values == b.intermediate_values, a.number

@@ -28,6 +28,7 @@ seed) for the next ``ask()`` of any worker; a worker whose trial was taken over
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import json
@@ -679,6 +680,9 @@ class Sweep:
             }, self.dir / name)
             for j, r in enumerate(a.members):
                 r.ckpt = (name, j)
+        # The random state the next round starts from (dropout draws): a resumed sweep
+        # restores it, so that it draws what the uninterrupted one would have.
+        self._rng_state = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
         self._write_manifest()
 
     def _write_manifest(self) -> None:
@@ -686,6 +690,7 @@ class Sweep:
             "study": self.study_name,
             "worker": self.worker_id,
             "round": self.round,
+            "rng": getattr(self, "_rng_state", None),
             "trials": [{"number": r.number, "trial_id": r.trial_id, "epoch": r.epoch,
                         "history": r.history, "orders": r.orders,
                         "ckpt": list(r.ckpt) if r.ckpt else None} for r in self.live],
@@ -790,11 +795,14 @@ class Sweep:
         # A resumer killed while adopting leaves the trials in two folders: take each
         # trial once, from the folder where it got furthest.
         chosen: dict[int, tuple[Path, dict]] = {}
+        rng = None
         for folder, _lock, manifest in dead:
             for entry in manifest.get("trials", []):
                 seen = chosen.get(entry["trial_id"])
                 if seen is None or entry["epoch"] > seen[1]["epoch"]:
                     chosen[entry["trial_id"]] = (folder, entry)
+            if int(manifest.get("round", 0)) >= self.round and manifest.get("rng"):
+                rng = manifest["rng"]
             self.round = max(self.round, int(manifest.get("round", 0)))
         files: dict[tuple[Path, str], dict] = {}
         for folder, entry in chosen.values():
@@ -826,6 +834,9 @@ class Sweep:
                        reported=max(frozen.intermediate_values, default=0))
             self.live.append(run)
             adopted.append(run)
+        if rng is not None:  # where the dead worker's next round would have started
+            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)),
+                                                 dtype=torch.uint8))
         if adopted:
             self.log(f"resumed {len(adopted)} trial(s): "
                      + ", ".join(f"{r.number}@epoch {r.epoch}" for r in adopted))
