@@ -172,3 +172,38 @@ def test_stock_optimizers_with_param_groups(fuser):
         train_solo(m, o, batches)
     assert_all_match(fused, models, 1e-9)
     assert [g["weight_decay"] for g in opt.param_groups] == decay
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: ho.SGD(p, lr=[0.1, 0.05], momentum=[0.9, 0.5], nesterov=True),
+    lambda p: ho.Adam(p, lr=[1e-2, 3e-2], betas=[(0.9, 0.99), (0.8, 0.9)], amsgrad=True),
+    lambda p: ho.AdamW(p, lr=[1e-2, 3e-2], weight_decay=[0.1, 0.0]),
+    lambda p: ho.RMSprop(p, lr=[1e-2, 3e-3], momentum=0.9, centered=True),
+    lambda p: ho.Adagrad(p, lr=[0.1, 0.2]),
+], ids=["sgd", "adam", "adamw", "rmsprop", "adagrad"])
+def test_unfuse_optimizers_continues_each_model_as_the_fused_one(make):
+    """fused.unfuse() gave the models back, but their optimizers' state (momentum, Adam's
+    moments) had no public way back: hftc.optim.unfuse_optimizers gives N stock optimizers
+    that continue each model exactly as the fused optimizer does."""
+    torch.manual_seed(0)
+    fused = hftc.fuse([torch.nn.Linear(4, 3).double() for _ in range(2)])
+    opt = make(fused.parameters())
+    x = torch.randn(6, 4, dtype=torch.float64)
+
+    def step(model, optimizer, weight):
+        optimizer.zero_grad()
+        (weight * model(x) ** 2).sum().backward()
+        optimizer.step()
+
+    for _ in range(2):
+        step(fused, opt, torch.tensor([1.0, 2.0], dtype=torch.float64).view(2, 1, 1))
+    models = fused.unfuse()
+    stock = ho.unfuse_optimizers(fused, opt, models)
+    assert [type(o).__name__ for o in stock] == [type(opt).__name__] * 2
+    for _ in range(2):
+        step(fused, opt, torch.tensor([1.0, 2.0], dtype=torch.float64).view(2, 1, 1))
+        for i, (m, o) in enumerate(zip(models, stock)):
+            step(m, o, i + 1.0)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(m.weight, fused.weight[i], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(m.bias, fused.bias[i], rtol=1e-12, atol=1e-14)

@@ -1,4 +1,4 @@
-"""hftc.sweep.optstate: a fused optimizer split back into stock ones, and fused again, exactly."""
+"""hftc.optim.slicing: a fused optimizer split back into stock ones, and fused again, exactly."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
-from hftc.sweep.optstate import fused_param_names, load_model_slice
+from hftc.optim.slicing import fused_param_names, load_model_slice
 
 
 class Net(nn.Module):

@@ -13,7 +13,7 @@ parameters themselves live in ``param_groups[0]["params"]`` (see
 
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
-from .convert import fuse_optimizers
+from .convert import fuse_optimizers, unfuse_optimizers
 from .lr_scheduler import ReduceLROnPlateau
 from .optimizer import FusedOptimizer
 from .rmsprop import RMSprop
@@ -21,5 +21,5 @@ from .sgd import SGD
 
 __all__ = [
     "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "FusedOptimizer",
-    "ReduceLROnPlateau", "fuse_optimizers",
+    "ReduceLROnPlateau", "fuse_optimizers", "unfuse_optimizers",
 ]

@@ -1,4 +1,5 @@
-"""``fuse_optimizers``: N stock torch optimizers -> one fused optimizer, state included."""
+"""``fuse_optimizers``: N stock torch optimizers -> one fused optimizer, state included;
+``unfuse_optimizers``: the way back."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from .optimizer import FusedOptimizer
 from .rmsprop import RMSprop
 from .sgd import SGD
 
-__all__ = ["fuse_optimizers"]
+__all__ = ["fuse_optimizers", "unfuse_optimizers"]
 
 # Exact classes: AdamW subclasses Adam in torch, and must map to AdamW.
 _FUSED_CLASS: dict[type, type[FusedOptimizer]] = {
@@ -158,3 +159,37 @@ def _fused_names(model: int, group: dict[str, Any], source: dict[int, str]) -> l
         names.append(name)
     return names
 
+
+
+def unfuse_optimizers(fused: torch.nn.Module, optimizer: FusedOptimizer,
+                      models: Sequence[torch.nn.Module] | None = None
+                      ) -> list[torch.optim.Optimizer]:
+    """The inverse of :func:`fuse_optimizers`: N stock optimizers, state included, each
+    continuing its model exactly where the fused optimizer would have::
+
+        models = fused.unfuse()
+        optimizers = hftc.optim.unfuse_optimizers(fused, opt, models)
+        # optimizers[i] is a torch.optim.<same class> over models[i].parameters()
+
+    ``models`` default to ``fused.unfuse()``; each must have the fused module's parameter
+    names.  An optimizer with param-group dicts (per-parameter hyper-parameters) is not
+    split: stock equivalents would need several groups.
+    """
+    from .slicing import fused_param_names, load_model_slice
+
+    stock_class = {fused_cls: stock for stock, fused_cls in _FUSED_CLASS.items()}.get(
+        type(optimizer))
+    if stock_class is None:
+        raise TypeError(f"unfuse_optimizers takes an hftc.optim optimizer "
+                        f"({', '.join(c.__name__ for c in _FUSED_CLASS.values())}), "
+                        f"got {type(optimizer).__name__}")
+    if len(getattr(optimizer, "_group_overrides", [{}])) > 1:
+        raise ValueError("unfuse_optimizers: the fused optimizer has param-group dicts "
+                         "(per-parameter hyper-parameters); they are not split back")
+    models = list(fused.unfuse() if models is None else models)
+    if len(models) != optimizer.num_models:
+        raise ValueError(f"unfuse_optimizers: {len(models)} models for a fused optimizer "
+                         f"of {optimizer.num_models}")
+    state, names = optimizer.state_dict(), fused_param_names(fused, optimizer)
+    return [load_model_slice(state, names, i, stock_class(model.parameters()), model)
+            for i, model in enumerate(models)]

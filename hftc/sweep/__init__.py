@@ -23,7 +23,7 @@ from typing import Any
 
 _LAZY = {
     "Sweep": "engine", "SweepError": "engine", "SweepResult": "engine", "make_storage": "engine",
-    "fused_param_names": "optstate", "load_model_slice": "optstate",
+    "fused_param_names": ".optim.slicing", "load_model_slice": ".optim.slicing",
     "SpecError": "spec", "SweepSpec": "spec", "default_optimizer": "spec", "load_spec": "spec",
     "SweepData": "training", "epoch_order": "training", "train_alone": "training",
 }

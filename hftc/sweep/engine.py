@@ -51,7 +51,7 @@ from torch import nn
 
 import hftc
 
-from .optstate import fused_param_names, load_model_slice
+from ..optim.slicing import fused_param_names, load_model_slice
 from .spec import SweepSpec
 from .training import (
     SweepData,
