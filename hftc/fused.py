@@ -7,7 +7,7 @@
     first call, per input signature:
            --trace.annotate_example_values--> shapes --passes/--> fused fx graph
            --lowering/codegen.py--> forward(self, *inputs)
-           --check.py--> run once beside models 0 and N-1 alone: the same outputs?
+           --check.py--> run once beside models 0, N // 2 and N-1 alone: the same outputs?
                          (if not: the N models one by one, with a FusionWarning)
 """
 
@@ -281,7 +281,7 @@ class FusedModule(nn.Module):
                 raise FusionArgumentError(f"{name} must be True or False, got {flag!r}")
         #: Time each fused op's lowerings at compile time (hftc.lowering.autotune).
         self.autotune = autotune
-        #: Compare each new program's outputs with models 0 and N-1's own (hftc.check).
+        #: Compare each new program's outputs with models 0, N // 2 and N-1's own (hftc.check).
         self.check = check
         self._check_modes(models)
         _check_initialized(models)
@@ -841,7 +841,7 @@ def fuse(
     when the forward is compiled and keeps the fastest (the cost model's choice
     unless another is 5% faster), cached on disk per device
     and shape (:mod:`hftc.lowering.autotune`); otherwise a cost model picks.
-    ``check=True`` runs each new program once against models 0 and N-1's own forward
+    ``check=True`` runs each new program once against models 0, N // 2 and N-1's own forward
     (:mod:`hftc.check`); where their outputs differ (forward's Python took another
     branch while traced), the models run one by one, with a ``FusionWarning``.
     """

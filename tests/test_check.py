@@ -122,7 +122,7 @@ def test_a_passed_check_is_in_the_report_and_changes_nothing():
         if check:
             assert fused.fusion_report.check.passed
             assert not fused.fusion_report.check.shapes_only  # dropout made constant
-            assert "checked against models 0 and 2's own forward: values agree" in \
+            assert "checked against models 0, 1 and 2's own forward: values agree" in \
                 str(fused.fusion_report)
     for a, b in zip(outs[True], outs[False]):
         assert torch.equal(a, b)
@@ -356,3 +356,13 @@ def test_constant_dropout_is_the_same_whole_or_decomposed(fn):
         with torch.inference_mode():
             whole = fn(x, 0.3, True)
     torch.testing.assert_close(whole, decomposed, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n, picks", [(1, (0,)), (2, (0, 1)), (3, (0, 1, 2)), (5, (0, 2, 4))])
+def test_the_check_compares_a_middle_model_too(n, picks):
+    """Models 0 and N-1 only: a per-model value that the first and the last model share
+    (a sweep grid [1, 7, 1]) hid a wrong middle model from the check."""
+    fused = hftc.fuse([nn.Linear(4, 2) for _ in range(n)])
+    fused(torch.randn(3, 4))
+    assert fused.fusion_report.check.models == picks
+    assert fused.fusion_report.check.passed
