@@ -457,14 +457,21 @@ class LossInForward(nn.Module):
         self.fc = nn.Linear(4, 5)
         self.ce = nn.CrossEntropyLoss(label_smoothing=0.1)
         self.mse = nn.MSELoss(reduction="sum")
+        self.l1 = nn.L1Loss()
+        self.bce = nn.BCEWithLogitsLoss(reduction="none")
+        self.huber = nn.HuberLoss(delta=0.5)
 
     def forward(self, x, labels, target):
         out = self.fc(x)
         a, b = torch.broadcast_tensors(out, target[:1])
+        probability = target.sigmoid()
         return (F.cross_entropy(out, labels), F.cross_entropy(out, labels, None, None, 2, None,
                                                               "none"),
                 self.ce(out, labels), self.mse(out, target), F.smooth_l1_loss(a, b, beta=0.5),
-                F.nll_loss(out.log_softmax(-1), labels, reduction="sum"))
+                F.nll_loss(out.log_softmax(-1), labels, reduction="sum"),
+                self.l1(out, target), self.bce(out, probability), self.huber(out, target),
+                F.binary_cross_entropy(out.sigmoid(), probability),
+                F.soft_margin_loss(out, target.detach().sign()), F.l1_loss(out, target, reduction="sum"))
 
 
 @pytest.mark.parametrize("frontend", ["symbolic", "export"])

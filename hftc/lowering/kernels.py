@@ -846,7 +846,8 @@ def _check_indices(indices: Tensor, vocab: int) -> None:
     by ``n*V``, model n's index ``V + k`` would silently read model n+1's row k."""
     if indices.numel() == 0:
         return
-    in_range = (indices.min() >= 0) & (indices.max() < vocab)
+    low, high = torch.aminmax(indices)
+    in_range = (low >= 0) & (high < vocab)
     if indices.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(in_range, "index out of range in self")  # no host sync
     elif not in_range:

@@ -259,9 +259,7 @@ def fuse_graph(
             # A per-model write into a tensor forward made and nothing else sees yet
             # (``y = torch.zeros_like(x); y[idx] = self.c``, HF's label shifting): each
             # model writes into its own copy, which later reads of the tensor see.
-            own = builder.method("clone", builder.broadcast(group.args[0]),
-                                 memory_format=torch.contiguous_format)
-            env[node.args[0]] = own
+            own = _per_model_copy(node, group, builder, env)
             group = FusionGroup(node, names, (own, *group.args[1:]), group.kwargs, module)
             builder.current, writes_shared = group, False
         if not any_batched and not _has_state(module) and not _is_random(node) \
@@ -274,9 +272,7 @@ def fuse_graph(
             # each model draws its own, into its own copy, which later reads of the
             # tensor see too.
             builder.current_rule = rule_name = "per_model_draw"
-            own = builder.method("clone", builder.broadcast(group.args[0]),
-                                 memory_format=torch.contiguous_format)
-            env[node.args[0]] = own
+            own = _per_model_copy(node, group, builder, env)
             new = builder.method(node.target, own, *group.args[1:], **group.kwargs)
         elif writes_shared:
             unsupported.append(
@@ -362,6 +358,16 @@ def _inplace_on_shared(node: fx.Node, group: FusionGroup, builder: GraphBuilder)
     written = node.args[0]
     return isinstance(written, fx.Node) and isinstance(
         written.meta.get(EXAMPLE_VALUE), torch.Tensor) and not builder.is_batched(group.args[0])
+
+
+def _per_model_copy(node: fx.Node, group: FusionGroup, builder: GraphBuilder,
+                    env: dict[fx.Node, Any]) -> fx.Node:
+    """Each model's own copy of the shared tensor ``node`` writes into, ``[N, ...]``; later
+    reads of that tensor (through ``env``) read the copy."""
+    own = builder.method("clone", builder.broadcast(group.args[0]),
+                         memory_format=torch.contiguous_format)
+    env[node.args[0]] = own
+    return own
 
 
 #: Ops whose result is a new tensor, aliasing nothing: a per-model write into one can go

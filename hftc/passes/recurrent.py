@@ -24,7 +24,6 @@ import torch.fx as fx
 from torch import nn
 
 from ..lowering import recurrent as kernels
-from ..trace import EXAMPLE_VALUE
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
 
@@ -38,10 +37,7 @@ def _hx_flags(group: FusionGroup, builder: GraphBuilder, hx: Any) -> tuple[bool,
         return ()
     if isinstance(hx, (tuple, list)):
         return tuple(builder.is_batched(p) for p in hx)
-    example = (group.arg_example(1) if len(group.node.args) > 1
-               else group.node.kwargs.get("hx"))
-    if isinstance(example, fx.Node):
-        example = example.meta.get(EXAMPLE_VALUE)
+    example = group.arg_example(1 if len(group.node.args) > 1 else "hx")
     parts = len(example) if isinstance(example, (tuple, list)) else 1
     return (builder.is_batched(hx),) * parts
 
