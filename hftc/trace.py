@@ -29,8 +29,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils.checkpoint import CheckpointFunction
 
-from .errors import FusionError, TraceError
+from .errors import FusionError, TraceError, UnsupportedOperatorError
 
 #: ``node.meta`` key of the value model 0 computes at a node, on the meta device.
 EXAMPLE_VALUE = "example_value"
@@ -128,6 +129,8 @@ class _Tracer(fx.Tracer):
         self._buffer_aliases: set[fx.Node] = set()
         #: id(buffer) -> the value forward assigned to it (its later reads in forward)
         self._assigned_buffers: dict[int, fx.Proxy] = {}
+        #: the autograd Functions (given a callable) whose forward is being traced through
+        self._functions_traced_through: list[type] = []
 
     def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any,
                      **options: Any) -> fx.Proxy:
@@ -193,14 +196,30 @@ class _Tracer(fx.Tracer):
 
         def recording_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
             leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-            # A Function given a callable (torch.utils.checkpoint's reentrant one runs a
-            # module of the model) is traced through, as before: its callable is the
-            # model's own code, and what it computes is recorded op by op.
-            if any(isinstance(leaf, fx.Proxy) for leaf in leaves) and \
-                    not any(callable(leaf) and not isinstance(leaf, fx.Proxy) for leaf in leaves):
+            traced = any(isinstance(leaf, fx.Proxy) for leaf in leaves)
+            if traced and cls is CheckpointFunction and not kwargs:
+                # torch.utils.checkpoint(fn, *args, use_reentrant=True): its value and
+                # gradient are fn's.  Traced as fn, in the caller's grad mode: its apply
+                # runs forward under no_grad, and a trace through it recorded fn's ops
+                # without gradient (and the end of fn's own no_grad as no_grad again,
+                # which left the caller's grad mode off).  The fused program keeps fn's
+                # activations (no recompute in backward: the memory it saves is not).
+                function, _preserve_rng_state, *inputs = args
+                return function(*inputs)
+            # Another Function given a callable is traced through, as before: its
+            # callable is the model's own code, and what it computes is recorded op by
+            # op (a change of grad mode inside it is refused: :meth:`_grad_mode_recorded`).
+            if traced and not any(callable(leaf) and not isinstance(leaf, fx.Proxy)
+                                  for leaf in leaves):
                 return tracer.create_proxy("call_function", bind(apply_function, cls), args,
                                            kwargs)
-            return apply.__func__(cls, *args, **kwargs)
+            if not traced:
+                return apply.__func__(cls, *args, **kwargs)
+            tracer._functions_traced_through.append(cls)
+            try:
+                return apply.__func__(cls, *args, **kwargs)
+            finally:
+                tracer._functions_traced_through.pop()
 
         function.apply = classmethod(recording_apply)
         try:
@@ -306,6 +325,16 @@ class _Tracer(fx.Tracer):
         def record(mode: bool) -> None:
             if getattr(self, "graph", None) is None:
                 return
+            if self._functions_traced_through:
+                # Function.apply runs forward under no_grad, which the trace does not
+                # see: a no_grad block in it would restore "no grad", not the caller's.
+                name = self._functions_traced_through[-1].__qualname__
+                raise UnsupportedOperatorError(
+                    f"the autograd Function {name}, given a callable, changes grad mode "
+                    f"inside its forward, which hftc cannot trace. For a checkpoint, use "
+                    f"torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True) "
+                    f"or use_reentrant=False, which hftc traces as fn; else call the "
+                    f"callable's code in forward directly")
             if not caller_mode:  # the caller's mode, read where forward first changes it
                 caller_mode.append(self.create_proxy("call_function", torch.is_grad_enabled,
                                                      (), {}))
@@ -535,6 +564,9 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
         lifted = {node.target for node in graph.nodes if node.op == "get_attr"}
         gm.meta[PYTHON_STATE] = [name for name in changes if name not in lifted]
         return gm
+    except UnsupportedOperatorError as exc:  # what the model does, not how it is traced
+        raise UnsupportedOperatorError(f"model {index} ({type(model).__name__}): {exc}") \
+            from exc
     except Exception as exc:  # symbolic tracing raises anything: TraceError, TypeError, ...
         raise TraceError(
             f"model {index} ({type(model).__name__}) cannot be traced by torch.fx.symbolic_trace: "

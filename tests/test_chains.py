@@ -231,3 +231,40 @@ def test_linear_chain_kernel_against_its_layers_one_by_one(stacked):
         results.append([out, *grads])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+class FrozenBackbone(nn.Module):
+    """A linear probe: the backbone under no_grad, the head trained (or the head under
+    autocast): the two linears must not run as one chain in one mode."""
+
+    def __init__(self, region: str):
+        super().__init__()
+        self.region = region
+        self.backbone, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        if self.region == "no_grad":
+            with torch.no_grad():
+                h = F.relu(self.backbone(x))
+            return self.head(h)
+        h = self.backbone(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.head(h)
+
+
+def test_no_chain_across_a_change_of_grad_mode_or_autocast():
+    # Chained, the frozen backbone ran with the head after grad mode was back on and got
+    # gradients; under autocast the float32 layer ran in bf16 (within the check's
+    # tolerance, so only bit-equality with the loop shows it).
+    torch.manual_seed(0)
+    models = [FrozenBackbone("no_grad") for _ in range(3)]
+    fused = check_equivalence(models, torch.randn(5, 8), steps=2)
+    assert chain_calls(fused) == 0
+    assert fused.get_parameter("backbone.weight").grad is None
+    models = [FrozenBackbone("autocast") for _ in range(2)]
+    fused = hftc.fuse(models)
+    x = torch.randn(5, 8) * 3
+    out = fused(x)
+    assert chain_calls(fused) == 0
+    for i, m in enumerate(models):
+        assert torch.equal(out[i], m(x))

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from equivalence import check_equivalence
 from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import hftc
+from hftc.errors import UnsupportedOperatorError
 from hftc.lowering import kernels
 
 
@@ -595,3 +597,59 @@ def test_compiled_models_are_fused_from_the_models_they_wrap():
         torch.testing.assert_close(out[i], m(x))
     assert type(fused.unfuse()[0]) is nn.Sequential
     assert set(fused.state_dict()) == set(models[0].state_dict())
+
+
+class Checkpointed(nn.Module):
+    """torch.utils.checkpoint in forward, reentrant or not, and checkpoint_sequential."""
+
+    def __init__(self, reentrant: bool, sequential: bool = False):
+        super().__init__()
+        self.reentrant, self.sequential = reentrant, sequential
+        self.a = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4), nn.Tanh())
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if self.sequential:
+            h = checkpoint_sequential(self.a, 2, x, use_reentrant=self.reentrant)
+        else:
+            h = checkpoint(self.a, x, use_reentrant=self.reentrant)
+        return self.b(h + x)
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["checkpoint", "sequential"])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_checkpoint_in_forward(reentrant, sequential):
+    # The reentrant checkpoint's Function runs forward under no_grad: traced through, the
+    # fused program computed without gradient and left the caller's grad mode off.
+    torch.manual_seed(0)
+    models = [Checkpointed(reentrant, sequential) for _ in range(3)]
+    fused = check_equivalence(models, torch.randn(5, 4), steps=2)
+    assert torch.is_grad_enabled()
+    assert all(p.grad is not None for p in fused.parameters())
+
+
+class _ScaledCall(torch.autograd.Function):
+    """A Function given a callable whose forward changes grad mode itself."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        with torch.enable_grad():
+            return fn(x).detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+def test_a_function_given_a_callable_that_changes_grad_mode_is_refused():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return _ScaledCall.apply(self.a, x)
+
+    with pytest.raises(UnsupportedOperatorError, match="_ScaledCall.*changes grad mode"):
+        hftc.fuse([Model() for _ in range(2)])(torch.randn(3, 4))
+    assert torch.is_grad_enabled()

@@ -23,7 +23,9 @@ rounds, two runs each): 3.12-3.20 against 3.26-3.33 ms on one core, 1.93-1.96 ag
 What stays unchained, so each piece runs as before: a layer whose lowering is not
 a batched product (``loop``, ``gemm``, ``einsum``, ``baddbmm_autograd``: autotune's
 choice, or the cost model's ``gemm`` for a shared input that needs its gradient),
-an intermediate value used twice, and any activation but ReLU.  At run time the
+an intermediate value used twice, any activation but ReLU, and layers on the two
+sides of a change of grad mode or autocast (``with torch.no_grad():`` around a frozen
+backbone).  At run time the
 chain runs its layers one by one (exactly the unchained program) under autocast,
 and without the Function where no gradient is recorded.
 """
@@ -252,6 +254,25 @@ def _link(linear: fx.Node, root: nn.Module) -> tuple[fx.Node | None, fx.Node] | 
         if user is None:
             return None
     source = linear if activation is None else activation
-    if _is_linear(user) and user.args[0] is source and user.kwargs.get("x_batched"):
+    if _is_linear(user) and user.args[0] is source and user.kwargs.get("x_batched") \
+            and not _mode_switch_between(linear, user):
         return activation, user
     return None
+
+
+#: Nodes that change how the ops after them run: a chain runs its layers in one mode.
+_MODE_SWITCHES = (torch._C._set_grad_enabled, kernels.enter_autocast, kernels.exit_autocast)
+
+
+def _mode_switch_between(first: fx.Node, last: fx.Node) -> bool:
+    """Whether grad mode or autocast changes between ``first`` and ``last`` (graph order).
+
+    ``with torch.no_grad(): h = backbone(x)`` then ``head(h)``: chained, the frozen
+    backbone ran with the head after grad was back on, and got gradients (a frozen
+    feature extractor trained); a layer before an autocast region ran inside it."""
+    node = first.next
+    while node is not last and node.op != "root":
+        if node.op == "call_function" and node.target in _MODE_SWITCHES:
+            return True
+        node = node.next
+    return False
