@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
 import warnings
 from collections.abc import Iterable, Sequence
@@ -24,6 +25,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.utils import _pytree as pytree
 
 from .check import CheckResult, compare_with_models, locate_difference
 from .errors import (
@@ -426,42 +428,51 @@ class FusedModule(nn.Module):
 
     # ------------------------------------------------------------------ calling
 
-    def _in_dims_for(self, count: int) -> tuple[int | None, ...]:
+    def _in_dims_for(self, given: Sequence[bool],
+                     names: Sequence[str] | None = None) -> list[int | None]:
+        """Each input's in_dims entry: ``given[k]`` says whether the caller passed input k
+        (positionally or by keyword); one left to its default is shared."""
         dims = self.in_dims
         if dims is None or isinstance(dims, int):
-            return (dims,) * count
+            return [dims if g else None for g in given]
         dims = tuple(dims)
-        if len(dims) == count:
-            return dims
-        # More entries than inputs given: a call that leaves optional inputs out (fused(x)
-        # and fused(x, mask) with in_dims=(0, None)); not more than forward has.
+        # Fewer entries than forward has inputs: a call may leave optional inputs out
+        # (fused(x) and fused(x, mask) with in_dims=(0, None)); not more than forward has.
         graphs = self.__dict__.get("_mode_graphs")  # not yet while export traces
         inputs = len(dims) if graphs is None else sum(
             n.op == "placeholder" for n in graphs[self.training].graph.nodes)
-        if len(dims) < count or len(dims) > inputs:
+        passed = [k for k, g in enumerate(given) if g]
+        if len(dims) > inputs or (passed and passed[-1] >= len(dims)):
+            extra = "" if not passed or passed[-1] < len(dims) or names is None else (
+                f"; input `{names[passed[-1]]}` (input {passed[-1]}) has none")
             raise FusionArgumentError(
-                f"in_dims has {len(dims)} entries but the fused module got {count} positional "
-                f"inputs (the models' forward takes {inputs}); give one entry (an int or "
-                f"None) per positional input"
+                f"in_dims has {len(dims)} entries but the fused module got "
+                f"{len(passed)} inputs (the models' forward takes {inputs}){extra}; give "
+                f"one entry (an int or None) per input, in forward's order, whether it is "
+                f"passed by position or by keyword"
             )
-        return dims[:count]
+        return [dims[k] if g else None for k, g in enumerate(given)]
 
-    def _merge_inputs(self, args: tuple) -> tuple[list[Any], list[bool]]:
-        """Inputs -> fused inputs: stacked ones get the model dim at 0, shared ones stay."""
+    def _merge_inputs(self, values: Sequence[Any], given: Sequence[bool] | None = None,
+                      names: Sequence[str] | None = None) -> tuple[list[Any], list[bool]]:
+        """Inputs -> fused inputs: stacked ones get the model dim at 0, shared ones stay.
+        ``given``: which were passed (default all), ``names``: forward's input names."""
+        given = [True] * len(values) if given is None else given
         merged, batched = [], []
-        for k, (a, d) in enumerate(zip(args, self._in_dims_for(len(args)))):
+        for k, (a, d) in enumerate(zip(values, self._in_dims_for(given, names))):
             if d is None:
                 merged.append(a)
                 batched.append(False)
                 continue
+            what = f"input {k}" if names is None else f"input `{names[k]}` (input {k})"
             if not isinstance(a, torch.Tensor):
                 raise FusionArgumentError(
-                    f"input {k} has in_dims={d} but is a {type(a).__name__}, not a tensor"
+                    f"{what} has in_dims={d} but is a {type(a).__name__}, not a tensor"
                 )
             if a.dim() <= d or a.shape[d] != self.num_models:
                 got = "no such dim" if a.dim() <= d else f"size {a.shape[d]}"
                 raise FusionArgumentError(
-                    f"input {k} is stacked per model along dim {d} (in_dims) but has {got} there "
+                    f"{what} is stacked per model along dim {d} (in_dims) but has {got} there "
                     f"(shape {tuple(a.shape)}); it needs size {self.num_models}, one slice per "
                     f"model. Pass in_dims=None for an input all models share."
                 )
@@ -469,8 +480,10 @@ class FusedModule(nn.Module):
             batched.append(True)
         return merged, batched
 
-    def _bind(self, args: tuple, kwargs: dict) -> list[Any]:
-        """Positional + keyword inputs -> one value per placeholder of the traced forward."""
+    def _inputs(self, args: tuple, kwargs: dict) -> tuple[list[Any], list[bool]]:
+        """A call's positional and keyword inputs -> one fused value per input of the traced
+        forward, and whether each carries the model dim.  ``in_dims`` applies to an input
+        whichever way it is passed."""
         placeholders = [
             n for n in self._mode_graphs[self.training].graph.nodes
             if n.op == "placeholder"
@@ -482,32 +495,44 @@ class FusedModule(nn.Module):
                 f"torch.export, forward takes the inputs example_inputs gave: give "
                 f"example_inputs every input the fused module will be called with)"
             )
-        values = list(args)
+        kwargs = dict(kwargs)
+        values, given = list(args), [True] * len(args)
         for p in placeholders[len(args):]:
             if p.target in kwargs:
                 values.append(kwargs.pop(p.target))
+                given.append(True)
             elif p.args:
                 values.append(p.args[0])
+                given.append(False)
             else:
                 raise FusionArgumentError(f"missing input `{p.target}` of the models' forward")
         if kwargs:
             raise FusionArgumentError(f"unexpected keyword inputs {sorted(kwargs)}")
-        return values
+        return self._merge_inputs(values, given, [p.target for p in placeholders])
 
     @staticmethod
     def _signature(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
+        """The key of a call's compiled program: each input's structure (tuples, lists,
+        dicts of values) and each leaf's rank, dtype and device (tensors) or value.
+
+        Not a container's ``id()``: a fresh tuple per call may get the id of a freed one
+        built around a tensor of another rank, whose program then ran on it (``x.t()``
+        of a 1-d tensor compiled as a view: a 2-d one came back untransposed)."""
+        def leaf(v: Any) -> tuple:
+            if isinstance(v, torch.Tensor):
+                return ("tensor", v.dim(), v.dtype, v.device.type)
+            text = repr(v)
+            return (type(v).__name__,
+                    text if len(text) < 64 else hashlib.sha1(text.encode()).hexdigest())
+
         sig = []
         for v, b in zip(values, batched):
-            if isinstance(v, torch.Tensor):
-                sig.append(("tensor", v.dim(), v.dtype, v.device.type, b))
-            else:
-                sig.append((type(v).__name__, repr(v) if len(repr(v)) < 64 else id(v)))
+            leaves, spec = pytree.tree_flatten(v)
+            sig.append((repr(spec), tuple(leaf(x) for x in leaves), b))
         return tuple(sig)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        merged, batched = self._merge_inputs(args)
-        values = self._bind(tuple(merged), dict(kwargs))
-        batched = batched + [False] * (len(values) - len(batched))
+        values, batched = self._inputs(args, kwargs)
         program = self._program(values, batched)
         try:
             with kernels.modes_restored_on_error():
@@ -740,9 +765,7 @@ class FusedModule(nn.Module):
                   if n.op == "placeholder"}
         if not args and set(kwargs) <= _TORCH_COMPILE_OPTIONS and not set(kwargs) & inputs:
             return super().compile(**kwargs)
-        merged, batched = self._merge_inputs(args)
-        values = self._bind(tuple(merged), dict(kwargs))
-        batched = batched + [False] * (len(values) - len(batched))
+        values, batched = self._inputs(args, kwargs)
         return self._program(values, batched)
 
     # ------------------------------------------------------------------ inspection

@@ -585,6 +585,33 @@ def test_in_dims_may_name_inputs_a_call_leaves_out():
         hftc.fuse(models, in_dims=(0, None, None, None))(x)
 
 
+class Weighted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 1)
+
+    def forward(self, x, w, bias=None):
+        out = self.fc(x).squeeze(-1) * w
+        return out if bias is None else out + bias
+
+
+@pytest.mark.parametrize("in_dims", [0, (0, 0), (0, 0, None)], ids=str)
+def test_in_dims_apply_to_inputs_passed_by_keyword(in_dims):
+    # A stacked input passed by keyword was taken as shared: every model got all N
+    # slices, with the loop's shapes and no warning.
+    torch.manual_seed(0)
+    models = [Weighted().double() for _ in range(3)]
+    xs = torch.randn(3, 4, 5, dtype=torch.float64)
+    ws = torch.rand(3, 4, dtype=torch.float64)
+    fused = hftc.fuse(copy.deepcopy(models), in_dims=in_dims)
+    want = torch.stack([m(xs[i], ws[i]) for i, m in enumerate(models)])
+    for out in (fused(xs, ws), fused(xs, w=ws), fused(x=xs, w=ws), fused(w=ws, x=xs)):
+        torch.testing.assert_close(out, want)
+    # A keyword input the in_dims tuple has no entry for is refused, as a positional one is.
+    with pytest.raises(hftc.errors.FusionArgumentError, match="input `w` .*has none"):
+        hftc.fuse(copy.deepcopy(models), in_dims=(0,))(xs, w=ws)
+
+
 def test_compiled_models_are_fused_from_the_models_they_wrap():
     """hftc.fuse([torch.compile(m) ...]) failed with "OptimizedModule is missing the
     required forward"; the compiled wrappers share their models, which are fused."""
@@ -653,3 +680,27 @@ def test_a_function_given_a_callable_that_changes_grad_mode_is_refused():
     with pytest.raises(UnsupportedOperatorError, match="_ScaledCall.*changes grad mode"):
         hftc.fuse([Model() for _ in range(2)])(torch.randn(3, 4))
     assert torch.is_grad_enabled()
+
+
+class TupleInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, batch):
+        (x,) = batch
+        return self.a(x).t()
+
+
+def test_a_programs_key_holds_the_tensors_inside_containers():
+    # The key of a tuple input was its id(): a fresh tuple took a freed one's id, and the
+    # program compiled for a 1-d tensor (its .t() a view) ran on a 2-d one (untransposed).
+    torch.manual_seed(0)
+    models = [TupleInput().double() for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    for shape in [(6,), (3, 6), (6,), (4, 6), (2, 6)]:
+        x = torch.randn(*shape, dtype=torch.float64)
+        out = fused((x,))
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i], m((x,)))
+    assert len(fused._programs) == 2  # one per rank, not one per call
