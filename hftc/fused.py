@@ -63,7 +63,7 @@ from .trace import (
     output_spec,
     trace_model,
 )
-from .utils import mark_stacked
+from .utils import mark_stacked, register_fused
 
 
 @dataclass
@@ -391,9 +391,17 @@ class FusedModule(nn.Module):
     def _mark_stacked(self) -> None:
         """Mark the stacked parameters, which torch's ``clip_grad_norm_`` then clips per
         model (:mod:`hftc.utils`); again after a copy (``Parameter.__deepcopy__`` makes
-        a new tensor without the mark)."""
+        a new tensor without the mark) and after ``load_state_dict(..., assign=True)``
+        (new Parameter objects).  The module is registered too: a parameter put in later
+        without a mark is still known as stacked."""
+        register_fused(self)
         for p in self.parameters():
             mark_stacked(p, self.num_models)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._mark_stacked()
+        return result
 
     def _stack_constants(self, graphs: Sequence[fx.GraphModule], match: GraphMatch) -> dict:
         """Tensor attributes the graphs read that are not parameters or buffers (constants
@@ -834,7 +842,9 @@ class FusedModule(nn.Module):
         self._mark_stacked()
 
     def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
+        # nn.Module's drops a compiled forward (fused.compile()), which is bound to this
+        # module: a copy that kept it ran the original's weights and sent it the gradients.
+        state = dict(super().__getstate__())
         state["_programs"] = {}  # generated code is recompiled on the next call
         return state
 

@@ -48,8 +48,38 @@ def values_on(values: Sequence[float] | Sequence[Sequence[float]], dtype: torch.
 STACKED_MARK = "_hftc_num_models"
 
 
-def _is_stacked(p: Tensor) -> bool:
-    return getattr(p, STACKED_MARK, None) is not None
+#: The live fused modules (weakly): their parameters are stacked whatever their marks say
+#: (``load_state_dict(..., assign=True)`` puts in new Parameter objects), and the gradients
+#: torch's two-step clipping gets carry no mark of their own.  Modules, not their
+#: tensors: ``torch.utils.swap_tensors`` (``.to()`` under
+#: ``torch.__future__.set_swap_module_params_on_conversion(True)``, ``load_state_dict``)
+#: refuses a tensor that has a weak reference.
+_FUSED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def register_fused(module: nn.Module) -> None:
+    """Count ``module``'s parameters as stacked from now on (``FusedModule`` calls it)."""
+    _FUSED_MODULES.add(module)
+
+
+def _live_stacked() -> dict[int, tuple[Tensor, int]]:
+    """``id(parameter) -> (parameter, N)`` for every live fused module's parameters."""
+    return {id(p): (p, module.num_models) for module in list(_FUSED_MODULES)
+            for p in module.parameters()}
+
+
+def _num_models(p: Tensor, live: dict[int, tuple[Tensor, int]] | None = None) -> int | None:
+    """N where ``p`` is a fused module's stacked parameter, else ``None``."""
+    mark = getattr(p, STACKED_MARK, None)
+    if mark is not None:
+        return mark
+    entry = (live if live is not None else _live_stacked()).get(id(p))
+    return None if entry is None or entry[0] is not p else entry[1]
+
+
+def _stacked_counts(params: Sequence[Tensor]) -> list[int | None]:
+    live = None if all(_num_models(p, {}) is not None for p in params) else _live_stacked()
+    return [_num_models(p, live) for p in params]
 
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
@@ -65,7 +95,7 @@ def _clip_grad_norm_per_model(parameters: Tensor | Iterable[Tensor], max_norm: f
     trains each model as it trained alone; one norm over all N models would make each
     model's step depend on the others'.  Other parameters: torch's own, unchanged."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    stacked = [_is_stacked(p) for p in params]
+    stacked = [n is not None for n in _stacked_counts(params)]
     if not any(stacked):
         return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
                                       foreach)
@@ -82,20 +112,19 @@ torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_per_model
 
 # torch's two-step form of clip_grad_norm_: ``total = get_total_norm(grads)`` then
 # ``clip_grads_with_norm_(params, max_norm, total)``.  Gradients carry no mark of their
-# own, so the live stacked parameters are kept (weakly) to recognise theirs.
-_STACKED_PARAMETERS: weakref.WeakSet[Tensor] = weakref.WeakSet()
+# own: the live fused modules' parameters (``_FUSED_MODULES``) recognise theirs.
 
 
 def mark_stacked(p: Tensor, num_models: int) -> None:
     """Mark ``p`` as a fused module's stacked ``[N, ...]`` parameter (see ``STACKED_MARK``)."""
     setattr(p, STACKED_MARK, num_models)
-    _STACKED_PARAMETERS.add(p)
 
 
-def _stacked_gradients(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """The stacked parameters whose ``.grad`` is among ``tensors``."""
+def _stacked_gradients(tensors: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
+    """The stacked parameters whose ``.grad`` is among ``tensors``, with their N."""
     ids = {id(t) for t in tensors}
-    return [p for p in list(_STACKED_PARAMETERS) if p.grad is not None and id(p.grad) in ids]
+    return [(p, n) for p, n in _live_stacked().values()
+            if p.grad is not None and id(p.grad) in ids]
 
 
 _torch_get_total_norm = torch.nn.utils.get_total_norm
@@ -113,7 +142,7 @@ def _get_total_norm_per_model(tensors: Tensor | Iterable[Tensor], norm_type: flo
     owners = _stacked_gradients(tensors)
     if not owners:
         return _torch_get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
-    counts = {getattr(p, STACKED_MARK) for p in owners}
+    counts = {n for _, n in owners}
     if len(owners) != len(tensors) or len(counts) > 1:
         raise FusionArgumentError(
             "torch.nn.utils.get_total_norm got the gradients of a fused module's stacked "
@@ -130,11 +159,11 @@ def _clip_grads_with_norm_per_model(parameters: Tensor | Iterable[Tensor], max_n
     ``get_total_norm`` returns for their gradients); one norm for all N models would
     clip each model by the others' gradients, and is refused.  Other parameters: torch's."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    stacked = [_is_stacked(p) for p in params]
-    if not any(stacked):
+    numbers = _stacked_counts(params)
+    if all(n is None for n in numbers):
         return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
-    counts = {getattr(p, STACKED_MARK) for p in params if _is_stacked(p)}
-    if not all(stacked) or len(counts) > 1:
+    counts = set(numbers)
+    if None in counts or len(counts) > 1:
         raise FusionArgumentError(
             "torch.nn.utils.clip_grads_with_norm_ got a fused module's stacked parameters "
             "together with other parameters; clip the fused ones on their own and the others "
@@ -167,7 +196,7 @@ def _update_bn_refusing_fused(loader: Any, model: nn.Module, device: Any = None)
     """``torch.optim.swa_utils.update_bn`` as installed by ``import hftc``: it finds batch
     norms by type, and a fused module's are stacked tensors in ``StackedModule``s, so on
     one it would silently recompute nothing.  Refused there, saying what to do."""
-    fused = any(getattr(p, STACKED_MARK, None) is not None for p in model.parameters())
+    fused = any(n is not None for n in _stacked_counts(list(model.parameters())))
     if fused and any(name.endswith("running_mean") for name, _ in model.named_buffers()):
         raise FusionArgumentError(
             "torch.optim.swa_utils.update_bn finds batch norms by their class, and a fused "

@@ -522,6 +522,29 @@ def test_deepcopy_of_a_fused_module_is_independent():
     torch.testing.assert_close(fused(x), expected)
 
 
+def test_a_copy_after_nn_module_compile_is_independent(tmp_path):
+    # fused.compile() (torch.compile in place) is bound to the module: a deep copy that
+    # kept it ran the original's weights and sent the original its gradients, and
+    # torch.save failed to pickle it.
+    torch.manual_seed(0)
+    fused = hftc.fuse([nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+                       for _ in range(2)])
+    fused.compile(backend="eager")
+    x = torch.randn(3, 4)
+    expected = fused(x)
+    twin = copy.deepcopy(fused)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert torch.equal(twin(x), torch.zeros_like(expected))
+    twin(x).sum().backward()
+    assert all(p.grad is None for p in fused.parameters())
+    assert all(p.grad is not None for p in twin.parameters())
+    torch.save(fused, tmp_path / "fused.pt")
+    loaded = torch.load(tmp_path / "fused.pt", weights_only=False)
+    torch.testing.assert_close(loaded(x), expected)
+
+
 def test_torch_save_of_the_whole_module(tmp_path):
     fused = hftc.fuse([ConvNet() for _ in range(2)])
     x = torch.randn(2, 3, 8, 8)

@@ -445,9 +445,26 @@ def test_torch_clip_grad_norm_clips_a_fused_module_per_model():
     buffer = io.BytesIO()
     torch.save(hftc.fuse(copy.deepcopy(models)), buffer)
     buffer.seek(0)
+
+    def assigned():  # new Parameter objects, without the mark
+        fused = hftc.fuse(copy.deepcopy(models))
+        fused.load_state_dict({k: v.clone() for k, v in fused.state_dict().items()},
+                              assign=True)
+        return fused
+
+    def swapped():  # torch.utils.swap_tensors refused the weakly referenced parameters
+        fused = hftc.fuse([m.double() for m in copy.deepcopy(models)])
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            fused.float()
+            fused.load_state_dict(fused.state_dict())
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        return fused
+
     for fused in (hftc.fuse(copy.deepcopy(models)),
                   copy.deepcopy(hftc.fuse(copy.deepcopy(models))),
-                  torch.load(buffer, weights_only=False)):
+                  torch.load(buffer, weights_only=False), assigned(), swapped()):
         (fused(x) ** 2).sum().backward()
         norms = torch.nn.utils.clip_grad_norm_(fused.parameters(), 0.5)
         alone = copy.deepcopy(models)
@@ -489,6 +506,11 @@ def test_torch_two_step_clipping_clips_a_fused_module_per_model(norm_type):
         torch.nn.utils.clip_grads_with_norm_(params, 1.0, total.norm())
     with pytest.raises(hftc.errors.FusionArgumentError, match="together with other"):
         torch.nn.utils.get_total_norm([params[0].grad, models[0][0].weight.grad])
+    # Parameters put in by load_state_dict(assign=True) are the fused module's too.
+    fused.load_state_dict({k: v.clone() for k, v in fused.state_dict().items()}, assign=True)
+    out = fused(x)
+    sum((i + 1) * (out[i] ** 2).sum() for i in range(3)).backward()
+    assert torch.nn.utils.get_total_norm([p.grad for p in fused.parameters()]).shape == (3,)
 
 
 
