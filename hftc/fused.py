@@ -148,6 +148,16 @@ def _check_hooks(models: Sequence[nn.Module]) -> None:
                     problems.append(f"model {i}, module `{path or '<root>'}` "
                                     f"({type(sub).__name__}): {len(hooks)} {kind}(s)"
                                     + _hook_hint(hooks))
+        # Tensor hooks on the models' parameters (gradient clamping, a per-parameter
+        # gradient transform): the fused module's parameters are new stacked tensors
+        # without them, so the gradients would go unchanged.
+        for name, param in model.named_parameters():
+            for kind, attr in (("gradient hook (Tensor.register_hook)", "_backward_hooks"),
+                               ("post-accumulate-grad hook",
+                                "_post_accumulate_grad_hooks")):
+                hooks = list((getattr(param, attr, None) or {}).values())
+                if hooks:
+                    problems.append(f"model {i}, parameter `{name}`: {len(hooks)} {kind}(s)")
     module_globals = torch.nn.modules.module
     for kind, attr in (("global forward hook", "_global_forward_hooks"),
                        ("global forward pre-hook", "_global_forward_pre_hooks"),
@@ -160,7 +170,8 @@ def _check_hooks(models: Sequence[nn.Module]) -> None:
             "its module, so a hook would be skipped or see all models at once:\n  "
             + "\n  ".join(problems)
             + "\nRemove the hooks before fusing (read activations from the fused outputs "
-            "instead).",
+            "instead; register a parameter's gradient hook on the fused module's stacked "
+            "parameter, fused.get_parameter(name), where it sees all N models' gradients).",
             problems,
         )
 

@@ -100,6 +100,17 @@ def test_forward_hooks_are_refused_not_ignored():
         hftc.fuse([mlp(), hooked])
 
 
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_gradient_hooks_on_parameters_are_refused_not_ignored(kind):
+    # The fused module's stacked parameters are new tensors: a clamp registered on a
+    # model's parameter never ran, and the gradients went unclamped.
+    hooked = mlp()
+    getattr(hooked[0].weight, kind)(lambda g: None)
+    with pytest.raises(UnsupportedOperatorError, match=r"(?s)model 1, parameter `0.weight`: 1 "
+                                                       r".*hook.*fused.get_parameter"):
+        hftc.fuse([mlp(), hooked])
+
+
 @pytest.mark.parametrize("name", ["weight_norm", "spectral_norm"])
 def test_deprecated_reparametrization_hooks_name_the_replacement(name):
     # torch.nn.utils.weight_norm / spectral_norm work through a forward pre-hook; their

@@ -1069,11 +1069,20 @@ def _pair(v: Any) -> list[int]:
 
 
 def shift_dim(dim: int) -> int:
-    """A per-model dim as a fused dim: non-negative dims move past the model dim."""
+    """A per-model dim as a fused dim: non-negative dims move past the model dim.
+
+    Rules call it on the constant dims of the graph; a dim that forward computes
+    (``x.dim() - 1``, ``x.ndim - 2``) or takes as an input (``forward(x, dim)``) is a graph
+    node when fusing, which the rules shift in the fused graph
+    (:func:`hftc.passes.shape.shift_dim_arg`: this function, on the value, at run time)."""
+    if isinstance(dim, torch.fx.Node):
+        raise TypeError(f"shift_dim got the graph node `{dim.name}`, whose value is known only "
+                        f"at run time: shift it with hftc.passes.shape.shift_dim_arg")
     return dim + 1 if dim >= 0 else dim
 
 
 def shift_dims(dims: Any) -> Any:
+    """:func:`shift_dim` of a dim or of each dim of a tuple/list of dims."""
     if isinstance(dims, (tuple, list)):
         return type(dims)(shift_dim(d) for d in dims)
     return shift_dim(dims)

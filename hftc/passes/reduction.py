@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..lowering import kernels
-from ..lowering.kernels import shift_dims
 from .elementwise import fuse_pointwise
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
+from .shape import shift_dim_arg
 
 #: op name -> position of ``dim`` (self/input at 0) for ``op(x, dim, ...)``.
 REDUCTIONS = {
@@ -61,12 +61,12 @@ def _reduction_rule(op_name: str, position: int | None):
             if len(args) > 1:
                 args = args[:1] + args[2:]
             kwargs.pop(key, None)
-            return builder.call(kernels.reduce_in_memory_order, op_name, x, shift_dims(dim),
-                                *args[1:], **kwargs)
+            return builder.call(kernels.reduce_in_memory_order, op_name, x,
+                                shift_dim_arg(builder, dim), *args[1:], **kwargs)
         if position is not None and position < len(args):
-            args[position] = shift_dims(dim)
+            args[position] = shift_dim_arg(builder, dim)
         else:
-            kwargs[key] = shift_dims(dim)
+            kwargs[key] = shift_dim_arg(builder, dim)
         args[0] = x
         return builder.copy(FusionGroup(group.node, group.nodes, tuple(args), kwargs,
                                         group.module), batched=True)
@@ -93,7 +93,8 @@ def fuse_vector_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             raise NotFusable("vector_norm over all dims with keepdim")
         return builder.call(torch.linalg.vector_norm, builder.method("flatten", x, 1), ord_, 1,
                             dtype=dtype)
-    return builder.call(torch.linalg.vector_norm, x, ord_, shift_dims(dim), keepdim, dtype=dtype)
+    return builder.call(torch.linalg.vector_norm, x, ord_, shift_dim_arg(builder, dim), keepdim,
+                        dtype=dtype)
 
 
 #: softmax and log_softmax run through ``kernels.softmax`` (ATen's kernel, or a faster
@@ -114,7 +115,7 @@ def _softmax_rule(fn):
             raise NotFusable("softmax without an explicit dim (legacy implicit dim)")
         dtype = group.kwargs.get("dtype")
         return _call_softmax(builder, fn, builder.broadcast(group.args[0]),
-                             kernels.shift_dim(dim), dtype=dtype)
+                             shift_dim_arg(builder, dim), dtype=dtype)
 
     return fuse_softmax
 

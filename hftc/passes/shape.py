@@ -16,19 +16,51 @@ from __future__ import annotations
 
 import builtins
 import operator
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from ..lowering import kernels
-from ..lowering.kernels import shift_dim, shift_dims
+from ..lowering.kernels import shift_dim
 from ..trace import EXAMPLE_VALUE
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
 
 
 def _self_and_rest(group: FusionGroup) -> tuple:
     return group.args[0], group.args[1:]
+
+
+def _is_dims_value(value: Any) -> bool:
+    """An int dim (not a bool), or a tuple/list of them."""
+    if isinstance(value, (tuple, list)):
+        return all(_is_dims_value(v) for v in value)
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
+def shift_dim_arg(builder: GraphBuilder, dims: Any) -> Any:
+    """A per-model dim argument (an int, a tuple/list of them, or a graph node) as the
+    fused op's dim: non-negative dims move past the model dim, negative ones stay.
+
+    Constant dims shift now (:func:`kernels.shift_dims`).  A dim that forward computes
+    (``x.dim() - 1``, ``x.ndim - 2``) or takes as an input (``forward(x, dim)``) is a
+    node of the fused graph whose value is each model's dim, one int for all of them:
+    the fused graph shifts it when it runs (``kernels.shift_dims(dim)``), so the dim is
+    right for every call, however it was computed (also from sizes, which the program
+    is not specialized on).  A node whose value is not an int dim, or one that carries
+    the model dim, is not fused (the per-model loop runs the op)."""
+    if isinstance(dims, fx.Node):
+        example = dims.meta.get(EXAMPLE_VALUE)
+        if builder.is_batched(dims):
+            raise NotFusable("a dim argument that differs between the models")
+        if not _is_dims_value(example):
+            raise NotFusable(f"a dim argument computed in forward whose value is "
+                             f"{type(example).__name__}, not an int")
+        return builder.call(kernels.shift_dims, dims, batched=False)
+    if isinstance(dims, (tuple, list)):
+        return type(dims)(shift_dim_arg(builder, d) for d in dims)
+    return shift_dim(dims)
 
 
 @register_rule(*spellings("view", torch_fn=False), *spellings("reshape"))
@@ -57,7 +89,8 @@ def fuse_flatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     end = group.arg(2, "end_dim", -1)
     if group.arg_example(0).dim() == 0:
         return builder.method("reshape", x, -1, 1)
-    return builder.method("flatten", x, shift_dim(start), shift_dim(end))
+    return builder.method("flatten", x, shift_dim_arg(builder, start),
+                          shift_dim_arg(builder, end))
 
 
 @register_rule(("call_module", nn.Flatten))
@@ -68,7 +101,7 @@ def fuse_flatten_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 @register_rule(*spellings("unflatten"))
 def fuse_unflatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    return builder.method("unflatten", group.args[0], shift_dim(group.arg(1, "dim")),
+    return builder.method("unflatten", group.args[0], shift_dim_arg(builder, group.arg(1, "dim")),
                           group.arg(2, "sizes"))
 
 
@@ -87,14 +120,14 @@ def fuse_permute(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 @register_rule(*spellings("transpose"), *spellings("swapaxes"), *spellings("swapdims"))
 def fuse_transpose(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    return builder.method("transpose", group.args[0], shift_dim(group.arg(1, "dim0")),
-                          shift_dim(group.arg(2, "dim1")))
+    return builder.method("transpose", group.args[0], shift_dim_arg(builder, group.arg(1, "dim0")),
+                          shift_dim_arg(builder, group.arg(2, "dim1")))
 
 
 @register_rule(*spellings("movedim"), *spellings("moveaxis"))
 def fuse_movedim(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    return builder.method("movedim", group.args[0], shift_dims(group.arg(1, "source")),
-                          shift_dims(group.arg(2, "destination")))
+    return builder.method("movedim", group.args[0], shift_dim_arg(builder, group.arg(1, "source")),
+                          shift_dim_arg(builder, group.arg(2, "destination")))
 
 
 @register_rule(*spellings("t"))
@@ -106,7 +139,7 @@ def fuse_t(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 @register_rule(*spellings("unsqueeze"))
 def fuse_unsqueeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    return builder.method("unsqueeze", group.args[0], shift_dim(group.arg(1, "dim")))
+    return builder.method("unsqueeze", group.args[0], shift_dim_arg(builder, group.arg(1, "dim")))
 
 
 @register_rule(*spellings("squeeze"))
@@ -114,7 +147,7 @@ def fuse_squeeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     dim = group.arg(1, "dim")
     if dim is None:
         return builder.call(kernels.squeeze_all, group.args[0])
-    return builder.method("squeeze", group.args[0], shift_dims(dim))
+    return builder.method("squeeze", group.args[0], shift_dim_arg(builder, dim))
 
 
 @register_rule(*spellings("expand", torch_fn=False))
@@ -136,9 +169,9 @@ def _dim_rule(position: int, name: str, default: int):
         args = list(group.args)
         kwargs = dict(group.kwargs)
         if position < len(args):
-            args[position] = shift_dims(args[position])
+            args[position] = shift_dim_arg(builder, args[position])
         else:
-            kwargs[name] = shift_dims(kwargs.get(name, default))
+            kwargs[name] = shift_dim_arg(builder, kwargs.get(name, default))
         args[0] = builder.broadcast(args[0])
         return builder.copy(FusionGroup(group.node, group.nodes, tuple(args), kwargs,
                                         group.module), batched=True)
@@ -176,7 +209,8 @@ def fuse_roll(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     dims = group.arg(2, "dims")
     if dims is None:
         raise NotFusable("roll without dims rolls the flattened tensor")
-    return builder.call(torch.roll, group.args[0], group.arg(1, "shifts"), shift_dims(dims))
+    return builder.call(torch.roll, group.args[0], group.arg(1, "shifts"),
+                        shift_dim_arg(builder, dims))
 
 
 @register_rule(*spellings("index_select"))
@@ -185,13 +219,14 @@ def fuse_index_select(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if builder.is_batched(index):
         raise NotFusable("per-model index tensors")
     return builder.call(torch.index_select, builder.broadcast(group.args[0]),
-                        shift_dim(group.arg(1, "dim")), index)
+                        shift_dim_arg(builder, group.arg(1, "dim")), index)
 
 
 @register_rule(*spellings("gather"))
 def fuse_gather(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(torch.gather, builder.broadcast(group.args[0]),
-                        shift_dim(group.arg(1, "dim")), builder.broadcast(group.arg(2, "index")))
+                        shift_dim_arg(builder, group.arg(1, "dim")),
+                        builder.broadcast(group.arg(2, "index")))
 
 
 @register_rule(("call_function", torch.cat), ("call_function", torch.concat),
@@ -203,9 +238,10 @@ def fuse_cat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if isinstance(tensors, fx.Node):
         # A sequence one node computed (``torch.cat(x.chunk(2, -1), -1)``): the fused
         # node's value is the sequence of the fused parts, each with the model dim first.
-        return builder.call(fn, tensors, shift_dim(dim))
+        return builder.call(fn, tensors, shift_dim_arg(builder, dim))
     flags = tuple(builder.is_batched(t) for t in tensors)
-    return builder.call(kernels.bind(kernels.stack_or_cat, fn), tensors, shift_dim(dim), flags)
+    return builder.call(kernels.bind(kernels.stack_or_cat, fn), tensors,
+                        shift_dim_arg(builder, dim), flags)
 
 
 @register_rule(("call_method", "size"))
