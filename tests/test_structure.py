@@ -126,6 +126,45 @@ def test_parametrized_module_runs_as_a_reported_per_model_loop(parametrization):
                for name, _ in fused.named_parameters())
 
 
+class Clamp(nn.Module):
+    """A parametrization with a hyper-parameter (WGAN-style weight clipping)."""
+
+    def __init__(self, c: float):
+        super().__init__()
+        self.c = c
+
+    def forward(self, w):
+        return w.clamp(-self.c, self.c)
+
+
+@pytest.mark.parametrize("case", ["clamp", "spectral_norm", "weight_norm_dim"])
+def test_parametrizations_that_differ_per_model_are_refused(case):
+    # They run per model as model 0's code: models 1 and 2 were clamped at model 0's
+    # bound (or ran its power iterations) with no error; weight norm's dim crashed in a
+    # bare torch.stack.
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    def model(i):
+        layer = nn.Linear(6, 6)
+        if case == "clamp":
+            parametrize.register_parametrization(layer, "weight", Clamp(0.5 * (i + 1)))
+        elif case == "spectral_norm":
+            spectral_norm(layer, n_power_iterations=1 + 4 * i)
+        else:
+            weight_norm(layer, dim=i % 2)
+        return nn.Sequential(layer, nn.Tanh())
+
+    expected = {"clamp": r"`c`: 0.5 in model 0; 1.0 in model 1",
+                "spectral_norm": r"`n_power_iterations`: 1 in model 0; 5 in model 1",
+                "weight_norm_dim": r"`dim`: 0 in model 0; 1 in model 1"}[case]
+    with pytest.raises(hftc.errors.MismatchError, match=expected):
+        hftc.fuse([model(i) for i in range(2)])
+    # the same parametrization in every model fuses (and runs per model, exactly)
+    torch.manual_seed(0)
+    check_equivalence([model(0) for _ in range(3)], torch.randn(4, 6), steps=2)
+
+
 class BufferUpdates(nn.Module):
     """Buffers updated in forward as statistics code does: in place under no_grad (an
     EMA), by augmented assignment (a step counter) and by assignment (the last batch's
