@@ -724,7 +724,7 @@ class FusedModule(nn.Module):
             with preserved_state(self), torch.no_grad():
                 run_program(self, program.forward, ProgramChoice(ModelLoop(self)),
                             input_copies(values), batched)
-            how = ProgramChoice(ModelLoop(self))
+            how = ProgramChoice(self._models_one_by_one())
         except Exception as exc:  # noqa: BLE001 - any failure means: no correct way to run
             raise TraceError(f"{message} The models cannot run one by one either "
                              f"({type(exc).__name__}: {exc})") from exc
@@ -732,6 +732,17 @@ class FusedModule(nn.Module):
                       f"speed-up), because {message}", FusionWarning, stacklevel=2)
         program.how = how
         return program
+
+    def _models_one_by_one(self) -> ModelLoop:
+        """The whole-model loop every program that runs the models one by one shares: one
+        set of shells, so the Python attributes forward changes (``self.calls += 1``) are
+        each model's own across modes and input signatures, and ``unfuse()`` gives them
+        back (a loop per program counted each program's calls apart)."""
+        loop = self.__dict__.get("_shared_model_loop")
+        if loop is None:
+            loop = ModelLoop(self)
+            self.__dict__["_shared_model_loop"] = loop
+        return loop
 
     def _explain_input_mismatch(self, values: Sequence[Any], cause: Exception) -> None:
         """An input of another dtype or device than the parameters: say so, not the ATen error."""
@@ -844,6 +855,14 @@ class FusedModule(nn.Module):
             sub = model.get_submodule(path)
             for name, value in attributes.items():
                 setattr(sub, name, copy.deepcopy(value))
+        loop = self.__dict__.get("_shared_model_loop")
+        if loop is not None and self._python_state:
+            # the attributes forward changed, as model ``index``'s forwards left them
+            shell = loop.shells[index]
+            for name in self._python_state[1]:
+                path, _, key = name.rpartition(".")
+                setattr(model.get_submodule(path), key,
+                        copy.deepcopy(getattr(shell.get_submodule(path), key)))
         return model
 
     # ------------------------------------------------------------------ pickling

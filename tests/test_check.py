@@ -285,6 +285,43 @@ def test_python_state_changed_by_forward_runs_the_models_one_by_one():
     assert "FAILED: model 0's forward changes" in str(fused.fusion_report)
 
 
+class WarmUpNorm(nn.Module):
+    """Python state (one-by-one models) and a batch norm a user may freeze."""
+
+    def __init__(self):
+        super().__init__()
+        self.warm = WarmUp()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(self.warm(x))
+
+
+def test_models_one_by_one_keep_their_attributes_and_submodule_modes():
+    # Each program (per mode and input signature) had its own loop of models, so the
+    # counters of a train -> eval -> train sequence started over per program and unfuse()
+    # gave the counters of fusing time; and a submodule's eval() set on the fused module
+    # after its program was built did not reach the models.
+    torch.manual_seed(0)
+    models = [WarmUpNorm() for _ in range(3)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(6, 4)
+    steps = [("train", None), ("eval", None), ("train", None), ("train", "norm"),
+             ("train", None)]
+    with pytest.warns(FusionWarning, match="one by one"):
+        for mode, frozen in steps:
+            for m in (fused, *models):
+                m.train(mode == "train")
+                if frozen:
+                    m.get_submodule(frozen).eval()
+            out = fused(x)
+            for i, m in enumerate(models):
+                torch.testing.assert_close(out[i], m(x), msg=f"{mode} {frozen}, model {i}")
+    for back, m in zip(fused.unfuse(), models):
+        assert back.warm.calls == m.warm.calls == len(steps)
+        torch.testing.assert_close(back.norm.running_mean, m.norm.running_mean)
+
+
 def test_traced_values_kept_in_attributes_are_not_python_state():
     class Inspectable(nn.Module):
         def __init__(self):

@@ -50,6 +50,26 @@ class ModelLoop:
                 self.buffer_names = [n for n, _ in fused.named_buffers() if n in shell_buffers]
             self.slots.append(self._take_tensors(shell))  # one model's copy at a time, never N
             self.shells.append(shell)
+        #: per shell, its modules in ``named_modules`` order, whose train/eval mode each
+        #: call sets from the fused module's module of the same path (``fused.bn.eval()``
+        #: freezes every model's batch norm); a path the fused module does not have (a
+        #: parametrization's modules) takes its nearest ancestor's mode
+        paths = [path for path, _ in self.shells[0].named_modules(remove_duplicate=False)]
+        self.module_paths = paths
+        self.modules = [[sub for _, sub in shell.named_modules(remove_duplicate=False)]
+                        for shell in self.shells]
+
+    def _modes(self, fused: nn.Module) -> list[bool]:
+        """Each shell module's train/eval mode: its fused counterpart's (see ``modules``)."""
+        fused_modules = dict(fused.named_modules(remove_duplicate=False))
+        modes: dict[str, bool] = {}
+        for path in self.module_paths:
+            if path in fused_modules:
+                modes[path] = fused_modules[path].training
+            else:
+                parent = path.rpartition(".")[0]
+                modes[path] = modes.get(parent, fused.training)
+        return [modes[path] for path in self.module_paths]
 
     def _take_tensors(self, shell: nn.Module) -> list[tuple[dict[str, Any], str, str, Any]]:
         """Replace the shell's own tensors, which the stacked tensors' slices replace at
@@ -94,10 +114,11 @@ class ModelLoop:
             slices = {name: (tensors[name].squeeze(0),) for name in names}
         else:
             slices = {name: tensors[name].unbind(0) for name in names}
+        modes = self._modes(fused)
         outs = []
         for i, (shell, slots) in enumerate(zip(self.shells, self.slots)):
-            if shell.training != fused.training:
-                shell.train(fused.training)
+            for sub, mode in zip(self.modules[i], modes):
+                sub.training = mode
             args = tuple(v[i] if b else v for v, b in zip(values, batched))
             for registry, key, name, _ in slots:
                 registry[key] = slices[name][i]
