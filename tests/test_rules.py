@@ -491,3 +491,97 @@ def test_losses_inside_forward_are_one_loss_per_model(frontend, stacked):
         fuser=lambda models, in_dims: hftc.fuse(models, in_dims=in_dims, frontend=frontend,
                                                 example_inputs=example))
     assert fused.fusion_report.fallbacks == []
+
+
+class DimsFromRank(nn.Module):
+    """Dims that forward computes from the rank (``x.dim()``, ``x.ndim``) are graph nodes
+    when tracing, positive and negative ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x):
+        h = self.fc(x)                                           # [B, 5, 5]
+        t = h.transpose(h.ndim - 2, h.ndim - 1)                  # (1, 2)
+        a = t.softmax(h.dim() - 1)                               # 2
+        b = F.log_softmax(t, dim=1 - h.ndim)                     # -2
+        c = torch.cat([a, b], h.ndim - 3)                        # 0
+        d = torch.cat([a, b], dim=-h.ndim)                       # -3
+        e = c.unsqueeze(h.dim()).sum(-h.dim() - 1)               # 3, then -4
+        f = d.unsqueeze(1 - h.dim()).sum(h.ndim - 2, keepdim=True)  # -2, then 1
+        return t.transpose(-h.ndim + 1, h.ndim - 1), e, f, h.sum(h.dim() - 3)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
+def test_dims_computed_from_the_rank_are_shifted_in_the_fused_graph(stacked):
+    """``h.transpose(h.ndim - 2, h.ndim - 1)``, ``h.softmax(h.dim() - 1)``: a dim computed in
+    forward was an fx node when fusing, and every dim rule (transpose, softmax, sum, cat,
+    unsqueeze ...) failed with an internal error comparing it with 0. The fused graph now
+    shifts it past the model dim when it runs."""
+    n = 3
+    x = torch.randn((n, 4, 5, 5) if stacked else (4, 5, 5))
+    fused = check_equivalence([DimsFromRank() for _ in range(n)], x,
+                              in_dims=0 if stacked else None, dtype=torch.float64, steps=2)
+    assert fused.fusion_report.fallbacks == []
+
+
+class DimInput(nn.Module):
+    """A dim given as a forward input (an int)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x, dim):
+        h = self.fc(x)
+        return (h.transpose(dim, -1), h.softmax(dim), h.sum(dim), torch.cat([h, 2 * h], dim),
+                h.unsqueeze(dim).cumsum(dim), h.amax(dim=dim))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
+@pytest.mark.parametrize("dim", [0, 1, 2, -1, -3])
+def test_a_dim_given_as_an_input_is_shifted_in_the_fused_graph(dim, stacked):
+    n = 3
+    x = torch.randn((n, 4, 5, 5) if stacked else (4, 5, 5))
+    fused = check_equivalence([DimInput() for _ in range(n)], (x, dim),
+                              in_dims=(0, None) if stacked else None, dtype=torch.float64)
+    assert fused.fusion_report.fallbacks == []
+
+
+def test_a_dim_computed_from_a_size_is_right_for_every_call():
+    """A program is compiled once per input rank, not per size: a dim computed from a size
+    (here ``x.size(0) % 3 - 1``: 0, 1 or -1) is shifted on every call, never baked in."""
+    import hftc
+
+    class SizeDim(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(5, 5)
+
+        def forward(self, x):
+            return self.fc(x).softmax(x.size(0) % 3 - 1)
+
+    models = [SizeDim() for _ in range(3)]
+    fused = hftc.fuse(models)
+    for batch in (4, 5, 6, 4):
+        x = torch.randn(batch, 5, 5)
+        torch.testing.assert_close(fused(x), torch.stack([m(x) for m in models]))
+    assert len(fused._programs) == 1
+    assert fused.fusion_report.fallbacks == []
+
+
+def test_std_and_var_with_a_positional_unbiased_flag_keep_it():
+    """``x.std(False)`` (the unbiased overload, no dim) dropped the flag: the fused program
+    computed the unbiased std (the first-call check then ran the models one by one)."""
+    import warnings
+
+    import hftc
+
+    models = [Lambda(lambda s, x: torch.stack([s.fc(x).std(False), torch.var(s.fc(x), False),
+                                               s.fc(x).std(True)]), fc=nn.Linear(5, 5))
+              for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hftc.FusionWarning)
+        fused = check_equivalence(models, torch.randn(4, 5), dtype=torch.float64)
+    assert fused.fusion_report.fallbacks == []

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..lowering import kernels
+from ..trace import EXAMPLE_VALUE
 from .elementwise import fuse_pointwise
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
 from .shape import shift_dim_arg
@@ -47,7 +48,13 @@ def _reduction_rule(op_name: str, position: int | None):
             dim = args[position]
         else:
             dim = kwargs.get(key)
-        if isinstance(dim, bool):  # std(x, unbiased) overload: no dim
+        value = dim.meta.get(EXAMPLE_VALUE) if isinstance(dim, fx.Node) else dim
+        if isinstance(value, bool):  # std(x, unbiased) overload: no dim
+            if op_name in ("std", "var") and position is not None and position < len(args):
+                # over all dims, with the given unbiased (dropping it computed the unbiased
+                # std of x.std(False))
+                return builder.call(kernels.reduce_all, op_name, builder.broadcast(args[0]),
+                                    *args[1:], **kwargs)
             dim = None
         x = builder.broadcast(args[0])
         if dim is None:
