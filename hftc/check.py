@@ -341,6 +341,42 @@ class CheckResult:
                 f"difference {self.largest:.2g}, relative)")
 
 
+class _ParametersKept(TorchDispatchMode):
+    """Puts back, when it ends, the parameters an op wrote into while it was on.
+
+    ``nn.Embedding(max_norm=...)`` renormalizes its weight's rows in place in forward:
+    the check's extra run of the fused program would leave the user's first call
+    another weight than the models' own first call reads (where forward reads the weight
+    before the lookup), and the models' copies the check compares with would start from
+    the weights the run left.  Only what is written is kept (a copy at its first
+    write): a copy of every weight could be what does not fit."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.params = {p.untyped_storage().data_ptr(): p for p in module.parameters()}
+        self.saved: dict[int, Tensor] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        for k, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[k] if k < len(args) else kwargs.get(argument.name)
+            if isinstance(value, Tensor):
+                key = value.untyped_storage().data_ptr()
+                if key in self.params and key not in self.saved:
+                    self.saved[key] = self.params[key].detach().clone()
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = super().__exit__(*exc)
+        with torch.no_grad():
+            for key, value in self.saved.items():
+                self.params[key].copy_(value)
+        return result
+
+
 def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
                         values: Sequence[Any], batched: Sequence[bool]) -> CheckResult:
     """Run the fused program (``run(values)``) and models 0, N // 2 and N-1 on their own on
@@ -356,7 +392,7 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
         before = _rng_states()
         try:
             with preserved_state(fused):  # buffers (and the RNG) back after the run
-                with ConstantRandomness() as fused_mode:
+                with ConstantRandomness() as fused_mode, _ParametersKept(fused):
                     out = run(input_copies(values))
                 result.shapes_only = any(not torch.equal(a, b)
                                          for a, b in zip(before, _rng_states()))

@@ -403,3 +403,42 @@ def test_the_check_compares_a_middle_model_too(n, picks):
     fused(torch.randn(3, 4))
     assert fused.fusion_report.check.models == picks
     assert fused.fusion_report.check.passed
+
+
+class RenormedLookup(nn.Module):
+    """nn.Embedding(max_norm=...) renormalizes its weight's rows in place in forward; the
+    weight is read before the lookup too (a tied output layer)."""
+
+    def __init__(self, counter: bool = False):
+        super().__init__()
+        self.counter = counter
+        self.calls = 0
+        self.e = nn.Embedding(10, 8, max_norm=1.0)
+        with torch.no_grad():
+            self.e.weight.mul_(2)
+
+    def forward(self, ids):
+        if self.counter:
+            self.calls += 1
+        w = self.e.weight * 1.0
+        return F.linear(self.e(ids), w)
+
+
+def test_the_check_puts_back_the_weights_forward_writes_into():
+    # The check built the models' copies after the fused run had renormalized the rows:
+    # a false difference, then the one-by-one fallback, which crashed in a bare
+    # RuntimeError (autograd forbids writing into unbind's views).  The check's run puts
+    # the weights it wrote back, so the first call reads what the models' first call does.
+    torch.manual_seed(0)
+    models = [RenormedLookup() for _ in range(3)]
+    ids = torch.tensor([[1, 2, 3, 1], [4, 0, 2, 9]])
+    fused = hftc.fuse(copy.deepcopy(models))
+    out = fused(ids)  # a FusionWarning would fail this test
+    assert fused.fusion_report.check.passed
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(ids))
+    # Run one by one (Python state), such a model is refused clearly.
+    fused = hftc.fuse([RenormedLookup(counter=True) for _ in range(2)])
+    with pytest.warns(FusionWarning, match="one by one"), \
+            pytest.raises(hftc.errors.TraceError, match="writes into one of its parameters"):
+        fused(ids)

@@ -30,6 +30,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from ..errors import TraceError
+
 
 class ModelLoop:
     """Runs a fused module's N models one by one (see the module docstring)."""
@@ -124,6 +126,17 @@ class ModelLoop:
                 registry[key] = slices[name][i]
             try:
                 outs.append(shell(*args))
+            except RuntimeError as exc:
+                if "returns multiple views" not in str(exc):
+                    raise
+                raise TraceError(
+                    f"model {i}'s forward writes into one of its parameters in place "
+                    f"(nn.Embedding(max_norm=...) renormalizes its weight's rows), and its "
+                    f"weights are views of the fused module's stacked tensors, which "
+                    f"autograd does not let a forward modify in place; hftc cannot run these "
+                    f"models one by one. Fuse them (without the Python state or checks that "
+                    f"made hftc run them one by one: see the FusionWarning), or renormalize "
+                    f"in the training loop, outside forward") from exc
             finally:  # no view of the stacked tensors outlives the call
                 for registry, key, _, placeholder in slots:
                     registry[key] = placeholder
