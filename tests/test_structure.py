@@ -766,3 +766,41 @@ def test_a_programs_key_holds_the_tensors_inside_containers():
         for i, m in enumerate(models):
             torch.testing.assert_close(out[i], m((x,)))
     assert len(fused._programs) == 2  # one per rank, not one per call
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        self.heads = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 1)})
+
+    def forward(self, x):
+        h = self.blocks(x)
+        return self.heads["a"](h), self.heads["b"](h)
+
+
+def test_containers_index_as_in_the_model_and_submodule_hooks_are_refused():
+    # fused.blocks[0] raised "not subscriptable" (freezing the first k blocks); a hook on a
+    # submodule never ran, silently.
+    torch.manual_seed(0)
+    models = [Blocks() for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    assert len(fused.blocks) == 3 and fused.blocks[0] is fused.get_submodule("blocks.0")
+    assert fused.blocks[-1] is fused.get_submodule("blocks.2")
+    assert isinstance(fused.blocks[1], nn.ReLU) and list(fused.heads) == ["a", "b"]
+    assert fused.heads["b"] is fused.get_submodule("heads.b")
+    assert [type(b) for b in fused.blocks] == [type(fused.blocks[0]), nn.ReLU,
+                                               type(fused.blocks[0])]
+    assert bool(fused.blocks[0])
+    with pytest.raises(TypeError, match="does not support len"):
+        len(fused.blocks[0])
+    with pytest.raises(IndexError):
+        fused.blocks[3]
+    for block in list(fused.blocks)[:1]:  # freeze the first block, as in the models
+        block.requires_grad_(False)
+    for m in models:
+        m.blocks[0].requires_grad_(False)
+    check_equivalence(models, torch.randn(5, 4), fused=fused, steps=2)
+    with pytest.raises(UnsupportedOperatorError, match="would never run"):
+        fused.blocks[0].register_forward_hook(lambda *a: None)
+    fused.register_forward_hook(lambda *a: None)  # the fused module's own hooks run

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..errors import MismatchError
+from ..errors import MismatchError, UnsupportedOperatorError
 
 
 class StackedModule(nn.Module):
@@ -32,9 +32,60 @@ class StackedModule(nn.Module):
         self._source_repr = source.extra_repr()
         self.num_models = num_models
         self.training = source.training
+        #: "list" (nn.Sequential, nn.ModuleList), "dict" (nn.ModuleDict) or None: how the
+        #: source's children are reached (``fused.blocks[0]``, ``len(fused.blocks)``)
+        self._container = ("list" if isinstance(source, (nn.Sequential, nn.ModuleList))
+                           else "dict" if isinstance(source, nn.ModuleDict) else None)
 
     def extra_repr(self) -> str:
         return f"{self.source_type}({self._source_repr}) x {self.num_models}"
+
+    # ------------------------------------------------------------ as the container it mirrors
+
+    def _container_of(self, what: str) -> str:
+        container = self.__dict__.get("_container")
+        if container is None:
+            raise TypeError(f"'{self.source_type}' (stacked by hftc) does not support {what}")
+        return container
+
+    def __getitem__(self, key: int | str) -> nn.Module:
+        """``fused.blocks[0]`` as ``model.blocks[0]`` (``fused.heads["a"]`` for a ModuleDict):
+        the freeze-the-first-k-blocks habit on the fused module."""
+        if self._container_of("indexing") == "list" and isinstance(key, int):
+            names = list(self._modules)
+            if not -len(names) <= key < len(names):
+                raise IndexError(f"index {key} is out of range for {len(names)} modules")
+            return self._modules[names[key]]
+        if isinstance(key, str) and key in self._modules:
+            return self._modules[key]
+        raise KeyError(key)
+
+    def __len__(self) -> int:
+        self._container_of("len()")
+        return len(self._modules)
+
+    def __bool__(self) -> bool:  # a module is true, container or not (``__len__`` raises)
+        return True
+
+    def __iter__(self):
+        if self._container_of("iteration") == "dict":
+            return iter(self._modules)
+        return iter(self._modules.values())
+
+    # ------------------------------------------------------------ hooks never run
+
+    def _no_hooks(self, *args, **kwargs):
+        raise UnsupportedOperatorError(
+            f"a hook on a fused module's submodule ({self.source_type}, stacked by hftc) "
+            f"would never run: the fused program reads its stacked tensors and does not "
+            f"call it. Register hooks on the fused module itself (its outputs are the N "
+            f"models' stacked), or on an unfused model (fused.unfuse_model(i))")
+
+    register_forward_hook = _no_hooks
+    register_forward_pre_hook = _no_hooks
+    register_full_backward_hook = _no_hooks
+    register_full_backward_pre_hook = _no_hooks
+    register_backward_hook = _no_hooks
 
     def forward(self, *args, **kwargs):  # pragma: no cover - the fused graph never calls it
         raise RuntimeError(
