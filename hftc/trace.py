@@ -157,6 +157,17 @@ class _Tracer(fx.Tracer):
             self._buffer_aliases.add(proxy.node)
         return proxy
 
+    def create_arg(self, a: Any) -> Any:
+        # A dataclass that is also a dict (transformers' ModelOutput, an OrderedDict): fx
+        # takes the dict branch first and records a plain dict, so the fused module
+        # returned a dict (``out.logits`` failed).  Recorded as a call of its class, as fx
+        # records other dataclasses (``_flatten_dataclass_output`` then splits it).
+        if isinstance(a, dict) and dataclasses.is_dataclass(a) and not isinstance(a, type):
+            kwargs = {f.name: self.create_arg(getattr(a, f.name))
+                      for f in dataclasses.fields(a) if f.init}
+            return self.create_node("call_function", type(a), (), kwargs)
+        return super().create_arg(a)
+
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
         if id(attr_val) in self._assigned_buffers:  # assigned by this forward: its new value
             return self._assigned_buffers[id(attr_val)]

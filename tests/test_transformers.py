@@ -79,3 +79,36 @@ def test_a_returned_cache_says_to_turn_use_cache_off():
     with pytest.raises(hftc.errors.TraceError, match=r"DynamicCache.*use_cache=False"):
         hftc.fuse([transformers.GPT2LMHeadModel(config) for _ in range(2)],
                   example_inputs=(ids,))
+
+
+class _HeadWithModelOutput(torch.nn.Module):
+    """A custom model that returns a transformers ModelOutput (a dataclass and a dict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, x, labels):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        logits = self.fc(x)
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def test_a_model_output_from_a_symbolically_traced_model_keeps_its_class():
+    # fx records a dict for a dict subclass before it looks for a dataclass: the fused
+    # module returned a plain dict (out.logits raised AttributeError).
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    torch.manual_seed(0)
+    models = [_HeadWithModelOutput() for _ in range(3)]
+    x, labels = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    out = hftc.fuse(models)(x, labels)
+    assert type(out) is SequenceClassifierOutput and list(out.keys()) == ["loss", "logits"]
+    assert out.logits.shape == (3, 4, 3) and out[0] is out.loss
+    for i, m in enumerate(models):
+        want = m(x, labels)
+        torch.testing.assert_close(out.logits[i], want.logits)
+        torch.testing.assert_close(out.loss[i], want.loss)
+    check_equivalence(models, (x, labels), steps=2)
