@@ -178,3 +178,24 @@ def test_errors_are_fusion_errors():
     assert issubclass(MismatchError, FusionError)
     assert issubclass(FusionArgumentError, ValueError)
     assert issubclass(FusionTypeError, TypeError)
+
+
+def test_a_dataclass_inside_an_output_container_gets_a_clear_error():
+    # It crashed in "Boolean value of Tensor with more than one value is ambiguous".
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        n: int = 3
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 5)
+
+        def forward(self, x):
+            return [Out(self.a(x), 1)]
+
+    with pytest.raises(hftc.errors.FusionError, match="`Out` returned a Out that holds tensors"):
+        hftc.fuse([Model() for _ in range(3)])(torch.randn(4, 6))

@@ -1405,7 +1405,15 @@ def _stack_results(outs: list[Any], name: str) -> Any:
         if isinstance(leaf, Tensor):
             stacked.append(torch.stack(column))
         else:
-            if any(v != leaf for v in column[1:]):
+            try:
+                differ = any(bool(v != leaf) for v in column[1:])
+            except RuntimeError:  # a value holding tensors pytree does not open (a dataclass)
+                raise FusionError(
+                    f"`{name}` returned a {type(leaf).__name__} that holds tensors, inside "
+                    f"a container, which hftc cannot stack per model; return tensors in "
+                    f"tuples, lists or dicts, or the dataclass itself as forward's output"
+                ) from None
+            if differ:
                 raise FusionError(
                     f"{name} returned different Python values for different models "
                     f"({column}); hftc needs them equal to fuse the models"
