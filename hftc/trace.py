@@ -661,7 +661,9 @@ def annotate_example_values(
     """
     args = _bind_placeholders(graph, inputs, kwargs)
     copied = fx.Graph()
-    copied.graph_copy(graph, {})
+    # With its output node: a graph of placeholders alone (``return x``) compiled to a
+    # function with no body.
+    copied.output(copied.graph_copy(graph, {}))
     try:
         with torch.no_grad():
             _Recorder(fx.GraphModule(template, copied), list(graph.nodes)).run(*_to_meta(args))

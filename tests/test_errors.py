@@ -199,3 +199,24 @@ def test_a_dataclass_inside_an_output_container_gets_a_clear_error():
 
     with pytest.raises(hftc.errors.FusionError, match="`Out` returned a Out that holds tensors"):
         hftc.fuse([Model() for _ in range(3)])(torch.randn(4, 6))
+
+
+@pytest.mark.parametrize("returns", ["x", "pair", "constant"])
+def test_a_forward_that_computes_nothing_fuses(returns):
+    # A graph of placeholders alone compiled to a function with no body (IndentationError).
+    class Passthrough(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 5)
+
+        def forward(self, x):
+            return {"x": x, "pair": (x, x), "constant": 3}[returns]
+
+    models = [Passthrough() for _ in range(2)]
+    x = torch.randn(4, 6)
+    out = hftc.fuse(models)(x)
+    if returns == "constant":
+        assert out == 3
+    else:
+        for got in (out if returns == "pair" else (out,)):
+            assert got.shape == (2, 4, 6) and torch.equal(got[0], x) and torch.equal(got[1], x)
