@@ -64,22 +64,32 @@ class Adam(FusedOptimizer):
 
     The default (``fused=None`` or ``False``) repeats stock's default update and
     matches it bit for bit on the CPU.
+
+    ``foreach`` is accepted and kept in ``param_groups`` but changes nothing: hftc picks
+    its own ops (``_foreach`` ops for small parameters, see ``_FOREACH_MAX_NUMEL``),
+    and on the CPU stock's foreach and for-loop updates give the same values bit for
+    bit (torch 2.13), which hftc's equal.  ``capturable=True`` and
+    ``differentiable=True`` raise ``FusionArgumentError`` (step counts stay on the
+    CPU; the step runs under ``torch.no_grad()``), as does ``fused=True`` with
+    ``foreach=True``, which torch refuses too.
     """
 
     _hyperparameters = {
         "lr": "float", "betas": "pair", "eps": "float", "weight_decay": "float",
         "amsgrad": "flag", "maximize": "flag", "decoupled_weight_decay": "flag",
     }
+    _flags = {"foreach": None, "capturable": False, "differentiable": False, "fused": False}
 
     def __init__(self, params, num_models: int | None = None, lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=0.0, amsgrad=False, *, maximize=False,
-                 decoupled_weight_decay=False, fused: bool | None = None):
+                 eps=1e-8, weight_decay=0.0, amsgrad=False, *, foreach: bool | None = None,
+                 maximize=False, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, decoupled_weight_decay=False):
         super().__init__(params, num_models, {
             "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
             "amsgrad": amsgrad, "maximize": maximize,
             "decoupled_weight_decay": decoupled_weight_decay,
-        })
-        self.defaults["fused"] = bool(fused)
+        }, {"foreach": foreach, "capturable": capturable, "differentiable": differentiable,
+            "fused": fused})
 
     def _init_state(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
         state = self.state[p]
@@ -90,7 +100,7 @@ class Adam(FusedOptimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
-        if self.defaults.get("fused"):
+        if self._flag("fused"):
             # The fused kernel walks raw memory: every tensor it is given must be dense
             # and laid out alike (stock relies on AccumulateGrad's layout contract too).
             dense = [p for p in params if self._dense(p)]
@@ -311,12 +321,16 @@ class AdamW(Adam):
     """AdamW (decoupled weight decay) for N fused models: ``torch.optim.AdamW``'s arguments.
 
     ``hftc.optim.Adam`` with ``decoupled_weight_decay=True`` and a default
-    ``weight_decay`` of 1e-2, as in torch.
+    ``weight_decay`` of 1e-2, as in torch (``foreach``, ``capturable``,
+    ``differentiable`` and ``fused`` as there).
     """
 
     def __init__(self, params, num_models: int | None = None, lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=1e-2, amsgrad=False, *, maximize=False,
-                 fused: bool | None = None):
+                 foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None):
         super().__init__(params, num_models, lr=lr, betas=betas, eps=eps,
-                         weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                         decoupled_weight_decay=True, fused=fused)
+                         weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
+                         maximize=maximize, capturable=capturable,
+                         differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True)

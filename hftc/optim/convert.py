@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..errors import FusionArgumentError
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .optimizer import FusedOptimizer
@@ -24,8 +25,10 @@ _FUSED_CLASS: dict[type, type[FusedOptimizer]] = {
     torch.optim.RMSprop: RMSprop,
     torch.optim.Adagrad: Adagrad,
 }
-# Group keys that pick a kernel, not a result: dropped.
-_IGNORED_KEYS = {"params", "param_names", "foreach", "fused", "capturable", "differentiable"}
+# Group keys not copied into the fused optimizer's groups: the parameters, and the flags
+# the fused constructor takes once for all models (``foreach``, one per model in torch's
+# groups and changing no value, is copied per model).
+_IGNORED_KEYS = {"params", "param_names", "fused", "capturable", "differentiable"}
 
 
 def fuse_optimizers(fused: torch.nn.Module,
@@ -41,15 +44,20 @@ def fuse_optimizers(fused: torch.nn.Module,
         opt = hftc.optim.fuse_optimizers(fused, opts)   # hftc.optim.Adam, lr=lrs
 
     Model i's hyper-parameters become ``opt.param_groups[i]`` (other keys in its
-    group, such as a scheduler's ``initial_lr``, are copied too), and its state
-    (``step``, ``exp_avg``, ``momentum_buffer``, ...) becomes slice i of the
+    group, such as a scheduler's ``initial_lr`` or ``foreach``, are copied too), and
+    its state (``step``, ``exp_avg``, ``momentum_buffer``, ...) becomes slice i of the
     stacked state, so optimizers that already stepped continue where they were.
-    Parameters are matched through ``fused.source_parameter_names``.
+    Parameters are matched through ``fused.source_parameter_names``.  ``fused``
+    carries over (every optimizer's must be the same: it picks the update's kernels
+    for all N models); ``differentiable=True`` and ``capturable=True`` are refused
+    with a ``FusionArgumentError``, as the fused constructor refuses them.
 
     Raises:
         TypeError: classes differ or are not supported, or ``fused`` is not fused.
         ValueError: wrong number of optimizers, more than one param group, or a
-            parameter that is not one of model i's.
+            parameter that is not one of model i's; ``FusionArgumentError`` (a
+            ``ValueError``) for flags hftc cannot honour or optimizers that differ in
+            ``fused``.
     """
     n = getattr(fused, "num_models", None)
     sources = getattr(fused, "source_parameter_names", None)
@@ -89,8 +97,16 @@ def fuse_optimizers(fused: torch.nn.Module,
                 f"({[g['lr'] for g in opt.param_groups]}); param_groups[i] of the fused "
                 f"optimizer is model i, whose lr holds for all its parameters: fuse such "
                 f"groups into separate fused optimizers")
-        if any(g.get("differentiable", False) for g in opt.param_groups):
-            raise ValueError(f"optimizers[{i}] is differentiable=True, which hftc does not support")
+        for key in ("differentiable", "capturable"):
+            if any(g.get(key, False) for g in opt.param_groups):
+                fused_cls._check_flags({key: True}, f"optimizers[{i}]: ")  # raises, saying why
+    fused_flag = {bool(g.get("fused")) for opt in optimizers for g in opt.param_groups}
+    if len(fused_flag) > 1:
+        flags = [[g.get("fused") for g in opt.param_groups] for opt in optimizers]
+        raise FusionArgumentError(
+            f"fuse_optimizers: the optimizers' fused flags differ ({flags}); the fused "
+            f"optimizer runs one implementation for all N models: build them all with "
+            f"fused=True or all without")
 
     # names[i][k]: model i's group k, as fused parameter names.
     names = [[_fused_names(i, g, sources[i]) for g in opt.param_groups]
@@ -125,7 +141,8 @@ def fuse_optimizers(fused: torch.nn.Module,
         params = [{"params": [by_name[name] for name in group],
                    **{key: v for key, v in values(k).items() if key != "lr" and v != hyper[key]}}
                   for k, group in enumerate(names[0])]
-    out = fused_cls(params, num_models=n, **hyper)
+    flags = {"fused": fused_flag.pop()} if "fused" in fused_cls._flags else {}
+    out = fused_cls(params, num_models=n, **hyper, **flags)
     for i, opt in enumerate(optimizers):
         for key, value in opt.param_groups[0].items():
             if key not in _IGNORED_KEYS and key not in fused_cls._hyperparameters:
@@ -172,8 +189,10 @@ def unfuse_optimizers(fused: torch.nn.Module, optimizer: FusedOptimizer,
         # optimizers[i] is a torch.optim.<same class> over models[i].parameters()
 
     ``models`` default to ``fused.unfuse()``; each must have the fused module's parameter
-    names.  An optimizer with param-group dicts (per-parameter hyper-parameters) is not
-    split: stock equivalents would need several groups.
+    names.  The flags travel too (``fused=True`` gives stock optimizers built with
+    ``fused=True``; ``foreach`` is copied per model).  An optimizer with param-group
+    dicts (per-parameter hyper-parameters) is not split: stock equivalents would need
+    several groups.
     """
     from .slicing import fused_param_names, load_model_slice
 
@@ -191,5 +210,8 @@ def unfuse_optimizers(fused: torch.nn.Module, optimizer: FusedOptimizer,
         raise ValueError(f"unfuse_optimizers: {len(models)} models for a fused optimizer "
                          f"of {optimizer.num_models}")
     state, names = optimizer.state_dict(), fused_param_names(fused, optimizer)
-    return [load_model_slice(state, names, i, stock_class(model.parameters()), model)
+    # fused=True: stock optimizers built fused (their kernels, AMP handling); the other
+    # flags and hyper-parameters come with each model's group.
+    flags = {"fused": True} if optimizer.param_groups[0].get("fused") else {}
+    return [load_model_slice(state, names, i, stock_class(model.parameters(), **flags), model)
             for i, model in enumerate(models)]

@@ -209,6 +209,13 @@ class FusedOptimizer(Optimizer):
     # Hyper-parameter name -> kind ("float", "flag" or "pair"), in constructor order.
     _hyperparameters: ClassVar[dict[str, str]] = {}
 
+    #: The stock class's keyword arguments that pick how the update runs rather than a
+    #: value per model (``foreach``, ``fused``, ``capturable``, ``differentiable``), with
+    #: their defaults: one value for all N models, kept in every param group as torch
+    #: keeps them (so ``state_dict`` and ``load_state_dict`` carry them).  Checked by
+    #: :meth:`_check_flags`; ``fused`` is stored as a bool.
+    _flags: ClassVar[dict[str, Any]] = {"differentiable": False}
+
     #: Tells torch.amp.GradScaler to hand its scale and found-inf flag to ``step`` (as
     #: ``self.grad_scale`` / ``self.found_inf``) instead of skipping the whole step
     #: itself: ``step`` then refuses with a message that says to use
@@ -220,7 +227,9 @@ class FusedOptimizer(Optimizer):
         params: Iterable[Tensor] | Iterable[tuple[str, Tensor]] | torch.nn.Module,
         num_models: int | None,
         hyperparameters: dict[str, Any],
+        flags: dict[str, Any] | None = None,
     ):
+        flags = self._check_flags({**self._flags, **(flags or {})})
         if isinstance(params, torch.nn.Module):
             if num_models is None:
                 num_models = getattr(params, "num_models", None)
@@ -233,7 +242,7 @@ class FusedOptimizer(Optimizer):
         items = list(params)
         if not items:
             raise ValueError(f"{type(self).__name__} got an empty parameter list")
-        items, group_of, overrides = self._split_groups(items)
+        items, group_of, overrides = self._split_groups(items, flags)
         named = all(isinstance(x, tuple) and len(x) == 2 for x in items)
         if named:
             names = [str(x[0]) for x in items]
@@ -275,14 +284,15 @@ class FusedOptimizer(Optimizer):
             group.update({k: v[i] for k, v in per_model.items()})
             groups.append(group)
         defaults = {k: self._default_of(k, hyperparameters[k]) for k in self._hyperparameters}
-        defaults["differentiable"] = False
+        defaults.update(flags)
         self._groups_frozen = False
         super().__init__(groups, defaults)
         self._groups_frozen = True
 
     # ------------------------------------------------------------------ set-up
 
-    def _split_groups(self, items: list[Any]) -> tuple[list[Any], list[int], list[dict]]:
+    def _split_groups(self, items: list[Any], flags: dict[str, Any] | None = None
+                      ) -> tuple[list[Any], list[int], list[dict]]:
         """Param-group dicts, as torch takes them, -> one flat list of parameters, each
         parameter's group index, and each group's hyper-parameters (``[]`` for none)::
 
@@ -291,7 +301,8 @@ class FusedOptimizer(Optimizer):
 
         A group's values (one shared, or N per model) hold for its parameters, the
         constructor's for the rest.  Not ``lr``: ``param_groups[i]`` is model i, whose
-        learning rate its scheduler sets for all of its parameters."""
+        learning rate its scheduler sets for all of its parameters.  A group may name a
+        flag (``foreach``, ...) only with the optimizer's value: it holds for all of them."""
         if not any(isinstance(x, dict) for x in items):
             return items, [0] * len(items), [{}]
         cls = type(self).__name__
@@ -304,6 +315,16 @@ class FusedOptimizer(Optimizer):
             params = group["params"]
             params = [params] if isinstance(params, Tensor) else list(params)
             extra = {key: value for key, value in group.items() if key != "params"}
+            group_flags = {key: extra.pop(key) for key in self._flags if key in extra}
+            if group_flags and flags is not None:
+                checked = self._check_flags({**flags, **group_flags}, f"param group {k}: ")
+                if checked != flags:
+                    differ = sorted(key for key in group_flags if checked[key] != flags[key])
+                    raise FusionArgumentError(
+                        f"{cls}: param group {k} sets "
+                        f"{', '.join(f'{key}={group_flags[key]!r}' for key in differ)}, "
+                        f"which picks how the update runs for all parameters and models at "
+                        f"once; give it to the constructor instead")
             if "lr" in extra:
                 raise TypeError(
                     f"{cls}: param group {k} sets lr; param_groups[i] of a fused optimizer "
@@ -366,11 +387,23 @@ class FusedOptimizer(Optimizer):
                         f"{cls}.load_state_dict: state {key!r} of parameter {index} has shape "
                         f"{list(value.shape)}, its stacked parameter {list(p.shape)}: not a "
                         f"fused optimizer's state; {fix}")
+        for group in groups:  # what the constructor refuses (differentiable=True, ...)
+            self._check_flags({k: group[k] for k in self._flags if k in group},
+                              "load_state_dict: ")
         if extra is not None and len(extra["group_of"]) != len(params):
             raise FusionArgumentError(
                 f"{cls}.load_state_dict: the state dict is for {len(extra['group_of'])} "
                 f"parameters, this optimizer has {len(params)}")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "hftc"})
+        # torch moves a fused group's step counts to the parameter's device as float32;
+        # hftc keeps them on the CPU as saved, fused or not (where _count_steps counts
+        # them and the update reads them).
+        for index, p in zip(groups[0]["params"], params):
+            saved = state_dict.get("state", {}).get(index, {}).get("step")
+            loaded = self.state[p].get("step") if p in self.state else None
+            if isinstance(saved, Tensor) and isinstance(loaded, Tensor) \
+                    and (loaded.device != saved.device or loaded.dtype != saved.dtype):
+                self.state[p]["step"] = saved.to("cpu").clone()
         if extra is not None:  # as torch restores each group's hyper-parameters
             self._group_of = list(extra["group_of"])
             self._group_overrides = [
@@ -441,6 +474,60 @@ class FusedOptimizer(Optimizer):
                         f"(must be in [0, 1))"
                     )
 
+    @classmethod
+    def _check_flags(cls, flags: dict[str, Any], where: str = "") -> dict[str, Any]:
+        """The constructor's implementation flags, checked: one bool (or ``None``) each;
+        ``fused`` as a bool.  What hftc cannot honour raises ``FusionArgumentError``
+        saying what to do instead: ``differentiable=True``, ``capturable=True``, and
+        ``fused=True`` with ``foreach=True`` (which torch refuses too)."""
+        name = cls.__name__
+        out: dict[str, Any] = {}
+        for key, value in flags.items():
+            if isinstance(value, Tensor) and value.numel() == 1:
+                value = value.item()
+            if value is not None and not isinstance(value, (bool, numbers.Integral)):
+                raise FusionArgumentError(
+                    f"{name}: {where}{key} takes one bool (or None) for all N models: it "
+                    f"picks how the update runs, not a value per model; got {value!r}")
+            out[key] = value if value is None else bool(value)
+        if "fused" in out:
+            out["fused"] = bool(out["fused"])
+        if out.get("differentiable"):
+            raise FusionArgumentError(
+                f"{name}: {where}differentiable=True is not supported: the fused step "
+                f"updates the stacked parameters in place under torch.no_grad(), so autograd "
+                f"cannot differentiate through it. Pass differentiable=False (the default). "
+                f"To differentiate through optimizer steps (meta-learning), step each of "
+                f"fused.unfuse()'s models with torch.optim.{name}(..., differentiable=True), "
+                f"or write the update functionally (torch.func)")
+        if out.get("capturable"):
+            raise FusionArgumentError(
+                f"{name}: {where}capturable=True is not supported: each model's step count "
+                f"stays on the CPU and every step prepares the models' coefficients on the "
+                f"host (as torch.optim.{name} does with capturable=False), which a CUDA graph "
+                f"replay would not repeat. Pass capturable=False (the default): the step "
+                f"already runs each op once for all N models, and a torch.compile'd training "
+                f"step runs it eagerly")
+        if out.get("fused") and out.get("foreach"):
+            raise FusionArgumentError(
+                f"{name}: {where}fused=True and foreach=True cannot both be set "
+                f"(torch.optim.{name} refuses them together too); pass one of them")
+        return out
+
+    def _flag(self, key: str) -> bool:
+        """Flag ``key`` (``fused``) as every param group holds it: it picks how the whole
+        update runs, so the N models' groups must agree (a user or a loaded state dict
+        could set one group's)."""
+        groups = self.param_groups
+        value = bool(groups[0].get(key))
+        for g in groups:
+            if bool(g.get(key)) is not value:
+                raise FusionArgumentError(
+                    f"{type(self).__name__}: the param groups (one per model) disagree on "
+                    f"{key} ({[g.get(key) for g in groups]}); it picks how the update runs "
+                    f"for all N models at once: set one value in every group")
+        return value
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only used while constructing: groups are models, so none can be added later."""
         if getattr(self, "_groups_frozen", True):
@@ -454,6 +541,12 @@ class FusedOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_groups_frozen", True)
+        # Pickles and state dicts of hftc before the flags were param-group keys: the
+        # optimizer's own values (as torch's optimizers fill in keys added later).
+        for key, default in self._flags.items():
+            self.defaults.setdefault(key, default)
+            for group in self.param_groups:
+                group.setdefault(key, self.defaults[key])
         if self.__dict__.get("_group_of") is None:
             self._group_of = [0] * len(self.param_groups[0]["params"])
             self._group_overrides = [{}]

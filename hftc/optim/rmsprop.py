@@ -22,19 +22,28 @@ class RMSprop(FusedOptimizer):
 
     State per stacked parameter: ``step`` ``[N]``, ``square_avg``, and
     ``momentum_buffer`` / ``grad_avg`` if some model uses momentum / centering.
+
+    ``foreach`` is accepted and kept in ``param_groups`` but changes nothing: on the
+    CPU stock's foreach and for-loop updates give the same values bit for bit (torch
+    2.13), which hftc's equal.  ``capturable=True`` and ``differentiable=True`` raise
+    ``FusionArgumentError`` (step counts stay on the CPU; the step runs under
+    ``torch.no_grad()``).  The flags are keyword-only here (torch also takes them by
+    position).
     """
 
     _hyperparameters = {
         "lr": "float", "alpha": "float", "eps": "float", "weight_decay": "float",
         "momentum": "float", "centered": "flag", "maximize": "flag",
     }
+    _flags = {"foreach": None, "capturable": False, "differentiable": False}
 
     def __init__(self, params, num_models: int | None = None, lr=1e-2, alpha=0.99, eps=1e-8,
-                 weight_decay=0.0, momentum=0.0, centered=False, *, maximize=False):
+                 weight_decay=0.0, momentum=0.0, centered=False, *, capturable: bool = False,
+                 foreach: bool | None = None, maximize=False, differentiable: bool = False):
         super().__init__(params, num_models, {
             "lr": lr, "alpha": alpha, "eps": eps, "weight_decay": weight_decay,
             "momentum": momentum, "centered": centered, "maximize": maximize,
-        })
+        }, {"foreach": foreach, "capturable": capturable, "differentiable": differentiable})
 
     def _init_state(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
         state = self.state[p]

@@ -27,19 +27,33 @@ class SGD(FusedOptimizer):
     State per stacked parameter (only if some model has a momentum):
     ``momentum_buffer`` ``[N, *shape]`` and ``has_momentum_buffer`` ``[N]`` (0/1;
     stock SGD starts a model's buffer as a copy of its first gradient).
+
+    ``fused=True`` takes torch's fused SGD kernel, one call per model over that model's
+    slices of every parameter: ``torch.optim.SGD(fused=True)`` for each model bit for
+    bit, which differs from the default update by a rounding once there is a momentum.
+    The default (``fused=None`` or ``False``) repeats stock's default update, one op
+    for all N models, and matches it bit for bit on the CPU.  ``foreach`` is accepted
+    and kept in ``param_groups`` but changes nothing: on the CPU stock's foreach and
+    for-loop updates give the same values bit for bit (torch 2.13), which hftc's
+    equal.  ``differentiable=True`` raises ``FusionArgumentError`` (the step runs under
+    ``torch.no_grad()``), as does ``fused=True`` with ``foreach=True`` (torch refuses
+    it too).
     """
 
     _hyperparameters = {
         "lr": "float", "momentum": "float", "dampening": "float",
         "weight_decay": "float", "nesterov": "flag", "maximize": "flag",
     }
+    _flags = {"foreach": None, "differentiable": False, "fused": False}
 
     def __init__(self, params, num_models: int | None = None, lr=1e-3, momentum=0.0,
-                 dampening=0.0, weight_decay=0.0, nesterov=False, *, maximize=False):
+                 dampening=0.0, weight_decay=0.0, nesterov=False, *, maximize=False,
+                 foreach: bool | None = None, differentiable: bool = False,
+                 fused: bool | None = None):
         super().__init__(params, num_models, {
             "lr": lr, "momentum": momentum, "dampening": dampening,
             "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
-        })
+        }, {"foreach": foreach, "differentiable": differentiable, "fused": fused})
 
     def _check_hyperparameters(self, hp: dict[str, Any], model: int) -> None:
         super()._check_hyperparameters(hp, model)
@@ -68,6 +82,13 @@ class SGD(FusedOptimizer):
             self.state[p]["has_momentum_buffer"][model] = 1
 
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
+        if self._flag("fused"):
+            # The fused kernel walks raw memory: dense tensors only (as Adam's).
+            dense = [self._dense(p) for p in params]
+            self._update_fused([p for p, d in zip(params, dense) if d], hp)
+            params = [p for p, d in zip(params, dense) if not d]
+            if not params:
+                return
         maximize, nesterov = hp["maximize"], hp["nesterov"]
         active = [m != 0 for m in hp["momentum"]]
         any_decay = any(w != 0 for w in hp["weight_decay"])
@@ -130,3 +151,44 @@ class SGD(FusedOptimizer):
         if not all(active):
             direction = torch.where(coef.mask("active", p), direction, grad)
         return direction
+
+    # ------------------------------------------------------------------ fused=True
+
+    def _dense(self, p: Tensor) -> bool:
+        buf = self.state[p].get("momentum_buffer")
+        return all(t is None or t.is_contiguous() for t in (p, p.grad, buf))
+
+    def _update_fused(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
+        """torch's fused SGD kernel, one call per model over its slices of ``params``:
+        what ``torch.optim.SGD(fused=True)`` runs for that model alone."""
+        if not params:
+            return
+        momentum = hp["momentum"]
+        active = [m != 0 for m in momentum]
+        if any(active):
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:  # a scheduler turned it on
+                    self._init_state(p, {"momentum": [1.0]})
+            ready = [self.state[p]["has_momentum_buffer"].tolist() for p in params]
+        for i in range(self.num_models):
+            kwargs = dict(weight_decay=hp["weight_decay"][i], momentum=momentum[i],
+                          lr=hp["lr"][i], dampening=hp["dampening"][i],
+                          nesterov=hp["nesterov"][i], maximize=hp["maximize"][i])
+            if not active[i]:
+                torch._fused_sgd_([p[i] for p in params], [p.grad[i] for p in params], [],
+                                  is_first_step=False, **kwargs)
+                continue
+            # Stock's first step (no buffers yet) sets buf = grad; later ones m*buf + ...
+            for first in (True, False):
+                group = [p for p, r in zip(params, ready) if (r[i] == 0) is first]
+                if group:
+                    torch._fused_sgd_([p[i] for p in group], [p.grad[i] for p in group],
+                                      [self.state[p]["momentum_buffer"][i] for p in group],
+                                      is_first_step=first, **kwargs)
+        if any(active):
+            for p in params:
+                has_buf = self.state[p]["has_momentum_buffer"]
+                if all(active):
+                    has_buf.fill_(1)
+                else:
+                    has_buf[[i for i, a in enumerate(active) if a]] = 1

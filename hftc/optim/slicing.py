@@ -114,5 +114,10 @@ def load_model_slice(
                 sliced[key] = value
             elif _keep(key, value, state, index, group):
                 sliced[key] = value[index].clone()
+        if isinstance(sliced.get("step"), Tensor) and (group.get("fused")
+                                                        or group.get("capturable")):
+            # Where torch keeps a fused (or capturable) optimizer's step: on the
+            # parameter's device, as float32 (its load_state_dict moves it there too).
+            sliced["step"] = sliced["step"].to(device=p.device, dtype=torch.float32)
         optimizer.state[p] = sliced
     return optimizer
