@@ -409,6 +409,19 @@ class FusedModule(nn.Module):
         for p in self.parameters():
             mark_stacked(p, self.num_models)
 
+    def to(self, *args: Any, **kwargs: Any) -> FusedModule:
+        """``nn.Module.to``; a ``memory_format`` is not applied to the stacked tensors.
+
+        torch picks the tensors to lay out by rank (channels-last: the 4-d ones), and a
+        stacked tensor has one dim more than the model's (a Conv2d weight is ``[N, O, I,
+        kh, kw]``): ``fused.to(memory_format=torch.channels_last)`` raised on it.  The
+        fused kernels choose their layouts per call (``autotune=True`` times the
+        channels-last ones on the real shapes); the device and dtype still apply."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is None:
+            return super().to(*args, **kwargs)
+        return super().to(device=device, dtype=dtype, non_blocking=non_blocking)
+
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self._mark_stacked()

@@ -804,3 +804,17 @@ def test_containers_index_as_in_the_model_and_submodule_hooks_are_refused():
     with pytest.raises(UnsupportedOperatorError, match="would never run"):
         fused.blocks[0].register_forward_hook(lambda *a: None)
     fused.register_forward_hook(lambda *a: None)  # the fused module's own hooks run
+
+
+def test_to_channels_last_keeps_the_stacked_tensors_and_applies_the_dtype():
+    # torch lays out 4-d tensors: a stacked Conv2d weight is 5-d, and .to() raised.
+    torch.manual_seed(0)
+    models = [ConvNet() for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    moved = fused.to(torch.float64, memory_format=torch.channels_last)
+    assert moved is fused and all(p.dtype == torch.float64 for p in fused.parameters())
+    fused.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m.double()(x))
