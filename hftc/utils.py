@@ -401,13 +401,27 @@ def per_model(loss_fn: Callable[..., Tensor], *,
         fast = _flattened_loss(loss_fn, args, dims, n, kwargs)
         if fast is not None:
             return fast
+        # A loss module that updates its buffers per call (a running average of itself)
+        # would update them once for all N under vmap, or partly, in an attempt that
+        # fails midway: its buffers (a loss module's are small) are put back and it runs
+        # in the loop, N calls, as the models' losses would.  Buffers it only reads (a
+        # class weight) leave vmap's result as it is.
+        buffers = list(loss_fn.buffers()) if isinstance(loss_fn, nn.Module) else []
+        kept = [(b, b._version, b.detach().clone()) for b in buffers]
         try:
-            return torch.func.vmap(functools.partial(loss_fn, **kwargs), in_dims=dims)(*args)
-        except Exception:
-            # vmap cannot run every function (data-dependent Python, .item()); a loop can.
-            outs = [loss_fn(*[a[i] if d == 0 else a for a, d in zip(args, dims)], **kwargs)
-                    for i in range(n)]
-            return torch.stack(outs)
+            out = torch.func.vmap(functools.partial(loss_fn, **kwargs), in_dims=dims)(*args)
+        except Exception:  # noqa: BLE001 - vmap cannot run every function (.item()): a loop can
+            out = None
+        if any(b._version != version for b, version, _ in kept):
+            with torch.no_grad():
+                for b, _, saved in kept:
+                    b.copy_(saved)
+            out = None
+        if out is not None:
+            return out
+        outs = [loss_fn(*[a[i] if d == 0 else a for a, d in zip(args, dims)], **kwargs)
+                for i in range(n)]
+        return torch.stack(outs)
 
     return losses
 

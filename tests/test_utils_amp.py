@@ -574,3 +574,34 @@ def test_scaler_takes_torch_grad_scalers_device_argument():
             GradScaler(bad)
     with pytest.raises(RuntimeError):
         GradScaler("not-a-device")
+
+
+class _RunningLoss(nn.Module):
+    """A loss that keeps a running average of itself in a buffer, per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.ones(()))
+
+    def forward(self, out, target):
+        loss = ((out - target) ** 2).mean()
+        self.ema.mul_(0.9)
+        self.ema.add_(0.1 * loss.detach())
+        return loss
+
+
+def test_a_loss_that_updates_its_buffers_runs_once_per_model():
+    # vmap's attempt updated the buffer (mul_) and failed (add_ of a batched value), then
+    # the loop ran on top of it: the running average was off.
+    torch.manual_seed(0)
+    out, target = torch.randn(3, 4, 5), torch.randn(4, 5)
+    fused_loss, loop_loss = _RunningLoss(), _RunningLoss()
+    got = hftc.per_model(fused_loss)(out, target)
+    want = torch.stack([loop_loss(out[i], target) for i in range(3)])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(fused_loss.ema, loop_loss.ema)
+    # a buffer the loss only reads (a class weight) keeps vmap's way
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5]))
+    logits, labels = torch.randn(3, 4, 3), torch.randint(0, 3, (4,))
+    torch.testing.assert_close(hftc.per_model(weighted)(logits, labels),
+                               torch.stack([weighted(logits[i], labels) for i in range(3)]))
