@@ -137,4 +137,3 @@ def test_unfuse_gives_each_model_its_own_hyper_parameters():
     assert [m.drop.p for m in back] == [0.1, 0.7]
     assert [m.act.negative_slope for m in back] == [0.2, 0.3]
     assert [m.scale for m in back] == [0.2, 0.3]
-
