@@ -62,7 +62,20 @@ class OutputSpec:
     def rebuild(self, flat: Sequence[Any]) -> Any:
         if self.treespec is not None:
             return torch.utils._pytree.tree_unflatten(list(flat), self.treespec)
-        return self.dataclass(**dict(zip(self.fields, flat)))
+        return build_dataclass(self.dataclass, **dict(zip(self.fields, flat)))
+
+
+def build_dataclass(cls: type, **fields: Any) -> Any:
+    """``cls(**fields)``; for a dataclass with fields its ``__init__`` does not take
+    (``field(init=False)``, set in ``__post_init__``), made without ``__init__`` and every
+    field set as forward left it: ``__post_init__`` again on stacked fields would compute
+    over the wrong dims (``argmax(1)`` of ``[N, B, C]`` logits)."""
+    if all(f.init for f in dataclasses.fields(cls)):
+        return cls(**fields)
+    built = cls.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(built, name, value)
+    return built
 
 
 def output_spec(graph: fx.Graph) -> OutputSpec | None:
@@ -80,18 +93,24 @@ def _flatten_dataclass_output(graph: fx.Graph) -> None:
     """
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     built = output.args[0]
-    if not (isinstance(built, fx.Node) and built.op == "call_function"
-            and isinstance(built.target, type) and dataclasses.is_dataclass(built.target)):
+    if not isinstance(built, fx.Node) or built.op != "call_function":
         return
-    try:
-        bound = inspect.signature(built.target).bind(*built.args, **built.kwargs)
-    except TypeError:
+    if built.target is build_dataclass:  # every field given (Tracer.create_arg)
+        cls, fields = built.args[0], tuple(built.kwargs)
+        values = tuple(built.kwargs.values())
+    elif isinstance(built.target, type) and dataclasses.is_dataclass(built.target):
+        cls = built.target
+        try:
+            bound = inspect.signature(cls).bind(*built.args, **built.kwargs)
+        except TypeError:
+            return
+        bound.apply_defaults()
+        fields = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+        values = tuple(bound.arguments.get(f) for f in fields)
+    else:
         return
-    bound.apply_defaults()
-    fields = tuple(f.name for f in dataclasses.fields(built.target) if f.init)
-    values = tuple(bound.arguments.get(f) for f in fields)
     output.args = (values,)
-    output.meta[OutputSpec.META_KEY] = OutputSpec(dataclass=built.target, fields=fields)
+    output.meta[OutputSpec.META_KEY] = OutputSpec(dataclass=cls, fields=fields)
     if not built.users:
         graph.erase_node(built)
 
@@ -160,12 +179,17 @@ class _Tracer(fx.Tracer):
     def create_arg(self, a: Any) -> Any:
         # A dataclass that is also a dict (transformers' ModelOutput, an OrderedDict): fx
         # takes the dict branch first and records a plain dict, so the fused module
-        # returned a dict (``out.logits`` failed).  Recorded as a call of its class, as fx
-        # records other dataclasses (``_flatten_dataclass_output`` then splits it).
-        if isinstance(a, dict) and dataclasses.is_dataclass(a) and not isinstance(a, type):
-            kwargs = {f.name: self.create_arg(getattr(a, f.name))
-                      for f in dataclasses.fields(a) if f.init}
-            return self.create_node("call_function", type(a), (), kwargs)
+        # returned a dict (``out.logits`` failed).  Recorded as a build of its class, as
+        # fx records other dataclasses (``_flatten_dataclass_output`` then splits it).
+        # A dataclass with fields its __init__ does not take (set in __post_init__): fx
+        # records a call of the class with every field, which __init__ refuses; built
+        # field by field instead (:func:`build_dataclass`).
+        if dataclasses.is_dataclass(a) and not isinstance(a, type):
+            every = all(f.init for f in dataclasses.fields(a))
+            if isinstance(a, dict) or not every:
+                kwargs = {f.name: self.create_arg(getattr(a, f.name))
+                          for f in dataclasses.fields(a) if f.init or not every}
+                return self.create_node("call_function", build_dataclass, (type(a),), kwargs)
         return super().create_arg(a)
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:

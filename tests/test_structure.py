@@ -9,6 +9,7 @@ names and shapes, unfuse, model_state_dict, state_dict round trips, dtype.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 
 import pytest
@@ -818,3 +819,36 @@ def test_to_channels_last_keeps_the_stacked_tensors_and_applies_the_dtype():
     out = fused(x)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m.double()(x))
+
+
+@dataclasses.dataclass
+class WithPrediction:
+    logits: torch.Tensor
+    pred: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.pred = self.logits.argmax(-1)
+
+
+class Predicts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return WithPrediction(self.fc(x))
+
+
+def test_a_dataclass_output_with_a_field_init_does_not_take():
+    # fx recorded the class called with every field (TypeError: unexpected keyword
+    # 'pred'); the output is built field by field, without __post_init__ on the stacked
+    # logits (whose argmax(-1) would be right here, but argmax(1) would not).
+    torch.manual_seed(0)
+    models = [Predicts() for _ in range(3)]
+    x = torch.randn(4, 6)
+    out = hftc.fuse(copy.deepcopy(models))(x)
+    assert type(out) is WithPrediction
+    for i, m in enumerate(models):
+        want = m(x)
+        torch.testing.assert_close(out.logits[i], want.logits)
+        assert torch.equal(out.pred[i], want.pred)
