@@ -10,6 +10,7 @@ all N models by one global norm: ``import hftc`` makes
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -409,7 +410,12 @@ def per_model(loss_fn: Callable[..., Tensor], *,
         buffers = list(loss_fn.buffers()) if isinstance(loss_fn, nn.Module) else []
         kept = [(b, b._version, b.detach().clone()) for b in buffers]
         try:
-            out = torch.func.vmap(functools.partial(loss_fn, **kwargs), in_dims=dims)(*args)
+            with warnings.catch_warnings():
+                # vmap's "performance drop ... no batching rule" for ops it runs in a loop
+                # of its own, on every call: per_model's documented way, not news.
+                warnings.filterwarnings("ignore", message="There is a performance drop")
+                out = torch.func.vmap(functools.partial(loss_fn, **kwargs),
+                                      in_dims=dims)(*args)
         except Exception:  # noqa: BLE001 - vmap cannot run every function (.item()): a loop can
             out = None
         if any(b._version != version for b, version, _ in kept):
