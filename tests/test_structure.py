@@ -852,3 +852,19 @@ def test_a_dataclass_output_with_a_field_init_does_not_take():
         want = m(x)
         torch.testing.assert_close(out.logits[i], want.logits)
         assert torch.equal(out.pred[i], want.pred)
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_torch_jit_trace_of_a_fused_conv_and_batch_norm():
+    # Under jit.trace a size is a 0-dim tensor: kernels._canonical_strides multiplied one
+    # in place and restrided a map out of bounds.
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).eval() for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models)).eval()
+    x = torch.randn(4, 3, 8, 8)
+    fused(x)
+    traced = torch.jit.trace(fused, (x,), check_trace=False)
+    out = traced(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))

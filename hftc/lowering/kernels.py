@@ -66,7 +66,9 @@ def _canonical_strides(x: Tensor) -> Tensor:
     canonical, step = [0] * x.dim(), 1
     for d in reversed(order):
         canonical[d] = step
-        step *= x.shape[d]
+        # int(): under torch.jit.trace a size is a 0-dim tensor, and ``*=`` wrote into
+        # the one already kept in ``canonical``
+        step = step * int(x.shape[d])
     if list(x.stride()) == canonical:
         return x
     return x.as_strided(x.shape, canonical)
