@@ -67,13 +67,9 @@ class Adagrad(FusedOptimizer):
         state["sum"].add_(init("value", p))
 
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
-        if self._flag("fused"):
-            # The fused kernel walks raw memory: dense tensors only (as Adam's).
-            dense = [self._dense(p) for p in params]
-            self._update_fused([p for p, d in zip(params, dense) if d], hp)
-            params = [p for p, d in zip(params, dense) if not d]
-            if not params:
-                return
+        params = self._fused_kernel_first(params, hp)
+        if not params:
+            return
         lr, lr_decay = hp["lr"], hp["lr_decay"]
         any_decay = any(w != 0 for w in hp["weight_decay"])
         coef = self._coefficients({

@@ -100,14 +100,9 @@ class Adam(FusedOptimizer):
             state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
-        if self._flag("fused"):
-            # The fused kernel walks raw memory: every tensor it is given must be dense
-            # and laid out alike (stock relies on AccumulateGrad's layout contract too).
-            dense = [p for p in params if self._dense(p)]
-            self._update_fused(dense, hp)
-            params = [p for p in params if not self._dense(p)]
-            if not params:
-                return
+        params = self._fused_kernel_first(params, hp)
+        if not params:
+            return
         lr, wd, amsgrad = hp["lr"], hp["weight_decay"], hp["amsgrad"]
         beta1 = [b[0] for b in hp["betas"]]
         beta2 = [b[1] for b in hp["betas"]]

@@ -514,6 +514,18 @@ class FusedOptimizer(Optimizer):
                 f"(torch.optim.{name} refuses them together too); pass one of them")
         return out
 
+    def _fused_kernel_first(self, params: list[Tensor], hp: dict[str, list[Any]]
+                            ) -> list[Tensor]:
+        """With ``fused=True``: torch's fused kernel (``_update_fused``, per model) on the
+        parameters it can take, and the others (``_dense`` false) back for the default
+        update.  The kernel walks raw memory: every tensor it is given must be dense and
+        laid out alike (stock relies on AccumulateGrad's layout contract too)."""
+        if not self._flag("fused"):
+            return params
+        dense = [self._dense(p) for p in params]
+        self._update_fused([p for p, d in zip(params, dense) if d], hp)
+        return [p for p, d in zip(params, dense) if not d]
+
     def _flag(self, key: str) -> bool:
         """Flag ``key`` (``fused``) as every param group holds it: it picks how the whole
         update runs, so the N models' groups must agree (a user or a loaded state dict

@@ -82,13 +82,9 @@ class SGD(FusedOptimizer):
             self.state[p]["has_momentum_buffer"][model] = 1
 
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
-        if self._flag("fused"):
-            # The fused kernel walks raw memory: dense tensors only (as Adam's).
-            dense = [self._dense(p) for p in params]
-            self._update_fused([p for p, d in zip(params, dense) if d], hp)
-            params = [p for p, d in zip(params, dense) if not d]
-            if not params:
-                return
+        params = self._fused_kernel_first(params, hp)
+        if not params:
+            return
         maximize, nesterov = hp["maximize"], hp["nesterov"]
         active = [m != 0 for m in hp["momentum"]]
         any_decay = any(w != 0 for w in hp["weight_decay"])
