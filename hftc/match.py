@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
+import numpy as np
 import torch
 import torch.fx as fx
 from torch import nn
@@ -177,10 +178,22 @@ def module_hyperparameters(module: nn.Module) -> dict[str, Any]:
     """
     soft = soft_module_attributes(module)
     params = {
-        k: v for k, v in vars(module).items()
+        k: _python_scalars(v) for k, v in vars(module).items()
         if not k.startswith("_") and k != "training" and k not in soft
     }
     return {k: v for k, v in sorted(params.items()) if _simple(v)}
+
+
+def _python_scalars(value: Any) -> Any:
+    """NumPy scalars (``np.float32(0.1)``, ``np.int64(2)``: a sweep's ``np.linspace``
+    grid) as the Python numbers they are, in tuples and lists too: ``_simple`` took them
+    for objects and left them out of the signature, so models that differed in one
+    were fused with model 0's value."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_python_scalars(v) for v in value)
+    return value
 
 
 def module_signature(module: nn.Module) -> dict[str, Any]:
@@ -190,7 +203,9 @@ def module_signature(module: nn.Module) -> dict[str, Any]:
         sig[f"parameter `{name}`"] = _tensor_signature(p)
     for name, b in module.named_buffers(recurse=False):
         sig[f"buffer `{name}`"] = _tensor_signature(b)
-    sig["mode"] = "train" if module.training else "eval"
+    # Not "mode": a module's own hyper-parameter of that name (Upsample's, EmbeddingBag's)
+    # was overwritten, and models differing in it were fused with model 0's.
+    sig["train/eval mode"] = "train" if module.training else "eval"
     if parametrize.is_parametrized(module):
         sig.update(_parametrizations_signature(module))
     return sig

@@ -159,3 +159,37 @@ def test_dropout_masks_are_drawn_on_the_inputs_device_whatever_the_default():
         per_model = kernels.bernoulli_mask((2, 8), keep, x)
     assert out.device.type == "cpu" and per_model.device.type == "cpu"
     assert per_model[1].all()
+
+
+class _RandomLayerFirst(nn.Module):
+    """A layer that draws (RReLU's slopes, fractional pooling's regions) on the input."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.pool = nn.FractionalMaxPool2d(2, output_size=5)
+        self.act = nn.RReLU(0.1, 0.3)
+
+    def forward(self, x):
+        if self.kind == "rrelu":
+            return self.act(x)
+        if self.kind == "f.rrelu":
+            return F.rrelu(x, 0.1, 0.3, training=True)
+        return self.pool(x)
+
+
+@pytest.mark.parametrize("kind", ["rrelu", "f.rrelu", "fractional_max_pool"])
+def test_draws_on_a_shared_input_are_each_models_own(kind):
+    # One draw for all models made every model's output the same: the loop over the
+    # models draws for each.
+    torch.manual_seed(0)
+    fused = hftc.fuse([_RandomLayerFirst(kind) for _ in range(3)])
+    x = torch.randn(2, 4, 8, 8) - 1
+    out = fused(x)
+    assert not torch.equal(out[0], out[1]) and not torch.equal(out[1], out[2])
+    if kind == "fractional_max_pool":
+        assert out.shape == (3, 2, 4, 5, 5)
+        return
+    slopes = out[:, x < 0] / x[x < 0]  # each negative element's drawn slope, per model
+    assert ((slopes >= 0.1 - 1e-6) & (slopes <= 0.3 + 1e-6)).all()
+    torch.testing.assert_close(out[:, x >= 0], x[x >= 0].expand(3, -1))

@@ -137,3 +137,37 @@ def test_unfuse_gives_each_model_its_own_hyper_parameters():
     assert [m.drop.p for m in back] == [0.1, 0.7]
     assert [m.act.negative_slope for m in back] == [0.2, 0.3]
     assert [m.scale for m in back] == [0.2, 0.3]
+
+
+def test_numpy_hyper_parameters_are_read_as_the_numbers_they_are():
+    # np.linspace grids: per-model values printed as np.float64(...) into the generated
+    # code (NameError), and differing np.float32 / np.int64 values were left out of the
+    # models' signatures (fused with model 0's, silently).
+    import numpy as np
+
+    torch.manual_seed(0)
+    slopes = np.linspace(0.01, 0.3, 3)
+    models = [nn.Sequential(nn.Conv2d(4, 4, 1), nn.GroupNorm(np.int64(2), 4),
+                            nn.LeakyReLU(s)) for s in slopes]
+    fused = check_equivalence(models, torch.randn(2, 4, 6, 6), steps=2)
+    assert [m[2].negative_slope for m in fused.unfuse()] == list(slopes)
+    clipped = [nn.Sequential(nn.Linear(4, 4), nn.Hardtanh(np.float32(-0.1 * (i + 1)),
+                                                          np.float32(0.1 * (i + 1))))
+               for i in range(2)]
+    with pytest.raises(hftc.errors.MismatchError, match="max_val: 0.1.* in model 0; 0.2"):
+        hftc.fuse(clipped)
+
+
+@pytest.mark.parametrize("layer", ["upsample", "embedding_bag"])
+def test_a_modules_own_mode_attribute_is_compared(layer):
+    # The signature's train/eval entry was named "mode" and overwrote Upsample's and
+    # EmbeddingBag's own `mode`: models differing in it were fused with model 0's.
+    def make(mode):
+        if layer == "upsample":
+            return nn.Sequential(nn.Conv2d(2, 2, 1), nn.Upsample(scale_factor=2, mode=mode))
+        return nn.Sequential(nn.EmbeddingBag(10, 3, mode=mode))
+
+    modes = ["nearest", "bilinear"] if layer == "upsample" else ["sum", "mean"]
+    with pytest.raises(hftc.errors.MismatchError, match=rf"mode: {modes[0]} in model 0; "
+                                                        rf"{modes[1]} in model 1"):
+        hftc.fuse([make(m) for m in modes])

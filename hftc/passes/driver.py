@@ -53,6 +53,16 @@ RANDOM_FUNCTIONS = {
 }
 RANDOM_METHODS = {"bernoulli", "bernoulli_", "normal_", "uniform_", "random_", "exponential_",
                   "geometric_", "log_normal_", "cauchy_", "multinomial"}
+# RReLU's slopes (in training) and fractional max-pooling's regions are drawn too: on an
+# input all models share, one draw for all of them made every model's output the same.
+# (Deterministic uses, RReLU in eval or given regions, run as the per-model loop: exact.)
+RANDOM_FUNCTIONS |= {
+    torch.nn.functional.rrelu, torch.nn.functional.rrelu_, torch.rrelu, torch.rrelu_,
+    torch.nn.functional.fractional_max_pool2d, torch.nn.functional.fractional_max_pool3d,
+    torch.nn.functional.fractional_max_pool2d_with_indices,
+    torch.nn.functional.fractional_max_pool3d_with_indices,
+}
+RANDOM_MODULES = (torch.nn.RReLU, torch.nn.FractionalMaxPool2d, torch.nn.FractionalMaxPool3d)
 
 
 @dataclass
@@ -136,9 +146,11 @@ def _has_state(module: nn.Module | None) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-def _is_random(node: fx.Node) -> bool:
+def _is_random(node: fx.Node, module: nn.Module | None = None) -> bool:
     if node.op == "call_function":
         return node.target in RANDOM_FUNCTIONS
+    if node.op == "call_module":
+        return isinstance(module, RANDOM_MODULES)
     return node.op == "call_method" and node.target in RANDOM_METHODS
 
 
@@ -262,7 +274,7 @@ def fuse_graph(
             own = _per_model_copy(node, group, builder, env)
             group = FusionGroup(node, names, (own, *group.args[1:]), group.kwargs, module)
             builder.current, writes_shared = group, False
-        if not any_batched and not _has_state(module) and not _is_random(node) \
+        if not any_batched and not _has_state(module) and not _is_random(node, module) \
                 and not (entry is not None and entry.random) and not group.per_model:
             builder.current_rule = "shared"
             new, kind, rule_name = builder.copy(group, batched=False), "shared", "shared"
