@@ -307,3 +307,23 @@ def test_per_model_attention_dropout_rate_in_sdpa(frontend):
     torch.testing.assert_close(out[2], models[2](x))
     torch.testing.assert_close(fused.eval()(x), torch.stack([m.eval()(x) for m in models]))
     assert not torch.allclose(out[1], models[1](x))  # rate 0.5: dropped, unlike eval
+
+
+class _BroadcastKeys(nn.Module):
+    """SDPA with per-model queries [B, H, L, D] and keys/values broadcast over the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(self.wq(q), self.wk(k), v)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 5, 4), (2, 5, 4), (5, 4)], ids=str)
+def test_sdpa_keys_broadcast_over_the_batch(shape):
+    # A [1, H, S, D] or [H, S, D] key crashed in a bare size error; a per-model [S, D]
+    # key was folded as [N*S, D]: each model attended over every model's keys.
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 2, 3, 4), torch.randn(*shape), torch.randn(*shape)
+    check_equivalence([_BroadcastKeys() for _ in range(3)], (q, k, v), steps=2)

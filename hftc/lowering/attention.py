@@ -44,13 +44,22 @@ def scaled_dot_product_attention(
     (a shared ``[B, 1, L, S]`` mask must repeat for each model, not tile the batch).
     """
     q, k, v = (_models(t, n, b) for t, b in zip((query, key, value), flags))
-    rank = q.dim() - 1
+    # The operands' leading dims broadcast, as in torch ([B, H, L, E] queries with a
+    # [1, H, S, E] or [S, E] key): each gets the same per-model rank, its missing dims
+    # after the model dim, and the same first lead dim before it is folded into the
+    # model dim (a [N, S, E] key folded as [N*S, E] attended over every model's keys).
+    rank = max(t.dim() for t in (q, k, v)) - 1
+    q, k, v = (pad_model_dims(t, rank) for t in (q, k, v))
     mask = attn_mask
     if mask is not None:
         mask = mask if flags[3] else mask.unsqueeze(0)
         mask = pad_model_dims(mask, rank)
     if rank >= 3:
-        lead = q.shape[1]
+        # (With enable_gqa and 3-d operands the first lead dim is the heads, which may
+        # differ: key heads divide query heads.)
+        lead = q.shape[1] if enable_gqa and rank == 3 else max(t.shape[1] for t in (q, k, v))
+        q, k, v = (t if t.shape[1] == lead or (enable_gqa and rank == 3)
+                   else t.expand(n, lead, *t.shape[2:]) for t in (q, k, v))
         q, k, v = (t.flatten(0, 1) for t in (q, k, v))
         if mask is not None:
             mask = mask.expand(n, lead, *mask.shape[2:]).flatten(0, 1)
