@@ -227,23 +227,28 @@ def test_encoder_decoder_transformer(norm_first):
     check_equivalence(models, (src, tgt, src_pad), train=False)
 
 
-def test_encoder_nested_tensor_fast_path_zeros_are_kept():
+@pytest.mark.parametrize("final_norm", [False, True], ids=["no_norm", "final_norm"])
+def test_encoder_nested_tensor_fast_path_zeros_are_kept(final_norm):
     """Eval + no_grad + padding mask: PyTorch's encoder returns zeros at padded positions
-    (nested tensors); the fused encoder returns what each original returns."""
+    (nested tensors), then its final norm (padded rows: norm(0), the norm's bias); the
+    fused encoder returns what each original returns (it normed, then zeroed)."""
     layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True)
-    models = [nn.TransformerEncoder(layer, num_layers=2).eval() for _ in range(N)]
+    norm = nn.LayerNorm(E) if final_norm else None
+    models = [nn.TransformerEncoder(layer, num_layers=2, norm=norm).eval() for _ in range(N)]
     for m in models:
         for p in m.parameters():
             nn.init.normal_(p)
     x = torch.randn(3, 5, E)
     pad = torch.zeros(3, 5, dtype=torch.bool)
-    pad[0, 3:] = True
     fused = hftc.fuse(models)
     with torch.no_grad():
-        out = fused(x, src_key_padding_mask=pad)
+        fused(x, src_key_padding_mask=pad)  # checked on a mask that pads nothing
+        pad[0, 3:] = True
+        out = fused(x, src_key_padding_mask=pad)  # the same program
         refs = [m(x, src_key_padding_mask=pad) for m in models]
-    for i, ref in enumerate(refs):
-        assert (ref[0, 3:] == 0).all()  # the fast path was taken by the original
+    for i, (m, ref) in enumerate(zip(models, refs)):
+        padded_row = m.norm.bias if final_norm else torch.zeros(E)
+        assert torch.equal(ref[0, 3], padded_row)  # the fast path was taken by the original
         torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
     # with autograd on, neither takes it
     out = fused(x, src_key_padding_mask=pad)

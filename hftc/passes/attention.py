@@ -181,19 +181,22 @@ def _encoder_forward(self: nn.TransformerEncoder, src, mask=None, src_key_paddin
     for mod in self.layers:
         output = mod(output, src_mask=mask, is_causal=causal_hint(is_causal),
                      src_key_padding_mask=src_key_padding_mask)
+    if getattr(self, "use_nested_tensor", False):
+        params = [p for p in (
+            first.self_attn.in_proj_weight, first.self_attn.in_proj_bias,
+            first.self_attn.out_proj.weight, first.self_attn.out_proj.bias,
+            first.norm1.weight, first.norm1.bias, first.norm2.weight, first.norm2.bias,
+            first.linear1.weight, first.linear1.bias, first.linear2.weight,
+            first.linear2.bias) if p is not None]
+        output = encoder_nested_padding(
+            output, src, src_key_padding_mask, mask, first.training, *params,
+            use_nested_tensor=True, mask_check=getattr(self, "mask_check", True),
+            batch_first=first.self_attn.batch_first)
+    # The final norm after the padding, as torch's: a padded row is norm(0) (the norm's
+    # bias), not 0.
     if self.norm is not None:
         output = self.norm(output)
-    if not getattr(self, "use_nested_tensor", False):
-        return output
-    params = [p for p in (
-        first.self_attn.in_proj_weight, first.self_attn.in_proj_bias,
-        first.self_attn.out_proj.weight, first.self_attn.out_proj.bias, first.norm1.weight,
-        first.norm1.bias, first.norm2.weight, first.norm2.bias, first.linear1.weight,
-        first.linear1.bias, first.linear2.weight, first.linear2.bias) if p is not None]
-    return encoder_nested_padding(
-        output, src, src_key_padding_mask, mask, first.training, *params,
-        use_nested_tensor=True, mask_check=getattr(self, "mask_check", True),
-        batch_first=first.self_attn.batch_first)
+    return output
 
 
 def _decoder_forward(self: nn.TransformerDecoder, tgt, memory, tgt_mask=None, memory_mask=None,
