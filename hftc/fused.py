@@ -59,6 +59,7 @@ from .trace import (
     PYTHON_STATE,
     OutputSpec,
     annotate_example_values,
+    deepcopy_module,
     meta_copy,
     output_spec,
     trace_model,
@@ -844,7 +845,7 @@ class FusedModule(nn.Module):
 
     def unfuse_model(self, index: int) -> nn.Module:
         self._check_index(index)
-        model = copy.deepcopy(self._template)
+        model = deepcopy_module(self._template)
         for target in self._template_extras:
             owner_path, _, leaf = target.rpartition(".")
             del model.get_submodule(owner_path)._buffers[leaf]

@@ -624,7 +624,23 @@ def meta_copy(module: nn.Module) -> nn.Module:
     for t in list(module.parameters()) + list(module.buffers()):
         meta = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
+    return deepcopy_module(module, memo)
+
+
+def deepcopy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn.Module:
+    """``copy.deepcopy(module)``, with what a class's ``__setstate__`` put in front of a
+    submodule taken away again.
+
+    ``nn.TransformerDecoderLayer.__setstate__`` sets ``self.activation = F.relu`` in the
+    instance dict when it has no such entry, which it lacks when the activation is a
+    module (``activation=nn.GELU()``, in ``_modules``): a deep copy then ran ReLU."""
+    copied = copy.deepcopy(module, memo)
+    for (_, original), (_, twin) in zip(module.named_modules(remove_duplicate=False),
+                                        copied.named_modules(remove_duplicate=False)):
+        for name in [k for k in twin.__dict__ if k in twin._modules
+                     and k not in original.__dict__]:
+            del twin.__dict__[name]
+    return copied
 
 
 class _Recorder(fx.Interpreter):

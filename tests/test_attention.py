@@ -332,3 +332,25 @@ def test_sdpa_keys_broadcast_over_the_batch(shape):
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 2, 3, 4), torch.randn(*shape), torch.randn(*shape)
     check_equivalence([_BroadcastKeys() for _ in range(3)], (q, k, v), steps=2)
+
+
+class _Swish(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+def test_decoder_layer_with_a_module_activation():
+    # TransformerDecoderLayer.__setstate__ puts F.relu in front of a module activation on
+    # every deep copy: fusing crashed ("`activation` is not an nn.Module"), and a copy
+    # would have run ReLU.  (Copies made here by hand: the harness deep-copies.)
+    torch.manual_seed(0)
+    models = [nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, activation=_Swish())
+              for _ in range(2)]
+    tgt, memory = torch.randn(4, 3, 8), torch.randn(5, 3, 8)
+    fused = hftc.fuse(models)
+    out = fused(tgt, memory)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(tgt, memory))
+        back = fused.unfuse_model(i)
+        assert isinstance(back.activation, _Swish)
+        torch.testing.assert_close(back(tgt, memory), m(tgt, memory))
