@@ -218,9 +218,14 @@ def _tensor_difference(got: Tensor, want: Tensor, where: str, shapes_only: bool,
         return f"{where} differs in {differ} of its {want.numel()} elements"
     limit = tolerance(want, low_precision)
     finite = torch.isfinite(want)
-    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(
-            got[~finite].nan_to_num(), want[~finite].nan_to_num()):
+    got_finite = torch.isfinite(got)
+    if (~got_finite & finite).any():
         return f"{where} has NaN or infinite elements where the model's own forward does not"
+    if (got_finite & ~finite).any():
+        return (f"{where} is finite where the model's own forward has NaN or infinite "
+                f"elements")
+    if not torch.equal(got[~finite].nan_to_num(), want[~finite].nan_to_num()):
+        return f"{where} has other NaN or infinite values than the model's own forward"
     got, want = got[finite].to(torch.complex128 if want.is_complex() else torch.float64), \
         want[finite].to(torch.complex128 if want.is_complex() else torch.float64)
     diff = (got - want).norm().item()

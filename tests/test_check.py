@@ -238,7 +238,13 @@ def test_output_difference_names_what_differs():
     assert "output[1]['a'] differs" in output_difference((y, {"a": y}), (y, {"a": 2 * y}))
     assert "keys ['a'] where the model's has ['b']" in output_difference({"a": y}, {"b": y})
     assert "shape [2, 3]" in output_difference(y, y[0])
-    assert "NaN or infinite" in output_difference(y, torch.full_like(y, float("nan")))
+    # which side has the NaNs: the fused output is finite where the model's is not
+    assert "is finite where the model's own forward has NaN" in output_difference(
+        y, torch.full_like(y, float("nan")))
+    assert "has NaN or infinite elements where the model's own forward does not" in \
+        output_difference(torch.full_like(y, float("inf")), y)
+    assert "other NaN or infinite values" in output_difference(
+        torch.full_like(y, float("inf")), torch.full_like(y, float("-inf")))
     nan = torch.tensor([float("nan"), 1.0])
     assert output_difference(nan, nan.clone()) is None
     labels = torch.arange(200)
