@@ -51,7 +51,7 @@ from .lowering.chains import chain_linears
 from .lowering.codegen import compile_graph
 from .lowering.heap import keep_freed_memory_for_tuning
 from .lowering.model_loop import ModelLoop
-from .lowering.modules import StackedModule, build_module_tree
+from .lowering.modules import ContainerAccess, StackedModule, build_module_tree
 from .match import GraphMatch, match_graphs
 from .passes import FusionReport, fuse_graph
 from .passes.driver import SHARED_CONSTANT_PREFIX
@@ -266,7 +266,7 @@ def _get_path(root: Any, path: str) -> Any:
     return root
 
 
-class FusedModule(nn.Module):
+class FusedModule(ContainerAccess, nn.Module):
     """N models fused into one: ``fused(x)[i] == models[i](x)``.
 
     Every parameter and buffer is the stack of the N originals under the original
@@ -290,6 +290,9 @@ class FusedModule(nn.Module):
         n = len(models)
         self.num_models = n
         self.in_dims = in_dims
+        # A root container indexes as the models do (fused[0] for nn.Sequential models).
+        self.source_type = type(models[0]).__name__
+        self._container = ContainerAccess.container_kind(models[0])
         for name, flag in (("autotune", autotune), ("check", check)):
             if not isinstance(flag, bool):
                 raise FusionArgumentError(f"{name} must be True or False, got {flag!r}")

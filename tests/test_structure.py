@@ -805,6 +805,11 @@ def test_containers_index_as_in_the_model_and_submodule_hooks_are_refused():
     with pytest.raises(UnsupportedOperatorError, match="would never run"):
         fused.blocks[0].register_forward_hook(lambda *a: None)
     fused.register_forward_hook(lambda *a: None)  # the fused module's own hooks run
+    # a root container too
+    root = hftc.fuse([nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)])
+    assert len(root) == 2 and root[0] is root.get_submodule("0") and isinstance(root[-1],
+                                                                                nn.ReLU)
+    assert bool(hftc.fuse([nn.Linear(4, 4) for _ in range(2)]))
 
 
 def test_to_channels_last_keeps_the_stacked_tensors_and_applies_the_dtype():

@@ -19,28 +19,18 @@ from torch import nn
 from ..errors import MismatchError, UnsupportedOperatorError
 
 
-class StackedModule(nn.Module):
-    """N modules' parameters and buffers stacked ``[N, *shape]`` under their own names.
+class ContainerAccess:
+    """Indexing, ``len()`` and iteration as the container a module mirrors
+    (``_container``: "list" for ``nn.Sequential`` / ``nn.ModuleList``, "dict" for
+    ``nn.ModuleDict``, None for other modules, which support none of them)."""
 
-    ``_hftc_template`` (not a submodule: it holds no data) is model 0's module on
-    the meta device, used for the per-model loop fallback and for ``unfuse()``.
-    """
+    _container: str | None = None
+    source_type: str = ""
 
-    def __init__(self, source: nn.Module, num_models: int):
-        super().__init__()
-        self.source_type = type(source).__name__
-        self._source_repr = source.extra_repr()
-        self.num_models = num_models
-        self.training = source.training
-        #: "list" (nn.Sequential, nn.ModuleList), "dict" (nn.ModuleDict) or None: how the
-        #: source's children are reached (``fused.blocks[0]``, ``len(fused.blocks)``)
-        self._container = ("list" if isinstance(source, (nn.Sequential, nn.ModuleList))
-                           else "dict" if isinstance(source, nn.ModuleDict) else None)
-
-    def extra_repr(self) -> str:
-        return f"{self.source_type}({self._source_repr}) x {self.num_models}"
-
-    # ------------------------------------------------------------ as the container it mirrors
+    @staticmethod
+    def container_kind(source: nn.Module) -> str | None:
+        return ("list" if isinstance(source, (nn.Sequential, nn.ModuleList))
+                else "dict" if isinstance(source, nn.ModuleDict) else None)
 
     def _container_of(self, what: str) -> str:
         container = self.__dict__.get("_container")
@@ -71,6 +61,27 @@ class StackedModule(nn.Module):
         if self._container_of("iteration") == "dict":
             return iter(self._modules)
         return iter(self._modules.values())
+
+
+class StackedModule(ContainerAccess, nn.Module):
+    """N modules' parameters and buffers stacked ``[N, *shape]`` under their own names.
+
+    ``_hftc_template`` (not a submodule: it holds no data) is model 0's module on
+    the meta device, used for the per-model loop fallback and for ``unfuse()``.
+    """
+
+    def __init__(self, source: nn.Module, num_models: int):
+        super().__init__()
+        self.source_type = type(source).__name__
+        self._source_repr = source.extra_repr()
+        self.num_models = num_models
+        self.training = source.training
+        #: "list" (nn.Sequential, nn.ModuleList), "dict" (nn.ModuleDict) or None: how the
+        #: source's children are reached (``fused.blocks[0]``, ``len(fused.blocks)``)
+        self._container = self.container_kind(source)
+
+    def extra_repr(self) -> str:
+        return f"{self.source_type}({self._source_repr}) x {self.num_models}"
 
     # ------------------------------------------------------------ hooks never run
 
