@@ -69,7 +69,7 @@ def linear_chain(x: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor | 
     params = [t for pair in zip(weights, biases) for t in pair]
     if torch.is_grad_enabled() and (x3.requires_grad or any(
             p is not None and p.requires_grad for p in params)):
-        y = _LinearChain.apply(x3, activations, transposed, *params)
+        y = kernels.apply_function_fast(_LinearChain, x3, activations, transposed, *params)[0]
     else:
         y = _forward(x3, params, activations, transposed)[0]
     return y if len(lead) == 1 else y.reshape(n, *lead, y.shape[-1])
@@ -120,25 +120,40 @@ class _LinearChain(torch.autograd.Function):
         h_i, 0) where a ReLU made h_i (as autograd's ReluBackward)
 
     A double backward (``create_graph=True``) recomputes the chain with autograd and
-    differentiates that.
+    differentiates that (so does the backward under ``torch.func.grad``, which always
+    differentiates with ``create_graph=True``), where the gradient or the chain's
+    inputs require a gradient: else (``torch.func.jacrev``'s cotangents, under vmap, of
+    a finished ``vjp``) there is no graph to record, and the backward is the one above.
+
+    The forward returns ``(y, *hidden)``, the chain's output and each later layer's input,
+    which the backward reads (``setup_context``, which ``torch.func`` transforms need, sees
+    only inputs and outputs); the hidden ones are non-differentiable, callers take
+    ``[0]``.  Under ``torch.func.vmap`` the vmapped dim joins the rows (``[N, V*M, in]``:
+    each row's layers are its own) or, where the weights are vmapped too (an ensemble
+    of weights per sample), the models (``[V*N, M, in]``), and the chain runs once on
+    that.  Called through :func:`hftc.lowering.kernels.apply_function_fast`.
     """
 
     @staticmethod
-    def forward(ctx: Any, x3: Tensor, activations: tuple, transposed: tuple,
-                *params: Tensor | None) -> Tensor:
+    def forward(x3: Tensor, activations: tuple, transposed: tuple,
+                *params: Tensor | None) -> tuple[Tensor, ...]:
         y, inputs = _forward(x3, list(params), activations, transposed)
-        ctx.save_for_backward(x3, *params)
-        ctx.hidden = inputs[1:]  # made here, seen by no one else: no version checks needed
-        ctx.activations, ctx.transposed = activations, transposed
-        return y
+        return (y, *inputs[1:])
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x3, *params = ctx.saved_tensors
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # (no zeros made for the hidden outputs)
+        ctx.save_for_backward(inputs[0], *inputs[3:], *output[1:])
+        ctx.activations, ctx.transposed = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
+        x3, *saved = ctx.saved_tensors
+        params, hidden = saved[:2 * len(ctx.transposed)], saved[2 * len(ctx.transposed):]
         needs = ctx.needs_input_grad
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and _records_graph(grad, x3, params):
             return (*_recomputed_gradients(ctx, grad, x3, params),)
-        hidden = ctx.hidden
         grads: list[Tensor | None] = [None] * len(params)
         g = grad
         for i in reversed(range(len(ctx.transposed))):
@@ -156,10 +171,39 @@ class _LinearChain(torch.autograd.Function):
                     g = torch.ops.aten.threshold_backward(g, h, 0)
         return (g, None, None, *grads)
 
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x3: Tensor, activations: tuple, transposed: tuple,
+             *params: Tensor | None) -> tuple:
+        v, x_dim, param_dims = info.batch_size, in_dims[0], in_dims[3:]
+        if all(d is None for d in param_dims):  # [V, N, M, in] -> [N, V*M, in]
+            x3 = x3.movedim(x_dim, 1)
+            output = kernels.apply_function_fast(
+                _LinearChain, x3.flatten(1, 2), activations, transposed, *params)
+            return tuple(t.unflatten(1, x3.shape[1:3]) for t in output), (1,) * len(output)
+
+        def models(t: Tensor | None, dim: int | None) -> Tensor | None:  # -> [V*N, ...]
+            if t is None:
+                return None
+            return (t.expand(v, *t.shape) if dim is None else t.movedim(dim, 0)).flatten(0, 1)
+
+        output = kernels.apply_function_fast(
+            _LinearChain, models(x3, x_dim), activations, transposed,
+            *(models(p, d) for p, d in zip(params, param_dims)))
+        return tuple(t.unflatten(0, (v, -1)) for t in output), (0,) * len(output)
+
+
+def _records_graph(grad: Tensor, x3: Tensor, params: list) -> bool:
+    """Whether a backward under ``create_graph=True`` has a graph to record: whether the
+    gradient or an input of the chain requires a gradient (``torch.func`` wrappers of a
+    finished transform unwrapped, as ops unwrap them)."""
+    tensors = kernels._unwrap_dead_wrappers((grad, x3, *params))
+    return any(t is not None and t.requires_grad for t in tensors)
+
 
 def _recomputed_gradients(ctx: Any, grad: Tensor, x3: Tensor, params: list) -> list:
     """The chain's gradients with a graph of their own (``create_graph=True``)."""
     needs = ctx.needs_input_grad
+    x3, *params = kernels._unwrap_dead_wrappers((x3, *params))  # (graphed: the live ones)
     inputs = [x3, *params]
     flags = [needs[0], *needs[3:]]
     wanted = [t for t, flag in zip(inputs, flags) if flag]

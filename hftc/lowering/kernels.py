@@ -52,6 +52,8 @@ def _canonical_strides(x: Tensor) -> Tensor:
     gradient buffer and fails ("slow_conv2d: grad_weight must be contiguous").
     The memory is the same; only the strides of size-1 dims change.
     """
+    if vmap_batched(x):  # its layout is vmap's to keep (it refuses the questions below)
+        return x
     if x.is_contiguous():
         order = list(range(x.dim()))
     elif x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
@@ -549,7 +551,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool,
         if bias is not None:
             y = y + bias.unsqueeze(1)
     else:
-        y = _BatchedLinear.apply(x3, weight, bias, lowering == "baddbmm_t")
+        y = apply_function_fast(_BatchedLinear, x3, weight, bias, lowering == "baddbmm_t")
     return y if len(lead) == 1 else y.reshape(n, *lead, out_features)
 
 
@@ -568,6 +570,30 @@ def rows_per_model(x: Tensor, n: int, x_batched: bool) -> tuple[Tensor, torch.Si
     return rows.expand(n, -1, -1), x.shape[:-1]
 
 
+#: The C++ ``apply`` that ``torch.autograd.Function.apply`` ends in (:func:`apply_function_fast`).
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
+
+
+def apply_function_fast(function: type, *args: Any) -> Any:
+    """``function.apply(*args)`` for hftc's own autograd Functions (positional arguments).
+
+    They define ``setup_context`` (``forward`` without ``ctx``), the form ``torch.func``
+    transforms need: ``torch.func.grad`` / ``vmap`` / ``jacrev`` through a fused module.
+    For such a Function ``Function.apply`` binds the arguments with ``inspect.signature``
+    on every call, to fill in defaults: ~20 us a call (one core), as much as a sweep's
+    small layer costs.  Their forwards have no defaults and every call passes all its
+    arguments positionally, so where no ``torch.func`` transform is active, and outside
+    ``torch.compile`` (which traces ``apply`` itself), this calls the C++ ``apply``
+    directly, as ``Function.apply`` then does (dead ``torch.func`` wrappers unwrapped, too).
+    Forward mode (``torch.func.jvp`` / ``jacfwd`` / ``hessian``) they do not define: a
+    ``jvp`` staticmethod would make ``torch.compile`` break the graph at every call.
+    """
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return _FUNCTION_APPLY.__get__(None, function)(*_unwrap_dead_wrappers(args))
+
+
 class _BatchedLinear(torch.autograd.Function):
     """``baddbmm(b[:, None], x, W^T)`` whose backward gives ``W`` its gradient in ``W``'s layout.
 
@@ -584,17 +610,22 @@ class _BatchedLinear(torch.autograd.Function):
     into ``[N, M, out]`` (the backward is the same).  Under autocast the products
     run in the output's dtype and each gradient is cast back to its input's dtype,
     as the recorded casts would do.
-    The backward is made of differentiable ops, so double backward works.
+    The backward is made of differentiable ops, so double backward works; and of ops
+    with vmap rules, so ``torch.func.vmap`` vmaps the forward and backward as they are.
+    Called through :func:`apply_function_fast`.
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, x3: Tensor, weight: Tensor, bias: Tensor | None,
-                transposed: bool = False) -> Tensor:
-        # ctx in forward, not setup_context: with setup_context, Function.apply binds
-        # the arguments with inspect.signature on every call (~20 us per linear).
+    def forward(x3: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool) -> Tensor:
+        return batched_product(x3, weight, bias, transposed)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        x3, weight, bias, _ = inputs
         ctx.save_for_backward(x3, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return batched_product(x3, weight, bias, transposed)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -949,7 +980,7 @@ def channelwise(fn: Callable[..., Any], x: Tensor, *args: Any, spatial: int, **k
     folded = fold_channels(x, has_batch)
     pool = _max_pool2d_arguments(fn, folded, args, kwargs)
     if pool is not None:
-        values, indices = _MaxPool2dThroughChannelsLast.apply(folded, *pool[:-1])
+        values, indices = apply_function_fast(_MaxPool2dThroughChannelsLast, folded, *pool[:-1])
         y = (values, indices) if pool[-1] else values
     else:
         y = fn(folded, *args, **kwargs)
@@ -1016,7 +1047,7 @@ def _max_pool2d_arguments(fn: Any, x: Tensor, args: tuple, kwargs: dict) -> tupl
         return None
     if not (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
             and x.dim() == 4 and x.is_contiguous()
-            and not x.is_contiguous(memory_format=torch.channels_last)
+            and not _is_channels_last(x)
             and x.numel() >= _POOL_VIA_CHANNELS_LAST_MIN_NUMEL):
         return None
     stride = bound.get("stride")
@@ -1039,19 +1070,35 @@ class _MaxPool2dThroughChannelsLast(torch.autograd.Function):
     A max picks an element, so values and indices (offsets within each channel's plane,
     ties to the first in the window, as NCHW) are the plain call's; the backward is
     ATen's own NCHW backward with the same indices, hence the same gradient.
+
+    Under ``torch.func.vmap`` the vmapped dim joins the batch (``[V, B, C, H, W]`` ->
+    ``[V*B, C, H, W]``, a pool of each plane alike) and the pool runs on that, once.
+    Called through :func:`apply_function_fast`.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, kernel_size: Any, stride: Any, padding: Any,
-                dilation: Any, ceil_mode: bool) -> tuple[Tensor, Tensor]:
+    def forward(x: Tensor, kernel_size: Any, stride: Any, padding: Any, dilation: Any,
+                ceil_mode: bool) -> tuple[Tensor, Tensor]:
         values, indices = F.max_pool2d_with_indices(
             x.contiguous(memory_format=torch.channels_last), kernel_size, stride, padding,
             dilation, ceil_mode)
-        values, indices = values.contiguous(), indices.contiguous()
-        ctx.args = (kernel_size, stride, padding, dilation, ceil_mode)
+        return values.contiguous(), indices.contiguous()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+        x, *args = inputs
+        indices = output[1]
+        ctx.args = tuple(args)
         ctx.save_for_backward(x, indices)
         ctx.mark_non_differentiable(indices)
-        return values, indices
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Tensor, *args: Any) -> tuple:
+        x = x.movedim(in_dims[0], 0)
+        values, indices = apply_function_fast(
+            _MaxPool2dThroughChannelsLast, x.flatten(0, 1), *args)
+        lead = x.shape[:2]
+        return (values.unflatten(0, lead), indices.unflatten(0, lead)), (0, 0)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor, _: Any) -> tuple:
@@ -1065,6 +1112,21 @@ class _MaxPool2dThroughChannelsLast(torch.autograd.Function):
 
 def _pair(v: Any) -> list[int]:
     return list(v) if isinstance(v, (tuple, list)) else [v, v]
+
+
+def _is_channels_last(x: Tensor) -> bool:
+    """``x.is_contiguous(memory_format=torch.channels_last)``; ``False`` for a tensor
+    ``torch.func.vmap`` batches, whose layout vmap cannot tell (it raises): its
+    per-sample map, contiguous as :func:`_max_pool2d_arguments` asks first, is NCHW."""
+    if vmap_batched(x):
+        return False
+    return x.is_contiguous(memory_format=torch.channels_last)
+
+
+def vmap_batched(x: Tensor) -> bool:
+    """Whether ``x`` is a tensor ``torch.func.vmap`` batches: vmap refuses layout queries
+    (``is_contiguous(memory_format=...)``, strides) on it."""
+    return torch._C._are_functorch_transforms_active() and torch._C._functorch.is_batchedtensor(x)
 
 
 # --------------------------------------------------------------------------- shapes
@@ -1182,7 +1244,7 @@ def reduce_in_memory_order(fn_name: str, x: Tensor, dim: Any, *args: Any,
         if not isinstance(t, Tensor):
             return t
         if t.requires_grad:  # amax's backward lays its gradient out like the incoming one
-            t = _ContiguousGradient.apply(t)
+            t = apply_function_fast(_ContiguousGradient, t)
         return t.permute(back)
 
     if isinstance(result, Tensor):
@@ -1199,9 +1261,15 @@ class _ContiguousGradient(torch.autograd.Function):
     out like that view.  The copy is of the reduced tensor only.
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, t: Tensor) -> Tensor:
+    def forward(t: Tensor) -> Tensor:
         return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        pass
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
@@ -1254,7 +1322,7 @@ def softmax(x: Tensor, dim: int, *, log: bool = False,
     if dtype is not None:
         x = x.to(dtype)  # F.softmax(x, dim, dtype=d) casts first, too
     if _short_rows(x, dim):
-        return _ShortRowSoftmax.apply(x, log)
+        return apply_function_fast(_ShortRowSoftmax, x, log)
     return F.log_softmax(x, dim) if log else F.softmax(x, dim)
 
 
@@ -1266,20 +1334,24 @@ class _ShortRowSoftmax(torch.autograd.Function):
         log_softmax:  g - exp(y) * g.sum(-1, keepdim=True)
         softmax:      y * (g - (g * y).sum(-1, keepdim=True))
 
-    written in differentiable ops on the saved output, so a double backward works.
+    written in differentiable ops on the saved output, so a double backward works, and in
+    ops with vmap rules, as is the forward (``torch.func.vmap`` vmaps both as they are).
     """
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx: Any, x: Tensor, log: bool) -> Tensor:
+    def forward(x: Tensor, log: bool) -> Tensor:
         shifted = x - x.amax(-1, keepdim=True)
         if log:
-            out = shifted.sub_(shifted.exp().sum(-1, keepdim=True).log_())
-        else:
-            out = shifted.exp_()
-            out = out.div_(out.sum(-1, keepdim=True))
-        ctx.log = log
-        ctx.save_for_backward(out)
-        return out
+            return shifted.sub_(shifted.exp().sum(-1, keepdim=True).log_())
+        out = shifted.exp_()
+        return out.div_(out.sum(-1, keepdim=True))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        ctx.log = inputs[1]
+        ctx.save_for_backward(output)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
@@ -1317,7 +1389,8 @@ def short_row_cross_entropy(x: Tensor, target: Tensor, num_models: int,
             or target.shape != x.shape[:1] or x.shape[0] % num_models \
             or reduction not in ("mean", "sum", "none"):
         return None
-    return _ShortRowCrossEntropy.apply(x, target, num_models, reduction, ignore_index)
+    return apply_function_fast(_ShortRowCrossEntropy, x, target, num_models, reduction,
+                               ignore_index)[0]
 
 
 class _ShortRowCrossEntropy(torch.autograd.Function):
@@ -1329,11 +1402,19 @@ class _ShortRowCrossEntropy(torch.autograd.Function):
     Gradient: ``g_r * (softmax(x_r) - onehot(t))`` with ``g_r`` the row's share of its
     model's gradient, 0 on ignored rows.  A double backward (``create_graph=True``) gets
     the same gradient in differentiable ops.
+
+    The forward returns ``(loss, exp, total, index, ignored, counts)``: what the backward
+    reads besides ``x``, made in the forward (``setup_context``, which ``torch.func``
+    transforms need, sees only inputs and outputs), non-differentiable; callers take
+    ``[0]``.  Under ``torch.func.vmap`` the vmapped dim joins the rows (``[V, R, C]`` ->
+    ``[V*R, C]``, ``V*N`` models of ``R/N`` rows each) and the loss runs on that, once:
+    whether some target is ignored is read from the values, which vmap cannot branch on.
+    Called through :func:`apply_function_fast`.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, target: Tensor, num_models: int, reduction: str,
-                ignore_index: int) -> Tensor:
+    def forward(x: Tensor, target: Tensor, num_models: int, reduction: str,
+                ignore_index: int) -> tuple[Any, ...]:
         ignored = target == ignore_index
         # Eager: the masks only where some target is ignored (rare).  Under torch.compile
         # always, as reading the tensor's value in Python would break the graph there.
@@ -1350,33 +1431,56 @@ class _ShortRowCrossEntropy(torch.autograd.Function):
         counts: Tensor | int = x.shape[0] // num_models
         if reduction == "mean" and ignored is not None:
             counts = ignored.logical_not().view(num_models, -1).sum(1)
-        ctx.save_for_backward(x, index, ignored)
-        # made here, seen by no one else: kept on ctx, with no version checks needed
-        ctx.exp, ctx.total, ctx.counts = exp, total, counts
-        ctx.num_models, ctx.reduction = num_models, reduction
-        if reduction == "none":
-            return loss
-        per_model = loss.view(num_models, -1).sum(1)
-        return per_model.div_(counts) if reduction == "mean" else per_model
+        if reduction != "none":
+            loss = loss.view(num_models, -1).sum(1)
+            if reduction == "mean":
+                loss = loss.div_(counts)
+        return loss, exp, total, index, ignored, counts
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, index, ignored = ctx.saved_tensors
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        x, _, ctx.num_models, ctx.reduction, _ = inputs
+        _, exp, total, index, ignored, counts = output
+        ctx.mark_non_differentiable(exp, total)  # (the integer ones are anyway)
+        ctx.set_materialize_grads(False)  # (no zeros made for the outputs besides the loss)
+        saved_counts = counts if isinstance(counts, Tensor) else None
+        ctx.counts = None if saved_counts is not None else counts
+        ctx.save_for_backward(x, index, ignored, exp, total, saved_counts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
+        x, index, ignored, exp, total, counts = ctx.saved_tensors
         n = ctx.num_models
         if ctx.reduction == "none":
             rows = grad.reshape(-1, 1)
         else:
             if ctx.reduction == "mean":
-                grad = grad / ctx.counts
+                grad = grad / (ctx.counts if counts is None else counts)
             rows = grad.reshape(n, 1).expand(n, x.shape[0] // n).reshape(-1, 1)
         if ignored is not None:
             rows = rows.masked_fill(ignored.unsqueeze(1), 0.0)
         if torch.is_grad_enabled():  # create_graph=True: a gradient that can be differentiated
-            onehot = torch.zeros_like(x).scatter_(1, index, 1.0)
+            # (out of place: under vmap x may be shared while the targets are batched)
+            onehot = torch.zeros_like(x).scatter(1, index, 1.0)
             return (torch.softmax(x, 1) - onehot) * rows, None, None, None, None
-        out = ctx.exp * (rows / ctx.total)  # softmax(x) * g_row in one pass over [R, C]
+        out = exp * (rows / total)  # softmax(x) * g_row in one pass over [R, C]
         out.scatter_add_(1, index, -rows)
         return out, None, None, None, None
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, x: Tensor, target: Tensor, num_models: int,
+             reduction: str, ignore_index: int) -> tuple:
+        def rows(t: Tensor, dim: int | None) -> Tensor:  # [V, R, ...] -> [V*R, ...]
+            t = t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
+            return t.flatten(0, 1)
+
+        output = apply_function_fast(
+            _ShortRowCrossEntropy, rows(x, in_dims[0]), rows(target, in_dims[1]),
+            info.batch_size * num_models, reduction, ignore_index)
+        batched = [isinstance(t, Tensor) for t in output]
+        return (tuple(t.unflatten(0, (info.batch_size, -1)) if b else t
+                      for t, b in zip(output, batched)),
+                tuple(0 if b else None for b in batched))
 
 
 def stack_or_cat(fn: Callable[..., Tensor], tensors: Sequence[Any], dim: int,

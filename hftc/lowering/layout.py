@@ -82,6 +82,9 @@ def unsafe_strided_pointwise_conv(in_channels_per_group: int, kernel: Sequence[i
 def is_channels_last(x: Tensor) -> bool:
     """A 4-D (5-D) tensor that ATen's CPU convolution reads as channels-last."""
     formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    if torch._C._are_functorch_transforms_active() \
+            and torch._C._functorch.is_batchedtensor(x):
+        return False  # vmap's batched tensor: vmap refuses layout queries; its maps are NCHW
     return x.dim() in formats and not x.is_contiguous() \
         and x.is_contiguous(memory_format=formats[x.dim()])
 
