@@ -460,13 +460,33 @@ _SEQUENCE_PACKING = ("pack_padded_sequence", "pad_packed_sequence", "pack_sequen
                      "pad_sequence", "unpack_sequence", "unpad_sequence")
 
 _TORCH_RANDOM = ("rand", "randn", "randint", "randperm", "rand_like", "randn_like",
-                 "randint_like", "normal", "bernoulli", "multinomial", "poisson")
+                 "randint_like", "normal", "bernoulli", "multinomial", "poisson",
+                 # torch.distributions' Gamma / Beta / Dirichlet samplers and Binomial:
+                 # from constant concentrations they were drawn once, while tracing, and
+                 # every call returned that draw
+                 "_standard_gamma", "_sample_dirichlet", "binomial")
 
 #: Python's and numpy's random draws: a traced forward would keep the one drawn while
 #: tracing for every call (a layer dropped at random would be dropped always, or never).
 _PYTHON_RANDOM = [(random, name) for name in (
     "random", "uniform", "randint", "randrange", "choice", "choices", "gauss",
     "normalvariate", "shuffle", "sample", "betavariate", "expovariate")]
+
+
+_TENSOR_DRAWS = ("normal_", "uniform_", "exponential_", "cauchy_", "geometric_",
+                 "log_normal_", "random_", "bernoulli_")
+
+
+def _refused_tensor_draw(name: str) -> Callable[..., Any]:
+    def draw(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"forward draws with Tensor.{name}() on a tensor made from constants "
+            f"(torch.empty(3).{name}()): a symbolically traced forward would keep the "
+            f"value drawn while tracing for every call. Make the tensor from an input "
+            f"(torch.empty_like(x).{name}(), x.new_empty(3).{name}()), or trace with "
+            f"torch.export: hftc.fuse(models, example_inputs=(x,), frontend='export')")
+    draw.__name__ = name
+    return draw
 
 
 @contextlib.contextmanager
@@ -491,6 +511,12 @@ def _python_random_refused() -> Iterator[None]:
 
     for owner, name, _ in saved:
         setattr(owner, name, refuse(owner, name))
+    # torch's in-place draws on a tensor made while tracing from constants
+    # (``torch.empty(3).cauchy_()``): run then, their values were constants of the graph.
+    # (On a traced value they are nodes: a Proxy never reaches these methods.)
+    for name in _TENSOR_DRAWS:
+        saved.append((torch.Tensor, name, getattr(torch.Tensor, name)))
+        setattr(torch.Tensor, name, _refused_tensor_draw(name))
     try:
         yield
     finally:

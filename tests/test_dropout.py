@@ -193,3 +193,37 @@ def test_draws_on_a_shared_input_are_each_models_own(kind):
     slopes = out[:, x < 0] / x[x < 0]  # each negative element's drawn slope, per model
     assert ((slopes >= 0.1 - 1e-6) & (slopes <= 0.3 + 1e-6)).all()
     torch.testing.assert_close(out[:, x >= 0], x[x >= 0].expand(3, -1))
+
+
+class _GammaDraw(nn.Module):
+    """torch.distributions' Gamma / Beta samplers draw with torch._standard_gamma."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x), torch._standard_gamma(torch.full((3,), 0.4))
+
+
+class _ConstantTensorDraw(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(x) + torch.empty(2).cauchy_()
+
+
+def test_gamma_draws_are_drawn_per_call_and_per_model_and_frozen_ones_refused():
+    # From constant concentrations the draw ran once, while tracing, and every call
+    # returned it; an in-place draw on a tensor made from constants was frozen too.
+    torch.manual_seed(0)
+    fused = hftc.fuse([_GammaDraw() for _ in range(3)])
+    x = torch.randn(5, 4)
+    first, second = fused(x)[1], fused(x)[1]
+    assert first.shape == (3, 3) and not torch.equal(first, second)
+    assert not torch.equal(first[0], first[1])
+    with pytest.raises(hftc.errors.TraceError, match=r"Tensor.cauchy_\(\) on a tensor made "
+                                                     r"from constants.*empty_like"):
+        hftc.fuse([_ConstantTensorDraw() for _ in range(2)])

@@ -511,6 +511,10 @@ def linear_lowerings(x: Tensor, weight: Tensor, bias: Tensor | None, *,
     N=32, M=64, in=128: 362 vs 156 us; 203 us with the copy back to ``[N, M, out]``),
     while wide outputs run alike either way.
     """
+    if x.is_complex() or weight.is_complex():
+        # _BatchedLinear's backward is written for real tensors (no conjugates): a complex
+        # layer's weight gradient came out wrong.  Autograd's own backward for complex.
+        return ["gemm", "loop"] if not x_batched else ["baddbmm_autograd", "einsum", "loop"]
     if not x_batched:
         return ["gemm", "baddbmm", "loop"] if x.requires_grad else ["baddbmm", "gemm", "loop"]
     if weight.shape[1] < _NARROW_OUTPUT:

@@ -49,7 +49,7 @@ SHARED_CONSTANT_PREFIX = "_hftc_constant_shared_"
 RANDOM_FUNCTIONS = {
     torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
     torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial, torch.randperm,
-    torch.poisson,
+    torch.poisson, torch._standard_gamma, torch._sample_dirichlet, torch.binomial,
 }
 RANDOM_METHODS = {"bernoulli", "bernoulli_", "normal_", "uniform_", "random_", "exponential_",
                   "geometric_", "log_normal_", "cauchy_", "multinomial"}
