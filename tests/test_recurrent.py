@@ -220,3 +220,34 @@ def test_packed_sequences_run_the_recurrence_per_model():
     assert [r.node for r in fused.fusion_report.fallbacks] == ["rnn", "pad_packed_sequence"]
     stacked = torch.randn(N, 4, T, IN)
     check_equivalence([PackedTagger() for _ in range(N)], (stacked, lengths), in_dims=(0, None))
+
+
+class _LSTMHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, state=None):
+        out, (h, c) = self.rnn(x, state)
+        return self.head(out[:, -1]), h, c
+
+
+@pytest.mark.parametrize("given_state", [False, True], ids=["zero_state", "given_state"])
+def test_lstm_under_cpu_autocast_runs_in_its_lower_precision(given_state):
+    # ATen's autocast runs lstm in bf16, states included; the fused recurrence kept a
+    # float32 cell state, returned float32, and the first-call check ran the models one
+    # by one (blaming the user's code).  A FusionWarning would fail this test.
+    torch.manual_seed(0)
+    models = [_LSTMHead() for _ in range(3)]
+    fused = hftc.fuse(models)
+    x = torch.randn(2, 5, 8)
+    state = (torch.randn(1, 2, 8), torch.randn(1, 2, 8)) if given_state else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = fused(x, state)
+        wants = [m(x, state) for m in models]
+    for got, *want in zip(outs, *wants):
+        assert got.dtype == want[0].dtype == torch.bfloat16
+        for i, w in enumerate(want):
+            torch.testing.assert_close(got[i].float(), w.float(), rtol=5e-2, atol=5e-2)
+    assert fused.last_program().model_loop is None

@@ -115,6 +115,10 @@ def rnn(
     hidden = weights[1].shape[-1]  # W_hh: [N, G*H, Hout]
     cell_size = weights[0].shape[1] // GATES[mode]
     dtype, device = weights[0].dtype, weights[0].device
+    if mode == "LSTM" and dtype.is_floating_point and torch.is_autocast_enabled(device.type):
+        # ATen's autocast runs lstm in its lower precision (states included): a float32
+        # cell state kept the fused recurrence, and its outputs, in float32.
+        dtype = torch.get_autocast_dtype(device.type)
 
     states: list[Tensor | None] = []
     hx_parts = [] if hx is None else ([hx] if isinstance(hx, Tensor) else list(hx))
@@ -123,6 +127,8 @@ def rnn(
             states.append(torch.zeros(n, num_layers * d, bsz, size, dtype=dtype, device=device))
             continue
         h0 = hx_parts[k]
+        if h0.is_floating_point() and h0.dtype != dtype and dtype != weights[0].dtype:
+            h0 = h0.to(dtype)  # (the autocast dtype above)
         if not hx_batched[k]:
             h0 = expand_models(h0, n)
         if unbatched:
