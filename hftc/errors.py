@@ -29,6 +29,11 @@ class UnsupportedOperatorError(FusionError):
         self.operators = list(operators or [])
 
 
+class RaggedResultError(UnsupportedOperatorError):
+    """An op that runs per model gave the models results of different shapes (a boolean
+    mask that keeps a different number of rows in each), which cannot be stacked."""
+
+
 class FusionWarning(UserWarning):
     """hftc runs something slower than asked, correctly, and says why (the first-call
     check found the fused program's outputs not the models': they run one by one)."""

@@ -34,6 +34,7 @@ from .errors import (
     FusionTypeError,
     FusionWarning,
     MismatchError,
+    RaggedResultError,
     TraceError,
     UnsupportedOperatorError,
 )
@@ -709,6 +710,12 @@ class FusedModule(ContainerAccess, nn.Module):
             return None
         report.check = compare_with_models(
             self, lambda inputs: self._run_fused(forward, spec, inputs), values, batched)
+        if report.check.skipped == f"the fused program raised {RaggedResultError.__name__}":
+            # Shapes that depend on the data (x[mask] per model): the models' own
+            # forwards run them, one by one.
+            return ("an op that runs per model gave the models results of different "
+                    "shapes (a value whose shape depends on the data, as x[mask] with a "
+                    "per-model mask), which the fused program cannot stack")
         if report.check.passed:
             return None
         where = locate_difference(self, graph, model_graph, report.records, values, batched,

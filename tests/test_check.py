@@ -448,3 +448,30 @@ def test_the_check_puts_back_the_weights_forward_writes_into():
     with pytest.warns(FusionWarning, match="one by one"), \
             pytest.raises(hftc.errors.TraceError, match="writes into one of its parameters"):
         fused(ids)
+
+
+class KeepsPositiveRows(nn.Module):
+    """x[mask] with a per-model mask: each model keeps another number of rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h[h[:, 0] > 0].sum(0)
+
+
+def test_results_of_different_shapes_run_the_models_one_by_one():
+    # The per-model loop's stack of ragged results crashed in a bare torch.stack error.
+    torch.manual_seed(0)
+    models = [KeepsPositiveRows().double() for _ in range(3)]
+    x = torch.randn(8, 4, dtype=torch.float64)
+    assert len({int((m.fc(x)[:, 0] > 0).sum()) for m in models}) > 1
+    fused = hftc.fuse(copy.deepcopy(models))
+    with pytest.warns(FusionWarning, match="results of different shapes"):
+        out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+    with pytest.raises(hftc.errors.RaggedResultError, match=r"different shapes \(\[\d+, 4\]"):
+        hftc.fuse(copy.deepcopy(models), check=False)(x)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from ..errors import FusionError
+from ..errors import FusionError, RaggedResultError
 from . import layout
 
 # --------------------------------------------------------------------------- layouts
@@ -1513,6 +1513,16 @@ def _stack_results(outs: list[Any], name: str) -> Any:
     for pos, leaf in enumerate(first):
         column = [f[0][pos] for f in flat]
         if isinstance(leaf, Tensor):
+            shapes = {tuple(t.shape) for t in column}
+            if len(shapes) > 1:
+                raise RaggedResultError(
+                    f"`{name}` gave the models results of different shapes "
+                    f"({', '.join(str(list(t.shape)) for t in column)}): a value whose shape "
+                    f"depends on the data (x[mask] with a per-model mask, torch.nonzero, a "
+                    f"mixture of experts routing rows by index) cannot be stacked over the "
+                    f"models. The fused module runs the models one by one where its first "
+                    f"call finds this; to fuse them, keep shapes fixed (torch.where(mask, h, "
+                    f"0), dense top-k routing with gather / scatter)")
             stacked.append(torch.stack(column))
         else:
             try:
