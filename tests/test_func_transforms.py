@@ -165,14 +165,20 @@ def test_grad_through_per_model_cross_entropy_over_few_classes(monkeypatch, shor
     assert cross_entropy[0] == 2
 
 
-def test_second_order_grad_through_a_fused_mlp(monkeypatch):
-    # MAML: the gradient of the loss after an inner step, differentiated through that step
-    # (grad of grad: the chain's backward recomputes with autograd, one level each).
-    models = [mlp().double() for _ in range(2)]
+def _fused_mlp(monkeypatch, n: int):
+    """N float64 MLPs fused and called once, a regression input and target, and the
+    count of linear-chain calls from now on."""
+    models = [mlp().double() for _ in range(n)]
     fused = fuse(models)
     x, t = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
     fused(x)
-    chain = counted(monkeypatch, chains._LinearChain)
+    return models, fused, x, t, counted(monkeypatch, chains._LinearChain)
+
+
+def test_second_order_grad_through_a_fused_mlp(monkeypatch):
+    # MAML: the gradient of the loss after an inner step, differentiated through that step
+    # (grad of grad: the chain's backward recomputes with autograd, one level each).
+    models, fused, x, t, chain = _fused_mlp(monkeypatch, 2)
 
     def inner(p):
         return (functional_call(fused, p, (x,)) - t).square().mean((1, 2)).sum()
@@ -272,11 +278,7 @@ def test_vmap_over_parameter_sets(monkeypatch):
     # vmap over the weights (several parameter sets of one fused module, as in ensembling
     # with torch.func.stack_module_state): the chain's vmap rule takes the vmapped dim
     # into the models; each set's outputs and gradients as its own models' alone.
-    models = [mlp().double() for _ in range(3)]
-    fused = fuse(models)
-    x, t = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
-    fused(x)
-    chain = counted(monkeypatch, chains._LinearChain)
+    models, fused, x, t, chain = _fused_mlp(monkeypatch, 3)
     sets = [{k: v * (1 + 0.5 * s) for k, v in parameters(fused).items()} for s in range(2)]
     stacked = {k: torch.stack([p[k] for p in sets]) for k in sets[0]}
 

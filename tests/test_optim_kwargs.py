@@ -234,10 +234,13 @@ def test_param_group_dicts_take_the_optimizers_flags_only():
 # ------------------------------------------------------------ state dicts
 
 
-@pytest.mark.parametrize("name,flags", [("SGD", dict(fused=True)), ("Adam", dict(fused=True)),
-                                        ("Adagrad", dict(fused=True)),
-                                        ("RMSprop", dict(foreach=True)),
-                                        ("AdamW", dict(foreach=False))])
+#: An implementation flag per optimizer class, each a value other than its default.
+FLAG_CASES = [("SGD", dict(fused=True)), ("Adam", dict(fused=True)),
+              ("Adagrad", dict(fused=True)), ("RMSprop", dict(foreach=True)),
+              ("AdamW", dict(foreach=False))]
+
+
+@pytest.mark.parametrize("name,flags", FLAG_CASES)
 def test_flags_survive_state_dict_and_the_loaded_optimizer_continues(name, flags):
     configs = CONFIGS[name]
     models = make_models(len(configs))
@@ -298,10 +301,7 @@ def test_state_dicts_and_pickles_without_the_keys_take_the_optimizers_values():
 # --------------------------------------------- fuse_optimizers / unfuse_optimizers
 
 
-@pytest.mark.parametrize("name,flags", [("SGD", dict(fused=True)), ("Adam", dict(fused=True)),
-                                        ("Adagrad", dict(fused=True)),
-                                        ("AdamW", dict(foreach=False)),
-                                        ("RMSprop", dict(foreach=True))])
+@pytest.mark.parametrize("name,flags", FLAG_CASES)
 def test_fuse_optimizers_carries_the_flags(name, flags):
     configs = CONFIGS[name]
     models = make_models(len(configs))
