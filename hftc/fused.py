@@ -653,7 +653,12 @@ class FusedModule(ContainerAccess, nn.Module):
             # Tuning runs the program: on copies of the inputs, which it may write into.
             tuning_values = input_copies(values)
             with preserved_state(self):
-                report.lowerings = autotune_graph(graph, self, tuning_values, backward=backward)
+                try:
+                    report.lowerings = autotune_graph(graph, self, tuning_values,
+                                                      backward=backward)
+                except RuntimeError as exc:  # an input of another dtype / device: say so
+                    self._explain_input_mismatch(values, exc)
+                    raise
             if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values):
                 # A fused step's activations outgrow glibc's adaptive thresholds: keep the
                 # memory a step frees for the next one (lowering/heap.py).  After the ops'
@@ -776,10 +781,13 @@ class FusedModule(ContainerAccess, nn.Module):
         for k, v in enumerate(values):
             if isinstance(v, torch.Tensor) and v.is_floating_point():
                 if v.dtype != param.dtype or v.device != param.device:
+                    to = (f"x.to({param.dtype})", f"fused.to({v.dtype})") \
+                        if v.device == param.device else \
+                        (f"x.to('{param.device}')", f"fused.to('{v.device}')")
                     raise FusionArgumentError(
                         f"input {k} is {v.dtype} on {v.device} but the models' parameters are "
-                        f"{param.dtype} on {param.device}; cast the input "
-                        f"(x.to({param.dtype})) or the fused module (fused.to({v.dtype}))"
+                        f"{param.dtype} on {param.device}; move or cast the input ({to[0]}) "
+                        f"or the fused module ({to[1]})"
                     ) from cause
 
     def _model_tensors(self, index: int = 0) -> dict[str, torch.Tensor]:

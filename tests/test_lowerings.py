@@ -1132,3 +1132,40 @@ def test_max_pool2d_through_channels_last_only_where_it_pays():
             return super().forward(x) * 2
 
     assert kernels._max_pool2d_arguments(OwnPool(2), x, (), {}) is None
+
+
+@pytest.mark.parametrize("damage", ["string", "no_times", "times_null", "times_list",
+                                    "times_strings", "unknown_lowering"])
+def test_a_damaged_cache_entry_is_tuned_again(damage, cache_dir):
+    # Per-op entries were trusted as they were read: AttributeError, KeyError and
+    # TypeError from inside autotune, or a lowering that no longer exists chosen on
+    # every fuse until the cache was deleted.
+    torch.manual_seed(0)
+    models = [nn.Linear(8, 16) for _ in range(2)]
+    x = torch.randn(4, 8)
+    hftc.fuse(models, autotune=True)(x)
+    path = cache_dir / "autotune.json"
+    entries = json.loads(path.read_text())
+    for key, entry in entries.items():
+        entries[key] = {
+            "string": "baddbmm", "no_times": {"chosen": entry["chosen"]},
+            "times_null": {**entry, "times": None}, "times_list": {**entry, "times": [1.0]},
+            "times_strings": {**entry, "times": {k: "fast" for k in entry["times"]}},
+            "unknown_lowering": {"chosen": "gone", "times": {"gone": 1e-9}},
+        }[damage]
+    path.write_text(json.dumps(entries))
+    autotune._MEMORY.clear()
+    fused = hftc.fuse(models, autotune=True)
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+    assert not any(c.cached for c in fused.fusion_report.lowerings)
+    str(fused.fusion_report)  # the report prints
+
+
+def test_autotune_on_an_input_of_another_dtype_says_so(cache_dir):
+    # Autotune ran before the dtype check: a bare ATen error from inside its timing.
+    fused = hftc.fuse([nn.Linear(8, 4).double() for _ in range(2)], autotune=True)
+    with pytest.raises(FusionArgumentError, match=r"input 0 is torch.float32 .*"
+                                                  r"\(x.to\(torch.float64\)\)"):
+        fused(torch.randn(5, 8))

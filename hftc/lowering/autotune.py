@@ -148,12 +148,22 @@ def _load(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _lookup(key: str, path: Path) -> dict[str, Any] | None:
+    """The cached entry for ``key``; one that is not ``{"chosen": str, "times": {str:
+    number}}`` (a file edited or damaged) counts as none: the op is tuned again."""
     if key not in _MEMORY:
         entry = _load(path).get(key)
-        if entry is None:
+        if not _well_formed(entry):
             return None
         _MEMORY[key] = entry
     return _MEMORY[key]
+
+
+def _well_formed(entry: Any) -> bool:
+    times = entry.get("times") if isinstance(entry, dict) else None
+    return (isinstance(entry, dict) and isinstance(entry.get("chosen"), str)
+            and isinstance(times, dict) and all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                for k, v in times.items()))
 
 
 def _store(key: str, entry: dict[str, Any], path: Path) -> None:
@@ -280,7 +290,7 @@ def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[s
     if len(names) == 1:
         return choice
     entry = _lookup(key, path)
-    if entry is not None and entry.get("chosen") in names:
+    if entry is not None and entry["chosen"] in names and set(entry["times"]) <= set(names):
         choice.times, choice.cached = entry["times"], True
         choice.chosen = _pick(choice.times, names[0]) if names[0] in choice.times \
             else entry["chosen"]
