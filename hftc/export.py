@@ -55,7 +55,7 @@ import inspect
 import logging
 import operator
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +172,31 @@ def _quiet() -> Any:
             lg.setLevel(level)
 
 
+@contextlib.contextmanager
+def _inference_mode_refused(index: int, model: nn.Module) -> Iterator[None]:
+    """While exporting, an ``inference_mode`` block in forward raises: non-strict export
+    leaves no trace of it in the graph (a ``no_grad`` block at least leaves a
+    higher-order op, refused below), so the block's layers got gradients and trained."""
+    mode = torch.autograd.grad_mode.inference_mode
+    enter = mode.__enter__
+
+    def refusing(context: Any) -> Any:
+        if context.mode:
+            raise TraceError(
+                f"model {index} ({type(model).__name__}): forward has a "
+                f"`torch.inference_mode()` block, which torch.export drops from the "
+                f"graph (its layers would get gradients). Detach what the block computes "
+                f"instead (`y = self.teacher(x).detach()`), or fuse without example_inputs "
+                f"where symbolic tracing can follow forward (it records the block)")
+        return enter(context)
+
+    mode.__enter__ = refusing
+    try:
+        yield
+    finally:
+        mode.__enter__ = enter
+
+
 def export_model(
     model: nn.Module, index: int, *, training: bool, args: tuple, kwargs: dict | None = None
 ) -> fx.GraphModule:
@@ -182,11 +207,13 @@ def export_model(
     """
     kwargs = dict(kwargs or {})
     try:
-        with _uniform_mode(model, training), _quiet():
+        with _uniform_mode(model, training), _quiet(), _inference_mode_refused(index, model):
             program = torch.export.export(
                 model, tuple(args), kwargs, dynamic_shapes=_dynamic_shapes(tuple(args), kwargs),
                 strict=False,
             )
+    except TraceError:  # ours, already naming the model and the fix
+        raise
     except Exception as exc:  # export raises many types; the user needs the model and the cause
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise TraceError(

@@ -287,3 +287,27 @@ def test_cumulative_batch_norm_through_export_says_what_to_do():
     x = torch.randn(4, 4)
     with pytest.raises(TraceError, match="momentum=None.*without example_inputs"):
         hftc.fuse([Cumulative(), Cumulative()], frontend="export", example_inputs=(x,))
+
+
+class InferenceModeTeacher(nn.Module):
+    """A teacher under torch.inference_mode(), and a shape branch fx cannot follow."""
+
+    def __init__(self):
+        super().__init__()
+        self.student, self.teacher = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            x = x * 1
+        with torch.inference_mode():
+            target = self.teacher(x)
+        return self.student(x) - target
+
+
+def test_an_inference_mode_block_is_refused_by_the_export_front_end():
+    # Non-strict export drops the block without a trace: the teacher got gradients and
+    # trained, silently (the first-call check runs under no_grad and could not see it).
+    with pytest.raises(TraceError, match=r"model 0 \(InferenceModeTeacher\).*"
+                                         r"torch.inference_mode\(\).*detach"):
+        hftc.fuse([InferenceModeTeacher() for _ in range(N)],
+                  example_inputs=(torch.randn(4, 3),))
