@@ -71,6 +71,7 @@ SOFT_FUNCTION_ARGUMENTS: dict[Any, dict[int, str]] = {
     torch.nn.functional.leaky_relu: {1: "negative_slope"},
     torch.nn.functional.elu: {1: "alpha"},
     torch.nn.functional.celu: {1: "alpha"},
+    torch.nn.functional.batch_norm: {6: "momentum", 7: "eps"},
     torch.nn.functional.layer_norm: {4: "eps"},
     torch.nn.functional.group_norm: {4: "eps"},
     torch.nn.functional.rms_norm: {3: "eps"},

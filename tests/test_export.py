@@ -311,3 +311,25 @@ def test_an_inference_mode_block_is_refused_by_the_export_front_end():
                                          r"torch.inference_mode\(\).*detach"):
         hftc.fuse([InferenceModeTeacher() for _ in range(N)],
                   example_inputs=(torch.randn(4, 3),))
+
+
+class ShapeBranchBatchNorm(nn.Module):
+    """A batch norm whose momentum and eps a sweep varies, in a forward fx cannot follow."""
+
+    def __init__(self, momentum: float, eps: float):
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+        self.bn = nn.BatchNorm1d(4, momentum=momentum, eps=eps)
+
+    def forward(self, x):
+        if x.shape[0] > 1:
+            x = x * 1
+        return self.bn(self.fc(x))
+
+
+def test_exported_batch_norms_with_a_momentum_and_eps_per_model():
+    # torch.export's graph holds F.batch_norm, whose momentum and eps were compared as
+    # structure: models that fuse symbolically were refused with a MismatchError.
+    x = torch.randn(6, 3)
+    models = [ShapeBranchBatchNorm(m, e) for m, e in [(0.1, 1e-5), (0.3, 1e-3), (0.5, 1e-5)]]
+    check_equivalence(models, x, steps=2, fuser=_export_fuser((x.double(),)))

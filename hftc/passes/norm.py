@@ -53,6 +53,17 @@ def fuse_batch_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
     running_mean = group.arg(1, "running_mean")
     if running_mean is not None and not builder.is_batched(running_mean):
         raise NotFusable("running statistics shared by all models would mix the models")
+    momenta, epses = group.per_model_arg(6, "momentum"), group.per_model_arg(7, "eps")
+    if momenta or epses:  # (torch.export's graph of BatchNorm modules whose values differ)
+        n = builder.num_models
+        return builder.call(
+            per_model.batch_norm, builder.broadcast(group.arg(0, "input")), running_mean,
+            group.arg(2, "running_var"), _optional(builder, group.arg(3, "weight")),
+            _optional(builder, group.arg(4, "bias")), None, group.arg(5, "training", False),
+            momentum=tuple(momenta or [group.arg(6, "momentum", 0.1)] * n),
+            eps=tuple(epses or [group.arg(7, "eps", 1e-5)] * n),
+            track_running_stats=running_mean is not None,
+        )
     return builder.call(
         kernels.batch_norm, builder.broadcast(group.arg(0, "input")), running_mean,
         group.arg(2, "running_var"), _optional(builder, group.arg(3, "weight")),
