@@ -98,6 +98,12 @@ def soft_module_attributes(module: nn.Module) -> tuple[str, ...]:
 #: None, 0.1)``; both are read as ``(q, k, v, None, <per-model>)``.
 SOFT_FUNCTION_DEFAULTS: dict[Any, tuple] = {
     torch.nn.functional.scaled_dot_product_attention: (None, 0.0),  # attn_mask, dropout_p
+    # torch.export's graphs leave an argument at its default out: LeakyReLU(0.01) in
+    # model 0 against LeakyReLU(0.02) was (x,) against (x, 0.02), refused as structure
+    torch.nn.functional.leaky_relu: (0.01,),
+    torch.nn.functional.elu: (1.0,),
+    torch.nn.functional.celu: (1.0,),
+    torch.nn.functional.batch_norm: (None, None, False, 0.1, 1e-5),
 }
 
 
