@@ -677,7 +677,14 @@ class _Recorder(fx.Interpreter):
         self._targets = dict(zip(module.graph.nodes, targets))
 
     def run_node(self, n: fx.Node) -> Any:
-        value = super().run_node(n)
+        try:
+            value = super().run_node(n)
+        except FusionError as exc:
+            # Ours (a guard of an exported graph rejecting the inputs) says what to do:
+            # kept as it is, without the debugging text fx's Interpreter adds to errors
+            # ("While executing ... Original traceback ... tlparse").
+            exc.hftc_message = exc.args
+            raise
         self._targets[n].meta[EXAMPLE_VALUE] = value
         return value
 
@@ -734,7 +741,8 @@ def annotate_example_values(
         with torch.no_grad():
             _Recorder(fx.GraphModule(template, copied), list(graph.nodes)).run(*_to_meta(args))
         return
-    except FusionError:  # a guard of the graph (hftc.export) rejected the inputs: say why
+    except FusionError as exc:  # a guard of the graph (hftc.export) rejected the inputs: say why
+        exc.args = getattr(exc, "hftc_message", exc.args)
         raise
     except Exception as exc:
         meta_error = exc
