@@ -30,8 +30,9 @@ class UnsupportedOperatorError(FusionError):
 
 
 class RaggedResultError(UnsupportedOperatorError):
-    """An op that runs per model gave the models results of different shapes (a boolean
-    mask that keeps a different number of rows in each), which cannot be stacked."""
+    """An op that runs per model gave the models results one fused program cannot hold:
+    tensors of different shapes (a boolean mask that keeps a different number of rows in
+    each) or different Python values (``.item()`` of a per-model tensor)."""
 
 
 class FusionWarning(UserWarning):

@@ -718,9 +718,10 @@ class FusedModule(ContainerAccess, nn.Module):
         if report.check.skipped == f"the fused program raised {RaggedResultError.__name__}":
             # Shapes that depend on the data (x[mask] per model): the models' own
             # forwards run them, one by one.
-            return ("an op that runs per model gave the models results of different "
-                    "shapes (a value whose shape depends on the data, as x[mask] with a "
-                    "per-model mask), which the fused program cannot stack")
+            return ("an op that runs per model gave the models results one fused program "
+                    "cannot hold (of different shapes, a value whose shape depends on the "
+                    "data, as x[mask] with a per-model mask; or different Python values, as "
+                    ".item() of a per-model tensor)")
         if report.check.passed:
             return None
         where = locate_difference(self, graph, model_graph, report.records, values, batched,

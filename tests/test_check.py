@@ -469,9 +469,32 @@ def test_results_of_different_shapes_run_the_models_one_by_one():
     x = torch.randn(8, 4, dtype=torch.float64)
     assert len({int((m.fc(x)[:, 0] > 0).sum()) for m in models}) > 1
     fused = hftc.fuse(copy.deepcopy(models))
-    with pytest.warns(FusionWarning, match="results of different shapes"):
+    with pytest.warns(FusionWarning, match="results one fused program cannot hold"):
         out = fused(x)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x))
     with pytest.raises(hftc.errors.RaggedResultError, match=r"different shapes \(\[\d+, 4\]"):
         hftc.fuse(copy.deepcopy(models), check=False)(x)
+
+
+class ScaledByItsLargestWeight(nn.Module):
+    """A Python number read from a per-model tensor (.item()) used in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) / self.fc.weight.abs().max().item()
+
+
+def test_per_model_python_values_run_the_models_one_by_one():
+    # It failed with a FusionError that named no fix and did not fall back.
+    torch.manual_seed(0)
+    models = [ScaledByItsLargestWeight().double() for _ in range(3)]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    fused = hftc.fuse(copy.deepcopy(models))
+    with pytest.warns(FusionWarning, match="results one fused program cannot hold"):
+        out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))

@@ -1534,9 +1534,12 @@ def _stack_results(outs: list[Any], name: str) -> Any:
                     f"tuples, lists or dicts, or the dataclass itself as forward's output"
                 ) from None
             if differ:
-                raise FusionError(
-                    f"{name} returned different Python values for different models "
-                    f"({column}); hftc needs them equal to fuse the models"
+                raise RaggedResultError(
+                    f"`{name}` returned different Python values for different models "
+                    f"({column}), which one fused program cannot hold (.item() of a "
+                    f"per-model tensor, a size that depends on the data). The fused module "
+                    f"runs the models one by one where its first call finds this; to fuse "
+                    f"them, compute with the tensor instead of its Python value"
                 )
             stacked.append(leaf)
     return pytree.tree_unflatten(stacked, out_spec)
