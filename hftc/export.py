@@ -144,13 +144,25 @@ def check_input_structure(value: Any, expected: str, name: str) -> None:
 # --------------------------------------------------------------------------- exporting
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict) -> tuple:
-    """``Dim.AUTO`` on every dim of every tensor input (export keeps what it can symbolic)."""
+def _dynamic_shapes(args: tuple, kwargs: dict, model: nn.Module | None = None) -> Any:
+    """``Dim.AUTO`` on every dim of every tensor input (export keeps what it can symbolic).
+
+    By forward's parameter names where they bind: torch matches the spec to forward's
+    signature, so the inputs of ``forward(self, *xs)`` are one entry, a tuple (one entry
+    per input failed as "inputs has 1 elements, but dynamic_shapes has 2")."""
     auto = torch.export.Dim.AUTO
 
     def spec(v: Any) -> Any:
         return {d: auto for d in range(v.dim())} if isinstance(v, torch.Tensor) else None
 
+    if model is not None:
+        try:
+            bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        except (TypeError, ValueError):
+            pass
+        else:
+            return {name: pytree.tree_map(spec, value)
+                    for name, value in bound.arguments.items()}
     return tuple(pytree.tree_map(spec, a) for a in (*args, *kwargs.values()))
 
 
@@ -209,7 +221,8 @@ def export_model(
     try:
         with _uniform_mode(model, training), _quiet(), _inference_mode_refused(index, model):
             program = torch.export.export(
-                model, tuple(args), kwargs, dynamic_shapes=_dynamic_shapes(tuple(args), kwargs),
+                model, tuple(args), kwargs,
+                dynamic_shapes=_dynamic_shapes(tuple(args), kwargs, model),
                 strict=False,
             )
     except TraceError:  # ours, already naming the model and the fix

@@ -356,3 +356,23 @@ def test_exported_activations_whose_model_0_has_the_default_value(kind, default)
     x = torch.randn(6, 3)
     models = [ShapeBranchActivation(kind, v) for v in (default, 2 * default, 3 * default)]
     check_equivalence(models, x, steps=2, fuser=_export_fuser((x.double(),)))
+
+
+class VarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, *xs):
+        if xs[0].shape[0] > 1:
+            return self.fc(xs[0] + xs[1])
+        return self.fc(xs[0])
+
+
+def test_a_forward_with_varargs_exports():
+    # The dynamic-shapes spec had one entry per input where torch matches forward's
+    # signature (one entry, the tuple xs): "inputs has 1 elements, but dynamic_shapes
+    # has 2".
+    x, y = torch.randn(5, 4), torch.randn(5, 4)
+    check_equivalence([VarArgs() for _ in range(N)], (x, y), steps=2,
+                      fuser=_export_fuser((x.double(), y.double())))
