@@ -320,6 +320,8 @@ class CheckResult:
     difference: str | None = None
     #: The check could not run (the model's own forward raised on these inputs ...).
     skipped: str | None = None
+    #: What the fused program raised where it did (``skipped`` says so)
+    raised: BaseException | None = None
     #: A random op the constants do not cover ran: only shapes and dtypes were compared.
     shapes_only: bool = False
     #: The largest relative difference (in norm) of a floating output compared.
@@ -402,7 +404,7 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
                 result.shapes_only = any(not torch.equal(a, b)
                                          for a, b in zip(before, _rng_states()))
         except Exception as exc:  # noqa: BLE001 - the call itself raises it again, explained
-            result.skipped = f"the fused program raised {type(exc).__name__}"
+            result.skipped, result.raised = f"the fused program raised {type(exc).__name__}", exc
             return result
         for i in picks:
             # A copy of model i with the weights and buffers the program read, one at a

@@ -564,6 +564,9 @@ class FusedModule(ContainerAccess, nn.Module):
 
         sig = []
         for v, b in zip(values, batched):
+            if isinstance(v, torch.Tensor):  # (most inputs: no containers to open)
+                sig.append(leaf(v) + (b,))
+                continue
             leaves, spec = pytree.tree_flatten(v)
             sig.append((repr(spec), tuple(leaf(x) for x in leaves), b))
         return tuple(sig)
@@ -715,7 +718,7 @@ class FusedModule(ContainerAccess, nn.Module):
             return None
         report.check = compare_with_models(
             self, lambda inputs: self._run_fused(forward, spec, inputs), values, batched)
-        if report.check.skipped == f"the fused program raised {RaggedResultError.__name__}":
+        if isinstance(report.check.raised, RaggedResultError):
             # Shapes that depend on the data (x[mask] per model): the models' own
             # forwards run them, one by one.
             return ("an op that runs per model gave the models results one fused program "

@@ -220,22 +220,12 @@ def module_signature(module: nn.Module) -> dict[str, Any]:
 
 def _parametrizations_signature(module: nn.Module) -> dict[str, Any]:
     """A parametrized module's parametrizations (``weight_norm``, ``spectral_norm``, a
-    user's ``Clamp(c)``), which run per model as model 0's code: every simple attribute
-    and tensor shape of each, so that models whose differ are refused, not run with model
+    user's ``Clamp(c)``), which run per model as model 0's code: each one's own
+    :func:`module_signature`, so that models whose differ are refused, not run with model
     0's (spectral norm's ``n_power_iterations``, a clamp's bound, weight norm's ``dim``)."""
-    sig: dict[str, Any] = {}
-    for path, sub in module.parametrizations.named_modules():
-        where = f"parametrization `{path}`" if path else "parametrizations"
-        sig[f"{where} class"] = type(sub).__qualname__
-        for key, value in sorted(vars(sub).items()):
-            if key != "training" and not key.startswith("__") and _simple(value) \
-                    and key not in ("_is_full_backward_hook",):
-                sig[f"{where} `{key.lstrip('_')}`"] = value
-        for name, p in sub.named_parameters(recurse=False):
-            sig[f"{where} parameter `{name}`"] = _tensor_signature(p)
-        for name, b in sub.named_buffers(recurse=False):
-            sig[f"{where} buffer `{name}`"] = _tensor_signature(b)
-    return sig
+    return {f"parametrization `{path}` {key}" if path else f"parametrizations {key}": value
+            for path, sub in module.parametrizations.named_modules()
+            for key, value in module_signature(sub).items()}
 
 
 def target_name(node: fx.Node) -> str:

@@ -52,7 +52,7 @@ def _canonical_strides(x: Tensor) -> Tensor:
     gradient buffer and fails ("slow_conv2d: grad_weight must be contiguous").
     The memory is the same; only the strides of size-1 dims change.
     """
-    if vmap_batched(x):  # its layout is vmap's to keep (it refuses the questions below)
+    if layout.vmap_batched(x):  # its layout is vmap's to keep (it refuses the questions below)
         return x
     if x.is_contiguous():
         order = list(range(x.dim()))
@@ -1122,15 +1122,10 @@ def _is_channels_last(x: Tensor) -> bool:
     """``x.is_contiguous(memory_format=torch.channels_last)``; ``False`` for a tensor
     ``torch.func.vmap`` batches, whose layout vmap cannot tell (it raises): its
     per-sample map, contiguous as :func:`_max_pool2d_arguments` asks first, is NCHW."""
-    if vmap_batched(x):
+    if layout.vmap_batched(x):
         return False
     return x.is_contiguous(memory_format=torch.channels_last)
 
-
-def vmap_batched(x: Tensor) -> bool:
-    """Whether ``x`` is a tensor ``torch.func.vmap`` batches: vmap refuses layout queries
-    (``is_contiguous(memory_format=...)``, strides) on it."""
-    return torch._C._are_functorch_transforms_active() and torch._C._functorch.is_batchedtensor(x)
 
 
 # --------------------------------------------------------------------------- shapes
@@ -1513,8 +1508,7 @@ def _stack_results(outs: list[Any], name: str) -> Any:
     for pos, leaf in enumerate(first):
         column = [f[0][pos] for f in flat]
         if isinstance(leaf, Tensor):
-            shapes = {tuple(t.shape) for t in column}
-            if len(shapes) > 1:
+            if any(t.shape != leaf.shape for t in column[1:]):
                 raise RaggedResultError(
                     f"`{name}` gave the models results of different shapes "
                     f"({', '.join(str(list(t.shape)) for t in column)}): a value whose shape "

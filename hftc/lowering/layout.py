@@ -79,12 +79,17 @@ def unsafe_strided_pointwise_conv(in_channels_per_group: int, kernel: Sequence[i
     return any(s != 1 for s in ([stride] if isinstance(stride, int) else stride))
 
 
+def vmap_batched(x: Tensor) -> bool:
+    """Whether ``x`` is a tensor ``torch.func.vmap`` batches: vmap refuses layout queries
+    (``is_contiguous(memory_format=...)``, strides) on it."""
+    return torch._C._are_functorch_transforms_active() and torch._C._functorch.is_batchedtensor(x)
+
+
 def is_channels_last(x: Tensor) -> bool:
     """A 4-D (5-D) tensor that ATen's CPU convolution reads as channels-last."""
     formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    if torch._C._are_functorch_transforms_active() \
-            and torch._C._functorch.is_batchedtensor(x):
-        return False  # vmap's batched tensor: vmap refuses layout queries; its maps are NCHW
+    if vmap_batched(x):
+        return False  # vmap's batched tensor: its per-sample maps are NCHW
     return x.dim() in formats and not x.is_contiguous() \
         and x.is_contiguous(memory_format=formats[x.dim()])
 
