@@ -146,6 +146,65 @@ def test_signature_takes_every_stock_keyword(name):
     assert stock <= mine, stock - mine
 
 
+def positional(cls: type) -> list[tuple[str, object]]:
+    """The arguments ``cls`` takes by position after ``params``, with their defaults."""
+    return [(k, p.default) for k, p in inspect.signature(cls).parameters.items()
+            if p.kind is p.POSITIONAL_OR_KEYWORD and k != "params"]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_positional_arguments_are_torchs_in_torchs_order(name):
+    # hftc.optim.Adam(params, 1e-3) read 1e-3 as num_models: every argument torch takes
+    # by position hftc takes at that position, and hftc's own (num_models) by keyword.
+    stock, mine = getattr(torch.optim, name), getattr(ho, name)
+    assert [k for k, _ in positional(mine)] == [k for k, _ in positional(stock)]
+    for (key, default), (_, stock_default) in zip(positional(mine), positional(stock)):
+        assert default == stock_default, key
+    keyword_only = {k for k, p in inspect.signature(mine).parameters.items()
+                    if p.kind is p.KEYWORD_ONLY}
+    stock_keyword_only = {k for k, p in inspect.signature(stock).parameters.items()
+                          if p.kind is p.KEYWORD_ONLY}
+    assert keyword_only == stock_keyword_only | {"num_models"}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_arguments_given_by_position_train_as_stock_given_the_same(name):
+    # lr = 3 for N = 3 models: once read as num_models, silently leaving lr at its default.
+    n, lr = 3, 3.0
+    models = make_models(n)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = getattr(ho, name)(fused.parameters(), lr)
+    assert [g["lr"] for g in opt.param_groups] == [lr] * n
+    batches = make_batches(3)
+    train_fused(fused, opt, batches)
+    for solo in solos:
+        train_solo(solo, getattr(torch.optim, name)(solo.parameters(), lr), batches)
+    assert_equal_models(fused, solos)
+    # Every positional argument, stock's values but the defaults changed where that
+    # changes the update (a momentum, a decay, centering, amsgrad, nesterov).
+    changed = {"momentum": 0.5, "weight_decay": 0.01, "alpha": 0.9, "centered": True,
+               "amsgrad": True, "lr_decay": 0.01, "initial_accumulator_value": 0.1,
+               "betas": (0.8, 0.99), "eps": 1e-6, "dampening": 0.0, "nesterov": True}
+    args = [1e-2 if k == "lr" else changed.get(k, default)
+            for k, default in positional(getattr(torch.optim, name))]
+    models = make_models(n, seed=5)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = getattr(ho, name)(fused.parameters(), *args)
+    train_fused(fused, opt, batches)
+    for solo in solos:
+        train_solo(solo, getattr(torch.optim, name)(solo.parameters(), *args), batches)
+    assert_equal_models(fused, solos)
+
+
+def test_num_models_is_keyword_only():
+    p = torch.randn(3, 4, requires_grad=True)
+    assert ho.Adam([p], num_models=3).num_models == 3
+    with pytest.raises(TypeError):
+        ho.SGD([p], 0.1, 0.0, 0.0, 0.0, False, 3)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_param_group_keys_are_stocks(name):
     p = torch.nn.Parameter(torch.randn(2, 3, dtype=torch.float64))

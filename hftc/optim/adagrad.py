@@ -34,7 +34,7 @@ class Adagrad(FusedOptimizer):
     CPU stock's foreach and for-loop updates give the same values bit for bit (torch
     2.13), which hftc's equal.  ``differentiable=True`` raises ``FusionArgumentError``
     (the step runs under ``torch.no_grad()``), as does ``fused=True`` with
-    ``foreach=True`` (torch refuses it too).  The flags are keyword-only here.
+    ``foreach=True`` (torch refuses it too).
     """
 
     _hyperparameters = {
@@ -43,10 +43,10 @@ class Adagrad(FusedOptimizer):
     }
     _flags = {"foreach": None, "differentiable": False, "fused": False}
 
-    def __init__(self, params, num_models: int | None = None, lr=1e-2, lr_decay=0.0,
-                 weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10, *,
-                 foreach: bool | None = None, maximize=False, differentiable: bool = False,
-                 fused: bool | None = None):
+    def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0,
+                 initial_accumulator_value=0.0, eps=1e-10, foreach: bool | None = None, *,
+                 maximize=False, differentiable: bool = False, fused: bool | None = None,
+                 num_models: int | None = None):
         super().__init__(params, num_models, {
             "lr": lr, "lr_decay": lr_decay, "weight_decay": weight_decay,
             "initial_accumulator_value": initial_accumulator_value, "eps": eps,

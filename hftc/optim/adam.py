@@ -80,10 +80,11 @@ class Adam(FusedOptimizer):
     }
     _flags = {"foreach": None, "capturable": False, "differentiable": False, "fused": False}
 
-    def __init__(self, params, num_models: int | None = None, lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=0.0, amsgrad=False, *, foreach: bool | None = None,
-                 maximize=False, capturable: bool = False, differentiable: bool = False,
-                 fused: bool | None = None, decoupled_weight_decay=False):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, foreach: bool | None = None, maximize=False,
+                 capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, decoupled_weight_decay=False,
+                 num_models: int | None = None):
         super().__init__(params, num_models, {
             "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
             "amsgrad": amsgrad, "maximize": maximize,
@@ -320,11 +321,11 @@ class AdamW(Adam):
     ``differentiable`` and ``fused`` as there).
     """
 
-    def __init__(self, params, num_models: int | None = None, lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=1e-2, amsgrad=False, *, maximize=False,
-                 foreach: bool | None = None, capturable: bool = False,
-                 differentiable: bool = False, fused: bool | None = None):
-        super().__init__(params, num_models, lr=lr, betas=betas, eps=eps,
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, num_models: int | None = None):
+        super().__init__(params, num_models=num_models, lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
                          maximize=maximize, capturable=capturable,
                          differentiable=differentiable, fused=fused,

@@ -27,8 +27,7 @@ class RMSprop(FusedOptimizer):
     CPU stock's foreach and for-loop updates give the same values bit for bit (torch
     2.13), which hftc's equal.  ``capturable=True`` and ``differentiable=True`` raise
     ``FusionArgumentError`` (step counts stay on the CPU; the step runs under
-    ``torch.no_grad()``).  The flags are keyword-only here (torch also takes them by
-    position).
+    ``torch.no_grad()``).
     """
 
     _hyperparameters = {
@@ -37,9 +36,10 @@ class RMSprop(FusedOptimizer):
     }
     _flags = {"foreach": None, "capturable": False, "differentiable": False}
 
-    def __init__(self, params, num_models: int | None = None, lr=1e-2, alpha=0.99, eps=1e-8,
-                 weight_decay=0.0, momentum=0.0, centered=False, *, capturable: bool = False,
-                 foreach: bool | None = None, maximize=False, differentiable: bool = False):
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0,
+                 momentum=0.0, centered=False, capturable: bool = False,
+                 foreach: bool | None = None, maximize=False, differentiable: bool = False,
+                 *, num_models: int | None = None):
         super().__init__(params, num_models, {
             "lr": lr, "alpha": alpha, "eps": eps, "weight_decay": weight_decay,
             "momentum": momentum, "centered": centered, "maximize": maximize,

@@ -46,10 +46,10 @@ class SGD(FusedOptimizer):
     }
     _flags = {"foreach": None, "differentiable": False, "fused": False}
 
-    def __init__(self, params, num_models: int | None = None, lr=1e-3, momentum=0.0,
-                 dampening=0.0, weight_decay=0.0, nesterov=False, *, maximize=False,
-                 foreach: bool | None = None, differentiable: bool = False,
-                 fused: bool | None = None):
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, *, maximize=False, foreach: bool | None = None,
+                 differentiable: bool = False, fused: bool | None = None,
+                 num_models: int | None = None):
         super().__init__(params, num_models, {
             "lr": lr, "momentum": momentum, "dampening": dampening,
             "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize,
