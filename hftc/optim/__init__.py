@@ -11,15 +11,17 @@ parameters themselves live in ``param_groups[0]["params"]`` (see
 ``hftc/optim/optimizer.py`` for why).
 """
 
+from . import coupled  # noqa: F401  (refuses stock optimizers that couple the models)
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .convert import fuse_optimizers, unfuse_optimizers
+from .lbfgs import LBFGS
 from .lr_scheduler import ReduceLROnPlateau
 from .optimizer import FusedOptimizer
 from .rmsprop import RMSprop
 from .sgd import SGD
 
 __all__ = [
-    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "FusedOptimizer",
+    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "LBFGS", "FusedOptimizer",
     "ReduceLROnPlateau", "fuse_optimizers", "unfuse_optimizers",
 ]
