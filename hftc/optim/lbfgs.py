@@ -230,6 +230,9 @@ class LBFGS(Optimizer):
                         view.grad = None if p.grad is None else p.grad[i]
                     replies[i].put(float(losses[i]))
         finally:
+            # Interrupted while models wait (KeyboardInterrupt): end their steps, not hang.
+            for i in active:
+                replies[i].put(_Failed)
             for t in threads:
                 t.join()
         if failure is not None:
