@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils import _pytree as pytree
 
 from .check import CheckResult, compare_with_models, locate_difference
+from .compile_guard import compiled_original, run_eagerly
 from .errors import (
     FusionArgumentError,
     FusionError,
@@ -198,8 +198,7 @@ def _check_models(models: Any) -> list[nn.Module]:
     # torch.compile(model) wraps the model, which it shares (tensors included): fuse the
     # models themselves (symbolic tracing cannot read the wrapper), and compile the fused
     # module if wanted (fused.compile()).
-    return [getattr(m, "_orig_mod", m) if isinstance(m, OptimizedModule) else m
-            for m in models]
+    return [compiled_original(m) for m in models]
 
 
 def _tensor_name_maps(match: GraphMatch, graphs: Sequence[fx.GraphModule]) -> list[dict]:
@@ -584,7 +583,7 @@ class FusedModule(ContainerAccess, nn.Module):
             self._explain_input_mismatch(values, exc)
             raise
 
-    @torch.compiler.disable
+    @run_eagerly
     def _program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
         key = (self.training, self._signature(values, batched))
         program = self._programs.get(key)

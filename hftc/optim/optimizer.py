@@ -55,6 +55,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..compile_guard import run_eagerly
 from ..errors import FusionArgumentError
 from ..utils import values_on
 
@@ -626,7 +627,7 @@ class FusedOptimizer(Optimizer):
     # the correctly rounded one inductor emits in ~16% of elements.  Compiling only what
     # follows an eager ``sqrt`` is exact, and saved 0.4 ms of the MLP's 12.9 ms step at N = 32.
     @torch.no_grad()
-    @torch.compiler.disable
+    @run_eagerly
     def step(self, closure=None, *, skip_models: Sequence[bool] | Tensor | None = None):
         """Update every model with its own current hyper-parameters.
 
