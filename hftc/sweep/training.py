@@ -55,8 +55,8 @@ class SweepData:
 def _check_splits_agree(xt: tuple[Tensor, ...], yt: Tensor, xv: tuple[Tensor, ...],
                         yv: Tensor) -> None:
     """The validation split's samples have the training split's shapes (and are floating
-    where those are), input by input: a model trained on 64 features cannot be evaluated on 65, and the sweep says so
-    before training, not after an epoch inside a matmul."""
+    where those are), input by input: a model trained on 64 features cannot be evaluated
+    on 65, and the sweep says so before training, not after an epoch inside a matmul."""
     if len(xt) != len(xv):
         raise SpecError(f"spec.data(): the train split has {len(xt)} input(s) per sample, the "
                         f"val split {len(xv)}; give both splits the same inputs")
