@@ -85,12 +85,15 @@ def data():
 #   ask trial 2 (a manifest with it at epoch 0); fuse 1 and 2 (call 2)
 #   round 1: batches 6-10; checkpoint 2 (array file, then manifest write 5) ...
 #   round 2: trial 1 completes; ask trial 3; rounds 3-5: trials 2 and 3 complete.
+# Each kill point: the runs killed one after the other, (where, at its nth pass, --resume?).
 KILL_POINTS = {
-    "fusing": ("fuse", 2),
-    "mid-epoch": ("batch", 8),
-    "checkpoint write": ("array-file", 2),
-    "manifest write": ("manifest-file", 5),
-    "adoption": ("adopted", 1),
+    "fusing": [("fuse", 2, False)],
+    "mid-epoch": [("batch", 8, False)],
+    "checkpoint write": [("array-file", 2, False)],
+    "manifest write": [("manifest-file", 5, False)],
+    "adoption": [("adopted", 1, False)],
+    # The resumer too, after its own checkpoint, before the dead folder goes: two folders.
+    "while resuming": [("batch", 8, False), ("rmtree", 1, True)],
 }
 
 DRIVER = '''
@@ -101,7 +104,8 @@ import hftc
 import hftc.sweep as hs
 from hftc.sweep import engine
 
-spec, out, point, nth = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+spec, out, point, nth, resume = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), \
+    sys.argv[5] == "resume"
 count = 0
 
 
@@ -141,7 +145,13 @@ elif point == "adopted":  # a new trial in the manifest at epoch 0, next to olde
         if self.round >= 1 and any(r.epoch == 0 for r in self.live):
             reached()
     engine.Sweep._write_manifest = _write_manifest
-hs.run(spec, out=out, progress=False)
+elif point == "rmtree":  # a resumer, before it removes the dead worker's folder
+    rmtree = engine.shutil.rmtree
+    def _rmtree(*args, **kwargs):
+        reached()
+        return rmtree(*args, **kwargs)
+    engine.shutil.rmtree = _rmtree
+hs.run(spec, out=out, progress=False, resume=resume)
 print("the kill point was never reached")
 '''
 
@@ -185,12 +195,14 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_results(
     out = tmp_path / "out"
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    kind, nth = KILL_POINTS[point]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(driver), str(spec_file), str(out), kind,
-                           str(nth)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    for kind, nth, resume in KILL_POINTS[point]:
+        proc = subprocess.run([sys.executable, str(driver), str(spec_file), str(out), kind,
+                               str(nth), "resume" if resume else "new"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    if point == "while resuming":
+        assert len(list((out / "workers").iterdir())) == 2
     logged: list[str] = []
     resumed = hs.run(spec_file, out=out, progress=False, resume=True, log=logged.append)
     assert any(m.startswith("resumed ") for m in logged), logged
