@@ -46,3 +46,25 @@ class FusionArgumentError(FusionError, ValueError):
 
 class FusionTypeError(FusionError, TypeError):
     """An argument of the wrong type (a non-module in the model list, say)."""
+
+
+class SpecError(FusionError, ValueError):
+    """A sweep spec is missing a piece or has one of the wrong kind (the message says which)."""
+
+
+class SweepError(FusionError, RuntimeError):
+    """A sweep cannot start or go on; the message says what to do."""
+
+
+class SweepFileError(SweepError):
+    """A file or folder of a sweep's ``--out`` cannot be written (disk full, read-only) or
+    read (damaged); the message names it, and the sweep's trials are left resumable."""
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class SweepWarning(UserWarning):
+    """A sweep goes on after something the user should know about (a damaged file it
+    could not use: the trials it held are retried from epoch 0)."""

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 _LAZY = {
-    "Sweep": "engine", "SweepError": "engine", "SweepResult": "engine", "make_storage": "engine",
+    "Sweep": "engine", "SweepError": "engine", "SweepFileError": "engine",
+    "SweepResult": "engine", "make_storage": "engine",
     "fused_param_names": ".optim.slicing", "load_model_slice": ".optim.slicing",
     "SpecError": "spec", "SweepSpec": "spec", "default_optimizer": "spec", "load_spec": "spec",
     "SweepData": "training", "epoch_order": "training", "train_alone": "training",

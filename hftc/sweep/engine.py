@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
+import io
 import json
 import os
 import shutil
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import optuna
 import torch
 from optuna.trial import TrialState
@@ -51,6 +54,7 @@ from torch import nn
 
 import hftc
 
+from ..errors import SweepError, SweepFileError, SweepWarning
 from ..optim.slicing import fused_param_names, load_model_slice
 from .spec import SweepSpec
 from .training import (
@@ -63,11 +67,7 @@ from .training import (
     metric_value,
 )
 
-__all__ = ["Sweep", "SweepError", "SweepResult", "make_storage"]
-
-
-class SweepError(RuntimeError):
-    """A sweep cannot start or go on; the message says what to do."""
+__all__ = ["Sweep", "SweepError", "SweepFileError", "SweepResult", "make_storage"]
 
 
 def _finite_models(fused: nn.Module) -> list[bool]:
@@ -277,14 +277,94 @@ def _make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
 # ---------------------------------------------------------------------- small helpers
 
 
-def _atomic_write(path: Path, write) -> None:
+#: What to do after the output folder failed a write; the trials wait, RUNNING.
+_RESUME_HINT = ("the sweep stopped and its trials are kept, not failed: {fix}, then rerun "
+                "the same command with --resume (resume=True) to continue them from their "
+                "last checkpoints")
+
+
+def _write_error(path: Path, exc: OSError) -> SweepFileError:
+    """A :class:`SweepFileError` for a failed write of ``path``: what went wrong, in which
+    folder, and what to do."""
+    folder = path.parent
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = f"no space left on the device of {folder} (writing {path.name})"
+        fix = f"free space in {folder} (or give another --out)"
+    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        what = f"{folder} is not writable ({exc.strerror}, writing {path.name})"
+        fix = f"make {folder} writable (or give another --out)"
+    else:
+        what = f"cannot write {path} ({exc.strerror or exc})"
+        fix = f"make {folder} writable"
+    return SweepFileError(f"{what}; " + _RESUME_HINT.format(fix=fix), str(folder))
+
+
+def _atomic_write(path: Path, data: bytes | memoryview) -> None:
+    """``data`` into ``path`` whole or not at all: written to a hidden temporary file beside
+    it, then renamed over it. A failed write (disk full, read-only folder) removes the
+    temporary file and raises a :class:`SweepFileError` that names the folder."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            rest = memoryview(data).cast("B")
+            while rest:
+                rest = rest[os.write(fd, rest):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise _write_error(path, exc) from exc
 
 
 def _save(obj: Any, path: Path) -> None:
-    _atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    # Serialized in memory first: torch's own file writer reports a full disk as
+    # "unexpected pos ...", which names neither the file nor the cause.
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    _atomic_write(path, buffer.getbuffer())
+
+
+def _round_seed(order_key: int) -> int:
+    """The seed of a round's random draws (dropout): a function of the round's data order
+    key alone, so a resumed sweep draws what the uninterrupted one drew, whatever it did
+    before the round (building models reseeds torch)."""
+    return (int(order_key) * 2654435761 + 97) % (2**63)
+
+
+def _random_states(sampler: Any, prefix: str = "") -> dict[str, np.random.RandomState]:
+    """The NumPy random states a sampler draws from, by attribute path (``_rng``,
+    ``_random_sampler._rng``: Optuna's samplers keep theirs in ``LazyRandomState``)."""
+    found = {}
+    for name, value in sorted(vars(sampler).items()):
+        if isinstance(value, np.random.RandomState):
+            found[prefix + name] = value
+        elif isinstance(getattr(value, "rng", None), np.random.RandomState):
+            found[prefix + name] = value.rng
+        elif isinstance(value, optuna.samplers.BaseSampler) and not prefix:
+            found.update(_random_states(value, f"{name}."))
+    return found
+
+
+def _sampler_state(sampler: Any) -> dict[str, list]:
+    """The sampler's random states, for the manifest: a resumed worker asks for the trials
+    the dead one would have asked for next (the same parameters)."""
+    state = {}
+    for path, rng in _random_states(sampler).items():
+        kind, keys, pos, has_gauss, gauss = rng.get_state()
+        state[path] = [kind, base64.b64encode(keys.tobytes()).decode(), int(pos),
+                       int(has_gauss), float(gauss)]
+    return state
+
+
+def _restore_sampler_state(sampler: Any, state: dict[str, list]) -> None:
+    states = _random_states(sampler)
+    for path, (kind, keys, pos, has_gauss, gauss) in state.items():
+        if path in states:
+            keys = np.frombuffer(base64.b64decode(keys), dtype=np.uint32).copy()
+            states[path].set_state((kind, keys, pos, has_gauss, gauss))
 
 
 def _try_lock(path: Path):
@@ -302,6 +382,27 @@ def _try_lock(path: Path):
         f.close()
         return None
     return f
+
+
+def _written(manifest: dict) -> tuple[int, float]:
+    """When a manifest was written: its round, then its clock time."""
+    return int(manifest.get("round", 0)), float(manifest.get("written", 0.0))
+
+
+def _read_manifest(path: Path) -> dict:
+    """A worker's manifest; ``ValueError`` naming what is wrong when it is not one."""
+    try:
+        manifest = json.loads(path.read_bytes())
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not text: {exc.reason}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    keys = ("trial_id", "number", "epoch", "history", "orders", "ckpt")
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("trials"), list)
+            and all(isinstance(e, dict) and all(k in e for k in keys)
+                    for e in manifest["trials"])):
+        raise ValueError("not a manifest: its trials or their keys are missing")
+    return manifest
 
 
 #: A trial that never recorded a heartbeat is taken for dead (its worker killed while
@@ -430,12 +531,17 @@ class Sweep:
     # ------------------------------------------------------------------ set-up
 
     def _open(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "trials").mkdir(exist_ok=True)
+        # The spec's data first: a spec error stops the sweep before it writes anything.
+        self.data = SweepData.from_spec(self.spec)
+        if self.resume and self.default_storage and not (self.out / "study.db").exists():
+            raise self._nothing_to_resume()
+        self._make_folders()
         self.storage = make_storage(self.storage_url, self.heartbeat_interval, self.grace_period)
         existing = None
         with contextlib.suppress(KeyError):
             existing = self.storage.get_study_id_from_name(self.study_name)
+        if existing is None and self.resume:
+            raise self._nothing_to_resume()
         n_before = 0
         if existing is not None:
             n_before = len(self.storage.get_all_trials(existing, deepcopy=False))
@@ -461,10 +567,13 @@ class Sweep:
         # folder unlocked (and takes it for a dead one).
         self.dir = self.out / "workers" / self.worker_id
         hidden = self.dir.with_name(f".{self.worker_id}")
-        hidden.mkdir(parents=True)
-        (hidden / "lock").touch()
-        self._lock = _try_lock(hidden / "lock")
-        os.rename(hidden, self.dir)
+        try:
+            hidden.mkdir(parents=True)
+            (hidden / "lock").touch()
+            self._lock = _try_lock(hidden / "lock")
+            os.rename(hidden, self.dir)
+        except OSError as exc:
+            raise self._unwritable(hidden.parent, exc) from exc
         if self.default_storage and self._others_alive():
             # Another worker on this folder's study started with the same seed (both
             # counted the same trials before them): sample apart from it.
@@ -472,7 +581,32 @@ class Sweep:
                 self.study.sampler.reseed_rng()
         self.heartbeat = _Heartbeat(self.storage, self.heartbeat_interval)
         self.heartbeat.start()
-        self.data = SweepData.from_spec(self.spec)
+
+    def _nothing_to_resume(self) -> SweepError:
+        where = (f"{self.out} (no {self.out / 'study.db'})" if self.default_storage
+                 else f"{_masked(self.storage_url)}")
+        return SweepError(
+            f"--resume: there is no sweep {self.study_name!r} to resume in {where}; leave "
+            f"out --resume to start it, or give the --out / --study of the sweep to resume")
+
+    def _unwritable(self, folder: Path, exc: OSError) -> SweepFileError:
+        return SweepFileError(
+            f"cannot write in the sweep's folder {folder} ({exc.strerror or exc}): make it "
+            f"writable or give another --out", str(folder))
+
+    def _make_folders(self) -> None:
+        """``OUT`` and ``OUT/trials``, and a check that files can be written there: a
+        read-only folder stops the sweep at the start, not after an epoch."""
+        folder = self.out
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            folder = self.out / "trials"
+            folder.mkdir(exist_ok=True)
+            probe = folder / f".write-test-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+        except OSError as exc:
+            raise self._unwritable(folder, exc) from exc
 
     def _dead_workers(self) -> list[tuple[Path, Any, dict]]:
         """This folder's workers that died with a manifest: (folder, held lock, manifest)."""
@@ -485,14 +619,26 @@ class Sweep:
             if lock is None:
                 continue  # alive (or being adopted by someone else)
             try:
-                manifest = json.loads((d / "manifest.json").read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
+                manifest = _read_manifest(d / "manifest.json")
+            except FileNotFoundError:  # died before its first trial: it did no work
+                manifest = {"study": self.study_name, "trials": [], "round": 0}
+            except (OSError, ValueError) as exc:
+                self._warn(
+                    f"{d / 'manifest.json'} is damaged ({exc}): the trials that worker "
+                    f"held cannot continue from its checkpoints; they are failed and "
+                    f"retried from epoch 0 with their parameters and seeds (with --resume, "
+                    f"or by any worker once their heartbeat is stale). Completed trials "
+                    f"are kept.")
                 manifest = {"study": self.study_name, "trials": [], "round": 0}
             if manifest.get("study") != self.study_name:
                 lock.close()
                 continue
             found.append((d, lock, manifest))
         return found
+
+    def _warn(self, message: str) -> None:
+        warnings.warn(message, SweepWarning, stacklevel=3)
+        self.log(f"warning: {message}")
 
     # ------------------------------------------------------------------ trials
 
@@ -630,6 +776,10 @@ class Sweep:
                 for j, r in enumerate(members):
                     r.array, r.slot, r.optimizer = array, j, None
                 self.arrays.append(array)
+        # In the order of the trials: a resumed worker, which fuses all its trials at once,
+        # runs the arrays (and draws their dropout) in the order the dead worker did.
+        position = {id(r): k for k, r in enumerate(self.live)}
+        self.arrays.sort(key=lambda a: position[id(a.members[0])])
         sizes = ", ".join(str(len(a.members)) for a in self.arrays)
         self.log(f"arrays re-formed: {len(self.live)} trials in {len(self.arrays)} fused "
                  f"array(s) of {sizes}")
@@ -640,6 +790,7 @@ class Sweep:
         spec, data = self.spec, self.data
         key = spec.seed * 1_000_003 + self.round  # one data order for the whole round
         self.round += 1
+        torch.manual_seed(_round_seed(key))
         start = time.perf_counter()
         for a in self.arrays:
             a.fused.train()
@@ -680,9 +831,6 @@ class Sweep:
             }, self.dir / name)
             for j, r in enumerate(a.members):
                 r.ckpt = (name, j)
-        # The random state the next round starts from (dropout draws): a resumed sweep
-        # restores it, so that it draws what the uninterrupted one would have.
-        self._rng_state = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
         self._write_manifest()
 
     def _write_manifest(self) -> None:
@@ -690,13 +838,13 @@ class Sweep:
             "study": self.study_name,
             "worker": self.worker_id,
             "round": self.round,
-            "rng": getattr(self, "_rng_state", None),
+            "written": time.time(),
+            "sampler": _sampler_state(self.study.sampler),
             "trials": [{"number": r.number, "trial_id": r.trial_id, "epoch": r.epoch,
                         "history": r.history, "orders": r.orders,
                         "ckpt": list(r.ckpt) if r.ckpt else None} for r in self.live],
         }
-        _atomic_write(self.dir / "manifest.json",
-                      lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
+        _atomic_write(self.dir / "manifest.json", json.dumps(manifest, indent=1).encode())
         used = {r.ckpt[0] for r in self.live if r.ckpt}
         for f in self.dir.glob("array-*.pt"):
             if f.name not in used:
@@ -795,48 +943,48 @@ class Sweep:
         # A resumer killed while adopting leaves the trials in two folders: take each
         # trial once, from the folder where it got furthest.
         chosen: dict[int, tuple[Path, dict]] = {}
-        rng = None
+        latest: dict | None = None  # the manifest written last: the sampler's state
         for folder, _lock, manifest in dead:
             for entry in manifest.get("trials", []):
                 seen = chosen.get(entry["trial_id"])
                 if seen is None or entry["epoch"] > seen[1]["epoch"]:
                     chosen[entry["trial_id"]] = (folder, entry)
-            if int(manifest.get("round", 0)) >= self.round and manifest.get("rng"):
-                rng = manifest["rng"]
+            if latest is None or _written(manifest) >= _written(latest):
+                latest = manifest
             self.round = max(self.round, int(manifest.get("round", 0)))
-        files: dict[tuple[Path, str], dict] = {}
+        files: dict[tuple[Path, str], dict | None] = {}
         for folder, entry in chosen.values():
             frozen = self.storage.get_trial(entry["trial_id"])
             if frozen.state != TrialState.RUNNING:
                 continue  # finished, or failed (stale) and retried: not ours to run
+            saved, epoch = None, 0
+            if entry.get("ckpt"):
+                name, j = entry["ckpt"]
+                if (folder, name) not in files:
+                    files[folder, name] = self._load_checkpoint(folder / name)
+                saved, epoch = files[folder, name], entry["epoch"]
+                if saved is None:  # damaged (warned): what the trial did is lost
+                    self._retry(frozen, f"its checkpoint {folder / name} is damaged")
+                    continue
             trial = optuna.Trial(self.study, entry["trial_id"])
             self.heartbeat.add(entry["trial_id"])
             params = self._params(trial)
             seed = self._seed(trial, params)
             module = build_model(self.spec, params, seed)
             optimizer = self.spec.optimizer(params, module)
-            ckpt = entry.get("ckpt")
-            if ckpt:
-                name, j = ckpt
-                if (folder, name) not in files:
-                    files[folder, name] = torch.load(folder / name, weights_only=True,
-                                                     map_location=self.spec.device)
-                saved = files[folder, name]
+            if saved is not None:
                 module.load_state_dict({k: v[j] for k, v in saved["model"].items()})
                 load_model_slice(saved["optimizer"], saved["param_names"], j, optimizer,
                                  module)
-                epoch = entry["epoch"]
-            else:
-                epoch = 0
             run = _Run(trial, params, seed, module, optimizer, epoch=epoch,
                        history=list(entry["history"][:epoch]),
                        orders=list(entry["orders"][:epoch]),
                        reported=max(frozen.intermediate_values, default=0))
             self.live.append(run)
             adopted.append(run)
-        if rng is not None:  # where the dead worker's next round would have started
-            torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)),
-                                                 dtype=torch.uint8))
+        if latest is not None and latest.get("sampler"):
+            # Where the dead worker's sampler was: the next asks give what it would have.
+            _restore_sampler_state(self.study.sampler, latest["sampler"])
         if adopted:
             self.log(f"resumed {len(adopted)} trial(s): "
                      + ", ".join(f"{r.number}@epoch {r.epoch}" for r in adopted))
@@ -847,6 +995,35 @@ class Sweep:
         for folder, lock, _ in dead:
             shutil.rmtree(folder, ignore_errors=True)
             lock.close()
+
+    def _load_checkpoint(self, path: Path) -> dict | None:
+        """A dead worker's checkpoint file, or None (with a warning naming it) when it
+        cannot be read: truncated, empty or not a checkpoint."""
+        try:
+            saved = torch.load(path, weights_only=True, map_location=self.spec.device)
+            if not all(k in saved for k in ("model", "optimizer", "param_names")):
+                raise ValueError("not a sweep checkpoint: model, optimizer or param_names "
+                                 "missing")
+            return saved
+        except FileNotFoundError:
+            reason = "missing"
+        except Exception as exc:  # noqa: BLE001 - torch.load's errors name no file
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        self._warn(f"the checkpoint {path} cannot be read ({reason}): the trials in it are "
+                   f"failed and retried from epoch 0 with their parameters and seeds; "
+                   f"completed trials are kept")
+        return None
+
+    def _retry(self, frozen: optuna.trial.FrozenTrial, why: str) -> None:
+        """Fail a RUNNING trial whose work is lost and enqueue it again, as Optuna's
+        heartbeat does for a dead worker's: same parameters and seed, a new number."""
+        callback = self.storage.get_heartbeat_stale_trial_callback() if hasattr(
+            self.storage, "get_heartbeat_stale_trial_callback") else None
+        with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+            if self.storage.set_trial_state_values(frozen._trial_id, state=TrialState.FAIL):
+                if callback is not None:
+                    callback(self.study, self.storage.get_trial(frozen._trial_id))
+                self.log(f"trial {frozen.number}: {why}; failed and retried")
 
     def _restart_unstarted(self) -> None:
         """On the default storage with no other worker alive, a RUNNING trial that no
@@ -859,6 +1036,12 @@ class Sweep:
         restarted = []
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if t._trial_id in mine:
+                continue
+            if t.intermediate_values:
+                # It did work that no readable manifest records (its manifest was damaged,
+                # warned): from epoch 0 under its own number, its reported epochs would
+                # not be the ones it trains again. A retry starts it clean.
+                self._retry(t, "its worker's manifest is damaged")
                 continue
             trial = optuna.Trial(self.study, t._trial_id)
             self.heartbeat.add(t._trial_id)
@@ -874,11 +1057,26 @@ class Sweep:
     def run(self) -> SweepResult:
         """Run this worker until the study has ``n_trials`` finished trials and none
         is running anywhere; then write the results. Returns a :class:`SweepResult`."""
-        from .report import write_results
-
         start = time.perf_counter()
         verbosity = optuna.logging.get_verbosity()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        try:
+            wall, files, board = self._run(start, verbosity)
+        except BaseException:
+            # The folder stays (manifest and checkpoints, for --resume); the lock goes, as
+            # it would with the process.
+            if getattr(self, "_lock", None) is not None:
+                self._lock.close()
+            raise
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if getattr(self, "_lock", None) is not None:
+            self._lock.close()
+        return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
+                           files, board, dict(self.timings), self.spec.metric_name)
+
+    def _run(self, start: float, verbosity: int) -> tuple[float, dict[str, Path], str]:
+        from .report import write_results
+
         with warnings.catch_warnings():
             # Heartbeats and ask-and-tell are experimental in Optuna's eyes; we use both.
             warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
@@ -912,11 +1110,7 @@ class Sweep:
                 optuna.logging.set_verbosity(verbosity)
             wall = time.perf_counter() - start - self.excluded_s
             files, board = write_results(self)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        if getattr(self, "_lock", None) is not None:
-            self._lock.close()
-        return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
-                           files, board, dict(self.timings), self.spec.metric_name)
+        return wall, files, board
 
     def _others_alive(self) -> bool:
         """Does another live worker use this folder? (Its lock is held.)"""
@@ -1027,6 +1221,10 @@ class Sweep:
                     self.excluded_s += time.perf_counter() - start
         except KeyboardInterrupt:
             self.log("interrupted: rerun with --resume to continue from the last epoch")
+            raise
+        except SweepFileError:
+            # The output folder failed (disk full, read-only), not the trials: they stay
+            # RUNNING, to be resumed from their last checkpoints.
             raise
         except Exception as exc:
             # A bug in the spec (or ours) would fail the same way on every retry: fail the

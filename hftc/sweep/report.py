@@ -4,15 +4,16 @@ best.json and curves.png (the learning curves of every trial)."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
+
+from .engine import _atomic_write
 
 __all__ = ["leaderboard", "write_results", "progress_bars", "plot_curves"]
 
@@ -49,12 +50,6 @@ def leaderboard(study: optuna.Study, metric: str = "value", top: int = 10) -> st
     return "\n".join(lines)
 
 
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def write_csv(study: optuna.Study, path: Path, metric: str) -> None:
     """One row per trial: number, state, metric, epochs, hyper-parameters, seed, ..."""
     trials = study.get_trials(deepcopy=False)
@@ -62,20 +57,18 @@ def write_csv(study: optuna.Study, path: Path, metric: str) -> None:
     header = ["number", "state", metric, "epochs", *names, "seed", "duration_s", "retry_of",
               "note"]
 
-    def write(tmp: Path) -> None:
-        with open(tmp, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(header)
-            for t in trials:
-                duration = t.duration.total_seconds() if t.duration else ""
-                w.writerow([t.number, t.state.name, "" if t.value is None else repr(t.value),
-                            len(t.intermediate_values), *(t.params.get(k, "") for k in names),
-                            t.user_attrs.get("hftc_seed", ""),
-                            f"{duration:.2f}" if duration != "" else "",
-                            t.system_attrs.get("failed_trial", ""),
-                            t.user_attrs.get("hftc_fail_reason", "")])
-
-    _atomic(path, write)
+    text = io.StringIO(newline="")
+    w = csv.writer(text)
+    w.writerow(header)
+    for t in trials:
+        duration = t.duration.total_seconds() if t.duration else ""
+        w.writerow([t.number, t.state.name, "" if t.value is None else repr(t.value),
+                    len(t.intermediate_values), *(t.params.get(k, "") for k in names),
+                    t.user_attrs.get("hftc_seed", ""),
+                    f"{duration:.2f}" if duration != "" else "",
+                    t.system_attrs.get("failed_trial", ""),
+                    t.user_attrs.get("hftc_fail_reason", "")])
+    _atomic_write(path, text.getvalue().encode())
 
 
 def plot_curves(study: optuna.Study, path: Path, metric: str) -> None:
@@ -111,7 +104,9 @@ def plot_curves(study: optuna.Study, path: Path, metric: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     fig.tight_layout()
-    _atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    _atomic_write(path, png.getbuffer())
 
 
 def write_results(sweep) -> tuple[dict[str, Path], str]:
@@ -132,10 +127,10 @@ def write_results(sweep) -> tuple[dict[str, Path], str]:
                 "orders": best.user_attrs.get("hftc_orders"),
                 "epochs": len(best.intermediate_values)}
         files["best_json"] = out / "best.json"
-        _atomic(files["best_json"], lambda tmp: tmp.write_text(json.dumps(info, indent=1)))
+        _atomic_write(files["best_json"], json.dumps(info, indent=1).encode())
         if weights.exists():
             files["best"] = out / "best.pt"
-            _atomic(files["best"], lambda tmp: shutil.copyfile(weights, tmp))
+            _atomic_write(files["best"], weights.read_bytes())
         else:
             board += (f"\n(best.pt not written: trial {best.number} was trained by worker "
                       f"{best.user_attrs.get('hftc_worker')}; its weights are in that "

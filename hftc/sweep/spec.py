@@ -30,11 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import SpecError
+
 __all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer"]
-
-
-class SpecError(ValueError):
-    """A sweep spec is missing a piece or has one of the wrong kind (the message says which)."""
 
 
 def default_optimizer(params: dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:

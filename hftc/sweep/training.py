@@ -48,7 +48,26 @@ class SweepData:
                 f"{type(raw).__name__} of length {len(raw) if hasattr(raw, '__len__') else '?'}"
             )
         (xt, yt), (xv, yv) = (_split(spec, raw[0], "train"), _split(spec, raw[1], "val"))
+        _check_splits_agree(xt, yt, xv, yv)
         return cls(xt, yt, xv, yv)
+
+
+def _check_splits_agree(xt: tuple[Tensor, ...], yt: Tensor, xv: tuple[Tensor, ...],
+                        yv: Tensor) -> None:
+    """The validation split's samples have the training split's shapes (and are floating
+    where those are), input by input: a model trained on 64 features cannot be evaluated
+    on 65, and the sweep says so before training, not after an epoch inside a matmul."""
+    if len(xt) != len(xv):
+        raise SpecError(f"spec.data(): the train split has {len(xt)} input(s) per sample, the "
+                        f"val split {len(xv)}; give both splits the same inputs")
+    pairs = [(f"input {k}", a, b) for k, (a, b) in enumerate(zip(xt, xv))]
+    for what, a, b in [*pairs, ("targets", yt, yv)]:
+        if a.shape[1:] != b.shape[1:] or a.is_floating_point() != b.is_floating_point():
+            raise SpecError(
+                f"spec.data(): the val split's {what} has samples of shape "
+                f"{tuple(b.shape[1:])} ({b.dtype}), the train split's {tuple(a.shape[1:])} "
+                f"({a.dtype}): the models are evaluated on what they are trained on; give "
+                f"data() validation {what} of the training ones' width and kind")
 
 
 def _materialize(dataset: Any, name: str) -> tuple[Any, Tensor]:
