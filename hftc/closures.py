@@ -22,6 +22,9 @@ one, ``unfuse()``), so every such copy ran model 0's own MLP weights.  Two remed
   tensor (models made with ``copy.deepcopy`` of one another), a module or tensor that is
   none of model i's own and not the object model 0 holds there, or a plain value (a
   dropout ``p`` in a closure) other than model 0's.
+
+Both follow functions, bound methods, ``functools.partial`` and lists, tuples and dicts;
+not other objects in a closure (a namespace object holding modules).
 """
 
 from __future__ import annotations
