@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .check import CheckResult, compare_with_models, locate_difference
+from .closures import check_function_references, rebind_functions
 from .compile_guard import compiled_original, run_eagerly
 from .errors import (
     FusionArgumentError,
@@ -303,6 +304,7 @@ class FusedModule(ContainerAccess, nn.Module):
         self._check_modes(models)
         _check_initialized(models)
         _check_hooks(models)
+        check_function_references(models)
         graphs = self._trace(models, example_inputs, frontend)
         matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}
         #: (model index, attributes) of the first model whose forward changed plain
@@ -912,6 +914,21 @@ class FusedModule(ContainerAccess, nn.Module):
         state = dict(super().__getstate__())
         state["_programs"] = {}  # generated code is recompiled on the next call
         return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FusedModule:
+        """``copy.deepcopy``'s own copy (through ``__getstate__``), then the functions of the
+        model copies it keeps (the template, the shells of the models run one by one)
+        rebound to the twin's modules: deepcopy keeps a function as it is, and the twin's
+        ``unfuse()`` called the original template's (meta) modules otherwise."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        memo.setdefault(id(memo), []).append(self)  # deepcopy's keep-alive: ids stay unique
+        twin.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        loop = twin.__dict__.get("_shared_model_loop")
+        for module in (twin, twin._template, *(twin._retrace_sources or ()),
+                       *(loop.shells if loop is not None else ())):
+            rebind_functions(module, memo)
+        return twin
 
     def extra_repr(self) -> str:
         return f"num_models={self.num_models}"

@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointFunction
 
+from .closures import rebind_functions
 from .errors import FusionError, TraceError, UnsupportedOperatorError
 
 #: ``node.meta`` key of the value model 0 computes at a node, on the meta device.
@@ -659,8 +660,14 @@ def deepcopy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn
 
     ``nn.TransformerDecoderLayer.__setstate__`` sets ``self.activation = F.relu`` in the
     instance dict when it has no such entry, which it lacks when the activation is a
-    module (``activation=nn.GELU()``, in ``_modules``): a deep copy then ran ReLU."""
+    module (``activation=nn.GELU()``, in ``_modules``): a deep copy then ran ReLU.
+
+    The functions its modules hold are rebound to the copy's modules
+    (:func:`hftc.closures.rebind_functions`): deepcopy keeps a function as it is, and a
+    copy of minGPT's block called the original's MLP through ``self.mlpf``."""
+    memo = {} if memo is None else memo
     copied = copy.deepcopy(module, memo)
+    rebind_functions(copied, memo)
     for (_, original), (_, twin) in zip(module.named_modules(remove_duplicate=False),
                                         copied.named_modules(remove_duplicate=False)):
         for name in [k for k in twin.__dict__ if k in twin._modules
@@ -746,7 +753,7 @@ def annotate_example_values(
         raise
     except Exception as exc:
         meta_error = exc
-    real = copy.deepcopy(template)
+    real = deepcopy_module(template)
     for name, tensor in real_tensors().items():
         owner_path, _, leaf = name.rpartition(".")
         owner = real.get_submodule(owner_path)

@@ -188,9 +188,9 @@ def _check_ties(name, per_model, tables, name_maps) -> None:
 
 def _make_node(source: nn.Module, template: nn.Module, num_models: int) -> nn.Module:
     if not _has_state(source):
-        import copy
+        from ..trace import deepcopy_module
 
-        return copy.deepcopy(source)
+        return deepcopy_module(source)
     node = StackedModule(source, num_models)
     object.__setattr__(node, "_hftc_template", template)
     return node
