@@ -43,9 +43,10 @@ def test_width_mismatch_names_model_node_path_and_attribute():
     with pytest.raises(MismatchError, match=r"model 3 of 4") as info:
         hftc.fuse(models)
     msg = str(info.value)
-    assert "module path `0`, Linear" in msg
-    assert "out_features: 8 in models 0, 1, 2; 16 in model 3" in msg
-    assert "in_features: 8 in models 0, 1, 2; 16 in model 3" in msg  # the second linear too
+    assert "model 3's `0` (nn.Linear) differs from model 0's: out_features 16 vs 8" in msg
+    assert "model 3's `2` (nn.Linear) differs from model 0's: in_features 16 vs 8" in msg
+    assert "parameter `2.weight`: shape (2, 16) vs (2, 8)" in msg  # in words, no tuples
+    assert "('parameter'" not in msg and "torch.float32" not in msg
 
 
 def test_kernel_size_mismatch_in_nested_module():
@@ -54,21 +55,24 @@ def test_kernel_size_mismatch_in_nested_module():
         hftc.fuse(models)
     msg = str(info.value)
     assert "model 2 of 3" in msg
-    assert "module path `layer1.1.conv`" in msg
-    assert "kernel_size: (3, 3) in models 0, 1; (5, 5) in model 2" in msg
+    assert "model 2's `layer1.1.conv` (nn.Conv2d) differs from model 0's: kernel_size (5, 5) " \
+        "vs (3, 3); padding (2, 2) vs (1, 1); parameter `layer1.1.conv.weight`: shape " \
+        "(8, 3, 5, 5) vs (8, 3, 3, 3)" in msg
+    assert "hftc fuses models of the same architecture" in msg
 
 
 def test_extra_layer_is_reported():
     a = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     b = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    with pytest.raises(MismatchError, match=r"(?s)model 1 of 2.*extra or missing layer\): 4 in model 0; 5 in model 1"):
+    with pytest.raises(MismatchError, match=r"(?s)model 1 of 2.*model 1's graph has 5 nodes, "
+                                            r"model 0's 4 \(an extra or missing layer\)"):
         hftc.fuse([a, b])
 
 
 def test_different_activation_is_reported():
     a = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     b = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    with pytest.raises(MismatchError, match=r"class: ReLU in model 0; Tanh in model 1"):
+    with pytest.raises(MismatchError, match=r"class Tanh vs ReLU"):
         hftc.fuse([a, b])
 
 
@@ -82,13 +86,17 @@ def test_functional_activation_difference():
         def forward(self, x):
             return self.fn(self.fc(x))
 
-    with pytest.raises(MismatchError, match=r"target: torch.nn.functional.relu in model 0; "
-                                            r"torch.nn.functional.gelu in model 1"):
+    with pytest.raises(MismatchError, match=r"model 1's node `gelu` \(torch.nn.functional.gelu "
+                                            r"in the model's own forward\) differs from "
+                                            r"model 0's node `relu` \(torch.nn.functional.relu"
+                                            r" in the model's own forward\): target "
+                                            r"torch.nn.functional.gelu vs "
+                                            r"torch.nn.functional.relu"):
         hftc.fuse([A(F.relu), A(F.gelu)])
 
 
 def test_bias_flag_difference():
-    with pytest.raises(MismatchError, match=r"parameter `bias`"):
+    with pytest.raises(MismatchError, match=r"parameter `0.bias`: none vs a float32 parameter"):
         hftc.fuse([nn.Sequential(nn.Linear(3, 3)), nn.Sequential(nn.Linear(3, 3, bias=False))])
 
 
@@ -220,3 +228,45 @@ def test_a_forward_that_computes_nothing_fuses(returns):
     else:
         for got in (out if returns == "pair" else (out,)):
             assert got.shape == (2, 4, 6) and torch.equal(got[0], x) and torch.equal(got[1], x)
+
+
+class TwoLayer(nn.Module):
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.fc = nn.Linear(8, hidden)
+        self.out = nn.Linear(hidden, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(x)))
+
+
+def _frozen_fc(model):
+    model.fc.weight.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize(("models", "expected"), [
+    ([TwoLayer(), TwoLayer().double()],
+     r"model 1's `fc` \(nn.Linear\) differs from model 0's: parameter `fc.weight`: dtype float64 "
+     r"vs float32; parameter `fc.bias`: dtype float64 vs float32\n(?s:.*)Convert every model to "
+     r"one dtype with \.to\(dtype\) before fusing"),
+    ([TwoLayer(), _frozen_fc(TwoLayer())],
+     r"model 1's `fc` \(nn.Linear\) differs from model 0's: parameter `fc.weight`: requires_grad "
+     r"False vs True\nFreeze the same parameters in every model"),
+    ([TwoLayer(), TwoLayer(), TwoLayer(32)],
+     r"model 2's `fc` \(nn.Linear\) differs from model 0's: out_features 32 vs 16; parameter "
+     r"`fc.weight`: shape \(32, 8\) vs \(16, 8\); parameter `fc.bias`: shape \(32,\) vs \(16,\)"
+     r"(?s:.*)hftc fuses models of the same architecture"),
+    ([nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 5)],
+     r"model 1 \(the model itself, nn.Conv2d\) differs from model 0: kernel_size \(5, 5\) vs "
+     r"\(3, 3\); parameter `weight`: shape \(4, 3, 5, 5\) vs \(4, 3, 3, 3\)"),
+    ([nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3).double()],
+     r"model 2 \(the model itself, nn.Conv2d\) differs from model 0: parameter `weight`: dtype "
+     r"float64 vs float32; parameter `bias`: dtype float64 vs float32\nConvert every model"),
+], ids=["dtype", "requires_grad", "shape", "bare-conv-kernel", "bare-conv-dtype"])
+def test_mismatch_says_in_words_what_differs_and_what_to_change(models, expected):
+    # It printed the internal signature tuples ("('parameter', (16, 8), torch.float32, 'cpu',
+    # True) in model 0; ..."), and for a bare nn.Conv2d only its weight's, never kernel_size.
+    with pytest.raises(MismatchError, match=expected) as info:
+        hftc.fuse(models)
+    assert "('parameter'" not in str(info.value) and "torch.float" not in str(info.value)
