@@ -178,6 +178,35 @@ def _check_hooks(models: Sequence[nn.Module]) -> None:
         )
 
 
+def _check_shared_tensors(models: Sequence[nn.Module]) -> None:
+    """Refuse a tensor that two models of the list hold as one (``m1.fc = m0.fc``): the
+    models train it together, and the fused module, which stacks one copy per model,
+    would train the copies apart, silently.  A frozen parameter (a shared pretrained
+    backbone) or a buffer of modules in eval mode is never written, so copies of it
+    compute what the shared tensor does: those fuse.  So does one model object given
+    twice (``hftc.fuse([m, m])``): N independent copies of one starting point."""
+    holders: dict[int, tuple[int, str]] = {}  # id(tensor) -> (first model, its name there)
+    for i, model in enumerate(models):
+        tensors = [("parameter", name, t, t.requires_grad)
+                   for name, t in model.named_parameters()]
+        tensors += [("buffer", name, t, model.get_submodule(name.rpartition(".")[0]).training)
+                    for name, t in model.named_buffers()]
+        for kind, name, tensor, written in tensors:
+            j, name_j = holders.setdefault(id(tensor), (i, name))
+            if j == i or models[j] is model or not written:
+                continue
+            how = ("train it together (a step of either changes both)" if kind == "parameter"
+                   else "update it together in training mode (a batch norm's statistics)")
+            raise FusionArgumentError(
+                f"model {i}'s {kind} `{name}` is model {j}'s `{name_j}` (the same tensor): "
+                f"the models {how}, but the fused module stacks one "
+                f"copy per model and would train the copies apart, silently. Give each "
+                f"model its own {kind}s: build each model anew, or fuse copies "
+                f"(hftc.fuse([copy.deepcopy(m) for m in models])). (To share a frozen "
+                f"backbone, freeze it first: requires_grad_(False) and .eval(); copies of "
+                f"it compute the same.)")
+
+
 def _check_models(models: Any) -> list[nn.Module]:
     if isinstance(models, nn.Module):
         raise FusionTypeError(
@@ -304,6 +333,7 @@ class FusedModule(ContainerAccess, nn.Module):
         self._check_modes(models)
         _check_initialized(models)
         _check_hooks(models)
+        _check_shared_tensors(models)
         graphs = self._trace(models, example_inputs, frontend)
         matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}
         #: (model index, attributes) of the first model whose forward changed plain

@@ -270,3 +270,78 @@ def test_mismatch_says_in_words_what_differs_and_what_to_change(models, expected
     with pytest.raises(MismatchError, match=expected) as info:
         hftc.fuse(models)
     assert "('parameter'" not in str(info.value) and "torch.float" not in str(info.value)
+
+
+def _with_unused(model, **tensors):
+    for name, value in tensors.items():
+        if isinstance(value, nn.Parameter):
+            model.register_parameter(name, value)
+        else:
+            model.register_buffer(name, value)
+    return model
+
+
+@pytest.mark.parametrize(("models", "expected"), [
+    ([TwoLayer(), _with_unused(TwoLayer(), extra=nn.Parameter(torch.zeros(3)))],
+     r"model 1 has parameter\(s\) that model 0 lacks: `extra` \(a float32 parameter of shape "
+     r"\(3,\)\)\. Forward does not read them, and the fused module, built on model 0's "
+     r"parameters, would drop them from model 1's model_state_dict\(\) and unfuse\(\)\. "
+     r"Register the same parameters in every model"),
+    ([_with_unused(TwoLayer(), extra=nn.Parameter(torch.zeros(3))), TwoLayer()],
+     r"model 1 has no parameter `extra`, which model 0 has \(a float32 parameter of shape "
+     r"\(3,\)\)\. Register the same parameters in every model"),
+    ([_with_unused(TwoLayer(), extra=nn.Parameter(torch.zeros(3))),
+      _with_unused(TwoLayer(), extra=nn.Parameter(torch.zeros(5)))],
+     r"model 1's parameter `extra` differs from model 0's: shape \(5,\) vs \(3,\)\. hftc fuses "
+     r"models of the same architecture"),
+    ([_with_unused(TwoLayer(), steps=torch.zeros(2)),
+      _with_unused(TwoLayer(), steps=torch.zeros(2, dtype=torch.float64))],
+     r"model 1's buffer `steps` differs from model 0's: dtype float64 vs float32\. Convert "
+     r"every model to one dtype"),
+    ([TwoLayer(), _with_unused(TwoLayer(), count=torch.zeros(()))],
+     r"model 1 has buffer\(s\) that model 0 lacks: `count` \(a float32 tensor of shape \(\)\)"),
+], ids=["extra-in-model-1", "extra-in-model-0", "other-shape", "other-dtype", "extra-buffer"])
+def test_a_tensor_forward_does_not_read_must_agree_too(models, expected):
+    # Registered in model 1 only, it fused silently and was dropped from model 1's
+    # model_state_dict() and unfuse(); of another shape, it crashed in torch.stack.
+    with pytest.raises(MismatchError, match=expected):
+        hftc.fuse(models)
+
+
+def test_a_parameter_two_models_share_is_refused():
+    # m1.fc.weight = m0.fc.weight: the user's two models train one tensor; it was fused as
+    # two independent copies without a word.
+    models = [TwoLayer() for _ in range(3)]
+    models[2].fc.weight = models[1].fc.weight
+    with pytest.raises(FusionArgumentError,
+                       match=r"model 2's parameter `fc.weight` is model 1's `fc.weight` \(the "
+                             r"same tensor\): the models train it together .* would train the "
+                             r"copies apart, silently\. Give each model its own parameters: "
+                             r"build each model anew, or fuse copies \(hftc\.fuse\(\[copy\."
+                             r"deepcopy\(m\) for m in models\]\)\)"):
+        hftc.fuse(models)
+    shared_norm = nn.BatchNorm1d(16).requires_grad_(False)  # frozen, but in training mode
+    with_norm = [nn.Sequential(nn.Linear(8, 16), shared_norm) for _ in range(2)]
+    with pytest.raises(FusionArgumentError, match=r"model 1's buffer `1.running_mean` is model "
+                                                  r"0's `1.running_mean` \(the same tensor\)"):
+        hftc.fuse(with_norm)
+
+
+def test_a_frozen_shared_backbone_fuses_as_copies_that_compute_the_same():
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16)).requires_grad_(False).eval()
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone, self.head = backbone, nn.Linear(16, 2)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.backbone(x)))
+
+    models = [Probe().eval() for _ in range(3)]
+    fused = hftc.fuse(models)
+    x = torch.randn(5, 8)
+    out = fused(x)
+    for i, model in enumerate(models):
+        torch.testing.assert_close(out[i], model(x))
