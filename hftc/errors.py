@@ -46,3 +46,7 @@ class FusionArgumentError(FusionError, ValueError):
 
 class FusionTypeError(FusionError, TypeError):
     """An argument of the wrong type (a non-module in the model list, say)."""
+
+
+class FusionIndexError(FusionArgumentError, IndexError):
+    """A model index out of range (``fused.model_state_dict(5)`` of 3 models)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
+import operator
+import re
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +33,7 @@ from .check import CheckResult, compare_with_models, locate_difference
 from .errors import (
     FusionArgumentError,
     FusionError,
+    FusionIndexError,
     FusionTypeError,
     FusionWarning,
     MismatchError,
@@ -227,8 +230,49 @@ def _check_models(models: Any) -> list[nn.Module]:
     # torch.compile(model) wraps the model, which it shares (tensors included): fuse the
     # models themselves (symbolic tracing cannot read the wrapper), and compile the fused
     # module if wanted (fused.compile()).
-    return [getattr(m, "_orig_mod", m) if isinstance(m, OptimizedModule) else m
-            for m in models]
+    models = [getattr(m, "_orig_mod", m) if isinstance(m, OptimizedModule) else m
+              for m in models]
+    for i, m in enumerate(models):
+        path = next((p for p, sub in m.named_modules() if isinstance(sub, FusedModule)), None)
+        if path is not None:
+            what = (f"model {i} is a FusedModule ({m.num_models} models fused)" if path == ""
+                    else f"model {i}'s submodule `{path}` is a FusedModule")
+            raise FusionTypeError(
+                f"{what}: hftc fuses the original models, not fused modules. Fuse the "
+                f"original models together (hftc.fuse(models_a + models_b)), or unfuse "
+                f"first: hftc.fuse(fused_a.unfuse() + fused_b.unfuse()), which gives each "
+                f"model its current weights")
+    return models
+
+
+#: ``x.float()`` for a float32 model: how a message says to cast an input.
+_CAST_METHODS = {torch.float32: "float()", torch.float64: "double()", torch.float16: "half()",
+                 torch.bfloat16: "bfloat16()"}
+
+
+def _check_in_dims(in_dims: Any) -> InDims:
+    """``in_dims`` as vmap takes it: ``None``, an int, or a tuple of ints and ``None`` (one
+    per input); NumPy integers become ints.  Anything else is refused, naming it."""
+    def entry(d: Any) -> int | None:
+        if d is None:
+            return None
+        if not isinstance(d, (bool, torch.Tensor)):
+            try:
+                return operator.index(d)  # an int, or a NumPy integer
+            except TypeError:
+                pass
+        raise ValueError
+
+    try:
+        if isinstance(in_dims, (tuple, list)):
+            return tuple(entry(d) for d in in_dims)
+        return entry(in_dims)
+    except ValueError:
+        raise FusionArgumentError(
+            f"in_dims must be None (every input shared by the models), an int (the dim "
+            f"along which every input holds one slice per model: in_dims=0) or a tuple with "
+            f"one int or None per input of forward (in_dims=(0, None)), as torch.func.vmap's; "
+            f"got {in_dims!r} ({type(in_dims).__name__})") from None
 
 
 def _tensor_name_maps(match: GraphMatch, graphs: Sequence[fx.GraphModule]) -> list[dict]:
@@ -317,6 +361,7 @@ class FusedModule(ContainerAccess, nn.Module):
     ):
         super().__init__()
         models = _check_models(models)
+        in_dims = _check_in_dims(in_dims)
         n = len(models)
         self.num_models = n
         self.in_dims = in_dims
@@ -335,6 +380,8 @@ class FusedModule(ContainerAccess, nn.Module):
         _check_hooks(models)
         _check_shared_tensors(models)
         graphs = self._trace(models, example_inputs, frontend)
+        #: Which front-end traced the models: "symbolic" (torch.fx) or "export".
+        self.frontend = "symbolic" if PYTHON_STATE in graphs[True][0].meta else "export"
         matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}
         #: (model index, attributes) of the first model whose forward changed plain
         #: Python attributes while traced (hftc.trace.PYTHON_STATE), or None.
@@ -556,11 +603,16 @@ class FusedModule(ContainerAccess, nn.Module):
             if n.op == "placeholder"
         ]
         if len(args) > len(placeholders):
+            takes = (f"{len(placeholders)} input{'s' if len(placeholders) != 1 else ''} ("
+                     + ", ".join(f"`{p.target}`" for p in placeholders) + ")")
+            exported = ("" if self.__dict__.get("frontend") != "export" else
+                        " As traced by torch.export, forward takes the inputs example_inputs "
+                        "gave: give example_inputs every input the fused module will be "
+                        "called with.")
             raise FusionArgumentError(
-                f"the models' forward, as traced, takes {len(placeholders)} inputs "
-                f"({', '.join(p.target for p in placeholders)}), got {len(args)} (traced by "
-                f"torch.export, forward takes the inputs example_inputs gave: give "
-                f"example_inputs every input the fused module will be called with)"
+                f"the fused module got {len(args)} positional inputs, but the models' "
+                f"forward takes {takes}: call it as you would call one model "
+                f"(fused(x) for forward(self, x)).{exported}"
             )
         kwargs = dict(kwargs)
         values, given = list(args), [True] * len(args)
@@ -611,7 +663,7 @@ class FusedModule(ContainerAccess, nn.Module):
                 out = program.forward(self, *values)
             return out if program.output_spec is None else program.output_spec.rebuild(out)
         except RuntimeError as exc:
-            self._explain_input_mismatch(values, exc)
+            self._explain_input_mismatch(values, batched, exc)
             raise
 
     @torch.compiler.disable
@@ -664,7 +716,7 @@ class FusedModule(ContainerAccess, nn.Module):
                 mode_graphs.graph, self._template, per_model, {}, self._model_tensors
             )
         except TraceError as exc:
-            self._explain_input_mismatch(values, exc)
+            self._explain_input_mismatch(values, batched, exc)
             raise
         graph, report = fuse_graph(
             mode_graphs.graph_module(self._template), mode_graphs.originals,
@@ -690,7 +742,7 @@ class FusedModule(ContainerAccess, nn.Module):
                     report.lowerings = autotune_graph(graph, self, tuning_values,
                                                       backward=backward)
                 except RuntimeError as exc:  # an input of another dtype / device: say so
-                    self._explain_input_mismatch(values, exc)
+                    self._explain_input_mismatch(values, batched, exc)
                     raise
             if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values):
                 # A fused step's activations outgrow glibc's adaptive thresholds: keep the
@@ -807,11 +859,25 @@ class FusedModule(ContainerAccess, nn.Module):
             self.__dict__["_shared_model_loop"] = loop
         return loop
 
-    def _explain_input_mismatch(self, values: Sequence[Any], cause: Exception) -> None:
-        """An input of another dtype or device than the parameters: say so, not the ATen error."""
+    def _explain_input_mismatch(self, values: Sequence[Any], batched: Sequence[bool],
+                                cause: Exception) -> None:
+        """An input the models cannot take, said as such (which input, what the models
+        expected, what to change), not as the error torch raised deep in the program:
+        a floating input of another dtype or device than the parameters, an integer input
+        where an op wanted the parameters' float dtype, or an input stacked per model
+        (dim 0 of size N) given to a module that shares it among the models."""
         param = next((p for p in self.parameters() if p.is_floating_point()), None)
         if param is None:
             return
+        names = [n.target for n in self._mode_graphs[self.training].graph.nodes
+                 if n.op == "placeholder"]
+        what = [f"input {k}" + (f" (`{names[k]}`)" if k < len(names) else "")
+                for k in range(len(values))]
+        root = cause  # torch's own error, under the TraceError that shape propagation raised
+        while isinstance(root, FusionError) and isinstance(root.__cause__, Exception):
+            root = root.__cause__
+        said = (str(root.args[0]) if root.args else str(root)).strip()
+        torch_said = f"{type(root).__name__}: {said.splitlines()[0] if said else ''}"
         for k, v in enumerate(values):
             if isinstance(v, torch.Tensor) and v.is_floating_point():
                 if v.dtype != param.dtype or v.device != param.device:
@@ -819,11 +885,56 @@ class FusedModule(ContainerAccess, nn.Module):
                         if v.device == param.device else \
                         (f"x.to('{param.device}')", f"fused.to('{v.device}')")
                     raise FusionArgumentError(
-                        f"input {k} is {v.dtype} on {v.device} but the models' parameters are "
+                        f"{what[k]} is {v.dtype} on {v.device} but the models' parameters are "
                         f"{param.dtype} on {param.device}; move or cast the input ({to[0]}) "
                         f"or the fused module ({to[1]})"
                     ) from cause
+        if re.search(r"dtype|scalar type|[Ll]ong|\bInt|Byte|Bool|same type", said):
+            for k, v in enumerate(values):
+                if isinstance(v, torch.Tensor) and not v.is_floating_point() \
+                        and not v.is_complex():
+                    kind = str(param.dtype).removeprefix("torch.")
+                    method = _CAST_METHODS.get(param.dtype, f"to({param.dtype})")
+                    raise FusionArgumentError(
+                        f"{what[k]} is {str(v.dtype).removeprefix('torch.')}, but the models' "
+                        f"parameters are {kind} and an op of their forward needs the input "
+                        f"in {kind} ({torch_said}): pass x.{method} (x.to({param.dtype})); "
+                        f"if it holds indices (token ids, class labels), the models' forward "
+                        f"must embed or one-hot them before a layer uses them"
+                    ) from cause
+        stacked = [k for k, (v, b) in enumerate(zip(values, batched))
+                   if not b and isinstance(v, torch.Tensor) and v.dim() > 0
+                   and v.shape[0] == self.num_models > 1]
+        if stacked and self._model_runs_on_slices(values, batched, stacked):
+            dims = [0 if k in stacked or b else None for k, b in enumerate(batched)]
+            in_dims = 0 if all(d == 0 for d in dims) else tuple(dims)
+            n = self.num_models
+            expand = ("" if in_dims != 0 else f"; an input all models share is then passed "
+                      f"expanded, one slice per model (x.expand({n}, *x.shape))")
+            raise FusionArgumentError(
+                f"the models cannot run on {' and '.join(what[k] for k in stacked)} "
+                f"({torch_said}), which the fused module shares among the {n} models "
+                f"(in_dims=None gives every model the whole tensor), but model 0 runs on "
+                f"its slice [0]: its dim 0 has size {n}, one slice per model (the outputs "
+                f"of a fused module: a fused generator's fakes, a recurrent layer's hidden "
+                f"state fed back). To give model i slice i, fuse with in_dims: "
+                f"hftc.fuse(models, in_dims={in_dims!r}){expand}"
+            ) from cause
 
+    def _model_runs_on_slices(self, values: Sequence[Any], batched: Sequence[bool],
+                              stacked: Sequence[int]) -> bool:
+        """Whether model 0's graph runs on its slices of the inputs, taking slice 0 of the
+        shared inputs ``stacked`` too (shape propagation on a copy of its graph)."""
+        graph = self._mode_graphs[self.training].graph
+        trial = fx.Graph()
+        trial.output(trial.graph_copy(graph, {}))
+        per_model = [v[0] if b or k in stacked else v
+                     for k, (v, b) in enumerate(zip(values, batched))]
+        try:
+            annotate_example_values(trial, self._template, per_model, {}, self._model_tensors)
+        except Exception:  # noqa: BLE001 - it does not: the inputs are wrong some other way
+            return False
+        return True
     def _model_tensors(self, index: int = 0) -> dict[str, torch.Tensor]:
         """Copies of model ``index``'s parameters and buffers, by name (constants included)."""
         with torch.no_grad():
@@ -884,19 +995,29 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def model_state_dict(self, index: int) -> dict[str, torch.Tensor]:
         """Model ``index``'s ``state_dict`` with the original keys (copies)."""
-        self._check_index(index)
+        index = self._check_index(index)
         return {k: v[index].clone() for k, v in self.state_dict().items()}
 
-    def _check_index(self, index: int) -> None:
+    def _check_index(self, index: int) -> int:
+        """``index`` as an int, or an error that says what a model index is."""
+        try:
+            index = operator.index(index)
+        except TypeError:
+            raise FusionTypeError(
+                f"a model index must be an int, got {index!r} ({type(index).__name__}): "
+                f"pass an int in range({self.num_models}), e.g. model_state_dict(0)") from None
         if not -self.num_models <= index < self.num_models:
-            raise IndexError(f"model index {index} out of range for {self.num_models} models")
+            raise FusionIndexError(
+                f"model index {index} out of range for {self.num_models} models: pass an int "
+                f"in range({self.num_models}) (or -{self.num_models} to -1 from the end)")
+        return index
 
     def unfuse(self) -> list[nn.Module]:
         """N modules of the original class holding this module's current weights and buffers."""
         return [self.unfuse_model(i) for i in range(self.num_models)]
 
     def unfuse_model(self, index: int) -> nn.Module:
-        self._check_index(index)
+        index = self._check_index(index)
         model = deepcopy_module(self._template)
         for target in self._template_extras:
             owner_path, _, leaf = target.rpartition(".")

@@ -83,7 +83,8 @@ def test_frozen_in_all_models_stays_frozen():
 
 def test_wrong_number_of_inputs():
     fused = hftc.fuse([mlp(), mlp()])
-    with pytest.raises(FusionArgumentError, match=r"takes 1 inputs \(input\), got 2"):
+    with pytest.raises(FusionArgumentError, match=r"got 2 positional inputs, but the models' "
+                                            r"forward takes 1 input \(`input`\)"):
         fused(torch.randn(2, 4), torch.randn(2, 4))
     with pytest.raises(FusionArgumentError, match=r"missing input `input`"):
         fused()
@@ -91,7 +92,7 @@ def test_wrong_number_of_inputs():
 
 def test_input_of_another_dtype():
     fused = hftc.fuse([mlp(), mlp()])
-    with pytest.raises(FusionArgumentError, match=r"input 0 is torch.float64 .* parameters are "
+    with pytest.raises(FusionArgumentError, match=r"input 0 \(`input`\) is torch.float64 .* parameters are "
                                                   r"torch.float32.*fused.to\(torch.float64\)"):
         fused(torch.randn(2, 4, dtype=torch.float64))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -345,3 +347,175 @@ def test_a_frozen_shared_backbone_fuses_as_copies_that_compute_the_same():
     out = fused(x)
     for i, model in enumerate(models):
         torch.testing.assert_close(out[i], model(x))
+
+
+def test_an_integer_input_to_float_models_says_to_cast_it():
+    # It raised the batched kernel's "Input dtypes must be the same, got: input float,
+    # batch1: long int, batch2: float".
+    fused = hftc.fuse([TwoLayer() for _ in range(2)])
+    with pytest.raises(FusionArgumentError,
+                       match=r"input 0 \(`x`\) is int64, but the models' parameters are float32 "
+                             r"and an op of their forward needs the input in float32 \(.*\): "
+                             r"pass x\.float\(\) \(x\.to\(torch\.float32\)\)"):
+        fused(torch.randint(0, 5, (4, 8)))
+
+
+@pytest.mark.parametrize("in_dims", ["0", 0.0, True, (0, "1"), {0: 0}])
+def test_in_dims_of_another_type_is_refused_when_fusing(in_dims):
+    # in_dims="0" failed on the first call with "'<=' not supported between instances of
+    # 'int' and 'str'".
+    with pytest.raises(FusionArgumentError, match=r"in_dims must be None \(every input shared "
+                                                  r"by the models\), an int .* or a tuple with "
+                                                  r"one int or None per input of forward .*; "
+                                                  rf"got {re.escape(repr(in_dims))}"):
+        hftc.fuse([TwoLayer() for _ in range(2)], in_dims=in_dims)
+
+
+def test_in_dims_of_numpy_integers_are_ints():
+    import numpy as np
+
+    fused = hftc.fuse([TwoLayer() for _ in range(2)], in_dims=[np.int64(0)])
+    assert fused.in_dims == (0,) and type(fused.in_dims[0]) is int
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(fused(x)[1], fused.unfuse_model(1)(x[1]))
+
+
+def test_too_many_inputs_says_what_forward_takes():
+    # It spoke of torch.export and example_inputs for a symbolically traced model.
+    fused = hftc.fuse([TwoLayer() for _ in range(2)])
+    x = torch.randn(3, 8)
+    with pytest.raises(FusionArgumentError, match=r"the fused module got 2 positional inputs, "
+                                                  r"but the models' forward takes 1 input "
+                                                  r"\(`x`\): call it as you would call one "
+                                                  r"model \(fused\(x\)") as info:
+        fused(x, x)
+    assert "export" not in str(info.value)
+
+
+def test_a_model_index_must_be_an_int_in_range():
+    fused = hftc.fuse([TwoLayer() for _ in range(3)])
+    with pytest.raises(hftc.errors.FusionTypeError, match=r"a model index must be an int, got "
+                                                          r"'1' \(str\): pass an int in "
+                                                          r"range\(3\)"):
+        fused.model_state_dict("1")
+    with pytest.raises(IndexError, match=r"model index 3 out of range for 3 models: pass an int "
+                                         r"in range\(3\)") as info:
+        fused.unfuse_model(3)
+    assert isinstance(info.value, FusionError)
+    assert torch.equal(fused.model_state_dict(torch.tensor(2))["fc.weight"],
+                       fused.model_state_dict(-1)["fc.weight"])
+
+
+def test_fusing_fused_modules_says_to_fuse_the_originals():
+    # It raised a TraceError that advised example_inputs, which then failed in torch.export.
+    fused_a = hftc.fuse([TwoLayer() for _ in range(2)])
+    fused_b = hftc.fuse([TwoLayer() for _ in range(2)])
+    for example in (None, (torch.randn(3, 8),)):
+        with pytest.raises(FusionTypeError,
+                           match=r"model 0 is a FusedModule \(2 models fused\): hftc fuses the "
+                                 r"original models, not fused modules\. Fuse the original "
+                                 r"models together \(hftc\.fuse\(models_a \+ models_b\)\), or "
+                                 r"unfuse first: hftc\.fuse\(fused_a\.unfuse\(\) \+ "
+                                 r"fused_b\.unfuse\(\)\)"):
+            hftc.fuse([fused_a, fused_b], example_inputs=example)
+    wrapper = nn.Sequential(nn.Linear(8, 8), fused_a)
+    with pytest.raises(FusionTypeError, match=r"model 1's submodule `1` is a FusedModule"):
+        hftc.fuse([nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), wrapper])
+
+
+class Generator(nn.Module):
+    """A DCGAN-style generator (pytorch/examples dcgan, small): z -> 3x8x8 images."""
+
+    def __init__(self, nz=6):
+        super().__init__()
+        self.project = nn.Linear(nz, 8 * 4 * 4)
+        self.up = nn.ConvTranspose2d(8, 3, 4, stride=2, padding=1)
+
+    def forward(self, z):
+        return torch.tanh(self.up(F.relu(self.project(z)).view(-1, 8, 4, 4)))
+
+
+class Discriminator(nn.Module):
+    """A DCGAN-style discriminator: 3x8x8 images -> one logit."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 4, stride=2, padding=1)
+        self.head = nn.Linear(8 * 4 * 4, 1)
+
+    def forward(self, images):
+        return self.head(F.leaky_relu(self.conv(images), 0.2).flatten(1))
+
+
+def test_gan_discriminator_fused_with_shared_inputs_says_to_pass_in_dims_for_fakes():
+    # D fused with shared inputs, then called on a fused generator's fakes [N, B, 3, 8, 8]:
+    # it failed deep inside ("running model 0 to learn its shapes failed: ... Expected 3D
+    # (unbatched) or 4D (batched) input to conv2d") with no word of in_dims.
+    torch.manual_seed(0)
+    n, batch = 3, 5
+    generators, discriminators = [Generator() for _ in range(n)], [Discriminator() for _ in range(n)]
+    fused_g, fused_d = hftc.fuse(generators), hftc.fuse(discriminators)
+    real = torch.randn(batch, 3, 8, 8)
+    fused_d(real)  # real images are shared: fine
+    fakes = fused_g(torch.randn(batch, 6))
+    assert fakes.shape == (n, batch, 3, 8, 8)
+    with pytest.raises(FusionArgumentError,
+                       match=r"the models cannot run on input 0 \(`images`\) \(RuntimeError: "
+                             r"Expected 3D \(unbatched\) or 4D \(batched\) input to conv2d.*\), "
+                             r"which the fused module shares among the 3 models \(in_dims=None "
+                             r"gives every model the whole tensor\), but model 0 runs on its "
+                             r"slice \[0\].* To give model i slice i, fuse with in_dims: "
+                             r"hftc\.fuse\(models, in_dims=0\); an input all models share is "
+                             r"then passed expanded, one slice per model \(x\.expand\(3, "
+                             r"\*x\.shape\)\)"):
+        fused_d(fakes.detach())
+    # What the message says to do computes what each discriminator computes on its fakes.
+    per_model_d = hftc.fuse(discriminators, in_dims=0)
+    out_fake = per_model_d(fakes.detach())
+    out_real = per_model_d(real.expand(n, *real.shape))
+    for i, d in enumerate(discriminators):
+        torch.testing.assert_close(out_fake[i], d(fakes[i].detach()))
+        torch.testing.assert_close(out_real[i], d(real))
+
+
+class CharRNN(nn.Module):
+    """A char-RNN (pytorch/examples word_language_model style, GRU): the hidden state is
+    returned and fed back on the next chunk (truncated BPTT)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(12, 6)
+        self.rnn = nn.GRU(6, 7, batch_first=True)
+        self.decoder = nn.Linear(7, 12)
+
+    def forward(self, tokens, hidden=None):
+        output, hidden = self.rnn(self.embed(tokens), hidden)
+        return self.decoder(output), hidden
+
+
+def test_rnn_hidden_state_fed_back_says_to_pass_in_dims_for_it():
+    # The fused module returns the N hidden states stacked [N, 1, B, H]; fed back as a
+    # shared input, it failed deep inside ("For batched 3-D input, hx should also be 3-D
+    # but got 4-D tensor") with no word of in_dims.
+    torch.manual_seed(0)
+    n = 3
+    models = [CharRNN() for _ in range(n)]
+    fused = hftc.fuse(models)
+    chunks = torch.randint(0, 12, (2, 4, 5))
+    _, hidden = fused(chunks[0])
+    assert hidden.shape == (n, 1, 4, 7)
+    with pytest.raises(FusionArgumentError,
+                       match=r"the models cannot run on input 1 \(`hidden`\) \(RuntimeError: "
+                             r"For batched 3-D input, hx should also be 3-D but got 4-D "
+                             r"tensor\).* To give model i slice i, fuse with in_dims: "
+                             r"hftc\.fuse\(models, in_dims=\(None, 0\)\)$"):
+        fused(chunks[0], hidden)
+    # As the message says: tokens shared, the hidden state one slice per model.
+    fused = hftc.fuse(models, in_dims=(None, 0))
+    hidden, hiddens = None, [None] * n
+    for chunk in chunks:
+        out, hidden = fused(chunk) if hidden is None else fused(chunk, hidden)
+        for i, model in enumerate(models):
+            expected, hiddens[i] = model(chunk, hiddens[i])
+            torch.testing.assert_close(out[i], expected)
+            torch.testing.assert_close(hidden[i], hiddens[i])
