@@ -181,6 +181,29 @@ def _check_hooks(models: Sequence[nn.Module]) -> None:
         )
 
 
+def _check_same_dtypes(models: Sequence[nn.Module]) -> None:
+    """Every model's floating parameters of model 0's dtype, or a :class:`MismatchError`
+    naming the first that is not."""
+    def dtypes(model: nn.Module) -> dict[torch.dtype, str]:
+        found: dict[torch.dtype, str] = {}
+        for name, p in model.named_parameters():
+            if p.is_floating_point():
+                found.setdefault(p.dtype, name)
+        return found
+
+    reference = dtypes(models[0])
+    for i, model in enumerate(models[1:], start=1):
+        other = next(((dtype, name) for dtype, name in dtypes(model).items()
+                      if dtype not in reference), None)
+        if other is not None:
+            theirs = ", ".join(str(d).removeprefix("torch.") for d in reference) or "none"
+            raise MismatchError(
+                f"model {i}'s parameter `{other[1]}` is {str(other[0]).removeprefix('torch.')}"
+                f", where model 0's parameters are {theirs}. Convert "
+                f"every model to one dtype with .to(dtype) before fusing (model.float(), "
+                f"model.double()).")
+
+
 def _check_shared_tensors(models: Sequence[nn.Module]) -> None:
     """Refuse a tensor that two models of the list hold as one (``m1.fc = m0.fc``): the
     models train it together, and the fused module, which stacks one copy per model,
@@ -466,6 +489,9 @@ class FusedModule(ContainerAccess, nn.Module):
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
         merged, batched = self._merge_inputs(example_inputs)
+        # Export runs each model on the example inputs, where a model of another dtype
+        # fails in torch ("Input type (float) and bias type (double) should be the same").
+        _check_same_dtypes(models)
         return {mode: [export_model(m, i, training=mode,
                                     args=tuple(v[i] if b else v for v, b in zip(merged, batched)))
                        for i, m in enumerate(models)]

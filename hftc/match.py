@@ -22,9 +22,10 @@ Algorithm (:func:`match_graphs`):
    every node labelled by op and target and every edge by slot the candidate
    pairs are few and the search stays close to linear on real networks.
 3. If neither finds a mapping, the models differ: the nodes whose signatures
-   differ at the same trace position are reported, every differing attribute
-   with the values of every model (``kernel_size: (3, 3) in models 0, 1;
-   (5, 5) in model 2``), as a :class:`~hftc.errors.MismatchError`.
+   differ at the same trace position are reported in words, each differing
+   attribute as model i's value vs model 0's (``model 2's `conv` (nn.Conv2d) differs
+   from model 0's: kernel_size (5, 5) vs (3, 3)``), with what to change, as a
+   :class:`~hftc.errors.MismatchError` (:func:`describe_differences`).
 """
 
 from __future__ import annotations
@@ -471,7 +472,7 @@ def describe_differences(sig: dict[str, Any], reference: dict[str, Any], *,
         if value == ref:
             continue
         if key == "arguments" and nodes is not None:
-            texts += _argument_differences(*nodes)
+            texts += _argument_differences(*nodes) or [f"arguments {value} vs {ref}"]
             kinds.add("structure")
             continue
         label = key
@@ -592,6 +593,8 @@ def _explain_mismatch(
     lines = []
     for (place, texts), indices in found.items():
         where, _, than = place.partition("\0")
+        if len(indices) > 1:  # "models 1 and 2's `fc` differ"
+            than = than.replace("differs", "differ", 1)
         lines.append(f"  {_whose(indices, where)}" + (f" {than}: {texts}" if texts else ""))
     if len(lines) > 30:
         lines = lines[:30] + ["  ... (more differences follow)"]

@@ -519,3 +519,13 @@ def test_rnn_hidden_state_fed_back_says_to_pass_in_dims_for_it():
             expected, hiddens[i] = model(chunk, hiddens[i])
             torch.testing.assert_close(out[i], expected)
             torch.testing.assert_close(hidden[i], hiddens[i])
+
+
+def test_models_of_another_dtype_traced_by_export_say_so():
+    # Exporting model 1 on the example inputs failed in torch first: "Input type (float)
+    # and bias type (double) should be the same", as a TraceError about example_inputs.
+    with pytest.raises(MismatchError, match=r"model 1's parameter `fc.weight` is float64, where "
+                                            r"model 0's parameters are float32\. Convert every "
+                                            r"model to one dtype with \.to\(dtype\)"):
+        hftc.fuse([TwoLayer(), TwoLayer().double()], example_inputs=(torch.randn(3, 8),),
+                  frontend="export")
