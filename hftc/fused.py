@@ -208,8 +208,9 @@ def _check_shared_tensors(models: Sequence[nn.Module]) -> None:
     """Refuse a tensor that two models of the list hold as one (``m1.fc = m0.fc``): the
     models train it together, and the fused module, which stacks one copy per model,
     would train the copies apart, silently.  A frozen parameter (a shared pretrained
-    backbone) or a buffer of modules in eval mode is never written, so copies of it
-    compute what the shared tensor does: those fuse.  So does one model object given
+    backbone) is never trained, nor a buffer of modules in eval mode updated (batch norm
+    writes its statistics in training mode only), so copies of it compute what the shared
+    tensor does: those fuse.  So does one model object given
     twice (``hftc.fuse([m, m])``): N independent copies of one starting point."""
     holders: dict[int, tuple[int, str]] = {}  # id(tensor) -> (first model, its name there)
     for i, model in enumerate(models):

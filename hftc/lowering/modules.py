@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import MismatchError, UnsupportedOperatorError
+from ..match import describe_differences, fixes_for, tensor_signature
 
 
 class ContainerAccess:
@@ -175,8 +176,6 @@ def _check_same_tensors(kind: str, tables: Sequence[dict[str, torch.Tensor]],
     not.  Matching compared the tensors forward reads; these are the ones it does not:
     one registered in model i only was dropped from its ``model_state_dict()`` and
     ``unfuse()``, one of another shape crashed in ``torch.stack``."""
-    from ..match import describe_differences, fixes_for, tensor_signature
-
     fix = (f"Register the same {kind}s in every model (hftc fuses models of the same "
            f"architecture; hftc.fuse_groups splits a mixed list into groups that can be fused).")
     for i, table in enumerate(tables[1:], start=1):
