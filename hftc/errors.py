@@ -68,3 +68,7 @@ class SweepFileError(SweepError):
 class SweepWarning(UserWarning):
     """A sweep goes on after something the user should know about (a damaged file it
     could not use: the trials it held are retried from epoch 0)."""
+
+
+class FusionIndexError(FusionArgumentError, IndexError):
+    """A model index out of range (``fused.model_state_dict(5)`` of 3 models)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
+import operator
+import re
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -32,6 +34,7 @@ from .compile_guard import compiled_original, run_eagerly
 from .errors import (
     FusionArgumentError,
     FusionError,
+    FusionIndexError,
     FusionTypeError,
     FusionWarning,
     MismatchError,
@@ -179,6 +182,59 @@ def _check_hooks(models: Sequence[nn.Module]) -> None:
         )
 
 
+def _check_same_dtypes(models: Sequence[nn.Module]) -> None:
+    """Every model's floating parameters of model 0's dtype, or a :class:`MismatchError`
+    naming the first that is not."""
+    def dtypes(model: nn.Module) -> dict[torch.dtype, str]:
+        found: dict[torch.dtype, str] = {}
+        for name, p in model.named_parameters():
+            if p.is_floating_point():
+                found.setdefault(p.dtype, name)
+        return found
+
+    reference = dtypes(models[0])
+    for i, model in enumerate(models[1:], start=1):
+        other = next(((dtype, name) for dtype, name in dtypes(model).items()
+                      if dtype not in reference), None)
+        if other is not None:
+            theirs = ", ".join(str(d).removeprefix("torch.") for d in reference) or "none"
+            raise MismatchError(
+                f"model {i}'s parameter `{other[1]}` is {str(other[0]).removeprefix('torch.')}"
+                f", where model 0's parameters are {theirs}. Convert "
+                f"every model to one dtype with .to(dtype) before fusing (model.float(), "
+                f"model.double()).")
+
+
+def _check_shared_tensors(models: Sequence[nn.Module]) -> None:
+    """Refuse a tensor that two models of the list hold as one (``m1.fc = m0.fc``): the
+    models train it together, and the fused module, which stacks one copy per model,
+    would train the copies apart, silently.  A frozen parameter (a shared pretrained
+    backbone) is never trained, nor a buffer of modules in eval mode updated (batch norm
+    writes its statistics in training mode only), so copies of it compute what the shared
+    tensor does: those fuse.  So does one model object given
+    twice (``hftc.fuse([m, m])``): N independent copies of one starting point."""
+    holders: dict[int, tuple[int, str]] = {}  # id(tensor) -> (first model, its name there)
+    for i, model in enumerate(models):
+        tensors = [("parameter", name, t, t.requires_grad)
+                   for name, t in model.named_parameters()]
+        tensors += [("buffer", name, t, model.get_submodule(name.rpartition(".")[0]).training)
+                    for name, t in model.named_buffers()]
+        for kind, name, tensor, written in tensors:
+            j, name_j = holders.setdefault(id(tensor), (i, name))
+            if j == i or models[j] is model or not written:
+                continue
+            how = ("train it together (a step of either changes both)" if kind == "parameter"
+                   else "update it together in training mode (a batch norm's statistics)")
+            raise FusionArgumentError(
+                f"model {i}'s {kind} `{name}` is model {j}'s `{name_j}` (the same tensor): "
+                f"the models {how}, but the fused module stacks one "
+                f"copy per model and would train the copies apart, silently. Give each "
+                f"model its own {kind}s: build each model anew, or fuse copies "
+                f"(hftc.fuse([copy.deepcopy(m) for m in models])). (To share a frozen "
+                f"backbone, freeze it first: requires_grad_(False) and .eval(); copies of "
+                f"it compute the same.)")
+
+
 def _check_models(models: Any) -> list[nn.Module]:
     if isinstance(models, nn.Module):
         raise FusionTypeError(
@@ -199,7 +255,48 @@ def _check_models(models: Any) -> list[nn.Module]:
     # torch.compile(model) wraps the model, which it shares (tensors included): fuse the
     # models themselves (symbolic tracing cannot read the wrapper), and compile the fused
     # module if wanted (fused.compile()).
-    return [compiled_original(m) for m in models]
+    models = [compiled_original(m) for m in models]
+    for i, m in enumerate(models):
+        path = next((p for p, sub in m.named_modules() if isinstance(sub, FusedModule)), None)
+        if path is not None:
+            what = (f"model {i} is a FusedModule ({m.num_models} models fused)" if path == ""
+                    else f"model {i}'s submodule `{path}` is a FusedModule")
+            raise FusionTypeError(
+                f"{what}: hftc fuses the original models, not fused modules. Fuse the "
+                f"original models together (hftc.fuse(models_a + models_b)), or unfuse "
+                f"first: hftc.fuse(fused_a.unfuse() + fused_b.unfuse()), which gives each "
+                f"model its current weights")
+    return models
+
+
+#: ``x.float()`` for a float32 model: how a message says to cast an input.
+_CAST_METHODS = {torch.float32: "float()", torch.float64: "double()", torch.float16: "half()",
+                 torch.bfloat16: "bfloat16()"}
+
+
+def _check_in_dims(in_dims: Any) -> InDims:
+    """``in_dims`` as vmap takes it: ``None``, an int, or a tuple of ints and ``None`` (one
+    per input); NumPy integers become ints.  Anything else is refused, naming it."""
+    def entry(d: Any) -> int | None:
+        if d is None:
+            return None
+        if not isinstance(d, (bool, torch.Tensor)):
+            try:
+                return operator.index(d)  # an int, or a NumPy integer
+            except TypeError:
+                pass
+        raise ValueError
+
+    try:
+        if isinstance(in_dims, (tuple, list)):
+            return tuple(entry(d) for d in in_dims)
+        return entry(in_dims)
+    except ValueError:
+        raise FusionArgumentError(
+            f"in_dims must be None (every input shared by the models), an int (the dim "
+            f"along which every input holds one slice per model: in_dims=0) or a tuple with "
+            f"one int or None per input of forward (in_dims=(0, None)), as torch.func.vmap's; "
+            f"got {in_dims!r} ({type(in_dims).__name__})") from None
 
 
 def _tensor_name_maps(match: GraphMatch, graphs: Sequence[fx.GraphModule]) -> list[dict]:
@@ -288,6 +385,7 @@ class FusedModule(ContainerAccess, nn.Module):
     ):
         super().__init__()
         models = _check_models(models)
+        in_dims = _check_in_dims(in_dims)
         n = len(models)
         self.num_models = n
         self.in_dims = in_dims
@@ -305,7 +403,10 @@ class FusedModule(ContainerAccess, nn.Module):
         _check_initialized(models)
         _check_hooks(models)
         check_function_references(models)
+        _check_shared_tensors(models)
         graphs = self._trace(models, example_inputs, frontend)
+        #: Which front-end traced the models: "symbolic" (torch.fx) or "export".
+        self.frontend = "symbolic" if PYTHON_STATE in graphs[True][0].meta else "export"
         matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}
         #: (model index, attributes) of the first model whose forward changed plain
         #: Python attributes while traced (hftc.trace.PYTHON_STATE), or None.
@@ -390,6 +491,9 @@ class FusedModule(ContainerAccess, nn.Module):
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
         merged, batched = self._merge_inputs(example_inputs)
+        # Export runs each model on the example inputs, where a model of another dtype
+        # fails in torch ("Input type (float) and bias type (double) should be the same").
+        _check_same_dtypes(models)
         return {mode: [export_model(m, i, training=mode,
                                     args=tuple(v[i] if b else v for v, b in zip(merged, batched)))
                        for i, m in enumerate(models)]
@@ -527,11 +631,16 @@ class FusedModule(ContainerAccess, nn.Module):
             if n.op == "placeholder"
         ]
         if len(args) > len(placeholders):
+            takes = (f"{len(placeholders)} input{'s' if len(placeholders) != 1 else ''} ("
+                     + ", ".join(f"`{p.target}`" for p in placeholders) + ")")
+            exported = ("" if self.__dict__.get("frontend") != "export" else
+                        " As traced by torch.export, forward takes the inputs example_inputs "
+                        "gave: give example_inputs every input the fused module will be "
+                        "called with.")
             raise FusionArgumentError(
-                f"the models' forward, as traced, takes {len(placeholders)} inputs "
-                f"({', '.join(p.target for p in placeholders)}), got {len(args)} (traced by "
-                f"torch.export, forward takes the inputs example_inputs gave: give "
-                f"example_inputs every input the fused module will be called with)"
+                f"the fused module got {len(args)} positional inputs, but the models' "
+                f"forward takes {takes}: call it as you would call one model "
+                f"(fused(x) for forward(self, x)).{exported}"
             )
         kwargs = dict(kwargs)
         values, given = list(args), [True] * len(args)
@@ -582,7 +691,7 @@ class FusedModule(ContainerAccess, nn.Module):
                 out = program.forward(self, *values)
             return out if program.output_spec is None else program.output_spec.rebuild(out)
         except RuntimeError as exc:
-            self._explain_input_mismatch(values, exc)
+            self._explain_input_mismatch(values, batched, exc)
             raise
 
     @run_eagerly
@@ -635,7 +744,7 @@ class FusedModule(ContainerAccess, nn.Module):
                 mode_graphs.graph, self._template, per_model, {}, self._model_tensors
             )
         except TraceError as exc:
-            self._explain_input_mismatch(values, exc)
+            self._explain_input_mismatch(values, batched, exc)
             raise
         graph, report = fuse_graph(
             mode_graphs.graph_module(self._template), mode_graphs.originals,
@@ -661,7 +770,7 @@ class FusedModule(ContainerAccess, nn.Module):
                     report.lowerings = autotune_graph(graph, self, tuning_values,
                                                       backward=backward)
                 except RuntimeError as exc:  # an input of another dtype / device: say so
-                    self._explain_input_mismatch(values, exc)
+                    self._explain_input_mismatch(values, batched, exc)
                     raise
             if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values):
                 # A fused step's activations outgrow glibc's adaptive thresholds: keep the
@@ -778,11 +887,25 @@ class FusedModule(ContainerAccess, nn.Module):
             self.__dict__["_shared_model_loop"] = loop
         return loop
 
-    def _explain_input_mismatch(self, values: Sequence[Any], cause: Exception) -> None:
-        """An input of another dtype or device than the parameters: say so, not the ATen error."""
+    def _explain_input_mismatch(self, values: Sequence[Any], batched: Sequence[bool],
+                                cause: Exception) -> None:
+        """An input the models cannot take, said as such (which input, what the models
+        expected, what to change), not as the error torch raised deep in the program:
+        a floating input of another dtype or device than the parameters, an integer input
+        where an op wanted the parameters' float dtype, or an input stacked per model
+        (dim 0 of size N) given to a module that shares it among the models."""
         param = next((p for p in self.parameters() if p.is_floating_point()), None)
         if param is None:
             return
+        names = [n.target for n in self._mode_graphs[self.training].graph.nodes
+                 if n.op == "placeholder"]
+        what = [f"input {k}" + (f" (`{names[k]}`)" if k < len(names) else "")
+                for k in range(len(values))]
+        root = cause  # torch's own error, under the TraceError that shape propagation raised
+        while isinstance(root, FusionError) and isinstance(root.__cause__, Exception):
+            root = root.__cause__
+        said = (str(root.args[0]) if root.args else str(root)).strip()
+        torch_said = f"{type(root).__name__}: {said.splitlines()[0] if said else ''}"
         for k, v in enumerate(values):
             if isinstance(v, torch.Tensor) and v.is_floating_point():
                 if v.dtype != param.dtype or v.device != param.device:
@@ -790,11 +913,56 @@ class FusedModule(ContainerAccess, nn.Module):
                         if v.device == param.device else \
                         (f"x.to('{param.device}')", f"fused.to('{v.device}')")
                     raise FusionArgumentError(
-                        f"input {k} is {v.dtype} on {v.device} but the models' parameters are "
+                        f"{what[k]} is {v.dtype} on {v.device} but the models' parameters are "
                         f"{param.dtype} on {param.device}; move or cast the input ({to[0]}) "
                         f"or the fused module ({to[1]})"
                     ) from cause
+        if re.search(r"dtype|scalar type|[Ll]ong|\bInt|Byte|Bool|same type", said):
+            for k, v in enumerate(values):
+                if isinstance(v, torch.Tensor) and not v.is_floating_point() \
+                        and not v.is_complex():
+                    kind = str(param.dtype).removeprefix("torch.")
+                    method = _CAST_METHODS.get(param.dtype, f"to({param.dtype})")
+                    raise FusionArgumentError(
+                        f"{what[k]} is {str(v.dtype).removeprefix('torch.')}, but the models' "
+                        f"parameters are {kind} and an op of their forward needs the input "
+                        f"in {kind} ({torch_said}): pass x.{method} (x.to({param.dtype})); "
+                        f"if it holds indices (token ids, class labels), the models' forward "
+                        f"must embed or one-hot them before a layer uses them"
+                    ) from cause
+        stacked = [k for k, (v, b) in enumerate(zip(values, batched))
+                   if not b and isinstance(v, torch.Tensor) and v.dim() > 0
+                   and v.shape[0] == self.num_models > 1]
+        if stacked and self._model_runs_on_slices(values, batched, stacked):
+            dims = [0 if k in stacked or b else None for k, b in enumerate(batched)]
+            in_dims = 0 if all(d == 0 for d in dims) else tuple(dims)
+            n = self.num_models
+            expand = ("" if in_dims != 0 else f"; an input all models share is then passed "
+                      f"expanded, one slice per model (x.expand({n}, *x.shape))")
+            raise FusionArgumentError(
+                f"the models cannot run on {' and '.join(what[k] for k in stacked)} "
+                f"({torch_said}), which the fused module shares among the {n} models "
+                f"(in_dims=None gives every model the whole tensor), but model 0 runs on "
+                f"its slice [0]: its dim 0 has size {n}, one slice per model (the outputs "
+                f"of a fused module: a fused generator's fakes, a recurrent layer's hidden "
+                f"state fed back). To give model i slice i, fuse with in_dims: "
+                f"hftc.fuse(models, in_dims={in_dims!r}){expand}"
+            ) from cause
 
+    def _model_runs_on_slices(self, values: Sequence[Any], batched: Sequence[bool],
+                              stacked: Sequence[int]) -> bool:
+        """Whether model 0's graph runs on its slices of the inputs, taking slice 0 of the
+        shared inputs ``stacked`` too (shape propagation on a copy of its graph)."""
+        graph = self._mode_graphs[self.training].graph
+        trial = fx.Graph()
+        trial.output(trial.graph_copy(graph, {}))
+        per_model = [v[0] if b or k in stacked else v
+                     for k, (v, b) in enumerate(zip(values, batched))]
+        try:
+            annotate_example_values(trial, self._template, per_model, {}, self._model_tensors)
+        except Exception:  # noqa: BLE001 - it does not: the inputs are wrong some other way
+            return False
+        return True
     def _model_tensors(self, index: int = 0) -> dict[str, torch.Tensor]:
         """Copies of model ``index``'s parameters and buffers, by name (constants included)."""
         with torch.no_grad():
@@ -855,19 +1023,29 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def model_state_dict(self, index: int) -> dict[str, torch.Tensor]:
         """Model ``index``'s ``state_dict`` with the original keys (copies)."""
-        self._check_index(index)
+        index = self._check_index(index)
         return {k: v[index].clone() for k, v in self.state_dict().items()}
 
-    def _check_index(self, index: int) -> None:
+    def _check_index(self, index: int) -> int:
+        """``index`` as an int, or an error that says what a model index is."""
+        try:
+            index = operator.index(index)
+        except TypeError:
+            raise FusionTypeError(
+                f"a model index must be an int, got {index!r} ({type(index).__name__}): "
+                f"pass an int in range({self.num_models}), e.g. model_state_dict(0)") from None
         if not -self.num_models <= index < self.num_models:
-            raise IndexError(f"model index {index} out of range for {self.num_models} models")
+            raise FusionIndexError(
+                f"model index {index} out of range for {self.num_models} models: pass an int "
+                f"in range({self.num_models}) (or -{self.num_models} to -1 from the end)")
+        return index
 
     def unfuse(self) -> list[nn.Module]:
         """N modules of the original class holding this module's current weights and buffers."""
         return [self.unfuse_model(i) for i in range(self.num_models)]
 
     def unfuse_model(self, index: int) -> nn.Module:
-        self._check_index(index)
+        index = self._check_index(index)
         model = deepcopy_module(self._template)
         for target in self._template_extras:
             owner_path, _, leaf = target.rpartition(".")

@@ -22,9 +22,10 @@ Algorithm (:func:`match_graphs`):
    every node labelled by op and target and every edge by slot the candidate
    pairs are few and the search stays close to linear on real networks.
 3. If neither finds a mapping, the models differ: the nodes whose signatures
-   differ at the same trace position are reported, every differing attribute
-   with the values of every model (``kernel_size: (3, 3) in models 0, 1;
-   (5, 5) in model 2``), as a :class:`~hftc.errors.MismatchError`.
+   differ at the same trace position are reported in words, each differing
+   attribute as model i's value vs model 0's (``model 2's `conv` (nn.Conv2d) differs
+   from model 0's: kernel_size (5, 5) vs (3, 3)``), with what to change, as a
+   :class:`~hftc.errors.MismatchError` (:func:`describe_differences`).
 """
 
 from __future__ import annotations
@@ -171,9 +172,31 @@ def _simple(value: Any) -> bool:
     return False
 
 
-def _tensor_signature(t: torch.Tensor) -> tuple:
+@dataclass(frozen=True)
+class TensorSignature:
+    """What must agree about a parameter, buffer or tensor attribute across the models."""
+
+    kind: str  # "parameter" or "tensor" (a buffer, a plain tensor attribute)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    requires_grad: bool
+
+    def __str__(self) -> str:
+        grad = "" if self.requires_grad == (self.kind == "parameter") else (
+            ", requires_grad=" + str(self.requires_grad))
+        return f"a {dtype_name(self.dtype)} {self.kind} of shape {self.shape}{grad}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: how messages name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_signature(t: torch.Tensor) -> TensorSignature:
+    """A parameter's or buffer's :class:`TensorSignature` (what fusing compares)."""
     kind = "parameter" if isinstance(t, nn.Parameter) else "tensor"
-    return (kind, tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
+    return TensorSignature(kind, tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
 
 
 def module_hyperparameters(module: nn.Module) -> dict[str, Any]:
@@ -207,9 +230,9 @@ def module_signature(module: nn.Module) -> dict[str, Any]:
     sig: dict[str, Any] = {"class": type(module).__qualname__}
     sig.update(module_hyperparameters(module))
     for name, p in module.named_parameters(recurse=False):
-        sig[f"parameter `{name}`"] = _tensor_signature(p)
+        sig[f"parameter `{name}`"] = tensor_signature(p)
     for name, b in module.named_buffers(recurse=False):
-        sig[f"buffer `{name}`"] = _tensor_signature(b)
+        sig[f"buffer `{name}`"] = tensor_signature(b)
     # Not "mode": a module's own hyper-parameter of that name (Upsample's, EmbeddingBag's)
     # was overwritten, and models differing in it were fused with model 0's.
     sig["train/eval mode"] = "train" if module.training else "eval"
@@ -274,27 +297,31 @@ def node_signature(node: fx.Node, root: nn.Module) -> dict[str, Any]:
     elif node.op == "get_attr":
         value = _get_attr(root, node.target)
         if isinstance(value, torch.Tensor):
-            sig["attribute"] = _tensor_signature(value)
+            sig["attribute"] = tensor_signature(value)
         elif isinstance(value, nn.Module):
             sig["attribute"] = module_signature(value)
         else:
             sig["attribute"] = repr(value)
     elif node.op in ("call_function", "call_method"):
         sig["target"] = target_name(node)
-    soft = _soft_argument_keys(node)
+    if node.op != "placeholder":  # input names differ between codebases; order is what counts
+        sig["arguments"] = repr(_argument_skeleton(node))
+    return sig
+
+
+def _argument_skeleton(node: fx.Node) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of ``node`` with each tensor argument :data:`_SLOT` and each
+    scalar that may differ per model :data:`_PER_MODEL`."""
     args, kwargs = list(canonical_args(node)), dict(node.kwargs)
-    for key in soft:  # scalars that may differ per model are not part of the signature
+    for key in _soft_argument_keys(node):  # scalars that may differ per model
         if key.startswith("args["):
             args[int(key[5:-1])] = _PER_MODEL
         else:
             kwargs[key[7:-1]] = _PER_MODEL
-    skeleton = fx.node.map_aggregate(
+    return fx.node.map_aggregate(
         (tuple(args), kwargs),
         lambda a: _SLOT if isinstance(a, fx.Node) else _fold_constant(a),
     )
-    if node.op != "placeholder":  # input names differ between codebases; order is what counts
-        sig["arguments"] = repr(skeleton)
-    return sig
 
 
 def _get_attr(root: nn.Module, target: str) -> Any:
@@ -359,64 +386,223 @@ def _vf2(g0: nx.DiGraph, gi: nx.DiGraph) -> dict[fx.Node, fx.Node] | None:
     return None
 
 
-def _group_values(values: list[Any], indices: list[int]) -> str:
-    """``(3, 3) in models 0, 1; (5, 5) in model 2`` (most common value first)."""
-    groups: list[tuple[Any, list[int]]] = []
-    for idx, v in zip(indices, values):
-        for g in groups:
-            if g[0] == v:
-                g[1].append(idx)
-                break
+#: What to change, for each kind of difference between two models' signatures.
+_FIXES = {
+    "dtype": "Convert every model to one dtype with .to(dtype) before fusing "
+             "(model.float(), model.double()).",
+    "device": "Move every model to one device with .to(device) before fusing.",
+    "requires_grad": "Freeze the same parameters in every model "
+                     "(p.requires_grad_(False) in each, or in none).",
+    "mode": "Put every model in the same mode (.train() or .eval() on each) before fusing.",
+    "structure": "hftc fuses models of the same architecture and hyper-parameters: "
+                 "hftc.fuse_groups splits a mixed list into groups that can be fused.",
+}
+
+
+def class_name(module: nn.Module) -> str:
+    """``nn.Conv2d`` for torch's own modules, the class name for a user's."""
+    cls = type(module)
+    return f"nn.{cls.__name__}" if cls.__module__.startswith("torch.nn") else cls.__qualname__
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    if isinstance(value, str):
+        return value
+    return repr(value)
+
+
+def _tensor_differences(label: str, value: Any, reference: Any) -> tuple[list[str], set[str]]:
+    """A parameter's or buffer's signature against model 0's, field by field."""
+    if not isinstance(value, TensorSignature) or not isinstance(reference, TensorSignature):
+        mine = "none" if value == _ABSENT else str(value)
+        theirs = "none" if reference == _ABSENT else str(reference)
+        return [f"{label}: {mine} vs {theirs}"], {"structure"}
+    texts, kinds = [], set()
+    if value.kind != reference.kind:
+        texts.append(f"{label}: a {value.kind} vs a {reference.kind}")
+        kinds.add("structure")
+    for field, kind in (("shape", "structure"), ("dtype", "dtype"), ("device", "device"),
+                        ("requires_grad", "requires_grad")):
+        mine, theirs = getattr(value, field), getattr(reference, field)
+        if mine != theirs:
+            texts.append(f"{label}: {field} {_value_text(mine)} vs {_value_text(theirs)}")
+            kinds.add(kind)
+    return texts, kinds
+
+
+def _argument_differences(node: fx.Node, reference: fx.Node) -> list[str]:
+    """``argument 1: 0 vs 1`` / ``argument `dim`: 0 vs 1``: the constant arguments of a call
+    that differ from model 0's (``<tensor>`` stands for a tensor argument)."""
+    (args, kwargs), (args0, kwargs0) = _argument_skeleton(node), _argument_skeleton(reference)
+    texts = []
+    if len(args) != len(args0):
+        texts.append(f"{len(args)} positional arguments vs {len(args0)}")
+    texts += [f"argument {k}: {_value_text(a)} vs {_value_text(b)}"
+              for k, (a, b) in enumerate(zip(args, args0)) if a != b]
+    texts += [f"argument `{key}`: {_value_text(kwargs.get(key, _ABSENT))} vs "
+              f"{_value_text(kwargs0.get(key, _ABSENT))}"
+              for key in dict.fromkeys([*kwargs, *kwargs0])
+              if kwargs.get(key, _ABSENT) != kwargs0.get(key, _ABSENT)]
+    return texts
+
+
+#: A signature entry one model has and the other lacks.
+_ABSENT = "<absent>"
+
+
+def describe_differences(sig: dict[str, Any], reference: dict[str, Any], *,
+                         prefix: str = "", nodes: tuple[fx.Node, fx.Node] | None = None,
+                         ) -> tuple[list[str], set[str]]:
+    """Model i's signature ``sig`` against model 0's ``reference``, in words, and the kinds
+    of difference (keys of :data:`_FIXES`): ``["kernel_size (5, 5) vs (3, 3)",
+    "parameter `conv.weight`: shape (8, 3, 5, 5) vs (8, 3, 3, 3)"], {"structure"}``.
+
+    ``prefix`` is the module path the signature's parameters live under (``conv.``);
+    ``nodes`` the two nodes, whose constant arguments are compared one by one."""
+    texts: list[str] = []
+    kinds: set[str] = set()
+    for key in ("op", "class"):  # another kind of node: its attributes do not compare
+        if sig.get(key, _ABSENT) != reference.get(key, _ABSENT):
+            return [f"{key} {_value_text(sig.get(key, _ABSENT))} vs "
+                    f"{_value_text(reference.get(key, _ABSENT))}"], {"structure"}
+    for key in dict.fromkeys([*reference, *sig]):
+        value, ref = sig.get(key, _ABSENT), reference.get(key, _ABSENT)
+        if value == ref:
+            continue
+        if key == "arguments" and nodes is not None:
+            texts += _argument_differences(*nodes) or [f"arguments {value} vs {ref}"]
+            kinds.add("structure")
+            continue
+        label = key
+        for kind in ("parameter `", "buffer `"):
+            if key.startswith(kind):
+                label = f"{kind}{prefix}{key[len(kind):]}"
+        if key == "attribute" and nodes is not None:
+            tensor = value if isinstance(value, TensorSignature) else ref
+            kind = tensor.kind if isinstance(tensor, TensorSignature) else "attribute"
+            label = f"{kind} `{nodes[0].target}`"
+        if isinstance(value, TensorSignature) or isinstance(ref, TensorSignature):
+            found, found_kinds = _tensor_differences(label, value, ref)
+        elif isinstance(value, dict) and isinstance(ref, dict):
+            found, found_kinds = describe_differences(value, ref, prefix=prefix)
+            found = [f"{label} {text}" for text in found]
         else:
-            groups.append((v, [idx]))
-    groups.sort(key=lambda g: -len(g[1]))
-    parts = []
-    for v, idxs in groups:
-        label = "model" if len(idxs) == 1 else "models"
-        parts.append(f"{v} in {label} {', '.join(map(str, idxs))}")
-    return "; ".join(parts)
+            found = [f"{label} {_value_text(value)} vs {_value_text(ref)}"]
+            found_kinds = {"mode" if key == "train/eval mode" else "structure"}
+        texts += found
+        kinds |= found_kinds
+    return texts, kinds
+
+
+def fixes_for(kinds: set[str]) -> str:
+    """What to change for these kinds of difference (keys of :data:`_FIXES`), in sentences."""
+    return " ".join(fix for kind, fix in _FIXES.items() if kind in kinds)
+
+
+#: How :func:`_where` begins for a tensor of the root module itself (a bare ``nn.Conv2d``).
+_ITSELF = "(the model itself"
+
+
+def _where(node: fx.Node, graph: fx.GraphModule, model: nn.Module | None) -> tuple[str, str]:
+    """How a mismatch names a node of one model (``"`features.0` (nn.Conv2d)"``, ``"node
+    `relu` (torch.relu in `block`)"``, ``"(the model itself, nn.Conv2d)"`` for a tensor of
+    the root module), and the module path its parameters' names start with."""
+    if node.op == "call_module":
+        return f"`{node.target}` ({class_name(graph.get_submodule(node.target))})", \
+            f"{node.target}."
+    if node.op == "get_attr":
+        owner_path = str(node.target).rpartition(".")[0]
+        owner = _owner(model if model is not None else graph, owner_path)
+        if not owner_path:
+            return f"{_ITSELF}" + ("" if owner is None else f", {class_name(owner)}") + ")", ""
+        return f"`{owner_path}`" + ("" if owner is None else f" ({class_name(owner)})"), ""
+    if node.op == "placeholder":
+        return f"input `{node.target}`", ""
+    if node.op == "output":
+        return "output", ""
+    path = module_path(node)
+    inside = "the model's own forward" if path == "<root>" else f"`{path}`"
+    return f"node `{node.name}` ({target_name(node)} in {inside})", ""
+
+
+def _owner(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _owner_hyperparameters(node: fx.Node, model: nn.Module | None) -> dict[str, Any]:
+    """For a parameter a graph reads directly (a bare ``nn.Conv2d`` traced as the whole
+    model: ``get_attr weight``), its torch module's hyper-parameters (``kernel_size``),
+    which say what differs better than the weight's shape does."""
+    if node.op != "get_attr" or model is None:
+        return {}
+    owner = _owner(model, str(node.target).rpartition(".")[0])
+    if owner is None or not type(owner).__module__.startswith("torch.nn"):
+        return {}
+    return {"class": type(owner).__qualname__, **module_hyperparameters(owner)}
+
+
+def _whose(indices: list[int], where: str) -> str:
+    """``model 2's `fc` (nn.Linear)``; ``models 1 and 2 (the model itself, nn.Conv2d)``."""
+    models = (f"model {indices[0]}" if len(indices) == 1 else
+              f"models {', '.join(map(str, indices[:-1]))} and {indices[-1]}")
+    return f"{models} {where}" if where.startswith(_ITSELF) else f"{models}'s {where}"
 
 
 def _explain_mismatch(
     graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module], sigs: list[list[dict]],
     failed: list[int],
-) -> str:
-    """Compare the graphs position by position and list every differing node."""
+) -> tuple[str, set[str]]:
+    """Compare each failed model's graph with model 0's position by position, and say in
+    words how each differing node differs (model i's value vs model 0's); returns the
+    lines and the kinds of difference (:data:`_FIXES`)."""
     nodes = [list(g.graph.nodes) for g in graphs]
-    lines: list[str] = []
-    lengths = [len(n) for n in nodes]
-    everyone = list(range(len(graphs)))
-    if len(set(lengths)) > 1:
-        lines.append(
-            "  the graphs have different numbers of nodes (an extra or missing layer): "
-            + _group_values(lengths, everyone)
-        )
-    for k in range(max(lengths)):
-        present = [i for i in everyone if k < lengths[i]]
-        if len(present) < len(everyone):
-            break
-        row = [sigs[i][k] for i in present]
-        if all(s == row[0] for s in row):
-            continue
-        where = describe_node(nodes[0][k], graphs[0])
-        diffs = []
-        for attr in dict.fromkeys(a for s in row for a in s):
-            vals = [s.get(attr, "<absent>") for s in row]
-            if any(v != vals[0] for v in vals):
-                diffs.append(f"{attr}: {_group_values(vals, present)}")
-        others = ", ".join(
-            f"model {i} has {describe_node(nodes[i][k], graphs[i])}"
-            for i in present[1:]
-            if i in failed and nodes[i][k].name != nodes[0][k].name
-        )
-        lines.append(f"  at {where}" + (f" ({others})" if others else "") + ":")
-        lines.extend(f"    {d}" for d in diffs)
-        if len(lines) > 30:
-            lines.append("  ... (more differences follow)")
-            break
+    model_at = (lambda i: models[i]) if len(models) == len(graphs) else (lambda i: None)
+    found: dict[tuple[str, str], list[int]] = {}  # (where, what differs) -> the models
+    kinds: set[str] = set()
+    for i in failed:
+        if len(nodes[i]) != len(nodes[0]):
+            found.setdefault((f"graph has {len(nodes[i])} nodes, model 0's {len(nodes[0])} "
+                              f"(an extra or missing layer)", ""), []).append(i)
+            kinds.add("structure")
+        per_place: dict[str, list[str]] = {}  # "model i's <where>" -> its differences
+        for k in range(min(len(nodes[i]), len(nodes[0]))):
+            node, node0 = nodes[i][k], nodes[0][k]
+            if sigs[i][k] == sigs[0][k]:
+                continue
+            where, prefix = _where(node, graphs[i], model_at(i))
+            where0, _ = _where(node0, graphs[0], model_at(0))
+            texts, node_kinds = describe_differences(
+                {**_owner_hyperparameters(node, model_at(i)), **sigs[i][k]},
+                {**_owner_hyperparameters(node0, model_at(0)), **sigs[0][k]},
+                prefix=prefix, nodes=(node, node0))
+            kinds |= node_kinds
+            than = "model 0" if where.startswith(_ITSELF) else "model 0's"
+            if where != where0:
+                than = f"model 0's {where0}"
+            texts_here = per_place.setdefault(f"{where}\0differs from {than}", [])
+            texts_here += [t for t in texts if t not in texts_here]
+            if len(per_place) > 30 or len(nodes[i]) != len(nodes[0]):
+                break  # (past a missing layer, every position is shifted)
+        for place, texts in per_place.items():
+            found.setdefault((place, "; ".join(texts)), []).append(i)
+    lines = []
+    for (place, texts), indices in found.items():
+        where, _, than = place.partition("\0")
+        if len(indices) > 1:  # "models 1 and 2's `fc` differ"
+            than = than.replace("differs", "differ", 1)
+        lines.append(f"  {_whose(indices, where)}" + (f" {than}: {texts}" if texts else ""))
+    if len(lines) > 30:
+        lines = lines[:30] + ["  ... (more differences follow)"]
     if not lines:
-        lines.append("  the nodes agree one by one, but their argument edges differ")
-    return "\n".join(lines)
+        lines.append("  the nodes agree one by one, but their argument edges differ "
+                     "(the same layers, connected in another order)")
+        kinds.add("structure")
+    return "\n".join(lines), kinds
 
 
 def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module]) -> GraphMatch:
@@ -445,12 +631,10 @@ def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module]) 
             mapping.append(found)
     if failed:
         label = "model" if len(failed) == 1 else "models"
+        explanation, kinds = _explain_mismatch(graphs, models, sigs, failed)
         raise MismatchError(
             f"{label} {', '.join(map(str, failed))} of {len(graphs)} cannot be fused with model 0: "
-            f"the models are not structurally identical.\n"
-            + _explain_mismatch(graphs, models, sigs, failed)
-            + "\nFuse only models built with the same architecture and hyper-parameters "
-            "(hftc.fuse_groups splits a mixed list into groups that can be fused)."
+            f"the models are not structurally identical.\n{explanation}\n{fixes_for(kinds)}"
         )
     _record_per_model_values(graphs, mapping)
     return GraphMatch(mapping=mapping, method=method)

@@ -233,8 +233,11 @@ def test_encoder_nested_tensor_fast_path_zeros_are_kept(final_norm):
     (nested tensors), then its final norm (padded rows: norm(0), the norm's bias); the
     fused encoder returns what each original returns (it normed, then zeroed)."""
     layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=16, dropout=0.0, batch_first=True)
-    norm = nn.LayerNorm(E) if final_norm else None
-    models = [nn.TransformerEncoder(layer, num_layers=2, norm=norm).eval() for _ in range(N)]
+    # (each model its own final norm: one LayerNorm given to all N would be one parameter
+    # the models share, which hftc refuses)
+    models = [nn.TransformerEncoder(layer, num_layers=2,
+                                    norm=nn.LayerNorm(E) if final_norm else None).eval()
+              for _ in range(N)]
     for m in models:
         for p in m.parameters():
             nn.init.normal_(p)

@@ -38,15 +38,18 @@ class Ordered(nn.Module):
 
 
 @pytest.mark.parametrize(("models", "pattern"), [
-    ([mlp(), mlp(16)], r"out_features: 8 in model 0; 16 in model 1"),
+    ([mlp(), mlp(16)], r"model 1's `0` \(nn.Linear\) differs from model 0's: out_features 16 vs 8"),
     ([nn.Sequential(nn.Conv2d(3, 4, 3)), nn.Sequential(nn.Conv2d(3, 4, 5))],
-     r"kernel_size: \(3, 3\) in model 0; \(5, 5\) in model 1"),
+     r"kernel_size \(5, 5\) vs \(3, 3\)"),
     ([nn.Sequential(nn.Conv2d(3, 4, 3, stride=1)), nn.Sequential(nn.Conv2d(3, 4, 3, stride=2))],
-     r"stride: \(1, 1\) in model 0; \(2, 2\) in model 1"),
-    ([mlp(), nn.Sequential(nn.Linear(4, 8), nn.ReLU())], r"extra or missing layer"),
-    ([mlp(), mlp(act=nn.Tanh)], r"class: ReLU in model 0; Tanh in model 1"),
+     r"stride \(2, 2\) vs \(1, 1\)"),
+    ([mlp(), nn.Sequential(nn.Linear(4, 8), nn.ReLU())],
+     r"model 1's graph has 4 nodes, model 0's 5 \(an extra or missing layer\)\n  model 1's "
+     r"output differs from model 0's `2` \(nn.Linear\): op output vs call_module\n"),
+    ([mlp(), mlp(act=nn.Tanh)],
+     r"model 1's `1` \(nn.Tanh\) differs from model 0's `1` \(nn.ReLU\): class Tanh vs ReLU"),
     ([Ordered(True), Ordered(False)], r"model 1 of 2 cannot be fused"),
-    ([mlp(), mlp(bias=False)], r"parameter `bias`"),
+    ([mlp(), mlp(bias=False)], r"parameter `0.bias`: none vs a float32 parameter of shape \(8,\)"),
 ], ids=["width", "kernel", "stride", "missing-layer", "activation", "submodule-order", "bias"])
 def test_models_that_differ(models, pattern):
     with pytest.raises(MismatchError, match=pattern):
@@ -54,15 +57,18 @@ def test_models_that_differ(models, pattern):
 
 
 def test_different_dtypes():
-    with pytest.raises(MismatchError, match=r"torch.float32.*in model 0.*torch.float64.*model 1"):
+    with pytest.raises(MismatchError, match=r"parameter `0.weight`: dtype float64 vs float32"
+                                            r"(?s:.*)Convert every model to one dtype with "
+                                            r"\.to\(dtype\)"):
         hftc.fuse([mlp(), mlp().double()])
 
 
 def test_parameters_frozen_in_some_models_only():
     frozen = mlp()
     frozen[0].weight.requires_grad_(False)
-    with pytest.raises(MismatchError, match=r"module path `0`.*\n.*parameter `weight`.*True\) in "
-                                            r"model 0; .*False\) in model 1"):
+    with pytest.raises(MismatchError, match=r"model 1's `0` \(nn.Linear\) differs from model 0's: "
+                                            r"parameter `0.weight`: requires_grad False vs True"
+                                            r"(?s:.*)Freeze the same parameters in every model"):
         hftc.fuse([mlp(), frozen])
 
 
@@ -77,7 +83,8 @@ def test_frozen_in_all_models_stays_frozen():
 
 def test_wrong_number_of_inputs():
     fused = hftc.fuse([mlp(), mlp()])
-    with pytest.raises(FusionArgumentError, match=r"takes 1 inputs \(input\), got 2"):
+    with pytest.raises(FusionArgumentError, match=r"got 2 positional inputs, but the models' "
+                                            r"forward takes 1 input \(`input`\)"):
         fused(torch.randn(2, 4), torch.randn(2, 4))
     with pytest.raises(FusionArgumentError, match=r"missing input `input`"):
         fused()
@@ -85,7 +92,7 @@ def test_wrong_number_of_inputs():
 
 def test_input_of_another_dtype():
     fused = hftc.fuse([mlp(), mlp()])
-    with pytest.raises(FusionArgumentError, match=r"input 0 is torch.float64 .* parameters are "
+    with pytest.raises(FusionArgumentError, match=r"input 0 \(`input`\) is torch.float64 .* parameters are "
                                                   r"torch.float32.*fused.to\(torch.float64\)"):
         fused(torch.randn(2, 4, dtype=torch.float64))
 
@@ -361,7 +368,9 @@ def test_functional_call_difference_names_the_function():
         def forward(self, x):
             return F.softmax(x, dim=self.dim)
 
-    with pytest.raises(MismatchError, match=r"arguments: .*'dim': 1.* in model 0; .*'dim': 0"):
+    with pytest.raises(MismatchError, match=r"node `softmax` \(torch.nn.functional.softmax in the "
+                                            r"model's own forward\) differs from model 0's: "
+                                            r"argument `dim`: 0 vs 1"):
         hftc.fuse([A(1), A(0)])
 
 

@@ -1166,6 +1166,6 @@ def test_a_damaged_cache_entry_is_tuned_again(damage, cache_dir):
 def test_autotune_on_an_input_of_another_dtype_says_so(cache_dir):
     # Autotune ran before the dtype check: a bare ATen error from inside its timing.
     fused = hftc.fuse([nn.Linear(8, 4).double() for _ in range(2)], autotune=True)
-    with pytest.raises(FusionArgumentError, match=r"input 0 is torch.float32 .*"
+    with pytest.raises(FusionArgumentError, match=r"input 0 \(`input`\) is torch.float32 .*"
                                                   r"\(x.to\(torch.float64\)\)"):
         fused(torch.randn(5, 8))

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import MismatchError, UnsupportedOperatorError
+from ..match import describe_differences, fixes_for, tensor_signature
 
 
 class ContainerAccess:
@@ -136,6 +137,8 @@ def build_module_tree(
 
     named = [dict(m.named_parameters(remove_duplicate=False)) for m in models]
     named_buffers = [dict(m.named_buffers(remove_duplicate=False)) for m in models]
+    for kind, tables in (("parameter", named), ("buffer", named_buffers)):
+        _check_same_tensors(kind, tables, name_maps)
     stacked: dict[int, torch.Tensor] = {}  # id(model 0's tensor) -> stacked tensor (ties)
     sources: dict[int, nn.Parameter] = {}  # id(any model's parameter) -> fused parameter
     for kind, tables in (("parameter", named), ("buffer", named_buffers)):
@@ -144,15 +147,7 @@ def build_module_tree(
             owner = nodes[owner_path]
             if not isinstance(owner, StackedModule) and owner is not root:
                 continue
-            per_model = []
-            for i, table in enumerate(tables):
-                other = name_maps[i].get(name, name)
-                if other not in table:
-                    raise MismatchError(
-                        f"model {i} has no {kind} `{other}` (model 0's `{name}`): the models' "
-                        f"{kind}s differ; fuse models built with the same architecture"
-                    )
-                per_model.append(table[other])
+            per_model = [table[name_maps[i].get(name, name)] for i, table in enumerate(tables)]
             if id(t0) not in stacked:
                 _check_ties(name, per_model, tables, name_maps)
                 with torch.no_grad():
@@ -172,6 +167,41 @@ def build_module_tree(
                 persistent = leaf not in source_owner._non_persistent_buffers_set
                 owner.register_buffer(leaf, fused, persistent=persistent)
     return root, sources
+
+
+def _check_same_tensors(kind: str, tables: Sequence[dict[str, torch.Tensor]],
+                        name_maps: Sequence[dict[str, str]]) -> None:
+    """Every model holds the same parameters (or buffers) as model 0, each of the same
+    shape, dtype and ``requires_grad``, or a :class:`MismatchError` names the one that is
+    not.  Matching compared the tensors forward reads; these are the ones it does not:
+    one registered in model i only was dropped from its ``model_state_dict()`` and
+    ``unfuse()``, one of another shape crashed in ``torch.stack``."""
+    fix = (f"Register the same {kind}s in every model (hftc fuses models of the same "
+           f"architecture; hftc.fuse_groups splits a mixed list into groups that can be fused).")
+    for i, table in enumerate(tables[1:], start=1):
+        mapped = {name: name_maps[i].get(name, name) for name in tables[0]}
+        for name, other in mapped.items():
+            if other not in table:
+                alias = "" if other == name else f" (model 0's `{name}`)"
+                raise MismatchError(
+                    f"model {i} has no {kind} `{other}`{alias}, which model 0 has "
+                    f"({tensor_signature(tables[0][name])}). {fix}")
+        extra = sorted(table.keys() - set(mapped.values()))
+        if extra:
+            listed = ", ".join(f"`{other}` ({tensor_signature(table[other])})" for other in extra)
+            raise MismatchError(
+                f"model {i} has {kind}(s) that model 0 lacks: {listed}. Forward does not "
+                f"read them, and the fused module, built on model 0's {kind}s, would drop "
+                f"them from model {i}'s model_state_dict() and unfuse(). {fix}")
+        for name, other in mapped.items():
+            label = f"{kind} `{other}`"
+            texts, kinds = describe_differences({label: tensor_signature(table[other])},
+                                                {label: tensor_signature(tables[0][name])})
+            if texts:
+                theirs = "model 0's" if other == name else f"model 0's `{name}`"
+                raise MismatchError(
+                    f"model {i}'s {kind} `{other}` differs from {theirs}: "
+                    f"{'; '.join(t.partition(': ')[2] for t in texts)}. {fixes_for(kinds)}")
 
 
 def _check_ties(name, per_model, tables, name_maps) -> None:
