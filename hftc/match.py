@@ -34,9 +34,8 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import numpy as np
 import torch
 import torch.fx as fx
@@ -44,6 +43,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .errors import MismatchError
+
+if TYPE_CHECKING:  # networkx: imported where two graphs need VF2, not by import hftc
+    import networkx as nx
 
 #: Stand-in for a tensor argument inside a node's constant-argument skeleton.
 _SLOT = "<tensor>"
@@ -362,6 +364,8 @@ def _try_trace_order(
 
 
 def _to_networkx(nodes: list[fx.Node], sigs: list[dict]) -> nx.DiGraph:
+    import networkx as nx
+
     g = nx.DiGraph()
     for n, s in zip(nodes, sigs):
         g.add_node(n, sig=s)
@@ -375,6 +379,8 @@ def _to_networkx(nodes: list[fx.Node], sigs: list[dict]) -> nx.DiGraph:
 
 
 def _vf2(g0: nx.DiGraph, gi: nx.DiGraph) -> dict[fx.Node, fx.Node] | None:
+    import networkx as nx
+
     matcher = nx.algorithms.isomorphism.DiGraphMatcher(
         g0,
         gi,

@@ -14,7 +14,7 @@ def _modules_after_import_hftc() -> set[str]:
 def test_import_hftc_leaves_torch_dynamo_and_optional_integrations_unimported():
     modules = _modules_after_import_hftc()
     assert "hftc" in modules and "hftc.fused" in modules
-    heavy = {"torch._dynamo", "optuna", "matplotlib", "ray", "transformers", "lightning"}
+    heavy = {"torch._dynamo", "networkx", "optuna", "matplotlib", "ray", "transformers", "lightning"}
     assert not heavy & modules, f"import hftc imported {sorted(heavy & modules)}"
 
 
