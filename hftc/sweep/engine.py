@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import errno
 import fcntl
-import io
 import json
 import os
 import shutil
@@ -56,6 +54,7 @@ import hftc
 
 from ..errors import SweepError, SweepFileError, SweepWarning
 from ..optim.slicing import fused_param_names, load_model_slice
+from .files import atomic_write, save
 from .spec import SweepSpec
 from .training import (
     SweepData,
@@ -275,56 +274,6 @@ def _make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
 
 
 # ---------------------------------------------------------------------- small helpers
-
-
-#: What to do after the output folder failed a write; the trials wait, RUNNING.
-_RESUME_HINT = ("the sweep stopped and its trials are kept, not failed: {fix}, then rerun "
-                "the same command with --resume (resume=True) to continue them from their "
-                "last checkpoints")
-
-
-def _write_error(path: Path, exc: OSError) -> SweepFileError:
-    """A :class:`SweepFileError` for a failed write of ``path``: what went wrong, in which
-    folder, and what to do."""
-    folder = path.parent
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        what = f"no space left on the device of {folder} (writing {path.name})"
-        fix = f"free space in {folder} (or give another --out)"
-    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        what = f"{folder} is not writable ({exc.strerror}, writing {path.name})"
-        fix = f"make {folder} writable (or give another --out)"
-    else:
-        what = f"cannot write {path} ({exc.strerror or exc})"
-        fix = f"make {folder} writable"
-    return SweepFileError(f"{what}; " + _RESUME_HINT.format(fix=fix), str(folder))
-
-
-def _atomic_write(path: Path, data: bytes | memoryview) -> None:
-    """``data`` into ``path`` whole or not at all: written to a hidden temporary file beside
-    it, then renamed over it. A failed write (disk full, read-only folder) removes the
-    temporary file and raises a :class:`SweepFileError` that names the folder."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            rest = memoryview(data).cast("B")
-            while rest:
-                rest = rest[os.write(fd, rest):]
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise _write_error(path, exc) from exc
-
-
-def _save(obj: Any, path: Path) -> None:
-    # Serialized in memory first: torch's own file writer reports a full disk as
-    # "unexpected pos ...", which names neither the file nor the cause.
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    _atomic_write(path, buffer.getbuffer())
 
 
 def _round_seed(order_key: int) -> int:
@@ -822,7 +771,7 @@ class Sweep:
         at them: after a crash, a trial restarts from its last completed epoch."""
         for k, a in enumerate(self.arrays):
             name = f"array-{self.round}-{k}.pt"
-            _save({
+            save({
                 "trials": [r.number for r in a.members],
                 "model": a.fused.state_dict(),
                 "optimizer": a.optimizer.state_dict(),
@@ -844,7 +793,7 @@ class Sweep:
                         "history": r.history, "orders": r.orders,
                         "ckpt": list(r.ckpt) if r.ckpt else None} for r in self.live],
         }
-        _atomic_write(self.dir / "manifest.json", json.dumps(manifest, indent=1).encode())
+        atomic_write(self.dir / "manifest.json", json.dumps(manifest, indent=1).encode())
         used = {r.ckpt[0] for r in self.live if r.ckpt}
         for f in self.dir.glob("array-*.pt"):
             if f.name not in used:
@@ -932,7 +881,7 @@ class Sweep:
         better = best is None or (value >= best if self.spec.direction == "maximize"
                                   else value <= best)
         if better:
-            _save(self._model_state(run), self.out / "trials" / f"trial-{run.number}.pt")
+            save(self._model_state(run), self.out / "trials" / f"trial-{run.number}.pt")
 
     # ------------------------------------------------------------------ resume
 

@@ -13,7 +13,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from .engine import _atomic_write
+from .files import atomic_write
 
 __all__ = ["leaderboard", "write_results", "progress_bars", "plot_curves"]
 
@@ -68,7 +68,7 @@ def write_csv(study: optuna.Study, path: Path, metric: str) -> None:
                     f"{duration:.2f}" if duration != "" else "",
                     t.system_attrs.get("failed_trial", ""),
                     t.user_attrs.get("hftc_fail_reason", "")])
-    _atomic_write(path, text.getvalue().encode())
+    atomic_write(path, text.getvalue().encode())
 
 
 def plot_curves(study: optuna.Study, path: Path, metric: str) -> None:
@@ -106,7 +106,7 @@ def plot_curves(study: optuna.Study, path: Path, metric: str) -> None:
     fig.tight_layout()
     png = io.BytesIO()
     fig.savefig(png, format="png")
-    _atomic_write(path, png.getbuffer())
+    atomic_write(path, png.getbuffer())
 
 
 def write_results(sweep) -> tuple[dict[str, Path], str]:
@@ -127,10 +127,10 @@ def write_results(sweep) -> tuple[dict[str, Path], str]:
                 "orders": best.user_attrs.get("hftc_orders"),
                 "epochs": len(best.intermediate_values)}
         files["best_json"] = out / "best.json"
-        _atomic_write(files["best_json"], json.dumps(info, indent=1).encode())
+        atomic_write(files["best_json"], json.dumps(info, indent=1).encode())
         if weights.exists():
             files["best"] = out / "best.pt"
-            _atomic_write(files["best"], weights.read_bytes())
+            atomic_write(files["best"], weights.read_bytes())
         else:
             board += (f"\n(best.pt not written: trial {best.number} was trained by worker "
                       f"{best.user_attrs.get('hftc_worker')}; its weights are in that "
