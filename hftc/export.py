@@ -166,6 +166,28 @@ def _dynamic_shapes(args: tuple, kwargs: dict, model: nn.Module | None = None) -
     return tuple(pytree.tree_map(spec, a) for a in (*args, *kwargs.values()))
 
 
+def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs with every repeat of a tensor object a copy of it.
+
+    torch.export gives a tensor passed twice (``example_inputs=(z, z)``, ``(t,) * 2``)
+    one value in its graph: both placeholders exist, but every op reads the last one,
+    so the program computed ``forward(b, b)`` for every later call ``forward(a, b)``
+    (nanoGPT's ``forward(idx, targets)`` trained on the token ids as targets).  A
+    copy is a distinct input, with the same values, dtype and strides.
+    """
+    seen: set[int] = set()
+
+    def distinct(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) in seen:
+            return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+        seen.add(id(leaf))
+        return leaf
+
+    return pytree.tree_map(distinct, (args, kwargs))
+
+
 @contextlib.contextmanager
 def _quiet() -> Any:
     """Export warns about specialised dims and assigned attributes; the guards say it better."""
@@ -217,7 +239,7 @@ def export_model(
     ``args``/``kwargs`` are this model's own example inputs.  Raises
     :class:`TraceError` naming the model when ``torch.export`` fails.
     """
-    kwargs = dict(kwargs or {})
+    args, kwargs = _unaliased(tuple(args), dict(kwargs or {}))
     try:
         with _uniform_mode(model, training), _quiet(), _inference_mode_refused(index, model):
             program = torch.export.export(
