@@ -503,7 +503,7 @@ _TENSOR_DRAWS = ("normal_", "uniform_", "exponential_", "cauchy_", "geometric_",
 
 def _refused_tensor_draw(name: str) -> Callable[..., Any]:
     def draw(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
+        raise TraceError(
             f"forward draws with Tensor.{name}() on a tensor made from constants "
             f"(torch.empty(3).{name}()): a symbolically traced forward would keep the "
             f"value drawn while tracing for every call. Make the tensor from an input "
@@ -556,7 +556,7 @@ def _python_random_refused() -> Iterator[None]:
 
     def refuse(owner: Any, name: str) -> Callable[..., Any]:
         def draw(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError(
+            raise TraceError(
                 f"forward calls {owner.__name__}.{name}(): a traced forward would keep "
                 f"the value drawn while tracing for every call. Draw with torch instead "
                 f"(torch.rand, torch.bernoulli ...), which hftc draws anew on every call "
@@ -849,6 +849,10 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
     except UnsupportedOperatorError as exc:  # what the model does, not how it is traced
         raise UnsupportedOperatorError(f"model {index} ({type(model).__name__}): {exc}") \
             from exc
+    except TraceError as exc:  # the tracer's own refusals say what to change
+        where = source_line(exc)
+        raise TraceError(f"model {index} ({type(model).__name__})"
+                         f"{f' at {where}' if where else ''}: {exc}") from exc
     except Exception as exc:  # symbolic tracing raises anything: TraceError, TypeError, ...
         where = source_line(exc)
         hint = trace_hint(exc)
