@@ -43,6 +43,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .errors import plain_message
 from .lowering import kernels
 from .lowering.autotune import input_copies, preserved_state
 
@@ -419,8 +420,7 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
                 result.shapes_only |= any(not torch.equal(a, b)
                                           for a, b in zip(drawn, _rng_states()))
             except Exception as exc:  # noqa: BLE001 - a model we cannot call like this
-                result.skipped = (f"model {i}'s own forward raised {type(exc).__name__}: "
-                                  f"{exc}".splitlines()[0])
+                result.skipped = f"model {i}'s own forward raised {plain_message(exc)}"
                 return result
             del shell
             errors: list[float] = []

@@ -72,3 +72,29 @@ class SweepWarning(UserWarning):
 
 class FusionIndexError(FusionArgumentError, IndexError):
     """A model index out of range (``fused.model_state_dict(5)`` of 3 models)."""
+
+
+#: Where torch.fx / torch.export / dynamo start the debugging text they add to an error's
+#: message (the failing node, tracebacks of the graph, logging switches, links).
+_DEBUGGING_TEXT = (
+    "\n\nWhile executing", "While executing %", "\nOriginal traceback:", "Use tlparse",
+    "\nFor more information, run with TORCH_LOGS", "Set TORCH_LOGS", "\nFor extended logs",
+    "\nIf you suspect the guard", "\nFor more debugging help", "\nFor C++ stack trace",
+    "\nThe following call raised this error", "\nThe error above occurred when calling",
+    "\nfrom user code:", "\nYou can suppress this exception", "\nconsider using data-dependent",
+    "\nCaused by:",
+    # fx's advice for len() (wrap it), which records a call that cannot compute a size
+    " If you want this call to be recorded",
+)
+
+
+def plain_message(exc: BaseException) -> str:
+    """``"TypeName: message"`` of an exception raised inside torch, without the debugging
+    text torch.fx and torch.export append to it (``While executing %x ...``, ``Original
+    traceback``, ``Use tlparse ...``, ``For more information, run with TORCH_LOGS=...``),
+    which tells an hftc user nothing they can act on."""
+    text = str(exc)
+    cut = min((k for k in (text.find(marker) for marker in _DEBUGGING_TEXT) if k >= 0),
+              default=len(text))
+    text = " ".join(text[:cut].split()).rstrip(" .")
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

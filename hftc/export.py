@@ -51,7 +51,9 @@ Python inputs (``k=2``, ``None``) are baked in and checked the same way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import io
 import logging
 import operator
 import warnings
@@ -65,9 +67,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .errors import FusionArgumentError, TraceError
+from .errors import FusionArgumentError, TraceError, plain_message
 from .passes.registry import FusionGroup, GraphBuilder, register_rule
-from .trace import OutputSpec, _uniform_mode, trace_hint
+from .trace import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
 
 aten = torch.ops.aten
 
@@ -166,9 +168,32 @@ def _dynamic_shapes(args: tuple, kwargs: dict, model: nn.Module | None = None) -
     return tuple(pytree.tree_map(spec, a) for a in (*args, *kwargs.values()))
 
 
+def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs with every repeat of a tensor object a copy of it.
+
+    torch.export gives a tensor passed twice (``example_inputs=(z, z)``, ``(t,) * 2``)
+    one value in its graph: both placeholders exist, but every op reads the last one,
+    so the program computed ``forward(b, b)`` for every later call ``forward(a, b)``
+    (nanoGPT's ``forward(idx, targets)`` trained on the token ids as targets).  A
+    copy is a distinct input, with the same values, dtype and strides.
+    """
+    seen: set[int] = set()
+
+    def distinct(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) in seen:
+            return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+        seen.add(id(leaf))
+        return leaf
+
+    return pytree.tree_map(distinct, (args, kwargs))
+
+
 @contextlib.contextmanager
 def _quiet() -> Any:
-    """Export warns about specialised dims and assigned attributes; the guards say it better."""
+    """Export warns about specialised dims and assigned attributes; the guards say it better.
+    On an error it prints the partial graph to stderr (pages of it): the error says where."""
     loggers = [logging.getLogger(n) for n in ("torch", "torch._export", "torch.export",
                                                "torch.fx", "torch._dynamo", "torch.__trace",
                                                "torch.fx.experimental")]
@@ -176,12 +201,33 @@ def _quiet() -> Any:
     for lg in loggers:
         lg.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+@contextlib.contextmanager
+def _traceable_forwards(model: nn.Module) -> Iterator[None]:
+    """While exporting, the modules the symbolic front-end traces through with a forward of
+    the same math (:data:`hftc.trace.TRACEABLE_FORWARDS`) run that forward here too.
+
+    ``nn.TransformerEncoder.forward`` asks whether a mask is causal by comparing its
+    values (``_detect_is_causal_mask``), which torch.export cannot follow: the word
+    language model's ``self.encoder(src, mask=self.src_mask)`` failed to export."""
+    replaced = []
+    for module in model.modules():
+        replacement = _traceable_forward(module)
+        if replacement is not None and "forward" not in module.__dict__:
+            module.__dict__["forward"] = functools.partial(replacement, module)
+            replaced.append(module)
+    try:
+        yield
+    finally:
+        for module in replaced:
+            del module.__dict__["forward"]
 
 
 @contextlib.contextmanager
@@ -217,9 +263,10 @@ def export_model(
     ``args``/``kwargs`` are this model's own example inputs.  Raises
     :class:`TraceError` naming the model when ``torch.export`` fails.
     """
-    kwargs = dict(kwargs or {})
+    args, kwargs = _unaliased(tuple(args), dict(kwargs or {}))
     try:
-        with _uniform_mode(model, training), _quiet(), _inference_mode_refused(index, model):
+        with _uniform_mode(model, training), _quiet(), _inference_mode_refused(index, model), \
+                _traceable_forwards(model):
             program = torch.export.export(
                 model, tuple(args), kwargs,
                 dynamic_shapes=_dynamic_shapes(tuple(args), kwargs, model),
@@ -228,13 +275,21 @@ def export_model(
     except TraceError:  # ours, already naming the model and the fix
         raise
     except Exception as exc:  # export raises many types; the user needs the model and the cause
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        where = source_line(exc)
+        if trace_hint(exc):
+            advice = trace_hint(exc).strip()
+        elif "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
+            advice = ("This line decides on tensor values in Python, which torch.export "
+                      "cannot follow: compute both sides and pick with torch.where(condition, "
+                      "a, b), or move the check out of forward.")
+        else:
+            advice = ("Check that example_inputs are valid inputs of the model "
+                      "(model(*example_inputs) runs); Python that decides on tensor values "
+                      "must be rewritten with tensor ops (torch.where).")
         raise TraceError(
             f"model {index} ({type(model).__name__}) cannot be traced by torch.export with the "
-            f"given example_inputs ({'train' if training else 'eval'} mode): "
-            f"{type(exc).__name__}: {first}. Check that example_inputs are valid inputs of the "
-            f"model (model(*example_inputs) runs); control flow that depends on tensor values "
-            f"needs torch.cond or must be rewritten with tensor ops.{trace_hint(exc)}"
+            f"given example_inputs ({'train' if training else 'eval'} mode)"
+            f"{f' at {where}' if where else ''}: {plain_message(exc)}. {advice}"
         ) from exc
     return normalize_exported(program, model, index, tuple(args), kwargs)
 
@@ -675,7 +730,7 @@ def normalize_exported(
         except Exception as exc:
             raise TraceError(
                 f"model {index} ({type(model).__name__}): cannot normalise exported node "
-                f"`{node.name}` ({node.target}) at {_where(node)}: {type(exc).__name__}: {exc}"
+                f"`{node.name}` ({node.target}) at {_where(node)}: {plain_message(exc)}"
             ) from exc
     # 4. The outputs, in the model's own structure.
     output = next(n for n in program.graph.nodes if n.op == "output")

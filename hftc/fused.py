@@ -20,7 +20,7 @@ import operator
 import re
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from .errors import (
     RaggedResultError,
     TraceError,
     UnsupportedOperatorError,
+    plain_message,
 )
 from .lowering import kernels, layout
 from .lowering.autotune import (
@@ -61,12 +62,16 @@ from .match import GraphMatch, match_graphs
 from .passes import FusionReport, fuse_graph
 from .passes.driver import SHARED_CONSTANT_PREFIX
 from .trace import (
+    CONSTANT_INPUTS,
     PYTHON_STATE,
     OutputSpec,
     annotate_example_values,
+    constant_inputs,
     deepcopy_module,
+    is_python_constant,
     meta_copy,
     output_spec,
+    same_constant,
     trace_model,
 )
 from .utils import mark_stacked, register_fused
@@ -100,6 +105,8 @@ class _ModeGraphs:
     originals: list[dict[str, str]]  # per model: model 0's node name -> model i's node name
     match_method: str
     attr_targets: dict[str, str]
+    #: the inputs traced as Python constants, and their values (trace.CONSTANT_INPUTS)
+    constants: dict[str, Any] = field(default_factory=dict)
 
     def graph_module(self, template: nn.Module) -> fx.GraphModule:
         """Model 0's graph rooted at the meta template, for shape propagation and fusion."""
@@ -364,6 +371,21 @@ def _get_path(root: Any, path: str) -> Any:
     return root
 
 
+def _example_constants(model: nn.Module, example_inputs: Any) -> dict[str, Any] | None:
+    """The inputs symbolic tracing takes as Python constants, for fusing with
+    ``example_inputs``: forward's constant defaults, updated with the Python constants the
+    example passes (``example_inputs=(src, False)`` for ``forward(src, has_mask)``)."""
+    if example_inputs is None:
+        return None
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    try:
+        given = inspect.signature(model.forward).bind_partial(*example_inputs).arguments
+    except (TypeError, ValueError):
+        return None
+    return constant_inputs(model, dict(given))
+
+
 class FusedModule(ContainerAccess, nn.Module):
     """N models fused into one: ``fused(x)[i] == models[i](x)``.
 
@@ -437,18 +459,22 @@ class FusedModule(ContainerAccess, nn.Module):
             graph0.owning_module = None
             originals = [{n0.name: ni.name for n0, ni in m.items()} for m in matches[mode].mapping]
             self._mode_graphs[mode] = _ModeGraphs(graph0, originals, matches[mode].method,
-                                                  attr_targets)
+                                                  attr_targets,
+                                                  graphs[mode][0].meta.get(CONSTANT_INPUTS, {}))
         for mode in (True, False):  # let the originals go: keep graphs, not their modules
             for g in graphs[mode][1:]:
                 g.graph.owning_module = None
-        #: Graphs traced again with some inputs None (:meth:`_graphs_for`), by (mode,
-        #: names), and what they are traced from: each model's meta copy (no weights), kept
-        #: where symbolic tracing was used and forward has an input that defaults to None.
-        self._none_graphs: dict[tuple[bool, frozenset[str]], _ModeGraphs] = {}
+        #: Graphs traced again for a call with some inputs None or other Python constants
+        #: than traced (:meth:`_graphs_for`), by (mode, None inputs, constants), and what
+        #: they are traced from: each model's meta copy (no weights), kept where symbolic
+        #: tracing was used and forward has an input that defaults to None or was traced
+        #: as a constant.
+        self._retraced_graphs: dict[tuple[bool, frozenset[str], tuple], _ModeGraphs] = {}
         optional = any(p.op == "placeholder" and p.args == (None,)
                        for p in self._mode_graphs[True].graph.nodes)
+        retraceable = optional or self._mode_graphs[True].constants
         self._retrace_sources = ([meta_copy(m) for m in models]
-                                 if optional and PYTHON_STATE in graphs[True][0].meta else None)
+                                 if retraceable and PYTHON_STATE in graphs[True][0].meta else None)
         self._programs: dict[Any, Program] = {}
         self.training = models[0].training
         if example_inputs is not None:
@@ -479,7 +505,9 @@ class FusedModule(ContainerAccess, nn.Module):
                 f"frontend must be 'auto', 'symbolic' or 'export', got {frontend!r}")
         if frontend != "export":
             try:
-                return {mode: [trace_model(m, i, training=mode) for i, m in enumerate(models)]
+                return {mode: [trace_model(m, i, training=mode,
+                                           constants=_example_constants(m, example_inputs))
+                               for i, m in enumerate(models)]
                         for mode in (True, False)}
             except TraceError:
                 if example_inputs is None or frontend == "symbolic":
@@ -707,19 +735,37 @@ class FusedModule(ContainerAccess, nn.Module):
         """The graphs for a call whose inputs are ``values``, in the current mode.
 
         Symbolic tracing gives every input a traced value, never ``None``, so forward's
-        ``if mask is not None:`` is taken in the graphs traced at fusing.  A call that
+        ``if mask is not None:`` is taken in the graphs traced at fusing; and inputs whose
+        default is a Python constant (``has_mask=True``, ``is_causal: bool = False``) are
+        traced as that constant, so forward's Python may branch on them.  A call that
         leaves such an input ``None`` (``fused(x)`` for ``forward(self, x, mask=None)``)
-        gets graphs traced again (once per mode and set of ``None`` inputs) from the
-        models' meta copies, with those inputs ``None``."""
+        or gives a traced constant another value (``fused(x, has_mask=False)``) gets
+        graphs traced again (once per mode, set of ``None`` inputs and constants) from the
+        models' meta copies, with those inputs ``None`` or those values."""
         default = self._mode_graphs[self.training]
         placeholders = [n.target for n in default.graph.nodes if n.op == "placeholder"]
-        nones = frozenset(name for name, v in zip(placeholders, values) if v is None)
-        if not nones or self._retrace_sources is None:
+        bound = dict(zip(placeholders, values))
+        nones = frozenset(name for name, v in bound.items() if v is None)
+        changed = {name: bound[name] for name, value in default.constants.items()
+                   if bound.get(name) is not None and not same_constant(bound[name], value)}
+        if not nones and not changed:
             return default
-        key = (self.training, nones)
-        if key not in self._none_graphs:
+        if self._retrace_sources is None:
+            if changed:  # not reached: only symbolic tracing traces inputs as constants
+                name, value = next(iter(changed.items()))
+                raise FusionArgumentError(
+                    f"input `{name}` is {value!r}, but the models were traced with "
+                    f"{default.constants[name]!r}; fuse again with that value")
+            return default
+        # An input traced as a constant and given a tensor now is traced as a value.
+        constants = {name: value for name, value in {**default.constants, **changed}.items()
+                     if name not in nones and is_python_constant(value)}
+        key = (self.training, nones,
+               tuple(sorted((k, type(v).__name__, repr(v)) for k, v in constants.items())))
+        if key not in self._retraced_graphs:
             models = self._retrace_sources
-            graphs = [trace_model(m, i, training=self.training, none_inputs=sorted(nones))
+            graphs = [trace_model(m, i, training=self.training, none_inputs=sorted(nones),
+                                  constants=constants)
                       for i, m in enumerate(models)]
             match = match_graphs(graphs, models)
             attr_targets = self._stack_constants(graphs, match)
@@ -731,9 +777,9 @@ class FusedModule(ContainerAccess, nn.Module):
             for g in graphs:
                 g.graph.owning_module = None
             originals = [{n0.name: ni.name for n0, ni in m.items()} for m in match.mapping]
-            self._none_graphs[key] = _ModeGraphs(graphs[0].graph, originals, match.method,
-                                                 attr_targets)
-        return self._none_graphs[key]
+            self._retraced_graphs[key] = _ModeGraphs(graphs[0].graph, originals, match.method,
+                                                     attr_targets, constants)
+        return self._retraced_graphs[key]
 
     def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
         mode_graphs = self._graphs_for(values)
@@ -870,7 +916,7 @@ class FusedModule(ContainerAccess, nn.Module):
             how = ProgramChoice(self._models_one_by_one())
         except Exception as exc:  # noqa: BLE001 - any failure means: no correct way to run
             raise TraceError(f"{message} The models cannot run one by one either "
-                             f"({type(exc).__name__}: {exc})") from exc
+                             f"({plain_message(exc)})") from exc
         warnings.warn(f"hftc runs the {self.num_models} models one by one (not fused: no "
                       f"speed-up), because {message}", FusionWarning, stacklevel=2)
         program.how = how

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from .errors import TraceError
-from .fused import FusedModule, _check_models
+from .fused import FusedModule, _check_models, _example_constants
 from .match import node_signature
 from .trace import trace_model
 
@@ -29,7 +29,8 @@ def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> s
     Traced symbolically, or, where that fails and ``example_inputs`` (shared by all
     models) are given, by torch.export, as :func:`hftc.fuse` would trace them."""
     try:
-        gm = trace_model(model, index, training=model.training)
+        gm = trace_model(model, index, training=model.training,
+                         constants=_example_constants(model, example_inputs))
     except TraceError:
         if example_inputs is None:
             raise

@@ -21,7 +21,9 @@ import copy
 import dataclasses
 import functools
 import inspect
+import os
 import random
+import sysconfig
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -32,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointFunction
 
 from .closures import rebind_functions
-from .errors import FusionError, TraceError, UnsupportedOperatorError
+from .errors import FusionError, TraceError, UnsupportedOperatorError, plain_message
 
 #: ``node.meta`` key of the value model 0 computes at a node, on the meta device.
 EXAMPLE_VALUE = "example_value"
@@ -151,6 +153,28 @@ class _Tracer(fx.Tracer):
         self._assigned_buffers: dict[int, fx.Proxy] = {}
         #: the autograd Functions (given a callable) whose forward is being traced through
         self._functions_traced_through: list[type] = []
+        #: forward's inputs traced as these Python values, not as traced values (set by
+        #: trace_model: :func:`constant_inputs`)
+        self.constant_inputs: dict[str, Any] = {}
+        #: the traced value Python's control flow asked the truth of (the failure's node)
+        self.undecidable: fx.Node | None = None
+
+    def _proxy_placeholder(self, name: str, concrete_args: Any, sig: inspect.Signature,
+                           fn_for_analysis: Callable[..., Any]) -> Any:
+        # Every input keeps its placeholder (its name and default: calls bind to them);
+        # forward sees a constant input's value, so `if has_mask:` is Python again.
+        placeholder = super()._proxy_placeholder(name, concrete_args, sig, fn_for_analysis)
+        if name in self.constant_inputs and not (concrete_args and name in concrete_args):
+            return self.constant_inputs[name]
+        return placeholder
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        self.undecidable = obj.node
+        return super().to_bool(obj)
+
+    def iter(self, obj: fx.Proxy) -> Iterator[Any]:
+        self.undecidable = obj.node
+        return super().iter(obj)
 
     def create_proxy(self, kind: str, target: Any, args: tuple, kwargs: dict, *rest: Any,
                      **options: Any) -> fx.Proxy:
@@ -207,7 +231,7 @@ class _Tracer(fx.Tracer):
         with self._buffer_assignments_recorded(root), self._grad_mode_recorded(), \
                 self._autograd_functions_recorded(), self._torch_random_recorded(), \
                 self._autocast_recorded(), self._sequence_packing_recorded(), \
-                _python_random_refused():
+                _size_varargs_packed(), _python_random_refused():
             replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
             if replacement is None:
                 return _unmark_wrapped(super().trace(root, concrete_args))
@@ -480,7 +504,7 @@ _TENSOR_DRAWS = ("normal_", "uniform_", "exponential_", "cauchy_", "geometric_",
 
 def _refused_tensor_draw(name: str) -> Callable[..., Any]:
     def draw(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
+        raise TraceError(
             f"forward draws with Tensor.{name}() on a tensor made from constants "
             f"(torch.empty(3).{name}()): a symbolically traced forward would keep the "
             f"value drawn while tracing for every call. Make the tensor from an input "
@@ -488,6 +512,36 @@ def _refused_tensor_draw(name: str) -> Callable[..., Any]:
             f"torch.export: hftc.fuse(models, example_inputs=(x,), frontend='export')")
     draw.__name__ = name
     return draw
+
+
+#: torch's factories that take sizes as separate arguments (``torch.zeros(b, 51)``).
+_SIZE_VARARGS_FACTORIES = ("zeros", "ones", "empty")
+
+
+@contextlib.contextmanager
+def _size_varargs_packed() -> Iterator[None]:
+    """While tracing, ``torch.zeros(x.size(0), 51)`` is ``torch.zeros((x.size(0), 51))``.
+
+    torch's argument parser reads sizes given one by one as ints and fails on a traced
+    one (``zeros() takes 1 positional argument but 2 were given``); given as one tuple,
+    fx records the call with the size read at run time."""
+    saved = {name: getattr(torch, name) for name in _SIZE_VARARGS_FACTORIES}
+
+    def packing(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def packed(*args: Any, **kwargs: Any) -> Any:
+            if len(args) > 1 and any(isinstance(a, fx.Proxy) for a in args):
+                return fn(tuple(args), **kwargs)
+            return fn(*args, **kwargs)
+        return packed
+
+    for name, fn in saved.items():
+        setattr(torch, name, packing(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch, name, fn)
 
 
 @contextlib.contextmanager
@@ -503,7 +557,7 @@ def _python_random_refused() -> Iterator[None]:
 
     def refuse(owner: Any, name: str) -> Callable[..., Any]:
         def draw(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError(
+            raise TraceError(
                 f"forward calls {owner.__name__}.{name}(): a traced forward would keep "
                 f"the value drawn while tracing for every call. Draw with torch instead "
                 f"(torch.rand, torch.bernoulli ...), which hftc draws anew on every call "
@@ -602,40 +656,213 @@ def trace_hint(exc: BaseException) -> str:
     return ""
 
 
+#: ``GraphModule.meta`` key: forward's inputs traced as Python constants, ``{name: value}``.
+CONSTANT_INPUTS = "hftc_constant_inputs"
+
+
+def is_python_constant(value: Any) -> bool:
+    """A flag, a number or a string: what forward's Python may branch on (``if has_mask:``)."""
+    return type(value) in (bool, int, float, str)
+
+
+def same_constant(a: Any, b: Any) -> bool:
+    """``a`` is the constant ``b`` (``True`` is not ``1``, nor ``1.0``)."""
+    return type(a) is type(b) and a == b
+
+
+def constant_inputs(model: nn.Module, given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The inputs of ``model``'s forward to trace as constants: those whose default is a
+    Python constant (``has_mask=True``, ``is_causal: bool = False``), at that default,
+    updated with ``given`` (the Python constants a call passes, by name; a name given
+    another kind of value, a tensor, is traced as a value)."""
+    forward = _traceable_forward(model) or type(model).forward
+    try:
+        parameters = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    constants = {name: p.default for name, p in parameters.items()
+                 if p.kind in kinds and is_python_constant(p.default)}
+    for name, value in (given or {}).items():
+        if name in parameters and is_python_constant(value):
+            constants[name] = value
+        else:
+            constants.pop(name, None)
+    return constants
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (torch, inspect.getmodule(FusionError)))
+_PACKAGE_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
+                       for k in ("purelib", "platlib")})
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def _is_user_file(filename: str) -> bool:
+    """Not torch's, hftc's, Python's own or generated code (``<eval_with_key>``)."""
+    if filename.startswith("<"):
+        return False
+    path = os.path.dirname(os.path.abspath(filename)) + os.sep
+    if path.startswith(_LIBRARY_DIRS):
+        return False
+    return not path.startswith(_STDLIB_DIR) or path.startswith(_PACKAGE_DIRS)
+
+
+def source_line(exc: BaseException) -> str:
+    """Where in the user's code ``exc`` was raised: ``file.py:110 in forward: `code```
+    (the innermost frame outside torch, hftc and Python's library), with torch's own
+    module code it was raised in when that is deeper (``torch/nn/modules/transformer.py:535
+    in _detect_is_causal_mask, called from ...``); ``""`` when none is known."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = next((f for f in reversed(frames) if _is_user_file(f.filename)), None)
+    if user is None:
+        return ""
+    path = user.filename
+    try:
+        relative = os.path.relpath(path)
+        path = relative if not relative.startswith("..") else path
+    except ValueError:
+        pass
+    where = f"{path}:{user.lineno} in {user.name}: `{(user.line or '').strip()}`"
+    deeper = frames[frames.index(user) + 1:]
+    torch_module = next((f for f in reversed(deeper)
+                         if "torch" + os.sep + "nn" + os.sep in f.filename), None)
+    if torch_module is not None:
+        short = torch_module.filename[torch_module.filename.rfind("torch" + os.sep):]
+        where = (f"{short}:{torch_module.lineno} in {torch_module.name} "
+                 f"(`{(torch_module.line or '').strip()}`), called from {where}")
+    return where
+
+
+_SIZE_READS = frozenset({"size", "dim", "numel", "ndimension", "nelement", "shape", "ndim"})
+
+
+def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
+    """What a traced value that Python's control flow asked about is made from, and the
+    inputs involved: ``"size"`` (sizes and ranks of inputs: ``t <= block_size`` where
+    ``b, t = idx.size()``), ``"input"`` (an input itself: ``if has_mask:``) or
+    ``"value"`` (tensor values: ``x.sum() > 0``, a parameter, a random draw)."""
+    import operator
+
+    inputs: list[str] = []
+    kinds: set[str] = set()
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        size_read = (n.op == "call_method" and n.target in _SIZE_READS) or (
+            n.op == "call_function" and n.target is getattr and n.args[1:2] in (("shape",),
+                                                                                  ("ndim",)))
+        if size_read:
+            kinds.add("size")
+            inputs += [a.target for a in n.all_input_nodes if a.op == "placeholder"]
+        elif n.op == "placeholder":
+            kinds.add("input")
+            inputs.append(n.target)
+        elif n.op == "call_function" and getattr(n.target, "__module__", None) in (
+                operator.__name__, "_operator", "builtins"):
+            stack.extend(n.all_input_nodes)
+        else:
+            kinds.add("value")
+    kind = next(k for k in ("value", "input", "size") if k in kinds | {"size"})
+    return kind, list(dict.fromkeys(inputs))
+
+
+def _traced_value_in(exc: BaseException) -> fx.Node | None:
+    """The traced value whose ``len()`` / truth / iteration fx refused (``self`` of the
+    innermost ``fx.Proxy`` method in the traceback)."""
+    found = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        value = frame.f_locals.get("self")
+        if isinstance(value, fx.Proxy):
+            found = value.node
+    return found
+
+
+def _trace_advice(exc: BaseException, node: fx.Node | None) -> str:
+    """What to change, for a forward symbolic tracing stopped in, by what stopped it."""
+    if "'len' is not supported" in str(exc):
+        kind = "size"
+        inputs = [node.target] if node is not None and node.op == "placeholder" else []
+    elif node is not None:
+        kind, inputs = _decided_by(node)
+    else:
+        kind, inputs = "other", []
+    names = ", ".join(f"`{name}`" for name in inputs)
+    if kind == "size":
+        whose = f" of input {names}" if names else " of an input"
+        return (f"This line reads the size{whose} in Python, which symbolic tracing leaves "
+                f"unknown. Pass one call's inputs as example_inputs=(...) to hftc.fuse: "
+                f"torch.export then traces forward with real sizes (kept symbolic where the "
+                f"code allows).")
+    if kind == "input":
+        return (f"This line asks Python the truth of input {names}, which symbolic tracing "
+                f"makes a traced value. If it is a Python value (a flag, a number), give it a "
+                f"default in forward, or give its value in example_inputs=(...) to "
+                f"hftc.fuse: hftc traces an input given a Python constant as that constant "
+                f"(and traces again for another value). If it is a tensor, the branch depends "
+                f"on its values: compute both sides and pick with torch.where.")
+    if kind == "value":
+        return ("This line decides on tensor values in Python, which neither symbolic tracing "
+                "nor torch.export (example_inputs) can follow: compute both sides and pick "
+                "with torch.where(condition, a, b), or move the check out of forward.")
+    return ("If this line computes with the sizes or the Python values of the inputs, pass "
+            "one call's inputs as example_inputs=(...) to hftc.fuse, which traces forward "
+            "with torch.export; if it reads tensor values in Python, rewrite it with tensor "
+            "ops.")
+
+
 def trace_model(model: nn.Module, index: int, *, training: bool,
-                none_inputs: Iterable[str] = ()) -> fx.GraphModule:
+                none_inputs: Iterable[str] = (),
+                constants: dict[str, Any] | None = None) -> fx.GraphModule:
     """Trace ``model`` (the ``index``-th of the N) with every submodule in ``training`` mode,
     the inputs named in ``none_inputs`` ``None`` (fx's ``concrete_args``; the others are
-    traced values, which are never ``None``: ``if mask is not None`` is taken).
+    traced values, which are never ``None``: ``if mask is not None`` is taken) and those
+    in ``constants`` (default :func:`constant_inputs`: the Python constants forward's
+    defaults give) the Python values there, which forward's code may branch on.  The
+    graph keeps a placeholder for every input; ``meta[CONSTANT_INPUTS]`` lists those.
 
     The model's plain Python attributes are as they were before (``PYTHON_STATE`` in
     the graph module's ``meta`` lists those forward changed).
 
-    Raises :class:`TraceError` naming the model and the Python line that symbolic
-    tracing cannot follow, and saying to pass ``example_inputs``.
+    Raises :class:`TraceError` naming the model, the line of its code that symbolic
+    tracing cannot follow, and what to change there.
     """
     changes: list[str] = []
+    tracer = _Tracer()
+    nones = sorted(none_inputs)
+    constants = constant_inputs(model) if constants is None else dict(constants)
+    tracer.constant_inputs = {k: v for k, v in constants.items() if k not in nones}
     try:
         with _uniform_mode(model, training), _python_state_kept(model, changes):
-            tracer = _Tracer()
-            graph = tracer.trace(model, {name: None for name in none_inputs} or None)
+            graph = tracer.trace(model, {name: None for name in nones} or None)
             _flatten_dataclass_output(graph)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         # Constants fx lifted onto the model while tracing (``_tensor_constant0``) are the
         # graph's own attributes (the GraphModule holds them), not the model's state.
         lifted = {node.target for node in graph.nodes if node.op == "get_attr"}
         gm.meta[PYTHON_STATE] = [name for name in changes if name not in lifted]
+        gm.meta[CONSTANT_INPUTS] = dict(tracer.constant_inputs)
         return gm
     except UnsupportedOperatorError as exc:  # what the model does, not how it is traced
         raise UnsupportedOperatorError(f"model {index} ({type(model).__name__}): {exc}") \
             from exc
+    except TraceError as exc:  # the tracer's own refusals say what to change
+        where = source_line(exc)
+        raise TraceError(f"model {index} ({type(model).__name__})"
+                         f"{f' at {where}' if where else ''}: {exc}") from exc
     except Exception as exc:  # symbolic tracing raises anything: TraceError, TypeError, ...
+        where = source_line(exc)
+        hint = trace_hint(exc)
+        advice = hint.strip() if hint else _trace_advice(
+            exc, tracer.undecidable or _traced_value_in(exc))
         raise TraceError(
-            f"model {index} ({type(model).__name__}) cannot be traced by torch.fx.symbolic_trace: "
-            f"{type(exc).__name__}: {exc}. Data-dependent Python (an `if` on a tensor, "
-            f"`len(x)`, `.item()`) and many third-party models cannot be traced symbolically; "
-            f"pass `example_inputs=(...)` to hftc.fuse so the model can be traced with real "
-            f"inputs, or rewrite the data-dependent part with tensor ops.{trace_hint(exc)}"
+            f"model {index} ({type(model).__name__}) cannot be traced by "
+            f"torch.fx.symbolic_trace{f' at {where}' if where else ''}: "
+            f"{plain_message(exc)}. {advice}"
         ) from exc
 
 
@@ -680,17 +907,20 @@ class _Recorder(fx.Interpreter):
     """Runs a graph and stores every node's value in ``node.meta[EXAMPLE_VALUE]``."""
 
     def __init__(self, module: fx.GraphModule, targets: Sequence[fx.Node]):
+        # Without the debugging text fx's Interpreter writes into any error ("While
+        # executing ... Original traceback ... tlparse"): ours (a guard of an exported
+        # graph rejecting the inputs) says what to do as it is.
         super().__init__(module)
+        self.extra_traceback = False
         self._targets = dict(zip(module.graph.nodes, targets))
+        #: the node that raised, for the error
+        self.failed: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
         try:
             value = super().run_node(n)
-        except FusionError as exc:
-            # Ours (a guard of an exported graph rejecting the inputs) says what to do:
-            # kept as it is, without the debugging text fx's Interpreter adds to errors
-            # ("While executing ... Original traceback ... tlparse").
-            exc.hftc_message = exc.args
+        except Exception:
+            self.failed = self._targets[n]
             raise
         self._targets[n].meta[EXAMPLE_VALUE] = value
         return value
@@ -745,14 +975,15 @@ def annotate_example_values(
     # function with no body.
     copied.output(copied.graph_copy(graph, {}))
     try:
+        recorder = _Recorder(fx.GraphModule(template, copied), list(graph.nodes))
         with torch.no_grad():
-            _Recorder(fx.GraphModule(template, copied), list(graph.nodes)).run(*_to_meta(args))
+            recorder.run(*_to_meta(args))
         return
-    except FusionError as exc:  # a guard of the graph (hftc.export) rejected the inputs: say why
-        exc.args = getattr(exc, "hftc_message", exc.args)
+    except FusionError:  # a guard of the graph (hftc.export) rejected the inputs: says why
         raise
     except Exception as exc:
         meta_error = exc
+    failed_on_meta = recorder.failed
     real = deepcopy_module(template)
     for name, tensor in real_tensors().items():
         owner_path, _, leaf = name.rpartition(".")
@@ -761,13 +992,25 @@ def annotate_example_values(
             owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
         else:
             owner._buffers[leaf] = tensor
+    recorder = _Recorder(fx.GraphModule(real, copied), list(graph.nodes))
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            _Recorder(fx.GraphModule(real, copied), list(graph.nodes)).run(*args)
+            recorder.run(*args)
     except Exception as exc:
+        from .match import describe_node  # (match reads graphs this module makes)
+
+        node = recorder.failed or failed_on_meta
+        where = f" at {describe_node(node, template)}" if node is not None else ""
+        names = [n.target for n in graph.nodes if n.op == "placeholder"]
+        given = ", ".join(
+            f"`{name}` {list(v.shape)} {str(v.dtype).replace('torch.', '')}"
+            if isinstance(v, torch.Tensor) else f"`{name}` {type(v).__name__}"
+            for name, v in zip(names, args))
         raise TraceError(
-            f"running model 0 to learn its shapes failed: {type(exc).__name__}: {exc} "
-            f"(on meta tensors: {type(meta_error).__name__}: {meta_error})"
+            f"model 0 ({type(template).__name__}) fails on this call's inputs ({given}; "
+            f"one model's share){where}: {plain_message(exc)} (on meta tensors: "
+            f"{plain_message(meta_error)}). Call the fused module with inputs each model "
+            f"takes (a model dim at in_dims for stacked inputs)"
         ) from exc
     for node in graph.nodes:
         node.meta[EXAMPLE_VALUE] = _to_meta(node.meta.get(EXAMPLE_VALUE))

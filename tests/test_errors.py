@@ -169,7 +169,8 @@ def test_mixed_modes_are_refused():
         hftc.fuse([a, b])
 
 
-def test_untraceable_model_says_to_pass_example_inputs():
+def test_a_branch_on_tensor_values_says_to_use_torch_where():
+    # It said to pass example_inputs, with which torch.export fails on the same line.
     class DataDependent(nn.Module):
         def __init__(self):
             super().__init__()
@@ -180,7 +181,9 @@ def test_untraceable_model_says_to_pass_example_inputs():
                 return self.fc(x)
             return x
 
-    with pytest.raises(TraceError, match=r"model 0 \(DataDependent\).*example_inputs"):
+    with pytest.raises(TraceError, match=r"model 0 \(DataDependent\).*test_errors.py:\d+ in "
+                                         r"forward: `if x.sum\(\) > 0:`.*neither symbolic tracing "
+                                         r"nor torch.export.*torch.where"):
         hftc.fuse([DataDependent(), DataDependent()])
 
 

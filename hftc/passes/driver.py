@@ -35,7 +35,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
-from ..errors import FusionError, UnsupportedOperatorError
+from ..errors import FusionError, UnsupportedOperatorError, plain_message
 from ..lowering import kernels
 from ..match import describe_node, module_path, target_name
 from ..trace import EXAMPLE_VALUE
@@ -306,7 +306,7 @@ def fuse_graph(
                 except Exception as exc:  # a bug in a rule must still name the user's node
                     raise FusionError(
                         f"internal error in fusion rule `{entry.name}` at {describe_node(node)}: "
-                        f"{type(exc).__name__}: {exc}. Please report this with the model."
+                        f"{plain_message(exc)}. Please report this with the model."
                     ) from exc
             else:
                 reason = f"no fusion rule for {target_name(node)}"
