@@ -43,8 +43,8 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import ir
 from .errors import plain_message
-from .lowering import kernels
 from .lowering.autotune import input_copies, preserved_state
 
 aten = torch.ops.aten
@@ -478,7 +478,7 @@ def _locate(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
                 lambda _m, _i, out, path=path: seen.setdefault(path, []).append(out))
     args = [v[index] if b else v for v, b in zip(input_copies(values), batched)]
     with _rng_kept(), preserved_state(fused), torch.no_grad():
-        with ConstantRandomness(), kernels.modes_restored_on_error():
+        with ConstantRandomness(), ir.modes_restored_on_error():
             Recorder(program).run(*input_copies(values))
         with ConstantRandomness():
             shell(*args)

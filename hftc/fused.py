@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import ir
 from .check import CheckResult, compare_with_models, locate_difference
 from .closures import check_function_references, rebind_functions
 from .compile_guard import compiled_original, run_eagerly
@@ -43,7 +44,8 @@ from .errors import (
     UnsupportedOperatorError,
     plain_message,
 )
-from .lowering import kernels, layout
+from .ir import CONSTANT_INPUTS, PYTHON_STATE
+from .lowering import layout
 from .lowering.autotune import (
     ProgramChoice,
     autotune_graph,
@@ -62,8 +64,6 @@ from .match import GraphMatch, match_graphs
 from .passes import FusionReport, fuse_graph
 from .passes.driver import SHARED_CONSTANT_PREFIX
 from .trace import (
-    CONSTANT_INPUTS,
-    PYTHON_STATE,
     OutputSpec,
     annotate_example_values,
     constant_inputs,
@@ -105,7 +105,7 @@ class _ModeGraphs:
     originals: list[dict[str, str]]  # per model: model 0's node name -> model i's node name
     match_method: str
     attr_targets: dict[str, str]
-    #: the inputs traced as Python constants, and their values (trace.CONSTANT_INPUTS)
+    #: the inputs traced as Python constants, and their values (ir.CONSTANT_INPUTS)
     constants: dict[str, Any] = field(default_factory=dict)
 
     def graph_module(self, template: nn.Module) -> fx.GraphModule:
@@ -431,7 +431,7 @@ class FusedModule(ContainerAccess, nn.Module):
         self.frontend = "symbolic" if PYTHON_STATE in graphs[True][0].meta else "export"
         matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}
         #: (model index, attributes) of the first model whose forward changed plain
-        #: Python attributes while traced (hftc.trace.PYTHON_STATE), or None.
+        #: Python attributes while traced (hftc.ir.PYTHON_STATE), or None.
         self._python_state = next(
             ((i, sorted({n for mode in (True, False)
                          for n in graphs[mode][i].meta.get(PYTHON_STATE, [])}))
@@ -713,7 +713,7 @@ class FusedModule(ContainerAccess, nn.Module):
         values, batched = self._inputs(args, kwargs)
         program = self._program(values, batched)
         try:
-            with kernels.modes_restored_on_error():
+            with ir.modes_restored_on_error():
                 if program.how is not None:  # autotune's whole-model loop and/or layout
                     return run_program(self, program.forward, program.how, values, batched)
                 out = program.forward(self, *values)
@@ -900,7 +900,7 @@ class FusedModule(ContainerAccess, nn.Module):
                 f"the bug is hftc's: please report it with the model.)")
 
     def _run_fused(self, forward: Any, spec: OutputSpec | None, values: Sequence[Any]) -> Any:
-        with kernels.modes_restored_on_error():
+        with ir.modes_restored_on_error():
             out = forward(self, *values)
         return out if spec is None else spec.rebuild(out)
 

@@ -43,6 +43,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .errors import MismatchError
+from .ir import PER_MODEL
 
 if TYPE_CHECKING:  # networkx: imported where two graphs need VF2, not by import hftc
     import networkx as nx
@@ -51,9 +52,6 @@ if TYPE_CHECKING:  # networkx: imported where two graphs need VF2, not by import
 _SLOT = "<tensor>"
 #: Stand-in for a scalar hyper-parameter that may differ per model.
 _PER_MODEL = "<per-model scalar>"
-#: ``node.meta`` key: ``{key: [value of model 0, ..., model N-1]}`` for hyper-parameters
-#: that differ between the models (absent when they all agree).
-PER_MODEL = "hftc_per_model"
 
 #: Module hyper-parameters that may differ between models: the node still fuses, and
 #: its rule receives one value per model (HFTA and Hydro force these to be equal).

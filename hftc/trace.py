@@ -35,9 +35,15 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from .closures import rebind_functions
 from .errors import FusionError, TraceError, UnsupportedOperatorError, plain_message
-
-#: ``node.meta`` key of the value model 0 computes at a node, on the meta device.
-EXAMPLE_VALUE = "example_value"
+from .ir import (
+    CONSTANT_INPUTS,
+    EXAMPLE_VALUE,
+    PYTHON_STATE,
+    apply_function,
+    bind,
+    enter_autocast,
+    exit_autocast,
+)
 
 #: Modules symbolic tracing would keep as opaque leaves but that hftc traces *through*,
 #: with a traceable forward of the same math (``torch.nn.TransformerEncoderLayer`` ->
@@ -248,8 +254,6 @@ class _Tracer(fx.Tracer):
         """While tracing, ``MyFunction.apply(traced values)`` is one node of the graph (which
         the fused module runs per model), where fx alone would trace through its forward
         and drop its backward (a gradient reversal would reverse nothing)."""
-        from .lowering.kernels import apply_function, bind  # (kernels imports this module)
-
         function = torch.autograd.Function
         apply = function.__dict__["apply"]
         tracer = self
@@ -291,11 +295,9 @@ class _Tracer(fx.Tracer):
     def _autocast_recorded(self) -> Iterator[None]:
         """While tracing, entering and leaving an autocast region in forward (``with
         torch.autocast("cpu", dtype=torch.bfloat16):``, also ``enabled=False`` inside the
-        caller's autocast) are nodes of the graph, ``kernels.enter_autocast`` and
-        ``kernels.exit_autocast``, where fx alone would drop them: the fused program ran
+        caller's autocast) are nodes of the graph, ``ir.enter_autocast`` and
+        ``ir.exit_autocast``, where fx alone would drop them: the fused program ran
         the region in the caller's precision."""
-        from .lowering.kernels import enter_autocast, exit_autocast
-
         region = torch.amp.autocast_mode.autocast
         enter, exit_ = region.__enter__, region.__exit__
         tracer = self
@@ -591,10 +593,6 @@ def _uniform_mode(model: nn.Module, training: bool) -> Iterator[None]:
             m.training = flag
 
 
-#: ``GraphModule.meta`` key: the plain attributes of the model's modules that its forward
-#: changed while traced (``["encoder.calls"]``), which the tracer put back.
-PYTHON_STATE = "hftc_python_state"
-
 #: What every module's ``__dict__`` holds for ``nn.Module`` itself (mode, registries).
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 
@@ -655,9 +653,6 @@ def trace_hint(exc: BaseException) -> str:
                 "use_cache=False to forward.")
     return ""
 
-
-#: ``GraphModule.meta`` key: forward's inputs traced as Python constants, ``{name: value}``.
-CONSTANT_INPUTS = "hftc_constant_inputs"
 
 
 def is_python_constant(value: Any) -> bool:

@@ -29,6 +29,7 @@ from zoo import make_input
 
 import hftc
 import hftc.fused
+from hftc import ir
 from hftc.errors import FusionArgumentError, FusionError
 from hftc.lowering import autotune, kernels
 from hftc.lowering.heap import peak_memory
@@ -696,7 +697,7 @@ def test_a_model_with_a_group_norm_is_never_run_channels_last_on_the_cpu(functio
     choice = fused.fusion_report.lowerings[-1]
     assert choice.node == "<whole model>"
     tried = set(choice.times) | set(choice.rejected)
-    assert tried and not any(layout.CHANNELS_LAST in name for name in tried), tried
+    assert tried and not any(ir.CHANNELS_LAST in name for name in tried), tried
     for p, (name, _) in zip(fused.parameters(), fused.named_parameters()):
         assert p.grad is not None, name
     template = fused.unfuse_model(0)

@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from .. import ir
 from . import kernels, layout
 from .heap import peak_memory
 from .model_loop import ModelLoop, plain_output
@@ -553,7 +554,7 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
     except Exception:  # noqa: BLE001 - a model the loop cannot run keeps the fused program
         loop = None
     shapes = layout.sample_shapes(values, batched)
-    layouts = [None] + ([layout.CHANNELS_LAST]
+    layouts = [None] + ([ir.CHANNELS_LAST]
                         if channels_last and layout.applies(values, batched) else [])
     valid, rejected = {default.name: default}, []
     fused_leaves = pytree.tree_leaves(fused_out)
@@ -593,7 +594,7 @@ def _run_step(fused: torch.nn.Module, program_forward: Callable[..., Any], how: 
     params = [p for p in fused.parameters() if p.requires_grad]
     grads: tuple[Tensor | None, ...] = ()
     with torch.enable_grad() if backward and params else torch.no_grad():
-        with kernels.modes_restored_on_error():  # a candidate may fail (and be dropped)
+        with ir.modes_restored_on_error():  # a candidate may fail (and be dropped)
             out = run_program(fused, program_forward, how, values, batched)
         if backward and params:
             leaves = [t for t in pytree.tree_leaves(out)
@@ -689,7 +690,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     if run in ("fused", "model_loop") or (run == "cost_model" and cost_model is not None):
         if (lay == "" and (run != "model_loop" or channels_last
                            or not layout.given(values, batched))
-                or (lay == layout.CHANNELS_LAST and channels_last)):
+                or (lay == ir.CHANNELS_LAST and channels_last)):
             with contextlib.suppress(Exception):  # a model the loop cannot run: tune again
                 how = ProgramChoice(ModelLoop(fused) if run == "model_loop" else None,
                                     lay or None, layout.sample_shapes(values, batched),

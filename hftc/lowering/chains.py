@@ -40,6 +40,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import ir
 from . import kernels
 
 #: Lowerings of ``kernels.linear`` a chain can run (``None``: the cost model's, decided
@@ -305,7 +306,7 @@ def _link(linear: fx.Node, root: nn.Module) -> tuple[fx.Node | None, fx.Node] | 
 
 
 #: Nodes that change how the ops after them run: a chain runs its layers in one mode.
-_MODE_SWITCHES = (torch._C._set_grad_enabled, kernels.enter_autocast, kernels.exit_autocast)
+_MODE_SWITCHES = (torch._C._set_grad_enabled, ir.enter_autocast, ir.exit_autocast)
 
 
 def _mode_switch_between(first: fx.Node, last: fx.Node) -> bool:

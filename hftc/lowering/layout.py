@@ -28,9 +28,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
-from ..trace import EXAMPLE_VALUE
-
-CHANNELS_LAST = "channels_last"
+from ..ir import CHANNELS_LAST, EXAMPLE_VALUE
 
 
 def _is_feature_map(value: Any, batched: bool) -> bool:

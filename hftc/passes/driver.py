@@ -35,10 +35,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
+from .. import ir
 from ..errors import FusionError, UnsupportedOperatorError, plain_message
+from ..ir import EXAMPLE_VALUE
 from ..lowering import kernels
 from ..match import describe_node, module_path, target_name
-from ..trace import EXAMPLE_VALUE
 from .registry import FusionGroup, GraphBuilder, NotFusable, lookup
 
 #: The fused module's name for a constant tensor every model holds equal (one copy, shared;
@@ -187,7 +188,7 @@ def _emit_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     fn = node.target if node.op == "call_function" else kernels.call_method(node.target)
     per_model = {k: tuple(v) for k, v in group.per_model.items()} or None
     return builder.call(
-        kernels.bind(kernels.loop_over_models, fn), builder.num_models, flags, group.args,
+        ir.bind(kernels.loop_over_models, fn), builder.num_models, flags, group.args,
         group.kwargs, per_model, batched=batched_out,
     )
 

@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ir
 from ..lowering import kernels
 from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry
 
@@ -42,7 +43,7 @@ def _emit(group: FusionGroup, builder: GraphBuilder, fn, output, target, kwargs:
         raise NotFusable("a per-model class weight")
     kwargs = {k: v for k, v in kwargs.items()
               if not (k in ("size_average", "reduce") and v is None)}
-    return builder.call(kernels.bind(kernels.per_model_loss, fn), builder.broadcast(output),
+    return builder.call(ir.bind(kernels.per_model_loss, fn), builder.broadcast(output),
                         target, target_batched=builder.is_batched(target), **kwargs)
 
 

@@ -22,6 +22,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ir
 from ..lowering import kernels, per_model
 from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry
 
@@ -87,7 +88,7 @@ def fuse_channelwise_function(group: FusionGroup, builder: GraphBuilder) -> fx.N
     spatial = _spatial(_SPATIAL_FUNCTIONS[fn], group)
     if fn is F.pad:
         spatial = len(group.arg(1, "pad")) // 2
-    return builder.call(kernels.bind(kernels.channelwise, fn), builder.broadcast(group.args[0]),
+    return builder.call(ir.bind(kernels.channelwise, fn), builder.broadcast(group.args[0]),
                         *group.args[1:], spatial=spatial, **group.kwargs)
 
 
@@ -106,7 +107,7 @@ def fuse_samplewise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         kernel, fn = kernels.samplewise, builder.attr(group.node.target, batched=False)
         args: tuple = (fn, builder.broadcast(group.args[0]))
     else:
-        kernel = kernels.bind(kernels.samplewise, group.node.target)
+        kernel = ir.bind(kernels.samplewise, group.node.target)
         args = (builder.broadcast(group.args[0]),)
     return builder.call(kernel, *args, *group.args[1:], **group.kwargs)
 

@@ -17,8 +17,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..ir import EXAMPLE_VALUE
 from ..lowering import kernels
-from ..trace import EXAMPLE_VALUE
 from .elementwise import fuse_pointwise
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
 from .shape import shift_dim_arg

@@ -24,9 +24,9 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ..ir import EXAMPLE_VALUE, ORIGIN, PER_MODEL, RULE, SOURCE
 from ..lowering import kernels
-from ..match import PER_MODEL, describe_node
-from ..trace import EXAMPLE_VALUE
+from ..match import describe_node
 
 
 class NotFusable(Exception):
@@ -176,9 +176,9 @@ class GraphBuilder:
         if batched:
             self.batched.add(node)
         if self.current is not None:
-            node.meta["hftc_origin"] = list(self.current.nodes)
-            node.meta["hftc_rule"] = self.current_rule
-            node.meta["hftc_source"] = describe_node(self.current.node)
+            node.meta[ORIGIN] = list(self.current.nodes)
+            node.meta[RULE] = self.current_rule
+            node.meta[SOURCE] = describe_node(self.current.node)
         return node
 
     def call(self, fn: Callable[..., Any], *args: Any, batched: bool = True,

@@ -22,9 +22,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .. import ir
+from ..ir import EXAMPLE_VALUE
 from ..lowering import kernels
 from ..lowering.kernels import shift_dim
-from ..trace import EXAMPLE_VALUE
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
 
 
@@ -240,7 +241,7 @@ def fuse_cat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         # node's value is the sequence of the fused parts, each with the model dim first.
         return builder.call(fn, tensors, shift_dim_arg(builder, dim))
     flags = tuple(builder.is_batched(t) for t in tensors)
-    return builder.call(kernels.bind(kernels.stack_or_cat, fn), tensors,
+    return builder.call(ir.bind(kernels.stack_or_cat, fn), tensors,
                         shift_dim_arg(builder, dim), flags)
 
 
