@@ -40,6 +40,19 @@ STOCK = {
     "adagrad": (torch.optim.Adagrad, ho.Adagrad, [
         dict(lr=1e-2), dict(lr=3e-2, lr_decay=0.01, initial_accumulator_value=0.1),
         dict(lr=1e-1)]),
+    "adadelta": (torch.optim.Adadelta, ho.Adadelta, [
+        dict(lr=1.0), dict(lr=0.5, rho=0.8, weight_decay=0.1), dict(lr=0.1, maximize=True)]),
+    "adamax": (torch.optim.Adamax, ho.Adamax, [
+        dict(lr=2e-3), dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+        dict(lr=5e-3, maximize=True)]),
+    # Each model's foreach travels with it (stock NAdam's and RAdam's two updates round
+    # differently).
+    "nadam": (torch.optim.NAdam, ho.NAdam, [
+        dict(lr=2e-3), dict(lr=1e-2, momentum_decay=1e-2, weight_decay=0.1, foreach=True),
+        dict(lr=5e-3, weight_decay=0.1, decoupled_weight_decay=True)]),
+    "radam": (torch.optim.RAdam, ho.RAdam, [
+        dict(lr=1e-3, foreach=True), dict(lr=1e-2, betas=(0.9, 0.5), weight_decay=0.1),
+        dict(lr=5e-3, weight_decay=0.1, decoupled_weight_decay=True, maximize=True)]),
 }
 
 
@@ -105,8 +118,8 @@ def test_errors_name_what_is_wrong():
     mixed = sgd[:2] + [torch.optim.Adam(models[2].parameters())]
     with pytest.raises(TypeError, match="optimizers\\[2\\] is Adam"):
         ho.fuse_optimizers(fused, mixed)
-    with pytest.raises(TypeError, match="does not support Adamax"):
-        ho.fuse_optimizers(fused, [torch.optim.Adamax(m.parameters()) for m in models])
+    with pytest.raises(TypeError, match="does not support Rprop"):
+        ho.fuse_optimizers(fused, [torch.optim.Rprop(m.parameters()) for m in models])
     swapped = [sgd[0], torch.optim.SGD(models[0].parameters(), lr=0.1), sgd[2]]
     with pytest.raises(ValueError, match="optimizers\\[1\\] holds a parameter .* not a "
                                          "parameter of model 1"):
@@ -180,7 +193,12 @@ def test_stock_optimizers_with_param_groups(fuser):
     lambda p: ho.AdamW(p, lr=[1e-2, 3e-2], weight_decay=[0.1, 0.0]),
     lambda p: ho.RMSprop(p, lr=[1e-2, 3e-3], momentum=0.9, centered=True),
     lambda p: ho.Adagrad(p, lr=[0.1, 0.2]),
-], ids=["sgd", "adam", "adamw", "rmsprop", "adagrad"])
+    lambda p: ho.Adadelta(p, lr=[1.0, 0.5], rho=[0.9, 0.8], weight_decay=[0.0, 0.1]),
+    lambda p: ho.Adamax(p, lr=[2e-3, 1e-2], betas=[(0.9, 0.999), (0.8, 0.99)]),
+    lambda p: ho.NAdam(p, lr=[2e-3, 1e-2], momentum_decay=[4e-3, 1e-2],
+                       decoupled_weight_decay=[False, True], weight_decay=0.1),
+    lambda p: ho.RAdam(p, lr=[1e-3, 1e-2], betas=[(0.9, 0.999), (0.9, 0.5)], maximize=True),
+], ids=["sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax", "nadam", "radam"])
 def test_unfuse_optimizers_continues_each_model_as_the_fused_one(make):
     """fused.unfuse() gave the models back, but their optimizers' state (momentum, Adam's
     moments) had no public way back: hftc.optim.unfuse_optimizers gives N stock optimizers
@@ -207,3 +225,38 @@ def test_unfuse_optimizers_continues_each_model_as_the_fused_one(make):
     for i, m in enumerate(models):
         torch.testing.assert_close(m.weight, fused.weight[i], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(m.bias, fused.bias[i], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("case", ["adadelta", "adamax", "nadam", "radam"])
+def test_unfuse_then_fuse_optimizers_continues_bit_for_bit(case):
+    """fused optimizer -> unfuse_optimizers -> N stock optimizers (stock's state keys,
+    each model's foreach) -> fuse_optimizers -> fused again: the round trip changes
+    nothing, past RAdam's first rectified step (6) and with NAdam's mu_product."""
+    stock_cls, fused_cls, configs = STOCK[case]
+    models = make_models(len(configs))
+    fused = StackedModels(models)
+    stocks = [stock_cls(m.parameters(), **c) for m, c in zip(models, configs)]
+    opt = ho.fuse_optimizers(fused, stocks)
+    twin = copy.deepcopy(fused)  # trains on uninterrupted
+    twin_opt = ho.fuse_optimizers(twin, [stock_cls(m.parameters(), **c)
+                                         for m, c in zip(models, configs)])
+    batches = make_batches(10)
+    train_fused(fused, opt, batches[:7])
+    plain = fused.unfuse()
+    back = ho.unfuse_optimizers(fused, opt, plain)
+    for i, (stock, config) in enumerate(zip(back, configs)):
+        assert type(stock) is stock_cls
+        assert stock.param_groups[0]["foreach"] == config.get("foreach"), i
+        p0 = next(plain[i].parameters())
+        assert set(stock.state[p0]) == {
+            "adadelta": {"step", "square_avg", "acc_delta"},
+            "adamax": {"step", "exp_avg", "exp_inf"},
+            "nadam": {"step", "mu_product", "exp_avg", "exp_avg_sq"},
+            "radam": {"step", "exp_avg", "exp_avg_sq"}}[case]
+        assert stock.state[p0]["step"].item() == 7.0
+    again = StackedModels(plain)
+    opt_again = ho.fuse_optimizers(again, back)
+    train_fused(again, opt_again, batches[7:])
+    train_fused(twin, twin_opt, batches)
+    for (name, p), q in zip(twin.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), name

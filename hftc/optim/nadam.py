@@ -62,6 +62,29 @@ class NAdam(FusedOptimizer):
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The base class's; ``mu_product`` stays on the CPU, where the update reads it
+        (torch's loading moves it to the parameter's device, and casts it to the
+        parameter's dtype, which it keeps: stock computes in that dtype after a load too)."""
+        super().load_state_dict(state_dict)
+        for p in self.param_groups[0]["params"]:
+            mu_product = self.state[p].get("mu_product") if p in self.state else None
+            if isinstance(mu_product, Tensor) and mu_product.device.type != "cpu":
+                self.state[p]["mu_product"] = mu_product.cpu()
+
+    def _import_model_state(self, p: Tensor, model: int, stock_state: dict[str, Any]) -> None:
+        """The base class's; a stock ``mu_product`` of a wider dtype than this one's (a
+        stock NAdam loaded from a state dict holds its parameters' float64) widens it, so
+        that model keeps stock's rounding (models whose stock kept float32 then multiply in
+        float64: within a rounding of their stock's ``mu_product``)."""
+        stock = stock_state.get("mu_product")
+        mine = self.state[p].get("mu_product")
+        if isinstance(stock, Tensor) and isinstance(mine, Tensor):
+            dtype = torch.promote_types(stock.dtype, mine.dtype)
+            if dtype != mine.dtype:
+                self.state[p]["mu_product"] = mine.to(dtype)
+        super()._import_model_state(p, model, stock_state)
+
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
         """Stock's, per parameter (its scalars as per-model coefficients)::
 
