@@ -260,3 +260,30 @@ def test_unfuse_then_fuse_optimizers_continues_bit_for_bit(case):
     train_fused(twin, twin_opt, batches)
     for (name, p), q in zip(twin.named_parameters(), again.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_fused_from_resumed_stock_nadams_keeps_their_float64_mu_product():
+    # Stock NAdam's load_state_dict casts mu_product to the parameters' dtype (float64
+    # here, the default dtype float32): fuse_optimizers widens the fused one to it, so
+    # each model goes on multiplying in stock's dtype.
+    configs = STOCK["nadam"][2]
+    models = make_models(len(configs))
+    opts = [torch.optim.NAdam(m.parameters(), **c) for m, c in zip(models, configs)]
+    for m, o in zip(models, opts):
+        train_solo(m, o, make_batches(2, seed=99))
+    resumed = [torch.optim.NAdam(m.parameters(), **c) for m, c in zip(models, configs)]
+    for o, r in zip(opts, resumed):
+        r.load_state_dict(copy.deepcopy(o.state_dict()))
+    p0 = next(models[0].parameters())
+    assert resumed[0].state[p0]["mu_product"].dtype == torch.float64
+    fused = StackedModels(models)
+    opt = ho.fuse_optimizers(fused, resumed)
+    assert opt.state[next(fused.parameters())]["mu_product"].dtype == torch.float64
+    batches = make_batches(5)
+    train_fused(fused, opt, batches)
+    for m, o in zip(models, resumed):
+        train_solo(m, o, batches)
+    params = dict(fused.named_parameters())
+    for i, m in enumerate(models):
+        for name, p in m.named_parameters():
+            assert torch.equal(params[name][i], p), (i, name)

@@ -339,14 +339,10 @@ def test_flags_survive_state_dict_and_the_loaded_optimizer_continues(name, flags
         if step is not None:  # still on the CPU in its own dtype (torch moves a fused one)
             assert step.device.type == "cpu" and step.dtype == opt.state[p]["step"].dtype
     train_fused(fused, loaded, batches[2:])
-    for solo, c in zip(solos, configs):  # stock saved and loaded at the same step
-        stock = getattr(torch.optim, name)(solo.parameters(), **c, **flags)
-        train_solo(solo, stock, batches[:2])
-        # (Stock NAdam's loading casts mu_product to the parameters' dtype, float64 here,
-        # and computes in it from then on: the fused one's loading does the same.)
-        stock_loaded = getattr(torch.optim, name)(solo.parameters(), **c)
-        stock_loaded.load_state_dict(copy.deepcopy(stock.state_dict()))
-        train_solo(solo, stock_loaded, batches[2:])
+    stocks = [getattr(torch.optim, name)(s.parameters(), **c, **flags)
+              for s, c in zip(solos, configs)]
+    for solo, stock in zip(solos, stocks):
+        train_solo(solo, stock, batches)
     assert_equal_models(fused, solos)
 
 

@@ -18,7 +18,8 @@ class Adadelta(FusedOptimizer):
     ::
 
         opt = hftc.optim.Adadelta(fused.parameters(), lr=[1.0, 0.5, 0.1], rho=[0.9, 0.9, 0.95])
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)  # pytorch/examples MNIST
+        # pytorch/examples' MNIST schedule, each model its own learning rate:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
 
     State per stacked parameter: ``step`` ``[N]`` (per-model step counts, on the CPU;
     Adadelta counts but does not read them, as stock), ``square_avg`` and

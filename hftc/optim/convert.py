@@ -44,8 +44,9 @@ def fuse_optimizers(fused: torch.nn.Module,
     """One fused optimizer that continues N stock optimizers, each model as if alone.
 
     ``optimizers[i]`` is a stock ``torch.optim`` optimizer (all of one class: SGD,
-    Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, NAdam or RAdam) with one param group over the parameters of
-    the model that was ``models[i]`` in ``fused = hftc.fuse(models)``::
+    Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, NAdam or RAdam) with one param
+    group over the parameters of the model that was ``models[i]`` in
+    ``fused = hftc.fuse(models)``::
 
         opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(models, lrs)]
         fused = hftc.fuse(models)

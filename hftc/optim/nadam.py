@@ -21,7 +21,11 @@ class NAdam(FusedOptimizer):
 
     State per stacked parameter: ``step`` and ``mu_product`` ``[N]`` (per model, on the
     CPU in stock's scalar dtype, as stock keeps them per parameter), ``exp_avg`` and
-    ``exp_avg_sq`` ``[N, *shape]``.
+    ``exp_avg_sq`` ``[N, *shape]``.  ``load_state_dict`` keeps ``mu_product`` as saved,
+    as torch keeps ``step``, so a resumed run equals the uninterrupted one; stock's
+    loading casts it to the parameters' dtype (float32 to float64 for float64
+    parameters under the default float32 dtype), after which a resumed stock NAdam
+    differs from its own uninterrupted run by a rounding of ``mu_product``.
 
     Stock has two updates that round differently: its for-loop one (the CPU's default)
     computes the denominator ``sqrt(exp_avg_sq / bc2) + eps``, its ``foreach`` one (the
@@ -38,6 +42,7 @@ class NAdam(FusedOptimizer):
         "momentum_decay": "float", "decoupled_weight_decay": "flag", "maximize": "flag",
     }
     _flags = {"foreach": None, "capturable": False, "differentiable": False}
+    _per_model_scalar_state = ("step", "mu_product")
 
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  momentum_decay=4e-3, decoupled_weight_decay=False, *,
@@ -61,16 +66,6 @@ class NAdam(FusedOptimizer):
         state["mu_product"] = torch.ones(self.num_models, dtype=_scalar_dtype())
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The base class's; ``mu_product`` stays on the CPU, where the update reads it
-        (torch's loading moves it to the parameter's device, and casts it to the
-        parameter's dtype, which it keeps: stock computes in that dtype after a load too)."""
-        super().load_state_dict(state_dict)
-        for p in self.param_groups[0]["params"]:
-            mu_product = self.state[p].get("mu_product") if p in self.state else None
-            if isinstance(mu_product, Tensor) and mu_product.device.type != "cpu":
-                self.state[p]["mu_product"] = mu_product.cpu()
 
     def _import_model_state(self, p: Tensor, model: int, stock_state: dict[str, Any]) -> None:
         """The base class's; a stock ``mu_product`` of a wider dtype than this one's (a

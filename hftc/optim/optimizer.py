@@ -225,6 +225,10 @@ class FusedOptimizer(Optimizer):
     #: :meth:`_check_flags`; ``fused`` is stored as a bool.
     _flags: ClassVar[dict[str, Any]] = {"differentiable": False}
 
+    #: State keys of one scalar per model (``[N]``, on the CPU in stock's scalar dtype)
+    #: that ``load_state_dict`` keeps as saved, where torch's would cast or move them.
+    _per_model_scalar_state: ClassVar[tuple[str, ...]] = ("step",)
+
     #: Tells torch.amp.GradScaler to hand its scale and found-inf flag to ``step`` (as
     #: ``self.grad_scale`` / ``self.found_inf``) instead of skipping the whole step
     #: itself: ``step`` then refuses with a message that says to use
@@ -404,15 +408,16 @@ class FusedOptimizer(Optimizer):
                 f"{cls}.load_state_dict: the state dict is for {len(extra['group_of'])} "
                 f"parameters, this optimizer has {len(params)}")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "hftc"})
-        # torch moves a fused group's step counts to the parameter's device as float32;
-        # hftc keeps them on the CPU as saved, fused or not (where _count_steps counts
-        # them and the update reads them).
+        # torch moves a fused group's step counts to the parameter's device as float32
+        # (and NAdam's mu_product to the parameter's device and dtype); hftc keeps them
+        # on the CPU as saved, fused or not (where the update reads them).
         for index, p in zip(groups[0]["params"], params):
-            saved = state_dict.get("state", {}).get(index, {}).get("step")
-            loaded = self.state[p].get("step") if p in self.state else None
-            if isinstance(saved, Tensor) and isinstance(loaded, Tensor) \
-                    and (loaded.device != saved.device or loaded.dtype != saved.dtype):
-                self.state[p]["step"] = saved.to("cpu").clone()
+            for key in self._per_model_scalar_state:
+                saved = state_dict.get("state", {}).get(index, {}).get(key)
+                loaded = self.state[p].get(key) if p in self.state else None
+                if isinstance(saved, Tensor) and isinstance(loaded, Tensor) \
+                        and (loaded.device != saved.device or loaded.dtype != saved.dtype):
+                    self.state[p][key] = saved.to("cpu").clone()
         if extra is not None:  # as torch restores each group's hyper-parameters
             self._group_of = list(extra["group_of"])
             self._group_overrides = [
