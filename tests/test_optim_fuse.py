@@ -287,3 +287,65 @@ def test_fused_from_resumed_stock_nadams_keeps_their_float64_mu_product():
     for i, m in enumerate(models):
         for name, p in m.named_parameters():
             assert torch.equal(params[name][i], p), (i, name)
+
+
+class MnistNet(torch.nn.Module):
+    """pytorch/examples' mnist/main.py Net, narrower (1x10x10 inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3, 1)
+        self.conv2 = torch.nn.Conv2d(4, 8, 3, 1)
+        self.dropout1 = torch.nn.Dropout(0.25)
+        self.dropout2 = torch.nn.Dropout(0.5)
+        self.fc1 = torch.nn.Linear(72, 16)
+        self.fc2 = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.relu(self.conv1(x))
+        x = torch.nn.functional.relu(self.conv2(x))
+        x = torch.nn.functional.max_pool2d(x, 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(torch.nn.functional.relu(self.fc1(x)))
+        return torch.nn.functional.log_softmax(self.fc2(x), dim=1)
+
+
+def test_mnist_example_with_adadelta_step_lr_and_nll_loss_per_model():
+    """pytorch/examples' MNIST recipe for N models at once: hftc.fuse, Adadelta with each
+    model's lr, StepLR(step_size=1, gamma=0.7), F.nll_loss per model for training and
+    with reduction="sum" for the test loss; each model as its stock loop trains it.
+    (Eval mode: dropout's draws are the fused model's own, not the loop's.)"""
+    F = torch.nn.functional
+    dtype, lrs = torch.float64, [1.0, 0.5, 0.1]
+    torch.manual_seed(0)
+    models = [MnistNet().to(dtype).eval() for _ in lrs]
+    solos = [copy.deepcopy(m) for m in models]
+    fused = hftc.fuse(models)
+    opt = ho.Adadelta(fused.parameters(), lr=lrs)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 1, 10, 10, generator=g, dtype=dtype),
+                torch.randint(0, 10, (16,), generator=g)) for _ in range(4)]
+    for x, y in batches:
+        opt.zero_grad()
+        hftc.per_model(F.nll_loss)(fused(x), y).sum().backward()
+        opt.step()
+        scheduler.step()
+    stock_lrs = []
+    for solo, lr in zip(solos, lrs):
+        stock = torch.optim.Adadelta(solo.parameters(), lr=lr)
+        stock_scheduler = torch.optim.lr_scheduler.StepLR(stock, step_size=1, gamma=0.7)
+        for x, y in batches:
+            stock.zero_grad()
+            F.nll_loss(solo(x), y).backward()
+            stock.step()
+            stock_scheduler.step()
+        stock_lrs.append(stock.param_groups[0]["lr"])
+    assert [group["lr"] for group in opt.param_groups] == stock_lrs
+    assert_all_match(fused, solos, 1e-9)
+    x_test = torch.randn(32, 1, 10, 10, generator=g, dtype=dtype)
+    y_test = torch.randint(0, 10, (32,), generator=g)
+    with torch.no_grad():
+        test_loss = hftc.per_model(F.nll_loss, reduction="sum")(fused(x_test), y_test)
+        want = torch.stack([F.nll_loss(s(x_test), y_test, reduction="sum") for s in solos])
+    torch.testing.assert_close(test_loss, want, rtol=1e-9, atol=0)
