@@ -10,6 +10,7 @@ all N models by one global norm: ``import hftc`` makes
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import FusionArgumentError
+from .errors import FusionArgumentError, FusionTypeError
 from .lowering.kernels import short_row_cross_entropy
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
@@ -349,20 +350,34 @@ _CLASS_LOSSES = {F.cross_entropy, F.nll_loss}
 
 
 def per_model(loss_fn: Callable[..., Tensor], *,
-              in_dims: int | None | tuple[int | None, ...] = (0, None)) -> Callable[..., Tensor]:
+              in_dims: int | None | tuple[int | None, ...] = (0, None),
+              **loss_kwargs: Any) -> Callable[..., Tensor]:
     """Turn a loss over one model's output into N losses over N stacked outputs.
 
-    ``in_dims`` says which positional arguments carry the model dim first (``0``)
-    and which are shared by all models (``None``), as in ``torch.func.vmap``. The
-    default ``(0, None)``: the first argument (the fused output ``[N, B, ...]``)
-    is stacked, the second (the target) is shared; positional arguments past the
-    end of ``in_dims`` are shared; keyword arguments are always shared::
+    ``in_dims`` says which of the loss's positional parameters carry the model dim
+    first (``0``) and which are shared by all models (``None``), as in
+    ``torch.func.vmap``. The default ``(0, None)``: the first argument (the fused
+    output ``[N, B, ...]``) is stacked, the second (the target) is shared; parameters
+    past the end of ``in_dims`` are shared::
 
         loss_fn = hftc.per_model(F.cross_entropy)
         losses = loss_fn(out, y)          # out [N, B, C], y [B]  -> [N]
         losses.sum().backward()           # each model gets its own gradient
 
         hftc.per_model(F.mse_loss, in_dims=0)(out, y_stacked)   # y_stacked [N, B, D]
+        hftc.per_model(F.nll_loss, reduction="sum")(out, y)     # [N]: each model's sum
+
+    Keyword arguments, given here (``loss_kwargs``, as ``functools.partial`` binds
+    them; a call's own override them) or to the call, bind to the loss's parameters as
+    the loss binds them, and hold for each model's loss: ``losses[i]`` is
+    ``loss_fn(out[i], y, **kwargs)``. A keyword the loss does not take raises a
+    ``FusionTypeError`` here.  An argument passed by keyword takes the ``in_dims`` entry
+    of its parameter's position (``(out, target=ys)`` with ``in_dims=(0, 0)`` stacks
+    ``ys``, as ``(out, ys)`` does); with an int ``in_dims`` (vmap's: the arguments passed
+    by position), a tensor passed by keyword to a positional parameter is refused as
+    ambiguous (``FusionArgumentError``: pass it by position, or ``in_dims`` as a tuple).
+    Other keywords (``reduction``, ``ignore_index``, a shared ``weight``) are shared.
+    Where the loss has no signature to bind to (a builtin), keywords are shared.
 
     No Python loop for ``cross_entropy``, ``nll_loss`` (class-index targets, no
     ``weight``) and elementwise losses (``mse_loss``, ``l1_loss``, ``smooth_l1_loss``,
@@ -375,13 +390,23 @@ def per_model(loss_fn: Callable[..., Tensor], *,
     for d in in_dims if isinstance(in_dims, tuple) else (in_dims,):
         if d not in (0, None):
             raise ValueError(f"per_model: in_dims entries must be 0 or None, got {in_dims}")
+    signature = _loss_signature(loss_fn)
+    if signature is not None and loss_kwargs:
+        try:
+            signature.bind_partial(**loss_kwargs)
+        except TypeError as exc:
+            name = _loss_name(loss_fn)
+            where = (f"set it where the loss module is built ({type(loss_fn).__name__}"
+                     f"({next(iter(loss_kwargs))}=...))" if isinstance(loss_fn, nn.Module)
+                     else "pass only keywords the loss takes")
+            raise FusionTypeError(
+                f"per_model({name}, {', '.join(f'{k}=...' for k in loss_kwargs)}): {exc} "
+                f"(its parameters: {', '.join(signature.parameters)}); {where}") from exc
 
     @functools.wraps(loss_fn)
     def losses(*args: Any, **kwargs: Any) -> Tensor:
-        if isinstance(in_dims, tuple):
-            dims = (in_dims + (None,) * len(args))[: len(args)]
-        else:  # one int (or None) for every positional argument, as in vmap
-            dims = (in_dims,) * len(args)
+        args, kwargs, dims = _bind_loss_arguments(
+            loss_fn, signature, in_dims, args, {**loss_kwargs, **kwargs})
         stacked = [a for a, d in zip(args, dims) if d == 0]
         if not stacked:
             raise ValueError("per_model: in_dims marks no argument as stacked (0)")
@@ -430,6 +455,65 @@ def per_model(loss_fn: Callable[..., Tensor], *,
         return torch.stack(outs)
 
     return losses
+
+
+def _loss_name(loss_fn: Callable[..., Tensor]) -> str:
+    return getattr(loss_fn, "__name__", type(loss_fn).__name__)
+
+
+def _loss_signature(loss_fn: Callable[..., Tensor]) -> inspect.Signature | None:
+    """The loss's signature (a module's: its ``forward``'s), or None where Python has none
+    (builtins)."""
+    try:
+        return inspect.signature(loss_fn.forward if isinstance(loss_fn, nn.Module) else loss_fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bind_loss_arguments(loss_fn, signature: inspect.Signature | None, in_dims,
+                         args: tuple[Any, ...], kwargs: dict[str, Any]
+                         ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[int | None, ...]]:
+    """``(args, kwargs, dims)`` for one call: the arguments bound to the loss's parameters
+    as the loss binds them, and each positional argument's in_dims entry::
+
+        nll_loss(out, target=y, reduction="sum"), in_dims=(0, None)
+            -> args (out, y), kwargs {"reduction": "sum"}, dims (0, None)
+
+    An argument passed by keyword to a positional parameter whose ``in_dims`` entry is 0
+    is moved to its position (the parameters between it and the others passed by
+    position take their defaults), so that it is stacked as if passed by position.
+    A wrong call raises the loss's own ``TypeError`` here, before anything runs."""
+    if signature is not None and kwargs:  # (positional arguments alone bind as given)
+        bound = signature.bind(*args, **kwargs)  # missing or doubled arguments: the loss's error
+        positional = [p for p in signature.parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        by_keyword = {p.name: k for k, p in enumerate(positional)
+                      if k >= len(args) and p.name in kwargs}
+        if not isinstance(in_dims, tuple):
+            tensors = [name for name in by_keyword if isinstance(kwargs[name], Tensor)]
+            if in_dims == 0 and tensors:
+                raise FusionArgumentError(
+                    f"per_model({_loss_name(loss_fn)}, in_dims=0): {', '.join(tensors)} "
+                    f"passed by keyword; in_dims=0 stacks the arguments passed by position "
+                    f"only, so it would be shared by all models. Pass it by position, or "
+                    f"in_dims as a tuple per parameter ((0, 0) stacks "
+                    f"{positional[1].name if len(positional) > 1 else 'the second'}, "
+                    f"(0, None) shares it)")
+        else:
+            moved = [k for name, k in by_keyword.items()
+                     if k < len(in_dims) and in_dims[k] == 0]
+            if moved:
+                last = max(moved)
+                args = tuple(args) + tuple(
+                    bound.arguments[p.name] if p.name in bound.arguments else p.default
+                    for p in positional[len(args): last + 1])
+                kwargs = {k: v for k, v in kwargs.items()
+                          if k not in {p.name for p in positional[: last + 1]}}
+    if isinstance(in_dims, tuple):
+        dims = (in_dims + (None,) * len(args))[: len(args)]
+    else:  # one int (or None) for every positional argument, as in vmap
+        dims = (in_dims,) * len(args)
+    return args, kwargs, dims
 
 
 def _flattened_loss(loss_fn, args, dims, n: int, kwargs: dict[str, Any]) -> Tensor | None:

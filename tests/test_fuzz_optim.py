@@ -77,6 +77,43 @@ def adagrad_config(draw):
                 eps=draw(st.sampled_from([1e-10, 1e-6])), maximize=draw(st.booleans()))
 
 
+@st.composite
+def adadelta_config(draw):
+    return dict(lr=draw(st.sampled_from([1.0, 0.5, 0.1, 1e-2])),
+                rho=draw(st.sampled_from([0.9, 0.95, 0.5, 0.0, 1.0])),
+                eps=draw(st.sampled_from([1e-6, 1e-3])), weight_decay=draw(WEIGHT_DECAYS),
+                maximize=draw(st.booleans()))
+
+
+@st.composite
+def adamax_config(draw):
+    return dict(lr=draw(LRS), betas=draw(BETAS), eps=draw(EPS),
+                weight_decay=draw(WEIGHT_DECAYS), maximize=draw(st.booleans()))
+
+
+#: NAdam's and RAdam's stock foreach and for-loop updates round differently: each model
+#: takes its own (set in its param group, as fuse_optimizers does).
+FOREACH = st.sampled_from([None, True, False])
+
+
+@st.composite
+def nadam_config(draw):
+    return dict(lr=draw(LRS), betas=draw(BETAS), eps=draw(EPS),
+                weight_decay=draw(WEIGHT_DECAYS),
+                momentum_decay=draw(st.sampled_from([4e-3, 0.0, 0.1])),
+                decoupled_weight_decay=draw(st.booleans()), maximize=draw(st.booleans()),
+                foreach=draw(FOREACH))
+
+
+@st.composite
+def radam_config(draw):
+    # beta2 0.5 and 0.9: never rectified (rho_inf = 3) and rectified from step 6 on.
+    betas = draw(BETAS | st.sampled_from([(0.9, 0.5), (0.9, 0.9)]))
+    return dict(lr=draw(LRS), betas=betas, eps=draw(EPS), weight_decay=draw(WEIGHT_DECAYS),
+                decoupled_weight_decay=draw(st.booleans()), maximize=draw(st.booleans()),
+                foreach=draw(FOREACH))
+
+
 # name -> (fused class, stock class, one model's stock keyword arguments)
 OPTIMIZERS = {
     "sgd": (ho.SGD, torch.optim.SGD, sgd_config()),
@@ -84,6 +121,10 @@ OPTIMIZERS = {
     "adamw": (ho.AdamW, torch.optim.AdamW, adam_config(decoupled_choice=False)),
     "rmsprop": (ho.RMSprop, torch.optim.RMSprop, rmsprop_config()),
     "adagrad": (ho.Adagrad, torch.optim.Adagrad, adagrad_config()),
+    "adadelta": (ho.Adadelta, torch.optim.Adadelta, adadelta_config()),
+    "adamax": (ho.Adamax, torch.optim.Adamax, adamax_config()),
+    "nadam": (ho.NAdam, torch.optim.NAdam, nadam_config()),
+    "radam": (ho.RAdam, torch.optim.RAdam, radam_config()),
 }
 
 SHAPES = st.lists(st.lists(st.integers(1, 5), max_size=3).map(tuple), min_size=1, max_size=3)
@@ -168,12 +209,12 @@ def assert_model_equals_stock(fused: nn.Module, opt, i: int, solo: nn.Module, st
                           f"{(mine.double() - theirs.double()).abs().max().item():.3g}", context)
 
 
-@examples(ci=150)
+@examples(ci=250)  # nine optimizer classes: ~28 examples each
 @given(run=runs())
 def test_random_runs_of_fused_optimizers_equal_stock(run):
     fused_cls, stock_cls, _ = OPTIMIZERS[run["name"]]
     configs, dtype, n = run["configs"], run["dtype"], len(run["configs"])
-    use_fused = run["name"].startswith("adam") and run["adam_path"] == "fused"
+    use_fused = run["name"] in ("adam", "adamw") and run["adam_path"] == "fused"
     if use_fused:
         configs = [dict(c, fused=True) for c in configs]
     g = torch.Generator().manual_seed(run["seed"])
@@ -199,12 +240,16 @@ def test_random_runs_of_fused_optimizers_equal_stock(run):
                 stock_step(i, [grad[i] for grad in random_grads(1.0)])
     fused = StackedModels(solos)
     with adam_path(run["adam_path"]):
-        keys = sorted(set().union(*configs) - {"fused"})
+        keys = sorted(set().union(*configs) - {"fused", "foreach"})
         per_model = {k: [c[k] for c in configs] for k in keys}
 
         def new_optimizer():
-            return fused_cls(fused.parameters(), **per_model,
-                             **({"fused": True} if use_fused else {}))
+            opt = fused_cls(fused.parameters(), **per_model,
+                            **({"fused": True} if use_fused else {}))
+            for group, config in zip(opt.param_groups, configs):
+                if "foreach" in config:  # one per model, as fuse_optimizers sets it
+                    group["foreach"] = config["foreach"]
+            return opt
 
         opt = ho.fuse_optimizers(fused, stock) if convert else new_optimizer()
         exact = True

@@ -82,7 +82,33 @@ CASES = {
         dict(lr=3e-2, lr_decay=0.01, initial_accumulator_value=0.1),
         dict(lr=1e-1, weight_decay=0.1, eps=1e-6, maximize=True),
     ]),
+    # pytorch/examples' MNIST and siamese networks: Adadelta(lr=1.0) and StepLR(gamma=0.7).
+    "adadelta": (ho.Adadelta, torch.optim.Adadelta, [
+        dict(lr=1.0),
+        dict(lr=0.5, rho=0.8, eps=1e-5, weight_decay=0.1),
+        dict(lr=0.1, rho=0.95, weight_decay=0.01, maximize=True),
+    ]),
+    "adamax": (ho.Adamax, torch.optim.Adamax, [
+        dict(lr=2e-3),
+        dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+        dict(lr=5e-3, betas=(0.5, 0.9), eps=1e-6, weight_decay=0.01, maximize=True),
+    ]),
+    "nadam": (ho.NAdam, torch.optim.NAdam, [
+        dict(lr=2e-3),
+        dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1, momentum_decay=1e-2),
+        dict(lr=5e-3, weight_decay=0.1, decoupled_weight_decay=True, maximize=True),
+        dict(lr=3e-3, betas=(0.5, 0.9), eps=1e-6, momentum_decay=0.0),
+    ]),
+    # beta2 = 0.5: rho_inf = 3, never rectified, while the others are from step 6 on.
+    "radam": (ho.RAdam, torch.optim.RAdam, [
+        dict(lr=1e-3),
+        dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+        dict(lr=5e-3, weight_decay=0.1, decoupled_weight_decay=True, maximize=True),
+        dict(lr=3e-3, betas=(0.9, 0.5), eps=1e-6),
+    ]),
 }
+#: The classes added with hftc.optim.Adadelta/Adamax/NAdam/RAdam.
+NEW_CASES = ["adadelta", "adamax", "nadam", "radam"]
 
 DTYPES = [torch.float64, torch.float32]
 
@@ -115,11 +141,13 @@ def test_each_model_matches_its_stock_run(case, dtype):
     assert_all_match(fused, solos, tolerance(dtype))
 
 
-@pytest.mark.parametrize("case", ["sgd", "adam", "rmsprop"])
+@pytest.mark.parametrize("case", ["sgd", "adam", "rmsprop", *NEW_CASES])
 def test_matches_stock_bit_for_bit_on_cpu(case):
     # The update repeats stock's ops with the same rounding, so on the CPU the
     # result is identical, not just close. (A GPU may round x*c+y differently.)
     assert_stock_bit_for_bit(case, torch.float64)
+    if case in NEW_CASES:
+        assert_stock_bit_for_bit(case, torch.float32)
 
 
 def assert_stock_bit_for_bit(case: str, dtype: torch.dtype) -> None:
@@ -298,7 +326,7 @@ def test_momentum_switched_on_later_starts_its_buffer_like_stock():
 # ----------------------------------------------------------------- skipping models
 
 
-@pytest.mark.parametrize("case", ["sgd", "adam", "rmsprop", "adagrad"])
+@pytest.mark.parametrize("case", ["sgd", "adam", "rmsprop", "adagrad", *NEW_CASES])
 def test_skip_models_leaves_a_model_exactly_as_it_was(case):
     fused_cls, stock_cls, configs = CASES[case]
     n = len(configs)
@@ -392,6 +420,11 @@ DIVERGING = {
     "rmsprop": (ho.RMSprop, torch.optim.RMSprop, [
         dict(lr=1e-2), dict(lr=1e300), dict(lr=1e-3, centered=True, momentum=0.5)]),
     "adagrad": (ho.Adagrad, torch.optim.Adagrad, [dict(lr=1e-2), dict(lr=1e300), dict(lr=1e-1)]),
+    "adadelta": (ho.Adadelta, torch.optim.Adadelta, [
+        dict(lr=1.0), dict(lr=1e300), dict(lr=0.5, weight_decay=0.01)]),
+    "adamax": (ho.Adamax, torch.optim.Adamax, [dict(lr=1e-2), dict(lr=1e300), dict(lr=3e-3)]),
+    "nadam": (ho.NAdam, torch.optim.NAdam, [dict(lr=1e-2), dict(lr=1e300), dict(lr=3e-3)]),
+    "radam": (ho.RAdam, torch.optim.RAdam, [dict(lr=1e-2), dict(lr=1e300), dict(lr=3e-3)]),
 }
 
 
@@ -665,3 +698,118 @@ def test_per_model_addcdiv_in_half_types_is_stocks_call(dtype):
     got = optimizer_module.addcdiv_(x.clone(), y, z,
                                     optimizer_module._Coefficients({"neg_lr": values}), "neg_lr")
     assert torch.equal(got, want)
+
+
+# ------------------------------------------- Adadelta, Adamax, NAdam, RAdam specifics
+
+
+def train_against_stock(fused_cls, stock_cls, configs, dtype, steps, *, skip=None):
+    """Train N models fused (``configs[i]`` per model, its ``foreach`` set in
+    ``param_groups[i]`` after construction, as fuse_optimizers sets it) and each alone with
+    its stock optimizer; ``skip(k)`` lists the models that skip step k. Returns
+    (fused, solos)."""
+    group_keys = ("foreach",)
+    models = make_models(len(configs), dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = fused_cls(fused.parameters(), **fused_kwargs(
+        stock_cls, [{k: v for k, v in c.items() if k not in group_keys} for c in configs]))
+    for group, config in zip(opt.param_groups, configs):
+        group.update({k: config[k] for k in group_keys if k in config})
+    batches = make_batches(steps, dtype)
+    for k, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        per_model_losses(fused, x, y).sum().backward()
+        opt.step(skip_models=None if skip is None else
+                 [i in skip(k) for i in range(len(configs))])
+    for i, (solo, config) in enumerate(zip(solos, configs)):
+        mine = [b for k, b in enumerate(batches) if skip is None or i not in skip(k)]
+        train_solo(solo, stock_cls(solo.parameters(), **config), mine)
+    return fused, solos
+
+
+def assert_bit_for_bit(fused, solos) -> None:
+    params = dict(fused.named_parameters())
+    for i, solo in enumerate(solos):
+        for name, p in solo.named_parameters():
+            assert torch.equal(params[name][i], p), (i, name, (params[name][i] - p).abs().max())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["nadam", "radam"])
+def test_nadam_and_radam_take_each_models_foreach_update_as_stock_does(case, dtype):
+    # Stock NAdam and RAdam round their foreach and for-loop updates differently (the
+    # denominators: sqrt(v / bc2) against sqrt(v) / sqrt(bc2)); each model gets the one
+    # its group's foreach picks, as fuse_optimizers carries it over per model.
+    fused_cls, stock_cls, configs = CASES[case]
+    flags = [None, True, False, True]
+    configs = [dict(c, foreach=f) for c, f in zip(configs, flags)]
+    fused, solos = train_against_stock(fused_cls, stock_cls, configs, dtype, 10)
+    assert_bit_for_bit(fused, solos)
+    # Not vacuous: model 1 alone with the other update ends elsewhere.
+    other = train_against_stock(fused_cls, stock_cls, [dict(configs[1], foreach=False)],
+                                dtype, 10)[0]
+    assert not torch.equal(next(other.parameters())[0], next(fused.parameters())[1])
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_radam_rectifies_each_model_by_its_own_step_count(foreach):
+    # Model 0 skips steps 2-4: it reaches step 6 (rho_t > 5, the first rectified step)
+    # three steps after the others, so for three steps the models take stock's two
+    # forms of the update at once.
+    configs = [dict(lr=1e-2, foreach=foreach), dict(lr=3e-3, foreach=foreach),
+               dict(lr=5e-3, weight_decay=0.1, foreach=foreach)]
+    fused, solos = train_against_stock(ho.RAdam, torch.optim.RAdam, configs, torch.float64, 10,
+                                       skip=lambda k: {0} if 2 <= k <= 4 else set())
+    assert_bit_for_bit(fused, solos)
+
+
+@pytest.mark.parametrize("case", NEW_CASES)
+def test_state_dict_resumes_the_new_optimizers_as_stock_continues(case):
+    import io
+
+    fused_cls, stock_cls, configs = CASES[case]
+    models = make_models(len(configs))
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    kwargs = fused_kwargs(stock_cls, configs)
+    opt = fused_cls(fused.parameters(), **kwargs)
+    batches = make_batches(8)
+    train_fused(fused, opt, batches[:3])
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = fused_cls(fused.parameters(), **kwargs)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    train_fused(fused, resumed, batches[3:])
+    for solo, config in zip(solos, configs):
+        train_solo(solo, stock_cls(solo.parameters(), **config), batches)
+    assert_bit_for_bit(fused, solos)
+    for p in fused.parameters():  # per-model scalars stay on the CPU in their dtype
+        for key in ("step", "mu_product"):
+            if key in opt.state[p]:
+                assert resumed.state[p][key].dtype == opt.state[p][key].dtype == torch.float32
+                assert resumed.state[p][key].device.type == "cpu"
+
+
+def test_new_optimizers_refuse_bad_values_naming_the_model():
+    fused = StackedModels(make_models(3))
+    with pytest.raises(ValueError, match="Invalid rho value for model 1: 1.5"):
+        ho.Adadelta(fused.parameters(), rho=[0.9, 1.5, 0.9])
+    with pytest.raises(ValueError, match="Invalid momentum_decay for model 2"):
+        ho.NAdam(fused.parameters(), momentum_decay=[4e-3, 4e-3, -1.0])
+    with pytest.raises(ValueError, match="beta parameter at index 1 for model 0"):
+        ho.RAdam(fused.parameters(), betas=[(0.9, 1.0), (0.9, 0.9), (0.9, 0.9)])
+    with pytest.raises(ValueError, match="Invalid eps for model 0"):
+        ho.Adamax(fused.parameters(), eps=[-1.0, 1e-8, 1e-8])
+
+
+def test_zero_and_minus_zero_are_not_one_shared_coefficient():
+    # RAdam's foreach update divides by a per-model -0.0 (an unrectified model): a row
+    # of 0.0 and -0.0 taken as one shared 0.0 gives one model the other's infinity.
+    coef = optimizer_module._Coefficients({"bc2_step": [0.0, -0.0], "same": [-0.0, -0.0]})
+    like = torch.ones(2, 3)
+    shared = coef.get("bc2_step", like)
+    assert isinstance(shared, torch.Tensor)
+    assert torch.equal(like / shared, torch.tensor([[1.0], [-1.0]]) * float("inf") * like)
+    assert coef.get("same", like) == 0.0 and str(coef.get("same", like)) == "-0.0"

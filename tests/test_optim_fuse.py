@@ -40,6 +40,19 @@ STOCK = {
     "adagrad": (torch.optim.Adagrad, ho.Adagrad, [
         dict(lr=1e-2), dict(lr=3e-2, lr_decay=0.01, initial_accumulator_value=0.1),
         dict(lr=1e-1)]),
+    "adadelta": (torch.optim.Adadelta, ho.Adadelta, [
+        dict(lr=1.0), dict(lr=0.5, rho=0.8, weight_decay=0.1), dict(lr=0.1, maximize=True)]),
+    "adamax": (torch.optim.Adamax, ho.Adamax, [
+        dict(lr=2e-3), dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+        dict(lr=5e-3, maximize=True)]),
+    # Each model's foreach travels with it (stock NAdam's and RAdam's two updates round
+    # differently).
+    "nadam": (torch.optim.NAdam, ho.NAdam, [
+        dict(lr=2e-3), dict(lr=1e-2, momentum_decay=1e-2, weight_decay=0.1, foreach=True),
+        dict(lr=5e-3, weight_decay=0.1, decoupled_weight_decay=True)]),
+    "radam": (torch.optim.RAdam, ho.RAdam, [
+        dict(lr=1e-3, foreach=True), dict(lr=1e-2, betas=(0.9, 0.5), weight_decay=0.1),
+        dict(lr=5e-3, weight_decay=0.1, decoupled_weight_decay=True, maximize=True)]),
 }
 
 
@@ -105,8 +118,8 @@ def test_errors_name_what_is_wrong():
     mixed = sgd[:2] + [torch.optim.Adam(models[2].parameters())]
     with pytest.raises(TypeError, match="optimizers\\[2\\] is Adam"):
         ho.fuse_optimizers(fused, mixed)
-    with pytest.raises(TypeError, match="does not support Adamax"):
-        ho.fuse_optimizers(fused, [torch.optim.Adamax(m.parameters()) for m in models])
+    with pytest.raises(TypeError, match="does not support Rprop"):
+        ho.fuse_optimizers(fused, [torch.optim.Rprop(m.parameters()) for m in models])
     swapped = [sgd[0], torch.optim.SGD(models[0].parameters(), lr=0.1), sgd[2]]
     with pytest.raises(ValueError, match="optimizers\\[1\\] holds a parameter .* not a "
                                          "parameter of model 1"):
@@ -180,7 +193,12 @@ def test_stock_optimizers_with_param_groups(fuser):
     lambda p: ho.AdamW(p, lr=[1e-2, 3e-2], weight_decay=[0.1, 0.0]),
     lambda p: ho.RMSprop(p, lr=[1e-2, 3e-3], momentum=0.9, centered=True),
     lambda p: ho.Adagrad(p, lr=[0.1, 0.2]),
-], ids=["sgd", "adam", "adamw", "rmsprop", "adagrad"])
+    lambda p: ho.Adadelta(p, lr=[1.0, 0.5], rho=[0.9, 0.8], weight_decay=[0.0, 0.1]),
+    lambda p: ho.Adamax(p, lr=[2e-3, 1e-2], betas=[(0.9, 0.999), (0.8, 0.99)]),
+    lambda p: ho.NAdam(p, lr=[2e-3, 1e-2], momentum_decay=[4e-3, 1e-2],
+                       decoupled_weight_decay=[False, True], weight_decay=0.1),
+    lambda p: ho.RAdam(p, lr=[1e-3, 1e-2], betas=[(0.9, 0.999), (0.9, 0.5)], maximize=True),
+], ids=["sgd", "adam", "adamw", "rmsprop", "adagrad", "adadelta", "adamax", "nadam", "radam"])
 def test_unfuse_optimizers_continues_each_model_as_the_fused_one(make):
     """fused.unfuse() gave the models back, but their optimizers' state (momentum, Adam's
     moments) had no public way back: hftc.optim.unfuse_optimizers gives N stock optimizers
@@ -207,3 +225,127 @@ def test_unfuse_optimizers_continues_each_model_as_the_fused_one(make):
     for i, m in enumerate(models):
         torch.testing.assert_close(m.weight, fused.weight[i], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(m.bias, fused.bias[i], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("case", ["adadelta", "adamax", "nadam", "radam"])
+def test_unfuse_then_fuse_optimizers_continues_bit_for_bit(case):
+    """fused optimizer -> unfuse_optimizers -> N stock optimizers (stock's state keys,
+    each model's foreach) -> fuse_optimizers -> fused again: the round trip changes
+    nothing, past RAdam's first rectified step (6) and with NAdam's mu_product."""
+    stock_cls, fused_cls, configs = STOCK[case]
+    models = make_models(len(configs))
+    fused = StackedModels(models)
+    stocks = [stock_cls(m.parameters(), **c) for m, c in zip(models, configs)]
+    opt = ho.fuse_optimizers(fused, stocks)
+    twin = copy.deepcopy(fused)  # trains on uninterrupted
+    twin_opt = ho.fuse_optimizers(twin, [stock_cls(m.parameters(), **c)
+                                         for m, c in zip(models, configs)])
+    batches = make_batches(10)
+    train_fused(fused, opt, batches[:7])
+    plain = fused.unfuse()
+    back = ho.unfuse_optimizers(fused, opt, plain)
+    for i, (stock, config) in enumerate(zip(back, configs)):
+        assert type(stock) is stock_cls
+        assert stock.param_groups[0]["foreach"] == config.get("foreach"), i
+        p0 = next(plain[i].parameters())
+        assert set(stock.state[p0]) == {
+            "adadelta": {"step", "square_avg", "acc_delta"},
+            "adamax": {"step", "exp_avg", "exp_inf"},
+            "nadam": {"step", "mu_product", "exp_avg", "exp_avg_sq"},
+            "radam": {"step", "exp_avg", "exp_avg_sq"}}[case]
+        assert stock.state[p0]["step"].item() == 7.0
+    again = StackedModels(plain)
+    opt_again = ho.fuse_optimizers(again, back)
+    train_fused(again, opt_again, batches[7:])
+    train_fused(twin, twin_opt, batches)
+    for (name, p), q in zip(twin.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_fused_from_resumed_stock_nadams_keeps_their_float64_mu_product():
+    # Stock NAdam's load_state_dict casts mu_product to the parameters' dtype (float64
+    # here, the default dtype float32): fuse_optimizers widens the fused one to it, so
+    # each model goes on multiplying in stock's dtype.
+    configs = STOCK["nadam"][2]
+    models = make_models(len(configs))
+    opts = [torch.optim.NAdam(m.parameters(), **c) for m, c in zip(models, configs)]
+    for m, o in zip(models, opts):
+        train_solo(m, o, make_batches(2, seed=99))
+    resumed = [torch.optim.NAdam(m.parameters(), **c) for m, c in zip(models, configs)]
+    for o, r in zip(opts, resumed):
+        r.load_state_dict(copy.deepcopy(o.state_dict()))
+    p0 = next(models[0].parameters())
+    assert resumed[0].state[p0]["mu_product"].dtype == torch.float64
+    fused = StackedModels(models)
+    opt = ho.fuse_optimizers(fused, resumed)
+    assert opt.state[next(fused.parameters())]["mu_product"].dtype == torch.float64
+    batches = make_batches(5)
+    train_fused(fused, opt, batches)
+    for m, o in zip(models, resumed):
+        train_solo(m, o, batches)
+    params = dict(fused.named_parameters())
+    for i, m in enumerate(models):
+        for name, p in m.named_parameters():
+            assert torch.equal(params[name][i], p), (i, name)
+
+
+class MnistNet(torch.nn.Module):
+    """pytorch/examples' mnist/main.py Net, narrower (1x10x10 inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3, 1)
+        self.conv2 = torch.nn.Conv2d(4, 8, 3, 1)
+        self.dropout1 = torch.nn.Dropout(0.25)
+        self.dropout2 = torch.nn.Dropout(0.5)
+        self.fc1 = torch.nn.Linear(72, 16)
+        self.fc2 = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.relu(self.conv1(x))
+        x = torch.nn.functional.relu(self.conv2(x))
+        x = torch.nn.functional.max_pool2d(x, 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(torch.nn.functional.relu(self.fc1(x)))
+        return torch.nn.functional.log_softmax(self.fc2(x), dim=1)
+
+
+def test_mnist_example_with_adadelta_step_lr_and_nll_loss_per_model():
+    """pytorch/examples' MNIST recipe for N models at once: hftc.fuse, Adadelta with each
+    model's lr, StepLR(step_size=1, gamma=0.7), F.nll_loss per model for training and
+    with reduction="sum" for the test loss; each model as its stock loop trains it.
+    (Eval mode: dropout's draws are the fused model's own, not the loop's.)"""
+    F = torch.nn.functional
+    dtype, lrs = torch.float64, [1.0, 0.5, 0.1]
+    torch.manual_seed(0)
+    models = [MnistNet().to(dtype).eval() for _ in lrs]
+    solos = [copy.deepcopy(m) for m in models]
+    fused = hftc.fuse(models)
+    opt = ho.Adadelta(fused.parameters(), lr=lrs)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 1, 10, 10, generator=g, dtype=dtype),
+                torch.randint(0, 10, (16,), generator=g)) for _ in range(4)]
+    for x, y in batches:
+        opt.zero_grad()
+        hftc.per_model(F.nll_loss)(fused(x), y).sum().backward()
+        opt.step()
+        scheduler.step()
+    stock_lrs = []
+    for solo, lr in zip(solos, lrs):
+        stock = torch.optim.Adadelta(solo.parameters(), lr=lr)
+        stock_scheduler = torch.optim.lr_scheduler.StepLR(stock, step_size=1, gamma=0.7)
+        for x, y in batches:
+            stock.zero_grad()
+            F.nll_loss(solo(x), y).backward()
+            stock.step()
+            stock_scheduler.step()
+        stock_lrs.append(stock.param_groups[0]["lr"])
+    assert [group["lr"] for group in opt.param_groups] == stock_lrs
+    assert_all_match(fused, solos, 1e-9)
+    x_test = torch.randn(32, 1, 10, 10, generator=g, dtype=dtype)
+    y_test = torch.randint(0, 10, (32,), generator=g)
+    with torch.no_grad():
+        test_loss = hftc.per_model(F.nll_loss, reduction="sum")(fused(x_test), y_test)
+        want = torch.stack([F.nll_loss(s(x_test), y_test, reduction="sum") for s in solos])
+    torch.testing.assert_close(test_loss, want, rtol=1e-9, atol=0)

@@ -20,7 +20,7 @@ from optim_helpers import (
     per_model_losses,
     single_thread,  # noqa: F401  (autouse fixture)
 )
-from test_optim import fused_kwargs
+from test_optim import CASES, NEW_CASES, fused_kwargs
 from torch.optim import lr_scheduler as sched
 
 import hftc.optim as ho
@@ -29,19 +29,19 @@ DTYPE = torch.float64
 
 
 def run(fused_cls, stock_cls, configs, make_fused_sched, make_solo_sched, steps=10,
-        metrics=None):
+        metrics=None, dtype=DTYPE):
     """Train fused and solo with schedules; return (fused, solos, fused lrs, solo lrs).
 
     ``metrics[k]`` (N values) is passed to the schedulers' ``step`` if given
     (ReduceLROnPlateau), else ``step()`` takes no argument.
     """
     n = len(configs)
-    models = make_models(n, DTYPE)
+    models = make_models(n, dtype)
     solos = [copy.deepcopy(m) for m in models]
     fused = StackedModels(models)
     opt = fused_cls(fused.parameters(), **fused_kwargs(stock_cls, configs))
     scheduler = make_fused_sched(opt)
-    batches = make_batches(steps, DTYPE)
+    batches = make_batches(steps, dtype)
     fused_lrs = []
     for k, (x, y) in enumerate(batches):
         opt.zero_grad()
@@ -80,6 +80,29 @@ def test_lambda_lr_with_one_lambda_per_model():
     check(*run(ho.Adam, torch.optim.Adam, ADAM_CONFIGS,
                lambda opt: sched.LambdaLR(opt, lambdas),
                lambda opt, i: sched.LambdaLR(opt, lambdas[i])))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", NEW_CASES)
+def test_per_model_schedules_of_adadelta_adamax_nadam_radam_are_stocks_bit_for_bit(case, dtype):
+    # Adadelta with StepLR(step_size=1, gamma=0.7): pytorch/examples' MNIST and siamese
+    # scripts (each model its own lr); the others with one LambdaLR lambda per model.
+    fused_cls, stock_cls, configs = CASES[case]
+    if case == "adadelta":
+        make_fused = lambda opt: sched.StepLR(opt, step_size=1, gamma=0.7)  # noqa: E731
+        make_solo = lambda opt, i: sched.StepLR(opt, step_size=1, gamma=0.7)  # noqa: E731
+    else:
+        lambdas = [lambda e: 0.9**e, lambda e: 1.0 / (1 + e), lambda e: 1.0 if e < 5 else 0.1,
+                   lambda e: min(1.0, (e + 1) / 4)][:len(configs)]
+        make_fused = lambda opt: sched.LambdaLR(opt, lambdas)  # noqa: E731
+        make_solo = lambda opt, i: sched.LambdaLR(opt, lambdas[i])  # noqa: E731
+    fused, solos, fused_lrs, solo_lrs = run(fused_cls, stock_cls, configs, make_fused,
+                                            make_solo, dtype=dtype)
+    check(fused, solos, fused_lrs, solo_lrs)
+    params = dict(fused.named_parameters())
+    for i, solo in enumerate(solos):
+        for name, p in solo.named_parameters():
+            assert torch.equal(params[name][i], p), (case, i, name)
 
 
 def test_step_lr():

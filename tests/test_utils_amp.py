@@ -285,6 +285,88 @@ def test_per_model_argument_errors():
             per_model(F.cross_entropy)(output, torch.randint(0, 2, (4,)))
 
 
+def test_per_model_takes_the_losss_keywords_for_each_model():
+    # pytorch/examples' MNIST test loop: F.nll_loss(output, target, reduction="sum").
+    # per_model(F.nll_loss, reduction="sum") was a TypeError; its keywords now bind as
+    # functools.partial binds them, and hold for each model's loss.
+    out = torch.log_softmax(torch.randn(3, 8, 5, dtype=torch.float64), -1).requires_grad_()
+    y = torch.randint(0, 5, (8,))
+    y[2] = -100
+    summed = per_model(F.nll_loss, reduction="sum")
+    got = summed(out, y)
+    want = loop(F.nll_loss, out, y, reduction="sum")
+    assert got.shape == (3,)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    (g,) = torch.autograd.grad(got.sum(), out)
+    (g_loop,) = torch.autograd.grad(want.sum(), out)
+    torch.testing.assert_close(g, g_loop, rtol=1e-12, atol=0)
+    # A call's own keywords override them, as functools.partial's do.
+    torch.testing.assert_close(summed(out, y, reduction="mean"), loop(F.nll_loss, out, y),
+                               rtol=1e-12, atol=0)
+    y4 = y.clamp(min=0)
+    weight = torch.rand(5, dtype=torch.float64)
+    for loss_kwargs in [dict(reduction="none"), dict(ignore_index=4, reduction="sum"),
+                        dict(weight=weight), dict(weight=weight, reduction="sum")]:
+        got = per_model(F.nll_loss, **loss_kwargs)(out, y4)
+        torch.testing.assert_close(got, loop(F.nll_loss, out, y4, **loss_kwargs),
+                                   rtol=1e-12, atol=0, msg=str(loss_kwargs))
+    ce = per_model(F.cross_entropy, label_smoothing=0.1, reduction="sum")(out, y)
+    torch.testing.assert_close(ce, loop(F.cross_entropy, out, y, label_smoothing=0.1,
+                                        reduction="sum"), rtol=1e-12, atol=0)
+
+
+def test_per_model_refuses_keywords_the_loss_does_not_take():
+    with pytest.raises(hftc.errors.FusionTypeError,
+                       match=r"per_model\(nll_loss, reductoin=...\): .*'reductoin'.*"
+                             r"its parameters: input, target, weight"):
+        per_model(F.nll_loss, reductoin="sum")
+    # A loss module's forward takes (input, target): its options are the module's.
+    with pytest.raises(hftc.errors.FusionTypeError,
+                       match=r"set it where the loss module is built \(BCELoss\(reduction"):
+        per_model(nn.BCELoss(), reduction="sum")
+    module = per_model(nn.BCELoss(reduction="sum"))
+    probs = torch.rand(2, 6, dtype=torch.float64)
+    target = torch.rand(6, dtype=torch.float64)
+    torch.testing.assert_close(module(probs, target),
+                               loop(nn.BCELoss(reduction="sum"), probs, target),
+                               rtol=1e-12, atol=0)
+
+
+def test_per_model_arguments_passed_by_keyword_bind_to_their_parameters():
+    out = torch.randn(3, 5, 2, dtype=torch.float64)
+    ys = torch.randn(3, 5, 2, dtype=torch.float64)
+    # in_dims=(0, 0) stacks the target also when it is passed by keyword (it was shared,
+    # broadcasting each model's [5, 2] output against all N targets: a silent wrong loss).
+    got = per_model(F.mse_loss, in_dims=(0, 0))(out, target=ys)
+    torch.testing.assert_close(got, loop(F.mse_loss, out, ys, stacked=True),
+                               rtol=1e-12, atol=0)
+    got = per_model(F.mse_loss, in_dims=(0, 0), reduction="sum")(input=out, target=ys)
+    torch.testing.assert_close(got, loop(F.mse_loss, out, ys, stacked=True, reduction="sum"),
+                               rtol=1e-12, atol=0)
+    # The output by keyword too (was: "in_dims marks no argument as stacked").
+    logits = torch.randn(3, 8, 4, dtype=torch.float64)
+    y = torch.randint(0, 4, (8,))
+    got = per_model(F.cross_entropy)(input=logits, target=y)
+    torch.testing.assert_close(got, loop(F.cross_entropy, logits, y), rtol=1e-12, atol=0)
+    # A per-model class weight by keyword, stacked by its in_dims entry (position 2).
+    weights = torch.rand(3, 4, dtype=torch.float64)
+    log_probs = torch.log_softmax(logits, -1)
+    got = per_model(F.nll_loss, in_dims=(0, None, 0))(log_probs, y, weight=weights)
+    want = torch.stack([F.nll_loss(log_probs[i], y, weight=weights[i]) for i in range(3)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    # in_dims=0 stacks what is passed by position (vmap's int): a tensor by keyword to a
+    # positional parameter would be shared; refused as ambiguous, saying what to do.
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"per_model\(mse_loss, in_dims=0\): target passed by keyword.*"
+                             r"Pass it by position, or in_dims as a tuple"):
+        per_model(F.mse_loss, in_dims=0)(out, target=ys)
+    # A wrong call is the loss's own TypeError, before anything runs.
+    with pytest.raises(TypeError, match="multiple values for argument 'target'"):
+        per_model(F.mse_loss)(out, ys, target=ys)
+    with pytest.raises(TypeError, match="missing .*'target'"):
+        per_model(F.mse_loss)(out)
+
+
 # ------------------------------------------------------------------------- scaler
 
 

@@ -12,16 +12,21 @@ parameters themselves live in ``param_groups[0]["params"]`` (see
 """
 
 from . import coupled  # noqa: F401  (refuses stock optimizers that couple the models)
+from .adadelta import Adadelta
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
+from .adamax import Adamax
 from .convert import fuse_optimizers, unfuse_optimizers
 from .lbfgs import LBFGS
 from .lr_scheduler import ReduceLROnPlateau
+from .nadam import NAdam
 from .optimizer import FusedOptimizer
+from .radam import RAdam
 from .rmsprop import RMSprop
 from .sgd import SGD
 
 __all__ = [
-    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "LBFGS", "FusedOptimizer",
+    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam",
+    "LBFGS", "FusedOptimizer",
     "ReduceLROnPlateau", "fuse_optimizers", "unfuse_optimizers",
 ]

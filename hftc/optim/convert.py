@@ -9,9 +9,13 @@ from typing import Any
 import torch
 
 from ..errors import FusionArgumentError
+from .adadelta import Adadelta
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
+from .adamax import Adamax
+from .nadam import NAdam
 from .optimizer import FusedOptimizer
+from .radam import RAdam
 from .rmsprop import RMSprop
 from .sgd import SGD
 
@@ -24,6 +28,10 @@ _FUSED_CLASS: dict[type, type[FusedOptimizer]] = {
     torch.optim.AdamW: AdamW,
     torch.optim.RMSprop: RMSprop,
     torch.optim.Adagrad: Adagrad,
+    torch.optim.Adadelta: Adadelta,
+    torch.optim.Adamax: Adamax,
+    torch.optim.NAdam: NAdam,
+    torch.optim.RAdam: RAdam,
 }
 # Group keys not copied into the fused optimizer's groups: the parameters, and the flags
 # the fused constructor takes once for all models (``foreach``, one per model in torch's
@@ -36,8 +44,9 @@ def fuse_optimizers(fused: torch.nn.Module,
     """One fused optimizer that continues N stock optimizers, each model as if alone.
 
     ``optimizers[i]`` is a stock ``torch.optim`` optimizer (all of one class: SGD,
-    Adam, AdamW, RMSprop or Adagrad) with one param group over the parameters of
-    the model that was ``models[i]`` in ``fused = hftc.fuse(models)``::
+    Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, NAdam or RAdam) with one param
+    group over the parameters of the model that was ``models[i]`` in
+    ``fused = hftc.fuse(models)``::
 
         opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(models, lrs)]
         fused = hftc.fuse(models)

@@ -46,6 +46,7 @@ models' results are then selected with ``torch.where``, never blended.
 
 from __future__ import annotations
 
+import math
 import numbers
 from array import array
 from collections.abc import Iterable, Sequence
@@ -54,6 +55,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from ..compile_guard import run_eagerly
 from ..errors import FusionArgumentError
@@ -119,9 +121,11 @@ class _Coefficients:
         self._row = {name: k for k, name in enumerate(values)}
         self._rows = [[float(v) for v in vs] for vs in values.values()]
         # Shared by all N models -> that value; else False.  (NaN never compares equal,
-        # so a NaN hyper-parameter takes the tensor path.)
+        # so a NaN hyper-parameter takes the tensor path; 0.0 and -0.0 are not shared:
+        # dividing by them gives infinities of opposite signs.)
         self._uniform: dict[str, float | bool] = {
-            name: row[0] if all(v == row[0] for v in row) else False
+            name: row[0] if all(v == row[0] and math.copysign(1.0, v) == math.copysign(
+                1.0, row[0]) for v in row) else False
             for name, row in zip(values, self._rows)
         }
         self._cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
@@ -220,6 +224,10 @@ class FusedOptimizer(Optimizer):
     #: keeps them (so ``state_dict`` and ``load_state_dict`` carry them).  Checked by
     #: :meth:`_check_flags`; ``fused`` is stored as a bool.
     _flags: ClassVar[dict[str, Any]] = {"differentiable": False}
+
+    #: State keys of one scalar per model (``[N]``, on the CPU in stock's scalar dtype)
+    #: that ``load_state_dict`` keeps as saved, where torch's would cast or move them.
+    _per_model_scalar_state: ClassVar[tuple[str, ...]] = ("step",)
 
     #: Tells torch.amp.GradScaler to hand its scale and found-inf flag to ``step`` (as
     #: ``self.grad_scale`` / ``self.found_inf``) instead of skipping the whole step
@@ -400,15 +408,16 @@ class FusedOptimizer(Optimizer):
                 f"{cls}.load_state_dict: the state dict is for {len(extra['group_of'])} "
                 f"parameters, this optimizer has {len(params)}")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "hftc"})
-        # torch moves a fused group's step counts to the parameter's device as float32;
-        # hftc keeps them on the CPU as saved, fused or not (where _count_steps counts
-        # them and the update reads them).
+        # torch moves a fused group's step counts to the parameter's device as float32
+        # (and NAdam's mu_product to the parameter's device and dtype); hftc keeps them
+        # on the CPU as saved, fused or not (where the update reads them).
         for index, p in zip(groups[0]["params"], params):
-            saved = state_dict.get("state", {}).get(index, {}).get("step")
-            loaded = self.state[p].get("step") if p in self.state else None
-            if isinstance(saved, Tensor) and isinstance(loaded, Tensor) \
-                    and (loaded.device != saved.device or loaded.dtype != saved.dtype):
-                self.state[p]["step"] = saved.to("cpu").clone()
+            for key in self._per_model_scalar_state:
+                saved = state_dict.get("state", {}).get(index, {}).get(key)
+                loaded = self.state[p].get(key) if p in self.state else None
+                if isinstance(saved, Tensor) and isinstance(loaded, Tensor) \
+                        and (loaded.device != saved.device or loaded.dtype != saved.dtype):
+                    self.state[p][key] = saved.to("cpu").clone()
         if extra is not None:  # as torch restores each group's hyper-parameters
             self._group_of = list(extra["group_of"])
             self._group_overrides = [
@@ -544,6 +553,19 @@ class FusedOptimizer(Optimizer):
                     f"{key} ({[g.get(key) for g in groups]}); it picks how the update runs "
                     f"for all N models at once: set one value in every group")
         return value
+
+    def _stock_foreach(self, params: list[Tensor]) -> list[bool]:
+        """Per model, whether its stock optimizer would run its ``foreach`` update on
+        ``params`` rather than its for-loop one (``torch.optim.optimizer.
+        _default_to_fused_or_foreach``: ``foreach=None`` means foreach where every
+        parameter is on a device with foreach kernels, CUDA, not the CPU).
+
+        For the classes whose two updates round differently (NAdam, RAdam): each model
+        gets the one its group's ``foreach`` picks (``fuse_optimizers`` copies it per model).
+        """
+        default = all(p.device.type in _get_foreach_kernels_supported_devices() for p in params)
+        return [default if g.get("foreach") is None else bool(g["foreach"])
+                for g in self.param_groups]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only used while constructing: groups are models, so none can be added later."""
