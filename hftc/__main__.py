@@ -107,15 +107,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """The benchmark suite lives in the source checkout's ``benchmarks/``, next to ``hftc/``."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "cli.py").exists():
-        print(f"hftc: bench needs the source checkout's benchmarks/ folder (looked in {root}); "
-              f"run it from a clone of the repository", file=sys.stderr)
-        return 2
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks.cli import run
+    from .bench.cli import run
 
     return run(args)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -178,11 +179,10 @@ def markdown(result: dict) -> str:
 
 
 def _targets_table(result: dict) -> list[str]:
-    out = ["### Targets", "",
-           "*95% interval*: of the ratio of medians, over the rounds resampled "
-           "(bootstrap); *within noise*: the interval spans the target.", "",
-           "| target | measured (ratio of medians) | 95% interval | met |", "|---|---|---|---|"]
+    out = []
     for workload, n, other, want in TARGETS:
+        if not _ran(result, workload, n, ("hftc", other)):
+            continue  # a run without that workload, N or contender says nothing of it
         got = ratio(result, workload, n, "hftc", other)
         interval = ratio_interval(result, workload, n, "hftc", other)
         out.append(f"| {workload} N={n}: hftc >= {want}x {other} | {_fmt_ratio(got)} | "
@@ -202,7 +202,20 @@ def _targets_table(result: dict) -> list[str]:
                    f"{_verdict(worst[0], interval, 1.0)} |")
     if _on_gpu(result):
         out += _gpu_targets(result)
-    return out + [""]
+    if not out:
+        return []
+    return ["### Targets", "",
+            "*95% interval*: of the ratio of medians, over the rounds resampled "
+            "(bootstrap); *within noise*: the interval spans the target.", "",
+            "| target | measured (ratio of medians) | 95% interval | met |", "|---|---|---|---|",
+            *out, ""]
+
+
+def _ran(result: dict, workload: str, n: int, contenders: tuple[str, ...]) -> bool:
+    """Whether the run measured every one of ``contenders`` on ``workload`` at N = ``n``."""
+    configs = result["workloads"].get(workload, {}).get("configs", [])
+    return any(cfg["n"] == n and all(cfg["contenders"].get(c) for c in contenders)
+               for cfg in configs)
 
 
 #: HFTA's lowest published training speedup over serial on a GPU (ANCHORS.md: 2.42-11.50x
@@ -219,6 +232,8 @@ def _gpu_targets(result: dict) -> list[str]:
             continue
         n = max(c["n"] for c in configs)
         for other, want in (("serial", HFTA_GPU_SERIAL), ("torch.func", 1.5)):
+            if not _ran(result, name, n, ("hftc", other)):
+                continue
             got = ratio(result, name, n, "hftc", other)
             interval = ratio_interval(result, name, n, "hftc", other)
             label = "HFTA's lowest published" if other == "serial" else ""
@@ -437,18 +452,22 @@ def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
             ax.axis("off")
         handles, labels = max((ax.get_legend_handles_labels() for ax in axes.flat),
                               key=lambda hl: len(hl[1]))
-        fig.legend(handles, labels, loc="lower center", ncol=len(labels),
-                   bbox_to_anchor=(0.5, -0.01))
+        # A legend row and a title as wide as three panels: wrapped to the figure's width,
+        # and the file cut to what is drawn (bbox_inches="tight"), so neither is clipped.
+        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 2 * cols),
+                   bbox_to_anchor=(0.5, 0.0))
         gpu = result["machine"].get("gpu")
         where = (f"{gpu['name']}, {result['config'].get('precision', 'fp32')}" if gpu else
                  f"{result['machine']['cpu']}, one core per contender, "
                  f"{result['threads']} thread/process")
-        fig.suptitle(f"hftc bench ({result['config']['name']}): training-step {kind} vs N; "
-                     f"{where}; median and min-max over rounds" if kind == "throughput" else
-                     f"hftc bench ({result['config']['name']}): peak memory vs N; {where}")
-        fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+        title = (f"hftc bench ({result['config']['name']}): training-step {kind} vs N; "
+                 f"{where}; median and min-max over rounds" if kind == "throughput" else
+                 f"hftc bench ({result['config']['name']}): peak memory vs N; {where}")
+        fig.suptitle(textwrap.fill(title, width=int(14 * fig.get_figwidth())))
+        fig.tight_layout()
+        out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"{stem}_{kind}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths.append(path)
     return paths
