@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 # several GB of CUDA wheels when a dependency asks for "torch".
 TORCH  := torch==2.13.0
 
-.PHONY: install demo test lint fuzz bench clean
+.PHONY: install demo test lint fuzz bench check-wheel clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,9 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 # The main job: a real fused Optuna sweep (48 trials of a CNN on 8x8 digits, 16 per fused
-# array), its leaderboard and its measured speedup. `python -m hftc demo` times one step.
+# array), its leaderboard and its measured speedup.
 demo: install
-	$(PY) -m hftc sweep --demo
+	$(VENV)/bin/hftc demo
 
 test: install
 	$(PY) -m pytest -q -x --timeout=900 tests
@@ -38,7 +38,11 @@ fuzz: install
 	@echo "examples checked: $$(wc -l < fuzz.log)"
 
 bench: install
-	$(PY) -m hftc bench
+	$(VENV)/bin/hftc bench
+
+# The wheel in a fresh venv next to the pinned torch (minutes: it installs torch there).
+check-wheel: install
+	scripts/check_wheel.sh $(PY)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

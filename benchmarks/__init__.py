@@ -1,4 +1,5 @@
-"""hftc's benchmark suite: hftc against the baselines a user would pick (docs/BENCHMARKS.md).
+"""hftc's benchmark suite lives in :mod:`hftc.bench` (installed with hftc); this folder keeps
+the source checkout's results (``results/``) and the ``python -m benchmarks`` shortcut.
 
-``python -m hftc bench [--quick]``; see :mod:`benchmarks.suite`.
+``hftc bench [--quick]`` is the suite; docs/BENCHMARKS.md describes it.
 """

@@ -1,4 +1,4 @@
-"""``python -m benchmarks ARGS`` is ``python -m hftc bench ARGS``."""
+"""``python -m benchmarks ARGS`` is ``hftc bench ARGS``."""
 
 import sys
 

@@ -1,4 +1,9 @@
-"""``python -m hftc``: inspect a fusion, run the demo, run benchmarks."""
+"""``hftc`` (or ``python -m hftc``): inspect a fusion, run the demo, run benchmarks, sweep.
+
+The parsers import nothing heavy (``hftc/__init__.py`` loads no torch until something
+imports it), so ``hftc --help`` and every subcommand's ``--help`` answer in a fraction of a
+second; torch and hftc's core are imported inside the command handlers.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
-from .cli_args import int_list, non_negative_int, positive_int
+from .bench import names as bench_names
+from .cli_args import InputSpec, input_spec, int_list, non_negative_int, positive_int
 from .errors import FusionError
 
 
@@ -41,36 +45,39 @@ def _load_factory(spec: str):
         raise SystemExit(f"hftc: {module_name} has no attribute {attr!r}") from exc
 
 
-def graph_to_dot(fused, title: str = "fused") -> str:
-    """The fused graph as Graphviz DOT: one box per op, labelled with the rule that made it."""
-    program = fused.last_program()
-    lines = [f'digraph "{title}" {{', "  rankdir=TB;", '  node [shape=box, fontname="monospace"];']
-    colors = {"loop": "mistyrose", "shared": "lightgrey"}
-    for node in program.graph.nodes:
-        if node.op == "get_attr":
-            continue
-        rule = node.meta.get("hftc_rule", node.op)
-        origin = node.meta.get("hftc_origin", [])
-        label = f"{node.name}\\n{getattr(node.target, '__name__', node.target)}\\n[{rule}]"
-        if origin:
-            label += f"\\n<- {origin[0]} x{len(origin)}"
-        color = colors.get(rule, "lightblue" if rule not in ("placeholder", "output") else "white")
-        lines.append(f'  "{node.name}" [label="{label}", style=filled, fillcolor={color}];')
-        for arg in node.all_input_nodes:
-            if arg.op != "get_attr":
-                lines.append(f'  "{arg.name}" -> "{node.name}";')
-    lines.append("}")
-    return "\n".join(lines)
+def _example_input(spec: InputSpec, model) -> object:
+    """A random tensor for ``spec``; integer values in [0, HIGH), HIGH by default the
+    smallest ``num_embeddings`` of the model's embeddings (else 2), so token ids are valid."""
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    if dtype.is_floating_point:
+        return torch.randn(spec.shape, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, spec.shape).bool()
+    high = spec.high or min((m.num_embeddings for m in model.modules()
+                             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))),
+                            default=2)
+    return torch.randint(0, high, spec.shape, dtype=dtype)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     import hftc
 
+    from .cli_graph import graph_to_dot
+
+    specs = list(args.input or [])
+    if args.input_shape:
+        specs.insert(0, input_spec(args.input_shape))
+    if not specs:
+        print("hftc inspect: give the model's inputs: --input [DTYPE:]SHAPE, once per input "
+              "(e.g. --input long:8,16 --input float:8,16)", file=sys.stderr)
+        return 2
     factory = _load_factory(args.factory)
     models = [factory() for _ in range(args.n)]
-    shape = tuple(int(s) for s in args.input_shape.split(","))
-    fused = hftc.fuse(models)
-    fused.compile(torch.randn(*shape))
+    inputs = [_example_input(spec, models[0]) for spec in specs]
+    fused = hftc.fuse(models, autotune=args.autotune)
+    fused.compile(*inputs)
     program = fused.last_program()
     if args.format == "text":
         text = f"{program.report}\n\nfused graph (generated forward):\n{program.source}"
@@ -79,7 +86,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print(text)
         return 0
-    dot = graph_to_dot(fused, args.factory)
+    dot = graph_to_dot(fused, f"{args.factory} x{args.n}")
     if args.format == "dot":
         if args.output:
             Path(args.output).write_text(dot)
@@ -87,35 +94,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(dot)
         return 0
     if shutil.which("dot") is None:
-        print("hftc: --format svg needs Graphviz's `dot` program, which is not installed "
-              "(Debian: apt-get install graphviz). Use --format dot to write the DOT text.",
-              file=sys.stderr)
+        print(f"hftc: --format {args.format} needs Graphviz's `dot` program, which is not "
+              f"installed (Debian: apt-get install graphviz). Use --format dot to write the DOT "
+              f"text.", file=sys.stderr)
         return 2
     if not args.output:
-        print("hftc: --format svg needs -o FILE", file=sys.stderr)
+        print(f"hftc: --format {args.format} needs -o FILE", file=sys.stderr)
         return 2
-    subprocess.run(["dot", "-Tsvg", "-o", args.output], input=dot.encode(), check=True)
+    subprocess.run(["dot", f"-T{args.format}", "-o", args.output], input=dot.encode(),
+                   check=True)
     print(f"wrote {args.output}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .speed import run_demo
+    """The one demo: the fused Optuna sweep of ``make demo`` (``sweep --demo`` runs it too)."""
+    from .sweep.cli import main as sweep_main
 
-    run_demo(args.n)
-    return 0
+    args.demo, args.spec = True, None
+    return sweep_main(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """The benchmark suite lives in the source checkout's ``benchmarks/``, next to ``hftc/``."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "cli.py").exists():
-        print(f"hftc: bench needs the source checkout's benchmarks/ folder (looked in {root}); "
-              f"run it from a clone of the repository", file=sys.stderr)
-        return 2
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from benchmarks.cli import run
+    from .bench.cli import run
 
     return run(args)
 
@@ -126,30 +127,69 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return sweep_main(args)
 
 
+def _listing(title: str, entries: dict[str, str]) -> str:
+    width = max(map(len, entries))
+    return f"{title}:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, text in entries.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The command line; builds without importing torch (tests/test_cli.py checks)."""
+    from .sweep.cli import add_arguments as add_sweep_arguments
+    from .sweep.cli import add_demo_arguments
+
     parser = argparse.ArgumentParser(
-        prog="python -m hftc", description="hftc: fuse N PyTorch models into one module."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="fuse N models from a factory; print the fusion report "
-                                       "and the fused graph")
+        prog="hftc", description="hftc: fuse N PyTorch models into one module.",
+        epilog="`hftc COMMAND --help` for a command's options; `python -m hftc` is the same.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "inspect", help="fuse N models from a factory; print the fusion report and the fused "
+                        "graph", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fuse N models made by FACTORY, compile them for example inputs and print "
+                    "the fusion report and the generated forward, or draw the fused graph.",
+        epilog="examples:\n"
+               "  hftc inspect tests/zoo.py:resnet_small --input 8,3,32,32\n"
+               "  hftc inspect mymodels:make_gpt --input long:8,64            # token ids\n"
+               "  hftc inspect mymodels:make_pair --input long:8,16 --input float:8,16\n"
+               "  hftc inspect tests/zoo.py:resnet_small --input 8,3,32,32 --format png "
+               "-o resnet.png")
     p.add_argument("factory", help="MODULE:FACTORY or path/to/file.py:FACTORY (called N times)")
     p.add_argument("-n", type=positive_int, default=3, help="number of models (default 3)")
-    p.add_argument("--input-shape", type=int_list, required=True,
-                   help="e.g. 8,3,32,32 (a shared input)")
-    p.add_argument("--format", choices=["text", "dot", "svg"], default="text")
+    p.add_argument("--input", action="append", type=input_spec, metavar="[DTYPE:]SHAPE[:HIGH]",
+                   help="one example input, in the order forward takes them (repeat for "
+                        "several): e.g. 8,3,32,32 (float), long:8,16 (token ids in [0, the "
+                        "smallest nn.Embedding's size)), long:8,16:1000 (ids in [0, 1000)); "
+                        "DTYPE: float, double, half, bfloat16, long, int, bool")
+    p.add_argument("--input-shape", type=int_list, metavar="SHAPE",
+                   help="the same as --input SHAPE (one float input)")
+    p.add_argument("--format", choices=["text", "dot", "svg", "png"], default="text",
+                   help="text (default): the fusion report and the generated forward; dot: "
+                        "the fused graph as Graphviz DOT (shapes, chosen kernels, a legend); "
+                        "svg, png: that graph drawn by Graphviz's `dot` (needs -o)")
+    p.add_argument("--autotune", action="store_true",
+                   help="time the kernels' lowerings and keep the fastest, as "
+                        "hftc.fuse(..., autotune=True) (default: the cost model's choice)")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(fn=cmd_inspect)
-    p = sub.add_parser("demo", help="measure a fused training step against a serial loop")
-    p.add_argument("-n", type=positive_int, default=16, help="number of models (default 16)")
+    p = sub.add_parser("demo", help="the demo (make demo): a fused Optuna sweep of a CNN on "
+                                    "8x8 digits and its speedup over training trials one by one")
+    add_demo_arguments(p)
     p.set_defaults(fn=cmd_demo)
-    p = sub.add_parser("bench", help="training-step throughput of hftc against serial, "
-                                     "concurrent, torch.func and hand-fused baselines")
-    p.add_argument("--quick", action="store_true", help="the < 3 min suite (MLP, LeNet-5)")
-    p.add_argument("--workloads", default="", help="comma-separated (default: the suite's)")
+    p = sub.add_parser(
+        "bench", help="training-step throughput of hftc against serial, concurrent, "
+                      "torch.func and hand-fused baselines",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_listing("workloads", bench_names.WORKLOADS) + "\n\n"
+        + _listing("contenders", bench_names.CONTENDERS)
+        + "\n\nexample: hftc bench --workloads mlp --sizes 2 --contenders serial,hftc "
+          "--rounds 1 --compile-sizes '' --max-n ''   (seconds)")
+    p.add_argument("--quick", action="store_true",
+                   help="the short suite (mlp and lenet5, a few sizes; minutes)")
+    p.add_argument("--workloads", default="", help="comma-separated, from the list below "
+                                                   "(default: the suite's)")
     p.add_argument("--sizes", type=int_list, default="",
                    help="values of N for every workload, e.g. 1,4,16")
-    p.add_argument("--contenders", default="", help="comma-separated (default: all)")
+    p.add_argument("--contenders", default="",
+                   help="comma-separated, from the list below (default: all)")
     p.add_argument("--rounds", type=non_negative_int, default=0,
                    help="timed rounds (default: per workload)")
     p.add_argument("--device", default="cpu",
@@ -170,14 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="search the largest N that fits the memory cap ('' for none)")
     p.add_argument("--mem-cap", type=float, default=None,
                    help="MiB, for --max-n (default 1024 on the CPU, the whole GPU on a GPU)")
-    p.add_argument("--out", default="", help="results JSON (default benchmarks/results/NAME.json)")
+    p.add_argument("--out", default="",
+                   help="results JSON (default: benchmarks/results/NAME.json in a source "
+                        "checkout, else hftc-bench-results/NAME.json); its folder is created")
     p.add_argument("--docs", default="", help="also update this markdown file's tables")
-    p.add_argument("--plots", default="", help="also write PNG plots into this folder")
+    p.add_argument("--plots", default="",
+                   help="also write PNG plots into this folder (created if missing)")
     p.set_defaults(fn=cmd_bench)
-    from .sweep.cli import add_arguments as add_sweep_arguments
-
-    p = sub.add_parser("sweep", help="a fused hyper-parameter sweep with Optuna (make demo: "
-                                     "--demo)")
+    p = sub.add_parser("sweep", help="a fused hyper-parameter sweep with Optuna over a spec "
+                                     "file")
     add_sweep_arguments(p)
     p.set_defaults(fn=cmd_sweep)
     return parser

@@ -4,6 +4,7 @@ usage error (exit 2) naming the option, not a traceback from the command."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 
 def positive_int(text: str) -> int:
@@ -37,3 +38,47 @@ def int_list(text: str) -> str:
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
     return text
+
+
+#: ``--input`` dtype names -> torch dtype attribute names (no torch import for the parser).
+INPUT_DTYPES = {
+    "float": "float32", "float32": "float32", "double": "float64", "float64": "float64",
+    "half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+    "long": "int64", "int64": "int64", "int": "int32", "int32": "int32", "bool": "bool",
+}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One example input of ``hftc inspect``: ``long:8,16`` -> dtype "int64", shape (8, 16);
+    ``high``: integer values are drawn from [0, high) (None: inspect picks)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    high: int | None = None
+
+
+def input_spec(text: str) -> InputSpec:
+    """An argparse type: ``[DTYPE:]SHAPE[:HIGH]``, e.g. ``8,3,32,32``, ``long:8,16``,
+    ``long:8,16:1000`` (token ids in [0, 1000)); DTYPE one of :data:`INPUT_DTYPES`."""
+    parts = text.split(":")
+    dtype = "float"
+    if parts[0].strip().lower() in INPUT_DTYPES:
+        dtype = parts.pop(0).strip().lower()
+    elif not parts[0].replace(",", "").replace(" ", "").isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: unknown dtype {parts[0]!r}; use one of {', '.join(INPUT_DTYPES)}")
+    if not parts or len(parts) > 2 or not parts[0].strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected [DTYPE:]SHAPE[:HIGH], e.g. long:8,16 or 8,3,32,32")
+    shape = tuple(positive_int(p) for p in int_list(parts[0]).split(",") if p.strip())
+    high = None
+    if len(parts) == 2:
+        if INPUT_DTYPES[dtype] not in ("int64", "int32"):
+            raise argparse.ArgumentTypeError(f"{text!r}: HIGH (values in [0, HIGH)) is for "
+                                             f"integer inputs, not {dtype}")
+        try:
+            high = positive_int(parts[1])
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: HIGH {exc}") from None
+    return InputSpec(INPUT_DTYPES[dtype], shape, high)

@@ -6,9 +6,9 @@
 # Run each part on the GPU machine (python3 with a CUDA torch; PYTHONPATH is set here),
 # bring OUT_DIR's JSON files back, then merge them on any machine:
 #
-#   .venv/bin/python -m benchmarks.report DIR/{mlp,lenet5,pointnet,resnet18,mobilenet_v2,transformer}.json \
+#   .venv/bin/python -m hftc.bench.report DIR/{mlp,lenet5,pointnet,resnet18,mobilenet_v2,transformer}.json \
 #       --docs docs/BENCHMARKS.md --block cuda --plots docs --stem bench_cuda
-#   .venv/bin/python -m benchmarks.report DIR/bf16-*.json \
+#   .venv/bin/python -m hftc.bench.report DIR/bf16-*.json \
 #       --docs docs/BENCHMARKS.md --block cuda-bf16 --plots docs --stem bench_cuda-bf16
 #
 # Time limits per workload come from the H100 run of 2026-11-22 (docs/BENCHMARKS.md):

@@ -1,4 +1,4 @@
-"""The benchmark suite's machinery (benchmarks/): correctness and output structure, no timings.
+"""The benchmark suite's machinery (hftc/bench/): correctness and output structure, no timings.
 
 * the hand-fused references compute what the N stock models compute;
 * every in-process contender trains the same N models: after one step their
@@ -15,20 +15,16 @@ from __future__ import annotations
 import copy
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks import report, runner  # noqa: E402
-from benchmarks.contenders import CONTENDERS, build_step, make_models  # noqa: E402
-from benchmarks.handfused import HAND_FUSED, hand_fuse  # noqa: E402
-from benchmarks.suite import SuiteConfig, run_suite  # noqa: E402
-from benchmarks.workloads import WORKLOADS  # noqa: E402
+from hftc.bench import report, runner
+from hftc.bench.contenders import CONTENDERS, build_step, make_models
+from hftc.bench.handfused import HAND_FUSED, hand_fuse
+from hftc.bench.suite import SuiteConfig, run_suite
+from hftc.bench.workloads import WORKLOADS
 
 
 def _prediction(out):
@@ -200,7 +196,7 @@ class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("contender", ["serial", "torch.func", "hand-fused", "hftc"])
 def test_precision_runs_the_products_in_that_dtype(contender, precision, dtype):
     """bf16: AMP (matrix products in bfloat16, parameters and optimizer in fp32)."""
-    from benchmarks.contenders import Setting
+    from hftc.bench.contenders import Setting
 
     step = build_step(contender, "mlp", 2, setting=Setting("cpu", precision))
     with _MatmulDtypes() as seen:
@@ -214,7 +210,7 @@ def test_bf16_contenders_train_like_serial():
     """Under bf16 autocast the fused contenders take serial's step up to bf16 rounding:
     Adam's first step is about lr * sign(grad), so a gradient whose sign bf16 rounding
     flips moves a weight by 2 * lr; all but a few weights agree to fp32 precision."""
-    from benchmarks.contenders import Setting
+    from hftc.bench.contenders import Setting
 
     setting = Setting("cpu", "bf16")
     steps = {c: build_step(c, "mlp", 3, setting=setting) for c in ("serial", "hftc",
@@ -252,8 +248,8 @@ def test_bf16_suite_end_to_end(tmp_path):
 
 
 def test_bench_cli_names_each_kind_of_run_and_refuses_a_missing_gpu():
-    from benchmarks.cli import config_from_args, docs_block
     from hftc.__main__ import build_parser
+    from hftc.bench.cli import config_from_args, docs_block
 
     def cfg(*argv):
         return config_from_args(build_parser().parse_args(["bench", *argv]))
@@ -272,7 +268,7 @@ def test_bench_cli_names_each_kind_of_run_and_refuses_a_missing_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_suite_end_to_end(tmp_path):
-    from benchmarks.suite import default_contenders
+    from hftc.bench.suite import default_contenders
 
     contenders = [c for c in default_contenders("cuda") if c != "hftc+compile"]
     cfg = SuiteConfig(workloads=["mlp"], sizes={"mlp": [1, 2]}, contenders=contenders,
@@ -301,7 +297,7 @@ def _fake_mps_control(tmp_path, exit_code: int):
 
 
 def test_mps_daemon_is_started_in_a_private_pipe_directory_and_stopped(tmp_path, monkeypatch):
-    from benchmarks.suite import mps_daemon
+    from hftc.bench.suite import mps_daemon
 
     bin_dir, log = _fake_mps_control(tmp_path, 0)
     monkeypatch.setenv("PATH", f"{bin_dir}:{runner.os.environ['PATH']}")
@@ -331,7 +327,7 @@ def test_mps_daemon_is_started_in_a_private_pipe_directory_and_stopped(tmp_path,
 
 
 def test_mps_daemon_that_does_not_start_leaves_concurrent_mps_out(tmp_path, monkeypatch):
-    from benchmarks.suite import mps_daemon
+    from hftc.bench.suite import mps_daemon
 
     bin_dir, _ = _fake_mps_control(tmp_path, 1)
     monkeypatch.setenv("PATH", f"{bin_dir}:{runner.os.environ['PATH']}")
@@ -411,7 +407,7 @@ def test_a_round_warms_every_worker_before_the_clock_starts(monkeypatch):
 
 def test_workers_wait_passively_only_where_threads_outnumber_their_cores(monkeypatch):
     """Passive OpenMP waiting is for oversubscribed workers; a user's default otherwise."""
-    from benchmarks import runner
+    from hftc.bench import runner
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     cores = len(os.sched_getaffinity(0))

@@ -12,6 +12,7 @@ import pytest
 from hftc.__main__ import main
 
 ZOO = str(Path(__file__).parent / "zoo.py")
+FACTORIES = str(Path(__file__).parent / "cli_factories.py")
 
 
 def test_inspect_prints_report_and_graph(capsys):
@@ -29,6 +30,9 @@ def test_inspect_writes_dot(tmp_path):
                  "--format", "dot", "-o", str(target)]) == 0
     dot = target.read_text()
     assert dot.startswith('digraph "') and "fuse_batch_norm_module" in dot and "->" in dot
+    # a frame per residual block, a legend, model 0's shapes and the lowering each conv runs
+    assert "subgraph cluster_layer1_0 {" in dot and "subgraph cluster_legend {" in dot
+    assert re.search(r'label="conv1: conv -> \w+\\n\[2, 8, 32, 32\]"', dot), dot[:3000]
 
 
 def test_inspect_svg_without_graphviz_says_what_to_install(tmp_path, monkeypatch):
@@ -47,8 +51,100 @@ def test_bad_factory_spec():
 def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "hftc", "--help"], capture_output=True,
                          text=True, check=True).stdout
-    for command in ("inspect", "demo", "bench"):
+    for command in ("inspect", "demo", "bench", "sweep"):
         assert command in out
+
+
+@pytest.mark.parametrize("command", [[], ["inspect"], ["demo"], ["bench"], ["sweep"]])
+def test_help_answers_without_importing_torch(command):
+    """torch costs 3-4 s to import: `hftc --help` took 4.5-5 s."""
+    code = ("import sys, contextlib, io\n"
+            "from hftc.__main__ import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    try:\n"
+            f"        main({command + ['--help']!r})\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('torch', 'numpy', 'optuna', 'matplotlib'))\n"
+            "print(heavy, 'usage: hftc' in out.getvalue())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[] True"
+
+
+def test_bench_help_lists_workloads_and_contenders(capsys):
+    from hftc.bench import names
+    from hftc.bench.contenders import CONTENDERS
+    from hftc.bench.workloads import WORKLOADS
+
+    assert list(names.WORKLOADS) == list(WORKLOADS)
+    assert list(names.CONTENDERS) == list(CONTENDERS)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert all(re.search(rf"^  {re.escape(name)} ", out, re.M)
+               for name in [*WORKLOADS, *CONTENDERS])
+
+
+def test_inspect_embedding_model_with_token_ids(capsys):
+    """--input-shape built a float randn: nn.Embedding refused it."""
+    assert main(["inspect", f"{FACTORIES}:tiny_gpt", "-n", "2", "--input", "long:4,16"]) == 0
+    out = capsys.readouterr().out
+    assert "fuse_embedding_module" in out and "def forward(self, idx):" in out
+
+
+def test_inspect_model_with_two_inputs(capsys):
+    assert main(["inspect", f"{FACTORIES}:ids_and_features", "-n", "2",
+                 "--input", "long:4,16:30", "--input", "float:4,8"]) == 0
+    out = capsys.readouterr().out
+    assert "hftc fusion report: 2 models" in out and "def forward(self, ids, feats):" in out
+
+
+def test_inspect_names_a_missing_input(capsys):
+    assert main(["inspect", f"{FACTORIES}:ids_and_features", "-n", "2",
+                 "--input", "long:4,16"]) == 1
+    assert "missing input `feats`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("complex:4,4", "unknown dtype 'complex'"),
+    ("float:4,4:10", "HIGH .* is for integer inputs"),
+    ("long:4,x", "expected a whole number"),
+    ("long:", "expected \\[DTYPE:\\]SHAPE"),
+])
+def test_bad_input_specs_are_usage_errors(spec, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", "m:f", "--input", spec])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_bench_creates_its_output_folders(tmp_path, capsys):
+    """--plots DIR crashed with FileNotFoundError after the whole run when DIR was missing."""
+    out, plots = tmp_path / "new" / "run.json", tmp_path / "plots" / "deep"
+    assert main(["bench", "--workloads", "mlp", "--sizes", "2", "--contenders", "serial,hftc",
+                 "--rounds", "1", "--compile-sizes", "", "--max-n", "", "--out", str(out),
+                 "--plots", str(plots)]) == 0
+    text = capsys.readouterr()
+    assert out.is_file() and sorted(p.name for p in plots.iterdir()) == [
+        "bench_memory.png", "bench_throughput.png"]
+    # the targets of workloads that did not run (lenet5, mlp at N=32) are left out
+    assert "lenet5 N=16" not in text.out and "mlp N=32" not in text.out
+    assert "USDT" not in text.out + text.err
+
+
+def test_one_demo(monkeypatch):
+    """`hftc demo` and `sweep --demo` were two different demos; both are now the sweep's."""
+    import hftc.sweep.demo
+
+    calls = []
+    monkeypatch.setattr(hftc.sweep.demo, "run_demo", lambda out, **kw: calls.append((out, kw)))
+    assert main(["demo", "--trials", "4", "-n", "2", "--epochs", "1", "--no-progress"]) == 0
+    assert main(["sweep", "--demo", "--trials", "4", "-n", "2", "--epochs", "1",
+                 "--no-progress"]) == 0
+    assert calls[0] == calls[1] == ("sweeps/demo-digits", dict(
+        n_trials=4, per_array=2, epochs=1, threads=1, progress=False))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -56,7 +152,7 @@ def test_help_lists_every_command():
     (["inspect", "m:f", "--input-shape", "8,x"], "--input-shape: '8,x': expected a whole"),
     (["bench", "--sizes", "0"], "--sizes: '0': must be at least 1"),
     (["bench", "--rounds", "-3"], "--rounds: must be 0 .the default. or more"),
-    (["demo", "-n", "-2"], "-n: must be at least 1"),
+    (["demo", "-n", "-2"], "-n/--per-array: must be at least 1"),
 ])
 def test_bad_numbers_are_usage_errors(argv, message, capsys):
     """Such values gave a traceback from the command (set_num_threads, int()), a run that

@@ -3,10 +3,12 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def _modules_after_import_hftc() -> set[str]:
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, hftc; print('\\n'.join(sorted(sys.modules)))"],
+        [sys.executable, "-c", "import sys, torch, hftc; print('\\n'.join(sorted(sys.modules)))"],
         capture_output=True, text=True, check=True)
     return set(out.stdout.split())
 
@@ -34,3 +36,40 @@ print('ok')
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip()
+
+
+def test_import_hftc_without_torch_loads_no_torch():
+    # The command line's help answers without torch (hftc/__init__.py's docstring).
+    assert _run("import sys, hftc; print('torch' in sys.modules, hftc.__version__)") == \
+        "False 0.1.0"
+
+
+@pytest.mark.parametrize("imports", [
+    "import torch, hftc",                    # the core loads at once
+    "import hftc\nfrom torch.nn.utils import clip_grad_norm_",   # when torch is imported
+    "import hftc\nfrom hftc import fuse",    # on first access, torch not yet imported
+    "from hftc.fused import fuse\nimport hftc",  # once hftc.fused's own import is done
+])
+def test_torch_patches_are_in_place_whatever_the_import_order(imports):
+    """A lazy ``import hftc`` must not let code bind torch's clip_grad_norm_ (one norm over
+    all N models) or build a stock LBFGS on a fused module before hftc's patches are in."""
+    code = imports + """
+import torch
+from torch.nn.utils import clip_grad_norm_
+import hftc.utils
+models = [torch.nn.Linear(3, 2) for _ in range(2)]
+fused = hftc.fuse(models)
+try:
+    torch.optim.LBFGS(fused.parameters())
+except hftc.errors.FusionArgumentError:
+    refused = True
+print(clip_grad_norm_ is hftc.utils._clip_grad_norm_per_model, refused,
+      sorted(dir(hftc)) == sorted(hftc.__all__ + ["__version__"]))
+"""
+    assert _run(code) == "True True True"

@@ -3,7 +3,7 @@
     python -m hftc sweep spec.py                  # SQLite in ./sweeps/<name>/
     python -m hftc sweep spec.py --resume         # after a crash or Ctrl-C
     python -m hftc sweep spec.py --storage postgresql://u:p@db/hftc --study lr   # every machine
-    python -m hftc sweep --demo                   # make demo
+    hftc demo                                     # make demo (also: sweep --demo)
 """
 
 from __future__ import annotations
@@ -13,7 +13,29 @@ import sys
 
 from ..cli_args import positive_int
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "add_demo_arguments", "main"]
+
+
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    """The options ``hftc demo`` shares with ``hftc sweep``."""
+    p.add_argument("--trials", type=positive_int,
+                   help="number of trials in the study (default: spec's n_trials, else 32; "
+                        "the demo: 48)")
+    p.add_argument("-n", "--per-array", type=positive_int,
+                   help="trials trained at once per fused array (default: spec's per_array, "
+                        "else 16)")
+    p.add_argument("--epochs", type=positive_int, help="epochs per trial (default: spec's "
+                                                       "epochs)")
+    p.add_argument("--out", help="folder for results, checkpoints and the default SQLite "
+                                 "storage (default: sweeps/<study>; the demo: "
+                                 "sweeps/demo-digits)")
+    p.add_argument("--threads", type=positive_int,
+                   help="torch intra-op threads (default: torch's; the demo: 1)")
+    progress = p.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
+                          help="progress bars even when stderr is not a terminal")
+    progress.add_argument("--no-progress", dest="progress", action="store_false",
+                          help="no progress bars")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,16 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the sweep spec: path/to/spec.py or a module path (pkg.sweeps.digits) "
                         "defining space(trial), model(params), data() (see docs/SWEEP.md)")
     p.add_argument("--demo", action="store_true",
-                   help="run the demo sweep (a CNN on 8x8 digits) and measure its speedup "
-                        "against training the same trials one by one")
-    p.add_argument("--trials", type=int, help="number of trials in the study (default: spec's "
-                                              "n_trials, else 32)")
-    p.add_argument("-n", "--per-array", type=int,
-                   help="trials trained at once per fused array (default: spec's per_array, "
-                        "else 16)")
-    p.add_argument("--epochs", type=int, help="epochs per trial (default: spec's epochs)")
-    p.add_argument("--out", help="folder for results, checkpoints and the default SQLite "
-                                 "storage (default: sweeps/<study>)")
+                   help="run the demo sweep instead of SPEC (the same as `hftc demo`)")
+    add_demo_arguments(p)
     p.add_argument("--storage", help="Optuna RDB URL: sqlite:///file.db (default: OUT/study.db) "
                                      "or postgresql://user:pass@host/db to share a study "
                                      "between machines")
@@ -46,15 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-period", type=int,
                    help="seconds without a heartbeat before a trial is failed and retried by "
                         "another worker (default: 4 heartbeats)")
-    progress = p.add_mutually_exclusive_group()
-    progress.add_argument("--progress", dest="progress", action="store_true", default=None,
-                          help="progress bars even when stderr is not a terminal")
-    progress.add_argument("--no-progress", dest="progress", action="store_false",
-                          help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line per started, pruned and finished trial")
-    p.add_argument("--threads", type=positive_int,
-                   help="torch intra-op threads (default: torch's; --demo: 1)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""``python -m hftc bench`` (the arguments are declared in ``hftc/__main__.py``)."""
+"""``hftc bench`` (the arguments are declared in ``hftc/__main__.py``)."""
 
 from __future__ import annotations
 
@@ -92,6 +92,16 @@ def docs_block(cfg) -> str:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     out = Path(args.out) if args.out else RESULTS_DIR / f"{cfg.name}.json"
+    # Every output place is made (or refused) before the run, not after minutes of it.
+    if args.docs and not Path(args.docs).is_file():
+        raise SystemExit(f"hftc bench: --docs {args.docs}: no such file (it updates the "
+                         f"tables between the bench markers of an existing markdown file)")
+    for folder in (out.parent, *([Path(args.plots)] if args.plots else [])):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"hftc bench: cannot create the output folder {folder}: "
+                             f"{exc.strerror}") from None
     result = run_suite(cfg, out=out)
     text = markdown(result)
     print("\n" + text)

@@ -1,7 +1,7 @@
 """The benchmark suite: every workload, every N, every contender, in one run.
 
-``python -m hftc bench`` (or ``python -m benchmarks``) runs :func:`run_suite` and
-writes ``benchmarks/results/<name>.json``; :mod:`benchmarks.report` turns that
+``python -m hftc bench`` (or ``hftc bench``) runs :func:`run_suite` and
+writes ``<results>/<name>.json`` (:data:`RESULTS_DIR`); :mod:`hftc.bench.report` turns that
 into the tables and plots of ``docs/BENCHMARKS.md``.
 
 Per workload, in order: the peak fp32 matmul rate (a 2048^3 matmul in a worker
@@ -32,7 +32,10 @@ from . import runner
 from .contenders import CONTENDERS
 from .workloads import WORKLOADS
 
-RESULTS_DIR = Path(__file__).parent / "results"
+# A source checkout keeps its runs in benchmarks/results/ (docs/BENCHMARKS.md cites them);
+# an installed hftc writes into the working directory.
+_CHECKOUT_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RESULTS_DIR = _CHECKOUT_RESULTS if _CHECKOUT_RESULTS.is_dir() else Path("hftc-bench-results")
 
 
 @dataclass

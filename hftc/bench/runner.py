@@ -234,7 +234,7 @@ def context():
     global _CONTEXT
     if _CONTEXT is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "hftc", "benchmarks.contenders"])
+        ctx.set_forkserver_preload(["torch", "hftc", "hftc.bench.contenders"])
         _CONTEXT = ctx
     return _CONTEXT
 

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -232,6 +234,21 @@ def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
 _GEMM_OPS = ("mm", "bmm", "addmm", "baddbmm", "convolution", "conv", "linear")
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """File descriptor 2 to /dev/null: torch.profiler's kineto writes ``USDT:`` / ``STAGE:``
+    lines there from C++ whatever its log level, between the suite's progress lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def step_phases(forward_loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer,
                 setting: Setting | None = None, steps: int = 10) -> dict[str, float]:
     """Where one training step's time goes: median seconds of forward + loss, backward and
@@ -261,12 +278,13 @@ def step_phases(forward_loss: Callable[[], torch.Tensor], opt: torch.optim.Optim
         return phases  # the profiler's CPU self times say nothing of a GPU step
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             forward_loss().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    events = prof.key_averages()
+    with _native_stderr_silenced():
+        events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) or 1.0
     gemm = sum(e.self_cpu_time_total for e in events
                if e.key.startswith("aten::") and any(op in e.key[6:] for op in _GEMM_OPS))

@@ -1,0 +1,24 @@
+"""The benchmark suite's workload and contender names, for ``hftc bench --help``: this module
+imports nothing, so the help answers without torch (tests/test_cli.py checks the names
+against :data:`hftc.bench.workloads.WORKLOADS` and :data:`hftc.bench.contenders.CONTENDERS`).
+"""
+
+WORKLOADS = {
+    "mlp": "3-layer MLP 64-128-128-10",
+    "lenet5": "LeNet-5 on 28x28",
+    "pointnet": "PointNet classifier",
+    "resnet18": "ResNet-18 on 32x32",
+    "mobilenet_v2": "MobileNetV2 on 32x32",
+    "transformer": "transformer classifier, attention from nn.Linear + matmul",
+    "transformer_stock": "nn.TransformerEncoderLayer classifier",
+}
+
+CONTENDERS = {
+    "serial": "the N models one after another",
+    "concurrent": "N processes, one model each",
+    "concurrent-mps": "concurrent under CUDA MPS (a GPU's only)",
+    "torch.func": "torch.func.stack_module_state + vmap",
+    "hand-fused": "models fused by hand, HFTA-style",
+    "hftc": "hftc.fuse",
+    "hftc+compile": "torch.compile of hftc.fuse's module",
+}
