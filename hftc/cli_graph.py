@@ -17,6 +17,8 @@ import re
 import sys
 from typing import Any
 
+from .ir import EXAMPLE_VALUE, RULE, SOURCE
+
 _KINDS = {  # rule -> (legend text, fill colour)
     "fused": ("fused: one op for all N models", "lightblue"),
     "shared": ("shared: computed once, same for all models", "lightgrey"),
@@ -29,12 +31,12 @@ _MODULE_PATH = re.compile(r"module path `([^`]*)`")
 def _kind(node) -> str:
     if node.op in ("placeholder", "output"):
         return "io"
-    rule = node.meta.get("hftc_rule", "")
+    rule = node.meta.get(RULE, "")
     return rule if rule in ("shared", "loop") else "fused"
 
 
 def _module_path(node) -> str:
-    found = _MODULE_PATH.search(str(node.meta.get("hftc_source", "")))
+    found = _MODULE_PATH.search(str(node.meta.get(SOURCE, "")))
     if found:
         return found.group(1)
     if node.op == "call_module":
@@ -94,7 +96,7 @@ def _values(args, root) -> list:
                 obj = getattr(obj, part, None)
             out.append(obj)
         elif hasattr(arg, "meta"):
-            out.append(arg.meta.get("example_value"))
+            out.append(arg.meta.get(EXAMPLE_VALUE))
         else:
             out.append(arg)
     return out
@@ -104,7 +106,7 @@ def _operation(node, root) -> str:
     """What the box computes: hftc's kernel and the lowering it runs, or the op's name."""
     if node.op in ("placeholder", "output"):
         return node.op
-    rule = str(node.meta.get("hftc_rule", ""))
+    rule = str(node.meta.get(RULE, ""))
     if node.op == "call_module":
         inner = re.search(r"\[(.*)\]", rule)
         return inner.group(1) if inner else rule or "module"
@@ -152,7 +154,7 @@ def graph_to_dot(fused, title: str = "fused") -> str:
         operation = _operation(node, fused)
         head = name if operation == name or node.op == "placeholder" else f"{name}: {operation}"
         label = "\\n".join(_quote(part) for part in (
-            head, _shape(node.meta.get("example_value"))) if part)
+            head, _shape(node.meta.get(EXAMPLE_VALUE))) if part)
         color = _KINDS[_kind(node)][1]
         tooltip = _quote(f"{node.name}: {node.meta.get('hftc_rule', node.op)}")
         by_block.setdefault(block_of[node.name], []).append(

@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..ir import EXAMPLE_VALUE
 from ..lowering import kernels, per_model
 from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry, register_family
 
@@ -122,7 +123,7 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         if isinstance(fused, fx.Node) and fused in builder.batched and isinstance(
             original, fx.Node
         ):
-            example = original.meta.get("example_value")
+            example = original.meta.get(EXAMPLE_VALUE)
             if _is_tensor(example) and example.dim() < rank:
                 return builder.call(kernels.pad_model_dims, fused, rank)
         return fused
@@ -133,7 +134,7 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     # a [N, 1, ..., 1] tensor of the dtype the Python scalar would have promoted to.
     if group.per_model:
         like = next(f for f, o in zip(args, group.node.args)
-                    if isinstance(o, fx.Node) and _is_tensor(o.meta.get("example_value")))
+                    if isinstance(o, fx.Node) and _is_tensor(o.meta.get(EXAMPLE_VALUE)))
         for pos in range(len(args)):
             values = group.per_model_arg(pos, "")
             if values is not None:
