@@ -11,7 +11,7 @@ model where ``spec["per_model"]``):
   returned or not), minGPT-style attention through ``F.scaled_dot_product_attention``
   (``is_causal``), linears with in-place ops on their outputs (``relu_``, ``add_``,
   ``mul_``), layer norms, dropout, and a buffer the forward writes (an EMA of the
-  activations and a call counter).  Several outputs: a dict of the head's output and the
+  activations, under ``torch.no_grad()`` or of a detached value, and a call counter).  Several outputs: a dict of the head's output and the
   last recurrent state or attention weights, or a tuple.
 - ``grid``: 1-d, 2-d or 3-d maps ``[B, C, *S]``: convs, transposed convs (stride,
   output padding), ``nn.Upsample`` (nearest, (bi/tri)linear), batch norms, in-place
@@ -82,7 +82,7 @@ def token_spec(draw):
         elif kind == "dropout":
             spec["layers"].append(("dropout", draw(st.sampled_from([0.1, 0.3, 0.5]))))
         elif kind == "ema":
-            spec["layers"].append(("ema", d))
+            spec["layers"].append(("ema", d, draw(st.booleans())))
     spec["head"] = (d, draw(st.integers(1, 4)))
     return spec
 
@@ -135,6 +135,15 @@ def grid_spec(draw):
 
 
 families = st.one_of(token_spec(), grid_spec())
+
+
+def exportable(spec: dict) -> dict:
+    """``spec`` without ``no_grad`` blocks in forward, which the export front-end refuses
+    (docs/API.md): its EMAs update from detached values instead."""
+    if spec["family"] != "tokens":
+        return spec
+    return {**spec, "layers": [("ema", layer[1], False) if layer[0] == "ema" else layer
+                               for layer in spec["layers"]]}
 
 
 def spec_inputs(spec: dict, n: int, stacked: tuple[bool, ...], generator=None) -> tuple:
@@ -190,15 +199,19 @@ class _SelfAttention(nn.Module):
 class _Ema(nn.Module):
     """A layer with buffers its forward writes: an EMA of its input and a call counter."""
 
-    def __init__(self, d: int):
+    def __init__(self, d: int, under_no_grad: bool):
         super().__init__()
         self.register_buffer("ema", torch.zeros(d))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.under_no_grad = under_no_grad
 
     def forward(self, x):
         if self.training:
-            with torch.no_grad():
-                self.ema.mul_(0.9).add_(0.1 * x.mean((0, 1)))
+            if self.under_no_grad:
+                with torch.no_grad():
+                    self.ema.mul_(0.9).add_(0.1 * x.mean((0, 1)))
+            else:
+                self.ema.mul_(0.9).add_(0.1 * x.detach().mean((0, 1)))
             self.calls += 1
         return x - self.ema
 
@@ -243,7 +256,7 @@ class FamilyNet(nn.Module):
         if kind == "dropout":
             return nn.Dropout(dropout_p(layer[1], i, per_model))
         if kind == "ema":
-            return _Ema(layer[1])
+            return _Ema(layer[1], layer[2])
         if kind == "conv":
             _, c, out, k, padding, bias = layer
             return getattr(nn, f"Conv{dims}d")(c, out, k, padding=padding, bias=bias)
