@@ -30,11 +30,13 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 # The long fuzzing profile: HFTC_FUZZ_EXAMPLES random architectures (default 5000) per
-# fusion test, and as many random optimizer runs against stock torch.optim.
+# fusion test (tests/test_fuzz.py; recurrent, attention, embedding, transposed / 3-d conv,
+# upsampling, autocast, export and mismatched models in tests/test_fuzz_families.py), and
+# as many random optimizer runs against stock torch.optim.
 fuzz: install
 	rm -f fuzz.log
 	HFTC_FUZZ_PROFILE=fuzz HFTC_FUZZ_LOG=fuzz.log $(PY) -m pytest -q -x tests/test_fuzz.py \
-		tests/test_fuzz_optim.py --hypothesis-show-statistics
+		tests/test_fuzz_families.py tests/test_fuzz_optim.py --hypothesis-show-statistics
 	@echo "examples checked: $$(wc -l < fuzz.log)"
 
 bench: install

@@ -137,3 +137,47 @@ def test_instance_norm_of_one_sample_matches_the_loop(track, affine, unbatched, 
                             nn.Conv2d(3, 2, 1)) for _ in range(2)]
     x = torch.randn(2, 5, 5) if unbatched else torch.randn(1, 2, 5, 5)
     check_equivalence(models, x, train=train, steps=2 if train else 1)
+
+
+class _LinearThenInPlace(nn.Module):
+    """pytorch/examples style: a linear, then an activation in place on its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.relu_()
+        return self.out(h)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 4), (2, 1, 1, 4)], ids=["one_row", "one_row_3d"])
+def test_in_place_op_on_a_fused_linear_of_one_row(shape):
+    # Found by the families fuzzer (a linear with `h.relu_()`, stacked input, batch and time
+    # 1): the transposed product's `[N, out, 1]` result, transposed back, is contiguous
+    # already, so `.contiguous()` returned _BatchedLinear's output as a view, which autograd
+    # refuses to modify in place ("a view created inside a custom Function").
+    check_equivalence([_LinearThenInPlace() for _ in range(2)], torch.randn(shape), in_dims=0)
+
+
+class _MaxOverTimeThenInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 4, 3)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.conv(x).max(2)[0]
+        h.mul_(2.0)
+        return self.fc(h)
+
+
+@pytest.mark.parametrize("in_dims", [None, 0], ids=["shared", "stacked"])
+def test_in_place_op_on_a_fused_reduction_of_a_permuted_map(in_dims):
+    # Found with in-place ops in the fuzzer: a max over a fused conv's output (a permuted
+    # view of [B, N*C, L] memory) reduces in memory order and returned _ContiguousGradient's
+    # `view_as` of its input, which autograd refuses to modify in place.
+    x = torch.randn((2, 5, 3, 8) if in_dims == 0 else (5, 3, 8))
+    check_equivalence([_MaxOverTimeThenInPlace() for _ in range(2)], x, in_dims=in_dims)

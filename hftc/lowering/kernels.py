@@ -661,8 +661,10 @@ def batched_product(x3: Tensor, weight: Tensor, bias: Tensor | None,
         xt = x3.transpose(1, 2)
         yt = torch.bmm(weight, xt) if bias is None else torch.baddbmm(
             bias.unsqueeze(2), weight, xt)
-        # Contiguous, as nn.Linear's output is: model code may .view() it.
-        return yt.transpose(1, 2).contiguous()
+        # Contiguous, as nn.Linear's output is: model code may .view() it.  A copy also
+        # where the transpose is contiguous already (one row or one output feature): a view
+        # returned by _BatchedLinear could not be modified in place (`h.relu_()`).
+        return yt.transpose(1, 2).clone(memory_format=torch.contiguous_format)
     wt = weight.transpose(1, 2)
     return torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
 
@@ -1256,14 +1258,16 @@ class _ContiguousGradient(torch.autograd.Function):
     :func:`reduce_in_memory_order` puts it before permuting a result back: the gradient
     of the permuted result arrives contiguous in *its* order, which is a strided view
     in memory order; ``amax``'s backward (``grad / count * mask``) would lay its output
-    out like that view.  The copy is of the reduced tensor only.
+    out like that view.  The copies (here and in forward) are of the reduced tensor only.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
     def forward(t: Tensor) -> Tensor:
-        return t.view_as(t)
+        # A copy, not ``t.view_as(t)``: a view returned by a Function cannot be modified in
+        # place (`y = h.amax(2); y.mul_(2)` failed); the reduced tensor is small.
+        return t.clone()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
