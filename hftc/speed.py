@@ -7,7 +7,7 @@ with a learning rate per model.  The two contenders alternate round by round so
 machine noise hits both alike; the medians are reported with their min-max.
 
 The full comparison (concurrent processes, torch.func, hand-fused, torch.compile,
-memory, FLOP/s efficiency) is the benchmark suite in ``benchmarks/``
+memory, FLOP/s efficiency) is the benchmark suite in ``hftc/bench/``
 (``python -m hftc bench``, docs/BENCHMARKS.md).
 """
 
@@ -23,37 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class MLP(nn.Module):
-    """The 3-layer MLP of the benchmarks: 64-128-128-10."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(64, 128)
-        self.fc2 = nn.Linear(128, 128)
-        self.fc3 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
-
-
-class LeNet5(nn.Module):
-    """LeNet-5 on 28x28 inputs, as a researcher would write it."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 6, 5, padding=2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = x.view(x.size(0), -1)
-        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
-
+from hftc.bench.zoo import MLP, LeNet5
 
 WORKLOADS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "mlp": (MLP, (64,)),

@@ -31,6 +31,29 @@ def _prediction(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+# (parameters, buffer elements, parameter tensors) of the models docs/BENCHMARKS.md was
+# measured on; the zoo (hftc/bench/zoo.py) is shared with the tests, whose sizes must not leak.
+MEASURED_MODELS = {
+    "mlp": (26_122, 0, 6),
+    "lenet5": (61_706, 0, 10),
+    "pointnet": (1_614_129, 7_946, 44),
+    "resnet18": (11_173_962, 9_620, 62),
+    "mobilenet_v2": (2_236_682, 34_164, 158),
+    "transformer": (534_026, 0, 28),
+    "transformer_stock": (534_026, 0, 28),
+}
+
+
+def test_workload_models_are_the_measured_ones():
+    assert set(MEASURED_MODELS) == set(WORKLOADS)
+    for name, expected in MEASURED_MODELS.items():
+        model = WORKLOADS[name].factory()
+        params = list(model.parameters())
+        found = (sum(p.numel() for p in params), sum(b.numel() for b in model.buffers()),
+                 len(params))
+        assert found == expected, name
+
+
 @pytest.mark.parametrize("name", sorted(HAND_FUSED))
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_hand_fused_equals_stock_models(name, mode):

@@ -1,4 +1,5 @@
-"""A zoo of plain PyTorch models, written the way researchers write them.
+"""The tests' model zoo: the package's zoo (``hftc/bench/zoo.py``) at toy sizes, plus DCGAN
+and a residual MLP, which only the tests use.
 
 Nothing here knows about hftc: the models use ``nn.Sequential`` where it is
 natural and hand-written ``forward`` methods elsewhere, with the idioms that a
@@ -27,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hftc.bench.zoo import MLP, LeNet5, MobileNetV2, PointNetCls, ResNet
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -44,27 +47,6 @@ def _seeded(seed: int | None) -> Iterator[None]:
 # --------------------------------------------------------------------------- LeNet-5
 
 
-class LeNet5(nn.Module):
-    """LeNet-5 for 1x28x28 (MNIST, padded first conv) or 3x32x32 (CIFAR) images."""
-
-    def __init__(self, in_channels: int = 1, num_classes: int = 10):
-        super().__init__()
-        # MNIST images are 28x28; padding 2 makes the classic 32x32 geometry.
-        self.conv1 = nn.Conv2d(in_channels, 6, 5, padding=2 if in_channels == 1 else 0)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        x = x.view(x.size(0), -1)
-        x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
-
-
 def lenet5_mnist(seed: int | None = None) -> LeNet5:
     with _seeded(seed):
         return LeNet5(in_channels=1)
@@ -78,198 +60,20 @@ def lenet5_cifar(seed: int | None = None) -> LeNet5:
 # --------------------------------------------------------------------------- ResNet
 
 
-def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
-    return nn.Conv2d(in_planes, out_planes, 3, stride=stride, padding=1, bias=False)
-
-
-def conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
-    return nn.Conv2d(in_planes, out_planes, 1, stride=stride, bias=False)
-
-
-class BasicBlock(nn.Module):
-    expansion = 1
-
-    def __init__(
-        self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None
-    ):
-        super().__init__()
-        self.conv1 = conv3x3(inplanes, planes, stride)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = conv3x3(planes, planes)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.downsample = downsample
-        self.stride = stride
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
-
-        out = self.conv1(x)
-        out = self.bn1(out)
-        out = self.relu(out)
-
-        out = self.conv2(out)
-        out = self.bn2(out)
-
-        if self.downsample is not None:
-            identity = self.downsample(x)
-
-        out += identity
-        out = self.relu(out)
-        return out
-
-
-class ResNet(nn.Module):
-    """A CIFAR-style ResNet: 3x3 stem, three stages of BasicBlocks, avg pool, fc."""
-
-    def __init__(
-        self,
-        layers: tuple[int, ...] = (1, 1, 1),
-        widths: tuple[int, ...] = (8, 16, 32),
-        num_classes: int = 10,
-    ):
-        super().__init__()
-        self.inplanes = widths[0]
-        self.conv1 = conv3x3(3, self.inplanes)
-        self.bn1 = nn.BatchNorm2d(self.inplanes)
-        self.relu = nn.ReLU(inplace=True)
-        self.layer1 = self._make_layer(widths[0], layers[0])
-        self.layer2 = self._make_layer(widths[1], layers[1], stride=2)
-        self.layer3 = self._make_layer(widths[2], layers[2], stride=2)
-        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(widths[2] * BasicBlock.expansion, num_classes)
-
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-
-    def _make_layer(self, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
-        downsample = None
-        if stride != 1 or self.inplanes != planes * BasicBlock.expansion:
-            downsample = nn.Sequential(
-                conv1x1(self.inplanes, planes * BasicBlock.expansion, stride),
-                nn.BatchNorm2d(planes * BasicBlock.expansion),
-            )
-        layers = [BasicBlock(self.inplanes, planes, stride, downsample)]
-        self.inplanes = planes * BasicBlock.expansion
-        for _ in range(1, blocks):
-            layers.append(BasicBlock(self.inplanes, planes))
-        return nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv1(x)
-        x = self.bn1(x)
-        x = self.relu(x)
-
-        x = self.layer1(x)
-        x = self.layer2(x)
-        x = self.layer3(x)
-
-        x = self.avgpool(x)
-        x = torch.flatten(x, 1)
-        x = self.fc(x)
-        return x
-
-
 def resnet_small(seed: int | None = None) -> ResNet:
+    """A CIFAR-style ResNet: 3x3 stem, three stages of BasicBlocks, avg pool, fc."""
     with _seeded(seed):
-        return ResNet()
+        return ResNet(blocks=(1, 1, 1), widths=(8, 16, 32), inplace=True, kaiming_init=True)
 
 
 # --------------------------------------------------------------------------- MobileNetV2
 
 
-class ConvBNReLU(nn.Sequential):
-    def __init__(
-        self,
-        in_planes: int,
-        out_planes: int,
-        kernel_size: int = 3,
-        stride: int = 1,
-        groups: int = 1,
-    ):
-        padding = (kernel_size - 1) // 2
-        super().__init__(
-            nn.Conv2d(
-                in_planes, out_planes, kernel_size, stride, padding, groups=groups, bias=False
-            ),
-            nn.BatchNorm2d(out_planes),
-            nn.ReLU6(inplace=True),
-        )
-
-
-class InvertedResidual(nn.Module):
-    def __init__(self, inp: int, oup: int, stride: int, expand_ratio: int):
-        super().__init__()
-        self.stride = stride
-        hidden_dim = int(round(inp * expand_ratio))
-        self.use_res_connect = self.stride == 1 and inp == oup
-
-        layers: list[nn.Module] = []
-        if expand_ratio != 1:
-            # pointwise expansion
-            layers.append(ConvBNReLU(inp, hidden_dim, kernel_size=1))
-        layers.extend(
-            [
-                # depthwise
-                ConvBNReLU(hidden_dim, hidden_dim, stride=stride, groups=hidden_dim),
-                # pointwise-linear bottleneck
-                nn.Conv2d(hidden_dim, oup, 1, 1, 0, bias=False),
-                nn.BatchNorm2d(oup),
-            ]
-        )
-        self.conv = nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_res_connect:
-            return x + self.conv(x)
-        return self.conv(x)
-
-
-class MobileNetV2(nn.Module):
-    """MobileNetV2 at a toy width, for 3x32x32 inputs."""
-
-    def __init__(self, num_classes: int = 10, dropout: float = 0.2):
-        super().__init__()
-        input_channel = 8
-        last_channel = 32
-        # t (expansion), c (channels), n (repeats), s (stride of the first repeat)
-        inverted_residual_setting = [
-            [1, 8, 1, 1],
-            [4, 12, 2, 2],
-            [4, 16, 2, 2],
-        ]
-        features: list[nn.Module] = [ConvBNReLU(3, input_channel, stride=2)]
-        for t, c, n, s in inverted_residual_setting:
-            for i in range(n):
-                stride = s if i == 0 else 1
-                features.append(InvertedResidual(input_channel, c, stride, expand_ratio=t))
-                input_channel = c
-        features.append(ConvBNReLU(input_channel, last_channel, kernel_size=1))
-        self.features = nn.Sequential(*features)
-        self.classifier = nn.Sequential(
-            nn.Dropout(dropout),
-            nn.Linear(last_channel, num_classes),
-        )
-
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out")
-            elif isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0, 0.01)
-                nn.init.zeros_(m.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.features(x)
-        x = nn.functional.adaptive_avg_pool2d(x, (1, 1))
-        x = torch.flatten(x, 1)
-        x = self.classifier(x)
-        return x
-
-
 def mobilenet_v2_small(seed: int | None = None, dropout: float = 0.2) -> MobileNetV2:
+    """MobileNetV2 at a toy width, for 3x32x32 inputs."""
     with _seeded(seed):
-        return MobileNetV2(dropout=dropout)
+        return MobileNetV2(dropout=dropout, setting=((1, 8, 1, 1), (4, 12, 2, 2), (4, 16, 2, 2)),
+                           stem_channels=8, stem_stride=2, last_channel=32, kaiming_init=True)
 
 
 # --------------------------------------------------------------------------- DCGAN
@@ -353,89 +157,10 @@ def dcgan_discriminator(seed: int | None = None) -> Discriminator:
 # --------------------------------------------------------------------------- PointNet
 
 
-class STN3d(nn.Module):
-    """The T-Net: predicts a kxk transform of the input points."""
-
-    def __init__(self, k: int = 3, widths: tuple[int, int, int] = (16, 32, 64)):
-        super().__init__()
-        self.k = k
-        self.width = widths[2]
-        self.conv1 = nn.Conv1d(k, widths[0], 1)
-        self.conv2 = nn.Conv1d(widths[0], widths[1], 1)
-        self.conv3 = nn.Conv1d(widths[1], widths[2], 1)
-        self.fc1 = nn.Linear(widths[2], widths[1])
-        self.fc2 = nn.Linear(widths[1], widths[0])
-        self.fc3 = nn.Linear(widths[0], k * k)
-        self.relu = nn.ReLU()
-
-        self.bn1 = nn.BatchNorm1d(widths[0])
-        self.bn2 = nn.BatchNorm1d(widths[1])
-        self.bn3 = nn.BatchNorm1d(widths[2])
-        self.bn4 = nn.BatchNorm1d(widths[1])
-        self.bn5 = nn.BatchNorm1d(widths[0])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batchsize = x.size()[0]
-        x = F.relu(self.bn1(self.conv1(x)))
-        x = F.relu(self.bn2(self.conv2(x)))
-        x = F.relu(self.bn3(self.conv3(x)))
-        x = torch.max(x, 2, keepdim=True)[0]
-        x = x.view(-1, self.width)
-
-        x = F.relu(self.bn4(self.fc1(x)))
-        x = F.relu(self.bn5(self.fc2(x)))
-        x = self.fc3(x)
-
-        iden = torch.eye(self.k, device=x.device, dtype=x.dtype).flatten()
-        iden = iden.view(1, self.k * self.k).repeat(batchsize, 1)
-        x = x + iden
-        x = x.view(-1, self.k, self.k)
-        return x
-
-
-class PointNetCls(nn.Module):
-    """PointNet classifier: [B, 3, P] points -> ([B, k] log-probs, [B, 3, 3] transform)."""
-
-    def __init__(
-        self, k: int = 5, widths: tuple[int, int, int] = (16, 32, 64), dropout: float = 0.3
-    ):
-        super().__init__()
-        self.width = widths[2]
-        self.stn = STN3d(widths=widths)
-        self.conv1 = nn.Conv1d(3, widths[0], 1)
-        self.conv2 = nn.Conv1d(widths[0], widths[1], 1)
-        self.conv3 = nn.Conv1d(widths[1], widths[2], 1)
-        self.bn1 = nn.BatchNorm1d(widths[0])
-        self.bn2 = nn.BatchNorm1d(widths[1])
-        self.bn3 = nn.BatchNorm1d(widths[2])
-        self.fc1 = nn.Linear(widths[2], widths[1])
-        self.fc2 = nn.Linear(widths[1], widths[0])
-        self.fc3 = nn.Linear(widths[0], k)
-        self.dropout = nn.Dropout(p=dropout)
-        self.bn4 = nn.BatchNorm1d(widths[1])
-        self.bn5 = nn.BatchNorm1d(widths[0])
-        self.relu = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        trans = self.stn(x)
-        x = x.transpose(2, 1)
-        x = torch.bmm(x, trans)
-        x = x.transpose(2, 1)
-        x = F.relu(self.bn1(self.conv1(x)))
-        x = F.relu(self.bn2(self.conv2(x)))
-        x = self.bn3(self.conv3(x))
-        x = torch.max(x, 2, keepdim=True)[0]
-        x = x.view(-1, self.width)
-
-        x = F.relu(self.bn4(self.fc1(x)))
-        x = F.relu(self.bn5(self.dropout(self.fc2(x))))
-        x = self.fc3(x)
-        return F.log_softmax(x, dim=1), trans
-
-
 def pointnet_cls(seed: int | None = None, dropout: float = 0.3) -> PointNetCls:
+    """PointNet classifier: [B, 3, P] points -> ([B, k] log-probs, [B, 3, 3] transform)."""
     with _seeded(seed):
-        return PointNetCls(dropout=dropout)
+        return PointNetCls(num_classes=5, widths=(16, 32, 64), fc=(32, 16), dropout=dropout)
 
 
 # --------------------------------------------------------------------------- MLPs
@@ -486,16 +211,10 @@ def residual_mlp(seed: int | None = None) -> ResMLP:
         return net
 
 
-def mlp(seed: int | None = None) -> nn.Sequential:
+def mlp(seed: int | None = None) -> MLP:
     """The tiny MLP: 64-128-128-10."""
     with _seeded(seed):
-        return nn.Sequential(
-            nn.Linear(64, 128),
-            nn.ReLU(),
-            nn.Linear(128, 128),
-            nn.ReLU(),
-            nn.Linear(128, 10),
-        )
+        return MLP()
 
 
 # --------------------------------------------------------------------------- registry

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import workloads as W
+from . import zoo
+from .workloads import Workload
 
 # --------------------------------------------------------------------------- fused layers
 
@@ -125,7 +126,7 @@ def _conv_to_linear(x: Tensor, n: int) -> Tensor:
 
 
 class FusedMLP(nn.Module):
-    def __init__(self, models: Sequence[W.MLP]):
+    def __init__(self, models: Sequence[zoo.MLP]):
         super().__init__()
         self.n = len(models)
         self.fc1 = FLinear([m.fc1 for m in models])
@@ -138,7 +139,7 @@ class FusedMLP(nn.Module):
 
 
 class FusedLeNet5(nn.Module):
-    def __init__(self, models: Sequence[W.LeNet5]):
+    def __init__(self, models: Sequence[zoo.LeNet5]):
         super().__init__()
         self.n = len(models)
         self.conv1 = FConv([m.conv1 for m in models])
@@ -156,7 +157,7 @@ class FusedLeNet5(nn.Module):
 
 
 class FusedSTN3d(nn.Module):
-    def __init__(self, models: Sequence[W.STN3d]):
+    def __init__(self, models: Sequence[zoo.STN3d]):
         super().__init__()
         self.n = len(models)
         for name in ("conv1", "conv2", "conv3"):
@@ -180,7 +181,7 @@ class FusedSTN3d(nn.Module):
 
 
 class FusedPointNetCls(nn.Module):
-    def __init__(self, models: Sequence[W.PointNetCls]):
+    def __init__(self, models: Sequence[zoo.PointNetCls]):
         super().__init__()
         self.n = len(models)
         self.p = models[0].dropout.p
@@ -211,7 +212,7 @@ class FusedPointNetCls(nn.Module):
 
 
 class FusedBasicBlock(nn.Module):
-    def __init__(self, blocks: Sequence[W.BasicBlock]):
+    def __init__(self, blocks: Sequence[zoo.BasicBlock]):
         super().__init__()
         self.conv1 = FConv([b.conv1 for b in blocks])
         self.bn1 = FBatchNorm([b.bn1 for b in blocks])
@@ -228,14 +229,20 @@ class FusedBasicBlock(nn.Module):
         return F.relu(out + (self.shortcut(x) if self.shortcut is not None else x))
 
 
+def _blocks(model: zoo.ResNet) -> list[zoo.BasicBlock]:
+    """The residual blocks of all stages, in order."""
+    return [block for stage in range(1, model.num_stages + 1)
+            for block in getattr(model, f"layer{stage}")]
+
+
 class FusedResNet18(nn.Module):
-    def __init__(self, models: Sequence[W.ResNet18]):
+    def __init__(self, models: Sequence[zoo.ResNet]):
         super().__init__()
         self.n = len(models)
         self.conv1 = FConv([m.conv1 for m in models])
         self.bn1 = FBatchNorm([m.bn1 for m in models])
         self.layers = nn.Sequential(*[FusedBasicBlock(blocks)
-                                      for blocks in zip(*[m.layers for m in models])])
+                                      for blocks in zip(*[_blocks(m) for m in models])])
         self.fc = FLinear([m.fc for m in models])
 
     def forward(self, x: Tensor) -> Tensor:                  # [B, 3, 32, 32] -> [N, B, 10]
@@ -254,7 +261,7 @@ def _fuse_sequential(seqs: Sequence[nn.Sequential]) -> nn.Sequential:
             out.append(FBatchNorm(layers))
         elif isinstance(layers[0], nn.ReLU6):
             out.append(nn.ReLU6(inplace=True))
-        elif isinstance(layers[0], W.InvertedResidual):
+        elif isinstance(layers[0], zoo.InvertedResidual):
             out.append(FusedInvertedResidual(layers))
         else:
             raise TypeError(f"no hand-fused layer for {type(layers[0]).__name__}")
@@ -262,7 +269,7 @@ def _fuse_sequential(seqs: Sequence[nn.Sequential]) -> nn.Sequential:
 
 
 class FusedInvertedResidual(nn.Module):
-    def __init__(self, blocks: Sequence[W.InvertedResidual]):
+    def __init__(self, blocks: Sequence[zoo.InvertedResidual]):
         super().__init__()
         self.use_res = blocks[0].use_res
         self.conv = _fuse_sequential([b.conv for b in blocks])
@@ -272,7 +279,7 @@ class FusedInvertedResidual(nn.Module):
 
 
 class FusedMobileNetV2(nn.Module):
-    def __init__(self, models: Sequence[W.MobileNetV2]):
+    def __init__(self, models: Sequence[zoo.MobileNetV2]):
         super().__init__()
         self.n = len(models)
         self.features = _fuse_sequential([m.features for m in models])
@@ -286,7 +293,7 @@ class FusedMobileNetV2(nn.Module):
 
 
 class FusedEncoderLayer(nn.Module):
-    def __init__(self, layers: Sequence[W.EncoderLayer]):
+    def __init__(self, layers: Sequence[zoo.EncoderLayer]):
         super().__init__()
         self.heads = layers[0].attn.heads
         self.p = layers[0].drop.p
@@ -312,7 +319,7 @@ class FusedEncoderLayer(nn.Module):
 
 
 class FusedTransformerClassifier(nn.Module):
-    def __init__(self, models: Sequence[W.TransformerClassifier]):
+    def __init__(self, models: Sequence[zoo.TransformerClassifier]):
         super().__init__()
         self.n = len(models)
         self.embed = _stack([m.embed.weight for m in models])  # [N, V, D]
@@ -347,7 +354,7 @@ def hand_fuse(workload: str, models: Sequence[nn.Module]) -> nn.Module:
     return fused.train(models[0].training)
 
 
-def hand_fused_loss(workload: W.Workload, out, y: Tensor) -> Tensor:
+def hand_fused_loss(workload: Workload, out, y: Tensor) -> Tensor:
     """HFTA's loss: the mean loss over the N*B predictions times N (each model its own mean)."""
     out = out[0] if isinstance(out, tuple) else out
     n, b = out.shape[:2]
