@@ -25,7 +25,7 @@ every element, ``rand`` is 0, ``randn`` 0 ..., so a training-mode program with
 dropout is compared by value too.  Nothing the check runs is kept: buffers and the
 RNG are restored (``preserved_state``) and the copies are dropped.  Where the outputs
 differ, the fused module runs the N models one by one instead (the whole-model loop,
-:mod:`.lowering.model_loop`) and warns (:class:`~hftc.errors.FusionWarning`), saying
+:mod:`.runtime.model_loop`) and warns (:class:`~hftc.errors.FusionWarning`), saying
 where the outputs part (:func:`locate_difference`: the first leaf module whose output
 differs, or forward's own code between modules).
 """

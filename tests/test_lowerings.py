@@ -32,9 +32,9 @@ import hftc.fused
 from hftc import ir
 from hftc.errors import FusionArgumentError, FusionError
 from hftc.lowering import autotune, kernels
-from hftc.lowering.heap import peak_memory
 from hftc.lowering.layout import sample_shapes
-from hftc.lowering.model_loop import ModelLoop
+from hftc.runtime.memory import peak_memory
+from hftc.runtime.model_loop import ModelLoop
 from hftc.speed import MLP, LeNet5
 
 DTYPES = [torch.float64, torch.float32]

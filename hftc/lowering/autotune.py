@@ -46,9 +46,9 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .. import ir
+from ..runtime.memory import peak_memory
+from ..runtime.model_loop import ModelLoop, plain_output
 from . import kernels, layout
-from .heap import peak_memory
-from .model_loop import ModelLoop, plain_output
 
 #: Tunable kernels -> the function listing their lowerings (cost model's first).
 TUNABLE: dict[Callable[..., Any], Callable[..., list[str]]] = {

@@ -726,7 +726,7 @@ def batch_norm(
     model's own slice.  ``momentum=None`` (cumulative average) uses each model's
     ``num_batches_tracked``; when those differ across models (models loaded from
     different checkpoints) each model's factor differs, which one ATen call cannot
-    take: :func:`hftc.lowering.per_model.batch_norm` does it.
+    take: :func:`hftc.runtime.per_model.batch_norm` does it.
     """
     n = x.shape[0]
     eaf = 0.0 if momentum is None else momentum
@@ -734,7 +734,7 @@ def batch_norm(
         if momentum is None:
             counts = num_batches_tracked
             if not bool((counts == counts[0]).all()):
-                from . import per_model  # per_model builds on this module
+                from ..runtime import per_model  # per_model builds on this module
 
                 return per_model.batch_norm(
                     x, running_mean, running_var, weight, bias, num_batches_tracked, training,
@@ -1589,7 +1589,7 @@ def loop_module(module: torch.nn.Module, n: int, batched: Any,
                 args: tuple, kwargs: dict, overrides: Sequence[Sequence] | None = None) -> Any:
     """Per-model loop over a module no rule fuses.
 
-    ``module`` is the fused tree's node for it: a :class:`~hftc.lowering.modules.StackedModule`
+    ``module`` is the fused tree's node for it: a :class:`~hftc.runtime.modules.StackedModule`
     (model i runs as ``functional_call(template, {name: stacked[i]})``, so gradients
     and in-place buffer updates land in the stacked tensors) or, for a module
     without parameters or buffers, the module itself.

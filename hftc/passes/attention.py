@@ -5,7 +5,7 @@ Per module, the choice between a rule on the leaf and tracing through:
 
 | module                        | how it fuses                                                   |
 |-------------------------------|----------------------------------------------------------------|
-| ``nn.MultiheadAttention``     | leaf, one rule: ``lowering.attention.multi_head_attention``   |
+| ``nn.MultiheadAttention``     | leaf, one rule: ``runtime.attention.multi_head_attention``   |
 | ``F.scaled_dot_product_attention`` | rule: the model dim folded into the batch, one SDPA call  |
 | ``nn.TransformerEncoderLayer``| traced through (its slow path): attention leaf, linears, norms  |
 | ``nn.TransformerDecoderLayer``| traced through (its own forward)                               |
@@ -40,7 +40,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..lowering import attention as kernels
+from ..runtime import attention as kernels
 from ..trace import TRACEABLE_FORWARDS
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
@@ -69,7 +69,7 @@ def _constant(value: Any, what: str) -> Any:
 
 @register_rule(("call_module", nn.MultiheadAttention))
 def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """N attention modules -> one :func:`~hftc.lowering.attention.multi_head_attention`."""
+    """N attention modules -> one :func:`~hftc.runtime.attention.multi_head_attention`."""
     mha = group.module
     fused, original = _bind(group, _MHA_ARGS, _MHA_DEFAULTS)
     target = group.node.target

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ir import EXAMPLE_VALUE
-from ..lowering import kernels, per_model
+from ..lowering import kernels
+from ..runtime import per_model
 from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry, register_family
 
 UNARY = """

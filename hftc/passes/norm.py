@@ -17,7 +17,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..lowering import kernels, per_model
+from ..lowering import kernels
+from ..runtime import per_model
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
 

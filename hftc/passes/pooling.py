@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
-from ..lowering import kernels, per_model
+from ..lowering import kernels
+from ..runtime import per_model
 from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry
 
 _SPATIAL_MODULES = {

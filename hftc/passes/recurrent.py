@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..lowering import recurrent as kernels
+from ..runtime import recurrent as kernels
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
 
@@ -49,7 +49,7 @@ def _check_tensor_input(group: FusionGroup) -> None:
 
 @register_rule(("call_module", nn.LSTM), ("call_module", nn.GRU), ("call_module", nn.RNN))
 def fuse_rnn_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """``nn.LSTM/GRU/RNN(x, hx)`` -> :func:`~hftc.lowering.recurrent.rnn` on stacked weights."""
+    """``nn.LSTM/GRU/RNN(x, hx)`` -> :func:`~hftc.runtime.recurrent.rnn` on stacked weights."""
     _check_tensor_input(group)
     m = group.module
     x, hx = group.arg(0, "input"), group.arg(1, "hx")

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..lowering.kernels import bernoulli_mask, fold_channels, pad_model_dims, unfold_channels
 from ..utils import values_on
-from .kernels import bernoulli_mask, fold_channels, pad_model_dims, unfold_channels
 
 
 def scalars(values: Sequence[float], like: Tensor, rank: int) -> Tensor:

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kernels import dropout as dropout_kernel
-from .kernels import expand_models, linear, pad_model_dims
+from ..lowering.kernels import dropout as dropout_kernel
+from ..lowering.kernels import expand_models, linear, pad_model_dims
 
 
 def _models(x: Tensor, n: int, batched: bool) -> Tensor:

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .kernels import dropout as dropout_kernel
-from .kernels import expand_models, linear
+from ..lowering.kernels import dropout as dropout_kernel
+from ..lowering.kernels import expand_models, linear
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 
