@@ -103,7 +103,7 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
 #: ``(args, kwargs, result) -> result``.  Every uniform draw is its lowest value (0 for
 #: ``rand``, ``from`` for ``uniform_``, ``low`` for ``randint`` and ``random_``), so the
 #: ways of drawing a keep mask agree: ``bernoulli_(keep)`` (ATen's dropout),
-#: ``random_() < keep * 2**31`` (hftc's, :func:`~hftc.lowering.kernels.bernoulli_mask`)
+#: ``random_() < keep * 2**31`` (hftc's, :func:`~hftc.runtime.random.bernoulli_mask`)
 #: and ``rand() < keep`` all keep every element.
 _CONSTANT_DRAWS: dict[Any, Callable[[tuple, dict, Any], Any]] = {
     aten.native_dropout: _dropout,

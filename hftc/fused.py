@@ -3,7 +3,7 @@
 ::
 
     models --trace.py--> N fx graphs (train and eval) --match.py--> node mapping
-           --runtime/modules.py--> stacked parameters under the original names
+           --stacking.py--> stacked parameters under the original names (runtime/modules.py)
     first call, per input signature:
            --trace.annotate_example_values--> shapes --passes/--> fused fx graph
            --lowering/codegen.py--> forward(self, *inputs)
@@ -62,7 +62,8 @@ from .passes import FusionReport, fuse_graph
 from .passes.driver import SHARED_CONSTANT_PREFIX
 from .runtime.memory import keep_freed_memory_for_tuning
 from .runtime.model_loop import ModelLoop
-from .runtime.modules import ContainerAccess, StackedModule, build_module_tree
+from .runtime.modules import ContainerAccess, StackedModule
+from .stacking import build_module_tree
 from .trace import (
     OutputSpec,
     annotate_example_values,
