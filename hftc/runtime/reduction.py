@@ -3,7 +3,7 @@
 ::
 
     before:  x_n.sum()                       for n in 0..N-1
-    after:   reduce_all("sum", x)  ->  x.flatten(1).sum(1)          ([N])
+    after:   reduce_all("sum", x)  ->  x.reshape(N, -1).sum(1)       ([N])
 
 Plus the reductions that read memory in the model's own order (``reduce_in_memory_order``)
 and softmax over short rows (a faster CPU path with the same results).
