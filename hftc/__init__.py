@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 # name -> the submodule that defines it ("" : the name is the submodule itself).
 _PUBLIC = {
     "FusedModule": "fused", "fuse": "fused", "fuse_groups": "group",
-    "keep_freed_memory": "lowering.heap", "per_model": "utils",
+    "keep_freed_memory": "runtime.memory", "per_model": "utils",
     "FusionError": "errors", "FusionWarning": "errors", "MismatchError": "errors",
     "TraceError": "errors", "UnsupportedOperatorError": "errors",
     "amp": "", "errors": "", "optim": "", "utils": "",
@@ -42,7 +42,7 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 # The modules whose import installs the patches of torch, in the order the package imports them.
-_CORE = ("amp", "errors", "optim", "utils", "fused", "group", "lowering.heap")
+_CORE = ("amp", "errors", "optim", "utils", "fused", "group", "runtime.memory")
 
 
 def _load_core() -> None:

@@ -25,7 +25,7 @@ every element, ``rand`` is 0, ``randn`` 0 ..., so a training-mode program with
 dropout is compared by value too.  Nothing the check runs is kept: buffers and the
 RNG are restored (``preserved_state``) and the copies are dropped.  Where the outputs
 differ, the fused module runs the N models one by one instead (the whole-model loop,
-:mod:`.lowering.model_loop`) and warns (:class:`~hftc.errors.FusionWarning`), saying
+:mod:`.runtime.model_loop`) and warns (:class:`~hftc.errors.FusionWarning`), saying
 where the outputs part (:func:`locate_difference`: the first leaf module whose output
 differs, or forward's own code between modules).
 """
@@ -103,7 +103,7 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
 #: ``(args, kwargs, result) -> result``.  Every uniform draw is its lowest value (0 for
 #: ``rand``, ``from`` for ``uniform_``, ``low`` for ``randint`` and ``random_``), so the
 #: ways of drawing a keep mask agree: ``bernoulli_(keep)`` (ATen's dropout),
-#: ``random_() < keep * 2**31`` (hftc's, :func:`~hftc.lowering.kernels.bernoulli_mask`)
+#: ``random_() < keep * 2**31`` (hftc's, :func:`~hftc.runtime.random.bernoulli_mask`)
 #: and ``rand() < keep`` all keep every element.
 _CONSTANT_DRAWS: dict[Any, Callable[[tuple, dict, Any], Any]] = {
     aten.native_dropout: _dropout,

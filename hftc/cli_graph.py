@@ -64,7 +64,7 @@ def _shape(value: Any) -> str:
 
 
 def _cost_model_lowering(node, root) -> str | None:
-    """The lowering an hftc kernel (``kernels.conv``) runs when autotune chose none: the
+    """The lowering an hftc kernel (``conv.conv``) runs when autotune chose none: the
     first of its ``conv_lowerings(...)`` for the node's stacked weights and example input."""
     kernel = node.target
     lowerings = getattr(sys.modules.get(getattr(kernel, "__module__", "")),

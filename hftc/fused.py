@@ -3,7 +3,7 @@
 ::
 
     models --trace.py--> N fx graphs (train and eval) --match.py--> node mapping
-           --lowering/modules.py--> stacked parameters under the original names
+           --stacking.py--> stacked parameters under the original names (runtime/modules.py)
     first call, per input signature:
            --trace.annotate_example_values--> shapes --passes/--> fused fx graph
            --lowering/codegen.py--> forward(self, *inputs)
@@ -57,12 +57,13 @@ from .lowering.autotune import (
 )
 from .lowering.chains import chain_linears
 from .lowering.codegen import compile_graph
-from .lowering.heap import keep_freed_memory_for_tuning
-from .lowering.model_loop import ModelLoop
-from .lowering.modules import ContainerAccess, StackedModule, build_module_tree
 from .match import GraphMatch, match_graphs
 from .passes import FusionReport, fuse_graph
 from .passes.driver import SHARED_CONSTANT_PREFIX
+from .runtime.memory import keep_freed_memory_for_tuning
+from .runtime.model_loop import ModelLoop
+from .runtime.modules import ContainerAccess, StackedModule
+from .stacking import build_module_tree
 from .trace import (
     OutputSpec,
     annotate_example_values,
@@ -89,7 +90,7 @@ class Program:
     output_spec: OutputSpec | None = None
     #: How the forward runs, when autotune measured something faster than the fused
     #: program on the inputs as given: the N models one by one
-    #: (hftc.lowering.model_loop), channels-last inputs (hftc.lowering.layout), or both.
+    #: (hftc.runtime.model_loop), channels-last inputs (hftc.lowering.layout), or both.
     how: ProgramChoice | None = None
 
     @property
@@ -820,7 +821,7 @@ class FusedModule(ContainerAccess, nn.Module):
                     raise
             if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values):
                 # A fused step's activations outgrow glibc's adaptive thresholds: keep the
-                # memory a step frees for the next one (lowering/heap.py).  After the ops'
+                # memory a step frees for the next one (runtime/memory.py).  After the ops'
                 # tuning, whose candidates' buffers of every size would otherwise stay in
                 # the heap; before the whole forward's, so its candidates run as the steps
                 # will.  Under glibc's defaults the fused program, whose buffers are N

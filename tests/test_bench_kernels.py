@@ -1,10 +1,10 @@
-"""The performance lowerings the benchmark work added to hftc/lowering/kernels.py, against loops.
+"""The performance lowerings the benchmark work added to hftc/runtime/, against loops.
 
 Each lowering changes how N models' convolutions run (and the memory layout of the
 result), never what they compute: forward, input and weight gradients equal a loop
 over the models, in float64, including batch size 1, where size-1 dims carry odd
 strides (an ATen batch-norm backward returned wrong gradients for a channels-last
-input laid out so; ``kernels._canonical_strides`` restrides it).
+input laid out so; ``layout._canonical_strides`` restrides it).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
-from hftc.lowering import kernels
+from hftc.runtime import layout as rt_layout
 
 DT = torch.float64
 
@@ -110,7 +110,7 @@ def test_gradients_reach_a_folded_op_with_canonical_strides(shape):
     g_odd = g.as_strided(shape, odd)
     want, = torch.autograd.grad(F.batch_norm(x, *stats, None, None, True), x, g)
     y = F.batch_norm(x, *stats, None, None, True)
-    kernels.unfold_channels(y, 2, True)  # hooks y
+    rt_layout.unfold_channels(y, 2, True)  # hooks y
     seen = []
     y.register_hook(lambda grad: seen.append(grad.stride()))
     got, = torch.autograd.grad(y, x, g_odd)
@@ -122,7 +122,7 @@ def test_fold_channels_restrides_channels_last_size_one_dims():
     # [N=2, B=1, C=1, H, W] in channels-last memory: folding gives [1, 2, H, W] with a
     # batch stride of 2; ATen's CPU batch-norm backward got such a tensor wrong.
     y = torch.randn(1, 4, 4, 2, dtype=DT).permute(0, 3, 1, 2)
-    folded = kernels.fold_channels(kernels.unfold_channels(y, 2, True), True)
+    folded = rt_layout.fold_channels(rt_layout.unfold_channels(y, 2, True), True)
     assert folded.is_contiguous(memory_format=torch.channels_last)
     assert folded.stride() == (32, 1, 8, 2)
     x = folded.detach().requires_grad_()

@@ -17,6 +17,7 @@ from torch import nn
 import hftc
 import hftc.fused
 from hftc.lowering import chains
+from hftc.runtime import linear as rt_linear
 
 DTYPES = [torch.float64, torch.float32]
 
@@ -44,7 +45,7 @@ def sequential(sizes=(6, 9, 7, 4)):
 
 
 def chain_calls(fused) -> int:
-    return fused.last_program().source.count("hftc_lowering_chains_linear_chain(")
+    return fused.last_program().source.count("hftc_runtime_linear_linear_chain(")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -177,23 +178,23 @@ def test_what_is_chained_and_what_is_not(model, chains_expected):
 
 
 def test_an_autotuned_loop_lowering_breaks_the_chain(monkeypatch, tmp_path):
-    # A layer autotune runs as a per-model loop is left to kernels.linear.
+    # A layer autotune runs as a per-model loop is left to linear.linear.
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
     models = [sequential((6, 9, 7, 4)) for _ in range(3)]
     fused = hftc.fuse(models)
     fused(torch.randn(5, 6))
     graph = fused.fused_graph
-    linears = [n for n in graph.nodes if n.target is hftc.lowering.kernels.linear]
+    linears = [n for n in graph.nodes if n.target is hftc.runtime.linear.linear]
     linears[1].kwargs = {**linears[1].kwargs, "lowering": "loop"}
     rewritten = chains.chain_linears(graph, fused)
     calls = [n.target for n in rewritten.nodes if n.op == "call_function"]
-    assert calls.count(hftc.lowering.kernels.linear) == 3  # 0 and 2 are no chain alone
-    assert chains.linear_chain not in calls
+    assert calls.count(hftc.runtime.linear.linear) == 3  # 0 and 2 are no chain alone
+    assert rt_linear.linear_chain not in calls
     linears[1].kwargs = {**linears[1].kwargs, "lowering": "baddbmm"}
     rewritten = chains.chain_linears(graph, fused)
     calls = [n.target for n in rewritten.nodes if n.op == "call_function"]
-    assert calls.count(chains.linear_chain) == 1 and hftc.lowering.kernels.linear not in calls
+    assert calls.count(rt_linear.linear_chain) == 1 and hftc.runtime.linear.linear not in calls
     assert graph is fused.fused_graph and len(linears) == 3  # the rewrite copies
 
 
@@ -204,7 +205,7 @@ def test_a_shared_input_that_needs_its_gradient_runs_the_wide_gemm_unchained():
     fused = check_equivalence(models, torch.randn(5, 6), dtype=torch.float32)
     assert chain_calls(fused) == 1
     x = torch.randn(5, 6)
-    assert chains._transposed(x.requires_grad_(), [p for n, p in fused.named_parameters()
+    assert rt_linear._transposed(x.requires_grad_(), [p for n, p in fused.named_parameters()
                                                    if n.endswith("weight")],
                               [None] * 3, False, (None, None, None)) is None
 
@@ -223,9 +224,9 @@ def test_linear_chain_kernel_against_its_layers_one_by_one(stacked):
     kwargs = dict(x_batched=stacked, activations=("relu", "relu"),
                   lowerings=("baddbmm", "baddbmm_t", "baddbmm_t"))
     results = []
-    for run in (chains.linear_chain, chains._one_by_one):
+    for run in (rt_linear.linear_chain, rt_linear._one_by_one):
         args = (x, tuple(weights), tuple(biases))
-        out = run(*args, **kwargs) if run is chains.linear_chain else run(
+        out = run(*args, **kwargs) if run is rt_linear.linear_chain else run(
             *args, kwargs["x_batched"], kwargs["activations"], kwargs["lowerings"])
         grads = torch.autograd.grad(out, [x, *weights, *biases], torch.ones_like(out))
         results.append([out, *grads])

@@ -15,7 +15,8 @@ from torch import nn
 import hftc
 from hftc.check import ConstantRandomness, output_difference
 from hftc.errors import FusionWarning, TraceError
-from hftc.lowering import kernels
+from hftc.runtime import norms as rt_norms
+from hftc.runtime import random as rt_random
 
 
 class MaskIfTensor(nn.Module):
@@ -200,13 +201,13 @@ def test_a_model_that_cannot_be_called_is_not_checked():
     assert check.passed and check.skipped and "not checked" in str(check)
 
 
-@pytest.mark.parametrize("draw", ["F.dropout", "kernels.dropout", "bernoulli_", "rand",
+@pytest.mark.parametrize("draw", ["F.dropout", "random.dropout", "bernoulli_", "rand",
                                   "randn", "normal_", "uniform_", "randint", "randperm"])
 def test_constant_randomness_is_one_value_per_op_whatever_the_shape(draw):
     x = torch.randn(3, 5, dtype=torch.float64)
     fns = {
         "F.dropout": lambda t: F.dropout(t, 0.25),
-        "kernels.dropout": lambda t: kernels.dropout(t, 0.25),
+        "random.dropout": lambda t: rt_random.dropout(t, 0.25),
         "bernoulli_": lambda t: torch.empty_like(t).bernoulli_(0.25),
         "rand": lambda t: torch.rand(t.shape, dtype=t.dtype),
         "randn": lambda t: torch.randn_like(t),
@@ -216,7 +217,7 @@ def test_constant_randomness_is_one_value_per_op_whatever_the_shape(draw):
         "randperm": lambda t: torch.randperm(t.numel()),
     }
     expected = {
-        "F.dropout": x / 0.75, "kernels.dropout": x / 0.75,
+        "F.dropout": x / 0.75, "random.dropout": x / 0.75,
         "bernoulli_": torch.ones_like(x), "rand": torch.zeros_like(x),
         "randn": torch.zeros_like(x), "normal_": torch.full_like(x, 1.5),
         "uniform_": torch.full_like(x, -1.0), "randint": torch.full(x.shape, 3),
@@ -350,12 +351,12 @@ def test_a_wrong_fused_op_is_named_by_module(monkeypatch):
     """A fusion rule that computes something else (here a layer norm kernel off by a
     factor, as a bug would be) is caught by the check, which names the first module whose
     output differs; the models then run one by one, correctly."""
-    real = kernels.layer_norm
+    real = rt_norms.layer_norm
 
     def off_by_ten_percent(*args, **kwargs):
         return real(*args, **kwargs) * 1.1
 
-    monkeypatch.setattr(kernels, "layer_norm", off_by_ten_percent)
+    monkeypatch.setattr(rt_norms, "layer_norm", off_by_ten_percent)
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.ReLU(), nn.Linear(4, 2))
               for _ in range(3)]

@@ -20,7 +20,9 @@ from test_zoo import _zoo_models
 from zoo import make_input
 
 import hftc
-from hftc.lowering import autotune, kernels
+from hftc.lowering import autotune
+from hftc.runtime import conv as rt_conv
+from hftc.runtime import linear as rt_linear
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -39,8 +41,8 @@ def _no_tf32():
 
 
 #: (kernel, layer, N, batch): every conv and linear layer of the CPU lowering tests.
-LAYERS = [(kernels.conv, layer, 3, 2) for layer in CONVS] + [
-    (kernels.linear, layer, 4, 5) for layer in LINEARS]
+LAYERS = [(rt_conv.conv, layer, 3, 2) for layer in CONVS] + [
+    (rt_linear.linear, layer, 4, 5) for layer in LINEARS]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,4 +1,4 @@
-"""hftc's dropout kernel (``kernels.dropout``) against ``F.dropout``.
+"""hftc's dropout kernel (``random.dropout``) against ``F.dropout``.
 
 Dropout masks are random, so a fused model's masks never were the loop's draws;
 what must hold is ``F.dropout``'s contract: each element kept with probability
@@ -6,7 +6,7 @@ what must hold is ``F.dropout``'s contract: each element kept with probability
 by exactly ATen's ``1 / (1 - p)``, the gradient through the same mask, the same
 edge cases (``p`` = 0 or 1, eval, in place, bad ``p``), and ``torch.manual_seed``
 reproducing the draws.  On the CPU the mask comes from hftc's own sampler
-(``kernels.bernoulli_mask``), which these tests exercise directly.
+(``random.bernoulli_mask``), which these tests exercise directly.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from equivalence import check_equivalence
 from torch import nn
 
 import hftc
-from hftc.lowering import kernels
+from hftc.runtime import random as rt_random
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 
@@ -35,7 +35,7 @@ def _sigmas(kept: float, keep: float, n: int) -> float:
 def test_dropout_keeps_each_element_with_probability_one_minus_p(p, dtype):
     torch.manual_seed(0)
     x = torch.rand(4, 256, 512, dtype=dtype) + 0.5  # no zeros of its own
-    out = kernels.dropout(x, p, True)
+    out = rt_random.dropout(x, p, True)
     kept = out != 0
     n = kept.numel()
     assert _sigmas(kept.double().mean().item(), 1 - p, n) < 5
@@ -58,7 +58,7 @@ def test_dropout_gradient_goes_through_the_same_mask(inplace):
     torch.manual_seed(0)
     leaf = torch.randn(3, 50, 40, dtype=torch.float64, requires_grad=True)
     x = leaf * 1.0 if inplace else leaf  # in place needs a non-leaf
-    out = kernels.dropout(x, 0.3, True, inplace)
+    out = rt_random.dropout(x, 0.3, True, inplace)
     grad = torch.randn_like(out)
     out.backward(grad)
     noise = torch.where(out != 0, 1 / torch.tensor(0.7, dtype=torch.float64), 0)
@@ -66,7 +66,7 @@ def test_dropout_gradient_goes_through_the_same_mask(inplace):
     assert torch.equal(out, leaf.detach() * noise)
     # double backward, as through F.dropout
     leaf.grad = None
-    out = kernels.dropout(leaf, 0.3, True)
+    out = rt_random.dropout(leaf, 0.3, True)
     (g,) = torch.autograd.grad(out.square().sum(), leaf, create_graph=True)
     g.sum().backward()
     noise = torch.where(out != 0, 1 / torch.tensor(0.7, dtype=torch.float64), 0)
@@ -75,48 +75,48 @@ def test_dropout_gradient_goes_through_the_same_mask(inplace):
 
 def test_dropout_edge_cases_are_f_dropouts():
     x = torch.randn(8, 16)
-    assert kernels.dropout(x, 0.0, True) is x
-    assert kernels.dropout(x, 0.5, False) is x
+    assert rt_random.dropout(x, 0.0, True) is x
+    assert rt_random.dropout(x, 0.5, False) is x
     assert F.dropout(x, 0.0, True) is x  # ATen returns its input too
     nan = torch.tensor([1.0, float("nan"), -2.0])
-    assert torch.equal(kernels.dropout(nan, 1.0, True).isnan(),
+    assert torch.equal(rt_random.dropout(nan, 1.0, True).isnan(),
                        F.dropout(nan, 1.0, True).isnan())
-    assert torch.equal(kernels.dropout(nan, 1.0, True)[[0, 2]], torch.zeros(2))
+    assert torch.equal(rt_random.dropout(nan, 1.0, True)[[0, 2]], torch.zeros(2))
     y = x.clone()
-    assert kernels.dropout(y, 0.5, True, True) is y
+    assert rt_random.dropout(y, 0.5, True, True) is y
     assert ((y == 0) | torch.isclose(y, 2 * x)).all() and (y == 0).any()
     for p in (-0.1, 1.5):
         for training in (True, False):
             with pytest.raises(ValueError, match="dropout probability has to be between 0 and 1"):
-                kernels.dropout(x, p, training)
+                rt_random.dropout(x, p, training)
     ints = torch.arange(6)  # not floating: ATen's error, from ATen
     with pytest.raises(RuntimeError) as aten:
         F.dropout(ints, 0.5, True)
     with pytest.raises(RuntimeError, match=str(aten.value)):
-        kernels.dropout(ints, 0.5, True)
+        rt_random.dropout(ints, 0.5, True)
 
 
 def test_dropout_draws_follow_the_seed():
     x = torch.ones(1000)
     torch.manual_seed(3)
-    first = kernels.dropout(x, 0.5, True)
+    first = rt_random.dropout(x, 0.5, True)
     torch.manual_seed(3)
-    assert torch.equal(kernels.dropout(x, 0.5, True), first)
-    assert not torch.equal(kernels.dropout(x, 0.5, True), first)
+    assert torch.equal(rt_random.dropout(x, 0.5, True), first)
+    assert not torch.equal(rt_random.dropout(x, 0.5, True), first)
 
 
 def test_bernoulli_mask_with_a_keep_probability_per_model():
     torch.manual_seed(0)
     keep = torch.tensor([1.0, 0.0, 0.25, 1 - 2**-31, 0.999]).reshape(5, 1, 1)
-    mask = kernels.bernoulli_mask((5, 300, 200), keep, torch.empty(0, dtype=torch.float32))
+    mask = rt_random.bernoulli_mask((5, 300, 200), keep, torch.empty(0, dtype=torch.float32))
     assert mask.dtype == torch.float32 and set(mask.unique().tolist()) <= {0.0, 1.0}
     assert mask[0].all() and not mask[1].any()
     assert _sigmas(mask[2].mean().item(), 0.25, 60_000) < 5
     assert mask[3].sum() >= 59_999
     assert _sigmas(mask[4].mean().item(), 0.999, 60_000) < 5
     # a float keep probability that rounds to 2**31 of 2**31 keeps everything
-    assert kernels.bernoulli_mask((1000,), 1 - 1e-12, torch.empty(0)).all()
-    assert not kernels.bernoulli_mask((1000,), 1e-12, torch.empty(0)).any()
+    assert rt_random.bernoulli_mask((1000,), 1 - 1e-12, torch.empty(0)).all()
+    assert not rt_random.bernoulli_mask((1000,), 1e-12, torch.empty(0)).any()
 
 
 class Dropouts(nn.Module):
@@ -140,7 +140,7 @@ def test_fused_dropouts_run_hftcs_kernel_and_each_model_draws_its_own_mask():
     x = torch.randn(256, 16)
     out = fused(x)
     source = fused.last_program().source
-    assert source.count("kernels_dropout(") == 3, source
+    assert source.count("hftc_runtime_random_dropout(") == 3, source
     assert "functional_dropout" not in source and "torch.dropout" not in source
     keep = 0.75 * 0.5 * 0.9
     for i in range(3):
@@ -155,8 +155,8 @@ def test_fused_dropouts_run_hftcs_kernel_and_each_model_draws_its_own_mask():
 def test_dropout_masks_are_drawn_on_the_inputs_device_whatever_the_default():
     x, keep = torch.ones(64, 64), torch.tensor([[0.5], [1.0]])
     with torch.device("meta"):  # a default device other than the input's
-        out = kernels.dropout(x, 0.5, True)
-        per_model = kernels.bernoulli_mask((2, 8), keep, x)
+        out = rt_random.dropout(x, 0.5, True)
+        per_model = rt_random.bernoulli_mask((2, 8), keep, x)
     assert out.device.type == "cpu" and per_model.device.type == "cpu"
     assert per_model[1].all()
 

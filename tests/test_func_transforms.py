@@ -20,7 +20,11 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
 import hftc
-from hftc.lowering import chains, kernels
+from hftc.runtime import layout as rt_layout
+from hftc.runtime import linear as rt_linear
+from hftc.runtime import losses as rt_losses
+from hftc.runtime import reduction as rt_reduction
+from hftc.runtime import spatial as rt_spatial
 
 
 def counted(monkeypatch, function) -> list[int]:
@@ -74,7 +78,7 @@ class LogSoftmaxClassifier(nn.Module):
 @pytest.fixture
 def pool_through_channels_last(monkeypatch):
     """Every 2-d max pool of the tests' small maps takes ``_MaxPool2dThroughChannelsLast``."""
-    monkeypatch.setattr(kernels, "_POOL_VIA_CHANNELS_LAST_MIN_NUMEL", 1)
+    monkeypatch.setattr(rt_spatial, "_POOL_VIA_CHANNELS_LAST_MIN_NUMEL", 1)
 
 
 @pytest.fixture
@@ -120,7 +124,7 @@ def test_grad_of_functional_call_through_a_fused_mlp(monkeypatch):
     models = [mlp().double() for _ in range(3)]
     fused = fuse(models)
     x, t = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
-    chain = counted(monkeypatch, chains._LinearChain)
+    chain = counted(monkeypatch, rt_linear._LinearChain)
 
     def loss(p):  # the first call, which compiles the fused program, is inside grad
         return (functional_call(fused, p, (x,)) - t).square().mean((1, 2)).sum()
@@ -137,9 +141,9 @@ def test_grad_through_a_fused_cnn_with_max_pool(monkeypatch, pool_through_channe
     x = torch.randn(4, 3, 10, 10, dtype=torch.float64)
     y = torch.randint(0, 3, (4,))
     fused(x)
-    pool = counted(monkeypatch, kernels._MaxPool2dThroughChannelsLast)
-    contiguous = counted(monkeypatch, kernels._ContiguousGradient)
-    linear = counted(monkeypatch, kernels._BatchedLinear)
+    pool = counted(monkeypatch, rt_spatial._MaxPool2dThroughChannelsLast)
+    contiguous = counted(monkeypatch, rt_reduction._ContiguousGradient)
+    linear = counted(monkeypatch, rt_linear._BatchedLinear)
     loss = lambda p: hftc.per_model(F.cross_entropy)(functional_call(fused, p, (x,)), y).sum()
     got = grad(loss)(parameters(fused))
     assert pool[0] == 1 and contiguous[0] == 1 and linear[0] == 1
@@ -153,7 +157,7 @@ def test_grad_through_per_model_cross_entropy_over_few_classes(monkeypatch, shor
     x, y = torch.randn(64, 12), torch.randint(0, 10, (64,))
     y[:3] = -100
     fused(x)
-    cross_entropy = counted(monkeypatch, kernels._ShortRowCrossEntropy)
+    cross_entropy = counted(monkeypatch, rt_losses._ShortRowCrossEntropy)
     for reduction in ("mean", "sum"):
         def loss(p, reduction=reduction):
             out = functional_call(fused, p, (x,))
@@ -172,7 +176,7 @@ def _fused_mlp(monkeypatch, n: int):
     fused = fuse(models)
     x, t = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
     fused(x)
-    return models, fused, x, t, counted(monkeypatch, chains._LinearChain)
+    return models, fused, x, t, counted(monkeypatch, rt_linear._LinearChain)
 
 
 def test_second_order_grad_through_a_fused_mlp(monkeypatch):
@@ -209,7 +213,7 @@ def test_vmap_over_a_batch_of_inputs(monkeypatch, pool_through_channels_last, ma
     fused = fuse(models)
     shape = (4, 6) if make is mlp else (4, 3, 10, 10)
     xs = torch.randn(2, *shape, dtype=torch.float64)   # vmapped over dim 0
-    function = chains._LinearChain if make is mlp else kernels._MaxPool2dThroughChannelsLast
+    function = rt_linear._LinearChain if make is mlp else rt_spatial._MaxPool2dThroughChannelsLast
     calls = counted(monkeypatch, function)
     got = vmap(fused)(xs)                               # the first call inside vmap
     assert calls[0] >= 1
@@ -225,8 +229,8 @@ def test_per_sample_gradients_with_vmap_of_grad(monkeypatch, pool_through_channe
     x = torch.randn(5, 6) if make is mlp else torch.randn(5, 3, 10, 10)
     x, y = x.double(), torch.randint(0, classes, (5,))
     fused(x)
-    functions = [chains._LinearChain] if make is mlp else [
-        kernels._MaxPool2dThroughChannelsLast, kernels._ContiguousGradient, kernels._BatchedLinear]
+    functions = [rt_linear._LinearChain] if make is mlp else [
+        rt_spatial._MaxPool2dThroughChannelsLast, rt_reduction._ContiguousGradient, rt_linear._BatchedLinear]
     calls = [counted(monkeypatch, function) for function in functions]
 
     def loss_one(p, xi, yi):  # one sample: [N, 1, classes]
@@ -247,16 +251,16 @@ def test_vmap_over_tasks_with_short_rows(monkeypatch, short_rows, head):
     # per-task gradients by vmap(grad) and their sum by grad(vmap), against the loop.
     if head == "logits":
         models, loss_fn, function = ([mlp((12, 32, 10)) for _ in range(4)], F.cross_entropy,
-                                     kernels._ShortRowCrossEntropy)
+                                     rt_losses._ShortRowCrossEntropy)
     else:
         models, loss_fn, function = ([LogSoftmaxClassifier() for _ in range(4)], F.nll_loss,
-                                     kernels._ShortRowSoftmax)
+                                     rt_reduction._ShortRowSoftmax)
     fused = fuse(models)
     xs, ys = torch.randn(3, 64, 12), torch.randint(0, 10, (3, 64))
     ys[1, :5] = -100                                    # ignored targets in one task only
     fused(xs[0])
     calls = counted(monkeypatch, function)
-    linear = counted(monkeypatch, kernels._BatchedLinear)   # (the tanh head: no chain)
+    linear = counted(monkeypatch, rt_linear._BatchedLinear)   # (the tanh head: no chain)
 
     def task_loss(p, x, y):
         return hftc.per_model(loss_fn)(functional_call(fused, p, (x,)), y).sum()
@@ -307,10 +311,10 @@ def test_max_pool_through_channels_last_under_vmap(monkeypatch, pool_through_cha
     # are the plain pool's, bit for bit.
     xs = torch.randint(-2, 3, (3, 2, 4, 3, 9, 9)).clamp_min(0).double()  # ties
     pool = nn.MaxPool2d(3, 2, 1, return_indices=True)
-    fused_pool = lambda x: kernels.channelwise(pool, x, spatial=2)
-    plain_pool = lambda x: tuple(kernels.unfold_channels(t, 2, True) for t in
-                                 F.max_pool2d_with_indices(kernels.fold_channels(x, True), 3, 2, 1))
-    calls = counted(monkeypatch, kernels._MaxPool2dThroughChannelsLast)
+    fused_pool = lambda x: rt_spatial.channelwise(pool, x, spatial=2)
+    plain_pool = lambda x: tuple(rt_layout.unfold_channels(t, 2, True) for t in
+                                 F.max_pool2d_with_indices(rt_layout.fold_channels(x, True), 3, 2, 1))
+    calls = counted(monkeypatch, rt_spatial._MaxPool2dThroughChannelsLast)
     values, indices = vmap(fused_pool)(xs)
     assert calls[0] == 1
     want_values, want_indices = zip(*[plain_pool(x) for x in xs])
@@ -333,8 +337,8 @@ def test_jacrev_through_a_tiny_fused_mlp(monkeypatch):
     fused = fuse(models)
     x = torch.randn(2, 3, dtype=torch.float64)
     fused(x)
-    chain = counted(monkeypatch, chains._LinearChain)
-    linear = counted(monkeypatch, kernels._BatchedLinear)
+    chain = counted(monkeypatch, rt_linear._LinearChain)
+    linear = counted(monkeypatch, rt_linear._BatchedLinear)
     # d out / d x: [N, B, out, B, in], model i's block its own Jacobian (a shared input
     # that needs its gradient: the first layer is one GEMM, the others batched linears)
     got = jacrev(fused)(x)

@@ -59,7 +59,7 @@ def test_strided_1x1_conv_over_few_channels_is_never_run_channels_last(tmp_path,
     # oneDNN's 1x1 conv with a stride over < 16 input channels (here 4 -> 3, stride 2,
     # after a reflect pad) writes past its workspace on channels-last inputs and gets the
     # weight gradient wrong (uxlfoundation/oneDNN#6035): such a model keeps its inputs as
-    # given on the CPU (layout.safe), and kernels.conv runs such a conv on contiguous maps.
+    # given on the CPU (layout.safe), and conv.conv runs such a conv on contiguous maps.
     from fuzz_models import FuzzNet
 
     from hftc.lowering import autotune
@@ -112,7 +112,7 @@ def test_instance_norm_of_one_sample_before_a_channels_last_conv(train, tmp_path
     # lowered channels-last.  ATen's instance_norm hands its batch_norm the gradient
     # through a view with an odd batch stride, and batch_norm's CPU backward got the
     # input gradients wrong; hftc's fused instance norm of one sample now calls that
-    # batch_norm itself, and its gradient is restrided (kernels.instance_norm).
+    # batch_norm itself, and its gradient is restrided (norms.instance_norm).
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
     spec = {"family": "image", "input": (1, 2, 4, 4),
             "layers": [("batch", 2, False), ("conv", 2, 1, 1, 2, 0, 1, "zeros", False),
@@ -129,7 +129,7 @@ def test_instance_norm_of_one_sample_before_a_channels_last_conv(train, tmp_path
 @pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
 @pytest.mark.parametrize("track", [False, True], ids=["input_stats", "tracked"])
 def test_instance_norm_of_one_sample_matches_the_loop(track, affine, unbatched, train):
-    # The one-sample path of kernels.instance_norm (batch_norm called directly), with
+    # The one-sample path of norms.instance_norm (batch_norm called directly), with
     # running statistics, affine parameters and unbatched inputs.
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Conv2d(2, 3, 3, padding=1),

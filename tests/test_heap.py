@@ -62,7 +62,7 @@ def test_freed_memory_is_faulted_in_again_by_default_and_not_once_kept():
 _FUSE = """
 import json, torch
 import hftc
-from hftc.lowering import heap
+from hftc.runtime import memory as heap
 models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
           for _ in range(2)]
 before = heap._applied
@@ -85,7 +85,7 @@ _ORDER = """
 import json, torch
 import hftc
 import hftc.fused as fused_module
-from hftc.lowering import heap
+from hftc.runtime import memory as heap
 seen = {}
 
 def recording(name, fn):

@@ -31,10 +31,15 @@ import hftc
 import hftc.fused
 from hftc import ir
 from hftc.errors import FusionArgumentError, FusionError
-from hftc.lowering import autotune, kernels
-from hftc.lowering.heap import peak_memory
+from hftc.lowering import autotune
 from hftc.lowering.layout import sample_shapes
-from hftc.lowering.model_loop import ModelLoop
+from hftc.runtime import conv as rt_conv
+from hftc.runtime import layout as rt_layout
+from hftc.runtime import linear as rt_linear
+from hftc.runtime import reduction as rt_reduction
+from hftc.runtime import spatial as rt_spatial
+from hftc.runtime.memory import peak_memory
+from hftc.runtime.model_loop import ModelLoop
 from hftc.speed import MLP, LeNet5
 
 DTYPES = [torch.float64, torch.float32]
@@ -79,10 +84,10 @@ def named_in_source(lowering: str, source: str) -> bool:
 
 def _layer_args(kernel, module: nn.Module, x_batched: bool) -> dict:
     """The keyword arguments the fusion rules give ``kernel`` for ``module``."""
-    if kernel is kernels.linear:
+    if kernel is rt_linear.linear:
         return dict(x_batched=x_batched)
     spatial = len(module.kernel_size)
-    if kernel is kernels.conv_transpose:
+    if kernel is rt_conv.conv_transpose:
         return dict(stride=module.stride, padding=module.padding,
                     output_padding=module.output_padding, groups=module.groups,
                     dilation=module.dilation, spatial=spatial, x_batched=x_batched)
@@ -147,7 +152,7 @@ def _assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, tol: float, ms
 @pytest.mark.parametrize("layer", CONVS, ids=lambda c: f"{c[0].__name__}{c[1]}")
 def test_every_conv_lowering_matches_the_loop(layer, n, x_batched, dtype):
     cls, kwargs, shape = layer
-    names = _check_every_lowering(kernels.conv, cls, kwargs, shape, n, x_batched, 2, dtype)
+    names = _check_every_lowering(rt_conv.conv, cls, kwargs, shape, n, x_batched, 2, dtype)
     assert len(names) >= 2
 
 
@@ -157,7 +162,7 @@ def test_every_conv_lowering_matches_the_loop(layer, n, x_batched, dtype):
 def test_conv_lowerings_at_batch_one_and_unbatched(layer, x_batched):
     cls, kwargs, shape = layer
     for batch in (1, 0):
-        _check_every_lowering(kernels.conv, cls, kwargs, shape, 3, x_batched, batch,
+        _check_every_lowering(rt_conv.conv, cls, kwargs, shape, 3, x_batched, batch,
                               torch.float64)
 
 
@@ -166,7 +171,7 @@ def test_conv_lowerings_at_batch_one_and_unbatched(layer, x_batched):
 @pytest.mark.parametrize("layer", CONV_TRANSPOSES, ids=lambda c: f"{c[0].__name__}{c[1]}")
 def test_every_conv_transpose_lowering_matches_the_loop(layer, x_batched, dtype):
     cls, kwargs, shape = layer
-    _check_every_lowering(kernels.conv_transpose, cls, kwargs, shape, 3, x_batched, 2, dtype)
+    _check_every_lowering(rt_conv.conv_transpose, cls, kwargs, shape, 3, x_batched, 2, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -175,7 +180,7 @@ def test_every_conv_transpose_lowering_matches_the_loop(layer, x_batched, dtype)
 @pytest.mark.parametrize("layer", LINEARS, ids=lambda c: f"{c[1]}-{c[2]}")
 def test_every_linear_lowering_matches_the_loop(layer, n, x_batched, dtype):
     cls, kwargs, shape = layer
-    _check_every_lowering(kernels.linear, cls, kwargs, shape, n, x_batched, 5, dtype)
+    _check_every_lowering(rt_linear.linear, cls, kwargs, shape, n, x_batched, 5, dtype)
 
 
 def test_a_shared_inputs_linear_is_broadcast_unless_the_input_needs_a_gradient():
@@ -183,27 +188,27 @@ def test_a_shared_inputs_linear_is_broadcast_unless_the_input_needs_a_gradient()
     where the input needs its own gradient (the broadcast's would be N products summed)."""
     weight, bias = torch.randn(3, 5, 4), torch.randn(3, 5)
     x = torch.randn(6, 4)
-    assert kernels.linear_lowerings(x, weight, bias, x_batched=False)[0] == "baddbmm"
-    assert kernels.linear(x, weight, bias, x_batched=False).is_contiguous()
+    assert rt_linear.linear_lowerings(x, weight, bias, x_batched=False)[0] == "baddbmm"
+    assert rt_linear.linear(x, weight, bias, x_batched=False).is_contiguous()
     x.requires_grad_()
-    assert kernels.linear_lowerings(x, weight, bias, x_batched=False)[0] == "gemm"
+    assert rt_linear.linear_lowerings(x, weight, bias, x_batched=False)[0] == "gemm"
 
 
 def test_a_pointwise_conv1d_of_batched_inputs_can_run_as_a_batched_gemm():
-    # Autotune's candidate, not the cost model's choice (kernels._pointwise_conv).
+    # Autotune's candidate, not the cost model's choice (conv._pointwise_conv).
     x, w = torch.randn(2, 8, 4, 16), torch.randn(2, 6, 4, 1)
-    names = kernels.conv_lowerings(x, w, None, spatial=1, x_batched=True)
+    names = rt_conv.conv_lowerings(x, w, None, spatial=1, x_batched=True)
     assert names[0] == "grouped" and "pointwise_bmm" in names
-    strided = kernels.conv_lowerings(x, w, None, stride=2, spatial=1, x_batched=True)
+    strided = rt_conv.conv_lowerings(x, w, None, stride=2, spatial=1, x_batched=True)
     assert "pointwise_bmm" not in strided
-    assert "pointwise_bmm" not in kernels.conv_lowerings(x[0], w, None, spatial=1,
+    assert "pointwise_bmm" not in rt_conv.conv_lowerings(x[0], w, None, spatial=1,
                                                          x_batched=False)
 
 
 def test_a_lowering_that_does_not_apply_is_refused():
     x, w = torch.randn(2, 3, 5, 5), torch.randn(4, 6, 3, 3, 3)
     with pytest.raises(FusionError, match="lowering 'pointwise_bmm' does not apply"):
-        kernels.conv(x, w, None, spatial=2, x_batched=False, lowering="pointwise_bmm")
+        rt_conv.conv(x, w, None, spatial=2, x_batched=False, lowering="pointwise_bmm")
 
 
 # --------------------------------------------------------------------------- autotune
@@ -272,7 +277,7 @@ def test_autotune_cache_is_reused_across_fusions(cache_dir, monkeypatch):
 def test_autotune_drops_a_lowering_with_other_outputs_or_gradients(wrong, cache_dir,
                                                                     monkeypatch):
     def kernel(x, weight, bias, *, x_batched, lowering=None):
-        y = kernels.linear(x, weight, bias, x_batched=x_batched)
+        y = rt_linear.linear(x, weight, bias, x_batched=x_batched)
         if lowering != "wrong":
             return y
         return y + 1 if wrong == "outputs" else y.detach() + 2 * (y - y.detach())
@@ -298,7 +303,7 @@ def test_autotune_drops_a_lowering_with_other_outputs_or_gradients(wrong, cache_
 def test_autotune_takes_another_lowering_only_by_a_margin(cache_dir, monkeypatch, other_time,
                                                          expected):
     def kernel(x, weight, bias, *, x_batched, lowering=None):
-        return kernels.linear(x, weight, bias, x_batched=x_batched)
+        return rt_linear.linear(x, weight, bias, x_batched=x_batched)
 
     kernel.__name__ = "toy_linear"
     monkeypatch.setitem(autotune.TUNABLE, kernel, lambda *a, **k: ["model", "other"])
@@ -723,7 +728,7 @@ def test_every_lowering_of_a_strided_1x1_conv_on_a_channels_last_input(groups, x
     n = 3
     modules = [nn.Conv2d(4, 6, 1, stride=2, groups=groups) for _ in range(n)]
     x = torch.randn(((n,) if x_batched else ()) + (8, 4, 8, 8))  # odd sizes: no error
-    layer_args = _layer_args(kernels.conv, modules[0], x_batched)
+    layer_args = _layer_args(rt_conv.conv, modules[0], x_batched)
     weight = torch.stack([m.weight.detach() for m in modules])
     bias = torch.stack([m.bias.detach() for m in modules])
 
@@ -736,12 +741,12 @@ def test_every_lowering_of_a_strided_1x1_conv_on_a_channels_last_input(groups, x
 
     channels_last = x.movedim(-3, -1).contiguous().movedim(-1, -3)
     assert not channels_last.is_contiguous()
-    names = kernels.conv_lowerings(channels_last, weight, bias, **layer_args)
+    names = rt_conv.conv_lowerings(channels_last, weight, bias, **layer_args)
     assert "grouped_channels_last" not in names  # never chosen for such a conv on the CPU
     for name in names:
         xl = channels_last.detach().requires_grad_()
         wl = weight.detach().requires_grad_()
-        y = kernels.conv(xl, wl, bias, lowering=name, **layer_args)
+        y = rt_conv.conv(xl, wl, bias, lowering=name, **layer_args)
         y.backward(grad_out.float())
         torch.testing.assert_close(y, ref.float(), rtol=1e-5, atol=1e-5, msg=name)
         torch.testing.assert_close(wl.grad, ref_weight_grad, rtol=1e-5, atol=1e-5, msg=name)
@@ -768,11 +773,11 @@ def test_a_channels_last_map_reaching_a_conv(cin, cout, size, groups, cost_model
     modules = [nn.Conv2d(cin, cout, 3, padding=1, groups=groups).to(dtype) for _ in range(n)]
     x = torch.randn(((n,) if x_batched else ()) + (batch, cin, size, size), dtype=dtype)
     if x_batched:  # [N, B, C, H, W] viewing a channels-last [B, N*C, H, W], as programs run
-        folded = kernels.fold_channels(x, True).contiguous(memory_format=torch.channels_last)
-        channels_last = kernels.unfold_channels(folded, n, True)
+        folded = rt_layout.fold_channels(x, True).contiguous(memory_format=torch.channels_last)
+        channels_last = rt_layout.unfold_channels(folded, n, True)
     else:
         channels_last = x.contiguous(memory_format=torch.channels_last)
-    layer_args = _layer_args(kernels.conv, modules[0], x_batched)
+    layer_args = _layer_args(rt_conv.conv, modules[0], x_batched)
     weight = torch.stack([m.weight.detach() for m in modules])
     bias = torch.stack([m.bias.detach() for m in modules])
     xs = x.detach().requires_grad_()
@@ -780,18 +785,18 @@ def test_a_channels_last_map_reaching_a_conv(cin, cout, size, groups, cost_model
     grad_out = torch.randn_like(ref)
     ref.backward(grad_out)
 
-    names = kernels.conv_lowerings(channels_last, weight, bias, **layer_args)
+    names = rt_conv.conv_lowerings(channels_last, weight, bias, **layer_args)
     if x_batched or groups != 1:
         assert names[0] == cost_model, names
-        assert kernels.conv_lowerings(x, weight, bias, **layer_args)[0] == "grouped"
+        assert rt_conv.conv_lowerings(x, weight, bias, **layer_args)[0] == "grouped"
     tol = DEFAULT_TOL[dtype]
     for name in names:
         xl = channels_last.detach().requires_grad_()
         wl = weight.detach().requires_grad_()
         bl = bias.detach().requires_grad_()
-        y = kernels.conv(xl, wl, bl, lowering=name, **layer_args)
+        y = rt_conv.conv(xl, wl, bl, lowering=name, **layer_args)
         if name.startswith("grouped"):
-            folded = kernels.fold_channels(y, True)
+            folded = rt_layout.fold_channels(y, True)
             assert folded.is_contiguous(memory_format=torch.channels_last
                                         if name == "grouped_channels_last"
                                         else torch.contiguous_format), name
@@ -839,7 +844,7 @@ def test_a_strided_1x1_conv_over_few_channels_is_never_run_channels_last_on_the_
         assert any("channels_last" in name for name in tried) == allowed, (cin, kernel, tried)
 
     # Inputs the caller laid out channels-last: the fused program's convs guard themselves
-    # (kernels.conv), the whole-model loop would run the models' own: it is not a candidate.
+    # (conv.conv), the whole-model loop would run the models' own: it is not a candidate.
     # (The cost model's program is the fused program with other lowerings, as guarded.)
     torch.manual_seed(0)
     models = [StridedPointwise(4, 1, 2, functional) for _ in range(2)]
@@ -947,7 +952,7 @@ def test_autotune_under_inference_mode(cache_dir):
 
 
 @pytest.mark.parametrize("keepdim", [True, False])
-@pytest.mark.parametrize("name", kernels.SELECTING_REDUCTIONS)
+@pytest.mark.parametrize("name", rt_reduction.SELECTING_REDUCTIONS)
 def test_selecting_reductions_hand_the_gradient_back_in_the_input_layout(name, keepdim):
     # A grouped conv's output [N, B, C, L] views [B, N*C, L] memory. Reduced in memory
     # order, max & co. give the plain call's values, indices and gradient, and that
@@ -960,7 +965,7 @@ def test_selecting_reductions_hand_the_gradient_back_in_the_input_layout(name, k
         x = leaf.view(3, 2, 4, 5).permute(1, 0, 2, 3)
         strides = []
         x.register_hook(lambda g, seen=strides: seen.append(g.stride()))
-        got = kernels.reduce_in_memory_order(name, x, dim, keepdim=keepdim)
+        got = rt_reduction.reduce_in_memory_order(name, x, dim, keepdim=keepdim)
         want = getattr(torch, name)(base.view(3, 2, 4, 5).permute(1, 0, 2, 3), dim,
                                     keepdim=keepdim)
         assert type(got) is type(want)
@@ -979,7 +984,7 @@ def test_selecting_reductions_hand_the_gradient_back_in_the_input_layout(name, k
         assert strides == [x.stride()], (name, dim)
     # A contiguous input takes the plain call.
     y = base.view(3, 2, 4, 5)
-    assert torch.equal(kernels.reduce_in_memory_order("amax", y, 3), torch.amax(y, 3))
+    assert torch.equal(rt_reduction.reduce_in_memory_order("amax", y, 3), torch.amax(y, 3))
 
 
 # ------------------------------------------------------------ softmax over short rows
@@ -987,7 +992,7 @@ def test_selecting_reductions_hand_the_gradient_back_in_the_input_layout(name, k
 
 @pytest.fixture
 def short_row_path(monkeypatch):
-    """Make ``kernels.softmax`` take its short-row path on any CPU, as under AVX512 (16 lanes)."""
+    """Make ``reduction.softmax`` take its short-row path on any CPU, as under AVX512 (16 lanes)."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
 
 
@@ -1009,10 +1014,10 @@ def _awkward_rows(shape: tuple[int, ...]) -> torch.Tensor:
 def test_short_row_softmax_equals_aten(short_row_path, log, shape):
     # Forward, backward and double backward against ATen's kernel, awkward rows included.
     x = _awkward_rows(shape)
-    assert kernels._short_rows(x, -1)
+    assert rt_reduction._short_rows(x, -1)
     aten = torch.log_softmax if log else torch.softmax
     leaf, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
-    got, want = kernels.softmax(leaf, -1, log=log), aten(ref, -1)
+    got, want = rt_reduction.softmax(leaf, -1, log=log), aten(ref, -1)
     assert got.grad_fn is not None and "ShortRowSoftmax" in type(got.grad_fn).__name__
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
     finite = torch.isfinite(want).all(-1, keepdim=True).expand_as(want)
@@ -1028,28 +1033,28 @@ def test_short_row_softmax_equals_aten(short_row_path, log, shape):
 
 def test_short_row_softmax_is_taken_only_where_aten_is_slow(short_row_path):
     x = torch.randn(2048, 10)
-    assert kernels._short_rows(x, -1) and kernels._short_rows(x, 1)
-    assert not kernels._short_rows(x, 0)                        # not the last dim
-    assert not kernels._short_rows(torch.randn(2048, 16), -1)   # a whole vector: fast
-    assert not kernels._short_rows(torch.randn(100, 10), -1)    # too few elements to gain
-    assert not kernels._short_rows(x.double(), -1)              # float32 only (measured)
-    assert not kernels._short_rows(x.bfloat16(), -1)
+    assert rt_reduction._short_rows(x, -1) and rt_reduction._short_rows(x, 1)
+    assert not rt_reduction._short_rows(x, 0)                        # not the last dim
+    assert not rt_reduction._short_rows(torch.randn(2048, 16), -1)   # a whole vector: fast
+    assert not rt_reduction._short_rows(torch.randn(100, 10), -1)    # too few elements to gain
+    assert not rt_reduction._short_rows(x.double(), -1)              # float32 only (measured)
+    assert not rt_reduction._short_rows(x.bfloat16(), -1)
     # ATen's kernel otherwise, bit for bit; dtype= casts first, as F.softmax does.
     y = torch.randn(64, 10)
-    assert torch.equal(kernels.softmax(y, 1, log=True), torch.log_softmax(y, 1))
-    assert torch.equal(kernels.softmax(x, 0), torch.softmax(x, 0))
-    assert kernels.softmax(x.double(), -1, dtype=torch.float32).dtype == torch.float32
-    torch.testing.assert_close(kernels.softmax(x.double(), -1, log=True, dtype=torch.float32),
+    assert torch.equal(rt_reduction.softmax(y, 1, log=True), torch.log_softmax(y, 1))
+    assert torch.equal(rt_reduction.softmax(x, 0), torch.softmax(x, 0))
+    assert rt_reduction.softmax(x.double(), -1, dtype=torch.float32).dtype == torch.float32
+    torch.testing.assert_close(rt_reduction.softmax(x.double(), -1, log=True, dtype=torch.float32),
                                torch.log_softmax(x, -1))
 
 
 def test_short_row_softmax_follows_the_cpu_capability(monkeypatch):
     x = torch.randn(2048, 10)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert not kernels._short_rows(x, -1)                        # 10 >= 8 lanes: ATen is fast
-    assert kernels._short_rows(torch.randn(2048, 5), -1)
+    assert not rt_reduction._short_rows(x, -1)                        # 10 >= 8 lanes: ATen is fast
+    assert rt_reduction._short_rows(torch.randn(2048, 5), -1)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert not kernels._short_rows(torch.randn(2048, 5), -1)    # not measured: ATen's
+    assert not rt_reduction._short_rows(torch.randn(2048, 5), -1)    # not measured: ATen's
 
 
 class _LogSoftmaxClassifier(nn.Module):
@@ -1095,9 +1100,9 @@ def test_max_pool2d_through_channels_last_equals_the_plain_pool(monkeypatch, dty
     base[1, 2, 3, 4, 5] = float("nan")
     outs = []
     for min_numel in (1, 1 << 60):  # the channels-last detour, then ATen's NCHW pool
-        monkeypatch.setattr(kernels, "_POOL_VIA_CHANNELS_LAST_MIN_NUMEL", min_numel)
+        monkeypatch.setattr(rt_spatial, "_POOL_VIA_CHANNELS_LAST_MIN_NUMEL", min_numel)
         x = base.clone().requires_grad_()
-        y = kernels.channelwise(fn, x, *args, spatial=2, **kwargs)
+        y = rt_spatial.channelwise(fn, x, *args, spatial=2, **kwargs)
         values = y[0] if isinstance(y, tuple) else y
         took = "_MaxPool2dThroughChannelsLastBackward" in autograd_nodes(values)
         assert took == (min_numel == 1)
@@ -1118,21 +1123,21 @@ def test_max_pool2d_through_channels_last_equals_the_plain_pool(monkeypatch, dty
 
 def test_max_pool2d_through_channels_last_only_where_it_pays():
     x = torch.randn(64, 6, 28, 28)       # NCHW, 301,056 elements: the detour
-    assert kernels._max_pool2d_arguments(F.max_pool2d, x, (2,), {}) == (2, 2, 0, 1, False, False)
-    assert kernels._max_pool2d_arguments(F.max_pool2d, x[:1, :1], (2,), {}) is None  # small
-    assert kernels._max_pool2d_arguments(
+    assert rt_spatial._max_pool2d_arguments(F.max_pool2d, x, (2,), {}) == (2, 2, 0, 1, False, False)
+    assert rt_spatial._max_pool2d_arguments(F.max_pool2d, x[:1, :1], (2,), {}) is None  # small
+    assert rt_spatial._max_pool2d_arguments(
         F.max_pool2d, x.contiguous(memory_format=torch.channels_last), (2,), {}) is None
-    assert kernels._max_pool2d_arguments(F.max_pool2d, x.half(), (2,), {}) is None
-    assert kernels._max_pool2d_arguments(F.avg_pool2d, x, (2,), {}) is None
-    assert kernels._max_pool2d_arguments(F.max_pool2d, x[0], (2,), {}) is None   # unbatched
-    assert kernels._max_pool2d_arguments(nn.MaxPool2d(2), x, (), {}) == (2, 2, 0, 1, False,
+    assert rt_spatial._max_pool2d_arguments(F.max_pool2d, x.half(), (2,), {}) is None
+    assert rt_spatial._max_pool2d_arguments(F.avg_pool2d, x, (2,), {}) is None
+    assert rt_spatial._max_pool2d_arguments(F.max_pool2d, x[0], (2,), {}) is None   # unbatched
+    assert rt_spatial._max_pool2d_arguments(nn.MaxPool2d(2), x, (), {}) == (2, 2, 0, 1, False,
                                                                          False)
 
     class OwnPool(nn.MaxPool2d):  # a forward of its own: not torch's pool
         def forward(self, x):
             return super().forward(x) * 2
 
-    assert kernels._max_pool2d_arguments(OwnPool(2), x, (), {}) is None
+    assert rt_spatial._max_pool2d_arguments(OwnPool(2), x, (), {}) is None
 
 
 @pytest.mark.parametrize("damage", ["string", "no_times", "times_null", "times_list",

@@ -21,7 +21,10 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import hftc
 from hftc.errors import UnsupportedOperatorError
-from hftc.lowering import kernels
+from hftc.runtime import conv as rt_conv
+from hftc.runtime import layout as rt_layout
+from hftc.runtime import linear as rt_linear
+from hftc.runtime import norms as rt_norms
 
 
 class ConvNet(nn.Module):
@@ -48,10 +51,10 @@ def test_n_convs_become_one_conv_node(n):
     fused = hftc.fuse([ConvNet() for _ in range(n)])
     fused(torch.randn(2, 3, 8, 8))
     graph = fused.fused_graph
-    assert len(_calls(graph, kernels.conv)) == 2  # conv1, conv2: one fused node each
-    assert len(_calls(graph, kernels.batch_norm)) == 1
-    assert len(_calls(graph, kernels.layer_norm)) == 1
-    assert len(_calls(graph, kernels.linear)) == 1
+    assert len(_calls(graph, rt_conv.conv)) == 2  # conv1, conv2: one fused node each
+    assert len(_calls(graph, rt_norms.batch_norm)) == 1
+    assert len(_calls(graph, rt_norms.layer_norm)) == 1
+    assert len(_calls(graph, rt_linear.linear)) == 1
     assert not [n for n in graph.nodes if "loop" in str(n.target)]
     report = fused.fusion_report
     assert report.fallbacks == []
@@ -63,7 +66,7 @@ def test_n_convs_become_one_conv_node(n):
 def test_shared_input_first_conv_is_ungrouped():
     fused = hftc.fuse([ConvNet() for _ in range(3)])
     fused(torch.randn(2, 3, 8, 8))
-    first, second = _calls(fused.fused_graph, kernels.conv)
+    first, second = _calls(fused.fused_graph, rt_conv.conv)
     assert first.kwargs["x_batched"] is False  # one conv with N*Cout channels
     assert second.kwargs["x_batched"] is True  # grouped conv over N*C channels
 
@@ -78,7 +81,7 @@ def test_rule_that_must_not_fire_leaves_graph_unchanged():
     out = fused(x)
     ops = [n.target for n in fused.fused_graph.nodes if n.op in ("call_function", "call_method")]
     # The original ops, unchanged (computed once, shared), then the output expand.
-    assert ops == ["size", "view", F.relu, __import__("operator").mul, kernels.expand_models]
+    assert ops == ["size", "view", F.relu, __import__("operator").mul, rt_layout.expand_models]
     assert all(r.kind == "shared" for r in fused.fusion_report.records
                if r.kind not in ("input", "parameter"))
     torch.testing.assert_close(out, NoParams()(x).expand(2, 3, 4))
@@ -862,7 +865,7 @@ def test_a_dataclass_output_with_a_field_init_does_not_take():
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_torch_jit_trace_of_a_fused_conv_and_batch_norm():
-    # Under jit.trace a size is a 0-dim tensor: kernels._canonical_strides multiplied one
+    # Under jit.trace a size is a 0-dim tensor: layout._canonical_strides multiplied one
     # in place and restrided a map out of bounds.
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).eval() for _ in range(2)]

@@ -184,7 +184,7 @@ def test_per_model_cross_entropy_options():
 
 
 def test_per_model_cross_entropy_over_few_classes(monkeypatch):
-    # N * B rows of 10 classes in float32: the loss takes kernels.short_row_cross_entropy
+    # N * B rows of 10 classes in float32: the loss takes losses.short_row_cross_entropy
     # (forced here as under AVX512), within a rounding of the loop.
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     out = (torch.randn(8, 64, 10) * 4).requires_grad_()

@@ -46,15 +46,17 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .. import ir
-from . import kernels, layout
-from .heap import peak_memory
-from .model_loop import ModelLoop, plain_output
+from ..runtime import conv as rt_conv
+from ..runtime import linear as rt_linear
+from ..runtime.memory import peak_memory
+from ..runtime.model_loop import ModelLoop, plain_output
+from . import layout
 
 #: Tunable kernels -> the function listing their lowerings (cost model's first).
 TUNABLE: dict[Callable[..., Any], Callable[..., list[str]]] = {
-    kernels.conv: kernels.conv_lowerings,
-    kernels.conv_transpose: kernels.conv_transpose_lowerings,
-    kernels.linear: kernels.linear_lowerings,
+    rt_conv.conv: rt_conv.conv_lowerings,
+    rt_conv.conv_transpose: rt_conv.conv_transpose_lowerings,
+    rt_linear.linear: rt_linear.linear_lowerings,
 }
 
 #: Seconds of work per timed measurement (repeats are added until it is reached).
@@ -282,7 +284,7 @@ def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[s
     names = TUNABLE[kernel](*args, **kwargs)
     backward = any(grad_flags)
     device = next(a.device for a in args if isinstance(a, Tensor))
-    # "op-2": before ``grouped`` converted a channels-last map to NCHW (kernels.conv).
+    # "op-2": before ``grouped`` converted a channels-last map to NCHW (conv.conv).
     key = json.dumps([device_key(device), "op-2", kernel.__name__, _describe(list(args)),
                       {k: _describe(v) for k, v in sorted(kwargs.items())},
                       [bool(f) for f in grad_flags], names])
@@ -574,7 +576,7 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
                 rejected.append(how.name)
                 continue
             # Gradients too: torch's CPU norms computed some wrong for channels-last
-            # gradients with odd strides (kernels._canonical_grad), outputs right.
+            # gradients with odd strides (layout._canonical_grad), outputs right.
             if len(leaves) == len(fused_leaves) and all(
                     isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype
                     and (random or _same(a.detach(), b.detach()))

@@ -17,6 +17,11 @@ layouts (:func:`hftc.lowering.autotune.choose_program`) and keeps the fastest.
 Values are unchanged (only strides move), and so are the program's results,
 save the summation order inside the convolutions; outputs are returned
 contiguous, as the default layout's are.
+
+This module is the choice (:func:`safe`, :func:`applies`, :func:`given`) and the
+conversion of the program's inputs; the memory-format helpers the kernels ask at run
+time (``is_channels_last``, ``unsafe_strided_pointwise_conv``) are in
+:mod:`hftc.runtime.layout`.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
 from ..ir import CHANNELS_LAST, EXAMPLE_VALUE
+from ..runtime.layout import is_channels_last, unsafe_strided_pointwise_conv
 
 
 def _is_feature_map(value: Any, batched: bool) -> bool:
     return (isinstance(value, Tensor) and value.is_floating_point()
             and value.dim() - batched in (4, 5))
+
 
 
 def _channels_last(value: Tensor, batched: bool) -> Tensor:
@@ -44,11 +51,13 @@ def _channels_last(value: Tensor, batched: bool) -> Tensor:
     return value.movedim(channels, -1).contiguous().movedim(-1, channels)
 
 
+
 def given(values: Sequence[Any], batched: Sequence[bool]) -> bool:
     """Is a feature-map input already channels-last (and not also contiguous)?"""
     return any(_is_feature_map(v, b) and not v.is_contiguous()
                and _channels_last(v, b).stride() == v.stride()
                for v, b in zip(values, batched))
+
 
 
 def applies(values: Sequence[Any], batched: Sequence[bool]) -> bool:
@@ -57,48 +66,16 @@ def applies(values: Sequence[Any], batched: Sequence[bool]) -> bool:
                for v, b in zip(values, batched))
 
 
-#: oneDNN's 1x1 convolutions with a stride (torch 2.13's CPU build) reduce a channels-last
-#: input to unit stride in a workspace that is too small when a group has fewer input
-#: channels than oneDNN's channel block (8 with AVX2, 16 with AVX-512): the weight
-#: gradient is wrong, and the write past the workspace corrupts the heap (a crash, or a
-#: hang: uxlfoundation/oneDNN#6035).  Measured here (AVX2, float32, 8x8 maps): 1x1
-#: stride 2 over 2-4 input channels, wrong weight gradients with 2 threads and "double
-#: free or corruption" with one.
-_ONEDNN_CHANNEL_BLOCK = 16
-
-
-def unsafe_strided_pointwise_conv(in_channels_per_group: int, kernel: Sequence[int],
-                                  stride: int | Sequence[int]) -> bool:
-    """Would torch's CPU convolution (oneDNN) get this convolution's weight gradient
-    wrong, or corrupt memory, on a channels-last input?  A 1x1 (1x1x1) kernel with a
-    stride, over fewer than 16 input channels per group."""
-    if in_channels_per_group >= _ONEDNN_CHANNEL_BLOCK or any(k != 1 for k in kernel):
-        return False  # first: every fused conv call asks (kernels.conv_lowerings)
-    return any(s != 1 for s in ([stride] if isinstance(stride, int) else stride))
-
-
-def vmap_batched(x: Tensor) -> bool:
-    """Whether ``x`` is a tensor ``torch.func.vmap`` batches: vmap refuses layout queries
-    (``is_contiguous(memory_format=...)``, strides) on it."""
-    return torch._C._are_functorch_transforms_active() and torch._C._functorch.is_batchedtensor(x)
-
-
-def is_channels_last(x: Tensor) -> bool:
-    """A 4-D (5-D) tensor that ATen's CPU convolution reads as channels-last."""
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    if vmap_batched(x):
-        return False  # vmap's batched tensor: its per-sample maps are NCHW
-    return x.dim() in formats and not x.is_contiguous() \
-        and x.is_contiguous(memory_format=formats[x.dim()])
-
 
 def _unsafe_conv_module(m: nn.Module) -> bool:
     return isinstance(m, (nn.Conv2d, nn.Conv3d)) and unsafe_strided_pointwise_conv(
         m.in_channels // m.groups, m.kernel_size, m.stride)
 
 
+
 _CONV_FUNCTIONS = {torch.nn.functional.conv2d, torch.nn.functional.conv3d, torch.conv2d,
                    torch.conv3d}
+
 
 
 def _unsafe_conv_call(node: fx.Node) -> bool:
@@ -112,9 +89,14 @@ def _unsafe_conv_call(node: fx.Node) -> bool:
     return unsafe_strided_pointwise_conv(shape[1], shape[2:], stride)
 
 
+
 #: Norms whose CPU backward torch 2.13 gets wrong on channels-last tensors (:func:`safe`).
 _UNSAFE_MODULES = (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+
 _UNSAFE_FUNCTIONS = ("group_norm", "instance_norm")
+
 
 
 def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
@@ -136,7 +118,7 @@ def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
     Batch and layer norms do neither.  Whether an input will need its gradient, or
     how large a batch will be, is not known when the program is chosen, so such a
     model keeps its inputs as given on the CPU.  (hftc's own fused kernels
-    are exact in either layout: ``kernels.instance_norm``, ``kernels.conv``; the
+    are exact in either layout: ``norms.instance_norm``, ``conv.conv``; the
     whole-model loop runs the models' own modules.)
     """
     if device.type != "cpu":
@@ -148,11 +130,13 @@ def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
         or _unsafe_conv_call(node) for node in graph.nodes)
 
 
+
 def sample_shapes(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
     """The feature maps' shapes without the model and batch dims: what a layout is
     tuned and checked for."""
     return tuple(tuple(v.shape[1 + b:]) if _is_feature_map(v, b) else None
                  for v, b in zip(values, batched))
+
 
 
 def to_layout(values: Sequence[Any], batched: Sequence[bool]) -> list[Any]:
@@ -161,10 +145,13 @@ def to_layout(values: Sequence[Any], batched: Sequence[bool]) -> list[Any]:
             for v, b in zip(values, batched)]
 
 
+
 def contiguous_outputs(out: Any) -> Any:
     """Outputs laid out as the default program returns them: contiguous."""
     return pytree.tree_map(lambda t: t.contiguous() if isinstance(t, Tensor) else t, out)
 
 
+
 __all__ = ["CHANNELS_LAST", "applies", "contiguous_outputs", "given", "is_channels_last", "safe",
            "sample_shapes", "to_layout", "unsafe_strided_pointwise_conv"]
+

@@ -59,7 +59,7 @@ from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from ..compile_guard import run_eagerly
 from ..errors import FusionArgumentError
-from ..utils import values_on
+from ..runtime.per_model import values_on
 
 __all__ = ["FusedOptimizer"]
 

@@ -5,7 +5,7 @@ Per module, the choice between a rule on the leaf and tracing through:
 
 | module                        | how it fuses                                                   |
 |-------------------------------|----------------------------------------------------------------|
-| ``nn.MultiheadAttention``     | leaf, one rule: ``lowering.attention.multi_head_attention``   |
+| ``nn.MultiheadAttention``     | leaf, one rule: ``runtime.attention.multi_head_attention``   |
 | ``F.scaled_dot_product_attention`` | rule: the model dim folded into the batch, one SDPA call  |
 | ``nn.TransformerEncoderLayer``| traced through (its slow path): attention leaf, linears, norms  |
 | ``nn.TransformerDecoderLayer``| traced through (its own forward)                               |
@@ -40,7 +40,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..lowering import attention as kernels
+from ..runtime import attention as rt_attention
 from ..trace import TRACEABLE_FORWARDS
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
@@ -69,7 +69,7 @@ def _constant(value: Any, what: str) -> Any:
 
 @register_rule(("call_module", nn.MultiheadAttention))
 def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """N attention modules -> one :func:`~hftc.lowering.attention.multi_head_attention`."""
+    """N attention modules -> one :func:`~hftc.runtime.attention.multi_head_attention`."""
     mha = group.module
     fused, original = _bind(group, _MHA_ARGS, _MHA_DEFAULTS)
     target = group.node.target
@@ -83,7 +83,7 @@ def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.No
                   ("query", "key", "value", "key_padding_mask", "attn_mask"))
     self_attention = original["query"] is original["key"] is original["value"]
     return builder.call(
-        kernels.multi_head_attention, fused["query"], fused["key"], fused["value"],
+        rt_attention.multi_head_attention, fused["query"], fused["key"], fused["value"],
         fused["key_padding_mask"], fused["attn_mask"], attr("in_proj_weight"),
         attr("in_proj_bias"), attr("q_proj_weight"), attr("k_proj_weight"),
         attr("v_proj_weight"), attr("bias_k"), attr("bias_v"), attr("out_proj.weight"),
@@ -114,7 +114,7 @@ def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder)
     if not any(flags) and dropout_p == 0:
         return builder.copy(group, batched=False)
     return builder.call(
-        kernels.scaled_dot_product_attention, fused["query"], fused["key"], fused["value"],
+        rt_attention.scaled_dot_product_attention, fused["query"], fused["key"], fused["value"],
         fused["attn_mask"], dropout_p, _constant(fused["is_causal"], "is_causal"),
         _constant(fused["scale"], "scale"), _constant(fused["enable_gqa"], "enable_gqa"),
         n=builder.num_models, flags=flags,
@@ -132,7 +132,7 @@ def encoder_nested_padding(output: torch.Tensor, src: torch.Tensor,
     zeros at padded positions when PyTorch would have taken it (see the kernel)."""
     if output.device.type == "meta":  # shape propagation: the values do not matter
         return output
-    return kernels.encoder_nested_padding(
+    return rt_attention.encoder_nested_padding(
         output.unsqueeze(0), src, key_padding_mask, mask, training, *params,
         use_nested_tensor=use_nested_tensor, mask_check=mask_check, batch_first=batch_first,
         flags=(True, False, False), n=1).squeeze(0)
@@ -145,7 +145,7 @@ torch.fx.wrap("encoder_nested_padding")
 def fuse_encoder_nested_padding(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     output, src, kpm, mask, training, *params = group.args
     return builder.call(
-        kernels.encoder_nested_padding, output, src, kpm, mask, training, *params,
+        rt_attention.encoder_nested_padding, output, src, kpm, mask, training, *params,
         **group.kwargs, flags=(builder.is_batched(output), builder.is_batched(src),
                                  builder.is_batched(kpm)), n=builder.num_models,
     )

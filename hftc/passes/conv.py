@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..lowering import kernels
+from ..runtime import conv as rt_conv
 from .registry import FusionGroup, GraphBuilder, register_rule
 
 _SPATIAL = {
@@ -38,7 +38,7 @@ def fuse_conv_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     conv = group.module
     x = group.args[0]
     return builder.call(
-        kernels.conv, x, builder.module_attr(group, "weight"), builder.module_attr(group, "bias"),
+        rt_conv.conv, x, builder.module_attr(group, "weight"), builder.module_attr(group, "bias"),
         conv.stride, conv.padding, conv.dilation, conv.groups,
         spatial=_SPATIAL[type(conv)] if type(conv) in _SPATIAL else len(conv.kernel_size),
         x_batched=builder.is_batched(x), padding_mode=conv.padding_mode,
@@ -51,7 +51,7 @@ def fuse_conv_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 def fuse_conv_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     return builder.call(
-        kernels.conv, x, _stacked(builder, group.arg(1, "weight")),
+        rt_conv.conv, x, _stacked(builder, group.arg(1, "weight")),
         _stacked(builder, group.arg(2, "bias")),
         group.arg(3, "stride", 1), group.arg(4, "padding", 0), group.arg(5, "dilation", 1),
         group.arg(6, "groups", 1),
@@ -69,11 +69,11 @@ def fuse_conv_transpose_module(group: FusionGroup, builder: GraphBuilder) -> fx.
     output_size = group.arg(1, "output_size")
     if output_size is not None:
         output_padding = builder.call(
-            kernels.conv_transpose_output_padding, x, output_size, conv.stride, conv.padding,
+            rt_conv.conv_transpose_output_padding, x, output_size, conv.stride, conv.padding,
             conv.kernel_size, conv.dilation, spatial=spatial, batched=False,
         )
     return builder.call(
-        kernels.conv_transpose, x, builder.module_attr(group, "weight"),
+        rt_conv.conv_transpose, x, builder.module_attr(group, "weight"),
         builder.module_attr(group, "bias"), conv.stride, conv.padding, output_padding,
         conv.groups, conv.dilation, spatial=spatial, x_batched=True,
     )
@@ -84,7 +84,7 @@ def fuse_conv_transpose_module(group: FusionGroup, builder: GraphBuilder) -> fx.
 def fuse_conv_transpose_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     return builder.call(
-        kernels.conv_transpose, x, _stacked(builder, group.arg(1, "weight")),
+        rt_conv.conv_transpose, x, _stacked(builder, group.arg(1, "weight")),
         _stacked(builder, group.arg(2, "bias")),
         group.arg(3, "stride", 1), group.arg(4, "padding", 0), group.arg(5, "output_padding", 0),
         group.arg(6, "groups", 1), group.arg(7, "dilation", 1),

@@ -38,8 +38,9 @@ from torch.utils import _pytree as pytree
 from .. import ir
 from ..errors import FusionError, UnsupportedOperatorError, plain_message
 from ..ir import EXAMPLE_VALUE
-from ..lowering import kernels
 from ..match import describe_node, module_path, target_name
+from ..runtime import fallback as rt_fallback
+from ..runtime import layout as rt_layout
 from .registry import FusionGroup, GraphBuilder, NotFusable, lookup
 
 #: The fused module's name for a constant tensor every model holds equal (one copy, shared;
@@ -182,13 +183,13 @@ def _emit_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             for i in range(builder.num_models)
         ) if group.per_model else None
         return builder.call(
-            kernels.loop_module, container, builder.num_models, flags, group.args, group.kwargs,
+            rt_fallback.loop_module, container, builder.num_models, flags, group.args, group.kwargs,
             batched=batched_out, overrides=overrides,
         )
-    fn = node.target if node.op == "call_function" else kernels.call_method(node.target)
+    fn = node.target if node.op == "call_function" else rt_fallback.call_method(node.target)
     per_model = {k: tuple(v) for k, v in group.per_model.items()} or None
     return builder.call(
-        ir.bind(kernels.loop_over_models, fn), builder.num_models, flags, group.args,
+        ir.bind(rt_fallback.loop_over_models, fn), builder.num_models, flags, group.args,
         group.kwargs, per_model, batched=batched_out,
     )
 
@@ -236,7 +237,7 @@ def fuse_graph(
             def finish(value: Any, example: Any) -> Any:
                 if isinstance(value, fx.Node) and value not in builder.batched \
                         and _contains_tensor(example):
-                    return builder.call(kernels.expand_models, value, num_models)
+                    return builder.call(rt_layout.expand_models, value, num_models)
                 return value
 
             out = _map_pair(out, examples, finish)

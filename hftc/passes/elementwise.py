@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ir import EXAMPLE_VALUE
-from ..lowering import kernels, per_model
+from ..runtime import layout as rt_layout
+from ..runtime import per_model as rt_per_model
+from ..runtime import random as rt_random
 from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry, register_family
 
 UNARY = """
@@ -125,7 +127,7 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         ):
             example = original.meta.get(EXAMPLE_VALUE)
             if _is_tensor(example) and example.dim() < rank:
-                return builder.call(kernels.pad_model_dims, fused, rank)
+                return builder.call(rt_layout.pad_model_dims, fused, rank)
         return fused
 
     args = [align(f, o) for f, o in zip(group.args, group.node.args)]
@@ -138,7 +140,7 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         for pos in range(len(args)):
             values = group.per_model_arg(pos, "")
             if values is not None:
-                args[pos] = builder.call(per_model.scalars, tuple(values), like, rank)
+                args[pos] = builder.call(rt_per_model.scalars, tuple(values), like, rank)
     aligned = FusionGroup(group.node, group.nodes, tuple(args), kwargs, group.module)
     return builder.copy(aligned, batched=True)
 
@@ -146,7 +148,7 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """Dropout and friends: a shared input is expanded so every model draws its own mask.
 
-    ``nn.Dropout``, ``F.dropout`` and ``torch.dropout`` run as :func:`kernels.dropout`
+    ``nn.Dropout``, ``F.dropout`` and ``torch.dropout`` run as :func:`random.dropout`
     (on the CPU a faster mask sampler than ATen's), with per-model rates as
     :func:`per_model.dropout`; the rest as the original op on the fused tensor."""
     node = group.node
@@ -158,17 +160,17 @@ def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             training = group.arg(2, "training", True)
         else:
             raise NotFusable("per-model rates for this kind of dropout")
-        return builder.call(per_model.dropout, builder.broadcast(group.args[0]), tuple(p),
+        return builder.call(rt_random.per_model_dropout, builder.broadcast(group.args[0]), tuple(p),
                             training)
     if node.op == "call_module" and type(group.module) is nn.Dropout:
-        return builder.call(kernels.dropout, builder.broadcast(group.args[0]), group.module.p,
+        return builder.call(rt_random.dropout, builder.broadcast(group.args[0]), group.module.p,
                             builder.training_flag(group), group.module.inplace)
     if node.target is F.dropout:
-        return builder.call(kernels.dropout, builder.broadcast(group.args[0]),
+        return builder.call(rt_random.dropout, builder.broadcast(group.args[0]),
                             group.arg(1, "p", 0.5), group.arg(2, "training", True),
                             group.arg(3, "inplace", False))
     if node.target is torch.dropout:
-        return builder.call(kernels.dropout, builder.broadcast(group.args[0]),
+        return builder.call(rt_random.dropout, builder.broadcast(group.args[0]),
                             group.arg(1, "p"), group.arg(2, "train"))
     args = (builder.broadcast(group.args[0]), *group.args[1:])
     return builder.copy(FusionGroup(group.node, group.nodes, args, group.kwargs, group.module),
@@ -187,12 +189,12 @@ def fuse_slope(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         return fuse_pointwise(group, builder)
     if node.op == "call_module":
         values = group.per_model.get(module_attr.get(type(group.module), ""))
-        kernel = {nn.LeakyReLU: per_model.leaky_relu, nn.ELU: per_model.elu}.get(
+        kernel = {nn.LeakyReLU: rt_per_model.leaky_relu, nn.ELU: rt_per_model.elu}.get(
             type(group.module))
     else:
         values = group.per_model_arg(1, "negative_slope" if node.target is F.leaky_relu
                                      else "alpha")
-        kernel = {F.leaky_relu: per_model.leaky_relu, F.elu: per_model.elu}.get(node.target)
+        kernel = {F.leaky_relu: rt_per_model.leaky_relu, F.elu: rt_per_model.elu}.get(node.target)
     if values is None:
         return fuse_pointwise(group, builder)
     return builder.call(kernel, builder.broadcast(group.args[0]), tuple(values))

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedOperatorError
-from ..lowering import kernels
 from ..match import describe_node
+from ..runtime import embedding as rt_embedding
+from ..runtime import spatial as rt_spatial
 from .registry import FusionGroup, GraphBuilder, register_rule
 
 
@@ -35,7 +36,7 @@ def fuse_embedding_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if emb.sparse:
         _refuse_sparse(group)
     return builder.call(
-        kernels.embedding, idx, builder.module_attr(group, "weight"), emb.padding_idx,
+        rt_embedding.embedding, idx, builder.module_attr(group, "weight"), emb.padding_idx,
         emb.max_norm, emb.norm_type, emb.scale_grad_by_freq, emb.sparse,
         indices_batched=builder.is_batched(idx),
     )
@@ -47,7 +48,7 @@ def fuse_embedding_function(group: FusionGroup, builder: GraphBuilder) -> fx.Nod
     if group.arg(6, "sparse", False):
         _refuse_sparse(group)
     return builder.call(
-        kernels.embedding, idx, builder.broadcast(group.arg(1, "weight")),
+        rt_embedding.embedding, idx, builder.broadcast(group.arg(1, "weight")),
         group.arg(2, "padding_idx"), group.arg(3, "max_norm"), group.arg(4, "norm_type", 2.0),
         group.arg(5, "scale_grad_by_freq", False), group.arg(6, "sparse", False),
         indices_batched=builder.is_batched(idx),
@@ -57,12 +58,12 @@ def fuse_embedding_function(group: FusionGroup, builder: GraphBuilder) -> fx.Nod
 @register_rule(("call_module", nn.PReLU))
 def fuse_prelu_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.args[0]
-    return builder.call(kernels.prelu, x, builder.module_attr(group, "weight"),
+    return builder.call(rt_spatial.prelu, x, builder.module_attr(group, "weight"),
                         x_batched=builder.is_batched(x))
 
 
 @register_rule(("call_function", F.prelu))
 def fuse_prelu_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
-    return builder.call(kernels.prelu, x, builder.broadcast(group.arg(1, "weight")),
+    return builder.call(rt_spatial.prelu, x, builder.broadcast(group.arg(1, "weight")),
                         x_batched=builder.is_batched(x))

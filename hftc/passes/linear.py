@@ -9,7 +9,7 @@
                            y   = F.linear(x, W.view(N*out, in), b.view(N*out))
 
 ``x @ W`` with a parameter, ``torch.matmul``/``bmm``/``mm`` between activations
-go through :func:`~hftc.lowering.kernels.matmul`, which pads per-model batch
+go through :func:`~hftc.runtime.linear.matmul`, which pads per-model batch
 dims after the model dim so broadcasting stays within each model.
 
 ``torch.einsum`` gets one more index, the model dim, on its per-model operands and
@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..lowering import kernels
+from ..runtime import linear as rt_linear
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
 
@@ -33,7 +33,7 @@ from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 def fuse_linear_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.args[0]
     return builder.call(
-        kernels.linear, x, builder.module_attr(group, "weight"),
+        rt_linear.linear, x, builder.module_attr(group, "weight"),
         builder.module_attr(group, "bias"), x_batched=builder.is_batched(x),
     )
 
@@ -43,7 +43,7 @@ def fuse_linear_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     bias = group.arg(2, "bias")
     return builder.call(
-        kernels.linear, x, builder.broadcast(group.arg(1, "weight")),
+        rt_linear.linear, x, builder.broadcast(group.arg(1, "weight")),
         None if bias is None else builder.broadcast(bias), x_batched=builder.is_batched(x),
     )
 
@@ -58,7 +58,7 @@ def fuse_linear_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 def fuse_matmul(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a, b = group.args[0], group.args[1]
     return builder.call(
-        kernels.matmul, a, b, a_batched=builder.is_batched(a), b_batched=builder.is_batched(b)
+        rt_linear.matmul, a, b, a_batched=builder.is_batched(a), b_batched=builder.is_batched(b)
     )
 
 

@@ -6,7 +6,7 @@
     after:                 losses = per_model_loss(F.cross_entropy, logits [N, B, C], labels)
                                     -> [N], model i's mean over its own batch
 
-:func:`~hftc.lowering.kernels.per_model_loss` is what ``hftc.per_model`` computes (the
+:func:`~hftc.runtime.losses.per_model_loss` is what ``hftc.per_model`` computes (the
 N batches flattened into one, reduced per model; vmap for the rest).  A per-model
 class ``weight`` (a loss module's buffer, or a stacked tensor) runs as a loop.
 """
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
-from ..lowering import kernels
+from ..runtime import losses as rt_losses
 from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry
 
 #: Loss modules -> their functional and the attributes passed on as keywords.
@@ -43,7 +43,7 @@ def _emit(group: FusionGroup, builder: GraphBuilder, fn, output, target, kwargs:
         raise NotFusable("a per-model class weight")
     kwargs = {k: v for k, v in kwargs.items()
               if not (k in ("size_average", "reduce") and v is None)}
-    return builder.call(ir.bind(kernels.per_model_loss, fn), builder.broadcast(output),
+    return builder.call(ir.bind(rt_losses.per_model_loss, fn), builder.broadcast(output),
                         target, target_batched=builder.is_batched(target), **kwargs)
 
 

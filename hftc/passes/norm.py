@@ -17,7 +17,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..lowering import kernels, per_model
+from ..runtime import norms as rt_norms
+from ..runtime import per_model as rt_per_model
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
 
@@ -33,7 +34,7 @@ def fuse_batch_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     if group.per_model:  # momentum or eps differ between the models
         n = builder.num_models
         return builder.call(
-            per_model.batch_norm, builder.broadcast(group.args[0]), attr("running_mean"),
+            rt_norms.per_model_batch_norm, builder.broadcast(group.args[0]), attr("running_mean"),
             attr("running_var"), attr("weight"), attr("bias"), attr("num_batches_tracked"),
             builder.training_flag(group),
             momentum=tuple(group.per_model.get("momentum", [bn.momentum] * n)),
@@ -41,7 +42,7 @@ def fuse_batch_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
             track_running_stats=bn.track_running_stats,
         )
     return builder.call(
-        kernels.batch_norm, builder.broadcast(group.args[0]), attr("running_mean"),
+        rt_norms.batch_norm, builder.broadcast(group.args[0]), attr("running_mean"),
         attr("running_var"), attr("weight"), attr("bias"), attr("num_batches_tracked"),
         builder.training_flag(group), momentum=bn.momentum, eps=bn.eps,
         track_running_stats=bn.track_running_stats,
@@ -57,7 +58,7 @@ def fuse_batch_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
     if momenta or epses:  # (torch.export's graph of BatchNorm modules whose values differ)
         n = builder.num_models
         return builder.call(
-            per_model.batch_norm, builder.broadcast(group.arg(0, "input")), running_mean,
+            rt_norms.per_model_batch_norm, builder.broadcast(group.arg(0, "input")), running_mean,
             group.arg(2, "running_var"), _optional(builder, group.arg(3, "weight")),
             _optional(builder, group.arg(4, "bias")), None, group.arg(5, "training", False),
             momentum=tuple(momenta or [group.arg(6, "momentum", 0.1)] * n),
@@ -65,7 +66,7 @@ def fuse_batch_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
             track_running_stats=running_mean is not None,
         )
     return builder.call(
-        kernels.batch_norm, builder.broadcast(group.arg(0, "input")), running_mean,
+        rt_norms.batch_norm, builder.broadcast(group.arg(0, "input")), running_mean,
         group.arg(2, "running_var"), _optional(builder, group.arg(3, "weight")),
         _optional(builder, group.arg(4, "bias")), None, group.arg(5, "training", False),
         momentum=group.arg(6, "momentum", 0.1), eps=group.arg(7, "eps", 1e-5),
@@ -84,7 +85,7 @@ def fuse_instance_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.N
         next(c for c in type(norm).__mro__ if c in (nn.InstanceNorm1d, nn.InstanceNorm2d,
                                                    nn.InstanceNorm3d))]
     return builder.call(
-        kernels.instance_norm, builder.broadcast(group.args[0]), attr("running_mean"),
+        rt_norms.instance_norm, builder.broadcast(group.args[0]), attr("running_mean"),
         attr("running_var"), attr("weight"), attr("bias"), builder.training_flag(group),
         momentum=norm.momentum, eps=norm.eps, track_running_stats=norm.track_running_stats,
         spatial=spatial,
@@ -98,7 +99,7 @@ def fuse_instance_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx
         raise NotFusable("running statistics shared by all models would mix the models")
     x = group.arg_example(0)
     return builder.call(
-        kernels.instance_norm, builder.broadcast(group.arg(0, "input")), running_mean,
+        rt_norms.instance_norm, builder.broadcast(group.arg(0, "input")), running_mean,
         group.arg(2, "running_var"), _optional(builder, group.arg(3, "weight")),
         _optional(builder, group.arg(4, "bias")), group.arg(5, "use_input_stats", True),
         momentum=group.arg(6, "momentum", 0.1), eps=group.arg(7, "eps", 1e-5),
@@ -111,19 +112,19 @@ def fuse_group_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     norm = group.module
     if "eps" in group.per_model:
         return builder.call(
-            per_model.group_norm, builder.broadcast(group.args[0]), norm.num_groups,
+            rt_per_model.group_norm, builder.broadcast(group.args[0]), norm.num_groups,
             builder.module_attr(group, "weight"), builder.module_attr(group, "bias"),
             tuple(group.per_model["eps"]),
         )
     return builder.call(
-        kernels.group_norm, builder.broadcast(group.args[0]), norm.num_groups,
+        rt_norms.group_norm, builder.broadcast(group.args[0]), norm.num_groups,
         builder.module_attr(group, "weight"), builder.module_attr(group, "bias"), norm.eps,
     )
 
 
 @register_rule(("call_function", F.group_norm))
 def fuse_group_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    kernel, eps = _eps(group, 4, kernels.group_norm, per_model.group_norm)
+    kernel, eps = _eps(group, 4, rt_norms.group_norm, rt_per_model.group_norm)
     return builder.call(
         kernel, builder.broadcast(group.arg(0, "input")), group.arg(1, "num_groups"),
         _optional(builder, group.arg(2, "weight")), _optional(builder, group.arg(3, "bias")),
@@ -144,9 +145,9 @@ def _eps(group: FusionGroup, position: int, shared_kernel, per_model_kernel) -> 
 def fuse_layer_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     x = group.args[0]
-    kernel, eps = kernels.layer_norm, norm.eps
+    kernel, eps = rt_norms.layer_norm, norm.eps
     if "eps" in group.per_model:
-        kernel, eps = per_model.layer_norm, tuple(group.per_model["eps"])
+        kernel, eps = rt_per_model.layer_norm, tuple(group.per_model["eps"])
     return builder.call(
         kernel, x, tuple(norm.normalized_shape), builder.module_attr(group, "weight"),
         builder.module_attr(group, "bias"), eps, x_batched=builder.is_batched(x),
@@ -156,7 +157,7 @@ def fuse_layer_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
 @register_rule(("call_function", F.layer_norm))
 def fuse_layer_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
-    kernel, eps = _eps(group, 4, kernels.layer_norm, per_model.layer_norm)
+    kernel, eps = _eps(group, 4, rt_norms.layer_norm, rt_per_model.layer_norm)
     return builder.call(
         kernel, x, group.arg(1, "normalized_shape"),
         _optional(builder, group.arg(2, "weight")), _optional(builder, group.arg(3, "bias")),
@@ -168,9 +169,9 @@ def fuse_layer_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
 def fuse_rms_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     x = group.args[0]
-    kernel, eps = kernels.rms_norm, norm.eps
+    kernel, eps = rt_norms.rms_norm, norm.eps
     if "eps" in group.per_model:
-        kernel, eps = per_model.rms_norm, tuple(group.per_model["eps"])
+        kernel, eps = rt_per_model.rms_norm, tuple(group.per_model["eps"])
     return builder.call(
         kernel, x, tuple(norm.normalized_shape), builder.module_attr(group, "weight"), eps,
         x_batched=builder.is_batched(x),
@@ -180,8 +181,8 @@ def fuse_rms_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 @register_rule(("call_function", F.rms_norm))
 def fuse_rms_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
-    kernel, eps = _eps(group, 3, kernels.rms_norm, per_model.rms_norm)
-    if kernel is kernels.rms_norm:
+    kernel, eps = _eps(group, 3, rt_norms.rms_norm, rt_per_model.rms_norm)
+    if kernel is rt_norms.rms_norm:
         eps = group.arg(3, "eps")  # None: torch's default for the dtype
     return builder.call(
         kernel, x, group.arg(1, "normalized_shape"),

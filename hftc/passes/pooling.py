@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
-from ..lowering import kernels, per_model
+from ..runtime import random as rt_random
+from ..runtime import spatial as rt_spatial
 from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry
 
 _SPATIAL_MODULES = {
@@ -71,11 +72,12 @@ def fuse_channelwise_module(group: FusionGroup, builder: GraphBuilder) -> fx.Nod
         ):
             raise NotFusable("per-model hyper-parameters of this module")
         return builder.call(
-            per_model.dropout, builder.broadcast(group.args[0]), tuple(group.per_model["p"]),
+            rt_random.per_model_dropout, builder.broadcast(group.args[0]),
+            tuple(group.per_model["p"]),
             builder.training_flag(group), feature_dims=spatial,
         )
     module = builder.attr(group.node.target, batched=False)
-    return builder.call(kernels.channelwise, module, builder.broadcast(group.args[0]),
+    return builder.call(rt_spatial.channelwise, module, builder.broadcast(group.args[0]),
                         *group.args[1:], spatial=spatial, **group.kwargs)
 
 
@@ -88,7 +90,7 @@ def fuse_channelwise_function(group: FusionGroup, builder: GraphBuilder) -> fx.N
     spatial = _spatial(_SPATIAL_FUNCTIONS[fn], group)
     if fn is F.pad:
         spatial = len(group.arg(1, "pad")) // 2
-    return builder.call(ir.bind(kernels.channelwise, fn), builder.broadcast(group.args[0]),
+    return builder.call(ir.bind(rt_spatial.channelwise, fn), builder.broadcast(group.args[0]),
                         *group.args[1:], spatial=spatial, **group.kwargs)
 
 
@@ -104,10 +106,10 @@ def fuse_samplewise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if group.per_model:
         raise NotFusable("per-model hyper-parameters of this op")
     if group.node.op == "call_module":
-        kernel, fn = kernels.samplewise, builder.attr(group.node.target, batched=False)
+        kernel, fn = rt_spatial.samplewise, builder.attr(group.node.target, batched=False)
         args: tuple = (fn, builder.broadcast(group.args[0]))
     else:
-        kernel = ir.bind(kernels.samplewise, group.node.target)
+        kernel = ir.bind(rt_spatial.samplewise, group.node.target)
         args = (builder.broadcast(group.args[0]),)
     return builder.call(kernel, *args, *group.args[1:], **group.kwargs)
 
@@ -117,7 +119,7 @@ def fuse_grid_sample(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     both fold into a batch of N*B (a shared one is broadcast first, a view)."""
     x, grid = group.arg(0, "input"), group.arg(1, "grid")
     rest = {k: v for k, v in group.kwargs.items() if k not in ("input", "grid")}
-    return builder.call(kernels.grid_sample, builder.broadcast(x), builder.broadcast(grid),
+    return builder.call(rt_spatial.grid_sample, builder.broadcast(x), builder.broadcast(grid),
                         *group.args[2:], **rest)
 
 
@@ -126,7 +128,7 @@ def fuse_affine_grid(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     model's ``[B, 2, 3]`` thetas as a batch of N*B, for ``size`` with N*B samples."""
     theta = group.arg(0, "theta")
     rest = {k: v for k, v in group.kwargs.items() if k != "theta"}
-    return builder.call(kernels.affine_grid, builder.broadcast(theta), *group.args[1:], **rest)
+    return builder.call(rt_spatial.affine_grid, builder.broadcast(theta), *group.args[1:], **rest)
 
 
 def fuse_pad(group: FusionGroup, builder: GraphBuilder) -> fx.Node:

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..lowering import recurrent as kernels
+from ..runtime import recurrent as rt_recurrent
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
 
@@ -49,13 +49,13 @@ def _check_tensor_input(group: FusionGroup) -> None:
 
 @register_rule(("call_module", nn.LSTM), ("call_module", nn.GRU), ("call_module", nn.RNN))
 def fuse_rnn_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """``nn.LSTM/GRU/RNN(x, hx)`` -> :func:`~hftc.lowering.recurrent.rnn` on stacked weights."""
+    """``nn.LSTM/GRU/RNN(x, hx)`` -> :func:`~hftc.runtime.recurrent.rnn` on stacked weights."""
     _check_tensor_input(group)
     m = group.module
     x, hx = group.arg(0, "input"), group.arg(1, "hx")
     weights = [builder.attr(f"{group.node.target}.{name}") for name in m._flat_weights_names]
     return builder.call(
-        kernels.rnn, m.mode, x, hx, weights, m.bias, m.num_layers, float(m.dropout),
+        rt_recurrent.rnn, m.mode, x, hx, weights, m.bias, m.num_layers, float(m.dropout),
         builder.training_flag(group), m.bidirectional, m.batch_first,
         input_batched=builder.is_batched(x), hx_batched=_hx_flags(group, builder, hx),
     )
@@ -79,7 +79,7 @@ def fuse_rnn_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     else:
         hx_flags = _hx_flags(group, builder, hx)
     return builder.call(
-        kernels.rnn, mode, x, hx, [builder.broadcast(p) for p in params], has_biases, layers,
+        rt_recurrent.rnn, mode, x, hx, [builder.broadcast(p) for p in params], has_biases, layers,
         dropout, train, bidirectional, batch_first, input_batched=builder.is_batched(x),
         hx_batched=hx_flags, flat_states=True,
     )
@@ -98,7 +98,7 @@ def fuse_rnn_cell_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, hx = group.arg(0, "input"), group.arg(1, "hx")
     attr = lambda name: builder.module_attr(group, name)  # noqa: E731
     return builder.call(
-        kernels.rnn_cell, mode, x, hx, attr("weight_ih"), attr("weight_hh"), attr("bias_ih"),
+        rt_recurrent.rnn_cell, mode, x, hx, attr("weight_ih"), attr("weight_hh"), attr("bias_ih"),
         attr("bias_hh"), input_batched=builder.is_batched(x),
         hx_batched=_hx_flags(group, builder, hx),
     )
@@ -115,7 +115,7 @@ def fuse_rnn_cell_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     x, hx, w_ih, w_hh, b_ih, b_hh = args[:6]
     optional = lambda t: None if t is None else builder.broadcast(t)  # noqa: E731
     return builder.call(
-        kernels.rnn_cell, _CELL_FUNCTIONS[group.node.target], x, hx, builder.broadcast(w_ih),
+        rt_recurrent.rnn_cell, _CELL_FUNCTIONS[group.node.target], x, hx, builder.broadcast(w_ih),
         builder.broadcast(w_hh), optional(b_ih), optional(b_hh),
         input_batched=builder.is_batched(x), hx_batched=_hx_flags(group, builder, hx),
     )

@@ -6,7 +6,7 @@
     x.mean()          ->  x.reshape(N, -1).mean(1)          (a full reduction per model)
     x.max(dim=1)      ->  reduce_in_memory_order("max", x, 2) (values, indices per model;
                                                              in x's memory order)
-    F.softmax(x, -1)  ->  kernels.softmax(x, -1)           (ATen's, or whole-tensor ops for
+    F.softmax(x, -1)  ->  reduction.softmax(x, -1)           (ATen's, or whole-tensor ops for
                                                           rows shorter than a SIMD vector)
 """
 
@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ir import EXAMPLE_VALUE
-from ..lowering import kernels
+from ..runtime import reduction as rt_reduction
+from ..runtime import spatial as rt_spatial
 from .elementwise import fuse_pointwise
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
 from .shape import shift_dim_arg
@@ -53,7 +54,7 @@ def _reduction_rule(op_name: str, position: int | None):
             if op_name in ("std", "var") and position is not None and position < len(args):
                 # over all dims, with the given unbiased (dropping it computed the unbiased
                 # std of x.std(False))
-                return builder.call(kernels.reduce_all, op_name, builder.broadcast(args[0]),
+                return builder.call(rt_reduction.reduce_all, op_name, builder.broadcast(args[0]),
                                     *args[1:], **kwargs)
             dim = None
         x = builder.broadcast(args[0])
@@ -63,12 +64,12 @@ def _reduction_rule(op_name: str, position: int | None):
             kwargs.pop(key, None)
             if op_name in ("norm", "aminmax", "mode", "std_mean", "var_mean"):
                 raise NotFusable(f"{op_name} over all dims")
-            return builder.call(kernels.reduce_all, op_name, x, *args[1:], **kwargs)
-        if op_name in kernels.SELECTING_REDUCTIONS and position == 1:
+            return builder.call(rt_reduction.reduce_all, op_name, x, *args[1:], **kwargs)
+        if op_name in rt_reduction.SELECTING_REDUCTIONS and position == 1:
             if len(args) > 1:
                 args = args[:1] + args[2:]
             kwargs.pop(key, None)
-            return builder.call(kernels.reduce_in_memory_order, op_name, x,
+            return builder.call(rt_reduction.reduce_in_memory_order, op_name, x,
                                 shift_dim_arg(builder, dim), *args[1:], **kwargs)
         if position is not None and position < len(args):
             args[position] = shift_dim_arg(builder, dim)
@@ -104,14 +105,14 @@ def fuse_vector_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                         dtype=dtype)
 
 
-#: softmax and log_softmax run through ``kernels.softmax`` (ATen's kernel, or a faster
+#: softmax and log_softmax run through ``reduction.softmax`` (ATen's kernel, or a faster
 #: formula for rows shorter than a SIMD vector on the CPU); the rest call ``fn`` itself.
 _SOFTMAX_KERNELS = {F.softmax: {"log": False}, F.log_softmax: {"log": True}}
 
 
 def _call_softmax(builder: GraphBuilder, fn, x: fx.Node, dim: int, **kwargs) -> fx.Node:
     if fn in _SOFTMAX_KERNELS:
-        return builder.call(kernels.softmax, x, dim, **_SOFTMAX_KERNELS[fn], **kwargs)
+        return builder.call(rt_reduction.softmax, x, dim, **_SOFTMAX_KERNELS[fn], **kwargs)
     return builder.call(fn, x, dim, **kwargs)
 
 
@@ -137,7 +138,7 @@ def _softmax_module_rule(fn):
         if group.module.dim is None:
             raise NotFusable("softmax without an explicit dim (legacy implicit dim)")
         return _call_softmax(builder, fn, builder.broadcast(group.args[0]),
-                             kernels.shift_dim(group.module.dim))
+                             rt_spatial.shift_dim(group.module.dim))
 
     return fuse_softmax_module
 

@@ -25,8 +25,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..ir import EXAMPLE_VALUE, ORIGIN, PER_MODEL, RULE, SOURCE
-from ..lowering import kernels
 from ..match import describe_node
+from ..runtime import layout as rt_layout
 
 
 class NotFusable(Exception):
@@ -211,7 +211,7 @@ class GraphBuilder:
         """A shared value as a batched one (each model sees the same data)."""
         if self.is_batched(value) or not isinstance(value, fx.Node):
             return value
-        return self.call(kernels.expand_models, value, self.num_models)
+        return self.call(rt_layout.expand_models, value, self.num_models)
 
     def copy(self, group: FusionGroup, batched: bool) -> fx.Node:
         """Emit the original op unchanged on the fused arguments."""

@@ -24,8 +24,9 @@ from torch import nn
 
 from .. import ir
 from ..ir import EXAMPLE_VALUE
-from ..lowering import kernels
-from ..lowering.kernels import shift_dim
+from ..runtime import layout as rt_layout
+from ..runtime import spatial as rt_spatial
+from ..runtime.spatial import shift_dim
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
 
 
@@ -44,10 +45,10 @@ def shift_dim_arg(builder: GraphBuilder, dims: Any) -> Any:
     """A per-model dim argument (an int, a tuple/list of them, or a graph node) as the
     fused op's dim: non-negative dims move past the model dim, negative ones stay.
 
-    Constant dims shift now (:func:`kernels.shift_dims`).  A dim that forward computes
+    Constant dims shift now (:func:`spatial.shift_dims`).  A dim that forward computes
     (``x.dim() - 1``, ``x.ndim - 2``) or takes as an input (``forward(x, dim)``) is a
     node of the fused graph whose value is each model's dim, one int for all of them:
-    the fused graph shifts it when it runs (``kernels.shift_dims(dim)``), so the dim is
+    the fused graph shifts it when it runs (``spatial.shift_dims(dim)``), so the dim is
     right for every call, however it was computed (also from sizes, which the program
     is not specialized on).  A node whose value is not an int dim, or one that carries
     the model dim, is not fused (the per-model loop runs the op)."""
@@ -58,7 +59,7 @@ def shift_dim_arg(builder: GraphBuilder, dims: Any) -> Any:
         if not _is_dims_value(example):
             raise NotFusable(f"a dim argument computed in forward whose value is "
                              f"{type(example).__name__}, not an int")
-        return builder.call(kernels.shift_dims, dims, batched=False)
+        return builder.call(rt_spatial.shift_dims, dims, batched=False)
     if isinstance(dims, (tuple, list)):
         return type(dims)(shift_dim_arg(builder, d) for d in dims)
     return shift_dim(dims)
@@ -68,18 +69,18 @@ def shift_dim_arg(builder: GraphBuilder, dims: Any) -> Any:
 def fuse_reshape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, rest = _self_and_rest(group)
     shape = rest or (group.kwargs.get("shape") or group.kwargs.get("size"),)
-    return builder.call(kernels.reshape, x, *shape)
+    return builder.call(rt_spatial.reshape, x, *shape)
 
 
 @register_rule(*spellings("view_as", torch_fn=False), *spellings("reshape_as", torch_fn=False),
                *spellings("expand_as", torch_fn=False))
 def fuse_as(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, other = group.args[0], group.args[1]
-    size = (builder.call(kernels.size, other, batched=False) if builder.is_batched(other)
+    size = (builder.call(rt_spatial.size, other, batched=False) if builder.is_batched(other)
             else builder.method("size", other, batched=False))
     if not builder.is_batched(x):
         x = builder.broadcast(x)
-    kernel = kernels.expand if group.node.target == "expand_as" else kernels.reshape
+    kernel = rt_spatial.expand if group.node.target == "expand_as" else rt_spatial.reshape
     return builder.call(kernel, x, size)
 
 
@@ -116,7 +117,7 @@ def fuse_unflatten_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 def fuse_permute(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, dims = _self_and_rest(group)
     dims = dims or (group.kwargs["dims"],)
-    return builder.call(kernels.permute, x, *dims)
+    return builder.call(rt_spatial.permute, x, *dims)
 
 
 @register_rule(*spellings("transpose"), *spellings("swapaxes"), *spellings("swapdims"))
@@ -147,20 +148,20 @@ def fuse_unsqueeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 def fuse_squeeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     dim = group.arg(1, "dim")
     if dim is None:
-        return builder.call(kernels.squeeze_all, group.args[0])
+        return builder.call(rt_spatial.squeeze_all, group.args[0])
     return builder.method("squeeze", group.args[0], shift_dim_arg(builder, dim))
 
 
 @register_rule(*spellings("expand", torch_fn=False))
 def fuse_expand(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, sizes = _self_and_rest(group)
-    return builder.call(kernels.expand, x, *(sizes or (group.kwargs["size"],)))
+    return builder.call(rt_spatial.expand, x, *(sizes or (group.kwargs["size"],)))
 
 
 @register_rule(*spellings("repeat", torch_fn=False))
 def fuse_repeat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, sizes = _self_and_rest(group)
-    return builder.call(kernels.repeat, x, *(sizes or (group.kwargs["repeats"],)))
+    return builder.call(rt_spatial.repeat, x, *(sizes or (group.kwargs["repeats"],)))
 
 
 def _dim_rule(position: int, name: str, default: int):
@@ -201,7 +202,7 @@ def fuse_broadcast_tensors(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     tensors = group.args
     if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
         tensors = tuple(tensors[0])
-    return builder.call(kernels.broadcast_per_model, list(tensors),
+    return builder.call(rt_layout.broadcast_per_model, list(tensors),
                         [builder.is_batched(t) for t in tensors])
 
 
@@ -241,13 +242,13 @@ def fuse_cat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         # node's value is the sequence of the fused parts, each with the model dim first.
         return builder.call(fn, tensors, shift_dim_arg(builder, dim))
     flags = tuple(builder.is_batched(t) for t in tensors)
-    return builder.call(ir.bind(kernels.stack_or_cat, fn), tensors,
+    return builder.call(ir.bind(rt_spatial.stack_or_cat, fn), tensors,
                         shift_dim_arg(builder, dim), flags)
 
 
 @register_rule(("call_method", "size"))
 def fuse_size(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    return builder.call(kernels.size, group.args[0], group.arg(1, "dim"), batched=False)
+    return builder.call(rt_spatial.size, group.args[0], group.arg(1, "dim"), batched=False)
 
 
 @register_rule(("call_method", "dim"), ("call_method", "ndimension"))
@@ -270,13 +271,13 @@ def fuse_getattr(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if not isinstance(example, torch.Tensor):  # a namedtuple field (values, indices)
         return builder.copy(group, batched=builder.is_batched(x) and _has_tensor(group.example))
     if name == "shape":
-        return builder.call(kernels.size, x, batched=False)
+        return builder.call(rt_spatial.size, x, batched=False)
     if name == "ndim":
         return builder.call(operator.sub, builder.call(getattr, x, "ndim", batched=False), 1,
                             batched=False)
     if name == "T":
         dims = tuple(reversed(range(example.dim())))
-        return builder.call(kernels.permute, x, *dims)
+        return builder.call(rt_spatial.permute, x, *dims)
     if name in ("mT", "mH"):
         return builder.method("transpose", x, -2, -1)
     if name in ("data", "real", "imag"):
@@ -315,4 +316,4 @@ def fuse_getitem(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         batched = builder.is_batched(group.args[0]) and _has_tensor(group.example)
         return builder.copy(group, batched=batched)
     _index_is_fusable(group, builder)
-    return builder.call(kernels.getitem, group.args[0], group.args[1])
+    return builder.call(rt_spatial.getitem, group.args[0], group.args[1])

@@ -1,7 +1,7 @@
 """Fused attention kernels: N models' heads are one batch of ``N*B*H`` attention problems.
 
 Logical layout as everywhere: ``[N, *per_model_shape]``.  Projections go through
-:func:`~hftc.lowering.kernels.linear` (one ``baddbmm``; a shared input is broadcast
+:func:`~hftc.runtime.linear.linear` (one ``baddbmm``; a shared input is broadcast
 over the models, or is one GEMM with ``N*3E`` outputs); the attention core folds the
 model dim into the batch of heads, so one ``bmm``/softmax/``bmm`` (or one
 ``scaled_dot_product_attention``) serves every model::
@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kernels import dropout as dropout_kernel
-from .kernels import expand_models, linear, pad_model_dims
+from .layout import expand_models, pad_model_dims
+from .linear import linear
+from .random import dropout as dropout_kernel
 
 
 def _models(x: Tensor, n: int, batched: bool) -> Tensor:

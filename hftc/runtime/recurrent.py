@@ -27,8 +27,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .kernels import dropout as dropout_kernel
-from .kernels import expand_models, linear
+from .layout import expand_models
+from .linear import linear
+from .random import dropout as dropout_kernel
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 

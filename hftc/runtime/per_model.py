@@ -7,9 +7,15 @@ activation, so model n computes with its own value::
     before:  dropout(x_n, p=p_n)                  for n in 0..N-1
     after:   x * bernoulli(1 - p[:, None, ...]) / (1 - p[:, None, ...])
 
-Where ATen's fused kernel takes only one scalar (``F.batch_norm``'s ``eps``,
-``F.layer_norm``'s ``eps``), the normalization is written out with the same
-formula ATen uses, reducing over each model's own dims only.
+Where ATen's fused kernel takes only one scalar (``F.layer_norm``'s ``eps``), the
+normalization is written out with the same formula ATen uses, reducing over each
+model's own dims only.
+
+This module is the bottom of the per-model scalars: :func:`values_on` and
+:func:`scalars` (numbers -> a tensor on the device), the per-model activations and
+layer / RMS / group norms.  The per-model batch norm is in :mod:`hftc.runtime.norms`
+(beside the batch norm that falls back to it), the per-model dropout in
+:mod:`hftc.runtime.random`; both build on this module, which imports neither.
 """
 
 from __future__ import annotations
@@ -19,8 +25,23 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..utils import values_on
-from .kernels import bernoulli_mask, fold_channels, pad_model_dims, unfold_channels
+from .layout import fold_channels, pad_model_dims, unfold_channels
+
+
+def values_on(values: Sequence[float] | Sequence[Sequence[float]], dtype: torch.dtype,
+              device: torch.device) -> Tensor:
+    """Python numbers as a tensor on ``device`` without stalling a GPU.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which
+    synchronizes the stream: the CPU would wait for every queued kernel (the whole
+    backward) before issuing the next op. From pinned memory the copy is queued like a
+    kernel. The values are made float64 first and cast on the device, so the result is
+    what ``torch.tensor(values, dtype=dtype)`` gives on the CPU.
+    """
+    host = torch.tensor(values, dtype=torch.float64)
+    if torch.device(device).type != "cuda":
+        return host.to(device=device, dtype=dtype)
+    return host.pin_memory().to(device=device, non_blocking=True).to(dtype)
 
 
 def scalars(values: Sequence[float], like: Tensor, rank: int) -> Tensor:
@@ -32,20 +53,6 @@ def scalars(values: Sequence[float], like: Tensor, rank: int) -> Tensor:
     dtype = torch.result_type(like, values[0])
     t = values_on(list(values), dtype, like.device)
     return t.reshape(len(values), *([1] * rank))
-
-
-def dropout(x: Tensor, p: Sequence[float], training: bool, *, feature_dims: int = 0) -> Tensor:
-    """Per-model dropout rates; ``feature_dims`` > 0 drops whole channels (Dropout1d/2d/3d)."""
-    if not training:
-        return x
-    rank = x.dim() - 1
-    keep = 1 - scalars(p, x, rank)
-    mask_shape = list(x.shape)
-    for d in range(feature_dims):
-        mask_shape[-1 - d] = 1
-    mask = bernoulli_mask(mask_shape, keep, x)
-    scale = torch.where(keep > 0, 1 / keep.clamp_min(torch.finfo(keep.dtype).tiny), 0)
-    return x * mask * scale
 
 
 def leaky_relu(x: Tensor, negative_slope: Sequence[float]) -> Tensor:
@@ -61,54 +68,6 @@ def _per_channel(values: Sequence[float], channels: int, like: Tensor) -> Tensor
     return values_on(list(values), like.dtype, like.device).repeat_interleave(
         channels
     )
-
-
-def batch_norm(
-    x: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    num_batches_tracked: Tensor | None,
-    training: bool,
-    *,
-    momentum: Sequence[float | None],
-    eps: Sequence[float],
-    track_running_stats: bool,
-) -> Tensor:
-    """Batch norm with a momentum and an eps per model (``_BatchNorm.forward`` written out)."""
-    n = x.shape[0]
-    xf = fold_channels(x, has_batch_dim=True)
-    c = xf.shape[1] // n
-    dims = [d for d in range(xf.dim()) if d != 1]
-    shape = [1, -1] + [1] * (xf.dim() - 2)
-    eps_c = _per_channel(eps, c, xf).reshape(shape)
-    bn_training = training or (running_mean is None and running_var is None)
-    if training and track_running_stats and num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
-    if bn_training:
-        mean = xf.mean(dims)
-        var = xf.var(dims, unbiased=False)
-        if training and track_running_stats and running_mean is not None:
-            with torch.no_grad():
-                count = xf.numel() // xf.shape[1]
-                factors = [
-                    (1.0 / float(num_batches_tracked[i])) if m is None else m
-                    for i, m in enumerate(momentum)
-                ]
-                f = _per_channel(factors, c, xf)
-                unbiased = var * (count / max(count - 1, 1))
-                running_mean.view(-1).mul_(1 - f).add_(f * mean)
-                running_var.view(-1).mul_(1 - f).add_(f * unbiased)
-    else:
-        mean = running_mean.reshape(-1)
-        var = running_var.reshape(-1)
-    y = (xf - mean.reshape(shape)) * torch.rsqrt(var.reshape(shape) + eps_c)
-    if weight is not None:
-        y = y * weight.reshape(shape)
-    if bias is not None:
-        y = y + bias.reshape(shape)
-    return unfold_channels(y, n, has_batch_dim=True)
 
 
 def layer_norm(

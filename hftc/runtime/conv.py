@@ -1,0 +1,372 @@
+"""Fused convolutions: N models' ``Conv1d/2d/3d`` (and transposed) as one call.
+
+::
+
+    before:  y_n = conv2d(x_n, W_n, b_n)                       for n in 0..N-1
+    after:   y = conv(x, W, b, ...)   W: [N, Cout, Cin/g, k, k] -> [N*Cout, Cin/g, k, k],
+             one conv2d with N*g groups on [B, N*Cin, H, W] (or another lowering)
+
+``conv_lowerings`` lists the ways to run one (the cost model's choice first); autotune
+times them (:mod:`hftc.lowering.autotune`).  ``x_batched=False``: one input shared by
+all models (a sweep's first layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..errors import FusionError
+from . import layout
+from .layout import expand_models, fold_channels, unfold_channels
+
+
+def _conv_fn(spatial: int, transposed: bool) -> Callable[..., Tensor]:
+    if transposed:
+        return (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1]
+    return (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
+
+
+def conv_lowerings(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+    *,
+    spatial: int,
+    x_batched: bool,
+    padding_mode: str = "zeros",
+    explicit_padding: Sequence[int] | None = None,
+) -> list[str]:
+    """The lowerings :func:`conv` can run for these arguments, the cost model's choice first.
+
+    ============================  ====================================================
+    ``grouped``                   one conv with ``N*g`` groups, NCHW (always applies)
+    ``grouped_channels_last``     the same in channels-last memory (2-d, with a batch)
+    ``pointwise_bmm``             1x1 conv of batched inputs as one ``baddbmm`` (2-d;
+                                  1-d: autotune's candidate)
+    ``shared_conv``               shared input, ``g == 1``: one conv, ``N*Cout`` outputs
+    ``shared_im2col``             shared input, 2-d: ``unfold`` once, one GEMM
+    ``im2col_bmm``                batched input, 2-d, ``g == 1``: ``unfold`` + a batched GEMM
+    ``loop``                      N separate convs (what the serial loop runs)
+    ============================  ====================================================
+
+    The cost model (measured on CPUs with oneDNN, see each lowering's docstring):
+    1x1 convs as batched GEMMs; few-tap shared convs (``Cin*kh*kw <= 32``) as
+    im2col; grouped convs with few input channels per group and large kernels, and
+    those whose map arrives channels-last and outsizes their weight, in channels-last
+    memory; every other conv as one grouped (or shared) conv.
+    ``hftc.fuse(..., autotune=True)`` times the rest (:mod:`hftc.lowering.autotune`).
+    """
+    two_d = spatial == 2 and padding_mode == "zeros"
+    has_batch = x.dim() == spatial + 2 + x_batched
+    if not x_batched and groups == 1:
+        im2col = two_d and not isinstance(padding, str) and x.dim() == 4
+        names = ["shared_conv", "loop"]
+        if im2col:
+            few_taps = weight[0, 0].numel() <= 32
+            names.insert(0 if few_taps else 1, "shared_im2col")
+        return names
+    names = ["grouped"]
+    if spatial == 2 and has_batch and not _onednn_unsafe(x, weight, stride):
+        few_channels = weight.shape[2] <= 8 and weight.shape[3] * weight.shape[4] >= 25
+        # A map that arrives channels-last (after a shared_im2col stem, a channels-last
+        # conv or pool) stays so while its weight is the smaller tensor: oneDNN reorders
+        # the weight to the map's layout on every call, forward and backward, and below
+        # that size the reorder costs less than converting the map.  Measured on ResNet's
+        # 3x3 layers at N = 2, batch 8, forward + backward, channels-last vs NCHW (map
+        # converted): 64 ch 32x32 42 vs 61 ms, 128 ch 16x16 34 vs 41, 256 ch 8x8 49 vs 41,
+        # 512 ch 4x4 111 vs 56; depthwise convs (tiny weights) 1.5-3.5x faster channels-last.
+        folded = fold_channels(x, True) if x_batched else x
+        map_numel = folded.numel() * (1 if x_batched else weight.shape[0])
+        stays_channels_last = layout.is_channels_last(folded) and weight.numel() <= map_numel
+        names.insert(0 if few_channels or stays_channels_last else 1, "grouped_channels_last")
+    if x_batched and groups == 1 and spatial in (1, 2) and _is_pointwise(
+            weight, stride, padding, dilation, padding_mode, spatial):
+        names.insert(0 if spatial == 2 else 1, "pointwise_bmm")
+    if x_batched and groups == 1 and two_d and not isinstance(padding, str):
+        names.append("im2col_bmm")  # never the cost model's choice: autotune's to find
+    return names + ["loop"]
+
+
+def conv(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+    *,
+    spatial: int,
+    x_batched: bool,
+    padding_mode: str = "zeros",
+    explicit_padding: Sequence[int] | None = None,
+    lowering: str | None = None,
+) -> Tensor:
+    """N convolutions as one.
+
+    ``weight``: ``[N, Cout, Cin/g, *k]``.  Batched ``x`` ``[N, B, Cin, *S]`` becomes
+    ``[B, N*Cin, *S]`` and one conv with ``N*g`` groups; a shared ``x``
+    ``[B, Cin, *S]`` needs no groups at all: one conv with ``N*Cout`` output
+    channels.  ``padding_mode`` other than zeros pads first, as ``nn.ConvNd`` does,
+    with ``explicit_padding`` (the module's ``_reversed_padding_repeated_twice``).
+    ``lowering`` names one of :func:`conv_lowerings` (default: the cost model's).
+    Every lowering returns ``[N, B, Cout, *S']`` viewing ``[B, N*Cout, *S']`` memory.
+    """
+    names = conv_lowerings(x, weight, bias, stride, padding, dilation, groups, spatial=spatial,
+                           x_batched=x_batched, padding_mode=padding_mode)
+    lowering = _check_lowering("conv", lowering, names)
+    n = weight.shape[0]
+    if lowering == "pointwise_bmm":
+        return _pointwise_conv(x, weight, bias, spatial)
+    w = weight.flatten(0, 1)
+    b = bias.flatten() if bias is not None else None
+    if lowering == "shared_im2col":
+        return _shared_unfold_conv(x, w, b, stride, padding, dilation, n)
+    if lowering == "im2col_bmm":
+        return _batched_unfold_conv(x, weight, bias, stride, padding, dilation)
+    if padding_mode != "zeros":
+        pad = tuple(explicit_padding)
+        if x_batched:  # padded in the folded layout, which the grouped conv reads for free
+            has_batch = x.dim() == spatial + 3
+            x = unfold_channels(F.pad(fold_channels(x, has_batch), pad, mode=padding_mode), n,
+                                has_batch)
+        else:
+            x = F.pad(x, pad, mode=padding_mode)
+        padding = 0
+    fn = _conv_fn(spatial, transposed=False)
+    if lowering == "loop":
+        return _loop_over_channels(
+            [fn(_onednn_safe(x[i] if x_batched else x, weight, stride), weight[i],
+                None if bias is None else bias[i], stride, padding, dilation, groups)
+             for i in range(n)], n, spatial)
+    if not x_batched and groups != 1:
+        x, x_batched = expand_models(x, n), True
+    if x_batched:
+        has_batch = x.dim() == spatial + 3
+        xf = fold_channels(x, has_batch)
+        groups = groups * n
+    else:
+        has_batch = x.dim() == spatial + 2
+        xf = x
+    if lowering == "grouped_channels_last":
+        # oneDNN's NCHW kernel for grouped convolutions with few input channels per
+        # group and large kernels (LeNet's 6 -> 16, 5x5) measured 2x slower than its
+        # channels-last one and than N separate convolutions; for 3x3 kernels and for
+        # wider layers (ResNet's) channels-last measured equal or slower.
+        xf = xf.contiguous(memory_format=torch.channels_last)
+    elif lowering == "grouped":
+        # NCHW as named: a channels-last map would make oneDNN reorder the weight on
+        # every call (see conv_lowerings), the slow part for wide layers.
+        xf = xf.contiguous()
+    y = fn(_onednn_safe(xf, weight, stride), w, b, stride, padding, dilation, groups)
+    return unfold_channels(y, n, has_batch)
+
+
+def _onednn_safe(x: Tensor, weight: Tensor, stride: Any) -> Tensor:
+    """``x``, contiguous where oneDNN's CPU convolution would get the weight gradient wrong
+    (and write past its workspace) on it channels-last: a 1x1 kernel with a stride, over
+    fewer than 16 input channels per group (:func:`.layout.unsafe_strided_pointwise_conv`;
+    ``weight`` is ``[N, Cout, Cin/g, *k]``).  Such a map reaches a conv channels-last from
+    the caller, the channels-last program, or :func:`_shared_unfold_conv`'s output."""
+    return x.contiguous() if layout.is_channels_last(x) and _onednn_unsafe(x, weight, stride) \
+        else x
+
+
+def _onednn_unsafe(x: Tensor, weight: Tensor, stride: Any) -> bool:
+    """Is this a conv that oneDNN must not run channels-last (:func:`_onednn_safe`)?"""
+    return x.device.type == "cpu" and x.dtype != torch.float64 and \
+        layout.unsafe_strided_pointwise_conv(weight.shape[2], weight.shape[3:], stride)
+
+
+def _check_lowering(op: str, lowering: str | None, names: list[str]) -> str:
+    if lowering is None:
+        return names[0]
+    if lowering not in names:
+        raise FusionError(
+            f"lowering {lowering!r} does not apply to this {op}; it can run as {names} "
+            f"(an autotune cache written for other shapes? delete it, see hftc.lowering.autotune)"
+        )
+    return lowering
+
+
+def _loop_over_channels(outs: list[Tensor], n: int, spatial: int) -> Tensor:
+    """N per-model outputs ``[B, C, *S]`` -> ``[N, B, C, *S]`` viewing ``[B, N*C, *S]`` memory.
+
+    The layout every grouped lowering returns, so the op after a loop folds the
+    channels back for free, as it would after a grouped conv.
+    """
+    has_batch = outs[0].dim() == spatial + 2
+    return unfold_channels(torch.cat(outs, dim=1 if has_batch else 0), n, has_batch)
+
+
+def _shared_unfold_conv(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, padding: Any,
+                        dilation: Any, n: int) -> Tensor:
+    """N convolutions of one shared input with few taps (``Cin*kh*kw <= 32``) as one GEMM.
+
+    ::
+
+        cols = unfold(x)  [B, Cin*kh*kw, L]     (once, for all N models)
+        y    = cols^T @ W^T + b  [B, L, N*Cout]  = [B, N*Cout, H', W'] in channels-last memory
+
+    The first layer of a sweep's CNNs (LeNet-5's 1 -> 6 5x5, the 3-channel stems
+    of ResNet and MobileNet): oneDNN measured 1.5-2x slower on these few-tap
+    convolutions, and the channels-last result suits the pooling and the
+    grouped convolutions that follow (see :func:`conv`).  (That output once met an
+    ATen batch-norm backward bug with odd size-1 strides,
+    tests/test_fuzz_regressions.py; :func:`fold_channels` restrides those.)
+    """
+    batch, _, height, width = x.shape
+    k = w.shape[2:]
+    stride, padding, dilation = (_ntuple(v, 2) for v in (stride, padding, dilation))
+    out_h = (height + 2 * padding[0] - dilation[0] * (k[0] - 1) - 1) // stride[0] + 1
+    out_w = (width + 2 * padding[1] - dilation[1] * (k[1] - 1) - 1) // stride[1] + 1
+    cols = F.unfold(x, tuple(k), dilation=dilation, padding=padding, stride=stride)
+    y = F.linear(cols.transpose(1, 2), w.reshape(w.shape[0], -1), b)       # [B, L, N*Cout]
+    y = y.view(batch, out_h, out_w, -1).permute(0, 3, 1, 2)                # channels-last
+    return unfold_channels(y, n, True)
+
+
+def _batched_unfold_conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride: Any,
+                         padding: Any, dilation: Any) -> Tensor:
+    """N 2-d convolutions of N inputs (``groups == 1``) as ``unfold`` + one batched GEMM.
+
+    ::
+
+        cols = unfold(x folded [B, N*Cin, H, W])  [B, N*Cin*kh*kw, L] = [B, N, Cin*kh*kw, L]
+        y    = W [1, N, Cout, Cin*kh*kw] @ cols   [B, N, Cout, L] = [B, N*Cout, H', W']
+
+    The product is ``torch.matmul`` broadcasting each model's weight over the batch,
+    and the result is already the grouped conv's folded layout.  ``unfold`` writes
+    ``kh*kw`` copies of the input, so on a CPU it rarely beats oneDNN's direct grouped
+    convolution; autotune found it faster for 1x1 stride-2 convolutions (ResNet-18's
+    shortcuts, N = 1-4, one core), where ``unfold`` is a strided subsample and the
+    product one batched GEMM.
+    """
+    has_batch = x.dim() == 5
+    if not has_batch:
+        x = x.unsqueeze(1)
+    n, batch, _, height, width = x.shape
+    cout, k = weight.shape[1], weight.shape[3:]
+    stride, padding, dilation = (_ntuple(v, 2) for v in (stride, padding, dilation))
+    out_h = (height + 2 * padding[0] - dilation[0] * (k[0] - 1) - 1) // stride[0] + 1
+    out_w = (width + 2 * padding[1] - dilation[1] * (k[1] - 1) - 1) // stride[1] + 1
+    cols = F.unfold(fold_channels(x, True), tuple(k), dilation=dilation, padding=padding,
+                    stride=stride)
+    y = torch.matmul(weight.reshape(1, n, cout, -1), cols.view(batch, n, -1, out_h * out_w))
+    if bias is not None:
+        y = y + bias.view(1, n, cout, 1)
+    y = unfold_channels(y.view(batch, n * cout, out_h, out_w), n, True)
+    return y if has_batch else y.squeeze(1)
+
+
+def _ntuple(v: Any, spatial: int) -> tuple:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * spatial
+
+
+def _is_pointwise(weight: Tensor, stride: Any, padding: Any, dilation: Any, padding_mode: str,
+                  spatial: int) -> bool:
+    """A 1x1 convolution with stride 1 and no padding: a matrix product per model."""
+    if any(k != 1 for k in weight.shape[3:]) or padding_mode != "zeros":
+        return False
+    if any(v != 1 for v in _ntuple(stride, spatial)):
+        return False
+    if isinstance(padding, str):
+        return padding in ("valid", "same")
+    return all(v == 0 for v in _ntuple(padding, spatial))
+
+
+def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spatial: int) -> Tensor:
+    """N 1x1 convolutions of N inputs as one ``baddbmm`` over each model's positions.
+
+    ::
+
+        x [N, B, Cin, H, W] -> [N, Cin, B*H*W];  y = baddbmm(b, W [N, Cout, Cin], x)
+        y [N, Cout, B*H*W]  -> [B, N*Cout, H, W] (the grouped conv's layout)
+
+    oneDNN's grouped 1x1 convolution (groups = N) measured 1.5-2.5x slower than N
+    separate ones on the CPU; the batched GEMM is as fast as they are, and its
+    weight gradient comes out in the weight's layout.  The two layout copies are
+    elementwise passes over the activation.  Conv1d's grouped 1x1 conv on one thread
+    with a batch under 16 is not oneDNN's but ATen's own, one convolution per group
+    on a copy of its input slice, then a ``cat``: this measured 0-20% faster than that
+    forward + backward (PointNet's layers, N = 2-8) and up to 45% slower at N = 8, so
+    for Conv1d it is autotune's candidate, not the cost model's choice.
+    """
+    n, cout, cin = weight.shape[:3]
+    has_batch = x.dim() == spatial + 3
+    if not has_batch:
+        x = x.unsqueeze(1)
+    lead = x.shape[1]
+    sizes = x.shape[3:]
+    xs = x.movedim(2, 1).reshape(n, cin, -1)            # a view if already channel-major
+    w = weight.reshape(n, cout, cin)
+    y = torch.bmm(w, xs) if bias is None else torch.baddbmm(bias.reshape(n, cout, 1), w, xs)
+    y = y.view(n, cout, lead, *sizes).movedim(2, 0).contiguous().movedim(0, 1)
+    return y if has_batch else y.squeeze(1)
+
+
+def conv_transpose_lowerings(*args: Any, **kwargs: Any) -> list[str]:
+    """:func:`conv_transpose`'s lowerings, the cost model's first: one grouped
+    transposed conv, or N separate ones."""
+    return ["grouped", "loop"]
+
+
+def conv_transpose(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    stride: Any = 1,
+    padding: Any = 0,
+    output_padding: Any = 0,
+    groups: int = 1,
+    dilation: Any = 1,
+    *,
+    spatial: int,
+    x_batched: bool,
+    lowering: str | None = None,
+) -> Tensor:
+    """N transposed convolutions as one grouped transposed conv.
+
+    ``weight``: ``[N, Cin, Cout/g, *k]`` -> ``[N*Cin, Cout/g, *k]`` with ``N*g`` groups.
+    """
+    lowering = _check_lowering("transposed conv", lowering, conv_transpose_lowerings())
+    n = weight.shape[0]
+    fn = _conv_fn(spatial, transposed=True)
+    if lowering == "loop":
+        return _loop_over_channels(
+            [fn(x[i] if x_batched else x, weight[i], None if bias is None else bias[i], stride,
+                padding, output_padding, groups, dilation) for i in range(n)], n, spatial)
+    if not x_batched:
+        x = expand_models(x, n)
+    has_batch = x.dim() == spatial + 3
+    y = fn(
+        fold_channels(x, has_batch),
+        weight.flatten(0, 1),
+        bias.flatten() if bias is not None else None,
+        stride,
+        padding,
+        output_padding,
+        groups * n,
+        dilation,
+    )
+    return unfold_channels(y, n, has_batch)
+
+
+def conv_transpose_output_padding(
+    x: Tensor, output_size: Sequence[int], stride, padding, kernel_size, dilation, *, spatial: int
+) -> list[int]:
+    """``nn.ConvTransposeNd(x, output_size=...)``'s output padding, for one model's input."""
+    # _output_padding reads nothing from self; it is a plain function of its arguments.
+    return torch.nn.modules.conv._ConvTransposeNd._output_padding(
+        None, x[0], list(output_size), list(stride), list(padding), list(kernel_size),
+        spatial, list(dilation),
+    )

@@ -1,0 +1,113 @@
+"""The package's import graph: no cycle, and no module importing a higher layer.
+
+Every ``import`` / ``from ... import`` of every module of ``hftc``, at module level and
+inside functions alike (a function-level import is a dependency all the same: it only
+runs later), is read with ``ast``; relative imports are resolved, and ``from pkg import
+name`` counts as importing ``pkg.name`` where that is a module, else ``pkg``.
+
+The layers, lowest first (issue 31's layout; a lower layer may never import a higher
+one).  Modules not yet sorted into the later layers share the top one for now.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "hftc"
+
+#: Module-name prefixes -> layer (the longest matching prefix decides); the rest: TOP.
+LAYERS = {
+    "hftc.ir": 0,
+    "hftc.errors": 0,
+    "hftc.runtime": 1,
+}
+TOP = 2
+
+
+def module_names() -> dict[str, Path]:
+    """``hftc.a.b`` -> its file, for every module of the package (``__init__`` as the package)."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    return names
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports, anywhere in its file."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[:len(base) - node.level + is_package]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import hftc.a.b.c` of a name in b
+                target = target.rpartition(".")[0]
+            if target.startswith("hftc") and target != name:
+                found.add(target)
+    return found
+
+
+def layer(name: str) -> int:
+    matches = [prefix for prefix in LAYERS if name == prefix or name.startswith(prefix + ".")]
+    return LAYERS[max(matches, key=len)] if matches else TOP
+
+
+@pytest.fixture(scope="module")
+def graph() -> nx.DiGraph:
+    modules = module_names()
+    g = nx.DiGraph()
+    g.add_nodes_from(modules)
+    for name, path in modules.items():
+        g.add_edges_from((name, target) for target in imports_of(name, path, modules))
+    return g
+
+
+def test_the_import_graph_is_read():
+    # A check that reads no edges would pass on anything: pin a few known ones.
+    modules = module_names()
+    assert "hftc.runtime.conv" in modules and "hftc.fused" in modules
+    g = nx.DiGraph()
+    for name, path in modules.items():
+        g.add_edges_from((name, t) for t in imports_of(name, path, modules))
+    assert g.has_edge("hftc.fused", "hftc.runtime.modules")  # from .runtime.modules import
+    assert g.has_edge("hftc.runtime.conv", "hftc.runtime.layout")  # from . import layout
+    assert g.has_edge("hftc.runtime.conv", "hftc.errors")  # from ..errors import ...
+
+
+def test_no_import_cycle(graph):
+    cycles = sorted(nx.simple_cycles(graph), key=len)
+    assert not cycles, "import cycles:\n" + "\n".join(
+        " -> ".join([*cycle, cycle[0]]) for cycle in cycles[:20])
+
+
+def test_no_module_imports_a_higher_layer(graph):
+    upward = sorted(f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+                    for a, b in graph.edges if layer(b) > layer(a))
+    assert not upward, "\n".join(upward)
+
+
+def test_runtime_exists_and_imports_only_ir_errors_and_itself(graph):
+    runtime = [name for name in graph if name.startswith("hftc.runtime")]
+    assert "hftc.runtime.linear" in runtime and "hftc.runtime.norms" in runtime
+    for name in runtime:
+        for target in graph.successors(name):
+            assert target in ("hftc.ir", "hftc.errors") or target.startswith("hftc.runtime"), \
+                f"{name} imports {target}"
