@@ -637,8 +637,14 @@ class FusedModule(ContainerAccess, nn.Module):
                 continue
             what = f"input {k}" if names is None else f"input `{names[k]}` (input {k})"
             if not isinstance(a, torch.Tensor):
+                container = isinstance(a, (tuple, list, dict))
                 raise FusionArgumentError(
                     f"{what} has in_dims={d} but is a {type(a).__name__}, not a tensor"
+                    + (": in_dims stacks tensor inputs only, not the tensors inside a "
+                       "container (an LSTM's state (h, c)). Pass them as separate tensor "
+                       "inputs of forward (forward(x, h, c), in_dims=(None, 0, 0)), or fuse "
+                       "with in_dims=None for a container all models share" if container
+                       else "")
                 )
             if a.dim() <= d or a.shape[d] != self.num_models:
                 got = "no such dim" if a.dim() <= d else f"size {a.shape[d]}"

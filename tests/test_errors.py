@@ -532,3 +532,36 @@ def test_models_of_another_dtype_traced_by_export_say_so():
                                             r"model to one dtype with \.to\(dtype\)"):
         hftc.fuse([TwoLayer(), TwoLayer().double()], example_inputs=(torch.randn(3, 8),),
                   frontend="export")
+
+
+class _WordLSTM(nn.Module):
+    """pytorch/examples' word language model in small: its LSTM state (h, c) is carried."""
+
+    def __init__(self, state_as_tuple: bool):
+        super().__init__()
+        self.state_as_tuple = state_as_tuple
+        self.encoder, self.rnn, self.decoder = nn.Embedding(10, 8), nn.LSTM(8, 8), nn.Linear(8, 10)
+
+    def forward(self, x, h, c=None):
+        output, (h, c) = self.rnn(self.encoder(x), h if self.state_as_tuple else (h, c))
+        return self.decoder(output), h, c
+
+
+def test_a_carried_lstm_state_tuple_with_in_dims_says_to_pass_its_tensors_apart():
+    torch.manual_seed(0)
+    x = torch.randint(0, 10, (5, 2))
+    state = torch.zeros(3, 1, 2, 8), torch.zeros(3, 1, 2, 8)
+    with pytest.raises(FusionArgumentError, match=r"input `h` \(input 1\) has in_dims=0 but is "
+                       r"a tuple.*not the tensors inside a container.*in_dims=\(None, 0, 0\)"):
+        hftc.fuse([_WordLSTM(True) for _ in range(3)], in_dims=(None, 0))(x, state)
+    # The advice works: the state's tensors as inputs of their own, each model its slice.
+    models = [_WordLSTM(False) for _ in range(3)]
+    fused = hftc.fuse(models, in_dims=(None, 0, 0))
+    h, c = torch.randn(3, 1, 2, 8), torch.randn(3, 1, 2, 8)
+    for _ in range(2):  # the state each call returns is fed back
+        out, h2, c2 = fused(x, h, c)
+        for i, m in enumerate(models):
+            want = m(x, h[i], c[i])
+            for got, expected in zip((out[i], h2[i], c2[i]), want):
+                torch.testing.assert_close(got, expected)
+        h, c = h2.detach(), c2.detach()
