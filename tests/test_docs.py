@@ -56,6 +56,7 @@ def run_blocks(path: Path, text: str) -> int:
 @pytest.fixture(autouse=True)
 def _in_a_temporary_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # sweeps write their folders, checkpoints are saved
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path / "cache"))  # autotune's choices
     torch.manual_seed(0)
 
 
