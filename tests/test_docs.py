@@ -1,6 +1,6 @@
 """The documentation's code runs, and every public name has a reference entry with an example.
 
-Every ```python block of docs/reference/*.md and docs/guides/*.md runs, page by page, in
+Every ```python block of docs/index.md, docs/guides/*.md and docs/reference/*.md runs, page by page, in
 order, in one namespace per page (a later block uses what an earlier one defined), in a
 temporary folder. A block that needs what CI does not have (a GPU, several processes)
 starts with ``# not run here:`` and the reason; it is only compiled. The README's first
@@ -25,8 +25,9 @@ import hftc.errors
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = sorted(p for p in [*(DOCS / "reference").glob("*.md"), *(DOCS / "guides").glob("*.md")]
-               if p.name != "index.md")  # (the reference's index is a table of links)
+PAGES = [DOCS / "index.md", *sorted((DOCS / "guides").glob("*.md")),
+         *sorted((DOCS / "reference").glob("*.md"))]
+PAGES.remove(DOCS / "reference" / "index.md")  # a table of links
 NOT_RUN = "# not run here:"
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 _DIRECTIVE = re.compile(r"^::: ([\w.]+)", re.M)
