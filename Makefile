@@ -7,13 +7,13 @@ PIP    := $(PY) -m pip
 # several GB of CUDA wheels when a dependency asks for "torch".
 TORCH  := torch==2.13.0
 
-.PHONY: install demo test lint fuzz bench check-wheel clean
+.PHONY: install demo test lint docs fuzz bench check-wheel clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e ".[test,sweep]" $(TORCH)
+	$(PIP) install -q -e ".[test,sweep,docs]" $(TORCH)
 	touch $@
 
 install: $(VENV)/.installed
@@ -28,6 +28,12 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# The documentation site (guides, reference from the docstrings) in build/site; any warning
+# (a broken link or anchor, a name the reference cannot find) fails it. Its examples run in
+# tests/test_docs.py.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The long fuzzing profile: HFTC_FUZZ_EXAMPLES random architectures (default 5000) per
 # fusion test (tests/test_fuzz.py; recurrent, attention, embedding, transposed / 3-d conv,

@@ -1066,10 +1066,13 @@ class FusedModule(ContainerAccess, nn.Module):
 
     @property
     def fusion_report(self) -> FusionReport:
+        """The last compiled program's report: every node, the rule that fused it, the N
+        originals it replaced, and what runs as a per-model loop (``.fallbacks``)."""
         return self.last_program().report
 
     @property
     def fused_graph(self) -> fx.Graph:
+        """The last compiled program's fused ``torch.fx.Graph``."""
         return self.last_program().graph
 
     # ------------------------------------------------------------------ unfusing
@@ -1098,6 +1101,8 @@ class FusedModule(ContainerAccess, nn.Module):
         return [self.unfuse_model(i) for i in range(self.num_models)]
 
     def unfuse_model(self, index: int) -> nn.Module:
+        """Model ``index`` alone: a module of the original class with its current weights,
+        buffers and hyper-parameters (what ``unfuse()[index]`` is)."""
         index = self._check_index(index)
         model = deepcopy_module(self._template)
         for target in self._template_extras:
@@ -1174,22 +1179,35 @@ def fuse(
     autotune: bool = False,
     check: bool = True,
 ) -> FusedModule:
-    """Fuse N structurally identical models into one module (see ``API.md``).
+    """Fuse N structurally identical models into one module: ``fused(x)[i] == models[i](x)``.
 
-    ``in_dims`` follows ``torch.func.vmap``: ``None`` (default) shares every input
-    among the N models, ``0`` takes each input stacked per model along dim 0, a
-    tuple gives one entry per positional input.  ``example_inputs`` compiles the
-    fused forward right away (otherwise it is compiled on the first call), and lets
-    models that ``torch.fx.symbolic_trace`` rejects be traced by ``torch.export``
-    (``frontend="auto"``); ``frontend="symbolic"`` / ``"export"`` pick one.
-    ``autotune=True`` times each fused op's lowerings (grouped conv in NCHW or
-    channels-last, im2col, batched GEMM, a per-model loop ...) on the real shapes
-    when the forward is compiled and keeps the fastest (the cost model's choice
-    unless another is 5% faster), cached on disk per device
-    and shape (:mod:`hftc.lowering.autotune`); otherwise a cost model picks.
-    ``check=True`` runs each new program once against models 0, N // 2 and N-1's own forward
-    (:mod:`hftc.check`); where their outputs differ (forward's Python took another
-    branch while traced), the models run one by one, with a ``FusionWarning``.
+    Args:
+        models: N ``nn.Module`` s of one architecture (the same code; hyper-parameters
+            such as dropout ``p`` or a norm's ``eps`` may differ, each model keeps its own).
+            They are not changed; the fused module holds stacked copies of their tensors.
+        in_dims: as in ``torch.func.vmap``: ``None`` (default) shares every input among
+            the N models, ``0`` takes each input stacked per model along dim 0, a tuple
+            gives one entry per input of forward.
+        example_inputs: compiles the fused forward right away (otherwise the first call
+            does), and lets models that ``torch.fx.symbolic_trace`` rejects be traced by
+            ``torch.export`` (``frontend="auto"``).
+        frontend: ``"auto"``, ``"symbolic"`` or ``"export"``.
+        autotune: time each fused op's lowerings (grouped conv in NCHW or channels-last,
+            im2col, batched GEMM, a per-model loop ...) on the real shapes and keep the
+            fastest, cached on disk per device and shape; otherwise a cost model picks.
+        check: run each new program once against models 0, N // 2 and N-1's own forward;
+            where their outputs differ (forward's Python took another branch while
+            traced) the models run one by one, with a ``FusionWarning``.
+
+    Returns:
+        The ``FusedModule``. Its parameters and buffers are the N models' stacked
+        (``[N, *shape]``) under the original names.
+
+    Raises:
+        MismatchError: the models differ in structure (the message says where).
+        TraceError: a model cannot be traced (the message names the line and what to do).
+        FusionArgumentError: a bad argument (an empty list, lazy modules, shared weights).
+        FusionTypeError: something other than a list of ``nn.Module`` s.
     """
     return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs,
                        frontend=frontend, autotune=autotune, check=check)
