@@ -617,3 +617,25 @@ def test_complex_linears_get_autograds_gradients(stacked):
         torch.testing.assert_close(out[i], want)
         for name, p in m.named_parameters():
             torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad)
+
+
+def test_a_key_registered_twice_is_an_error_whatever_the_import_order():
+    from hftc.passes.registry import RULES, DuplicateRuleError, rule
+
+    key = ("call_module", nn.LeakyReLU)
+    entry = RULES[key]
+    assert entry.name == "fuse_slope[LeakyReLU]"  # the rule that takes a per-model slope
+    with pytest.raises(DuplicateRuleError, match=r"LeakyReLU has two fusion rules, "
+                                                 r"`fuse_slope\[LeakyReLU\]` and `other`"):
+        rule(key, name="other")(lambda group, builder: None)
+    assert RULES[key] is entry
+
+
+def test_random_ops_are_declared_once_in_the_rule_table():
+    from hftc.passes.registry import RULES
+
+    for key in [("call_function", torch.randn), ("call_method", "exponential_"),
+                ("call_module", nn.RReLU), ("call_function", F.dropout),
+                ("call_module", nn.Dropout2d), ("call_function", F.scaled_dot_product_attention)]:
+        assert RULES[key].random, key
+    assert not RULES[("call_function", F.relu)].random

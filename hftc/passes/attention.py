@@ -42,7 +42,7 @@ from torch import nn
 
 from ..runtime import attention as rt_attention
 from ..trace import TRACEABLE_FORWARDS
-from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
+from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
              "average_attn_weights", "is_causal")
@@ -67,7 +67,7 @@ def _constant(value: Any, what: str) -> Any:
     return value
 
 
-@register_rule(("call_module", nn.MultiheadAttention))
+@rule(("call_module", nn.MultiheadAttention))
 def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """N attention modules -> one :func:`~hftc.runtime.attention.multi_head_attention`."""
     mha = group.module
@@ -101,7 +101,7 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 
 
-@register_rule(("call_function", F.scaled_dot_product_attention), random=True)
+@rule(("call_function", F.scaled_dot_product_attention), random=True)
 def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The model dim joins the batch dim: one SDPA over ``N*B`` batches (random: dropout)."""
     if group.per_model_arg(4, "dropout_p") is not None:
@@ -141,7 +141,7 @@ def encoder_nested_padding(output: torch.Tensor, src: torch.Tensor,
 torch.fx.wrap("encoder_nested_padding")
 
 
-@register_rule(("call_function", encoder_nested_padding))
+@rule(("call_function", encoder_nested_padding))
 def fuse_encoder_nested_padding(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     output, src, kpm, mask, training, *params = group.args
     return builder.call(

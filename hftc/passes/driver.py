@@ -47,26 +47,6 @@ from .registry import FusionGroup, GraphBuilder, NotFusable, lookup
 #: other constants are stacked ``[N, ...]``).  It starts like every constant's name.
 SHARED_CONSTANT_PREFIX = "_hftc_constant_shared_"
 
-#: Ops that draw random numbers: with a shared input each model still draws its own.
-RANDOM_FUNCTIONS = {
-    torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
-    torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial, torch.randperm,
-    torch.poisson, torch._standard_gamma, torch._sample_dirichlet, torch.binomial,
-}
-RANDOM_METHODS = {"bernoulli", "bernoulli_", "normal_", "uniform_", "random_", "exponential_",
-                  "geometric_", "log_normal_", "cauchy_", "multinomial"}
-# RReLU's slopes (in training) and fractional max-pooling's regions are drawn too: on an
-# input all models share, one draw for all of them made every model's output the same.
-# (Deterministic uses, RReLU in eval or given regions, run as the per-model loop: exact.)
-RANDOM_FUNCTIONS |= {
-    torch.nn.functional.rrelu, torch.nn.functional.rrelu_, torch.rrelu, torch.rrelu_,
-    torch.nn.functional.fractional_max_pool2d, torch.nn.functional.fractional_max_pool3d,
-    torch.nn.functional.fractional_max_pool2d_with_indices,
-    torch.nn.functional.fractional_max_pool3d_with_indices,
-}
-RANDOM_MODULES = (torch.nn.RReLU, torch.nn.FractionalMaxPool2d, torch.nn.FractionalMaxPool3d)
-
-
 @dataclass
 class FusionRecord:
     """What became of one node of model 0 (and its N counterparts)."""
@@ -146,14 +126,6 @@ def _has_state(module: nn.Module | None) -> bool:
     if module is None:
         return False
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-def _is_random(node: fx.Node, module: nn.Module | None = None) -> bool:
-    if node.op == "call_function":
-        return node.target in RANDOM_FUNCTIONS
-    if node.op == "call_module":
-        return isinstance(module, RANDOM_MODULES)
-    return node.op == "call_method" and node.target in RANDOM_METHODS
 
 
 def _contains_tensor(value: Any) -> bool:
@@ -266,9 +238,10 @@ def fuse_graph(
         first_new = len(builder.graph.nodes)
         entry = lookup(node, module)
         any_batched = builder.is_batched((group.args, group.kwargs))
+        random = entry is not None and entry.random
         kind, rule_name, reason = "fused", entry.name if entry else "", ""
         writes_shared = _inplace_on_shared(node, group, builder)
-        if writes_shared and (any_batched or group.per_model) and not _is_random(node) \
+        if writes_shared and (any_batched or group.per_model) and not random \
                 and _fresh_and_unaliased(node, position):
             # A per-model write into a tensor forward made and nothing else sees yet
             # (``y = torch.zeros_like(x); y[idx] = self.c``, HF's label shifting): each
@@ -276,11 +249,10 @@ def fuse_graph(
             own = _per_model_copy(node, group, builder, env)
             group = FusionGroup(node, names, (own, *group.args[1:]), group.kwargs, module)
             builder.current, writes_shared = group, False
-        if not any_batched and not _has_state(module) and not _is_random(node, module) \
-                and not (entry is not None and entry.random) and not group.per_model:
+        if not any_batched and not _has_state(module) and not random and not group.per_model:
             builder.current_rule = "shared"
             new, kind, rule_name = builder.copy(group, batched=False), "shared", "shared"
-        elif _is_random(node) and writes_shared:
+        elif random and writes_shared:
             # A draw into a shared tensor (``torch.empty(shape).normal_()``, as
             # torch.distributions' rsample draws; ``torch.empty_like(x).uniform_()``):
             # each model draws its own, into its own copy, which later reads of the

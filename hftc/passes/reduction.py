@@ -21,7 +21,7 @@ from ..ir import EXAMPLE_VALUE
 from ..runtime import reduction as rt_reduction
 from ..runtime import spatial as rt_spatial
 from .elementwise import fuse_pointwise
-from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
+from .registry import FusionGroup, GraphBuilder, NotFusable, rule, spellings
 from .shape import shift_dim_arg
 
 #: op name -> position of ``dim`` (self/input at 0) for ``op(x, dim, ...)``.
@@ -84,12 +84,12 @@ def _reduction_rule(op_name: str, position: int | None):
 
 
 for _name, _pos in REDUCTIONS.items():
-    register_rule(*spellings(_name, functional=False), name=f"fuse_reduction[{_name}]")(
+    rule(*spellings(_name, functional=False), name=f"fuse_reduction[{_name}]")(
         _reduction_rule(_name, _pos)
     )
 
 
-@register_rule(("call_function", torch.linalg.vector_norm))
+@rule(("call_function", torch.linalg.vector_norm))
 def fuse_vector_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.linalg.vector_norm(x, ord, dim, keepdim)`` (what ``F.normalize`` exports to)
     over each model's dims; over all of them: ``vector_norm(x.flatten(1), ord, 1)``."""
@@ -130,7 +130,7 @@ def _softmax_rule(fn):
 
 for _fn, _names in [(F.softmax, ("softmax",)), (F.log_softmax, ("log_softmax",)),
                     (F.softmin, ("softmin",))]:
-    register_rule(*spellings(_names[0]), name=f"fuse_softmax[{_names[0]}]")(_softmax_rule(_fn))
+    rule(*spellings(_names[0]), name=f"fuse_softmax[{_names[0]}]")(_softmax_rule(_fn))
 
 
 def _softmax_module_rule(fn):
@@ -145,6 +145,6 @@ def _softmax_module_rule(fn):
 
 for _cls, _fn in [(nn.Softmax, F.softmax), (nn.LogSoftmax, F.log_softmax),
                   (nn.Softmin, F.softmin), (nn.GLU, F.glu)]:
-    register_rule(("call_module", _cls), name=f"fuse_softmax_module[{_cls.__name__}]")(
+    rule(("call_module", _cls), name=f"fuse_softmax_module[{_cls.__name__}]")(
         _softmax_module_rule(_fn)
     )
