@@ -328,6 +328,8 @@ CASES += [
     Case("padding_and_resampling", PaddingAndResampling, (2, 2, 6, 6)),
     Case("dropout_eval_or_zero", seq(lambda: [nn.Linear(4, 4), nn.Dropout(0.0), nn.Dropout1d(0.0)]),
          (2, 4, 4)),
+    Case("cosine_similarity", lambda: Lambda(lambda s, x: s.cos(x, s.w) * F.cosine_similarity(
+        x, s.w[:, None], dim=1), cos=nn.CosineSimilarity(dim=-1), w=torch.randn(4)), (2, 4, 4)),
 ]
 
 

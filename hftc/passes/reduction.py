@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ir import EXAMPLE_VALUE
+from ..runtime import layout as rt_layout
 from ..runtime import reduction as rt_reduction
 from ..runtime import spatial as rt_spatial
 from .elementwise import fuse_pointwise
@@ -103,6 +104,28 @@ def fuse_vector_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                             dtype=dtype)
     return builder.call(torch.linalg.vector_norm, x, ord_, shift_dim_arg(builder, dim), keepdim,
                         dtype=dtype)
+
+
+@rule(*spellings("cosine_similarity"), ("call_module", nn.CosineSimilarity))
+def fuse_cosine_similarity(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """Per model, ``cosine_similarity`` reduces ``dim`` of its two inputs broadcast together;
+    fused, both get the model dim in front and the broadcast rank after it, and a
+    non-negative ``dim`` moves past the model dim::
+
+        before (per model):  cosine_similarity(x_i [B, D], w_i [D], dim=1)
+        after:               cosine_similarity(x [N, B, D], w.reshape(N, 1, D), dim=2)
+    """
+    node = group.node
+    inputs = [(0, "x1"), (1, "x2")]
+    examples = [group.arg_example(pos if pos < len(node.args) else name) for pos, name in inputs]
+    rank = max(example.dim() for example in examples)
+    x1, x2 = (builder.call(rt_layout.pad_model_dims, builder.broadcast(group.arg(pos, name)),
+                           rank) for pos, name in inputs)
+    if group.module is not None:
+        dim, eps = group.module.dim, group.module.eps
+    else:
+        dim, eps = group.arg(2, "dim", 1), group.arg(3, "eps", 1e-8)
+    return builder.call(F.cosine_similarity, x1, x2, shift_dim_arg(builder, dim), eps)
 
 
 #: softmax and log_softmax run through ``reduction.softmax`` (ATen's kernel, or a faster
