@@ -159,10 +159,14 @@ def _emit_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             batched=batched_out, overrides=overrides,
         )
     fn = node.target if node.op == "call_function" else rt_fallback.call_method(node.target)
-    per_model = {k: tuple(v) for k, v in group.per_model.items()} or None
+    # Model i's own scalar arguments, as plain tuples the generated code can spell.
+    per_model_args = tuple((key.position, tuple(values)) for key, values in
+                           group.per_model.items() if key.keyword is None) or None
+    per_model_kwargs = tuple((key.keyword, tuple(values)) for key, values in
+                             group.per_model.items() if key.keyword is not None) or None
     return builder.call(
         ir.bind(rt_fallback.loop_over_models, fn), builder.num_models, flags, group.args,
-        group.kwargs, per_model, batched=batched_out,
+        group.kwargs, per_model_args, per_model_kwargs, batched=batched_out,
     )
 
 

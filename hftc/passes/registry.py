@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..ir import EXAMPLE_VALUE, ORIGIN, PER_MODEL, RULE, SOURCE
+from ..ir import EXAMPLE_VALUE, ORIGIN, PER_MODEL, RULE, SOURCE, ArgKey
 from ..match import describe_node, target_name
 from ..runtime import layout as rt_layout
 
@@ -70,18 +70,18 @@ class FusionGroup:
         return position < len(self.args) or name in self.kwargs
 
     @property
-    def per_model(self) -> dict[str, list]:
+    def per_model(self) -> dict[str | ArgKey, list]:
         """Hyper-parameters that differ between the models: ``{key: [value_0, ...]}``.
 
-        Keys are module attributes (``"p"``, ``"eps"``) or argument slots
-        (``"args[1]"``, ``"kwargs[p]"``); empty when every model agrees.
+        Keys are module attributes (``"p"``, ``"eps"``) or arguments (:class:`ArgKey`);
+        empty when every model agrees.
         """
         return self.node.meta.get(PER_MODEL, {})
 
     def per_model_arg(self, position: int, name: str) -> list | None:
         """The per-model values of an argument, or None if all models pass the same."""
         values = self.per_model
-        return values.get(f"args[{position}]", values.get(f"kwargs[{name}]"))
+        return values.get(ArgKey(position=position), values.get(ArgKey(keyword=name)))
 
 
 Rule = Callable[[FusionGroup, "GraphBuilder"], fx.Node]
