@@ -68,7 +68,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .errors import FusionArgumentError, TraceError, plain_message
-from .passes.registry import FusionGroup, GraphBuilder, register_rule
+from .passes.registry import FusionGroup, GraphBuilder, rule
 from .trace import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
 
 aten = torch.ops.aten
@@ -112,7 +112,7 @@ def check_input_shape(x: Any, shape: tuple, name: str, offset: int = 0) -> None:
         )
 
 
-@register_rule(("call_function", check_input_shape))
+@rule(("call_function", check_input_shape))
 def fuse_check_input_shape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """A stacked input's fixed sizes sit after its model dim."""
     x, shape, name = group.args[:3]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,8 +31,22 @@ PYTHON_STATE = "hftc_python_state"
 CONSTANT_INPUTS = "hftc_constant_inputs"
 
 #: ``node.meta`` key: ``{key: [value of model 0, ..., model N-1]}`` for hyper-parameters
-#: that differ between the models (absent when they all agree).
+#: that differ between the models (absent when they all agree).  A key is a module
+#: attribute's name (``"p"``, ``"eps"``) or an :class:`ArgKey`.
 PER_MODEL = "hftc_per_model"
+
+
+@dataclass(frozen=True)
+class ArgKey:
+    """A call's argument whose value may differ per model: given by ``position``
+    (``F.dropout(x, 0.1)``: ``ArgKey(position=1)``) or by ``keyword`` (``p=0.1``:
+    ``ArgKey(keyword="p")``)."""
+
+    position: int | None = None
+    keyword: str | None = None
+
+    def __str__(self) -> str:
+        return f"argument {self.position}" if self.keyword is None else f"argument `{self.keyword}`"
 
 #: The memory layout a program may run its 4-d activations in (autotune's candidates).
 CHANNELS_LAST = "channels_last"

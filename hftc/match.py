@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .errors import MismatchError
-from .ir import PER_MODEL
+from .ir import PER_MODEL, ArgKey
 
 if TYPE_CHECKING:  # networkx: imported where two graphs need VF2, not by import hftc
     import networkx as nx
@@ -123,32 +123,32 @@ def canonical_args(node: fx.Node) -> tuple:
     return args + defaults[len(args) - first:] if len(args) >= first else args
 
 
-def _soft_argument_keys(node: fx.Node) -> dict[str, Any]:
-    """``{"args[1]": value, "kwargs[p]": value}`` for the node's per-model-able scalars."""
-    found: dict[str, Any] = {}
+def _soft_argument_keys(node: fx.Node) -> dict[ArgKey, Any]:
+    """``{ArgKey(position=1): value, ArgKey(keyword="p"): value}`` for the node's
+    per-model-able scalars."""
+    found: dict[ArgKey, Any] = {}
     if node.op not in ("call_function", "call_method"):
         return found
     positions = SOFT_FUNCTION_ARGUMENTS.get(node.target, {})
     args = canonical_args(node)
     for pos, name in positions.items():
         if pos < len(args) and isinstance(args[pos], (int, float)):
-            found[f"args[{pos}]"] = args[pos]
+            found[ArgKey(position=pos)] = args[pos]
         elif isinstance(node.kwargs.get(name), (int, float)):
-            found[f"kwargs[{name}]"] = node.kwargs[name]
+            found[ArgKey(keyword=name)] = node.kwargs[name]
     if node.target in SCALAR_ARITHMETIC and any(isinstance(a, fx.Node) for a in node.args):
         for pos, a in enumerate(node.args):
             if isinstance(a, float):
-                found[f"args[{pos}]"] = a
+                found[ArgKey(position=pos)] = a
     return found
 
 
-def per_model_values(node: fx.Node, root: nn.Module) -> dict[str, Any]:
+def per_model_values(node: fx.Node, root: nn.Module) -> dict[str | ArgKey, Any]:
     """The node's hyper-parameters that are allowed to differ between models, by key.
 
-    Keys: a module attribute name (``"p"``, ``"eps"``) or an argument slot
-    (``"args[1]"``, ``"kwargs[p]"``).
+    Keys: a module attribute name (``"p"``, ``"eps"``) or an argument (:class:`ArgKey`).
     """
-    values = _soft_argument_keys(node)
+    values: dict[str | ArgKey, Any] = dict(_soft_argument_keys(node))
     if node.op == "call_module":
         module = root.get_submodule(node.target)
         for name in soft_module_attributes(module):
@@ -314,10 +314,10 @@ def _argument_skeleton(node: fx.Node) -> tuple[tuple, dict]:
     scalar that may differ per model :data:`_PER_MODEL`."""
     args, kwargs = list(canonical_args(node)), dict(node.kwargs)
     for key in _soft_argument_keys(node):  # scalars that may differ per model
-        if key.startswith("args["):
-            args[int(key[5:-1])] = _PER_MODEL
+        if key.keyword is None:
+            args[key.position] = _PER_MODEL
         else:
-            kwargs[key[7:-1]] = _PER_MODEL
+            kwargs[key.keyword] = _PER_MODEL
     return fx.node.map_aggregate(
         (tuple(args), kwargs),
         lambda a: _SLOT if isinstance(a, fx.Node) else _fold_constant(a),

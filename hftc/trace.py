@@ -44,12 +44,7 @@ from .ir import (
     enter_autocast,
     exit_autocast,
 )
-
-#: Modules symbolic tracing would keep as opaque leaves but that hftc traces *through*,
-#: with a traceable forward of the same math (``torch.nn.TransformerEncoderLayer`` ->
-#: its self-attention, linears and norms).  Filled by the rule modules
-#: (:mod:`hftc.passes.attention`): ``{module class: forward(module, *args, **kwargs)}``.
-TRACEABLE_FORWARDS: dict[type, Callable[..., Any]] = {}
+from .runtime import attention as rt_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1009,3 +1004,112 @@ def annotate_example_values(
         ) from exc
     for node in graph.nodes:
         node.meta[EXAMPLE_VALUE] = _to_meta(node.meta.get(EXAMPLE_VALUE))
+
+
+# --------------------------------------------------------------------------- traced through:
+# torch's transformer modules, whose forward takes a fast path symbolic tracing cannot follow
+
+
+def encoder_nested_padding(output: torch.Tensor, src: torch.Tensor,
+                           key_padding_mask: torch.Tensor | None, mask: torch.Tensor | None,
+                           training: bool, *params: torch.Tensor, use_nested_tensor: bool,
+                           mask_check: bool, batch_first: bool) -> torch.Tensor:
+    """One model's ``nn.TransformerEncoder`` nested-tensor fast path, as a graph op:
+    zeros at padded positions when PyTorch would have taken it (see the kernel)."""
+    if output.device.type == "meta":  # shape propagation: the values do not matter
+        return output
+    return rt_attention.encoder_nested_padding(
+        output.unsqueeze(0), src, key_padding_mask, mask, training, *params,
+        use_nested_tensor=use_nested_tensor, mask_check=mask_check, batch_first=batch_first,
+        flags=(True, False, False), n=1).squeeze(0)
+
+
+torch.fx.wrap("encoder_nested_padding")
+
+
+def causal_hint(is_causal: bool | None) -> bool:
+    """``is_causal=None`` asks PyTorch to detect a causal mask by comparing values; the hint
+    only picks a kernel, so computing with the mask itself gives the same numbers."""
+    return bool(is_causal) if is_causal is not None else False
+
+
+torch.fx.wrap("causal_hint")  # a graph op: the flag may be an input of a traced root
+
+
+def _encoder_layer_forward(self: nn.TransformerEncoderLayer, src, src_mask=None,
+                           src_key_padding_mask=None, is_causal=False):
+    """``TransformerEncoderLayer.forward``'s slow path (masks are canonicalised by attention)."""
+    x = src
+    if self.norm_first:
+        x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
+        x = x + self._ff_block(self.norm2(x))
+    else:
+        x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
+        x = self.norm2(x + self._ff_block(x))
+    return x
+
+
+def _encoder_forward(self: nn.TransformerEncoder, src, mask=None, src_key_padding_mask=None,
+                     is_causal=None):
+    """``TransformerEncoder.forward`` with its fast path's zeros made explicit."""
+    output = src
+    first = self.layers[0]
+    for mod in self.layers:
+        output = mod(output, src_mask=mask, is_causal=causal_hint(is_causal),
+                     src_key_padding_mask=src_key_padding_mask)
+    if getattr(self, "use_nested_tensor", False):
+        params = [p for p in (
+            first.self_attn.in_proj_weight, first.self_attn.in_proj_bias,
+            first.self_attn.out_proj.weight, first.self_attn.out_proj.bias,
+            first.norm1.weight, first.norm1.bias, first.norm2.weight, first.norm2.bias,
+            first.linear1.weight, first.linear1.bias, first.linear2.weight,
+            first.linear2.bias) if p is not None]
+        output = encoder_nested_padding(
+            output, src, src_key_padding_mask, mask, first.training, *params,
+            use_nested_tensor=True, mask_check=getattr(self, "mask_check", True),
+            batch_first=first.self_attn.batch_first)
+    # The final norm after the padding, as torch's: a padded row is norm(0) (the norm's
+    # bias), not 0.
+    if self.norm is not None:
+        output = self.norm(output)
+    return output
+
+
+def _decoder_forward(self: nn.TransformerDecoder, tgt, memory, tgt_mask=None, memory_mask=None,
+                     tgt_key_padding_mask=None, memory_key_padding_mask=None,
+                     tgt_is_causal=None, memory_is_causal=False):
+    """``TransformerDecoder.forward`` without its data-dependent causal-mask detection."""
+    output = tgt
+    for mod in self.layers:
+        output = mod(output, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                     tgt_key_padding_mask=tgt_key_padding_mask,
+                     memory_key_padding_mask=memory_key_padding_mask,
+                     tgt_is_causal=causal_hint(tgt_is_causal), memory_is_causal=memory_is_causal)
+    if self.norm is not None:
+        output = self.norm(output)
+    return output
+
+
+def _transformer_forward(self: nn.Transformer, src, tgt, src_mask=None, tgt_mask=None,
+                         memory_mask=None, src_key_padding_mask=None, tgt_key_padding_mask=None,
+                         memory_key_padding_mask=None, src_is_causal=None, tgt_is_causal=None,
+                         memory_is_causal=False):
+    """``Transformer.forward`` without its shape checks (the modules check their inputs)."""
+    memory = self.encoder(src, mask=src_mask, src_key_padding_mask=src_key_padding_mask,
+                          is_causal=src_is_causal)
+    return self.decoder(tgt, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
+                        tgt_key_padding_mask=tgt_key_padding_mask,
+                        memory_key_padding_mask=memory_key_padding_mask,
+                        tgt_is_causal=tgt_is_causal, memory_is_causal=memory_is_causal)
+
+
+#: Modules symbolic tracing would keep as opaque leaves but that hftc traces *through*,
+#: with a traceable forward of the same math (``torch.nn.TransformerEncoderLayer`` ->
+#: its self-attention, linears and norms): ``{module class: forward(module, *args, **kwargs)}``.
+TRACEABLE_FORWARDS: dict[type, Callable[..., Any]] = {
+    nn.TransformerEncoderLayer: _encoder_layer_forward,
+    nn.TransformerDecoderLayer: nn.TransformerDecoderLayer.forward,
+    nn.TransformerEncoder: _encoder_forward,
+    nn.TransformerDecoder: _decoder_forward,
+    nn.Transformer: _transformer_forward,
+}

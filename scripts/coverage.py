@@ -53,12 +53,15 @@ def _spelling(op: str, target: object) -> str:
 def operator_table() -> list[str]:
     import hftc.export  # noqa: F401  (registers its guard rule, as a fused export does)
     from hftc.passes import RULES
+    from hftc.passes.registry import per_model_loop
 
     groups: dict[str, list[str]] = defaultdict(list)
     count = 0
     for (op, target), entry in RULES.items():
         if op == "call_function" and not callable(target):
             continue  # ``torch.float`` is a dtype, not a function: no spelling to list
+        if entry.rule is per_model_loop:
+            continue  # declared (it draws random numbers), not fused
         groups[entry.name].append(_spelling(op, target))
         count += 1
     lines = [f"{count} operator spellings, {len(groups)} rules.", "",

@@ -328,6 +328,8 @@ CASES += [
     Case("padding_and_resampling", PaddingAndResampling, (2, 2, 6, 6)),
     Case("dropout_eval_or_zero", seq(lambda: [nn.Linear(4, 4), nn.Dropout(0.0), nn.Dropout1d(0.0)]),
          (2, 4, 4)),
+    Case("cosine_similarity", lambda: Lambda(lambda s, x: s.cos(x, s.w) * F.cosine_similarity(
+        x, s.w[:, None], dim=1), cos=nn.CosineSimilarity(dim=-1), w=torch.randn(4)), (2, 4, 4)),
 ]
 
 
@@ -368,6 +370,14 @@ def test_rule_float64_eval_n2(case):
 def test_rule_float32(case, train):
     check_equivalence(_models(case, 3), _inputs(case, 3, True), in_dims=0, train=train,
                       dtype=torch.float32)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_rule_case_fuses_every_op(case):
+    """Each case exercises rules: none of its ops may fall back to the per-model loop."""
+    fused = hftc.fuse([m.double() for m in _models(case, 2)])
+    fused(_inputs(case, 2, False))
+    assert [(r.source, r.reason) for r in fused.fusion_report.fallbacks] == []
 
 
 def test_inplace_activations_run_out_of_place_where_no_one_sees_it():
@@ -617,3 +627,25 @@ def test_complex_linears_get_autograds_gradients(stacked):
         torch.testing.assert_close(out[i], want)
         for name, p in m.named_parameters():
             torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad)
+
+
+def test_a_key_registered_twice_is_an_error_whatever_the_import_order():
+    from hftc.passes.registry import RULES, DuplicateRuleError, rule
+
+    key = ("call_module", nn.LeakyReLU)
+    entry = RULES[key]
+    assert entry.name == "fuse_slope[LeakyReLU]"  # the rule that takes a per-model slope
+    with pytest.raises(DuplicateRuleError, match=r"LeakyReLU has two fusion rules, "
+                                                 r"`fuse_slope\[LeakyReLU\]` and `other`"):
+        rule(key, name="other")(lambda group, builder: None)
+    assert RULES[key] is entry
+
+
+def test_random_ops_are_declared_once_in_the_rule_table():
+    from hftc.passes.registry import RULES
+
+    for key in [("call_function", torch.randn), ("call_method", "exponential_"),
+                ("call_module", nn.RReLU), ("call_function", F.dropout),
+                ("call_module", nn.Dropout2d), ("call_function", F.scaled_dot_product_attention)]:
+        assert RULES[key].random, key
+    assert not RULES[("call_function", F.relu)].random

@@ -30,9 +30,9 @@ from . import (  # noqa: F401  (each module registers its rules)
     shape,
 )
 from .driver import FusionRecord, FusionReport, fuse_graph
-from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, register_rule
+from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, rule
 
 __all__ = [
     "RULES", "FusionGroup", "FusionRecord", "FusionReport", "GraphBuilder", "NotFusable",
-    "fuse_graph", "register_rule",
+    "fuse_graph", "rule",
 ]

@@ -28,21 +28,22 @@ nested tensors) are never taken silently: the traced forwards are the slow
 paths, which compute the same numbers, except that the encoder's nested-tensor
 path returns zeros at padded positions; :func:`encoder_nested_padding` makes
 that explicit and checks at run time, per model, whether PyTorch would have
-taken it (eval mode, no autograd, a left-aligned padding mask, ...).
+taken it (eval mode, no autograd, a left-aligned padding mask, ...).  The traced
+forwards live with the front-end that reads them (``hftc.trace.TRACEABLE_FORWARDS``);
+this file holds the rules.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import attention as rt_attention
-from ..trace import TRACEABLE_FORWARDS
-from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
+from ..trace import encoder_nested_padding
+from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
              "average_attn_weights", "is_causal")
@@ -67,7 +68,7 @@ def _constant(value: Any, what: str) -> Any:
     return value
 
 
-@register_rule(("call_module", nn.MultiheadAttention))
+@rule(("call_module", nn.MultiheadAttention))
 def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """N attention modules -> one :func:`~hftc.runtime.attention.multi_head_attention`."""
     mha = group.module
@@ -101,7 +102,7 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 
 
-@register_rule(("call_function", F.scaled_dot_product_attention), random=True)
+@rule(("call_function", F.scaled_dot_product_attention), random=True)
 def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The model dim joins the batch dim: one SDPA over ``N*B`` batches (random: dropout)."""
     if group.per_model_arg(4, "dropout_p") is not None:
@@ -121,27 +122,7 @@ def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder)
     )
 
 
-# --------------------------------------------------------------------------- tracing through
-
-
-def encoder_nested_padding(output: torch.Tensor, src: torch.Tensor,
-                           key_padding_mask: torch.Tensor | None, mask: torch.Tensor | None,
-                           training: bool, *params: torch.Tensor, use_nested_tensor: bool,
-                           mask_check: bool, batch_first: bool) -> torch.Tensor:
-    """One model's ``nn.TransformerEncoder`` nested-tensor fast path, as a graph op:
-    zeros at padded positions when PyTorch would have taken it (see the kernel)."""
-    if output.device.type == "meta":  # shape propagation: the values do not matter
-        return output
-    return rt_attention.encoder_nested_padding(
-        output.unsqueeze(0), src, key_padding_mask, mask, training, *params,
-        use_nested_tensor=use_nested_tensor, mask_check=mask_check, batch_first=batch_first,
-        flags=(True, False, False), n=1).squeeze(0)
-
-
-torch.fx.wrap("encoder_nested_padding")
-
-
-@register_rule(("call_function", encoder_nested_padding))
+@rule(("call_function", encoder_nested_padding))
 def fuse_encoder_nested_padding(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     output, src, kpm, mask, training, *params = group.args
     return builder.call(
@@ -149,88 +130,3 @@ def fuse_encoder_nested_padding(group: FusionGroup, builder: GraphBuilder) -> fx
         **group.kwargs, flags=(builder.is_batched(output), builder.is_batched(src),
                                  builder.is_batched(kpm)), n=builder.num_models,
     )
-
-
-def causal_hint(is_causal: bool | None) -> bool:
-    """``is_causal=None`` asks PyTorch to detect a causal mask by comparing values; the hint
-    only picks a kernel, so computing with the mask itself gives the same numbers."""
-    return bool(is_causal) if is_causal is not None else False
-
-
-torch.fx.wrap("causal_hint")  # a graph op: the flag may be an input of a traced root
-
-
-def _encoder_layer_forward(self: nn.TransformerEncoderLayer, src, src_mask=None,
-                           src_key_padding_mask=None, is_causal=False):
-    """``TransformerEncoderLayer.forward``'s slow path (masks are canonicalised by attention)."""
-    x = src
-    if self.norm_first:
-        x = x + self._sa_block(self.norm1(x), src_mask, src_key_padding_mask, is_causal=is_causal)
-        x = x + self._ff_block(self.norm2(x))
-    else:
-        x = self.norm1(x + self._sa_block(x, src_mask, src_key_padding_mask, is_causal=is_causal))
-        x = self.norm2(x + self._ff_block(x))
-    return x
-
-
-def _encoder_forward(self: nn.TransformerEncoder, src, mask=None, src_key_padding_mask=None,
-                     is_causal=None):
-    """``TransformerEncoder.forward`` with its fast path's zeros made explicit."""
-    output = src
-    first = self.layers[0]
-    for mod in self.layers:
-        output = mod(output, src_mask=mask, is_causal=causal_hint(is_causal),
-                     src_key_padding_mask=src_key_padding_mask)
-    if getattr(self, "use_nested_tensor", False):
-        params = [p for p in (
-            first.self_attn.in_proj_weight, first.self_attn.in_proj_bias,
-            first.self_attn.out_proj.weight, first.self_attn.out_proj.bias,
-            first.norm1.weight, first.norm1.bias, first.norm2.weight, first.norm2.bias,
-            first.linear1.weight, first.linear1.bias, first.linear2.weight,
-            first.linear2.bias) if p is not None]
-        output = encoder_nested_padding(
-            output, src, src_key_padding_mask, mask, first.training, *params,
-            use_nested_tensor=True, mask_check=getattr(self, "mask_check", True),
-            batch_first=first.self_attn.batch_first)
-    # The final norm after the padding, as torch's: a padded row is norm(0) (the norm's
-    # bias), not 0.
-    if self.norm is not None:
-        output = self.norm(output)
-    return output
-
-
-def _decoder_forward(self: nn.TransformerDecoder, tgt, memory, tgt_mask=None, memory_mask=None,
-                     tgt_key_padding_mask=None, memory_key_padding_mask=None,
-                     tgt_is_causal=None, memory_is_causal=False):
-    """``TransformerDecoder.forward`` without its data-dependent causal-mask detection."""
-    output = tgt
-    for mod in self.layers:
-        output = mod(output, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
-                     tgt_key_padding_mask=tgt_key_padding_mask,
-                     memory_key_padding_mask=memory_key_padding_mask,
-                     tgt_is_causal=causal_hint(tgt_is_causal), memory_is_causal=memory_is_causal)
-    if self.norm is not None:
-        output = self.norm(output)
-    return output
-
-
-def _transformer_forward(self: nn.Transformer, src, tgt, src_mask=None, tgt_mask=None,
-                         memory_mask=None, src_key_padding_mask=None, tgt_key_padding_mask=None,
-                         memory_key_padding_mask=None, src_is_causal=None, tgt_is_causal=None,
-                         memory_is_causal=False):
-    """``Transformer.forward`` without its shape checks (the modules check their inputs)."""
-    memory = self.encoder(src, mask=src_mask, src_key_padding_mask=src_key_padding_mask,
-                          is_causal=src_is_causal)
-    return self.decoder(tgt, memory, tgt_mask=tgt_mask, memory_mask=memory_mask,
-                        tgt_key_padding_mask=tgt_key_padding_mask,
-                        memory_key_padding_mask=memory_key_padding_mask,
-                        tgt_is_causal=tgt_is_causal, memory_is_causal=memory_is_causal)
-
-
-TRACEABLE_FORWARDS.update({
-    nn.TransformerEncoderLayer: _encoder_layer_forward,
-    nn.TransformerDecoderLayer: nn.TransformerDecoderLayer.forward,
-    nn.TransformerEncoder: _encoder_forward,
-    nn.TransformerDecoder: _decoder_forward,
-    nn.Transformer: _transformer_forward,
-})

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import conv as rt_conv
-from .registry import FusionGroup, GraphBuilder, register_rule
+from .registry import FusionGroup, GraphBuilder, rule
 
 _SPATIAL = {
     nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3,
@@ -32,7 +32,7 @@ def _stacked(builder: GraphBuilder, value: fx.Node | None) -> fx.Node | None:
     return None if value is None else builder.broadcast(value)
 
 
-@register_rule(("call_module", nn.Conv1d), ("call_module", nn.Conv2d),
+@rule(("call_module", nn.Conv1d), ("call_module", nn.Conv2d),
                ("call_module", nn.Conv3d))
 def fuse_conv_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     conv = group.module
@@ -46,7 +46,7 @@ def fuse_conv_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
-@register_rule(("call_function", F.conv1d), ("call_function", F.conv2d),
+@rule(("call_function", F.conv1d), ("call_function", F.conv2d),
                ("call_function", F.conv3d))
 def fuse_conv_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
@@ -59,7 +59,7 @@ def fuse_conv_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
-@register_rule(("call_module", nn.ConvTranspose1d), ("call_module", nn.ConvTranspose2d),
+@rule(("call_module", nn.ConvTranspose1d), ("call_module", nn.ConvTranspose2d),
                ("call_module", nn.ConvTranspose3d))
 def fuse_conv_transpose_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     conv = group.module
@@ -79,7 +79,7 @@ def fuse_conv_transpose_module(group: FusionGroup, builder: GraphBuilder) -> fx.
     )
 
 
-@register_rule(("call_function", F.conv_transpose1d), ("call_function", F.conv_transpose2d),
+@rule(("call_function", F.conv_transpose1d), ("call_function", F.conv_transpose2d),
                ("call_function", F.conv_transpose3d))
 def fuse_conv_transpose_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")

@@ -41,31 +41,11 @@ from ..ir import EXAMPLE_VALUE
 from ..match import describe_node, module_path, target_name
 from ..runtime import fallback as rt_fallback
 from ..runtime import layout as rt_layout
-from .registry import FusionGroup, GraphBuilder, NotFusable, lookup
+from .registry import FusionGroup, GraphBuilder, NotFusable, RuleEntry, lookup
 
 #: The fused module's name for a constant tensor every model holds equal (one copy, shared;
 #: other constants are stacked ``[N, ...]``).  It starts like every constant's name.
 SHARED_CONSTANT_PREFIX = "_hftc_constant_shared_"
-
-#: Ops that draw random numbers: with a shared input each model still draws its own.
-RANDOM_FUNCTIONS = {
-    torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
-    torch.randint_like, torch.bernoulli, torch.normal, torch.multinomial, torch.randperm,
-    torch.poisson, torch._standard_gamma, torch._sample_dirichlet, torch.binomial,
-}
-RANDOM_METHODS = {"bernoulli", "bernoulli_", "normal_", "uniform_", "random_", "exponential_",
-                  "geometric_", "log_normal_", "cauchy_", "multinomial"}
-# RReLU's slopes (in training) and fractional max-pooling's regions are drawn too: on an
-# input all models share, one draw for all of them made every model's output the same.
-# (Deterministic uses, RReLU in eval or given regions, run as the per-model loop: exact.)
-RANDOM_FUNCTIONS |= {
-    torch.nn.functional.rrelu, torch.nn.functional.rrelu_, torch.rrelu, torch.rrelu_,
-    torch.nn.functional.fractional_max_pool2d, torch.nn.functional.fractional_max_pool3d,
-    torch.nn.functional.fractional_max_pool2d_with_indices,
-    torch.nn.functional.fractional_max_pool3d_with_indices,
-}
-RANDOM_MODULES = (torch.nn.RReLU, torch.nn.FractionalMaxPool2d, torch.nn.FractionalMaxPool3d)
-
 
 @dataclass
 class FusionRecord:
@@ -148,14 +128,6 @@ def _has_state(module: nn.Module | None) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-def _is_random(node: fx.Node, module: nn.Module | None = None) -> bool:
-    if node.op == "call_function":
-        return node.target in RANDOM_FUNCTIONS
-    if node.op == "call_module":
-        return isinstance(module, RANDOM_MODULES)
-    return node.op == "call_method" and node.target in RANDOM_METHODS
-
-
 def _contains_tensor(value: Any) -> bool:
     return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value))
 
@@ -187,10 +159,14 @@ def _emit_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             batched=batched_out, overrides=overrides,
         )
     fn = node.target if node.op == "call_function" else rt_fallback.call_method(node.target)
-    per_model = {k: tuple(v) for k, v in group.per_model.items()} or None
+    # Model i's own scalar arguments, as plain tuples the generated code can spell.
+    per_model_args = tuple((key.position, tuple(values)) for key, values in
+                           group.per_model.items() if key.keyword is None) or None
+    per_model_kwargs = tuple((key.keyword, tuple(values)) for key, values in
+                             group.per_model.items() if key.keyword is not None) or None
     return builder.call(
         ir.bind(rt_fallback.loop_over_models, fn), builder.num_models, flags, group.args,
-        group.kwargs, per_model, batched=batched_out,
+        group.kwargs, per_model_args, per_model_kwargs, batched=batched_out,
     )
 
 
@@ -210,77 +186,108 @@ def fuse_graph(
     k-th input carries the model dim; ``attr_targets`` maps a get_attr target of
     model 0 onto the fused module's attribute holding the stacked values.
     """
-    builder = GraphBuilder(fx.Graph(), num_models)
-    env: dict[fx.Node, Any] = {}
-    records: list[FusionRecord] = []
-    unsupported: list[str] = []
-    placeholders = 0
-    position = {node: i for i, node in enumerate(graph_module.graph.nodes)}
+    fusion = _Fusion(graph_module, num_models, input_batched, attr_targets)
     for node in graph_module.graph.nodes:
         names = [m[node.name] for m in originals]
         if node.op == "placeholder":
-            batched = input_batched[placeholders] if placeholders < len(input_batched) else False
-            placeholders += 1
-            default = node.args[0] if node.args else inspect.Signature.empty
-            new = builder.graph.placeholder(node.target, default_value=default)
-            new.meta.update(node.meta)
-            if batched:
-                builder.batched.add(new)
-            env[node] = new
-            records.append(FusionRecord(node.name, "input", "input", "", [new.name], "", names))
-            continue
-        if node.op == "output":
-            out = fx.node.map_arg(node.args[0], lambda a: env[a])
-            examples = fx.node.map_arg(node.args[0], lambda a: a.meta.get(EXAMPLE_VALUE))
-            builder.current = None
+            fusion.placeholder(node, names)
+        elif node.op == "output":
+            fusion.output(node)
+        elif node.op == "get_attr":
+            fusion.get_attr(node, names)
+        else:
+            fusion.operator(node, names)
+    if fusion.unsupported:
+        raise UnsupportedOperatorError(
+            f"{len(fusion.unsupported)} operator(s) cannot be fused:\n  "
+            + "\n  ".join(fusion.unsupported), fusion.unsupported,
+        )
+    fusion.builder.graph.lint()
+    return fusion.builder.graph, FusionReport(num_models, fusion.records, match_method)
 
-            def finish(value: Any, example: Any) -> Any:
-                if isinstance(value, fx.Node) and value not in builder.batched \
-                        and _contains_tensor(example):
-                    return builder.call(rt_layout.expand_models, value, num_models)
-                return value
 
-            out = _map_pair(out, examples, finish)
-            builder.graph.output(out)
-            continue
-        if node.op == "get_attr":
-            target = attr_targets.get(node.target, node.target)
-            value = node.meta.get(EXAMPLE_VALUE)
-            shared = target.startswith(SHARED_CONSTANT_PREFIX)
-            new = builder.attr(target, batched=isinstance(value, torch.Tensor) and not shared)
-            new.meta[EXAMPLE_VALUE] = value
-            env[node] = new
-            records.append(FusionRecord(node.name, describe_node(node), "parameter", "",
-                                        [new.name], "", names))
-            continue
+class _Fusion:
+    """The state of one :func:`fuse_graph` walk, one method per kind of node."""
 
-        module = graph_module.get_submodule(node.target) if node.op == "call_module" else None
+    def __init__(self, graph_module: fx.GraphModule, num_models: int,
+                 input_batched: Sequence[bool], attr_targets: dict[str, str]) -> None:
+        self.graph_module = graph_module
+        self.builder = GraphBuilder(fx.Graph(), num_models)
+        self.input_batched = input_batched
+        self.attr_targets = attr_targets
+        self.env: dict[fx.Node, Any] = {}  # model 0's node -> its fused value
+        self.records: list[FusionRecord] = []
+        self.unsupported: list[str] = []
+        self.placeholders = 0
+        self.position = {node: i for i, node in enumerate(graph_module.graph.nodes)}
+
+    def placeholder(self, node: fx.Node, names: list[str]) -> None:
+        """A fused input: batched (its ``in_dims`` is not None) or shared."""
+        k = self.placeholders
+        batched = self.input_batched[k] if k < len(self.input_batched) else False
+        self.placeholders += 1
+        default = node.args[0] if node.args else inspect.Signature.empty
+        new = self.builder.graph.placeholder(node.target, default_value=default)
+        new.meta.update(node.meta)
+        if batched:
+            self.builder.batched.add(new)
+        self.env[node] = new
+        self.records.append(FusionRecord(node.name, "input", "input", "", [new.name], "", names))
+
+    def output(self, node: fx.Node) -> None:
+        """The outputs, every tensor leaf with the model dim (shared ones expanded)."""
+        builder = self.builder
+        out = fx.node.map_arg(node.args[0], lambda a: self.env[a])
+        examples = fx.node.map_arg(node.args[0], lambda a: a.meta.get(EXAMPLE_VALUE))
+        builder.current = None
+
+        def finish(value: Any, example: Any) -> Any:
+            if isinstance(value, fx.Node) and value not in builder.batched \
+                    and _contains_tensor(example):
+                return builder.call(rt_layout.expand_models, value, builder.num_models)
+            return value
+
+        builder.graph.output(_map_pair(out, examples, finish))
+
+    def get_attr(self, node: fx.Node, names: list[str]) -> None:
+        """A parameter, buffer or constant: the stacked ``[N, ...]`` one (or the shared copy)."""
+        target = self.attr_targets.get(node.target, node.target)
+        value = node.meta.get(EXAMPLE_VALUE)
+        shared = target.startswith(SHARED_CONSTANT_PREFIX)
+        new = self.builder.attr(target, batched=isinstance(value, torch.Tensor) and not shared)
+        new.meta[EXAMPLE_VALUE] = value
+        self.env[node] = new
+        self.records.append(FusionRecord(node.name, describe_node(node), "parameter", "",
+                                         [new.name], "", names))
+
+    def operator(self, node: fx.Node, names: list[str]) -> None:
+        """A call: run once (shared), draw per model, refuse, apply its rule, or loop."""
+        builder, env = self.builder, self.env
+        module = self.graph_module.get_submodule(node.target) \
+            if node.op == "call_module" else None
         group = FusionGroup(
-            node=node,
-            nodes=names,
-            args=fx.node.map_arg(node.args, lambda a: env[a]),
-            kwargs=fx.node.map_arg(node.kwargs, lambda a: env[a]),
-            module=module,
+            node=node, nodes=names, args=fx.node.map_arg(node.args, lambda a: env[a]),
+            kwargs=fx.node.map_arg(node.kwargs, lambda a: env[a]), module=module,
         )
         builder.current = group
         first_new = len(builder.graph.nodes)
         entry = lookup(node, module)
         any_batched = builder.is_batched((group.args, group.kwargs))
+        random = entry is not None and entry.random
         kind, rule_name, reason = "fused", entry.name if entry else "", ""
         writes_shared = _inplace_on_shared(node, group, builder)
-        if writes_shared and (any_batched or group.per_model) and not _is_random(node) \
-                and _fresh_and_unaliased(node, position):
+        if writes_shared and (any_batched or group.per_model) and not random \
+                and _fresh_and_unaliased(node, self.position):
             # A per-model write into a tensor forward made and nothing else sees yet
             # (``y = torch.zeros_like(x); y[idx] = self.c``, HF's label shifting): each
             # model writes into its own copy, which later reads of the tensor see.
             own = _per_model_copy(node, group, builder, env)
             group = FusionGroup(node, names, (own, *group.args[1:]), group.kwargs, module)
             builder.current, writes_shared = group, False
-        if not any_batched and not _has_state(module) and not _is_random(node, module) \
-                and not (entry is not None and entry.random) and not group.per_model:
+        if not any_batched and not _has_state(module) and not random and not group.per_model:
             builder.current_rule = "shared"
             new, kind, rule_name = builder.copy(group, batched=False), "shared", "shared"
-        elif _is_random(node) and writes_shared:
+        elif random and writes_shared:
             # A draw into a shared tensor (``torch.empty(shape).normal_()``, as
             # torch.distributions' rsample draws; ``torch.empty_like(x).uniform_()``):
             # each model draws its own, into its own copy, which later reads of the
@@ -289,36 +296,14 @@ def fuse_graph(
             own = _per_model_copy(node, group, builder, env)
             new = builder.method(node.target, own, *group.args[1:], **group.kwargs)
         elif writes_shared:
-            unsupported.append(
+            self.unsupported.append(
                 f"{describe_node(node)}: in-place `{node.target}` writes a value shared by "
                 f"all models ({module_path(node)}) with a per-model operand; use the "
                 f"out-of-place form"
             )
             new, kind, rule_name = builder.copy(group, batched=False), "refused", "refused"
         else:
-            new = None
-            if entry is not None:
-                builder.current_rule = entry.name
-                try:
-                    new = entry.rule(group, builder)
-                except NotFusable as exc:
-                    reason = str(exc)
-                except FusionError:
-                    raise
-                except Exception as exc:  # a bug in a rule must still name the user's node
-                    raise FusionError(
-                        f"internal error in fusion rule `{entry.name}` at {describe_node(node)}: "
-                        f"{plain_message(exc)}. Please report this with the model."
-                    ) from exc
-            else:
-                reason = f"no fusion rule for {target_name(node)}"
-                if node.op == "call_module":
-                    reason = f"no fusion rule for module {type(module).__name__}"
-                    if parametrize.is_parametrized(module):
-                        reason = (f"module {type(module).__name__} is parametrized "
-                                  f"(torch.nn.utils.parametrize: its "
-                                  f"{', '.join(module.parametrizations)} computed on every "
-                                  f"access)")
+            new, reason = _apply_rule(entry, group, builder)
             if new is None:
                 builder.current_rule = "loop"
                 new = _emit_loop(group, builder)
@@ -326,16 +311,36 @@ def fuse_graph(
         made = [m for m in list(builder.graph.nodes)[first_new:] if m.op != "get_attr"]
         new.meta[EXAMPLE_VALUE] = node.meta.get(EXAMPLE_VALUE)
         env[node] = new
-        records.append(FusionRecord(node.name, describe_node(node, graph_module), kind, rule_name,
-                                    [m.name for m in made], reason, names,
-                                    new.name if isinstance(new, fx.Node) else ""))
-    if unsupported:
-        raise UnsupportedOperatorError(
-            f"{len(unsupported)} operator(s) cannot be fused:\n  " + "\n  ".join(unsupported),
-            unsupported,
-        )
-    builder.graph.lint()
-    return builder.graph, FusionReport(num_models, records, match_method)
+        self.records.append(FusionRecord(
+            node.name, describe_node(node, self.graph_module), kind, rule_name,
+            [m.name for m in made], reason, names, new.name if isinstance(new, fx.Node) else ""))
+
+
+def _apply_rule(entry: RuleEntry | None, group: FusionGroup,
+                builder: GraphBuilder) -> tuple[fx.Node | None, str]:
+    """The node's rule applied: its fused node, or None and why it is not fused."""
+    node, module = group.node, group.module
+    if entry is None:
+        reason = f"no fusion rule for {target_name(node)}"
+        if node.op == "call_module":
+            reason = f"no fusion rule for module {type(module).__name__}"
+            if parametrize.is_parametrized(module):
+                reason = (f"module {type(module).__name__} is parametrized "
+                          f"(torch.nn.utils.parametrize: its "
+                          f"{', '.join(module.parametrizations)} computed on every access)")
+        return None, reason
+    builder.current_rule = entry.name
+    try:
+        return entry.rule(group, builder), ""
+    except NotFusable as exc:
+        return None, str(exc)
+    except FusionError:
+        raise
+    except Exception as exc:  # a bug in a rule must still name the user's node
+        raise FusionError(
+            f"internal error in fusion rule `{entry.name}` at {describe_node(node)}: "
+            f"{plain_message(exc)}. Please report this with the model."
+        ) from exc
 
 
 #: Python's in-place operators, as fx records them (``y[i] = v``, ``y += v``).

@@ -25,7 +25,7 @@ from ..ir import EXAMPLE_VALUE
 from ..runtime import layout as rt_layout
 from ..runtime import per_model as rt_per_model
 from ..runtime import random as rt_random
-from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry, register_family
+from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule, spellings
 
 UNARY = """
 abs absolute acos arccos acosh arccosh asin arcsin asinh arcsinh atan arctan atanh arctanh
@@ -62,7 +62,7 @@ __pow__ __rpow__ __neg__ __and__ __or__ __xor__ __iadd__ __isub__ __imul__ __itr
 
 #: Parameterless modules that act elementwise: run unchanged on fused data.
 ELEMENTWISE_MODULES = [
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish,
+    nn.ReLU, nn.ReLU6, nn.SELU, nn.GELU, nn.SiLU, nn.Mish,
     nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign,
     nn.Softshrink, nn.Hardshrink, nn.Tanhshrink, nn.Threshold, nn.LogSigmoid, nn.Identity,
 ]
@@ -205,22 +205,49 @@ def fuse_new_tensor(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.copy(group, batched=False)
 
 
-register_family(UNARY + BINARY, fuse_pointwise)
-register_family(RANDOM_LIKE, fuse_random, random=True)
-for op in OPERATORS:
-    RULES[("call_function", op)] = RuleEntry(fuse_pointwise, f"fuse_pointwise[{op.__name__}]")
-for name in DUNDER:
-    RULES[("call_method", name)] = RuleEntry(fuse_pointwise, f"fuse_pointwise[{name}]")
-for cls in ELEMENTWISE_MODULES:
-    RULES[("call_module", cls)] = RuleEntry(fuse_pointwise, f"fuse_pointwise[{cls.__name__}]")
-for cls in RANDOM_MODULES:
-    RULES[("call_module", cls)] = RuleEntry(fuse_random, f"fuse_random[{cls.__name__}]", True)
-for fn in RANDOM_FUNCTIONS:
-    RULES[("call_function", fn)] = RuleEntry(fuse_random, f"fuse_random[{fn.__name__}]", True)
-for name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
-    RULES[("call_method", name)] = RuleEntry(fuse_random, f"fuse_random[{name}]", True)
-for _key in [("call_module", nn.LeakyReLU), ("call_module", nn.ELU), ("call_module", nn.CELU),
-             ("call_function", F.leaky_relu), ("call_function", F.elu), ("call_function", F.celu)]:
-    RULES[_key] = RuleEntry(fuse_slope, f"fuse_slope[{getattr(_key[1], '__name__', _key[1])}]")
-for name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
-    RULES[("call_method", name)] = RuleEntry(fuse_new_tensor, f"fuse_new_tensor[{name}]")
+#: LeakyReLU / ELU / CELU take a slope or alpha that may differ per model: ``fuse_slope``
+#: (which runs ``fuse_pointwise`` where the models agree) for their module and ``F.*``
+#: spellings; the others (``torch.celu_``, ``Tensor.elu``) take no per-model value.
+SLOPE_KEYS = [("call_module", nn.LeakyReLU), ("call_module", nn.ELU), ("call_module", nn.CELU),
+              ("call_function", F.leaky_relu), ("call_function", F.elu), ("call_function", F.celu)]
+
+for _name in UNARY + BINARY:
+    rule(*(key for key in spellings(_name, inplace=True) if key not in SLOPE_KEYS),
+         name=f"fuse_pointwise[{_name}]")(fuse_pointwise)
+for _key in SLOPE_KEYS:
+    rule(_key, name=f"fuse_slope[{_key[1].__name__}]")(fuse_slope)
+for _name in RANDOM_LIKE:
+    rule(*spellings(_name, inplace=True), name=f"fuse_random[{_name}]", random=True)(fuse_random)
+for _op in OPERATORS:
+    rule(("call_function", _op), name=f"fuse_pointwise[{_op.__name__}]")(fuse_pointwise)
+for _name in DUNDER:
+    rule(("call_method", _name), name=f"fuse_pointwise[{_name}]")(fuse_pointwise)
+for _cls in ELEMENTWISE_MODULES:
+    rule(("call_module", _cls), name=f"fuse_pointwise[{_cls.__name__}]")(fuse_pointwise)
+for _cls in RANDOM_MODULES:
+    rule(("call_module", _cls), name=f"fuse_random[{_cls.__name__}]", random=True)(fuse_random)
+for _fn in RANDOM_FUNCTIONS:
+    rule(("call_function", _fn), name=f"fuse_random[{_fn.__name__}]", random=True)(fuse_random)
+for _name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
+    rule(("call_method", _name), name=f"fuse_random[{_name}]", random=True)(fuse_random)
+for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
+    rule(("call_method", _name), name=f"fuse_new_tensor[{_name}]")(fuse_new_tensor)
+
+#: Draws no rule fuses: each model draws its own in the per-model loop, even from a shared
+#: input (one draw for all of them made every model's result the same).  RReLU's slopes
+#: (in training) and fractional max-pooling's regions are drawn too; their deterministic
+#: uses (RReLU in eval, given regions) run as the per-model loop as well: exact.
+RANDOM_DRAWS = [
+    torch.rand, torch.randn, torch.randint, torch.bernoulli, torch.normal, torch.multinomial,
+    torch.randperm, torch.poisson, torch._standard_gamma, torch._sample_dirichlet,
+    torch.binomial, F.rrelu, F.rrelu_, torch.rrelu, torch.rrelu_,
+    F.fractional_max_pool2d, F.fractional_max_pool3d, F.fractional_max_pool2d_with_indices,
+    F.fractional_max_pool3d_with_indices,
+]
+RANDOM_DRAW_METHODS = ["random_", "exponential_", "geometric_", "log_normal_", "cauchy_",
+                       "multinomial"]
+RANDOM_DRAW_MODULES = [nn.RReLU, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d]
+rule(*(("call_function", fn) for fn in RANDOM_DRAWS),
+     *(("call_method", name) for name in RANDOM_DRAW_METHODS),
+     *(("call_module", cls) for cls in RANDOM_DRAW_MODULES),
+     name="per_model_loop[random]", random=True)(per_model_loop)

@@ -16,7 +16,7 @@ from ..errors import UnsupportedOperatorError
 from ..match import describe_node
 from ..runtime import embedding as rt_embedding
 from ..runtime import spatial as rt_spatial
-from .registry import FusionGroup, GraphBuilder, register_rule
+from .registry import FusionGroup, GraphBuilder, rule
 
 
 def _refuse_sparse(group: FusionGroup) -> None:
@@ -29,7 +29,7 @@ def _refuse_sparse(group: FusionGroup) -> None:
     raise UnsupportedOperatorError(message, [message])
 
 
-@register_rule(("call_module", nn.Embedding))
+@rule(("call_module", nn.Embedding))
 def fuse_embedding_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     emb = group.module
     idx = group.args[0]
@@ -42,7 +42,7 @@ def fuse_embedding_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
-@register_rule(("call_function", F.embedding))
+@rule(("call_function", F.embedding))
 def fuse_embedding_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     idx = group.arg(0, "input")
     if group.arg(6, "sparse", False):
@@ -55,14 +55,14 @@ def fuse_embedding_function(group: FusionGroup, builder: GraphBuilder) -> fx.Nod
     )
 
 
-@register_rule(("call_module", nn.PReLU))
+@rule(("call_module", nn.PReLU))
 def fuse_prelu_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.args[0]
     return builder.call(rt_spatial.prelu, x, builder.module_attr(group, "weight"),
                         x_batched=builder.is_batched(x))
 
 
-@register_rule(("call_function", F.prelu))
+@rule(("call_function", F.prelu))
 def fuse_prelu_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     return builder.call(rt_spatial.prelu, x, builder.broadcast(group.arg(1, "weight")),

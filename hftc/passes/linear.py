@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime import linear as rt_linear
-from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
+from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 
-@register_rule(("call_module", nn.Linear))
+@rule(("call_module", nn.Linear))
 def fuse_linear_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.args[0]
     return builder.call(
@@ -38,7 +38,7 @@ def fuse_linear_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
-@register_rule(("call_function", F.linear))
+@rule(("call_function", F.linear))
 def fuse_linear_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     bias = group.arg(2, "bias")
@@ -48,7 +48,7 @@ def fuse_linear_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
-@register_rule(
+@rule(
     ("call_function", torch.matmul), ("call_function", operator.matmul),
     ("call_method", "matmul"), ("call_method", "__matmul__"),
     ("call_function", torch.bmm), ("call_method", "bmm"),
@@ -85,7 +85,7 @@ def batched_equation(equation: str, batched: list[bool]) -> str:
     return ",".join(terms) + "->" + model + output
 
 
-@register_rule(("call_function", torch.einsum))
+@rule(("call_function", torch.einsum))
 def fuse_einsum(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.einsum(equation, *operands)`` (or a list of operands) as one einsum."""
     equation, *operands = group.args

@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import ir
 from ..runtime import losses as rt_losses
-from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry
+from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 #: Loss modules -> their functional and the attributes passed on as keywords.
 _MODULES = {
@@ -68,6 +68,6 @@ def fuse_loss_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 
 for _fn in _FUNCTIONS:
-    RULES[("call_function", _fn)] = RuleEntry(fuse_loss_function, f"fuse_loss[{_fn.__name__}]")
+    rule(("call_function", _fn), name=f"fuse_loss[{_fn.__name__}]")(fuse_loss_function)
 for _cls in _MODULES:
-    RULES[("call_module", _cls)] = RuleEntry(fuse_loss_module, f"fuse_loss[{_cls.__name__}]")
+    rule(("call_module", _cls), name=f"fuse_loss[{_cls.__name__}]")(fuse_loss_module)

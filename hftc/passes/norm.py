@@ -19,14 +19,14 @@ from torch import nn
 
 from ..runtime import norms as rt_norms
 from ..runtime import per_model as rt_per_model
-from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
+from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 
 def _optional(builder: GraphBuilder, value):
     return None if value is None else builder.broadcast(value)
 
 
-@register_rule(("call_module", nn.BatchNorm1d), ("call_module", nn.BatchNorm2d),
+@rule(("call_module", nn.BatchNorm1d), ("call_module", nn.BatchNorm2d),
                ("call_module", nn.BatchNorm3d))
 def fuse_batch_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     bn = group.module
@@ -49,7 +49,7 @@ def fuse_batch_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     )
 
 
-@register_rule(("call_function", F.batch_norm))
+@rule(("call_function", F.batch_norm))
 def fuse_batch_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     running_mean = group.arg(1, "running_mean")
     if running_mean is not None and not builder.is_batched(running_mean):
@@ -74,7 +74,7 @@ def fuse_batch_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
     )
 
 
-@register_rule(("call_module", nn.InstanceNorm1d), ("call_module", nn.InstanceNorm2d),
+@rule(("call_module", nn.InstanceNorm1d), ("call_module", nn.InstanceNorm2d),
                ("call_module", nn.InstanceNorm3d))
 def fuse_instance_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
@@ -92,7 +92,7 @@ def fuse_instance_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.N
     )
 
 
-@register_rule(("call_function", F.instance_norm))
+@rule(("call_function", F.instance_norm))
 def fuse_instance_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     running_mean = group.arg(1, "running_mean")
     if running_mean is not None and not builder.is_batched(running_mean):
@@ -107,7 +107,7 @@ def fuse_instance_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx
     )
 
 
-@register_rule(("call_module", nn.GroupNorm))
+@rule(("call_module", nn.GroupNorm))
 def fuse_group_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     if "eps" in group.per_model:
@@ -122,7 +122,7 @@ def fuse_group_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     )
 
 
-@register_rule(("call_function", F.group_norm))
+@rule(("call_function", F.group_norm))
 def fuse_group_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     kernel, eps = _eps(group, 4, rt_norms.group_norm, rt_per_model.group_norm)
     return builder.call(
@@ -141,7 +141,7 @@ def _eps(group: FusionGroup, position: int, shared_kernel, per_model_kernel) -> 
     return shared_kernel, group.arg(position, "eps", 1e-5)
 
 
-@register_rule(("call_module", nn.LayerNorm))
+@rule(("call_module", nn.LayerNorm))
 def fuse_layer_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     x = group.args[0]
@@ -154,7 +154,7 @@ def fuse_layer_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     )
 
 
-@register_rule(("call_function", F.layer_norm))
+@rule(("call_function", F.layer_norm))
 def fuse_layer_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     kernel, eps = _eps(group, 4, rt_norms.layer_norm, rt_per_model.layer_norm)
@@ -165,7 +165,7 @@ def fuse_layer_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
     )
 
 
-@register_rule(("call_module", nn.RMSNorm))
+@rule(("call_module", nn.RMSNorm))
 def fuse_rms_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     x = group.args[0]
@@ -178,7 +178,7 @@ def fuse_rms_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
-@register_rule(("call_function", F.rms_norm))
+@rule(("call_function", F.rms_norm))
 def fuse_rms_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     kernel, eps = _eps(group, 3, rt_norms.rms_norm, rt_per_model.rms_norm)

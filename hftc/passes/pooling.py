@@ -25,7 +25,7 @@ from torch import nn
 from .. import ir
 from ..runtime import random as rt_random
 from ..runtime import spatial as rt_spatial
-from .registry import RULES, FusionGroup, GraphBuilder, NotFusable, RuleEntry
+from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 _SPATIAL_MODULES = {
     nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3,
@@ -143,16 +143,14 @@ def fuse_pad(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 
 for _cls in _SPATIAL_MODULES:
-    RULES[("call_module", _cls)] = RuleEntry(
-        fuse_channelwise_module, f"fuse_channelwise[{_cls.__name__}]", _cls in _RANDOM
-    )
+    rule(("call_module", _cls), name=f"fuse_channelwise[{_cls.__name__}]",
+         random=_cls in _RANDOM)(fuse_channelwise_module)
 for _fn in _SPATIAL_FUNCTIONS:
-    RULES[("call_function", _fn)] = RuleEntry(
-        fuse_channelwise_function, f"fuse_channelwise[{_fn.__name__}]", _fn in _RANDOM_FUNCTIONS
-    )
+    rule(("call_function", _fn), name=f"fuse_channelwise[{_fn.__name__}]",
+         random=_fn in _RANDOM_FUNCTIONS)(fuse_channelwise_function)
 for _key in _SAMPLEWISE:
-    RULES[_key] = RuleEntry(fuse_samplewise, f"fuse_samplewise[{_key[1].__name__}]")
-_SPATIAL_FUNCTIONS[F.pad] = None
-RULES[("call_function", F.pad)] = RuleEntry(fuse_pad, "fuse_pad")
-RULES[("call_function", F.grid_sample)] = RuleEntry(fuse_grid_sample, "fuse_grid_sample")
-RULES[("call_function", F.affine_grid)] = RuleEntry(fuse_affine_grid, "fuse_affine_grid")
+    rule(_key, name=f"fuse_samplewise[{_key[1].__name__}]")(fuse_samplewise)
+_SPATIAL_FUNCTIONS[F.pad] = None  # (fuse_pad's non-constant modes fold channels)
+rule(("call_function", F.pad))(fuse_pad)
+rule(("call_function", F.grid_sample))(fuse_grid_sample)
+rule(("call_function", F.affine_grid))(fuse_affine_grid)

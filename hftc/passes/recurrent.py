@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..runtime import recurrent as rt_recurrent
-from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
+from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 
 def _hx_flags(group: FusionGroup, builder: GraphBuilder, hx: Any) -> tuple[bool, ...]:
@@ -47,7 +47,7 @@ def _check_tensor_input(group: FusionGroup) -> None:
         raise NotFusable("packed sequences (PackedSequence) are not fused")
 
 
-@register_rule(("call_module", nn.LSTM), ("call_module", nn.GRU), ("call_module", nn.RNN))
+@rule(("call_module", nn.LSTM), ("call_module", nn.GRU), ("call_module", nn.RNN))
 def fuse_rnn_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``nn.LSTM/GRU/RNN(x, hx)`` -> :func:`~hftc.runtime.recurrent.rnn` on stacked weights."""
     _check_tensor_input(group)
@@ -65,7 +65,7 @@ _FUNCTION_MODES = {torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN_TA
                    torch.rnn_relu: "RNN_RELU"}
 
 
-@register_rule(*(("call_function", fn) for fn in _FUNCTION_MODES))
+@rule(*(("call_function", fn) for fn in _FUNCTION_MODES))
 def fuse_rnn_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.lstm(x, hx, params, has_biases, layers, dropout, train, bidir, batch_first)``."""
     args = group.args
@@ -88,7 +88,7 @@ def fuse_rnn_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 _CELL_MODES = {nn.LSTMCell: "LSTM", nn.GRUCell: "GRU"}
 
 
-@register_rule(("call_module", nn.LSTMCell), ("call_module", nn.GRUCell),
+@rule(("call_module", nn.LSTMCell), ("call_module", nn.GRUCell),
                ("call_module", nn.RNNCell))
 def fuse_rnn_cell_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     m = group.module
@@ -108,7 +108,7 @@ _CELL_FUNCTIONS = {torch.lstm_cell: "LSTM", torch.gru_cell: "GRU",
                    torch.rnn_tanh_cell: "RNN_TANH", torch.rnn_relu_cell: "RNN_RELU"}
 
 
-@register_rule(*(("call_function", fn) for fn in _CELL_FUNCTIONS))
+@rule(*(("call_function", fn) for fn in _CELL_FUNCTIONS))
 def fuse_rnn_cell_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.lstm_cell(x, [h, c], w_ih, w_hh, b_ih, b_hh)`` and the GRU/RNN cells."""
     args = list(group.args) + [None] * (6 - len(group.args))

@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ir import EXAMPLE_VALUE
+from ..runtime import layout as rt_layout
 from ..runtime import reduction as rt_reduction
 from ..runtime import spatial as rt_spatial
 from .elementwise import fuse_pointwise
-from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
+from .registry import FusionGroup, GraphBuilder, NotFusable, rule, spellings
 from .shape import shift_dim_arg
 
 #: op name -> position of ``dim`` (self/input at 0) for ``op(x, dim, ...)``.
@@ -84,12 +85,12 @@ def _reduction_rule(op_name: str, position: int | None):
 
 
 for _name, _pos in REDUCTIONS.items():
-    register_rule(*spellings(_name, functional=False), name=f"fuse_reduction[{_name}]")(
+    rule(*spellings(_name, functional=False), name=f"fuse_reduction[{_name}]")(
         _reduction_rule(_name, _pos)
     )
 
 
-@register_rule(("call_function", torch.linalg.vector_norm))
+@rule(("call_function", torch.linalg.vector_norm))
 def fuse_vector_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.linalg.vector_norm(x, ord, dim, keepdim)`` (what ``F.normalize`` exports to)
     over each model's dims; over all of them: ``vector_norm(x.flatten(1), ord, 1)``."""
@@ -103,6 +104,28 @@ def fuse_vector_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                             dtype=dtype)
     return builder.call(torch.linalg.vector_norm, x, ord_, shift_dim_arg(builder, dim), keepdim,
                         dtype=dtype)
+
+
+@rule(*spellings("cosine_similarity"), ("call_module", nn.CosineSimilarity))
+def fuse_cosine_similarity(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """Per model, ``cosine_similarity`` reduces ``dim`` of its two inputs broadcast together;
+    fused, both get the model dim in front and the broadcast rank after it, and a
+    non-negative ``dim`` moves past the model dim::
+
+        before (per model):  cosine_similarity(x_i [B, D], w_i [D], dim=1)
+        after:               cosine_similarity(x [N, B, D], w.reshape(N, 1, D), dim=2)
+    """
+    node = group.node
+    inputs = [(0, "x1"), (1, "x2")]
+    examples = [group.arg_example(pos if pos < len(node.args) else name) for pos, name in inputs]
+    rank = max(example.dim() for example in examples)
+    x1, x2 = (builder.call(rt_layout.pad_model_dims, builder.broadcast(group.arg(pos, name)),
+                           rank) for pos, name in inputs)
+    if group.module is not None:
+        dim, eps = group.module.dim, group.module.eps
+    else:
+        dim, eps = group.arg(2, "dim", 1), group.arg(3, "eps", 1e-8)
+    return builder.call(F.cosine_similarity, x1, x2, shift_dim_arg(builder, dim), eps)
 
 
 #: softmax and log_softmax run through ``reduction.softmax`` (ATen's kernel, or a faster
@@ -130,7 +153,7 @@ def _softmax_rule(fn):
 
 for _fn, _names in [(F.softmax, ("softmax",)), (F.log_softmax, ("log_softmax",)),
                     (F.softmin, ("softmin",))]:
-    register_rule(*spellings(_names[0]), name=f"fuse_softmax[{_names[0]}]")(_softmax_rule(_fn))
+    rule(*spellings(_names[0]), name=f"fuse_softmax[{_names[0]}]")(_softmax_rule(_fn))
 
 
 def _softmax_module_rule(fn):
@@ -145,6 +168,6 @@ def _softmax_module_rule(fn):
 
 for _cls, _fn in [(nn.Softmax, F.softmax), (nn.LogSoftmax, F.log_softmax),
                   (nn.Softmin, F.softmin), (nn.GLU, F.glu)]:
-    register_rule(("call_module", _cls), name=f"fuse_softmax_module[{_cls.__name__}]")(
+    rule(("call_module", _cls), name=f"fuse_softmax_module[{_cls.__name__}]")(
         _softmax_module_rule(_fn)
     )

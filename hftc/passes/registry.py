@@ -8,14 +8,15 @@ cannot fuse a particular use raises :class:`NotFusable`; the driver then falls
 back to a per-model loop and says so in the fusion report.
 
 Keys are ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
-``("call_method", "name")``.  The ``register_*`` helpers register whole
-families (every elementwise op in all its spellings) at once, so only the ops
-with parameters or layouts (conv, linear, norms, embedding) need their own code.
+``("call_method", "name")``, each registered once with :func:`rule`, which also
+declares what the rest of the pipeline asks the table (does the op draw random
+numbers).  :func:`spellings` lists every spelling of one op, so a family of ops
+(every elementwise op in all its spellings) shares one rule body.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +25,8 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..ir import EXAMPLE_VALUE, ORIGIN, PER_MODEL, RULE, SOURCE
-from ..match import describe_node
+from ..ir import EXAMPLE_VALUE, ORIGIN, PER_MODEL, RULE, SOURCE, ArgKey
+from ..match import describe_node, target_name
 from ..runtime import layout as rt_layout
 
 
@@ -69,44 +70,80 @@ class FusionGroup:
         return position < len(self.args) or name in self.kwargs
 
     @property
-    def per_model(self) -> dict[str, list]:
+    def per_model(self) -> dict[str | ArgKey, list]:
         """Hyper-parameters that differ between the models: ``{key: [value_0, ...]}``.
 
-        Keys are module attributes (``"p"``, ``"eps"``) or argument slots
-        (``"args[1]"``, ``"kwargs[p]"``); empty when every model agrees.
+        Keys are module attributes (``"p"``, ``"eps"``) or arguments (:class:`ArgKey`);
+        empty when every model agrees.
         """
         return self.node.meta.get(PER_MODEL, {})
 
     def per_model_arg(self, position: int, name: str) -> list | None:
         """The per-model values of an argument, or None if all models pass the same."""
         values = self.per_model
-        return values.get(f"args[{position}]", values.get(f"kwargs[{name}]"))
+        return values.get(ArgKey(position=position), values.get(ArgKey(keyword=name)))
 
 
 Rule = Callable[[FusionGroup, "GraphBuilder"], fx.Node]
+#: What a rule fuses: ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
+#: ``("call_method", "name")``.
+Key = tuple[str, Any]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RuleEntry:
+    """A rule and what the pipeline must know about the ops it is registered for."""
+
     rule: Rule
     name: str
-    #: Random ops must give each model its own draw, even from a shared input.
+    #: The op draws random numbers: each model draws its own, even from a shared input.
     random: bool = False
 
 
-RULES: dict[tuple[str, Any], RuleEntry] = {}
+RULES: dict[Key, RuleEntry] = {}
 
 
-def register_rule(*keys: tuple[str, Any], name: str | None = None,
-                  random: bool = False) -> Callable[[Rule], Rule]:
-    """Decorator: ``@register_rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))``."""
+class DuplicateRuleError(Exception):
+    """Two rules registered for one key: which one fuses the op would depend on import order."""
 
-    def wrap(rule: Rule) -> Rule:
-        for key in keys:
-            RULES[key] = RuleEntry(rule, name or rule.__name__, random)
-        return rule
+
+def rule(*keys: Key, name: str | None = None, random: bool = False) -> Callable[[Rule], Rule]:
+    """Register a rule for ``keys`` (the one way to declare one)::
+
+        @rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))
+        def fuse_conv(group, builder): ...
+
+        rule(*spellings("relu", inplace=True), name="fuse_pointwise[relu]")(fuse_pointwise)
+
+    ``random``: the op draws random numbers.  A key registered twice raises
+    :class:`DuplicateRuleError` at import, whatever the order the rule files load in.
+    """
+
+    def wrap(body: Rule) -> Rule:
+        entry = RuleEntry(body, name or body.__name__, random)
+        for key in dict.fromkeys(keys):
+            if key in RULES:
+                raise DuplicateRuleError(
+                    f"{key[0]} {getattr(key[1], '__qualname__', key[1])} has two fusion rules, "
+                    f"`{RULES[key].name}` and `{entry.name}`: register it with one of them")
+            RULES[key] = entry
+        return body
 
     return wrap
+
+
+def per_model_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """The body of a rule table entry that declares facts about an op (it draws random
+    numbers) but fuses nothing: the op runs as the per-model loop."""
+    if group.module is not None:
+        raise NotFusable(f"no fusion rule for module {type(group.module).__name__}")
+    raise NotFusable(f"no fusion rule for {target_name(group.node)}")
+
+
+def is_random(node: fx.Node, module: nn.Module | None = None) -> bool:
+    """Does the op at ``node`` draw random numbers (the rule table's ``random``)?"""
+    entry = lookup(node, module) if node.op != "call_module" or module is not None else None
+    return entry is not None and entry.random
 
 
 def spellings(name: str, *, torch_fn: bool = True, method: bool = True,
@@ -127,7 +164,7 @@ def spellings(name: str, *, torch_fn: bool = True, method: bool = True,
             keys.append(("call_function", getattr(torch.nn.functional, name + "_")))
         if hasattr(torch, name + "_"):
             keys.append(("call_function", getattr(torch, name + "_")))
-    return keys
+    return list(dict.fromkeys(keys))  # F.relu_ is torch.relu_
 
 
 def lookup(node: fx.Node, module: nn.Module | None) -> RuleEntry | None:
@@ -223,11 +260,3 @@ class GraphBuilder:
         if node.op == "call_module":
             return self.module(node.target, *group.args, batched=batched, **group.kwargs)
         raise NotFusable(f"cannot copy a {node.op} node")
-
-
-def register_family(names: Iterable[str], rule: Rule, *, inplace: bool = True,
-                    random: bool = False, **spelling_options: Any) -> None:
-    """Register ``rule`` for every spelling of every op in ``names``."""
-    for op_name in names:
-        for key in spellings(op_name, inplace=inplace, **spelling_options):
-            RULES.setdefault(key, RuleEntry(rule, f"{rule.__name__}[{op_name}]", random))

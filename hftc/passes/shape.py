@@ -27,7 +27,7 @@ from ..ir import EXAMPLE_VALUE
 from ..runtime import layout as rt_layout
 from ..runtime import spatial as rt_spatial
 from ..runtime.spatial import shift_dim
-from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule, spellings
+from .registry import FusionGroup, GraphBuilder, NotFusable, rule, spellings
 
 
 def _self_and_rest(group: FusionGroup) -> tuple:
@@ -65,14 +65,14 @@ def shift_dim_arg(builder: GraphBuilder, dims: Any) -> Any:
     return shift_dim(dims)
 
 
-@register_rule(*spellings("view", torch_fn=False), *spellings("reshape"))
+@rule(*spellings("view", torch_fn=False), *spellings("reshape"))
 def fuse_reshape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, rest = _self_and_rest(group)
     shape = rest or (group.kwargs.get("shape") or group.kwargs.get("size"),)
     return builder.call(rt_spatial.reshape, x, *shape)
 
 
-@register_rule(*spellings("view_as", torch_fn=False), *spellings("reshape_as", torch_fn=False),
+@rule(*spellings("view_as", torch_fn=False), *spellings("reshape_as", torch_fn=False),
                *spellings("expand_as", torch_fn=False))
 def fuse_as(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, other = group.args[0], group.args[1]
@@ -84,7 +84,7 @@ def fuse_as(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(kernel, x, size)
 
 
-@register_rule(*spellings("flatten"))
+@rule(*spellings("flatten"))
 def fuse_flatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.args[0]
     start = group.arg(1, "start_dim", 0)
@@ -95,56 +95,56 @@ def fuse_flatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                           shift_dim_arg(builder, end))
 
 
-@register_rule(("call_module", nn.Flatten))
+@rule(("call_module", nn.Flatten))
 def fuse_flatten_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     m = group.module
     return builder.method("flatten", group.args[0], shift_dim(m.start_dim), shift_dim(m.end_dim))
 
 
-@register_rule(*spellings("unflatten"))
+@rule(*spellings("unflatten"))
 def fuse_unflatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.method("unflatten", group.args[0], shift_dim_arg(builder, group.arg(1, "dim")),
                           group.arg(2, "sizes"))
 
 
-@register_rule(("call_module", nn.Unflatten))
+@rule(("call_module", nn.Unflatten))
 def fuse_unflatten_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     m = group.module
     return builder.method("unflatten", group.args[0], shift_dim(m.dim), m.unflattened_size)
 
 
-@register_rule(*spellings("permute"))
+@rule(*spellings("permute"))
 def fuse_permute(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, dims = _self_and_rest(group)
     dims = dims or (group.kwargs["dims"],)
     return builder.call(rt_spatial.permute, x, *dims)
 
 
-@register_rule(*spellings("transpose"), *spellings("swapaxes"), *spellings("swapdims"))
+@rule(*spellings("transpose"), *spellings("swapaxes"), *spellings("swapdims"))
 def fuse_transpose(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.method("transpose", group.args[0], shift_dim_arg(builder, group.arg(1, "dim0")),
                           shift_dim_arg(builder, group.arg(2, "dim1")))
 
 
-@register_rule(*spellings("movedim"), *spellings("moveaxis"))
+@rule(*spellings("movedim"), *spellings("moveaxis"))
 def fuse_movedim(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.method("movedim", group.args[0], shift_dim_arg(builder, group.arg(1, "source")),
                           shift_dim_arg(builder, group.arg(2, "destination")))
 
 
-@register_rule(*spellings("t"))
+@rule(*spellings("t"))
 def fuse_t(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if group.arg_example(0).dim() < 2:  # t() of a vector is the vector
         return builder.method("view_as", group.args[0], group.args[0])
     return builder.method("transpose", group.args[0], 1, 2)
 
 
-@register_rule(*spellings("unsqueeze"))
+@rule(*spellings("unsqueeze"))
 def fuse_unsqueeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.method("unsqueeze", group.args[0], shift_dim_arg(builder, group.arg(1, "dim")))
 
 
-@register_rule(*spellings("squeeze"))
+@rule(*spellings("squeeze"))
 def fuse_squeeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     dim = group.arg(1, "dim")
     if dim is None:
@@ -152,13 +152,13 @@ def fuse_squeeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.method("squeeze", group.args[0], shift_dim_arg(builder, dim))
 
 
-@register_rule(*spellings("expand", torch_fn=False))
+@rule(*spellings("expand", torch_fn=False))
 def fuse_expand(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, sizes = _self_and_rest(group)
     return builder.call(rt_spatial.expand, x, *(sizes or (group.kwargs["size"],)))
 
 
-@register_rule(*spellings("repeat", torch_fn=False))
+@rule(*spellings("repeat", torch_fn=False))
 def fuse_repeat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, sizes = _self_and_rest(group)
     return builder.call(rt_spatial.repeat, x, *(sizes or (group.kwargs["repeats"],)))
@@ -190,12 +190,12 @@ for op_name, pos, kw, default in [
     ("topk", 2, "dim", -1), ("kthvalue", 2, "dim", -1), ("glu", 1, "dim", -1),
     ("normalize", 2, "dim", 1), ("split_with_sizes", 2, "dim", 0),
 ]:
-    register_rule(*spellings(op_name, inplace=False), name=f"fuse_dim_op[{op_name}]")(
+    rule(*spellings(op_name, inplace=False), name=f"fuse_dim_op[{op_name}]")(
         _dim_rule(pos, kw, default)
     )
 
 
-@register_rule(("call_function", torch.broadcast_tensors))
+@rule(("call_function", torch.broadcast_tensors))
 def fuse_broadcast_tensors(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.broadcast_tensors(a, b, ...)`` (``F.mse_loss`` calls it) per model: batched
     operands get their missing dims after the model dim, shared ones a model dim."""
@@ -206,7 +206,7 @@ def fuse_broadcast_tensors(group: FusionGroup, builder: GraphBuilder) -> fx.Node
                         [builder.is_batched(t) for t in tensors])
 
 
-@register_rule(*spellings("roll"))
+@rule(*spellings("roll"))
 def fuse_roll(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     dims = group.arg(2, "dims")
     if dims is None:
@@ -215,7 +215,7 @@ def fuse_roll(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                         shift_dim_arg(builder, dims))
 
 
-@register_rule(*spellings("index_select"))
+@rule(*spellings("index_select"))
 def fuse_index_select(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     index = group.arg(2, "index")
     if builder.is_batched(index):
@@ -224,14 +224,14 @@ def fuse_index_select(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                         shift_dim_arg(builder, group.arg(1, "dim")), index)
 
 
-@register_rule(*spellings("gather"))
+@rule(*spellings("gather"))
 def fuse_gather(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(torch.gather, builder.broadcast(group.args[0]),
                         shift_dim_arg(builder, group.arg(1, "dim")),
                         builder.broadcast(group.arg(2, "index")))
 
 
-@register_rule(("call_function", torch.cat), ("call_function", torch.concat),
+@rule(("call_function", torch.cat), ("call_function", torch.concat),
                ("call_function", torch.concatenate), ("call_function", torch.stack))
 def fuse_cat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     tensors = group.arg(0, "tensors")
@@ -246,25 +246,25 @@ def fuse_cat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                         shift_dim_arg(builder, dim), flags)
 
 
-@register_rule(("call_method", "size"))
+@rule(("call_method", "size"))
 def fuse_size(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(rt_spatial.size, group.args[0], group.arg(1, "dim"), batched=False)
 
 
-@register_rule(("call_method", "dim"), ("call_method", "ndimension"))
+@rule(("call_method", "dim"), ("call_method", "ndimension"))
 def fuse_ndim(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(operator.sub, builder.method("dim", group.args[0], batched=False), 1,
                         batched=False)
 
 
-@register_rule(("call_method", "numel"), ("call_function", torch.numel))
+@rule(("call_method", "numel"), ("call_function", torch.numel))
 def fuse_numel(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     total = builder.method("numel", group.args[0], batched=False)
     count = builder.method("size", group.args[0], 0, batched=False)
     return builder.call(operator.floordiv, total, count, batched=False)
 
 
-@register_rule(("call_function", builtins.getattr))
+@rule(("call_function", builtins.getattr))
 def fuse_getattr(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, name = group.args[0], group.args[1]
     example = group.arg_example(0)
@@ -309,7 +309,7 @@ def _index_is_fusable(group: FusionGroup, builder: GraphBuilder) -> None:
         raise NotFusable("advanced indices separated by slices move their dims to the front")
 
 
-@register_rule(("call_function", operator.getitem))
+@rule(("call_function", operator.getitem))
 def fuse_getitem(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     container = group.arg_example(0)
     if not isinstance(container, torch.Tensor):  # a tuple/list/Size of per-model values

@@ -82,7 +82,8 @@ def _per_model_arguments(n: int, batched: Any, args: tuple, kwargs: dict):
 
 def loop_over_models(
     fn: Callable[..., Any], n: int, batched: Any, args: tuple, kwargs: dict,
-    per_model: dict[str, Sequence] | None = None,
+    per_model_args: Sequence[tuple[int, Sequence]] | None = None,
+    per_model_kwargs: Sequence[tuple[str, Sequence]] | None = None,
 ) -> Any:
     """The lowering of last resort: call ``fn`` once per model and stack the results.
 
@@ -90,16 +91,17 @@ def loop_over_models(
     flagged values' tensors are indexed by model, the others are passed as they are.
     Tensor results are stacked along a new model dim; Python values must agree
     across models (they are shapes and flags) and are returned once.
+    ``per_model_args`` / ``per_model_kwargs``: ``((position or keyword, values), ...)``,
+    the scalar arguments each model passes its own value of (``values[i]``).
     """
     outs = []
     for i, (a, k) in enumerate(_per_model_arguments(n, batched, args, kwargs)):
-        if per_model:  # model i's own scalar arguments ("args[1]" / "kwargs[p]" slots)
+        if per_model_args or per_model_kwargs:
             a, k = list(a), dict(k)
-            for slot, values in per_model.items():
-                if slot.startswith("args["):
-                    a[int(slot[5:-1])] = values[i]
-                else:
-                    k[slot[7:-1]] = values[i]
+            for position, values in per_model_args or ():
+                a[position] = values[i]
+            for keyword, values in per_model_kwargs or ():
+                k[keyword] = values[i]
         outs.append(fn(*a, **k))
     return _stack_results(outs, getattr(fn, "__name__", str(fn)))
 
