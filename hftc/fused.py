@@ -30,7 +30,6 @@ from torch.utils import _pytree as pytree
 
 from . import ir
 from .check import CheckResult, compare_with_models, locate_difference
-from .closures import check_function_references, rebind_functions
 from .compile_guard import compiled_original, run_eagerly
 from .errors import (
     FusionArgumentError,
@@ -43,6 +42,18 @@ from .errors import (
     TraceError,
     UnsupportedOperatorError,
     plain_message,
+)
+from .frontends.closures import check_function_references, rebind_functions
+from .frontends.symbolic import (
+    OutputSpec,
+    annotate_example_values,
+    constant_inputs,
+    deepcopy_module,
+    is_python_constant,
+    meta_copy,
+    output_spec,
+    same_constant,
+    trace_model,
 )
 from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .lowering import layout
@@ -64,17 +75,6 @@ from .runtime.memory import keep_freed_memory_for_tuning
 from .runtime.model_loop import ModelLoop
 from .runtime.modules import ContainerAccess, StackedModule
 from .stacking import build_module_tree
-from .trace import (
-    OutputSpec,
-    annotate_example_values,
-    constant_inputs,
-    deepcopy_module,
-    is_python_constant,
-    meta_copy,
-    output_spec,
-    same_constant,
-    trace_model,
-)
 from .utils import mark_stacked, register_fused
 
 
@@ -499,7 +499,7 @@ class FusedModule(ContainerAccess, nn.Module):
     def _trace(self, models: Sequence[nn.Module], example_inputs: Any,
                frontend: str) -> dict[bool, list[fx.GraphModule]]:
         """Each model's graph in both modes: ``torch.fx.symbolic_trace``, or ``torch.export``
-        (:mod:`hftc.export`) when symbolic tracing fails and ``example_inputs`` are given
+        (:mod:`hftc.frontends.export`) when symbolic tracing fails and ``example_inputs`` are given
         (or ``frontend="export"``)."""
         if frontend not in ("auto", "symbolic", "export"):
             raise FusionArgumentError(
@@ -515,7 +515,7 @@ class FusedModule(ContainerAccess, nn.Module):
                     raise
         if example_inputs is None:
             raise FusionArgumentError("frontend='export' needs example_inputs=(...)")
-        from .export import export_model
+        from .frontends.export import export_model
 
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)

@@ -40,8 +40,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..frontends.symbolic import TRACEABLE_FORWARDS
 from ..runtime import attention as rt_attention
-from ..trace import TRACEABLE_FORWARDS
 from .registry import FusionGroup, GraphBuilder, NotFusable, register_rule
 
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",

@@ -67,80 +67,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .errors import FusionArgumentError, TraceError, plain_message
-from .passes.registry import FusionGroup, GraphBuilder, register_rule
-from .trace import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
+from ..errors import TraceError, plain_message
+from ..runtime.guards import check_input_shape, check_input_structure, check_input_value
+from .symbolic import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
 
 aten = torch.ops.aten
 
 #: ``node.meta`` keys carried from the exported graph (module path, source line).
 _KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
-
-
-# --------------------------------------------------------------------------- run-time guards
-
-
-def check_input_shape(x: Any, shape: tuple, name: str, offset: int = 0) -> None:
-    """Raise unless ``x`` has the rank and the fixed sizes the model was exported with.
-
-    ``shape`` has an int for every dim export fixed, ``None`` for free symbolic
-    ones and ``(low, high)`` for bounded ones (``None`` for no bound); ``offset``
-    skips leading model dims (1 for an input stacked per model).
-    """
-    if not isinstance(x, torch.Tensor):
-        raise FusionArgumentError(
-            f"input `{name}` was a tensor in example_inputs but is a {type(x).__name__} now; "
-            f"fuse again with example_inputs of this kind"
-        )
-    got = tuple(x.shape[offset:])
-
-    def fits(want: Any, size: int) -> bool:
-        if isinstance(want, tuple):
-            return (want[0] is None or size >= want[0]) and (want[1] is None or size <= want[1])
-        return want is None or want == size
-
-    if len(got) != len(shape) or not all(fits(s, g) for s, g in zip(shape, got)):
-        want = "[" + ", ".join(
-            "*" if s is None else f"{s[0] or ''}..{s[1] or ''}" if isinstance(s, tuple)
-            else str(s) for s in shape) + "]"
-        raise FusionArgumentError(
-            f"input `{name}` has shape {list(got)}, but the models were exported (torch.export, "
-            f"from example_inputs) with shape {want}: the sizes given as numbers were fixed by "
-            f"the model's code or by the example (export specialises sizes 0 and 1, so give "
-            f"example inputs with a batch size of at least 2). Call with that shape, or fuse "
-            f"again with example_inputs of the new shape."
-        )
-
-
-@register_rule(("call_function", check_input_shape))
-def fuse_check_input_shape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """A stacked input's fixed sizes sit after its model dim."""
-    x, shape, name = group.args[:3]
-    return builder.call(check_input_shape, x, shape, name, offset=1, batched=False)
-
-
-def check_input_value(value: Any, expected: Any, name: str) -> None:
-    """Raise unless a Python input (an int, a flag, ``None``) is what export baked in."""
-    same = value is expected if expected is None else (
-        type(value) is type(expected) and value == expected
-    )
-    if not same:
-        raise FusionArgumentError(
-            f"input `{name}` is {value!r}, but the models were exported (torch.export, from "
-            f"example_inputs) with {expected!r}, which their graph has baked in; fuse again "
-            f"with example_inputs holding {value!r}"
-        )
-
-
-def check_input_structure(value: Any, expected: str, name: str) -> None:
-    """Raise unless a structured input (a tuple of tensors, None) has the example's structure."""
-    got = str(pytree.tree_structure(value))
-    if got != expected:
-        raise FusionArgumentError(
-            f"input `{name}` has structure {got}, but the models were exported (torch.export, "
-            f"from example_inputs) with {expected}; fuse again with example_inputs of this "
-            f"structure"
-        )
 
 
 # --------------------------------------------------------------------------- exporting
@@ -212,7 +146,7 @@ def _quiet() -> Any:
 @contextlib.contextmanager
 def _traceable_forwards(model: nn.Module) -> Iterator[None]:
     """While exporting, the modules the symbolic front-end traces through with a forward of
-    the same math (:data:`hftc.trace.TRACEABLE_FORWARDS`) run that forward here too.
+    the same math (:data:`hftc.frontends.symbolic.TRACEABLE_FORWARDS`) run that forward here too.
 
     ``nn.TransformerEncoder.forward`` asks whether a mask is causal by comparing its
     values (``_detect_is_causal_mask``), which torch.export cannot follow: the word
