@@ -67,9 +67,8 @@ from .match import GraphMatch, match_graphs
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
 from .runtime.model_loop import ModelLoop
-from .runtime.modules import ContainerAccess, StackedModule
+from .runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
 from .stacking import build_module_tree
-from .utils import mark_stacked, register_fused
 
 
 @dataclass
