@@ -16,9 +16,9 @@ program being built (:class:`ProgramState`)::
                        or the cost model's lowerings
 
 The check comes before the timing stages (only a program that computes the models'
-outputs is worth timing), and so needs the code first.  An error raised by a stage
-carries a note naming it (``hftc: raised in the compile stage 'fusion'``); its class and
-message are the stage's own.
+outputs is worth timing), and so needs the code first.  An error from inside a stage
+that is not one of hftc's own (which say what and where) carries a note naming the stage
+(``hftc: raised in the compile stage 'fusion'``); its class and message are unchanged.
 
 This layer sits below :mod:`hftc.fused`: the FusedModule the program is for is passed in
 (``state.fused``) and only its methods are called.
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..errors import TraceError
+from ..errors import FusionError, TraceError
 from ..frontends.symbolic import OutputSpec, annotate_example_values, output_spec
 from ..passes import FusionReport, fuse_graph
 from ..runtime.memory import keep_freed_memory_for_tuning
@@ -227,7 +227,9 @@ def compile_program(fused: Any, mode_graphs: Any, values: Sequence[Any],
             continue
         try:
             stage.run(state, options)
-        except Exception as exc:
+        except FusionError:
+            raise  # hftc's own errors say what and where already
+        except Exception as exc:  # from inside hftc or torch: say which stage it came from
             exc.add_note(f"hftc: raised in the compile stage {stage.name!r}")
             raise
     return state.program()
