@@ -13,10 +13,11 @@
   names resolve on first access (PEP 562 ``__getattr__``, which loads the core itself where
   torch is not imported yet).
 
-Either way hftc's patches of torch (docs/API.md: ``torch.nn.utils.clip_grad_norm_`` per model,
-the refusals of LBFGS, Adafactor, Muon, ``update_bn``, ``ReduceLROnPlateau`` given N metrics)
-are in place before any code can bind a torch name, which a plain lazy ``__getattr__`` would
-not promise (``import hftc; from torch.nn.utils import clip_grad_norm_`` would keep torch's).
+Either way hftc's patches of torch (all installed by :func:`hftc.patches.install`, listed there
+and in docs/API.md: ``torch.nn.utils.clip_grad_norm_`` per model, the refusals of LBFGS,
+Adafactor, Muon, ``update_bn``, ``ReduceLROnPlateau`` given N metrics) are in place before
+any code can bind a torch name, which a plain lazy ``__getattr__`` would not promise
+(``import hftc; from torch.nn.utils import clip_grad_norm_`` would keep torch's).
 A console script cannot skip this file (Python imports a package before its submodules), so
 this is what lets the ``hftc`` command start fast.
 """
@@ -41,15 +42,17 @@ _PUBLIC = {
 }
 __all__ = sorted(_PUBLIC)
 
-# The modules whose import installs the patches of torch, in the order the package imports them.
-_CORE = ("amp", "errors", "optim", "utils", "fused", "group", "runtime.memory")
+# The core's modules, in the order the package imports them.
+_CORE = ("amp", "errors", "optim", "utils", "fused", "group", "runtime.memory", "patches")
 
 
 def _load_core() -> None:
-    """Import hftc's core (and so install its torch patches) and bind the public names."""
+    """Import hftc's core, install its torch patches (:mod:`hftc.patches`) and bind the
+    public names."""
     _LoadCoreAfterTorch.uninstall()
     for name in _CORE:
         importlib.import_module(f"{__name__}.{name}")
+    sys.modules[f"{__name__}.patches"].install()
     module = sys.modules[__name__]
     for name, where in _PUBLIC.items():
         source = sys.modules[f"{__name__}.{where or name}"]

@@ -2,13 +2,13 @@
 
 ::
 
-    models --trace.py--> N fx graphs (train and eval) --match.py--> node mapping
+    models --frontends/--> N fx graphs (train and eval) --match.py--> node mapping
            --stacking.py--> stacked parameters under the original names (runtime/modules.py)
-    first call, per input signature:
-           --trace.annotate_example_values--> shapes --passes/--> fused fx graph
-           --lowering/codegen.py--> forward(self, *inputs)
-           --check.py--> run once beside models 0, N // 2 and N-1 alone: the same outputs?
-                         (if not: the N models one by one, with a FusionWarning)
+    first call, per input signature: compile/pipeline.py's stages
+           shapes --passes/--> fused fx graph --chains, codegen--> forward(self, *inputs)
+           --check--> run once beside models 0, N // 2 and N-1 alone: the same outputs?
+                      (if not: the N models one by one, with a FusionWarning)
+           (autotune=True: --autotune, layout choice--> the fastest lowerings and layout)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import operator
 import re
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,8 +29,15 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import ir
-from .check import CheckResult, compare_with_models, locate_difference
-from .closures import check_function_references, rebind_functions
+from .compile.autotune import ProgramChoice, run_program
+from .compile.check import (
+    CheckResult,
+    compare_with_models,
+    input_copies,
+    locate_difference,
+    preserved_state,
+)
+from .compile.pipeline import CompileOptions, Program, compile_program
 from .compile_guard import compiled_original, run_eagerly
 from .errors import (
     FusionArgumentError,
@@ -44,58 +51,24 @@ from .errors import (
     UnsupportedOperatorError,
     plain_message,
 )
-from .ir import CONSTANT_INPUTS, PYTHON_STATE
-from .lowering import layout
-from .lowering.autotune import (
-    ProgramChoice,
-    autotune_graph,
-    choose_program,
-    cost_model_graph,
-    input_copies,
-    preserved_state,
-    run_program,
-)
-from .lowering.chains import chain_linears
-from .lowering.codegen import compile_graph
-from .match import GraphMatch, match_graphs
-from .passes import FusionReport, fuse_graph
-from .passes.driver import SHARED_CONSTANT_PREFIX
-from .runtime.memory import keep_freed_memory_for_tuning
-from .runtime.model_loop import ModelLoop
-from .runtime.modules import ContainerAccess, StackedModule
-from .stacking import build_module_tree
-from .trace import (
+from .frontends.closures import check_function_references, rebind_functions
+from .frontends.symbolic import (
     OutputSpec,
     annotate_example_values,
     constant_inputs,
     deepcopy_module,
     is_python_constant,
     meta_copy,
-    output_spec,
     same_constant,
     trace_model,
 )
-from .utils import mark_stacked, register_fused
-
-
-@dataclass
-class Program:
-    """One compiled fused forward: for one mode and one input signature."""
-
-    forward: Any
-    graph: fx.Graph
-    report: FusionReport
-    source: str
-    #: Rebuilds an output type the graph returns flat (a dataclass, a ModelOutput).
-    output_spec: OutputSpec | None = None
-    #: How the forward runs, when autotune measured something faster than the fused
-    #: program on the inputs as given: the N models one by one
-    #: (hftc.runtime.model_loop), channels-last inputs (hftc.lowering.layout), or both.
-    how: ProgramChoice | None = None
-
-    @property
-    def model_loop(self) -> ModelLoop | None:
-        return None if self.how is None else self.how.model_loop
+from .ir import CONSTANT_INPUTS, PYTHON_STATE
+from .match import GraphMatch, match_graphs
+from .passes import FusionReport
+from .passes.driver import SHARED_CONSTANT_PREFIX
+from .runtime.model_loop import ModelLoop
+from .runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
+from .stacking import build_module_tree
 
 
 @dataclass
@@ -418,9 +391,10 @@ class FusedModule(ContainerAccess, nn.Module):
         for name, flag in (("autotune", autotune), ("check", check)):
             if not isinstance(flag, bool):
                 raise FusionArgumentError(f"{name} must be True or False, got {flag!r}")
-        #: Time each fused op's lowerings at compile time (hftc.lowering.autotune).
+        #: Time each fused op's lowerings (hftc.compile.autotune).
         self.autotune = autotune
-        #: Compare each new program's outputs with models 0, N // 2 and N-1's own (hftc.check).
+        #: Compare each new program's outputs with models 0, N // 2 and N-1's own
+        #: (hftc.compile.check).
         self.check = check
         self._check_modes(models)
         _check_initialized(models)
@@ -499,7 +473,7 @@ class FusedModule(ContainerAccess, nn.Module):
     def _trace(self, models: Sequence[nn.Module], example_inputs: Any,
                frontend: str) -> dict[bool, list[fx.GraphModule]]:
         """Each model's graph in both modes: ``torch.fx.symbolic_trace``, or ``torch.export``
-        (:mod:`hftc.export`) when symbolic tracing fails and ``example_inputs`` are given
+        (:mod:`hftc.frontends.export`) when symbolic tracing fails and ``example_inputs`` are given
         (or ``frontend="export"``)."""
         if frontend not in ("auto", "symbolic", "export"):
             raise FusionArgumentError(
@@ -515,7 +489,7 @@ class FusedModule(ContainerAccess, nn.Module):
                     raise
         if example_inputs is None:
             raise FusionArgumentError("frontend='export' needs example_inputs=(...)")
-        from .export import export_model
+        from .frontends.export import export_model
 
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
@@ -789,75 +763,8 @@ class FusedModule(ContainerAccess, nn.Module):
         return self._retraced_graphs[key]
 
     def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
-        mode_graphs = self._graphs_for(values)
-        self._sync_template()
-        per_model = [v[0] if b else v for v, b in zip(values, batched)]
-        try:
-            annotate_example_values(
-                mode_graphs.graph, self._template, per_model, {}, self._model_tensors
-            )
-        except TraceError as exc:
-            self._explain_input_mismatch(values, batched, exc)
-            raise
-        graph, report = fuse_graph(
-            mode_graphs.graph_module(self._template), mode_graphs.originals,
-            mode_graphs.match_method, self.num_models, batched,
-            mode_graphs.attr_targets,
-        )
-        spec = output_spec(mode_graphs.graph)
-        forward, source = compile_graph(chain_linears(graph, self))
-        why = self._why_not_fused(report, forward, spec, values, batched, graph,
-                                  mode_graphs.graph)
-        if why is not None:
-            return self._model_loop_program(Program(forward, graph, report, source, spec),
-                                            values, batched, why)
-        if self.autotune:
-            # Training programs are timed forward + backward, as a training step runs them.
-            # (Not under inference_mode, where no tensor may require grad.)
-            backward = self.training and not torch.is_inference_mode_enabled() \
-                and any(p.requires_grad for p in self.parameters())
-            # Tuning runs the program: on copies of the inputs, which it may write into.
-            tuning_values = input_copies(values)
-            with preserved_state(self):
-                try:
-                    report.lowerings = autotune_graph(graph, self, tuning_values,
-                                                      backward=backward)
-                except RuntimeError as exc:  # an input of another dtype / device: say so
-                    self._explain_input_mismatch(values, batched, exc)
-                    raise
-            if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values):
-                # A fused step's activations outgrow glibc's adaptive thresholds: keep the
-                # memory a step frees for the next one (runtime/memory.py).  After the ops'
-                # tuning, whose candidates' buffers of every size would otherwise stay in
-                # the heap; before the whole forward's, so its candidates run as the steps
-                # will.  Under glibc's defaults the fused program, whose buffers are N
-                # models' at once, was faulted in page by page on every timed run and the
-                # loop was not (PointNet N = 16 timed 1.33 vs 0.98 s, where the steps
-                # after took 0.95 s either way: the loop was chosen for a tie).
-                keep_freed_memory_for_tuning()
-            forward, source = compile_graph(chain_linears(graph, self))
-        program = Program(forward, graph, report, source, spec)
-        if self.autotune and program.output_spec is None:
-            device = next((v.device for v in values if isinstance(v, torch.Tensor)),
-                          torch.device("cpu"))
-            cost_graph = cost_model_graph(graph, report.lowerings)
-            cost_forward, cost_source = (compile_graph(chain_linears(cost_graph, self))
-                                         if cost_graph is not None
-                                         else (None, ""))
-            how, choice = choose_program(
-                self, forward, tuning_values, batched, backward=backward, key_source=source,
-                channels_last=layout.safe(self._template, mode_graphs.graph, device),
-                cost_model=cost_forward)
-            if how.forward is not None:  # the cost model's lowerings ran faster together
-                program.forward, program.graph, program.source = how.forward, cost_graph, \
-                    cost_source
-                how = replace(how, forward=None)
-                for op in report.lowerings:
-                    if op.chosen != op.default:
-                        op.overruled, op.chosen = op.chosen, op.default
-            program.how = how if how.name != "fused" else None
-            report.lowerings.append(choice)
-        return program
+        return compile_program(self, self._graphs_for(values), values, batched,
+                               CompileOptions(autotune=self.autotune))
 
     def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,
                        values: Sequence[Any], batched: Sequence[bool], graph: fx.Graph,
@@ -865,7 +772,7 @@ class FusedModule(ContainerAccess, nn.Module):
         """Why the fused program (``forward``, compiled from ``graph``, which was fused from
         model 0's ``model_graph``) must not run on these inputs (``report.check`` says
         what was found), or ``None``: forward keeps Python state a traced program cannot,
-        or the first-call check (:mod:`hftc.check`) found its outputs not the models'."""
+        or the first-call check (:mod:`hftc.compile.check`) found its outputs not the models'."""
         if self._python_state:
             index, names = self._python_state
             report.check = CheckResult((index,), difference=(

@@ -18,9 +18,9 @@ from typing import Any
 from torch import nn
 
 from .errors import TraceError
+from .frontends.symbolic import trace_model
 from .fused import FusedModule, _check_models, _example_constants
 from .match import node_signature
-from .trace import trace_model
 
 
 def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> str:
@@ -34,7 +34,7 @@ def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> s
     except TraceError:
         if example_inputs is None:
             raise
-        from .export import export_model
+        from .frontends.export import export_model
 
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         gm = export_model(model, index, training=model.training, args=args)

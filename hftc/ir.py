@@ -79,7 +79,7 @@ def _open_regions() -> list[Any]:
 def enter_autocast(device_type: str, dtype: torch.dtype | None, enabled: bool,
                    cache_enabled: bool | None) -> Any:
     """``with torch.autocast(device_type, dtype, enabled, cache_enabled):`` in a model's
-    forward, entered (the tracer records it: :mod:`hftc.trace`); returns the region for
+    forward, entered (the tracer records it: :mod:`hftc.frontends.symbolic`); returns the region for
     :func:`exit_autocast`."""
     mode = torch.amp.autocast_mode._enter_autocast(device_type, dtype, enabled, cache_enabled)
     _open_regions().append(mode)

@@ -9,7 +9,7 @@ stacked over the N models, after checking that every model holds the same tensor
 The tree's classes (:class:`~hftc.runtime.modules.StackedModule`, what the generated code
 reads at run time) are in :mod:`hftc.runtime.modules`; building it compares the models
 (:mod:`hftc.match`'s words for a difference) and copies stateless modules
-(:func:`hftc.trace.deepcopy_module`), so it sits above the runtime.
+(:func:`hftc.frontends.symbolic.deepcopy_module`), so it sits above the runtime.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def _check_ties(name, per_model, tables, name_maps) -> None:
 
 def _make_node(source: nn.Module, template: nn.Module, num_models: int) -> nn.Module:
     if not _has_state(source):
-        from .trace import deepcopy_module
+        from .frontends.symbolic import deepcopy_module
 
         return deepcopy_module(source)
     node = StackedModule(source, num_models)

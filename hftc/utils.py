@@ -4,7 +4,8 @@ Nothing here mixes models: each model's gradients are clipped by its own norm,
 and ``per_model`` gives one loss per model, so a model that diverges cannot
 change another's numbers.  Stock ``clip_grad_norm_`` on a fused module would clip
 all N models by one global norm: ``import hftc`` makes
-``torch.nn.utils.clip_grad_norm_`` clip a fused module's parameters per model.
+``torch.nn.utils.clip_grad_norm_`` clip a fused module's parameters per model (the
+replacements of torch's functions are defined here and installed by :mod:`hftc.patches`).
 
 ``per_model`` is defined in :mod:`hftc.runtime.losses` (the fused graph calls it for a
 loss traced inside a model) and public here.
@@ -13,7 +14,6 @@ loss traced inside a model) and public here.
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -22,51 +22,12 @@ from torch import Tensor, nn
 
 from .errors import FusionArgumentError
 from .runtime.losses import per_model
+from .runtime.modules import _live_stacked, _stacked_counts
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
 
 
 # --------------------------------------------------------------------------- torch's own clipping
-
-#: The attribute that marks a fused module's stacked parameters (``FusedModule`` sets it
-#: to N): what ``torch.nn.utils.clip_grad_norm_`` clips per model.  An attribute of the
-#: tensor, so deepcopy, pickling and ``.to()`` keep it.
-STACKED_MARK = "_hftc_num_models"
-
-
-#: The live fused modules (weakly): their parameters are stacked whatever their marks say
-#: (``load_state_dict(..., assign=True)`` puts in new Parameter objects), and the gradients
-#: torch's two-step clipping gets carry no mark of their own.  Modules, not their
-#: tensors: ``torch.utils.swap_tensors`` (``.to()`` under
-#: ``torch.__future__.set_swap_module_params_on_conversion(True)``, ``load_state_dict``)
-#: refuses a tensor that has a weak reference.
-_FUSED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def register_fused(module: nn.Module) -> None:
-    """Count ``module``'s parameters as stacked from now on (``FusedModule`` calls it)."""
-    _FUSED_MODULES.add(module)
-
-
-def _live_stacked() -> dict[int, tuple[Tensor, int]]:
-    """``id(parameter) -> (parameter, N)`` for every live fused module's parameters."""
-    return {id(p): (p, module.num_models) for module in list(_FUSED_MODULES)
-            for p in module.parameters()}
-
-
-def _num_models(p: Tensor, live: dict[int, tuple[Tensor, int]] | None = None) -> int | None:
-    """N where ``p`` is a fused module's stacked parameter, else ``None``."""
-    mark = getattr(p, STACKED_MARK, None)
-    if mark is not None:
-        return mark
-    entry = (live if live is not None else _live_stacked()).get(id(p))
-    return None if entry is None or entry[0] is not p else entry[1]
-
-
-def _stacked_counts(params: Sequence[Tensor]) -> list[int | None]:
-    live = None if all(_num_models(p, {}) is not None for p in params) else _live_stacked()
-    return [_num_models(p, live) for p in params]
-
 
 _torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
 
@@ -93,17 +54,9 @@ def _clip_grad_norm_per_model(parameters: Tensor | Iterable[Tensor], max_norm: f
     return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
 
 
-torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_per_model
-torch.nn.utils.clip_grad.clip_grad_norm_ = _clip_grad_norm_per_model
-
 # torch's two-step form of clip_grad_norm_: ``total = get_total_norm(grads)`` then
 # ``clip_grads_with_norm_(params, max_norm, total)``.  Gradients carry no mark of their
 # own: the live fused modules' parameters (``_FUSED_MODULES``) recognise theirs.
-
-
-def mark_stacked(p: Tensor, num_models: int) -> None:
-    """Mark ``p`` as a fused module's stacked ``[N, ...]`` parameter (see ``STACKED_MARK``)."""
-    setattr(p, STACKED_MARK, num_models)
 
 
 def _stacked_gradients(tensors: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
@@ -169,11 +122,6 @@ def _clip_grads_with_norm_per_model(parameters: Tensor | Iterable[Tensor], max_n
         _clip_by_norms(grads, max_norm, total.reshape(n).to(grads[0].device))
 
 
-for _module in (torch.nn.utils, torch.nn.utils.clip_grad):
-    _module.get_total_norm = _get_total_norm_per_model
-    _module.clip_grads_with_norm_ = _clip_grads_with_norm_per_model
-
-
 _torch_update_bn = torch.optim.swa_utils.update_bn
 
 
@@ -191,9 +139,6 @@ def _update_bn_refusing_fused(loader: Any, model: nn.Module, device: Any = None)
             "fused.unfuse(): update_bn(loader, m) (for an AveragedModel, "
             "swa_model.module.unfuse())")
     return _torch_update_bn(loader, model, device)
-
-
-torch.optim.swa_utils.update_bn = _update_bn_refusing_fused
 
 
 def _grads_and_num_models(parameters, num_models: int | None, fn: str) -> tuple[list[Tensor], int]:

@@ -4,8 +4,8 @@ Read from the code, so the page cannot drift from it:
 
 - operators: the rule registry (``hftc.passes.RULES``), grouped by rule, every
   spelling (``torch.relu``, ``F.relu``, ``x.relu()``, ``nn.ReLU``) listed;
-- the export front-end's ATen normalisation (``hftc.export.CONVERTERS``, ``DROPPED``)
-  and the modules traced through (``hftc.trace.TRACEABLE_FORWARDS``);
+- the export front-end's ATen normalisation (``hftc.frontends.export.CONVERTERS``, ``DROPPED``)
+  and the modules traced through (``hftc.frontends.symbolic.TRACEABLE_FORWARDS``);
 - models: the test zoo (``tests/zoo.py``'s ``ZOO``), every documented ``nn.Module``
   defined in a test file, and every ``transformers`` model the tests build.
 
@@ -51,7 +51,6 @@ def _spelling(op: str, target: object) -> str:
 
 
 def operator_table() -> list[str]:
-    import hftc.export  # noqa: F401  (registers its guard rule, as a fused export does)
     from hftc.passes import RULES
     from hftc.passes.registry import per_model_loop
 
@@ -73,8 +72,8 @@ def operator_table() -> list[str]:
 
 
 def export_tables() -> list[str]:
-    from hftc.export import CONVERTERS, DROPPED
-    from hftc.trace import TRACEABLE_FORWARDS
+    from hftc.frontends.export import CONVERTERS, DROPPED
+    from hftc.frontends.symbolic import TRACEABLE_FORWARDS
 
     lines = [
         "ATen ops with their own converter (any other `aten.NAME` becomes `torch.NAME`, "

@@ -12,7 +12,7 @@ valid model; :class:`FuzzNet` builds it.  Two families:
   dropout, in-place ops, reductions.
 
 Shapes are mostly tiny, and sometimes large enough for each size-gated kernel of
-hftc/lowering (linear outputs >= 32, >= 16 input channels per group, a 2-d max pool of
+hftc/runtime (linear outputs >= 32, >= 16 input channels per group, a 2-d max pool of
 >= 65,536 elements, softmax rows under one SIMD vector over >= 2,048 elements).
 ``spec["per_model"]``: model i has its own dropout rates, norm eps / momentum, LeakyReLU
 slopes and ELU alphas (``FuzzNet(spec, i)``).

@@ -1,4 +1,4 @@
-"""Linear chains (hftc/lowering/chains.py): consecutive linears and ReLUs as one autograd node.
+"""Linear chains (hftc/compile/chains.py): consecutive linears and ReLUs as one autograd node.
 
 The chain runs the very ops of the unchained layers, so it is checked three ways:
 against the loop over the original models (tests/equivalence.py), bit for bit
@@ -16,7 +16,7 @@ from torch import nn
 
 import hftc
 import hftc.fused
-from hftc.lowering import chains
+from hftc.compile import chains
 from hftc.runtime import linear as rt_linear
 
 DTYPES = [torch.float64, torch.float32]
@@ -81,7 +81,7 @@ def test_sequential_with_inplace_relus_and_a_narrow_head(train):
 
 
 def _unchained(monkeypatch):
-    monkeypatch.setattr(hftc.fused, "chain_linears", lambda graph, root: graph)
+    monkeypatch.setattr(hftc.compile.pipeline, "chain_linears", lambda graph, root: graph)
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])

@@ -1,4 +1,4 @@
-"""Models whose forward calls a function over their own submodules (hftc/closures.py).
+"""Models whose forward calls a function over their own submodules (hftc/frontends/closures.py).
 
 minGPT's ``Block`` keeps ``self.mlpf = lambda x: m.dropout(m.c_proj(m.act(m.c_fc(x))))``
 over its ModuleDict ``m``.  ``copy.deepcopy`` keeps the function, so every copy hftc made
@@ -363,7 +363,7 @@ def test_a_value_and_a_constant_every_model_shares_are_fused():
 def test_a_function_that_holds_nothing_of_the_model_stays_itself():
     """nn.TransformerEncoderLayer keeps ``activation = F.relu`` (a function with a default
     argument), which tracing and the fusion rules know by identity: a copy keeps it."""
-    from hftc.trace import deepcopy_module
+    from hftc.frontends.symbolic import deepcopy_module
 
     layer = nn.TransformerEncoderLayer(8, 2, 16)
     assert deepcopy_module(layer).activation is F.relu

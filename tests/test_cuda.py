@@ -20,7 +20,7 @@ from test_zoo import _zoo_models
 from zoo import make_input
 
 import hftc
-from hftc.lowering import autotune
+from hftc.compile import autotune
 from hftc.runtime import conv as rt_conv
 from hftc.runtime import linear as rt_linear
 

@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 import hftc
 import hftc.fused
 import hftc.optim as ho
-from hftc.lowering import autotune
+from hftc.compile import autotune, pipeline
+from hftc.compile.check import preserved_state
 
 
 def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int,
@@ -86,7 +87,7 @@ def random_lowerings(pick: random.Random):
         return autotune.LoweringChoice(node, kernel.__name__, pick.choice(names), names[0])
 
     def choose_program(fused, forward, values, batched, *, backward, **kwargs):
-        with autotune.preserved_state(fused):
+        with preserved_state(fused):
             valid, _ = autotune.program_candidates(
                 fused, forward, values, batched, backward=backward,
                 channels_last=kwargs.get("channels_last", True),
@@ -95,7 +96,7 @@ def random_lowerings(pick: random.Random):
         return how, autotune.LoweringChoice("<whole model>", "forward", how.name, "fused")
 
     with mock.patch.object(autotune, "tune_call", tune_call), \
-            mock.patch.object(hftc.fused, "choose_program", choose_program):
+            mock.patch.object(pipeline, "choose_program", choose_program):
         yield
 
 

@@ -84,7 +84,7 @@ def test_autotune_on_cpu_keeps_freed_memory_unless_told_not_to(tmp_path, setting
 _ORDER = """
 import json, torch
 import hftc
-import hftc.fused as fused_module
+import hftc.compile.pipeline as pipeline
 from hftc.runtime import memory as heap
 seen = {}
 
@@ -94,8 +94,8 @@ def recording(name, fn):
         return fn(*args, **kwargs)
     return call
 
-fused_module.autotune_graph = recording("ops", fused_module.autotune_graph)
-fused_module.choose_program = recording("whole forward", fused_module.choose_program)
+pipeline.autotune_graph = recording("ops", pipeline.autotune_graph)
+pipeline.choose_program = recording("whole forward", pipeline.choose_program)
 models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
           for _ in range(2)]
 hftc.fuse(models, autotune=True)(torch.randn(3, 4)).sum().backward()

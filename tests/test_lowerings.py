@@ -30,9 +30,9 @@ from zoo import make_input
 import hftc
 import hftc.fused
 from hftc import ir
+from hftc.compile import autotune, check
+from hftc.compile.layout import sample_shapes
 from hftc.errors import FusionArgumentError, FusionError
-from hftc.lowering import autotune
-from hftc.lowering.layout import sample_shapes
 from hftc.runtime import conv as rt_conv
 from hftc.runtime import layout as rt_layout
 from hftc.runtime import linear as rt_linear
@@ -77,7 +77,7 @@ LINEARS = [
 
 def named_in_source(lowering: str, source: str) -> bool:
     """Whether the generated code names ``lowering``: a call's ``lowering=``, or one of a
-    linear chain's ``lowerings=(...)`` (hftc.lowering.chains)."""
+    linear chain's ``lowerings=(...)`` (hftc.compile.chains)."""
     return f"lowering = '{lowering}'" in source \
         or re.search(rf"lowerings = \([^)]*'{lowering}'", source) is not None
 
@@ -524,7 +524,7 @@ def _force_program(monkeypatch, loop: bool = True, layout: str | None = None):
                                      sample_shapes(values, batched))
         return how, autotune.LoweringChoice("<whole model>", "forward", how.name, "fused")
 
-    monkeypatch.setattr(hftc.fused, "choose_program", choose)
+    monkeypatch.setattr(hftc.compile.pipeline, "choose_program", choose)
 
 
 
@@ -564,7 +564,7 @@ def test_model_loop_of_one_model_copies_no_gradient(monkeypatch, cache_dir):
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
 def test_channels_last_inputs_keep_values_and_give_contiguous_outputs(stacked):
-    from hftc.lowering import layout
+    from hftc.compile import layout
 
     x = torch.randn(3, 2, 4, 5, 6) if stacked else torch.randn(2, 4, 5, 6)
     ids = torch.randint(0, 9, (2, 4, 5, 6))
@@ -654,7 +654,7 @@ def test_whole_forward_gradients_are_compared_in_norm(dtype):
     # wrong gradient over part of a tensor is not.
     torch.manual_seed(0)
     want = torch.randn(1000, dtype=dtype)
-    tol = autotune._gradient_tolerance(want)
+    tol = check.gradient_tolerance(want)
     drifted = want.clone()
     drifted[:3] += 0.1 * tol * want.abs().max()  # 0.1 tol of the largest, in 3 elements
     assert not autotune._same_gradients([drifted], [want])  # too far element by element
@@ -692,7 +692,7 @@ def test_a_model_with_a_group_norm_is_never_run_channels_last_on_the_cpu(functio
                                                                          cache_dir):
     # torch's CPU group-norm backward crashes the process (segfault) on a channels-last
     # input whose own gradient is not needed: autotune must not try that layout.
-    from hftc.lowering import layout
+    from hftc.compile import layout
 
     torch.manual_seed(0)
     models = [GroupNormFirst(functional) for _ in range(2)]

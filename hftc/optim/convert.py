@@ -68,6 +68,20 @@ def fuse_optimizers(fused: torch.nn.Module,
             ``ValueError``) for flags hftc cannot honour or optimizers that differ in
             ``fused``.
     """
+    n, sources = _fused_module(fused)
+    optimizers = list(optimizers)
+    fused_cls = _fused_class(optimizers, n)
+    fused_flag = _check_groups(optimizers, fused_cls)
+    names = _parameter_names(optimizers, sources, n)
+    by_name = dict(fused.named_parameters())
+    out = _construct(fused_cls, optimizers, names, by_name, fused_flag, n)
+    _import_state(out, optimizers, names, by_name)
+    return out
+
+
+def _fused_module(fused: torch.nn.Module) -> tuple[int, Sequence[dict[int, str]]]:
+    """N and, per model, ``id(parameter) -> fused name``; or a TypeError for a module
+    that is not fused."""
     n = getattr(fused, "num_models", None)
     sources = getattr(fused, "source_parameter_names", None)
     if n is None or sources is None:
@@ -75,7 +89,11 @@ def fuse_optimizers(fused: torch.nn.Module,
             f"fuse_optimizers needs a fused module (hftc.fuse(models)) with num_models "
             f"and source_parameter_names; got {type(fused).__name__}"
         )
-    optimizers = list(optimizers)
+    return n, sources
+
+
+def _fused_class(optimizers: list[torch.optim.Optimizer], n: int) -> type[FusedOptimizer]:
+    """The fused class of the N optimizers' one stock class."""
     if len(optimizers) != n:
         raise ValueError(
             f"fuse_optimizers got {len(optimizers)} optimizers for {n} fused models; "
@@ -93,7 +111,13 @@ def fuse_optimizers(fused: torch.nn.Module,
     if cls not in _FUSED_CLASS:
         supported = ", ".join(f"torch.optim.{c.__name__}" for c in _FUSED_CLASS)
         raise TypeError(f"fuse_optimizers does not support {cls.__name__}; supported: {supported}")
-    fused_cls = _FUSED_CLASS[cls]
+    return _FUSED_CLASS[cls]
+
+
+def _check_groups(optimizers: list[torch.optim.Optimizer],
+                  fused_cls: type[FusedOptimizer]) -> bool:
+    """Refuse param groups one fused optimizer cannot continue; returns the optimizers'
+    one ``fused`` flag."""
     for i, opt in enumerate(optimizers):
         if len(opt.param_groups) != len(optimizers[0].param_groups):
             raise ValueError(
@@ -116,8 +140,12 @@ def fuse_optimizers(fused: torch.nn.Module,
             f"fuse_optimizers: the optimizers' fused flags differ ({flags}); the fused "
             f"optimizer runs one implementation for all N models: build them all with "
             f"fused=True or all without")
+    return fused_flag.pop()
 
-    # names[i][k]: model i's group k, as fused parameter names.
+
+def _parameter_names(optimizers: list[torch.optim.Optimizer],
+                     sources: Sequence[dict[int, str]], n: int) -> list[list[list[str]]]:
+    """``names[i][k]``: model i's group k, as fused parameter names (the same for all i)."""
     names = [[_fused_names(i, g, sources[i]) for g in opt.param_groups]
              for i, opt in enumerate(optimizers)]
     for i in range(1, n):
@@ -131,8 +159,14 @@ def fuse_optimizers(fused: torch.nn.Module,
                     f"(only in 0: {only_0}; only in {i}: {only_i}); every model's optimizer "
                     f"must cover the same parameters"
                 )
-    by_name = dict(fused.named_parameters())
+    return names
 
+
+def _construct(fused_cls: type[FusedOptimizer], optimizers: list[torch.optim.Optimizer],
+               names: list[list[list[str]]], by_name: dict[str, torch.nn.Parameter],
+               fused_flag: bool, n: int) -> FusedOptimizer:
+    """The fused optimizer, with model i's hyper-parameters (and its group's other keys)
+    in ``param_groups[i]``."""
     def values(k: int) -> dict[str, list[Any]]:
         """Group k's hyper-parameters, one value per model.  A key missing from some group
         (an optimizer pickled by an older torch) takes the default."""
@@ -150,13 +184,19 @@ def fuse_optimizers(fused: torch.nn.Module,
         params = [{"params": [by_name[name] for name in group],
                    **{key: v for key, v in values(k).items() if key != "lr" and v != hyper[key]}}
                   for k, group in enumerate(names[0])]
-    flags = {"fused": fused_flag.pop()} if "fused" in fused_cls._flags else {}
+    flags = {"fused": fused_flag} if "fused" in fused_cls._flags else {}
     out = fused_cls(params, num_models=n, **hyper, **flags)
     for i, opt in enumerate(optimizers):
         for key, value in opt.param_groups[0].items():
             if key not in _IGNORED_KEYS and key not in fused_cls._hyperparameters:
                 out.param_groups[i][key] = value
+    return out
 
+
+def _import_state(out: FusedOptimizer, optimizers: list[torch.optim.Optimizer],
+                  names: list[list[list[str]]], by_name: dict[str, torch.nn.Parameter]) -> None:
+    """Each stock optimizer's state (``step``, ``exp_avg``, ...) as slice i of the fused
+    optimizer's stacked state."""
     hp = out.hyperparameters()
     group_of = {id(p): k for p, k in zip(out.param_groups[0]["params"], out._group_of)}
     for i, opt in enumerate(optimizers):
@@ -169,7 +209,6 @@ def fuse_optimizers(fused: torch.nn.Module,
                 if not out.state[p]:
                     out._init_state(p, {**hp, **out._group_overrides[group_of[id(p)]]})
                 out._import_model_state(p, i, stock_state)
-    return out
 
 
 def _fused_names(model: int, group: dict[str, Any], source: dict[int, str]) -> list[str]:

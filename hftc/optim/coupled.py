@@ -11,9 +11,9 @@ would alone.  These do not: they reduce over a whole parameter, or over all of t
     Muon:       orthogonalize(P) for a 2-d P: a stacked bias [N, d] across the models
 
 so one model's step would depend on the others' and no error would say so.  ``import
-hftc`` wraps their ``add_param_group`` (which their constructors call for every group):
-a fused module's stacked parameter raises ``FusionArgumentError`` naming the parameter
-and what to use instead.
+hftc`` wraps their ``add_param_group`` (which their constructors call for every group;
+installed by :mod:`hftc.patches`): a fused module's stacked parameter raises
+``FusionArgumentError`` naming the parameter and what to use instead.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FusionArgumentError
-from ..utils import _FUSED_MODULES, _stacked_counts
+from ..runtime.modules import _FUSED_MODULES, _stacked_counts
 
 __all__: list[str] = []
 
@@ -110,8 +110,14 @@ def _refuse_stacked(optimizer: torch.optim.Optimizer, base: type,
             f"0): {_COUPLING[base](base.__name__)}")
 
 
-def _install(base: type) -> None:
-    stock_add_param_group = base.add_param_group
+#: torch's own ``add_param_group`` of each class, kept before any is replaced.
+_STOCK_ADD_PARAM_GROUP = {base: base.add_param_group for base in _COUPLING}
+
+
+def refusing_add_param_group(base: type) -> Any:
+    """``base.add_param_group`` that refuses stacked parameters (:mod:`hftc.patches`
+    installs it on each class of ``_COUPLING``)."""
+    stock_add_param_group = _STOCK_ADD_PARAM_GROUP[base]
 
     @functools.wraps(stock_add_param_group)
     def add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
@@ -123,8 +129,4 @@ def _install(base: type) -> None:
         f"``{base.__name__}.add_param_group`` as installed by ``import hftc``: a fused "
         f"module's stacked parameters raise ``FusionArgumentError`` (the update would "
         f"couple the models; see ``hftc/optim/coupled.py``); others: torch's own.")
-    base.add_param_group = add_param_group
-
-
-for _base in _COUPLING:
-    _install(_base)
+    return add_param_group

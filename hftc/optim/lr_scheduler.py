@@ -139,6 +139,3 @@ def _plateau_step_on_fused(self: Any, metrics: Any, epoch: Any = None) -> None:
             f"for all models; use hftc.optim.ReduceLROnPlateau(optimizer, ...), whose step "
             f"takes one metric per model and reduces each model's rate on its own plateau")
     return _torch_plateau_step(self, metrics, epoch)
-
-
-_torch_sched.ReduceLROnPlateau.step = _plateau_step_on_fused

@@ -29,7 +29,7 @@ paths, which compute the same numbers, except that the encoder's nested-tensor
 path returns zeros at padded positions; :func:`encoder_nested_padding` makes
 that explicit and checks at run time, per model, whether PyTorch would have
 taken it (eval mode, no autograd, a left-aligned padding mask, ...).  The traced
-forwards live with the front-end that reads them (``hftc.trace.TRACEABLE_FORWARDS``);
+forwards live with the front-end that reads them (``hftc.frontends.symbolic.TRACEABLE_FORWARDS``);
 this file holds the rules.
 """
 
@@ -41,8 +41,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..frontends.symbolic import encoder_nested_padding
 from ..runtime import attention as rt_attention
-from ..trace import encoder_nested_padding
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 _MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",

@@ -59,7 +59,7 @@ class FusionRecord:
     reason: str = ""
     originals: list[str] = field(default_factory=list)
     #: The fused node that holds this node's value (``[N, ...]`` unless ``kind`` is
-    #: "shared"), for :func:`hftc.check.locate_difference`.
+    #: "shared"), for :func:`hftc.compile.check.locate_difference`.
     value: str = ""
 
 
@@ -70,9 +70,9 @@ class FusionReport:
     num_models: int
     records: list[FusionRecord]
     match_method: str = "trace order"
-    #: The lowerings ``autotune=True`` chose (hftc.lowering.autotune.LoweringChoice).
+    #: The lowerings ``autotune=True`` chose (hftc.compile.autotune.LoweringChoice).
     lowerings: list[Any] = field(default_factory=list)
-    #: The first-call check against the models' own forward (hftc.check.CheckResult).
+    #: The first-call check against the models' own forward (hftc.compile.check.CheckResult).
     check: Any = None
 
     @property

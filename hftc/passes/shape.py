@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import ir
 from ..ir import EXAMPLE_VALUE
+from ..runtime import guards as rt_guards
 from ..runtime import layout as rt_layout
 from ..runtime import spatial as rt_spatial
 from ..runtime.spatial import shift_dim
@@ -317,3 +318,10 @@ def fuse_getitem(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         return builder.copy(group, batched=batched)
     _index_is_fusable(group, builder)
     return builder.call(rt_spatial.getitem, group.args[0], group.args[1])
+
+
+@rule(("call_function", rt_guards.check_input_shape))
+def fuse_check_input_shape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """The export front-end's guard: a stacked input's fixed sizes sit after its model dim."""
+    x, shape, name = group.args[:3]
+    return builder.call(rt_guards.check_input_shape, x, shape, name, offset=1, batched=False)

@@ -7,7 +7,7 @@
              one conv2d with N*g groups on [B, N*Cin, H, W] (or another lowering)
 
 ``conv_lowerings`` lists the ways to run one (the cost model's choice first); autotune
-times them (:mod:`hftc.lowering.autotune`).  ``x_batched=False``: one input shared by
+times them (:mod:`hftc.compile.autotune`).  ``x_batched=False``: one input shared by
 all models (a sweep's first layer).
 """
 
@@ -63,7 +63,7 @@ def conv_lowerings(
     im2col; grouped convs with few input channels per group and large kernels, and
     those whose map arrives channels-last and outsizes their weight, in channels-last
     memory; every other conv as one grouped (or shared) conv.
-    ``hftc.fuse(..., autotune=True)`` times the rest (:mod:`hftc.lowering.autotune`).
+    ``hftc.fuse(..., autotune=True)`` times the rest (:mod:`hftc.compile.autotune`).
     """
     two_d = spatial == 2 and padding_mode == "zeros"
     has_batch = x.dim() == spatial + 2 + x_batched
@@ -193,7 +193,7 @@ def _check_lowering(op: str, lowering: str | None, names: list[str]) -> str:
     if lowering not in names:
         raise FusionError(
             f"lowering {lowering!r} does not apply to this {op}; it can run as {names} "
-            f"(an autotune cache written for other shapes? delete it, see hftc.lowering.autotune)"
+            f"(an autotune cache written for other shapes? delete it, see hftc.compile.autotune)"
         )
     return lowering
 

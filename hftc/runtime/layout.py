@@ -13,7 +13,7 @@ a free ``reshape``::
 Elementwise ops preserve strides, so a chain of conv -> batch norm -> relu -> conv
 never copies between the layers.  The channels-last questions (``is_channels_last``,
 oneDNN's unsafe strided 1x1 convolutions) are here too; *whether* a program runs
-channels-last is chosen by :mod:`hftc.lowering.layout`.
+channels-last is chosen by :mod:`hftc.compile.layout`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ and chains of them as one autograd node.
              lowering of ``linear_lowerings``: gemm, einsum, loop, ...)
 
 A chain of batched linears and the ReLUs between them (rewritten by
-:func:`hftc.lowering.chains.chain_linears`) runs as one ``autograd.Function``::
+:func:`hftc.compile.chains.chain_linears`) runs as one ``autograd.Function``::
 
     before:  h = linear(x, W1, b1); h = relu(h); h = linear(h, W2, b2)   (2 Functions + ReLU)
     after:   y = linear_chain(x, (W1, W2), (b1, b2), activations=('relu',), lowerings=(...))

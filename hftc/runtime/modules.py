@@ -9,12 +9,17 @@ at its path (it computes nothing: the fused graph reads its tensors and its
 lends its hyper-parameters to a rule.
 
 This module holds the tree's classes; :mod:`hftc.stacking` builds the tree (it compares
-the models, which the runtime does not).
+the models, which the runtime does not).  It also knows which parameters are stacked (their
+mark, the live fused modules): what torch's clipping as patched by :mod:`hftc.patches` and
+the refusals of coupling optimizers ask.
 """
 
 from __future__ import annotations
 
-from torch import nn
+import weakref
+from collections.abc import Sequence
+
+from torch import Tensor, nn
 
 from ..errors import UnsupportedOperatorError
 
@@ -103,3 +108,50 @@ class StackedModule(ContainerAccess, nn.Module):
             f"a StackedModule ({self.source_type}) holds stacked tensors for the fused graph; "
             f"call the FusedModule, not its submodules"
         )
+
+
+# --------------------------------------------------------------------------- stacked parameters
+
+#: The attribute that marks a fused module's stacked parameters (``FusedModule`` sets it
+#: to N): what ``torch.nn.utils.clip_grad_norm_`` clips per model.  An attribute of the
+#: tensor, so deepcopy, pickling and ``.to()`` keep it.
+STACKED_MARK = "_hftc_num_models"
+
+
+#: The live fused modules (weakly): their parameters are stacked whatever their marks say
+#: (``load_state_dict(..., assign=True)`` puts in new Parameter objects), and the gradients
+#: torch's two-step clipping gets carry no mark of their own.  Modules, not their
+#: tensors: ``torch.utils.swap_tensors`` (``.to()`` under
+#: ``torch.__future__.set_swap_module_params_on_conversion(True)``, ``load_state_dict``)
+#: refuses a tensor that has a weak reference.
+_FUSED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def register_fused(module: nn.Module) -> None:
+    """Count ``module``'s parameters as stacked from now on (``FusedModule`` calls it)."""
+    _FUSED_MODULES.add(module)
+
+
+def _live_stacked() -> dict[int, tuple[Tensor, int]]:
+    """``id(parameter) -> (parameter, N)`` for every live fused module's parameters."""
+    return {id(p): (p, module.num_models) for module in list(_FUSED_MODULES)
+            for p in module.parameters()}
+
+
+def _num_models(p: Tensor, live: dict[int, tuple[Tensor, int]] | None = None) -> int | None:
+    """N where ``p`` is a fused module's stacked parameter, else ``None``."""
+    mark = getattr(p, STACKED_MARK, None)
+    if mark is not None:
+        return mark
+    entry = (live if live is not None else _live_stacked()).get(id(p))
+    return None if entry is None or entry[0] is not p else entry[1]
+
+
+def _stacked_counts(params: Sequence[Tensor]) -> list[int | None]:
+    live = None if all(_num_models(p, {}) is not None for p in params) else _live_stacked()
+    return [_num_models(p, live) for p in params]
+
+
+def mark_stacked(p: Tensor, num_models: int) -> None:
+    """Mark ``p`` as a fused module's stacked ``[N, ...]`` parameter (see ``STACKED_MARK``)."""
+    setattr(p, STACKED_MARK, num_models)

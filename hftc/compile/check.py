@@ -41,11 +41,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import ir
-from .errors import plain_message
-from .lowering.autotune import input_copies, preserved_state
+from .. import ir
+from ..errors import plain_message
 
 aten = torch.ops.aten
 
@@ -186,7 +186,56 @@ def _rng_states() -> list[Tensor]:
     return states
 
 
+# ------------------------------------------------------------------ runs the caller does not see
+
+
+@contextlib.contextmanager
+def preserved_state(module: torch.nn.Module) -> Iterator[None]:
+    """Leave ``module``'s buffers and the RNG as they were: tuning runs the model's ops
+    (batch norm updates its running statistics, dropout draws numbers), and what a
+    user's model computes must not depend on whether it was tuned."""
+    saved = [(b, b.clone()) for b in module.buffers()]
+    cpu_rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def input_copies(values: Sequence[Any]) -> list[Any]:
+    """The inputs' tensors copied (one copy per tensor, however often it is passed), for
+    runs the caller does not see (tuning, the first-call check): a forward that writes
+    into its input (``x.mul_(2)``) must write into the caller's once, in the call."""
+    memo: dict[int, Tensor] = {}
+
+    def copy(t: Any) -> Any:
+        if not isinstance(t, Tensor):
+            return t
+        if id(t) not in memo:
+            memo[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
+        return memo[id(t)]
+
+    return [pytree.tree_map(copy, v) for v in values]
+
+
 # --------------------------------------------------------------------------- comparing
+
+# The comparison tolerances, all three here: the fused program's outputs against the
+# models' (:func:`tolerance`), and autotune's candidates against the default lowering
+# (:func:`lowering_tolerance`) and the fused program's gradients (:func:`gradient_tolerance`).
+
+
+def _tf32(t: Tensor) -> bool:
+    """TF32 (cuDNN's default for float32 convolutions on a GPU) rounds products' inputs to
+    10 mantissa bits: a grouped conv and N separate ones then differ at ~1e-3."""
+    return t.is_cuda and (torch.backends.cuda.matmul.allow_tf32
+                          or torch.backends.cudnn.allow_tf32)
 
 
 def tolerance(t: Tensor, low_precision: bool = False) -> float:
@@ -197,10 +246,29 @@ def tolerance(t: Tensor, low_precision: bool = False) -> float:
         return 5e-2
     if t.dtype == torch.float64 or t.dtype == torch.complex128:
         return 1e-6
-    if t.is_cuda and (torch.backends.cuda.matmul.allow_tf32
-                      or torch.backends.cudnn.allow_tf32):
-        return 1e-2  # TF32 rounds products' inputs to 10 mantissa bits
+    if _tf32(t):
+        return 1e-2
     return 1e-3
+
+
+def lowering_tolerance(t: Tensor) -> float:
+    """How far (element by element, relative to the largest) two lowerings of one op may
+    differ on ``t``'s dtype and device (autotune rejects a candidate further off)."""
+    if t.dtype == torch.float64:
+        return 1e-9
+    if t.dtype == torch.float32:
+        return 1e-2 if _tf32(t) else 1e-4
+    return 2e-2
+
+
+def gradient_tolerance(t: Tensor) -> float:
+    """How far (relative, in norm) a whole forward's parameter gradients may be from the
+    fused program's on ``t``'s dtype and device (autotune's whole-program candidates)."""
+    if t.dtype == torch.float64:
+        return 1e-7
+    if t.dtype == torch.float32 and not _tf32(t):
+        return 1e-2
+    return 5e-2
 
 
 def _tensor_difference(got: Tensor, want: Tensor, where: str, shapes_only: bool,

@@ -34,7 +34,7 @@ import platform
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +51,7 @@ from ..runtime import linear as rt_linear
 from ..runtime.memory import peak_memory
 from ..runtime.model_loop import ModelLoop, plain_output
 from . import layout
+from .check import gradient_tolerance, input_copies, lowering_tolerance, preserved_state
 
 #: Tunable kernels -> the function listing their lowerings (cost model's first).
 TUNABLE: dict[Callable[..., Any], Callable[..., list[str]]] = {
@@ -215,25 +216,11 @@ def _describe(value: Any) -> Any:
 # --------------------------------------------------------------------------- timing
 
 
-def _tolerance(t: Tensor) -> float:
-    """How far two lowerings of one op may differ on ``t``'s dtype and device."""
-    if t.dtype == torch.float64:
-        return 1e-9
-    if t.dtype == torch.float32:
-        # TF32 (cuDNN's default for fp32 convolutions on a GPU) rounds the inputs to 10
-        # mantissa bits: a grouped conv and N separate ones then differ at ~1e-3.
-        if t.is_cuda and (torch.backends.cudnn.allow_tf32
-                          or torch.backends.cuda.matmul.allow_tf32):
-            return 1e-2
-        return 1e-4
-    return 2e-2
-
-
 def _same(a: Tensor, b: Tensor) -> bool:
     if a.shape != b.shape:
         return False
     scale = b.abs().max().item() + 1.0 if b.numel() else 1.0
-    return b.numel() == 0 or (a - b).abs().max().item() <= _tolerance(b) * scale
+    return b.numel() == 0 or (a - b).abs().max().item() <= lowering_tolerance(b) * scale
 
 
 def _sync(device: torch.device) -> None:
@@ -406,44 +393,6 @@ def autotune_graph(graph: fx.Graph, module: torch.nn.Module, inputs: Sequence[An
                 if last_use.get(source) is node:
                     del env[source]
     return choices
-
-
-# --------------------------------------------------------------------------- state
-
-
-@contextlib.contextmanager
-def preserved_state(module: torch.nn.Module) -> Iterator[None]:
-    """Leave ``module``'s buffers and the RNG as they were: tuning runs the model's ops
-    (batch norm updates its running statistics, dropout draws numbers), and what a
-    user's model computes must not depend on whether it was tuned."""
-    saved = [(b, b.clone()) for b in module.buffers()]
-    cpu_rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-        torch.random.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-
-
-def input_copies(values: Sequence[Any]) -> list[Any]:
-    """The inputs' tensors copied (one copy per tensor, however often it is passed), for
-    runs the caller does not see (tuning, the first-call check): a forward that writes
-    into its input (``x.mul_(2)``) must write into the caller's once, in the call."""
-    memo: dict[int, Tensor] = {}
-
-    def copy(t: Any) -> Any:
-        if not isinstance(t, Tensor):
-            return t
-        if id(t) not in memo:
-            memo[id(t)] = t.detach().clone().requires_grad_(t.requires_grad)
-        return memo[id(t)]
-
-    return [pytree.tree_map(copy, v) for v in values]
 
 
 # --------------------------------------------------------------------------- the whole model
@@ -626,19 +575,9 @@ def _same_gradients(grads: Sequence[Tensor | None], want: Sequence[Tensor | None
         (a is None) == (b is None) and (a is None or _same(a, b)) for a, b in zip(grads, want))
 
 
-def _gradient_tolerance(t: Tensor) -> float:
-    """How far (norm-wise, relative) a whole forward's parameter gradients may be from
-    the fused program's on ``t``'s dtype and device (:func:`_close_gradients`)."""
-    if t.dtype == torch.float64:
-        return 1e-7
-    if t.dtype == torch.float32 and _tolerance(t) <= 1e-4:  # not TF32
-        return 1e-2
-    return 5e-2
-
-
 def _close_gradients(grads: Sequence[Tensor | None], want: Sequence[Tensor | None]) -> bool:
     """Whole-forward candidates' parameter gradients against the fused program's: each
-    within :func:`_gradient_tolerance` of it in norm, relative to its norm.
+    within :func:`~hftc.compile.check.gradient_tolerance` of it in norm, relative to its norm.
 
     Not element by element, as for one op (:func:`_same_gradients`): two equal programs
     that round differently drift apart through a deep network, and most of all in the
@@ -651,7 +590,7 @@ def _close_gradients(grads: Sequence[Tensor | None], want: Sequence[Tensor | Non
         if a.shape != b.shape:
             return False
         diff, norm = (a - b).double().norm().item(), b.double().norm().item()
-        return diff <= _gradient_tolerance(b) * norm or diff == 0.0
+        return diff <= gradient_tolerance(b) * norm or diff == 0.0
 
     return len(grads) == len(want) and all(
         (a is None) == (b is None) and (a is None or close(a, b)) for a, b in zip(grads, want))
@@ -756,5 +695,5 @@ def _pick_program(times: dict[str, float], peaks: dict[str, int | None]) -> str:
 
 
 __all__ = ["LoweringChoice", "ProgramChoice", "TUNABLE", "autotune_graph", "cache_path",
-           "choose_program", "cost_model_graph", "device_key", "preserved_state",
-           "input_copies", "program_candidates", "run_program", "tune_call"]
+           "choose_program", "cost_model_graph", "device_key",
+           "program_candidates", "run_program", "tune_call"]

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import FusionArgumentError, MismatchError
+from ..errors import FusionArgumentError, MismatchError
 
 #: A module's registries: only modules and tensors, which ``copy.deepcopy`` copies.
 _REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})

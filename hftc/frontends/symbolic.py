@@ -33,9 +33,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointFunction
 
-from .closures import rebind_functions
-from .errors import FusionError, TraceError, UnsupportedOperatorError, plain_message
-from .ir import (
+from ..errors import FusionError, TraceError, UnsupportedOperatorError, plain_message
+from ..ir import (
     CONSTANT_INPUTS,
     EXAMPLE_VALUE,
     PYTHON_STATE,
@@ -44,7 +43,8 @@ from .ir import (
     enter_autocast,
     exit_autocast,
 )
-from .runtime import attention as rt_attention
+from ..runtime import attention as rt_attention
+from .closures import rebind_functions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -880,7 +880,7 @@ def deepcopy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn
     module (``activation=nn.GELU()``, in ``_modules``): a deep copy then ran ReLU.
 
     The functions its modules hold are rebound to the copy's modules
-    (:func:`hftc.closures.rebind_functions`): deepcopy keeps a function as it is, and a
+    (:func:`hftc.frontends.closures.rebind_functions`): deepcopy keeps a function as it is, and a
     copy of minGPT's block called the original's MLP through ``self.mlpf``."""
     memo = {} if memo is None else memo
     copied = copy.deepcopy(module, memo)
@@ -969,7 +969,7 @@ def annotate_example_values(
         with torch.no_grad():
             recorder.run(*_to_meta(args))
         return
-    except FusionError:  # a guard of the graph (hftc.export) rejected the inputs: says why
+    except FusionError:  # an export guard (runtime/guards.py) rejected the inputs: says why
         raise
     except Exception as exc:
         meta_error = exc
@@ -987,7 +987,7 @@ def annotate_example_values(
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             recorder.run(*args)
     except Exception as exc:
-        from .match import describe_node  # (match reads graphs this module makes)
+        from ..match import describe_node  # (match reads graphs this module makes)
 
         node = recorder.failed or failed_on_meta
         where = f" at {describe_node(node, template)}" if node is not None else ""

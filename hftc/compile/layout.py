@@ -12,7 +12,7 @@ no permute between consecutive convolutions.  On a CPU core, oneDNN's
 convolutions run MobileNetV2 at 32x32 about 1.2x faster per model that way and
 ResNet-18 a little slower (measured), so it is not a default: ``hftc.fuse(...,
 autotune=True)`` times the fused program and the whole-model loop in both
-layouts (:func:`hftc.lowering.autotune.choose_program`) and keeps the fastest.
+layouts (:func:`hftc.compile.autotune.choose_program`) and keeps the fastest.
 
 Values are unchanged (only strides move), and so are the program's results,
 save the summation order inside the convolutions; outputs are returned

@@ -67,80 +67,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .errors import FusionArgumentError, TraceError, plain_message
-from .passes.registry import FusionGroup, GraphBuilder, rule
-from .trace import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
+from ..errors import TraceError, plain_message
+from ..runtime.guards import check_input_shape, check_input_structure, check_input_value
+from .symbolic import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
 
 aten = torch.ops.aten
 
 #: ``node.meta`` keys carried from the exported graph (module path, source line).
 _KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
-
-
-# --------------------------------------------------------------------------- run-time guards
-
-
-def check_input_shape(x: Any, shape: tuple, name: str, offset: int = 0) -> None:
-    """Raise unless ``x`` has the rank and the fixed sizes the model was exported with.
-
-    ``shape`` has an int for every dim export fixed, ``None`` for free symbolic
-    ones and ``(low, high)`` for bounded ones (``None`` for no bound); ``offset``
-    skips leading model dims (1 for an input stacked per model).
-    """
-    if not isinstance(x, torch.Tensor):
-        raise FusionArgumentError(
-            f"input `{name}` was a tensor in example_inputs but is a {type(x).__name__} now; "
-            f"fuse again with example_inputs of this kind"
-        )
-    got = tuple(x.shape[offset:])
-
-    def fits(want: Any, size: int) -> bool:
-        if isinstance(want, tuple):
-            return (want[0] is None or size >= want[0]) and (want[1] is None or size <= want[1])
-        return want is None or want == size
-
-    if len(got) != len(shape) or not all(fits(s, g) for s, g in zip(shape, got)):
-        want = "[" + ", ".join(
-            "*" if s is None else f"{s[0] or ''}..{s[1] or ''}" if isinstance(s, tuple)
-            else str(s) for s in shape) + "]"
-        raise FusionArgumentError(
-            f"input `{name}` has shape {list(got)}, but the models were exported (torch.export, "
-            f"from example_inputs) with shape {want}: the sizes given as numbers were fixed by "
-            f"the model's code or by the example (export specialises sizes 0 and 1, so give "
-            f"example inputs with a batch size of at least 2). Call with that shape, or fuse "
-            f"again with example_inputs of the new shape."
-        )
-
-
-@rule(("call_function", check_input_shape))
-def fuse_check_input_shape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """A stacked input's fixed sizes sit after its model dim."""
-    x, shape, name = group.args[:3]
-    return builder.call(check_input_shape, x, shape, name, offset=1, batched=False)
-
-
-def check_input_value(value: Any, expected: Any, name: str) -> None:
-    """Raise unless a Python input (an int, a flag, ``None``) is what export baked in."""
-    same = value is expected if expected is None else (
-        type(value) is type(expected) and value == expected
-    )
-    if not same:
-        raise FusionArgumentError(
-            f"input `{name}` is {value!r}, but the models were exported (torch.export, from "
-            f"example_inputs) with {expected!r}, which their graph has baked in; fuse again "
-            f"with example_inputs holding {value!r}"
-        )
-
-
-def check_input_structure(value: Any, expected: str, name: str) -> None:
-    """Raise unless a structured input (a tuple of tensors, None) has the example's structure."""
-    got = str(pytree.tree_structure(value))
-    if got != expected:
-        raise FusionArgumentError(
-            f"input `{name}` has structure {got}, but the models were exported (torch.export, "
-            f"from example_inputs) with {expected}; fuse again with example_inputs of this "
-            f"structure"
-        )
 
 
 # --------------------------------------------------------------------------- exporting
@@ -212,7 +146,7 @@ def _quiet() -> Any:
 @contextlib.contextmanager
 def _traceable_forwards(model: nn.Module) -> Iterator[None]:
     """While exporting, the modules the symbolic front-end traces through with a forward of
-    the same math (:data:`hftc.trace.TRACEABLE_FORWARDS`) run that forward here too.
+    the same math (:data:`hftc.frontends.symbolic.TRACEABLE_FORWARDS`) run that forward here too.
 
     ``nn.TransformerEncoder.forward`` asks whether a mask is causal by comparing its
     values (``_detect_is_causal_mask``), which torch.export cannot follow: the word
@@ -629,18 +563,55 @@ def normalize_exported(
     positional input, then one per keyword input); parameters, buffers and tensor
     constants are ``get_attr`` nodes of their original names; every ATen op is
     spelled as the symbolic front-end would have seen it.  The returned
-    ``GraphModule`` is rooted at the model's own tensors (no copies).
+    ``GraphModule`` is rooted at the model's own tensors (no copies).  In four steps::
+
+        exported placeholders (USER_INPUT) -> user inputs + their guards   (_emit_inputs)
+        exported placeholders (the rest)   -> get_attr of the model's names (_emit_attributes)
+        ATen ops                           -> torch / F / Tensor calls      (_emit_ops)
+        exported output                    -> the model's output structure  (_emit_outputs)
     """
-    signature = program.graph_signature
-    kinds = torch.export.graph_signature.InputKind
-    specs = {s.arg.name: s for s in signature.input_specs if hasattr(s.arg, "name")}
-    graph = fx.Graph()
-    e = _Emitter(graph)
-    env: dict[fx.Node, Any] = {}
-    attrs: dict[str, Any] = {}
-    lifted = 0
-    # 1. The user's inputs, one placeholder per top-level input, parts read off by key path.
-    names = _input_names(model, args, kwargs)
+    n = _Normalizing(program, model, index)
+    _emit_inputs(n, args, kwargs)
+    _emit_attributes(n)
+    _emit_ops(n)
+    _emit_outputs(n)
+    n.graph.lint()
+    return fx.GraphModule(n.attrs, n.graph, class_name=type(model).__name__)
+
+
+class _Normalizing:
+    """What :func:`normalize_exported`'s steps share: the graph being built, the exported
+    node -> new value map, the module's attributes, the device of the first tensor input."""
+
+    def __init__(self, program: torch.export.ExportedProgram, model: nn.Module,
+                 index: int) -> None:
+        self.program, self.model, self.index = program, model, index
+        self.kinds = torch.export.graph_signature.InputKind
+        self.specs = {s.arg.name: s for s in program.graph_signature.input_specs
+                      if hasattr(s.arg, "name")}
+        self.graph = fx.Graph()
+        self.e = _Emitter(self.graph)
+        self.env: dict[fx.Node, Any] = {}
+        self.attrs: dict[str, Any] = {}
+        self.device_ref: fx.Node | None = None
+        self.example_device: torch.device | None = None
+        self._device: fx.Node | None = None
+
+    def is_user_input(self, node: fx.Node) -> bool:
+        return node.op == "placeholder" and self.specs[node.name].kind == self.kinds.USER_INPUT
+
+    def device_node(self) -> fx.Node:
+        """``x.device`` of the first tensor input, made once, where first needed."""
+        if self._device is None:
+            self._device = self.e.call(getattr, self.device_ref, "device")
+        return self._device
+
+
+def _emit_inputs(n: _Normalizing, args: tuple, kwargs: dict) -> None:
+    """The user's inputs, one placeholder per top-level input, parts read off by key path,
+    each checked against what export fixed (runtime/guards.py)."""
+    program, graph, e = n.program, n.graph, n.e
+    names = _input_names(n.model, args, kwargs)
     tops: dict[tuple, fx.Node] = {}
     for k, name in enumerate(names):
         tops[(0, k)] = graph.placeholder(name)
@@ -656,17 +627,7 @@ def normalize_exported(
         label = names[k] if top_key[0] == 0 else str(k)
         if not isinstance(top_value, torch.Tensor):
             e.call(check_input_structure, top_node, str(pytree.tree_structure(top_value)), label)
-    user_inputs = [n for n in program.graph.nodes if n.op == "placeholder"
-                   and specs[n.name].kind == kinds.USER_INPUT]
-    device_ref: fx.Node | None = None
-    example_device = None
-    made_device: list[fx.Node] = []
-
-    def device_node(e: _Emitter) -> fx.Node:
-        if not made_device:
-            made_device.append(e.call(getattr, device_ref, "device"))
-        return made_device[0]
-
+    user_inputs = [node for node in program.graph.nodes if n.is_user_input(node)]
     for node, path, example in zip(user_inputs, leaf_paths, example_leaves):
         top = (path[0].idx, path[1].idx if isinstance(path[1], pytree.SequenceKey)
                else path[1].key)
@@ -675,33 +636,41 @@ def normalize_exported(
         if isinstance(example, torch.Tensor):
             shape = _exported_shape(node.meta["val"], program.range_constraints)
             e.call(check_input_shape, value, shape, label)
-            if device_ref is None:
-                device_ref, example_device = value, example.device
+            if n.device_ref is None:
+                n.device_ref, n.example_device = value, example.device
         else:
             e.call(check_input_value, value, example, label)
-        env[node] = value
-    # 2. Parameters, buffers and constants: get_attr of the names the user knows.
-    for node in program.graph.nodes:
-        if node.op != "placeholder" or specs[node.name].kind == kinds.USER_INPUT:
+        n.env[node] = value
+
+
+def _emit_attributes(n: _Normalizing) -> None:
+    """Parameters, buffers and constants: get_attr of the names the user knows."""
+    lifted = 0
+    for node in n.program.graph.nodes:
+        if node.op != "placeholder" or n.is_user_input(node):
             continue
-        spec = specs[node.name]
+        spec = n.specs[node.name]
         target = spec.target
-        if spec.kind in (kinds.CONSTANT_TENSOR, kinds.CUSTOM_OBJ):
-            value = program.constants[target]
+        if spec.kind in (n.kinds.CONSTANT_TENSOR, n.kinds.CUSTOM_OBJ):
+            value = n.program.constants[target]
             try:
-                owned = _get_path(model, target)
+                owned = _get_path(n.model, target)
             except AttributeError:
                 owned = None
             if owned is not value:  # created in forward: not an attribute of the model
                 target = f"_hftc_lifted_{lifted}"
                 lifted += 1
-            attrs[target] = value
+            n.attrs[target] = value
         else:
-            attrs[target] = _get_path(model, target)
-        e.source = node
-        env[node] = e._made(graph.get_attr(target))
-    # 3. The ops.
-    for node in program.graph.nodes:
+            n.attrs[target] = _get_path(n.model, target)
+        n.e.source = node
+        n.env[node] = n.e._made(n.graph.get_attr(target))
+
+
+def _emit_ops(n: _Normalizing) -> None:
+    """The ATen ops, each in the spelling the symbolic front-end would have seen."""
+    e, env, index, model = n.e, n.env, n.index, n.model
+    for node in n.program.graph.nodes:
         if node.op != "call_function":
             continue
         target = node.target
@@ -722,9 +691,9 @@ def normalize_exported(
             )
         call_args = fx.node.map_arg(node.args, lambda a: env[a])
         call_kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
-        if device_ref is not None:
-            call_args, call_kwargs = _swap_device((call_args, call_kwargs), example_device,
-                                                  lambda: device_node(e))
+        if n.device_ref is not None:
+            call_args, call_kwargs = _swap_device((call_args, call_kwargs), n.example_device,
+                                                  n.device_node)
         try:
             env[node] = _convert(e, node, tuple(call_args), dict(call_kwargs))
         except Exception as exc:
@@ -732,22 +701,26 @@ def normalize_exported(
                 f"model {index} ({type(model).__name__}): cannot normalise exported node "
                 f"`{node.name}` ({node.target}) at {_where(node)}: {plain_message(exc)}"
             ) from exc
-    # 4. The outputs, in the model's own structure.
-    output = next(n for n in program.graph.nodes if n.op == "output")
+
+
+def _emit_outputs(n: _Normalizing) -> None:
+    """The outputs, in the model's own structure; buffer mutations as ``copy_``."""
+    program, graph, e, model = n.program, n.graph, n.e, n.model
+    output = next(node for node in program.graph.nodes if node.op == "output")
     out_kinds = torch.export.graph_signature.OutputKind
     flat = []
-    for spec, value in zip(signature.output_specs, output.args[0]):
-        mapped = env[value] if isinstance(value, fx.Node) else value
+    for spec, value in zip(program.graph_signature.output_specs, output.args[0]):
+        mapped = n.env[value] if isinstance(value, fx.Node) else value
         if spec.kind == out_kinds.USER_OUTPUT:
             flat.append(mapped)
         elif spec.kind == out_kinds.BUFFER_MUTATION:
             e.source = None
             e.method("copy_", graph.get_attr(spec.target), mapped)
-            attrs.setdefault(spec.target, _get_path(model, spec.target))
+            n.attrs.setdefault(spec.target, _get_path(model, spec.target))
         else:
             raise TraceError(
-                f"model {index} ({type(model).__name__}): the exported graph has an output of "
-                f"kind {spec.kind.name} ({spec.target}), which hftc cannot fuse"
+                f"model {n.index} ({type(model).__name__}): the exported graph has an output "
+                f"of kind {spec.kind.name} ({spec.target}), which hftc cannot fuse"
             )
     out_spec = program.call_spec.out_spec
     e.source = None
@@ -756,9 +729,6 @@ def normalize_exported(
     else:
         out = graph.output(tuple(flat))
         out.meta[OutputSpec.META_KEY] = OutputSpec(treespec=out_spec)
-    graph.lint()
-    gm = fx.GraphModule(attrs, graph, class_name=type(model).__name__)
-    return gm
 
 
 def _exported_shape(val: torch.Tensor, ranges: dict) -> tuple:

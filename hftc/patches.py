@@ -1,0 +1,49 @@
+"""What ``import hftc`` changes in torch: every patch, installed by one function.
+
+:func:`install` runs when hftc's core loads (``hftc/__init__.py``: at ``import hftc`` when
+torch is already imported, else right after torch's own import), so the patches are in
+place before any code can bind one of these torch names.  The replacements are defined
+beside the code they serve; this module only installs them (docs/API.md describes each)::
+
+    torch.nn.utils.clip_grad_norm_            a fused module's parameters: each model
+      (and torch.nn.utils.clip_grad's)        clipped by its own norm (hftc/utils.py)
+    torch.nn.utils.get_total_norm             the gradients of stacked parameters: the
+    torch.nn.utils.clip_grads_with_norm_      N norms, applied per model (hftc/utils.py)
+    torch.optim.swa_utils.update_bn           refused on a fused module (hftc/utils.py)
+    torch.optim.{LBFGS, Adafactor, Muon}      refused on stacked parameters: their update
+      .add_param_group                        couples the models (hftc/optim/coupled.py)
+    torch.optim.lr_scheduler                  N metrics for a fused optimizer: refused,
+      .ReduceLROnPlateau.step                 pointing to hftc.optim.ReduceLROnPlateau
+                                              (hftc/optim/lr_scheduler.py)
+
+Everything else is torch's own: on tensors that are not a fused module's, each
+replacement calls torch's original.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import utils
+from .optim import coupled, lr_scheduler
+
+_installed = False
+
+
+def install() -> None:
+    """Install every patch above (once; later calls do nothing)."""
+    global _installed
+    if _installed:
+        return
+    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+        module.clip_grad_norm_ = utils._clip_grad_norm_per_model
+        module.get_total_norm = utils._get_total_norm_per_model
+        module.clip_grads_with_norm_ = utils._clip_grads_with_norm_per_model
+    torch.optim.swa_utils.update_bn = utils._update_bn_refusing_fused
+    for base in coupled._COUPLING:
+        base.add_param_group = coupled.refusing_add_param_group(base)
+    torch.optim.lr_scheduler.ReduceLROnPlateau.step = lr_scheduler._plateau_step_on_fused
+    _installed = True
+
+
+__all__ = ["install"]
