@@ -50,7 +50,8 @@ bench: install
 
 # The wheel in a fresh venv next to the pinned torch (minutes: it installs torch there).
 check-wheel: install
-	scripts/check_wheel.sh $(PY)
+	HFTC_CHECK_WHEEL_SITE=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+		scripts/check_wheel.sh $(PY)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The package as a user installs it: build hftc's wheel, install it into a fresh venv that
 # already holds torch (the CPU build pinned in the Makefile, installed first so pip never
-# resolves torch itself: any other spec pulls GBs of CUDA), and check that the install kept
+# resolves torch itself: any other spec pulls GBs of CUDA; HFTC_CHECK_WHEEL_SITE=DIR links the
+# packages of the site-packages DIR in instead), and check that the install kept
 # that torch, that `hftc --help` answers without torch, and that `hftc bench` runs outside
 # the source checkout.  Usage: scripts/check_wheel.sh [PYTHON]  (default python3)
 set -euo pipefail
@@ -14,7 +15,21 @@ trap 'rm -rf "$work"' EXIT
 "$python" -m pip wheel -q --no-deps -w "$work/dist" "$root"
 "$python" -m venv "$work/venv"
 pip=("$work/venv/bin/python" -m pip install -q --disable-pip-version-check)
-"${pip[@]}" "$torch_spec"
+if [ -n "${HFTC_CHECK_WHEEL_SITE:-}" ]; then
+    # The torch a user already has, from another environment's site-packages (CI: the
+    # project's .venv), hard-linked in: unpacking the torch wheel again takes minutes.
+    # hftc's own editable install stays behind, so the wheel is what gets imported.
+    site=$("$work/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    for entry in "$HFTC_CHECK_WHEEL_SITE"/*; do
+        case $(basename "$entry") in
+            hftc*|__editable__*hftc*) continue ;;
+        esac
+        [ -e "$site/$(basename "$entry")" ] && continue  # the venv's own pip, setuptools
+        cp -al "$entry" "$site/" 2>/dev/null || cp -a "$entry" "$site/"
+    done
+else
+    "${pip[@]}" "$torch_spec"
+fi
 before=$("$work/venv/bin/python" -c "from importlib.metadata import version; print(version('torch'))")
 "${pip[@]}" "$work"/dist/hftc-*.whl
 after=$("$work/venv/bin/python" -c "from importlib.metadata import version; print(version('torch'))")
