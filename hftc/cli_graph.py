@@ -14,10 +14,10 @@ per-model loop), and grouped in one frame per block of the model (``layer1.0``,
 from __future__ import annotations
 
 import re
-import sys
 from typing import Any
 
 from .ir import EXAMPLE_VALUE, RULE, SOURCE
+from .runtime.tuning import lowerings_of
 
 _KINDS = {  # rule -> (legend text, fill colour)
     "fused": ("fused: one op for all N models", "lightblue"),
@@ -66,9 +66,7 @@ def _shape(value: Any) -> str:
 def _cost_model_lowering(node, root) -> str | None:
     """The lowering an hftc kernel (``conv.conv``) runs when autotune chose none: the
     first of its ``conv_lowerings(...)`` for the node's stacked weights and example input."""
-    kernel = node.target
-    lowerings = getattr(sys.modules.get(getattr(kernel, "__module__", "")),
-                        f"{getattr(kernel, '__name__', '')}_lowerings", None)
+    lowerings = lowerings_of(node.target)
     if lowerings is None or not node.args:
         return None
     n = next((a.shape[0] for a in _values(node.args[1:], root) if hasattr(a, "shape")), None)

@@ -66,6 +66,7 @@ from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
+from .passes.registry import per_model_table
 from .runtime.model_loop import ModelLoop
 from .runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
 from .stacking import build_module_tree
@@ -404,7 +405,8 @@ class FusedModule(ContainerAccess, nn.Module):
         graphs = self._trace(models, example_inputs, frontend)
         #: Which front-end traced the models: "symbolic" (torch.fx) or "export".
         self.frontend = "symbolic" if PYTHON_STATE in graphs[True][0].meta else "export"
-        matches = {mode: match_graphs(graphs[mode], models) for mode in (True, False)}
+        matches = {mode: match_graphs(graphs[mode], models, soft=per_model_table())
+                   for mode in (True, False)}
         #: (model index, attributes) of the first model whose forward changed plain
         #: Python attributes while traced (hftc.ir.PYTHON_STATE), or None.
         self._python_state = next(
@@ -748,7 +750,7 @@ class FusedModule(ContainerAccess, nn.Module):
             graphs = [trace_model(m, i, training=self.training, none_inputs=sorted(nones),
                                   constants=constants)
                       for i, m in enumerate(models)]
-            match = match_graphs(graphs, models)
+            match = match_graphs(graphs, models, soft=per_model_table())
             attr_targets = self._stack_constants(graphs, match)
             # Constants made now go where the module went (.to("cuda")) since fusing.
             device = next((t.device for t in self.parameters()), None)

@@ -21,6 +21,7 @@ from .errors import TraceError
 from .frontends.symbolic import trace_model
 from .fused import FusedModule, _check_models, _example_constants
 from .match import node_signature
+from .passes.registry import per_model_table
 
 
 def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> str:
@@ -39,9 +40,9 @@ def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> s
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         gm = export_model(model, index, training=model.training, args=args)
     position = {n: k for k, n in enumerate(gm.graph.nodes)}
-    parts = []
+    soft, parts = per_model_table(), []
     for node in gm.graph.nodes:
-        sig = node_signature(node, gm)
+        sig = node_signature(node, gm, soft)
         inputs = [position[a] for a in node.all_input_nodes]
         parts.append(repr((sorted(sig.items(), key=lambda kv: kv[0]), inputs)))
     return "\n".join(parts)

@@ -30,9 +30,10 @@ Algorithm (:func:`match_graphs`):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -53,31 +54,38 @@ _SLOT = "<tensor>"
 #: Stand-in for a scalar hyper-parameter that may differ per model.
 _PER_MODEL = "<per-model scalar>"
 
-#: Module hyper-parameters that may differ between models: the node still fuses, and
-#: its rule receives one value per model (HFTA and Hydro force these to be equal).
-SOFT_MODULE_ATTRIBUTES: list[tuple[type, tuple[str, ...]]] = [
-    (nn.modules.dropout._DropoutNd, ("p",)),
-    (nn.LeakyReLU, ("negative_slope",)),
-    (nn.ELU, ("alpha",)),
-    (nn.CELU, ("alpha",)),
-    (nn.modules.batchnorm._BatchNorm, ("momentum", "eps")),
-    (nn.modules.instancenorm._InstanceNorm, ("momentum", "eps")),
-    (nn.LayerNorm, ("eps",)),
-    (nn.GroupNorm, ("eps",)),
-    (nn.RMSNorm, ("eps",)),
-]
-#: Function arguments that may differ between models: ``{function: {position: keyword}}``.
-SOFT_FUNCTION_ARGUMENTS: dict[Any, dict[int, str]] = {
-    torch.nn.functional.dropout: {1: "p"},
-    torch.nn.functional.leaky_relu: {1: "negative_slope"},
-    torch.nn.functional.elu: {1: "alpha"},
-    torch.nn.functional.celu: {1: "alpha"},
-    torch.nn.functional.batch_norm: {6: "momentum", 7: "eps"},
-    torch.nn.functional.layer_norm: {4: "eps"},
-    torch.nn.functional.group_norm: {4: "eps"},
-    torch.nn.functional.rms_norm: {3: "eps"},
-    torch.nn.functional.scaled_dot_product_attention: {4: "dropout_p"},
-}
+@dataclass(frozen=True)
+class PerModelTable:
+    """Which hyper-parameters may differ between the models: the node still fuses, and its
+    rule receives one value per model (HFTA and Hydro force these to be equal).
+
+    The rules declare them (``@rule(..., per_model=...)``); :func:`hftc.passes.registry.
+    per_model_table` builds this table from the rule table and the callers of
+    :func:`match_graphs` pass it in.  The empty table (:data:`STRICT`) lets nothing differ.
+    """
+
+    #: ``(module class, attribute names)``: for every module that is an instance of the class.
+    modules: tuple[tuple[type, tuple[str, ...]], ...] = ()
+    #: ``{function: {position: keyword}}``
+    arguments: Mapping[Any, Mapping[int, str]] = dataclasses.field(default_factory=dict)
+    #: ``{function: defaults}``: the defaults of the positional arguments up to the last
+    #: per-model one, for functions torch records without trailing defaults:
+    #: ``F.scaled_dot_product_attention(q, k, v, dropout_p=0.0)`` arrives as ``(q, k, v)``,
+    #: with ``dropout_p=0.1`` as ``(q, k, v, None, 0.1)``; both are read as ``(q, k, v,
+    #: None, <per-model>)``.  (torch.export's graphs leave an argument at its default out:
+    #: ``LeakyReLU(0.01)`` against ``LeakyReLU(0.02)`` was ``(x,)`` against ``(x, 0.02)``.)
+    defaults: Mapping[Any, tuple] = dataclasses.field(default_factory=dict)
+
+    def module_attributes(self, module: nn.Module) -> tuple[str, ...]:
+        """The module's attributes that may differ per model (of every class it is an
+        instance of, so the table's order does not matter)."""
+        names = [name for cls, names in self.modules if isinstance(module, cls) for name in names]
+        return tuple(dict.fromkeys(names))
+
+
+#: Nothing may differ between the models.
+STRICT = PerModelTable()
+
 #: Arithmetic whose float constants may differ between models (a per-model scale).
 SCALAR_ARITHMETIC = {
     operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
@@ -86,36 +94,14 @@ SCALAR_ARITHMETIC = {
 }
 
 
-def soft_module_attributes(module: nn.Module) -> tuple[str, ...]:
-    for cls, names in SOFT_MODULE_ATTRIBUTES:
-        if isinstance(module, cls):
-            return names
-    return ()
-
-
-#: The defaults of the positional arguments up to the last per-model-able one, for the
-#: functions that torch records without trailing defaults: ``F.scaled_dot_product_attention(
-#: q, k, v, dropout_p=0.0)`` arrives as ``(q, k, v)``, with ``dropout_p=0.1`` as ``(q, k, v,
-#: None, 0.1)``; both are read as ``(q, k, v, None, <per-model>)``.
-SOFT_FUNCTION_DEFAULTS: dict[Any, tuple] = {
-    torch.nn.functional.scaled_dot_product_attention: (None, 0.0),  # attn_mask, dropout_p
-    # torch.export's graphs leave an argument at its default out: LeakyReLU(0.01) in
-    # model 0 against LeakyReLU(0.02) was (x,) against (x, 0.02), refused as structure
-    torch.nn.functional.leaky_relu: (0.01,),
-    torch.nn.functional.elu: (1.0,),
-    torch.nn.functional.celu: (1.0,),
-    torch.nn.functional.batch_norm: (None, None, False, 0.1, 1e-5),
-}
-
-
-def canonical_args(node: fx.Node) -> tuple:
-    """``node.args`` with the trailing defaults of :data:`SOFT_FUNCTION_DEFAULTS` filled in
-    up to the per-model-able position, where it is not given by keyword."""
+def canonical_args(node: fx.Node, soft: PerModelTable) -> tuple:
+    """``node.args`` with the trailing defaults of ``soft.defaults`` filled in up to the
+    per-model-able position, where it is not given by keyword."""
     args = tuple(node.args)
-    defaults = SOFT_FUNCTION_DEFAULTS.get(node.target) if node.op == "call_function" else None
+    defaults = soft.defaults.get(node.target) if node.op == "call_function" else None
     if defaults is None:
         return args
-    positions = SOFT_FUNCTION_ARGUMENTS[node.target]
+    positions = soft.arguments[node.target]
     last = max(positions)
     if len(args) > last or positions[last] in node.kwargs:
         return args
@@ -123,14 +109,14 @@ def canonical_args(node: fx.Node) -> tuple:
     return args + defaults[len(args) - first:] if len(args) >= first else args
 
 
-def _soft_argument_keys(node: fx.Node) -> dict[ArgKey, Any]:
+def _soft_argument_keys(node: fx.Node, soft: PerModelTable) -> dict[ArgKey, Any]:
     """``{ArgKey(position=1): value, ArgKey(keyword="p"): value}`` for the node's
     per-model-able scalars."""
     found: dict[ArgKey, Any] = {}
     if node.op not in ("call_function", "call_method"):
         return found
-    positions = SOFT_FUNCTION_ARGUMENTS.get(node.target, {})
-    args = canonical_args(node)
+    positions = soft.arguments.get(node.target, {})
+    args = canonical_args(node, soft)
     for pos, name in positions.items():
         if pos < len(args) and isinstance(args[pos], (int, float)):
             found[ArgKey(position=pos)] = args[pos]
@@ -143,15 +129,16 @@ def _soft_argument_keys(node: fx.Node) -> dict[ArgKey, Any]:
     return found
 
 
-def per_model_values(node: fx.Node, root: nn.Module) -> dict[str | ArgKey, Any]:
+def per_model_values(node: fx.Node, root: nn.Module,
+                     soft: PerModelTable) -> dict[str | ArgKey, Any]:
     """The node's hyper-parameters that are allowed to differ between models, by key.
 
     Keys: a module attribute name (``"p"``, ``"eps"``) or an argument (:class:`ArgKey`).
     """
-    values: dict[str | ArgKey, Any] = dict(_soft_argument_keys(node))
+    values: dict[str | ArgKey, Any] = dict(_soft_argument_keys(node, soft))
     if node.op == "call_module":
         module = root.get_submodule(node.target)
-        for name in soft_module_attributes(module):
+        for name in soft.module_attributes(module):
             values[name] = getattr(module, name)
     return values
 
@@ -199,17 +186,17 @@ def tensor_signature(t: torch.Tensor) -> TensorSignature:
     return TensorSignature(kind, tuple(t.shape), t.dtype, t.device.type, t.requires_grad)
 
 
-def module_hyperparameters(module: nn.Module) -> dict[str, Any]:
+def module_hyperparameters(module: nn.Module, soft: PerModelTable) -> dict[str, Any]:
     """The constructor hyper-parameters of a module, as a user would compare them.
 
     Public, simple-valued attributes (``in_channels``, ``kernel_size``,
     ``padding_mode`` ...).  Private attributes are derived from public ones and
     left out, and so are the scalars that may differ per model (``p``, ``eps``).
     """
-    soft = soft_module_attributes(module)
+    differing = soft.module_attributes(module)
     params = {
         k: _python_scalars(v) for k, v in vars(module).items()
-        if not k.startswith("_") and k != "training" and k not in soft
+        if not k.startswith("_") and k != "training" and k not in differing
     }
     return {k: v for k, v in sorted(params.items()) if _simple(v)}
 
@@ -226,9 +213,9 @@ def _python_scalars(value: Any) -> Any:
     return value
 
 
-def module_signature(module: nn.Module) -> dict[str, Any]:
+def module_signature(module: nn.Module, soft: PerModelTable) -> dict[str, Any]:
     sig: dict[str, Any] = {"class": type(module).__qualname__}
-    sig.update(module_hyperparameters(module))
+    sig.update(module_hyperparameters(module, soft))
     for name, p in module.named_parameters(recurse=False):
         sig[f"parameter `{name}`"] = tensor_signature(p)
     for name, b in module.named_buffers(recurse=False):
@@ -237,18 +224,18 @@ def module_signature(module: nn.Module) -> dict[str, Any]:
     # was overwritten, and models differing in it were fused with model 0's.
     sig["train/eval mode"] = "train" if module.training else "eval"
     if parametrize.is_parametrized(module):
-        sig.update(_parametrizations_signature(module))
+        sig.update(_parametrizations_signature(module, soft))
     return sig
 
 
-def _parametrizations_signature(module: nn.Module) -> dict[str, Any]:
+def _parametrizations_signature(module: nn.Module, soft: PerModelTable) -> dict[str, Any]:
     """A parametrized module's parametrizations (``weight_norm``, ``spectral_norm``, a
     user's ``Clamp(c)``), which run per model as model 0's code: each one's own
     :func:`module_signature`, so that models whose differ are refused, not run with model
     0's (spectral norm's ``n_power_iterations``, a clamp's bound, weight norm's ``dim``)."""
     return {f"parametrization `{path}` {key}" if path else f"parametrizations {key}": value
             for path, sub in module.parametrizations.named_modules()
-            for key, value in module_signature(sub).items()}
+            for key, value in module_signature(sub, soft).items()}
 
 
 def target_name(node: fx.Node) -> str:
@@ -289,31 +276,33 @@ def _fold_constant(value: Any) -> Any:
     return value
 
 
-def node_signature(node: fx.Node, root: nn.Module) -> dict[str, Any]:
-    """Everything about a node that must agree across models, as ``{attribute: value}``."""
+def node_signature(node: fx.Node, root: nn.Module,
+                   soft: PerModelTable) -> dict[str, Any]:
+    """Everything about a node that must agree across models, as ``{attribute: value}``
+    (``soft``: the hyper-parameters that may differ, left out)."""
     sig: dict[str, Any] = {"op": node.op}
     if node.op == "call_module":
-        sig.update(module_signature(root.get_submodule(node.target)))
+        sig.update(module_signature(root.get_submodule(node.target), soft))
     elif node.op == "get_attr":
         value = _get_attr(root, node.target)
         if isinstance(value, torch.Tensor):
             sig["attribute"] = tensor_signature(value)
         elif isinstance(value, nn.Module):
-            sig["attribute"] = module_signature(value)
+            sig["attribute"] = module_signature(value, soft)
         else:
             sig["attribute"] = repr(value)
     elif node.op in ("call_function", "call_method"):
         sig["target"] = target_name(node)
     if node.op != "placeholder":  # input names differ between codebases; order is what counts
-        sig["arguments"] = repr(_argument_skeleton(node))
+        sig["arguments"] = repr(_argument_skeleton(node, soft))
     return sig
 
 
-def _argument_skeleton(node: fx.Node) -> tuple[tuple, dict]:
+def _argument_skeleton(node: fx.Node, soft: PerModelTable) -> tuple[tuple, dict]:
     """``(args, kwargs)`` of ``node`` with each tensor argument :data:`_SLOT` and each
     scalar that may differ per model :data:`_PER_MODEL`."""
-    args, kwargs = list(canonical_args(node)), dict(node.kwargs)
-    for key in _soft_argument_keys(node):  # scalars that may differ per model
+    args, kwargs = list(canonical_args(node, soft)), dict(node.kwargs)
+    for key in _soft_argument_keys(node, soft):  # scalars that may differ per model
         if key.keyword is None:
             args[key.position] = _PER_MODEL
         else:
@@ -436,10 +425,11 @@ def _tensor_differences(label: str, value: Any, reference: Any) -> tuple[list[st
     return texts, kinds
 
 
-def _argument_differences(node: fx.Node, reference: fx.Node) -> list[str]:
+def _argument_differences(node: fx.Node, reference: fx.Node, soft: PerModelTable) -> list[str]:
     """``argument 1: 0 vs 1`` / ``argument `dim`: 0 vs 1``: the constant arguments of a call
     that differ from model 0's (``<tensor>`` stands for a tensor argument)."""
-    (args, kwargs), (args0, kwargs0) = _argument_skeleton(node), _argument_skeleton(reference)
+    (args, kwargs), (args0, kwargs0) = (_argument_skeleton(node, soft),
+                                        _argument_skeleton(reference, soft))
     texts = []
     if len(args) != len(args0):
         texts.append(f"{len(args)} positional arguments vs {len(args0)}")
@@ -458,13 +448,14 @@ _ABSENT = "<absent>"
 
 def describe_differences(sig: dict[str, Any], reference: dict[str, Any], *,
                          prefix: str = "", nodes: tuple[fx.Node, fx.Node] | None = None,
-                         ) -> tuple[list[str], set[str]]:
+                         soft: PerModelTable = STRICT) -> tuple[list[str], set[str]]:
     """Model i's signature ``sig`` against model 0's ``reference``, in words, and the kinds
     of difference (keys of :data:`_FIXES`): ``["kernel_size (5, 5) vs (3, 3)",
     "parameter `conv.weight`: shape (8, 3, 5, 5) vs (8, 3, 3, 3)"], {"structure"}``.
 
     ``prefix`` is the module path the signature's parameters live under (``conv.``);
-    ``nodes`` the two nodes, whose constant arguments are compared one by one."""
+    ``nodes`` the two nodes, whose constant arguments are compared one by one (less the
+    hyper-parameters ``soft`` lets differ)."""
     texts: list[str] = []
     kinds: set[str] = set()
     for key in ("op", "class"):  # another kind of node: its attributes do not compare
@@ -476,7 +467,7 @@ def describe_differences(sig: dict[str, Any], reference: dict[str, Any], *,
         if value == ref:
             continue
         if key == "arguments" and nodes is not None:
-            texts += _argument_differences(*nodes) or [f"arguments {value} vs {ref}"]
+            texts += _argument_differences(*nodes, soft) or [f"arguments {value} vs {ref}"]
             kinds.add("structure")
             continue
         label = key
@@ -538,7 +529,8 @@ def _owner(root: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-def _owner_hyperparameters(node: fx.Node, model: nn.Module | None) -> dict[str, Any]:
+def _owner_hyperparameters(node: fx.Node, model: nn.Module | None,
+                           soft: PerModelTable) -> dict[str, Any]:
     """For a parameter a graph reads directly (a bare ``nn.Conv2d`` traced as the whole
     model: ``get_attr weight``), its torch module's hyper-parameters (``kernel_size``),
     which say what differs better than the weight's shape does."""
@@ -547,7 +539,7 @@ def _owner_hyperparameters(node: fx.Node, model: nn.Module | None) -> dict[str, 
     owner = _owner(model, str(node.target).rpartition(".")[0])
     if owner is None or not type(owner).__module__.startswith("torch.nn"):
         return {}
-    return {"class": type(owner).__qualname__, **module_hyperparameters(owner)}
+    return {"class": type(owner).__qualname__, **module_hyperparameters(owner, soft)}
 
 
 def _whose(indices: list[int], where: str) -> str:
@@ -559,7 +551,7 @@ def _whose(indices: list[int], where: str) -> str:
 
 def _explain_mismatch(
     graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module], sigs: list[list[dict]],
-    failed: list[int],
+    failed: list[int], soft: PerModelTable,
 ) -> tuple[str, set[str]]:
     """Compare each failed model's graph with model 0's position by position, and say in
     words how each differing node differs (model i's value vs model 0's); returns the
@@ -581,9 +573,9 @@ def _explain_mismatch(
             where, prefix = _where(node, graphs[i], model_at(i))
             where0, _ = _where(node0, graphs[0], model_at(0))
             texts, node_kinds = describe_differences(
-                {**_owner_hyperparameters(node, model_at(i)), **sigs[i][k]},
-                {**_owner_hyperparameters(node0, model_at(0)), **sigs[0][k]},
-                prefix=prefix, nodes=(node, node0))
+                {**_owner_hyperparameters(node, model_at(i), soft), **sigs[i][k]},
+                {**_owner_hyperparameters(node0, model_at(0), soft), **sigs[0][k]},
+                prefix=prefix, nodes=(node, node0), soft=soft)
             kinds |= node_kinds
             than = "model 0" if where.startswith(_ITSELF) else "model 0's"
             if where != where0:
@@ -609,15 +601,17 @@ def _explain_mismatch(
     return "\n".join(lines), kinds
 
 
-def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module]) -> GraphMatch:
+def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module], *,
+                 soft: PerModelTable) -> GraphMatch:
     """Map every node of model 0's graph onto its counterpart in each model's graph.
 
     ``graphs[i]`` is model i traced (its ``GraphModule`` is the root its call_module
-    and get_attr targets resolve against).  Raises :class:`MismatchError` listing
-    every difference when some model is not isomorphic to model 0.
+    and get_attr targets resolve against); ``soft`` says which hyper-parameters may
+    differ (the rules' declarations).  Raises :class:`MismatchError` listing every
+    difference when some model is not isomorphic to model 0.
     """
     node_lists = [list(g.graph.nodes) for g in graphs]
-    sigs = [[node_signature(n, g) for n in nodes] for g, nodes in zip(graphs, node_lists)]
+    sigs = [[node_signature(n, g, soft) for n in nodes] for g, nodes in zip(graphs, node_lists)]
     mapping: list[dict[fx.Node, fx.Node]] = [{n: n for n in node_lists[0]}]
     method = "trace order"
     failed: list[int] = []
@@ -635,21 +629,21 @@ def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module]) 
             mapping.append(found)
     if failed:
         label = "model" if len(failed) == 1 else "models"
-        explanation, kinds = _explain_mismatch(graphs, models, sigs, failed)
+        explanation, kinds = _explain_mismatch(graphs, models, sigs, failed, soft)
         raise MismatchError(
             f"{label} {', '.join(map(str, failed))} of {len(graphs)} cannot be fused with model 0: "
             f"the models are not structurally identical.\n{explanation}\n{fixes_for(kinds)}"
         )
-    _record_per_model_values(graphs, mapping)
+    _record_per_model_values(graphs, mapping, soft)
     return GraphMatch(mapping=mapping, method=method)
 
 
 def _record_per_model_values(
-    graphs: Sequence[fx.GraphModule], mapping: list[dict[fx.Node, fx.Node]]
+    graphs: Sequence[fx.GraphModule], mapping: list[dict[fx.Node, fx.Node]], soft: PerModelTable,
 ) -> None:
     """Store each node's differing per-model scalars on model 0's node (``meta[PER_MODEL]``)."""
     for node in graphs[0].graph.nodes:
-        per_model = [per_model_values(m[node], g) for m, g in zip(mapping, graphs)]
+        per_model = [per_model_values(m[node], g, soft) for m, g in zip(mapping, graphs)]
         differing = {
             key: [values.get(key) for values in per_model]
             for key in per_model[0]
@@ -657,6 +651,6 @@ def _record_per_model_values(
         }
         if differing:
             node.meta[PER_MODEL] = differing
-            node.args = canonical_args(node)  # the per-model slot exists in model 0's call
+            node.args = canonical_args(node, soft)  # the per-model slot exists in model 0's call
         else:
             node.meta.pop(PER_MODEL, None)

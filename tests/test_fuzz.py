@@ -31,6 +31,7 @@ import hftc.fused
 import hftc.optim as ho
 from hftc.compile import autotune, pipeline
 from hftc.compile.check import preserved_state
+from hftc.runtime.tuning import lowerings_of
 
 
 def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int,
@@ -83,7 +84,7 @@ def random_lowerings(pick: random.Random):
     loop; inputs as given or channels-last), instead of the timed choice: every lowering a
     kernel lists must be exact anywhere."""
     def tune_call(kernel, args, kwargs, grad_flags, *, node="?", path=None):
-        names = autotune.TUNABLE[kernel](*args, **kwargs)
+        names = lowerings_of(kernel)(*args, **kwargs)
         return autotune.LoweringChoice(node, kernel.__name__, pick.choice(names), names[0])
 
     def choose_program(fused, forward, values, batched, *, backward, **kwargs):

@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from equivalence import DEFAULT_TOL, autograd_nodes, check_equivalence
 from test_tying import TiedLM, TiedLMUntraceable
@@ -40,6 +41,7 @@ from hftc.runtime import reduction as rt_reduction
 from hftc.runtime import spatial as rt_spatial
 from hftc.runtime.memory import peak_memory
 from hftc.runtime.model_loop import ModelLoop
+from hftc.runtime.tuning import lowerings_of, tunable
 from hftc.speed import MLP, LeNet5
 
 DTYPES = [torch.float64, torch.float32]
@@ -114,7 +116,7 @@ def _check_every_lowering(kernel, cls, kwargs, shape, n, x_batched, batch, dtype
     ref.backward(grad_out)
     tol = DEFAULT_TOL[dtype]
 
-    names = autotune.TUNABLE[kernel](x, weight, bias, **layer_args)
+    names = lowerings_of(kernel)(x, weight, bias, **layer_args)
     assert "loop" in names, "the per-model loop must always be a candidate"
     for name in names:
         xl = x.detach().requires_grad_()
@@ -283,7 +285,7 @@ def test_autotune_drops_a_lowering_with_other_outputs_or_gradients(wrong, cache_
         return y + 1 if wrong == "outputs" else y.detach() + 2 * (y - y.detach())
 
     kernel.__name__ = "toy_linear"
-    monkeypatch.setitem(autotune.TUNABLE, kernel, lambda *a, **k: ["right", "wrong"])
+    tunable(lambda *a, **k: ["right", "wrong"])(kernel)
     x, w = torch.randn(3, 5, 4), torch.randn(3, 2, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -306,7 +308,7 @@ def test_autotune_takes_another_lowering_only_by_a_margin(cache_dir, monkeypatch
         return rt_linear.linear(x, weight, bias, x_batched=x_batched)
 
     kernel.__name__ = "toy_linear"
-    monkeypatch.setitem(autotune.TUNABLE, kernel, lambda *a, **k: ["model", "other"])
+    tunable(lambda *a, **k: ["model", "other"])(kernel)
     seconds = {"model": 1.0, "other": other_time}
 
     def fixed_timing(self, device):
@@ -321,6 +323,34 @@ def test_autotune_takes_another_lowering_only_by_a_margin(cache_dir, monkeypatch
     monkeypatch.setattr(autotune, "_MEMORY", {})
     again = autotune.tune_call(kernel, args, {"x_batched": True}, [False, True, False])
     assert again.cached and again.chosen == expected
+
+
+
+def test_autotune_times_the_kernels_the_runtime_declares_tunable(cache_dir, monkeypatch):
+    """``@tunable(lowerings)`` next to a kernel is what makes autotune time it: a graph
+    node calling a declared kernel gets its fastest lowering, an undeclared one none."""
+    assert lowerings_of(rt_conv.conv) is rt_conv.conv_lowerings
+    assert lowerings_of(rt_conv.conv_transpose) is rt_conv.conv_transpose_lowerings
+    assert lowerings_of(rt_linear.linear) is rt_linear.linear_lowerings
+    assert lowerings_of(rt_spatial.channelwise) is None
+
+    def declared(x, *, lowering=None):
+        return x * 2
+
+    def undeclared(x, *, lowering=None):
+        return x * 2
+
+    tunable(lambda x: ["slow", "fast"])(declared)
+    monkeypatch.setattr(autotune._Candidate, "measure", lambda self, device: self.times.append(
+        {"slow": 1.0, "fast": 0.5}[self.name]))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    tuned = graph.call_function(declared, (x,))
+    plain = graph.call_function(undeclared, (tuned,))
+    graph.output(plain)
+    choices = autotune.autotune_graph(graph, nn.Module(), [torch.randn(3, 4)], backward=False)
+    assert [(c.kernel, c.chosen) for c in choices] == [("declared", "fast")]
+    assert tuned.kwargs == {"lowering": "fast"} and plain.kwargs == {}
 
 
 MIB = 2**20

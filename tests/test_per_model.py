@@ -172,3 +172,66 @@ def test_a_modules_own_mode_attribute_is_compared(layer):
     with pytest.raises(hftc.errors.MismatchError, match=rf"mode {modes[1]} vs "
                                                         rf"{modes[0]}"):
         hftc.fuse([make(m) for m in modes])
+
+
+
+def softplus_per_model(x: torch.Tensor, betas: tuple[float, ...]) -> torch.Tensor:
+    """Model i's ``softplus(x[i], beta=betas[i])`` for a ``[N, ...]`` stack."""
+    return torch.stack([F.softplus(x[i], beta=beta) for i, beta in enumerate(betas)])
+
+
+def test_a_rule_declares_the_hyper_parameters_that_may_differ_per_model():
+    """``@rule(..., per_model=("beta",))`` is all it takes: models whose Softplus ``beta``
+    differs match, and the rule receives one value per model; without it they are refused."""
+    from hftc.errors import MismatchError
+    from hftc.passes.registry import RULES, rule
+
+    models = [nn.Sequential(nn.Linear(4, 4), nn.Softplus(beta)) for beta in (0.5, 2.0, 3.0)]
+    with pytest.raises(MismatchError, match=r"beta 2\.0 vs 0\.5"):
+        hftc.fuse(models)
+
+    seen = []
+
+    def fuse_softplus(group, builder):
+        seen.append(group.per_model["beta"])
+        return builder.call(softplus_per_model, builder.broadcast(group.args[0]),
+                            tuple(group.per_model["beta"]))
+
+    key = ("call_module", nn.Softplus)
+    declared = RULES.pop(key)
+    try:
+        rule(key, per_model=("beta",))(fuse_softplus)
+        fused = hftc.fuse(models)
+        x = torch.randn(3, 4)
+        out = fused(x)  # (compiled on the first call)
+    finally:
+        RULES[key] = declared
+    assert seen == [[0.5, 2.0, 3.0]]
+    assert not fused.fusion_report.fallbacks
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+
+
+def test_a_functions_per_model_hyper_parameters_need_their_positions():
+    from hftc.passes.registry import RULES, rule
+
+    key = ("call_function", softplus_per_model)
+    with pytest.raises(TypeError, match=r"per_model for call_function softplus_per_model must "
+                                        r"give each hyper-parameter's argument position"):
+        rule(key, per_model=("betas",))(lambda group, builder: None)
+    assert key not in RULES
+
+
+def test_the_per_model_table_is_built_from_the_rules_declarations():
+    from hftc.passes.registry import per_model_table
+
+    table = per_model_table()
+    assert table.module_attributes(nn.Dropout2d(0.1)) == ("p",)
+    assert table.module_attributes(nn.BatchNorm2d(3)) == ("momentum", "eps")
+    # No rule fuses SyncBatchNorm: the norm family's entry declares it for the loop.
+    assert table.module_attributes(nn.SyncBatchNorm(3)) == ("momentum", "eps")
+    assert table.module_attributes(nn.Linear(2, 2)) == ()
+    assert table.arguments[F.batch_norm] == {6: "momentum", 7: "eps"}
+    assert table.defaults[F.batch_norm] == (None, None, False, 0.1, 1e-5)
+    assert table.arguments[F.scaled_dot_product_attention] == {4: "dropout_p"}
+    assert F.relu not in table.arguments

@@ -46,19 +46,11 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .. import ir
-from ..runtime import conv as rt_conv
-from ..runtime import linear as rt_linear
 from ..runtime.memory import peak_memory
 from ..runtime.model_loop import ModelLoop, plain_output
+from ..runtime.tuning import lowerings_of
 from . import layout
 from .check import gradient_tolerance, input_copies, lowering_tolerance, preserved_state
-
-#: Tunable kernels -> the function listing their lowerings (cost model's first).
-TUNABLE: dict[Callable[..., Any], Callable[..., list[str]]] = {
-    rt_conv.conv: rt_conv.conv_lowerings,
-    rt_conv.conv_transpose: rt_conv.conv_transpose_lowerings,
-    rt_linear.linear: rt_linear.linear_lowerings,
-}
 
 #: Seconds of work per timed measurement (repeats are added until it is reached).
 _TARGET_S = 0.004
@@ -268,7 +260,7 @@ def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[s
               path: Path | None = None) -> LoweringChoice:
     """Time ``kernel``'s lowerings on these arguments and return the fastest, or the
     cost model's choice if that is within ``_OP_MARGIN`` of it (cached)."""
-    names = TUNABLE[kernel](*args, **kwargs)
+    names = lowerings_of(kernel)(*args, **kwargs)
     backward = any(grad_flags)
     device = next(a.device for a in args if isinstance(a, Tensor))
     # "op-2": before ``grouped`` converted a channels-last map to NCHW (conv.conv).
@@ -371,7 +363,7 @@ def autotune_graph(graph: fx.Graph, module: torch.nn.Module, inputs: Sequence[An
             else:
                 args, kwargs = load(node.args), load(node.kwargs)
                 flag = backward and any(n in needs_grad for n in node.all_input_nodes)
-                if node.op == "call_function" and node.target in TUNABLE \
+                if node.op == "call_function" and lowerings_of(node.target) \
                         and node.kwargs.get("lowering") is None:
                     flags = [backward and isinstance(a, fx.Node) and a in needs_grad
                              for a in node.args]
@@ -694,6 +686,6 @@ def _pick_program(times: dict[str, float], peaks: dict[str, int | None]) -> str:
     return min(lighter, key=peaks.get) if lighter else chosen
 
 
-__all__ = ["LoweringChoice", "ProgramChoice", "TUNABLE", "autotune_graph", "cache_path",
+__all__ = ["LoweringChoice", "ProgramChoice", "autotune_graph", "cache_path",
            "choose_program", "cost_model_graph", "device_key",
            "program_candidates", "run_program", "tune_call"]

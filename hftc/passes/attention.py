@@ -102,7 +102,8 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 
 
-@rule(("call_function", F.scaled_dot_product_attention), random=True)
+@rule(("call_function", F.scaled_dot_product_attention), random=True,
+      per_model={"dropout_p": 4}, per_model_defaults=(None, 0.0))  # attn_mask, dropout_p
 def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The model dim joins the batch dim: one SDPA over ``N*B`` batches (random: dropout)."""
     if group.per_model_arg(4, "dropout_p") is not None:

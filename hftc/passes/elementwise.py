@@ -207,15 +207,23 @@ def fuse_new_tensor(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 #: LeakyReLU / ELU / CELU take a slope or alpha that may differ per model: ``fuse_slope``
 #: (which runs ``fuse_pointwise`` where the models agree) for their module and ``F.*``
-#: spellings; the others (``torch.celu_``, ``Tensor.elu``) take no per-model value.
-SLOPE_KEYS = [("call_module", nn.LeakyReLU), ("call_module", nn.ELU), ("call_module", nn.CELU),
-              ("call_function", F.leaky_relu), ("call_function", F.elu), ("call_function", F.celu)]
+#: spellings, ``{key: (per_model, per_model_defaults)}``; the others (``torch.celu_``,
+#: ``Tensor.elu``) take no per-model value.
+SLOPE_KEYS = {
+    ("call_module", nn.LeakyReLU): (("negative_slope",), ()),
+    ("call_module", nn.ELU): (("alpha",), ()),
+    ("call_module", nn.CELU): (("alpha",), ()),
+    ("call_function", F.leaky_relu): ({"negative_slope": 1}, (0.01,)),
+    ("call_function", F.elu): ({"alpha": 1}, (1.0,)),
+    ("call_function", F.celu): ({"alpha": 1}, (1.0,)),
+}
 
 for _name in UNARY + BINARY:
     rule(*(key for key in spellings(_name, inplace=True) if key not in SLOPE_KEYS),
          name=f"fuse_pointwise[{_name}]")(fuse_pointwise)
-for _key in SLOPE_KEYS:
-    rule(_key, name=f"fuse_slope[{_key[1].__name__}]")(fuse_slope)
+for _key, (_names, _defaults) in SLOPE_KEYS.items():
+    rule(_key, name=f"fuse_slope[{_key[1].__name__}]", per_model=_names,
+         per_model_defaults=_defaults)(fuse_slope)
 for _name in RANDOM_LIKE:
     rule(*spellings(_name, inplace=True), name=f"fuse_random[{_name}]", random=True)(fuse_random)
 for _op in OPERATORS:
@@ -225,9 +233,11 @@ for _name in DUNDER:
 for _cls in ELEMENTWISE_MODULES:
     rule(("call_module", _cls), name=f"fuse_pointwise[{_cls.__name__}]")(fuse_pointwise)
 for _cls in RANDOM_MODULES:
-    rule(("call_module", _cls), name=f"fuse_random[{_cls.__name__}]", random=True)(fuse_random)
+    rule(("call_module", _cls), name=f"fuse_random[{_cls.__name__}]", random=True,
+         per_model=("p",))(fuse_random)
 for _fn in RANDOM_FUNCTIONS:
-    rule(("call_function", _fn), name=f"fuse_random[{_fn.__name__}]", random=True)(fuse_random)
+    rule(("call_function", _fn), name=f"fuse_random[{_fn.__name__}]", random=True,
+         per_model={"p": 1} if _fn is F.dropout else ())(fuse_random)
 for _name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
     rule(("call_method", _name), name=f"fuse_random[{_name}]", random=True)(fuse_random)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..runtime import norms as rt_norms
 from ..runtime import per_model as rt_per_model
-from .registry import FusionGroup, GraphBuilder, NotFusable, rule
+from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule
 
 
 def _optional(builder: GraphBuilder, value):
@@ -27,7 +27,7 @@ def _optional(builder: GraphBuilder, value):
 
 
 @rule(("call_module", nn.BatchNorm1d), ("call_module", nn.BatchNorm2d),
-               ("call_module", nn.BatchNorm3d))
+      ("call_module", nn.BatchNorm3d), per_model=("momentum", "eps"))
 def fuse_batch_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     bn = group.module
     attr = lambda name: builder.module_attr(group, name)  # noqa: E731
@@ -49,7 +49,8 @@ def fuse_batch_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     )
 
 
-@rule(("call_function", F.batch_norm))
+@rule(("call_function", F.batch_norm), per_model={"momentum": 6, "eps": 7},
+      per_model_defaults=(None, None, False, 0.1, 1e-5))  # weight .. eps
 def fuse_batch_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     running_mean = group.arg(1, "running_mean")
     if running_mean is not None and not builder.is_batched(running_mean):
@@ -75,7 +76,7 @@ def fuse_batch_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
 
 
 @rule(("call_module", nn.InstanceNorm1d), ("call_module", nn.InstanceNorm2d),
-               ("call_module", nn.InstanceNorm3d))
+      ("call_module", nn.InstanceNorm3d), per_model=("momentum", "eps"))
 def fuse_instance_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     if group.per_model:
@@ -90,6 +91,15 @@ def fuse_instance_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.N
         momentum=norm.momentum, eps=norm.eps, track_running_stats=norm.track_running_stats,
         spatial=spatial,
     )
+
+
+#: The other batch and instance norms (SyncBatchNorm, the lazy ones) run as the per-model
+#: loop, which sets each model's own ``momentum`` and ``eps``.  (A base-class entry is their
+#: rule only where they keep its ``forward``, and then it loops too: ``per_model_loop``.)
+rule(("call_module", nn.modules.batchnorm._BatchNorm), name="per_model_loop[batch norm]",
+     per_model=("momentum", "eps"))(per_model_loop)
+rule(("call_module", nn.modules.instancenorm._InstanceNorm), name="per_model_loop[instance norm]",
+     per_model=("momentum", "eps"))(per_model_loop)
 
 
 @rule(("call_function", F.instance_norm))
@@ -107,7 +117,7 @@ def fuse_instance_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx
     )
 
 
-@rule(("call_module", nn.GroupNorm))
+@rule(("call_module", nn.GroupNorm), per_model=("eps",))
 def fuse_group_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     if "eps" in group.per_model:
@@ -122,7 +132,7 @@ def fuse_group_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     )
 
 
-@rule(("call_function", F.group_norm))
+@rule(("call_function", F.group_norm), per_model={"eps": 4})
 def fuse_group_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     kernel, eps = _eps(group, 4, rt_norms.group_norm, rt_per_model.group_norm)
     return builder.call(
@@ -141,7 +151,7 @@ def _eps(group: FusionGroup, position: int, shared_kernel, per_model_kernel) -> 
     return shared_kernel, group.arg(position, "eps", 1e-5)
 
 
-@rule(("call_module", nn.LayerNorm))
+@rule(("call_module", nn.LayerNorm), per_model=("eps",))
 def fuse_layer_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     x = group.args[0]
@@ -154,7 +164,7 @@ def fuse_layer_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     )
 
 
-@rule(("call_function", F.layer_norm))
+@rule(("call_function", F.layer_norm), per_model={"eps": 4})
 def fuse_layer_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     kernel, eps = _eps(group, 4, rt_norms.layer_norm, rt_per_model.layer_norm)
@@ -165,7 +175,7 @@ def fuse_layer_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.No
     )
 
 
-@rule(("call_module", nn.RMSNorm))
+@rule(("call_module", nn.RMSNorm), per_model=("eps",))
 def fuse_rms_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     norm = group.module
     x = group.args[0]
@@ -178,7 +188,7 @@ def fuse_rms_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
-@rule(("call_function", F.rms_norm))
+@rule(("call_function", F.rms_norm), per_model={"eps": 3})
 def fuse_rms_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     kernel, eps = _eps(group, 3, rt_norms.rms_norm, rt_per_model.rms_norm)

@@ -144,7 +144,8 @@ def fuse_pad(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 for _cls in _SPATIAL_MODULES:
     rule(("call_module", _cls), name=f"fuse_channelwise[{_cls.__name__}]",
-         random=_cls in _RANDOM)(fuse_channelwise_module)
+         random=_cls in _RANDOM, per_model=("p",) if _cls in _RANDOM else ())(
+        fuse_channelwise_module)
 for _fn in _SPATIAL_FUNCTIONS:
     rule(("call_function", _fn), name=f"fuse_channelwise[{_fn.__name__}]",
          random=_fn in _RANDOM_FUNCTIONS)(fuse_channelwise_function)

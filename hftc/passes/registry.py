@@ -16,7 +16,7 @@ numbers).  :func:`spellings` lists every spelling of one op, so a family of ops
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..ir import EXAMPLE_VALUE, ORIGIN, PER_MODEL, RULE, SOURCE, ArgKey
-from ..match import describe_node, target_name
+from ..match import PerModelTable, describe_node, target_name
 from ..runtime import layout as rt_layout
 
 
@@ -98,6 +98,11 @@ class RuleEntry:
     name: str
     #: The op draws random numbers: each model draws its own, even from a shared input.
     random: bool = False
+    #: Hyper-parameters that may differ between the models, ``((name, argument position),
+    #: ...)``: a module key's attributes (position None), a function's arguments.
+    per_model: tuple[tuple[str, int | None], ...] = ()
+    #: A function's defaults up to its last per-model argument (:class:`PerModelTable`).
+    per_model_defaults: tuple = ()
 
 
 RULES: dict[Key, RuleEntry] = {}
@@ -107,7 +112,9 @@ class DuplicateRuleError(Exception):
     """Two rules registered for one key: which one fuses the op would depend on import order."""
 
 
-def rule(*keys: Key, name: str | None = None, random: bool = False) -> Callable[[Rule], Rule]:
+def rule(*keys: Key, name: str | None = None, random: bool = False,
+         per_model: Sequence[str] | Mapping[str, int] = (),
+         per_model_defaults: tuple = ()) -> Callable[[Rule], Rule]:
     """Register a rule for ``keys`` (the one way to declare one)::
 
         @rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))
@@ -115,21 +122,55 @@ def rule(*keys: Key, name: str | None = None, random: bool = False) -> Callable[
 
         rule(*spellings("relu", inplace=True), name="fuse_pointwise[relu]")(fuse_pointwise)
 
-    ``random``: the op draws random numbers.  A key registered twice raises
+        @rule(("call_function", F.batch_norm), per_model={"momentum": 6, "eps": 7},
+              per_model_defaults=(None, None, False, 0.1, 1e-5))
+
+    ``random``: the op draws random numbers.  ``per_model``: the hyper-parameters that may
+    differ between the models (the rule reads them from :attr:`FusionGroup.per_model`):
+    attribute names for module keys (``("p",)``), ``{name: position}`` for function
+    keys; ``per_model_defaults``: a function's argument defaults from the first one torch
+    may leave out up to the last per-model one.  A key registered twice raises
     :class:`DuplicateRuleError` at import, whatever the order the rule files load in.
     """
+    positions = dict(per_model) if isinstance(per_model, Mapping) else dict.fromkeys(per_model)
 
     def wrap(body: Rule) -> Rule:
-        entry = RuleEntry(body, name or body.__name__, random)
+        entry = RuleEntry(body, name or body.__name__, random, tuple(positions.items()),
+                          per_model_defaults)
+        for op, target in keys:
+            if op != "call_module" and (None in positions.values() or (
+                    per_model_defaults and not positions)):
+                raise TypeError(f"rule `{entry.name}`: per_model for {op} {target_name_of(target)}"
+                                f" must give each hyper-parameter's argument position")
         for key in dict.fromkeys(keys):
             if key in RULES:
                 raise DuplicateRuleError(
-                    f"{key[0]} {getattr(key[1], '__qualname__', key[1])} has two fusion rules, "
+                    f"{key[0]} {target_name_of(key[1])} has two fusion rules, "
                     f"`{RULES[key].name}` and `{entry.name}`: register it with one of them")
             RULES[key] = entry
         return body
 
     return wrap
+
+
+def target_name_of(target: Any) -> str:
+    return getattr(target, "__qualname__", str(target))
+
+
+def per_model_table() -> PerModelTable:
+    """The hyper-parameters that may differ between the models, as the rules declare them
+    (``@rule(..., per_model=...)``), for :func:`hftc.match.match_graphs`."""
+    modules, arguments, defaults = [], {}, {}
+    for (op, target), entry in RULES.items():
+        if not entry.per_model:
+            continue
+        if op == "call_module":
+            modules.append((target, tuple(name for name, _ in entry.per_model)))
+            continue
+        arguments[target] = {position: name for name, position in entry.per_model}
+        if entry.per_model_defaults:
+            defaults[target] = entry.per_model_defaults
+    return PerModelTable(tuple(modules), arguments, defaults)
 
 
 def per_model_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:

@@ -16,6 +16,7 @@ Before this package, ``hftc/lowering/kernels.py`` held every kernel; now, by top
     reduction.py   reductions, softmax                   losses.py   per-model losses
     fallback.py    an op with no fused kernel, model by model
     per_model.py   per-model scalars (the bottom of the hyper-parameter kernels)
+    tuning.py      ``@tunable(lowerings)``: a kernel's lowerings, which autotune times
     attention.py, recurrent.py, model_loop.py (the whole-model loop), memory.py (malloc
     settings), modules.py (the stacked-module tree)
 

@@ -95,23 +95,70 @@ def multi_head_attention(
     operand has no model dim); ``self_attention`` says query, key and value are
     one tensor, whose projection is then one GEMM for q, k and v together.
     Parameters are stacked ``[N, ...]``.  Returns ``(out [N, ...], weights or None)``.
+
+    The steps, as torch's: inputs as ``[L, B, E]`` per model, in-projection to
+    ``[N, L, B, E]``, masks per model, ``bias_k``/``bias_v`` appended, heads split to
+    ``[N*B*H, L, hd]``, zero attention appended, one merged mask, the attention core over
+    all ``N*B*H`` heads, out-projection, the caller's layout.
     """
     qb, kb, vb, kpm_b, mask_b = flags
     n, embed_dim = out_proj_weight.shape[0], out_proj_weight.shape[1]
     unbatched = query.dim() - qb == 2
-    head_dim = embed_dim // num_heads
-    dtype = query.dtype
-    key_padding_mask = F._canonical_mask(
-        mask=key_padding_mask, mask_name="key_padding_mask",
-        other_type=F._none_or_dtype(attn_mask), other_name="attn_mask", target_type=dtype)
-    attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None,
-                                  other_name="", target_type=dtype, check_other=False)
+    key_padding_mask, attn_mask = _canonical_masks(key_padding_mask, attn_mask, query.dtype)
     query = _seq_first(query, qb, batch_first, unbatched)
     key = _seq_first(key, kb, batch_first, unbatched)
     value = _seq_first(value, vb, batch_first, unbatched)
     if unbatched and key_padding_mask is not None:
         key_padding_mask = key_padding_mask.unsqueeze(int(kpm_b))
     tgt_len, bsz = query.shape[qb], query.shape[qb + 1]
+    attn_mask, is_causal = _causal_hint(attn_mask, key_padding_mask, is_causal, need_weights)
+
+    q, k, v = _in_projection(query, key, value, in_proj_weight, in_proj_bias, q_proj_weight,
+                             k_proj_weight, v_proj_weight, batched=(qb, kb, vb),
+                             self_attention=self_attention)
+    attn_mask, key_padding_mask = _masks_per_model(attn_mask, key_padding_mask, mask_b, kpm_b)
+    if bias_k is not None and bias_v is not None:
+        k, v, attn_mask, key_padding_mask = _append_bias_kv(
+            k, v, bias_k, bias_v, attn_mask, key_padding_mask, n=n, bsz=bsz, embed_dim=embed_dim)
+    head_dim = embed_dim // num_heads
+    q, k, v = (_split_heads(t, n=n, bsz=bsz, num_heads=num_heads, head_dim=head_dim)
+               for t in (q, k, v))
+    if add_zero_attn:
+        k, v, attn_mask, key_padding_mask = _append_zero_attention(k, v, attn_mask,
+                                                                   key_padding_mask)
+    src_len = k.shape[1]
+    mask = _merged_mask(attn_mask, key_padding_mask, n=n, bsz=bsz, num_heads=num_heads,
+                        src_len=src_len)
+    dropout_p = dropout if training else 0.0
+
+    shape = dict(n=n, bsz=bsz, num_heads=num_heads, tgt_len=tgt_len, src_len=src_len,
+                 head_dim=head_dim, embed_dim=embed_dim)
+    if need_weights:
+        out, weights = _attention_with_weights(q, k, v, mask, dropout_p,
+                                               average=average_attn_weights, **shape)
+    else:
+        out, weights = _attention_core(q, k, v, mask, dropout_p, is_causal, **shape), None
+    out = linear(out, out_proj_weight, out_proj_bias, x_batched=True)
+    return _callers_layout(out, weights, unbatched=unbatched, batch_first=batch_first)
+
+
+def _canonical_masks(key_padding_mask: Tensor | None, attn_mask: Tensor | None,
+                     dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+    """Boolean masks as additive float masks of the query's dtype (torch's
+    ``F._canonical_mask``, with its checks)."""
+    key_padding_mask = F._canonical_mask(
+        mask=key_padding_mask, mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask), other_name="attn_mask", target_type=dtype)
+    attn_mask = F._canonical_mask(mask=attn_mask, mask_name="attn_mask", other_type=None,
+                                  other_name="", target_type=dtype, check_other=False)
+    return key_padding_mask, attn_mask
+
+
+def _causal_hint(attn_mask: Tensor | None, key_padding_mask: Tensor | None, is_causal: bool,
+                 need_weights: bool) -> tuple[Tensor | None, bool]:
+    """``is_causal`` as ``F.multi_head_attention_forward`` reads it: the mask is still
+    required; it is dropped for SDPA's own causal path where nothing else needs it, and
+    the hint is dropped where a key padding mask is merged in."""
     if is_causal and attn_mask is None:
         raise RuntimeError(
             "Need attn_mask if specifying the is_causal hint. You may use the Transformer "
@@ -120,56 +167,84 @@ def multi_head_attention(
         attn_mask = None
     elif key_padding_mask is not None:
         is_causal = False
+    return attn_mask, is_causal
 
-    # in-projection: [N, L, B, E] each
+
+def _in_projection(query: Tensor, key: Tensor, value: Tensor, in_proj_weight: Tensor | None,
+                   in_proj_bias: Tensor | None, q_proj_weight: Tensor | None,
+                   k_proj_weight: Tensor | None, v_proj_weight: Tensor | None, *,
+                   batched: tuple[bool, bool, bool],
+                   self_attention: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v, ``[N, L, B, E]`` each: one GEMM for all three where query, key and
+    value are one tensor, else one per projection (packed or separate weights)."""
+    qb, kb, vb = batched
     if in_proj_weight is not None and self_attention:
         qkv = linear(query, in_proj_weight, in_proj_bias, x_batched=qb)
         q, k, v = qkv.chunk(3, dim=-1)
+        return q, k, v
+    if in_proj_weight is not None:
+        wq, wk, wv = in_proj_weight.chunk(3, dim=1)
     else:
-        if in_proj_weight is not None:
-            wq, wk, wv = in_proj_weight.chunk(3, dim=1)
-        else:
-            wq, wk, wv = q_proj_weight, k_proj_weight, v_proj_weight
-        bq = bk = bv = None
-        if in_proj_bias is not None:
-            bq, bk, bv = in_proj_bias.chunk(3, dim=1)
-        q = linear(query, wq, bq, x_batched=qb)
-        k = linear(key, wk, bk, x_batched=kb)
-        v = linear(value, wv, bv, x_batched=vb)
+        wq, wk, wv = q_proj_weight, k_proj_weight, v_proj_weight
+    bq = bk = bv = None
+    if in_proj_bias is not None:
+        bq, bk, bv = in_proj_bias.chunk(3, dim=1)
+    return (linear(query, wq, bq, x_batched=qb), linear(key, wk, bk, x_batched=kb),
+            linear(value, wv, bv, x_batched=vb))
 
-    # masks, per model: attn [N|1, 1|B*H, L, S], key padding [N|1, B, S]
+
+def _masks_per_model(attn_mask: Tensor | None, key_padding_mask: Tensor | None,
+                     mask_batched: bool,
+                     kpm_batched: bool) -> tuple[Tensor | None, Tensor | None]:
+    """Both masks with a model dim (1 where shared): attn ``[N|1, 1|B*H, L, S]``, key
+    padding ``[N|1, B, S]``."""
     if attn_mask is not None:
-        attn_mask = attn_mask if mask_b else attn_mask.unsqueeze(0)
+        attn_mask = attn_mask if mask_batched else attn_mask.unsqueeze(0)
         if attn_mask.dim() == 3:
             attn_mask = attn_mask.unsqueeze(1)
-    if key_padding_mask is not None and not kpm_b:
+    if key_padding_mask is not None and not kpm_batched:
         key_padding_mask = key_padding_mask.unsqueeze(0)
-    if bias_k is not None and bias_v is not None:
-        k = torch.cat([k, bias_k.reshape(n, 1, 1, embed_dim).expand(n, 1, bsz, embed_dim)], 1)
-        v = torch.cat([v, bias_v.reshape(n, 1, 1, embed_dim).expand(n, 1, bsz, embed_dim)], 1)
-        if attn_mask is not None:
-            attn_mask = F.pad(attn_mask, (0, 1))
-        if key_padding_mask is not None:
-            key_padding_mask = F.pad(key_padding_mask, (0, 1))
+    return attn_mask, key_padding_mask
 
-    # heads: [N, L, B, E] -> [N*B*H, L, hd]
-    def heads(t: Tensor) -> Tensor:
-        length = t.shape[1]
-        return t.reshape(n, length, bsz * num_heads, head_dim).transpose(1, 2).reshape(
-            n * bsz * num_heads, length, head_dim)
 
-    q, k, v = heads(q), heads(k), heads(v)
-    if add_zero_attn:
-        zeros = torch.zeros((n * bsz * num_heads, 1, head_dim), dtype=k.dtype, device=k.device)
-        k = torch.cat([k, zeros], dim=1)
-        v = torch.cat([v, zeros], dim=1)
-        if attn_mask is not None:
-            attn_mask = F.pad(attn_mask, (0, 1))
-        if key_padding_mask is not None:
-            key_padding_mask = F.pad(key_padding_mask, (0, 1))
-    src_len = k.shape[1]
+def _pad_masks(attn_mask: Tensor | None,
+               key_padding_mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Both masks with one more key position, not masked (for an appended key)."""
+    if attn_mask is not None:
+        attn_mask = F.pad(attn_mask, (0, 1))
+    if key_padding_mask is not None:
+        key_padding_mask = F.pad(key_padding_mask, (0, 1))
+    return attn_mask, key_padding_mask
 
-    # merged mask: [N*B*H, L|1, S]
+
+def _append_bias_kv(k: Tensor, v: Tensor, bias_k: Tensor, bias_v: Tensor,
+                    attn_mask: Tensor | None, key_padding_mask: Tensor | None, *, n: int,
+                    bsz: int, embed_dim: int) -> tuple:
+    """Each model's ``bias_k`` / ``bias_v`` as one more key and value position."""
+    k = torch.cat([k, bias_k.reshape(n, 1, 1, embed_dim).expand(n, 1, bsz, embed_dim)], 1)
+    v = torch.cat([v, bias_v.reshape(n, 1, 1, embed_dim).expand(n, 1, bsz, embed_dim)], 1)
+    return (k, v, *_pad_masks(attn_mask, key_padding_mask))
+
+
+def _split_heads(t: Tensor, *, n: int, bsz: int, num_heads: int, head_dim: int) -> Tensor:
+    """``[N, L, B, E]`` -> ``[N*B*H, L, hd]``: every model's heads one batch."""
+    length = t.shape[1]
+    return t.reshape(n, length, bsz * num_heads, head_dim).transpose(1, 2).reshape(
+        n * bsz * num_heads, length, head_dim)
+
+
+def _append_zero_attention(k: Tensor, v: Tensor, attn_mask: Tensor | None,
+                           key_padding_mask: Tensor | None) -> tuple:
+    """``add_zero_attn``: a zero key and value appended to every head."""
+    zeros = torch.zeros((k.shape[0], 1, k.shape[2]), dtype=k.dtype, device=k.device)
+    k = torch.cat([k, zeros], dim=1)
+    v = torch.cat([v, zeros], dim=1)
+    return (k, v, *_pad_masks(attn_mask, key_padding_mask))
+
+
+def _merged_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, *, n: int,
+                 bsz: int, num_heads: int, src_len: int) -> Tensor | None:
+    """The attention and key padding masks as one additive ``[N*B*H, L|1, S]`` mask."""
     mask = attn_mask
     if key_padding_mask is not None:
         kpm = key_padding_mask.reshape(key_padding_mask.shape[0], bsz, 1, 1, src_len).expand(
@@ -179,34 +254,50 @@ def multi_head_attention(
     if mask is not None:
         mask = mask.expand(n, bsz * num_heads, *mask.shape[2:]).reshape(
             n * bsz * num_heads, mask.shape[2], src_len)
-    dropout_p = dropout if training else 0.0
+    return mask
 
-    if need_weights:
-        q_scaled = q * math.sqrt(1.0 / float(head_dim))
-        if mask is not None:
-            weights = torch.baddbmm(mask, q_scaled, k.transpose(-2, -1))
-        else:
-            weights = torch.bmm(q_scaled, k.transpose(-2, -1))
-        weights = F.softmax(weights, dim=-1)
-        if dropout_p > 0.0:
-            weights = dropout_kernel(weights, dropout_p)
-        out = torch.bmm(weights, v)  # [N*B*H, L, hd]
-        out = out.reshape(n, bsz * num_heads, tgt_len, head_dim).transpose(1, 2).reshape(
-            n, tgt_len, bsz, embed_dim)
-        weights = weights.reshape(n, bsz, num_heads, tgt_len, src_len)
-        if average_attn_weights:
-            weights = weights.mean(dim=2)
+
+def _attention_with_weights(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                            dropout_p: float, *, average: bool, n: int, bsz: int,
+                            num_heads: int, tgt_len: int, src_len: int, head_dim: int,
+                            embed_dim: int) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T / sqrt(hd) + mask) v written out, for the weights the caller wants:
+    ``(out [N, L, B, E], weights [N, B, (H,) L, S])``."""
+    q_scaled = q * math.sqrt(1.0 / float(head_dim))
+    if mask is not None:
+        weights = torch.baddbmm(mask, q_scaled, k.transpose(-2, -1))
     else:
-        if mask is not None:
-            mask = mask.reshape(n * bsz, num_heads, mask.shape[1], src_len)
-        out = F.scaled_dot_product_attention(
-            q.reshape(n * bsz, num_heads, tgt_len, head_dim),
-            k.reshape(n * bsz, num_heads, src_len, head_dim),
-            v.reshape(n * bsz, num_heads, src_len, head_dim), mask, dropout_p, is_causal)
-        out = out.reshape(n, bsz, num_heads, tgt_len, head_dim).permute(0, 3, 1, 2, 4).reshape(
-            n, tgt_len, bsz, embed_dim)
-        weights = None
-    out = linear(out, out_proj_weight, out_proj_bias, x_batched=True)
+        weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+    weights = F.softmax(weights, dim=-1)
+    if dropout_p > 0.0:
+        weights = dropout_kernel(weights, dropout_p)
+    out = torch.bmm(weights, v)  # [N*B*H, L, hd]
+    out = out.reshape(n, bsz * num_heads, tgt_len, head_dim).transpose(1, 2).reshape(
+        n, tgt_len, bsz, embed_dim)
+    weights = weights.reshape(n, bsz, num_heads, tgt_len, src_len)
+    if average:
+        weights = weights.mean(dim=2)
+    return out, weights
+
+
+def _attention_core(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
+                    is_causal: bool, *, n: int, bsz: int, num_heads: int, tgt_len: int,
+                    src_len: int, head_dim: int, embed_dim: int) -> Tensor:
+    """One ``F.scaled_dot_product_attention`` over every model's heads: ``[N, L, B, E]``."""
+    if mask is not None:
+        mask = mask.reshape(n * bsz, num_heads, mask.shape[1], src_len)
+    out = F.scaled_dot_product_attention(
+        q.reshape(n * bsz, num_heads, tgt_len, head_dim),
+        k.reshape(n * bsz, num_heads, src_len, head_dim),
+        v.reshape(n * bsz, num_heads, src_len, head_dim), mask, dropout_p, is_causal)
+    return out.reshape(n, bsz, num_heads, tgt_len, head_dim).permute(0, 3, 1, 2, 4).reshape(
+        n, tgt_len, bsz, embed_dim)
+
+
+def _callers_layout(out: Tensor, weights: Tensor | None, *, unbatched: bool,
+                    batch_first: bool) -> tuple[Tensor, Tensor | None]:
+    """``[N, L, B, E]`` back to the caller's layout (``[N, L, E]`` unbatched, ``[N, B, L,
+    E]`` batch-first)."""
     if unbatched:
         out = out.squeeze(2)
         if weights is not None:

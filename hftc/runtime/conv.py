@@ -23,6 +23,7 @@ from torch import Tensor
 from ..errors import FusionError
 from . import layout
 from .layout import expand_models, fold_channels, unfold_channels
+from .tuning import tunable
 
 
 def _conv_fn(spatial: int, transposed: bool) -> Callable[..., Tensor]:
@@ -96,6 +97,7 @@ def conv_lowerings(
     return names + ["loop"]
 
 
+@tunable(conv_lowerings)
 def conv(
     x: Tensor,
     weight: Tensor,
@@ -320,6 +322,7 @@ def conv_transpose_lowerings(*args: Any, **kwargs: Any) -> list[str]:
     return ["grouped", "loop"]
 
 
+@tunable(conv_transpose_lowerings)
 def conv_transpose(
     x: Tensor,
     weight: Tensor,

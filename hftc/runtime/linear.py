@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .conv import _check_lowering
 from .layout import pad_model_dims
+from .tuning import tunable
 
 
 def linear_lowerings(x: Tensor, weight: Tensor, bias: Tensor | None, *,
@@ -71,6 +72,7 @@ def linear_lowerings(x: Tensor, weight: Tensor, bias: Tensor | None, *,
 _NARROW_OUTPUT = 32
 
 
+@tunable(linear_lowerings)
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool,
            lowering: str | None = None) -> Tensor:
     """N linears as one batched product (``baddbmm``), or one wide GEMM of a shared input.
