@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients, _scalar_dtype, addcdiv_, addcmul_
+from .moments import AdamMoments
+from .optimizer import FusedOptimizer, _Coefficients, _scalar_dtype, addcdiv_
 
 __all__ = ["NAdam"]
 
@@ -92,24 +93,10 @@ class NAdam(FusedOptimizer):
             p += -lr (1 - mu_t) / (1 - mu_product) * grad / denom
             p += -lr mu_{t+1} / (1 - mu_product mu_{t+1}) * exp_avg / denom
         """
-        lr, wd, decoupled = hp["lr"], hp["weight_decay"], hp["decoupled_weight_decay"]
-        beta1 = [b[0] for b in hp["betas"]]
-        beta2 = [b[1] for b in hp["betas"]]
+        lr = hp["lr"]
+        moments = AdamMoments.of(self, params, hp)
+        beta1, beta2, foreach, coef = moments.beta1, moments.beta2, moments.foreach, moments.coef
         momentum_decay = hp["momentum_decay"]
-        coupled_wd = [0.0 if d else w for w, d in zip(wd, decoupled)]
-        any_coupled = any(w != 0 for w in coupled_wd)
-        any_decoupled = any(d and w != 0 for w, d in zip(wd, decoupled))
-        foreach = self._stock_foreach(params)
-        coef = self._coefficients({
-            "sign": [-1.0 if m else 1.0 for m in hp["maximize"]],
-            "coupled_wd": coupled_wd,
-            "decay": [1 - r * w if d else 1.0 for r, w, d in zip(lr, wd, decoupled)],
-            "one_minus_beta1": [1 - b for b in beta1],
-            "beta2": beta2,
-            "one_minus_beta2": [1 - b for b in beta2],
-            "eps": hp["eps"],
-            "foreach": foreach,
-        })
         step_coefs: dict[tuple[tuple[float, ...], tuple[float, ...]], _Coefficients] = {}
         for p, step in zip(params, self._count_steps(params)):
             state = self.state[p]
@@ -134,17 +121,7 @@ class NAdam(FusedOptimizer):
                     "exp_avg_step": [(-r * mu_next) / (1.0 - mp * mu_next)
                                      for r, mu_next, mp in zip(lr, mu_nexts, products)],
                 })
-            grad = p.grad
-            if any(hp["maximize"]):
-                grad = grad * coef("sign", p)
-            if any_decoupled:
-                p.mul_(coef.get("decay", p))
-            if any_coupled:
-                grad = torch.addcmul(grad, p, coef("coupled_wd", p))  # stock: add(alpha=wd)
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.lerp_(grad, coef.get("one_minus_beta1", p))
-            addcmul_(exp_avg_sq.mul_(coef.get("beta2", p)), grad, grad,
-                     coef.get("one_minus_beta2", p))
+            grad, exp_avg, exp_avg_sq = moments.update(p, state)
             if not all(foreach):
                 denom = exp_avg_sq.div(step_coef.get("bc2", p)).sqrt()
             if any(foreach):

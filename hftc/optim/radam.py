@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients, addcmul_
+from .moments import AdamMoments
+from .optimizer import FusedOptimizer, _Coefficients
 
 __all__ = ["RAdam"]
 
@@ -98,24 +99,9 @@ class RAdam(FusedOptimizer):
             p -= exp_avg / bc1 * lr * (1 / (sqrt(exp_avg_sq) + eps) * sqrt(bc2)) * r_t
                                                   (rho_t > 5; else p -= exp_avg / bc1 * lr)
         """
-        lr, wd, decoupled = hp["lr"], hp["weight_decay"], hp["decoupled_weight_decay"]
-        beta1 = [b[0] for b in hp["betas"]]
-        beta2 = [b[1] for b in hp["betas"]]
-        coupled_wd = [0.0 if d else w for w, d in zip(wd, decoupled)]
-        any_coupled = any(w != 0 for w in coupled_wd)
-        any_decoupled = any(d and w != 0 for w, d in zip(wd, decoupled))
-        foreach = self._stock_foreach(params)
-        coef = self._coefficients({
-            "sign": [-1.0 if m else 1.0 for m in hp["maximize"]],
-            "coupled_wd": coupled_wd,
-            "decay": [1 - r * w if d else 1.0 for r, w, d in zip(lr, wd, decoupled)],
-            "one_minus_beta1": [1 - b for b in beta1],
-            "beta2": beta2,
-            "one_minus_beta2": [1 - b for b in beta2],
-            "eps": hp["eps"],
-            "lr": lr,
-            "foreach": foreach,
-        })
+        lr = hp["lr"]
+        moments = AdamMoments.of(self, params, hp, lr=lr)
+        beta1, beta2, foreach, coef = moments.beta1, moments.beta2, moments.foreach, moments.coef
         step_coefs: dict[tuple[float, ...], _Coefficients] = {}
         for p, step in zip(params, self._count_steps(params)):
             steps = tuple(step.tolist())
@@ -123,17 +109,7 @@ class RAdam(FusedOptimizer):
                 step_coefs[steps] = self._step_coefficients(lr, beta1, beta2, steps)
             step_coef = step_coefs[steps]
             state = self.state[p]
-            grad = p.grad
-            if any(hp["maximize"]):
-                grad = grad * coef("sign", p)
-            if any_decoupled:
-                p.mul_(coef.get("decay", p))
-            if any_coupled:
-                grad = torch.addcmul(grad, p, coef("coupled_wd", p))  # stock: add(alpha=wd)
-            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-            exp_avg.lerp_(grad, coef.get("one_minus_beta1", p))
-            addcmul_(exp_avg_sq.mul_(coef.get("beta2", p)), grad, grad,
-                     coef.get("one_minus_beta2", p))
+            _, exp_avg, exp_avg_sq = moments.update(p, state)
             if all(foreach):
                 p.addcmul_(exp_avg, self._foreach_factor(exp_avg_sq, coef, step_coef, p))
             elif not any(foreach):
