@@ -251,3 +251,45 @@ def test_lstm_under_cpu_autocast_runs_in_its_lower_precision(given_state):
         for i, w in enumerate(want):
             torch.testing.assert_close(got[i].float(), w.float(), rtol=5e-2, atol=5e-2)
     assert fused.last_program().model_loop is None
+
+
+class _ProjectedGRU(nn.Module):
+    """A GRU fed by a layer autocast runs in bf16 (the long fuzz profile's token family:
+    attention, then a GRU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.rnn = nn.GRU(8, 6, batch_first=True)
+
+    def forward(self, x):
+        out, h = self.rnn(self.proj(x))
+        return out, h
+
+
+@pytest.mark.parametrize("projected", [True, False], ids=["bf16_input", "float32_input"])
+def test_gru_under_cpu_autocast_runs_at_its_inputs_precision(projected):
+    # gru is on none of autocast's lists: ATen runs it at its input's precision (bf16 after
+    # an autocast linear, float32 on a float32 input); the fused recurrence ran in the
+    # weights' float32 and the first-call check ran the models one by one.
+    torch.manual_seed(0)
+    models = [_ProjectedGRU() if projected else _GRUOnly() for _ in range(3)]
+    fused = hftc.fuse(models)
+    x = torch.randn(2, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = fused(x)
+        wants = [m(x) for m in models]
+    for k, got in enumerate(outs):
+        assert got.dtype == wants[0][k].dtype == (torch.bfloat16 if projected else torch.float32)
+        for i, want in enumerate(wants):
+            torch.testing.assert_close(got[i].float(), want[k].float(), rtol=2e-2, atol=2e-2)
+    assert fused.last_program().model_loop is None
+
+
+class _GRUOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(8, 6, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)

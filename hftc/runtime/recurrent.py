@@ -116,10 +116,15 @@ def rnn(
     hidden = weights[1].shape[-1]  # W_hh: [N, G*H, Hout]
     cell_size = weights[0].shape[1] // GATES[mode]
     dtype, device = weights[0].dtype, weights[0].device
-    if mode == "LSTM" and dtype.is_floating_point and torch.is_autocast_enabled(device.type):
-        # ATen's autocast runs lstm in its lower precision (states included): a float32
-        # cell state kept the fused recurrence, and its outputs, in float32.
-        dtype = torch.get_autocast_dtype(device.type)
+    if dtype.is_floating_point and torch.is_autocast_enabled(device.type):
+        if mode == "LSTM":
+            # ATen's autocast runs lstm in its lower precision (states included): a float32
+            # cell state kept the fused recurrence, and its outputs, in float32.
+            dtype = torch.get_autocast_dtype(device.type)
+        elif mode == "GRU" and input.is_floating_point():
+            # gru is not on autocast's lists: ATen runs it at its input's precision (a bf16
+            # input from an autocast layer gives bf16 states and outputs).
+            dtype = input.dtype
 
     states: list[Tensor | None] = []
     hx_parts = [] if hx is None else ([hx] if isinstance(hx, Tensor) else list(hx))
