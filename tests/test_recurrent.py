@@ -284,6 +284,13 @@ def test_gru_under_cpu_autocast_runs_at_its_inputs_precision(projected):
         for i, want in enumerate(wants):
             torch.testing.assert_close(got[i].float(), want[k].float(), rtol=2e-2, atol=2e-2)
     assert fused.last_program().model_loop is None
+    # backward: each model's gradients, as its own bf16 backward gives them
+    sum(o.float().sum() for o in outs).backward()
+    sum(o.float().sum() for want in wants for o in want).backward()
+    for name, p in fused.named_parameters():
+        for i, m in enumerate(models):
+            torch.testing.assert_close(p.grad[i], m.get_parameter(name).grad,
+                                       rtol=5e-2, atol=5e-2)
 
 
 class _GRUOnly(nn.Module):
