@@ -445,6 +445,51 @@ def test_autocast_runs_the_fused_ops_in_bfloat16():
         torch.testing.assert_close(out[i].float(), ref.float(), rtol=0.05, atol=0.05)
 
 
+class _PerModelNorms(nn.Module):
+    """Norms whose eps (and batch norm's momentum) differ per model: hftc writes these out
+    (hftc.runtime.per_model), where one ATen call cannot take N values."""
+
+    def __init__(self, i):
+        super().__init__()
+        eps = 1e-5 * (i + 1)
+        self.conv = nn.Conv1d(1, 4, 3)
+        self.bn = nn.BatchNorm1d(4, eps=eps, momentum=0.1 * (i + 1))
+        self.ln = nn.LayerNorm(6, eps=eps)
+        self.gn = nn.GroupNorm(2, 4, eps=eps)
+        self.rms = nn.RMSNorm(6, eps=None if i == 0 else eps)
+
+    def forward(self, x):
+        return self.rms(self.gn(self.ln(self.bn(self.conv(x)))))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_per_model_norms_under_autocast_return_their_inputs_precision(train):
+    # ATen's norms take autocast's bf16 activations with float32 weights, accumulate in
+    # float32 and return bf16; the written-out per-model norms returned float32 (the
+    # first-call check then ran the models one by one; with check=False the dtype was
+    # wrong) and RMSNorm's eps=None took bf16's machine epsilon instead of float32's.
+    torch.manual_seed(0)
+    models = [_PerModelNorms(i).train(train) for i in range(3)]
+    fused = hftc.fuse(copy.deepcopy(models)).train(train)
+    x = torch.randn(5, 1, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fused(x)
+        refs = [m(x) for m in models]
+    assert fused.last_program().model_loop is None
+    assert out.dtype == refs[0].dtype == torch.bfloat16
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(out[i].float(), ref.float(), rtol=2e-2, atol=2e-2)
+    out.float().square().sum().backward()
+    sum(ref.float().square().sum() for ref in refs).backward()
+    for name, p in fused.named_parameters():
+        for i, m in enumerate(models):
+            torch.testing.assert_close(p.grad[i], m.get_parameter(name).grad,
+                                       rtol=5e-2, atol=5e-2, msg=f"{name}, model {i}")
+    for name, b in fused.named_buffers():
+        for i, m in enumerate(models):
+            torch.testing.assert_close(b[i], m.get_buffer(name), rtol=1e-2, atol=1e-2)
+
+
 class OptionalMask(nn.Module):
     """``forward(x, mask=None)``: symbolic tracing never sees None, so the graphs traced at
     fusing take ``if mask is not None``; a call without a mask needs the other branch."""

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .layout import _canonical_grad, fold_channels, pad_model_dims, unfold_channels
-from .per_model import _per_channel
+from .per_model import _per_channel, opmath
 
 
 def _channel_view(t: Tensor | None) -> Tensor | None:
@@ -177,7 +177,7 @@ def per_model_batch_norm(
 ) -> Tensor:
     """Batch norm with a momentum and an eps per model (``_BatchNorm.forward`` written out)."""
     n = x.shape[0]
-    xf = fold_channels(x, has_batch_dim=True)
+    xf = opmath(fold_channels(x, has_batch_dim=True))
     c = xf.shape[1] // n
     dims = [d for d in range(xf.dim()) if d != 1]
     shape = [1, -1] + [1] * (xf.dim() - 2)
@@ -207,4 +207,4 @@ def per_model_batch_norm(
         y = y * weight.reshape(shape)
     if bias is not None:
         y = y + bias.reshape(shape)
-    return unfold_channels(y, n, has_batch_dim=True)
+    return unfold_channels(y.to(x.dtype), n, has_batch_dim=True)

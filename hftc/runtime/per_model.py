@@ -70,6 +70,16 @@ def _per_channel(values: Sequence[float], channels: int, like: Tensor) -> Tensor
     )
 
 
+def opmath(x: Tensor) -> Tensor:
+    """``x`` in the precision ATen's norms compute in: float32 for bf16/fp16 inputs.
+
+    ATen's norms take a bf16 input with float32 weights (what autocast hands them) and
+    return bf16, accumulating in float32; the per-model norms written out here do the same:
+    compute on ``opmath(x)``, then ``.to(x.dtype)``.
+    """
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
 def layer_norm(
     x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, bias: Tensor | None,
     eps: Sequence[float], *, x_batched: bool,
@@ -78,16 +88,17 @@ def layer_norm(
     n = len(eps)
     if not x_batched:
         x = x.unsqueeze(0).expand(n, *x.shape)
+    xc = opmath(x)
     dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
-    mean = x.mean(dims, keepdim=True)
-    var = x.var(dims, unbiased=False, keepdim=True)
-    y = (x - mean) * torch.rsqrt(var + scalars(eps, x, x.dim() - 1))
+    mean = xc.mean(dims, keepdim=True)
+    var = xc.var(dims, unbiased=False, keepdim=True)
+    y = (xc - mean) * torch.rsqrt(var + scalars(eps, xc, x.dim() - 1))
     rank = y.dim() - 1
     if weight is not None:
         y = y * pad_model_dims(weight, rank)
     if bias is not None:
         y = y + pad_model_dims(bias, rank)
-    return y
+    return y.to(x.dtype)
 
 
 def rms_norm(
@@ -98,12 +109,13 @@ def rms_norm(
     n = len(eps)
     if not x_batched:
         x = x.unsqueeze(0).expand(n, *x.shape)
-    values = [torch.finfo(x.dtype).eps if e is None else e for e in eps]
+    xc = opmath(x)
+    values = [torch.finfo(xc.dtype).eps if e is None else e for e in eps]
     dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
-    y = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + scalars(values, x, x.dim() - 1))
+    y = xc * torch.rsqrt(xc.pow(2).mean(dims, keepdim=True) + scalars(values, xc, x.dim() - 1))
     if weight is not None:
         y = y * pad_model_dims(weight, y.dim() - 1)
-    return y
+    return y.to(x.dtype)
 
 
 def group_norm(
@@ -112,7 +124,7 @@ def group_norm(
 ) -> Tensor:
     """Group norm with an eps per model, over ``N*G`` groups."""
     n = x.shape[0]
-    xf = fold_channels(x, True)
+    xf = opmath(fold_channels(x, True))
     b, channels = xf.shape[0], xf.shape[1]
     grouped = xf.reshape(b, n * num_groups, -1)
     mean = grouped.mean(-1, keepdim=True)
@@ -124,4 +136,4 @@ def group_norm(
         y = y * weight.reshape(shape)
     if bias is not None:
         y = y + bias.reshape(shape)
-    return unfold_channels(y, n, True)
+    return unfold_channels(y.to(x.dtype), n, True)
