@@ -116,3 +116,28 @@ def test_a_fused_training_step_never_waits_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(not torch.equal(a, p) for a, p in zip(before, fused.parameters()))
+
+
+def test_per_model_values_are_made_once_on_the_gpu():
+    # A per-model eps or dropout rate was copied host-to-device on every call: a copy a
+    # CUDA graph (hftc.compile_step) cannot replay; now one device tensor serves each call.
+    from hftc.runtime.per_model import values_on
+
+    a = values_on([0.1, 0.2, 0.3], torch.float32, torch.device("cuda"))
+    b = values_on([0.1, 0.2, 0.3], torch.float32, torch.device("cuda"))
+    assert a is b and a.device.type == "cuda"
+    torch.testing.assert_close(a.cpu(), torch.tensor([0.1, 0.2, 0.3]), rtol=0, atol=0)
+    assert values_on([0.1, 0.2, 0.3], torch.float64, torch.device("cuda")) is not a
+    models = [nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8, eps=1e-5 * (i + 1)))
+              for i in range(3)]
+    fused = hftc.fuse([m.cuda() for m in models])
+    x = torch.randn(4, 8, device="cuda")
+    fused(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = fused(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))

@@ -37,11 +37,34 @@ def values_on(values: Sequence[float] | Sequence[Sequence[float]], dtype: torch.
     backward) before issuing the next op. From pinned memory the copy is queued like a
     kernel. The values are made float64 first and cast on the device, so the result is
     what ``torch.tensor(values, dtype=dtype)`` gives on the CPU.
+
+    On a GPU the tensor is made once per (values, dtype, device) and reused: a per-model
+    eps or dropout rate then costs no host-to-device copy per call, and a step captured in
+    a CUDA graph (``hftc.compile_step``) replays with the same tensor.  Callers never
+    write into it.
     """
-    host = torch.tensor(values, dtype=torch.float64)
-    if torch.device(device).type != "cuda":
-        return host.to(device=device, dtype=dtype)
-    return host.pin_memory().to(device=device, non_blocking=True).to(dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.float64).to(device=device, dtype=dtype)
+    key = (_frozen(values), dtype, device)
+    cached = _DEVICE_VALUES.get(key)
+    if cached is None:
+        if len(_DEVICE_VALUES) >= _DEVICE_VALUES_MAX:
+            _DEVICE_VALUES.clear()
+        host = torch.tensor(values, dtype=torch.float64)
+        cached = _DEVICE_VALUES[key] = host.pin_memory().to(
+            device=device, non_blocking=True).to(dtype)
+    return cached
+
+
+#: values_on's GPU tensors; cleared when full (values that change every call, a
+#: scheduled dropout rate, must not grow it without bound).
+_DEVICE_VALUES: dict[tuple, Tensor] = {}
+_DEVICE_VALUES_MAX = 4096
+
+
+def _frozen(values) -> tuple:
+    return tuple(_frozen(v) if isinstance(v, (list, tuple)) else float(v) for v in values)
 
 
 def scalars(values: Sequence[float], like: Tensor, rank: int) -> Tensor:
