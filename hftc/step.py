@@ -446,8 +446,7 @@ class _CaptureHazards(TorchDispatchMode):
                                "int(t), a Python `if` on a tensor)",
                          "compute with the tensor instead (torch.where, clamp) or move the "
                          "read out of the step (log the returned losses after it)")
-        tags = getattr(func, "tags", ())
-        if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
+        if _data_dependent_shape(func, args):
             self._refuse(func, "gives a result whose shape depends on the data (nonzero, "
                                "x[mask], unique, masked_select)",
                          "keep shapes fixed: multiply by the mask or use torch.where")
@@ -469,6 +468,17 @@ class _CaptureHazards(TorchDispatchMode):
             f"{what}, which a {'CUDA graph' if self.step_mode == 'cuda_graph' else 'compiled step'}"
             f" cannot capture: it would keep the value or shape of the step it was captured "
             f"in. To capture the step, {fix}; or pass mode='eager'")
+
+
+def _data_dependent_shape(func: Any, args: tuple) -> bool:
+    """Whether ``func``'s output shape depends on its inputs' values.  ``aten.index`` is
+    tagged so for its boolean masks only: integer indices (a gather) keep shapes fixed."""
+    if func is torch.ops.aten.index.Tensor:
+        indices = args[1] if len(args) > 1 else ()
+        return any(isinstance(i, Tensor) and i.dtype in (torch.bool, torch.uint8)
+                   for i in indices)
+    tags = getattr(func, "tags", ())
+    return torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
 
 
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
