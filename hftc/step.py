@@ -372,13 +372,14 @@ class CompiledStep:
         params = self._parameters()
         torch.cuda.synchronize(self.device)
         self.optimizer.zero_grad(set_to_none=True)  # backward allocates .grad in the graph
+        if self.captures_optimizer:  # outside the capture: the replays must not redo it
+            self.optimizer.refresh_hyperparameters()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph), self._autocast(cache_enabled=False):
                 losses = self._check_losses(self._forward_losses(static_inputs, static_target))
                 losses.sum().backward()
                 if self.captures_optimizer:
-                    self.optimizer.refresh_hyperparameters()
                     self._clip_and_step()
         except StepCaptureError:
             raise
@@ -456,9 +457,12 @@ class _CaptureHazards(TorchDispatchMode):
             if any(s.device.type == "cpu" and s.dim() > 0 for s in sources) and any(
                     isinstance(o, Tensor) and o.device.type == "cuda"
                     for o in pytree.tree_leaves(out)):
-                self._refuse(func, "copies a tensor from host memory to the GPU",
-                             "create the tensor on the GPU once, outside the step (a buffer "
-                             "of the model), or use mode='eager'")
+                fix = ("create the tensor on the GPU once, outside the step (a buffer of "
+                       "the model)" if _user_frame() else
+                       "give the models one value of each hyper-parameter (dropout p, a "
+                       "norm's eps, an activation's slope): values that differ per model are "
+                       "copied to the GPU on every call")
+                self._refuse(func, "copies a tensor from host memory to the GPU", fix)
         return out
 
     def _refuse(self, func: Any, what: str, fix: str) -> None:
