@@ -458,17 +458,24 @@ class _CaptureHazards(TorchDispatchMode):
                     isinstance(o, Tensor) and o.device.type == "cuda"
                     for o in pytree.tree_leaves(out)):
                 fix = ("create the tensor on the GPU once, outside the step (a buffer of "
-                       "the model)" if _user_frame() else
+                       "the model)" if _origin() not in (None, _HFTC) else
                        "give the models one value of each hyper-parameter (dropout p, a "
                        "norm's eps, an activation's slope): values that differ per model are "
                        "copied to the GPU on every call")
-                self._refuse(func, "copies a tensor from host memory to the GPU", fix)
+                self._refuse(func, "copies a tensor from host memory to the GPU", fix,
+                             even_in_hftc=True)
         return out
 
-    def _refuse(self, func: Any, what: str, fix: str) -> None:
-        where = _user_frame()
+    def _refuse(self, func: Any, what: str, fix: str, *, even_in_hftc: bool = False) -> None:
+        where = _origin()
+        if where == _HFTC and not even_in_hftc:
+            # hftc's own eager fast paths read values on the CPU (is a target ignored, is an
+            # index in range) and take a path without the read under torch.compile and on
+            # CUDA; a capture that still meets one is refused by _capture.
+            return
         raise StepCaptureError(
-            f"compile_step: {func.name()}{f' at {where}' if where else ' in the fused forward'} "
+            f"compile_step: {func.name()}"
+            f"{f' at {where}' if where not in (None, _HFTC) else ' in the fused forward'} "
             f"{what}, which a {'CUDA graph' if self.step_mode == 'cuda_graph' else 'compiled step'}"
             f" cannot capture: it would keep the value or shape of the step it was captured "
             f"in. To capture the step, {fix}; or pass mode='eager'")
@@ -488,22 +495,30 @@ def _data_dependent_shape(func: Any, args: tuple) -> bool:
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 
 _THIS_FILE = os.path.abspath(__file__)
-_INTERNAL = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-             os.path.dirname(_THIS_FILE) + os.sep)
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_HFTC_DIR = os.path.dirname(_THIS_FILE) + os.sep
 
 
-def _user_frame() -> str | None:
-    """``file:line (code)`` of the innermost frame of the user's code (neither torch's nor
-    hftc's) that the step called, if any: the loss function's line that did it.  None
-    where the op came from the fused forward (its traced code)."""
+_HFTC = "hftc"
+
+
+def _origin() -> str | None:
+    """Where the op being dispatched was called from: ``file:line (code)`` of the user's
+    code (the loss function's line), None for the fused forward's traced code, or
+    :data:`_HFTC` for hftc's own runtime (the innermost frame that is not torch's decides;
+    the frames of :class:`_CaptureHazards` itself are skipped)."""
     left_the_check = False  # past the frames of _CaptureHazards itself
     for frame in reversed(traceback.extract_stack()):
         if frame.filename == _THIS_FILE:
             if left_the_check:
-                return None  # reached the step itself: the user's code was not on the way
+                return None  # reached the step itself
             continue
         left_the_check = True
-        if frame.filename.startswith(_INTERNAL) or frame.filename.startswith("<"):
+        if frame.filename.startswith(_TORCH):
             continue
+        if frame.filename.startswith(_HFTC_DIR):
+            return _HFTC
+        if frame.filename.startswith("<"):  # the fused forward's generated code
+            return None
         return f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
     return None

@@ -227,3 +227,37 @@ def test_bad_arguments_are_refused():
         summed(x, y)
     with torch.no_grad(), pytest.raises(FusionArgumentError, match="under torch.no_grad"):
         hftc.compile_step(fused, F.nll_loss, opt)(x, y)
+
+
+class TokenClassifier(nn.Module):
+    """A bag-of-embeddings text classifier (pytorch/examples' text_classification style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, tokens):
+        return self.fc(self.embed(tokens).mean(1))
+
+
+def test_hftc_own_host_reads_are_not_refused_in_compile_mode():
+    # F.cross_entropy over 5 classes runs hftc's short-row kernel, which reads on the CPU
+    # whether a target is ignored, and the fused embedding checks its indices' range: both
+    # eager-only reads (torch.compile takes their other path), not the user's.
+    torch.manual_seed(0)
+    models = [TokenClassifier() for _ in LRS]
+    fused = hftc.fuse(copy.deepcopy(models))
+    step = hftc.compile_step(fused, F.cross_entropy, hftc.optim.SGD(fused.parameters(), lr=LRS),
+                             mode="compile")
+    loop = hftc.fuse(copy.deepcopy(models))
+    loop_opt = hftc.optim.SGD(loop.parameters(), lr=LRS)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):  # the two warm-up steps, the second watched
+        x, y = torch.randint(0, 50, (160, 6), generator=g), torch.randint(0, 5, (160,), generator=g)
+        got = step(x, y)
+        loop_opt.zero_grad()
+        want = hftc.per_model(F.cross_entropy)(loop(x), y)
+        want.sum().backward()
+        loop_opt.step()
+        assert torch.equal(got, want.detach())
