@@ -98,3 +98,10 @@ def plain_message(exc: BaseException) -> str:
               default=len(text))
     text = " ".join(text[:cut].split()).rstrip(" .")
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class StepCaptureError(FusionError, RuntimeError):
+    """``hftc.compile_step`` cannot capture (or compile) a training step: something in it
+    reads a value on the host (``.item()``), gives a shape that depends on the data, or
+    copies from host memory, which a replayed graph would not redo.  The message names the
+    op and the line, and what to change (or ``mode="eager"``, which runs anything)."""

@@ -78,7 +78,8 @@ def test_hand_fused_equals_stock_models(name, mode):
 
 @pytest.mark.parametrize("name", ["mlp", "lenet5"])
 def test_contenders_train_the_same_models(name):
-    steps = {c: build_step(c, name, 3) for c in ("serial", "hand-fused", "hftc", "torch.func")}
+    steps = {c: build_step(c, name, 3)
+             for c in ("serial", "hand-fused", "hftc", "hftc+step", "torch.func")}
     for s in steps.values():
         s.fn()
     want = steps["serial"].parameters()

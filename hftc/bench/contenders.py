@@ -16,6 +16,9 @@ hftc            ``hftc.fuse(models, autotune=True)`` + ``hftc.optim.Adam`` +
                 ``hftc.per_model(loss)``
 hftc+compile    the same with the forward and loss under ``torch.compile`` (inductor);
                 backward through AOTAutograd's compiled graph; optimizer eager
+hftc+step       the same through ``hftc.compile_step`` (its default mode: the whole step,
+                optimizer included where it can be, as one CUDA graph on a GPU; the eager
+                step on the CPU); bf16 via its ``autocast_dtype``
 concurrent-mps  concurrent, on a GPU, with CUDA's MPS daemon sharing the device (the
                 suite starts it where it can; ``suite.py``)
 ==============  ==========================================================================
@@ -43,12 +46,12 @@ from torch import nn
 from .workloads import WORKLOADS, Workload
 
 CONTENDERS = ("serial", "concurrent", "concurrent-mps", "torch.func", "hand-fused", "hftc",
-              "hftc+compile")
+              "hftc+compile", "hftc+step")
 #: Contenders that run the N models in N processes (runner.py builds each from "serial").
 MULTI_PROCESS = ("concurrent", "concurrent-mps")
 PRECISIONS = ("fp32", "bf16")
 #: Contenders that fuse the N models into one step (their FLOP/s efficiency is reported).
-FUSED = ("torch.func", "hand-fused", "hftc", "hftc+compile")
+FUSED = ("torch.func", "hand-fused", "hftc", "hftc+compile", "hftc+step")
 
 
 def learning_rates(n: int, base: float = 1e-3) -> list[float]:
@@ -230,6 +233,23 @@ def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
                 phases=lambda: step_phases(lambda: fn(x, y), opt, setting))
 
 
+def _hftc_step(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting) -> Step:
+    import hftc
+
+    fused = hftc.fuse(models, autotune=True)
+    opt = hftc.optim.Adam(fused.parameters(), lr=lrs, **adam_kwargs)
+    bf16 = torch.bfloat16 if setting.precision == "bf16" else None
+    per_model_loss = hftc.per_model(w.loss_fn)
+    step = hftc.compile_step(fused, lambda out, y: per_model_loss(_first(out), y), opt,
+                             per_model_loss=False, autocast_dtype=bf16)
+    with setting.autocast():  # lowerings are timed as the step runs them
+        fused.compile(x)
+    report = fused.fusion_report
+    info = {"mode": step.mode, "captures_optimizer": step.captures_optimizer,
+            "fallbacks": [f"{r.node} ({r.reason})" for r in report.fallbacks]}
+    return Step(lambda: step(x, y), len(models), _named(fused), info)
+
+
 #: Ops whose self time counts as matrix products / convolutions in :func:`step_phases`.
 _GEMM_OPS = ("mm", "bmm", "addmm", "baddbmm", "convolution", "conv", "linear")
 
@@ -300,4 +320,5 @@ _BUILDERS: dict[str, Callable[..., Step]] = {
     "hand-fused": _hand_fused,
     "hftc": _hftc,
     "hftc+compile": lambda *a: _hftc(*a, compile=True),
+    "hftc+step": _hftc_step,
 }

@@ -21,4 +21,5 @@ CONTENDERS = {
     "hand-fused": "models fused by hand, HFTA-style",
     "hftc": "hftc.fuse",
     "hftc+compile": "torch.compile of hftc.fuse's module",
+    "hftc+step": "hftc.compile_step: the whole step as one CUDA graph (eager on the CPU)",
 }

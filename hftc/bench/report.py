@@ -391,7 +391,7 @@ def _max_n_tables(result: dict) -> list[str]:
 #: One colour per contender in every panel.
 COLORS = {"serial": "tab:blue", "concurrent": "tab:orange", "concurrent-mps": "tab:olive",
           "torch.func": "tab:green", "hand-fused": "tab:red", "hftc": "tab:purple",
-          "hftc+compile": "tab:brown"}
+          "hftc+compile": "tab:brown", "hftc+step": "tab:pink"}
 
 
 def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
