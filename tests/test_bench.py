@@ -118,6 +118,16 @@ REAL_MODEL_WORKLOADS = {
 }
 
 
+def test_real_model_workloads_on_a_gpu_are_the_real_models():
+    """The ``gpu`` sizes build the models the issue names, parameter for parameter:
+    torchvision's convnext_tiny and efficientnet_b0 (1000 classes), fast_neural_style's
+    TransformerNet."""
+    expected = {"convnext": 28_589_128, "efficientnet": 5_288_548, "style_transfer": 1_679_235}
+    for name, count in expected.items():
+        model = WORKLOADS[name].on("cuda").factory()
+        assert sum(p.numel() for p in model.parameters()) == count, name
+
+
 def _two_steps(w, contender: str, dtype: torch.dtype) -> tuple[dict, dict, list[str]]:
     """The N = 3 models' stacked parameters before and after two steps of ``contender``
     in ``dtype``, and its fallbacks."""
