@@ -15,6 +15,11 @@ pick their variant with arguments:
 - ``PointNetCls``: conv widths 64-128-1024 and fc 512-256 in the benchmark, 16-32-64 and
   32-16 in the tests;
 - ``TransformerClassifier`` and ``StockTransformerClassifier``: the benchmark's only.
+- the models users train (issue 29), the benchmark's only, each in the code shapes of
+  its source and sized by arguments: ``ConvNeXt`` (torchvision's CNBlock, stochastic
+  depth), ``EfficientNet`` (MBConv with squeeze-and-excitation), ``TransformerNet``
+  (pytorch/examples fast_neural_style), ``RNNModel`` (word_language_model) and ``GPT``
+  (nanoGPT).
 
 Nothing here knows about hftc: a fuser has to see through these models as they are.
 """
