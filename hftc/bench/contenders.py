@@ -208,8 +208,10 @@ def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
           compile: bool = False) -> Step:
     import hftc
 
-    # autotune: each fused op's lowering timed on these shapes (cached on disk).
-    fused = hftc.fuse(models, autotune=True)
+    # autotune: each fused op's lowering timed on these shapes (cached on disk); a model
+    # that reads its input's sizes in Python is fused from the batch (example_inputs).
+    example = {"example_inputs": (x,)} if w.example_inputs else {}
+    fused = hftc.fuse(models, autotune=True, **example)
     opt = hftc.optim.Adam(fused.parameters(), lr=lrs, **adam_kwargs)
     per_model_loss = hftc.per_model(w.loss_fn)
 

@@ -11,6 +11,11 @@ WORKLOADS = {
     "mobilenet_v2": "MobileNetV2 on 32x32",
     "transformer": "transformer classifier, attention from nn.Linear + matmul",
     "transformer_stock": "nn.TransformerEncoderLayer classifier",
+    "convnext": "ConvNeXt-like blocks with stochastic depth",
+    "efficientnet": "EfficientNet-like MBConv net with squeeze-and-excitation",
+    "style_transfer": "fast_neural_style TransformerNet (InstanceNorm, upsampling)",
+    "lstm_lm": "word_language_model 2-layer LSTM",
+    "gpt": "small nanoGPT",
 }
 
 CONTENDERS = {

@@ -21,11 +21,15 @@ from .contenders import CONTENDERS, FUSED
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
-#: The targets of issue 7: (workload, N, contender hftc is compared with, ratio).
+#: The targets of issues 7 and 29: (workload, N, contender hftc is compared with, ratio).
 TARGETS = [
     ("mlp", 32, "serial", 4.0), ("mlp", 32, "concurrent", 4.0),
     ("mlp", 32, "torch.func", 1.1), ("mlp", 32, "hand-fused", 0.95),
     ("lenet5", 16, "serial", 1.3), ("lenet5", 16, "torch.func", 1.3),
+    # issue 29: the models users train, at N = 4, with the default options
+    ("convnext", 4, "serial", 1.2), ("efficientnet", 4, "serial", 1.2),
+    ("style_transfer", 4, "serial", 1.0), ("lstm_lm", 4, "serial", 1.0),
+    ("gpt", 4, "serial", 1.0),
 ]
 
 
