@@ -649,3 +649,51 @@ def test_random_ops_are_declared_once_in_the_rule_table():
                 ("call_module", nn.Dropout2d), ("call_function", F.scaled_dot_product_attention)]:
         assert RULES[key].random, key
     assert not RULES[("call_function", F.relu)].random
+
+
+def test_the_rules_declare_the_aten_ops_torch_export_records_for_them():
+    """The ATen spellings live on the rules (``@rule(aten=...)``), not in a front-end table:
+    the export front-end converts exactly what the rules hand it."""
+    from hftc.passes.registry import RULES, aten_spellings
+
+    aten = torch.ops.aten
+    declared = {op for entry in RULES.values() for op, _ in entry.aten}
+    assert declared == set(aten_spellings())
+    for key, op in [(("call_function", F.batch_norm), aten.batch_norm),
+                    (("call_function", F.conv2d), aten.convolution),
+                    (("call_function", F.linear), aten.linear),
+                    (("call_function", torch.matmul), aten.addmm),
+                    (("call_function", F.dropout), aten.dropout_)]:
+        assert op in dict(RULES[key].aten), (key, op)
+    import hftc.frontends.export as export_frontend
+
+    assert not hasattr(export_frontend, "CONVERTERS")
+
+
+def test_an_aten_op_declared_by_two_rules_is_an_error():
+    from hftc.passes.registry import RULES, DuplicateRuleError, aten_spellings, rule
+
+    before = aten_spellings()
+    with pytest.raises(DuplicateRuleError, match=r"linear has two spellings, one of them in "
+                                                 r"rule `other`: declare it on one rule"):
+        rule(("call_function", torch.special.expit), name="other",
+             aten={torch.ops.aten.linear: torch.special.expit})(lambda group, builder: None)
+    assert aten_spellings() == before and ("call_function", torch.special.expit) not in RULES
+    with pytest.raises(TypeError, match=r"aten= takes ATen ops such as torch.ops.aten.linear"):
+        rule(("call_function", torch.special.expit), name="other",
+             aten={"linear": torch.special.expit})(lambda group, builder: None)
+
+
+def test_the_export_front_end_spells_aten_ops_as_the_rules_hand_it():
+    from hftc.frontends.export import export_model
+    from hftc.passes.registry import aten_spellings
+
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), torch.randn(2, 3, 8, 8)
+    spelled = export_model(model, 0, training=False, args=(x,), aten_spellings=aten_spellings())
+    targets = {n.target for n in spelled.graph.nodes if n.op == "call_function"}
+    assert {F.conv2d, F.batch_norm} <= targets
+    bare = export_model(model, 0, training=False, args=(x,), aten_spellings={})
+    targets = {n.target for n in bare.graph.nodes if n.op == "call_function"}
+    # aten.batch_norm is torch.batch_norm (weight first) unless the norm rule spells it F.*
+    assert torch.batch_norm in targets and F.batch_norm not in targets
+    torch.testing.assert_close(spelled(x), model.eval()(x))

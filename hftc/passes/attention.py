@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
@@ -103,6 +104,7 @@ _SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 
 
 @rule(("call_function", F.scaled_dot_product_attention), random=True,
+      aten={torch.ops.aten.scaled_dot_product_attention: F.scaled_dot_product_attention},
       per_model={"dropout_p": 4}, per_model_defaults=(None, 0.0))  # attn_mask, dropout_p
 def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The model dim joins the batch dim: one SDPA over ``N*B`` batches (random: dropout)."""

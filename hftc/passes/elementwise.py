@@ -21,11 +21,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..frontends.export import Emitter, aten_name, fill_defaults
 from ..ir import EXAMPLE_VALUE
 from ..runtime import layout as rt_layout
 from ..runtime import per_model as rt_per_model
 from ..runtime import random as rt_random
 from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule, spellings
+
+aten = torch.ops.aten
 
 UNARY = """
 abs absolute acos arccos acosh arccosh asin arcsin asinh arcsinh atan arctan atanh arctanh
@@ -218,12 +221,55 @@ SLOPE_KEYS = {
     ("call_function", F.celu): ({"alpha": 1}, (1.0,)),
 }
 
+
+
+def elu_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.elu(x, alpha, scale, input_scale)`` -> ``F.elu(x, alpha)`` where the scales
+    are 1 (``nn.ELU``); SELU-like scales stay ATen (the per-model loop)."""
+    x, alpha, scale, input_scale = fill_defaults(args, (None, 1.0, 1.0, 1.0))
+    if scale == 1 and input_scale == 1:
+        return e.call(F.elu, x, alpha)
+    return e.call(aten.elu.default, *args, **kwargs)
+
+
+def to_as_method(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.to`` / ``aten._to_copy(x, dtype=...)`` -> ``x.to(dtype=..., copy=...)``."""
+    kept = {k: v for k, v in kwargs.items()
+            if k in ("dtype", "device", "non_blocking", "copy", "memory_format")}
+    if aten_name(e) == "_to_copy":
+        kept["copy"] = True
+    return e.method("to", *args, **kept)
+
+
+def lift_fresh_copy_as_clone(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.call(torch.clone, args[0])
+
+
+def dropout_inplace_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, p, train = args
+    return e.call(F.dropout, x, p, train, True)
+
+
+#: The ATen ops torch.export records for these ops where it does not spell them
+#: ``torch.NAME`` with the same arguments (``@rule(aten=...)``), by op name or function.
+EXPORTED_AS = {
+    "gelu": {aten.gelu: F.gelu}, "silu": {aten.silu: F.silu}, "mish": {aten.mish: F.mish},
+    "hardswish": {aten.hardswish: F.hardswish}, "hardsigmoid": {aten.hardsigmoid: F.hardsigmoid},
+    "hardtanh": {aten.hardtanh: F.hardtanh}, "softplus": {aten.softplus: F.softplus},
+    "logsigmoid": {aten.log_sigmoid: F.logsigmoid}, "relu6": {aten.relu6: F.relu6},
+    "to": {aten.to: to_as_method, aten._to_copy: to_as_method},
+    "clone": {aten.lift_fresh_copy: lift_fresh_copy_as_clone},
+    F.leaky_relu: {aten.leaky_relu: F.leaky_relu}, F.elu: {aten.elu: elu_as_functional},
+    F.dropout: {aten.dropout: F.dropout, aten.dropout_: dropout_inplace_as_functional},
+    F.alpha_dropout: {aten.alpha_dropout: F.alpha_dropout},
+}
+
 for _name in UNARY + BINARY:
     rule(*(key for key in spellings(_name, inplace=True) if key not in SLOPE_KEYS),
-         name=f"fuse_pointwise[{_name}]")(fuse_pointwise)
+         name=f"fuse_pointwise[{_name}]", aten=EXPORTED_AS.get(_name))(fuse_pointwise)
 for _key, (_names, _defaults) in SLOPE_KEYS.items():
     rule(_key, name=f"fuse_slope[{_key[1].__name__}]", per_model=_names,
-         per_model_defaults=_defaults)(fuse_slope)
+         per_model_defaults=_defaults, aten=EXPORTED_AS.get(_key[1]))(fuse_slope)
 for _name in RANDOM_LIKE:
     rule(*spellings(_name, inplace=True), name=f"fuse_random[{_name}]", random=True)(fuse_random)
 for _op in OPERATORS:
@@ -237,7 +283,7 @@ for _cls in RANDOM_MODULES:
          per_model=("p",))(fuse_random)
 for _fn in RANDOM_FUNCTIONS:
     rule(("call_function", _fn), name=f"fuse_random[{_fn.__name__}]", random=True,
-         per_model={"p": 1} if _fn is F.dropout else ())(fuse_random)
+         per_model={"p": 1} if _fn is F.dropout else (), aten=EXPORTED_AS.get(_fn))(fuse_random)
 for _name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
     rule(("call_method", _name), name=f"fuse_random[{_name}]", random=True)(fuse_random)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):

@@ -8,15 +8,19 @@
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedOperatorError
+from ..frontends.export import Emitter, fill_defaults
 from ..match import describe_node
 from ..runtime import embedding as rt_embedding
 from ..runtime import spatial as rt_spatial
 from .registry import FusionGroup, GraphBuilder, rule
+
+aten = torch.ops.aten
 
 
 def _refuse_sparse(group: FusionGroup) -> None:
@@ -42,7 +46,16 @@ def fuse_embedding_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
-@rule(("call_function", F.embedding))
+def embedding_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.embedding(weight, indices, padding_idx=-1, scale_grad, sparse)`` ->
+    ``F.embedding(indices, weight, padding_idx or None, ...)``."""
+    weight, indices, padding_idx, scale_grad, sparse = fill_defaults(
+        args, (None, None, -1, False, False))
+    return e.call(F.embedding, indices, weight, None if padding_idx == -1 else padding_idx,
+                  None, 2.0, scale_grad, sparse)
+
+
+@rule(("call_function", F.embedding), aten={aten.embedding: embedding_as_functional})
 def fuse_embedding_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     idx = group.arg(0, "input")
     if group.arg(6, "sparse", False):
@@ -62,7 +75,7 @@ def fuse_prelu_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                         x_batched=builder.is_batched(x))
 
 
-@rule(("call_function", F.prelu))
+@rule(("call_function", F.prelu), aten={aten.prelu: F.prelu})
 def fuse_prelu_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     return builder.call(rt_spatial.prelu, x, builder.broadcast(group.arg(1, "weight")),

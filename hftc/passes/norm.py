@@ -13,13 +13,37 @@ own channels only, and its running stats are its own slice of the stacked buffer
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..frontends.export import Emitter, fill_defaults
 from ..runtime import norms as rt_norms
 from ..runtime import per_model as rt_per_model
 from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule
+
+aten = torch.ops.aten
+
+
+def batch_norm_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, w, b, rm, rv, training, momentum, eps = args[:8]
+    return e.call(F.batch_norm, x, rm, rv, w, b, training, momentum, eps)
+
+
+def instance_norm_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, w, b, rm, rv, use_input_stats, momentum, eps = args[:8]
+    return e.call(F.instance_norm, x, rm, rv, w, b, use_input_stats, momentum, eps)
+
+
+def layer_norm_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, shape, w, b, eps = fill_defaults(args, (None, None, None, None, 1e-5))[:5]
+    return e.call(F.layer_norm, x, shape, w, b, eps)
+
+
+def group_norm_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, groups, w, b, eps = fill_defaults(args, (None, None, None, None, 1e-5))[:5]
+    return e.call(F.group_norm, x, groups, w, b, eps)
 
 
 def _optional(builder: GraphBuilder, value):
@@ -50,7 +74,8 @@ def fuse_batch_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
 
 
 @rule(("call_function", F.batch_norm), per_model={"momentum": 6, "eps": 7},
-      per_model_defaults=(None, None, False, 0.1, 1e-5))  # weight .. eps
+      per_model_defaults=(None, None, False, 0.1, 1e-5),  # weight .. eps
+      aten={aten.batch_norm: batch_norm_as_functional})
 def fuse_batch_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     running_mean = group.arg(1, "running_mean")
     if running_mean is not None and not builder.is_batched(running_mean):
@@ -102,7 +127,7 @@ rule(("call_module", nn.modules.instancenorm._InstanceNorm), name="per_model_loo
      per_model=("momentum", "eps"))(per_model_loop)
 
 
-@rule(("call_function", F.instance_norm))
+@rule(("call_function", F.instance_norm), aten={aten.instance_norm: instance_norm_as_functional})
 def fuse_instance_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     running_mean = group.arg(1, "running_mean")
     if running_mean is not None and not builder.is_batched(running_mean):
@@ -132,7 +157,8 @@ def fuse_group_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     )
 
 
-@rule(("call_function", F.group_norm), per_model={"eps": 4})
+@rule(("call_function", F.group_norm), per_model={"eps": 4},
+      aten={aten.group_norm: group_norm_as_functional})
 def fuse_group_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     kernel, eps = _eps(group, 4, rt_norms.group_norm, rt_per_model.group_norm)
     return builder.call(
@@ -164,7 +190,8 @@ def fuse_layer_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     )
 
 
-@rule(("call_function", F.layer_norm), per_model={"eps": 4})
+@rule(("call_function", F.layer_norm), per_model={"eps": 4},
+      aten={aten.layer_norm: layer_norm_as_functional})
 def fuse_layer_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     kernel, eps = _eps(group, 4, rt_norms.layer_norm, rt_per_model.layer_norm)
@@ -188,7 +215,7 @@ def fuse_rms_norm_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
-@rule(("call_function", F.rms_norm), per_model={"eps": 3})
+@rule(("call_function", F.rms_norm), per_model={"eps": 3}, aten={aten.rms_norm: F.rms_norm})
 def fuse_rms_norm_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     kernel, eps = _eps(group, 3, rt_norms.rms_norm, rt_per_model.rms_norm)

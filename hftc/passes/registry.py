@@ -10,8 +10,9 @@ back to a per-model loop and says so in the fusion report.
 Keys are ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
 ``("call_method", "name")``, each registered once with :func:`rule`, which also
 declares what the rest of the pipeline asks the table (does the op draw random
-numbers).  :func:`spellings` lists every spelling of one op, so a family of ops
-(every elementwise op in all its spellings) shares one rule body.
+numbers, which of its hyper-parameters may differ per model, which ATen ops
+``torch.export`` records for it).  :func:`spellings` lists every spelling of one op,
+so a family of ops (every elementwise op in all its spellings) shares one rule body.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.utils import parametrize
 
+from ..frontends.export import Converter, same_arguments
 from ..ir import EXAMPLE_VALUE, ORIGIN, PER_MODEL, RULE, SOURCE, ArgKey
 from ..match import PerModelTable, describe_node, target_name
 from ..runtime import layout as rt_layout
@@ -103,9 +105,14 @@ class RuleEntry:
     per_model: tuple[tuple[str, int | None], ...] = ()
     #: A function's defaults up to its last per-model argument (:class:`PerModelTable`).
     per_model_defaults: tuple = ()
+    #: The ATen ops (overload packets) torch.export records for these ops, each with the
+    #: converter that spells it back in the keys' vocabulary (:func:`aten_spellings`).
+    aten: tuple[tuple[Any, Converter], ...] = ()
 
 
 RULES: dict[Key, RuleEntry] = {}
+#: ATen op (overload packet) -> its converter, from every rule's ``aten=``.
+_ATEN: dict[Any, Converter] = {}
 
 
 class DuplicateRuleError(Exception):
@@ -114,7 +121,8 @@ class DuplicateRuleError(Exception):
 
 def rule(*keys: Key, name: str | None = None, random: bool = False,
          per_model: Sequence[str] | Mapping[str, int] = (),
-         per_model_defaults: tuple = ()) -> Callable[[Rule], Rule]:
+         per_model_defaults: tuple = (),
+         aten: Mapping[Any, Callable[..., Any]] | None = None) -> Callable[[Rule], Rule]:
     """Register a rule for ``keys`` (the one way to declare one)::
 
         @rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))
@@ -125,18 +133,36 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
         @rule(("call_function", F.batch_norm), per_model={"momentum": 6, "eps": 7},
               per_model_defaults=(None, None, False, 0.1, 1e-5))
 
+        @rule(("call_function", F.linear), aten={aten.linear: F.linear})
+        @rule(*conv_keys, aten={aten.convolution: convolution_as_functional})
+
     ``random``: the op draws random numbers.  ``per_model``: the hyper-parameters that may
     differ between the models (the rule reads them from :attr:`FusionGroup.per_model`):
     attribute names for module keys (``("p",)``), ``{name: position}`` for function
     keys; ``per_model_defaults``: a function's argument defaults from the first one torch
-    may leave out up to the last per-model one.  A key registered twice raises
-    :class:`DuplicateRuleError` at import, whatever the order the rule files load in.
+    may leave out up to the last per-model one.  ``aten``: the ATen ops (overload packets)
+    torch.export records for these ops where that is not ``torch.NAME`` / ``F.NAME`` with
+    the same arguments, each with one of the rule's functions (the same arguments, another
+    name) or a converter ``(emitter, args, kwargs) -> node`` (:mod:`hftc.frontends.export`).
+    A key or ATen op registered twice raises :class:`DuplicateRuleError` at import,
+    whatever the order the rule files load in.
     """
     positions = dict(per_model) if isinstance(per_model, Mapping) else dict.fromkeys(per_model)
+    functions = {target for op, target in keys if op == "call_function"}
+    converters = tuple(
+        (op, same_arguments(spelling) if spelling in functions else spelling)
+        for op, spelling in (aten or {}).items())
 
     def wrap(body: Rule) -> Rule:
         entry = RuleEntry(body, name or body.__name__, random, tuple(positions.items()),
-                          per_model_defaults)
+                          per_model_defaults, converters)
+        for op, _ in converters:
+            if not isinstance(op, torch._ops.OpOverloadPacket):
+                raise TypeError(f"rule `{entry.name}`: aten= takes ATen ops such as "
+                                f"torch.ops.aten.linear, not {op!r}")
+            if op in _ATEN:
+                raise DuplicateRuleError(f"ATen op {op} has two spellings, one of them in "
+                                         f"rule `{entry.name}`: declare it on one rule")
         for op, target in keys:
             if op != "call_module" and (None in positions.values() or (
                     per_model_defaults and not positions)):
@@ -148,9 +174,17 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
                     f"{key[0]} {target_name_of(key[1])} has two fusion rules, "
                     f"`{RULES[key].name}` and `{entry.name}`: register it with one of them")
             RULES[key] = entry
+        _ATEN.update(converters)
         return body
 
     return wrap
+
+
+def aten_spellings() -> Mapping[Any, Converter]:
+    """ATen op (overload packet) -> the converter that spells it in the rules' vocabulary,
+    as the rules declare them (``@rule(..., aten=...)``), for the export front-end
+    (:func:`hftc.frontends.export.export_model`)."""
+    return dict(_ATEN)
 
 
 def target_name_of(target: Any) -> str:
