@@ -32,21 +32,12 @@ from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 aten = torch.ops.aten
 
 
-@rule(("call_module", nn.Linear))
-def fuse_linear_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    x = group.args[0]
+@rule(("call_module", nn.Linear), ("call_function", F.linear), aten={aten.linear: F.linear})
+def fuse_linear(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    a = group.arguments(builder, F.linear)
+    x, bias = a["input"], a["bias"]
     return builder.call(
-        rt_linear.linear, x, builder.module_attr(group, "weight"),
-        builder.module_attr(group, "bias"), x_batched=builder.is_batched(x),
-    )
-
-
-@rule(("call_function", F.linear), aten={aten.linear: F.linear})
-def fuse_linear_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    x = group.arg(0, "input")
-    bias = group.arg(2, "bias")
-    return builder.call(
-        rt_linear.linear, x, builder.broadcast(group.arg(1, "weight")),
+        rt_linear.linear, x, builder.broadcast(a["weight"]),
         None if bias is None else builder.broadcast(bias), x_batched=builder.is_batched(x),
     )
 
