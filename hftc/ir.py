@@ -82,6 +82,10 @@ def call_signature(fn: Callable[..., Any]) -> inspect.Signature:
     """``fn``'s parameters: a Python function's own signature, or a torch builtin's
     (``F.scaled_dot_product_attention``) from its one ATen schema.  The one owner of an
     op's argument names, positions and defaults (``F.batch_norm``'s ``eps`` is its 8th)."""
+    if isinstance(fn, torch._ops.OpOverload):  # an ATen op: its schema
+        from torch.fx.operator_schemas import _torchscript_schema_to_signature
+
+        return _torchscript_schema_to_signature(fn._schema)
     try:
         return inspect.signature(fn)
     except (TypeError, ValueError):

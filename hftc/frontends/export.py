@@ -69,6 +69,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, plain_message
+from ..ir import bind_arguments, call_signature
 from ..runtime.guards import check_input_shape, check_input_structure, check_input_value
 from .symbolic import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
 
@@ -276,6 +277,22 @@ def same_arguments(fn: Callable[..., Any]) -> Converter:
         return e.call(fn, *args, **kwargs)
 
     convert.__name__ = f"same_arguments[{getattr(fn, '__name__', fn)}]"
+    return convert
+
+
+def same_names(fn: Callable[..., Any]) -> Converter:
+    """The ATen op's arguments bound by name (its schema, :func:`hftc.ir.bind_arguments`)
+    and passed to ``fn`` in ``fn``'s order; ATen-only ones (``cudnn_enabled``) dropped::
+
+        aten.batch_norm(x, w, b, rm, rv, t, m, e, cudnn)  ->  F.batch_norm(x, rm, rv, w, b, t, m, e)
+    """
+    names = list(call_signature(fn).parameters)
+
+    def convert(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+        bound = bind_arguments(e.source.target, args, kwargs)
+        return e.call(fn, *(bound[name] for name in names))
+
+    convert.__name__ = f"same_names[{getattr(fn, '__name__', fn)}]"
     return convert
 
 

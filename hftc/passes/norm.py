@@ -18,32 +18,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..frontends.export import Emitter, fill_defaults
+from ..frontends.export import same_names
 from ..runtime import norms as rt_norms
 from ..runtime import per_model as rt_per_model
 from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule
 
 aten = torch.ops.aten
-
-
-def batch_norm_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, w, b, rm, rv, training, momentum, eps = args[:8]
-    return e.call(F.batch_norm, x, rm, rv, w, b, training, momentum, eps)
-
-
-def instance_norm_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, w, b, rm, rv, use_input_stats, momentum, eps = args[:8]
-    return e.call(F.instance_norm, x, rm, rv, w, b, use_input_stats, momentum, eps)
-
-
-def layer_norm_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, shape, w, b, eps = fill_defaults(args, (None, None, None, None, 1e-5))[:5]
-    return e.call(F.layer_norm, x, shape, w, b, eps)
-
-
-def group_norm_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, groups, w, b, eps = fill_defaults(args, (None, None, None, None, 1e-5))[:5]
-    return e.call(F.group_norm, x, groups, w, b, eps)
 
 
 def _optional(builder: GraphBuilder, value):
@@ -70,7 +50,7 @@ def _modules(*classes: type) -> list:
 
 
 @rule(*_modules(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), ("call_function", F.batch_norm),
-      per_model=("momentum", "eps"), aten={aten.batch_norm: batch_norm_as_functional})
+      per_model=("momentum", "eps"), aten={aten.batch_norm: same_names(F.batch_norm)})
 def fuse_batch_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = _arguments(group, builder, F.batch_norm)
     running_mean = a["running_mean"]
@@ -94,7 +74,7 @@ _INSTANCE_NORMS = {nn.InstanceNorm1d: 1, nn.InstanceNorm2d: 2, nn.InstanceNorm3d
 
 
 @rule(*_modules(*_INSTANCE_NORMS), ("call_function", F.instance_norm),
-      per_model=("momentum", "eps"), aten={aten.instance_norm: instance_norm_as_functional})
+      per_model=("momentum", "eps"), aten={aten.instance_norm: same_names(F.instance_norm)})
 def fuse_instance_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if group.per_model:
         raise NotFusable("instance norms whose momentum or eps differ per model")
@@ -124,7 +104,7 @@ rule(("call_module", nn.modules.instancenorm._InstanceNorm), name="per_model_loo
 
 
 @rule(("call_module", nn.GroupNorm), ("call_function", F.group_norm), per_model=("eps",),
-      aten={aten.group_norm: group_norm_as_functional})
+      aten={aten.group_norm: same_names(F.group_norm)})
 def fuse_group_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = _arguments(group, builder, F.group_norm)
     kernel, eps = _per_model_kernel(group, a["eps"], rt_norms.group_norm, rt_per_model.group_norm)
@@ -135,7 +115,7 @@ def fuse_group_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 
 @rule(("call_module", nn.LayerNorm), ("call_function", F.layer_norm), per_model=("eps",),
-      aten={aten.layer_norm: layer_norm_as_functional})
+      aten={aten.layer_norm: same_names(F.layer_norm)})
 def fuse_layer_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = _arguments(group, builder, F.layer_norm)
     x = a["input"]
