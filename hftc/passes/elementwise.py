@@ -188,13 +188,12 @@ def fuse_slope(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             # call reproduces that gradient bit for bit.
             raise NotFusable("celu with a per-model alpha (exact only model by model)")
         return fuse_pointwise(group, builder)
-    values = group.per_model_values(SLOPE_KEYS[(node.op, node.target if node.op != "call_module"
-                                                else type(group.module))])
-    if node.op == "call_module":
-        kernel = {nn.LeakyReLU: rt_per_model.leaky_relu, nn.ELU: rt_per_model.elu}.get(
-            type(group.module))
-    else:
-        kernel = {F.leaky_relu: rt_per_model.leaky_relu, F.elu: rt_per_model.elu}.get(node.target)
+    # a subclass that keeps LeakyReLU's forward is fused by its base's key
+    target = node.target if node.op != "call_module" else next(
+        cls for op, cls in SLOPE_KEYS if op == "call_module" and isinstance(group.module, cls))
+    values = group.per_model_values(SLOPE_KEYS[(node.op, target)])
+    kernel = {nn.LeakyReLU: rt_per_model.leaky_relu, nn.ELU: rt_per_model.elu,
+              F.leaky_relu: rt_per_model.leaky_relu, F.elu: rt_per_model.elu}[target]
     if values is None:
         return fuse_pointwise(group, builder)
     return builder.call(kernel, builder.broadcast(group.args[0]), tuple(values))
