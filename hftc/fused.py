@@ -66,7 +66,7 @@ from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
-from .passes.registry import per_model_table
+from .passes.registry import aten_spellings, per_model_table
 from .runtime.model_loop import ModelLoop
 from .runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
 from .stacking import build_module_tree
@@ -499,8 +499,10 @@ class FusedModule(ContainerAccess, nn.Module):
         # Export runs each model on the example inputs, where a model of another dtype
         # fails in torch ("Input type (float) and bias type (double) should be the same").
         _check_same_dtypes(models)
+        spellings = aten_spellings()
         return {mode: [export_model(m, i, training=mode,
-                                    args=tuple(v[i] if b else v for v, b in zip(merged, batched)))
+                                    args=tuple(v[i] if b else v for v, b in zip(merged, batched)),
+                                    aten_spellings=spellings)
                        for i, m in enumerate(models)]
                 for mode in (True, False)}
 

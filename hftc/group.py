@@ -21,7 +21,7 @@ from .errors import TraceError
 from .frontends.symbolic import trace_model
 from .fused import FusedModule, _check_models, _example_constants
 from .match import node_signature
-from .passes.registry import per_model_table
+from .passes.registry import aten_spellings, per_model_table
 
 
 def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> str:
@@ -38,7 +38,8 @@ def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> s
         from .frontends.export import export_model
 
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        gm = export_model(model, index, training=model.training, args=args)
+        gm = export_model(model, index, training=model.training, args=args,
+                          aten_spellings=aten_spellings())
     position = {n: k for k, n in enumerate(gm.graph.nodes)}
     soft, parts = per_model_table(), []
     for node in gm.graph.nodes:

@@ -11,6 +11,8 @@ It imports nothing of hftc's, so every stage may import it.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +58,74 @@ CHANNELS_LAST = "channels_last"
 RULE = "hftc_rule"
 ORIGIN = "hftc_origin"
 SOURCE = "hftc_source"
+
+
+# --------------------------------------------------------------------------- random draws
+
+#: torch's functions that draw random numbers from any arguments, constants included.  The
+#: symbolic front-end records every call of one as a graph node (a draw made while tracing
+#: would be a constant); the rule table declares each ``random`` (``passes/elementwise.py``
+#: registers them from here, and ``@rule`` refuses a non-random rule for one).
+TORCH_RANDOM_DRAWS = (
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
+    "normal", "bernoulli", "multinomial", "poisson",
+    # torch.distributions' Gamma / Beta / Dirichlet samplers and Binomial
+    "_standard_gamma", "_sample_dirichlet", "binomial",
+)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+@functools.cache
+def call_signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """``fn``'s parameters: a Python function's own signature, or a torch builtin's
+    (``F.scaled_dot_product_attention``) from its one ATen schema.  The one owner of an
+    op's argument names, positions and defaults (``F.batch_norm``'s ``eps`` is its 8th)."""
+    if isinstance(fn, torch._ops.OpOverload):  # an ATen op: its schema
+        from torch.fx.operator_schemas import _torchscript_schema_to_signature
+
+        return _torchscript_schema_to_signature(fn._schema)
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        from torch.fx.operator_schemas import get_signature_for_torch_op
+
+        # one schema, its out= variant aside (F.linear has both)
+        signatures = [s for s in get_signature_for_torch_op(fn) or []
+                      if "out" not in s.parameters]
+        if len(signatures) != 1:
+            raise TypeError(f"{getattr(fn, '__qualname__', fn)} has {len(signatures)} "
+                            f"signatures: bind its arguments by a Python function") from None
+        return signatures[0]
+
+
+def bind_arguments(fn: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by name, defaults filled in (the one binder)::
+
+        bind_arguments(F.batch_norm, (x, rm, rv), {"eps": 1e-3})
+        == {"input": x, "running_mean": rm, "running_var": rv, "weight": None,
+            "bias": None, "training": False, "momentum": 0.1, "eps": 1e-3}
+    """
+    bound = call_signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def parameter_position(fn: Callable[..., Any], name: str) -> int | None:
+    """The position of ``fn``'s parameter ``name`` (None if keyword-only); KeyError if none."""
+    parameter = call_signature(fn).parameters[name]
+    if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+        return None
+    return list(call_signature(fn).parameters).index(name)
+
+
+def positional_defaults(fn: Callable[..., Any], last: int) -> tuple:
+    """``fn``'s defaults from its first defaulted positional parameter up to position
+    ``last`` (what a call may leave out before a per-model argument)."""
+    parameters = list(call_signature(fn).parameters.values())[:last + 1]
+    first = next((k for k, p in enumerate(parameters) if p.default is not p.empty), last + 1)
+    return tuple(p.default for p in parameters[first:])
 
 
 # --------------------------------------------------------------------------- graph ops

@@ -4,7 +4,8 @@ Read from the code, so the page cannot drift from it:
 
 - operators: the rule registry (``hftc.passes.RULES``), grouped by rule, every
   spelling (``torch.relu``, ``F.relu``, ``x.relu()``, ``nn.ReLU``) listed;
-- the export front-end's ATen normalisation (``hftc.frontends.export.CONVERTERS``, ``DROPPED``)
+- the export front-end's ATen normalisation (the rules' ``aten=`` spellings,
+  ``hftc.frontends.export.DROPPED``)
   and the modules traced through (``hftc.frontends.symbolic.TRACEABLE_FORWARDS``);
 - models: the test zoo (``tests/zoo.py``'s ``ZOO``), every documented ``nn.Module``
   defined in a test file, and every ``transformers`` model the tests build.
@@ -72,14 +73,17 @@ def operator_table() -> list[str]:
 
 
 def export_tables() -> list[str]:
-    from hftc.frontends.export import CONVERTERS, DROPPED
+    from hftc.frontends.export import DROPPED
     from hftc.frontends.symbolic import TRACEABLE_FORWARDS
+    from hftc.passes.registry import aten_spellings
+
+    converted = [op._qualified_op_name.split("::")[1] for op in aten_spellings()]
 
     lines = [
         "ATen ops with their own converter (any other `aten.NAME` becomes `torch.NAME`, "
         "`F.NAME` or `Tensor.NAME` when that binds the same ATen function, and is then "
         "fused by the rule above):", "",
-        ", ".join(f"`aten.{name}`" for name in sorted(CONVERTERS)), "",
+        ", ".join(f"`aten.{name}`" for name in sorted(converted)), "",
         "Dropped (assertions only): " + ", ".join(f"`aten.{n}`" for n in sorted(DROPPED)), "",
         "Traced through by the symbolic front-end (a traceable forward of the same math): "
         + ", ".join(sorted(f"`nn.{cls.__name__}`" for cls in TRACEABLE_FORWARDS)) + ".",

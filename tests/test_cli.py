@@ -19,7 +19,7 @@ def test_inspect_prints_report_and_graph(capsys):
     assert main(["inspect", f"{ZOO}:lenet5_mnist", "-n", "3", "--input-shape", "2,1,28,28"]) == 0
     out = capsys.readouterr().out
     assert "hftc fusion report: 3 models" in out
-    assert "fuse_conv_module" in out and "fuse_linear_module" in out
+    assert "fuse_conv_module" in out and "fuse_linear" in out
     assert "0 per-model loops" in out
     assert "def forward(self, x):" in out  # the generated fused forward
 
@@ -29,7 +29,7 @@ def test_inspect_writes_dot(tmp_path):
     assert main(["inspect", f"{ZOO}:resnet_small", "--input-shape", "2,3,32,32",
                  "--format", "dot", "-o", str(target)]) == 0
     dot = target.read_text()
-    assert dot.startswith('digraph "') and "fuse_batch_norm_module" in dot and "->" in dot
+    assert dot.startswith('digraph "') and "fuse_batch_norm" in dot and "->" in dot
     # a frame per residual block, a legend, model 0's shapes and the lowering each conv runs
     assert "subgraph cluster_layer1_0 {" in dot and "subgraph cluster_legend {" in dot
     assert re.search(r'label="conv1: conv -> \w+\\n\[2, 8, 32, 32\]"', dot), dot[:3000]
@@ -91,7 +91,7 @@ def test_inspect_embedding_model_with_token_ids(capsys):
     """--input-shape built a float randn: nn.Embedding refused it."""
     assert main(["inspect", f"{FACTORIES}:tiny_gpt", "-n", "2", "--input", "long:4,16"]) == 0
     out = capsys.readouterr().out
-    assert "fuse_embedding_module" in out and "def forward(self, idx):" in out
+    assert "fuse_embedding" in out and "def forward(self, idx):" in out
 
 
 def test_inspect_model_with_two_inputs(capsys):

@@ -212,13 +212,14 @@ def test_a_rule_declares_the_hyper_parameters_that_may_differ_per_model():
         torch.testing.assert_close(out[i], m(x))
 
 
-def test_a_functions_per_model_hyper_parameters_need_their_positions():
+def test_a_functions_per_model_hyper_parameters_must_be_its_parameters():
+    """Positions come from the function's signature: a name it does not have is an error."""
     from hftc.passes.registry import RULES, rule
 
     key = ("call_function", softplus_per_model)
-    with pytest.raises(TypeError, match=r"per_model for call_function softplus_per_model must "
-                                        r"give each hyper-parameter's argument position"):
-        rule(key, per_model=("betas",))(lambda group, builder: None)
+    with pytest.raises(TypeError, match=r"rule `<lambda>`: call_function softplus_per_model has "
+                                        r"no parameter 'beta' \(per_model=\('beta',\)\)"):
+        rule(key, per_model=("beta",))(lambda group, builder: None)
     assert key not in RULES
 
 

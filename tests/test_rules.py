@@ -649,3 +649,156 @@ def test_random_ops_are_declared_once_in_the_rule_table():
                 ("call_module", nn.Dropout2d), ("call_function", F.scaled_dot_product_attention)]:
         assert RULES[key].random, key
     assert not RULES[("call_function", F.relu)].random
+
+
+def test_the_rules_declare_the_aten_ops_torch_export_records_for_them():
+    """The ATen spellings live on the rules (``@rule(aten=...)``), not in a front-end table:
+    the export front-end converts exactly what the rules hand it."""
+    from hftc.passes.registry import RULES, aten_spellings
+
+    aten = torch.ops.aten
+    declared = {op for entry in RULES.values() for op, _ in entry.aten}
+    assert declared == set(aten_spellings())
+    for key, op in [(("call_function", F.batch_norm), aten.batch_norm),
+                    (("call_function", F.conv2d), aten.convolution),
+                    (("call_function", F.linear), aten.linear),
+                    (("call_function", torch.matmul), aten.addmm),
+                    (("call_function", F.dropout), aten.dropout_)]:
+        assert op in dict(RULES[key].aten), (key, op)
+    import hftc.frontends.export as export_frontend
+
+    assert not hasattr(export_frontend, "CONVERTERS")
+
+
+def test_an_aten_op_declared_by_two_rules_is_an_error():
+    from hftc.passes.registry import RULES, DuplicateRuleError, aten_spellings, rule
+
+    before = aten_spellings()
+    with pytest.raises(DuplicateRuleError, match=r"linear has two spellings, one of them in "
+                                                 r"rule `other`: declare it on one rule"):
+        rule(("call_function", torch.special.expit), name="other",
+             aten={torch.ops.aten.linear: torch.special.expit})(lambda group, builder: None)
+    assert aten_spellings() == before and ("call_function", torch.special.expit) not in RULES
+    with pytest.raises(TypeError, match=r"aten= takes ATen ops such as torch.ops.aten.linear"):
+        rule(("call_function", torch.special.expit), name="other",
+             aten={"linear": torch.special.expit})(lambda group, builder: None)
+
+
+def test_the_export_front_end_spells_aten_ops_as_the_rules_hand_it():
+    from hftc.frontends.export import export_model
+    from hftc.passes.registry import aten_spellings
+
+    model, x = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), torch.randn(2, 3, 8, 8)
+    spelled = export_model(model, 0, training=False, args=(x,), aten_spellings=aten_spellings())
+    targets = {n.target for n in spelled.graph.nodes if n.op == "call_function"}
+    assert {F.conv2d, F.batch_norm} <= targets
+    bare = export_model(model, 0, training=False, args=(x,), aten_spellings={})
+    targets = {n.target for n in bare.graph.nodes if n.op == "call_function"}
+    # aten.batch_norm is torch.batch_norm (weight first) unless the norm rule spells it F.*
+    assert torch.batch_norm in targets and F.batch_norm not in targets
+    torch.testing.assert_close(spelled(x), model.eval()(x))
+
+
+@pytest.mark.parametrize("module, functional, op", [
+    (nn.BatchNorm2d, F.batch_norm, torch.ops.aten.batch_norm),
+    (nn.InstanceNorm2d, F.instance_norm, torch.ops.aten.instance_norm),
+    (nn.GroupNorm, F.group_norm, torch.ops.aten.group_norm),
+    (nn.LayerNorm, F.layer_norm, torch.ops.aten.layer_norm),
+    (nn.RMSNorm, F.rms_norm, torch.ops.aten.rms_norm),
+])
+def test_one_rule_serves_a_norm_module_its_functional_and_its_aten_op(module, functional, op):
+    from hftc.passes.registry import RULES
+
+    entry = RULES[("call_module", module)]
+    assert RULES[("call_function", functional)] is entry
+    assert op in dict(entry.aten)
+
+
+def test_per_model_positions_and_defaults_come_from_the_functions_signature():
+    """``@rule(per_model=("momentum", "eps"))`` names the hyper-parameters; F.batch_norm's
+    positions (6, 7) and defaults are read from its signature, not written down again."""
+    from hftc.passes.registry import per_model_table, rule
+
+    table = per_model_table()
+    assert table.arguments[F.batch_norm] == {6: "momentum", 7: "eps"}
+    assert table.defaults[F.batch_norm] == (None, None, False, 0.1, 1e-5)
+    assert table.arguments[F.scaled_dot_product_attention] == {4: "dropout_p"}
+    assert table.defaults[F.scaled_dot_product_attention] == (None, 0.0)
+    assert table.arguments[F.leaky_relu] == {1: "negative_slope"}
+    with pytest.raises(TypeError, match=r"rule `other`: call_function .*batch_norm has no "
+                                        r"parameter 'momentun' \(per_model=\('momentun',\)\)"):
+        rule(("call_function", F.batch_norm), name="other",
+             per_model=("momentun",))(lambda group, builder: None)
+
+
+class _FunctionalGroupNorm(nn.Module):
+    """A group norm in the style of a diffusion UNet block, eps left at its default or given."""
+
+    def __init__(self, eps=None):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.weight, self.bias = nn.Parameter(torch.randn(8)), nn.Parameter(torch.randn(8))
+        self.eps = eps
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.eps is None:
+            return F.group_norm(y, 4, self.weight, self.bias)
+        return F.group_norm(y, 4, self.weight, self.bias, self.eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_functional_group_norm_with_eps_given_in_one_model_and_left_out_in_another(dtype):
+    """The folded group-norm rule on the functional spelling: ``(y, 4, w, b)`` and
+    ``(y, 4, w, b, 1e-2)`` are one program with a per-model eps."""
+    torch.manual_seed(0)
+    models = [_FunctionalGroupNorm(), _FunctionalGroupNorm(1e-2), _FunctionalGroupNorm(0.5)]
+    fused = check_equivalence(models, torch.randn(2, 3, 6, 6), dtype=dtype)
+    assert fused.fusion_report.rule_counts()["fuse_group_norm"] == 1
+
+
+class _ShapeBranchingInstanceNorm(nn.Module):
+    """Instance norm with running statistics after a conv, in a forward that branches on the
+    input's rank (so only torch.export traces it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+
+    def forward(self, x):
+        if x.dim() == 4:
+            x = self.conv(x)
+        return self.norm(x)
+
+
+def test_exported_instance_norm_in_eval_mode_uses_each_models_running_statistics():
+    """torch.export spells the module ``F.instance_norm(..., use_input_stats=False)`` in eval
+    mode; the fused norm normalised with the batch's statistics instead (off by ~1.4)."""
+    torch.manual_seed(0)
+    models = [_ShapeBranchingInstanceNorm() for _ in range(3)]
+    for m in models:
+        for _ in range(3):
+            m(torch.randn(2, 3, 8, 8))
+        m.eval()
+    x = torch.randn(2, 3, 8, 8)
+    fused = hftc.fuse(models, example_inputs=(x,), check=False).eval()
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+    assert fused.fusion_report.rule_counts()["fuse_instance_norm"] == 1
+
+
+def test_torch_random_draws_are_listed_once_for_the_tracer_and_the_rule_table():
+    """hftc.ir.TORCH_RANDOM_DRAWS is what the symbolic front-end records as nodes and what
+    the rule table declares random; a rule that forgets ``random=True`` is refused."""
+    import hftc.frontends.symbolic as symbolic
+    from hftc.ir import TORCH_RANDOM_DRAWS
+    from hftc.passes.registry import RULES, rule
+
+    assert not hasattr(symbolic, "_TORCH_RANDOM")
+    for name in TORCH_RANDOM_DRAWS:
+        assert RULES[("call_function", getattr(torch, name))].random, name
+    with pytest.raises(TypeError, match=r"rule `other`: torch.poisson draws random numbers "
+                                        r"\(hftc.ir.TORCH_RANDOM_DRAWS\): declare it random=True"):
+        rule(("call_function", torch.poisson), name="other")(lambda group, builder: None)

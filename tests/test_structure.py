@@ -60,7 +60,7 @@ def test_n_convs_become_one_conv_node(n):
     assert report.fallbacks == []
     counts = report.rule_counts()
     assert counts["fuse_conv_module"] == 2
-    assert counts["fuse_linear_module"] == 1
+    assert counts["fuse_linear"] == 1
 
 
 def test_shared_input_first_conv_is_ungrouped():

@@ -255,9 +255,10 @@ def set_cpus(cores: int, threads: int = 1) -> list[int]:
 
     OpenMP's wait policy stays the default (spin a little, then sleep), as a user's
     torch has it, unless a process gets more threads than it has cores: then threads
-    that spin-wait for a descheduled peer cost 10-200x (measured), so they wait
+    that spin-wait for a descheduled peer cost many times their work, so they wait
     passively.  Not the other way round: passive waiting made the stock MLP loop with
-    2 threads on 2 cores 3x slower (29 -> 95 ms at N = 32), a handicap no user has.
+    2 threads on 2 cores several times slower (docs/DESIGN_NOTES.md), a handicap no
+    user has.
     libgomp reads the policy when torch loads, so it is set before the forkserver
     (which preloads torch) starts.
     """

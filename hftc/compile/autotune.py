@@ -70,19 +70,14 @@ _CLOSE = 0.05
 _DROP = 0.10
 #: Between ways to run the whole forward that tie on time (within ``_LOOP_MARGIN`` of
 #: the chosen one), one whose peak memory over a forward + backward is at least this
-#: fraction below the chosen one's is taken instead: a larger N then fits, for no time.
-#: (PointNet N = 12 on one CPU core: the fused program peaked at 461 MiB, the model
-#: loop at 322 MiB; the loop was 4% slower there, 685 vs 659 ms, so it was not taken.)
+#: fraction below the chosen one's is taken instead: a larger N then fits, for no time
+#: (docs/DESIGN_NOTES.md has the case that set it).
 _MEMORY_MARGIN = 0.2
 #: How much faster (a fraction) than the cost model's choice a single op's other
 #: lowering must measure to replace it.  An op timed alone is not the op in its
 #: program: what its output's layout costs the next op is not in its time.  Between
 #: near-ties the cost model's choice is the better guess, and it keeps choices from
-#: flipping from run to run.  Measured on the MLP at N = 32 (one CPU core, one
-#: process, steps alternating): autotune had taken ``baddbmm_t`` for the 128-wide
-#: hidden linear (3% faster alone) and ``baddbmm`` for the 10-wide head (1% faster
-#: alone); the step with those took 13.65 and 13.49 ms in two processes, with the
-#: cost model's two 12.96 and 13.24 ms.
+#: flipping from run to run (docs/DESIGN_NOTES.md has the case that set it).
 _OP_MARGIN = 0.05
 
 

@@ -15,10 +15,7 @@ call::
 ``_LinearChain`` runs the very ops the separate layers run, in the same order
 (``baddbmm`` per layer, ``relu``; backward ``threshold_backward``, ``bmm`` for the
 weight and input gradients, ``sum`` for the bias), so the results are the same bit
-for bit.  The benchmark MLP (64-128-128-10, batch 64) at N = 32, forward + loss +
-backward, the same fused module with and without chains (medians of 31 interleaved
-rounds, two runs each): 3.12-3.20 against 3.26-3.33 ms on one core, 1.93-1.96 against
-2.00-2.04 ms with two threads.
+for bit, a few % faster on the benchmark MLP (docs/DESIGN_NOTES.md).
 
 What stays unchained, so each piece runs as before: a layer whose lowering is not
 a batched product (``loop``, ``gemm``, ``einsum``, ``baddbmm_autograd``: autotune's

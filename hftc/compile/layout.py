@@ -9,8 +9,8 @@ A convolution given a channels-last input returns a channels-last output, and
 batch norm, activations and residual adds keep the layout, so converting the
 program's inputs once lays out the whole chain of feature maps channels-last:
 no permute between consecutive convolutions.  On a CPU core, oneDNN's
-convolutions run MobileNetV2 at 32x32 about 1.2x faster per model that way and
-ResNet-18 a little slower (measured), so it is not a default: ``hftc.fuse(...,
+convolutions run some models faster that way and others slower
+(docs/DESIGN_NOTES.md), so it is not a default: ``hftc.fuse(...,
 autotune=True)`` times the fused program and the whole-model loop in both
 layouts (:func:`hftc.compile.autotune.choose_program`) and keeps the fastest.
 

@@ -27,9 +27,10 @@ fusion rule is written once, against the symbolic front-end's vocabulary:
     aten._assert_tensor_metadata(...)                 (dropped)
     output (flat user outputs, out_spec)              output, rebuilt into the model's structure
 
-Resolution of an ATen op ``aten.NAME.overload``, in order: an explicit converter
-(:data:`CONVERTERS`: ops whose canonical spelling is ``F.*`` with other argument
-orders, slicing, ``addmm``), then ``torch.NAME`` when it is the native binding of
+Resolution of an ATen op ``aten.NAME.overload``, in order: the converter the fusion
+rules declare for it (``@rule(..., aten=...)`` in :mod:`hftc.passes`, handed down by
+the caller as ``aten_spellings``: ops whose canonical spelling is ``F.*`` with other
+argument orders, slicing, ``addmm``), then ``torch.NAME`` when it is the native binding of
 the same ATen function (same arguments), then ``F.NAME`` when that is the
 native binding, then the Tensor method ``NAME``; an op none of these spell stays
 an ATen call, which the driver runs as a per-model loop (exact, reported).
@@ -57,7 +58,7 @@ import io
 import logging
 import operator
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, plain_message
+from ..ir import bind_arguments, call_signature
 from ..runtime.guards import check_input_shape, check_input_structure, check_input_value
 from .symbolic import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
 
@@ -190,11 +192,13 @@ def _inference_mode_refused(index: int, model: nn.Module) -> Iterator[None]:
 
 
 def export_model(
-    model: nn.Module, index: int, *, training: bool, args: tuple, kwargs: dict | None = None
+    model: nn.Module, index: int, *, training: bool, args: tuple, kwargs: dict | None = None,
+    aten_spellings: Mapping[Any, Converter],
 ) -> fx.GraphModule:
     """Export ``model`` (the ``index``-th of the N) in one mode and normalise its graph.
 
-    ``args``/``kwargs`` are this model's own example inputs.  Raises
+    ``args``/``kwargs`` are this model's own example inputs; ``aten_spellings`` the
+    rules' converters (:func:`hftc.passes.registry.aten_spellings`).  Raises
     :class:`TraceError` naming the model when ``torch.export`` fails.
     """
     args, kwargs = _unaliased(tuple(args), dict(kwargs or {}))
@@ -225,14 +229,14 @@ def export_model(
             f"given example_inputs ({'train' if training else 'eval'} mode)"
             f"{f' at {where}' if where else ''}: {plain_message(exc)}. {advice}"
         ) from exc
-    return normalize_exported(program, model, index, tuple(args), kwargs)
+    return normalize_exported(program, model, index, tuple(args), kwargs, aten_spellings)
 
 
 # --------------------------------------------------------------------------- normalising
 
 
 @dataclass
-class _Emitter:
+class Emitter:
     """Emits the normalised graph, copying provenance from the exported node at hand."""
 
     graph: fx.Graph
@@ -252,10 +256,7 @@ class _Emitter:
         return self._made(self.graph.call_method(name, args, kwargs))
 
 
-Converter = Callable[[_Emitter, tuple, dict], Any]
-
-#: ``aten`` op name (the overload packet's) -> converter emitting canonical ops.
-CONVERTERS: dict[str, Converter] = {}
+Converter = Callable[["Emitter", tuple, dict], Any]
 
 #: ATen ops that only assert or annotate; they compute nothing the model returns.
 DROPPED = {
@@ -265,232 +266,39 @@ DROPPED = {
 }
 
 
-def _fill(args: tuple, defaults: tuple) -> tuple:
+def fill_defaults(args: tuple, defaults: tuple) -> tuple:
     """``args`` padded with the schema's defaults of the positions not given."""
     return (*args, *defaults[len(args):])
 
 
-def converter(*names: str) -> Callable[[Converter], Converter]:
-    def wrap(fn: Converter) -> Converter:
-        for name in names:
-            CONVERTERS[name] = fn
-        return fn
-
-    return wrap
-
-
-def _functional(fn: Callable[..., Any]) -> Converter:
+def same_arguments(fn: Callable[..., Any]) -> Converter:
     """Same arguments, another spelling (``aten.linear`` -> ``F.linear``)."""
-    return lambda e, args, kwargs: e.call(fn, *args, **kwargs)
+    def convert(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+        return e.call(fn, *args, **kwargs)
+
+    convert.__name__ = f"same_arguments[{getattr(fn, '__name__', fn)}]"
+    return convert
 
 
-for _name, _fn in [
-    ("linear", F.linear), ("scaled_dot_product_attention", F.scaled_dot_product_attention),
-    ("gelu", F.gelu), ("silu", F.silu), ("mish", F.mish), ("hardswish", F.hardswish),
-    ("hardsigmoid", F.hardsigmoid), ("hardtanh", F.hardtanh), ("leaky_relu", F.leaky_relu),
-    ("softplus", F.softplus), ("log_sigmoid", F.logsigmoid), ("relu6", F.relu6),
-    ("glu", F.glu), ("pad", F.pad), ("rms_norm", F.rms_norm), ("prelu", F.prelu),
-    ("max_pool1d", F.max_pool1d), ("max_pool2d", F.max_pool2d), ("max_pool3d", F.max_pool3d),
-    ("max_pool1d_with_indices", F.max_pool1d_with_indices),
-    ("max_pool2d_with_indices", F.max_pool2d_with_indices),
-    ("max_pool3d_with_indices", F.max_pool3d_with_indices),
-    ("avg_pool1d", F.avg_pool1d), ("avg_pool2d", F.avg_pool2d), ("avg_pool3d", F.avg_pool3d),
-    ("adaptive_avg_pool1d", F.adaptive_avg_pool1d), ("adaptive_avg_pool2d", F.adaptive_avg_pool2d),
-    ("adaptive_avg_pool3d", F.adaptive_avg_pool3d), ("pixel_shuffle", F.pixel_shuffle),
-    ("pixel_unshuffle", F.pixel_unshuffle), ("split", torch.split),
-    ("conv_transpose1d", F.conv_transpose1d), ("conv_transpose2d", F.conv_transpose2d),
-    ("conv_transpose3d", F.conv_transpose3d), ("linalg_vector_norm", torch.linalg.vector_norm),
-    ("affine_grid_generator", F.affine_grid),
-]:
-    CONVERTERS[_name] = _functional(_fn)
+def same_names(fn: Callable[..., Any]) -> Converter:
+    """The ATen op's arguments bound by name (its schema, :func:`hftc.ir.bind_arguments`)
+    and passed to ``fn`` in ``fn``'s order; ATen-only ones (``cudnn_enabled``) dropped::
+
+        aten.batch_norm(x, w, b, rm, rv, t, m, e, cudnn)  ->  F.batch_norm(x, rm, rv, w, b, t, m, e)
+    """
+    names = list(call_signature(fn).parameters)
+
+    def convert(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+        bound = bind_arguments(e.source.target, args, kwargs)
+        return e.call(fn, *(bound[name] for name in names))
+
+    convert.__name__ = f"same_names[{getattr(fn, '__name__', fn)}]"
+    return convert
 
 
-@converter("grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
-def _grid_sampler(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, grid, interpolation, padding, align_corners = args
-    return e.call(F.grid_sample, x, grid, ("bilinear", "nearest", "bicubic")[interpolation],
-                  ("zeros", "border", "reflection")[padding], align_corners)
-
-
-#: ATen's loss functions -> the functional, and their arguments after (self, target) by
-#: name; ``reduction`` is ATen's enum (0 none, 1 mean, 2 sum).
-_LOSSES = {
-    "cross_entropy_loss": (F.cross_entropy, ("weight", "reduction", "ignore_index",
-                                             "label_smoothing")),
-    "nll_loss_nd": (F.nll_loss, ("weight", "reduction", "ignore_index")),
-    "nll_loss": (F.nll_loss, ("weight", "reduction", "ignore_index")),
-    "mse_loss": (F.mse_loss, ("reduction",)),
-    "l1_loss": (F.l1_loss, ("reduction",)),
-    "smooth_l1_loss": (F.smooth_l1_loss, ("reduction", "beta")),
-    "huber_loss": (F.huber_loss, ("reduction", "delta")),
-    "binary_cross_entropy": (F.binary_cross_entropy, ("weight", "reduction")),
-    "binary_cross_entropy_with_logits": (F.binary_cross_entropy_with_logits,
-                                         ("weight", "pos_weight", "reduction")),
-    "soft_margin_loss": (F.soft_margin_loss, ("reduction",)),
-}
-
-
-@converter("broadcast_tensors")
-def _broadcast_tensors(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    return e.call(torch.broadcast_tensors, *args[0])
-
-
-@converter(*_LOSSES)
-def _loss(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    fn, names = _LOSSES[e.source.target.name().split("::")[1].split(".")[0]]
-    output, target, *rest = args
-    named = {**dict(zip(names, rest)), **kwargs}
-    if "reduction" in named:
-        named["reduction"] = ("none", "mean", "sum")[named["reduction"]]
-    return e.call(fn, output, target, **named)
-
-
-@converter("elu")
-def _elu(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, alpha, scale, input_scale = _fill(args, (None, 1.0, 1.0, 1.0))
-    if scale == 1 and input_scale == 1:
-        return e.call(F.elu, x, alpha)
-    return e.call(aten.elu.default, *args, **kwargs)
-
-
-@converter("adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d")
-def _adaptive_max_pool(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    spatial = int(e.source.target.name().split("::")[1][len("adaptive_max_pool")])
-    fn = (F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)[spatial - 1]
-    return e.call(fn, *args, return_indices=True)
-
-
-@converter("convolution")
-def _convolution(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, w, b, stride, padding, dilation, transposed, output_padding, groups = args
-    spatial = len(stride)
-    if transposed:
-        fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1]
-        return e.call(fn, x, w, b, stride, padding, output_padding, groups, dilation)
-    fn = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
-    return e.call(fn, x, w, b, stride, padding, dilation, groups)
-
-
-@converter("batch_norm")
-def _batch_norm(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, w, b, rm, rv, training, momentum, eps = args[:8]
-    return e.call(F.batch_norm, x, rm, rv, w, b, training, momentum, eps)
-
-
-@converter("instance_norm")
-def _instance_norm(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, w, b, rm, rv, use_input_stats, momentum, eps = args[:8]
-    return e.call(F.instance_norm, x, rm, rv, w, b, use_input_stats, momentum, eps)
-
-
-@converter("layer_norm")
-def _layer_norm(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, shape, w, b, eps = _fill(args, (None, None, None, None, 1e-5))[:5]
-    return e.call(F.layer_norm, x, shape, w, b, eps)
-
-
-@converter("group_norm")
-def _group_norm(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, groups, w, b, eps = _fill(args, (None, None, None, None, 1e-5))[:5]
-    return e.call(F.group_norm, x, groups, w, b, eps)
-
-
-@converter("embedding")
-def _embedding(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    weight, indices, padding_idx, scale_grad, sparse = _fill(args, (None, None, -1, False, False))
-    return e.call(F.embedding, indices, weight, None if padding_idx == -1 else padding_idx,
-                  None, 2.0, scale_grad, sparse)
-
-
-@converter("dropout", "dropout_", "alpha_dropout", "feature_alpha_dropout")
-def _dropout(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    name = e.source.target.name().split("::")[1].split(".")[0]
-    fn = {"alpha_dropout": F.alpha_dropout, "feature_alpha_dropout": F.feature_alpha_dropout}.get(
-        name, F.dropout)
-    x, p, train = args
-    if name == "dropout_":
-        return e.call(fn, x, p, train, True)
-    return e.call(fn, x, p, train)
-
-
-@converter("softmax", "log_softmax", "_softmax", "_log_softmax")
-def _softmax(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    name = e.source.target.name().split("::")[1].split(".")[0]
-    fn = torch.log_softmax if "log" in name else torch.softmax
-    x, dim = args[0], args[1]
-    dtype = kwargs.get("dtype", args[2] if len(args) > 2 and not name.startswith("_") else None)
-    return e.call(fn, x, dim, dtype=dtype) if dtype is not None else e.call(fn, x, dim)
-
-
-@converter("constant_pad_nd")
-def _constant_pad(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, pad, value = _fill(args, (None, None, 0.0))
-    return e.call(F.pad, x, pad, "constant", value)
-
-
-@converter("slice")
-def _slice(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    names = ("dim", "start", "end", "step")
-    given = dict(zip(names, args[1:]), **kwargs)
-    dim, step = given.get("dim", 0), given.get("step", 1)
-    part = slice(given.get("start"), given.get("end"), step)
-    index = (*([slice(None)] * dim), part) if dim >= 0 else (
-        Ellipsis, part, *([slice(None)] * (-dim - 1)))
-    return e.call(operator.getitem, args[0], index)
-
-
-@converter("index")
-def _index(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, indices = args
-    return e.call(operator.getitem, x, tuple(slice(None) if i is None else i for i in indices))
-
-
-@converter("sym_size")
-def _sym_size(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    return e.method("size", *args)
-
-
-@converter("sym_numel")
-def _sym_numel(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    return e.method("numel", *args)
-
-
-@converter("expand")
-def _expand(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    return e.method("expand", args[0], args[1])
-
-
-@converter("to", "_to_copy")
-def _to(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    kept = {k: v for k, v in kwargs.items()
-            if k in ("dtype", "device", "non_blocking", "copy", "memory_format")}
-    if e.source.target.name() == "aten::_to_copy":
-        kept["copy"] = True
-    return e.method("to", *args, **kept)
-
-
-@converter("lift_fresh_copy")
-def _lift_fresh_copy(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    return e.call(torch.clone, args[0])
-
-
-@converter("addmm", "baddbmm", "addbmm", "addmv")
-def _add_product(e: _Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    """``addmm(b, x, w, beta, alpha)`` -> ``beta * b + alpha * (x @ w)``: the product is a
-    matmul (fused as one batched GEMM), the bias an elementwise add."""
-    bias, a, b = args[:3]
-    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
-    name = e.source.target.name().split("::")[1].split(".")[0]
-    product = e.call(torch.matmul, a, b)
-    if name == "addbmm":
-        product = e.call(torch.sum, product, 0)
-    if alpha != 1:
-        product = e.call(torch.mul, product, alpha)
-    if beta == 0:
-        return product
-    if beta != 1:
-        bias = e.call(torch.mul, bias, beta)
-    return e.call(torch.add, bias, product)
+def aten_name(e: Emitter) -> str:
+    """The ATen op name of the exported node being converted (``"dropout_"``)."""
+    return e.source.target.name().split("::")[1].split(".")[0]
 
 
 def _native_spelling(name: str) -> tuple[str, Any] | None:
@@ -507,13 +315,15 @@ def _native_spelling(name: str) -> tuple[str, Any] | None:
     return None
 
 
-def _convert(e: _Emitter, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+def _convert(e: Emitter, node: fx.Node, args: tuple, kwargs: dict,
+             aten_spellings: Mapping[Any, Converter]) -> Any:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return e.call(target, *args, **kwargs)  # operator.getitem, SymInt arithmetic, ...
+    converter = aten_spellings.get(target.overloadpacket)
+    if converter is not None:
+        return converter(e, args, kwargs)
     name = target.name().split("::")[1].split(".")[0]
-    if name in CONVERTERS:
-        return CONVERTERS[name](e, args, kwargs)
     spelling = _native_spelling(name)
     if spelling is None:
         return e.call(target, *args, **kwargs)
@@ -523,7 +333,7 @@ def _convert(e: _Emitter, node: fx.Node, args: tuple, kwargs: dict) -> Any:
     return e.call(fn, *args, **kwargs)
 
 
-def _emit_path(e: _Emitter, value: fx.Node, path: Sequence[Any]) -> fx.Node:
+def _emit_path(e: Emitter, value: fx.Node, path: Sequence[Any]) -> fx.Node:
     """``value[0]["h"].field`` for a pytree key path (tuples, dicts, dataclass fields)."""
     for key in path:
         if isinstance(key, pytree.SequenceKey):
@@ -555,7 +365,7 @@ def _input_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
 
 def normalize_exported(
     program: torch.export.ExportedProgram, model: nn.Module, index: int, args: tuple,
-    kwargs: dict,
+    kwargs: dict, aten_spellings: Mapping[Any, Converter],
 ) -> fx.GraphModule:
     """An exported program as a graph in the symbolic front-end's language (module docstring).
 
@@ -570,7 +380,7 @@ def normalize_exported(
         ATen ops                           -> torch / F / Tensor calls      (_emit_ops)
         exported output                    -> the model's output structure  (_emit_outputs)
     """
-    n = _Normalizing(program, model, index)
+    n = _Normalizing(program, model, index, aten_spellings)
     _emit_inputs(n, args, kwargs)
     _emit_attributes(n)
     _emit_ops(n)
@@ -584,13 +394,14 @@ class _Normalizing:
     node -> new value map, the module's attributes, the device of the first tensor input."""
 
     def __init__(self, program: torch.export.ExportedProgram, model: nn.Module,
-                 index: int) -> None:
+                 index: int, aten_spellings: Mapping[Any, Converter]) -> None:
         self.program, self.model, self.index = program, model, index
+        self.aten_spellings = aten_spellings
         self.kinds = torch.export.graph_signature.InputKind
         self.specs = {s.arg.name: s for s in program.graph_signature.input_specs
                       if hasattr(s.arg, "name")}
         self.graph = fx.Graph()
-        self.e = _Emitter(self.graph)
+        self.e = Emitter(self.graph)
         self.env: dict[fx.Node, Any] = {}
         self.attrs: dict[str, Any] = {}
         self.device_ref: fx.Node | None = None
@@ -695,7 +506,8 @@ def _emit_ops(n: _Normalizing) -> None:
             call_args, call_kwargs = _swap_device((call_args, call_kwargs), n.example_device,
                                                   n.device_node)
         try:
-            env[node] = _convert(e, node, tuple(call_args), dict(call_kwargs))
+            env[node] = _convert(e, node, tuple(call_args), dict(call_kwargs),
+                                 n.aten_spellings)
         except Exception as exc:
             raise TraceError(
                 f"model {index} ({type(model).__name__}): cannot normalise exported node "

@@ -38,6 +38,7 @@ from ..ir import (
     CONSTANT_INPUTS,
     EXAMPLE_VALUE,
     PYTHON_STATE,
+    TORCH_RANDOM_DRAWS,
     apply_function,
     bind,
     enter_autocast,
@@ -330,7 +331,7 @@ class _Tracer(fx.Tracer):
         same noise at every call and for every model, and ``if torch.rand(()) < p`` (a
         layer dropped at random) taken always or never.  As a node, such a branch is
         refused (a traced value cannot decide Python's control flow), and said so."""
-        with self._calls_recorded(torch, _TORCH_RANDOM, only_traced=False):
+        with self._calls_recorded(torch, TORCH_RANDOM_DRAWS, only_traced=False):
             yield
 
     @contextlib.contextmanager
@@ -467,7 +468,6 @@ class _Tracer(fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
 
-#: torch's random functions, recorded by ``_Tracer._torch_random_recorded``.
 def _unmark_wrapped(graph: fx.Graph) -> fx.Graph:
     """Drop fx's mark on the calls it auto-wrapped: for a marked node codegen emits
     ``wrap("torch.nn.utils.rnn.pack_padded_sequence")`` into the generated module, which
@@ -480,13 +480,6 @@ def _unmark_wrapped(graph: fx.Graph) -> fx.Graph:
 #: ``torch.nn.utils.rnn``'s packing helpers: one graph node each (_sequence_packing_recorded).
 _SEQUENCE_PACKING = ("pack_padded_sequence", "pad_packed_sequence", "pack_sequence",
                      "pad_sequence", "unpack_sequence", "unpad_sequence")
-
-_TORCH_RANDOM = ("rand", "randn", "randint", "randperm", "rand_like", "randn_like",
-                 "randint_like", "normal", "bernoulli", "multinomial", "poisson",
-                 # torch.distributions' Gamma / Beta / Dirichlet samplers and Binomial:
-                 # from constant concentrations they were drawn once, while tracing, and
-                 # every call returned that draw
-                 "_standard_gamma", "_sample_dirichlet", "binomial")
 
 #: Python's and numpy's random draws: a traced forward would keep the one drawn while
 #: tracing for every call (a layer dropped at random would be dropped always, or never).

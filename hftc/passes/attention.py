@@ -37,29 +37,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from ..frontends.symbolic import encoder_nested_padding
+from ..ir import bind_arguments
 from ..runtime import attention as rt_attention
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
-_MHA_ARGS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask",
-             "average_attn_weights", "is_causal")
-_MHA_DEFAULTS = (None, None, None, None, True, None, True, False)
 
-
-def _bind(group: FusionGroup, names: tuple[str, ...], defaults: tuple) -> tuple[dict, dict]:
-    """Fused and original (model 0's) values of a call's arguments, by parameter name."""
-    fused, original = {}, {}
-    for k, (name, default) in enumerate(zip(names, defaults)):
-        if k < len(group.args):
-            fused[name], original[name] = group.args[k], group.node.args[k]
-        else:
-            fused[name] = group.kwargs.get(name, default)
-            original[name] = group.node.kwargs.get(name, default)
-    return fused, original
+def _bind(group: FusionGroup, fn: Any, *leading: Any) -> tuple[dict, dict]:
+    """Fused and original (model 0's) values of a call's arguments, by parameter name
+    (``leading``: a method's ``self``)."""
+    return (bind_arguments(fn, (*leading, *group.args), group.kwargs),
+            bind_arguments(fn, (*leading, *group.node.args), group.node.kwargs))
 
 
 def _constant(value: Any, what: str) -> Any:
@@ -72,7 +65,7 @@ def _constant(value: Any, what: str) -> Any:
 def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """N attention modules -> one :func:`~hftc.runtime.attention.multi_head_attention`."""
     mha = group.module
-    fused, original = _bind(group, _MHA_ARGS, _MHA_DEFAULTS)
+    fused, original = _bind(group, nn.MultiheadAttention.forward, mha)
     target = group.node.target
 
     def attr(path: str) -> fx.Node | None:
@@ -97,19 +90,15 @@ def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.No
     )
 
 
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-              "enable_gqa")
-_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
-
-
 @rule(("call_function", F.scaled_dot_product_attention), random=True,
-      per_model={"dropout_p": 4}, per_model_defaults=(None, 0.0))  # attn_mask, dropout_p
+      aten={torch.ops.aten.scaled_dot_product_attention: F.scaled_dot_product_attention},
+      per_model=("dropout_p",))
 def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The model dim joins the batch dim: one SDPA over ``N*B`` batches (random: dropout)."""
-    if group.per_model_arg(4, "dropout_p") is not None:
+    if group.per_model_values("dropout_p") is not None:
         # one SDPA call takes one rate: models with their own run one by one
         raise NotFusable("a per-model attention dropout rate")
-    fused, _ = _bind(group, _SDPA_ARGS, _SDPA_DEFAULTS)
+    fused, _ = _bind(group, F.scaled_dot_product_attention)
     flags = tuple(builder.is_batched(fused[name]) for name in
                   ("query", "key", "value", "attn_mask"))
     dropout_p = _constant(fused["dropout_p"], "dropout_p")

@@ -12,12 +12,16 @@ weight; the output ``[B, N*Cout, H', W']`` is viewed as ``[N, B, Cout, H', W']``
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..frontends.export import Emitter
 from ..runtime import conv as rt_conv
 from .registry import FusionGroup, GraphBuilder, rule
+
+aten = torch.ops.aten
 
 _SPATIAL = {
     nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3,
@@ -46,8 +50,20 @@ def fuse_conv_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
+def convolution_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding,
+    groups)`` -> ``F.conv{1,2,3}d`` or ``F.conv_transpose{1,2,3}d`` by its spatial rank."""
+    x, w, b, stride, padding, dilation, transposed, output_padding, groups = args
+    spatial = len(stride)
+    if transposed:
+        fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1]
+        return e.call(fn, x, w, b, stride, padding, output_padding, groups, dilation)
+    fn = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
+    return e.call(fn, x, w, b, stride, padding, dilation, groups)
+
+
 @rule(("call_function", F.conv1d), ("call_function", F.conv2d),
-               ("call_function", F.conv3d))
+      ("call_function", F.conv3d), aten={aten.convolution: convolution_as_functional})
 def fuse_conv_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     return builder.call(
@@ -80,7 +96,9 @@ def fuse_conv_transpose_module(group: FusionGroup, builder: GraphBuilder) -> fx.
 
 
 @rule(("call_function", F.conv_transpose1d), ("call_function", F.conv_transpose2d),
-               ("call_function", F.conv_transpose3d))
+      ("call_function", F.conv_transpose3d),
+      aten={aten.conv_transpose1d: F.conv_transpose1d, aten.conv_transpose2d: F.conv_transpose2d,
+            aten.conv_transpose3d: F.conv_transpose3d})
 def fuse_conv_transpose_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = group.arg(0, "input")
     return builder.call(

@@ -21,11 +21,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..ir import EXAMPLE_VALUE
+from ..frontends.export import Emitter, aten_name, fill_defaults
+from ..ir import EXAMPLE_VALUE, TORCH_RANDOM_DRAWS
 from ..runtime import layout as rt_layout
 from ..runtime import per_model as rt_per_model
 from ..runtime import random as rt_random
 from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule, spellings
+
+aten = torch.ops.aten
 
 UNARY = """
 abs absolute acos arccos acosh arccosh asin arcsin asinh arcsinh atan arctan atanh arctanh
@@ -77,9 +80,8 @@ def _is_tensor(value) -> bool:
 #: ``inplace=True`` activations the fused program runs out of place (the functional and
 #: its constant arguments): their input there is usually a view (a fused conv or norm
 #: unfolds ``[B, N*C, ...]`` to ``[N, B, C, ...]``), and an in-place op on a view makes
-#: autograd rebuild the base in the backward (clone, as_strided, copy_ of the whole
-#: activation per op: 105 extra copies per MobileNetV2 step at N = 1; out of place,
-#: 230 vs 238 ms at N = 1 and 307 vs 326 ms at N = 2 on one CPU core). Only these,
+#: autograd rebuild the base in the backward (a clone, as_strided and copy_ of the whole
+#: activation per op: docs/DESIGN_NOTES.md). Only these,
 #: whose backward from the input equals the in-place one's from the result.
 OUT_OF_PLACE = {
     nn.ReLU: lambda m: (F.relu, ()),
@@ -180,21 +182,18 @@ def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 def fuse_slope(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """LeakyReLU / ELU / CELU, with a slope or alpha that may differ per model."""
     node = group.node
-    module_attr = {nn.LeakyReLU: "negative_slope", nn.ELU: "alpha", nn.CELU: "alpha"}
     if type(group.module) is nn.CELU or node.target is F.celu:
         if group.per_model:
             # ATen differentiates celu with 1/alpha rounded to float32; only a per-model
             # call reproduces that gradient bit for bit.
             raise NotFusable("celu with a per-model alpha (exact only model by model)")
         return fuse_pointwise(group, builder)
-    if node.op == "call_module":
-        values = group.per_model.get(module_attr.get(type(group.module), ""))
-        kernel = {nn.LeakyReLU: rt_per_model.leaky_relu, nn.ELU: rt_per_model.elu}.get(
-            type(group.module))
-    else:
-        values = group.per_model_arg(1, "negative_slope" if node.target is F.leaky_relu
-                                     else "alpha")
-        kernel = {F.leaky_relu: rt_per_model.leaky_relu, F.elu: rt_per_model.elu}.get(node.target)
+    # a subclass that keeps LeakyReLU's forward is fused by its base's key
+    target = node.target if node.op != "call_module" else next(
+        cls for op, cls in SLOPE_KEYS if op == "call_module" and isinstance(group.module, cls))
+    values = group.per_model_values(SLOPE_KEYS[(node.op, target)])
+    kernel = {nn.LeakyReLU: rt_per_model.leaky_relu, nn.ELU: rt_per_model.elu,
+              F.leaky_relu: rt_per_model.leaky_relu, F.elu: rt_per_model.elu}[target]
     if values is None:
         return fuse_pointwise(group, builder)
     return builder.call(kernel, builder.broadcast(group.args[0]), tuple(values))
@@ -207,23 +206,63 @@ def fuse_new_tensor(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 #: LeakyReLU / ELU / CELU take a slope or alpha that may differ per model: ``fuse_slope``
 #: (which runs ``fuse_pointwise`` where the models agree) for their module and ``F.*``
-#: spellings, ``{key: (per_model, per_model_defaults)}``; the others (``torch.celu_``,
+#: spellings, ``{key: the per-model hyper-parameter}``; the others (``torch.celu_``,
 #: ``Tensor.elu``) take no per-model value.
 SLOPE_KEYS = {
-    ("call_module", nn.LeakyReLU): (("negative_slope",), ()),
-    ("call_module", nn.ELU): (("alpha",), ()),
-    ("call_module", nn.CELU): (("alpha",), ()),
-    ("call_function", F.leaky_relu): ({"negative_slope": 1}, (0.01,)),
-    ("call_function", F.elu): ({"alpha": 1}, (1.0,)),
-    ("call_function", F.celu): ({"alpha": 1}, (1.0,)),
+    ("call_module", nn.LeakyReLU): "negative_slope", ("call_module", nn.ELU): "alpha",
+    ("call_module", nn.CELU): "alpha", ("call_function", F.leaky_relu): "negative_slope",
+    ("call_function", F.elu): "alpha", ("call_function", F.celu): "alpha",
+}
+
+
+
+def elu_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.elu(x, alpha, scale, input_scale)`` -> ``F.elu(x, alpha)`` where the scales
+    are 1 (``nn.ELU``); SELU-like scales stay ATen (the per-model loop)."""
+    x, alpha, scale, input_scale = fill_defaults(args, (None, 1.0, 1.0, 1.0))
+    if scale == 1 and input_scale == 1:
+        return e.call(F.elu, x, alpha)
+    return e.call(aten.elu.default, *args, **kwargs)
+
+
+def to_as_method(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.to`` / ``aten._to_copy(x, dtype=...)`` -> ``x.to(dtype=..., copy=...)``."""
+    kept = {k: v for k, v in kwargs.items()
+            if k in ("dtype", "device", "non_blocking", "copy", "memory_format")}
+    if aten_name(e) == "_to_copy":
+        kept["copy"] = True
+    return e.method("to", *args, **kept)
+
+
+def lift_fresh_copy_as_clone(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.call(torch.clone, args[0])
+
+
+def dropout_inplace_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    x, p, train = args
+    return e.call(F.dropout, x, p, train, True)
+
+
+#: The ATen ops torch.export records for these ops where it does not spell them
+#: ``torch.NAME`` with the same arguments (``@rule(aten=...)``), by op name or function.
+EXPORTED_AS = {
+    "gelu": {aten.gelu: F.gelu}, "silu": {aten.silu: F.silu}, "mish": {aten.mish: F.mish},
+    "hardswish": {aten.hardswish: F.hardswish}, "hardsigmoid": {aten.hardsigmoid: F.hardsigmoid},
+    "hardtanh": {aten.hardtanh: F.hardtanh}, "softplus": {aten.softplus: F.softplus},
+    "logsigmoid": {aten.log_sigmoid: F.logsigmoid}, "relu6": {aten.relu6: F.relu6},
+    "to": {aten.to: to_as_method, aten._to_copy: to_as_method},
+    "clone": {aten.lift_fresh_copy: lift_fresh_copy_as_clone},
+    F.leaky_relu: {aten.leaky_relu: F.leaky_relu}, F.elu: {aten.elu: elu_as_functional},
+    F.dropout: {aten.dropout: F.dropout, aten.dropout_: dropout_inplace_as_functional},
+    F.alpha_dropout: {aten.alpha_dropout: F.alpha_dropout},
 }
 
 for _name in UNARY + BINARY:
     rule(*(key for key in spellings(_name, inplace=True) if key not in SLOPE_KEYS),
-         name=f"fuse_pointwise[{_name}]")(fuse_pointwise)
-for _key, (_names, _defaults) in SLOPE_KEYS.items():
-    rule(_key, name=f"fuse_slope[{_key[1].__name__}]", per_model=_names,
-         per_model_defaults=_defaults)(fuse_slope)
+         name=f"fuse_pointwise[{_name}]", aten=EXPORTED_AS.get(_name))(fuse_pointwise)
+for _key, _slope in SLOPE_KEYS.items():
+    rule(_key, name=f"fuse_slope[{_key[1].__name__}]", per_model=(_slope,),
+         aten=EXPORTED_AS.get(_key[1]))(fuse_slope)
 for _name in RANDOM_LIKE:
     rule(*spellings(_name, inplace=True), name=f"fuse_random[{_name}]", random=True)(fuse_random)
 for _op in OPERATORS:
@@ -237,7 +276,7 @@ for _cls in RANDOM_MODULES:
          per_model=("p",))(fuse_random)
 for _fn in RANDOM_FUNCTIONS:
     rule(("call_function", _fn), name=f"fuse_random[{_fn.__name__}]", random=True,
-         per_model={"p": 1} if _fn is F.dropout else ())(fuse_random)
+         per_model=("p",) if _fn is F.dropout else (), aten=EXPORTED_AS.get(_fn))(fuse_random)
 for _name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
     rule(("call_method", _name), name=f"fuse_random[{_name}]", random=True)(fuse_random)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
@@ -248,9 +287,8 @@ for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
 #: (in training) and fractional max-pooling's regions are drawn too; their deterministic
 #: uses (RReLU in eval, given regions) run as the per-model loop as well: exact.
 RANDOM_DRAWS = [
-    torch.rand, torch.randn, torch.randint, torch.bernoulli, torch.normal, torch.multinomial,
-    torch.randperm, torch.poisson, torch._standard_gamma, torch._sample_dirichlet,
-    torch.binomial, F.rrelu, F.rrelu_, torch.rrelu, torch.rrelu_,
+    *(getattr(torch, name) for name in TORCH_RANDOM_DRAWS if name not in RANDOM_LIKE),
+    F.rrelu, F.rrelu_, torch.rrelu, torch.rrelu_,
     F.fractional_max_pool2d, F.fractional_max_pool3d, F.fractional_max_pool2d_with_indices,
     F.fractional_max_pool3d_with_indices,
 ]

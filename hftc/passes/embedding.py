@@ -8,15 +8,19 @@
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedOperatorError
+from ..frontends.export import Emitter, fill_defaults
 from ..match import describe_node
 from ..runtime import embedding as rt_embedding
 from ..runtime import spatial as rt_spatial
 from .registry import FusionGroup, GraphBuilder, rule
+
+aten = torch.ops.aten
 
 
 def _refuse_sparse(group: FusionGroup) -> None:
@@ -29,41 +33,32 @@ def _refuse_sparse(group: FusionGroup) -> None:
     raise UnsupportedOperatorError(message, [message])
 
 
-@rule(("call_module", nn.Embedding))
-def fuse_embedding_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    emb = group.module
-    idx = group.args[0]
-    if emb.sparse:
+def embedding_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.embedding(weight, indices, padding_idx=-1, scale_grad, sparse)`` ->
+    ``F.embedding(indices, weight, padding_idx or None, ...)``."""
+    weight, indices, padding_idx, scale_grad, sparse = fill_defaults(
+        args, (None, None, -1, False, False))
+    return e.call(F.embedding, indices, weight, None if padding_idx == -1 else padding_idx,
+                  None, 2.0, scale_grad, sparse)
+
+
+@rule(("call_module", nn.Embedding), ("call_function", F.embedding),
+      aten={aten.embedding: embedding_as_functional})
+def fuse_embedding(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    a = group.arguments(builder, F.embedding)
+    idx = a["input"]
+    if a["sparse"]:
         _refuse_sparse(group)
     return builder.call(
-        rt_embedding.embedding, idx, builder.module_attr(group, "weight"), emb.padding_idx,
-        emb.max_norm, emb.norm_type, emb.scale_grad_by_freq, emb.sparse,
+        rt_embedding.embedding, idx, builder.broadcast(a["weight"]), a["padding_idx"],
+        a["max_norm"], a["norm_type"], a["scale_grad_by_freq"], a["sparse"],
         indices_batched=builder.is_batched(idx),
     )
 
 
-@rule(("call_function", F.embedding))
-def fuse_embedding_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    idx = group.arg(0, "input")
-    if group.arg(6, "sparse", False):
-        _refuse_sparse(group)
-    return builder.call(
-        rt_embedding.embedding, idx, builder.broadcast(group.arg(1, "weight")),
-        group.arg(2, "padding_idx"), group.arg(3, "max_norm"), group.arg(4, "norm_type", 2.0),
-        group.arg(5, "scale_grad_by_freq", False), group.arg(6, "sparse", False),
-        indices_batched=builder.is_batched(idx),
-    )
-
-
-@rule(("call_module", nn.PReLU))
-def fuse_prelu_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    x = group.args[0]
-    return builder.call(rt_spatial.prelu, x, builder.module_attr(group, "weight"),
-                        x_batched=builder.is_batched(x))
-
-
-@rule(("call_function", F.prelu))
-def fuse_prelu_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    x = group.arg(0, "input")
-    return builder.call(rt_spatial.prelu, x, builder.broadcast(group.arg(1, "weight")),
+@rule(("call_module", nn.PReLU), ("call_function", F.prelu), aten={aten.prelu: F.prelu})
+def fuse_prelu(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    a = group.arguments(builder, F.prelu)
+    x = a["input"]
+    return builder.call(rt_spatial.prelu, x, builder.broadcast(a["weight"]),
                         x_batched=builder.is_batched(x))

@@ -25,27 +25,38 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..frontends.export import Emitter, aten_name
 from ..runtime import linear as rt_linear
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
+aten = torch.ops.aten
 
-@rule(("call_module", nn.Linear))
-def fuse_linear_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    x = group.args[0]
+
+@rule(("call_module", nn.Linear), ("call_function", F.linear), aten={aten.linear: F.linear})
+def fuse_linear(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    a = group.arguments(builder, F.linear)
+    x, bias = a["input"], a["bias"]
     return builder.call(
-        rt_linear.linear, x, builder.module_attr(group, "weight"),
-        builder.module_attr(group, "bias"), x_batched=builder.is_batched(x),
-    )
-
-
-@rule(("call_function", F.linear))
-def fuse_linear_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    x = group.arg(0, "input")
-    bias = group.arg(2, "bias")
-    return builder.call(
-        rt_linear.linear, x, builder.broadcast(group.arg(1, "weight")),
+        rt_linear.linear, x, builder.broadcast(a["weight"]),
         None if bias is None else builder.broadcast(bias), x_batched=builder.is_batched(x),
     )
+
+
+def add_product(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``addmm(b, x, w, beta, alpha)`` -> ``beta * b + alpha * (x @ w)``: the product is a
+    matmul (fused as one batched GEMM), the bias an elementwise add."""
+    bias, a, b = args[:3]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    product = e.call(torch.matmul, a, b)
+    if aten_name(e) == "addbmm":
+        product = e.call(torch.sum, product, 0)
+    if alpha != 1:
+        product = e.call(torch.mul, product, alpha)
+    if beta == 0:
+        return product
+    if beta != 1:
+        bias = e.call(torch.mul, bias, beta)
+    return e.call(torch.add, bias, product)
 
 
 @rule(
@@ -54,6 +65,7 @@ def fuse_linear_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     ("call_function", torch.bmm), ("call_method", "bmm"),
     ("call_function", torch.mm), ("call_method", "mm"),
     ("call_function", torch.mv), ("call_method", "mv"),
+    aten=dict.fromkeys((aten.addmm, aten.baddbmm, aten.addbmm, aten.addmv), add_product),
 )
 def fuse_matmul(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a, b = group.args[0], group.args[1]

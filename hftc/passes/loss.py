@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
+from ..frontends.export import Emitter, aten_name
 from ..runtime import losses as rt_losses
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
@@ -67,7 +69,40 @@ def fuse_loss_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                  {"reduction": module.reduction, **kwargs})
 
 
+aten = torch.ops.aten
+
+#: ATen's loss functions -> the functional, and their arguments after (self, target) by
+#: name; ``reduction`` is ATen's enum (0 none, 1 mean, 2 sum).
+_EXPORTED_AS = {
+    aten.cross_entropy_loss: (F.cross_entropy, ("weight", "reduction", "ignore_index",
+                                                "label_smoothing")),
+    aten.nll_loss_nd: (F.nll_loss, ("weight", "reduction", "ignore_index")),
+    aten.nll_loss: (F.nll_loss, ("weight", "reduction", "ignore_index")),
+    aten.mse_loss: (F.mse_loss, ("reduction",)),
+    aten.l1_loss: (F.l1_loss, ("reduction",)),
+    aten.smooth_l1_loss: (F.smooth_l1_loss, ("reduction", "beta")),
+    aten.huber_loss: (F.huber_loss, ("reduction", "delta")),
+    aten.binary_cross_entropy: (F.binary_cross_entropy, ("weight", "reduction")),
+    aten.binary_cross_entropy_with_logits: (F.binary_cross_entropy_with_logits,
+                                            ("weight", "pos_weight", "reduction")),
+    aten.soft_margin_loss: (F.soft_margin_loss, ("reduction",)),
+}
+
+
+def loss_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.nll_loss_nd(x, t, None, 1, -100)`` -> ``F.nll_loss(x, t, weight=None,
+    reduction="mean", ignore_index=-100)``."""
+    fn, names = _EXPORTED_AS[getattr(aten, aten_name(e))]
+    output, target, *rest = args
+    named = {**dict(zip(names, rest)), **kwargs}
+    if "reduction" in named:
+        named["reduction"] = ("none", "mean", "sum")[named["reduction"]]
+    return e.call(fn, output, target, **named)
+
+
 for _fn in _FUNCTIONS:
-    rule(("call_function", _fn), name=f"fuse_loss[{_fn.__name__}]")(fuse_loss_function)
+    rule(("call_function", _fn), name=f"fuse_loss[{_fn.__name__}]",
+         aten={op: loss_as_functional for op, (fn, _) in _EXPORTED_AS.items() if fn is _fn})(
+        fuse_loss_function)
 for _cls in _MODULES:
     rule(("call_module", _cls), name=f"fuse_loss[{_cls.__name__}]")(fuse_loss_module)

@@ -18,14 +18,18 @@ its hyper-parameters and train/eval mode are exactly the original's.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
+from ..frontends.export import Emitter, fill_defaults
 from ..runtime import random as rt_random
 from ..runtime import spatial as rt_spatial
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
+
+aten = torch.ops.aten
 
 _SPATIAL_MODULES = {
     nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3,
@@ -142,16 +146,52 @@ def fuse_pad(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return fuse_channelwise_function(group, builder)
 
 
+def _with_indices(fn):
+    """``aten.adaptive_max_pool2d(x, size)`` returns the indices too: ``F.*(..., True)``."""
+    def adaptive_max_pool_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+        return e.call(fn, *args, return_indices=True)
+
+    return adaptive_max_pool_as_functional
+
+
+def constant_pad_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.constant_pad_nd(x, pad, value)`` -> ``F.pad(x, pad, "constant", value)``."""
+    x, pad, value = fill_defaults(args, (None, None, 0.0))
+    return e.call(F.pad, x, pad, "constant", value)
+
+
+def grid_sampler_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.grid_sampler(x, grid, 0, 0, False)`` -> ``F.grid_sample`` with the modes named."""
+    x, grid, interpolation, padding, align_corners = args
+    return e.call(F.grid_sample, x, grid, ("bilinear", "nearest", "bicubic")[interpolation],
+                  ("zeros", "border", "reflection")[padding], align_corners)
+
+
+#: The ATen ops torch.export records for these functions (``@rule(aten=...)``).
+_EXPORTED_AS = {
+    **{fn: {getattr(aten, fn.__name__): fn} for fn in (
+        F.max_pool1d, F.max_pool2d, F.max_pool3d, F.max_pool1d_with_indices,
+        F.max_pool2d_with_indices, F.max_pool3d_with_indices, F.avg_pool1d, F.avg_pool2d,
+        F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+        F.pixel_shuffle, F.pixel_unshuffle, F.feature_alpha_dropout)},
+    **{fn: {getattr(aten, fn.__name__): _with_indices(fn)} for fn in (
+        F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)},
+}
+
 for _cls in _SPATIAL_MODULES:
     rule(("call_module", _cls), name=f"fuse_channelwise[{_cls.__name__}]",
          random=_cls in _RANDOM, per_model=("p",) if _cls in _RANDOM else ())(
         fuse_channelwise_module)
 for _fn in _SPATIAL_FUNCTIONS:
     rule(("call_function", _fn), name=f"fuse_channelwise[{_fn.__name__}]",
-         random=_fn in _RANDOM_FUNCTIONS)(fuse_channelwise_function)
+         random=_fn in _RANDOM_FUNCTIONS, aten=_EXPORTED_AS.get(_fn))(fuse_channelwise_function)
 for _key in _SAMPLEWISE:
     rule(_key, name=f"fuse_samplewise[{_key[1].__name__}]")(fuse_samplewise)
 _SPATIAL_FUNCTIONS[F.pad] = None  # (fuse_pad's non-constant modes fold channels)
-rule(("call_function", F.pad))(fuse_pad)
-rule(("call_function", F.grid_sample))(fuse_grid_sample)
-rule(("call_function", F.affine_grid))(fuse_affine_grid)
+rule(("call_function", F.pad),
+     aten={aten.pad: F.pad, aten.constant_pad_nd: constant_pad_as_functional})(fuse_pad)
+rule(("call_function", F.grid_sample),
+     aten=dict.fromkeys((aten.grid_sampler, aten.grid_sampler_2d, aten.grid_sampler_3d),
+                        grid_sampler_as_functional))(fuse_grid_sample)
+rule(("call_function", F.affine_grid),
+     aten={aten.affine_grid_generator: F.affine_grid})(fuse_affine_grid)

@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..frontends.export import Emitter, aten_name
 from ..ir import EXAMPLE_VALUE
 from ..runtime import layout as rt_layout
 from ..runtime import reduction as rt_reduction
@@ -24,6 +25,8 @@ from ..runtime import spatial as rt_spatial
 from .elementwise import fuse_pointwise
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule, spellings
 from .shape import shift_dim_arg
+
+aten = torch.ops.aten
 
 #: op name -> position of ``dim`` (self/input at 0) for ``op(x, dim, ...)``.
 REDUCTIONS = {
@@ -90,7 +93,8 @@ for _name, _pos in REDUCTIONS.items():
     )
 
 
-@rule(("call_function", torch.linalg.vector_norm))
+@rule(("call_function", torch.linalg.vector_norm),
+      aten={aten.linalg_vector_norm: torch.linalg.vector_norm})
 def fuse_vector_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.linalg.vector_norm(x, ord, dim, keepdim)`` (what ``F.normalize`` exports to)
     over each model's dims; over all of them: ``vector_norm(x.flatten(1), ord, 1)``."""
@@ -151,9 +155,23 @@ def _softmax_rule(fn):
     return fuse_softmax
 
 
-for _fn, _names in [(F.softmax, ("softmax",)), (F.log_softmax, ("log_softmax",)),
-                    (F.softmin, ("softmin",))]:
-    rule(*spellings(_names[0]), name=f"fuse_softmax[{_names[0]}]")(_softmax_rule(_fn))
+def softmax_as_torch(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.softmax`` / ``aten._softmax(x, dim, half_to_float)`` -> ``torch.softmax(x, dim)``
+    (and the log ones), with the ``dtype`` only the public op takes."""
+    name = aten_name(e)
+    fn = torch.log_softmax if "log" in name else torch.softmax
+    x, dim = args[0], args[1]
+    dtype = kwargs.get("dtype", args[2] if len(args) > 2 and not name.startswith("_") else None)
+    return e.call(fn, x, dim, dtype=dtype) if dtype is not None else e.call(fn, x, dim)
+
+
+for _fn, _names, _aten in [
+    (F.softmax, ("softmax",), (aten.softmax, aten._softmax)),
+    (F.log_softmax, ("log_softmax",), (aten.log_softmax, aten._log_softmax)),
+    (F.softmin, ("softmin",), ()),
+]:
+    rule(*spellings(_names[0]), name=f"fuse_softmax[{_names[0]}]",
+         aten=dict.fromkeys(_aten, softmax_as_torch))(_softmax_rule(_fn))
 
 
 def _softmax_module_rule(fn):

@@ -10,8 +10,9 @@ back to a per-model loop and says so in the fusion report.
 Keys are ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
 ``("call_method", "name")``, each registered once with :func:`rule`, which also
 declares what the rest of the pipeline asks the table (does the op draw random
-numbers).  :func:`spellings` lists every spelling of one op, so a family of ops
-(every elementwise op in all its spellings) shares one rule body.
+numbers, which of its hyper-parameters may differ per model, which ATen ops
+``torch.export`` records for it).  :func:`spellings` lists every spelling of one op,
+so a family of ops (every elementwise op in all its spellings) shares one rule body.
 """
 
 from __future__ import annotations
@@ -25,7 +26,20 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..ir import EXAMPLE_VALUE, ORIGIN, PER_MODEL, RULE, SOURCE, ArgKey
+from ..frontends.export import Converter, same_arguments
+from ..ir import (
+    EXAMPLE_VALUE,
+    ORIGIN,
+    PER_MODEL,
+    RULE,
+    SOURCE,
+    TORCH_RANDOM_DRAWS,
+    ArgKey,
+    bind_arguments,
+    call_signature,
+    parameter_position,
+    positional_defaults,
+)
 from ..match import PerModelTable, describe_node, target_name
 from ..runtime import layout as rt_layout
 
@@ -83,6 +97,38 @@ class FusionGroup:
         values = self.per_model
         return values.get(ArgKey(position=position), values.get(ArgKey(keyword=name)))
 
+    def per_model_values(self, name: str) -> list | None:
+        """The per-model values of hyper-parameter ``name`` (a module's attribute or a
+        function's argument, however the call passed it), or None if the models agree."""
+        if self.node.op == "call_module":
+            return self.per_model.get(name)
+        return self.per_model_arg(parameter_position(self.node.target, name), name)
+
+    def arguments(self, builder: GraphBuilder, functional: Callable[..., Any],
+                  **module_values: Any) -> dict[str, Any]:
+        """The op's (fused) arguments by ``functional``'s parameter names, either spelling::
+
+            F.linear(x, w, b)    -> bound by F.linear's signature, defaults filled in
+                                    (:func:`hftc.ir.bind_arguments`)
+            nn.Linear(...)(x)    -> {"input": x, "weight": the stacked weight, "bias": ...}
+
+        A module's tensors are the fused module's stacked ones, its Python
+        hyper-parameters model 0's (those that differ: :meth:`per_model_values`);
+        ``module_values`` give what a module computes itself (a norm's ``training``)."""
+        if self.node.op == "call_function":
+            return bind_arguments(self.node.target, self.args, self.kwargs)
+        first, *names = call_signature(functional).parameters
+        arguments = {first: self.args[0]}
+        for name in names:
+            value = getattr(self.module, name, None)
+            if name in module_values:
+                arguments[name] = module_values[name]
+            elif isinstance(value, torch.Tensor) or name in ("weight", "bias"):
+                arguments[name] = builder.module_attr(self, name)
+            elif hasattr(self.module, name):
+                arguments[name] = tuple(value) if isinstance(value, (list, torch.Size)) else value
+        return arguments
+
 
 Rule = Callable[[FusionGroup, "GraphBuilder"], fx.Node]
 #: What a rule fuses: ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
@@ -98,14 +144,17 @@ class RuleEntry:
     name: str
     #: The op draws random numbers: each model draws its own, even from a shared input.
     random: bool = False
-    #: Hyper-parameters that may differ between the models, ``((name, argument position),
-    #: ...)``: a module key's attributes (position None), a function's arguments.
-    per_model: tuple[tuple[str, int | None], ...] = ()
-    #: A function's defaults up to its last per-model argument (:class:`PerModelTable`).
-    per_model_defaults: tuple = ()
+    #: Hyper-parameters that may differ between the models: a module key's attributes, a
+    #: function key's arguments (their positions and defaults from its signature).
+    per_model: tuple[str, ...] = ()
+    #: The ATen ops (overload packets) torch.export records for these ops, each with the
+    #: converter that spells it back in the keys' vocabulary (:func:`aten_spellings`).
+    aten: tuple[tuple[Any, Converter], ...] = ()
 
 
 RULES: dict[Key, RuleEntry] = {}
+#: ATen op (overload packet) -> its converter, from every rule's ``aten=``.
+_ATEN: dict[Any, Converter] = {}
 
 
 class DuplicateRuleError(Exception):
@@ -113,8 +162,8 @@ class DuplicateRuleError(Exception):
 
 
 def rule(*keys: Key, name: str | None = None, random: bool = False,
-         per_model: Sequence[str] | Mapping[str, int] = (),
-         per_model_defaults: tuple = ()) -> Callable[[Rule], Rule]:
+         per_model: Sequence[str] = (),
+         aten: Mapping[Any, Callable[..., Any]] | None = None) -> Callable[[Rule], Rule]:
     """Register a rule for ``keys`` (the one way to declare one)::
 
         @rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))
@@ -122,35 +171,72 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
 
         rule(*spellings("relu", inplace=True), name="fuse_pointwise[relu]")(fuse_pointwise)
 
-        @rule(("call_function", F.batch_norm), per_model={"momentum": 6, "eps": 7},
-              per_model_defaults=(None, None, False, 0.1, 1e-5))
+        @rule(("call_module", nn.BatchNorm2d), ("call_function", F.batch_norm),
+              per_model=("momentum", "eps"))
+
+        @rule(("call_function", F.linear), aten={aten.linear: F.linear})
+        @rule(*conv_keys, aten={aten.convolution: convolution_as_functional})
 
     ``random``: the op draws random numbers.  ``per_model``: the hyper-parameters that may
-    differ between the models (the rule reads them from :attr:`FusionGroup.per_model`):
-    attribute names for module keys (``("p",)``), ``{name: position}`` for function
-    keys; ``per_model_defaults``: a function's argument defaults from the first one torch
-    may leave out up to the last per-model one.  A key registered twice raises
-    :class:`DuplicateRuleError` at import, whatever the order the rule files load in.
+    differ between the models (the rule reads them with :meth:`FusionGroup.per_model_values`):
+    a module key's attributes and a function key's arguments of those names (its signature
+    gives their positions and defaults, :func:`hftc.ir.call_signature`).  ``aten``: the
+    ATen ops (overload packets) torch.export records for these ops where that is not
+    ``torch.NAME`` / ``F.NAME`` with the same arguments, each with one of the rule's
+    functions (the same arguments, another name) or a converter ``(emitter, args, kwargs)
+    -> node`` (:mod:`hftc.frontends.export`).
+    A key or ATen op registered twice raises :class:`DuplicateRuleError` at import,
+    whatever the order the rule files load in.
     """
-    positions = dict(per_model) if isinstance(per_model, Mapping) else dict.fromkeys(per_model)
+    functions = {target for op, target in keys if op == "call_function"}
+    converters = tuple(
+        (op, same_arguments(spelling) if spelling in functions else spelling)
+        for op, spelling in (aten or {}).items())
 
     def wrap(body: Rule) -> Rule:
-        entry = RuleEntry(body, name or body.__name__, random, tuple(positions.items()),
-                          per_model_defaults)
+        entry = RuleEntry(body, name or body.__name__, random, tuple(per_model), converters)
+        for op, _ in converters:
+            if not isinstance(op, torch._ops.OpOverloadPacket):
+                raise TypeError(f"rule `{entry.name}`: aten= takes ATen ops such as "
+                                f"torch.ops.aten.linear, not {op!r}")
+            if op in _ATEN:
+                raise DuplicateRuleError(f"ATen op {op} has two spellings, one of them in "
+                                         f"rule `{entry.name}`: declare it on one rule")
         for op, target in keys:
-            if op != "call_module" and (None in positions.values() or (
-                    per_model_defaults and not positions)):
-                raise TypeError(f"rule `{entry.name}`: per_model for {op} {target_name_of(target)}"
-                                f" must give each hyper-parameter's argument position")
+            if not random and op == "call_function" and any(
+                    getattr(torch, draw) is target for draw in TORCH_RANDOM_DRAWS):
+                raise TypeError(f"rule `{entry.name}`: torch.{target.__name__} draws random "
+                                f"numbers (hftc.ir.TORCH_RANDOM_DRAWS): declare it random=True")
+            if op == "call_module" or not per_model:
+                continue
+            try:
+                positions = [parameter_position(target, p) for p in per_model] \
+                    if op == "call_function" else [None]
+            except KeyError as missing:
+                positions = [None]
+                what = f"has no parameter {missing}"
+            else:
+                what = "has a per-model parameter only a position can pass"
+            if None in positions:
+                raise TypeError(f"rule `{entry.name}`: {op} {target_name_of(target)} {what} "
+                                f"(per_model={tuple(per_model)})")
         for key in dict.fromkeys(keys):
             if key in RULES:
                 raise DuplicateRuleError(
                     f"{key[0]} {target_name_of(key[1])} has two fusion rules, "
                     f"`{RULES[key].name}` and `{entry.name}`: register it with one of them")
             RULES[key] = entry
+        _ATEN.update(converters)
         return body
 
     return wrap
+
+
+def aten_spellings() -> Mapping[Any, Converter]:
+    """ATen op (overload packet) -> the converter that spells it in the rules' vocabulary,
+    as the rules declare them (``@rule(..., aten=...)``), for the export front-end
+    (:func:`hftc.frontends.export.export_model`)."""
+    return dict(_ATEN)
 
 
 def target_name_of(target: Any) -> str:
@@ -165,11 +251,10 @@ def per_model_table() -> PerModelTable:
         if not entry.per_model:
             continue
         if op == "call_module":
-            modules.append((target, tuple(name for name, _ in entry.per_model)))
+            modules.append((target, entry.per_model))
             continue
-        arguments[target] = {position: name for name, position in entry.per_model}
-        if entry.per_model_defaults:
-            defaults[target] = entry.per_model_defaults
+        arguments[target] = {parameter_position(target, name): name for name in entry.per_model}
+        defaults[target] = positional_defaults(target, max(arguments[target]))
     return PerModelTable(tuple(modules), arguments, defaults)
 
 

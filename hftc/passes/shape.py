@@ -20,15 +20,55 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
+from ..frontends.export import Emitter
 from ..ir import EXAMPLE_VALUE
 from ..runtime import guards as rt_guards
 from ..runtime import layout as rt_layout
 from ..runtime import spatial as rt_spatial
 from ..runtime.spatial import shift_dim
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule, spellings
+
+aten = torch.ops.aten
+
+
+# ------------------------------------------------- torch.export's ATen ops, as these rules' ops
+
+
+def slice_as_getitem(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.slice(x, 1, 0, 5)`` -> ``x[:, 0:5]``."""
+    names = ("dim", "start", "end", "step")
+    given = dict(zip(names, args[1:]), **kwargs)
+    dim, step = given.get("dim", 0), given.get("step", 1)
+    part = slice(given.get("start"), given.get("end"), step)
+    index = (*([slice(None)] * dim), part) if dim >= 0 else (
+        Ellipsis, part, *([slice(None)] * (-dim - 1)))
+    return e.call(operator.getitem, args[0], index)
+
+
+def index_as_getitem(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.index(x, [None, i])`` -> ``x[:, i]``."""
+    x, indices = args
+    return e.call(operator.getitem, x, tuple(slice(None) if i is None else i for i in indices))
+
+
+def sym_size_as_method(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.method("size", *args)
+
+
+def sym_numel_as_method(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.method("numel", *args)
+
+
+def expand_as_method(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.method("expand", args[0], args[1])
+
+
+def broadcast_tensors_as_torch(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    return e.call(torch.broadcast_tensors, *args[0])
 
 
 def _self_and_rest(group: FusionGroup) -> tuple:
@@ -153,7 +193,7 @@ def fuse_squeeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.method("squeeze", group.args[0], shift_dim_arg(builder, dim))
 
 
-@rule(*spellings("expand", torch_fn=False))
+@rule(*spellings("expand", torch_fn=False), aten={aten.expand: expand_as_method})
 def fuse_expand(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, sizes = _self_and_rest(group)
     return builder.call(rt_spatial.expand, x, *(sizes or (group.kwargs["size"],)))
@@ -182,6 +222,9 @@ def _dim_rule(position: int, name: str, default: int):
     return fuse_dim_op
 
 
+#: The ATen ops torch.export records for these ops under another name (``@rule(aten=...)``).
+_EXPORTED_AS = {"glu": {aten.glu: F.glu}, "split": {aten.split: torch.split}}
+
 for op_name, pos, kw, default in [
     ("chunk", 2, "dim", 0), ("split", 2, "dim", 0), ("tensor_split", 2, "dim", 0),
     ("unbind", 1, "dim", 0), ("narrow", 1, "dim", None), ("select", 1, "dim", None),
@@ -191,12 +234,14 @@ for op_name, pos, kw, default in [
     ("topk", 2, "dim", -1), ("kthvalue", 2, "dim", -1), ("glu", 1, "dim", -1),
     ("normalize", 2, "dim", 1), ("split_with_sizes", 2, "dim", 0),
 ]:
-    rule(*spellings(op_name, inplace=False), name=f"fuse_dim_op[{op_name}]")(
+    rule(*spellings(op_name, inplace=False), name=f"fuse_dim_op[{op_name}]",
+         aten=_EXPORTED_AS.get(op_name))(
         _dim_rule(pos, kw, default)
     )
 
 
-@rule(("call_function", torch.broadcast_tensors))
+@rule(("call_function", torch.broadcast_tensors),
+      aten={aten.broadcast_tensors: broadcast_tensors_as_torch})
 def fuse_broadcast_tensors(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.broadcast_tensors(a, b, ...)`` (``F.mse_loss`` calls it) per model: batched
     operands get their missing dims after the model dim, shared ones a model dim."""
@@ -247,7 +292,7 @@ def fuse_cat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                         shift_dim_arg(builder, dim), flags)
 
 
-@rule(("call_method", "size"))
+@rule(("call_method", "size"), aten={aten.sym_size: sym_size_as_method})
 def fuse_size(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(rt_spatial.size, group.args[0], group.arg(1, "dim"), batched=False)
 
@@ -258,7 +303,8 @@ def fuse_ndim(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                         batched=False)
 
 
-@rule(("call_method", "numel"), ("call_function", torch.numel))
+@rule(("call_method", "numel"), ("call_function", torch.numel),
+      aten={aten.sym_numel: sym_numel_as_method})
 def fuse_numel(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     total = builder.method("numel", group.args[0], batched=False)
     count = builder.method("size", group.args[0], 0, batched=False)
@@ -310,7 +356,8 @@ def _index_is_fusable(group: FusionGroup, builder: GraphBuilder) -> None:
         raise NotFusable("advanced indices separated by slices move their dims to the front")
 
 
-@rule(("call_function", operator.getitem))
+@rule(("call_function", operator.getitem),
+      aten={aten.slice: slice_as_getitem, aten.index: index_as_getitem})
 def fuse_getitem(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     container = group.arg_example(0)
     if not isinstance(container, torch.Tensor):  # a tuple/list/Size of per-model values

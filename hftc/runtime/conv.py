@@ -81,10 +81,7 @@ def conv_lowerings(
         # A map that arrives channels-last (after a shared_im2col stem, a channels-last
         # conv or pool) stays so while its weight is the smaller tensor: oneDNN reorders
         # the weight to the map's layout on every call, forward and backward, and below
-        # that size the reorder costs less than converting the map.  Measured on ResNet's
-        # 3x3 layers at N = 2, batch 8, forward + backward, channels-last vs NCHW (map
-        # converted): 64 ch 32x32 42 vs 61 ms, 128 ch 16x16 34 vs 41, 256 ch 8x8 49 vs 41,
-        # 512 ch 4x4 111 vs 56; depthwise convs (tiny weights) 1.5-3.5x faster channels-last.
+        # that size the reorder costs less than converting the map (docs/DESIGN_NOTES.md).
         folded = fold_channels(x, True) if x_batched else x
         map_numel = folded.numel() * (1 if x_batched else weight.shape[0])
         stays_channels_last = layout.is_channels_last(folded) and weight.numel() <= map_numel
@@ -161,9 +158,8 @@ def conv(
         xf = x
     if lowering == "grouped_channels_last":
         # oneDNN's NCHW kernel for grouped convolutions with few input channels per
-        # group and large kernels (LeNet's 6 -> 16, 5x5) measured 2x slower than its
-        # channels-last one and than N separate convolutions; for 3x3 kernels and for
-        # wider layers (ResNet's) channels-last measured equal or slower.
+        # group and large kernels (LeNet's 6 -> 16, 5x5) is slower than its channels-last
+        # one; not so for 3x3 kernels or wider layers (docs/DESIGN_NOTES.md).
         xf = xf.contiguous(memory_format=torch.channels_last)
     elif lowering == "grouped":
         # NCHW as named: a channels-last map would make oneDNN reorder the weight on
@@ -220,8 +216,8 @@ def _shared_unfold_conv(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, pad
         y    = cols^T @ W^T + b  [B, L, N*Cout]  = [B, N*Cout, H', W'] in channels-last memory
 
     The first layer of a sweep's CNNs (LeNet-5's 1 -> 6 5x5, the 3-channel stems
-    of ResNet and MobileNet): oneDNN measured 1.5-2x slower on these few-tap
-    convolutions, and the channels-last result suits the pooling and the
+    of ResNet and MobileNet): oneDNN is slower on these few-tap convolutions
+    (docs/DESIGN_NOTES.md), and the channels-last result suits the pooling and the
     grouped convolutions that follow (see :func:`conv`).  (That output once met an
     ATen batch-norm backward bug with odd size-1 strides,
     tests/test_fuzz_regressions.py; :func:`fold_channels` restrides those.)
@@ -294,14 +290,13 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spatial: int
         x [N, B, Cin, H, W] -> [N, Cin, B*H*W];  y = baddbmm(b, W [N, Cout, Cin], x)
         y [N, Cout, B*H*W]  -> [B, N*Cout, H, W] (the grouped conv's layout)
 
-    oneDNN's grouped 1x1 convolution (groups = N) measured 1.5-2.5x slower than N
-    separate ones on the CPU; the batched GEMM is as fast as they are, and its
+    oneDNN's grouped 1x1 convolution (groups = N) is slower than N separate ones on the
+    CPU (docs/DESIGN_NOTES.md); the batched GEMM is as fast as they are, and its
     weight gradient comes out in the weight's layout.  The two layout copies are
     elementwise passes over the activation.  Conv1d's grouped 1x1 conv on one thread
     with a batch under 16 is not oneDNN's but ATen's own, one convolution per group
-    on a copy of its input slice, then a ``cat``: this measured 0-20% faster than that
-    forward + backward (PointNet's layers, N = 2-8) and up to 45% slower at N = 8, so
-    for Conv1d it is autotune's candidate, not the cost model's choice.
+    on a copy of its input slice, then a ``cat``, faster or slower than this by the
+    shape, so for Conv1d it is autotune's candidate, not the cost model's choice.
     """
     n, cout, cin = weight.shape[:3]
     has_batch = x.dim() == spatial + 3

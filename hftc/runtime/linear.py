@@ -46,16 +46,15 @@ def linear_lowerings(x: Tensor, weight: Tensor, bias: Tensor | None, *,
     products cost the same, but ``gemm``'s output is a permuted view of
     ``[M, N*out]`` memory that every following op reads strided, and its gradient
     must be copied back into that layout; with ``baddbmm`` the layer's output is a
-    contiguous ``[N, M, out]`` (MLP training step, one core, cost model otherwise:
-    N = 32 5.93 vs 6.11 ms, N = 8 2.12 vs 2.19, N = 2 1.10 vs 1.16).  Not where the
+    contiguous ``[N, M, out]`` (a few % faster per MLP step: docs/DESIGN_NOTES.md).
+    Not where the
     shared input needs a gradient of its own: ``gemm``'s is one product, where the
     broadcast's is N products ``[N, M, in]`` summed over the models.
 
     The cost model puts ``baddbmm_t`` first for narrow outputs (a classifier head):
     CPU BLAS kernels run ``[M, in] @ [in, out]`` with ``out`` of 10 at a third of the
-    speed of the transposed product ``[out, in] @ [in, M]`` (measured on one core,
-    N=32, M=64, in=128: 362 vs 156 us; 203 us with the copy back to ``[N, M, out]``),
-    while wide outputs run alike either way.
+    speed of the transposed product ``[out, in] @ [in, M]``, copy back included
+    (docs/DESIGN_NOTES.md), while wide outputs run alike either way.
     """
     if x.is_complex() or weight.is_complex():
         # _BatchedLinear's backward is written for real tensors (no conjugates): a complex
@@ -134,9 +133,9 @@ def apply_function_fast(function: type, *args: Any) -> Any:
     They define ``setup_context`` (``forward`` without ``ctx``), the form ``torch.func``
     transforms need: ``torch.func.grad`` / ``vmap`` / ``jacrev`` through a fused module.
     For such a Function ``Function.apply`` binds the arguments with ``inspect.signature``
-    on every call, to fill in defaults: ~20 us a call (one core), as much as a sweep's
-    small layer costs.  Their forwards have no defaults and every call passes all its
-    arguments positionally, so where no ``torch.func`` transform is active, and outside
+    on every call, to fill in defaults, which costs as much as a sweep's small layer.
+    Their forwards have no defaults and every call passes all its arguments
+    positionally, so where no ``torch.func`` transform is active, and outside
     ``torch.compile`` (which traces ``apply`` itself), this calls the C++ ``apply``
     directly, as ``Function.apply`` then does (dead ``torch.func`` wrappers unwrapped, too).
     Forward mode (``torch.func.jvp`` / ``jacfwd`` / ``hessian``) they do not define: a

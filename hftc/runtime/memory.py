@@ -6,10 +6,8 @@ malloc gives freed memory at the top of its heap back to the kernel once more
 than its trim threshold is free, and serves blocks above its mmap threshold
 with fresh ``mmap()`` calls; both thresholds adapt (up to 64 and 32 MiB) to
 what the process has freed so far.  A working set larger than that is then
-returned and faulted in again, page by zeroed page, every step: PointNet at
-N = 4 took 2,400-5,300 minor page faults per step where the serial loop, whose
-one-model working set stays under the thresholds, took none (measured with
-``getrusage``).
+returned and faulted in again, page by zeroed page, every step, where the serial
+loop's one-model working set stays under the thresholds (docs/DESIGN_NOTES.md).
 
 :func:`keep_freed_memory` sets, with ``mallopt``::
 
@@ -23,10 +21,8 @@ The process's resident memory then stays at its peak, which a training job
 reaches every step anyway.  ``hftc.fuse(..., autotune=True)`` calls it once it
 has tuned a forward's ops on CPU tensors (set ``HFTC_KEEP_FREED_MEMORY=0`` to
 prevent that): after the ops' tuning, whose candidates allocate buffers of every
-size that would otherwise stay in the heap (PointNet N = 16, tuning and 3 steps
-from an empty cache: peak 828 MiB, 2,218 faults and 1,034 ms per step after;
-818 MiB, 47,844 faults and 1,138 ms under glibc's defaults; called before the
-tuning the peak passed 1 GiB), and before the whole forward's, whose candidates
+size that would otherwise stay in the heap (called before the tuning, the peak
+grew by a quarter: docs/DESIGN_NOTES.md), and before the whole forward's, whose candidates
 must be timed as the steps will run them: under the defaults the fused program
 (N models' buffers at once) was faulted in on every timed run and the model loop
 was not, and PointNet N = 16 timed 1.33 s against the loop's 0.98 s where the

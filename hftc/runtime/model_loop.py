@@ -80,9 +80,8 @@ class ModelLoop:
 
         Tied tensors share one placeholder and one fused name, so every name of a tie
         gets the one slice.  Writing the registries directly at each call is what
-        ``functional_call`` does, without its per-call name checks and tie search:
-        PointNet's 4 models took 8.9 -> 7.2 ms per forward of tiny inputs (N direct
-        module calls: 7.2 ms)."""
+        ``functional_call`` does, without its per-call name checks and tie search, which
+        cost as much as the models' own small forwards (docs/DESIGN_NOTES.md)."""
         replaced = set(self.param_names) | set(self.buffer_names)
         named = list(shell.named_parameters(remove_duplicate=False))
         named += list(shell.named_buffers(remove_duplicate=False))

@@ -105,8 +105,7 @@ class _ContiguousGradient(torch.autograd.Function):
 _FLOAT_LANES = {"AVX512": 16, "AVX2": 8}
 
 
-#: Below this many elements ATen's kernel wins whatever the row length (measured: 256
-#: rows of 3 took 11.9 us in ATen against 13.5 us decomposed).
+#: Below this many elements ATen's kernel wins whatever the row length (docs/DESIGN_NOTES.md).
 _SHORT_ROWS_MIN_NUMEL = 2048
 
 
@@ -114,11 +113,9 @@ def _short_rows(x: Tensor, dim: int) -> bool:
     """Whether ATen's CPU (log_)softmax over ``dim`` of ``x`` would take its slow short-row path.
 
     Over the last dim, ATen's CPU kernel reduces each row with SIMD vectors; a row
-    shorter than one vector is reduced lane by lane through memory, ~16 ns per element.
-    Measured on one core, log_softmax of [2048, 10] float32: 324 us (AVX512: rows under
-    16 floats) against 32 us for [2048, 16]; under AVX2 (8 lanes) rows of 8-15 are fast
-    and rows under 8 slow.  The decomposition below took 67 us.  The fused losses of N
-    classifiers are exactly this shape (``[N*B, classes]``, 10 classes).
+    shorter than one vector is reduced lane by lane through memory, ten times slower
+    than a row of one vector (docs/DESIGN_NOTES.md).  The fused losses of N classifiers
+    are exactly this shape (``[N*B, classes]``, 10 classes).
     """
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() == 0 \
             or torch.compiler.is_compiling():

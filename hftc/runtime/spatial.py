@@ -124,10 +124,8 @@ def _max_pool2d_arguments(fn: Any, x: Tensor, args: tuple, kwargs: dict) -> tupl
 class _MaxPool2dThroughChannelsLast(torch.autograd.Function):
     """A CPU 2-d max pool of an NCHW map, computed on a channels-last copy.
 
-    ATen's NCHW max-pool forward on the CPU takes ~6 ns per input element whatever the
-    window, its channels-last one ~0.3 ns (one core, torch 2.13, AVX512 and AVX2 alike:
-    LeNet-5's first pool at N = 16, [64, 96, 28, 28], 27.8 ms against 1.6 ms plus 3.0 ms
-    for the copy)::
+    ATen's NCHW max-pool forward on the CPU is about twenty times slower per element
+    than its channels-last one, whatever the window (docs/DESIGN_NOTES.md)::
 
         y, idx = max_pool2d_with_indices(x.contiguous(channels_last))   -> NCHW copies
         backward: max_pool2d_with_indices_backward(grad, x, ..., idx)   (NCHW, ATen's)
