@@ -8,8 +8,11 @@ cannot fuse a particular use raises :class:`NotFusable`; the driver then falls
 back to a per-model loop and says so in the fusion report.
 
 Keys are ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
-``("call_method", "name")``, each registered once with :func:`rule`, which also
-declares what the rest of the pipeline asks the table (does the op draw random
+``("call_method", "name")``; a library's function that hftc does not import (a
+``torch.fx.wrap``-ped leaf of torchvision) is keyed by its name,
+``("call_function", "torchvision.ops.stochastic_depth.stochastic_depth")``
+(:func:`hftc.match.function_name`).  Each key is registered once with :func:`rule`, which
+also declares what the rest of the pipeline asks the table (does the op draw random
 numbers).  :func:`spellings` lists every spelling of one op, so a family of ops
 (every elementwise op in all its spellings) shares one rule body.
 """
@@ -26,7 +29,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..ir import EXAMPLE_VALUE, ORIGIN, PER_MODEL, RULE, SOURCE, ArgKey
-from ..match import PerModelTable, describe_node, target_name
+from ..match import PerModelTable, describe_node, function_name, target_name
 from ..runtime import layout as rt_layout
 
 
@@ -86,7 +89,7 @@ class FusionGroup:
 
 Rule = Callable[[FusionGroup, "GraphBuilder"], fx.Node]
 #: What a rule fuses: ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
-#: ``("call_method", "name")``.
+#: ``("call_method", "name")``; a function hftc does not import by its name (a string).
 Key = tuple[str, Any]
 
 
@@ -227,7 +230,10 @@ def lookup(node: fx.Node, module: nn.Module | None) -> RuleEntry | None:
             if entry is not None and getattr(cls, "forward", None) is forward:
                 return entry
         return None
-    return RULES.get((node.op, node.target))
+    entry = RULES.get((node.op, node.target))
+    if entry is None and node.op == "call_function":
+        entry = RULES.get((node.op, function_name(node.target)))
+    return entry
 
 
 # --------------------------------------------------------------------------- the builder
