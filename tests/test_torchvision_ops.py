@@ -37,7 +37,7 @@ def _sigmas(kept: float, keep: float, n: int) -> float:
 
 
 class ResidualBlock(nn.Module):
-    """ConvNeXt's block ending: ``x + stochastic_depth(layer_scale * f(x))``."""
+    """A ConvNeXt-style block's ending: ``x + stochastic_depth(f(x))``."""
 
     def __init__(self, p: float, mode: str = "row", width: int = 8):
         super().__init__()
@@ -49,9 +49,10 @@ class ResidualBlock(nn.Module):
 
 
 class FunctionalDepth(nn.Module):
-    """The functional spelling, p as a keyword.  Called through its module, whose globals
-    ``torch.fx.wrap`` patches while tracing (a name imported elsewhere is traced through,
-    as torchvision's own)."""
+    """stochastic_depth's functional spelling, p as a keyword.
+
+    Called through its module, whose globals ``torch.fx.wrap`` patches while tracing (a
+    name imported elsewhere is traced through, as torchvision's own is)."""
 
     def __init__(self, p: float, mode: str):
         super().__init__()
