@@ -157,8 +157,10 @@ def rnn(
         h = states[0][:, layer * d:(layer + 1) * d].flatten(0, 1)
         c = states[1][:, layer * d:(layer + 1) * d].flatten(0, 1) if mode == "LSTM" else None
         outs = []
-        for t in range(steps):
-            h, c = cell_step(mode, xproj[:, t], h, c, w_hh, b_hh, w_hr)
+        # unbind, not xproj[:, t]: each select's backward wrote a zero [N*D, T, B, G*H]
+        # gradient and autograd summed the T of them (T^2 traffic); unbind's is one stack.
+        for gates_x in xproj.unbind(1):
+            h, c = cell_step(mode, gates_x, h, c, w_hh, b_hh, w_hr)
             outs.append(h)
         out = torch.stack(outs, dim=1)  # [N*D, T, B, Hout]
         if d == 2:
