@@ -112,7 +112,7 @@ def rnn(
     elif batch_first:
         x = x.transpose(int(input_batched), int(input_batched) + 1)
     x_batched = input_batched  # x: [N, T, B, I] or shared [T, B, I]
-    steps, bsz = x.shape[int(x_batched)], x.shape[int(x_batched) + 1]
+    bsz = x.shape[int(x_batched) + 1]
     hidden = weights[1].shape[-1]  # W_hh: [N, G*H, Hout]
     cell_size = weights[0].shape[1] // GATES[mode]
     dtype, device = weights[0].dtype, weights[0].device
