@@ -87,6 +87,59 @@ def _join(parts: Sequence[Tensor | None]) -> Tensor | None:
     return torch.stack(list(parts), dim=1).flatten(0, 1)
 
 
+#: Rows per step (batch x hidden) from which ATen's LSTM, model by model, beats the batched
+#: recurrence on the CPU (docs/BENCHMARKS.md, "EfficientNet's blocks and the word
+#: language model").
+_ATEN_LSTM_MIN_ROWS_X_HIDDEN = 2048
+
+
+def _aten_lstm_wins(mode: str, input: Tensor, weights: Sequence[Tensor], proj: bool,
+                    unbatched: bool, batch_first: bool, input_batched: bool) -> bool:
+    """ATen's CPU LSTM (oneDNN) computes each weight gradient as one GEMM over all the
+    steps; the batched recurrence computes one per step over the batch's rows, which
+    loses to N ATen LSTMs once those rows are many (1.2-1.5x at batch 16, hidden 128).
+    GRU's batched recurrence wins at every size measured."""
+    if mode != "LSTM" or proj or unbatched or input.device.type != "cpu":
+        return False
+    if torch.is_autocast_enabled("cpu") or not weights[0].dtype.is_floating_point:
+        return False
+    rows = input.shape[int(input_batched) + (0 if batch_first else 1)]
+    return rows * weights[1].shape[-1] >= _ATEN_LSTM_MIN_ROWS_X_HIDDEN
+
+
+def _aten_lstm_per_model(
+    input: Tensor, hx: Sequence[Tensor] | None, weights: Sequence[Tensor], has_biases: bool,
+    num_layers: int, dropout: float, training: bool, bidirectional: bool, batch_first: bool,
+    *, input_batched: bool, hx_batched: Sequence[bool], flat_states: bool,
+) -> tuple:
+    """N LSTMs as ``nn.LSTM.forward`` runs each: ATen's ``lstm`` on model i's slice of the
+    stacked weights (so each model's values, gradients and dropout draws are its own
+    LSTM's), the results stacked ``[N, ...]``."""
+    n = weights[0].shape[0]
+
+    def per_model(t: Tensor, batched: bool = True) -> Sequence[Tensor]:
+        # unbind, not t[i]: each select's backward wrote a zero gradient of all N models
+        return t.unbind(0) if batched else [t] * n
+
+    inputs, params = per_model(input, input_batched), [per_model(w) for w in weights]
+    states = None if hx is None else [per_model(s, b) for s, b in zip(hx, hx_batched)]
+    outputs, h_n, c_n = [], [], []
+    for i, x in enumerate(inputs):
+        batch = x.shape[0 if batch_first else 1]
+        if states is None:
+            size = (num_layers * (2 if bidirectional else 1), batch, weights[1].shape[-1])
+            h0 = c0 = torch.zeros(size, dtype=x.dtype, device=x.device)
+        else:
+            h0, c0 = states[0][i], states[1][i]
+        out, h, c = torch._VF.lstm(x, (h0, c0), [w[i] for w in params], has_biases,
+                                   num_layers, dropout, training, bidirectional, batch_first)
+        outputs.append(out)
+        h_n.append(h)
+        c_n.append(c)
+    output, h_n, c_n = torch.stack(outputs), torch.stack(h_n), torch.stack(c_n)
+    return (output, h_n, c_n) if flat_states else (output, (h_n, c_n))
+
+
 def rnn(
     mode: str, input: Tensor, hx: Tensor | Sequence[Tensor] | None, weights: Sequence[Tensor],
     has_biases: bool, num_layers: int, dropout: float, training: bool, bidirectional: bool,
@@ -106,6 +159,11 @@ def rnn(
     per = len(weights) // (num_layers * d)
     proj = mode == "LSTM" and per == 2 + 2 * has_biases + 1
     unbatched = input.dim() - input_batched == 2
+    if _aten_lstm_wins(mode, input, weights, proj, unbatched, batch_first, input_batched):
+        return _aten_lstm_per_model(input, hx, weights, has_biases, num_layers, dropout,
+                                    training, bidirectional, batch_first,
+                                    input_batched=input_batched, hx_batched=hx_batched,
+                                    flat_states=flat_states)
     x = input
     if unbatched:
         x = x.unsqueeze(1 + int(input_batched))
