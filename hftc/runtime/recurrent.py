@@ -18,6 +18,10 @@ Gate formulas follow ATen's CPU cells (``aten/src/ATen/native/RNN.cpp``):
 - RNN: ``h' = tanh|relu(x + W_hh h + b_hh)``
 
 Between layers, dropout (training only) draws each model's own mask.
+
+An LSTM on the CPU with many rows per step (batch x hidden >= 2048) runs instead as
+ATen's LSTM model by model (:func:`_aten_lstm_per_model`), whose oneDNN backward
+computes each weight gradient over all the steps at once.
 """
 
 from __future__ import annotations
