@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,15 @@ class PerModelTable:
     #: ``LeakyReLU(0.01)`` against ``LeakyReLU(0.02)`` was ``(x,)`` against ``(x, 0.02)``.)
     defaults: Mapping[Any, tuple] = dataclasses.field(default_factory=dict)
 
+    def argument_positions(self, target: Any) -> Mapping[int, str]:
+        """``{position: keyword}`` of a function's per-model arguments (by the function,
+        or by its :func:`function_name` for a library's functions hftc does not import)."""
+        return self.arguments.get(target) or self.arguments.get(function_name(target), {})
+
+    def argument_defaults(self, target: Any) -> tuple | None:
+        found = self.defaults.get(target)
+        return found if found is not None else self.defaults.get(function_name(target))
+
     def module_attributes(self, module: nn.Module) -> tuple[str, ...]:
         """The module's attributes that may differ per model (of every class it is an
         instance of, so the table's order does not matter)."""
@@ -85,6 +95,16 @@ class PerModelTable:
 
 #: Nothing may differ between the models.
 STRICT = PerModelTable()
+
+
+def function_name(target: Any) -> str | None:
+    """``"torchvision.ops.stochastic_depth.stochastic_depth"``: a Python function's module
+    and qualified name, by which the rule table knows the functions of libraries hftc does
+    not import (``torch.fx.wrap``-ped leaves); None for anything else (a method name, a
+    builtin, an ``OpOverload``)."""
+    if not isinstance(target, types.FunctionType):
+        return None
+    return f"{target.__module__}.{target.__qualname__}"
 
 #: Arithmetic whose float constants may differ between models (a per-model scale).
 SCALAR_ARITHMETIC = {
@@ -98,10 +118,10 @@ def canonical_args(node: fx.Node, soft: PerModelTable) -> tuple:
     """``node.args`` with the trailing defaults of ``soft.defaults`` filled in up to the
     per-model-able position, where it is not given by keyword."""
     args = tuple(node.args)
-    defaults = soft.defaults.get(node.target) if node.op == "call_function" else None
+    defaults = soft.argument_defaults(node.target) if node.op == "call_function" else None
     if defaults is None:
         return args
-    positions = soft.arguments[node.target]
+    positions = soft.argument_positions(node.target)
     last = max(positions)
     if len(args) > last or positions[last] in node.kwargs:
         return args
@@ -115,7 +135,7 @@ def _soft_argument_keys(node: fx.Node, soft: PerModelTable) -> dict[ArgKey, Any]
     found: dict[ArgKey, Any] = {}
     if node.op not in ("call_function", "call_method"):
         return found
-    positions = soft.arguments.get(node.target, {})
+    positions = soft.argument_positions(node.target)
     args = canonical_args(node, soft)
     for pos, name in positions.items():
         if pos < len(args) and isinstance(args[pos], (int, float)):

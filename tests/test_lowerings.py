@@ -1205,3 +1205,49 @@ def test_autotune_on_an_input_of_another_dtype_says_so(cache_dir):
     with pytest.raises(FusionArgumentError, match=r"input 0 \(`input`\) is torch.float32 .*"
                                                   r"\(x.to\(torch.float64\)\)"):
         fused(torch.randn(5, 8))
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_pointwise_bmm_hands_back_the_input_gradient_in_the_inputs_layout(channels_last):
+    # The batched GEMM's input gradient came back in its [N, Cin, B, H, W] memory, and the
+    # ops before the 1x1 conv (batch norm, SiLU, SE's scale) ran ATen's slow mixed-layout
+    # backward kernels (EfficientNet's MBConv at 0.56x the serial loop).
+    n, b, cin, cout = 3, 2, 4, 5
+    folded = torch.randn(b, n * cin, 6, 6, dtype=torch.float64)
+    if channels_last:
+        folded = folded.contiguous(memory_format=torch.channels_last)
+    leaf = folded.requires_grad_()
+    x = rt_layout.unfold_channels(leaf * 1.0, n, has_batch_dim=True)  # [N, B, Cin, H, W]
+    weight = torch.randn(n, cout, cin, 1, 1, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(n, cout, dtype=torch.float64, requires_grad=True)
+    y = rt_conv.conv(x, weight, bias, spatial=2, x_batched=True, lowering="pointwise_bmm")
+    seen = []
+    x.register_hook(seen.append)  # after the conv's own hooks: what x's producer receives
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    (x_grad,) = seen
+    assert x_grad.stride() == x.stride()
+    for i in range(n):  # and the values: each model's own conv
+        xi = x.detach()[i].requires_grad_()
+        wi, bi = weight.detach()[i].requires_grad_(), bias.detach()[i].requires_grad_()
+        yi = F.conv2d(xi, wi, bi)
+        yi.backward(grad[i])
+        torch.testing.assert_close(y[i], yi)
+        torch.testing.assert_close(x_grad[i], xi.grad)
+        torch.testing.assert_close(weight.grad[i], wi.grad)
+        torch.testing.assert_close(bias.grad[i], bi.grad)
+
+
+def test_efficientnet_mbconv_block_equals_the_loop():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "se_depthwise.py"
+    spec = importlib.util.spec_from_file_location("se_depthwise", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    models = [bench.MBConv(8, expand=2) for _ in range(3)]
+    x = torch.randn(2, 8, 6, 6)
+    for dtype in (torch.float64, torch.float32):
+        check_equivalence(models, x, dtype=dtype)
+        check_equivalence(models, x.contiguous(memory_format=torch.channels_last), dtype=dtype)

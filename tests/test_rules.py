@@ -19,6 +19,7 @@ from equivalence import check_equivalence
 from torch import nn
 
 import hftc
+from hftc.bench import torchvision_ops
 
 
 @dataclass
@@ -330,6 +331,12 @@ CASES += [
          (2, 4, 4)),
     Case("cosine_similarity", lambda: Lambda(lambda s, x: s.cos(x, s.w) * F.cosine_similarity(
         x, s.w[:, None], dim=1), cos=nn.CosineSimilarity(dim=-1), w=torch.randn(4)), (2, 4, 4)),
+    # torchvision's fx-wrapped leaves (hftc.bench's stand-ins; tests/test_torchvision_ops.py
+    # tests their training-mode draws)
+    Case("stochastic_depth_zero", seq(lambda: [nn.Linear(4, 4), torchvision_ops.StochasticDepth(
+        0.0, "row"), torchvision_ops.StochasticDepth(0.0, "batch")]), (3, 4)),
+    Case("swin_shifted_window_attention",
+         lambda: torchvision_ops.ShiftedWindowAttention(8, [2, 2], [1, 1], 2), (2, 3, 4, 8)),
 ]
 
 
@@ -646,7 +653,9 @@ def test_random_ops_are_declared_once_in_the_rule_table():
 
     for key in [("call_function", torch.randn), ("call_method", "exponential_"),
                 ("call_module", nn.RReLU), ("call_function", F.dropout),
-                ("call_module", nn.Dropout2d), ("call_function", F.scaled_dot_product_attention)]:
+                ("call_module", nn.Dropout2d), ("call_function", F.scaled_dot_product_attention),
+                ("call_function", "torchvision.ops.stochastic_depth.stochastic_depth"),
+                ("call_function", "torchvision.models.swin_transformer.shifted_window_attention")]:
         assert RULES[key].random, key
     assert not RULES[("call_function", F.relu)].random
 

@@ -120,3 +120,46 @@ def fuse_encoder_nested_padding(group: FusionGroup, builder: GraphBuilder) -> fx
         **group.kwargs, flags=(builder.is_batched(output), builder.is_batched(src),
                                  builder.is_batched(kpm)), n=builder.num_models,
     )
+
+
+# --------------------------------------------------------------------------- Swin
+
+#: torchvision's Swin functions (fx-wrapped: leaves of the traced graph) and their
+#: stand-ins for machines without torchvision, by name: the passes import neither.
+_SWIN_MODULES = ("torchvision.models.swin_transformer", "hftc.bench.torchvision_ops")
+
+_SWA_CONSTANTS = ("window_size", "num_heads", "shift_size", "attention_dropout", "dropout",
+                  "training")
+
+
+@rule(*(("call_function", f"{module}._get_relative_position_bias") for module in _SWIN_MODULES))
+def fuse_relative_position_bias(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """Every model's bias table gathered at once: ``[N, 1, heads, T, T]``."""
+    table, index = group.arg(0, "relative_position_bias_table"), \
+        group.arg(1, "relative_position_index")
+    window_size = _constant(group.arg(2, "window_size"), "window_size")
+    return builder.call(rt_attention.relative_position_bias, builder.broadcast(table), index,
+                        tuple(window_size), index_batched=builder.is_batched(index))
+
+
+@rule(*(("call_function", f"{module}.shifted_window_attention") for module in _SWIN_MODULES),
+      random=True)
+def fuse_shifted_window_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """Swin's window attention as batched matmuls over every model's windows
+    (:func:`~hftc.runtime.attention.shifted_window_attention`); dropout draws per model."""
+    fused, _ = _bind(group, group.node.target)  # torchvision's function (or its stand-in)
+    constants = {name: _constant(fused[name], name) for name in _SWA_CONSTANTS}
+    example = group.arg_example(0)
+    if not isinstance(example, torch.Tensor) or example.dim() != 4:
+        raise NotFusable("shifted window attention of an input that is not [B, H, W, C]")
+    tensors = {name: None if fused[name] is None else builder.broadcast(fused[name])
+               for name in ("qkv_weight", "proj_weight", "relative_position_bias", "qkv_bias",
+                            "proj_bias", "logit_scale")}
+    return builder.call(
+        rt_attention.shifted_window_attention, fused["input"], tensors["qkv_weight"],
+        tensors["proj_weight"], tensors["relative_position_bias"],
+        tuple(constants["window_size"]), constants["num_heads"],
+        tuple(constants["shift_size"]), constants["attention_dropout"], constants["dropout"],
+        tensors["qkv_bias"], tensors["proj_bias"], tensors["logit_scale"],
+        constants["training"], x_batched=builder.is_batched(fused["input"]),
+    )

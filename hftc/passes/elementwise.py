@@ -9,7 +9,13 @@ it runs unchanged on fused data.  The one subtlety is broadcasting: per model,
     after:               add(x.reshape(N, 1, C), y)        -> [N, B, C]
 
 Dropout and other random ops expand a shared input first, so each model draws
-its own mask.
+its own mask.  torchvision's stochastic depth (a ``torch.fx.wrap``-ped leaf) is one
+draw for all models, each its own rate::
+
+    before (per model):  stochastic_depth(x_i, p_i, "row", training)
+    after:               x * noise            noise [N, B, 1, ...]: model i's rows kept
+                                              with probability 1 - p_i, scaled 1 / (1 - p_i)
+                         x                    (eval, or every p_i = 0: no draw)
 """
 
 from __future__ import annotations
@@ -177,6 +183,39 @@ def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     args = (builder.broadcast(group.args[0]), *group.args[1:])
     return builder.copy(FusionGroup(group.node, group.nodes, args, group.kwargs, group.module),
                         batched=True)
+
+
+#: torchvision's ``stochastic_depth(input, p, mode, training=True)`` (fx-wrapped: a leaf of
+#: the traced graph), and its stand-in for machines without torchvision, by name: the
+#: passes import neither.
+STOCHASTIC_DEPTH = ("torchvision.ops.stochastic_depth.stochastic_depth",
+                    "hftc.bench.torchvision_ops.stochastic_depth")
+
+
+def _stochastic_depth_signature(input, p, mode, training=True):  # noqa: A002 - torchvision's
+    """torchvision's parameters (for ``per_model``'s positions)."""
+
+
+@rule(*(("call_function", name) for name in STOCHASTIC_DEPTH), random=True,
+      per_model=("p",), signature=_stochastic_depth_signature)
+def fuse_stochastic_depth(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """One draw for all models, each its own rate (:func:`random.stochastic_depth`); the
+    input itself in eval mode or where every model's rate is 0."""
+    p = group.per_model_arg(1, "p") or [group.arg(1, "p")] * builder.num_models
+    mode, training = group.arg(2, "mode"), group.arg(3, "training", True)
+    if any(isinstance(v, fx.Node) for v in (*p, mode, training)):
+        raise NotFusable("stochastic depth's p, mode or training computed in forward")
+    if not all(isinstance(q, (int, float)) and 0 <= q <= 1 for q in p) \
+            or mode not in ("batch", "row"):
+        raise NotFusable(f"stochastic depth's p {p} or mode {mode!r} out of range "
+                         f"(each model raises torchvision's error)")
+    example = group.arg_example(0)
+    if not isinstance(example, torch.Tensor) or example.dim() == 0:
+        raise NotFusable("stochastic depth of a 0-d value")
+    if not training or not any(p):
+        return group.args[0]
+    return builder.call(rt_random.stochastic_depth, builder.broadcast(group.args[0]),
+                        tuple(float(q) for q in p), mode)
 
 
 def fuse_slope(group: FusionGroup, builder: GraphBuilder) -> fx.Node:

@@ -8,8 +8,11 @@ cannot fuse a particular use raises :class:`NotFusable`; the driver then falls
 back to a per-model loop and says so in the fusion report.
 
 Keys are ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
-``("call_method", "name")``, each registered once with :func:`rule`, which also
-declares what the rest of the pipeline asks the table (does the op draw random
+``("call_method", "name")``; a library's function that hftc does not import (a
+``torch.fx.wrap``-ped leaf of torchvision) is keyed by its name,
+``("call_function", "torchvision.ops.stochastic_depth.stochastic_depth")``
+(:func:`hftc.match.function_name`).  Each key is registered once with :func:`rule`, which
+also declares what the rest of the pipeline asks the table (does the op draw random
 numbers, which of its hyper-parameters may differ per model, which ATen ops
 ``torch.export`` records for it).  :func:`spellings` lists every spelling of one op,
 so a family of ops (every elementwise op in all its spellings) shares one rule body.
@@ -40,7 +43,7 @@ from ..ir import (
     parameter_position,
     positional_defaults,
 )
-from ..match import PerModelTable, describe_node, target_name
+from ..match import PerModelTable, describe_node, function_name, target_name
 from ..runtime import layout as rt_layout
 
 
@@ -132,7 +135,7 @@ class FusionGroup:
 
 Rule = Callable[[FusionGroup, "GraphBuilder"], fx.Node]
 #: What a rule fuses: ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
-#: ``("call_method", "name")``.
+#: ``("call_method", "name")``; a function hftc does not import by its name (a string).
 Key = tuple[str, Any]
 
 
@@ -150,6 +153,12 @@ class RuleEntry:
     #: The ATen ops (overload packets) torch.export records for these ops, each with the
     #: converter that spells it back in the keys' vocabulary (:func:`aten_spellings`).
     aten: tuple[tuple[Any, Converter], ...] = ()
+    #: For keys that name a library's function by a string: a Python function with its
+    #: signature (where ``per_model``'s positions and defaults come from).
+    signature: Callable[..., Any] | None = None
+
+    def signature_of(self, target: Any) -> Any:
+        return self.signature if isinstance(target, str) and self.signature else target
 
 
 RULES: dict[Key, RuleEntry] = {}
@@ -163,7 +172,8 @@ class DuplicateRuleError(Exception):
 
 def rule(*keys: Key, name: str | None = None, random: bool = False,
          per_model: Sequence[str] = (),
-         aten: Mapping[Any, Callable[..., Any]] | None = None) -> Callable[[Rule], Rule]:
+         aten: Mapping[Any, Callable[..., Any]] | None = None,
+         signature: Callable[..., Any] | None = None) -> Callable[[Rule], Rule]:
     """Register a rule for ``keys`` (the one way to declare one)::
 
         @rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))
@@ -184,7 +194,9 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
     ATen ops (overload packets) torch.export records for these ops where that is not
     ``torch.NAME`` / ``F.NAME`` with the same arguments, each with one of the rule's
     functions (the same arguments, another name) or a converter ``(emitter, args, kwargs)
-    -> node`` (:mod:`hftc.frontends.export`).
+    -> node`` (:mod:`hftc.frontends.export`).  ``signature``: for keys that name a
+    library's function by a string (``"torchvision.ops.stochastic_depth.stochastic_depth"``),
+    a Python function with the same parameters, where ``per_model`` finds its positions.
     A key or ATen op registered twice raises :class:`DuplicateRuleError` at import,
     whatever the order the rule files load in.
     """
@@ -194,7 +206,8 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
         for op, spelling in (aten or {}).items())
 
     def wrap(body: Rule) -> Rule:
-        entry = RuleEntry(body, name or body.__name__, random, tuple(per_model), converters)
+        entry = RuleEntry(body, name or body.__name__, random, tuple(per_model), converters,
+                          signature)
         for op, _ in converters:
             if not isinstance(op, torch._ops.OpOverloadPacket):
                 raise TypeError(f"rule `{entry.name}`: aten= takes ATen ops such as "
@@ -210,8 +223,8 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
             if op == "call_module" or not per_model:
                 continue
             try:
-                positions = [parameter_position(target, p) for p in per_model] \
-                    if op == "call_function" else [None]
+                positions = [parameter_position(entry.signature_of(target), p)
+                             for p in per_model] if op == "call_function" else [None]
             except KeyError as missing:
                 positions = [None]
                 what = f"has no parameter {missing}"
@@ -253,8 +266,9 @@ def per_model_table() -> PerModelTable:
         if op == "call_module":
             modules.append((target, entry.per_model))
             continue
-        arguments[target] = {parameter_position(target, name): name for name in entry.per_model}
-        defaults[target] = positional_defaults(target, max(arguments[target]))
+        fn = entry.signature_of(target)
+        arguments[target] = {parameter_position(fn, name): name for name in entry.per_model}
+        defaults[target] = positional_defaults(fn, max(arguments[target]))
     return PerModelTable(tuple(modules), arguments, defaults)
 
 
@@ -312,7 +326,10 @@ def lookup(node: fx.Node, module: nn.Module | None) -> RuleEntry | None:
             if entry is not None and getattr(cls, "forward", None) is forward:
                 return entry
         return None
-    return RULES.get((node.op, node.target))
+    entry = RULES.get((node.op, node.target))
+    if entry is None and node.op == "call_function":
+        entry = RULES.get((node.op, function_name(node.target)))
+    return entry
 
 
 # --------------------------------------------------------------------------- the builder

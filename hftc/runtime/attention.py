@@ -19,6 +19,7 @@ Each kernel mirrors the slow path of its PyTorch original step by step
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -350,3 +351,96 @@ def encoder_nested_padding(
         padded = padded.transpose(1, 2)
     zero = padded.unsqueeze(-1) & keep.view(n, 1, 1, 1)
     return output.masked_fill(zero, 0.0)
+
+
+# --------------------------------------------------------------------------- Swin
+
+
+def relative_position_bias(table: Tensor, index: Tensor, window_size: Sequence[int], *,
+                           index_batched: bool) -> Tensor:
+    """torchvision's ``_get_relative_position_bias`` for N models: ``table`` ``[N, R, heads]``,
+    ``index`` ``[N, T*T]`` (or shared ``[T*T]``) -> ``[N, 1, heads, T, T]``, one gather."""
+    n, tokens = table.shape[0], window_size[0] * window_size[1]
+    if index_batched:
+        gathered = table[torch.arange(n, device=table.device).unsqueeze(1), index]
+    else:
+        gathered = table[:, index]
+    return gathered.view(n, tokens, tokens, -1).permute(0, 3, 1, 2).contiguous().unsqueeze(1)
+
+
+def _window_shift_mask(like: Tensor, pad_h: int, pad_w: int, window_size: Sequence[int],
+                       shift_size: Sequence[int]) -> Tensor:
+    """``[windows, T, T]``: -100 between tokens that came from different regions of the
+    rolled map (torchvision's mask, built the same way)."""
+    mask = like.new_zeros((pad_h, pad_w))
+    h_slices = ((0, -window_size[0]), (-window_size[0], -shift_size[0]), (-shift_size[0], None))
+    w_slices = ((0, -window_size[1]), (-window_size[1], -shift_size[1]), (-shift_size[1], None))
+    for count, (h, w) in enumerate((h, w) for h in h_slices for w in w_slices):
+        mask[h[0]: h[1], w[0]: w[1]] = count
+    mask = mask.view(pad_h // window_size[0], window_size[0], pad_w // window_size[1],
+                     window_size[1])
+    mask = mask.permute(0, 2, 1, 3).reshape(-1, window_size[0] * window_size[1])
+    mask = mask.unsqueeze(1) - mask.unsqueeze(2)
+    return mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
+
+
+def shifted_window_attention(
+    x: Tensor, qkv_weight: Tensor, proj_weight: Tensor, bias: Tensor,
+    window_size: Sequence[int], num_heads: int, shift_size: Sequence[int],
+    attention_dropout: float, dropout: float, qkv_bias: Tensor | None,
+    proj_bias: Tensor | None, logit_scale: Tensor | None, training: bool, *, x_batched: bool,
+) -> Tensor:
+    """torchvision's ``shifted_window_attention`` for N models: the windows of every
+    model's ``[B, H, W, C]`` map cut at once, the projections as batched products, the
+    attention one batched matmul over ``N*B*windows*heads``::
+
+        per model:  pad, roll, windows [B*nW, T, C]; qkv = linear(., W_qkv_i)
+                    softmax(q k^T * s + bias_i + shift mask) v; linear(., W_proj_i); back
+        fused:      pad, roll, windows [N, B*nW, T, C] (a shared x: [B*nW, T, C], once)
+                    qkv = linear(., W_qkv) (baddbmm); one matmul/softmax/matmul over
+                    [N, B*nW, heads]; bias [N, 1, heads, T, T]; baddbmm out; back
+
+    ``bias``, the weights and ``logit_scale`` (V2's cosine attention) are ``[N, ...]``;
+    dropout draws over the stacked tensors, each model its own mask.
+    """
+    n = qkv_weight.shape[0]
+    height, width, channels = x.shape[-3:]
+    wh, ww = window_size
+    pad_r, pad_b = (ww - width % ww) % ww, (wh - height % wh) % wh
+    x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
+    pad_h, pad_w = x.shape[-3:-1]
+    shift = [0 if wh >= pad_h else shift_size[0], 0 if ww >= pad_w else shift_size[1]]
+    if sum(shift) > 0:
+        x = torch.roll(x, shifts=(-shift[0], -shift[1]), dims=(-3, -2))
+    lead = x.shape[:-3]  # [N, B] or a shared input's [B]
+    windows = (pad_h // wh) * (pad_w // ww)
+    x = x.view(*lead, pad_h // wh, wh, pad_w // ww, ww, channels).transpose(-4, -3)
+    x = x.reshape(*lead[:-1], lead[-1] * windows, wh * ww, channels)
+    if logit_scale is not None and qkv_bias is not None:
+        qkv_bias = qkv_bias.clone()
+        length = qkv_bias.shape[-1] // 3
+        qkv_bias[:, length: 2 * length].zero_()
+    qkv = linear(x, qkv_weight, qkv_bias, x_batched=x_batched)  # [N, B*nW, T, 3C]
+    rows, tokens = qkv.shape[1:3]
+    qkv = qkv.reshape(n, rows, tokens, 3, num_heads, channels // num_heads)
+    q, k, v = qkv.permute(3, 0, 1, 4, 2, 5)  # each [N, B*nW, heads, T, hd]
+    if logit_scale is not None:
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        scale = torch.clamp(logit_scale, max=math.log(100.0)).exp()
+        attn = attn * scale.reshape(n, 1, num_heads, 1, 1)
+    else:
+        q = q * (channels // num_heads) ** -0.5
+        attn = q.matmul(k.transpose(-2, -1))
+    attn = attn + bias  # [N, 1, heads, T, T]
+    if sum(shift) > 0:
+        mask = _window_shift_mask(x, pad_h, pad_w, window_size, shift)
+        attn = attn.view(n, rows // windows, windows, num_heads, tokens, tokens)
+        attn = (attn + mask.unsqueeze(1)).view(n, rows, num_heads, tokens, tokens)
+    attn = dropout_kernel(F.softmax(attn, dim=-1), attention_dropout, training)
+    y = attn.matmul(v).transpose(-3, -2).reshape(n, rows, tokens, channels)
+    y = dropout_kernel(linear(y, proj_weight, proj_bias, x_batched=True), dropout, training)
+    y = y.view(n, rows // windows, pad_h // wh, pad_w // ww, wh, ww, channels)
+    y = y.transpose(-4, -3).reshape(n, rows // windows, pad_h, pad_w, channels)
+    if sum(shift) > 0:
+        y = torch.roll(y, shifts=(shift[0], shift[1]), dims=(-3, -2))
+    return y[:, :, :height, :width, :].contiguous()

@@ -305,10 +305,37 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spatial: int
     lead = x.shape[1]
     sizes = x.shape[3:]
     xs = x.movedim(2, 1).reshape(n, cin, -1)            # a view if already channel-major
+    if x.requires_grad:
+        _gradient_in_layout_of(x)
     w = weight.reshape(n, cout, cin)
     y = torch.bmm(w, xs) if bias is None else torch.baddbmm(bias.reshape(n, cout, 1), w, xs)
     y = y.view(n, cout, lead, *sizes).movedim(2, 0).contiguous().movedim(0, 1)
     return y if has_batch else y.squeeze(1)
+
+
+def _gradient_in_layout_of(x: Tensor) -> None:
+    """Hand ``x``'s producer its gradient in ``x``'s own memory layout.
+
+    The batched GEMM's input gradient comes back in the GEMM's ``[N, Cin, B, H, W]``
+    memory; the ops before a 1x1 conv (batch norm, SiLU, SE's scale) hold the folded
+    ``[B, N*C, H, W]`` layout, and ATen's CPU backward kernels for mixed layouts are its
+    slow strided ones (batch-norm backward ~10x).  One copy here instead.
+    """
+    shape, layout = x.shape, x.stride()
+    dense = 1
+    for size, stride in sorted(zip(shape, layout), key=lambda dim: dim[1]):
+        if size != 1:
+            if stride != dense:  # overlapping or gapped (an expanded x): no layout to match
+                return
+            dense *= size
+
+    def restride(grad: Tensor) -> Tensor:
+        if grad.stride() == layout or grad.shape != shape:
+            return grad
+        return torch.empty_strided(shape, layout, dtype=grad.dtype,
+                                   device=grad.device).copy_(grad)
+
+    x.register_hook(restride)
 
 
 def conv_transpose_lowerings(*args: Any, **kwargs: Any) -> list[str]:

@@ -92,3 +92,28 @@ def per_model_dropout(x: Tensor, p: Sequence[float], training: bool, *,
     mask = bernoulli_mask(mask_shape, keep, x)
     scale = torch.where(keep > 0, 1 / keep.clamp_min(torch.finfo(keep.dtype).tiny), 0)
     return x * mask * scale
+
+
+def stochastic_depth(x: Tensor, p: Sequence[float], mode: str) -> Tensor:
+    """torchvision's ``stochastic_depth(x_n, p_n, mode, training=True)`` on N models'
+    stacked ``[N, B, ...]`` values, model n at rate ``p[n]``::
+
+        torchvision, per model:  noise = empty([B, 1, ...] or [1, ...]).bernoulli_(1 - p)
+                                 noise.div_(1 - p); x * noise
+        here, all models:        noise = bernoulli_mask([N, B, 1, ...] or [N, 1, ...], 1 - p)
+                                 noise * (each model's 1 / (1 - p)); x * noise
+
+    ``mode="row"``: each sample of each model its own draw; ``"batch"``: one per model.
+    A kept element is ``x`` times torchvision's scale bit for bit (the scale is made by
+    the same ``div_``), and the gradient goes through the same noise.
+    """
+    n, rank = x.shape[0], x.dim() - 1
+    size = [n, x.shape[1]] + [1] * (rank - 1) if mode == "row" else [n] + [1] * rank
+    survival = [1.0 - q for q in p]
+    keep = torch.tensor(survival, dtype=torch.float64).reshape(n, *[1] * rank)
+    noise = bernoulli_mask(size, keep, x)
+    # torchvision divides the {0, 1} noise by the Python float 1 - p in x's dtype; p = 1
+    # leaves it all zeros.
+    scales = {s: x.new_ones(1).div_(s) if s > 0 else x.new_zeros(1) for s in set(survival)}
+    scale = torch.cat([scales[s] for s in survival]).reshape(n, *[1] * rank)
+    return x * noise.mul_(scale)

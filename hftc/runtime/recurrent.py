@@ -18,6 +18,10 @@ Gate formulas follow ATen's CPU cells (``aten/src/ATen/native/RNN.cpp``):
 - RNN: ``h' = tanh|relu(x + W_hh h + b_hh)``
 
 Between layers, dropout (training only) draws each model's own mask.
+
+An LSTM on the CPU with many rows per step (batch x hidden >= 2048) runs instead as
+ATen's LSTM model by model (:func:`_aten_lstm_per_model`), whose oneDNN backward
+computes each weight gradient over all the steps at once.
 """
 
 from __future__ import annotations
@@ -87,6 +91,59 @@ def _join(parts: Sequence[Tensor | None]) -> Tensor | None:
     return torch.stack(list(parts), dim=1).flatten(0, 1)
 
 
+#: Rows per step (batch x hidden) from which ATen's LSTM, model by model, beats the batched
+#: recurrence on the CPU (docs/BENCHMARKS.md, "EfficientNet's blocks and the word
+#: language model").
+_ATEN_LSTM_MIN_ROWS_X_HIDDEN = 2048
+
+
+def _aten_lstm_wins(mode: str, input: Tensor, weights: Sequence[Tensor], proj: bool,
+                    unbatched: bool, batch_first: bool, input_batched: bool) -> bool:
+    """ATen's CPU LSTM (oneDNN) computes each weight gradient as one GEMM over all the
+    steps; the batched recurrence computes one per step over the batch's rows, which
+    loses to N ATen LSTMs once those rows are many (1.2-1.5x at batch 16, hidden 128).
+    GRU's batched recurrence wins at every size measured."""
+    if mode != "LSTM" or proj or unbatched or input.device.type != "cpu":
+        return False
+    if torch.is_autocast_enabled("cpu") or not weights[0].dtype.is_floating_point:
+        return False
+    rows = input.shape[int(input_batched) + (0 if batch_first else 1)]
+    return rows * weights[1].shape[-1] >= _ATEN_LSTM_MIN_ROWS_X_HIDDEN
+
+
+def _aten_lstm_per_model(
+    input: Tensor, hx: Sequence[Tensor] | None, weights: Sequence[Tensor], has_biases: bool,
+    num_layers: int, dropout: float, training: bool, bidirectional: bool, batch_first: bool,
+    *, input_batched: bool, hx_batched: Sequence[bool], flat_states: bool,
+) -> tuple:
+    """N LSTMs as ``nn.LSTM.forward`` runs each: ATen's ``lstm`` on model i's slice of the
+    stacked weights (so each model's values, gradients and dropout draws are its own
+    LSTM's), the results stacked ``[N, ...]``."""
+    n = weights[0].shape[0]
+
+    def per_model(t: Tensor, batched: bool = True) -> Sequence[Tensor]:
+        # unbind, not t[i]: each select's backward wrote a zero gradient of all N models
+        return t.unbind(0) if batched else [t] * n
+
+    inputs, params = per_model(input, input_batched), [per_model(w) for w in weights]
+    states = None if hx is None else [per_model(s, b) for s, b in zip(hx, hx_batched)]
+    outputs, h_n, c_n = [], [], []
+    for i, x in enumerate(inputs):
+        batch = x.shape[0 if batch_first else 1]
+        if states is None:
+            size = (num_layers * (2 if bidirectional else 1), batch, weights[1].shape[-1])
+            h0 = c0 = torch.zeros(size, dtype=x.dtype, device=x.device)
+        else:
+            h0, c0 = states[0][i], states[1][i]
+        out, h, c = torch._VF.lstm(x, (h0, c0), [w[i] for w in params], has_biases,
+                                   num_layers, dropout, training, bidirectional, batch_first)
+        outputs.append(out)
+        h_n.append(h)
+        c_n.append(c)
+    output, h_n, c_n = torch.stack(outputs), torch.stack(h_n), torch.stack(c_n)
+    return (output, h_n, c_n) if flat_states else (output, (h_n, c_n))
+
+
 def rnn(
     mode: str, input: Tensor, hx: Tensor | Sequence[Tensor] | None, weights: Sequence[Tensor],
     has_biases: bool, num_layers: int, dropout: float, training: bool, bidirectional: bool,
@@ -106,13 +163,18 @@ def rnn(
     per = len(weights) // (num_layers * d)
     proj = mode == "LSTM" and per == 2 + 2 * has_biases + 1
     unbatched = input.dim() - input_batched == 2
+    if _aten_lstm_wins(mode, input, weights, proj, unbatched, batch_first, input_batched):
+        return _aten_lstm_per_model(input, hx, weights, has_biases, num_layers, dropout,
+                                    training, bidirectional, batch_first,
+                                    input_batched=input_batched, hx_batched=hx_batched,
+                                    flat_states=flat_states)
     x = input
     if unbatched:
         x = x.unsqueeze(1 + int(input_batched))
     elif batch_first:
         x = x.transpose(int(input_batched), int(input_batched) + 1)
     x_batched = input_batched  # x: [N, T, B, I] or shared [T, B, I]
-    steps, bsz = x.shape[int(x_batched)], x.shape[int(x_batched) + 1]
+    bsz = x.shape[int(x_batched) + 1]
     hidden = weights[1].shape[-1]  # W_hh: [N, G*H, Hout]
     cell_size = weights[0].shape[1] // GATES[mode]
     dtype, device = weights[0].dtype, weights[0].device
@@ -157,8 +219,10 @@ def rnn(
         h = states[0][:, layer * d:(layer + 1) * d].flatten(0, 1)
         c = states[1][:, layer * d:(layer + 1) * d].flatten(0, 1) if mode == "LSTM" else None
         outs = []
-        for t in range(steps):
-            h, c = cell_step(mode, xproj[:, t], h, c, w_hh, b_hh, w_hr)
+        # unbind, not xproj[:, t]: each select's backward wrote a zero [N*D, T, B, G*H]
+        # gradient and autograd summed the T of them (T^2 traffic); unbind's is one stack.
+        for gates_x in xproj.unbind(1):
+            h, c = cell_step(mode, gates_x, h, c, w_hh, b_hh, w_hr)
             outs.append(h)
         out = torch.stack(outs, dim=1)  # [N*D, T, B, Hout]
         if d == 2:
