@@ -763,6 +763,27 @@ class FusedOptimizer(Optimizer):
         views[(slot, like)] = view
         return view
 
+    def _column_blocks(self, tensors: list[Tensor], scratch_slots: int, block_numel: int):
+        """Yield ``(blocks, scratch)``: the same column block of every tensor's ``[N, numel / N]``
+        view (all shaped like ``tensors[0]`` and contiguous), and ``scratch_slots`` scratch
+        tensors of the block's shape::
+
+            whole tensors:  op1 over P, op2 over P, ...          (each pass from memory)
+            in blocks:      op1, op2, ... over P[:, 0:c], then P[:, c:2c], ...   (in cache)
+
+        Every element sees the same ops in the same order, so the results do not change;
+        only the passes over memory do (one read and write per tensor instead of one per op).
+        """
+        n = self.num_models
+        width = tensors[0].numel() // n
+        columns = max(64, block_numel // n // 64 * 64)  # whole vectors per row of a block
+        rows = [t.view(n, width) for t in tensors]
+        scratch = [self._scratch(tensors[0], k).view(-1) for k in range(scratch_slots)]
+        for start in range(0, width, columns):
+            c = min(columns, width - start)
+            yield ([t[:, start:start + c] for t in rows],
+                   [s[: n * c].view(n, c) for s in scratch])
+
     def _coefficients(self, values: dict[str, Sequence[float]]) -> _Coefficients:
         """``_Coefficients(values)``, the very object of the last step while the values stay
         the same (compared bit for bit, so ``-0.0`` is not ``0.0``): its per-model tensors
