@@ -104,9 +104,10 @@ class SGD(FusedOptimizer):
     for all N models, and matches it bit for bit on the CPU.  ``foreach`` is accepted
     and kept in ``param_groups`` but changes nothing: on the CPU stock's foreach and
     for-loop updates give the same values bit for bit (torch 2.13), which hftc's
-    equal.  ``differentiable=True`` raises ``FusionArgumentError`` (the step runs under
-    ``torch.no_grad()``), as does ``fused=True`` with ``foreach=True`` (torch refuses
-    it too).
+    equal.  On CUDA (without ``fused=True``) the step is capturable in a CUDA graph: see
+    ``_capturable`` and ``refresh_hyperparameters``.  ``differentiable=True`` raises
+    ``FusionArgumentError`` (the step runs under ``torch.no_grad()``), as does
+    ``fused=True`` with ``foreach=True`` (torch refuses it too).
     """
 
     _hyperparameters = {
@@ -114,6 +115,7 @@ class SGD(FusedOptimizer):
         "weight_decay": "float", "nesterov": "flag", "maximize": "flag",
     }
     _flags = {"foreach": None, "differentiable": False, "fused": False}
+    _capturable_supported = True
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach: bool | None = None,
@@ -157,15 +159,11 @@ class SGD(FusedOptimizer):
         maximize, nesterov = hp["maximize"], hp["nesterov"]
         active = [m != 0 for m in hp["momentum"]]
         any_decay = any(w != 0 for w in hp["weight_decay"])
-        coef = self._coefficients({
-            "neg_lr": [-lr for lr in hp["lr"]],
-            "sign": [-1.0 if m else 1.0 for m in maximize],
-            "weight_decay": hp["weight_decay"],
-            "momentum": hp["momentum"],
-            "one_minus_dampening": [1 - d for d in hp["dampening"]],
-            "active": active,
-            "nesterov": nesterov,
-        })
+        coef = self._coefficients(self._coefficient_rows(hp))
+        if self._capturable():  # no host sync (has_momentum_buffer stays on the device)
+            for p in params:
+                self._update_masked(p, coef, maximize, any_decay, active, nesterov)
+            return
         # The common step (every model with a momentum buffer, or none with a momentum;
         # nesterov for all or none) runs as stock's ops on many parameters at once or in
         # blocks; the rest (first steps, models that differ in momentum or nesterov) op
@@ -190,6 +188,25 @@ class SGD(FusedOptimizer):
             tensors = [p, p.grad] + ([self.state[p]["momentum_buffer"]] if all(active) else [])
             for block, scratch in self._column_blocks(tensors, 1, _BLOCK_NUMEL):
                 common.one(*block[:2], block[2] if len(block) > 2 else None, scratch[0])
+
+    def _coefficient_rows(self, hp: dict[str, list[Any]]) -> dict[str, list[float]]:
+        return {
+            "neg_lr": [-lr for lr in hp["lr"]],
+            "sign": [-1.0 if m else 1.0 for m in hp["maximize"]],
+            "weight_decay": hp["weight_decay"],
+            "momentum": hp["momentum"],
+            "one_minus_dampening": [1 - d for d in hp["dampening"]],
+            "active": [m != 0 for m in hp["momentum"]],
+            "nesterov": hp["nesterov"],
+        }
+
+    def _capturable(self) -> bool:
+        """Stock SGD has no ``capturable`` flag: its step keeps no step count and is
+        graph-safe on CUDA as it is.  hftc's is on CUDA (without ``fused=True``): the
+        per-model values are tensors refreshed in place and no step reads a device value
+        on the host (the first-step test of the momentum buffers is a mask)."""
+        params = self.param_groups[0]["params"]
+        return bool(params) and all(p.is_cuda for p in params) and not self._flag("fused")
 
     def _update_masked(self, p: Tensor, coef: _Coefficients, maximize: list[bool],
                        any_decay: bool, active: list[bool], nesterov: list[bool]) -> None:
