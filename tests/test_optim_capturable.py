@@ -338,3 +338,29 @@ def test_stock_capturable_optimizers_fuse_and_unfuse_and_continue_exactly(
     for m, solo in zip(plain, solos):
         for (name, p), q in zip(m.named_parameters(), solo.parameters()):
             assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["eager", "capturable"])
+def test_sgd_model_skipped_on_its_first_step_starts_its_buffer_later_like_stock(
+        capturable, monkeypatch):
+    # The step knows which momentum buffers all exist without reading them on the host;
+    # skip_models puts a skipped model's first-step state back (no buffer yet), so its
+    # next step must again be stock's first: buf = grad, not (1 - dampening) * grad.
+    if capturable:
+        monkeypatch.setattr(ho.SGD, "_capturable", lambda self: True)
+    configs = [dict(lr=0.1, momentum=0.9, dampening=0.5), dict(lr=0.05, momentum=0.8)]
+    fused, solos, opt, stock = make_pair(ho.SGD, torch.optim.SGD, configs, torch.float64)
+    g = torch.Generator().manual_seed(1)
+    for k in range(4):
+        grads = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in fused]
+        for p, grad in zip(fused, grads):
+            p.grad = grad.clone()
+        skip = [k == 0, False]
+        opt.step(skip_models=skip)
+        for i, (params, o) in enumerate(zip(solos, stock)):
+            if skip[i]:
+                continue
+            for q, grad in zip(params, grads):
+                q.grad = grad[i].clone()
+            o.step()
+    assert_equal(fused, solos)

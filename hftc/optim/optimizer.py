@@ -434,6 +434,7 @@ class FusedOptimizer(Optimizer):
                 f"{cls}.load_state_dict: the state dict is for {len(extra['group_of'])} "
                 f"parameters, this optimizer has {len(params)}")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "hftc"})
+        self.__dict__.pop("_momentum_ready", None)  # state the update knew is replaced
         # torch moves a fused group's step counts to the parameter's device as float32
         # (and NAdam's mu_product to the parameter's device and dtype); hftc keeps them
         # on the CPU as saved, fused or not (where the update reads them).
@@ -613,6 +614,7 @@ class FusedOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_groups_frozen", True)
+        self.__dict__.pop("_momentum_ready", None)  # ids of another process's tensors
         # Pickles and state dicts of hftc before the flags were param-group keys: the
         # optimizer's own values (as torch's optimizers fill in keys added later).
         for key, default in self._flags.items():
@@ -739,6 +741,7 @@ class FusedOptimizer(Optimizer):
             self._update(group, group_hp[k])
         if saved is not None:
             self._restore_models(saved, skip)
+            self.__dict__.pop("_momentum_ready", None)  # restored state may be a first step's
         return loss
 
     def _skip_indices(self, skip_models) -> list[int]:

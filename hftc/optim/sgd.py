@@ -160,23 +160,29 @@ class SGD(FusedOptimizer):
         active = [m != 0 for m in hp["momentum"]]
         any_decay = any(w != 0 for w in hp["weight_decay"])
         coef = self._coefficients(self._coefficient_rows(hp))
-        if self._capturable():  # no host sync (has_momentum_buffer stays on the device)
-            for p in params:
-                self._update_masked(p, coef, maximize, any_decay, active, nesterov)
-            return
         # The common step (every model with a momentum buffer, or none with a momentum;
         # nesterov for all or none) runs as stock's ops on many parameters at once or in
         # blocks; the rest (first steps, models that differ in momentum or nesterov) op
         # by op with masks (_momentum_direction).
         common = _SGDStep(coef, any(maximize), any_decay, all(active), all(nesterov))
         uniform = all(active) and (all(nesterov) or not any(nesterov)) or not any(active)
+        # Parameters whose N momentum buffers all exist, known without reading
+        # has_momentum_buffer on the host (a sync on CUDA, which a capturable step may
+        # not make): a step with every model's momentum on sets them all, and only
+        # load_state_dict and skip_models can unset them (they forget this set).
+        ready = self.__dict__.setdefault("_momentum_ready", set())
+        capturable = self._capturable()
         together, blocked = [], []
         for p in params:
             if any(active) and "momentum_buffer" not in self.state[p]:
                 self._init_state(p, {"momentum": [1.0]})  # a scheduler turned momentum on
-            if not uniform or any(active) and not bool(
+            if any(active) and uniform and id(p) not in ready and not capturable and bool(
                     self.state[p]["has_momentum_buffer"].all()):
+                ready.add(id(p))
+            if not uniform or any(active) and id(p) not in ready:
                 self._update_masked(p, coef, maximize, any_decay, active, nesterov)
+                if all(active):
+                    ready.add(id(p))
             elif p.device.type == "cpu" and p.numel() > _FOREACH_MAX_NUMEL and \
                     self._dense(p):
                 blocked.append(p)
