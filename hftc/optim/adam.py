@@ -229,21 +229,16 @@ class Adam(FusedOptimizer):
             self._adam_math(tensors, (self._scratch(p, 0), self._scratch(p, 1)), hp, coef,
                             step_coef, any_coupled, any_decoupled)
             return
-        n = self.num_models
-        width = p.numel() // n
-        columns = max(64, _BLOCK_NUMEL // n // 64 * 64)  # whole vectors per row of a block
-        rows = [t.view(n, width) for t in tensors]
-        scratch = [self._scratch(p, k).view(-1) for k in (0, 1)]
-        for start in range(0, width, columns):
-            c = min(columns, width - start)
-            self._adam_math([t[:, start:start + c] for t in rows],
-                            [s[: n * c].view(n, c) for s in scratch], hp, coef, step_coef,
-                            any_coupled, any_decoupled)
+        # A block's per-model slices are small: its last addcdiv_ takes the product
+        # y * c (two calls), not N calls with their own values (and 3N slicing ops).
+        for block, scratch in self._column_blocks(tensors, 2, _BLOCK_NUMEL):
+            self._adam_math(block, scratch, hp, coef, step_coef, any_coupled, any_decoupled,
+                            per_model_calls=False)
 
     @staticmethod
     def _adam_math(tensors: list[Tensor], scratch: Sequence[Tensor], hp: dict[str, list[Any]],
                    coef: _Coefficients, step_coef: _Coefficients, any_coupled: bool,
-                   any_decoupled: bool) -> None:
+                   any_decoupled: bool, per_model_calls: bool = True) -> None:
         """The update on ``[p, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)]`` (a whole
         stacked parameter or a block of it), with two scratch tensors shaped like ``p``."""
         p, grad, exp_avg, exp_avg_sq = tensors[:4]
@@ -267,7 +262,8 @@ class Adam(FusedOptimizer):
         # Stock: denom = (second.sqrt() / bc2_sqrt).add_(eps), written into scratch space.
         denom = torch.sqrt(second, out=scratch[0])
         denom.div_(step_coef.get("bc2_sqrt", p)).add_(coef.get("eps", p))
-        addcdiv_(p, exp_avg, denom, step_coef, "neg_step_size", scratch[1])  # value=-step_size
+        addcdiv_(p, exp_avg, denom, step_coef, "neg_step_size", scratch[1],  # value=-step_size
+                 per_model_calls=per_model_calls)
 
     def _update_foreach(self, params: list[Tensor], coef: _Coefficients,
                         step_coef: _Coefficients, any_coupled: bool,

@@ -206,12 +206,13 @@ PER_MODEL_CALLS_MIN = 1 << 15
 
 
 def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: _Coefficients, name: str,
-             scratch: Tensor | None = None) -> Tensor:
+             scratch: Tensor | None = None, per_model_calls: bool = True) -> Tensor:
     """``x += c * y / z`` as stock writes ``x.addcdiv_(y, z, value=c)``, with ``c`` the
     per-model row ``name`` of ``coef``.
 
     One value for all models: stock's call.  Per model: one call per model with its
-    own value where the slices are large (``PER_MODEL_CALLS_MIN``) or of a half type,
+    own value where the slices are large (``PER_MODEL_CALLS_MIN``, unless
+    ``per_model_calls`` is false) or of a half type,
     else one call on the product ``y * c`` (into ``scratch`` if given), which rounds as
     stock does in float32 and float64: ``addcdiv_`` computes ``(value * y) / z``.  In
     float16 / bfloat16 it computes that in float32 and rounds once, where the product
@@ -222,7 +223,8 @@ def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: _Coefficients, name: str,
     if not isinstance(c, Tensor):
         return x.addcdiv_(y, z, value=c)
     half = x.dtype in (torch.float16, torch.bfloat16)
-    if half or (x.device.type == "cpu" and x.numel() // x.shape[0] >= PER_MODEL_CALLS_MIN):
+    if half or (per_model_calls and x.device.type == "cpu"
+                and x.numel() // x.shape[0] >= PER_MODEL_CALLS_MIN):
         for i, value in enumerate(coef.row(name)):
             x[i].addcdiv_(y[i], z[i], value=value)
         return x
