@@ -37,6 +37,9 @@ A coefficient that all N models share (in a learning-rate sweep, every one but
 the learning rate) stays a Python scalar and takes stock's own op
 (``_Coefficients.get``, ``addcmul_``): the update then costs what
 stock's costs on the stacked tensors, with no extra multiply and no broadcast.
+Except in a capturable step (``refresh_hyperparameters``): there every value is a
+device tensor, made once and overwritten in place, since a CUDA graph would keep a
+Python scalar as a constant.
 
 On the CPU this reproduces stock results bit for bit (tests assert 1e-9 / 1e-4).
 Hyper-parameters that switch the algorithm (``nesterov``, ``amsgrad``,
