@@ -166,6 +166,7 @@ def test_refresh_writes_scheduled_values_into_the_same_tensors(cls, stock_captur
         lr_row = "neg_lr" if cls == "SGD" else "lr"
         want = [(-1.0 if cls == "SGD" else 1.0) * group["lr"] for group in opt.param_groups]
         assert coef.row(lr_row) == want
+        assert coef(lr_row, fused[0]).flatten().tolist() == want  # the tensor the step reads
         step_both(fused, solos, opt, stock, g)
         assert coefficient_tensors(opt)[0][0] == before[0][0]
     assert_equal(fused, solos)
