@@ -25,7 +25,8 @@ and runs it one of three ways (``mode``):
 - ``"cuda_graph"`` (the CUDA default): forward, loss and backward captured in one CUDA graph
   per input signature and replayed; the inputs are copied into the graph's static buffers
   first.  The optimizer step (with the clipping) is captured too when the optimizer says it
-  can be (it has ``refresh_hyperparameters()``, called before every replay, which writes
+  can be (``optimizer.is_capturable``: an ``hftc.optim`` optimizer made with
+  ``capturable=True``; its ``refresh_hyperparameters()``, called before every replay, writes
   its per-model hyper-parameters and step counts into the device tensors the graph reads);
   otherwise it runs eagerly after the replay, reading ``param_groups`` as always, so every
   ``lr_scheduler`` and per-model value applies either way.
@@ -187,9 +188,11 @@ class CompiledStep:
 
     @property
     def captures_optimizer(self) -> bool:
-        """Whether the CUDA graph holds the optimizer step too (the optimizer has
-        ``refresh_hyperparameters()``), not only forward, loss and backward."""
-        return callable(getattr(self.optimizer, "refresh_hyperparameters", None))
+        """Whether the CUDA graph holds the optimizer step too (``optimizer.is_capturable``:
+        it refreshes its device-side values with ``refresh_hyperparameters()``), not only
+        forward, loss and backward."""
+        return bool(getattr(self.optimizer, "is_capturable", False)) and callable(
+            getattr(self.optimizer, "refresh_hyperparameters", None))
 
     # ------------------------------------------------------------------ one step
 

@@ -134,6 +134,8 @@ class _CapturableAdam(torch.optim.Adam):
     ``refresh_hyperparameters`` fills from ``lr_value`` (the interface compile_step uses
     to put the optimizer step inside the graph)."""
 
+    is_capturable = True
+
     def __init__(self, params, lr):
         self.lr_value = lr
         super().__init__(params, lr=torch.tensor(lr, device="cuda"), capturable=True)
@@ -165,6 +167,38 @@ def test_an_optimizer_with_refresh_hyperparameters_is_captured_in_the_graph():
     assert step.graphs == 1
     for p, q in zip(fused.parameters(), loop.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_hftc_adam_capturable_runs_inside_the_graph_with_a_scheduler():
+    # hftc.optim.Adam(capturable=True): per-model lrs and step counts on the device,
+    # refreshed before each replay; StepLR's changes apply without a new capture.
+    models, batches = _models(torch.float32), _batches(6, torch.float32)
+    fused = hftc.fuse(copy.deepcopy(models))
+    opt = hftc.optim.Adam(fused.parameters(), lr=LRS, capturable=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    step = hftc.compile_step(fused, F.cross_entropy, opt)
+    assert step.captures_optimizer
+    loop = hftc.fuse(copy.deepcopy(models))
+    loop_opt = hftc.optim.Adam(loop.parameters(), lr=LRS)
+    loop_sched = torch.optim.lr_scheduler.StepLR(loop_opt, step_size=2, gamma=0.5)
+    for x, y in batches:
+        got = step(x, y)
+        sched.step()
+        loop_opt.zero_grad()
+        want = hftc.per_model(F.cross_entropy)(loop(x), y)
+        want.sum().backward()
+        loop_opt.step()
+        loop_sched.step()
+        torch.testing.assert_close(got, want.detach())
+    assert step.graphs == 1
+    for p, q in zip(fused.parameters(), loop.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_a_non_capturable_hftc_optimizer_steps_after_the_replay():
+    fused = hftc.fuse(_models(torch.float32))
+    step = hftc.compile_step(fused, F.cross_entropy, hftc.optim.Adam(fused.parameters(), lr=LRS))
+    assert not step.captures_optimizer
 
 
 def _loss_with_item(out, y):

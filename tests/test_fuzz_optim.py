@@ -36,6 +36,7 @@ from torch import nn
 
 import hftc.optim as ho
 import hftc.optim.adam as adam_module
+import hftc.optim.sgd as sgd_module
 
 LRS = st.sampled_from([1e-3, 1e-2, 0.1, 0.5])
 WEIGHT_DECAYS = st.sampled_from([0.0, 0.0, 1e-3, 0.1])
@@ -169,13 +170,17 @@ def runs(draw):
 
 @contextlib.contextmanager
 def adam_path(path: str):
-    """Send every parameter down one of Adam's update paths (the sizes that pick one)."""
+    """Send every parameter down one of Adam's update paths (the sizes that pick one);
+    "blocks" sends SGD's common step down its column blocks too."""
     patches = {"default": {}, "fused": {},
                "one_by_one": {"_FOREACH_MAX_NUMEL": 0},
                "blocks": {"_FOREACH_MAX_NUMEL": 0, "_BLOCK_ABOVE": 0, "_BLOCK_NUMEL": 1}}[path]
     with contextlib.ExitStack() as stack:
         for attr, value in patches.items():
             stack.enter_context(mock.patch.object(adam_module, attr, value))
+        if path == "blocks":
+            for attr, value in {"_FOREACH_MAX_NUMEL": 0, "_BLOCK_NUMEL": 1}.items():
+                stack.enter_context(mock.patch.object(sgd_module, attr, value))
         yield
 
 

@@ -29,6 +29,7 @@ from optim_helpers import (
 import hftc.optim as ho
 import hftc.optim.adam as adam_module
 import hftc.optim.optimizer as optimizer_module
+import hftc.optim.sgd as sgd_module
 
 # name -> (fused class, stock class, one stock kwargs dict per model)
 CASES = {
@@ -42,6 +43,20 @@ CASES = {
         dict(lr=0.1, maximize=True),
         dict(lr=0.05, momentum=0.9, maximize=True, weight_decay=0.1),
         dict(lr=0.02, momentum=0.9, nesterov=True),
+    ]),
+    # Every model with a momentum (per-model values), nesterov for none / for all: the
+    # common step (hftc.optim.sgd._SGDStep), after each model's first step.
+    "sgd_momentum": (ho.SGD, torch.optim.SGD, [
+        dict(lr=0.1, momentum=0.9),
+        dict(lr=0.05, momentum=0.5, dampening=0.3, weight_decay=0.01),
+        dict(lr=0.02, momentum=0.8, weight_decay=1e-3, maximize=True),
+    ]),
+    "sgd_nesterov": (ho.SGD, torch.optim.SGD, [
+        dict(lr=0.1, momentum=0.9, nesterov=True),
+        dict(lr=0.03, momentum=0.5, nesterov=True, weight_decay=0.01, maximize=True),
+    ]),
+    "sgd_plain": (ho.SGD, torch.optim.SGD, [
+        dict(lr=0.1), dict(lr=0.05, weight_decay=0.01), dict(lr=0.02, maximize=True),
     ]),
     "adam": (ho.Adam, torch.optim.Adam, [
         dict(lr=1e-2),
@@ -179,6 +194,48 @@ def test_adam_updates_in_column_blocks_are_stock_bit_for_bit(case, monkeypatch):
     monkeypatch.setattr(adam_module, "_BLOCK_NUMEL", 1)
     for dtype in DTYPES:
         assert_stock_bit_for_bit(case, dtype)
+
+
+@pytest.mark.parametrize("path", ["foreach", "blocks"])
+@pytest.mark.parametrize("case", ["sgd", "sgd_maximize", "sgd_momentum", "sgd_nesterov",
+                                  "sgd_plain"])
+def test_sgd_foreach_and_column_block_updates_are_stock_bit_for_bit(case, path, monkeypatch):
+    # Small parameters take _foreach ops over all of them, large ones (on the CPU) the
+    # ops on one column block after another; "blocks" sends every parameter of these
+    # small models the second way, in blocks of 64 elements per model (the Linear
+    # weight, 90 per model, in a full block and a ragged one).
+    if path == "blocks":
+        monkeypatch.setattr(sgd_module, "_FOREACH_MAX_NUMEL", 0)
+        monkeypatch.setattr(sgd_module, "_BLOCK_NUMEL", 1)
+    for dtype in DTYPES:
+        assert_stock_bit_for_bit(case, dtype)
+
+
+def test_sgd_blocks_a_large_parameter_as_stock_would_update_it():
+    # Past _FOREACH_MAX_NUMEL elements the update runs block by block with the module's
+    # own sizes; each model's slice is still stock SGD's, bit for bit.
+    width = 100_003
+    assert 2 * width > sgd_module._FOREACH_MAX_NUMEL
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(2, width, generator=g)
+    fused = torch.nn.Parameter(start.clone())
+    solos = [torch.nn.Parameter(start[i].clone()) for i in range(2)]
+    opt = ho.SGD([fused], lr=[1e-2, 3e-3], momentum=0.9, weight_decay=[0.0, 0.1],
+                 nesterov=[True, True])
+    stock = [torch.optim.SGD([solos[0]], lr=1e-2, momentum=0.9, nesterov=True),
+             torch.optim.SGD([solos[1]], lr=3e-3, momentum=0.9, weight_decay=0.1,
+                             nesterov=True)]
+    for _ in range(3):
+        grad = torch.randn(2, width, generator=g)
+        fused.grad = grad.clone()
+        opt.step()
+        for i in range(2):
+            solos[i].grad = grad[i].clone()
+            stock[i].step()
+    for i in range(2):
+        assert torch.equal(fused[i], solos[i])
+        assert torch.equal(opt.state[fused]["momentum_buffer"][i],
+                           stock[i].state[solos[i]]["momentum_buffer"])
 
 
 @pytest.mark.parametrize("per_model_calls_min", [0, 1 << 62], ids=["per-model-calls", "product"])

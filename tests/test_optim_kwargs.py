@@ -243,8 +243,9 @@ def test_differentiable_true_is_refused_saying_what_to_do(name):
     assert f"torch.optim.{name}(..., differentiable=True)" in str(e.value)
 
 
-@pytest.mark.parametrize("name", sorted(HAS_CAPTURABLE))
+@pytest.mark.parametrize("name", sorted(HAS_CAPTURABLE - {"Adam", "AdamW"}))
 def test_capturable_true_is_refused_saying_what_to_do(name):
+    # Adam and AdamW take it (tests/test_optim_capturable.py).
     p = torch.randn(2, 3, requires_grad=True)
     with pytest.raises(FusionArgumentError, match="capturable=True is not supported") as e:
         getattr(ho, name)([p], lr=[0.1, 0.2], capturable=True)
@@ -406,8 +407,11 @@ def test_fuse_optimizers_refuses_what_hftc_cannot_honour():
                                    torch.optim.SGD(models[1].parameters(),
                                                    differentiable=True)])
     with pytest.raises(FusionArgumentError, match=r"optimizers\[0\]: capturable=True"):
-        ho.fuse_optimizers(fused, [torch.optim.Adam(m.parameters(), capturable=True)
+        ho.fuse_optimizers(fused, [torch.optim.RMSprop(m.parameters(), capturable=True)
                                    for m in models])
+    with pytest.raises(FusionArgumentError, match="capturable flags differ"):
+        ho.fuse_optimizers(fused, [torch.optim.Adam(models[0].parameters(), capturable=True),
+                                   torch.optim.Adam(models[1].parameters())])
     with pytest.raises(FusionArgumentError, match="fused flags differ"):
         ho.fuse_optimizers(fused, [torch.optim.AdamW(models[0].parameters(), fused=True),
                                    torch.optim.AdamW(models[1].parameters())])

@@ -44,8 +44,9 @@ class Adam(FusedOptimizer):
                               amsgrad=[False, True, False])
 
     State per stacked parameter: ``step`` ``[N]`` (per-model step counts, on the
-    CPU), ``exp_avg`` and ``exp_avg_sq`` ``[N, *shape]``, and ``max_exp_avg_sq``
-    if some model uses amsgrad. Bias corrections use each model's own step.
+    CPU; with ``capturable=True`` on the parameter's device), ``exp_avg`` and
+    ``exp_avg_sq`` ``[N, *shape]``, and ``max_exp_avg_sq`` if some model uses amsgrad.
+    Bias corrections use each model's own step.
 
     ``fused=True`` takes torch's fused Adam kernel (one pass over each tensor, as
     ``torch.optim.Adam(fused=True)``) instead of stock's default op-by-op update:
@@ -68,10 +69,12 @@ class Adam(FusedOptimizer):
     ``foreach`` is accepted and kept in ``param_groups`` but changes nothing: hftc picks
     its own ops (``_foreach`` ops for small parameters, see ``_FOREACH_MAX_NUMEL``),
     and on the CPU stock's foreach and for-loop updates give the same values bit for
-    bit (torch 2.13), which hftc's equal.  ``capturable=True`` and
-    ``differentiable=True`` raise ``FusionArgumentError`` (step counts stay on the
-    CPU; the step runs under ``torch.no_grad()``), as does ``fused=True`` with
-    ``foreach=True``, which torch refuses too.
+    bit (torch 2.13), which hftc's equal.  ``capturable=True`` runs stock's capturable
+    update (:meth:`_update_capturable`: step counts and every per-model value as device
+    tensors, no host sync; ``refresh_hyperparameters`` before a graph replay).
+    ``differentiable=True`` raises ``FusionArgumentError`` (the step runs under
+    ``torch.no_grad()``), as does ``fused=True`` with ``foreach=True``, which torch
+    refuses too, or with ``capturable=True``.
     """
 
     _hyperparameters = {
@@ -79,6 +82,7 @@ class Adam(FusedOptimizer):
         "amsgrad": "flag", "maximize": "flag", "decoupled_weight_decay": "flag",
     }
     _flags = {"foreach": None, "capturable": False, "differentiable": False, "fused": False}
+    _capturable_supported = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, foreach: bool | None = None, maximize=False,
@@ -108,22 +112,12 @@ class Adam(FusedOptimizer):
         beta1 = [b[0] for b in hp["betas"]]
         beta2 = [b[1] for b in hp["betas"]]
         decoupled = hp["decoupled_weight_decay"]
-        # Adam adds wd*p to the gradient; AdamW multiplies p by 1 - lr*wd. Per model,
-        # the other one's coefficient is the identity (0 added, times 1.0).
-        coupled_wd = [0.0 if d else w for w, d in zip(wd, decoupled)]
-        decay = [1 - r * w if d else 1.0 for r, w, d in zip(lr, wd, decoupled)]
-        any_coupled = any(w != 0 for w in coupled_wd)
+        any_coupled = any(w != 0 and not d for w, d in zip(wd, decoupled))
         any_decoupled = any(d and w != 0 for w, d in zip(wd, decoupled))
-        coef = self._coefficients({
-            "sign": [-1.0 if m else 1.0 for m in hp["maximize"]],
-            "coupled_wd": coupled_wd,
-            "decay": decay,
-            "one_minus_beta1": [1 - b for b in beta1],
-            "beta2": beta2,
-            "one_minus_beta2": [1 - b for b in beta2],
-            "eps": hp["eps"],
-            "amsgrad": amsgrad,
-        })
+        coef = self._coefficients(self._coefficient_rows(hp))
+        if self._capturable():
+            self._update_capturable(params, hp, coef, any_coupled, any_decoupled)
+            return
         # Parameters grouped by their models' step counts (one group unless some model
         # skipped steps), each group with its bias corrections.
         by_steps: dict[tuple[float, ...], list[Tensor]] = {}
@@ -145,6 +139,71 @@ class Adam(FusedOptimizer):
             for p in group:
                 if not (simple and _takes_foreach(p)):
                     self._update_one(p, hp, coef, step_coef, any_coupled, any_decoupled)
+
+    def _coefficient_rows(self, hp: dict[str, list[Any]]) -> dict[str, list[float]]:
+        lr, wd, decoupled = hp["lr"], hp["weight_decay"], hp["decoupled_weight_decay"]
+        beta1 = [b[0] for b in hp["betas"]]
+        beta2 = [b[1] for b in hp["betas"]]
+        # Adam adds wd*p to the gradient; AdamW multiplies p by 1 - lr*wd. Per model,
+        # the other one's coefficient is the identity (0 added, times 1.0).
+        rows = {
+            "sign": [-1.0 if m else 1.0 for m in hp["maximize"]],
+            "coupled_wd": [0.0 if d else w for w, d in zip(wd, decoupled)],
+            "decay": [1 - r * w if d else 1.0 for r, w, d in zip(lr, wd, decoupled)],
+            "one_minus_beta1": [1 - b for b in beta1],
+            "beta2": beta2,
+            "one_minus_beta2": [1 - b for b in beta2],
+            "eps": hp["eps"],
+            "amsgrad": hp["amsgrad"],
+        }
+        if self._capturable():  # the bias corrections, computed on the device
+            rows.update(lr=lr, beta1=beta1)
+        return rows
+
+    def _update_capturable(self, params: list[Tensor], hp: dict[str, list[Any]],
+                           coef: _Coefficients, any_coupled: bool, any_decoupled: bool) -> None:
+        """Stock's ``capturable=True`` single-tensor update, each model's values a row of
+        ``coef`` (tensors made once, :meth:`refresh_hyperparameters`) and each model's
+        bias corrections computed on the device from its step count::
+
+            step += 1;  (the moments as in the default update)
+            bc1 = 1 - beta1 ** step;  bc2 = 1 - beta2 ** step        ([N], step's dtype)
+            step_size_neg = -(lr / bc1)
+            denom = sqrt(v) / (sqrt(bc2) * step_size_neg) + eps / step_size_neg
+            p += m / denom
+
+        No host sync and no coefficient tensor made after the first step, so a CUDA graph
+        can capture it; every per-model value is read from its tensor on each replay."""
+        amsgrad = hp["amsgrad"]
+        for p, step in zip(params, self._count_steps(params)):
+            state = self.state[p]
+            if any(amsgrad) and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            grad = p.grad
+            if any(hp["maximize"]):
+                grad = grad * coef("sign", p)
+            if any_decoupled:
+                p.mul_(coef("decay", p))
+            if any_coupled:
+                grad = torch.addcmul(grad, p, coef("coupled_wd", p))
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            exp_avg.lerp_(grad, coef("one_minus_beta1", p))
+            addcmul_(exp_avg_sq.mul_(coef("beta2", p)), grad, grad, coef("one_minus_beta2", p))
+            second = exp_avg_sq
+            if any(amsgrad):
+                max_sq = state["max_exp_avg_sq"]
+                torch.maximum(max_sq, exp_avg_sq, out=max_sq)
+                second = max_sq if all(amsgrad) else torch.where(
+                    coef.mask("amsgrad", p), max_sq, exp_avg_sq)
+            bias_correction1 = 1 - torch.pow(coef("beta1", step), step)
+            bias_correction2 = 1 - torch.pow(coef("beta2", step), step)
+            # Stock divides a Python float by a tensor: float.__truediv__ -> torch's
+            # Tensor.__rtruediv__, which multiplies by the reciprocal (rounding so).
+            step_size_neg = (bias_correction1.reciprocal() * coef("lr", step)).neg()
+            per_model = (-1,) + (1,) * (p.dim() - 1)
+            denom = (second.sqrt() / (bias_correction2.sqrt() * step_size_neg).view(per_model)
+                     ).add_((step_size_neg.reciprocal() * coef("eps", step)).view(per_model))
+            p.addcdiv_(exp_avg, denom)
 
     def _update_one(self, p: Tensor, hp: dict[str, list[Any]], coef: _Coefficients,
                     step_coef: _Coefficients, any_coupled: bool, any_decoupled: bool) -> None:
@@ -170,21 +229,16 @@ class Adam(FusedOptimizer):
             self._adam_math(tensors, (self._scratch(p, 0), self._scratch(p, 1)), hp, coef,
                             step_coef, any_coupled, any_decoupled)
             return
-        n = self.num_models
-        width = p.numel() // n
-        columns = max(64, _BLOCK_NUMEL // n // 64 * 64)  # whole vectors per row of a block
-        rows = [t.view(n, width) for t in tensors]
-        scratch = [self._scratch(p, k).view(-1) for k in (0, 1)]
-        for start in range(0, width, columns):
-            c = min(columns, width - start)
-            self._adam_math([t[:, start:start + c] for t in rows],
-                            [s[: n * c].view(n, c) for s in scratch], hp, coef, step_coef,
-                            any_coupled, any_decoupled)
+        # A block's per-model slices are small: its last addcdiv_ takes the product
+        # y * c (two calls), not N calls with their own values (and 3N slicing ops).
+        for block, scratch in self._column_blocks(tensors, 2, _BLOCK_NUMEL):
+            self._adam_math(block, scratch, hp, coef, step_coef, any_coupled, any_decoupled,
+                            per_model_calls=False)
 
     @staticmethod
     def _adam_math(tensors: list[Tensor], scratch: Sequence[Tensor], hp: dict[str, list[Any]],
                    coef: _Coefficients, step_coef: _Coefficients, any_coupled: bool,
-                   any_decoupled: bool) -> None:
+                   any_decoupled: bool, per_model_calls: bool = True) -> None:
         """The update on ``[p, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)]`` (a whole
         stacked parameter or a block of it), with two scratch tensors shaped like ``p``."""
         p, grad, exp_avg, exp_avg_sq = tensors[:4]
@@ -208,7 +262,8 @@ class Adam(FusedOptimizer):
         # Stock: denom = (second.sqrt() / bc2_sqrt).add_(eps), written into scratch space.
         denom = torch.sqrt(second, out=scratch[0])
         denom.div_(step_coef.get("bc2_sqrt", p)).add_(coef.get("eps", p))
-        addcdiv_(p, exp_avg, denom, step_coef, "neg_step_size", scratch[1])  # value=-step_size
+        addcdiv_(p, exp_avg, denom, step_coef, "neg_step_size", scratch[1],  # value=-step_size
+                 per_model_calls=per_model_calls)
 
     def _update_foreach(self, params: list[Tensor], coef: _Coefficients,
                         step_coef: _Coefficients, any_coupled: bool,

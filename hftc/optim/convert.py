@@ -58,8 +58,10 @@ def fuse_optimizers(fused: torch.nn.Module,
     stacked state, so optimizers that already stepped continue where they were.
     Parameters are matched through ``fused.source_parameter_names``.  ``fused``
     carries over (every optimizer's must be the same: it picks the update's kernels
-    for all N models); ``differentiable=True`` and ``capturable=True`` are refused
-    with a ``FusionArgumentError``, as the fused constructor refuses them.
+    for all N models), and so does ``capturable`` where the fused class takes
+    ``capturable=True`` (Adam, AdamW); ``differentiable=True``, and ``capturable=True``
+    elsewhere, are refused with a ``FusionArgumentError``, as the fused constructor
+    refuses them.
 
     Raises:
         TypeError: classes differ or are not supported, or ``fused`` is not fused.
@@ -185,6 +187,15 @@ def _construct(fused_cls: type[FusedOptimizer], optimizers: list[torch.optim.Opt
                    **{key: v for key, v in values(k).items() if key != "lr" and v != hyper[key]}}
                   for k, group in enumerate(names[0])]
     flags = {"fused": fused_flag} if "fused" in fused_cls._flags else {}
+    capturable = {bool(g.get("capturable")) for opt in optimizers for g in opt.param_groups}
+    if len(capturable) > 1:
+        raise FusionArgumentError(
+            f"fuse_optimizers: the optimizers' capturable flags differ "
+            f"({[[g.get('capturable') for g in opt.param_groups] for opt in optimizers]}); "
+            f"the fused optimizer's step is capturable for all N models or for none: build "
+            f"them all with capturable=True or all without")
+    if capturable.pop():  # _check_groups refused the classes that cannot honour it
+        flags["capturable"] = True
     out = fused_cls(params, num_models=n, **hyper, **flags)
     for i, opt in enumerate(optimizers):
         for key, value in opt.param_groups[0].items():

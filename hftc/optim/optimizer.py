@@ -37,6 +37,9 @@ A coefficient that all N models share (in a learning-rate sweep, every one but
 the learning rate) stays a Python scalar and takes stock's own op
 (``_Coefficients.get``, ``addcmul_``): the update then costs what
 stock's costs on the stacked tensors, with no extra multiply and no broadcast.
+Except in a capturable step (``refresh_hyperparameters``): there every value is a
+device tensor, made once and overwritten in place, since a CUDA graph would keep a
+Python scalar as a constant.
 
 On the CPU this reproduces stock results bit for bit (tests assert 1e-9 / 1e-4).
 Hyper-parameters that switch the algorithm (``nesterov``, ``amsgrad``,
@@ -115,21 +118,39 @@ class _Coefficients:
 
     Built from Python values once per step (one host-to-device copy per dtype and
     device, not one per parameter or per coefficient).
+
+    ``persistent`` (a capturable step, :meth:`FusedOptimizer.refresh_hyperparameters`):
+    every row stays a tensor (no shared value becomes a Python scalar, which a CUDA graph
+    would keep as a constant), and :meth:`assign` writes new values into the same tensors.
     """
 
-    def __init__(self, values: dict[str, Sequence[float]]):
+    def __init__(self, values: dict[str, Sequence[float]], persistent: bool = False):
         self._row = {name: k for k, name in enumerate(values)}
+        self.persistent = persistent
+        self._cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        self._views: dict[tuple[Any, ...], Tensor] = {}
+        self._set_rows(values)
+
+    def _set_rows(self, values: dict[str, Sequence[float]]) -> None:
         self._rows = [[float(v) for v in vs] for vs in values.values()]
         # Shared by all N models -> that value; else False.  (NaN never compares equal,
         # so a NaN hyper-parameter takes the tensor path; 0.0 and -0.0 are not shared:
         # dividing by them gives infinities of opposite signs.)
         self._uniform: dict[str, float | bool] = {
-            name: row[0] if all(v == row[0] and math.copysign(1.0, v) == math.copysign(
-                1.0, row[0]) for v in row) else False
+            name: row[0] if not self.persistent and all(
+                v == row[0] and math.copysign(1.0, v) == math.copysign(1.0, row[0])
+                for v in row) else False
             for name, row in zip(values, self._rows)
         }
-        self._cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-        self._views: dict[tuple[Any, ...], Tensor] = {}
+
+    def assign(self, values: dict[str, Sequence[float]]) -> None:
+        """New values for the same rows, written into the tensors made so far in place
+        (their views, held by a captured graph, then read the new values)."""
+        if list(values) != list(self._row):
+            raise ValueError(f"rows {list(values)} are not {list(self._row)}")
+        self._set_rows(values)
+        for (dtype, device), table in self._cache.items():
+            table.copy_(values_on(self._rows, dtype, device), non_blocking=True)
 
     def __call__(self, name: str, like: Tensor) -> Tensor:
         """Row ``name`` in ``like``'s dtype and device, shaped to broadcast over ``like``."""
@@ -142,6 +163,11 @@ class _Coefficients:
         key = (like.dtype, like.device)
         table = self._cache.get(key)
         if table is None:
+            if self.persistent and like.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise FusionArgumentError(
+                    "a fused optimizer's step is being captured in a CUDA graph before an "
+                    "eager step made its coefficient tensors: run optimizer.step() once "
+                    "eagerly (a warm-up step) before capturing it")
             table = self._cache[key] = values_on(self._rows, like.dtype, like.device)
         view = table[self._row[name]].view(-1, *([1] * (like.dim() - 1)))
         self._views[view_key] = view
@@ -183,12 +209,13 @@ PER_MODEL_CALLS_MIN = 1 << 15
 
 
 def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: _Coefficients, name: str,
-             scratch: Tensor | None = None) -> Tensor:
+             scratch: Tensor | None = None, per_model_calls: bool = True) -> Tensor:
     """``x += c * y / z`` as stock writes ``x.addcdiv_(y, z, value=c)``, with ``c`` the
     per-model row ``name`` of ``coef``.
 
     One value for all models: stock's call.  Per model: one call per model with its
-    own value where the slices are large (``PER_MODEL_CALLS_MIN``) or of a half type,
+    own value where the slices are large (``PER_MODEL_CALLS_MIN``, unless
+    ``per_model_calls`` is false) or of a half type,
     else one call on the product ``y * c`` (into ``scratch`` if given), which rounds as
     stock does in float32 and float64: ``addcdiv_`` computes ``(value * y) / z``.  In
     float16 / bfloat16 it computes that in float32 and rounds once, where the product
@@ -199,7 +226,8 @@ def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: _Coefficients, name: str,
     if not isinstance(c, Tensor):
         return x.addcdiv_(y, z, value=c)
     half = x.dtype in (torch.float16, torch.bfloat16)
-    if half or (x.device.type == "cpu" and x.numel() // x.shape[0] >= PER_MODEL_CALLS_MIN):
+    if half or (per_model_calls and x.device.type == "cpu"
+                and x.numel() // x.shape[0] >= PER_MODEL_CALLS_MIN):
         for i, value in enumerate(coef.row(name)):
             x[i].addcdiv_(y[i], z[i], value=value)
         return x
@@ -234,6 +262,9 @@ class FusedOptimizer(Optimizer):
     #: itself: ``step`` then refuses with a message that says to use
     #: hftc.amp.GradScaler (one scale for all models would couple them).
     _step_supports_amp_scaling = True
+
+    #: Whether ``capturable=True`` is supported (:meth:`refresh_hyperparameters`).
+    _capturable_supported: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -408,11 +439,14 @@ class FusedOptimizer(Optimizer):
                 f"{cls}.load_state_dict: the state dict is for {len(extra['group_of'])} "
                 f"parameters, this optimizer has {len(params)}")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "hftc"})
+        self.__dict__.pop("_momentum_ready", None)  # state the update knew is replaced
         # torch moves a fused group's step counts to the parameter's device as float32
         # (and NAdam's mu_product to the parameter's device and dtype); hftc keeps them
         # on the CPU as saved, fused or not (where the update reads them).
         for index, p in zip(groups[0]["params"], params):
             for key in self._per_model_scalar_state:
+                if key == "step" and self._capturable():
+                    continue  # torch moved it to the parameter's device, where it belongs
                 saved = state_dict.get("state", {}).get(index, {}).get(key)
                 loaded = self.state[p].get(key) if p in self.state else None
                 if isinstance(saved, Tensor) and isinstance(loaded, Tensor) \
@@ -514,7 +548,7 @@ class FusedOptimizer(Optimizer):
                 f"To differentiate through optimizer steps (meta-learning), step each of "
                 f"fused.unfuse()'s models with torch.optim.{name}(..., differentiable=True), "
                 f"or write the update functionally (torch.func)")
-        if out.get("capturable"):
+        if out.get("capturable") and not cls._capturable_supported:
             raise FusionArgumentError(
                 f"{name}: {where}capturable=True is not supported: each model's step count "
                 f"stays on the CPU and every step prepares the models' coefficients on the "
@@ -522,6 +556,11 @@ class FusedOptimizer(Optimizer):
                 f"replay would not repeat. Pass capturable=False (the default): the step "
                 f"already runs each op once for all N models, and a torch.compile'd training "
                 f"step runs it eagerly")
+        if out.get("capturable") and out.get("fused"):
+            raise FusionArgumentError(
+                f"{name}: {where}capturable=True and fused=True cannot both be set: the "
+                f"fused kernels run per model with step counts read on the host. Pass "
+                f"capturable=True alone (its step runs each op once for all N models)")
         if out.get("fused") and out.get("foreach"):
             raise FusionArgumentError(
                 f"{name}: {where}fused=True and foreach=True cannot both be set "
@@ -580,6 +619,7 @@ class FusedOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_groups_frozen", True)
+        self.__dict__.pop("_momentum_ready", None)  # ids of another process's tensors
         # Pickles and state dicts of hftc before the flags were param-group keys: the
         # optimizer's own values (as torch's optimizers fill in keys added later).
         for key, default in self._flags.items():
@@ -697,10 +737,16 @@ class FusedOptimizer(Optimizer):
                 if not self.state[p]:
                     self._init_state(p, group_hp[k])
         saved = self._save_models(params, skip) if skip else None
+        capturable = self._capturable()
         for k, group in groups.items():
+            if capturable:
+                self.__dict__.setdefault("_captured_switches", {})[k] = \
+                    self._switches(group_hp[k])
+            self._group_in_update = k
             self._update(group, group_hp[k])
         if saved is not None:
             self._restore_models(saved, skip)
+            self.__dict__.pop("_momentum_ready", None)  # restored state may be a first step's
         return loss
 
     def _skip_indices(self, skip_models) -> list[int]:
@@ -763,6 +809,27 @@ class FusedOptimizer(Optimizer):
         views[(slot, like)] = view
         return view
 
+    def _column_blocks(self, tensors: list[Tensor], scratch_slots: int, block_numel: int):
+        """Yield ``(blocks, scratch)``: the same column block of every tensor's ``[N, numel / N]``
+        view (all shaped like ``tensors[0]`` and contiguous), and ``scratch_slots`` scratch
+        tensors of the block's shape::
+
+            whole tensors:  op1 over P, op2 over P, ...          (each pass from memory)
+            in blocks:      op1, op2, ... over P[:, 0:c], then P[:, c:2c], ...   (in cache)
+
+        Every element sees the same ops in the same order, so the results do not change;
+        only the passes over memory do (one read and write per tensor instead of one per op).
+        """
+        n = self.num_models
+        width = tensors[0].numel() // n
+        columns = max(64, block_numel // n // 64 * 64)  # whole vectors per row of a block
+        rows = [t.view(n, width) for t in tensors]
+        scratch = [self._scratch(tensors[0], k).view(-1) for k in range(scratch_slots)]
+        for start in range(0, width, columns):
+            c = min(columns, width - start)
+            yield ([t[:, start:start + c] for t in rows],
+                   [s[: n * c].view(n, c) for s in scratch])
+
     def _coefficients(self, values: dict[str, Sequence[float]]) -> _Coefficients:
         """``_Coefficients(values)``, the very object of the last step while the values stay
         the same (compared bit for bit, so ``-0.0`` is not ``0.0``): its per-model tensors
@@ -772,16 +839,89 @@ class FusedOptimizer(Optimizer):
         call site; a scheduler's change misses once and replaces the entry."""
         cache = self.__dict__.setdefault("_coefficient_cache", {})
         names = tuple(values)
+        persistent = self._capturable()
+        if persistent:  # one entry per param group (their values differ)
+            names = (self.__dict__.get("_group_in_update", 0), *names)
         key = tuple(array("d", row).tobytes() for row in values.values())
         hit = cache.get(names)
         if hit is not None and hit[0] == key:
             return hit[1]
-        coef = _Coefficients(values)
+        if persistent and hit is not None and hit[1].persistent:
+            hit[1].assign(values)  # in place: a captured step reads the same tensors
+            cache[names] = (key, hit[1])
+            return hit[1]
+        coef = _Coefficients(values, persistent)
         cache[names] = (key, coef)
         return coef
 
     def _new_steps(self, p: Tensor) -> Tensor:
+        if self._capturable():  # as stock's capturable=True: on the parameter's device
+            return torch.zeros(self.num_models, dtype=_scalar_dtype(), device=p.device)
         return torch.zeros(self.num_models, dtype=_scalar_dtype())
+
+    # -------------------------------------------------------- capturable steps
+
+    @property
+    def is_capturable(self) -> bool:
+        """Whether :meth:`step` can be captured in a CUDA graph (``hftc.compile_step``
+        captures it then): see :meth:`refresh_hyperparameters`."""
+        return self._capturable()
+
+    def _capturable(self) -> bool:
+        """Whether the step is graph-safe: coefficient tensors made once and refreshed in
+        place, every per-model value a tensor, step counts on the parameters' device, no
+        host sync.  ``capturable=True`` where the stock class takes that flag; subclasses
+        whose stock class has none (SGD) decide otherwise."""
+        return "capturable" in self._flags and self._flag("capturable")
+
+    def _coefficient_rows(self, hp: dict[str, list[Any]]) -> dict[str, list[float]]:
+        """The per-model coefficient rows a capturable step reads (``_coefficients``)."""
+        raise NotImplementedError
+
+    def _switches(self, hp: dict[str, list[Any]]) -> dict[str, list[bool]]:
+        """What picks the ops of a capturable step rather than their values: every flag
+        and which values are zero (a weight decay or momentum of 0 drops its ops).  A
+        captured graph replays the ops of its capture, so these may not change."""
+        out = {}
+        for key, kind in self._hyperparameters.items():
+            if kind == "flag":
+                out[key] = list(hp[key])
+            elif key in ("weight_decay", "momentum"):
+                out[key] = [v != 0 for v in hp[key]]
+        return out
+
+    def refresh_hyperparameters(self) -> None:
+        """Copy the current values of ``param_groups`` (which schedulers write) into the
+        step's coefficient tensors in place, without reallocating them: a CUDA graph that
+        captured ``step()`` then replays it with the new values.  Call it before each
+        replay (``hftc.compile_step`` does).
+
+        Raises ``FusionArgumentError`` if the optimizer is not capturable, or if a value
+        changed that picks the step's ops (a flag such as ``nesterov`` or ``amsgrad``, a
+        weight decay or momentum to or from 0): the captured graph cannot follow that;
+        capture the step again."""
+        cls = type(self).__name__
+        if not self._capturable():
+            raise FusionArgumentError(
+                f"{cls}.refresh_hyperparameters: this optimizer's step is not capturable "
+                f"(it reads its values on the host at every step); construct it with "
+                f"capturable=True" + (" (SGD: with its parameters on a CUDA device)"
+                                      if "capturable" not in self._flags else ""))
+        hp = self.hyperparameters()
+        captured = self.__dict__.get("_captured_switches", {})
+        for k, overrides in enumerate(self._group_overrides):
+            group_hp = {**hp, **overrides}
+            before, now = captured.get(k), self._switches(group_hp)
+            if before is not None and before != now:
+                changed = sorted(key for key in now if now[key] != before[key])
+                values = ", ".join(f"{key}: {before[key]} -> {now[key]}" for key in changed)
+                raise FusionArgumentError(
+                    f"{cls}.refresh_hyperparameters: {', '.join(changed)} changed since the "
+                    f"step was captured ({values}); "
+                    f"they pick the step's ops, which a captured graph replays unchanged. "
+                    f"Run optimizer.step() eagerly and capture it again")
+            self._group_in_update = k
+            self._coefficients(self._coefficient_rows(group_hp))
 
     def _count_steps(self, params: list[Tensor]) -> list[Tensor]:
         """Add one to every parameter's per-model step counts (``state["step"]``, as

@@ -11,6 +11,75 @@ from .optimizer import FusedOptimizer, _Coefficients
 
 __all__ = ["SGD"]
 
+#: On the CPU, parameters of more than this many elements (all N models) are updated in
+#: column blocks of about ``_BLOCK_NUMEL`` elements, every op of the step on one block
+#: before the next (``FusedOptimizer._column_blocks``); smaller ones, and all of them on
+#: a GPU, together by ``_foreach`` ops (one call per op, not one per op and parameter).
+_FOREACH_MAX_NUMEL = 1 << 16
+_BLOCK_NUMEL = 1 << 16
+
+
+class _SGDStep:
+    """Stock SGD's update where every model takes the same ops (each with its own values):
+    every model has a momentum buffer (nesterov for all or for none) or no model has a
+    momentum::
+
+        g = -grad if maximize;  g = g + wd * p
+        buf = m * buf + (1 - dampening) * g;  d = g + m * buf if nesterov else buf
+        p = p - lr * d
+
+    ``one`` runs it on one tensor (or block) with a scratch tensor for ``g``, ``foreach``
+    on many with ``torch._foreach_*`` ops (on the CPU, the per-tensor kernel on each, so
+    both round as stock's single-tensor and foreach updates do)."""
+
+    def __init__(self, coef: _Coefficients, maximize: bool, decay: bool, momentum: bool,
+                 nesterov: bool):
+        self.coef, self.maximize, self.decay = coef, maximize, decay
+        self.momentum, self.nesterov = momentum, nesterov
+
+    def one(self, p: Tensor, grad: Tensor, buf: Tensor | None, scratch: Tensor) -> None:
+        coef = self.coef
+        if self.maximize:
+            grad = torch.mul(grad, coef("sign", p), out=scratch)
+        if self.decay:
+            grad = torch.addcmul(grad, p, coef("weight_decay", p), out=scratch)
+        if self.momentum:
+            buf.mul_(coef.get("momentum", p))
+            one_minus_dampening = coef.get("one_minus_dampening", p)
+            if isinstance(one_minus_dampening, Tensor):
+                buf.addcmul_(grad, one_minus_dampening)
+            else:
+                buf.add_(grad, alpha=one_minus_dampening)
+            grad = torch.addcmul(grad, buf, coef("momentum", p), out=scratch) \
+                if self.nesterov else buf
+        p.addcmul_(grad, coef("neg_lr", p))
+
+    def foreach(self, params: list[Tensor], bufs: list[Tensor | None]) -> None:
+        coef = self.coef
+
+        def each(name: str) -> list[Tensor]:
+            return [coef(name, p) for p in params]
+
+        def each_or_shared(name: str) -> float | list[Tensor]:
+            value = coef.get(name, params[0])
+            return each(name) if isinstance(value, Tensor) else value
+
+        grads = [p.grad for p in params]
+        if self.maximize:
+            grads = torch._foreach_mul(grads, each("sign"))
+        if self.decay:
+            grads = torch._foreach_addcmul(grads, params, each("weight_decay"))
+        if self.momentum:
+            torch._foreach_mul_(bufs, each_or_shared("momentum"))
+            one_minus_dampening = each_or_shared("one_minus_dampening")
+            if isinstance(one_minus_dampening, list):
+                torch._foreach_addcmul_(bufs, grads, one_minus_dampening)
+            else:
+                torch._foreach_add_(bufs, grads, alpha=one_minus_dampening)
+            grads = torch._foreach_addcmul(grads, bufs, each("momentum")) \
+                if self.nesterov else bufs
+        torch._foreach_addcmul_(params, grads, each("neg_lr"))
+
 
 class SGD(FusedOptimizer):
     """Stochastic gradient descent, optionally with momentum, for N fused models.
@@ -35,9 +104,10 @@ class SGD(FusedOptimizer):
     for all N models, and matches it bit for bit on the CPU.  ``foreach`` is accepted
     and kept in ``param_groups`` but changes nothing: on the CPU stock's foreach and
     for-loop updates give the same values bit for bit (torch 2.13), which hftc's
-    equal.  ``differentiable=True`` raises ``FusionArgumentError`` (the step runs under
-    ``torch.no_grad()``), as does ``fused=True`` with ``foreach=True`` (torch refuses
-    it too).
+    equal.  On CUDA (without ``fused=True``) the step is capturable in a CUDA graph: see
+    ``_capturable`` and ``refresh_hyperparameters``.  ``differentiable=True`` raises
+    ``FusionArgumentError`` (the step runs under ``torch.no_grad()``), as does
+    ``fused=True`` with ``foreach=True`` (torch refuses it too).
     """
 
     _hyperparameters = {
@@ -45,6 +115,7 @@ class SGD(FusedOptimizer):
         "weight_decay": "float", "nesterov": "flag", "maximize": "flag",
     }
     _flags = {"foreach": None, "differentiable": False, "fused": False}
+    _capturable_supported = True
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach: bool | None = None,
@@ -88,25 +159,72 @@ class SGD(FusedOptimizer):
         maximize, nesterov = hp["maximize"], hp["nesterov"]
         active = [m != 0 for m in hp["momentum"]]
         any_decay = any(w != 0 for w in hp["weight_decay"])
-        coef = self._coefficients({
+        coef = self._coefficients(self._coefficient_rows(hp))
+        # The common step (every model with a momentum buffer, or none with a momentum;
+        # nesterov for all or none) runs as stock's ops on many parameters at once or in
+        # blocks; the rest (first steps, models that differ in momentum or nesterov) op
+        # by op with masks (_momentum_direction).
+        common = _SGDStep(coef, any(maximize), any_decay, all(active), all(nesterov))
+        uniform = all(active) and (all(nesterov) or not any(nesterov)) or not any(active)
+        # Parameters whose N momentum buffers all exist, known without reading
+        # has_momentum_buffer on the host (a sync on CUDA, which a capturable step may
+        # not make): a step with every model's momentum on sets them all, and only
+        # load_state_dict and skip_models can unset them (they forget this set).
+        ready = self.__dict__.setdefault("_momentum_ready", set())
+        capturable = self._capturable()
+        together, blocked = [], []
+        for p in params:
+            if any(active) and "momentum_buffer" not in self.state[p]:
+                self._init_state(p, {"momentum": [1.0]})  # a scheduler turned momentum on
+            if any(active) and uniform and id(p) not in ready and not capturable and bool(
+                    self.state[p]["has_momentum_buffer"].all()):
+                ready.add(id(p))
+            if not uniform or any(active) and id(p) not in ready:
+                self._update_masked(p, coef, maximize, any_decay, active, nesterov)
+                if all(active):
+                    ready.add(id(p))
+            elif p.device.type == "cpu" and p.numel() > _FOREACH_MAX_NUMEL and \
+                    self._dense(p):
+                blocked.append(p)
+            else:
+                together.append(p)
+        if together:
+            common.foreach(together, [self.state[p].get("momentum_buffer") for p in together])
+        for p in blocked:
+            tensors = [p, p.grad] + ([self.state[p]["momentum_buffer"]] if all(active) else [])
+            for block, scratch in self._column_blocks(tensors, 1, _BLOCK_NUMEL):
+                common.one(*block[:2], block[2] if len(block) > 2 else None, scratch[0])
+
+    def _coefficient_rows(self, hp: dict[str, list[Any]]) -> dict[str, list[float]]:
+        return {
             "neg_lr": [-lr for lr in hp["lr"]],
-            "sign": [-1.0 if m else 1.0 for m in maximize],
+            "sign": [-1.0 if m else 1.0 for m in hp["maximize"]],
             "weight_decay": hp["weight_decay"],
             "momentum": hp["momentum"],
             "one_minus_dampening": [1 - d for d in hp["dampening"]],
-            "active": active,
-            "nesterov": nesterov,
-        })
-        for p in params:
-            grad = p.grad
-            if any(maximize):
-                grad = grad * coef("sign", p)
-            if any_decay:
-                # grad.add(p, alpha=wd); a model with wd = 0 gets grad + p*0 == grad.
-                grad = torch.addcmul(grad, p, coef("weight_decay", p))
-            if any(active):
-                grad = self._momentum_direction(p, grad, coef, active, nesterov)
-            p.addcmul_(grad, coef("neg_lr", p))
+            "active": [m != 0 for m in hp["momentum"]],
+            "nesterov": hp["nesterov"],
+        }
+
+    def _capturable(self) -> bool:
+        """Stock SGD has no ``capturable`` flag: its step keeps no step count and is
+        graph-safe on CUDA as it is.  hftc's is on CUDA (without ``fused=True``): the
+        per-model values are tensors refreshed in place and no step reads a device value
+        on the host (the first-step test of the momentum buffers is a mask)."""
+        params = self.param_groups[0]["params"]
+        return bool(params) and all(p.is_cuda for p in params) and not self._flag("fused")
+
+    def _update_masked(self, p: Tensor, coef: _Coefficients, maximize: list[bool],
+                       any_decay: bool, active: list[bool], nesterov: list[bool]) -> None:
+        grad = p.grad
+        if any(maximize):
+            grad = grad * coef("sign", p)
+        if any_decay:
+            # grad.add(p, alpha=wd); a model with wd = 0 gets grad + p*0 == grad.
+            grad = torch.addcmul(grad, p, coef("weight_decay", p))
+        if any(active):
+            grad = self._momentum_direction(p, grad, coef, active, nesterov)
+        p.addcmul_(grad, coef("neg_lr", p))
 
     def _momentum_direction(self, p: Tensor, grad: Tensor, coef: _Coefficients,
                             active: list[bool], nesterov: list[bool]) -> Tensor:
@@ -114,14 +232,6 @@ class SGD(FusedOptimizer):
         if "momentum_buffer" not in state:  # a scheduler turned momentum on
             self._init_state(p, {"momentum": [1.0]})
         buf, has_buf = state["momentum_buffer"], state["has_momentum_buffer"]
-        if all(active) and not any(nesterov) and bool(has_buf.all()):
-            # Every step after the first: stock's own ops, shared values as Python
-            # scalars (no masks, no selects: a third of the step's time at N = 32).
-            buf.mul_(coef.get("momentum", p))
-            one_minus_dampening = coef.get("one_minus_dampening", p)
-            if isinstance(one_minus_dampening, Tensor):
-                return buf.addcmul_(grad, one_minus_dampening)
-            return buf.add_(grad, alpha=one_minus_dampening)
         momentum = coef("momentum", p)
         ready = (has_buf != 0).view(momentum.shape)
         # Stock: the first step sets buf = grad, later ones buf = m*buf + (1-d)*grad.
