@@ -59,8 +59,6 @@ def program_difference(model0: nn.Module, model: nn.Module) -> str | None:
         return "the module trees differ (submodule paths or classes)"
     if _tying(modules0) != _tying(modules):
         return "the modules are shared between paths differently"
-    if _tensor_tying(model0) != _tensor_tying(model):
-        return "parameters or buffers are tied differently"
     compare = _Comparison(model0, model)
     for (path, sub0), (_, sub) in zip(modules0, modules):
         where = f"module `{path or '<root>'}`"
@@ -77,6 +75,8 @@ def program_difference(model0: nn.Module, model: nn.Module) -> str | None:
         for key, value0 in state0.items():
             if key not in _REGISTRIES and not compare.same(value0, state[key]):
                 return f"{where}: attribute `{key}` differs"
+    if _tensor_tying(model0) != _tensor_tying(model):
+        return "parameters or buffers are tied differently"
     return None
 
 
@@ -118,6 +118,15 @@ def _same_metadata(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
             and a.layout == b.layout and (a.layout != torch.strided or a.stride() == b.stride()))
 
 
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (``0.0`` and ``-0.0`` differ, a NaN equals itself)."""
+    if a.layout != torch.strided or a.is_quantized:
+        return False
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().reshape(-1).contiguous().view(torch.uint8)
+    return bool(torch.equal(as_bytes(a), as_bytes(b)))
+
+
 class _Comparison:
     """Exact, recursive equality of what two models' forward can read, where a model's
     own submodules, parameters and buffers correspond by path (their contents are compared
@@ -144,7 +153,7 @@ class _Comparison:
             if id(a) in self.tensor_names0 or id(b) in self.tensor_names:
                 return self.tensor_names0.get(id(a)) == self.tensor_names.get(id(b))
             # a constant to export: its value may be baked into the program
-            return _same_metadata(a, b) and bool(torch.equal(a.detach(), b.detach()))
+            return _same_metadata(a, b) and _same_bytes(a, b)
         if isinstance(a, float):
             return math.isnan(a) and math.isnan(b) or (a == b and math.copysign(1, a) ==
                                                        math.copysign(1, b))
