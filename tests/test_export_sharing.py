@@ -61,7 +61,11 @@ class Block(nn.Module):
 
 
 def _fuser(example):
-    return lambda models, in_dims: hftc.fuse(models, in_dims=in_dims, example_inputs=example)
+    """check=False: the first-call check (models 0, N // 2 and N-1 against their own
+    forward) would run the models one by one where a shared program were wrong for one of
+    them; these tests check the sharing itself."""
+    return lambda models, in_dims: hftc.fuse(models, in_dims=in_dims, example_inputs=example,
+                                             check=False)
 
 
 def test_alike_models_are_exported_once_per_mode(exports):
@@ -86,7 +90,7 @@ def test_a_python_attribute_forward_scales_by_is_each_models(exports):
     """``self.scale`` differs: export bakes it into the program, so the models with 2.0
     are exported apart from those with 0.5 (two groups: four exports) and keep theirs."""
     x = torch.randn(5, 4, dtype=torch.float64)
-    models = [Block(0.5), Block(0.5), Block(2.0), Block(0.5)]
+    models = [Block(0.5), Block(2.0), Block(0.5), Block(0.5)]
     fused = check_equivalence(models, x, fuser=_fuser((x,)))
     assert len(exports) == 4
     assert fused.frontend == "export"
