@@ -11,7 +11,9 @@ traces them, and for small MLPs through the symbolic front-end at large N:
 - ``dcgan``: pytorch/examples' DCGAN generator (``if input.is_cuda and self.ngpu > 1``);
 - ``mlp``: 64-128-128-10 MLPs, symbolic front-end (N = 256 by default).
 
-Each (workload, N) is fused ``--rounds`` times with fresh models; the median is printed.
+Each (workload, N) is fused ``--rounds`` times with fresh models; the median wall time
+and the median CPU time of the process (steadier on a shared machine) are printed, with
+the number of ``torch.export`` calls and the seconds they took.
 """
 
 from __future__ import annotations
@@ -230,14 +232,29 @@ def _mlp(n):
 WORKLOADS = {"t5": _t5, "lstm_cell": _lstm_cell, "dcgan": _dcgan, "mlp": _mlp}
 
 
-def fusing_seconds(workload: str, n: int) -> float:
+def fusing_seconds(workload: str, n: int) -> tuple[float, float, int, float]:
+    """Wall and CPU seconds of one ``hftc.fuse``, the exports it ran and their wall seconds."""
     models, example = WORKLOADS[workload](n)
-    start = time.perf_counter()
-    fused = hftc.fuse(models, example_inputs=example)
-    seconds = time.perf_counter() - start
+    exports: list[float] = []
+    export = torch.export.export
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return export(*args, **kwargs)
+        finally:
+            exports.append(time.perf_counter() - start)
+
+    torch.export.export = timed
+    try:
+        start, cpu = time.perf_counter(), time.process_time()
+        fused = hftc.fuse(models, example_inputs=example)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    finally:
+        torch.export.export = export
     expected = "symbolic" if workload == "mlp" else "export"
     assert fused.frontend == expected, (workload, fused.frontend)
-    return seconds
+    return seconds, cpu, len(exports), sum(exports)
 
 
 def main(argv=None) -> None:
@@ -254,14 +271,17 @@ def main(argv=None) -> None:
         fusing_seconds(workload, 1)  # not timed: the first torch.export imports torch._dynamo
         times = {}
         for n in [int(s) for s in sizes.split(",")]:
-            rounds = sorted(fusing_seconds(workload, n) for _ in range(args.rounds))
-            times[n] = statistics.median(rounds)
-            print(f"{workload:10s} N={n:4d}  {times[n]:7.2f} s  "
-                  f"(min {rounds[0]:.2f}, max {rounds[-1]:.2f})", flush=True)
+            rounds = [fusing_seconds(workload, n) for _ in range(args.rounds)]
+            wall, cpu = (statistics.median(r[k] for r in rounds) for k in (0, 1))
+            export_seconds = statistics.median(r[3] for r in rounds)
+            times[n] = (wall, cpu)
+            print(f"{workload:10s} N={n:4d}  wall {wall:7.2f} s  cpu {cpu:7.2f} s  "
+                  f"exports {rounds[0][2]:3d} ({export_seconds:.2f} s wall)", flush=True)
         first = min(times)
-        for n, t in times.items():
+        for n, (wall, cpu) in times.items():
             if n != first:
-                print(f"{workload:10s} N={n} / N={first}: {t / times[first]:.2f}x")
+                print(f"{workload:10s} N={n} / N={first}: wall {wall / times[first][0]:.2f}x  "
+                      f"cpu {cpu / times[first][1]:.2f}x")
 
 
 if __name__ == "__main__":
