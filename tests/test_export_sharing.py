@@ -250,3 +250,6 @@ def test_program_difference_names_what_differs():
     o = Block()
     o.generator = torch.Generator()
     assert program_difference(n, o) == "module `<root>`: attribute `generator` differs"
+    p, q = Block(), Block()
+    p.fc.weight.tag, q.fc.weight.tag = "a", "b"
+    assert program_difference(p, q) == "module `fc`: `weight` has Python attributes that differ"

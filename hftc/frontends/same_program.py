@@ -6,7 +6,7 @@ A non-strict export runs forward in Python on fake tensors.  What it records can
 - the code: every submodule's class (its ``forward``) and anything forward reads from
   the instance (plain attributes, hooks, a ``forward`` set on the instance);
 - the parameters' and buffers' metadata (names, tying, shape, dtype, device, strides,
-  ``requires_grad``);
+  ``requires_grad``, Python attributes set on them);
 - tensors that are plain attributes (``self.scale = torch.tensor(3.0)``): export
   treats them as constants and bakes their values in (``x * self.scale.item()`` is
   recorded as ``x * 3.0``);
@@ -69,6 +69,8 @@ def program_difference(model0: nn.Module, model: nn.Module) -> str | None:
             for name, t0 in tensors0.items():
                 if not _same_metadata(t0, tensors[name]):
                     return f"{where}: `{name}` differs in shape, dtype, device or strides"
+                if t0 is not None and not compare.same(vars(t0), vars(tensors[name])):
+                    return f"{where}: `{name}` has Python attributes that differ"
         state0, state = vars(sub0), vars(sub)
         if state0.keys() != state.keys():
             return f"{where}: the attributes differ ({sorted(state0.keys() ^ state.keys())})"
