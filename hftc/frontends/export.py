@@ -38,6 +38,8 @@ Train/eval: export bakes the mode into the graph (``aten.dropout(x, p, True)``,
 ``batch_norm(..., training=True)``, the ``num_batches_tracked.add_(1)`` of a
 batch norm), so each model is exported once per mode, exactly as the symbolic
 front-end traces once per mode; the fused module picks the graph of its mode.
+Models that run the same program (:mod:`.same_program`) share one export per mode
+(:func:`export_models`): fusing N alike models costs about what fusing one does.
 
 Shapes: every dim of every tensor input is exported ``Dim.AUTO``, so the batch
 size (and a sequence length, where the model allows) stays symbolic: sizes
@@ -217,18 +219,16 @@ def export_models(
         programs: dict[int, torch.export.ExportedProgram] = {}
         graphs[mode] = []
         for i, model in enumerate(models):
-            args = tuple(inputs(i))
+            args, kwargs = _unaliased(tuple(inputs(i)), {})
             reused = programs.get(alike[i])
-            if reused is None:
-                args, kwargs = _unaliased(args, {})
-                program = _export_program(model, i, training=mode, args=args, kwargs=kwargs)
-                if alike[i] == i and not reads_tensor_values(program):
-                    programs[i] = program
-                graphs[mode].append(normalize_exported(program, model, i, args, kwargs))
-            else:
-                args, kwargs = _unaliased(args, {})
+            if reused is not None:
                 graphs[mode].append(normalize_exported(reused, model, i, args, kwargs,
                                                        exported=models[alike[i]]))
+                continue
+            program = _export_program(model, i, training=mode, args=args, kwargs=kwargs)
+            if alike[i] == i and not reads_tensor_values(program):
+                programs[i] = program
+            graphs[mode].append(normalize_exported(program, model, i, args, kwargs))
     return graphs
 
 
