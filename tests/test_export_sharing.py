@@ -253,3 +253,22 @@ def test_program_difference_names_what_differs():
     p, q = Block(), Block()
     p.fc.weight.tag, q.fc.weight.tag = "a", "b"
     assert program_difference(p, q) == "module `fc`: `weight` has Python attributes that differ"
+
+
+def test_transformers_t5_is_exported_once_per_mode(exports):
+    """Hugging Face T5 (each model its own config object, equal field by field), relative
+    position buckets, tied embeddings: two exports for three models, against the loop."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+
+    def config():
+        return transformers.T5Config(vocab_size=40, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                     num_decoder_layers=1, num_heads=4, dropout_rate=0.0,
+                                     use_cache=False, relative_attention_num_buckets=8)
+
+    models = [transformers.T5ForConditionalGeneration(config()) for _ in range(3)]
+    ids = torch.randint(0, 40, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    example = (ids, mask, ids[:, :4])  # forward(input_ids, attention_mask, decoder_input_ids)
+    check_equivalence(models, example, fuser=_fuser(example))
+    assert len(exports) == 2
