@@ -272,3 +272,17 @@ def test_transformers_t5_is_exported_once_per_mode(exports):
     example = (ids, mask, ids[:, :4])  # forward(input_ids, attention_mask, decoder_input_ids)
     check_equivalence(models, example, fuser=_fuser(example))
     assert len(exports) == 2
+
+
+def test_fuse_groups_exports_one_model_per_program(exports):
+    """hftc.fuse_groups keys models by their graphs: one export for the models proved
+    alike, not one each (two keys, then two exports per group: six, not eight)."""
+    x = torch.randn(5, 4)
+    models = [Residual(True), Residual(True), Residual(False), Residual(True)]
+    groups = hftc.fuse_groups(models, example_inputs=(x,))
+    assert [indices for _, indices in groups] == [[0, 1, 3], [2]]
+    assert len(exports) == 6
+    for fused, indices in groups:
+        out = fused(x)
+        for j, i in enumerate(indices):
+            torch.testing.assert_close(out[j], models[i](x))
