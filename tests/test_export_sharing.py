@@ -286,3 +286,11 @@ def test_fuse_groups_exports_one_model_per_program(exports):
         out = fused(x)
         for j, i in enumerate(indices):
             torch.testing.assert_close(out[j], models[i](x))
+
+
+def test_program_difference_of_deeply_nested_attributes_is_a_difference():
+    a, b = Block(), Block()
+    a.nested, b.nested = [], []
+    for _ in range(5000):  # deeper than Python's recursion limit
+        a.nested, b.nested = [a.nested], [b.nested]
+    assert program_difference(a, b) == "an attribute is nested too deeply to compare"

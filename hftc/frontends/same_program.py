@@ -59,6 +59,15 @@ def program_difference(model0: nn.Module, model: nn.Module) -> str | None:
         return "the module trees differ (submodule paths or classes)"
     if _tying(modules0) != _tying(modules):
         return "the modules are shared between paths differently"
+    try:
+        return _state_difference(model0, model, modules0, modules)
+    except RecursionError:  # an attribute nested deeper than Python compares
+        return "an attribute is nested too deeply to compare"
+
+
+def _state_difference(model0: nn.Module, model: nn.Module,
+                      modules0: list[tuple[str, nn.Module]],
+                      modules: list[tuple[str, nn.Module]]) -> str | None:
     compare = _Comparison(model0, model)
     for (path, sub0), (_, sub) in zip(modules0, modules):
         where = f"module `{path or '<root>'}`"
