@@ -491,7 +491,7 @@ class FusedModule(ContainerAccess, nn.Module):
                     raise
         if example_inputs is None:
             raise FusionArgumentError("frontend='export' needs example_inputs=(...)")
-        from .frontends.export import export_model
+        from .frontends.export import export_models
 
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
@@ -499,12 +499,9 @@ class FusedModule(ContainerAccess, nn.Module):
         # Export runs each model on the example inputs, where a model of another dtype
         # fails in torch ("Input type (float) and bias type (double) should be the same").
         _check_same_dtypes(models)
-        spellings = aten_spellings()
-        return {mode: [export_model(m, i, training=mode,
-                                    args=tuple(v[i] if b else v for v, b in zip(merged, batched)),
-                                    aten_spellings=spellings)
-                       for i, m in enumerate(models)]
-                for mode in (True, False)}
+        return export_models(
+            models, lambda i: tuple(v[i] if b else v for v, b in zip(merged, batched)),
+            modes=(True, False), aten_spellings=aten_spellings())
 
     def _adopt(self, root: nn.Module, model0: nn.Module) -> None:
         """Take over the root's children and tensors (the tree was built for model 0's root)."""

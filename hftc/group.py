@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from .errors import TraceError
+from .frontends.same_program import program_difference
 from .frontends.symbolic import trace_model
 from .fused import FusedModule, _check_models, _example_constants
 from .match import node_signature
@@ -62,9 +63,18 @@ def fuse_groups(
     # Shared example inputs also trace the models that only torch.export can read.
     shared = fuse_kwargs.get("in_dims") is None and fuse_kwargs.get("frontend") != "symbolic"
     example = fuse_kwargs.get("example_inputs") if shared else None
+    # Models proved to run one program (same code, equal Python state: same_program.py)
+    # have one structure key: trace or export only the first of them.
+    alike: list[int] = []
+    for i, m in enumerate(models):
+        alike.append(next((j for j in sorted(set(alike))
+                           if program_difference(models[j], m) is None), i))
+    keys: dict[int, str] = {}
     groups: dict[str, list[int]] = {}
     for i, m in enumerate(models):
-        groups.setdefault(structure_key(m, i, example), []).append(i)
+        if alike[i] not in keys:
+            keys[alike[i]] = structure_key(m, i, example)
+        groups.setdefault(keys[alike[i]], []).append(i)
     return [
         (FusedModule([models[i] for i in indices], **fuse_kwargs), indices)
         for indices in groups.values()

@@ -39,6 +39,8 @@ Train/eval: export bakes the mode into the graph (``aten.dropout(x, p, True)``,
 ``batch_norm(..., training=True)``, the ``num_batches_tracked.add_(1)`` of a
 batch norm), so each model is exported once per mode, exactly as the symbolic
 front-end traces once per mode; the fused module picks the graph of its mode.
+Models that run the same program (:mod:`.same_program`) share one export per mode
+(:func:`export_models`): fusing N alike models costs about what fusing one does.
 
 Shapes: every dim of every tensor input is exported ``Dim.AUTO``, so the batch
 size (and a sequence length, where the model allows) stays symbolic: sizes
@@ -71,6 +73,7 @@ from torch.utils import _pytree as pytree
 from ..errors import TraceError, plain_message
 from ..ir import bind_arguments, call_signature
 from ..runtime.guards import check_input_shape, check_input_structure, check_input_value
+from .same_program import program_difference, reads_tensor_values
 from .symbolic import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
 
 aten = torch.ops.aten
@@ -191,6 +194,50 @@ def _inference_mode_refused(index: int, model: nn.Module) -> Iterator[None]:
         mode.__enter__ = enter
 
 
+def export_models(
+    models: Sequence[nn.Module], inputs: Callable[[int], tuple], *, modes: Sequence[bool],
+    aten_spellings: Mapping[Any, Converter],
+) -> dict[bool, list[fx.GraphModule]]:
+    """Each model's normalised graph in each mode, with one ``torch.export`` per mode for
+    each group of models that run the same program (:mod:`.same_program`), not one per model.
+
+    ``inputs(i)`` is model ``i``'s example inputs; ``aten_spellings`` as for
+    :func:`export_model`.  Model ``i`` reuses the program of the
+    first model found alike, normalised at its own parameters and buffers::
+
+        models    T5 T5 T5 T5 (p=0.2) T5       program_difference against the first alike
+        exported  0  .  .  3          .        2 exports per mode, not 5
+        graph of  0  0  0  3          0        read at each model's own tensors
+
+    A program that read tensor values on the host (``.item()`` of a parameter: export
+    gives it no value to specialise on, but an unbacked symbol whose uses the graph may
+    have refined) is not reused: each model of the group is exported itself.
+    The groups are found once, before exporting (forward may change Python state).
+    """
+    alike: list[int] = []  # the first model each model runs the program of
+    for i, model in enumerate(models):
+        alike.append(next((j for j in sorted(set(alike))
+                           if program_difference(models[j], model) is None), i))
+    graphs: dict[bool, list[fx.GraphModule]] = {}
+    for mode in modes:
+        programs: dict[int, torch.export.ExportedProgram] = {}
+        graphs[mode] = []
+        for i, model in enumerate(models):
+            args, kwargs = _unaliased(tuple(inputs(i)), {})
+            reused = programs.get(alike[i])
+            if reused is not None:
+                graphs[mode].append(normalize_exported(reused, model, i, args, kwargs,
+                                                       aten_spellings,
+                                                       exported=models[alike[i]]))
+                continue
+            program = _export_program(model, i, training=mode, args=args, kwargs=kwargs)
+            if alike[i] == i and not reads_tensor_values(program):
+                programs[i] = program
+            graphs[mode].append(normalize_exported(program, model, i, args, kwargs,
+                                                   aten_spellings))
+    return graphs
+
+
 def export_model(
     model: nn.Module, index: int, *, training: bool, args: tuple, kwargs: dict | None = None,
     aten_spellings: Mapping[Any, Converter],
@@ -202,10 +249,18 @@ def export_model(
     :class:`TraceError` naming the model when ``torch.export`` fails.
     """
     args, kwargs = _unaliased(tuple(args), dict(kwargs or {}))
+    program = _export_program(model, index, training=training, args=args, kwargs=kwargs)
+    return normalize_exported(program, model, index, args, kwargs, aten_spellings)
+
+
+def _export_program(
+    model: nn.Module, index: int, *, training: bool, args: tuple, kwargs: dict
+) -> torch.export.ExportedProgram:
+    """``torch.export`` of ``model`` in one mode, or a :class:`TraceError` naming the model."""
     try:
         with _uniform_mode(model, training), _quiet(), _inference_mode_refused(index, model), \
                 _traceable_forwards(model):
-            program = torch.export.export(
+            return torch.export.export(
                 model, tuple(args), kwargs,
                 dynamic_shapes=_dynamic_shapes(tuple(args), kwargs, model),
                 strict=False,
@@ -229,7 +284,6 @@ def export_model(
             f"given example_inputs ({'train' if training else 'eval'} mode)"
             f"{f' at {where}' if where else ''}: {plain_message(exc)}. {advice}"
         ) from exc
-    return normalize_exported(program, model, index, tuple(args), kwargs, aten_spellings)
 
 
 # --------------------------------------------------------------------------- normalising
@@ -365,7 +419,8 @@ def _input_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
 
 def normalize_exported(
     program: torch.export.ExportedProgram, model: nn.Module, index: int, args: tuple,
-    kwargs: dict, aten_spellings: Mapping[Any, Converter],
+    kwargs: dict, aten_spellings: Mapping[Any, Converter], *,
+    exported: nn.Module | None = None,
 ) -> fx.GraphModule:
     """An exported program as a graph in the symbolic front-end's language (module docstring).
 
@@ -373,14 +428,17 @@ def normalize_exported(
     positional input, then one per keyword input); parameters, buffers and tensor
     constants are ``get_attr`` nodes of their original names; every ATen op is
     spelled as the symbolic front-end would have seen it.  The returned
-    ``GraphModule`` is rooted at the model's own tensors (no copies).  In four steps::
+    ``GraphModule`` is rooted at the model's own tensors (no copies), also when the
+    program was ``exported`` from another model that runs the same program
+    (:func:`export_models`).  In four steps::
 
         exported placeholders (USER_INPUT) -> user inputs + their guards   (_emit_inputs)
         exported placeholders (the rest)   -> get_attr of the model's names (_emit_attributes)
         ATen ops                           -> torch / F / Tensor calls      (_emit_ops)
         exported output                    -> the model's output structure  (_emit_outputs)
     """
-    n = _Normalizing(program, model, index, aten_spellings)
+    n = _Normalizing(program, model, index, aten_spellings,
+                     model if exported is None else exported)
     _emit_inputs(n, args, kwargs)
     _emit_attributes(n)
     _emit_ops(n)
@@ -394,9 +452,11 @@ class _Normalizing:
     node -> new value map, the module's attributes, the device of the first tensor input."""
 
     def __init__(self, program: torch.export.ExportedProgram, model: nn.Module,
-                 index: int, aten_spellings: Mapping[Any, Converter]) -> None:
+                 index: int, aten_spellings: Mapping[Any, Converter],
+                 exported: nn.Module) -> None:
         self.program, self.model, self.index = program, model, index
         self.aten_spellings = aten_spellings
+        self.exported = exported  # the model export ran (``model`` or one alike)
         self.kinds = torch.export.graph_signature.InputKind
         self.specs = {s.arg.name: s for s in program.graph_signature.input_specs
                       if hasattr(s.arg, "name")}
@@ -465,12 +525,14 @@ def _emit_attributes(n: _Normalizing) -> None:
         if spec.kind in (n.kinds.CONSTANT_TENSOR, n.kinds.CUSTOM_OBJ):
             value = n.program.constants[target]
             try:
-                owned = _get_path(n.model, target)
+                owned = _get_path(n.exported, target)
             except AttributeError:
                 owned = None
             if owned is not value:  # created in forward: not an attribute of the model
                 target = f"_hftc_lifted_{lifted}"
                 lifted += 1
+            elif n.exported is not n.model:  # equal to this model's (program_difference)
+                value = _get_path(n.model, target)
             n.attrs[target] = value
         else:
             n.attrs[target] = _get_path(n.model, target)
