@@ -143,23 +143,27 @@ def layer_norm(
 ) -> Tensor:
     """Per-model ``F.layer_norm``: normalize the last dims once, then each model's affine.
 
-    Normalizing needs no parameters, so a shared ``x`` is normalized once for all N.
+    Normalizing needs no parameters, so a shared ``x`` is normalized once for all N.  A
+    bf16/fp16 ``x`` is normalized and scaled in float32 and rounded once, as ATen's
+    layer norm does: rounding the normalized values before the affine (and their
+    gradient after it) loses the small differences its backward is made of.
     """
-    y = F.layer_norm(x, tuple(normalized_shape), None, None, eps)
+    y = F.layer_norm(opmath(x), tuple(normalized_shape), None, None, eps)
     if not x_batched:
         y = y.unsqueeze(0)
-    return _affine(y, weight, bias, len(normalized_shape))
+    return _affine(y, weight, bias, len(normalized_shape)).to(x.dtype)
 
 
 def rms_norm(
     x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None,
     *, x_batched: bool,
 ) -> Tensor:
-    """Per-model ``F.rms_norm``: normalize once, then scale by each model's weight."""
-    y = F.rms_norm(x, tuple(normalized_shape), None, eps)
+    """Per-model ``F.rms_norm``: normalize once, then scale by each model's weight (in
+    float32 for a bf16/fp16 ``x``, as :func:`layer_norm`)."""
+    y = F.rms_norm(opmath(x), tuple(normalized_shape), None, eps)
     if not x_batched:
         y = y.unsqueeze(0)
-    return _affine(y, weight, None, len(normalized_shape))
+    return _affine(y, weight, None, len(normalized_shape)).to(x.dtype)
 
 
 def per_model_batch_norm(
