@@ -1,0 +1,247 @@
+"""The first-call choice between the fused program and the models one by one
+(``hftc.fuse(models, strategy=...)``, hftc/compile/strategy.py).
+
+Speed is never asserted: the timing is made deterministic by slowing one way down
+(``_slow``), and the tests check what the choice must never change (outputs, gradients,
+parameters, optimizer state, RNG draws, buffers) and the mechanism (taken, cached,
+forced, per mode).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hftc
+import hftc.compile.autotune as autotune
+import hftc.compile.strategy as strategy
+from hftc.errors import FusionArgumentError
+from tests.equivalence import check_equivalence
+
+
+class ConvNet(nn.Module):
+    """A pytorch/examples mnist-style net: conv, batch norm, dropout, a linear head."""
+
+    def __init__(self, p: float = 0.25):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(p)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(self.drop(torch.flatten(x, 1)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path, monkeypatch):
+    """Each test its own disk cache, none in memory, and the default strategy ("auto")."""
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("HFTC_STRATEGY", raising=False)
+    saved = dict(autotune._MEMORY)
+    autotune._MEMORY.clear()
+    yield
+    autotune._MEMORY.clear()
+    autotune._MEMORY.update(saved)
+
+
+def _slow(monkeypatch, which: str, seconds: float = 0.004) -> list[str]:
+    """Make the timed runs of ``which`` ("fused" or "model_loop") slower by ``seconds``;
+    returns the names of the ways run, in order."""
+    real = strategy._run_step
+    ran: list[str] = []
+
+    def run_step(fused, forward, how, *args, **kwargs):
+        name = "fused" if how.model_loop is None else "model_loop"
+        ran.append(name)
+        if name == which:
+            time.sleep(seconds)
+        return real(fused, forward, how, *args, **kwargs)
+
+    monkeypatch.setattr(strategy, "_run_step", run_step)
+    return ran
+
+
+def _models(n: int = 3, dtype=torch.float64) -> list[nn.Module]:
+    torch.manual_seed(1)
+    return [ConvNet(p=0.1 * (i + 1)).to(dtype) for i in range(n)]
+
+
+def _x(dtype=torch.float64) -> torch.Tensor:
+    return torch.randn(6, 1, 16, 16, generator=torch.Generator().manual_seed(2), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("forced", ["fused", "model_loop"])
+def test_forced_strategy_equals_the_serial_loop(monkeypatch, forced, dtype):
+    """Either way: the serial loop's outputs, buffers, gradients and SGD steps (the
+    harness fuses with the default strategy, which HFTC_STRATEGY sets)."""
+    monkeypatch.setenv("HFTC_STRATEGY", forced)
+    models = [m.eval() for m in _models(dtype=dtype)]  # dropout off: the draws differ fused
+    check_equivalence(models, _x(dtype), dtype=dtype, train=False, steps=2)
+    models = [nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                            nn.Linear(4 * 14 * 14, 5)).to(dtype) for _ in range(3)]
+    check_equivalence(models, _x(dtype), dtype=dtype, train=True, steps=2)
+    fused = hftc.fuse(copy.deepcopy(models))
+    fused(_x(dtype))
+    assert fused.plan.chosen == forced and fused.plan.reason == "forced"
+    assert (fused.last_program().model_loop is not None) == (forced == "model_loop")
+
+
+def test_model_loop_is_the_serial_loop_with_dropout():
+    """The loop draws dropout's numbers as the serial loop does (model 0's, then model
+    1's ...): seeded, the same outputs and gradients, exactly."""
+    models = _models()
+    fused = hftc.fuse(copy.deepcopy(models), strategy="model_loop")
+    x = _x()
+    torch.manual_seed(5)
+    out = fused(x)
+    out.square().sum().backward()
+    torch.manual_seed(5)
+    for i, m in enumerate(models):
+        want = m(x)
+        want.square().sum().backward()
+        torch.testing.assert_close(out[i], want, rtol=0, atol=0)
+        torch.testing.assert_close(fused.fc.weight.grad[i], m.fc.weight.grad, rtol=0, atol=0)
+        torch.testing.assert_close(fused.bn.running_mean[i], m.bn.running_mean, rtol=0, atol=0)
+
+
+def test_auto_takes_the_faster_and_keeps_parameters_and_optimizer(monkeypatch):
+    """The loop measured faster is taken; the parameters stay the objects the optimizer
+    was built on (built before the first call), and training equals the serial loop."""
+    ran = _slow(monkeypatch, "fused")
+    models = [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+              for _ in range(3)]
+    serial = copy.deepcopy(models)
+    fused = hftc.fuse(copy.deepcopy(models))
+    assert fused.strategy == "auto"
+    params = list(fused.parameters())
+    lrs = [0.1, 0.05, 0.01]
+    opt = hftc.optim.SGD(fused.parameters(), lr=lrs, momentum=0.9)
+    serial_opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
+                   for m, lr in zip(serial, lrs)]
+    x = torch.randn(5, 8, dtype=torch.float64)
+    for step in range(3):
+        opt.zero_grad()
+        out = fused(x)
+        out.square().sum().backward()
+        opt.step()
+        for i, (m, o) in enumerate(zip(serial, serial_opts)):
+            o.zero_grad()
+            want = m(x)
+            want.square().sum().backward()
+            o.step()
+            torch.testing.assert_close(out[i], want, rtol=1e-12, atol=1e-12)
+        if step == 0:
+            assert fused.plan.chosen == "model_loop" and fused.plan.reason == "timed"
+            assert fused.plan.backward and fused.plan.rounds >= strategy._MIN_ROUNDS
+            assert set(ran) == {"fused", "model_loop"}
+    assert fused.last_program().model_loop is not None
+    assert [id(p) for p in fused.parameters()] == [id(p) for p in params]
+    assert {id(p) for p in opt.state} == {id(p) for p in params}
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in params]
+    for i, m in enumerate(serial):
+        torch.testing.assert_close(fused.get_parameter("0.weight")[i], m[0].weight,
+                                   rtol=1e-12, atol=1e-12)
+    assert "strategy: runs the models one by one (timed" in str(fused.fusion_report)
+
+
+def test_auto_keeps_the_fused_program_where_it_is_faster(monkeypatch):
+    _slow(monkeypatch, "model_loop")
+    fused = hftc.fuse(_models())
+    fused(_x())
+    assert fused.plan.chosen == "fused" and fused.plan.reason == "timed"
+    assert fused.last_program().model_loop is None
+    assert set(fused.plan.times) == {"fused", "model_loop"}
+
+
+def test_choice_is_cached_on_disk_per_mode(monkeypatch, tmp_path):
+    """Train and eval are timed apart (forward + backward, forward only) and stored; a
+    new process (the memory cache emptied) with the same shapes times nothing."""
+    ran = _slow(monkeypatch, "fused")
+    models = _models()
+    fused = hftc.fuse(copy.deepcopy(models))
+    fused(_x())
+    train_plan = fused.plan
+    fused.eval()
+    fused(_x())
+    assert train_plan.backward and not fused.plan.backward
+    assert train_plan.reason == fused.plan.reason == "timed"
+    entries = json.loads((tmp_path / "autotune.json").read_text())
+    strategy_entries = [e for k, e in entries.items() if '"strategy-1"' in k]
+    assert len(strategy_entries) == 2
+    assert all(e["chosen"] == "model_loop" for e in strategy_entries)
+
+    autotune._MEMORY.clear()
+    ran.clear()
+    again = hftc.fuse(copy.deepcopy(models))
+    again(_x())
+    assert again.plan.reason == "cache" and again.plan.chosen == "model_loop"
+    assert again.last_program().model_loop is not None
+    assert ran == []
+    # Another N is another key: timed again.
+    other = hftc.fuse(copy.deepcopy(models[:2]))
+    other(_x())
+    assert other.plan.reason == "timed" and ran
+
+
+@pytest.mark.parametrize("chosen", ["fused", "model_loop"])
+def test_timing_draws_no_random_numbers_and_keeps_buffers(monkeypatch, chosen):
+    """A model with dropout and batch norm, seeded: with the timing on (auto, which
+    chooses ``chosen``) the same outputs, gradients and running statistics as that way
+    forced (no timing), over two calls: the timing's dropout draws and batch norm
+    updates are undone."""
+    results = []
+    real_run_step = strategy._run_step
+    for how in ("auto", chosen):
+        if how == "auto":
+            _slow(monkeypatch, "fused" if chosen == "model_loop" else "model_loop")
+        else:
+            monkeypatch.setattr(strategy, "_run_step", real_run_step)
+        fused = hftc.fuse(_models(), strategy=how)
+        torch.manual_seed(7)
+        outs = [fused(_x()) for _ in range(2)]
+        outs[1].sum().backward()
+        assert fused.plan.chosen == chosen
+        results.append((outs, fused.conv.weight.grad.clone(),
+                        fused.bn.running_mean.clone(), torch.random.get_rng_state()))
+    (auto_outs, auto_grad, auto_mean, auto_rng), (outs, grad, mean, rng) = results
+    for a, b in zip(auto_outs, outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(auto_grad, grad, rtol=0, atol=0)
+    torch.testing.assert_close(auto_mean, mean, rtol=0, atol=0)
+    assert torch.equal(auto_rng, rng)
+    assert (auto_outs[0] != auto_outs[1]).any()  # the dropout draws are real
+
+
+def test_bad_strategy_is_refused(monkeypatch):
+    models = _models(2)
+    with pytest.raises(FusionArgumentError, match=r"strategy must be 'auto'.*got 'fast'"):
+        hftc.fuse(models, strategy="fast")
+    monkeypatch.setenv("HFTC_STRATEGY", "loop")
+    with pytest.raises(FusionArgumentError, match=r"\$HFTC_STRATEGY must be .*got 'loop'"):
+        hftc.fuse(models)
+    assert hftc.fuse(models, strategy="fused").strategy == "fused"  # the argument wins
+
+
+def test_autotune_with_strategy_fused_never_takes_the_loop(monkeypatch):
+    """autotune=True's whole-forward choice leaves the loop out when the fused program
+    is forced (and times it otherwise)."""
+    ran = _slow(monkeypatch, "fused")
+    models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)) for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models), autotune=True, strategy="fused")
+    fused(torch.randn(4, 8))
+    whole = fused.fusion_report.lowerings[-1]
+    assert whole.node == "<whole model>" and "model_loop" not in whole.times
+    assert fused.plan.chosen == "fused" and fused.plan.reason == "autotune"
+    assert ran == []  # the strategy stage does not run under autotune
+    tuned = hftc.fuse(copy.deepcopy(models), autotune=True)
+    tuned(torch.randn(4, 8))
+    assert "model_loop" in tuned.fusion_report.lowerings[-1].times
