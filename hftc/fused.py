@@ -404,7 +404,7 @@ class FusedModule(ContainerAccess, nn.Module):
         #: "auto" (time the fused program against the models one by one on each new
         #: program's first call, keep the faster), "fused" or "model_loop"
         #: (hftc.compile.strategy).
-        self.strategy = resolve_strategy(strategy)
+        self.strategy = resolve_strategy(strategy, autotune)
         self._check_modes(models)
         _check_initialized(models)
         _check_hooks(models)
@@ -1131,7 +1131,8 @@ def fuse(
             at least 3 rounds), and keep the faster, cached on disk per device, shapes
             and N; ``"fused"`` or ``"model_loop"`` force one. Both compute the models'
             answers on the same parameters; ``fused.plan`` says which runs and why.
-            ``None`` takes ``$HFTC_STRATEGY``, else ``"auto"``.
+            ``None`` takes ``$HFTC_STRATEGY``, else ``"auto"`` (with ``autotune=True``
+            always ``"auto"``: its whole-forward choice times the loop too).
 
     Returns:
         The ``FusedModule``. Its parameters and buffers are the N models' stacked

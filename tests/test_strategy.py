@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
 import pytest
 import torch
@@ -52,20 +51,34 @@ def _fresh_cache(tmp_path, monkeypatch):
     autotune._MEMORY.update(saved)
 
 
-def _slow(monkeypatch, which: str, seconds: float = 0.004) -> list[str]:
-    """Make the timed runs of ``which`` ("fused" or "model_loop") slower by ``seconds``;
-    returns the names of the ways run, in order."""
+class _Clock:
+    """The timing's clock, made deterministic: each reading advances it by 1 ms, and a
+    run of the slowed way by 50 ms more (a loaded machine cannot flip the choice)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
+def _slow(monkeypatch, which: str) -> list[str]:
+    """Make the timed runs of ``which`` ("fused" or "model_loop") 50 ms slower on the
+    timing's clock; returns the names of the ways run, in order."""
     real = strategy._run_step
+    clock = _Clock()
     ran: list[str] = []
 
     def run_step(fused, forward, how, *args, **kwargs):
         name = "fused" if how.model_loop is None else "model_loop"
         ran.append(name)
         if name == which:
-            time.sleep(seconds)
+            clock.now += 0.05
         return real(fused, forward, how, *args, **kwargs)
 
     monkeypatch.setattr(strategy, "_run_step", run_step)
+    monkeypatch.setattr(strategy, "time", clock)
     return ran
 
 
@@ -199,12 +212,13 @@ def test_timing_draws_no_random_numbers_and_keeps_buffers(monkeypatch, chosen):
     forced (no timing), over two calls: the timing's dropout draws and batch norm
     updates are undone."""
     results = []
-    real_run_step = strategy._run_step
+    real_run_step, time = strategy._run_step, strategy.time
     for how in ("auto", chosen):
         if how == "auto":
             _slow(monkeypatch, "fused" if chosen == "model_loop" else "model_loop")
         else:
             monkeypatch.setattr(strategy, "_run_step", real_run_step)
+            monkeypatch.setattr(strategy, "time", time)
         fused = hftc.fuse(_models(), strategy=how)
         torch.manual_seed(7)
         outs = [fused(_x()) for _ in range(2)]
@@ -229,6 +243,8 @@ def test_bad_strategy_is_refused(monkeypatch):
     with pytest.raises(FusionArgumentError, match=r"\$HFTC_STRATEGY must be .*got 'loop'"):
         hftc.fuse(models)
     assert hftc.fuse(models, strategy="fused").strategy == "fused"  # the argument wins
+    monkeypatch.setenv("HFTC_STRATEGY", "fused")
+    assert hftc.fuse(models, autotune=True).strategy == "auto"  # autotune times the loop
 
 
 def test_autotune_with_strategy_fused_never_takes_the_loop(monkeypatch):

@@ -68,9 +68,13 @@ _MAX_ROUNDS = 15
 _MARGIN = 0.03
 
 
-def resolve_strategy(strategy: str | None) -> str:
-    """``strategy`` as given, or ``$HFTC_STRATEGY``, or ``"auto"``; anything else is refused."""
+def resolve_strategy(strategy: str | None, autotune: bool = False) -> str:
+    """``strategy`` as given, or ``$HFTC_STRATEGY``, or ``"auto"``; anything else is
+    refused.  With ``autotune`` (which times the loop among its candidates), ``None`` is
+    ``"auto"`` whatever the environment says."""
     source = "strategy"
+    if strategy is None and autotune:
+        strategy = "auto"
     if strategy is None:
         strategy = os.environ.get(STRATEGY_ENV, "").strip() or "auto"
         source = f"${STRATEGY_ENV}"
