@@ -235,6 +235,49 @@ def test_timing_draws_no_random_numbers_and_keeps_buffers(monkeypatch, chosen):
     assert (auto_outs[0] != auto_outs[1]).any()  # the dropout draws are real
 
 
+def test_long_steps_cost_a_warm_up_and_two_rounds(monkeypatch):
+    """A step longer than the budget: the choice runs one warm-up of each way and two
+    timed rounds (one in each order), six steps in all, not more."""
+    ran = _slow(monkeypatch, "fused")
+    real_run_step = strategy._run_step
+    clock = strategy.time
+
+    def long_step(*args, **kwargs):
+        clock.now += 0.6  # both ways: 0.6 s a step on the timing's clock
+        return real_run_step(*args, **kwargs)
+
+    monkeypatch.setattr(strategy, "_run_step", long_step)
+    fused = hftc.fuse(_models())
+    fused(_x())
+    assert fused.plan.chosen == "model_loop" and fused.plan.rounds == 2
+    assert ran == ["fused", "model_loop", "fused", "model_loop", "model_loop", "fused"]
+    # short steps take rounds until the budget (1 s, the warm-up included) is spent
+    ran.clear()
+    monkeypatch.setattr(strategy, "_run_step", real_run_step)
+    short = hftc.fuse(_models(2))
+    short(_x())
+    assert short.plan.rounds > 2
+
+
+def test_model_loop_follows_each_modules_mode_across_calls():
+    """The loop sets each model's modules to the fused module's modes at every call
+    (batch norm frozen, then training again): the serial loop's outputs and running
+    statistics each time."""
+    models = [nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                            nn.Linear(4 * 14 * 14, 5)).double() for _ in range(3)]
+    fused = hftc.fuse(copy.deepcopy(models), strategy="model_loop")
+    x = _x()
+    for freeze in (False, True, False):
+        fused[1].train(not freeze)
+        for m in models:
+            m[1].train(not freeze)
+        out = fused(x)
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i], m(x), rtol=0, atol=0)
+            torch.testing.assert_close(fused[1].running_mean[i], m[1].running_mean,
+                                       rtol=0, atol=0)
+
+
 def test_bad_strategy_is_refused(monkeypatch):
     models = _models(2)
     with pytest.raises(FusionArgumentError, match=r"strategy must be 'auto'.*got 'fast'"):

@@ -8,8 +8,9 @@ stacked tensors), and the faster is kept::
 
     warm-up:   fused step, loop step                     (a loop that fails: fused)
     rounds:    fused, loop | loop, fused | fused, loop ...  (order alternates: drift
-               hits both), at least _MIN_ROUNDS, then until _BUDGET_S is spent or
-               _MAX_ROUNDS
+               hits both), at least _MIN_ROUNDS, then until _BUDGET_S (counted from
+               the warm-up) is spent or _MAX_ROUNDS: the choice costs about
+               max(_BUDGET_S, 6 steps)
     choice:    the loop if median(loop / fused per round) < 1 - _MARGIN, else fused
     cache:     the choice on disk (autotune's file) per device, threads, torch,
                program, input shapes, N and mode: the next process times nothing
@@ -58,10 +59,10 @@ from .check import input_copies, preserved_state
 STRATEGIES = ("auto", "fused", "model_loop")
 #: The environment variable that sets the default strategy (``fuse(strategy=None)``).
 STRATEGY_ENV = "HFTC_STRATEGY"
-#: Seconds of timed rounds (after the warm-up) the choice may spend; at least
-#: ``_MIN_ROUNDS`` rounds run however long a step is.
+#: Seconds the choice may spend, its warm-up included; at least ``_MIN_ROUNDS`` timed
+#: rounds run however long a step is (two: one in each order, so drift hits both ways).
 _BUDGET_S = 1.0
-_MIN_ROUNDS = 3
+_MIN_ROUNDS = 2
 _MAX_ROUNDS = 15
 #: How much faster (a fraction, median of the per-round ratios) the loop must be to be
 #: taken: between ties the fused program stays, so the choice does not flip with noise.
@@ -156,6 +157,7 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
     copies = input_copies(values)
     fused_way = ProgramChoice()
+    warm_from = time.perf_counter()
     with preserved_state(fused):
         out, _ = _run_step(fused, program_forward, fused_way, copies, batched, backward)
         if not plain_output(out):  # what the loop cannot stack as the fused program does
@@ -169,7 +171,6 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
             return None, StrategyChoice("fused", "loop failed", backward=backward)
         times: dict[str, list[float]] = {"fused": [], "model_loop": []}
         ratios: list[float] = []
-        timed_from = time.perf_counter()
         for round_ in range(_MAX_ROUNDS):
             order = ((("fused", fused_way), ("model_loop", loop_way)) if round_ % 2 == 0
                      else (("model_loop", loop_way), ("fused", fused_way)))
@@ -180,7 +181,7 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
                 _sync(device)
                 times[name].append(time.perf_counter() - begin)
             ratios.append(times["model_loop"][-1] / max(times["fused"][-1], 1e-12))
-            if len(ratios) >= _MIN_ROUNDS and time.perf_counter() - timed_from >= budget_s:
+            if len(ratios) >= _MIN_ROUNDS and time.perf_counter() - warm_from >= budget_s:
                 break
     ratio = statistics.median(ratios)
     chosen = "model_loop" if ratio < 1 - _MARGIN else "fused"
