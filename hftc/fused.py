@@ -701,15 +701,22 @@ class FusedModule(ContainerAccess, nn.Module):
         return tuple(sig)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Calls are numbered: strategy="auto" times a call up to the next one only if no
+        # other program ran between (compile/strategy.py's CallTiming).
+        call_number = self.__dict__["_call_number"] = self.__dict__.get("_call_number", 0) + 1
         values, batched = self._inputs(args, kwargs)
         program = self._program(values, batched)
         try:
             with ir.modes_restored_on_error():
-                if program.how is not None:  # autotune's whole-model loop and/or layout
-                    return run_program(self, program.forward, program.how, values, batched)
+                how = program.how if program.trial is None else \
+                    program.trial.way(program, call_number)
+                if how is not None:  # the whole-model loop and/or autotune's layout
+                    return run_program(self, program.forward, how, values, batched)
                 out = program.forward(self, *values)
             return out if program.output_spec is None else program.output_spec.rebuild(out)
         except RuntimeError as exc:
+            if program.trial is not None:  # (a failed call's time counts for no way)
+                program.trial.last = None
             self._explain_input_mismatch(values, batched, exc)
             raise
 

@@ -65,8 +65,9 @@ class _Clock:
 
 def _slow(monkeypatch, which: str) -> list[str]:
     """Make the timed runs of ``which`` ("fused" or "model_loop") 50 ms slower on the
-    timing's clock; returns the names of the ways run, in order."""
-    real = strategy._run_step
+    timing's clock, extra steps and timed calls alike; returns the names of the ways
+    run, in order (a timed call's as "call:fused" / "call:model_loop")."""
+    real, real_way = strategy._run_step, strategy.CallTiming.way
     clock = _Clock()
     ran: list[str] = []
 
@@ -77,7 +78,16 @@ def _slow(monkeypatch, which: str) -> list[str]:
             clock.now += 0.05
         return real(fused, forward, how, *args, **kwargs)
 
+    def way(self, program, call_number):
+        how = real_way(self, program, call_number)
+        name = "fused" if how is None or how.model_loop is None else "model_loop"
+        ran.append(f"call:{name}")
+        if name == which:  # counted in this call's interval (up to the next call)
+            clock.now += 0.05
+        return how
+
     monkeypatch.setattr(strategy, "_run_step", run_step)
+    monkeypatch.setattr(strategy.CallTiming, "way", way)
     monkeypatch.setattr(strategy, "time", clock)
     return ran
 
@@ -126,9 +136,24 @@ def test_model_loop_is_the_serial_loop_with_dropout():
         torch.testing.assert_close(fused.bn.running_mean[i], m.bn.running_mean, rtol=0, atol=0)
 
 
-def test_auto_takes_the_faster_and_keeps_parameters_and_optimizer(monkeypatch):
-    """The loop measured faster is taken; the parameters stay the objects the optimizer
-    was built on (built before the first call), and training equals the serial loop."""
+def _calls_until_decided(fused, x, limit: int = 40) -> int:
+    """Call ``fused(x)`` (forward + backward in training mode) until the strategy is
+    chosen; the number of calls."""
+    for calls in range(1, limit + 1):
+        out = fused(x)
+        if fused.training:
+            out.square().sum().backward()
+        if fused.plan.reason != strategy.TIMING_CALLS:
+            return calls
+    raise AssertionError(f"not decided after {limit} calls: {fused.plan}")
+
+
+def test_auto_takes_the_faster_on_the_first_calls_keeping_parameters_and_optimizer(
+        monkeypatch):
+    """Models that draw no random numbers are timed on the user's own calls, which
+    alternate the two ways (warm-ups, then cycles fused, loop, loop, fused), no extra
+    step; each call is the serial loop's step, and the parameters stay the objects the
+    optimizer was built on; the loop measured faster is then kept."""
     ran = _slow(monkeypatch, "fused")
     models = [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).double()
               for _ in range(3)]
@@ -141,7 +166,8 @@ def test_auto_takes_the_faster_and_keeps_parameters_and_optimizer(monkeypatch):
     serial_opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9)
                    for m, lr in zip(serial, lrs)]
     x = torch.randn(5, 8, dtype=torch.float64)
-    for step in range(3):
+    decided_at = None
+    for step in range(40):
         opt.zero_grad()
         out = fused(x)
         out.square().sum().backward()
@@ -152,10 +178,18 @@ def test_auto_takes_the_faster_and_keeps_parameters_and_optimizer(monkeypatch):
             want.square().sum().backward()
             o.step()
             torch.testing.assert_close(out[i], want, rtol=1e-12, atol=1e-12)
-        if step == 0:
-            assert fused.plan.chosen == "model_loop" and fused.plan.reason == "timed"
-            assert fused.plan.backward and fused.plan.rounds >= strategy._MIN_ROUNDS
-            assert set(ran) == {"fused", "model_loop"}
+        if decided_at is None and fused.plan.reason != strategy.TIMING_CALLS:
+            decided_at = step
+    assert decided_at is not None
+    # 2 warm-ups + 6 cycles of 4 (the budget of 1 s is not reached at ~55 ms a call)
+    assert decided_at == 2 + strategy._MAX_CYCLES * 4
+    assert ran[:10] == ["call:fused", "call:model_loop"] + [
+        f"call:{name}" for name in strategy._CYCLE * 2]
+    assert all(name.startswith("call:") for name in ran)  # no extra step ran
+    plan = fused.plan
+    assert plan.chosen == "model_loop" and plan.reason == "timed on the first calls"
+    assert plan.backward and plan.rounds == strategy._MAX_CYCLES and plan.ratio < 0.97
+    assert 0 < plan.seconds < 2  # the 14 fused calls' extra 50 ms (and the check run)
     assert fused.last_program().model_loop is not None
     assert [id(p) for p in fused.parameters()] == [id(p) for p in params]
     assert {id(p) for p in opt.state} == {id(p) for p in params}
@@ -163,30 +197,55 @@ def test_auto_takes_the_faster_and_keeps_parameters_and_optimizer(monkeypatch):
     for i, m in enumerate(serial):
         torch.testing.assert_close(fused.get_parameter("0.weight")[i], m[0].weight,
                                    rtol=1e-12, atol=1e-12)
-    assert "strategy: runs the models one by one (timed" in str(fused.fusion_report)
+    assert "strategy: runs the models one by one (timed on the first calls" in str(
+        fused.fusion_report)
 
 
 def test_auto_keeps_the_fused_program_where_it_is_faster(monkeypatch):
     _slow(monkeypatch, "model_loop")
-    fused = hftc.fuse(_models())
-    fused(_x())
-    assert fused.plan.chosen == "fused" and fused.plan.reason == "timed"
+    fused = hftc.fuse([m.eval() for m in _models()])  # eval: no dropout, timed on calls
+    _calls_until_decided(fused, _x())
+    assert fused.plan.chosen == "fused" and fused.plan.reason == "timed on the first calls"
     assert fused.last_program().model_loop is None
     assert set(fused.plan.times) == {"fused", "model_loop"}
 
 
+def test_calls_of_another_program_between_are_not_counted(monkeypatch):
+    """An eval call between two training calls (validation) breaks the interval: it is
+    not counted and the training program's next call runs the same way again; a program
+    whose calls are always interrupted gives up and keeps the fused program."""
+    ran = _slow(monkeypatch, "model_loop")
+    monkeypatch.setattr(strategy, "_MAX_CYCLES", 1)
+    monkeypatch.setattr(strategy, "_MAX_TRIAL_CALLS", 20)
+    fused = hftc.fuse([nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+                       for _ in range(2)])
+    x = torch.randn(5, 8)
+    for call in range(66):
+        fused.train(call % 3 != 2)  # every third call evaluates
+        fused(x)
+    train = fused._programs[(True, fused._signature([x], [False]))]
+    evaluation = fused._programs[(False, fused._signature([x], [False]))]
+    assert train.plan.chosen == "fused" and train.plan.reason == "timed on the first calls"
+    assert evaluation.plan.reason.startswith("not timed")  # never two eval calls in a row
+    assert train.trial is None and evaluation.trial is None
+    # the training call after an eval call ran the way of the one before it again
+    train_ways = [name for call, name in enumerate(ran) if call % 3 != 2][:6]
+    assert train_ways[:3] == ["call:fused", "call:model_loop", "call:model_loop"]
+
+
 def test_choice_is_cached_on_disk_per_mode(monkeypatch, tmp_path):
-    """Train and eval are timed apart (forward + backward, forward only) and stored; a
-    new process (the memory cache emptied) with the same shapes times nothing."""
+    """Train (dropout draws: extra timed steps, forward + backward) and eval (no draws:
+    timed on the calls, forward only) are chosen apart and stored; a new process (the
+    memory cache emptied) with the same shapes times nothing."""
     ran = _slow(monkeypatch, "fused")
     models = _models()
     fused = hftc.fuse(copy.deepcopy(models))
     fused(_x())
     train_plan = fused.plan
     fused.eval()
-    fused(_x())
+    _calls_until_decided(fused, _x())
     assert train_plan.backward and not fused.plan.backward
-    assert train_plan.reason == fused.plan.reason == "timed"
+    assert train_plan.reason == "timed" and fused.plan.reason == "timed on the first calls"
     entries = json.loads((tmp_path / "autotune.json").read_text())
     strategy_entries = [e for k, e in entries.items() if '"strategy-1"' in k]
     assert len(strategy_entries) == 2
@@ -198,6 +257,9 @@ def test_choice_is_cached_on_disk_per_mode(monkeypatch, tmp_path):
     again(_x())
     assert again.plan.reason == "cache" and again.plan.chosen == "model_loop"
     assert again.last_program().model_loop is not None
+    again.eval()
+    again(_x())
+    assert again.plan.reason == "cache" and again.plan.chosen == "model_loop"
     assert ran == []
     # Another N is another key: timed again.
     other = hftc.fuse(copy.deepcopy(models[:2]))
@@ -224,6 +286,7 @@ def test_timing_draws_no_random_numbers_and_keeps_buffers(monkeypatch, chosen):
         outs = [fused(_x()) for _ in range(2)]
         outs[1].sum().backward()
         assert fused.plan.chosen == chosen
+        assert fused.plan.reason == ("timed" if how == "auto" else "forced")  # dropout
         results.append((outs, fused.conv.weight.grad.clone(),
                         fused.bn.running_mean.clone(), torch.random.get_rng_state()))
     (auto_outs, auto_grad, auto_mean, auto_rng), (outs, grad, mean, rng) = results

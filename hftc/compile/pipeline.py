@@ -10,8 +10,9 @@ program being built (:class:`ProgramState`)::
     check              run once beside models 0, N // 2, N - 1:   check.py
                        not the same outputs -> the N models one by one (pipeline ends)
     strategy choice    (autotune=False) strategy="auto": time     strategy.py
-                       the fused forward (+ backward) against the
-                       models one by one, keep the faster; "fused" /
+                       the fused program against the models one by
+                       one (on the first calls, or extra steps if
+                       random), keep the faster; "fused" /
                        "model_loop": as forced
     autotune           (autotune=True) time each fused op's       autotune.py
                        lowerings, then chains + codegen again with the chosen ones
@@ -47,7 +48,7 @@ from .autotune import ProgramChoice, autotune_graph, choose_program, cost_model_
 from .chains import chain_linears
 from .check import input_copies, preserved_state
 from .codegen import compile_graph
-from .strategy import StrategyChoice, choose_strategy
+from .strategy import CallTiming, StrategyChoice, choose_strategy
 
 
 @dataclass
@@ -66,6 +67,8 @@ class Program:
     how: ProgramChoice | None = None
     #: Whether the forward runs fused or the models one by one, and why (``fused.plan``).
     plan: StrategyChoice | None = None
+    #: While strategy="auto" times the first calls: how each call runs (.strategy).
+    trial: CallTiming | None = None
 
     @property
     def model_loop(self) -> ModelLoop | None:
@@ -100,6 +103,7 @@ class ProgramState:
     backward: bool = False  # autotune times forward + backward
     how: ProgramChoice | None = None  # layout choice
     plan: StrategyChoice | None = None  # strategy choice (or layout choice)
+    trial: CallTiming | None = None  # strategy choice, timed on the user's calls
     #: Set by a stage that decides the program on its own (the check's fallback to the N
     #: models one by one): the stages after it do not run.
     final: Program | None = None
@@ -108,7 +112,7 @@ class ProgramState:
         if self.final is not None:
             return self.final
         return Program(self.forward, self.graph, self.report, self.source, self.spec, self.how,
-                       self.plan)
+                       self.plan, self.trial)
 
 
 def propagate_shapes(state: ProgramState, options: CompileOptions) -> None:
@@ -171,10 +175,9 @@ def choose_strategy_stage(state: ProgramState, options: CompileOptions) -> None:
                                     "outputs rebuilt: not timed")
     else:
         backward = _times_backward(fused)
-        how, state.plan = choose_strategy(
+        state.how, state.plan, state.trial = choose_strategy(
             fused, state.forward, fused._models_one_by_one, state.values, state.batched,
             backward=backward, key_source=state.source)
-        state.how = how
     report.strategy = state.plan
 
 
