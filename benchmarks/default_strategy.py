@@ -1,16 +1,19 @@
 """What the default strategy ("auto": the first-call choice between the fused program and
 the models one by one) costs and gives, per workload and N.
 
-    python -m benchmarks.default_strategy [--rounds 8] [--only mlp,lenet5] [--json out.json]
+    python -m benchmarks.default_strategy [--rounds 8] [--only mlp,pointnet:2:4] [--json out.json]
 
 Per workload and N: N stock models with N ``torch.optim.SGD`` (serial), ``hftc.fuse(...,
-strategy="fused")`` (the fused program, what the default was before) and ``hftc.fuse(...)``
-(the default, timed from an empty cache) each with ``hftc.optim.SGD``; one training step
-each per round, interleaved, one thread.  Reported: the median per-round ratio
-serial/fused and serial/default with the 10th-90th percentiles, the default's choice and
-the seconds it took to decide.  The real-model-style workloads (a ConvNeXt-like block
-stack with stochastic depth, an EfficientNet-like net with squeeze-and-excitation, a
-fast_neural_style TransformerNet with InstanceNorm and upsampling) are small local copies.
+strategy="fused")`` (the fused program), ``strategy="model_loop"`` (the models one by
+one) and ``hftc.fuse(...)`` (the default, from an empty cache, stepped until it has
+chosen) each with ``hftc.optim.SGD``; then one training step each per round,
+interleaved, one thread.  Reported: the median per-round ratios serial/fused,
+serial/loop and serial/default with the 10th-90th percentiles, the default's choice, how
+(timed on the first calls, or on extra steps where the models draw random numbers), after
+how many calls, and what the choice cost (``plan.seconds``).  The real-model-style
+workloads (a ConvNeXt-like block stack with stochastic depth, an EfficientNet-like net
+with squeeze-and-excitation, a fast_neural_style TransformerNet with InstanceNorm and
+upsampling) are small local copies.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import nn
 
 import hftc
 import hftc.compile.autotune as autotune
+import hftc.compile.strategy as strategy
 from hftc.bench.torchvision_ops import StochasticDepth
 from hftc.bench.workloads import WORKLOADS
 
@@ -209,17 +213,22 @@ def measure(name: str, n: int, rounds: int) -> dict:
         return fused, step
 
     fused, fused_step = fused_stepper("fused")
+    _, loop_step = fused_stepper("model_loop")
     auto, auto_step = fused_stepper("auto")
-    start = time.perf_counter()
     fused_step()
-    first_fused = time.perf_counter() - start
+    loop_step()
     autotune._MEMORY.clear()  # an empty cache: the default times
     start = time.perf_counter()
-    auto_step()
-    first_auto = time.perf_counter() - start
+    calls = 0
+    while calls < 80:  # the default decides on its first calls (or on extra steps)
+        auto_step()
+        calls += 1
+        if auto.plan.reason != strategy.TIMING_CALLS:
+            break
+    deciding_s = time.perf_counter() - start
     serial_step()
-    times = {"serial": [], "fused": [], "auto": []}
-    steps = {"serial": serial_step, "fused": fused_step, "auto": auto_step}
+    times = {"serial": [], "fused": [], "loop": [], "auto": []}
+    steps = {"serial": serial_step, "fused": fused_step, "loop": loop_step, "auto": auto_step}
     order = list(steps)
     for r in range(rounds + 1):
         for key in order if r % 2 == 0 else order[::-1]:
@@ -227,17 +236,16 @@ def measure(name: str, n: int, rounds: int) -> dict:
             steps[key]()
             if r:  # round 0 warms up
                 times[key].append(time.perf_counter() - begin)
-    ratios = {k: [s / t for s, t in zip(times["serial"], times[k])] for k in ("fused", "auto")}
+    ratios = {k: [s / t for s, t in zip(times["serial"], times[k])]
+              for k in ("fused", "loop", "auto")}
     return {
         "workload": name, "n": n, "rounds": rounds,
-        "serial_ms": statistics.median(times["serial"]) * 1e3,
-        "fused_ms": statistics.median(times["fused"]) * 1e3,
-        "auto_ms": statistics.median(times["auto"]) * 1e3,
+        **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()},
         **{f"{k}_ratio": statistics.median(v) for k, v in ratios.items()},
         **{f"{k}_p10": _percentile(v, 0.1) for k, v in ratios.items()},
         **{f"{k}_p90": _percentile(v, 0.9) for k, v in ratios.items()},
-        "choice": auto.plan.chosen, "decide_s": auto.plan.seconds,
-        "first_call_extra_s": first_auto - first_fused,
+        "choice": auto.plan.chosen, "decide_s": auto.plan.seconds, "decide_calls": calls,
+        "deciding_wall_s": deciding_s, "how": auto.plan.reason,
         "plan": str(auto.plan),
     }
 
@@ -250,19 +258,22 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ["HFTC_CACHE_DIR"] = tempfile.mkdtemp(prefix="hftc-strategy-bench-")
-    names = args.only.split(",") if args.only else list(SIZES)
+    # "pointnet" (its SIZES) or "pointnet:2:4" (those N)
+    cases = [(name, tuple(int(n) for n in sizes) or SIZES[name])
+             for name, *sizes in (item.split(":") for item in
+                                  (args.only.split(",") if args.only else list(SIZES)))]
     rows = []
-    print("| workload | N | serial ms | fused ms | default ms | serial/fused [p10-p90] "
-          "| serial/default [p10-p90] | default's choice | decided in s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name in names:
-        for n in SIZES[name]:
+    print("| workload | N | serial ms | serial/fused [p10-p90] | serial/loop [p10-p90] "
+          "| serial/default [p10-p90] | default's choice (how, after calls) | choice cost s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, sizes in cases:
+        for n in sizes:
             row = measure(name, n, args.rounds)
             rows.append(row)
-            print(f"| {name} | {n} | {row['serial_ms']:.2f} | {row['fused_ms']:.2f} | "
-                  f"{row['auto_ms']:.2f} | {row['fused_ratio']:.2f} [{row['fused_p10']:.2f}-"
-                  f"{row['fused_p90']:.2f}] | {row['auto_ratio']:.2f} [{row['auto_p10']:.2f}-"
-                  f"{row['auto_p90']:.2f}] | {row['choice']} | {row['decide_s']:.2f} |",
+            cells = " | ".join(f"{row[k + '_ratio']:.2f} [{row[k + '_p10']:.2f}-"
+                               f"{row[k + '_p90']:.2f}]" for k in ("fused", "loop", "auto"))
+            print(f"| {name} | {n} | {row['serial_ms']:.2f} | {cells} | {row['choice']} "
+                  f"({row['how']}, {row['decide_calls']}) | {row['decide_s']:.2f} |",
                   flush=True)
             if args.json:
                 with open(args.json, "w") as f:

@@ -15,8 +15,8 @@ from its start to the next call's (the user's backward and optimizer step includ
                fused (a pattern of the user's calls of period 1 or 2, two micro-batches
                a step, hits both ways alike); an interval that another program's call
                interrupts is not counted, and the call runs the same way again
-    choice:    after a whole cycle once the counted intervals add up to _BUDGET_S, or
-               after _MAX_CYCLES: the loop if median(loop / fused per cycle) <
+    choice:    after _MIN_CYCLES or more whole cycles once the counted intervals add up
+               to _BUDGET_S, or after _MAX_CYCLES: the loop if median(loop / fused per cycle) <
                1 - _MARGIN, else fused; no extra step, only the trial calls that ran
                the slower way cost (``plan.seconds`` estimates it)
 
@@ -90,6 +90,7 @@ _MARGIN = 0.03
 #: Timing on the user's calls (:class:`CallTiming`): one cycle of counted intervals, and
 #: at most this many cycles.
 _CYCLE = ("fused", "model_loop", "model_loop", "fused")
+_MIN_CYCLES = 2
 _MAX_CYCLES = 6
 #: Calls of a program after which a timing that other programs' calls kept interrupting
 #: gives up (the fused program stays, untimed).
@@ -183,9 +184,9 @@ class CallTiming:
         self.last = None
         self.calls += 1
         timed = self.intervals[2:]
-        if timed and len(timed) % len(_CYCLE) == 0 and (
-                sum(t for _, t in timed) >= self.budget_s
-                or len(timed) // len(_CYCLE) >= _MAX_CYCLES):
+        cycles = len(timed) // len(_CYCLE)
+        if cycles >= _MIN_CYCLES and len(timed) % len(_CYCLE) == 0 and (
+                sum(t for _, t in timed) >= self.budget_s or cycles >= _MAX_CYCLES):
             self._decide(program)
             return program.how
         if self.calls > _MAX_TRIAL_CALLS:
