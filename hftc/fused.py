@@ -701,15 +701,10 @@ class FusedModule(ContainerAccess, nn.Module):
         return tuple(sig)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Calls are numbered: strategy="auto" times a call up to the next one only if no
-        # other program ran between (compile/strategy.py's CallTiming).
-        call_number = self.__dict__["_call_number"] = self.__dict__.get("_call_number", 0) + 1
         values, batched = self._inputs(args, kwargs)
-        program = self._program(values, batched)
+        program, how = self._program_and_way(values, batched)
         try:
             with ir.modes_restored_on_error():
-                how = program.how if program.trial is None else \
-                    program.trial.way(program, call_number)
                 if how is not None:  # the whole-model loop and/or autotune's layout
                     return run_program(self, program.forward, how, values, batched)
                 out = program.forward(self, *values)
@@ -719,6 +714,19 @@ class FusedModule(ContainerAccess, nn.Module):
                 program.trial.last = None
             self._explain_input_mismatch(values, batched, exc)
             raise
+
+    @run_eagerly
+    def _program_and_way(self, values: Sequence[Any], batched: Sequence[bool],
+                         ) -> tuple[Program, ProgramChoice | None]:
+        """This call's program and how it runs (None: the fused program).  Calls are
+        numbered: strategy="auto" times a call up to the next one only if no other
+        program ran between (compile/strategy.py's CallTiming).  Eager under
+        torch.compile: the timing's clock and counters are Python state."""
+        call_number = self.__dict__["_call_number"] = self.__dict__.get("_call_number", 0) + 1
+        program = self._program(values, batched)
+        if program.trial is None:
+            return program, program.how
+        return program, program.trial.way(program, call_number)
 
     @run_eagerly
     def _program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:

@@ -233,6 +233,24 @@ def test_calls_of_another_program_between_are_not_counted(monkeypatch):
     assert train_ways[:3] == ["call:fused", "call:model_loop", "call:model_loop"]
 
 
+def test_torch_compile_of_the_fused_module_times_the_first_calls_too(monkeypatch):
+    """Under torch.compile the timing runs eagerly (with the program lookup, torch.compile's
+    one graph break a call), so the calls still alternate and the choice is made; the
+    outputs are the models'."""
+    _slow(monkeypatch, "fused")
+    models = [nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).double()
+              for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    compiled = torch.compile(fused, backend="eager")
+    x = torch.randn(5, 8, dtype=torch.float64)
+    for _ in range(2 + 4 * strategy._MAX_CYCLES + 1):
+        out = compiled(x)
+        out.sum().backward()
+        for i, m in enumerate(models):
+            torch.testing.assert_close(out[i], m(x), rtol=1e-12, atol=1e-12)
+    assert fused.plan.chosen == "model_loop" and fused.plan.reason == "timed on the first calls"
+
+
 def test_choice_is_cached_on_disk_per_mode(monkeypatch, tmp_path):
     """Train (dropout draws: extra timed steps, forward + backward) and eval (no draws:
     timed on the calls, forward only) are chosen apart and stored; a new process (the
