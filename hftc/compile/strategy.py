@@ -15,10 +15,12 @@ from its start to the next call's (the user's backward and optimizer step includ
                fused (a pattern of the user's calls of period 1 or 2, two micro-batches
                a step, hits both ways alike); an interval that another program's call
                interrupts is not counted, and the call runs the same way again
+               (with two calls a step, the backward of both calls falls in one interval
+               and only the forwards differ: what is compared is then the forwards)
     choice:    after _MIN_CYCLES or more whole cycles once the counted intervals add up
-               to _BUDGET_S, or after _MAX_CYCLES: the loop if median(loop / fused per cycle) <
-               1 - _MARGIN, else fused; no extra step, only the trial calls that ran
-               the slower way cost (``plan.seconds`` estimates it)
+               to _BUDGET_S, or after _MAX_CYCLES: the loop if median(loop / fused per
+               cycle) < 1 - _MARGIN, else fused; no extra step, only the trial calls
+               that ran the slower way cost (``plan.seconds`` estimates it)
 
 Programs that draw random numbers (dropout) would give other draws fused than one by
 one, so that a run whose choice comes from the cache would not repeat a run that timed:
