@@ -180,6 +180,9 @@ def test_auto_takes_the_faster_on_the_first_calls_keeping_parameters_and_optimiz
             torch.testing.assert_close(out[i], want, rtol=1e-12, atol=1e-12)
         if decided_at is None and fused.plan.reason != strategy.TIMING_CALLS:
             decided_at = step
+        if step == 0:
+            assert str(fused.plan) == ("alternates the fused program and the models one by "
+                                       "one (timing the first calls; then runs the faster)")
     assert decided_at is not None
     # 2 warm-ups + 6 cycles of 4 (the budget of 1 s is not reached at ~55 ms a call)
     assert decided_at == 2 + strategy._MAX_CYCLES * 4

@@ -146,6 +146,9 @@ class StrategyChoice:
 
     def __str__(self) -> str:
         what = {"fused": "the fused program", "model_loop": "the models one by one"}
+        if self.reason == TIMING_CALLS:
+            return (f"alternates the fused program and the models one by one ({self.reason}"
+                    f"; then runs the faster)")
         text = f"runs {what.get(self.chosen, self.chosen)} ({self.reason}"
         if self.times:
             step = "forward + backward" if self.backward else "forward"
