@@ -168,8 +168,9 @@ class CallTiming:
     the program's ``how`` and ``plan`` and stores the choice."""
 
     def __init__(self, loop_way: ProgramChoice, key: str, path: Path, backward: bool,
-                 budget_s: float, setup_s: float):
+                 budget_s: float, setup_s: float, device: torch.device):
         self.ways: dict[str, ProgramChoice | None] = {"fused": None, "model_loop": loop_way}
+        self.device = device
         self.key, self.path, self.backward = key, path, backward
         self.budget_s, self.setup_s = budget_s, setup_s
         #: (way, seconds from the start of its call to the next call's), in order; the
@@ -182,7 +183,8 @@ class CallTiming:
     def way(self, program: Any, call_number: int) -> ProgramChoice | None:
         """How this call (the fused module's ``call_number``-th) runs: None for the fused
         program.  The interval of the previous call counts if it was this program's and
-        the call just before this one."""
+        the call just before this one (on a GPU, once its kernels have run)."""
+        _sync(self.device)
         now = time.perf_counter()
         if self.last is not None and self.last[2] == call_number - 1:
             self.intervals.append((self.last[0], now - self.last[1]))
@@ -276,7 +278,7 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
                                         backward=backward), None
         if not draws:
             timing = CallTiming(loop_way, key, path, backward, budget_s,
-                                time.perf_counter() - start)
+                                time.perf_counter() - start, device)
             return None, StrategyChoice("fused", TIMING_CALLS, backward=backward), timing
     copies = input_copies(values)
     fused_way = ProgramChoice()
