@@ -8,6 +8,8 @@
            shapes --passes/--> fused fx graph --chains, codegen--> forward(self, *inputs)
            --check--> run once beside models 0, N // 2 and N-1 alone: the same outputs?
                       (if not: the N models one by one, with a FusionWarning)
+           --strategy choice--> time the fused step against the N models one by one,
+                      keep the faster (strategy="auto", the default; compile/strategy.py)
            (autotune=True: --autotune, layout choice--> the fastest lowerings and layout)
 """
 
@@ -38,6 +40,7 @@ from .compile.check import (
     preserved_state,
 )
 from .compile.pipeline import CompileOptions, Program, compile_program
+from .compile.strategy import StrategyChoice, resolve_strategy
 from .compile_guard import compiled_original, run_eagerly
 from .errors import (
     FusionArgumentError,
@@ -379,6 +382,7 @@ class FusedModule(ContainerAccess, nn.Module):
         frontend: str = "auto",
         autotune: bool = False,
         check: bool = True,
+        strategy: str | None = None,
     ):
         super().__init__()
         models = _check_models(models)
@@ -397,6 +401,10 @@ class FusedModule(ContainerAccess, nn.Module):
         #: Compare each new program's outputs with models 0, N // 2 and N-1's own
         #: (hftc.compile.check).
         self.check = check
+        #: "auto" (time the fused program against the models one by one on each new
+        #: program's first call, keep the faster), "fused" or "model_loop"
+        #: (hftc.compile.strategy).
+        self.strategy = resolve_strategy(strategy, autotune)
         self._check_modes(models)
         _check_initialized(models)
         _check_hooks(models)
@@ -693,16 +701,31 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values, batched = self._inputs(args, kwargs)
-        program = self._program(values, batched)
+        program, how = self._program_and_way(values, batched)
         try:
             with ir.modes_restored_on_error():
-                if program.how is not None:  # autotune's whole-model loop and/or layout
-                    return run_program(self, program.forward, program.how, values, batched)
+                if how is not None:  # the whole-model loop and/or autotune's layout
+                    return run_program(self, program.forward, how, values, batched)
                 out = program.forward(self, *values)
             return out if program.output_spec is None else program.output_spec.rebuild(out)
         except RuntimeError as exc:
+            if program.trial is not None:  # (a failed call's time counts for no way)
+                program.trial.last = None
             self._explain_input_mismatch(values, batched, exc)
             raise
+
+    @run_eagerly
+    def _program_and_way(self, values: Sequence[Any], batched: Sequence[bool],
+                         ) -> tuple[Program, ProgramChoice | None]:
+        """This call's program and how it runs (None: the fused program).  Calls are
+        numbered: strategy="auto" times a call up to the next one only if no other
+        program ran between (compile/strategy.py's CallTiming).  Eager under
+        torch.compile: the timing's clock and counters are Python state."""
+        call_number = self.__dict__["_call_number"] = self.__dict__.get("_call_number", 0) + 1
+        program = self._program(values, batched)
+        if program.trial is None:
+            return program, program.how
+        return program, program.trial.way(program, call_number)
 
     @run_eagerly
     def _program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
@@ -765,7 +788,8 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
         return compile_program(self, self._graphs_for(values), values, batched,
-                               CompileOptions(autotune=self.autotune))
+                               CompileOptions(autotune=self.autotune,
+                                              strategy=getattr(self, "strategy", "fused")))
 
     def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,
                        values: Sequence[Any], batched: Sequence[bool], graph: fx.Graph,
@@ -973,6 +997,14 @@ class FusedModule(ContainerAccess, nn.Module):
         return next(reversed(self._programs.values()))
 
     @property
+    def plan(self) -> StrategyChoice | None:
+        """How the last compiled program runs, and why: ``plan.chosen`` is "fused" (the
+        fused program) or "model_loop" (the N models one by one, on the fused module's
+        own tensors); ``plan.reason`` says why ("timed", "cache", "forced", "check" ...)
+        and ``plan.times`` what was measured (:mod:`hftc.compile.strategy`)."""
+        return self.last_program().plan
+
+    @property
     def fusion_report(self) -> FusionReport:
         """The last compiled program's report: every node, the rule that fused it, the N
         originals it replaced, and what runs as a per-model loop (``.fallbacks``)."""
@@ -1086,6 +1118,7 @@ def fuse(
     frontend: str = "auto",
     autotune: bool = False,
     check: bool = True,
+    strategy: str | None = None,
 ) -> FusedModule:
     """Fuse N structurally identical models into one module: ``fused(x)[i] == models[i](x)``.
 
@@ -1106,6 +1139,14 @@ def fuse(
         check: run each new program once against models 0, N // 2 and N-1's own forward;
             where their outputs differ (forward's Python took another branch while
             traced) the models run one by one, with a ``FusionWarning``.
+        strategy: ``"auto"`` (default): on each new program's first call (per mode and
+            input signature) time the fused forward (+ backward in training mode)
+            against the N models run one by one, a few interleaved rounds (about 1 s,
+            at least 3 rounds), and keep the faster, cached on disk per device, shapes
+            and N; ``"fused"`` or ``"model_loop"`` force one. Both compute the models'
+            answers on the same parameters; ``fused.plan`` says which runs and why.
+            ``None`` takes ``$HFTC_STRATEGY``, else ``"auto"`` (with ``autotune=True``
+            always ``"auto"``: its whole-forward choice times the loop too).
 
     Returns:
         The ``FusedModule``. Its parameters and buffers are the N models' stacked
@@ -1118,7 +1159,7 @@ def fuse(
         FusionTypeError: something other than a list of ``nn.Module`` s.
     """
     return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs,
-                       frontend=frontend, autotune=autotune, check=check)
+                       frontend=frontend, autotune=autotune, check=check, strategy=strategy)
 
 
 __all__ = ["FusedModule", "Program", "fuse", "StackedModule"]

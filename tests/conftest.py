@@ -1,5 +1,6 @@
 """Shared pytest setup: every test starts from the same global RNG state."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,11 @@ import torch
 
 # The helpers (zoo.py, equivalence.py) live next to the tests, not in a package.
 sys.path.insert(0, str(Path(__file__).parent))
+
+# The suite tests the fused program (its kernels, its report): the default strategy
+# ("auto") would time it against the models one by one on every first call and could run
+# the loop instead. tests/test_strategy.py tests "auto" itself.
+os.environ.setdefault("HFTC_STRATEGY", "fused")
 
 
 @pytest.fixture(autouse=True)

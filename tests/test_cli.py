@@ -22,6 +22,13 @@ def test_inspect_prints_report_and_graph(capsys):
     assert "fuse_conv_module" in out and "fuse_linear" in out
     assert "0 per-model loops" in out
     assert "def forward(self, x):" in out  # the generated fused forward
+    assert "strategy: runs the fused program (forced)" in out  # the suite's HFTC_STRATEGY
+
+
+def test_inspect_strategy_option(capsys):
+    assert main(["inspect", f"{ZOO}:lenet5_mnist", "-n", "2", "--input-shape", "2,1,28,28",
+                 "--strategy", "model_loop"]) == 0
+    assert "strategy: runs the models one by one (forced)" in capsys.readouterr().out
 
 
 def test_inspect_writes_dot(tmp_path):

@@ -33,7 +33,7 @@ _BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
 _DIRECTIVE = re.compile(r"^::: ([\w.]+)", re.M)
 
 # FusedModule's own public API (its nn.Module methods are torch's).
-FUSED_MODULE_API = ("compile", "last_program", "fusion_report", "fused_graph",
+FUSED_MODULE_API = ("compile", "last_program", "fusion_report", "plan", "fused_graph",
                     "model_state_dict", "unfuse", "unfuse_model", "source_parameter_names")
 
 

@@ -13,8 +13,8 @@ from hftc.errors import TraceError
 
 def test_the_stages_in_order():
     assert [stage.name for stage in pipeline.STAGES] == [
-        "shape propagation", "fusion", "chains", "codegen", "check", "autotune",
-        "layout choice"]
+        "shape propagation", "fusion", "chains", "codegen", "check", "strategy choice",
+        "autotune", "layout choice"]
 
 
 @pytest.mark.parametrize("autotune", [False, True])
@@ -22,7 +22,7 @@ def test_each_stage_runs_once_in_order(monkeypatch, autotune):
     ran = []
     stages = tuple(pipeline.Stage(s.name, lambda state, options, s=s: (ran.append(s.name),
                                                                       s.run(state, options)),
-                                  s.autotune_only) for s in pipeline.STAGES)
+                                  s.autotune_only, s.not_autotune) for s in pipeline.STAGES)
     monkeypatch.setattr(pipeline, "STAGES", stages)
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(3)]
@@ -31,7 +31,8 @@ def test_each_stage_runs_once_in_order(monkeypatch, autotune):
     out = fused(x)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x))
-    expected = [s.name for s in pipeline.STAGES if autotune or not s.autotune_only]
+    expected = [s.name for s in pipeline.STAGES
+                if (autotune or not s.autotune_only) and not (autotune and s.not_autotune)]
     assert ran == expected
 
 
@@ -59,7 +60,7 @@ def test_the_checks_fallback_ends_the_pipeline(monkeypatch):
     ran = []
     stages = tuple(pipeline.Stage(s.name, lambda state, options, s=s: (ran.append(s.name),
                                                                       s.run(state, options)),
-                                  s.autotune_only) for s in pipeline.STAGES)
+                                  s.autotune_only, s.not_autotune) for s in pipeline.STAGES)
     monkeypatch.setattr(pipeline, "STAGES", stages)
     monkeypatch.setattr(hftc.fused.FusedModule, "_why_not_fused",
                         lambda self, *args: "the test asks for it")

@@ -9,6 +9,11 @@ program being built (:class:`ProgramState`)::
     codegen            fused fx graph -> forward(self, *inputs)   codegen.py
     check              run once beside models 0, N // 2, N - 1:   check.py
                        not the same outputs -> the N models one by one (pipeline ends)
+    strategy choice    (autotune=False) strategy="auto": time     strategy.py
+                       the fused program against the models one by
+                       one (on the first calls, or extra steps if
+                       random), keep the faster; "fused" /
+                       "model_loop": as forced
     autotune           (autotune=True) time each fused op's       autotune.py
                        lowerings, then chains + codegen again with the chosen ones
     layout choice      (autotune=True) the whole forward as it    layout.py, autotune.py
@@ -43,6 +48,7 @@ from .autotune import ProgramChoice, autotune_graph, choose_program, cost_model_
 from .chains import chain_linears
 from .check import input_copies, preserved_state
 from .codegen import compile_graph
+from .strategy import CallTiming, StrategyChoice, choose_strategy
 
 
 @dataclass
@@ -59,6 +65,10 @@ class Program:
     #: program on the inputs as given: the N models one by one
     #: (hftc.runtime.model_loop), channels-last inputs (hftc.compile.layout), or both.
     how: ProgramChoice | None = None
+    #: Whether the forward runs fused or the models one by one, and why (``fused.plan``).
+    plan: StrategyChoice | None = None
+    #: While strategy="auto" times the first calls: how each call runs (.strategy).
+    trial: CallTiming | None = None
 
     @property
     def model_loop(self) -> ModelLoop | None:
@@ -67,9 +77,12 @@ class Program:
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """What the FusedModule asked for: ``autotune=True`` runs the two timing stages."""
+    """What the FusedModule asked for: ``autotune=True`` runs the two timing stages;
+    ``strategy`` (:mod:`.strategy`): "auto" times the fused program against the models one
+    by one, "fused" / "model_loop" force one."""
 
     autotune: bool = False
+    strategy: str = "fused"
 
 
 @dataclass
@@ -89,6 +102,8 @@ class ProgramState:
     tuning_values: list[Any] = field(default_factory=list)  # autotune's input copies
     backward: bool = False  # autotune times forward + backward
     how: ProgramChoice | None = None  # layout choice
+    plan: StrategyChoice | None = None  # strategy choice (or layout choice)
+    trial: CallTiming | None = None  # strategy choice, timed on the user's calls
     #: Set by a stage that decides the program on its own (the check's fallback to the N
     #: models one by one): the stages after it do not run.
     final: Program | None = None
@@ -96,7 +111,8 @@ class ProgramState:
     def program(self) -> Program:
         if self.final is not None:
             return self.final
-        return Program(self.forward, self.graph, self.report, self.source, self.spec, self.how)
+        return Program(self.forward, self.graph, self.report, self.source, self.spec, self.how,
+                       self.plan, self.trial)
 
 
 def propagate_shapes(state: ProgramState, options: CompileOptions) -> None:
@@ -141,16 +157,42 @@ def check(state: ProgramState, options: CompileOptions) -> None:
     if why is not None:
         state.final = fused._model_loop_program(state.program(), state.values, state.batched,
                                                 why)
+        state.final.plan = state.final.report.strategy = StrategyChoice("model_loop", "check")
+
+
+def choose_strategy_stage(state: ProgramState, options: CompileOptions) -> None:
+    """The fused program or the N models one by one (:mod:`.strategy`): as forced by
+    ``strategy``, or, for "auto", the faster as timed (forward + backward in training
+    mode) on copies of these inputs."""
+    fused, report = state.fused, state.report
+    if options.strategy == "model_loop":
+        state.how = ProgramChoice(fused._models_one_by_one())
+        state.plan = StrategyChoice("model_loop", "forced")
+    elif options.strategy == "fused" or state.spec is not None:
+        # (an output rebuilt from a flat tuple, a dataclass: the loop returns the models'
+        # own, which the timing cannot take a backward through)
+        state.plan = StrategyChoice("fused", "forced" if options.strategy == "fused" else
+                                    "outputs rebuilt: not timed")
+    else:
+        backward = _times_backward(fused)
+        state.how, state.plan, state.trial = choose_strategy(
+            fused, state.forward, fused._models_one_by_one, state.values, state.batched,
+            backward=backward, key_source=state.source)
+    report.strategy = state.plan
+
+
+def _times_backward(fused: Any) -> bool:
+    """Training programs are timed forward + backward, as a training step runs them (not
+    under inference_mode, where no tensor may require grad)."""
+    return fused.training and not torch.is_inference_mode_enabled() \
+        and any(p.requires_grad for p in fused.parameters())
 
 
 def autotune(state: ProgramState, options: CompileOptions) -> None:
     """Time each fused op's lowerings on these inputs, then chains and codegen again with
     the lowerings chosen."""
     fused, values, batched = state.fused, state.values, state.batched
-    # Training programs are timed forward + backward, as a training step runs them.
-    # (Not under inference_mode, where no tensor may require grad.)
-    state.backward = fused.training and not torch.is_inference_mode_enabled() \
-        and any(p.requires_grad for p in fused.parameters())
+    state.backward = _times_backward(fused)
     # Tuning runs the program: on copies of the inputs, which it may write into.
     state.tuning_values = input_copies(values)
     with preserved_state(fused):
@@ -186,7 +228,7 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
         fused, state.forward, state.tuning_values, state.batched, backward=state.backward,
         key_source=state.source,
         channels_last=layout.safe(fused._template, state.mode_graphs.graph, device),
-        cost_model=cost_forward)
+        cost_model=cost_forward, model_loop=options.strategy != "fused")
     if how.forward is not None:  # the cost model's lowerings ran faster together
         state.forward, state.graph, state.source = how.forward, cost_graph, cost_source
         how = replace(how, forward=None)
@@ -195,6 +237,11 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
                 op.overruled, op.chosen = op.chosen, op.default
     state.how = how if how.name != "fused" else None
     report.lowerings.append(choice)
+    state.plan = report.strategy = StrategyChoice(
+        "model_loop" if how.model_loop is not None else "fused",
+        "autotune" + ("" if how.layout is None else f", {how.layout} inputs"),
+        {name: t for name, t in choice.times.items() if name in ("fused", "model_loop")},
+        backward=state.backward)
 
 
 @dataclass(frozen=True)
@@ -202,6 +249,8 @@ class Stage:
     name: str
     run: Callable[[ProgramState, CompileOptions], None]
     autotune_only: bool = False
+    #: Runs only without autotune (whose layout choice decides the same, among more ways).
+    not_autotune: bool = False
 
 
 #: The pipeline, in order (see the module's docstring).
@@ -211,6 +260,7 @@ STAGES = (
     Stage("chains", chain),
     Stage("codegen", codegen),
     Stage("check", check),
+    Stage("strategy choice", choose_strategy_stage, not_autotune=True),
     Stage("autotune", autotune, autotune_only=True),
     Stage("layout choice", choose_layout, autotune_only=True),
 )
@@ -223,7 +273,8 @@ def compile_program(fused: Any, mode_graphs: Any, values: Sequence[Any],
     for stage in STAGES:
         if state.final is not None:
             break
-        if stage.autotune_only and not options.autotune:
+        if (stage.autotune_only and not options.autotune) or (
+                stage.not_autotune and options.autotune):
             continue
         try:
             stage.run(state, options)

@@ -74,6 +74,8 @@ class FusionReport:
     lowerings: list[Any] = field(default_factory=list)
     #: The first-call check against the models' own forward (hftc.compile.check.CheckResult).
     check: Any = None
+    #: Fused or the models one by one, and why (hftc.compile.strategy.StrategyChoice).
+    strategy: Any = None
 
     @property
     def fallbacks(self) -> list[FusionRecord]:
@@ -115,6 +117,9 @@ class FusionReport:
         if self.check is not None:
             lines.append("")
             lines.append(f"  {self.check}")
+        if self.strategy is not None:
+            lines.append("")
+            lines.append(f"  strategy: {self.strategy}")
         if self.lowerings:
             lines.append("")
             lines.append("  lowerings chosen by autotune (median forward + backward per call):")
