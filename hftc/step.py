@@ -32,7 +32,8 @@ and runs it one of three ways (``mode``):
   ``lr_scheduler`` and per-model value applies either way.
 
 Each new input signature (shapes, dtypes, the non-tensor arguments, train/eval mode) first
-runs ``warmup`` eager steps (real steps: the fused module compiles its program on the first,
+runs ``warmup`` eager steps (more while the fused module's default strategy is still timing
+its first calls; real steps: the fused module compiles its program on the first,
 the optimizer creates its state; on CUDA they run on a side stream, as capture needs), the
 second of them watched for what a graph cannot hold (:class:`_CaptureHazards`); the next
 call captures (or compiles).  A step that cannot be captured is refused with a
@@ -203,7 +204,7 @@ class CompiledStep:
                 "Call it with gradients enabled (evaluate with fused(x) instead)")
         key = self._signature(inputs, target)
         done = self._calls.get(key, 0)
-        if done < self.warmup or self.mode == "eager":
+        if done < self.warmup or self.mode == "eager" or self._still_choosing():
             if key not in self._calls and len(self._calls) >= MAX_SIGNATURES \
                     and self.mode != "eager":
                 raise StepCaptureError(
@@ -219,6 +220,18 @@ class CompiledStep:
         if self.mode == "compile":
             return self._compiled_step(inputs, target)
         return self._graph_step(key, inputs, target)
+
+    def _still_choosing(self) -> bool:
+        """Whether the fused module is still timing its first calls (``strategy="auto"``
+        alternates the fused program and the models one by one): a graph captured now
+        would replay whichever way ran at capture, so the real steps stay eager until the
+        choice is made (:mod:`hftc.compile.strategy`)."""
+        if self.mode != "cuda_graph":
+            return False
+        try:
+            return getattr(self.fused.last_program(), "trial", None) is not None
+        except Exception:  # noqa: BLE001 - not called yet: nothing is being timed
+            return False
 
     def _signature(self, inputs: Any, target: Any) -> tuple:
         """What a graph or compiled program is specific to: each tensor's shape, dtype,

@@ -255,3 +255,18 @@ def test_bf16_autocast_step_is_the_eager_autocast_loop():
         torch.testing.assert_close(got, want.detach())
     for p, q in zip(fused.parameters(), loop.parameters()):
         torch.testing.assert_close(p, q)
+
+
+def test_capture_waits_for_the_default_strategys_choice(tmp_path, monkeypatch):
+    # strategy="auto" alternates the fused program and the models one by one on the first
+    # calls: a graph captured then would replay one way for good and never decide.
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
+    models, batches = _models(torch.float32), _batches(40, torch.float32)
+    fused = hftc.fuse(copy.deepcopy(models), strategy="auto")
+    step = hftc.compile_step(fused, F.cross_entropy, hftc.optim.SGD(fused.parameters(), lr=LRS))
+    for x, y in batches:
+        step(x, y)
+        if getattr(fused.last_program(), "trial", None) is not None:
+            assert step.graphs == 0
+    assert fused.last_program().trial is None and fused.plan.chosen in ("fused", "model_loop")
+    assert step.graphs == 1
