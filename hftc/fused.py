@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from . import ir
 from .compile.autotune import ProgramChoice, run_program
+from .compile.checkpoint import check_option as check_checkpoint_option
 from .compile.check import (
     CheckResult,
     compare_with_models,
@@ -379,6 +380,7 @@ class FusedModule(ContainerAccess, nn.Module):
         frontend: str = "auto",
         autotune: bool = False,
         check: bool = True,
+        checkpoint: int | bool = False,
     ):
         super().__init__()
         models = _check_models(models)
@@ -394,6 +396,9 @@ class FusedModule(ContainerAccess, nn.Module):
                 raise FusionArgumentError(f"{name} must be True or False, got {flag!r}")
         #: Time each fused op's lowerings (hftc.compile.autotune).
         self.autotune = autotune
+        #: Activation checkpointing (hftc.compile.checkpoint): False, True or the number
+        #: of segments of the fused forward recomputed in backward.
+        self.checkpoint = check_checkpoint_option(checkpoint)
         #: Compare each new program's outputs with models 0, N // 2 and N-1's own
         #: (hftc.compile.check).
         self.check = check
@@ -766,7 +771,8 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
         return compile_program(self, self._graphs_for(values), values, batched,
-                               CompileOptions(autotune=self.autotune))
+                               CompileOptions(autotune=self.autotune,
+                                              checkpoint=getattr(self, "checkpoint", False)))
 
     def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,
                        values: Sequence[Any], batched: Sequence[bool], graph: fx.Graph,
@@ -1087,6 +1093,7 @@ def fuse(
     frontend: str = "auto",
     autotune: bool = False,
     check: bool = True,
+    checkpoint: int | bool = False,
 ) -> FusedModule:
     """Fuse N structurally identical models into one module: ``fused(x)[i] == models[i](x)``.
 
@@ -1107,6 +1114,12 @@ def fuse(
         check: run each new program once against models 0, N // 2 and N-1's own forward;
             where their outputs differ (forward's Python took another branch while
             traced) the models run one by one, with a ``FusionWarning``.
+        checkpoint: activation checkpointing across the fused models, trading compute
+            for memory: ``k`` cuts the fused forward into k segments of about equal op
+            count, each run under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
+            (its activations recomputed in backward, dropout masks and BatchNorm
+            statistics as in the forward); ``True``: about sqrt(#ops) segments.  The
+            values are unchanged, forward and backward.
 
     Returns:
         The ``FusedModule``. Its parameters and buffers are the N models' stacked
@@ -1119,7 +1132,8 @@ def fuse(
         FusionTypeError: something other than a list of ``nn.Module`` s.
     """
     return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs,
-                       frontend=frontend, autotune=autotune, check=check)
+                       frontend=frontend, autotune=autotune, check=check,
+                       checkpoint=checkpoint)
 
 
 __all__ = ["FusedModule", "Program", "fuse", "StackedModule"]

@@ -14,6 +14,8 @@ program being built (:class:`ProgramState`)::
     layout choice      (autotune=True) the whole forward as it    layout.py, autotune.py
                        runs fastest: fused, channels-last inputs, the models one by one,
                        or the cost model's lowerings
+    checkpointing      (checkpoint=k) the fused forward cut into  checkpoint.py
+                       k segments, each recomputed in backward
 
 The check comes before the timing stages (only a program that computes the models'
 outputs is worth timing), and so needs the code first.  An error from inside a stage
@@ -41,6 +43,7 @@ from ..runtime.model_loop import ModelLoop
 from . import layout
 from .autotune import ProgramChoice, autotune_graph, choose_program, cost_model_graph
 from .chains import chain_linears
+from .checkpoint import checkpointed_forward
 from .check import input_copies, preserved_state
 from .codegen import compile_graph
 
@@ -67,9 +70,11 @@ class Program:
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """What the FusedModule asked for: ``autotune=True`` runs the two timing stages."""
+    """What the FusedModule asked for: ``autotune=True`` runs the two timing stages;
+    ``checkpoint`` (False, True or a number of segments) the checkpointing stage."""
 
     autotune: bool = False
+    checkpoint: int | bool = False
 
 
 @dataclass
@@ -189,12 +194,23 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
         cost_model=cost_forward)
     if how.forward is not None:  # the cost model's lowerings ran faster together
         state.forward, state.graph, state.source = how.forward, cost_graph, cost_source
+        state.code_graph = chain_linears(cost_graph, fused)
         how = replace(how, forward=None)
         for op in report.lowerings:
             if op.chosen != op.default:
                 op.overruled, op.chosen = op.chosen, op.default
     state.how = how if how.name != "fused" else None
     report.lowerings.append(choice)
+
+
+def checkpoint_segments(state: ProgramState, options: CompileOptions) -> None:
+    """(``checkpoint=``) The forward that runs cut into segments, each recomputed in
+    backward (:mod:`.checkpoint`); not where the N models run one by one."""
+    if not options.checkpoint or (state.how is not None and state.how.model_loop is not None):
+        return
+    state.forward, source = checkpointed_forward(state.code_graph, options.checkpoint,
+                                                  state.fused)
+    state.source = f"{state.source}\n# checkpointed (checkpoint={options.checkpoint!r}):\n{source}"
 
 
 @dataclass(frozen=True)
@@ -213,6 +229,7 @@ STAGES = (
     Stage("check", check),
     Stage("autotune", autotune, autotune_only=True),
     Stage("layout choice", choose_layout, autotune_only=True),
+    Stage("checkpointing", checkpoint_segments),
 )
 
 
