@@ -30,7 +30,6 @@ from torch.utils import _pytree as pytree
 
 from . import ir
 from .compile.autotune import ProgramChoice, run_program
-from .compile.checkpoint import check_option as check_checkpoint_option
 from .compile.check import (
     CheckResult,
     compare_with_models,
@@ -38,6 +37,7 @@ from .compile.check import (
     locate_difference,
     preserved_state,
 )
+from .compile.checkpoint import check_option as check_checkpoint_option
 from .compile.pipeline import CompileOptions, Program, compile_program
 from .compile_guard import compiled_original, run_eagerly
 from .errors import (

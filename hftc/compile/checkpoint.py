@@ -63,6 +63,13 @@ def check_option(checkpoint_option: Any) -> int | bool:
 def _mutated_argument(node: fx.Node) -> fx.Node | None:
     """The value ``node`` changes in place, where its op says so (else None)."""
     target = node.target
+    if isinstance(target, torch._ops.OpOverload):  # torch.export's ATen ops: the schema says
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                if isinstance(value, fx.Node):
+                    return value
+        return None
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     inplace = (node.kwargs.get("inplace") is True
                or (node.op in ("call_method", "call_function") and name.endswith("_")
@@ -135,6 +142,8 @@ class Segment:
         self.index = index
         self.live_in = list(live_in)
         self.live_out = list(live_out)
+        #: The fused graph's nodes it runs.
+        self.nodes = list(nodes)
         self.ops = [n.name for n in nodes]
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
@@ -155,8 +164,7 @@ class Segment:
         before = [b.detach().clone() for b in restored]
         watched = [module.get_buffer(k) for k in self.watched_buffers]
         watched_versions = [b._version for b in watched]
-        inputs = [v for v in values if isinstance(v, torch.Tensor)]
-        input_versions = [v._version for v in inputs]
+        input_versions = [v._version if isinstance(v, torch.Tensor) else None for v in values]
         forward_done = False
 
         def run(*args: Any) -> tuple:
@@ -177,9 +185,8 @@ class Segment:
 
         out = checkpoint(run, *values, use_reentrant=False)
         forward_done = True
-        changed = [n.name for n, v in zip(self.live_in, values)
-                   if isinstance(v, torch.Tensor) and v._version != input_versions[
-                       inputs.index(v)]]
+        changed = [n.name for n, v, seen in zip(self.live_in, values, input_versions)
+                   if seen is not None and v._version != seen]
         changed += [f"buffer {k}" for k, b, seen in zip(self.watched_buffers, watched,
                                                          watched_versions) if b._version != seen]
         if changed:

@@ -43,8 +43,8 @@ from ..runtime.model_loop import ModelLoop
 from . import layout
 from .autotune import ProgramChoice, autotune_graph, choose_program, cost_model_graph
 from .chains import chain_linears
-from .checkpoint import checkpointed_forward
 from .check import input_copies, preserved_state
+from .checkpoint import checkpointed_forward
 from .codegen import compile_graph
 
 
