@@ -16,6 +16,9 @@ hftc            ``hftc.fuse(models, autotune=True)`` + ``hftc.optim.Adam`` +
                 ``hftc.per_model(loss)``
 hftc+compile    the same with the forward and loss under ``torch.compile`` (inductor);
                 backward through AOTAutograd's compiled graph; optimizer eager
+hftc+ckpt       hftc with activation checkpointing (``hftc.fuse(..., checkpoint=True)``:
+                about sqrt(#ops) segments recomputed in backward): less memory, so a
+                larger N fits (the largest-N search), at the cost of a second forward
 concurrent-mps  concurrent, on a GPU, with CUDA's MPS daemon sharing the device (the
                 suite starts it where it can; ``suite.py``)
 ==============  ==========================================================================
@@ -43,12 +46,14 @@ from torch import nn
 from .workloads import WORKLOADS, Workload
 
 CONTENDERS = ("serial", "concurrent", "concurrent-mps", "torch.func", "hand-fused", "hftc",
-              "hftc+compile")
+              "hftc+compile", "hftc+ckpt")
+#: Contenders the suite runs only where asked (``--contenders``, ``--max-n``).
+OPT_IN = ("hftc+ckpt",)
 #: Contenders that run the N models in N processes (runner.py builds each from "serial").
 MULTI_PROCESS = ("concurrent", "concurrent-mps")
 PRECISIONS = ("fp32", "bf16")
 #: Contenders that fuse the N models into one step (their FLOP/s efficiency is reported).
-FUSED = ("torch.func", "hand-fused", "hftc", "hftc+compile")
+FUSED = ("torch.func", "hand-fused", "hftc", "hftc+compile", "hftc+ckpt")
 
 
 def learning_rates(n: int, base: float = 1e-3) -> list[float]:
@@ -202,11 +207,11 @@ def _hand_fused(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting) -
 
 
 def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
-          compile: bool = False) -> Step:
+          compile: bool = False, checkpoint: bool = False) -> Step:
     import hftc
 
     # autotune: each fused op's lowering timed on these shapes (cached on disk).
-    fused = hftc.fuse(models, autotune=True)
+    fused = hftc.fuse(models, autotune=True, checkpoint=checkpoint)
     opt = hftc.optim.Adam(fused.parameters(), lr=lrs, **adam_kwargs)
     per_model_loss = hftc.per_model(w.loss_fn)
 
@@ -300,4 +305,5 @@ _BUILDERS: dict[str, Callable[..., Step]] = {
     "hand-fused": _hand_fused,
     "hftc": _hftc,
     "hftc+compile": lambda *a: _hftc(*a, compile=True),
+    "hftc+ckpt": lambda *a: _hftc(*a, checkpoint=True),
 }

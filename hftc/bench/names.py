@@ -21,4 +21,5 @@ CONTENDERS = {
     "hand-fused": "models fused by hand, HFTA-style",
     "hftc": "hftc.fuse",
     "hftc+compile": "torch.compile of hftc.fuse's module",
+    "hftc+ckpt": "hftc.fuse(checkpoint=True): activations recomputed in backward (opt-in)",
 }
