@@ -20,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from equivalence import check_equivalence
 from real_style import GPT, GPTConfig
+from test_zoo import _zoo_models
+from zoo import make_input
 
 import hftc
 from hftc.errors import FusionArgumentError
@@ -80,6 +82,14 @@ def test_convnet_with_batchnorm_matches_the_loop(segments, dtype):
     x = torch.randn(5, 1, 8, 8)
     check_equivalence(_models(ConvBNNet), x, dtype=dtype, steps=2,
                       fuser=functools.partial(hftc.fuse, checkpoint=segments))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_zoo_resnet_matches_the_loop(dtype):
+    """The zoo's ResNet (BasicBlocks, BatchNorms, residual adds) with about sqrt(#ops)
+    segments."""
+    check_equivalence(_zoo_models("resnet", 3, train=True), make_input("resnet", 4, seed=1),
+                      dtype=dtype, steps=2, fuser=functools.partial(hftc.fuse, checkpoint=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
@@ -191,3 +201,19 @@ def test_a_segment_that_changes_its_input_in_place_is_refused(monkeypatch):
                        match=r"checkpoint segment \d+ \(nodes mul_ \.\.\. mul_\) changes "
                              r"`linear_1` in place, .* fuse with another number of segments"):
         fused(torch.randn(5, 6))
+
+
+def test_autotune_keeps_the_fused_program_that_checkpointing_needs():
+    """autotune=True may run the N models one by one where that is faster (nothing to
+    checkpoint then); with checkpoint= the whole-forward choice leaves that candidate out
+    and the checkpointed fused program runs, equal to the loop."""
+    from hftc.compile.checkpoint import CheckpointedForward
+
+    x = torch.randn(5, 1, 8, 8)
+    fused = check_equivalence(_models(ConvBNNet), x, dtype=torch.float32, steps=2,
+                              fuser=functools.partial(hftc.fuse, autotune=True,
+                                                      checkpoint=2))
+    program = fused.last_program()
+    assert isinstance(program.forward, CheckpointedForward) and program.model_loop is None
+    whole = next(c for c in fused.fusion_report.lowerings if c.node == "<whole model>")
+    assert not any(name.startswith("model_loop") for name in [*whole.times, *whole.rejected])

@@ -464,6 +464,7 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
                        values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
                        channels_last: bool = True,
                        cost_model: Callable[..., Any] | None = None,
+                       model_loop: bool = True,
                        ) -> tuple[dict[str, ProgramChoice], list[str]]:
     """The ways to run the whole forward on these inputs whose outputs (and parameter
     gradients) equal the fused program's (the fused program as given first), and the
@@ -493,7 +494,8 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
     try:
         # The loop runs the models' own modules, which on inputs the caller laid out
         # channels-last meet what ``channels_last`` rules out (hftc's kernels do not).
-        loop = ModelLoop(fused) if channels_last or not layout.given(values, batched) else None
+        loop = ModelLoop(fused) if model_loop and (
+            channels_last or not layout.given(values, batched)) else None
     except Exception:  # noqa: BLE001 - a model the loop cannot run keeps the fused program
         loop = None
     shapes = layout.sample_shapes(values, batched)
@@ -591,7 +593,7 @@ def _close_gradients(grads: Sequence[Tensor | None], want: Sequence[Tensor | Non
 def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
                    values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
                    key_source: str, path: Path | None = None, channels_last: bool = True,
-                   cost_model: Callable[..., Any] | None = None,
+                   cost_model: Callable[..., Any] | None = None, model_loop: bool = True,
                    ) -> tuple[ProgramChoice, LoweringChoice]:
     """Time the whole forward's :func:`program_candidates` on the real inputs, forward
     (+ backward), interleaved over rounds (more while the fastest two are close; after
@@ -601,7 +603,8 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     generated code) identifies the program in the disk cache.  ``channels_last``: whether
     the inputs may be laid out channels-last (:func:`.layout.safe`).  ``cost_model``: the
     program compiled from :func:`cost_model_graph`, a candidate too (the chosen
-    ``ProgramChoice.forward`` is then it)."""
+    ``ProgramChoice.forward`` is then it).  ``model_loop=False``: the N models one by one
+    are no candidate (``checkpoint=``: the fused program is what is checkpointed)."""
     choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
     # "program-5": before the cost model's program was a candidate.  "program-4": before
@@ -615,12 +618,14 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     key = json.dumps([device_key(device), "program-5", fused.num_models,
                       hashlib.sha1(key_source.encode()).hexdigest(),
                       _describe([v for v in values if isinstance(v, Tensor)]), list(batched),
-                      backward, [list(p.shape) for p in fused.parameters()]])
+                      backward, [list(p.shape) for p in fused.parameters()]]
+                     + ([] if model_loop else ["no model loop"]))
     path = path or cache_path()
     entry = _lookup(key, path)
     wanted = entry.get("chosen") if entry is not None else None
     run, _, lay = wanted.partition("+") if isinstance(wanted, str) else ("", "", "")
-    if run in ("fused", "model_loop") or (run == "cost_model" and cost_model is not None):
+    if run == "fused" or (run == "model_loop" and model_loop) or (
+            run == "cost_model" and cost_model is not None):
         if (lay == "" and (run != "model_loop" or channels_last
                            or not layout.given(values, batched))
                 or (lay == ir.CHANNELS_LAST and channels_last)):
@@ -635,7 +640,8 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
         valid, choice.rejected = program_candidates(fused, program_forward, values, batched,
                                                     backward=backward,
                                                     channels_last=channels_last,
-                                                    cost_model=cost_model)
+                                                    cost_model=cost_model,
+                                                    model_loop=model_loop)
         if len(valid) == 1:
             return ProgramChoice(), choice
         times: dict[str, list[float]] = {name: [] for name in valid}

@@ -176,7 +176,8 @@ def autotune(state: ProgramState, options: CompileOptions) -> None:
 
 def choose_layout(state: ProgramState, options: CompileOptions) -> None:
     """The whole forward as it runs fastest on these inputs: the fused program, with
-    channels-last inputs where that is safe, the models one by one, or the cost model's
+    channels-last inputs where that is safe, the models one by one (not with
+    ``checkpoint=``, which checkpoints the fused program), or the cost model's
     lowerings (:func:`~hftc.compile.autotune.choose_program`).  Not for outputs rebuilt
     from a flat tuple (``state.spec``), which the candidates do not compare."""
     if state.spec is not None:
@@ -191,7 +192,7 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
         fused, state.forward, state.tuning_values, state.batched, backward=state.backward,
         key_source=state.source,
         channels_last=layout.safe(fused._template, state.mode_graphs.graph, device),
-        cost_model=cost_forward)
+        cost_model=cost_forward, model_loop=not options.checkpoint)
     if how.forward is not None:  # the cost model's lowerings ran faster together
         state.forward, state.graph, state.source = how.forward, cost_graph, cost_source
         state.code_graph = chain_linears(cost_graph, fused)
