@@ -203,11 +203,22 @@ def test_a_segment_that_changes_its_input_in_place_is_refused(monkeypatch):
         fused(torch.randn(5, 6))
 
 
-def test_autotune_keeps_the_fused_program_that_checkpointing_needs():
+def test_autotune_keeps_the_fused_program_that_checkpointing_needs(monkeypatch):
     """autotune=True may run the N models one by one where that is faster (nothing to
-    checkpoint then); with checkpoint= the whole-forward choice leaves that candidate out
-    and the checkpointed fused program runs, equal to the loop."""
+    checkpoint then); with checkpoint= the whole-forward choice leaves that candidate out,
+    times (and takes the memory of) the candidates checkpointed, and the checkpointed
+    fused program runs, equal to the loop."""
+    from hftc.compile import autotune
     from hftc.compile.checkpoint import CheckpointedForward
+
+    timed = []
+    run_step = autotune._run_step
+
+    def spy(fused, program_forward, how, *args, **kwargs):
+        timed.append(type(how.forward or program_forward))
+        return run_step(fused, program_forward, how, *args, **kwargs)
+
+    monkeypatch.setattr(autotune, "_run_step", spy)
 
     x = torch.randn(5, 1, 8, 8)
     fused = check_equivalence(_models(ConvBNNet), x, dtype=torch.float32, steps=2,
@@ -217,3 +228,4 @@ def test_autotune_keeps_the_fused_program_that_checkpointing_needs():
     assert isinstance(program.forward, CheckpointedForward) and program.model_loop is None
     whole = next(c for c in fused.fusion_report.lowerings if c.node == "<whole model>")
     assert not any(name.startswith("model_loop") for name in [*whole.times, *whole.rejected])
+    assert timed and set(timed) == {CheckpointedForward}

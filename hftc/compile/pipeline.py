@@ -94,6 +94,7 @@ class ProgramState:
     tuning_values: list[Any] = field(default_factory=list)  # autotune's input copies
     backward: bool = False  # autotune times forward + backward
     how: ProgramChoice | None = None  # layout choice
+    checkpointed: bool = False  # state.forward is the checkpointed one (checkpointing)
     #: Set by a stage that decides the program on its own (the check's fallback to the N
     #: models one by one): the stages after it do not run.
     final: Program | None = None
@@ -188,6 +189,11 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
     cost_graph = cost_model_graph(state.graph, report.lowerings)
     cost_forward, cost_source = (compile_graph(chain_linears(cost_graph, fused))
                                  if cost_graph is not None else (None, ""))
+    if options.checkpoint:  # the candidates are timed (and their memory taken) as they run
+        checkpoint_segments(state, options)
+        if cost_graph is not None:
+            cost_forward, _ = checkpointed_forward(chain_linears(cost_graph, fused),
+                                                   options.checkpoint, fused)
     how, choice = choose_program(
         fused, state.forward, state.tuning_values, state.batched, backward=state.backward,
         key_source=state.source,
@@ -196,6 +202,8 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
     if how.forward is not None:  # the cost model's lowerings ran faster together
         state.forward, state.graph, state.source = how.forward, cost_graph, cost_source
         state.code_graph = chain_linears(cost_graph, fused)
+        if options.checkpoint:
+            state.source += f"\n# checkpointed (checkpoint={options.checkpoint!r})"
         how = replace(how, forward=None)
         for op in report.lowerings:
             if op.chosen != op.default:
@@ -206,9 +214,12 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
 
 def checkpoint_segments(state: ProgramState, options: CompileOptions) -> None:
     """(``checkpoint=``) The forward that runs cut into segments, each recomputed in
-    backward (:mod:`.checkpoint`); not where the N models run one by one."""
-    if not options.checkpoint or (state.how is not None and state.how.model_loop is not None):
+    backward (:mod:`.checkpoint`); not where the N models run one by one.  With autotune
+    the layout choice does it first, so that its candidates run checkpointed."""
+    if not options.checkpoint or state.checkpointed or (
+            state.how is not None and state.how.model_loop is not None):
         return
+    state.checkpointed = True
     state.forward, source = checkpointed_forward(state.code_graph, options.checkpoint,
                                                   state.fused)
     state.source = f"{state.source}\n# checkpointed (checkpoint={options.checkpoint!r}):\n{source}"
