@@ -102,8 +102,11 @@ case $part in
     # cut short reports the largest N seen to fit, as a lower bound).
     w=${part#max-n-}
     for c in hftc hftc+ckpt; do
+      have=$(left)
+      ((have > 190)) && have=190
+      # The search stops itself 30 s before the call's limit (start-up, FLOP count, save).
       bench "max-n-$w-${c/+/-}" 190 --workloads "$w" --sizes '' --contenders hftc \
-        --max-n "$w:$c" --max-n-budget 160
+        --max-n "$w:$c" --max-n-budget $((have > 60 ? have - 30 : 30))
     done ;;
   merge)
     shift

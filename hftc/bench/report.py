@@ -490,8 +490,9 @@ def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
                               key=lambda hl: len(hl[1]))
         # A legend row and a title as wide as three panels: wrapped to the figure's width,
         # and the file cut to what is drawn (bbox_inches="tight"), so neither is clipped.
-        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 2 * cols),
-                   bbox_to_anchor=(0.5, 0.0))
+        if labels:  # none where the runs only searched the largest N
+            fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 2 * cols),
+                       bbox_to_anchor=(0.5, 0.0))
         gpu = result["machine"].get("gpu")
         where = (f"{gpu['name']}, {result['config'].get('precision', 'fp32')}" if gpu else
                  f"{result['machine']['cpu']}, one core per contender, "
