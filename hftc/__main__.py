@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the short suite (mlp and lenet5, a few sizes; minutes)")
     p.add_argument("--workloads", default="", help="comma-separated, from the list below "
                                                    "(default: the suite's)")
-    p.add_argument("--sizes", type=int_list, default="",
-                   help="values of N for every workload, e.g. 1,4,16")
+    p.add_argument("--sizes", type=int_list, default=None,
+                   help="values of N for every workload, e.g. 1,4,16 ('' for none: only "
+                        "the --max-n searches)")
     p.add_argument("--contenders", default="",
                    help="comma-separated, from the list below (default: all)")
     p.add_argument("--rounds", type=non_negative_int, default=0,
@@ -212,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="values of N that also run hftc+compile ('' for none)")
     p.add_argument("--max-n", default=None, metavar="WORKLOAD:CONTENDER[,...]",
                    help="search the largest N that fits the memory cap ('' for none)")
+    p.add_argument("--max-n-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop each largest-N search after this many seconds, keeping the "
+                        "largest N seen to fit (default: no limit)")
     p.add_argument("--mem-cap", type=float, default=None,
                    help="MiB, for --max-n (default 1024 on the CPU, the whole GPU on a GPU)")
     p.add_argument("--out", default="",

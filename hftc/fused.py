@@ -39,6 +39,7 @@ from .compile.check import (
     locate_difference,
     preserved_state,
 )
+from .compile.checkpoint import check_option as check_checkpoint_option
 from .compile.pipeline import CompileOptions, Program, compile_program
 from .compile.strategy import StrategyChoice, resolve_strategy
 from .compile_guard import compiled_original, run_eagerly
@@ -383,6 +384,7 @@ class FusedModule(ContainerAccess, nn.Module):
         autotune: bool = False,
         check: bool = True,
         strategy: str | None = None,
+        checkpoint: int | bool = False,
     ):
         super().__init__()
         models = _check_models(models)
@@ -398,6 +400,9 @@ class FusedModule(ContainerAccess, nn.Module):
                 raise FusionArgumentError(f"{name} must be True or False, got {flag!r}")
         #: Time each fused op's lowerings (hftc.compile.autotune).
         self.autotune = autotune
+        #: Activation checkpointing (hftc.compile.checkpoint): False, True or the number
+        #: of segments of the fused forward recomputed in backward.
+        self.checkpoint = check_checkpoint_option(checkpoint)
         #: Compare each new program's outputs with models 0, N // 2 and N-1's own
         #: (hftc.compile.check).
         self.check = check
@@ -405,6 +410,11 @@ class FusedModule(ContainerAccess, nn.Module):
         #: program's first call, keep the faster), "fused" or "model_loop"
         #: (hftc.compile.strategy).
         self.strategy = resolve_strategy(strategy, autotune)
+        if self.checkpoint and self.strategy == "model_loop":
+            raise FusionArgumentError(
+                "checkpoint= recomputes the fused program's activations in backward, but "
+                "strategy='model_loop' runs the models one by one (nothing fused to "
+                "checkpoint): drop one of the two")
         self._check_modes(models)
         _check_initialized(models)
         _check_hooks(models)
@@ -789,7 +799,8 @@ class FusedModule(ContainerAccess, nn.Module):
     def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
         return compile_program(self, self._graphs_for(values), values, batched,
                                CompileOptions(autotune=self.autotune,
-                                              strategy=getattr(self, "strategy", "fused")))
+                                              strategy=getattr(self, "strategy", "fused"),
+                                              checkpoint=getattr(self, "checkpoint", False)))
 
     def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,
                        values: Sequence[Any], batched: Sequence[bool], graph: fx.Graph,
@@ -1119,6 +1130,7 @@ def fuse(
     autotune: bool = False,
     check: bool = True,
     strategy: str | None = None,
+    checkpoint: int | bool = False,
 ) -> FusedModule:
     """Fuse N structurally identical models into one module: ``fused(x)[i] == models[i](x)``.
 
@@ -1147,6 +1159,12 @@ def fuse(
             answers on the same parameters; ``fused.plan`` says which runs and why.
             ``None`` takes ``$HFTC_STRATEGY``, else ``"auto"`` (with ``autotune=True``
             always ``"auto"``: its whole-forward choice times the loop too).
+        checkpoint: activation checkpointing across the fused models, trading compute
+            for memory: ``k`` cuts the fused forward into k segments of about equal op
+            count, each run under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``
+            (its activations recomputed in backward, dropout masks and BatchNorm
+            statistics as in the forward); ``True``: about sqrt(#ops) segments.  The
+            values are unchanged, forward and backward.
 
     Returns:
         The ``FusedModule``. Its parameters and buffers are the N models' stacked
@@ -1159,7 +1177,8 @@ def fuse(
         FusionTypeError: something other than a list of ``nn.Module`` s.
     """
     return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs,
-                       frontend=frontend, autotune=autotune, check=check, strategy=strategy)
+                       frontend=frontend, autotune=autotune, check=check, strategy=strategy,
+                       checkpoint=checkpoint)
 
 
 __all__ = ["FusedModule", "Program", "fuse", "StackedModule"]

@@ -1,55 +1,128 @@
 #!/bin/bash
-# The GPU benchmark in parts that each fit a 10-minute command (the lent GPU machines).
+# The GPU benchmark in parts, each at most ~6.5 minutes of work, so that a part and the
+# machine's start-up fit the 8 minutes budgeted per part (device time: 15 min a session).
 #
-#   bash scripts/gpu_bench.sh tests|fp32-small|fp32-large|bf16 [OUT_DIR]
+#   bash scripts/gpu_bench.sh PART OUT_DIR
 #
-# Run each part on the GPU machine (python3 with a CUDA torch; PYTHONPATH is set here),
-# bring OUT_DIR's JSON files back, then merge them on any machine:
+# PART: tests | fp32-a | fp32-b | fp32-c | bf16 | max-n-pointnet | max-n-resnet18.
+# Each writes OUT_DIR/<name>.json (saved after every N and every largest-N probe, so a
+# part cut by its time limit keeps what it measured) and OUT_DIR/<name>.log.
+# Contenders: the suite's (serial, concurrent, concurrent-mps, torch.func, hand-fused,
+# hftc; hftc+compile at N = 8 of the small workloads) plus hftc+step (the whole-step
+# graph) where this checkout has it. Sizes: the N the issue's targets name (1, 2, 8, 32).
 #
-#   .venv/bin/python -m hftc.bench.report DIR/{mlp,lenet5,pointnet,resnet18,mobilenet_v2,transformer}.json \
-#       --docs docs/BENCHMARKS.md --block cuda --plots docs --stem bench_cuda
-#   .venv/bin/python -m hftc.bench.report DIR/bf16-*.json \
-#       --docs docs/BENCHMARKS.md --block cuda-bf16 --plots docs --stem bench_cuda-bf16
+# Plan (15 min of device time a session, start-up included: two parts a session):
+#   session 1: tests (is everything right on the device?), fp32-a (MLP, LeNet-5)
+#   session 2: fp32-b (Transformer, PointNet), fp32-c (ResNet-18, MobileNetV2)
+#   session 3: max-n-pointnet, max-n-resnet18 (largest N, hftc and hftc+ckpt)
+#   session 4: bf16 (the six workloads under bf16 autocast)
+# One part per `run` call, with timeout_s 420 (the JSON comes back under $OUT):
+#   bash scripts/gpu_bench.sh tests $OUT
 #
-# Time limits per workload come from the H100 run of 2026-11-22 (docs/BENCHMARKS.md):
-# a workload cut by its limit keeps the sizes it finished (the JSON is saved after each).
+# Then merge every part's JSON, on any machine, with one command:
+#   bash scripts/gpu_bench.sh merge DIR...   # the folder(s) the parts came back to
+# which writes the cuda and cuda-bf16 blocks of docs/BENCHMARKS.md and their plots, with
+# the card, its driver, torch's version and each part's exact command.
+#
+# DEVICE=cpu BUDGET_S=120 bash scripts/gpu_bench.sh max-n-pointnet /tmp/x  tries a part's
+# logic on a CPU.
 set -u
-part=${1:?part: tests, fp32-small, fp32-large or bf16}
+part=${1:?part: tests, fp32-a, fp32-b, fp32-c, bf16, max-n-pointnet, max-n-resnet18 or merge}
 out=${2:-${OUT:-benchmarks/results/cuda}}
+python=${PYTHON:-python3}
+device=${DEVICE:-cuda}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HFTC_CACHE_DIR=${HFTC_CACHE_DIR:-/tmp/hftc-cache}
 start=$SECONDS
+budget=${BUDGET_S:-390}  # the part's seconds of work (6.5 min)
 
-bench() {  # name, seconds, then bench arguments
+# hftc+step where the checkout has it (the step helper adds it to hftc/bench/contenders.py).
+contenders=$("$python" - <<'EOF'
+from hftc.bench.contenders import CONTENDERS
+from hftc.bench.suite import default_contenders
+import os
+device = os.environ.get("DEVICE", "cuda")
+print(",".join(default_contenders(device) + [c for c in ("hftc+step",) if c in CONTENDERS]))
+EOF
+) || contenders=""
+
+left() { echo $((budget - (SECONDS - start))); }
+
+bench() {  # name, seconds (cut to what the part has left), then bench arguments
   local name=$1 limit=$2
   shift 2
+  local have
+  have=$(left)
+  ((have < limit)) && limit=$have
+  if ((limit < 20)); then
+    echo "=== $name skipped: the part's ${budget} s are spent"
+    return
+  fi
   echo "=== [$((SECONDS - start)) s] $name (limit ${limit} s)"
-  timeout "$limit" python3 -m hftc bench --device cuda --max-n '' --out "$out/$name.json" "$@" \
+  timeout -k 10 "$limit" "$python" -m hftc bench --device "$device" --max-n '' \
+    ${contenders:+--contenders "$contenders"} --out "$out/$name.json" "$@" \
     > "$out/$name.log" 2>&1
   echo "exit $?"
-  grep -E "^  N=|failed" "$out/$name.log" | cut -c1-300
+  grep -E "^  N=|failed|^    N=|-> N =" "$out/$name.log" | cut -c1-300
 }
 
 case $part in
   tests)
-    python3 -m pytest -q -p no:cacheprovider -n 16 tests/test_cuda.py \
-      tests/test_optim.py::test_cuda_matches_stock tests/test_bench.py::test_gpu_suite_end_to_end \
-      -rfE > "$out/tests.log" 2>&1
+    tests=(tests/test_cuda.py tests/test_optim.py::test_cuda_matches_stock
+           tests/test_bench.py::test_gpu_suite_end_to_end)
+    # The whole-step graph's CUDA cases, where the step helper's tests exist.
+    for f in tests/test_step*.py; do [[ -e $f ]] && tests+=("$f"); done
+    timeout -k 10 "$(left)" "$python" -m pytest -q -p no:cacheprovider -n 16 "${tests[@]}" -rfE \
+      > "$out/tests.log" 2>&1
     echo "exit $?"
-    grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -30
-    bench mlp 360 --workloads mlp ;;
-  fp32-small)
-    bench lenet5 200 --workloads lenet5
-    bench pointnet 340 --workloads pointnet --sizes 1,2,4,8,16 ;;
-  fp32-large)
-    bench resnet18 190 --workloads resnet18 --sizes 1,2,4,8,16 --compile-sizes ''
-    bench mobilenet_v2 180 --workloads mobilenet_v2 --sizes 1,2,4,8 --compile-sizes ''
-    bench transformer 170 --workloads transformer --sizes 1,2,4,8,16 ;;
+    grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -30 ;;
+  fp32-a)
+    bench mlp 210 --workloads mlp --sizes 1,2,8,32,64 --compile-sizes 8
+    bench lenet5 170 --workloads lenet5 --sizes 1,2,8,32 --compile-sizes 8 ;;
+  fp32-b)
+    bench transformer 180 --workloads transformer --sizes 1,2,8,32 --compile-sizes 8
+    bench pointnet 200 --workloads pointnet --sizes 1,2,8,32 --compile-sizes 8 ;;
+  fp32-c)
+    bench resnet18 210 --workloads resnet18 --sizes 1,2,8,16 --compile-sizes ''
+    bench mobilenet_v2 170 --workloads mobilenet_v2 --sizes 1,2,8 --compile-sizes '' ;;
   bf16)
-    bench bf16-mlp 150 --precision bf16 --workloads mlp --sizes 1,4,16,32 --compile-sizes ''
-    bench bf16-resnet18 200 --precision bf16 --workloads resnet18 --sizes 1,4,8 --compile-sizes ''
-    bench bf16-transformer 180 --precision bf16 --workloads transformer --sizes 1,4,16 \
+    bench bf16-mlp 60 --precision bf16 --workloads mlp --sizes 1,8,32 --compile-sizes ''
+    bench bf16-lenet5 55 --precision bf16 --workloads lenet5 --sizes 1,8,32 --compile-sizes ''
+    bench bf16-transformer 65 --precision bf16 --workloads transformer --sizes 1,8,32 \
+      --compile-sizes ''
+    bench bf16-pointnet 65 --precision bf16 --workloads pointnet --sizes 1,8,32 \
+      --compile-sizes ''
+    bench bf16-resnet18 70 --precision bf16 --workloads resnet18 --sizes 1,8,16 \
+      --compile-sizes ''
+    bench bf16-mobilenet_v2 60 --precision bf16 --workloads mobilenet_v2 --sizes 1,8 \
       --compile-sizes '' ;;
+  max-n-pointnet | max-n-resnet18)
+    # The largest N that fits the card, without and with activation checkpointing
+    # (hftc+ckpt: how much further N goes), each search bounded (--max-n-budget: a search
+    # cut short reports the largest N seen to fit, as a lower bound).
+    w=${part#max-n-}
+    for c in hftc hftc+ckpt; do
+      have=$(left)
+      ((have > 190)) && have=190
+      # The search stops itself 30 s before the call's limit (start-up, FLOP count, save).
+      bench "max-n-$w-${c/+/-}" 190 --workloads "$w" --sizes '' --contenders hftc \
+        --max-n "$w:$c" --max-n-budget $((have > 60 ? have - 30 : 30))
+    done ;;
+  merge)
+    shift
+    dirs=("$@")
+    fp32=() bf16=()
+    for d in "${dirs[@]}"; do
+      for f in "$d"/*.json; do
+        [[ -e $f ]] || continue
+        case $(basename "$f") in bf16-*) bf16+=("$f") ;; *) fp32+=("$f") ;; esac
+      done
+    done
+    ((${#fp32[@]})) && "$python" -m hftc.bench.report "${fp32[@]}" --docs docs/BENCHMARKS.md \
+      --block cuda --plots docs --stem bench_cuda
+    ((${#bf16[@]})) && "$python" -m hftc.bench.report "${bf16[@]}" --docs docs/BENCHMARKS.md \
+      --block cuda-bf16 --plots docs --stem bench_cuda-bf16
+    exit 0 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 echo "=== [$((SECONDS - start)) s] done"

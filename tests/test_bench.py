@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,7 @@ def test_hand_fused_equals_stock_models(name, mode):
 @pytest.mark.parametrize("name", ["mlp", "lenet5"])
 def test_contenders_train_the_same_models(name):
     steps = {c: build_step(c, name, 3)
-             for c in ("serial", "hand-fused", "hftc", "hftc+step", "torch.func")}
+             for c in ("serial", "hand-fused", "hftc", "hftc+step", "torch.func", "hftc+ckpt")}
     for s in steps.values():
         s.fn()
     want = steps["serial"].parameters()
@@ -185,6 +186,7 @@ def test_tiny_suite_end_to_end(tmp_path):
     lines = []
     result = run_suite(cfg, out=out, log=lines.append)
     assert json.loads(out.read_text())["config"]["name"] == "smoke"
+    assert result["commands"] and "Activation checkpointing" in report.markdown(result)
 
     assert result["threads"] == 1 and result["peak_gflops"]
     assert all(g > 0 for g in result["peak_gflops"])
@@ -274,6 +276,30 @@ def test_largest_n_search_and_memory_cap():
     # A cap no process can meet: the search says so instead of failing.
     found = runner.largest_n("mlp", "hftc", cap_mib=0.001, limit=4, log=lambda *_: None)
     assert found["largest_n"] == 0 and found["probes"][0]["fits"] is False
+
+
+def test_largest_n_search_is_bounded_in_time(monkeypatch):
+    """With ``budget_s`` the search stops probing once it is spent, keeps the largest N
+    seen to fit and says it is not exact; every probe is reported as it ends (the suite
+    saves the JSON then), and each probe's worker gets only the time left."""
+    timeouts = []
+
+    def fake_fits(workload, contender, n, cap_mib, threads, adam, setting, timeout_s):
+        timeouts.append(timeout_s)
+        time.sleep(0.2)
+        return n <= 5, float(n), ""
+
+    monkeypatch.setattr(runner, "fits", fake_fits)
+    seen = []
+    found = runner.largest_n("pointnet", "hftc+ckpt", 1.0, budget_s=0.5, on_probe=seen.append,
+                             log=lambda *_: None)
+    assert 2 <= len(found["probes"]) <= 3 and found["exact"] is False
+    assert found["largest_n"] == max(p["n"] for p in found["probes"])
+    assert [s["largest_n"] for s in seen] == [p["n"] for p in found["probes"]]
+    assert all(t <= 0.5 for t in timeouts)
+    found = runner.largest_n("pointnet", "hftc", 1.0, budget_s=60, log=lambda *_: None)
+    assert found["largest_n"] == 5 and found["exact"] and found["smallest_failing"] == 6
+    assert [p["n"] for p in found["probes"]] == [1, 2, 4, 8, 6, 5]
 
 
 def test_a_failing_contender_is_reported_not_raised():
@@ -379,7 +405,7 @@ def test_bench_cli_names_each_kind_of_run_and_refuses_a_missing_gpu():
 def test_gpu_suite_end_to_end(tmp_path):
     from hftc.bench.suite import default_contenders
 
-    contenders = [c for c in default_contenders("cuda") if c != "hftc+compile"]
+    contenders = [c for c in default_contenders("cuda") if c != "hftc+compile"] + ["hftc+ckpt"]
     cfg = SuiteConfig(workloads=["mlp"], sizes={"mlp": [1, 2]}, contenders=contenders,
                       rounds={"mlp": 2}, min_sample_s=0.0, device="cuda", cores=0,
                       name="smoke-cuda")
@@ -391,6 +417,7 @@ def test_gpu_suite_end_to_end(tmp_path):
             assert run["peak_mib"] > 0  # device memory
     text = report.markdown(result)
     assert "device `cuda`" in text and "Peak device memory" in text
+    assert "Activation checkpointing" in text and f"CUDA {torch.version.cuda}" in text
 
 
 def _fake_mps_control(tmp_path, exit_code: int):
@@ -465,8 +492,17 @@ def _fake_result(device: str, workload: str, n: int, step_s: list[float]) -> dic
 
 def test_runs_of_one_kind_merge_into_one_report(tmp_path):
     """A GPU suite run workload by workload (each call within a time limit) is reported as
-    one run; runs of different kinds are not mixed."""
+    one run, with the card, its driver, torch's version and every part's command; runs of
+    different kinds are not mixed."""
     parts = [_fake_result("cuda", "mlp", 4, [1.0]), _fake_result("cuda", "lenet5", 2, [2.0])]
+    for k, part in enumerate(parts):
+        part["machine"]["gpu"] = {"name": "NVIDIA H100 80GB HBM3", "memory_gib": 79.2,
+                                  "cuda": "13.0", "driver": "580.159.04", "cudnn": 91300}
+        part["commands"] = [f"python -m hftc bench --device cuda --out part{k}.json"]
+        part["max_n"] = [{"workload": "pointnet", "contender": "hftc+ckpt", "cap_mib": 81000.0,
+                          "largest_n": 96 + k, "probes": [{"n": 64, "fits": True,
+                                                           "peak_mib": 40000.0}],
+                          "budget_s": 150.0, "exact": False, "smallest_failing": 128}]
     paths = []
     for k, part in enumerate(parts):
         paths.append(tmp_path / f"part{k}.json")
@@ -478,6 +514,12 @@ def test_runs_of_one_kind_merge_into_one_report(tmp_path):
     assert report.main([str(p) for p in paths] + ["--docs", str(doc), "--block", "cuda"]) == 0
     body = doc.read_text()
     assert "<!-- bench:cuda:begin -->" in body and "### mlp" in body and "### lenet5" in body
+    assert ("**NVIDIA H100 80GB HBM3** (79 GiB, CUDA 13.0, driver 580.159.04, cuDNN 91300)"
+            in body and "torch t" in body)
+    assert ("python -m hftc bench --device cuda --out part0.json\n"
+            "python -m hftc bench --device cuda --out part1.json\n```") in body
+    assert ("| pointnet | hftc+ckpt | 81000 | **96** (at least; the 150 s budget ran out, "
+            "below 128) | 64: ok 40000 |") in body
     with pytest.raises(ValueError, match="different kinds"):
         report.merge([parts[0], _fake_result("cpu", "lenet5", 2, [2.0])])
 

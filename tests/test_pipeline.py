@@ -14,7 +14,7 @@ from hftc.errors import TraceError
 def test_the_stages_in_order():
     assert [stage.name for stage in pipeline.STAGES] == [
         "shape propagation", "fusion", "chains", "codegen", "check", "strategy choice",
-        "autotune", "layout choice"]
+        "autotune", "layout choice", "checkpointing"]
 
 
 @pytest.mark.parametrize("autotune", [False, True])

@@ -39,7 +39,7 @@ def config_from_args(args: argparse.Namespace):
             cfg.sizes.setdefault(w, list(on.quick_sizes if args.quick else on.sizes))
             cfg.rounds.setdefault(w, 3 if args.quick else on.rounds)
         cfg.name = "custom"
-    if args.sizes:
+    if args.sizes is not None:
         cfg.sizes = {w: _ints(args.sizes) for w in cfg.workloads}
         cfg.name = "custom"
     if args.contenders:
@@ -58,11 +58,15 @@ def config_from_args(args: argparse.Namespace):
         cfg.max_n = []
         for item in filter(None, args.max_n.split(",")):
             workload, _, contender = item.partition(":")
-            cfg.max_n.append({"workload": workload, "contender": contender or "hftc",
-                              "cap_mib": cap})
+            contender = contender or "hftc"
+            if workload not in WORKLOADS or contender not in CONTENDERS:
+                raise SystemExit(f"hftc bench: --max-n {item}: choose a workload from "
+                                 f"{list(WORKLOADS)} and a contender from {list(CONTENDERS)}")
+            cfg.max_n.append({"workload": workload, "contender": contender, "cap_mib": cap})
     else:
         for search in cfg.max_n:
             search["cap_mib"] = cap
+    cfg.max_n_budget_s = args.max_n_budget
     # On the CPU every contender gets one pinned core; a GPU's contenders are not pinned
     # (the concurrent contender's N processes each feed the GPU from a core of their own).
     cfg.cores = args.cores if args.cores is not None else (1 if device == "cpu" else 0)

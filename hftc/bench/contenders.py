@@ -19,6 +19,9 @@ hftc+compile    the same with the forward and loss under ``torch.compile`` (indu
 hftc+step       the same through ``hftc.compile_step`` (its default mode: the whole step,
                 optimizer included where it can be, as one CUDA graph on a GPU; the eager
                 step on the CPU); bf16 via its ``autocast_dtype``
+hftc+ckpt       hftc with activation checkpointing (``hftc.fuse(..., checkpoint=True)``:
+                about sqrt(#ops) segments recomputed in backward): less memory, so a
+                larger N fits (the largest-N search), at the cost of a second forward
 concurrent-mps  concurrent, on a GPU, with CUDA's MPS daemon sharing the device (the
                 suite starts it where it can; ``suite.py``)
 ==============  ==========================================================================
@@ -46,12 +49,14 @@ from torch import nn
 from .workloads import WORKLOADS, Workload
 
 CONTENDERS = ("serial", "concurrent", "concurrent-mps", "torch.func", "hand-fused", "hftc",
-              "hftc+compile", "hftc+step")
+              "hftc+compile", "hftc+step", "hftc+ckpt")
+#: Contenders the suite runs only where asked (``--contenders``, ``--max-n``).
+OPT_IN = ("hftc+ckpt",)
 #: Contenders that run the N models in N processes (runner.py builds each from "serial").
 MULTI_PROCESS = ("concurrent", "concurrent-mps")
 PRECISIONS = ("fp32", "bf16")
 #: Contenders that fuse the N models into one step (their FLOP/s efficiency is reported).
-FUSED = ("torch.func", "hand-fused", "hftc", "hftc+compile", "hftc+step")
+FUSED = ("torch.func", "hand-fused", "hftc", "hftc+compile", "hftc+step", "hftc+ckpt")
 
 
 def learning_rates(n: int, base: float = 1e-3) -> list[float]:
@@ -205,13 +210,13 @@ def _hand_fused(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting) -
 
 
 def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
-          compile: bool = False) -> Step:
+          compile: bool = False, checkpoint: bool = False) -> Step:
     import hftc
 
     # autotune: each fused op's lowering timed on these shapes (cached on disk); a model
     # that reads its input's sizes in Python is fused from the batch (example_inputs).
     example = {"example_inputs": (x,)} if w.example_inputs else {}
-    fused = hftc.fuse(models, autotune=True, **example)
+    fused = hftc.fuse(models, autotune=True, checkpoint=checkpoint, **example)
     opt = hftc.optim.Adam(fused.parameters(), lr=lrs, **adam_kwargs)
     per_model_loss = hftc.per_model(w.loss_fn)
 
@@ -323,4 +328,5 @@ _BUILDERS: dict[str, Callable[..., Step]] = {
     "hftc": _hftc,
     "hftc+compile": lambda *a: _hftc(*a, compile=True),
     "hftc+step": _hftc_step,
+    "hftc+ckpt": lambda *a: _hftc(*a, checkpoint=True),
 }

@@ -27,4 +27,5 @@ CONTENDERS = {
     "hftc": "hftc.fuse",
     "hftc+compile": "torch.compile of hftc.fuse's module",
     "hftc+step": "hftc.compile_step: the whole step as one CUDA graph (eager on the CPU)",
+    "hftc+ckpt": "hftc.fuse(checkpoint=True): activations recomputed in backward (opt-in)",
 }

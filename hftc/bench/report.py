@@ -150,7 +150,9 @@ def markdown(result: dict) -> str:
     pk = peak(result)
     device, precision = cfg.get("device", "cpu"), cfg.get("precision", "fp32")
     gpu = m.get("gpu")
-    where = (f"**{gpu['name']}** ({gpu['memory_gib']:.0f} GiB, CUDA {gpu['cuda']}), "
+    where = (f"**{gpu['name']}** ({gpu['memory_gib']:.0f} GiB, CUDA {gpu['cuda']}"
+             + (f", driver {gpu['driver']}" if gpu.get("driver") else "")
+             + (f", cuDNN {gpu['cudnn']}" if gpu.get("cudnn") else "") + "), "
              if gpu else "")
     size = result.get("matmul_size", 2048)
     lines = [
@@ -173,6 +175,9 @@ def markdown(result: dict) -> str:
         f"taken through the run.",
         "",
     ]
+    commands = result.get("commands") or []
+    if commands:
+        lines += ["Made by:", "", "```", *commands, "```", ""]
     contenders = _contenders(result)
     lines += _targets_table(result)
     lines += _speedup_table(result)
@@ -339,6 +344,7 @@ def _workload_tables(name: str, entry: dict, contenders: list[str], peak_gflops:
                 + ", ".join(f"N={n} {r['first_step_s']:.1f} s" for n, r in comp)
                 + ". Steady-state steps only are timed."]
     out += _phase_table(hftc)
+    out += _checkpoint_table(entry)
     lowerings = {}
     for n, r in hftc:
         for node, chosen in (r.get("info") or {}).get("lowerings", {}).items():
@@ -352,6 +358,26 @@ def _workload_tables(name: str, entry: dict, contenders: list[str], peak_gflops:
     if fallbacks:
         out += ["", "hftc fell back to per-model loops for: " + "; ".join(sorted(fallbacks)) + "."]
     return out + [""]
+
+
+def _checkpoint_table(entry: dict) -> list[str]:
+    """hftc+ckpt against hftc at each N both ran: peak memory and step time."""
+    rows = []
+    for cfg in entry["configs"]:
+        plain, ckpt = cfg["contenders"].get("hftc"), cfg["contenders"].get("hftc+ckpt")
+        if not (plain and ckpt and plain.get("step_s") and ckpt.get("step_s")):
+            continue
+        mem = ("" if plain.get("peak_mib") is None or ckpt.get("peak_mib") is None else
+               f"{plain['peak_mib']:.0f} -> {ckpt['peak_mib']:.0f}"
+               + (f" ({ckpt['peak_mib'] / plain['peak_mib']:.2f}x)" if plain["peak_mib"] > 0
+                  else ""))
+        slower = statistics.median(ckpt["step_s"]) / statistics.median(plain["step_s"])
+        rows.append(f"| {cfg['n']} | {mem} | {slower:.2f}x |")
+    if not rows:
+        return []
+    return ["", "Activation checkpointing (`hftc.fuse(..., checkpoint=True)`, contender "
+            "hftc+ckpt) against hftc: peak memory, MiB, and step time (hftc+ckpt / hftc).",
+            "", "| N | peak memory hftc -> hftc+ckpt | step time |", "|---|---|---|", *rows]
 
 
 def _phase_table(hftc: list[tuple[int, dict]]) -> list[str]:
@@ -377,16 +403,26 @@ def _phase_table(hftc: list[tuple[int, dict]]) -> list[str]:
 def _max_n_tables(result: dict) -> list[str]:
     if not result.get("max_n"):
         return []
+    cap = ("device memory cap (MiB)" if _on_gpu(result)
+           else "memory cap (MiB above a bare process)")
     out = ["### Largest N that fits", "",
-           "| workload | contender | memory cap (MiB above a bare process) | largest N | probes |",
+           "Doubling N until a step does not fit, then bisecting (HFTA's search); *probes*: "
+           "N: fits or not, and the step's peak MiB. A search cut by its time budget says "
+           "so: the largest N seen to fit is then a lower bound.", "",
+           f"| workload | contender | {cap} | largest N | probes |",
            "|---|---|---|---|---|"]
     for s in result["max_n"]:
         probes = ", ".join(
             f"{p['n']}: {'ok' if p['fits'] else 'no'}"
             + (f" {p['peak_mib']:.0f}" if p.get("peak_mib") is not None else "")
             for p in s["probes"])
-        out.append(f"| {s['workload']} | {s['contender']} | {s['cap_mib']} | "
-                   f"**{s['largest_n']}** | {probes} |")
+        bound = ""
+        if s.get("budget_s") is not None and not s.get("exact", True):
+            bound = (f" (at least; the {s['budget_s']:.0f} s budget ran out"
+                     + (f", below {s['smallest_failing']}" if s.get("smallest_failing")
+                        else "") + ")")
+        out.append(f"| {s['workload']} | {s['contender']} | {s['cap_mib']:.0f} | "
+                   f"**{s['largest_n']}**{bound} | {probes} |")
     return out + [""]
 
 
@@ -395,7 +431,7 @@ def _max_n_tables(result: dict) -> list[str]:
 #: One colour per contender in every panel.
 COLORS = {"serial": "tab:blue", "concurrent": "tab:orange", "concurrent-mps": "tab:olive",
           "torch.func": "tab:green", "hand-fused": "tab:red", "hftc": "tab:purple",
-          "hftc+compile": "tab:brown", "hftc+step": "tab:pink"}
+          "hftc+compile": "tab:brown", "hftc+ckpt": "tab:pink", "hftc+step": "tab:cyan"}
 
 
 def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
@@ -458,8 +494,9 @@ def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
                               key=lambda hl: len(hl[1]))
         # A legend row and a title as wide as three panels: wrapped to the figure's width,
         # and the file cut to what is drawn (bbox_inches="tight"), so neither is clipped.
-        fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 2 * cols),
-                   bbox_to_anchor=(0.5, 0.0))
+        if labels:  # none where the runs only searched the largest N
+            fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 2 * cols),
+                       bbox_to_anchor=(0.5, 0.0))
         gpu = result["machine"].get("gpu")
         where = (f"{gpu['name']}, {result['config'].get('precision', 'fp32')}" if gpu else
                  f"{result['machine']['cpu']}, one core per contender, "
@@ -506,9 +543,13 @@ def merge(results: list[dict]) -> dict:
     if len(kinds) > 1:
         raise ValueError(f"cannot merge runs of different kinds (device, precision, adam): "
                          f"{sorted(kinds)}")
-    merged = dict(first, workloads={}, peak_gflops=[], max_n=[], wall_s=0.0)
+    merged = dict(first, workloads={}, peak_gflops=[], max_n=[], wall_s=0.0, commands=[])
     for r in results:
-        merged["workloads"].update(r["workloads"])
+        merged["commands"] += r.get("commands", [])
+        # A part that only searched the largest N has its workloads without configurations:
+        # they do not replace another part's measurements.
+        merged["workloads"].update({name: entry for name, entry in r["workloads"].items()
+                                    if entry["configs"] or name not in merged["workloads"]})
         merged["peak_gflops"] += r["peak_gflops"]
         merged["max_n"] += r.get("max_n", [])
         merged["wall_s"] += r.get("wall_s", 0.0)

@@ -464,14 +464,15 @@ def matmul_worker(threads: int, setting: dict[str, str] | None = None) -> Worker
 
 def fits(workload: str, contender: str, n: int, cap_mib: float, threads: int = 1,
          adam: str = "default", setting: dict[str, str] | None = None,
-         ) -> tuple[bool, float | None, str]:
+         timeout_s: float = START_TIMEOUT_S) -> tuple[bool, float | None, str]:
     """Does one training step of N models stay within ``cap_mib`` above a bare process
-    (on a GPU: within ``cap_mib`` of device memory)?"""
+    (on a GPU: within ``cap_mib`` of device memory)?  A worker not ready within
+    ``timeout_s`` does not fit (its reason says so)."""
     w = Worker({"workload": workload, "n": n, "threads": threads, "warmup": 1,
                 "contender": contender, "cap_mib": cap_mib, "adam": adam, "phases": False,
                 **(setting or {})})
     try:
-        w.wait_ready()
+        w.wait_ready(timeout_s)
         w.send(("mem", None))
         peak = w._recv(60)["peak_mib"]
         return peak <= cap_mib, peak, ""
@@ -483,31 +484,61 @@ def fits(workload: str, contender: str, n: int, cap_mib: float, threads: int = 1
 
 def largest_n(workload: str, contender: str, cap_mib: float, *, threads: int = 1,
               limit: int = 4096, adam: str = "default", setting: dict[str, str] | None = None,
-              log=print) -> dict[str, Any]:
-    """HFTA's search for the largest N that fits: double N until it fails, then bisect."""
-    probes: list[dict[str, Any]] = []
+              budget_s: float | None = None, on_probe=None, log=print) -> dict[str, Any]:
+    """HFTA's search for the largest N that fits: double N until it fails, then bisect.
 
-    def probe(n: int) -> bool:
-        ok, peak, why = fits(workload, contender, n, cap_mib, threads, adam, setting)
+    ``budget_s``: stop probing once this many seconds are spent (each probe gets what is
+    left); ``largest_n`` is then the largest N seen to fit, and ``exact`` is False (the
+    answer lies below ``smallest_failing``, or is unknown above it).  ``on_probe(result)``
+    is called after every probe with the result so far (the suite saves it)."""
+    probes: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    lo, hi = 0, None
+    result: dict[str, Any] = {"workload": workload, "contender": contender, "cap_mib": cap_mib,
+                              "largest_n": 0, "limit": limit, "probes": probes,
+                              "budget_s": budget_s, "exact": False, "smallest_failing": None}
+
+    def left() -> float:
+        return START_TIMEOUT_S if budget_s is None else budget_s - (
+            time.perf_counter() - started)
+
+    def probe(n: int) -> bool | None:
+        """Whether N fits; None where the budget ran out before or during the probe."""
+        if left() <= 0:
+            return None
+        ok, peak, why = fits(workload, contender, n, cap_mib, threads, adam, setting,
+                             timeout_s=left())
+        if not ok and peak is None and left() <= 0:
+            log(f"    N={n:<5} not decided: the search's {budget_s:.0f} s budget ran out")
+            return None
         probes.append({"n": n, "fits": ok, "peak_mib": peak, "why": why})
         log(f"    N={n:<5} {'fits' if ok else 'does not fit'}"
             + (f" ({peak:.0f} MiB)" if peak is not None else f" ({why})"))
+        if on_probe is not None:
+            on_probe(dict(result, largest_n=max([lo] + [p["n"] for p in probes if p["fits"]])))
         return ok
 
-    lo, hi = 0, None
-    n = 1
+    n, complete = 1, True
     while n <= limit:
-        if probe(n):
+        ok = probe(n)
+        if ok is None:
+            complete = False
+            break
+        if ok:
             lo, n = n, n * 2
         else:
             hi = n
             break
-    if hi is not None:
+    if hi is not None and complete:
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if probe(mid):
+            ok = probe(mid)
+            if ok is None:
+                complete = False
+                break
+            if ok:
                 lo = mid
             else:
                 hi = mid
-    return {"workload": workload, "contender": contender, "cap_mib": cap_mib,
-            "largest_n": lo, "limit": limit, "probes": probes}
+    result.update(largest_n=lo, smallest_failing=hi, exact=complete and hi is not None)
+    return result

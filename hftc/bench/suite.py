@@ -19,8 +19,10 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import runner
-from .contenders import CONTENDERS
+from .contenders import CONTENDERS, OPT_IN
 from .workloads import WORKLOADS
 
 # A source checkout keeps its runs in benchmarks/results/ (docs/BENCHMARKS.md cites them);
@@ -54,6 +56,7 @@ class SuiteConfig:
     precision: str = "fp32"            # or "bf16": forward and loss under autocast
     min_sample_s: float = 0.05
     max_n: list[dict[str, Any]] = field(default_factory=list)  # {workload, contender, cap_mib}
+    max_n_budget_s: float | None = None  # seconds per largest-N search (None: no limit)
     name: str = "full"
 
 
@@ -86,8 +89,10 @@ def default_config(quick: bool = False, device: str = "cpu") -> SuiteConfig:
 
 
 def default_contenders(device: str) -> list[str]:
-    """Every contender that runs on ``device`` (concurrent-mps: a GPU's only)."""
-    return [c for c in CONTENDERS if device != "cpu" or c != "concurrent-mps"]
+    """Every contender that runs on ``device`` (concurrent-mps: a GPU's only), but the
+    opt-in ones (hftc+ckpt)."""
+    return [c for c in CONTENDERS
+            if (device != "cpu" or c != "concurrent-mps") and c not in OPT_IN]
 
 
 @contextlib.contextmanager
@@ -146,10 +151,29 @@ def _machine(device: str = "cpu") -> dict[str, Any]:
     if device != "cpu" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device))
         gpu = {"name": props.name, "memory_gib": props.total_memory / 2**30,
-               "cuda": torch.version.cuda}
+               "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+               **_nvidia_smi()}
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib, "gpu": gpu,
             "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(), "git_commit": commit}
+
+
+def _nvidia_smi() -> dict[str, str]:
+    """The driver version and the card's name as ``nvidia-smi`` reports them ({} without it)."""
+    binary = shutil.which("nvidia-smi")
+    if binary is None:
+        return {}
+    try:
+        proc = subprocess.run([binary, "--query-gpu=name,driver_version",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    first = proc.stdout.strip().splitlines()[:1]
+    if proc.returncode != 0 or not first or "," not in first[0]:
+        return {}
+    name, driver = (v.strip() for v in first[0].rsplit(",", 1))
+    return {"smi_name": name, "driver": driver}
 
 
 def _load() -> list[float]:
@@ -209,6 +233,10 @@ def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[s
         "threads": cfg.threads,
         "cpus": cpus,
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        # The command that made this file, as typed (the report lists every part's).
+        "commands": [shlex.join(["python", "-m", "hftc", *sys.argv[1:]])
+                     if Path(sys.argv[0]).name in ("__main__.py", "hftc")
+                     else shlex.join(sys.argv)],
         "load_start": _load(),
         "peak_gflops": [],
         "workloads": {},
@@ -281,9 +309,16 @@ def _run_workloads(cfg: SuiteConfig, contenders: list[str], setting: dict[str, s
                 torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory / 2**20)
         log(f"\nlargest N of {search['workload']} ({search['contender']}) within "
             f"{cap:.0f} MiB:")
+        result["max_n"].append({**search, "largest_n": 0, "probes": []})
+
+        def saved(partial: dict[str, Any]) -> None:  # a search cut short keeps its probes
+            result["max_n"][-1] = partial
+            save()
+
         found = runner.largest_n(search["workload"], search["contender"], cap,
-                                 threads=cfg.threads, adam=cfg.adam, setting=setting, log=log)
-        result["max_n"].append(found)
+                                 threads=cfg.threads, adam=cfg.adam, setting=setting,
+                                 budget_s=cfg.max_n_budget_s, on_probe=saved, log=log)
+        result["max_n"][-1] = found
         log(f"    -> N = {found['largest_n']}")
         save()
     result["peak_gflops"] += runner.measure_matmul(peak_worker, **matmul)

@@ -599,8 +599,9 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     generated code) identifies the program in the disk cache.  ``channels_last``: whether
     the inputs may be laid out channels-last (:func:`.layout.safe`).  ``cost_model``: the
     program compiled from :func:`cost_model_graph`, a candidate too (the chosen
-    ``ProgramChoice.forward`` is then it).  ``model_loop=False`` (``strategy="fused"``):
-    the whole-model loop is no candidate."""
+    ``ProgramChoice.forward`` is then it).  ``model_loop=False`` (``strategy="fused"``, or
+    ``checkpoint=``: the fused program is what is checkpointed): the N models one by one
+    are no candidate."""
     choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
     # "program-5": before the cost model's program was a candidate.  "program-4": before

@@ -19,6 +19,8 @@ program being built (:class:`ProgramState`)::
     layout choice      (autotune=True) the whole forward as it    layout.py, autotune.py
                        runs fastest: fused, channels-last inputs, the models one by one,
                        or the cost model's lowerings
+    checkpointing      (checkpoint=k) the fused forward cut into  checkpoint.py
+                       k segments, each recomputed in backward
 
 The check comes before the timing stages (only a program that computes the models'
 outputs is worth timing), and so needs the code first.  An error from inside a stage
@@ -47,6 +49,7 @@ from . import layout
 from .autotune import ProgramChoice, autotune_graph, choose_program, cost_model_graph
 from .chains import chain_linears
 from .check import input_copies, preserved_state
+from .checkpoint import checkpointed_forward
 from .codegen import compile_graph
 from .strategy import CallTiming, StrategyChoice, choose_strategy
 
@@ -79,10 +82,12 @@ class Program:
 class CompileOptions:
     """What the FusedModule asked for: ``autotune=True`` runs the two timing stages;
     ``strategy`` (:mod:`.strategy`): "auto" times the fused program against the models one
-    by one, "fused" / "model_loop" force one."""
+    by one, "fused" / "model_loop" force one; ``checkpoint`` (False, True or a number of
+    segments) the checkpointing stage (the fused program is then what runs)."""
 
     autotune: bool = False
     strategy: str = "fused"
+    checkpoint: int | bool = False
 
 
 @dataclass
@@ -104,6 +109,7 @@ class ProgramState:
     how: ProgramChoice | None = None  # layout choice
     plan: StrategyChoice | None = None  # strategy choice (or layout choice)
     trial: CallTiming | None = None  # strategy choice, timed on the user's calls
+    checkpointed: bool = False  # state.forward is the checkpointed one (checkpointing)
     #: Set by a stage that decides the program on its own (the check's fallback to the N
     #: models one by one): the stages after it do not run.
     final: Program | None = None
@@ -168,10 +174,12 @@ def choose_strategy_stage(state: ProgramState, options: CompileOptions) -> None:
     if options.strategy == "model_loop":
         state.how = ProgramChoice(fused._models_one_by_one())
         state.plan = StrategyChoice("model_loop", "forced")
-    elif options.strategy == "fused" or state.spec is not None:
+    elif options.strategy == "fused" or state.spec is not None or options.checkpoint:
         # (an output rebuilt from a flat tuple, a dataclass: the loop returns the models'
-        # own, which the timing cannot take a backward through)
+        # own, which the timing cannot take a backward through; checkpoint=: the fused
+        # program is what is checkpointed, for the memory)
         state.plan = StrategyChoice("fused", "forced" if options.strategy == "fused" else
+                                    "checkpointed: not timed" if options.checkpoint else
                                     "outputs rebuilt: not timed")
     else:
         backward = _times_backward(fused)
@@ -213,7 +221,8 @@ def autotune(state: ProgramState, options: CompileOptions) -> None:
 
 def choose_layout(state: ProgramState, options: CompileOptions) -> None:
     """The whole forward as it runs fastest on these inputs: the fused program, with
-    channels-last inputs where that is safe, the models one by one, or the cost model's
+    channels-last inputs where that is safe, the models one by one (not with
+    ``checkpoint=``, which checkpoints the fused program), or the cost model's
     lowerings (:func:`~hftc.compile.autotune.choose_program`).  Not for outputs rebuilt
     from a flat tuple (``state.spec``), which the candidates do not compare."""
     if state.spec is not None:
@@ -224,13 +233,22 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
     cost_graph = cost_model_graph(state.graph, report.lowerings)
     cost_forward, cost_source = (compile_graph(chain_linears(cost_graph, fused))
                                  if cost_graph is not None else (None, ""))
+    if options.checkpoint:  # the candidates are timed (and their memory taken) as they run
+        checkpoint_segments(state, options)
+        if cost_graph is not None:
+            cost_forward, _ = checkpointed_forward(chain_linears(cost_graph, fused),
+                                                   options.checkpoint, fused)
     how, choice = choose_program(
         fused, state.forward, state.tuning_values, state.batched, backward=state.backward,
         key_source=state.source,
         channels_last=layout.safe(fused._template, state.mode_graphs.graph, device),
-        cost_model=cost_forward, model_loop=options.strategy != "fused")
+        cost_model=cost_forward,
+        model_loop=options.strategy != "fused" and not options.checkpoint)
     if how.forward is not None:  # the cost model's lowerings ran faster together
         state.forward, state.graph, state.source = how.forward, cost_graph, cost_source
+        state.code_graph = chain_linears(cost_graph, fused)
+        if options.checkpoint:
+            state.source += f"\n# checkpointed (checkpoint={options.checkpoint!r})"
         how = replace(how, forward=None)
         for op in report.lowerings:
             if op.chosen != op.default:
@@ -242,6 +260,19 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
         "autotune" + ("" if how.layout is None else f", {how.layout} inputs"),
         {name: t for name, t in choice.times.items() if name in ("fused", "model_loop")},
         backward=state.backward)
+
+
+def checkpoint_segments(state: ProgramState, options: CompileOptions) -> None:
+    """(``checkpoint=``) The forward that runs cut into segments, each recomputed in
+    backward (:mod:`.checkpoint`); not where the N models run one by one.  With autotune
+    the layout choice does it first, so that its candidates run checkpointed."""
+    if not options.checkpoint or state.checkpointed or (
+            state.how is not None and state.how.model_loop is not None):
+        return
+    state.checkpointed = True
+    state.forward, source = checkpointed_forward(state.code_graph, options.checkpoint,
+                                                  state.fused)
+    state.source = f"{state.source}\n# checkpointed (checkpoint={options.checkpoint!r}):\n{source}"
 
 
 @dataclass(frozen=True)
@@ -263,6 +294,7 @@ STAGES = (
     Stage("strategy choice", choose_strategy_stage, not_autotune=True),
     Stage("autotune", autotune, autotune_only=True),
     Stage("layout choice", choose_layout, autotune_only=True),
+    Stage("checkpointing", checkpoint_segments),
 )
 
 
