@@ -18,6 +18,14 @@ A skipped model keeps its parameters, optimizer state and step counter exactly
 ``torch.amp.GradScaler`` (``init_scale``, ``growth_factor``, ``backoff_factor``,
 ``growth_interval``), per model: model i's scale sequence is the one torch's
 scaler would follow training model i alone. Device-agnostic (CPU included).
+
+With a capturable optimizer (``optimizer.is_capturable``: ``hftc.optim.Adam(...,
+capturable=True)``, ``hftc.optim.SGD`` on CUDA) ``unscale_``, ``step`` and ``update``
+never read a value on the host: the per-model found-inf flags and scales stay device
+tensors, and ``step`` hands the flags to ``optimizer.step(skip_models=found_inf)``,
+which puts the skipped models back with ``torch.where``.  ``hftc.compile_step`` then
+captures the scaled step in one CUDA graph.  Otherwise ``step`` reads the flags once
+(it skips the update entirely when every model overflowed).
 """
 
 from __future__ import annotations
@@ -180,7 +188,8 @@ class GradScaler:
 
         Models with inf/NaN gradients are skipped: their parameters, optimizer state
         and step counters stay as they were. Returns ``optimizer.step``'s return
-        value, or ``None`` if every model was skipped.
+        value, or ``None`` if every model was skipped.  On a capturable optimizer the
+        flags stay on the device (no host sync; see the module docstring).
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -194,7 +203,9 @@ class GradScaler:
             self.unscale_(optimizer)
         found_inf = record["found_inf"]
         result = None
-        if not bool(found_inf.all()):
+        if getattr(optimizer, "is_capturable", False):  # no host read: flags on the device
+            result = optimizer.step(skip_models=found_inf, **kwargs)
+        elif not bool(found_inf.all()):
             skip = found_inf if bool(found_inf.any()) else None
             result = optimizer.step(skip_models=skip, **kwargs)
         record["stage"] = _STEPPED
@@ -275,6 +286,10 @@ class GradScaler:
         tracker = state_dict["growth_tracker"]
         if tracker is None:
             self._scale = self._growth_tracker = None
+        elif self._scale is not None and self._scale.shape == state_dict["scale"].shape:
+            # In place: a captured step (hftc.compile_step) reads these very tensors.
+            self._scale.copy_(state_dict["scale"])
+            self._growth_tracker.copy_(tracker)
         else:
             self._scale = state_dict["scale"].to(device=device, dtype=torch.float32).clone()
             self._growth_tracker = tracker.to(device=device, dtype=torch.int32).clone()

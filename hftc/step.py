@@ -93,9 +93,11 @@ def compile_step(fused: nn.Module, loss_fn: Callable[..., Tensor],
             ``"eager"``, ``"compile"`` or ``"cuda_graph"``.
         clip_grad_norm: clip each model's gradients by its own norm before the step
             (one max norm, or one per model), as ``hftc.utils.clip_grad_norm_``.
-        scaler: an ``hftc.amp.GradScaler`` (per-model loss scales); ``"eager"`` and
-            ``"compile"`` only: skipping the models that overflowed needs the host to
-            read which did.
+        scaler: an ``hftc.amp.GradScaler`` (per-model loss scales).  In
+            ``"cuda_graph"`` mode only with a capturable optimizer
+            (``optimizer.is_capturable``): the graph then holds the scaled backward,
+            unscaling, the step that skips the models that overflowed (``torch.where``,
+            no host read) and the scales' update.
         autocast_dtype: run forward and loss under ``torch.autocast`` in this dtype
             (``torch.bfloat16``); the way to use autocast in ``"cuda_graph"`` mode.
         warmup: eager steps per new input signature before capturing or compiling (>= 2).
@@ -106,7 +108,8 @@ def compile_step(fused: nn.Module, loss_fn: Callable[..., Tensor],
 
     Raises:
         FusionArgumentError: a bad argument (unknown mode, ``"cuda_graph"`` on the CPU, a
-            scaler with ``"cuda_graph"``, a loss that is not ``[N]``).
+            scaler with ``"cuda_graph"`` and an optimizer that is not capturable, a loss
+            that is not ``[N]``).
         StepCaptureError: (on a call) the step cannot be captured or compiled: a host sync
             (``.item()``), a shape that depends on the data, a copy from host memory.
     """
@@ -163,12 +166,16 @@ class CompiledStep:
                 f"compile_step: mode='cuda_graph' needs the fused module on a CUDA device; its "
                 f"parameters are on {device}. Move it (fused.to('cuda')) or use mode='eager' "
                 f"or 'compile'")
-        if mode == "cuda_graph" and scaler is not None and scaler.is_enabled():
+        if mode == "cuda_graph" and scaler is not None and scaler.is_enabled() \
+                and not getattr(optimizer, "is_capturable", False):
             raise FusionArgumentError(
-                "compile_step: hftc.amp.GradScaler cannot run inside a CUDA graph: it skips "
-                "the models whose gradients overflowed, which the host must read every step. "
-                "Train in bfloat16 (autocast_dtype=torch.bfloat16, which needs no loss "
-                "scaling), or pass mode='eager' to keep the scaler")
+                f"compile_step: hftc.amp.GradScaler runs inside a CUDA graph only with a "
+                f"capturable optimizer, and {type(optimizer).__name__} is not one: its step "
+                f"would read on the host which models' gradients overflowed, every step. "
+                f"Construct it with capturable=True (hftc.optim.Adam/AdamW(..., "
+                f"capturable=True); hftc.optim.SGD is capturable on CUDA), train in bfloat16 "
+                f"(autocast_dtype=torch.bfloat16, which needs no loss scaling), or pass "
+                f"mode='eager' to keep the scaler")
         self.fused, self.optimizer, self.scaler = fused, optimizer, scaler
         self.num_models, self.device, self.mode = num_models, device, mode
         self.loss_fn = loss_fn
@@ -394,9 +401,10 @@ class CompiledStep:
         try:
             with torch.cuda.graph(graph), self._autocast(cache_enabled=False):
                 losses = self._check_losses(self._forward_losses(static_inputs, static_target))
-                losses.sum().backward()
-                if self.captures_optimizer:
-                    self._clip_and_step()
+                if self.captures_optimizer:  # and the scaler's steps: its scales stay on the GPU
+                    self._backward_and_update(losses)
+                else:
+                    losses.sum().backward()
         except StepCaptureError:
             raise
         except RuntimeError as exc:

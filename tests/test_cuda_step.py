@@ -4,7 +4,8 @@ Against the eager fused loop on the device (the same kernels: equal to float rou
 and N stock models with stock Adam; a scheduler's learning rates applied without
 re-capture; dropout drawing anew on every replay; a new input shape captured anew; an
 optimizer that offers ``refresh_hyperparameters()`` captured inside the graph; and the
-refusals (``.item()``, a host-to-device copy, GradScaler).  Skipped without CUDA.
+refusals (``.item()``, a host-to-device copy, GradScaler with an optimizer that
+is not capturable); hftc.amp.GradScaler inside the graph, with no host sync.  Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -224,11 +225,14 @@ def test_what_a_graph_cannot_hold_is_refused(loss, what):
         step(x, y)
 
 
-def test_grad_scaler_and_ambient_autocast_are_refused():
+def test_grad_scaler_with_a_non_capturable_optimizer_and_ambient_autocast_are_refused():
     fused = hftc.fuse(_models(torch.float32))
     opt = hftc.optim.SGD(fused.parameters(), lr=LRS)
-    with pytest.raises(FusionArgumentError, match="GradScaler cannot run inside a CUDA graph"):
-        hftc.compile_step(fused, F.cross_entropy, opt, scaler=hftc.amp.GradScaler("cuda"))
+    adam = hftc.optim.Adam(fused.parameters(), lr=LRS)  # capturable=False: host step counts
+    with pytest.raises(FusionArgumentError, match=r"GradScaler runs inside a CUDA graph only "
+                                                  r"with a capturable optimizer, and Adam is "
+                                                  r"not one.*capturable=True"):
+        hftc.compile_step(fused, F.cross_entropy, adam, scaler=hftc.amp.GradScaler("cuda"))
     step = hftc.compile_step(fused, F.cross_entropy, opt)
     x, y = _batches(1, torch.float32)[0]
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -270,3 +274,74 @@ def test_capture_waits_for_the_default_strategys_choice(tmp_path, monkeypatch):
             assert step.graphs == 0
     assert fused.last_program().trial is None and fused.plan.chosen in ("fused", "model_loop")
     assert step.graphs == 1
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+def test_grad_scaler_runs_inside_the_graph_without_host_syncs(opt_name):
+    # hftc.amp.GradScaler with a capturable optimizer: scaled backward, unscale_ (for the
+    # per-model clip), the step that skips the models that overflowed and the scales'
+    # update, all in the graph.  Model 1's loss overflows at steps 1 and 4 and model 2's at
+    # step 4 (boost, a device tensor the loss reads); the replays (steps 2-5) make no host
+    # sync, and match the eager fused loop and N stock models under torch.amp.GradScaler.
+    models, batches = _models(torch.float32), _batches(6, torch.float32)
+    clip = [0.05, 0.5, 5.0]
+    boost = torch.ones(3, device="cuda")
+    overflow = {1: [1], 4: [1, 2]}
+
+    def make_opt(params, i=None):
+        lrs = LRS if i is None else LRS[i]
+        if opt_name == "adam":
+            return (hftc.optim.Adam if i is None else torch.optim.Adam)(
+                params, lr=lrs, capturable=True)
+        return (hftc.optim.SGD if i is None else torch.optim.SGD)(params, lr=lrs, momentum=0.9)
+
+    def boosted_losses(out, y):
+        return hftc.per_model(F.cross_entropy)(out, y) * boost
+
+    fused = hftc.fuse(copy.deepcopy(models))
+    opt, scaler = make_opt(fused.parameters()), hftc.amp.GradScaler("cuda", growth_interval=2)
+    step = hftc.compile_step(fused, boosted_losses, opt, per_model_loss=False, scaler=scaler,
+                             clip_grad_norm=clip)
+    assert step.captures_optimizer
+    loop = hftc.fuse(copy.deepcopy(models))
+    loop_opt = make_opt(loop.parameters())
+    loop_scaler = hftc.amp.GradScaler("cuda", growth_interval=2)
+    serial = copy.deepcopy(models)
+    serial_opts = [make_opt(m.parameters(), i) for i, m in enumerate(serial)]
+    serial_scalers = [torch.amp.GradScaler("cuda", growth_interval=2) for _ in serial]
+    for k, (x, y) in enumerate(batches):
+        boost.fill_(1.0)
+        for i in overflow.get(k, []):
+            boost[i] = 1e38
+        if k >= 2:  # a replay
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = step(x, y)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        loop_opt.zero_grad()
+        want = boosted_losses(loop(x), y)
+        loop_scaler.scale(want).sum().backward()
+        loop_scaler.unscale_(loop_opt)
+        hftc.utils.clip_grad_norm_(loop, clip)
+        loop_scaler.step(loop_opt)
+        loop_scaler.update()
+        torch.testing.assert_close(got, want.detach(), equal_nan=True)
+        assert torch.equal(scaler.get_scale(), loop_scaler.get_scale()), k
+        for i, (m, o, s) in enumerate(zip(serial, serial_opts, serial_scalers)):
+            o.zero_grad()
+            s.scale(F.cross_entropy(m(x), y) * boost[i]).backward()
+            s.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip[i])
+            s.step(o)
+            s.update()
+            assert s.get_scale() == scaler.get_scale()[i].item(), (k, i)
+    assert step.graphs == 1
+    scales = scaler.get_scale().tolist()
+    assert scales[1] < scales[2] < scales[0]  # each model's own back-offs
+    for p, q in zip(fused.parameters(), loop.parameters()):
+        torch.testing.assert_close(p, q)
+    for i, m in enumerate(serial):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(fused.state_dict()[name][i], p.detach())

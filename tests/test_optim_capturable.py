@@ -365,3 +365,105 @@ def test_sgd_model_skipped_on_its_first_step_starts_its_buffer_later_like_stock(
                 q.grad = grad[i].clone()
             o.step()
     assert_equal(fused, solos)
+
+
+# ------------------------------------------------- skipping models on the device
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that read a tensor's value on the host (``.item()``, ``bool(t)``)
+    or give a shape that depends on it (``nonzero``): each a host sync on a GPU, and
+    what a CUDA graph cannot capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tags = getattr(func, "tags", ())
+        if func is torch.ops.aten._local_scalar_dense.default \
+                or torch.Tag.dynamic_output_shape in tags \
+                or torch.Tag.data_dependent_output in tags:
+            self.reads.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+def stock_state_matches(opt, fused, stock, models):
+    """Each model's optimizer state (moments, buffers, step counts) equals its stock
+    optimizer's, bit for bit; a model stock never stepped has fresh (zero) state."""
+    for i in models:
+        for p, q in zip(fused, stock[i].param_groups[0]["params"]):
+            want, got = stock[i].state.get(q, {}), opt.state[p]
+            if not want:
+                for key, value in got.items():
+                    assert not value[i].any(), (i, key)
+            for key, value in want.items():
+                if value is None:
+                    continue
+                value = torch.as_tensor(value, dtype=got[key].dtype)
+                assert torch.equal(got[key][i], value), (i, key)
+
+
+SKIP_SCHEDULE = [  # per step, which models overflow (inf or NaN gradients)
+    [True, False, False, True],   # model 0 and 3 on their first step
+    [False, False, False, False],
+    [False, True, False, False],
+    [True, True, True, True],     # every model
+    [False, False, True, False],
+    [False, False, False, False],
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cls", ["Adam", "AdamW", "SGD"])
+def test_skip_models_on_the_device_leaves_skipped_models_as_stock_does(
+        cls, dtype, stock_capturable_on_cpu, sgd_capturable_on_cpu):
+    # skip_models as a bool tensor on a capturable optimizer: never read on the host, and
+    # every skipped model (its gradients inf / NaN, as after an fp16 overflow) keeps its
+    # parameters, moments / momentum buffer and step count exactly, as when
+    # torch.amp.GradScaler skips that model's stock optimizer.step(); the others step as
+    # their stock optimizers do, bit for bit.
+    if cls == "SGD":
+        configs, flags = SGD_CONFIGS, {}
+    else:
+        configs, flags = ADAM_CONFIGS, {"capturable": True}
+        if cls == "AdamW":
+            configs = [{**c, "weight_decay": c.get("weight_decay", 0.05)} for c in configs]
+    fused, solos, opt, stock = make_pair(getattr(ho, cls), getattr(torch.optim, cls),
+                                         configs, dtype, **flags)
+    assert opt.is_capturable
+    g = torch.Generator().manual_seed(1)
+    reads = HostReads()
+    for k, skip in enumerate(SKIP_SCHEDULE):
+        grads = [torch.randn(p.shape, generator=g, dtype=dtype) for p in fused]
+        for i in range(len(configs)):
+            if skip[i]:  # an overflow: one inf or NaN, or all of them
+                grads[k % len(grads)][i].view(-1)[0] = float("inf") if i % 2 else float("nan")
+                if k == 3:
+                    grads[0][i].fill_(float("inf"))
+        for p, grad in zip(fused, grads):
+            p.grad = grad.clone()
+        with reads:
+            opt.step(skip_models=torch.tensor(skip))
+        for i, (params, o) in enumerate(zip(solos, stock)):
+            if skip[i]:
+                continue
+            for q, grad in zip(params, grads):
+                q.grad = grad[i].clone()
+            o.step()
+        assert_equal(fused, solos)
+        stock_state_matches(opt, fused, stock, range(len(configs)))
+    assert reads.reads == []
+    if cls != "SGD":
+        steps = [sum(not s[i] for s in SKIP_SCHEDULE) for i in range(len(configs))]
+        for p in fused:
+            assert opt.state[p]["step"].tolist() == steps
+
+
+def test_skip_models_on_the_device_must_have_one_flag_per_model(stock_capturable_on_cpu):
+    p = torch.randn(3, 2, requires_grad=True)
+    opt = ho.Adam([p], lr=0.1, capturable=True)
+    p.grad = torch.randn(3, 2)
+    with pytest.raises(ValueError, match=r"skip_models has shape \[2\] but there are 3 "
+                                         r"models.*shape \[3\]"):
+        opt.step(skip_models=torch.tensor([True, False]))

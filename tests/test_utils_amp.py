@@ -460,6 +460,112 @@ def test_scaler_with_a_diverging_model_and_per_model_clipping():
     assert_all_match(fused, solos, 1e-9, models=[0, 2])
 
 
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that read a tensor's value on the host (``.item()``, ``bool(t)``)
+    or give a shape that depends on it (``nonzero``): a host sync each on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tags = getattr(func, "tags", ())
+        if func is torch.ops.aten._local_scalar_dense.default \
+                or torch.Tag.dynamic_output_shape in tags \
+                or torch.Tag.data_dependent_output in tags:
+            self.reads.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def capturable_on_cpu(monkeypatch):
+    """The capturable steps on the CPU: torch refuses Adam(capturable=True) there (a
+    check of the device only), and hftc's SGD is capturable on CUDA only."""
+    import torch.optim.adam as stock_adam
+
+    monkeypatch.setattr(stock_adam, "_get_capturable_supported_devices",
+                        lambda supports_xla=True: ["cpu", "cuda"])
+    monkeypatch.setattr(ho.SGD, "_capturable", lambda self: not self._flag("fused"))
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "adamw", "sgd"])
+def test_scaler_with_a_capturable_optimizer_skips_on_the_device(opt_name, capturable_on_cpu):
+    # The same run as test_scaler_skips_only_the_model_that_overflows, with optimizers
+    # whose step a CUDA graph can capture: unscale_, step and update read nothing on the
+    # host (the found-inf flags go to step(skip_models=...) as a tensor), and each model
+    # still follows torch.amp.GradScaler with its own stock capturable optimizer: the
+    # same scales, the same step counts, the same weights. Model 2 also gets a NaN
+    # gradient at step 4.
+    dtype, n = torch.float32, 3
+    boost = [1.0, 1e9, 1.0]  # model 1 overflows at 2**100 and 2**99, not below
+    make_opt = {
+        "adam": (lambda ps, i: torch.optim.Adam(ps, lr=[1e-2, 3e-2, 1e-3][i], capturable=True),
+                 lambda ps: ho.Adam(ps, lr=[1e-2, 3e-2, 1e-3], capturable=True)),
+        "adamw": (lambda ps, i: torch.optim.AdamW(ps, lr=1e-2, weight_decay=[0.1, 0.5, 0.0][i],
+                                                  capturable=True),
+                  lambda ps: ho.AdamW(ps, lr=1e-2, weight_decay=[0.1, 0.5, 0.0],
+                                      capturable=True)),
+        "sgd": (lambda ps, i: torch.optim.SGD(ps, lr=0.1, momentum=[0.9, 0.5, 0.0][i]),
+                lambda ps: ho.SGD(ps, lr=0.1, momentum=[0.9, 0.5, 0.0])),
+    }[opt_name]
+    models = make_models(n, dtype)
+    solos = [copy.deepcopy(m) for m in models]
+    fused = StackedModels(models)
+    opt = make_opt[1](fused.parameters())
+    assert opt.is_capturable
+    scaler = GradScaler(init_scale=2.0**100, growth_interval=3)
+    batches = make_batches(8, dtype)
+    nan_at = 4
+    reads, scales = HostReads(), []
+    for k, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        out = fused(x)
+        losses = torch.stack([F.cross_entropy(out[i] * boost[i], y) for i in range(n)])
+        scaler.scale(losses).sum().backward()
+        if k == nan_at:
+            next(fused.parameters()).grad[2].view(-1)[0] = float("nan")
+        with reads:
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        scales.append(scaler.get_scale().tolist())
+    assert reads.reads == []
+    skipped = []
+    for i, solo in enumerate(solos):
+        stock = torch.amp.GradScaler("cpu", init_scale=2.0**100, growth_interval=3)
+        solo_opt = make_opt[0](solo.parameters(), i)
+        solo_scales = []
+        for k, (x, y) in enumerate(batches):
+            solo_opt.zero_grad()
+            stock.scale(F.cross_entropy(solo(x) * boost[i], y)).backward()
+            if k == nan_at and i == 2:
+                next(solo.parameters()).grad.view(-1)[0] = float("nan")
+            stock.step(solo_opt)
+            stock.update()
+            solo_scales.append(stock.get_scale())
+        assert [s[i] for s in scales] == solo_scales, i
+        skipped.append(sum(b < a for a, b in zip([2.0**100] + solo_scales, solo_scales)))
+        if opt_name != "sgd":
+            for p, q in zip(fused.parameters(), solo.parameters()):
+                assert opt.state[p]["step"][i] == solo_opt.state[q]["step"], i
+    assert skipped[0] == 0 and skipped[1] > 0 and skipped[2] == 1
+    assert_all_match(fused, solos, tolerance(dtype))
+
+
+def test_scaler_load_state_dict_writes_into_the_scales_it_has():
+    # hftc.compile_step's CUDA graph reads the scaler's scale and growth-tracker tensors:
+    # loading a state dict must change their values, not replace them.
+    scaler = GradScaler(init_scale=4.0)
+    scaler.scale(torch.ones(3))
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    saved = GradScaler(init_scale=2.0**20)
+    saved.scale(torch.ones(3))
+    saved.update(new_scale=[1.0, 2.0, 3.0])
+    scaler.load_state_dict(saved.state_dict())
+    assert scaler._scale is scale and scaler._growth_tracker is tracker
+    assert scaler.get_scale().tolist() == [1.0, 2.0, 3.0]
+
+
 def test_scaler_update_follows_torch_growth_and_backoff_rules():
     scaler = GradScaler(init_scale=8.0, growth_factor=4.0, backoff_factor=0.25,
                         growth_interval=2)

@@ -698,6 +698,10 @@ class FusedOptimizer(Optimizer):
             skip_models: optional ``[N]`` bools. Models marked ``True`` are left exactly
                 as they were: parameters, optimizer state and step counter
                 (``hftc.amp.GradScaler`` passes the models whose gradients overflowed).
+                On a capturable optimizer (:attr:`is_capturable`) a bool tensor is never
+                read on the host: every model is updated and the skipped ones are then
+                put back with ``torch.where`` (:meth:`_step_models`), so the
+                step can be captured in a CUDA graph and replayed with new flags.
         """
         if hasattr(self, "found_inf"):  # set by torch.amp.GradScaler.step (see below)
             del self.found_inf  # which would delete them after a step: usable again
@@ -719,9 +723,31 @@ class FusedOptimizer(Optimizer):
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if isinstance(skip_models, Tensor) and self._capturable():
+            self._step_models(params, skip_on_device=self._skip_flags(skip_models))
+            return loss
         skip = self._skip_indices(skip_models)
         if len(skip) == self.num_models:
             return loss
+        self._step_models(params, skip=skip)
+        return loss
+
+    def _step_models(self, params: list[Tensor], skip: Sequence[int] = (),
+                     skip_on_device: Tensor | None = None) -> None:
+        """One update of ``params`` (those with a ``.grad``), leaving as they were the
+        models at the host indices ``skip``, or those flagged in ``skip_on_device`` (a
+        ``[N]`` bool tensor, never read on the host)::
+
+            saved = P, state[P]            (parameters, moments, buffers, step counts)
+            update every model             (a skipped model's inf/NaN grads too)
+            P = where(skip, saved, P); state[P] = where(skip, saved, state[P])
+
+        A skipped model's slices are then the very values it had, as if stock had not
+        called its ``optimizer.step()``; the other models' went through the same ops as
+        with no skip.  On the device this costs a copy of the parameters and their state
+        (masking each update's coefficients instead is not exact: a learning rate of 0
+        still decays Adam's moments and weights, and 0 * inf is NaN); host indices copy
+        only the skipped models' slices."""
         hp = self.hyperparameters()
         # Parameters by param group (one unless groups set their own hyper-parameters).
         groups: dict[int, list[Tensor]] = {0: params}
@@ -737,6 +763,11 @@ class FusedOptimizer(Optimizer):
                 if not self.state[p]:
                     self._init_state(p, group_hp[k])
         saved = self._save_models(params, skip) if skip else None
+        saved_on_device = None
+        if skip_on_device is not None:
+            saved_on_device = [
+                (p, p.clone(), {k: v.clone() for k, v in self._per_model_tensors(p).items()})
+                for p in params]
         capturable = self._capturable()
         for k, group in groups.items():
             if capturable:
@@ -746,8 +777,25 @@ class FusedOptimizer(Optimizer):
             self._update(group, group_hp[k])
         if saved is not None:
             self._restore_models(saved, skip)
-            self.__dict__.pop("_momentum_ready", None)  # restored state may be a first step's
-        return loss
+        if saved_on_device is not None:
+            for p, p_saved, state_saved in saved_on_device:
+                pairs = [(p, p_saved)] + [(self.state[p][k], v) for k, v in state_saved.items()]
+                for current, before in pairs:
+                    flags = skip_on_device.to(current.device)
+                    torch.where(flags.view(-1, *([1] * (current.dim() - 1))), before, current,
+                                out=current)
+        if saved is not None or saved_on_device is not None:
+            # Restored state may be a first step's (SGD: no momentum buffer yet); on the
+            # device the host cannot tell whether any model was skipped.
+            self.__dict__.pop("_momentum_ready", None)
+
+    def _skip_flags(self, skip_models: Tensor) -> Tensor:
+        """``skip_models`` as a ``[N]`` bool tensor where it is, checked by shape only."""
+        if skip_models.shape != (self.num_models,):
+            raise ValueError(
+                f"skip_models has shape {list(skip_models.shape)} but there are "
+                f"{self.num_models} models: give one flag per model, shape [{self.num_models}]")
+        return skip_models.detach().to(torch.bool)
 
     def _skip_indices(self, skip_models) -> list[int]:
         if skip_models is None:
