@@ -65,7 +65,7 @@ def test_data_dependent_model_through_example_inputs():
         report = checked.fusion_report
         assert report.fallbacks == [], str(report)
         counts = report.rule_counts()
-        assert counts["fuse_conv_function"] == 1 and counts["fuse_batch_norm"] == 1
+        assert counts["fuse_conv"] == 1 and counts["fuse_batch_norm"] == 1
     # the example's batch size is not baked in
     y = torch.randn(7, 3, 8, 8, dtype=torch.float64)
     out = fused(y)
@@ -88,7 +88,7 @@ def test_export_front_end_matches_symbolic_rules_and_stacked_inputs():
     fused = check_equivalence(models, xs, in_dims=0,
                               fuser=_export_fuser((xs,), frontend="export"))
     names = set(fused.fusion_report.rule_counts())
-    assert {"fuse_conv_function", "fuse_batch_norm", "fuse_linear",
+    assert {"fuse_conv", "fuse_batch_norm", "fuse_linear",
             "fuse_layer_norm"} <= names
     assert fused.fusion_report.fallbacks == []
 

@@ -115,11 +115,13 @@ class FusionGroup:
                                     (:func:`hftc.ir.bind_arguments`)
             nn.Linear(...)(x)    -> {"input": x, "weight": the stacked weight, "bias": ...}
 
+        ``functional`` is the op's function, or a Python function with its parameters
+        where torch gives it several schemas (``F.conv2d``: ``passes.conv.conv_parameters``).
         A module's tensors are the fused module's stacked ones, its Python
         hyper-parameters model 0's (those that differ: :meth:`per_model_values`);
         ``module_values`` give what a module computes itself (a norm's ``training``)."""
         if self.node.op == "call_function":
-            return bind_arguments(self.node.target, self.args, self.kwargs)
+            return bind_arguments(functional, self.args, self.kwargs)
         first, *names = call_signature(functional).parameters
         arguments = {first: self.args[0]}
         for name in names:
