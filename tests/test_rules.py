@@ -486,6 +486,8 @@ class LossInForward(nn.Module):
         self.l1 = nn.L1Loss()
         self.bce = nn.BCEWithLogitsLoss(reduction="none")
         self.huber = nn.HuberLoss(delta=0.5)
+        self.nll = nn.NLLLoss(ignore_index=2, reduction="sum")
+        self.smooth = nn.SmoothL1Loss(beta=0.25)
 
     def forward(self, x, labels, target):
         out = self.fc(x)
@@ -497,7 +499,8 @@ class LossInForward(nn.Module):
                 F.nll_loss(out.log_softmax(-1), labels, reduction="sum"),
                 self.l1(out, target), self.bce(out, probability), self.huber(out, target),
                 F.binary_cross_entropy(out.sigmoid(), probability),
-                F.soft_margin_loss(out, target.detach().sign()), F.l1_loss(out, target, reduction="sum"))
+                F.soft_margin_loss(out, target.detach().sign()), F.l1_loss(out, target, reduction="sum"),
+                self.nll(out.log_softmax(-1), target=labels), self.smooth(input=out, target=target))
 
 
 @pytest.mark.parametrize("frontend", ["symbolic", "export"])
@@ -517,6 +520,37 @@ def test_losses_inside_forward_are_one_loss_per_model(frontend, stacked):
         fuser=lambda models, in_dims: hftc.fuse(models, in_dims=in_dims, frontend=frontend,
                                                 example_inputs=example))
     assert fused.fusion_report.fallbacks == []
+
+
+@pytest.mark.parametrize("module, functional", [
+    (nn.CrossEntropyLoss, F.cross_entropy), (nn.NLLLoss, F.nll_loss), (nn.MSELoss, F.mse_loss),
+    (nn.BCEWithLogitsLoss, F.binary_cross_entropy_with_logits)])
+def test_one_rule_serves_a_loss_module_its_functional_and_its_aten_op(module, functional):
+    from hftc.passes.registry import RULES
+
+    entry = RULES[("call_module", module)]
+    assert RULES[("call_function", functional)] is entry
+    assert entry.name == f"fuse_loss[{functional.__name__}]" and entry.aten
+
+
+class _WeightedClassifier(nn.Module):
+    """A classifier whose loss module holds its own class weights (a buffer per model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.loss = nn.CrossEntropyLoss(weight=torch.rand(3) + 0.5, ignore_index=1)
+
+    def forward(self, x, labels):
+        return self.loss(self.fc(x), labels)
+
+
+def test_a_loss_module_with_its_own_class_weights_runs_per_model():
+    torch.manual_seed(0)
+    models = [_WeightedClassifier() for _ in range(3)]
+    fused = check_equivalence(models, (torch.randn(6, 4), torch.randint(0, 3, (6,))))
+    (fallback,) = fused.fusion_report.fallbacks
+    assert "per-model class weight" in str(fallback)
 
 
 class DimsFromRank(nn.Module):
