@@ -106,6 +106,11 @@ CASES = [
     Case("bmm_activations",
          lambda: Lambda(lambda s, x: torch.bmm(s.fc(x), s.fc(x).transpose(1, 2)).softmax(-1),
                         fc=nn.Linear(5, 6)), (2, 3, 5)),
+    Case("softmax_spellings", lambda: Lambda(  # a dtype by position is kept (it was dropped)
+        lambda s, x: (s.sm(s.fc(x)), s.lsm(x), s.smin(x), torch.softmax(x, -1, torch.float64),
+                      x.log_softmax(1, torch.float64), F.softmax(x, 0, 3, torch.float64)),
+        fc=nn.Linear(5, 5), sm=nn.Softmax(dim=1), lsm=nn.LogSoftmax(-1), smin=nn.Softmin(0)),
+        (3, 5)),
     Case("matmul_vectors", lambda: Lambda(lambda s, x: torch.matmul(s.fc(x), s.v), fc=nn.Linear(5, 4),
                                           v=torch.randn(4)), (3, 5)),
     Case("einsum_attention",  # lucidrains' spelling: spaces, both operands per model
@@ -531,6 +536,16 @@ def test_one_rule_serves_a_loss_module_its_functional_and_its_aten_op(module, fu
     entry = RULES[("call_module", module)]
     assert RULES[("call_function", functional)] is entry
     assert entry.name == f"fuse_loss[{functional.__name__}]" and entry.aten
+
+
+@pytest.mark.parametrize("module, functional", [
+    (nn.Softmax, F.softmax), (nn.LogSoftmax, F.log_softmax), (nn.Softmin, F.softmin)])
+def test_one_rule_serves_a_softmax_module_and_its_functional(module, functional):
+    from hftc.passes.registry import RULES
+
+    entry = RULES[("call_module", module)]
+    assert RULES[("call_function", functional)] is entry
+    assert entry.name == f"fuse_softmax[{functional.__name__}]"
 
 
 class _WeightedClassifier(nn.Module):

@@ -123,7 +123,7 @@ class FusionGroup:
         loss's ``target``).  Its tensors are the fused module's stacked ones, its Python
         hyper-parameters model 0's (those that differ: :meth:`per_model_values`);
         ``module_values`` give what a module computes itself (a norm's ``training``)."""
-        if self.node.op == "call_function":
+        if self.node.op != "call_module":  # a function, or a method (``self`` first)
             return bind_arguments(functional, self.args, self.kwargs)
         first, *names = call_signature(functional).parameters
         _, (_, x), *passed = bind_arguments(
