@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..frontends.export import Emitter, aten_name
-from ..ir import EXAMPLE_VALUE
+from ..ir import EXAMPLE_VALUE, bind_arguments
 from ..runtime import layout as rt_layout
 from ..runtime import reduction as rt_reduction
 from ..runtime import spatial as rt_spatial
@@ -167,8 +167,8 @@ def softmax_as_torch(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     (and the log ones), with the ``dtype`` only the public op takes."""
     name = aten_name(e)
     fn = torch.log_softmax if "log" in name else torch.softmax
-    x, dim = args[0], args[1]
-    dtype = kwargs.get("dtype", args[2] if len(args) > 2 and not name.startswith("_") else None)
+    a = bind_arguments(e.source.target, args, kwargs)
+    x, dim, dtype = a["input"], a["dim"], a.get("dtype")  # (_softmax: half_to_float instead)
     return e.call(fn, x, dim, dtype=dtype) if dtype is not None else e.call(fn, x, dim)
 
 
