@@ -19,7 +19,7 @@ def test_inspect_prints_report_and_graph(capsys):
     assert main(["inspect", f"{ZOO}:lenet5_mnist", "-n", "3", "--input-shape", "2,1,28,28"]) == 0
     out = capsys.readouterr().out
     assert "hftc fusion report: 3 models" in out
-    assert "fuse_conv_module" in out and "fuse_linear" in out
+    assert "fuse_conv" in out and "fuse_linear" in out
     assert "0 per-model loops" in out
     assert "def forward(self, x):" in out  # the generated fused forward
     assert "strategy: runs the fused program (forced)" in out  # the suite's HFTC_STRATEGY

@@ -65,7 +65,7 @@ def test_data_dependent_model_through_example_inputs():
         report = checked.fusion_report
         assert report.fallbacks == [], str(report)
         counts = report.rule_counts()
-        assert counts["fuse_conv_function"] == 1 and counts["fuse_batch_norm"] == 1
+        assert counts["fuse_conv"] == 1 and counts["fuse_batch_norm"] == 1
     # the example's batch size is not baked in
     y = torch.randn(7, 3, 8, 8, dtype=torch.float64)
     out = fused(y)
@@ -88,7 +88,7 @@ def test_export_front_end_matches_symbolic_rules_and_stacked_inputs():
     fused = check_equivalence(models, xs, in_dims=0,
                               fuser=_export_fuser((xs,), frontend="export"))
     names = set(fused.fusion_report.rule_counts())
-    assert {"fuse_conv_function", "fuse_batch_norm", "fuse_linear",
+    assert {"fuse_conv", "fuse_batch_norm", "fuse_linear",
             "fuse_layer_norm"} <= names
     assert fused.fusion_report.fallbacks == []
 
@@ -431,3 +431,43 @@ def test_nanogpt_with_the_token_ids_passed_as_targets_in_the_example(kind, check
     fused = check_equivalence(models, (idx, targets), steps=2,
                               fuser=_export_fuser(example, check=check))
     assert fused.last_program().model_loop is None
+
+
+def _converted(op, args: tuple, kwargs: dict):
+    """The node the rules' converter for ATen op ``op`` emits for ``op(*args, **kwargs)``
+    (placeholders stand for the tensors)."""
+    import torch.fx as fx
+
+    from hftc.frontends.export import Emitter
+    from hftc.passes.registry import aten_spellings
+
+    graph = fx.Graph()
+    tensors = {name: graph.placeholder(name) for name in ("x", "y")}
+    args = tuple(tensors.get(a, a) if isinstance(a, str) else a for a in args)
+    kwargs = {k: tensors.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+    source = graph.call_function(op, args, kwargs)
+    return aten_spellings()[op.overloadpacket](Emitter(graph, source), args, kwargs), tensors
+
+
+@pytest.mark.parametrize("op, args, kwargs, target, expected", [
+    (torch.ops.aten.embedding.default, ("x", "y"), {"padding_idx": 0, "sparse": False},
+     F.embedding, ("y", "x", 0, None, 2.0, False, False)),
+    (torch.ops.aten.constant_pad_nd.default, ("x",), {"pad": [1, 1], "value": 2.0},
+     F.pad, ("x", [1, 1], "constant", 2.0)),
+    (torch.ops.aten.grid_sampler.default, ("x", "y"),
+     {"interpolation_mode": 1, "padding_mode": 2, "align_corners": True},
+     F.grid_sample, ("x", "y", "nearest", "reflection", True)),
+    (torch.ops.aten.dropout_.default, ("x",), {"p": 0.25, "train": True},
+     F.dropout, ("x", 0.25, True, True)),
+    (torch.ops.aten.nll_loss_nd.default, ("x", "y"), {"ignore_index": 3},
+     F.nll_loss, ("x", "y")),
+])
+def test_aten_converters_bind_the_exported_arguments_by_name(op, args, kwargs, target, expected):
+    """An ATen op's arguments given by keyword reach the rule's spelling: the converters
+    bind by the op's schema (padding_idx, the pad value were dropped, grid_sampler's and
+    dropout_'s keywords failed to unpack)."""
+    node, tensors = _converted(op, args, kwargs)
+    assert node.target is target
+    assert node.args == tuple(tensors.get(a, a) if isinstance(a, str) else a for a in expected)
+    if target is F.nll_loss:
+        assert node.kwargs == {"weight": None, "reduction": "mean", "ignore_index": 3}

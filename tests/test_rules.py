@@ -75,6 +75,9 @@ CASES = [
                                     w=torch.randn(4, 3, 3, 3), b=torch.randn(4)), (2, 3, 7, 7)),
     Case("f_conv1d_groups", lambda: Lambda(lambda s, x: F.conv1d(x, s.w, groups=2),
                                            w=torch.randn(4, 2, 3)), (2, 4, 8)),
+    Case("f_conv2d_keywords_same", lambda: Lambda(
+        lambda s, x: F.conv2d(input=x, weight=s.w, padding="same", dilation=[2, 1]),
+        w=torch.randn(4, 3, 3, 3)), (2, 3, 7, 7)),
     Case("conv_transpose1d", seq(lambda: [nn.ConvTranspose1d(3, 4, 3, stride=2,
                                                              output_padding=1)]), (2, 3, 5)),
     Case("conv_transpose2d_groups",
@@ -88,6 +91,9 @@ CASES = [
     Case("f_conv_transpose2d",
          lambda: Lambda(lambda s, x: F.conv_transpose2d(x, s.w, stride=2), w=torch.randn(3, 2, 2, 2)),
          (2, 3, 4, 4)),
+    Case("f_conv_transpose2d_lists", lambda: Lambda(
+        lambda s, x: F.conv_transpose2d(x, s.w, s.b, [2, 1], output_padding=(1, 0), dilation=1),
+        w=torch.randn(3, 2, 3, 3), b=torch.randn(2)), (2, 3, 4, 4)),
     # ---- linear and matmul
     Case("linear", seq(lambda: [nn.Linear(5, 7)]), (4, 5)),
     Case("linear_3d_nobias", seq(lambda: [nn.Linear(5, 7, bias=False), nn.Tanh()]), (2, 3, 5)),
@@ -100,6 +106,11 @@ CASES = [
     Case("bmm_activations",
          lambda: Lambda(lambda s, x: torch.bmm(s.fc(x), s.fc(x).transpose(1, 2)).softmax(-1),
                         fc=nn.Linear(5, 6)), (2, 3, 5)),
+    Case("softmax_spellings", lambda: Lambda(  # a dtype by position is kept (it was dropped)
+        lambda s, x: (s.sm(s.fc(x)), s.lsm(x), s.smin(x), torch.softmax(x, -1, torch.float64),
+                      x.log_softmax(1, torch.float64), F.softmax(x, 0, 3, torch.float64)),
+        fc=nn.Linear(5, 5), sm=nn.Softmax(dim=1), lsm=nn.LogSoftmax(-1), smin=nn.Softmin(0)),
+        (3, 5)),
     Case("matmul_vectors", lambda: Lambda(lambda s, x: torch.matmul(s.fc(x), s.v), fc=nn.Linear(5, 4),
                                           v=torch.randn(4)), (3, 5)),
     Case("einsum_attention",  # lucidrains' spelling: spaces, both operands per model
@@ -480,6 +491,8 @@ class LossInForward(nn.Module):
         self.l1 = nn.L1Loss()
         self.bce = nn.BCEWithLogitsLoss(reduction="none")
         self.huber = nn.HuberLoss(delta=0.5)
+        self.nll = nn.NLLLoss(ignore_index=2, reduction="sum")
+        self.smooth = nn.SmoothL1Loss(beta=0.25)
 
     def forward(self, x, labels, target):
         out = self.fc(x)
@@ -491,7 +504,8 @@ class LossInForward(nn.Module):
                 F.nll_loss(out.log_softmax(-1), labels, reduction="sum"),
                 self.l1(out, target), self.bce(out, probability), self.huber(out, target),
                 F.binary_cross_entropy(out.sigmoid(), probability),
-                F.soft_margin_loss(out, target.detach().sign()), F.l1_loss(out, target, reduction="sum"))
+                F.soft_margin_loss(out, target.detach().sign()), F.l1_loss(out, target, reduction="sum"),
+                self.nll(out.log_softmax(-1), target=labels), self.smooth(input=out, target=target))
 
 
 @pytest.mark.parametrize("frontend", ["symbolic", "export"])
@@ -511,6 +525,47 @@ def test_losses_inside_forward_are_one_loss_per_model(frontend, stacked):
         fuser=lambda models, in_dims: hftc.fuse(models, in_dims=in_dims, frontend=frontend,
                                                 example_inputs=example))
     assert fused.fusion_report.fallbacks == []
+
+
+@pytest.mark.parametrize("module, functional", [
+    (nn.CrossEntropyLoss, F.cross_entropy), (nn.NLLLoss, F.nll_loss), (nn.MSELoss, F.mse_loss),
+    (nn.BCEWithLogitsLoss, F.binary_cross_entropy_with_logits)])
+def test_one_rule_serves_a_loss_module_its_functional_and_its_aten_op(module, functional):
+    from hftc.passes.registry import RULES
+
+    entry = RULES[("call_module", module)]
+    assert RULES[("call_function", functional)] is entry
+    assert entry.name == f"fuse_loss[{functional.__name__}]" and entry.aten
+
+
+@pytest.mark.parametrize("module, functional", [
+    (nn.Softmax, F.softmax), (nn.LogSoftmax, F.log_softmax), (nn.Softmin, F.softmin)])
+def test_one_rule_serves_a_softmax_module_and_its_functional(module, functional):
+    from hftc.passes.registry import RULES
+
+    entry = RULES[("call_module", module)]
+    assert RULES[("call_function", functional)] is entry
+    assert entry.name == f"fuse_softmax[{functional.__name__}]"
+
+
+class _WeightedClassifier(nn.Module):
+    """A classifier whose loss module holds its own class weights (a buffer per model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.loss = nn.CrossEntropyLoss(weight=torch.rand(3) + 0.5, ignore_index=1)
+
+    def forward(self, x, labels):
+        return self.loss(self.fc(x), labels)
+
+
+def test_a_loss_module_with_its_own_class_weights_runs_per_model():
+    torch.manual_seed(0)
+    models = [_WeightedClassifier() for _ in range(3)]
+    fused = check_equivalence(models, (torch.randn(6, 4), torch.randint(0, 3, (6,))))
+    (fallback,) = fused.fusion_report.fallbacks
+    assert "per-model class weight" in str(fallback)
 
 
 class DimsFromRank(nn.Module):
@@ -721,6 +776,46 @@ def test_one_rule_serves_a_norm_module_its_functional_and_its_aten_op(module, fu
     entry = RULES[("call_module", module)]
     assert RULES[("call_function", functional)] is entry
     assert op in dict(entry.aten)
+
+
+@pytest.mark.parametrize("module, functional", [
+    (nn.Conv2d, F.conv2d), (nn.Conv1d, F.conv1d), (nn.ConvTranspose2d, F.conv_transpose2d)])
+def test_one_rule_serves_a_conv_module_and_its_functional(module, functional):
+    from hftc.passes.registry import RULES
+
+    assert RULES[("call_function", functional)] is RULES[("call_module", module)]
+
+
+class _DCGANStem(nn.Module):
+    """A pytorch/examples DCGAN-style strided conv, as a module or as ``F.conv2d`` on the
+    module's own parameters (the stride an int, as a functional call passes it)."""
+
+    def __init__(self, functional):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 4, stride=2, padding=1, bias=False)
+        self.functional = functional
+
+    def forward(self, x):
+        if self.functional:
+            return F.leaky_relu(F.conv2d(x, self.conv.weight, None, 2, 1), 0.2)
+        return F.leaky_relu(self.conv(x), 0.2)
+
+
+def test_conv_spellings_reach_the_runtime_with_one_value_per_spatial_dim():
+    """``nn.Conv2d(stride=2)`` holds ``(2, 2)``, ``F.conv2d(..., 2)`` passes ``2``: the rule
+    hands ``conv_lowerings`` one form for both, a tuple per spatial dim."""
+    from hftc.runtime import conv as rt_conv
+
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    seen = []
+    for functional in (False, True):
+        torch.manual_seed(0)
+        models = [_DCGANStem(functional) for _ in range(3)]
+        fused = check_equivalence(models, x, dtype=torch.float64)
+        assert fused.fusion_report.rule_counts()["fuse_conv"] == 1
+        (node,) = [n for n in fused.fused_graph.nodes if n.target is rt_conv.conv]
+        seen.append(node.args[3:7])
+    assert seen[0] == seen[1] == ((2, 2), (1, 1), (1, 1), 1)
 
 
 def test_per_model_positions_and_defaults_come_from_the_functions_signature():

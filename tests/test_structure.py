@@ -59,7 +59,7 @@ def test_n_convs_become_one_conv_node(n):
     report = fused.fusion_report
     assert report.fallbacks == []
     counts = report.rule_counts()
-    assert counts["fuse_conv_module"] == 2
+    assert counts["fuse_conv"] == 2
     assert counts["fuse_linear"] == 1
 
 

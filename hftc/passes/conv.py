@@ -8,9 +8,14 @@
 
 The stacked weight ``[N, Cout, Cin/g, k, k]`` is a free view of the grouped
 weight; the output ``[B, N*Cout, H', W']`` is viewed as ``[N, B, Cout, H', W']``.
+One rule per op serves ``nn.Conv2d``, ``F.conv2d`` and ``aten.convolution``: the
+arguments are bound by name, and stride, padding and dilation handed to the runtime
+as one tuple per spatial dim whichever spelling gave them (:func:`per_dim`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -18,93 +23,103 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..frontends.export import Emitter
+from ..ir import bind_arguments
 from ..runtime import conv as rt_conv
 from .registry import FusionGroup, GraphBuilder, rule
 
 aten = torch.ops.aten
 
-_SPATIAL = {
-    nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3,
-    nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 2, nn.ConvTranspose3d: 3,
-    F.conv1d: 1, F.conv2d: 2, F.conv3d: 3,
-    F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3,
-}
+_CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
+_CONV_TRANSPOSES = {F.conv_transpose1d: 1, F.conv_transpose2d: 2, F.conv_transpose3d: 3}
 
 
-def _stacked(builder: GraphBuilder, value: fx.Node | None) -> fx.Node | None:
+def conv_parameters(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """``F.conv{1,2,3}d``'s parameters (torch's two schemas for them differ only in
+    ``padding``'s type, an int list or a string), to bind a call's arguments by."""
+
+
+def conv_transpose_parameters(input, weight, bias=None, stride=1, padding=0, output_padding=0,
+                              groups=1, dilation=1):
+    """``F.conv_transpose{1,2,3}d``'s parameters, to bind a call's arguments by."""
+
+
+def per_dim(value: Any, spatial: int) -> Any:
+    """A stride, padding or dilation as one value per spatial dim: ``2 -> (2, 2)``,
+    ``[1, 1] -> (1, 1)``; a padding string (``"same"``) or a graph node as it is.  The one
+    place the spellings' forms (a module's tuple, a functional's int, a schema's list
+    default) meet, so the lowerings see one form (:func:`hftc.runtime.conv.conv_lowerings`)."""
+    if isinstance(value, (list, tuple, torch.Size)):
+        return tuple(value)
+    if isinstance(value, (str, fx.Node)):
+        return value
+    return (value,) * spatial
+
+
+def _spatial(group: FusionGroup, functions: dict) -> int:
+    if group.module is not None:
+        return len(group.module.kernel_size)
+    return functions[group.node.target]
+
+
+def _optional(builder: GraphBuilder, value: fx.Node | None) -> fx.Node | None:
     """A weight must carry the model dim; a weight shared by all models is expanded."""
     return None if value is None else builder.broadcast(value)
 
 
-@rule(("call_module", nn.Conv1d), ("call_module", nn.Conv2d),
-               ("call_module", nn.Conv3d))
-def fuse_conv_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    conv = group.module
-    x = group.args[0]
-    return builder.call(
-        rt_conv.conv, x, builder.module_attr(group, "weight"), builder.module_attr(group, "bias"),
-        conv.stride, conv.padding, conv.dilation, conv.groups,
-        spatial=_SPATIAL[type(conv)] if type(conv) in _SPATIAL else len(conv.kernel_size),
-        x_batched=builder.is_batched(x), padding_mode=conv.padding_mode,
-        explicit_padding=tuple(conv._reversed_padding_repeated_twice),
-    )
-
-
 def convolution_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     """``aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding,
-    groups)`` -> ``F.conv{1,2,3}d`` or ``F.conv_transpose{1,2,3}d`` by its spatial rank."""
-    x, w, b, stride, padding, dilation, transposed, output_padding, groups = args
-    spatial = len(stride)
-    if transposed:
+    groups)`` -> ``F.conv{1,2,3}d`` or ``F.conv_transpose{1,2,3}d`` by its spatial rank,
+    bound by name."""
+    a = bind_arguments(e.source.target, args, kwargs)
+    spatial = len(a["stride"])
+    common = (a["input"], a["weight"], a["bias"], a["stride"], a["padding"])
+    if a["transposed"]:
         fn = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[spatial - 1]
-        return e.call(fn, x, w, b, stride, padding, output_padding, groups, dilation)
+        return e.call(fn, *common, a["output_padding"], a["groups"], a["dilation"])
     fn = (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
-    return e.call(fn, x, w, b, stride, padding, dilation, groups)
+    return e.call(fn, *common, a["dilation"], a["groups"])
 
 
-@rule(("call_function", F.conv1d), ("call_function", F.conv2d),
-      ("call_function", F.conv3d), aten={aten.convolution: convolution_as_functional})
-def fuse_conv_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    x = group.arg(0, "input")
+@rule(*[("call_module", cls) for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d)],
+      *[("call_function", fn) for fn in _CONVS], aten={aten.convolution: convolution_as_functional})
+def fuse_conv(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    spatial = _spatial(group, _CONVS)
+    a = group.arguments(builder, conv_parameters)
+    x, conv = a["input"], group.module
+    padding_mode = "zeros" if conv is None else conv.padding_mode
+    explicit_padding = None if conv is None else tuple(conv._reversed_padding_repeated_twice)
     return builder.call(
-        rt_conv.conv, x, _stacked(builder, group.arg(1, "weight")),
-        _stacked(builder, group.arg(2, "bias")),
-        group.arg(3, "stride", 1), group.arg(4, "padding", 0), group.arg(5, "dilation", 1),
-        group.arg(6, "groups", 1),
-        spatial=_SPATIAL[group.node.target], x_batched=builder.is_batched(x),
+        rt_conv.conv, x, builder.broadcast(a["weight"]), _optional(builder, a["bias"]),
+        per_dim(a["stride"], spatial), per_dim(a["padding"], spatial),
+        per_dim(a["dilation"], spatial), a["groups"],
+        spatial=spatial, x_batched=builder.is_batched(x), padding_mode=padding_mode,
+        explicit_padding=explicit_padding,
     )
 
 
-@rule(("call_module", nn.ConvTranspose1d), ("call_module", nn.ConvTranspose2d),
-               ("call_module", nn.ConvTranspose3d))
-def fuse_conv_transpose_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    conv = group.module
-    spatial = len(conv.kernel_size)
-    x = builder.broadcast(group.args[0])
-    output_padding = conv.output_padding
-    output_size = group.arg(1, "output_size")
-    if output_size is not None:
-        output_padding = builder.call(
-            rt_conv.conv_transpose_output_padding, x, output_size, conv.stride, conv.padding,
-            conv.kernel_size, conv.dilation, spatial=spatial, batched=False,
-        )
-    return builder.call(
-        rt_conv.conv_transpose, x, builder.module_attr(group, "weight"),
-        builder.module_attr(group, "bias"), conv.stride, conv.padding, output_padding,
-        conv.groups, conv.dilation, spatial=spatial, x_batched=True,
-    )
-
-
-@rule(("call_function", F.conv_transpose1d), ("call_function", F.conv_transpose2d),
-      ("call_function", F.conv_transpose3d),
+@rule(*[("call_module", cls) for cls in (nn.ConvTranspose1d, nn.ConvTranspose2d,
+                                         nn.ConvTranspose3d)],
+      *[("call_function", fn) for fn in _CONV_TRANSPOSES],
       aten={aten.conv_transpose1d: F.conv_transpose1d, aten.conv_transpose2d: F.conv_transpose2d,
             aten.conv_transpose3d: F.conv_transpose3d})
-def fuse_conv_transpose_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    x = group.arg(0, "input")
+def fuse_conv_transpose(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``nn.ConvTransposeNd(...)(x, output_size)`` and ``F.conv_transposeNd``; a module's
+    ``output_size`` becomes the output padding that reaches it, computed at run time from
+    model 0's input (every model's input has its shape)."""
+    spatial = _spatial(group, _CONV_TRANSPOSES)
+    a = group.arguments(builder, conv_transpose_parameters)
+    x = a["input"]
+    stride, padding, output_padding, dilation = (
+        per_dim(a[name], spatial) for name in ("stride", "padding", "output_padding", "dilation"))
+    output_size = group.arg(1, "output_size") if group.module is not None else None
+    if output_size is not None:
+        x = builder.broadcast(x)
+        output_padding = builder.call(
+            rt_conv.conv_transpose_output_padding, x, output_size, stride, padding,
+            group.module.kernel_size, dilation, spatial=spatial, batched=False,
+        )
     return builder.call(
-        rt_conv.conv_transpose, x, _stacked(builder, group.arg(1, "weight")),
-        _stacked(builder, group.arg(2, "bias")),
-        group.arg(3, "stride", 1), group.arg(4, "padding", 0), group.arg(5, "output_padding", 0),
-        group.arg(6, "groups", 1), group.arg(7, "dilation", 1),
-        spatial=_SPATIAL[group.node.target], x_batched=builder.is_batched(x),
+        rt_conv.conv_transpose, x, builder.broadcast(a["weight"]), _optional(builder, a["bias"]),
+        stride, padding, output_padding, a["groups"], dilation,
+        spatial=spatial, x_batched=builder.is_batched(x),
     )

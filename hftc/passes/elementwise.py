@@ -27,8 +27,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..frontends.export import Emitter, aten_name, fill_defaults
-from ..ir import EXAMPLE_VALUE, TORCH_RANDOM_DRAWS
+from ..frontends.export import Emitter, aten_name
+from ..ir import EXAMPLE_VALUE, TORCH_RANDOM_DRAWS, bind_arguments
 from ..runtime import layout as rt_layout
 from ..runtime import per_model as rt_per_model
 from ..runtime import random as rt_random
@@ -258,9 +258,9 @@ SLOPE_KEYS = {
 def elu_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     """``aten.elu(x, alpha, scale, input_scale)`` -> ``F.elu(x, alpha)`` where the scales
     are 1 (``nn.ELU``); SELU-like scales stay ATen (the per-model loop)."""
-    x, alpha, scale, input_scale = fill_defaults(args, (None, 1.0, 1.0, 1.0))
-    if scale == 1 and input_scale == 1:
-        return e.call(F.elu, x, alpha)
+    a = bind_arguments(e.source.target, args, kwargs)
+    if a["scale"] == 1 and a["input_scale"] == 1:
+        return e.call(F.elu, a["input"], a["alpha"])
     return e.call(aten.elu.default, *args, **kwargs)
 
 
@@ -278,8 +278,8 @@ def lift_fresh_copy_as_clone(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
 
 
 def dropout_inplace_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
-    x, p, train = args
-    return e.call(F.dropout, x, p, train, True)
+    a = bind_arguments(e.source.target, args, kwargs)
+    return e.call(F.dropout, a["input"], a["p"], a["train"], True)
 
 
 #: The ATen ops torch.export records for these ops where it does not spell them

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedOperatorError
-from ..frontends.export import Emitter, fill_defaults
+from ..frontends.export import Emitter
+from ..ir import bind_arguments
 from ..match import describe_node
 from ..runtime import embedding as rt_embedding
 from ..runtime import spatial as rt_spatial
@@ -35,11 +36,11 @@ def _refuse_sparse(group: FusionGroup) -> None:
 
 def embedding_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     """``aten.embedding(weight, indices, padding_idx=-1, scale_grad, sparse)`` ->
-    ``F.embedding(indices, weight, padding_idx or None, ...)``."""
-    weight, indices, padding_idx, scale_grad, sparse = fill_defaults(
-        args, (None, None, -1, False, False))
-    return e.call(F.embedding, indices, weight, None if padding_idx == -1 else padding_idx,
-                  None, 2.0, scale_grad, sparse)
+    ``F.embedding(indices, weight, padding_idx or None, ...)``, bound by name."""
+    a = bind_arguments(e.source.target, args, kwargs)
+    padding_idx = None if a["padding_idx"] == -1 else a["padding_idx"]
+    return e.call(F.embedding, a["indices"], a["weight"], padding_idx, None, 2.0,
+                  a["scale_grad_by_freq"], a["sparse"])
 
 
 @rule(("call_module", nn.Embedding), ("call_function", F.embedding),

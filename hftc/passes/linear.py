@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..frontends.export import Emitter, aten_name
+from ..ir import bind_arguments
 from ..runtime import linear as rt_linear
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
@@ -45,8 +46,10 @@ def fuse_linear(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 def add_product(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     """``addmm(b, x, w, beta, alpha)`` -> ``beta * b + alpha * (x @ w)``: the product is a
     matmul (fused as one batched GEMM), the bias an elementwise add."""
-    bias, a, b = args[:3]
-    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    bound = bind_arguments(e.source.target, args, kwargs)
+    # (input, mat1, mat2) / (input, batch1, batch2) / (input, mat, vec): the operands by order
+    bias, a, b = list(bound.values())[:3]
+    beta, alpha = bound["beta"], bound["alpha"]
     product = e.call(torch.matmul, a, b)
     if aten_name(e) == "addbmm":
         product = e.call(torch.sum, product, 0)

@@ -13,96 +13,63 @@ class ``weight`` (a loss module's buffer, or a stacked tensor) runs as a loop.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
-from ..frontends.export import Emitter, aten_name
+from ..frontends.export import Emitter
 from ..runtime import losses as rt_losses
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
-#: Loss modules -> their functional and the attributes passed on as keywords.
-_MODULES = {
-    nn.CrossEntropyLoss: (F.cross_entropy, ("ignore_index", "label_smoothing")),
-    nn.NLLLoss: (F.nll_loss, ("ignore_index",)),
-    nn.MSELoss: (F.mse_loss, ()),
-    nn.L1Loss: (F.l1_loss, ()),
-    nn.SmoothL1Loss: (F.smooth_l1_loss, ("beta",)),
-    nn.HuberLoss: (F.huber_loss, ("delta",)),
-    nn.BCELoss: (F.binary_cross_entropy, ()),
-    nn.BCEWithLogitsLoss: (F.binary_cross_entropy_with_logits, ()),
-    nn.SoftMarginLoss: (F.soft_margin_loss, ()),
+aten = torch.ops.aten
+
+#: Each loss: its functional, its module and the ATen ops torch.export records for it.
+_LOSSES = {
+    F.cross_entropy: (nn.CrossEntropyLoss, (aten.cross_entropy_loss,)),
+    F.nll_loss: (nn.NLLLoss, (aten.nll_loss_nd, aten.nll_loss)),
+    F.mse_loss: (nn.MSELoss, (aten.mse_loss,)),
+    F.l1_loss: (nn.L1Loss, (aten.l1_loss,)),
+    F.smooth_l1_loss: (nn.SmoothL1Loss, (aten.smooth_l1_loss,)),
+    F.huber_loss: (nn.HuberLoss, (aten.huber_loss,)),
+    F.binary_cross_entropy: (nn.BCELoss, (aten.binary_cross_entropy,)),
+    F.binary_cross_entropy_with_logits: (nn.BCEWithLogitsLoss,
+                                         (aten.binary_cross_entropy_with_logits,)),
+    F.soft_margin_loss: (nn.SoftMarginLoss, (aten.soft_margin_loss,)),
 }
-_FUNCTIONS = {fn for fn, _ in _MODULES.values()}
+_FUNCTIONAL_OF = {cls: fn for fn, (cls, _) in _LOSSES.items()}
+_FUNCTIONAL_OF_ATEN = {op: fn for fn, (_, ops) in _LOSSES.items() for op in ops}
 
 
-def _emit(group: FusionGroup, builder: GraphBuilder, fn, output, target, kwargs: dict):
+def fuse_loss(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``F.cross_entropy(logits, labels, ...)`` or ``nn.CrossEntropyLoss(...)(logits,
+    labels)`` and kin, their arguments bound by the functional's names (a module's from
+    its attributes); those left at None (``weight``, the legacy ``size_average``) dropped."""
+    if group.module is None:
+        fn = group.node.target
+    else:
+        fn = next(_FUNCTIONAL_OF[cls] for cls in type(group.module).__mro__
+                  if cls in _FUNCTIONAL_OF)
+    kwargs = {k: v for k, v in group.arguments(builder, fn).items() if v is not None}
+    output, target = kwargs.pop("input"), kwargs.pop("target")
     if any(builder.is_batched(v) for v in kwargs.values()):
-        raise NotFusable("a per-model class weight")
-    kwargs = {k: v for k, v in kwargs.items()
-              if not (k in ("size_average", "reduce") and v is None)}
+        raise NotFusable("a per-model class weight (a loss module's weight buffer, or a "
+                         "stacked tensor)")
     return builder.call(ir.bind(rt_losses.per_model_loss, fn), builder.broadcast(output),
                         target, target_batched=builder.is_batched(target), **kwargs)
 
 
-def fuse_loss_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """``F.cross_entropy(logits, labels, ...)`` and kin, by position or keyword."""
-    fn = group.node.target
-    bound = inspect.signature(fn).bind(*group.args, **group.kwargs).arguments
-    output, target = bound.pop("input"), bound.pop("target")
-    return _emit(group, builder, fn, output, target, bound)
-
-
-def fuse_loss_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """``nn.CrossEntropyLoss(...)(logits, labels)`` and kin, without a weight buffer."""
-    module = group.module
-    fn, names = next(v for k, v in _MODULES.items() if isinstance(module, k))
-    if getattr(module, "weight", None) is not None or \
-            getattr(module, "pos_weight", None) is not None:
-        raise NotFusable("a loss module with a class weight (a stacked buffer)")
-    kwargs = {name: getattr(module, name) for name in names}
-    return _emit(group, builder, fn, group.args[0], group.args[1],
-                 {"reduction": module.reduction, **kwargs})
-
-
-aten = torch.ops.aten
-
-#: ATen's loss functions -> the functional, and their arguments after (self, target) by
-#: name; ``reduction`` is ATen's enum (0 none, 1 mean, 2 sum).
-_EXPORTED_AS = {
-    aten.cross_entropy_loss: (F.cross_entropy, ("weight", "reduction", "ignore_index",
-                                                "label_smoothing")),
-    aten.nll_loss_nd: (F.nll_loss, ("weight", "reduction", "ignore_index")),
-    aten.nll_loss: (F.nll_loss, ("weight", "reduction", "ignore_index")),
-    aten.mse_loss: (F.mse_loss, ("reduction",)),
-    aten.l1_loss: (F.l1_loss, ("reduction",)),
-    aten.smooth_l1_loss: (F.smooth_l1_loss, ("reduction", "beta")),
-    aten.huber_loss: (F.huber_loss, ("reduction", "delta")),
-    aten.binary_cross_entropy: (F.binary_cross_entropy, ("weight", "reduction")),
-    aten.binary_cross_entropy_with_logits: (F.binary_cross_entropy_with_logits,
-                                            ("weight", "pos_weight", "reduction")),
-    aten.soft_margin_loss: (F.soft_margin_loss, ("reduction",)),
-}
-
-
 def loss_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     """``aten.nll_loss_nd(x, t, None, 1, -100)`` -> ``F.nll_loss(x, t, weight=None,
-    reduction="mean", ignore_index=-100)``."""
-    fn, names = _EXPORTED_AS[getattr(aten, aten_name(e))]
-    output, target, *rest = args
-    named = {**dict(zip(names, rest)), **kwargs}
-    if "reduction" in named:
-        named["reduction"] = ("none", "mean", "sum")[named["reduction"]]
-    return e.call(fn, output, target, **named)
+    reduction="mean", ignore_index=-100)``: bound by name (the ATen schema's), ATen's
+    ``reduction`` enum (0 none, 1 mean, 2 sum) as the functional's string."""
+    named = ir.bind_arguments(e.source.target, args, kwargs)
+    output, target = named.pop("input"), named.pop("target")
+    named["reduction"] = ("none", "mean", "sum")[named["reduction"]]
+    return e.call(_FUNCTIONAL_OF_ATEN[e.source.target.overloadpacket], output, target, **named)
 
 
-for _fn in _FUNCTIONS:
-    rule(("call_function", _fn), name=f"fuse_loss[{_fn.__name__}]",
-         aten={op: loss_as_functional for op, (fn, _) in _EXPORTED_AS.items() if fn is _fn})(
-        fuse_loss_function)
-for _cls in _MODULES:
-    rule(("call_module", _cls), name=f"fuse_loss[{_cls.__name__}]")(fuse_loss_module)
+for _fn, (_cls, _ops) in _LOSSES.items():
+    rule(("call_module", _cls), ("call_function", _fn), name=f"fuse_loss[{_fn.__name__}]",
+         aten=dict.fromkeys(_ops, loss_as_functional))(fuse_loss)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
-from ..frontends.export import Emitter, fill_defaults
+from ..frontends.export import Emitter
+from ..ir import bind_arguments
 from ..runtime import random as rt_random
 from ..runtime import spatial as rt_spatial
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
@@ -156,15 +157,16 @@ def _with_indices(fn):
 
 def constant_pad_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     """``aten.constant_pad_nd(x, pad, value)`` -> ``F.pad(x, pad, "constant", value)``."""
-    x, pad, value = fill_defaults(args, (None, None, 0.0))
-    return e.call(F.pad, x, pad, "constant", value)
+    a = bind_arguments(e.source.target, args, kwargs)
+    return e.call(F.pad, a["input"], a["pad"], "constant", a["value"])
 
 
 def grid_sampler_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     """``aten.grid_sampler(x, grid, 0, 0, False)`` -> ``F.grid_sample`` with the modes named."""
-    x, grid, interpolation, padding, align_corners = args
-    return e.call(F.grid_sample, x, grid, ("bilinear", "nearest", "bicubic")[interpolation],
-                  ("zeros", "border", "reflection")[padding], align_corners)
+    a = bind_arguments(e.source.target, args, kwargs)
+    return e.call(F.grid_sample, a["input"], a["grid"],
+                  ("bilinear", "nearest", "bicubic")[a["interpolation_mode"]],
+                  ("zeros", "border", "reflection")[a["padding_mode"]], a["align_corners"])
 
 
 #: The ATen ops torch.export records for these functions (``@rule(aten=...)``).

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..frontends.export import Emitter, aten_name
-from ..ir import EXAMPLE_VALUE
+from ..ir import EXAMPLE_VALUE, bind_arguments
 from ..runtime import layout as rt_layout
 from ..runtime import reduction as rt_reduction
 from ..runtime import spatial as rt_spatial
@@ -143,14 +143,21 @@ def _call_softmax(builder: GraphBuilder, fn, x: fx.Node, dim: int, **kwargs) -> 
     return builder.call(fn, x, dim, **kwargs)
 
 
+def torch_softmax_parameters(input, dim=None, dtype=None):
+    """``torch.softmax(x, dim, dtype)``'s and ``x.softmax(dim, dtype)``'s parameters (F.softmax
+    has a ``_stacklevel`` before ``dtype``), to bind a call's arguments by."""
+
+
 def _softmax_rule(fn):
     def fuse_softmax(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-        dim = group.arg(1, "dim")
-        if dim is None:
+        """``F.softmax(x, dim)``, ``torch.softmax``, ``x.softmax(dim, dtype)`` or
+        ``nn.Softmax(dim)(x)``, bound by name (a ``dtype`` given by position too)."""
+        by_torch = group.module is None and group.node.target is not fn
+        a = group.arguments(builder, torch_softmax_parameters if by_torch else fn)
+        if a["dim"] is None:
             raise NotFusable("softmax without an explicit dim (legacy implicit dim)")
-        dtype = group.kwargs.get("dtype")
-        return _call_softmax(builder, fn, builder.broadcast(group.args[0]),
-                             shift_dim_arg(builder, dim), dtype=dtype)
+        return _call_softmax(builder, fn, builder.broadcast(a["input"]),
+                             shift_dim_arg(builder, a["dim"]), dtype=a.get("dtype"))
 
     return fuse_softmax
 
@@ -160,32 +167,22 @@ def softmax_as_torch(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     (and the log ones), with the ``dtype`` only the public op takes."""
     name = aten_name(e)
     fn = torch.log_softmax if "log" in name else torch.softmax
-    x, dim = args[0], args[1]
-    dtype = kwargs.get("dtype", args[2] if len(args) > 2 and not name.startswith("_") else None)
+    a = bind_arguments(e.source.target, args, kwargs)
+    x, dim, dtype = a["input"], a["dim"], a.get("dtype")  # (_softmax: half_to_float instead)
     return e.call(fn, x, dim, dtype=dtype) if dtype is not None else e.call(fn, x, dim)
 
 
-for _fn, _names, _aten in [
-    (F.softmax, ("softmax",), (aten.softmax, aten._softmax)),
-    (F.log_softmax, ("log_softmax",), (aten.log_softmax, aten._log_softmax)),
-    (F.softmin, ("softmin",), ()),
+for _fn, _cls, _aten in [
+    (F.softmax, nn.Softmax, (aten.softmax, aten._softmax)),
+    (F.log_softmax, nn.LogSoftmax, (aten.log_softmax, aten._log_softmax)),
+    (F.softmin, nn.Softmin, ()),
 ]:
-    rule(*spellings(_names[0]), name=f"fuse_softmax[{_names[0]}]",
+    rule(*spellings(_fn.__name__), ("call_module", _cls), name=f"fuse_softmax[{_fn.__name__}]",
          aten=dict.fromkeys(_aten, softmax_as_torch))(_softmax_rule(_fn))
 
 
-def _softmax_module_rule(fn):
-    def fuse_softmax_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-        if group.module.dim is None:
-            raise NotFusable("softmax without an explicit dim (legacy implicit dim)")
-        return _call_softmax(builder, fn, builder.broadcast(group.args[0]),
-                             rt_spatial.shift_dim(group.module.dim))
-
-    return fuse_softmax_module
-
-
-for _cls, _fn in [(nn.Softmax, F.softmax), (nn.LogSoftmax, F.log_softmax),
-                  (nn.Softmin, F.softmin), (nn.GLU, F.glu)]:
-    rule(("call_module", _cls), name=f"fuse_softmax_module[{_cls.__name__}]")(
-        _softmax_module_rule(_fn)
-    )
+@rule(("call_module", nn.GLU))
+def fuse_glu_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``nn.GLU(dim)(x)`` -> ``F.glu(x, dim + 1)`` (``F.glu`` itself: ``fuse_dim_op[glu]``)."""
+    return builder.call(F.glu, builder.broadcast(group.args[0]),
+                        rt_spatial.shift_dim(group.module.dim))

@@ -114,15 +114,24 @@ class FusionGroup:
             F.linear(x, w, b)    -> bound by F.linear's signature, defaults filled in
                                     (:func:`hftc.ir.bind_arguments`)
             nn.Linear(...)(x)    -> {"input": x, "weight": the stacked weight, "bias": ...}
+            nn.MSELoss()(y, t)   -> {"input": y, "target": t, "reduction": "mean", ...}
 
-        A module's tensors are the fused module's stacked ones, its Python
+        ``functional`` is the op's function, or a Python function with its parameters
+        where torch gives it several schemas (``F.conv2d``: ``passes.conv.conv_parameters``).
+        A module's call is bound by its ``forward``: its first argument is the functional's
+        first, the others are kept where the functional has a parameter of their name (a
+        loss's ``target``).  Its tensors are the fused module's stacked ones, its Python
         hyper-parameters model 0's (those that differ: :meth:`per_model_values`);
         ``module_values`` give what a module computes itself (a norm's ``training``)."""
-        if self.node.op == "call_function":
-            return bind_arguments(self.node.target, self.args, self.kwargs)
+        if self.node.op != "call_module":  # a function, or a method (``self`` first)
+            return bind_arguments(functional, self.args, self.kwargs)
         first, *names = call_signature(functional).parameters
-        arguments = {first: self.args[0]}
+        _, (_, x), *passed = bind_arguments(
+            type(self.module).forward, (self.module, *self.args), self.kwargs).items()
+        arguments = {first: x, **{name: value for name, value in passed if name in names}}
         for name in names:
+            if name in arguments:
+                continue
             value = getattr(self.module, name, None)
             if name in module_values:
                 arguments[name] = module_values[name]

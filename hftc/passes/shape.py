@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import ir
 from ..frontends.export import Emitter
-from ..ir import EXAMPLE_VALUE
+from ..ir import EXAMPLE_VALUE, bind_arguments
 from ..runtime import guards as rt_guards
 from ..runtime import layout as rt_layout
 from ..runtime import spatial as rt_spatial
@@ -40,13 +40,12 @@ aten = torch.ops.aten
 
 def slice_as_getitem(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     """``aten.slice(x, 1, 0, 5)`` -> ``x[:, 0:5]``."""
-    names = ("dim", "start", "end", "step")
-    given = dict(zip(names, args[1:]), **kwargs)
-    dim, step = given.get("dim", 0), given.get("step", 1)
-    part = slice(given.get("start"), given.get("end"), step)
+    a = bind_arguments(e.source.target, args, kwargs)
+    dim = a["dim"]
+    part = slice(a["start"], a["end"], a["step"])
     index = (*([slice(None)] * dim), part) if dim >= 0 else (
         Ellipsis, part, *([slice(None)] * (-dim - 1)))
-    return e.call(operator.getitem, args[0], index)
+    return e.call(operator.getitem, a["input"], index)
 
 
 def index_as_getitem(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
