@@ -65,6 +65,7 @@ from .frontends.symbolic import (
     meta_copy,
     same_constant,
     trace_model,
+    trace_models,
 )
 from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
@@ -500,10 +501,8 @@ class FusedModule(ContainerAccess, nn.Module):
                 f"frontend must be 'auto', 'symbolic' or 'export', got {frontend!r}")
         if frontend != "export":
             try:
-                return {mode: [trace_model(m, i, training=mode,
-                                           constants=_example_constants(m, example_inputs))
-                               for i, m in enumerate(models)]
-                        for mode in (True, False)}
+                return trace_models(models, modes=(True, False), constants=[
+                    _example_constants(m, example_inputs) for m in models])
             except TraceError:
                 if example_inputs is None or frontend == "symbolic":
                     raise

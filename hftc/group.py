@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from .errors import TraceError
-from .frontends.same_program import program_difference
+from .frontends.same_program import alike_models
 from .frontends.symbolic import trace_model
 from .fused import FusedModule, _check_models, _example_constants
 from .match import node_signature
@@ -65,10 +65,7 @@ def fuse_groups(
     example = fuse_kwargs.get("example_inputs") if shared else None
     # Models proved to run one program (same code, equal Python state: same_program.py)
     # have one structure key: trace or export only the first of them.
-    alike: list[int] = []
-    for i, m in enumerate(models):
-        alike.append(next((j for j in sorted(set(alike))
-                           if program_difference(models[j], m) is None), i))
+    alike = alike_models(models)
     keys: dict[int, str] = {}
     groups: dict[str, list[int]] = {}
     for i, m in enumerate(models):

@@ -73,7 +73,7 @@ from torch.utils import _pytree as pytree
 from ..errors import TraceError, plain_message
 from ..ir import bind_arguments, call_signature
 from ..runtime.guards import check_input_shape, check_input_structure, check_input_value
-from .same_program import program_difference, reads_tensor_values
+from .same_program import alike_models, reads_tensor_values
 from .symbolic import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
 
 aten = torch.ops.aten
@@ -214,10 +214,7 @@ def export_models(
     have refined) is not reused: each model of the group is exported itself.
     The groups are found once, before exporting (forward may change Python state).
     """
-    alike: list[int] = []  # the first model each model runs the program of
-    for i, model in enumerate(models):
-        alike.append(next((j for j in sorted(set(alike))
-                           if program_difference(models[j], model) is None), i))
+    alike = alike_models(models)  # the first model each model runs the program of
     graphs: dict[bool, list[fx.GraphModule]] = {}
     for mode in modes:
         programs: dict[int, torch.export.ExportedProgram] = {}

@@ -34,7 +34,7 @@ import functools
 import math
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -89,6 +89,29 @@ def _state_difference(model0: nn.Module, model: nn.Module,
     if _tensor_tying(model0) != _tensor_tying(model):
         return "parameters or buffers are tied differently"
     return None
+
+
+#: How many distinct programs :func:`alike_models` compares a model with: past that many,
+#: a model alike none of them is its own (traced itself), so grouping N models that all
+#: differ (a sweep over dropout p) costs O(N), not O(N**2) comparisons.
+ALIKE_CANDIDATES = 16
+
+
+def alike_models(models: Sequence[nn.Module]) -> list[int]:
+    """For each model, the first model :func:`program_difference` proves it alike (itself
+    where none is)::
+
+        models   Net Net Net(p=0.2) Net Net(p=0.2)
+        alike    0   0   2          0   2
+    """
+    alike: list[int] = []
+    candidates: list[int] = []
+    for i, model in enumerate(models):
+        first = next((j for j in candidates if program_difference(models[j], model) is None), i)
+        if first == i and len(candidates) < ALIKE_CANDIDATES:
+            candidates.append(i)
+        alike.append(first)
+    return alike
 
 
 def reads_tensor_values(program: torch.export.ExportedProgram) -> bool:

@@ -800,7 +800,8 @@ def _trace_advice(exc: BaseException, node: fx.Node | None) -> str:
 
 def trace_model(model: nn.Module, index: int, *, training: bool,
                 none_inputs: Iterable[str] = (),
-                constants: dict[str, Any] | None = None) -> fx.GraphModule:
+                constants: dict[str, Any] | None = None,
+                values_read: list[str] | None = None) -> fx.GraphModule:
     """Trace ``model`` (the ``index``-th of the N) with every submodule in ``training`` mode,
     the inputs named in ``none_inputs`` ``None`` (fx's ``concrete_args``; the others are
     traced values, which are never ``None``: ``if mask is not None`` is taken) and those
@@ -811,17 +812,25 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
     The model's plain Python attributes are as they were before (``PYTHON_STATE`` in
     the graph module's ``meta`` lists those forward changed).
 
+    Given a list ``values_read``, the trace also watches for forward reading the values
+    of the model's own parameters or buffers as real tensors (``next(self.parameters())
+    .sum()``, which fx does not trace) and appends what it read there
+    (:class:`_ModelValuesWatched`).
+
     Raises :class:`TraceError` naming the model, the line of its code that symbolic
     tracing cannot follow, and what to change there.
     """
     changes: list[str] = []
+    watched = (_ModelValuesWatched(model, values_read) if values_read is not None
+               else contextlib.nullcontext())
     tracer = _Tracer()
     nones = sorted(none_inputs)
     constants = constant_inputs(model) if constants is None else dict(constants)
     tracer.constant_inputs = {k: v for k, v in constants.items() if k not in nones}
     try:
         with _uniform_mode(model, training), _python_state_kept(model, changes):
-            graph = tracer.trace(model, {name: None for name in nones} or None)
+            with watched:
+                graph = tracer.trace(model, {name: None for name in nones} or None)
             _flatten_dataclass_output(graph)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         # Constants fx lifted onto the model while tracing (``_tensor_constant0``) are the
@@ -847,6 +856,139 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
             f"torch.fx.symbolic_trace{f' at {where}' if where else ''}: "
             f"{plain_message(exc)}. {advice}"
         ) from exc
+
+
+class _ModelValuesWatched(torch.overrides.TorchFunctionMode):
+    """While tracing, notes any torch call on one of the model's own parameters or buffers
+    (or a tensor sharing its memory) other than a read of its metadata.
+
+    fx traces ``self.weight`` as a value, but ``next(self.parameters())``,
+    ``self._buffers["n"]`` and ``p.data`` are the real tensors: what forward computes from
+    them in Python (``if w.sum() > 0:``, ``w.tolist()``, a constant ``w * 2``) is model
+    0's, and a graph traced on model 0 is not the program of a model with other weights.
+    """
+
+    #: Calls that read a tensor's metadata, which models proven alike share.
+    _METADATA = frozenset((
+        "size", "dim", "ndimension", "stride", "numel", "nelement", "element_size",
+        "is_contiguous", "is_floating_point", "is_complex", "is_signed", "get_device",
+        "__len__", "storage_offset", "has_names"))
+
+    def __init__(self, model: nn.Module, found: list[str]):
+        super().__init__()
+        self._found = found
+        self._names: dict[int, str] = {}
+        self._storages: dict[int, str] = {}
+        for name, t in [*model.named_parameters(remove_duplicate=False),
+                        *model.named_buffers(remove_duplicate=False)]:
+            self._names.setdefault(id(t), name)
+            pointer = t.untyped_storage().data_ptr() if t.layout == torch.strided else 0
+            if pointer:  # (a meta or empty tensor has none)
+                self._storages.setdefault(pointer, name)
+
+    def _model_tensor(self, value: torch.Tensor) -> str | None:
+        if id(value) in self._names:
+            return self._names[id(value)]
+        try:  # a view or ``.data`` of one: the same memory
+            return self._storages.get(value.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # sparse, a subclass without storage
+            return None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if self._found or name in self._METADATA or (
+                name == "__get__" and not isinstance(result, torch.Tensor)):
+            return result
+        for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+            tensor = self._model_tensor(leaf) if isinstance(leaf, torch.Tensor) else None
+            if tensor is not None:
+                self._found.append(f"`{name}` of `{tensor}`")
+                break
+        return result
+
+
+def trace_models(models: Sequence[nn.Module], *, modes: Sequence[bool],
+                 constants: Sequence[dict[str, Any] | None]
+                 ) -> dict[bool, list[fx.GraphModule]]:
+    """Each model's graph in each mode (:func:`trace_model`, ``constants[i]`` model i's),
+    tracing one model of each group :func:`~.same_program.alike_models` proves alike and
+    giving the others a copy of its graph, whose targets are read on their own modules::
+
+        models   MLP MLP MLP(p=0.2) MLP     alike: 0 0 2 0
+        traced   0   .   2          .       2 traces per mode, not 4
+        graph    0   0'  2          0'      0': model 0's graph, GraphModule of model i
+
+    A group's graph is shared only if tracing it read nothing of model 0's own: no lifted
+    constant (``_tensor_constant0``, made from values forward computed in Python) and no
+    value of its parameters or buffers read as a real tensor (:class:`_ModelValuesWatched`);
+    otherwise, and where the models' constant inputs differ, each model is traced itself.
+    Shapes are not part of a symbolic graph (:func:`annotate_example_values` adds model
+    0's later), and models proven alike have the same parameter and buffer shapes.
+    """
+    from .same_program import alike_models  # (same_program imports nothing of this module)
+
+    constants = [constant_inputs(m) if c is None else c for m, c in zip(models, constants)]
+    alike = alike_models(models) if len(models) > 1 else [0]
+    groups: dict[int, list[int]] = {}
+    for i, first in enumerate(alike):
+        groups.setdefault(first, []).append(i)
+    graphs: dict[bool, list[fx.GraphModule]] = {}
+    for mode in modes:
+        traced: dict[int, fx.GraphModule] = {}
+        for first, members in groups.items():
+            read: list[str] = []
+            traced[first] = trace_model(models[first], first, training=mode,
+                                        constants=constants[first],
+                                        values_read=read if len(members) > 1 else None)
+            shared = not read and _reads_only_the_model(traced[first], models[first])
+            for i in members[1:]:
+                traced[i] = (_shared_trace(traced[first], models[i])
+                             if shared and _same_constants(constants[i], constants[first])
+                             else trace_model(models[i], i, training=mode,
+                                              constants=constants[i]))
+        graphs[mode] = [traced[i] for i in range(len(models))]
+    return graphs
+
+
+def _reads_only_the_model(gm: fx.GraphModule, model: nn.Module) -> bool:
+    """Every ``get_attr`` of the graph is an attribute of ``model`` (a parameter, a buffer,
+    a tensor attribute), none a constant fx lifted onto the graph while tracing."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                if _get_path(gm, node.target) is not _get_path(model, node.target):
+                    return False
+            except AttributeError:
+                return False
+    return True
+
+
+def _get_path(root: Any, target: str) -> Any:
+    for part in target.split("."):
+        root = getattr(root, part)
+    return root
+
+
+try:  # a GraphModule that writes its Python code when first called, not when made
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _UncompiledGraphModule
+except ImportError:  # (torch before 2.3)
+    _UncompiledGraphModule = fx.GraphModule
+
+
+def _same_constants(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(same_constant(a[k], b[k]) for k in a)
+
+
+def _shared_trace(traced: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
+    """A copy of the graph ``traced`` for another model proven to run its program, whose
+    ``call_module``/``get_attr`` targets resolve on ``model``."""
+    gm = _UncompiledGraphModule(model, copy.deepcopy(traced.graph), type(model).__name__)
+    gm.meta[PYTHON_STATE] = list(traced.meta[PYTHON_STATE])
+    gm.meta[CONSTANT_INPUTS] = dict(traced.meta[CONSTANT_INPUTS])
+    return gm
 
 
 def meta_copy(module: nn.Module) -> nn.Module:

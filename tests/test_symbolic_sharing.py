@@ -1,0 +1,166 @@
+"""The symbolic front-end traces one model per group of models that run the same program
+(hftc/frontends/same_program.py) and gives the others a copy of its graph, read at their
+own modules.  Sound only where forward read nothing that differs between the models: each
+test here has models whose forward reads something that may differ (a Python attribute it
+branches on or scales by, a per-model hyper-parameter, a parameter's value read as a real
+tensor) and checks the fused module against the plain loop over the models (check=False:
+the first-call check would hide a wrong shared graph behind the models' own forwards), and
+how many symbolic traces ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from equivalence import check_equivalence
+
+import hftc
+from hftc.errors import MismatchError
+from hftc.frontends import symbolic
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts the symbolic traces hftc runs (every one goes through its tracer's trace)."""
+    calls = []
+    trace = symbolic._Tracer.trace
+
+    def counted(self, root, *args, **kwargs):
+        calls.append(root)
+        return trace(self, root, *args, **kwargs)
+
+    monkeypatch.setattr(symbolic._Tracer, "trace", counted)
+    return calls
+
+
+def _fuse(models, in_dims):
+    return hftc.fuse(models, in_dims=in_dims, check=False)
+
+
+class Net(nn.Module):
+    """pytorch/examples-style MLP with a batch norm (buffers updated in train mode), dropout,
+    a tied weight, a layer norm and a Python scale."""
+
+    def __init__(self, scale=1.0, eps=1e-5):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.bn = nn.BatchNorm1d(6)
+        self.norm = nn.LayerNorm(6, eps=eps)
+        self.drop = nn.Dropout(0.0)
+        self.out = nn.Linear(6, 4)
+        self.back = nn.Linear(4, 6)
+        self.back.weight = self.fc.weight
+        self.scale = scale
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.fc(x) - self.back(x).flip(-1)))
+        return self.out(self.drop(self.norm(h))) * self.scale + self.extra(x)
+
+    def extra(self, x):
+        return 0.0
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_alike_models_are_traced_once_per_mode(traces, train):
+    """Four models of the same code and attributes (different weights): two traces (train
+    and eval), not eight, and each model's own weights, buffers and gradients."""
+    x = torch.randn(5, 4, dtype=torch.float64)
+    fused = check_equivalence([Net() for _ in range(4)], x, train=train, steps=2, fuser=_fuse)
+    assert fused.frontend == "symbolic"
+    assert len(traces) == 2
+
+
+def test_alike_models_float32(traces):
+    x = torch.randn(5, 4)
+    check_equivalence([Net() for _ in range(3)], x, dtype=torch.float32, fuser=_fuse)
+    assert len(traces) == 2
+
+
+def test_a_python_scale_that_differs_is_traced_per_group(traces):
+    """``self.scale`` differs (a per-model scalar of the fused multiply): the models with
+    2.0 are traced apart from those with 0.5 (two groups, four traces) and keep theirs."""
+    x = torch.randn(5, 4, dtype=torch.float64)
+    check_equivalence([Net(0.5), Net(2.0), Net(0.5), Net(0.5)], x, fuser=_fuse)
+    assert len(traces) == 4
+
+
+def test_a_per_model_eps_is_each_models(traces):
+    """LayerNorm eps differs (a per-model hyper-parameter): not proven alike, so traced per
+    group, and each model normalizes with its own eps."""
+    x = torch.randn(5, 4, dtype=torch.float64) * 1e-3
+    models = [Net(eps=1e-1), Net(eps=1e-5), Net(eps=1e-1)]
+    check_equivalence(models, x, fuser=_fuse)
+    assert len(traces) == 4
+
+
+class Residual(Net):
+    """Branches on a plain attribute: another program where it differs."""
+
+    def __init__(self, residual):
+        super().__init__()
+        self.residual = residual
+
+    def extra(self, x):
+        return x if self.residual else 0.0
+
+
+def test_a_python_branch_that_differs_is_refused_not_shared():
+    """Model 1 adds its input, model 0 does not: different programs, refused (the graphs
+    do not match), never model 0's graph run with model 1's weights."""
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with pytest.raises(MismatchError, match="model 1"):
+        hftc.fuse([Residual(False).double(), Residual(True).double()], check=False)
+    check_equivalence([Residual(True), Residual(True)], x, fuser=_fuse)
+
+
+class SignBranch(Net):
+    """Branches on a parameter's value, read through ``self.parameters()`` (a real tensor
+    while fx traces, not a traced value)."""
+
+    def extra(self, x):
+        if next(self.parameters()).sum() > 0:
+            return x
+        return 0.0
+
+
+def test_a_branch_on_a_parameter_value_is_traced_per_model(traces):
+    """The models' weights take different branches: each model is traced itself and the
+    graphs do not match (refused), where model 0's graph shared would have run model 0's
+    branch for model 1."""
+    positive, negative = SignBranch().double(), SignBranch().double()
+    with torch.no_grad():
+        positive.fc.weight.fill_(0.1)
+        negative.fc.weight.fill_(-0.1)
+    with pytest.raises(MismatchError, match="model 1"):
+        hftc.fuse([positive, negative], check=False)
+    assert len(traces) == 4  # each model itself, in both modes
+
+
+class ParameterConstant(Net):
+    """Computes a constant from a parameter's value in Python: fx lifts it into the graph
+    (``_tensor_constant0``), each model's own."""
+
+    def extra(self, x):
+        return x * next(self.parameters()).detach().sum()
+
+
+def test_a_constant_made_from_a_parameter_is_each_models(traces):
+    x = torch.randn(5, 4, dtype=torch.float64)
+    check_equivalence([ParameterConstant() for _ in range(3)], x, fuser=_fuse)
+    assert len(traces) == 6
+
+
+class DtypeOfParameters(Net):
+    """Reads only the parameters' metadata (a common idiom), which alike models share."""
+
+    def extra(self, x):
+        weight = next(self.parameters())
+        return torch.ones(x.shape, dtype=weight.dtype, device=weight.device) * weight.shape[0]
+
+
+def test_reading_parameter_metadata_still_shares_the_trace(traces):
+    x = torch.randn(5, 4, dtype=torch.float64)
+    check_equivalence([DtypeOfParameters() for _ in range(3)], x, fuser=_fuse)
+    assert len(traces) == 2
