@@ -14,11 +14,10 @@ __all__ = ["Adam", "AdamW"]
 
 #: On the CPU, parameters up to this many elements (all N models) are updated together
 #: by ``_foreach`` ops; larger ones one by one into reused scratch space, where the
-#: allocations ``_foreach`` ops make measured 2x slower (MLP at N = 32: 2.9 vs 6.4 ms).
-#: On a GPU every parameter takes the ``_foreach`` ops, as stock Adam's CUDA default
-#: does: there each op is a kernel launch and the caching allocator makes the
-#: temporaries free (hftc's Adam took 3.1 ms of ResNet-18's 14 ms step at N = 1 on
-#: an H100, the large parameters one by one: 7 or 8 kernel launches each).
+#: temporaries ``_foreach`` ops allocate cost more than the update.  On a GPU every
+#: parameter takes the ``_foreach`` ops, as stock Adam's CUDA default does: each op is a
+#: kernel launch there and the caching allocator makes the temporaries free
+#: (docs/DESIGN_NOTES.md, "Measurements behind the code").
 _FOREACH_MAX_NUMEL = 1 << 16
 
 
@@ -217,8 +216,7 @@ class Adam(FusedOptimizer):
             in blocks:      op1..op9 over P[:, 0:c], then P[:, c:2c], ...  (in cache)
 
         Each element sees the same ops in the same order, so the results do not change;
-        the update of a 22M-element parameter took 71 -> 53 ms on one core (blocks of
-        256K elements, measured on the 2-core VM this was written on).
+        only the memory traffic does (docs/DESIGN_NOTES.md).
         """
         state, amsgrad = self.state[p], hp["amsgrad"]
         tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]]
@@ -273,7 +271,7 @@ class Adam(FusedOptimizer):
         The same ops in the same order on each tensor (on the CPU, ``_foreach_*`` runs
         the per-tensor kernel on each), so the results are stock's bit for bit; one call
         per op instead of one per op and parameter: at small N the per-call cost, not the
-        arithmetic, is the update's time (MLP at N = 2: 0.6 -> 0.35 ms per step).
+        arithmetic, is the update's time.
         Without maximize or amsgrad (those take :meth:`_update_one`).
         """
         state = [self.state[p] for p in params]

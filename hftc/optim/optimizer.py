@@ -202,9 +202,7 @@ def addcmul_(x: Tensor, y: Tensor, z: Tensor, c: float | Tensor) -> Tensor:
 #: On the CPU, a per-model ``value`` of :func:`addcdiv_` over slices of at least this many
 #: elements per model is applied by one ``addcdiv_`` per model (stock's very call, its
 #: value a Python float): one pass over ``[N, ...]`` fewer than the product ``y * c``
-#: first (Adam step, one core: PointNet at N = 4 22.9 -> 20.3 ms, ResNet-18 at N = 2
-#: 73.4 -> 68.2 ms).  Below, the calls cost more than the pass (the MLP at N = 32,
-#: 8K-16K elements per model: equal on one core, slower with two threads).
+#: first.  Below, the calls cost more than the pass (docs/DESIGN_NOTES.md).
 PER_MODEL_CALLS_MIN = 1 << 15
 
 
@@ -642,7 +640,7 @@ class FusedOptimizer(Optimizer):
         for key, kind in self._hyperparameters.items():
             values = [g[key] for g in groups]
             # The common case, plain Python values, needs no conversion; checking it is
-            # ~30x cheaper than converting (which matters at N = 64, every step).
+            # far cheaper than converting, which runs every step.
             if kind == "float" and all(type(v) is float for v in values):
                 out[key] = values
                 continue
@@ -662,8 +660,8 @@ class FusedOptimizer(Optimizer):
         optimizer holds.
 
         Stock's wraps the loop in a profiler scope and a dynamo guard; for the handful
-        of stacked tensors of a fused model those cost 10x the loop (75 us against 8 us
-        per call measured at N = 2, 5% of an MLP step).  Same semantics otherwise.
+        of stacked tensors of a fused model those cost more than the loop itself.  Same
+        semantics otherwise.
         """
         for group in self.param_groups:
             for p in group["params"]:
@@ -681,13 +679,12 @@ class FusedOptimizer(Optimizer):
     # Eager under torch.compile too (``torch.compile(opt.step)``, or a compiled training
     # step that calls it): the update already runs one kernel per op for all N models,
     # and its per-step Python scalars (bias corrections from each model's step count)
-    # would be traced as constants, one recompilation per step (measured: MLP N = 32,
-    # 3.9 s per compiled call against 3.1 ms eager, recompile limit hit on step 9).
+    # would be traced as constants, one recompilation per step.
     # Compiling the update with those scalars as tensors cannot match stock bit for bit on
     # the CPU either: eager ``lerp_`` and ``addcmul_`` round once through an FMA, which
     # inductor's C++ code never emits, and eager ``sqrt`` (MKL's vector math) differs from
     # the correctly rounded one inductor emits in ~16% of elements.  Compiling only what
-    # follows an eager ``sqrt`` is exact, and saved 0.4 ms of the MLP's 12.9 ms step at N = 32.
+    # follows an eager ``sqrt`` is exact, and saves too little to pay (docs/DESIGN_NOTES.md).
     @torch.no_grad()
     @run_eagerly
     def step(self, closure=None, *, skip_models: Sequence[bool] | Tensor | None = None):
@@ -835,8 +832,8 @@ class FusedOptimizer(Optimizer):
 
         The update's temporaries (Adam's denominator, a per-model step) would otherwise
         be allocated and freed once per parameter per step; freed large blocks go back
-        to the OS and come back as fresh page faults, which measured 2-3x the cost of the
-        arithmetic on the 2-core VM this was written on.  One buffer per slot holds the
+        to the OS and come back as fresh page faults, which cost more than the
+        arithmetic (docs/DESIGN_NOTES.md).  One buffer per slot holds the
         largest parameter, so the memory cost is ``slots x`` the largest parameter, not
         a copy of the model.  Not part of ``state_dict`` (nor of pickling, which
         ``torch.optim.Optimizer.__getstate__`` limits to defaults, state, groups).
@@ -881,8 +878,7 @@ class FusedOptimizer(Optimizer):
     def _coefficients(self, values: dict[str, Sequence[float]]) -> _Coefficients:
         """``_Coefficients(values)``, the very object of the last step while the values stay
         the same (compared bit for bit, so ``-0.0`` is not ``0.0``): its per-model tensors
-        and their views are then made once, not on every step (10-25 us of a ~0.5 ms
-        Adam update at the MLP's N = 2 and 8 on one CPU core; on a GPU also one
+        and their views are then made once, not on every step (on a GPU also one
         host-to-device copy per step).  One cache entry per set of row names, i.e. per
         call site; a scheduler's change misses once and replaces the entry."""
         cache = self.__dict__.setdefault("_coefficient_cache", {})
@@ -974,7 +970,7 @@ class FusedOptimizer(Optimizer):
     def _count_steps(self, params: list[Tensor]) -> list[Tensor]:
         """Add one to every parameter's per-model step counts (``state["step"]``, as
         stock's ``step += 1``) and return them.  One ``_foreach`` call for all
-        parameters: one ``+= 1`` per parameter took 23 us each (MLP, one CPU core)."""
+        parameters, not one small op per parameter."""
         steps = [self.state[p]["step"] for p in params]
         if steps:
             torch._foreach_add_(steps, 1)

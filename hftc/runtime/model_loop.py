@@ -119,7 +119,7 @@ class ModelLoop:
         outs = []
         for i, (shell, slots) in enumerate(zip(self.shells, self.slots)):
             for sub, mode in zip(self.modules[i], modes):
-                if sub.training is not mode:  # nn.Module.__setattr__ costs ~2 us a module
+                if sub.training is not mode:  # nn.Module.__setattr__ is slow: write on change
                     sub.training = mode
             args = tuple(v[i] if b else v for v, b in zip(values, batched))
             for registry, key, name, _ in slots:

@@ -101,8 +101,8 @@ def _aten_lstm_wins(mode: str, input: Tensor, weights: Sequence[Tensor], proj: b
                     unbatched: bool, batch_first: bool, input_batched: bool) -> bool:
     """ATen's CPU LSTM (oneDNN) computes each weight gradient as one GEMM over all the
     steps; the batched recurrence computes one per step over the batch's rows, which
-    loses to N ATen LSTMs once those rows are many (1.2-1.5x at batch 16, hidden 128).
-    GRU's batched recurrence wins at every size measured."""
+    loses to N ATen LSTMs once those rows are many (docs/DESIGN_NOTES.md); GRU's
+    batched recurrence wins at every size measured."""
     if mode != "LSTM" or proj or unbatched or input.device.type != "cpu":
         return False
     if torch.is_autocast_enabled("cpu") or not weights[0].dtype.is_floating_point:
