@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hftc.bench import zoo
+
 # --------------------------------------------------------------------------- nanoGPT
 
 
@@ -246,34 +248,13 @@ class TransformerModel(nn.Module):
         return F.log_softmax(output, dim=-1)
 
 
-class RNNModel(nn.Module):
-    """word_language_model's RNNModel: ``forward(input, hidden)`` returns the log-probabilities
-    and the new hidden state."""
+class RNNModel(zoo.RNNModel):
+    """word_language_model's RNNModel (the benchmark zoo's, :mod:`hftc.bench.zoo`) at test
+    sizes: ``forward(input, hidden)`` returns the log-probabilities and the new hidden
+    state."""
 
-    def __init__(self, rnn_type='LSTM', ntoken=19, ninp=8, nhid=8, nlayers=2, dropout=0.0):
-        super().__init__()
-        self.drop = nn.Dropout(dropout)
-        self.encoder = nn.Embedding(ntoken, ninp)
-        self.rnn = getattr(nn, rnn_type)(ninp, nhid, nlayers, dropout=dropout)
-        self.decoder = nn.Linear(nhid, ntoken)
-        self.rnn_type = rnn_type
-        self.nhid = nhid
-        self.nlayers = nlayers
-
-    def forward(self, input, hidden):
-        emb = self.drop(self.encoder(input))
-        output, hidden = self.rnn(emb, hidden)
-        output = self.drop(output)
-        decoded = self.decoder(output)
-        decoded = decoded.view(-1, self.decoder.out_features)
-        return F.log_softmax(decoded, dim=1), hidden
-
-    def init_hidden(self, bsz):
-        weight = next(self.parameters())
-        if self.rnn_type == 'LSTM':
-            return (weight.new_zeros(self.nlayers, bsz, self.nhid),
-                    weight.new_zeros(self.nlayers, bsz, self.nhid))
-        return weight.new_zeros(self.nlayers, bsz, self.nhid)
+    def __init__(self, rnn_type="LSTM", ntoken=19, ninp=8, nhid=8, nlayers=2, dropout=0.0):
+        super().__init__(rnn_type, ntoken, ninp, nhid, nlayers, dropout)
 
 
 # --------------------------------------------------------------------------- a size in Python
