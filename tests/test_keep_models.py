@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_helpers import single_thread  # noqa: F401  (one intra-op thread)
 from torch import nn
 
 import hftc
 from hftc.errors import FusionArgumentError, FusionIndexError, FusionTypeError
-
-from optim_helpers import single_thread  # noqa: F401  (one intra-op thread)
 
 N = 4
 KEEP = [1, 3]  # model 0 goes: the fused module's template model is among those dropped
