@@ -752,6 +752,12 @@ class FusedOptimizer(Optimizer):
         params = [p for p in self.param_groups[0]["params"] if p.grad is not None]
         if not params:
             return loss
+        if params[0].shape[0] != self.num_models:
+            raise FusionArgumentError(
+                f"{type(self).__name__}.step: the parameters hold {params[0].shape[0]} models "
+                f"but this optimizer {self.num_models}: hftc.keep_models cut the fused module "
+                f"and not this optimizer; pass it in keep_models(..., optimizers=[...]) "
+                f"(or TrialArray.track(optimizer)), or build it again")
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
