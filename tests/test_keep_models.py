@@ -158,3 +158,33 @@ def test_keep_models_refuses_bad_arguments_and_changes_nothing():
         hftc.keep_models(fused, [0], schedulers=[sched])
     assert fused.num_models == N and opt.num_models == N
     assert all(p.shape[0] == N for p in fused.parameters())
+
+
+def test_an_optimizer_left_out_refuses_its_next_step():
+    data = batches(1)
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    opt = hftc.optim.Adam(fused.parameters(), lr=1e-3)
+    hftc.keep_models(fused, [0, 2])  # opt not passed
+    x, y = data[0]
+    F.cross_entropy(fused(x).reshape(-1, 3), y.repeat(2)).backward()
+    with pytest.raises(FusionArgumentError, match=r"Adam.step: the parameters hold 2 models but "
+                                                  r"this optimizer 4: hftc.keep_models cut"):
+        opt.step()
+
+
+def test_sequential_schedulers_are_cut_too():
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    opt = hftc.optim.SGD(fused.parameters(), lr=LRS)
+    schedules = lambdas()
+    warm = torch.optim.lr_scheduler.LambdaLR(opt, schedules)
+    decay = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, decay], milestones=[2])
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    before = sched.get_last_lr()
+    hftc.keep_models(fused, [2, 3], optimizers=[opt], schedulers=[sched])
+    assert sched.get_last_lr() == [before[2], before[3]]
+    assert warm.lr_lambdas == schedules[2:] and warm.base_lrs == LRS[2:]
+    sched.step()
+    assert sched.get_last_lr() == pytest.approx([before[2] * 0.5, before[3] * 0.5], rel=1e-12)
