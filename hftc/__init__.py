@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "FusedModule": "fused", "fuse": "fused", "fuse_groups": "group",
     "keep_freed_memory": "runtime.memory", "per_model": "utils",
-    "compile_step": "step", "CompiledStep": "step",
+    "compile_step": "step", "CompiledStep": "step", "keep_models": "shrink",
     "FusionError": "errors", "FusionWarning": "errors", "MismatchError": "errors",
     "TraceError": "errors", "UnsupportedOperatorError": "errors",
     "amp": "", "errors": "", "optim": "", "utils": "",
@@ -45,7 +45,7 @@ __all__ = sorted(_PUBLIC)
 
 # The core's modules, in the order the package imports them.
 _CORE = ("amp", "errors", "optim", "utils", "fused", "group", "runtime.memory", "step",
-         "patches")
+         "shrink", "patches")
 
 
 def _load_core() -> None:

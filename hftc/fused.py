@@ -1088,6 +1088,60 @@ class FusedModule(ContainerAccess, nn.Module):
                         copy.deepcopy(getattr(shell.get_submodule(path), key)))
         return model
 
+    # ------------------------------------------------------------------ shrinking
+
+    def _keep_models(self, keep: Sequence[int]) -> None:
+        """Keep only models ``keep`` (checked, distinct indices), in that order, in place::
+
+            P  [N, ...]  ->  P.data = P[keep]     (the same Parameter objects, their grads too)
+            per-model records (graph meta, attribute overrides, shells) -> their rows `keep`
+
+        What :func:`hftc.keep_models` calls; the optimizers are its business.  Compiled
+        programs are dropped (they were made for N models): the next call compiles anew."""
+        index = torch.tensor(list(keep), dtype=torch.long)
+        n = len(keep)
+        with torch.no_grad():
+            for p in self.parameters():  # (each tied parameter once)
+                grad = p.grad
+                p.grad = None  # a grad of the old shape would refuse the new data
+                p.data = p.data.index_select(0, index.to(p.device))
+                if grad is not None:
+                    p.grad = grad.index_select(0, index.to(grad.device))
+            sliced: dict[int, torch.Tensor] = {}
+            for module in self.modules():
+                for name, b in module._buffers.items():
+                    if b is None or name.startswith(SHARED_CONSTANT_PREFIX):
+                        continue  # one copy all models share
+                    if id(b) not in sliced:
+                        sliced[id(b)] = b.index_select(0, index.to(b.device))
+                    module._buffers[name] = sliced[id(b)]
+        for module in self.modules():
+            if isinstance(module, StackedModule):
+                module.num_models = n
+        self.num_models = n
+        self._attribute_overrides = [self._attribute_overrides[i] for i in keep]
+        self.source_parameter_names = [self.source_parameter_names[i] for i in keep]
+        if self._retrace_sources is not None:
+            self._retrace_sources = [self._retrace_sources[i] for i in keep]
+        if self._python_state is not None:  # (which model a message names)
+            first, names = self._python_state
+            self._python_state = (list(keep).index(first) if first in keep else 0, names)
+        for graphs in (*self._mode_graphs.values(), *self._retraced_graphs.values()):
+            graphs.originals = [graphs.originals[i] for i in keep]
+            for node in graphs.graph.nodes:
+                per_model = node.meta.get(ir.PER_MODEL)
+                if per_model:
+                    node.meta[ir.PER_MODEL] = {key: [values[i] for i in keep]
+                                               for key, values in per_model.items()}
+        loop = self.__dict__.get("_shared_model_loop")
+        if loop is not None:  # the shells keep the Python attributes forward changed
+            loop.shells = [loop.shells[i] for i in keep]
+            loop.slots = [loop.slots[i] for i in keep]
+            loop.modules = [loop.modules[i] for i in keep]
+            loop.num_models = n
+        self._programs = {}
+        self._mark_stacked()
+
     # ------------------------------------------------------------------ pickling
 
     def __setstate__(self, state: dict) -> None:

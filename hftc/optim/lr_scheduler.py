@@ -139,3 +139,11 @@ def _plateau_step_on_fused(self: Any, metrics: Any, epoch: Any = None) -> None:
             f"for all models; use hftc.optim.ReduceLROnPlateau(optimizer, ...), whose step "
             f"takes one metric per model and reduces each model's rate on its own plateau")
     return _torch_plateau_step(self, metrics, epoch)
+
+
+def _keep_plateau_models(scheduler: ReduceLROnPlateau, keep: list[int]) -> None:
+    """Keep models ``keep`` of a per-model ``ReduceLROnPlateau`` (after its optimizer's
+    groups were cut to them): model j's torch scheduler is old model ``keep[j]``'s."""
+    scheduler.schedulers = [scheduler.schedulers[i] for i in keep]
+    for j, sched in enumerate(scheduler.schedulers):
+        sched.optimizer._model = j

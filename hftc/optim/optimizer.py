@@ -628,6 +628,38 @@ class FusedOptimizer(Optimizer):
             self._group_of = [0] * len(self.param_groups[0]["params"])
             self._group_overrides = [{}]
 
+    def _keep_models(self, keep: Sequence[int]) -> None:
+        """Keep only models ``keep`` (checked, distinct indices), in that order, in place::
+
+            param_groups  [g_0, ..., g_N-1]  ->  [g_keep[0], ...]  (the same dicts; the
+                          stacked parameters stay in the first group, the same objects)
+            state[p][key] [N, ...]           ->  state[p][key][keep]   (moments, steps ...)
+
+        with the per-parameter hyper-parameters of param-group dicts sliced the same way.
+        What :func:`hftc.keep_models` calls, together with the fused module's."""
+        groups = self.param_groups
+        n = len(groups)
+        first = groups[0]
+        kept = [groups[i] for i in keep]
+        moved = {key: first[key] for key in ("params", "param_names") if key in first}
+        for k, group in enumerate(kept):
+            for key, value in moved.items():
+                group[key] = value if k == 0 else []
+        self.param_groups = kept
+        for p in moved["params"]:
+            state = self.state.get(p)
+            if not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
+                    index = torch.tensor(list(keep), dtype=torch.long, device=value.device)
+                    state[key] = value.index_select(0, index)
+        self._group_overrides = [{key: [values[i] for i in keep] for key, values in extra.items()}
+                                 for extra in self._group_overrides]
+        for cache in ("_momentum_ready", "_coefficient_cache", "_captured_switches",
+                      "_scratch_views", "_group_in_update"):
+            self.__dict__.pop(cache, None)  # made for the N models
+
     # -------------------------------------------------------------- the step
 
     def hyperparameters(self) -> dict[str, list[Any]]:
@@ -717,6 +749,12 @@ class FusedOptimizer(Optimizer):
         params = [p for p in self.param_groups[0]["params"] if p.grad is not None]
         if not params:
             return loss
+        if params[0].shape[0] != self.num_models:
+            raise FusionArgumentError(
+                f"{type(self).__name__}.step: the parameters hold {params[0].shape[0]} models "
+                f"but this optimizer {self.num_models}: hftc.keep_models cut the fused module "
+                f"and not this optimizer; pass it in keep_models(..., optimizers=[...]) "
+                f"(or TrialArray.track(optimizer)), or build it again")
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")

@@ -27,6 +27,7 @@ _LAZY = {
     "fused_param_names": ".optim.slicing", "load_model_slice": ".optim.slicing",
     "SpecError": "spec", "SweepSpec": "spec", "default_optimizer": "spec", "load_spec": "spec",
     "SweepData": "training", "epoch_order": "training", "train_alone": "training",
+    "TrialArray": "trial_array", "optimize": "trial_array",
 }
 
 __all__ = [*sorted(_LAZY), "run"]

@@ -1,0 +1,166 @@
+"""Keep a subset of a fused module's models, in place, with their optimizers and schedulers.
+
+::
+
+    fused = hftc.fuse([m0, m1, m2, m3])
+    opt = hftc.optim.Adam(fused.parameters(), lr=[1e-3, 3e-3, 1e-2, 3e-2])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    ... train ...
+    hftc.keep_models(fused, [0, 2], optimizers=[opt], schedulers=[sched])
+    ... train on: models 0 and 2 of before are models 0 and 1 now ...
+
+Every stacked tensor ``[N, ...]`` becomes its rows ``keep``: the parameters (the same
+``nn.Parameter`` objects, so the optimizers' ``param_groups`` and the user's references
+stay valid; their ``.grad`` too), the buffers, the optimizers' state (moments, momentum
+buffers, per-model step counts), their param groups (one per model) and the schedulers'
+per-model lists (``base_lrs``, ``lr_lambdas`` ...).  Nothing is recomputed, so the kept
+models continue bit for bit as if the others had never been there.  It is what a sweep
+does when it prunes trials (``hftc.sweep.TrialArray`` calls it).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .errors import FusionArgumentError, FusionIndexError, FusionTypeError
+from .fused import FusedModule
+from .optim.lr_scheduler import ReduceLROnPlateau, _keep_plateau_models
+from .optim.optimizer import FusedOptimizer
+
+__all__ = ["keep_models"]
+
+#: torch scheduler attributes that hold one value per param group (= per model here).
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "base_momentums",
+              "max_momentums", "min_lrs")
+#: list attributes that are not per group (whatever their length).
+_NOT_PER_GROUP = ("_schedulers", "_milestones", "_schedule_phases")
+
+
+def _check_keep(fused: FusedModule, keep: Any) -> list[int]:
+    n = fused.num_models
+    if isinstance(keep, torch.Tensor):
+        keep = keep.tolist()
+    if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
+        raise FusionTypeError(f"keep_models: keep must be a list of model indices (ints in "
+                              f"range({n})), got {keep!r}")
+    indices = []
+    for k in keep:
+        try:
+            i = operator.index(k)
+        except TypeError:
+            raise FusionTypeError(f"keep_models: keep holds {k!r} ({type(k).__name__}); "
+                                  f"give model indices, ints in range({n})") from None
+        if not -n <= i < n:
+            raise FusionIndexError(f"keep_models: model index {i} out of range for {n} "
+                                   f"models: give ints in range({n})")
+        indices.append(i % n)
+    if not indices:
+        raise FusionArgumentError("keep_models: keep is empty; a fused module keeps at least "
+                                  "one model (to drop them all, drop the fused module)")
+    twice = sorted({i for i in indices if indices.count(i) > 1})
+    if twice:
+        raise FusionArgumentError(f"keep_models: keep names model(s) {twice} more than once; "
+                                  f"each model can be kept once")
+    return indices
+
+
+def _check_optimizer(k: int, opt: Any, fused: FusedModule) -> None:
+    if not isinstance(opt, FusedOptimizer):
+        raise FusionTypeError(
+            f"keep_models: optimizers[{k}] is a {type(opt).__name__}, not an hftc.optim "
+            f"optimizer over the fused module's parameters (hftc.optim.SGD, Adam, ...); "
+            f"build it as hftc.optim.{type(opt).__name__}(fused.parameters(), ...)")
+    own = {id(p) for p in fused.parameters()}
+    foreign = [i for i, p in enumerate(opt.param_groups[0]["params"]) if id(p) not in own]
+    if foreign or opt.num_models != fused.num_models:
+        why = (f"its parameter(s) {foreign} are not the fused module's" if foreign else
+               f"it has {opt.num_models} models, the fused module {fused.num_models}")
+        raise FusionArgumentError(
+            f"keep_models: optimizers[{k}] ({type(opt).__name__}) is not built on this fused "
+            f"module ({why}); pass only the optimizers of fused.parameters()")
+
+
+def _scheduler_parts(sched: Any) -> list[Any]:
+    """The scheduler and those it drives (SequentialLR, ChainedScheduler)."""
+    return [sched, *(p for child in getattr(sched, "_schedulers", ()) or ()
+                     for p in _scheduler_parts(child))]
+
+
+def _check_scheduler(k: int, sched: Any, optimizers: Sequence[Any], n: int) -> None:
+    name = type(sched).__name__
+    if not any(getattr(sched, "optimizer", None) is opt for opt in optimizers):
+        raise FusionArgumentError(
+            f"keep_models: schedulers[{k}] ({name}) is not built on one of the optimizers "
+            f"given; pass its optimizer in optimizers=[...] too")
+    if isinstance(sched, ReduceLROnPlateau):
+        return
+    for part in _scheduler_parts(sched):
+        for attr, value in vars(part).items():
+            if attr in _PER_GROUP or attr in _NOT_PER_GROUP:
+                continue
+            if isinstance(value, (list, tuple)) and len(value) == n and n > 1:
+                raise FusionArgumentError(
+                    f"keep_models: schedulers[{k}] ({type(part).__name__}) has an attribute "
+                    f"{attr!r} of {n} values, one per model perhaps, which keep_models does "
+                    f"not know how to cut; build the scheduler again on the optimizer after "
+                    f"keep_models (or use a torch.optim.lr_scheduler class)")
+
+
+def keep_models(
+    fused: FusedModule,
+    keep: Sequence[int],
+    *,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    schedulers: Sequence[Any] = (),
+) -> list[int]:
+    """Keep only the models ``keep`` of ``fused``, in place, with their optimizer state.
+
+    Args:
+        fused: a fused module (``hftc.fuse``).
+        keep: the indices of the models to keep (distinct, any order: model ``j`` is the
+            old model ``keep[j]`` afterwards).
+        optimizers: every ``hftc.optim`` optimizer built on ``fused.parameters()``; their
+            state, param groups (one per model) and per-parameter hyper-parameters are cut
+            to ``keep``.  An optimizer left out still holds ``N`` models' state and fails
+            at its next step: build it again, or pass it here.
+        schedulers: the ``torch.optim.lr_scheduler`` schedulers (also ``SequentialLR``,
+            ``ChainedScheduler``) and ``hftc.optim.ReduceLROnPlateau`` built on those
+            optimizers; their per-model values are cut to ``keep``.
+
+    Returns the indices kept (normalized: ``-1`` is ``N - 1``).  The kept models continue
+    exactly as they would have: the same parameters, buffers, gradients, optimizer state
+    and schedule position; the compiled programs are dropped and the next call compiles
+    for the smaller N.  ``hftc.compile_step`` and ``hftc.amp.GradScaler`` objects made
+    for N models are not cut: make them again.
+
+    Raises ``FusionIndexError`` / ``FusionArgumentError`` / ``FusionTypeError`` for a bad
+    ``keep``, an optimizer not on ``fused``, a scheduler not on those optimizers; nothing
+    is changed then.
+    """
+    if not isinstance(fused, FusedModule):
+        raise FusionTypeError(f"keep_models takes a fused module (hftc.fuse(models)), got a "
+                              f"{type(fused).__name__}")
+    indices = _check_keep(fused, keep)
+    optimizers, schedulers = list(optimizers), list(schedulers)
+    for k, opt in enumerate(optimizers):
+        _check_optimizer(k, opt, fused)
+    n = fused.num_models
+    for k, sched in enumerate(schedulers):
+        _check_scheduler(k, sched, optimizers, n)
+    for opt in {id(o): o for o in optimizers}.values():
+        opt._keep_models(indices)
+    for sched in schedulers:
+        if isinstance(sched, ReduceLROnPlateau):
+            _keep_plateau_models(sched, indices)
+            continue
+        for part in _scheduler_parts(sched):
+            for attr in _PER_GROUP:
+                value = getattr(part, attr, None)
+                if isinstance(value, (list, tuple)) and len(value) == n:
+                    setattr(part, attr, type(value)(value[i] for i in indices))
+    fused._keep_models(indices)
+    return indices

@@ -1,0 +1,190 @@
+"""hftc.keep_models: a subset of a fused module's models, in place, with its optimizers
+and schedulers, continuing exactly as the subset trained alone with stock torch.optim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from optim_helpers import single_thread  # noqa: F401  (one intra-op thread)
+from torch import nn
+
+import hftc
+from hftc.errors import FusionArgumentError, FusionIndexError, FusionTypeError
+
+N = 4
+KEEP = [1, 3]  # model 0 goes: the fused module's template model is among those dropped
+MOMENTA = [0.1, 0.2, 0.3, 0.05]  # BatchNorm momentum differs per model (a per-model scalar)
+ATOL = {1e-9: 1e-12, 1e-5: 1e-6}  # by rtol: float64, float32
+LRS = [0.05, 0.02, 0.1, 0.03]
+DECAYS = [1e-3, 0.0, 1e-2, 5e-3]
+
+
+def make_model(i: int, dtype=torch.float64) -> nn.Module:
+    # (no bias before BatchNorm: its gradient is rounding noise, which Adam would amplify)
+    torch.manual_seed(100 + i)
+    return nn.Sequential(nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8, momentum=MOMENTA[i]), nn.Tanh(),
+                         nn.Linear(8, 3)).to(dtype)
+
+
+def batches(steps: int, dtype=torch.float64):
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(16, 6, generator=g, dtype=dtype), torch.randint(0, 3, (16,), generator=g))
+            for _ in range(steps)]
+
+
+def lambdas():
+    return [lambda e, k=k: 1.0 / (1.0 + 0.3 * k * e) for k in range(N)]
+
+
+def make_stock(kind: str, model: nn.Module, i: int):
+    if kind == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=LRS[i], momentum=0.9,
+                              weight_decay=DECAYS[i])
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    opt = torch.optim.Adam(model.parameters(), lr=LRS[i] / 10, weight_decay=DECAYS[i])
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas()[i])
+
+
+def make_fused_optimizer(kind: str, fused: hftc.FusedModule):
+    if kind == "sgd":
+        opt = hftc.optim.SGD(fused.parameters(), lr=LRS, momentum=0.9, weight_decay=DECAYS)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    opt = hftc.optim.Adam(fused.parameters(), lr=[lr / 10 for lr in LRS], weight_decay=DECAYS)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambdas())
+
+
+def train_fused(fused, opt, sched, data):
+    for x, y in data:
+        opt.zero_grad()
+        out = fused(x)  # [N, B, 3]
+        n = out.shape[0]
+        losses = F.cross_entropy(out.reshape(-1, 3), y.repeat(n), reduction="none")
+        losses.view(n, -1).mean(1).sum().backward()
+        opt.step()
+        sched.step()
+
+
+def train_alone(model, opt, sched, data):
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+
+
+def assert_close(fused, models, rtol):
+    for j, model in enumerate(models):
+        state = fused.model_state_dict(j)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=rtol, atol=ATOL[rtol],
+                                       msg=lambda m, j=j, name=name: f"model {j} {name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("strategy", ["fused", "model_loop"])
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_kept_models_continue_as_if_trained_alone(kind, strategy, dtype):
+    data = batches(6, dtype)
+    fused = hftc.fuse([make_model(i, dtype) for i in range(N)], strategy=strategy)
+    opt, sched = make_fused_optimizer(kind, fused)
+    params_before = list(fused.parameters())
+    train_fused(fused, opt, sched, data[:3])
+    kept = hftc.keep_models(fused, KEEP, optimizers=[opt], schedulers=[sched])
+    assert kept == KEEP and fused.num_models == len(KEEP) and opt.num_models == len(KEEP)
+    # The same Parameter objects: the optimizer's groups and the user's references hold.
+    assert all(a is b for a, b in zip(fused.parameters(), params_before))
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params_before))
+    assert len(sched.base_lrs) == len(sched.get_last_lr()) == len(KEEP)
+    train_fused(fused, opt, sched, data[3:])
+
+    alone = []
+    for i in KEEP:
+        model = make_model(i, dtype)
+        stock, stock_sched = make_stock(kind, model, i)
+        train_alone(model, stock, stock_sched, data)
+        alone.append((model, stock_sched))
+    rtol = 1e-9 if dtype == torch.float64 else 1e-5
+    assert_close(fused, [m for m, _ in alone], rtol)
+    assert sched.get_last_lr() == pytest.approx([s.get_last_lr()[0] for _, s in alone], rel=1e-12)
+    # The per-model BatchNorm momentum went with its model (not model 0's).
+    fused.eval()
+    x = data[0][0]
+    out = fused(x)
+    for j, (model, _) in enumerate(alone):
+        model.eval()
+        torch.testing.assert_close(out[j], model(x), rtol=rtol, atol=ATOL[rtol])
+
+
+def test_keep_models_slices_gradients_and_plateau_scheduler():
+    data = batches(2)
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    opt = hftc.optim.SGD(fused.parameters(), lr=LRS, momentum=0.9)
+    plateau = hftc.optim.ReduceLROnPlateau(opt, patience=[0, 1, 2, 3], factor=0.5)
+    x, y = data[0]
+    out = fused(x)
+    F.cross_entropy(out.reshape(-1, 3), y.repeat(N), reduction="sum").backward()
+    grads = [p.grad.clone() for p in fused.parameters()]
+    hftc.keep_models(fused, [3, 0], optimizers=[opt], schedulers=[plateau])  # reordered too
+    for p, g in zip(fused.parameters(), grads):
+        assert torch.equal(p.grad, g[[3, 0]])
+    assert [g["lr"] for g in opt.param_groups] == [LRS[3], LRS[0]]
+    assert [s.patience for s in plateau.schedulers] == [3, 0]
+    plateau.step([1.0, 1.0])
+    plateau.step([2.0, 2.0])  # model 1 (old model 0, patience 0) reduces, model 0 does not
+    assert plateau.get_last_lr() == [LRS[3], LRS[0] * 0.5]
+
+
+def test_keep_models_refuses_bad_arguments_and_changes_nothing():
+    fused = hftc.fuse([make_model(i) for i in range(N)])
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    other = hftc.fuse([make_model(i) for i in range(N)])
+    other_opt = hftc.optim.SGD(other.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    with pytest.raises(FusionIndexError, match=r"model index 4 out of range for 4 models"):
+        hftc.keep_models(fused, [0, 4], optimizers=[opt])
+    with pytest.raises(FusionArgumentError, match=r"keep names model\(s\) \[1\] more than once"):
+        hftc.keep_models(fused, [1, 1])
+    with pytest.raises(FusionArgumentError, match=r"keep is empty"):
+        hftc.keep_models(fused, [])
+    with pytest.raises(FusionArgumentError, match=r"optimizers\[1\] \(SGD\) is not built on this "
+                                                  r"fused module"):
+        hftc.keep_models(fused, [0], optimizers=[opt, other_opt])
+    with pytest.raises(FusionTypeError, match=r"optimizers\[0\] is a SGD, not an hftc.optim"):
+        hftc.keep_models(fused, [0], optimizers=[torch.optim.SGD(make_model(0).parameters(),
+                                                                 lr=0.1)])
+    with pytest.raises(FusionArgumentError, match=r"schedulers\[0\] \(StepLR\) is not built on "
+                                                  r"one of the optimizers given"):
+        hftc.keep_models(fused, [0], schedulers=[sched])
+    assert fused.num_models == N and opt.num_models == N
+    assert all(p.shape[0] == N for p in fused.parameters())
+
+
+def test_an_optimizer_left_out_refuses_its_next_step():
+    data = batches(1)
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    opt = hftc.optim.Adam(fused.parameters(), lr=1e-3)
+    hftc.keep_models(fused, [0, 2])  # opt not passed
+    x, y = data[0]
+    F.cross_entropy(fused(x).reshape(-1, 3), y.repeat(2)).backward()
+    with pytest.raises(FusionArgumentError, match=r"Adam.step: the parameters hold 2 models but "
+                                                  r"this optimizer 4: hftc.keep_models cut"):
+        opt.step()
+
+
+def test_sequential_schedulers_are_cut_too():
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    opt = hftc.optim.SGD(fused.parameters(), lr=LRS)
+    schedules = lambdas()
+    warm = torch.optim.lr_scheduler.LambdaLR(opt, schedules)
+    decay = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    sched = torch.optim.lr_scheduler.SequentialLR(opt, [warm, decay], milestones=[2])
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    before = sched.get_last_lr()
+    hftc.keep_models(fused, [2, 3], optimizers=[opt], schedulers=[sched])
+    assert sched.get_last_lr() == [before[2], before[3]]
+    assert warm.lr_lambdas == schedules[2:] and warm.base_lrs == LRS[2:]
+    sched.step()
+    assert sched.get_last_lr() == pytest.approx([before[2] * 0.5, before[3] * 0.5], rel=1e-12)
