@@ -111,6 +111,9 @@ CASES = [
                       x.log_softmax(1, torch.float64), F.softmax(x, 0, 3, torch.float64)),
         fc=nn.Linear(5, 5), sm=nn.Softmax(dim=1), lsm=nn.LogSoftmax(-1), smin=nn.Softmin(0)),
         (3, 5)),
+    Case("glu_spellings", lambda: Lambda(  # the module called by keyword (an IndexError)
+        lambda s, x: (s.glu(input=s.fc(x)), s.glu0(x), F.glu(x, dim=0), F.glu(x)),
+        fc=nn.Linear(6, 6), glu=nn.GLU(), glu0=nn.GLU(0)), (4, 6)),
     Case("matmul_vectors", lambda: Lambda(lambda s, x: torch.matmul(s.fc(x), s.v), fc=nn.Linear(5, 4),
                                           v=torch.randn(4)), (3, 5)),
     Case("einsum_attention",  # lucidrains' spelling: spaces, both operands per model

@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
@@ -222,7 +221,7 @@ def _dim_rule(position: int, name: str, default: int):
 
 
 #: The ATen ops torch.export records for these ops under another name (``@rule(aten=...)``).
-_EXPORTED_AS = {"glu": {aten.glu: F.glu}, "split": {aten.split: torch.split}}
+_EXPORTED_AS = {"split": {aten.split: torch.split}}
 
 for op_name, pos, kw, default in [
     ("chunk", 2, "dim", 0), ("split", 2, "dim", 0), ("tensor_split", 2, "dim", 0),
@@ -230,7 +229,7 @@ for op_name, pos, kw, default in [
     ("flip", 1, "dims", None), ("diff", 2, "dim", -1), ("cumsum", 1, "dim", None),
     ("cumprod", 1, "dim", None), ("logcumsumexp", 1, "dim", None), ("cummax", 1, "dim", None),
     ("cummin", 1, "dim", None), ("sort", 1, "dim", -1), ("argsort", 1, "dim", -1),
-    ("topk", 2, "dim", -1), ("kthvalue", 2, "dim", -1), ("glu", 1, "dim", -1),
+    ("topk", 2, "dim", -1), ("kthvalue", 2, "dim", -1),
     ("normalize", 2, "dim", 1), ("split_with_sizes", 2, "dim", 0),
 ]:
     rule(*spellings(op_name, inplace=False), name=f"fuse_dim_op[{op_name}]",
