@@ -114,6 +114,12 @@ CASES = [
     Case("glu_spellings", lambda: Lambda(  # the module called by keyword (an IndexError)
         lambda s, x: (s.glu(input=s.fc(x)), s.glu0(x), F.glu(x, dim=0), F.glu(x)),
         fc=nn.Linear(6, 6), glu=nn.GLU(), glu0=nn.GLU(0)), (4, 6)),
+    Case("flatten_spellings", lambda: Lambda(  # modules and torch.* by keyword (IndexErrors)
+        lambda s, x: (s.flat(input=s.fc(x)), s.flat0(x), torch.flatten(input=x, start_dim=1),
+                      x.flatten(end_dim=1), s.unflat(input=x), torch.unflatten(x, -1, (2, 3)),
+                      x.unflatten(dim=0, sizes=(2, -1)), torch.flatten(x[0, 0])),
+        fc=nn.Linear(6, 6), flat=nn.Flatten(), flat0=nn.Flatten(0, 1),
+        unflat=nn.Unflatten(1, (3, 2))), (4, 6)),
     Case("matmul_vectors", lambda: Lambda(lambda s, x: torch.matmul(s.fc(x), s.v), fc=nn.Linear(5, 4),
                                           v=torch.randn(4)), (3, 5)),
     Case("einsum_attention",  # lucidrains' spelling: spaces, both operands per model

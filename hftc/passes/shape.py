@@ -123,33 +123,38 @@ def fuse_as(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(kernel, x, size)
 
 
-@rule(*spellings("flatten"))
+def flatten_parameters(input, start_dim=0, end_dim=-1):
+    """``torch.flatten``'s parameters (torch gives it named-dim schemas too), to bind by."""
+
+
+def unflatten_parameters(input, dim, sizes):
+    """``torch.unflatten``'s parameters (and a named-dim schema), to bind by."""
+
+
+@rule(*spellings("flatten"), ("call_module", nn.Flatten))
 def fuse_flatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    x = group.args[0]
-    start = group.arg(1, "start_dim", 0)
-    end = group.arg(2, "end_dim", -1)
-    if group.arg_example(0).dim() == 0:
+    """``torch.flatten(x, 1)``, ``x.flatten(1)`` or ``nn.Flatten()(x)`` -> ``x.flatten(2)``,
+    bound by name (a module's dims are its attributes)."""
+    a = group.arguments(builder, flatten_parameters)
+    x = a["input"]
+    if _input_example(group).dim() == 0:
         return builder.method("reshape", x, -1, 1)
-    return builder.method("flatten", x, shift_dim_arg(builder, start),
-                          shift_dim_arg(builder, end))
+    return builder.method("flatten", x, shift_dim_arg(builder, a["start_dim"]),
+                          shift_dim_arg(builder, a["end_dim"]))
 
 
-@rule(("call_module", nn.Flatten))
-def fuse_flatten_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    m = group.module
-    return builder.method("flatten", group.args[0], shift_dim(m.start_dim), shift_dim(m.end_dim))
-
-
-@rule(*spellings("unflatten"))
+@rule(*spellings("unflatten"), ("call_module", nn.Unflatten))
 def fuse_unflatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    return builder.method("unflatten", group.args[0], shift_dim_arg(builder, group.arg(1, "dim")),
-                          group.arg(2, "sizes"))
+    """``torch.unflatten(x, 1, (2, 3))`` or ``nn.Unflatten(1, (2, 3))(x)`` -> ``x.unflatten(2,
+    (2, 3))``, bound by name (a module's sizes are its ``unflattened_size``)."""
+    sizes = {} if group.module is None else {"sizes": group.module.unflattened_size}
+    a = group.arguments(builder, unflatten_parameters, **sizes)
+    return builder.method("unflatten", a["input"], shift_dim_arg(builder, a["dim"]), a["sizes"])
 
 
-@rule(("call_module", nn.Unflatten))
-def fuse_unflatten_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    m = group.module
-    return builder.method("unflatten", group.args[0], shift_dim(m.dim), m.unflattened_size)
+def _input_example(group: FusionGroup) -> Any:
+    """Model 0's value of the op's input, passed by position or as ``input=``."""
+    return group.arg_example(0 if group.node.args else "input")
 
 
 @rule(*spellings("permute"))
