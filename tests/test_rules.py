@@ -349,6 +349,11 @@ CASES += [
     Case("padding_and_resampling", PaddingAndResampling, (2, 2, 6, 6)),
     Case("dropout_eval_or_zero", seq(lambda: [nn.Linear(4, 4), nn.Dropout(0.0), nn.Dropout1d(0.0)]),
          (2, 4, 4)),
+    Case("dropout_spellings", lambda: Lambda(  # the modules and F.* by keyword (IndexErrors)
+        lambda s, x: (s.drop(input=s.fc(x)), s.alpha(input=x), F.dropout(input=x, p=0.0),
+                      torch.dropout(x, 0.0, train=True), F.alpha_dropout(input=x, p=0.0),
+                      torch.alpha_dropout(x, 0.0, True)),
+        fc=nn.Linear(4, 4), drop=nn.Dropout(0.0), alpha=nn.AlphaDropout(0.0)), (2, 4, 4)),
     Case("cosine_similarity", lambda: Lambda(lambda s, x: s.cos(x, s.w) * F.cosine_similarity(
         x, s.w[:, None], dim=1), cos=nn.CosineSimilarity(dim=-1), w=torch.randn(4)), (2, 4, 4)),
     # torchvision's fx-wrapped leaves (hftc.bench's stand-ins; tests/test_torchvision_ops.py
