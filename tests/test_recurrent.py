@@ -62,7 +62,7 @@ def test_recurrent_grid(cls, kwargs):
         inputs = _inputs(kwargs, cls, stacked)
         fused = check_equivalence(models, inputs, in_dims=0 if stacked else None)
         assert fused.fusion_report.fallbacks == []
-        assert fused.fusion_report.rule_counts()["fuse_rnn_module"] == 1
+        assert fused.fusion_report.rule_counts()["fuse_rnn"] == 1
 
 
 def test_lstm_projection_relu_rnn_and_unbatched():
@@ -116,7 +116,7 @@ def test_cells():
     fused = check_equivalence([Cells() for _ in range(N)], (xs, h0))
     assert fused.fusion_report.fallbacks == []
     counts = fused.fusion_report.rule_counts()
-    assert counts["fuse_rnn_cell_module"] == 3 * T + 1
+    assert counts["fuse_rnn_cell"] == 3 * T + 1
 
 
 class LSTMClassifier(nn.Module):
@@ -160,7 +160,7 @@ def test_recurrent_through_export():
         fuser=lambda ms, in_dims: hftc.fuse(ms, in_dims=in_dims, example_inputs=(x.double(),),
                                             frontend="export"))
     assert fused.fusion_report.fallbacks == []
-    assert fused.fusion_report.rule_counts()["fuse_rnn_function"] == 1
+    assert fused.fusion_report.rule_counts()["fuse_rnn"] == 1
 
 
 class Seq2Seq(nn.Module):
@@ -381,3 +381,37 @@ def test_wide_lstm_runs_atens_lstm_per_model_and_equals_the_loop(kwargs, with_st
         fused(*inputs)
     assert "mkldnn_rnn_layer" in calls.seen or "lstm" in calls.seen, set(calls.seen)
     assert calls.seen.count("baddbmm") == 0
+
+
+class KeywordRecurrence(nn.Module):
+    """``torch.lstm`` / ``torch.gru_cell`` / ``torch.lstm_cell`` called with keyword
+    arguments, as hand-written recurrences (and the export front-end) may pass them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(IN, H, num_layers=1)
+        self.cell = nn.LSTMCell(IN, H)
+        self.gru_cell = nn.GRUCell(IN, H)
+
+    def forward(self, x, h0):
+        out, h, c = torch.lstm(x, (h0[None], h0[None]), self.lstm._flat_weights, has_biases=True,
+                               num_layers=1, dropout=0.0, train=self.training,
+                               bidirectional=False, batch_first=False)
+        cell = self.cell
+        hc, cc = torch.lstm_cell(x[0], (h0, h0), cell.weight_ih, cell.weight_hh,
+                                 b_ih=cell.bias_ih, b_hh=cell.bias_hh)
+        g = self.gru_cell
+        hg = torch.gru_cell(x[0], hx=h0, w_ih=g.weight_ih, w_hh=g.weight_hh, b_ih=g.bias_ih,
+                            b_hh=g.bias_hh)
+        return out, h, c, hc, cc, hg
+
+
+def test_recurrent_functions_bind_their_arguments_by_name():
+    """A keyword argument of torch.lstm failed to unpack (the packed-sequence refusal) and
+    the cells' keyword biases were dropped (the fused cell ran without them, so the
+    first-call check ran the models one by one): one rule per op binds each call by name."""
+    x, h0 = torch.randn(T, B, IN), torch.randn(B, H)
+    fused = check_equivalence([KeywordRecurrence() for _ in range(N)], (x, h0))
+    assert fused.fusion_report.fallbacks == []
+    counts = fused.fusion_report.rule_counts()
+    assert counts["fuse_rnn"] == 1 and counts["fuse_rnn_cell"] == 2

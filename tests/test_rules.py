@@ -111,6 +111,15 @@ CASES = [
                       x.log_softmax(1, torch.float64), F.softmax(x, 0, 3, torch.float64)),
         fc=nn.Linear(5, 5), sm=nn.Softmax(dim=1), lsm=nn.LogSoftmax(-1), smin=nn.Softmin(0)),
         (3, 5)),
+    Case("glu_spellings", lambda: Lambda(  # the module called by keyword (an IndexError)
+        lambda s, x: (s.glu(input=s.fc(x)), s.glu0(x), F.glu(x, dim=0), F.glu(x)),
+        fc=nn.Linear(6, 6), glu=nn.GLU(), glu0=nn.GLU(0)), (4, 6)),
+    Case("flatten_spellings", lambda: Lambda(  # modules and torch.* by keyword (IndexErrors)
+        lambda s, x: (s.flat(input=s.fc(x)), s.flat0(x), torch.flatten(input=x, start_dim=1),
+                      x.flatten(end_dim=1), s.unflat(input=x), torch.unflatten(x, -1, (2, 3)),
+                      x.unflatten(dim=0, sizes=(2, -1)), torch.flatten(x[0, 0])),
+        fc=nn.Linear(6, 6), flat=nn.Flatten(), flat0=nn.Flatten(0, 1),
+        unflat=nn.Unflatten(1, (3, 2))), (4, 6)),
     Case("matmul_vectors", lambda: Lambda(lambda s, x: torch.matmul(s.fc(x), s.v), fc=nn.Linear(5, 4),
                                           v=torch.randn(4)), (3, 5)),
     Case("einsum_attention",  # lucidrains' spelling: spaces, both operands per model
@@ -340,6 +349,20 @@ CASES += [
     Case("padding_and_resampling", PaddingAndResampling, (2, 2, 6, 6)),
     Case("dropout_eval_or_zero", seq(lambda: [nn.Linear(4, 4), nn.Dropout(0.0), nn.Dropout1d(0.0)]),
          (2, 4, 4)),
+    Case("dropout_spellings", lambda: Lambda(  # the modules and F.* by keyword (IndexErrors)
+        lambda s, x: (s.drop(input=s.fc(x)), s.alpha(input=x), F.dropout(input=x, p=0.0),
+                      torch.dropout(x, 0.0, train=True), F.alpha_dropout(input=x, p=0.0),
+                      torch.alpha_dropout(x, 0.0, True)),
+        fc=nn.Linear(4, 4), drop=nn.Dropout(0.0), alpha=nn.AlphaDropout(0.0)), (2, 4, 4)),
+    Case("channelwise_spellings", lambda: Lambda(  # modules, F.* by keyword (IndexErrors)
+        lambda s, x: (s.pool(input=s.conv(x)), F.max_pool2d(input=x, kernel_size=2),
+                      s.up(input=x), F.interpolate(input=x, scale_factor=2.0),
+                      s.pad(input=x), s.zero_pad(input=x), F.pad(input=x, pad=(1, 1, 0, 1), mode="reflect"),
+                      s.drop(input=x), F.dropout2d(input=x, p=0.0),
+                      F.adaptive_avg_pool2d(input=x, output_size=1)),
+        conv=nn.Conv2d(3, 3, 1), pool=nn.MaxPool2d(2), up=nn.Upsample(scale_factor=2),
+        pad=nn.ReflectionPad2d(1), zero_pad=nn.ZeroPad2d(1), drop=nn.Dropout2d(0.0)),
+        (2, 3, 4, 4)),
     Case("cosine_similarity", lambda: Lambda(lambda s, x: s.cos(x, s.w) * F.cosine_similarity(
         x, s.w[:, None], dim=1), cos=nn.CosineSimilarity(dim=-1), w=torch.randn(4)), (2, 4, 4)),
     # torchvision's fx-wrapped leaves (hftc.bench's stand-ins; tests/test_torchvision_ops.py
@@ -906,3 +929,23 @@ def test_torch_random_draws_are_listed_once_for_the_tracer_and_the_rule_table():
     with pytest.raises(TypeError, match=r"rule `other`: torch.poisson draws random numbers "
                                         r"\(hftc.ir.TORCH_RANDOM_DRAWS\): declare it random=True"):
         rule(("call_function", torch.poisson), name="other")(lambda group, builder: None)
+
+
+def test_channel_dropout_functional_takes_per_model_rates():
+    """F.dropout2d(x, self.p) with a rate per model: one rule serves it and nn.Dropout2d,
+    per-model rates included (model 0 keeps every channel, model 1 drops every one)."""
+
+    class ChannelDrop(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.p = p
+
+        def forward(self, x):
+            return F.dropout2d(x, self.p, self.training)
+
+    x = torch.randn(2, 3, 4, 4)
+    fused = hftc.fuse([ChannelDrop(0.0), ChannelDrop(1.0)]).train()
+    out = fused(x)
+    assert fused.fusion_report.fallbacks == []
+    assert torch.equal(out[0], x) and torch.equal(out[1], torch.zeros_like(x))
+    assert torch.equal(fused.eval()(x), torch.stack([x, x]))

@@ -75,8 +75,6 @@ ELEMENTWISE_MODULES = [
     nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Softplus, nn.Softsign,
     nn.Softshrink, nn.Hardshrink, nn.Tanhshrink, nn.Threshold, nn.LogSigmoid, nn.Identity,
 ]
-RANDOM_MODULES = [nn.Dropout, nn.AlphaDropout]
-RANDOM_FUNCTIONS = [F.dropout, F.alpha_dropout, torch.dropout, torch.alpha_dropout]
 
 
 def _is_tensor(value) -> bool:
@@ -154,35 +152,47 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 
 def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """Dropout and friends: a shared input is expanded so every model draws its own mask.
-
-    ``nn.Dropout``, ``F.dropout`` and ``torch.dropout`` run as :func:`random.dropout`
-    (on the CPU a faster mask sampler than ATen's), with per-model rates as
-    :func:`per_model.dropout`; the rest as the original op on the fused tensor."""
-    node = group.node
-    p = group.per_model.get("p") or group.per_model_arg(1, "p")
-    if p is not None:
-        if node.op == "call_module" and isinstance(group.module, nn.Dropout):
-            training = builder.training_flag(group)
-        elif node.target is F.dropout:
-            training = group.arg(2, "training", True)
-        else:
-            raise NotFusable("per-model rates for this kind of dropout")
-        return builder.call(rt_random.per_model_dropout, builder.broadcast(group.args[0]), tuple(p),
-                            training)
-    if node.op == "call_module" and type(group.module) is nn.Dropout:
-        return builder.call(rt_random.dropout, builder.broadcast(group.args[0]), group.module.p,
-                            builder.training_flag(group), group.module.inplace)
-    if node.target is F.dropout:
-        return builder.call(rt_random.dropout, builder.broadcast(group.args[0]),
-                            group.arg(1, "p", 0.5), group.arg(2, "training", True),
-                            group.arg(3, "inplace", False))
-    if node.target is torch.dropout:
-        return builder.call(rt_random.dropout, builder.broadcast(group.args[0]),
-                            group.arg(1, "p"), group.arg(2, "train"))
+    """``torch.rand_like(x)`` and the random methods (``x.bernoulli_()``): a shared input
+    is expanded so every model draws its own numbers; the op runs on the fused tensor."""
+    if group.per_model:
+        raise NotFusable("per-model arguments of a random op")
     args = (builder.broadcast(group.args[0]), *group.args[1:])
     return builder.copy(FusionGroup(group.node, group.nodes, args, group.kwargs, group.module),
                         batched=True)
+
+
+#: Each dropout's functional: its module and its torch.* spelling (``train`` for ``training``).
+_DROPOUTS = {F.dropout: (nn.Dropout, torch.dropout),
+             F.alpha_dropout: (nn.AlphaDropout, torch.alpha_dropout)}
+
+
+def fuse_dropout(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``nn.Dropout(p)(x)``, ``F.dropout(x, p, training, inplace)``, ``torch.dropout(x, p,
+    train)`` (and alpha dropout's), bound by the functional's names (a module's ``p`` its
+    attribute, ``training`` its flag at run time); a shared input is expanded so each model
+    draws its own mask::
+
+        F.dropout(x, p)      -> random.dropout(x [N, ...], p)   (a faster CPU mask sampler)
+        p differs per model  -> per_model.dropout(x, (p_0, ..., p_N-1))
+    """
+    module = group.module
+    if module is not None:
+        functional = next(fn for fn, (cls, _) in _DROPOUTS.items() if isinstance(module, cls))
+        a = group.arguments(builder, functional, training=builder.training_flag(group))
+    else:
+        functional = next(fn for fn, spellings in _DROPOUTS.items()
+                          if group.node.target in (fn, *spellings))
+        a = group.arguments(builder, group.node.target)
+        if "train" in a:  # torch.dropout's name
+            a["training"] = a.pop("train")
+    x, p = builder.broadcast(a["input"]), group.per_model_values("p")
+    if functional is F.alpha_dropout:
+        if p is not None:
+            raise NotFusable("per-model rates of alpha dropout")
+        return builder.call(F.alpha_dropout, x, a["p"], a["training"], a.get("inplace", False))
+    if p is not None:
+        return builder.call(rt_random.per_model_dropout, x, tuple(p), a["training"])
+    return builder.call(rt_random.dropout, x, a["p"], a["training"], a.get("inplace", False))
 
 
 #: torchvision's ``stochastic_depth(input, p, mode, training=True)`` (fx-wrapped: a leaf of
@@ -310,12 +320,10 @@ for _name in DUNDER:
     rule(("call_method", _name), name=f"fuse_pointwise[{_name}]")(fuse_pointwise)
 for _cls in ELEMENTWISE_MODULES:
     rule(("call_module", _cls), name=f"fuse_pointwise[{_cls.__name__}]")(fuse_pointwise)
-for _cls in RANDOM_MODULES:
-    rule(("call_module", _cls), name=f"fuse_random[{_cls.__name__}]", random=True,
-         per_model=("p",))(fuse_random)
-for _fn in RANDOM_FUNCTIONS:
-    rule(("call_function", _fn), name=f"fuse_random[{_fn.__name__}]", random=True,
-         per_model=("p",) if _fn is F.dropout else (), aten=EXPORTED_AS.get(_fn))(fuse_random)
+for _fn, (_cls, _torch_fn) in _DROPOUTS.items():
+    rule(("call_module", _cls), ("call_function", _fn), ("call_function", _torch_fn),
+         name=f"fuse_dropout[{_fn.__name__}]", random=True, per_model=("p",),
+         aten=EXPORTED_AS.get(_fn))(fuse_dropout)
 for _name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
     rule(("call_method", _name), name=f"fuse_random[{_name}]", random=True)(fuse_random)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):

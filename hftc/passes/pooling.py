@@ -18,6 +18,8 @@ its hyper-parameters and train/eval mode are exactly the original's.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -48,7 +50,14 @@ _SPATIAL_MODULES = {
     nn.Upsample: None, nn.UpsamplingNearest2d: 2,
     nn.UpsamplingBilinear2d: 2, nn.FeatureAlphaDropout: None,
 }
-_RANDOM = {nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.FeatureAlphaDropout}
+_PAD_MODULES = [cls for cls in _SPATIAL_MODULES if cls.__name__[:-2].endswith("Pad")]
+_CHANNEL_DROPOUTS = {nn.Dropout1d: F.dropout1d, nn.Dropout2d: F.dropout2d,
+                     nn.Dropout3d: F.dropout3d}
+
+def _snake_case(name: str) -> str:
+    """``AdaptiveMaxPool2d`` -> ``adaptive_max_pool2d``, the functional a module calls."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
 
 _SPATIAL_FUNCTIONS = {
     F.max_pool1d: 1, F.max_pool2d: 2, F.max_pool3d: 3,
@@ -63,40 +72,64 @@ _SPATIAL_FUNCTIONS = {
 }
 _RANDOM_FUNCTIONS = {F.dropout1d, F.dropout2d, F.dropout3d, F.feature_alpha_dropout}
 
+#: Each functional and the modules that call it (fuse_pad serves the padding modules).
+_MODULES_OF: dict = {fn: [] for fn in _SPATIAL_FUNCTIONS}
+for _cls in _SPATIAL_MODULES:
+    if _cls in _PAD_MODULES:
+        continue
+    _MODULES_OF[{
+        nn.Upsample: F.interpolate, nn.UpsamplingNearest2d: F.interpolate,
+        nn.UpsamplingBilinear2d: F.interpolate, nn.FeatureAlphaDropout: F.feature_alpha_dropout,
+        nn.LPPool1d: F.lp_pool1d, nn.LPPool2d: F.lp_pool2d, nn.LPPool3d: F.lp_pool3d,
+    }.get(_cls) or getattr(F, _snake_case(_cls.__name__))].append(_cls)
+
+
+def _input_and_rest(group: FusionGroup) -> tuple[fx.Node, tuple, dict]:
+    """The op's (fused) input, given by position or as ``input=``, and its other arguments."""
+    if group.args:
+        return group.args[0], group.args[1:], dict(group.kwargs)
+    kwargs = dict(group.kwargs)
+    return kwargs.pop("input"), (), kwargs
+
 
 def _spatial(known: int | None, group: FusionGroup) -> int:
     # Ops that take any rank see a per-model [B, C, *S] input.
-    return known if known is not None else group.arg_example(0).dim() - 2
+    if known is not None:
+        return known
+    return group.arg_example(0 if group.node.args else "input").dim() - 2
 
 
-def fuse_channelwise_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    spatial = _spatial(_SPATIAL_MODULES[_base(type(group.module))], group)
+def fuse_channelwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``nn.MaxPool2d(...)(x)`` or ``F.max_pool2d(x, ...)`` and kin: the module itself (its
+    hyper-parameters and mode exactly the original's) or the functional on the models'
+    channels side by side (:func:`~hftc.runtime.spatial.channelwise`); channel dropout with
+    per-model rates as :func:`~hftc.runtime.random.per_model_dropout`."""
+    x, args, kwargs = _input_and_rest(group)
+    module = group.module
+    if module is None:
+        spatial = _spatial(_SPATIAL_FUNCTIONS[group.node.target], group)
+        if group.node.target is F.pad:
+            spatial = len(group.arg(1, "pad")) // 2
+    else:
+        spatial = _spatial(_SPATIAL_MODULES[_base(type(module))], group)
     if group.per_model:
-        if "p" not in group.per_model or not isinstance(
-            group.module, (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
-        ):
-            raise NotFusable("per-model hyper-parameters of this module")
-        return builder.call(
-            rt_random.per_model_dropout, builder.broadcast(group.args[0]),
-            tuple(group.per_model["p"]),
-            builder.training_flag(group), feature_dims=spatial,
-        )
-    module = builder.attr(group.node.target, batched=False)
-    return builder.call(rt_spatial.channelwise, module, builder.broadcast(group.args[0]),
-                        *group.args[1:], spatial=spatial, **group.kwargs)
+        p = group.per_model_values("p")
+        if p is None or not (isinstance(module, tuple(_CHANNEL_DROPOUTS))
+                             or group.node.target in _CHANNEL_DROPOUTS.values()):
+            raise NotFusable("per-model hyper-parameters of this op")
+        training = (builder.training_flag(group) if module is not None
+                    else group.arguments(builder, group.node.target)["training"])
+        return builder.call(rt_random.per_model_dropout, builder.broadcast(x), tuple(p),
+                            training, feature_dims=spatial)
+    if module is not None:
+        return builder.call(rt_spatial.channelwise, builder.attr(group.node.target, batched=False),
+                            builder.broadcast(x), *args, spatial=spatial, **kwargs)
+    return builder.call(ir.bind(rt_spatial.channelwise, group.node.target), builder.broadcast(x),
+                        *args, spatial=spatial, **kwargs)
 
 
 def _base(cls: type) -> type:
     return next(c for c in cls.__mro__ if c in _SPATIAL_MODULES)
-
-
-def fuse_channelwise_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    fn = group.node.target
-    spatial = _spatial(_SPATIAL_FUNCTIONS[fn], group)
-    if fn is F.pad:
-        spatial = len(group.arg(1, "pad")) // 2
-    return builder.call(ir.bind(rt_spatial.channelwise, fn), builder.broadcast(group.args[0]),
-                        *group.args[1:], spatial=spatial, **group.kwargs)
 
 
 #: Ops that mix the channels of one sample (or work on sample at a time, as im2col
@@ -139,12 +172,12 @@ def fuse_affine_grid(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 def fuse_pad(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """Constant padding is elementwise-safe on any rank; reflect/replicate/circular need
     the per-model [B, C, *S] layout, so they go through the channel fold."""
-    mode = group.arg(2, "mode", "constant")
+    mode = "module" if group.module is not None else group.arg(2, "mode", "constant")
     if mode == "constant":
         from .elementwise import fuse_pointwise
 
         return fuse_pointwise(group, builder)
-    return fuse_channelwise_function(group, builder)
+    return fuse_channelwise(group, builder)
 
 
 def _with_indices(fn):
@@ -180,17 +213,15 @@ _EXPORTED_AS = {
         F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)},
 }
 
-for _cls in _SPATIAL_MODULES:
-    rule(("call_module", _cls), name=f"fuse_channelwise[{_cls.__name__}]",
-         random=_cls in _RANDOM, per_model=("p",) if _cls in _RANDOM else ())(
-        fuse_channelwise_module)
-for _fn in _SPATIAL_FUNCTIONS:
-    rule(("call_function", _fn), name=f"fuse_channelwise[{_fn.__name__}]",
-         random=_fn in _RANDOM_FUNCTIONS, aten=_EXPORTED_AS.get(_fn))(fuse_channelwise_function)
+for _fn, _modules in _MODULES_OF.items():
+    rule(*(("call_module", cls) for cls in _modules), ("call_function", _fn),
+         name=f"fuse_channelwise[{_fn.__name__}]", random=_fn in _RANDOM_FUNCTIONS,
+         per_model=("p",) if _fn in _RANDOM_FUNCTIONS else (), aten=_EXPORTED_AS.get(_fn))(
+        fuse_channelwise)
 for _key in _SAMPLEWISE:
     rule(_key, name=f"fuse_samplewise[{_key[1].__name__}]")(fuse_samplewise)
 _SPATIAL_FUNCTIONS[F.pad] = None  # (fuse_pad's non-constant modes fold channels)
-rule(("call_function", F.pad),
+rule(*(("call_module", cls) for cls in _PAD_MODULES), ("call_function", F.pad),
      aten={aten.pad: F.pad, aten.constant_pad_nd: constant_pad_as_functional})(fuse_pad)
 rule(("call_function", F.grid_sample),
      aten=dict.fromkeys((aten.grid_sampler, aten.grid_sampler_2d, aten.grid_sampler_3d),

@@ -47,75 +47,76 @@ def _check_tensor_input(group: FusionGroup) -> None:
         raise NotFusable("packed sequences (PackedSequence) are not fused")
 
 
-@rule(("call_module", nn.LSTM), ("call_module", nn.GRU), ("call_module", nn.RNN))
-def fuse_rnn_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """``nn.LSTM/GRU/RNN(x, hx)`` -> :func:`~hftc.runtime.recurrent.rnn` on stacked weights."""
-    _check_tensor_input(group)
-    m = group.module
-    x, hx = group.arg(0, "input"), group.arg(1, "hx")
-    weights = [builder.attr(f"{group.node.target}.{name}") for name in m._flat_weights_names]
-    return builder.call(
-        rt_recurrent.rnn, m.mode, x, hx, weights, m.bias, m.num_layers, float(m.dropout),
-        builder.training_flag(group), m.bidirectional, m.batch_first,
-        input_batched=builder.is_batched(x), hx_batched=_hx_flags(group, builder, hx),
-    )
+def rnn_parameters(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                   batch_first):
+    """``torch.lstm``'s parameters (and ``torch.gru``'s, ``torch.rnn_tanh``'s ...) for a
+    padded input, to bind a call's arguments by (torch gives each function a second schema,
+    for a packed sequence's ``data, batch_sizes``)."""
 
 
 _FUNCTION_MODES = {torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN_TANH",
                    torch.rnn_relu: "RNN_RELU"}
 
 
-@rule(*(("call_function", fn) for fn in _FUNCTION_MODES))
-def fuse_rnn_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """``torch.lstm(x, hx, params, has_biases, layers, dropout, train, bidir, batch_first)``."""
-    args = group.args
-    if len(args) != 9 or not isinstance(args[2], (list, tuple)):
-        raise NotFusable("the packed-sequence overload (data, batch_sizes, ...)")
-    _check_tensor_input(group)
-    x, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first = args
-    mode = _FUNCTION_MODES[group.node.target]
-    if mode != "LSTM":
-        hx_flags = (builder.is_batched(hx),)
+@rule(("call_module", nn.LSTM), ("call_module", nn.GRU), ("call_module", nn.RNN),
+      *(("call_function", fn) for fn in _FUNCTION_MODES))
+def fuse_rnn(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``nn.LSTM/GRU/RNN(x, hx)`` and ``torch.lstm(x, hx, params, has_biases, num_layers,
+    dropout, train, bidirectional, batch_first)`` (what ``aten.lstm`` becomes) ->
+    :func:`~hftc.runtime.recurrent.rnn` on stacked weights, the arguments bound by
+    ``torch.lstm``'s names (a module's: its ``_flat_weights`` and attributes)."""
+    module = group.module
+    if module is None:
+        try:
+            a = group.arguments(builder, rnn_parameters)
+        except TypeError:
+            a = {}
+        if not isinstance(a.get("params"), (list, tuple)) or not isinstance(
+                a.get("has_biases"), bool):
+            raise NotFusable("the packed-sequence overload (data, batch_sizes, ...)")
+        mode = _FUNCTION_MODES[group.node.target]
     else:
-        hx_flags = _hx_flags(group, builder, hx)
+        weights = [builder.attr(f"{group.node.target}.{name}")
+                   for name in module._flat_weights_names]
+        a = group.arguments(builder, rnn_parameters, params=weights, has_biases=module.bias,
+                            dropout=float(module.dropout), train=builder.training_flag(group))
+        mode = module.mode
+    _check_tensor_input(group)
+    x, hx = a["input"], a["hx"]
     return builder.call(
-        rt_recurrent.rnn, mode, x, hx, [builder.broadcast(p) for p in params], has_biases, layers,
-        dropout, train, bidirectional, batch_first, input_batched=builder.is_batched(x),
-        hx_batched=hx_flags, flat_states=True,
+        rt_recurrent.rnn, mode, x, hx, [builder.broadcast(p) for p in a["params"]],
+        a["has_biases"], a["num_layers"], a["dropout"], a["train"], a["bidirectional"],
+        a["batch_first"], input_batched=builder.is_batched(x),
+        hx_batched=_hx_flags(group, builder, hx), flat_states=module is None,
     )
 
 
 _CELL_MODES = {nn.LSTMCell: "LSTM", nn.GRUCell: "GRU"}
-
-
-@rule(("call_module", nn.LSTMCell), ("call_module", nn.GRUCell),
-               ("call_module", nn.RNNCell))
-def fuse_rnn_cell_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    m = group.module
-    mode = next((v for k, v in _CELL_MODES.items() if isinstance(m, k)), None)
-    if mode is None:
-        mode = "RNN_TANH" if m.nonlinearity == "tanh" else "RNN_RELU"
-    x, hx = group.arg(0, "input"), group.arg(1, "hx")
-    attr = lambda name: builder.module_attr(group, name)  # noqa: E731
-    return builder.call(
-        rt_recurrent.rnn_cell, mode, x, hx, attr("weight_ih"), attr("weight_hh"), attr("bias_ih"),
-        attr("bias_hh"), input_batched=builder.is_batched(x),
-        hx_batched=_hx_flags(group, builder, hx),
-    )
-
-
 _CELL_FUNCTIONS = {torch.lstm_cell: "LSTM", torch.gru_cell: "GRU",
                    torch.rnn_tanh_cell: "RNN_TANH", torch.rnn_relu_cell: "RNN_RELU"}
 
 
-@rule(*(("call_function", fn) for fn in _CELL_FUNCTIONS))
-def fuse_rnn_cell_function(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """``torch.lstm_cell(x, [h, c], w_ih, w_hh, b_ih, b_hh)`` and the GRU/RNN cells."""
-    args = list(group.args) + [None] * (6 - len(group.args))
-    x, hx, w_ih, w_hh, b_ih, b_hh = args[:6]
+@rule(("call_module", nn.LSTMCell), ("call_module", nn.GRUCell), ("call_module", nn.RNNCell),
+      *(("call_function", fn) for fn in _CELL_FUNCTIONS))
+def fuse_rnn_cell(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``nn.LSTMCell/GRUCell/RNNCell(x, hx)`` and ``torch.lstm_cell(x, [h, c], w_ih, w_hh,
+    b_ih, b_hh)`` and kin -> :func:`~hftc.runtime.recurrent.rnn_cell`, the arguments bound
+    by ``torch.lstm_cell``'s names (a module's weights are its ``weight_ih`` ...)."""
+    module = group.module
+    if module is None:
+        mode = _CELL_FUNCTIONS[group.node.target]
+        a = group.arguments(builder, group.node.target)
+    else:
+        mode = next((v for k, v in _CELL_MODES.items() if isinstance(module, k)), None)
+        if mode is None:
+            mode = "RNN_TANH" if module.nonlinearity == "tanh" else "RNN_RELU"
+        attr = lambda name: builder.module_attr(group, name)  # noqa: E731
+        a = group.arguments(builder, torch.lstm_cell, w_ih=attr("weight_ih"),
+                            w_hh=attr("weight_hh"), b_ih=attr("bias_ih"), b_hh=attr("bias_hh"))
     optional = lambda t: None if t is None else builder.broadcast(t)  # noqa: E731
+    x, hx = a["input"], a["hx"]
     return builder.call(
-        rt_recurrent.rnn_cell, _CELL_FUNCTIONS[group.node.target], x, hx, builder.broadcast(w_ih),
-        builder.broadcast(w_hh), optional(b_ih), optional(b_hh),
+        rt_recurrent.rnn_cell, mode, x, hx, builder.broadcast(a["w_ih"]),
+        builder.broadcast(a["w_hh"]), optional(a["b_ih"]), optional(a["b_hh"]),
         input_batched=builder.is_batched(x), hx_batched=_hx_flags(group, builder, hx),
     )

@@ -21,7 +21,6 @@ from ..frontends.export import Emitter, aten_name
 from ..ir import EXAMPLE_VALUE, bind_arguments
 from ..runtime import layout as rt_layout
 from ..runtime import reduction as rt_reduction
-from ..runtime import spatial as rt_spatial
 from .elementwise import fuse_pointwise
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule, spellings
 from .shape import shift_dim_arg
@@ -181,8 +180,9 @@ for _fn, _cls, _aten in [
          aten=dict.fromkeys(_aten, softmax_as_torch))(_softmax_rule(_fn))
 
 
-@rule(("call_module", nn.GLU))
-def fuse_glu_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """``nn.GLU(dim)(x)`` -> ``F.glu(x, dim + 1)`` (``F.glu`` itself: ``fuse_dim_op[glu]``)."""
-    return builder.call(F.glu, builder.broadcast(group.args[0]),
-                        rt_spatial.shift_dim(group.module.dim))
+@rule(("call_module", nn.GLU), *spellings("glu"), aten={aten.glu: F.glu})
+def fuse_glu(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """``nn.GLU(dim)(x)`` or ``F.glu(x, dim)`` -> ``F.glu(x, dim + 1)`` (a negative dim
+    stays), the arguments bound by ``F.glu``'s names (a module's ``dim`` its attribute)."""
+    a = group.arguments(builder, F.glu)
+    return builder.call(F.glu, builder.broadcast(a["input"]), shift_dim_arg(builder, a["dim"]))

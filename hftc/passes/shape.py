@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
@@ -124,33 +123,38 @@ def fuse_as(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(kernel, x, size)
 
 
-@rule(*spellings("flatten"))
+def flatten_parameters(input, start_dim=0, end_dim=-1):
+    """``torch.flatten``'s parameters (torch gives it named-dim schemas too), to bind by."""
+
+
+def unflatten_parameters(input, dim, sizes):
+    """``torch.unflatten``'s parameters (and a named-dim schema), to bind by."""
+
+
+@rule(*spellings("flatten"), ("call_module", nn.Flatten))
 def fuse_flatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    x = group.args[0]
-    start = group.arg(1, "start_dim", 0)
-    end = group.arg(2, "end_dim", -1)
-    if group.arg_example(0).dim() == 0:
+    """``torch.flatten(x, 1)``, ``x.flatten(1)`` or ``nn.Flatten()(x)`` -> ``x.flatten(2)``,
+    bound by name (a module's dims are its attributes)."""
+    a = group.arguments(builder, flatten_parameters)
+    x = a["input"]
+    if _input_example(group).dim() == 0:
         return builder.method("reshape", x, -1, 1)
-    return builder.method("flatten", x, shift_dim_arg(builder, start),
-                          shift_dim_arg(builder, end))
+    return builder.method("flatten", x, shift_dim_arg(builder, a["start_dim"]),
+                          shift_dim_arg(builder, a["end_dim"]))
 
 
-@rule(("call_module", nn.Flatten))
-def fuse_flatten_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    m = group.module
-    return builder.method("flatten", group.args[0], shift_dim(m.start_dim), shift_dim(m.end_dim))
-
-
-@rule(*spellings("unflatten"))
+@rule(*spellings("unflatten"), ("call_module", nn.Unflatten))
 def fuse_unflatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    return builder.method("unflatten", group.args[0], shift_dim_arg(builder, group.arg(1, "dim")),
-                          group.arg(2, "sizes"))
+    """``torch.unflatten(x, 1, (2, 3))`` or ``nn.Unflatten(1, (2, 3))(x)`` -> ``x.unflatten(2,
+    (2, 3))``, bound by name (a module's sizes are its ``unflattened_size``)."""
+    sizes = {} if group.module is None else {"sizes": group.module.unflattened_size}
+    a = group.arguments(builder, unflatten_parameters, **sizes)
+    return builder.method("unflatten", a["input"], shift_dim_arg(builder, a["dim"]), a["sizes"])
 
 
-@rule(("call_module", nn.Unflatten))
-def fuse_unflatten_module(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    m = group.module
-    return builder.method("unflatten", group.args[0], shift_dim(m.dim), m.unflattened_size)
+def _input_example(group: FusionGroup) -> Any:
+    """Model 0's value of the op's input, passed by position or as ``input=``."""
+    return group.arg_example(0 if group.node.args else "input")
 
 
 @rule(*spellings("permute"))
@@ -222,7 +226,7 @@ def _dim_rule(position: int, name: str, default: int):
 
 
 #: The ATen ops torch.export records for these ops under another name (``@rule(aten=...)``).
-_EXPORTED_AS = {"glu": {aten.glu: F.glu}, "split": {aten.split: torch.split}}
+_EXPORTED_AS = {"split": {aten.split: torch.split}}
 
 for op_name, pos, kw, default in [
     ("chunk", 2, "dim", 0), ("split", 2, "dim", 0), ("tensor_split", 2, "dim", 0),
@@ -230,7 +234,7 @@ for op_name, pos, kw, default in [
     ("flip", 1, "dims", None), ("diff", 2, "dim", -1), ("cumsum", 1, "dim", None),
     ("cumprod", 1, "dim", None), ("logcumsumexp", 1, "dim", None), ("cummax", 1, "dim", None),
     ("cummin", 1, "dim", None), ("sort", 1, "dim", -1), ("argsort", 1, "dim", -1),
-    ("topk", 2, "dim", -1), ("kthvalue", 2, "dim", -1), ("glu", 1, "dim", -1),
+    ("topk", 2, "dim", -1), ("kthvalue", 2, "dim", -1),
     ("normalize", 2, "dim", 1), ("split_with_sizes", 2, "dim", 0),
 ]:
     rule(*spellings(op_name, inplace=False), name=f"fuse_dim_op[{op_name}]",
