@@ -15,13 +15,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import inspect
 import operator
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,7 @@ from .match import GraphMatch, match_graphs
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
 from .passes.registry import aten_spellings, per_model_table
+from .runtime.layout import expand_models, model_slice
 from .runtime.model_loop import ModelLoop
 from .runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
 from .stacking import build_module_tree
@@ -261,11 +263,18 @@ _CAST_METHODS = {torch.float32: "float()", torch.float64: "double()", torch.floa
 
 
 def _check_in_dims(in_dims: Any) -> InDims:
-    """``in_dims`` as vmap takes it: ``None``, an int, or a tuple of ints and ``None`` (one
-    per input); NumPy integers become ints.  Anything else is refused, naming it."""
-    def entry(d: Any) -> int | None:
+    """``in_dims`` as vmap takes it: ``None``, an int, or a tuple with one entry per input,
+    an entry being an int, ``None`` or, for a container input, such a tuple (a dict) per
+    element (a pytree prefix: ``(None, (0, 0))`` for ``forward(x, hc)``, or ``(None, 0)``
+    to stack every tensor of ``hc``); NumPy integers become ints.  Anything else is
+    refused, naming it."""
+    def entry(d: Any, nested: bool) -> Any:
         if d is None:
             return None
+        if nested and isinstance(d, (tuple, list)):
+            return type(d)(entry(e, True) for e in d)
+        if nested and isinstance(d, dict):
+            return {k: entry(e, True) for k, e in d.items()}
         if not isinstance(d, (bool, torch.Tensor)):
             try:
                 return operator.index(d)  # an int, or a NumPy integer
@@ -275,13 +284,15 @@ def _check_in_dims(in_dims: Any) -> InDims:
 
     try:
         if isinstance(in_dims, (tuple, list)):
-            return tuple(entry(d) for d in in_dims)
-        return entry(in_dims)
+            return tuple(entry(d, True) for d in in_dims)
+        return entry(in_dims, False)
     except ValueError:
         raise FusionArgumentError(
             f"in_dims must be None (every input shared by the models), an int (the dim "
             f"along which every input holds one slice per model: in_dims=0) or a tuple with "
-            f"one int or None per input of forward (in_dims=(0, None)), as torch.func.vmap's; "
+            f"one entry per input of forward (in_dims=(0, None)), an entry for a tuple input "
+            f"being an int, None or a tuple per element (in_dims=(None, (0, 0)) for "
+            f"forward(x, hc)), as torch.func.vmap's; "
             f"got {in_dims!r} ({type(in_dims).__name__})") from None
 
 
@@ -518,7 +529,7 @@ class FusedModule(ContainerAccess, nn.Module):
         # fails in torch ("Input type (float) and bias type (double) should be the same").
         _check_same_dtypes(models)
         return export_models(
-            models, lambda i: tuple(v[i] if b else v for v, b in zip(merged, batched)),
+            models, lambda i: tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched)),
             modes=(True, False), aten_spellings=aten_spellings())
 
     def _adopt(self, root: nn.Module, model0: nn.Module) -> None:
@@ -629,26 +640,55 @@ class FusedModule(ContainerAccess, nn.Module):
                 batched.append(False)
                 continue
             what = f"input {k}" if names is None else f"input `{names[k]}` (input {k})"
-            if not isinstance(a, torch.Tensor):
-                container = isinstance(a, (tuple, list, dict))
-                raise FusionArgumentError(
-                    f"{what} has in_dims={d} but is a {type(a).__name__}, not a tensor"
-                    + (": in_dims stacks tensor inputs only, not the tensors inside a "
-                       "container (an LSTM's state (h, c)). Pass them as separate tensor "
-                       "inputs of forward (forward(x, h, c), in_dims=(None, 0, 0)), or fuse "
-                       "with in_dims=None for a container all models share" if container
-                       else "")
-                )
-            if a.dim() <= d or a.shape[d] != self.num_models:
-                got = "no such dim" if a.dim() <= d else f"size {a.shape[d]}"
-                raise FusionArgumentError(
-                    f"{what} is stacked per model along dim {d} (in_dims) but has {got} there "
-                    f"(shape {tuple(a.shape)}); it needs size {self.num_models}, one slice per "
-                    f"model. Pass in_dims=None for an input all models share."
-                )
-            merged.append(a.movedim(d, 0) if d != 0 else a)
-            batched.append(True)
+            if isinstance(a, torch.Tensor) and isinstance(d, int):
+                merged.append(self._stacked_input(a, d, what))
+                batched.append(True)
+                continue
+            value, stacked = self._stacked_container(a, d, what)
+            merged.append(value)
+            batched.append(stacked)
         return merged, batched
+
+    def _stacked_input(self, a: torch.Tensor, d: int, what: str) -> torch.Tensor:
+        """A tensor stacked per model along dim ``d``, with the model dim moved to 0."""
+        if a.dim() <= d or a.shape[d] != self.num_models:
+            got = "no such dim" if a.dim() <= d else f"size {a.shape[d]}"
+            raise FusionArgumentError(
+                f"{what} is stacked per model along dim {d} (in_dims) but has {got} there "
+                f"(shape {tuple(a.shape)}); it needs size {self.num_models}, one slice per "
+                f"model. Pass in_dims=None for an input all models share."
+            )
+        return a.movedim(d, 0) if d != 0 else a
+
+    def _stacked_container(self, a: Any, d: Any, what: str) -> tuple[Any, bool]:
+        """A container input (an LSTM's ``(h, c)``) with its in_dims entry ``d``, a pytree
+        prefix as vmap's: an int stacks every tensor in it, a tuple gives each element its
+        own.  ``((h, c), (0, None))`` -> ``(h, c.expand(N, *c.shape))``: the fused program
+        takes a container whose tensors all carry the model dim, so a shared one among
+        stacked ones is passed expanded (a view); returns (value, whether it is stacked)."""
+        leaves, spec = pytree.tree_flatten(a)
+        if isinstance(d, int):
+            dims = [d if isinstance(t, torch.Tensor) else None for t in leaves]
+        else:
+            dims = pytree._broadcast_to_and_flatten(d, spec)
+            if dims is None:
+                raise FusionArgumentError(
+                    f"{what} is a {type(a).__name__} whose structure in_dims={d!r} does not "
+                    f"match (it holds {pytree.tree_unflatten(['*'] * len(leaves), spec)!r}, "
+                    f"* a value): give the container one entry (an int stacks every "
+                    f"tensor in it, as torch.func.vmap's in_dims) or a tuple with one int or "
+                    f"None per element (in_dims=(None, (0, 0)) for forward(x, (h, c)))")
+        if not any(dim is not None for dim in dims):
+            return a, False
+        for dim, t in zip(dims, leaves):
+            if dim is not None and not isinstance(t, torch.Tensor):
+                raise FusionArgumentError(
+                    f"{what} has in_dims={d!r} but holds a {type(t).__name__} ({t!r}) where "
+                    f"in_dims says dim {dim}: in_dims stacks tensors only; give it None there")
+        stacked = [self._stacked_input(t, dim, what) if dim is not None
+                   else expand_models(t, self.num_models) if isinstance(t, torch.Tensor)
+                   else t for t, dim in zip(leaves, dims)]
+        return pytree.tree_unflatten(stacked, spec), True
 
     def _inputs(self, args: tuple, kwargs: dict) -> tuple[list[Any], list[bool]]:
         """A call's positional and keyword inputs -> one fused value per input of the traced
@@ -723,6 +763,25 @@ class FusedModule(ContainerAccess, nn.Module):
                 program.trial.last = None
             self._explain_input_mismatch(values, batched, exc)
             raise
+
+    def with_in_dims(self, in_dims: InDims) -> InDimsCall:
+        """The fused module with ``in_dims`` for the calls made through the result, as
+        ``torch.func.vmap(model, in_dims)(x)`` reads: ``fused(real)`` shares real images
+        among the models, ``fused.with_in_dims(0)(fake)`` gives model i its ``fake[i]``
+        (a GAN discriminator on a fused generator's fakes; an RNN's carried hidden state:
+        ``fused.with_in_dims((0, 0))(x, hidden)``).  Its methods take the same in_dims
+        (``fused.with_in_dims(0).decode(z)``).  ``in_dims`` is checked as ``hftc.fuse``'s,
+        and the module's own stays as it was."""
+        return InDimsCall(self, _check_in_dims(in_dims))
+
+    @contextlib.contextmanager
+    def _in_dims_set(self, in_dims: InDims) -> Iterator[None]:
+        before = self.in_dims
+        self.in_dims = in_dims
+        try:
+            yield
+        finally:
+            self.in_dims = before
 
     @run_eagerly
     def _program_and_way(self, values: Sequence[Any], batched: Sequence[bool],
@@ -952,7 +1011,7 @@ class FusedModule(ContainerAccess, nn.Module):
         graph = self._mode_graphs[self.training].graph
         trial = fx.Graph()
         trial.output(trial.graph_copy(graph, {}))
-        per_model = [v[0] if b or k in stacked else v
+        per_model = [model_slice(v, 0) if b or k in stacked else v
                      for k, (v, b) in enumerate(zip(values, batched))]
         try:
             annotate_example_values(trial, self._template, per_model, {}, self._model_tensors)
@@ -1119,6 +1178,32 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_models={self.num_models}"
+
+
+class InDimsCall:
+    """``fused.with_in_dims(in_dims)``: calls of the fused module (and of its methods)
+    with ``in_dims`` in place of the one it was fused with."""
+
+    def __init__(self, fused: FusedModule, in_dims: InDims) -> None:
+        self.fused, self.in_dims = fused, in_dims
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.fused._in_dims_set(self.in_dims):
+            return self.fused(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.fused, name)
+        if not callable(method):
+            raise AttributeError(f"fused.with_in_dims(...).{name}: `{name}` is not a method "
+                                 f"of the fused module; read it on the module itself")
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.fused._in_dims_set(self.in_dims):
+                return method(*args, **kwargs)
+        return call
+
+    def __repr__(self) -> str:
+        return f"{type(self.fused).__name__}.with_in_dims({self.in_dims!r})"
 
 
 def fuse(

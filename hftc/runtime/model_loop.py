@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
+from .layout import model_slice
 
 
 class ModelLoop:
@@ -121,7 +122,7 @@ class ModelLoop:
             for sub, mode in zip(self.modules[i], modes):
                 if sub.training is not mode:  # nn.Module.__setattr__ costs ~2 us a module
                     sub.training = mode
-            args = tuple(v[i] if b else v for v, b in zip(values, batched))
+            args = tuple(model_slice(v, i) if b else v for v, b in zip(values, batched))
             for registry, key, name, _ in slots:
                 registry[key] = slices[name][i]
             try:
