@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import inspect
 import operator
@@ -776,12 +777,19 @@ class FusedModule(ContainerAccess, nn.Module):
 
     @contextlib.contextmanager
     def _in_dims_set(self, in_dims: InDims) -> Iterator[None]:
-        before = self.in_dims
-        self.in_dims = in_dims
+        before, per_call = self.in_dims, self.__dict__.get("_in_dims_per_call", False)
+        self.in_dims, self.__dict__["_in_dims_per_call"] = in_dims, True
         try:
             yield
         finally:
-            self.in_dims = before
+            self.in_dims, self.__dict__["_in_dims_per_call"] = before, per_call
+
+    def _method_in_dims(self) -> InDims:
+        """A method's in_dims: the call's (``with_in_dims``), else the module's where it
+        is an int or None; a tuple names forward's inputs, so a method shares its inputs."""
+        if self.__dict__.get("_in_dims_per_call") or not isinstance(self.in_dims, tuple):
+            return self.in_dims
+        return None
 
     @run_eagerly
     def _program_and_way(self, values: Sequence[Any], batched: Sequence[bool],
@@ -1058,6 +1066,103 @@ class FusedModule(ContainerAccess, nn.Module):
         values, batched = self._inputs(args, kwargs)
         return self._program(values, batched)
 
+    # ------------------------------------------------------------------ other methods
+
+    def __getattr__(self, name: str) -> Any:
+        """nn.Module's (parameters, buffers, submodules), then the models' own methods
+        (``fused.decode(z)``, ``fused.init_hidden(b)``, nanoGPT's ``generate``): see
+        :meth:`_call_method`."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            template = self.__dict__.get("_template")
+            function = getattr(type(template), name, None) if template is not None else None
+            if (not callable(function) or name.startswith("__") or isinstance(function, type)
+                    or getattr(nn.Module, name, None) is function):
+                raise
+            return functools.partial(self._call_method, name)
+
+    def _call_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """The models' method ``name`` on the fused module, N results stacked as forward's.
+
+        Fused where it traces: the method is traced as the forward of each model (a
+        subclass of the model's class whose forward is that method), fused as forward is
+        (in_dims, the first-call check, the strategy), and run on this module's own
+        parameters and buffers.  Where it does not trace (Python on values: nanoGPT's
+        ``generate`` loops on sizes and samples), the N models run it one by one on views
+        of the stacked tensors (gradients reach them)."""
+        methods = self.__dict__.setdefault("_method_modules", {})
+        if name not in methods:
+            methods[name] = self._fuse_method(name)
+        fused_method = methods[name]
+        if isinstance(fused_method, FusedModule):
+            self._share_tensors(fused_method)
+            with fused_method._in_dims_set(self._method_in_dims()):
+                return fused_method(*args, **kwargs)
+        with self._in_dims_set(self._method_in_dims()):
+            return self._method_one_by_one(name, args, kwargs)
+
+    def _fuse_method(self, name: str) -> FusedModule | None:
+        """A fused module whose forward is the models' method ``name`` (None: it does not
+        trace, or its graphs differ per model)."""
+        models = self.unfuse()
+        for model in models:
+            model.__class__ = _method_as_forward(type(model), name)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FusionWarning)
+                return FusedModule(models, in_dims=self._method_in_dims(), frontend="symbolic",
+                                   autotune=self.autotune, check=self.check,
+                                   strategy=self.strategy)
+        except (TraceError, UnsupportedOperatorError, MismatchError):
+            return None
+
+    def _share_tensors(self, other: FusedModule) -> None:
+        """Give ``other`` (of the same module tree) this module's parameters and buffers,
+        the very tensors (gradients and in-place updates reach them), and its modes; again
+        on each call, as ``.to()`` and ``load_state_dict(assign=True)`` replace them."""
+        for name, t in self.named_parameters(remove_duplicate=False):
+            owner, _, leaf = name.rpartition(".")
+            other.get_submodule(owner)._parameters[leaf] = t
+        for name, t in self.named_buffers(remove_duplicate=False):
+            owner, _, leaf = name.rpartition(".")
+            if not leaf.startswith("_hftc_constant_"):
+                other.get_submodule(owner)._buffers[leaf] = t
+        modules = dict(self.named_modules(remove_duplicate=False))
+        for path, sub in other.named_modules(remove_duplicate=False):
+            if path in modules:
+                sub.training = modules[path].training
+        device = next((t.device for t in self.parameters()), None)
+        for name, t in list(other.named_buffers()):
+            if name.rpartition(".")[2].startswith("_hftc_constant_") and device is not None \
+                    and t.device != device:
+                owner, _, leaf = name.rpartition(".")
+                other.get_submodule(owner)._buffers[leaf] = t.to(device)
+
+    def _method_one_by_one(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """Method ``name`` of each model in turn (views of the stacked tensors), its inputs
+        split by ``in_dims`` as forward's; the N results stacked."""
+        signature = inspect.signature(getattr(type(self._template), name))
+        try:
+            bound = signature.bind(None, *args, **kwargs)
+        except TypeError as exc:
+            raise FusionArgumentError(f"{self.source_type}.{name}: {exc}") from None
+        given = set(bound.arguments)
+        bound.apply_defaults()
+        parameters = list(signature.parameters.values())[1:]
+        names = [p.name for p in parameters
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        values = list(bound.args[1:])
+        if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+            names += [f"*{k}" for k in range(len(values) - len(names))]
+        merged, batched = self._merge_inputs(
+            values, [n in given or n.startswith("*") for n in names[:len(values)]],
+            names[:len(values)])
+        loop = self.__dict__.get("_method_loop")
+        if loop is None:
+            loop = self.__dict__["_method_loop"] = ModelLoop(self)
+        return loop(self, merged, batched, method=name, kwargs=bound.kwargs)
+
     # ------------------------------------------------------------------ inspection
 
     def last_program(self) -> Program:
@@ -1159,6 +1264,9 @@ class FusedModule(ContainerAccess, nn.Module):
         # module: a copy that kept it ran the original's weights and sent it the gradients.
         state = dict(super().__getstate__())
         state["_programs"] = {}  # generated code is recompiled on the next call
+        # The models' other methods are fused again on their next call.
+        state.pop("_method_modules", None)
+        state.pop("_method_loop", None)
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedModule:
@@ -1178,6 +1286,19 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_models={self.num_models}"
+
+
+_METHOD_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _method_as_forward(cls: type, name: str) -> type:
+    """``cls`` with ``forward`` = ``cls.<name>``: what tracing takes for the method."""
+    key = (cls, name)
+    if key not in _METHOD_CLASSES:
+        _METHOD_CLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": getattr(cls, name), "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__})
+    return _METHOD_CLASSES[key]
 
 
 class InDimsCall:

@@ -226,3 +226,151 @@ def test_two_new_programs_in_one_graph_keep_batch_norms_saved_statistics():
         torch.testing.assert_close((a[i], b[i]), (ra, rb), rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(fused.get_buffer("0.running_var")[i], r[0].running_var)
     _assert_same_grads(fused, refs)
+
+
+# --------------------------------------------------------------- methods other than forward
+
+
+class VAE(nn.Module):
+    """pytorch/examples' VAE, small: ``decode(z)`` is what sampling calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc21, self.fc22 = nn.Linear(12, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.fc3, self.fc4 = nn.Linear(3, 8), nn.Linear(8, 12)
+
+    def encode(self, x):
+        h1 = F.relu(self.fc1(x))
+        return self.fc21(h1), self.fc22(h1)
+
+    def decode(self, z):
+        h3 = F.relu(self.fc3(z))
+        return torch.sigmoid(self.fc4(h3))
+
+    def forward(self, x):
+        mu, logvar = self.encode(x.view(-1, 12))
+        return self.decode(mu), mu, logvar
+
+
+def test_a_models_method_runs_fused_on_the_fused_modules_weights():
+    """fused.decode(z) raised AttributeError ('FusedModule' object has no attribute
+    'decode'): a model's method is now traced as its forward, fused, and run on the fused
+    module's own parameters (gradients reach them; after a step it sees the new weights),
+    its inputs shared or, per call, stacked; against N stock models, float64."""
+    torch.manual_seed(0)
+    models = [VAE().double() for _ in range(N)]
+    refs = [copy.deepcopy(m) for m in models]
+    fused = hftc.fuse(models)
+    z, zs = torch.randn(4, 3, dtype=torch.float64), torch.randn(N, 4, 3, dtype=torch.float64)
+    for step in range(2):
+        out = fused.decode(z)
+        own = fused.with_in_dims(0).decode(zs)
+        mu, logvar = fused.encode(torch.randn(4, 12, dtype=torch.float64).expand(N, 4, 12)[0])
+        loss = _weighted((out, own), step)
+        ref_out = [r.decode(z) for r in refs]
+        ref_own = [r.decode(zs[i]) for i, r in enumerate(refs)]
+        torch.testing.assert_close(out, torch.stack(ref_out), rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(own, torch.stack(ref_own), rtol=1e-9, atol=1e-12)
+        assert mu.shape == logvar.shape == (N, 4, 3)
+        loss.backward()
+        _weighted((torch.stack(ref_out), torch.stack(ref_own)), step).backward()
+        grads = {n: p.grad.clone() for n, p in fused.named_parameters()
+                 if not n.startswith(("fc1", "fc2"))}
+        for name, g in grads.items():
+            for i, r in enumerate(refs):
+                torch.testing.assert_close(g[i], r.get_parameter(name).grad, rtol=1e-9,
+                                           atol=1e-12, msg=f"model {i}, {name}")
+        with torch.no_grad():  # a step: the method sees the fused module's new weights
+            for p in fused.parameters():
+                p -= 0.1 * p.grad if p.grad is not None else 0
+            for r in refs:
+                for p in r.parameters():
+                    p -= 0.1 * p.grad if p.grad is not None else 0
+        fused.zero_grad()
+        for r in refs:
+            r.zero_grad()
+    assert "decode" in fused.__dict__["_method_modules"]
+    assert fused.__dict__["_method_modules"]["decode"] is not None  # fused, not a loop
+
+
+def test_init_hidden_and_a_carried_state_against_stock_rnns():
+    """word_language_model's loop: hidden = model.init_hidden(bsz), then the state each
+    call returns fed back (repackaged). fused.init_hidden(b) gives the N states stacked,
+    the fused module (in_dims=(None, 0)) takes them back; 3 steps of SGD against N stock
+    models, float64."""
+    from tests.real_style import RNNModel
+
+    torch.manual_seed(0)
+    models = [RNNModel().double() for _ in range(N)]
+    refs = [copy.deepcopy(m) for m in models]
+    fused = hftc.fuse(models, in_dims=(None, 0))
+    opt = ho.SGD(fused.parameters(), lr=[0.1, 0.2, 0.3])
+    ref_opts = [torch.optim.SGD(r.parameters(), lr=lr) for r, lr in zip(refs, [0.1, 0.2, 0.3])]
+    hidden = fused.init_hidden(2)
+    ref_hidden = [r.init_hidden(2) for r in refs]
+    assert [t.shape for t in hidden] == [(N, 2, 2, 8)] * 2
+    for _ in range(3):
+        data = torch.randint(0, 19, (5, 2))
+        targets = torch.randint(0, 19, (10,))
+        opt.zero_grad()
+        out, hidden = fused(data, tuple(t.detach() for t in hidden))
+        hftc.per_model(F.nll_loss)(out, targets).sum().backward()
+        opt.step()
+        for i, (r, o) in enumerate(zip(refs, ref_opts)):
+            o.zero_grad()
+            ref_out, ref_hidden[i] = r(data, tuple(t.detach() for t in ref_hidden[i]))
+            F.nll_loss(ref_out, targets).backward()
+            o.step()
+            torch.testing.assert_close(out[i], ref_out, rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(tuple(t[i] for t in hidden), ref_hidden[i],
+                                       rtol=1e-9, atol=1e-12)
+    for i, r in enumerate(refs):
+        for name, p in r.named_parameters():
+            torch.testing.assert_close(fused.get_parameter(name)[i], p, rtol=1e-9, atol=1e-12)
+
+
+class GenerativeGPT(GPT):
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """nanoGPT's generate, as it is."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx if idx.size(1) <= self.config.block_size \
+                else idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float('Inf')
+            probs = F.softmax(logits, dim=-1)
+            idx_next = torch.multinomial(probs, num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+def test_nanogpt_generate_runs_per_model_where_it_does_not_trace():
+    """nanoGPT's generate (a loop on sizes, sampling) does not trace: the N models run it
+    one by one on the fused module's weights, results stacked; greedy (top_k=1) it is
+    each stock model's own generate, past the block size."""
+    torch.manual_seed(0)
+    config = GPTConfig()
+    models = [GenerativeGPT(config).double().eval() for _ in range(N)]
+    idx = torch.randint(0, config.vocab_size, (2, 6))
+    fused = hftc.fuse(models, example_inputs=(idx,))
+    with torch.no_grad():
+        for p in fused.parameters():  # the fused module's weights, not the models'
+            p.mul_(1.5)
+    for m in models:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1.5)
+    out = fused.generate(idx, 5, top_k=1)
+    assert fused.__dict__["_method_modules"]["generate"] is None  # not traced: a loop
+    assert out.shape == (N, 2, 11)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m.generate(idx, 5, top_k=1))
+    stacked = torch.stack([idx, idx.flip(0), idx + 1 - (idx + 1) // config.vocab_size])
+    out = fused.with_in_dims(0).generate(stacked, 2, top_k=1)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m.generate(stacked[i], 2, top_k=1))
+    with pytest.raises(AttributeError, match="no attribute 'decode'"):
+        fused.decode(idx)

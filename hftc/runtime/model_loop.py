@@ -106,7 +106,9 @@ class ModelLoop:
             slots.append((registry, leaf, fused_name[id(t)], placeholders[id(t)]))
         return slots
 
-    def __call__(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool]) -> Any:
+    def __call__(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool],
+                 method: str | None = None, kwargs: dict[str, Any] | None = None) -> Any:
+        """The N models' forward (or their ``method``, with ``kwargs`` shared), stacked."""
         tensors = dict(fused.named_parameters())
         tensors.update(fused.named_buffers())
         names = self.param_names + self.buffer_names
@@ -126,7 +128,8 @@ class ModelLoop:
             for registry, key, name, _ in slots:
                 registry[key] = slices[name][i]
             try:
-                outs.append(shell(*args))
+                outs.append(shell(*args) if method is None
+                            else getattr(shell, method)(*args, **(kwargs or {})))
             except RuntimeError as exc:
                 if "returns multiple views" not in str(exc):
                     raise
