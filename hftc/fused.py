@@ -695,10 +695,16 @@ class FusedModule(ContainerAccess, nn.Module):
         """A call's positional and keyword inputs -> one fused value per input of the traced
         forward, and whether each carries the model dim.  ``in_dims`` applies to an input
         whichever way it is passed."""
+        self.__dict__["_call_graph_key"] = None
         placeholders = [
             n for n in self._mode_graphs[self.training].graph.nodes
             if n.op == "placeholder"
         ]
+        if self.__dict__.get("frontend") == "export" \
+                and not self._fits_exported(placeholders, args, kwargs):
+            found = self._reexport_inputs(args, kwargs)
+            if found is not None:
+                return found
         if len(args) > len(placeholders):
             takes = (f"{len(placeholders)} input{'s' if len(placeholders) != 1 else ''} ("
                      + ", ".join(f"`{p.target}`" for p in placeholders) + ")")
@@ -724,7 +730,107 @@ class FusedModule(ContainerAccess, nn.Module):
                 raise FusionArgumentError(f"missing input `{p.target}` of the models' forward")
         if kwargs:
             raise FusionArgumentError(f"unexpected keyword inputs {sorted(kwargs)}")
-        return self._merge_inputs(values, given, [p.target for p in placeholders])
+        merged, batched = self._merge_inputs(values, given, [p.target for p in placeholders])
+        if self.__dict__.get("frontend") == "export":
+            refused = _guard_failure(self._mode_graphs[self.training].graph, merged, batched)
+            if refused is not None:
+                self._use_export(("shapes", _shapes(merged, batched)), merged, batched, refused)
+        return merged, batched
+
+    @staticmethod
+    def _fits_exported(placeholders: Sequence[fx.Node], args: tuple, kwargs: dict) -> bool:
+        """Whether a call passes the inputs the exported graph takes: no more positional
+        ones, only its keywords, each of its inputs given (or defaulted), and no ``None``
+        where the example inputs had a tensor (the graph guards it)."""
+        from .runtime.guards import check_input_shape
+
+        names = [p.target for p in placeholders]
+        if len(args) > len(names) or not set(kwargs) <= set(names[len(args):]):
+            return False
+        for k, p in enumerate(placeholders):
+            if k >= len(args) and p.target not in kwargs and not p.args:
+                return False
+            value = args[k] if k < len(args) else kwargs.get(p.target)
+            if value is None and any(u.target is check_input_shape for u in p.users):
+                return False
+        return True
+
+    def _reexport_inputs(self, args: tuple, kwargs: dict) -> tuple[list[Any], list[bool]] | None:
+        """A call the exported graph does not take (``fused(input_ids, labels=labels)`` for
+        models exported from ``example_inputs=(input_ids, attention_mask)``; an input
+        ``None`` that was a tensor): the models are exported again with this call's own
+        inputs as the example (once per mode and pattern of given / ``None`` inputs),
+        and the call's inputs bound to forward's parameters in order, up to the last one
+        given.  None where forward takes ``*args`` / ``**kwargs`` (the call is refused
+        as before)."""
+        signature = inspect.signature(type(self._template).forward)
+        parameters = list(signature.parameters.values())[1:]
+        if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+            return None
+        try:
+            bound = signature.bind(None, *args, **kwargs)
+        except TypeError as exc:
+            raise FusionArgumentError(f"{self.source_type}.forward: {exc} (call the fused "
+                                      f"module as you would call one model)") from None
+        parameters = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY,
+                                                          p.POSITIONAL_OR_KEYWORD)]
+        named = {p.name for p in parameters}
+        others = sorted(set(kwargs) - named)
+        if others:  # keyword-only, or taken by **kwargs: not an input export can be given
+            raise FusionArgumentError(
+                f"{self.source_type}.forward: got keyword input(s) {others}, which are not "
+                f"among its named inputs ({', '.join(p.name for p in parameters)}); the "
+                f"fused module takes those, by position or by keyword")
+        given = set(bound.arguments) & named
+        bound.apply_defaults()
+        last = max(k for k, p in enumerate(parameters) if p.name in given)
+        names = [p.name for p in parameters[:last + 1]]
+        values = [bound.arguments[name] for name in names]
+        merged, batched = self._merge_inputs(values, [n in given for n in names], names)
+        key = tuple((name, "tensor" if isinstance(v, torch.Tensor) else repr(v))
+                    for name, v in zip(names, values))
+        found = self.__dict__.get("_reexported_graphs", {}).get((self.training, key))
+        refused = None if found is None else _guard_failure(found.graph, merged, batched)
+        if refused is not None:
+            key += (("shapes", _shapes(merged, batched)),)
+        self._use_export(key, merged, batched, refused)
+        return merged, batched
+
+    def _use_export(self, key: tuple, merged: Sequence[Any], batched: Sequence[bool],
+                    refused: FusionArgumentError | None = None) -> None:
+        """This call runs the graphs exported for ``key`` (exported now if not yet).
+        ``refused``: the guard that sent the call here (a size export fixed), raised as it
+        is when the models cannot be exported with these inputs either (a size their code
+        fixes): that message says what the models take."""
+        self.__dict__["_call_graph_key"] = key
+        graphs = self.__dict__.setdefault("_reexported_graphs", {})
+        if (self.training, key) not in graphs:
+            try:
+                graphs[(self.training, key)] = self._export_again(merged, batched)
+            except TraceError:
+                if refused is None:
+                    raise
+                raise refused from None
+
+    def _export_again(self, merged: Sequence[Any], batched: Sequence[bool]) -> _ModeGraphs:
+        """The models (as ``unfuse()`` gives them) exported in the current mode with a
+        call's inputs as the example, matched and their constants stacked as at fusing."""
+        from .frontends.export import export_models
+
+        models = self.unfuse()
+        graphs = export_models(
+            models, lambda i: tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched)),
+            modes=(self.training,), aten_spellings=aten_spellings())[self.training]
+        match = match_graphs(graphs, models, soft=per_model_table())
+        attr_targets = self._stack_constants(graphs, match)
+        device = next((t.device for t in self.parameters()), None)
+        for name in attr_targets.values():
+            if device is not None:
+                self._buffers[name] = self.get_buffer(name).to(device)
+        for g in graphs:
+            g.graph.owning_module = None
+        originals = [{n0.name: ni.name for n0, ni in m.items()} for m in match.mapping]
+        return _ModeGraphs(graphs[0].graph, originals, match.method, attr_targets)
 
     @staticmethod
     def _signature(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
@@ -806,7 +912,8 @@ class FusedModule(ContainerAccess, nn.Module):
 
     @run_eagerly
     def _program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
-        key = (self.training, self._signature(values, batched))
+        key = (self.training, self._signature(values, batched),
+               self.__dict__.get("_call_graph_key"))
         program = self._programs.get(key)
         if program is None:
             program = self._compile_program(values, batched)
@@ -824,6 +931,9 @@ class FusedModule(ContainerAccess, nn.Module):
         or gives a traced constant another value (``fused(x, has_mask=False)``) gets
         graphs traced again (once per mode, set of ``None`` inputs and constants) from the
         models' meta copies, with those inputs ``None`` or those values."""
+        exported_again = self.__dict__.get("_call_graph_key")
+        if exported_again is not None:  # (export front-end: this call's own export)
+            return self.__dict__["_reexported_graphs"][(self.training, exported_again)]
         default = self._mode_graphs[self.training]
         placeholders = [n.target for n in default.graph.nodes if n.op == "placeholder"]
         bound = dict(zip(placeholders, values))
@@ -1286,6 +1396,29 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_models={self.num_models}"
+
+
+def _guard_failure(graph: fx.Graph, values: Sequence[Any],
+                   batched: Sequence[bool]) -> FusionArgumentError | None:
+    """The error of the first input guard of an exported graph that the inputs fail (a
+    size export fixed), or None."""
+    from .runtime.guards import check_input_shape
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, value, b in zip(placeholders, values, batched):
+        for user in node.users:
+            if user.target is check_input_shape and isinstance(value, torch.Tensor):
+                try:
+                    check_input_shape(model_slice(value, 0) if b else value, *user.args[1:])
+                except FusionArgumentError as exc:
+                    return exc
+    return None
+
+
+def _shapes(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
+    """Each tensor input's per-model shape (what a graph exported from them may fix)."""
+    return tuple(tuple(v.shape[int(b):]) if isinstance(v, torch.Tensor) else None
+                 for v, b in zip(values, batched))
 
 
 _METHOD_CLASSES: dict[tuple[type, str], type] = {}

@@ -374,3 +374,35 @@ def test_nanogpt_generate_runs_per_model_where_it_does_not_trace():
         torch.testing.assert_close(out[i], m.generate(stacked[i], 2, top_k=1))
     with pytest.raises(AttributeError, match="no attribute 'decode'"):
         fused.decode(idx)
+
+
+# ------------------------------------------- the export front-end: a new sequence length
+
+
+def test_a_length_export_fixed_is_exported_again_for_a_new_length():
+    """Exported from a one-token example (export fixes sizes 0 and 1), the fused GPT
+    refused a 6-token call ("the models were exported ... with shape [*, 1]"); it now
+    exports again from the call's inputs (once per such shape), logits, loss and
+    gradients as each stock model's, float64."""
+    torch.manual_seed(0)
+    config = GPTConfig()
+    models = [GPT(config).double() for _ in range(N)]
+    fused = hftc.fuse(models, example_inputs=(torch.randint(0, config.vocab_size, (2, 1)),))
+    idx = torch.randint(0, config.vocab_size, (2, 6))
+    targets = torch.randint(0, config.vocab_size, (2, 6))
+    for _ in range(2):
+        fused.zero_grad()
+        logits, _ = fused(idx)
+        _, loss = fused(idx, targets)
+        (logits.pow(2).sum() + loss.sum()).backward()
+        for i, m in enumerate(models):
+            m.zero_grad()
+            ref_logits, _ = m(idx)
+            _, ref_loss = m(idx, targets)
+            torch.testing.assert_close(logits[i], ref_logits, rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(loss[i], ref_loss, rtol=1e-9, atol=1e-12)
+            (ref_logits.pow(2).sum() + ref_loss).backward()
+            for name, p in m.named_parameters():
+                torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad,
+                                           rtol=1e-9, atol=1e-12, msg=f"model {i} {name}")
+    assert len(fused.__dict__["_reexported_graphs"]) == 2  # (idx) and (idx, targets)
