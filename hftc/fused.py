@@ -912,8 +912,10 @@ class FusedModule(ContainerAccess, nn.Module):
 
     @run_eagerly
     def _program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
-        key = (self.training, self._signature(values, batched),
-               self.__dict__.get("_call_graph_key"))
+        key = (self.training, self._signature(values, batched))
+        exported_again = self.__dict__.get("_call_graph_key")
+        if exported_again is not None:  # (the export front-end's graphs for this call)
+            key += (exported_again,)
         program = self._programs.get(key)
         if program is None:
             program = self._compile_program(values, batched)
