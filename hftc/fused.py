@@ -1188,10 +1188,13 @@ class FusedModule(ContainerAccess, nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             template = self.__dict__.get("_template")
-            function = getattr(type(template), name, None) if template is not None else None
+            cls = type(template)
+            function = getattr(cls, name, None) if template is not None else None
             if (not callable(function) or name.startswith("__") or isinstance(function, type)
                     or getattr(nn.Module, name, None) is function):
                 raise
+            if isinstance(inspect.getattr_static(cls, name), (staticmethod, classmethod)):
+                return function  # no model's state: as the class gives it
             return functools.partial(self._call_method, name)
 
     def _call_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
