@@ -15,13 +15,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import hashlib
 import inspect
 import operator
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,7 @@ from .match import GraphMatch, match_graphs
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
 from .passes.registry import aten_spellings, per_model_table
+from .runtime.layout import expand_models, model_slice
 from .runtime.model_loop import ModelLoop
 from .runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
 from .stacking import build_module_tree
@@ -262,11 +265,18 @@ _CAST_METHODS = {torch.float32: "float()", torch.float64: "double()", torch.floa
 
 
 def _check_in_dims(in_dims: Any) -> InDims:
-    """``in_dims`` as vmap takes it: ``None``, an int, or a tuple of ints and ``None`` (one
-    per input); NumPy integers become ints.  Anything else is refused, naming it."""
-    def entry(d: Any) -> int | None:
+    """``in_dims`` as vmap takes it: ``None``, an int, or a tuple with one entry per input,
+    an entry being an int, ``None`` or, for a container input, such a tuple (a dict) per
+    element (a pytree prefix: ``(None, (0, 0))`` for ``forward(x, hc)``, or ``(None, 0)``
+    to stack every tensor of ``hc``); NumPy integers become ints.  Anything else is
+    refused, naming it."""
+    def entry(d: Any, nested: bool) -> Any:
         if d is None:
             return None
+        if nested and isinstance(d, (tuple, list)):
+            return type(d)(entry(e, True) for e in d)
+        if nested and isinstance(d, dict):
+            return {k: entry(e, True) for k, e in d.items()}
         if not isinstance(d, (bool, torch.Tensor)):
             try:
                 return operator.index(d)  # an int, or a NumPy integer
@@ -276,13 +286,15 @@ def _check_in_dims(in_dims: Any) -> InDims:
 
     try:
         if isinstance(in_dims, (tuple, list)):
-            return tuple(entry(d) for d in in_dims)
-        return entry(in_dims)
+            return tuple(entry(d, True) for d in in_dims)
+        return entry(in_dims, False)
     except ValueError:
         raise FusionArgumentError(
             f"in_dims must be None (every input shared by the models), an int (the dim "
             f"along which every input holds one slice per model: in_dims=0) or a tuple with "
-            f"one int or None per input of forward (in_dims=(0, None)), as torch.func.vmap's; "
+            f"one entry per input of forward (in_dims=(0, None)), an entry for a tuple input "
+            f"being an int, None or a tuple per element (in_dims=(None, (0, 0)) for "
+            f"forward(x, hc)), as torch.func.vmap's; "
             f"got {in_dims!r} ({type(in_dims).__name__})") from None
 
 
@@ -517,7 +529,7 @@ class FusedModule(ContainerAccess, nn.Module):
         # fails in torch ("Input type (float) and bias type (double) should be the same").
         _check_same_dtypes(models)
         return export_models(
-            models, lambda i: tuple(v[i] if b else v for v, b in zip(merged, batched)),
+            models, lambda i: tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched)),
             modes=(True, False), aten_spellings=aten_spellings())
 
     def _adopt(self, root: nn.Module, model0: nn.Module) -> None:
@@ -628,35 +640,70 @@ class FusedModule(ContainerAccess, nn.Module):
                 batched.append(False)
                 continue
             what = f"input {k}" if names is None else f"input `{names[k]}` (input {k})"
-            if not isinstance(a, torch.Tensor):
-                container = isinstance(a, (tuple, list, dict))
-                raise FusionArgumentError(
-                    f"{what} has in_dims={d} but is a {type(a).__name__}, not a tensor"
-                    + (": in_dims stacks tensor inputs only, not the tensors inside a "
-                       "container (an LSTM's state (h, c)). Pass them as separate tensor "
-                       "inputs of forward (forward(x, h, c), in_dims=(None, 0, 0)), or fuse "
-                       "with in_dims=None for a container all models share" if container
-                       else "")
-                )
-            if a.dim() <= d or a.shape[d] != self.num_models:
-                got = "no such dim" if a.dim() <= d else f"size {a.shape[d]}"
-                raise FusionArgumentError(
-                    f"{what} is stacked per model along dim {d} (in_dims) but has {got} there "
-                    f"(shape {tuple(a.shape)}); it needs size {self.num_models}, one slice per "
-                    f"model. Pass in_dims=None for an input all models share."
-                )
-            merged.append(a.movedim(d, 0) if d != 0 else a)
-            batched.append(True)
+            if isinstance(a, torch.Tensor) and isinstance(d, int):
+                merged.append(self._stacked_input(a, d, what))
+                batched.append(True)
+                continue
+            value, stacked = self._stacked_container(a, d, what)
+            merged.append(value)
+            batched.append(stacked)
         return merged, batched
+
+    def _stacked_input(self, a: torch.Tensor, d: int, what: str) -> torch.Tensor:
+        """A tensor stacked per model along dim ``d``, with the model dim moved to 0."""
+        if a.dim() <= d or a.shape[d] != self.num_models:
+            got = "no such dim" if a.dim() <= d else f"size {a.shape[d]}"
+            raise FusionArgumentError(
+                f"{what} is stacked per model along dim {d} (in_dims) but has {got} there "
+                f"(shape {tuple(a.shape)}); it needs size {self.num_models}, one slice per "
+                f"model. Pass in_dims=None for an input all models share."
+            )
+        return a.movedim(d, 0) if d != 0 else a
+
+    def _stacked_container(self, a: Any, d: Any, what: str) -> tuple[Any, bool]:
+        """A container input (an LSTM's ``(h, c)``) with its in_dims entry ``d``, a pytree
+        prefix as vmap's: an int stacks every tensor in it, a tuple gives each element its
+        own.  ``((h, c), (0, None))`` -> ``(h, c.expand(N, *c.shape))``: the fused program
+        takes a container whose tensors all carry the model dim, so a shared one among
+        stacked ones is passed expanded (a view); returns (value, whether it is stacked)."""
+        leaves, spec = pytree.tree_flatten(a)
+        if isinstance(d, int):
+            dims = [d if isinstance(t, torch.Tensor) else None for t in leaves]
+        else:
+            dims = pytree._broadcast_to_and_flatten(d, spec)
+            if dims is None:
+                raise FusionArgumentError(
+                    f"{what} is a {type(a).__name__} whose structure in_dims={d!r} does not "
+                    f"match (it holds {pytree.tree_unflatten(['*'] * len(leaves), spec)!r}, "
+                    f"* a value): give the container one entry (an int stacks every "
+                    f"tensor in it, as torch.func.vmap's in_dims) or a tuple with one int or "
+                    f"None per element (in_dims=(None, (0, 0)) for forward(x, (h, c)))")
+        if not any(dim is not None for dim in dims):
+            return a, False
+        for dim, t in zip(dims, leaves):
+            if dim is not None and not isinstance(t, torch.Tensor):
+                raise FusionArgumentError(
+                    f"{what} has in_dims={d!r} but holds a {type(t).__name__} ({t!r}) where "
+                    f"in_dims says dim {dim}: in_dims stacks tensors only; give it None there")
+        stacked = [self._stacked_input(t, dim, what) if dim is not None
+                   else expand_models(t, self.num_models) if isinstance(t, torch.Tensor)
+                   else t for t, dim in zip(leaves, dims)]
+        return pytree.tree_unflatten(stacked, spec), True
 
     def _inputs(self, args: tuple, kwargs: dict) -> tuple[list[Any], list[bool]]:
         """A call's positional and keyword inputs -> one fused value per input of the traced
         forward, and whether each carries the model dim.  ``in_dims`` applies to an input
         whichever way it is passed."""
+        self.__dict__["_call_graph_key"] = None
         placeholders = [
             n for n in self._mode_graphs[self.training].graph.nodes
             if n.op == "placeholder"
         ]
+        if self.__dict__.get("frontend") == "export" \
+                and not self._fits_exported(placeholders, args, kwargs):
+            found = self._reexport_inputs(args, kwargs)
+            if found is not None:
+                return found
         if len(args) > len(placeholders):
             takes = (f"{len(placeholders)} input{'s' if len(placeholders) != 1 else ''} ("
                      + ", ".join(f"`{p.target}`" for p in placeholders) + ")")
@@ -682,7 +729,107 @@ class FusedModule(ContainerAccess, nn.Module):
                 raise FusionArgumentError(f"missing input `{p.target}` of the models' forward")
         if kwargs:
             raise FusionArgumentError(f"unexpected keyword inputs {sorted(kwargs)}")
-        return self._merge_inputs(values, given, [p.target for p in placeholders])
+        merged, batched = self._merge_inputs(values, given, [p.target for p in placeholders])
+        if self.__dict__.get("frontend") == "export":
+            refused = _guard_failure(self._mode_graphs[self.training].graph, merged, batched)
+            if refused is not None:
+                self._use_export(("shapes", _shapes(merged, batched)), merged, batched, refused)
+        return merged, batched
+
+    @staticmethod
+    def _fits_exported(placeholders: Sequence[fx.Node], args: tuple, kwargs: dict) -> bool:
+        """Whether a call passes the inputs the exported graph takes: no more positional
+        ones, only its keywords, each of its inputs given (or defaulted), and no ``None``
+        where the example inputs had a tensor (the graph guards it)."""
+        from .runtime.guards import check_input_shape
+
+        names = [p.target for p in placeholders]
+        if len(args) > len(names) or not set(kwargs) <= set(names[len(args):]):
+            return False
+        for k, p in enumerate(placeholders):
+            if k >= len(args) and p.target not in kwargs and not p.args:
+                return False
+            value = args[k] if k < len(args) else kwargs.get(p.target)
+            if value is None and any(u.target is check_input_shape for u in p.users):
+                return False
+        return True
+
+    def _reexport_inputs(self, args: tuple, kwargs: dict) -> tuple[list[Any], list[bool]] | None:
+        """A call the exported graph does not take (``fused(input_ids, labels=labels)`` for
+        models exported from ``example_inputs=(input_ids, attention_mask)``; an input
+        ``None`` that was a tensor): the models are exported again with this call's own
+        inputs as the example (once per mode and pattern of given / ``None`` inputs),
+        and the call's inputs bound to forward's parameters in order, up to the last one
+        given.  None where forward takes ``*args`` / ``**kwargs`` (the call is refused
+        as before)."""
+        signature = inspect.signature(type(self._template).forward)
+        parameters = list(signature.parameters.values())[1:]
+        if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+            return None
+        try:
+            bound = signature.bind(None, *args, **kwargs)
+        except TypeError as exc:
+            raise FusionArgumentError(f"{self.source_type}.forward: {exc} (call the fused "
+                                      f"module as you would call one model)") from None
+        parameters = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY,
+                                                          p.POSITIONAL_OR_KEYWORD)]
+        named = {p.name for p in parameters}
+        others = sorted(set(kwargs) - named)
+        if others:  # keyword-only, or taken by **kwargs: not an input export can be given
+            raise FusionArgumentError(
+                f"{self.source_type}.forward: got keyword input(s) {others}, which are not "
+                f"among its named inputs ({', '.join(p.name for p in parameters)}); the "
+                f"fused module takes those, by position or by keyword")
+        given = set(bound.arguments) & named
+        bound.apply_defaults()
+        last = max(k for k, p in enumerate(parameters) if p.name in given)
+        names = [p.name for p in parameters[:last + 1]]
+        values = [bound.arguments[name] for name in names]
+        merged, batched = self._merge_inputs(values, [n in given for n in names], names)
+        key = tuple((name, "tensor" if isinstance(v, torch.Tensor) else repr(v))
+                    for name, v in zip(names, values))
+        found = self.__dict__.get("_reexported_graphs", {}).get((self.training, key))
+        refused = None if found is None else _guard_failure(found.graph, merged, batched)
+        if refused is not None:
+            key += (("shapes", _shapes(merged, batched)),)
+        self._use_export(key, merged, batched, refused)
+        return merged, batched
+
+    def _use_export(self, key: tuple, merged: Sequence[Any], batched: Sequence[bool],
+                    refused: FusionArgumentError | None = None) -> None:
+        """This call runs the graphs exported for ``key`` (exported now if not yet).
+        ``refused``: the guard that sent the call here (a size export fixed), raised as it
+        is when the models cannot be exported with these inputs either (a size their code
+        fixes): that message says what the models take."""
+        self.__dict__["_call_graph_key"] = key
+        graphs = self.__dict__.setdefault("_reexported_graphs", {})
+        if (self.training, key) not in graphs:
+            try:
+                graphs[(self.training, key)] = self._export_again(merged, batched)
+            except TraceError:
+                if refused is None:
+                    raise
+                raise refused from None
+
+    def _export_again(self, merged: Sequence[Any], batched: Sequence[bool]) -> _ModeGraphs:
+        """The models (as ``unfuse()`` gives them) exported in the current mode with a
+        call's inputs as the example, matched and their constants stacked as at fusing."""
+        from .frontends.export import export_models
+
+        models = self.unfuse()
+        graphs = export_models(
+            models, lambda i: tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched)),
+            modes=(self.training,), aten_spellings=aten_spellings())[self.training]
+        match = match_graphs(graphs, models, soft=per_model_table())
+        attr_targets = self._stack_constants(graphs, match)
+        device = next((t.device for t in self.parameters()), None)
+        for name in attr_targets.values():
+            if device is not None:
+                self._buffers[name] = self.get_buffer(name).to(device)
+        for g in graphs:
+            g.graph.owning_module = None
+        originals = [{n0.name: ni.name for n0, ni in m.items()} for m in match.mapping]
+        return _ModeGraphs(graphs[0].graph, originals, match.method, attr_targets)
 
     @staticmethod
     def _signature(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
@@ -723,6 +870,32 @@ class FusedModule(ContainerAccess, nn.Module):
             self._explain_input_mismatch(values, batched, exc)
             raise
 
+    def with_in_dims(self, in_dims: InDims) -> InDimsCall:
+        """The fused module with ``in_dims`` for the calls made through the result, as
+        ``torch.func.vmap(model, in_dims)(x)`` reads: ``fused(real)`` shares real images
+        among the models, ``fused.with_in_dims(0)(fake)`` gives model i its ``fake[i]``
+        (a GAN discriminator on a fused generator's fakes; an RNN's carried hidden state:
+        ``fused.with_in_dims((0, 0))(x, hidden)``).  Its methods take the same in_dims
+        (``fused.with_in_dims(0).decode(z)``).  ``in_dims`` is checked as ``hftc.fuse``'s,
+        and the module's own stays as it was."""
+        return InDimsCall(self, _check_in_dims(in_dims))
+
+    @contextlib.contextmanager
+    def _in_dims_set(self, in_dims: InDims) -> Iterator[None]:
+        before, per_call = self.in_dims, self.__dict__.get("_in_dims_per_call", False)
+        self.in_dims, self.__dict__["_in_dims_per_call"] = in_dims, True
+        try:
+            yield
+        finally:
+            self.in_dims, self.__dict__["_in_dims_per_call"] = before, per_call
+
+    def _method_in_dims(self) -> InDims:
+        """A method's in_dims: the call's (``with_in_dims``), else the module's where it
+        is an int or None; a tuple names forward's inputs, so a method shares its inputs."""
+        if self.__dict__.get("_in_dims_per_call") or not isinstance(self.in_dims, tuple):
+            return self.in_dims
+        return None
+
     @run_eagerly
     def _program_and_way(self, values: Sequence[Any], batched: Sequence[bool],
                          ) -> tuple[Program, ProgramChoice | None]:
@@ -739,6 +912,9 @@ class FusedModule(ContainerAccess, nn.Module):
     @run_eagerly
     def _program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
         key = (self.training, self._signature(values, batched))
+        exported_again = self.__dict__.get("_call_graph_key")
+        if exported_again is not None:  # (the export front-end's graphs for this call)
+            key += (exported_again,)
         program = self._programs.get(key)
         if program is None:
             program = self._compile_program(values, batched)
@@ -756,6 +932,9 @@ class FusedModule(ContainerAccess, nn.Module):
         or gives a traced constant another value (``fused(x, has_mask=False)``) gets
         graphs traced again (once per mode, set of ``None`` inputs and constants) from the
         models' meta copies, with those inputs ``None`` or those values."""
+        exported_again = self.__dict__.get("_call_graph_key")
+        if exported_again is not None:  # (export front-end: this call's own export)
+            return self.__dict__["_reexported_graphs"][(self.training, exported_again)]
         default = self._mode_graphs[self.training]
         placeholders = [n.target for n in default.graph.nodes if n.op == "placeholder"]
         bound = dict(zip(placeholders, values))
@@ -951,7 +1130,7 @@ class FusedModule(ContainerAccess, nn.Module):
         graph = self._mode_graphs[self.training].graph
         trial = fx.Graph()
         trial.output(trial.graph_copy(graph, {}))
-        per_model = [v[0] if b or k in stacked else v
+        per_model = [model_slice(v, 0) if b or k in stacked else v
                      for k, (v, b) in enumerate(zip(values, batched))]
         try:
             annotate_example_values(trial, self._template, per_model, {}, self._model_tensors)
@@ -997,6 +1176,106 @@ class FusedModule(ContainerAccess, nn.Module):
             return super().compile(**kwargs)
         values, batched = self._inputs(args, kwargs)
         return self._program(values, batched)
+
+    # ------------------------------------------------------------------ other methods
+
+    def __getattr__(self, name: str) -> Any:
+        """nn.Module's (parameters, buffers, submodules), then the models' own methods
+        (``fused.decode(z)``, ``fused.init_hidden(b)``, nanoGPT's ``generate``): see
+        :meth:`_call_method`."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            template = self.__dict__.get("_template")
+            cls = type(template)
+            function = getattr(cls, name, None) if template is not None else None
+            if (not callable(function) or name.startswith("__") or isinstance(function, type)
+                    or getattr(nn.Module, name, None) is function):
+                raise
+            if isinstance(inspect.getattr_static(cls, name), (staticmethod, classmethod)):
+                return function  # no model's state: as the class gives it
+            return functools.partial(self._call_method, name)
+
+    def _call_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """The models' method ``name`` on the fused module, N results stacked as forward's.
+
+        Fused where it traces: the method is traced as the forward of each model (a
+        subclass of the model's class whose forward is that method), fused as forward is
+        (in_dims, the first-call check, the strategy), and run on this module's own
+        parameters and buffers.  Where it does not trace (Python on values: nanoGPT's
+        ``generate`` loops on sizes and samples), the N models run it one by one on views
+        of the stacked tensors (gradients reach them)."""
+        methods = self.__dict__.setdefault("_method_modules", {})
+        if name not in methods:
+            methods[name] = self._fuse_method(name)
+        fused_method = methods[name]
+        if isinstance(fused_method, FusedModule):
+            self._share_tensors(fused_method)
+            with fused_method._in_dims_set(self._method_in_dims()):
+                return fused_method(*args, **kwargs)
+        with self._in_dims_set(self._method_in_dims()):
+            return self._method_one_by_one(name, args, kwargs)
+
+    def _fuse_method(self, name: str) -> FusedModule | None:
+        """A fused module whose forward is the models' method ``name`` (None: it does not
+        trace, or its graphs differ per model)."""
+        models = self.unfuse()
+        for model in models:
+            model.__class__ = _method_as_forward(type(model), name)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FusionWarning)
+                return FusedModule(models, in_dims=self._method_in_dims(), frontend="symbolic",
+                                   autotune=self.autotune, check=self.check,
+                                   strategy=self.strategy)
+        except (TraceError, UnsupportedOperatorError, MismatchError):
+            return None
+
+    def _share_tensors(self, other: FusedModule) -> None:
+        """Give ``other`` (of the same module tree) this module's parameters and buffers,
+        the very tensors (gradients and in-place updates reach them), and its modes; again
+        on each call, as ``.to()`` and ``load_state_dict(assign=True)`` replace them."""
+        for name, t in self.named_parameters(remove_duplicate=False):
+            owner, _, leaf = name.rpartition(".")
+            other.get_submodule(owner)._parameters[leaf] = t
+        for name, t in self.named_buffers(remove_duplicate=False):
+            owner, _, leaf = name.rpartition(".")
+            if not leaf.startswith("_hftc_constant_"):
+                other.get_submodule(owner)._buffers[leaf] = t
+        modules = dict(self.named_modules(remove_duplicate=False))
+        for path, sub in other.named_modules(remove_duplicate=False):
+            if path in modules:
+                sub.training = modules[path].training
+        device = next((t.device for t in self.parameters()), None)
+        for name, t in list(other.named_buffers()):
+            if name.rpartition(".")[2].startswith("_hftc_constant_") and device is not None \
+                    and t.device != device:
+                owner, _, leaf = name.rpartition(".")
+                other.get_submodule(owner)._buffers[leaf] = t.to(device)
+
+    def _method_one_by_one(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """Method ``name`` of each model in turn (views of the stacked tensors), its inputs
+        split by ``in_dims`` as forward's; the N results stacked."""
+        signature = inspect.signature(getattr(type(self._template), name))
+        try:
+            bound = signature.bind(None, *args, **kwargs)
+        except TypeError as exc:
+            raise FusionArgumentError(f"{self.source_type}.{name}: {exc}") from None
+        given = set(bound.arguments)
+        bound.apply_defaults()
+        parameters = list(signature.parameters.values())[1:]
+        names = [p.name for p in parameters
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        values = list(bound.args[1:])
+        if any(p.kind == p.VAR_POSITIONAL for p in parameters):
+            names += [f"*{k}" for k in range(len(values) - len(names))]
+        merged, batched = self._merge_inputs(
+            values, [n in given or n.startswith("*") for n in names[:len(values)]],
+            names[:len(values)])
+        loop = self.__dict__.get("_method_loop")
+        if loop is None:
+            loop = self.__dict__["_method_loop"] = ModelLoop(self)
+        return loop(self, merged, batched, method=name, kwargs=bound.kwargs)
 
     # ------------------------------------------------------------------ inspection
 
@@ -1153,6 +1432,9 @@ class FusedModule(ContainerAccess, nn.Module):
         # module: a copy that kept it ran the original's weights and sent it the gradients.
         state = dict(super().__getstate__())
         state["_programs"] = {}  # generated code is recompiled on the next call
+        # The models' other methods are fused again on their next call.
+        state.pop("_method_modules", None)
+        state.pop("_method_loop", None)
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedModule:
@@ -1172,6 +1454,68 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_models={self.num_models}"
+
+
+def _guard_failure(graph: fx.Graph, values: Sequence[Any],
+                   batched: Sequence[bool]) -> FusionArgumentError | None:
+    """The error of the first input guard of an exported graph that the inputs fail (a
+    size export fixed), or None."""
+    from .runtime.guards import check_input_shape
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, value, b in zip(placeholders, values, batched):
+        for user in node.users:
+            if user.target is check_input_shape and isinstance(value, torch.Tensor):
+                try:
+                    check_input_shape(model_slice(value, 0) if b else value, *user.args[1:])
+                except FusionArgumentError as exc:
+                    return exc
+    return None
+
+
+def _shapes(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
+    """Each tensor input's per-model shape (what a graph exported from them may fix)."""
+    return tuple(tuple(v.shape[int(b):]) if isinstance(v, torch.Tensor) else None
+                 for v, b in zip(values, batched))
+
+
+_METHOD_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _method_as_forward(cls: type, name: str) -> type:
+    """``cls`` with ``forward`` = ``cls.<name>``: what tracing takes for the method."""
+    key = (cls, name)
+    if key not in _METHOD_CLASSES:
+        _METHOD_CLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": getattr(cls, name), "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__})
+    return _METHOD_CLASSES[key]
+
+
+class InDimsCall:
+    """``fused.with_in_dims(in_dims)``: calls of the fused module (and of its methods)
+    with ``in_dims`` in place of the one it was fused with."""
+
+    def __init__(self, fused: FusedModule, in_dims: InDims) -> None:
+        self.fused, self.in_dims = fused, in_dims
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.fused._in_dims_set(self.in_dims):
+            return self.fused(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.fused, name)
+        if not callable(method):
+            raise AttributeError(f"fused.with_in_dims(...).{name}: `{name}` is not a method "
+                                 f"of the fused module; read it on the module itself")
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.fused._in_dims_set(self.in_dims):
+                return method(*args, **kwargs)
+        return call
+
+    def __repr__(self) -> str:
+        return f"{type(self.fused).__name__}.with_in_dims({self.in_dims!r})"
 
 
 def fuse(

@@ -369,7 +369,7 @@ def test_in_dims_of_another_type_is_refused_when_fusing(in_dims):
     # 'int' and 'str'".
     with pytest.raises(FusionArgumentError, match=r"in_dims must be None \(every input shared "
                                                   r"by the models\), an int .* or a tuple with "
-                                                  r"one int or None per input of forward .*; "
+                                                  r"one entry per input of forward .*; "
                                                   rf"got {re.escape(repr(in_dims))}"):
         hftc.fuse([TwoLayer() for _ in range(2)], in_dims=in_dims)
 
@@ -547,14 +547,17 @@ class _WordLSTM(nn.Module):
         return self.decoder(output), h, c
 
 
-def test_a_carried_lstm_state_tuple_with_in_dims_says_to_pass_its_tensors_apart():
+def test_a_carried_lstm_state_tuple_with_in_dims_stacks_its_tensors():
     torch.manual_seed(0)
     x = torch.randint(0, 10, (5, 2))
-    state = torch.zeros(3, 1, 2, 8), torch.zeros(3, 1, 2, 8)
-    with pytest.raises(FusionArgumentError, match=r"input `h` \(input 1\) has in_dims=0 but is "
-                       r"a tuple.*not the tensors inside a container.*in_dims=\(None, 0, 0\)"):
-        hftc.fuse([_WordLSTM(True) for _ in range(3)], in_dims=(None, 0))(x, state)
-    # The advice works: the state's tensors as inputs of their own, each model its slice.
+    # A tuple's in_dims entry stacks every tensor in it (vmap's pytree prefix; it was
+    # refused with "in_dims stacks tensor inputs only").
+    models = [_WordLSTM(True) for _ in range(3)]
+    h, c = torch.randn(3, 1, 2, 8), torch.randn(3, 1, 2, 8)
+    out, h2, c2 = hftc.fuse(models, in_dims=(None, 0))(x, (h, c))
+    for i, m in enumerate(models):
+        torch.testing.assert_close((out[i], h2[i], c2[i]), m(x, (h[i], c[i])))
+    # The state's tensors as inputs of their own, each model its slice.
     models = [_WordLSTM(False) for _ in range(3)]
     fused = hftc.fuse(models, in_dims=(None, 0, 0))
     h, c = torch.randn(3, 1, 2, 8), torch.randn(3, 1, 2, 8)

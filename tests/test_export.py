@@ -121,11 +121,18 @@ def test_guards_on_what_export_baked_in():
         fused(torch.randn(101, 6, 4), 2.0)  # the model's own `if` bounds the batch
 
 
-def test_batch_of_one_is_specialised_and_says_so():
+def test_batch_of_one_is_specialised_and_exported_again():
+    # Export fixes a size of 1: a call with another batch size was refused ("batch size
+    # of at least 2"); the models are now exported again from that call's inputs.
     models = [FixedLength() for _ in range(N)]
     fused = hftc.fuse(models, example_inputs=(torch.randn(1, 6, 4),))
-    with pytest.raises(FusionArgumentError, match="batch size of at least 2"):
-        fused(torch.randn(4, 6, 4))
+    x = torch.randn(4, 6, 4)
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+    # A size the model's code fixes is still refused, with the guard's message.
+    with pytest.raises(FusionArgumentError, match=r"input `x` has shape \[4, 7, 4\]"):
+        fused(torch.randn(4, 7, 4))
 
 
 def test_export_error_names_the_model():

@@ -112,3 +112,50 @@ def test_a_model_output_from_a_symbolically_traced_model_keeps_its_class():
         torch.testing.assert_close(out.logits[i], want.logits)
         torch.testing.assert_close(out.loss[i], want.loss)
     check_equivalence(models, (x, labels), steps=2)
+
+
+def test_a_call_with_other_keyword_inputs_exports_again():
+    """Fused from example_inputs=(input_ids, attention_mask), the module refused
+    fused(input_ids=ids, labels=labels) ("unexpected keyword inputs ['labels']") and
+    fused(ids, None) (a tensor in example_inputs, None now): such a call now exports the
+    models again with its own inputs as the example (once per pattern of inputs), and
+    gives each model's logits, loss and gradients as the model alone, float64."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=3)
+    models = [transformers.BertForSequenceClassification(config).double() for _ in range(N)]
+    ids, mask = _batch()
+    fused = hftc.fuse(models, example_inputs=(ids, mask))
+    labels = torch.tensor([0, 2, 1])
+    ids2, _ = _batch(batch=4, length=6)
+    for call, ref_call in (
+            (lambda: fused(input_ids=ids, labels=labels),
+             lambda m: m(input_ids=ids, labels=labels)),
+            (lambda: fused(ids2, None), lambda m: m(ids2, None)),
+            (lambda: fused(ids, labels=labels, attention_mask=mask),
+             lambda m: m(ids, labels=labels, attention_mask=mask))):
+        fused.zero_grad()
+        out = call()
+        (out.logits.pow(2).sum() + (out.loss.sum() if out.loss is not None else 0)).backward()
+        for i, m in enumerate(models):
+            m.zero_grad()
+            ref = ref_call(m)
+            torch.testing.assert_close(out.logits[i], ref.logits, rtol=1e-9, atol=1e-12)
+            if ref.loss is not None:
+                torch.testing.assert_close(out.loss[i], ref.loss, rtol=1e-9, atol=1e-12)
+            (ref.logits.pow(2).sum() + (ref.loss if ref.loss is not None else 0)).backward()
+            for name, p in m.named_parameters():
+                if p.grad is not None:
+                    torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad,
+                                               rtol=1e-9, atol=1e-12, msg=name)
+    exported = fused.__dict__["_reexported_graphs"]
+    assert len(exported) == 3
+    fused(input_ids=ids2, labels=labels.repeat(2)[:4])  # the same pattern: no new export
+    assert len(exported) == 3
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"BertForSequenceClassification.forward: got keyword "
+                             r"input\(s\) \['label'\], which are not among its named inputs "
+                             r"\(input_ids, attention_mask, .*labels"):
+        fused(input_ids=ids, label=labels)

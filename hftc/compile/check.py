@@ -201,8 +201,10 @@ def preserved_state(module: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
+            # Through .data: a running statistic an earlier call's batch norm saved for
+            # backward keeps its version (ATen's own update does not bump it either).
             for buffer, value in saved:
-                buffer.copy_(value)
+                buffer.data.copy_(value)
         torch.random.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
@@ -484,7 +486,7 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
             # A copy of model i with the weights and buffers the program read, one at a
             # time (two copies of a large model could be what does not fit).
             shell = fused.unfuse_model(i)
-            args = [v[i] if b else v for v, b in zip(input_copies(values), batched)]
+            args = [model_slice(v, i) if b else v for v, b in zip(input_copies(values), batched)]
             try:
                 drawn = _rng_states()
                 with ConstantRandomness() as model_mode:
@@ -601,7 +603,8 @@ def _locate(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
         if path:
             module.register_forward_hook(
                 lambda _m, _i, out, path=path: seen.setdefault(path, []).append(out))
-    args = [v[index] if b else v for v, b in zip(input_copies(values), batched)]
+    args = [model_slice(v, index) if b else v
+            for v, b in zip(input_copies(values), batched)]
     with _rng_kept(), preserved_state(fused), torch.no_grad():
         with ConstantRandomness(), ir.modes_restored_on_error():
             Recorder(program).run(*input_copies(values))

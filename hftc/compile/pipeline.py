@@ -43,6 +43,7 @@ import torch.fx as fx
 from ..errors import FusionError, TraceError
 from ..frontends.symbolic import OutputSpec, annotate_example_values, output_spec
 from ..passes import FusionReport, fuse_graph
+from ..runtime.layout import model_slice
 from ..runtime.memory import keep_freed_memory_for_tuning
 from ..runtime.model_loop import ModelLoop
 from . import layout
@@ -125,7 +126,7 @@ def propagate_shapes(state: ProgramState, options: CompileOptions) -> None:
     """Model 0's example values (shapes, dtypes) in ``node.meta`` of its graph."""
     fused, values, batched = state.fused, state.values, state.batched
     fused._sync_template()
-    per_model = [v[0] if b else v for v, b in zip(values, batched)]
+    per_model = [model_slice(v, 0) if b else v for v, b in zip(values, batched)]
     try:
         annotate_example_values(state.mode_graphs.graph, fused._template, per_model, {},
                                 fused._model_tensors)

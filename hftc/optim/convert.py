@@ -249,9 +249,10 @@ def unfuse_optimizers(fused: torch.nn.Module, optimizer: FusedOptimizer,
 
     ``models`` default to ``fused.unfuse()``; each must have the fused module's parameter
     names.  The flags travel too (``fused=True`` gives stock optimizers built with
-    ``fused=True``; ``foreach`` is copied per model).  An optimizer with param-group
-    dicts (per-parameter hyper-parameters) is not split: stock equivalents would need
-    several groups.
+    ``fused=True``; ``foreach`` is copied per model).  An optimizer built with
+    param-group dicts (nanoGPT's ``[{"params": matrices, "weight_decay": 0.1},
+    {"params": biases, "weight_decay": 0.0}]``) gives stock optimizers with the same
+    groups, each with model i's values.
     """
     from .slicing import fused_param_names, load_model_slice
 
@@ -261,9 +262,6 @@ def unfuse_optimizers(fused: torch.nn.Module, optimizer: FusedOptimizer,
         raise TypeError(f"unfuse_optimizers takes an hftc.optim optimizer "
                         f"({', '.join(c.__name__ for c in _FUSED_CLASS.values())}), "
                         f"got {type(optimizer).__name__}")
-    if len(getattr(optimizer, "_group_overrides", [{}])) > 1:
-        raise ValueError("unfuse_optimizers: the fused optimizer has param-group dicts "
-                         "(per-parameter hyper-parameters); they are not split back")
     models = list(fused.unfuse() if models is None else models)
     if len(models) != optimizer.num_models:
         raise ValueError(f"unfuse_optimizers: {len(models)} models for a fused optimizer "
@@ -272,5 +270,17 @@ def unfuse_optimizers(fused: torch.nn.Module, optimizer: FusedOptimizer,
     # fused=True: stock optimizers built fused (their kernels, AMP handling); the other
     # flags and hyper-parameters come with each model's group.
     flags = {"fused": True} if optimizer.param_groups[0].get("fused") else {}
-    return [load_model_slice(state, names, i, stock_class(model.parameters(), **flags), model)
+    group_of = list(getattr(optimizer, "_group_of", None) or [0] * len(names))
+    n_groups = len(getattr(optimizer, "_group_overrides", [{}]))
+
+    def stock_params(model: torch.nn.Module) -> Any:
+        """The model's parameters as the fused optimizer groups them (one group, or
+        its param-group dicts' groups); load_model_slice sets each group's values."""
+        if n_groups == 1:
+            return model.parameters()
+        by_name = dict(model.named_parameters())
+        return [{"params": [by_name[name] for name, k in zip(names, group_of) if k == g]}
+                for g in range(n_groups)]
+
+    return [load_model_slice(state, names, i, stock_class(stock_params(model), **flags), model)
             for i, model in enumerate(models)]

@@ -69,7 +69,9 @@ def load_model_slice(
         param_names: :func:`fused_param_names` of that optimizer.
         index: which model of the fused array.
         optimizer: a stock optimizer of the matching class with one param group over
-            ``model``'s parameters (e.g. ``torch.optim.Adam(model.parameters())``).
+            ``model``'s parameters (e.g. ``torch.optim.Adam(model.parameters())``), or,
+            for a fused optimizer built with param-group dicts, one group per fused
+            group over the same parameters, in its order.
         model: model ``index`` as a plain module (``fused.unfuse()[index]``), whose
             parameter names are the fused ones.
 
@@ -81,24 +83,30 @@ def load_model_slice(
     n = len(groups)
     if not 0 <= index < n:
         raise IndexError(f"model index {index} out of range for a fused optimizer of {n} models")
-    if len(optimizer.param_groups) != 1:
-        raise ValueError(f"the stock optimizer has {len(optimizer.param_groups)} param groups; "
-                         f"give it one group over the model's parameters")
+    # Param-group dicts (nanoGPT's decay / no-decay groups): stock group k takes model
+    # ``index``'s values, then fused group k's own overrides (its ``weight_decay`` ...).
+    overrides = (fused_state.get("hftc") or {}).get("group_overrides") or [{}]
+    if len(optimizer.param_groups) not in (1, len(overrides)):
+        raise ValueError(f"the stock optimizer has {len(optimizer.param_groups)} param groups "
+                         f"and the fused one {len(overrides)}; give it one group per param "
+                         f"group of the fused optimizer, in its order")
     group = groups[index]
-    stock_group = optimizer.param_groups[0]
-    for key in stock_group:
-        if key not in ("params", "param_names") and key in group:
-            stock_group[key] = group[key]
-    for key in group:  # what schedulers add (initial_lr, ...) travels too
-        if key not in stock_group and key not in ("params", "param_names"):
-            stock_group[key] = group[key]
+    for k, stock_group in enumerate(optimizer.param_groups):
+        for key in stock_group:
+            if key not in ("params", "param_names") and key in group:
+                stock_group[key] = group[key]
+        for key in group:  # what schedulers add (initial_lr, ...) travels too
+            if key not in stock_group and key not in ("params", "param_names"):
+                stock_group[key] = group[key]
+        if len(optimizer.param_groups) > 1:
+            stock_group.update({key: values[index] for key, values in overrides[k].items()})
 
     by_name = dict(model.named_parameters())
     order = groups[0]["params"]
     if len(order) != len(param_names):
         raise ValueError(f"param_names has {len(param_names)} names for {len(order)} fused "
                          f"parameters")
-    stock_params = {id(p) for p in stock_group["params"]}
+    stock_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for pid, name in zip(order, param_names):
         p = by_name.get(name)
         if p is None or id(p) not in stock_params:

@@ -104,6 +104,14 @@ def expand_models(x: Any, n: int) -> Any:
     )
 
 
+def model_slice(x: Any, index: int) -> Any:
+    """Model ``index``'s part of a value stacked per model: ``x[index]``, taken of every
+    tensor leaf of a container (a stacked LSTM state ``(h, c)``, ``in_dims`` of a tuple)."""
+    if isinstance(x, Tensor):
+        return x[index]
+    return pytree.tree_map(lambda t: t[index] if isinstance(t, Tensor) else t, x)
+
+
 def pad_model_dims(x: Tensor, per_model_ndim: int) -> Tensor:
     """``[N, *s] -> [N, 1, ..., 1, *s]`` with ``per_model_ndim`` dims after the model dim.
 

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError
+from .layout import model_slice
 
 
 class ModelLoop:
@@ -105,7 +106,9 @@ class ModelLoop:
             slots.append((registry, leaf, fused_name[id(t)], placeholders[id(t)]))
         return slots
 
-    def __call__(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool]) -> Any:
+    def __call__(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool],
+                 method: str | None = None, kwargs: dict[str, Any] | None = None) -> Any:
+        """The N models' forward (or their ``method``, with ``kwargs`` shared), stacked."""
         tensors = dict(fused.named_parameters())
         tensors.update(fused.named_buffers())
         names = self.param_names + self.buffer_names
@@ -121,11 +124,12 @@ class ModelLoop:
             for sub, mode in zip(self.modules[i], modes):
                 if sub.training is not mode:  # nn.Module.__setattr__ is slow: write on change
                     sub.training = mode
-            args = tuple(v[i] if b else v for v, b in zip(values, batched))
+            args = tuple(model_slice(v, i) if b else v for v, b in zip(values, batched))
             for registry, key, name, _ in slots:
                 registry[key] = slices[name][i]
             try:
-                outs.append(shell(*args))
+                outs.append(shell(*args) if method is None
+                            else getattr(shell, method)(*args, **(kwargs or {})))
             except RuntimeError as exc:
                 if "returns multiple views" not in str(exc):
                     raise
