@@ -153,8 +153,9 @@ def _same_metadata(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit (``0.0`` and ``-0.0`` differ, a NaN equals itself)."""
-    if a.layout != torch.strided or a.is_quantized:
+    """Equal bit for bit (``0.0`` and ``-0.0`` differ, a NaN equals itself); a tensor
+    without values (on the meta device) is never proven equal."""
+    if a.layout != torch.strided or a.is_quantized or a.is_meta or b.is_meta:
         return False
     def as_bytes(t: torch.Tensor) -> torch.Tensor:
         return t.detach().reshape(-1).contiguous().view(torch.uint8)
