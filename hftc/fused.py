@@ -811,15 +811,12 @@ class FusedModule(ContainerAccess, nn.Module):
                     raise
                 raise refused from None
 
-    def _export_again(self, merged: Sequence[Any], batched: Sequence[bool]) -> _ModeGraphs:
-        """The models (as ``unfuse()`` gives them) exported in the current mode with a
-        call's inputs as the example, matched and their constants stacked as at fusing."""
-        from .frontends.export import export_models
 
-        models = self.unfuse()
-        graphs = export_models(
-            models, lambda i: tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched)),
-            modes=(self.training,), aten_spellings=aten_spellings())[self.training]
+    def _matched_mode_graphs(self, graphs: list, models: Sequence[nn.Module],
+                             constants: dict[str, Any] | None = None) -> _ModeGraphs:
+        """One mode's graphs of the models, traced or exported again after fusing, matched
+        and their constants stacked; constants made now go where the module went
+        (``.to("cuda")``) since fusing."""
         match = match_graphs(graphs, models, soft=per_model_table())
         attr_targets = self._stack_constants(graphs, match)
         device = next((t.device for t in self.parameters()), None)
@@ -829,7 +826,18 @@ class FusedModule(ContainerAccess, nn.Module):
         for g in graphs:
             g.graph.owning_module = None
         originals = [{n0.name: ni.name for n0, ni in m.items()} for m in match.mapping]
-        return _ModeGraphs(graphs[0].graph, originals, match.method, attr_targets)
+        return _ModeGraphs(graphs[0].graph, originals, match.method, attr_targets,
+                           constants or {})
+    def _export_again(self, merged: Sequence[Any], batched: Sequence[bool]) -> _ModeGraphs:
+        """The models (as ``unfuse()`` gives them) exported in the current mode with a
+        call's inputs as the example, matched and their constants stacked as at fusing."""
+        from .frontends.export import export_models
+
+        models = self.unfuse()
+        graphs = export_models(
+            models, lambda i: tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched)),
+            modes=(self.training,), aten_spellings=aten_spellings())[self.training]
+        return self._matched_mode_graphs(graphs, models)
 
     @staticmethod
     def _signature(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
@@ -960,18 +968,7 @@ class FusedModule(ContainerAccess, nn.Module):
             graphs = [trace_model(m, i, training=self.training, none_inputs=sorted(nones),
                                   constants=constants)
                       for i, m in enumerate(models)]
-            match = match_graphs(graphs, models, soft=per_model_table())
-            attr_targets = self._stack_constants(graphs, match)
-            # Constants made now go where the module went (.to("cuda")) since fusing.
-            device = next((t.device for t in self.parameters()), None)
-            for name in attr_targets.values():
-                if device is not None:
-                    self._buffers[name] = self.get_buffer(name).to(device)
-            for g in graphs:
-                g.graph.owning_module = None
-            originals = [{n0.name: ni.name for n0, ni in m.items()} for m in match.mapping]
-            self._retraced_graphs[key] = _ModeGraphs(graphs[0].graph, originals, match.method,
-                                                     attr_targets, constants)
+            self._retraced_graphs[key] = self._matched_mode_graphs(graphs, models, constants)
         return self._retraced_graphs[key]
 
     def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:

@@ -36,18 +36,9 @@ from torch import nn
 import hftc
 
 from ..errors import SweepError
+from .engine import _finite_models
 
 __all__ = ["TrialArray", "optimize"]
-
-
-def _finite_models(fused: nn.Module) -> list[bool]:
-    """Per model: are all its weights finite?"""
-    n = fused.num_models
-    finite = torch.ones(n, dtype=torch.bool)
-    with torch.no_grad():
-        for p in fused.parameters():
-            finite &= torch.isfinite(p.reshape(n, -1)).all(dim=1).cpu()
-    return finite.tolist()
 
 
 def _as_values(values: Any, n: int, what: str) -> list[float]:
