@@ -363,6 +363,12 @@ CASES += [
         conv=nn.Conv2d(3, 3, 1), pool=nn.MaxPool2d(2), up=nn.Upsample(scale_factor=2),
         pad=nn.ReflectionPad2d(1), zero_pad=nn.ZeroPad2d(1), drop=nn.Dropout2d(0.0)),
         (2, 3, 4, 4)),
+    Case("samplewise_spellings", lambda: Lambda(  # modules, F.* by keyword (IndexErrors)
+        lambda s, x: (s.unfold(input=s.shuffle(input=s.lrn(input=s.conv(x)))),
+                      F.local_response_norm(input=x, size=2), F.channel_shuffle(input=x, groups=1),
+                      F.unfold(input=x, kernel_size=2)),
+        conv=nn.Conv2d(3, 4, 1), lrn=nn.LocalResponseNorm(2), shuffle=nn.ChannelShuffle(2),
+        unfold=nn.Unfold(2)), (2, 3, 4, 4)),
     Case("cosine_similarity", lambda: Lambda(lambda s, x: s.cos(x, s.w) * F.cosine_similarity(
         x, s.w[:, None], dim=1), cos=nn.CosineSimilarity(dim=-1), w=torch.randn(4)), (2, 4, 4)),
     # torchvision's fx-wrapped leaves (hftc.bench's stand-ins; tests/test_torchvision_ops.py

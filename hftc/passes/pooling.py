@@ -143,13 +143,15 @@ _SAMPLEWISE = [("call_module", nn.LocalResponseNorm), ("call_module", nn.Channel
 def fuse_samplewise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if group.per_model:
         raise NotFusable("per-model hyper-parameters of this op")
+    x = builder.broadcast(group.arg(0, "input"))  # given by position or as input=
+    rest = {k: v for k, v in group.kwargs.items() if k != "input"}
     if group.node.op == "call_module":
         kernel, fn = rt_spatial.samplewise, builder.attr(group.node.target, batched=False)
-        args: tuple = (fn, builder.broadcast(group.args[0]))
+        args: tuple = (fn, x)
     else:
         kernel = ir.bind(rt_spatial.samplewise, group.node.target)
-        args = (builder.broadcast(group.args[0]),)
-    return builder.call(kernel, *args, *group.args[1:], **group.kwargs)
+        args = (x,)
+    return builder.call(kernel, *args, *group.args[1:], **rest)
 
 
 def fuse_grid_sample(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
