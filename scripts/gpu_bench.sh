@@ -70,8 +70,9 @@ case $part in
   tests)
     tests=(tests/test_cuda.py tests/test_optim.py::test_cuda_matches_stock
            tests/test_bench.py::test_gpu_suite_end_to_end)
-    # The whole-step graph's CUDA cases, where the step helper's tests exist.
-    for f in tests/test_step*.py; do [[ -e $f ]] && tests+=("$f"); done
+    # The whole-step graph, the capturable optimizers and the sync-free GradScaler.
+    for f in tests/test_step.py tests/test_cuda_step.py tests/test_optim_capturable.py \
+             tests/test_utils_amp.py; do [[ -e $f ]] && tests+=("$f"); done
     timeout -k 10 "$(left)" "$python" -m pytest -q -p no:cacheprovider -n 16 "${tests[@]}" -rfE \
       > "$out/tests.log" 2>&1
     echo "exit $?"
