@@ -20,20 +20,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hftc
 import hftc.sweep
+from hftc.sweep import digits
 
 EPOCHS = 6
 
 
 def load_digits_split():
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    x, y = x[perm], y[perm]
-    split = int(0.8 * len(y))
-    return TensorDataset(x[:split], y[:split]), (x[split:], y[split:])
+    """scikit-learn's digits, the sweep demo's fixed 80/20 split (hftc.sweep.digits.data)."""
+    (x, y), val = digits.data()
+    return TensorDataset(x, y), val
 
 
 class Net(nn.Module):
