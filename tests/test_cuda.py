@@ -187,3 +187,21 @@ def test_checkpointing_on_cuda_redraws_the_forwards_dropout_masks_in_less_memory
         assert torch.equal(grads[k], grads_ckpt[k]), k
     assert not torch.equal(out, _peak_step(plain, x, seed=6)[0])  # dropout drops
     assert ckpt_peak < 0.7 * plain_peak, (ckpt_peak, plain_peak)
+
+
+def test_refreshed_optimizer_coefficients_do_not_write_into_shared_values():
+    # values_on's GPU tensors are shared by every caller with the same values; a capturable
+    # optimizer's refresh_hyperparameters() writes into its coefficient tensors in place,
+    # so those must be its own: else a later lookup of the old values reads the new ones.
+    from hftc.optim.optimizer import _Coefficients
+    from hftc.runtime.per_model import values_on
+
+    like = torch.zeros(3, 2, device="cuda")
+    coefficients = _Coefficients({"lr": [0.1, 0.2, 0.3]}, persistent=True)
+    coefficients("lr", like)
+    coefficients.assign({"lr": [1.0, 2.0, 3.0]})
+    torch.testing.assert_close(coefficients("lr", like).flatten().cpu(),
+                               torch.tensor([1.0, 2.0, 3.0]))
+    torch.testing.assert_close(values_on([[0.1, 0.2, 0.3]], torch.float32,
+                                         torch.device("cuda")).cpu(),
+                               torch.tensor([[0.1, 0.2, 0.3]]))

@@ -168,7 +168,9 @@ class _Coefficients:
                     "a fused optimizer's step is being captured in a CUDA graph before an "
                     "eager step made its coefficient tensors: run optimizer.step() once "
                     "eagerly (a warm-up step) before capturing it")
-            table = self._cache[key] = values_on(self._rows, like.dtype, like.device)
+            # Its own copy: values_on's GPU tensors are shared read-only, and assign()
+            # writes into this one.
+            table = self._cache[key] = values_on(self._rows, like.dtype, like.device).clone()
         view = table[self._row[name]].view(-1, *([1] * (like.dim() - 1)))
         self._views[view_key] = view
         return view
