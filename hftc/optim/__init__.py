@@ -19,6 +19,7 @@ from .adamax import Adamax
 from .convert import fuse_optimizers, unfuse_optimizers
 from .lbfgs import LBFGS
 from .lr_scheduler import ReduceLROnPlateau
+from .mixed import MixedOptimizer
 from .nadam import NAdam
 from .optimizer import FusedOptimizer
 from .radam import RAdam
@@ -27,6 +28,6 @@ from .sgd import SGD
 
 __all__ = [
     "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam",
-    "LBFGS", "FusedOptimizer",
+    "LBFGS", "FusedOptimizer", "MixedOptimizer",
     "ReduceLROnPlateau", "fuse_optimizers", "unfuse_optimizers",
 ]

@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 
-from ..errors import FusionArgumentError
+from ..errors import FusionArgumentError, FusionTypeError
 from .adadelta import Adadelta
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .adamax import Adamax
+from .mixed import MixedOptimizer, _Part
 from .nadam import NAdam
 from .optimizer import FusedOptimizer
 from .radam import RAdam
@@ -43,10 +44,9 @@ def fuse_optimizers(fused: torch.nn.Module,
                     optimizers: Sequence[torch.optim.Optimizer]) -> FusedOptimizer:
     """One fused optimizer that continues N stock optimizers, each model as if alone.
 
-    ``optimizers[i]`` is a stock ``torch.optim`` optimizer (all of one class: SGD,
-    Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, NAdam or RAdam) with one param
-    group over the parameters of the model that was ``models[i]`` in
-    ``fused = hftc.fuse(models)``::
+    ``optimizers[i]`` is a stock ``torch.optim`` optimizer (SGD, Adam, AdamW, RMSprop,
+    Adagrad, Adadelta, Adamax, NAdam or RAdam) with one param group over the parameters
+    of the model that was ``models[i]`` in ``fused = hftc.fuse(models)``::
 
         opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(models, lrs)]
         fused = hftc.fuse(models)
@@ -63,8 +63,15 @@ def fuse_optimizers(fused: torch.nn.Module,
     elsewhere, are refused with a ``FusionArgumentError``, as the fused constructor
     refuses them.
 
+    Optimizers of different classes (SGD for some models, Adam for others) give a
+    :class:`~hftc.optim.mixed.MixedOptimizer`: one fused optimizer per class over its
+    models' rows, stepped together, with the same per-model ``param_groups`` (each
+    model's holds its own class's keys, so per-model schedulers work); ``capturable``
+    is refused there.  One class gives that class's fused optimizer, as always.
+
     Raises:
-        TypeError: classes differ or are not supported, or ``fused`` is not fused.
+        TypeError: a class that is not supported (``FusionTypeError`` naming the
+            model), or ``fused`` is not fused.
         ValueError: wrong number of optimizers, more than one param group, or a
             parameter that is not one of model i's; ``FusionArgumentError`` (a
             ``ValueError``) for flags hftc cannot honour or optimizers that differ in
@@ -72,13 +79,69 @@ def fuse_optimizers(fused: torch.nn.Module,
     """
     n, sources = _fused_module(fused)
     optimizers = list(optimizers)
-    fused_cls = _fused_class(optimizers, n)
+    classes = _fused_classes(optimizers, n)
+    if len(set(classes)) > 1:
+        return _fuse_mixed(fused, optimizers, classes, sources, n)
+    fused_cls = classes[0]
     fused_flag = _check_groups(optimizers, fused_cls)
     names = _parameter_names(optimizers, sources, n)
     by_name = dict(fused.named_parameters())
     out = _construct(fused_cls, optimizers, names, by_name, fused_flag, n)
     _import_state(out, optimizers, names, by_name)
     return out
+
+
+def _fuse_mixed(fused: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                classes: list[type[FusedOptimizer]], sources: Sequence[dict[int, str]],
+                n: int) -> MixedOptimizer:
+    """Optimizers of several classes -> one :class:`MixedOptimizer`: per class, its fused
+    optimizer built (``_construct``, ``_import_state``) as for one class, over proxies
+    of its models' rows of each stacked parameter."""
+    for i, opt in enumerate(optimizers):
+        if any(g.get("capturable") for g in opt.param_groups):
+            raise FusionArgumentError(
+                f"fuse_optimizers: optimizers[{i}] (model {i}, {type(opt).__name__}) has "
+                f"capturable=True, and its models' optimizers are of different classes "
+                f"({', '.join(sorted({c.__name__ for c in classes}))}): a mixed fused "
+                f"optimizer steps each class in turn on the host, which a CUDA graph cannot "
+                f"capture. Build them with capturable=False, or give each class its own "
+                f"fused array")
+    by_name = dict(fused.named_parameters())
+    # Each class's optimizers share their param groups; across classes only the
+    # parameters must be the same (SGD in one group, AdamW in decay / no-decay groups).
+    by_class = {cls: [i for i, c in enumerate(classes) if c is cls]
+                for cls in dict.fromkeys(classes)}  # in the order of first appearance
+    names: dict[int, list[list[str]]] = {}
+    for cls, rows in by_class.items():
+        _check_groups([optimizers[i] for i in rows], cls, labels=rows)
+        class_names = _parameter_names([optimizers[i] for i in rows],
+                                       [sources[i] for i in rows], len(rows), labels=rows)
+        names.update(zip(rows, class_names))
+    flat = {i: [name for group in names[i] for name in group] for i in names}
+    for i in range(1, n):
+        if set(flat[i]) != set(flat[0]):
+            raise ValueError(
+                f"optimizers[0] ({type(optimizers[0]).__name__}) and optimizers[{i}] "
+                f"({type(optimizers[i]).__name__}) optimize different parameters (only in 0: "
+                f"{sorted(set(flat[0]) - set(flat[i]))}; only in {i}: "
+                f"{sorted(set(flat[i]) - set(flat[0]))}); every model's optimizer must cover "
+                f"the same parameters")
+    stacked = [by_name[name] for name in flat[0]]
+    position = {name: k for k, name in enumerate(flat[0])}
+    parts = []
+    for cls, rows in by_class.items():
+        members = [optimizers[i] for i in rows]
+        fused_flag = _check_groups(members, cls, labels=rows)
+        member_names = [names[i] for i in rows]
+        index = torch.tensor(rows, dtype=torch.long)
+        proxies = {name: p.detach().index_select(0, index.to(p.device))
+                   for name, p in by_name.items() if name in position}
+        sub = _construct(cls, members, member_names, proxies, fused_flag, len(rows))
+        _import_state(sub, members, member_names, proxies)
+        name_of = {id(p): name for name, p in proxies.items()}
+        order = [position[name_of[id(p)]] for p in sub.param_groups[0]["params"]]
+        parts.append(_Part(sub, rows, order))
+    return MixedOptimizer(stacked, parts)
 
 
 def _fused_module(fused: torch.nn.Module) -> tuple[int, Sequence[dict[int, str]]]:
@@ -94,38 +157,46 @@ def _fused_module(fused: torch.nn.Module) -> tuple[int, Sequence[dict[int, str]]
     return n, sources
 
 
-def _fused_class(optimizers: list[torch.optim.Optimizer], n: int) -> type[FusedOptimizer]:
-    """The fused class of the N optimizers' one stock class."""
+def _fused_classes(optimizers: list[torch.optim.Optimizer],
+                   n: int) -> list[type[FusedOptimizer]]:
+    """Each model's fused class (``_FUSED_CLASS`` of its stock optimizer's exact class)."""
     if len(optimizers) != n:
         raise ValueError(
             f"fuse_optimizers got {len(optimizers)} optimizers for {n} fused models; "
             f"give one per model, in the order the models were fused"
         )
-    cls = type(optimizers[0])
+    classes = []
     for i, opt in enumerate(optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch optimizer")
-        if type(opt) is not cls:
-            raise TypeError(
-                f"fuse_optimizers needs optimizers of one class: optimizers[0] is "
-                f"{cls.__name__}, optimizers[{i}] is {type(opt).__name__}"
-            )
-    if cls not in _FUSED_CLASS:
-        supported = ", ".join(f"torch.optim.{c.__name__}" for c in _FUSED_CLASS)
-        raise TypeError(f"fuse_optimizers does not support {cls.__name__}; supported: {supported}")
-    return _FUSED_CLASS[cls]
+        cls = type(opt)
+        if cls not in _FUSED_CLASS:
+            supported = ", ".join(f"torch.optim.{c.__name__}" for c in _FUSED_CLASS)
+            others = {type(o).__name__ for o in optimizers} - {cls.__name__}
+            mixed = (f" (nor fuse it with the other models' {', '.join(sorted(others))}: "
+                     f"train model {i} in an array of its own, or alone)" if others else "")
+            raise FusionTypeError(
+                f"fuse_optimizers does not support {cls.__name__}: optimizers[{i}] (model "
+                f"{i}) is a {cls.__module__}.{cls.__qualname__}{mixed}; supported: "
+                f"{supported}")
+        classes.append(_FUSED_CLASS[cls])
+    return classes
 
 
 def _check_groups(optimizers: list[torch.optim.Optimizer],
-                  fused_cls: type[FusedOptimizer]) -> bool:
+                  fused_cls: type[FusedOptimizer], labels: Sequence[int] | None = None) -> bool:
     """Refuse param groups one fused optimizer cannot continue; returns the optimizers'
-    one ``fused`` flag."""
-    for i, opt in enumerate(optimizers):
+    one ``fused`` flag.  ``labels``: each optimizer's index in the user's list (the
+    models of one class of a mixed list)."""
+    scope = "" if labels is None else "of one class "
+    labels = list(range(len(optimizers)) if labels is None else labels)
+    for k, opt in enumerate(optimizers):
+        i = labels[k]
         if len(opt.param_groups) != len(optimizers[0].param_groups):
             raise ValueError(
-                f"optimizers[0] has {len(optimizers[0].param_groups)} param groups and "
-                f"optimizers[{i}] {len(opt.param_groups)}; every model's optimizer needs the "
-                f"same groups")
+                f"optimizers[{labels[0]}] has {len(optimizers[0].param_groups)} param groups "
+                f"and optimizers[{i}] {len(opt.param_groups)}; every model's optimizer "
+                f"{scope}needs the same groups")
         if len({g["lr"] for g in opt.param_groups}) > 1:
             raise ValueError(
                 f"optimizers[{i}]'s param groups have different learning rates "
@@ -146,9 +217,12 @@ def _check_groups(optimizers: list[torch.optim.Optimizer],
 
 
 def _parameter_names(optimizers: list[torch.optim.Optimizer],
-                     sources: Sequence[dict[int, str]], n: int) -> list[list[list[str]]]:
-    """``names[i][k]``: model i's group k, as fused parameter names (the same for all i)."""
-    names = [[_fused_names(i, g, sources[i]) for g in opt.param_groups]
+                     sources: Sequence[dict[int, str]], n: int,
+                     labels: Sequence[int] | None = None) -> list[list[list[str]]]:
+    """``names[i][k]``: model i's group k, as fused parameter names (the same for all i).
+    ``labels``: each optimizer's index in the user's list (one class of a mixed list)."""
+    labels = list(range(n) if labels is None else labels)
+    names = [[_fused_names(labels[i], g, sources[i]) for g in opt.param_groups]
              for i, opt in enumerate(optimizers)]
     for i in range(1, n):
         for k, (group0, group_i) in enumerate(zip(names[0], names[i])):
@@ -156,10 +230,11 @@ def _parameter_names(optimizers: list[torch.optim.Optimizer],
                 only_0 = sorted(set(group0) - set(group_i))
                 only_i = sorted(set(group_i) - set(group0))
                 where = f"param group {k} of " if len(names[0]) > 1 else ""
+                first, other = labels[0], labels[i]
                 raise ValueError(
-                    f"{where}optimizers[0] and optimizers[{i}] optimize different parameters "
-                    f"(only in 0: {only_0}; only in {i}: {only_i}); every model's optimizer "
-                    f"must cover the same parameters"
+                    f"{where}optimizers[{first}] and optimizers[{other}] optimize different "
+                    f"parameters (only in {first}: {only_0}; only in {other}: {only_i}); every "
+                    f"model's optimizer must cover the same parameters"
                 )
     return names
 
@@ -245,42 +320,49 @@ def unfuse_optimizers(fused: torch.nn.Module, optimizer: FusedOptimizer,
 
         models = fused.unfuse()
         optimizers = hftc.optim.unfuse_optimizers(fused, opt, models)
-        # optimizers[i] is a torch.optim.<same class> over models[i].parameters()
+        # optimizers[i] is a torch.optim.<model i's class> over models[i].parameters()
 
     ``models`` default to ``fused.unfuse()``; each must have the fused module's parameter
     names.  The flags travel too (``fused=True`` gives stock optimizers built with
     ``fused=True``; ``foreach`` is copied per model).  An optimizer built with
     param-group dicts (nanoGPT's ``[{"params": matrices, "weight_decay": 0.1},
     {"params": biases, "weight_decay": 0.0}]``) gives stock optimizers with the same
-    groups, each with model i's values.
+    groups, each with model i's values.  A :class:`MixedOptimizer` gives each model
+    its own class's optimizer.
     """
     from .slicing import fused_param_names, load_model_slice
 
-    stock_class = {fused_cls: stock for stock, fused_cls in _FUSED_CLASS.items()}.get(
-        type(optimizer))
-    if stock_class is None:
+    stock_of = {fused_cls: stock for stock, fused_cls in _FUSED_CLASS.items()}
+    if type(optimizer) not in stock_of and not isinstance(optimizer, MixedOptimizer):
         raise TypeError(f"unfuse_optimizers takes an hftc.optim optimizer "
-                        f"({', '.join(c.__name__ for c in _FUSED_CLASS.values())}), "
-                        f"got {type(optimizer).__name__}")
+                        f"({', '.join(c.__name__ for c in _FUSED_CLASS.values())}, or the "
+                        f"MixedOptimizer of fuse_optimizers), got {type(optimizer).__name__}")
     models = list(fused.unfuse() if models is None else models)
     if len(models) != optimizer.num_models:
         raise ValueError(f"unfuse_optimizers: {len(models)} models for a fused optimizer "
                          f"of {optimizer.num_models}")
     state, names = optimizer.state_dict(), fused_param_names(fused, optimizer)
-    # fused=True: stock optimizers built fused (their kernels, AMP handling); the other
-    # flags and hyper-parameters come with each model's group.
-    flags = {"fused": True} if optimizer.param_groups[0].get("fused") else {}
-    group_of = list(getattr(optimizer, "_group_of", None) or [0] * len(names))
-    n_groups = len(getattr(optimizer, "_group_overrides", [{}]))
 
-    def stock_params(model: torch.nn.Module) -> Any:
-        """The model's parameters as the fused optimizer groups them (one group, or
-        its param-group dicts' groups); load_model_slice sets each group's values."""
+    def stock_optimizer(model: torch.nn.Module, index: int) -> torch.optim.Optimizer:
+        """An empty stock optimizer of model ``index``'s class over ``model``'s parameters,
+        grouped as its fused optimizer groups them (one group, or its param-group dicts'
+        groups); load_model_slice sets each group's values."""
+        owner, order = optimizer, list(range(len(names)))
+        if isinstance(optimizer, MixedOptimizer):
+            owner, _ = optimizer.part_of(index)
+            order = optimizer.part_parameter_order(optimizer.parts().index(owner))
+        # fused=True: stock optimizers built fused (their kernels, AMP handling); the other
+        # flags and hyper-parameters come with each model's group.
+        flags = {"fused": True} if owner.param_groups[0].get("fused") else {}
+        group_of = list(getattr(owner, "_group_of", None) or [0] * len(order))
+        n_groups = len(getattr(owner, "_group_overrides", [{}]))
         if n_groups == 1:
-            return model.parameters()
-        by_name = dict(model.named_parameters())
-        return [{"params": [by_name[name] for name, k in zip(names, group_of) if k == g]}
-                for g in range(n_groups)]
+            params: Any = model.parameters()
+        else:
+            by_name = dict(model.named_parameters())
+            params = [{"params": [by_name[names[k]] for k, g_k in zip(order, group_of)
+                                  if g_k == g]} for g in range(n_groups)]
+        return stock_of[type(owner)](params, **flags)
 
-    return [load_model_slice(state, names, i, stock_class(stock_params(model), **flags), model)
+    return [load_model_slice(state, names, i, stock_optimizer(model, i), model)
             for i, model in enumerate(models)]

@@ -83,6 +83,9 @@ def load_model_slice(
     n = len(groups)
     if not 0 <= index < n:
         raise IndexError(f"model index {index} out of range for a fused optimizer of {n} models")
+    mixed = (fused_state.get("hftc") or {}).get("mixed")
+    if mixed is not None:  # a MixedOptimizer's: the model's state is in its class's part
+        return _load_mixed_model_slice(mixed, param_names, index, optimizer, model)
     # Param-group dicts (nanoGPT's decay / no-decay groups): stock group k takes model
     # ``index``'s values, then fused group k's own overrides (its ``weight_decay`` ...).
     overrides = (fused_state.get("hftc") or {}).get("group_overrides") or [{}]
@@ -129,3 +132,20 @@ def load_model_slice(
             sliced["step"] = sliced["step"].to(device=p.device, dtype=torch.float32)
         optimizer.state[p] = sliced
     return optimizer
+
+
+def _load_mixed_model_slice(mixed: list[dict[str, Any]], param_names: Sequence[str],
+                            index: int, optimizer: torch.optim.Optimizer,
+                            model: nn.Module) -> torch.optim.Optimizer:
+    """:func:`load_model_slice` of a ``MixedOptimizer``'s state dict: model ``index``'s
+    row of the part (one fused optimizer per class) that trains it."""
+    from ..errors import FusionTypeError
+
+    part = next(part for part in mixed if index in part["rows"])
+    if type(optimizer).__name__ != part["class"]:
+        raise FusionTypeError(
+            f"load_model_slice: model {index} was trained with {part['class']}, and the "
+            f"optimizer given for it is a {type(optimizer).__name__}; give a "
+            f"torch.optim.{part['class']} over model {index}'s parameters")
+    return load_model_slice(part["state"], [param_names[k] for k in part["order"]],
+                            part["rows"].index(index), optimizer, model)
