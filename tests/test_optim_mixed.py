@@ -377,3 +377,28 @@ def test_unsupported_or_uncapturable_mixes_are_refused_naming_the_model():
                                               r"optimizer given for it is a SGD"):
         load_model_slice(opt.state_dict(), fused_param_names(fused, opt), 2,
                          torch.optim.SGD(models[2].parameters()), models[2])
+
+
+def test_param_group_dicts_in_a_mix():
+    """nanoGPT's AdamW groups (decay / no-decay) next to a one-group SGD: each class keeps
+    its own groups, bit for bit, and unfuse_optimizers gives them back."""
+    def nanogpt_groups(m):
+        return [{"params": [m.fc1.weight, m.fc2.weight], "weight_decay": 0.1},
+                {"params": [m.fc1.bias, m.fc2.bias, m.norm.weight, m.norm.bias],
+                 "weight_decay": 0.0}]
+    makers = [lambda m: torch.optim.AdamW(nanogpt_groups(m), lr=1e-2),
+              lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+              lambda m: torch.optim.AdamW(nanogpt_groups(m), lr=3e-3, betas=(0.9, 0.95))]
+    models = make("mlp", 3, torch.float32)
+    solos = copy.deepcopy(models)
+    fused = hftc.fuse(models)
+    opt = ho.fuse_optimizers(fused, [f(m) for f, m in zip(makers, models)])
+    solo_opts = [f(m) for f, m in zip(makers, solos)]
+    train_injected(fused, opt, solos, solo_opts, batches("mlp", 6, torch.float32))
+    assert_params(fused, solos, exact=True)
+    plain = fused.unfuse()
+    back = ho.unfuse_optimizers(fused, opt, plain)
+    assert [len(o.param_groups) for o in back] == [2, 1, 2]
+    assert [g["weight_decay"] for g in back[2].param_groups] == [0.1, 0.0]
+    for i in range(3):
+        assert_state_equal(solo_opts[i], solos[i], back[i], plain[i], exact=True)
