@@ -402,3 +402,40 @@ def test_param_group_dicts_in_a_mix():
     assert [g["weight_decay"] for g in back[2].param_groups] == [0.1, 0.0]
     for i in range(3):
         assert_state_equal(solo_opts[i], solos[i], back[i], plain[i], exact=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_mixed_classes_on_cuda(dtype):
+    """On the GPU (Adam with fused=True, SGD and RMSprop with foreach): the mixed array is
+    bit for bit each class's own fused optimizer over its models, and stock's to rounding."""
+    order = ["adam_fused", "sgd", "adam_fused", "rmsprop", "sgd"]
+    makers = {**STOCK, "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True)}
+    models = [m.cuda() for m in make("cnn", len(order), dtype)]
+    solos = copy.deepcopy(models)
+    by_class: dict[str, list[int]] = {}
+    for i, name in enumerate(order):
+        by_class.setdefault(name.split("_")[0], []).append(i)
+    alone = {c: copy.deepcopy([models[i] for i in rows]) for c, rows in by_class.items()}
+    fused = hftc.fuse(models)
+    opt = ho.fuse_optimizers(fused, [makers[n](m.parameters()) for n, m in zip(order, models)])
+    solo_opts = [makers[n](m.parameters()) for n, m in zip(order, solos)]
+    per_class = {}
+    for c, rows in by_class.items():
+        f = hftc.fuse(alone[c])
+        per_class[c] = (f, ho.fuse_optimizers(
+            f, [makers[order[i]](m.parameters()) for i, m in zip(rows, alone[c])]))
+    for x, y in batches("cnn", 10, dtype):
+        grads = [solo_step(m, o, x.cuda(), y.cuda()) for m, o in zip(solos, solo_opts)]
+        inject(fused, grads)
+        opt.step()
+        for c, rows in by_class.items():
+            inject(per_class[c][0], [grads[i] for i in rows])
+            per_class[c][1].step()
+    stacked = dict(fused.named_parameters())
+    for c, rows in by_class.items():
+        for name, p in per_class[c][0].named_parameters():
+            assert torch.equal(stacked[name][rows], p), (c, name)
+    for i, solo in enumerate(solos):
+        for name, p in solo.named_parameters():
+            torch.testing.assert_close(stacked[name][i], p.detach())
