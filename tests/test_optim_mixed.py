@@ -371,6 +371,11 @@ def test_unsupported_or_uncapturable_mixes_are_refused_naming_the_model():
     with pytest.raises(FusionArgumentError, match=r"optimizers\[1\] \(model 1, Adam\) has "
                                                   r"capturable=True"):
         ho.fuse_optimizers(fused, [sgd, capturable, adam])
+    partial = torch.optim.Adam(models[1].fc2.parameters())
+    with pytest.raises(ValueError, match=r"optimizers\[0\] \(SGD\) and optimizers\[1\] \(Adam\) "
+                                         r"optimize different parameters \(only in 0: "
+                                         r"\['fc1.bias', 'fc1.weight', 'norm.bias', 'norm.weight'\]"):
+        ho.fuse_optimizers(fused, [sgd, partial, torch.optim.SGD(models[2].parameters())])
     opt = ho.fuse_optimizers(fused, [sgd, torch.optim.SGD(models[1].parameters()), adam])
     from hftc.optim.slicing import fused_param_names, load_model_slice
     with pytest.raises(FusionTypeError, match=r"model 2 was trained with Adam, and the "

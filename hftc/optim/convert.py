@@ -112,8 +112,9 @@ def _fuse_mixed(fused: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
     by_class = {cls: [i for i, c in enumerate(classes) if c is cls]
                 for cls in dict.fromkeys(classes)}  # in the order of first appearance
     names: dict[int, list[list[str]]] = {}
+    fused_flags = {}
     for cls, rows in by_class.items():
-        _check_groups([optimizers[i] for i in rows], cls, labels=rows)
+        fused_flags[cls] = _check_groups([optimizers[i] for i in rows], cls, labels=rows)
         class_names = _parameter_names([optimizers[i] for i in rows],
                                        [sources[i] for i in rows], len(rows), labels=rows)
         names.update(zip(rows, class_names))
@@ -131,12 +132,12 @@ def _fuse_mixed(fused: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
     parts = []
     for cls, rows in by_class.items():
         members = [optimizers[i] for i in rows]
-        fused_flag = _check_groups(members, cls, labels=rows)
         member_names = [names[i] for i in rows]
         index = torch.tensor(rows, dtype=torch.long)
+        # The part's own tensors of its rows' shape; each step points them at the rows.
         proxies = {name: p.detach().index_select(0, index.to(p.device))
                    for name, p in by_name.items() if name in position}
-        sub = _construct(cls, members, member_names, proxies, fused_flag, len(rows))
+        sub = _construct(cls, members, member_names, proxies, fused_flags[cls], len(rows))
         _import_state(sub, members, member_names, proxies)
         name_of = {id(p): name for name, p in proxies.items()}
         order = [position[name_of[id(p)]] for p in sub.param_groups[0]["params"]]
