@@ -444,3 +444,18 @@ def test_mixed_classes_on_cuda(dtype):
     for i, solo in enumerate(solos):
         for name, p in solo.named_parameters():
             torch.testing.assert_close(stacked[name][i], p.detach())
+
+
+def test_deepcopy_and_pickle_continue_bit_for_bit():
+    """copy.deepcopy / pickle of (fused, optimizer) carry each class's part and its state."""
+    import pickle
+
+    fused, opt, solos, solo_opts = setup("mlp", ORDERS["interleaved4"], torch.float64,
+                                         [1, 0, 1, 0])
+    train_injected(fused, opt, solos, solo_opts, batches("mlp", 2, torch.float64))
+    copies = [copy.deepcopy((fused, opt)), pickle.loads(pickle.dumps((fused, opt)))]
+    for fused_copy, opt_copy in copies:
+        solos_copy, solo_opts_copy = copy.deepcopy((solos, solo_opts))
+        train_injected(fused_copy, opt_copy, solos_copy, solo_opts_copy,
+                       batches("mlp", 3, torch.float64, seed=3))
+        assert_params(fused_copy, solos_copy, exact=True)
