@@ -315,7 +315,7 @@ class _Fusion:
             kind, reason = "per_model", f"the op differs per model: {describe_ops(per_model_ops)}"
             if why_not is not None:
                 self.unsupported.append(
-                    f"{describe_node(node)}: the models run different ops here "
+                    f"{describe_node(node, self.graph_module)}: the models run different ops here "
                     f"({describe_ops(per_model_ops)}), which hftc runs on each model's slice, "
                     f"but {why_not}; use the out-of-place form (inplace=False)")
                 kind = "refused"

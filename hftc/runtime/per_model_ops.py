@@ -84,8 +84,13 @@ def apply_op(op: Op, x: Tensor, training: bool) -> Tensor:
 
 def per_model_elementwise(x: Tensor, ops: Sequence[Op], training: bool = True) -> Tensor:
     """Model i's op ``ops[i]`` on its slice ``x[i]`` of ``x`` ``[N, ...]``, the results
-    stacked ``[N, ...]`` again (see the module docstring).  Where every op writes in place,
-    ``x`` itself (written), as each model's in-place op returns its input."""
+    stacked ``[N, ...]`` again (see the module docstring).
+
+    Where some ops write in place, every run computes on a copy of its slice and the
+    in-place runs' results are copied back into ``x``: an in-place op on a view of ``x``
+    bumps the version of all of ``x``, and autograd refused the tensors the other runs had
+    saved (``tanh_``'s result).  Where every op writes in place, the result is ``x``
+    itself, as each model's in-place op returns its input."""
     runs: list[tuple[Op, int, int]] = []  # (op, first model, number of models)
     for i, op in enumerate(ops):
         if runs and runs[-1][0] == op:
@@ -94,7 +99,13 @@ def per_model_elementwise(x: Tensor, ops: Sequence[Op], training: bool = True) -
             runs.append((op, i, 1))
     if len(runs) == 1:
         return apply_op(ops[0], x, training)
-    outs = [apply_op(op, x.narrow(0, start, length), training) for op, start, length in runs]
-    if all(writes_in_place(op) for op in ops):
-        return x  # (each slice written in place)
-    return torch.cat(outs)
+    in_place = [writes_in_place(op) for op, _, _ in runs]
+    if not any(in_place):
+        return torch.cat([apply_op(op, x.narrow(0, start, length), training)
+                          for op, start, length in runs])
+    outs = [apply_op(op, x.narrow(0, start, length).clone(), training)
+            for op, start, length in runs]
+    for (_, start, length), out, written in zip(runs, outs, in_place):
+        if written:
+            x.narrow(0, start, length).copy_(out)
+    return x if all(in_place) else torch.cat(outs)
