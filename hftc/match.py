@@ -618,7 +618,7 @@ def _explain_mismatch(
                 {**_owner_hyperparameters(node, model_at(i), soft), **sig},
                 {**_owner_hyperparameters(node0, model_at(0), soft), **sig0},
                 prefix=prefix, nodes=(node, node0), soft=soft)
-            if elementwise:
+            if elementwise and len(nodes[i]) == len(nodes[0]):  # (else: a missing layer)
                 texts.append("only an elementwise op (an activation such as ReLU, GELU, SiLU, "
                              "Tanh or LeakyReLU, dropout, nn.Identity) may differ per model, "
                              "called the same way (a module, a function or a method) in every "
