@@ -101,8 +101,10 @@ def per_model_elementwise(x: Tensor, ops: Sequence[Op], training: bool = True) -
         return apply_op(ops[0], x, training)
     in_place = [writes_in_place(op) for op, _, _ in runs]
     if not any(in_place):
-        return torch.cat([apply_op(op, x.narrow(0, start, length), training)
-                          for op, start, length in runs])
+        # one split (its backward one cat of the gradients; a narrow per run would make a
+        # zero-padded full-size gradient each)
+        slices = x.split_with_sizes([length for _, _, length in runs])
+        return torch.cat([apply_op(op, piece, training) for (op, _, _), piece in zip(runs, slices)])
     outs = [apply_op(op, x.narrow(0, start, length).clone(), training)
             for op, start, length in runs]
     for (_, start, length), out, written in zip(runs, outs, in_place):
