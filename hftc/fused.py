@@ -1370,7 +1370,8 @@ class FusedModule(ContainerAccess, nn.Module):
             sub = model.get_submodule(path)
             for name, value in attributes.items():
                 setattr(sub, name, copy.deepcopy(value))
-        for path, own in self._own_modules[index].items():
+        own_modules = self.__dict__.get("_own_modules")  # (absent in a pickle of an older hftc)
+        for path, own in (own_modules[index] if own_modules else {}).items():
             parent, _, leaf = path.rpartition(".")
             replacement = copy.deepcopy(own)
             replacement.train(model.get_submodule(path).training)
@@ -1417,7 +1418,8 @@ class FusedModule(ContainerAccess, nn.Module):
                 module.num_models = n
         self.num_models = n
         self._attribute_overrides = [self._attribute_overrides[i] for i in keep]
-        self._own_modules = [self._own_modules[i] for i in keep]
+        if self.__dict__.get("_own_modules"):
+            self._own_modules = [self._own_modules[i] for i in keep]
         self.source_parameter_names = [self.source_parameter_names[i] for i in keep]
         if self._retrace_sources is not None:
             self._retrace_sources = [self._retrace_sources[i] for i in keep]
