@@ -73,6 +73,7 @@ from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
+from .passes.per_model_ops import MODULE_OPS, is_elementwise_function
 from .passes.registry import aten_spellings, per_model_table
 from .runtime.layout import expand_models, model_slice
 from .runtime.model_loop import ModelLoop
@@ -334,9 +335,22 @@ def _differing_attributes(model0: nn.Module, model: nn.Module) -> dict[str, dict
             if not k.startswith("_") and k != "training" and _simple_value(v)
             and (k not in ref_vars or not _same_value(ref_vars[k], v))
         }
+        diffs.update({k: v for k, v in vars(sub).items()
+                      if is_elementwise_function(v) and ref_vars.get(k) is not v})
         if diffs:
             found[path] = diffs
     return found
+
+
+def _own_elementwise_modules(model0: nn.Module, model: nn.Module) -> dict[str, nn.Module]:
+    """``model``'s activation / dropout / identity modules whose class is not model 0's at
+    the same path (``nn.GELU`` where model 0 has ``nn.ReLU``), by path: copies, which
+    ``unfuse_model`` puts back in place of model 0's (the fused program runs each model's
+    own op: :mod:`hftc.passes.per_model_ops`)."""
+    reference = dict(model0.named_modules(remove_duplicate=False))
+    return {path: copy.deepcopy(sub) for path, sub in model.named_modules(remove_duplicate=False)
+            if path in reference and type(reference[path]) is not type(sub)
+            and type(sub) in MODULE_OPS and type(reference[path]) in MODULE_OPS}
 
 
 def _simple_value(value: Any) -> bool:
@@ -452,6 +466,8 @@ class FusedModule(ContainerAccess, nn.Module):
         # Hyper-parameters each model keeps as its own (dropout p, eps, self.scale ...):
         # unfuse() gives them back, not model 0's.
         self._attribute_overrides = [_differing_attributes(models[0], m) for m in models]
+        # and the activation modules each has where they differ (nn.GELU against nn.ReLU)
+        self._own_modules = [_own_elementwise_modules(models[0], m) for m in models]
         self._template_extras: list[str] = []  # lifted constants, not the user's attributes
         root, sources = build_module_tree(models, template, name_maps)
         self._adopt(root, models[0])
@@ -1354,6 +1370,12 @@ class FusedModule(ContainerAccess, nn.Module):
             sub = model.get_submodule(path)
             for name, value in attributes.items():
                 setattr(sub, name, copy.deepcopy(value))
+        own_modules = self.__dict__.get("_own_modules")  # (absent in a pickle of an older hftc)
+        for path, own in (own_modules[index] if own_modules else {}).items():
+            parent, _, leaf = path.rpartition(".")
+            replacement = copy.deepcopy(own)
+            replacement.train(model.get_submodule(path).training)
+            setattr(model.get_submodule(parent), leaf, replacement)
         loop = self.__dict__.get("_shared_model_loop")
         if loop is not None and self._python_state:
             # the attributes forward changed, as model ``index``'s forwards left them
@@ -1396,6 +1418,8 @@ class FusedModule(ContainerAccess, nn.Module):
                 module.num_models = n
         self.num_models = n
         self._attribute_overrides = [self._attribute_overrides[i] for i in keep]
+        if self.__dict__.get("_own_modules"):
+            self._own_modules = [self._own_modules[i] for i in keep]
         self.source_parameter_names = [self.source_parameter_names[i] for i in keep]
         if self._retrace_sources is not None:
             self._retrace_sources = [self._retrace_sources[i] for i in keep]
@@ -1409,6 +1433,9 @@ class FusedModule(ContainerAccess, nn.Module):
                 if per_model:
                     node.meta[ir.PER_MODEL] = {key: [values[i] for i in keep]
                                                for key, values in per_model.items()}
+                ops = node.meta.get(ir.PER_MODEL_OPS)
+                if ops:
+                    node.meta[ir.PER_MODEL_OPS] = [ops[i] for i in keep]
         loop = self.__dict__.get("_shared_model_loop")
         if loop is not None:  # the shells keep the Python attributes forward changed
             loop.shells = [loop.shells[i] for i in keep]

@@ -34,7 +34,7 @@ import dataclasses
 import math
 import operator
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .errors import MismatchError
-from .ir import PER_MODEL, ArgKey
+from .ir import PER_MODEL, PER_MODEL_OPS, ArgKey
 
 if TYPE_CHECKING:  # networkx: imported where two graphs need VF2, not by import hftc
     import networkx as nx
@@ -76,6 +76,10 @@ class PerModelTable:
     #: None, <per-model>)``.  (torch.export's graphs leave an argument at its default out:
     #: ``LeakyReLU(0.01)`` against ``LeakyReLU(0.02)`` was ``(x,)`` against ``(x, 0.02)``.)
     defaults: Mapping[Any, tuple] = dataclasses.field(default_factory=dict)
+    #: ``(node, root) -> op or None``: the elementwise op a node computes where that op may
+    #: differ per model (:func:`hftc.passes.per_model_ops.elementwise_op`); such nodes match
+    #: any node of the same kind (module, function or method) that computes one too.
+    elementwise_op: Callable[[fx.Node, nn.Module], Any] | None = None
 
     def argument_positions(self, target: Any) -> Mapping[int, str]:
         """``{position: keyword}`` of a function's per-model arguments (by the function,
@@ -296,11 +300,23 @@ def _fold_constant(value: Any) -> Any:
     return value
 
 
+#: The signature key of a node whose elementwise op may differ per model.
+ELEMENTWISE = "elementwise op"
+
+
 def node_signature(node: fx.Node, root: nn.Module,
                    soft: PerModelTable) -> dict[str, Any]:
     """Everything about a node that must agree across models, as ``{attribute: value}``
     (``soft``: the hyper-parameters that may differ, left out)."""
     sig: dict[str, Any] = {"op": node.op}
+    if soft.elementwise_op is not None and soft.elementwise_op(node, root) is not None:
+        # which elementwise op (ReLU, GELU, dropout or none) may differ per model
+        sig[ELEMENTWISE] = "an elementwise op"
+        if node.op == "call_module":
+            sig["train/eval mode"] = "train" if root.get_submodule(node.target).training \
+                else "eval"
+        sig["arguments"] = f"({_SLOT},)"
+        return sig
     if node.op == "call_module":
         sig.update(module_signature(root.get_submodule(node.target), soft))
     elif node.op == "get_attr":
@@ -592,10 +608,21 @@ def _explain_mismatch(
                 continue
             where, prefix = _where(node, graphs[i], model_at(i))
             where0, _ = _where(node0, graphs[0], model_at(0))
+            sig, sig0 = sigs[i][k], sigs[0][k]
+            elementwise = (ELEMENTWISE in sig) + (ELEMENTWISE in sig0)
+            if elementwise:  # what the two nodes are, not that one may differ per model
+                plain = dataclasses.replace(soft, elementwise_op=None)
+                sig = node_signature(node, graphs[i], plain)
+                sig0 = node_signature(node0, graphs[0], plain)
             texts, node_kinds = describe_differences(
-                {**_owner_hyperparameters(node, model_at(i), soft), **sigs[i][k]},
-                {**_owner_hyperparameters(node0, model_at(0), soft), **sigs[0][k]},
+                {**_owner_hyperparameters(node, model_at(i), soft), **sig},
+                {**_owner_hyperparameters(node0, model_at(0), soft), **sig0},
                 prefix=prefix, nodes=(node, node0), soft=soft)
+            if elementwise and len(nodes[i]) == len(nodes[0]):  # (else: a missing layer)
+                texts.append("only an elementwise op (an activation such as ReLU, GELU, SiLU, "
+                             "Tanh or LeakyReLU, dropout, nn.Identity) may differ per model, "
+                             "called the same way (a module, a function or a method) in every "
+                             "model")
             kinds |= node_kinds
             than = "model 0" if where.startswith(_ITSELF) else "model 0's"
             if where != where0:
@@ -661,8 +688,19 @@ def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module], 
 def _record_per_model_values(
     graphs: Sequence[fx.GraphModule], mapping: list[dict[fx.Node, fx.Node]], soft: PerModelTable,
 ) -> None:
-    """Store each node's differing per-model scalars on model 0's node (``meta[PER_MODEL]``)."""
+    """Store each node's differing per-model scalars on model 0's node (``meta[PER_MODEL]``),
+    and each model's elementwise op where the models' ops differ beyond those scalars
+    (``meta[PER_MODEL_OPS]``: ReLU in one model, GELU in another)."""
+    plain = dataclasses.replace(soft, elementwise_op=None)
     for node in graphs[0].graph.nodes:
+        node.meta.pop(PER_MODEL_OPS, None)
+        if soft.elementwise_op is not None and soft.elementwise_op(node, graphs[0]) is not None:
+            signatures = [node_signature(m[node], g, plain) for m, g in zip(mapping, graphs)]
+            if any(sig != signatures[0] for sig in signatures[1:]):
+                node.meta[PER_MODEL_OPS] = [soft.elementwise_op(m[node], g)
+                                            for m, g in zip(mapping, graphs)]
+                node.meta.pop(PER_MODEL, None)
+                continue
         per_model = [per_model_values(m[node], g, soft) for m, g in zip(mapping, graphs)]
         differing = {
             key: [values.get(key) for values in per_model]

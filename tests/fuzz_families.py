@@ -278,7 +278,7 @@ class FamilyNet(nn.Module):
                     "leaky_relu": nn.LeakyReLU(_slope(i, per_model)),
                     "elu": nn.ELU(1.0 + (0.25 * i if per_model else 0)), "gelu": nn.GELU(),
                     "tanh": nn.Tanh(),
-                    "tanh_": nn.Identity()}[name]
+                    "tanh_": nn.Identity(), "softmax": nn.Softmax(dim=1)}[name]
         if kind == "pool":
             _, dims, pool = layer
             return getattr(nn, f"{'Max' if pool == 'max' else 'Avg'}Pool{dims}d")(2)
@@ -350,7 +350,8 @@ def _act(spec: dict, name: str) -> tuple:
 @st.composite
 def mutated(draw, specs=families):
     """``(spec, mutation, what)``: the mutation differs from ``spec`` in one structural
-    thing (``what``): a layer's width, one layer more, another activation, a vocabulary."""
+    thing (``what``): a layer's width, one layer more, a softmax where ``spec`` has an
+    activation (another activation fuses: tests/test_per_model_ops.py), a vocabulary."""
     spec = draw(specs)
     other = {**spec, "layers": list(spec["layers"])}
     choices = ["width", "extra", "act"] + (["vocab"] if spec["family"] == "tokens" else [])
@@ -364,7 +365,7 @@ def mutated(draw, specs=families):
         other["head"] = tuple(head)
     elif what == "extra":
         other["layers"].append(_act(spec, "gelu"))
-    else:  # the same depth, another function
+    else:  # the same depth, another function, not one that may differ per model
         spec = {**spec, "layers": spec["layers"] + [_act(spec, "gelu")]}
-        other["layers"].append(_act(spec, "tanh" if spec["family"] != "grid" else "relu"))
+        other["layers"].append(_act(spec, "softmax"))
     return spec, other, what

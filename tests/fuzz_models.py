@@ -39,6 +39,7 @@ def _activation(name: str, channels: int, index: int = 0) -> nn.Module:
         "elu": lambda: nn.ELU(1.0 + 0.25 * index), "sigmoid": nn.Sigmoid,
         "hardswish": nn.Hardswish, "relu6": nn.ReLU6, "prelu": lambda: nn.PReLU(channels),
         "softplus": nn.Softplus, "identity": nn.Identity,
+        "softmax": lambda: nn.Softmax(dim=1),  # (only fuzz_families.mutated's: not elementwise)
     }[name]()
 
 

@@ -46,8 +46,9 @@ class Ordered(nn.Module):
     ([mlp(), nn.Sequential(nn.Linear(4, 8), nn.ReLU())],
      r"model 1's graph has 4 nodes, model 0's 5 \(an extra or missing layer\)\n  model 1's "
      r"output differs from model 0's `2` \(nn.Linear\): op output vs call_module\n"),
-    ([mlp(), mlp(act=nn.Tanh)],
-     r"model 1's `1` \(nn.Tanh\) differs from model 0's `1` \(nn.ReLU\): class Tanh vs ReLU"),
+    ([mlp(), mlp(act=nn.Softmax)],
+     r"model 1's `1` \(nn.Softmax\) differs from model 0's `1` \(nn.ReLU\): class Softmax vs "
+     r"ReLU; only an elementwise op \(an activation such as ReLU"),
     ([Ordered(True), Ordered(False)], r"model 1 of 2 cannot be fused"),
     ([mlp(), mlp(bias=False)], r"parameter `0.bias`: none vs a float32 parameter of shape \(8,\)"),
 ], ids=["width", "kernel", "stride", "missing-layer", "activation", "submodule-order", "bias"])

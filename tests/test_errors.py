@@ -71,10 +71,11 @@ def test_extra_layer_is_reported():
         hftc.fuse([a, b])
 
 
-def test_different_activation_is_reported():
+def test_an_activation_that_cannot_differ_per_model_is_reported():
+    # (ReLU against Tanh fuses: tests/test_per_model_ops.py)
     a = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    b = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-    with pytest.raises(MismatchError, match=r"class Tanh vs ReLU"):
+    b = nn.Sequential(nn.Linear(4, 4), nn.Softmax(dim=-1))
+    with pytest.raises(MismatchError, match=r"class Softmax vs ReLU; only an elementwise op"):
         hftc.fuse([a, b])
 
 
@@ -88,13 +89,14 @@ def test_functional_activation_difference():
         def forward(self, x):
             return self.fn(self.fc(x))
 
-    with pytest.raises(MismatchError, match=r"model 1's node `gelu` \(torch.nn.functional.gelu "
-                                            r"in the model's own forward\) differs from "
-                                            r"model 0's node `relu` \(torch.nn.functional.relu"
-                                            r" in the model's own forward\): target "
-                                            r"torch.nn.functional.gelu vs "
+    # (F.relu against F.gelu fuses: tests/test_per_model_ops.py)
+    with pytest.raises(MismatchError, match=r"model 1's node `normalize` \(torch.nn.functional."
+                                            r"normalize in the model's own forward\) differs "
+                                            r"from model 0's node `relu` \(torch.nn.functional."
+                                            r"relu in the model's own forward\): target "
+                                            r"torch.nn.functional.normalize vs "
                                             r"torch.nn.functional.relu"):
-        hftc.fuse([A(F.relu), A(F.gelu)])
+        hftc.fuse([A(F.relu), A(F.normalize)])
 
 
 def test_bias_flag_difference():

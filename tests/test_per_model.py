@@ -175,32 +175,39 @@ def test_a_modules_own_mode_attribute_is_compared(layer):
 
 
 
+def hardshrink_per_model(x: torch.Tensor, lambds: tuple[float, ...]) -> torch.Tensor:
+    """Model i's ``hardshrink(x[i], lambd=lambds[i])`` for a ``[N, ...]`` stack."""
+    return torch.stack([F.hardshrink(x[i], lambd) for i, lambd in enumerate(lambds)])
+
+
 def softplus_per_model(x: torch.Tensor, betas: tuple[float, ...]) -> torch.Tensor:
     """Model i's ``softplus(x[i], beta=betas[i])`` for a ``[N, ...]`` stack."""
     return torch.stack([F.softplus(x[i], beta=beta) for i, beta in enumerate(betas)])
 
 
 def test_a_rule_declares_the_hyper_parameters_that_may_differ_per_model():
-    """``@rule(..., per_model=("beta",))`` is all it takes: models whose Softplus ``beta``
-    differs match, and the rule receives one value per model; without it they are refused."""
+    """``@rule(..., per_model=("lambd",))`` is all it takes: models whose Hardshrink ``lambd``
+    differs match, and the rule receives one value per model; without it they are refused.
+    (Hardshrink: the activations of hftc.passes.per_model_ops, Softplus's ``beta`` among
+    them, differ per model without a rule.)"""
     from hftc.errors import MismatchError
     from hftc.passes.registry import RULES, rule
 
-    models = [nn.Sequential(nn.Linear(4, 4), nn.Softplus(beta)) for beta in (0.5, 2.0, 3.0)]
-    with pytest.raises(MismatchError, match=r"beta 2\.0 vs 0\.5"):
+    models = [nn.Sequential(nn.Linear(4, 4), nn.Hardshrink(lambd)) for lambd in (0.5, 2.0, 3.0)]
+    with pytest.raises(MismatchError, match=r"lambd 2\.0 vs 0\.5"):
         hftc.fuse(models)
 
     seen = []
 
-    def fuse_softplus(group, builder):
-        seen.append(group.per_model["beta"])
-        return builder.call(softplus_per_model, builder.broadcast(group.args[0]),
-                            tuple(group.per_model["beta"]))
+    def fuse_hardshrink(group, builder):
+        seen.append(group.per_model["lambd"])
+        return builder.call(hardshrink_per_model, builder.broadcast(group.args[0]),
+                            tuple(group.per_model["lambd"]))
 
-    key = ("call_module", nn.Softplus)
+    key = ("call_module", nn.Hardshrink)
     declared = RULES.pop(key)
     try:
-        rule(key, per_model=("beta",))(fuse_softplus)
+        rule(key, per_model=("lambd",))(fuse_hardshrink)
         fused = hftc.fuse(models)
         x = torch.randn(3, 4)
         out = fused(x)  # (compiled on the first call)

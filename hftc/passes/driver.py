@@ -41,6 +41,9 @@ from ..ir import EXAMPLE_VALUE
 from ..match import describe_node, module_path, target_name
 from ..runtime import fallback as rt_fallback
 from ..runtime import layout as rt_layout
+from ..runtime.per_model_ops import writes_in_place
+from .per_model_ops import check_per_model_op as per_model_ops_check
+from .per_model_ops import describe_ops, fuse_per_model_op
 from .registry import FusionGroup, GraphBuilder, NotFusable, RuleEntry, lookup
 
 #: The fused module's name for a constant tensor every model holds equal (one copy, shared;
@@ -53,7 +56,8 @@ class FusionRecord:
 
     node: str
     source: str
-    kind: str  # "fused" | "shared" | "loop" | "input" | "parameter"
+    #: "per_model": the models' ops differ (an activation), each runs on its slice
+    kind: str  # "fused" | "shared" | "loop" | "per_model" | "input" | "parameter"
     rule: str = ""
     fused_nodes: list[str] = field(default_factory=list)
     reason: str = ""
@@ -85,10 +89,16 @@ class FusionReport:
     def fused(self) -> list[FusionRecord]:
         return [r for r in self.records if r.kind == "fused"]
 
+    @property
+    def per_model(self) -> list[FusionRecord]:
+        """The nodes whose op differs per model (ReLU in one, GELU in another), run on each
+        model's slice of the fused tensor."""
+        return [r for r in self.records if r.kind == "per_model"]
+
     def rule_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         for r in self.records:
-            if r.kind in ("fused", "loop"):
+            if r.kind in ("fused", "loop", "per_model"):
                 counts[r.rule] = counts.get(r.rule, 0) + 1
         return counts
 
@@ -97,22 +107,28 @@ class FusionReport:
             f"hftc fusion report: {self.num_models} models, graphs matched by {self.match_method}",
             f"  {len(self.fused)} ops fused, "
             f"{sum(r.kind == 'shared' for r in self.records)} computed once (shared), "
-            f"{len(self.fallbacks)} per-model loops",
+            f"{len(self.fallbacks)} per-model loops"
+            + (f", {len(self.per_model)} ops that differ per model" if self.per_model else ""),
             "",
-            f"  {'node':<24} {'kind':<7} {'rule':<28} fused node(s)   <- originals",
+            f"  {'node':<24} {'kind':<9} {'rule':<28} fused node(s)   <- originals",
         ]
         for r in self.records:
             if r.kind in ("input", "parameter"):
                 continue
             origin = ", ".join(r.originals[:3]) + (" ..." if len(r.originals) > 3 else "")
             lines.append(
-                f"  {r.node:<24} {r.kind:<7} {r.rule:<28} {', '.join(r.fused_nodes) or '-'}"
+                f"  {r.node:<24} {r.kind:<9} {r.rule:<28} {', '.join(r.fused_nodes) or '-'}"
                 f"   <- {origin}"
             )
         if self.fallbacks:
             lines.append("")
             lines.append("  fell back to a per-model loop (exact, but not faster):")
             for r in self.fallbacks:
+                lines.append(f"    {r.source}: {r.reason}")
+        if self.per_model:
+            lines.append("")
+            lines.append("  run on each model's slice (the models' ops differ; exact):")
+            for r in self.per_model:
                 lines.append(f"    {r.source}: {r.reason}")
         if self.check is not None:
             lines.append("")
@@ -289,7 +305,22 @@ class _Fusion:
             own = _per_model_copy(node, group, builder, env)
             group = FusionGroup(node, names, (own, *group.args[1:]), group.kwargs, module)
             builder.current, writes_shared = group, False
-        if not any_batched and not _has_state(module) and not random and not group.per_model:
+        per_model_ops = node.meta.get(ir.PER_MODEL_OPS)
+        if per_model_ops:
+            # ReLU in some models, GELU in others: each model's op on its slice.
+            why_not = per_model_ops_check(node)
+            if why_not is None and not any_batched and any(map(writes_in_place, per_model_ops)):
+                why_not = "some models' op writes in place into a value all models share"
+            builder.current_rule = rule_name = "per_model_op"
+            kind, reason = "per_model", f"the op differs per model: {describe_ops(per_model_ops)}"
+            if why_not is not None:
+                self.unsupported.append(
+                    f"{describe_node(node, self.graph_module)}: the models run different ops here "
+                    f"({describe_ops(per_model_ops)}), which hftc runs on each model's slice, "
+                    f"but {why_not}; use the out-of-place form (inplace=False)")
+                kind = "refused"
+            new = fuse_per_model_op(group, builder)
+        elif not any_batched and not _has_state(module) and not random and not group.per_model:
             builder.current_rule = "shared"
             new, kind, rule_name = builder.copy(group, batched=False), "shared", "shared"
         elif random and writes_shared:

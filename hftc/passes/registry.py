@@ -45,6 +45,7 @@ from ..ir import (
 )
 from ..match import PerModelTable, describe_node, function_name, target_name
 from ..runtime import layout as rt_layout
+from .per_model_ops import elementwise_op
 
 
 class NotFusable(Exception):
@@ -267,7 +268,8 @@ def target_name_of(target: Any) -> str:
 
 def per_model_table() -> PerModelTable:
     """The hyper-parameters that may differ between the models, as the rules declare them
-    (``@rule(..., per_model=...)``), for :func:`hftc.match.match_graphs`."""
+    (``@rule(..., per_model=...)``), and the elementwise ops that may differ per model
+    (:mod:`hftc.passes.per_model_ops`), for :func:`hftc.match.match_graphs`."""
     modules, arguments, defaults = [], {}, {}
     for (op, target), entry in RULES.items():
         if not entry.per_model:
@@ -278,7 +280,7 @@ def per_model_table() -> PerModelTable:
         fn = entry.signature_of(target)
         arguments[target] = {parameter_position(fn, name): name for name in entry.per_model}
         defaults[target] = positional_defaults(fn, max(arguments[target]))
-    return PerModelTable(tuple(modules), arguments, defaults)
+    return PerModelTable(tuple(modules), arguments, defaults, elementwise_op=elementwise_op)
 
 
 def per_model_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
