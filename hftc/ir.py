@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -210,3 +211,29 @@ def bind(kernel: Callable[..., Any], fn: Any) -> Callable[..., Any]:
         bound.__name__ = bound.__qualname__ = f"{kernel.__name__}__{name}".replace(".", "_")
         _BOUND[key] = bound
     return _BOUND[key]
+
+
+#: Python's in-place operators, as fx records them (``y[i] = v``, ``y += v``).
+INPLACE_OPERATORS = {
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+    operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
+}
+_INPLACE_DUNDERS = {f"__{op.__name__}__" for op in INPLACE_OPERATORS}
+
+
+def node_writes_in_place(node: torch.fx.Node) -> bool:
+    """Does ``node`` write into its first argument?  ``y.add_(v)``, ``torch.index_put_(y,
+    ...)``, ``y[i] = v``, ``y += v``; not ``y & m`` (``__and__``) nor ``y.__iand__``'s kin
+    read as a dunder: only the ``__i*__`` ones and ``__setitem__`` write."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+    if node.op == "call_function":
+        if node.target in INPLACE_OPERATORS:
+            return True
+        if getattr(node.target, "__module__", None) in ("operator", "_operator"):
+            return False  # operator.and_, or_: named for the keyword, not in place
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.startswith("_")
+    return False

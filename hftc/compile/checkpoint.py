@@ -31,7 +31,6 @@ autotune's whole-model loop) nothing is checkpointed.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,14 +39,10 @@ import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import FusionArgumentError
+from ..ir import INPLACE_OPERATORS
 from .codegen import compile_graph
 
 _COMPUTE = ("call_function", "call_method", "call_module")
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                      operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
-                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                      operator.irshift}
-
 
 def check_option(checkpoint_option: Any) -> int | bool:
     """``checkpoint=`` of ``hftc.fuse``: False, True (sqrt(ops) segments) or a count >= 1."""
@@ -74,7 +69,7 @@ def _mutated_argument(node: fx.Node) -> fx.Node | None:
     inplace = (node.kwargs.get("inplace") is True
                or (node.op in ("call_method", "call_function") and name.endswith("_")
                    and not name.startswith("_"))
-               or target in _INPLACE_OPERATORS)
+               or target in INPLACE_OPERATORS)
     if isinstance(node.kwargs.get("out"), fx.Node):
         return node.kwargs["out"]
     first = node.args[0] if node.args else node.kwargs.get("input")

@@ -24,7 +24,6 @@ The output's tensor leaves all get the model dim (shared ones are expanded).
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +36,12 @@ from torch.utils import _pytree as pytree
 
 from .. import ir
 from ..errors import FusionError, UnsupportedOperatorError, plain_message
-from ..ir import EXAMPLE_VALUE
+from ..ir import EXAMPLE_VALUE, PER_MODEL_OPS, node_writes_in_place
 from ..match import describe_node, module_path, target_name
 from ..runtime import fallback as rt_fallback
 from ..runtime import layout as rt_layout
-from ..runtime.per_model_ops import writes_in_place
-from .per_model_ops import check_per_model_op as per_model_ops_check
-from .per_model_ops import describe_ops, fuse_per_model_op
+from ..runtime import per_model_ops as rt_per_model_ops
+from .per_model_ops import describe_ops
 from .registry import FusionGroup, GraphBuilder, NotFusable, RuleEntry, lookup
 
 #: The fused module's name for a constant tensor every model holds equal (one copy, shared;
@@ -308,8 +306,9 @@ class _Fusion:
         per_model_ops = node.meta.get(ir.PER_MODEL_OPS)
         if per_model_ops:
             # ReLU in some models, GELU in others: each model's op on its slice.
-            why_not = per_model_ops_check(node)
-            if why_not is None and not any_batched and any(map(writes_in_place, per_model_ops)):
+            why_not = check_per_model_op(node)
+            writes = any(map(rt_per_model_ops.writes_in_place, per_model_ops))
+            if why_not is None and not any_batched and writes:
                 why_not = "some models' op writes in place into a value all models share"
             builder.current_rule = rule_name = "per_model_op"
             kind, reason = "per_model", f"the op differs per model: {describe_ops(per_model_ops)}"
@@ -379,36 +378,10 @@ def _apply_rule(entry: RuleEntry | None, group: FusionGroup,
         ) from exc
 
 
-#: Python's in-place operators, as fx records them (``y[i] = v``, ``y += v``).
-_INPLACE_OPERATORS = {
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
-    operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
-}
-_INPLACE_DUNDERS = {f"__{op.__name__}__" for op in _INPLACE_OPERATORS}
-
-
-def _writes_in_place(node: fx.Node) -> bool:
-    """Does ``node`` write into its first argument?  ``y.add_(v)``, ``torch.index_put_(y,
-    ...)``, ``y[i] = v``, ``y += v``; not ``y & m`` (``__and__``) nor ``y.__iand__``'s kin
-    read as a dunder: only the ``__i*__`` ones and ``__setitem__`` write."""
-    if node.op == "call_method":
-        name = str(node.target)
-        return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
-    if node.op == "call_function":
-        if node.target in _INPLACE_OPERATORS:
-            return True
-        if getattr(node.target, "__module__", None) in ("operator", "_operator"):
-            return False  # operator.and_, or_: named for the keyword, not in place
-        name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.startswith("_")
-    return False
-
-
 def _inplace_on_shared(node: fx.Node, group: FusionGroup, builder: GraphBuilder) -> bool:
     """An in-place write into a value all models share (the caller decides whether a
     per-model operand makes that a problem)."""
-    if not _writes_in_place(node) or not group.args:
+    if not node_writes_in_place(node) or not group.args:
         return False
     written = node.args[0]
     return isinstance(written, fx.Node) and isinstance(
@@ -444,7 +417,7 @@ def _fresh_and_unaliased(node: fx.Node, position: dict[fx.Node, int]) -> bool:
     if not fresh:
         return False
     return all(position[user] > position[node] or (
-        _writes_in_place(user) and user.args[0] is written and not user.users)
+        node_writes_in_place(user) and user.args[0] is written and not user.users)
         for user in written.users if user is not node)
 
 
@@ -456,3 +429,53 @@ def _map_pair(value: Any, example: Any, fn: Any) -> Any:
     if isinstance(value, dict) and isinstance(example, dict):
         return {k: _map_pair(v, example.get(k), fn) for k, v in value.items()}
     return fn(value, example)
+
+
+# ------------------------------------------------------------ ops that differ per model
+
+def fuse_per_model_op(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """The node whose op differs per model (``meta[PER_MODEL_OPS]``): each model's own op on
+    its slice (:func:`~hftc.runtime.per_model_ops.per_model_elementwise`); a shared input
+    is expanded first, so that each model applies its op to the values it sees."""
+    node = group.node
+    ops = tuple(node.meta[PER_MODEL_OPS])
+    x = group.args[0] if group.args else group.kwargs["input"]
+    x = builder.broadcast(x)
+    training = builder.training_flag(group) if node.op == "call_module" else True
+    return builder.call(rt_per_model_ops.per_model_elementwise, x, ops, training)
+
+
+def _aliases_written_later(node: fx.Node) -> bool:
+    """Does anything write in place into ``node``'s value, or a view of it, later in the
+    graph (``y = act(x); y.mul_(2)``)?"""
+    views = {"view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "permute",
+             "narrow", "expand", "view_as", "unflatten", "t", "contiguous"}
+    stack, seen = [node], set()
+    while stack:
+        value = stack.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        for user in value.users:
+            if node_writes_in_place(user) and user.args and user.args[0] is value:
+                return True
+            name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+            if name in views or name == "getitem":
+                stack.append(user)
+    return False
+
+
+def check_per_model_op(node: fx.Node) -> str | None:
+    """Why the per-model op at ``node`` cannot run exactly, or None.  Where some models'
+    op writes in place and others' does not, the fused result is a new tensor for all:
+    exact unless forward later writes in place into that result (which, in the in-place
+    models, would write into their input too)."""
+    ops = node.meta[PER_MODEL_OPS]
+    inplace = [rt_per_model_ops.writes_in_place(op) for op in ops]
+    if any(inplace) and not all(inplace) and _aliases_written_later(node):
+        return ("some models' op writes in place into its input and others' does not, and "
+                "forward writes in place into the result later")
+    example = node.meta.get(EXAMPLE_VALUE)
+    if not isinstance(example, torch.Tensor):
+        return "its result is not a tensor"
+    return None

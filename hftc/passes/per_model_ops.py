@@ -1,5 +1,5 @@
-"""Ops that may differ per model: which elementwise op a node is, and the fused node that
-runs each model's own on its slice.
+"""Ops that may differ per model: which elementwise op a node is (the fused node that runs
+each model's own on its slice is the driver's: :func:`hftc.passes.driver.fuse_per_model_op`).
 
 Models that are one program except for an activation (ReLU in some, GELU or Tanh in
 others) or dropout on in some and off in others (``nn.Dropout`` against ``nn.Identity``)
@@ -17,18 +17,14 @@ other difference is refused as before.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..ir import EXAMPLE_VALUE, PER_MODEL_OPS
 from ..runtime import per_model_ops as rt_per_model_ops
-
-if TYPE_CHECKING:  # (the registry imports this module)
-    from .registry import FusionGroup, GraphBuilder
 
 Op = rt_per_model_ops.Op
 
@@ -178,53 +174,3 @@ def describe_ops(ops: list[Op]) -> str:
     return ", ".join(
         f"{describe_op(op)} (model{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))})"
         for op, ix in models.items())
-
-
-def fuse_per_model_op(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """The node whose op differs per model (``meta[PER_MODEL_OPS]``): each model's own op on
-    its slice (:func:`~hftc.runtime.per_model_ops.per_model_elementwise`); a shared input
-    is expanded first, so that each model applies its op to the values it sees."""
-    node = group.node
-    ops = tuple(node.meta[PER_MODEL_OPS])
-    x = group.args[0] if group.args else group.kwargs["input"]
-    x = builder.broadcast(x)
-    training = builder.training_flag(group) if node.op == "call_module" else True
-    return builder.call(rt_per_model_ops.per_model_elementwise, x, ops, training)
-
-
-def _aliases_written_later(node: fx.Node) -> bool:
-    """Does anything write in place into ``node``'s value, or a view of it, later in the
-    graph (``y = act(x); y.mul_(2)``)?"""
-    from .driver import _writes_in_place  # (the driver imports this module)
-
-    views = {"view", "reshape", "flatten", "unsqueeze", "squeeze", "transpose", "permute",
-             "narrow", "expand", "view_as", "unflatten", "t", "contiguous"}
-    stack, seen = [node], set()
-    while stack:
-        value = stack.pop()
-        if value in seen:
-            continue
-        seen.add(value)
-        for user in value.users:
-            if _writes_in_place(user) and user.args and user.args[0] is value:
-                return True
-            name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
-            if name in views or name == "getitem":
-                stack.append(user)
-    return False
-
-
-def check_per_model_op(node: fx.Node) -> str | None:
-    """Why the per-model op at ``node`` cannot run exactly, or None.  Where some models'
-    op writes in place and others' does not, the fused result is a new tensor for all:
-    exact unless forward later writes in place into that result (which, in the in-place
-    models, would write into their input too)."""
-    ops = node.meta[PER_MODEL_OPS]
-    inplace = [rt_per_model_ops.writes_in_place(op) for op in ops]
-    if any(inplace) and not all(inplace) and _aliases_written_later(node):
-        return ("some models' op writes in place into its input and others' does not, and "
-                "forward writes in place into the result later")
-    example = node.meta.get(EXAMPLE_VALUE)
-    if not isinstance(example, torch.Tensor):
-        return "its result is not a tensor"
-    return None
