@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import ir
 from ..errors import plain_message
+from ..runtime.model_loop import call_model
 
 aten = torch.ops.aten
 
@@ -490,7 +491,7 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
             try:
                 drawn = _rng_states()
                 with ConstantRandomness() as model_mode:
-                    want = shell(*args)
+                    want = call_model(shell, args, fused)
                 # A draw without a constant in the model's own forward: shapes only too.
                 result.shapes_only |= any(not torch.equal(a, b)
                                           for a, b in zip(drawn, _rng_states()))
@@ -609,7 +610,7 @@ def _locate(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
         with ConstantRandomness(), ir.modes_restored_on_error():
             Recorder(program).run(*input_copies(values))
         with ConstantRandomness():
-            shell(*args)
+            call_model(shell, args, fused)
     calls_so_far: dict[str, int] = {}
     for name, path in calls:
         k = calls_so_far.get(path, 0)
