@@ -49,10 +49,10 @@ try:
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.trainer_pt_utils import find_batch_size, nested_gather
     from transformers.utils.generic import can_return_loss, find_labels
-except ImportError as exc:  # pragma: no cover - the test environment has both
-    raise MissingExtraError(
-        f"hftc.hf needs transformers and accelerate ({exc.name} is not installed): "
-        f"pip install 'hftc[hf]'") from exc
+except ImportError as exc:  # pragma: no cover - the test environment has them
+    _missing = (exc.name or "transformers").split(".")[0]
+    raise MissingExtraError(f"hftc.hf needs transformers and accelerate ({_missing} is not "
+                            f"installed): pip install 'hftc[hf]'") from exc
 
 __all__ = ["FusedTrainer", "model_dir"]
 

@@ -58,10 +58,10 @@ from .shrink import keep_models
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, EarlyStopping
-except ImportError as exc:  # pragma: no cover - the test environment has Lightning
-    raise MissingExtraError(
-        f"hftc.lightning needs Lightning ({exc.name} is not installed): "
-        f"pip install 'hftc[lightning]'") from exc
+except ImportError as exc:  # pragma: no cover - the test environment has them
+    _missing = (exc.name or "lightning").split(".")[0]
+    raise MissingExtraError(f"hftc.lightning needs Lightning ({_missing} is not installed): "
+                            f"pip install 'hftc[lightning]'") from exc
 
 __all__ = ["FusedLightningModule", "PerModelCheckpoint", "PerModelEarlyStopping"]
 
