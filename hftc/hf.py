@@ -104,6 +104,12 @@ class FusedTrainer(transformers.Trainer):
                 "FusedTrainer: label_smoothing_factor is applied by the Trainer to the logits "
                 "as one model's, but the fused logits are [N, batch, ...]; set it to 0 and use "
                 "the models' own loss (or a compute_loss_func giving N losses)")
+        if args is not None and args.load_best_model_at_end:
+            raise FusionArgumentError(
+                "FusedTrainer: load_best_model_at_end would load one step's checkpoint for "
+                "all N models, picked by their summed eval_loss, where each model's best "
+                "step differs; train without it and take model k from the checkpoint whose "
+                "eval_loss_model_k is lowest (checkpoint-*/model_k)")
         super().__init__(model, args, *rest, **kwargs)
         if self.args.n_gpu > 1:
             raise FusionArgumentError(
@@ -302,8 +308,6 @@ class FusedTrainer(transformers.Trainer):
                     if name in own:
                         stacked[k].copy_(own[name].to(stacked.dtype))
 
-    def _load_best_model(self) -> None:
-        self._load_from_checkpoint(self.state.best_model_checkpoint)
 
 
 def _model_axis_second(value: Any) -> Any:

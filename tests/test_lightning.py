@@ -68,7 +68,8 @@ class Fused(hl.FusedLightningModule):
         self.log_per_model("val_loss", self._losses(batch))
 
     def configure_optimizers(self):
-        return hftc.optim.SGD(self.fused.parameters(), lr=LRS, momentum=MOMENTA)
+        opt = hftc.optim.SGD(self.fused.parameters(), lr=LRS, momentum=MOMENTA)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)]
 
 
 class Alone(pl.LightningModule):
@@ -89,7 +90,8 @@ class Alone(pl.LightningModule):
         self.log("val_loss", self._loss(batch))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=self.momentum)
+        opt = torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=self.momentum)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)]
 
 
 class Record(Callback):
