@@ -71,9 +71,10 @@ def _models(make):
 CASES = {
     # the Trainer's own optimizer (torch AdamW) over the stacked parameters; tight clipping
     "bert": (_bert, "classify", False, {"max_grad_norm": 0.05}),
-    # hftc.optim.AdamW with a learning rate per model, under the Trainer's linear schedule
+    # hftc.optim.AdamW with a learning rate per model, under the Trainer's linear schedule;
+    # Llama: 2 batches a step (each model's loss over both, num_items_in_batch)
     "gpt2": (_gpt2, "lm", True, {}),
-    "llama": (_llama, "lm", True, {"max_grad_norm": 0.5}),
+    "llama": (_llama, "lm", True, {"max_grad_norm": 0.5, "gradient_accumulation_steps": 2}),
 }
 
 
@@ -92,6 +93,7 @@ def test_fused_trainer_equals_a_trainer_per_model(name, tmp_path):
                                    train_dataset=data, eval_dataset=data[:10],
                                    optimizers=optimizers)
     trainer.train()
+    assert fused.fusion_report.fallbacks == [], str(fused.fusion_report)  # all of it fused
     fused_eval = trainer.evaluate()
     trainer.save_model()
     fused_logs = [log for log in trainer.state.log_history if "loss" in log]
