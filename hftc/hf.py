@@ -73,8 +73,11 @@ class FusedTrainer(transformers.Trainer):
             lr=[...]), None)``; the Trainer's scheduler then scales each model's rate.
 
     Raises ``FusionTypeError`` for a model that is not a fused module of ``PreTrainedModel``\\ s
-    and ``FusionArgumentError`` for ``DataParallel`` over several GPUs of one process (use
-    DDP: ``torchrun``/``accelerate launch``, each process a fused module on its own GPU).
+    and ``FusionArgumentError`` for what would treat the N models as one:
+    ``label_smoothing_factor`` (the Trainer smooths the logits as one model's),
+    ``load_best_model_at_end`` (one step for all N, by the summed loss) and
+    ``DataParallel`` over several GPUs of one process (use DDP: ``torchrun`` /
+    ``accelerate launch``, each process the fused module on its own GPU).
     """
 
     def __init__(self, model: FusedModule | None = None,
