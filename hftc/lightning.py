@@ -126,6 +126,20 @@ class FusedLightningModule(pl.LightningModule):
         keep_models(self.fused, keep, optimizers=optimizers, schedulers=schedulers)
         self.model_ids = [self.model_ids[j] for j in keep]
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["hftc_model_ids"] = list(self.model_ids)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A Lightning checkpoint saved after models left the array holds fewer models than
+        a module made anew: refused, saying so (not a size mismatch from load_state_dict)."""
+        saved = checkpoint.get("hftc_model_ids")
+        if saved is not None and list(saved) != self.model_ids:
+            raise FusionArgumentError(
+                f"this checkpoint holds models {list(saved)} of the array, the module models "
+                f"{self.model_ids}: resuming after models left the array is not supported; "
+                f"each model's own file (PerModelCheckpoint) holds it")
+        super().on_load_checkpoint(checkpoint)
+
     def model_state_dict(self, model_id: int) -> dict[str, torch.Tensor]:
         """Model ``model_id``'s ``state_dict`` with its class's keys (copies)."""
         return self.fused.unfuse_model(self._position(model_id)).state_dict()

@@ -162,3 +162,9 @@ def test_the_callbacks_refuse_a_plain_lightning_module_and_say_what_to_do(tmp_pa
         module.log_per_model("x", torch.zeros(2))
     with pytest.raises(hftc.errors.FusionArgumentError, match=r"model id\(s\) \[7\] are not"):
         module.keep_models([0, 7])
+    module.keep_models([0, 2])
+    checkpoint = {}
+    module.on_save_checkpoint(checkpoint)
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"holds models \[0, 2\] of the array, the module models \[0, 1, 2\]"):
+        Fused(_models()).on_load_checkpoint(checkpoint)
