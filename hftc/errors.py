@@ -70,6 +70,11 @@ class SweepWarning(UserWarning):
     could not use: the trials it held are retried from epoch 0)."""
 
 
+class MissingExtraError(FusionError, ImportError):
+    """An optional integration (``hftc.hf``, ``hftc.lightning``) needs a package that is not
+    installed; the message names the extra that installs it (``pip install 'hftc[hf]'``)."""
+
+
 class FusionIndexError(FusionArgumentError, IndexError):
     """A model index out of range (``fused.model_state_dict(5)`` of 3 models)."""
 

@@ -711,6 +711,7 @@ class FusedModule(ContainerAccess, nn.Module):
         forward, and whether each carries the model dim.  ``in_dims`` applies to an input
         whichever way it is passed."""
         self.__dict__["_call_graph_key"] = None
+        self.__dict__["_call_keywords"] = ()  # inputs forward's **kwargs takes: none
         placeholders = [
             n for n in self._mode_graphs[self.training].graph.nodes
             if n.op == "placeholder"
@@ -776,8 +777,9 @@ class FusedModule(ContainerAccess, nn.Module):
         ``None`` that was a tensor): the models are exported again with this call's own
         inputs as the example (once per mode and pattern of given / ``None`` inputs),
         and the call's inputs bound to forward's parameters in order, up to the last one
-        given.  None where forward takes ``*args`` / ``**kwargs`` (the call is refused
-        as before)."""
+        given, then the keyword-only ones and those forward's ``**kwargs`` takes
+        (``num_items_in_batch`` from the Hugging Face Trainer), exported as keywords.
+        None where forward takes ``*args`` (the call is refused as before)."""
         signature = inspect.signature(type(self._template).forward)
         parameters = list(signature.parameters.values())[1:]
         if any(p.kind == p.VAR_POSITIONAL for p in parameters):
@@ -790,38 +792,44 @@ class FusedModule(ContainerAccess, nn.Module):
         parameters = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY,
                                                           p.POSITIONAL_OR_KEYWORD)]
         named = {p.name for p in parameters}
-        others = sorted(set(kwargs) - named)
-        if others:  # keyword-only, or taken by **kwargs: not an input export can be given
-            raise FusionArgumentError(
-                f"{self.source_type}.forward: got keyword input(s) {others}, which are not "
-                f"among its named inputs ({', '.join(p.name for p in parameters)}); the "
-                f"fused module takes those, by position or by keyword")
+        # Keyword-only, or taken by **kwargs (bind refused any other): export takes them as
+        # keywords, after the positional inputs; sorted, so one pattern is one export.
+        keywords = sorted(set(kwargs) - named)
         given = set(bound.arguments) & named
         bound.apply_defaults()
-        last = max(k for k, p in enumerate(parameters) if p.name in given)
+        last = max((k for k, p in enumerate(parameters) if p.name in given), default=-1)
         names = [p.name for p in parameters[:last + 1]]
         values = [bound.arguments[name] for name in names]
-        merged, batched = self._merge_inputs(values, [n in given for n in names], names)
+        given_flags = [n in given for n in names]
+        names += keywords
+        values += [kwargs[name] for name in keywords]
+        given_flags += [True] * len(keywords)
+        merged, batched = self._merge_inputs(values, given_flags, names)
         key = tuple((name, "tensor" if isinstance(v, torch.Tensor) else repr(v))
                     for name, v in zip(names, values))
+        if keywords:
+            key += (("keywords", tuple(keywords)),)
         found = self.__dict__.get("_reexported_graphs", {}).get((self.training, key))
         refused = None if found is None else _guard_failure(found.graph, merged, batched)
         if refused is not None:
             key += (("shapes", _shapes(merged, batched)),)
-        self._use_export(key, merged, batched, refused)
+        self._use_export(key, merged, batched, refused, keywords=len(keywords))
+        self.__dict__["_call_keywords"] = tuple(keywords)
         return merged, batched
 
     def _use_export(self, key: tuple, merged: Sequence[Any], batched: Sequence[bool],
-                    refused: FusionArgumentError | None = None) -> None:
+                    refused: FusionArgumentError | None = None, keywords: int = 0) -> None:
         """This call runs the graphs exported for ``key`` (exported now if not yet).
         ``refused``: the guard that sent the call here (a size export fixed), raised as it
         is when the models cannot be exported with these inputs either (a size their code
-        fixes): that message says what the models take."""
+        fixes): that message says what the models take.  ``keywords``: how many of the
+        last inputs are exported as keywords (names in ``key``)."""
         self.__dict__["_call_graph_key"] = key
         graphs = self.__dict__.setdefault("_reexported_graphs", {})
         if (self.training, key) not in graphs:
             try:
-                graphs[(self.training, key)] = self._export_again(merged, batched)
+                names = [name for name, _ in key[len(merged) - keywords:len(merged)]]
+                graphs[(self.training, key)] = self._export_again(merged, batched, names)
             except TraceError:
                 if refused is None:
                     raise
@@ -844,15 +852,18 @@ class FusedModule(ContainerAccess, nn.Module):
         originals = [{n0.name: ni.name for n0, ni in m.items()} for m in match.mapping]
         return _ModeGraphs(graphs[0].graph, originals, match.method, attr_targets,
                            constants or {})
-    def _export_again(self, merged: Sequence[Any], batched: Sequence[bool]) -> _ModeGraphs:
+    def _export_again(self, merged: Sequence[Any], batched: Sequence[bool],
+                      keyword_names: Sequence[str] = ()) -> _ModeGraphs:
         """The models (as ``unfuse()`` gives them) exported in the current mode with a
-        call's inputs as the example, matched and their constants stacked as at fusing."""
+        call's inputs as the example (the last ``len(keyword_names)`` of them as those
+        keywords), matched and their constants stacked as at fusing."""
         from .frontends.export import export_models
 
         models = self.unfuse()
         graphs = export_models(
             models, lambda i: tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched)),
-            modes=(self.training,), aten_spellings=aten_spellings())[self.training]
+            modes=(self.training,), aten_spellings=aten_spellings(),
+            keyword_names=keyword_names)[self.training]
         return self._matched_mode_graphs(graphs, models)
 
     @staticmethod

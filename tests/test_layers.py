@@ -47,6 +47,8 @@ LAYERS = {
     "hftc.__main__": 7,
     "hftc.cli_args": 7,
     "hftc.cli_graph": 7,
+    "hftc.hf": 7,
+    "hftc.lightning": 7,
 }
 TOP = 7  # the package itself (its lazy loader)
 

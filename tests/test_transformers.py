@@ -154,8 +154,58 @@ def test_a_call_with_other_keyword_inputs_exports_again():
     assert len(exported) == 3
     fused(input_ids=ids2, labels=labels.repeat(2)[:4])  # the same pattern: no new export
     assert len(exported) == 3
+    # `label` (not `labels`) goes to forward's **kwargs, which BERT ignores: so does the
+    # fused module (logits, no loss), as each model alone
+    out = fused(input_ids=ids, label=labels)
+    assert out.loss is None and models[0](input_ids=ids, label=labels).loss is None
+    torch.testing.assert_close(out.logits[1], models[1](input_ids=ids).logits)
+
+
+def test_keyword_inputs_taken_by_forwards_kwargs_reach_each_model_as_keywords():
+    """The Hugging Face Trainer calls model(input_ids=..., labels=..., num_items_in_batch=n),
+    n going to forward's **kwargs. The fused module refused it ("got keyword input(s)
+    ['num_items_in_batch'], which are not among its named inputs"); it now exports the
+    models with n as a keyword, and runs the models' own forward (the first-call check)
+    with n as a keyword too: passed by position after `labels`, n became GPT-2's
+    `use_cache` (a DynamicCache came back). Loss (sum over tokens / n), logits and
+    gradients equal each model's, float64."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    models = [transformers.GPT2LMHeadModel(config).double() for _ in range(N)]
+    ids, _ = _batch()
+    fused = hftc.fuse(models, example_inputs=(ids,))
+    count = torch.tensor(11.0)  # not the 18 predicted tokens: the loss is not a mean
+    out = fused(input_ids=ids, labels=ids, num_items_in_batch=count)
+    (out.loss.sum() + out.logits.pow(2).sum() / 100).backward()
+    for i, m in enumerate(models):
+        ref = m(input_ids=ids, labels=ids, num_items_in_batch=count)
+        assert list(ref.keys()) == list(out.keys()) == ["loss", "logits"]
+        # transformers computes the LM loss in float32 (logits.float()): float32's rounding
+        torch.testing.assert_close(out.loss[i], ref.loss, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(out.logits[i], ref.logits, rtol=1e-9, atol=1e-12)
+        (ref.loss + ref.logits.pow(2).sum() / 100).backward()
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad,
+                                       rtol=1e-6, atol=1e-9, msg=name)
+    assert fused.fusion_report.fallbacks == [], str(fused.fusion_report)
+
+
+class _NoKwargs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 3)
+
+    def forward(self, x, labels=None):
+        return self.fc(x)
+
+
+def test_a_keyword_input_forward_cannot_take_is_refused():
+    models = [_NoKwargs() for _ in range(2)]
+    x = torch.randn(4, 6)
+    fused = hftc.fuse(models, example_inputs=(x,), frontend="export")
     with pytest.raises(hftc.errors.FusionArgumentError,
-                       match=r"BertForSequenceClassification.forward: got keyword "
-                             r"input\(s\) \['label'\], which are not among its named inputs "
-                             r"\(input_ids, attention_mask, .*labels"):
-        fused(input_ids=ids, label=labels)
+                       match=r"_NoKwargs.forward: got an unexpected keyword argument 'label'.*"
+                             r"call the fused module as you would call one model"):
+        fused(x, label=torch.zeros(4))

@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import ir
 from ..errors import plain_message
+from ..runtime.model_loop import call_model
 
 aten = torch.ops.aten
 
@@ -490,7 +491,7 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
             try:
                 drawn = _rng_states()
                 with ConstantRandomness() as model_mode:
-                    want = shell(*args)
+                    want = call_model(shell, args, fused)
                 # A draw without a constant in the model's own forward: shapes only too.
                 result.shapes_only |= any(not torch.equal(a, b)
                                           for a, b in zip(drawn, _rng_states()))
@@ -538,7 +539,7 @@ def _within_own_rounding(fused: nn.Module, i: int, args: Sequence[Any], got: Any
             for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
                 stack.enter_context(torch.autocast(device, enabled=False))
             stack.enter_context(ConstantRandomness())
-            exact = shell(*args64)
+            exact = call_model(shell, args64, fused)
     except Exception:  # noqa: BLE001 - no float64 run: the difference stands
         return False
     got, want, exact = (pytree.tree_leaves(t) for t in (got, want, exact))
@@ -609,7 +610,7 @@ def _locate(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
         with ConstantRandomness(), ir.modes_restored_on_error():
             Recorder(program).run(*input_copies(values))
         with ConstantRandomness():
-            shell(*args)
+            call_model(shell, args, fused)
     calls_so_far: dict[str, int] = {}
     for name, path in calls:
         k = calls_so_far.get(path, 0)

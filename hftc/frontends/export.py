@@ -102,6 +102,13 @@ def _dynamic_shapes(args: tuple, kwargs: dict, model: nn.Module | None = None) -
         except (TypeError, ValueError):
             pass
         else:
+            parameters = inspect.signature(model.forward).parameters
+            if any(parameters[name].kind == inspect.Parameter.VAR_KEYWORD
+                   for name in bound.arguments):
+                # torch 2.13 refuses any dynamic_shapes for an input taken by **kwargs
+                # ("Must provide a tree_name"): static shapes; the graph's guards send a
+                # call of other sizes to an export of its own.
+                return None
             return {name: pytree.tree_map(spec, value)
                     for name, value in bound.arguments.items()}
     return tuple(pytree.tree_map(spec, a) for a in (*args, *kwargs.values()))
@@ -196,12 +203,14 @@ def _inference_mode_refused(index: int, model: nn.Module) -> Iterator[None]:
 
 def export_models(
     models: Sequence[nn.Module], inputs: Callable[[int], tuple], *, modes: Sequence[bool],
-    aten_spellings: Mapping[Any, Converter],
+    aten_spellings: Mapping[Any, Converter], keyword_names: Sequence[str] = (),
 ) -> dict[bool, list[fx.GraphModule]]:
     """Each model's normalised graph in each mode, with one ``torch.export`` per mode for
     each group of models that run the same program (:mod:`.same_program`), not one per model.
 
-    ``inputs(i)`` is model ``i``'s example inputs; ``aten_spellings`` as for
+    ``inputs(i)`` is model ``i``'s example inputs, its last ``len(keyword_names)`` passed
+    as those keywords (``**kwargs`` inputs; placeholders after the positional ones, in
+    that order); ``aten_spellings`` as for
     :func:`export_model`.  Model ``i`` reuses the program of the
     first model found alike, normalised at its own parameters and buffers::
 
@@ -220,7 +229,10 @@ def export_models(
         programs: dict[int, torch.export.ExportedProgram] = {}
         graphs[mode] = []
         for i, model in enumerate(models):
-            args, kwargs = _unaliased(tuple(inputs(i)), {})
+            values = tuple(inputs(i))
+            positional = len(values) - len(keyword_names)
+            args, kwargs = _unaliased(values[:positional],
+                                      dict(zip(keyword_names, values[positional:])))
             reused = programs.get(alike[i])
             if reused is not None:
                 graphs[mode].append(normalize_exported(reused, model, i, args, kwargs,

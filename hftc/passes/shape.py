@@ -111,8 +111,14 @@ def fuse_reshape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(rt_spatial.reshape, x, *shape)
 
 
+def alias_as_view_as(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
+    """``aten.alias(x)``, a view of all of ``x`` (export writes it for ``x[:, -0:]``, GPT-2's
+    ``logits_to_keep=0`` at a static length), as ``x.view_as(x)``: the same view."""
+    return e.method("view_as", args[0], args[0])
+
+
 @rule(*spellings("view_as", torch_fn=False), *spellings("reshape_as", torch_fn=False),
-               *spellings("expand_as", torch_fn=False))
+               *spellings("expand_as", torch_fn=False), aten={aten.alias: alias_as_view_as})
 def fuse_as(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, other = group.args[0], group.args[1]
     size = (builder.call(rt_spatial.size, other, batched=False) if builder.is_batched(other)

@@ -128,7 +128,7 @@ class ModelLoop:
             for registry, key, name, _ in slots:
                 registry[key] = slices[name][i]
             try:
-                outs.append(shell(*args) if method is None
+                outs.append(call_model(shell, args, fused) if method is None
                             else getattr(shell, method)(*args, **(kwargs or {})))
             except RuntimeError as exc:
                 if "returns multiple views" not in str(exc):
@@ -145,6 +145,20 @@ class ModelLoop:
                 for registry, key, _, placeholder in slots:
                     registry[key] = placeholder
         return stack_outputs(outs)
+
+
+def call_model(model: nn.Module, args: Sequence[Any], fused: nn.Module) -> Any:
+    """``model(*args)`` as the fused module's current call gives the inputs: its last
+    inputs by keyword where the call passed them to forward's ``**kwargs`` (the export
+    front-end exported them as keywords: ``fused.__dict__["_call_keywords"]``)::
+
+        keywords ("num_items_in_batch",):  model(ids, ..., labels, num_items_in_batch=n)
+    """
+    keywords = fused.__dict__.get("_call_keywords", ())
+    if not keywords:
+        return model(*args)
+    positional = len(args) - len(keywords)
+    return model(*args[:positional], **dict(zip(keywords, args[positional:])))
 
 
 def stack_outputs(outs: Sequence[Any]) -> Any:
