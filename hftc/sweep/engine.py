@@ -109,7 +109,9 @@ def _mismatch(a: nn.Module, b: nn.Module, example: Any) -> str:
     except Exception as exc:  # noqa: BLE001 - the reason is the message, whatever raised it
         lines = [ln.strip().replace("model 1's ", "").replace(" differs from model 0's:", ":")
                  for ln in str(exc).splitlines() if "differs from model 0's" in ln]
-        text = "; ".join(lines) or str(exc).splitlines()[0]
+        parts = "; ".join(lines).split("; ")
+        text = "; ".join(parts[:3]) + ("; ..." if len(parts) > 3 else "") if lines else \
+            str(exc).splitlines()[0]
         return text + (": different shapes" if "shape" in text else "")
     return "different traced graphs"
 
@@ -861,6 +863,9 @@ class Sweep:
         for k, scheduler in enumerate(run.schedulers):
             if scheduler is None:
                 continue
+            if run.array is not None:
+                # The fused optimizer stepped for the stock one (torch warns otherwise).
+                run.optimizers[k]._opt_called = True
             step_scheduler(scheduler, run.history[-1])
             stock = run.optimizers[k].param_groups
             if len({g["lr"] for g in stock}) > 1:
