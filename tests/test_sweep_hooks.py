@@ -8,6 +8,7 @@ same trial trained alone by a plain PyTorch loop to 1e-9.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SPEC_SOURCE = '''
 \"\"\"pytorch/examples' MNIST MLP in small, with every hook of an open sweep spec (float64).\"\"\"
+import importlib.util
 import json
 import os
 import re
@@ -155,8 +157,21 @@ def data():
     return train, val
 
 
+TENSORBOARD = os.environ.get("HFTC_TEST_TENSORBOARD")  # a folder, where tensorboard imports
+writer = None
+
+
 def on_epoch(logs):
+    global writer
     _maybe_die("epoch")
+    if TENSORBOARD and importlib.util.find_spec("tensorboard") is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = writer or SummaryWriter(TENSORBOARD)
+        for entry in logs:
+            for key in ("loss", "train_loss", "lr"):
+                writer.add_scalar(f"trial-{entry['trial']}/{key}", entry[key], entry["epoch"])
+        writer.flush()
     if LOG:
         with open(LOG, "a") as f:
             for entry in logs:
@@ -203,7 +218,6 @@ def plain_loop(spec_module, trial: optuna.trial.FrozenTrial) -> tuple[list[float
 
 
 def _module(spec_file: Path):
-    import importlib.util
 
     loaded = importlib.util.spec_from_file_location("hooks_spec_for_test", spec_file)
     module = importlib.util.module_from_spec(loaded)
@@ -225,6 +239,7 @@ def test_every_hook_gives_what_each_trial_gives_trained_alone(spec_file: Path,
                                                                tmp_path: Path, monkeypatch):
     log = tmp_path / "log.jsonl"
     monkeypatch.setenv("HFTC_TEST_LOG", str(log))
+    monkeypatch.setenv("HFTC_TEST_TENSORBOARD", str(tmp_path / "runs"))
     result = hs.run(spec_file, out=tmp_path / "out", progress=False)
     trials = result.study.trials
     assert [t.state for t in trials] == [TrialState.PRUNED] + [TrialState.COMPLETE] * 4
@@ -251,6 +266,8 @@ def test_every_hook_gives_what_each_trial_gives_trained_alone(spec_file: Path,
         # StepLR: lr * gamma ** epoch, after the epoch's step
         expected = t.params["lr"] * t.params["gamma"] ** e["epoch"]
         assert abs(e["lr"] - expected) <= 1e-12, (e, expected)
+    if importlib.util.find_spec("tensorboard") is not None:  # (not installed everywhere)
+        assert list((tmp_path / "runs").glob("events.out.tfevents.*"))
 
 
 def test_the_summary_gives_time_speedup_arrays_and_why_apart(spec_file: Path,
