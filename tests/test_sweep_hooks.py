@@ -218,7 +218,6 @@ def plain_loop(spec_module, trial: optuna.trial.FrozenTrial) -> tuple[list[float
 
 
 def _module(spec_file: Path):
-
     loaded = importlib.util.spec_from_file_location("hooks_spec_for_test", spec_file)
     module = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(module)
