@@ -510,6 +510,8 @@ class Sweep:
         self.serial_epoch_s: list[float] = []
         self.formations: list[tuple[int, ...]] = []
         self.apart: dict[str, None] = {}  # why trials could not share an array (ordered set)
+        self._apart_cache: dict[tuple, str] = {}  # (structure, structure) -> why apart
+        self._example: Any = None  # a training batch's inputs, for tracing
         self.excluded_s = 0.0
         self.study_name = study_name or spec.name
         self.out = Path(out if out is not None else Path("sweeps") / self.study_name).resolve()
@@ -773,7 +775,7 @@ class Sweep:
             by_optimizer.setdefault(_optimizer_kind(r), []).append(r)
         # A batch of the training data as example_inputs: a model symbolic tracing cannot
         # read (a Hugging Face model, say) is traced by torch.export from it.
-        if getattr(self, "_example", None) is None:
+        if self._example is None:
             self._example = self.data.example(self.spec.batch_size)
         example = self._example
         kinds = list(by_optimizer)
@@ -911,10 +913,9 @@ class Sweep:
         what hftc.fuse says of their models (once per pair of structures)."""
         if reason is None:
             pair = (_shapes(first[0].module), _shapes(other[0].module))
-            cache = self.__dict__.setdefault("_apart_cache", {})
-            if pair not in cache:
-                cache[pair] = _mismatch(first[0].module, other[0].module, example)
-            reason = cache[pair]
+            if pair not in self._apart_cache:
+                self._apart_cache[pair] = _mismatch(first[0].module, other[0].module, example)
+            reason = self._apart_cache[pair]
         if not any(reason in text for text in self.apart):
             self.apart[f"trials {[r.number for r in other]} vs {[r.number for r in first]}: "
                        f"{reason}"] = None
@@ -1085,7 +1086,8 @@ class Sweep:
                     states, names = [states], [names]
                 for k, optimizer in enumerate(optimizers):
                     load_model_slice(states[k], names[k], j, optimizer, module)
-                for scheduler, state in zip(schedulers, saved.get("schedulers", [[]])[j]):
+                scheduler_states = saved["schedulers"][j] if "schedulers" in saved else []
+                for scheduler, state in zip(schedulers, scheduler_states):
                     if scheduler is not None and state is not None:
                         scheduler.load_state_dict(state)
             run = _Run(trial, params, seed, module, optimizers, schedulers, epoch=epoch,
