@@ -112,5 +112,6 @@ def main(args: argparse.Namespace) -> int:
     if best is not None:
         print(f"\nbest: trial {best.number}, {result.metric} {best.value:.6g} "
               f"({', '.join(f'{k}={v!r}' for k, v in best.params.items())})")
-    print(f"{result.wall_s:.1f} s; files: " + ", ".join(str(p) for p in result.files.values()))
+    print(result.summary)
+    print("files: " + ", ".join(str(p) for p in result.files.values()))
     return 0

@@ -75,7 +75,8 @@ def _run_demo(out, n_trials, per_array, epochs, serial_per_round, progress) -> d
                 train_alone(spec, run.params, run.seed, run.orders[-1:], data)
                 serial.append(time.perf_counter() - start)
 
-    result = Sweep(spec, out=out, progress=progress, on_round=time_serial_epochs).run()
+    result = Sweep(spec, out=out, progress=progress, on_round=time_serial_epochs,
+                   estimate_serial=0).run()
     study = result.study
     print(result.leaderboard)
     best = result.best_trial

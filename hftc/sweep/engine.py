@@ -55,15 +55,21 @@ import hftc
 from ..errors import SweepError, SweepFileError, SweepWarning
 from ..optim.slicing import fused_param_names, load_model_slice
 from .files import atomic_write, save
-from .spec import SweepSpec
+from .spec import SpecError, SweepSpec, hook_name
 from .training import (
-    SweepData,
+    batch_for_hook,
     batches,
     build_model,
-    epoch_order,
-    evaluate,
+    evaluate_all,
     is_finite,
+    load_data,
+    make_optimizers,
+    make_schedulers,
     metric_value,
+    round_seed,
+    step_losses,
+    step_scheduler,
+    train_alone,
 )
 
 __all__ = ["Sweep", "SweepError", "SweepFileError", "SweepResult", "make_storage"]
@@ -79,6 +85,37 @@ def _finite_models(fused: nn.Module) -> list[bool]:
     return finite.tolist()
 
 
+def _optimizer_kind(run: _Run) -> tuple:
+    """What must be equal for trials to share fused optimizers: each optimizer's class and
+    number of param groups."""
+    return tuple((type(o), len(o.param_groups)) for o in run.optimizers)
+
+
+def _kind_text(kind: tuple) -> str:
+    return " + ".join(cls.__name__ + (f" ({n} param groups)" if n > 1 else "")
+                      for cls, n in kind)
+
+
+def _shapes(module: nn.Module) -> tuple:
+    return (type(module).__name__,
+            tuple((name, tuple(p.shape)) for name, p in module.named_parameters()))
+
+
+def _mismatch(a: nn.Module, b: nn.Module, example: Any) -> str:
+    """Why hftc.fuse keeps ``b`` from ``a``'s array, in a line: its mismatch message's
+    differences: the layer, its out_features 128 vs 64, its parameters' shapes ..."""
+    try:
+        hftc.fuse([a, b], example_inputs=example)
+    except Exception as exc:  # noqa: BLE001 - the reason is the message, whatever raised it
+        lines = [ln.strip().replace("model 1's ", "").replace(" differs from model 0's:", ":")
+                 for ln in str(exc).splitlines() if "differs from model 0's" in ln]
+        parts = "; ".join(lines).split("; ")
+        text = "; ".join(parts[:3]) + ("; ..." if len(parts) > 3 else "") if lines else \
+            str(exc).splitlines()[0]
+        return text + (": different shapes" if "shape" in text else "")
+    return "different traced graphs"
+
+
 @dataclass
 class _Run:
     """A live trial of this worker: where its weights are and what it has done."""
@@ -87,7 +124,10 @@ class _Run:
     params: dict[str, Any]
     seed: int
     module: nn.Module  # the trial's own module (its Python attributes are the trial's)
-    optimizer: torch.optim.Optimizer | None = None  # stock, while not in an array
+    # The trial's stock optimizers, for its whole life: current while not in an array;
+    # its schedulers are built on them and step them (their lr then goes to the array's).
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
     array: _Array | None = None
     slot: int = 0
     epoch: int = 0
@@ -95,6 +135,7 @@ class _Run:
     orders: list[int] = field(default_factory=list)
     reported: int = 0  # the last step reported to the storage
     weights_finite: bool = True  # False once a weight is NaN or inf: diverged
+    train_loss: float | None = None  # the last epoch's mean training loss, for on_epoch
     ckpt: tuple[str, int] | None = None  # (checkpoint file, index in it)
 
     @property
@@ -111,7 +152,7 @@ class _Array:
     """One fused group: trials whose models have one structure, trained as one module."""
 
     fused: hftc.FusedModule
-    optimizer: torch.optim.Optimizer
+    optimizers: list[torch.optim.Optimizer]  # fused, one per stock optimizer of a trial
     members: list[_Run]
 
 
@@ -128,6 +169,18 @@ class SweepResult:
     leaderboard: str
     timings: dict[str, float] = field(default_factory=dict)
     metric: str = "value"
+    #: seconds of the epochs trained alone (stock) to estimate the one-by-one time
+    serial_epoch_s: list[float] = field(default_factory=list)
+    #: the sizes of the fused arrays of every formation, and why trials were kept apart
+    formations: list[tuple[int, ...]] = field(default_factory=list)
+    apart: list[str] = field(default_factory=list)
+
+    @property
+    def summary(self) -> str:
+        """Where the time went, the speedup, the arrays' sizes (report.summary)."""
+        from .report import summary
+
+        return summary(self)
 
     @property
     def best_trial(self) -> optuna.trial.FrozenTrial | None:
@@ -276,11 +329,7 @@ def _make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
 # ---------------------------------------------------------------------- small helpers
 
 
-def _round_seed(order_key: int) -> int:
-    """The seed of a round's random draws (dropout): a function of the round's data order
-    key alone, so a resumed sweep draws what the uninterrupted one drew, whatever it did
-    before the round (building models reseeds torch)."""
-    return (int(order_key) * 2654435761 + 97) % (2**63)
+_round_seed = round_seed  # (building models reseeds torch: each round seeds afresh)
 
 
 def _random_states(sampler: Any, prefix: str = "") -> dict[str, np.random.RandomState]:
@@ -444,17 +493,25 @@ class Sweep:
         progress: tqdm bars (default: when stderr is a terminal).
         log: a function of one string, for a line per trial event (default: silent).
         on_round: a function of the worker, called after every round off the clock.
+        estimate_serial: how many epochs to train alone (stock, off the clock, one after
+            each of the first rounds) to estimate the one-by-one time of the summary.
     """
 
     def __init__(self, spec: SweepSpec, *, out: str | Path | None = None,
                  storage: str | None = None, study_name: str | None = None,
                  resume: bool = False, heartbeat_interval: int = 30,
                  grace_period: int | None = None, progress: bool | None = None,
-                 log=None, on_round=None):
+                 log=None, on_round=None, estimate_serial: int = 3):
         self.spec = spec
         # on_round(sweep) runs after every round, off the clock (the demo times a serial
         # epoch there, so both sides are measured under the same machine load).
         self.on_round = on_round
+        self.estimate_serial = estimate_serial
+        self.serial_epoch_s: list[float] = []
+        self.formations: list[tuple[int, ...]] = []
+        self.apart: dict[str, None] = {}  # why trials could not share an array (ordered set)
+        self._apart_cache: dict[tuple, str] = {}  # (structure, structure) -> why apart
+        self._example: Any = None  # a training batch's inputs, for tracing
         self.excluded_s = 0.0
         self.study_name = study_name or spec.name
         self.out = Path(out if out is not None else Path("sweeps") / self.study_name).resolve()
@@ -474,14 +531,15 @@ class Sweep:
         self.train_s = 0.0
         self.trial_epochs = 0
         # Where the wall clock went: training, fusing, Optuna (ask/report/tell), checkpoints.
-        self.timings = {"train": 0.0, "fuse": 0.0, "optuna": 0.0, "checkpoint": 0.0}
+        self.timings = {"train": 0.0, "fuse": 0.0, "optuna": 0.0, "checkpoint": 0.0,
+                        "on_epoch": 0.0}
         self._loss = hftc.per_model(spec.loss)
 
     # ------------------------------------------------------------------ set-up
 
     def _open(self) -> None:
         # The spec's data first: a spec error stops the sweep before it writes anything.
-        self.data = SweepData.from_spec(self.spec)
+        self.data = load_data(self.spec)
         if self.resume and self.default_storage and not (self.out / "study.db").exists():
             raise self._nothing_to_resume()
         self._make_folders()
@@ -624,8 +682,9 @@ class Sweep:
             with contextlib.suppress(TypeError, ValueError):
                 trial.set_user_attr("hftc_params", json.loads(json.dumps(params)))
         module = build_model(self.spec, params, seed)
-        optimizer = self.spec.optimizer(params, module)
-        return _Run(trial, params, seed, module, optimizer)
+        optimizers = make_optimizers(self.spec, params, module)
+        schedulers = make_schedulers(self.spec, params, optimizers)
+        return _Run(trial, params, seed, module, optimizers, schedulers)
 
     def _refill(self) -> bool:
         """Ask trials until the array is full or the budget is spent; True if any came."""
@@ -679,9 +738,10 @@ class Sweep:
     # ------------------------------------------------------------------ arrays
 
     def _take_out(self, array: _Array) -> None:
-        """Dissolve an array: each live member gets its weights and a stock optimizer back."""
-        state = array.optimizer.state_dict()
-        names = fused_param_names(array.fused, array.optimizer)
+        """Dissolve an array: each live member gets its weights and its stock optimizers'
+        state back (its schedulers, built on them, stay as they are)."""
+        states = [o.state_dict() for o in array.optimizers]
+        names = [fused_param_names(array.fused, o) for o in array.optimizers]
         live = {id(r) for r in self.live}
         for j, run in enumerate(array.members):
             if id(run) not in live or run.array is not array:
@@ -689,9 +749,8 @@ class Sweep:
             # Into the trial's own module, not fused.unfuse_model(j): unfuse rebuilds every
             # model from model 0's template, so per-model attributes (Dropout.p) would be lost.
             run.module.load_state_dict(array.fused.model_state_dict(j))
-            run.optimizer = load_model_slice(state, names, j,
-                                             self.spec.optimizer(run.params, run.module),
-                                             run.module)
+            for k, optimizer in enumerate(run.optimizers):
+                load_model_slice(states[k], names[k], j, optimizer, run.module)
             run.array = None
         self.arrays.remove(array)
 
@@ -708,27 +767,39 @@ class Sweep:
         loose = [r for r in self.live if r.array is None]
         if not loose:
             return
-        # One fused optimizer per array: trials whose optimizer() picked another class
-        # (a categorical SGD / Adam choice) go into other arrays.
-        by_optimizer: dict[type, list[_Run]] = {}
+        # One fused optimizer per array and position: trials whose optimizer() picked
+        # another class (a categorical SGD / Adam choice), or other groups, go into other
+        # arrays.
+        by_optimizer: dict[tuple, list[_Run]] = {}
         for r in loose:
-            by_optimizer.setdefault(type(r.optimizer), []).append(r)
+            by_optimizer.setdefault(_optimizer_kind(r), []).append(r)
         # A batch of the training data as example_inputs: a model symbolic tracing cannot
         # read (a Hugging Face model, say) is traced by torch.export from it.
-        example = tuple(x[:self.spec.batch_size] for x in self.data.x_train)
+        if self._example is None:
+            self._example = self.data.example(self.spec.batch_size)
+        example = self._example
+        kinds = list(by_optimizer)
+        for kind in kinds[1:]:
+            self._note_apart(by_optimizer[kinds[0]], by_optimizer[kind],
+                             f"optimizers {_kind_text(kinds[0])} vs {_kind_text(kind)}")
         for same in by_optimizer.values():
-            for fused, indices in hftc.fuse_groups([r.module for r in same],
-                                                   example_inputs=example):
+            groups = hftc.fuse_groups([r.module for r in same], example_inputs=example)
+            for _, indices in groups[1:]:
+                self._note_apart([same[i] for i in groups[0][1]], [same[i] for i in indices],
+                                 None, example)
+            for fused, indices in groups:
                 members = [same[i] for i in indices]
-                optimizer = hftc.optim.fuse_optimizers(fused, [r.optimizer for r in members])
-                array = _Array(fused, optimizer, members)
+                optimizers = [hftc.optim.fuse_optimizers(fused, [r.optimizers[k] for r in members])
+                              for k in range(len(members[0].optimizers))]
+                array = _Array(fused, optimizers, members)
                 for j, r in enumerate(members):
-                    r.array, r.slot, r.optimizer = array, j, None
+                    r.array, r.slot = array, j
                 self.arrays.append(array)
         # In the order of the trials: a resumed worker, which fuses all its trials at once,
         # runs the arrays (and draws their dropout) in the order the dead worker did.
         position = {id(r): k for k, r in enumerate(self.live)}
         self.arrays.sort(key=lambda a: position[id(a.members[0])])
+        self.formations.append(tuple(len(a.members) for a in self.arrays))
         sizes = ", ".join(str(len(a.members)) for a in self.arrays)
         self.log(f"arrays re-formed: {len(self.live)} trials in {len(self.arrays)} fused "
                  f"array(s) of {sizes}")
@@ -743,39 +814,125 @@ class Sweep:
         start = time.perf_counter()
         for a in self.arrays:
             a.fused.train()
-        order = epoch_order(key, data.n_train)
-        for idx in batches(order, spec.batch_size):
-            xb = tuple(x[idx] for x in data.x_train)
-            yb = data.y_train[idx]
-            for a in self.arrays:
-                a.optimizer.zero_grad(set_to_none=True)
-                # Sum of per-model losses: each model gets exactly its own gradient.
-                self._loss(a.fused(*xb), yb).sum().backward()
-                a.optimizer.step()
+        loss_sums: list[torch.Tensor | None] = [None] * len(self.arrays)
+        n_batches = 0
+        # (engine.batches by name: the fault tests stop the sweep at a chosen batch)
+        for xb, yb in data.epoch_batches(key, spec.batch_size, batches):
+            for k, a in enumerate(self.arrays):
+                losses = self._step(a, xb, yb)
+                if losses is not None:
+                    loss_sums[k] = losses if loss_sums[k] is None else loss_sums[k] + losses
+            n_batches += 1
             if bar is not None:
                 bar.update(1)
         for a in self.arrays:
             a.fused.eval()
-            out = evaluate(a.fused, data, spec.eval_batch_size, batch_dim=1)
+        outs, targets = evaluate_all([a.fused for a in self.arrays], data,
+                                     spec.eval_batch_size, batch_dim=1)
+        for a, out, loss_sum in zip(self.arrays, outs, loss_sums):
             finite = _finite_models(a.fused)
             for j, run in enumerate(a.members):
-                run.history.append(metric_value(spec, out[j], data.y_val))
+                run.history.append(metric_value(spec, out[j], targets))
                 run.weights_finite = finite[j]
+                run.train_loss = None if loss_sum is None else float(loss_sum[j]) / n_batches
                 run.orders.append(key)
                 run.epoch += 1
                 self.trial_epochs += 1
+                self._step_schedulers(run)
         self.train_s += time.perf_counter() - start
 
+    def _step(self, a: _Array, xb: tuple[torch.Tensor, ...], yb: torch.Tensor,
+              ) -> torch.Tensor | None:
+        """One batch through one array: the spec's train_step, or zero_grad, the sum of
+        the per-model losses backward (each model gets exactly its own gradient), step.
+        Returns the per-model losses, detached (None when train_step gives none)."""
+        if self.spec.train_step is not None:
+            returned = self.spec.train_step(a.fused, batch_for_hook(xb, yb), a.optimizers,
+                                            [r.params for r in a.members])
+            return step_losses(self.spec, returned, len(a.members))
+        for optimizer in a.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        losses = self._loss(a.fused(*xb), yb)
+        losses.sum().backward()
+        for optimizer in a.optimizers:
+            optimizer.step()
+        return losses.detach()
+
+    def _step_schedulers(self, run: _Run) -> None:
+        """Step the trial's schedulers (on its stock optimizers, with its metric) and give
+        the values they set (lr, and momentum / betas for a one-cycle schedule) to its
+        model's group of each fused optimizer."""
+        for k, scheduler in enumerate(run.schedulers):
+            if scheduler is None:
+                continue
+            if run.array is not None:
+                # The fused optimizer stepped for the stock one (torch warns otherwise).
+                run.optimizers[k]._opt_called = True
+            step_scheduler(scheduler, run.history[-1])
+            stock = run.optimizers[k].param_groups
+            if len({g["lr"] for g in stock}) > 1:
+                raise SpecError(
+                    f"{hook_name('scheduler', self.spec.scheduler)}: trial {run.number}'s "
+                    f"scheduler gave its param groups different learning rates "
+                    f"({[g['lr'] for g in stock]}); a fused optimizer has one lr per model: "
+                    f"schedule all groups alike, or use two optimizers")
+            if run.array is not None:
+                group = run.array.optimizers[k].param_groups[run.slot]
+                for name in ("lr", "momentum", "betas"):
+                    if name in group and name in stock[0]:
+                        group[name] = stock[0][name]
+
+    def _on_epoch(self, runs: list[_Run]) -> None:
+        """The spec's per-epoch callback: one dict per trial that trained this round."""
+        if self.spec.on_epoch is None or not runs:
+            return
+        logs = []
+        for run in runs:
+            group = (run.array.optimizers[0].param_groups[run.slot] if run.array is not None
+                     else run.optimizers[0].param_groups[0])
+            logs.append({"trial": run.number, "epoch": run.epoch, "params": run.params,
+                         self.spec.metric_name: run.history[-1],
+                         "train_loss": run.train_loss, "lr": group["lr"]})
+        self.spec.on_epoch(logs)
+
+    def _estimate_serial(self, runs: list[_Run]) -> None:
+        """Off the clock, train one of this round's trials alone for its last epoch (stock
+        model, optimizers, schedulers, the spec's train_step): a sample of the one-by-one
+        time the summary compares with."""
+        if len(self.serial_epoch_s) >= self.estimate_serial or not runs:
+            return
+        run = runs[len(self.serial_epoch_s) % len(runs)]
+        with torch.random.fork_rng(devices=[]):  # the sweep's random draws stay its own
+            start = time.perf_counter()
+            train_alone(self.spec, run.params, run.seed, run.orders[-1:], self.data)
+            self.serial_epoch_s.append(time.perf_counter() - start)
+
+    def _note_apart(self, first: list[_Run], other: list[_Run], reason: str | None,
+                    example: Any = None) -> None:
+        """Record why ``other`` could not share ``first``'s array: the reason given, or
+        what hftc.fuse says of their models (once per pair of structures)."""
+        if reason is None:
+            pair = (_shapes(first[0].module), _shapes(other[0].module))
+            if pair not in self._apart_cache:
+                self._apart_cache[pair] = _mismatch(first[0].module, other[0].module, example)
+            reason = self._apart_cache[pair]
+        if not any(reason in text for text in self.apart):
+            self.apart[f"trials {[r.number for r in other]} vs {[r.number for r in first]}: "
+                       f"{reason}"] = None
+
     def _checkpoint(self) -> None:
-        """Every array's fused state and optimizer state, then the manifest that points
-        at them: after a crash, a trial restarts from its last completed epoch."""
+        """Every array's fused state, its optimizers' states and its trials' schedulers'
+        states, then the manifest that points at them: after a crash, a trial restarts
+        from its last completed epoch."""
         for k, a in enumerate(self.arrays):
             name = f"array-{self.round}-{k}.pt"
             save({
                 "trials": [r.number for r in a.members],
                 "model": a.fused.state_dict(),
-                "optimizer": a.optimizer.state_dict(),
-                "param_names": fused_param_names(a.fused, a.optimizer),
+                "optimizer": [o.state_dict() for o in a.optimizers],
+                "param_names": [fused_param_names(a.fused, o) for o in a.optimizers],
+                "schedulers": [[None if s is None else s.state_dict() for s in r.schedulers]
+                               for r in a.members],
                 "epochs": [r.epoch for r in a.members],
             }, self.dir / name)
             for j, r in enumerate(a.members):
@@ -920,12 +1077,20 @@ class Sweep:
             params = self._params(trial)
             seed = self._seed(trial, params)
             module = build_model(self.spec, params, seed)
-            optimizer = self.spec.optimizer(params, module)
+            optimizers = make_optimizers(self.spec, params, module)
+            schedulers = make_schedulers(self.spec, params, optimizers)
             if saved is not None:
                 module.load_state_dict({k: v[j] for k, v in saved["model"].items()})
-                load_model_slice(saved["optimizer"], saved["param_names"], j, optimizer,
-                                 module)
-            run = _Run(trial, params, seed, module, optimizer, epoch=epoch,
+                states, names = saved["optimizer"], saved["param_names"]
+                if isinstance(states, dict):  # written by a sweep of one optimizer per trial
+                    states, names = [states], [names]
+                for k, optimizer in enumerate(optimizers):
+                    load_model_slice(states[k], names[k], j, optimizer, module)
+                scheduler_states = saved["schedulers"][j] if "schedulers" in saved else []
+                for scheduler, state in zip(schedulers, scheduler_states):
+                    if scheduler is not None and state is not None:
+                        scheduler.load_state_dict(state)
+            run = _Run(trial, params, seed, module, optimizers, schedulers, epoch=epoch,
                        history=list(entry["history"][:epoch]),
                        orders=list(entry["orders"][:epoch]),
                        reported=max(frozen.intermediate_values, default=0))
@@ -1021,7 +1186,8 @@ class Sweep:
         if getattr(self, "_lock", None) is not None:
             self._lock.close()
         return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
-                           files, board, dict(self.timings), self.spec.metric_name)
+                           files, board, dict(self.timings), self.spec.metric_name,
+                           list(self.serial_epoch_s), list(self.formations), list(self.apart))
 
     def _run(self, start: float, verbosity: int) -> tuple[float, dict[str, Path], str]:
         from .report import write_results
@@ -1161,13 +1327,17 @@ class Sweep:
                     self._train_round(bars.epoch)
                 with self._timed("checkpoint"):
                     self._checkpoint()
+                trained = [r for a in self.arrays for r in a.members]
+                with self._timed("on_epoch"):
+                    self._on_epoch(trained)
                 with self._timed("optuna"):
                     self._decide(list(self.live))
                 bars.round_end(self)
+                start = time.perf_counter()
+                self._estimate_serial(trained)
                 if self.on_round is not None:
-                    start = time.perf_counter()
                     self.on_round(self)
-                    self.excluded_s += time.perf_counter() - start
+                self.excluded_s += time.perf_counter() - start
         except KeyboardInterrupt:
             self.log("interrupted: rerun with --resume to continue from the last epoch")
             raise

@@ -15,7 +15,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .files import atomic_write
 
-__all__ = ["leaderboard", "write_results", "progress_bars", "plot_curves"]
+__all__ = ["leaderboard", "write_results", "progress_bars", "plot_curves", "summary"]
 
 
 def _fmt(v: Any) -> str:
@@ -138,6 +138,43 @@ def write_results(sweep) -> tuple[dict[str, Path], str]:
     return files, board
 
 
+def summary(result) -> str:
+    """The end of a sweep in a few lines: where the wall clock went, the speedup over
+    training the same trials one by one (estimated from epochs trained alone), the sizes
+    of the fused arrays and why trials could not share one."""
+    tm = result.timings
+    parts = [f"training {tm.get('train', 0.0):.1f} s", f"fusing {tm.get('fuse', 0.0):.1f} s",
+             f"Optuna {tm.get('optuna', 0.0):.1f} s",
+             f"checkpoints {tm.get('checkpoint', 0.0):.1f} s"]
+    if tm.get("on_epoch", 0.0) >= 0.05:
+        parts.append(f"on_epoch {tm['on_epoch']:.1f} s")
+    other = result.wall_s - sum(tm.values())
+    lines = [f"time: {result.wall_s:.1f} s wall clock for {result.trial_epochs} "
+             f"trial-epochs: {', '.join(parts)}, start-up and other {max(other, 0.0):.1f} s"]
+    samples = sorted(result.serial_epoch_s)
+    if samples and result.trial_epochs:
+        epoch_s = samples[len(samples) // 2]
+        serial_s = epoch_s * result.trial_epochs
+        train = tm.get("train", 0.0)
+        lines.append(
+            f"speedup: {serial_s / result.wall_s:.2f}x wall clock, estimated (one by one: "
+            f"{serial_s:.1f} s = {epoch_s * 1e3:.1f} ms per trial-epoch, the median of "
+            f"{len(samples)} epoch(s) trained alone, x {result.trial_epochs} trial-epochs; "
+            f"it leaves out the serial run's own Optuna and start-up costs)"
+            + (f"; training alone: {serial_s / train:.2f}x" if train > 0 else ""))
+    else:
+        lines.append("speedup: not estimated (no epoch was trained alone: nothing trained)")
+    if result.formations:
+        sizes = [n for formation in result.formations for n in formation]
+        shown = ", ".join("+".join(map(str, f)) for f in result.formations[:8])
+        more = f", ... ({len(result.formations)} in all)" if len(result.formations) > 8 else ""
+        lines.append(f"fused arrays: {shown}{more} trials per array as formed (mean "
+                     f"{sum(sizes) / len(sizes):.1f})")
+    for reason in result.apart:
+        lines.append(f"  not in one array: {reason}")
+    return "\n".join(lines)
+
+
 class _Bars:
     """tqdm bars for trials and for the batches of the current epoch; silent off a terminal."""
 
@@ -171,7 +208,7 @@ class _Bars:
     def round_start(self, sweep) -> None:
         if self.trials is None:
             return
-        n_batches = -(-sweep.data.n_train // sweep.spec.batch_size)
+        n_batches = sweep.data.n_batches(sweep.spec.batch_size)
         sizes = "+".join(str(len(a.members)) for a in sweep.arrays)
         self.epoch = self.tqdm(total=n_batches, desc=f"round {sweep.round + 1} [{sizes}]",
                                unit="batch", position=1, leave=False, dynamic_ncols=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -32,7 +33,50 @@ from torch import nn
 
 from ..errors import SpecError
 
-__all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer"]
+__all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer", "hook_name"]
+
+#: The arguments each hook is called with, in order (``metric`` when it is a function).
+HOOK_ARGUMENTS: dict[str, tuple[str, ...]] = {
+    "space": ("trial",),
+    "model": ("params",),
+    "data": (),
+    "optimizer": ("params", "module"),
+    "loss": ("output", "target"),
+    "metric": ("output", "target"),
+    "train_step": ("model", "batch", "optimizers", "params"),
+    "scheduler": ("optimizer", "params"),
+    "on_epoch": ("logs",),
+}
+
+
+def hook_name(key: str, fn: Any) -> str:
+    """``spec.<key>`` and where the function is defined: ``spec.train_step (spec.py:12)``."""
+    target = inspect.unwrap(fn) if callable(fn) else fn
+    code = getattr(target, "__code__", None)
+    if code is None:  # a callable object: its class's __call__
+        code = getattr(vars(type(target)).get("__call__"), "__code__", None)
+    if code is None:
+        return f"spec.{key}"
+    return f"spec.{key} ({code.co_filename}:{code.co_firstlineno})"
+
+
+def _check_hook(key: str, fn: Any) -> None:
+    """A hook is a function that takes the arguments the sweep passes it, by position."""
+    if not callable(fn):
+        raise SpecError(f"spec.{key} must be a function {key}({', '.join(HOOK_ARGUMENTS[key])})"
+                        f", got a {type(fn).__name__}: {fn!r}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a readable signature (torch's C functions): trust it
+    expected = HOOK_ARGUMENTS[key]
+    try:
+        signature.bind(*expected)
+    except TypeError as exc:
+        raise SpecError(
+            f"{hook_name(key, fn)} has the signature {key}{signature}, but the sweep calls "
+            f"it as {key}({', '.join(expected)}) ({exc}); give it exactly those "
+            f"{len(expected)} positional argument(s)") from None
 
 
 def default_optimizer(params: dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:
@@ -67,7 +111,22 @@ class SweepSpec:
             optimizer on the model's parameters (SGD, Adam, AdamW, RMSprop, Adagrad);
             hftc fuses the N of an array with ``hftc.optim.fuse_optimizers``. Default:
             :func:`default_optimizer`.
+            The optimizer may have param groups (nanoGPT's weight decay off for biases
+            and norms; one lr for all its groups), and ``optimizer`` may return a list of
+            optimizers over parts of the model (a GAN's generator and discriminator):
+            each position is fused on its own.
         loss: training loss ``loss(output, target)`` (default ``F.cross_entropy``).
+        train_step: ``train_step(model, batch, optimizers, params)``, your training step
+            instead of the default (zero_grad, ``per_model(loss)(...).sum().backward()``,
+            step): ``model`` is the fused array (outputs ``[N, B, ...]``; alone, N = 1),
+            ``batch`` is ``(x, y)`` as ``data`` gives it, ``optimizers`` the fused
+            optimizers (a list, in the order ``optimizer`` returned them), ``params`` the
+            N trials' params. Return the per-model training losses (N numbers) or None.
+        scheduler: ``scheduler(optimizer, params) -> LRScheduler | None``, built on each
+            of the trial's stock optimizers; stepped after every epoch (a
+            ``ReduceLROnPlateau`` with the trial's metric).
+        on_epoch: ``on_epoch(logs)`` after every epoch: one dict per trial that trained
+            it (``trial``, ``epoch``, ``params``, the metric, ``train_loss``, ``lr``).
         metric: ``"accuracy"``, ``"loss"`` (``loss`` on the validation set) or a
             function ``metric(output, target) -> float`` of one model's validation
             output; measured after every epoch and reported to Optuna.
@@ -86,8 +145,11 @@ class SweepSpec:
     space: Callable[[Any], dict[str, Any] | None]
     model: Callable[[dict[str, Any]], nn.Module]
     data: Callable[[], Any]
-    optimizer: Callable[[dict[str, Any], nn.Module], torch.optim.Optimizer] = default_optimizer
+    optimizer: Callable[[dict[str, Any], nn.Module], Any] = default_optimizer
     loss: Callable[..., torch.Tensor] = F.cross_entropy
+    train_step: Callable[..., Any] | None = None
+    scheduler: Callable[..., Any] | None = None
+    on_epoch: Callable[[list[dict[str, Any]]], Any] | None = None
     metric: str | Callable[[torch.Tensor, torch.Tensor], float] = "accuracy"
     direction: str | None = None
     epochs: int = 10
@@ -105,8 +167,10 @@ class SweepSpec:
 
     def __post_init__(self) -> None:
         for key in ("space", "model", "data", "optimizer", "loss"):
-            if not callable(getattr(self, key)):
-                raise SpecError(f"spec.{key} must be callable, got {getattr(self, key)!r}")
+            _check_hook(key, getattr(self, key))
+        for key in ("train_step", "scheduler", "on_epoch"):
+            if getattr(self, key) is not None:
+                _check_hook(key, getattr(self, key))
         if isinstance(self.metric, str) and self.metric not in ("accuracy", "loss"):
             raise SpecError(
                 f"spec.metric is {self.metric!r}; use 'accuracy', 'loss' or a function "
@@ -114,6 +178,8 @@ class SweepSpec:
             )
         if not isinstance(self.metric, str) and not callable(self.metric):
             raise SpecError(f"spec.metric must be a name or a function, got {self.metric!r}")
+        if callable(self.metric):
+            _check_hook("metric", self.metric)
         if self.direction is None:
             self.direction = "maximize" if self.metric == "accuracy" else "minimize"
         if self.direction not in ("maximize", "minimize"):

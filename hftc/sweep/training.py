@@ -20,10 +20,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .spec import SpecError, SweepSpec
+from .spec import SpecError, SweepSpec, hook_name
 
-__all__ = ["SweepData", "epoch_order", "batches", "build_model", "metric_value",
-           "train_alone", "evaluate"]
+__all__ = ["SweepData", "LoaderData", "load_data", "epoch_order", "batches", "build_model",
+           "metric_value", "train_alone", "evaluate", "evaluate_all", "round_seed",
+           "make_optimizers", "make_schedulers", "step_scheduler", "step_losses"]
+
+
+def round_seed(order_key: int) -> int:
+    """The seed of an epoch's random draws (dropout, a DataLoader's shuffle and
+    augmentation): a function of the epoch's data order key alone, so a resumed sweep
+    draws what the uninterrupted one drew, and a trial replayed alone what it drew fused."""
+    return (int(order_key) * 2654435761 + 97) % (2**63)
 
 
 @dataclass
@@ -39,9 +47,29 @@ class SweepData:
     def n_train(self) -> int:
         return len(self.y_train)
 
+    def n_batches(self, batch_size: int) -> int | None:
+        return -(-self.n_train // batch_size)
+
+    def example(self, batch_size: int) -> tuple[Tensor, ...]:
+        """A training batch's inputs (for tracing)."""
+        return tuple(x[:batch_size] for x in self.x_train)
+
+    def epoch_batches(self, key: int, batch_size: int, index_batches=None,
+                      ) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+        """The epoch's training batches ``(inputs, targets)`` in the order of ``key``."""
+        for idx in (index_batches or batches)(epoch_order(key, self.n_train), batch_size):
+            yield tuple(x[idx] for x in self.x_train), self.y_train[idx]
+
+    def val_batches(self, batch_size: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+        for idx in batches(torch.arange(len(self.y_val)), batch_size):
+            yield tuple(x[idx] for x in self.x_val), self.y_val[idx]
+
     @classmethod
     def from_spec(cls, spec: SweepSpec) -> SweepData:
-        raw = spec.data()
+        return cls.from_raw(spec, spec.data())
+
+    @classmethod
+    def from_raw(cls, spec: SweepSpec, raw: Any) -> SweepData:
         if not (isinstance(raw, (tuple, list)) and len(raw) == 2):
             raise SpecError(
                 f"spec.data() must return ((x_train, y_train), (x_val, y_val)), got a "
@@ -50,6 +78,80 @@ class SweepData:
         (xt, yt), (xv, yv) = (_split(spec, raw[0], "train"), _split(spec, raw[1], "val"))
         _check_splits_agree(xt, yt, xv, yv)
         return cls(xt, yt, xv, yv)
+
+
+class LoaderData:
+    """The spec's data as iterables of batches, read anew every epoch: DataLoaders (of
+    map-style or streaming IterableDatasets, with their own shuffling and
+    augmentation) or an ``IterableDataset`` of samples (batched by ``batch_size``).
+
+    Every batch ``(x, y)`` is moved to the sweep's device (and floating tensors to its
+    dtype). The epoch's random draws are seeded by :func:`round_seed`, so shuffling and
+    augmentation repeat across a resume and in a trial replayed alone."""
+
+    def __init__(self, spec: SweepSpec, train: Any, val: Any):
+        self.spec, self.train, self.val = spec, train, val
+
+    def n_batches(self, batch_size: int) -> int | None:
+        try:
+            return len(self.train)
+        except TypeError:  # a stream: unknown
+            return None
+
+    def example(self, batch_size: int) -> tuple[Tensor, ...]:
+        with torch.random.fork_rng(devices=[]):  # the sweep's draws stay its own
+            for xs, _ in self._batches(self.train, "train"):
+                return xs
+        raise SpecError("spec.data(): the train loader gave no batch")
+
+    def epoch_batches(self, key: int, batch_size: int, index_batches=None,
+                      ) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+        return self._batches(self.train, "train")
+
+    def val_batches(self, batch_size: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+        return self._batches(self.val, "val")
+
+    def _batches(self, loader: Any, name: str) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+        count = 0
+        for batch in loader:
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise SpecError(f"spec.data(): the {name} loader must give (x, y) batches, "
+                                f"got a {type(batch).__name__}"
+                                + (f" of length {len(batch)}" if hasattr(batch, "__len__")
+                                   else ""))
+            x, y = batch
+            xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+            count += 1
+            yield tuple(self._move(t) for t in xs), self._move(torch.as_tensor(y))
+        if count == 0:
+            raise SpecError(f"spec.data(): the {name} loader gave no batch")
+
+    def _move(self, t: Tensor) -> Tensor:
+        if t.is_floating_point():
+            t = t.to(self.spec.dtype)
+        return t.to(self.spec.device)
+
+
+def _is_loader(split: Any) -> bool:
+    from torch.utils.data import DataLoader, IterableDataset
+
+    return isinstance(split, (DataLoader, IterableDataset))
+
+
+def load_data(spec: SweepSpec) -> SweepData | LoaderData:
+    """The spec's data: tensors (or map-style Datasets, read into memory) as
+    :class:`SweepData`, DataLoaders / IterableDatasets as :class:`LoaderData`."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    raw = spec.data()
+    if isinstance(raw, (tuple, list)) and len(raw) == 2 and any(map(_is_loader, raw)):
+        if not all(map(_is_loader, raw)):
+            raise SpecError("spec.data(): give both splits as DataLoaders (or "
+                            "IterableDatasets), or neither")
+        train, val = (DataLoader(s, batch_size=b) if isinstance(s, IterableDataset) else s
+                      for s, b in zip(raw, (spec.batch_size, spec.eval_batch_size)))
+        return LoaderData(spec, train, val)
+    return SweepData.from_raw(spec, raw)
 
 
 def _check_splits_agree(xt: tuple[Tensor, ...], yt: Tensor, xv: tuple[Tensor, ...],
@@ -144,14 +246,105 @@ def metric_value(spec: SweepSpec, output: Tensor, target: Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate(forward: Callable[..., Tensor], data: SweepData, batch_size: int,
+def evaluate(forward: Callable[..., Tensor], data: SweepData | LoaderData, batch_size: int,
              batch_dim: int) -> Tensor:
     """The validation outputs of ``forward``, batch by batch, concatenated along
     ``batch_dim`` (1 for a fused module's ``[N, B, ...]``, 0 alone)."""
-    outs = []
-    for idx in batches(torch.arange(len(data.y_val)), batch_size):
-        outs.append(forward(*(x[idx] for x in data.x_val)))
-    return torch.cat(outs, dim=batch_dim)
+    return evaluate_all([forward], data, batch_size, batch_dim)[0][0]
+
+
+@torch.no_grad()
+def evaluate_all(forwards: Sequence[Callable[..., Tensor]], data: SweepData | LoaderData,
+                 batch_size: int, batch_dim: int) -> tuple[list[Tensor], Tensor]:
+    """The validation outputs of every forward and the targets, from one pass over the
+    validation batches (a loader's batches, whatever their order, reach every forward)."""
+    outs: list[list[Tensor]] = [[] for _ in forwards]
+    targets = []
+    for xs, y in data.val_batches(batch_size):
+        for k, forward in enumerate(forwards):
+            outs[k].append(forward(*xs))
+        targets.append(y)
+    return [torch.cat(o, dim=batch_dim) for o in outs], torch.cat(targets)
+
+
+def make_optimizers(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
+                    ) -> list[torch.optim.Optimizer]:
+    """``spec.optimizer(params, model)`` as a list (one optimizer or several), checked."""
+    made = spec.optimizer(params, model)
+    optimizers = list(made) if isinstance(made, (tuple, list)) else [made]
+    bad = [o for o in optimizers if not isinstance(o, torch.optim.Optimizer)]
+    if bad or not optimizers:
+        got = type(bad[0]).__name__ if bad else "an empty list"
+        raise SpecError(f"{hook_name('optimizer', spec.optimizer)} returned {got}; return a "
+                        f"torch.optim optimizer on the module's parameters, or a list of them")
+    return optimizers
+
+
+def make_schedulers(spec: SweepSpec, params: dict[str, Any],
+                    optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
+    """``spec.scheduler(optimizer, params)`` for each of a trial's stock optimizers
+    (``None`` where it gives none, or without the hook), checked."""
+    if spec.scheduler is None:
+        return [None] * len(optimizers)
+    made = []
+    for optimizer in optimizers:
+        scheduler = spec.scheduler(optimizer, params)
+        if scheduler is not None and not (callable(getattr(scheduler, "step", None))
+                                          and callable(getattr(scheduler, "state_dict", None))
+                                          and getattr(scheduler, "optimizer", None)
+                                          is optimizer):
+            raise SpecError(
+                f"{hook_name('scheduler', spec.scheduler)} returned "
+                f"{type(scheduler).__name__}; return a torch.optim.lr_scheduler scheduler "
+                f"built on the optimizer it was given (or None for no schedule)")
+        made.append(scheduler)
+    return made
+
+
+def step_scheduler(scheduler: Any, metric: float) -> None:
+    """One epoch's step: ``ReduceLROnPlateau`` with the trial's metric, others plainly."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(metric)
+    else:
+        scheduler.step()
+
+
+def step_losses(spec: SweepSpec, returned: Any, n: int) -> Tensor | None:
+    """What ``train_step`` returned, as ``n`` detached per-model losses (None for None)."""
+    if returned is None:
+        return None
+    try:
+        losses = torch.as_tensor(returned.detach() if isinstance(returned, Tensor) else
+                                 [float(v) for v in returned], dtype=torch.float64)
+    except (TypeError, ValueError):
+        losses = None
+    if losses is None or losses.shape != (n,):
+        what = (f"a tensor of shape {tuple(returned.shape)}" if isinstance(returned, Tensor)
+                else f"a {type(returned).__name__}")
+        raise SpecError(f"{hook_name('train_step', spec.train_step)} returned {what}; return "
+                        f"the {n} models' training losses (a tensor of shape ({n},), e.g. "
+                        f"hftc.per_model(loss)(out, y) before .sum()) or None")
+    return losses.cpu()
+
+
+class _AloneArray(nn.Module):
+    """A stock model as a fused array of one: its outputs get a leading model dimension,
+    so a ``train_step`` written for the fused array runs unchanged on it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.num_models = 1
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return torch.utils._pytree.tree_map(
+            lambda t: t.unsqueeze(0) if isinstance(t, Tensor) else t,
+            self.model(*args, **kwargs))
+
+
+def batch_for_hook(xs: tuple[Tensor, ...], y: Tensor) -> tuple[Any, Tensor]:
+    """The batch as ``train_step`` receives it: ``(x, y)``, ``x`` a tuple for several inputs."""
+    return (xs[0] if len(xs) == 1 else xs), y
 
 
 def train_alone(
@@ -159,24 +352,36 @@ def train_alone(
     params: dict[str, Any],
     seed: int,
     orders: Sequence[int],
-    data: SweepData | None = None,
+    data: SweepData | LoaderData | None = None,
 ) -> tuple[nn.Module, list[float]]:
-    """Train one trial alone, as the fused sweep trained it: a stock model and the
-    spec's stock optimizer, one epoch per order key. Returns the model and its metric
-    after every epoch (what the sweep reported)."""
-    data = data or SweepData.from_spec(spec)
+    """Train one trial alone, as the fused sweep trained it: a stock model, the spec's
+    stock optimizer(s) and scheduler(s) and its ``train_step`` (or the default step), one
+    epoch per order key, its random draws seeded as the sweep seeds them. Returns the
+    model and its metric after every epoch (what the sweep reported)."""
+    data = data or load_data(spec)
     model = build_model(spec, params, seed)
-    optimizer = spec.optimizer(params, model)
+    optimizers = make_optimizers(spec, params, model)
+    schedulers = make_schedulers(spec, params, optimizers)
     history = []
     for key in orders:
+        torch.manual_seed(round_seed(key))
         model.train()
-        for idx in batches(epoch_order(key, data.n_train), spec.batch_size):
-            optimizer.zero_grad(set_to_none=True)
-            spec.loss(model(*(x[idx] for x in data.x_train)), data.y_train[idx]).backward()
-            optimizer.step()
+        for xs, y in data.epoch_batches(key, spec.batch_size):
+            if spec.train_step is not None:
+                step_losses(spec, spec.train_step(_AloneArray(model), batch_for_hook(xs, y),
+                                                  optimizers, [params]), 1)
+                continue
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            spec.loss(model(*xs), y).backward()
+            for optimizer in optimizers:
+                optimizer.step()
         model.eval()
-        out = evaluate(model, data, spec.eval_batch_size, batch_dim=0)
-        history.append(metric_value(spec, out, data.y_val))
+        (out,), targets = evaluate_all([model], data, spec.eval_batch_size, batch_dim=0)
+        history.append(metric_value(spec, out, targets))
+        for scheduler in schedulers:
+            if scheduler is not None:
+                step_scheduler(scheduler, history[-1])
     return model, history
 
 
