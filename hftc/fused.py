@@ -72,6 +72,7 @@ from .frontends.symbolic import (
 from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
 from .padding import WidthPadding, pad_models
+from .padding import locate_difference as locate_padding_difference
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
 from .passes.registry import aten_spellings, per_model_table
@@ -1032,8 +1033,14 @@ class FusedModule(ContainerAccess, nn.Module):
         if report.check.passed:
             return None
         if getattr(self, "padding", None) is not None:
-            return (f"{report.check.difference}: padded to the widest model (pad_widths=True), "
-                    f"the fused program does not compute what the original models compute. "
+            i = report.check.failed_model
+            where = locate_padding_difference(
+                self.unfuse_model(i), self.padded_model(i),
+                [model_slice(v, i) if b else v for v, b in zip(input_copies(values), batched)])
+            where = f" ({where})" if where else ""
+            return (f"{report.check.difference}{where}: padded to the widest model "
+                    f"(pad_widths=True), the fused program does not compute what the "
+                    f"original models compute. "
                     f"Their forward mixes across a padded width in its own code (a softmax, "
                     f"mean or sum over a hidden dim, a split or view of a padded Linear's "
                     f"output into parts, an output whose width differs per model), which "

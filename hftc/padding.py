@@ -131,7 +131,7 @@ class PaddedBatchNorm(_Padded):
     def __init__(self, source: nn.modules.batchnorm._BatchNorm,
                  widths: dict[str, Sequence[int]]):
         super().__init__()
-        self.num_features = max(shape[0] for shape in widths.values())
+        self.num_features = max(shape[0] for shape in widths.values() if len(shape))
         self.eps, self.momentum = source.eps, source.momentum
         self.track_running_stats = source.track_running_stats
         self._take(source, widths)
@@ -308,6 +308,51 @@ class WidthPadding:
         return model
 
 
+def locate_difference(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
+    """Where model ``original`` and its ``padded`` model first part (both run once, draws
+    made constant): the first module, in call order, whose input or output differs in the
+    original's units.  An input that differs where the modules before agree was changed
+    by forward's own code between them."""
+    from .compile.check import ConstantRandomness
+
+    def record(model: nn.Module) -> list[tuple[str, str, Tensor]]:
+        seen: list[tuple[str, str, Tensor]] = []
+        handles = []
+        for path, sub in model.named_modules():
+            def hook(module, inputs, output, path=path):
+                if inputs and isinstance(inputs[0], Tensor):
+                    seen.append((path, "input", inputs[0].detach()))
+                if isinstance(output, Tensor):
+                    seen.append((path, "output", output.detach()))
+            if path:
+                handles.append(sub.register_forward_hook(hook))
+        try:
+            with torch.no_grad(), ConstantRandomness():
+                model(*args)
+        except Exception:  # noqa: BLE001 - whatever ran until then is compared
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return seen
+
+    wants, gots = record(original), record(padded)
+    for (path, kind, want), (_, _, got) in zip(wants, gots):
+        if got.dim() != want.dim() or any(g < w for g, w in zip(got.shape, want.shape)):
+            differs = True
+        else:
+            got = got[tuple(slice(0, w) for w in want.shape)]
+            differs = not torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6)
+        if differs:
+            module = type(original.get_submodule(path)).__name__
+            if kind == "input":
+                return (f"the input of `{path}` ({module}) differs while the modules before "
+                        f"it agree: an op of forward's own code before `{path}` mixes "
+                        f"across a padded width")
+            return f"the output of `{path}` ({module}) differs"
+    return ""
+
+
 def _tensors(model: nn.Module) -> dict[str, Tensor]:
     return dict(model.named_parameters()) | dict(model.named_buffers())
 
@@ -395,9 +440,10 @@ def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn
         + ", ".join(f"`{n}` {tuple(own[n])}" for n in own if tuple(own[n]) != tuple(widths[n]))
         + " differ in width from the widest model's, and hftc pads only nn.Linear, "
         "nn.Conv1d/2d/3d, nn.Embedding, nn.BatchNorm, nn.LayerNorm, nn.RMSNorm and "
-        "nn.GroupNorm (nn.MultiheadAttention's packed q/k/v projection included in what "
-        "it cannot). Give every model the same widths there, or write the layer with "
-        "those modules (separate q, k, v nn.Linear layers)", [type(module).__name__])
+        "nn.GroupNorm, whose forward it masks (not a module's own nn.Parameter, whose use in "
+        "forward it cannot mask, nor nn.MultiheadAttention's packed q/k/v projection). Give "
+        "every model the same widths there, or hold the tensor in such a module (positions "
+        "in an nn.Embedding, q, k, v as three nn.Linear)", [type(module).__name__])
 
 
 def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPadding | None]:
@@ -444,4 +490,4 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
     return padded_models, plan
 
 
-__all__ = ["WidthPadding", "pad_models"]
+__all__ = ["WidthPadding", "locate_difference", "pad_models"]
