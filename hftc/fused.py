@@ -404,6 +404,7 @@ class FusedModule(ContainerAccess, nn.Module):
     ):
         super().__init__()
         models = _check_models(models)
+        unpadded = models
         if not isinstance(pad_widths, bool):
             raise FusionArgumentError(f"pad_widths must be True or False, got {pad_widths!r}")
         #: pad_widths=True: how the models were padded to the widest (hftc.padding), or
@@ -481,6 +482,13 @@ class FusedModule(ContainerAccess, nn.Module):
             {id(p): fused_names[id(sources[id(p)])] for p in m.parameters() if id(p) in sources}
             for m in models
         ]
+        if self.padding is not None:  # the original models' parameters (fuse_optimizers)
+            for names, padded, original in zip(self.source_parameter_names, models, unpadded):
+                by_name = {name: names[id(p)] for name, p in padded.named_parameters()
+                           if id(p) in names}
+                names.clear()
+                names.update({id(p): by_name[name] for name, p in original.named_parameters()
+                              if name in by_name})
         self._mode_graphs: dict[bool, _ModeGraphs] = {}
         for mode in (True, False):
             attr_targets = self._stack_constants(graphs[mode], matches[mode])
@@ -1453,6 +1461,8 @@ class FusedModule(ContainerAccess, nn.Module):
         self.num_models = n
         self._attribute_overrides = [self._attribute_overrides[i] for i in keep]
         self.source_parameter_names = [self.source_parameter_names[i] for i in keep]
+        if getattr(self, "padding", None) is not None:
+            self.padding = self.padding.subset(keep)
         if self._retrace_sources is not None:
             self._retrace_sources = [self._retrace_sources[i] for i in keep]
         if self._python_state is not None:  # (which model a message names)

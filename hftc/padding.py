@@ -264,9 +264,22 @@ class WidthPadding:
     padded_shapes: dict[str, torch.Size]
     #: the original models on the meta device (structure and attributes, no data)
     originals: list[nn.Module]
-    #: multiply-adds of the Linear / Conv / Embedding weights: the models' own, padded
-    real_weight_elements: int = 0
-    padded_weight_elements: int = 0
+    #: the Linear / Conv / Embedding weights, whose entries count the arithmetic
+    weight_names: tuple[str, ...] = ()
+
+    @property
+    def real_weight_elements(self) -> int:
+        return sum(own[n].numel() for own in self.shapes for n in self.weight_names)
+
+    @property
+    def padded_weight_elements(self) -> int:
+        return sum(self.padded_shapes[n].numel() for n in self.weight_names) * len(self.shapes)
+
+    def subset(self, keep: Sequence[int]) -> WidthPadding:
+        """The plan of models ``keep`` (``hftc.keep_models``), still padded to the widths
+        of before: the stacked tensors keep their shapes."""
+        return WidthPadding([self.shapes[i] for i in keep], self.padded_shapes,
+                            [self.originals[i] for i in keep], self.weight_names)
 
     @property
     def arithmetic_ratio(self) -> float:
@@ -481,12 +494,10 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
             parent, _, leaf = path.rpartition(".")
             setattr(padded.get_submodule(parent), leaf, replacement)
         padded_models.append(padded)
-    for name, shape in padded_shapes.items():
-        module = models[0].get_submodule(name.rpartition(".")[0])
-        if name.endswith("weight") and isinstance(
-                module, (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)):
-            plan.padded_weight_elements += shape.numel() * len(models)
-            plan.real_weight_elements += sum(s[name].numel() for s in own_shapes)
+    plan.weight_names = tuple(
+        name for name in padded_shapes if name.rpartition(".")[2] == "weight" and isinstance(
+            models[0].get_submodule(name.rpartition(".")[0]),
+            (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)))
     return padded_models, plan
 
 

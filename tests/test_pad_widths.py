@@ -332,3 +332,58 @@ def test_pad_widths_needs_the_check():
         hftc.fuse([mlp(8), mlp(16)], pad_widths=True, check=False)
     with pytest.raises(FusionArgumentError, match="pad_widths must be True or False"):
         hftc.fuse([mlp(8), mlp(16)], pad_widths="yes")
+
+
+def test_keep_models_keeps_each_models_widths():
+    torch.manual_seed(3)
+    models = [mlp(h).double() for h in (16, 48, 100)]
+    fused = hftc.fuse(models, pad_widths=True)
+    x = torch.randn(4, 20, dtype=torch.float64)
+    hftc.keep_models(fused, [2, 0])
+    assert [m[0].out_features for m in fused.unfuse()] == [100, 16]
+    with ConstantRandomness():
+        out = fused(x)
+        for j, i in enumerate((2, 0)):
+            assert _relative(out[j], models[i](x)) <= 1e-12
+    assert fused.fusion_report.padding is not None
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_stock_optimizers_convert_at_their_own_widths(optimizer):
+    """fuse_optimizers takes the original models' stepped optimizers (their state padded
+    with zeros), unfuse_optimizers gives each back at its own widths, and training on
+    continues exactly as alone."""
+    torch.manual_seed(4)
+    models = [mlp(h, p=0.0).double() for h in (16, 48)]
+    stock, _, kwargs = OPTIMIZERS[optimizer]
+    batches = _batches("mlp", 4, torch.float64)
+    opts = [stock(m.parameters(), **kwargs(i)) for i, m in enumerate(models)]
+    for (x, y) in batches[:2]:
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            _loss(m(x), y).backward()
+            o.step()
+    alone = [copy.deepcopy(m) for m in models]
+    alone_opts = [stock(m.parameters(), **kwargs(i)) for i, m in enumerate(alone)]
+    for o, a in zip(opts, alone_opts):
+        a.load_state_dict(o.state_dict())
+    fused = hftc.fuse(models, pad_widths=True)
+    opt = hftc.optim.fuse_optimizers(fused, opts)
+    for x, y in batches[2:]:
+        opt.zero_grad()
+        out = fused(x)
+        sum(_loss(out[i], y) for i in range(2)).backward()
+        opt.step()
+        for m, o in zip(alone, alone_opts):
+            o.zero_grad()
+            _loss(m(x), y).backward()
+            o.step()
+    _assert_padding_zero(fused, opt)
+    back = fused.unfuse()
+    back_opts = hftc.optim.unfuse_optimizers(fused, opt, back)
+    for m, o, want_m, want_o in zip(back, back_opts, alone, alone_opts):
+        for (name, p), q in zip(m.named_parameters(), want_m.parameters()):
+            assert _relative(p, q) <= 1e-9, name
+            for key, value in want_o.state[q].items():
+                if torch.is_tensor(value) and value.dim():
+                    assert _relative(o.state[p][key], value) <= 1e-9, (name, key)
