@@ -309,15 +309,21 @@ class WidthPadding:
         modes = {path: sub.training for path, sub in padded.named_modules()}
         for path, sub in model.named_modules():
             sub.training = modes.get(path, sub.training)
-        tensors = dict(padded.named_parameters()) | dict(padded.named_buffers())
-        for name, meta in list(model.named_parameters()) + list(model.named_buffers()):
+        tensors = dict(padded.named_parameters(remove_duplicate=False)) | dict(
+            padded.named_buffers(remove_duplicate=False))
+        made: dict[int, Tensor] = {}  # tied tensors (an embedding and its head) stay tied
+        for name, meta in list(model.named_parameters(remove_duplicate=False)) + list(
+                model.named_buffers(remove_duplicate=False)):
             owner_path, _, leaf = name.rpartition(".")
             owner = model.get_submodule(owner_path)
-            value = self.unpad(index, name, tensors[name].detach()).clone()
+            if id(meta) not in made:
+                value = self.unpad(index, name, tensors[name].detach()).clone()
+                made[id(meta)] = (nn.Parameter(value, meta.requires_grad)
+                                  if isinstance(meta, nn.Parameter) else value)
             if isinstance(meta, nn.Parameter):
-                owner._parameters[leaf] = nn.Parameter(value, meta.requires_grad)
+                owner._parameters[leaf] = made[id(meta)]
             else:
-                owner._buffers[leaf] = value
+                owner._buffers[leaf] = made[id(meta)]
         return model
 
 
@@ -366,8 +372,28 @@ def locate_difference(original: nn.Module, padded: nn.Module, args: Sequence) ->
     return ""
 
 
+def _tie_as_in(original: nn.Module, padded: nn.Module) -> None:
+    """Parameters the original ties (nanoGPT's ``wte.weight`` is ``lm_head.weight``) one
+    padded parameter again, with one mask: the padded modules made a copy each."""
+    first: dict[int, str] = {}
+    for name, p in original.named_parameters(remove_duplicate=False):
+        source = first.setdefault(id(p), name)
+        if source == name:
+            continue
+        source_owner, _, source_leaf = source.rpartition(".")
+        owner_path, _, leaf = name.rpartition(".")
+        source_module = padded.get_submodule(source_owner)
+        owner = padded.get_submodule(owner_path)
+        owner._parameters[leaf] = source_module._parameters[source_leaf]
+        mask = source_module._buffers.get(f"{source_leaf}_mask")
+        if mask is not None:
+            owner._buffers[f"{leaf}_mask"] = mask
+
+
 def _tensors(model: nn.Module) -> dict[str, Tensor]:
-    return dict(model.named_parameters()) | dict(model.named_buffers())
+    """Every parameter and buffer by name, a tied one under each of its names."""
+    return dict(model.named_parameters(remove_duplicate=False)) | dict(
+        model.named_buffers(remove_duplicate=False))
 
 
 def _check_same_structure(models: Sequence[nn.Module]) -> None:
@@ -493,6 +519,7 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
                     f"model that holds it (nn.Sequential(model))", [type(source).__name__])
             parent, _, leaf = path.rpartition(".")
             setattr(padded.get_submodule(parent), leaf, replacement)
+        _tie_as_in(model, padded)
         padded_models.append(padded)
     plan.weight_names = tuple(
         name for name in padded_shapes if name.rpartition(".")[2] == "weight" and isinstance(

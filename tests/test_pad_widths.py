@@ -111,6 +111,13 @@ def gpt(d_model: int) -> nn.Module:
     return GPT(d_model)
 
 
+def tied_gpt(d_model: int) -> nn.Module:
+    """nanoGPT ties the token embedding and the head (weight tying)."""
+    model = GPT(d_model)
+    model.head.weight = model.wte.weight
+    return model
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -122,7 +129,7 @@ def _batches(kind: str, steps: int, dtype: torch.dtype):
     if kind == "cnn":
         return [(torch.randn(4, 3, 6, 6, generator=g, dtype=dtype),
                  torch.randint(0, 10, (4,), generator=g)) for _ in range(steps)]
-    return [(torch.randint(0, 11, (3, 8), generator=g),
+    return [(torch.randint(0, 11, (3, 8), generator=g),  # gpt, tied_gpt
              torch.randint(0, 11, (3, 8), generator=g)) for _ in range(steps)]
 
 
@@ -168,7 +175,8 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 def _assert_padding_zero(fused: hftc.FusedModule, opt) -> None:
     """Every padded entry of every parameter, buffer and optimizer state is exactly 0."""
     padding = fused.padding
-    named = dict(fused.named_parameters()) | dict(fused.named_buffers())
+    named = dict(fused.named_parameters(remove_duplicate=False)) | dict(
+        fused.named_buffers(remove_duplicate=False))
     state_names = {id(p): n for n, p in fused.named_parameters()}
     checked = 0
     for i in range(fused.num_models):
@@ -187,11 +195,11 @@ def _assert_padding_zero(fused: hftc.FusedModule, opt) -> None:
 
 
 FAMILIES = {"mlp": (mlp, [16, 48, 100, 128]), "cnn": (cnn, [8, 12, 16, 32]),
-            "gpt": (gpt, [32, 64])}
+            "gpt": (gpt, [32, 64]), "tied_gpt": (tied_gpt, [32, 48, 64])}
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("family", ["mlp", "cnn", "gpt"])
+@pytest.mark.parametrize("family", ["mlp", "cnn", "gpt", "tied_gpt"])
 def test_padded_models_train_as_alone(family, optimizer):
     """float64, 10 steps: each padded model's weights, buffers equal the model trained
     alone with stock torch.optim (<= 1e-9 relative); every padded entry (parameters,
@@ -223,6 +231,7 @@ def test_padded_models_train_as_alone(family, optimizer):
         assert all(torch.equal(own[k], got[k]) for k in expected)
     for original, back in zip(models, fused.unfuse()):
         assert [m.__class__ for m in original.modules()] == [m.__class__ for m in back.modules()]
+        assert len(list(back.parameters())) == len(list(original.parameters()))  # ties kept
 
 
 def test_dropout_draws_real_width_float32_forward_backward():
