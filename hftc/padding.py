@@ -189,8 +189,10 @@ class MaskedRMSNorm(_Padded):
         super().__init__()
         real = tuple(source.normalized_shape)
         self.normalized_shape = tuple(normalized_shape)
-        self.eps = source.eps
         like = next(iter(source.parameters()), torch.zeros(()))
+        # eps=None is the input dtype's machine epsilon: the model's dtype (a traced
+        # forward cannot read an input's dtype)
+        self.eps = torch.finfo(like.dtype).eps if source.eps is None else source.eps
         self.register_buffer("unit_mask", _mask(normalized_shape, real, like), persistent=False)
         self.register_buffer("count", torch.tensor(float(torch.Size(real).numel()),
                                                    dtype=like.dtype), persistent=False)
@@ -198,7 +200,7 @@ class MaskedRMSNorm(_Padded):
 
     def forward(self, x: Tensor) -> Tensor:
         dims = tuple(range(-len(self.normalized_shape), 0))
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        eps = self.eps
         real = x * self.unit_mask
         y = real * torch.rsqrt((real * real).sum(dims, keepdim=True) / self.count + eps)
         return y if self.weight is None else y * self.masked("weight")

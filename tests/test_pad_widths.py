@@ -111,6 +111,25 @@ def gpt(d_model: int) -> nn.Module:
     return GPT(d_model)
 
 
+class Mixed(nn.Module):
+    """Embedding (with padding_idx) -> Linear -> RMSNorm -> Conv1d -> BatchNorm1d -> head."""
+
+    def __init__(self, widths: tuple[int, int]):
+        super().__init__()
+        d, h = widths
+        self.emb = nn.Embedding(11, d, padding_idx=0)
+        self.fc = nn.Linear(d, h)
+        self.norm = nn.RMSNorm(h)
+        self.conv = nn.Conv1d(h, h, 3, padding=1, padding_mode="reflect")
+        self.bn = nn.BatchNorm1d(h)
+        self.head = nn.Linear(h, 5)
+
+    def forward(self, idx):
+        x = F.silu(self.norm(self.fc(self.emb(idx))))
+        x = torch.relu(self.bn(self.conv(x.transpose(1, 2))))
+        return self.head(x.mean(-1))
+
+
 def tied_gpt(d_model: int) -> nn.Module:
     """nanoGPT ties the token embedding and the head (weight tying)."""
     model = GPT(d_model)
@@ -129,6 +148,9 @@ def _batches(kind: str, steps: int, dtype: torch.dtype):
     if kind == "cnn":
         return [(torch.randn(4, 3, 6, 6, generator=g, dtype=dtype),
                  torch.randint(0, 10, (4,), generator=g)) for _ in range(steps)]
+    if kind == "mixed":
+        return [(torch.randint(0, 11, (4, 6), generator=g),
+                 torch.randint(0, 5, (4,), generator=g)) for _ in range(steps)]
     return [(torch.randint(0, 11, (3, 8), generator=g),  # gpt, tied_gpt
              torch.randint(0, 11, (3, 8), generator=g)) for _ in range(steps)]
 
@@ -195,11 +217,12 @@ def _assert_padding_zero(fused: hftc.FusedModule, opt) -> None:
 
 
 FAMILIES = {"mlp": (mlp, [16, 48, 100, 128]), "cnn": (cnn, [8, 12, 16, 32]),
-            "gpt": (gpt, [32, 64]), "tied_gpt": (tied_gpt, [32, 48, 64])}
+            "gpt": (gpt, [32, 64]), "tied_gpt": (tied_gpt, [32, 48, 64]),
+            "mixed": (Mixed, [(8, 12), (16, 24), (12, 20)])}
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("family", ["mlp", "cnn", "gpt", "tied_gpt"])
+@pytest.mark.parametrize("family", ["mlp", "cnn", "gpt", "tied_gpt", "mixed"])
 def test_padded_models_train_as_alone(family, optimizer):
     """float64, 10 steps: each padded model's weights, buffers equal the model trained
     alone with stock torch.optim (<= 1e-9 relative); every padded entry (parameters,
@@ -229,6 +252,12 @@ def test_padded_models_train_as_alone(family, optimizer):
                 assert torch.equal(got[name], expected[name]), (i, name)
         own = fused.model_state_dict(i)
         assert all(torch.equal(own[k], got[k]) for k in expected)
+    # a new program (eval mode) is checked against every original again, then runs
+    fused.eval()
+    x = batches[0][0]
+    out = fused(x)
+    for i, back in enumerate(fused.unfuse()):
+        assert _relative(out[i], back(x)) <= 1e-12
     for original, back in zip(models, fused.unfuse()):
         assert [m.__class__ for m in original.modules()] == [m.__class__ for m in back.modules()]
         assert len(list(back.parameters())) == len(list(original.parameters()))  # ties kept
