@@ -374,6 +374,32 @@ def locate_difference(original: nn.Module, padded: nn.Module, args: Sequence) ->
     return ""
 
 
+_WEIGHTED = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)
+
+
+def widths_key(model: nn.Module) -> str:
+    """Equal for two models that ``pad_widths=True`` may pad into one array: the same
+    module paths and classes, the same tensor names and ranks, whatever their widths."""
+    return repr(([(p, type(m).__qualname__) for p, m in model.named_modules()],
+                 [(n, t.dim()) for n, t in _tensors(model).items()]))
+
+
+def weight_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """The Linear / Conv / Embedding weights' shapes: their entries count the arithmetic
+    (per output position) that padding multiplies."""
+    return {f"{p}.weight" if p else "weight": m.weight.shape
+            for p, m in model.named_modules() if isinstance(m, _WEIGHTED)}
+
+
+def padding_ratio(shapes: Sequence[dict[str, torch.Size]]) -> float:
+    """The arithmetic of models of these :func:`weight_shapes` padded into one array over
+    their own (1.0: one width)."""
+    real = sum(s.numel() for own in shapes for s in own.values())
+    widest = {n: torch.Size(max(d) for d in zip(*(own[n] for own in shapes)))
+              for n in shapes[0]}
+    return sum(s.numel() for s in widest.values()) * len(shapes) / max(real, 1)
+
+
 def _tie_as_in(original: nn.Module, padded: nn.Module) -> None:
     """Parameters the original ties (nanoGPT's ``wte.weight`` is ``lm_head.weight``) one
     padded parameter again, with one mask: the padded modules made a copy each."""
@@ -530,4 +556,5 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
     return padded_models, plan
 
 
-__all__ = ["WidthPadding", "locate_difference", "pad_models"]
+__all__ = ["WidthPadding", "locate_difference", "pad_models", "padding_ratio", "weight_shapes",
+           "widths_key"]

@@ -425,3 +425,47 @@ def test_stock_optimizers_convert_at_their_own_widths(optimizer):
             for key, value in want_o.state[q].items():
                 if torch.is_tensor(value) and value.dim():
                     assert _relative(o.state[p][key], value) <= 1e-9, (name, key)
+
+
+# ---------------------------------------------------------------- fuse_groups: pad or split
+
+
+def test_fuse_groups_pads_near_widths_and_splits_far_ones():
+    """fuse_groups(pad_widths=True): widths whose padding costs little share one array,
+    far ones go apart, each array says why; every model's outputs are its own."""
+    torch.manual_seed(5)
+    widths = [64, 64, 96, 128, 512, 512]
+    models = [nn.Sequential(nn.Linear(32, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(),
+                            nn.Linear(w, 4)).double() for w in widths]
+    # largest first: [512, 512] + 128 is 1.45x the arithmetic, + 96 would be 1.89x;
+    # [96] + 64 + 64 is 1.49x
+    groups = hftc.fuse_groups(models, pad_widths=True, max_padding=1.5)
+    assert [indices for _, indices in groups] == [[0, 1, 2], [3, 4, 5]]
+    small, large = groups[0][0], groups[1][0]
+    assert small.padding is not None and large.padding is not None
+    assert "2 widths padded into one array: 1.49x" in small.grouping
+    assert "2 widths padded into one array: 1.45x" in large.grouping
+    assert "padding them in would be 1.89x (> max_padding=1.5)" in large.grouping
+    groups_apart = hftc.fuse_groups(models, pad_widths=True, max_padding=1.2)
+    assert [indices for _, indices in groups_apart] == [[0, 1], [2], [3], [4, 5]]
+    assert groups_apart[0][0].padding is None
+    x = torch.randn(5, 32, dtype=torch.float64)
+    for fused, indices in groups:
+        out = fused(x)
+        for j, i in enumerate(indices):
+            assert _relative(out[j], models[i](x)) <= 1e-12
+    # today's grouping (no padding): one array per width
+    assert len(hftc.fuse_groups(models)) == 4
+    # a budget that takes every width: one array
+    [(one, indices)] = hftc.fuse_groups(models, pad_widths=True, max_padding=10)
+    assert indices == list(range(6)) and "4 widths" in one.grouping
+
+
+def test_fuse_groups_splits_widths_that_cannot_be_padded():
+    groups = hftc.fuse_groups([RawPositions(32), RawPositions(32), RawPositions(40)],
+                              pad_widths=True, max_padding=2)
+    assert [indices for _, indices in groups] == [[0, 1], [2]]
+    assert all("not padded with the other widths" in f.grouping and "pos_emb" in f.grouping
+               for f, _ in groups)
+    with pytest.raises(FusionArgumentError, match="max_padding must be a number >= 1"):
+        hftc.fuse_groups([mlp(8)], pad_widths=True, max_padding=0.5)
