@@ -263,13 +263,15 @@ def test_padded_models_train_as_alone(family, optimizer):
         assert len(list(back.parameters())) == len(list(original.parameters()))  # ties kept
 
 
-def test_dropout_draws_real_width_float32_forward_backward():
-    """float32, training mode, real dropout draws: the padded units are exactly zero in the
-    gradients, and (draws made constant) outputs and gradients are each model's own."""
+@pytest.mark.parametrize("family", ["mlp", "cnn", "gpt", "mixed"])
+def test_float32_forward_backward(family):
+    """float32, training mode: with real random draws the padded gradients are exactly
+    zero; with the draws made constant, outputs and gradients are each model's own."""
+    build, widths = FAMILIES[family]
     torch.manual_seed(1)
-    models = [mlp(h, p=0.25) for h in (16, 48, 100, 128)]
+    models = [build(w) for w in widths]
     fused = hftc.fuse(models, pad_widths=True)
-    x = torch.randn(6, 20)
+    x, _ = _batches(family, 1, torch.float32)[0]
     out = fused(x)  # random draws: padded gradients are still exactly zero
     out.square().sum().backward()
     for i, shapes in enumerate(fused.padding.shapes):
@@ -284,11 +286,11 @@ def test_dropout_draws_real_width_float32_forward_backward():
         for i, model in enumerate(models):
             want = model(x)
             want.square().sum().backward()
-            torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(out[i], want, rtol=1e-4, atol=1e-5)
             grads = dict(model.named_parameters())
             for name, p in fused.named_parameters():
                 torch.testing.assert_close(fused.padding.unpad(i, name, p.grad[i]),
-                                           grads[name].grad, rtol=1e-4, atol=1e-6)
+                                           grads[name].grad, rtol=1e-3, atol=1e-5)
 
 
 def test_eval_mode_batch_norm_running_statistics():
