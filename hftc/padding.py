@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .compile.check import ConstantRandomness
 from .errors import MismatchError, UnsupportedOperatorError
+from .frontends.symbolic import deepcopy_module, meta_copy
 
 # ---------------------------------------------------------------- the padded modules
 
@@ -252,9 +254,6 @@ class MaskedGroupNorm(_Padded):
 # ---------------------------------------------------------------- the padding plan
 
 
-_NO_WIDTHS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Identity)
-
-
 @dataclass
 class WidthPadding:
     """What ``pad_widths=True`` did: each model's own tensor shapes, the padded ones, and
@@ -285,15 +284,17 @@ class WidthPadding:
 
     @property
     def arithmetic_ratio(self) -> float:
-        """The padded array's multiply-adds over the models' own (Linear / Conv weights,
-        per output position; 1.0: no padding cost)."""
+        """The padded array's arithmetic over the models' own: the Linear / Conv /
+        Embedding weights' entries (a Linear's or Conv's multiply-adds per output
+        position); 1.0: no padding cost."""
         return self.padded_weight_elements / max(self.real_weight_elements, 1)
 
     def summary(self) -> str:
         padded = sorted(n for n, s in self.padded_shapes.items()
                         if any(own.get(n) != s for own in self.shapes))
         return (f"padded widths (pad_widths=True): {len(padded)} tensors padded to the "
-                f"widest model's; the Linear / Conv weights hold {self.padded_weight_elements}"
+                f"widest model's; the Linear / Conv / Embedding weights hold "
+                f"{self.padded_weight_elements}"
                 f" entries for the models' {self.real_weight_elements}: about "
                 f"{self.arithmetic_ratio:.2f}x the models' own arithmetic")
 
@@ -305,8 +306,6 @@ class WidthPadding:
     def original_model(self, index: int, padded: nn.Module) -> nn.Module:
         """Model ``index`` at its own widths, with the padded model's weights, buffers and
         train / eval modes."""
-        from .frontends.symbolic import deepcopy_module
-
         model = deepcopy_module(self.originals[index])
         modes = {path: sub.training for path, sub in padded.named_modules()}
         for path, sub in model.named_modules():
@@ -334,8 +333,6 @@ def locate_difference(original: nn.Module, padded: nn.Module, args: Sequence) ->
     made constant): the first module, in call order, whose input or output differs in the
     original's units.  An input that differs where the modules before agree was changed
     by forward's own code between them."""
-    from .compile.check import ConstantRandomness
-
     def record(model: nn.Module) -> list[tuple[str, str, Tensor]]:
         seen: list[tuple[str, str, Tensor]] = []
         handles = []
@@ -516,8 +513,6 @@ def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn
 def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPadding | None]:
     """Each model rebuilt at the widest model's widths (see the module docstring), and
     the plan; the models themselves when every tensor already has one shape (None)."""
-    from .frontends.symbolic import meta_copy
-
     _check_same_structure(models)
     own_shapes = [{n: t.shape for n, t in _tensors(m).items()} for m in models]
     padded_shapes = {name: torch.Size(max(dims) for dims in zip(*(s[name] for s in own_shapes)))
