@@ -518,8 +518,9 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
     padded_shapes = {name: torch.Size(max(dims) for dims in zip(*(s[name] for s in own_shapes)))
                      for name in own_shapes[0]}
     paths = [p for p, _ in models[0].named_modules()]
-    if all(s == padded_shapes for s in own_shapes) and not any(
-            _widest_int_attributes([m.get_submodule(p) for m in models]) for p in paths):
+    if all(s == padded_shapes for s in own_shapes):
+        # one width: attributes that differ (n_head at one d_model) are per-model
+        # hyper-parameters for the ordinary fusion, not widths
         return list(models), None
     plan = WidthPadding(own_shapes, padded_shapes, [meta_copy(m) for m in models])
     padded_models = []

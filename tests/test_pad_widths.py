@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
+import hftc.padding
 from hftc.compile.check import ConstantRandomness
 from hftc.errors import FusionArgumentError, MismatchError, UnsupportedOperatorError
 from tests.optim_helpers import single_thread  # noqa: F401  (fixture)
@@ -312,6 +313,10 @@ def test_same_widths_pad_nothing():
     fused = hftc.fuse(models, pad_widths=True)
     assert fused.padding is None
     assert type(fused.padded_model(0)[0]) is nn.Linear
+    # an int attribute that differs at one width (n_head at one d_model) is a
+    # hyper-parameter, not a width: nothing is padded or changed
+    padding = hftc.padding.pad_models([GPT(32, head_dim=16), GPT(32, head_dim=8)])[1]
+    assert padding is None
 
 
 # ---------------------------------------------------------------- refusals
