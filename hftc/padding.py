@@ -53,6 +53,14 @@ def _padded(t: Tensor, shape: Sequence[int]) -> Tensor:
     return out
 
 
+def _like(module: nn.Module) -> Tensor:
+    """A tensor of the module's dtype and device, for its masks: its first parameter or
+    buffer, else (a norm without affine parameters) the model's, which
+    :func:`pad_models` records as ``module._hftc_model_like``."""
+    own = next(iter(module.parameters()), None)
+    return own if own is not None else module.__dict__["_hftc_model_like"]
+
+
 class _Padded(nn.Module):
     """Holds padded parameters and their masks: ``self.masked(name)`` is the parameter
     times its mask (the mask a non-persistent buffer, so ``state_dict`` has only the
@@ -131,12 +139,15 @@ class PaddedBatchNorm(_Padded):
     statistics zero) stays zero, and the real channels' are the model's own."""
 
     def __init__(self, source: nn.modules.batchnorm._BatchNorm,
-                 widths: dict[str, Sequence[int]]):
+                 widths: dict[str, Sequence[int]], num_features: int):
         super().__init__()
-        self.num_features = max(shape[0] for shape in widths.values() if len(shape))
+        self.num_features = num_features
         self.eps, self.momentum = source.eps, source.momentum
         self.track_running_stats = source.track_running_stats
         self._take(source, widths)
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            if name not in self._buffers:  # track_running_stats=False: None, as torch's
+                self.register_buffer(name, None)
 
     def forward(self, x: Tensor) -> Tensor:
         factor = self.momentum
@@ -163,7 +174,7 @@ class MaskedLayerNorm(_Padded):
         real = tuple(source.normalized_shape)
         self.normalized_shape = tuple(normalized_shape)
         self.eps = source.eps
-        like = next(iter(source.parameters()), torch.zeros(()))
+        like = _like(source)
         self.register_buffer("unit_mask", _mask(normalized_shape, real, like), persistent=False)
         self.register_buffer("count", torch.tensor(float(torch.Size(real).numel()),
                                                    dtype=like.dtype), persistent=False)
@@ -191,7 +202,7 @@ class MaskedRMSNorm(_Padded):
         super().__init__()
         real = tuple(source.normalized_shape)
         self.normalized_shape = tuple(normalized_shape)
-        like = next(iter(source.parameters()), torch.zeros(()))
+        like = _like(source)
         # eps=None is the input dtype's machine epsilon: the model's dtype (a traced
         # forward cannot read an input's dtype)
         self.eps = torch.finfo(like.dtype).eps if source.eps is None else source.eps
@@ -222,7 +233,7 @@ class MaskedGroupNorm(_Padded):
         super().__init__()
         self.num_channels, self.num_groups, self.eps = channels, groups, source.eps
         self.affine = source.affine
-        like = next(iter(source.parameters()), torch.zeros(()))
+        like = _like(source)
         size = source.num_channels // source.num_groups
         onehot = torch.zeros(channels, groups, dtype=like.dtype)
         real = torch.arange(source.num_channels)
@@ -461,12 +472,25 @@ def _own_shapes(module: nn.Module) -> dict[str, torch.Size]:
             + list(module.named_buffers(recurse=False))}
 
 
+#: norms that may have no parameter, their width only in their attributes
+_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+
+
+def _width_attributes(module: nn.Module) -> dict[str, object]:
+    """A module's plain int and int-tuple attributes (``normalized_shape``,
+    ``num_features``): a norm without parameters has its width only there."""
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and (
+        type(v) is int or (type(v) is tuple and all(type(e) is int for e in v)))}
+
+
 def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn.Module],
                    widths: dict[str, Sequence[int]]) -> nn.Module | None:
     """The padded module for model ``index``'s ``module`` (``others``: every model's at
     this path), or None where no model's module holds a tensor of its own narrower than
     the widest."""
-    if all(tuple(s) == tuple(widths[n]) for m in others for n, s in _own_shapes(m).items()):
+    if all(tuple(s) == tuple(widths[n]) for m in others for n, s in _own_shapes(m).items()) \
+            and (not isinstance(module, _NORMS) or all(
+                _width_attributes(m) == _width_attributes(module) for m in others)):
         return None
     own = _own_shapes(module)
     where = f"model {index}'s module `{path or '<root>'}` ({type(module).__name__})"
@@ -487,7 +511,7 @@ def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn
         return PaddedEmbedding(module, widths)
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and \
             not isinstance(module, nn.SyncBatchNorm) and module.momentum is not None:
-        return PaddedBatchNorm(module, widths)
+        return PaddedBatchNorm(module, widths, max(m.num_features for m in others))
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         shapes = [tuple(m.normalized_shape) for m in others]
         if len({len(s) for s in shapes}) > 1:
@@ -526,13 +550,19 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
     padded_models = []
     for i, model in enumerate(models):
         padded = copy.deepcopy(model)
+        like = next((t for t in _tensors(model).values() if t.is_floating_point()),
+                    torch.zeros(()))
         for path in paths:
             at_path = [m.get_submodule(path) for m in models]
             source = model.get_submodule(path)
+            source.__dict__["_hftc_model_like"] = like  # (read by _like; removed below)
             prefix = f"{path}." if path else ""
             widths = {n[len(prefix):]: s for n, s in padded_shapes.items()
                       if n.startswith(prefix) and "." not in n[len(prefix):]}
-            replacement = _padded_module(path, i, source, at_path, widths)
+            try:
+                replacement = _padded_module(path, i, source, at_path, widths)
+            finally:
+                del source.__dict__["_hftc_model_like"]
             if replacement is None:
                 for name, value in _widest_int_attributes(at_path).items():
                     setattr(padded.get_submodule(path), name, value)

@@ -476,3 +476,20 @@ def test_fuse_groups_splits_widths_that_cannot_be_padded():
                for f, _ in groups)
     with pytest.raises(FusionArgumentError, match="max_padding must be a number >= 1"):
         hftc.fuse_groups([mlp(8)], pad_widths=True, max_padding=0.5)
+
+
+def test_norms_without_affine_parameters_take_the_models_dtype():
+    """Norms without parameters have their width only in attributes (normalized_shape,
+    num_features): padded too; RMSNorm(eps=None) takes float64's eps, as alone."""
+    torch.manual_seed(6)
+    models = [nn.Sequential(nn.Linear(4, h), nn.RMSNorm(h, elementwise_affine=False),
+                            nn.LayerNorm(h, elementwise_affine=False),
+                            nn.BatchNorm1d(h, affine=False, track_running_stats=False),
+                            nn.Linear(h, 2)).double()
+              for h in (3, 6)]
+    fused = hftc.fuse(models, pad_widths=True)
+    assert fused.padded_model(0)[1].eps == torch.finfo(torch.float64).eps
+    x = torch.randn(5, 4, dtype=torch.float64) * 1e-7  # where eps shows
+    out = fused(x)
+    for i, m in enumerate(models):
+        assert _relative(out[i], m(x)) <= 1e-9
