@@ -71,6 +71,8 @@ from .frontends.symbolic import (
 )
 from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
+from .padding import WidthPadding, pad_models
+from .padding import locate_difference as locate_padding_difference
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
 from .passes.per_model_ops import MODULE_OPS, is_elementwise_function
@@ -412,9 +414,29 @@ class FusedModule(ContainerAccess, nn.Module):
         check: bool = True,
         strategy: str | None = None,
         checkpoint: int | bool = False,
+        pad_widths: bool = False,
     ):
         super().__init__()
         models = _check_models(models)
+        unpadded = models
+        if not isinstance(pad_widths, bool):
+            raise FusionArgumentError(f"pad_widths must be True or False, got {pad_widths!r}")
+        #: pad_widths=True: how the models were padded to the widest (hftc.padding), or
+        #: None (every model of one width, or padding off).
+        self.padding: WidthPadding | None = None
+        if pad_widths:
+            if not check or strategy == "model_loop" or checkpoint:
+                raise FusionArgumentError(
+                    "pad_widths=True needs check=True (the first call compares the padded "
+                    "program with every original model, and refuses an inexact padding) and "
+                    "the fused strategy (no strategy='model_loop', no checkpoint=)")
+            self._check_modes(models)
+            _check_initialized(models)
+            _check_hooks(models)
+            _check_shared_tensors(models)
+            models, self.padding = pad_models(models)
+            if self.padding is not None:
+                strategy = "fused"  # the padded models one by one would only be slower
         in_dims = _check_in_dims(in_dims)
         n = len(models)
         self.num_models = n
@@ -476,6 +498,13 @@ class FusedModule(ContainerAccess, nn.Module):
             {id(p): fused_names[id(sources[id(p)])] for p in m.parameters() if id(p) in sources}
             for m in models
         ]
+        if self.padding is not None:  # the original models' parameters (fuse_optimizers)
+            for names, padded, original in zip(self.source_parameter_names, models, unpadded):
+                by_name = {name: names[id(p)] for name, p in padded.named_parameters()
+                           if id(p) in names}
+                names.clear()
+                names.update({id(p): by_name[name] for name, p in original.named_parameters()
+                              if name in by_name})
         self._mode_graphs: dict[bool, _ModeGraphs] = {}
         for mode in (True, False):
             attr_targets = self._stack_constants(graphs[mode], matches[mode])
@@ -999,10 +1028,13 @@ class FusedModule(ContainerAccess, nn.Module):
         return self._retraced_graphs[key]
 
     def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
-        return compile_program(self, self._graphs_for(values), values, batched,
-                               CompileOptions(autotune=self.autotune,
-                                              strategy=getattr(self, "strategy", "fused"),
-                                              checkpoint=getattr(self, "checkpoint", False)))
+        program = compile_program(self, self._graphs_for(values), values, batched,
+                                  CompileOptions(autotune=self.autotune,
+                                                 strategy=getattr(self, "strategy", "fused"),
+                                                 checkpoint=getattr(self, "checkpoint", False)))
+        if getattr(self, "padding", None) is not None:
+            program.report.padding = self.padding.summary()
+        return program
 
     def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,
                        values: Sequence[Any], batched: Sequence[bool], graph: fx.Graph,
@@ -1035,6 +1067,21 @@ class FusedModule(ContainerAccess, nn.Module):
                     ".item() of a per-model tensor)")
         if report.check.passed:
             return None
+        if getattr(self, "padding", None) is not None:
+            i = report.check.failed_model
+            where = locate_padding_difference(
+                self.unfuse_model(i), self.padded_model(i),
+                [model_slice(v, i) if b else v for v, b in zip(input_copies(values), batched)])
+            where = f" ({where})" if where else ""
+            return (f"{report.check.difference}{where}: padded to the widest model "
+                    f"(pad_widths=True), the fused program does not compute what the "
+                    f"original models compute. "
+                    f"Their forward mixes across a padded width in its own code (a softmax, "
+                    f"mean or sum over a hidden dim, a split or view of a padded Linear's "
+                    f"output into parts, an output whose width differs per model), which "
+                    f"zero padding changes. Fuse models of one width together instead "
+                    f"(hftc.fuse_groups), or compute such ops with the padded modules' "
+                    f"masks")
         where = locate_difference(self, graph, model_graph, report.records, values, batched,
                                   report.check.failed_model)
         if where:
@@ -1061,6 +1108,9 @@ class FusedModule(ContainerAccess, nn.Module):
         """The program for models the fused program does not compute: the N models one by
         one, with a warning that says ``why``."""
         message = why
+        if getattr(self, "padding", None) is not None:
+            # the padded models one by one would run the same inexact padding
+            raise MismatchError(f"pad_widths=True refused: {why}")
         try:  # a trial run, on shells of its own (forward may change their attributes)
             with preserved_state(self), torch.no_grad():
                 run_program(self, program.forward, ProgramChoice(ModelLoop(self)),
@@ -1331,8 +1381,13 @@ class FusedModule(ContainerAccess, nn.Module):
     # ------------------------------------------------------------------ unfusing
 
     def model_state_dict(self, index: int) -> dict[str, torch.Tensor]:
-        """Model ``index``'s ``state_dict`` with the original keys (copies)."""
+        """Model ``index``'s ``state_dict`` with the original keys (copies), at its own
+        widths (``pad_widths=True``)."""
         index = self._check_index(index)
+        padding = getattr(self, "padding", None)
+        if padding is not None:
+            return {k: padding.unpad(index, k, v[index]).clone()
+                    for k, v in self.state_dict().items()}
         return {k: v[index].clone() for k, v in self.state_dict().items()}
 
     def _check_index(self, index: int) -> int:
@@ -1355,7 +1410,16 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def unfuse_model(self, index: int) -> nn.Module:
         """Model ``index`` alone: a module of the original class with its current weights,
-        buffers and hyper-parameters (what ``unfuse()[index]`` is)."""
+        buffers and hyper-parameters (what ``unfuse()[index]`` is), at its own widths
+        (``pad_widths=True``)."""
+        index = self._check_index(index)
+        padded = self.padded_model(index)
+        padding = getattr(self, "padding", None)
+        return padded if padding is None else padding.original_model(index, padded)
+
+    def padded_model(self, index: int) -> nn.Module:
+        """Model ``index`` as the fused program holds it: with ``pad_widths=True``, padded
+        to the widest model (hftc.padding's modules); else :meth:`unfuse_model`'s model."""
         index = self._check_index(index)
         model = deepcopy_module(self._template)
         for target in self._template_extras:
@@ -1432,6 +1496,8 @@ class FusedModule(ContainerAccess, nn.Module):
         if self.__dict__.get("_own_modules"):
             self._own_modules = [self._own_modules[i] for i in keep]
         self.source_parameter_names = [self.source_parameter_names[i] for i in keep]
+        if getattr(self, "padding", None) is not None:
+            self.padding = self.padding.subset(keep)
         if self._retrace_sources is not None:
             self._retrace_sources = [self._retrace_sources[i] for i in keep]
         if self._python_state is not None:  # (which model a message names)
@@ -1563,6 +1629,7 @@ def fuse(
     check: bool = True,
     strategy: str | None = None,
     checkpoint: int | bool = False,
+    pad_widths: bool = False,
 ) -> FusedModule:
     """Fuse N structurally identical models into one module: ``fused(x)[i] == models[i](x)``.
 
@@ -1597,6 +1664,12 @@ def fuse(
             (its activations recomputed in backward, dropout masks and BatchNorm
             statistics as in the forward); ``True``: about sqrt(#ops) segments.  The
             values are unchanged, forward and backward.
+        pad_widths: fuse models that differ only in layer widths (Linear features, Conv
+            channels, the norms and embeddings that follow, attention heads of one head
+            dim): each is zero-padded to the widest and masked so that every output,
+            gradient and optimizer update of its real units is its own and the padding
+            stays exactly zero (:mod:`hftc.padding`); ``unfuse()`` gives each model back
+            at its own widths. What padding would change is refused on the first call.
 
     Returns:
         The ``FusedModule``. Its parameters and buffers are the N models' stacked
@@ -1610,7 +1683,7 @@ def fuse(
     """
     return FusedModule(models, in_dims=in_dims, example_inputs=example_inputs,
                        frontend=frontend, autotune=autotune, check=check, strategy=strategy,
-                       checkpoint=checkpoint)
+                       checkpoint=checkpoint, pad_widths=pad_widths)
 
 
 __all__ = ["FusedModule", "Program", "fuse", "StackedModule"]

@@ -35,6 +35,7 @@ LAYERS = {
     "hftc.fused": 5,
     "hftc.group": 5,
     "hftc.stacking": 5,
+    "hftc.padding": 5,
     "hftc.optim": 6,
     "hftc.amp": 6,
     "hftc.utils": 6,

@@ -471,6 +471,8 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
     # The first, the last and one between: a per-model value shared by the first and the
     # last model (a sweep's grid often starts and ends alike) hides nothing then.
     picks = tuple(sorted({0, n // 2, n - 1}))
+    if getattr(fused, "padding", None) is not None:
+        picks = tuple(range(n))  # pad_widths=True: each model its own widths, each checked
     result = CheckResult(picks)
     with _rng_kept(), torch.no_grad():
         before = _rng_states()

@@ -234,6 +234,16 @@ def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: _Coefficients, name: str,
     return x.addcdiv_(torch.mul(y, c, out=scratch) if scratch is not None else y * c, z)
 
 
+def copy_model_state(target: Tensor, value: Tensor) -> None:
+    """``target.copy_(value)``; a ``value`` narrower than ``target`` (a model padded to the
+    widest, ``hftc.fuse(..., pad_widths=True)``) goes in the leading entries, zeros on the
+    padding."""
+    if isinstance(value, Tensor) and value.dim() == target.dim() and value.shape != target.shape:
+        target.zero_()
+        target = target[tuple(slice(0, s) for s in value.shape)]
+    target.copy_(value)
+
+
 class FusedOptimizer(Optimizer):
     """Base class: the bookkeeping shared by ``hftc.optim.SGD``, ``Adam``, ``AdamW``, ...
 
@@ -1040,5 +1050,5 @@ class FusedOptimizer(Optimizer):
             if key == "step":
                 state["step"][model] = float(value)
             else:
-                state[key][model].copy_(value)
+                copy_model_state(state[key][model], value)
 

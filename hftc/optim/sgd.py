@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients
+from .optimizer import FusedOptimizer, _Coefficients, copy_model_state
 
 __all__ = ["SGD"]
 
@@ -149,7 +149,7 @@ class SGD(FusedOptimizer):
                     f"SGD: the stock optimizer of model {model} has a momentum buffer, but "
                     f"no model has a momentum"
                 )
-            self.state[p]["momentum_buffer"][model].copy_(buf)
+            copy_model_state(self.state[p]["momentum_buffer"][model], buf)
             self.state[p]["has_momentum_buffer"][model] = 1
 
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:

@@ -124,7 +124,10 @@ def load_model_slice(
             if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != n:
                 sliced[key] = value
             elif _keep(key, value, state, index, group):
-                sliced[key] = value[index].clone()
+                own = value[index]
+                if own.dim() == p.dim() and own.shape != p.shape:  # padded (pad_widths=True)
+                    own = own[tuple(slice(0, s) for s in p.shape)]
+                sliced[key] = own.clone()
         if isinstance(sliced.get("step"), Tensor) and (group.get("fused")
                                                         or group.get("capturable")):
             # Where torch keeps a fused (or capturable) optimizer's step: on the

@@ -78,6 +78,8 @@ class FusionReport:
     check: Any = None
     #: Fused or the models one by one, and why (hftc.compile.strategy.StrategyChoice).
     strategy: Any = None
+    #: pad_widths=True: how the models were padded and what it costs (hftc.padding).
+    padding: str | None = None
 
     @property
     def fallbacks(self) -> list[FusionRecord]:
@@ -134,6 +136,9 @@ class FusionReport:
         if self.strategy is not None:
             lines.append("")
             lines.append(f"  strategy: {self.strategy}")
+        if self.padding is not None:
+            lines.append("")
+            lines.append(f"  {self.padding}")
         if self.lowerings:
             lines.append("")
             lines.append("  lowerings chosen by autotune (median forward + backward per call):")

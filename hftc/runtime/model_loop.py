@@ -44,7 +44,8 @@ class ModelLoop:
         #: placeholder that stays there between calls), one per name, tied names included
         self.slots: list[list[tuple[dict[str, Any], str, str, Any]]] = []
         for i in range(self.num_models):
-            shell = fused.unfuse_model(i)
+            # (pad_widths=True: the padded model, whose shapes the stacked slices have)
+            shell = getattr(fused, "padded_model", fused.unfuse_model)(i)
             if i == 0:
                 shell_params = dict(shell.named_parameters())
                 shell_buffers = dict(shell.named_buffers())

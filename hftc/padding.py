@@ -1,0 +1,586 @@
+"""``hftc.fuse(models, pad_widths=True)``: models that differ only in layer widths, padded
+with zeros to the widest so that they fuse into one array.
+
+::
+
+    model i:   Linear(20, h_i) -> LayerNorm(h_i) -> ReLU -> Linear(h_i, 5)
+    padded i:  PaddedLinear(20, H) -> MaskedLayerNorm(H) -> ReLU -> PaddedLinear(H, 5)
+               H = max_i h_i; model i's weights in the first rows / columns, zeros after;
+               per-model masks (buffers, 1 on model i's real units, 0 on the padding)
+
+Every padded module multiplies its parameters by their masks in forward
+(``F.linear(x, weight * weight_mask, bias * bias_mask)``), so a padded parameter's
+gradient is exactly zero whatever reaches the padded units: weight decay, momentum and
+Adam's moments of a padded entry stay exactly zero, and the real units compute what
+model i's own layers compute (a sum over more terms, the added ones zero).  Norms that
+mix across a padded dim take their statistics over the real units only
+(:class:`MaskedLayerNorm`, :class:`MaskedRMSNorm`, :class:`MaskedGroupNorm`); batch norm's
+statistics are per channel, a padded channel's all zeros.  The padded models then go
+through the ordinary pipeline, and the first-call check compares the fused program with
+every ORIGINAL model (``unfuse_model`` gives them back at their own widths): an op of
+forward's own code that mixes across a padded dim (a softmax or mean over it, a split
+of a padded Linear's output) is refused there, never run.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .compile.check import ConstantRandomness
+from .errors import MismatchError, UnsupportedOperatorError
+from .frontends.symbolic import deepcopy_module, meta_copy
+
+# ---------------------------------------------------------------- the padded modules
+
+
+def _mask(shape: Sequence[int], real: Sequence[int], like: Tensor) -> Tensor:
+    """1 on ``[:real[0], :real[1], ...]`` of a ``shape`` tensor, 0 elsewhere."""
+    mask = torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
+    mask[tuple(slice(0, r) for r in real)] = 1
+    return mask
+
+
+def _padded(t: Tensor, shape: Sequence[int]) -> Tensor:
+    """``t`` in the first entries of a zero tensor of ``shape``."""
+    out = torch.zeros(tuple(shape), dtype=t.dtype, device=t.device)
+    out[tuple(slice(0, s) for s in t.shape)] = t.detach()
+    return out
+
+
+def _like(module: nn.Module) -> Tensor:
+    """A tensor of the module's dtype and device, for its masks: its first parameter or
+    buffer, else (a norm without affine parameters) the model's, which
+    :func:`pad_models` records as ``module._hftc_model_like``."""
+    own = next(iter(module.parameters()), None)
+    return own if own is not None else module.__dict__["_hftc_model_like"]
+
+
+class _Padded(nn.Module):
+    """Holds padded parameters and their masks: ``self.masked(name)`` is the parameter
+    times its mask (the mask a non-persistent buffer, so ``state_dict`` has only the
+    parameters and buffers the original module had)."""
+
+    def _take(self, source: nn.Module, widths: dict[str, Sequence[int]]) -> None:
+        for name, p in source.named_parameters(recurse=False):
+            shape = widths[name]
+            self.register_parameter(name, nn.Parameter(_padded(p, shape), p.requires_grad))
+            self.register_buffer(f"{name}_mask", _mask(shape, p.shape, p), persistent=False)
+        for name, b in source.named_buffers(recurse=False):
+            shape = widths.get(name, b.shape)
+            self.register_buffer(name, _padded(b, shape) if b.dim() else b.detach().clone())
+        for name in ("weight", "bias"):
+            if name not in self._parameters:
+                self.register_parameter(name, None)
+        self.training = source.training
+
+    def masked(self, name: str) -> Tensor | None:
+        p = getattr(self, name)
+        return None if p is None else p * getattr(self, f"{name}_mask")
+
+
+class PaddedLinear(_Padded):
+    """``nn.Linear`` at the widest in / out features, its weight and bias masked."""
+
+    def __init__(self, source: nn.Linear, widths: dict[str, Sequence[int]]):
+        super().__init__()
+        self.out_features, self.in_features = widths["weight"]
+        self._take(source, widths)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.masked("weight"), self.masked("bias"))
+
+
+class PaddedConv(_Padded):
+    """``nn.Conv1d/2d/3d`` at the widest channels, its weight and bias masked."""
+
+    def __init__(self, source: nn.modules.conv._ConvNd, widths: dict[str, Sequence[int]]):
+        super().__init__()
+        self.out_channels, in_per_group = widths["weight"][:2]
+        self.in_channels = in_per_group * source.groups
+        for name in ("kernel_size", "stride", "padding", "dilation", "groups",
+                     "padding_mode", "_reversed_padding_repeated_twice"):
+            setattr(self, name, getattr(source, name))
+        self.spatial_dims = len(source.kernel_size)
+        self._take(source, widths)
+
+    def forward(self, x: Tensor) -> Tensor:
+        conv = (F.conv1d, F.conv2d, F.conv3d)[self.spatial_dims - 1]
+        padding = self.padding
+        if self.padding_mode != "zeros":  # spatial only: a channel's own values
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = 0
+        return conv(x, self.masked("weight"), self.masked("bias"), self.stride, padding,
+                    self.dilation, self.groups)
+
+
+class PaddedEmbedding(_Padded):
+    """``nn.Embedding`` at the widest vocabulary and dim, its weight masked."""
+
+    def __init__(self, source: nn.Embedding, widths: dict[str, Sequence[int]]):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = widths["weight"]
+        self.padding_idx = source.padding_idx
+        self._take(source, widths)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.embedding(x, self.masked("weight"), self.padding_idx)
+
+
+class PaddedBatchNorm(_Padded):
+    """``nn.BatchNorm1d/2d/3d`` at the widest channels, its weight and bias masked.
+
+    Batch norm's statistics are per channel: a padded channel (all zeros, its running
+    statistics zero) stays zero, and the real channels' are the model's own."""
+
+    def __init__(self, source: nn.modules.batchnorm._BatchNorm,
+                 widths: dict[str, Sequence[int]], num_features: int):
+        super().__init__()
+        self.num_features = num_features
+        self.eps, self.momentum = source.eps, source.momentum
+        self.track_running_stats = source.track_running_stats
+        self._take(source, widths)
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            if name not in self._buffers:  # track_running_stats=False: None, as torch's
+                self.register_buffer(name, None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        factor = self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        use_batch = self.training or self.running_mean is None
+        track = not self.training or self.track_running_stats
+        return F.batch_norm(x, self.running_mean if track else None,
+                            self.running_var if track else None, self.masked("weight"),
+                            self.masked("bias"), use_batch, factor, self.eps)
+
+
+class MaskedLayerNorm(_Padded):
+    """``nn.LayerNorm`` over the widest normalized shape, its statistics over the real
+    units only::
+
+        mean = sum(x * m) / count;  xc = (x - mean) * m;  var = sum(xc**2) / count
+        y = xc / sqrt(var + eps) * (weight * m) + bias * m
+    """
+
+    def __init__(self, source: nn.LayerNorm, widths: dict[str, Sequence[int]],
+                 normalized_shape: Sequence[int]):
+        super().__init__()
+        real = tuple(source.normalized_shape)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = source.eps
+        like = _like(source)
+        self.register_buffer("unit_mask", _mask(normalized_shape, real, like), persistent=False)
+        self.register_buffer("count", torch.tensor(float(torch.Size(real).numel()),
+                                                   dtype=like.dtype), persistent=False)
+        self._take(source, widths)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dims = tuple(range(-len(self.normalized_shape), 0))
+        mean = (x * self.unit_mask).sum(dims, keepdim=True) / self.count
+        centred = (x - mean) * self.unit_mask
+        var = (centred * centred).sum(dims, keepdim=True) / self.count
+        y = centred * torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            y = y * self.masked("weight")
+        if self.bias is not None:
+            y = y + self.masked("bias")
+        return y
+
+
+class MaskedRMSNorm(_Padded):
+    """``nn.RMSNorm`` over the widest normalized shape, the mean square over the real
+    units only: ``y = x * m / sqrt(sum((x * m)**2) / count + eps) * (weight * m)``."""
+
+    def __init__(self, source: nn.Module, widths: dict[str, Sequence[int]],
+                 normalized_shape: Sequence[int]):
+        super().__init__()
+        real = tuple(source.normalized_shape)
+        self.normalized_shape = tuple(normalized_shape)
+        like = _like(source)
+        # eps=None is the input dtype's machine epsilon: the model's dtype (a traced
+        # forward cannot read an input's dtype)
+        self.eps = torch.finfo(like.dtype).eps if source.eps is None else source.eps
+        self.register_buffer("unit_mask", _mask(normalized_shape, real, like), persistent=False)
+        self.register_buffer("count", torch.tensor(float(torch.Size(real).numel()),
+                                                   dtype=like.dtype), persistent=False)
+        self._take(source, widths)
+
+    def forward(self, x: Tensor) -> Tensor:
+        dims = tuple(range(-len(self.normalized_shape), 0))
+        eps = self.eps
+        real = x * self.unit_mask
+        y = real * torch.rsqrt((real * real).sum(dims, keepdim=True) / self.count + eps)
+        return y if self.weight is None else y * self.masked("weight")
+
+
+class MaskedGroupNorm(_Padded):
+    """``nn.GroupNorm`` at the widest channels, each group's statistics over its real
+    channels only.  Channel c of model i is in group ``c // (C_i / G_i)``
+    (``group_onehot[c, g]``); padded channels are in none::
+
+        group_sum[b, g] = sum_c,s x[b, c, s] * group_onehot[c, g]    (the same for var)
+        mean[b, c] = (group_sum / group_size)[b, :] @ group_onehot[c, :]
+    """
+
+    def __init__(self, source: nn.GroupNorm, widths: dict[str, Sequence[int]],
+                 channels: int, groups: int):
+        super().__init__()
+        self.num_channels, self.num_groups, self.eps = channels, groups, source.eps
+        self.affine = source.affine
+        like = _like(source)
+        size = source.num_channels // source.num_groups
+        onehot = torch.zeros(channels, groups, dtype=like.dtype)
+        real = torch.arange(source.num_channels)
+        onehot[real, real // size] = 1
+        # a padded group counts 1 channel (its sums are zero): no 0 / 0
+        group_size = torch.ones(groups, dtype=like.dtype)
+        group_size[:source.num_groups] = size
+        self.register_buffer("group_onehot", onehot, persistent=False)
+        self.register_buffer("group_onehot_t", onehot.t().contiguous(), persistent=False)
+        self.register_buffer("group_size", group_size, persistent=False)
+        self.register_buffer("channel_mask", _mask([channels], [source.num_channels], like)
+                             .unsqueeze(-1), persistent=False)
+        self._take(source, widths)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.flatten(2) * self.channel_mask  # [B, C, L]
+        count = self.group_size * flat.shape[-1]
+        mean = (flat.sum(-1) @ self.group_onehot / count) @ self.group_onehot_t
+        centred = (flat - mean.unsqueeze(-1)) * self.channel_mask
+        var = (centred * centred).sum(-1) @ self.group_onehot / count
+        y = centred * (torch.rsqrt(var + self.eps) @ self.group_onehot_t).unsqueeze(-1)
+        y = y.view_as(x)
+        if self.affine:
+            shape = (-1,) + (1,) * (x.dim() - 2)
+            y = y * self.masked("weight").view(shape) + self.masked("bias").view(shape)
+        return y
+
+
+# ---------------------------------------------------------------- the padding plan
+
+
+@dataclass
+class WidthPadding:
+    """What ``pad_widths=True`` did: each model's own tensor shapes, the padded ones, and
+    the original models' structure (on the meta device) that ``unfuse`` rebuilds."""
+
+    #: per model: parameter / buffer name -> its own shape
+    shapes: list[dict[str, torch.Size]]
+    #: parameter / buffer name -> the padded (widest) shape
+    padded_shapes: dict[str, torch.Size]
+    #: the original models on the meta device (structure and attributes, no data)
+    originals: list[nn.Module]
+    #: the Linear / Conv / Embedding weights, whose entries count the arithmetic
+    weight_names: tuple[str, ...] = ()
+
+    @property
+    def real_weight_elements(self) -> int:
+        return sum(own[n].numel() for own in self.shapes for n in self.weight_names)
+
+    @property
+    def padded_weight_elements(self) -> int:
+        return sum(self.padded_shapes[n].numel() for n in self.weight_names) * len(self.shapes)
+
+    def subset(self, keep: Sequence[int]) -> WidthPadding:
+        """The plan of models ``keep`` (``hftc.keep_models``), still padded to the widths
+        of before: the stacked tensors keep their shapes."""
+        return WidthPadding([self.shapes[i] for i in keep], self.padded_shapes,
+                            [self.originals[i] for i in keep], self.weight_names)
+
+    @property
+    def arithmetic_ratio(self) -> float:
+        """The padded array's arithmetic over the models' own: the Linear / Conv /
+        Embedding weights' entries (a Linear's or Conv's multiply-adds per output
+        position); 1.0: no padding cost."""
+        return self.padded_weight_elements / max(self.real_weight_elements, 1)
+
+    def summary(self) -> str:
+        padded = sorted(n for n, s in self.padded_shapes.items()
+                        if any(own.get(n) != s for own in self.shapes))
+        return (f"padded widths (pad_widths=True): {len(padded)} tensors padded to the "
+                f"widest model's; the Linear / Conv / Embedding weights hold "
+                f"{self.padded_weight_elements}"
+                f" entries for the models' {self.real_weight_elements}: about "
+                f"{self.arithmetic_ratio:.2f}x the models' own arithmetic")
+
+    def unpad(self, index: int, name: str, t: Tensor) -> Tensor:
+        """Model ``index``'s own part of its padded tensor ``t`` (a view)."""
+        shape = self.shapes[index].get(name)
+        return t if shape is None else t[tuple(slice(0, s) for s in shape)]
+
+    def original_model(self, index: int, padded: nn.Module) -> nn.Module:
+        """Model ``index`` at its own widths, with the padded model's weights, buffers and
+        train / eval modes."""
+        model = deepcopy_module(self.originals[index])
+        modes = {path: sub.training for path, sub in padded.named_modules()}
+        for path, sub in model.named_modules():
+            sub.training = modes.get(path, sub.training)
+        tensors = dict(padded.named_parameters(remove_duplicate=False)) | dict(
+            padded.named_buffers(remove_duplicate=False))
+        made: dict[int, Tensor] = {}  # tied tensors (an embedding and its head) stay tied
+        for name, meta in list(model.named_parameters(remove_duplicate=False)) + list(
+                model.named_buffers(remove_duplicate=False)):
+            owner_path, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(owner_path)
+            if id(meta) not in made:
+                value = self.unpad(index, name, tensors[name].detach()).clone()
+                made[id(meta)] = (nn.Parameter(value, meta.requires_grad)
+                                  if isinstance(meta, nn.Parameter) else value)
+            if isinstance(meta, nn.Parameter):
+                owner._parameters[leaf] = made[id(meta)]
+            else:
+                owner._buffers[leaf] = made[id(meta)]
+        return model
+
+
+def locate_difference(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
+    """Where model ``original`` and its ``padded`` model first part (both run once, draws
+    made constant): the first module, in call order, whose input or output differs in the
+    original's units.  An input that differs where the modules before agree was changed
+    by forward's own code between them."""
+    def record(model: nn.Module) -> list[tuple[str, str, Tensor]]:
+        seen: list[tuple[str, str, Tensor]] = []
+        handles = []
+        for path, sub in model.named_modules():
+            def hook(module, inputs, output, path=path):
+                if inputs and isinstance(inputs[0], Tensor):
+                    seen.append((path, "input", inputs[0].detach()))
+                if isinstance(output, Tensor):
+                    seen.append((path, "output", output.detach()))
+            if path:
+                handles.append(sub.register_forward_hook(hook))
+        try:
+            with torch.no_grad(), ConstantRandomness():
+                model(*args)
+        except Exception:  # noqa: BLE001 - whatever ran until then is compared
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return seen
+
+    wants, gots = record(original), record(padded)
+    for (path, kind, want), (_, _, got) in zip(wants, gots):
+        if got.dim() != want.dim() or any(g < w for g, w in zip(got.shape, want.shape)):
+            differs = True
+        else:
+            got = got[tuple(slice(0, w) for w in want.shape)]
+            differs = not torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6)
+        if differs:
+            module = type(original.get_submodule(path)).__name__
+            if kind == "input":
+                return (f"the input of `{path}` ({module}) differs while the modules before "
+                        f"it agree: an op of forward's own code before `{path}` mixes "
+                        f"across a padded width")
+            return f"the output of `{path}` ({module}) differs"
+    return ""
+
+
+_WEIGHTED = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)
+
+
+def widths_key(model: nn.Module) -> str:
+    """Equal for two models that ``pad_widths=True`` may pad into one array: the same
+    module paths and classes, the same tensor names and ranks, whatever their widths."""
+    return repr(([(p, type(m).__qualname__) for p, m in model.named_modules()],
+                 [(n, t.dim()) for n, t in _tensors(model).items()]))
+
+
+def weight_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """The Linear / Conv / Embedding weights' shapes: their entries count the arithmetic
+    (per output position) that padding multiplies."""
+    return {f"{p}.weight" if p else "weight": m.weight.shape
+            for p, m in model.named_modules() if isinstance(m, _WEIGHTED)}
+
+
+def padding_ratio(shapes: Sequence[dict[str, torch.Size]]) -> float:
+    """The arithmetic of models of these :func:`weight_shapes` padded into one array over
+    their own (1.0: one width)."""
+    real = sum(s.numel() for own in shapes for s in own.values())
+    widest = {n: torch.Size(max(d) for d in zip(*(own[n] for own in shapes)))
+              for n in shapes[0]}
+    return sum(s.numel() for s in widest.values()) * len(shapes) / max(real, 1)
+
+
+def _tie_as_in(original: nn.Module, padded: nn.Module) -> None:
+    """Parameters the original ties (nanoGPT's ``wte.weight`` is ``lm_head.weight``) one
+    padded parameter again, with one mask: the padded modules made a copy each."""
+    first: dict[int, str] = {}
+    for name, p in original.named_parameters(remove_duplicate=False):
+        source = first.setdefault(id(p), name)
+        if source == name:
+            continue
+        source_owner, _, source_leaf = source.rpartition(".")
+        owner_path, _, leaf = name.rpartition(".")
+        source_module = padded.get_submodule(source_owner)
+        owner = padded.get_submodule(owner_path)
+        owner._parameters[leaf] = source_module._parameters[source_leaf]
+        mask = source_module._buffers.get(f"{source_leaf}_mask")
+        if mask is not None:
+            owner._buffers[f"{leaf}_mask"] = mask
+
+
+def _tensors(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter and buffer by name, a tied one under each of its names."""
+    return dict(model.named_parameters(remove_duplicate=False)) | dict(
+        model.named_buffers(remove_duplicate=False))
+
+
+def _check_same_structure(models: Sequence[nn.Module]) -> None:
+    """Same module paths and classes, same tensor names and ranks, or a MismatchError."""
+    paths0 = {p: type(m) for p, m in models[0].named_modules()}
+    tensors0 = _tensors(models[0])
+    for i, model in enumerate(models[1:], start=1):
+        paths = {p: type(m) for p, m in model.named_modules()}
+        if paths != paths0:
+            diff = sorted(set(paths.items()) ^ set(paths0.items()), key=str)[0]
+            raise MismatchError(
+                f"pad_widths=True pads widths only, but model {i}'s modules differ from "
+                f"model 0's at `{diff[0] or '<root>'}` ({diff[1].__name__}): the models must "
+                f"have the same layers, in the same order, of any widths")
+        tensors = _tensors(model)
+        for name, t in tensors.items():
+            t0 = tensors0.get(name)
+            if t0 is None or t0.dim() != t.dim():
+                raise MismatchError(
+                    f"pad_widths=True: model {i}'s tensor `{name}` "
+                    f"({'missing in model 0' if t0 is None else f'{t.dim()}-d'}) does not "
+                    f"match model 0's; the models must have the same layers")
+
+
+def _widest_int_attributes(modules: Sequence[nn.Module]) -> dict[str, int]:
+    """Plain int attributes (``n_head``, ``n_embd``) that differ among the models: the
+    largest, which the padded module takes (the widest model's structure)."""
+    found: dict[str, int] = {}
+    for name, value in vars(modules[0]).items():
+        if name.startswith("_") or type(value) is not int:
+            continue
+        values = [vars(m).get(name) for m in modules]
+        if all(type(v) is int for v in values) and len(set(values)) > 1:
+            found[name] = max(values)
+    return found
+
+
+def _own_shapes(module: nn.Module) -> dict[str, torch.Size]:
+    return {n: t.shape for n, t in list(module.named_parameters(recurse=False))
+            + list(module.named_buffers(recurse=False))}
+
+
+#: norms that may have no parameter, their width only in their attributes
+_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+
+
+def _width_attributes(module: nn.Module) -> dict[str, object]:
+    """A module's plain int and int-tuple attributes (``normalized_shape``,
+    ``num_features``): a norm without parameters has its width only there."""
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and (
+        type(v) is int or (type(v) is tuple and all(type(e) is int for e in v)))}
+
+
+def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn.Module],
+                   widths: dict[str, Sequence[int]]) -> nn.Module | None:
+    """The padded module for model ``index``'s ``module`` (``others``: every model's at
+    this path), or None where no model's module holds a tensor of its own narrower than
+    the widest."""
+    if all(tuple(s) == tuple(widths[n]) for m in others for n, s in _own_shapes(m).items()) \
+            and (not isinstance(module, _NORMS) or all(
+                _width_attributes(m) == _width_attributes(module) for m in others)):
+        return None
+    own = _own_shapes(module)
+    where = f"model {index}'s module `{path or '<root>'}` ({type(module).__name__})"
+    if isinstance(module, nn.Linear):
+        return PaddedLinear(module, widths)
+    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
+        if module.groups != 1:
+            raise UnsupportedOperatorError(
+                f"pad_widths=True cannot pad {where}: groups={module.groups} (a grouped "
+                f"conv's channels per group would move with the padding). Give every model "
+                f"the same channels there, or groups=1", [type(module).__name__])
+        return PaddedConv(module, widths)
+    if isinstance(module, nn.Embedding):
+        if module.max_norm is not None or module.sparse:
+            raise UnsupportedOperatorError(
+                f"pad_widths=True cannot pad {where}: max_norm / sparse=True. Give every "
+                f"model the same embedding widths", [type(module).__name__])
+        return PaddedEmbedding(module, widths)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and \
+            not isinstance(module, nn.SyncBatchNorm) and module.momentum is not None:
+        return PaddedBatchNorm(module, widths, max(m.num_features for m in others))
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        shapes = [tuple(m.normalized_shape) for m in others]
+        if len({len(s) for s in shapes}) > 1:
+            raise MismatchError(f"pad_widths=True: {where} normalizes over another number "
+                                f"of dims than other models' ({shapes})")
+        widest = tuple(max(d) for d in zip(*shapes))
+        cls = MaskedLayerNorm if isinstance(module, nn.LayerNorm) else MaskedRMSNorm
+        return cls(module, widths, widest)
+    if isinstance(module, nn.GroupNorm):
+        return MaskedGroupNorm(module, widths, max(m.num_channels for m in others),
+                               max(m.num_groups for m in others))
+    raise UnsupportedOperatorError(
+        f"pad_widths=True cannot pad {where}: its tensors "
+        + ", ".join(f"`{n}` {tuple(own[n])}" for n in own if tuple(own[n]) != tuple(widths[n]))
+        + " differ in width from the widest model's, and hftc pads only nn.Linear, "
+        "nn.Conv1d/2d/3d, nn.Embedding, nn.BatchNorm, nn.LayerNorm, nn.RMSNorm and "
+        "nn.GroupNorm, whose forward it masks (not a module's own nn.Parameter, whose use in "
+        "forward it cannot mask, nor nn.MultiheadAttention's packed q/k/v projection). Give "
+        "every model the same widths there, or hold the tensor in such a module (positions "
+        "in an nn.Embedding, q, k, v as three nn.Linear)", [type(module).__name__])
+
+
+def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPadding | None]:
+    """Each model rebuilt at the widest model's widths (see the module docstring), and
+    the plan; the models themselves when every tensor already has one shape (None)."""
+    _check_same_structure(models)
+    own_shapes = [{n: t.shape for n, t in _tensors(m).items()} for m in models]
+    padded_shapes = {name: torch.Size(max(dims) for dims in zip(*(s[name] for s in own_shapes)))
+                     for name in own_shapes[0]}
+    paths = [p for p, _ in models[0].named_modules()]
+    if all(s == padded_shapes for s in own_shapes):
+        # one width: attributes that differ (n_head at one d_model) are per-model
+        # hyper-parameters for the ordinary fusion, not widths
+        return list(models), None
+    plan = WidthPadding(own_shapes, padded_shapes, [meta_copy(m) for m in models])
+    padded_models = []
+    for i, model in enumerate(models):
+        padded = copy.deepcopy(model)
+        like = next((t for t in _tensors(model).values() if t.is_floating_point()),
+                    torch.zeros(()))
+        for path in paths:
+            at_path = [m.get_submodule(path) for m in models]
+            source = model.get_submodule(path)
+            source.__dict__["_hftc_model_like"] = like  # (read by _like; removed below)
+            prefix = f"{path}." if path else ""
+            widths = {n[len(prefix):]: s for n, s in padded_shapes.items()
+                      if n.startswith(prefix) and "." not in n[len(prefix):]}
+            try:
+                replacement = _padded_module(path, i, source, at_path, widths)
+            finally:
+                del source.__dict__["_hftc_model_like"]
+            if replacement is None:
+                for name, value in _widest_int_attributes(at_path).items():
+                    setattr(padded.get_submodule(path), name, value)
+                continue
+            if not path:
+                raise UnsupportedOperatorError(
+                    f"pad_widths=True: model {i} is itself a {type(source).__name__}; pad a "
+                    f"model that holds it (nn.Sequential(model))", [type(source).__name__])
+            parent, _, leaf = path.rpartition(".")
+            setattr(padded.get_submodule(parent), leaf, replacement)
+        _tie_as_in(model, padded)
+        padded_models.append(padded)
+    plan.weight_names = tuple(
+        name for name in padded_shapes if name.rpartition(".")[2] == "weight" and isinstance(
+            models[0].get_submodule(name.rpartition(".")[0]),
+            (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)))
+    return padded_models, plan
+
+
+__all__ = ["WidthPadding", "locate_difference", "pad_models", "padding_ratio", "weight_shapes",
+           "widths_key"]
