@@ -228,3 +228,30 @@ def test_sequential_schedulers_are_cut_too():
     assert warm.lr_lambdas == schedules[2:] and warm.base_lrs == LRS[2:]
     sched.step()
     assert sched.get_last_lr() == pytest.approx([before[2] * 0.5, before[3] * 0.5], rel=1e-12)
+
+
+def test_a_loss_still_held_from_before_the_cut_does_not_stop_the_next_backward():
+    # The loop's last loss (a GAN's errG, alive across the epoch's report) holds the
+    # parameters' gradient accumulators, made for 4 models: the next backward refused
+    # the 2 models' gradients ("ViewBackward0 returned an invalid gradient").
+    data = batches(2)
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    opt = hftc.optim.SGD(fused.parameters(), lr=LRS)
+    x, y = data[0]
+    loss = F.cross_entropy(fused(x).reshape(-1, 3), y.repeat(N), reduction="sum")
+    loss.backward()
+    opt.step()
+    hftc.keep_models(fused, KEEP)
+    opt.zero_grad()
+    x, y = data[1]
+    F.cross_entropy(fused(x).reshape(-1, 3), y.repeat(2), reduction="sum").backward()
+    opt.step()
+    models = [make_model(i) for i in KEEP]
+    for model, i in zip(models, KEEP):
+        stock = torch.optim.SGD(model.parameters(), lr=LRS[i])
+        for xb, yb in data:
+            stock.zero_grad()
+            F.cross_entropy(model(xb), yb, reduction="sum").backward()
+            stock.step()
+    assert_close(fused, models, 1e-9)
+    assert loss.requires_grad  # (held to the end)
