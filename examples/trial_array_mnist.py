@@ -182,7 +182,7 @@ def check(setup: Setup, study: optuna.Study) -> float:
     worst = 0.0
     for frozen in study.get_trials():
         fused_values = [frozen.intermediate_values[s] for s in sorted(frozen.intermediate_values)]
-        for a, b in zip(fused_values, alone_history(setup, frozen)):
+        for a, b in zip(fused_values, alone_history(setup, frozen), strict=True):
             worst = max(worst, abs(a - b) / max(abs(b), 1e-300))
     return worst
 
