@@ -64,6 +64,8 @@ class TrialArray:
         self.trials: list[optuna.Trial] = list(trials)
         #: The fused modules of this array, in the order ``fuse`` made them.
         self.fused_modules: list[hftc.FusedModule] = []
+        #: The positions the last ``report`` dropped, and how many models it saw.
+        self._last_drop: tuple[list[int], int] = ([], 0)
 
     def __len__(self) -> int:
         return len(self.trials)
@@ -117,6 +119,7 @@ class TrialArray:
         ``optuna.TrialPruned`` (the objective is over)."""
         gone = set(positions)
         keep = [j for j in range(len(self.trials)) if j not in gone]
+        self._last_drop = (keep, len(self.trials))
         self.trials = [self.trials[j] for j in keep]
         if not keep:
             raise optuna.TrialPruned("every trial of the array is pruned, failed or complete")
@@ -149,7 +152,16 @@ class TrialArray:
         return dropped
 
     def finish(self, values: Sequence[float] | torch.Tensor) -> None:
-        """Complete every live trial with its final value (a non-finite one fails it)."""
+        """Complete every live trial with its final value (a non-finite one fails it).
+
+        ``values`` has one value per live trial, or one per model of the last ``report``
+        that dropped some (the loop's last values, computed before that report): the
+        live trials' are taken."""
+        values = (values.detach().reshape(-1).tolist() if isinstance(values, torch.Tensor)
+                  else list(values))
+        keep, seen = self._last_drop
+        if len(keep) < seen and len(values) == seen:
+            values = [values[j] for j in keep]
         values = _as_values(values, len(self.trials), "TrialArray.finish")
         for trial, value in zip(self.trials, values):
             if math.isfinite(value):
