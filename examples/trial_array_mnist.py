@@ -192,7 +192,7 @@ def main(n_trials=12, array_size=4, pruner=None, storage=None,
     setup = Setup(**setup_kwargs)
     study = optuna.create_study(
         direction="minimize", storage=storage, sampler=optuna.samplers.TPESampler(seed=0),
-        pruner=pruner or optuna.pruners.MedianPruner(n_startup_trials=2))
+        pruner=pruner or optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1))
     hftc.sweep.optimize(study, lambda array: objective(setup, array), n_trials=n_trials,
                         array_size=array_size)
     states = [t.state.name for t in study.get_trials()]

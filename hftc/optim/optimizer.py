@@ -775,8 +775,9 @@ class FusedOptimizer(Optimizer):
             raise FusionArgumentError(
                 f"{type(self).__name__}.step: the parameters hold {params[0].shape[0]} models "
                 f"but this optimizer {self.num_models}: hftc.keep_models cut the fused module "
-                f"and not this optimizer; pass it in keep_models(..., optimizers=[...]) "
-                f"(or TrialArray.track(optimizer)), or build it again")
+                f"and not this optimizer (its optimizers=[...] left it out); leave "
+                f"optimizers= out (every hftc.optim optimizer on the module is cut), pass "
+                f"it there, or build it again")
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
