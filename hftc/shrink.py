@@ -180,8 +180,8 @@ def keep_models(
     schedulers = list(schedulers)
     for k, sched in enumerate(schedulers):
         _check_scheduler(f"schedulers[{k}]", sched, optimizers, n)
-    found = [s for s in list(SCHEDULERS_ON_FUSED) for k, opt in enumerate(optimizers)
-             if getattr(s, "optimizer", None) is opt]
+    found = [s for s in list(SCHEDULERS_ON_FUSED)
+             if any(getattr(s, "optimizer", None) is opt for opt in optimizers)]
     for sched in found:
         k = next(k for k, opt in enumerate(optimizers) if sched.optimizer is opt)
         _check_scheduler(f"a scheduler of optimizers[{k}]", sched, optimizers, n)
