@@ -4,9 +4,9 @@
 
 The loop is a plain one (a DataLoader, augmentation, a scheduler, its own logging);
 what makes it a fused sweep is ``array.fuse`` (build the N trials' models as one
-module), ``array.track`` (the optimizer and scheduler to cut when trials leave) and
-``array.report`` (each model's value to its trial; pruned trials leave the array, the
-loop goes on with the others). With plain Optuna the same loop would be
+module) and ``array.report`` (each model's value to its trial; pruned trials leave the
+array, and the fused module, optimizer and scheduler in place: the loop goes on with
+the others). With plain Optuna the same loop would be
 ``objective(trial)`` with one model, run 16 times.
 """
 
@@ -57,7 +57,6 @@ def make_objective(train, val):
         fused = array.fuse([Net() for _ in array.trials])
         opt = hftc.optim.SGD(fused.parameters(), lr=lrs, momentum=0.9, weight_decay=decays)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=EPOCHS)
-        array.track(opt, sched)
         loader = DataLoader(train, batch_size=32, shuffle=True)
         for epoch in range(EPOCHS):
             fused.train()

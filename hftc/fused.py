@@ -394,6 +394,17 @@ def _example_constants(model: nn.Module, example_inputs: Any) -> dict[str, Any] 
     return constant_inputs(model, dict(given))
 
 
+def _drop_grad_accumulator(p: torch.Tensor) -> None:
+    """Make autograd give ``p`` a new gradient accumulator before its rows are cut.
+
+    A graph still alive from an earlier step (a loss the loop still holds) keeps ``p``'s
+    accumulator, which remembers the old shape ``[N, ...]``: the next backward would
+    refuse the ``[k, ...]`` gradient.  torch replaces the accumulator when ``.data``
+    changes dtype, and not when it changes shape; hence the brief detour."""
+    other = torch.float32 if p.dtype != torch.float32 else torch.float64
+    p.data = torch.empty(0, dtype=other, device=p.device)
+
+
 class FusedModule(ContainerAccess, nn.Module):
     """N models fused into one: ``fused(x)[i] == models[i](x)``.
 
@@ -1477,7 +1488,9 @@ class FusedModule(ContainerAccess, nn.Module):
             for p in self.parameters():  # (each tied parameter once)
                 grad = p.grad
                 p.grad = None  # a grad of the old shape would refuse the new data
-                p.data = p.data.index_select(0, index.to(p.device))
+                kept = p.data.index_select(0, index.to(p.device))
+                _drop_grad_accumulator(p)
+                p.data = kept
                 if grad is not None:
                     p.grad = grad.index_select(0, index.to(grad.device))
             sliced: dict[int, torch.Tensor] = {}

@@ -15,6 +15,12 @@ beside the code they serve; this module only installs them (docs/API.md describe
     torch.optim.lr_scheduler                  N metrics for a fused optimizer: refused,
       .ReduceLROnPlateau.step                 pointing to hftc.optim.ReduceLROnPlateau
                                               (hftc/optim/lr_scheduler.py)
+    torch.optim.lr_scheduler.*.__init__       a scheduler on an hftc.optim optimizer is
+                                              registered (weakly), for hftc.keep_models
+                                              to cut (hftc/optim/lr_scheduler.py)
+    a global optimizer step pre-hook          stock optimizers that stepped are noted
+                                              (weakly): keep_models refuses to cut a
+                                              fused module under one (optim/optimizer.py)
 
 Everything else is torch's own: on tensors that are not a fused module's, each
 replacement calls torch's original.
@@ -23,9 +29,10 @@ replacement calls torch's original.
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import utils
-from .optim import coupled, lr_scheduler
+from .optim import coupled, lr_scheduler, optimizer
 
 _installed = False
 
@@ -43,6 +50,9 @@ def install() -> None:
     for base in coupled._COUPLING:
         base.add_param_group = coupled.refusing_add_param_group(base)
     torch.optim.lr_scheduler.ReduceLROnPlateau.step = lr_scheduler._plateau_step_on_fused
+    for cls in lr_scheduler.torch_scheduler_classes():
+        cls.__init__ = lr_scheduler.registering_init(cls.__init__)
+    register_optimizer_step_pre_hook(optimizer._note_stock_optimizer_step)
     _installed = True
 
 

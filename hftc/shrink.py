@@ -6,7 +6,7 @@
     opt = hftc.optim.Adam(fused.parameters(), lr=[1e-3, 3e-3, 1e-2, 3e-2])
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
     ... train ...
-    hftc.keep_models(fused, [0, 2], optimizers=[opt], schedulers=[sched])
+    hftc.keep_models(fused, [0, 2])       # opt and sched are found and cut with it
     ... train on: models 0 and 2 of before are models 0 and 1 now ...
 
 Every stacked tensor ``[N, ...]`` becomes its rows ``keep``: the parameters (the same
@@ -28,8 +28,8 @@ import torch
 
 from .errors import FusionArgumentError, FusionIndexError, FusionTypeError
 from .fused import FusedModule
-from .optim.lr_scheduler import ReduceLROnPlateau, _keep_plateau_models
-from .optim.optimizer import FusedOptimizer
+from .optim.lr_scheduler import SCHEDULERS_ON_FUSED, ReduceLROnPlateau, _keep_plateau_models
+from .optim.optimizer import _LIVE_OPTIMIZERS, _STEPPED_STOCK_OPTIMIZERS, FusedOptimizer
 
 __all__ = ["keep_models"]
 
@@ -90,11 +90,11 @@ def _scheduler_parts(sched: Any) -> list[Any]:
                      for p in _scheduler_parts(child))]
 
 
-def _check_scheduler(k: int, sched: Any, optimizers: Sequence[Any], n: int) -> None:
+def _check_scheduler(label: str, sched: Any, optimizers: Sequence[Any], n: int) -> None:
     name = type(sched).__name__
     if not any(getattr(sched, "optimizer", None) is opt for opt in optimizers):
         raise FusionArgumentError(
-            f"keep_models: schedulers[{k}] ({name}) is not built on one of the optimizers "
+            f"keep_models: {label} ({name}) is not built on one of the optimizers "
             f"given; pass its optimizer in optimizers=[...] too")
     if isinstance(sched, ReduceLROnPlateau):
         return
@@ -104,17 +104,39 @@ def _check_scheduler(k: int, sched: Any, optimizers: Sequence[Any], n: int) -> N
                 continue
             if isinstance(value, (list, tuple)) and len(value) == n and n > 1:
                 raise FusionArgumentError(
-                    f"keep_models: schedulers[{k}] ({type(part).__name__}) has an attribute "
+                    f"keep_models: {label} ({type(part).__name__}) has an attribute "
                     f"{attr!r} of {n} values, one per model perhaps, which keep_models does "
                     f"not know how to cut; build the scheduler again on the optimizer after "
                     f"keep_models (or use a torch.optim.lr_scheduler class)")
+
+
+def _refuse_stock_optimizers(fused: FusedModule, own: set[int]) -> None:
+    """A stock ``torch.optim`` optimizer that stepped on the fused parameters holds one
+    state for all N models (its moments ``[N, ...]``), which nothing here can cut."""
+    for opt in list(_STEPPED_STOCK_OPTIMIZERS):
+        if any(id(p) in own for g in opt.param_groups for p in g["params"]):
+            name = type(opt).__name__
+            raise FusionTypeError(
+                f"keep_models: a stock torch.optim.{name} steps the fused module's "
+                f"parameters; its state holds all {fused.num_models} models and cannot be "
+                f"cut with them. Build it as hftc.optim.{name}(fused.parameters(), ...) "
+                f"(one param group per model, found and cut with the module), or delete "
+                f"it before keep_models")
+
+
+def _optimizers_on(fused: FusedModule, own: set[int]) -> list[FusedOptimizer]:
+    """The live ``hftc.optim`` optimizers built on ``fused`` (one of N models; a stale
+    one, left out of an earlier cut, refuses its next step on its own)."""
+    return [opt for opt in list(_LIVE_OPTIMIZERS)
+            if opt.num_models == fused.num_models
+            and any(id(p) in own for p in opt.param_groups[0]["params"])]
 
 
 def keep_models(
     fused: FusedModule,
     keep: Sequence[int],
     *,
-    optimizers: Sequence[torch.optim.Optimizer] = (),
+    optimizers: Sequence[torch.optim.Optimizer] | None = None,
     schedulers: Sequence[Any] = (),
 ) -> list[int]:
     """Keep only the models ``keep`` of ``fused``, in place, with their optimizer state.
@@ -123,13 +145,16 @@ def keep_models(
         fused: a fused module (``hftc.fuse``).
         keep: the indices of the models to keep (distinct, any order: model ``j`` is the
             old model ``keep[j]`` afterwards).
-        optimizers: every ``hftc.optim`` optimizer built on ``fused.parameters()``; their
-            state, param groups (one per model) and per-parameter hyper-parameters are cut
-            to ``keep``.  An optimizer left out still holds ``N`` models' state and fails
-            at its next step: build it again, or pass it here.
-        schedulers: the ``torch.optim.lr_scheduler`` schedulers (also ``SequentialLR``,
-            ``ChainedScheduler``) and ``hftc.optim.ReduceLROnPlateau`` built on those
-            optimizers; their per-model values are cut to ``keep``.
+        optimizers: the ``hftc.optim`` optimizers to cut; by default every live one built
+            on ``fused.parameters()`` (each registers itself when built).  Their state,
+            param groups (one per model) and per-parameter hyper-parameters are cut to
+            ``keep``.  One left out of an explicit list still holds ``N`` models' state
+            and refuses its next step: build it again, or pass it here.
+        schedulers: schedulers to cut besides those found: every live
+            ``torch.optim.lr_scheduler`` scheduler (also ``SequentialLR``,
+            ``ChainedScheduler``) and ``hftc.optim.ReduceLROnPlateau`` built on the
+            optimizers cut is found and cut (their per-model values), as one left with
+            ``N`` models' lists would give model ``j`` old model ``j``'s schedule.
 
     Returns the indices kept (normalized: ``-1`` is ``N - 1``).  The kept models continue
     exactly as they would have: the same parameters, buffers, gradients, optimizer state
@@ -138,29 +163,43 @@ def keep_models(
     for N models are not cut: make them again.
 
     Raises ``FusionIndexError`` / ``FusionArgumentError`` / ``FusionTypeError`` for a bad
-    ``keep``, an optimizer not on ``fused``, a scheduler not on those optimizers; nothing
-    is changed then.
+    ``keep``, an optimizer not on ``fused``, a scheduler not on those optimizers, a stock
+    ``torch.optim`` optimizer that has stepped on ``fused``'s parameters; nothing is
+    changed then.
     """
     if not isinstance(fused, FusedModule):
         raise FusionTypeError(f"keep_models takes a fused module (hftc.fuse(models)), got a "
                               f"{type(fused).__name__}")
     indices = _check_keep(fused, keep)
-    optimizers, schedulers = list(optimizers), list(schedulers)
+    own = {id(p) for p in fused.parameters()}
+    _refuse_stock_optimizers(fused, own)
+    optimizers = _optimizers_on(fused, own) if optimizers is None else list(optimizers)
     for k, opt in enumerate(optimizers):
         _check_optimizer(k, opt, fused)
     n = fused.num_models
+    schedulers = list(schedulers)
     for k, sched in enumerate(schedulers):
-        _check_scheduler(k, sched, optimizers, n)
+        _check_scheduler(f"schedulers[{k}]", sched, optimizers, n)
+    found = [s for s in list(SCHEDULERS_ON_FUSED)
+             if any(getattr(s, "optimizer", None) is opt for opt in optimizers)]
+    for sched in found:
+        k = next(k for k, opt in enumerate(optimizers) if sched.optimizer is opt)
+        _check_scheduler(f"a scheduler of optimizers[{k}]", sched, optimizers, n)
     for opt in {id(o): o for o in optimizers}.values():
         opt._keep_models(indices)
-    for sched in schedulers:
+    parts: dict[int, Any] = {}  # each scheduler once (SequentialLR's own are found too)
+    for sched in [*schedulers, *found]:
         if isinstance(sched, ReduceLROnPlateau):
-            _keep_plateau_models(sched, indices)
+            parts[id(sched)] = sched
+        else:
+            parts.update((id(p), p) for p in _scheduler_parts(sched))
+    for part in parts.values():
+        if isinstance(part, ReduceLROnPlateau):
+            _keep_plateau_models(part, indices)
             continue
-        for part in _scheduler_parts(sched):
-            for attr in _PER_GROUP:
-                value = getattr(part, attr, None)
-                if isinstance(value, (list, tuple)) and len(value) == n:
-                    setattr(part, attr, type(value)(value[i] for i in indices))
+        for attr in _PER_GROUP:
+            value = getattr(part, attr, None)
+            if isinstance(value, (list, tuple)) and len(value) == n:
+                setattr(part, attr, type(value)(value[i] for i in indices))
     fused._keep_models(indices)
     return indices

@@ -84,13 +84,17 @@ def assert_close(fused, models, rtol):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("strategy", ["fused", "model_loop"])
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
-def test_kept_models_continue_as_if_trained_alone(kind, strategy, dtype):
+@pytest.mark.parametrize("passed", ["given", "found"])
+def test_kept_models_continue_as_if_trained_alone(kind, strategy, dtype, passed):
     data = batches(6, dtype)
     fused = hftc.fuse([make_model(i, dtype) for i in range(N)], strategy=strategy)
     opt, sched = make_fused_optimizer(kind, fused)
     params_before = list(fused.parameters())
     train_fused(fused, opt, sched, data[:3])
-    kept = hftc.keep_models(fused, KEEP, optimizers=[opt], schedulers=[sched])
+    if passed == "given":
+        kept = hftc.keep_models(fused, KEEP, optimizers=[opt], schedulers=[sched])
+    else:  # each fused optimizer and its scheduler registered themselves when built
+        kept = hftc.keep_models(fused, KEEP)
     assert kept == KEEP and fused.num_models == len(KEEP) and opt.num_models == len(KEEP)
     # The same Parameter objects: the optimizer's groups and the user's references hold.
     assert all(a is b for a, b in zip(fused.parameters(), params_before))
@@ -135,6 +139,42 @@ def test_keep_models_slices_gradients_and_plateau_scheduler():
     assert plateau.get_last_lr() == [LRS[3], LRS[0] * 0.5]
 
 
+def test_schedulers_are_found_also_when_a_list_leaves_them_out():
+    # A LambdaLR left with 4 models' lambdas and base lrs would give the kept model j old
+    # model j's schedule (zip with the cut groups): every scheduler on a cut optimizer is cut.
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    opt = hftc.optim.SGD(fused.parameters(), lr=LRS)
+    schedules = lambdas()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedules)
+    warm = torch.optim.lr_scheduler.LambdaLR(opt, schedules)
+    decay = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    chained = torch.optim.lr_scheduler.SequentialLR(opt, [warm, decay], milestones=[2])
+    plateau = hftc.optim.ReduceLROnPlateau(opt, patience=[0, 1, 2, 3])
+    hftc.keep_models(fused, [3, 1], optimizers=[opt], schedulers=[])
+    assert sched.lr_lambdas == [schedules[3], schedules[1]]
+    assert sched.base_lrs == [LRS[3], LRS[1]]
+    # SequentialLR and its schedulers are each found, and each cut once.
+    assert warm.lr_lambdas == [schedules[3], schedules[1]] and len(chained._last_lr) == 2
+    assert [s.patience for s in plateau.schedulers] == [3, 1]
+
+
+def test_a_stock_optimizer_on_the_fused_parameters_is_refused_at_the_shrink():
+    data = batches(1)
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    stock = torch.optim.Adam(fused.parameters(), lr=1e-3)
+    x, y = data[0]
+    F.cross_entropy(fused(x).reshape(-1, 3), y.repeat(N)).backward()
+    stock.step()  # its moments are [4, ...]: one state for all models
+    with pytest.raises(FusionTypeError, match=r"a stock torch.optim.Adam steps the fused "
+                                              r"module's parameters; its state holds all 4 "
+                                              r"models .* Build it as hftc.optim.Adam\("):
+        hftc.keep_models(fused, [0, 2])
+    assert fused.num_models == N  # nothing changed
+    del stock
+    hftc.keep_models(fused, [0, 2])  # (a stock optimizer that is gone is not in the way)
+    assert fused.num_models == 2
+
+
 def test_keep_models_refuses_bad_arguments_and_changes_nothing():
     fused = hftc.fuse([make_model(i) for i in range(N)])
     opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
@@ -155,7 +195,7 @@ def test_keep_models_refuses_bad_arguments_and_changes_nothing():
                                                                  lr=0.1)])
     with pytest.raises(FusionArgumentError, match=r"schedulers\[0\] \(StepLR\) is not built on "
                                                   r"one of the optimizers given"):
-        hftc.keep_models(fused, [0], schedulers=[sched])
+        hftc.keep_models(fused, [0], optimizers=[], schedulers=[sched])
     assert fused.num_models == N and opt.num_models == N
     assert all(p.shape[0] == N for p in fused.parameters())
 
@@ -164,7 +204,7 @@ def test_an_optimizer_left_out_refuses_its_next_step():
     data = batches(1)
     fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
     opt = hftc.optim.Adam(fused.parameters(), lr=1e-3)
-    hftc.keep_models(fused, [0, 2])  # opt not passed
+    hftc.keep_models(fused, [0, 2], optimizers=[])  # opt left out of an explicit list
     x, y = data[0]
     F.cross_entropy(fused(x).reshape(-1, 3), y.repeat(2)).backward()
     with pytest.raises(FusionArgumentError, match=r"Adam.step: the parameters hold 2 models but "
@@ -188,3 +228,30 @@ def test_sequential_schedulers_are_cut_too():
     assert warm.lr_lambdas == schedules[2:] and warm.base_lrs == LRS[2:]
     sched.step()
     assert sched.get_last_lr() == pytest.approx([before[2] * 0.5, before[3] * 0.5], rel=1e-12)
+
+
+def test_a_loss_still_held_from_before_the_cut_does_not_stop_the_next_backward():
+    # The loop's last loss (a GAN's errG, alive across the epoch's report) holds the
+    # parameters' gradient accumulators, made for 4 models: the next backward refused
+    # the 2 models' gradients ("ViewBackward0 returned an invalid gradient").
+    data = batches(2)
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    opt = hftc.optim.SGD(fused.parameters(), lr=LRS)
+    x, y = data[0]
+    loss = F.cross_entropy(fused(x).reshape(-1, 3), y.repeat(N), reduction="sum")
+    loss.backward()
+    opt.step()
+    hftc.keep_models(fused, KEEP)
+    opt.zero_grad()
+    x, y = data[1]
+    F.cross_entropy(fused(x).reshape(-1, 3), y.repeat(2), reduction="sum").backward()
+    opt.step()
+    models = [make_model(i) for i in KEEP]
+    for model, i in zip(models, KEEP):
+        stock = torch.optim.SGD(model.parameters(), lr=LRS[i])
+        for xb, yb in data:
+            stock.zero_grad()
+            F.cross_entropy(model(xb), yb, reduction="sum").backward()
+            stock.step()
+    assert_close(fused, models, 1e-9)
+    assert loss.requires_grad  # (held to the end)

@@ -76,7 +76,7 @@ def make_objective(digits, sizes: list[int], highest_lr: float = 0.5):
         fused = array.fuse([make_model(t.number) for t in array.trials], strategy="fused")
         opt = hftc.optim.SGD(fused.parameters(), lr=lrs, momentum=0.9, weight_decay=1e-4)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        array.track(opt, sched)  # cut with the fused module when trials leave
+        # (no array.track: opt and sched are found and cut with fused when trials leave)
         data = loader(train)
         torch.manual_seed(77)  # the augmentation's draws
         for epoch in range(EPOCHS):
@@ -181,3 +181,101 @@ def test_errors_fail_the_arrays_trials_and_say_what_to_do(digits, tmp_path):
     with pytest.raises(SweepError, match=r"the objective returned None for trials \[4, 5\]"):
         hftc.sweep.optimize(study, returns_none, n_trials=2, array_size=2)
     assert all(t.state.name == "FAIL" for t in study.get_trials())
+
+
+def test_the_contract_example_runs_as_written(digits, tmp_path):
+    """shared/API.md's example, word for word inside objective (no array.track)."""
+    train, val = digits
+    E = 3  # noqa: N806  (the example's name)
+    state = {}
+
+    def build(t):
+        return make_model(t.number)
+
+    def train_one_epoch(fused, opt):
+        if "data" not in state:  # one loader and augmentation stream per array
+            state["data"] = loader(train)
+            torch.manual_seed(77)
+        for xb, yb in state["data"]:
+            train_step(fused, opt, xb, yb)
+
+    def objective(array):                       # array: hftc.sweep.TrialArray, N live optuna.Trials
+        state.clear()
+        lrs = [t.suggest_float("lr", 1e-3, 1, log=True) for t in array.trials]
+        fused = array.fuse([build(t) for t in array.trials])
+        opt = hftc.optim.SGD(fused.parameters(), lr=lrs, momentum=0.9)
+        for epoch in range(E):
+            train_one_epoch(fused, opt)         # the user's own loop
+            per_model_metric = val_losses(fused, val)
+            array.report(per_model_metric, step=epoch)   # [N]; prunes, shrinks fused/opt/schedulers in place
+        final_per_model_metric = val_losses(fused, val)
+        return final_per_model_metric           # [N]: tells each live trial its value
+
+    study = optuna.create_study(
+        storage=f"sqlite:///{tmp_path / 'study.db'}", direction="minimize",
+        sampler=optuna.samplers.RandomSampler(seed=1),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0))
+    hftc.sweep.optimize(study, objective, n_trials=6, array_size=3)
+    trials = study.get_trials()
+    assert len(trials) == 6
+    states = {t.state.name for t in trials}
+    assert states == {"COMPLETE", "PRUNED"}, states
+    # the second array lost a trial before its last epoch, and its loop went on
+    assert any(t.state.name == "PRUNED" and len(t.intermediate_values) < E for t in trials[3:])
+    assert any(t.state.name == "COMPLETE" for t in trials[3:]), \
+        [(t.state.name, len(t.intermediate_values)) for t in trials]
+    for t in trials:
+        model = make_model(t.number)
+        opt = torch.optim.SGD(model.parameters(), lr=t.params["lr"], momentum=0.9)
+        data = loader(train)
+        torch.manual_seed(77)
+        for step in sorted(t.intermediate_values):
+            for xb, yb in data:
+                opt.zero_grad()
+                F.cross_entropy(model(augment(xb)), yb).backward()
+                opt.step()
+            with torch.no_grad():
+                value = F.cross_entropy(model(val[0]), val[1]).item()
+            assert t.intermediate_values[step] == pytest.approx(value, rel=1e-9, abs=1e-12)
+        if t.state.name == "COMPLETE":
+            assert t.value == pytest.approx(value, rel=1e-9, abs=1e-12)
+
+
+def test_track_is_optional_and_refuses_a_stock_optimizer(digits, tmp_path):
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}")
+
+    def objective(array):
+        fused = array.fuse([make_model(t.number) for t in array.trials])
+        opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+        assert array.track(opt) is opt  # accepted: a check, the array finds it anyway
+        array.track(torch.optim.SGD(fused.parameters(), lr=0.1))
+
+    with pytest.raises(SweepError, match=r"track: objects\[0\] is a stock torch.optim.SGD, .*"
+                                         r"build it as hftc.optim.SGD\(fused.parameters\(\)"):
+        hftc.sweep.optimize(study, objective, n_trials=2, array_size=2)
+
+
+def test_the_last_reports_values_returned_complete_the_live_trials(tmp_path):
+    # `return val` after the loop, where the last report pruned a trial: val still has
+    # the pruned model's entry (it was a SweepError "got 3 values for 2 live trials").
+    class PruneTrialOneAtTheEnd(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return trial.number == 1 and trial.last_step == 1
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}",
+                                pruner=PruneTrialOneAtTheEnd())
+
+    def objective(array):
+        fused = array.fuse([make_model(t.number) for t in array.trials])
+        x = torch.linspace(0, 1, 128, dtype=torch.float64).reshape(2, 64)
+        for step in range(2):
+            with torch.no_grad():
+                val = fused(x).sum((1, 2)) + step  # [N]
+            array.report(val, step)
+        return val
+
+    hftc.sweep.optimize(study, objective, n_trials=3, array_size=3)
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "PRUNED", "COMPLETE"]
+    for t in (trials[0], trials[2]):
+        assert t.value == t.intermediate_values[1]

@@ -10,6 +10,7 @@ torch's own), watching only model i's group and stepped with model i's metric.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,6 +84,7 @@ class ReduceLROnPlateau:
                                            **{k: v[i] for k, v in per_model.items()})
             for i in range(n)
         ]
+        SCHEDULERS_ON_FUSED.add(self)  # found and cut by hftc.keep_models
 
     @property
     def num_models(self) -> int:
@@ -118,6 +120,40 @@ class ReduceLROnPlateau:
             )
         for sched, state in zip(self.schedulers, states):
             sched.load_state_dict(state)
+
+
+#: Every live scheduler built on an ``hftc.optim`` optimizer, weakly: torch's (registered
+#: by :func:`registering_init`, which ``import hftc`` wraps around their ``__init__``) and
+#: :class:`ReduceLROnPlateau`.  :func:`hftc.keep_models` cuts those of the optimizers it
+#: cuts: one left with N models' lists would give model j old model j's schedule.
+SCHEDULERS_ON_FUSED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def registering_init(init: Any) -> Any:
+    """A torch scheduler class's ``__init__``, which then registers the scheduler in
+    :data:`SCHEDULERS_ON_FUSED` when its optimizer is fused (torch keeps no list of an
+    optimizer's schedulers)."""
+    if getattr(init, "_hftc_registers", False):
+        return init
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        from .optimizer import FusedOptimizer  # (the optimizers import this package)
+
+        init(self, *args, **kwargs)
+        if isinstance(getattr(self, "optimizer", None), FusedOptimizer):
+            SCHEDULERS_ON_FUSED.add(self)
+
+    __init__._hftc_registers = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def torch_scheduler_classes() -> list[type]:
+    """torch's scheduler base class and its classes with an ``__init__`` of their own
+    (SequentialLR, ChainedScheduler and ReduceLROnPlateau do not call the base's)."""
+    base = _torch_sched.LRScheduler
+    return [base, *(c for c in vars(_torch_sched).values() if isinstance(c, type)
+                    and issubclass(c, base) and c is not base and "__init__" in vars(c))]
 
 
 _torch_plateau_step = _torch_sched.ReduceLROnPlateau.step

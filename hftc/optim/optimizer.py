@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
@@ -244,6 +245,23 @@ def copy_model_state(target: Tensor, value: Tensor) -> None:
     target.copy_(value)
 
 
+#: Every live ``hftc.optim`` optimizer, weakly: :func:`hftc.keep_models` given no
+#: ``optimizers=`` cuts those built on the fused module it cuts (no list to keep by hand).
+_LIVE_OPTIMIZERS: weakref.WeakSet[FusedOptimizer] = weakref.WeakSet()
+
+
+#: Every stock ``torch.optim`` optimizer that has taken a step, weakly (a global step
+#: pre-hook that ``import hftc`` installs): ``hftc.keep_models`` refuses to cut a fused
+#: module under one of them, whose state for N models it cannot cut.
+_STEPPED_STOCK_OPTIMIZERS: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+
+
+def _note_stock_optimizer_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    """torch global optimizer step pre-hook: remember stock optimizers (weakly)."""
+    if not isinstance(optimizer, FusedOptimizer):
+        _STEPPED_STOCK_OPTIMIZERS.add(optimizer)
+
+
 class FusedOptimizer(Optimizer):
     """Base class: the bookkeeping shared by ``hftc.optim.SGD``, ``Adam``, ``AdamW``, ...
 
@@ -342,6 +360,7 @@ class FusedOptimizer(Optimizer):
         self._groups_frozen = False
         super().__init__(groups, defaults)
         self._groups_frozen = True
+        _LIVE_OPTIMIZERS.add(self)
 
     # ------------------------------------------------------------------ set-up
 
@@ -629,6 +648,7 @@ class FusedOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_groups_frozen", True)
+        _LIVE_OPTIMIZERS.add(self)  # a copy (deepcopy, pickle) is found by keep_models too
         self.__dict__.pop("_momentum_ready", None)  # ids of another process's tensors
         # Pickles and state dicts of hftc before the flags were param-group keys: the
         # optimizer's own values (as torch's optimizers fill in keys added later).
@@ -765,8 +785,9 @@ class FusedOptimizer(Optimizer):
             raise FusionArgumentError(
                 f"{type(self).__name__}.step: the parameters hold {params[0].shape[0]} models "
                 f"but this optimizer {self.num_models}: hftc.keep_models cut the fused module "
-                f"and not this optimizer; pass it in keep_models(..., optimizers=[...]) "
-                f"(or TrialArray.track(optimizer)), or build it again")
+                f"and not this optimizer (its optimizers=[...] left it out); leave "
+                f"optimizers= out (every hftc.optim optimizer on the module is cut), pass "
+                f"it there, or build it again")
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")

@@ -7,8 +7,8 @@ a time and calls ``objective(array)`` once per N::
     def objective(array):                                   # array: a TrialArray
         lrs = [t.suggest_float("lr", 1e-4, 1e-1, log=True) for t in array.trials]
         fused = array.fuse([Net() for _ in array.trials])   # hftc.fuse, remembered
-        opt, sched = array.track(hftc.optim.SGD(fused.parameters(), lr=lrs, momentum=0.9),
-                                 ...)                       # cut with the array
+        opt = hftc.optim.SGD(fused.parameters(), lr=lrs, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)   # both cut with fused
         for epoch in range(epochs):
             ... the user's own loop on fused (losses summed over the models) ...
             array.report(per_model_accuracy, epoch)         # prunes; survivors go on
@@ -16,10 +16,11 @@ a time and calls ``objective(array)`` once per N::
 
 ``array.report`` reports each model's value to its trial and asks the study's pruner;
 pruned trials (and models whose value or weights are not finite: their trial fails)
-leave the array, and :func:`hftc.keep_models` cuts the fused module and every tracked
-optimizer and scheduler to the survivors in place: the loop goes on with them, each
-exactly as if trained alone.  When no trial is left, ``report`` raises
-``optuna.TrialPruned``, which ends the objective (``optimize`` catches it).
+leave the array, and :func:`hftc.keep_models` cuts the fused module(s) and every
+``hftc.optim`` optimizer and LR scheduler built on them (found: nothing to register) to
+the survivors in place: the loop goes on with them, each exactly as if trained alone.
+When no trial is left, ``report`` raises ``optuna.TrialPruned``, which ends the
+objective (``optimize`` catches it).
 """
 
 from __future__ import annotations
@@ -54,14 +55,17 @@ def _as_values(values: Any, n: int, what: str) -> list[float]:
 class TrialArray:
     """N live ``optuna.Trial`` s trained as one fused module (see the module docstring).
 
-    ``trials[j]`` is model ``j`` of the fused module, now and after every shrink: a pruned
-    trial leaves ``trials`` and the fused module together."""
+    ``trials[j]`` is model ``j`` of each fused module (``fuse`` may be called once per
+    kind of model: a GAN's generators and discriminators), now and after every shrink: a
+    pruned trial leaves ``trials`` and the fused modules together."""
 
     def __init__(self, study: optuna.Study, trials: Sequence[optuna.Trial]):
         self.study = study
         self.trials: list[optuna.Trial] = list(trials)
-        self.fused: hftc.FusedModule | None = None
-        self._tracked: list[Any] = []
+        #: The fused modules of this array, in the order ``fuse`` made them.
+        self.fused_modules: list[hftc.FusedModule] = []
+        #: The positions the last ``report`` dropped, and how many models it saw.
+        self._last_drop: tuple[list[int], int] = ([], 0)
 
     def __len__(self) -> int:
         return len(self.trials)
@@ -71,23 +75,38 @@ class TrialArray:
         """The live trials' numbers, in model order."""
         return [t.number for t in self.trials]
 
+    @property
+    def fused(self) -> hftc.FusedModule | None:
+        """The fused module ``fuse`` made last (``None`` before)."""
+        return self.fused_modules[-1] if self.fused_modules else None
+
     def fuse(self, models: Sequence[nn.Module], **fuse_kwargs: Any) -> hftc.FusedModule:
         """``hftc.fuse(models, **fuse_kwargs)``, model ``j`` being ``trials[j]``'s; the
-        array cuts this module when trials leave."""
+        array cuts this module, and the ``hftc.optim`` optimizers and schedulers built on
+        it, when trials leave.  Call it once per kind of model (a GAN's two nets)."""
         models = list(models)
         if len(models) != len(self.trials):
             raise SweepError(f"TrialArray.fuse got {len(models)} models for {len(self.trials)} "
                              f"trials; build one model per trial, in the order of array.trials")
-        self.fused = hftc.fuse(models, **fuse_kwargs)
-        return self.fused
+        fused = hftc.fuse(models, **fuse_kwargs)
+        self.fused_modules.append(fused)
+        return fused
 
     def track(self, *objects: Any) -> Any:
-        """Register ``hftc.optim`` optimizers on the fused module and LR schedulers on
-        them, to be cut with it when trials leave; returns what it was given (one object,
-        or a tuple).  An optimizer not tracked refuses its next step after a cut."""
+        """Check that ``objects`` are ``hftc.optim`` optimizers or LR schedulers, which the
+        array finds and cuts anyway (this only fails early, with what to change, for a
+        stock ``torch.optim`` optimizer); returns what it was given (one object, or a
+        tuple)."""
         if not objects:
             raise SweepError("TrialArray.track() needs the optimizers / schedulers to track")
-        self._tracked.extend(objects)
+        for k, obj in enumerate(objects):
+            if isinstance(obj, torch.optim.Optimizer) and not isinstance(
+                    obj, hftc.optim.FusedOptimizer):
+                name = type(obj).__name__
+                raise SweepError(
+                    f"TrialArray.track: objects[{k}] is a stock torch.optim.{name}, whose "
+                    f"state for all models cannot be cut when trials leave; build it as "
+                    f"hftc.optim.{name}(fused.parameters(), ...)")
         return objects[0] if len(objects) == 1 else objects
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
@@ -96,17 +115,17 @@ class TrialArray:
 
     def drop(self, positions: Sequence[int]) -> None:
         """Remove the models at ``positions`` (already told) from the array, the fused
-        module and the tracked optimizers / schedulers; if none is left, raise
+        modules and the optimizers / schedulers built on them; if none is left, raise
         ``optuna.TrialPruned`` (the objective is over)."""
         gone = set(positions)
         keep = [j for j in range(len(self.trials)) if j not in gone]
+        self._last_drop = (keep, len(self.trials))
         self.trials = [self.trials[j] for j in keep]
         if not keep:
             raise optuna.TrialPruned("every trial of the array is pruned, failed or complete")
-        if gone and self.fused is not None:
-            optimizers = [o for o in self._tracked if isinstance(o, torch.optim.Optimizer)]
-            schedulers = [o for o in self._tracked if not isinstance(o, torch.optim.Optimizer)]
-            hftc.keep_models(self.fused, keep, optimizers=optimizers, schedulers=schedulers)
+        if gone:
+            for fused in self.fused_modules:  # with the optimizers and schedulers built on it
+                hftc.keep_models(fused, keep)
 
     def report(self, values: Sequence[float] | torch.Tensor, step: int) -> list[int]:
         """Report ``values[j]`` to ``trials[j]`` at ``step``, ask the pruner, and drop the
@@ -114,7 +133,9 @@ class TrialArray:
         trial fails with the reason).  Returns the positions (before this call) of the
         models dropped, so the loop can cut its own per-model lists the same way."""
         values = _as_values(values, len(self.trials), "TrialArray.report")
-        finite = _finite_models(self.fused) if self.fused is not None else [True] * len(values)
+        finite = [True] * len(values)
+        for fused in self.fused_modules:
+            finite = [a and b for a, b in zip(finite, _finite_models(fused))]
         dropped = []
         for j, (trial, value) in enumerate(zip(self.trials, values)):
             if not math.isfinite(value) or not finite[j]:
@@ -131,7 +152,16 @@ class TrialArray:
         return dropped
 
     def finish(self, values: Sequence[float] | torch.Tensor) -> None:
-        """Complete every live trial with its final value (a non-finite one fails it)."""
+        """Complete every live trial with its final value (a non-finite one fails it).
+
+        ``values`` has one value per live trial, or one per model of the last ``report``
+        that dropped some (the loop's last values, computed before that report): the
+        live trials' are taken."""
+        values = (values.detach().reshape(-1).tolist() if isinstance(values, torch.Tensor)
+                  else list(values))
+        keep, seen = self._last_drop
+        if len(keep) < seen and len(values) == seen:
+            values = [values[j] for j in keep]
         values = _as_values(values, len(self.trials), "TrialArray.finish")
         for trial, value in zip(self.trials, values):
             if math.isfinite(value):
