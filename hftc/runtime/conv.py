@@ -95,8 +95,8 @@ def conv_lowerings(
     if x_batched and groups == 1 and two_d and not isinstance(padding, str):
         names.append("im2col_bmm")  # never the cost model's choice: autotune's to find
     if two_d and has_batch and _is_plain_depthwise(x, weight, stride, padding, dilation, groups):
-        # oneDNN's depthwise weight gradient is 5-20x slower than this lowering's for
-        # kernels of 5x5 and up, not for 3x3 (docs/BENCHMARKS.md, depthwise convs).
+        # oneDNN's depthwise weight gradient is several times slower than this
+        # lowering's for kernels of 5x5 and up, not for 3x3 (docs/DESIGN_NOTES.md).
         big_kernel = weight.shape[3] * weight.shape[4] >= 25
         names.insert(0 if big_kernel else len(names), "depthwise_wgrad_conv")
     return names + ["loop"]
@@ -310,7 +310,7 @@ class _DepthwiseConv2d(torch.autograd.Function):
     grad_W[c] is the correlation of each map x[b, c] with its output gradient dy[b, c],
     summed over the batch: one depthwise conv whose kernels are the ``dy`` maps.  oneDNN's
     direct depthwise weight gradient is the slow part of the stock backward on the CPU
-    (docs/BENCHMARKS.md).  The backward is made of differentiable ops with vmap rules
+    (docs/DESIGN_NOTES.md).  The backward is made of differentiable ops with vmap rules
     (double backward, ``torch.func``); called through :func:`apply_function_fast`.
     """
 
