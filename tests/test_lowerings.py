@@ -71,6 +71,8 @@ CONVS = [
                      groups=3, bias=False), (3, 7, 6)),
     (nn.Conv2d, dict(in_channels=5, out_channels=5, kernel_size=3, padding=1, groups=5),
      (5, 4, 4)),
+    (nn.Conv2d, dict(in_channels=3, out_channels=3, kernel_size=5, stride=(2, 3), padding=2,
+                     groups=3), (3, 8, 9)),  # strided: rows the last window leaves unread
 ]
 CONV_TRANSPOSES = [
     (nn.ConvTranspose1d, dict(in_channels=3, out_channels=4, kernel_size=3, stride=2),
@@ -756,8 +758,8 @@ def test_a_model_with_a_group_norm_is_never_run_channels_last_on_the_cpu(functio
 @pytest.mark.parametrize(("kernel", "stride", "padding", "groups", "first"), [
     (7, 1, 3, 4, "depthwise_wgrad_conv"),   # ConvNeXt's: the cost model's choice
     (5, 1, 2, 4, "depthwise_wgrad_conv"),
+    (5, 2, 2, 4, "depthwise_wgrad_conv"),   # EfficientNet's strided 5x5
     (3, 1, 1, 4, None),                     # 3x3: autotune's candidate only
-    (5, 2, 2, 4, None),                     # strided: not this lowering
     (5, 1, 2, 2, None),                     # 2 channels per group: not depthwise
 ])
 def test_the_cost_model_runs_large_depthwise_kernels_as_depthwise_wgrad_conv(
@@ -770,11 +772,12 @@ def test_the_cost_model_runs_large_depthwise_kernels_as_depthwise_wgrad_conv(
         assert names[0] == first, names
     else:
         assert names[0] != "depthwise_wgrad_conv"
-        assert ("depthwise_wgrad_conv" in names) == (stride == 1 and groups == 4), names
+        assert ("depthwise_wgrad_conv" in names) == (groups == 4), names
 
 
+@pytest.mark.parametrize("stride", [1, (2, 1)], ids=["stride1", "strided"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
-def test_depthwise_wgrad_conv_double_backward_and_vmap(channels_last):
+def test_depthwise_wgrad_conv_double_backward_and_vmap(channels_last, stride):
     # The backward is made of convs: its own gradients (gradgradcheck), and torch.func.
     torch.manual_seed(0)
     x = torch.randn(2, 2, 3, 5, 4, dtype=torch.float64)
@@ -785,11 +788,11 @@ def test_depthwise_wgrad_conv_double_backward_and_vmap(channels_last):
     bias = torch.randn(2, 3, dtype=torch.float64)
 
     def depthwise(x, weight, bias):
-        return rt_conv.conv(x, weight, bias, 1, (2, 1), 1, 3, spatial=2, x_batched=True,
+        return rt_conv.conv(x, weight, bias, stride, (2, 1), 1, 3, spatial=2, x_batched=True,
                             lowering="depthwise_wgrad_conv")
 
     def reference(x, weight, bias):
-        return rt_conv.conv(x, weight, bias, 1, (2, 1), 1, 3, spatial=2, x_batched=True,
+        return rt_conv.conv(x, weight, bias, stride, (2, 1), 1, 3, spatial=2, x_batched=True,
                             lowering="loop")
 
     inputs = [t.detach().requires_grad_() for t in (x, weight, bias)]

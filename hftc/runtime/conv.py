@@ -56,7 +56,7 @@ def conv_lowerings(
     ``shared_conv``               shared input, ``g == 1``: one conv, ``N*Cout`` outputs
     ``shared_im2col``             shared input, 2-d: ``unfold`` once, one GEMM
     ``im2col_bmm``                batched input, 2-d, ``g == 1``: ``unfold`` + a batched GEMM
-    ``depthwise_wgrad_conv``      depthwise 2-d, stride 1 (CPU): one grouped conv whose
+    ``depthwise_wgrad_conv``      depthwise 2-d, dilation 1 (CPU): one grouped conv whose
                                   weight gradient is a depthwise conv over ``B*N*C`` maps
     ``loop``                      N separate convs (what the serial loop runs)
     ============================  ====================================================
@@ -146,7 +146,8 @@ def conv(
         xf = fold_channels(x, True)
         xf = xf if layout.is_channels_last(xf) else xf.contiguous()
         from .linear import apply_function_fast  # (linear imports this module)
-        y = apply_function_fast(_DepthwiseConv2d, xf, w, b, tuple(_ntuple(padding, 2)))
+        y = apply_function_fast(_DepthwiseConv2d, xf, w, b, tuple(_ntuple(stride, 2)),
+                                tuple(_ntuple(padding, 2)))
         return unfold_channels(y, n, True)
     if padding_mode != "zeros":
         pad = tuple(explicit_padding)
@@ -284,31 +285,33 @@ def _batched_unfold_conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride:
 
 def _is_plain_depthwise(x: Tensor, weight: Tensor, stride: Any, padding: Any, dilation: Any,
                         groups: int) -> bool:
-    """A CPU depthwise 2-d conv (one input and one output channel per group) with stride 1,
-    dilation 1 and numeric padding of at most ``k - 1``: :class:`_DepthwiseConv2d`'s case.
+    """A CPU depthwise 2-d conv (one input and one output channel per group) with dilation 1
+    and numeric padding of at most ``k - 1``: :class:`_DepthwiseConv2d`'s case.
     ``weight`` is ``[N, Cout, Cin/g, kh, kw]``."""
     if x.device.type != "cpu" or not x.is_floating_point() or torch.is_autocast_enabled("cpu"):
         return False
     if weight.shape[2] != 1 or weight.shape[1] != groups or isinstance(padding, str):
         return False
     kernel = weight.shape[3:]
-    return all(v == 1 for v in _ntuple(stride, 2)) and all(v == 1 for v in _ntuple(dilation, 2)) \
+    return all(v >= 1 for v in _ntuple(stride, 2)) and all(v == 1 for v in _ntuple(dilation, 2)) \
         and all(0 <= p < k for p, k in zip(_ntuple(padding, 2), kernel))
 
 
 class _DepthwiseConv2d(torch.autograd.Function):
-    """A depthwise conv (stride 1) whose backward runs as two depthwise forward convs.
+    """A depthwise conv whose backward runs as depthwise convs.
 
     ::
 
-        y      = conv2d(x [B, C, H, W], W [C, 1, k, k], b, padding=p, groups=C)
-        grad_x = conv2d(dy, flip(W), padding=k-1-p, groups=C)
+        y      = conv2d(x [B, C, H, W], W [C, 1, k, k], b, stride=s, padding=p, groups=C)
+        grad_x = conv2d(dy, flip(W), padding=k-1-p, groups=C)         (s = 1)
+                 conv_transpose2d(dy, W, stride=s, padding=p, groups=C) (s > 1)
         grad_W = conv2d(x as [1, B*C, H, W], dy as [B*C, 1, H', W'], padding=p,
-                        groups=B*C) [1, B*C, k, k] -> summed over B
+                        dilation=s, groups=B*C)[..., :k, :k] -> summed over B
         grad_b = dy.sum((0, 2, 3))
 
-    grad_W[c] is the correlation of each map x[b, c] with its output gradient dy[b, c],
-    summed over the batch: one depthwise conv whose kernels are the ``dy`` maps.  oneDNN's
+    grad_W[c] is the correlation of each map x[b, c] with its output gradient dy[b, c]
+    (spread s apart), summed over the batch: one depthwise conv whose kernels are the
+    ``dy`` maps; its outputs past ``k`` (the rows a stride left unread) are cropped.  oneDNN's
     direct depthwise weight gradient is the slow part of the stock backward on the CPU
     (docs/DESIGN_NOTES.md).  The backward is made of differentiable ops with vmap rules
     (double backward, ``torch.func``); called through :func:`apply_function_fast`.
@@ -317,14 +320,15 @@ class _DepthwiseConv2d(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, weight: Tensor, bias: Tensor | None, padding: tuple) -> Tensor:
-        return F.conv2d(x, weight, bias, 1, padding, 1, weight.shape[0])
+    def forward(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple,
+                padding: tuple) -> Tensor:
+        return F.conv2d(x, weight, bias, stride, padding, 1, weight.shape[0])
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        x, weight, bias, padding = inputs
+        x, weight, bias, stride, padding = inputs
         ctx.save_for_backward(x, weight)
-        ctx.padding = padding
+        ctx.stride, ctx.padding = stride, padding
         ctx.has_bias = bias is not None
 
     @staticmethod
@@ -333,18 +337,24 @@ class _DepthwiseConv2d(torch.autograd.Function):
         channels, kernel = weight.shape[0], weight.shape[2:]
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_w = grad_b = None
-        if need_x:
-            flipped_padding = tuple(k - 1 - p for k, p in zip(kernel, ctx.padding))
+        stride, padding = ctx.stride, ctx.padding
+        if need_x and stride == (1, 1):
+            flipped_padding = tuple(k - 1 - p for k, p in zip(kernel, padding))
             grad_x = F.conv2d(grad, weight.flip(-2, -1), None, 1, flipped_padding, 1, channels)
+        elif need_x:  # the rows past the last window's reach: output_padding
+            unread = tuple(size + 2 * p - k - (out - 1) * s for size, p, k, out, s in zip(
+                x.shape[2:], padding, kernel, grad.shape[2:], stride))
+            grad_x = F.conv_transpose2d(grad, weight, None, stride, padding, unread, channels)
         if need_w:
             batch = x.shape[0]
             maps = x.reshape(1, batch * channels, *x.shape[2:])
             kernels = grad.reshape(batch * channels, 1, *grad.shape[2:])
-            per_sample = F.conv2d(maps, kernels, None, 1, ctx.padding, 1, batch * channels)
-            grad_w = per_sample.view(batch, channels, *kernel).sum(0).unsqueeze(1)
+            per_sample = F.conv2d(maps, kernels, None, 1, padding, stride, batch * channels)
+            per_sample = per_sample[..., :kernel[0], :kernel[1]]
+            grad_w = per_sample.reshape(batch, channels, *kernel).sum(0).unsqueeze(1)
         if need_b and ctx.has_bias:
             grad_b = grad.sum((0, 2, 3))
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def _ntuple(v: Any, spatial: int) -> tuple:
