@@ -805,6 +805,34 @@ def test_depthwise_wgrad_conv_double_backward_and_vmap(channels_last, stride):
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
 
 
+class _ConvNeXtStage(nn.Module):
+    """torchvision's ConvNeXt stage shapes at toy size: two CNBlocks (depthwise 7x7,
+    NHWC LayerNorm, Linear 4x, GELU, Linear, layer scale, residual), then LayerNorm2d
+    and EfficientNet's strided depthwise 5x5."""
+
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        from hftc.bench.zoo import CNBlock, LayerNorm2d
+
+        self.blocks = nn.Sequential(CNBlock(dim, 0.5, 0.0), CNBlock(dim, 0.5, 0.0))
+        self.norm = LayerNorm2d(dim, eps=1e-6)
+        self.down = nn.Conv2d(dim, dim, 5, stride=2, padding=2, groups=dim)
+
+    def forward(self, x):
+        return self.down(self.norm(self.blocks(x)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_convnext_stage_runs_its_depthwise_convs_as_depthwise_wgrad_conv(dtype):
+    # The cost model's default: each depthwise conv's backward is the lowering's own,
+    # and two training steps match the per-model loop (values, every gradient).
+    torch.manual_seed(0)
+    models = [_ConvNeXtStage() for _ in range(3)]
+    fused = check_equivalence(models, torch.randn(2, 4, 9, 9), dtype=dtype, steps=2)
+    out = fused(torch.randn(2, 4, 9, 9, dtype=dtype))
+    assert "_DepthwiseConv2dBackward" in autograd_nodes(out)
+
+
 @pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_every_lowering_of_a_strided_1x1_conv_on_a_channels_last_input(groups, x_batched):
