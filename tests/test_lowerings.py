@@ -64,6 +64,15 @@ CONVS = [
     (nn.Conv2d, dict(in_channels=5, out_channels=7, kernel_size=1, bias=False), (5, 6, 6)),
     (nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=3, padding=1,
                      padding_mode="circular"), (2, 5, 5, 5)),
+    # depthwise (ConvNeXt's 7x7, EfficientNet's 5x5 and 3x3): depthwise_wgrad_conv too
+    (nn.Conv2d, dict(in_channels=4, out_channels=4, kernel_size=7, padding=3, groups=4),
+     (4, 6, 5)),
+    (nn.Conv2d, dict(in_channels=3, out_channels=3, kernel_size=(5, 3), padding=(1, 2),
+                     groups=3, bias=False), (3, 7, 6)),
+    (nn.Conv2d, dict(in_channels=5, out_channels=5, kernel_size=3, padding=1, groups=5),
+     (5, 4, 4)),
+    (nn.Conv2d, dict(in_channels=3, out_channels=3, kernel_size=5, stride=(2, 3), padding=2,
+                     groups=3), (3, 8, 9)),  # strided: rows the last window leaves unread
 ]
 CONV_TRANSPOSES = [
     (nn.ConvTranspose1d, dict(in_channels=3, out_channels=4, kernel_size=3, stride=2),
@@ -744,6 +753,84 @@ def test_a_model_with_a_group_norm_is_never_run_channels_last_on_the_cpu(functio
     instance = nn.Sequential(nn.Conv2d(3, 3, 1), nn.InstanceNorm2d(3))  # wrong gradients
     assert not layout.safe(instance, torch.fx.symbolic_trace(instance).graph,
                            torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "groups", "first"), [
+    (7, 1, 3, 4, "depthwise_wgrad_conv"),   # ConvNeXt's: the cost model's choice
+    (5, 1, 2, 4, "depthwise_wgrad_conv"),
+    (5, 2, 2, 4, "depthwise_wgrad_conv"),   # EfficientNet's strided 5x5
+    (3, 1, 1, 4, None),                     # 3x3: autotune's candidate only
+    (5, 1, 2, 2, None),                     # 2 channels per group: not depthwise
+])
+def test_the_cost_model_runs_large_depthwise_kernels_as_depthwise_wgrad_conv(
+        kernel, stride, padding, groups, first):
+    weight = torch.randn(3, 4, 4 // groups, kernel, kernel)
+    x = torch.randn(3, 2, 4, 9, 9)
+    names = rt_conv.conv_lowerings(x, weight, None, stride, padding, 1, groups, spatial=2,
+                                   x_batched=True)
+    if first is not None:
+        assert names[0] == first, names
+    else:
+        assert names[0] != "depthwise_wgrad_conv"
+        assert ("depthwise_wgrad_conv" in names) == (groups == 4), names
+
+
+@pytest.mark.parametrize("stride", [1, (2, 1)], ids=["stride1", "strided"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_depthwise_wgrad_conv_double_backward_and_vmap(channels_last, stride):
+    # The backward is made of convs: its own gradients (gradgradcheck), and torch.func.
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 3, 5, 4, dtype=torch.float64)
+    if channels_last:
+        folded = rt_layout.fold_channels(x, True).contiguous(memory_format=torch.channels_last)
+        x = rt_layout.unfold_channels(folded, 2, True)
+    weight = torch.randn(2, 3, 1, 5, 3, dtype=torch.float64)
+    bias = torch.randn(2, 3, dtype=torch.float64)
+
+    def depthwise(x, weight, bias):
+        return rt_conv.conv(x, weight, bias, stride, (2, 1), 1, 3, spatial=2, x_batched=True,
+                            lowering="depthwise_wgrad_conv")
+
+    def reference(x, weight, bias):
+        return rt_conv.conv(x, weight, bias, stride, (2, 1), 1, 3, spatial=2, x_batched=True,
+                            lowering="loop")
+
+    inputs = [t.detach().requires_grad_() for t in (x, weight, bias)]
+    assert torch.autograd.gradgradcheck(depthwise, inputs)
+    grads = torch.func.grad(lambda *a: depthwise(*a).square().sum(), argnums=(0, 1, 2))(
+        x, weight, bias)
+    want = torch.func.grad(lambda *a: reference(*a).square().sum(), argnums=(0, 1, 2))(
+        x, weight, bias)
+    for got, expected in zip(grads, want):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+class _ConvNeXtStage(nn.Module):
+    """torchvision's ConvNeXt stage shapes at toy size: two CNBlocks (depthwise 7x7,
+    NHWC LayerNorm, Linear 4x, GELU, Linear, layer scale, residual), then LayerNorm2d
+    and EfficientNet's strided depthwise 5x5."""
+
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        from hftc.bench.zoo import CNBlock, LayerNorm2d
+
+        self.blocks = nn.Sequential(CNBlock(dim, 0.5, 0.0), CNBlock(dim, 0.5, 0.0))
+        self.norm = LayerNorm2d(dim, eps=1e-6)
+        self.down = nn.Conv2d(dim, dim, 5, stride=2, padding=2, groups=dim)
+
+    def forward(self, x):
+        return self.down(self.norm(self.blocks(x)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_convnext_stage_runs_its_depthwise_convs_as_depthwise_wgrad_conv(dtype):
+    # The cost model's default: each depthwise conv's backward is the lowering's own,
+    # and two training steps match the per-model loop (values, every gradient).
+    torch.manual_seed(0)
+    models = [_ConvNeXtStage() for _ in range(3)]
+    fused = check_equivalence(models, torch.randn(2, 4, 9, 9), dtype=dtype, steps=2)
+    out = fused(torch.randn(2, 4, 9, 9, dtype=dtype))
+    assert "_DepthwiseConv2dBackward" in autograd_nodes(out)
 
 
 @pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])

@@ -56,12 +56,15 @@ def conv_lowerings(
     ``shared_conv``               shared input, ``g == 1``: one conv, ``N*Cout`` outputs
     ``shared_im2col``             shared input, 2-d: ``unfold`` once, one GEMM
     ``im2col_bmm``                batched input, 2-d, ``g == 1``: ``unfold`` + a batched GEMM
+    ``depthwise_wgrad_conv``      depthwise 2-d, dilation 1 (CPU): one grouped conv whose
+                                  weight gradient is a depthwise conv over ``B*N*C`` maps
     ``loop``                      N separate convs (what the serial loop runs)
     ============================  ====================================================
 
     The cost model (measured on CPUs with oneDNN, see each lowering's docstring):
     1x1 convs as batched GEMMs; few-tap shared convs (``Cin*kh*kw <= 32``) as
-    im2col; grouped convs with few input channels per group and large kernels, and
+    im2col; depthwise convs with kernels of 5x5 and up as ``depthwise_wgrad_conv``;
+    grouped convs with few input channels per group and large kernels, and
     those whose map arrives channels-last and outsizes their weight, in channels-last
     memory; every other conv as one grouped (or shared) conv.
     ``hftc.fuse(..., autotune=True)`` times the rest (:mod:`hftc.compile.autotune`).
@@ -91,6 +94,11 @@ def conv_lowerings(
         names.insert(0 if spatial == 2 else 1, "pointwise_bmm")
     if x_batched and groups == 1 and two_d and not isinstance(padding, str):
         names.append("im2col_bmm")  # never the cost model's choice: autotune's to find
+    if two_d and has_batch and _is_plain_depthwise(x, weight, stride, padding, dilation, groups):
+        # oneDNN's depthwise weight gradient is several times slower than this
+        # lowering's for kernels of 5x5 and up, not for 3x3 (docs/DESIGN_NOTES.md).
+        big_kernel = weight.shape[3] * weight.shape[4] >= 25
+        names.insert(0 if big_kernel else len(names), "depthwise_wgrad_conv")
     return names + ["loop"]
 
 
@@ -132,6 +140,15 @@ def conv(
         return _shared_unfold_conv(x, w, b, stride, padding, dilation, n)
     if lowering == "im2col_bmm":
         return _batched_unfold_conv(x, weight, bias, stride, padding, dilation)
+    if lowering == "depthwise_wgrad_conv":
+        if not x_batched:
+            x = expand_models(x, n)
+        xf = fold_channels(x, True)
+        xf = xf if layout.is_channels_last(xf) else xf.contiguous()
+        from .linear import apply_function_fast  # (linear imports this module)
+        y = apply_function_fast(_DepthwiseConv2d, xf, w, b, tuple(_ntuple(stride, 2)),
+                                tuple(_ntuple(padding, 2)))
+        return unfold_channels(y, n, True)
     if padding_mode != "zeros":
         pad = tuple(explicit_padding)
         if x_batched:  # padded in the folded layout, which the grouped conv reads for free
@@ -264,6 +281,80 @@ def _batched_unfold_conv(x: Tensor, weight: Tensor, bias: Tensor | None, stride:
         y = y + bias.view(1, n, cout, 1)
     y = unfold_channels(y.view(batch, n * cout, out_h, out_w), n, True)
     return y if has_batch else y.squeeze(1)
+
+
+def _is_plain_depthwise(x: Tensor, weight: Tensor, stride: Any, padding: Any, dilation: Any,
+                        groups: int) -> bool:
+    """A CPU depthwise 2-d conv (one input and one output channel per group) with dilation 1
+    and numeric padding of at most ``k - 1``: :class:`_DepthwiseConv2d`'s case.
+    ``weight`` is ``[N, Cout, Cin/g, kh, kw]``."""
+    if x.device.type != "cpu" or not x.is_floating_point() or torch.is_autocast_enabled("cpu"):
+        return False
+    if weight.shape[2] != 1 or weight.shape[1] != groups or isinstance(padding, str):
+        return False
+    kernel = weight.shape[3:]
+    return all(v >= 1 for v in _ntuple(stride, 2)) and all(v == 1 for v in _ntuple(dilation, 2)) \
+        and all(0 <= p < k for p, k in zip(_ntuple(padding, 2), kernel))
+
+
+class _DepthwiseConv2d(torch.autograd.Function):
+    """A depthwise conv whose backward runs as depthwise convs.
+
+    ::
+
+        y      = conv2d(x [B, C, H, W], W [C, 1, k, k], b, stride=s, padding=p, groups=C)
+        grad_x = conv2d(dy, flip(W), padding=k-1-p, groups=C)         (s = 1)
+                 conv_transpose2d(dy, W, stride=s, padding=p, groups=C) (s > 1)
+        grad_W = conv2d(x as [1, B*C, H, W], dy as [B*C, 1, H', W'], padding=p,
+                        dilation=s, groups=B*C)[..., :k, :k] -> summed over B
+        grad_b = dy.sum((0, 2, 3))
+
+    grad_W[c] is the correlation of each map x[b, c] with its output gradient dy[b, c]
+    (spread s apart), summed over the batch: one depthwise conv whose kernels are the
+    ``dy`` maps; its outputs past ``k`` (the rows a stride left unread) are cropped.  oneDNN's
+    direct depthwise weight gradient is the slow part of the stock backward on the CPU
+    (docs/DESIGN_NOTES.md).  The backward is made of differentiable ops with vmap rules
+    (double backward, ``torch.func``); called through :func:`apply_function_fast`.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple,
+                padding: tuple) -> Tensor:
+        return F.conv2d(x, weight, bias, stride, padding, 1, weight.shape[0])
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        x, weight, bias, stride, padding = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.stride, ctx.padding = stride, padding
+        ctx.has_bias = bias is not None
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        channels, kernel = weight.shape[0], weight.shape[2:]
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        stride, padding = ctx.stride, ctx.padding
+        if need_x and stride == (1, 1):
+            flipped_padding = tuple(k - 1 - p for k, p in zip(kernel, padding))
+            grad_x = F.conv2d(grad, weight.flip(-2, -1), None, 1, flipped_padding, 1, channels)
+        elif need_x:  # the rows past the last window's reach: output_padding
+            unread = tuple(size + 2 * p - k - (out - 1) * s for size, p, k, out, s in zip(
+                x.shape[2:], padding, kernel, grad.shape[2:], stride))
+            grad_x = F.conv_transpose2d(grad, weight, None, stride, padding, unread, channels)
+        if need_w:
+            batch = x.shape[0]
+            maps = x.reshape(1, batch * channels, *x.shape[2:])
+            kernels = grad.reshape(batch * channels, 1, *grad.shape[2:])
+            per_sample = F.conv2d(maps, kernels, None, 1, padding, stride, batch * channels)
+            per_sample = per_sample[..., :kernel[0], :kernel[1]]
+            grad_w = per_sample.reshape(batch, channels, *kernel).sum(0).unsqueeze(1)
+        if need_b and ctx.has_bias:
+            grad_b = grad.sum((0, 2, 3))
+        return grad_x, grad_w, grad_b, None, None
 
 
 def _ntuple(v: Any, spatial: int) -> tuple:
