@@ -388,3 +388,19 @@ def test_autotune_with_strategy_fused_never_takes_the_loop(monkeypatch):
     tuned = hftc.fuse(copy.deepcopy(models), autotune=True)
     tuned(torch.randn(4, 8))
     assert "model_loop" in tuned.fusion_report.lowerings[-1].times
+
+
+def test_a_choice_cached_by_other_hftc_code_is_timed_again(monkeypatch, tmp_path):
+    """The cache key holds a fingerprint of hftc's own source: a kernel choice that changed
+    inside a runtime function leaves the generated program as it was, so a choice timed on
+    the old code must not be taken."""
+    ran = _slow(monkeypatch, "fused")
+    models = _models()
+    hftc.fuse(copy.deepcopy(models))(_x())
+    assert ran
+    autotune._MEMORY.clear()
+    ran.clear()
+    monkeypatch.setattr(autotune, "hftc_code_fingerprint", lambda: "other-hftc")
+    again = hftc.fuse(copy.deepcopy(models))
+    again(_x())
+    assert again.plan.reason == "timed" and ran

@@ -27,6 +27,7 @@ of a sweep) with the same shapes times nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -173,12 +174,25 @@ def _store(key: str, entry: dict[str, Any], path: Path) -> None:
 
 
 def device_key(device: torch.device) -> str:
-    """The hardware and software a timing holds for."""
+    """The hardware and software a timing holds for: the device, torch's version and
+    hftc's own code (a changed kernel choice inside a runtime function leaves the generated
+    program, and so the rest of the key, as it was)."""
+    software = f"torch {torch.__version__}:hftc {hftc_code_fingerprint()}"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        return f"cuda:{name}:torch {torch.__version__}"
-    return (f"{device.type}:{_cpu_name()}:{torch.get_num_threads()} threads:"
-            f"torch {torch.__version__}")
+        return f"cuda:{name}:{software}"
+    return f"{device.type}:{_cpu_name()}:{torch.get_num_threads()} threads:{software}"
+
+
+@functools.cache
+def hftc_code_fingerprint() -> str:
+    """A hash of the source of every hftc module: timings cached by another hftc are stale."""
+    package = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha1()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _cpu_name() -> str:
