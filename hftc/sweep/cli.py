@@ -3,6 +3,8 @@
     python -m hftc sweep spec.py                  # SQLite in ./sweeps/<name>/
     python -m hftc sweep spec.py --resume         # after a crash or Ctrl-C
     python -m hftc sweep spec.py --storage postgresql://u:p@db/hftc --study lr   # every machine
+    python -m hftc sweep spec.py --ray --workers 4  # 4 Ray actors, one device each
+    python -m hftc sweep spec.py --ray auto --workers 8 --storage postgresql://...
     hftc demo                                     # make demo (also: sweep --demo)
 """
 
@@ -60,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-period", type=int,
                    help="seconds without a heartbeat before a trial is failed and retried by "
                         "another worker (default: 4 heartbeats)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run --workers Ray actors on the cluster at ADDRESS (auto, "
+                        "host:6379, ray://host:10001; none: a local Ray), each holding one "
+                        "GPU where there are GPUs; needs pip install 'hftc[ray]' (see "
+                        "docs/guides/ray.md)")
+    p.add_argument("--workers", type=positive_int, default=2,
+                   help="with --ray: the number of sweep actors (default 2)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line per started, pruned and finished trial")
 
@@ -68,6 +77,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the ``sweep`` subcommand; returns the exit status."""
     import torch
 
+    from ..errors import MissingExtraError
     from .engine import SweepError
     from .spec import SpecError
 
@@ -91,13 +101,19 @@ def main(args: argparse.Namespace) -> int:
         from . import run
 
         log = (lambda msg: print(msg, flush=True)) if args.verbose else None
+        if args.ray is not None:
+            from .. import ray as hftc_ray
+
+            run = lambda spec, **kw: hftc_ray.sweep(  # noqa: E731
+                spec, address=args.ray or None, workers=args.workers,
+                **{k: v for k, v in kw.items() if k != "progress"})
         result = run(args.spec, n_trials=args.trials, per_array=args.per_array,
                      epochs=args.epochs, out=args.out, storage=args.storage,
                      study_name=args.study, resume=args.resume, sampler=args.sampler,
                      pruner=args.pruner, seed=args.seed,
                      heartbeat_interval=args.heartbeat_interval,
                      grace_period=args.grace_period, progress=args.progress, log=log)
-    except (SpecError, SweepError) as exc:
+    except (SpecError, SweepError, MissingExtraError) as exc:
         print(f"hftc sweep: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

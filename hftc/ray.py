@@ -1,0 +1,378 @@
+"""Ray as the engine of a fused sweep over many GPUs and machines (``pip install hftc[ray]``).
+
+Two ways in:
+
+* :func:`sweep` (``python -m hftc sweep SPEC --ray [ADDRESS] --workers K``): K Ray
+  actors, each holding one device (``num_gpus=1`` where the cluster has GPUs, else one
+  CPU), each running the sweep worker of :mod:`hftc.sweep` (fused arrays, pruning,
+  re-fusing, checkpoints) on one shared Optuna study::
+
+      driver:  create the study in STORAGE; start K actors (spread over the nodes)
+      actor k: hftc.sweep.Sweep(spec, storage=STORAGE, out=OUT).run()   # ask, fuse, train
+      driver:  an actor (or its node) dies -> start another with resume=True: it takes
+               the dead worker's trials from their checkpoints in OUT (or, where OUT is not
+               shared, Optuna's heartbeat fails them and any worker retries them once)
+      driver:  every actor done -> results.csv, best.pt, leaderboard in OUT
+
+  The storage is an Optuna RDB every actor reaches: ``sqlite:///OUT/study.db`` (the
+  default) where every actor sees OUT (one machine, or nodes on one host as in the tests),
+  ``postgresql://...`` across machines.
+
+* :func:`tune_trainable`, for Ray Tune users: each Tune trial trains an array of
+  ``per_array`` configurations fused on one device and reports each configuration's
+  metric; a Tune scheduler (``ASHAScheduler``) decides per configuration, and a stopped
+  configuration leaves its array (:func:`hftc.keep_models`, in place).
+
+``import hftc`` never imports Ray; this module imports it on first use, and a missing
+Ray raises :class:`hftc.errors.MissingExtraError` naming ``pip install 'hftc[ray]'``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from .errors import MissingExtraError, SweepError
+
+__all__ = ["sweep", "tune_trainable", "ARRAY_KEY"]
+
+#: The key of a Tune trial's config that holds its array's configurations (a list).
+ARRAY_KEY = "configs"
+
+
+def _import_ray(what: str = "ray") -> Any:
+    """``ray`` (or ``ray.tune``), or a :class:`MissingExtraError` saying what to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(what)
+    except ModuleNotFoundError as exc:
+        raise MissingExtraError(
+            f"hftc.ray needs {exc.name!r} ({what} is not installed): pip install 'hftc[ray]'",
+            extra="ray") from exc
+
+
+# ---------------------------------------------------------------------- sweep on actors
+
+
+class _SweepActor:
+    """One sweep worker in a Ray actor: the spec is loaded (and the data read) when the
+    actor starts, so that every worker of a sweep begins asking trials at about the
+    same time."""
+
+    def __init__(self, spec: Any, overrides: dict[str, Any], options: dict[str, Any],
+                 device: str | None):
+        from .sweep.spec import load_spec
+        from .sweep.training import SweepData
+
+        spec = load_spec(spec).replace(**overrides)
+        if device is not None:
+            spec = spec.replace(device=device)
+        self.spec, self.options = spec, options
+        SweepData.from_spec(spec)  # imports and reads the data before run() is called
+
+    def where(self) -> str:
+        ray = _import_ray()
+        return ray.get_runtime_context().get_node_id()
+
+    def run(self, resume: bool) -> dict[str, Any]:
+        from .sweep.engine import Sweep
+
+        result = Sweep(self.spec, resume=resume, **self.options).run()
+        return {"node": self.where(), "trial_epochs": result.trial_epochs,
+                "train_s": result.train_s}
+
+
+def _actor_died(ray: Any, exc: BaseException) -> bool:
+    """Did the actor (or its node) die, rather than its code raise?"""
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                            getattr(ray.exceptions, "NodeDiedError", ray.exceptions.RayError)))
+
+
+def sweep(
+    spec: Any,
+    *,
+    address: str | None = None,
+    workers: int = 2,
+    out: str | Path | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+    resume: bool = False,
+    heartbeat_interval: int = 30,
+    grace_period: int | None = None,
+    gpus: bool | None = None,
+    max_replacements: int | None = None,
+    log=None,
+    **overrides: Any,
+) -> Any:
+    """Run a fused sweep on ``workers`` Ray actors sharing one Optuna study.
+
+    Args:
+        spec: a spec file or module path (loaded on every actor: the file must exist on
+            every node) or a :class:`~hftc.sweep.SweepSpec` (pickled to the actors).
+        address: the Ray cluster (``"auto"``, ``"ray://host:10001"``, ``host:6379``);
+            ``None`` connects to the one this process is attached to, or starts a local
+            one.
+        workers: the number of actors; each holds one GPU where the cluster has GPUs
+            (``gpus=None``; ``gpus=False`` forces CPUs), else one CPU.
+        out: the folder of checkpoints and results (default ``sweeps/<study>``); every
+            actor writes its checkpoints there, so that a replacement resumes a dead
+            worker's trials where it sees the folder.
+        storage: an Optuna RDB URL every actor reaches (default
+            ``sqlite:///OUT/study.db``: one machine or a shared folder; PostgreSQL across
+            machines).
+        max_replacements: how many dead actors are replaced (default ``2 * workers``);
+            past it the sweep stops with a :class:`~hftc.errors.SweepError` (its trials
+            stay in the storage, ``resume=True`` continues them).
+        **overrides: spec fields (``n_trials``, ``per_array``, ``epochs``, ``pruner``,
+            ``sampler``, ``seed``, ``dtype`` ...), as for :func:`hftc.sweep.run`.
+
+    Returns the :class:`~hftc.sweep.SweepResult` of the study (leaderboard and files), its
+    ``timings`` holding ``workers``, ``replaced`` and the actors' summed ``train`` seconds.
+    """
+    ray = _import_ray()
+    from .sweep.engine import Sweep, make_storage
+    from .sweep.spec import load_spec
+
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise SweepError(f"hftc.ray.sweep: workers must be a positive int, got {workers!r}")
+    start = time.perf_counter()
+    if isinstance(spec, (str, Path)) and Path(spec).exists():
+        spec = str(Path(spec).resolve())  # the actors' working folder is not ours
+    local_spec = load_spec(spec).replace(**overrides)
+    study_name = study_name or local_spec.name
+    out = Path(out if out is not None else Path("sweeps") / study_name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    storage = storage or f"sqlite:///{out / 'study.db'}"
+    say = log if log is not None else (lambda msg: None)
+
+    # The study exists before any actor starts: a replacement (resume=True) finds it.
+    import optuna
+
+    optuna.create_study(study_name=study_name, direction=local_spec.direction,
+                        storage=make_storage(storage, heartbeat_interval, grace_period),
+                        load_if_exists=True)
+
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level="warning", log_to_driver=log is not None)
+    if gpus is None:
+        gpus = ray.cluster_resources().get("GPU", 0) >= 1
+    options = {"out": str(out), "storage": storage, "study_name": study_name,
+               "heartbeat_interval": heartbeat_interval, "grace_period": grace_period,
+               "progress": False, "log": print if log is not None else None}
+    Actor = ray.remote(_SweepActor).options(
+        num_cpus=0 if gpus else 1, num_gpus=1 if gpus else 0, scheduling_strategy="SPREAD",
+        max_restarts=0)
+
+    def start_actor() -> Any:
+        return Actor.remote(spec, overrides, options, "cuda" if gpus else None)
+
+    actors = [start_actor() for _ in range(workers)]
+    # Every worker loaded (spec, data, imports) before any asks: they share the work.
+    ray.get([a.where.remote() for a in actors])
+    running = {a.run.remote(resume): a for a in actors}
+    limit = 2 * workers if max_replacements is None else max_replacements
+    replaced, summaries = 0, []
+    while running:
+        (done,), _ = ray.wait(list(running), num_returns=1)
+        running.pop(done)
+        try:
+            summaries.append(ray.get(done))
+        except ray.exceptions.RayTaskError as exc:  # the sweep's code raised: say what
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            for ref in running:
+                ray.cancel(ref, force=True)
+            raise cause from None
+        except Exception as exc:
+            if not _actor_died(ray, exc):
+                raise
+            if replaced >= limit:
+                raise SweepError(
+                    f"hftc.ray.sweep: {replaced + 1} sweep actors died (the last: "
+                    f"{type(exc).__name__}); the study {study_name!r} keeps its trials: run "
+                    f"again with resume=True (--resume) once the cluster is healthy") from exc
+            replaced += 1
+            say(f"a sweep actor died ({type(exc).__name__}); starting another "
+                f"({replaced} replaced)")
+            actor = start_actor()
+            running[actor.run.remote(True)] = actor
+    # Every trial is done: the results, written once, here.
+    final = Sweep(local_spec, out=out, storage=storage, study_name=study_name,
+                  heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                  progress=False).run()
+    timings = {**final.timings, "train": sum(s["train_s"] for s in summaries),
+               "workers": workers, "replaced": replaced}
+    return dataclasses.replace(
+        final, wall_s=time.perf_counter() - start,
+        train_s=sum(s["train_s"] for s in summaries),
+        trial_epochs=sum(s["trial_epochs"] for s in summaries), timings=timings)
+
+
+# ---------------------------------------------------------------------- Ray Tune
+
+
+class _Config:
+    """What a Tune scheduler reads of a trial: its id (one per configuration here)."""
+
+    def __init__(self, trial_id: str):
+        self.trial_id = trial_id
+
+    def __repr__(self) -> str:
+        return f"config {self.trial_id}"
+
+
+class _PerConfigScheduler:
+    """A Ray actor holding one Tune scheduler that decides for every configuration of
+    every array of the run, each configuration being the scheduler's own trial."""
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self.configs: dict[str, _Config] = {}
+        self.stopped: list[tuple[str, int]] = []
+
+    def add(self, config_id: str) -> None:
+        self.configs[config_id] = _Config(config_id)
+        self.scheduler.on_trial_add(None, self.configs[config_id])
+
+    def result(self, config_id: str, result: dict[str, Any]) -> str:
+        """The scheduler's decision (``"CONTINUE"``, ``"STOP"``) on a configuration's
+        result; a stopped configuration leaves the scheduler."""
+        action = self.scheduler.on_trial_result(None, self.configs[config_id], result)
+        if action == "STOP":
+            self.scheduler.on_trial_remove(None, self.configs.pop(config_id))
+            self.stopped.append((config_id, int(result["training_iteration"])))
+        return action
+
+    def complete(self, config_id: str) -> None:
+        """A configuration trained to the last epoch leaves the scheduler."""
+        if config_id in self.configs:
+            self.scheduler.on_trial_remove(None, self.configs.pop(config_id))
+
+    def stopped_configs(self) -> list[tuple[str, int]]:
+        return list(self.stopped)
+
+
+def tune_trainable(spec: Any, *, scheduler: Any = None, per_array: int | None = None,
+                   epochs: int | None = None, **overrides: Any):
+    """A Ray Tune function trainable that trains an array of configurations fused.
+
+    Each Tune trial's config holds its array under :data:`ARRAY_KEY`: a list of
+    ``per_array`` parameter dicts (the spec's ``model(params)`` / ``optimizer(params,
+    module)`` read them); :func:`array_space` builds that search space. Every epoch,
+    the trial trains its live configurations as one fused module, then reports::
+
+        {"config_0/<metric>": ..., "config_1/<metric>": ..., "<metric>": best live value,
+         "live": number of live configurations}
+
+    ``scheduler`` (a Tune scheduler, ``ASHAScheduler(metric=spec's metric, mode=...)``)
+    is asked per configuration (its ``on_trial_result``, each configuration a scheduler
+    trial ``<tune trial id>/<j>``, ``training_iteration`` its epochs); a configuration it
+    stops leaves the array (:func:`hftc.keep_models` cuts the fused module and optimizer
+    in place) and the others train on, each as if alone. The trial ends when its array
+    is empty or after ``epochs``. Give the scheduler here, not to ``tune.TuneConfig``
+    (where it would stop whole arrays). Call after ``ray.init()``: the scheduler lives
+    in an actor of the driver.
+
+    A configuration's seed is its ``"seed"`` parameter, else the spec's seed plus a hash
+    of its trial and position.
+    """
+    ray = _import_ray()
+    from .sweep.spec import load_spec
+
+    if isinstance(spec, (str, Path)) and Path(spec).exists():
+        spec = str(Path(spec).resolve())
+    spec_obj = load_spec(spec).replace(per_array=per_array, epochs=epochs, **overrides)
+    metric = spec_obj.metric_name
+    decider = None
+    if scheduler is not None:
+        if getattr(scheduler, "metric", None) is None:
+            # Tune sets a scheduler's metric from TuneConfig; here it is the spec's.
+            scheduler.set_search_properties(metric, spec_obj.direction[:3])
+        decider = ray.remote(_PerConfigScheduler).options(num_cpus=0).remote(scheduler)
+
+    def train_array(config: dict[str, Any]) -> None:
+        _train_array(spec, spec_obj, config, decider)
+
+    train_array.scheduler_actor = decider
+    return train_array
+
+
+def array_space(space: dict[str, Any], per_array: int) -> dict[str, Any]:
+    """A Tune ``param_space`` whose every sample is an array of ``per_array``
+    configurations, each drawn from ``space`` (a dict of Tune domains)."""
+    return {ARRAY_KEY: [dict(space) for _ in range(per_array)]}
+
+
+def _train_array(spec_source: Any, spec: Any, config: dict[str, Any], decider: Any) -> None:
+    """One Tune trial: ``config[ARRAY_KEY]``'s configurations fused, trained epoch by
+    epoch, reported per configuration, cut as the scheduler stops them."""
+    import torch
+
+    import hftc
+
+    from .sweep.training import (
+        SweepData,
+        batches,
+        build_model,
+        epoch_order,
+        evaluate,
+        metric_value,
+    )
+
+    ray = _import_ray()
+    tune = _import_ray("ray.tune")
+    params = config.get(ARRAY_KEY)
+    if not isinstance(params, list) or not params or not all(isinstance(p, dict)
+                                                              for p in params):
+        raise SweepError(f"hftc.ray.tune_trainable: the trial's config needs {ARRAY_KEY!r}: a "
+                         f"list of parameter dicts (use hftc.ray.array_space(space, N) as "
+                         f"param_space), got {type(params).__name__}")
+    trial_id = tune.get_context().get_trial_id() or "trial"
+    data = SweepData.from_spec(spec)
+    names = [f"{trial_id}/{j}" for j in range(len(params))]
+    seeds = [int(p["seed"]) if "seed" in p else
+             spec.seed + zlib.crc32(name.encode()) % 1_000_000 for p, name in zip(params, names)]
+    modules = [build_model(spec, p, s) for p, s in zip(params, seeds)]
+    fused = hftc.fuse(modules, example_inputs=tuple(x[:spec.batch_size]
+                                                    for x in data.x_train))
+    optimizer = hftc.optim.fuse_optimizers(fused, [spec.optimizer(p, m)
+                                                   for p, m in zip(params, modules)])
+    loss = hftc.per_model(spec.loss)
+    live = list(range(len(params)))  # configuration index of each model of the array
+    if decider is not None:
+        ray.get([decider.add.remote(n) for n in names])
+    best = max if spec.direction == "maximize" else min
+    for epoch in range(spec.epochs):
+        key = spec.seed * 1_000_003 + epoch  # the data order of the sweep's round `epoch`
+        fused.train()
+        for idx in batches(epoch_order(key, data.n_train), spec.batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            loss(fused(*(x[idx] for x in data.x_train)), data.y_train[idx]).sum().backward()
+            optimizer.step()
+        fused.eval()
+        out = evaluate(fused, data, spec.eval_batch_size, batch_dim=1)
+        values = [metric_value(spec, out[j], data.y_val) for j in range(len(live))]
+        report = {f"config_{c}/{spec.metric_name}": v for c, v in zip(live, values)}
+        report.update({f"config_{c}/seed": seeds[c] for c in live})
+        report.update({spec.metric_name: best(values), "live": len(live),
+                       "array_size": fused.num_models})
+        keep = list(range(len(live)))
+        last = epoch + 1 == spec.epochs
+        if decider is not None and not last:
+            actions = ray.get([
+                decider.result.remote(names[c], {"training_iteration": epoch + 1,
+                                                 spec.metric_name: v})
+                for c, v in zip(live, values)])
+            keep = [j for j, a in enumerate(actions) if a != "STOP"]
+        elif decider is not None:
+            ray.get([decider.complete.remote(names[c]) for c in live])
+        report["stopped"] = len(live) - len(keep)
+        tune.report(report)
+        if len(keep) < len(live):
+            live = [live[j] for j in keep]
+            if not live:
+                return
+            hftc.keep_models(fused, keep, optimizers=[optimizer])
