@@ -284,7 +284,8 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, per_array: int | None = 
 
     if isinstance(spec, (str, Path)) and Path(spec).exists():
         spec = str(Path(spec).resolve())
-    spec_obj = load_spec(spec).replace(per_array=per_array, epochs=epochs, **overrides)
+    overrides = {**overrides, "per_array": per_array, "epochs": epochs}
+    spec_obj = load_spec(spec).replace(**overrides)
     metric = spec_obj.metric_name
     decider = None
     if scheduler is not None:
@@ -294,7 +295,9 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, per_array: int | None = 
         decider = ray.remote(_PerConfigScheduler).options(num_cpus=0).remote(scheduler)
 
     def train_array(config: dict[str, Any]) -> None:
-        _train_array(spec, spec_obj, config, decider)
+        # The spec travels as its file or module path (a spec module loaded from a file
+        # cannot be pickled by reference) and is loaded again in the trial.
+        _train_array(load_spec(spec).replace(**overrides), config, decider)
 
     train_array.scheduler_actor = decider
     return train_array
@@ -306,7 +309,7 @@ def array_space(space: dict[str, Any], per_array: int) -> dict[str, Any]:
     return {ARRAY_KEY: [dict(space) for _ in range(per_array)]}
 
 
-def _train_array(spec_source: Any, spec: Any, config: dict[str, Any], decider: Any) -> None:
+def _train_array(spec: Any, config: dict[str, Any], decider: Any) -> None:
     """One Tune trial: ``config[ARRAY_KEY]``'s configurations fused, trained epoch by
     epoch, reported per configuration, cut as the scheduler stops them."""
     import torch

@@ -17,6 +17,7 @@ from optuna.trial import TrialState
 from test_sweep import SPEC_SOURCE, retrain_alone
 
 import hftc.sweep as hs
+from hftc.__main__ import main
 from hftc.errors import MissingExtraError
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'hftc[ray]'")
@@ -84,6 +85,17 @@ def test_digits_on_two_nodes_gives_the_one_worker_results(cluster, tmp_path: Pat
                          for t in trials}
     assert values["ray"] == values["one"]
     assert (tmp_path / "ray" / "results.csv").exists()
+
+
+def test_command_line_sweep_on_ray(cluster, tiny_spec: Path, tmp_path: Path, capsys):
+    c, _ = cluster
+    out = tmp_path / "cli"
+    assert main(["sweep", str(tiny_spec), "--ray", c.address, "--workers", "2", "--trials",
+                 "4", "--epochs", "1", "--pruner", "none", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "best: trial" in printed and "nothing to train" not in printed
+    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}").trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
 
 
 def test_tune_asha_16_configurations_in_arrays_of_4(cluster, tiny_spec: Path, tmp_path: Path):
@@ -187,7 +199,6 @@ def test_killed_node_mid_sweep_loses_and_repeats_nothing(cluster, tiny_spec: Pat
     for t in finished:
         fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
         assert fused == pytest.approx(retrain_alone(spec, t), abs=1e-9), t.number
-    c.add_node(num_cpus=2)  # for any test after this one
 
 
 def test_missing_ray_names_the_extra(monkeypatch):
