@@ -312,8 +312,6 @@ def array_space(space: dict[str, Any], per_array: int) -> dict[str, Any]:
 def _train_array(spec: Any, config: dict[str, Any], decider: Any) -> None:
     """One Tune trial: ``config[ARRAY_KEY]``'s configurations fused, trained epoch by
     epoch, reported per configuration, cut as the scheduler stops them."""
-    import torch
-
     import hftc
 
     from .sweep.training import (
