@@ -69,7 +69,7 @@ class MissingExtraError(FusionError, ModuleNotFoundError):
     """An optional integration's package is not installed; the message names the extra to
     install (``pip install 'hftc[ray]'``), ``.extra`` holds its name."""
 
-    def __init__(self, message: str, extra: str):
+    def __init__(self, message: str, extra: str = ""):
         super().__init__(message)
         self.extra = extra
 

@@ -89,7 +89,7 @@ class _SweepActor:
 def _actor_died(ray: Any, exc: BaseException) -> bool:
     """Did the actor (or its node) die, rather than its code raise?"""
     return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                            getattr(ray.exceptions, "NodeDiedError", ray.exceptions.RayError)))
+                            ray.exceptions.NodeDiedError))
 
 
 def sweep(
@@ -183,8 +183,8 @@ def sweep(
             summaries.append(ray.get(done))
         except ray.exceptions.RayTaskError as exc:  # the sweep's code raised: say what
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            for ref in running:
-                ray.cancel(ref, force=True)
+            for actor in running.values():  # the others would fail the same way
+                ray.kill(actor)
             raise cause from None
         except Exception as exc:
             if not _actor_died(ray, exc):
@@ -289,9 +289,9 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, per_array: int | None = 
     metric = spec_obj.metric_name
     decider = None
     if scheduler is not None:
-        if getattr(scheduler, "metric", None) is None:
-            # Tune sets a scheduler's metric from TuneConfig; here it is the spec's.
-            scheduler.set_search_properties(metric, spec_obj.direction[:3])
+        # Tune sets a scheduler's metric and mode from TuneConfig; here they are the spec's
+        # (a scheduler given its own keeps them).
+        scheduler.set_search_properties(metric, spec_obj.direction[:3])
         decider = ray.remote(_PerConfigScheduler).options(num_cpus=0).remote(scheduler)
 
     def train_array(config: dict[str, Any]) -> None:
@@ -332,6 +332,8 @@ def _train_array(spec: Any, config: dict[str, Any], decider: Any) -> None:
                          f"list of parameter dicts (use hftc.ray.array_space(space, N) as "
                          f"param_space), got {type(params).__name__}")
     trial_id = tune.get_context().get_trial_id() or "trial"
+    if ray.get_gpu_ids() and spec.device == "cpu":  # tune.with_resources(..., {"gpu": 1})
+        spec = spec.replace(device="cuda")
     data = SweepData.from_spec(spec)
     names = [f"{trial_id}/{j}" for j in range(len(params))]
     seeds = [int(p["seed"]) if "seed" in p else

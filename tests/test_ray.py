@@ -12,13 +12,12 @@ from pathlib import Path
 
 import optuna
 import pytest
-import torch
 from optuna.trial import TrialState
 from test_sweep import SPEC_SOURCE, retrain_alone
 
 import hftc.sweep as hs
 from hftc.__main__ import main
-from hftc.errors import MissingExtraError
+from hftc.errors import MissingExtraError, SweepError
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'hftc[ray]'")
 import hftc.ray as hray  # noqa: E402
@@ -59,11 +58,21 @@ DIGITS_CONFIGS = [
 ]
 
 
-def test_digits_on_two_nodes_gives_the_one_worker_results(cluster, tmp_path: Path):
-    """The digits demo spec, the same 4 configurations (enqueued, so same numbers and
-    seeds): one worker with one array of 4, and 2 Ray actors on 2 nodes with arrays of 2,
-    report the same accuracies epoch by epoch (float64)."""
-    overrides = {"n_trials": 4, "epochs": 3, "pruner": "none", "dtype": torch.float64}
+def test_digits_on_two_nodes_gives_the_one_worker_results(cluster, tmp_path: Path, capsys):
+    """The digits demo spec (in float64, 3 epochs, no pruning), the same 4 configurations
+    (enqueued, so the same trial numbers and seeds): one worker with one array of 4, and
+    ``hftc sweep --ray ADDRESS --workers 2`` (2 actors on 2 nodes, arrays of 2) report
+    the same accuracies epoch by epoch."""
+    c, _ = cluster
+    spec_file = tmp_path / "digits64.py"
+    # The digits spec as it is, in float64; its loss paced (2 s an epoch) so that each
+    # actor asks its 2 trials before the other has trained them: both take them in its
+    # rounds 0..2, as the one worker does (a trial's data order is its round's).
+    spec_file.write_text(
+        "import time\n\nimport torch\n\nfrom hftc.sweep.digits import *  # noqa: F403\n\n"
+        "dtype = torch.float64\nepochs = 3\npruner = 'none'\nn_trials = 4\n\n\n"
+        "def loss(output, target):\n    time.sleep(0.05)\n"
+        "    return torch.nn.functional.cross_entropy(output, target)\n")
     values = {}
     for label, per_array in (("one", 4), ("ray", 2)):
         out = tmp_path / label
@@ -71,31 +80,22 @@ def test_digits_on_two_nodes_gives_the_one_worker_results(cluster, tmp_path: Pat
         storage = f"sqlite:///{out / 'study.db'}"
         _digits_study(storage, "digits", DIGITS_CONFIGS)
         if label == "one":
-            spec = hs.load_spec("hftc.sweep.digits").replace(per_array=per_array, **overrides)
-            result = hs.Sweep(spec, out=out, storage=storage, progress=False).run()
+            spec = hs.load_spec(spec_file).replace(per_array=per_array)
+            hs.Sweep(spec, out=out, storage=storage, progress=False).run()
         else:
-            result = hray.sweep("hftc.sweep.digits", workers=2, out=out, storage=storage,
-                                per_array=per_array, **overrides)
-            assert result.timings["replaced"] == 0
-            assert result.trial_epochs == 4 * 3
-        trials = result.study.trials
+            assert main(["sweep", str(spec_file), "--ray", c.address, "--workers", "2",
+                         "-n", str(per_array), "--storage", storage, "--out", str(out)]) == 0
+            printed = capsys.readouterr().out
+            assert "best: trial" in printed and "nothing to train" not in printed
+            assert (out / "results.csv").exists()
+        trials = optuna.load_study(study_name="digits", storage=storage).trials
         assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
         values[label] = {t.number: (t.params, t.user_attrs["hftc_orders"],
                                     [t.intermediate_values[e] for e in sorted(t.intermediate_values)])
                          for t in trials}
+    orders = {label: sorted({tuple(o) for _, o, _ in v.values()}) for label, v in values.items()}
+    assert orders["ray"] == orders["one"], "an actor trained its trials before the other asked"
     assert values["ray"] == values["one"]
-    assert (tmp_path / "ray" / "results.csv").exists()
-
-
-def test_command_line_sweep_on_ray(cluster, tiny_spec: Path, tmp_path: Path, capsys):
-    c, _ = cluster
-    out = tmp_path / "cli"
-    assert main(["sweep", str(tiny_spec), "--ray", c.address, "--workers", "2", "--trials",
-                 "4", "--epochs", "1", "--pruner", "none", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert "best: trial" in printed and "nothing to train" not in printed
-    trials = optuna.load_study(study_name="tiny", storage=f"sqlite:///{out / 'study.db'}").trials
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
 
 
 def test_tune_asha_16_configurations_in_arrays_of_4(cluster, tiny_spec: Path, tmp_path: Path):
@@ -145,7 +145,17 @@ def test_tune_asha_16_configurations_in_arrays_of_4(cluster, tiny_spec: Path, tm
 def _trials(storage: str, name: str) -> list:
     try:
         return optuna.load_study(study_name=name, storage=storage).trials
-    except KeyError:
+    except KeyError:  # not created yet
+        return []
+
+
+def _trials_meanwhile(storage: str, name: str) -> list:
+    """The trials, read while the sweep may be creating the database's tables."""
+    import sqlalchemy
+
+    try:
+        return _trials(storage, name)
+    except sqlalchemy.exc.OperationalError:
         return []
 
 
@@ -170,8 +180,8 @@ def test_killed_node_mid_sweep_loses_and_repeats_nothing(cluster, tiny_spec: Pat
     deadline = time.monotonic() + 180
     # Both actors hold trials (3 each at most) and some have trained an epoch.
     while time.monotonic() < deadline and not (
-            sum(t.state == TrialState.RUNNING for t in _trials(storage, "tiny")) >= 4
-            and any(t.intermediate_values for t in _trials(storage, "tiny"))):
+            sum(t.state == TrialState.RUNNING for t in _trials_meanwhile(storage, "tiny")) >= 4
+            and any(t.intermediate_values for t in _trials_meanwhile(storage, "tiny"))):
         assert thread.is_alive(), box
         time.sleep(0.2)
     c.remove_node(worker)  # the node dies with its actor and the actor's trials
@@ -199,6 +209,12 @@ def test_killed_node_mid_sweep_loses_and_repeats_nothing(cluster, tiny_spec: Pat
     for t in finished:
         fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
         assert fused == pytest.approx(retrain_alone(spec, t), abs=1e-9), t.number
+
+
+def test_an_error_in_the_spec_stops_the_sweep_with_its_message(cluster, tiny_spec: Path,
+                                                               tmp_path: Path):
+    with pytest.raises(SweepError, match="unknown pruner 'bogus'"):
+        hray.sweep(tiny_spec, workers=2, out=tmp_path / "bad", n_trials=2, pruner="bogus")
 
 
 def test_missing_ray_names_the_extra(monkeypatch):
