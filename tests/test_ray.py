@@ -6,6 +6,8 @@ CPUs each. Skipped where Ray is not installed (``pip install 'hftc[ray]'``; CI h
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,20 +15,19 @@ from pathlib import Path
 import optuna
 import pytest
 from optuna.trial import TrialState
-from test_sweep import SPEC_SOURCE, retrain_alone
+from test_sweep import ROOT, SPEC_SOURCE, retrain_alone
 
+import hftc.ray as hray
 import hftc.sweep as hs
 from hftc.__main__ import main
 from hftc.errors import MissingExtraError, SweepError
-
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'hftc[ray]'")
-import hftc.ray as hray  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'hftc[ray]'")
     from ray.cluster_utils import Cluster
 
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
@@ -138,6 +139,8 @@ def test_tune_asha_16_configurations_in_arrays_of_4(cluster, tiny_spec: Path, tm
             _, alone = hs.train_alone(spec, params, seed, orders[:len(losses)], data)
             assert losses == pytest.approx(alone, abs=1e-9), (j, losses, alone)
     assert stopped_early >= 4  # reduction factor 2 over 16: about half stop at epoch 1
+    import ray
+
     stopped = ray.get(trainable.scheduler_actor.stopped_configs.remote())
     assert len(stopped) == stopped_early
 
@@ -217,9 +220,13 @@ def test_an_error_in_the_spec_stops_the_sweep_with_its_message(cluster, tiny_spe
         hray.sweep(tiny_spec, workers=2, out=tmp_path / "bad", n_trials=2, pruner="bogus")
 
 
-def test_missing_ray_names_the_extra(monkeypatch):
-    import sys
+def test_import_hftc_never_imports_ray():
+    code = ("import sys, torch, hftc, hftc.sweep, hftc.ray; hftc.fuse; hftc.sweep.Sweep; "
+            "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
+
+def test_missing_ray_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ModuleNotFoundError
     with pytest.raises(MissingExtraError, match=r"pip install 'hftc\[ray\]'"):
         hray.sweep("hftc.sweep.digits", workers=1)
