@@ -55,6 +55,23 @@ def _import_ray(what: str = "ray") -> Any:
             extra="ray") from exc
 
 
+def _shippable(spec: Any, where: str) -> Any:
+    """The spec as the actors get it: a file made absolute (their working folder is not
+    ours); a ``SweepSpec`` whose functions come from a spec file loaded by path is
+    refused (the actors cannot import that module), with what to give instead."""
+    if isinstance(spec, (str, Path)):
+        return str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
+    for name in ("space", "model", "data", "optimizer", "loss", "metric"):
+        module = getattr(getattr(spec, name, None), "__module__", None) or ""
+        if module.startswith("_hftc_spec_"):
+            raise SweepError(
+                f"{where}: the spec's {name}() comes from a spec file loaded by path "
+                f"({module[len('_hftc_spec_'):]}.py), which Ray's workers cannot import; "
+                f"give the file's path ({where}('path/to/spec.py', ...)) instead of the "
+                f"loaded SweepSpec, and spec fields as keyword arguments")
+    return spec
+
+
 # ---------------------------------------------------------------------- sweep on actors
 
 
@@ -140,8 +157,7 @@ def sweep(
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise SweepError(f"hftc.ray.sweep: workers must be a positive int, got {workers!r}")
     start = time.perf_counter()
-    if isinstance(spec, (str, Path)) and Path(spec).exists():
-        spec = str(Path(spec).resolve())  # the actors' working folder is not ours
+    spec = _shippable(spec, "hftc.ray.sweep")
     local_spec = load_spec(spec).replace(**overrides)
     study_name = study_name or local_spec.name
     out = Path(out if out is not None else Path("sweeps") / study_name).resolve()
@@ -282,8 +298,7 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, per_array: int | None = 
     ray = _import_ray()
     from .sweep.spec import load_spec
 
-    if isinstance(spec, (str, Path)) and Path(spec).exists():
-        spec = str(Path(spec).resolve())
+    spec = _shippable(spec, "hftc.ray.tune_trainable")
     overrides = {**overrides, "per_array": per_array, "epochs": epochs}
     spec_obj = load_spec(spec).replace(**overrides)
     metric = spec_obj.metric_name

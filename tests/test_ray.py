@@ -220,6 +220,20 @@ def test_an_error_in_the_spec_stops_the_sweep_with_its_message(cluster, tiny_spe
         hray.sweep(tiny_spec, workers=2, out=tmp_path / "bad", n_trials=2, pruner="bogus")
 
 
+def test_workers_without_ray_is_refused(tiny_spec: Path, capsys):
+    assert main(["sweep", str(tiny_spec), "--workers", "2"]) == 2
+    assert "--workers is the number of Ray actors: give --ray" in capsys.readouterr().err
+
+
+def test_a_spec_loaded_from_a_file_is_refused_with_the_path_to_give(tiny_spec: Path):
+    loaded = hs.load_spec(tiny_spec)
+    with pytest.raises(SweepError, match=r"tiny_ray_spec.py\), which Ray's workers cannot "
+                                         r"import; give the file's path"):
+        hray.sweep(loaded, workers=2)
+    with pytest.raises(SweepError, match="hftc.ray.tune_trainable: the spec's space"):
+        hray.tune_trainable(loaded)
+
+
 def test_import_hftc_never_imports_ray():
     code = ("import sys, torch, hftc, hftc.sweep, hftc.ray; hftc.fuse; hftc.sweep.Sweep; "
             "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)")

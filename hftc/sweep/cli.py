@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "host:6379, ray://host:10001; none: a local Ray), each holding one "
                         "GPU where there are GPUs; needs pip install 'hftc[ray]' (see "
                         "docs/guides/ray.md)")
-    p.add_argument("--workers", type=positive_int, default=2,
+    p.add_argument("--workers", type=positive_int,
                    help="with --ray: the number of sweep actors (default 2)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line per started, pruned and finished trial")
@@ -83,10 +83,15 @@ def main(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.workers is not None and args.ray is None:
+        print("hftc sweep: --workers is the number of Ray actors: give --ray [ADDRESS] too",
+              file=sys.stderr)
+        return 2
     try:
         if args.demo:
-            if args.spec:
-                print("hftc sweep: --demo runs its own spec; leave out SPEC", file=sys.stderr)
+            if args.spec or args.ray is not None:
+                print("hftc sweep: --demo runs its own spec on this machine; leave out SPEC "
+                      "and --ray", file=sys.stderr)
                 return 2
             from .demo import run_demo
 
@@ -105,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
             from .. import ray as hftc_ray
 
             run = lambda spec, **kw: hftc_ray.sweep(  # noqa: E731
-                spec, address=args.ray or None, workers=args.workers,
+                spec, address=args.ray or None, workers=args.workers or 2,
                 **{k: v for k, v in kw.items() if k != "progress"})
         result = run(args.spec, n_trials=args.trials, per_array=args.per_array,
                      epochs=args.epochs, out=args.out, storage=args.storage,
