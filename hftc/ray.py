@@ -29,6 +29,7 @@ Ray raises :class:`hftc.errors.MissingExtraError` naming ``pip install 'hftc[ray
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import zlib
@@ -76,20 +77,26 @@ def _shippable(spec: Any, where: str) -> Any:
 
 
 class _SweepActor:
-    """One sweep worker in a Ray actor: the spec is loaded (and the data read) when the
-    actor starts, so that every worker of a sweep begins asking trials at about the
-    same time."""
+    """One sweep worker in a Ray actor. :meth:`load` loads the spec and reads the data
+    before :meth:`run`, so that every worker of a sweep begins asking trials at about
+    the same time (and a spec that fails on a node fails before any trial starts)."""
 
     def __init__(self, spec: Any, overrides: dict[str, Any], options: dict[str, Any],
                  device: str | None):
+        self.source, self.overrides, self.options, self.device = (spec, overrides, options,
+                                                                   device)
+        self.spec = None
+
+    def load(self) -> str:
         from .sweep.spec import load_spec
         from .sweep.training import SweepData
 
-        spec = load_spec(spec).replace(**overrides)
-        if device is not None:
-            spec = spec.replace(device=device)
-        self.spec, self.options = spec, options
-        SweepData.from_spec(spec)  # imports and reads the data before run() is called
+        spec = load_spec(self.source).replace(**self.overrides)
+        if self.device is not None:
+            spec = spec.replace(device=self.device)
+        SweepData.from_spec(spec)  # imports and reads the data (a bad data() fails here)
+        self.spec = spec
+        return self.where()
 
     def where(self) -> str:
         ray = _import_ray()
@@ -98,6 +105,8 @@ class _SweepActor:
     def run(self, resume: bool) -> dict[str, Any]:
         from .sweep.engine import Sweep
 
+        if self.spec is None:
+            self.load()
         result = Sweep(self.spec, resume=resume, **self.options).run()
         return {"node": self.where(), "trial_epochs": result.trial_epochs,
                 "train_s": result.train_s}
@@ -129,7 +138,9 @@ def sweep(
 
     Args:
         spec: a spec file or module path (loaded on every actor: the file must exist on
-            every node) or a :class:`~hftc.sweep.SweepSpec` (pickled to the actors).
+            every node), or a :class:`~hftc.sweep.SweepSpec` whose functions live in an
+            importable module (pickled to the actors; one loaded from a file by path is
+            refused with a :class:`~hftc.errors.SweepError`).
         address: the Ray cluster (``"auto"``, ``"ray://host:10001"``, ``host:6379``);
             ``None`` connects to the one this process is attached to, or starts a local
             one.
@@ -187,34 +198,40 @@ def sweep(
         return Actor.remote(spec, overrides, options, "cuda" if gpus else None)
 
     actors = [start_actor() for _ in range(workers)]
-    # Every worker loaded (spec, data, imports) before any asks: they share the work.
-    ray.get([a.where.remote() for a in actors])
-    running = {a.run.remote(resume): a for a in actors}
+    running: dict[Any, Any] = {}
     limit = 2 * workers if max_replacements is None else max_replacements
     replaced, summaries = 0, []
-    while running:
-        (done,), _ = ray.wait(list(running), num_returns=1)
-        running.pop(done)
-        try:
-            summaries.append(ray.get(done))
-        except ray.exceptions.RayTaskError as exc:  # the sweep's code raised: say what
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            for actor in running.values():  # the others would fail the same way
+    try:
+        # Every worker loaded (spec, data, imports) before any asks: they share the work.
+        ray.get([a.load.remote() for a in actors])
+        running.update({a.run.remote(resume): a for a in actors})
+        while running:
+            (done,), _ = ray.wait(list(running), num_returns=1)
+            running.pop(done)
+            try:
+                summaries.append(ray.get(done))
+            except Exception as exc:
+                if not _actor_died(ray, exc) or replaced >= limit:
+                    raise
+                replaced += 1
+                say(f"a sweep actor died ({type(exc).__name__}); starting another "
+                    f"({replaced} replaced)")
+                actor = start_actor()
+                running[actor.run.remote(True)] = actor
+    except ray.exceptions.RayTaskError as exc:  # the sweep's code raised: say what
+        raise (exc.cause if getattr(exc, "cause", None) is not None else exc) from None
+    except Exception as exc:
+        if not _actor_died(ray, exc):
+            raise
+        raise SweepError(
+            f"hftc.ray.sweep: {replaced + 1} sweep actors died (the last: "
+            f"{type(exc).__name__}); the study {study_name!r} keeps its trials: run again "
+            f"with resume=True (--resume) once the cluster is healthy") from exc
+    finally:
+        for actor in [*actors, *running.values()]:  # on an error, the others stop too
+            with contextlib.suppress(Exception):
                 ray.kill(actor)
-            raise cause from None
-        except Exception as exc:
-            if not _actor_died(ray, exc):
-                raise
-            if replaced >= limit:
-                raise SweepError(
-                    f"hftc.ray.sweep: {replaced + 1} sweep actors died (the last: "
-                    f"{type(exc).__name__}); the study {study_name!r} keeps its trials: run "
-                    f"again with resume=True (--resume) once the cluster is healthy") from exc
-            replaced += 1
-            say(f"a sweep actor died ({type(exc).__name__}); starting another "
-                f"({replaced} replaced)")
-            actor = start_actor()
-            running[actor.run.remote(True)] = actor
+
     # Every trial is done: the results, written once, here.
     final = Sweep(local_spec, out=out, storage=storage, study_name=study_name,
                   heartbeat_interval=heartbeat_interval, grace_period=grace_period,
