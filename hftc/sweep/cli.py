@@ -83,13 +83,15 @@ def main(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.workers is not None and args.ray is None:
+    # `hftc demo` shares this function and has neither option.
+    ray_address, workers = getattr(args, "ray", None), getattr(args, "workers", None)
+    if workers is not None and ray_address is None:
         print("hftc sweep: --workers is the number of Ray actors: give --ray [ADDRESS] too",
               file=sys.stderr)
         return 2
     try:
         if args.demo:
-            if args.spec or args.ray is not None:
+            if args.spec or ray_address is not None:
                 print("hftc sweep: --demo runs its own spec on this machine; leave out SPEC "
                       "and --ray", file=sys.stderr)
                 return 2
@@ -106,11 +108,11 @@ def main(args: argparse.Namespace) -> int:
         from . import run
 
         log = (lambda msg: print(msg, flush=True)) if args.verbose else None
-        if args.ray is not None:
+        if ray_address is not None:
             from .. import ray as hftc_ray
 
             run = lambda spec, **kw: hftc_ray.sweep(  # noqa: E731
-                spec, address=args.ray or None, workers=args.workers or 2,
+                spec, address=ray_address or None, workers=workers or 2,
                 **{k: v for k, v in kw.items() if k != "progress"})
         result = run(args.spec, n_trials=args.trials, per_array=args.per_array,
                      epochs=args.epochs, out=args.out, storage=args.storage,
