@@ -288,23 +288,25 @@ class _PerConfigScheduler:
         return list(self.stopped)
 
 
-def tune_trainable(spec: Any, *, scheduler: Any = None, per_array: int | None = None,
-                   epochs: int | None = None, **overrides: Any):
+def tune_trainable(spec: Any, *, scheduler: Any = None, epochs: int | None = None,
+                   **overrides: Any):
     """A Ray Tune function trainable that trains an array of configurations fused.
 
-    Each Tune trial's config holds its array under :data:`ARRAY_KEY`: a list of
-    ``per_array`` parameter dicts (the spec's ``model(params)`` / ``optimizer(params,
-    module)`` read them); :func:`array_space` builds that search space. Every epoch,
+    Each Tune trial's config holds its array under :data:`ARRAY_KEY`: a list of N
+    parameter dicts (the spec's ``model(params)`` / ``optimizer(params, module)`` read
+    them); :func:`array_space` builds that search space. Every epoch,
     the trial trains its live configurations as one fused module, then reports::
 
         {"config_0/<metric>": ..., "config_1/<metric>": ..., "<metric>": best live value,
          "live": number of live configurations}
 
-    ``scheduler`` (a Tune scheduler, ``ASHAScheduler(metric=spec's metric, mode=...)``)
-    is asked per configuration (its ``on_trial_result``, each configuration a scheduler
-    trial ``<tune trial id>/<j>``, ``training_iteration`` its epochs); a configuration it
-    stops leaves the array (:func:`hftc.keep_models` cuts the fused module and optimizer
-    in place) and the others train on, each as if alone. The trial ends when its array
+    ``scheduler`` (Tune's ``ASHAScheduler`` / ``AsyncHyperBandScheduler``: it decides from
+    results alone; schedulers that need Tune's trial runner, such as PBT or the median
+    stopping rule, are refused) is asked per configuration (its ``on_trial_result``,
+    each configuration a scheduler trial ``<tune trial id>/<j>``, ``training_iteration``
+    its epochs); a configuration it stops leaves the array (:func:`hftc.keep_models`
+    cuts the fused module and optimizer in place) and the others train on, each as if
+    alone. The trial ends when its array
     is empty or after ``epochs``. Give the scheduler here, not to ``tune.TuneConfig``
     (where it would stop whole arrays). Call after ``ray.init()``: the scheduler lives
     in an actor of the driver.
@@ -316,11 +318,20 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, per_array: int | None = 
     from .sweep.spec import load_spec
 
     spec = _shippable(spec, "hftc.ray.tune_trainable")
-    overrides = {**overrides, "per_array": per_array, "epochs": epochs}
+    overrides = {**overrides, "epochs": epochs}
     spec_obj = load_spec(spec).replace(**overrides)
     metric = spec_obj.metric_name
     decider = None
     if scheduler is not None:
+        from ray.tune.schedulers import AsyncHyperBandScheduler
+
+        if not isinstance(scheduler, AsyncHyperBandScheduler):
+            raise SweepError(
+                f"hftc.ray.tune_trainable: {type(scheduler).__name__} decides with Tune's "
+                f"trial runner, which a configuration inside an array does not have; per "
+                f"configuration hftc drives ASHAScheduler (AsyncHyperBandScheduler): give "
+                f"one, or give {type(scheduler).__name__} to tune.TuneConfig to schedule "
+                f"whole arrays")
         # Tune sets a scheduler's metric and mode from TuneConfig; here they are the spec's
         # (a scheduler given its own keeps them).
         scheduler.set_search_properties(metric, spec_obj.direction[:3])

@@ -234,6 +234,16 @@ def test_a_spec_loaded_from_a_file_is_refused_with_the_path_to_give(tiny_spec: P
         hray.tune_trainable(loaded)
 
 
+def test_a_scheduler_that_needs_tunes_runner_is_refused(tiny_spec: Path):
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'hftc[ray]'")
+    from ray.tune.schedulers import MedianStoppingRule
+
+    with pytest.raises(SweepError, match="MedianStoppingRule decides with Tune's trial runner"
+                                         ".*give one, or give MedianStoppingRule to "
+                                         "tune.TuneConfig"):
+        hray.tune_trainable(str(tiny_spec), scheduler=MedianStoppingRule())
+
+
 def test_import_hftc_never_imports_ray():
     code = ("import sys, torch, hftc, hftc.sweep, hftc.ray; hftc.fuse; hftc.sweep.Sweep; "
             "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if 'ray' in m)")
