@@ -193,23 +193,25 @@ def sweep(
     Actor = ray.remote(_SweepActor).options(
         num_cpus=0 if gpus else 1, num_gpus=1 if gpus else 0, scheduling_strategy="SPREAD",
         max_restarts=0)
+    limit = 2 * workers if max_replacements is None else max_replacements
+    replaced, summaries, every_actor = 0, [], []
 
     def start_actor() -> Any:
-        return Actor.remote(spec, overrides, options, "cuda" if gpus else None)
+        actor = Actor.remote(spec, overrides, options, "cuda" if gpus else None)
+        every_actor.append(actor)
+        return actor
 
-    actors = [start_actor() for _ in range(workers)]
-    running: dict[Any, Any] = {}
-    limit = 2 * workers if max_replacements is None else max_replacements
-    replaced, summaries = 0, []
-    try:
-        # Every worker loaded (spec, data, imports) before any asks: they share the work.
-        ray.get([a.load.remote() for a in actors])
-        running.update({a.run.remote(resume): a for a in actors})
-        while running:
-            (done,), _ = ray.wait(list(running), num_returns=1)
-            running.pop(done)
+    def wait_all(calls: dict[Any, Any], again: str) -> list[tuple[Any, Any]]:
+        """(actor, result) of each of ``calls`` (ref -> actor); an actor that dies (or
+        whose node does) is replaced by a new one that calls ``again`` (``run`` with
+        resume=True: it takes over the dead worker's trials)."""
+        nonlocal replaced
+        results = []
+        while calls:
+            (done,), _ = ray.wait(list(calls), num_returns=1)
+            actor = calls.pop(done)
             try:
-                summaries.append(ray.get(done))
+                results.append((actor, ray.get(done)))
             except Exception as exc:
                 if not _actor_died(ray, exc) or replaced >= limit:
                     raise
@@ -217,7 +219,16 @@ def sweep(
                 say(f"a sweep actor died ({type(exc).__name__}); starting another "
                     f"({replaced} replaced)")
                 actor = start_actor()
-                running[actor.run.remote(True)] = actor
+                call = actor.load.remote() if again == "load" else actor.run.remote(True)
+                calls[call] = actor
+        return results
+
+    try:
+        # Every worker loaded (spec, data, imports) before any asks: they share the work.
+        loaded = wait_all({a.load.remote(): a for a in [start_actor() for _ in range(workers)]},
+                          "load")
+        summaries = [s for _, s in wait_all({a.run.remote(resume): a for a, _ in loaded},
+                                            "run")]
     except ray.exceptions.RayTaskError as exc:  # the sweep's code raised: say what
         raise (exc.cause if getattr(exc, "cause", None) is not None else exc) from None
     except Exception as exc:
@@ -228,7 +239,7 @@ def sweep(
             f"{type(exc).__name__}); the study {study_name!r} keeps its trials: run again "
             f"with resume=True (--resume) once the cluster is healthy") from exc
     finally:
-        for actor in [*actors, *running.values()]:  # on an error, the others stop too
+        for actor in every_actor:  # on an error, the others stop too
             with contextlib.suppress(Exception):
                 ray.kill(actor)
 
