@@ -191,7 +191,7 @@ def sweep(
                "heartbeat_interval": heartbeat_interval, "grace_period": grace_period,
                "progress": False, "log": print if log is not None else None}
     Actor = ray.remote(_SweepActor).options(
-        num_cpus=0 if gpus else 1, num_gpus=1 if gpus else 0, scheduling_strategy="SPREAD",
+        num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy="SPREAD",
         max_restarts=0)
     limit = 2 * workers if max_replacements is None else max_replacements
     replaced, summaries, every_actor = 0, [], []
