@@ -159,7 +159,8 @@ def sweep(
             ``sampler``, ``seed``, ``dtype`` ...), as for :func:`hftc.sweep.run`.
 
     Returns the :class:`~hftc.sweep.SweepResult` of the study (leaderboard and files), its
-    ``timings`` holding ``workers``, ``replaced`` and the actors' summed ``train`` seconds.
+    ``timings`` holding ``workers``, ``replaced`` (actors), ``nodes`` (those the finishing
+    actors ran on) and the actors' summed ``train`` seconds.
     """
     ray = _import_ray()
     from .sweep.engine import Sweep, make_storage
@@ -248,7 +249,8 @@ def sweep(
                   heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                   progress=False).run()
     timings = {**final.timings, "train": sum(s["train_s"] for s in summaries),
-               "workers": workers, "replaced": replaced}
+               "workers": workers, "replaced": replaced,
+               "nodes": len({summary["node"] for summary in summaries})}
     return dataclasses.replace(
         final, wall_s=time.perf_counter() - start,
         train_s=sum(s["train_s"] for s in summaries),

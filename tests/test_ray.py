@@ -88,6 +88,7 @@ def test_digits_on_two_nodes_gives_the_one_worker_results(cluster, tmp_path: Pat
                          "-n", str(per_array), "--storage", storage, "--out", str(out)]) == 0
             printed = capsys.readouterr().out
             assert "best: trial" in printed and "nothing to train" not in printed
+            assert "2 Ray actors on 2 node(s), 0 replaced" in printed
             assert (out / "results.csv").exists()
         trials = optuna.load_study(study_name="digits", storage=storage).trials
         assert [t.state for t in trials] == [TrialState.COMPLETE] * 4

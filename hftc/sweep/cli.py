@@ -135,5 +135,8 @@ def main(args: argparse.Namespace) -> int:
     if best is not None:
         print(f"\nbest: trial {best.number}, {result.metric} {best.value:.6g} "
               f"({', '.join(f'{k}={v!r}' for k, v in best.params.items())})")
+    if ray_address is not None:
+        tm = result.timings
+        print(f"{tm['workers']} Ray actors on {tm['nodes']} node(s), {tm['replaced']} replaced")
     print(f"{result.wall_s:.1f} s; files: " + ", ".join(str(p) for p in result.files.values()))
     return 0
