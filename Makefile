@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e ".[test,sweep,docs,hf,lightning]" $(TORCH)
+	$(PIP) install -q -e ".[test,sweep,docs,hf,lightning,ray]" $(TORCH)
 	touch $@
 
 install: $(VENV)/.installed

@@ -65,6 +65,15 @@ class SweepFileError(SweepError):
         self.path = path
 
 
+class MissingExtraError(FusionError, ModuleNotFoundError):
+    """An optional integration's package is not installed; the message names the extra to
+    install (``pip install 'hftc[ray]'``), ``.extra`` holds its name."""
+
+    def __init__(self, message: str, extra: str = ""):
+        super().__init__(message)
+        self.extra = extra
+
+
 class SweepWarning(UserWarning):
     """A sweep goes on after something the user should know about (a damaged file it
     could not use: the trials it held are retried from epoch 0)."""

@@ -9,7 +9,7 @@ The layers, lowest first (issue 31's layout; a lower layer may never import a hi
 one; modules of one layer may import each other)::
 
     ir, errors, compile_guard  <  runtime  <  frontends, match  <  passes  <  compile
-    <  fused, group, stacking  <  optim, amp, utils, step, shrink, patches  <  sweep, bench, the command
+    <  fused, group, stacking  <  optim, amp, utils, step, shrink, patches  <  sweep, ray, bench, the command
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ LAYERS = {
     "hftc.step": 6,
     "hftc.shrink": 6,
     "hftc.sweep": 7,
+    "hftc.ray": 7,
     "hftc.bench": 7,
     "hftc.speed": 7,
     "hftc.__main__": 7,

@@ -3,6 +3,8 @@
     python -m hftc sweep spec.py                  # SQLite in ./sweeps/<name>/
     python -m hftc sweep spec.py --resume         # after a crash or Ctrl-C
     python -m hftc sweep spec.py --storage postgresql://u:p@db/hftc --study lr   # every machine
+    python -m hftc sweep spec.py --ray --workers 4  # 4 Ray actors, one device each
+    python -m hftc sweep spec.py --ray auto --workers 8 --storage postgresql://...
     hftc demo                                     # make demo (also: sweep --demo)
 """
 
@@ -60,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace-period", type=int,
                    help="seconds without a heartbeat before a trial is failed and retried by "
                         "another worker (default: 4 heartbeats)")
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run --workers Ray actors on the cluster at ADDRESS (auto, "
+                        "host:6379, ray://host:10001; none: a local Ray), each holding one "
+                        "GPU where there are GPUs; needs pip install 'hftc[ray]' (see "
+                        "docs/guides/ray.md)")
+    p.add_argument("--workers", type=positive_int,
+                   help="with --ray: the number of sweep actors (default 2)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line per started, pruned and finished trial")
 
@@ -68,15 +77,23 @@ def main(args: argparse.Namespace) -> int:
     """Run the ``sweep`` subcommand; returns the exit status."""
     import torch
 
+    from ..errors import MissingExtraError
     from .engine import SweepError
     from .spec import SpecError
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # `hftc demo` shares this function and has neither option.
+    ray_address, workers = getattr(args, "ray", None), getattr(args, "workers", None)
+    if workers is not None and ray_address is None:
+        print("hftc sweep: --workers is the number of Ray actors: give --ray [ADDRESS] too",
+              file=sys.stderr)
+        return 2
     try:
         if args.demo:
-            if args.spec:
-                print("hftc sweep: --demo runs its own spec; leave out SPEC", file=sys.stderr)
+            if args.spec or ray_address is not None:
+                print("hftc sweep: --demo runs its own spec on this machine; leave out SPEC "
+                      "and --ray", file=sys.stderr)
                 return 2
             from .demo import run_demo
 
@@ -91,13 +108,19 @@ def main(args: argparse.Namespace) -> int:
         from . import run
 
         log = (lambda msg: print(msg, flush=True)) if args.verbose else None
+        if ray_address is not None:
+            from .. import ray as hftc_ray
+
+            run = lambda spec, **kw: hftc_ray.sweep(  # noqa: E731
+                spec, address=ray_address or None, workers=workers or 2,
+                **{k: v for k, v in kw.items() if k != "progress"})
         result = run(args.spec, n_trials=args.trials, per_array=args.per_array,
                      epochs=args.epochs, out=args.out, storage=args.storage,
                      study_name=args.study, resume=args.resume, sampler=args.sampler,
                      pruner=args.pruner, seed=args.seed,
                      heartbeat_interval=args.heartbeat_interval,
                      grace_period=args.grace_period, progress=args.progress, log=log)
-    except (SpecError, SweepError) as exc:
+    except (SpecError, SweepError, MissingExtraError) as exc:
         print(f"hftc sweep: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -113,5 +136,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nbest: trial {best.number}, {result.metric} {best.value:.6g} "
               f"({', '.join(f'{k}={v!r}' for k, v in best.params.items())})")
     print(result.summary)
+    if ray_address is not None:
+        tm = result.timings
+        print(f"{tm['workers']} Ray actors on {tm['nodes']} node(s), {tm['replaced']} replaced")
     print("files: " + ", ".join(str(p) for p in result.files.values()))
     return 0
