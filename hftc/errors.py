@@ -66,8 +66,9 @@ class SweepFileError(SweepError):
 
 
 class MissingExtraError(FusionError, ModuleNotFoundError):
-    """An optional integration's package is not installed; the message names the extra to
-    install (``pip install 'hftc[ray]'``), ``.extra`` holds its name."""
+    """An optional integration (``hftc.ray``, ``hftc.hf``, ``hftc.lightning``) needs a package
+    that is not installed; the message names the extra that installs it
+    (``pip install 'hftc[ray]'``), ``.extra`` holds its name."""
 
     def __init__(self, message: str, extra: str = ""):
         super().__init__(message)
@@ -77,11 +78,6 @@ class MissingExtraError(FusionError, ModuleNotFoundError):
 class SweepWarning(UserWarning):
     """A sweep goes on after something the user should know about (a damaged file it
     could not use: the trials it held are retried from epoch 0)."""
-
-
-class MissingExtraError(FusionError, ImportError):
-    """An optional integration (``hftc.hf``, ``hftc.lightning``) needs a package that is not
-    installed; the message names the extra that installs it (``pip install 'hftc[hf]'``)."""
 
 
 class FusionIndexError(FusionArgumentError, IndexError):

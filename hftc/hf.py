@@ -52,7 +52,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the test environment has them
     _missing = (exc.name or "transformers").split(".")[0]
     raise MissingExtraError(f"hftc.hf needs transformers and accelerate ({_missing} is not "
-                            f"installed): pip install 'hftc[hf]'") from exc
+                            f"installed): pip install 'hftc[hf]'", extra="hf") from exc
 
 __all__ = ["FusedTrainer", "model_dir"]
 

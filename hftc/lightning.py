@@ -61,7 +61,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the test environment has them
     _missing = (exc.name or "lightning").split(".")[0]
     raise MissingExtraError(f"hftc.lightning needs Lightning ({_missing} is not installed): "
-                            f"pip install 'hftc[lightning]'") from exc
+                            f"pip install 'hftc[lightning]'", extra="lightning") from exc
 
 __all__ = ["FusedLightningModule", "PerModelCheckpoint", "PerModelEarlyStopping"]
 

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..errors import FusionError
 from . import layout
+from .function_apply import apply_function_fast
 from .layout import expand_models, fold_channels, unfold_channels
 from .tuning import tunable
 
@@ -145,7 +146,6 @@ def conv(
             x = expand_models(x, n)
         xf = fold_channels(x, True)
         xf = xf if layout.is_channels_last(xf) else xf.contiguous()
-        from .linear import apply_function_fast  # (linear imports this module)
         y = apply_function_fast(_DepthwiseConv2d, xf, w, b, tuple(_ntuple(stride, 2)),
                                 tuple(_ntuple(padding, 2)))
         return unfold_channels(y, n, True)

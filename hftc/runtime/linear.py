@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .conv import _check_lowering
+from .function_apply import apply_function_fast, unwrap_dead_wrappers
 from .layout import pad_model_dims
 from .tuning import tunable
 
@@ -118,32 +119,6 @@ def rows_per_model(x: Tensor, n: int, x_batched: bool) -> tuple[Tensor, torch.Si
         return (x if x.dim() == 3 else x.reshape(n, -1, x.shape[-1])), x.shape[1:-1]
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     return rows.expand(n, -1, -1), x.shape[:-1]
-
-
-#: The C++ ``apply`` that ``torch.autograd.Function.apply`` ends in (:func:`apply_function_fast`).
-_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]
-
-
-_unwrap_dead_wrappers = torch._functorch.utils.unwrap_dead_wrappers
-
-
-def apply_function_fast(function: type, *args: Any) -> Any:
-    """``function.apply(*args)`` for hftc's own autograd Functions (positional arguments).
-
-    They define ``setup_context`` (``forward`` without ``ctx``), the form ``torch.func``
-    transforms need: ``torch.func.grad`` / ``vmap`` / ``jacrev`` through a fused module.
-    For such a Function ``Function.apply`` binds the arguments with ``inspect.signature``
-    on every call, to fill in defaults, which costs as much as a sweep's small layer.
-    Their forwards have no defaults and every call passes all its arguments
-    positionally, so where no ``torch.func`` transform is active, and outside
-    ``torch.compile`` (which traces ``apply`` itself), this calls the C++ ``apply``
-    directly, as ``Function.apply`` then does (dead ``torch.func`` wrappers unwrapped, too).
-    Forward mode (``torch.func.jvp`` / ``jacfwd`` / ``hessian``) they do not define: a
-    ``jvp`` staticmethod would make ``torch.compile`` break the graph at every call.
-    """
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return _FUNCTION_APPLY.__get__(None, function)(*_unwrap_dead_wrappers(args))
 
 
 class _BatchedLinear(torch.autograd.Function):
@@ -393,14 +368,14 @@ def _records_graph(grad: Tensor, x3: Tensor, params: list) -> bool:
     """Whether a backward under ``create_graph=True`` has a graph to record: whether the
     gradient or an input of the chain requires a gradient (``torch.func`` wrappers of a
     finished transform unwrapped, as ops unwrap them)."""
-    tensors = _unwrap_dead_wrappers((grad, x3, *params))
+    tensors = unwrap_dead_wrappers((grad, x3, *params))
     return any(t is not None and t.requires_grad for t in tensors)
 
 
 def _recomputed_gradients(ctx: Any, grad: Tensor, x3: Tensor, params: list) -> list:
     """The chain's gradients with a graph of their own (``create_graph=True``)."""
     needs = ctx.needs_input_grad
-    x3, *params = _unwrap_dead_wrappers((x3, *params))  # (graphed: the live ones)
+    x3, *params = unwrap_dead_wrappers((x3, *params))  # (graphed: the live ones)
     inputs = [x3, *params]
     flags = [needs[0], *needs[3:]]
     wanted = [t for t, flag in zip(inputs, flags) if flag]

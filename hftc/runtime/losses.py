@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import FusionArgumentError, FusionTypeError
-from .linear import apply_function_fast
+from .function_apply import apply_function_fast
 from .reduction import _short_rows
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .linear import apply_function_fast
+from .function_apply import apply_function_fast
 
 
 def reduce_all(fn_name: str, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
