@@ -33,7 +33,7 @@ _BLOCK_NUMEL = 1 << 18
 #: Column blocks of such wide rows (N strips far apart in memory) stayed in cache far
 #: worse: about 2.3x the time per element (docs/DESIGN_NOTES.md).
 _ROW_CHUNKS_MIN_WIDTH = 1 << 14
-_ROW_CHUNK_NUMEL = 1 << 15
+_ROW_CHUNK_NUMEL = 1 << 16
 
 
 #: Real dtypes whose kernels stock runs on the tensor as it is (complex ones it views as
