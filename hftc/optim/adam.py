@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -278,18 +279,14 @@ class Adam(FusedOptimizer):
             "sign", "coupled_wd", "decay", "one_minus_beta1", "beta2", "one_minus_beta2",
             "eps")}
         bc2_sqrt, neg_step_size = step_coef.row("bc2_sqrt"), step_coef.row("neg_step_size")
+        scalars = self._row_scalars(tensors[0].dtype, [
+            rows["decay"], rows["beta2"], rows["eps"], bc2_sqrt])
         for i in range(n):
             maximize, wd = rows["sign"][i] < 0, rows["coupled_wd"][i]
-            decay, one_minus_beta1 = rows["decay"][i], rows["one_minus_beta1"][i]
-            beta2, one_minus_beta2 = rows["beta2"][i], rows["one_minus_beta2"][i]
-            eps, bc2, value = rows["eps"][i], bc2_sqrt[i], neg_step_size[i]
-            decays = decay != 1.0
-            if tensors[0].dtype in (torch.float32, torch.float64):
-                # A Python float operand of mul_/div_/add_ is wrapped and cast to the
-                # tensor's dtype on every call; a 0-dim tensor of that dtype is the same
-                # CPU scalar to the kernel, made once per model.
-                decay, beta2, eps, bc2 = torch.tensor(
-                    [decay, beta2, eps, bc2], dtype=tensors[0].dtype).unbind()
+            one_minus_beta1 = rows["one_minus_beta1"][i]
+            one_minus_beta2 = rows["one_minus_beta2"][i]
+            decays, value = rows["decay"][i] != 1.0, neg_step_size[i]
+            decay, beta2, eps, bc2 = scalars[i]
             for k in range(i * per_model, (i + 1) * per_model):
                 p, grad, exp_avg, exp_avg_sq = (c[k] for c in chunks[:4])
                 size = sizes[k]
@@ -310,6 +307,22 @@ class Adam(FusedOptimizer):
                         second = max_sq
                 torch.sqrt(second, out=denom).div_(bc2).add_(eps)
                 p.addcdiv_(exp_avg, denom, value=value)
+
+    def _row_scalars(self, dtype: torch.dtype, rows: list[list[float]]) -> list[tuple]:
+        """Model i's values of ``rows`` (the operands of ``mul_``, ``div_``, ``add_``) as
+        ``scalars[i]``: in float32 / float64 as 0-dim tensors of ``dtype``, made once per
+        step for all parameters (a Python float is wrapped and cast to the tensor's dtype on
+        every call; the 0-dim tensor is the same CPU scalar to the kernel), else the floats."""
+        per_model = list(zip(*rows))
+        if dtype not in (torch.float32, torch.float64):
+            return per_model
+        cache = self.__dict__.setdefault("_row_scalar_cache", {})
+        key = array("d", [v for row in rows for v in row]).tobytes()  # bit for bit: -0.0
+        hit = cache.get(dtype)
+        if hit is None or hit[0] != key:
+            values = torch.tensor(per_model, dtype=dtype)
+            hit = cache[dtype] = (key, [tuple(row.unbind()) for row in values])
+        return hit[1]
 
     def _row_scratch(self, like: Tensor, numel: int) -> tuple[Tensor, Tensor]:
         """Two reusable ``numel``-element buffers in ``like``'s dtype (for :meth:`_update_rows`)."""
