@@ -113,8 +113,37 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(kind: str, shapes, n: int, foreach: bool | None, rounds: int) -> dict:
+def _without_row_chunks(opt):
+    """``opt.step`` as before Adam's row chunks: every parameter on its former path."""
+    import hftc.optim.adam as adam_module
+
+    def step():
+        saved = adam_module._ROW_CHUNKS_MIN_WIDTH
+        adam_module._ROW_CHUNKS_MIN_WIDTH = 1 << 62
+        try:
+            opt.step()
+        finally:
+            adam_module._ROW_CHUNKS_MIN_WIDTH = saved
+
+    return step
+
+
+def _summary(times: list[float], stock_s: list[float], prefix: str) -> dict:
+    ratios = sorted(o / s for o, s in zip(times, stock_s))
+    q = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 9
+    return {f"{prefix}_ms": statistics.median(times) * 1e3,
+            f"{prefix}_ratio": statistics.median(ratios), f"{prefix}_ratio_p10": q[0],
+            f"{prefix}_ratio_p90": q[-1]}
+
+
+def measure(kind: str, shapes, n: int, foreach: bool | None, rounds: int,
+            before: bool = False) -> dict:
+    """Interleaved rounds of the N stock steps and the hftc step (and, with ``before``
+    and Adam, the hftc step without row chunks: the previous code, a third contender)."""
     stock, ours = make_optimizers(kind, shapes, n, foreach)
+    steps = {"hftc": ours.step}
+    if before and kind == "adam":
+        steps["before"] = _without_row_chunks(make_optimizers(kind, shapes, n, foreach)[1])
 
     def stock_step():
         for opt in stock:
@@ -122,16 +151,21 @@ def measure(kind: str, shapes, n: int, foreach: bool | None, rounds: int) -> dic
 
     for _ in range(2):  # state allocation and warm-up
         stock_step()
-        ours.step()
-    stock_s, ours_s = [], []
+        for step in steps.values():
+            step()
+    stock_s: list[float] = []
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         stock_s.append(_time(stock_step))
-        ours_s.append(_time(ours.step))
-    ratios = sorted(o / s for o, s in zip(ours_s, stock_s))
-    q = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 9
-    return {"stock_ms": statistics.median(stock_s) * 1e3,
-            "hftc_ms": statistics.median(ours_s) * 1e3,
-            "ratio": statistics.median(ratios), "ratio_p10": q[0], "ratio_p90": q[-1]}
+        for name, step in steps.items():
+            times[name].append(_time(step))
+    out = {"stock_ms": statistics.median(stock_s) * 1e3}
+    out.update(_summary(times["hftc"], stock_s, "hftc"))
+    out["ratio"], out["ratio_p10"], out["ratio_p90"] = (
+        out.pop("hftc_ratio"), out.pop("hftc_ratio_p10"), out.pop("hftc_ratio_p90"))
+    if "before" in times:
+        out.update(_summary(times["before"], stock_s, "before"))
+    return out
 
 
 def main(argv=None) -> None:
@@ -143,6 +177,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--before", action="store_true",
+                    help="Adam: also time hftc without row chunks (the previous code) in the "
+                         "same rounds")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     results = []
@@ -155,12 +192,15 @@ def main(argv=None) -> None:
             for fe in args.foreach.split(","):
                 foreach = {"none": None, "true": True, "false": False}[fe]
                 for n in (int(s) for s in args.sizes.split(",")):
-                    r = measure(kind, shapes, n, foreach, args.rounds)
+                    r = measure(kind, shapes, n, foreach, args.rounds, args.before)
                     r.update(workload=workload, optimizer=kind, foreach=fe, n=n)
                     results.append(r)
+                    before = (f" before: {r['before_ms']:.2f} ms, {r['before_ratio']:.2f} "
+                              f"[{r['before_ratio_p10']:.2f}, {r['before_ratio_p90']:.2f}]"
+                              if "before_ms" in r else "")
                     print(f"| {workload} | {kind} | {fe} | {n} | {r['stock_ms']:.2f} | "
                           f"{r['hftc_ms']:.2f} | {r['ratio']:.2f} [{r['ratio_p10']:.2f}, "
-                          f"{r['ratio_p90']:.2f}] |", flush=True)
+                          f"{r['ratio_p90']:.2f}] |{before}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

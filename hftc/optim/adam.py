@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,20 @@ _FOREACH_MAX_NUMEL = 1 << 16
 #: about ``_BLOCK_NUMEL`` elements (:meth:`Adam._update_one`).
 _BLOCK_ABOVE = 1 << 21
 _BLOCK_NUMEL = 1 << 18
+
+#: On the CPU, a parameter of at least this many elements per model is updated model by
+#: model in contiguous chunks of ``_ROW_CHUNK_NUMEL`` elements (:meth:`Adam._update_rows`):
+#: stock's very calls with model i's values, each chunk in cache across the update's ops.
+#: Column blocks of such wide rows (N strips far apart in memory) stayed in cache far
+#: worse: about 2.3x the time per element.  Narrower rows take the whole-tensor ops, where
+#: N chunks' calls would cost more than the passes they save (docs/DESIGN_NOTES.md).
+_ROW_CHUNKS_MIN_WIDTH = 1 << 15
+_ROW_CHUNK_NUMEL = 1 << 16
+
+
+#: Real dtypes whose kernels stock runs on the tensor as it is (complex ones it views as
+#: real first).
+_ROW_CHUNK_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def _takes_foreach(p: Tensor) -> bool:
@@ -208,7 +223,8 @@ class Adam(FusedOptimizer):
                     step_coef: _Coefficients, any_coupled: bool, any_decoupled: bool) -> None:
         """Stock's single-tensor update of one stacked parameter, op for op.
 
-        On the CPU, a parameter too large for the cache (more than ``_BLOCK_ABOVE``
+        On the CPU, a dense parameter with wide rows takes :meth:`_update_rows`.  One
+        too large for the cache (more than ``_BLOCK_ABOVE``
         elements, all N models) is updated in column blocks of its ``[N, numel / N]``
         view, every op of the update on one block before the next::
 
@@ -222,8 +238,12 @@ class Adam(FusedOptimizer):
         tensors = [p, p.grad, state["exp_avg"], state["exp_avg_sq"]]
         if any(amsgrad):
             tensors.append(state["max_exp_avg_sq"])
-        if p.device.type != "cpu" or p.numel() <= _BLOCK_ABOVE \
-                or not all(t.is_contiguous() for t in tensors):
+        on_cpu_dense = p.device.type == "cpu" and all(t.is_contiguous() for t in tensors)
+        if on_cpu_dense and p.numel() // self.num_models >= _ROW_CHUNKS_MIN_WIDTH \
+                and p.dtype in _ROW_CHUNK_DTYPES:
+            self._update_rows(tensors, hp, coef, step_coef)
+            return
+        if not on_cpu_dense or p.numel() <= _BLOCK_ABOVE:
             self._adam_math(tensors, (self._scratch(p, 0), self._scratch(p, 1)), hp, coef,
                             step_coef, any_coupled, any_decoupled)
             return
@@ -232,6 +252,87 @@ class Adam(FusedOptimizer):
         for block, scratch in self._column_blocks(tensors, 2, _BLOCK_NUMEL):
             self._adam_math(block, scratch, hp, coef, step_coef, any_coupled, any_decoupled,
                             per_model_calls=False)
+
+    def _update_rows(self, tensors: list[Tensor], hp: dict[str, list[Any]],
+                     coef: _Coefficients, step_coef: _Coefficients) -> None:
+        """Stock's single-tensor update on ``[p, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)]``
+        (contiguous, on the CPU), model by model in chunks of each model's row::
+
+            for i in models:  for chunk in row i (64-element multiples, the last ragged):
+                stock's ops on the chunk with model i's values as Python floats
+
+        Every chunk but a row's last is a whole number of the kernels' vector steps, so
+        each element meets the vectorised or the scalar-tail code exactly as in stock's
+        call over model i's tensor: the same ops, the same rounding.  The chunk's
+        temporaries (the denominator; the gradient under maximize or coupled decay) live
+        in one small scratch buffer that stays in cache.
+        """
+        n = self.num_models
+        width = tensors[0].numel() // n
+        chunk = max(64, _ROW_CHUNK_NUMEL * 4 // tensors[0].element_size() // 64 * 64)
+        sizes = ([chunk] * (width // chunk) + ([width % chunk] if width % chunk else [])) * n
+        per_model = len(sizes) // n
+        # All chunk views of a tensor in one call (cheaper than a slice per chunk).
+        chunks = [t.view(-1).split(sizes) for t in tensors]
+        denoms, grad_scratch = self._row_scratch(tensors[0], chunk)
+        amsgrad = hp["amsgrad"]
+        rows = {name: coef.row(name) for name in (
+            "sign", "coupled_wd", "decay", "one_minus_beta1", "beta2", "one_minus_beta2",
+            "eps")}
+        bc2_sqrt, neg_step_size = step_coef.row("bc2_sqrt"), step_coef.row("neg_step_size")
+        scalars = self._row_scalars(tensors[0].dtype, [
+            rows["decay"], rows["beta2"], rows["eps"], bc2_sqrt])
+        for i in range(n):
+            maximize, wd = rows["sign"][i] < 0, rows["coupled_wd"][i]
+            one_minus_beta1 = rows["one_minus_beta1"][i]
+            one_minus_beta2 = rows["one_minus_beta2"][i]
+            decays, value = rows["decay"][i] != 1.0, neg_step_size[i]
+            decay, beta2, eps, bc2 = scalars[i]
+            for k in range(i * per_model, (i + 1) * per_model):
+                p, grad, exp_avg, exp_avg_sq = (c[k] for c in chunks[:4])
+                size = sizes[k]
+                denom = denoms if size == chunk else denoms[:size]
+                if maximize:
+                    grad = torch.neg(grad, out=grad_scratch[:size])
+                if decays:
+                    p.mul_(decay)
+                if wd != 0:
+                    grad = torch.add(grad, p, alpha=wd, out=grad_scratch[:size])
+                exp_avg.lerp_(grad, one_minus_beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=one_minus_beta2)
+                second = exp_avg_sq
+                if len(chunks) > 4:
+                    max_sq = chunks[4][k]
+                    torch.maximum(max_sq, exp_avg_sq, out=max_sq)
+                    if amsgrad[i]:
+                        second = max_sq
+                torch.sqrt(second, out=denom).div_(bc2).add_(eps)
+                p.addcdiv_(exp_avg, denom, value=value)
+
+    def _row_scalars(self, dtype: torch.dtype, rows: list[list[float]]) -> list[tuple]:
+        """Model i's values of ``rows`` (the operands of ``mul_``, ``div_``, ``add_``) as
+        ``scalars[i]``: in float32 / float64 as 0-dim tensors of ``dtype``, made once per
+        step for all parameters (a Python float is wrapped and cast to the tensor's dtype on
+        every call; the 0-dim tensor is the same CPU scalar to the kernel), else the floats."""
+        per_model = list(zip(*rows))
+        if dtype not in (torch.float32, torch.float64):
+            return per_model
+        cache = self.__dict__.setdefault("_row_scalar_cache", {})
+        key = array("d", [v for row in rows for v in row]).tobytes()  # bit for bit: -0.0
+        hit = cache.get(dtype)
+        if hit is None or hit[0] != key:
+            values = torch.tensor(per_model, dtype=dtype)
+            hit = cache[dtype] = (key, [tuple(row.unbind()) for row in values])
+        return hit[1]
+
+    def _row_scratch(self, like: Tensor, numel: int) -> tuple[Tensor, Tensor]:
+        """Two reusable ``numel``-element buffers in ``like``'s dtype (for :meth:`_update_rows`)."""
+        buffers = self.__dict__.setdefault("_row_scratch_buffers", {})
+        key = (like.dtype, like.device)
+        buf = buffers.get(key)
+        if buf is None or buf.numel() < 2 * numel:
+            buf = buffers[key] = torch.empty(2 * numel, dtype=like.dtype, device=like.device)
+        return buf[:numel], buf[numel:2 * numel]
 
     @staticmethod
     def _adam_math(tensors: list[Tensor], scratch: Sequence[Tensor], hp: dict[str, list[Any]],
