@@ -83,6 +83,16 @@ class _Padded(nn.Module):
         p = getattr(self, name)
         return None if p is None else p * getattr(self, f"{name}_mask")
 
+    def _real_units(self, source: nn.Module, normalized_shape: Sequence[int]) -> None:
+        """A norm over the widest ``normalized_shape``: ``unit_mask`` (1 on the source's
+        real units) and ``count`` (how many), for statistics over the real units only."""
+        real = tuple(source.normalized_shape)
+        self.normalized_shape = tuple(normalized_shape)
+        like = _like(source)
+        self.register_buffer("unit_mask", _mask(normalized_shape, real, like), persistent=False)
+        self.register_buffer("count", torch.tensor(float(torch.Size(real).numel()),
+                                                   dtype=like.dtype), persistent=False)
+
 
 class PaddedLinear(_Padded):
     """``nn.Linear`` at the widest in / out features, its weight and bias masked."""
@@ -171,13 +181,8 @@ class MaskedLayerNorm(_Padded):
     def __init__(self, source: nn.LayerNorm, widths: dict[str, Sequence[int]],
                  normalized_shape: Sequence[int]):
         super().__init__()
-        real = tuple(source.normalized_shape)
-        self.normalized_shape = tuple(normalized_shape)
         self.eps = source.eps
-        like = _like(source)
-        self.register_buffer("unit_mask", _mask(normalized_shape, real, like), persistent=False)
-        self.register_buffer("count", torch.tensor(float(torch.Size(real).numel()),
-                                                   dtype=like.dtype), persistent=False)
+        self._real_units(source, normalized_shape)
         self._take(source, widths)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -200,15 +205,10 @@ class MaskedRMSNorm(_Padded):
     def __init__(self, source: nn.Module, widths: dict[str, Sequence[int]],
                  normalized_shape: Sequence[int]):
         super().__init__()
-        real = tuple(source.normalized_shape)
-        self.normalized_shape = tuple(normalized_shape)
-        like = _like(source)
         # eps=None is the input dtype's machine epsilon: the model's dtype (a traced
         # forward cannot read an input's dtype)
-        self.eps = torch.finfo(like.dtype).eps if source.eps is None else source.eps
-        self.register_buffer("unit_mask", _mask(normalized_shape, real, like), persistent=False)
-        self.register_buffer("count", torch.tensor(float(torch.Size(real).numel()),
-                                                   dtype=like.dtype), persistent=False)
+        self.eps = torch.finfo(_like(source).dtype).eps if source.eps is None else source.eps
+        self._real_units(source, normalized_shape)
         self._take(source, widths)
 
     def forward(self, x: Tensor) -> Tensor:
