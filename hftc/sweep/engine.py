@@ -53,6 +53,7 @@ from torch import nn
 import hftc
 
 from ..errors import SweepError, SweepFileError, SweepWarning
+from ..optim.convert import MIXABLE_CLASSES
 from ..optim.slicing import fused_param_names, load_model_slice
 from .files import atomic_write, save
 from .spec import SpecError, SweepSpec, hook_name
@@ -86,14 +87,20 @@ def _finite_models(fused: nn.Module) -> list[bool]:
 
 
 def _optimizer_kind(run: _Run) -> tuple:
-    """What must be equal for trials to share fused optimizers: each optimizer's class and
-    number of param groups."""
-    return tuple((type(o), len(o.param_groups)) for o in run.optimizers)
+    """What must be equal for trials to share fused optimizers: each optimizer's number of
+    param groups, and its class only where hftc.optim.fuse_optimizers cannot mix it with
+    other classes (a class it does not fuse, or a capturable step): SGD and Adam trials
+    share one array through a MixedOptimizer."""
+    def kind(o: torch.optim.Optimizer) -> tuple:
+        capturable = any(g.get("capturable") for g in o.param_groups)
+        mixable = type(o) in MIXABLE_CLASSES and not capturable
+        return (None if mixable else type(o), len(o.param_groups))
+    return tuple(kind(o) for o in run.optimizers)
 
 
 def _kind_text(kind: tuple) -> str:
-    return " + ".join(cls.__name__ + (f" ({n} param groups)" if n > 1 else "")
-                      for cls, n in kind)
+    return " + ".join((cls.__name__ if cls is not None else "any class")
+                      + (f" ({n} param groups)" if n > 1 else "") for cls, n in kind)
 
 
 def _shapes(module: nn.Module) -> tuple:
@@ -767,9 +774,9 @@ class Sweep:
         loose = [r for r in self.live if r.array is None]
         if not loose:
             return
-        # One fused optimizer per array and position: trials whose optimizer() picked
-        # another class (a categorical SGD / Adam choice), or other groups, go into other
-        # arrays.
+        # One fused optimizer per array and position: SGD and Adam trials share one
+        # (hftc.optim.MixedOptimizer); other numbers of optimizers or param groups, or a
+        # class that cannot be mixed, go into other arrays.
         by_optimizer: dict[tuple, list[_Run]] = {}
         for r in loose:
             by_optimizer.setdefault(_optimizer_kind(r), []).append(r)
