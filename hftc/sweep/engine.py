@@ -98,6 +98,15 @@ def _optimizer_kind(run: _Run) -> tuple:
     return tuple(kind(o) for o in run.optimizers)
 
 
+def _own_width(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Model j's rows of a fused state dict, cut to ``module``'s own widths: an array fused
+    with ``pad_widths`` holds every model at the widest, its own entries leading."""
+    own = module.state_dict()
+    return {k: v[tuple(slice(0, s) for s in own[k].shape)]
+            if k in own and v.dim() == own[k].dim() and v.shape != own[k].shape else v
+            for k, v in state.items()}
+
+
 def _kind_text(kind: tuple) -> str:
     return " + ".join((cls.__name__ if cls is not None else "any class")
                       + (f" ({n} param groups)" if n > 1 else "") for cls, n in kind)
@@ -515,6 +524,9 @@ class Sweep:
         self.on_round = on_round
         self.estimate_serial = estimate_serial
         self.serial_epoch_s: list[float] = []
+        # fuse_groups options: trials of other widths share an array where the spec says so
+        self._padding = ({"pad_widths": True, "max_padding": self.spec.max_padding}
+                         if self.spec.pad_widths else {})
         self.formations: list[tuple[int, ...]] = []
         self.apart: dict[str, None] = {}  # why trials could not share an array (ordered set)
         self._apart_cache: dict[tuple, str] = {}  # (structure, structure) -> why apart
@@ -790,10 +802,12 @@ class Sweep:
             self._note_apart(by_optimizer[kinds[0]], by_optimizer[kind],
                              f"optimizers {_kind_text(kinds[0])} vs {_kind_text(kind)}")
         for same in by_optimizer.values():
-            groups = hftc.fuse_groups([r.module for r in same], example_inputs=example)
-            for _, indices in groups[1:]:
+            groups = hftc.fuse_groups([r.module for r in same], example_inputs=example,
+                                      **self._padding)
+            for fused, indices in groups[1:]:
                 self._note_apart([same[i] for i in groups[0][1]], [same[i] for i in indices],
-                                 None, example)
+                                 getattr(fused, "grouping", None) if self.spec.pad_widths
+                                 else None, example)
             for fused, indices in groups:
                 members = [same[i] for i in indices]
                 optimizers = [hftc.optim.fuse_optimizers(fused, [r.optimizers[k] for r in members])
@@ -1087,7 +1101,8 @@ class Sweep:
             optimizers = make_optimizers(self.spec, params, module)
             schedulers = make_schedulers(self.spec, params, optimizers)
             if saved is not None:
-                module.load_state_dict({k: v[j] for k, v in saved["model"].items()})
+                own = {k: v[j] for k, v in saved["model"].items()}
+                module.load_state_dict(_own_width(module, own))
                 states, names = saved["optimizer"], saved["param_names"]
                 if isinstance(states, dict):  # written by a sweep of one optimizer per trial
                     states, names = [states], [names]

@@ -135,6 +135,10 @@ class SweepSpec:
         epochs: epochs per trial (the pruners' maximum resource). batch_size: training
             batch. eval_batch_size: validation batch.
         n_trials / per_array: defaults for the sweep's size and N per fused array.
+        pad_widths / max_padding: trials whose models differ only in layer widths share
+            an array, zero-padded to the widest (``hftc.fuse_groups(...,
+            pad_widths=True)``) where the padded arithmetic is at most ``max_padding``
+            times the models' own; off by default (padding costs arithmetic).
         seed: base seed (trial seeds are ``seed + trial number`` unless the space
             suggests ``"seed"``; data order, sampler). dtype: the models' and data's
             floating dtype. device: where training runs.
@@ -157,6 +161,8 @@ class SweepSpec:
     eval_batch_size: int = 1024
     n_trials: int = 32
     per_array: int = 16
+    pad_widths: bool = False
+    max_padding: float = 1.25
     seed: int = 0
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
@@ -189,6 +195,12 @@ class SweepSpec:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(f"spec.{key} must be a positive int, got {value!r}")
+        if not isinstance(self.pad_widths, bool):
+            raise SpecError(f"spec.pad_widths must be True or False, got {self.pad_widths!r}")
+        if isinstance(self.max_padding, bool) or not isinstance(self.max_padding, int | float) \
+                or not self.max_padding >= 1:
+            raise SpecError(f"spec.max_padding must be a number >= 1 (the padded arithmetic "
+                            f"over the models' own), got {self.max_padding!r}")
         if isinstance(self.dtype, str):
             self.dtype = getattr(torch, self.dtype)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
