@@ -6,9 +6,10 @@
 
 The search space mixes optimizer hyper-parameters (learning rate, weight decay,
 Adam's beta1), a regularizer inside the model (dropout p: one fused array
-trains models with different p) and an architectural choice (the width: models
-of different widths cannot be one fused module, so each array is split into one
-fused group per width by ``hftc.fuse_groups``). Nothing here knows about fusion.
+trains models with different p) and an architectural choice (the width: with
+``pad_widths = True`` models of widths 8 and 16 share one array, each zero-padded
+to the widest and exact; without it each array splits into one fused group per
+width). Nothing else here knows about fusion.
 """
 
 import torch
@@ -22,6 +23,8 @@ epochs = 10
 batch_size = 32
 n_trials = 32
 per_array = 16
+pad_widths = True              # widths 8 and 16 in one array (padding: up to ~4x the arithmetic
+max_padding = 4.0              # of a width-8 model; say 1.25 to pad only near widths)
 pruner = "median"              # or "sha", "hyperband", "none", or an optuna pruner
 seed = 0
 
