@@ -69,7 +69,8 @@ bench() {  # name, seconds (cut to what the part has left), then bench arguments
 case $part in
   tests)
     tests=(tests/test_cuda.py tests/test_optim.py::test_cuda_matches_stock
-           tests/test_bench.py::test_gpu_suite_end_to_end)
+           tests/test_bench.py::test_gpu_suite_end_to_end
+           tests/test_optim_mixed.py::test_mixed_classes_on_cuda)
     # The whole-step graph, the capturable optimizers and the sync-free GradScaler.
     for f in tests/test_step.py tests/test_cuda_step.py tests/test_optim_capturable.py \
              tests/test_utils_amp.py; do [[ -e $f ]] && tests+=("$f"); done
