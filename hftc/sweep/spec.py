@@ -140,6 +140,13 @@ class SweepSpec:
             floating dtype. device: where training runs.
         sampler / pruner: Optuna objects, or names (``"tpe"``, ``"random"``;
             ``"median"``, ``"sha"``, ``"hyperband"``, ``"none"``).
+        pad_widths / max_padding: with ``pad_widths = True``, trials whose models differ
+            only in layer widths (a ``suggest_int("hidden", ...)`` or a categorical of
+            widths) share one array, padded with zeros to its widest model
+            (``hftc.fuse_groups(..., pad_widths=True, max_padding=...)``), while the
+            padded arithmetic is at most ``max_padding`` times the models' own (default
+            1.25); farther widths go to other arrays. Each trial still trains exactly as
+            alone, and its weights and optimizer state come back at its own width.
     """
 
     space: Callable[[Any], dict[str, Any] | None]
@@ -162,6 +169,8 @@ class SweepSpec:
     device: str = "cpu"
     sampler: Any = "tpe"
     pruner: Any = "median"
+    pad_widths: bool = False
+    max_padding: float = 1.25
     name: str = "sweep"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -189,6 +198,13 @@ class SweepSpec:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(f"spec.{key} must be a positive int, got {value!r}")
+        if not isinstance(self.pad_widths, bool):
+            raise SpecError(f"spec.pad_widths must be True or False, got {self.pad_widths!r}")
+        if isinstance(self.max_padding, bool) or not isinstance(self.max_padding, (int, float)) \
+                or not self.max_padding >= 1:
+            raise SpecError(f"spec.max_padding must be a number >= 1 (the padded arithmetic "
+                            f"over the models' own that one array may do), got "
+                            f"{self.max_padding!r}")
         if isinstance(self.dtype, str):
             self.dtype = getattr(torch, self.dtype)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
