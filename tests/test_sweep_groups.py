@@ -162,7 +162,7 @@ def test_optimizers_that_cannot_be_fused_together_go_apart_saying_why(spec_file:
         return torch.optim.SGD(module.parameters(), lr=params["lr"])
 
     spec = hs.load_spec(spec_file).replace(optimizer=optimizer, n_trials=4, epochs=1,
-                                           pruner="none")
+                                           pruner="none", max_padding=2.0)
     result = hs.run(spec, out=tmp_path / "out", progress=False)
     # trials 0 (SGD, 1 group), 1 (Adam), 3 (Adam) together; 2 (SGD, 2 groups) apart
     assert result.formations == [(3, 1)]
@@ -187,7 +187,7 @@ def _outcome(out: Path) -> list[tuple]:
 
 
 def test_sigkill_mid_round_then_resume_gives_the_uninterrupted_results(
-        spec_file: Path, swept, tmp_path: Path):
+        spec_file: Path, tmp_path: Path):
     """Killed while the re-formed arrays evaluate round 2 (metric calls: 4 in round 1, 1
     for the epoch trained alone after it, then round 2's): --resume continues the padded,
     mixed array's trials from round 1's checkpoint at their own widths, and every trial
@@ -199,7 +199,9 @@ def test_sigkill_mid_round_then_resume_gives_the_uninterrupted_results(
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resumed 4 trial(s): 0@epoch 1, 2@epoch 1, 3@epoch 1, 4@epoch 0" in resumed.stdout, \
         resumed.stdout
-    result, full = swept
+    full = tmp_path / "full"  # (one thread, as the killed and resumed runs)
+    done = _cli(spec_file, full)
+    assert done.returncode == 0, done.stdout + done.stderr
     assert _outcome(out) == _outcome(full)
 
 

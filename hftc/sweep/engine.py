@@ -839,10 +839,10 @@ class Sweep:
                     members.append(r)
                     break
             else:
-                if buckets:
-                    self._note_apart(buckets[0][1], [r],
-                                     _optimizers_apart(buckets[0][0], slots))
                 buckets.append(([slots], [r]))
+        for bucket_slots, members in buckets[1:]:
+            self._note_apart(buckets[0][1], members,
+                             _optimizers_apart(buckets[0][0], bucket_slots[0]))
         # A batch of the training data as example_inputs: a model symbolic tracing cannot
         # read (a Hugging Face model, say) is traced by torch.export from it.
         if self._example is None:
