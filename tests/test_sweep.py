@@ -409,14 +409,18 @@ def _optimizer_of_choice(params, model):
     return torch.optim.Adam(model.parameters(), lr=params["lr"])
 
 
-def test_a_categorical_optimizer_choice_fuses_each_class_apart(spec_file: Path, tmp_path: Path):
+def test_a_categorical_optimizer_choice_shares_one_array(spec_file: Path, tmp_path: Path):
     """Trials whose optimizer() returned SGD and Adam landed in one array, and
-    fuse_optimizers' 'needs optimizers of one class' failed every trial for good. Each
-    class is its own array; every trial reports what it reports trained alone."""
+    fuse_optimizers' 'needs optimizers of one class' failed every trial for good; then
+    each class got an array of its own (half-empty arrays). Now both classes share one
+    array (a MixedOptimizer); every trial reports what it reports trained alone."""
     spec = hs.load_spec(spec_file).replace(
         space=_space_with_optimizer_choice, optimizer=_optimizer_of_choice, n_trials=6,
         per_array=6, pruner="none", sampler="random", epochs=2)
-    trials = hs.run(spec, out=tmp_path / "out", progress=False).study.trials
+    result = hs.run(spec, out=tmp_path / "out", progress=False)
+    trials = result.study.trials
+    assert result.formations == [(6,)]
+    assert result.mixed and sorted(result.mixed[0][1]) == ["Adam", "SGD"]
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 6
     assert {t.params["opt"] for t in trials} == {"sgd", "adam"}
     for t in trials:

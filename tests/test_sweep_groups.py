@@ -219,3 +219,63 @@ def test_the_widths_of_the_digits_cnn_pad_as_the_spec_says():
     shapes = {w: weight_shapes(DigitsCNN(width=w)) for w in (6, 8, 16)}
     assert padding_ratio([shapes[6], shapes[8]]) <= 1.25 < padding_ratio(
         [shapes[6], shapes[8], shapes[16]])
+
+
+def test_load_model_slice_of_a_padded_mixed_optimizer_checkpoint():
+    """What the sweep's checkpoints and re-fusing read: a MixedOptimizer (SGD with momentum
+    and weight decay, Adam) over a padded array, its state_dict through torch.save / load;
+    load_model_slice gives each model its own class's state at its own width, and the
+    model trains on from there exactly as it would have alone."""
+    import io
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    import hftc
+    from hftc.optim.slicing import fused_param_names, load_model_slice
+
+    def mlp(hidden):  # pytorch/examples' MNIST MLP in small
+        return nn.Sequential(nn.Linear(5, hidden), nn.LayerNorm(hidden), nn.ReLU(),
+                             nn.Linear(hidden, 3)).double()
+
+    def make_opt(i, model):
+        return (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+                if i == 0 else torch.optim.Adam(model.parameters(), lr=1e-2))
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 16, 5, dtype=torch.float64), torch.randint(0, 3, (4, 16))
+    models = [mlp(6), mlp(9)]
+    alone = [mlp(6), mlp(9)]
+    for a, m in zip(alone, models):
+        a.load_state_dict(m.state_dict())
+    alone_opts = [make_opt(i, a) for i, a in enumerate(alone)]
+    fused = hftc.fuse(models, pad_widths=True)
+    opt = hftc.optim.fuse_optimizers(fused, [make_opt(i, m) for i, m in enumerate(models)])
+    for step in range(3):
+        opt.zero_grad()
+        out = fused(x[step])
+        sum(F.cross_entropy(out[i], y[step]) for i in range(2)).backward()
+        opt.step()
+        for a, o in zip(alone, alone_opts):
+            o.zero_grad()
+            F.cross_entropy(a(x[step]), y[step]).backward()
+            o.step()
+    buffer = io.BytesIO()
+    torch.save({"state": opt.state_dict(), "names": fused_param_names(fused, opt)}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    for j, (want, want_opt) in enumerate(zip(alone, alone_opts)):
+        model = mlp((6, 9)[j])
+        model.load_state_dict(fused.model_state_dict(j))
+        own_opt = load_model_slice(saved["state"], saved["names"], j, make_opt(j, model), model)
+        assert type(own_opt) is type(want_opt)
+        for (name, p), q in zip(model.named_parameters(), want.parameters()):
+            for key, value in want_opt.state[q].items():
+                assert own_opt.state[p][key].shape == value.shape, (j, name, key)
+                torch.testing.assert_close(own_opt.state[p][key], value, rtol=1e-9, atol=1e-12)
+        for m, o in ((model, own_opt), (want, want_opt)):  # one more step each
+            o.zero_grad()
+            F.cross_entropy(m(x[3]), y[3]).backward()
+            o.step()
+        for (name, p), q in zip(model.named_parameters(), want.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=name)
