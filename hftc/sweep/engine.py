@@ -4,7 +4,8 @@
 
     loop:   fail stale trials (Optuna heartbeat; a dead worker's trials are retried)
             ask trials until the array holds per_array of them (or the budget is spent)
-            group the array's models by structure, fuse each group (hftc.fuse_groups)
+            group the array's models by what their optimizers allow (classes mix) and by
+            structure, fuse each group (hftc.fuse_groups; widths padded with pad_widths)
             train one epoch: every batch through every fused group
             checkpoint every group (fused state_dict + optimizer state_dict) + manifest
             report each trial's metric; complete / prune it (Optuna's pruner decides)
