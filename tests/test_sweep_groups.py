@@ -173,6 +173,28 @@ def test_optimizers_that_cannot_be_fused_together_go_apart_saying_why(spec_file:
         assert abs(alone[-1] - t.value) <= 1e-9 * abs(alone[-1]), (t.number, alone, t.value)
 
 
+def _sampled_space(trial):
+    return {"lr": trial.suggest_float("lr", 1e-2, 1e-1, log=True),
+            "width": trial.suggest_int("width", 6, 8),
+            "opt": trial.suggest_categorical("opt", ["sgd", "adam"])}
+
+
+def test_sampled_widths_and_classes_keep_the_array_full(spec_file: Path, tmp_path: Path):
+    """Whatever TPE asks (suggest_int widths, a categorical optimizer class), the array
+    holds every trial: without padding and mixed classes it would be split up to six
+    ways."""
+    spec = hs.load_spec(spec_file).replace(space=_sampled_space, sampler="tpe", n_trials=6,
+                                           per_array=6, epochs=1, pruner="none",
+                                           max_padding=1.5)  # any mix of 6..8: <= 1.34x
+    result = hs.run(spec, out=tmp_path / "out", progress=False)
+    trials = result.study.trials
+    assert result.formations == [(6,)]
+    assert len({(t.params["width"], t.params["opt"]) for t in trials}) > 2
+    for t in trials:
+        _, alone = _alone(spec, t)
+        assert abs(alone[-1] - t.value) <= 1e-9 * abs(alone[-1]), (t.number, alone, t.value)
+
+
 def _cli(spec_file: Path, out: Path, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HFTC_TEST_KILL=kill)
     return subprocess.run([sys.executable, "-m", "hftc", "sweep", str(spec_file), "--out",
