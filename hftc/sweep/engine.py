@@ -997,7 +997,7 @@ class Sweep:
         """Record what an array joins that used to be kept apart: models padded to one
         width (and what that costs), optimizers of several classes."""
         numbers = [r.number for r in array.members]
-        padding = array.fused.padding
+        padding = getattr(array.fused, "padding", None)
         if padding is not None:
             widths = len({tuple(sorted((k, tuple(v)) for k, v in own.items()))
                           for own in padding.shapes})

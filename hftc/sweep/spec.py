@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpecError
+from ..group import MAX_PADDING
 
 __all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer", "hook_name"]
 
@@ -170,7 +171,7 @@ class SweepSpec:
     sampler: Any = "tpe"
     pruner: Any = "median"
     pad_widths: bool = False
-    max_padding: float = 1.25
+    max_padding: float = MAX_PADDING  # hftc.fuse_groups' default (1.25)
     name: str = "sweep"
     extra: dict[str, Any] = field(default_factory=dict)
 
