@@ -409,19 +409,20 @@ def _optimizer_of_choice(params, model):
     return torch.optim.Adam(model.parameters(), lr=params["lr"])
 
 
-def test_a_categorical_optimizer_choice_keeps_one_array(spec_file: Path, tmp_path: Path):
-    """Trials whose optimizer() returned SGD and Adam share one array (one
-    hftc.optim.MixedOptimizer: each model stepped as its own class), where each class used
-    to be an array of its own; every trial reports what it reports trained alone."""
+def test_a_categorical_optimizer_choice_shares_one_array(spec_file: Path, tmp_path: Path):
+    """Trials whose optimizer() returned SGD and Adam landed in one array, and
+    fuse_optimizers' 'needs optimizers of one class' failed every trial for good; then
+    each class got an array of its own (half-empty arrays). Now both classes share one
+    array (a MixedOptimizer); every trial reports what it reports trained alone."""
     spec = hs.load_spec(spec_file).replace(
         space=_space_with_optimizer_choice, optimizer=_optimizer_of_choice, n_trials=6,
         per_array=6, pruner="none", sampler="random", epochs=2)
     result = hs.run(spec, out=tmp_path / "out", progress=False)
     trials = result.study.trials
+    assert result.formations == [(6,)]
+    assert result.mixed and sorted(result.mixed[0][1]) == ["Adam", "SGD"]
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 6
     assert {t.params["opt"] for t in trials} == {"sgd", "adam"}
-    assert result.formations[0] == (6,), result.formations
-    assert not any("optimizers" in why for why in result.apart), result.apart
     for t in trials:
         _, history = hs.train_alone(spec, dict(t.params), t.user_attrs["hftc_seed"],
                                     t.user_attrs["hftc_orders"])

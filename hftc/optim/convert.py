@@ -35,10 +35,6 @@ _FUSED_CLASS: dict[type, type[FusedOptimizer]] = {
     torch.optim.RAdam: RAdam,
 }
 
-#: The stock classes whose models may share a fused array with models of other classes
-#: (:class:`~hftc.optim.mixed.MixedOptimizer`): every class fuse_optimizers fuses.
-MIXABLE_CLASSES = frozenset(_FUSED_CLASS)
-
 # Group keys not copied into the fused optimizer's groups: the parameters, and the flags
 # the fused constructor takes once for all models (``foreach``, one per model in torch's
 # groups and changing no value, is copied per model).

@@ -4,7 +4,8 @@
 
     loop:   fail stale trials (Optuna heartbeat; a dead worker's trials are retried)
             ask trials until the array holds per_array of them (or the budget is spent)
-            group the array's models by structure, fuse each group (hftc.fuse_groups)
+            group the array's models by what their optimizers allow (classes mix) and by
+            structure, fuse each group (hftc.fuse_groups; widths padded with pad_widths)
             train one epoch: every batch through every fused group
             checkpoint every group (fused state_dict + optimizer state_dict) + manifest
             report each trial's metric; complete / prune it (Optuna's pruner decides)
@@ -53,8 +54,9 @@ from torch import nn
 import hftc
 
 from ..errors import SweepError, SweepFileError, SweepWarning
-from ..optim.convert import MIXABLE_CLASSES
+from ..optim.mixed import MixedOptimizer
 from ..optim.slicing import fused_param_names, load_model_slice
+from ..padding import padding_ratio, weight_shapes, widths_key
 from .files import atomic_write, save
 from .spec import SpecError, SweepSpec, hook_name
 from .training import (
@@ -86,30 +88,63 @@ def _finite_models(fused: nn.Module) -> list[bool]:
     return finite.tolist()
 
 
-def _optimizer_kind(run: _Run) -> tuple:
-    """What must be equal for trials to share fused optimizers: each optimizer's number of
-    param groups, and its class only where hftc.optim.fuse_optimizers cannot mix it with
-    other classes (a class it does not fuse, or a capturable step): SGD and Adam trials
-    share one array through a MixedOptimizer."""
-    def kind(o: torch.optim.Optimizer) -> tuple:
-        capturable = any(g.get("capturable") for g in o.param_groups)
-        mixable = type(o) in MIXABLE_CLASSES and not capturable
-        return (None if mixable else type(o), len(o.param_groups))
-    return tuple(kind(o) for o in run.optimizers)
+@dataclass
+class _OptimizerSlot:
+    """What one position of a trial's optimizers must agree on with the other trials of
+    its array: a class of one array may mix with others (``fuse_optimizers``' mixed path
+    gives a MixedOptimizer), but its optimizers need equal param groups and ``fused``
+    flags, every class the same parameters, and a capturable one its class alone."""
+
+    cls: type
+    groups: int
+    fused_flag: bool
+    capturable: bool
+    params: frozenset[str]
+
+    def text(self) -> str:
+        return self.cls.__name__ + (f" ({self.groups} param groups)" if self.groups > 1 else "")
 
 
-def _own_width(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Model j's rows of a fused state dict, cut to ``module``'s own widths: an array fused
-    with ``pad_widths`` holds every model at the widest, its own entries leading."""
+def _optimizer_slots(run: _Run) -> list[_OptimizerSlot]:
+    names = {id(p): name for name, p in run.module.named_parameters()}
+    return [_OptimizerSlot(type(o), len(o.param_groups),
+                           any(bool(g.get("fused")) for g in o.param_groups),
+                           any(bool(g.get("capturable")) for g in o.param_groups),
+                           frozenset(names.get(id(p), "?") for g in o.param_groups
+                                     for p in g["params"]))
+            for o in run.optimizers]
+
+
+def _optimizers_apart(bucket: list[list[_OptimizerSlot]], slots: list[_OptimizerSlot],
+                      ) -> str | None:
+    """Why a trial of optimizer ``slots`` cannot share fused optimizers with the trials of
+    ``bucket`` (their slots), or None when it can (mixed classes included)."""
+    first = bucket[0]
+    if len(slots) != len(first):
+        return f"{len(first)} optimizer(s) per trial vs {len(slots)}"
+    for k, slot in enumerate(slots):
+        where = f"optimizer {k}: " if len(slots) > 1 else ""
+        if slot.params != first[k].params:
+            return f"{where}optimizers over other parameters"
+        for other in (member[k] for member in bucket):
+            if other.cls is slot.cls and other.groups != slot.groups:
+                return f"{where}optimizers {other.text()} vs {slot.text()}"
+            if other.cls is slot.cls and other.fused_flag != slot.fused_flag:
+                return f"{where}{slot.cls.__name__} fused={other.fused_flag} vs {slot.fused_flag}"
+            if other.cls is not slot.cls and (other.capturable or slot.capturable):
+                return (f"{where}{other.cls.__name__} vs {slot.cls.__name__} with "
+                        f"capturable=True (a mixed fused optimizer cannot be captured)")
+    return None
+
+
+def _own_widths(stacked: dict[str, torch.Tensor], index: int,
+                module: nn.Module) -> dict[str, torch.Tensor]:
+    """Model ``index``'s state from a fused ``state_dict()`` at ``module``'s own widths:
+    a padded array (pad_widths) holds each model in the first entries of every dim."""
     own = module.state_dict()
-    return {k: v[tuple(slice(0, s) for s in own[k].shape)]
-            if k in own and v.dim() == own[k].dim() and v.shape != own[k].shape else v
-            for k, v in state.items()}
-
-
-def _kind_text(kind: tuple) -> str:
-    return " + ".join((cls.__name__ if cls is not None else "any class")
-                      + (f" ({n} param groups)" if n > 1 else "") for cls, n in kind)
+    return {k: v[index][tuple(slice(0, s) for s in own[k].shape)]
+            if k in own and v[index].dim() == own[k].dim() else v[index]
+            for k, v in stacked.items()}
 
 
 def _shapes(module: nn.Module) -> tuple:
@@ -190,6 +225,11 @@ class SweepResult:
     #: the sizes of the fused arrays of every formation, and why trials were kept apart
     formations: list[tuple[int, ...]] = field(default_factory=list)
     apart: list[str] = field(default_factory=list)
+    #: per array formed with padded widths: its trials, how many widths, the padded
+    #: arithmetic over the models' own; per array of mixed optimizer classes: its trials
+    #: and classes
+    padded: list[tuple[list[int], int, float]] = field(default_factory=list)
+    mixed: list[tuple[list[int], list[str]]] = field(default_factory=list)
 
     @property
     def summary(self) -> str:
@@ -524,11 +564,12 @@ class Sweep:
         self.on_round = on_round
         self.estimate_serial = estimate_serial
         self.serial_epoch_s: list[float] = []
-        # fuse_groups options: trials of other widths share an array where the spec says so
-        self._padding = ({"pad_widths": True, "max_padding": self.spec.max_padding}
-                         if self.spec.pad_widths else {})
         self.formations: list[tuple[int, ...]] = []
         self.apart: dict[str, None] = {}  # why trials could not share an array (ordered set)
+        #: arrays of padded widths (trials, how many widths, arithmetic over their own) and
+        #: of mixed optimizer classes (trials, classes), as formed
+        self.padded: list[tuple[list[int], int, float]] = []
+        self.mixed: list[tuple[list[int], list[str]]] = []
         self._apart_cache: dict[tuple, str] = {}  # (structure, structure) -> why apart
         self._example: Any = None  # a training batch's inputs, for tracing
         self.excluded_s = 0.0
@@ -786,28 +827,37 @@ class Sweep:
         loose = [r for r in self.live if r.array is None]
         if not loose:
             return
-        # One fused optimizer per array and position: SGD and Adam trials share one
-        # (hftc.optim.MixedOptimizer); other numbers of optimizers or param groups, or a
-        # class that cannot be mixed, go into other arrays.
-        by_optimizer: dict[tuple, list[_Run]] = {}
+        # One fused optimizer per array and position; trials whose optimizer() picked other
+        # classes (a categorical SGD / Adam choice) share it (a MixedOptimizer), those
+        # whose optimizers cannot be fused together (other counts of optimizers or param
+        # groups) go into other arrays.
+        buckets: list[tuple[list[list[_OptimizerSlot]], list[_Run]]] = []
         for r in loose:
-            by_optimizer.setdefault(_optimizer_kind(r), []).append(r)
+            slots = _optimizer_slots(r)
+            for bucket_slots, members in buckets:
+                if _optimizers_apart(bucket_slots, slots) is None:
+                    bucket_slots.append(slots)
+                    members.append(r)
+                    break
+            else:
+                buckets.append(([slots], [r]))
+        for bucket_slots, members in buckets[1:]:
+            self._note_apart(buckets[0][1], members,
+                             _optimizers_apart(buckets[0][0], bucket_slots[0]))
         # A batch of the training data as example_inputs: a model symbolic tracing cannot
         # read (a Hugging Face model, say) is traced by torch.export from it.
         if self._example is None:
             self._example = self.data.example(self.spec.batch_size)
         example = self._example
-        kinds = list(by_optimizer)
-        for kind in kinds[1:]:
-            self._note_apart(by_optimizer[kinds[0]], by_optimizer[kind],
-                             f"optimizers {_kind_text(kinds[0])} vs {_kind_text(kind)}")
-        for same in by_optimizer.values():
+        padding = ({"pad_widths": True, "max_padding": self.spec.max_padding}
+                   if self.spec.pad_widths else {})
+        for _, same in buckets:
             groups = hftc.fuse_groups([r.module for r in same], example_inputs=example,
-                                      **self._padding)
+                                      **padding)
             for fused, indices in groups[1:]:
-                self._note_apart([same[i] for i in groups[0][1]], [same[i] for i in indices],
-                                 getattr(fused, "grouping", None) if self.spec.pad_widths
-                                 else None, example)
+                first, other = [same[i] for i in groups[0][1]], [same[i] for i in indices]
+                self._note_apart(first, other, self._padding_apart(
+                    first, other, str(getattr(fused, "grouping", ""))), example)
             for fused, indices in groups:
                 members = [same[i] for i in indices]
                 optimizers = [hftc.optim.fuse_optimizers(fused, [r.optimizers[k] for r in members])
@@ -816,6 +866,7 @@ class Sweep:
                 for j, r in enumerate(members):
                     r.array, r.slot = array, j
                 self.arrays.append(array)
+                self._note_array(array)
         # In the order of the trials: a resumed worker, which fuses all its trials at once,
         # runs the arrays (and draws their dropout) in the order the dead worker did.
         position = {id(r): k for k, r in enumerate(self.live)}
@@ -927,6 +978,34 @@ class Sweep:
             start = time.perf_counter()
             train_alone(self.spec, run.params, run.seed, run.orders[-1:], self.data)
             self.serial_epoch_s.append(time.perf_counter() - start)
+
+    def _padding_apart(self, first: list[_Run], other: list[_Run], grouping: str) -> str | None:
+        """Why fuse_groups kept ``other``'s models out of ``first``'s array when padding is
+        on and it was padding's cost (or its failure: ``grouping`` says); else None (the
+        structures differ beyond widths: hftc.fuse says how)."""
+        if not self.spec.pad_widths:
+            return None
+        if grouping.startswith("not padded"):
+            return grouping
+        if widths_key(first[0].module) != widths_key(other[0].module):
+            return None
+        ratio = padding_ratio([weight_shapes(r.module) for r in first + other])
+        return (f"widths too far apart: padded into one array they would do {ratio:.2f}x "
+                f"the models' own arithmetic (> max_padding={self.spec.max_padding})")
+
+    def _note_array(self, array: _Array) -> None:
+        """Record what an array joins that used to be kept apart: models padded to one
+        width (and what that costs), optimizers of several classes."""
+        numbers = [r.number for r in array.members]
+        padding = getattr(array.fused, "padding", None)
+        if padding is not None:
+            widths = len({tuple(sorted((k, tuple(v)) for k, v in own.items()))
+                          for own in padding.shapes})
+            self.padded.append((numbers, widths, padding.arithmetic_ratio))
+        classes = [type(o).__name__ for o in array.optimizers[0].parts()] if isinstance(
+            array.optimizers[0], MixedOptimizer) else []
+        if classes:
+            self.mixed.append((numbers, classes))
 
     def _note_apart(self, first: list[_Run], other: list[_Run], reason: str | None,
                     example: Any = None) -> None:
@@ -1101,8 +1180,7 @@ class Sweep:
             optimizers = make_optimizers(self.spec, params, module)
             schedulers = make_schedulers(self.spec, params, optimizers)
             if saved is not None:
-                own = {k: v[j] for k, v in saved["model"].items()}
-                module.load_state_dict(_own_width(module, own))
+                module.load_state_dict(_own_widths(saved["model"], j, module))
                 states, names = saved["optimizer"], saved["param_names"]
                 if isinstance(states, dict):  # written by a sweep of one optimizer per trial
                     states, names = [states], [names]
@@ -1209,7 +1287,8 @@ class Sweep:
             self._lock.close()
         return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
                            files, board, dict(self.timings), self.spec.metric_name,
-                           list(self.serial_epoch_s), list(self.formations), list(self.apart))
+                           list(self.serial_epoch_s), list(self.formations), list(self.apart),
+                           list(self.padded), list(self.mixed))
 
     def _run(self, start: float, verbosity: int) -> tuple[float, dict[str, Path], str]:
         from .report import write_results

@@ -170,6 +170,17 @@ def summary(result) -> str:
         more = f", ... ({len(result.formations)} in all)" if len(result.formations) > 8 else ""
         lines.append(f"fused arrays: {shown}{more} trials per array as formed (mean "
                      f"{sum(sizes) / len(sizes):.1f})")
+    if result.padded:
+        ratios = [ratio for _, _, ratio in result.padded]
+        trials, widths, ratio = max(result.padded, key=lambda p: p[1])
+        lines.append(f"  padded widths: {len(result.padded)} array(s) held models of several "
+                     f"widths, padded to the widest: {min(ratios):.2f}x-{max(ratios):.2f}x "
+                     f"the models' own arithmetic (e.g. trials {trials}: {widths} widths, "
+                     f"{ratio:.2f}x)")
+    if result.mixed:
+        combos = sorted({" + ".join(classes) for _, classes in result.mixed})
+        lines.append(f"  optimizer classes in one array: {len(result.mixed)} array(s) "
+                     f"({'; '.join(combos)})")
     for reason in result.apart:
         lines.append(f"  not in one array: {reason}")
     return "\n".join(lines)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpecError
+from ..group import MAX_PADDING
 
 __all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer", "hook_name"]
 
@@ -135,15 +136,18 @@ class SweepSpec:
         epochs: epochs per trial (the pruners' maximum resource). batch_size: training
             batch. eval_batch_size: validation batch.
         n_trials / per_array: defaults for the sweep's size and N per fused array.
-        pad_widths / max_padding: trials whose models differ only in layer widths share
-            an array, zero-padded to the widest (``hftc.fuse_groups(...,
-            pad_widths=True)``) where the padded arithmetic is at most ``max_padding``
-            times the models' own; off by default (padding costs arithmetic).
         seed: base seed (trial seeds are ``seed + trial number`` unless the space
             suggests ``"seed"``; data order, sampler). dtype: the models' and data's
             floating dtype. device: where training runs.
         sampler / pruner: Optuna objects, or names (``"tpe"``, ``"random"``;
             ``"median"``, ``"sha"``, ``"hyperband"``, ``"none"``).
+        pad_widths / max_padding: with ``pad_widths = True``, trials whose models differ
+            only in layer widths (a ``suggest_int("hidden", ...)`` or a categorical of
+            widths) share one array, padded with zeros to its widest model
+            (``hftc.fuse_groups(..., pad_widths=True, max_padding=...)``), while the
+            padded arithmetic is at most ``max_padding`` times the models' own (default
+            1.25); farther widths go to other arrays. Each trial still trains exactly as
+            alone, and its weights and optimizer state come back at its own width.
     """
 
     space: Callable[[Any], dict[str, Any] | None]
@@ -161,13 +165,13 @@ class SweepSpec:
     eval_batch_size: int = 1024
     n_trials: int = 32
     per_array: int = 16
-    pad_widths: bool = False
-    max_padding: float = 1.25
     seed: int = 0
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     sampler: Any = "tpe"
     pruner: Any = "median"
+    pad_widths: bool = False
+    max_padding: float = MAX_PADDING  # hftc.fuse_groups' default (1.25)
     name: str = "sweep"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -197,10 +201,11 @@ class SweepSpec:
                 raise SpecError(f"spec.{key} must be a positive int, got {value!r}")
         if not isinstance(self.pad_widths, bool):
             raise SpecError(f"spec.pad_widths must be True or False, got {self.pad_widths!r}")
-        if isinstance(self.max_padding, bool) or not isinstance(self.max_padding, int | float) \
+        if isinstance(self.max_padding, bool) or not isinstance(self.max_padding, (int, float)) \
                 or not self.max_padding >= 1:
             raise SpecError(f"spec.max_padding must be a number >= 1 (the padded arithmetic "
-                            f"over the models' own), got {self.max_padding!r}")
+                            f"over the models' own that one array may do), got "
+                            f"{self.max_padding!r}")
         if isinstance(self.dtype, str):
             self.dtype = getattr(torch, self.dtype)
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
