@@ -30,6 +30,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import operator
 import os
 import platform
 import statistics
@@ -332,11 +333,6 @@ def _pick(times: dict[str, float], default: str) -> str:
 # --------------------------------------------------------------------------- the graph
 
 
-def _get_path(root: Any, path: str) -> Any:
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
-
 
 def autotune_graph(graph: fx.Graph, module: torch.nn.Module, inputs: Sequence[Any], *,
                    backward: bool, path: Path | None = None) -> list[LoweringChoice]:
@@ -367,7 +363,7 @@ def autotune_graph(graph: fx.Graph, module: torch.nn.Module, inputs: Sequence[An
                 value = next(placeholders)
                 flag = isinstance(value, Tensor) and value.requires_grad
             elif node.op == "get_attr":
-                value = _get_path(module, node.target)
+                value = operator.attrgetter(node.target)(module)
                 flag = isinstance(value, Tensor) and value.requires_grad
             else:
                 args, kwargs = load(node.args), load(node.kwargs)

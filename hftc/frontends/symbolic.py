@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import operator
 import os
 import random
 import sysconfig
@@ -725,8 +726,6 @@ def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
     inputs involved: ``"size"`` (sizes and ranks of inputs: ``t <= block_size`` where
     ``b, t = idx.size()``), ``"input"`` (an input itself: ``if has_mask:``) or
     ``"value"`` (tensor values: ``x.sum() > 0``, a parameter, a random draw)."""
-    import operator
-
     inputs: list[str] = []
     kinds: set[str] = set()
     seen: set[fx.Node] = set()
@@ -959,17 +958,13 @@ def _reads_only_the_model(gm: fx.GraphModule, model: nn.Module) -> bool:
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             try:
-                if _get_path(gm, node.target) is not _get_path(model, node.target):
+                at = operator.attrgetter(node.target)
+                if at(gm) is not at(model):
                     return False
             except AttributeError:
                 return False
     return True
 
-
-def _get_path(root: Any, target: str) -> Any:
-    for part in target.split("."):
-        root = getattr(root, part)
-    return root
 
 
 try:  # a GraphModule that writes its Python code when first called, not when made
