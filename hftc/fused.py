@@ -428,6 +428,11 @@ class FusedModule(ContainerAccess, nn.Module):
         pad_widths: bool = False,
     ):
         super().__init__()
+        #: what ``hftc.fuse`` was given besides the models (hftc.replace_models fuses anew)
+        self.fuse_options = {"in_dims": in_dims, "example_inputs": example_inputs,
+                             "frontend": frontend, "autotune": autotune, "check": check,
+                             "strategy": strategy, "checkpoint": checkpoint,
+                             "pad_widths": pad_widths}
         models = _check_models(models)
         unpadded = models
         if not isinstance(pad_widths, bool):
