@@ -71,7 +71,7 @@ from .frontends.symbolic import (
 )
 from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
-from .padding import WidthPadding, pad_models
+from .padding import WidthPadding, mask_padded_gradients, pad_models
 from .padding import locate_difference as locate_padding_difference
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
@@ -936,6 +936,8 @@ class FusedModule(ContainerAccess, nn.Module):
         return tuple(sig)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.padding is not None:
+            mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)
         program, how = self._program_and_way(values, batched)
         try:
