@@ -1,25 +1,32 @@
-"""``hftc.fuse(models, pad_widths=True)``: models that differ only in layer widths, padded
-with zeros to the widest so that they fuse into one array.
+"""``hftc.fuse(models, pad_widths=True)``: models that differ only in layer widths,
+padded with zeros to the widest so that they fuse into one array.
 
 ::
 
     model i:   Linear(20, h_i) -> LayerNorm(h_i) -> ReLU -> Linear(h_i, 5)
-    padded i:  PaddedLinear(20, H) -> MaskedLayerNorm(H) -> ReLU -> PaddedLinear(H, 5)
-               H = max_i h_i; model i's weights in the first rows / columns, zeros after;
-               per-model masks (buffers, 1 on model i's real units, 0 on the padding)
+    padded i:  Linear(20, H) -> MaskedLayerNorm(H) -> ReLU -> Linear(H, 5)
+               H = max_i h_i; model i's weights in the first rows / columns, zeros after
 
-Every padded module multiplies its parameters by their masks in forward
-(``F.linear(x, weight * weight_mask, bias * bias_mask)``), so a padded parameter's
-gradient is exactly zero whatever reaches the padded units: weight decay, momentum and
-Adam's moments of a padded entry stay exactly zero, and the real units compute what
-model i's own layers compute (a sum over more terms, the added ones zero).  Norms that
-mix across a padded dim take their statistics over the real units only
-(:class:`MaskedLayerNorm`, :class:`MaskedRMSNorm`, :class:`MaskedGroupNorm`); batch norm's
-statistics are per channel, a padded channel's all zeros.  The padded models then go
-through the ordinary pipeline, and the first-call check compares the fused program with
-every ORIGINAL model (``unfuse_model`` gives them back at their own widths): an op of
-forward's own code that mixes across a padded dim (a softmax or mean over it, a split
-of a padded Linear's output) is refused there, never run.
+The padded models are the stock modules at the widest widths (nn.Linear, Conv, Embedding,
+BatchNorm, MultiheadAttention, whose packed q, k, v rows are padded block by block), so
+the fused forward is the one of equal-width models.  It is exact because a padded weight
+entry is exactly 0: it adds exact zeros to the real units whatever the padded units hold
+(a padded unit after a sigmoid is 0.5, times a zero column).  The padded entries stay 0
+because their GRADIENTS are masked: :func:`mask_padded_gradients` hooks every padded
+fused parameter, zeroing those entries of ``.grad`` as autograd accumulates it; every
+stock optimizer's update of an entry whose gradient and state are 0 is 0 (SGD with
+momentum, dampening, Nesterov and weight decay; Adam / AdamW / Adamax / NAdam / RAdam:
+moments 0, so ``0 / (sqrt(0) + eps)``; RMSprop, Adagrad, Adadelta: the same products
+with 0), so weights, momentum and Adam's moments of the padding stay exactly 0.  What
+this does not guard: code that writes into the fused parameters itself (re-initialising
+them after ``fuse``, ``torch.nn.init`` on ``fused.parameters()``) puts non-zeros in the
+padding; initialise the models before fusing them.  Norms that mix across a padded dim
+take their statistics over the real units only (:class:`MaskedLayerNorm`,
+:class:`MaskedRMSNorm`, :class:`MaskedGroupNorm`); batch norm's statistics are per
+channel, a padded channel's all zeros.  The first-call check compares the fused program
+with every ORIGINAL model (``unfuse_model`` gives them back at their own widths): an op
+of forward's own code that mixes across a padded dim (a softmax or mean over it, a
+split of a padded Linear's output) is refused there, never run.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from .compile.check import ConstantRandomness
 from .errors import MismatchError, UnsupportedOperatorError
 from .frontends.symbolic import deepcopy_module, meta_copy
 
-# ---------------------------------------------------------------- the padded modules
+# ---------------------------------------------------------------- padded tensors and norms
 
 
 def _mask(shape: Sequence[int], real: Sequence[int], like: Tensor) -> Tensor:
