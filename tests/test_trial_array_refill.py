@@ -214,3 +214,49 @@ def test_report_in_epochs_is_required_and_epochs_checks_its_argument():
 
     with pytest.raises(SweepError, match="TrialArray.epochs takes a positive int"):
         hftc.sweep.optimize(optuna.create_study(), bad, n_trials=1, array_size=1)
+
+
+def test_replace_models_in_a_padded_array_with_mixed_optimizer_classes():
+    """pad_widths and SGD / Adam in one array (a MixedOptimizer, found without being
+    listed): the new model trains as alone, the others go on, the padding stays 0."""
+    torch.manual_seed(0)
+
+    def net(h):
+        return nn.Sequential(nn.Linear(6, h), nn.Sigmoid(), nn.Linear(h, 3)).double()
+
+    xs = [torch.randn(5, 6, dtype=torch.float64) for _ in range(3)]
+    ys = [torch.randint(0, 3, (5,)) for _ in range(3)]
+    models = [net(8), net(12), net(16)]
+    ref = [copy.deepcopy(m) for m in models]
+    fused = hftc.fuse(models, pad_widths=True)
+    stock = [torch.optim.SGD(models[0].parameters(), lr=0.1, momentum=0.9),
+             torch.optim.Adam(models[1].parameters(), lr=0.01),
+             torch.optim.SGD(models[2].parameters(), lr=0.3, momentum=0.9)]
+    opt = hftc.optim.fuse_optimizers(fused, stock)
+    assert isinstance(opt, hftc.optim.MixedOptimizer)
+
+    def steps(model, optimizer):
+        for x, y in zip(xs, ys):
+            optimizer.zero_grad()
+            out = model(x)
+            (sum(F.cross_entropy(o, y) for o in out) if model is fused
+             else F.cross_entropy(out, y)).backward()
+            optimizer.step()
+
+    steps(fused, opt)
+    new = net(12)
+    want_new = copy.deepcopy(new)
+    hftc.replace_models(fused, {1: new}, hyperparameters={1: {"lr": 0.02}})
+    steps(fused, opt)
+    for model, o, rounds in [
+            (ref[0], torch.optim.SGD(ref[0].parameters(), lr=0.1, momentum=0.9), 2),
+            (want_new, torch.optim.Adam(want_new.parameters(), lr=0.02), 1),
+            (ref[2], torch.optim.SGD(ref[2].parameters(), lr=0.3, momentum=0.9), 2)]:
+        for _ in range(rounds):
+            steps(model, o)
+    for i, want in enumerate([ref[0], want_new, ref[2]]):
+        got = fused.model_state_dict(i)
+        for k, v in want.state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-14)
+    weight = dict(fused.named_parameters())["2.weight"]
+    assert not weight[0, :, 8:].any() and not weight[1, :, 12:].any()
