@@ -1098,8 +1098,9 @@ class FusedModule(ContainerAccess, nn.Module):
                     f"mean or sum over a hidden dim, a split or view of a padded Linear's "
                     f"output into parts, an output whose width differs per model), which "
                     f"zero padding changes. Fuse models of one width together instead "
-                    f"(hftc.fuse_groups), or compute such ops with the padded modules' "
-                    f"masks")
+                    f"(hftc.fuse_groups), or leave such ops to modules that pad (nn.LayerNorm "
+                    f"for a hand-written norm, nn.MultiheadAttention or three nn.Linear "
+                    f"for a packed q, k, v projection)")
         where = locate_difference(self, graph, model_graph, report.records, values, batched,
                                   report.check.failed_model)
         if where:

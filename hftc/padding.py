@@ -32,9 +32,11 @@ split of a padded Linear's output) is refused there, never run.
 from __future__ import annotations
 
 import copy
+import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -417,10 +419,84 @@ def locate_difference(original: nn.Module, padded: nn.Module, args: Sequence) ->
         if differs:
             module = type(original.get_submodule(path)).__name__
             if kind == "input":
+                op = _locate_op(original, padded, args)
                 return (f"the input of `{path}` ({module}) differs while the modules before "
-                        f"it agree: an op of forward's own code before `{path}` mixes "
-                        f"across a padded width")
+                        f"it agree: {op or 'an op of forward' + chr(39) + 's own code'} "
+                        f"before `{path}` mixes across a padded width")
             return f"the output of `{path}` ({module}) differs"
+    return ""
+
+
+class _LeafTracer(torch.fx.Tracer):
+    """torch.nn's modules and the masked norms as leaves, the user's own traced through,
+    so that a model and its padded model give graphs that match node by node."""
+
+    record_stack_traces = True
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, _Padded) or super().is_leaf_module(m, qualname)
+
+
+def _node_values(model: nn.Module, args: Sequence) -> tuple[torch.fx.Graph, dict[str, object]]:
+    graph = _LeafTracer().trace(model)
+    values: dict[str, object] = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> object:
+            values[n.name] = out = super().run_node(n)
+            return out
+
+    with torch.no_grad(), ConstantRandomness():
+        Recorder(torch.fx.GraphModule(model, graph)).run(*args)
+    return graph, values
+
+
+def _agree(want: object, got: object) -> bool:
+    """``got`` (the padded model's) equals ``want`` on the original's units."""
+    if isinstance(want, (tuple, list)) and isinstance(got, (tuple, list)):
+        return len(want) == len(got) and all(_agree(w, g) for w, g in zip(want, got))
+    if not isinstance(want, Tensor) or not isinstance(got, Tensor):
+        return True  # sizes and Python values: the widths differ on purpose
+    if got.dim() != want.dim() or any(g < w for g, w in zip(got.shape, want.shape)):
+        return False
+    got = got[tuple(slice(0, w) for w in want.shape)]
+    if not want.is_floating_point():
+        return torch.equal(got, want)
+    return torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6)
+
+
+def _user_frame(stack_trace: str) -> str:
+    """``file:line, in function`` of the innermost frame of a node's stack trace outside
+    torch and hftc: the model's own line."""
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    for found in reversed(re.findall(r'File "([^"]+)", line (\d+), in (\S+)', stack_trace)):
+        if not found[0].startswith(skip):
+            return f"{found[0]}:{found[1]}, in {found[2]}"
+    return ""
+
+
+def _locate_op(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
+    """The first op of forward's own code whose inputs agree on the original's units and
+    whose output does not (both models traced with :class:`_LeafTracer` and run on
+    ``args``), named with its source line; "" where the models do not trace alike."""
+    try:
+        graph, wants = _node_values(original, args)
+        padded_graph, gots = _node_values(padded, args)
+    except Exception:  # noqa: BLE001 - an untraceable forward: the module-level answer
+        return ""
+    nodes, padded_nodes = list(graph.nodes), list(padded_graph.nodes)
+    if [n.op for n in nodes] != [n.op for n in padded_nodes]:
+        return ""
+    for node, padded_node in zip(nodes, padded_nodes):
+        if node.op not in ("call_function", "call_method") or node.name not in wants:
+            continue
+        inputs_agree = all(_agree(wants[a.name], gots[b.name]) for a, b in zip(
+            node.all_input_nodes, padded_node.all_input_nodes) if a.name in wants)
+        if inputs_agree and not _agree(wants[node.name], gots.get(padded_node.name)):
+            name = node.target if isinstance(node.target, str) else getattr(
+                node.target, "__name__", str(node.target))
+            where = _user_frame(node.stack_trace or "")
+            return f"the op `{name}` ({where})" if where else f"the op `{name}`"
     return ""
 
 

@@ -351,8 +351,35 @@ class SoftmaxOverHidden(nn.Module):
 def test_op_mixing_a_padded_dim_is_refused_on_the_first_call():
     fused = hftc.fuse([SoftmaxOverHidden(8), SoftmaxOverHidden(16)], pad_widths=True)
     with pytest.raises(MismatchError, match=r"pad_widths=True refused: model 0's .*the input "
-                       r"of `fc2` \(Linear\) differs while the modules before it agree"):
+                       r"of `fc2` \(Linear\) differs while the modules before it agree: the "
+                       r"op `softmax` \(.*test_pad_widths.py:\d+, in forward\) before `fc2`"):
         fused(torch.randn(2, 4))
+
+
+class PackedAttention(nn.Module):
+    """minGPT's CausalSelfAttention: q, k, v from one packed Linear, split."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.n_embd, self.n_head = d_model, d_model // 16
+        self.c_attn, self.c_proj = nn.Linear(d_model, 3 * d_model), nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+                   for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+def test_a_packed_q_k_v_split_is_refused_naming_the_split():
+    models = [nn.Sequential(nn.Linear(5, d), PackedAttention(d), nn.Linear(d, 3))
+              for d in (32, 64)]
+    fused = hftc.fuse(models, pad_widths=True)
+    with pytest.raises(MismatchError, match=r"the op `split` \(.*test_pad_widths.py:\d+, in "
+                                            r"forward\) before `1.c_proj` mixes across"):
+        fused(torch.randn(2, 6, 5))
 
 
 def test_outputs_of_different_widths_are_refused():
