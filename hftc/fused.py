@@ -71,7 +71,7 @@ from .frontends.symbolic import (
 )
 from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
-from .padding import WidthPadding, mask_padded_gradients, pad_models
+from .padding import WidthPadding, mask_padded_gradients, pad_models, rewrite_padded_ops
 from .padding import locate_difference as locate_padding_difference
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
@@ -426,6 +426,7 @@ class FusedModule(ContainerAccess, nn.Module):
         strategy: str | None = None,
         checkpoint: int | bool = False,
         pad_widths: bool = False,
+        _padded: tuple[list[nn.Module], WidthPadding] | None = None,
     ):
         super().__init__()
         #: what ``hftc.fuse`` was given besides the models (hftc.replace_models fuses anew)
@@ -450,7 +451,8 @@ class FusedModule(ContainerAccess, nn.Module):
             _check_initialized(models)
             _check_hooks(models)
             _check_shared_tensors(models)
-            models, self.padding = pad_models(models)
+            # (_padded: models padded already, their forwards rewritten at the first call)
+            models, self.padding = pad_models(models) if _padded is None else _padded
             if self.padding is not None:
                 strategy = "fused"  # the padded models one by one would only be slower
         in_dims = _check_in_dims(in_dims)
@@ -939,7 +941,20 @@ class FusedModule(ContainerAccess, nn.Module):
         if self.padding is not None:
             mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)
-        program, how = self._program_and_way(values, batched)
+        try:
+            program, how = self._program_and_way(values, batched)
+        except MismatchError as refused:
+            if self.padding is None:
+                raise
+            try:
+                rewritten = self._rewrite_padded_ops(values, batched)
+            except UnsupportedOperatorError:
+                raise  # names the op that cannot be computed on the real units
+            except Exception:  # noqa: BLE001 - the rewrite failed: the refusal stands
+                raise refused from None
+            if not rewritten:
+                raise
+            program, how = self._program_and_way(values, batched)
         try:
             with ir.modes_restored_on_error():
                 if how is not None:  # the whole-model loop and/or autotune's layout
@@ -951,6 +966,44 @@ class FusedModule(ContainerAccess, nn.Module):
                 program.trial.last = None
             self._explain_input_mismatch(values, batched, exc)
             raise
+
+    def _rewrite_padded_ops(self, values: Sequence[Any], batched: Sequence[bool]) -> bool:
+        """After the first-call check refused a padded program: rebuild this module from
+        padded models whose forwards compute their softmax / sum / mean / var over a padded
+        dim on the real units (:func:`hftc.padding.rewrite_padded_ops`, run on this call's
+        inputs), keeping the parameter objects; False where no rewrite helps (the
+        refusal stands).  Once per module."""
+        if self.__dict__.get("_padded_ops_rewritten"):
+            return False
+        self._padded_ops_rewritten = True
+        originals = self.unfuse()
+        args = [[model_slice(v, i) if b else v for v, b in zip(input_copies(values), batched)]
+                for i in range(self.num_models)]
+        rewritten = rewrite_padded_ops(originals, [self.padded_model(i) for i in
+                                                   range(self.num_models)], args)
+        if rewritten is None:
+            return False
+        options = {**self.fuse_options, "pad_widths": True}
+        self._become(FusedModule(originals, **options, _padded=(rewritten, self.padding)))
+        self._padded_ops_rewritten = True
+        return True
+
+    def _become(self, other: FusedModule) -> None:
+        """``other``'s tensors and records in this module, keeping this module's parameter
+        objects (optimizers and the user's references hold them): hftc.replace_models and
+        the padded-op rewrite fuse anew and take the result over."""
+        old = dict(self.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, p in other.named_parameters(remove_duplicate=False):
+                keep = old[name]
+                if keep is not p:
+                    keep.grad = None
+                    _drop_grad_accumulator(keep)
+                    keep.data = p.data
+                    keep.requires_grad_(p.requires_grad)
+                owner, _, leaf = name.rpartition(".")
+                other.get_submodule(owner)._parameters[leaf] = keep
+        self.__dict__.update(other.__dict__)
 
     def with_in_dims(self, in_dims: InDims) -> InDimsCall:
         """The fused module with ``in_dims`` for the calls made through the result, as

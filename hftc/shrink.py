@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import FusionArgumentError, FusionIndexError, FusionTypeError
-from .fused import FusedModule, _drop_grad_accumulator
+from .fused import FusedModule
 from .optim.lr_scheduler import SCHEDULERS_ON_FUSED, ReduceLROnPlateau, _keep_plateau_models
 from .optim.optimizer import _LIVE_OPTIMIZERS, _STEPPED_STOCK_OPTIMIZERS, FusedOptimizer
 
@@ -267,7 +267,7 @@ def replace_models(
             stocks[id(opt)][i] = _fresh_stock_optimizer(
                 stocks[id(opt)][i], old_models[i], new_models[i],
                 _hyper_for(hyper[i], opt))
-    _take_over(fused, refused)
+    fused._become(refused)
     for opt in optimizers:
         made = fuse_optimizers(fused, stocks[id(opt)])
         _LIVE_OPTIMIZERS.discard(made)  # ``opt`` is the one the loop holds
@@ -322,20 +322,3 @@ def _fresh_stock_optimizer(stock: torch.optim.Optimizer, old: torch.nn.Module,
         groups.append({**settings, "params": [new.get_parameter(names[id(p)])
                                               for p in group["params"]]})
     return type(stock)(groups)
-
-
-def _take_over(fused: FusedModule, refused: FusedModule) -> None:
-    """``refused``'s tensors and records into ``fused``, keeping ``fused``'s parameter
-    objects (the optimizers and the loop hold them)."""
-    old = dict(fused.named_parameters(remove_duplicate=False))
-    with torch.no_grad():
-        for name, p in refused.named_parameters(remove_duplicate=False):
-            keep = old[name]
-            if keep is not p:
-                keep.grad = None
-                _drop_grad_accumulator(keep)
-                keep.data = p.data
-                keep.requires_grad_(p.requires_grad)
-            owner, _, leaf = name.rpartition(".")
-            refused.get_submodule(owner)._parameters[leaf] = keep
-    fused.__dict__.update(refused.__dict__)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -348,12 +349,69 @@ class SoftmaxOverHidden(nn.Module):
         return self.fc2(torch.softmax(self.fc1(x), dim=-1))
 
 
-def test_op_mixing_a_padded_dim_is_refused_on_the_first_call():
-    fused = hftc.fuse([SoftmaxOverHidden(8), SoftmaxOverHidden(16)], pad_widths=True)
-    with pytest.raises(MismatchError, match=r"pad_widths=True refused: model 0's .*the input "
-                       r"of `fc2` \(Linear\) differs while the modules before it agree: the "
-                       r"op `softmax` \(.*test_pad_widths.py:\d+, in forward\) before `fc2`"):
-        fused(torch.randn(2, 4))
+class HandWrittenNorms(nn.Module):
+    """Ops of forward's own code over the hidden units: a hand-written layer norm (mean,
+    var), a softmax after a sigmoid (its padded units are 0.5, not 0), a log_softmax and
+    a sum."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, hidden), nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, 4)
+
+    def forward(self, x):
+        h = torch.sigmoid(self.fc1(x))
+        h = (h - h.mean(-1, keepdim=True)) / (h.var(-1, keepdim=True, unbiased=False)
+                                              + 1e-5).sqrt()
+        h = self.fc2(torch.softmax(h, dim=-1) + 0.1 * h)
+        scale = torch.tanh(h).sum(-1, keepdim=True)
+        return self.head(F.log_softmax(h, dim=1) * scale)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_ops_over_a_padded_dim_are_computed_over_the_real_units(optimizer):
+    """The first call finds the ops that mix across a padded dim, rewrites them to take
+    each model's real units (hftc.padding.rewrite_padded_ops) and runs; 10 steps: every
+    model equals itself trained alone, the padding stays exactly 0."""
+    torch.manual_seed(4)
+    models = [HandWrittenNorms(h).double() for h in (8, 12, 16)]
+    alone = [copy.deepcopy(m) for m in models]
+    batches = _batches("mlp", 10, torch.float64)
+    batches = [(x[:, :6], y % 4) for x, y in batches]
+    fused = hftc.fuse(models, pad_widths=True)
+    opt = _train_fused(fused, optimizer, batches)
+    for i, model in enumerate(alone):
+        _train_alone(model, optimizer, i, batches)
+        got = fused.model_state_dict(i)
+        for name, want in model.state_dict().items():
+            assert _relative(got[name], want) <= 1e-9, (i, name)
+    _assert_padding_zero(fused, opt)
+    x = batches[0][0]
+    out = fused(x)
+    for i, back in enumerate(fused.unfuse()):
+        assert type(back) is HandWrittenNorms
+        assert _relative(out[i], back(x)) <= 1e-12
+    # the models keep their own widths through keep_models after the rewrite
+    hftc.keep_models(fused, [2, 0])
+    out = fused(x)
+    assert _relative(out[1], alone[0](x)) <= 1e-9
+
+
+def test_a_float32_softmax_over_hidden_units():
+    torch.manual_seed(5)
+    models = [SoftmaxOverHidden(h) for h in (8, 16)]
+    fused = hftc.fuse(models, pad_widths=True)
+    x = torch.randn(3, 4)
+    out = fused(x)
+    out.square().sum().backward()
+    for i, model in enumerate(models):
+        want = model(x)
+        want.square().sum().backward()
+        torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-6)
+        grads = dict(fused.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(fused.padding.unpad(i, name, grads[name].grad[i]),
+                                       p.grad, rtol=1e-4, atol=1e-6)
 
 
 class PackedAttention(nn.Module):
@@ -377,9 +435,29 @@ def test_a_packed_q_k_v_split_is_refused_naming_the_split():
     models = [nn.Sequential(nn.Linear(5, d), PackedAttention(d), nn.Linear(d, 3))
               for d in (32, 64)]
     fused = hftc.fuse(models, pad_widths=True)
-    with pytest.raises(MismatchError, match=r"the op `split` \(.*test_pad_widths.py:\d+, in "
-                                            r"forward\) before `1.c_proj` mixes across"):
+    with pytest.raises(UnsupportedOperatorError,
+                       match=r"pad_widths=True: the op `split` \(.*test_pad_widths.py:\d+, "
+                             r"in forward\) mixes across a padded width and hftc computes "
+                             r"only softmax, log_softmax, sum, mean, var"):
         fused(torch.randn(2, 6, 5))
+
+
+def test_the_locating_message_names_the_op():
+    """Where the ops cannot be rewritten (forward not traceable by torch.fx alone), the
+    first-call refusal still names the op that mixes."""
+    original, padded = SoftmaxOverHidden(8), SoftmaxOverHidden(16)
+    with torch.no_grad():
+        padded.fc1.weight.zero_()
+        padded.fc1.weight[:8] = original.fc1.weight
+        padded.fc1.bias.zero_()
+        padded.fc1.bias[:8] = original.fc1.bias
+        padded.fc2.weight.zero_()
+        padded.fc2.weight[:, :8] = original.fc2.weight
+        padded.fc2.bias.copy_(original.fc2.bias)
+    where = hftc.padding.locate_difference(original, padded, [torch.randn(2, 4)])
+    assert re.search(r"the input of `fc2` \(Linear\) differs while the modules before it "
+                     r"agree: the op `softmax` \(.*test_pad_widths.py:\d+, in forward\)",
+                     where), where
 
 
 def test_outputs_of_different_widths_are_refused():
