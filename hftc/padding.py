@@ -442,16 +442,7 @@ class _LeafTracer(torch.fx.Tracer):
 
 def _node_values(model: nn.Module, args: Sequence) -> tuple[torch.fx.Graph, dict[str, object]]:
     graph = _LeafTracer().trace(model)
-    values: dict[str, object] = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, n: torch.fx.Node) -> object:
-            values[n.name] = out = super().run_node(n)
-            return out
-
-    with torch.no_grad(), ConstantRandomness():
-        Recorder(torch.fx.GraphModule(model, graph)).run(*args)
-    return graph, values
+    return graph, _run_graph(model, graph, args)
 
 
 def _agree(want: object, got: object) -> bool:
@@ -490,17 +481,27 @@ def _locate_op(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
     nodes, padded_nodes = list(graph.nodes), list(padded_graph.nodes)
     if [n.op for n in nodes] != [n.op for n in padded_nodes]:
         return ""
-    for node, padded_node in zip(nodes, padded_nodes):
+    at = _first_differing(nodes, wants, gots, dict(zip(nodes, padded_nodes)))
+    if at is None:
+        return ""
+    where = _user_frame(nodes[at].stack_trace or "")
+    name = _op_name(nodes[at])
+    return f"the op `{name}` ({where})" if where else f"the op `{name}`"
+
+
+def _first_differing(nodes: Sequence[torch.fx.Node], wants: dict, gots: dict,
+                     to_padded: dict[torch.fx.Node, torch.fx.Node]) -> int | None:
+    """The position of the first op whose inputs agree on the original's units
+    (``wants``: the original graph's values, ``gots``: the padded one's) and whose
+    output does not."""
+    for k, node in enumerate(nodes):
         if node.op not in ("call_function", "call_method") or node.name not in wants:
             continue
-        inputs_agree = all(_agree(wants[a.name], gots[b.name]) for a, b in zip(
-            node.all_input_nodes, padded_node.all_input_nodes) if a.name in wants)
-        if inputs_agree and not _agree(wants[node.name], gots.get(padded_node.name)):
-            name = node.target if isinstance(node.target, str) else getattr(
-                node.target, "__name__", str(node.target))
-            where = _user_frame(node.stack_trace or "")
-            return f"the op `{name}` ({where})" if where else f"the op `{name}`"
-    return ""
+        inputs_agree = all(_agree(wants[a.name], gots.get(to_padded[a].name))
+                           for a in node.all_input_nodes if a.name in wants)
+        if inputs_agree and not _agree(wants[node.name], gots.get(to_padded[node].name)):
+            return k
+    return None
 
 
 _WEIGHTED = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)
@@ -734,9 +735,7 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
     return padded_models, plan
 
 
-__all__ = ["WidthPadding", "locate_difference", "mask_padded_gradients", "pad_models",
-           "rewrite_padded_ops",
-           "padding_ratio", "weight_shapes", "widths_key"]
+
 
 
 # ---------------------------------------------------------------- ops over a padded dim
@@ -780,11 +779,8 @@ def rewrite_padded_ops(originals: Sequence[nn.Module], padded: Sequence[nn.Modul
         first = None
         for (nodes, wants, padded_graph, to_padded), model, model_args in zip(
                 states, padded, args):
-            gots = _run_graph(model, padded_graph, model_args)
-            at = next((k for k, n in enumerate(nodes)
-                       if n.op in ("call_function", "call_method") and n.name in wants
-                       and _inputs_agree(n, wants, gots, to_padded)
-                       and not _agree(wants[n.name], gots.get(to_padded[n].name))), None)
+            at = _first_differing(nodes, wants, _run_graph(model, padded_graph, model_args),
+                                  to_padded)
             if at is not None and (first is None or at < first):
                 first = at
         if first is None:
@@ -820,12 +816,6 @@ def _run_graph(module: nn.Module, graph: torch.fx.Graph, args: Sequence) -> dict
     with torch.no_grad(), ConstantRandomness():
         Recorder(torch.fx.GraphModule(module, graph)).run(*args)
     return values
-
-
-def _inputs_agree(node: torch.fx.Node, wants: dict, gots: dict,
-                  to_padded: dict[torch.fx.Node, torch.fx.Node]) -> bool:
-    return all(_agree(wants[a.name], gots.get(to_padded[a].name))
-               for a in node.all_input_nodes if a.name in wants)
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -899,3 +889,7 @@ def _rewrite_op(node: torch.fx.Node, padded_node: torch.fx.Node, wants: dict, go
     padded_node.replace_all_uses_with(out)
     graph.erase_node(padded_node)
     return out
+
+
+__all__ = ["WidthPadding", "locate_difference", "mask_padded_gradients", "pad_models",
+           "padding_ratio", "rewrite_padded_ops", "weight_shapes", "widths_key"]
