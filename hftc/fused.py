@@ -614,6 +614,10 @@ class FusedModule(ContainerAccess, nn.Module):
         register_fused(self)
         for p in self.parameters():
             mark_stacked(p, self.num_models)
+        blocks = self.padding.blocks if getattr(self, "padding", None) is not None else {}
+        for name, p in self.named_parameters():
+            if name in blocks:  # (read where stock optimizer state is padded into it)
+                p._hftc_width_blocks = blocks[name]
 
     def to(self, *args: Any, **kwargs: Any) -> FusedModule:
         """``nn.Module.to``; a ``memory_format`` is not applied to the stacked tensors.

@@ -295,20 +295,7 @@ class WidthPadding:
         """Model ``index``'s own part of its padded tensor ``t`` (a view; a copy for a
         tensor padded block by block)."""
         shape = self.shapes[index].get(name)
-        if shape is None:
-            return t
-        rows = self._block_rows(index, name)
-        if rows is not None:
-            t = t.index_select(0, rows.to(t.device))
-        return t[tuple(slice(0, s) for s in shape)]
-
-    def _block_rows(self, index: int, name: str) -> Tensor | None:
-        """The rows of model ``index``'s blocks in a tensor padded block by block."""
-        blocks = self.blocks.get(name, 1)
-        if blocks == 1:
-            return None
-        padded, own = self.padded_shapes[name][0] // blocks, self.shapes[index][name][0] // blocks
-        return torch.cat([torch.arange(b * padded, b * padded + own) for b in range(blocks)])
+        return t if shape is None else own_part(t, shape, self.blocks.get(name, 1))
 
     def real_mask(self, name: str, like: Tensor) -> Tensor | None:
         """``[N, *padded shape]``: 1 on each model's own entries of tensor ``name``, 0 on
@@ -318,7 +305,7 @@ class WidthPadding:
             return None
         mask = torch.zeros((len(self.shapes), *padded), dtype=like.dtype, device=like.device)
         for i, own in enumerate(self.shapes):
-            rows = self._block_rows(i, name)
+            rows = _own_rows(own[name][0], padded[0], self.blocks.get(name, 1))
             rows = torch.arange(own[name][0]) if rows is None else rows
             inner = torch.zeros(padded[1:], dtype=like.dtype, device=like.device)
             inner[tuple(slice(0, s) for s in own[name][1:])] = 1
@@ -351,6 +338,49 @@ class WidthPadding:
         return model
 
 
+def _own_rows(own: int, padded: int, blocks: int) -> Tensor | None:
+    """The rows of dim 0 that a model of ``own`` rows fills in a tensor padded to
+    ``padded`` rows as ``blocks`` blocks (None: the leading ``own``, a slice)."""
+    if blocks == 1:
+        return None
+    inner, own_inner = padded // blocks, own // blocks
+    return torch.cat([torch.arange(b * inner, b * inner + own_inner) for b in range(blocks)])
+
+
+def own_part(t: Tensor, shape: Sequence[int], blocks: int = 1) -> Tensor:
+    """The entries of padded ``t`` that a model's tensor of ``shape`` fills (a view; a copy
+    for a tensor padded block by block)."""
+    rows = _own_rows(shape[0], t.shape[0], blocks) if len(shape) else None
+    if rows is not None:
+        t = t.index_select(0, rows.to(t.device))
+    return t[tuple(slice(0, s) for s in shape)]
+
+
+def into_padded(target: Tensor, value: Tensor, blocks: int = 1) -> None:
+    """``target.copy_(value)`` for the ``value`` of a narrower model: its entries where
+    :func:`own_part` reads them, zeros elsewhere."""
+    target.zero_()
+    rows = _own_rows(value.shape[0], target.shape[0], blocks) if value.dim() else None
+    inner = tuple(slice(0, s) for s in value.shape[1:])
+    if rows is None:
+        target[tuple(slice(0, s) for s in value.shape)].copy_(value)
+    else:
+        for k, row in enumerate(rows.tolist()):
+            target[(row, *inner)].copy_(value[k])
+
+
+def width_blocks(model: nn.Module) -> dict[str, int]:
+    """Tensor name -> blocks along dim 0, for ``model``'s tensors padded block by block:
+    ``nn.MultiheadAttention``'s packed ``in_proj_weight`` / ``in_proj_bias`` (q, k, v)."""
+    found = {}
+    for path, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            prefix = f"{path}." if path else ""
+            found.update({prefix + name: 3 for name in ("in_proj_weight", "in_proj_bias")
+                          if getattr(module, name, None) is not None})
+    return found
+
+
 #: id -> the fused parameters whose gradients mask_padded_gradients masks, weakly (a
 #: WeakSet would compare tensors with ==)
 _MASKED: dict[int, weakref.ref] = {}
@@ -380,9 +410,9 @@ def _zero_padded_gradient(fused_ref: weakref.ref, name: str) -> Any:
         plan = getattr(fused, "padding", None)
         if plan is None or p.grad is None:
             return
-        mask = plan.gradient_mask(name, p.grad)
-        if mask is not None and mask.shape == p.grad.shape:
-            p.grad.mul_(mask)
+        real = plan.gradient_mask(name, p.grad)
+        if real is not None and real.shape == p.grad.shape:
+            p.grad.masked_fill_(real.logical_not(), 0)  # (an inf or nan there too)
     return hook
 
 
@@ -717,8 +747,11 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
             finally:
                 del source.__dict__["_hftc_model_like"]
             if replacement is None:
-                for name, value in _widest_int_attributes(at_path).items():
-                    setattr(padded.get_submodule(path), name, value)
+                if not type(source).__module__.startswith("torch.nn"):
+                    # the user's n_head / n_embd: a width; a torch.nn module's own ints
+                    # (an Embedding's padding_idx) are per-model settings, not widths
+                    for name, value in _widest_int_attributes(at_path).items():
+                        setattr(padded.get_submodule(path), name, value)
                 continue
             if not path:
                 raise UnsupportedOperatorError(
@@ -891,5 +924,6 @@ def _rewrite_op(node: torch.fx.Node, padded_node: torch.fx.Node, wants: dict, go
     return out
 
 
-__all__ = ["WidthPadding", "locate_difference", "mask_padded_gradients", "pad_models",
-           "padding_ratio", "rewrite_padded_ops", "weight_shapes", "widths_key"]
+__all__ = ["WidthPadding", "into_padded", "locate_difference", "mask_padded_gradients",
+           "own_part", "pad_models", "padding_ratio", "rewrite_padded_ops", "weight_shapes",
+           "width_blocks", "widths_key"]

@@ -235,13 +235,16 @@ def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: _Coefficients, name: str,
     return x.addcdiv_(torch.mul(y, c, out=scratch) if scratch is not None else y * c, z)
 
 
-def copy_model_state(target: Tensor, value: Tensor) -> None:
+def copy_model_state(target: Tensor, value: Tensor, blocks: int = 1) -> None:
     """``target.copy_(value)``; a ``value`` narrower than ``target`` (a model padded to the
-    widest, ``hftc.fuse(..., pad_widths=True)``) goes in the leading entries, zeros on the
-    padding."""
+    widest, ``hftc.fuse(..., pad_widths=True)``) goes where the padding put the model's
+    entries (the leading ones; ``blocks`` > 1: each of dim 0's blocks, as
+    ``in_proj_weight``'s q, k, v), zeros on the padding."""
     if isinstance(value, Tensor) and value.dim() == target.dim() and value.shape != target.shape:
-        target.zero_()
-        target = target[tuple(slice(0, s) for s in value.shape)]
+        from ..padding import into_padded
+
+        into_padded(target, value, blocks)
+        return
     target.copy_(value)
 
 
@@ -1071,5 +1074,5 @@ class FusedOptimizer(Optimizer):
             if key == "step":
                 state["step"][model] = float(value)
             else:
-                copy_model_state(state[key][model], value)
+                copy_model_state(state[key][model], value, getattr(p, "_hftc_width_blocks", 1))
 

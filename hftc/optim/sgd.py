@@ -149,7 +149,8 @@ class SGD(FusedOptimizer):
                     f"SGD: the stock optimizer of model {model} has a momentum buffer, but "
                     f"no model has a momentum"
                 )
-            copy_model_state(self.state[p]["momentum_buffer"][model], buf)
+            copy_model_state(self.state[p]["momentum_buffer"][model], buf,
+                             getattr(p, "_hftc_width_blocks", 1))
             self.state[p]["has_momentum_buffer"][model] = 1
 
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:

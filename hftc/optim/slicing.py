@@ -126,7 +126,9 @@ def load_model_slice(
             elif _keep(key, value, state, index, group):
                 own = value[index]
                 if own.dim() == p.dim() and own.shape != p.shape:  # padded (pad_widths=True)
-                    own = own[tuple(slice(0, s) for s in p.shape)]
+                    from ..padding import own_part, width_blocks
+
+                    own = own_part(own, p.shape, width_blocks(model).get(name, 1))
                 sliced[key] = own.clone()
         if isinstance(sliced.get("step"), Tensor) and (group.get("fused")
                                                         or group.get("capturable")):

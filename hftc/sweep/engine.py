@@ -56,7 +56,7 @@ import hftc
 from ..errors import SweepError, SweepFileError, SweepWarning
 from ..optim.mixed import MixedOptimizer
 from ..optim.slicing import fused_param_names, load_model_slice
-from ..padding import padding_ratio, weight_shapes, widths_key
+from ..padding import own_part, padding_ratio, weight_shapes, width_blocks, widths_key
 from .files import atomic_write, save
 from .spec import SpecError, SweepSpec, hook_name
 from .training import (
@@ -140,9 +140,10 @@ def _optimizers_apart(bucket: list[list[_OptimizerSlot]], slots: list[_Optimizer
 def _own_widths(stacked: dict[str, torch.Tensor], index: int,
                 module: nn.Module) -> dict[str, torch.Tensor]:
     """Model ``index``'s state from a fused ``state_dict()`` at ``module``'s own widths:
-    a padded array (pad_widths) holds each model in the first entries of every dim."""
-    own = module.state_dict()
-    return {k: v[index][tuple(slice(0, s) for s in own[k].shape)]
+    a padded array (pad_widths) holds each model in the first entries of every dim (of
+    each q, k, v block of an attention's packed projection)."""
+    own, blocks = module.state_dict(), width_blocks(module)
+    return {k: own_part(v[index], own[k].shape, blocks.get(k, 1))
             if k in own and v[index].dim() == own[k].dim() else v[index]
             for k, v in stacked.items()}
 
