@@ -73,6 +73,7 @@ from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
 from .padding import WidthPadding, pad_models
 from .padding import locate_difference as locate_padding_difference
+from .padding_graph import compute_over_real_units
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
 from .passes.per_model_ops import MODULE_OPS, is_elementwise_function
@@ -452,6 +453,13 @@ class FusedModule(ContainerAccess, nn.Module):
         n = len(models)
         self.num_models = n
         self.in_dims = in_dims
+        if self.padding is not None and example_inputs is not None:
+            # forward's own ops over a padded dim, over each model's real units
+            example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+            merged, batched = self._merge_inputs(example)
+            models = compute_over_real_units(unpadded, models, [
+                tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched))
+                for i in range(n)])
         # A root container indexes as the models do (fused[0] for nn.Sequential models).
         self.source_type = type(models[0]).__name__
         self._container = ContainerAccess.container_kind(models[0])
