@@ -1099,8 +1099,9 @@ class FusedModule(ContainerAccess, nn.Module):
                     f"mean or sum over a hidden dim, a split or view of a padded Linear's "
                     f"output into parts, an output whose width differs per model), which "
                     f"zero padding changes. Fuse models of one width together instead "
-                    f"(hftc.fuse_groups), or compute such ops with the padded modules' "
-                    f"masks")
+                    f"(hftc.fuse_groups), or pass example_inputs=(...) to hftc.fuse, "
+                    f"from which hftc computes such ops over each model's real units "
+                    f"(hftc.padding_graph) or names the op it cannot")
         where = locate_difference(self, graph, model_graph, report.records, values, batched,
                                   report.check.failed_model)
         if where:

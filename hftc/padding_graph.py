@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import inspect
 import operator
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,11 +103,12 @@ def reduce(op: str, x: Tensor, pad: Tensor, count: Tensor, args: dict[str, Any])
     raise AssertionError(op)  # not reached: _reduction only gives the ops above
 
 
-def split(x: Tensor, index: Tensor, pad: Tensor, dim: int, sizes: list[int]) -> tuple:
+def split(x: Tensor, select: Tensor, dim: int, sizes: list[int]) -> tuple:
     """``x`` split along ``dim`` into pieces of the padded ``sizes``, piece k holding model
-    i's own piece k in its first units (``index``: where each unit is read; ``pad``: True
-    on the units after a piece's real ones, which are zeroed)."""
-    return _filled(x.index_select(dim, index), pad, 0).split(sizes, dim)
+    i's own piece k in its first units: ``select[j, u]`` is 1 where unit u of the pieces
+    reads unit j of ``x``, and a unit after a piece's real ones reads none (0).  A matmul
+    with one 1 per column is exact, and a per-model matrix fuses as a batched matmul."""
+    return (x.movedim(dim, -1) @ select.to(x.dtype)).movedim(-1, dim).split(sizes, dim)
 
 
 def masked(x: Tensor, pad: Tensor) -> Tensor:
@@ -138,11 +140,13 @@ def _where(node: fx.Node) -> str:
     path = path if isinstance(path, str) else ""
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines()]
-    files = [k for k, ln in enumerate(lines) if ln.startswith("File ")]
+    files = [k for k, ln in enumerate(lines) if ln.startswith("File ")
+             and "/torch/" not in ln and "/hftc/" not in ln]
     line = ""
     if files:
         k = files[-1]
-        line = lines[k].replace("File ", "").split(", in ")[0]
+        found = re.match(r'File "(.*)", line (\d+)', lines[k])
+        line = f"{found[1]}:{found[2]}" if found else lines[k]
         if k + 1 < len(lines):
             line += f": `{lines[k + 1]}`"
     where = f"`{path}`" if path else "the root"
@@ -254,7 +258,7 @@ def _pointwise(name: str) -> bool:
     return any(torch.Tag.pointwise in getattr(op, o).tags for o in op.overloads())
 
 
-_OPERATOR_NAMES = {operator.getitem: "getitem", operator.matmul: "matmul"}
+_OPERATOR_NAMES = {operator.getitem: "getitem", operator.matmul: "matmul", getattr: "getattr"}
 _POINTWISE_STOCK = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
                     nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Softplus, nn.Identity,
                     nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
@@ -266,7 +270,9 @@ _POINTWISE_STOCK = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU
 
 class _Leaves(fx.Tracer):
     """fx's tracer, the padded modules leaves too: an original model and its padded one
-    give graphs that match node by node."""
+    give graphs that match node by node.  Buffers are proxies (``self.mask[:T, :T]``)."""
+
+    proxy_buffer_attributes = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -330,8 +336,12 @@ class _Rewriter:
         self.n = len(originals)
         #: per model: padded graph node -> the original graph's value there
         self.real: list[dict[fx.Node, Any]] = []
+        #: per model: padded graph node -> the original graph's node (its own constants)
+        self.original_nodes: list[dict[fx.Node, fx.Node]] = []
+        self.original_values = [values for _, values in originals]
         for gm, values in originals:
             self.real.append({p: values[o] for p, o in zip(padded.graph.nodes, gm.graph.nodes)})
+            self.original_nodes.append(dict(zip(padded.graph.nodes, gm.graph.nodes)))
         #: buffer name -> per model tensor
         self.constants: dict[str, list[Tensor]] = {}
         self.changed = False
@@ -425,10 +435,16 @@ class _Rewriter:
         name = _op_name(node) or _OPERATOR_NAMES.get(node.target)
         if name is None and node.op == "call_function" and getattr(
                 node.target, "__module__", "") == "_operator":
-            name = node.target.__name__
+            name = {"truediv": "div", "floordiv": "floor_divide", "inv": "bitwise_not",
+                    "invert": "bitwise_not", "and_": "bitwise_and", "or_": "bitwise_or",
+                    "xor": "bitwise_xor"}.get(node.target.__name__, node.target.__name__)
         if name is None:
             raise _Refused("hftc does not know what this op computes over a padded dim")
         x = inputs[0]
+        if name == "getattr":  # x.shape, x.dtype: no units; x.T, x.mT: moves
+            if node.args[1] in ("T", "mT", "H", "mH"):
+                return self.check_moves(node, inputs)
+            return
         if name in _SIGNATURES and node.args and node.args[0] is x:
             found = _reduction(node, name, self.values, self.values[x].dim())
             if found is not None:
@@ -472,22 +488,20 @@ class _Rewriter:
         if dim not in padded:
             return self.check_moves(node, [x])
         sizes = [p.shape[dim] for p in self.values[node]]
-        indices, pads = [], []
+        selects = []
         for i in range(self.n):
             real = [p.shape[dim] for p in self.real[i][node]]
             if len(real) != len(sizes) or any(r > s for r, s in zip(real, sizes)):
                 raise _Refused(f"model {i}'s pieces {real} do not fit the padded pieces {sizes}")
-            index, pad, start = [], [], 0
+            select = torch.zeros(shape[dim], sum(sizes), dtype=torch.float64)
+            start, column = 0, 0
             for r, s in zip(real, sizes):
-                index += list(range(start, start + r)) + [0] * (s - r)
-                pad += [False] * r + [True] * (s - r)
-                start += r
-            indices.append(torch.tensor(index, dtype=torch.long))
-            pads.append(torch.tensor(pad).view([-1] + [1] * (len(shape) - 1 - dim)))
-        index_node = self.constant(node, "index", indices)
-        pad_node = self.constant(node, "pad", pads)
+                select[torch.arange(start, start + r), torch.arange(column, column + r)] = 1
+                start, column = start + r, column + s
+            selects.append(select)
+        select_node = self.constant(node, "select", selects)
         node.op, node.target = "call_function", split
-        node.args, node.kwargs = (x, index_node, pad_node, dim, sizes), {}
+        node.args, node.kwargs = (x, select_node, dim, sizes), {}
         self.changed = True
 
     def rewrite_matmul(self, node: fx.Node) -> None:
@@ -532,7 +546,9 @@ class _Rewriter:
                 padded_args[x], real_args[x] = marked, numbers
             try:
                 got = self.call(node, {**self.values, **padded_args})
-                want = self.call(node, {**self.real[i], **real_args})
+                want = self.call(self.original_nodes[i][node], {
+                    **self.original_values[i],
+                    **{self.original_nodes[i][x]: v for x, v in real_args.items()}})
             except Exception as exc:  # noqa: BLE001 - not a pure move: refused below
                 raise _Refused(f"it does not only move units ({exc})") from None
             gots = got if isinstance(got, (tuple, list)) else (got,)
@@ -550,8 +566,8 @@ class _Rewriter:
         kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
-        if node.op == "call_module":
-            return self.gm.get_submodule(node.target)(*args, **kwargs)
+        if node.op == "call_module":  # (Flatten, Unflatten: no state)
+            return node.graph.owning_module.get_submodule(node.target)(*args, **kwargs)
         return node.target(*args, **kwargs)
 
 
