@@ -322,20 +322,26 @@ def test_same_widths_pad_nothing():
 # ---------------------------------------------------------------- refusals
 
 
-class SoftmaxOverHidden(nn.Module):
+class SortOverHidden(nn.Module):
+    """A sort over hidden units, which no mask makes exact (hftc.padding_graph computes a
+    softmax or mean over the real units, given example_inputs)."""
+
     def __init__(self, hidden: int):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(4, hidden), nn.Linear(hidden, 3)
 
     def forward(self, x):
-        return self.fc2(torch.softmax(self.fc1(x), dim=-1))
+        return self.fc2(torch.sort(torch.sigmoid(self.fc1(x)), dim=-1).values)
 
 
 def test_op_mixing_a_padded_dim_is_refused_on_the_first_call():
-    fused = hftc.fuse([SoftmaxOverHidden(8), SoftmaxOverHidden(16)], pad_widths=True)
+    fused = hftc.fuse([SortOverHidden(8), SortOverHidden(16)], pad_widths=True)
     with pytest.raises(MismatchError, match=r"pad_widths=True refused: model 0's .*the input "
                        r"of `fc2` \(Linear\) differs while the modules before it agree"):
         fused(torch.randn(2, 4))
+    with pytest.raises(UnsupportedOperatorError, match=r"cannot compute `sort` in the root"):
+        hftc.fuse([SortOverHidden(8), SortOverHidden(16)], pad_widths=True,
+                  example_inputs=(torch.randn(2, 4),))
 
 
 def test_outputs_of_different_widths_are_refused():
