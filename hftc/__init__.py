@@ -37,6 +37,7 @@ _PUBLIC = {
     "FusedModule": "fused", "fuse": "fused", "fuse_groups": "group",
     "keep_freed_memory": "runtime.memory", "per_model": "utils",
     "compile_step": "step", "CompiledStep": "step", "keep_models": "shrink",
+    "replace_models": "shrink",
     "FusionError": "errors", "FusionWarning": "errors", "MismatchError": "errors",
     "TraceError": "errors", "UnsupportedOperatorError": "errors",
     "amp": "", "errors": "", "optim": "", "utils": "",

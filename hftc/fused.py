@@ -71,7 +71,7 @@ from .frontends.symbolic import (
 )
 from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
-from .padding import WidthPadding, pad_models
+from .padding import WidthPadding, mask_padded_gradients, pad_models
 from .padding import locate_difference as locate_padding_difference
 from .padding_graph import compute_over_real_units
 from .passes import FusionReport
@@ -429,6 +429,11 @@ class FusedModule(ContainerAccess, nn.Module):
         pad_widths: bool = False,
     ):
         super().__init__()
+        #: what ``hftc.fuse`` was given besides the models (hftc.replace_models fuses anew)
+        self.fuse_options = {"in_dims": in_dims, "example_inputs": example_inputs,
+                             "frontend": frontend, "autotune": autotune, "check": check,
+                             "strategy": strategy, "checkpoint": checkpoint,
+                             "pad_widths": pad_widths}
         models = _check_models(models)
         unpadded = models
         if not isinstance(pad_widths, bool):
@@ -939,6 +944,8 @@ class FusedModule(ContainerAccess, nn.Module):
         return tuple(sig)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.padding is not None:
+            mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)
         program, how = self._program_and_way(values, batched)
         try:
@@ -1099,9 +1106,12 @@ class FusedModule(ContainerAccess, nn.Module):
                     f"mean or sum over a hidden dim, a split or view of a padded Linear's "
                     f"output into parts, an output whose width differs per model), which "
                     f"zero padding changes. Fuse models of one width together instead "
-                    f"(hftc.fuse_groups), or pass example_inputs=(...) to hftc.fuse, "
-                    f"from which hftc computes such ops over each model's real units "
-                    f"(hftc.padding_graph) or names the op it cannot")
+                    f"(hftc.fuse_groups), pass example_inputs=(...) to hftc.fuse, from "
+                    f"which hftc computes such ops over each model's real units "
+                    f"(hftc.padding_graph) or names the op it cannot, or leave such ops to "
+                    f"modules that pad (nn.LayerNorm for a hand-written norm, "
+                    f"nn.MultiheadAttention or three nn.Linear for a packed q, k, v "
+                    f"projection)")
         where = locate_difference(self, graph, model_graph, report.records, values, batched,
                                   report.check.failed_model)
         if where:

@@ -19,11 +19,19 @@ where that costs little, and split where it costs much (:func:`pad_or_split`)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
+from .compile import autotune
 from .errors import FusionArgumentError, MismatchError, TraceError, UnsupportedOperatorError
 from .frontends.same_program import alike_models
 from .frontends.symbolic import trace_model
@@ -65,15 +73,18 @@ MAX_PADDING = 1.25
 
 
 def pad_or_split(models: Sequence[nn.Module], groups: Sequence[list[int]],
-                 max_padding: float) -> list[tuple[list[int], str]]:
+                 max_padding: float,
+                 measured: Callable[[list[int], list[int]], tuple[float, float] | None]
+                 | None = None) -> list[tuple[list[int], str]]:
     """Structurally identical ``groups`` (model indices) joined into arrays padded to their
-    widest where the padded arithmetic is at most ``max_padding`` times the models' own,
-    and each array's reason.
+    widest where that is cheaper, and each array's reason.
 
     Groups alike up to widths (:func:`hftc.padding.widths_key`) are taken largest first,
-    each joining the current array while :func:`hftc.padding.padding_ratio` of the joined
-    array stays within ``max_padding``, else starting the next array: neighbouring widths
-    share an array, far ones do not."""
+    each joining the current array where ``measured(current, group)`` (the step times of
+    the two padded into one array and of the two apart, or None) says one array is
+    faster; without a measurement, while :func:`hftc.padding.padding_ratio` of the joined
+    array stays within ``max_padding``.  Neighbouring widths share an array, far ones
+    do not."""
     families: dict[str, list[list[int]]] = {}
     for indices in groups:
         families.setdefault(widths_key(models[indices[0]]), []).append(indices)
@@ -85,29 +96,152 @@ def pad_or_split(models: Sequence[nn.Module], groups: Sequence[list[int]],
             continue
         family = sorted(family, key=lambda g: -sum(s.numel() for s in shapes[g[0]].values()))
         current: list[int] = list(family[0])
+        why_joined = ""  # the last join's measurement, for the array's reason
         for group in family[1:]:
             joined = current + group
             ratio = padding_ratio([shapes[i] for i in joined])
-            if ratio <= max_padding:
-                current = joined
-                continue
-            arrays.append((sorted(current), _padding_reason(current, shapes, max_padding,
-                                                            split_at=ratio)))
-            current = list(group)
-        arrays.append((sorted(current), _padding_reason(current, shapes, max_padding)))
+            times = measured(current, group) if measured is not None else None
+            if times is not None:
+                padded_s, apart_s = times
+                verdict = (f"measured {padded_s * 1e3:.3g} ms a step padded into one array vs "
+                           f"{apart_s * 1e3:.3g} ms apart ({ratio:.2f}x the models' own "
+                           f"arithmetic padded)")
+                if padded_s <= apart_s:
+                    current, why_joined = joined, verdict
+                    continue
+                arrays.append((sorted(current), _padding_reason(
+                    current, shapes, max_padding, why_joined,
+                    apart=f"the next narrower models are apart: {verdict}")))
+            else:
+                if ratio <= max_padding:
+                    current, why_joined = joined, ""
+                    continue
+                arrays.append((sorted(current), _padding_reason(
+                    current, shapes, max_padding, why_joined,
+                    apart=f"the next narrower models are apart: padding them in would be "
+                          f"{ratio:.2f}x (> max_padding={max_padding}), estimated")))
+            current, why_joined = list(group), ""
+        arrays.append((sorted(current), _padding_reason(current, shapes, max_padding,
+                                                        why_joined)))
     return sorted(arrays, key=lambda a: a[0][0])
 
 
 def _padding_reason(indices: list[int], shapes: dict[int, dict], max_padding: float,
-                    split_at: float | None = None) -> str:
+                    measured: str = "", apart: str = "") -> str:
     ratio = padding_ratio([shapes[i] for i in indices])
     widths = len({tuple(tuple(s) for s in shapes[i].values()) for i in indices})
-    reason = (f"{widths} widths padded into one array: {ratio:.2f}x the models' own "
-              f"arithmetic (<= max_padding={max_padding})" if widths > 1 else "one width")
-    if split_at is not None:
-        reason += (f"; the next narrower models are apart: padding them in would be "
-                   f"{split_at:.2f}x (> max_padding={max_padding})")
-    return reason
+    if widths == 1:
+        reason = "one width"
+    elif measured:
+        reason = f"{widths} widths padded into one array: {measured}"
+    else:
+        reason = (f"{widths} widths padded into one array: {ratio:.2f}x the models' own "
+                  f"arithmetic (<= max_padding={max_padding}), estimated")
+    return f"{reason}; {apart}" if apart else reason
+
+
+# ---------------------------------------------------------------- measured grouping cost
+#
+# fuse_groups(..., pad_widths=True, autotune=True) times, on the real example inputs, each
+# pad-or-split decision (one padded array against the two arrays apart, forward and
+# backward) and keeps the times in ``grouping.json`` next to autotune's cache; later
+# calls (a sweep fuses an array per round) read them instead of the estimate.
+
+#: interleaved timed rounds per decision (after one untimed round of each candidate)
+_GROUPING_ROUNDS = 5
+
+
+def _grouping_path() -> Path:
+    return autotune.cache_path().with_name("grouping.json")
+
+
+def grouping_key(models: Sequence[nn.Module], example_inputs: Any) -> str:
+    """The measured-cost table's key for padding ``models`` into one array or not: the
+    device and software (:func:`hftc.compile.autotune.device_key`), the structure up to
+    widths, each model's weight shapes in order, and the inputs' shapes and dtypes."""
+    tensors = [t for t in tree_leaves(example_inputs) if isinstance(t, Tensor)]
+    first = next(iter(models[0].parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    dtype = first.dtype if first is not None else torch.get_default_dtype()
+    return json.dumps(["grouping-1", autotune.device_key(device), str(dtype),
+                       hashlib.sha1(widths_key(models[0]).encode()).hexdigest(),
+                       [[list(s) for s in weight_shapes(m).values()] for m in models],
+                       [[list(t.shape), str(t.dtype)] for t in tensors]])
+
+
+def record_grouping_cost(key: str, padded_s: float, apart_s: float) -> None:
+    """Store a measured step time of one padded array (``padded_s``) and of the same models
+    in their arrays apart (``apart_s``) under :func:`grouping_key`'s ``key``."""
+    autotune.store_entry(key, {"chosen": "pad" if padded_s <= apart_s else "split",
+                               "times": {"pad": padded_s, "split": apart_s}},
+                         _grouping_path())
+
+
+def grouping_cost(key: str) -> tuple[float, float] | None:
+    """The recorded ``(padded_s, apart_s)`` for ``key``, or None."""
+    entry = autotune.lookup_entry(key, _grouping_path())
+    if entry is None or set(entry["times"]) != {"pad", "split"}:
+        return None
+    return entry["times"]["pad"], entry["times"]["split"]
+
+
+def _step(fused: FusedModule, args: tuple) -> None:
+    """One forward and backward of every output's sum (what a training step costs)."""
+    out = fused(*args)
+    loss = sum(t.float().sum() for t in tree_leaves(out) if isinstance(t, Tensor)
+               and t.requires_grad)
+    if isinstance(loss, Tensor):
+        loss.backward()
+
+
+def _measure_grouping(models: Sequence[nn.Module], current: list[int], group: list[int],
+                      args: tuple, fuse_kwargs: dict[str, Any]) -> tuple[float, float]:
+    """Median step times, interleaved rounds: ``current + group`` padded into one array,
+    and ``current`` and ``group`` as two arrays.  The global random state is left as it
+    was (dropout draws of the timing runs are not the caller's)."""
+    def make(indices: list[int]) -> FusedModule:
+        return FusedModule([models[i] for i in indices], **fuse_kwargs)
+
+    padded, apart = make(current + group), [make(current), make(group)]
+    device = args[0].device if args and isinstance(args[0], Tensor) else torch.device("cpu")
+    cuda = [device] if device.type == "cuda" else []
+    times: dict[str, list[float]] = {"pad": [], "split": []}
+    with torch.random.fork_rng(devices=cuda):
+        for candidate in [padded, *apart]:  # untimed: compile, autotune, first-call check
+            _step(candidate, args)
+        for _ in range(_GROUPING_ROUNDS):
+            for name, arrays in (("pad", [padded]), ("split", apart)):
+                autotune.synchronize(device)
+                start = time.perf_counter()
+                for fused in arrays:
+                    _step(fused, args)
+                autotune.synchronize(device)
+                times[name].append(time.perf_counter() - start)
+    return statistics.median(times["pad"]), statistics.median(times["split"])
+
+
+def _grouping_measurement(models: Sequence[nn.Module], example_inputs: Any,
+                          fuse_kwargs: dict[str, Any]
+                          ) -> Callable[[list[int], list[int]], tuple[float, float] | None]:
+    """``measured`` for :func:`pad_or_split`: the table's entry, else (with
+    ``autotune=True``) a new measurement, stored; else None (the estimate decides)."""
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+    def measured(current: list[int], group: list[int]) -> tuple[float, float] | None:
+        if example_inputs is None:
+            return None
+        key = grouping_key([models[i] for i in current + group], example_inputs)
+        found = grouping_cost(key)
+        if found is not None or not fuse_kwargs.get("autotune"):
+            return found
+        try:
+            padded_s, apart_s = _measure_grouping(models, current, group, args, fuse_kwargs)
+        except (MismatchError, UnsupportedOperatorError):
+            return None  # not paddable: fuse_groups splits them and says why
+        record_grouping_cost(key, padded_s, apart_s)
+        return padded_s, apart_s
+
+    return measured
 
 
 def fuse_groups(
@@ -141,7 +275,8 @@ def fuse_groups(
             keys[alike[i]] = structure_key(m, i, example)
         groups.setdefault(keys[alike[i]], []).append(i)
     if fuse_kwargs.get("pad_widths"):
-        arrays = pad_or_split(models, list(groups.values()), max_padding)
+        arrays = pad_or_split(models, list(groups.values()), max_padding,
+                              _grouping_measurement(models, example, fuse_kwargs))
     else:
         arrays = [(indices, "one structure") for indices in groups.values()]
     by_model = {i: indices for indices in groups.values() for i in indices}

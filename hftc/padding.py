@@ -1,42 +1,52 @@
-"""``hftc.fuse(models, pad_widths=True)``: models that differ only in layer widths, padded
-with zeros to the widest so that they fuse into one array.
+"""``hftc.fuse(models, pad_widths=True)``: models that differ only in layer widths,
+padded with zeros to the widest so that they fuse into one array.
 
 ::
 
     model i:   Linear(20, h_i) -> LayerNorm(h_i) -> ReLU -> Linear(h_i, 5)
-    padded i:  PaddedLinear(20, H) -> MaskedLayerNorm(H) -> ReLU -> PaddedLinear(H, 5)
-               H = max_i h_i; model i's weights in the first rows / columns, zeros after;
-               per-model masks (buffers, 1 on model i's real units, 0 on the padding)
+    padded i:  Linear(20, H) -> MaskedLayerNorm(H) -> ReLU -> Linear(H, 5)
+               H = max_i h_i; model i's weights in the first rows / columns, zeros after
 
-Every padded module multiplies its parameters by their masks in forward
-(``F.linear(x, weight * weight_mask, bias * bias_mask)``), so a padded parameter's
-gradient is exactly zero whatever reaches the padded units: weight decay, momentum and
-Adam's moments of a padded entry stay exactly zero, and the real units compute what
-model i's own layers compute (a sum over more terms, the added ones zero).  Norms that
-mix across a padded dim take their statistics over the real units only
-(:class:`MaskedLayerNorm`, :class:`MaskedRMSNorm`, :class:`MaskedGroupNorm`); batch norm's
-statistics are per channel, a padded channel's all zeros.  The padded models then go
-through the ordinary pipeline, and the first-call check compares the fused program with
-every ORIGINAL model (``unfuse_model`` gives them back at their own widths): an op of
-forward's own code that mixes across a padded dim (a softmax or mean over it, a split
-of a padded Linear's output) is refused there, never run.
+The padded models are the stock modules at the widest widths (nn.Linear, Conv, Embedding,
+BatchNorm, MultiheadAttention, whose packed q, k, v rows are padded block by block), so
+the fused forward is the one of equal-width models.  It is exact because a padded weight
+entry is exactly 0: it adds exact zeros to the real units whatever the padded units hold
+(a padded unit after a sigmoid is 0.5, times a zero column).  The padded entries stay 0
+because their GRADIENTS are masked: :func:`mask_padded_gradients` hooks every padded
+fused parameter, zeroing those entries of ``.grad`` as autograd accumulates it; every
+stock optimizer's update of an entry whose gradient and state are 0 is 0 (SGD with
+momentum, dampening, Nesterov and weight decay; Adam / AdamW / Adamax / NAdam / RAdam:
+moments 0, so ``0 / (sqrt(0) + eps)``; RMSprop, Adagrad, Adadelta: the same products
+with 0), so weights, momentum and Adam's moments of the padding stay exactly 0.  What
+this does not guard: code that writes into the fused parameters itself (re-initialising
+them after ``fuse``, ``torch.nn.init`` on ``fused.parameters()``) puts non-zeros in the
+padding; initialise the models before fusing them.  Norms that mix across a padded dim
+take their statistics over the real units only (:class:`MaskedLayerNorm`,
+:class:`MaskedRMSNorm`, :class:`MaskedGroupNorm`); batch norm's statistics are per
+channel, a padded channel's all zeros.  The first-call check compares the fused program
+with every ORIGINAL model (``unfuse_model`` gives them back at their own widths): an op
+of forward's own code that mixes across a padded dim (a softmax or mean over it, a
+split of a padded Linear's output) is refused there, never run.
 """
 
 from __future__ import annotations
 
 import copy
+import re
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .compile.check import ConstantRandomness
 from .errors import MismatchError, UnsupportedOperatorError
 from .frontends.symbolic import deepcopy_module, meta_copy
 
-# ---------------------------------------------------------------- the padded modules
+# ---------------------------------------------------------------- padded tensors and norms
 
 
 def _mask(shape: Sequence[int], real: Sequence[int], like: Tensor) -> Tensor:
@@ -94,80 +104,36 @@ class _Padded(nn.Module):
                                                    dtype=like.dtype), persistent=False)
 
 
-class PaddedLinear(_Padded):
-    """``nn.Linear`` at the widest in / out features, its weight and bias masked."""
-
-    def __init__(self, source: nn.Linear, widths: dict[str, Sequence[int]]):
-        super().__init__()
-        self.out_features, self.in_features = widths["weight"]
-        self._take(source, widths)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.masked("weight"), self.masked("bias"))
-
-
-class PaddedConv(_Padded):
-    """``nn.Conv1d/2d/3d`` at the widest channels, its weight and bias masked."""
-
-    def __init__(self, source: nn.modules.conv._ConvNd, widths: dict[str, Sequence[int]]):
-        super().__init__()
-        self.out_channels, in_per_group = widths["weight"][:2]
-        self.in_channels = in_per_group * source.groups
-        for name in ("kernel_size", "stride", "padding", "dilation", "groups",
-                     "padding_mode", "_reversed_padding_repeated_twice"):
-            setattr(self, name, getattr(source, name))
-        self.spatial_dims = len(source.kernel_size)
-        self._take(source, widths)
-
-    def forward(self, x: Tensor) -> Tensor:
-        conv = (F.conv1d, F.conv2d, F.conv3d)[self.spatial_dims - 1]
-        padding = self.padding
-        if self.padding_mode != "zeros":  # spatial only: a channel's own values
-            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
-            padding = 0
-        return conv(x, self.masked("weight"), self.masked("bias"), self.stride, padding,
-                    self.dilation, self.groups)
+def _widened(source: nn.Module, widths: dict[str, Sequence[int]],
+              blocks: dict[str, int] | None = None, **sizes: int) -> nn.Module:
+    """``source`` at the widest widths: a copy of the same class and settings whose own
+    tensors are zero-padded to ``widths`` (``blocks[name]`` blocks along dim 0 padded
+    each on its own: a packed q, k, v projection), with its size attributes ``sizes``.
+    Its forward is the stock one: the padded entries are exactly zero and their
+    gradients are masked (module docstring), so they add exact zeros to the real units."""
+    wide = copy.deepcopy(source)
+    wide.__dict__.pop("_hftc_model_like", None)  # pad_models' note on the source
+    for name, p in source.named_parameters(recurse=False):
+        value = _padded_blocks(p, widths[name], (blocks or {}).get(name, 1))
+        wide._parameters[name] = nn.Parameter(value, p.requires_grad)
+    for name, b in source.named_buffers(recurse=False):
+        if b is not None and b.dim():
+            wide._buffers[name] = _padded(b, widths.get(name, b.shape))
+    for name, value in sizes.items():
+        setattr(wide, name, value)
+    return wide
 
 
-class PaddedEmbedding(_Padded):
-    """``nn.Embedding`` at the widest vocabulary and dim, its weight masked."""
+def _padded_blocks(t: Tensor, shape: Sequence[int], blocks: int) -> Tensor:
+    """``t`` padded to ``shape``, its dim 0 as ``blocks`` equal blocks each padded alone::
 
-    def __init__(self, source: nn.Embedding, widths: dict[str, Sequence[int]]):
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = widths["weight"]
-        self.padding_idx = source.padding_idx
-        self._take(source, widths)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.embedding(x, self.masked("weight"), self.padding_idx)
-
-
-class PaddedBatchNorm(_Padded):
-    """``nn.BatchNorm1d/2d/3d`` at the widest channels, its weight and bias masked.
-
-    Batch norm's statistics are per channel: a padded channel (all zeros, its running
-    statistics zero) stays zero, and the real channels' are the model's own."""
-
-    def __init__(self, source: nn.modules.batchnorm._BatchNorm,
-                 widths: dict[str, Sequence[int]], num_features: int):
-        super().__init__()
-        self.num_features = num_features
-        self.eps, self.momentum = source.eps, source.momentum
-        self.track_running_stats = source.track_running_stats
-        self._take(source, widths)
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
-            if name not in self._buffers:  # track_running_stats=False: None, as torch's
-                self.register_buffer(name, None)
-
-    def forward(self, x: Tensor) -> Tensor:
-        factor = self.momentum
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-        use_batch = self.training or self.running_mean is None
-        track = not self.training or self.track_running_stats
-        return F.batch_norm(x, self.running_mean if track else None,
-                            self.running_var if track else None, self.masked("weight"),
-                            self.masked("bias"), use_batch, factor, self.eps)
+        [q_i; k_i; v_i]  ([3 e_i, e_i])  ->  [q_i, 0; k_i, 0; v_i, 0]  ([3 E, E])
+    """
+    if blocks == 1:
+        return _padded(t, shape)
+    inner = (shape[0] // blocks, *shape[1:])
+    parts = [_padded(part, inner) for part in t.detach().chunk(blocks, 0)]
+    return torch.cat(parts, 0)
 
 
 class MaskedLayerNorm(_Padded):
@@ -278,6 +244,19 @@ class WidthPadding:
     originals: list[nn.Module]
     #: the Linear / Conv / Embedding weights, whose entries count the arithmetic
     weight_names: tuple[str, ...] = ()
+    #: tensors padded as equal blocks along dim 0, each on its own (name -> blocks):
+    #: nn.MultiheadAttention's packed q, k, v projection
+    blocks: dict[str, int] = field(default_factory=dict)
+    #: real_mask's masks, by name, dtype and device (gradient_mask)
+    _masks: dict[tuple, Tensor | None] = field(default_factory=dict, repr=False,
+                                               compare=False)
+
+    def gradient_mask(self, name: str, like: Tensor) -> Tensor | None:
+        """:meth:`real_mask` of ``like``'s dtype and device, made once."""
+        key = (name, like.dtype, like.device)
+        if key not in self._masks:
+            self._masks[key] = self.real_mask(name, like)
+        return self._masks[key]
 
     @property
     def real_weight_elements(self) -> int:
@@ -291,7 +270,7 @@ class WidthPadding:
         """The plan of models ``keep`` (``hftc.keep_models``), still padded to the widths
         of before: the stacked tensors keep their shapes."""
         return WidthPadding([self.shapes[i] for i in keep], self.padded_shapes,
-                            [self.originals[i] for i in keep], self.weight_names)
+                            [self.originals[i] for i in keep], self.weight_names, self.blocks)
 
     @property
     def arithmetic_ratio(self) -> float:
@@ -310,9 +289,39 @@ class WidthPadding:
                 f"{self.arithmetic_ratio:.2f}x the models' own arithmetic")
 
     def unpad(self, index: int, name: str, t: Tensor) -> Tensor:
-        """Model ``index``'s own part of its padded tensor ``t`` (a view)."""
+        """Model ``index``'s own part of its padded tensor ``t`` (a view; a copy for a
+        tensor padded block by block)."""
         shape = self.shapes[index].get(name)
-        return t if shape is None else t[tuple(slice(0, s) for s in shape)]
+        if shape is None:
+            return t
+        rows = self._block_rows(index, name)
+        if rows is not None:
+            t = t.index_select(0, rows.to(t.device))
+        return t[tuple(slice(0, s) for s in shape)]
+
+    def _block_rows(self, index: int, name: str) -> Tensor | None:
+        """The rows of model ``index``'s blocks in a tensor padded block by block."""
+        blocks = self.blocks.get(name, 1)
+        if blocks == 1:
+            return None
+        padded, own = self.padded_shapes[name][0] // blocks, self.shapes[index][name][0] // blocks
+        return torch.cat([torch.arange(b * padded, b * padded + own) for b in range(blocks)])
+
+    def real_mask(self, name: str, like: Tensor) -> Tensor | None:
+        """``[N, *padded shape]``: 1 on each model's own entries of tensor ``name``, 0 on
+        its padding; None where no model's is padded."""
+        padded = self.padded_shapes[name]
+        if all(own[name] == padded for own in self.shapes):
+            return None
+        mask = torch.zeros((len(self.shapes), *padded), dtype=like.dtype, device=like.device)
+        for i, own in enumerate(self.shapes):
+            rows = self._block_rows(i, name)
+            rows = torch.arange(own[name][0]) if rows is None else rows
+            inner = torch.zeros(padded[1:], dtype=like.dtype, device=like.device)
+            inner[tuple(slice(0, s) for s in own[name][1:])] = 1
+            mask[i].index_copy_(0, rows.to(mask.device),
+                                inner.expand(len(rows), *padded[1:]).contiguous())
+        return mask
 
     def original_model(self, index: int, padded: nn.Module) -> nn.Module:
         """Model ``index`` at its own widths, with the padded model's weights, buffers and
@@ -337,6 +346,41 @@ class WidthPadding:
             else:
                 owner._buffers[leaf] = made[id(meta)]
         return model
+
+
+#: id -> the fused parameters whose gradients mask_padded_gradients masks, weakly (a
+#: WeakSet would compare tensors with ==)
+_MASKED: dict[int, weakref.ref] = {}
+
+
+def mask_padded_gradients(fused: nn.Module) -> None:
+    """Give each padded parameter of ``fused`` (``fused.padding`` set) a hook that zeroes
+    the padded entries of its gradient as autograd accumulates it, so every
+    optimizer, clipping and scaler sees exact zeros there (module docstring).  Called on
+    every forward; a parameter has its hook once (a copy of the module gets its own).
+    The masks are made here, not in backward (a CUDA graph captures the backward)."""
+    plan = fused.padding
+    for name, p in fused.named_parameters():
+        if name not in plan.padded_shapes or (
+                id(p) in _MASKED and _MASKED[id(p)]() is p):
+            continue
+        if plan.gradient_mask(name, p) is None:
+            continue
+        p.register_post_accumulate_grad_hook(_zero_padded_gradient(weakref.ref(fused), name))
+        key = id(p)
+        _MASKED[key] = weakref.ref(p, lambda _, key=key: _MASKED.pop(key, None))
+
+
+def _zero_padded_gradient(fused_ref: weakref.ref, name: str) -> Any:
+    def hook(p: Tensor) -> None:
+        fused = fused_ref()
+        plan = getattr(fused, "padding", None)
+        if plan is None or p.grad is None:
+            return
+        mask = plan.gradient_mask(name, p.grad)
+        if mask is not None and mask.shape == p.grad.shape:
+            p.grad.mul_(mask)
+    return hook
 
 
 def locate_difference(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
@@ -375,10 +419,84 @@ def locate_difference(original: nn.Module, padded: nn.Module, args: Sequence) ->
         if differs:
             module = type(original.get_submodule(path)).__name__
             if kind == "input":
+                op = _locate_op(original, padded, args)
                 return (f"the input of `{path}` ({module}) differs while the modules before "
-                        f"it agree: an op of forward's own code before `{path}` mixes "
-                        f"across a padded width")
+                        f"it agree: {op or 'an op of forward' + chr(39) + 's own code'} "
+                        f"before `{path}` mixes across a padded width")
             return f"the output of `{path}` ({module}) differs"
+    return ""
+
+
+class _LeafTracer(torch.fx.Tracer):
+    """torch.nn's modules and the masked norms as leaves, the user's own traced through,
+    so that a model and its padded model give graphs that match node by node."""
+
+    record_stack_traces = True
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, _Padded) or super().is_leaf_module(m, qualname)
+
+
+def _node_values(model: nn.Module, args: Sequence) -> tuple[torch.fx.Graph, dict[str, object]]:
+    graph = _LeafTracer().trace(model)
+    values: dict[str, object] = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> object:
+            values[n.name] = out = super().run_node(n)
+            return out
+
+    with torch.no_grad(), ConstantRandomness():
+        Recorder(torch.fx.GraphModule(model, graph)).run(*args)
+    return graph, values
+
+
+def _agree(want: object, got: object) -> bool:
+    """``got`` (the padded model's) equals ``want`` on the original's units."""
+    if isinstance(want, (tuple, list)) and isinstance(got, (tuple, list)):
+        return len(want) == len(got) and all(_agree(w, g) for w, g in zip(want, got))
+    if not isinstance(want, Tensor) or not isinstance(got, Tensor):
+        return True  # sizes and Python values: the widths differ on purpose
+    if got.dim() != want.dim() or any(g < w for g, w in zip(got.shape, want.shape)):
+        return False
+    got = got[tuple(slice(0, w) for w in want.shape)]
+    if not want.is_floating_point():
+        return torch.equal(got, want)
+    return torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6)
+
+
+def _user_frame(stack_trace: str) -> str:
+    """``file:line, in function`` of the innermost frame of a node's stack trace outside
+    torch and hftc: the model's own line."""
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    for found in reversed(re.findall(r'File "([^"]+)", line (\d+), in (\S+)', stack_trace)):
+        if not found[0].startswith(skip):
+            return f"{found[0]}:{found[1]}, in {found[2]}"
+    return ""
+
+
+def _locate_op(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
+    """The first op of forward's own code whose inputs agree on the original's units and
+    whose output does not (both models traced with :class:`_LeafTracer` and run on
+    ``args``), named with its source line; "" where the models do not trace alike."""
+    try:
+        graph, wants = _node_values(original, args)
+        padded_graph, gots = _node_values(padded, args)
+    except Exception:  # noqa: BLE001 - an untraceable forward: the module-level answer
+        return ""
+    nodes, padded_nodes = list(graph.nodes), list(padded_graph.nodes)
+    if [n.op for n in nodes] != [n.op for n in padded_nodes]:
+        return ""
+    for node, padded_node in zip(nodes, padded_nodes):
+        if node.op not in ("call_function", "call_method") or node.name not in wants:
+            continue
+        inputs_agree = all(_agree(wants[a.name], gots[b.name]) for a, b in zip(
+            node.all_input_nodes, padded_node.all_input_nodes) if a.name in wants)
+        if inputs_agree and not _agree(wants[node.name], gots.get(padded_node.name)):
+            name = node.target if isinstance(node.target, str) else getattr(
+                node.target, "__name__", str(node.target))
+            where = _user_frame(node.stack_trace or "")
+            return f"the op `{name}` ({where})" if where else f"the op `{name}`"
     return ""
 
 
@@ -484,10 +602,11 @@ def _width_attributes(module: nn.Module) -> dict[str, object]:
 
 
 def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn.Module],
-                   widths: dict[str, Sequence[int]]) -> nn.Module | None:
+                   widths: dict[str, Sequence[int]], blocks: dict[str, int]
+                   ) -> nn.Module | None:
     """The padded module for model ``index``'s ``module`` (``others``: every model's at
     this path), or None where no model's module holds a tensor of its own narrower than
-    the widest."""
+    the widest.  ``blocks`` gets the tensors padded block by block (name -> blocks)."""
     if all(tuple(s) == tuple(widths[n]) for m in others for n, s in _own_shapes(m).items()) \
             and (not isinstance(module, _NORMS) or all(
                 _width_attributes(m) == _width_attributes(module) for m in others)):
@@ -495,23 +614,28 @@ def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn
     own = _own_shapes(module)
     where = f"model {index}'s module `{path or '<root>'}` ({type(module).__name__})"
     if isinstance(module, nn.Linear):
-        return PaddedLinear(module, widths)
+        out_features, in_features = widths["weight"]
+        return _widened(module, widths, in_features=in_features, out_features=out_features)
     if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
         if module.groups != 1:
             raise UnsupportedOperatorError(
                 f"pad_widths=True cannot pad {where}: groups={module.groups} (a grouped "
                 f"conv's channels per group would move with the padding). Give every model "
                 f"the same channels there, or groups=1", [type(module).__name__])
-        return PaddedConv(module, widths)
+        out_channels, in_channels = widths["weight"][:2]
+        return _widened(module, widths, in_channels=in_channels, out_channels=out_channels)
     if isinstance(module, nn.Embedding):
         if module.max_norm is not None or module.sparse:
             raise UnsupportedOperatorError(
                 f"pad_widths=True cannot pad {where}: max_norm / sparse=True. Give every "
                 f"model the same embedding widths", [type(module).__name__])
-        return PaddedEmbedding(module, widths)
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and \
-            not isinstance(module, nn.SyncBatchNorm) and module.momentum is not None:
-        return PaddedBatchNorm(module, widths, max(m.num_features for m in others))
+        num_embeddings, embedding_dim = widths["weight"]
+        return _widened(module, widths, num_embeddings=num_embeddings,
+                        embedding_dim=embedding_dim)
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return _widened(module, widths, num_features=max(m.num_features for m in others))
+    if isinstance(module, nn.MultiheadAttention):
+        return _widened_attention(module, others, widths, blocks, where)
     if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         shapes = [tuple(m.normalized_shape) for m in others]
         if len({len(s) for s in shapes}) > 1:
@@ -527,11 +651,34 @@ def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn
         f"pad_widths=True cannot pad {where}: its tensors "
         + ", ".join(f"`{n}` {tuple(own[n])}" for n in own if tuple(own[n]) != tuple(widths[n]))
         + " differ in width from the widest model's, and hftc pads only nn.Linear, "
-        "nn.Conv1d/2d/3d, nn.Embedding, nn.BatchNorm, nn.LayerNorm, nn.RMSNorm and "
-        "nn.GroupNorm, whose forward it masks (not a module's own nn.Parameter, whose use in "
-        "forward it cannot mask, nor nn.MultiheadAttention's packed q/k/v projection). Give "
-        "every model the same widths there, or hold the tensor in such a module (positions "
-        "in an nn.Embedding, q, k, v as three nn.Linear)", [type(module).__name__])
+        "nn.Conv1d/2d/3d, nn.Embedding, nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, "
+        "nn.GroupNorm and nn.MultiheadAttention, whose forward it knows (not a module's own "
+        "nn.Parameter, whose use in forward it cannot see). Give every model the same "
+        "widths there, or hold the tensor in such a module (positions in an nn.Embedding)",
+        [type(module).__name__])
+
+
+def _widened_attention(module: nn.MultiheadAttention, others: Sequence[nn.Module],
+                       widths: dict[str, Sequence[int]], blocks: dict[str, int],
+                       where: str) -> nn.Module:
+    """``nn.MultiheadAttention`` at the widest ``embed_dim`` and ``num_heads`` of an equal
+    head dim: ``in_proj_weight`` / ``in_proj_bias`` padded as three blocks (q, k, v),
+    so that each model's heads are the first of the widest model's and the padded heads
+    (q, k, v all zero) add exact zeros through the zero columns of ``out_proj``."""
+    head_dims = {m.embed_dim // m.num_heads for m in others}
+    if not module._qkv_same_embed_dim or len(head_dims) > 1:
+        raise UnsupportedOperatorError(
+            f"pad_widths=True cannot pad {where}: "
+            + ("kdim / vdim other than embed_dim" if not module._qkv_same_embed_dim else
+               f"the models' head dims differ ({sorted(head_dims)})")
+            + "; pad attention of one head dim, q, k and v of embed_dim (more heads for a "
+            "wider model)", [type(module).__name__])
+    embed_dim = max(m.embed_dim for m in others)
+    for name in ("in_proj_weight", "in_proj_bias"):
+        if getattr(module, name, None) is not None:
+            blocks[name] = 3
+    return _widened(module, widths, blocks, embed_dim=embed_dim, kdim=embed_dim,
+                    vdim=embed_dim, num_heads=embed_dim // head_dims.pop())
 
 
 def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPadding | None]:
@@ -559,8 +706,10 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
             prefix = f"{path}." if path else ""
             widths = {n[len(prefix):]: s for n, s in padded_shapes.items()
                       if n.startswith(prefix) and "." not in n[len(prefix):]}
+            blocks: dict[str, int] = {}
             try:
-                replacement = _padded_module(path, i, source, at_path, widths)
+                replacement = _padded_module(path, i, source, at_path, widths, blocks)
+                plan.blocks.update({f"{prefix}{n}": k for n, k in blocks.items()})
             finally:
                 del source.__dict__["_hftc_model_like"]
             if replacement is None:
@@ -582,5 +731,5 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
     return padded_models, plan
 
 
-__all__ = ["WidthPadding", "locate_difference", "pad_models", "padding_ratio", "weight_shapes",
-           "widths_key"]
+__all__ = ["WidthPadding", "locate_difference", "mask_padded_gradients", "pad_models",
+           "padding_ratio", "weight_shapes", "widths_key"]

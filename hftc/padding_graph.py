@@ -414,7 +414,7 @@ class _Rewriter:
     def visit(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         if node.op == "call_module":
             module = self.gm.get_submodule(node.target)
-            if isinstance(module, (_Padded, *_POINTWISE_STOCK)):
+            if isinstance(module, _POINTWISE_STOCK) or self.padded_by_pad_models(node):
                 return
             if isinstance(module, (nn.Softmax, nn.LogSoftmax)) and module.dim is not None:
                 name = "softmax" if isinstance(module, nn.Softmax) else "log_softmax"
@@ -460,6 +460,23 @@ class _Rewriter:
         if name in _PREFIX_EXACT or _pointwise(name):
             return
         raise _Refused("hftc does not know what this op computes over a padded dim")
+
+    def padded_by_pad_models(self, node: fx.Node) -> bool:
+        """A module :func:`hftc.padding.pad_models` padded (a masked norm, a Linear or
+        attention at the widest widths, a layer holding them): exact on padded inputs by
+        its construction, and any of its tensors wider than some model's own."""
+        module = self.gm.get_submodule(node.target)
+        if any(isinstance(m, _Padded) for m in module.modules()):
+            return True
+        mine = {n: t.shape for n, t in [*module.named_parameters(), *module.named_buffers()]}
+        for i in range(self.n):
+            original = self.original_nodes[i][node]
+            owner = original.graph.owning_module.get_submodule(original.target)
+            theirs = {n: t.shape for n, t in [*owner.named_parameters(),
+                                              *owner.named_buffers()]}
+            if any(theirs.get(n, shape) != shape for n, shape in mine.items()):
+                return True
+        return False
 
     def rewrite_reduction(self, node: fx.Node, x: fx.Node, op: str, args: dict[str, Any],
                           dims: tuple[int, ...]) -> None:

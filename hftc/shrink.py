@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from .errors import FusionArgumentError, FusionIndexError, FusionTypeError
-from .fused import FusedModule
+from .fused import FusedModule, _drop_grad_accumulator
 from .optim.lr_scheduler import SCHEDULERS_ON_FUSED, ReduceLROnPlateau, _keep_plateau_models
 from .optim.optimizer import _LIVE_OPTIMIZERS, _STEPPED_STOCK_OPTIMIZERS, FusedOptimizer
 
-__all__ = ["keep_models"]
+__all__ = ["keep_models", "replace_models"]
 
 #: torch scheduler attributes that hold one value per param group (= per model here).
 _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "base_momentums",
@@ -203,3 +203,139 @@ def keep_models(
                 setattr(part, attr, type(value)(value[i] for i in indices))
     fused._keep_models(indices)
     return indices
+
+
+def replace_models(
+    fused: FusedModule,
+    models: dict[int, torch.nn.Module],
+    *,
+    hyperparameters: dict[int, dict[Any, Any]] | None = None,
+) -> None:
+    """Put new models in places of ``fused``, in place, each from its own step 0::
+
+        hftc.replace_models(fused, {2: Net()}, hyperparameters={2: {"lr": 0.03}})
+        # model 2 is the new Net now, with fresh optimizer state and lr 0.03; the other
+        # models continue exactly where they were
+
+    Args:
+        fused: a fused module (``hftc.fuse``).
+        models: position -> the new model, of the structure of the others (a new
+            architecture needs a new array).
+        hyperparameters: position -> the new model's optimizer hyper-parameters
+            (``{"lr": 0.03, "weight_decay": 0.0}``), written into its param group of every
+            ``hftc.optim`` optimizer built on ``fused``; or position -> ``{optimizer:
+            {...}}`` for each optimizer its own.  Values not given stay the place's
+            previous model's.
+
+    The other models, their optimizer state and gradients are taken out
+    (:meth:`FusedModule.unfuse`, :func:`hftc.optim.unfuse_optimizers`) and fused again
+    with the new ones (the fuse options of before), and the result is written into the
+    same ``fused``, parameter and optimizer objects, so the loop's references stay valid
+    and the other models continue bit for bit.  A new model starts with no optimizer
+    state (a stock optimizer's first step), its gradients zero.  Schedulers on the
+    optimizers are refused: torch's keep one position for all param groups, which a
+    model starting at its own step 0 does not share; build them per array without
+    replacement.  Compiled programs are dropped, as by :func:`keep_models`.
+
+    Raises ``FusionIndexError`` / ``FusionArgumentError`` / ``FusionTypeError`` (a bad
+    position, a scheduler, a stock optimizer on ``fused``, another structure); nothing is
+    changed then.
+    """
+    from .optim.convert import fuse_optimizers, unfuse_optimizers
+
+    if not isinstance(fused, FusedModule):
+        raise FusionTypeError(f"replace_models takes a fused module (hftc.fuse(models)), got "
+                              f"a {type(fused).__name__}")
+    given = list(models)
+    positions = _check_keep(fused, given)
+    hyper = {i: dict((hyperparameters or {}).get(k, {})) for i, k in zip(positions, given)}
+    models = {i: models[k] for i, k in zip(positions, given)}
+    optimizers = check_replaceable(fused)
+    old_models = fused.unfuse()
+    stocks = {id(opt): unfuse_optimizers(fused, opt, old_models) for opt in optimizers}
+    new_models = list(old_models)
+    for i, model in models.items():
+        new_models[i] = model
+    try:
+        refused = FusedModule(new_models, **fused.fuse_options)
+    except Exception as exc:
+        raise FusionArgumentError(
+            f"replace_models: the new models do not fuse with the others ({exc})") from exc
+    _check_same_tensors(fused, refused)
+    for opt in optimizers:
+        for i in models:
+            stocks[id(opt)][i] = _fresh_stock_optimizer(
+                stocks[id(opt)][i], old_models[i], new_models[i],
+                _hyper_for(hyper[i], opt))
+    _take_over(fused, refused)
+    for opt in optimizers:
+        made = fuse_optimizers(fused, stocks[id(opt)])
+        _LIVE_OPTIMIZERS.discard(made)  # ``opt`` is the one the loop holds
+        opt.__dict__.clear()
+        opt.__dict__.update(made.__dict__)
+
+
+def check_replaceable(fused: FusedModule) -> list[FusedOptimizer]:
+    """The ``hftc.optim`` optimizers on ``fused``, or the error :func:`replace_models`
+    would raise for a stock optimizer or a scheduler on them."""
+    own = {id(p) for p in fused.parameters()}
+    _refuse_stock_optimizers(fused, own)
+    optimizers = _optimizers_on(fused, own)
+    on_them = [s for s in list(SCHEDULERS_ON_FUSED)
+               if any(getattr(s, "optimizer", None) is opt for opt in optimizers)]
+    if on_them:
+        raise FusionArgumentError(
+            f"replace_models: a {type(on_them[0]).__name__} scheduler is built on an optimizer "
+            f"of this fused module; its schedule position is one for all models, and a new "
+            f"model must start at its own step 0. Schedule the learning rate yourself per "
+            f"model (opt.param_groups[i]['lr']), or do not replace models")
+    return optimizers
+
+
+def _hyper_for(values: dict[Any, Any], opt: FusedOptimizer) -> dict[str, Any]:
+    if values and all(isinstance(k, torch.optim.Optimizer) for k in values):
+        return dict(values.get(opt, {}))
+    return values
+
+
+def _check_same_tensors(fused: FusedModule, refused: FusedModule) -> None:
+    shapes = {n: t.shape for n, t in fused.state_dict().items()}
+    new = {n: t.shape for n, t in refused.state_dict().items()}
+    if shapes != new:
+        name = next(n for n in [*shapes, *new] if shapes.get(n) != new.get(n))
+        raise FusionArgumentError(
+            f"replace_models: the new models change the fused tensor `{name}` "
+            f"({tuple(shapes.get(name, ()))} -> {tuple(new.get(name, ()))}); a new model "
+            f"takes a place only with the widths and structure of the array")
+
+
+def _fresh_stock_optimizer(stock: torch.optim.Optimizer, old: torch.nn.Module,
+                           new: torch.nn.Module, values: dict[str, Any]
+                           ) -> torch.optim.Optimizer:
+    """A stateless stock optimizer of ``stock``'s class and groups over ``new``'s
+    parameters (matched to ``old``'s by name), ``values`` written into every group."""
+    names = {id(p): n for n, p in old.named_parameters()}
+    groups = []
+    for group in stock.param_groups:
+        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        settings.update(values)
+        groups.append({**settings, "params": [new.get_parameter(names[id(p)])
+                                              for p in group["params"]]})
+    return type(stock)(groups)
+
+
+def _take_over(fused: FusedModule, refused: FusedModule) -> None:
+    """``refused``'s tensors and records into ``fused``, keeping ``fused``'s parameter
+    objects (the optimizers and the loop hold them)."""
+    old = dict(fused.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, p in refused.named_parameters(remove_duplicate=False):
+            keep = old[name]
+            if keep is not p:
+                keep.grad = None
+                _drop_grad_accumulator(keep)
+                keep.data = p.data
+                keep.requires_grad_(p.requires_grad)
+            owner, _, leaf = name.rpartition(".")
+            refused.get_submodule(owner)._parameters[leaf] = keep
+    fused.__dict__.update(refused.__dict__)

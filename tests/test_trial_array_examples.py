@@ -58,3 +58,15 @@ def test_dcgan_script_fused_sweep_equals_each_trial_alone(tmp_path):
                                    storage=f"sqlite:///{tmp_path / 'dcgan.db'}", epochs=3,
                                    n_train=96, n_val=32, log=lambda s: None)
     check_sweep(study, worst, pruned_number=3, epochs=3)
+
+
+def test_refill_script_keeps_arrays_full_and_every_trial_equals_its_run_alone():
+    example = runpy.run_path(str(EXAMPLES / "trial_array_refill.py"))
+    lines = []
+    study, worst = example["main"](n_trials=8, array_size=3, epochs=3,
+                                   pruner=PruneAt(1, 0), log=lines.append)
+    states = {t.number: t.state.name for t in study.get_trials()}
+    assert len(states) == 8 and states[1] == "PRUNED"
+    assert all(s == "COMPLETE" for k, s in states.items() if k != 1), states
+    assert any("new trials in places [1]" in line for line in lines), lines
+    assert worst <= 1e-9, worst

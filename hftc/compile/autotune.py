@@ -128,7 +128,8 @@ def cache_path() -> Path:
     return Path(root) / "autotune.json"
 
 
-_MEMORY: dict[str, dict[str, Any]] = {}
+#: entries read or written by this process, by file and key
+_MEMORY: dict[tuple[str, str], dict[str, Any]] = {}
 
 
 def _load(path: Path) -> dict[str, dict[str, Any]]:
@@ -140,15 +141,15 @@ def _load(path: Path) -> dict[str, dict[str, Any]]:
         return {}  # no cache yet, or a torn/corrupt one: tune again
 
 
-def _lookup(key: str, path: Path) -> dict[str, Any] | None:
+def lookup_entry(key: str, path: Path) -> dict[str, Any] | None:
     """The cached entry for ``key``; one that is not ``{"chosen": str, "times": {str:
     number}}`` (a file edited or damaged) counts as none: the op is tuned again."""
-    if key not in _MEMORY:
+    if (str(path), key) not in _MEMORY:
         entry = _load(path).get(key)
         if not _well_formed(entry):
             return None
-        _MEMORY[key] = entry
-    return _MEMORY[key]
+        _MEMORY[str(path), key] = entry
+    return _MEMORY[str(path), key]
 
 
 def _well_formed(entry: Any) -> bool:
@@ -159,10 +160,10 @@ def _well_formed(entry: Any) -> bool:
                 for k, v in times.items()))
 
 
-def _store(key: str, entry: dict[str, Any], path: Path) -> None:
+def store_entry(key: str, entry: dict[str, Any], path: Path) -> None:
     """Merge into the file and replace it atomically (concurrent trials lose nothing
     worse than an entry to re-time)."""
-    _MEMORY[key] = entry
+    _MEMORY[str(path), key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         entries = _load(path)
@@ -225,7 +226,7 @@ def _same(a: Tensor, b: Tensor) -> bool:
     return b.numel() == 0 or (a - b).abs().max().item() <= lowering_tolerance(b) * scale
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -257,11 +258,11 @@ class _Candidate:
         return y.detach(), [a.grad for a, flag in zip(leaves, self.grad_flags) if flag]
 
     def measure(self, device: torch.device) -> None:
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(self.repeats):
             self.run()
-        _sync(device)
+        synchronize(device)
         self.times.append((time.perf_counter() - start) / self.repeats)
 
 
@@ -281,7 +282,7 @@ def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[s
     choice = LoweringChoice(node, kernel.__name__, names[0], names[0])
     if len(names) == 1:
         return choice
-    entry = _lookup(key, path)
+    entry = lookup_entry(key, path)
     if entry is not None and entry["chosen"] in names and set(entry["times"]) <= set(names):
         choice.times, choice.cached = entry["times"], True
         choice.chosen = _pick(choice.times, names[0]) if names[0] in choice.times \
@@ -297,11 +298,11 @@ def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[s
     candidates, reference_grads = [], None
     for name in names:
         candidate = _Candidate(kernel, name, args, kwargs, grad_flags, grad_out)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         # The warm-up run, checked against the cost model's output and gradients.
         out, grads = candidate.run_with_gradients()
-        _sync(device)
+        synchronize(device)
         elapsed = time.perf_counter() - start
         if reference_grads is None:
             reference_grads = grads
@@ -318,7 +319,7 @@ def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[s
             candidate.measure(device)
     choice.times = {c.name: statistics.median(c.times) for c in candidates}
     choice.chosen = _pick(choice.times, names[0])
-    _store(key, {"chosen": choice.chosen, "times": choice.times}, path)
+    store_entry(key, {"chosen": choice.chosen, "times": choice.times}, path)
     return choice
 
 
@@ -628,7 +629,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
                       backward, [list(p.shape) for p in fused.parameters()]]
                      + ([] if model_loop else ["no model_loop"]))
     path = path or cache_path()
-    entry = _lookup(key, path)
+    entry = lookup_entry(key, path)
     wanted = entry.get("chosen") if entry is not None else None
     run, _, lay = wanted.partition("+") if isinstance(wanted, str) else ("", "", "")
     if run == "fused" or (run == "model_loop" and model_loop) or (
@@ -662,10 +663,10 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
             for _ in range(_ROUNDS):  # interleaved rounds, as for single ops
                 for name in timed:
                     how = valid[name]
-                    _sync(device)
+                    synchronize(device)
                     start = time.perf_counter()
                     _run_step(fused, program_forward, how, values, batched, backward)
-                    _sync(device)
+                    synchronize(device)
                     times[name].append(time.perf_counter() - start)
             medians = {name: statistics.median(times[name]) for name in timed}
             fastest = min(medians.values())
@@ -676,7 +677,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     choice.times = {k: statistics.median(v) for k, v in times.items()}
     choice.peaks = {k: how.peak / 2**20 for k, how in valid.items() if how.peak is not None}
     choice.chosen = _pick_program(choice.times, {k: how.peak for k, how in valid.items()})
-    _store(key, {"chosen": choice.chosen, "times": choice.times, "peaks": choice.peaks}, path)
+    store_entry(key, {"chosen": choice.chosen, "times": choice.times, "peaks": choice.peaks}, path)
     return valid[choice.chosen], choice
 
 
@@ -700,5 +701,6 @@ def _pick_program(times: dict[str, float], peaks: dict[str, int | None]) -> str:
 
 
 __all__ = ["LoweringChoice", "ProgramChoice", "autotune_graph", "cache_path",
-           "choose_program", "cost_model_graph", "device_key",
+           "choose_program", "cost_model_graph", "device_key", "lookup_entry", "store_entry",
+           "synchronize",
            "program_candidates", "run_program", "tune_call"]

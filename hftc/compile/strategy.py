@@ -67,14 +67,14 @@ from ..runtime.model_loop import plain_output
 from .autotune import (
     ProgramChoice,
     _describe,
-    _lookup,
     _rng_state,
     _run_step,
-    _store,
-    _sync,
     cache_path,
     device_key,
+    lookup_entry,
     run_program,
+    store_entry,
+    synchronize,
 )
 from .check import input_copies, preserved_state
 
@@ -184,7 +184,7 @@ class CallTiming:
         """How this call (the fused module's ``call_number``-th) runs: None for the fused
         program.  The interval of the previous call counts if it was this program's and
         the call just before this one (on a GPU, once its kernels have run)."""
-        _sync(self.device)
+        synchronize(self.device)
         now = time.perf_counter()
         if self.last is not None and self.last[2] == call_number - 1:
             self.intervals.append((self.last[0], now - self.last[1]))
@@ -219,7 +219,7 @@ class CallTiming:
                    for name in ("fused", "model_loop")}
         slower_cost = sum(max(0.0, t - medians[chosen]) for n, t in self.intervals
                           if n != chosen)
-        _store(self.key, {"chosen": chosen, "times": medians, "ratio": ratio}, self.path)
+        store_entry(self.key, {"chosen": chosen, "times": medians, "ratio": ratio}, self.path)
         program.how = self.ways[chosen]
         program.plan = program.report.strategy = StrategyChoice(
             chosen, "timed on the first calls", medians, ratio, len(cycles),
@@ -251,7 +251,7 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
     start = time.perf_counter()
     path = path or cache_path()
     key = strategy_key(fused, values, batched, backward, key_source)
-    entry = _lookup(key, path)
+    entry = lookup_entry(key, path)
     if entry is not None and entry.get("chosen") in ("fused", "model_loop"):
         ratio = entry.get("ratio")
         choice = StrategyChoice(entry["chosen"], "cache", dict(entry["times"]),
@@ -300,10 +300,10 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
             order = ((("fused", fused_way), ("model_loop", loop_way)) if round_ % 2 == 0
                      else (("model_loop", loop_way), ("fused", fused_way)))
             for name, way in order:
-                _sync(device)
+                synchronize(device)
                 begin = time.perf_counter()
                 _run_step(fused, program_forward, way, copies, batched, backward)
-                _sync(device)
+                synchronize(device)
                 times[name].append(time.perf_counter() - begin)
             ratios.append(times["model_loop"][-1] / max(times["fused"][-1], 1e-12))
             if len(ratios) >= _MIN_ROUNDS and time.perf_counter() - warm_from >= budget_s:
@@ -311,7 +311,7 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
     ratio = statistics.median(ratios)
     chosen = "model_loop" if ratio < 1 - _MARGIN else "fused"
     medians = {name: statistics.median(t) for name, t in times.items()}
-    _store(key, {"chosen": chosen, "times": medians, "ratio": ratio}, path)
+    store_entry(key, {"chosen": chosen, "times": medians, "ratio": ratio}, path)
     choice = StrategyChoice(chosen, "timed", medians, ratio, len(ratios),
                             time.perf_counter() - start, backward)
     return (loop_way if chosen == "model_loop" else None), choice, None

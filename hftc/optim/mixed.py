@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..errors import FusionArgumentError
-from .optimizer import FusedOptimizer
+from .optimizer import _LIVE_OPTIMIZERS, FusedOptimizer
 
 __all__ = ["MixedOptimizer"]
 
@@ -140,6 +140,7 @@ class MixedOptimizer(FusedOptimizer):
         self._groups_frozen = False
         Optimizer.__init__(self, groups, {"differentiable": False})
         self._groups_frozen = True
+        _LIVE_OPTIMIZERS.add(self)  # found by hftc.keep_models / replace_models
 
     def parts(self) -> list[FusedOptimizer]:
         """The fused optimizer of each class, in the order of ``part_rows()``."""

@@ -985,7 +985,7 @@ class Sweep:
         structures differ beyond widths: hftc.fuse says how)."""
         if not self.spec.pad_widths:
             return None
-        if grouping.startswith("not padded"):
+        if grouping.startswith("not padded") or "measured" in grouping:
             return grouping
         if widths_key(first[0].module) != widths_key(other[0].module):
             return None

@@ -26,7 +26,7 @@ objective (``optimize`` catches it).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optuna
@@ -36,7 +36,8 @@ from torch import nn
 
 import hftc
 
-from ..errors import SweepError
+from ..errors import FusionError, SweepError
+from ..shrink import check_replaceable
 from .engine import _finite_models
 
 __all__ = ["TrialArray", "optimize"]
@@ -59,13 +60,23 @@ class TrialArray:
     kind of model: a GAN's generators and discriminators), now and after every shrink: a
     pruned trial leaves ``trials`` and the fused modules together."""
 
-    def __init__(self, study: optuna.Study, trials: Sequence[optuna.Trial]):
+    def __init__(self, study: optuna.Study, trials: Sequence[optuna.Trial],
+                 asks_left: Callable[[], int] | None = None,
+                 asked: Callable[[], None] | None = None):
         self.study = study
         self.trials: list[optuna.Trial] = list(trials)
         #: The fused modules of this array, in the order ``fuse`` made them.
         self.fused_modules: list[hftc.FusedModule] = []
         #: The positions the last ``report`` dropped, and how many models it saw.
         self._last_drop: tuple[list[int], int] = ([], 0)
+        #: The positions the last ``report`` gave to new trials (``refill_with``).
+        self.replaced: list[int] = []
+        # optimize's trial budget: how many trials may still be asked, and "one asked"
+        self._asks_left, self._asked = asks_left, asked
+        self._build: Callable[[optuna.Trial], Any] | None = None
+        self._epochs: int | None = None  # array.epochs(E): each trial's own epoch count
+        self._epoch_of: dict[int, int] = {}
+        self._reported = False
 
     def __len__(self) -> int:
         return len(self.trials)
@@ -109,6 +120,58 @@ class TrialArray:
                     f"hftc.optim.{name}(fused.parameters(), ...)")
         return objects[0] if len(objects) == 1 else objects
 
+    def refill_with(self, build: Callable[[optuna.Trial], Any]) -> None:
+        """From now on a place freed by a pruned, failed or (in :meth:`epochs`) completed
+        trial is taken by a new trial of the study, while the budget of ``optimize``
+        lasts: ``build(trial)`` (suggest on ``trial`` as usual) returns
+        ``(model, hyperparameters)``: the new model (or a list, one per ``fuse`` call, in
+        that order) and its optimizer hyper-parameters (``{"lr": ...}``, for every
+        ``hftc.optim`` optimizer on the array; or ``{optimizer: {...}}``).  The new model
+        starts at its own step 0 in the place (:func:`hftc.replace_models`: fresh
+        optimizer state, its own epoch count); with :meth:`epochs`, each trial trains its
+        own number of epochs.  Exact only where a trial's data order does not depend on
+        the array's epoch (docs/SWEEP.md); refused with a scheduler on the optimizers."""
+        if not callable(build):
+            raise SweepError(f"TrialArray.refill_with takes a function build(trial) -> "
+                             f"(model, hyperparameters), got {build!r}")
+        if not self.fused_modules:
+            raise SweepError("TrialArray.refill_with: call it after array.fuse(...) and "
+                             "after building the optimizers")
+        for fused in self.fused_modules:
+            try:
+                check_replaceable(fused)
+            except FusionError as exc:
+                raise SweepError(f"TrialArray.refill_with: {exc}") from exc
+        if self._asks_left is None:
+            raise SweepError("TrialArray.refill_with needs the trial budget of "
+                             "hftc.sweep.optimize(..., n_trials=...): use the array it gives")
+        self._build = build
+
+    def epochs(self, epochs: int) -> Iterator[int]:
+        """``for epoch in array.epochs(E)``: each trial trains ``E`` epochs of its own.
+
+        Yields the array's round (0, 1, ...) while trials are live; call
+        :meth:`report` once per round (its ``step`` defaults to each trial's own epoch,
+        :meth:`epoch_of`).  A trial that reported its ``E``-th epoch is completed with
+        that value and leaves (or its place is taken, :meth:`refill_with`); the loop
+        ends when no trial is left."""
+        if not isinstance(epochs, int) or epochs < 1:
+            raise SweepError(f"TrialArray.epochs takes a positive int, got {epochs!r}")
+        self._epochs = epochs
+        self._epoch_of = {t.number: 0 for t in self.trials}
+        round_ = 0
+        while self.trials:
+            self._reported = False
+            yield round_
+            if not self._reported and self.trials:
+                raise SweepError("TrialArray.epochs: call array.report(values) once in each "
+                                 "epoch of the loop (it counts each trial's epochs)")
+            round_ += 1
+
+    def epoch_of(self, position: int) -> int:
+        """How many epochs the trial at ``position`` has reported (its own epoch now)."""
+        return self._epoch_of.get(self.trials[position].number, 0)
+
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         trial.set_user_attr("hftc_fail_reason", reason)
         self.study.tell(trial, state=TrialState.FAIL)
@@ -122,17 +185,28 @@ class TrialArray:
         self._last_drop = (keep, len(self.trials))
         self.trials = [self.trials[j] for j in keep]
         if not keep:
+            if self._epochs is not None:
+                return  # array.epochs ends the loop
             raise optuna.TrialPruned("every trial of the array is pruned, failed or complete")
         if gone:
             for fused in self.fused_modules:  # with the optimizers and schedulers built on it
                 hftc.keep_models(fused, keep)
 
-    def report(self, values: Sequence[float] | torch.Tensor, step: int) -> list[int]:
+    def report(self, values: Sequence[float] | torch.Tensor, step: int | None = None
+               ) -> list[int]:
         """Report ``values[j]`` to ``trials[j]`` at ``step``, ask the pruner, and drop the
         trials it prunes, and those whose value or fused weights are not finite (their
         trial fails with the reason).  Returns the positions (before this call) of the
-        models dropped, so the loop can cut its own per-model lists the same way."""
+        models dropped, so the loop can cut its own per-model lists the same way.
+
+        In :meth:`epochs`, ``step`` defaults to each trial's own epoch and a trial at its
+        last epoch is completed with its value; with :meth:`refill_with`, freed places
+        go to new trials instead of being dropped (:attr:`replaced` lists them)."""
         values = _as_values(values, len(self.trials), "TrialArray.report")
+        if step is None and self._epochs is None:
+            raise SweepError("TrialArray.report needs step= (or run the loop in "
+                             "array.epochs(E), which counts each trial's epochs)")
+        self._reported = True
         finite = [True] * len(values)
         for fused in self.fused_modules:
             finite = [a and b for a, b in zip(finite, _finite_models(fused))]
@@ -144,12 +218,61 @@ class TrialArray:
                                   f"{value}{weights}")
                 dropped.append(j)
                 continue
-            trial.report(value, step)
+            own_step = self._epoch_of.get(trial.number, 0) if step is None else step
+            trial.report(value, own_step)
+            if self._epochs is not None:
+                self._epoch_of[trial.number] = self._epoch_of.get(trial.number, 0) + 1
+                if self._epoch_of[trial.number] >= self._epochs:
+                    self.study.tell(trial, value)
+                    dropped.append(j)
+                    continue
             if trial.should_prune():
                 self.study.tell(trial, state=TrialState.PRUNED)
                 dropped.append(j)
+        self.replaced = self._take_places(dropped)
+        dropped = [j for j in dropped if j not in self.replaced]
         self.drop(dropped)
         return dropped
+
+    def _take_places(self, freed: list[int]) -> list[int]:
+        """New trials in ``freed`` places while the budget lasts (``refill_with``); the
+        places taken."""
+        if self._build is None or not freed:
+            return []
+        places, newcomers = [], []
+        for j in freed:
+            if self._asks_left() <= 0:
+                break
+            trial = self.study.ask()
+            self._asked()
+            try:
+                built = self._build(trial)
+                models, hyper = built
+                models = list(models) if isinstance(models, (list, tuple)) else [models]
+                if len(models) != len(self.fused_modules):
+                    raise SweepError(f"build(trial) gave {len(models)} models for the array's "
+                                     f"{len(self.fused_modules)} fused modules")
+            except Exception as exc:
+                self._fail(trial, f"build(trial) failed: {type(exc).__name__}: {exc}")
+                raise
+            places.append(j)
+            newcomers.append((trial, models, dict(hyper or {})))
+        if not places:
+            return []
+        try:
+            for k, fused in enumerate(self.fused_modules):
+                hftc.replace_models(fused, {j: new[1][k] for j, new in zip(places, newcomers)},
+                                    hyperparameters={j: new[2]
+                                                     for j, new in zip(places, newcomers)})
+        except Exception as exc:
+            for trial, _, _ in newcomers:
+                self._fail(trial, f"could not take a freed place: {exc}")
+            raise SweepError(f"TrialArray: new trials could not take the freed places: "
+                             f"{exc}") from exc
+        for j, (trial, _, _) in zip(places, newcomers):
+            self.trials[j] = trial
+            self._epoch_of[trial.number] = 0
+        return places
 
     def finish(self, values: Sequence[float] | torch.Tensor) -> None:
         """Complete every live trial with its final value (a non-finite one fails it).
@@ -198,9 +321,18 @@ def optimize(
     if not isinstance(array_size, int) or array_size < 1:
         raise SweepError(f"optimize: array_size must be a positive int, got {array_size!r}")
     asked = 0
+
+    def asks_left() -> int:
+        return n_trials - asked
+
+    def one_more() -> None:
+        nonlocal asked
+        asked += 1
+
     while asked < n_trials:
         size = min(array_size, n_trials - asked)
-        array = TrialArray(study, [study.ask() for _ in range(size)])
+        array = TrialArray(study, [study.ask() for _ in range(size)],
+                           asks_left=asks_left, asked=one_more)
         asked += size
         try:
             values = objective(array)
