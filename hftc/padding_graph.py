@@ -46,6 +46,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
+from torch.fx.graph_module import _format_import_block, _forward_from_src
+from torch.package import sys_importer
 
 from .errors import UnsupportedOperatorError
 from .padding import _Padded
@@ -125,6 +127,8 @@ def _op_name(node: fx.Node) -> str | None:
         return node.target
     if node.op == "call_function":
         target = node.target
+        if target is torch.linalg.vector_norm:
+            return "vector_norm"
         name = getattr(target, "__name__", None)
         if name and target in (getattr(torch, name, None), getattr(F, name, None),
                                getattr(torch.Tensor, name, None),
@@ -261,8 +265,7 @@ def _pointwise(name: str) -> bool:
 _OPERATOR_NAMES = {operator.getitem: "getitem", operator.matmul: "matmul", getattr: "getattr"}
 _POINTWISE_STOCK = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
                     nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Softplus, nn.Identity,
-                    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-                    nn.GLU.__base__, nn.PReLU)
+                    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
 
 # ---------------------------------------------------------------- tracing and values
@@ -604,7 +607,7 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
     given = {p.name for p in params[:len(example_args[0])]}
     concrete = {p.name: p.default for p in params if p.name not in given
                 and p.default is not inspect.Parameter.empty}
-    graphs: dict[str, fx.GraphModule] = {}
+    sources: dict[str, str] = {}
     constants: dict[str, list[Tensor]] = {}
     for training in (True, False):
         mode = "train" if training else "eval"
@@ -621,15 +624,12 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
         rewriter = _Rewriter(pads[0][0], pads[0][1], runs, mode)
         rewriter.run()
         if rewriter.changed:
-            rewriter.gm.recompile()
-            graphs[mode] = rewriter.gm
+            code = rewriter.gm.graph.python_code(root_module="self")
+            sources[mode] = _format_import_block(code.globals, sys_importer) + "\n" + code.src
             constants.update(rewriter.constants)
-    if not graphs:
+    if not sources:
         return list(padded)
-    forward = _mode_forward(type(padded[0]), signature, graphs)
-    cls = type(padded[0])
-    rewritten = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                            "__qualname__": cls.__qualname__})
+    rewritten = _rewritten_class(type(padded[0]), tuple(sorted(sources.items())))
     for i, model in enumerate(padded):
         model.__class__ = rewritten
         like = next((t for t in model.parameters()), torch.zeros(()))
@@ -641,13 +641,35 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
     return list(padded)
 
 
-def _mode_forward(cls: type, signature: inspect.Signature,
-                  graphs: dict[str, fx.GraphModule]) -> Callable[..., Any]:
+_REWRITTEN: dict[tuple, type] = {}
+
+
+def _rewritten_class(base: type, sources: tuple[tuple[str, str], ...]) -> type:
+    """``base`` with the rewritten forward (``sources``: (mode, the graph's Python source)),
+    one class per rewrite, so that every padded model and its copies have one type; a
+    model of it pickles as ``base``'s with the sources (the class is rebuilt on load)."""
+    key = (base, sources)
+    if key not in _REWRITTEN:
+        _REWRITTEN[key] = type(base.__name__, (base,), {
+            "forward": _mode_forward(base, dict(sources)), "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__reduce_ex__": lambda self, protocol: (
+                _rebuilt, (base, sources, self.__getstate__()))})
+    return _REWRITTEN[key]
+
+
+def _rebuilt(base: type, sources: tuple[tuple[str, str], ...], state: dict) -> nn.Module:
+    model = nn.Module.__new__(_rewritten_class(base, sources))
+    model.__setstate__(state)
+    return model
+
+
+def _mode_forward(cls: type, sources: dict[str, str]) -> Callable[..., Any]:
     """forward(self, <forward's own parameters>): the train or eval graph's code, by
     ``self.training`` (a mode without a rewrite runs the class's own forward)."""
-    train = type(graphs["train"]).forward if "train" in graphs else cls.forward
-    evaluate = type(graphs["eval"]).forward if "eval" in graphs else cls.forward
-    params = list(signature.parameters.values())[1:]
+    train, evaluate = (_forward_from_src(sources[mode], {}) if mode in sources else cls.forward
+                       for mode in ("train", "eval"))
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
     scope: dict[str, Any] = {"_train": train, "_eval": evaluate}
     heads = []
     for k, p in enumerate(params):

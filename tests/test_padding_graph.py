@@ -8,6 +8,7 @@ Each model is compared with the same model trained alone with stock ``torch.opti
 from __future__ import annotations
 
 import copy
+import io
 import math
 
 import pytest
@@ -269,6 +270,106 @@ def test_nanogpt_layer_norm_with_raw_parameters():
     out = fused(x)
     for i, model in enumerate(models):
         assert _relative(out[i], model(x)) <= 1e-9
+
+
+class OneOp(nn.Module):
+    """``op`` over hidden units that are not zero-padded (after a sigmoid); an op that keeps
+    the shape feeds the head, a reduced one is added to it."""
+
+    def __init__(self, hidden: int, op, keeps_shape: bool):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, hidden), nn.Linear(hidden, 3)
+        self.op, self.keeps_shape = op, keeps_shape
+
+    def forward(self, x):
+        h = self.fc1(x).sigmoid()
+        if self.keeps_shape:
+            return self.fc2(self.op(h))
+        return self.fc2(h) + self.op(h)
+
+
+class GatedLinear(nn.Module):
+    """A GLU: one Linear of 2 * hidden outputs, chunked into value and gate."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 2 * hidden), nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        value, gate = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(value * gate.sigmoid())
+
+
+OPS = {
+    "amax": (lambda h: h.amax(-1, keepdim=True), False),
+    "logsumexp": (lambda h: torch.logsumexp(h, -1, keepdim=True), False),
+    "max_values": (lambda h: h.max(-1).values[:, None], False),
+    "min_keepdim": (lambda h: h.min(dim=-1, keepdim=True)[0], False),
+    "std": (lambda h: torch.std(h, -1, keepdim=True), False),
+    "var_correction": (lambda h: h.var(-1, correction=0, keepdim=True), False),
+    "norm": (lambda h: h.norm(dim=-1, keepdim=True), False),
+    "vector_norm": (lambda h: torch.linalg.vector_norm(h, 3, -1, True), False),
+    "sum_all": (lambda h: h.sum(), False),
+    "log_softmax": (lambda h: F.log_softmax(h, -1), True),
+    "normalize": (lambda h: F.normalize(h, dim=-1), True),
+    "softmax_module": (nn.Softmax(dim=-1), True),
+}
+
+
+@pytest.mark.parametrize("op", sorted(OPS) + ["glu_chunk"])
+def test_each_op_forward_and_backward(op):
+    """float64: each op's output and every parameter's gradient (in the model's own
+    units) are the model's own."""
+    torch.manual_seed(4)
+    if op == "glu_chunk":
+        models = [GatedLinear(w).double() for w in (8, 20)]
+    else:
+        models = [OneOp(w, *OPS[op]).double() for w in (8, 20)]
+    x = torch.randn(5, 6, dtype=torch.float64)
+    fused = hftc.fuse(models, pad_widths=True, example_inputs=(x,))
+    out = fused(x)
+    out.square().sum().backward()
+    for i, model in enumerate(models):
+        want = model(x)
+        want.square().sum().backward()
+        assert _relative(out[i], want) <= 1e-12, i
+        grads = dict(model.named_parameters())
+        for name, p in fused.named_parameters():
+            assert _relative(fused.padding.unpad(i, name, p.grad[i]), grads[name].grad) \
+                <= 1e-12, (i, name)
+
+
+@pytest.mark.parametrize("family", ["mlp", "cnn", "gpt", "mixed", "encoder"])
+def test_models_that_need_no_rewrite_are_left_as_they_are(family):
+    """tests/test_pad_widths.py's families (their norms, attention, pools are modules that
+    pad): with example_inputs nothing is refused or rewritten, the outputs are the models'."""
+    from tests import test_pad_widths
+
+    build, widths = test_pad_widths.FAMILIES[family]
+    torch.manual_seed(6)
+    models = [build(w).double().eval() for w in widths]
+    x = test_pad_widths._batches(family, 1, torch.float64)[0][0]
+    fused = hftc.fuse(models, pad_widths=True, example_inputs=(x,))
+    assert type(fused.padded_model(0)).__mro__[1] is not type(models[0])  # no subclass
+    out = fused(x)
+    for i, model in enumerate(models):
+        assert _relative(out[i], model(x)) <= 1e-12
+
+
+def test_masks_are_no_state_and_the_module_pickles():
+    torch.manual_seed(5)
+    models = [SoftmaxAfterSigmoid(w).double() for w in (8, 16)]
+    x = torch.randn(4, 6, dtype=torch.float64)
+    fused = hftc.fuse(models, pad_widths=True, example_inputs=(x,))
+    out = fused(x)
+    assert any("_hftc_real_units" in n for n, _ in fused.named_buffers())
+    assert not any("_hftc_real_units" in k for k in fused.state_dict())
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert torch.equal(loaded(x), out)
+    assert torch.equal(copy.deepcopy(fused)(x), out)
 
 
 # ---------------------------------------------------------------- refusals
