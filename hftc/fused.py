@@ -71,8 +71,9 @@ from .frontends.symbolic import (
 )
 from .ir import CONSTANT_INPUTS, PYTHON_STATE
 from .match import GraphMatch, match_graphs
-from .padding import WidthPadding, mask_padded_gradients, pad_models, rewrite_padded_ops
+from .padding import WidthPadding, mask_padded_gradients, pad_models
 from .padding import locate_difference as locate_padding_difference
+from .padding_graph import compute_over_real_units
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
 from .passes.per_model_ops import MODULE_OPS, is_elementwise_function
@@ -459,6 +460,13 @@ class FusedModule(ContainerAccess, nn.Module):
         n = len(models)
         self.num_models = n
         self.in_dims = in_dims
+        if self.padding is not None and example_inputs is not None and _padded is None:
+            # forward's own ops over a padded dim, over each model's real units
+            example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+            merged, batched = self._merge_inputs(example)
+            models = compute_over_real_units(unpadded, models, [
+                tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched))
+                for i in range(n)])
         # A root container indexes as the models do (fused[0] for nn.Sequential models).
         self.source_type = type(models[0]).__name__
         self._container = ContainerAccess.container_kind(models[0])
@@ -973,19 +981,21 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def _rewrite_padded_ops(self, values: Sequence[Any], batched: Sequence[bool]) -> bool:
         """After the first-call check refused a padded program: rebuild this module from
-        padded models whose forwards compute their softmax / sum / mean / var over a padded
-        dim on the real units (:func:`hftc.padding.rewrite_padded_ops`, run on this call's
-        inputs), keeping the parameter objects; False where no rewrite helps (the
+        padded models whose forwards compute their ops over a padded dim on each model's
+        real units (:func:`hftc.padding_graph.compute_over_real_units`, run on this
+        call's inputs), keeping the parameter objects; False where no rewrite helps (the
         refusal stands).  Once per module."""
         if self.__dict__.get("_padded_ops_rewritten"):
             return False
         self._padded_ops_rewritten = True
         originals = self.unfuse()
-        args = [[model_slice(v, i) if b else v for v, b in zip(input_copies(values), batched)]
+        padded = [self.padded_model(i) for i in range(self.num_models)]
+        classes = [type(m) for m in padded]
+        args = [tuple(model_slice(v, i) if b else v
+                      for v, b in zip(input_copies(values), batched))
                 for i in range(self.num_models)]
-        rewritten = rewrite_padded_ops(originals, [self.padded_model(i) for i in
-                                                   range(self.num_models)], args)
-        if rewritten is None:
+        rewritten = compute_over_real_units(originals, padded, args)
+        if all(type(m) is c for m, c in zip(rewritten, classes)):
             return False
         options = {**self.fuse_options, "pad_widths": True}
         self._become(FusedModule(originals, **options, _padded=(rewritten, self.padding)))
@@ -1155,9 +1165,12 @@ class FusedModule(ContainerAccess, nn.Module):
                     f"mean or sum over a hidden dim, a split or view of a padded Linear's "
                     f"output into parts, an output whose width differs per model), which "
                     f"zero padding changes. Fuse models of one width together instead "
-                    f"(hftc.fuse_groups), or leave such ops to modules that pad (nn.LayerNorm "
-                    f"for a hand-written norm, nn.MultiheadAttention or three nn.Linear "
-                    f"for a packed q, k, v projection)")
+                    f"(hftc.fuse_groups), pass example_inputs=(...) to hftc.fuse, from "
+                    f"which hftc computes such ops over each model's real units "
+                    f"(hftc.padding_graph) or names the op it cannot, or leave such ops to "
+                    f"modules that pad (nn.LayerNorm for a hand-written norm, "
+                    f"nn.MultiheadAttention or three nn.Linear for a packed q, k, v "
+                    f"projection)")
         where = locate_difference(self, graph, model_graph, report.records, values, batched,
                                   report.check.failed_model)
         if where:

@@ -25,17 +25,15 @@ take their statistics over the real units only (:class:`MaskedLayerNorm`,
 :class:`MaskedRMSNorm`, :class:`MaskedGroupNorm`); batch norm's statistics are per
 channel, a padded channel's all zeros.  The first-call check compares the fused program
 with every ORIGINAL model (``unfuse_model`` gives them back at their own widths); where
-an op of forward's own code mixes across a padded dim, :func:`rewrite_padded_ops`
-computes a softmax / log_softmax / sum / mean / var over it on the real units (the
-module is fused again from the rewritten models), and any other such op is refused,
-named, never run.
+an op of forward's own code mixes across a padded dim, :mod:`hftc.padding_graph`
+computes it over the real units (the module is fused again from the rewritten models),
+or refuses it, named; nothing inexact runs.
 """
 
 from __future__ import annotations
 
 import copy
 import re
-import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -771,73 +769,6 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
 
 
 
-# ---------------------------------------------------------------- ops over a padded dim
-
-#: ops of forward's own code that reduce or normalise over one dim, rewritten to take
-#: the real units only (their zero padding would change them)
-_REWRITABLE = ("softmax", "log_softmax", "sum", "mean", "var")
-
-
-def rewrite_padded_ops(originals: Sequence[nn.Module], padded: Sequence[nn.Module],
-                       args: Sequence[Sequence]) -> list[nn.Module] | None:
-    """The ``padded`` models with a forward whose softmax / log_softmax / sum / mean / var
-    over a padded dim take each original's units only, or None where nothing needs it
-    (or the models do not trace alike with :class:`_LeafTracer`)::
-
-        softmax(x, d)   ->  softmax(where(real, x, -inf), d)
-        mean(x, d)      ->  sum(where(real, x, 0), d) / count
-        var(x, d)       ->  sum(where(real, x - mean, 0) ** 2, d) / (count - correction)
-
-    ``real`` (model i's real units along ``d``, shaped to broadcast) and ``count`` are
-    non-persistent buffers of each padded model's root, stacked by the fusion; every
-    model gets the same rewrite (the widest its all-real masks), so they stay one
-    program.  The ops are found as :func:`_locate_op` finds them, model ``i`` run on
-    ``args[i]``, one at a time; another op that mixes across a padded dim raises
-    ``UnsupportedOperatorError`` naming it."""
-    states = []
-    try:
-        for original, model, model_args in zip(originals, padded, args):
-            graph, wants = _node_values(original, model_args)
-            padded_graph = _LeafTracer().trace(model)
-            nodes = list(graph.nodes)
-            if [n.op for n in nodes] != [n.op for n in padded_graph.nodes]:
-                return None
-            states.append((nodes, wants, padded_graph, dict(zip(nodes, padded_graph.nodes))))
-    except Exception:  # noqa: BLE001 - an untraceable forward: not rewritten
-        return None
-    if len({len(nodes) for nodes, *_ in states}) != 1:
-        return None
-    rewritten = 0
-    for _ in range(64):
-        first = None
-        for (nodes, wants, padded_graph, to_padded), model, model_args in zip(
-                states, padded, args):
-            at = _first_differing(nodes, wants, _run_graph(model, padded_graph, model_args),
-                                  to_padded)
-            if at is not None and (first is None or at < first):
-                first = at
-        if first is None:
-            break
-        for (nodes, wants, padded_graph, to_padded), model, model_args in zip(
-                states, padded, args):
-            gots = _run_graph(model, padded_graph, model_args)
-            node = nodes[first]
-            to_padded[node] = _rewrite_op(node, to_padded[node], wants, gots, model,
-                                          padded_graph, rewritten)
-        rewritten += 1
-    else:
-        return None
-    if not rewritten:
-        return None
-    for model, (_, _, padded_graph, _) in zip(padded, states):
-        forward = type(torch.fx.GraphModule(model, padded_graph)).forward
-        cls = type(model)
-        model.__class__ = type(cls.__name__, (cls,), {"forward": forward,
-                                                      "__module__": cls.__module__,
-                                                      "__qualname__": cls.__qualname__})
-    return list(padded)
-
-
 def _run_graph(module: nn.Module, graph: torch.fx.Graph, args: Sequence) -> dict[str, object]:
     values: dict[str, object] = {}
 
@@ -856,74 +787,6 @@ def _op_name(node: torch.fx.Node) -> str:
         node.target, "__name__", str(node.target))
 
 
-def _rewrite_op(node: torch.fx.Node, padded_node: torch.fx.Node, wants: dict, gots: dict,
-                padded: nn.Module, graph: torch.fx.Graph, serial: int) -> torch.fx.Node:
-    """``padded_node`` (``node`` of the original's graph) over its real units, or
-    ``UnsupportedOperatorError`` naming the op."""
-    name = _op_name(node)
-    where = _user_frame(node.stack_trace or "")
-    op = f"the op `{name}`" + (f" ({where})" if where else "")
-    x = padded_node.args[0] if padded_node.args else None
-    dim = padded_node.kwargs.get("dim", padded_node.args[1] if len(padded_node.args) > 1
-                                 else None)
-    want_x = wants.get(node.args[0].name) if isinstance(node.args[0], torch.fx.Node) else None
-    got_x = gots.get(x.name) if isinstance(x, torch.fx.Node) else None
-    if name not in _REWRITABLE or not isinstance(dim, int) or not isinstance(want_x, Tensor) \
-            or not isinstance(got_x, Tensor):
-        raise UnsupportedOperatorError(
-            f"pad_widths=True: {op} mixes across a padded width and hftc computes only "
-            f"{', '.join(_REWRITABLE)} over one dim on the real units. Give every model "
-            f"the same widths there, or fuse models of one width (hftc.fuse_groups)", [name])
-    d = dim % want_x.dim()
-    real, size = want_x.shape[d], got_x.shape[d]
-    mask = torch.zeros(size, dtype=torch.bool, device=got_x.device)
-    mask[:real] = True
-    mask = mask.view(size, *([1] * (got_x.dim() - d - 1)))
-    mask_name, count_name = f"_hftc_real_units_{serial}", f"_hftc_real_count_{serial}"
-    padded.register_buffer(mask_name, mask, persistent=False)
-    # (F.softmax's own _stacklevel, a dtype of None: not torch.softmax's arguments)
-    kwargs = {k: v for k, v in padded_node.kwargs.items()
-              if k not in ("dim", "_stacklevel") and not (k == "dtype" and v is None)}
-    keepdim = bool(kwargs.pop("keepdim", padded_node.args[2] if name in ("sum", "mean")
-                              and len(padded_node.args) > 2 else False))
-    with graph.inserting_before(padded_node), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # get_attr of a buffer the graph's module lacks
-        real_units = graph.get_attr(mask_name)
-
-        def call(fn, *a, **k):
-            return graph.call_function(fn, a, k)
-
-        if name in ("softmax", "log_softmax"):
-            out = call(getattr(torch, name), call(torch.where, real_units, x, float("-inf")),
-                       dim, **kwargs)
-            if name == "log_softmax":
-                out = call(torch.where, real_units, out, 0.0)
-        else:
-            padded.register_buffer(count_name, torch.tensor(float(real), dtype=got_x.dtype,
-                                                            device=got_x.device),
-                                   persistent=False)
-            count = graph.get_attr(count_name)
-            kept = call(torch.where, real_units, x, 0.0)
-            if name == "sum":
-                out = call(torch.sum, kept, dim, keepdim=keepdim)
-            elif name == "mean":
-                out = call(torch.div, call(torch.sum, kept, dim, keepdim=keepdim), count)
-            else:  # var
-                correction = kwargs.get("correction", 1 if kwargs.get(
-                    "unbiased", True) else 0)
-                if not isinstance(correction, (int, float)):
-                    raise UnsupportedOperatorError(f"pad_widths=True: {op}: a correction "
-                                                   f"of {correction!r}", [name])
-                mean = call(torch.div, call(torch.sum, kept, dim, keepdim=True), count)
-                centred = call(torch.where, real_units, call(torch.sub, x, mean), 0.0)
-                squares = call(torch.sum, call(torch.mul, centred, centred), dim,
-                               keepdim=keepdim)
-                out = call(torch.div, squares, call(torch.sub, count, float(correction)))
-    padded_node.replace_all_uses_with(out)
-    graph.erase_node(padded_node)
-    return out
-
-
 __all__ = ["WidthPadding", "into_padded", "locate_difference", "mask_padded_gradients",
-           "own_part", "pad_models", "padding_ratio", "rewrite_padded_ops", "weight_shapes",
-           "width_blocks", "widths_key"]
+           "own_part", "pad_models", "padding_ratio", "weight_shapes", "width_blocks",
+           "widths_key"]

@@ -36,6 +36,7 @@ LAYERS = {
     "hftc.group": 5,
     "hftc.stacking": 5,
     "hftc.padding": 5,
+    "hftc.padding_graph": 5,
     "hftc.optim": 6,
     "hftc.amp": 6,
     "hftc.utils": 6,

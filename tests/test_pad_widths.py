@@ -340,6 +340,18 @@ def test_same_widths_pad_nothing():
 # ---------------------------------------------------------------- refusals
 
 
+class SortOverHidden(nn.Module):
+    """A sort over hidden units, which no mask makes exact (hftc.padding_graph computes a
+    softmax or mean over the real units, given example_inputs)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, hidden), nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.sort(torch.sigmoid(self.fc1(x)), dim=-1).values)
+
+
 class SoftmaxOverHidden(nn.Module):
     def __init__(self, hidden: int):
         super().__init__()
@@ -371,7 +383,7 @@ class HandWrittenNorms(nn.Module):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_ops_over_a_padded_dim_are_computed_over_the_real_units(optimizer):
     """The first call finds the ops that mix across a padded dim, rewrites them to take
-    each model's real units (hftc.padding.rewrite_padded_ops) and runs; 10 steps: every
+    each model's real units (hftc.padding_graph.compute_over_real_units) and runs; 10 steps: every
     model equals itself trained alone, the padding stays exactly 0."""
     torch.manual_seed(4)
     models = [HandWrittenNorms(h).double() for h in (8, 12, 16)]
@@ -414,6 +426,15 @@ def test_a_float32_softmax_over_hidden_units():
                                        p.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_op_mixing_a_padded_dim_is_refused_on_the_first_call():
+    fused = hftc.fuse([SortOverHidden(8), SortOverHidden(16)], pad_widths=True)
+    with pytest.raises(UnsupportedOperatorError, match=r"cannot compute `sort` in the root"):
+        fused(torch.randn(2, 4))
+    with pytest.raises(UnsupportedOperatorError, match=r"cannot compute `sort` in the root"):
+        hftc.fuse([SortOverHidden(8), SortOverHidden(16)], pad_widths=True,
+                  example_inputs=(torch.randn(2, 4),))
+
+
 class PackedAttention(nn.Module):
     """minGPT's CausalSelfAttention: q, k, v from one packed Linear, split."""
 
@@ -431,15 +452,25 @@ class PackedAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
 
 
-def test_a_packed_q_k_v_split_is_refused_naming_the_split():
-    models = [nn.Sequential(nn.Linear(5, d), PackedAttention(d), nn.Linear(d, 3))
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_packed_q_k_v_split_trains_as_alone(optimizer):
+    """minGPT's c_attn(x).split(n_embd, 2) at d_model 32 and 64, head dim 16, rewritten
+    at the first call (no example_inputs): 10 steps, each model as alone."""
+    torch.manual_seed(7)
+    models = [nn.Sequential(nn.Linear(5, d), PackedAttention(d), nn.Linear(d, 3)).double()
               for d in (32, 64)]
+    alone = [copy.deepcopy(m) for m in models]
+    g = torch.Generator().manual_seed(8)
+    batches = [(torch.randn(2, 6, 5, generator=g, dtype=torch.float64),
+                torch.randint(0, 3, (2, 6), generator=g)) for _ in range(10)]
     fused = hftc.fuse(models, pad_widths=True)
-    with pytest.raises(UnsupportedOperatorError,
-                       match=r"pad_widths=True: the op `split` \(.*test_pad_widths.py:\d+, "
-                             r"in forward\) mixes across a padded width and hftc computes "
-                             r"only softmax, log_softmax, sum, mean, var"):
-        fused(torch.randn(2, 6, 5))
+    opt = _train_fused(fused, optimizer, batches)
+    for i, model in enumerate(alone):
+        _train_alone(model, optimizer, i, batches)
+        got = fused.model_state_dict(i)
+        for name, want in model.state_dict().items():
+            assert _relative(got[name], want) <= 1e-9, (i, name)
+    _assert_padding_zero(fused, opt)
 
 
 def test_the_locating_message_names_the_op():
