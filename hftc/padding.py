@@ -679,15 +679,19 @@ def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn
     if isinstance(module, nn.GroupNorm):
         return MaskedGroupNorm(module, widths, max(m.num_channels for m in others),
                                max(m.num_groups for m in others))
-    raise UnsupportedOperatorError(
-        f"pad_widths=True cannot pad {where}: its tensors "
-        + ", ".join(f"`{n}` {tuple(own[n])}" for n in own if tuple(own[n]) != tuple(widths[n]))
-        + " differ in width from the widest model's, and hftc pads only nn.Linear, "
-        "nn.Conv1d/2d/3d, nn.Embedding, nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, "
-        "nn.GroupNorm and nn.MultiheadAttention, whose forward it knows (not a module's own "
-        "nn.Parameter, whose use in forward it cannot see). Give every model the same "
-        "widths there, or hold the tensor in such a module (positions in an nn.Embedding)",
-        [type(module).__name__])
+    if type(module).__module__.startswith("torch.nn"):
+        raise UnsupportedOperatorError(
+            f"pad_widths=True cannot pad {where}: its tensors "
+            + ", ".join(f"`{n}` {tuple(own[n])}" for n in own
+                        if tuple(own[n]) != tuple(widths[n]))
+            + " differ in width from the widest model's, and hftc pads only nn.Linear, "
+            "nn.Conv1d/2d/3d, nn.Embedding, nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, "
+            "nn.GroupNorm and nn.MultiheadAttention among torch.nn's layers. Give every "
+            "model the same widths there", [type(module).__name__])
+    # The model's own module holding tensors of its own (minGPT's pos_emb, nanoGPT's
+    # LayerNorm weight): padded with zeros, gradients masked; its forward's ops over a
+    # padded dim are hftc.padding_graph's, the first-call check judges the rest.
+    return _widened(module, widths)
 
 
 def _widened_attention(module: nn.MultiheadAttention, others: Sequence[nn.Module],
@@ -750,6 +754,12 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
                     # (an Embedding's padding_idx) are per-model settings, not widths
                     for name, value in _widest_int_attributes(at_path).items():
                         setattr(padded.get_submodule(path), name, value)
+                continue
+            if not path and not type(source).__module__.startswith("torch.nn"):
+                # the model's root holds tensors of its own (minGPT's pos_emb): its
+                # padded copy takes them, its children padded as the loop goes on
+                padded._parameters.update(replacement._parameters)
+                padded._buffers.update(replacement._buffers)
                 continue
             if not path:
                 raise UnsupportedOperatorError(

@@ -523,11 +523,26 @@ def test_multihead_attention_pads_q_k_v_block_by_block():
     assert not bias.view(3, 64)[:, 32:].any()
 
 
-def test_a_raw_parameter_of_another_width_is_refused():
-    with pytest.raises(UnsupportedOperatorError,
-                       match=r"model 0's module `<root>` \(RawPositions\): its tensors "
-                             r"`pos_emb` \(1, 8, 32\)"):
-        hftc.fuse([RawPositions(32), RawPositions(64)], pad_widths=True)
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_raw_parameter_of_another_width_is_padded(optimizer):
+    """minGPT's pos_emb, the model's own nn.Parameter: padded, its gradient masked."""
+    torch.manual_seed(9)
+    models = [RawPositions(d).double() for d in (32, 64)]
+    with torch.no_grad():
+        for m in models:
+            m.pos_emb.normal_()
+    alone = [copy.deepcopy(m) for m in models]
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 8, 1, generator=g, dtype=torch.float64),
+                torch.randint(0, 3, (2, 8), generator=g)) for _ in range(5)]
+    fused = hftc.fuse(models, pad_widths=True)
+    opt = _train_fused(fused, optimizer, batches)
+    for i, model in enumerate(alone):
+        _train_alone(model, optimizer, i, batches)
+        got = fused.model_state_dict(i)
+        for name, want in model.state_dict().items():
+            assert _relative(got[name], want) <= 1e-9, (i, name)
+    _assert_padding_zero(fused, opt)
 
 
 def test_grouped_conv_widths_are_refused():
@@ -640,10 +655,13 @@ def test_fuse_groups_pads_near_widths_and_splits_far_ones():
 
 
 def test_fuse_groups_splits_widths_that_cannot_be_padded():
-    groups = hftc.fuse_groups([RawPositions(32), RawPositions(32), RawPositions(40)],
-                              pad_widths=True, max_padding=2)
+    def grouped(channels):
+        return nn.Sequential(nn.Conv2d(4, channels, 3, groups=2))
+
+    groups = hftc.fuse_groups([grouped(4), grouped(4), grouped(8)], pad_widths=True,
+                              max_padding=2)
     assert [indices for _, indices in groups] == [[0, 1], [2]]
-    assert all("not padded with the other widths" in f.grouping and "pos_emb" in f.grouping
+    assert all("not padded with the other widths" in f.grouping and "groups=2" in f.grouping
                for f, _ in groups)
     with pytest.raises(FusionArgumentError, match="max_padding must be a number >= 1"):
         hftc.fuse_groups([mlp(8)], pad_widths=True, max_padding=0.5)

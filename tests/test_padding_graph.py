@@ -258,10 +258,6 @@ def test_keep_models_keeps_each_models_masks():
     assert _relative(out[1], models[0](x)) <= 1e-12
 
 
-@pytest.mark.xfail(strict=True, raises=UnsupportedOperatorError,
-                   reason="nanoGPT's LayerNorm holds its weight and bias as raw nn.Parameter, "
-                          "which pad_models refuses until gradient masks pad raw parameters "
-                          "(issue 34, gradmask)")
 def test_nanogpt_layer_norm_with_raw_parameters():
     torch.manual_seed(3)
     models = [NanoGPTHead(w).double() for w in (16, 32)]
