@@ -66,12 +66,12 @@ def conv_lowerings(
     ============================  ====================================================
 
     The cost model (measured on CPUs with oneDNN, see each lowering's docstring):
-    1x1 convs of channels-last maps (CPU) as per-model GEMMs on the map's own memory,
-    other 1x1 convs as batched GEMMs; few-tap shared convs (``Cin*kh*kw <= 32``) as
-    im2col; depthwise convs with kernels of 5x5 and up as ``depthwise_wgrad_conv``;
-    grouped convs with few input channels per group and large kernels, and
-    those whose map arrives channels-last and outsizes their weight, in channels-last
-    memory; every other conv as one grouped (or shared) conv.
+    1x1 convs of channels-last maps of 64 rows (``B*H*W``) and more (CPU) as per-model
+    GEMMs on the map's own memory, other 1x1 convs as batched GEMMs; few-tap shared
+    convs (``Cin*kh*kw <= 32``) as im2col; depthwise convs with kernels of 5x5 and up
+    as ``depthwise_wgrad_conv``; grouped convs with few input channels per group and
+    large kernels, and those whose map arrives channels-last and outsizes their weight,
+    in channels-last memory; every other conv as one grouped (or shared) conv.
     ``hftc.fuse(..., autotune=True)`` times the rest (:mod:`hftc.compile.autotune`).
     """
     two_d = spatial == 2 and padding_mode == "zeros"
@@ -100,7 +100,8 @@ def conv_lowerings(
         if spatial == 2 and has_batch:
             # the batched GEMM copies a channels-last map in and out of its [N, C, B*H*W]
             # layout, and its gradient back (docs/BENCHMARKS.md, efficientnet)
-            in_place = x.device.type == "cpu" and _channels_last_rows(x) is not None
+            rows = _channels_last_rows(x) if x.device.type == "cpu" else None
+            in_place = rows is not None and rows.shape[0] >= _POINTWISE_IN_PLACE_MIN_ROWS
             names.insert(0 if in_place else 1, "pointwise_channels_last")
     if x_batched and groups == 1 and two_d and not isinstance(padding, str):
         names.append("im2col_bmm")  # never the cost model's choice: autotune's to find
@@ -413,6 +414,11 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spatial: int
     y = torch.bmm(w, xs) if bias is None else torch.baddbmm(bias.reshape(n, cout, 1), w, xs)
     y = y.view(n, cout, lead, *sizes).movedim(2, 0).contiguous().movedim(0, 1)
     return y if has_batch else y.squeeze(1)
+
+
+#: Below this many rows (``B*H*W``: SE's 1x1 maps, 2x2 maps) the N GEMM calls cost more than
+#: the batched GEMM's copies of so small a map (docs/DESIGN_NOTES.md).
+_POINTWISE_IN_PLACE_MIN_ROWS = 64
 
 
 def _channels_last_rows(x: Tensor) -> Tensor | None:
