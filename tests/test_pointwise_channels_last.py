@@ -99,6 +99,13 @@ def test_pointwise_channels_last_falls_back_to_the_batched_gemm():
 
     torch.testing.assert_close(torch.func.grad(loss)(weight),
                                torch.autograd.functional.jacobian(loss, weight))
+    # autocast: the GEMMs' out= would have to be bfloat16; the batched GEMM casts
+    x32, w32 = x.float(), weight.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = rt_conv.conv(x32, w32, None, spatial=2, x_batched=True, lowering=LOWERING)
+        want = rt_conv.conv(x32, w32, None, spatial=2, x_batched=True, lowering="pointwise_bmm")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
 
 
 class MBConvNet(nn.Module):

@@ -425,9 +425,11 @@ def _channels_last_rows(x: Tensor) -> Tensor | None:
     """A batched ``[N, B, C, H, W]`` map as the ``[B*H*W, N*C]`` matrix of its memory (a
     view), where the folded map is channels-last (1x1 maps are both layouts); else ``None``.
     Not under ``torch.func`` transforms (vmap refuses strides), autocast (the GEMMs
-    write into an output of their own dtype) or forward-mode AD (no ``jvp`` rule)."""
-    if torch._C._are_functorch_transforms_active() or torch.is_autocast_enabled(
-            x.device.type) or torch.autograd.forward_ad._current_level >= 0:
+    write into an output of their own dtype), forward-mode AD (no ``jvp`` rule) or
+    ``torch.compile`` (whose kernels fuse the batched GEMM's copies anyway)."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() \
+            or torch.is_autocast_enabled(x.device.type) \
+            or torch.autograd.forward_ad._current_level >= 0:
         return None
     if not x.is_floating_point():
         return None
