@@ -85,13 +85,19 @@ def _is_tensor(value) -> bool:
 #: its constant arguments): their input there is usually a view (a fused conv or norm
 #: unfolds ``[B, N*C, ...]`` to ``[N, B, C, ...]``), and an in-place op on a view makes
 #: autograd rebuild the base in the backward (a clone, as_strided and copy_ of the whole
-#: activation per op: docs/DESIGN_NOTES.md). Only these,
-#: whose backward from the input equals the in-place one's from the result.
+#: activation per op: docs/DESIGN_NOTES.md). Only these, whose backward from the input
+#: equals the in-place one's: from the result (the ReLUs), or from the input that the
+#: in-place op clones before writing (SiLU, Hardswish, Mish, Hardsigmoid: EfficientNet's
+#: and MobileNetV3's, where the rebuild also handed their backward an N-major gradient).
 OUT_OF_PLACE = {
     nn.ReLU: lambda m: (F.relu, ()),
     nn.ReLU6: lambda m: (F.hardtanh, (m.min_val, m.max_val)),
     nn.Hardtanh: lambda m: (F.hardtanh, (m.min_val, m.max_val)),
     nn.LeakyReLU: lambda m: (F.leaky_relu, (m.negative_slope,)),
+    nn.SiLU: lambda m: (F.silu, ()),
+    nn.Hardswish: lambda m: (F.hardswish, ()),
+    nn.Mish: lambda m: (F.mish, ()),
+    nn.Hardsigmoid: lambda m: (F.hardsigmoid, ()),
 }
 
 

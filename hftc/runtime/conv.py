@@ -54,6 +54,9 @@ def conv_lowerings(
     ``grouped_channels_last``     the same in channels-last memory (2-d, with a batch)
     ``pointwise_bmm``             1x1 conv of batched inputs as one ``baddbmm`` (2-d;
                                   1-d: autotune's candidate)
+    ``pointwise_channels_last``   1x1 conv of a batched channels-last 2-d map: one GEMM
+                                  per model on its channel slice, in place (no copies);
+                                  other maps: ``pointwise_bmm``
     ``shared_conv``               shared input, ``g == 1``: one conv, ``N*Cout`` outputs
     ``shared_im2col``             shared input, 2-d: ``unfold`` once, one GEMM
     ``im2col_bmm``                batched input, 2-d, ``g == 1``: ``unfold`` + a batched GEMM
@@ -63,11 +66,12 @@ def conv_lowerings(
     ============================  ====================================================
 
     The cost model (measured on CPUs with oneDNN, see each lowering's docstring):
-    1x1 convs as batched GEMMs; few-tap shared convs (``Cin*kh*kw <= 32``) as
-    im2col; depthwise convs with kernels of 5x5 and up as ``depthwise_wgrad_conv``;
-    grouped convs with few input channels per group and large kernels, and
-    those whose map arrives channels-last and outsizes their weight, in channels-last
-    memory; every other conv as one grouped (or shared) conv.
+    1x1 convs of channels-last maps of 64 rows (``B*H*W``) and more (CPU) as per-model
+    GEMMs on the map's own memory, other 1x1 convs as batched GEMMs; few-tap shared
+    convs (``Cin*kh*kw <= 32``) as im2col; depthwise convs with kernels of 5x5 and up
+    as ``depthwise_wgrad_conv``; grouped convs with few input channels per group and
+    large kernels, and those whose map arrives channels-last and outsizes their weight,
+    in channels-last memory; every other conv as one grouped (or shared) conv.
     ``hftc.fuse(..., autotune=True)`` times the rest (:mod:`hftc.compile.autotune`).
     """
     two_d = spatial == 2 and padding_mode == "zeros"
@@ -93,6 +97,12 @@ def conv_lowerings(
     if x_batched and groups == 1 and spatial in (1, 2) and _is_pointwise(
             weight, stride, padding, dilation, padding_mode, spatial):
         names.insert(0 if spatial == 2 else 1, "pointwise_bmm")
+        if spatial == 2 and has_batch:
+            # the batched GEMM copies a channels-last map in and out of its [N, C, B*H*W]
+            # layout, and its gradient back (docs/BENCHMARKS.md, efficientnet)
+            rows = _channels_last_rows(x) if x.device.type == "cpu" else None
+            in_place = rows is not None and rows.shape[0] >= _POINTWISE_IN_PLACE_MIN_ROWS
+            names.insert(0 if in_place else 1, "pointwise_channels_last")
     if x_batched and groups == 1 and two_d and not isinstance(padding, str):
         names.append("im2col_bmm")  # never the cost model's choice: autotune's to find
     if two_d and has_batch and _is_plain_depthwise(x, weight, stride, padding, dilation, groups):
@@ -135,6 +145,8 @@ def conv(
     n = weight.shape[0]
     if lowering == "pointwise_bmm":
         return _pointwise_conv(x, weight, bias, spatial)
+    if lowering == "pointwise_channels_last":
+        return _pointwise_channels_last(x, weight, bias)
     w = weight.flatten(0, 1)
     b = bias.flatten() if bias is not None else None
     if lowering == "shared_im2col":
@@ -402,6 +414,113 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spatial: int
     y = torch.bmm(w, xs) if bias is None else torch.baddbmm(bias.reshape(n, cout, 1), w, xs)
     y = y.view(n, cout, lead, *sizes).movedim(2, 0).contiguous().movedim(0, 1)
     return y if has_batch else y.squeeze(1)
+
+
+#: Below this many rows (``B*H*W``: SE's 1x1 maps, 2x2 maps) the N GEMM calls cost more than
+#: the batched GEMM's copies of so small a map (docs/DESIGN_NOTES.md).
+_POINTWISE_IN_PLACE_MIN_ROWS = 64
+
+
+def _channels_last_rows(x: Tensor) -> Tensor | None:
+    """A batched ``[N, B, C, H, W]`` map as the ``[B*H*W, N*C]`` matrix of its memory (a
+    view), where the folded map is channels-last (1x1 maps are both layouts); else ``None``.
+    Not under ``torch.func`` transforms (vmap refuses strides), autocast (the GEMMs
+    write into an output of their own dtype), forward-mode AD (no ``jvp`` rule) or
+    ``torch.compile`` (whose kernels fuse the batched GEMM's copies anyway)."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() \
+            or torch.is_autocast_enabled(x.device.type) \
+            or torch.autograd.forward_ad._current_level >= 0:
+        return None
+    if not x.is_floating_point():
+        return None
+    folded = fold_channels(x, True)
+    if not folded.is_contiguous(memory_format=torch.channels_last):
+        return None
+    return folded.permute(0, 2, 3, 1).reshape(-1, folded.shape[1])
+
+
+def _pointwise_channels_last(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """N 1x1 convolutions of a batched channels-last map, each a GEMM on its own columns.
+
+    ::
+
+        x folded [B, N*Cin, H, W] channels-last = rows [B*H*W, N*Cin]   (a view)
+        y rows[:, n*Cout:(n+1)*Cout] = rows[:, n*Cin:(n+1)*Cin] @ W_n^T + b_n   (n = 0..N-1)
+        y rows [B*H*W, N*Cout] = [B, N*Cout, H, W] channels-last   -> [N, B, Cout, H, W]
+
+    Each GEMM reads and writes a column slice of the map in place (BLAS takes the
+    row stride), so nothing is copied in the forward or the backward, and the output
+    and the input's gradient keep the channels-last layout of the ops around them;
+    :func:`_pointwise_conv`'s batched GEMM needs ``[N, C, B*H*W]`` and copies a
+    channels-last map in and out of it, its gradient included.
+    """
+    n, cout, cin = weight.shape[:3]
+    rows = _channels_last_rows(x)
+    if rows is None:  # an NCHW map, or a torch.func transform: the batched GEMM
+        return _pointwise_conv(x, weight, bias, 2)
+    batch, height, width = x.shape[1], x.shape[3], x.shape[4]
+    b = None if bias is None else bias.reshape(n, cout)
+    y = apply_function_fast(_PointwiseRows, rows, weight.reshape(n, cout, cin), b)
+    y = y.view(batch, height, width, n * cout).permute(0, 3, 1, 2)
+    return unfold_channels(y, n, True)
+
+
+class _PointwiseRows(torch.autograd.Function):
+    """``rows [P, N*Cin] -> [P, N*Cout]``: model n's columns times ``W_n^T`` plus ``b_n``.
+
+    ::
+
+        y[:, n]   = x[:, n] @ W_n^T + b_n
+        grad x[:, n] = dy[:, n] @ W_n;   grad W_n = dy[:, n]^T @ x[:, n];   grad b_n = sum dy[:, n]
+
+    (``[:, n]``: model n's column slice.)  Every GEMM writes its slice of the result with
+    ``out=``; a double backward (``create_graph``) takes the same products as
+    differentiable ops instead.
+    """
+
+    @staticmethod
+    def forward(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        n, cout, cin = weight.shape
+        out = rows.new_empty(rows.shape[0], n * cout)
+        for i in range(n):
+            x_i, y_i = rows[:, i * cin:(i + 1) * cin], out[:, i * cout:(i + 1) * cout]
+            if bias is None:
+                torch.mm(x_i, weight[i].t(), out=y_i)
+            else:
+                torch.addmm(bias[i], x_i, weight[i].t(), out=y_i)
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        rows, weight, bias = inputs
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        rows, weight = ctx.saved_tensors
+        n, cout, cin = weight.shape
+        need_rows, need_w, need_b = ctx.needs_input_grad
+        grads = [grad[:, i * cout:(i + 1) * cout] for i in range(n)]
+        inputs = [rows[:, i * cin:(i + 1) * cin] for i in range(n)]
+        grad_rows = grad_w = grad_b = None
+        if torch.is_grad_enabled():  # create_graph: products autograd can differentiate
+            if need_rows:
+                grad_rows = torch.cat([g @ weight[i] for i, g in enumerate(grads)], dim=1)
+            if need_w:
+                grad_w = torch.stack([g.t() @ x_i for g, x_i in zip(grads, inputs)])
+        else:
+            if need_rows:
+                grad_rows = rows.new_empty(rows.shape)
+                for i, g in enumerate(grads):
+                    torch.mm(g, weight[i], out=grad_rows[:, i * cin:(i + 1) * cin])
+            if need_w:
+                grad_w = weight.new_empty(weight.shape)
+                for i, (g, x_i) in enumerate(zip(grads, inputs)):
+                    torch.mm(g.t(), x_i, out=grad_w[i])
+        if need_b and ctx.has_bias:
+            grad_b = grad.sum(0).view(n, cout)
+        return grad_rows, grad_w, grad_b
 
 
 def _gradient_in_layout_of(x: Tensor) -> None:
