@@ -192,6 +192,21 @@ def _train_fused(fused: hftc.FusedModule, optimizer: str, batches):
     return opt
 
 
+def _trains_as_alone(models, optimizer: str, batches) -> hftc.FusedModule:
+    """Fuse ``models`` padded, train them and copies alone on ``batches``: every weight
+    and buffer within 1e-9, the padding exactly 0; the fused module."""
+    alone = [copy.deepcopy(m) for m in models]
+    fused = hftc.fuse(models, pad_widths=True)
+    opt = _train_fused(fused, optimizer, batches)
+    for i, model in enumerate(alone):
+        _train_alone(model, optimizer, i, batches)
+        got = fused.model_state_dict(i)
+        for name, want in model.state_dict().items():
+            assert _relative(got[name], want) <= 1e-9, (i, name)
+    _assert_padding_zero(fused, opt)
+    return fused
+
+
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
@@ -390,14 +405,9 @@ def test_ops_over_a_padded_dim_are_computed_over_the_real_units(optimizer):
     alone = [copy.deepcopy(m) for m in models]
     batches = _batches("mlp", 10, torch.float64)
     batches = [(x[:, :6], y % 4) for x, y in batches]
-    fused = hftc.fuse(models, pad_widths=True)
-    opt = _train_fused(fused, optimizer, batches)
+    fused = _trains_as_alone(models, optimizer, batches)
     for i, model in enumerate(alone):
         _train_alone(model, optimizer, i, batches)
-        got = fused.model_state_dict(i)
-        for name, want in model.state_dict().items():
-            assert _relative(got[name], want) <= 1e-9, (i, name)
-    _assert_padding_zero(fused, opt)
     x = batches[0][0]
     out = fused(x)
     for i, back in enumerate(fused.unfuse()):
@@ -459,18 +469,10 @@ def test_a_packed_q_k_v_split_trains_as_alone(optimizer):
     torch.manual_seed(7)
     models = [nn.Sequential(nn.Linear(5, d), PackedAttention(d), nn.Linear(d, 3)).double()
               for d in (32, 64)]
-    alone = [copy.deepcopy(m) for m in models]
     g = torch.Generator().manual_seed(8)
     batches = [(torch.randn(2, 6, 5, generator=g, dtype=torch.float64),
                 torch.randint(0, 3, (2, 6), generator=g)) for _ in range(10)]
-    fused = hftc.fuse(models, pad_widths=True)
-    opt = _train_fused(fused, optimizer, batches)
-    for i, model in enumerate(alone):
-        _train_alone(model, optimizer, i, batches)
-        got = fused.model_state_dict(i)
-        for name, want in model.state_dict().items():
-            assert _relative(got[name], want) <= 1e-9, (i, name)
-    _assert_padding_zero(fused, opt)
+    _trains_as_alone(models, optimizer, batches)
 
 
 def test_the_locating_message_names_the_op():
@@ -531,18 +533,10 @@ def test_a_raw_parameter_of_another_width_is_padded(optimizer):
     with torch.no_grad():
         for m in models:
             m.pos_emb.normal_()
-    alone = [copy.deepcopy(m) for m in models]
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(2, 8, 1, generator=g, dtype=torch.float64),
                 torch.randint(0, 3, (2, 8), generator=g)) for _ in range(5)]
-    fused = hftc.fuse(models, pad_widths=True)
-    opt = _train_fused(fused, optimizer, batches)
-    for i, model in enumerate(alone):
-        _train_alone(model, optimizer, i, batches)
-        got = fused.model_state_dict(i)
-        for name, want in model.state_dict().items():
-            assert _relative(got[name], want) <= 1e-9, (i, name)
-    _assert_padding_zero(fused, opt)
+    _trains_as_alone(models, optimizer, batches)
 
 
 def test_grouped_conv_widths_are_refused():
