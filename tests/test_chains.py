@@ -269,3 +269,143 @@ def test_no_chain_across_a_change_of_grad_mode_or_autocast():
     assert chain_calls(fused) == 0
     for i, m in enumerate(models):
         assert torch.equal(out[i], m(x))
+
+
+# --------------------------------------------------------------------------- decoder + log-softmax
+# pytorch/examples word_language_model's RNNModel: its Linear decoder's [T*B, ntoken] logits
+# go through log_softmax; compile/chains.py makes the pair one linear_log_softmax call,
+# which runs model by model where the logits are large (runtime/linear.py).
+
+
+class WordLanguageModel(nn.Module):
+    """word_language_model's RNNModel (LSTM), small, without dropout (hftc's dropout
+    draws other masks than the models' own)."""
+
+    def __init__(self, ntoken=50, ninp=8, nhid=12, nlayers=2, bias=True, dim=1, view=True):
+        super().__init__()
+        self.ntoken, self.dim, self.view = ntoken, dim, view
+        self.encoder = nn.Embedding(ntoken, ninp)
+        self.rnn = nn.LSTM(ninp, nhid, nlayers)
+        self.decoder = nn.Linear(nhid, ntoken, bias=bias)
+
+    def forward(self, input, hidden=None):
+        output, hidden = self.rnn(self.encoder(input), hidden)
+        decoded = self.decoder(output)
+        if self.view:
+            decoded = decoded.view(-1, self.ntoken)
+        return F.log_softmax(decoded, dim=self.dim), hidden
+
+
+@pytest.fixture
+def every_size_model_by_model(monkeypatch):
+    """The per-model schedule at test sizes; counts its forwards."""
+    monkeypatch.setattr(rt_linear, "_PER_MODEL_BLOCK_BYTES", 0)
+    monkeypatch.setattr(rt_linear, "_PER_MODEL_TOTAL_BYTES", 0)
+    calls = []
+    forward = rt_linear._PerModelLinearLogSoftmax.forward
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return forward(*args)
+
+    monkeypatch.setattr(rt_linear._PerModelLinearLogSoftmax, "forward", staticmethod(counted))
+    return calls
+
+
+def tail_calls(fused) -> int:
+    return fused.last_program().source.count("hftc_runtime_linear_linear_log_softmax(")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", [{}, {"bias": False}, {"dim": -1}, {"view": False, "dim": 2}],
+                         ids=["view", "no-bias", "dim-1", "no-view"])
+def test_decoder_and_log_softmax_run_model_by_model_as_the_loop(every_size_model_by_model,
+                                                                 variant, dtype):
+    torch.manual_seed(0)
+    models = [WordLanguageModel(**variant) for _ in range(3)]
+    tokens = torch.randint(0, 50, (7, 4))
+    fused = check_equivalence(models, tokens, dtype=dtype, steps=2)
+    assert tail_calls(fused) == 1
+    assert every_size_model_by_model, "the per-model Function did not run"
+    assert every_size_model_by_model[-1] == (3, 28, 12)
+
+
+def test_linear_log_softmax_at_a_language_models_size_against_the_per_model_ops():
+    # word_language_model's decoder at the benchmark's size (bptt 35, batch 20, 200 ->
+    # 2,000 words: 5.6 MB of logits a model): the default thresholds take the per-model
+    # schedule; forward and every gradient against F.linear + F.log_softmax per model.
+    torch.manual_seed(0)
+    n, rows, cols = 3, (35, 20), (200, 2000)
+    for dtype in DTYPES:
+        x = torch.randn(n, *rows, cols[0], dtype=dtype, requires_grad=True)
+        w = (0.1 * torch.randn(n, cols[1], cols[0], dtype=dtype)).requires_grad_()
+        b = torch.randn(n, cols[1], dtype=dtype, requires_grad=True)
+        assert rt_linear._per_model_log_softmax(x, w, b, (-1, cols[1]), 2, True, None) == 700
+        out = rt_linear.linear_log_softmax(x, w, b, (-1, cols[1]), 2, x_batched=True)
+        node = out.grad_fn  # (through the reshape's view)
+        while node.name() == "ViewBackward0":
+            node = node.next_functions[0][0]
+        assert node.name() == "_PerModelLinearLogSoftmaxBackward"
+        g = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (x, w, b), g)
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+        for i in range(n):
+            ref = F.log_softmax(F.linear(x[i], w[i], b[i]).view(-1, cols[1]), dim=1)
+            torch.testing.assert_close(out[i], ref, **tol)
+            ref_grads = torch.autograd.grad(ref, (x, w, b), g[i])
+            for got, want in zip(grads, ref_grads):
+                torch.testing.assert_close(got[i], want[i], **tol)
+
+
+def test_double_backward_through_the_per_model_decoder(every_size_model_by_model):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    fn = lambda x, w, b: rt_linear.linear_log_softmax(x, w, b, None, -1, x_batched=True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+    assert torch.autograd.gradgradcheck(fn, (x, w, b))
+    assert every_size_model_by_model
+
+
+def test_what_takes_the_per_model_decoder_and_what_runs_the_ops_unchanged(
+        every_size_model_by_model):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    w, b = torch.randn(2, 5, 4), torch.randn(2, 5)
+    per_model = rt_linear._per_model_log_softmax
+    assert per_model(x, w, b, None, -1, True, None) == 3
+    assert per_model(x, w, b, (-1, 5), 2, True, None) == 3
+    assert per_model(x, w, b, None, 1, True, None) is None          # not over the logits
+    assert per_model(x, w, b, (15,), 1, True, None) is None         # rows of logits merged
+    assert per_model(x, w, b, None, -1, True, "loop") is None       # autotune's lowering
+    assert per_model(x, w, b, None, -1, False, None) is None        # a shared input
+    assert per_model(x.double(), w, b, None, -1, True, None) is None
+    with torch.autocast("cpu"):
+        assert per_model(x, w, b, None, -1, True, None) is None
+    # The unchanged ops where it does not: the same tensors bit for bit.
+    out = rt_linear.linear_log_softmax(x, w, b, None, 1, x_batched=True)
+    torch.testing.assert_close(out, torch.log_softmax(torch.baddbmm(
+        b[:, None], x, w.transpose(1, 2)), 1), rtol=0, atol=0)
+    assert not every_size_model_by_model
+
+
+def test_default_sizes_keep_small_heads_batched():
+    # An MNIST-style 10-class head: 40 bytes a row; batched, as before.
+    x, w, b = torch.randn(4, 64, 32), torch.randn(4, 10, 32), torch.randn(4, 10)
+    assert rt_linear._per_model_log_softmax(x, w, b, None, -1, True, None) is None
+
+
+def test_a_chain_ending_in_log_softmax_stays_a_chain():
+    # pytorch/examples mnist-style MLP with log_softmax: the chain keeps its last linear.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 9), nn.Linear(9, 4)
+
+        def forward(self, x):
+            return F.log_softmax(self.fc2(F.relu(self.fc1(x))), dim=1)
+
+    torch.manual_seed(0)
+    fused = check_equivalence([Net() for _ in range(3)], torch.randn(5, 6), steps=2)
+    assert chain_calls(fused) == 1 and tail_calls(fused) == 0

@@ -41,6 +41,8 @@ from torch import nn
 
 from .. import ir
 from ..runtime import linear as rt_linear
+from ..runtime import reduction as rt_reduction
+from ..runtime import spatial as rt_spatial
 
 #: Lowerings of ``linear`` a chain can run (``None``: the cost model's, decided
 #: on the shapes at run time; the chain falls back to the layers one by one where that
@@ -82,8 +84,10 @@ def _only_user(node: fx.Node) -> fx.Node | None:
 
 def chain_linears(graph: fx.Graph, root: nn.Module) -> fx.Graph:
     """``graph``, or a copy of it with each chain of two or more linears as one
-    :func:`linear_chain` call (see the module docstring for which chain)."""
-    if not _find_chains(graph, root):
+    :func:`linear_chain` call (see the module docstring for which chain), and each
+    remaining linear whose only use is a log-softmax as one :func:`linear_log_softmax`
+    call (:func:`_find_log_softmax_tails`)."""
+    if not _find_chains(graph, root) and not _find_log_softmax_tails(graph):
         return graph
     graph = deepcopy(graph)
     for links in _find_chains(graph, root):
@@ -104,8 +108,45 @@ def chain_linears(graph: fx.Graph, root: nn.Module) -> fx.Graph:
             graph.erase_node(linear)
             if activation is not None:
                 graph.erase_node(activation)
+    for linear, view, log_softmax in _find_log_softmax_tails(graph):
+        with graph.inserting_before(log_softmax):
+            tail = graph.call_function(
+                rt_linear.linear_log_softmax,
+                (*linear.args, None if view is None else tuple(view.args[1:]),
+                 log_softmax.args[1]),
+                {"x_batched": linear.kwargs["x_batched"],
+                 "lowering": linear.kwargs.get("lowering")})
+        tail.meta = dict(log_softmax.meta)
+        log_softmax.replace_all_uses_with(tail)
+        for node in (log_softmax, view, linear):
+            if node is not None:
+                graph.erase_node(node)
     graph.lint()
     return graph
+
+
+def _find_log_softmax_tails(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node | None, fx.Node]]:
+    """``(linear, reshape or None, log_softmax)``: a batched linear whose only use is a
+    log-softmax over one dim, through at most one reshape used only there (a language
+    model's decoder, ``decoded.view(-1, ntoken)``, ``F.log_softmax(decoded, dim=1)``).
+    :func:`~hftc.runtime.linear.linear_log_softmax` decides at run time, on the shapes,
+    whether to run it model by model."""
+    tails = []
+    for node in graph.nodes:
+        if not _is_linear(node) or not node.kwargs.get("x_batched"):
+            continue
+        view, user = None, _only_user(node)
+        if (user is not None and user.op == "call_function" and user.target is rt_spatial.reshape
+                and user.args[0] is node and not user.kwargs and len(user.args) >= 2):
+            view, user = user, _only_user(user)
+        if (user is not None and user.op == "call_function"
+                and user.target is rt_reduction.softmax and len(user.args) == 2
+                and user.args[0] is (view or node) and isinstance(user.args[1], int)
+                and user.kwargs.get("log") is True and user.kwargs.get("dtype") is None
+                and set(user.kwargs) <= {"log", "dtype"}
+                and not _mode_switch_between(node, user)):
+            tails.append((node, view, user))
+    return tails
 
 
 

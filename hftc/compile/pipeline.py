@@ -175,7 +175,14 @@ def choose_strategy_stage(state: ProgramState, options: CompileOptions) -> None:
     if options.strategy == "model_loop":
         state.how = ProgramChoice(fused._models_one_by_one())
         state.plan = StrategyChoice("model_loop", "forced")
-    elif options.strategy == "fused" or state.spec is not None or options.checkpoint:
+        report.strategy = state.plan
+        return
+    if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in state.values):
+        # As autotune does (below): the fused step's N-model buffers outgrow glibc's
+        # adaptive thresholds and were faulted in again every step (runtime/memory.py);
+        # before the timing, so the fused program is timed as its steps will run.
+        keep_freed_memory_for_tuning()
+    if options.strategy == "fused" or state.spec is not None or options.checkpoint:
         # (an output rebuilt from a flat tuple, a dataclass: the loop returns the models'
         # own, which the timing cannot take a backward through; checkpoint=: the fused
         # program is what is checkpointed, for the memory)

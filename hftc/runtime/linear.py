@@ -20,6 +20,7 @@ under autocast, and without the Function where no gradient is recorded.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -384,3 +385,125 @@ def _recomputed_gradients(ctx: Any, grad: Tensor, x3: Tensor, params: list) -> l
         got = iter(torch.autograd.grad(y, wanted, grad, create_graph=True, allow_unused=True))
     out = [next(got) if flag else None for flag in flags]
     return [out[0], None, None, *out[1:]]
+
+
+def linear_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple | None,
+                       dim: int, *, x_batched: bool, lowering: str | None = None) -> Tensor:
+    """``softmax(reshape(linear(x, W, b), *shape), dim, log=True)``: a fused decoder and
+    its log-softmax, model by model where the logits are large (``shape`` None: no reshape).
+
+    ::
+
+        before:  logits = baddbmm(b, x, W^T)            [N, M, out], then log_softmax over it
+        after:   for each model n: out[n] = log_softmax(addmm(b_n, x_n, W_n^T))
+                 backward, for each n: d = log_softmax_backward(g[n], out[n]);
+                 dx_n = d @ W_n, dW_n = d^T @ x_n, db_n = d.sum(0)
+
+    One model's logits (a language model's ``[T*B, vocabulary]``, megabytes) are still in
+    the cache when its log-softmax reads them and when its GEMMs read its gradient; all N
+    models' at once are not, and each of these memory-bound passes over them took about
+    twice as long per byte as the serial loop's (docs/BENCHMARKS.md, lstm_lm).  Taken where
+    :func:`_per_model_log_softmax` says so; elsewhere (and with a ``lowering`` autotune
+    chose) the unchanged ops, :func:`linear` then :func:`~hftc.runtime.reduction.softmax`.
+    Same formulas as ``F.linear`` + ``F.log_softmax`` per model (the serial loop's
+    ``addmm``), so results agree with the batched product within a rounding.
+    """
+    from .reduction import softmax
+    from .spatial import reshape
+
+    rows = _per_model_log_softmax(x, weight, bias, shape, dim, x_batched, lowering)
+    if rows is None:
+        y = linear(x, weight, bias, x_batched=x_batched, lowering=lowering)
+        return softmax(y if shape is None else reshape(y, *shape), dim, log=True)
+    y = apply_function_fast(_PerModelLinearLogSoftmax, x.reshape(x.shape[0], rows, -1),
+                            weight, bias)
+    return y.reshape(x.shape[:-1] + (weight.shape[1],)) if shape is None else reshape(y, *shape)
+
+
+#: The per-model schedule of :func:`linear_log_softmax` where one model's logits take at
+#: least this many bytes (smaller ones stay in the cache batched, and N small GEMMs lose
+#: to one batched product) and all N models' at least ``_PER_MODEL_TOTAL_BYTES``.
+_PER_MODEL_BLOCK_BYTES = 512 * 1024
+_PER_MODEL_TOTAL_BYTES = 4 * 1024 * 1024
+
+
+def _per_model_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple | None,
+                           dim: int, x_batched: bool, lowering: str | None) -> int | None:
+    """Each model's row count ``M`` where :func:`linear_log_softmax` runs model by model,
+    else None: the CPU, float32/64 alike, no autocast, ``torch.func`` or ``torch.compile``
+    (the Function's backward writes into preallocated outputs), the cost model's lowering,
+    a batched input, and a log-softmax over the logits' last dim."""
+    n, out_features, _ = weight.shape
+    if (not x_batched or lowering is not None or x.device.type != "cpu"
+            or x.dtype not in (torch.float32, torch.float64) or weight.dtype != x.dtype
+            or (bias is not None and bias.dtype != x.dtype) or x.dim() < 3
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()
+            or torch._C._are_functorch_transforms_active()):
+        return None
+    rows = math.prod(x.shape[1:-1])
+    if shape is None:
+        last_dim = x.dim() - 1
+    else:
+        from .spatial import _shape_arg
+
+        target = _shape_arg(shape)
+        # Only a reshape that keeps each row of logits a row (its last size given).
+        if not target or target[-1] != out_features:
+            return None
+        last_dim = len(target)
+    if dim % (last_dim + 1) != last_dim:
+        return None
+    block = rows * out_features * x.element_size()
+    if n < 2 or block < _PER_MODEL_BLOCK_BYTES or n * block < _PER_MODEL_TOTAL_BYTES:
+        return None
+    return rows
+
+
+class _PerModelLinearLogSoftmax(torch.autograd.Function):
+    """``log_softmax(x3[n] @ W[n]^T + b[n])`` model by model (:func:`linear_log_softmax`).
+
+    ``x3`` ``[N, M, in]``, ``W`` ``[N, out, in]``, ``b`` ``[N, out]`` -> ``[N, M, out]``.
+    The backward runs ATen's ``_log_softmax_backward_data`` and the GEMMs per model into
+    preallocated gradients; under ``create_graph`` it computes the same in
+    differentiable whole-tensor ops (log_softmax's ``g - exp(y) * g.sum(-1)``), so a
+    double backward works.
+    """
+
+    @staticmethod
+    def forward(x3: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        n, rows, _ = x3.shape
+        out = x3.new_empty(n, rows, weight.shape[1])
+        for i in range(n):
+            logits = (torch.mm(x3[i], weight[i].t()) if bias is None
+                      else torch.addmm(bias[i], x3[i], weight[i].t()))
+            torch._log_softmax(logits, 1, False, out=out[i])
+        return out
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        x3, weight, bias = inputs
+        ctx.save_for_backward(x3, weight, output)
+        ctx.has_bias = bias is not None
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x3, weight, out = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        need_b = need_b and ctx.has_bias
+        if torch.is_grad_enabled():  # create_graph: differentiable ops
+            d = grad - out.exp() * grad.sum(-1, keepdim=True)
+            return (torch.bmm(d, weight) if need_x else None,
+                    torch.bmm(d.transpose(1, 2), x3) if need_w else None,
+                    d.sum(1) if need_b else None)
+        grad_x = torch.empty_like(x3) if need_x else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        grad_b = x3.new_empty(weight.shape[:2]) if need_b else None
+        for i in range(x3.shape[0]):
+            d = torch._log_softmax_backward_data(grad[i], out[i], 1, out.dtype)
+            if need_x:
+                torch.mm(d, weight[i], out=grad_x[i])
+            if need_w:
+                torch.mm(d.t(), x3[i], out=grad_w[i])
+            if need_b:
+                torch.sum(d, 0, out=grad_b[i])
+        return grad_x, grad_w, grad_b

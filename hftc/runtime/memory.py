@@ -16,17 +16,19 @@ loop's one-model working set stays under the thresholds (docs/DESIGN_NOTES.md).
                                   largest mmap threshold glibc accepts, 32 MiB)
     M_TRIM_THRESHOLD = 2 GiB - 1  freed heap memory stays with the process
 
-so a step's memory is faulted in once, in the first step, and reused after.
-The process's resident memory then stays at its peak, which a training job
-reaches every step anyway.  ``hftc.fuse(..., autotune=True)`` calls it once it
-has tuned a forward's ops on CPU tensors (set ``HFTC_KEEP_FREED_MEMORY=0`` to
-prevent that): after the ops' tuning, whose candidates allocate buffers of every
-size that would otherwise stay in the heap (called before the tuning, the peak
-grew by a quarter: docs/DESIGN_NOTES.md), and before the whole forward's, whose candidates
-must be timed as the steps will run them: under the defaults the fused program
-(N models' buffers at once) was faulted in on every timed run and the model loop
-was not, and PointNet N = 16 timed 1.33 s against the loop's 0.98 s where the
-steps took 0.95 s either way.  Elsewhere (not glibc) it does nothing and says so.
+so a step's memory is faulted in once, in the first step, and reused after. The
+process's resident memory then stays at its peak, which a training job reaches every
+step anyway. ``hftc.fuse(models)`` calls it on CPU tensors before its strategy
+choice times the fused program (unless ``strategy="model_loop"``), and
+``hftc.fuse(..., autotune=True)`` once it has tuned a forward's ops (set
+``HFTC_KEEP_FREED_MEMORY=0`` to prevent either): after the ops' tuning, whose
+candidates allocate buffers of every size that would otherwise stay in the heap
+(called before the tuning, the peak grew by a quarter: docs/DESIGN_NOTES.md), and
+before the whole forward's, whose candidates must be timed as the steps will run
+them: under the defaults the fused program (N models' buffers at once) was faulted
+in on every timed run and the model loop was not, and PointNet N = 16 timed 1.33 s
+against the loop's 0.98 s where the steps took 0.95 s either way. Elsewhere (not
+glibc) it does nothing and says so.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def keep_freed_memory() -> bool:
 
 
 def keep_freed_memory_for_tuning() -> bool:
-    """:func:`keep_freed_memory` unless ``HFTC_KEEP_FREED_MEMORY`` is ``0`` (autotune's call)."""
+    """:func:`keep_freed_memory` unless ``HFTC_KEEP_FREED_MEMORY`` is ``0`` (the compile
+    pipeline's call on CPU inputs: autotune's, and the strategy choice's without it)."""
     if os.environ.get("HFTC_KEEP_FREED_MEMORY", "1").strip().lower() in ("0", "false", "no"):
         return False
     return keep_freed_memory()
