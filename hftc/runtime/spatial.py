@@ -21,8 +21,8 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from . import layout
+from .function_apply import apply_function_fast
 from .layout import expand_models, fold_channels, pad_model_dims, unfold_channels
-from .linear import apply_function_fast
 
 
 def prelu(x: Tensor, weight: Tensor, *, x_batched: bool) -> Tensor:
