@@ -23,7 +23,7 @@ import inspect
 import operator
 import re
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -460,13 +460,6 @@ class FusedModule(ContainerAccess, nn.Module):
         n = len(models)
         self.num_models = n
         self.in_dims = in_dims
-        if self.padding is not None and example_inputs is not None and _padded is None:
-            # forward's own ops over a padded dim, over each model's real units
-            example = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-            merged, batched = self._merge_inputs(example)
-            models = compute_over_real_units(unpadded, models, [
-                tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched))
-                for i in range(n)])
         # A root container indexes as the models do (fused[0] for nn.Sequential models).
         self.source_type = type(models[0]).__name__
         self._container = ContainerAccess.container_kind(models[0])
@@ -953,20 +946,8 @@ class FusedModule(ContainerAccess, nn.Module):
         if self.padding is not None:
             mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)
-        try:
-            program, how = self._program_and_way(values, batched)
-        except MismatchError as refused:
-            if self.padding is None:
-                raise
-            try:
-                rewritten = self._rewrite_padded_ops(values, batched)
-            except UnsupportedOperatorError:
-                raise  # names the op that cannot be computed on the real units
-            except Exception:  # noqa: BLE001 - the rewrite failed: the refusal stands
-                raise refused from None
-            if not rewritten:
-                raise
-            program, how = self._program_and_way(values, batched)
+        program, how = self._rewriting_padded_ops(
+            lambda: self._program_and_way(values, batched), values, batched)
         try:
             with ir.modes_restored_on_error():
                 if how is not None:  # the whole-model loop and/or autotune's layout
@@ -978,6 +959,26 @@ class FusedModule(ContainerAccess, nn.Module):
                 program.trial.last = None
             self._explain_input_mismatch(values, batched, exc)
             raise
+
+    def _rewriting_padded_ops(self, make: Callable[[], Any], values: Sequence[Any],
+                              batched: Sequence[bool]) -> Any:
+        """``make()`` (this call's program); where the first-call check refuses a padded
+        program, again after :meth:`_rewrite_padded_ops` (the refusal stands where no
+        rewrite helps; an op it cannot compute on the real units is named)."""
+        try:
+            return make()
+        except MismatchError as refused:
+            if self.padding is None:
+                raise
+            try:
+                rewritten = self._rewrite_padded_ops(values, batched)
+            except UnsupportedOperatorError:
+                raise
+            except Exception:  # noqa: BLE001 - the rewrite failed: the refusal stands
+                raise refused from None
+            if not rewritten:
+                raise
+            return make()
 
     def _rewrite_padded_ops(self, values: Sequence[Any], batched: Sequence[bool]) -> bool:
         """After the first-call check refused a padded program: rebuild this module from
@@ -1338,7 +1339,8 @@ class FusedModule(ContainerAccess, nn.Module):
         if not args and set(kwargs) <= _TORCH_COMPILE_OPTIONS and not set(kwargs) & inputs:
             return super().compile(**kwargs)
         values, batched = self._inputs(args, kwargs)
-        return self._program(values, batched)
+        return self._rewriting_padded_ops(lambda: self._program(values, batched), values,
+                                          batched)
 
     # ------------------------------------------------------------------ other methods
 
