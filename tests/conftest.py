@@ -1,7 +1,10 @@
 """Shared pytest setup: every test starts from the same global RNG state."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 # ("auto") would time it against the models one by one on every first call and could run
 # the loop instead. tests/test_strategy.py tests "auto" itself.
 os.environ.setdefault("HFTC_STRATEGY", "fused")
+
+# Autotune's and fuse_groups' timing caches in a directory of the suite's own: a test that
+# expects a first call to be timed must not find a choice an earlier run (a user's sweep,
+# `make demo`, a previous CI attempt) left in ~/.cache/hftc.
+_CACHE_DIR = tempfile.mkdtemp(prefix="hftc-test-cache-")
+os.environ["HFTC_CACHE_DIR"] = _CACHE_DIR
+atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

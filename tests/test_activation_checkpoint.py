@@ -203,7 +203,7 @@ def test_a_segment_that_changes_its_input_in_place_is_refused(monkeypatch):
         fused(torch.randn(5, 6))
 
 
-def test_autotune_keeps_the_fused_program_that_checkpointing_needs(monkeypatch):
+def test_autotune_keeps_the_fused_program_that_checkpointing_needs(tmp_path, monkeypatch):
     """autotune=True may run the N models one by one where that is faster (nothing to
     checkpoint then); with checkpoint= the whole-forward choice leaves that candidate out,
     times (and takes the memory of) the candidates checkpointed, and the checkpointed
@@ -219,6 +219,7 @@ def test_autotune_keeps_the_fused_program_that_checkpointing_needs(monkeypatch):
         return run_step(fused, program_forward, how, *args, **kwargs)
 
     monkeypatch.setattr(autotune, "_run_step", spy)
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # timed here, not found cached
 
     x = torch.randn(5, 1, 8, 8)
     fused = check_equivalence(_models(ConvBNNet), x, dtype=torch.float32, steps=2,
