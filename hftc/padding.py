@@ -458,19 +458,41 @@ def locate_difference(original: nn.Module, padded: nn.Module, args: Sequence) ->
     return ""
 
 
-class _LeafTracer(torch.fx.Tracer):
-    """torch.nn's modules and the masked norms as leaves, the user's own traced through,
-    so that a model and its padded model give graphs that match node by node."""
+class PaddedLeafTracer(torch.fx.Tracer):
+    """torch.nn's modules and the padded modules as leaves, the user's own traced through,
+    so that a model and its padded model give graphs that match node by node.  Buffers are
+    proxies (``self.mask[:T, :T]`` is a node); every node keeps its stack trace (the
+    refusal names the user's line)."""
 
-    record_stack_traces = True
+    proxy_buffer_attributes = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.record_stack_traces = True
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return isinstance(m, _Padded) or super().is_leaf_module(m, qualname)
 
 
+class NodeRecorder(torch.fx.Interpreter):
+    """Runs a graph once, keeping every node's value in ``values``."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[torch.fx.Node, object] = {}
+
+    def run_node(self, n: torch.fx.Node) -> object:
+        self.values[n] = out = super().run_node(n)
+        return out
+
+
 def _node_values(model: nn.Module, args: Sequence) -> tuple[torch.fx.Graph, dict[str, object]]:
-    graph = _LeafTracer().trace(model)
-    return graph, _run_graph(model, graph, args)
+    tracer = PaddedLeafTracer()
+    graph = tracer.trace(model)
+    recorder = NodeRecorder(torch.fx.GraphModule(tracer.root, graph))
+    with torch.no_grad(), ConstantRandomness():
+        recorder.run(*args)
+    return graph, {n.name: v for n, v in recorder.values.items()}
 
 
 def _agree(want: object, got: object) -> bool:
@@ -499,7 +521,7 @@ def _user_frame(stack_trace: str) -> str:
 
 def _locate_op(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
     """The first op of forward's own code whose inputs agree on the original's units and
-    whose output does not (both models traced with :class:`_LeafTracer` and run on
+    whose output does not (both models traced with :class:`PaddedLeafTracer` and run on
     ``args``), named with its source line; "" where the models do not trace alike."""
     try:
         graph, wants = _node_values(original, args)
@@ -777,19 +799,6 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
 
 
 
-
-
-def _run_graph(module: nn.Module, graph: torch.fx.Graph, args: Sequence) -> dict[str, object]:
-    values: dict[str, object] = {}
-
-    class Recorder(torch.fx.Interpreter):
-        def run_node(self, n: torch.fx.Node) -> object:
-            values[n.name] = out = super().run_node(n)
-            return out
-
-    with torch.no_grad(), ConstantRandomness():
-        Recorder(torch.fx.GraphModule(module, graph)).run(*args)
-    return values
 
 
 def _op_name(node: torch.fx.Node) -> str:

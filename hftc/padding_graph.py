@@ -50,7 +50,7 @@ from torch.fx.graph_module import _format_import_block, _forward_from_src
 from torch.package import sys_importer
 
 from .errors import UnsupportedOperatorError
-from .padding import _Padded
+from .padding import NodeRecorder, PaddedLeafTracer, _Padded
 
 # ---------------------------------------------------------------- the rewritten ops
 
@@ -278,25 +278,11 @@ _POINTWISE_STOCK = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU
 # ---------------------------------------------------------------- tracing and values
 
 
-class _Leaves(fx.Tracer):
-    """fx's tracer, the padded modules leaves too: an original model and its padded one
-    give graphs that match node by node.  Buffers are proxies (``self.mask[:T, :T]``)."""
-
-    proxy_buffer_attributes = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.record_stack_traces = True
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, _Padded) or super().is_leaf_module(m, module_qualified_name)
-
-
 def _trace(model: nn.Module, training: bool, concrete: dict[str, Any]) -> fx.GraphModule:
     was = [(m, m.training) for m in model.modules()]
     model.train(training)
     try:
-        tracer = _Leaves()
+        tracer = PaddedLeafTracer()
         graph = tracer.trace(model, concrete_args=concrete or None)
         return fx.GraphModule(tracer.root, graph)
     finally:
@@ -304,24 +290,11 @@ def _trace(model: nn.Module, training: bool, concrete: dict[str, Any]) -> fx.Gra
             m.training = mode
 
 
-class _Recorder(fx.Interpreter):
-    """Runs a graph once, keeping every node's value (tensors detached)."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.values: dict[fx.Node, Any] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        out = super().run_node(n)
-        self.values[n] = out
-        return out
-
-
 def _run(model: nn.Module, training: bool, concrete: dict[str, Any], args: Sequence[Any]
          ) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
     gm = _trace(model, training, concrete)
     runner = copy.deepcopy(gm).train(training)  # (running statistics are not touched)
-    recorder = _Recorder(runner)
+    recorder = NodeRecorder(runner)
     with torch.no_grad():
         recorder.run(*args)
     nodes = dict(zip(runner.graph.nodes, gm.graph.nodes))
