@@ -87,7 +87,8 @@ def test_hand_fused_equals_stock_models(name, mode):
 @pytest.mark.parametrize("name", ["mlp", "lenet5"])
 def test_contenders_train_the_same_models(name):
     steps = {c: build_step(c, name, 3)
-             for c in ("serial", "hand-fused", "hftc", "hftc+step", "torch.func", "hftc+ckpt")}
+             for c in ("serial", "hand-fused", "hftc", "hftc+step", "torch.func", "hftc+ckpt",
+                       "hftc+defaults")}
     for s in steps.values():
         s.fn()
     want = steps["serial"].parameters()
@@ -246,6 +247,19 @@ def test_paired_ratios_pair_each_round():
 def _one_config(serial: list[float], hftc: list[float]) -> dict:
     runs = {"serial": {"step_s": serial}, "hftc": {"step_s": hftc}}
     return {"workloads": {"mlp": {"configs": [{"n": 2, "contenders": runs}]}}}
+
+
+def test_the_issue_29_targets_read_the_default_options_where_the_run_has_them():
+    # convnext N=4 with both: its row is hftc+defaults'; the every-N row comes for both.
+    runs = {"serial": {"step_s": [2.0, 2.0, 2.0]}, "hftc": {"step_s": [1.0, 1.0, 1.0]},
+            "hftc+defaults": {"step_s": [4.0, 4.0, 4.0]}}
+    result = {"config": {}, "workloads": {"convnext": {"configs": [{"n": 4, "contenders": runs}]}}}
+    rows = report._targets_table(result)
+    assert "| convnext N=4: hftc+defaults >= 1.2x serial | 0.50x |" in "\n".join(rows)
+    assert any(r.startswith("| every workload, every N >= 2: hftc >= 1.0x serial | lowest "
+                            "2.00x") for r in rows)
+    assert any(r.startswith("| every workload, every N >= 2: hftc+defaults >= 1.0x serial | "
+                            "lowest 0.50x") for r in rows)
 
 
 def test_the_ratio_interval_separates_noise_from_a_clear_result():

@@ -19,6 +19,9 @@ hftc+compile    the same with the forward and loss under ``torch.compile`` (indu
 hftc+step       the same through ``hftc.compile_step`` (its default mode: the whole step,
                 optimizer included where it can be, as one CUDA graph on a GPU; the eager
                 step on the CPU); bf16 via its ``autocast_dtype``
+hftc+defaults   ``hftc.fuse(models)`` with no options (what a new user runs: the default
+                strategy's first-call choice, no autotune) + ``hftc.optim.Adam`` +
+                ``hftc.per_model(loss)``; opt-in
 hftc+ckpt       hftc with activation checkpointing (``hftc.fuse(..., checkpoint=True)``:
                 about sqrt(#ops) segments recomputed in backward): less memory, so a
                 larger N fits (the largest-N search), at the cost of a second forward
@@ -49,14 +52,15 @@ from torch import nn
 from .workloads import WORKLOADS, Workload
 
 CONTENDERS = ("serial", "concurrent", "concurrent-mps", "torch.func", "hand-fused", "hftc",
-              "hftc+compile", "hftc+step", "hftc+ckpt")
+              "hftc+compile", "hftc+step", "hftc+ckpt", "hftc+defaults")
 #: Contenders the suite runs only where asked (``--contenders``, ``--max-n``).
-OPT_IN = ("hftc+ckpt",)
+OPT_IN = ("hftc+ckpt", "hftc+defaults")
 #: Contenders that run the N models in N processes (runner.py builds each from "serial").
 MULTI_PROCESS = ("concurrent", "concurrent-mps")
 PRECISIONS = ("fp32", "bf16")
 #: Contenders that fuse the N models into one step (their FLOP/s efficiency is reported).
-FUSED = ("torch.func", "hand-fused", "hftc", "hftc+compile", "hftc+step", "hftc+ckpt")
+FUSED = ("torch.func", "hand-fused", "hftc", "hftc+compile", "hftc+step", "hftc+ckpt",
+         "hftc+defaults")
 
 
 def learning_rates(n: int, base: float = 1e-3) -> list[float]:
@@ -210,13 +214,15 @@ def _hand_fused(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting) -
 
 
 def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
-          compile: bool = False, checkpoint: bool = False) -> Step:
+          compile: bool = False, checkpoint: bool = False, defaults: bool = False) -> Step:
     import hftc
 
     # autotune: each fused op's lowering timed on these shapes (cached on disk); a model
     # that reads its input's sizes in Python is fused from the batch (example_inputs).
+    # ``defaults``: none of it, the call a new user writes.
     example = {"example_inputs": (x,)} if w.example_inputs else {}
-    fused = hftc.fuse(models, autotune=True, checkpoint=checkpoint, **example)
+    options = {} if defaults else {"autotune": True, "checkpoint": checkpoint}
+    fused = hftc.fuse(models, **options, **example)
     opt = hftc.optim.Adam(fused.parameters(), lr=lrs, **adam_kwargs)
     per_model_loss = hftc.per_model(w.loss_fn)
 
@@ -329,4 +335,5 @@ _BUILDERS: dict[str, Callable[..., Step]] = {
     "hftc+compile": lambda *a: _hftc(*a, compile=True),
     "hftc+step": _hftc_step,
     "hftc+ckpt": lambda *a: _hftc(*a, checkpoint=True),
+    "hftc+defaults": lambda *a: _hftc(*a, defaults=True),
 }

@@ -28,4 +28,5 @@ CONTENDERS = {
     "hftc+compile": "torch.compile of hftc.fuse's module",
     "hftc+step": "hftc.compile_step: the whole step as one CUDA graph (eager on the CPU)",
     "hftc+ckpt": "hftc.fuse(checkpoint=True): activations recomputed in backward (opt-in)",
+    "hftc+defaults": "hftc.fuse(models) with no options, as a new user calls it (opt-in)",
 }
