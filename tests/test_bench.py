@@ -101,6 +101,26 @@ def test_contenders_train_the_same_models(name):
                                        msg=lambda m, c=c, k=k: f"{c} {k}: {m}")
 
 
+def test_the_default_options_contender_warms_up_until_its_strategy_is_chosen(tmp_path,
+                                                                           monkeypatch):
+    # hftc+defaults is hftc.fuse(models) with no options: its first calls alternate the
+    # fused program and the models one by one; the runner warms up while choosing() holds,
+    # so the timed rounds measure the way chosen, and records which.
+    monkeypatch.setenv("HFTC_STRATEGY", "auto")
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # timed here, not found cached
+    step = build_step("hftc+defaults", "mlp", 2)
+    step.fn()
+    assert step.choosing()
+    calls = 1
+    while step.choosing() and calls < runner._MAX_CHOOSING_STEPS:
+        step.fn()
+        calls += 1
+    assert not step.choosing() and calls < runner._MAX_CHOOSING_STEPS
+    strategy = step.settled_info()["strategy"]
+    assert strategy.startswith(("runs the fused program", "runs the models one by one"))
+    assert "timing the first calls" not in strategy
+
+
 # The models users train (issue 29) at toy sizes, with stochastic depth and dropout at
 # p = 0: random draws cannot be compared between contenders, everything else can.
 REAL_MODEL_WORKLOADS = {

@@ -118,6 +118,12 @@ class Step:
     info: dict[str, Any] = field(default_factory=dict)
     #: Where a step's time goes (:func:`step_phases`), for the contenders that offer it.
     phases: Callable[[], dict[str, float]] | None = None
+    #: True while the step is still choosing how to run (hftc's default strategy alternates
+    #: the fused program and the models one by one on its first calls): the runner warms
+    #: up until it is False, so the timed rounds measure the choice, not the trial.
+    choosing: Callable[[], bool] | None = None
+    #: What to add to ``info`` once warm (the strategy chosen).
+    settled_info: Callable[[], dict[str, Any]] | None = None
 
 
 def _stacked(models: list[nn.Module]) -> Callable[[], dict[str, torch.Tensor]]:
@@ -242,8 +248,12 @@ def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
     report = fused.fusion_report
     info = {"fallbacks": [f"{r.node} ({r.reason})" for r in report.fallbacks],
             "lowerings": {c.node: c.chosen for c in report.lowerings}}
+    from ..compile.strategy import TIMING_CALLS
+
     return Step(step, len(models), _named(fused), info,
-                phases=lambda: step_phases(lambda: fn(x, y), opt, setting))
+                phases=lambda: step_phases(lambda: fn(x, y), opt, setting),
+                choosing=lambda: fused.plan is not None and fused.plan.reason == TIMING_CALLS,
+                settled_info=lambda: {"strategy": str(fused.plan)})
 
 
 def _hftc_step(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting) -> Step:

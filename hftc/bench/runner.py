@@ -48,6 +48,9 @@ from .contenders import MULTI_PROCESS
 
 #: How long a worker may take to build, compile and warm up before it is given up on.
 START_TIMEOUT_S = 1800.0
+#: At most this many warm-up steps while a contender is still choosing how to run
+#: (hftc's default strategy decides within 2 + 4 x 6 calls).
+_MAX_CHOOSING_STEPS = 40
 
 #: The environment of concurrent-mps's processes: the MPS daemon's pipe and log
 #: directories (set by ``suite.mps_daemon`` while the daemon runs).
@@ -144,7 +147,7 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
         from .contenders import build_step
 
         t0 = time.perf_counter()
-        phases = None
+        phases = choosing = settled_info = None
         if spec["contender"] == "matmul":
             fn, info = _matmul_step(setting), {}
         else:
@@ -152,6 +155,7 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
                               model_index=spec.get("model_index"),
                               adam=spec.get("adam", "default"), setting=setting)
             fn, info, phases = step.fn, step.info, step.phases
+            choosing, settled_info = step.choosing, step.settled_info
         if not on_gpu:
             # What hftc.fuse(autotune=True) does on the CPU once it has tuned, done for
             # every contender alike once built: no contender's step time then counts page
@@ -170,6 +174,10 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
         build_s = time.perf_counter() - t0
         first_s = timed(1)
         warm = [timed(1) for _ in range(spec.get("warmup", 2))]
+        while choosing is not None and choosing() and len(warm) < _MAX_CHOOSING_STEPS:
+            warm.append(timed(1))  # the trial calls of hftc's strategy: not the steady state
+        if settled_info is not None:
+            info = dict(info, **settled_info())
         # The peak of building and warm steps; the profiler that splits a step's time
         # (phases) holds hundreds of MiB of its own (PointNet N=8: 433 -> 745 MiB) and
         # must not count as the contender's memory.
