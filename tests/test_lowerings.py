@@ -872,10 +872,44 @@ def test_every_lowering_of_a_strided_1x1_conv_on_a_channels_last_input(groups, x
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("cin", "cout", "kernel", "cost_model"), [
+    (16, 3, 9, "grouped_channels_last"),   # fast_neural_style's output conv
+    (12, 32, 3, "grouped_channels_last"),  # input channels not a multiple of 16
+    (32, 24, 3, "grouped_channels_last"),  # output channels not a multiple of 16
+    (16, 32, 3, "grouped"),                # both multiples of 16: NCHW
+])
+def test_convs_of_ragged_channel_counts_run_channels_last(cin, cout, kernel, cost_model, dtype):
+    # oneDNN's NCHW grouped kernels block channels by 16 on the CPU; N convs of other
+    # channel counts run channels-last by default, equal to the loop, forward and backward.
+    torch.manual_seed(0)
+    n, batch = 2, 2
+    modules = [nn.Conv2d(cin, cout, kernel, padding=kernel // 2).to(dtype) for _ in range(n)]
+    x = torch.randn(n, batch, cin, 10, 10, dtype=dtype)
+    layer_args = _layer_args(rt_conv.conv, modules[0], True)
+    weight = torch.stack([m.weight.detach() for m in modules]).requires_grad_()
+    bias = torch.stack([m.bias.detach() for m in modules]).requires_grad_()
+    assert rt_conv.conv_lowerings(x, weight, bias, **layer_args)[0] == cost_model
+    xs = x.detach().requires_grad_()
+    ref = torch.stack([m(xs[i]) for i, m in enumerate(modules)])
+    grad_out = torch.randn_like(ref)
+    ref.backward(grad_out)
+    xf = x.detach().requires_grad_()
+    y = rt_conv.conv(xf, weight, bias, **layer_args)  # the cost model's lowering
+    y.backward(grad_out)
+    tol = DEFAULT_TOL[dtype]
+    _assert_close_to_scale(y, ref, tol, "forward")
+    _assert_close_to_scale(xf.grad, xs.grad, tol, "input grad")
+    _assert_close_to_scale(weight.grad, torch.stack([m.weight.grad for m in modules]), tol,
+                           "weight grad")
+    _assert_close_to_scale(bias.grad, torch.stack([m.bias.grad for m in modules]), tol,
+                           "bias grad")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("x_batched", [True, False], ids=["batched", "shared"])
 @pytest.mark.parametrize(("cin", "cout", "size", "groups", "cost_model"), [
-    (4, 4, 12, 1, "grouped_channels_last"),    # the map outsizes the weight: stays
-    (8, 8, 2, 1, "grouped"),                   # the weight outsizes the map: NCHW
+    (16, 16, 12, 1, "grouped_channels_last"),  # the map outsizes the weight: stays
+    (32, 32, 2, 1, "grouped"),                 # the weight outsizes the map: NCHW
     (6, 6, 5, 6, "grouped_channels_last"),     # depthwise: a tiny weight
 ])
 def test_a_channels_last_map_reaching_a_conv(cin, cout, size, groups, cost_model, x_batched,

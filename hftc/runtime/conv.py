@@ -33,6 +33,12 @@ def _conv_fn(spatial: int, transposed: bool) -> Callable[..., Tensor]:
     return (F.conv1d, F.conv2d, F.conv3d)[spatial - 1]
 
 
+#: The channel block of oneDNN's NCHW grouped convolution kernels on the CPU (AVX-512):
+#: a group of N*C channels whose per-model C is not a multiple of it runs slowly
+#: (:func:`conv_lowerings`).
+_ONEDNN_BLOCK = 16
+
+
 def conv_lowerings(
     x: Tensor,
     weight: Tensor,
@@ -71,7 +77,8 @@ def conv_lowerings(
     convs (``Cin*kh*kw <= 32``) as im2col; depthwise convs with kernels of 5x5 and up
     as ``depthwise_wgrad_conv``; grouped convs with few input channels per group and
     large kernels, and those whose map arrives channels-last and outsizes their weight,
-    in channels-last memory; every other conv as one grouped (or shared) conv.
+    in channels-last memory, as are (CPU) the N copies of a conv whose input or output
+    channels are not a multiple of 16; every other conv as one grouped (or shared) conv.
     ``hftc.fuse(..., autotune=True)`` times the rest (:mod:`hftc.compile.autotune`).
     """
     two_d = spatial == 2 and padding_mode == "zeros"
@@ -86,6 +93,12 @@ def conv_lowerings(
     names = ["grouped"]
     if spatial == 2 and has_batch and not _onednn_unsafe(x, weight, stride):
         few_channels = weight.shape[2] <= 8 and weight.shape[3] * weight.shape[4] >= 25
+        # oneDNN's NCHW grouped kernels block a group's channels by 16 on this CPU: a
+        # model's conv with another channel count (fast_neural_style's 16 -> 3 9x9 output
+        # conv, MobileNet's 24) takes a slow path, 2-6x the channels-last time forward and
+        # backward (docs/DESIGN_NOTES.md).
+        ragged = x.device.type == "cpu" and groups == 1 and (
+            weight.shape[1] % _ONEDNN_BLOCK != 0 or weight.shape[2] % _ONEDNN_BLOCK != 0)
         # A map that arrives channels-last (after a shared_im2col stem, a channels-last
         # conv or pool) stays so while its weight is the smaller tensor: oneDNN reorders
         # the weight to the map's layout on every call, forward and backward, and below
@@ -93,7 +106,8 @@ def conv_lowerings(
         folded = fold_channels(x, True) if x_batched else x
         map_numel = folded.numel() * (1 if x_batched else weight.shape[0])
         stays_channels_last = layout.is_channels_last(folded) and weight.numel() <= map_numel
-        names.insert(0 if few_channels or stays_channels_last else 1, "grouped_channels_last")
+        names.insert(0 if few_channels or ragged or stays_channels_last else 1,
+                     "grouped_channels_last")
     if x_batched and groups == 1 and spatial in (1, 2) and _is_pointwise(
             weight, stride, padding, dilation, padding_mode, spatial):
         names.insert(0 if spatial == 2 else 1, "pointwise_bmm")
