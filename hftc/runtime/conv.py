@@ -91,7 +91,9 @@ def conv_lowerings(
             names.insert(0 if few_taps else 1, "shared_im2col")
         return names
     names = ["grouped"]
-    if spatial == 2 and has_batch and not _onednn_unsafe(x, weight, stride):
+    # (torch.func.vmap refuses the memory-format queries a channels-last conv makes)
+    vmapped = layout.vmap_batched(x) or layout.vmap_batched(weight)
+    if spatial == 2 and has_batch and not vmapped and not _onednn_unsafe(x, weight, stride):
         few_channels = weight.shape[2] <= 8 and weight.shape[3] * weight.shape[4] >= 25
         # oneDNN's NCHW grouped kernels block a group's channels by 16 on this CPU: a
         # model's conv with another channel count (fast_neural_style's 16 -> 3 9x9 output
