@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..errors import FusionError
 from . import layout
 from .function_apply import apply_function_fast
 from .layout import expand_models, fold_channels, unfold_channels
-from .tuning import tunable
+from .tuning import check_lowering, tunable
 
 
 def _conv_fn(spatial: int, transposed: bool) -> Callable[..., Tensor]:
@@ -157,7 +156,7 @@ def conv(
     """
     names = conv_lowerings(x, weight, bias, stride, padding, dilation, groups, spatial=spatial,
                            x_batched=x_batched, padding_mode=padding_mode)
-    lowering = _check_lowering("conv", lowering, names)
+    lowering = check_lowering("conv", lowering, names)
     n = weight.shape[0]
     if lowering == "pointwise_bmm":
         return _pointwise_conv(x, weight, bias, spatial)
@@ -228,17 +227,6 @@ def _onednn_unsafe(x: Tensor, weight: Tensor, stride: Any) -> bool:
     """Is this a conv that oneDNN must not run channels-last (:func:`_onednn_safe`)?"""
     return x.device.type == "cpu" and x.dtype != torch.float64 and \
         layout.unsafe_strided_pointwise_conv(weight.shape[2], weight.shape[3:], stride)
-
-
-def _check_lowering(op: str, lowering: str | None, names: list[str]) -> str:
-    if lowering is None:
-        return names[0]
-    if lowering not in names:
-        raise FusionError(
-            f"lowering {lowering!r} does not apply to this {op}; it can run as {names} "
-            f"(an autotune cache written for other shapes? delete it, see hftc.compile.autotune)"
-        )
-    return lowering
 
 
 def _loop_over_channels(outs: list[Tensor], n: int, spatial: int) -> Tensor:
@@ -589,7 +577,7 @@ def conv_transpose(
 
     ``weight``: ``[N, Cin, Cout/g, *k]`` -> ``[N*Cin, Cout/g, *k]`` with ``N*g`` groups.
     """
-    lowering = _check_lowering("transposed conv", lowering, conv_transpose_lowerings())
+    lowering = check_lowering("transposed conv", lowering, conv_transpose_lowerings())
     n = weight.shape[0]
     fn = _conv_fn(spatial, transposed=True)
     if lowering == "loop" or _grouped_transposed_3d_untrusted(x, spatial):

@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .conv import _check_lowering
 from .function_apply import apply_function_fast, unwrap_dead_wrappers
 from .layout import pad_model_dims
-from .tuning import tunable
+from .tuning import check_lowering, tunable
 
 
 def linear_lowerings(x: Tensor, weight: Tensor, bias: Tensor | None, *,
@@ -84,7 +83,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, *, x_batched: bool,
     batched products below.  Batched ``x`` ``[N, *lead, in]`` -> ``[N, M, in]`` and
     ``baddbmm(bias[:, None], x, W^T)``.
     """
-    lowering = _check_lowering("linear", lowering,
+    lowering = check_lowering("linear", lowering,
                                linear_lowerings(x, weight, bias, x_batched=x_batched))
     n, out_features, in_features = weight.shape
     if lowering == "loop":

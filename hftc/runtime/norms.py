@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .layout import _canonical_grad, fold_channels, pad_model_dims, unfold_channels
 from .per_model import _per_channel, opmath
+from .tuning import check_lowering, tunable
 
 
 def _channel_view(t: Tensor | None) -> Tensor | None:
@@ -132,6 +133,32 @@ def _affine(y: Tensor, weight: Tensor | None, bias: Tensor | None, norm_ndim: in
     return y * w if w is not None else y + b
 
 
+def layer_norm_lowerings(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
+                         bias: Tensor | None, eps: float, *, x_batched: bool) -> list[str]:
+    """:func:`layer_norm`'s lowerings, the cost model's choice first::
+
+        affine      F.layer_norm over all N models' rows at once (no affine), then each
+                    model's weight and bias as one broadcast multiply-add
+        per_model   each model's own F.layer_norm on its slice, weight and bias inside
+                    ATen's kernel (forward and backward one pass each): what the serial
+                    loop computes, stacked
+
+    A shared ``x`` is normalized once (``affine`` only).  On the CPU ``per_model`` comes
+    first from ``_PER_MODEL_MIN_NUMEL`` elements a model: the affine's extra passes over
+    every element, forward and backward, cost more than N calls (docs/DESIGN_NOTES.md).
+    """
+    if not x_batched:
+        return ["affine"]
+    large = x.device.type == "cpu" and x[0].numel() >= _PER_MODEL_MIN_NUMEL
+    return ["per_model", "affine"] if large else ["affine", "per_model"]
+
+
+#: Elements of one model's input from which its own F.layer_norm call beats the shared
+#: normalization + affine on the CPU (:func:`layer_norm_lowerings`).
+_PER_MODEL_MIN_NUMEL = 1 << 14
+
+
+@tunable(layer_norm_lowerings)
 def layer_norm(
     x: Tensor,
     normalized_shape: Sequence[int],
@@ -140,14 +167,24 @@ def layer_norm(
     eps: float,
     *,
     x_batched: bool,
+    lowering: str | None = None,
 ) -> Tensor:
-    """Per-model ``F.layer_norm``: normalize the last dims once, then each model's affine.
+    """Per-model ``F.layer_norm`` (``lowering``: one of :func:`layer_norm_lowerings`).
 
-    Normalizing needs no parameters, so a shared ``x`` is normalized once for all N.  A
-    bf16/fp16 ``x`` is normalized and scaled in float32 and rounded once, as ATen's
-    layer norm does: rounding the normalized values before the affine (and their
-    gradient after it) loses the small differences its backward is made of.
+    ``affine``: normalize the last dims once, then each model's affine.  Normalizing needs
+    no parameters, so a shared ``x`` is normalized once for all N.  A bf16/fp16 ``x`` is
+    normalized and scaled in float32 and rounded once, as ATen's layer norm does:
+    rounding the normalized values before the affine (and their gradient after it) loses
+    the small differences its backward is made of.  ``per_model``: ``x[i]`` ``[*lead, *shape]``
+    through ``F.layer_norm(x[i], shape, weight[i], bias[i], eps)``, stacked.
     """
+    names = layer_norm_lowerings(x, normalized_shape, weight, bias, eps, x_batched=x_batched)
+    if check_lowering("layer norm", lowering, names) == "per_model":
+        xs = x.unbind(0)
+        ws = weight.unbind(0) if weight is not None else [None] * len(xs)
+        bs = bias.unbind(0) if bias is not None else [None] * len(xs)
+        return torch.stack([F.layer_norm(xi, tuple(normalized_shape), wi, bi, eps)
+                            for xi, wi, bi in zip(xs, ws, bs)])
     y = F.layer_norm(opmath(x), tuple(normalized_shape), None, None, eps)
     if not x_batched:
         y = y.unsqueeze(0)

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..errors import FusionError
+
 Kernel = TypeVar("Kernel", bound=Callable[..., Any])
 Lowerings = Callable[..., list[str]]
 
@@ -30,6 +32,19 @@ def tunable(lowerings: Lowerings) -> Callable[[Kernel], Kernel]:
         return kernel
 
     return wrap
+
+
+def check_lowering(op: str, lowering: str | None, names: list[str]) -> str:
+    """The lowering a kernel runs: ``lowering`` if it is one of ``names`` (the kernel's
+    lowerings for this call), the cost model's choice ``names[0]`` if None."""
+    if lowering is None:
+        return names[0]
+    if lowering not in names:
+        raise FusionError(
+            f"lowering {lowering!r} does not apply to this {op}; it can run as {names} "
+            f"(an autotune cache written for other shapes? delete it, see hftc.compile.autotune)"
+        )
+    return lowering
 
 
 def lowerings_of(kernel: Any) -> Lowerings | None:
