@@ -118,6 +118,10 @@ import json, resource, torch
 import hftc
 from hftc.runtime import memory as heap
 torch.manual_seed(0)
+# One thread: intra-op worker threads allocate from glibc arenas of their own, each grown
+# as the (load-dependent) split of the work lands there, which faulted 10 MiB on most steps
+# on a busy machine; the main arena is what the setting is about.
+torch.set_num_threads(1)
 # Each model's hidden activation [1024, 2560] is 10 MiB (under glibc's mmap threshold,
 # which adapts up to 32 MiB: the serial loop's steps reuse it); the fused [4, 1024, 2560]
 # is 40 MiB, above it: mmap'ed and faulted in again on every step under the defaults.
