@@ -317,14 +317,20 @@ def test_float32_forward_backward(family):
     with ConstantRandomness():
         out = fused(x)
         out.square().sum().backward()
-        for i, model in enumerate(models):
-            want = model(x)
-            want.square().sum().backward()
-            torch.testing.assert_close(out[i], want, rtol=1e-4, atol=1e-5)
-            grads = dict(model.named_parameters())
-            for name, p in fused.named_parameters():
-                torch.testing.assert_close(fused.padding.unpad(i, name, p.grad[i]),
-                                           grads[name].grad, rtol=1e-3, atol=1e-5)
+        assert_each_models_float32(fused, models, out, lambda o: o.square().sum(), x)
+
+
+def assert_each_models_float32(fused, models, out, loss, x) -> None:
+    """float32: ``out[i]`` and the padded gradients (``fused``'s backward already taken),
+    in model ``i``'s own units, are what model ``i`` alone gives for ``loss(model(x))``."""
+    for i, model in enumerate(models):
+        want = model(x)
+        loss(want).backward()
+        torch.testing.assert_close(out[i], want, rtol=1e-4, atol=1e-5)
+        grads = dict(model.named_parameters())
+        for name, p in fused.named_parameters():
+            torch.testing.assert_close(fused.padding.unpad(i, name, p.grad[i]),
+                                       grads[name].grad, rtol=1e-3, atol=1e-5)
 
 
 def test_eval_mode_batch_norm_running_statistics():

@@ -19,6 +19,7 @@ from torch import nn
 import hftc
 from hftc.errors import UnsupportedOperatorError
 from tests.optim_helpers import single_thread  # noqa: F401  (fixture)
+from tests.test_pad_widths import assert_each_models_float32
 
 # ---------------------------------------------------------------- models
 
@@ -236,14 +237,7 @@ def test_float32_forward_backward():
     fused = hftc.fuse(models, pad_widths=True, example_inputs=(x,))
     out = fused(x)
     sum(_loss(out[i], y) for i in range(2)).backward()
-    for i, model in enumerate(models):
-        want = model(x)
-        _loss(want, y).backward()
-        torch.testing.assert_close(out[i], want, rtol=1e-4, atol=1e-5)
-        grads = dict(model.named_parameters())
-        for name, p in fused.named_parameters():
-            torch.testing.assert_close(fused.padding.unpad(i, name, p.grad[i]),
-                                       grads[name].grad, rtol=1e-3, atol=1e-5)
+    assert_each_models_float32(fused, models, out, lambda o: _loss(o, y), x)
 
 
 def test_keep_models_keeps_each_models_masks():
