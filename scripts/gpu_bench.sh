@@ -42,7 +42,8 @@ from hftc.bench.contenders import CONTENDERS
 from hftc.bench.suite import default_contenders
 import os
 device = os.environ.get("DEVICE", "cuda")
-print(",".join(default_contenders(device) + [c for c in ("hftc+step",) if c in CONTENDERS]))
+names = default_contenders(device) + [c for c in ("hftc+step",) if c in CONTENDERS]
+print(",".join(dict.fromkeys(names)))
 EOF
 ) || contenders=""
 
@@ -74,7 +75,7 @@ case $part in
     # The whole-step graph, the capturable optimizers and the sync-free GradScaler.
     for f in tests/test_step.py tests/test_cuda_step.py tests/test_optim_capturable.py \
              tests/test_utils_amp.py; do [[ -e $f ]] && tests+=("$f"); done
-    timeout -k 10 "$(left)" "$python" -m pytest -q -p no:cacheprovider -n 16 "${tests[@]}" -rfE \
+    timeout -k 10 "$(left)" "$python" -m pytest -v -p no:cacheprovider -n 16 "${tests[@]}" -rfE --durations=20 \
       > "$out/tests.log" 2>&1
     echo "exit $?"
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -30 ;;
