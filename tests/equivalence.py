@@ -588,6 +588,41 @@ def loop_rounding_error(models: Sequence[nn.Module], inputs: Any, *, in_dims: In
     return worst
 
 
+class _ReluInputs(torch.overrides.TorchFunctionMode):
+    """Records the smallest ``|input|`` of every ReLU called (module or functional)."""
+
+    RELUS = (torch.relu, torch.relu_, torch.nn.functional.relu, torch.nn.functional.relu_)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.smallest = float("inf")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.RELUS and args[0].numel():
+            self.smallest = min(self.smallest, args[0].detach().abs().min().item())
+        return func(*args, **(kwargs or {}))
+
+
+def relu_margin(models: Sequence[nn.Module], inputs: Any, *, in_dims: InDims = None,
+                train: bool = True) -> float:
+    """The smallest distance from zero of any ReLU's input, over the models' forwards on
+    ``inputs`` in float64 (``inf`` without ReLUs).
+
+    A float32 program puts an input within its rounding of zero on either side, so a
+    fused module and the loop can disagree on that ReLU's gradient, each as right as the
+    other: one such element moved the zoo ResNet's stem gradients 1e-3 of their scale
+    at batch 8 (an input 5e-8 from zero).  A float32 check of ReLU networks wants inputs
+    whose margin is well above that rounding (about 1e-6 for O(1) activations)."""
+    refs = _copy_models(models, torch.float64)
+    for m in refs:
+        m.train(train)
+    args = _prepare_inputs(inputs, torch.float64, False)
+    mode = _ReluInputs()
+    with torch.no_grad(), mode:
+        reference_outputs(refs, args, in_dims)
+    return mode.smallest
+
+
 def autograd_nodes(t: torch.Tensor) -> set[str]:
     """The class names of every node of ``t``'s backward graph (which kernels ran)."""
     seen, todo = set(), [t.grad_fn]

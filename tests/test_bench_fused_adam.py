@@ -102,8 +102,56 @@ def test_skipped_models_are_untouched_and_others_step():
     assert not torch.equal(p[0].detach(), before[0]) and not torch.equal(p[2].detach(), before[2])
     assert opt.state[p]["step"].tolist() == [1.0, 0.0, 1.0]
     p.grad = torch.randn(3, 4)
-    opt.step()  # steps now differ across models: one kernel call per model
+    opt.step()  # steps now differ across models: each model's own in the one launch
     assert opt.state[p]["step"].tolist() == [2.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("lrs", [[3e-3] * 3, [1e-3, 3e-3, 1e-2]], ids=["shared", "sweep"])
+def test_step_counts_that_differ_after_a_skip_are_each_models_own(lrs):
+    # One kernel launch takes a step count per model: a model that skipped a step
+    # (GradScaler overflow) then runs with its own bias correction, as its stock
+    # optimizer, which was not stepped, does.
+    torch.manual_seed(0)
+    init = torch.randn(3, 5, 4)
+    stock_params = [init[i].clone().requires_grad_() for i in range(3)]
+    stocks = [torch.optim.Adam([q], lr=lr, fused=True) for q, lr in zip(stock_params, lrs)]
+    p = init.clone().requires_grad_()
+    opt = hftc.optim.Adam([p], lr=lrs, fused=True)
+    for step in range(4):
+        g = torch.randn(3, 5, 4)
+        skipped = {1} if step == 1 else set()
+        for i in range(3):
+            stock_params[i].grad = g[i].clone()
+            if i not in skipped:
+                stocks[i].step()
+        p.grad = g.clone()
+        opt.step(skip_models=[i in skipped for i in range(3)])
+    assert opt.state[p]["step"].tolist() == [4.0, 3.0, 4.0]
+    want = torch.stack([q.detach() for q in stock_params])
+    if len(set(lrs)) == 1:
+        assert torch.equal(p.detach(), want)
+    else:  # the unit step scaled per model (module docstring)
+        torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_step_counts_are_kept_where_and_as_stock_fused_keeps_them():
+    # (CUDA's fused kernel reads them on the device: float32 there, also under a
+    # float64 default dtype; tests/test_optim_mixed.py runs it on a GPU.)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        q = torch.randn(4, requires_grad=True)
+        stock = torch.optim.Adam([q], fused=True)
+        q.grad = torch.randn(4)
+        stock.step()
+        p = torch.randn(2, 4, requires_grad=True)
+        opt = hftc.optim.Adam([p], fused=True)
+        p.grad = torch.randn(2, 4)
+        opt.step()
+    finally:
+        torch.set_default_dtype(saved)
+    want, got = stock.state[q]["step"], opt.state[p]["step"]
+    assert (got.dtype, got.device) == (want.dtype, want.device) == (torch.float32, q.device)
 
 
 def test_fused_flag_survives_pickling():

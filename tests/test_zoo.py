@@ -23,6 +23,7 @@ from equivalence import (
     loop_rounding_error,
     model_inputs,
     reference_outputs,
+    relu_margin,
     stack_inputs,
 )
 from zoo import ZOO, make_input, make_models
@@ -243,6 +244,23 @@ class _SwapModels(LoopFused):
 
 def _lenet(n: int = 3) -> tuple[list[nn.Module], torch.Tensor]:
     return make_models("lenet5_mnist", n), make_input("lenet5_mnist", BATCH)
+
+
+def test_relu_margin_is_the_smallest_relu_input_of_any_model():
+    # Module and functional ReLUs, in place or not, every model; in float64.
+    class Net(nn.Module):
+        def __init__(self, shift):
+            super().__init__()
+            self.shift, self.act = shift, nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            return torch.relu(self.act(x + self.shift) - 0.5)
+
+    x = torch.tensor([[0.25, -1.0, 3.0]], dtype=torch.float32)
+    assert relu_margin([Net(0.0)], x) == pytest.approx(0.25)
+    # model 1's functional ReLU: relu(0.25 + 0.2) - 0.5
+    assert relu_margin([Net(0.0), Net(0.2)], x) == pytest.approx(0.05)
+    assert relu_margin([nn.Identity()], x) == float("inf")
 
 
 def test_harness_catches_wrong_output():

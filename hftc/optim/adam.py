@@ -420,36 +420,39 @@ class Adam(FusedOptimizer):
             state = self.state[p]
             if any(hp["amsgrad"]) and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            steps = state["step"]
-            if shared and bool((steps == steps[0]).all()):
+            if shared:
                 self._fused_all_models(p, hp)
             else:
                 for i in range(n):
-                    self._fused_call([p[i]], [p.grad[i]], p, i, hp, lr=hp["lr"][i],
-                                     step=steps[i])
+                    self._fused_call([p[i]], [p.grad[i]], p, [i], hp, lr=hp["lr"][i])
 
-    def _fused_call(self, targets: list[Tensor], grads: list[Tensor], p: Tensor, i: int | None,
-                    hp: dict[str, list[Any]], *, lr: float, step: Tensor,
+    def _fused_call(self, targets: list[Tensor], grads: list[Tensor], p: Tensor,
+                    models: list[int], hp: dict[str, list[Any]], *, lr: float,
                     weight_decay: float | None = None, maximize: bool | None = None) -> None:
-        """torch's fused Adam(W) kernel on ``targets``, model ``i``'s (or the shared) settings."""
-        state, k = self.state[p], 0 if i is None else i
-        pick = (lambda t: [t]) if i is None else (lambda t: [t[i]])
+        """torch's fused Adam(W) kernel on ``targets`` (model ``models[j]``'s slice of a
+        tensor like ``p`` each), with each model's own step count and moments and
+        ``models[0]``'s settings.  One launch for the list: torch's fused kernels take
+        a step count per tensor."""
+        state, k = self.state[p], models[0]
         decoupled = hp["decoupled_weight_decay"][k]
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         amsgrad = hp["amsgrad"][k]
         kernel(
-            targets, grads, pick(state["exp_avg"]), pick(state["exp_avg_sq"]),
-            pick(state["max_exp_avg_sq"]) if amsgrad else [], [step],
+            targets, grads, [state["exp_avg"][i] for i in models],
+            [state["exp_avg_sq"][i] for i in models],
+            [state["max_exp_avg_sq"][i] for i in models] if amsgrad else [],
+            [state["step"][i] for i in models],
             amsgrad=amsgrad, lr=lr, beta1=hp["betas"][k][0], beta2=hp["betas"][k][1],
             weight_decay=hp["weight_decay"][k] if weight_decay is None else weight_decay,
             eps=hp["eps"][k], maximize=hp["maximize"][k] if maximize is None else maximize,
         )
 
     def _fused_all_models(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
-        """One kernel call for N models that differ at most in their learning rates."""
-        lr, step = hp["lr"], self.state[p]["step"][0]
+        """One kernel call for N models that differ at most in their learning rates (and
+        step counts: a model skipped by ``skip_models`` counts fewer)."""
+        lr, models = hp["lr"], list(range(self.num_models))
         if all(r == lr[0] for r in lr):
-            self._fused_call([p], [p.grad], p, None, hp, lr=lr[0], step=step)
+            self._fused_call(list(p), list(p.grad), p, models, hp, lr=lr[0])
             return
         # The update is linear in lr: compute the unit step (lr = 1) into scratch space,
         # then p += lr_i * step per model.  Decays that read p are applied here, to p.
@@ -462,7 +465,7 @@ class Adam(FusedOptimizer):
             grad = torch.add(grad.neg() if maximize else grad, p, alpha=wd)
             maximize = False
         unit = self._scratch(p, 0).zero_()
-        self._fused_call([unit], [grad], p, None, hp, lr=1.0, step=step, weight_decay=0.0,
+        self._fused_call(list(unit), list(grad), p, models, hp, lr=1.0, weight_decay=0.0,
                          maximize=maximize)
         p.addcmul_(unit, coef("lr", p))
 

@@ -973,9 +973,13 @@ class FusedOptimizer(Optimizer):
         return coef
 
     def _new_steps(self, p: Tensor) -> Tensor:
-        if self._capturable():  # as stock's capturable=True: on the parameter's device
-            return torch.zeros(self.num_models, dtype=_scalar_dtype(), device=p.device)
-        return torch.zeros(self.num_models, dtype=_scalar_dtype())
+        """Zero step counts, one per model, where and as stock keeps them: on the
+        parameter's device with ``capturable=True`` or ``fused=True`` (the CUDA kernels
+        read them there), float32 for the fused kernels."""
+        fused = "fused" in self._flags and self._flag("fused")
+        dtype = torch.float32 if fused else _scalar_dtype()
+        device = p.device if fused or self._capturable() else None
+        return torch.zeros(self.num_models, dtype=dtype, device=device)
 
     # -------------------------------------------------------- capturable steps
 
