@@ -4,20 +4,23 @@
 #
 #   bash scripts/gpu_bench.sh PART OUT_DIR
 #
-# PART: tests | fp32-a | fp32-b | fp32-c | bf16 | max-n-pointnet | max-n-resnet18.
+# PART: tests | fp32-a | fp32-b | fp32-c | bf16 | pointnet-32 | profile | max-n-pointnet |
+# max-n-resnet18.
 # Each writes OUT_DIR/<name>.json (saved after every N and every largest-N probe, so a
 # part cut by its time limit keeps what it measured) and OUT_DIR/<name>.log.
 # Contenders: the suite's (serial, concurrent, concurrent-mps, torch.func, hand-fused,
 # hftc; hftc+compile at N = 8 of the small workloads) plus hftc+step (the whole-step
 # graph) where this checkout has it. Sizes: the N the targets name (1, 2, 8, 32).
 #
-# Plan (15 min of device time a session, start-up included: two parts a session):
-#   session 1: tests (is everything right on the device?), fp32-a (MLP, LeNet-5)
-#   session 2: fp32-b (Transformer, PointNet), fp32-c (ResNet-18, MobileNetV2)
-#   session 3: max-n-pointnet, max-n-resnet18 (largest N, hftc and hftc+ckpt)
-#   session 4: bf16 (the six workloads under bf16 autocast)
-# One part per `run` call, with timeout_s 420 (the JSON comes back under $OUT):
-#   bash scripts/gpu_bench.sh tests $OUT
+# Plan (15 min of device time a session, start-up included). The H200 lease of
+# 2026-11-27 started in about 30 s and ran three calls back to back on the warm machine
+# (462 s + 300 s of commands): chain the calls, set BUDGET_S to fit what `status` says is
+# left, and give the machine back after the last.
+#   done 2026-11-27 (H200): tests, fp32-a, fp32-b (PointNet N = 32 cut by the limit)
+#   next: tests (the four fixed failures, the new conv-lowering test), fp32-c, profile
+#   then: pointnet-32, max-n-pointnet, max-n-resnet18; then bf16
+# One part per `run` call, e.g. with timeout_s 590:
+#   BUDGET_S=200 bash scripts/gpu_bench.sh tests $OUT; BUDGET_S=360 bash scripts/gpu_bench.sh fp32-c $OUT
 #
 # Then merge every part's JSON, on any machine, with one command:
 #   bash scripts/gpu_bench.sh merge DIR...   # the folder(s) the parts came back to
@@ -27,7 +30,7 @@
 # DEVICE=cpu BUDGET_S=120 bash scripts/gpu_bench.sh max-n-pointnet /tmp/x  tries a part's
 # logic on a CPU.
 set -u
-part=${1:?part: tests, fp32-a, fp32-b, fp32-c, bf16, max-n-pointnet, max-n-resnet18 or merge}
+part=${1:?part: tests, fp32-a, fp32-b, fp32-c, bf16, pointnet-32, profile, max-n-pointnet, max-n-resnet18 or merge}
 out=${2:-${OUT:-benchmarks/results/cuda}}
 python=${PYTHON:-python3}
 device=${DEVICE:-cuda}
@@ -88,6 +91,14 @@ case $part in
   fp32-c)
     bench resnet18 210 --workloads resnet18 --sizes 1,2,8,16 --compile-sizes ''
     bench mobilenet_v2 170 --workloads mobilenet_v2 --sizes 1,2,8 --compile-sizes '' ;;
+  pointnet-32)
+    bench pointnet-32 300 --workloads pointnet --sizes 32 --compile-sizes '' ;;
+  profile)
+    # The kernels of PointNet's and the Transformer's steps at N = 8, hftc and serial:
+    # where the fused step loses to N processes under MPS (scripts/gpu_profile.py).
+    timeout -k 10 "$(left)" "$python" scripts/gpu_profile.py --device "$device" "$out" > "$out/profile.log" 2>&1
+    echo "exit $?"
+    grep -E " ms a step" "$out/profile.txt" ;;
   bf16)
     bench bf16-mlp 60 --precision bf16 --workloads mlp --sizes 1,8,32 --compile-sizes ''
     bench bf16-lenet5 55 --precision bf16 --workloads lenet5 --sizes 1,8,32 --compile-sizes ''
