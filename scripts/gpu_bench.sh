@@ -74,7 +74,7 @@ case $part in
   tests)
     tests=(tests/test_cuda.py tests/test_optim.py::test_cuda_matches_stock
            tests/test_bench.py::test_gpu_suite_end_to_end
-           tests/test_optim_mixed.py::test_mixed_classes_on_cuda)
+           tests/test_optim_mixed.py::test_mixed_classes_with_fused_adam)
     # The whole-step graph, the capturable optimizers and the sync-free GradScaler.
     for f in tests/test_step.py tests/test_cuda_step.py tests/test_optim_capturable.py \
              tests/test_utils_amp.py; do [[ -e $f ]] && tests+=("$f"); done

@@ -149,7 +149,7 @@ def layer_norm_lowerings(x: Tensor, normalized_shape: Sequence[int], weight: Ten
     """
     if not x_batched:
         return ["affine"]
-    large = x.device.type == "cpu" and x[0].numel() >= _PER_MODEL_MIN_NUMEL
+    large = x.device.type == "cpu" and x.numel() // len(x) >= _PER_MODEL_MIN_NUMEL
     return ["per_model", "affine"] if large else ["affine", "per_model"]
 
 
