@@ -62,6 +62,9 @@ def conv_lowerings(
     ``pointwise_channels_last``   1x1 conv of a batched channels-last 2-d map: one GEMM
                                   per model on its channel slice, in place (no copies);
                                   other maps: ``pointwise_bmm``
+    ``pointwise_per_sample``      1x1 conv of a batched 1-d / 2-d map: one GEMM per sample
+                                  and model on the map's own memory, the weights copied
+                                  per sample (autotune's candidate)
     ``shared_conv``               shared input, ``g == 1``: one conv, ``N*Cout`` outputs
     ``shared_im2col``             shared input, 2-d: ``unfold`` once, one GEMM
     ``im2col_bmm``                batched input, 2-d, ``g == 1``: ``unfold`` + a batched GEMM
@@ -120,6 +123,9 @@ def conv_lowerings(
             names.insert(0 if in_place else 1, "pointwise_channels_last")
     if x_batched and groups == 1 and two_d and not isinstance(padding, str):
         names.append("im2col_bmm")  # never the cost model's choice: autotune's to find
+    if x_batched and has_batch and groups == 1 and spatial in (1, 2) and not vmapped and \
+            _is_pointwise(weight, stride, padding, dilation, padding_mode, spatial):
+        names.append("pointwise_per_sample")  # autotune's to find (a GPU's PointNet)
     if two_d and has_batch and _is_plain_depthwise(x, weight, stride, padding, dilation, groups):
         # oneDNN's depthwise weight gradient is several times slower than this
         # lowering's for kernels of 5x5 and up, not for 3x3 (docs/DESIGN_NOTES.md).
@@ -162,6 +168,8 @@ def conv(
         return _pointwise_conv(x, weight, bias, spatial)
     if lowering == "pointwise_channels_last":
         return _pointwise_channels_last(x, weight, bias)
+    if lowering == "pointwise_per_sample":
+        return _pointwise_per_sample(x, weight, bias)
     w = weight.flatten(0, 1)
     b = bias.flatten() if bias is not None else None
     if lowering == "shared_im2col":
@@ -418,6 +426,32 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spatial: int
     y = torch.bmm(w, xs) if bias is None else torch.baddbmm(bias.reshape(n, cout, 1), w, xs)
     y = y.view(n, cout, lead, *sizes).movedim(2, 0).contiguous().movedim(0, 1)
     return y if has_batch else y.squeeze(1)
+
+
+def _pointwise_per_sample(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """N 1x1 convolutions of N batched maps as one batched GEMM over (sample, model) pairs,
+    on the folded map's own memory::
+
+        x [N, B, Cin, *S] -> folded [B, N*Cin, *S] -> [B*N, Cin, prod(S)]   (a view)
+        W [N, Cout, Cin]  -> [B*N, Cout, Cin]                  (copied once per sample)
+        y = baddbmm(b, W, x) [B*N, Cout, prod(S)] = [B, N*Cout, *S]         (no copy)
+
+    ``pointwise_bmm`` copies the map into ``[N, Cin, B*prod(S)]`` and the output back;
+    this copies the weights B times instead, which is less memory where ``Cout`` is
+    under ``prod(S)`` (PointNet's 1024 points), and its backward sums the B weight
+    gradients.  A folded map that is not contiguous NCHW is made so first.
+    """
+    n, cout, cin = weight.shape[:3]
+    xf = fold_channels(x, True).contiguous()
+    b, sizes = xf.shape[0], xf.shape[2:]
+    xs = xf.view(b * n, cin, -1)
+    w = weight.reshape(1, n, cout, cin).expand(b, n, cout, cin).reshape(b * n, cout, cin)
+    if bias is None:
+        y = torch.bmm(w, xs)
+    else:
+        bias = bias.reshape(1, n, cout, 1).expand(b, n, cout, 1).reshape(b * n, cout, 1)
+        y = torch.baddbmm(bias, w, xs)
+    return unfold_channels(y.view(b, n * cout, *sizes), n, True)
 
 
 #: Below this many rows (``B*H*W``: SE's 1x1 maps, 2x2 maps) the N GEMM calls cost more than
