@@ -154,6 +154,35 @@ def test_step_counts_are_kept_where_and_as_stock_fused_keeps_them():
     assert (got.dtype, got.device) == (want.dtype, want.device) == (torch.float32, q.device)
 
 
+def test_loaded_step_counts_stay_where_the_fused_kernel_reads_them():
+    # torch's load_state_dict moves a fused group's step counts to the parameter's
+    # device as float32; hftc keeps them there (it kept them on the CPU as saved, which
+    # CUDA's kernel refuses), and training goes on as if never saved.
+    torch.manual_seed(0)
+    init = torch.randn(3, 4, 5, dtype=torch.float64)
+    grads = [torch.randn(3, 4, 5, dtype=torch.float64) for _ in range(4)]
+
+    def train(p, opt, gs):
+        for g in gs:
+            p.grad = g.clone()
+            opt.step()
+
+    a = init.clone().requires_grad_()
+    opt_a = hftc.optim.Adam([a], lr=[1e-2, 2e-2, 3e-2], fused=True)
+    train(a, opt_a, grads)
+    b = init.clone().requires_grad_()
+    opt_b = hftc.optim.Adam([b], lr=[1e-2, 2e-2, 3e-2], fused=True)
+    train(b, opt_b, grads[:2])
+    saved = opt_b.state_dict()
+    saved["state"][0]["step"] = saved["state"][0]["step"].double()  # as an older hftc saved
+    opt_c = hftc.optim.Adam([b], lr=[1e-2, 2e-2, 3e-2], fused=True)
+    opt_c.load_state_dict(saved)
+    step = opt_c.state[b]["step"]
+    assert (step.dtype, step.device, step.tolist()) == (torch.float32, b.device, [2.0] * 3)
+    train(b, opt_c, grads[2:])
+    assert torch.equal(a, b)
+
+
 def test_fused_flag_survives_pickling():
     import pickle
 

@@ -472,13 +472,13 @@ class FusedOptimizer(Optimizer):
                 f"parameters, this optimizer has {len(params)}")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "hftc"})
         self.__dict__.pop("_momentum_ready", None)  # state the update knew is replaced
-        # torch moves a fused group's step counts to the parameter's device as float32
-        # (and NAdam's mu_product to the parameter's device and dtype); hftc keeps them
-        # on the CPU as saved, fused or not (where the update reads them).
+        # torch moves a fused or capturable group's step counts to the parameter's device
+        # as float32, where those updates read them, and NAdam's mu_product to the
+        # parameter's device and dtype; hftc keeps the others on the CPU as saved.
         for index, p in zip(groups[0]["params"], params):
             for key in self._per_model_scalar_state:
-                if key == "step" and self._capturable():
-                    continue  # torch moved it to the parameter's device, where it belongs
+                if key == "step" and (self._capturable() or self._flag("fused")):
+                    continue  # where _new_steps puts them, as torch does
                 saved = state_dict.get("state", {}).get(index, {}).get(key)
                 loaded = self.state[p].get(key) if p in self.state else None
                 if isinstance(saved, Tensor) and isinstance(loaded, Tensor) \
@@ -591,8 +591,9 @@ class FusedOptimizer(Optimizer):
         if out.get("capturable") and out.get("fused"):
             raise FusionArgumentError(
                 f"{name}: {where}capturable=True and fused=True cannot both be set: the "
-                f"fused kernels run per model with step counts read on the host. Pass "
-                f"capturable=True alone (its step runs each op once for all N models)")
+                f"fused kernels take each model's learning rate as a host number, which a "
+                f"CUDA graph replay would not update. Pass capturable=True alone (its step "
+                f"runs each op once for all N models)")
         if out.get("fused") and out.get("foreach"):
             raise FusionArgumentError(
                 f"{name}: {where}fused=True and foreach=True cannot both be set "
@@ -976,7 +977,7 @@ class FusedOptimizer(Optimizer):
         """Zero step counts, one per model, where and as stock keeps them: on the
         parameter's device with ``capturable=True`` or ``fused=True`` (the CUDA kernels
         read them there), float32 for the fused kernels."""
-        fused = "fused" in self._flags and self._flag("fused")
+        fused = self._flag("fused")
         dtype = torch.float32 if fused else _scalar_dtype()
         device = p.device if fused or self._capturable() else None
         return torch.zeros(self.num_models, dtype=dtype, device=device)
