@@ -427,21 +427,28 @@ class Adam(FusedOptimizer):
                     self._fused_call([p[i]], [p.grad[i]], p, [i], hp, lr=hp["lr"][i])
 
     def _fused_call(self, targets: list[Tensor], grads: list[Tensor], p: Tensor,
-                    models: list[int], hp: dict[str, list[Any]], *, lr: float,
+                    models: list[int] | None, hp: dict[str, list[Any]], *, lr: float,
                     weight_decay: float | None = None, maximize: bool | None = None) -> None:
-        """torch's fused Adam(W) kernel on ``targets`` (model ``models[j]``'s slice of a
-        tensor like ``p`` each), with each model's own step count and moments and
-        ``models[0]``'s settings.  One launch for the list: torch's fused kernels take
-        a step count per tensor."""
-        state, k = self.state[p], models[0]
+        """torch's fused Adam(W) kernel on ``targets``, one launch: model ``models[j]``'s
+        slice of a tensor like ``p`` each, with its own step count (the kernel takes one
+        per tensor) and moments; or, ``models`` None, whole ``[N, ...]`` tensors whose
+        models all counted the same steps.  ``models[0]``'s (model 0's) settings."""
+        state, k = self.state[p], 0 if models is None else models[0]
+
+        def pick(t: Tensor) -> list[Tensor]:
+            if models is None:
+                return [t]
+            if len(models) == self.num_models:
+                return list(t.unbind(0))  # one op for N views, not N indexing ops
+            return [t[i] for i in models]
+
         decoupled = hp["decoupled_weight_decay"][k]
         kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         amsgrad = hp["amsgrad"][k]
+        steps = [state["step"][0]] if models is None else pick(state["step"])
         kernel(
-            targets, grads, [state["exp_avg"][i] for i in models],
-            [state["exp_avg_sq"][i] for i in models],
-            [state["max_exp_avg_sq"][i] for i in models] if amsgrad else [],
-            [state["step"][i] for i in models],
+            targets, grads, pick(state["exp_avg"]), pick(state["exp_avg_sq"]),
+            pick(state["max_exp_avg_sq"]) if amsgrad else [], steps,
             amsgrad=amsgrad, lr=lr, beta1=hp["betas"][k][0], beta2=hp["betas"][k][1],
             weight_decay=hp["weight_decay"][k] if weight_decay is None else weight_decay,
             eps=hp["eps"][k], maximize=hp["maximize"][k] if maximize is None else maximize,
@@ -450,9 +457,17 @@ class Adam(FusedOptimizer):
     def _fused_all_models(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
         """One kernel call for N models that differ at most in their learning rates (and
         step counts: a model skipped by ``skip_models`` counts fewer)."""
-        lr, models = hp["lr"], list(range(self.num_models))
+        lr, steps = hp["lr"], self.state[p]["step"]
+        # Whole tensors where the models counted alike, which only the CPU can tell
+        # without a sync (one tensor a launch costs less than N views); else per model.
+        whole = steps.device.type == "cpu" and bool((steps == steps[0]).all())
+        models = None if whole else list(range(self.num_models))
+
+        def split(t: Tensor) -> list[Tensor]:
+            return [t] if whole else list(t.unbind(0))
+
         if all(r == lr[0] for r in lr):
-            self._fused_call(list(p), list(p.grad), p, models, hp, lr=lr[0])
+            self._fused_call(split(p), split(p.grad), p, models, hp, lr=lr[0])
             return
         # The update is linear in lr: compute the unit step (lr = 1) into scratch space,
         # then p += lr_i * step per model.  Decays that read p are applied here, to p.
@@ -465,7 +480,7 @@ class Adam(FusedOptimizer):
             grad = torch.add(grad.neg() if maximize else grad, p, alpha=wd)
             maximize = False
         unit = self._scratch(p, 0).zero_()
-        self._fused_call(list(unit), list(grad), p, models, hp, lr=1.0, weight_decay=0.0,
+        self._fused_call(split(unit), split(grad), p, models, hp, lr=1.0, weight_decay=0.0,
                          maximize=maximize)
         p.addcmul_(unit, coef("lr", p))
 
