@@ -113,17 +113,22 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def _without_row_chunks(opt):
-    """``opt.step`` as before Adam's row chunks: every parameter on its former path."""
+def _without_row_chunks(kind: str, opt):
+    """``opt.step`` as before the row-chunk updates: every parameter on its former path
+    (Adam: whole tensors or column blocks; SGD: column blocks)."""
     import hftc.optim.adam as adam_module
+    import hftc.optim.sgd as sgd_module
+
+    module, name = ((adam_module, "_ROW_CHUNKS_MIN_WIDTH") if kind == "adam"
+                    else (sgd_module, "_ROW_MIN_NUMEL"))
 
     def step():
-        saved = adam_module._ROW_CHUNKS_MIN_WIDTH
-        adam_module._ROW_CHUNKS_MIN_WIDTH = 1 << 62
+        saved = getattr(module, name)
+        setattr(module, name, 1 << 62)
         try:
             opt.step()
         finally:
-            adam_module._ROW_CHUNKS_MIN_WIDTH = saved
+            setattr(module, name, saved)
 
     return step
 
@@ -138,12 +143,12 @@ def _summary(times: list[float], stock_s: list[float], prefix: str) -> dict:
 
 def measure(kind: str, shapes, n: int, foreach: bool | None, rounds: int,
             before: bool = False) -> dict:
-    """Interleaved rounds of the N stock steps and the hftc step (and, with ``before``
-    and Adam, the hftc step without row chunks: the previous code, a third contender)."""
+    """Interleaved rounds of the N stock steps and the hftc step (and, with ``before``,
+    the hftc step without row chunks: the previous code, a third contender)."""
     stock, ours = make_optimizers(kind, shapes, n, foreach)
     steps = {"hftc": ours.step}
-    if before and kind == "adam":
-        steps["before"] = _without_row_chunks(make_optimizers(kind, shapes, n, foreach)[1])
+    if before:
+        steps["before"] = _without_row_chunks(kind, make_optimizers(kind, shapes, n, foreach)[1])
 
     def stock_step():
         for opt in stock:
@@ -178,7 +183,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", help="write the results here too")
     ap.add_argument("--before", action="store_true",
-                    help="Adam: also time hftc without row chunks (the previous code) in the "
+                    help="also time hftc without row chunks (the previous code) in the "
                          "same rounds")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

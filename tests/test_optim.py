@@ -196,43 +196,46 @@ def test_adam_updates_in_column_blocks_are_stock_bit_for_bit(case, monkeypatch):
         assert_stock_bit_for_bit(case, dtype)
 
 
-@pytest.mark.parametrize("path", ["foreach", "blocks"])
+@pytest.mark.parametrize("path", ["foreach", "blocks", "rows"])
 @pytest.mark.parametrize("case", ["sgd", "sgd_maximize", "sgd_momentum", "sgd_nesterov",
                                   "sgd_plain"])
-def test_sgd_foreach_and_column_block_updates_are_stock_bit_for_bit(case, path, monkeypatch):
+def test_sgd_foreach_block_and_row_updates_are_stock_bit_for_bit(case, path, monkeypatch):
     # Small parameters take _foreach ops over all of them, large ones (on the CPU) the
-    # ops on one column block after another; "blocks" sends every parameter of these
-    # small models the second way, in blocks of 64 elements per model (the Linear
-    # weight, 90 per model, in a full block and a ragged one).
-    if path == "blocks":
+    # ops on one column block after another ("blocks") or, with wide rows, on one piece
+    # of one model's row after another ("rows", each model's values as scalars); those
+    # send every parameter of these small models that way, in blocks or pieces of 64
+    # elements per model (the Linear weight, 90 per model, in a full one and a ragged one).
+    if path != "foreach":
         monkeypatch.setattr(sgd_module, "_FOREACH_MAX_NUMEL", 0)
         monkeypatch.setattr(sgd_module, "_BLOCK_NUMEL", 1)
+        monkeypatch.setattr(sgd_module, "_ROW_MIN_NUMEL", 1 if path == "rows" else 1 << 62)
     for dtype in DTYPES:
         assert_stock_bit_for_bit(case, dtype)
 
 
-def test_sgd_blocks_a_large_parameter_as_stock_would_update_it():
-    # Past _FOREACH_MAX_NUMEL elements the update runs block by block with the module's
-    # own sizes; each model's slice is still stock SGD's, bit for bit.
-    width = 100_003
-    assert 2 * width > sgd_module._FOREACH_MAX_NUMEL
+@pytest.mark.parametrize("n, width", [(2, 100_003), (8, 9_000)], ids=["rows", "blocks"])
+def test_sgd_blocks_a_large_parameter_as_stock_would_update_it(n, width):
+    # Past _FOREACH_MAX_NUMEL elements the update runs piece by piece of each model's
+    # row (wide rows) or in column blocks, with the module's own sizes; each model's
+    # slice is still stock SGD's, bit for bit.
+    assert n * width > sgd_module._FOREACH_MAX_NUMEL
+    assert (width >= sgd_module._ROW_MIN_NUMEL) is (width == 100_003)
     g = torch.Generator().manual_seed(0)
-    start = torch.randn(2, width, generator=g)
+    start = torch.randn(n, width, generator=g)
     fused = torch.nn.Parameter(start.clone())
-    solos = [torch.nn.Parameter(start[i].clone()) for i in range(2)]
-    opt = ho.SGD([fused], lr=[1e-2, 3e-3], momentum=0.9, weight_decay=[0.0, 0.1],
-                 nesterov=[True, True])
-    stock = [torch.optim.SGD([solos[0]], lr=1e-2, momentum=0.9, nesterov=True),
-             torch.optim.SGD([solos[1]], lr=3e-3, momentum=0.9, weight_decay=0.1,
-                             nesterov=True)]
+    solos = [torch.nn.Parameter(start[i].clone()) for i in range(n)]
+    configs = [dict(lr=1e-2 / (i + 1), momentum=0.9, nesterov=True,
+                    weight_decay=0.1 * (i % 2)) for i in range(n)]
+    opt = ho.SGD([fused], **fused_kwargs(torch.optim.SGD, configs))
+    stock = [torch.optim.SGD([solo], **config) for solo, config in zip(solos, configs)]
     for _ in range(3):
-        grad = torch.randn(2, width, generator=g)
+        grad = torch.randn(n, width, generator=g)
         fused.grad = grad.clone()
         opt.step()
-        for i in range(2):
+        for i in range(n):
             solos[i].grad = grad[i].clone()
             stock[i].step()
-    for i in range(2):
+    for i in range(n):
         assert torch.equal(fused[i], solos[i])
         assert torch.equal(opt.state[fused]["momentum_buffer"][i],
                            stock[i].state[solos[i]]["momentum_buffer"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -268,13 +267,9 @@ class Adam(FusedOptimizer):
         in one small scratch buffer that stays in cache.
         """
         n = self.num_models
-        width = tensors[0].numel() // n
-        chunk = max(64, _ROW_CHUNK_NUMEL * 4 // tensors[0].element_size() // 64 * 64)
-        sizes = ([chunk] * (width // chunk) + ([width % chunk] if width % chunk else [])) * n
-        per_model = len(sizes) // n
-        # All chunk views of a tensor in one call (cheaper than a slice per chunk).
-        chunks = [t.view(-1).split(sizes) for t in tensors]
-        denoms, grad_scratch = self._row_scratch(tensors[0], chunk)
+        row_sizes, chunks = self._row_chunks(tensors, _ROW_CHUNK_NUMEL)
+        sizes, per_model, chunk = row_sizes * n, len(row_sizes), row_sizes[0]
+        denoms, grad_scratch = self._row_scratch(tensors[0], chunk, 2)
         amsgrad = hp["amsgrad"]
         rows = {name: coef.row(name) for name in (
             "sign", "coupled_wd", "decay", "one_minus_beta1", "beta2", "one_minus_beta2",
@@ -308,31 +303,6 @@ class Adam(FusedOptimizer):
                         second = max_sq
                 torch.sqrt(second, out=denom).div_(bc2).add_(eps)
                 p.addcdiv_(exp_avg, denom, value=value)
-
-    def _row_scalars(self, dtype: torch.dtype, rows: list[list[float]]) -> list[tuple]:
-        """Model i's values of ``rows`` (the operands of ``mul_``, ``div_``, ``add_``) as
-        ``scalars[i]``: in float32 / float64 as 0-dim tensors of ``dtype``, made once per
-        step for all parameters (a Python float is wrapped and cast to the tensor's dtype on
-        every call; the 0-dim tensor is the same CPU scalar to the kernel), else the floats."""
-        per_model = list(zip(*rows))
-        if dtype not in (torch.float32, torch.float64):
-            return per_model
-        cache = self.__dict__.setdefault("_row_scalar_cache", {})
-        key = array("d", [v for row in rows for v in row]).tobytes()  # bit for bit: -0.0
-        hit = cache.get(dtype)
-        if hit is None or hit[0] != key:
-            values = torch.tensor(per_model, dtype=dtype)
-            hit = cache[dtype] = (key, [tuple(row.unbind()) for row in values])
-        return hit[1]
-
-    def _row_scratch(self, like: Tensor, numel: int) -> tuple[Tensor, Tensor]:
-        """Two reusable ``numel``-element buffers in ``like``'s dtype (for :meth:`_update_rows`)."""
-        buffers = self.__dict__.setdefault("_row_scratch_buffers", {})
-        key = (like.dtype, like.device)
-        buf = buffers.get(key)
-        if buf is None or buf.numel() < 2 * numel:
-            buf = buffers[key] = torch.empty(2 * numel, dtype=like.dtype, device=like.device)
-        return buf[:numel], buf[numel:2 * numel]
 
     @staticmethod
     def _adam_math(tensors: list[Tensor], scratch: Sequence[Tensor], hp: dict[str, list[Any]],

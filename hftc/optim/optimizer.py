@@ -950,6 +950,56 @@ class FusedOptimizer(Optimizer):
             yield ([t[:, start:start + c] for t in rows],
                    [s[: n * c].view(n, c) for s in scratch])
 
+    def _row_chunks(self, tensors: list[Tensor], chunk_numel: int
+                    ) -> tuple[list[int], list[tuple[Tensor, ...]]]:
+        """Model by model, consecutive 1-D pieces of each row of every tensor's
+        ``[N, numel / N]`` view (all shaped like ``tensors[0]`` and contiguous)::
+
+            whole tensors:  op1 over P, op2 over P, ...          (each pass from memory)
+            in row chunks:  op1, op2, ... over P[0, 0:c], P[0, c:2c], ..., P[N-1, ...]
+
+        Returns ``(sizes, pieces)``: ``sizes`` one row's piece sizes (whole multiples of 64
+        elements of ``chunk_numel`` float32 elements' bytes, the last ragged) and
+        ``pieces[t][i * len(sizes) + j]`` tensor ``t``'s piece ``j`` of model ``i``'s row.
+        Within a piece every element is model ``i``'s, so an update can call stock's very
+        ops with model ``i``'s values as Python scalars, on contiguous memory in cache.
+        Every piece but a row's last is a whole number of the kernels' vector steps, so
+        each element meets the vectorised or the scalar-tail code exactly as in stock's
+        call over model ``i``'s tensor: the same ops, the same rounding.
+        """
+        width = tensors[0].numel() // self.num_models
+        chunk = max(64, chunk_numel * 4 // tensors[0].element_size() // 64 * 64)
+        sizes = [chunk] * (width // chunk) + ([width % chunk] if width % chunk else [])
+        # All pieces of a tensor in one call (cheaper than a slice per piece).
+        return sizes, [t.view(-1).split(sizes * self.num_models) for t in tensors]
+
+    def _row_scratch(self, like: Tensor, numel: int, slots: int) -> list[Tensor]:
+        """``slots`` reusable ``numel``-element buffers in ``like``'s dtype (for the
+        updates in :meth:`_row_chunks`: small enough to stay in cache)."""
+        buffers = self.__dict__.setdefault("_row_scratch_buffers", {})
+        key = (like.dtype, like.device)
+        buf = buffers.get(key)
+        if buf is None or buf.numel() < slots * numel:
+            buf = buffers[key] = torch.empty(slots * numel, dtype=like.dtype,
+                                             device=like.device)
+        return [buf[k * numel:(k + 1) * numel] for k in range(slots)]
+
+    def _row_scalars(self, dtype: torch.dtype, rows: list[list[float]]) -> list[tuple]:
+        """Model i's values of ``rows`` (the operands of ``mul_``, ``div_``, ``add_``) as
+        ``scalars[i]``: in float32 / float64 as 0-dim tensors of ``dtype``, made once per
+        step for all parameters (a Python float is wrapped and cast to the tensor's dtype on
+        every call; the 0-dim tensor is the same CPU scalar to the kernel), else the floats."""
+        per_model = list(zip(*rows))
+        if dtype not in (torch.float32, torch.float64):
+            return per_model
+        cache = self.__dict__.setdefault("_row_scalar_cache", {})
+        key = array("d", [v for row in rows for v in row]).tobytes()  # bit for bit: -0.0
+        hit = cache.get(dtype)
+        if hit is None or hit[0] != key:
+            values = torch.tensor(per_model, dtype=dtype)
+            hit = cache[dtype] = (key, [tuple(row.unbind()) for row in values])
+        return hit[1]
+
     def _coefficients(self, values: dict[str, Sequence[float]]) -> _Coefficients:
         """``_Coefficients(values)``, the very object of the last step while the values stay
         the same (compared bit for bit, so ``-0.0`` is not ``0.0``): its per-model tensors

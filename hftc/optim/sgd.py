@@ -12,11 +12,15 @@ from .optimizer import FusedOptimizer, _Coefficients, copy_model_state
 __all__ = ["SGD"]
 
 #: On the CPU, parameters of more than this many elements (all N models) are updated in
-#: column blocks of about ``_BLOCK_NUMEL`` elements, every op of the step on one block
-#: before the next (``FusedOptimizer._column_blocks``); smaller ones, and all of them on
-#: a GPU, together by ``_foreach`` ops (one call per op, not one per op and parameter).
+#: blocks of about ``_BLOCK_NUMEL`` elements, every op of the step on one block before
+#: the next: pieces of one model's row where a model has ``_ROW_MIN_NUMEL`` elements or
+#: more (``SGD._update_rows``: stock's ops with that model's scalars), column
+#: blocks of all N rows otherwise (``_column_blocks``: fewer calls for small rows);
+#: smaller parameters, and all of them on a GPU, together by ``_foreach`` ops (one call
+#: per op, not one per op and parameter).
 _FOREACH_MAX_NUMEL = 1 << 16
 _BLOCK_NUMEL = 1 << 16
+_ROW_MIN_NUMEL = 1 << 14
 
 
 class _SGDStep:
@@ -193,8 +197,51 @@ class SGD(FusedOptimizer):
             common.foreach(together, [self.state[p].get("momentum_buffer") for p in together])
         for p in blocked:
             tensors = [p, p.grad] + ([self.state[p]["momentum_buffer"]] if all(active) else [])
+            if p.numel() // self.num_models >= _ROW_MIN_NUMEL:
+                self._update_rows(tensors, coef, common)
+                continue
             for block, scratch in self._column_blocks(tensors, 1, _BLOCK_NUMEL):
                 common.one(*block[:2], block[2] if len(block) > 2 else None, scratch[0])
+
+    def _update_rows(self, tensors: list[Tensor], coef: _Coefficients, common: _SGDStep
+                     ) -> None:
+        """Stock's single-tensor update on ``[p, grad(, momentum_buffer)]`` (contiguous, on
+        the CPU), model by model in pieces of each row (:meth:`_row_chunks`)::
+
+            for i in models:  for piece in row i:
+                g = -grad if maximize_i;  g = g.add(p, alpha=wd_i) if wd_i != 0
+                buf.mul_(m_i).add_(g, alpha=1 - dampening_i);  g = g.add(buf, alpha=m_i) if nesterov
+                p.add_(g, alpha=-lr_i)
+
+        (``common``'s step, each model's values as Python scalars: a model without
+        weight decay adds none.)  The piece's gradient temporary lives in one small
+        scratch buffer that stays in cache."""
+        n = self.num_models
+        row_sizes, pieces = self._row_chunks(tensors, _BLOCK_NUMEL)
+        scratch = self._row_scratch(tensors[0], row_sizes[0], 1)[0]
+        scratch_of = {size: scratch[:size] for size in set(row_sizes)}
+        sign, weight_decay, neg_lr = (coef.row(name) for name in ("sign", "weight_decay", "neg_lr"))
+        one_minus_dampening = coef.row("one_minus_dampening")
+        momentum = coef.row("momentum")
+        # mul_'s operand as a 0-dim tensor made once per step (alpha= takes Python floats)
+        factors = self._row_scalars(tensors[0].dtype, [momentum])
+        k = 0
+        for i in range(n):
+            maximize, wd, lr_i = sign[i] < 0, weight_decay[i], neg_lr[i]
+            for size in row_sizes:
+                p, grad = pieces[0][k], pieces[1][k]
+                out = scratch_of[size]
+                if maximize:
+                    grad = torch.neg(grad, out=out)
+                if wd != 0:
+                    grad = torch.add(grad, p, alpha=wd, out=out)
+                if common.momentum:
+                    buf = pieces[2][k]
+                    buf.mul_(factors[i][0]).add_(grad, alpha=one_minus_dampening[i])
+                    grad = torch.add(grad, buf, alpha=momentum[i], out=out) \
+                        if common.nesterov else buf
+                p.add_(grad, alpha=lr_i)
+                k += 1
 
     def _coefficient_rows(self, hp: dict[str, list[Any]]) -> dict[str, list[float]]:
         return {
