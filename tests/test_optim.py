@@ -166,12 +166,52 @@ def test_matches_stock_bit_for_bit_on_cpu(case):
 
 
 def assert_stock_bit_for_bit(case: str, dtype: torch.dtype) -> None:
-    """Train ``case`` fused and solo; every model's slice must equal its solo run exactly."""
+    """Train ``case`` fused and solo; every model's slice must equal its solo run exactly
+    (NaN where the solo run has NaN: float16's eps of 1e-8 rounds to 0)."""
     fused, _, solos = run_case(case, dtype)
     params = dict(fused.named_parameters())
     for i, solo in enumerate(solos):
         for name, p in solo.named_parameters():
-            assert torch.equal(params[name][i], p), (case, dtype, i, name)
+            torch.testing.assert_close(params[name][i], p, rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m: f"{case} {dtype} model {i} {name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_half_precision_parameters_step_as_stock_bit_for_bit(case, dtype):
+    # A half type's kernels take a scalar alpha in float32 and round once; per-model
+    # coefficient tensors in the parameter's dtype were rounded first (SGD with lr=0.1 in
+    # bfloat16 was off stock from its first step).  Half parameters take each model's
+    # stock update on its slices.
+    assert_stock_bit_for_bit(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision_sgd_momentum_switched_on_later_starts_like_stock(dtype):
+    # No momentum buffer until a scheduler turns momentum on for model 1 only: its first
+    # step with it starts the buffer from the gradient (stock's clone), model 0 has none.
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(2, 70, generator=g).to(dtype)
+    fused = torch.nn.Parameter(start.clone())
+    solos = [torch.nn.Parameter(start[i].clone()) for i in range(2)]
+    opt = ho.SGD([fused], lr=[0.1, 0.05], weight_decay=1e-2)
+    stock = [torch.optim.SGD([solos[0]], lr=0.1, weight_decay=1e-2),
+             torch.optim.SGD([solos[1]], lr=0.05, weight_decay=1e-2)]
+    for step in range(4):
+        if step == 2:
+            opt.param_groups[1]["momentum"] = 0.9
+            stock[1].param_groups[0]["momentum"] = 0.9
+        grad = torch.randn(2, 70, generator=g).to(dtype)
+        fused.grad = grad.clone()
+        opt.step()
+        for i in range(2):
+            solos[i].grad = grad[i].clone()
+            stock[i].step()
+    for i in range(2):
+        assert torch.equal(fused[i], solos[i]), i
+    assert opt.state[fused]["has_momentum_buffer"].tolist() == [0, 1]
+    assert torch.equal(opt.state[fused]["momentum_buffer"][1],
+                       stock[1].state[solos[1]]["momentum_buffer"])
 
 
 @pytest.mark.parametrize("foreach_max_numel", [0, 1 << 16], ids=["one-by-one", "foreach"])
@@ -239,6 +279,37 @@ def test_sgd_blocks_a_large_parameter_as_stock_would_update_it(n, width):
         assert torch.equal(fused[i], solos[i])
         assert torch.equal(opt.state[fused]["momentum_buffer"][i],
                            stock[i].state[solos[i]]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16,
+                                   torch.float16, torch.complex64], ids=str)
+def test_sgd_row_pieces_in_every_dtype_are_stock_bit_for_bit(dtype, monkeypatch):
+    # Every parameter in row pieces of 64 elements (150 per model: two whole pieces and a
+    # ragged one), each model its own lr, momentum, dampening, decay, nesterov, maximize.
+    monkeypatch.setattr(sgd_module, "_FOREACH_MAX_NUMEL", 0)
+    monkeypatch.setattr(sgd_module, "_BLOCK_NUMEL", 1)
+    monkeypatch.setattr(sgd_module, "_ROW_MIN_NUMEL", 1)
+    configs = [dict(lr=0.1, momentum=0.9, weight_decay=1e-2),
+               dict(lr=0.05, momentum=0.5, dampening=0.3),
+               dict(lr=0.02, momentum=0.8, nesterov=True, weight_decay=1e-3, maximize=True)]
+    n, width = len(configs), 150
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(n, width, generator=g).to(dtype)
+    fused = torch.nn.Parameter(start.clone())
+    solos = [torch.nn.Parameter(start[i].clone()) for i in range(n)]
+    opt = ho.SGD([fused], **fused_kwargs(torch.optim.SGD, configs))
+    stock = [torch.optim.SGD([solo], **config) for solo, config in zip(solos, configs)]
+    for _ in range(4):
+        grad = torch.randn(n, width, generator=g).to(dtype)
+        fused.grad = grad.clone()
+        opt.step()
+        for i in range(n):
+            solos[i].grad = grad[i].clone()
+            stock[i].step()
+    for i in range(n):
+        assert torch.equal(fused[i], solos[i]), i
+        assert torch.equal(opt.state[fused]["momentum_buffer"][i],
+                           stock[i].state[solos[i]]["momentum_buffer"]), i
 
 
 @pytest.mark.parametrize("per_model_calls_min", [0, 1 << 62], ids=["per-model-calls", "product"])

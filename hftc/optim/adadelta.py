@@ -33,6 +33,7 @@ class Adadelta(FusedOptimizer):
     ``torch.no_grad()``).
     """
 
+    _stock = torch.optim.Adadelta
     _hyperparameters = {
         "lr": "float", "rho": "float", "eps": "float", "weight_decay": "float",
         "maximize": "flag",

@@ -37,6 +37,7 @@ class Adagrad(FusedOptimizer):
     ``foreach=True`` (torch refuses it too).
     """
 
+    _stock = torch.optim.Adagrad
     _hyperparameters = {
         "lr": "float", "lr_decay": "float", "weight_decay": "float",
         "initial_accumulator_value": "float", "eps": "float", "maximize": "flag",

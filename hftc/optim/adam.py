@@ -90,6 +90,7 @@ class Adam(FusedOptimizer):
     refuses too, or with ``capturable=True``.
     """
 
+    _stock = torch.optim.Adam
     _hyperparameters = {
         "lr": "float", "betas": "pair", "eps": "float", "weight_decay": "float",
         "amsgrad": "flag", "maximize": "flag", "decoupled_weight_decay": "flag",
@@ -462,6 +463,8 @@ class AdamW(Adam):
     ``weight_decay`` of 1e-2, as in torch (``foreach``, ``capturable``,
     ``differentiable`` and ``fused`` as there).
     """
+
+    _stock = torch.optim.AdamW
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach: bool | None = None,

@@ -31,6 +31,7 @@ class Adamax(FusedOptimizer):
     ``torch.no_grad()``).
     """
 
+    _stock = torch.optim.Adamax
     _hyperparameters = {
         "lr": "float", "betas": "pair", "eps": "float", "weight_decay": "float",
         "maximize": "flag",

@@ -22,17 +22,11 @@ from .sgd import SGD
 
 __all__ = ["fuse_optimizers", "unfuse_optimizers"]
 
-# Exact classes: AdamW subclasses Adam in torch, and must map to AdamW.
+# Exact classes (each fused class names its stock one): AdamW subclasses Adam in torch,
+# and must map to AdamW.
 _FUSED_CLASS: dict[type, type[FusedOptimizer]] = {
-    torch.optim.SGD: SGD,
-    torch.optim.Adam: Adam,
-    torch.optim.AdamW: AdamW,
-    torch.optim.RMSprop: RMSprop,
-    torch.optim.Adagrad: Adagrad,
-    torch.optim.Adadelta: Adadelta,
-    torch.optim.Adamax: Adamax,
-    torch.optim.NAdam: NAdam,
-    torch.optim.RAdam: RAdam,
+    cls._stock: cls for cls in (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, NAdam,
+                                RAdam)
 }
 
 # Group keys not copied into the fused optimizer's groups: the parameters, and the flags

@@ -38,6 +38,7 @@ class NAdam(FusedOptimizer):
     counts stay on the CPU; the step runs under ``torch.no_grad()``).
     """
 
+    _stock = torch.optim.NAdam
     _hyperparameters = {
         "lr": "float", "betas": "pair", "eps": "float", "weight_decay": "float",
         "momentum_decay": "float", "decoupled_weight_decay": "flag", "maximize": "flag",

@@ -49,6 +49,7 @@ models' results are then selected with ``torch.where``, never blended.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import weakref
@@ -64,6 +65,7 @@ from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from ..compile_guard import run_eagerly
 from ..errors import FusionArgumentError
 from ..runtime.per_model import values_on
+from .slicing import stock_keeps
 
 __all__ = ["FusedOptimizer"]
 
@@ -112,6 +114,16 @@ def _as_pair(name: str, value: Any, model: int | None = None) -> tuple[float, fl
     if not _is_sequence(value) or len(value) != 2 or not all(_is_number(v) for v in value):
         raise TypeError(f"{where} must be a pair of numbers, got {value!r}")
     return (_as_float(name, value[0], model), _as_float(name, value[1], model))
+
+
+#: Parameter dtypes that each model's stock optimizer updates
+#: (:meth:`FusedOptimizer._update_by_stock`).
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _per_model(value: Any, n: int) -> bool:
+    """Is ``value`` a state tensor with one entry per model (``[N, ...]``)?"""
+    return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n
 
 
 class _Coefficients:
@@ -296,6 +308,11 @@ class FusedOptimizer(Optimizer):
 
     #: Whether ``capturable=True`` is supported (:meth:`refresh_hyperparameters`).
     _capturable_supported: ClassVar[bool] = False
+
+    #: The stock class whose update each model gets (``torch.optim.Adam``): what
+    #: ``fuse_optimizers`` converts from and ``unfuse_optimizers`` back to, and what
+    #: updates float16 / bfloat16 parameters model by model (:meth:`_update_by_stock`).
+    _stock: ClassVar[type[Optimizer] | None] = None
 
     def __init__(
         self,
@@ -846,7 +863,13 @@ class FusedOptimizer(Optimizer):
                 self.__dict__.setdefault("_captured_switches", {})[k] = \
                     self._switches(group_hp[k])
             self._group_in_update = k
-            self._update(group, group_hp[k])
+            if self._stock is not None:
+                half = [p for p in group if p.dtype in _HALF_DTYPES]
+                if half:
+                    self._update_by_stock(half, group_hp[k])
+                    group = [p for p in group if p.dtype not in _HALF_DTYPES]
+            if group:
+                self._update(group, group_hp[k])
         if saved is not None:
             self._restore_models(saved, skip)
         if saved_on_device is not None:
@@ -860,6 +883,60 @@ class FusedOptimizer(Optimizer):
             # Restored state may be a first step's (SGD: no momentum buffer yet); on the
             # device the host cannot tell whether any model was skipped.
             self.__dict__.pop("_momentum_ready", None)
+
+    def _update_by_stock(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
+        """The update of float16 / bfloat16 ``params``: for each model, a stock optimizer
+        of :attr:`_stock` over views of that model's slices, with its values and its slices
+        of the state (what :func:`~hftc.optim.slicing.stock_keeps`, as
+        ``unfuse_optimizers`` does), stepped::
+
+            for i in models:
+                stock = torch.optim.<Class>([p[i] for p in params], **model i's values)
+                stock.state[p[i]] = {key: state[p][key][i], ...};  stock.step()
+
+        A half type's kernels compute ``a + alpha * b`` in float32, ``alpha`` a float32
+        scalar, and round once; the per-model coefficient tensors of the other paths are
+        in the parameter's dtype, their values rounded to it first (an lr of 0.1 in
+        bfloat16 is 0.10009765625), so every step would be an ulp off stock's.  A buffer
+        stock makes on its first step (SGD's momentum) is copied into the stacked state
+        and marked in its ``has_<key>`` flags."""
+        if params[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            raise FusionArgumentError(
+                f"{type(self).__name__}: a step over {params[0].dtype} parameters is being "
+                f"captured in a CUDA graph; they take each model's stock update with its "
+                f"values as Python numbers, which a graph would keep as constants (a "
+                f"scheduler's changes would never apply).  Keep the parameters in float32 "
+                f"and train in {params[0].dtype} under autocast "
+                f"(hftc.compile_step(..., autocast_dtype={params[0].dtype})), or step eagerly")
+        n = self.num_models
+        names = set(inspect.signature(self._stock).parameters)
+        flags = {key: self.param_groups[0].get(key) for key in self._flags
+                 if key in names and key != "differentiable"}
+        for i in range(n):
+            values = {name: hp[name][i] for name in self._hyperparameters if name in names}
+            views = [p.detach()[i] for p in params]
+            stock = self._stock(views, **values, **flags)
+            given = []
+            for p, view in zip(params, views):
+                view.grad = p.grad[i]
+                state = self.state[p]
+                own = {key: value[i] if _per_model(value, n) else value
+                       for key, value in state.items()
+                       if not _per_model(value, n) or stock_keeps(key, state, i, values)}
+                stock.state[view] = dict(own)
+                given.append(own)
+            stock.step()
+            for p, view, own in zip(params, views, given):
+                state = self.state[p]
+                for key, value in stock.state[view].items():
+                    if key in own or not isinstance(value, Tensor) or value.shape != view.shape:
+                        continue
+                    if key not in state:  # a scheduler turned the buffer's use on
+                        state[key] = torch.zeros_like(p)
+                        state[f"has_{key}"] = torch.zeros(n, dtype=p.dtype, device=p.device)
+                    state[key][i].copy_(value)
+                    if f"has_{key}" in state:
+                        state[f"has_{key}"][i].fill_(1)
 
     def _skip_flags(self, skip_models: Tensor) -> Tensor:
         """``skip_models`` as a ``[N]`` bool tensor where it is, checked by shape only."""

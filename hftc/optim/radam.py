@@ -49,6 +49,7 @@ class RAdam(FusedOptimizer):
     counts stay on the CPU; the step runs under ``torch.no_grad()``).
     """
 
+    _stock = torch.optim.RAdam
     _hyperparameters = {
         "lr": "float", "betas": "pair", "eps": "float", "weight_decay": "float",
         "decoupled_weight_decay": "flag", "maximize": "flag",

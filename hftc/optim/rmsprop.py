@@ -30,6 +30,7 @@ class RMSprop(FusedOptimizer):
     ``torch.no_grad()``).
     """
 
+    _stock = torch.optim.RMSprop
     _hyperparameters = {
         "lr": "float", "alpha": "float", "eps": "float", "weight_decay": "float",
         "momentum": "float", "centered": "flag", "maximize": "flag",

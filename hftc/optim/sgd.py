@@ -114,6 +114,7 @@ class SGD(FusedOptimizer):
     ``fused=True`` with ``foreach=True`` (torch refuses it too).
     """
 
+    _stock = torch.optim.SGD
     _hyperparameters = {
         "lr": "float", "momentum": "float", "dampening": "float",
         "weight_decay": "float", "nesterov": "flag", "maximize": "flag",

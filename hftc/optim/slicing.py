@@ -37,10 +37,10 @@ def fused_param_names(fused: nn.Module, optimizer: torch.optim.Optimizer) -> lis
                          "module's; build it on fused.parameters()") from exc
 
 
-def _keep(key: str, value: Tensor, state: dict[str, Any], index: int,
-          group: dict[str, Any]) -> bool:
-    """Does stock torch keep ``key`` for this model? (The fused optimizer keeps every
-    buffer any model needs; stock creates one only for the models that use it.)"""
+def stock_keeps(key: str, state: dict[str, Any], index: int, group: dict[str, Any]) -> bool:
+    """Does stock torch keep ``key`` for model ``index`` (``group``: its values)?  (The
+    fused optimizer keeps every buffer any model needs; stock creates one only for the
+    models that use it.)"""
     if key.startswith("has_"):
         return False  # bookkeeping of the fused class (e.g. SGD's has_momentum_buffer)
     flag = state.get(f"has_{key}")
@@ -123,7 +123,7 @@ def load_model_slice(
         for key, value in state.items():
             if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != n:
                 sliced[key] = value
-            elif _keep(key, value, state, index, group):
+            elif stock_keeps(key, state, index, group):
                 own = value[index]
                 if own.dim() == p.dim() and own.shape != p.shape:  # padded (pad_widths=True)
                     from ..padding import own_part, width_blocks
