@@ -30,6 +30,7 @@ import hftc.optim as ho
 import hftc.optim.adam as adam_module
 import hftc.optim.optimizer as optimizer_module
 import hftc.optim.sgd as sgd_module
+from hftc.errors import FusionArgumentError
 
 # name -> (fused class, stock class, one stock kwargs dict per model)
 CASES = {
@@ -172,8 +173,9 @@ def assert_stock_bit_for_bit(case: str, dtype: torch.dtype) -> None:
     params = dict(fused.named_parameters())
     for i, solo in enumerate(solos):
         for name, p in solo.named_parameters():
+            where = f"{case} {dtype} model {i} {name}"
             torch.testing.assert_close(params[name][i], p, rtol=0, atol=0, equal_nan=True,
-                                       msg=lambda m: f"{case} {dtype} model {i} {name}: {m}")
+                                       msg=lambda m, where=where: f"{where}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -184,6 +186,14 @@ def test_half_precision_parameters_step_as_stock_bit_for_bit(case, dtype):
     # bfloat16 was off stock from its first step).  Half parameters take each model's
     # stock update on its slices.
     assert_stock_bit_for_bit(case, dtype)
+
+
+def test_half_precision_capturable_on_the_cpu_is_refused_as_stock_refuses_it():
+    p = torch.nn.Parameter(torch.randn(2, 5).to(torch.bfloat16))
+    p.grad = torch.randn(2, 5).to(torch.bfloat16)
+    opt = ho.Adam([p], lr=[1e-3, 2e-3], capturable=True)
+    with pytest.raises(FusionArgumentError, match=r"capturable=True.*bfloat16.*Drop"):
+        opt.step()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -912,6 +912,12 @@ class FusedOptimizer(Optimizer):
         names = set(inspect.signature(self._stock).parameters)
         flags = {key: self.param_groups[0].get(key) for key in self._flags
                  if key in names and key != "differentiable"}
+        if flags.get("capturable") and not params[0].is_cuda:
+            raise FusionArgumentError(
+                f"{type(self).__name__}(capturable=True) over {params[0].dtype} parameters "
+                f"on the {params[0].device.type}: they take each model's stock update, and "
+                f"stock refuses capturable=True there.  Drop capturable=True (it is for "
+                f"CUDA graphs), or keep the parameters in float32")
         for i in range(n):
             values = {name: hp[name][i] for name in self._hyperparameters if name in names}
             views = [p.detach()[i] for p in params]
