@@ -910,9 +910,11 @@ class FusedOptimizer(Optimizer):
                 f"(hftc.compile_step(..., autocast_dtype={params[0].dtype})), or step eagerly")
         n = self.num_models
         names = set(inspect.signature(self._stock).parameters)
-        flags = {key: self.param_groups[0].get(key) for key in self._flags
-                 if key in names and key != "differentiable"}
-        if flags.get("capturable") and not params[0].is_cuda:
+        # Each model's own flags: NAdam's and RAdam's foreach and for-loop updates round
+        # differently, and each model takes the one its group picks.
+        flags = [{key: group.get(key) for key in self._flags
+                  if key in names and key != "differentiable"} for group in self.param_groups]
+        if flags[0].get("capturable") and not params[0].is_cuda:
             raise FusionArgumentError(
                 f"{type(self).__name__}(capturable=True) over {params[0].dtype} parameters "
                 f"on the {params[0].device.type}: they take each model's stock update, and "
@@ -921,7 +923,7 @@ class FusedOptimizer(Optimizer):
         for i in range(n):
             values = {name: hp[name][i] for name in self._hyperparameters if name in names}
             views = [p.detach()[i] for p in params]
-            stock = self._stock(views, **values, **flags)
+            stock = self._stock(views, **values, **flags[i])
             given = []
             for p, view in zip(params, views):
                 view.grad = p.grad[i]
