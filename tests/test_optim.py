@@ -692,6 +692,41 @@ def test_cuda_matches_stock(case):
     assert_all_match(fused, solos, 1e-9)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", ["sgd", "adam", "rmsprop", "nadam"])
+def test_cuda_half_precision_parameters_step_as_stock_bit_for_bit(case):
+    # bfloat16 parameters on CUDA take each model's stock update (stock's CUDA default,
+    # foreach): the same kernels on the same gradients, so equal bit for bit.  (Fed the
+    # gradients directly: a forward on slices may pick other GEMM kernels.)
+    assert_half_steps_equal_stock(case, torch.bfloat16, torch.device("cuda"))
+
+
+def assert_half_steps_equal_stock(case: str, dtype: torch.dtype, device: torch.device) -> None:
+    fused_cls, stock_cls, configs = CASES[case]
+    n, width = len(configs), 70
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(n, width, generator=g).to(device, dtype)
+    fused = torch.nn.Parameter(start.clone())
+    solos = [torch.nn.Parameter(start[i].clone()) for i in range(n)]
+    opt = fused_cls([fused], **fused_kwargs(stock_cls, configs))
+    stock = [stock_cls([solo], **config) for solo, config in zip(solos, configs)]
+    for _ in range(4):
+        grad = torch.randn(n, width, generator=g).to(device, dtype)
+        fused.grad = grad.clone()
+        opt.step()
+        for i in range(n):
+            solos[i].grad = grad[i].clone()
+            stock[i].step()
+    for i in range(n):
+        torch.testing.assert_close(fused[i], solos[i], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("case", ["sgd", "adam", "rmsprop", "nadam", "adagrad"])
+def test_half_precision_steps_fed_the_same_gradients_equal_stock(case):
+    assert_half_steps_equal_stock(case, torch.float16, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("case", ["sgd", "adam", "adam_plain", "rmsprop"])
 def test_compiled_step_is_the_eager_update_and_never_recompiles(case):
     # A user following torch's "compile the optimizer step" recipe: torch.compile(opt.step).
