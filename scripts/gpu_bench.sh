@@ -17,7 +17,8 @@
 # (462 s + 300 s of commands): chain the calls, set BUDGET_S to fit what `status` says is
 # left, and give the machine back after the last.
 #   done 2026-11-27 (H200): tests, fp32-a, fp32-b (PointNet N = 32 cut by the limit)
-#   next: tests (the four fixed failures, the new conv-lowering test), fp32-c, profile
+#   next: tests (the four fixed failures, the new conv-lowering test, half-type optimizer
+#         steps on CUDA), fp32-c, profile
 #   then: pointnet-32, max-n-pointnet, max-n-resnet18; then bf16
 # One part per `run` call, e.g. with timeout_s 590:
 #   BUDGET_S=200 bash scripts/gpu_bench.sh tests $OUT; BUDGET_S=360 bash scripts/gpu_bench.sh fp32-c $OUT
@@ -73,6 +74,7 @@ bench() {  # name, seconds (cut to what the part has left), then bench arguments
 case $part in
   tests)
     tests=(tests/test_cuda.py tests/test_optim.py::test_cuda_matches_stock
+           tests/test_optim.py::test_cuda_half_precision_parameters_step_as_stock_bit_for_bit
            tests/test_bench.py::test_gpu_suite_end_to_end
            tests/test_optim_mixed.py::test_mixed_classes_with_fused_adam)
     # The whole-step graph, the capturable optimizers and the sync-free GradScaler.
