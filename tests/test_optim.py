@@ -178,6 +178,30 @@ def assert_stock_bit_for_bit(case: str, dtype: torch.dtype) -> None:
                                        msg=lambda m, where=where: f"{where}: {m}")
 
 
+def stacked_and_solos(n: int, width: int, dtype=torch.float32, device="cpu", seed: int = 0):
+    """One stacked ``[n, width]`` parameter and n solo copies of its rows, and the
+    generator the gradients are drawn from."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randn(n, width, generator=g).to(device, dtype)
+    solos = [torch.nn.Parameter(start[i].clone()) for i in range(n)]
+    return torch.nn.Parameter(start.clone()), solos, g
+
+
+def step_alongside_stock(opt, fused, stock, solos, g, steps: int, before_step=None) -> None:
+    """``steps`` steps of the fused optimizer over ``fused`` and of each model's stock
+    optimizer over its solo copy, fed the same random gradients (``before_step(k)``
+    first: a scheduler's change)."""
+    for k in range(steps):
+        if before_step is not None:
+            before_step(k)
+        grad = torch.randn(fused.shape, generator=g).to(fused.device, fused.dtype)
+        fused.grad = grad.clone()
+        opt.step()
+        for i, solo in enumerate(solos):
+            solo.grad = grad[i].clone()
+            stock[i].step()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_half_precision_parameters_step_as_stock_bit_for_bit(case, dtype):
@@ -200,23 +224,17 @@ def test_half_precision_capturable_on_the_cpu_is_refused_as_stock_refuses_it():
 def test_half_precision_sgd_momentum_switched_on_later_starts_like_stock(dtype):
     # No momentum buffer until a scheduler turns momentum on for model 1 only: its first
     # step with it starts the buffer from the gradient (stock's clone), model 0 has none.
-    g = torch.Generator().manual_seed(0)
-    start = torch.randn(2, 70, generator=g).to(dtype)
-    fused = torch.nn.Parameter(start.clone())
-    solos = [torch.nn.Parameter(start[i].clone()) for i in range(2)]
+    fused, solos, g = stacked_and_solos(2, 70, dtype)
     opt = ho.SGD([fused], lr=[0.1, 0.05], weight_decay=1e-2)
     stock = [torch.optim.SGD([solos[0]], lr=0.1, weight_decay=1e-2),
              torch.optim.SGD([solos[1]], lr=0.05, weight_decay=1e-2)]
-    for step in range(4):
+
+    def momentum_on_for_model_1(step: int) -> None:
         if step == 2:
             opt.param_groups[1]["momentum"] = 0.9
             stock[1].param_groups[0]["momentum"] = 0.9
-        grad = torch.randn(2, 70, generator=g).to(dtype)
-        fused.grad = grad.clone()
-        opt.step()
-        for i in range(2):
-            solos[i].grad = grad[i].clone()
-            stock[i].step()
+
+    step_alongside_stock(opt, fused, stock, solos, g, 4, momentum_on_for_model_1)
     for i in range(2):
         assert torch.equal(fused[i], solos[i]), i
     assert opt.state[fused]["has_momentum_buffer"].tolist() == [0, 1]
@@ -270,21 +288,12 @@ def test_sgd_blocks_a_large_parameter_as_stock_would_update_it(n, width):
     # slice is still stock SGD's, bit for bit.
     assert n * width > sgd_module._FOREACH_MAX_NUMEL
     assert (width >= sgd_module._ROW_MIN_NUMEL) is (width == 100_003)
-    g = torch.Generator().manual_seed(0)
-    start = torch.randn(n, width, generator=g)
-    fused = torch.nn.Parameter(start.clone())
-    solos = [torch.nn.Parameter(start[i].clone()) for i in range(n)]
+    fused, solos, g = stacked_and_solos(n, width)
     configs = [dict(lr=1e-2 / (i + 1), momentum=0.9, nesterov=True,
                     weight_decay=0.1 * (i % 2)) for i in range(n)]
     opt = ho.SGD([fused], **fused_kwargs(torch.optim.SGD, configs))
     stock = [torch.optim.SGD([solo], **config) for solo, config in zip(solos, configs)]
-    for _ in range(3):
-        grad = torch.randn(n, width, generator=g)
-        fused.grad = grad.clone()
-        opt.step()
-        for i in range(n):
-            solos[i].grad = grad[i].clone()
-            stock[i].step()
+    step_alongside_stock(opt, fused, stock, solos, g, 3)
     for i in range(n):
         assert torch.equal(fused[i], solos[i])
         assert torch.equal(opt.state[fused]["momentum_buffer"][i],
@@ -302,20 +311,11 @@ def test_sgd_row_pieces_in_every_dtype_are_stock_bit_for_bit(dtype, monkeypatch)
     configs = [dict(lr=0.1, momentum=0.9, weight_decay=1e-2),
                dict(lr=0.05, momentum=0.5, dampening=0.3),
                dict(lr=0.02, momentum=0.8, nesterov=True, weight_decay=1e-3, maximize=True)]
-    n, width = len(configs), 150
-    g = torch.Generator().manual_seed(0)
-    start = torch.randn(n, width, generator=g).to(dtype)
-    fused = torch.nn.Parameter(start.clone())
-    solos = [torch.nn.Parameter(start[i].clone()) for i in range(n)]
+    fused, solos, g = stacked_and_solos(len(configs), 150, dtype)
     opt = ho.SGD([fused], **fused_kwargs(torch.optim.SGD, configs))
     stock = [torch.optim.SGD([solo], **config) for solo, config in zip(solos, configs)]
-    for _ in range(4):
-        grad = torch.randn(n, width, generator=g).to(dtype)
-        fused.grad = grad.clone()
-        opt.step()
-        for i in range(n):
-            solos[i].grad = grad[i].clone()
-            stock[i].step()
+    step_alongside_stock(opt, fused, stock, solos, g, 4)
+    n = len(configs)
     for i in range(n):
         assert torch.equal(fused[i], solos[i]), i
         assert torch.equal(opt.state[fused]["momentum_buffer"][i],
@@ -341,20 +341,11 @@ def test_adam_blocks_a_parameter_larger_than_the_cache_as_stock_would_update_it(
     # the module's own sizes; each model's slice is still stock Adam's, bit for bit.
     width = 1_100_003
     assert 2 * width > adam_module._BLOCK_ABOVE
-    g = torch.Generator().manual_seed(0)
-    start = torch.randn(2, width, generator=g)
-    fused = torch.nn.Parameter(start.clone())
-    solos = [torch.nn.Parameter(start[i].clone()) for i in range(2)]
+    fused, solos, g = stacked_and_solos(2, width)
     opt = ho.Adam([fused], lr=[1e-2, 3e-3], weight_decay=[0.0, 0.1])
     stock = [torch.optim.Adam([solos[0]], lr=1e-2),
              torch.optim.Adam([solos[1]], lr=3e-3, weight_decay=0.1)]
-    for _ in range(3):
-        grad = torch.randn(2, width, generator=g)
-        fused.grad = grad.clone()
-        opt.step()
-        for i in range(2):
-            solos[i].grad = grad[i].clone()
-            stock[i].step()
+    step_alongside_stock(opt, fused, stock, solos, g, 3)
     for i in range(2):
         assert torch.equal(fused.detach()[i], solos[i].detach()), i
 
@@ -704,20 +695,11 @@ def test_cuda_half_precision_parameters_step_as_stock_bit_for_bit(case):
 
 def assert_half_steps_equal_stock(case: str, dtype: torch.dtype, device: torch.device) -> None:
     fused_cls, stock_cls, configs = CASES[case]
-    n, width = len(configs), 70
-    g = torch.Generator().manual_seed(0)
-    start = torch.randn(n, width, generator=g).to(device, dtype)
-    fused = torch.nn.Parameter(start.clone())
-    solos = [torch.nn.Parameter(start[i].clone()) for i in range(n)]
+    n = len(configs)
+    fused, solos, g = stacked_and_solos(n, 70, dtype, device)
     opt = fused_cls([fused], **fused_kwargs(stock_cls, configs))
     stock = [stock_cls([solo], **config) for solo, config in zip(solos, configs)]
-    for _ in range(4):
-        grad = torch.randn(n, width, generator=g).to(device, dtype)
-        fused.grad = grad.clone()
-        opt.step()
-        for i in range(n):
-            solos[i].grad = grad[i].clone()
-            stock[i].step()
+    step_alongside_stock(opt, fused, stock, solos, g, 4)
     for i in range(n):
         torch.testing.assert_close(fused[i], solos[i], rtol=0, atol=0, equal_nan=True)
 
