@@ -340,7 +340,7 @@ class _LinearChain(torch.autograd.Function):
             else:
                 g = torch.bmm(g, w)
                 if ctx.activations[i - 1] == "relu":
-                    g = torch.ops.aten.threshold_backward(g, h, 0)
+                    g = _relu_backward_into(g, h)
         return (g, None, None, *grads)
 
     @staticmethod
@@ -362,6 +362,16 @@ class _LinearChain(torch.autograd.Function):
             _LinearChain, models(x3, x_dim), activations, transposed,
             *(models(p, d) for p, d in zip(params, param_dims)))
         return tuple(t.unflatten(0, (v, -1)) for t in output), (0,) * len(output)
+
+
+def _relu_backward_into(g: Tensor, h: Tensor) -> Tensor:
+    """ReLU's backward, ``threshold_backward(g, h, 0)``, written over ``g`` (the chain's
+    own fresh product, which nothing else reads): the same values, without a new
+    ``[N, M, width]`` tensor each layer (its pages cost about as much as the pass).
+    Out of place under torch.func transforms and torch.compile, which take no ``out=``."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return torch.ops.aten.threshold_backward(g, h, 0)
+    return torch.ops.aten.threshold_backward.grad_input(g, h, 0, grad_input=g)
 
 
 def _records_graph(grad: Tensor, x3: Tensor, params: list) -> bool:
