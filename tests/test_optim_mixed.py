@@ -168,7 +168,8 @@ def setup(arch: str, order: list[str], dtype: torch.dtype, pre_steps: list[int])
 
 
 @pytest.mark.parametrize("sched", ["steplr", "lambdalr"])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16],
+                         ids=["f64", "f32", "bf16"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("order", sorted(ORDERS))
 def test_mixed_classes_step_as_stock_bit_for_bit(order, arch, dtype, sched):
