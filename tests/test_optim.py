@@ -178,11 +178,17 @@ def assert_stock_bit_for_bit(case: str, dtype: torch.dtype) -> None:
                                        msg=lambda m, where=where: f"{where}: {m}")
 
 
+def randn(shape, g: torch.Generator, dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """Normal values of ``dtype`` (complex ones with an imaginary part of their own)."""
+    draw_dtype = dtype if dtype.is_complex else torch.float32
+    return torch.randn(shape, generator=g, dtype=draw_dtype).to(device, dtype)
+
+
 def stacked_and_solos(n: int, width: int, dtype=torch.float32, device="cpu", seed: int = 0):
     """One stacked ``[n, width]`` parameter and n solo copies of its rows, and the
     generator the gradients are drawn from."""
     g = torch.Generator().manual_seed(seed)
-    start = torch.randn(n, width, generator=g).to(device, dtype)
+    start = randn((n, width), g, dtype, device)
     solos = [torch.nn.Parameter(start[i].clone()) for i in range(n)]
     return torch.nn.Parameter(start.clone()), solos, g
 
@@ -194,7 +200,7 @@ def step_alongside_stock(opt, fused, stock, solos, g, steps: int, before_step=No
     for k in range(steps):
         if before_step is not None:
             before_step(k)
-        grad = torch.randn(fused.shape, generator=g).to(fused.device, fused.dtype)
+        grad = randn(fused.shape, g, fused.dtype, fused.device)
         fused.grad = grad.clone()
         opt.step()
         for i, solo in enumerate(solos):
@@ -690,10 +696,10 @@ def test_cuda_half_precision_parameters_step_as_stock_bit_for_bit(case):
     # bfloat16 parameters on CUDA take each model's stock update (stock's CUDA default,
     # foreach): the same kernels on the same gradients, so equal bit for bit.  (Fed the
     # gradients directly: a forward on slices may pick other GEMM kernels.)
-    assert_half_steps_equal_stock(case, torch.bfloat16, torch.device("cuda"))
+    assert_steps_fed_the_same_gradients_equal_stock(case, torch.bfloat16, torch.device("cuda"))
 
 
-def assert_half_steps_equal_stock(case: str, dtype: torch.dtype, device: torch.device) -> None:
+def assert_steps_fed_the_same_gradients_equal_stock(case: str, dtype: torch.dtype, device: torch.device) -> None:
     fused_cls, stock_cls, configs = CASES[case]
     n = len(configs)
     fused, solos, g = stacked_and_solos(n, 70, dtype, device)
@@ -706,7 +712,16 @@ def assert_half_steps_equal_stock(case: str, dtype: torch.dtype, device: torch.d
 
 @pytest.mark.parametrize("case", ["sgd", "adam", "rmsprop", "nadam", "adagrad"])
 def test_half_precision_steps_fed_the_same_gradients_equal_stock(case):
-    assert_half_steps_equal_stock(case, torch.float16, torch.device("cpu"))
+    assert_steps_fed_the_same_gradients_equal_stock(case, torch.float16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128], ids=str)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_complex_parameters_step_as_stock_bit_for_bit(case, dtype):
+    # Stock updates a complex parameter as its real view (each component its own
+    # moments); the stacked update squared complex gradients (wrong moments) or failed
+    # in amsgrad's maximum.  Complex parameters take each model's stock update.
+    assert_steps_fed_the_same_gradients_equal_stock(case, dtype, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("case", ["sgd", "adam", "adam_plain", "rmsprop"])

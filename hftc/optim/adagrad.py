@@ -65,7 +65,10 @@ class Adagrad(FusedOptimizer):
         state["step"] = self._new_steps(p)
         init = _Coefficients({"value": hp["initial_accumulator_value"]})
         state["sum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["sum"].add_(init("value", p))
+        # Stock starts a complex parameter's sum at value + value*1j (its real view's
+        # two components alike).
+        value = init("value", p.real if p.is_complex() else p)
+        state["sum"].add_(torch.complex(value, value) if p.is_complex() else value)
 
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
         params = self._fused_kernel_first(params, hp)

@@ -116,9 +116,14 @@ def _as_pair(name: str, value: Any, model: int | None = None) -> tuple[float, fl
     return (_as_float(name, value[0], model), _as_float(name, value[1], model))
 
 
-#: Parameter dtypes that each model's stock optimizer updates
+#: Half types, whose parameters each model's stock optimizer updates, as complex ones
 #: (:meth:`FusedOptimizer._update_by_stock`).
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _takes_stock_update(p: Tensor) -> bool:
+    """Is ``p`` updated model by model by the stock class (a half or complex dtype)?"""
+    return p.dtype in _HALF_DTYPES or p.is_complex()
 
 
 def _per_model(value: Any, n: int) -> bool:
@@ -311,7 +316,8 @@ class FusedOptimizer(Optimizer):
 
     #: The stock class whose update each model gets (``torch.optim.Adam``): what
     #: ``fuse_optimizers`` converts from and ``unfuse_optimizers`` back to, and what
-    #: updates float16 / bfloat16 parameters model by model (:meth:`_update_by_stock`).
+    #: updates float16 / bfloat16 / complex parameters model by model
+    #: (:meth:`_update_by_stock`).
     _stock: ClassVar[type[Optimizer] | None] = None
 
     def __init__(
@@ -864,10 +870,10 @@ class FusedOptimizer(Optimizer):
                     self._switches(group_hp[k])
             self._group_in_update = k
             if self._stock is not None:
-                half = [p for p in group if p.dtype in _HALF_DTYPES]
-                if half:
-                    self._update_by_stock(half, group_hp[k])
-                    group = [p for p in group if p.dtype not in _HALF_DTYPES]
+                by_stock = [p for p in group if _takes_stock_update(p)]
+                if by_stock:
+                    self._update_by_stock(by_stock, group_hp[k])
+                    group = [p for p in group if not _takes_stock_update(p)]
             if group:
                 self._update(group, group_hp[k])
         if saved is not None:
@@ -885,7 +891,7 @@ class FusedOptimizer(Optimizer):
             self.__dict__.pop("_momentum_ready", None)
 
     def _update_by_stock(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
-        """The update of float16 / bfloat16 ``params``: for each model, a stock optimizer
+        """The update of float16 / bfloat16 / complex ``params``: for each model, a stock optimizer
         of :attr:`_stock` over views of that model's slices, with its values and its slices
         of the state (what :func:`~hftc.optim.slicing.stock_keeps`, as
         ``unfuse_optimizers`` does), stepped::
@@ -897,17 +903,22 @@ class FusedOptimizer(Optimizer):
         A half type's kernels compute ``a + alpha * b`` in float32, ``alpha`` a float32
         scalar, and round once; the per-model coefficient tensors of the other paths are
         in the parameter's dtype, their values rounded to it first (an lr of 0.1 in
-        bfloat16 is 0.10009765625), so every step would be an ulp off stock's.  A buffer
-        stock makes on its first step (SGD's momentum) is copied into the stacked state
-        and marked in its ``has_<key>`` flags."""
+        bfloat16 is 0.10009765625), so every step would be an ulp off stock's.  Stock
+        updates a complex parameter as its real view (each component its own moments),
+        which the stacked update does not.  A buffer stock makes on its first step (SGD's
+        momentum) is copied into the stacked state and marked in its ``has_<key>`` flags."""
+        dtype = params[0].dtype
+        half = dtype in _HALF_DTYPES
         if params[0].is_cuda and torch.cuda.is_current_stream_capturing():
             raise FusionArgumentError(
-                f"{type(self).__name__}: a step over {params[0].dtype} parameters is being "
-                f"captured in a CUDA graph; they take each model's stock update with its "
-                f"values as Python numbers, which a graph would keep as constants (a "
-                f"scheduler's changes would never apply).  Keep the parameters in float32 "
-                f"and train in {params[0].dtype} under autocast "
-                f"(hftc.compile_step(..., autocast_dtype={params[0].dtype})), or step eagerly")
+                f"{type(self).__name__}: a step over {dtype} parameters is being captured "
+                f"in a CUDA graph; they take each model's stock update with its values as "
+                f"Python numbers, which a graph would keep as constants (a scheduler's "
+                f"changes would never apply).  "
+                + (f"Keep the parameters in float32 and train in {dtype} under autocast "
+                   f"(hftc.compile_step(..., autocast_dtype={dtype})), or step eagerly"
+                   if half else "Step the optimizer eagerly (build it without "
+                                "capturable=True: compile_step then runs it after the graph)"))
         n = self.num_models
         names = set(inspect.signature(self._stock).parameters)
         # Each model's own flags: NAdam's and RAdam's foreach and for-loop updates round
@@ -916,10 +927,10 @@ class FusedOptimizer(Optimizer):
                   if key in names and key != "differentiable"} for group in self.param_groups]
         if flags[0].get("capturable") and not params[0].is_cuda:
             raise FusionArgumentError(
-                f"{type(self).__name__}(capturable=True) over {params[0].dtype} parameters "
-                f"on the {params[0].device.type}: they take each model's stock update, and "
-                f"stock refuses capturable=True there.  Drop capturable=True (it is for "
-                f"CUDA graphs), or keep the parameters in float32")
+                f"{type(self).__name__}(capturable=True) over {dtype} parameters on the "
+                f"{params[0].device.type}: they take each model's stock update, and stock "
+                f"refuses capturable=True there.  Drop capturable=True (it is for CUDA "
+                f"graphs)" + (", or keep the parameters in float32" if half else ""))
         for i in range(n):
             values = {name: hp[name][i] for name in self._hyperparameters if name in names}
             views = [p.detach()[i] for p in params]
