@@ -947,11 +947,13 @@ class FusedOptimizer(Optimizer):
             stock.step()
             for p, view, own in zip(params, views, given):
                 state = self.state[p]
+                # What stock wrote in place is ours already; a tensor it made anew (SGD's
+                # first momentum buffer, or a value it replaced) is copied into our slice.
                 for key, value in stock.state[view].items():
-                    if key in own or not isinstance(value, Tensor) or value.shape != view.shape:
+                    if not isinstance(value, Tensor) or value is own.get(key):
                         continue
-                    if key not in state:  # a scheduler turned the buffer's use on
-                        state[key] = torch.zeros_like(p)
+                    if key not in state:  # made lazily (a scheduler turned momentum on)
+                        state[key] = value.new_zeros((n, *value.shape))
                         state[f"has_{key}"] = torch.zeros(n, dtype=p.dtype, device=p.device)
                     state[key][i].copy_(value)
                     if f"has_{key}" in state:
