@@ -226,6 +226,18 @@ def test_half_precision_capturable_on_the_cpu_is_refused_as_stock_refuses_it():
         opt.step()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.complex64, torch.float32], ids=str)
+def test_steps_of_stock_updated_dtypes_are_not_offered_for_capture(dtype):
+    # compile_step captures an optimizer step only where is_capturable says so; a half or
+    # complex parameter's stock update reads its values on the host, so it runs after
+    # the graph instead.
+    p = torch.nn.Parameter(torch.zeros(2, 5, dtype=dtype))
+    q = torch.nn.Parameter(torch.zeros(2, 3))
+    opt = ho.Adam([q, p], lr=[1e-3, 2e-3], capturable=True)
+    assert opt._capturable()
+    assert opt.is_capturable is (dtype == torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision_sgd_momentum_switched_on_later_starts_like_stock(dtype):
     # No momentum buffer until a scheduler turns momentum on for model 1 only: its first

@@ -914,11 +914,10 @@ class FusedOptimizer(Optimizer):
                 f"{type(self).__name__}: a step over {dtype} parameters is being captured "
                 f"in a CUDA graph; they take each model's stock update with its values as "
                 f"Python numbers, which a graph would keep as constants (a scheduler's "
-                f"changes would never apply).  "
-                + (f"Keep the parameters in float32 and train in {dtype} under autocast "
-                   f"(hftc.compile_step(..., autocast_dtype={dtype})), or step eagerly"
-                   if half else "Step the optimizer eagerly (build it without "
-                                "capturable=True: compile_step then runs it after the graph)"))
+                f"changes would never apply).  Step the optimizer outside the graph "
+                f"(hftc.compile_step does: is_capturable is False for it)"
+                + (f", or keep the parameters in float32 and train in {dtype} under "
+                   f"autocast" if half else ""))
         n = self.num_models
         names = set(inspect.signature(self._stock).parameters)
         # Each model's own flags: NAdam's and RAdam's foreach and for-loop updates round
@@ -1135,8 +1134,12 @@ class FusedOptimizer(Optimizer):
     @property
     def is_capturable(self) -> bool:
         """Whether :meth:`step` can be captured in a CUDA graph (``hftc.compile_step``
-        captures it then): see :meth:`refresh_hyperparameters`."""
-        return self._capturable()
+        captures it then): see :meth:`refresh_hyperparameters`.  Not where a parameter
+        takes each model's stock update (:meth:`_update_by_stock`, half and complex
+        dtypes: its values are host numbers), so ``compile_step`` runs the step after
+        the graph."""
+        return self._capturable() and not (self._stock is not None and any(
+            _takes_stock_update(p) for p in self.param_groups[0]["params"]))
 
     def _capturable(self) -> bool:
         """Whether the step is graph-safe: coefficient tensors made once and refreshed in
