@@ -181,3 +181,19 @@ def test_in_place_op_on_a_fused_reduction_of_a_permuted_map(in_dims):
     # `view_as` of its input, which autograd refuses to modify in place.
     x = torch.randn((2, 5, 3, 8) if in_dims == 0 else (5, 3, 8))
     check_equivalence([_MaxOverTimeThenInPlace() for _ in range(2)], x, in_dims=in_dims)
+
+
+def test_a_no_grad_block_is_one_node_pair_in_a_group_traced_once():
+    # The fuzzer (make fuzz): eight token models whose dropout p differs per model but
+    # is 0.9 in models 6 and 7 (one group, traced once for both, under the torch function
+    # mode that watches forward for reads of model values), and a layer that updates a
+    # buffer under `with torch.no_grad():`.  Through the mode, torch._C._set_grad_enabled
+    # came back to hftc's recording wrapper a second time: models 6 and 7's graph had
+    # every grad-mode switch twice, and fusing refused them as not identical to model 0.
+    from test_fuzz_families import check_family
+
+    spec = {"family": "tokens", "vocab": 3, "d": 4, "batch": 1, "time": 1,
+            "padding_idx": None, "context": False, "per_model": True, "output": "dict",
+            "layers": [("dropout", 0.3), ("ema", 4, True)], "head": (4, 1)}
+    for train in (False, True):
+        check_family(spec, 8, (False, False), train, seed=0)

@@ -401,8 +401,17 @@ class _Tracer(fx.Tracer):
             # (the end of a no_grad block): under a caller's no_grad it stays disabled.
             self.create_proxy("call_function", real, (caller_mode[0] if mode else False,), {})
 
+        inside: list[bool] = []
+
         def recording(mode: bool) -> None:
-            real(mode)
+            if inside:  # a torch function mode handed the call back by this name: once
+                real(mode)
+                return
+            inside.append(True)
+            try:
+                real(mode)
+            finally:
+                inside.pop()
             record(mode)
 
         # An inference_mode block computes without gradient too: recorded as no_grad.
