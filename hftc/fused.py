@@ -948,6 +948,7 @@ class FusedModule(ContainerAccess, nn.Module):
         values, batched = self._inputs(args, kwargs)
         program, how = self._rewriting_padded_ops(
             lambda: self._program_and_way(values, batched), values, batched)
+        self.__dict__["_last_call_program"] = program  # (hftc.compile_step reads its plan)
         try:
             with ir.modes_restored_on_error():
                 if how is not None:  # the whole-model loop and/or autotune's layout
@@ -1629,6 +1630,7 @@ class FusedModule(ContainerAccess, nn.Module):
         # The models' other methods are fused again on their next call.
         state.pop("_method_modules", None)
         state.pop("_method_loop", None)
+        state.pop("_last_call_program", None)
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedModule:

@@ -17,7 +17,17 @@ One call does what this eager loop does, for all N models at once::
 and runs it one of three ways (``mode``):
 
 - ``"eager"``: the loop above (the CPU default: :data:`CPU_DEFAULT`, measured in
-  docs/BENCHMARKS.md);
+  docs/BENCHMARKS.md), or the same step with the models in order, where the fused module
+  runs them one by one or where the first steps time that no slower than the fused step
+  (:meth:`CompiledStep._step_way`; ``step.order`` says which, and why)::
+
+      for i in range(N):   loss_fn(model_i(x), y).backward()     (the serial loop's order)
+      clip_grad_norm_;  optimizer.step()                          (one fused step)
+
+  The loop above runs every forward before any backward, as any module called from a
+  training loop must (the loss exists only after the forward); model by model, each
+  model's activations are still in the cache when its backward reads them, and each
+  model's gradient is the serial loop's, bit for bit;
 - ``"compile"``: forward and loss under ``torch.compile`` (backward through AOTAutograd's
   compiled graph), clipping and the optimizer step eager (they already run one kernel per
   op for all N models, and compiling them cannot match stock bit for bit on the CPU: see
@@ -44,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,6 +64,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .compile.strategy import IN_ORDER, StepOrder, StepOrderTiming
 from .errors import FusionArgumentError, StepCaptureError
 
 __all__ = ["CompiledStep", "compile_step", "CPU_DEFAULT", "MODES"]
@@ -63,6 +75,10 @@ MODES = ("auto", "eager", "compile", "cuda_graph")
 #: the eager step on lenet5 and the transformer and tied on the MLP (docs/BENCHMARKS.md,
 #: "hftc.compile_step on the CPU"), and costs seconds of compiling per input shape.
 CPU_DEFAULT = "eager"
+
+#: The fused module's reasons for its fused program (``fused.plan.reason``) after which
+#: the models are known to run one by one on these inputs (the choice ran them).
+_LOOP_RAN = ("timed", "timed on the first calls", "cache")
 
 #: At most this many input signatures get a graph (or a compiled program) each; a step
 #: whose inputs keep changing shape is refused past it (pad them, or drop the last batch).
@@ -189,10 +205,25 @@ class CompiledStep:
         self._compiled: Callable[..., Tensor] | None = None
         self._side_stream = None
         self._max_norm_tensor: Tensor | None = None
+        #: input signature -> the eager step's choice between the fused step and the
+        #: models in order (:meth:`_step_way`)
+        self._orders: dict[tuple, Any] = {}
+        self._last_key: tuple | None = None
+        #: input signature -> the fused module's program its last fused step ran
+        self._fused_programs: dict[tuple | None, Any] = {}
 
     @property
     def graphs(self) -> int:
         return len(self._graphs)
+
+    @property
+    def order(self) -> StepOrder | None:
+        """How eager steps with the last call's inputs run, and why: a
+        :class:`~hftc.compile.strategy.StepOrder` (``order.chosen``: ``"fused"`` or
+        ``"in_order"``); ``None`` while the first steps are timed, in the other modes,
+        and where only the fused step can run (see :meth:`_step_way`)."""
+        choice = self._orders.get(self._last_key)
+        return getattr(choice, "order", choice)
 
     @property
     def captures_optimizer(self) -> bool:
@@ -223,7 +254,7 @@ class CompiledStep:
                     f"batch), or use mode='eager'")
             self._calls[key] = done + 1
             watched = self.mode != "eager" and done == 1
-            return self._eager_step(inputs, target, watched=watched)
+            return self._eager_step(inputs, target, watched=watched, key=key)
         if self.mode == "compile":
             return self._compiled_step(inputs, target)
         return self._graph_step(key, inputs, target)
@@ -260,17 +291,19 @@ class CompiledStep:
 
     def _check_losses(self, losses: Any) -> Tensor:
         if not isinstance(losses, Tensor) or losses.shape != (self.num_models,):
-            got = (f"shape {list(losses.shape)}" if isinstance(losses, Tensor)
-                   else type(losses).__name__)
-            name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
-            fix = ("a loss of one model's output, reduced to a scalar (reduction='mean' or "
-                   "'sum')" if self._losses_of is not self.loss_fn else
-                   "the N losses [N] (hftc.per_model(loss)), or pass per_model_loss=True "
-                   "with a loss of one model's output")
-            raise FusionArgumentError(
-                f"compile_step: the loss {name} gave {got} for the {self.num_models} fused "
-                f"models, not one loss per model ([{self.num_models}]); give {fix}")
+            self._refuse_losses(f"shape {list(losses.shape)}" if isinstance(losses, Tensor)
+                                else type(losses).__name__)
         return losses
+
+    def _refuse_losses(self, got: str) -> None:
+        name = getattr(self.loss_fn, "__name__", repr(self.loss_fn))
+        fix = ("a loss of one model's output, reduced to a scalar (reduction='mean' or "
+               "'sum')" if self._losses_of is not self.loss_fn else
+               "the N losses [N] (hftc.per_model(loss)), or pass per_model_loss=True "
+               "with a loss of one model's output")
+        raise FusionArgumentError(
+            f"compile_step: the loss {name} gave {got} for the {self.num_models} fused "
+            f"models, not one loss per model ([{self.num_models}]); give {fix}")
 
     def _backward_and_update(self, losses: Tensor) -> None:
         """Backward of the N losses' sum (each model its own gradient), clipping, step."""
@@ -294,9 +327,91 @@ class CompiledStep:
         else:
             self.optimizer.step()
 
-    def _eager_step(self, inputs: Any, target: Any, *, watched: bool) -> Tensor:
-        """The eager loop; on CUDA on a side stream (the warm-up torch's capture asks for);
-        ``watched``: forward and loss under :class:`_CaptureHazards`."""
+    def _step_way(self, key: tuple) -> tuple[str, Any]:
+        """How an eager step with input signature ``key`` runs: ``"fused"`` (the fused
+        module's forward of all N models, then one backward) or ``"in_order"`` (each
+        model's forward, loss and backward in turn), and the timing that is choosing
+        (None once chosen, or where only the fused step can run).
+
+        The models run in order in ``"eager"`` mode where the fused module runs them one
+        by one (its strategy chose the loop, or forces it: in order is that loop in the
+        serial loop's order) and, where it runs its fused program by its own choice
+        (``strategy="auto"``), if the first steps time them no slower
+        (:class:`~hftc.compile.strategy.StepOrderTiming`).  The fused step only with
+        ``strategy="fused"``, a loss of the N outputs (``per_model_loss=False``), a grad
+        scaler, padded widths or checkpointing: what the models one by one cannot run."""
+        fused = self.fused
+        if self.mode != "eager" or self._losses_of is self.loss_fn \
+                or (self.scaler is not None and self.scaler.is_enabled()) \
+                or getattr(fused, "strategy", "fused") == "fused" \
+                or getattr(fused, "padding", None) is not None \
+                or getattr(fused, "checkpoint", False):
+            return "fused", None
+        choice = self._orders.get(key)
+        if isinstance(choice, StepOrder):
+            return choice.chosen, None
+        if choice is None:  # the fused module has not run (or not chosen) for these inputs
+            program = self._fused_programs.get(key)
+            if program is None or getattr(program, "trial", None) is not None:
+                return "fused", None
+            how, plan = getattr(program, "how", None), getattr(program, "plan", None)
+            if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+                   for p in fused.parameters()):
+                # (each model's own leaves would take the gradients: the hooks never fire)
+                choice = StepOrder("fused", "hooks on the fused parameters")
+            elif fused.strategy == "model_loop" or (how is not None
+                                                    and how.model_loop is not None):
+                choice = StepOrder(IN_ORDER, "the fused module runs the models one by one")
+            elif plan is not None and plan.reason in _LOOP_RAN:
+                choice = StepOrderTiming(self.device)
+            else:  # the models were not run one by one on these inputs: not known to work
+                choice = StepOrder("fused", f"the fused module's choice: {plan}")
+            self._orders[key] = choice
+            if isinstance(choice, StepOrder):
+                return choice.chosen, None
+        if choice.order is not None:
+            self._orders[key] = choice.order
+            return choice.order.chosen, None
+        return choice.way(), choice
+
+    def _losses_in_order(self, inputs: Any, target: Any) -> Tensor:
+        """Each model's forward, loss and backward in turn (:meth:`ModelLoop.forward_backward
+        <hftc.runtime.model_loop.ModelLoop.forward_backward>`), the forward and loss under
+        the step's autocast; the N losses ``[N]``."""
+        fused = self.fused
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        values, batched = fused._inputs(args, {})
+        def loss_of(out: Any) -> Tensor:
+            loss = self.loss_fn(out, target)
+            if not isinstance(loss, Tensor) or loss.dim() != 0:
+                self._refuse_losses(f"shape {list(loss.shape)} for one model"
+                                    if isinstance(loss, Tensor) else type(loss).__name__)
+            return loss
+
+        return fused._models_one_by_one().forward_backward(fused, values, batched, loss_of,
+                                                             context=self._autocast)
+
+    def _eager_step(self, inputs: Any, target: Any, *, watched: bool,
+                    key: tuple | None = None) -> Tensor:
+        """One eager step: the fused step (:meth:`_fused_eager_step`) or, in ``"eager"``
+        mode, the models in order (:meth:`_step_way`), timed while that choice is made."""
+        way, timing = self._step_way(key) if key is not None else ("fused", None)
+        self._last_key = key
+        start = time.perf_counter()
+        if way == "fused":
+            losses = self._fused_eager_step(inputs, target, watched=watched)
+            self._fused_programs[key] = self.fused.__dict__.get("_last_call_program")
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            losses = self._losses_in_order(inputs, target)
+            self._clip_and_step()
+        if timing is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            timing.record(way, time.perf_counter() - start)
+        return losses
+
+    def _fused_eager_step(self, inputs: Any, target: Any, *, watched: bool) -> Tensor:
         stream = contextlib.nullcontext()
         if self.device.type == "cuda" and self.mode == "cuda_graph":
             if self._side_stream is None:

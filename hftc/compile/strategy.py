@@ -227,6 +227,88 @@ class CallTiming:
         program.trial = None
 
 
+#: :class:`StepOrder`'s way for the models' forward and backward in turn.
+IN_ORDER = "in_order"
+
+
+@dataclass
+class StepOrder:
+    """How ``hftc.compile_step`` runs an eager step for one input signature, and why
+    (``step.order``): ``chosen`` is "fused" (the fused module's forward of all N models,
+    one backward) or "in_order" (each model's forward, loss and backward in turn,
+    :meth:`~hftc.runtime.model_loop.ModelLoop.forward_backward`)."""
+
+    chosen: str
+    #: "timed on the first steps" (:class:`StepOrderTiming`), "the fused module runs the
+    #: models one by one" (its strategy chose or forces the loop: in order is that loop
+    #: in the serial loop's order), "timing the first steps" (not decided yet)
+    reason: str
+    #: way -> median seconds of one whole step
+    times: dict[str, float] = field(default_factory=dict)
+    #: median of the per-cycle ratios fused / in order
+    ratio: float | None = None
+    cycles: int = 0
+
+    def __str__(self) -> str:
+        what = {"fused": "the fused step", IN_ORDER: "the models in order"}
+        text = f"runs {what[self.chosen]} ({self.reason}"
+        if self.times:
+            text += (f": fused {self.times['fused'] * 1e3:.3g} ms, in order "
+                     f"{self.times[IN_ORDER] * 1e3:.3g} ms a step, median ratio "
+                     f"{self.ratio:.3f} over {self.cycles} cycles")
+        return text + ")"
+
+
+class StepOrderTiming:
+    """``hftc.compile_step``'s eager choice for one input signature between the fused
+    step and the models in order, timed on the step's own calls once the fused module
+    has chosen to run its fused program (its own first-call timing done)::
+
+        steps:   fused, in order (warm-up), then cycles of fused, in order, in order, fused
+        choice:  after _MIN_CYCLES or more cycles once they add up to _BUDGET_S, or after
+                 _MAX_CYCLES: fused if median(fused / in order per cycle) < 1 - _MARGIN,
+                 else in order
+
+    Between ties the models run in order, the serial loop's own order and kernels with
+    one fused optimizer step: a way that cannot lose to the serial loop, where the fused
+    step can lose a few % (N models' activations outgrow a cache one model's fit).
+    Both ways compute the models' answers on the same tensors (in order exactly the
+    serial loop's), so the steps timed are real steps: none is extra."""
+
+    def __init__(self, device: torch.device, budget_s: float = _BUDGET_S):
+        self.device, self.budget_s = device, budget_s
+        #: (way, seconds of its whole step), in order; the first two are the warm-ups
+        self.steps: list[tuple[str, float]] = []
+        self.order: StepOrder | None = None
+
+    def way(self) -> str:
+        """How the next step runs."""
+        if self.order is not None:
+            return self.order.chosen
+        count = len(self.steps)
+        name = ("fused", "model_loop")[count] if count < 2 else _CYCLE[(count - 2) % len(_CYCLE)]
+        return "fused" if name == "fused" else IN_ORDER
+
+    def record(self, way: str, seconds: float) -> None:
+        """A step ran ``way`` in ``seconds`` (to its end, kernels included); decides once
+        enough cycles are timed."""
+        if self.order is not None:
+            return
+        self.steps.append((way, seconds))
+        timed = self.steps[2:]
+        cycles = [timed[i:i + len(_CYCLE)] for i in range(0, len(timed), len(_CYCLE))]
+        if len(timed) % len(_CYCLE) or len(cycles) < _MIN_CYCLES or (
+                sum(t for _, t in timed) < self.budget_s and len(cycles) < _MAX_CYCLES):
+            return
+        ratios = [sum(t for name, t in c if name == "fused")
+                  / max(sum(t for name, t in c if name == IN_ORDER), 1e-12) for c in cycles]
+        ratio = statistics.median(ratios)
+        medians = {name: statistics.median(t for n, t in timed if n == name)
+                   for name in ("fused", IN_ORDER)}
+        self.order = StepOrder("fused" if ratio < 1 - _MARGIN else IN_ORDER,
+                               "timed on the first steps", medians, ratio, len(cycles))
+
+
 def strategy_key(fused: torch.nn.Module, values: Sequence[Any], batched: Sequence[bool],
                  backward: bool, key_source: str) -> str:
     """The disk cache's key: the device (threads, torch version), the program (its

@@ -23,7 +23,8 @@ keeps its own plain hyper-parameters (dropout ``p``, ``eps`` ...).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -121,31 +122,90 @@ class ModelLoop:
             slices = {name: tensors[name].unbind(0) for name in names}
         modes = self._modes(fused)
         outs = []
-        for i, (shell, slots) in enumerate(zip(self.shells, self.slots)):
-            for sub, mode in zip(self.modules[i], modes):
-                if sub.training is not mode:  # nn.Module.__setattr__ is slow: write on change
-                    sub.training = mode
+        for i in range(self.num_models):
             args = tuple(model_slice(v, i) if b else v for v, b in zip(values, batched))
-            for registry, key, name, _ in slots:
-                registry[key] = slices[name][i]
-            try:
-                outs.append(call_model(shell, args, fused) if method is None
-                            else getattr(shell, method)(*args, **(kwargs or {})))
-            except RuntimeError as exc:
-                if "returns multiple views" not in str(exc):
-                    raise
-                raise TraceError(
-                    f"model {i}'s forward writes into one of its parameters in place "
-                    f"(nn.Embedding(max_norm=...) renormalizes its weight's rows), and its "
-                    f"weights are views of the fused module's stacked tensors, which "
-                    f"autograd does not let a forward modify in place; hftc cannot run these "
-                    f"models one by one. Fuse them (without the Python state or checks that "
-                    f"made hftc run them one by one: see the FusionWarning), or renormalize "
-                    f"in the training loop, outside forward") from exc
-            finally:  # no view of the stacked tensors outlives the call
-                for registry, key, _, placeholder in slots:
-                    registry[key] = placeholder
+            outs.append(self._run(i, fused, modes, {n: s[i] for n, s in slices.items()},
+                                  args, method, kwargs))
         return stack_outputs(outs)
+
+    def forward_backward(self, fused: nn.Module, values: Sequence[Any], batched: Sequence[bool],
+                         loss_of: Callable[[Any], Tensor],
+                         context: Callable[[], AbstractContextManager] = nullcontext) -> Tensor:
+        """The serial loop's order of work on the fused module's tensors: each model's
+        forward, loss and backward in turn, its gradients written into the stacked
+        ``.grad`` (which must be ``None``); returns the N losses ``[N]``, detached::
+
+            for i in range(N):
+                leaves = {name: P.detach()[i] (requires_grad as P) for each stacked P}
+                loss_of(shell_i(*inputs_i)).backward()       (shell_i on the leaves;
+                                                             forward and loss in context())
+                P.grad[i] = leaves[name].grad                (one copy, as unbind's backward)
+
+        What a module called from a training loop cannot do (the loss's gradient exists
+        only after every model's forward): model i's activations are still in the cache
+        when its backward reads them.  Each model's gradient is the serial loop's, bit
+        for bit; a parameter model i did not use gets zeros in its slice, as the stacked
+        backward gives it (``None`` where no model used it)."""
+        params = dict(fused.named_parameters())
+        tensors = {**params, **dict(fused.named_buffers())}
+        trained = [name for name in self.param_names if params[name].requires_grad]
+        filled: dict[str, list[bool]] = {name: [False] * self.num_models for name in trained}
+        modes = self._modes(fused)
+        names = self.param_names + self.buffer_names
+        losses = []
+        for i in range(self.num_models):
+            leaves = {name: tensors[name].detach()[i] for name in names}
+            for name in trained:
+                leaves[name].requires_grad_(True)
+            args = tuple(model_slice(v, i) if b else v for v, b in zip(values, batched))
+            with context():
+                loss = loss_of(self._run(i, fused, modes, leaves, args))
+            loss.backward()
+            losses.append(loss.detach())
+            for name in trained:
+                grad = leaves[name].grad
+                if grad is None:
+                    continue
+                p = params[name]
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad[i].copy_(grad)
+                filled[name][i] = True
+        for name in trained:
+            grad = params[name].grad
+            for i, done in enumerate(filled[name]):
+                if grad is not None and not done:
+                    grad[i].zero_()
+        return torch.stack(losses)
+
+    def _run(self, i: int, fused: nn.Module, modes: list[bool], tensors: dict[str, Tensor],
+             args: tuple, method: str | None = None, kwargs: dict[str, Any] | None = None) -> Any:
+        """Model i's forward (or ``method``) on ``tensors`` (its slice of each stacked
+        tensor, by fused name), its modules in ``modes``; the shell's placeholders are put
+        back after, so no view of the stacked tensors outlives the call."""
+        shell, slots = self.shells[i], self.slots[i]
+        for sub, mode in zip(self.modules[i], modes):
+            if sub.training is not mode:  # nn.Module.__setattr__ is slow: write on change
+                sub.training = mode
+        for registry, key, name, _ in slots:
+            registry[key] = tensors[name]
+        try:
+            return (call_model(shell, args, fused) if method is None
+                    else getattr(shell, method)(*args, **(kwargs or {})))
+        except RuntimeError as exc:
+            if "returns multiple views" not in str(exc):
+                raise
+            raise TraceError(
+                f"model {i}'s forward writes into one of its parameters in place "
+                f"(nn.Embedding(max_norm=...) renormalizes its weight's rows), and its "
+                f"weights are views of the fused module's stacked tensors, which "
+                f"autograd does not let a forward modify in place; hftc cannot run these "
+                f"models one by one. Fuse them (without the Python state or checks that "
+                f"made hftc run them one by one: see the FusionWarning), or renormalize "
+                f"in the training loop, outside forward") from exc
+        finally:
+            for registry, key, _, placeholder in slots:
+                registry[key] = placeholder
 
 
 def call_model(model: nn.Module, args: Sequence[Any], fused: nn.Module) -> Any:

@@ -1,0 +1,188 @@
+"""hftc.compile_step's eager step with the models in order: each model's forward, loss and
+backward in turn, then one fused optimizer step.
+
+Against N stock models trained one after another with stock torch.optim, bit for bit
+(per-model learning rates, a scheduler, dropout, batch norm's running statistics, a frozen
+layer), float64 and float32, N = 1-3; the choice between it and the fused step (the rule on
+given times, and a whole run from an empty strategy cache); and what keeps the fused step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hftc
+from hftc.compile.strategy import _MARGIN, IN_ORDER, StepOrder, StepOrderTiming
+
+LRS = [1e-2, 3e-2, 5e-2]
+
+
+class SmallConvNet(nn.Module):
+    """Conv, batch norm, dropout, a frozen linear and a trained head: what a step in order
+    must keep as the serial loop does (running statistics, random draws, no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.frozen = nn.Linear(4 * 3 * 3, 16)
+        self.frozen.requires_grad_(False)
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(16, 5)
+        self.unused = nn.Linear(3, 3)  # no gradient in any model: .grad stays None
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return F.log_softmax(self.head(self.drop(F.relu(self.frozen(x.flatten(1))))), dim=1)
+
+
+def _batches(steps: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 1, 8, 8, generator=g, dtype=dtype),
+             torch.randint(0, 5, (8,), generator=g)) for _ in range(steps)]
+
+
+def _models(n: int, dtype: torch.dtype) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [SmallConvNet().to(dtype) for _ in range(n)]
+
+
+def _serial(models, batches, lrs):
+    """N stock models, N stock Adams with a StepLR each, one after another."""
+    models = copy.deepcopy(models)
+    opts = [torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=lr)
+            for m, lr in zip(models, lrs)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in opts]
+    losses = []
+    for k, (x, y) in enumerate(batches):
+        torch.manual_seed(100 + k)  # the dropout draws, model after model
+        row = []
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            loss = F.nll_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            row.append(loss.detach())
+        for s in scheds:
+            s.step()
+        losses.append(torch.stack(row))
+    return models, losses
+
+
+def _stepped(models, batches, lrs, **fuse_options):
+    fused = hftc.fuse(copy.deepcopy(models), **fuse_options)
+    opt = hftc.optim.Adam([p for p in fused.parameters() if p.requires_grad], lr=lrs)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    step = hftc.compile_step(fused, F.nll_loss, opt)
+    losses = []
+    for k, (x, y) in enumerate(batches):
+        torch.manual_seed(100 + k)
+        losses.append(step(x, y))
+        sched.step()
+    return fused, losses, step
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_models_in_order_train_as_the_serial_loop_bit_for_bit(dtype, n):
+    models, batches, lrs = _models(n, dtype), _batches(5, dtype), LRS[:n]
+    fused, losses, step = _stepped(models, batches, lrs, strategy="model_loop")
+    # the first step runs the fused module's way (its program compiles), the rest in order
+    assert step.order == StepOrder(IN_ORDER, "the fused module runs the models one by one")
+    serial, serial_losses = _serial(models, batches, lrs)
+    for k, (got, want) in enumerate(zip(losses, serial_losses)):
+        assert got.shape == (n,) and not got.requires_grad
+        if k == 0:  # hftc.per_model's loss over the stacked outputs: sums in its own order
+            torch.testing.assert_close(got, want)
+        else:
+            assert torch.equal(got, want), k
+    state = fused.state_dict()
+    for i, m in enumerate(serial):
+        for name, t in m.state_dict().items():  # running statistics and batches tracked too
+            assert torch.equal(state[name][i], t), (i, name)
+        for name, p in m.named_parameters():
+            got = fused.get_parameter(name).grad
+            if p.grad is None:
+                assert got is None, name  # the frozen and the unused layers
+            else:
+                assert torch.equal(got[i], p.grad), (i, name)
+
+
+def test_the_rule_keeps_the_fused_step_only_where_it_is_faster_by_the_margin():
+    def decided(fused_s: float, in_order_s: float) -> StepOrder:
+        timing = StepOrderTiming(torch.device("cpu"), budget_s=0.0)
+        while timing.order is None:
+            way = timing.way()
+            timing.record(way, fused_s if way == "fused" else in_order_s)
+        return timing.order
+
+    assert decided(0.90, 1.00).chosen == "fused"
+    assert decided(1.00, 1.00).chosen == IN_ORDER  # a tie: the serial loop's order
+    assert decided(1.0 - _MARGIN / 2, 1.00).chosen == IN_ORDER
+    assert decided(1.10, 1.00).chosen == IN_ORDER
+    order = decided(0.5, 1.0)
+    assert order.reason == "timed on the first steps" and order.ratio == 0.5
+    assert order.times == {"fused": 0.5, IN_ORDER: 1.0} and order.cycles >= 2
+    assert "runs the fused step (timed on the first steps: fused 500 ms" in str(order)
+
+
+def test_the_default_step_times_both_ways_and_keeps_training_the_models(tmp_path,
+                                                                        monkeypatch):
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # nothing chosen before
+    import hftc.compile.autotune as autotune
+
+    monkeypatch.setattr(autotune, "_MEMORY", {})
+
+    class Plain(nn.Module):  # no random draws: the fused module times its own calls
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            return F.log_softmax(self.fc2(torch.tanh(self.fc1(x))), dim=1)
+
+    torch.manual_seed(0)
+    models = [Plain().double() for _ in LRS]
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(16, 6, generator=g, dtype=torch.float64),
+                torch.randint(0, 4, (16,), generator=g)) for _ in range(70)]
+    fused, losses, step = _stepped(models, batches, LRS, strategy="auto")
+    assert fused.plan.reason != "timing the first calls"
+    assert step.order is not None and step.order.reason in (
+        "timed on the first steps", "the fused module runs the models one by one")
+    # each step ran one way or the other: both the models' own answers
+    serial, serial_losses = _serial(models, batches, LRS)
+    for got, want in zip(losses, serial_losses):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    state = fused.state_dict()
+    for i, m in enumerate(serial):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(state[name][i], p.detach(), rtol=1e-9, atol=1e-12)
+
+
+def test_what_keeps_the_fused_step():
+    models, batches = _models(3, torch.float32), _batches(3, torch.float32)
+    fused, _, step = _stepped(models, batches, LRS, strategy="fused")
+    assert step.order is None  # strategy="fused": nothing to choose
+
+    fused = hftc.fuse(copy.deepcopy(models), strategy="model_loop")
+    seen = []
+    fused.head.weight.register_hook(lambda g: seen.append(g.shape))
+    opt = hftc.optim.Adam([p for p in fused.parameters() if p.requires_grad], lr=LRS)
+    step = hftc.compile_step(fused, F.nll_loss, opt)
+    for x, y in batches:
+        step(x, y)
+    # the leaves of a step in order would take the gradients: the hook would never fire
+    assert step.order == StepOrder("fused", "hooks on the fused parameters")
+    assert seen == [(3, 5, 16)] * 3
+
+    summed = hftc.compile_step(
+        fused, lambda out, y: hftc.per_model(F.nll_loss)(out, y), opt, per_model_loss=False)
+    for x, y in batches:
+        summed(x, y)
+    assert summed.order is None  # a loss of the N outputs: no model's own loss to run
