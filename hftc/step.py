@@ -66,6 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .compile.strategy import IN_ORDER, StepOrder, StepOrderTiming
 from .errors import FusionArgumentError, StepCaptureError
+from .runtime.memory import keep_freed_memory_for_tuning
 
 __all__ = ["CompiledStep", "compile_step", "CPU_DEFAULT", "MODES"]
 
@@ -367,6 +368,10 @@ class CompiledStep:
             else:  # the models were not run one by one on these inputs: not known to work
                 choice = StepOrder("fused", f"the fused module's choice: {plan}")
             self._orders[key] = choice
+            if self.device.type == "cpu" and getattr(choice, "chosen", IN_ORDER) == IN_ORDER:
+                # each step in order makes the N models' stacked gradients anew, which
+                # glibc faulted in page by page every step (GPT N = 2: +5% a step)
+                keep_freed_memory_for_tuning()
             if isinstance(choice, StepOrder):
                 return choice.chosen, None
         if choice.order is not None:

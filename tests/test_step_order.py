@@ -186,3 +186,20 @@ def test_what_keeps_the_fused_step():
     for x, y in batches:
         summed(x, y)
     assert summed.order is None  # a loss of the N outputs: no model's own loss to run
+
+
+def test_a_gradient_already_there_is_added_to_as_backward_does():
+    models, ((x, y),) = _models(2, torch.float64), _batches(1, torch.float64)
+    fused = hftc.fuse(copy.deepcopy(models), strategy="model_loop").eval()
+    loop = fused._models_one_by_one()
+    values, batched = fused._inputs((x,), {})
+    for _ in range(2):  # no zero_grad between: the second backward adds
+        losses = loop.forward_backward(fused, values, batched, lambda out: F.nll_loss(out, y))
+    for i, m in enumerate(models):
+        m.eval()
+        for _ in range(2):
+            F.nll_loss(m(x), y).backward()
+        assert torch.equal(losses[i], F.nll_loss(m(x), y).detach())
+        for name, p in m.named_parameters():
+            got = fused.get_parameter(name).grad
+            assert (got is None) if p.grad is None else torch.equal(got[i], p.grad), name

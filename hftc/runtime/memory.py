@@ -19,7 +19,9 @@ loop's one-model working set stays under the thresholds (docs/DESIGN_NOTES.md).
 so a step's memory is faulted in once, in the first step, and reused after. The
 process's resident memory then stays at its peak, which a training job reaches every
 step anyway. ``hftc.fuse(models)`` calls it on CPU tensors before its strategy
-choice times the fused program (unless ``strategy="model_loop"``), and
+choice times the fused program (unless ``strategy="model_loop"``), ``hftc.compile_step``
+before its first steps with the models in order on the CPU (each makes the N models'
+stacked gradients anew: a small GPT's step in order took 5% longer without it), and
 ``hftc.fuse(..., autotune=True)`` once it has tuned a forward's ops (set
 ``HFTC_KEEP_FREED_MEMORY=0`` to prevent either): after the ops' tuning, whose
 candidates allocate buffers of every size that would otherwise stay in the heap
@@ -79,7 +81,8 @@ def keep_freed_memory() -> bool:
 
 def keep_freed_memory_for_tuning() -> bool:
     """:func:`keep_freed_memory` unless ``HFTC_KEEP_FREED_MEMORY`` is ``0`` (the compile
-    pipeline's call on CPU inputs: autotune's, and the strategy choice's without it)."""
+    pipeline's call on CPU inputs: autotune's, and the strategy choice's without it;
+    ``hftc.compile_step``'s before it runs the models in order)."""
     if os.environ.get("HFTC_KEEP_FREED_MEMORY", "1").strip().lower() in ("0", "false", "no"):
         return False
     return keep_freed_memory()
