@@ -78,7 +78,7 @@ case $part in
            tests/test_bench.py::test_gpu_suite_end_to_end
            tests/test_optim_mixed.py::test_mixed_classes_with_fused_adam)
     # The whole-step graph, the capturable optimizers and the sync-free GradScaler.
-    for f in tests/test_step.py tests/test_cuda_step.py tests/test_optim_capturable.py \
+    for f in tests/test_step.py tests/test_step_order.py tests/test_cuda_step.py tests/test_optim_capturable.py \
              tests/test_utils_amp.py; do [[ -e $f ]] && tests+=("$f"); done
     timeout -k 10 "$(left)" "$python" -m pytest -v -p no:cacheprovider -n 16 "${tests[@]}" -rfE --durations=20 \
       > "$out/tests.log" 2>&1

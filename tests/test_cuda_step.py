@@ -99,6 +99,32 @@ def test_graph_step_is_the_eager_loop_and_the_serial_loop(dtype):
             torch.testing.assert_close(fused.state_dict()[name][i], p.detach(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_eager_mode_runs_the_models_in_order_as_the_serial_loop(dtype):
+    # mode="eager" on a GPU: the step in order (each model's forward, loss and backward
+    # in turn) where the fused module runs the models one by one
+    models, batches = _models(dtype), _batches(5, dtype)
+    fused = hftc.fuse(copy.deepcopy(models), strategy="model_loop")
+    step = hftc.compile_step(fused, F.cross_entropy, hftc.optim.Adam(fused.parameters(), lr=LRS),
+                             mode="eager")
+    serial = copy.deepcopy(models)
+    serial_opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(serial, LRS)]
+    tol = {"rtol": 1e-9, "atol": 1e-12} if dtype == torch.float64 else {}
+    for x, y in batches:
+        got = step(x, y)
+        for i, (m, o) in enumerate(zip(serial, serial_opts)):
+            o.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            o.step()
+            torch.testing.assert_close(got[i], loss.detach(), **tol)
+    assert step.order.chosen == "in_order"
+    for i, m in enumerate(serial):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(fused.state_dict()[name][i], p.detach(), **tol)
+            torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad, **tol)
+
+
 def test_dropout_draws_anew_on_every_replay():
     fused = hftc.fuse(_models(torch.float32, p=0.5))
     opt = hftc.optim.SGD(fused.parameters(), lr=0.0)  # the weights stay: only masks change
