@@ -203,3 +203,44 @@ def test_a_gradient_already_there_is_added_to_as_backward_does():
         for name, p in m.named_parameters():
             got = fused.get_parameter(name).grad
             assert (got is None) if p.grad is None else torch.equal(got[i], p.grad), name
+
+
+class TwoHeads(nn.Module):
+    """PointNet-style: log-probabilities and a transform a regularizer reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head, self.transform = nn.Linear(64, 16), nn.Linear(16, 5), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = F.relu(self.fc(x.flatten(1)))
+        return F.log_softmax(self.head(h), dim=1), self.transform(h).view(-1, 2, 2)
+
+
+def _two_heads_loss(out, y):
+    log_probs, transform = out
+    return F.nll_loss(log_probs, y) + 1e-3 * transform.pow(2).mean()
+
+
+def test_a_model_of_several_outputs_steps_in_order_as_the_serial_loop():
+    torch.manual_seed(0)
+    models, batches = [TwoHeads().double() for _ in LRS], _batches(4, torch.float64)
+    fused = hftc.fuse(copy.deepcopy(models), strategy="model_loop")
+    step = hftc.compile_step(fused, _two_heads_loss, hftc.optim.Adam(fused.parameters(), lr=LRS))
+    serial = copy.deepcopy(models)
+    opts = [torch.optim.Adam(m.parameters(), lr=lr) for m, lr in zip(serial, LRS)]
+    for k, (x, y) in enumerate(batches):
+        got = step(x, y)
+        for i, (m, opt) in enumerate(zip(serial, opts)):
+            opt.zero_grad()
+            loss = _two_heads_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            if k == 0:  # the first step is the fused module's: hftc.per_model over its output
+                torch.testing.assert_close(got[i], loss.detach())
+            else:
+                assert torch.equal(got[i], loss.detach()), (k, i)
+    assert step.order.chosen == IN_ORDER
+    for i, m in enumerate(serial):
+        for name, p in m.named_parameters():
+            assert torch.equal(fused.state_dict()[name][i], p.detach()), (i, name)

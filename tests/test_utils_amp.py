@@ -279,10 +279,37 @@ def test_per_model_argument_errors():
     out = torch.randn(3, 4, 2)
     with pytest.raises(ValueError, match="leading dim N = 3"):
         per_model(F.mse_loss, in_dims=0)(out, torch.randn(2, 4, 2))
-    # a fused module's dict / ModelOutput / tuple output (was: AttributeError on .shape)
+    # a fused module's dict / ModelOutput / tuple output given to a loss of one tensor
+    # (was: AttributeError on .shape)
     for output in ({"logits": out}, [out]):
-        with pytest.raises(ValueError, match=r"is a (dict|list), not a tensor.*out\['logits'\]"):
+        with pytest.raises(ValueError, match=r"is a (dict|list) of stacked tensors, and the "
+                                             r"loss failed .*out\['logits'\]"):
             per_model(F.cross_entropy)(output, torch.randint(0, 2, (4,)))
+    with pytest.raises(ValueError, match=r"is a tuple of int, not of tensors stacked"):
+        per_model(F.cross_entropy)((1, 2), torch.randint(0, 2, (4,)))
+    with pytest.raises(ValueError, match=r"leading dim N = 3; got shape \[2, 4\]"):
+        per_model(F.cross_entropy)((out, torch.randn(2, 4)), torch.randint(0, 2, (4,)))
+
+
+@pytest.mark.parametrize("container", [tuple, list, dict])
+def test_per_model_takes_an_output_of_several_fields_as_vmap_does(container):
+    # PointNet's (log_probs, feature transform), a detector's dict of heads: model i gets
+    # each field's [i]; vmap runs it, and the loop where vmap cannot (.item())
+    log_probs = torch.randn(3, 4, 5, dtype=torch.float64).log_softmax(-1)
+    trans = torch.randn(3, 4, 2, 2, dtype=torch.float64)
+    out = {"a": log_probs, "b": trans} if container is dict else container((log_probs, trans))
+    first, second = ("a", "b") if container is dict else (0, 1)
+    y = torch.randint(0, 5, (4,))
+
+    def loss(o, t):
+        return F.nll_loss(o[first], t) + 1e-3 * o[second].pow(2).mean()
+
+    def loss_with_item(o, t):
+        return loss(o, t) * (1.0 if o[second].sum().item() > 0 else 2.0)
+
+    for fn in (loss, loss_with_item):
+        want = torch.stack([fn({first: log_probs[i], second: trans[i]}, y) for i in range(3)])
+        assert rel_diff(per_model(fn)(out, y), want) <= 1e-12
 
 
 def test_per_model_takes_the_losss_keywords_for_each_model():

@@ -21,9 +21,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from ..errors import FusionArgumentError, FusionTypeError
 from .function_apply import apply_function_fast
+from .layout import model_slice
 from .reduction import _short_rows
 
 
@@ -201,6 +203,12 @@ def per_model(loss_fn: Callable[..., Tensor], *,
     ``reduction="none"`` and reduced per model. Other losses run under
     ``torch.func.vmap``, or, if vmap cannot run them, in a loop over models.
     Result: ``[N]`` for reduction ``"mean"`` / ``"sum"``; ``[N, ...]`` for ``"none"``.
+
+    An argument marked 0 may be a tuple, list or dict of stacked tensors (a fused module's
+    output with several fields), as under vmap: the loss gets model i's, each field at
+    ``[i]``::
+
+        hftc.per_model(lambda out, y: F.nll_loss(out[0], y))(fused(x), y)   # (log_probs, aux)
     """
     for d in in_dims if isinstance(in_dims, tuple) else (in_dims,):
         if d not in (0, None):
@@ -225,20 +233,26 @@ def per_model(loss_fn: Callable[..., Tensor], *,
         stacked = [a for a, d in zip(args, dims) if d == 0]
         if not stacked:
             raise ValueError("per_model: in_dims marks no argument as stacked (0)")
+        # A fused module's output with several fields (a tuple, a dict, a ModelOutput) is
+        # stacked field by field: each field is model i's at [i], as under vmap.
+        leaves = [t for a in stacked for t in pytree.tree_leaves(a)]
         for a in stacked:
-            if not isinstance(a, Tensor):
+            if isinstance(a, Tensor):
+                continue
+            fields = pytree.tree_leaves(a)
+            if not fields or not all(isinstance(t, Tensor) for t in fields):
                 raise ValueError(
-                    f"per_model: an argument marked 0 in in_dims is a {type(a).__name__}, "
-                    f"not a tensor; a fused module's output with several fields (a dict, "
-                    f"a ModelOutput, a tuple) is stacked field by field: pass the one the "
-                    f"loss takes (out['logits'], out.logits, out[0])")
-        n = stacked[0].shape[0] if stacked[0].dim() else None
-        for a in stacked:
-            if a.dim() == 0 or a.shape[0] != n:
+                    f"per_model: an argument marked 0 in in_dims is a {type(a).__name__} "
+                    f"of {', '.join(sorted({type(t).__name__ for t in fields})) or 'nothing'}"
+                    f", not of tensors stacked per model; pass the field the loss takes "
+                    f"(out['logits'], out.logits, out[0]) or mark it None in in_dims")
+        n = leaves[0].shape[0] if leaves[0].dim() else None
+        for t in leaves:
+            if t.dim() == 0 or t.shape[0] != n:
                 raise ValueError(
-                    f"per_model: every argument marked 0 in in_dims must be a tensor with "
-                    f"leading dim N = {n}; got shape {getattr(a, 'shape', type(a).__name__)}"
-                )
+                    f"per_model: every argument marked 0 in in_dims must be a tensor (or a "
+                    f"tuple, list or dict of tensors) with leading dim N = {n}; got shape "
+                    f"{list(t.shape)}")
         fast = _flattened_loss(loss_fn, args, dims, n, kwargs)
         if fast is not None:
             return fast
@@ -265,8 +279,19 @@ def per_model(loss_fn: Callable[..., Tensor], *,
             out = None
         if out is not None:
             return out
-        outs = [loss_fn(*[a[i] if d == 0 else a for a, d in zip(args, dims)], **kwargs)
-                for i in range(n)]
+        try:
+            outs = [loss_fn(*[model_slice(a, i) if d == 0 else a for a, d in zip(args, dims)],
+                            **kwargs) for i in range(n)]
+        except Exception as exc:
+            fields = next((a for a in stacked if not isinstance(a, Tensor)), None)
+            if fields is None:
+                raise
+            raise ValueError(
+                f"per_model({_loss_name(loss_fn)}): an argument marked 0 in in_dims is a "
+                f"{type(fields).__name__} of stacked tensors, and the loss failed on model "
+                f"0's {type(fields).__name__} ({type(exc).__name__}: {exc}); pass the field "
+                f"the loss takes (out['logits'], out.logits, out[0]), or give a loss that "
+                f"takes the {type(fields).__name__}") from exc
         return torch.stack(outs)
 
     return losses
@@ -340,7 +365,7 @@ def _flattened_loss(loss_fn, args, dims, n: int, kwargs: dict[str, Any]) -> Tens
             or kwargs.get("reduce") is not None:
         return None
     out, target = args
-    if not isinstance(target, Tensor) or out.dim() < 3:
+    if not isinstance(out, Tensor) or not isinstance(target, Tensor) or out.dim() < 3:
         return None  # no batch dim per model: nothing to flatten
     shared_target = target if dims[1] is None else None
     if shared_target is not None:
