@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -65,12 +66,25 @@ def measure(name: str, n: int, rounds: int) -> dict:
     for step in steps.values():  # Adam's state, the allocator's caches
         step()
         step()
+    return against_serial(interleaved(steps, rounds))
+
+
+def interleaved(steps: dict[str, Callable[[], object]], rounds: int,
+                alternate: bool = False) -> dict[str, list[float]]:
+    """Each step's seconds in ``rounds`` rounds of one call each, in turn (``alternate``:
+    every other round in the reverse order, so that drift hits both ends alike)."""
     times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for k, step in steps.items():
+    for r in range(rounds):
+        for k in (list(steps) if not alternate or r % 2 == 0 else list(reversed(steps))):
             start = time.perf_counter()
-            step()
+            steps[k]()
             times[k].append(time.perf_counter() - start)
+    return times
+
+
+def against_serial(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per step: its median ms and the median [p10, p90] of the per-round ratios
+    serial / it."""
     out = {}
     for k, ts in times.items():
         ratios = sorted(s / t for s, t in zip(times["serial"], ts))

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 
 import torch
 
@@ -34,6 +32,9 @@ import hftc.compile.autotune as autotune
 from hftc.bench.contenders import learning_rates, make_models
 from hftc.bench.workloads import WORKLOADS
 from hftc.compile.strategy import TIMING_CALLS
+
+from .schedule_cost import against_serial, interleaved
+from .zoo_pair import hftc_step
 
 DEFAULT = "gpt:2,gpt:4,mlp:4,lenet5:2,transformer:2,style_transfer:2"
 
@@ -55,15 +56,7 @@ def contenders(name: str, n: int) -> tuple[dict, dict]:
             w.loss(model(x), y).backward()
             opt.step()
 
-    loop_fused = hftc.fuse(make_models(w, n), **example)
-    loop_opt = hftc.optim.Adam(loop_fused.parameters(), lr=lrs)
-    per_model_loss = hftc.per_model(w.loss_fn)
-
-    def loop():
-        loop_opt.zero_grad(set_to_none=True)
-        out = loop_fused(x)
-        per_model_loss(out[0] if isinstance(out, tuple) else out, y).sum().backward()
-        loop_opt.step()
+    loop, loop_fused = hftc_step(name, n)
 
     # one model's loss of its output: the workload's criterion, of the first field where the
     # model returns several (PointNet's log-probabilities and transform)
@@ -91,19 +84,8 @@ def measure(name: str, n: int, rounds: int) -> dict:
     steps, info = contenders(name, n)
     for fn in steps.values():
         fn()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for r in range(rounds):
-        for k in (list(steps) if r % 2 == 0 else list(reversed(steps))):
-            start = time.perf_counter()
-            steps[k]()
-            times[k].append(time.perf_counter() - start)
-    out = {"workload": name, "n": n, "info": info}
-    for k, ts in times.items():
-        ratios = sorted(s / t for s, t in zip(times["serial"], ts))
-        q = statistics.quantiles(ratios, n=10)
-        out[k] = {"ms": statistics.median(ts) * 1e3, "ratio": statistics.median(ratios),
-                  "p10": q[0], "p90": q[-1]}
-    return out
+    return {"workload": name, "n": n, "info": info,
+            **against_serial(interleaved(steps, rounds, alternate=True))}
 
 
 def main(argv=None) -> None:
