@@ -342,9 +342,11 @@ class CompiledStep:
         by one (its strategy chose the loop, or forces it: in order is that loop in the
         serial loop's order) and, where it runs its fused program by its own choice
         (``strategy="auto"``), if the first steps time them no slower
-        (:class:`~hftc.compile.strategy.StepOrderTiming`).  The fused step only with
+        (:class:`~hftc.compile.strategy.StepOrderTiming`).  Only the fused step with
         ``strategy="fused"``, a loss of the N outputs (``per_model_loss=False``), a grad
-        scaler, padded widths or checkpointing: what the models one by one cannot run."""
+        scaler, padded widths, checkpointing or hooks on the fused parameters, and where
+        the fused module's choice never ran the models one by one (``autotune=True``, a
+        loop that failed): what the models in order cannot run, or are not known to."""
         fused = self.fused
         if self.mode != "eager" or self._losses_of is self.loss_fn \
                 or (self.scaler is not None and self.scaler.is_enabled()) \
@@ -390,6 +392,7 @@ class CompiledStep:
         fused = self.fused
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         values, batched = fused._inputs(args, {})
+
         def loss_of(out: Any) -> Tensor:
             loss = self.loss_fn(out, target)
             if not isinstance(loss, Tensor) or loss.dim() != 0:
