@@ -18,7 +18,8 @@ hftc+compile    the same with the forward and loss under ``torch.compile`` (indu
                 backward through AOTAutograd's compiled graph; optimizer eager
 hftc+step       the same through ``hftc.compile_step`` (its default mode: the whole step,
                 optimizer included where it can be, as one CUDA graph on a GPU; the eager
-                step on the CPU); bf16 via its ``autocast_dtype``
+                step on the CPU, with the models in order where autotune chose to run
+                them one by one); bf16 via its ``autocast_dtype``
 hftc+defaults   ``hftc.fuse(models)`` with no options (what a new user runs: the default
                 strategy's first-call choice, no autotune) + ``hftc.optim.Adam`` +
                 ``hftc.per_model(loss)``; opt-in
