@@ -33,6 +33,10 @@ PYTHON_STATE = "hftc_python_state"
 #: ``GraphModule.meta`` key: forward's inputs traced as Python constants, ``{name: value}``.
 CONSTANT_INPUTS = "hftc_constant_inputs"
 
+#: ``node.meta`` key of a ``copy_`` the tracer wrote for ``module.buf = value`` in forward:
+#: the buffer's path (``"stats.avg"``).
+BUFFER_ASSIGNMENT = "hftc_buffer_assignment"
+
 #: ``node.meta`` key: ``{key: [value of model 0, ..., model N-1]}`` for hyper-parameters
 #: that differ between the models (absent when they all agree).  A key is a module
 #: attribute's name (``"p"``, ``"eps"``) or an :class:`ArgKey`.

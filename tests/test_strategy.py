@@ -404,3 +404,72 @@ def test_a_choice_cached_by_other_hftc_code_is_timed_again(monkeypatch, tmp_path
     again = hftc.fuse(copy.deepcopy(models))
     again(_x())
     assert again.plan.reason == "timed" and ran
+
+
+class Reassigns(nn.Module):
+    """Buffers assigned anew in forward, as statistics code writes them: a call count and
+    a running mean of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        self.avg = 0.9 * self.avg + 0.1 * x.detach().mean(0)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("way", ["model_loop", "in order"])
+def test_buffers_assigned_anew_in_forward_are_kept_one_by_one(way):
+    # They were dropped with the shell's registry entry: the N models' counts stayed 0
+    # where each stock model counts its calls (a silent wrong answer of the loop).
+    torch.manual_seed(0)
+    models = [Reassigns() for _ in range(3)]
+    xs = [torch.randn(5, 4) for _ in range(4)]
+    fused = hftc.fuse(copy.deepcopy(models), strategy="model_loop")
+    opt = hftc.optim.SGD(fused.parameters(), lr=[0.1, 0.2, 0.3])
+    step = hftc.compile_step(fused, lambda out, y: out.pow(2).mean(), opt)
+    for x in xs:
+        if way == "in order":
+            step(x, None)
+        else:
+            fused(x)
+    if way == "in order":
+        assert step.order.chosen == "in_order"
+    for i, m in enumerate(models):
+        for x in xs:
+            m(x)
+        assert fused.state_dict()["calls"][i] == m.calls == 4
+        assert torch.equal(fused.state_dict()["avg"][i], m.avg)
+
+
+class HalfCounts(Reassigns):
+    """A long count assigned a float (stock: the buffer becomes a float tensor)."""
+
+    def forward(self, x):
+        self.calls = self.calls + 0.5
+        return self.fc(x)
+
+    def count(self, x):
+        if float(x.sum()) > -1e9:  # a value read in Python: hftc runs it one by one
+            self.calls = self.calls + 0.5
+        return x
+
+
+@pytest.mark.parametrize("strategy", ["fused", "model_loop"])
+def test_a_buffer_assigned_another_dtype_is_refused(strategy):
+    # It was cast into the buffer's dtype: every model's count stayed 0, stock's 1.5.
+    fused = hftc.fuse([HalfCounts() for _ in range(2)], strategy=strategy)
+    with pytest.raises(hftc.errors.TraceError, match=r"assigns their buffer `calls` a new "
+                                                     r"tensor of \[\] torch.float32, where "
+                                                     r"the buffer is \[\] torch.int64"):
+        fused(torch.randn(5, 4))
+    with pytest.raises(hftc.errors.TraceError, match=r"model 0's count assigns its buffer "
+                                                     r"`calls` anew \(\[\] torch.float32, "
+                                                     r"where .* \[\] torch.int64 per model\)"
+                                                     r".*Update it in place"):
+        fused.count(torch.randn(5, 4))
+    assert torch.equal(fused.state_dict()["calls"], torch.zeros(2, dtype=torch.long))

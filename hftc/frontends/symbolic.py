@@ -36,6 +36,7 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from ..errors import FusionError, TraceError, UnsupportedOperatorError, plain_message
 from ..ir import (
+    BUFFER_ASSIGNMENT,
     CONSTANT_INPUTS,
     EXAMPLE_VALUE,
     PYTHON_STATE,
@@ -456,8 +457,10 @@ class _Tracer(fx.Tracer):
             if isinstance(value, fx.Proxy) and buffers.get(name) is not None \
                     and id(module) in paths:
                 path = paths[id(module)]
-                buffer = self.create_proxy("get_attr", f"{path}.{name}" if path else name, (), {})
-                self.create_proxy("call_method", "copy_", (buffer, value), {})  # detached
+                target = f"{path}.{name}" if path else name
+                buffer = self.create_proxy("get_attr", target, (), {})
+                copy = self.create_proxy("call_method", "copy_", (buffer, value), {})  # detached
+                copy.node.meta[BUFFER_ASSIGNMENT] = target  # (checked: _Recorder)
                 # Later reads in this forward see the value itself, as in eager code
                 # (where the attribute *is* the new tensor, gradient history included).
                 self._assigned_buffers[id(buffers[name])] = value
@@ -1046,6 +1049,9 @@ class _Recorder(fx.Interpreter):
         self.failed: fx.Node | None = None
 
     def run_node(self, n: fx.Node) -> Any:
+        buffer = self._targets[n].meta.get(BUFFER_ASSIGNMENT)
+        if buffer is not None:
+            self._check_assignment(n, buffer)
         try:
             value = super().run_node(n)
         except Exception:
@@ -1053,6 +1059,21 @@ class _Recorder(fx.Interpreter):
             raise
         self._targets[n].meta[EXAMPLE_VALUE] = value
         return value
+
+    def _check_assignment(self, n: fx.Node, buffer: str) -> None:
+        """``module.buf = value`` in forward, traced as ``buf.copy_(value)``: a value of
+        another shape or dtype would be cast into the buffer (a long count assigned
+        ``count + 0.5`` stayed 0), where the model's buffer becomes the new tensor."""
+        old, new = (self.env.get(a) for a in n.args[:2])
+        if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor) or (
+                old.shape == new.shape and old.dtype == new.dtype):
+            return
+        raise TraceError(
+            f"the models' forward assigns their buffer `{buffer}` a new tensor of "
+            f"{list(new.shape)} {new.dtype}, where the buffer is {list(old.shape)} "
+            f"{old.dtype}; hftc stacks each buffer per model and keeps its shape and dtype. "
+            f"Update it in place (`{buffer.rpartition('.')[2]}.copy_(...)`, `.add_(...)`), "
+            f"or give the new value the buffer's shape and dtype")
 
 
 def _to_meta(value: Any) -> Any:

@@ -212,8 +212,10 @@ class ModelLoop:
         for registry, key, name, _ in slots:
             registry[key] = tensors[name]
         try:
-            return (call_model(shell, args, fused) if method is None
-                    else getattr(shell, method)(*args, **(kwargs or {})))
+            out = (call_model(shell, args, fused) if method is None
+                   else getattr(shell, method)(*args, **(kwargs or {})))
+            self._keep_reassigned(i, slots, tensors, method or "forward")
+            return out
         except RuntimeError as exc:
             if "returns multiple views" not in str(exc):
                 raise
@@ -228,6 +230,34 @@ class ModelLoop:
         finally:
             for registry, key, _, placeholder in slots:
                 registry[key] = placeholder
+
+    def _keep_reassigned(self, i: int, slots: list, tensors: dict[str, Tensor],
+                         method: str) -> None:
+        """Buffers model i's ``method`` (forward) assigned anew (``self.calls = self.calls +
+        1``, an average ``self.avg = 0.9 * self.avg + ...``), written into its slice of the
+        stacked buffer, as the model keeps them (the shell's registry held the new tensor,
+        which putting the placeholder back dropped: the N models' counts stayed 0)::
+
+            registry[key] is not its slice  ->  slice.copy_(registry[key])   (no grad)
+        """
+        for registry, key, name, _ in slots:
+            new, slice_ = registry.get(key), tensors[name]
+            if new is slice_:
+                continue
+            if name not in self.buffer_names or not isinstance(new, Tensor) \
+                    or new.shape != slice_.shape or new.dtype != slice_.dtype:
+                what = ("None" if new is None else f"a {type(new).__name__}" if not
+                        isinstance(new, Tensor) else f"{list(new.shape)} {new.dtype}")
+                kind = "buffer" if name in self.buffer_names else "parameter"
+                raise TraceError(
+                    f"model {i}'s {method} assigns its {kind} `{name}` anew ({what}, where "
+                    f"the fused module stacks one of {list(slice_.shape)} {slice_.dtype} per "
+                    f"model); hftc runs these models one by one on its stacked tensors and "
+                    f"can keep only a {kind} of the same shape and dtype. Update it in "
+                    f"place ({name.rpartition('.')[2]}.copy_(...), .mul_(...)), or keep "
+                    f"its shape and dtype")
+            with torch.no_grad():
+                slice_.copy_(new)
 
 
 def call_model(model: nn.Module, args: Sequence[Any], fused: nn.Module) -> Any:
