@@ -547,3 +547,34 @@ def test_a_wrong_fused_op_is_caught_under_bf16_autocast(monkeypatch):
             out = fused(x)
         for i, m in enumerate(models):
             torch.testing.assert_close(out[i], m(x))
+
+
+class CountsIfTensor(nn.Module):
+    """Counts its calls only when its input is a tensor: while traced it is a Proxy, so the
+    fused program never counts, though its outputs are the models' own."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        if isinstance(x, torch.Tensor):
+            self.calls.add_(1)
+        return self.fc(x)
+
+
+def test_buffers_forward_writes_are_checked_too():
+    # The outputs agreed and the check passed; the fused program then ran and the models'
+    # counts stayed 0 (each stock model counts its calls).
+    models = models_of(CountsIfTensor)
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(5, 4)
+    with pytest.warns(FusionWarning, match=r"model 0's buffers after forward\['calls'\] "):
+        out = fused(x)
+    fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+        m(x)
+        assert fused.state_dict()["calls"][i] == m.calls == 2
+    assert not fused.fusion_report.check.passed

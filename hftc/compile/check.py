@@ -482,6 +482,11 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
                     out = run(input_copies(values))
                 result.shapes_only = any(not torch.equal(a, b)
                                          for a, b in zip(before, _rng_states()))
+                # What forward wrote into the buffers (running statistics, counts),
+                # compared with each model's own below; padded buffers are wider than a
+                # model's own.
+                buffers = {} if getattr(fused, "padding", None) is not None else {
+                    name: b.detach().clone() for name, b in fused.named_buffers()}
         except Exception as exc:  # noqa: BLE001 - the call itself raises it again, explained
             result.skipped, result.raised = f"the fused program raised {type(exc).__name__}", exc
             return result
@@ -500,13 +505,19 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
             except Exception as exc:  # noqa: BLE001 - a model we cannot call like this
                 result.skipped = f"model {i}'s own forward raised {plain_message(exc)}"
                 return result
+            own_buffers = dict(shell.named_buffers()) if buffers else {}
             del shell
             errors: list[float] = []
+            low_precision = fused_mode.low_precision or model_mode.low_precision
             result.difference = output_difference(model_slice(out, i), want,
                                                   shapes_only=result.shapes_only,
-                                                  errors=errors,
-                                                  low_precision=fused_mode.low_precision
-                                                  or model_mode.low_precision)
+                                                  errors=errors, low_precision=low_precision)
+            if not result.difference and own_buffers:
+                result.difference = output_difference(
+                    {name: buffers[name][i] for name in own_buffers if name in buffers},
+                    {name: b for name, b in own_buffers.items() if name in buffers},
+                    "buffers after forward", shapes_only=result.shapes_only,
+                    low_precision=low_precision)
             result.largest = max([result.largest, *errors])
             if result.difference and not result.shapes_only and (
                     fused_mode.low_precision or model_mode.low_precision) and \
