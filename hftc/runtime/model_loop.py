@@ -11,8 +11,11 @@
 It is what the serial loop runs, on the fused module's own tensors: the
 parameters, their gradients (``unbind``'s backward stacks the N gradients in
 one copy; with one model the slice is a ``squeeze``, and no copy is made), the
-running statistics (updated in place through the views), the state_dict and the
-fused optimizer stay as they are; only how the forward runs changes.
+running statistics (updated in place through the views; a buffer forward assigns
+anew is copied into its slice), the state_dict and the fused optimizer stay as they
+are; only how the forward runs changes.  :meth:`ModelLoop.forward_backward` runs
+each model's forward, loss and backward in turn instead (``hftc.compile_step``'s step
+in order).
 ``hftc.fuse(..., autotune=True)`` times it against the fused program and takes
 it where the fused program was slower: on a CPU, activations that fit a cache
 one model at a time but not N at a time (PointNet's ``[B, 1024, P]`` feature
