@@ -1019,6 +1019,11 @@ class FusedModule(ContainerAccess, nn.Module):
                     keep.requires_grad_(p.requires_grad)
                 owner, _, leaf = name.rpartition(".")
                 other.get_submodule(owner)._parameters[leaf] = keep
+        # What this module made lazily from its old models (the shells the models run
+        # one by one in, fused methods, the last call's program) goes with them: the old
+        # shells ran a replaced model with its predecessor's Python attributes.
+        for key in _MADE_FROM_MODELS:
+            self.__dict__.pop(key, None)
         self.__dict__.update(other.__dict__)
 
     def with_in_dims(self, in_dims: InDims) -> InDimsCall:
@@ -1627,10 +1632,10 @@ class FusedModule(ContainerAccess, nn.Module):
         # module: a copy that kept it ran the original's weights and sent it the gradients.
         state = dict(super().__getstate__())
         state["_programs"] = {}  # generated code is recompiled on the next call
-        # The models' other methods are fused again on their next call.
-        state.pop("_method_modules", None)
-        state.pop("_method_loop", None)
-        state.pop("_last_call_program", None)
+        # The models' other methods are fused again on their next call (the shared loop's
+        # shells are kept: they hold the Python attributes forward changed).
+        for key in ("_method_modules", "_method_loop", "_last_call_program"):
+            state.pop(key, None)
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FusedModule:
@@ -1650,6 +1655,12 @@ class FusedModule(ContainerAccess, nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_models={self.num_models}"
+
+
+#: ``FusedModule.__dict__`` entries made lazily from its models, dropped where it takes
+#: another module's models over (:meth:`FusedModule._become`).
+_MADE_FROM_MODELS = ("_shared_model_loop", "_method_loop", "_method_modules",
+                     "_last_call_program")
 
 
 def _guard_failure(graph: fx.Graph, values: Sequence[Any],

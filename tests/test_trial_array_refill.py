@@ -166,6 +166,38 @@ def test_replace_models_keeps_the_others_and_starts_the_new_one_fresh():
             torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-14)
 
 
+class Scaled(nn.Module):
+    """A plain Python hyper-parameter in forward (the models one by one keep it on their
+    shells)."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.fc, self.scale = nn.Linear(4, 2).double(), scale
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+@pytest.mark.parametrize("strategy", ["fused", "model_loop"])
+def test_a_replaced_model_runs_with_its_own_python_attributes(strategy):
+    # One by one, the fused module kept the shells of its first models: the new model
+    # ran with its predecessor's scale (1.0, not 5.0), forward and backward.
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    first = Scaled(1.0)
+    fused = hftc.fuse([copy.deepcopy(first), Scaled(2.0)], strategy=strategy)
+    fused(x)
+    new = Scaled(5.0)
+    hftc.replace_models(fused, {1: copy.deepcopy(new)})
+    out = fused(x)
+    want = new(x)
+    torch.testing.assert_close(out[1], want, rtol=1e-12, atol=0)
+    out[1].sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(fused.fc.weight.grad[1], new.fc.weight.grad, rtol=1e-12, atol=0)
+    torch.testing.assert_close(out[0], first(x), rtol=1e-12, atol=0)  # the other: as it was
+
+
 def test_a_scheduler_or_another_width_cannot_take_a_place():
     models = [make_model(i) for i in range(2)]
     fused = hftc.fuse(models)

@@ -64,7 +64,9 @@ class ModelLoop:
         #: parametrization's modules) takes its nearest ancestor's mode
         paths = [path for path, _ in self.shells[0].named_modules(remove_duplicate=False)]
         self.module_paths = paths
-        self._mode_sources: tuple[int, list[nn.Module | int]] | None = None
+        #: (the fused module's module registry it was read from, per path: where its
+        #: mode comes from), :meth:`_modes`
+        self._mode_sources: tuple[dict, list[nn.Module | int]] | None = None
         self.modules = [[sub for _, sub in shell.named_modules(remove_duplicate=False)]
                         for shell in self.shells]
 
@@ -72,7 +74,7 @@ class ModelLoop:
         """Each shell module's train/eval mode: its fused counterpart's (see ``modules``).
         Where each mode is read from is found once per fused module (walking its modules
         cost ~0.15 ms a call at a small GPT's 40 modules)."""
-        if self._mode_sources is None or self._mode_sources[0] != id(fused):
+        if self._mode_sources is None or self._mode_sources[0] is not fused._modules:
             fused_modules = dict(fused.named_modules(remove_duplicate=False))
             # per path: the fused module whose mode it takes, or its parent path's
             # position in module_paths (-1: the fused module's own mode)
@@ -82,7 +84,7 @@ class ModelLoop:
                 position[path] = k
                 sources.append(fused_modules[path] if path in fused_modules
                                else position.get(path.rpartition(".")[0], -1))
-            self._mode_sources = (id(fused), sources)
+            self._mode_sources = (fused._modules, sources)
         modes: list[bool] = []
         for source in self._mode_sources[1]:
             if isinstance(source, int):
