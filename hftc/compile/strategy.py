@@ -190,10 +190,7 @@ class CallTiming:
             self.intervals.append((self.last[0], now - self.last[1]))
         self.last = None
         self.calls += 1
-        timed = self.intervals[2:]
-        cycles = len(timed) // len(_CYCLE)
-        if cycles >= _MIN_CYCLES and len(timed) % len(_CYCLE) == 0 and (
-                sum(t for _, t in timed) >= self.budget_s or cycles >= _MAX_CYCLES):
+        if _cycles_done(self.intervals[2:], self.budget_s):
             self._decide(program)
             return program.how
         if self.calls > _MAX_TRIAL_CALLS:
@@ -210,10 +207,7 @@ class CallTiming:
 
     def _decide(self, program: Any) -> None:
         timed = self.intervals[2:]
-        cycles = [timed[i:i + len(_CYCLE)] for i in range(0, len(timed), len(_CYCLE))]
-        ratios = [sum(t for name, t in c if name == "model_loop")
-                  / max(sum(t for name, t in c if name == "fused"), 1e-12) for c in cycles]
-        ratio = statistics.median(ratios)
+        ratio = _median_cycle_ratio(timed, "model_loop", "fused")
         chosen = "model_loop" if ratio < 1 - _MARGIN else "fused"
         medians = {name: statistics.median(t for n, t in timed if n == name)
                    for name in ("fused", "model_loop")}
@@ -222,7 +216,7 @@ class CallTiming:
         store_entry(self.key, {"chosen": chosen, "times": medians, "ratio": ratio}, self.path)
         program.how = self.ways[chosen]
         program.plan = program.report.strategy = StrategyChoice(
-            chosen, "timed on the first calls", medians, ratio, len(cycles),
+            chosen, "timed on the first calls", medians, ratio, len(timed) // len(_CYCLE),
             self.setup_s + slower_cost, self.backward)
         program.trial = None
 
@@ -241,7 +235,8 @@ class StepOrder:
     chosen: str
     #: "timed on the first steps" (:class:`StepOrderTiming`), "the fused module runs the
     #: models one by one" (its strategy chose or forces the loop: in order is that loop
-    #: in the serial loop's order), "timing the first steps" (not decided yet)
+    #: in the serial loop's order), "hooks on the fused parameters", or "the fused
+    #: module's choice: ..." (it never ran the models one by one on these inputs)
     reason: str
     #: way -> median seconds of one whole step
     times: dict[str, float] = field(default_factory=dict)
@@ -296,17 +291,30 @@ class StepOrderTiming:
             return
         self.steps.append((way, seconds))
         timed = self.steps[2:]
-        cycles = [timed[i:i + len(_CYCLE)] for i in range(0, len(timed), len(_CYCLE))]
-        if len(timed) % len(_CYCLE) or len(cycles) < _MIN_CYCLES or (
-                sum(t for _, t in timed) < self.budget_s and len(cycles) < _MAX_CYCLES):
+        if not _cycles_done(timed, self.budget_s):
             return
-        ratios = [sum(t for name, t in c if name == "fused")
-                  / max(sum(t for name, t in c if name == IN_ORDER), 1e-12) for c in cycles]
-        ratio = statistics.median(ratios)
+        ratio = _median_cycle_ratio(timed, "fused", IN_ORDER)
         medians = {name: statistics.median(t for n, t in timed if n == name)
                    for name in ("fused", IN_ORDER)}
         self.order = StepOrder("fused" if ratio < 1 - _MARGIN else IN_ORDER,
-                               "timed on the first steps", medians, ratio, len(cycles))
+                               "timed on the first steps", medians, ratio,
+                               len(timed) // len(_CYCLE))
+
+
+def _cycles_done(timed: Sequence[tuple[str, float]], budget_s: float) -> bool:
+    """Whether ``timed`` (after the warm-ups) ends a cycle of :data:`_CYCLE` and is enough:
+    _MIN_CYCLES or more that add up to ``budget_s``, or _MAX_CYCLES."""
+    cycles = len(timed) // len(_CYCLE)
+    return len(timed) % len(_CYCLE) == 0 and cycles >= _MIN_CYCLES and (
+        sum(t for _, t in timed) >= budget_s or cycles >= _MAX_CYCLES)
+
+
+def _median_cycle_ratio(timed: Sequence[tuple[str, float]], top: str, bottom: str) -> float:
+    """The median over whole cycles of ``timed`` of (``top``'s seconds / ``bottom``'s)."""
+    cycles = [timed[i:i + len(_CYCLE)] for i in range(0, len(timed), len(_CYCLE))]
+    return statistics.median(sum(t for name, t in c if name == top)
+                             / max(sum(t for name, t in c if name == bottom), 1e-12)
+                             for c in cycles)
 
 
 def strategy_key(fused: torch.nn.Module, values: Sequence[Any], batched: Sequence[bool],
