@@ -45,6 +45,7 @@ from .compile.checkpoint import check_option as check_checkpoint_option
 from .compile.pipeline import CompileOptions, Program, compile_program
 from .compile.strategy import StrategyChoice, resolve_strategy
 from .compile_guard import compiled_original, run_eagerly
+from .copies import ModelCopies
 from .errors import (
     FusionArgumentError,
     FusionError,
@@ -62,7 +63,6 @@ from .frontends.symbolic import (
     OutputSpec,
     annotate_example_values,
     constant_inputs,
-    deepcopy_module,
     is_python_constant,
     meta_copy,
     same_constant,
@@ -76,7 +76,6 @@ from .padding import locate_difference as locate_padding_difference
 from .padding_graph import compute_over_real_units
 from .passes import FusionReport
 from .passes.driver import SHARED_CONSTANT_PREFIX
-from .passes.per_model_ops import MODULE_OPS, is_elementwise_function
 from .passes.registry import aten_spellings, per_model_table
 from .runtime.layout import expand_models, model_slice
 from .runtime.model_loop import ModelLoop
@@ -320,58 +319,23 @@ def _tensor_name_maps(match: GraphMatch, graphs: Sequence[fx.GraphModule]) -> li
     return maps
 
 
-def _differing_attributes(model0: nn.Module, model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Public plain-Python attributes of ``model``'s modules that differ from model 0's.
-
-    ``{module path: {attribute: value}}``; only modules at the same path and of the
-    same class are compared (models from other code keep model 0's attributes).
-    """
-    reference = dict(model0.named_modules(remove_duplicate=False))
-    found: dict[str, dict[str, Any]] = {}
-    for path, sub in model.named_modules(remove_duplicate=False):
-        ref = reference.get(path)
-        if ref is None or type(ref) is not type(sub):
-            continue
-        ref_vars = vars(ref)
-        diffs = {
-            k: copy.deepcopy(v) for k, v in vars(sub).items()
-            if not k.startswith("_") and k != "training" and _simple_value(v)
-            and (k not in ref_vars or not _same_value(ref_vars[k], v))
-        }
-        diffs.update({k: v for k, v in vars(sub).items()
-                      if is_elementwise_function(v) and ref_vars.get(k) is not v})
-        if diffs:
-            found[path] = diffs
-    return found
-
-
-def _own_elementwise_modules(model0: nn.Module, model: nn.Module) -> dict[str, nn.Module]:
-    """``model``'s activation / dropout / identity modules whose class is not model 0's at
-    the same path (``nn.GELU`` where model 0 has ``nn.ReLU``), by path: copies, which
-    ``unfuse_model`` puts back in place of model 0's (the fused program runs each model's
-    own op: :mod:`hftc.passes.per_model_ops`)."""
-    reference = dict(model0.named_modules(remove_duplicate=False))
-    return {path: copy.deepcopy(sub) for path, sub in model.named_modules(remove_duplicate=False)
-            if path in reference and type(reference[path]) is not type(sub)
-            and type(sub) in MODULE_OPS and type(reference[path]) in MODULE_OPS}
-
-
-def _simple_value(value: Any) -> bool:
-    """A plain value a model may hold as its own: numbers, strings, tensors that are
-    not parameters or buffers (``self.scale = torch.tensor(2.0)``), tuples / lists of
-    them."""
-    if isinstance(value, (bool, int, float, str, type(None), torch.Tensor)):
-        return True
-    return isinstance(value, (tuple, list)) and all(_simple_value(v) for v in value)
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same_value, a, b))
-    return a == b
+def _module_path_maps(match: GraphMatch, graphs: Sequence[fx.GraphModule],
+                      name_maps: Sequence[dict[str, str]]) -> list[dict[str, str]]:
+    """Model i's module paths -> model 0's (the fused module's), from the matched graph
+    nodes and the tensors' owners: where model i's modes come from."""
+    maps: list[dict[str, str]] = []
+    for mapping, gm, names in zip(match.mapping, graphs, name_maps):
+        paths = {"": ""}
+        for fused, own in names.items():
+            paths[own.rpartition(".")[0]] = fused.rpartition(".")[0]
+        for n0, ni in mapping.items():
+            if n0.op == "call_module":
+                for local, _ in gm.get_submodule(ni.target).named_modules(
+                        remove_duplicate=False):
+                    paths[f"{ni.target}.{local}" if local else ni.target] = (
+                        f"{n0.target}.{local}" if local else n0.target)
+        maps.append(paths)
+    return maps
 
 
 def _get_path(root: Any, path: str) -> Any:
@@ -501,15 +465,14 @@ class FusedModule(ContainerAccess, nn.Module):
              for i in range(n)
              if any(graphs[mode][i].meta.get(PYTHON_STATE) for mode in (True, False))),
             None)
+        # model 0 on meta: the root shape propagation runs the fused graph's nodes on
         template = meta_copy(models[0])
         name_maps = _tensor_name_maps(matches[True], graphs[True])
         object.__setattr__(self, "_template", template)
-        # Hyper-parameters each model keeps as its own (dropout p, eps, self.scale ...):
-        # unfuse() gives them back, not model 0's.
-        self._attribute_overrides = [_differing_attributes(models[0], m) for m in models]
-        # and the activation modules each has where they differ (nn.GELU against nn.ReLU)
-        self._own_modules = [_own_elementwise_modules(models[0], m) for m in models]
-        self._template_extras: list[str] = []  # lifted constants, not the user's attributes
+        #: Each model's own object (its Python state, no tensors): every per-model module
+        #: hftc makes (the check's references, the models one by one, unfuse()) is one.
+        self.model_copies = ModelCopies(models, name_maps,
+                                        _module_path_maps(matches[True], graphs[True], name_maps))
         root, sources = build_module_tree(models, template, name_maps)
         self._adopt(root, models[0])
         fused_names = {id(p): name for name, p in self.named_parameters()}
@@ -545,8 +508,8 @@ class FusedModule(ContainerAccess, nn.Module):
         optional = any(p.op == "placeholder" and p.args == (None,)
                        for p in self._mode_graphs[True].graph.nodes)
         retraceable = optional or self._mode_graphs[True].constants
-        self._retrace_sources = ([meta_copy(m) for m in models]
-                                 if retraceable and PYTHON_STATE in graphs[True][0].meta else None)
+        #: Traced again from the models' own copies (:meth:`_graphs_for`).
+        self._retraceable = bool(retraceable) and PYTHON_STATE in graphs[True][0].meta
         self._programs: dict[Any, Program] = {}
         self.training = models[0].training
         if example_inputs is not None:
@@ -666,7 +629,6 @@ class FusedModule(ContainerAccess, nn.Module):
             if not hasattr(owner, leaf):
                 owner.register_buffer(leaf, torch.empty_like(values[0], device="meta"),
                                       persistent=False)
-                self._template_extras.append(node.target)
         return targets
 
     # ------------------------------------------------------------------ calling
@@ -1099,7 +1061,7 @@ class FusedModule(ContainerAccess, nn.Module):
                    if bound.get(name) is not None and not same_constant(bound[name], value)}
         if not nones and not changed:
             return default
-        if self._retrace_sources is None:
+        if not self._retraceable:
             if changed:  # not reached: only symbolic tracing traces inputs as constants
                 name, value = next(iter(changed.items()))
                 raise FusionArgumentError(
@@ -1112,7 +1074,7 @@ class FusedModule(ContainerAccess, nn.Module):
         key = (self.training, nones,
                tuple(sorted((k, type(v).__name__, repr(v)) for k, v in constants.items())))
         if key not in self._retraced_graphs:
-            models = self._retrace_sources
+            models = self.model_copies.deepcopy_templates()
             graphs = [trace_model(m, i, training=self.training, none_inputs=sorted(nones),
                                   constants=constants)
                       for i, m in enumerate(models)]
@@ -1518,44 +1480,18 @@ class FusedModule(ContainerAccess, nn.Module):
         """Model ``index`` as the fused program holds it: with ``pad_widths=True``, padded
         to the widest model (hftc.padding's modules); else :meth:`unfuse_model`'s model."""
         index = self._check_index(index)
-        model = deepcopy_module(self._template)
-        for target in self._template_extras:
-            owner_path, _, leaf = target.rpartition(".")
-            del model.get_submodule(owner_path)._buffers[leaf]
-        made: dict[int, nn.Parameter] = {}
-        for name, p in self.named_parameters(remove_duplicate=False):
-            if id(p) not in made:
-                made[id(p)] = nn.Parameter(p.detach()[index].clone(), requires_grad=p.requires_grad)
-            owner, _, leaf = name.rpartition(".")
-            model.get_submodule(owner).register_parameter(leaf, made[id(p)])
-        for name, b in self.named_buffers(remove_duplicate=False):
-            owner, _, leaf = name.rpartition(".")
-            if leaf.startswith("_hftc_constant_"):
-                continue
-            sub = model.get_submodule(owner)
-            sub._buffers[leaf] = b[index].clone()
-        for (_, fused_sub), (_, sub) in zip(
-            self.named_modules(remove_duplicate=False), model.named_modules(remove_duplicate=False)
-        ):
-            sub.training = fused_sub.training
-        for path, attributes in self._attribute_overrides[index].items():
-            sub = model.get_submodule(path)
-            for name, value in attributes.items():
-                setattr(sub, name, copy.deepcopy(value))
-        own_modules = self.__dict__.get("_own_modules")  # (absent in a pickle of an older hftc)
-        for path, own in (own_modules[index] if own_modules else {}).items():
-            parent, _, leaf = path.rpartition(".")
-            replacement = copy.deepcopy(own)
-            replacement.train(model.get_submodule(path).training)
-            setattr(model.get_submodule(parent), leaf, replacement)
+        model = self.model_copies.build(index, self)
         loop = self.__dict__.get("_shared_model_loop")
         if loop is not None and self._python_state:
             # the attributes forward changed, as model ``index``'s forwards left them
             shell = loop.shells[index]
             for name in self._python_state[1]:
                 path, _, key = name.rpartition(".")
-                setattr(model.get_submodule(path), key,
-                        copy.deepcopy(getattr(shell.get_submodule(path), key)))
+                try:
+                    value = getattr(shell.get_submodule(path), key)
+                except AttributeError:  # (model ``index``'s tree names it otherwise)
+                    continue
+                setattr(model.get_submodule(path), key, copy.deepcopy(value))
         return model
 
     # ------------------------------------------------------------------ shrinking
@@ -1591,14 +1527,10 @@ class FusedModule(ContainerAccess, nn.Module):
             if isinstance(module, StackedModule):
                 module.num_models = n
         self.num_models = n
-        self._attribute_overrides = [self._attribute_overrides[i] for i in keep]
-        if self.__dict__.get("_own_modules"):
-            self._own_modules = [self._own_modules[i] for i in keep]
+        self.model_copies.subset(list(keep))
         self.source_parameter_names = [self.source_parameter_names[i] for i in keep]
         if getattr(self, "padding", None) is not None:
             self.padding = self.padding.subset(keep)
-        if self._retrace_sources is not None:
-            self._retrace_sources = [self._retrace_sources[i] for i in keep]
         if self._python_state is not None:  # (which model a message names)
             first, names = self._python_state
             self._python_state = (list(keep).index(first) if first in keep else 0, names)
@@ -1614,10 +1546,7 @@ class FusedModule(ContainerAccess, nn.Module):
                     node.meta[ir.PER_MODEL_OPS] = [ops[i] for i in keep]
         loop = self.__dict__.get("_shared_model_loop")
         if loop is not None:  # the shells keep the Python attributes forward changed
-            loop.shells = [loop.shells[i] for i in keep]
-            loop.slots = [loop.slots[i] for i in keep]
-            loop.modules = [loop.modules[i] for i in keep]
-            loop.num_models = n
+            loop.subset(keep)
         self._programs = {}
         self._mark_stacked()
 
@@ -1648,7 +1577,7 @@ class FusedModule(ContainerAccess, nn.Module):
         memo.setdefault(id(memo), []).append(self)  # deepcopy's keep-alive: ids stay unique
         twin.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         loop = twin.__dict__.get("_shared_model_loop")
-        for module in (twin, twin._template, *(twin._retrace_sources or ()),
+        for module in (twin, twin._template, *twin.model_copies.templates,
                        *(loop.shells if loop is not None else ())):
             rebind_functions(module, memo)
         return twin

@@ -386,7 +386,7 @@ def model_slice(out: Any, index: int) -> Any:
 class CheckResult:
     """What the first-call check compared and found (``FusionReport.check``)."""
 
-    #: The models compared (0, N // 2 and N-1).
+    #: The models compared (0, N // 2, N-1 and each whose Python state differs from 0's).
     models: tuple[int, ...]
     #: ``None``: the outputs agree; else what differs, for the warning and the report.
     difference: str | None = None
@@ -463,14 +463,16 @@ class _ParametersKept(TorchDispatchMode):
 
 def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
                         values: Sequence[Any], batched: Sequence[bool]) -> CheckResult:
-    """Run the fused program (``run(values)``) and models 0, N // 2 and N-1 on their own on
+    """Run the fused program (``run(values)``) and models 0, N // 2, N-1 (and each whose
+    Python state differs from model 0's) on their own on
     copies of ``values`` (placeholder values; ``batched``: stacked per model), compare
     (see the module docstring), and leave the fused module's buffers and the RNG as
     they were."""
     n = fused.num_models
     # The first, the last and one between: a per-model value shared by the first and the
-    # last model (a sweep's grid often starts and ends alike) hides nothing then.
-    picks = tuple(sorted({0, n // 2, n - 1}))
+    # last model (a sweep's grid often starts and ends alike) hides nothing then; and
+    # every model whose Python state differs from model 0's (hftc.copies).
+    picks = fused.model_copies.checked((0, n // 2, n - 1))
     if getattr(fused, "padding", None) is not None:
         picks = tuple(range(n))  # pad_widths=True: each model its own widths, each checked
     result = CheckResult(picks)

@@ -47,6 +47,7 @@ class ModelLoop:
         #: per shell: (the registry dict of a module, the key in it, the fused name, the
         #: placeholder that stays there between calls), one per name, tied names included
         self.slots: list[list[tuple[dict[str, Any], str, str, Any]]] = []
+        copies = fused.model_copies  # each model's own object (hftc.copies)
         for i in range(self.num_models):
             # (pad_widths=True: the padded model, whose shapes the stacked slices have)
             shell = getattr(fused, "padded_model", fused.unfuse_model)(i)
@@ -56,44 +57,66 @@ class ModelLoop:
                 # Names the shells have (tied parameters once: the slots tie the rest).
                 self.param_names = [n for n, _ in fused.named_parameters() if n in shell_params]
                 self.buffer_names = [n for n, _ in fused.named_buffers() if n in shell_buffers]
-            self.slots.append(self._take_tensors(shell))  # one model's copy at a time, never N
+            # one model's copy at a time, never N
+            self.slots.append(self._take_tensors(shell, copies.fused_names(i)))
             self.shells.append(shell)
-        #: per shell, its modules in ``named_modules`` order, whose train/eval mode each
-        #: call sets from the fused module's module of the same path (``fused.bn.eval()``
-        #: freezes every model's batch norm); a path the fused module does not have (a
-        #: parametrization's modules) takes its nearest ancestor's mode
-        paths = [path for path, _ in self.shells[0].named_modules(remove_duplicate=False)]
-        self.module_paths = paths
-        #: (the fused module's module registry it was read from, per path: where its
-        #: mode comes from), :meth:`_modes`
-        self._mode_sources: tuple[dict, list[nn.Module | int]] | None = None
+        #: per shell, the fused module's path for each of its modules in ``named_modules``
+        #: order, whose train/eval mode each call sets from the fused module's module at
+        #: that path (``fused.bn.eval()`` freezes every model's batch norm); a module the
+        #: fused module has no path for (a parametrization's) takes its nearest ancestor's
+        #: mode.  Shells of one tree share one tuple (and one list of modes a call).
+        self.module_paths: list[tuple[str | None, ...]] = []
+        for i, shell in enumerate(self.shells):
+            paths = tuple(copies.fused_path(i, p) or f"\0{p}"
+                          for p, _ in shell.named_modules(remove_duplicate=False))
+            self.module_paths.append(next((q for q in self.module_paths if q == paths), paths))
+        #: (the fused module's module registry it was read from, per tuple of paths: where
+        #: each mode comes from), :meth:`_modes`
+        self._mode_sources: tuple[dict, dict[tuple, list[nn.Module | int]]] | None = None
         self.modules = [[sub for _, sub in shell.named_modules(remove_duplicate=False)]
                         for shell in self.shells]
 
-    def _modes(self, fused: nn.Module) -> list[bool]:
-        """Each shell module's train/eval mode: its fused counterpart's (see ``modules``).
-        Where each mode is read from is found once per fused module (walking its modules
-        cost ~0.15 ms a call at a small GPT's 40 modules)."""
+    def _modes(self, fused: nn.Module) -> list[list[bool]]:
+        """Each shell's modules' train/eval modes: their fused counterparts' (see
+        ``module_paths``).  Where each mode is read from is found once per fused module
+        (walking its modules cost ~0.15 ms a call at a small GPT's 40 modules)."""
         if self._mode_sources is None or self._mode_sources[0] is not fused._modules:
             fused_modules = dict(fused.named_modules(remove_duplicate=False))
-            # per path: the fused module whose mode it takes, or its parent path's
-            # position in module_paths (-1: the fused module's own mode)
-            sources: list[nn.Module | int] = []
-            position: dict[str, int] = {}
-            for k, path in enumerate(self.module_paths):
-                position[path] = k
-                sources.append(fused_modules[path] if path in fused_modules
-                               else position.get(path.rpartition(".")[0], -1))
-            self._mode_sources = (fused._modules, sources)
-        modes: list[bool] = []
-        for source in self._mode_sources[1]:
-            if isinstance(source, int):
-                modes.append(modes[source] if source >= 0 else fused.training)
-            else:
-                modes.append(source.training)
-        return modes
+            by_paths: dict[tuple, list[nn.Module | int]] = {}
+            for paths in self.module_paths:
+                if paths in by_paths:
+                    continue
+                # per path: the fused module whose mode it takes, or its parent path's
+                # position in the tuple (-1: the fused module's own mode)
+                sources: list[nn.Module | int] = []
+                position: dict[str, int] = {}
+                for k, path in enumerate(paths):
+                    position[path] = k
+                    sources.append(fused_modules[path] if path in fused_modules
+                                   else position.get(path.rpartition(".")[0], -1))
+                by_paths[paths] = sources
+            self._mode_sources = (fused._modules, by_paths)
+        made: dict[int, list[bool]] = {}
+        for paths in self.module_paths:
+            if id(paths) in made:
+                continue
+            modes: list[bool] = []
+            for source in self._mode_sources[1][paths]:
+                if isinstance(source, int):
+                    modes.append(modes[source] if source >= 0 else fused.training)
+                else:
+                    modes.append(source.training)
+            made[id(paths)] = modes
+        return [made[id(paths)] for paths in self.module_paths]
 
-    def _take_tensors(self, shell: nn.Module) -> list[tuple[dict[str, Any], str, str, Any]]:
+    def subset(self, keep: Sequence[int]) -> None:
+        """Keep shells ``keep`` only, in that order (their Python attributes with them)."""
+        for name in ("shells", "slots", "modules", "module_paths"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        self.num_models = len(keep)
+
+    def _take_tensors(self, shell: nn.Module, fused_names: dict[str, str] | None
+                      ) -> list[tuple[dict[str, Any], str, str, Any]]:
         """Replace the shell's own tensors, which the stacked tensors' slices replace at
         every call, by empty placeholders (a second copy of the model's weights otherwise;
         112 MiB for PointNet at N = 8), and return where each slice goes (``slots``).
@@ -101,14 +124,16 @@ class ModelLoop:
         Tied tensors share one placeholder and one fused name, so every name of a tie
         gets the one slice.  Writing the registries directly at each call is what
         ``functional_call`` does, without its per-call name checks and tie search, which
-        cost as much as the models' own small forwards (docs/DESIGN_NOTES.md)."""
+        cost as much as the models' own small forwards (docs/DESIGN_NOTES.md).
+        ``fused_names``: the shell's tensor names -> the fused names (None: the same)."""
         replaced = set(self.param_names) | set(self.buffer_names)
         named = list(shell.named_parameters(remove_duplicate=False))
         named += list(shell.named_buffers(remove_duplicate=False))
         fused_name: dict[int, str] = {}
         for name, t in named:
-            if name in replaced:
-                fused_name.setdefault(id(t), name)
+            fused = name if fused_names is None else fused_names.get(name, name)
+            if fused in replaced:
+                fused_name.setdefault(id(t), fused)
         placeholders: dict[int, Tensor] = {}
         slots = []
         for name, t in named:
@@ -211,7 +236,7 @@ class ModelLoop:
         tensor, by fused name), its modules in ``modes``; the shell's placeholders are put
         back after, so no view of the stacked tensors outlives the call."""
         shell, slots = self.shells[i], self.slots[i]
-        for sub, mode in zip(self.modules[i], modes):
+        for sub, mode in zip(self.modules[i], modes[i]):
             if sub.training is not mode:  # nn.Module.__setattr__ is slow: write on change
                 sub.training = mode
         for registry, key, name, _ in slots:
