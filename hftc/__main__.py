@@ -168,10 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--autotune", action="store_true",
                    help="time the kernels' lowerings and keep the fastest, as "
                         "hftc.fuse(..., autotune=True) (default: the cost model's choice)")
-    p.add_argument("--strategy", choices=["auto", "fused", "model_loop"], default=None,
+    p.add_argument("--strategy", choices=["auto", "fused", "model_loop", "timed"],
+                   default=None,
                    help="as hftc.fuse(..., strategy=...): auto (default, or $HFTC_STRATEGY) "
-                        "times the fused step against the models one by one and keeps the "
-                        "faster; the report's 'strategy:' line says which runs")
+                        "runs the fused program the check found exact; timed times it "
+                        "against the models one by one and keeps the faster; the report's "
+                        "'strategy:' line says which runs")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(fn=cmd_inspect)
     p = sub.add_parser("demo", help="the demo (make demo): a fused Optuna sweep of a CNN on "

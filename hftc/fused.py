@@ -6,10 +6,12 @@
            --stacking.py--> stacked parameters under the original names (runtime/modules.py)
     first call, per input signature: compile/pipeline.py's stages
            shapes --passes/--> fused fx graph --chains, codegen--> forward(self, *inputs)
-           --check--> run once beside models 0, N // 2 and N-1 alone: the same outputs?
+           --check--> run once beside models 0, N // 2, N-1 and each whose Python state
+                      differs, alone (copies.py): the same outputs?
                       (if not: the N models one by one, with a FusionWarning)
-           --strategy choice--> time the fused step against the N models one by one,
-                      keep the faster (strategy="auto", the default; compile/strategy.py)
+           --strategy choice--> the fused program (strategy="auto", the default: the same
+                      bits every run), or the faster as timed (strategy="timed";
+                      compile/strategy.py)
            (autotune=True: --autotune, layout choice--> the fastest lowerings and layout)
 """
 
@@ -435,12 +437,12 @@ class FusedModule(ContainerAccess, nn.Module):
         #: Activation checkpointing (hftc.compile.checkpoint): False, True or the number
         #: of segments of the fused forward recomputed in backward.
         self.checkpoint = check_checkpoint_option(checkpoint)
-        #: Compare each new program's outputs with models 0, N // 2 and N-1's own
-        #: (hftc.compile.check).
+        #: Compare each new program's outputs with models 0, N // 2 and N-1's own, and
+        #: every model's whose Python state differs from model 0's (hftc.compile.check).
         self.check = check
-        #: "auto" (time the fused program against the models one by one on each new
-        #: program's first call, keep the faster), "fused" or "model_loop"
-        #: (hftc.compile.strategy).
+        #: "auto" (the fused program where the check finds it exact: the same bits every
+        #: run), "timed" (time it against the models one by one on each new program's
+        #: first calls, keep the faster), "fused" or "model_loop" (hftc.compile.strategy).
         self.strategy = resolve_strategy(strategy, autotune)
         if self.checkpoint and self.strategy == "model_loop":
             raise FusionArgumentError(
@@ -1018,7 +1020,7 @@ class FusedModule(ContainerAccess, nn.Module):
     def _program_and_way(self, values: Sequence[Any], batched: Sequence[bool],
                          ) -> tuple[Program, ProgramChoice | None]:
         """This call's program and how it runs (None: the fused program).  Calls are
-        numbered: strategy="auto" times a call up to the next one only if no other
+        numbered: strategy="timed" times a call up to the next one only if no other
         program ran between (compile/strategy.py's CallTiming).  Eager under
         torch.compile: the timing's clock and counters are Python state."""
         call_number = self.__dict__["_call_number"] = self.__dict__.get("_call_number", 0) + 1
@@ -1682,17 +1684,23 @@ def fuse(
         autotune: time each fused op's lowerings (grouped conv in NCHW or channels-last,
             im2col, batched GEMM, a per-model loop ...) on the real shapes and keep the
             fastest, cached on disk per device and shape; otherwise a cost model picks.
-        check: run each new program once against models 0, N // 2 and N-1's own forward;
-            where their outputs differ (forward's Python took another branch while
-            traced) the models run one by one, with a ``FusionWarning``.
-        strategy: ``"auto"`` (default): on each new program's first call (per mode and
-            input signature) time the fused forward (+ backward in training mode)
-            against the N models run one by one, a few interleaved rounds (about 1 s,
-            at least 3 rounds), and keep the faster, cached on disk per device, shapes
-            and N; ``"fused"`` or ``"model_loop"`` force one. Both compute the models'
-            answers on the same parameters; ``fused.plan`` says which runs and why.
-            ``None`` takes ``$HFTC_STRATEGY``, else ``"auto"`` (with ``autotune=True``
-            always ``"auto"``: its whole-forward choice times the loop too).
+        check: run each new program once against models 0, N // 2 and N-1's own forward,
+            and every model's whose Python state differs from model 0's (a config dict,
+            a dataclass read in forward); where their outputs differ (forward's Python
+            took another branch while traced) the models run one by one, with a
+            ``FusionWarning``.
+        strategy: ``"auto"`` (default): the fused program where the check finds it
+            exact, else the models one by one; nothing is timed, so the same script
+            gives the same bits every run, whatever the cache holds or the machine's
+            load. ``"timed"``: on each new program's first calls (per mode and input
+            signature) time the fused forward (+ backward in training mode) against
+            the N models run one by one and keep the faster, cached on disk per device,
+            shapes and N (the two round differently: the bits may differ between runs;
+            not under ``torch.use_deterministic_algorithms(True)``). ``"fused"`` or
+            ``"model_loop"`` force one. Both compute the models' answers on the same
+            parameters; ``fused.plan`` says which runs and why. ``None`` takes
+            ``$HFTC_STRATEGY``, else ``"auto"`` (with ``autotune=True`` always
+            ``"auto"``: its whole-forward choice times the loop too).
         checkpoint: activation checkpointing across the fused models, trading compute
             for memory: ``k`` cuts the fused forward into k segments of about equal op
             count, each run under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``

@@ -90,7 +90,7 @@ def time_training_step(
         loss.backward()
         fused_opt.step()
 
-    # The default (strategy="auto") alternates its two ways on its first calls: time the
+    # strategy="timed" alternates its two ways on its first calls: time the
     # way it keeps, not the mixture.
     for _ in range(40):
         fused_step()

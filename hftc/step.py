@@ -261,7 +261,7 @@ class CompiledStep:
         return self._graph_step(key, inputs, target)
 
     def _still_choosing(self) -> bool:
-        """Whether the fused module is still timing its first calls (``strategy="auto"``
+        """Whether the fused module is still timing its first calls (``strategy="timed"``
         alternates the fused program and the models one by one): a graph captured now
         would replay whichever way ran at capture, so the real steps stay eager until the
         choice is made (:mod:`hftc.compile.strategy`)."""
@@ -341,7 +341,7 @@ class CompiledStep:
         The models run in order in ``"eager"`` mode where the fused module runs them one
         by one (its strategy chose the loop, or forces it: in order is that loop in the
         serial loop's order) and, where it runs its fused program by its own choice
-        (``strategy="auto"``), if the first steps time them no slower
+        (``strategy="timed"``), if the first steps time them no slower
         (:class:`~hftc.compile.strategy.StepOrderTiming`).  Only the fused step with
         ``strategy="fused"``, a loss of the N outputs (``per_model_loss=False``), a grad
         scaler, padded widths, checkpointing or hooks on the fused parameters, and where

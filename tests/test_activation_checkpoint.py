@@ -233,11 +233,11 @@ def test_autotune_keeps_the_fused_program_that_checkpointing_needs(tmp_path, mon
 
 
 def test_checkpoint_runs_the_fused_program_whatever_the_default_strategy(tmp_path, monkeypatch):
-    # strategy="auto" may choose the models one by one, which leaves nothing checkpointed:
+    # strategy="timed" may choose the models one by one, which leaves nothing checkpointed:
     # with checkpoint= the fused program runs, untimed; forcing the loop is refused.
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
     models = _models(ConvBNNet)
-    fused = hftc.fuse(copy.deepcopy(models), checkpoint=2, strategy="auto")
+    fused = hftc.fuse(copy.deepcopy(models), checkpoint=2, strategy="timed")
     x = torch.randn(4, 1, 8, 8)
     out = fused(x)
     assert fused.plan.chosen == "fused" and "checkpointed" in fused.plan.reason

@@ -106,7 +106,7 @@ def test_the_default_options_contender_warms_up_until_its_strategy_is_chosen(tmp
     # hftc+defaults is hftc.fuse(models) with no options: its first calls alternate the
     # fused program and the models one by one; the runner warms up while choosing() holds,
     # so the timed rounds measure the way chosen, and records which.
-    monkeypatch.setenv("HFTC_STRATEGY", "auto")
+    monkeypatch.setenv("HFTC_STRATEGY", "timed")
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # timed here, not found cached
     step = build_step("hftc+defaults", "mlp", 2)
     step.fn()

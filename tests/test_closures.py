@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
-from hftc.errors import FusionArgumentError, FusionWarning, MismatchError
+from hftc.errors import FusionArgumentError, FusionWarning
 
 VOCAB, BLOCK, EMBD = 11, 6, 8
 
@@ -327,15 +327,20 @@ def test_a_module_each_model_keeps_outside_its_registered_state_is_refused():
         hftc.fuse([Scaled(unregistered=True), Scaled(unregistered=True)])
 
 
-def test_a_value_in_a_closure_other_than_model_0s_is_refused():
+def test_a_value_in_a_closure_is_each_models_own():
     """Before: the copies of model 0 scaled by 1.0 for every model (check=True: the models
-    ran one by one, all of them wrong; check=False: unfuse() was)."""
+    ran one by one, all of them wrong; check=False: unfuse() was); then it was refused.
+    Each copy is now of the model's own function (hftc.copies)."""
     torch.manual_seed(0)
+    x = torch.randn(4, 3)
     for check in (True, False):
-        with pytest.raises(MismatchError,
-                           match=r"model 2's `f \(closure variable `scale`\)` is 3\.0 where "
-                                 r"model 0's is 1\.0.*self\.name = value"):
-            hftc.fuse([Scaled(1.0), Scaled(1.0), Scaled(3.0)], check=check)
+        for strategy in ("fused", "model_loop"):
+            models = [Scaled(1.0), Scaled(1.0), Scaled(3.0)]
+            fused = hftc.fuse(models, check=check, strategy=strategy)
+            out = fused(x)
+            for i, m in enumerate(models):
+                torch.testing.assert_close(out[i], m(x))
+                torch.testing.assert_close(fused.unfuse()[i](x), m(x))
 
 
 def test_a_value_and_a_constant_every_model_shares_are_fused():

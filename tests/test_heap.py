@@ -140,11 +140,11 @@ print(json.dumps({"before": before, "after": heap._applied, "faults": faults,
 """
 
 
-@pytest.mark.parametrize("strategy", ["fused", "auto"])
+@pytest.mark.parametrize("strategy", ["fused", "timed"])
 def test_default_fuse_on_cpu_keeps_freed_memory_so_fused_steps_do_not_fault(tmp_path, strategy):
     # hftc.fuse(models) without autotune: the fused step's 40 MiB buffers were mmap'ed and
     # faulted in page by page on every step (10,240 pages each), where the serial loop's
-    # 10 MiB ones stay in the heap; and strategy="auto" timed the fused program so.
+    # 10 MiB ones stay in the heap; and strategy="timed" timed the fused program so.
     result = _run(_DEFAULT_STEPS, env={"HFTC_CACHE_DIR": str(tmp_path),
                                        "HFTC_STRATEGY": strategy})
     assert result["before"] is False and result["after"] is True, result

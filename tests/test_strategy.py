@@ -41,9 +41,9 @@ class ConvNet(nn.Module):
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(tmp_path, monkeypatch):
-    """Each test its own disk cache, none in memory, and the default strategy ("auto")."""
+    """Each test its own disk cache, none in memory, and the timed strategy ("timed")."""
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("HFTC_STRATEGY", raising=False)
+    monkeypatch.setenv("HFTC_STRATEGY", "timed")
     saved = dict(autotune._MEMORY)
     autotune._MEMORY.clear()
     yield
@@ -159,7 +159,7 @@ def test_auto_takes_the_faster_on_the_first_calls_keeping_parameters_and_optimiz
               for _ in range(3)]
     serial = copy.deepcopy(models)
     fused = hftc.fuse(copy.deepcopy(models))
-    assert fused.strategy == "auto"
+    assert fused.strategy == "timed"
     params = list(fused.parameters())
     lrs = [0.1, 0.05, 0.01]
     opt = hftc.optim.SGD(fused.parameters(), lr=lrs, momentum=0.9)
@@ -290,14 +290,14 @@ def test_choice_is_cached_on_disk_per_mode(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("chosen", ["fused", "model_loop"])
 def test_timing_draws_no_random_numbers_and_keeps_buffers(monkeypatch, chosen):
-    """A model with dropout and batch norm, seeded: with the timing on (auto, which
+    """A model with dropout and batch norm, seeded: with the timing on ("timed", which
     chooses ``chosen``) the same outputs, gradients and running statistics as that way
     forced (no timing), over two calls: the timing's dropout draws and batch norm
     updates are undone."""
     results = []
     real_run_step, time = strategy._run_step, strategy.time
-    for how in ("auto", chosen):
-        if how == "auto":
+    for how in ("timed", chosen):
+        if how == "timed":
             _slow(monkeypatch, "fused" if chosen == "model_loop" else "model_loop")
         else:
             monkeypatch.setattr(strategy, "_run_step", real_run_step)
@@ -307,7 +307,7 @@ def test_timing_draws_no_random_numbers_and_keeps_buffers(monkeypatch, chosen):
         outs = [fused(_x()) for _ in range(2)]
         outs[1].sum().backward()
         assert fused.plan.chosen == chosen
-        assert fused.plan.reason == ("timed" if how == "auto" else "forced")  # dropout
+        assert fused.plan.reason == ("timed" if how == "timed" else "forced")  # dropout
         results.append((outs, fused.conv.weight.grad.clone(),
                         fused.bn.running_mean.clone(), torch.random.get_rng_state()))
     (auto_outs, auto_grad, auto_mean, auto_rng), (outs, grad, mean, rng) = results

@@ -52,7 +52,14 @@ from .chains import chain_linears
 from .check import input_copies, preserved_state
 from .checkpoint import checkpointed_forward
 from .codegen import compile_graph
-from .strategy import CallTiming, StrategyChoice, choose_strategy
+from .strategy import (
+    DETERMINISTIC,
+    NOT_TIMED,
+    CallTiming,
+    StrategyChoice,
+    choose_strategy,
+    timing_allowed,
+)
 
 
 @dataclass
@@ -169,8 +176,8 @@ def check(state: ProgramState, options: CompileOptions) -> None:
 
 def choose_strategy_stage(state: ProgramState, options: CompileOptions) -> None:
     """The fused program or the N models one by one (:mod:`.strategy`): as forced by
-    ``strategy``, or, for "auto", the faster as timed (forward + backward in training
-    mode) on copies of these inputs."""
+    ``strategy``; for "auto" (the default) the fused program, which the check found
+    exact; for "timed", the faster as timed (forward + backward in training mode)."""
     fused, report = state.fused, state.report
     if options.strategy == "model_loop":
         state.how = ProgramChoice(fused._models_one_by_one())
@@ -182,11 +189,15 @@ def choose_strategy_stage(state: ProgramState, options: CompileOptions) -> None:
         # adaptive thresholds and were faulted in again every step (runtime/memory.py);
         # before the timing, so the fused program is timed as its steps will run.
         keep_freed_memory_for_tuning()
-    if options.strategy == "fused" or state.spec is not None or options.checkpoint:
+    if options.strategy != "timed" or not timing_allowed() or state.spec is not None \
+            or options.checkpoint:
         # (an output rebuilt from a flat tuple, a dataclass: the loop returns the models'
         # own, which the timing cannot take a backward through; checkpoint=: the fused
         # program is what is checkpointed, for the memory)
+        timed = options.strategy == "timed" or options.autotune
         state.plan = StrategyChoice("fused", "forced" if options.strategy == "fused" else
+                                    DETERMINISTIC if timed and not timing_allowed() else
+                                    NOT_TIMED if options.strategy == "auto" else
                                     "checkpointed: not timed" if options.checkpoint else
                                     "outputs rebuilt: not timed")
     else:
@@ -313,8 +324,9 @@ def compile_program(fused: Any, mode_graphs: Any, values: Sequence[Any],
     for stage in STAGES:
         if state.final is not None:
             break
-        if (stage.autotune_only and not options.autotune) or (
-                stage.not_autotune and options.autotune):
+        # (autotune times numerically different lowerings: not under deterministic mode)
+        tuned = options.autotune and timing_allowed()
+        if (stage.autotune_only and not tuned) or (stage.not_autotune and tuned):
             continue
         try:
             stage.run(state, options)

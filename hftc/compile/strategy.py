@@ -1,8 +1,18 @@
 """The choice between the fused program and the N models one by one.
 
-``hftc.fuse(models)`` (``strategy="auto"``, the default) runs each new program (per mode
-and input signature) whichever way is faster on this machine, chosen after the
-first-call check in one of two ways.
+The two compute the same answers but round differently (a batched GEMM against N
+GEMMs), so a choice made by timing would make the bits of a training run depend on the
+machine's load and on what the disk cache holds.  Hence, as ``torch.backends.cudnn.
+benchmark`` is off by default:
+
+- ``strategy="auto"`` (the default) decides without timing: the fused program where the
+  first-call check finds it computes the models' answers, else the models one by one
+  (the check's fallback).  The same script gives the same bits every run.
+- ``strategy="timed"`` runs each new program (per mode and input signature) whichever
+  way is faster on this machine, chosen after the first-call check in one of two ways
+  (below); ``fused.plan`` then says that the choice, and so the bits, may differ
+  between runs.  Under ``torch.use_deterministic_algorithms(True)`` nothing is timed:
+  the program runs as with ``"auto"``, and ``fused.plan`` says why.
 
 Programs that draw no random numbers are timed on the user's own calls, at no extra
 step: both ways compute the models' answers on the same tensors, so the first calls
@@ -78,7 +88,7 @@ from .autotune import (
 )
 from .check import input_copies, preserved_state
 
-STRATEGIES = ("auto", "fused", "model_loop")
+STRATEGIES = ("auto", "fused", "model_loop", "timed")
 #: The environment variable that sets the default strategy (``fuse(strategy=None)``).
 STRATEGY_ENV = "HFTC_STRATEGY"
 #: Seconds the choice may spend, its warm-up included; at least ``_MIN_ROUNDS`` timed
@@ -99,6 +109,18 @@ _MAX_CYCLES = 6
 _MAX_TRIAL_CALLS = 64
 #: ``plan.reason`` while the first calls are being timed.
 TIMING_CALLS = "timing the first calls"
+#: ``plan.reason`` of the default, which times nothing.
+NOT_TIMED = "checked; not timed, the same program every run"
+#: ``plan.reason`` of strategy="timed" under ``torch.use_deterministic_algorithms(True)``.
+DETERMINISTIC = "not timed: torch.use_deterministic_algorithms(True)"
+#: The reasons of a choice that timing made (on this run or an earlier one, the cache's).
+TIMED_REASONS = ("timed", "timed on the first calls", TIMING_CALLS, "cache", "autotune")
+
+
+def timing_allowed() -> bool:
+    """Whether a choice between numerically different programs may be made by timing:
+    not under ``torch.use_deterministic_algorithms(True)``."""
+    return not torch.are_deterministic_algorithms_enabled()
 
 
 def resolve_strategy(strategy: str | None, autotune: bool = False) -> str:
@@ -113,9 +135,10 @@ def resolve_strategy(strategy: str | None, autotune: bool = False) -> str:
         source = f"${STRATEGY_ENV}"
     if strategy not in STRATEGIES:
         raise FusionArgumentError(
-            f"{source} must be 'auto' (time the fused program against the models one by "
-            f"one on the first call, keep the faster), 'fused' or 'model_loop'; got "
-            f"{strategy!r}")
+            f"{source} must be 'auto' (the fused program where the first-call check finds "
+            f"it exact, else the models one by one: the same bits every run), 'timed' "
+            f"(time the fused program against the models one by one on the first calls, "
+            f"keep the faster), 'fused' or 'model_loop'; got {strategy!r}")
     return strategy
 
 
@@ -125,6 +148,7 @@ class StrategyChoice:
 
     #: "fused" (the fused program) or "model_loop" (the N models one by one)
     chosen: str
+    #: :data:`NOT_TIMED` (the default), :data:`DETERMINISTIC`,
     #: "timed" (extra steps), "timed on the first calls" (:class:`CallTiming`),
     #: "timing the first calls" (not decided yet: the calls alternate the two ways),
     #: "cache" (an earlier process timed it), "forced" (strategy=...),
@@ -148,7 +172,8 @@ class StrategyChoice:
         what = {"fused": "the fused program", "model_loop": "the models one by one"}
         if self.reason == TIMING_CALLS:
             return (f"alternates the fused program and the models one by one ({self.reason}"
-                    f"; then runs the faster)")
+                    f"; then runs the faster; chosen by timing: the bits may differ between "
+                    f"runs)")
         text = f"runs {what.get(self.chosen, self.chosen)} ({self.reason}"
         if self.times:
             step = "forward + backward" if self.backward else "forward"
@@ -159,6 +184,9 @@ class StrategyChoice:
                 text += f", median ratio {self.ratio:.3f} over {self.rounds} {unit}"
             if self.seconds:
                 text += f", choice cost {self.seconds:.2f} s"
+        if self.reason in TIMED_REASONS:
+            text += ("; chosen by timing: the two round differently, so the bits may "
+                     "differ between runs (strategy='auto' for the same bits every run)")
         return text + ")"
 
 
@@ -407,5 +435,6 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
     return (loop_way if chosen == "model_loop" else None), choice, None
 
 
-__all__ = ["STRATEGIES", "STRATEGY_ENV", "TIMING_CALLS", "CallTiming", "StrategyChoice",
-           "choose_strategy", "resolve_strategy", "strategy_key"]
+__all__ = ["DETERMINISTIC", "NOT_TIMED", "STRATEGIES", "STRATEGY_ENV", "TIMED_REASONS",
+           "TIMING_CALLS", "CallTiming", "StrategyChoice", "choose_strategy",
+           "resolve_strategy", "strategy_key", "timing_allowed"]

@@ -7,8 +7,8 @@ minGPT's ``Block`` keeps its MLP as a closure over its own modules::
 
 ``copy.deepcopy`` treats a function as a constant: a copy of the block keeps the
 original's ``mlpf``, which still calls the *original's* layers.  hftc builds copies of
-model 0 (the meta template, the first-call check's references, the models run one by
-one, ``unfuse()``), so every such copy ran model 0's own MLP weights.  Two remedies:
+each model (:mod:`hftc.copies`: the first-call check's references, the models run one by
+one, ``unfuse()``), so every such copy ran the original's MLP weights.  Two remedies:
 
 * :func:`rebind_functions` (after ``copy.deepcopy(module, memo)``): every function the
   copy's modules hold is rebuilt, same code and globals, with its closure cells and
@@ -17,11 +17,11 @@ one, ``unfuse()``), so every such copy ran model 0's own MLP weights.  Two remed
       original.mlpf: <lambda>   closure m -> original.mlp
       copy.mlpf:     <lambda>'  closure m -> copy.mlp
 
-* :func:`check_function_references` (at fuse time): what a copy of model 0 cannot be
-  made to hold is refused: a function of model i that reaches another model's module or
-  tensor (models made with ``copy.deepcopy`` of one another), a module or tensor that is
-  none of model i's own and not the object model 0 holds there, or a plain value (a
-  dropout ``p`` in a closure) other than model 0's.
+* :func:`check_function_references` (at fuse time): what a copy cannot be made to hold
+  is refused: a function of model i that reaches another model's module or tensor
+  (models made with ``copy.deepcopy`` of one another), or a module or tensor that is
+  none of model i's own and not the object model 0 holds there.  A plain value (a
+  dropout ``p`` in a closure) is each copy's own: the copy is of model i's function.
 
 Both follow functions, bound methods, ``functools.partial`` and lists, tuples and dicts;
 not other objects in a closure (a namespace object holding modules).
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import FusionArgumentError, MismatchError
+from ..errors import FusionArgumentError
 
 #: A module's registries: only modules and tensors, which ``copy.deepcopy`` copies.
 _REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})
@@ -264,22 +264,17 @@ def _owners(models: list[nn.Module]) -> tuple[dict[int, set[int]], dict[int, str
     return owners, names
 
 
-def _same_plain_value(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN is NaN
-
-
-_WHY = ("hftc builds copies of model 0 (to check the fused program, to run the models one "
-        "by one, for unfuse()), and a function a model keeps (minGPT's `self.mlpf = lambda "
-        "x: m.c_proj(m.c_fc(x))`) is rebuilt in each copy to hold that copy's modules and "
-        "tensors")
+_WHY = ("hftc builds copies of each model (to check the fused program, to run the models "
+        "one by one, for unfuse()), and a function a model keeps (minGPT's `self.mlpf = "
+        "lambda x: m.c_proj(m.c_fc(x))`) is rebuilt in each copy to hold that copy's "
+        "modules and tensors")
 
 
 def check_function_references(models: list[nn.Module]) -> None:
     """Refuse the functions a copy of model 0 could not hold rightly for model i (see the
     module docstring): raises :class:`FusionArgumentError` (another model's module or
-    tensor, or one of model i's own that is none of its registered state) or
-    :class:`MismatchError` (a plain value other than model 0's), naming the model, the
-    attribute and closure variable, and what to change."""
+    tensor, or one of model i's own that is none of its registered state), naming the
+    model, the attribute and closure variable, and what to change."""
     owners, names = _owners(models)
     at_model0: dict[str, Any] = {}
     for index, model in enumerate(models):
@@ -308,13 +303,6 @@ def check_function_references(models: list[nn.Module]) -> None:
                         f"from there. (A model made with copy.deepcopy keeps the original's "
                         f"functions, which call the original's modules: build each model "
                         f"with its constructor.)")
-            elif index > 0 and where in at_model0 and not _same_plain_value(
-                    at_model0[where], value):
-                raise MismatchError(
-                    f"model {index}'s `{where}` is {value!r} where model 0's is "
-                    f"{at_model0[where]!r}; {_WHY}, with model 0's plain values. Keep the "
-                    f"value as an attribute of the module (self.name = value) and read it "
-                    f"from there: each model keeps its own attributes")
 
 
 __all__ = ["check_function_references", "rebind_functions"]
