@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zoo_pair import _summary, _time  # noqa: E402
 
 import hftc  # noqa: E402
-from hftc.runtime import linear as rt_linear  # noqa: E402
-from hftc.runtime.reduction import softmax  # noqa: E402
+from hftc.lowering.runtime import linear as rt_linear  # noqa: E402
+from hftc.lowering.runtime.reduction import softmax  # noqa: E402
 
 
 def contenders(n: int, rows: int, hidden: int, vocabulary: int) -> dict:

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
-import hftc.compile.autotune as autotune
-import hftc.compile.strategy as strategy
+import hftc.lowering.autotune as autotune
+import hftc.lowering.strategy as strategy
 from hftc.bench.torchvision_ops import StochasticDepth
 from hftc.bench.workloads import WORKLOADS
 

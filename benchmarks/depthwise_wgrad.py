@@ -6,7 +6,7 @@ channels, rounds interleaved, medians in ms.
 
 ``depthwise conv``: the gradient as one depthwise *forward* conv of ``x`` viewed
 ``[1, B*C, H, W]`` with the ``dy`` maps as kernels, summed over the batch
-(:class:`hftc.runtime.conv._DepthwiseConv2d`); ``... from channels-last``: the same,
+(:class:`hftc.lowering.runtime.conv._DepthwiseConv2d`); ``... from channels-last``: the same,
 with the copies of channels-last ``x`` and ``dy`` to NCHW counted.
 """
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zoo_pair import _summary, _time, hftc_step  # noqa: E402
 
 from hftc.bench.contenders import build_step  # noqa: E402
-from hftc.runtime import linear as rt_linear  # noqa: E402
+from hftc.lowering.runtime import linear as rt_linear  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from hftc.runtime import conv as rt_conv
-from hftc.runtime.layout import unfold_channels
+from hftc.lowering.runtime import conv as rt_conv
+from hftc.lowering.runtime.layout import unfold_channels
 
 # (batch, in channels, out channels, size) a model
 SHAPES = [(8, 16, 64, 32), (8, 64, 16, 32), (8, 24, 96, 16), (8, 96, 24, 16), (8, 96, 384, 4),

@@ -28,10 +28,10 @@ import tempfile
 import torch
 
 import hftc
-import hftc.compile.autotune as autotune
+import hftc.lowering.autotune as autotune
 from hftc.bench.contenders import learning_rates, make_models
 from hftc.bench.workloads import WORKLOADS
-from hftc.compile.strategy import TIMING_CALLS
+from hftc.lowering.strategy import TIMING_CALLS
 
 from .schedule_cost import against_serial, interleaved
 from .zoo_pair import hftc_step

@@ -26,7 +26,7 @@ import torch
 import hftc
 from hftc.bench.contenders import build_step, learning_rates, make_models
 from hftc.bench.workloads import WORKLOADS
-from hftc.runtime import conv as rt_conv
+from hftc.lowering.runtime import conv as rt_conv
 
 
 def hftc_step(name: str, n: int, **fuse_options):
@@ -50,7 +50,7 @@ def hftc_step(name: str, n: int, **fuse_options):
 
 @contextlib.contextmanager
 def conv_lowering_removed(name: str):
-    """``hftc.runtime.conv.conv`` without lowering ``name`` while inside."""
+    """``hftc.lowering.runtime.conv.conv`` without lowering ``name`` while inside."""
     lowerings = rt_conv.conv_lowerings
 
     def without(*args, **kwargs):

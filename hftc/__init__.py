@@ -34,10 +34,10 @@ __version__ = "0.1.0"
 
 # name -> the submodule that defines it ("" : the name is the submodule itself).
 _PUBLIC = {
-    "FusedModule": "fused", "fuse": "fused", "fuse_groups": "group",
-    "keep_freed_memory": "runtime.memory", "per_model": "utils",
-    "compile_step": "step", "CompiledStep": "step", "keep_models": "shrink",
-    "replace_models": "shrink",
+    "FusedModule": "module.fused", "fuse": "module.fused", "fuse_groups": "module.group",
+    "keep_freed_memory": "lowering.runtime.memory", "per_model": "utils",
+    "compile_step": "training.step", "CompiledStep": "training.step",
+    "keep_models": "training.shrink", "replace_models": "training.shrink",
     "FusionError": "errors", "FusionWarning": "errors", "MismatchError": "errors",
     "TraceError": "errors", "UnsupportedOperatorError": "errors",
     "amp": "", "errors": "", "optim": "", "utils": "",
@@ -45,8 +45,24 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 # The core's modules, in the order the package imports them.
-_CORE = ("amp", "errors", "optim", "utils", "fused", "group", "runtime.memory", "step",
-         "shrink", "patches")
+_CORE = ("amp", "errors", "optim", "utils", "module.fused", "module.group",
+         "lowering.runtime.memory", "training.step", "training.shrink", "patches")
+
+#: Module names of an earlier layout -> where the module is now: ``import hftc.amp``,
+#: ``hftc.hf.FusedTrainer`` and pickles of fused modules (``hftc.runtime.modules``) keep
+#: working (:class:`_OldNames`).
+OLD_NAMES = {
+    "hftc.amp": "hftc.training.amp", "hftc.step": "hftc.training.step",
+    "hftc.hf": "hftc.integrations.hf", "hftc.lightning": "hftc.integrations.lightning",
+    "hftc.ray": "hftc.integrations.ray",
+    "hftc.fused": "hftc.module.fused", "hftc.group": "hftc.module.group",
+    "hftc.shrink": "hftc.training.shrink", "hftc.stacking": "hftc.module.stacking",
+    "hftc.padding": "hftc.module.padding", "hftc.padding_graph": "hftc.module.padding_graph",
+    "hftc.compile": "hftc.lowering", "hftc.runtime": "hftc.lowering.runtime",
+    "hftc.compile_guard": "hftc.lowering.compile_guard",
+    "hftc.speed": "hftc.cli.speed", "hftc.cli_args": "hftc.cli.args",
+    "hftc.cli_graph": "hftc.cli.graph",
+}
 
 
 def _load_core() -> None:
@@ -73,11 +89,40 @@ def __dir__() -> list[str]:
     return [*sorted(_PUBLIC), "__version__"]
 
 
+class _OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import hftc.amp`` (an :data:`OLD_NAMES` name, or a module under one) gives the
+    module at its new name, the one module object (no second copy of its classes)."""
+
+    @staticmethod
+    def target(fullname: str) -> str | None:
+        old = fullname
+        while old not in OLD_NAMES and "." in old:
+            old = old.rpartition(".")[0]
+        return OLD_NAMES[old] + fullname[len(old):] if old in OLD_NAMES else None
+
+    def find_spec(self, fullname, path, target=None):
+        if not fullname.startswith(f"{__name__}.") or self.target(fullname) is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        module = importlib.import_module(self.target(spec.name))
+        spec.loader_state = module.__spec__  # (the import system sets __spec__ to ours)
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = module.__spec__.loader_state  # imported already, at its own name
+
+
+if not any(isinstance(finder, _OldNames) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _OldNames())
+
+
 class _LoadCoreAfterTorch(importlib.abc.MetaPathFinder):
     """Finds nothing itself: it wraps the loaders of torch and of hftc's submodules so that
     hftc's core loads as soon as torch is imported and no hftc module is part-way through its
-    own import (``from hftc.fused import fuse`` above ``import torch``: once hftc.fused is
-    done).  Gone once the core has loaded."""
+    own import (``from hftc.module.fused import fuse`` above ``import torch``: once
+    hftc.module.fused is done).  Gone once the core has loaded."""
 
     importing_hftc = 0  # hftc submodules part-way through their import
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .bench import names as bench_names
-from .cli_args import InputSpec, input_spec, int_list, non_negative_int, positive_int
+from .cli.args import InputSpec, input_spec, int_list, non_negative_int, positive_int
 from .errors import FusionError
 
 
@@ -64,7 +64,7 @@ def _example_input(spec: InputSpec, model) -> object:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import hftc
 
-    from .cli_graph import graph_to_dot
+    from .cli.graph import graph_to_dot
 
     specs = list(args.input or [])
     if args.input_shape:

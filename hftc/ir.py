@@ -44,7 +44,7 @@ PER_MODEL = "hftc_per_model"
 
 #: ``node.meta`` key: ``[op of model 0, ..., op of model N-1]`` for an elementwise op
 #: (an activation, dropout or identity) that differs between the models, each a
-#: :data:`hftc.runtime.per_model_ops.Op` (absent when they all agree).
+#: :data:`hftc.lowering.runtime.per_model_ops.Op` (absent when they all agree).
 PER_MODEL_OPS = "hftc_per_model_ops"
 
 

@@ -7,7 +7,7 @@ all N models by one global norm: ``import hftc`` makes
 ``torch.nn.utils.clip_grad_norm_`` clip a fused module's parameters per model (the
 replacements of torch's functions are defined here and installed by :mod:`hftc.patches`).
 
-``per_model`` is defined in :mod:`hftc.runtime.losses` (the fused graph calls it for a
+``per_model`` is defined in :mod:`hftc.lowering.runtime.losses` (the fused graph calls it for a
 loss traced inside a model) and public here.
 """
 
@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from .errors import FusionArgumentError
-from .runtime.losses import per_model
-from .runtime.modules import _live_stacked, _stacked_counts
+from .lowering.runtime.losses import per_model
+from .lowering.runtime.modules import _live_stacked, _stacked_counts
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
 

@@ -193,7 +193,7 @@ def test_a_bad_checkpoint_option_is_refused(bad):
 def test_a_segment_that_changes_its_input_in_place_is_refused(monkeypatch):
     """An in-place op the plan cannot see (here: the plan made blind to all of them) is
     caught on the forward that runs it, before a backward could recompute it wrongly."""
-    from hftc.compile import checkpoint as ckpt
+    from hftc.lowering import checkpoint as ckpt
 
     monkeypatch.setattr(ckpt, "_mutated_argument", lambda node: None)
     fused = hftc.fuse(_models(ResidualBlock), checkpoint=1000)
@@ -208,8 +208,8 @@ def test_autotune_keeps_the_fused_program_that_checkpointing_needs(tmp_path, mon
     checkpoint then); with checkpoint= the whole-forward choice leaves that candidate out,
     times (and takes the memory of) the candidates checkpointed, and the checkpointed
     fused program runs, equal to the loop."""
-    from hftc.compile import autotune
-    from hftc.compile.checkpoint import CheckpointedForward
+    from hftc.lowering import autotune
+    from hftc.lowering.checkpoint import CheckpointedForward
 
     timed = []
     run_step = autotune._run_step

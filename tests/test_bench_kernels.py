@@ -1,4 +1,4 @@
-"""The performance lowerings the benchmark work added to hftc/runtime/, against loops.
+"""The performance lowerings the benchmark work added to hftc/lowering/runtime/, against loops.
 
 Each lowering changes how N models' convolutions run (and the memory layout of the
 result), never what they compute: forward, input and weight gradients equal a loop
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
-from hftc.runtime import layout as rt_layout
+from hftc.lowering.runtime import layout as rt_layout
 
 DT = torch.float64
 

@@ -1,4 +1,4 @@
-"""Linear chains (hftc/compile/chains.py): consecutive linears and ReLUs as one autograd node.
+"""Linear chains (hftc/lowering/chains.py): consecutive linears and ReLUs as one autograd node.
 
 The chain runs the very ops of the unchained layers, so it is checked three ways:
 against the loop over the original models (tests/equivalence.py), bit for bit
@@ -15,9 +15,9 @@ from equivalence import check_equivalence
 from torch import nn
 
 import hftc
-import hftc.fused
-from hftc.compile import chains
-from hftc.runtime import linear as rt_linear
+import hftc.module.fused
+from hftc.lowering import chains
+from hftc.lowering.runtime import linear as rt_linear
 
 DTYPES = [torch.float64, torch.float32]
 
@@ -81,7 +81,7 @@ def test_sequential_with_inplace_relus_and_a_narrow_head(train):
 
 
 def _unchained(monkeypatch):
-    monkeypatch.setattr(hftc.compile.pipeline, "chain_linears", lambda graph, root: graph)
+    monkeypatch.setattr(hftc.lowering.pipeline, "chain_linears", lambda graph, root: graph)
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
@@ -185,16 +185,16 @@ def test_an_autotuned_loop_lowering_breaks_the_chain(monkeypatch, tmp_path):
     fused = hftc.fuse(models)
     fused(torch.randn(5, 6))
     graph = fused.fused_graph
-    linears = [n for n in graph.nodes if n.target is hftc.runtime.linear.linear]
+    linears = [n for n in graph.nodes if n.target is hftc.lowering.runtime.linear.linear]
     linears[1].kwargs = {**linears[1].kwargs, "lowering": "loop"}
     rewritten = chains.chain_linears(graph, fused)
     calls = [n.target for n in rewritten.nodes if n.op == "call_function"]
-    assert calls.count(hftc.runtime.linear.linear) == 3  # 0 and 2 are no chain alone
+    assert calls.count(hftc.lowering.runtime.linear.linear) == 3  # 0 and 2 are no chain alone
     assert rt_linear.linear_chain not in calls
     linears[1].kwargs = {**linears[1].kwargs, "lowering": "baddbmm"}
     rewritten = chains.chain_linears(graph, fused)
     calls = [n.target for n in rewritten.nodes if n.op == "call_function"]
-    assert calls.count(rt_linear.linear_chain) == 1 and hftc.runtime.linear.linear not in calls
+    assert calls.count(rt_linear.linear_chain) == 1 and hftc.lowering.runtime.linear.linear not in calls
     assert graph is fused.fused_graph and len(linears) == 3  # the rewrite copies
 
 

@@ -1,4 +1,4 @@
-"""The first-call check (hftc/compile/check.py): a program whose outputs are not the models' own
+"""The first-call check (hftc/lowering/check.py): a program whose outputs are not the models' own
 is never run; the models then run one by one, with a FusionWarning that says why."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from fuzz_families import build
 from torch import nn
 
 import hftc
-from hftc.compile.check import ConstantRandomness, output_difference
 from hftc.errors import FusionWarning, TraceError
-from hftc.runtime import norms as rt_norms
-from hftc.runtime import random as rt_random
+from hftc.lowering.check import ConstantRandomness, output_difference
+from hftc.lowering.runtime import norms as rt_norms
+from hftc.lowering.runtime import random as rt_random
 
 
 class MaskIfTensor(nn.Module):

@@ -12,6 +12,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
+from hftc.amp import GradScaler
 from optim_helpers import (
     StackedModels,
     make_batches,
@@ -22,7 +23,6 @@ from optim_helpers import (
 
 import hftc
 import hftc.optim as ho
-from hftc.amp import GradScaler
 
 OPTIMIZERS = {
     "sgd": lambda ps: ho.SGD(ps, lr=[0.1, 0.05, 0.02], momentum=[0.9, 0.0, 0.5],

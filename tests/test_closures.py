@@ -127,7 +127,7 @@ def fuse(models, frontend, check=True):
 
 def force_one_by_one(monkeypatch):
     """The first-call check's fallback, whatever the check finds: the N models one by one."""
-    monkeypatch.setattr(hftc.fused.FusedModule, "_why_not_fused",
+    monkeypatch.setattr(hftc.module.fused.FusedModule, "_why_not_fused",
                         lambda self, *args: "the test asks for it")
 
 
@@ -330,7 +330,7 @@ def test_a_module_each_model_keeps_outside_its_registered_state_is_refused():
 def test_a_value_in_a_closure_is_each_models_own():
     """Before: the copies of model 0 scaled by 1.0 for every model (check=True: the models
     ran one by one, all of them wrong; check=False: unfuse() was); then it was refused.
-    Each copy is now of the model's own function (hftc.copies)."""
+    Each copy is now of the model's own function (hftc.module.copies)."""
     torch.manual_seed(0)
     x = torch.randn(4, 3)
     for check in (True, False):

@@ -21,9 +21,9 @@ from test_zoo import _zoo_models
 from zoo import make_input
 
 import hftc
-from hftc.compile import autotune
-from hftc.runtime import conv as rt_conv
-from hftc.runtime import linear as rt_linear
+from hftc.lowering import autotune
+from hftc.lowering.runtime import conv as rt_conv
+from hftc.lowering.runtime import linear as rt_linear
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -164,7 +164,7 @@ def test_a_fused_training_step_never_waits_for_the_gpu():
 def test_per_model_values_are_made_once_on_the_gpu():
     # A per-model eps or dropout rate was copied host-to-device on every call: a copy a
     # CUDA graph (hftc.compile_step) cannot replay; now one device tensor serves each call.
-    from hftc.runtime.per_model import values_on
+    from hftc.lowering.runtime.per_model import values_on
 
     a = values_on([0.1, 0.2, 0.3], torch.float32, torch.device("cuda"))
     b = values_on([0.1, 0.2, 0.3], torch.float32, torch.device("cuda"))
@@ -235,8 +235,8 @@ def test_refreshed_optimizer_coefficients_do_not_write_into_shared_values():
     # values_on's GPU tensors are shared by every caller with the same values; a capturable
     # optimizer's refresh_hyperparameters() writes into its coefficient tensors in place,
     # so those must be its own: else a later lookup of the old values reads the new ones.
+    from hftc.lowering.runtime.per_model import values_on
     from hftc.optim.optimizer import _Coefficients
-    from hftc.runtime.per_model import values_on
 
     like = torch.zeros(3, 2, device="cuda")
     coefficients = _Coefficients({"lr": [0.1, 0.2, 0.3]}, persistent=True)

@@ -102,7 +102,7 @@ def public_names() -> dict[str, str]:
             names[f"hftc.errors.{name}"] = obj
     where = {name: f"{obj.__module__}.{obj.__qualname__}" for name, obj in names.items()}
     for name in FUSED_MODULE_API:
-        where[f"FusedModule.{name}"] = f"hftc.fused.FusedModule.{name}"
+        where[f"FusedModule.{name}"] = f"hftc.module.fused.FusedModule.{name}"
     return where
 
 

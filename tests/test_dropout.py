@@ -20,7 +20,7 @@ from equivalence import check_equivalence
 from torch import nn
 
 import hftc
-from hftc.runtime import random as rt_random
+from hftc.lowering.runtime import random as rt_random
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 

@@ -20,11 +20,11 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
 import hftc
-from hftc.runtime import layout as rt_layout
-from hftc.runtime import linear as rt_linear
-from hftc.runtime import losses as rt_losses
-from hftc.runtime import reduction as rt_reduction
-from hftc.runtime import spatial as rt_spatial
+from hftc.lowering.runtime import layout as rt_layout
+from hftc.lowering.runtime import linear as rt_linear
+from hftc.lowering.runtime import losses as rt_losses
+from hftc.lowering.runtime import reduction as rt_reduction
+from hftc.lowering.runtime import spatial as rt_spatial
 
 
 def counted(monkeypatch, function) -> list[int]:

@@ -27,11 +27,11 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import hftc
-import hftc.fused
+import hftc.module.fused
 import hftc.optim as ho
-from hftc.compile import autotune, pipeline
-from hftc.compile.check import preserved_state
-from hftc.runtime.tuning import lowerings_of
+from hftc.lowering import autotune, pipeline
+from hftc.lowering.check import preserved_state
+from hftc.lowering.runtime.tuning import lowerings_of
 
 
 def check_spec(spec: dict, n: int, stacked: bool, train: bool, seed: int,

@@ -43,7 +43,7 @@ def test_group_norm_on_the_inputs_is_never_run_channels_last(tmp_path, monkeypat
     # as the whole-model loop with channels-last inputs.  torch's CPU group-norm backward
     # crashes the process on a channels-last input that needs no gradient of its own;
     # a model with a group norm now keeps its inputs as given on the CPU (layout.safe).
-    from hftc.compile import autotune
+    from hftc.lowering import autotune
 
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # every candidate runs: no cache
     monkeypatch.setattr(autotune, "_MEMORY", {})
@@ -62,7 +62,7 @@ def test_strided_1x1_conv_over_few_channels_is_never_run_channels_last(tmp_path,
     # given on the CPU (layout.safe), and conv.conv runs such a conv on contiguous maps.
     from fuzz_models import FuzzNet
 
-    from hftc.compile import autotune
+    from hftc.lowering import autotune
 
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # every candidate runs: no cache
     monkeypatch.setattr(autotune, "_MEMORY", {})

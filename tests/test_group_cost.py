@@ -1,6 +1,6 @@
 """``hftc.fuse_groups(..., pad_widths=True)`` decides pad-or-split from a measured step
 time where one is recorded (``autotune=True`` records it), from the arithmetic estimate
-otherwise, and says which decided (hftc/group.py)."""
+otherwise, and says which decided (hftc/module/group.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import hftc
-from hftc.group import grouping_cost, grouping_key, record_grouping_cost
+from hftc.module.group import grouping_cost, grouping_key, record_grouping_cost
 
 
 def mlp(width: int) -> nn.Module:
@@ -75,7 +75,7 @@ def test_the_key_separates_inputs_widths_and_dtypes():
     assert grouping_key([mlp(32), mlp(64)], x) != key
     assert grouping_key([m.float() for m in models], x.float()) != key
     assert grouping_key(models + [mlp(128)], x) != key
-    assert json.loads(key)[1] == hftc.compile.autotune.device_key(torch.device("cpu"))
+    assert json.loads(key)[1] == hftc.lowering.autotune.device_key(torch.device("cpu"))
     # another batch size: nothing recorded for it, the estimate decides (1.60x: apart)
     other = torch.randn(16, 20, dtype=torch.float64)
     assert _arrays(hftc.fuse_groups(models, pad_widths=True, example_inputs=other)) == [[0], [1]]
@@ -86,7 +86,7 @@ def test_the_table_survives_a_new_process(own_cache):
     x = torch.randn(8, 20, dtype=torch.float64)
     key = grouping_key(models, x)
     record_grouping_cost(key, padded_s=1.5e-3, apart_s=2.5e-3)
-    code = ("import json, sys; from hftc.group import grouping_cost; "
+    code = ("import json, sys; from hftc.module.group import grouping_cost; "
             "print(json.dumps(grouping_cost(sys.stdin.read())))")
     out = subprocess.run([sys.executable, "-c", code], input=key, capture_output=True,
                          text=True, check=True, env={**__import__("os").environ,

@@ -62,7 +62,7 @@ def test_freed_memory_is_faulted_in_again_by_default_and_not_once_kept():
 _FUSE = """
 import json, torch
 import hftc
-from hftc.runtime import memory as heap
+from hftc.lowering.runtime import memory as heap
 models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
           for _ in range(2)]
 before = heap._applied
@@ -84,8 +84,8 @@ def test_autotune_on_cpu_keeps_freed_memory_unless_told_not_to(tmp_path, setting
 _ORDER = """
 import json, torch
 import hftc
-import hftc.compile.pipeline as pipeline
-from hftc.runtime import memory as heap
+import hftc.lowering.pipeline as pipeline
+from hftc.lowering.runtime import memory as heap
 seen = {}
 
 def recording(name, fn):
@@ -116,7 +116,7 @@ def test_the_whole_forward_is_timed_with_freed_memory_kept_as_the_steps_run(tmp_
 _DEFAULT_STEPS = """
 import json, resource, torch
 import hftc
-from hftc.runtime import memory as heap
+from hftc.lowering.runtime import memory as heap
 torch.manual_seed(0)
 # One thread: intra-op worker threads allocate from glibc arenas of their own, each grown
 # as the (load-dependent) split of the work lands there, which faulted 10 MiB on most steps

@@ -16,10 +16,10 @@ import hftc
 
 pytest.importorskip("lightning")
 pytest.importorskip("sklearn")
+import hftc.lightning as hl  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback, EarlyStopping  # noqa: E402
 
-import hftc.lightning as hl  # noqa: E402
 from hftc.sweep.digits import data as digits_data  # noqa: E402
 
 # Model 0 learns fast and keeps improving; models 1 and 2 improve by less than MIN_DELTA

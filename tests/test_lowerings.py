@@ -29,21 +29,21 @@ from torch import nn
 from zoo import make_input
 
 import hftc
-import hftc.fused
+import hftc.module.fused
 from hftc import ir
-from hftc.compile import autotune, check
-from hftc.compile.layout import sample_shapes
+from hftc.cli.speed import MLP, LeNet5
 from hftc.errors import FusionArgumentError, FusionError
-from hftc.runtime import conv as rt_conv
-from hftc.runtime import layout as rt_layout
-from hftc.runtime import linear as rt_linear
-from hftc.runtime import norms as rt_norms
-from hftc.runtime import reduction as rt_reduction
-from hftc.runtime import spatial as rt_spatial
-from hftc.runtime.memory import peak_memory
-from hftc.runtime.model_loop import ModelLoop
-from hftc.runtime.tuning import lowerings_of, tunable
-from hftc.speed import MLP, LeNet5
+from hftc.lowering import autotune, check
+from hftc.lowering.layout import sample_shapes
+from hftc.lowering.runtime import conv as rt_conv
+from hftc.lowering.runtime import layout as rt_layout
+from hftc.lowering.runtime import linear as rt_linear
+from hftc.lowering.runtime import norms as rt_norms
+from hftc.lowering.runtime import reduction as rt_reduction
+from hftc.lowering.runtime import spatial as rt_spatial
+from hftc.lowering.runtime.memory import peak_memory
+from hftc.lowering.runtime.model_loop import ModelLoop
+from hftc.lowering.runtime.tuning import lowerings_of, tunable
 
 DTYPES = [torch.float64, torch.float32]
 
@@ -89,7 +89,7 @@ LINEARS = [
 
 def named_in_source(lowering: str, source: str) -> bool:
     """Whether the generated code names ``lowering``: a call's ``lowering=``, or one of a
-    linear chain's ``lowerings=(...)`` (hftc.compile.chains)."""
+    linear chain's ``lowerings=(...)`` (hftc.lowering.chains)."""
     return f"lowering = '{lowering}'" in source \
         or re.search(rf"lowerings = \([^)]*'{lowering}'", source) is not None
 
@@ -613,7 +613,7 @@ def _force_program(monkeypatch, loop: bool = True, layout: str | None = None):
                                      sample_shapes(values, batched))
         return how, autotune.LoweringChoice("<whole model>", "forward", how.name, "fused")
 
-    monkeypatch.setattr(hftc.compile.pipeline, "choose_program", choose)
+    monkeypatch.setattr(hftc.lowering.pipeline, "choose_program", choose)
 
 
 
@@ -653,7 +653,7 @@ def test_model_loop_of_one_model_copies_no_gradient(monkeypatch, cache_dir):
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["shared", "stacked"])
 def test_channels_last_inputs_keep_values_and_give_contiguous_outputs(stacked):
-    from hftc.compile import layout
+    from hftc.lowering import layout
 
     x = torch.randn(3, 2, 4, 5, 6) if stacked else torch.randn(2, 4, 5, 6)
     ids = torch.randint(0, 9, (2, 4, 5, 6))
@@ -781,7 +781,7 @@ def test_a_model_with_a_group_norm_is_never_run_channels_last_on_the_cpu(functio
                                                                          cache_dir):
     # torch's CPU group-norm backward crashes the process (segfault) on a channels-last
     # input whose own gradient is not needed: autotune must not try that layout.
-    from hftc.compile import layout
+    from hftc.lowering import layout
 
     torch.manual_seed(0)
     models = [GroupNormFirst(functional) for _ in range(2)]

@@ -22,7 +22,7 @@ from torch import nn
 import hftc
 import hftc.optim as ho
 from hftc.errors import FusionArgumentError
-from hftc.runtime.modules import register_fused
+from hftc.lowering.runtime.modules import register_fused
 
 
 def make_mlp(seed: int, batch_norm: bool = False, out: int = 3) -> nn.Module:

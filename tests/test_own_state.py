@@ -207,7 +207,7 @@ def test_a_dict_config_dropout_rate_is_each_models_own():
 
 
 def test_the_check_compares_every_model_whose_python_state_differs(monkeypatch):
-    import hftc.compile.check as check
+    import hftc.lowering.check as check
 
     compared = []
     real = check.call_model

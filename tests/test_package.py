@@ -15,13 +15,13 @@ def _modules_after_import_hftc() -> set[str]:
 
 def test_import_hftc_leaves_torch_dynamo_and_optional_integrations_unimported():
     modules = _modules_after_import_hftc()
-    assert "hftc" in modules and "hftc.fused" in modules
+    assert "hftc" in modules and "hftc.module.fused" in modules
     heavy = {"torch._dynamo", "networkx", "optuna", "matplotlib", "ray", "transformers", "lightning"}
     assert not heavy & modules, f"import hftc imported {sorted(heavy & modules)}"
 
 
 def test_fuse_and_torch_compile_still_work_after_the_lazy_dynamo_import():
-    # hftc.compile_guard.run_eagerly keeps hftc's own Python out of a compiled caller's
+    # hftc.lowering.compile_guard.run_eagerly keeps hftc's own Python out of a compiled caller's
     # graph once torch._dynamo is in use, as @torch.compiler.disable did.
     code = """
 import sys, torch, hftc
@@ -54,7 +54,7 @@ def test_import_hftc_without_torch_loads_no_torch():
     "import torch, hftc",                    # the core loads at once
     "import hftc\nfrom torch.nn.utils import clip_grad_norm_",   # when torch is imported
     "import hftc\nfrom hftc import fuse",    # on first access, torch not yet imported
-    "from hftc.fused import fuse\nimport hftc",  # once hftc.fused's own import is done
+    "from hftc.module.fused import fuse\nimport hftc",  # once hftc.module.fused's own import is done
 ])
 def test_torch_patches_are_in_place_whatever_the_import_order(imports):
     """A lazy ``import hftc`` must not let code bind torch's clip_grad_norm_ (one norm over

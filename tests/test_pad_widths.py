@@ -1,5 +1,5 @@
 """``hftc.fuse(models, pad_widths=True)``: models that differ only in widths fuse into one
-array, and each trains exactly as it does alone (hftc/padding.py).
+array, and each trains exactly as it does alone (hftc/module/padding.py).
 
 Each model is compared with the same model trained alone with stock ``torch.optim``; dropout
 draws are made constants on both sides (``ConstantRandomness``: every unit kept, scaled by
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
-import hftc.padding
-from hftc.compile.check import ConstantRandomness
+import hftc.module.padding
 from hftc.errors import FusionArgumentError, MismatchError, UnsupportedOperatorError
+from hftc.lowering.check import ConstantRandomness
 from tests.optim_helpers import single_thread  # noqa: F401  (fixture)
 
 # ---------------------------------------------------------------- models
@@ -354,7 +354,7 @@ def test_same_widths_pad_nothing():
     assert type(fused.padded_model(0)[0]) is nn.Linear
     # an int attribute that differs at one width (n_head at one d_model) is a
     # hyper-parameter, not a width: nothing is padded or changed
-    padding = hftc.padding.pad_models([GPT(32, head_dim=16), GPT(32, head_dim=8)])[1]
+    padding = hftc.module.padding.pad_models([GPT(32, head_dim=16), GPT(32, head_dim=8)])[1]
     assert padding is None
 
 
@@ -362,7 +362,7 @@ def test_same_widths_pad_nothing():
 
 
 class SortOverHidden(nn.Module):
-    """A sort over hidden units, which no mask makes exact (hftc.padding_graph computes a
+    """A sort over hidden units, which no mask makes exact (hftc.module.padding_graph computes a
     softmax or mean over the real units, given example_inputs)."""
 
     def __init__(self, hidden: int):
@@ -404,7 +404,7 @@ class HandWrittenNorms(nn.Module):
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_ops_over_a_padded_dim_are_computed_over_the_real_units(optimizer):
     """The first call finds the ops that mix across a padded dim, rewrites them to take
-    each model's real units (hftc.padding_graph.compute_over_real_units) and runs; 10 steps: every
+    each model's real units (hftc.module.padding_graph.compute_over_real_units) and runs; 10 steps: every
     model equals itself trained alone, the padding stays exactly 0."""
     torch.manual_seed(4)
     models = [HandWrittenNorms(h).double() for h in (8, 12, 16)]
@@ -493,7 +493,7 @@ def test_the_locating_message_names_the_op():
         padded.fc2.weight.zero_()
         padded.fc2.weight[:, :8] = original.fc2.weight
         padded.fc2.bias.copy_(original.fc2.bias)
-    where = hftc.padding.locate_difference(original, padded, [torch.randn(2, 4)])
+    where = hftc.module.padding.locate_difference(original, padded, [torch.randn(2, 4)])
     assert re.search(r"the input of `fc2` \(Linear\) differs while the modules before it "
                      r"agree: the op `softmax` \(.*test_pad_widths.py:\d+, in forward\)",
                      where), where

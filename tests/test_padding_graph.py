@@ -1,6 +1,6 @@
 """``hftc.fuse(models, pad_widths=True, example_inputs=...)``: ops of the models' own forward
 over a padded dim (a softmax, mean, var over hidden units; minGPT's split of a packed q, k, v
-Linear) compute over each model's real units (hftc/padding_graph.py).
+Linear) compute over each model's real units (hftc/module/padding_graph.py).
 
 Each model is compared with the same model trained alone with stock ``torch.optim``.
 """

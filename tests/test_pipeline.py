@@ -1,4 +1,4 @@
-"""The compile pipeline (hftc/compile/pipeline.py): one list of stages, run by one loop."""
+"""The compile pipeline (hftc/lowering/pipeline.py): one list of stages, run by one loop."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import hftc
-from hftc.compile import pipeline
 from hftc.errors import TraceError
+from hftc.lowering import pipeline
 
 
 def test_the_stages_in_order():
@@ -62,7 +62,7 @@ def test_the_checks_fallback_ends_the_pipeline(monkeypatch):
                                                                       s.run(state, options)),
                                   s.autotune_only, s.not_autotune) for s in pipeline.STAGES)
     monkeypatch.setattr(pipeline, "STAGES", stages)
-    monkeypatch.setattr(hftc.fused.FusedModule, "_why_not_fused",
+    monkeypatch.setattr(hftc.module.fused.FusedModule, "_why_not_fused",
                         lambda self, *args: "the test asks for it")
     models = [nn.Linear(4, 2) for _ in range(2)]
     fused = hftc.fuse(models, autotune=True)

@@ -1,4 +1,4 @@
-"""The ``pointwise_channels_last`` lowering of N 1x1 convs (hftc.runtime.conv): one GEMM
+"""The ``pointwise_channels_last`` lowering of N 1x1 convs (hftc.lowering.runtime.conv): one GEMM
 per model on its column slice of the folded channels-last map, in place.  Checked
 against the per-model loop (forward, input, weight and bias gradients; float64 and
 float32; a grid of shapes and N), for the layouts it keeps, its double backward, and
@@ -13,8 +13,8 @@ from equivalence import DEFAULT_TOL, check_equivalence
 from torch import nn
 
 import hftc
-from hftc.runtime import conv as rt_conv
-from hftc.runtime.layout import fold_channels, unfold_channels
+from hftc.lowering.runtime import conv as rt_conv
+from hftc.lowering.runtime.layout import fold_channels, unfold_channels
 
 LOWERING = "pointwise_channels_last"
 # (N, batch, in channels, out channels, height, width, bias)

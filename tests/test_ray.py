@@ -12,12 +12,12 @@ import threading
 import time
 from pathlib import Path
 
+import hftc.ray as hray
 import optuna
 import pytest
 from optuna.trial import TrialState
 from test_sweep import ROOT, SPEC_SOURCE, retrain_alone
 
-import hftc.ray as hray
 import hftc.sweep as hs
 from hftc.__main__ import main
 from hftc.errors import MissingExtraError, SweepError

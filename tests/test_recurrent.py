@@ -358,7 +358,7 @@ class WideLSTM(nn.Module):
 def test_wide_lstm_runs_atens_lstm_per_model_and_equals_the_loop(kwargs, with_state):
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from hftc.compile.check import ConstantRandomness
+    from hftc.lowering.check import ConstantRandomness
 
     class Calls(TorchDispatchMode):
         seen: list = []

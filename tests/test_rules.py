@@ -833,7 +833,7 @@ class _DCGANStem(nn.Module):
 def test_conv_spellings_reach_the_runtime_with_one_value_per_spatial_dim():
     """``nn.Conv2d(stride=2)`` holds ``(2, 2)``, ``F.conv2d(..., 2)`` passes ``2``: the rule
     hands ``conv_lowerings`` one form for both, a tuple per spatial dim."""
-    from hftc.runtime import conv as rt_conv
+    from hftc.lowering.runtime import conv as rt_conv
 
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     seen = []

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hftc
-import hftc.step
+import hftc.training.step
 from hftc.errors import FusionArgumentError, StepCaptureError
 
 LRS = [1e-2, 3e-2, 5e-2]
@@ -111,7 +111,7 @@ def test_eager_step_is_the_fused_loop_bit_for_bit_and_the_serial_loop(dtype):
     models, batches = _models(dtype), _batches(5, dtype)
     clip = [0.05, 0.5, 5.0]  # one model clipped, one sometimes, one never
     fused, losses, step = _stepped(models, batches, clip)
-    assert step.mode == "eager" == hftc.step.CPU_DEFAULT  # mode="auto" on the CPU
+    assert step.mode == "eager" == hftc.training.step.CPU_DEFAULT  # mode="auto" on the CPU
     loop, loop_losses = _fused_loop(models, batches, clip)
     for got, want in zip(losses, loop_losses):
         assert got.shape == (3,) and not got.requires_grad
@@ -198,7 +198,7 @@ def test_compile_mode_refuses_what_a_graph_cannot_hold(loss, what):
 
 
 def test_changing_shapes_past_the_limit_are_refused(monkeypatch):
-    monkeypatch.setattr(hftc.step, "MAX_SIGNATURES", 1)
+    monkeypatch.setattr(hftc.training.step, "MAX_SIGNATURES", 1)
     models = _models(torch.float32)
     fused = hftc.fuse(models)
     step = hftc.compile_step(fused, F.nll_loss, hftc.optim.SGD(fused.parameters(), lr=LRS),

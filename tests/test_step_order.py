@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hftc
-from hftc.compile.strategy import _MARGIN, IN_ORDER, StepOrder, StepOrderTiming
+from hftc.lowering.strategy import _MARGIN, IN_ORDER, StepOrder, StepOrderTiming
 
 LRS = [1e-2, 3e-2, 5e-2]
 
@@ -134,7 +134,7 @@ def test_the_rule_keeps_the_fused_step_only_where_it_is_faster_by_the_margin():
 def test_the_default_step_times_both_ways_and_keeps_training_the_models(tmp_path,
                                                                         monkeypatch):
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # nothing chosen before
-    import hftc.compile.autotune as autotune
+    import hftc.lowering.autotune as autotune
 
     monkeypatch.setattr(autotune, "_MEMORY", {})
 

@@ -21,10 +21,10 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import hftc
 from hftc.errors import UnsupportedOperatorError
-from hftc.runtime import conv as rt_conv
-from hftc.runtime import layout as rt_layout
-from hftc.runtime import linear as rt_linear
-from hftc.runtime import norms as rt_norms
+from hftc.lowering.runtime import conv as rt_conv
+from hftc.lowering.runtime import layout as rt_layout
+from hftc.lowering.runtime import linear as rt_linear
+from hftc.lowering.runtime import norms as rt_norms
 
 
 class ConvNet(nn.Module):
@@ -447,7 +447,7 @@ def test_autocast_runs_the_fused_ops_in_bfloat16():
 
 class _PerModelNorms(nn.Module):
     """Norms whose eps (and batch norm's momentum) differ per model: hftc writes these out
-    (hftc.runtime.per_model), where one ATen call cannot take N values."""
+    (hftc.lowering.runtime.per_model), where one ATen call cannot take N values."""
 
     def __init__(self, i):
         super().__init__()

@@ -236,7 +236,7 @@ def test_pad_widths_and_max_padding_are_checked(spec_file: Path):
 
 def test_the_widths_of_the_digits_cnn_pad_as_the_spec_says():
     """The spec's comments hold: widths 6 and 8 pad within max_padding, 16 does not."""
-    from hftc.padding import padding_ratio, weight_shapes
+    from hftc.module.padding import padding_ratio, weight_shapes
 
     shapes = {w: weight_shapes(DigitsCNN(width=w)) for w in (6, 8, 16)}
     assert padding_ratio([shapes[6], shapes[8]]) <= 1.25 < padding_ratio(

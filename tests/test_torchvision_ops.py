@@ -28,8 +28,8 @@ from torch import nn
 import hftc
 from hftc.bench import torchvision_ops
 from hftc.bench.torchvision_ops import ShiftedWindowAttention, StochasticDepth, stochastic_depth
-from hftc.compile.check import ConstantRandomness
-from hftc.runtime import random as rt_random
+from hftc.lowering.check import ConstantRandomness
+from hftc.lowering.runtime import random as rt_random
 
 
 def _sigmas(kept: float, keep: float, n: int) -> float:

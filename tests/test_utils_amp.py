@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from equivalence import autograd_nodes
+from hftc.amp import GradScaler
 from optim_helpers import (
     StackedModels,
     assert_all_match,
@@ -28,7 +29,6 @@ from torch import nn
 
 import hftc
 import hftc.optim as ho
-from hftc.amp import GradScaler
 from hftc.utils import clip_grad_norm_, clip_grad_value_, per_model
 
 

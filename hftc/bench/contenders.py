@@ -249,7 +249,7 @@ def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
     report = fused.fusion_report
     info = {"fallbacks": [f"{r.node} ({r.reason})" for r in report.fallbacks],
             "lowerings": {c.node: c.chosen for c in report.lowerings}}
-    from ..compile.strategy import TIMING_CALLS
+    from ..lowering.strategy import TIMING_CALLS
 
     return Step(step, len(models), _named(fused), info,
                 phases=lambda: step_phases(lambda: fn(x, y), opt, setting),

@@ -1,7 +1,7 @@
 """The model zoo: plain PyTorch models, written the way researchers write them.
 
 One definition of each model, shared by the benchmark workloads (``workloads.py``, at the
-sizes docs/BENCHMARKS.md was measured on), ``hftc demo`` (``hftc/speed.py``) and the tests
+sizes docs/BENCHMARKS.md was measured on), ``hftc demo`` (``hftc/cli/speed.py``) and the tests
 (``tests/zoo.py``, at toy sizes).  The defaults build the benchmark's model; the tests
 pick their variant with arguments:
 

@@ -7,7 +7,7 @@ minGPT's ``Block`` keeps its MLP as a closure over its own modules::
 
 ``copy.deepcopy`` treats a function as a constant: a copy of the block keeps the
 original's ``mlpf``, which still calls the *original's* layers.  hftc builds copies of
-each model (:mod:`hftc.copies`: the first-call check's references, the models run one by
+each model (:mod:`hftc.module.copies`: the first-call check's references, the models run one by
 one, ``unfuse()``), so every such copy ran the original's MLP weights.  Two remedies:
 
 * :func:`rebind_functions` (after ``copy.deepcopy(module, memo)``): every function the

@@ -72,7 +72,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, plain_message
 from ..ir import bind_arguments, call_signature
-from ..runtime.guards import check_input_shape, check_input_structure, check_input_value
+from ..lowering.runtime.guards import check_input_shape, check_input_structure, check_input_value
 from .same_program import alike_models, reads_tensor_values
 from .symbolic import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
 

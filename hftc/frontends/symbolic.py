@@ -46,7 +46,7 @@ from ..ir import (
     enter_autocast,
     exit_autocast,
 )
-from ..runtime import attention as rt_attention
+from ..lowering.runtime import attention as rt_attention
 from .closures import rebind_functions
 
 

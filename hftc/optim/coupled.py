@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FusionArgumentError
-from ..runtime.modules import _FUSED_MODULES, _stacked_counts
+from ..lowering.runtime.modules import _FUSED_MODULES, _stacked_counts
 
 __all__: list[str] = []
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..errors import FusionArgumentError
-from ..runtime.modules import _FUSED_MODULES
+from ..lowering.runtime.modules import _FUSED_MODULES
 
 __all__ = ["LBFGS"]
 

@@ -62,9 +62,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
-from ..compile_guard import run_eagerly
 from ..errors import FusionArgumentError
-from ..runtime.per_model import values_on
+from ..lowering.compile_guard import run_eagerly
+from ..lowering.runtime.per_model import values_on
 from .slicing import stock_keeps
 
 __all__ = ["FusedOptimizer"]
@@ -258,7 +258,7 @@ def copy_model_state(target: Tensor, value: Tensor, blocks: int = 1) -> None:
     entries (the leading ones; ``blocks`` > 1: each of dim 0's blocks, as
     ``in_proj_weight``'s q, k, v), zeros on the padding."""
     if isinstance(value, Tensor) and value.dim() == target.dim() and value.shape != target.shape:
-        from ..padding import into_padded
+        from ..module.padding import into_padded
 
         into_padded(target, value, blocks)
         return

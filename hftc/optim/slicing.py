@@ -126,7 +126,7 @@ def load_model_slice(
             elif stock_keeps(key, state, index, group):
                 own = value[index]
                 if own.dim() == p.dim() and own.shape != p.shape:  # padded (pad_widths=True)
-                    from ..padding import own_part, width_blocks
+                    from ..module.padding import own_part, width_blocks
 
                     own = own_part(own, p.shape, width_blocks(model).get(name, 1))
                 sliced[key] = own.clone()

@@ -44,7 +44,7 @@ from torch import nn
 
 from ..frontends.symbolic import encoder_nested_padding
 from ..ir import bind_arguments
-from ..runtime import attention as rt_attention
+from ..lowering.runtime import attention as rt_attention
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 
@@ -63,7 +63,7 @@ def _constant(value: Any, what: str) -> Any:
 
 @rule(("call_module", nn.MultiheadAttention))
 def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """N attention modules -> one :func:`~hftc.runtime.attention.multi_head_attention`."""
+    """N attention modules -> one :func:`~hftc.lowering.runtime.attention.multi_head_attention`."""
     mha = group.module
     fused, original = _bind(group, nn.MultiheadAttention.forward, mha)
     target = group.node.target
@@ -146,7 +146,7 @@ def fuse_relative_position_bias(group: FusionGroup, builder: GraphBuilder) -> fx
       random=True)
 def fuse_shifted_window_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """Swin's window attention as batched matmuls over every model's windows
-    (:func:`~hftc.runtime.attention.shifted_window_attention`); dropout draws per model."""
+    (:func:`~hftc.lowering.runtime.attention.shifted_window_attention`); dropout draws per model."""
     fused, _ = _bind(group, group.node.target)  # torchvision's function (or its stand-in)
     constants = {name: _constant(fused[name], name) for name in _SWA_CONSTANTS}
     example = group.arg_example(0)

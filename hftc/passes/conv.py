@@ -24,7 +24,7 @@ from torch import nn
 
 from ..frontends.export import Emitter
 from ..ir import bind_arguments
-from ..runtime import conv as rt_conv
+from ..lowering.runtime import conv as rt_conv
 from .registry import FusionGroup, GraphBuilder, rule
 
 aten = torch.ops.aten
@@ -47,7 +47,8 @@ def per_dim(value: Any, spatial: int) -> Any:
     """A stride, padding or dilation as one value per spatial dim: ``2 -> (2, 2)``,
     ``[1, 1] -> (1, 1)``; a padding string (``"same"``) or a graph node as it is.  The one
     place the spellings' forms (a module's tuple, a functional's int, a schema's list
-    default) meet, so the lowerings see one form (:func:`hftc.runtime.conv.conv_lowerings`)."""
+    default) meet, so the lowerings see one form
+    (:func:`hftc.lowering.runtime.conv.conv_lowerings`)."""
     if isinstance(value, (list, tuple, torch.Size)):
         return tuple(value)
     if isinstance(value, (str, fx.Node)):

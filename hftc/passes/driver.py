@@ -37,10 +37,10 @@ from torch.utils import _pytree as pytree
 from .. import ir
 from ..errors import FusionError, UnsupportedOperatorError, plain_message
 from ..ir import EXAMPLE_VALUE, PER_MODEL_OPS, node_writes_in_place
+from ..lowering.runtime import fallback as rt_fallback
+from ..lowering.runtime import layout as rt_layout
+from ..lowering.runtime import per_model_ops as rt_per_model_ops
 from ..match import describe_node, module_path, target_name
-from ..runtime import fallback as rt_fallback
-from ..runtime import layout as rt_layout
-from ..runtime import per_model_ops as rt_per_model_ops
 from .per_model_ops import describe_ops
 from .registry import FusionGroup, GraphBuilder, NotFusable, RuleEntry, lookup
 
@@ -61,7 +61,7 @@ class FusionRecord:
     reason: str = ""
     originals: list[str] = field(default_factory=list)
     #: The fused node that holds this node's value (``[N, ...]`` unless ``kind`` is
-    #: "shared"), for :func:`hftc.compile.check.locate_difference`.
+    #: "shared"), for :func:`hftc.lowering.check.locate_difference`.
     value: str = ""
 
 
@@ -72,13 +72,13 @@ class FusionReport:
     num_models: int
     records: list[FusionRecord]
     match_method: str = "trace order"
-    #: The lowerings ``autotune=True`` chose (hftc.compile.autotune.LoweringChoice).
+    #: The lowerings ``autotune=True`` chose (hftc.lowering.autotune.LoweringChoice).
     lowerings: list[Any] = field(default_factory=list)
-    #: The first-call check against the models' own forward (hftc.compile.check.CheckResult).
+    #: The first-call check against the models' own forward (hftc.lowering.check.CheckResult).
     check: Any = None
-    #: Fused or the models one by one, and why (hftc.compile.strategy.StrategyChoice).
+    #: Fused or the models one by one, and why (hftc.lowering.strategy.StrategyChoice).
     strategy: Any = None
-    #: pad_widths=True: how the models were padded and what it costs (hftc.padding).
+    #: pad_widths=True: how the models were padded and what it costs (hftc.module.padding).
     padding: str | None = None
 
     @property
@@ -440,7 +440,7 @@ def _map_pair(value: Any, example: Any, fn: Any) -> Any:
 
 def fuse_per_model_op(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The node whose op differs per model (``meta[PER_MODEL_OPS]``): each model's own op on
-    its slice (:func:`~hftc.runtime.per_model_ops.per_model_elementwise`); a shared input
+    its slice (:func:`~hftc.lowering.runtime.per_model_ops.per_model_elementwise`); a shared input
     is expanded first, so that each model applies its op to the values it sees."""
     node = group.node
     ops = tuple(node.meta[PER_MODEL_OPS])

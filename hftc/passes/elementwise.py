@@ -29,9 +29,9 @@ from torch import nn
 
 from ..frontends.export import Emitter, aten_name
 from ..ir import EXAMPLE_VALUE, TORCH_RANDOM_DRAWS, bind_arguments
-from ..runtime import layout as rt_layout
-from ..runtime import per_model as rt_per_model
-from ..runtime import random as rt_random
+from ..lowering.runtime import layout as rt_layout
+from ..lowering.runtime import per_model as rt_per_model
+from ..lowering.runtime import random as rt_random
 from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule, spellings
 
 aten = torch.ops.aten

@@ -16,9 +16,9 @@ from torch import nn
 from ..errors import UnsupportedOperatorError
 from ..frontends.export import Emitter
 from ..ir import bind_arguments
+from ..lowering.runtime import embedding as rt_embedding
+from ..lowering.runtime import spatial as rt_spatial
 from ..match import describe_node
-from ..runtime import embedding as rt_embedding
-from ..runtime import spatial as rt_spatial
 from .registry import FusionGroup, GraphBuilder, rule
 
 aten = torch.ops.aten

@@ -9,7 +9,7 @@
                            y   = F.linear(x, W.view(N*out, in), b.view(N*out))
 
 ``x @ W`` with a parameter, ``torch.matmul``/``bmm``/``mm`` between activations
-go through :func:`~hftc.runtime.linear.matmul`, which pads per-model batch
+go through :func:`~hftc.lowering.runtime.linear.matmul`, which pads per-model batch
 dims after the model dim so broadcasting stays within each model.
 
 ``torch.einsum`` gets one more index, the model dim, on its per-model operands and
@@ -27,7 +27,7 @@ from torch import nn
 
 from ..frontends.export import Emitter, aten_name
 from ..ir import bind_arguments
-from ..runtime import linear as rt_linear
+from ..lowering.runtime import linear as rt_linear
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 aten = torch.ops.aten

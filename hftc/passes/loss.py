@@ -6,7 +6,7 @@
     after:                 losses = per_model_loss(F.cross_entropy, logits [N, B, C], labels)
                                     -> [N], model i's mean over its own batch
 
-:func:`~hftc.runtime.losses.per_model_loss` is what ``hftc.per_model`` computes (the
+:func:`~hftc.lowering.runtime.losses.per_model_loss` is what ``hftc.per_model`` computes (the
 N batches flattened into one, reduced per model; vmap for the rest).  A per-model
 class ``weight`` (a loss module's buffer, or a stacked tensor) runs as a loop.
 """
@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import ir
 from ..frontends.export import Emitter
-from ..runtime import losses as rt_losses
+from ..lowering.runtime import losses as rt_losses
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 aten = torch.ops.aten

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..frontends.export import same_names
-from ..runtime import norms as rt_norms
-from ..runtime import per_model as rt_per_model
+from ..lowering.runtime import norms as rt_norms
+from ..lowering.runtime import per_model as rt_per_model
 from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule
 
 aten = torch.ops.aten

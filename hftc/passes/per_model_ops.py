@@ -10,7 +10,7 @@ differ (``meta[PER_MODEL_OPS]``), and the driver emits::
     nn.ReLU()(h) | nn.GELU()(h) | nn.Identity()(h)    (models 0, 1, 2)
     -> per_model_elementwise(h [3, ...], (("relu", ...), ("gelu", ...), ("identity", ())))
 
-(:func:`hftc.runtime.per_model_ops.per_model_elementwise`: each model's op on its slice,
+(:func:`hftc.lowering.runtime.per_model_ops.per_model_elementwise`: each model's op on its slice,
 exact in forward and backward).  Only elementwise, shape-preserving ops are read so: any
 other difference is refused as before.
 """
@@ -24,7 +24,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from ..runtime import per_model_ops as rt_per_model_ops
+from ..lowering.runtime import per_model_ops as rt_per_model_ops
 
 Op = rt_per_model_ops.Op
 
@@ -120,7 +120,7 @@ def _op(name: str, given: dict[str, Any]) -> Op | None:
 
 def elementwise_op(node: fx.Node, root: nn.Module) -> Op | None:
     """The elementwise, shape-preserving op ``node`` computes on its one tensor input, as a
-    :data:`~hftc.runtime.per_model_ops.Op` (``("leaky_relu", (("negative_slope", 0.2),
+    :data:`~hftc.lowering.runtime.per_model_ops.Op` (``("leaky_relu", (("negative_slope", 0.2),
     ("inplace", False)))``), or None for any other node."""
     if node.op == "call_module":
         module = root.get_submodule(str(node.target))

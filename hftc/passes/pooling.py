@@ -28,8 +28,8 @@ from torch import nn
 from .. import ir
 from ..frontends.export import Emitter
 from ..ir import bind_arguments
-from ..runtime import random as rt_random
-from ..runtime import spatial as rt_spatial
+from ..lowering.runtime import random as rt_random
+from ..lowering.runtime import spatial as rt_spatial
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 aten = torch.ops.aten
@@ -102,8 +102,8 @@ def _spatial(known: int | None, group: FusionGroup) -> int:
 def fuse_channelwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``nn.MaxPool2d(...)(x)`` or ``F.max_pool2d(x, ...)`` and kin: the module itself (its
     hyper-parameters and mode exactly the original's) or the functional on the models'
-    channels side by side (:func:`~hftc.runtime.spatial.channelwise`); channel dropout with
-    per-model rates as :func:`~hftc.runtime.random.per_model_dropout`."""
+    channels side by side (:func:`~hftc.lowering.runtime.spatial.channelwise`); channel dropout with
+    per-model rates as :func:`~hftc.lowering.runtime.random.per_model_dropout`."""
     x, args, kwargs = _input_and_rest(group)
     module = group.module
     if module is None:

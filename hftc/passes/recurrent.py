@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..runtime import recurrent as rt_recurrent
+from ..lowering.runtime import recurrent as rt_recurrent
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule
 
 
@@ -63,7 +63,7 @@ _FUNCTION_MODES = {torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN_TA
 def fuse_rnn(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``nn.LSTM/GRU/RNN(x, hx)`` and ``torch.lstm(x, hx, params, has_biases, num_layers,
     dropout, train, bidirectional, batch_first)`` (what ``aten.lstm`` becomes) ->
-    :func:`~hftc.runtime.recurrent.rnn` on stacked weights, the arguments bound by
+    :func:`~hftc.lowering.runtime.recurrent.rnn` on stacked weights, the arguments bound by
     ``torch.lstm``'s names (a module's: its ``_flat_weights`` and attributes)."""
     module = group.module
     if module is None:
@@ -100,7 +100,7 @@ _CELL_FUNCTIONS = {torch.lstm_cell: "LSTM", torch.gru_cell: "GRU",
       *(("call_function", fn) for fn in _CELL_FUNCTIONS))
 def fuse_rnn_cell(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``nn.LSTMCell/GRUCell/RNNCell(x, hx)`` and ``torch.lstm_cell(x, [h, c], w_ih, w_hh,
-    b_ih, b_hh)`` and kin -> :func:`~hftc.runtime.recurrent.rnn_cell`, the arguments bound
+    b_ih, b_hh)`` and kin -> :func:`~hftc.lowering.runtime.recurrent.rnn_cell`, the arguments bound
     by ``torch.lstm_cell``'s names (a module's weights are its ``weight_ih`` ...)."""
     module = group.module
     if module is None:

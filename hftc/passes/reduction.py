@@ -19,8 +19,8 @@ from torch import nn
 
 from ..frontends.export import Emitter, aten_name
 from ..ir import EXAMPLE_VALUE, bind_arguments
-from ..runtime import layout as rt_layout
-from ..runtime import reduction as rt_reduction
+from ..lowering.runtime import layout as rt_layout
+from ..lowering.runtime import reduction as rt_reduction
 from .elementwise import fuse_pointwise
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule, spellings
 from .shape import shift_dim_arg

@@ -43,8 +43,8 @@ from ..ir import (
     parameter_position,
     positional_defaults,
 )
+from ..lowering.runtime import layout as rt_layout
 from ..match import PerModelTable, describe_node, function_name, target_name
-from ..runtime import layout as rt_layout
 from .per_model_ops import elementwise_op
 
 

@@ -25,10 +25,10 @@ from torch import nn
 from .. import ir
 from ..frontends.export import Emitter
 from ..ir import EXAMPLE_VALUE, bind_arguments
-from ..runtime import guards as rt_guards
-from ..runtime import layout as rt_layout
-from ..runtime import spatial as rt_spatial
-from ..runtime.spatial import shift_dim
+from ..lowering.runtime import guards as rt_guards
+from ..lowering.runtime import layout as rt_layout
+from ..lowering.runtime import spatial as rt_spatial
+from ..lowering.runtime.spatial import shift_dim
 from .registry import FusionGroup, GraphBuilder, NotFusable, rule, spellings
 
 aten = torch.ops.aten

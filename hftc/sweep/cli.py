@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli_args import positive_int
+from ..cli.args import positive_int
 
 __all__ = ["add_arguments", "add_demo_arguments", "main"]
 
@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
 
         log = (lambda msg: print(msg, flush=True)) if args.verbose else None
         if ray_address is not None:
-            from .. import ray as hftc_ray
+            from ..integrations import ray as hftc_ray
 
             run = lambda spec, **kw: hftc_ray.sweep(  # noqa: E731
                 spec, address=ray_address or None, workers=workers or 2,

@@ -54,9 +54,9 @@ from torch import nn
 import hftc
 
 from ..errors import SweepError, SweepFileError, SweepWarning
+from ..module.padding import own_part, padding_ratio, weight_shapes, width_blocks, widths_key
 from ..optim.mixed import MixedOptimizer
 from ..optim.slicing import fused_param_names, load_model_slice
-from ..padding import own_part, padding_ratio, weight_shapes, width_blocks, widths_key
 from .files import atomic_write, save
 from .spec import SpecError, SweepSpec, hook_name
 from .training import (

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SpecError
-from ..group import MAX_PADDING
+from ..module.group import MAX_PADDING
 
 __all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer", "hook_name"]
 

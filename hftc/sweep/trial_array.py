@@ -37,7 +37,7 @@ from torch import nn
 import hftc
 
 from ..errors import FusionError, SweepError
-from ..shrink import check_replaceable
+from ..training.shrink import check_replaceable
 from .engine import _finite_models
 
 __all__ = ["TrialArray", "optimize"]

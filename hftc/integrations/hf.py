@@ -1,0 +1,321 @@
+"""Train a fused array of Hugging Face transformers models with ``transformers.Trainer``.
+
+::
+
+    models = [BertForSequenceClassification(config) for _ in range(4)]
+    fused = hftc.fuse(models, example_inputs=(input_ids,))
+    trainer = hftc.hf.FusedTrainer(model=fused, args=TrainingArguments(...),
+                                   train_dataset=train, eval_dataset=val)
+    trainer.train()        # logs loss_model_0 ... loss_model_3 (and grad_norm_model_k)
+    trainer.save_model()   # output_dir/model_0 ... model_3, each from_pretrained-loadable
+
+:class:`FusedTrainer` is ``transformers.Trainer`` with what N models in one module change:
+
+- the loss: each batch gives the N models' losses ``out.loss`` (shape ``[N]``); their sum is
+  backpropagated (model ``k``'s gradient is its own loss's: the models share no weights);
+  the Trainer's ``loss`` is that sum, and each model's loss is logged as ``loss_model_k``
+  (``eval_loss_model_k`` in evaluation), the gradient norms as ``grad_norm_model_k``
+  (clipping with ``max_grad_norm`` is per model: hftc's ``clip_grad_norm_``), and with an
+  ``hftc.optim`` optimizer of per-model learning rates, ``learning_rate_model_k``;
+- the forward's inputs: the Trainer calls ``model(input_ids=..., labels=...)`` with its own
+  keywords; the export front-end exports the models again for each new pattern of inputs;
+  columns are kept or dropped by the models' own ``forward`` signature;
+- predictions for ``compute_metrics``: ``[samples, N, ...]`` (the model axis second, so the
+  Trainer's concatenation of batches along the first axis stays right);
+- ``save_model`` / checkpoints: ``output_dir/model_k`` for each model, written by the
+  model class's ``save_pretrained`` (and read back by ``from_pretrained``); resuming
+  (``train(resume_from_checkpoint=...)``) reads those folders back into the array.
+
+``import hftc`` never imports this module (nor transformers); importing it without
+transformers and accelerate raises :class:`hftc.errors.MissingExtraError`, which says to
+``pip install 'hftc[hf]'``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import torch
+
+from ..errors import FusionArgumentError, FusionTypeError, MissingExtraError
+from ..module.fused import FusedModule
+from ..optim.optimizer import FusedOptimizer
+
+try:
+    import accelerate  # noqa: F401  (transformers.Trainer runs on it)
+    import transformers
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.trainer_pt_utils import find_batch_size, nested_gather
+    from transformers.utils.generic import can_return_loss, find_labels
+except ImportError as exc:  # pragma: no cover - the test environment has them
+    _missing = (exc.name or "transformers").split(".")[0]
+    raise MissingExtraError(f"hftc.hf needs transformers and accelerate ({_missing} is not "
+                            f"installed): pip install 'hftc[hf]'", extra="hf") from exc
+
+__all__ = ["FusedTrainer", "model_dir"]
+
+
+def model_dir(output_dir: str | os.PathLike, index: int) -> str:
+    """Where :class:`FusedTrainer` saves model ``index``: ``output_dir/model_{index}``."""
+    return os.path.join(os.fspath(output_dir), f"model_{index}")
+
+
+class FusedTrainer(transformers.Trainer):
+    """``transformers.Trainer`` for a fused module of N ``PreTrainedModel``\\ s: trains all N
+    on the same batches, as N Trainers with the same arguments and data order would.
+
+    Args:
+        model: ``hftc.fuse(models, example_inputs=...)`` of N transformers models (of one
+            class and config). Everything else is ``transformers.Trainer``'s. Per-model
+            hyper-parameters: pass ``optimizers=(hftc.optim.AdamW(model.parameters(),
+            lr=[...]), None)``; the Trainer's scheduler then scales each model's rate.
+
+    Raises ``FusionTypeError`` for a model that is not a fused module of ``PreTrainedModel``\\ s
+    and ``FusionArgumentError`` for what would treat the N models as one:
+    ``label_smoothing_factor`` (the Trainer smooths the logits as one model's),
+    ``load_best_model_at_end`` (one step for all N, by the summed loss) and
+    ``DataParallel`` over several GPUs of one process (use DDP: ``torchrun`` /
+    ``accelerate launch``, each process the fused module on its own GPU).
+    """
+
+    def __init__(self, model: FusedModule | None = None,
+                 args: transformers.TrainingArguments | None = None, *rest: Any,
+                 **kwargs: Any) -> None:
+        if not isinstance(model, FusedModule):
+            raise FusionTypeError(
+                f"FusedTrainer trains a fused module (hftc.fuse([m0, m1, ...], "
+                f"example_inputs=...)), got {type(model).__name__}; for one model use "
+                f"transformers.Trainer")
+        template = model._template
+        if not isinstance(template, transformers.PreTrainedModel):
+            raise FusionTypeError(
+                f"FusedTrainer: the fused models are {type(template).__name__}, not "
+                f"transformers PreTrainedModels (save_model writes each with save_pretrained); "
+                f"for other models write the loop (or use hftc.lightning)")
+        self._template_model = template
+        self._train_losses: torch.Tensor | None = None  # per model, since the last log
+        self._grad_norms: torch.Tensor | None = None  # per model, of the last step
+        self._pending_model_logs: dict[str, float] = {}
+        self._eval_sums: torch.Tensor | None = None  # per model, loss x batch size
+        self._eval_count = 0
+        self._last_losses: torch.Tensor | None = None
+        self._model_lrs: list[float] = []  # with an hftc.optim optimizer
+        if args is not None and args.label_smoothing_factor:
+            raise FusionArgumentError(
+                "FusedTrainer: label_smoothing_factor is applied by the Trainer to the logits "
+                "as one model's, but the fused logits are [N, batch, ...]; set it to 0 and use "
+                "the models' own loss (or a compute_loss_func giving N losses)")
+        if args is not None and args.load_best_model_at_end:
+            raise FusionArgumentError(
+                "FusedTrainer: load_best_model_at_end would load one step's checkpoint for "
+                "all N models, picked by their summed eval_loss, where each model's best "
+                "step differs; train without it and take model k from the checkpoint whose "
+                "eval_loss_model_k is lowest (checkpoint-*/model_k)")
+        super().__init__(model, args, *rest, **kwargs)
+        if self.args.n_gpu > 1:
+            raise FusionArgumentError(
+                f"FusedTrainer: {self.args.n_gpu} GPUs in one process would run the fused "
+                f"module under torch DataParallel, which splits the model axis of its outputs "
+                f"as a batch; run one process per GPU (torchrun / accelerate launch: DDP) or "
+                f"set CUDA_VISIBLE_DEVICES to one GPU")
+        # The Trainer reads these off the model's class and attributes; the fused module's
+        # forward takes *args, **kwargs and it has no config: read the models' own.
+        cls = type(template)
+        if self.args.label_names is None:
+            self.label_names = find_labels(cls)
+        self.can_return_loss = can_return_loss(cls)
+        # (causal LMs count num_items_in_batch over the shifted labels)
+        self._loss_shifts_labels = (
+            LOSS_MAPPING.get(getattr(template, "loss_type", None)) is ForCausalLMLoss
+            and not getattr(template.config, "is_encoder_decoder", False))
+        if hasattr(template, "accepts_loss_kwargs"):
+            self.model_accepts_loss_kwargs = template.accepts_loss_kwargs
+        else:
+            parameters = inspect.signature(type(template).forward).parameters.values()
+            self.model_accepts_loss_kwargs = any(
+                p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+    @property
+    def num_models(self) -> int:
+        return self.model.num_models
+
+    # ------------------------------------------------------------------ the models' inputs
+
+    def _set_signature_columns_if_needed(self) -> None:
+        if self._signature_columns is None:
+            signature = inspect.signature(type(self._template_model).forward)
+            self._signature_columns = [name for name in signature.parameters if name != "self"]
+            self._signature_columns += list({"label", "label_ids", *self.label_names})
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """N times one model's estimate (the fused module would fuse ``num_parameters``)."""
+        main_input = getattr(self._template_model, "main_input_name", "input_ids")
+        if main_input not in inputs:
+            return 0
+        per_model = self._template_model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main_input].numel() * per_model * self.num_models
+
+    # ------------------------------------------------------------------ the loss
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any],
+                     return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """The N models' losses ``[N]`` (each as its own Trainer computes it), summed: the
+        sum's gradient is each model's own loss's gradient in its slice."""
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
+        if loss.dim() != 1 or loss.shape[0] != self.num_models:
+            raise FusionArgumentError(
+                f"FusedTrainer: the fused model's loss has shape {tuple(loss.shape)}, not one "
+                f"loss per model ({self.num_models},): pass labels in the batches (the "
+                f"models compute their loss), or a compute_loss_func that returns N losses")
+        self._last_losses = loss.detach()
+        total = loss.sum()
+        return (total, outputs) if return_outputs else total
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        per_model = self._last_losses
+        # Scaled for gradient accumulation as Trainer.training_step scales the sum.
+        scaled_for_ga = self.loss_is_scaled_for_ga
+        if scaled_for_ga is None:
+            scaled_for_ga = ((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
+                             or self.compute_loss_func is not None)
+        if not scaled_for_ga:
+            per_model = per_model / self.current_gradient_accumulation_steps
+        self._train_losses = (per_model if self._train_losses is None
+                              else self._train_losses + per_model)
+        return loss
+
+    # ------------------------------------------------------------------ logging
+
+    def _per_model_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` ``[N]`` averaged over the processes (as the Trainer averages its loss)."""
+        gathered = nested_gather(values, self.args.parallel_mode)
+        return gathered.reshape(-1, self.num_models).double().mean(0)
+
+    def _per_model_sum(self, values: torch.Tensor) -> torch.Tensor:
+        gathered = nested_gather(values, self.args.parallel_mode)
+        return gathered.reshape(-1, self.num_models).double().sum(0)
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any, *args: Any,
+                                 **kwargs: Any) -> None:
+        if isinstance(grad_norm, torch.Tensor) and grad_norm.numel() == self.num_models > 1:
+            self._grad_norms = grad_norm.detach()
+            grad_norm = grad_norm.detach().double().pow(2).sum().sqrt()  # all models' norm
+        steps = self.state.global_step - self._globalstep_last_logged
+        if self.control.should_log and steps > 0 and self._train_losses is not None:
+            losses = self._per_model_mean(self._train_losses) / steps
+            logs = {f"loss_model_{k}": v.item() for k, v in enumerate(losses)}
+            if self._grad_norms is not None:
+                logs.update((f"grad_norm_model_{k}", v.item())
+                            for k, v in enumerate(self._grad_norms.double()))
+            if kwargs.get("learning_rate") is None:  # (else read before the scheduler's step)
+                self._get_learning_rate()
+            logs.update((f"learning_rate_model_{k}", lr) for k, lr in enumerate(self._model_lrs))
+            self._pending_model_logs = logs
+            self._train_losses = None
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def _get_learning_rate(self) -> float:
+        """The Trainer's (model 0's) learning rate; each model's kept for the next log."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # (accelerate's)
+        if isinstance(optimizer, FusedOptimizer) and self.lr_scheduler is not None:
+            self._model_lrs = [float(lr) for lr in self.lr_scheduler.get_last_lr()]
+        return super()._get_learning_rate()
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._pending_model_logs:
+            logs.update(self._pending_model_logs)
+            self._pending_model_logs = {}
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any],
+                        prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        self._last_losses = None
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only,
+                                                       ignore_keys)
+        if self._last_losses is not None:
+            batch = find_batch_size(inputs)
+            weighted = self._last_losses.double() * batch
+            self._eval_sums = weighted if self._eval_sums is None else self._eval_sums + weighted
+            self._eval_count += batch
+        if logits is not None:  # [N, B, ...] -> [B, N, ...]: batches concatenate on dim 0
+            logits = _model_axis_second(logits)
+        return loss, logits, labels
+
+    def _model_eval_metrics(self, prefix: str) -> dict[str, float]:
+        if self._eval_sums is None:
+            return {}
+        sums = self._per_model_sum(self._eval_sums)
+        count = self._per_model_sum(torch.full((self.num_models,), float(self._eval_count),
+                                               device=self._eval_sums.device))
+        self._eval_sums = None
+        return {f"{prefix}_loss_model_{k}": (s / c).item()
+                for k, (s, c) in enumerate(zip(sums, count))}
+
+    def evaluation_loop(self, dataloader: Any, description: str,
+                        prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None,
+                        metric_key_prefix: str = "eval") -> Any:
+        """``Trainer.evaluation_loop`` (under ``evaluate`` and ``predict``), with
+        ``{prefix}_loss_model_k`` for each model: its mean loss over the samples (as
+        ``{prefix}_loss`` is the mean of the summed losses)."""
+        self._eval_sums, self._eval_count = None, 0
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only,
+                                         ignore_keys, metric_key_prefix)
+        output.metrics.update(self._model_eval_metrics(metric_key_prefix))
+        return output
+
+    # ------------------------------------------------------------------ saving
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Each model with its class's ``save_pretrained`` in ``output_dir/model_k`` (the
+        stacked state_dict of the fused module is no ``from_pretrained`` checkpoint)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        fused = self.accelerator.unwrap_model(self.model)
+        for k in range(fused.num_models):
+            fused.unfuse_model(k).save_pretrained(model_dir(output_dir, k))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str,
+                              model: torch.nn.Module | None = None) -> None:
+        """Model ``k`` of the array from ``resume_from_checkpoint/model_k``."""
+        fused = self.accelerator.unwrap_model(model if model is not None else self.model)
+        missing = [model_dir(resume_from_checkpoint, k) for k in range(fused.num_models)
+                   if not os.path.isdir(model_dir(resume_from_checkpoint, k))]
+        if missing:
+            raise FusionArgumentError(
+                f"FusedTrainer: cannot resume from {resume_from_checkpoint}: no folder "
+                f"{missing[0]} (a FusedTrainer checkpoint holds model_0 ... "
+                f"model_{fused.num_models - 1}, one per model of the array)")
+        cls = type(self._template_model)
+        with torch.no_grad():
+            for k in range(fused.num_models):
+                saved = cls.from_pretrained(model_dir(resume_from_checkpoint, k))
+                own = dict(saved.named_parameters(remove_duplicate=False))
+                own.update(saved.named_buffers(remove_duplicate=False))
+                for name, stacked in [*fused.named_parameters(remove_duplicate=False),
+                                      *fused.named_buffers(remove_duplicate=False)]:
+                    if name in own:
+                        stacked[k].copy_(own[name].to(stacked.dtype))
+
+
+
+def _model_axis_second(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.movedim(0, 1) if value.dim() >= 2 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_model_axis_second(v) for v in value)
+    return value

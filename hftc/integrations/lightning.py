@@ -1,0 +1,296 @@
+"""Train a fused array of models with PyTorch Lightning: per-model metrics, early stopping
+that shrinks the array, and a checkpoint file per model.
+
+::
+
+    class Classifiers(hftc.lightning.FusedLightningModule):
+        def training_step(self, batch, _):
+            x, y = batch
+            out = self(x)                                          # [N, B, classes]
+            losses = torch.stack([F.cross_entropy(o, y) for o in out])
+            self.log_per_model("train_loss", losses)               # train_loss_model_<id>
+            return losses.sum()                                    # each model's own gradient
+
+        def validation_step(self, batch, _):
+            x, y = batch
+            out = self(x)
+            self.log_per_model("val_loss", torch.stack([F.cross_entropy(o, y) for o in out]))
+
+        def configure_optimizers(self):
+            return hftc.optim.SGD(self.fused.parameters(), lr=[0.1, 0.03, 0.01])
+
+    module = Classifiers([MLP() for _ in range(3)])
+    trainer = lightning.Trainer(max_epochs=20, callbacks=[
+        hftc.lightning.PerModelEarlyStopping("val_loss", patience=2),
+        hftc.lightning.PerModelCheckpoint(dirpath="ckpt")])        # ckpt/model_<id>.pt
+    trainer.fit(module, train_loader, val_loader)
+
+Models keep the *id* they were fused with (their index in the list given) when others
+leave the array: metrics are ``{name}_model_{id}`` and files ``model_{id}.pt`` throughout,
+``module.model_ids`` lists the ids in the array, in order.
+
+:class:`PerModelEarlyStopping` is Lightning's ``EarlyStopping`` per model (one of them per
+id, with its arguments, deciding on that model's metric at the same point of the loop): a
+model that stops leaves the array (``hftc.keep_models``, its optimizer state and
+scheduler entries too) before the next epoch starts, after that epoch's checkpoints; the
+run stops when every model has.  :class:`PerModelCheckpoint` writes each model's
+``state_dict`` (as the original class has it: ``MLP().load_state_dict(torch.load(path))``)
+at every epoch's end, or, with ``monitor``, when the model's metric improves.
+
+``import hftc`` never imports this module (nor Lightning); importing it without Lightning
+raises :class:`hftc.errors.MissingExtraError`, which says to ``pip install 'hftc[lightning]'``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import FusionArgumentError, FusionTypeError, MissingExtraError
+from ..module.fused import FusedModule, fuse
+from ..training.shrink import keep_models
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, EarlyStopping
+except ImportError as exc:  # pragma: no cover - the test environment has them
+    _missing = (exc.name or "lightning").split(".")[0]
+    raise MissingExtraError(f"hftc.lightning needs Lightning ({_missing} is not installed): "
+                            f"pip install 'hftc[lightning]'", extra="lightning") from exc
+
+__all__ = ["FusedLightningModule", "PerModelCheckpoint", "PerModelEarlyStopping"]
+
+
+def model_metric(name: str, model_id: int) -> str:
+    """The name model ``model_id``'s value of metric ``name`` is logged under."""
+    return f"{name}_model_{model_id}"
+
+
+class FusedLightningModule(pl.LightningModule):
+    """A ``LightningModule`` around ``hftc.fuse(models)``: ``self.fused``, called by
+    ``self(...)``; write ``training_step`` / ``validation_step`` / ``configure_optimizers``
+    as for one model, with N results (``out[j]`` is model ``self.model_ids[j]``'s).
+
+    Args:
+        models: the N models (or ``fused``: a fused module already made).
+        **fuse_kwargs: for ``hftc.fuse`` (``in_dims``, ``example_inputs`` ...).
+    """
+
+    def __init__(self, models: Sequence[nn.Module] | None = None, *,
+                 fused: FusedModule | None = None, **fuse_kwargs: Any) -> None:
+        super().__init__()
+        if (models is None) == (fused is None):
+            raise FusionArgumentError(
+                "FusedLightningModule takes the models (FusedLightningModule([m0, m1, ...])) "
+                "or a fused module (fused=hftc.fuse(...)), one of the two")
+        if fused is not None and not isinstance(fused, FusedModule):
+            raise FusionTypeError(f"FusedLightningModule: fused= takes hftc.fuse(models), got "
+                                  f"a {type(fused).__name__}")
+        self.fused = fused if fused is not None else fuse(list(models), **fuse_kwargs)
+        #: the id (index in the models first given) of each model in the array, in order
+        self.model_ids: list[int] = list(range(self.fused.num_models))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fused(*args, **kwargs)
+
+    def log_per_model(self, name: str, values: torch.Tensor | Sequence[Any],
+                      **log_kwargs: Any) -> None:
+        """``self.log(f"{name}_model_{id}", values[j], ...)`` for each model ``j`` in the
+        array (``values``: one per model, e.g. the ``[N]`` losses)."""
+        if len(values) != len(self.model_ids):
+            raise FusionArgumentError(
+                f"log_per_model({name!r}): got {len(values)} values for the "
+                f"{len(self.model_ids)} models in the array (ids {self.model_ids}); give one "
+                f"value per model, in the array's order")
+        for model_id, value in zip(self.model_ids, values):
+            self.log(model_metric(name, model_id), value, **log_kwargs)
+
+    def keep_models(self, keep_ids: Sequence[int]) -> None:
+        """Keep only the models whose ids are ``keep_ids`` (in the array's order), with their
+        optimizer state and schedulers' entries (:func:`hftc.keep_models`)."""
+        unknown = sorted(set(keep_ids) - set(self.model_ids))
+        if unknown:
+            raise FusionArgumentError(
+                f"keep_models: model id(s) {unknown} are not in the array (ids "
+                f"{self.model_ids}); give ids of models still training")
+        keep = [j for j, model_id in enumerate(self.model_ids) if model_id in set(keep_ids)]
+        trainer = self._trainer
+        optimizers = list(trainer.optimizers) if trainer is not None else []
+        schedulers = ([config.scheduler for config in trainer.lr_scheduler_configs]
+                      if trainer is not None else [])
+        keep_models(self.fused, keep, optimizers=optimizers, schedulers=schedulers)
+        self.model_ids = [self.model_ids[j] for j in keep]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["hftc_model_ids"] = list(self.model_ids)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A Lightning checkpoint saved after models left the array holds fewer models than
+        a module made anew: refused, saying so (not a size mismatch from load_state_dict)."""
+        saved = checkpoint.get("hftc_model_ids")
+        if saved is not None and list(saved) != self.model_ids:
+            raise FusionArgumentError(
+                f"this checkpoint holds models {list(saved)} of the array, the module models "
+                f"{self.model_ids}: resuming after models left the array is not supported; "
+                f"each model's own file (PerModelCheckpoint) holds it")
+        super().on_load_checkpoint(checkpoint)
+
+    def model_state_dict(self, model_id: int) -> dict[str, torch.Tensor]:
+        """Model ``model_id``'s ``state_dict`` with its class's keys (copies)."""
+        return self.fused.unfuse_model(self._position(model_id)).state_dict()
+
+    def unfuse_model(self, model_id: int) -> nn.Module:
+        """Model ``model_id`` alone, a module of its original class."""
+        return self.fused.unfuse_model(self._position(model_id))
+
+    def _position(self, model_id: int) -> int:
+        if model_id not in self.model_ids:
+            raise FusionArgumentError(
+                f"model id {model_id} is not in the array (ids {self.model_ids}): it stopped "
+                f"(its checkpoint file holds it) or never was")
+        return self.model_ids.index(model_id)
+
+
+def _fused_module(pl_module: Any, who: str) -> FusedLightningModule:
+    if not isinstance(pl_module, FusedLightningModule):
+        raise FusionTypeError(
+            f"{who} works on a hftc.lightning.FusedLightningModule (it needs the array's "
+            f"model ids), got a {type(pl_module).__name__}: subclass FusedLightningModule")
+    return pl_module
+
+
+class PerModelEarlyStopping(Callback):
+    """Lightning's ``EarlyStopping`` for each model of the array, on its own metric
+    ``{monitor}_model_{id}`` (log it with :meth:`FusedLightningModule.log_per_model`).
+
+    Takes ``EarlyStopping``'s arguments (``patience``, ``min_delta``, ``mode``,
+    ``stopping_threshold``, ``check_on_train_epoch_end`` ...) and decides for each model
+    as that callback would for the model trained alone.  A model that stops leaves the
+    array when the next epoch starts (so the epoch's checkpoints still hold it); the run
+    stops when all have.  ``stopped_epochs``: model id -> the epoch it stopped at.
+    """
+
+    def __init__(self, monitor: str, **early_stopping_kwargs: Any) -> None:
+        super().__init__()
+        self.monitor = monitor
+        self._template = EarlyStopping(monitor=monitor, **early_stopping_kwargs)
+        self._per_model: dict[int, EarlyStopping] = {}
+        self.stopped_epochs: dict[int, int] = {}
+        self._leaving: list[int] = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(monitor=self.monitor, mode=self._template.mode)
+
+    def _stopper(self, model_id: int) -> EarlyStopping:
+        if model_id not in self._per_model:
+            stopper = copy.deepcopy(self._template)
+            stopper.monitor = model_metric(self.monitor, model_id)
+            self._per_model[model_id] = stopper
+        return self._per_model[model_id]
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        _fused_module(pl_module, "PerModelEarlyStopping")
+        self._template.setup(trainer, pl_module, stage)  # when to check, as EarlyStopping
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._leaving:
+            module = _fused_module(pl_module, "PerModelEarlyStopping")
+            module.keep_models([i for i in module.model_ids if i not in self._leaving])
+            self._leaving = []
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._template._check_on_train_epoch_end and not self._skip(trainer):
+            self._check(trainer, pl_module)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._template._check_on_train_epoch_end and not self._skip(trainer):
+            self._check(trainer, pl_module)
+
+    @staticmethod
+    def _skip(trainer: pl.Trainer) -> bool:
+        return trainer.state.fn != "fit" or trainer.sanity_checking or bool(trainer.fast_dev_run)
+
+    def _check(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        module = _fused_module(pl_module, "PerModelEarlyStopping")
+        metrics = trainer.callback_metrics
+        for model_id in module.model_ids:
+            if model_id in self._leaving:
+                continue
+            stopper = self._stopper(model_id)
+            if not stopper._validate_condition_metric(metrics):  # (strict: raises, naming it)
+                continue
+            # EarlyStopping's own decision (patience, min_delta, thresholds, non-finite)
+            should_stop, _ = stopper._evaluate_stopping_criteria(
+                metrics[stopper.monitor].squeeze())
+            if should_stop:
+                self.stopped_epochs[model_id] = trainer.current_epoch
+                self._leaving.append(model_id)
+        if set(module.model_ids) <= set(self._leaving):
+            trainer.should_stop = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"per_model": {i: s.state_dict() for i, s in self._per_model.items()},
+                "stopped_epochs": dict(self.stopped_epochs), "leaving": list(self._leaving)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for model_id, state in state_dict["per_model"].items():
+            self._stopper(int(model_id)).load_state_dict(state)
+        self.stopped_epochs = {int(k): v for k, v in state_dict["stopped_epochs"].items()}
+        self._leaving = list(state_dict["leaving"])
+
+
+class PerModelCheckpoint(Callback):
+    """A ``state_dict`` file per model, ``dirpath/model_{id}.pt``, loadable into the model's
+    original class (``MLP().load_state_dict(torch.load(path))``).
+
+    Args:
+        dirpath: the folder (made if missing).
+        monitor: None (default): each model's file is written at every epoch's end while
+            it is in the array, so it holds the model as training left it (a model that
+            stopped early: as it stopped).  A metric name: written when the model's
+            ``{monitor}_model_{id}`` improves (``mode`` "min" or "max").
+    """
+
+    def __init__(self, dirpath: str | os.PathLike, monitor: str | None = None,
+                 mode: str = "min") -> None:
+        super().__init__()
+        if mode not in ("min", "max"):
+            raise FusionArgumentError(f"PerModelCheckpoint: mode is 'min' or 'max', got {mode!r}")
+        self.dirpath = os.fspath(dirpath)
+        self.monitor, self.mode = monitor, mode
+        self.best: dict[int, float] = {}
+
+    def path(self, model_id: int) -> str:
+        """Model ``model_id``'s file."""
+        return os.path.join(self.dirpath, f"model_{model_id}.pt")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        module = _fused_module(pl_module, "PerModelCheckpoint")
+        os.makedirs(self.dirpath, exist_ok=True)
+        for model_id in module.model_ids:
+            if self.monitor is not None:
+                name = model_metric(self.monitor, model_id)
+                if name not in trainer.callback_metrics:
+                    raise FusionArgumentError(
+                        f"PerModelCheckpoint: no metric {name!r} (monitor={self.monitor!r}); "
+                        f"log it with self.log_per_model({self.monitor!r}, values)")
+                value = float(trainer.callback_metrics[name])
+                best = self.best.get(model_id)
+                if best is not None and not (value < best if self.mode == "min" else value > best):
+                    continue
+                self.best[model_id] = value
+            torch.save(module.model_state_dict(model_id), self.path(model_id))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": dict(self.best)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best = {int(k): v for k, v in state_dict["best"].items()}

@@ -1,0 +1,437 @@
+"""Ray as the engine of a fused sweep over many GPUs and machines (``pip install hftc[ray]``).
+
+Two ways in:
+
+* :func:`sweep` (``python -m hftc sweep SPEC --ray [ADDRESS] --workers K``): K Ray
+  actors, each holding one device (``num_gpus=1`` where the cluster has GPUs, else one
+  CPU), each running the sweep worker of :mod:`hftc.sweep` (fused arrays, pruning,
+  re-fusing, checkpoints) on one shared Optuna study::
+
+      driver:  create the study in STORAGE; start K actors (spread over the nodes)
+      actor k: hftc.sweep.Sweep(spec, storage=STORAGE, out=OUT).run()   # ask, fuse, train
+      driver:  an actor (or its node) dies -> start another with resume=True: it takes
+               the dead worker's trials from their checkpoints in OUT (or, where OUT is not
+               shared, Optuna's heartbeat fails them and any worker retries them once)
+      driver:  every actor done -> results.csv, best.pt, leaderboard in OUT
+
+  The storage is an Optuna RDB every actor reaches: ``sqlite:///OUT/study.db`` (the
+  default) where every actor sees OUT (one machine, or nodes on one host as in the tests),
+  ``postgresql://...`` across machines.
+
+* :func:`tune_trainable`, for Ray Tune users: each Tune trial trains an array of
+  ``per_array`` configurations fused on one device and reports each configuration's
+  metric; a Tune scheduler (``ASHAScheduler``) decides per configuration, and a stopped
+  configuration leaves its array (:func:`hftc.keep_models`, in place).
+
+``import hftc`` never imports Ray; this module imports it on first use, and a missing
+Ray raises :class:`hftc.errors.MissingExtraError` naming ``pip install 'hftc[ray]'``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from ..errors import MissingExtraError, SweepError
+
+__all__ = ["sweep", "tune_trainable", "ARRAY_KEY"]
+
+#: The key of a Tune trial's config that holds its array's configurations (a list).
+ARRAY_KEY = "configs"
+
+
+def _import_ray(what: str = "ray") -> Any:
+    """``ray`` (or ``ray.tune``), or a :class:`MissingExtraError` saying what to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(what)
+    except ModuleNotFoundError as exc:
+        raise MissingExtraError(
+            f"hftc.ray needs {exc.name!r} ({what} is not installed): pip install 'hftc[ray]'",
+            extra="ray") from exc
+
+
+def _shippable(spec: Any, where: str) -> Any:
+    """The spec as the actors get it: a file made absolute (their working folder is not
+    ours); a ``SweepSpec`` whose functions come from a spec file loaded by path is
+    refused (the actors cannot import that module), with what to give instead."""
+    if isinstance(spec, (str, Path)):
+        return str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
+    for name in ("space", "model", "data", "optimizer", "loss", "metric"):
+        module = getattr(getattr(spec, name, None), "__module__", None) or ""
+        if module.startswith("_hftc_spec_"):
+            raise SweepError(
+                f"{where}: the spec's {name}() comes from a spec file loaded by path "
+                f"({module[len('_hftc_spec_'):]}.py), which Ray's workers cannot import; "
+                f"give the file's path ({where}('path/to/spec.py', ...)) instead of the "
+                f"loaded SweepSpec, and spec fields as keyword arguments")
+    return spec
+
+
+# ---------------------------------------------------------------------- sweep on actors
+
+
+class _SweepActor:
+    """One sweep worker in a Ray actor. :meth:`load` loads the spec and reads the data
+    before :meth:`run`, so that every worker of a sweep begins asking trials at about
+    the same time (and a spec that fails on a node fails before any trial starts)."""
+
+    def __init__(self, spec: Any, overrides: dict[str, Any], options: dict[str, Any],
+                 device: str | None):
+        self.source, self.overrides, self.options, self.device = (spec, overrides, options,
+                                                                   device)
+        self.spec = None
+
+    def load(self) -> str:
+        from ..sweep.spec import load_spec
+        from ..sweep.training import SweepData
+
+        spec = load_spec(self.source).replace(**self.overrides)
+        if self.device is not None:
+            spec = spec.replace(device=self.device)
+        SweepData.from_spec(spec)  # imports and reads the data (a bad data() fails here)
+        self.spec = spec
+        return self.where()
+
+    def where(self) -> str:
+        ray = _import_ray()
+        return ray.get_runtime_context().get_node_id()
+
+    def run(self, resume: bool) -> dict[str, Any]:
+        from ..sweep.engine import Sweep
+
+        if self.spec is None:
+            self.load()
+        result = Sweep(self.spec, resume=resume, **self.options).run()
+        return {"node": self.where(), "trial_epochs": result.trial_epochs,
+                "train_s": result.train_s}
+
+
+def _actor_died(ray: Any, exc: BaseException) -> bool:
+    """Did the actor (or its node) die, rather than its code raise?"""
+    return isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
+                            ray.exceptions.NodeDiedError))
+
+
+def sweep(
+    spec: Any,
+    *,
+    address: str | None = None,
+    workers: int = 2,
+    out: str | Path | None = None,
+    storage: str | None = None,
+    study_name: str | None = None,
+    resume: bool = False,
+    heartbeat_interval: int = 30,
+    grace_period: int | None = None,
+    gpus: bool | None = None,
+    max_replacements: int | None = None,
+    log=None,
+    **overrides: Any,
+) -> Any:
+    """Run a fused sweep on ``workers`` Ray actors sharing one Optuna study.
+
+    Args:
+        spec: a spec file or module path (loaded on every actor: the file must exist on
+            every node), or a :class:`~hftc.sweep.SweepSpec` whose functions live in an
+            importable module (pickled to the actors; one loaded from a file by path is
+            refused with a :class:`~hftc.errors.SweepError`).
+        address: the Ray cluster (``"auto"``, ``"ray://host:10001"``, ``host:6379``);
+            ``None`` connects to the one this process is attached to, or starts a local
+            one.
+        workers: the number of actors; each holds one GPU where the cluster has GPUs
+            (``gpus=None``; ``gpus=False`` forces CPUs), else one CPU.
+        out: the folder of checkpoints and results (default ``sweeps/<study>``); every
+            actor writes its checkpoints there, so that a replacement resumes a dead
+            worker's trials where it sees the folder.
+        storage: an Optuna RDB URL every actor reaches (default
+            ``sqlite:///OUT/study.db``: one machine or a shared folder; PostgreSQL across
+            machines).
+        max_replacements: how many dead actors are replaced (default ``2 * workers``);
+            past it the sweep stops with a :class:`~hftc.errors.SweepError` (its trials
+            stay in the storage, ``resume=True`` continues them).
+        **overrides: spec fields (``n_trials``, ``per_array``, ``epochs``, ``pruner``,
+            ``sampler``, ``seed``, ``dtype`` ...), as for :func:`hftc.sweep.run`.
+
+    Returns the :class:`~hftc.sweep.SweepResult` of the study (leaderboard and files), its
+    ``timings`` holding ``workers``, ``replaced`` (actors), ``nodes`` (those the finishing
+    actors ran on) and the actors' summed ``train`` seconds.
+    """
+    ray = _import_ray()
+    from ..sweep.engine import Sweep, make_storage
+    from ..sweep.spec import load_spec
+
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise SweepError(f"hftc.ray.sweep: workers must be a positive int, got {workers!r}")
+    start = time.perf_counter()
+    spec = _shippable(spec, "hftc.ray.sweep")
+    local_spec = load_spec(spec).replace(**overrides)
+    study_name = study_name or local_spec.name
+    out = Path(out if out is not None else Path("sweeps") / study_name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    storage = storage or f"sqlite:///{out / 'study.db'}"
+    say = log if log is not None else (lambda msg: None)
+
+    # The study exists before any actor starts: a replacement (resume=True) finds it.
+    import optuna
+
+    optuna.create_study(study_name=study_name, direction=local_spec.direction,
+                        storage=make_storage(storage, heartbeat_interval, grace_period),
+                        load_if_exists=True)
+
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level="warning", log_to_driver=log is not None)
+    if gpus is None:
+        gpus = ray.cluster_resources().get("GPU", 0) >= 1
+    options = {"out": str(out), "storage": storage, "study_name": study_name,
+               "heartbeat_interval": heartbeat_interval, "grace_period": grace_period,
+               "progress": False, "log": print if log is not None else None}
+    Actor = ray.remote(_SweepActor).options(
+        num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy="SPREAD",
+        max_restarts=0)
+    limit = 2 * workers if max_replacements is None else max_replacements
+    replaced, summaries, every_actor = 0, [], []
+
+    def start_actor() -> Any:
+        actor = Actor.remote(spec, overrides, options, "cuda" if gpus else None)
+        every_actor.append(actor)
+        return actor
+
+    def wait_all(calls: dict[Any, Any], again: str) -> list[tuple[Any, Any]]:
+        """(actor, result) of each of ``calls`` (ref -> actor); an actor that dies (or
+        whose node does) is replaced by a new one that calls ``again`` (``run`` with
+        resume=True: it takes over the dead worker's trials)."""
+        nonlocal replaced
+        results = []
+        while calls:
+            (done,), _ = ray.wait(list(calls), num_returns=1)
+            actor = calls.pop(done)
+            try:
+                results.append((actor, ray.get(done)))
+            except Exception as exc:
+                if not _actor_died(ray, exc) or replaced >= limit:
+                    raise
+                replaced += 1
+                say(f"a sweep actor died ({type(exc).__name__}); starting another "
+                    f"({replaced} replaced)")
+                actor = start_actor()
+                call = actor.load.remote() if again == "load" else actor.run.remote(True)
+                calls[call] = actor
+        return results
+
+    try:
+        # Every worker loaded (spec, data, imports) before any asks: they share the work.
+        loaded = wait_all({a.load.remote(): a for a in [start_actor() for _ in range(workers)]},
+                          "load")
+        summaries = [s for _, s in wait_all({a.run.remote(resume): a for a, _ in loaded},
+                                            "run")]
+    except ray.exceptions.RayTaskError as exc:  # the sweep's code raised: say what
+        raise (exc.cause if getattr(exc, "cause", None) is not None else exc) from None
+    except Exception as exc:
+        if not _actor_died(ray, exc):
+            raise
+        raise SweepError(
+            f"hftc.ray.sweep: {replaced + 1} sweep actors died (the last: "
+            f"{type(exc).__name__}); the study {study_name!r} keeps its trials: run again "
+            f"with resume=True (--resume) once the cluster is healthy") from exc
+    finally:
+        for actor in every_actor:  # on an error, the others stop too
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+    # Every trial is done: the results, written once, here.
+    final = Sweep(local_spec, out=out, storage=storage, study_name=study_name,
+                  heartbeat_interval=heartbeat_interval, grace_period=grace_period,
+                  progress=False).run()
+    timings = {**final.timings, "train": sum(s["train_s"] for s in summaries),
+               "workers": workers, "replaced": replaced,
+               "nodes": len({summary["node"] for summary in summaries})}
+    return dataclasses.replace(
+        final, wall_s=time.perf_counter() - start,
+        train_s=sum(s["train_s"] for s in summaries),
+        trial_epochs=sum(s["trial_epochs"] for s in summaries), timings=timings)
+
+
+# ---------------------------------------------------------------------- Ray Tune
+
+
+class _Config:
+    """What a Tune scheduler reads of a trial: its id (one per configuration here)."""
+
+    def __init__(self, trial_id: str):
+        self.trial_id = trial_id
+
+    def __repr__(self) -> str:
+        return f"config {self.trial_id}"
+
+
+class _PerConfigScheduler:
+    """A Ray actor holding one Tune scheduler that decides for every configuration of
+    every array of the run, each configuration being the scheduler's own trial."""
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+        self.configs: dict[str, _Config] = {}
+        self.stopped: list[tuple[str, int]] = []
+
+    def add(self, config_id: str) -> None:
+        self.configs[config_id] = _Config(config_id)
+        self.scheduler.on_trial_add(None, self.configs[config_id])
+
+    def result(self, config_id: str, result: dict[str, Any]) -> str:
+        """The scheduler's decision (``"CONTINUE"``, ``"STOP"``) on a configuration's
+        result; a stopped configuration leaves the scheduler."""
+        action = self.scheduler.on_trial_result(None, self.configs[config_id], result)
+        if action == "STOP":
+            self.scheduler.on_trial_remove(None, self.configs.pop(config_id))
+            self.stopped.append((config_id, int(result["training_iteration"])))
+        return action
+
+    def complete(self, config_id: str) -> None:
+        """A configuration trained to the last epoch leaves the scheduler."""
+        if config_id in self.configs:
+            self.scheduler.on_trial_remove(None, self.configs.pop(config_id))
+
+    def stopped_configs(self) -> list[tuple[str, int]]:
+        return list(self.stopped)
+
+
+def tune_trainable(spec: Any, *, scheduler: Any = None, epochs: int | None = None,
+                   **overrides: Any):
+    """A Ray Tune function trainable that trains an array of configurations fused.
+
+    Each Tune trial's config holds its array under :data:`ARRAY_KEY`: a list of N
+    parameter dicts (the spec's ``model(params)`` / ``optimizer(params, module)`` read
+    them); :func:`array_space` builds that search space. Every epoch,
+    the trial trains its live configurations as one fused module, then reports::
+
+        {"config_0/<metric>": ..., "config_1/<metric>": ..., "<metric>": best live value,
+         "live": number of live configurations}
+
+    ``scheduler`` (Tune's ``ASHAScheduler`` / ``AsyncHyperBandScheduler``: it decides from
+    results alone; schedulers that need Tune's trial runner, such as PBT or the median
+    stopping rule, are refused) is asked per configuration (its ``on_trial_result``,
+    each configuration a scheduler trial ``<tune trial id>/<j>``, ``training_iteration``
+    its epochs); a configuration it stops leaves the array (:func:`hftc.keep_models`
+    cuts the fused module and optimizer in place) and the others train on, each as if
+    alone. The trial ends when its array
+    is empty or after ``epochs``. Give the scheduler here, not to ``tune.TuneConfig``
+    (where it would stop whole arrays). Call after ``ray.init()``: the scheduler lives
+    in an actor of the driver.
+
+    A configuration's seed is its ``"seed"`` parameter, else the spec's seed plus a hash
+    of its trial and position.
+    """
+    ray = _import_ray()
+    from ..sweep.spec import load_spec
+
+    spec = _shippable(spec, "hftc.ray.tune_trainable")
+    overrides = {**overrides, "epochs": epochs}
+    spec_obj = load_spec(spec).replace(**overrides)
+    metric = spec_obj.metric_name
+    decider = None
+    if scheduler is not None:
+        from ray.tune.schedulers import AsyncHyperBandScheduler
+
+        if not isinstance(scheduler, AsyncHyperBandScheduler):
+            raise SweepError(
+                f"hftc.ray.tune_trainable: {type(scheduler).__name__} decides with Tune's "
+                f"trial runner, which a configuration inside an array does not have; per "
+                f"configuration hftc drives ASHAScheduler (AsyncHyperBandScheduler): give "
+                f"one, or give {type(scheduler).__name__} to tune.TuneConfig to schedule "
+                f"whole arrays")
+        # Tune sets a scheduler's metric and mode from TuneConfig; here they are the spec's
+        # (a scheduler given its own keeps them).
+        scheduler.set_search_properties(metric, spec_obj.direction[:3])
+        decider = ray.remote(_PerConfigScheduler).options(num_cpus=0).remote(scheduler)
+
+    def train_array(config: dict[str, Any]) -> None:
+        # The spec travels as its file or module path (a spec module loaded from a file
+        # cannot be pickled by reference) and is loaded again in the trial.
+        _train_array(load_spec(spec).replace(**overrides), config, decider)
+
+    train_array.scheduler_actor = decider
+    return train_array
+
+
+def array_space(space: dict[str, Any], per_array: int) -> dict[str, Any]:
+    """A Tune ``param_space`` whose every sample is an array of ``per_array``
+    configurations, each drawn from ``space`` (a dict of Tune domains)."""
+    return {ARRAY_KEY: [dict(space) for _ in range(per_array)]}
+
+
+def _train_array(spec: Any, config: dict[str, Any], decider: Any) -> None:
+    """One Tune trial: ``config[ARRAY_KEY]``'s configurations fused, trained epoch by
+    epoch, reported per configuration, cut as the scheduler stops them."""
+    import hftc
+
+    from ..sweep.training import (
+        SweepData,
+        batches,
+        build_model,
+        epoch_order,
+        evaluate,
+        metric_value,
+    )
+
+    ray = _import_ray()
+    tune = _import_ray("ray.tune")
+    params = config.get(ARRAY_KEY)
+    if not isinstance(params, list) or not params or not all(isinstance(p, dict)
+                                                              for p in params):
+        raise SweepError(f"hftc.ray.tune_trainable: the trial's config needs {ARRAY_KEY!r}: a "
+                         f"list of parameter dicts (use hftc.ray.array_space(space, N) as "
+                         f"param_space), got {type(params).__name__}")
+    trial_id = tune.get_context().get_trial_id() or "trial"
+    if ray.get_gpu_ids() and spec.device == "cpu":  # tune.with_resources(..., {"gpu": 1})
+        spec = spec.replace(device="cuda")
+    data = SweepData.from_spec(spec)
+    names = [f"{trial_id}/{j}" for j in range(len(params))]
+    seeds = [int(p["seed"]) if "seed" in p else
+             spec.seed + zlib.crc32(name.encode()) % 1_000_000 for p, name in zip(params, names)]
+    modules = [build_model(spec, p, s) for p, s in zip(params, seeds)]
+    fused = hftc.fuse(modules, example_inputs=tuple(x[:spec.batch_size]
+                                                    for x in data.x_train))
+    optimizer = hftc.optim.fuse_optimizers(fused, [spec.optimizer(p, m)
+                                                   for p, m in zip(params, modules)])
+    loss = hftc.per_model(spec.loss)
+    live = list(range(len(params)))  # configuration index of each model of the array
+    if decider is not None:
+        ray.get([decider.add.remote(n) for n in names])
+    best = max if spec.direction == "maximize" else min
+    for epoch in range(spec.epochs):
+        key = spec.seed * 1_000_003 + epoch  # the data order of the sweep's round `epoch`
+        fused.train()
+        for idx in batches(epoch_order(key, data.n_train), spec.batch_size):
+            optimizer.zero_grad(set_to_none=True)
+            loss(fused(*(x[idx] for x in data.x_train)), data.y_train[idx]).sum().backward()
+            optimizer.step()
+        fused.eval()
+        out = evaluate(fused, data, spec.eval_batch_size, batch_dim=1)
+        values = [metric_value(spec, out[j], data.y_val) for j in range(len(live))]
+        report = {f"config_{c}/{spec.metric_name}": v for c, v in zip(live, values)}
+        report.update({f"config_{c}/seed": seeds[c] for c in live})
+        report.update({spec.metric_name: best(values), "live": len(live),
+                       "array_size": fused.num_models})
+        keep = list(range(len(live)))
+        last = epoch + 1 == spec.epochs
+        if decider is not None and not last:
+            actions = ray.get([
+                decider.result.remote(names[c], {"training_iteration": epoch + 1,
+                                                 spec.metric_name: v})
+                for c, v in zip(live, values)])
+            keep = [j for j, a in enumerate(actions) if a != "STOP"]
+        elif decider is not None:
+            ray.get([decider.complete.remote(names[c]) for c in live])
+        report["stopped"] = len(live) - len(keep)
+        tune.report(report)
+        if len(keep) < len(live):
+            live = [live[j] for j in keep]
+            if not live:
+                return
+            hftc.keep_models(fused, keep, optimizers=[optimizer])

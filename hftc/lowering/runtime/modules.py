@@ -1,0 +1,157 @@
+"""The fused module's tree: the originals' module paths, holding stacked tensors.
+
+``fused.layer1[0].conv1.weight`` is ``torch.stack`` of the N models'
+``layer1[0].conv1.weight``: same path, same name, a leading model dim.  Every
+module of model 0 with parameters or buffers becomes a :class:`StackedModule`
+at its path (it computes nothing: the fused graph reads its tensors and its
+``training`` flag); a module with neither is copied as it is (``nn.ReLU``,
+``nn.Dropout``, ``nn.MaxPool2d``), since it can run on fused data unchanged or
+lends its hyper-parameters to a rule.
+
+This module holds the tree's classes; :mod:`hftc.module.stacking` builds the tree (it compares
+the models, which the runtime does not).  It also knows which parameters are stacked (their
+mark, the live fused modules): what torch's clipping as patched by :mod:`hftc.patches` and
+the refusals of coupling optimizers ask.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+
+from ...errors import UnsupportedOperatorError
+
+
+class ContainerAccess:
+    """Indexing, ``len()`` and iteration as the container a module mirrors
+    (``_container``: "list" for ``nn.Sequential`` / ``nn.ModuleList``, "dict" for
+    ``nn.ModuleDict``, None for other modules, which support none of them)."""
+
+    _container: str | None = None
+    source_type: str = ""
+
+    @staticmethod
+    def container_kind(source: nn.Module) -> str | None:
+        return ("list" if isinstance(source, (nn.Sequential, nn.ModuleList))
+                else "dict" if isinstance(source, nn.ModuleDict) else None)
+
+    def _container_of(self, what: str) -> str:
+        container = self.__dict__.get("_container")
+        if container is None:
+            raise TypeError(f"'{self.source_type}' (stacked by hftc) does not support {what}")
+        return container
+
+    def __getitem__(self, key: int | str) -> nn.Module:
+        """``fused.blocks[0]`` as ``model.blocks[0]`` (``fused.heads["a"]`` for a ModuleDict):
+        the freeze-the-first-k-blocks habit on the fused module."""
+        if self._container_of("indexing") == "list" and isinstance(key, int):
+            names = list(self._modules)
+            if not -len(names) <= key < len(names):
+                raise IndexError(f"index {key} is out of range for {len(names)} modules")
+            return self._modules[names[key]]
+        if isinstance(key, str) and key in self._modules:
+            return self._modules[key]
+        raise KeyError(key)
+
+    def __len__(self) -> int:
+        self._container_of("len()")
+        return len(self._modules)
+
+    def __bool__(self) -> bool:  # a module is true, container or not (``__len__`` raises)
+        return True
+
+    def __iter__(self):
+        if self._container_of("iteration") == "dict":
+            return iter(self._modules)
+        return iter(self._modules.values())
+
+
+class StackedModule(ContainerAccess, nn.Module):
+    """N modules' parameters and buffers stacked ``[N, *shape]`` under their own names.
+
+    ``_hftc_template`` (not a submodule: it holds no data) is model 0's module on
+    the meta device, used for the per-model loop fallback and for ``unfuse()``.
+    """
+
+    def __init__(self, source: nn.Module, num_models: int):
+        super().__init__()
+        self.source_type = type(source).__name__
+        self._source_repr = source.extra_repr()
+        self.num_models = num_models
+        self.training = source.training
+        #: "list" (nn.Sequential, nn.ModuleList), "dict" (nn.ModuleDict) or None: how the
+        #: source's children are reached (``fused.blocks[0]``, ``len(fused.blocks)``)
+        self._container = self.container_kind(source)
+
+    def extra_repr(self) -> str:
+        return f"{self.source_type}({self._source_repr}) x {self.num_models}"
+
+    # ------------------------------------------------------------ hooks never run
+
+    def _no_hooks(self, *args, **kwargs):
+        raise UnsupportedOperatorError(
+            f"a hook on a fused module's submodule ({self.source_type}, stacked by hftc) "
+            f"would never run: the fused program reads its stacked tensors and does not "
+            f"call it. Register hooks on the fused module itself (its outputs are the N "
+            f"models' stacked), or on an unfused model (fused.unfuse_model(i))")
+
+    register_forward_hook = _no_hooks
+    register_forward_pre_hook = _no_hooks
+    register_full_backward_hook = _no_hooks
+    register_full_backward_pre_hook = _no_hooks
+    register_backward_hook = _no_hooks
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - the fused graph never calls it
+        raise RuntimeError(
+            f"a StackedModule ({self.source_type}) holds stacked tensors for the fused graph; "
+            f"call the FusedModule, not its submodules"
+        )
+
+
+# --------------------------------------------------------------------------- stacked parameters
+
+#: The attribute that marks a fused module's stacked parameters (``FusedModule`` sets it
+#: to N): what ``torch.nn.utils.clip_grad_norm_`` clips per model.  An attribute of the
+#: tensor, so deepcopy, pickling and ``.to()`` keep it.
+STACKED_MARK = "_hftc_num_models"
+
+
+#: The live fused modules (weakly): their parameters are stacked whatever their marks say
+#: (``load_state_dict(..., assign=True)`` puts in new Parameter objects), and the gradients
+#: torch's two-step clipping gets carry no mark of their own.  Modules, not their
+#: tensors: ``torch.utils.swap_tensors`` (``.to()`` under
+#: ``torch.__future__.set_swap_module_params_on_conversion(True)``, ``load_state_dict``)
+#: refuses a tensor that has a weak reference.
+_FUSED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def register_fused(module: nn.Module) -> None:
+    """Count ``module``'s parameters as stacked from now on (``FusedModule`` calls it)."""
+    _FUSED_MODULES.add(module)
+
+
+def _live_stacked() -> dict[int, tuple[Tensor, int]]:
+    """``id(parameter) -> (parameter, N)`` for every live fused module's parameters."""
+    return {id(p): (p, module.num_models) for module in list(_FUSED_MODULES)
+            for p in module.parameters()}
+
+
+def _num_models(p: Tensor, live: dict[int, tuple[Tensor, int]] | None = None) -> int | None:
+    """N where ``p`` is a fused module's stacked parameter, else ``None``."""
+    mark = getattr(p, STACKED_MARK, None)
+    if mark is not None:
+        return mark
+    entry = (live if live is not None else _live_stacked()).get(id(p))
+    return None if entry is None or entry[0] is not p else entry[1]
+
+
+def _stacked_counts(params: Sequence[Tensor]) -> list[int | None]:
+    live = None if all(_num_models(p, {}) is not None for p in params) else _live_stacked()
+    return [_num_models(p, live) for p in params]
+
+
+def mark_stacked(p: Tensor, num_models: int) -> None:
+    """Mark ``p`` as a fused module's stacked ``[N, ...]`` parameter (see ``STACKED_MARK``)."""
+    setattr(p, STACKED_MARK, num_models)

@@ -1,0 +1,440 @@
+"""The choice between the fused program and the N models one by one.
+
+The two compute the same answers but round differently (a batched GEMM against N
+GEMMs), so a choice made by timing would make the bits of a training run depend on the
+machine's load and on what the disk cache holds.  Hence, as ``torch.backends.cudnn.
+benchmark`` is off by default:
+
+- ``strategy="auto"`` (the default) decides without timing: the fused program where the
+  first-call check finds it computes the models' answers, else the models one by one
+  (the check's fallback).  The same script gives the same bits every run.
+- ``strategy="timed"`` runs each new program (per mode and input signature) whichever
+  way is faster on this machine, chosen after the first-call check in one of two ways
+  (below); ``fused.plan`` then says that the choice, and so the bits, may differ
+  between runs.  Under ``torch.use_deterministic_algorithms(True)`` nothing is timed:
+  the program runs as with ``"auto"``, and ``fused.plan`` says why.
+
+Programs that draw no random numbers are timed on the user's own calls, at no extra
+step: both ways compute the models' answers on the same tensors, so the first calls
+alternate them (:class:`CallTiming`), and what is timed is each call's whole period,
+from its start to the next call's (the user's backward and optimizer step included)::
+
+    compile:   the loop's forward once on copies, buffers and RNG kept (it runs, it
+               returns tensors, it draws no random numbers; else see below)
+    calls:     fused, loop (warm-up: not counted), then cycles of fused, loop, loop,
+               fused (a pattern of the user's calls of period 1 or 2, two micro-batches
+               a step, hits both ways alike); an interval that another program's call
+               interrupts is not counted, and the call runs the same way again
+               (with two calls a step, the backward of both calls falls in one interval
+               and only the forwards differ: what is compared is then the forwards)
+    choice:    after _MIN_CYCLES or more whole cycles once the counted intervals add up
+               to _BUDGET_S, or after _MAX_CYCLES: the loop if median(loop / fused per
+               cycle) < 1 - _MARGIN, else fused; no extra step, only the trial calls
+               that ran the slower way cost (``plan.seconds`` estimates it)
+
+Programs that draw random numbers (dropout) would give other draws fused than one by
+one, so that a run whose choice comes from the cache would not repeat a run that timed:
+they are timed on extra steps whose draws and buffer updates are undone::
+
+    warm-up:   fused step, loop step                     (a loop that fails: fused)
+    rounds:    fused, loop | loop, fused | fused, loop ...  (order alternates: drift
+               hits both), at least _MIN_ROUNDS, then until _BUDGET_S (counted from
+               the warm-up) is spent or _MAX_ROUNDS: the choice costs about
+               max(_BUDGET_S, 6 steps)
+    choice:    the loop if median(loop / fused per round) < 1 - _MARGIN, else fused
+
+Either way the choice is stored on disk (autotune's file) per device, threads, torch,
+program, input shapes, N and mode: the next process times nothing.  Both ways compute
+the models' answers (the loop exactly, the fused program as the check found), the
+parameters, their gradients, the buffers and the optimizer state are the same tensors
+either way; the extra steps are not seen: buffers (batch norm's statistics) and the RNG
+are restored (:func:`~hftc.lowering.check.preserved_state`), gradients are taken with
+``autograd.grad``, never into ``.grad``.
+
+``strategy="fused"`` or ``"model_loop"`` forces one (``HFTC_STRATEGY`` sets the
+default; the test suite sets ``fused``, so it tests the fused kernels and times
+nothing).  ``autotune=True`` times the loop among its whole-forward candidates
+(:func:`~hftc.lowering.autotune.choose_program`) instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import FusionArgumentError
+from .autotune import (
+    ProgramChoice,
+    _describe,
+    _rng_state,
+    _run_step,
+    cache_path,
+    device_key,
+    lookup_entry,
+    run_program,
+    store_entry,
+    synchronize,
+)
+from .check import input_copies, preserved_state
+from .runtime.model_loop import plain_output
+
+STRATEGIES = ("auto", "fused", "model_loop", "timed")
+#: The environment variable that sets the default strategy (``fuse(strategy=None)``).
+STRATEGY_ENV = "HFTC_STRATEGY"
+#: Seconds the choice may spend, its warm-up included; at least ``_MIN_ROUNDS`` timed
+#: rounds run however long a step is (two: one in each order, so drift hits both ways).
+_BUDGET_S = 1.0
+_MIN_ROUNDS = 2
+_MAX_ROUNDS = 15
+#: How much faster (a fraction, median of the per-round ratios) the loop must be to be
+#: taken: between ties the fused program stays, so the choice does not flip with noise.
+_MARGIN = 0.03
+#: Timing on the user's calls (:class:`CallTiming`): one cycle of counted intervals, and
+#: at most this many cycles.
+_CYCLE = ("fused", "model_loop", "model_loop", "fused")
+_MIN_CYCLES = 2
+_MAX_CYCLES = 6
+#: Calls of a program after which a timing that other programs' calls kept interrupting
+#: gives up (the fused program stays, untimed).
+_MAX_TRIAL_CALLS = 64
+#: ``plan.reason`` while the first calls are being timed.
+TIMING_CALLS = "timing the first calls"
+#: ``plan.reason`` of the default, which times nothing.
+NOT_TIMED = "checked; not timed, the same program every run"
+#: ``plan.reason`` of strategy="timed" under ``torch.use_deterministic_algorithms(True)``.
+DETERMINISTIC = "not timed: torch.use_deterministic_algorithms(True)"
+#: The reasons of a choice that timing made (on this run or an earlier one, the cache's).
+TIMED_REASONS = ("timed", "timed on the first calls", TIMING_CALLS, "cache", "autotune")
+
+
+def timing_allowed() -> bool:
+    """Whether a choice between numerically different programs may be made by timing:
+    not under ``torch.use_deterministic_algorithms(True)``."""
+    return not torch.are_deterministic_algorithms_enabled()
+
+
+def resolve_strategy(strategy: str | None, autotune: bool = False) -> str:
+    """``strategy`` as given, or ``$HFTC_STRATEGY``, or ``"auto"``; anything else is
+    refused.  With ``autotune`` (which times the loop among its candidates), ``None`` is
+    ``"auto"`` whatever the environment says."""
+    source = "strategy"
+    if strategy is None and autotune:
+        strategy = "auto"
+    if strategy is None:
+        strategy = os.environ.get(STRATEGY_ENV, "").strip() or "auto"
+        source = f"${STRATEGY_ENV}"
+    if strategy not in STRATEGIES:
+        raise FusionArgumentError(
+            f"{source} must be 'auto' (the fused program where the first-call check finds "
+            f"it exact, else the models one by one: the same bits every run), 'timed' "
+            f"(time the fused program against the models one by one on the first calls, "
+            f"keep the faster), 'fused' or 'model_loop'; got {strategy!r}")
+    return strategy
+
+
+@dataclass
+class StrategyChoice:
+    """How a program runs its forward, and why (``fused.plan``)."""
+
+    #: "fused" (the fused program) or "model_loop" (the N models one by one)
+    chosen: str
+    #: :data:`NOT_TIMED` (the default), :data:`DETERMINISTIC`,
+    #: "timed" (extra steps), "timed on the first calls" (:class:`CallTiming`),
+    #: "timing the first calls" (not decided yet: the calls alternate the two ways),
+    #: "cache" (an earlier process timed it), "forced" (strategy=...),
+    #: "check" (the first-call check found the fused program wrong for these inputs),
+    #: "autotune" (autotune=True's whole-forward choice), "loop failed" (the models
+    #: cannot run one by one: the fused program, untimed)
+    reason: str
+    #: candidate -> median seconds of one forward (+ backward)
+    times: dict[str, float] = field(default_factory=dict)
+    #: median of the per-round (per-cycle) ratios loop / fused
+    ratio: float | None = None
+    #: timed rounds (extra steps) or cycles of four calls (timed on the user's calls)
+    rounds: int = 0
+    #: seconds the choice cost: its extra steps (warm-up and timed rounds), or, timed on
+    #: the user's calls, the loop's check run plus what the calls that ran the slower way
+    #: took over the faster's median
+    seconds: float = 0.0
+    backward: bool = False
+
+    def __str__(self) -> str:
+        what = {"fused": "the fused program", "model_loop": "the models one by one"}
+        if self.reason == TIMING_CALLS:
+            return (f"alternates the fused program and the models one by one ({self.reason}"
+                    f"; then runs the faster; chosen by timing: the bits may differ between "
+                    f"runs)")
+        text = f"runs {what.get(self.chosen, self.chosen)} ({self.reason}"
+        if self.times:
+            step = "forward + backward" if self.backward else "forward"
+            text += (f": {step} fused {self.times.get('fused', float('nan')) * 1e3:.3g} ms, "
+                     f"one by one {self.times.get('model_loop', float('nan')) * 1e3:.3g} ms")
+            if self.ratio is not None:
+                unit = "cycles" if self.reason == "timed on the first calls" else "rounds"
+                text += f", median ratio {self.ratio:.3f} over {self.rounds} {unit}"
+            if self.seconds:
+                text += f", choice cost {self.seconds:.2f} s"
+        if self.reason in TIMED_REASONS:
+            text += ("; chosen by timing: the two round differently, so the bits may "
+                     "differ between runs (strategy='auto' for the same bits every run)")
+        return text + ")"
+
+
+class CallTiming:
+    """strategy="auto" timed on the user's own calls of one program (see the module
+    docstring): :meth:`way` says how each call runs until the choice is made, then sets
+    the program's ``how`` and ``plan`` and stores the choice."""
+
+    def __init__(self, loop_way: ProgramChoice, key: str, path: Path, backward: bool,
+                 budget_s: float, setup_s: float, device: torch.device):
+        self.ways: dict[str, ProgramChoice | None] = {"fused": None, "model_loop": loop_way}
+        self.device = device
+        self.key, self.path, self.backward = key, path, backward
+        self.budget_s, self.setup_s = budget_s, setup_s
+        #: (way, seconds from the start of its call to the next call's), in order; the
+        #: first two are the warm-ups
+        self.intervals: list[tuple[str, float]] = []
+        #: the call in progress: (way, its start, the fused module's call number)
+        self.last: tuple[str, float, int] | None = None
+        self.calls = 0
+
+    def way(self, program: Any, call_number: int) -> ProgramChoice | None:
+        """How this call (the fused module's ``call_number``-th) runs: None for the fused
+        program.  The interval of the previous call counts if it was this program's and
+        the call just before this one (on a GPU, once its kernels have run)."""
+        synchronize(self.device)
+        now = time.perf_counter()
+        if self.last is not None and self.last[2] == call_number - 1:
+            self.intervals.append((self.last[0], now - self.last[1]))
+        self.last = None
+        self.calls += 1
+        if _cycles_done(self.intervals[2:], self.budget_s):
+            self._decide(program)
+            return program.how
+        if self.calls > _MAX_TRIAL_CALLS:
+            program.plan = program.report.strategy = StrategyChoice(
+                "fused", "not timed: other programs' calls came between this one's",
+                backward=self.backward)
+            program.trial = None
+            return None
+        count = len(self.intervals)
+        name = ("fused", "model_loop")[count] if count < 2 else \
+            _CYCLE[(count - 2) % len(_CYCLE)]
+        self.last = (name, now, call_number)
+        return self.ways[name]
+
+    def _decide(self, program: Any) -> None:
+        timed = self.intervals[2:]
+        ratio = _median_cycle_ratio(timed, "model_loop", "fused")
+        chosen = "model_loop" if ratio < 1 - _MARGIN else "fused"
+        medians = {name: statistics.median(t for n, t in timed if n == name)
+                   for name in ("fused", "model_loop")}
+        slower_cost = sum(max(0.0, t - medians[chosen]) for n, t in self.intervals
+                          if n != chosen)
+        store_entry(self.key, {"chosen": chosen, "times": medians, "ratio": ratio}, self.path)
+        program.how = self.ways[chosen]
+        program.plan = program.report.strategy = StrategyChoice(
+            chosen, "timed on the first calls", medians, ratio, len(timed) // len(_CYCLE),
+            self.setup_s + slower_cost, self.backward)
+        program.trial = None
+
+
+#: :class:`StepOrder`'s way for the models' forward and backward in turn.
+IN_ORDER = "in_order"
+
+
+@dataclass
+class StepOrder:
+    """How ``hftc.compile_step`` runs an eager step for one input signature, and why
+    (``step.order``): ``chosen`` is "fused" (the fused module's forward of all N models,
+    one backward) or "in_order" (each model's forward, loss and backward in turn,
+    :meth:`~hftc.lowering.runtime.model_loop.ModelLoop.forward_backward`)."""
+
+    chosen: str
+    #: "timed on the first steps" (:class:`StepOrderTiming`), "the fused module runs the
+    #: models one by one" (its strategy chose or forces the loop: in order is that loop
+    #: in the serial loop's order), "hooks on the fused parameters", or "the fused
+    #: module's choice: ..." (it never ran the models one by one on these inputs)
+    reason: str
+    #: way -> median seconds of one whole step
+    times: dict[str, float] = field(default_factory=dict)
+    #: median of the per-cycle ratios fused / in order
+    ratio: float | None = None
+    cycles: int = 0
+
+    def __str__(self) -> str:
+        what = {"fused": "the fused step", IN_ORDER: "the models in order"}
+        text = f"runs {what[self.chosen]} ({self.reason}"
+        if self.times:
+            text += (f": fused {self.times['fused'] * 1e3:.3g} ms, in order "
+                     f"{self.times[IN_ORDER] * 1e3:.3g} ms a step, median ratio "
+                     f"{self.ratio:.3f} over {self.cycles} cycles")
+        return text + ")"
+
+
+class StepOrderTiming:
+    """``hftc.compile_step``'s eager choice for one input signature between the fused
+    step and the models in order, timed on the step's own calls once the fused module
+    has chosen to run its fused program (its own first-call timing done)::
+
+        steps:   fused, in order (warm-up), then cycles of fused, in order, in order, fused
+        choice:  after _MIN_CYCLES or more cycles once they add up to _BUDGET_S, or after
+                 _MAX_CYCLES: fused if median(fused / in order per cycle) < 1 - _MARGIN,
+                 else in order
+
+    Between ties the models run in order, the serial loop's own order and kernels with
+    one fused optimizer step: a way that cannot lose to the serial loop, where the fused
+    step can lose a few % (N models' activations outgrow a cache one model's fit).
+    Both ways compute the models' answers on the same tensors (in order exactly the
+    serial loop's), so the steps timed are real steps: none is extra."""
+
+    def __init__(self, device: torch.device, budget_s: float = _BUDGET_S):
+        self.device, self.budget_s = device, budget_s
+        #: (way, seconds of its whole step), in order; the first two are the warm-ups
+        self.steps: list[tuple[str, float]] = []
+        self.order: StepOrder | None = None
+
+    def way(self) -> str:
+        """How the next step runs."""
+        if self.order is not None:
+            return self.order.chosen
+        count = len(self.steps)
+        name = ("fused", "model_loop")[count] if count < 2 else _CYCLE[(count - 2) % len(_CYCLE)]
+        return "fused" if name == "fused" else IN_ORDER
+
+    def record(self, way: str, seconds: float) -> None:
+        """A step ran ``way`` in ``seconds`` (to its end, kernels included); decides once
+        enough cycles are timed."""
+        if self.order is not None:
+            return
+        self.steps.append((way, seconds))
+        timed = self.steps[2:]
+        if not _cycles_done(timed, self.budget_s):
+            return
+        ratio = _median_cycle_ratio(timed, "fused", IN_ORDER)
+        medians = {name: statistics.median(t for n, t in timed if n == name)
+                   for name in ("fused", IN_ORDER)}
+        self.order = StepOrder("fused" if ratio < 1 - _MARGIN else IN_ORDER,
+                               "timed on the first steps", medians, ratio,
+                               len(timed) // len(_CYCLE))
+
+
+def _cycles_done(timed: Sequence[tuple[str, float]], budget_s: float) -> bool:
+    """Whether ``timed`` (after the warm-ups) ends a cycle of :data:`_CYCLE` and is enough:
+    _MIN_CYCLES or more that add up to ``budget_s``, or _MAX_CYCLES."""
+    cycles = len(timed) // len(_CYCLE)
+    return len(timed) % len(_CYCLE) == 0 and cycles >= _MIN_CYCLES and (
+        sum(t for _, t in timed) >= budget_s or cycles >= _MAX_CYCLES)
+
+
+def _median_cycle_ratio(timed: Sequence[tuple[str, float]], top: str, bottom: str) -> float:
+    """The median over whole cycles of ``timed`` of (``top``'s seconds / ``bottom``'s)."""
+    cycles = [timed[i:i + len(_CYCLE)] for i in range(0, len(timed), len(_CYCLE))]
+    return statistics.median(sum(t for name, t in c if name == top)
+                             / max(sum(t for name, t in c if name == bottom), 1e-12)
+                             for c in cycles)
+
+
+def strategy_key(fused: torch.nn.Module, values: Sequence[Any], batched: Sequence[bool],
+                 backward: bool, key_source: str) -> str:
+    """The disk cache's key: the device (threads, torch version), the program (its
+    generated code), the inputs' shapes, strides and dtypes, N, the parameters' shapes and
+    whether a backward is timed (training or eval)."""
+    device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
+    return json.dumps([device_key(device), "strategy-1", fused.num_models,
+                       hashlib.sha1(key_source.encode()).hexdigest(),
+                       _describe([v for v in values if isinstance(v, Tensor)]),
+                       list(batched), backward, [list(p.shape) for p in fused.parameters()]])
+
+
+def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
+                    loop: Callable[[], Any], values: Sequence[Any], batched: Sequence[bool],
+                    *, backward: bool, key_source: str, path: Path | None = None,
+                    budget_s: float = _BUDGET_S, on_calls: bool = True,
+                    ) -> tuple[ProgramChoice | None, StrategyChoice, CallTiming | None]:
+    """The fused program or the whole-model loop (``loop()`` makes it), as the disk cache
+    says, or to be timed on the user's calls (the :class:`CallTiming` returned; where
+    ``on_calls`` and the models draw no random numbers), or as timed now on copies of
+    ``values`` (see the module docstring); ``None`` for the fused program."""
+    start = time.perf_counter()
+    path = path or cache_path()
+    key = strategy_key(fused, values, batched, backward, key_source)
+    entry = lookup_entry(key, path)
+    if entry is not None and entry.get("chosen") in ("fused", "model_loop"):
+        ratio = entry.get("ratio")
+        choice = StrategyChoice(entry["chosen"], "cache", dict(entry["times"]),
+                                ratio if isinstance(ratio, float) else None, backward=backward)
+        if choice.chosen == "fused":
+            return None, choice, None
+        try:
+            return ProgramChoice(loop()), choice, None
+        except Exception:  # noqa: BLE001 - a loop that cannot be built: time again
+            pass
+    device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
+    if on_calls:
+        try:
+            loop_way = ProgramChoice(loop())
+            with preserved_state(fused), torch.no_grad():
+                rng = _rng_state(device)
+                out = run_program(fused, program_forward, loop_way, input_copies(values),
+                                  batched)
+                draws = not torch.equal(rng, _rng_state(device))
+        except Exception:  # noqa: BLE001 - models that cannot run one by one keep fused
+            return None, StrategyChoice("fused", "loop failed", backward=backward), None
+        if not plain_output(out):  # what the loop cannot stack as the fused program does
+            return None, StrategyChoice("fused", "outputs not only tensors: not timed",
+                                        backward=backward), None
+        if not draws:
+            timing = CallTiming(loop_way, key, path, backward, budget_s,
+                                time.perf_counter() - start, device)
+            return None, StrategyChoice("fused", TIMING_CALLS, backward=backward), timing
+    copies = input_copies(values)
+    fused_way = ProgramChoice()
+    warm_from = time.perf_counter()
+    with preserved_state(fused):
+        out, _ = _run_step(fused, program_forward, fused_way, copies, batched, backward)
+        if not plain_output(out):  # what the loop cannot stack as the fused program does
+            return None, StrategyChoice("fused", "outputs not only tensors: not timed",
+                                        backward=backward), None
+        del out
+        try:
+            loop_way = ProgramChoice(loop())
+            _run_step(fused, program_forward, loop_way, input_copies(values), batched, backward)
+        except Exception:  # noqa: BLE001 - models that cannot run one by one keep fused
+            return None, StrategyChoice("fused", "loop failed", backward=backward), None
+        times: dict[str, list[float]] = {"fused": [], "model_loop": []}
+        ratios: list[float] = []
+        for round_ in range(_MAX_ROUNDS):
+            order = ((("fused", fused_way), ("model_loop", loop_way)) if round_ % 2 == 0
+                     else (("model_loop", loop_way), ("fused", fused_way)))
+            for name, way in order:
+                synchronize(device)
+                begin = time.perf_counter()
+                _run_step(fused, program_forward, way, copies, batched, backward)
+                synchronize(device)
+                times[name].append(time.perf_counter() - begin)
+            ratios.append(times["model_loop"][-1] / max(times["fused"][-1], 1e-12))
+            if len(ratios) >= _MIN_ROUNDS and time.perf_counter() - warm_from >= budget_s:
+                break
+    ratio = statistics.median(ratios)
+    chosen = "model_loop" if ratio < 1 - _MARGIN else "fused"
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    store_entry(key, {"chosen": chosen, "times": medians, "ratio": ratio}, path)
+    choice = StrategyChoice(chosen, "timed", medians, ratio, len(ratios),
+                            time.perf_counter() - start, backward)
+    return (loop_way if chosen == "model_loop" else None), choice, None
+
+
+__all__ = ["DETERMINISTIC", "NOT_TIMED", "STRATEGIES", "STRATEGY_ENV", "TIMED_REASONS",
+           "TIMING_CALLS", "CallTiming", "StrategyChoice", "choose_strategy",
+           "resolve_strategy", "strategy_key", "timing_allowed"]

@@ -1,0 +1,114 @@
+"""Each model's own copy: every per-model module hftc makes is built from the model's
+own object, never from model 0's with a list of attribute overrides.
+
+::
+
+    models[i]  --meta_copy-->  templates[i]       each model's own Python state: its dicts,
+                                                  dataclasses, options objects, closures,
+                                                  submodule classes; its tensors on meta
+    build(i, fused) = deepcopy(templates[i])
+                      + fused's parameters / buffers [i]   under model i's own names
+                      + fused's train / eval modes          by model i's own paths
+
+The first-call check's references, the models run one by one, ``unfuse()``, a method fused
+anew and the sweep's re-fusing all go through :meth:`ModelCopies.build`: a model whose
+config dict says ``scale=3.0`` is run and given back with ``3.0`` wherever it sits among
+the N.  :attr:`ModelCopies.checked` lists the models whose Python state differs from model
+0's (:func:`hftc.frontends.same_program.program_difference`), which the first-call check
+compares besides its sample: a model unlike the others is never left out of the check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from ..frontends.same_program import program_difference
+from ..frontends.symbolic import deepcopy_module, meta_copy
+
+
+class ModelCopies:
+    """The N models' own objects, kept without their tensors (see the module docstring).
+
+    ``names[i]`` maps a fused tensor name (model 0's) onto model i's name for it, and
+    ``paths[i]`` model i's module paths onto the fused module's (``None``: model i's tree
+    is model 0's, names and paths alike, the common case)."""
+
+    def __init__(self, models: Sequence[nn.Module], names: Sequence[dict[str, str]],
+                 paths: Sequence[dict[str, str]]):
+        self.templates = [meta_copy(m) for m in models]
+        own_paths = [[p for p, _ in m.named_modules(remove_duplicate=False)] for m in models]
+        same = [own_paths[i] == own_paths[0] and all(k == v for k, v in names[i].items())
+                for i in range(len(models))]
+        self.names: list[dict[str, str] | None] = [
+            None if s else dict(n) for s, n in zip(same, names)]
+        self.paths: list[dict[str, str] | None] = [
+            None if s else dict(p) for s, p in zip(same, paths)]
+        #: The models whose Python state differs from model 0's (what the first-call check
+        #: compares besides models 0, N // 2 and N - 1).
+        self.differing = [i for i, m in enumerate(models)
+                          if i and program_difference(models[0], m) is not None]
+
+    def __len__(self) -> int:
+        return len(self.templates)
+
+    def checked(self, sample: Sequence[int]) -> tuple[int, ...]:
+        """``sample`` and every model whose Python state differs from model 0's."""
+        return tuple(sorted({*sample, *self.differing}))
+
+    def subset(self, keep: Sequence[int]) -> None:
+        """Keep models ``keep`` only, in that order (:func:`hftc.keep_models`)."""
+        position = {old: new for new, old in enumerate(keep)}
+        self.templates = [self.templates[i] for i in keep]
+        self.names = [self.names[i] for i in keep]
+        self.paths = [self.paths[i] for i in keep]
+        if keep[0] == 0:
+            self.differing = sorted(position[i] for i in self.differing if i in position)
+        else:  # another model 0: every model is checked (one forward each, at first call)
+            self.differing = list(range(1, len(keep)))
+
+    def fused_names(self, index: int) -> dict[str, str] | None:
+        """Model ``index``'s tensor names -> the fused names (None: the same)."""
+        names = self.names[index]
+        return None if names is None else {own: fused for fused, own in names.items()}
+
+    def fused_path(self, index: int, path: str) -> str | None:
+        """The fused module's path for model ``index``'s module at ``path`` (None: it
+        has none; the module then takes its parent's mode)."""
+        paths = self.paths[index]
+        return path if paths is None else paths.get(path)
+
+    def build(self, index: int, fused: nn.Module, skip: Sequence[str] = ()) -> nn.Module:
+        """Model ``index`` as a module of its own: a deep copy of its own object holding
+        its slice of ``fused``'s current parameters and buffers (copies) and ``fused``'s
+        modes; ``skip``: fused buffer names that are not the model's (lifted constants)."""
+        model = deepcopy_module(self.templates[index])
+        names = self.names[index]
+        own = (lambda name: name) if names is None else (lambda name: names.get(name, name))
+        made: dict[int, nn.Parameter] = {}
+        for name, p in fused.named_parameters(remove_duplicate=False):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(p.detach()[index].clone(), requires_grad=p.requires_grad)
+            owner, _, leaf = own(name).rpartition(".")
+            model.get_submodule(owner).register_parameter(leaf, made[id(p)])
+        skipped = set(skip)
+        for name, b in fused.named_buffers(remove_duplicate=False):
+            owner, _, leaf = own(name).rpartition(".")
+            if name in skipped or leaf.startswith("_hftc_constant_"):
+                continue
+            model.get_submodule(owner)._buffers[leaf] = b[index].clone()
+        fused_modules = dict(fused.named_modules(remove_duplicate=False))
+        modes: dict[str, bool] = {}
+        for path, sub in model.named_modules(remove_duplicate=False):
+            source = fused_modules.get(self.fused_path(index, path) or "\0")
+            mode = (source.training if source is not None
+                    else modes.get(path.rpartition(".")[0], fused.training))
+            modes[path] = sub.training = mode
+        return model
+
+    def deepcopy_templates(self) -> list[nn.Module]:
+        """Fresh copies of the templates (what tracing again runs, so that a forward which
+        changes its attributes changes no template)."""
+        return [deepcopy_module(t) for t in self.templates]
+

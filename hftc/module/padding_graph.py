@@ -1,0 +1,673 @@
+"""``pad_widths=True``: ops of the models' own forward over a padded dim, computed over each
+model's real units (:mod:`hftc.module.padding` pads the modules; this module, forward's code).
+
+::
+
+    model i (C_i = 32):   h = fc1(x); a = h.sigmoid().softmax(-1)      # over 32 units
+    padded  (C = 64):     a = softmax(h.sigmoid())  over 64: the 32 padded units (0.5) count
+    rewritten:            a = real_units.reduce("softmax", h.sigmoid(), pad_i, count_i, dim=-1)
+                              = softmax(masked_fill(s, pad_i, -inf), -1).masked_fill(pad_i, 0)
+
+Every padded tensor is laid out as a prefix: model i's real units first, padding after.
+Given the call's inputs (``example_inputs``), each ORIGINAL model and its padded model are
+traced with the same leaves (the padded modules and stock ``torch.nn`` modules; the
+user's modules traced through), so that the graphs match node by node, and run once: a
+dim where the padded value is larger than model i's is padded, model i's size there is
+its real extent.  Then, in the padded graph:
+
+* reductions and normalisations over a padded dim (sum, mean, var, std, amax, amin, max,
+  min, argmax, argmin, logsumexp, softmax, log_softmax, F.layer_norm, F.normalize, norm)
+  take a mask of the padding (``pad_i``, True on padded units) and the real count
+  (:func:`reduce`);
+* split / chunk / tensor_split along a padded dim take each piece's real units with the
+  padding after it (:func:`split`: ``index_select`` with model i's indices, then padding
+  zeroed), so that piece k is model i's own piece k, padded;
+* a matmul contracting a padded dim zeroes one operand's padding first;
+* ops that only move units (view, reshape, transpose, getitem ...) are checked to keep
+  each model's units where its prefix layout expects them, by running them on indices;
+* element-wise ops and the padded modules are exact as they are; anything else over a
+  padded dim is refused (:class:`UnsupportedOperatorError`, naming the op and its line).
+
+The per-model masks, counts and indices are non-persistent buffers of each padded model's
+root (not in ``state_dict``; the fused module stacks them per model, as the padded
+modules' own buffers), and the rewritten graphs (one per train / eval mode) become the
+padded models' forward.  The first-call check against the original models stays.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import operator
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+from torch.fx.graph_module import _format_import_block, _forward_from_src
+from torch.package import sys_importer
+
+from ..errors import UnsupportedOperatorError
+from .padding import NodeRecorder, PaddedLeafTracer, _Padded
+
+# ---------------------------------------------------------------- the rewritten ops
+
+
+def _fill(x: Tensor, pad: Tensor, value: float, integer: bool = False) -> Tensor:
+    """``x`` with ``value`` on the padding; for an ``integer`` tensor (known when the op
+    was rewritten: no branch on a traced dtype) +-inf is its dtype's largest / smallest."""
+    if integer and value in (float("inf"), float("-inf")):
+        info = torch.iinfo(x.dtype)
+        value = info.max if value > 0 else info.min
+    return x.masked_fill(pad, value)
+
+
+def reduce(op: str, x: Tensor, pad: Tensor, count: Tensor, args: dict[str, Any]) -> Any:
+    """``op`` (with the normalised arguments ``args``) over model i's real units of ``x``:
+    ``pad`` is True on the padded units of the reduced dims (broadcast to ``x``),
+    ``count`` the number of real units reduced.  Padded outputs of the ops that keep
+    ``x``'s shape are 0."""
+    dim, keepdim = args.get("dim"), args.get("keepdim", False)
+    integer = args.get("integer", False)
+
+    def _filled(x: Tensor, pad: Tensor, value: float) -> Tensor:
+        return _fill(x, pad, value, integer)
+
+    if op in ("sum", "nansum"):
+        return getattr(_filled(x, pad, 0), op)(dim, keepdim=keepdim, dtype=args.get("dtype"))
+    if op == "mean":
+        return _filled(x, pad, 0).sum(dim, keepdim=keepdim, dtype=args.get("dtype")) / count
+    if op in ("var", "std"):
+        centred = _filled(x - _filled(x, pad, 0).sum(dim, keepdim=True) / count, pad, 0)
+        var = (centred * centred).sum(dim, keepdim=keepdim) / (count - args["correction"])
+        return var if op == "var" else var.sqrt()
+    if op in ("amax", "logsumexp"):
+        return getattr(torch, op)(_filled(x, pad, float("-inf")), dim, keepdim)
+    if op == "amin":
+        return torch.amin(_filled(x, pad, float("inf")), dim, keepdim)
+    if op in ("max", "argmax", "min", "argmin"):
+        fill = float("-inf") if op in ("max", "argmax") else float("inf")
+        return getattr(torch, op)(_filled(x, pad, fill), dim, keepdim)
+    if op in ("softmax", "log_softmax"):
+        out = getattr(torch, op)(_filled(x, pad, float("-inf")), dim, dtype=args.get("dtype"))
+        return out.masked_fill(pad, 0)
+    if op == "norm":
+        return torch.linalg.vector_norm(_filled(x, pad, 0), args["ord"], dim, keepdim,
+                                        dtype=args.get("dtype"))
+    if op == "normalize":
+        norm = torch.linalg.vector_norm(_filled(x, pad, 0), args["ord"], dim, True)
+        return (x / norm.clamp_min(args["eps"]).expand_as(x)).masked_fill(pad, 0)
+    if op == "layer_norm":
+        mean = _filled(x, pad, 0).sum(dim, keepdim=True) / count
+        centred = _filled(x - mean, pad, 0)
+        y = centred * torch.rsqrt((centred * centred).sum(dim, keepdim=True) / count
+                                  + args["eps"])
+        if args.get("weight") is not None:
+            y = y * args["weight"]
+        if args.get("bias") is not None:
+            y = y + args["bias"]
+        return y
+    raise AssertionError(op)  # not reached: _reduction only gives the ops above
+
+
+def split(x: Tensor, select: Tensor, dim: int, sizes: list[int]) -> tuple:
+    """``x`` split along ``dim`` into pieces of the padded ``sizes``, piece k holding model
+    i's own piece k in its first units: ``select[j, u]`` is 1 where unit u of the pieces
+    reads unit j of ``x``, and a unit after a piece's real ones reads none (0).  A matmul
+    with one 1 per column is exact, and a per-model matrix fuses as a batched matmul."""
+    return (x.movedim(dim, -1) @ select.to(x.dtype)).movedim(-1, dim).split(sizes, dim)
+
+
+def masked(x: Tensor, pad: Tensor) -> Tensor:
+    """``x`` with its padded units zeroed (before a matmul contracts the padded dim)."""
+    return x.masked_fill(pad, 0)
+
+
+# ---------------------------------------------------------------- which op is which
+
+
+def _op_name(node: fx.Node) -> str | None:
+    """The op's torch name (``x.softmax`` and ``F.softmax`` -> "softmax"), or None."""
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        target = node.target
+        if target is torch.linalg.vector_norm:
+            return "vector_norm"
+        name = getattr(target, "__name__", None)
+        if name and target in (getattr(torch, name, None), getattr(F, name, None),
+                               getattr(torch.Tensor, name, None),
+                               getattr(torch.linalg, name, None)):
+            return name
+    return None
+
+
+def _where(node: fx.Node) -> str:
+    """The node's module path and the user's source line, for messages."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(reversed(stack.values()), ("",))[0] if stack else ""
+    path = path if isinstance(path, str) else ""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines()]
+    files = [k for k, ln in enumerate(lines) if ln.startswith("File ")
+             and "/torch/" not in ln and "/hftc/" not in ln]
+    line = ""
+    if files:
+        k = files[-1]
+        found = re.match(r'File "(.*)", line (\d+)', lines[k])
+        line = f"{found[1]}:{found[2]}" if found else lines[k]
+        if k + 1 < len(lines):
+            line += f": `{lines[k + 1]}`"
+    where = f"`{path}`" if path else "the root"
+    return f"in {where}" + (f" ({line})" if line else "")
+
+
+def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
+    if dim is None or dim == () or dim == []:
+        return tuple(range(ndim))
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return tuple(d % ndim for d in dims)
+
+
+_SIGNATURES: dict[str, Callable[..., dict[str, Any]]] = {
+    "sum": lambda input, dim=None, keepdim=False, dtype=None: locals(),
+    "nansum": lambda input, dim=None, keepdim=False, dtype=None: locals(),
+    "mean": lambda input, dim=None, keepdim=False, dtype=None: locals(),
+    "amax": lambda input, dim=(), keepdim=False: locals(),
+    "amin": lambda input, dim=(), keepdim=False: locals(),
+    "logsumexp": lambda input, dim, keepdim=False: locals(),
+    "var": lambda input, dim=None, unbiased=None, keepdim=False, correction=None: locals(),
+    "std": lambda input, dim=None, unbiased=None, keepdim=False, correction=None: locals(),
+    "max": lambda input, dim=None, keepdim=False: locals(),
+    "min": lambda input, dim=None, keepdim=False: locals(),
+    "argmax": lambda input, dim=None, keepdim=False: locals(),
+    "argmin": lambda input, dim=None, keepdim=False: locals(),
+    "softmax": lambda input, dim=None, dtype=None, _stacklevel=3: locals(),
+    "log_softmax": lambda input, dim=None, dtype=None, _stacklevel=3: locals(),
+    "layer_norm": lambda input, normalized_shape, weight=None, bias=None, eps=1e-5: locals(),
+    "normalize": lambda input, p=2.0, dim=1, eps=1e-12, out=None: locals(),
+    "norm": lambda input, p="fro", dim=None, keepdim=False, dtype=None: locals(),
+    "vector_norm": lambda x, ord=2, dim=None, keepdim=False, dtype=None: locals(),
+}
+
+
+def _reduction(node: fx.Node, name: str, values: dict[fx.Node, Any], ndim: int
+               ) -> tuple[str, dict[str, Any], tuple[int, ...]] | None:
+    """(op, normalised arguments, reduced dims) of a reduction / normalisation node, or
+    None where the node is not one (``torch.max(a, b)``: element-wise)."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if name in ("softmax", "log_softmax") and node.target is getattr(torch, name) or \
+            node.op == "call_method" and name in ("softmax", "log_softmax"):
+        kwargs.setdefault("dtype", args.pop(2)) if len(args) > 2 else None
+    try:
+        bound = _SIGNATURES[name](*args, **kwargs)
+    except TypeError:
+        return None
+    bound = {k: values.get(v, v) if isinstance(v, fx.Node) else v for k, v in bound.items()
+             if k not in ("input", "x")}
+    if name in ("max", "min") and isinstance(bound["dim"], Tensor):
+        return None  # torch.max(a, b)
+    if name in ("var", "std"):
+        if isinstance(bound["dim"], bool):
+            bound["unbiased"], bound["dim"] = bound["dim"], None
+        correction = bound.pop("correction")
+        unbiased = bound.pop("unbiased")
+        bound["correction"] = correction if correction is not None else (
+            0 if unbiased is False else 1)
+    if name == "vector_norm":
+        name = "norm"
+    elif name == "norm":
+        p = bound.pop("p")
+        bound["ord"] = 2 if p == "fro" else p
+    if name == "normalize":
+        bound["ord"] = bound.pop("p")
+        bound.pop("out")
+    if name in ("softmax", "log_softmax"):
+        bound.pop("_stacklevel")
+        if bound["dim"] is None:
+            return None
+    if name == "layer_norm":
+        shape = bound.pop("normalized_shape")
+        k = 1 if isinstance(shape, int) else len(shape)
+        bound["dim"] = tuple(range(ndim - k, ndim))
+        for key in ("weight", "bias"):  # tensors: passed as graph nodes again
+            value = dict(zip(("input", "normalized_shape", "weight", "bias"), node.args)
+                         ).get(key, node.kwargs.get(key))
+            bound[key] = value
+    if name in ("norm", "normalize") and not (isinstance(bound["ord"], (int, float))
+                                              and bound["ord"] > 0):
+        return None
+    dims = _dims(bound["dim"], ndim)
+    if name in ("softmax", "log_softmax", "normalize", "argmax", "argmin", "max", "min") \
+            and bound["dim"] is not None:
+        bound["dim"] = dims[0]
+    elif bound["dim"] is not None and name != "layer_norm":
+        bound["dim"] = dims
+    return name, bound, dims
+
+
+#: ops that only move units (or copy / cast them): checked by running them on indices
+_MOVES = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "movedim",
+          "squeeze", "unsqueeze", "contiguous", "expand", "expand_as", "view_as",
+          "reshape_as", "repeat", "getitem", "narrow", "select", "index_select", "clone",
+          "detach", "split", "chunk", "tensor_split", "unbind", "flip", "roll", "cat",
+          "concat", "stack", "swapaxes", "transpose_", "tile", "broadcast_to"}
+#: ops exact on a prefix layout: each real unit's result reads real units only
+_PREFIX_EXACT = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                 "feature_alpha_dropout", "to", "float", "double", "half", "bfloat16",
+                 "type_as", "type", "tril", "triu", "cumsum", "cumprod", "cummax", "cummin",
+                 "requires_grad_", "size", "dim", "numel", "masked_fill", "where"}
+_MATMULS = {"matmul", "bmm", "mm", "__matmul__"}
+
+
+def _pointwise(name: str) -> bool:
+    op = getattr(torch.ops.aten, name.rstrip("_"), None) or getattr(torch.ops.aten, name, None)
+    if not isinstance(op, torch._ops.OpOverloadPacket):
+        return False
+    return any(torch.Tag.pointwise in getattr(op, o).tags for o in op.overloads())
+
+
+_OPERATOR_NAMES = {operator.getitem: "getitem", operator.matmul: "matmul", getattr: "getattr"}
+_POINTWISE_STOCK = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
+                    nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Softplus, nn.Identity,
+                    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+
+
+# ---------------------------------------------------------------- tracing and values
+
+
+def _trace(model: nn.Module, training: bool, concrete: dict[str, Any]) -> fx.GraphModule:
+    was = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        tracer = PaddedLeafTracer()
+        graph = tracer.trace(model, concrete_args=concrete or None)
+        return fx.GraphModule(tracer.root, graph)
+    finally:
+        for m, mode in was:
+            m.training = mode
+
+
+def _run(model: nn.Module, training: bool, concrete: dict[str, Any], args: Sequence[Any]
+         ) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
+    gm = _trace(model, training, concrete)
+    runner = copy.deepcopy(gm).train(training)  # (running statistics are not touched)
+    recorder = NodeRecorder(runner)
+    with torch.no_grad():
+        recorder.run(*args)
+    nodes = dict(zip(runner.graph.nodes, gm.graph.nodes))
+    return gm, {nodes[n]: v for n, v in recorder.values.items()}
+
+
+# ---------------------------------------------------------------- the analysis
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Rewriter:
+    """One mode's padded graph, rewritten with every model's real extents."""
+
+    def __init__(self, padded: fx.GraphModule, padded_values: dict[fx.Node, Any],
+                 originals: list[tuple[fx.GraphModule, dict[fx.Node, Any]]], mode: str):
+        self.gm = padded
+        self.values = padded_values
+        self.mode = mode
+        self.n = len(originals)
+        #: per model: padded graph node -> the original graph's value there
+        self.real: list[dict[fx.Node, Any]] = []
+        #: per model: padded graph node -> the original graph's node (its own constants)
+        self.original_nodes: list[dict[fx.Node, fx.Node]] = []
+        self.original_values = [values for _, values in originals]
+        for gm, values in originals:
+            self.real.append({p: values[o] for p, o in zip(padded.graph.nodes, gm.graph.nodes)})
+            self.original_nodes.append(dict(zip(padded.graph.nodes, gm.graph.nodes)))
+        #: buffer name -> per model tensor
+        self.constants: dict[str, list[Tensor]] = {}
+        self.changed = False
+
+    # per-model tensors, as get_attr nodes of the root
+    def constant(self, before: fx.Node, kind: str, per_model: list[Tensor]) -> fx.Node:
+        name = f"_hftc_real_units_{self.mode}_{len(self.constants)}_{kind}"
+        self.constants[name] = per_model
+        self.gm.register_buffer(name, per_model[0], persistent=False)
+        with self.gm.graph.inserting_before(before):
+            return self.gm.graph.get_attr(name)
+
+    def padded_dims(self, node: fx.Node) -> dict[int, list[int]]:
+        """dim -> each model's real extent, for the dims of ``node``'s tensor that some
+        model has narrower than the padded one."""
+        value = self.values.get(node)
+        if not isinstance(value, Tensor):
+            return {}
+        dims: dict[int, list[int]] = {}
+        reals = [r.get(node) for r in self.real]
+        for d, size in enumerate(value.shape):
+            extents = [r.shape[d] if isinstance(r, Tensor) and r.dim() == value.dim() else None
+                       for r in reals]
+            if any(e is None or e > size for e in extents):
+                raise _Refused(f"its value has shape {tuple(value.shape)} padded, but "
+                               f"{[tuple(r.shape) if isinstance(r, Tensor) else r for r in reals]}"
+                               f" in the models: not a padding of theirs")
+            if any(e < size for e in extents):
+                dims[d] = extents
+        return dims
+
+    def pad_mask(self, node: fx.Node, x: fx.Node, dims: Sequence[int]) -> list[Tensor]:
+        shape = self.values[x].shape
+        padded = self.padded_dims(x)
+        masks = []
+        for i in range(self.n):
+            mask_shape = [shape[d] if d in dims and d in padded else 1 for d in range(len(shape))]
+            pad = torch.ones(mask_shape, dtype=torch.bool)
+            pad[tuple(slice(0, padded[d][i]) if d in dims and d in padded else slice(None)
+                      for d in range(len(shape)))] = False
+            masks.append(pad)
+        return masks
+
+    def run(self) -> None:
+        for node in list(self.gm.graph.nodes):
+            if node.op not in ("call_function", "call_method", "call_module"):
+                continue
+            inputs = [a for a in node.all_input_nodes if isinstance(self.values.get(a), Tensor)]
+            try:
+                if not any(self.padded_dims(a) for a in inputs):
+                    continue
+                self.visit(node, inputs)
+            except _Refused as why:
+                raise UnsupportedOperatorError(
+                    f"pad_widths=True cannot compute `{self.describe(node)}` {_where(node)} "
+                    f"over each model's real units: {why}. Give every model the same width "
+                    f"there (hftc.fuse_groups fuses models of one width together), or write "
+                    f"the op as one hftc computes over the real units (sum, mean, var, std, "
+                    f"amax, amin, max, min, logsumexp, softmax, log_softmax, F.layer_norm, "
+                    f"F.normalize, norm over the padded dim; split / chunk along it; views "
+                    f"that keep each model's units first)", [self.describe(node)]) from None
+
+    def describe(self, node: fx.Node) -> str:
+        if node.op == "call_module":
+            return f"{type(self.gm.get_submodule(node.target)).__name__} ({node.target})"
+        name = _op_name(node) or _OPERATOR_NAMES.get(node.target) or getattr(
+            node.target, "__name__", str(node.target))
+        return name
+
+    def visit(self, node: fx.Node, inputs: list[fx.Node]) -> None:
+        if node.op == "call_module":
+            module = self.gm.get_submodule(node.target)
+            if isinstance(module, _POINTWISE_STOCK) or self.padded_by_pad_models(node):
+                return
+            if isinstance(module, (nn.Softmax, nn.LogSoftmax)) and module.dim is not None:
+                name = "softmax" if isinstance(module, nn.Softmax) else "log_softmax"
+                node.op, node.target = "call_function", getattr(F, name)
+                node.kwargs = {**node.kwargs, "dim": module.dim}
+                return self.visit(node, inputs)
+            pools = (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd,
+                     nn.modules.pooling._AvgPoolNd, nn.modules.pooling._MaxPoolNd)
+            if isinstance(module, pools):  # per channel: the spatial dims must be whole
+                x = inputs[0]
+                spatial = range(self.values[x].dim() - len(self.values[node].shape[2:]),
+                                self.values[x].dim())
+                if not set(self.padded_dims(x)) & set(spatial):
+                    return
+            if isinstance(module, (nn.Flatten, nn.Unflatten)):
+                return self.check_moves(node, inputs)
+            raise _Refused("hftc does not know what this module computes over a padded dim")
+        name = _op_name(node) or _OPERATOR_NAMES.get(node.target)
+        if name is None and node.op == "call_function" and getattr(
+                node.target, "__module__", "") == "_operator":
+            name = {"truediv": "div", "floordiv": "floor_divide", "inv": "bitwise_not",
+                    "invert": "bitwise_not", "and_": "bitwise_and", "or_": "bitwise_or",
+                    "xor": "bitwise_xor"}.get(node.target.__name__, node.target.__name__)
+        if name is None:
+            raise _Refused("hftc does not know what this op computes over a padded dim")
+        x = inputs[0]
+        if name == "getattr":  # x.shape, x.dtype: no units; x.T, x.mT: moves
+            if node.args[1] in ("T", "mT", "H", "mH"):
+                return self.check_moves(node, inputs)
+            return
+        if name in _SIGNATURES and node.args and node.args[0] is x:
+            found = _reduction(node, name, self.values, self.values[x].dim())
+            if found is not None:
+                return self.rewrite_reduction(node, x, *found)
+        if name in ("split", "chunk", "tensor_split"):
+            return self.rewrite_split(node, x)
+        if name in _MOVES:
+            return self.check_moves(node, inputs)
+        if name in _MATMULS:
+            return self.rewrite_matmul(node)
+        if name == "scaled_dot_product_attention":
+            return self.check_attention(node)
+        if name in _PREFIX_EXACT or _pointwise(name):
+            return
+        raise _Refused("hftc does not know what this op computes over a padded dim")
+
+    def padded_by_pad_models(self, node: fx.Node) -> bool:
+        """A module :func:`hftc.module.padding.pad_models` padded (a masked norm, a Linear or
+        attention at the widest widths, a layer holding them): exact on padded inputs by
+        its construction, and any of its tensors wider than some model's own."""
+        module = self.gm.get_submodule(node.target)
+        if any(isinstance(m, _Padded) for m in module.modules()):
+            return True
+        mine = {n: t.shape for n, t in [*module.named_parameters(), *module.named_buffers()]}
+        for i in range(self.n):
+            original = self.original_nodes[i][node]
+            owner = original.graph.owning_module.get_submodule(original.target)
+            theirs = {n: t.shape for n, t in [*owner.named_parameters(),
+                                              *owner.named_buffers()]}
+            if any(theirs.get(n, shape) != shape for n, shape in mine.items()):
+                return True
+        return False
+
+    def rewrite_reduction(self, node: fx.Node, x: fx.Node, op: str, args: dict[str, Any],
+                          dims: tuple[int, ...]) -> None:
+        padded = self.padded_dims(x)
+        if not set(dims) & set(padded):
+            return
+        if op in ("argmax", "argmin") and args.get("dim") is None:
+            raise _Refused("an index into the flattened padded tensor is not the model's")
+        counts = []
+        for i in range(self.n):
+            count = 1
+            for d in dims:
+                count *= padded[d][i] if d in padded else self.values[x].shape[d]
+            counts.append(torch.tensor(float(count), dtype=torch.float64))
+        pad = self.constant(node, "pad", self.pad_mask(node, x, dims))
+        count = self.constant(node, "count", counts)
+        node.op, node.target = "call_function", reduce
+        args = {**args, "integer": not self.values[x].is_floating_point()}
+        node.args, node.kwargs = (op, x, pad, count, args), {}
+        self.changed = True
+
+    def rewrite_split(self, node: fx.Node, x: fx.Node) -> None:
+        dim_arg = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+        shape = self.values[x].shape
+        dim = dim_arg % len(shape)
+        padded = self.padded_dims(x)
+        if dim not in padded:
+            return self.check_moves(node, [x])
+        sizes = [p.shape[dim] for p in self.values[node]]
+        selects = []
+        for i in range(self.n):
+            real = [p.shape[dim] for p in self.real[i][node]]
+            if len(real) != len(sizes) or any(r > s for r, s in zip(real, sizes)):
+                raise _Refused(f"model {i}'s pieces {real} do not fit the padded pieces {sizes}")
+            select = torch.zeros(shape[dim], sum(sizes), dtype=torch.float64)
+            start, column = 0, 0
+            for r, s in zip(real, sizes):
+                select[torch.arange(start, start + r), torch.arange(column, column + r)] = 1
+                start, column = start + r, column + s
+            selects.append(select)
+        select_node = self.constant(node, "select", selects)
+        node.op, node.target = "call_function", split
+        node.args, node.kwargs = (x, select_node, dim, sizes), {}
+        self.changed = True
+
+    def rewrite_matmul(self, node: fx.Node) -> None:
+        a, b = node.args[0], node.args[1]
+        if not isinstance(self.values.get(a), Tensor):
+            raise _Refused("a matmul of a non-tensor")
+        contracted = self.values[a].dim() - 1
+        if contracted in self.padded_dims(a):
+            pad = self.constant(node, "pad", self.pad_mask(node, a, (contracted,)))
+            with self.gm.graph.inserting_before(node):
+                zeroed = self.gm.graph.call_function(masked, (a, pad))
+            node.args = (zeroed, b, *node.args[2:])
+            self.changed = True
+
+    def check_attention(self, node: fx.Node) -> None:
+        q, k = node.args[0], node.args[1]
+        for t, what in ((q, "the query's"), (k, "the key's")):
+            if self.values[t].dim() - 2 in self.padded_dims(t):
+                raise _Refused(f"{what} sequence length is padded (its softmax would count "
+                               f"the padded positions)")
+        contracted = self.values[q].dim() - 1
+        if contracted in self.padded_dims(q):
+            pad = self.constant(node, "pad", self.pad_mask(node, q, (contracted,)))
+            with self.gm.graph.inserting_before(node):
+                zeroed = self.gm.graph.call_function(masked, (q, pad))
+            node.args = (zeroed, *node.args[1:])
+            self.changed = True
+
+    def check_moves(self, node: fx.Node, inputs: list[fx.Node]) -> None:
+        """An op that moves units: run on each model's unit numbers (its real units
+        numbered, padding -1), the padded op must put model i's units where the prefix
+        of the original op's result has them."""
+        for i in range(self.n):
+            padded_args, real_args, offset = {}, {}, 0
+            for x in inputs:
+                real_shape = self.real[i][x].shape
+                numbers = torch.arange(offset, offset + real_shape.numel(),
+                                       dtype=torch.float64).view(real_shape)
+                offset += real_shape.numel()
+                marked = torch.full(self.values[x].shape, -1.0, dtype=torch.float64)
+                marked[tuple(slice(0, s) for s in real_shape)] = numbers
+                padded_args[x], real_args[x] = marked, numbers
+            try:
+                got = self.call(node, {**self.values, **padded_args})
+                want = self.call(self.original_nodes[i][node], {
+                    **self.original_values[i],
+                    **{self.original_nodes[i][x]: v for x, v in real_args.items()}})
+            except Exception as exc:  # noqa: BLE001 - not a pure move: refused below
+                raise _Refused(f"it does not only move units ({exc})") from None
+            gots = got if isinstance(got, (tuple, list)) else (got,)
+            wants = want if isinstance(want, (tuple, list)) else (want,)
+            if len(gots) != len(wants) or any(
+                    not isinstance(g, Tensor) or g.dim() != w.dim()
+                    or any(gs < ws for gs, ws in zip(g.shape, w.shape))
+                    or not torch.equal(g[tuple(slice(0, s) for s in w.shape)], w)
+                    for g, w in zip(gots, wants)):
+                raise _Refused(f"it moves model {i}'s real units out of the first positions "
+                               f"(the padding would land among them)")
+
+    def call(self, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+        args = fx.node.map_arg(node.args, lambda n: env[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "call_module":  # (Flatten, Unflatten: no state)
+            return node.graph.owning_module.get_submodule(node.target)(*args, **kwargs)
+        return node.target(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- the entry point
+
+
+def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.Module],
+                            example_args: Sequence[tuple]) -> list[nn.Module]:
+    """The ``padded`` models (:func:`hftc.module.padding.pad_models` of ``originals``), their
+    forward rewritten so that its ops over a padded dim compute over each model's real
+    units (``example_args[i]``: model i's inputs, for the shapes); the models themselves
+    where nothing needs it, or where forward cannot be traced with those leaves (the
+    first-call check then judges).  Raises :class:`UnsupportedOperatorError` for an op
+    over a padded dim that cannot be made exact."""
+    signature = inspect.signature(type(padded[0]).forward)
+    params = list(signature.parameters.values())[1:]
+    given = {p.name for p in params[:len(example_args[0])]}
+    concrete = {p.name: p.default for p in params if p.name not in given
+                and p.default is not inspect.Parameter.empty}
+    sources: dict[str, str] = {}
+    constants: dict[str, list[Tensor]] = {}
+    for training in (True, False):
+        mode = "train" if training else "eval"
+        try:
+            runs = [_run(m, training, concrete, a) for m, a in zip(originals, example_args)]
+            pads = [_run(m, training, concrete, a) for m, a in zip(padded, example_args)]
+        except Exception:  # noqa: BLE001 - not traceable so: the first-call check judges
+            return list(padded)
+        same = all(p[0].code == pads[0][0].code for p in pads) and all(
+            [(n.op, n.target) for n in r[0].graph.nodes]
+            == [(n.op, n.target) for n in pads[0][0].graph.nodes] for r in runs)
+        if not same:
+            return list(padded)
+        rewriter = _Rewriter(pads[0][0], pads[0][1], runs, mode)
+        rewriter.run()
+        if rewriter.changed:
+            code = rewriter.gm.graph.python_code(root_module="self")
+            sources[mode] = _format_import_block(code.globals, sys_importer) + "\n" + code.src
+            constants.update(rewriter.constants)
+    if not sources:
+        return list(padded)
+    rewritten = _rewritten_class(type(padded[0]), tuple(sorted(sources.items())))
+    for i, model in enumerate(padded):
+        model.__class__ = rewritten
+        like = next((t for t in model.parameters()), torch.zeros(()))
+        for name, per_model in constants.items():
+            value = per_model[i]
+            if value.is_floating_point():
+                value = value.to(like.dtype)
+            model.register_buffer(name, value.to(like.device), persistent=False)
+    return list(padded)
+
+
+_REWRITTEN: dict[tuple, type] = {}
+
+
+def _rewritten_class(base: type, sources: tuple[tuple[str, str], ...]) -> type:
+    """``base`` with the rewritten forward (``sources``: (mode, the graph's Python source)),
+    one class per rewrite, so that every padded model and its copies have one type; a
+    model of it pickles as ``base``'s with the sources (the class is rebuilt on load)."""
+    key = (base, sources)
+    if key not in _REWRITTEN:
+        _REWRITTEN[key] = type(base.__name__, (base,), {
+            "forward": _mode_forward(base, dict(sources)), "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__reduce_ex__": lambda self, protocol: (
+                _rebuilt, (base, sources, self.__getstate__()))})
+    return _REWRITTEN[key]
+
+
+def _rebuilt(base: type, sources: tuple[tuple[str, str], ...], state: dict) -> nn.Module:
+    model = nn.Module.__new__(_rewritten_class(base, sources))
+    model.__setstate__(state)
+    return model
+
+
+def _mode_forward(cls: type, sources: dict[str, str]) -> Callable[..., Any]:
+    """forward(self, <forward's own parameters>): the train or eval graph's code, by
+    ``self.training`` (a mode without a rewrite runs the class's own forward)."""
+    train, evaluate = (_forward_from_src(sources[mode], {}) if mode in sources else cls.forward
+                       for mode in ("train", "eval"))
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    scope: dict[str, Any] = {"_train": train, "_eval": evaluate}
+    heads = []
+    for k, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            raise UnsupportedOperatorError(
+                f"pad_widths=True: {cls.__name__}.forward's parameter `{p}` (*args, **kwargs "
+                f"or keyword-only) cannot be rewritten; give forward plain parameters", [])
+        if p.default is inspect.Parameter.empty:
+            heads.append(p.name)
+        else:
+            scope[f"_default{k}"] = p.default
+            heads.append(f"{p.name}=_default{k}")
+    names = ", ".join(p.name for p in params)
+    source = (f"def forward(self, {', '.join(heads)}):\n"
+              f"    return (_train if self.training else _eval)(self, {names})\n")
+    exec(source, scope)  # noqa: S102 - a signature of forward's own parameter names
+    return scope["forward"]
+
+
+__all__ = ["compute_over_real_units", "masked", "reduce", "split"]
