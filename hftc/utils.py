@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .errors import FusionArgumentError
 from .lowering.runtime.losses import per_model
-from .lowering.runtime.modules import _live_stacked, _stacked_counts
+from .lowering.runtime.modules import live_stacked, stacked_counts
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
 
@@ -42,7 +42,7 @@ def _clip_grad_norm_per_model(parameters: Tensor | Iterable[Tensor], max_norm: f
     trains each model as it trained alone; one norm over all N models would make each
     model's step depend on the others'.  Other parameters: torch's own, unchanged."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    stacked = [n is not None for n in _stacked_counts(params)]
+    stacked = [n is not None for n in stacked_counts(params)]
     if not any(stacked):
         return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
                                       foreach)
@@ -56,13 +56,13 @@ def _clip_grad_norm_per_model(parameters: Tensor | Iterable[Tensor], max_norm: f
 
 # torch's two-step form of clip_grad_norm_: ``total = get_total_norm(grads)`` then
 # ``clip_grads_with_norm_(params, max_norm, total)``.  Gradients carry no mark of their
-# own: the live fused modules' parameters (``_FUSED_MODULES``) recognise theirs.
+# own: the live fused modules' parameters (``FUSED_MODULES``) recognise theirs.
 
 
 def _stacked_gradients(tensors: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
     """The stacked parameters whose ``.grad`` is among ``tensors``, with their N."""
     ids = {id(t) for t in tensors}
-    return [(p, n) for p, n in _live_stacked().values()
+    return [(p, n) for p, n in live_stacked().values()
             if p.grad is not None and id(p.grad) in ids]
 
 
@@ -98,7 +98,7 @@ def _clip_grads_with_norm_per_model(parameters: Tensor | Iterable[Tensor], max_n
     ``get_total_norm`` returns for their gradients); one norm for all N models would
     clip each model by the others' gradients, and is refused.  Other parameters: torch's."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    numbers = _stacked_counts(params)
+    numbers = stacked_counts(params)
     if all(n is None for n in numbers):
         return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
     counts = set(numbers)
@@ -130,7 +130,7 @@ def _update_bn_refusing_fused(loader: Any, model: nn.Module, device: Any = None)
     """``torch.optim.swa_utils.update_bn`` as installed by ``import hftc``: it finds batch
     norms by type, and a fused module's are stacked tensors in ``StackedModule``s, so on
     one it would silently recompute nothing.  Refused there, saying what to do."""
-    fused = any(n is not None for n in _stacked_counts(list(model.parameters())))
+    fused = any(n is not None for n in stacked_counts(list(model.parameters())))
     if fused and any(name.endswith("running_mean") for name, _ in model.named_buffers()):
         raise FusionArgumentError(
             "torch.optim.swa_utils.update_bn finds batch norms by their class, and a fused "

@@ -212,13 +212,13 @@ def test_autotune_keeps_the_fused_program_that_checkpointing_needs(tmp_path, mon
     from hftc.lowering.checkpoint import CheckpointedForward
 
     timed = []
-    run_step = autotune._run_step
+    run_step = autotune.run_tuning_step
 
     def spy(fused, program_forward, how, *args, **kwargs):
         timed.append(type(how.forward or program_forward))
         return run_step(fused, program_forward, how, *args, **kwargs)
 
-    monkeypatch.setattr(autotune, "_run_step", spy)
+    monkeypatch.setattr(autotune, "run_tuning_step", spy)
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # timed here, not found cached
 
     x = torch.randn(5, 1, 8, 8)

@@ -236,10 +236,10 @@ def test_refreshed_optimizer_coefficients_do_not_write_into_shared_values():
     # optimizer's refresh_hyperparameters() writes into its coefficient tensors in place,
     # so those must be its own: else a later lookup of the old values reads the new ones.
     from hftc.lowering.runtime.per_model import values_on
-    from hftc.optim.optimizer import _Coefficients
+    from hftc.optim.optimizer import Coefficients
 
     like = torch.zeros(3, 2, device="cuda")
-    coefficients = _Coefficients({"lr": [0.1, 0.2, 0.3]}, persistent=True)
+    coefficients = Coefficients({"lr": [0.1, 0.2, 0.3]}, persistent=True)
     coefficients("lr", like)
     coefficients.assign({"lr": [1.0, 2.0, 3.0]})
     torch.testing.assert_close(coefficients("lr", like).flatten().cpu(),

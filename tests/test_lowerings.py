@@ -531,7 +531,7 @@ def test_the_cost_models_program_is_a_whole_forward_candidate(train, frontend, m
         raise AssertionError("a cached choice was timed again")
 
     monkeypatch.setattr(autotune._Candidate, "measure", no_timing)
-    monkeypatch.setattr(autotune, "_run_step", no_timing)
+    monkeypatch.setattr(autotune, "run_tuning_step", no_timing)
     # (check_equivalence ran float64 models, in the mode they were fused in, on an input
     # that requires grad; the export front-end compiles at fuse time, in that mode.)
     again = fuser([m.double().train(train) for m in models])
@@ -573,14 +573,14 @@ def test_a_whole_forward_candidate_far_behind_is_timed_no_more(monkeypatch, cach
     # Six candidates of a long step took minutes to time to the end; one 10% behind the
     # fastest after a block of rounds cannot win and is dropped, the close ones go on.
     _tune_ops_away_from_the_cost_model(monkeypatch)
-    run_step, runs = autotune._run_step, collections.Counter()
+    run_step, runs = autotune.run_tuning_step, collections.Counter()
 
     def slow_loop(fused, forward, how, *args):
         runs[how.name] += 1
         time.sleep(0.01 + (0.05 if how.model_loop is not None else 0.0))
         return run_step(fused, forward, how, *args)
 
-    monkeypatch.setattr(autotune, "_run_step", slow_loop)
+    monkeypatch.setattr(autotune, "run_tuning_step", slow_loop)
     # fused and cost_model (equal programs): always "close", and never dropped for a
     # noisy round on a loaded machine; the loop (0.05 s more per run) is far behind
     monkeypatch.setattr(autotune, "_CLOSE", 1e9)
@@ -1215,7 +1215,7 @@ def _awkward_rows(shape: tuple[int, ...]) -> torch.Tensor:
 def test_short_row_softmax_equals_aten(short_row_path, log, shape):
     # Forward, backward and double backward against ATen's kernel, awkward rows included.
     x = _awkward_rows(shape)
-    assert rt_reduction._short_rows(x, -1)
+    assert rt_reduction.short_rows(x, -1)
     aten = torch.log_softmax if log else torch.softmax
     leaf, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
     got, want = rt_reduction.softmax(leaf, -1, log=log), aten(ref, -1)
@@ -1234,12 +1234,12 @@ def test_short_row_softmax_equals_aten(short_row_path, log, shape):
 
 def test_short_row_softmax_is_taken_only_where_aten_is_slow(short_row_path):
     x = torch.randn(2048, 10)
-    assert rt_reduction._short_rows(x, -1) and rt_reduction._short_rows(x, 1)
-    assert not rt_reduction._short_rows(x, 0)                        # not the last dim
-    assert not rt_reduction._short_rows(torch.randn(2048, 16), -1)   # a whole vector: fast
-    assert not rt_reduction._short_rows(torch.randn(100, 10), -1)    # too few elements to gain
-    assert not rt_reduction._short_rows(x.double(), -1)              # float32 only (measured)
-    assert not rt_reduction._short_rows(x.bfloat16(), -1)
+    assert rt_reduction.short_rows(x, -1) and rt_reduction.short_rows(x, 1)
+    assert not rt_reduction.short_rows(x, 0)                        # not the last dim
+    assert not rt_reduction.short_rows(torch.randn(2048, 16), -1)   # a whole vector: fast
+    assert not rt_reduction.short_rows(torch.randn(100, 10), -1)    # too few elements to gain
+    assert not rt_reduction.short_rows(x.double(), -1)              # float32 only (measured)
+    assert not rt_reduction.short_rows(x.bfloat16(), -1)
     # ATen's kernel otherwise, bit for bit; dtype= casts first, as F.softmax does.
     y = torch.randn(64, 10)
     assert torch.equal(rt_reduction.softmax(y, 1, log=True), torch.log_softmax(y, 1))
@@ -1252,10 +1252,10 @@ def test_short_row_softmax_is_taken_only_where_aten_is_slow(short_row_path):
 def test_short_row_softmax_follows_the_cpu_capability(monkeypatch):
     x = torch.randn(2048, 10)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert not rt_reduction._short_rows(x, -1)                        # 10 >= 8 lanes: ATen is fast
-    assert rt_reduction._short_rows(torch.randn(2048, 5), -1)
+    assert not rt_reduction.short_rows(x, -1)                        # 10 >= 8 lanes: ATen is fast
+    assert rt_reduction.short_rows(torch.randn(2048, 5), -1)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert not rt_reduction._short_rows(torch.randn(2048, 5), -1)    # not measured: ATen's
+    assert not rt_reduction.short_rows(torch.randn(2048, 5), -1)    # not measured: ATen's
 
 
 class _LogSoftmaxClassifier(nn.Module):

@@ -881,7 +881,7 @@ def test_per_model_addcdiv_in_half_types_is_stocks_call(dtype):
     for i, v in enumerate(values):
         want[i].addcdiv_(y[i], z[i], value=v)
     got = optimizer_module.addcdiv_(x.clone(), y, z,
-                                    optimizer_module._Coefficients({"neg_lr": values}), "neg_lr")
+                                    optimizer_module.Coefficients({"neg_lr": values}), "neg_lr")
     assert torch.equal(got, want)
 
 
@@ -992,7 +992,7 @@ def test_new_optimizers_refuse_bad_values_naming_the_model():
 def test_zero_and_minus_zero_are_not_one_shared_coefficient():
     # RAdam's foreach update divides by a per-model -0.0 (an unrectified model): a row
     # of 0.0 and -0.0 taken as one shared 0.0 gives one model the other's infinity.
-    coef = optimizer_module._Coefficients({"bc2_step": [0.0, -0.0], "same": [-0.0, -0.0]})
+    coef = optimizer_module.Coefficients({"bc2_step": [0.0, -0.0], "same": [-0.0, -0.0]})
     like = torch.ones(2, 3)
     shared = coef.get("bc2_step", like)
     assert isinstance(shared, torch.Tensor)

@@ -67,7 +67,7 @@ def _slow(monkeypatch, which: str) -> list[str]:
     """Make the timed runs of ``which`` ("fused" or "model_loop") 50 ms slower on the
     timing's clock, extra steps and timed calls alike; returns the names of the ways
     run, in order (a timed call's as "call:fused" / "call:model_loop")."""
-    real, real_way = strategy._run_step, strategy.CallTiming.way
+    real, real_way = strategy.run_tuning_step, strategy.CallTiming.way
     clock = _Clock()
     ran: list[str] = []
 
@@ -86,7 +86,7 @@ def _slow(monkeypatch, which: str) -> list[str]:
             clock.now += 0.05
         return how
 
-    monkeypatch.setattr(strategy, "_run_step", run_step)
+    monkeypatch.setattr(strategy, "run_tuning_step", run_step)
     monkeypatch.setattr(strategy.CallTiming, "way", way)
     monkeypatch.setattr(strategy, "time", clock)
     return ran
@@ -296,12 +296,12 @@ def test_timing_draws_no_random_numbers_and_keeps_buffers(monkeypatch, chosen):
     forced (no timing), over two calls: the timing's dropout draws and batch norm
     updates are undone."""
     results = []
-    real_run_step, time = strategy._run_step, strategy.time
+    real_run_step, time = strategy.run_tuning_step, strategy.time
     for how in ("timed", chosen):
         if how == "timed":
             _slow(monkeypatch, "fused" if chosen == "model_loop" else "model_loop")
         else:
-            monkeypatch.setattr(strategy, "_run_step", real_run_step)
+            monkeypatch.setattr(strategy, "run_tuning_step", real_run_step)
             monkeypatch.setattr(strategy, "time", time)
         fused = hftc.fuse(_models(), strategy=how)
         torch.manual_seed(7)
@@ -324,21 +324,21 @@ def test_long_steps_cost_a_warm_up_and_two_rounds(monkeypatch):
     """A step longer than the budget: the choice runs one warm-up of each way and two
     timed rounds (one in each order), six steps in all, not more."""
     ran = _slow(monkeypatch, "fused")
-    real_run_step = strategy._run_step
+    real_run_step = strategy.run_tuning_step
     clock = strategy.time
 
     def long_step(*args, **kwargs):
         clock.now += 0.6  # both ways: 0.6 s a step on the timing's clock
         return real_run_step(*args, **kwargs)
 
-    monkeypatch.setattr(strategy, "_run_step", long_step)
+    monkeypatch.setattr(strategy, "run_tuning_step", long_step)
     fused = hftc.fuse(_models())
     fused(_x())
     assert fused.plan.chosen == "model_loop" and fused.plan.rounds == 2
     assert ran == ["fused", "model_loop", "fused", "model_loop", "model_loop", "fused"]
     # short steps take rounds until the budget (1 s, the warm-up included) is spent
     ran.clear()
-    monkeypatch.setattr(strategy, "_run_step", real_run_step)
+    monkeypatch.setattr(strategy, "run_tuning_step", real_run_step)
     short = hftc.fuse(_models(2))
     short(_x())
     assert short.plan.rounds > 2

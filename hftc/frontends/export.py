@@ -74,7 +74,7 @@ from ..errors import TraceError, plain_message
 from ..ir import bind_arguments, call_signature
 from ..lowering.runtime.guards import check_input_shape, check_input_structure, check_input_value
 from .same_program import alike_models, reads_tensor_values
-from .symbolic import OutputSpec, _traceable_forward, _uniform_mode, source_line, trace_hint
+from .symbolic import OutputSpec, source_line, trace_hint, traceable_forward, uniform_mode
 
 aten = torch.ops.aten
 
@@ -165,7 +165,7 @@ def _traceable_forwards(model: nn.Module) -> Iterator[None]:
     language model's ``self.encoder(src, mask=self.src_mask)`` failed to export."""
     replaced = []
     for module in model.modules():
-        replacement = _traceable_forward(module)
+        replacement = traceable_forward(module)
         if replacement is not None and "forward" not in module.__dict__:
             module.__dict__["forward"] = functools.partial(replacement, module)
             replaced.append(module)
@@ -267,7 +267,7 @@ def _export_program(
 ) -> torch.export.ExportedProgram:
     """``torch.export`` of ``model`` in one mode, or a :class:`TraceError` naming the model."""
     try:
-        with _uniform_mode(model, training), _quiet(), _inference_mode_refused(index, model), \
+        with uniform_mode(model, training), _quiet(), _inference_mode_refused(index, model), \
                 _traceable_forwards(model):
             return torch.export.export(
                 model, tuple(args), kwargs,

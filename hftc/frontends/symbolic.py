@@ -122,7 +122,7 @@ def _flatten_dataclass_output(graph: fx.Graph) -> None:
         graph.erase_node(built)
 
 
-def _traceable_forward(module: nn.Module) -> Callable[..., Any] | None:
+def traceable_forward(module: nn.Module) -> Callable[..., Any] | None:
     forward = type(module).forward
     for cls in type(module).__mro__:
         if cls in TRACEABLE_FORWARDS and getattr(cls, "forward", None) is forward:
@@ -227,7 +227,7 @@ class _Tracer(fx.Tracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if _traceable_forward(m) is not None:
+        if traceable_forward(m) is not None:
             return False
         return super().is_leaf_module(m, module_qualified_name)
 
@@ -236,7 +236,7 @@ class _Tracer(fx.Tracer):
                 self._autograd_functions_recorded(), self._torch_random_recorded(), \
                 self._autocast_recorded(), self._sequence_packing_recorded(), \
                 _size_varargs_packed(), _python_random_refused():
-            replacement = _traceable_forward(root) if isinstance(root, nn.Module) else None
+            replacement = traceable_forward(root) if isinstance(root, nn.Module) else None
             if replacement is None:
                 return _unmark_wrapped(super().trace(root, concrete_args))
             # The root itself is such a module: trace the replacement as its forward.
@@ -475,7 +475,7 @@ class _Tracer(fx.Tracer):
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple,
                     kwargs: dict) -> Any:
-        replacement = _traceable_forward(m)
+        replacement = traceable_forward(m)
         if replacement is not None:
             forward = functools.partial(replacement, m)
         return super().call_module(m, forward, args, kwargs)
@@ -583,7 +583,7 @@ def _python_random_refused() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _uniform_mode(model: nn.Module, training: bool) -> Iterator[None]:
+def uniform_mode(model: nn.Module, training: bool) -> Iterator[None]:
     """Put every submodule in one mode for the duration; restore each one's own flag after."""
     saved = [(m, m.training) for m in model.modules()]
     model.train(training)
@@ -671,7 +671,7 @@ def constant_inputs(model: nn.Module, given: dict[str, Any] | None = None) -> di
     Python constant (``has_mask=True``, ``is_causal: bool = False``), at that default,
     updated with ``given`` (the Python constants a call passes, by name; a name given
     another kind of value, a tensor, is traced as a value)."""
-    forward = _traceable_forward(model) or type(model).forward
+    forward = traceable_forward(model) or type(model).forward
     try:
         parameters = inspect.signature(forward).parameters
     except (TypeError, ValueError):
@@ -839,7 +839,7 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
     constants = constant_inputs(model) if constants is None else dict(constants)
     tracer.constant_inputs = {k: v for k, v in constants.items() if k not in nones}
     try:
-        with _uniform_mode(model, training), _python_state_kept(model, changes):
+        with uniform_mode(model, training), _python_state_kept(model, changes):
             with watched:
                 graph = tracer.trace(model, {name: None for name in nones} or None)
             _flatten_dataclass_output(graph)

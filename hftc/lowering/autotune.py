@@ -208,11 +208,11 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _describe(value: Any) -> Any:
+def describe_values(value: Any) -> Any:
     if isinstance(value, Tensor):
         return [list(value.shape), list(value.stride()), str(value.dtype)]
     if isinstance(value, (tuple, list)):
-        return [_describe(v) for v in value]
+        return [describe_values(v) for v in value]
     return repr(value)
 
 
@@ -275,8 +275,8 @@ def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[s
     backward = any(grad_flags)
     device = next(a.device for a in args if isinstance(a, Tensor))
     # "op-2": before ``grouped`` converted a channels-last map to NCHW (conv.conv).
-    key = json.dumps([device_key(device), "op-2", kernel.__name__, _describe(list(args)),
-                      {k: _describe(v) for k, v in sorted(kwargs.items())},
+    key = json.dumps([device_key(device), "op-2", kernel.__name__, describe_values(list(args)),
+                      {k: describe_values(v) for k, v in sorted(kwargs.items())},
                       [bool(f) for f in grad_flags], names])
     path = path or cache_path()
     choice = LoweringChoice(node, kernel.__name__, names[0], names[0])
@@ -396,7 +396,7 @@ def autotune_graph(graph: fx.Graph, module: torch.nn.Module, inputs: Sequence[An
 # --------------------------------------------------------------------------- the whole model
 
 
-def _rng_state(device: torch.device) -> Tensor:
+def rng_state(device: torch.device) -> Tensor:
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device)
     return torch.random.get_rng_state()
@@ -488,14 +488,14 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
     (:func:`preserved_state`)."""
     default = ProgramChoice()
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
-    rng = _rng_state(device)
+    rng = rng_state(device)
     # Each candidate on its own copy of the inputs: a forward may write into them.
     (fused_out, fused_grads), default.peak = peak_memory(
-        lambda: _run_step(fused, program_forward, default, input_copies(values), batched,
+        lambda: run_tuning_step(fused, program_forward, default, input_copies(values), batched,
                           backward), device)
     # A program that draws random numbers (dropout) gives the others other draws:
     # then only the shapes can be compared.
-    random = not torch.equal(rng, _rng_state(device))
+    random = not torch.equal(rng, rng_state(device))
     if not plain_output(fused_out):
         return {default.name: default}, []
     try:
@@ -519,14 +519,14 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
                 continue
             try:
                 (out, grads), how.peak = peak_memory(
-                    lambda how=how: _run_step(fused, program_forward, how,
+                    lambda how=how: run_tuning_step(fused, program_forward, how,
                                               input_copies(values), batched, backward), device)
                 leaves = pytree.tree_leaves(out)
             except Exception:  # noqa: BLE001 - e.g. model code that .view()s a channels-last map
                 rejected.append(how.name)
                 continue
             # Gradients too: torch's CPU norms computed some wrong for channels-last
-            # gradients with odd strides (layout._canonical_grad), outputs right.
+            # gradients with odd strides (layout.canonical_grad), outputs right.
             if len(leaves) == len(fused_leaves) and all(
                     isinstance(a, Tensor) and a.shape == b.shape and a.dtype == b.dtype
                     and (random or _same(a.detach(), b.detach()))
@@ -538,7 +538,7 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
     return valid, rejected
 
 
-def _run_step(fused: torch.nn.Module, program_forward: Callable[..., Any], how: ProgramChoice,
+def run_tuning_step(fused: torch.nn.Module, program_forward: Callable[..., Any], how: ProgramChoice,
               values: Sequence[Any], batched: Sequence[bool], backward: bool,
               ) -> tuple[Any, tuple[Tensor | None, ...]]:
     """A forward as ``how`` says, and the parameters' gradients when ``backward`` (else
@@ -625,7 +625,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     # shared a choice), are retimed.
     key = json.dumps([device_key(device), "program-5", fused.num_models,
                       hashlib.sha1(key_source.encode()).hexdigest(),
-                      _describe([v for v in values if isinstance(v, Tensor)]), list(batched),
+                      describe_values([v for v in values if isinstance(v, Tensor)]), list(batched),
                       backward, [list(p.shape) for p in fused.parameters()]]
                      + ([] if model_loop else ["no model_loop"]))
     path = path or cache_path()
@@ -657,7 +657,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
             # One untimed round: measuring the peaks handed the heap's free memory
             # back, and the first timed round would fault it in again.
             for how in valid.values():
-                _run_step(fused, program_forward, how, values, batched, backward)
+                run_tuning_step(fused, program_forward, how, values, batched, backward)
         timed = list(valid)
         for _extra in range(_MORE_ROUNDS):
             for _ in range(_ROUNDS):  # interleaved rounds, as for single ops
@@ -665,7 +665,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
                     how = valid[name]
                     synchronize(device)
                     start = time.perf_counter()
-                    _run_step(fused, program_forward, how, values, batched, backward)
+                    run_tuning_step(fused, program_forward, how, values, batched, backward)
                     synchronize(device)
                     times[name].append(time.perf_counter() - start)
             medians = {name: statistics.median(times[name]) for name in timed}

@@ -75,13 +75,13 @@ from torch import Tensor
 from ..errors import FusionArgumentError
 from .autotune import (
     ProgramChoice,
-    _describe,
-    _rng_state,
-    _run_step,
     cache_path,
+    describe_values,
     device_key,
     lookup_entry,
+    rng_state,
     run_program,
+    run_tuning_step,
     store_entry,
     synchronize,
 )
@@ -353,7 +353,7 @@ def strategy_key(fused: torch.nn.Module, values: Sequence[Any], batched: Sequenc
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
     return json.dumps([device_key(device), "strategy-1", fused.num_models,
                        hashlib.sha1(key_source.encode()).hexdigest(),
-                       _describe([v for v in values if isinstance(v, Tensor)]),
+                       describe_values([v for v in values if isinstance(v, Tensor)]),
                        list(batched), backward, [list(p.shape) for p in fused.parameters()]])
 
 
@@ -385,10 +385,10 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
         try:
             loop_way = ProgramChoice(loop())
             with preserved_state(fused), torch.no_grad():
-                rng = _rng_state(device)
+                rng = rng_state(device)
                 out = run_program(fused, program_forward, loop_way, input_copies(values),
                                   batched)
-                draws = not torch.equal(rng, _rng_state(device))
+                draws = not torch.equal(rng, rng_state(device))
         except Exception:  # noqa: BLE001 - models that cannot run one by one keep fused
             return None, StrategyChoice("fused", "loop failed", backward=backward), None
         if not plain_output(out):  # what the loop cannot stack as the fused program does
@@ -402,14 +402,15 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
     fused_way = ProgramChoice()
     warm_from = time.perf_counter()
     with preserved_state(fused):
-        out, _ = _run_step(fused, program_forward, fused_way, copies, batched, backward)
+        out, _ = run_tuning_step(fused, program_forward, fused_way, copies, batched, backward)
         if not plain_output(out):  # what the loop cannot stack as the fused program does
             return None, StrategyChoice("fused", "outputs not only tensors: not timed",
                                         backward=backward), None
         del out
         try:
             loop_way = ProgramChoice(loop())
-            _run_step(fused, program_forward, loop_way, input_copies(values), batched, backward)
+            run_tuning_step(fused, program_forward, loop_way, input_copies(values), batched,
+                            backward)
         except Exception:  # noqa: BLE001 - models that cannot run one by one keep fused
             return None, StrategyChoice("fused", "loop failed", backward=backward), None
         times: dict[str, list[float]] = {"fused": [], "model_loop": []}
@@ -420,7 +421,7 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
             for name, way in order:
                 synchronize(device)
                 begin = time.perf_counter()
-                _run_step(fused, program_forward, way, copies, batched, backward)
+                run_tuning_step(fused, program_forward, way, copies, batched, backward)
                 synchronize(device)
                 times[name].append(time.perf_counter() - begin)
             ratios.append(times["model_loop"][-1] / max(times["fused"][-1], 1e-12))

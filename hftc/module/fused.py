@@ -17,96 +17,49 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import hashlib
 import inspect
-import operator
-import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .. import ir
 from ..errors import (
     FusionArgumentError,
-    FusionError,
-    FusionIndexError,
     FusionTypeError,
     FusionWarning,
     MismatchError,
-    RaggedResultError,
     TraceError,
     UnsupportedOperatorError,
-    plain_message,
 )
 from ..frontends.closures import check_function_references, rebind_functions
 from ..frontends.symbolic import (
-    OutputSpec,
-    annotate_example_values,
     constant_inputs,
-    is_python_constant,
     meta_copy,
-    same_constant,
-    trace_model,
     trace_models,
 )
 from ..ir import CONSTANT_INPUTS, PYTHON_STATE
-from ..lowering.autotune import ProgramChoice, run_program
-from ..lowering.check import (
-    CheckResult,
-    compare_with_models,
-    input_copies,
-    locate_difference,
-    preserved_state,
-)
+from ..lowering.autotune import run_program
 from ..lowering.checkpoint import check_option as check_checkpoint_option
-from ..lowering.compile_guard import compiled_original, run_eagerly
-from ..lowering.pipeline import CompileOptions, Program, compile_program
-from ..lowering.runtime.layout import expand_models, model_slice
+from ..lowering.compile_guard import compiled_original
+from ..lowering.pipeline import Program
+from ..lowering.runtime.layout import model_slice
 from ..lowering.runtime.model_loop import ModelLoop
 from ..lowering.runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
-from ..lowering.strategy import StrategyChoice, resolve_strategy
+from ..lowering.strategy import resolve_strategy
 from ..match import GraphMatch, match_graphs
-from ..passes import FusionReport
-from ..passes.driver import SHARED_CONSTANT_PREFIX
 from ..passes.registry import aten_spellings, per_model_table
 from .copies import ModelCopies
+from .inputs import InDims, InputHandling, check_in_dims
 from .padding import WidthPadding, mask_padded_gradients, pad_models
-from .padding import locate_difference as locate_padding_difference
-from .padding_graph import compute_over_real_units
+from .programs import ModeGraphs, ProgramCache
 from .stacking import build_module_tree
-
-
-@dataclass
-class _ModeGraphs:
-    """Model 0's graph for one mode, rooted at the meta template, and its matching."""
-
-    graph: fx.Graph  # not owned by any module, so deepcopy and pickle keep it whole
-    originals: list[dict[str, str]]  # per model: model 0's node name -> model i's node name
-    match_method: str
-    attr_targets: dict[str, str]
-    #: the inputs traced as Python constants, and their values (ir.CONSTANT_INPUTS)
-    constants: dict[str, Any] = field(default_factory=dict)
-
-    def graph_module(self, template: nn.Module) -> fx.GraphModule:
-        """Model 0's graph rooted at the meta template, for shape propagation and fusion."""
-        gm = fx.GraphModule(template, self.graph)
-        self.graph.owning_module = None
-        return gm
-
-
-InDims = int | None | Sequence[int | None]
-
-#: ``torch.compile``'s keyword options (what ``nn.Module.compile`` passes on).
-_TORCH_COMPILE_OPTIONS = frozenset(inspect.signature(torch.compile).parameters) - {"model"}
+from .unfuse import Unfusing
 
 
 def _hook_hint(hooks: Sequence[Any]) -> str:
@@ -230,7 +183,7 @@ def _check_shared_tensors(models: Sequence[nn.Module]) -> None:
                 f"it compute the same.)")
 
 
-def _check_models(models: Any) -> list[nn.Module]:
+def check_models(models: Any) -> list[nn.Module]:
     if isinstance(models, nn.Module):
         raise FusionTypeError(
             "hftc.fuse takes a list of models, got a single nn.Module; "
@@ -264,43 +217,8 @@ def _check_models(models: Any) -> list[nn.Module]:
     return models
 
 
-#: ``x.float()`` for a float32 model: how a message says to cast an input.
-_CAST_METHODS = {torch.float32: "float()", torch.float64: "double()", torch.float16: "half()",
-                 torch.bfloat16: "bfloat16()"}
 
 
-def _check_in_dims(in_dims: Any) -> InDims:
-    """``in_dims`` as vmap takes it: ``None``, an int, or a tuple with one entry per input,
-    an entry being an int, ``None`` or, for a container input, such a tuple (a dict) per
-    element (a pytree prefix: ``(None, (0, 0))`` for ``forward(x, hc)``, or ``(None, 0)``
-    to stack every tensor of ``hc``); NumPy integers become ints.  Anything else is
-    refused, naming it."""
-    def entry(d: Any, nested: bool) -> Any:
-        if d is None:
-            return None
-        if nested and isinstance(d, (tuple, list)):
-            return type(d)(entry(e, True) for e in d)
-        if nested and isinstance(d, dict):
-            return {k: entry(e, True) for k, e in d.items()}
-        if not isinstance(d, (bool, torch.Tensor)):
-            try:
-                return operator.index(d)  # an int, or a NumPy integer
-            except TypeError:
-                pass
-        raise ValueError
-
-    try:
-        if isinstance(in_dims, (tuple, list)):
-            return tuple(entry(d, True) for d in in_dims)
-        return entry(in_dims, False)
-    except ValueError:
-        raise FusionArgumentError(
-            f"in_dims must be None (every input shared by the models), an int (the dim "
-            f"along which every input holds one slice per model: in_dims=0) or a tuple with "
-            f"one entry per input of forward (in_dims=(0, None)), an entry for a tuple input "
-            f"being an int, None or a tuple per element (in_dims=(None, (0, 0)) for "
-            f"forward(x, hc)), as torch.func.vmap's; "
-            f"got {in_dims!r} ({type(in_dims).__name__})") from None
 
 
 def _tensor_name_maps(match: GraphMatch, graphs: Sequence[fx.GraphModule]) -> list[dict]:
@@ -340,13 +258,9 @@ def _module_path_maps(match: GraphMatch, graphs: Sequence[fx.GraphModule],
     return maps
 
 
-def _get_path(root: Any, path: str) -> Any:
-    for part in path.split("."):
-        root = getattr(root, part)
-    return root
 
 
-def _example_constants(model: nn.Module, example_inputs: Any) -> dict[str, Any] | None:
+def example_constants(model: nn.Module, example_inputs: Any) -> dict[str, Any] | None:
     """The inputs symbolic tracing takes as Python constants, for fusing with
     ``example_inputs``: forward's constant defaults, updated with the Python constants the
     example passes (``example_inputs=(src, False)`` for ``forward(src, has_mask)``)."""
@@ -361,18 +275,9 @@ def _example_constants(model: nn.Module, example_inputs: Any) -> dict[str, Any] 
     return constant_inputs(model, dict(given))
 
 
-def _drop_grad_accumulator(p: torch.Tensor) -> None:
-    """Make autograd give ``p`` a new gradient accumulator before its rows are cut.
-
-    A graph still alive from an earlier step (a loss the loop still holds) keeps ``p``'s
-    accumulator, which remembers the old shape ``[N, ...]``: the next backward would
-    refuse the ``[k, ...]`` gradient.  torch replaces the accumulator when ``.data``
-    changes dtype, and not when it changes shape; hence the brief detour."""
-    other = torch.float32 if p.dtype != torch.float32 else torch.float64
-    p.data = torch.empty(0, dtype=other, device=p.device)
 
 
-class FusedModule(ContainerAccess, nn.Module):
+class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Module):
     """N models fused into one: ``fused(x)[i] == models[i](x)``.
 
     Every parameter and buffer is the stack of the N originals under the original
@@ -401,7 +306,7 @@ class FusedModule(ContainerAccess, nn.Module):
                              "frontend": frontend, "autotune": autotune, "check": check,
                              "strategy": strategy, "checkpoint": checkpoint,
                              "pad_widths": pad_widths}
-        models = _check_models(models)
+        models = check_models(models)
         unpadded = models
         if not isinstance(pad_widths, bool):
             raise FusionArgumentError(f"pad_widths must be True or False, got {pad_widths!r}")
@@ -422,7 +327,7 @@ class FusedModule(ContainerAccess, nn.Module):
             models, self.padding = pad_models(models) if _padded is None else _padded
             if self.padding is not None:
                 strategy = "fused"  # the padded models one by one would only be slower
-        in_dims = _check_in_dims(in_dims)
+        in_dims = check_in_dims(in_dims)
         n = len(models)
         self.num_models = n
         self.in_dims = in_dims
@@ -489,13 +394,13 @@ class FusedModule(ContainerAccess, nn.Module):
                 names.clear()
                 names.update({id(p): by_name[name] for name, p in original.named_parameters()
                               if name in by_name})
-        self._mode_graphs: dict[bool, _ModeGraphs] = {}
+        self._mode_graphs: dict[bool, ModeGraphs] = {}
         for mode in (True, False):
             attr_targets = self._stack_constants(graphs[mode], matches[mode])
             graph0 = graphs[mode][0].graph
             graph0.owning_module = None
             originals = [{n0.name: ni.name for n0, ni in m.items()} for m in matches[mode].mapping]
-            self._mode_graphs[mode] = _ModeGraphs(graph0, originals, matches[mode].method,
+            self._mode_graphs[mode] = ModeGraphs(graph0, originals, matches[mode].method,
                                                   attr_targets,
                                                   graphs[mode][0].meta.get(CONSTANT_INPUTS, {}))
         for mode in (True, False):  # let the originals go: keep graphs, not their modules
@@ -506,7 +411,7 @@ class FusedModule(ContainerAccess, nn.Module):
         #: they are traced from: each model's meta copy (no weights), kept where symbolic
         #: tracing was used and forward has an input that defaults to None or was traced
         #: as a constant.
-        self._retraced_graphs: dict[tuple[bool, frozenset[str], tuple], _ModeGraphs] = {}
+        self._retraced_graphs: dict[tuple[bool, frozenset[str], tuple], ModeGraphs] = {}
         optional = any(p.op == "placeholder" and p.args == (None,)
                        for p in self._mode_graphs[True].graph.nodes)
         retraceable = optional or self._mode_graphs[True].constants
@@ -543,7 +448,7 @@ class FusedModule(ContainerAccess, nn.Module):
         if frontend != "export":
             try:
                 return trace_models(models, modes=(True, False), constants=[
-                    _example_constants(m, example_inputs) for m in models])
+                    example_constants(m, example_inputs) for m in models])
             except TraceError:
                 if example_inputs is None or frontend == "symbolic":
                     raise
@@ -603,308 +508,19 @@ class FusedModule(ContainerAccess, nn.Module):
         self._mark_stacked()
         return result
 
-    def _stack_constants(self, graphs: Sequence[fx.GraphModule], match: GraphMatch) -> dict:
-        """Tensor attributes the graphs read that are not parameters or buffers (constants
-        symbolic tracing lifted, plain tensor attributes): stacked as non-persistent buffers,
-        or, where every model's is equal (a token id the models' code lifted, say), one
-        buffer all models share (its name tells the fusion passes so)."""
-        known = {name for name, _ in self.named_parameters(remove_duplicate=False)}
-        known |= {name for name, _ in self.named_buffers(remove_duplicate=False)}
-        targets: dict[str, str] = {}
-        for node in graphs[0].graph.nodes:
-            if node.op != "get_attr" or node.target in known:
-                continue
-            values = [_get_path(g, m[node].target) for g, m in zip(graphs, match.mapping)]
-            if not isinstance(values[0], torch.Tensor):
-                continue
-            shared = all(v.shape == values[0].shape and v.dtype == values[0].dtype
-                         and torch.equal(v, values[0]) for v in values[1:])
-            prefix = SHARED_CONSTANT_PREFIX if shared else "_hftc_constant_"
-            name = f"{prefix}{len(list(self.buffers()))}"
-            value = values[0].detach().clone() if shared else torch.stack(
-                [v.detach() for v in values])
-            self.register_buffer(name, value, persistent=False)
-            targets[node.target] = name
-            # Shape propagation runs model 0's graph on the template: give it the constant too.
-            owner_path, _, leaf = node.target.rpartition(".")
-            owner = self._template.get_submodule(owner_path)
-            if not hasattr(owner, leaf):
-                owner.register_buffer(leaf, torch.empty_like(values[0], device="meta"),
-                                      persistent=False)
-        return targets
 
     # ------------------------------------------------------------------ calling
 
-    def _in_dims_for(self, given: Sequence[bool],
-                     names: Sequence[str] | None = None) -> list[int | None]:
-        """Each input's in_dims entry: ``given[k]`` says whether the caller passed input k
-        (positionally or by keyword); one left to its default is shared."""
-        dims = self.in_dims
-        if dims is None or isinstance(dims, int):
-            return [dims if g else None for g in given]
-        dims = tuple(dims)
-        # Fewer entries than forward has inputs: a call may leave optional inputs out
-        # (fused(x) and fused(x, mask) with in_dims=(0, None)); not more than forward has.
-        graphs = self.__dict__.get("_mode_graphs")  # not yet while export traces
-        inputs = len(dims) if graphs is None else sum(
-            n.op == "placeholder" for n in graphs[self.training].graph.nodes)
-        passed = [k for k, g in enumerate(given) if g]
-        if len(dims) > inputs or (passed and passed[-1] >= len(dims)):
-            extra = "" if not passed or passed[-1] < len(dims) or names is None else (
-                f"; input `{names[passed[-1]]}` (input {passed[-1]}) has none")
-            raise FusionArgumentError(
-                f"in_dims has {len(dims)} entries but the fused module got "
-                f"{len(passed)} inputs (the models' forward takes {inputs}){extra}; give "
-                f"one entry (an int or None) per input, in forward's order, whether it is "
-                f"passed by position or by keyword"
-            )
-        return [dims[k] if g else None for k, g in enumerate(given)]
-
-    def _merge_inputs(self, values: Sequence[Any], given: Sequence[bool] | None = None,
-                      names: Sequence[str] | None = None) -> tuple[list[Any], list[bool]]:
-        """Inputs -> fused inputs: stacked ones get the model dim at 0, shared ones stay.
-        ``given``: which were passed (default all), ``names``: forward's input names."""
-        given = [True] * len(values) if given is None else given
-        merged, batched = [], []
-        for k, (a, d) in enumerate(zip(values, self._in_dims_for(given, names))):
-            if d is None:
-                merged.append(a)
-                batched.append(False)
-                continue
-            what = f"input {k}" if names is None else f"input `{names[k]}` (input {k})"
-            if isinstance(a, torch.Tensor) and isinstance(d, int):
-                merged.append(self._stacked_input(a, d, what))
-                batched.append(True)
-                continue
-            value, stacked = self._stacked_container(a, d, what)
-            merged.append(value)
-            batched.append(stacked)
-        return merged, batched
-
-    def _stacked_input(self, a: torch.Tensor, d: int, what: str) -> torch.Tensor:
-        """A tensor stacked per model along dim ``d``, with the model dim moved to 0."""
-        if a.dim() <= d or a.shape[d] != self.num_models:
-            got = "no such dim" if a.dim() <= d else f"size {a.shape[d]}"
-            raise FusionArgumentError(
-                f"{what} is stacked per model along dim {d} (in_dims) but has {got} there "
-                f"(shape {tuple(a.shape)}); it needs size {self.num_models}, one slice per "
-                f"model. Pass in_dims=None for an input all models share."
-            )
-        return a.movedim(d, 0) if d != 0 else a
-
-    def _stacked_container(self, a: Any, d: Any, what: str) -> tuple[Any, bool]:
-        """A container input (an LSTM's ``(h, c)``) with its in_dims entry ``d``, a pytree
-        prefix as vmap's: an int stacks every tensor in it, a tuple gives each element its
-        own.  ``((h, c), (0, None))`` -> ``(h, c.expand(N, *c.shape))``: the fused program
-        takes a container whose tensors all carry the model dim, so a shared one among
-        stacked ones is passed expanded (a view); returns (value, whether it is stacked)."""
-        leaves, spec = pytree.tree_flatten(a)
-        if isinstance(d, int):
-            dims = [d if isinstance(t, torch.Tensor) else None for t in leaves]
-        else:
-            dims = pytree._broadcast_to_and_flatten(d, spec)
-            if dims is None:
-                raise FusionArgumentError(
-                    f"{what} is a {type(a).__name__} whose structure in_dims={d!r} does not "
-                    f"match (it holds {pytree.tree_unflatten(['*'] * len(leaves), spec)!r}, "
-                    f"* a value): give the container one entry (an int stacks every "
-                    f"tensor in it, as torch.func.vmap's in_dims) or a tuple with one int or "
-                    f"None per element (in_dims=(None, (0, 0)) for forward(x, (h, c)))")
-        if not any(dim is not None for dim in dims):
-            return a, False
-        for dim, t in zip(dims, leaves):
-            if dim is not None and not isinstance(t, torch.Tensor):
-                raise FusionArgumentError(
-                    f"{what} has in_dims={d!r} but holds a {type(t).__name__} ({t!r}) where "
-                    f"in_dims says dim {dim}: in_dims stacks tensors only; give it None there")
-        stacked = [self._stacked_input(t, dim, what) if dim is not None
-                   else expand_models(t, self.num_models) if isinstance(t, torch.Tensor)
-                   else t for t, dim in zip(leaves, dims)]
-        return pytree.tree_unflatten(stacked, spec), True
-
-    def _inputs(self, args: tuple, kwargs: dict) -> tuple[list[Any], list[bool]]:
-        """A call's positional and keyword inputs -> one fused value per input of the traced
-        forward, and whether each carries the model dim.  ``in_dims`` applies to an input
-        whichever way it is passed."""
-        self.__dict__["_call_graph_key"] = None
-        self.__dict__["_call_keywords"] = ()  # inputs forward's **kwargs takes: none
-        placeholders = [
-            n for n in self._mode_graphs[self.training].graph.nodes
-            if n.op == "placeholder"
-        ]
-        if self.__dict__.get("frontend") == "export" \
-                and not self._fits_exported(placeholders, args, kwargs):
-            found = self._reexport_inputs(args, kwargs)
-            if found is not None:
-                return found
-        if len(args) > len(placeholders):
-            takes = (f"{len(placeholders)} input{'s' if len(placeholders) != 1 else ''} ("
-                     + ", ".join(f"`{p.target}`" for p in placeholders) + ")")
-            exported = ("" if self.__dict__.get("frontend") != "export" else
-                        " As traced by torch.export, forward takes the inputs example_inputs "
-                        "gave: give example_inputs every input the fused module will be "
-                        "called with.")
-            raise FusionArgumentError(
-                f"the fused module got {len(args)} positional inputs, but the models' "
-                f"forward takes {takes}: call it as you would call one model "
-                f"(fused(x) for forward(self, x)).{exported}"
-            )
-        kwargs = dict(kwargs)
-        values, given = list(args), [True] * len(args)
-        for p in placeholders[len(args):]:
-            if p.target in kwargs:
-                values.append(kwargs.pop(p.target))
-                given.append(True)
-            elif p.args:
-                values.append(p.args[0])
-                given.append(False)
-            else:
-                raise FusionArgumentError(f"missing input `{p.target}` of the models' forward")
-        if kwargs:
-            raise FusionArgumentError(f"unexpected keyword inputs {sorted(kwargs)}")
-        merged, batched = self._merge_inputs(values, given, [p.target for p in placeholders])
-        if self.__dict__.get("frontend") == "export":
-            refused = _guard_failure(self._mode_graphs[self.training].graph, merged, batched)
-            if refused is not None:
-                self._use_export(("shapes", _shapes(merged, batched)), merged, batched, refused)
-        return merged, batched
-
-    @staticmethod
-    def _fits_exported(placeholders: Sequence[fx.Node], args: tuple, kwargs: dict) -> bool:
-        """Whether a call passes the inputs the exported graph takes: no more positional
-        ones, only its keywords, each of its inputs given (or defaulted), and no ``None``
-        where the example inputs had a tensor (the graph guards it)."""
-        from ..lowering.runtime.guards import check_input_shape
-
-        names = [p.target for p in placeholders]
-        if len(args) > len(names) or not set(kwargs) <= set(names[len(args):]):
-            return False
-        for k, p in enumerate(placeholders):
-            if k >= len(args) and p.target not in kwargs and not p.args:
-                return False
-            value = args[k] if k < len(args) else kwargs.get(p.target)
-            if value is None and any(u.target is check_input_shape for u in p.users):
-                return False
-        return True
-
-    def _reexport_inputs(self, args: tuple, kwargs: dict) -> tuple[list[Any], list[bool]] | None:
-        """A call the exported graph does not take (``fused(input_ids, labels=labels)`` for
-        models exported from ``example_inputs=(input_ids, attention_mask)``; an input
-        ``None`` that was a tensor): the models are exported again with this call's own
-        inputs as the example (once per mode and pattern of given / ``None`` inputs),
-        and the call's inputs bound to forward's parameters in order, up to the last one
-        given, then the keyword-only ones and those forward's ``**kwargs`` takes
-        (``num_items_in_batch`` from the Hugging Face Trainer), exported as keywords.
-        None where forward takes ``*args`` (the call is refused as before)."""
-        signature = inspect.signature(type(self._template).forward)
-        parameters = list(signature.parameters.values())[1:]
-        if any(p.kind == p.VAR_POSITIONAL for p in parameters):
-            return None
-        try:
-            bound = signature.bind(None, *args, **kwargs)
-        except TypeError as exc:
-            raise FusionArgumentError(f"{self.source_type}.forward: {exc} (call the fused "
-                                      f"module as you would call one model)") from None
-        parameters = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY,
-                                                          p.POSITIONAL_OR_KEYWORD)]
-        named = {p.name for p in parameters}
-        # Keyword-only, or taken by **kwargs (bind refused any other): export takes them as
-        # keywords, after the positional inputs; sorted, so one pattern is one export.
-        keywords = sorted(set(kwargs) - named)
-        given = set(bound.arguments) & named
-        bound.apply_defaults()
-        last = max((k for k, p in enumerate(parameters) if p.name in given), default=-1)
-        names = [p.name for p in parameters[:last + 1]]
-        values = [bound.arguments[name] for name in names]
-        given_flags = [n in given for n in names]
-        names += keywords
-        values += [kwargs[name] for name in keywords]
-        given_flags += [True] * len(keywords)
-        merged, batched = self._merge_inputs(values, given_flags, names)
-        key = tuple((name, "tensor" if isinstance(v, torch.Tensor) else repr(v))
-                    for name, v in zip(names, values))
-        if keywords:
-            key += (("keywords", tuple(keywords)),)
-        found = self.__dict__.get("_reexported_graphs", {}).get((self.training, key))
-        refused = None if found is None else _guard_failure(found.graph, merged, batched)
-        if refused is not None:
-            key += (("shapes", _shapes(merged, batched)),)
-        self._use_export(key, merged, batched, refused, keywords=len(keywords))
-        self.__dict__["_call_keywords"] = tuple(keywords)
-        return merged, batched
-
-    def _use_export(self, key: tuple, merged: Sequence[Any], batched: Sequence[bool],
-                    refused: FusionArgumentError | None = None, keywords: int = 0) -> None:
-        """This call runs the graphs exported for ``key`` (exported now if not yet).
-        ``refused``: the guard that sent the call here (a size export fixed), raised as it
-        is when the models cannot be exported with these inputs either (a size their code
-        fixes): that message says what the models take.  ``keywords``: how many of the
-        last inputs are exported as keywords (names in ``key``)."""
-        self.__dict__["_call_graph_key"] = key
-        graphs = self.__dict__.setdefault("_reexported_graphs", {})
-        if (self.training, key) not in graphs:
-            try:
-                names = [name for name, _ in key[len(merged) - keywords:len(merged)]]
-                graphs[(self.training, key)] = self._export_again(merged, batched, names)
-            except TraceError:
-                if refused is None:
-                    raise
-                raise refused from None
 
 
-    def _matched_mode_graphs(self, graphs: list, models: Sequence[nn.Module],
-                             constants: dict[str, Any] | None = None) -> _ModeGraphs:
-        """One mode's graphs of the models, traced or exported again after fusing, matched
-        and their constants stacked; constants made now go where the module went
-        (``.to("cuda")``) since fusing."""
-        match = match_graphs(graphs, models, soft=per_model_table())
-        attr_targets = self._stack_constants(graphs, match)
-        device = next((t.device for t in self.parameters()), None)
-        for name in attr_targets.values():
-            if device is not None:
-                self._buffers[name] = self.get_buffer(name).to(device)
-        for g in graphs:
-            g.graph.owning_module = None
-        originals = [{n0.name: ni.name for n0, ni in m.items()} for m in match.mapping]
-        return _ModeGraphs(graphs[0].graph, originals, match.method, attr_targets,
-                           constants or {})
-    def _export_again(self, merged: Sequence[Any], batched: Sequence[bool],
-                      keyword_names: Sequence[str] = ()) -> _ModeGraphs:
-        """The models (as ``unfuse()`` gives them) exported in the current mode with a
-        call's inputs as the example (the last ``len(keyword_names)`` of them as those
-        keywords), matched and their constants stacked as at fusing."""
-        from ..frontends.export import export_models
 
-        models = self.unfuse()
-        graphs = export_models(
-            models, lambda i: tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched)),
-            modes=(self.training,), aten_spellings=aten_spellings(),
-            keyword_names=keyword_names)[self.training]
-        return self._matched_mode_graphs(graphs, models)
 
-    @staticmethod
-    def _signature(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
-        """The key of a call's compiled program: each input's structure (tuples, lists,
-        dicts of values) and each leaf's rank, dtype and device (tensors) or value.
 
-        Not a container's ``id()``: a fresh tuple per call may get the id of a freed one
-        built around a tensor of another rank, whose program then ran on it (``x.t()``
-        of a 1-d tensor compiled as a view: a 2-d one came back untransposed)."""
-        def leaf(v: Any) -> tuple:
-            if isinstance(v, torch.Tensor):
-                return ("tensor", v.dim(), v.dtype, v.device.type)
-            text = repr(v)
-            return (type(v).__name__,
-                    text if len(text) < 64 else hashlib.sha1(text.encode()).hexdigest())
 
-        sig = []
-        for v, b in zip(values, batched):
-            if isinstance(v, torch.Tensor):  # (most inputs: no containers to open)
-                sig.append(leaf(v) + (b,))
-                continue
-            leaves, spec = pytree.tree_flatten(v)
-            sig.append((repr(spec), tuple(leaf(x) for x in leaves), b))
-        return tuple(sig)
+
+
+
+
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.padding is not None:
@@ -925,392 +541,23 @@ class FusedModule(ContainerAccess, nn.Module):
             self._explain_input_mismatch(values, batched, exc)
             raise
 
-    def _rewriting_padded_ops(self, make: Callable[[], Any], values: Sequence[Any],
-                              batched: Sequence[bool]) -> Any:
-        """``make()`` (this call's program); where the first-call check refuses a padded
-        program, again after :meth:`_rewrite_padded_ops` (the refusal stands where no
-        rewrite helps; an op it cannot compute on the real units is named)."""
-        try:
-            return make()
-        except MismatchError as refused:
-            if self.padding is None:
-                raise
-            try:
-                rewritten = self._rewrite_padded_ops(values, batched)
-            except UnsupportedOperatorError:
-                raise
-            except Exception:  # noqa: BLE001 - the rewrite failed: the refusal stands
-                raise refused from None
-            if not rewritten:
-                raise
-            return make()
 
-    def _rewrite_padded_ops(self, values: Sequence[Any], batched: Sequence[bool]) -> bool:
-        """After the first-call check refused a padded program: rebuild this module from
-        padded models whose forwards compute their ops over a padded dim on each model's
-        real units (:func:`hftc.module.padding_graph.compute_over_real_units`, run on this
-        call's inputs), keeping the parameter objects; False where no rewrite helps (the
-        refusal stands).  Once per module."""
-        if self.__dict__.get("_padded_ops_rewritten"):
-            return False
-        self._padded_ops_rewritten = True
-        originals = self.unfuse()
-        padded = [self.padded_model(i) for i in range(self.num_models)]
-        classes = [type(m) for m in padded]
-        args = [tuple(model_slice(v, i) if b else v
-                      for v, b in zip(input_copies(values), batched))
-                for i in range(self.num_models)]
-        rewritten = compute_over_real_units(originals, padded, args)
-        if all(type(m) is c for m, c in zip(rewritten, classes)):
-            return False
-        options = {**self.fuse_options, "pad_widths": True}
-        self._become(FusedModule(originals, **options, _padded=(rewritten, self.padding)))
-        self._padded_ops_rewritten = True
-        return True
 
-    def _become(self, other: FusedModule) -> None:
-        """``other``'s tensors and records in this module, keeping this module's parameter
-        objects (optimizers and the user's references hold them): hftc.replace_models and
-        the padded-op rewrite fuse anew and take the result over."""
-        old = dict(self.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            for name, p in other.named_parameters(remove_duplicate=False):
-                keep = old[name]
-                if keep is not p:
-                    keep.grad = None
-                    _drop_grad_accumulator(keep)
-                    keep.data = p.data
-                    keep.requires_grad_(p.requires_grad)
-                owner, _, leaf = name.rpartition(".")
-                other.get_submodule(owner)._parameters[leaf] = keep
-        # What this module made lazily from its old models (the shells the models run
-        # one by one in, fused methods, the last call's program) goes with them: the old
-        # shells ran a replaced model with its predecessor's Python attributes.
-        for key in _MADE_FROM_MODELS:
-            self.__dict__.pop(key, None)
-        self.__dict__.update(other.__dict__)
 
-    def with_in_dims(self, in_dims: InDims) -> InDimsCall:
-        """The fused module with ``in_dims`` for the calls made through the result, as
-        ``torch.func.vmap(model, in_dims)(x)`` reads: ``fused(real)`` shares real images
-        among the models, ``fused.with_in_dims(0)(fake)`` gives model i its ``fake[i]``
-        (a GAN discriminator on a fused generator's fakes; an RNN's carried hidden state:
-        ``fused.with_in_dims((0, 0))(x, hidden)``).  Its methods take the same in_dims
-        (``fused.with_in_dims(0).decode(z)``).  ``in_dims`` is checked as ``hftc.fuse``'s,
-        and the module's own stays as it was."""
-        return InDimsCall(self, _check_in_dims(in_dims))
 
-    @contextlib.contextmanager
-    def _in_dims_set(self, in_dims: InDims) -> Iterator[None]:
-        before, per_call = self.in_dims, self.__dict__.get("_in_dims_per_call", False)
-        self.in_dims, self.__dict__["_in_dims_per_call"] = in_dims, True
-        try:
-            yield
-        finally:
-            self.in_dims, self.__dict__["_in_dims_per_call"] = before, per_call
 
-    def _method_in_dims(self) -> InDims:
-        """A method's in_dims: the call's (``with_in_dims``), else the module's where it
-        is an int or None; a tuple names forward's inputs, so a method shares its inputs."""
-        if self.__dict__.get("_in_dims_per_call") or not isinstance(self.in_dims, tuple):
-            return self.in_dims
-        return None
 
-    @run_eagerly
-    def _program_and_way(self, values: Sequence[Any], batched: Sequence[bool],
-                         ) -> tuple[Program, ProgramChoice | None]:
-        """This call's program and how it runs (None: the fused program).  Calls are
-        numbered: strategy="timed" times a call up to the next one only if no other
-        program ran between (compile/strategy.py's CallTiming).  Eager under
-        torch.compile: the timing's clock and counters are Python state."""
-        call_number = self.__dict__["_call_number"] = self.__dict__.get("_call_number", 0) + 1
-        program = self._program(values, batched)
-        if program.trial is None:
-            return program, program.how
-        return program, program.trial.way(program, call_number)
 
-    @run_eagerly
-    def _program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
-        key = (self.training, self._signature(values, batched))
-        exported_again = self.__dict__.get("_call_graph_key")
-        if exported_again is not None:  # (the export front-end's graphs for this call)
-            key += (exported_again,)
-        program = self._programs.get(key)
-        if program is None:
-            program = self._compile_program(values, batched)
-            self._programs[key] = program
-        return program
 
-    def _graphs_for(self, values: Sequence[Any]) -> _ModeGraphs:
-        """The graphs for a call whose inputs are ``values``, in the current mode.
 
-        Symbolic tracing gives every input a traced value, never ``None``, so forward's
-        ``if mask is not None:`` is taken in the graphs traced at fusing; and inputs whose
-        default is a Python constant (``has_mask=True``, ``is_causal: bool = False``) are
-        traced as that constant, so forward's Python may branch on them.  A call that
-        leaves such an input ``None`` (``fused(x)`` for ``forward(self, x, mask=None)``)
-        or gives a traced constant another value (``fused(x, has_mask=False)``) gets
-        graphs traced again (once per mode, set of ``None`` inputs and constants) from the
-        models' meta copies, with those inputs ``None`` or those values."""
-        exported_again = self.__dict__.get("_call_graph_key")
-        if exported_again is not None:  # (export front-end: this call's own export)
-            return self.__dict__["_reexported_graphs"][(self.training, exported_again)]
-        default = self._mode_graphs[self.training]
-        placeholders = [n.target for n in default.graph.nodes if n.op == "placeholder"]
-        bound = dict(zip(placeholders, values))
-        nones = frozenset(name for name, v in bound.items() if v is None)
-        changed = {name: bound[name] for name, value in default.constants.items()
-                   if bound.get(name) is not None and not same_constant(bound[name], value)}
-        if not nones and not changed:
-            return default
-        if not self._retraceable:
-            if changed:  # not reached: only symbolic tracing traces inputs as constants
-                name, value = next(iter(changed.items()))
-                raise FusionArgumentError(
-                    f"input `{name}` is {value!r}, but the models were traced with "
-                    f"{default.constants[name]!r}; fuse again with that value")
-            return default
-        # An input traced as a constant and given a tensor now is traced as a value.
-        constants = {name: value for name, value in {**default.constants, **changed}.items()
-                     if name not in nones and is_python_constant(value)}
-        key = (self.training, nones,
-               tuple(sorted((k, type(v).__name__, repr(v)) for k, v in constants.items())))
-        if key not in self._retraced_graphs:
-            models = self.model_copies.deepcopy_templates()
-            graphs = [trace_model(m, i, training=self.training, none_inputs=sorted(nones),
-                                  constants=constants)
-                      for i, m in enumerate(models)]
-            self._retraced_graphs[key] = self._matched_mode_graphs(graphs, models, constants)
-        return self._retraced_graphs[key]
 
-    def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
-        program = compile_program(self, self._graphs_for(values), values, batched,
-                                  CompileOptions(autotune=self.autotune,
-                                                 strategy=getattr(self, "strategy", "fused"),
-                                                 checkpoint=getattr(self, "checkpoint", False)))
-        if getattr(self, "padding", None) is not None:
-            program.report.padding = self.padding.summary()
-        return program
 
-    def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,
-                       values: Sequence[Any], batched: Sequence[bool], graph: fx.Graph,
-                       model_graph: fx.Graph) -> str | None:
-        """Why the fused program (``forward``, compiled from ``graph``, which was fused from
-        model 0's ``model_graph``) must not run on these inputs (``report.check`` says
-        what was found), or ``None``: forward keeps Python state a traced program cannot,
-        or the first-call check (:mod:`hftc.lowering.check`) found its outputs not the models'."""
-        if self._python_state:
-            index, names = self._python_state
-            report.check = CheckResult((index,), difference=(
-                f"model {index}'s forward changes the Python attribute(s) "
-                + ", ".join(f"`{n}`" for n in names) + " on every call"))
-            return (f"{report.check.difference} (a counter, a flag set on the first call), "
-                    f"which a traced program keeps at the value it had while tracing: the "
-                    f"models' own forwards run instead, each with its own attributes. To "
-                    f"fuse the models, keep such state in a buffer (self.register_buffer("
-                    f"'calls', torch.zeros((), dtype=torch.long))), which the fused module "
-                    f"updates per model.")
-        if not self.check:
-            return None
-        report.check = compare_with_models(
-            self, lambda inputs: self._run_fused(forward, spec, inputs), values, batched)
-        if isinstance(report.check.raised, RaggedResultError):
-            # Shapes that depend on the data (x[mask] per model): the models' own
-            # forwards run them, one by one.
-            return ("an op that runs per model gave the models results one fused program "
-                    "cannot hold (of different shapes, a value whose shape depends on the "
-                    "data, as x[mask] with a per-model mask; or different Python values, as "
-                    ".item() of a per-model tensor)")
-        if report.check.passed:
-            return None
-        if getattr(self, "padding", None) is not None:
-            i = report.check.failed_model
-            where = locate_padding_difference(
-                self.unfuse_model(i), self.padded_model(i),
-                [model_slice(v, i) if b else v for v, b in zip(input_copies(values), batched)])
-            where = f" ({where})" if where else ""
-            return (f"{report.check.difference}{where}: padded to the widest model "
-                    f"(pad_widths=True), the fused program does not compute what the "
-                    f"original models compute. "
-                    f"Their forward mixes across a padded width in its own code (a softmax, "
-                    f"mean or sum over a hidden dim, a split or view of a padded Linear's "
-                    f"output into parts, an output whose width differs per model), which "
-                    f"zero padding changes. Fuse models of one width together instead "
-                    f"(hftc.fuse_groups), pass example_inputs=(...) to hftc.fuse, from "
-                    f"which hftc computes such ops over each model's real units "
-                    f"(hftc.module.padding_graph) or names the op it cannot, or leave such ops to "
-                    f"modules that pad (nn.LayerNorm for a hand-written norm, "
-                    f"nn.MultiheadAttention or three nn.Linear for a packed q, k, v "
-                    f"projection)")
-        where = locate_difference(self, graph, model_graph, report.records, values, batched,
-                                  report.check.failed_model)
-        if where:
-            report.check.difference += f" ({where})"
-        return (f"{report.check.difference}. The fused program, traced from the models' "
-                f"forward, does not compute what that forward computes on these inputs. "
-                f"The usual cause is Python in forward that inspects a value instead of "
-                f"computing with it, which tracing cannot follow: isinstance(x, "
-                f"torch.Tensor) or type(x) is ... on a tensor (while tracing, x is a "
-                f"torch.fx Proxy), or a branch on a tracing flag (torch.fx."
-                f"_symbolic_trace.is_fx_tracing(), torch.jit.is_tracing()). To fuse the "
-                f"models, compute without such checks, or trace with torch.export, which "
-                f"runs forward's Python on real values: hftc.fuse(models, "
-                f"example_inputs=(x,), frontend='export'). (If forward has no such code, "
-                f"the bug is hftc's: please report it with the model.)")
 
-    def _run_fused(self, forward: Any, spec: OutputSpec | None, values: Sequence[Any]) -> Any:
-        with ir.modes_restored_on_error():
-            out = forward(self, *values)
-        return out if spec is None else spec.rebuild(out)
 
-    def _model_loop_program(self, program: Program, values: Sequence[Any],
-                            batched: Sequence[bool], why: str) -> Program:
-        """The program for models the fused program does not compute: the N models one by
-        one, with a warning that says ``why``."""
-        message = why
-        if getattr(self, "padding", None) is not None:
-            # the padded models one by one would run the same inexact padding
-            raise MismatchError(f"pad_widths=True refused: {why}")
-        try:  # a trial run, on shells of its own (forward may change their attributes)
-            with preserved_state(self), torch.no_grad():
-                run_program(self, program.forward, ProgramChoice(ModelLoop(self)),
-                            input_copies(values), batched)
-            how = ProgramChoice(self._models_one_by_one())
-        except Exception as exc:  # noqa: BLE001 - any failure means: no correct way to run
-            raise TraceError(f"{message} The models cannot run one by one either "
-                             f"({plain_message(exc)})") from exc
-        warnings.warn(f"hftc runs the {self.num_models} models one by one (not fused: no "
-                      f"speed-up), because {message}", FusionWarning, stacklevel=2)
-        program.how = how
-        return program
 
-    def _models_one_by_one(self) -> ModelLoop:
-        """The whole-model loop every program that runs the models one by one shares: one
-        set of shells, so the Python attributes forward changes (``self.calls += 1``) are
-        each model's own across modes and input signatures, and ``unfuse()`` gives them
-        back (a loop per program counted each program's calls apart)."""
-        loop = self.__dict__.get("_shared_model_loop")
-        if loop is None:
-            loop = ModelLoop(self)
-            self.__dict__["_shared_model_loop"] = loop
-        return loop
 
-    def _explain_input_mismatch(self, values: Sequence[Any], batched: Sequence[bool],
-                                cause: Exception) -> None:
-        """An input the models cannot take, said as such (which input, what the models
-        expected, what to change), not as the error torch raised deep in the program:
-        a floating input of another dtype or device than the parameters, an integer input
-        where an op wanted the parameters' float dtype, or an input stacked per model
-        (dim 0 of size N) given to a module that shares it among the models."""
-        param = next((p for p in self.parameters() if p.is_floating_point()), None)
-        if param is None:
-            return
-        names = [n.target for n in self._mode_graphs[self.training].graph.nodes
-                 if n.op == "placeholder"]
-        what = [f"input {k}" + (f" (`{names[k]}`)" if k < len(names) else "")
-                for k in range(len(values))]
-        root = cause  # torch's own error, under the TraceError that shape propagation raised
-        while isinstance(root, FusionError) and isinstance(root.__cause__, Exception):
-            root = root.__cause__
-        said = (str(root.args[0]) if root.args else str(root)).strip()
-        torch_said = f"{type(root).__name__}: {said.splitlines()[0] if said else ''}"
-        for k, v in enumerate(values):
-            if isinstance(v, torch.Tensor) and v.is_floating_point():
-                if v.dtype != param.dtype or v.device != param.device:
-                    to = (f"x.to({param.dtype})", f"fused.to({v.dtype})") \
-                        if v.device == param.device else \
-                        (f"x.to('{param.device}')", f"fused.to('{v.device}')")
-                    raise FusionArgumentError(
-                        f"{what[k]} is {v.dtype} on {v.device} but the models' parameters are "
-                        f"{param.dtype} on {param.device}; move or cast the input ({to[0]}) "
-                        f"or the fused module ({to[1]})"
-                    ) from cause
-        if re.search(r"dtype|scalar type|[Ll]ong|\bInt|Byte|Bool|same type", said):
-            for k, v in enumerate(values):
-                if isinstance(v, torch.Tensor) and not v.is_floating_point() \
-                        and not v.is_complex():
-                    kind = str(param.dtype).removeprefix("torch.")
-                    method = _CAST_METHODS.get(param.dtype, f"to({param.dtype})")
-                    raise FusionArgumentError(
-                        f"{what[k]} is {str(v.dtype).removeprefix('torch.')}, but the models' "
-                        f"parameters are {kind} and an op of their forward needs the input "
-                        f"in {kind} ({torch_said}): pass x.{method} (x.to({param.dtype})); "
-                        f"if it holds indices (token ids, class labels), the models' forward "
-                        f"must embed or one-hot them before a layer uses them"
-                    ) from cause
-        stacked = [k for k, (v, b) in enumerate(zip(values, batched))
-                   if not b and isinstance(v, torch.Tensor) and v.dim() > 0
-                   and v.shape[0] == self.num_models > 1]
-        if stacked and self._model_runs_on_slices(values, batched, stacked):
-            dims = [0 if k in stacked or b else None for k, b in enumerate(batched)]
-            in_dims = 0 if all(d == 0 for d in dims) else tuple(dims)
-            n = self.num_models
-            expand = ("" if in_dims != 0 else f"; an input all models share is then passed "
-                      f"expanded, one slice per model (x.expand({n}, *x.shape))")
-            raise FusionArgumentError(
-                f"the models cannot run on {' and '.join(what[k] for k in stacked)} "
-                f"({torch_said}), which the fused module shares among the {n} models "
-                f"(in_dims=None gives every model the whole tensor), but model 0 runs on "
-                f"its slice [0]: its dim 0 has size {n}, one slice per model (the outputs "
-                f"of a fused module: a fused generator's fakes, a recurrent layer's hidden "
-                f"state fed back). To give model i slice i, fuse with in_dims: "
-                f"hftc.fuse(models, in_dims={in_dims!r}){expand}"
-            ) from cause
 
-    def _model_runs_on_slices(self, values: Sequence[Any], batched: Sequence[bool],
-                              stacked: Sequence[int]) -> bool:
-        """Whether model 0's graph runs on its slices of the inputs, taking slice 0 of the
-        shared inputs ``stacked`` too (shape propagation on a copy of its graph)."""
-        graph = self._mode_graphs[self.training].graph
-        trial = fx.Graph()
-        trial.output(trial.graph_copy(graph, {}))
-        per_model = [model_slice(v, 0) if b or k in stacked else v
-                     for k, (v, b) in enumerate(zip(values, batched))]
-        try:
-            annotate_example_values(trial, self._template, per_model, {}, self._model_tensors)
-        except Exception:  # noqa: BLE001 - it does not: the inputs are wrong some other way
-            return False
-        return True
-    def _model_tensors(self, index: int = 0) -> dict[str, torch.Tensor]:
-        """Copies of model ``index``'s parameters and buffers, by name (constants included)."""
-        with torch.no_grad():
-            return {
-                name: t[index].clone()
-                for name, t in list(self.named_parameters(remove_duplicate=False))
-                + list(self.named_buffers(remove_duplicate=False))
-                if not name.rpartition(".")[2].startswith("_hftc_constant_")
-            }
 
-    def _sync_template(self) -> None:
-        """Give the meta template the fused tensors' current dtypes (after ``.double()``)."""
-        template = self._template
-        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
-            owner_path, _, leaf = name.rpartition(".")
-            if leaf.startswith("_hftc_constant_"):
-                continue
-            owner = template.get_submodule(owner_path)
-            current = getattr(owner, leaf, None)
-            if current is None or current.dtype == t.dtype:
-                continue
-            meta = torch.empty(t.shape[1:], dtype=t.dtype, device="meta")
-            if isinstance(current, nn.Parameter):
-                owner._parameters[leaf] = nn.Parameter(meta, current.requires_grad)
-            else:
-                owner._buffers[leaf] = meta
-
-    def compile(self, *args: Any, **kwargs: Any) -> Program | None:
-        """Compile the fused forward for these inputs (in the current mode) without running it.
-
-        Called with no inputs and only ``torch.compile``'s options (``fused.compile()``,
-        ``fused.compile(mode="max-autotune")``), it is ``nn.Module.compile``, as PyTorch
-        users know it: ``torch.compile`` of the module's calls, in place."""
-        inputs = {n.target for n in self._mode_graphs[self.training].graph.nodes
-                  if n.op == "placeholder"}
-        if not args and set(kwargs) <= _TORCH_COMPILE_OPTIONS and not set(kwargs) & inputs:
-            return super().compile(**kwargs)
-        values, batched = self._inputs(args, kwargs)
-        return self._rewriting_padded_ops(lambda: self._program(values, batched), values,
-                                          batched)
 
     # ------------------------------------------------------------------ other methods
 
@@ -1414,143 +661,19 @@ class FusedModule(ContainerAccess, nn.Module):
 
     # ------------------------------------------------------------------ inspection
 
-    def last_program(self) -> Program:
-        """The most recently compiled program (fused graph, fusion report, source)."""
-        if not self._programs:
-            raise FusionError("the fused module has not been called yet; call it or .compile(x)")
-        return next(reversed(self._programs.values()))
 
-    @property
-    def plan(self) -> StrategyChoice | None:
-        """How the last compiled program runs, and why: ``plan.chosen`` is "fused" (the
-        fused program) or "model_loop" (the N models one by one, on the fused module's
-        own tensors); ``plan.reason`` says why ("timed", "cache", "forced", "check" ...)
-        and ``plan.times`` what was measured (:mod:`hftc.lowering.strategy`)."""
-        return self.last_program().plan
 
-    @property
-    def fusion_report(self) -> FusionReport:
-        """The last compiled program's report: every node, the rule that fused it, the N
-        originals it replaced, and what runs as a per-model loop (``.fallbacks``)."""
-        return self.last_program().report
 
-    @property
-    def fused_graph(self) -> fx.Graph:
-        """The last compiled program's fused ``torch.fx.Graph``."""
-        return self.last_program().graph
 
     # ------------------------------------------------------------------ unfusing
 
-    def model_state_dict(self, index: int) -> dict[str, torch.Tensor]:
-        """Model ``index``'s ``state_dict`` with the original keys (copies), at its own
-        widths (``pad_widths=True``)."""
-        index = self._check_index(index)
-        padding = getattr(self, "padding", None)
-        if padding is not None:
-            return {k: padding.unpad(index, k, v[index]).clone()
-                    for k, v in self.state_dict().items()}
-        return {k: v[index].clone() for k, v in self.state_dict().items()}
 
-    def _check_index(self, index: int) -> int:
-        """``index`` as an int, or an error that says what a model index is."""
-        try:
-            index = operator.index(index)
-        except TypeError:
-            raise FusionTypeError(
-                f"a model index must be an int, got {index!r} ({type(index).__name__}): "
-                f"pass an int in range({self.num_models}), e.g. model_state_dict(0)") from None
-        if not -self.num_models <= index < self.num_models:
-            raise FusionIndexError(
-                f"model index {index} out of range for {self.num_models} models: pass an int "
-                f"in range({self.num_models}) (or -{self.num_models} to -1 from the end)")
-        return index
 
-    def unfuse(self) -> list[nn.Module]:
-        """N modules of the original class holding this module's current weights and buffers."""
-        return [self.unfuse_model(i) for i in range(self.num_models)]
 
-    def unfuse_model(self, index: int) -> nn.Module:
-        """Model ``index`` alone: a module of the original class with its current weights,
-        buffers and hyper-parameters (what ``unfuse()[index]`` is), at its own widths
-        (``pad_widths=True``)."""
-        index = self._check_index(index)
-        padded = self.padded_model(index)
-        padding = getattr(self, "padding", None)
-        return padded if padding is None else padding.original_model(index, padded)
 
-    def padded_model(self, index: int) -> nn.Module:
-        """Model ``index`` as the fused program holds it: with ``pad_widths=True``, padded
-        to the widest model (hftc.module.padding's modules); else :meth:`unfuse_model`'s model."""
-        index = self._check_index(index)
-        model = self.model_copies.build(index, self)
-        loop = self.__dict__.get("_shared_model_loop")
-        if loop is not None and self._python_state:
-            # the attributes forward changed, as model ``index``'s forwards left them
-            shell = loop.shells[index]
-            for name in self._python_state[1]:
-                path, _, key = name.rpartition(".")
-                try:
-                    value = getattr(shell.get_submodule(path), key)
-                except AttributeError:  # (model ``index``'s tree names it otherwise)
-                    continue
-                setattr(model.get_submodule(path), key, copy.deepcopy(value))
-        return model
 
     # ------------------------------------------------------------------ shrinking
 
-    def _keep_models(self, keep: Sequence[int]) -> None:
-        """Keep only models ``keep`` (checked, distinct indices), in that order, in place::
-
-            P  [N, ...]  ->  P.data = P[keep]     (the same Parameter objects, their grads too)
-            per-model records (graph meta, attribute overrides, shells) -> their rows `keep`
-
-        What :func:`hftc.keep_models` calls; the optimizers are its business.  Compiled
-        programs are dropped (they were made for N models): the next call compiles anew."""
-        index = torch.tensor(list(keep), dtype=torch.long)
-        n = len(keep)
-        with torch.no_grad():
-            for p in self.parameters():  # (each tied parameter once)
-                grad = p.grad
-                p.grad = None  # a grad of the old shape would refuse the new data
-                kept = p.data.index_select(0, index.to(p.device))
-                _drop_grad_accumulator(p)
-                p.data = kept
-                if grad is not None:
-                    p.grad = grad.index_select(0, index.to(grad.device))
-            sliced: dict[int, torch.Tensor] = {}
-            for module in self.modules():
-                for name, b in module._buffers.items():
-                    if b is None or name.startswith(SHARED_CONSTANT_PREFIX):
-                        continue  # one copy all models share
-                    if id(b) not in sliced:
-                        sliced[id(b)] = b.index_select(0, index.to(b.device))
-                    module._buffers[name] = sliced[id(b)]
-        for module in self.modules():
-            if isinstance(module, StackedModule):
-                module.num_models = n
-        self.num_models = n
-        self.model_copies.subset(list(keep))
-        self.source_parameter_names = [self.source_parameter_names[i] for i in keep]
-        if getattr(self, "padding", None) is not None:
-            self.padding = self.padding.subset(keep)
-        if self._python_state is not None:  # (which model a message names)
-            first, names = self._python_state
-            self._python_state = (list(keep).index(first) if first in keep else 0, names)
-        for graphs in (*self._mode_graphs.values(), *self._retraced_graphs.values()):
-            graphs.originals = [graphs.originals[i] for i in keep]
-            for node in graphs.graph.nodes:
-                per_model = node.meta.get(ir.PER_MODEL)
-                if per_model:
-                    node.meta[ir.PER_MODEL] = {key: [values[i] for i in keep]
-                                               for key, values in per_model.items()}
-                ops = node.meta.get(ir.PER_MODEL_OPS)
-                if ops:
-                    node.meta[ir.PER_MODEL_OPS] = [ops[i] for i in keep]
-        loop = self.__dict__.get("_shared_model_loop")
-        if loop is not None:  # the shells keep the Python attributes forward changed
-            loop.subset(keep)
-        self._programs = {}
-        self._mark_stacked()
 
     # ------------------------------------------------------------------ pickling
 
@@ -1588,33 +711,10 @@ class FusedModule(ContainerAccess, nn.Module):
         return f"num_models={self.num_models}"
 
 
-#: ``FusedModule.__dict__`` entries made lazily from its models, dropped where it takes
-#: another module's models over (:meth:`FusedModule._become`).
-_MADE_FROM_MODELS = ("_shared_model_loop", "_method_loop", "_method_modules",
-                     "_last_call_program")
 
 
-def _guard_failure(graph: fx.Graph, values: Sequence[Any],
-                   batched: Sequence[bool]) -> FusionArgumentError | None:
-    """The error of the first input guard of an exported graph that the inputs fail (a
-    size export fixed), or None."""
-    from ..lowering.runtime.guards import check_input_shape
-
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    for node, value, b in zip(placeholders, values, batched):
-        for user in node.users:
-            if user.target is check_input_shape and isinstance(value, torch.Tensor):
-                try:
-                    check_input_shape(model_slice(value, 0) if b else value, *user.args[1:])
-                except FusionArgumentError as exc:
-                    return exc
-    return None
 
 
-def _shapes(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
-    """Each tensor input's per-model shape (what a graph exported from them may fix)."""
-    return tuple(tuple(v.shape[int(b):]) if isinstance(v, torch.Tensor) else None
-                 for v, b in zip(values, batched))
 
 
 _METHOD_CLASSES: dict[tuple[type, str], type] = {}
@@ -1630,30 +730,6 @@ def _method_as_forward(cls: type, name: str) -> type:
     return _METHOD_CLASSES[key]
 
 
-class InDimsCall:
-    """``fused.with_in_dims(in_dims)``: calls of the fused module (and of its methods)
-    with ``in_dims`` in place of the one it was fused with."""
-
-    def __init__(self, fused: FusedModule, in_dims: InDims) -> None:
-        self.fused, self.in_dims = fused, in_dims
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.fused._in_dims_set(self.in_dims):
-            return self.fused(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.fused, name)
-        if not callable(method):
-            raise AttributeError(f"fused.with_in_dims(...).{name}: `{name}` is not a method "
-                                 f"of the fused module; read it on the module itself")
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with self.fused._in_dims_set(self.in_dims):
-                return method(*args, **kwargs)
-        return call
-
-    def __repr__(self) -> str:
-        return f"{type(self.fused).__name__}.with_in_dims({self.in_dims!r})"
 
 
 def fuse(

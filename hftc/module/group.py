@@ -37,7 +37,7 @@ from ..frontends.symbolic import trace_model
 from ..lowering import autotune
 from ..match import node_signature
 from ..passes.registry import aten_spellings, per_model_table
-from .fused import FusedModule, _check_models, _example_constants
+from .fused import FusedModule, check_models, example_constants
 from .padding import padding_ratio, weight_shapes, widths_key
 
 
@@ -48,7 +48,7 @@ def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> s
     models) are given, by torch.export, as :func:`hftc.fuse` would trace them."""
     try:
         gm = trace_model(model, index, training=model.training,
-                         constants=_example_constants(model, example_inputs))
+                         constants=example_constants(model, example_inputs))
     except TraceError:
         if example_inputs is None:
             raise
@@ -256,7 +256,7 @@ def fuse_groups(
     them costs at most ``max_padding`` times their own arithmetic (:func:`pad_or_split`);
     each fused module's ``grouping`` says why it holds what it holds.
     """
-    models = _check_models(models)
+    models = check_models(models)
     if isinstance(max_padding, bool) or not isinstance(max_padding, (int, float)) or \
             not max_padding >= 1:
         raise FusionArgumentError(

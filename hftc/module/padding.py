@@ -72,7 +72,7 @@ def _like(module: nn.Module) -> Tensor:
     return own if own is not None else module.__dict__["_hftc_model_like"]
 
 
-class _Padded(nn.Module):
+class PaddedModule(nn.Module):
     """Holds padded parameters and their masks: ``self.masked(name)`` is the parameter
     times its mask (the mask a non-persistent buffer, so ``state_dict`` has only the
     parameters and buffers the original module had)."""
@@ -137,7 +137,7 @@ def _padded_blocks(t: Tensor, shape: Sequence[int], blocks: int) -> Tensor:
     return torch.cat(parts, 0)
 
 
-class MaskedLayerNorm(_Padded):
+class MaskedLayerNorm(PaddedModule):
     """``nn.LayerNorm`` over the widest normalized shape, its statistics over the real
     units only::
 
@@ -165,7 +165,7 @@ class MaskedLayerNorm(_Padded):
         return y
 
 
-class MaskedRMSNorm(_Padded):
+class MaskedRMSNorm(PaddedModule):
     """``nn.RMSNorm`` over the widest normalized shape, the mean square over the real
     units only: ``y = x * m / sqrt(sum((x * m)**2) / count + eps) * (weight * m)``."""
 
@@ -186,7 +186,7 @@ class MaskedRMSNorm(_Padded):
         return y if self.weight is None else y * self.masked("weight")
 
 
-class MaskedGroupNorm(_Padded):
+class MaskedGroupNorm(PaddedModule):
     """``nn.GroupNorm`` at the widest channels, each group's statistics over its real
     channels only.  Channel c of model i is in group ``c // (C_i / G_i)``
     (``group_onehot[c, g]``); padded channels are in none::
@@ -471,7 +471,7 @@ class PaddedLeafTracer(torch.fx.Tracer):
         self.record_stack_traces = True
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, _Padded) or super().is_leaf_module(m, qualname)
+        return isinstance(m, PaddedModule) or super().is_leaf_module(m, qualname)
 
 
 class NodeRecorder(torch.fx.Interpreter):

@@ -50,7 +50,7 @@ from torch.fx.graph_module import _format_import_block, _forward_from_src
 from torch.package import sys_importer
 
 from ..errors import UnsupportedOperatorError
-from .padding import NodeRecorder, PaddedLeafTracer, _Padded
+from .padding import NodeRecorder, PaddedLeafTracer, PaddedModule
 
 # ---------------------------------------------------------------- the rewritten ops
 
@@ -449,7 +449,7 @@ class _Rewriter:
         attention at the widest widths, a layer holding them): exact on padded inputs by
         its construction, and any of its tensors wider than some model's own."""
         module = self.gm.get_submodule(node.target)
-        if any(isinstance(m, _Padded) for m in module.modules()):
+        if any(isinstance(m, PaddedModule) for m in module.modules()):
             return True
         mine = {n: t.shape for n, t in [*module.named_parameters(), *module.named_buffers()]}
         for i in range(self.n):

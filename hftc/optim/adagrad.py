@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FusionArgumentError
-from .optimizer import FusedOptimizer, _Coefficients, addcdiv_
+from .optimizer import Coefficients, FusedOptimizer, addcdiv_
 
 __all__ = ["Adagrad"]
 
@@ -63,7 +63,7 @@ class Adagrad(FusedOptimizer):
     def _init_state(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
         state = self.state[p]
         state["step"] = self._new_steps(p)
-        init = _Coefficients({"value": hp["initial_accumulator_value"]})
+        init = Coefficients({"value": hp["initial_accumulator_value"]})
         state["sum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         # Stock starts a complex parameter's sum at value + value*1j (its real view's
         # two components alike).
@@ -81,12 +81,12 @@ class Adagrad(FusedOptimizer):
             "weight_decay": hp["weight_decay"],
             "eps": hp["eps"],
         })
-        by_steps: dict[tuple[float, ...], _Coefficients] = {}
+        by_steps: dict[tuple[float, ...], Coefficients] = {}
         for p, step in zip(params, self._count_steps(params)):
             state = self.state[p]
             steps = tuple(step.tolist())
             if steps not in by_steps:
-                by_steps[steps] = _Coefficients({
+                by_steps[steps] = Coefficients({
                     "neg_clr": [-(r / (1 + (s - 1) * d)) for r, d, s in zip(lr, lr_decay, steps)],
                 })
             grad = p.grad

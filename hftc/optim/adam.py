@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients, addcdiv_, addcmul_
+from .optimizer import Coefficients, FusedOptimizer, addcdiv_, addcmul_
 
 __all__ = ["Adam", "AdamW"]
 
@@ -143,7 +143,7 @@ class Adam(FusedOptimizer):
         simple = not any(amsgrad) and not any(hp["maximize"])
         for steps, group in by_steps.items():
             # Python doubles, as stock computes them from step.item().
-            step_coef = _Coefficients({
+            step_coef = Coefficients({
                 "neg_step_size": [-(r / (1 - b ** s)) for r, b, s in zip(lr, beta1, steps)],
                 "bc2_sqrt": [(1 - b ** s) ** 0.5 for b, s in zip(beta2, steps)],
             })
@@ -175,7 +175,7 @@ class Adam(FusedOptimizer):
         return rows
 
     def _update_capturable(self, params: list[Tensor], hp: dict[str, list[Any]],
-                           coef: _Coefficients, any_coupled: bool, any_decoupled: bool) -> None:
+                           coef: Coefficients, any_coupled: bool, any_decoupled: bool) -> None:
         """Stock's ``capturable=True`` single-tensor update, each model's values a row of
         ``coef`` (tensors made once, :meth:`refresh_hyperparameters`) and each model's
         bias corrections computed on the device from its step count::
@@ -219,8 +219,8 @@ class Adam(FusedOptimizer):
                      ).add_((step_size_neg.reciprocal() * coef("eps", step)).view(per_model))
             p.addcdiv_(exp_avg, denom)
 
-    def _update_one(self, p: Tensor, hp: dict[str, list[Any]], coef: _Coefficients,
-                    step_coef: _Coefficients, any_coupled: bool, any_decoupled: bool) -> None:
+    def _update_one(self, p: Tensor, hp: dict[str, list[Any]], coef: Coefficients,
+                    step_coef: Coefficients, any_coupled: bool, any_decoupled: bool) -> None:
         """Stock's single-tensor update of one stacked parameter, op for op.
 
         On the CPU, a dense parameter with wide rows takes :meth:`_update_rows`.  One
@@ -254,7 +254,7 @@ class Adam(FusedOptimizer):
                             per_model_calls=False)
 
     def _update_rows(self, tensors: list[Tensor], hp: dict[str, list[Any]],
-                     coef: _Coefficients, step_coef: _Coefficients) -> None:
+                     coef: Coefficients, step_coef: Coefficients) -> None:
         """Stock's single-tensor update on ``[p, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)]``
         (contiguous, on the CPU), model by model in chunks of each model's row::
 
@@ -307,7 +307,7 @@ class Adam(FusedOptimizer):
 
     @staticmethod
     def _adam_math(tensors: list[Tensor], scratch: Sequence[Tensor], hp: dict[str, list[Any]],
-                   coef: _Coefficients, step_coef: _Coefficients, any_coupled: bool,
+                   coef: Coefficients, step_coef: Coefficients, any_coupled: bool,
                    any_decoupled: bool, per_model_calls: bool = True) -> None:
         """The update on ``[p, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)]`` (a whole
         stacked parameter or a block of it), with two scratch tensors shaped like ``p``."""
@@ -335,8 +335,8 @@ class Adam(FusedOptimizer):
         addcdiv_(p, exp_avg, denom, step_coef, "neg_step_size", scratch[1],  # value=-step_size
                  per_model_calls=per_model_calls)
 
-    def _update_foreach(self, params: list[Tensor], coef: _Coefficients,
-                        step_coef: _Coefficients, any_coupled: bool,
+    def _update_foreach(self, params: list[Tensor], coef: Coefficients,
+                        step_coef: Coefficients, any_coupled: bool,
                         any_decoupled: bool) -> None:
         """:meth:`_update_one` for many parameters at once, with ``torch._foreach_*`` ops.
 
@@ -351,7 +351,7 @@ class Adam(FusedOptimizer):
         exp_avgs = [s["exp_avg"] for s in state]
         exp_avg_sqs = [s["exp_avg_sq"] for s in state]
 
-        def each(c: _Coefficients, name: str) -> float | list[Tensor]:
+        def each(c: Coefficients, name: str) -> float | list[Tensor]:
             value = c.get(name, params[0])
             return value if not isinstance(value, Tensor) else [c(name, p) for p in params]
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients, addcdiv_
+from .optimizer import Coefficients, FusedOptimizer, addcdiv_
 
 __all__ = ["Adamax"]
 
@@ -70,11 +70,11 @@ class Adamax(FusedOptimizer):
             "beta2": [b[1] for b in hp["betas"]],
             "eps": hp["eps"],
         })
-        by_steps: dict[tuple[float, ...], _Coefficients] = {}
+        by_steps: dict[tuple[float, ...], Coefficients] = {}
         for p, step in zip(params, self._count_steps(params)):
             steps = tuple(step.tolist())
             if steps not in by_steps:  # Python doubles, as stock computes them from step.item()
-                by_steps[steps] = _Coefficients({
+                by_steps[steps] = Coefficients({
                     "neg_clr": [-(r / (1 - b ** s)) for r, b, s in zip(lr, beta1, steps)]})
             state = self.state[p]
             grad = p.grad

@@ -13,7 +13,7 @@ from .adadelta import Adadelta
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
 from .adamax import Adamax
-from .mixed import MixedOptimizer, _Part
+from .mixed import MixedOptimizer, Part
 from .nadam import NAdam
 from .optimizer import FusedOptimizer
 from .radam import RAdam
@@ -136,7 +136,7 @@ def _fuse_mixed(fused: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
         _import_state(sub, members, member_names, proxies)
         name_of = {id(p): name for name, p in proxies.items()}
         order = [position[name_of[id(p)]] for p in sub.param_groups[0]["params"]]
-        parts.append(_Part(sub, rows, order))
+        parts.append(Part(sub, rows, order))
     return MixedOptimizer(stacked, parts)
 
 

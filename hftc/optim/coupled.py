@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..errors import FusionArgumentError
-from ..lowering.runtime.modules import _FUSED_MODULES, _stacked_counts
+from ..lowering.runtime.modules import FUSED_MODULES, stacked_counts
 
 __all__: list[str] = []
 
@@ -69,7 +69,7 @@ def _stacked_name(p: Tensor, given: str | None) -> str:
     """``p``'s name in its fused module (``'0.weight'``), or ``given``, or a placeholder."""
     if given is not None:
         return given
-    for module in list(_FUSED_MODULES):
+    for module in list(FUSED_MODULES):
         for name, q in module.named_parameters():
             if q is p:
                 return name
@@ -96,7 +96,7 @@ def _refuse_stacked(optimizer: torch.optim.Optimizer, base: type,
             names.append(None)
             tensors.append(item)
     tensors_only = [t for t in tensors if isinstance(t, Tensor)]
-    counts = iter(_stacked_counts(tensors_only))
+    counts = iter(stacked_counts(tensors_only))
     for given, t in zip(names, tensors):
         n = next(counts) if isinstance(t, Tensor) else None
         if n is None:

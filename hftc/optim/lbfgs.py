@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..errors import FusionArgumentError
-from ..lowering.runtime.modules import _FUSED_MODULES
+from ..lowering.runtime.modules import FUSED_MODULES
 
 __all__ = ["LBFGS"]
 
@@ -158,7 +158,7 @@ class LBFGS(Optimizer):
     def _stacked_buffers(self) -> list[Tensor]:
         """The buffers of the fused modules these parameters belong to."""
         mine = {id(p) for p in self.param_groups[0]["params"]}
-        return [b for module in list(_FUSED_MODULES)
+        return [b for module in list(FUSED_MODULES)
                 if any(id(p) in mine for p in module.parameters())
                 for b in module.buffers()]
 

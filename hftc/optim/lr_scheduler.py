@@ -177,7 +177,7 @@ def _plateau_step_on_fused(self: Any, metrics: Any, epoch: Any = None) -> None:
     return _torch_plateau_step(self, metrics, epoch)
 
 
-def _keep_plateau_models(scheduler: ReduceLROnPlateau, keep: list[int]) -> None:
+def keep_plateau_models(scheduler: ReduceLROnPlateau, keep: list[int]) -> None:
     """Keep models ``keep`` of a per-model ``ReduceLROnPlateau`` (after its optimizer's
     groups were cut to them): model j's torch scheduler is old model ``keep[j]``'s."""
     scheduler.schedulers = [scheduler.schedulers[i] for i in keep]

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..errors import FusionArgumentError
-from .optimizer import _LIVE_OPTIMIZERS, FusedOptimizer
+from .optimizer import LIVE_OPTIMIZERS, FusedOptimizer
 
 __all__ = ["MixedOptimizer"]
 
@@ -41,7 +41,7 @@ __all__ = ["MixedOptimizer"]
 _PARAM_KEYS = ("params", "param_names")
 
 
-class _Part:
+class Part:
     """One class's fused optimizer over its models' rows (``rows``, ascending) of the
     stacked parameters; its parameter k is the rows of stacked parameter ``order[k]``."""
 
@@ -120,7 +120,7 @@ class MixedOptimizer(FusedOptimizer):
     the other, with host-side gathers).
     """
 
-    def __init__(self, params: Sequence[Tensor], parts: Sequence[_Part]):
+    def __init__(self, params: Sequence[Tensor], parts: Sequence[Part]):
         params = list(params)
         n = sum(len(part.rows) for part in parts)
         owner = {i: part for part in parts for i in part.rows}
@@ -140,7 +140,7 @@ class MixedOptimizer(FusedOptimizer):
         self._groups_frozen = False
         Optimizer.__init__(self, groups, {"differentiable": False})
         self._groups_frozen = True
-        _LIVE_OPTIMIZERS.add(self)  # found by hftc.keep_models / replace_models
+        LIVE_OPTIMIZERS.add(self)  # found by hftc.keep_models / replace_models
 
     def parts(self) -> list[FusedOptimizer]:
         """The fused optimizer of each class, in the order of ``part_rows()``."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients, addcmul_
+from .optimizer import Coefficients, FusedOptimizer, addcmul_
 
 
 @dataclass
@@ -26,7 +26,7 @@ class AdamMoments:
     beta1: list[float]
     beta2: list[float]
     foreach: list[bool]
-    coef: _Coefficients
+    coef: Coefficients
     maximize: bool
     any_coupled: bool
     any_decoupled: bool

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .moments import AdamMoments
-from .optimizer import FusedOptimizer, _Coefficients, _scalar_dtype, addcdiv_
+from .optimizer import Coefficients, FusedOptimizer, addcdiv_, scalar_dtype
 
 __all__ = ["NAdam"]
 
@@ -65,7 +65,7 @@ class NAdam(FusedOptimizer):
     def _init_state(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
         state = self.state[p]
         state["step"] = self._new_steps(p)
-        state["mu_product"] = torch.ones(self.num_models, dtype=_scalar_dtype())
+        state["mu_product"] = torch.ones(self.num_models, dtype=scalar_dtype())
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -98,7 +98,7 @@ class NAdam(FusedOptimizer):
         moments = AdamMoments.of(self, params, hp)
         beta1, beta2, foreach, coef = moments.beta1, moments.beta2, moments.foreach, moments.coef
         momentum_decay = hp["momentum_decay"]
-        step_coefs: dict[tuple[tuple[float, ...], tuple[float, ...]], _Coefficients] = {}
+        step_coefs: dict[tuple[tuple[float, ...], tuple[float, ...]], Coefficients] = {}
         for p, step in zip(params, self._count_steps(params)):
             state = self.state[p]
             steps = step.tolist()  # Python doubles, as stock's step.item()
@@ -114,7 +114,7 @@ class NAdam(FusedOptimizer):
             key = (tuple(steps), tuple(products))
             step_coef = step_coefs.get(key)
             if step_coef is None:
-                step_coef = step_coefs[key] = _Coefficients({
+                step_coef = step_coefs[key] = Coefficients({
                     "bc2": [1 - b ** s for b, s in zip(beta2, steps)],
                     "bc2_sqrt": [(1 - b ** s) ** 0.5 for b, s in zip(beta2, steps)],
                     "grad_step": [(-r * (1.0 - mu)) / (1.0 - mp)

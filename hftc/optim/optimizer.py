@@ -35,7 +35,7 @@ rewritten into one that rounds the same way on every element:
 
 A coefficient that all N models share (in a learning-rate sweep, every one but
 the learning rate) stays a Python scalar and takes stock's own op
-(``_Coefficients.get``, ``addcmul_``): the update then costs what
+(``Coefficients.get``, ``addcmul_``): the update then costs what
 stock's costs on the stacked tensors, with no extra multiply and no broadcast.
 Except in a capturable step (``refresh_hyperparameters``): there every value is a
 device tensor, made once and overwritten in place, since a CUDA graph would keep a
@@ -70,7 +70,7 @@ from .slicing import stock_keeps
 __all__ = ["FusedOptimizer"]
 
 
-def _scalar_dtype() -> torch.dtype:
+def scalar_dtype() -> torch.dtype:
     # The dtype stock optimizers give state["step"] (torch.optim.optimizer._get_scalar_dtype).
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
@@ -131,7 +131,7 @@ def _per_model(value: Any, n: int) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n
 
 
-class _Coefficients:
+class Coefficients:
     """Per-model scalars, as ``[N, 1, ..., 1]`` tensors that broadcast over ``[N, *shape]``.
 
     Built from Python values once per step (one host-to-device copy per dtype and
@@ -226,7 +226,7 @@ def addcmul_(x: Tensor, y: Tensor, z: Tensor, c: float | Tensor) -> Tensor:
 PER_MODEL_CALLS_MIN = 1 << 15
 
 
-def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: _Coefficients, name: str,
+def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: Coefficients, name: str,
              scratch: Tensor | None = None, per_model_calls: bool = True) -> Tensor:
     """``x += c * y / z`` as stock writes ``x.addcdiv_(y, z, value=c)``, with ``c`` the
     per-model row ``name`` of ``coef``.
@@ -267,19 +267,19 @@ def copy_model_state(target: Tensor, value: Tensor, blocks: int = 1) -> None:
 
 #: Every live ``hftc.optim`` optimizer, weakly: :func:`hftc.keep_models` given no
 #: ``optimizers=`` cuts those built on the fused module it cuts (no list to keep by hand).
-_LIVE_OPTIMIZERS: weakref.WeakSet[FusedOptimizer] = weakref.WeakSet()
+LIVE_OPTIMIZERS: weakref.WeakSet[FusedOptimizer] = weakref.WeakSet()
 
 
 #: Every stock ``torch.optim`` optimizer that has taken a step, weakly (a global step
 #: pre-hook that ``import hftc`` installs): ``hftc.keep_models`` refuses to cut a fused
 #: module under one of them, whose state for N models it cannot cut.
-_STEPPED_STOCK_OPTIMIZERS: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+STEPPED_STOCK_OPTIMIZERS: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
 def _note_stock_optimizer_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
     """torch global optimizer step pre-hook: remember stock optimizers (weakly)."""
     if not isinstance(optimizer, FusedOptimizer):
-        _STEPPED_STOCK_OPTIMIZERS.add(optimizer)
+        STEPPED_STOCK_OPTIMIZERS.add(optimizer)
 
 
 class FusedOptimizer(Optimizer):
@@ -386,7 +386,7 @@ class FusedOptimizer(Optimizer):
         self._groups_frozen = False
         super().__init__(groups, defaults)
         self._groups_frozen = True
-        _LIVE_OPTIMIZERS.add(self)
+        LIVE_OPTIMIZERS.add(self)
 
     # ------------------------------------------------------------------ set-up
 
@@ -675,7 +675,7 @@ class FusedOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_groups_frozen", True)
-        _LIVE_OPTIMIZERS.add(self)  # a copy (deepcopy, pickle) is found by keep_models too
+        LIVE_OPTIMIZERS.add(self)  # a copy (deepcopy, pickle) is found by keep_models too
         self.__dict__.pop("_momentum_ready", None)  # ids of another process's tensors
         # Pickles and state dicts of hftc before the flags were param-group keys: the
         # optimizer's own values (as torch's optimizers fill in keys added later).
@@ -1097,8 +1097,8 @@ class FusedOptimizer(Optimizer):
             hit = cache[dtype] = (key, [tuple(row.unbind()) for row in values])
         return hit[1]
 
-    def _coefficients(self, values: dict[str, Sequence[float]]) -> _Coefficients:
-        """``_Coefficients(values)``, the very object of the last step while the values stay
+    def _coefficients(self, values: dict[str, Sequence[float]]) -> Coefficients:
+        """``Coefficients(values)``, the very object of the last step while the values stay
         the same (compared bit for bit, so ``-0.0`` is not ``0.0``): its per-model tensors
         and their views are then made once, not on every step (on a GPU also one
         host-to-device copy per step).  One cache entry per set of row names, i.e. per
@@ -1116,7 +1116,7 @@ class FusedOptimizer(Optimizer):
             hit[1].assign(values)  # in place: a captured step reads the same tensors
             cache[names] = (key, hit[1])
             return hit[1]
-        coef = _Coefficients(values, persistent)
+        coef = Coefficients(values, persistent)
         cache[names] = (key, coef)
         return coef
 
@@ -1125,7 +1125,7 @@ class FusedOptimizer(Optimizer):
         parameter's device with ``capturable=True`` or ``fused=True`` (the CUDA kernels
         read them there), float32 for the fused kernels."""
         fused = self._flag("fused")
-        dtype = torch.float32 if fused else _scalar_dtype()
+        dtype = torch.float32 if fused else scalar_dtype()
         device = p.device if fused or self._capturable() else None
         return torch.zeros(self.num_models, dtype=dtype, device=device)
 

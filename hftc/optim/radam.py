@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .moments import AdamMoments
-from .optimizer import FusedOptimizer, _Coefficients
+from .optimizer import Coefficients, FusedOptimizer
 
 __all__ = ["RAdam"]
 
@@ -73,13 +73,13 @@ class RAdam(FusedOptimizer):
 
     @staticmethod
     def _step_coefficients(lr: list[float], beta1: list[float], beta2: list[float],
-                           steps: tuple[float, ...]) -> _Coefficients:
+                           steps: tuple[float, ...]) -> Coefficients:
         """Each model's step scalars, Python doubles computed as stock computes them from
         its ``step.item()`` (for-loop update: ``bc1``, ``bc2_sqrt``, ``rect``; foreach
         update: ``bc2_step``, ``unrect_step``)."""
         bc1 = [1 - b ** s for b, s in zip(beta1, steps)]
         rects = [_rectification(b, s)[1] for b, s in zip(beta2, steps)]
-        return _Coefficients({
+        return Coefficients({
             "bc1": bc1,
             "bc2_sqrt": [(1 - b ** s) ** 0.5 for b, s in zip(beta2, steps)],
             "rectified": [r is not None for r in rects],
@@ -103,7 +103,7 @@ class RAdam(FusedOptimizer):
         lr = hp["lr"]
         moments = AdamMoments.of(self, params, hp, lr=lr)
         beta1, beta2, foreach, coef = moments.beta1, moments.beta2, moments.foreach, moments.coef
-        step_coefs: dict[tuple[float, ...], _Coefficients] = {}
+        step_coefs: dict[tuple[float, ...], Coefficients] = {}
         for p, step in zip(params, self._count_steps(params)):
             steps = tuple(step.tolist())
             if steps not in step_coefs:
@@ -123,8 +123,8 @@ class RAdam(FusedOptimizer):
                           alpha=-1.0)))
 
     @staticmethod
-    def _for_loop_step(exp_avg: Tensor, exp_avg_sq: Tensor, coef: _Coefficients,
-                       step_coef: _Coefficients, p: Tensor) -> Tensor:
+    def _for_loop_step(exp_avg: Tensor, exp_avg_sq: Tensor, coef: Coefficients,
+                       step_coef: Coefficients, p: Tensor) -> Tensor:
         """Stock's for-loop update, ``p.add_(step, alpha=-1.0)``: ``step`` is
         ``exp_avg / bc1 * lr * adaptive * rect`` (``rho_t > 5``), else ``exp_avg / bc1 * lr``,
         where stock's ``adaptive = sqrt(bc2) / (sqrt(exp_avg_sq) + eps)`` is Tensor's
@@ -141,7 +141,7 @@ class RAdam(FusedOptimizer):
         return torch.where(step_coef.mask("rectified", p), rect_step, step)
 
     @staticmethod
-    def _foreach_factor(exp_avg_sq: Tensor, coef: _Coefficients, step_coef: _Coefficients,
+    def _foreach_factor(exp_avg_sq: Tensor, coef: Coefficients, step_coef: Coefficients,
                         p: Tensor) -> Tensor:
         """Stock's foreach update, ``p.addcmul_(exp_avg, factor)``: ``factor`` is
         ``1 / ((sqrt(exp_avg_sq) + eps) / bc2_step) + unrect_step`` (``bc2_step`` is 0 for

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, _Coefficients, copy_model_state
+from .optimizer import Coefficients, FusedOptimizer, copy_model_state
 
 __all__ = ["SGD"]
 
@@ -36,7 +36,7 @@ class _SGDStep:
     on many with ``torch._foreach_*`` ops (on the CPU, the per-tensor kernel on each, so
     both round as stock's single-tensor and foreach updates do)."""
 
-    def __init__(self, coef: _Coefficients, maximize: bool, decay: bool, momentum: bool,
+    def __init__(self, coef: Coefficients, maximize: bool, decay: bool, momentum: bool,
                  nesterov: bool):
         self.coef, self.maximize, self.decay = coef, maximize, decay
         self.momentum, self.nesterov = momentum, nesterov
@@ -204,7 +204,7 @@ class SGD(FusedOptimizer):
             for block, scratch in self._column_blocks(tensors, 1, _BLOCK_NUMEL):
                 common.one(*block[:2], block[2] if len(block) > 2 else None, scratch[0])
 
-    def _update_rows(self, tensors: list[Tensor], coef: _Coefficients, common: _SGDStep
+    def _update_rows(self, tensors: list[Tensor], coef: Coefficients, common: _SGDStep
                      ) -> None:
         """Stock's single-tensor update on ``[p, grad(, momentum_buffer)]`` (contiguous, on
         the CPU), model by model in pieces of each row (:meth:`_row_chunks`)::
@@ -263,7 +263,7 @@ class SGD(FusedOptimizer):
         params = self.param_groups[0]["params"]
         return bool(params) and all(p.is_cuda for p in params) and not self._flag("fused")
 
-    def _update_masked(self, p: Tensor, coef: _Coefficients, maximize: list[bool],
+    def _update_masked(self, p: Tensor, coef: Coefficients, maximize: list[bool],
                        any_decay: bool, active: list[bool], nesterov: list[bool]) -> None:
         grad = p.grad
         if any(maximize):
@@ -275,7 +275,7 @@ class SGD(FusedOptimizer):
             grad = self._momentum_direction(p, grad, coef, active, nesterov)
         p.addcmul_(grad, coef("neg_lr", p))
 
-    def _momentum_direction(self, p: Tensor, grad: Tensor, coef: _Coefficients,
+    def _momentum_direction(self, p: Tensor, grad: Tensor, coef: Coefficients,
                             active: list[bool], nesterov: list[bool]) -> Tensor:
         state = self.state[p]
         if "momentum_buffer" not in state:  # a scheduler turned momentum on

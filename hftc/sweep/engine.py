@@ -78,7 +78,7 @@ from .training import (
 __all__ = ["Sweep", "SweepError", "SweepFileError", "SweepResult", "make_storage"]
 
 
-def _finite_models(fused: nn.Module) -> list[bool]:
+def finite_models(fused: nn.Module) -> list[bool]:
     """Per model: are all its weights finite?"""
     n = fused.num_models
     finite = torch.ones(n, dtype=torch.bool)
@@ -903,7 +903,7 @@ class Sweep:
         outs, targets = evaluate_all([a.fused for a in self.arrays], data,
                                      spec.eval_batch_size, batch_dim=1)
         for a, out, loss_sum in zip(self.arrays, outs, loss_sums):
-            finite = _finite_models(a.fused)
+            finite = finite_models(a.fused)
             for j, run in enumerate(a.members):
                 run.history.append(metric_value(spec, out[j], targets))
                 run.weights_finite = finite[j]

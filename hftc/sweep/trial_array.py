@@ -38,7 +38,7 @@ import hftc
 
 from ..errors import FusionError, SweepError
 from ..training.shrink import check_replaceable
-from .engine import _finite_models
+from .engine import finite_models
 
 __all__ = ["TrialArray", "optimize"]
 
@@ -209,7 +209,7 @@ class TrialArray:
         self._reported = True
         finite = [True] * len(values)
         for fused in self.fused_modules:
-            finite = [a and b for a, b in zip(finite, _finite_models(fused))]
+            finite = [a and b for a, b in zip(finite, finite_models(fused))]
         dropped = []
         for j, (trial, value) in enumerate(zip(self.trials, values)):
             if not math.isfinite(value) or not finite[j]:

@@ -28,8 +28,8 @@ import torch
 
 from ..errors import FusionArgumentError, FusionIndexError, FusionTypeError
 from ..module.fused import FusedModule
-from ..optim.lr_scheduler import SCHEDULERS_ON_FUSED, ReduceLROnPlateau, _keep_plateau_models
-from ..optim.optimizer import _LIVE_OPTIMIZERS, _STEPPED_STOCK_OPTIMIZERS, FusedOptimizer
+from ..optim.lr_scheduler import SCHEDULERS_ON_FUSED, ReduceLROnPlateau, keep_plateau_models
+from ..optim.optimizer import LIVE_OPTIMIZERS, STEPPED_STOCK_OPTIMIZERS, FusedOptimizer
 
 __all__ = ["keep_models", "replace_models"]
 
@@ -113,7 +113,7 @@ def _check_scheduler(label: str, sched: Any, optimizers: Sequence[Any], n: int) 
 def _refuse_stock_optimizers(fused: FusedModule, own: set[int]) -> None:
     """A stock ``torch.optim`` optimizer that stepped on the fused parameters holds one
     state for all N models (its moments ``[N, ...]``), which nothing here can cut."""
-    for opt in list(_STEPPED_STOCK_OPTIMIZERS):
+    for opt in list(STEPPED_STOCK_OPTIMIZERS):
         if any(id(p) in own for g in opt.param_groups for p in g["params"]):
             name = type(opt).__name__
             raise FusionTypeError(
@@ -127,7 +127,7 @@ def _refuse_stock_optimizers(fused: FusedModule, own: set[int]) -> None:
 def _optimizers_on(fused: FusedModule, own: set[int]) -> list[FusedOptimizer]:
     """The live ``hftc.optim`` optimizers built on ``fused`` (one of N models; a stale
     one, left out of an earlier cut, refuses its next step on its own)."""
-    return [opt for opt in list(_LIVE_OPTIMIZERS)
+    return [opt for opt in list(LIVE_OPTIMIZERS)
             if opt.num_models == fused.num_models
             and any(id(p) in own for p in opt.param_groups[0]["params"])]
 
@@ -195,7 +195,7 @@ def keep_models(
             parts.update((id(p), p) for p in _scheduler_parts(sched))
     for part in parts.values():
         if isinstance(part, ReduceLROnPlateau):
-            _keep_plateau_models(part, indices)
+            keep_plateau_models(part, indices)
             continue
         for attr in _PER_GROUP:
             value = getattr(part, attr, None)
@@ -270,7 +270,7 @@ def replace_models(
     fused._become(refused)
     for opt in optimizers:
         made = fuse_optimizers(fused, stocks[id(opt)])
-        _LIVE_OPTIMIZERS.discard(made)  # ``opt`` is the one the loop holds
+        LIVE_OPTIMIZERS.discard(made)  # ``opt`` is the one the loop holds
         opt.__dict__.clear()
         opt.__dict__.update(made.__dict__)
 

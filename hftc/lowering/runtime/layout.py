@@ -73,15 +73,15 @@ def unfold_channels(y: Tensor, n: int, has_batch_dim: bool) -> Tensor:
     """Inverse of :func:`fold_channels`: ``[B, N*C, *S] -> [N, B, C, *S]`` as a view.
 
     The gradient that comes back to ``y`` through these views reaches the op that
-    made ``y`` with canonical strides (:func:`_canonical_grad`).
+    made ``y`` with canonical strides (:func:`canonical_grad`).
     """
-    _canonical_grad(y)
+    canonical_grad(y)
     if has_batch_dim:
         return y.unflatten(1, (n, -1)).movedim(1, 0)
     return y.unflatten(0, (n, -1))
 
 
-def _canonical_grad(y: Tensor) -> None:
+def canonical_grad(y: Tensor) -> None:
     """Restride the gradient that reaches ``y`` (:func:`_canonical_strides`) before the
     backward of the op that made ``y`` reads it.
 

@@ -453,9 +453,9 @@ def _per_model_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape
     if shape is None:
         last_dim = x.dim() - 1
     else:
-        from .spatial import _shape_arg
+        from .spatial import shape_arg
 
-        target = _shape_arg(shape)
+        target = shape_arg(shape)
         # Only a reshape that keeps each row of logits a row (its last size given).
         if not target or target[-1] != out_features:
             return None

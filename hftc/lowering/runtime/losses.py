@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from ...errors import FusionArgumentError, FusionTypeError
 from .function_apply import apply_function_fast
 from .layout import model_slice
-from .reduction import _short_rows
+from .reduction import short_rows
 
 
 def per_model_loss(fn: Callable[..., Tensor], output: Tensor, target: Any, *,
@@ -39,7 +39,7 @@ def per_model_loss(fn: Callable[..., Tensor], output: Tensor, target: Any, *,
 def short_row_cross_entropy(x: Tensor, target: Tensor, num_models: int,
                             reduction: str = "mean", ignore_index: int = -100) -> Tensor | None:
     """N models' ``F.cross_entropy`` over rows of few classes, or ``None`` where
-    :func:`_short_rows` says ATen's kernels are the fast ones.
+    :func:`short_rows` says ATen's kernels are the fast ones.
 
     ``x`` ``[R, C]`` float32 logits, the N models' batches flattened (``R = N*B``,
     model i's rows ``[i*B, (i+1)*B)``), ``target`` ``[R]`` class indices.  Returns each
@@ -59,7 +59,7 @@ def short_row_cross_entropy(x: Tensor, target: Tensor, num_models: int,
     About twice as fast as ATen's on the MLP benchmark's loss (docs/DESIGN_NOTES.md).
     Within a rounding of ATen's (its sums run in another order), not bit for bit.
     """
-    if not _short_rows(x, 1) or x.dim() != 2 or target.dtype != torch.long \
+    if not short_rows(x, 1) or x.dim() != 2 or target.dtype != torch.long \
             or target.shape != x.shape[:1] or x.shape[0] % num_models \
             or reduction not in ("mean", "sum", "none"):
         return None

@@ -124,17 +124,17 @@ STACKED_MARK = "_hftc_num_models"
 #: tensors: ``torch.utils.swap_tensors`` (``.to()`` under
 #: ``torch.__future__.set_swap_module_params_on_conversion(True)``, ``load_state_dict``)
 #: refuses a tensor that has a weak reference.
-_FUSED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+FUSED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def register_fused(module: nn.Module) -> None:
     """Count ``module``'s parameters as stacked from now on (``FusedModule`` calls it)."""
-    _FUSED_MODULES.add(module)
+    FUSED_MODULES.add(module)
 
 
-def _live_stacked() -> dict[int, tuple[Tensor, int]]:
+def live_stacked() -> dict[int, tuple[Tensor, int]]:
     """``id(parameter) -> (parameter, N)`` for every live fused module's parameters."""
-    return {id(p): (p, module.num_models) for module in list(_FUSED_MODULES)
+    return {id(p): (p, module.num_models) for module in list(FUSED_MODULES)
             for p in module.parameters()}
 
 
@@ -143,12 +143,12 @@ def _num_models(p: Tensor, live: dict[int, tuple[Tensor, int]] | None = None) ->
     mark = getattr(p, STACKED_MARK, None)
     if mark is not None:
         return mark
-    entry = (live if live is not None else _live_stacked()).get(id(p))
+    entry = (live if live is not None else live_stacked()).get(id(p))
     return None if entry is None or entry[0] is not p else entry[1]
 
 
-def _stacked_counts(params: Sequence[Tensor]) -> list[int | None]:
-    live = None if all(_num_models(p, {}) is not None for p in params) else _live_stacked()
+def stacked_counts(params: Sequence[Tensor]) -> list[int | None]:
+    live = None if all(_num_models(p, {}) is not None for p in params) else live_stacked()
     return [_num_models(p, live) for p in params]
 
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layout import _canonical_grad, fold_channels, pad_model_dims, unfold_channels
-from .per_model import _per_channel, opmath
+from .layout import canonical_grad, fold_channels, pad_model_dims, unfold_channels
+from .per_model import opmath, per_channel
 from .tuning import check_lowering, tunable
 
 
@@ -99,10 +99,10 @@ def instance_norm(
         # One sample: ATen's instance_norm is batch_norm on the contiguous input viewed
         # as [1, C, *S], and the backward of that view hands batch_norm a channels-last
         # gradient an odd batch stride, for which it returns wrong input gradients
-        # (torch 2.13; _canonical_grad).  The same batch_norm called here, whose output
+        # (torch 2.13; canonical_grad).  The same batch_norm called here, whose output
         # unfold_channels hooks, reads the gradient restrided (values unchanged).
         y = F.batch_norm(xf.contiguous(), *args)
-        _canonical_grad(y)  # here: the squeeze below would hide it from unfold_channels'
+        canonical_grad(y)  # here: the squeeze below would hide it from unfold_channels'
     else:
         y = F.instance_norm(xf, *args)
     if not has_batch:
@@ -222,7 +222,7 @@ def per_model_batch_norm(
     c = xf.shape[1] // n
     dims = [d for d in range(xf.dim()) if d != 1]
     shape = [1, -1] + [1] * (xf.dim() - 2)
-    eps_c = _per_channel(eps, c, xf).reshape(shape)
+    eps_c = per_channel(eps, c, xf).reshape(shape)
     bn_training = training or (running_mean is None and running_var is None)
     if training and track_running_stats and num_batches_tracked is not None:
         num_batches_tracked.add_(1)
@@ -236,7 +236,7 @@ def per_model_batch_norm(
                     (1.0 / float(num_batches_tracked[i])) if m is None else m
                     for i, m in enumerate(momentum)
                 ]
-                f = _per_channel(factors, c, xf)
+                f = per_channel(factors, c, xf)
                 unbiased = var * (count / max(count - 1, 1))
                 running_mean.view(-1).mul_(1 - f).add_(f * mean)
                 running_var.view(-1).mul_(1 - f).add_(f * unbiased)

@@ -86,7 +86,7 @@ def elu(x: Tensor, alpha: Sequence[float]) -> Tensor:
     return torch.where(x > 0, x, scalars(alpha, x, x.dim() - 1) * torch.expm1(x))
 
 
-def _per_channel(values: Sequence[float], channels: int, like: Tensor) -> Tensor:
+def per_channel(values: Sequence[float], channels: int, like: Tensor) -> Tensor:
     """One value per model -> one per fused channel ``[N*C]`` (model n's C channels)."""
     return values_on(list(values), like.dtype, like.device).repeat_interleave(
         channels
@@ -152,7 +152,7 @@ def group_norm(
     grouped = xf.reshape(b, n * num_groups, -1)
     mean = grouped.mean(-1, keepdim=True)
     var = grouped.var(-1, unbiased=False, keepdim=True)
-    eps_g = _per_channel(eps, num_groups, xf).reshape(1, -1, 1)
+    eps_g = per_channel(eps, num_groups, xf).reshape(1, -1, 1)
     y = ((grouped - mean) * torch.rsqrt(var + eps_g)).reshape(xf.shape)
     shape = [1, channels] + [1] * (xf.dim() - 2)
     if weight is not None:

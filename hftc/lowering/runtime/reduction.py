@@ -109,7 +109,7 @@ _FLOAT_LANES = {"AVX512": 16, "AVX2": 8}
 _SHORT_ROWS_MIN_NUMEL = 2048
 
 
-def _short_rows(x: Tensor, dim: int) -> bool:
+def short_rows(x: Tensor, dim: int) -> bool:
     """Whether ATen's CPU (log_)softmax over ``dim`` of ``x`` would take its slow short-row path.
 
     Over the last dim, ATen's CPU kernel reduces each row with SIMD vectors; a row
@@ -131,7 +131,7 @@ def softmax(x: Tensor, dim: int, *, log: bool = False,
             dtype: torch.dtype | None = None) -> Tensor:
     """``F.softmax`` / ``F.log_softmax`` (``log=True``), computed where it is fastest.
 
-    Rows shorter than a SIMD vector on the CPU (:func:`_short_rows`; the classes of a
+    Rows shorter than a SIMD vector on the CPU (:func:`short_rows`; the classes of a
     fused classifier's loss) take :class:`_ShortRowSoftmax`, the same formula as ATen's
     in whole-tensor ops::
 
@@ -144,7 +144,7 @@ def softmax(x: Tensor, dim: int, *, log: bool = False,
     """
     if dtype is not None:
         x = x.to(dtype)  # F.softmax(x, dim, dtype=d) casts first, too
-    if _short_rows(x, dim):
+    if short_rows(x, dim):
         return apply_function_fast(_ShortRowSoftmax, x, log)
     return F.log_softmax(x, dim) if log else F.softmax(x, dim)
 

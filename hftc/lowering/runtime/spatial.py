@@ -206,7 +206,7 @@ def shift_dims(dims: Any) -> Any:
     return shift_dim(dims)
 
 
-def _shape_arg(shape: Sequence[Any]) -> tuple:
+def shape_arg(shape: Sequence[Any]) -> tuple:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         return tuple(shape[0])
     return tuple(shape)
@@ -216,24 +216,24 @@ def reshape(x: Tensor, *shape: Any) -> Tensor:
     """``x.view(*shape)`` / ``x.reshape(*shape)`` per model: prepend the model dim."""
     if len(shape) == 1 and isinstance(shape[0], torch.dtype):
         return x.view(shape[0])
-    return x.reshape(x.shape[0], *_shape_arg(shape))
+    return x.reshape(x.shape[0], *shape_arg(shape))
 
 
 def permute(x: Tensor, *dims: Any) -> Tensor:
-    dims = _shape_arg(dims)
+    dims = shape_arg(dims)
     rank = x.dim() - 1
     return x.permute(0, *(d % rank + 1 for d in dims))
 
 
 def expand(x: Tensor, *sizes: Any) -> Tensor:
     """``x.expand(*sizes)`` per model; new leading per-model dims go after the model dim."""
-    sizes = _shape_arg(sizes)
+    sizes = shape_arg(sizes)
     x = pad_model_dims(x, len(sizes))
     return x.expand(x.shape[0], *sizes)
 
 
 def repeat(x: Tensor, *sizes: Any) -> Tensor:
-    sizes = _shape_arg(sizes)
+    sizes = shape_arg(sizes)
     x = pad_model_dims(x, len(sizes))
     return x.repeat(1, *sizes)
 

@@ -1,0 +1,181 @@
+"""A fused module's models given back, one at a time or cut to some: each model's
+``state_dict`` and a module of its own (:mod:`hftc.module.copies`), ``keep_models``' cut
+and ``replace_models``' take-over.
+
+::
+
+    fused.unfuse_model(i)  ->  model i's own copy holding [i] of every stacked tensor
+    fused._keep_models([2, 0])  ->  P.data = P[[2, 0]] for every stacked tensor, in place
+
+:class:`Unfusing` is a part of :class:`~hftc.module.fused.FusedModule`.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .. import ir
+from ..errors import (
+    FusionIndexError,
+    FusionTypeError,
+)
+from ..lowering.runtime.modules import StackedModule
+from ..passes.driver import SHARED_CONSTANT_PREFIX
+
+
+def _drop_grad_accumulator(p: torch.Tensor) -> None:
+    """Make autograd give ``p`` a new gradient accumulator before its rows are cut.
+
+    A graph still alive from an earlier step (a loss the loop still holds) keeps ``p``'s
+    accumulator, which remembers the old shape ``[N, ...]``: the next backward would
+    refuse the ``[k, ...]`` gradient.  torch replaces the accumulator when ``.data``
+    changes dtype, and not when it changes shape; hence the brief detour."""
+    other = torch.float32 if p.dtype != torch.float32 else torch.float64
+    p.data = torch.empty(0, dtype=other, device=p.device)
+
+
+#: ``FusedModule.__dict__`` entries made lazily from its models, dropped where it takes
+#: another module's models over (:meth:`FusedModule._become`).
+_MADE_FROM_MODELS = ("_shared_model_loop", "_method_loop", "_method_modules",
+                     "_last_call_program")
+
+
+
+class Unfusing:
+    """(see the module docstring)"""
+
+    def model_state_dict(self, index: int) -> dict[str, torch.Tensor]:
+        """Model ``index``'s ``state_dict`` with the original keys (copies), at its own
+        widths (``pad_widths=True``)."""
+        index = self._check_index(index)
+        padding = getattr(self, "padding", None)
+        if padding is not None:
+            return {k: padding.unpad(index, k, v[index]).clone()
+                    for k, v in self.state_dict().items()}
+        return {k: v[index].clone() for k, v in self.state_dict().items()}
+
+    def _check_index(self, index: int) -> int:
+        """``index`` as an int, or an error that says what a model index is."""
+        try:
+            index = operator.index(index)
+        except TypeError:
+            raise FusionTypeError(
+                f"a model index must be an int, got {index!r} ({type(index).__name__}): "
+                f"pass an int in range({self.num_models}), e.g. model_state_dict(0)") from None
+        if not -self.num_models <= index < self.num_models:
+            raise FusionIndexError(
+                f"model index {index} out of range for {self.num_models} models: pass an int "
+                f"in range({self.num_models}) (or -{self.num_models} to -1 from the end)")
+        return index
+
+    def unfuse(self) -> list[nn.Module]:
+        """N modules of the original class holding this module's current weights and buffers."""
+        return [self.unfuse_model(i) for i in range(self.num_models)]
+
+    def unfuse_model(self, index: int) -> nn.Module:
+        """Model ``index`` alone: a module of the original class with its current weights,
+        buffers and hyper-parameters (what ``unfuse()[index]`` is), at its own widths
+        (``pad_widths=True``)."""
+        index = self._check_index(index)
+        padded = self.padded_model(index)
+        padding = getattr(self, "padding", None)
+        return padded if padding is None else padding.original_model(index, padded)
+
+    def padded_model(self, index: int) -> nn.Module:
+        """Model ``index`` as the fused program holds it: with ``pad_widths=True``, padded
+        to the widest model (hftc.module.padding's modules); else :meth:`unfuse_model`'s model."""
+        index = self._check_index(index)
+        model = self.model_copies.build(index, self)
+        loop = self.__dict__.get("_shared_model_loop")
+        if loop is not None and self._python_state:
+            # the attributes forward changed, as model ``index``'s forwards left them
+            shell = loop.shells[index]
+            for name in self._python_state[1]:
+                path, _, key = name.rpartition(".")
+                try:
+                    value = getattr(shell.get_submodule(path), key)
+                except AttributeError:  # (model ``index``'s tree names it otherwise)
+                    continue
+                setattr(model.get_submodule(path), key, copy.deepcopy(value))
+        return model
+
+    def _keep_models(self, keep: Sequence[int]) -> None:
+        """Keep only models ``keep`` (checked, distinct indices), in that order, in place::
+
+            P  [N, ...]  ->  P.data = P[keep]     (the same Parameter objects, their grads too)
+            per-model records (graph meta, attribute overrides, shells) -> their rows `keep`
+
+        What :func:`hftc.keep_models` calls; the optimizers are its business.  Compiled
+        programs are dropped (they were made for N models): the next call compiles anew."""
+        index = torch.tensor(list(keep), dtype=torch.long)
+        n = len(keep)
+        with torch.no_grad():
+            for p in self.parameters():  # (each tied parameter once)
+                grad = p.grad
+                p.grad = None  # a grad of the old shape would refuse the new data
+                kept = p.data.index_select(0, index.to(p.device))
+                _drop_grad_accumulator(p)
+                p.data = kept
+                if grad is not None:
+                    p.grad = grad.index_select(0, index.to(grad.device))
+            sliced: dict[int, torch.Tensor] = {}
+            for module in self.modules():
+                for name, b in module._buffers.items():
+                    if b is None or name.startswith(SHARED_CONSTANT_PREFIX):
+                        continue  # one copy all models share
+                    if id(b) not in sliced:
+                        sliced[id(b)] = b.index_select(0, index.to(b.device))
+                    module._buffers[name] = sliced[id(b)]
+        for module in self.modules():
+            if isinstance(module, StackedModule):
+                module.num_models = n
+        self.num_models = n
+        self.model_copies.subset(list(keep))
+        self.source_parameter_names = [self.source_parameter_names[i] for i in keep]
+        if getattr(self, "padding", None) is not None:
+            self.padding = self.padding.subset(keep)
+        if self._python_state is not None:  # (which model a message names)
+            first, names = self._python_state
+            self._python_state = (list(keep).index(first) if first in keep else 0, names)
+        for graphs in (*self._mode_graphs.values(), *self._retraced_graphs.values()):
+            graphs.originals = [graphs.originals[i] for i in keep]
+            for node in graphs.graph.nodes:
+                per_model = node.meta.get(ir.PER_MODEL)
+                if per_model:
+                    node.meta[ir.PER_MODEL] = {key: [values[i] for i in keep]
+                                               for key, values in per_model.items()}
+                ops = node.meta.get(ir.PER_MODEL_OPS)
+                if ops:
+                    node.meta[ir.PER_MODEL_OPS] = [ops[i] for i in keep]
+        loop = self.__dict__.get("_shared_model_loop")
+        if loop is not None:  # the shells keep the Python attributes forward changed
+            loop.subset(keep)
+        self._programs = {}
+        self._mark_stacked()
+
+    def _become(self, other: nn.Module) -> None:
+        """``other``'s tensors and records in this module, keeping this module's parameter
+        objects (optimizers and the user's references hold them): hftc.replace_models and
+        the padded-op rewrite fuse anew and take the result over."""
+        old = dict(self.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for name, p in other.named_parameters(remove_duplicate=False):
+                keep = old[name]
+                if keep is not p:
+                    keep.grad = None
+                    _drop_grad_accumulator(keep)
+                    keep.data = p.data
+                    keep.requires_grad_(p.requires_grad)
+                owner, _, leaf = name.rpartition(".")
+                other.get_submodule(owner)._parameters[leaf] = keep
+        # What this module made lazily from its old models (the shells the models run
+        # one by one in, fused methods, the last call's program) goes with them: the old
+        # shells ran a replaced model with its predecessor's Python attributes.
+        for key in _MADE_FROM_MODELS:
+            self.__dict__.pop(key, None)
+        self.__dict__.update(other.__dict__)
