@@ -308,6 +308,63 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                              "pad_widths": pad_widths}
         models = check_models(models)
         unpadded = models
+        models, strategy = self._padded_models(models, pad_widths, check, strategy, checkpoint,
+                                               _padded)
+        self._set_options(models, in_dims, autotune, check, strategy, checkpoint)
+        self._check_modes(models)
+        _check_initialized(models)
+        _check_hooks(models)
+        check_function_references(models)
+        _check_shared_tensors(models)
+        graphs = self._trace(models, example_inputs, frontend)
+        #: Which front-end traced the models: "symbolic" (torch.fx) or "export".
+        self.frontend = "symbolic" if PYTHON_STATE in graphs[True][0].meta else "export"
+        matches = {mode: match_graphs(graphs[mode], models, soft=per_model_table())
+                   for mode in (True, False)}
+        #: (model index, attributes) of the first model whose forward changed plain
+        #: Python attributes while traced (hftc.ir.PYTHON_STATE), or None.
+        self._python_state = next(
+            ((i, sorted({n for mode in (True, False)
+                         for n in graphs[mode][i].meta.get(PYTHON_STATE, [])}))
+             for i in range(self.num_models)
+             if any(graphs[mode][i].meta.get(PYTHON_STATE) for mode in (True, False))),
+            None)
+        # model 0 on meta: the root shape propagation runs the fused graph's nodes on
+        template = meta_copy(models[0])
+        name_maps = _tensor_name_maps(matches[True], graphs[True])
+        object.__setattr__(self, "_template", template)
+        #: Each model's own object (its Python state, no tensors): every per-model module
+        #: hftc makes (the check's references, the models one by one, unfuse()) is one.
+        self.model_copies = ModelCopies(models, name_maps,
+                                        _module_path_maps(matches[True], graphs[True], name_maps))
+        root, sources = build_module_tree(models, template, name_maps)
+        self._adopt(root, models[0])
+        fused_names = {id(p): name for name, p in self.named_parameters()}
+        self.source_parameter_names: list[dict[int, str]] = [
+            {id(p): fused_names[id(sources[id(p)])] for p in m.parameters() if id(p) in sources}
+            for m in models
+        ]
+        if self.padding is not None:  # the original models' parameters (fuse_optimizers)
+            for names, padded, original in zip(self.source_parameter_names, models, unpadded):
+                by_name = {name: names[id(p)] for name, p in padded.named_parameters()
+                           if id(p) in names}
+                names.clear()
+                names.update({id(p): by_name[name] for name, p in original.named_parameters()
+                              if name in by_name})
+        self._keep_mode_graphs(graphs, matches)
+        self._programs: dict[Any, Program] = {}
+        self.training = models[0].training
+        if example_inputs is not None:
+            if not isinstance(example_inputs, tuple):
+                example_inputs = (example_inputs,)
+            self.compile(*example_inputs)
+
+    def _padded_models(self, models: list[nn.Module], pad_widths: bool, check: bool,
+                       strategy: str | None, checkpoint: int | bool,
+                       padded: tuple[list[nn.Module], WidthPadding] | None,
+                       ) -> tuple[list[nn.Module], str | None]:
+        """``pad_widths=True``: the models padded to the widest (``padded``: padded already,
+        their forwards rewritten at the first call) and the strategy the padding runs."""
         if not isinstance(pad_widths, bool):
             raise FusionArgumentError(f"pad_widths must be True or False, got {pad_widths!r}")
         #: pad_widths=True: how the models were padded to the widest (hftc.module.padding), or
@@ -324,9 +381,14 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             _check_hooks(models)
             _check_shared_tensors(models)
             # (_padded: models padded already, their forwards rewritten at the first call)
-            models, self.padding = pad_models(models) if _padded is None else _padded
+            models, self.padding = pad_models(models) if padded is None else padded
             if self.padding is not None:
                 strategy = "fused"  # the padded models one by one would only be slower
+        return models, strategy
+
+    def _set_options(self, models: list[nn.Module], in_dims: InDims, autotune: bool,
+                     check: bool, strategy: str | None, checkpoint: int | bool) -> None:
+        """The options ``hftc.fuse`` takes, checked, as this module's attributes."""
         in_dims = check_in_dims(in_dims)
         n = len(models)
         self.num_models = n
@@ -354,46 +416,11 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                 "checkpoint= recomputes the fused program's activations in backward, but "
                 "strategy='model_loop' runs the models one by one (nothing fused to "
                 "checkpoint): drop one of the two")
-        self._check_modes(models)
-        _check_initialized(models)
-        _check_hooks(models)
-        check_function_references(models)
-        _check_shared_tensors(models)
-        graphs = self._trace(models, example_inputs, frontend)
-        #: Which front-end traced the models: "symbolic" (torch.fx) or "export".
-        self.frontend = "symbolic" if PYTHON_STATE in graphs[True][0].meta else "export"
-        matches = {mode: match_graphs(graphs[mode], models, soft=per_model_table())
-                   for mode in (True, False)}
-        #: (model index, attributes) of the first model whose forward changed plain
-        #: Python attributes while traced (hftc.ir.PYTHON_STATE), or None.
-        self._python_state = next(
-            ((i, sorted({n for mode in (True, False)
-                         for n in graphs[mode][i].meta.get(PYTHON_STATE, [])}))
-             for i in range(n)
-             if any(graphs[mode][i].meta.get(PYTHON_STATE) for mode in (True, False))),
-            None)
-        # model 0 on meta: the root shape propagation runs the fused graph's nodes on
-        template = meta_copy(models[0])
-        name_maps = _tensor_name_maps(matches[True], graphs[True])
-        object.__setattr__(self, "_template", template)
-        #: Each model's own object (its Python state, no tensors): every per-model module
-        #: hftc makes (the check's references, the models one by one, unfuse()) is one.
-        self.model_copies = ModelCopies(models, name_maps,
-                                        _module_path_maps(matches[True], graphs[True], name_maps))
-        root, sources = build_module_tree(models, template, name_maps)
-        self._adopt(root, models[0])
-        fused_names = {id(p): name for name, p in self.named_parameters()}
-        self.source_parameter_names: list[dict[int, str]] = [
-            {id(p): fused_names[id(sources[id(p)])] for p in m.parameters() if id(p) in sources}
-            for m in models
-        ]
-        if self.padding is not None:  # the original models' parameters (fuse_optimizers)
-            for names, padded, original in zip(self.source_parameter_names, models, unpadded):
-                by_name = {name: names[id(p)] for name, p in padded.named_parameters()
-                           if id(p) in names}
-                names.clear()
-                names.update({id(p): by_name[name] for name, p in original.named_parameters()
-                              if name in by_name})
+
+    def _keep_mode_graphs(self, graphs: dict[bool, list[fx.GraphModule]],
+                          matches: dict[bool, GraphMatch]) -> None:
+        """Model 0's graph of each mode and its matching: what every program is compiled
+        from (the other models' graphs let go of their modules)."""
         self._mode_graphs: dict[bool, ModeGraphs] = {}
         for mode in (True, False):
             attr_targets = self._stack_constants(graphs[mode], matches[mode])
@@ -417,12 +444,6 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         retraceable = optional or self._mode_graphs[True].constants
         #: Traced again from the models' own copies (:meth:`_graphs_for`).
         self._retraceable = bool(retraceable) and PYTHON_STATE in graphs[True][0].meta
-        self._programs: dict[Any, Program] = {}
-        self.training = models[0].training
-        if example_inputs is not None:
-            if not isinstance(example_inputs, tuple):
-                example_inputs = (example_inputs,)
-            self.compile(*example_inputs)
 
     # ------------------------------------------------------------------ construction
 
