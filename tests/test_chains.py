@@ -273,8 +273,8 @@ def test_no_chain_across_a_change_of_grad_mode_or_autocast():
 
 # --------------------------------------------------------------------------- decoder + log-softmax
 # pytorch/examples word_language_model's RNNModel: its Linear decoder's [T*B, ntoken] logits
-# go through log_softmax; compile/chains.py makes the pair one linear_log_softmax call,
-# which runs model by model where the logits are large (runtime/linear.py).
+# go through log_softmax; lowering/chains.py makes the pair one linear_log_softmax call,
+# which runs model by model where the logits are large (lowering/runtime/linear.py).
 
 
 class WordLanguageModel(nn.Module):

@@ -170,6 +170,7 @@ def test_the_old_module_names_are_the_new_modules():
             continue  # optional integrations (tests/test_extras.py imports them)
         assert importlib.import_module(old) is importlib.import_module(new), old
     import hftc.runtime.modules as old_modules
+
     from hftc.lowering.runtime.modules import StackedModule
 
     assert old_modules.StackedModule is StackedModule

@@ -489,7 +489,7 @@ class _Normalizing:
 
 def _emit_inputs(n: _Normalizing, args: tuple, kwargs: dict) -> None:
     """The user's inputs, one placeholder per top-level input, parts read off by key path,
-    each checked against what export fixed (runtime/guards.py)."""
+    each checked against what export fixed (lowering/runtime/guards.py)."""
     program, graph, e = n.program, n.graph, n.e
     names = _input_names(n.model, args, kwargs)
     tops: dict[tuple, fx.Node] = {}

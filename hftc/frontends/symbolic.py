@@ -1129,7 +1129,7 @@ def annotate_example_values(
         with torch.no_grad():
             recorder.run(*_to_meta(args))
         return
-    except FusionError:  # an export guard (runtime/guards.py) rejected the inputs: says why
+    except FusionError:  # an export guard (lowering/runtime/guards.py) refused the inputs
         raise
     except Exception as exc:
         meta_error = exc

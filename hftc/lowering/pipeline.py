@@ -186,7 +186,7 @@ def choose_strategy_stage(state: ProgramState, options: CompileOptions) -> None:
         return
     if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in state.values):
         # As autotune does (below): the fused step's N-model buffers outgrow glibc's
-        # adaptive thresholds and were faulted in again every step (runtime/memory.py);
+        # adaptive thresholds and were faulted in again every step (lowering/runtime/memory.py);
         # before the timing, so the fused program is timed as its steps will run.
         keep_freed_memory_for_tuning()
     if options.strategy != "timed" or not timing_allowed() or state.spec is not None \
@@ -230,7 +230,8 @@ def autotune(state: ProgramState, options: CompileOptions) -> None:
             fused._explain_input_mismatch(values, batched, exc)
             raise
     if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values):
-        # A fused step's activations outgrow glibc's adaptive thresholds (runtime/memory.py).
+        # A fused step's activations outgrow glibc's adaptive thresholds
+        # (lowering/runtime/memory.py).
         # After the ops' tuning, whose candidates' buffers of every size would stay in the
         # heap; before the whole forward's, so its candidates run as the steps will.
         keep_freed_memory_for_tuning()

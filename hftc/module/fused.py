@@ -3,15 +3,16 @@
 ::
 
     models --frontends/--> N fx graphs (train and eval) --match.py--> node mapping
-           --stacking.py--> stacked parameters under the original names (runtime/modules.py)
-    first call, per input signature: compile/pipeline.py's stages
+           --stacking.py--> stacked parameters under the original names
+                            (lowering/runtime/modules.py)
+    first call, per input signature: lowering/pipeline.py's stages
            shapes --passes/--> fused fx graph --chains, codegen--> forward(self, *inputs)
            --check--> run once beside models 0, N // 2, N-1 and each whose Python state
-                      differs, alone (copies.py): the same outputs?
+                      differs, alone (module/copies.py): the same outputs?
                       (if not: the N models one by one, with a FusionWarning)
            --strategy choice--> the fused program (strategy="auto", the default: the same
                       bits every run), or the faster as timed (strategy="timed";
-                      compile/strategy.py)
+                      lowering/strategy.py)
            (autotune=True: --autotune, layout choice--> the fastest lowerings and layout)
 """
 

@@ -307,7 +307,7 @@ class ProgramCache:
                          ) -> tuple[Program, ProgramChoice | None]:
         """This call's program and how it runs (None: the fused program).  Calls are
         numbered: strategy="timed" times a call up to the next one only if no other
-        program ran between (compile/strategy.py's CallTiming).  Eager under
+        program ran between (lowering/strategy.py's CallTiming).  Eager under
         torch.compile: the timing's clock and counters are Python state."""
         call_number = self.__dict__["_call_number"] = self.__dict__.get("_call_number", 0) + 1
         program = self._program(values, batched)
