@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -256,45 +256,53 @@ def per_model(loss_fn: Callable[..., Tensor], *,
         fast = _flattened_loss(loss_fn, args, dims, n, kwargs)
         if fast is not None:
             return fast
-        # A loss module that updates its buffers per call (a running average of itself)
-        # would update them once for all N under vmap, or partly, in an attempt that
-        # fails midway: its buffers (a loss module's are small) are put back and it runs
-        # in the loop, N calls, as the models' losses would.  Buffers it only reads (a
-        # class weight) leave vmap's result as it is.
-        buffers = list(loss_fn.buffers()) if isinstance(loss_fn, nn.Module) else []
-        kept = [(b, b._version, b.detach().clone()) for b in buffers]
-        try:
-            with warnings.catch_warnings():
-                # vmap's "performance drop ... no batching rule" for ops it runs in a loop
-                # of its own, on every call: per_model's documented way, not news.
-                warnings.filterwarnings("ignore", message="There is a performance drop")
-                out = torch.func.vmap(functools.partial(loss_fn, **kwargs),
-                                      in_dims=dims)(*args)
-        except Exception:  # noqa: BLE001 - vmap cannot run every function (.item()): a loop can
-            out = None
-        if any(b._version != version for b, version, _ in kept):
-            with torch.no_grad():
-                for b, _, saved in kept:
-                    b.copy_(saved)
-            out = None
-        if out is not None:
-            return out
-        try:
-            outs = [loss_fn(*[model_slice(a, i) if d == 0 else a for a, d in zip(args, dims)],
-                            **kwargs) for i in range(n)]
-        except Exception as exc:
-            fields = next((a for a in stacked if not isinstance(a, Tensor)), None)
-            if fields is None:
-                raise
-            raise ValueError(
-                f"per_model({_loss_name(loss_fn)}): an argument marked 0 in in_dims is a "
-                f"{type(fields).__name__} of stacked tensors, and the loss failed on model "
-                f"0's {type(fields).__name__} ({type(exc).__name__}: {exc}); pass the field "
-                f"the loss takes (out['logits'], out.logits, out[0]), or give a loss that "
-                f"takes the {type(fields).__name__}") from exc
-        return torch.stack(outs)
+        return _vmapped_or_looped(loss_fn, args, dims, kwargs, n, stacked)
 
     return losses
+
+
+def _vmapped_or_looped(loss_fn: Callable[..., Tensor], args: Sequence[Any],
+                       dims: Sequence[int | None], kwargs: dict[str, Any], n: int,
+                       stacked: Sequence[Any]) -> Tensor:
+    """The N losses under ``torch.func.vmap``, or in a loop over the models where vmap
+    cannot run the loss (or would update its buffers once for all N)."""
+    # A loss module that updates its buffers per call (a running average of itself)
+    # would update them once for all N under vmap, or partly, in an attempt that
+    # fails midway: its buffers (a loss module's are small) are put back and it runs
+    # in the loop, N calls, as the models' losses would.  Buffers it only reads (a
+    # class weight) leave vmap's result as it is.
+    buffers = list(loss_fn.buffers()) if isinstance(loss_fn, nn.Module) else []
+    kept = [(b, b._version, b.detach().clone()) for b in buffers]
+    try:
+        with warnings.catch_warnings():
+            # vmap's "performance drop ... no batching rule" for ops it runs in a loop
+            # of its own, on every call: per_model's documented way, not news.
+            warnings.filterwarnings("ignore", message="There is a performance drop")
+            out = torch.func.vmap(functools.partial(loss_fn, **kwargs),
+                                  in_dims=dims)(*args)
+    except Exception:  # noqa: BLE001 - vmap cannot run every function (.item()): a loop can
+        out = None
+    if any(b._version != version for b, version, _ in kept):
+        with torch.no_grad():
+            for b, _, saved in kept:
+                b.copy_(saved)
+        out = None
+    if out is not None:
+        return out
+    try:
+        outs = [loss_fn(*[model_slice(a, i) if d == 0 else a for a, d in zip(args, dims)],
+                        **kwargs) for i in range(n)]
+    except Exception as exc:
+        fields = next((a for a in stacked if not isinstance(a, Tensor)), None)
+        if fields is None:
+            raise
+        raise ValueError(
+            f"per_model({_loss_name(loss_fn)}): an argument marked 0 in in_dims is a "
+            f"{type(fields).__name__} of stacked tensors, and the loss failed on model "
+            f"0's {type(fields).__name__} ({type(exc).__name__}: {exc}); pass the field "
+            f"the loss takes (out['logits'], out.logits, out[0]), or give a loss that "
+            f"takes the {type(fields).__name__}") from exc
+    return torch.stack(outs)
 
 
 def _loss_name(loss_fn: Callable[..., Tensor]) -> str:
