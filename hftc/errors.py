@@ -8,6 +8,8 @@ code and what to change.  Internals never leak a bare ``AssertionError`` or
 
 from __future__ import annotations
 
+import sys
+
 
 class FusionError(Exception):
     """Base class of every error hftc raises because of its input."""
@@ -115,3 +117,17 @@ class StepCaptureError(FusionError, RuntimeError):
     reads a value on the host (``.item()``), gives a shape that depends on the data, or
     copies from host memory, which a replayed graph would not redo.  The message names the
     op and the line, and what to change (or ``mode="eager"``, which runs anything)."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` at which ``warnings.warn``, called by this function's caller,
+    names the user's line: the innermost frame outside hftc and torch (and outside code
+    made at run time, a generated forward)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_globals.get("__name__") or ""
+        if name.split(".")[0] not in ("hftc", "torch") \
+                and not frame.f_code.co_filename.startswith("<"):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1

@@ -21,6 +21,9 @@ beside the code they serve; this module only installs them (docs/API.md describe
     a global optimizer step pre-hook          stock optimizers that stepped are noted
                                               (weakly): keep_models refuses to cut a
                                               fused module under one (optim/optimizer.py)
+    torch.optim.*.__init__                    where torch refuses a list of values (one
+                                              per model): pointing to hftc.optim's
+                                              (hftc/training/mistakes.py)
 
 Everything else is torch's own: on tensors that are not a fused module's, each
 replacement calls torch's original.
@@ -33,6 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import utils
 from .optim import coupled, lr_scheduler, optimizer
+from .training import mistakes
 
 _installed = False
 
@@ -53,6 +57,8 @@ def install() -> None:
     for cls in lr_scheduler.torch_scheduler_classes():
         cls.__init__ = lr_scheduler.registering_init(cls.__init__)
     register_optimizer_step_pre_hook(optimizer._note_stock_optimizer_step)
+    for cls in mistakes.stock_optimizer_classes():
+        cls.__init__ = mistakes.refusing_per_model_values(cls.__init__)
     _installed = True
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import warnings
 
 import pytest
@@ -472,8 +473,10 @@ def test_results_of_different_shapes_run_the_models_one_by_one():
     x = torch.randn(8, 4, dtype=torch.float64)
     assert len({int((m.fc(x)[:, 0] > 0).sum()) for m in models}) > 1
     fused = hftc.fuse(copy.deepcopy(models))
-    with pytest.warns(FusionWarning, match="results one fused program cannot hold"):
+    with pytest.warns(FusionWarning, match=r"because `\S+` gave the models results of "
+                                           r"different shapes") as caught:
         out = fused(x)
+    assert caught[0].filename == __file__  # the user's call, not hftc's internals
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x))
     with pytest.raises(hftc.errors.RaggedResultError, match=r"different shapes \(\[\d+, 4\]"):
@@ -497,10 +500,14 @@ def test_per_model_python_values_run_the_models_one_by_one():
     models = [ScaledByItsLargestWeight().double() for _ in range(3)]
     x = torch.randn(5, 4, dtype=torch.float64)
     fused = hftc.fuse(copy.deepcopy(models))
-    with pytest.warns(FusionWarning, match="results one fused program cannot hold"):
+    with pytest.warns(FusionWarning, match=r"because `Tensor\.item\(\)` returned different "
+                                           r"Python values") as caught:
+        line = inspect.currentframe().f_lineno + 1
         out = fused(x)
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)  # the user's line
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x))
+
 
 
 # The 5,000-example fuzz profile's bf16 case: per-model batch norm and leaky slopes, a

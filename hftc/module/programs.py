@@ -33,6 +33,7 @@ from ..errors import (
     TraceError,
     UnsupportedOperatorError,
     plain_message,
+    user_stacklevel,
 )
 from ..frontends.symbolic import (
     OutputSpec,
@@ -403,10 +404,7 @@ class ProgramCache:
         if isinstance(report.check.raised, RaggedResultError):
             # Shapes that depend on the data (x[mask] per model): the models' own
             # forwards run them, one by one.
-            return ("an op that runs per model gave the models results one fused program "
-                    "cannot hold (of different shapes, a value whose shape depends on the "
-                    "data, as x[mask] with a per-model mask; or different Python values, as "
-                    ".item() of a per-model tensor)")
+            return str(report.check.raised)
         if report.check.passed:
             return None
         if getattr(self, "padding", None) is not None:
@@ -466,7 +464,8 @@ class ProgramCache:
             raise TraceError(f"{message} The models cannot run one by one either "
                              f"({plain_message(exc)})") from exc
         warnings.warn(f"hftc runs the {self.num_models} models one by one (not fused: no "
-                      f"speed-up), because {message}", FusionWarning, stacklevel=2)
+                      f"speed-up), because {message}", FusionWarning,
+                      stacklevel=user_stacklevel())
         program.how = how
         return program
 

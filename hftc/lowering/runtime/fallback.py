@@ -24,6 +24,8 @@ from ...errors import FusionError, RaggedResultError
 
 def _stack_results(outs: list[Any], name: str) -> Any:
     """Stack N per-model results: tensors along a new model dim; Python values once."""
+    if name.startswith("Tensor_"):  # (call_method's loop function: the method as written)
+        name = f"Tensor.{name[len('Tensor_'):]}()"
     flat = [pytree.tree_flatten(o) for o in outs]
     first, out_spec = flat[0]
     stacked = []
