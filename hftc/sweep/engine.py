@@ -28,8 +28,9 @@ seed) for the next ``ask()`` of any worker; a worker whose trial was taken over
 
 Resumed equals uninterrupted, bit for bit: trial k's parameters depend on the seed, k
 and the trials before k only (sampling.py), and a resumed worker asks at the points the
-dead one did (after the round's decisions), with the same history; each round's
-random draws are seeded from its number.
+dead one did (after the round's decisions), with the same history; the arrays are a
+function of the live trials (:meth:`Sweep._regroup`); each round's random draws are
+seeded from its number.
 """
 
 from __future__ import annotations
@@ -788,16 +789,19 @@ class Sweep:
         self.arrays.remove(array)
 
     def _regroup(self) -> None:
-        """Fuse the live trials into arrays: survivors of a shrunk array and new trials
-        are grouped by structure (hftc.fuse_groups) and fused with their state."""
-        loose = [r for r in self.live if r.array is None]
+        """Fuse the live trials into arrays, with their state, once any trial joined or
+        left: every array is re-formed from the live trials, in their order (grouped by
+        structure, hftc.fuse_groups), never only the shrunk ones. So the arrays, and the
+        dropout draws that depend on them, are a function of the live trials alone,
+        which a resumed worker, fusing all its trials at once, forms alike."""
         live = {id(r) for r in self.live}
-        broken = [a for a in self.arrays if any(id(m) not in live for m in a.members)]
-        if not loose and not broken:
+        changed = any(r.array is None for r in self.live) or any(
+            id(m) not in live for a in self.arrays for m in a.members)
+        if not changed:
             return
-        for array in list(self.arrays if loose else broken):
-            self._take_out(array)  # newcomers may join an intact array's group: re-form all
-        loose = [r for r in self.live if r.array is None]
+        for array in list(self.arrays):
+            self._take_out(array)
+        loose = list(self.live)
         if not loose:
             return
         # One fused optimizer per array and position; trials whose optimizer() picked other
