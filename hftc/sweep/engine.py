@@ -30,7 +30,7 @@ Resumed equals uninterrupted, bit for bit: trial k's parameters depend on the se
 and the trials before k only (sampling.py), and a resumed worker asks at the points the
 dead one did (after the round's decisions), with the same history; the arrays are a
 function of the live trials (:meth:`Sweep._regroup`); each round's random draws are
-seeded from its number.
+seeded from its number; the pruner is asked once per trial and epoch (``_KEPT_AT``).
 """
 
 from __future__ import annotations
@@ -431,6 +431,12 @@ def _read_manifest(path: Path) -> dict:
 #: asking it) once this worker has seen it so for this long, or the grace period if
 #: longer: asking a trial (the sampler) takes well under it.
 _NO_HEARTBEAT_S = 30.0
+
+#: The system attribute that records "the pruner kept trial K at epoch E", as [K, E]: a
+#: resumed worker does not ask the pruner again for that epoch (it would see the trials
+#: told since, and a pruner that counts or samples would answer anew). K, because a
+#: retry inherits the system attributes of the trial it retries.
+_KEPT_AT = "hftc_kept_at_epoch"
 
 
 class _Heartbeat(threading.Thread):
@@ -1070,6 +1076,9 @@ class Sweep:
                     self._tell(trial, state=TrialState.PRUNED)
                     done.append(run)
                     self.log(f"trial {run.number} pruned at epoch {run.epoch}: {value:.6g}")
+                else:  # kept: recorded, for a resumed worker (see _KEPT_AT)
+                    self.storage.set_trial_system_attr(run.trial_id, _KEPT_AT,
+                                                       [run.number, run.epoch])
             except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
                 state = self.storage.get_trial(run.trial_id).state
                 if state == TrialState.RUNNING:
@@ -1121,7 +1130,7 @@ class Sweep:
     def _adopt(self, dead: list[tuple[Path, Any, dict]]) -> None:
         """Re-attach the trials of dead workers that are still RUNNING, from their
         checkpoints; then their folders go."""
-        adopted = []
+        adopted, undecided = [], []
         # A resumer killed while adopting leaves the trials in two folders: take each
         # trial once, from the folder where it got furthest.
         chosen: dict[int, tuple[Path, dict]] = {}
@@ -1132,7 +1141,9 @@ class Sweep:
                     chosen[entry["trial_id"]] = (folder, entry)
             self.round = max(self.round, int(manifest.get("round", 0)))
         files: dict[tuple[Path, str], dict | None] = {}
-        for folder, entry in chosen.values():
+        # In the order of their numbers, the order the dead worker asked them in and held
+        # them live: its arrays (and their dropout draws) and its decisions had that order.
+        for folder, entry in sorted(chosen.values(), key=lambda fe: fe[1]["number"]):
             frozen = self.storage.get_trial(entry["trial_id"])
             if frozen.state != TrialState.RUNNING:
                 continue  # finished, or failed (stale) and retried: not ours to run
@@ -1169,11 +1180,15 @@ class Sweep:
                        reported=max(frozen.intermediate_values, default=0))
             self.live.append(run)
             adopted.append(run)
+            if epoch > 0 and frozen.system_attrs.get(_KEPT_AT) != [frozen.number, epoch]:
+                undecided.append(run)
         if adopted:
             self.log(f"resumed {len(adopted)} trial(s): "
                      + ", ".join(f"{r.number}@epoch {r.epoch}" for r in adopted))
-            # Finish what the dead worker may not have: report, complete, prune.
-            self._decide([r for r in adopted if r.epoch > 0])
+            # Finish what the dead worker may not have: report, complete, prune. Not the
+            # trials it kept at their epoch: the pruner, asked again, would see the trials
+            # told after it decided (and decide otherwise).
+            self._decide(undecided)
             self._regroup()
             self._checkpoint()
         for folder, lock, _ in dead:
