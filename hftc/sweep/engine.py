@@ -630,8 +630,13 @@ class Sweep:
         self.heartbeat.start()
 
     def _nothing_to_resume(self) -> SweepError:
-        where = (f"{self.out} (no {self.out / 'study.db'})" if self.default_storage
-                 else f"{_masked(self.storage_url)}")
+        db = self.out / "study.db"
+        if not self.default_storage:
+            where = _masked(self.storage_url)
+        elif db.exists():  # made by a sweep killed before it made its study
+            where = f"{self.out} ({db} holds no study {self.study_name!r})"
+        else:
+            where = f"{self.out} (no {db})"
         return SweepError(
             f"--resume: there is no sweep {self.study_name!r} to resume in {where}; leave "
             f"out --resume to start it, or give the --out / --study of the sweep to resume")
