@@ -254,6 +254,12 @@ def test_resume_where_there_is_no_sweep_says_so(spec_file: Path, tmp_path: Path,
     assert not out.exists()  # nothing started
     assert main(["sweep", str(spec_file), "--out", str(out), "--resume", "--no-progress"]) == 2
     assert "no sweep 'faults' to resume" in capsys.readouterr().err
+    # A study.db without the study (its sweep killed before it made it) said "no study.db".
+    out.mkdir()
+    hs.make_storage(f"sqlite:///{out / 'study.db'}")
+    with pytest.raises(hs.SweepError, match=rf"{out / 'study.db'} holds no study 'faults'.*"
+                                            rf"leave out --resume to start it"):
+        hs.run(spec_file, out=out, progress=False, resume=True)
     # A shared storage without the study: the same.
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     with pytest.raises(hs.SweepError, match=r"no sweep 'other' to resume in sqlite:///"):

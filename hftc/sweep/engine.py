@@ -25,11 +25,16 @@ its heartbeat, Optuna fails its trials after the grace period and
 ``RetryHeartbeatStaleTrialCallback`` enqueues each again (same parameters, same
 seed) for the next ``ask()`` of any worker; a worker whose trial was taken over
 (its ``tell`` finds it finished) drops it.
+
+Resumed equals uninterrupted, bit for bit: trial k's parameters depend on the seed, k
+and the trials before k only (sampling.py), and a resumed worker asks at the points the
+dead one did (after the round's decisions), with the same history; the arrays are a
+function of the live trials (:meth:`Sweep._regroup`); each round's random draws are
+seeded from its number; the pruner is asked once per trial and epoch (``_KEPT_AT``).
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
 import json
@@ -45,7 +50,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import optuna
 import torch
 from optuna.trial import TrialState
@@ -58,6 +62,7 @@ from ..module.padding import own_part, padding_ratio, weight_shapes, width_block
 from ..optim.mixed import MixedOptimizer
 from ..optim.slicing import fused_param_names, load_model_slice
 from .files import atomic_write, save
+from .sampling import TrialSeededSampler
 from .spec import SpecError, SweepSpec, hook_name
 from .training import (
     batch_for_hook,
@@ -389,39 +394,6 @@ def _make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
 _round_seed = round_seed  # (building models reseeds torch: each round seeds afresh)
 
 
-def _random_states(sampler: Any, prefix: str = "") -> dict[str, np.random.RandomState]:
-    """The NumPy random states a sampler draws from, by attribute path (``_rng``,
-    ``_random_sampler._rng``: Optuna's samplers keep theirs in ``LazyRandomState``)."""
-    found = {}
-    for name, value in sorted(vars(sampler).items()):
-        if isinstance(value, np.random.RandomState):
-            found[prefix + name] = value
-        elif isinstance(getattr(value, "rng", None), np.random.RandomState):
-            found[prefix + name] = value.rng
-        elif isinstance(value, optuna.samplers.BaseSampler) and not prefix:
-            found.update(_random_states(value, f"{name}."))
-    return found
-
-
-def _sampler_state(sampler: Any) -> dict[str, list]:
-    """The sampler's random states, for the manifest: a resumed worker asks for the trials
-    the dead one would have asked for next (the same parameters)."""
-    state = {}
-    for path, rng in _random_states(sampler).items():
-        kind, keys, pos, has_gauss, gauss = rng.get_state()
-        state[path] = [kind, base64.b64encode(keys.tobytes()).decode(), int(pos),
-                       int(has_gauss), float(gauss)]
-    return state
-
-
-def _restore_sampler_state(sampler: Any, state: dict[str, list]) -> None:
-    states = _random_states(sampler)
-    for path, (kind, keys, pos, has_gauss, gauss) in state.items():
-        if path in states:
-            keys = np.frombuffer(base64.b64decode(keys), dtype=np.uint32).copy()
-            states[path].set_state((kind, keys, pos, has_gauss, gauss))
-
-
 def _try_lock(path: Path):
     """An open, exclusively flock-ed file object, or None when a live process holds it."""
     try:
@@ -437,11 +409,6 @@ def _try_lock(path: Path):
         f.close()
         return None
     return f
-
-
-def _written(manifest: dict) -> tuple[int, float]:
-    """When a manifest was written: its round, then its clock time."""
-    return int(manifest.get("round", 0)), float(manifest.get("written", 0.0))
 
 
 def _read_manifest(path: Path) -> dict:
@@ -464,6 +431,12 @@ def _read_manifest(path: Path) -> dict:
 #: asking it) once this worker has seen it so for this long, or the grace period if
 #: longer: asking a trial (the sampler) takes well under it.
 _NO_HEARTBEAT_S = 30.0
+
+#: The system attribute that records "the pruner kept trial K at epoch E", as [K, E]: a
+#: resumed worker does not ask the pruner again for that epoch (it would see the trials
+#: told since, and a pruner that counts or samples would answer anew). K, because a
+#: retry inherits the system attributes of the trial it retries.
+_KEPT_AT = "hftc_kept_at_epoch"
 
 
 class _Heartbeat(threading.Thread):
@@ -620,15 +593,20 @@ class Sweep:
                     f"{'/'.join(d.name.lower() for d in directions)}, but the spec says "
                     f"{self.spec.direction}; pick another --study name"
                 )
-        # Samplers must not repeat themselves: reseed past the trials already there, and
-        # apart from other workers when the storage is shared.
+        # Every draw is reseeded from (spec.seed, trial number, what is drawn): trial k
+        # gets the parameters it gets in an uninterrupted sweep, from any process
+        # (sampling.py). The construction seed matters only to a sampler whose random
+        # state the sweep cannot find: past the trials already there, and apart from other
+        # workers when the storage is shared, it does not repeat their samples.
         seed = self.spec.seed + n_before
         if not self.default_storage:
             seed += uuid.uuid4().int % 1_000_000
+        sampler = _make_sampler(self.spec, seed)
+        if not isinstance(sampler, TrialSeededSampler):
+            sampler = TrialSeededSampler(sampler, self.spec.seed)
         self.study = optuna.create_study(
             study_name=self.study_name, storage=self.storage, load_if_exists=True,
-            direction=self.spec.direction, sampler=_make_sampler(self.spec, seed),
-            pruner=_make_pruner(self.spec),
+            direction=self.spec.direction, sampler=sampler, pruner=_make_pruner(self.spec),
         )
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Made under a hidden name, locked, then renamed: no other worker ever sees this
@@ -644,15 +622,21 @@ class Sweep:
             raise self._unwritable(hidden.parent, exc) from exc
         if self.default_storage and self._others_alive():
             # Another worker on this folder's study started with the same seed (both
-            # counted the same trials before them): sample apart from it.
+            # counted the same trials before them): a sampler whose random state the
+            # sweep cannot reseed per trial samples apart from it.
             with contextlib.suppress(NotImplementedError):
                 self.study.sampler.reseed_rng()
         self.heartbeat = _Heartbeat(self.storage, self.heartbeat_interval)
         self.heartbeat.start()
 
     def _nothing_to_resume(self) -> SweepError:
-        where = (f"{self.out} (no {self.out / 'study.db'})" if self.default_storage
-                 else f"{_masked(self.storage_url)}")
+        db = self.out / "study.db"
+        if not self.default_storage:
+            where = _masked(self.storage_url)
+        elif db.exists():  # made by a sweep killed before it made its study
+            where = f"{self.out} ({db} holds no study {self.study_name!r})"
+        else:
+            where = f"{self.out} (no {db})"
         return SweepError(
             f"--resume: there is no sweep {self.study_name!r} to resume in {where}; leave "
             f"out --resume to start it, or give the --out / --study of the sweep to resume")
@@ -816,16 +800,19 @@ class Sweep:
         self.arrays.remove(array)
 
     def _regroup(self) -> None:
-        """Fuse the live trials into arrays: survivors of a shrunk array and new trials
-        are grouped by structure (hftc.fuse_groups) and fused with their state."""
-        loose = [r for r in self.live if r.array is None]
+        """Fuse the live trials into arrays, with their state, once any trial joined or
+        left: every array is re-formed from the live trials, in their order (grouped by
+        structure, hftc.fuse_groups), never only the shrunk ones. So the arrays, and the
+        dropout draws that depend on them, are a function of the live trials alone,
+        which a resumed worker, fusing all its trials at once, forms alike."""
         live = {id(r) for r in self.live}
-        broken = [a for a in self.arrays if any(id(m) not in live for m in a.members)]
-        if not loose and not broken:
+        changed = any(r.array is None for r in self.live) or any(
+            id(m) not in live for a in self.arrays for m in a.members)
+        if not changed:
             return
-        for array in list(self.arrays if loose else broken):
-            self._take_out(array)  # newcomers may join an intact array's group: re-form all
-        loose = [r for r in self.live if r.array is None]
+        for array in list(self.arrays):
+            self._take_out(array)
+        loose = list(self.live)
         if not loose:
             return
         # One fused optimizer per array and position; trials whose optimizer() picked other
@@ -1046,7 +1033,6 @@ class Sweep:
             "worker": self.worker_id,
             "round": self.round,
             "written": time.time(),
-            "sampler": _sampler_state(self.study.sampler),
             "trials": [{"number": r.number, "trial_id": r.trial_id, "epoch": r.epoch,
                         "history": r.history, "orders": r.orders,
                         "ckpt": list(r.ckpt) if r.ckpt else None} for r in self.live],
@@ -1095,6 +1081,9 @@ class Sweep:
                     self._tell(trial, state=TrialState.PRUNED)
                     done.append(run)
                     self.log(f"trial {run.number} pruned at epoch {run.epoch}: {value:.6g}")
+                else:  # kept: recorded, for a resumed worker (see _KEPT_AT)
+                    self.storage.set_trial_system_attr(run.trial_id, _KEPT_AT,
+                                                       [run.number, run.epoch])
             except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
                 state = self.storage.get_trial(run.trial_id).state
                 if state == TrialState.RUNNING:
@@ -1146,21 +1135,20 @@ class Sweep:
     def _adopt(self, dead: list[tuple[Path, Any, dict]]) -> None:
         """Re-attach the trials of dead workers that are still RUNNING, from their
         checkpoints; then their folders go."""
-        adopted = []
+        adopted, undecided = [], []
         # A resumer killed while adopting leaves the trials in two folders: take each
         # trial once, from the folder where it got furthest.
         chosen: dict[int, tuple[Path, dict]] = {}
-        latest: dict | None = None  # the manifest written last: the sampler's state
         for folder, _lock, manifest in dead:
             for entry in manifest.get("trials", []):
                 seen = chosen.get(entry["trial_id"])
                 if seen is None or entry["epoch"] > seen[1]["epoch"]:
                     chosen[entry["trial_id"]] = (folder, entry)
-            if latest is None or _written(manifest) >= _written(latest):
-                latest = manifest
             self.round = max(self.round, int(manifest.get("round", 0)))
         files: dict[tuple[Path, str], dict | None] = {}
-        for folder, entry in chosen.values():
+        # In the order of their numbers, the order the dead worker asked them in and held
+        # them live: its arrays (and their dropout draws) and its decisions had that order.
+        for folder, entry in sorted(chosen.values(), key=lambda fe: fe[1]["number"]):
             frozen = self.storage.get_trial(entry["trial_id"])
             if frozen.state != TrialState.RUNNING:
                 continue  # finished, or failed (stale) and retried: not ours to run
@@ -1197,14 +1185,15 @@ class Sweep:
                        reported=max(frozen.intermediate_values, default=0))
             self.live.append(run)
             adopted.append(run)
-        if latest is not None and latest.get("sampler"):
-            # Where the dead worker's sampler was: the next asks give what it would have.
-            _restore_sampler_state(self.study.sampler, latest["sampler"])
+            if epoch > 0 and frozen.system_attrs.get(_KEPT_AT) != [frozen.number, epoch]:
+                undecided.append(run)
         if adopted:
             self.log(f"resumed {len(adopted)} trial(s): "
                      + ", ".join(f"{r.number}@epoch {r.epoch}" for r in adopted))
-            # Finish what the dead worker may not have: report, complete, prune.
-            self._decide([r for r in adopted if r.epoch > 0])
+            # Finish what the dead worker may not have: report, complete, prune. Not the
+            # trials it kept at their epoch: the pruner, asked again, would see the trials
+            # told after it decided (and decide otherwise).
+            self._decide(undecided)
             self._regroup()
             self._checkpoint()
         for folder, lock, _ in dead:
@@ -1258,6 +1247,10 @@ class Sweep:
                 # not be the ones it trains again. A retry starts it clean.
                 self._retry(t, "its worker's manifest is damaged")
                 continue
+            # The sampler reads the study's trials afresh, as in study.ask(): the history
+            # it conditions on is the storage's, as it was when the dead worker asked.
+            with contextlib.suppress(AttributeError):
+                self.study._thread_local.cached_all_trials = None
             trial = optuna.Trial(self.study, t._trial_id)
             self.heartbeat.add(t._trial_id)
             self.live.append(self._new_run(trial))

@@ -140,7 +140,10 @@ class SweepSpec:
             suggests ``"seed"``; data order, sampler). dtype: the models' and data's
             floating dtype. device: where training runs.
         sampler / pruner: Optuna objects, or names (``"tpe"``, ``"random"``;
-            ``"median"``, ``"sha"``, ``"hyperband"``, ``"none"``).
+            ``"median"``, ``"sha"``, ``"hyperband"``, ``"none"``); a function
+            ``sampler(seed)`` that returns one. Every draw of the sampler is seeded
+            from ``seed`` and the trial number (``hftc.sweep.sampling``), not from
+            the sampler's own seed.
         pad_widths / max_padding: with ``pad_widths = True``, trials whose models differ
             only in layer widths (a ``suggest_int("hidden", ...)`` or a categorical of
             widths) share one array, padded with zeros to its widest model
