@@ -20,6 +20,7 @@ import hftc
 def test_a_missing_package_names_the_extra_to_install(monkeypatch, module, missing, extra):
     monkeypatch.setitem(sys.modules, missing, None)  # import of `missing` fails
     monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.delitem(sys.modules, hftc.OLD_NAMES[module], raising=False)  # its real name
     monkeypatch.delitem(sys.modules, f"{missing}.pytorch", raising=False)
     with pytest.raises(hftc.errors.MissingExtraError,
                        match=rf"{module} needs .*\({missing} is not installed\): "
