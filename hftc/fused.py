@@ -68,10 +68,11 @@ from .frontends.symbolic import (
     is_python_constant,
     meta_copy,
     same_constant,
+    source_line,
     trace_model,
     trace_models,
 )
-from .ir import CONSTANT_INPUTS, PYTHON_STATE
+from .ir import CONSTANT_INPUTS, EXPORTED_SHAPES, PYTHON_STATE
 from .match import GraphMatch, match_graphs
 from .padding import WidthPadding, mask_padded_gradients, pad_models
 from .padding import locate_difference as locate_padding_difference
@@ -95,6 +96,9 @@ class _ModeGraphs:
     attr_targets: dict[str, str]
     #: the inputs traced as Python constants, and their values (ir.CONSTANT_INPUTS)
     constants: dict[str, Any] = field(default_factory=dict)
+    #: how torch.export kept the example inputs' sizes (ir.EXPORTED_SHAPES: an
+    #: ``ExportedShapes``); None for symbolic tracing
+    exported_shapes: Any = None
 
     def graph_module(self, template: nn.Module) -> fx.GraphModule:
         """Model 0's graph rooted at the meta template, for shape propagation and fusion."""
@@ -497,7 +501,8 @@ class FusedModule(ContainerAccess, nn.Module):
             originals = [{n0.name: ni.name for n0, ni in m.items()} for m in matches[mode].mapping]
             self._mode_graphs[mode] = _ModeGraphs(graph0, originals, matches[mode].method,
                                                   attr_targets,
-                                                  graphs[mode][0].meta.get(CONSTANT_INPUTS, {}))
+                                                  graphs[mode][0].meta.get(CONSTANT_INPUTS, {}),
+                                                  graphs[mode][0].meta.get(EXPORTED_SHAPES))
         for mode in (True, False):  # let the originals go: keep graphs, not their modules
             for g in graphs[mode][1:]:
                 g.graph.owning_module = None
@@ -836,20 +841,26 @@ class FusedModule(ContainerAccess, nn.Module):
     def _use_export(self, key: tuple, merged: Sequence[Any], batched: Sequence[bool],
                     refused: FusionArgumentError | None = None, keywords: int = 0) -> None:
         """This call runs the graphs exported for ``key`` (exported now if not yet).
-        ``refused``: the guard that sent the call here (a size export fixed), raised as it
-        is when the models cannot be exported with these inputs either (a size their code
-        fixes): that message says what the models take.  ``keywords``: how many of the
-        last inputs are exported as keywords (names in ``key``)."""
+        ``refused``: the guard that sent the call here (a size export fixed), raised when
+        the models cannot be exported with these inputs either (a size their code fixes):
+        that message says what the models take, and this one adds where their code fails
+        at these sizes.  ``keywords``: how many of the last inputs are exported as keywords
+        (names in ``key``)."""
         self.__dict__["_call_graph_key"] = key
         graphs = self.__dict__.setdefault("_reexported_graphs", {})
         if (self.training, key) not in graphs:
             try:
                 names = [name for name, _ in key[len(merged) - keywords:len(merged)]]
                 graphs[(self.training, key)] = self._export_again(merged, batched, names)
-            except TraceError:
+            except TraceError as again:
                 if refused is None:
                     raise
-                raise refused from None
+                cause = again.__cause__ or again
+                where = source_line(cause)
+                raise type(refused)(
+                    f"{refused} At this call's shapes the models' own code fails (exported "
+                    f"again with these inputs){f' at {where}' if where else ''}: "
+                    f"{plain_message(cause)}.") from None
 
 
     def _matched_mode_graphs(self, graphs: list, models: Sequence[nn.Module],
@@ -867,7 +878,7 @@ class FusedModule(ContainerAccess, nn.Module):
             g.graph.owning_module = None
         originals = [{n0.name: ni.name for n0, ni in m.items()} for m in match.mapping]
         return _ModeGraphs(graphs[0].graph, originals, match.method, attr_targets,
-                           constants or {})
+                           constants or {}, graphs[0].meta.get(EXPORTED_SHAPES))
     def _export_again(self, merged: Sequence[Any], batched: Sequence[bool],
                       keyword_names: Sequence[str] = ()) -> _ModeGraphs:
         """The models (as ``unfuse()`` gives them) exported in the current mode with a
@@ -879,7 +890,9 @@ class FusedModule(ContainerAccess, nn.Module):
         graphs = export_models(
             models, lambda i: tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched)),
             modes=(self.training,), aten_spellings=aten_spellings(),
-            keyword_names=keyword_names)[self.training]
+            keyword_names=keyword_names,
+            # (the sizes kept symbolic at fusing: a try that failed then is not waited for)
+            start=self._mode_graphs[self.training].exported_shapes)[self.training]
         return self._matched_mode_graphs(graphs, models)
 
     @staticmethod
@@ -1090,6 +1103,8 @@ class FusedModule(ContainerAccess, nn.Module):
                                                  checkpoint=getattr(self, "checkpoint", False)))
         if getattr(self, "padding", None) is not None:
             program.report.padding = self.padding.summary()
+        shapes = self._graphs_for(values).exported_shapes
+        program.report.exported = None if shapes is None else shapes.describe() or None
         return program
 
     def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,
@@ -1605,7 +1620,8 @@ def _guard_failure(graph: fx.Graph, values: Sequence[Any],
         for user in node.users:
             if user.target is check_input_shape and isinstance(value, torch.Tensor):
                 try:
-                    check_input_shape(model_slice(value, 0) if b else value, *user.args[1:])
+                    check_input_shape(model_slice(value, 0) if b else value, *user.args[1:],
+                                      **user.kwargs)
                 except FusionArgumentError as exc:
                     return exc
     return None

@@ -33,6 +33,11 @@ PYTHON_STATE = "hftc_python_state"
 #: ``GraphModule.meta`` key: forward's inputs traced as Python constants, ``{name: value}``.
 CONSTANT_INPUTS = "hftc_constant_inputs"
 
+#: ``GraphModule.meta`` key of an exported graph: how torch.export kept the example inputs'
+#: sizes (:class:`hftc.frontends.export.ExportedShapes`: every dim symbolic, the leading
+#: dim only, or static shapes, and why).
+EXPORTED_SHAPES = "hftc_exported_shapes"
+
 #: ``node.meta`` key of a ``copy_`` the tracer wrote for ``module.buf = value`` in forward:
 #: the buffer's path (``"stats.avg"``).
 BUFFER_ASSIGNMENT = "hftc_buffer_assignment"

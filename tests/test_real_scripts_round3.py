@@ -5,6 +5,11 @@ followed, each against the N models run one by one by stock PyTorch.
   with ``adj`` a sparse COO matrix all models share (and sparse features ``x``) crashed in
   torch (``aten::as_strided`` on ``SparseCPU``): now one sparse product over the models'
   columns, or model by model where the sparse operand is each model's own.
+- kuangliu/pytorch-cifar's ShuffleNetV2 (channel split and shuffle, depthwise convs, three
+  stride-2 stages, ``F.avg_pool2d(out, 4)``, ``out.view(out.size(0), -1)``, a Linear):
+  torch.export with every dim symbolic failed inside sympy; now the batch dim alone is
+  symbolic (static shapes where that fails too), recorded, and a call with another image
+  size refused naming the input, the shape exported and what to do.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hftc
+from hftc.errors import InputShapeError
 from tests.equivalence import check_equivalence
 
 N = 3
@@ -151,3 +157,185 @@ def test_gcn_gradient_of_a_sparse_adjacency_that_requires_one():
         assert adj_fused.grad.layout == adj_loop.grad.layout
         torch.testing.assert_close(adj_fused.grad.to_dense(), adj_loop.grad.to_dense(),
                                    rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- ShuffleNetV2
+
+
+class ShuffleBlock(nn.Module):
+    def __init__(self, groups=2):
+        super().__init__()
+        self.groups = groups
+
+    def forward(self, x):
+        N, C, H, W = x.size()
+        g = self.groups
+        return x.view(N, g, C // g, H, W).permute(0, 2, 1, 3, 4).reshape(N, C, H, W)
+
+
+class SplitBlock(nn.Module):
+    def __init__(self, ratio):
+        super().__init__()
+        self.ratio = ratio
+
+    def forward(self, x):
+        c = int(x.size(1) * self.ratio)  # (a size in Python: symbolic tracing stops here)
+        return x[:, :c, :, :], x[:, c:, :, :]
+
+
+def conv_bn(cin, cout, kernel=1, stride=1, groups=1):
+    return nn.Conv2d(cin, cout, kernel, stride=stride, padding=kernel // 2, groups=groups,
+                     bias=False), nn.BatchNorm2d(cout)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, in_channels, split_ratio=0.5):
+        super().__init__()
+        self.split = SplitBlock(split_ratio)
+        c = int(in_channels * split_ratio)
+        self.conv1, self.bn1 = conv_bn(c, c)
+        self.conv2, self.bn2 = conv_bn(c, c, 3, groups=c)
+        self.conv3, self.bn3 = conv_bn(c, c)
+        self.shuffle = ShuffleBlock()
+
+    def forward(self, x):
+        x1, x2 = self.split(x)
+        out = F.relu(self.bn1(self.conv1(x2)))
+        out = self.bn2(self.conv2(out))
+        out = F.relu(self.bn3(self.conv3(out)))
+        return self.shuffle(torch.cat([x1, out], 1))
+
+
+class DownBlock(nn.Module):
+    def __init__(self, in_channels, out_channels):
+        super().__init__()
+        mid = out_channels // 2
+        self.conv1, self.bn1 = conv_bn(in_channels, in_channels, 3, 2, groups=in_channels)
+        self.conv2, self.bn2 = conv_bn(in_channels, mid)
+        self.conv3, self.bn3 = conv_bn(in_channels, mid)
+        self.conv4, self.bn4 = conv_bn(mid, mid, 3, 2, groups=mid)
+        self.conv5, self.bn5 = conv_bn(mid, mid)
+        self.shuffle = ShuffleBlock()
+
+    def forward(self, x):
+        out1 = self.bn1(self.conv1(x))
+        out1 = F.relu(self.bn2(self.conv2(out1)))
+        out2 = F.relu(self.bn3(self.conv3(x)))
+        out2 = self.bn4(self.conv4(out2))
+        out2 = F.relu(self.bn5(self.conv5(out2)))
+        return self.shuffle(torch.cat([out1, out2], 1))
+
+
+class ShuffleNetV2(nn.Module):
+    """pytorch-cifar's ShuffleNetV2 at a small width: 32x32 images, three stride-2 stages
+    (4x4 left), ``avg_pool2d(out, 4)``, flattened into the Linear (which pins H and W)."""
+
+    def __init__(self, out_channels=(8, 16, 16, 32), num_blocks=(1, 1, 1), num_classes=5):
+        super().__init__()
+        self.conv1, self.bn1 = conv_bn(3, 8, 3)
+        self.in_channels = 8
+        self.layer1 = self._make_layer(out_channels[0], num_blocks[0])
+        self.layer2 = self._make_layer(out_channels[1], num_blocks[1])
+        self.layer3 = self._make_layer(out_channels[2], num_blocks[2])
+        self.conv2, self.bn2 = conv_bn(out_channels[2], out_channels[3])
+        self.linear = nn.Linear(out_channels[3], num_classes)
+
+    def _make_layer(self, out_channels, num_blocks):
+        layers = [DownBlock(self.in_channels, out_channels)]
+        for _ in range(num_blocks):
+            layers.append(BasicBlock(out_channels))
+            self.in_channels = out_channels
+        return nn.Sequential(*layers)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.layer1(out)
+        out = self.layer2(out)
+        out = self.layer3(out)
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = F.avg_pool2d(out, 4)
+        out = out.view(out.size(0), -1)
+        return self.linear(out)
+
+
+def fuse_with_example(example, frontend="auto"):
+    """``check_equivalence``'s fuser: ``hftc.fuse`` given ``example_inputs`` (cast to the
+    models' dtype, as the harness casts the models before fusing)."""
+    def fuser(models, in_dims=None):
+        dtype = next(models[0].parameters()).dtype
+        return hftc.fuse(models, in_dims=in_dims, frontend=frontend,
+                         example_inputs=(example.to(dtype),))
+    return fuser
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shufflenet_v2_is_exported_with_a_dynamic_batch_and_fuses_exactly(dtype):
+    """Symbolic tracing stops at ``int(x.size(1) * ratio)``; torch.export with every dim
+    symbolic failed inside sympy (``Eq(32*((x/8)//4) - 32, 0)`` cannot be solved), which
+    hftc reported as "check that example_inputs are valid".  The batch dim alone is
+    symbolic now: the models fuse, forward and backward equal, in train and eval mode."""
+    models = [ShuffleNetV2() for _ in range(2)]
+    x = torch.randn(4, 3, 32, 32)
+    fused = check_equivalence(models, x, dtype=dtype, fuser=fuse_with_example(x))
+    assert fused.frontend == "export"
+    report = str(fused.fusion_report)
+    assert "exported with the leading (batch) dim only symbolic: torch.export could not keep " \
+        "every dim symbolic" in report, report
+    fused.eval()
+    other_batch = torch.randn(3, 3, 32, 32, dtype=dtype)
+    out = fused(other_batch)  # (the batch dim is symbolic: no export again)
+    assert not fused.__dict__.get("_reexported_graphs")
+    for i, m in enumerate(models):
+        m = copy.deepcopy(m).to(dtype).eval()
+        m.load_state_dict(fused.model_state_dict(i))
+        torch.testing.assert_close(out[i], m(other_batch), rtol=0,
+                                   atol=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def test_shufflenet_v2_at_another_image_size_is_refused_naming_the_input_and_the_shape():
+    """The Linear takes 32 features, 32x32 images' worth: a 64x64 call is exported again and
+    fails in the models' own code; the error names the input, its shape, the shape
+    exported, how, and where the models fail, and says what to do."""
+    models = [ShuffleNetV2() for _ in range(2)]
+    fused = hftc.fuse(models, example_inputs=(torch.randn(4, 3, 32, 32),))
+    with pytest.raises(InputShapeError) as info:
+        fused(torch.randn(4, 3, 64, 64))
+    message = str(info.value)
+    for part in ("input `x` has shape [4, 3, 64, 64]", "with shape [*, 3, 32, 32]",
+                 "exported with the leading (batch) dim only symbolic",
+                 "Call with that shape, or fuse again", "the models' own code fails",
+                 "in forward: `return self.linear(out)`"):
+        assert part in message, (part, message)
+
+
+class SimilarityHead(nn.Module):
+    """A CNN over the batch's similarity map (``x @ x.T``, ``[B, B]``, as a relation head
+    scores every pair): strided convs, ``avg_pool2d(out, 4)``, flattened into a Linear,
+    which pins B through both dims of the map; neither every dim nor the batch dim alone
+    exports symbolic, static shapes do."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.Sequential(nn.Conv2d(1, 4, 3, 2, 1), nn.ReLU(), nn.Conv2d(4, 4, 3, 2, 1),
+                                   nn.ReLU(), nn.Conv2d(4, 8, 3, 2, 1))
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        similarity = (x @ x.t())[None, None]
+        out = F.avg_pool2d(self.convs(similarity), 4)
+        return self.fc(out.view(out.size(0), -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_model_whose_batch_size_is_pinned_is_exported_with_static_shapes(dtype):
+    """The batch dim alone failed too (sympy again), and the static try failed with the
+    same error on the same example tensor (torch.export keeps state on it): static shapes
+    export from a copy, the models fuse exactly, and another batch size is refused."""
+    models = [SimilarityHead() for _ in range(N)]
+    x = torch.randn(32, 6)
+    fused = check_equivalence(models, x, dtype=dtype, fuser=fuse_with_example(x, "export"))
+    assert "exported with static shapes (the example inputs' sizes): torch.export could " \
+        "not keep every dim symbolic" in str(fused.fusion_report)
+    with pytest.raises(InputShapeError, match=r"input `x` has shape \[16, 6\], but the models "
+                       r"were exported .* with shape \[32, 6\]: exported with static shapes"):
+        fused(torch.randn(16, 6, dtype=dtype))
