@@ -590,6 +590,25 @@ class FusedModule(ContainerAccess, nn.Module):
             if name in blocks:  # (read where stock optimizer state is padded into it)
                 p._hftc_width_blocks = blocks[name]
 
+    def train(self, mode: bool = True, *more: Any) -> FusedModule:
+        """``nn.Module.train``: every model in ``mode`` (``fused.eval()`` is ``train(False)``),
+        each module of the tree's flag set as ``nn.Module.train`` sets it, without calling
+        a ``train`` that a module copied from the models defines (its class's own).
+
+        The models' own ``train`` is not fused: pytorch/examples' forward-forward
+        ``Layer.train(x_pos, x_neg)`` is a training loop, which steps an optimizer the
+        fused module does not have; it is refused here with what to do instead."""
+        if more or not isinstance(mode, bool):
+            own = getattr(type(self._template), "train", None)
+            theirs = (f" {self.source_type}.train is the models' own method, which hftc does "
+                      f"not fuse: call it on the models one by one (fused.unfuse()) or write "
+                      f"its step with the fused module's outputs."
+                      if own is not None and own is not nn.Module.train else "")
+            raise FusionTypeError(
+                f"fused.train(mode) takes one bool (train or eval mode), got "
+                f"{', '.join(type(a).__name__ for a in (mode, *more))}.{theirs}")
+        return ir.set_training(self, mode)
+
     def to(self, *args: Any, **kwargs: Any) -> FusedModule:
         """``nn.Module.to``; a ``memory_format`` is not applied to the stacked tensors.
 

@@ -197,6 +197,16 @@ class modes_restored_on_error:  # noqa: N801 - used as a context manager, like a
             torch.amp.autocast_mode._exit_autocast(regions.pop())
 
 
+def set_training(module: torch.nn.Module, mode: bool) -> torch.nn.Module:
+    """``module.train(mode)`` as ``nn.Module.train`` does it, every submodule's ``training``
+    flag set, without calling a ``train`` the models' classes define: pytorch/examples'
+    forward-forward ``Layer(nn.Linear)`` has ``train(self, x_pos, x_neg)``, its training
+    loop, which ``model.train(True)`` (and a parent's ``nn.Module.train``) ran into."""
+    for sub in module.modules():
+        sub.training = mode
+    return module
+
+
 def apply_function(function: type, *args: Any, **kwargs: Any) -> Any:
     """``function.apply(*args)``: a custom ``torch.autograd.Function`` of the models' code
     as one node of a graph (:func:`bind` names it per class); it runs per model."""

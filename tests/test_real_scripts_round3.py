@@ -10,6 +10,8 @@ followed, each against the N models run one by one by stock PyTorch.
   torch.export with every dim symbolic failed inside sympy; now the batch dim alone is
   symbolic (static shapes where that fails too), recorded, and a call with another image
   size refused naming the input, the shape exported and what to do.
+- pytorch/examples' mnist_forward_forward: ``class Layer(nn.Linear)`` whose ``train(self,
+  x_pos, x_neg)`` is its training loop; hftc called ``model.train(True)`` and refused.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hftc
-from hftc.errors import InputShapeError
+from hftc.errors import FusionTypeError, InputShapeError
 from tests.equivalence import check_equivalence
 
 N = 3
@@ -339,3 +341,89 @@ def test_a_model_whose_batch_size_is_pinned_is_exported_with_static_shapes(dtype
     with pytest.raises(InputShapeError, match=r"input `x` has shape \[16, 6\], but the models "
                        r"were exported .* with shape \[32, 6\]: exported with static shapes"):
         fused(torch.randn(16, 6, dtype=dtype))
+
+
+# --------------------------------------------------------------------------- forward-forward
+
+
+class Layer(nn.Linear):
+    """The forward-forward layer: ``train`` takes positive and negative data and trains it."""
+
+    def __init__(self, in_features, out_features, bias=True):
+        super().__init__(in_features, out_features, bias)
+        self.relu = nn.ReLU()
+        self.opt = torch.optim.Adam(self.parameters(), lr=0.03)
+        self.threshold = 2.0
+        self.num_epochs = 2
+
+    def forward(self, x):
+        x_direction = x / (x.norm(2, 1, keepdim=True) + 1e-4)
+        return self.relu(torch.mm(x_direction, self.weight.T) + self.bias.unsqueeze(0))
+
+    def train(self, x_pos, x_neg):
+        for _ in range(self.num_epochs):
+            g_pos = self.forward(x_pos).pow(2).mean(1)
+            g_neg = self.forward(x_neg).pow(2).mean(1)
+            loss = torch.log(1 + torch.exp(torch.cat([-g_pos + self.threshold,
+                                                      g_neg - self.threshold]))).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+        return self.forward(x_pos).detach(), self.forward(x_neg).detach()
+
+
+class Net(nn.Module):
+    """The forward-forward net: its layers, each trained by its own ``train``."""
+
+    def __init__(self, dims):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(dims[d], dims[d + 1]) for d in range(len(dims) - 1)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+FORWARD_FORWARD = {"layer": lambda: Layer(6, 5), "net": lambda: Net([6, 5, 4])}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("kind", list(FORWARD_FORWARD))
+def test_forward_forward_layer_with_its_own_train_fuses(kind, train, dtype):
+    """``model.train(True)`` ran the layer's training loop (``missing argument 'x_neg'``)
+    and the fusion was refused: the modes are now set as flags, the models fuse, and
+    forward and backward equal the models'."""
+    models = [FORWARD_FORWARD[kind]() for _ in range(N)]
+    check_equivalence(models, torch.randn(4, 6), train=train, dtype=dtype)
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+def test_fused_train_and_eval_switch_every_model_without_the_models_train(frontend):
+    models = [Net([6, 5, 4]) for _ in range(N)]
+    x = torch.randn(4, 6)
+    fused = hftc.fuse(copy.deepcopy(models), frontend=frontend, example_inputs=(x,))
+    assert fused.eval() is fused
+    assert not any(m.training for m in fused.modules())
+    out = fused(x)
+    for i, m in enumerate(models):
+        for sub in m.modules():
+            sub.training = False
+        torch.testing.assert_close(out[i], m(x), rtol=0, atol=1e-6)
+    fused.train()
+    assert all(m.training for m in fused.modules())
+    assert torch.equal(fused(x), out)  # (no dropout or norm: the same in both modes)
+
+
+def test_the_models_own_train_is_not_fused():
+    """``fused.train(x_pos, x_neg)``: the layer's training loop is not one hftc fuses (it
+    steps the layer's own optimizer); refused saying so, and what to do."""
+    fused = hftc.fuse([Layer(6, 5) for _ in range(N)])
+    x_pos, x_neg = torch.randn(4, 6), torch.randn(4, 6)
+    with pytest.raises(FusionTypeError, match=r"Layer\.train is the models' own method") as info:
+        fused.train(x_pos, x_neg)
+    assert "fused.unfuse()" in str(info.value)
+    with pytest.raises(FusionTypeError, match="takes one bool"):
+        fused.train(x_pos)
+    assert fused.training  # left as it was

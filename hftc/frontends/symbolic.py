@@ -45,6 +45,7 @@ from ..ir import (
     bind,
     enter_autocast,
     exit_autocast,
+    set_training,
 )
 from ..runtime import attention as rt_attention
 from .closures import rebind_functions
@@ -586,7 +587,7 @@ def _python_random_refused() -> Iterator[None]:
 def _uniform_mode(model: nn.Module, training: bool) -> Iterator[None]:
     """Put every submodule in one mode for the duration; restore each one's own flag after."""
     saved = [(m, m.training) for m in model.modules()]
-    model.train(training)
+    set_training(model, training)
     try:
         yield
     finally:
