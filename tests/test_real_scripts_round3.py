@@ -12,6 +12,9 @@ followed, each against the N models run one by one by stock PyTorch.
   size refused naming the input, the shape exported and what to do.
 - pytorch/examples' mnist_forward_forward: ``class Layer(nn.Linear)`` whose ``train(self,
   x_pos, x_neg)`` is its training loop; hftc called ``model.train(True)`` and refused.
+- lucidrains/vit-pytorch's ViT with ``pool='cls'`` against one with ``pool='mean'``: refused
+  rightly, now naming the user's line (``x.mean(dim = 1) if ... else x[:, 0]``), not a
+  guard node of hftc's, with both front-ends.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hftc
-from hftc.errors import FusionTypeError, InputShapeError
+from hftc.errors import FusionTypeError, InputShapeError, MismatchError
 from tests.equivalence import check_equivalence
 
 N = 3
@@ -427,3 +430,116 @@ def test_the_models_own_train_is_not_fused():
     with pytest.raises(FusionTypeError, match="takes one bool"):
         fused.train(x_pos)
     assert fused.training  # left as it was
+
+
+# --------------------------------------------------------------------------- vit-pytorch
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden_dim), nn.GELU(),
+                                 nn.Linear(hidden_dim, dim))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class ViTAttention(nn.Module):
+    def __init__(self, dim, heads=2, dim_head=4):
+        super().__init__()
+        self.heads = heads
+        self.scale = dim_head ** -0.5
+        self.norm = nn.LayerNorm(dim)
+        self.attend = nn.Softmax(dim=-1)
+        self.to_qkv = nn.Linear(dim, dim_head * heads * 3, bias=False)
+        self.to_out = nn.Linear(dim_head * heads, dim)
+
+    def forward(self, x):
+        x = self.norm(x)
+        b, n, _ = x.shape
+        q, k, v = self.to_qkv(x).chunk(3, dim=-1)
+        q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        attn = self.attend(torch.matmul(q, k.transpose(-1, -2)) * self.scale)
+        out = torch.matmul(attn, v).transpose(1, 2).reshape(b, n, -1)
+        return self.to_out(out)
+
+
+class ViT(nn.Module):
+    """vit-pytorch's ``ViT``: patches (its ``Rearrange``), a class token, ``depth`` blocks,
+    then ``pool`` (the class token's row or the mean over the tokens) and the head."""
+
+    def __init__(self, *, pool, image_size=8, patch_size=4, dim=8, depth=1, num_classes=5):
+        super().__init__()
+        self.patch = patch_size
+        patch_dim = 3 * patch_size ** 2
+        num_patches = (image_size // patch_size) ** 2
+        self.to_patch_embedding = nn.Sequential(nn.LayerNorm(patch_dim),
+                                                nn.Linear(patch_dim, dim), nn.LayerNorm(dim))
+        self.pos_embedding = nn.Parameter(torch.randn(1, num_patches + 1, dim))
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+        self.layers = nn.ModuleList([nn.ModuleList([ViTAttention(dim), FeedForward(dim, 2 * dim)])
+                                     for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.pool = pool
+        self.to_latent = nn.Identity()
+        self.mlp_head = nn.Linear(dim, num_classes)
+
+    def forward(self, img):
+        b, c, h, w = img.shape
+        p = self.patch
+        x = img.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
+        x = self.to_patch_embedding(x.reshape(b, (h // p) * (w // p), p * p * c))
+        b, n, _ = x.shape
+        x = torch.cat((self.cls_token.expand(b, -1, -1), x), dim=1)
+        x = x + self.pos_embedding[:, :(n + 1)]
+        for attn, ff in self.layers:
+            x = attn(x) + x
+            x = ff(x) + x
+        x = self.norm(x)
+        x = x.mean(dim = 1) if self.pool == 'mean' else x[:, 0]
+        x = self.to_latent(x)
+        return self.mlp_head(x)
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+def test_vit_cls_and_mean_pooling_refused_naming_the_pooling_line(frontend):
+    """The two poolings are two programs (refused rightly); the message names the line of
+    vit-pytorch's forward that picks the pooling, its file and code, and the two ops."""
+    models = [ViT(pool="cls"), ViT(pool="mean")]
+    x = torch.randn(2, 3, 8, 8)
+    with pytest.raises(MismatchError) as info:
+        hftc.fuse(models, frontend=frontend, example_inputs=(x,))
+    message = str(info.value)
+    assert "check_input_shape" not in message
+    assert "mean" in message and "getitem" in message
+    line = next(k for k, text in enumerate(open(__file__).read().splitlines(), start=1)
+                if "x = x.mean(dim = 1) if self.pool == 'mean' else x[:, 0]" in text)
+    assert f"test_real_scripts_round3.py:{line} in forward: `x = x.mean(dim = 1) if " \
+        f"self.pool == 'mean' else x[:, 0]" in message, message
+
+class ImageHead(nn.Module):
+    """pytorch/examples' mnist MLP flattens the image (``x.view(x.size(0), -1)``, which
+    fixes C, H and W for export); a pooled head averages it (which fixes C only)."""
+
+    def __init__(self, flatten):
+        super().__init__()
+        self.flatten = flatten
+        self.fc = nn.Linear(3 * 8 * 8 if flatten else 3, 5)
+
+    def forward(self, x):
+        h = x.view(x.size(0), -1) if self.flatten else x.mean(dim=(2, 3))
+        return self.fc(h)
+
+
+def test_a_mismatch_is_looked_for_past_the_exported_input_guards():
+    """The two heads' exports fix different input sizes, so their first nodes, hftc's
+    input guards, differed: the message named ``check_input_shape``'s argument 1, which
+    the user never wrote.  It names the layers that differ now."""
+    with pytest.raises(MismatchError) as info:
+        hftc.fuse([ImageHead(False), ImageHead(True)], frontend="export",
+                  example_inputs=(torch.randn(2, 3, 8, 8),))
+    message = str(info.value)
+    assert "check_input_shape" not in message, message
+    assert "model 1's `fc` (nn.Linear) differs from model 0's: in_features 192 vs 3" in message
+

@@ -24,7 +24,7 @@ import inspect
 import operator
 import os
 import random
-import sysconfig
+import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -45,7 +45,9 @@ from ..ir import (
     bind,
     enter_autocast,
     exit_autocast,
+    is_user_file,
     set_training,
+    user_frame_trace,
 )
 from ..runtime import attention as rt_attention
 from .closures import rebind_functions
@@ -173,6 +175,15 @@ class _Tracer(fx.Tracer):
             return self.constant_inputs[name]
         return placeholder
 
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        # Each node's line of the user's code, which a mismatch between the models names.
+        node = super().create_node(*args, **kwargs)
+        if node.stack_trace is None:
+            trace = user_frame_trace(below=getattr(self, "_trace_frame", None))
+            if trace is not None:
+                node.stack_trace = trace
+        return node
+
     def to_bool(self, obj: fx.Proxy) -> bool:
         self.undecidable = obj.node
         return super().to_bool(obj)
@@ -233,6 +244,7 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        self._trace_frame = sys._getframe()  # (a node's user line is a frame inside it)
         with self._buffer_assignments_recorded(root), self._grad_mode_recorded(), \
                 self._autograd_functions_recorded(), self._torch_random_recorded(), \
                 self._autocast_recorded(), self._sequence_packing_recorded(), \
@@ -688,30 +700,13 @@ def constant_inputs(model: nn.Module, given: dict[str, Any] | None = None) -> di
     return constants
 
 
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                      for m in (torch, inspect.getmodule(FusionError)))
-_PACKAGE_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
-                       for k in ("purelib", "platlib")})
-_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
-
-
-def _is_user_file(filename: str) -> bool:
-    """Not torch's, hftc's, Python's own or generated code (``<eval_with_key>``)."""
-    if filename.startswith("<"):
-        return False
-    path = os.path.dirname(os.path.abspath(filename)) + os.sep
-    if path.startswith(_LIBRARY_DIRS):
-        return False
-    return not path.startswith(_STDLIB_DIR) or path.startswith(_PACKAGE_DIRS)
-
-
 def source_line(exc: BaseException) -> str:
     """Where in the user's code ``exc`` was raised: ``file.py:110 in forward: `code```
     (the innermost frame outside torch, hftc and Python's library), with torch's own
     module code it was raised in when that is deeper (``torch/nn/modules/transformer.py:535
     in _detect_is_causal_mask, called from ...``); ``""`` when none is known."""
     frames = traceback.extract_tb(exc.__traceback__)
-    user = next((f for f in reversed(frames) if _is_user_file(f.filename)), None)
+    user = next((f for f in reversed(frames) if is_user_file(f.filename)), None)
     if user is None:
         return ""
     path = user.filename

@@ -77,3 +77,8 @@ def check_input_structure(value: Any, expected: str, name: str) -> None:
             f"from example_inputs) with {expected}; fuse again with example_inputs of this "
             f"structure"
         )
+
+
+#: The guards, which compute nothing of the model's (a mismatch between the models'
+#: graphs is looked for past them: a guard differs where the models' own code does).
+INPUT_GUARDS = frozenset({check_input_shape, check_input_value, check_input_structure})
