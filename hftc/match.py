@@ -641,9 +641,9 @@ def _differing_nodes(
     kinds: set[str], skip_guards: bool,
 ) -> dict[str, list[str]]:
     """Model i's nodes that differ from model 0's at the same position (less the input
-    guards with ``skip_guards``), ``"<where>\0differs from <model 0's where>\0<lines>"``
-    -> the differences in words; ``kinds`` gets their kinds.  ``owners``: models i and 0
-    (None where the graphs are not the models')."""
+    guards with ``skip_guards``): the place (where, what it differs from and the user's
+    lines, NUL-separated) -> the differences in words; ``kinds`` gets their kinds.
+    ``owners``: models i and 0 (None where the graphs are not the models')."""
     positions = [[k for k, n in enumerate(nodes[m]) if not (skip_guards and _is_guard(n))]
                  for m in (i, 0)]
     shifted = len(positions[0]) != len(positions[1])
