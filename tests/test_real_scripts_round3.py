@@ -128,6 +128,24 @@ def test_gcn_with_a_shared_sparse_adjacency_fuses_exactly(spmm, train, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spmm", [torch.spmm, torch.sparse.mm], ids=["spmm", "sparse.mm"])
+def test_gcn_exported_with_a_sparse_example_input_fuses_exactly(spmm, dtype):
+    """Through torch.export (``example_inputs`` with the sparse adjacency): exported from a
+    copy of each example input, which a sparse one must be made without ``preserve_format``,
+    and ``aten._sparse_mm`` spelled ``torch.sparse.mm`` for the rule."""
+    x, adj = torch.randn(7, 5), adjacency()
+
+    def fuser(models, in_dims=None):
+        return hftc.fuse(models, in_dims=in_dims, frontend="export",
+                         example_inputs=(x.to(dtype), adj.to(dtype)))
+
+    fused = check_equivalence([GCN(dropout=0.0, spmm=spmm) for _ in range(N)], (x, adj),
+                              dtype=dtype, fuser=fuser, check_input_grads=False)
+    assert fused.frontend == "export"
+    assert fused.fusion_report.fallbacks == []  # (aten._sparse_mm is fuse_matmul's too)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gcn_on_sparse_features_and_stacked_features(dtype):
     """Sparse features shared (``torch.mm(x_sparse, W)``), and each model's own dense
     features with the shared sparse adjacency."""

@@ -356,8 +356,9 @@ def _fresh_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     def fresh(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        return leaf.detach().clone(memory_format=torch.preserve_format) \
-            .requires_grad_(leaf.requires_grad)
+        copy = (leaf.detach().clone(memory_format=torch.preserve_format)
+                if leaf.layout is torch.strided else leaf.detach().clone())  # (sparse)
+        return copy.requires_grad_(leaf.requires_grad)
 
     return pytree.tree_map(fresh, (args, kwargs))
 
