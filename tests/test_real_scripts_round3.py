@@ -159,6 +159,16 @@ def test_gcn_on_sparse_features_and_stacked_features(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gcn_with_a_csr_adjacency_fuses_exactly(dtype):
+    adj = adjacency().to_sparse_csr()
+    for spmm in (torch.spmm, torch.sparse.mm):
+        check_equivalence([GCN(dropout=0.0, spmm=spmm) for _ in range(N)],
+                          (torch.randn(7, 5), adj), dtype=dtype, check_input_grads=False)
+    check_equivalence([DenseTimesSparse() for _ in range(N)], (torch.randn(7, 5), adj),
+                      dtype=dtype, check_input_grads=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gcn_with_each_models_own_sparse_adjacency_runs_model_by_model(dtype):
     """One graph per model (a stacked sparse ``[N, n, n]``): each model's product alone."""
     adj = torch.stack([adjacency(seed=i) for i in range(N)])
