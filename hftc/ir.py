@@ -4,7 +4,9 @@
   the runtime read and write (one owner for each key's name and meaning);
 - the functions a traced graph calls beyond torch's own: the autocast regions and
   custom ``autograd.Function`` applications the tracer records, and :func:`bind`,
-  which names a kernel bound to the op it wraps.
+  which names a kernel bound to the op it wraps;
+- where a node comes from in the user's code (:func:`user_line`), and a module tree's
+  train/eval flags set as ``nn.Module.train`` sets them (:func:`set_training`).
 
 It imports nothing of hftc's, so every stage may import it.
 """

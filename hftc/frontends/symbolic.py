@@ -26,6 +26,7 @@ import os
 import random
 import sys
 import traceback
+import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -165,6 +166,8 @@ class _Tracer(fx.Tracer):
         self.constant_inputs: dict[str, Any] = {}
         #: the traced value Python's control flow asked the truth of (the failure's node)
         self.undecidable: fx.Node | None = None
+        #: the frame of :meth:`trace`: a node's line of the user's code is one inside it
+        self._trace_frame: types.FrameType | None = None
 
     def _proxy_placeholder(self, name: str, concrete_args: Any, sig: inspect.Signature,
                            fn_for_analysis: Callable[..., Any]) -> Any:
@@ -179,7 +182,7 @@ class _Tracer(fx.Tracer):
         # Each node's line of the user's code, which a mismatch between the models names.
         node = super().create_node(*args, **kwargs)
         if node.stack_trace is None:
-            trace = user_frame_trace(below=getattr(self, "_trace_frame", None))
+            trace = user_frame_trace(below=self._trace_frame)
             if trace is not None:
                 node.stack_trace = trace
         return node
@@ -244,7 +247,7 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
-        self._trace_frame = sys._getframe()  # (a node's user line is a frame inside it)
+        self._trace_frame = sys._getframe()
         with self._buffer_assignments_recorded(root), self._grad_mode_recorded(), \
                 self._autograd_functions_recorded(), self._torch_random_recorded(), \
                 self._autocast_recorded(), self._sequence_packing_recorded(), \
