@@ -46,6 +46,12 @@ class FusionArgumentError(FusionError, ValueError):
     """A bad argument to ``hftc.fuse`` or to a fused module (list, inputs, in_dims)."""
 
 
+class InputShapeError(FusionArgumentError):
+    """A call's input has sizes the models' exported program does not take (torch.export
+    fixed them: the model's code or the example does, or every dim could not be kept
+    symbolic); the message names the input, its shape, the shape exported and what to do."""
+
+
 class FusionTypeError(FusionError, TypeError):
     """An argument of the wrong type (a non-module in the model list, say)."""
 

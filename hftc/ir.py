@@ -4,7 +4,9 @@
   the runtime read and write (one owner for each key's name and meaning);
 - the functions a traced graph calls beyond torch's own: the autocast regions and
   custom ``autograd.Function`` applications the tracer records, and :func:`bind`,
-  which names a kernel bound to the op it wraps.
+  which names a kernel bound to the op it wraps;
+- where a node comes from in the user's code (:func:`user_line`), and a module tree's
+  train/eval flags set as ``nn.Module.train`` sets them (:func:`set_training`).
 
 It imports nothing of hftc's, so every stage may import it.
 """
@@ -13,8 +15,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import linecache
 import operator
+import os
+import re
+import sys
+import sysconfig
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +40,11 @@ PYTHON_STATE = "hftc_python_state"
 
 #: ``GraphModule.meta`` key: forward's inputs traced as Python constants, ``{name: value}``.
 CONSTANT_INPUTS = "hftc_constant_inputs"
+
+#: ``GraphModule.meta`` key of an exported graph: how torch.export kept the example inputs'
+#: sizes (:class:`hftc.frontends.export.ExportedShapes`: every dim symbolic, the leading
+#: dim only, or static shapes, and why).
+EXPORTED_SHAPES = "hftc_exported_shapes"
 
 #: ``node.meta`` key of a ``copy_`` the tracer wrote for ``module.buf = value`` in forward:
 #: the buffer's path (``"stats.avg"``).
@@ -68,6 +81,67 @@ CHANNELS_LAST = "channels_last"
 RULE = "hftc_rule"
 ORIGIN = "hftc_origin"
 SOURCE = "hftc_source"
+
+
+# --------------------------------------------------------------------------- provenance
+
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
+                      for path in (torch.__file__, __file__))
+_PACKAGE_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
+                       for k in ("purelib", "platlib")})
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+@functools.cache
+def is_user_file(filename: str) -> bool:
+    """Not torch's, hftc's, Python's own or generated code (``<eval_with_key>``)."""
+    if filename.startswith("<"):
+        return False
+    path = os.path.dirname(os.path.abspath(filename)) + os.sep
+    if path.startswith(_LIBRARY_DIRS):
+        return False
+    return not path.startswith(_STDLIB_DIR) or path.startswith(_PACKAGE_DIRS)
+
+
+def user_frame_trace(below: types.FrameType | None = None) -> str | None:
+    """The innermost frame of the user's code on the caller's stack (up to the frame
+    ``below``, not included: a tracer's own, so that a node torch's code makes for a bare
+    ``nn.Conv2d`` is not put on the line that called ``hftc.fuse``), as fx writes a node's
+    ``stack_trace``::
+
+        File "vit.py", line 83, in forward
+            x = x.mean(dim = 1) if self.pool == 'mean' else x[:, 0]
+
+    The symbolic tracer stores it on each node it makes (a walk up a few frames: fx's own
+    ``record_stack_traces`` formats the whole stack for every node)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame is not below \
+            and not is_user_file(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None or frame is below:
+        return None
+    filename, line = frame.f_code.co_filename, frame.f_lineno
+    code = linecache.getline(filename, line).strip()
+    return f'File "{filename}", line {line}, in {frame.f_code.co_name}\n    {code}'
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def user_line(node: Any) -> str:
+    """Where in the user's code a graph node comes from, ``"vit.py:83 in forward: `x =
+    x.mean(dim = 1) if ...`"``: the innermost frame of its ``stack_trace`` (the symbolic
+    tracer's and torch.export's) outside torch and hftc; ``""`` where none is known."""
+    trace = node.meta.get("stack_trace") or ""
+    for filename, line, function, code in reversed(_FRAME.findall(trace)):
+        if is_user_file(filename):
+            try:
+                relative = os.path.relpath(filename)
+                filename = relative if not relative.startswith("..") else filename
+            except ValueError:  # (another drive)
+                pass
+            return f"{filename}:{line} in {function}: `{code.strip()}`"
+    return ""
 
 
 # --------------------------------------------------------------------------- random draws
@@ -190,6 +264,16 @@ class modes_restored_on_error:  # noqa: N801 - used as a context manager, like a
         regions = _open_regions()
         while len(regions) > self.depth:
             torch.amp.autocast_mode._exit_autocast(regions.pop())
+
+
+def set_training(module: torch.nn.Module, mode: bool) -> torch.nn.Module:
+    """``module.train(mode)`` as ``nn.Module.train`` does it, every submodule's ``training``
+    flag set, without calling a ``train`` the models' classes define: pytorch/examples'
+    forward-forward ``Layer(nn.Linear)`` has ``train(self, x_pos, x_neg)``, its training
+    loop, which ``model.train(True)`` (and a parent's ``nn.Module.train``) ran into."""
+    for sub in module.modules():
+        sub.training = mode
+    return module
 
 
 def apply_function(function: type, *args: Any, **kwargs: Any) -> Any:

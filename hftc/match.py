@@ -45,7 +45,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .errors import MismatchError
-from .ir import PER_MODEL, PER_MODEL_OPS, ArgKey
+from .ir import PER_MODEL, PER_MODEL_OPS, ArgKey, user_line
+from .lowering.runtime.guards import INPUT_GUARDS
 
 if TYPE_CHECKING:  # networkx: imported where two graphs need VF2, not by import hftc
     import networkx as nx
@@ -590,8 +591,13 @@ def _explain_mismatch(
     failed: list[int], soft: PerModelTable,
 ) -> tuple[str, set[str]]:
     """Compare each failed model's graph with model 0's position by position, and say in
-    words how each differing node differs (model i's value vs model 0's); returns the
-    lines and the kinds of difference (:data:`_FIXES`)."""
+    words how each differing node differs (model i's value vs model 0's) and at which line
+    of the user's code; returns the lines and the kinds of difference (:data:`_FIXES`).
+
+    hftc's own input guards (the export front-end's ``check_input_shape`` after each input)
+    are passed over: they come first and differ where the models' code does (a size one
+    model's code fixes), so the first difference was a guard, named for an argument of it
+    the user never wrote.  They are compared only where nothing else differs."""
     nodes = [list(g.graph.nodes) for g in graphs]
     model_at = (lambda i: models[i]) if len(models) == len(graphs) else (lambda i: None)
     found: dict[tuple[str, str], list[int]] = {}  # (where, what differs) -> the models
@@ -601,44 +607,21 @@ def _explain_mismatch(
             found.setdefault((f"graph has {len(nodes[i])} nodes, model 0's {len(nodes[0])} "
                               f"(an extra or missing layer)", ""), []).append(i)
             kinds.add("structure")
-        per_place: dict[str, list[str]] = {}  # "model i's <where>" -> its differences
-        for k in range(min(len(nodes[i]), len(nodes[0]))):
-            node, node0 = nodes[i][k], nodes[0][k]
-            if sigs[i][k] == sigs[0][k]:
-                continue
-            where, prefix = _where(node, graphs[i], model_at(i))
-            where0, _ = _where(node0, graphs[0], model_at(0))
-            sig, sig0 = sigs[i][k], sigs[0][k]
-            elementwise = (ELEMENTWISE in sig) + (ELEMENTWISE in sig0)
-            if elementwise:  # what the two nodes are, not that one may differ per model
-                plain = dataclasses.replace(soft, elementwise_op=None)
-                sig = node_signature(node, graphs[i], plain)
-                sig0 = node_signature(node0, graphs[0], plain)
-            texts, node_kinds = describe_differences(
-                {**_owner_hyperparameters(node, model_at(i), soft), **sig},
-                {**_owner_hyperparameters(node0, model_at(0), soft), **sig0},
-                prefix=prefix, nodes=(node, node0), soft=soft)
-            if elementwise and len(nodes[i]) == len(nodes[0]):  # (else: a missing layer)
-                texts.append("only an elementwise op (an activation such as ReLU, GELU, SiLU, "
-                             "Tanh or LeakyReLU, dropout, nn.Identity) may differ per model, "
-                             "called the same way (a module, a function or a method) in every "
-                             "model")
-            kinds |= node_kinds
-            than = "model 0" if where.startswith(_ITSELF) else "model 0's"
-            if where != where0:
-                than = f"model 0's {where0}"
-            texts_here = per_place.setdefault(f"{where}\0differs from {than}", [])
-            texts_here += [t for t in texts if t not in texts_here]
-            if len(per_place) > 30 or len(nodes[i]) != len(nodes[0]):
-                break  # (past a missing layer, every position is shifted)
+        for skip_guards in (True, False):
+            per_place = _differing_nodes(graphs, (model_at(i), model_at(0)), sigs, nodes,
+                                         i, soft, kinds, skip_guards)
+            if per_place:
+                break
         for place, texts in per_place.items():
             found.setdefault((place, "; ".join(texts)), []).append(i)
     lines = []
     for (place, texts), indices in found.items():
         where, _, than = place.partition("\0")
+        than, _, source = than.partition("\0")
         if len(indices) > 1:  # "models 1 and 2's `fc` differ"
             than = than.replace("differs", "differ", 1)
-        lines.append(f"  {_whose(indices, where)}" + (f" {than}: {texts}" if texts else ""))
+        lines.append(f"  {_whose(indices, where)}" + (f" {than}: {texts}" if texts else "")
+                     + source)
     if len(lines) > 30:
         lines = lines[:30] + ["  ... (more differences follow)"]
     if not lines:
@@ -646,6 +629,71 @@ def _explain_mismatch(
                      "(the same layers, connected in another order)")
         kinds.add("structure")
     return "\n".join(lines), kinds
+
+
+def _is_guard(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in INPUT_GUARDS
+
+
+def _differing_nodes(
+    graphs: Sequence[fx.GraphModule], owners: tuple[nn.Module | None, nn.Module | None],
+    sigs: list[list[dict]], nodes: list[list[fx.Node]], i: int, soft: PerModelTable,
+    kinds: set[str], skip_guards: bool,
+) -> dict[str, list[str]]:
+    """Model i's nodes that differ from model 0's at the same position (less the input
+    guards with ``skip_guards``): the place (where, what it differs from and the user's
+    lines, NUL-separated) -> the differences in words; ``kinds`` gets their kinds.
+    ``owners``: models i and 0 (None where the graphs are not the models')."""
+    positions = [[k for k, n in enumerate(nodes[m]) if not (skip_guards and _is_guard(n))]
+                 for m in (i, 0)]
+    shifted = len(positions[0]) != len(positions[1])
+    per_place: dict[str, list[str]] = {}
+    for k, k0 in zip(*positions):
+        node, node0 = nodes[i][k], nodes[0][k0]
+        if sigs[i][k] == sigs[0][k0]:
+            continue
+        where, prefix = _where(node, graphs[i], owners[0])
+        where0, _ = _where(node0, graphs[0], owners[1])
+        sig, sig0 = sigs[i][k], sigs[0][k0]
+        elementwise = (ELEMENTWISE in sig) + (ELEMENTWISE in sig0)
+        if elementwise:  # what the two nodes are, not that one may differ per model
+            plain = dataclasses.replace(soft, elementwise_op=None)
+            sig = node_signature(node, graphs[i], plain)
+            sig0 = node_signature(node0, graphs[0], plain)
+        texts, node_kinds = describe_differences(
+            {**_owner_hyperparameters(node, owners[0], soft), **sig},
+            {**_owner_hyperparameters(node0, owners[1], soft), **sig0},
+            prefix=prefix, nodes=(node, node0), soft=soft)
+        if elementwise and not shifted:  # (shifted: a missing layer)
+            texts.append("only an elementwise op (an activation such as ReLU, GELU, SiLU, "
+                         "Tanh or LeakyReLU, dropout, nn.Identity) may differ per model, "
+                         "called the same way (a module, a function or a method) in every "
+                         "model")
+        kinds |= node_kinds
+        than = "model 0" if where.startswith(_ITSELF) else "model 0's"
+        if where != where0:
+            than = f"model 0's {where0}"
+        place = f"{where}\0differs from {than}\0{_source_lines(node, node0)}"
+        texts_here = per_place.setdefault(place, [])
+        texts_here += [t for t in texts if t not in texts_here]
+        if len(per_place) > 30 or shifted:
+            break  # (past a missing layer, every position is shifted)
+    return per_place
+
+
+def _source_lines(node: fx.Node, node0: fx.Node) -> str:
+    """The user's lines two differing ops come from, for the message (one where they are
+    the same line: ``x = x.mean(dim=1) if self.pool == 'mean' else x[:, 0]``).  Not for a
+    module, a parameter or an input, which their paths and names say already."""
+    if "call_function" not in (node.op, node0.op) and "call_method" not in (node.op, node0.op):
+        return ""
+    line, line0 = user_line(node), user_line(node0)
+    if not line and not line0:
+        return ""
+    if line == line0:
+        return f"\n      at {line}"
+    return (f"\n      at {line or 'a line not known'}"
+            f"\n      model 0's at {line0 or 'a line not known'}")
 
 
 def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module], *,

@@ -119,6 +119,14 @@ def _stack_outputs(outputs: Sequence[Any]) -> Any:
     return stack_inputs(outputs)
 
 
+def set_mode(model: nn.Module, train: bool) -> None:
+    """Every module's ``training`` flag, as ``nn.Module.train`` sets them, without calling a
+    ``train`` the model's class defines (pytorch/examples' forward-forward ``Layer`` has
+    ``train(self, x_pos, x_neg)``, its training loop)."""
+    for sub in model.modules():
+        sub.training = train
+
+
 # --------------------------------------------------------------------------- the loop fuser
 
 
@@ -417,12 +425,12 @@ def check_equivalence(
         raise ValueError("check_equivalence needs at least one model")
     refs = _copy_models(models, dtype)
     for m in refs:
-        m.train(train)
+        set_mode(m, train)
 
     if fused is None:
         to_fuse = _copy_models(models, None if cast_after_fuse else dtype)
         for m in to_fuse:
-            m.train(train if fuse_train is None else fuse_train)
+            set_mode(m, train if fuse_train is None else fuse_train)
         if fuser is None:
             import hftc
 
@@ -544,7 +552,7 @@ def _loop_results(models: Sequence[nn.Module], inputs: Any, in_dims: InDims, tra
     output leaves, buffers, parameter gradients and input gradients, in a fixed order."""
     refs = _copy_models(models, dtype)
     for m in refs:
-        m.train(train)
+        set_mode(m, train)
     args = _prepare_inputs(inputs, dtype, True)
     outs = reference_outputs(refs, args, in_dims)
     weights = _default_loss_weights(outs, loss_seed)
@@ -615,7 +623,7 @@ def relu_margin(models: Sequence[nn.Module], inputs: Any, *, in_dims: InDims = N
     whose margin is well above that rounding (about 1e-6 for O(1) activations)."""
     refs = _copy_models(models, torch.float64)
     for m in refs:
-        m.train(train)
+        set_mode(m, train)
     args = _prepare_inputs(inputs, torch.float64, False)
     mode = _ReluInputs()
     with torch.no_grad(), mode:

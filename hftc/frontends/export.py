@@ -49,6 +49,12 @@ fixes (a positional table of 32 entries, a batch of 1 in the example: export
 specialises sizes 0 and 1) are checked on every call by ``check_input_shape``
 nodes, with an error that says which input and dim, never a silent wrong answer.
 Python inputs (``k=2``, ``None``) are baked in and checked the same way.
+Where torch.export cannot keep every dim symbolic (a CNN whose flatten size pins H and
+W through stride-2 stages: kuangliu's ShuffleNetV2 fails inside sympy, or with a
+constraint violation), it is tried again with the leading (batch) dim only symbolic,
+then with static shapes (:data:`SHAPE_TRIES`); the graph records which
+(``GraphModule.meta[ir.EXPORTED_SHAPES]``), and its guards say so when a call has
+other sizes.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, plain_message
-from ..ir import bind_arguments, call_signature
+from ..ir import EXPORTED_SHAPES, bind_arguments, call_signature
 from ..lowering.runtime.guards import check_input_shape, check_input_structure, check_input_value
 from .same_program import alike_models, reads_tensor_values
 from .symbolic import OutputSpec, source_line, trace_hint, traceable_forward, uniform_mode
@@ -85,16 +91,45 @@ _KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
 # --------------------------------------------------------------------------- exporting
 
 
-def _dynamic_shapes(args: tuple, kwargs: dict, model: nn.Module | None = None) -> Any:
-    """``Dim.AUTO`` on every dim of every tensor input (export keeps what it can symbolic).
+#: The ways of exporting the example inputs' sizes, tried in order until one exports:
+#: every dim ``Dim.AUTO`` (symbolic where the code allows), the leading dim only (a
+#: batch of any size), then static shapes (the example's sizes, other sizes exported
+#: again when a call brings them).
+SHAPE_TRIES = ("every dim", "leading dim", "static")
+
+
+@dataclass(frozen=True)
+class ExportedShapes:
+    """How the example inputs' sizes were exported (``dims``: one of :data:`SHAPE_TRIES`),
+    and why not more of them symbolic (the failure of the wider try)."""
+
+    dims: str = "every dim"
+    why: str = ""
+
+    def describe(self) -> str:
+        """``"with the leading (batch) dim only symbolic: torch.export could not keep every
+        dim symbolic (NotImplementedError: The inequality ...)"``; "" for every dim."""
+        kept = {"every dim": "", "leading dim": "with the leading (batch) dim only symbolic",
+                "static": "with static shapes (the example inputs' sizes)"}[self.dims]
+        return kept + (f": {self.why}" if kept and self.why else "")
+
+
+def _dynamic_shapes(args: tuple, kwargs: dict, model: nn.Module | None = None,
+                    dims: str = "every dim") -> Any:
+    """``Dim.AUTO`` on every dim of every tensor input (export keeps what it can symbolic),
+    on the leading dim only (``dims="leading dim"``), or ``None`` (``"static"``).
 
     By forward's parameter names where they bind: torch matches the spec to forward's
     signature, so the inputs of ``forward(self, *xs)`` are one entry, a tuple (one entry
     per input failed as "inputs has 1 elements, but dynamic_shapes has 2")."""
+    if dims == "static":
+        return None
     auto = torch.export.Dim.AUTO
 
     def spec(v: Any) -> Any:
-        return {d: auto for d in range(v.dim())} if isinstance(v, torch.Tensor) else None
+        if not isinstance(v, torch.Tensor):
+            return None
+        return {d: auto for d in range(v.dim() if dims == "every dim" else min(v.dim(), 1))}
 
     if model is not None:
         try:
@@ -139,13 +174,16 @@ def _unaliased(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 @contextlib.contextmanager
 def _quiet() -> Any:
     """Export warns about specialised dims and assigned attributes; the guards say it better.
-    On an error it prints the partial graph to stderr (pages of it): the error says where."""
+    On an error it prints the partial graph to stderr (pages of it), and logs the traceback
+    of an op whose shapes do not fit ("failed while attempting to run meta for aten.mm"):
+    the error says where."""
     loggers = [logging.getLogger(n) for n in ("torch", "torch._export", "torch.export",
                                                "torch.fx", "torch._dynamo", "torch.__trace",
-                                               "torch.fx.experimental")]
+                                               "torch.fx.experimental",
+                                               "torch._subclasses.fake_tensor")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
@@ -204,14 +242,16 @@ def _inference_mode_refused(index: int, model: nn.Module) -> Iterator[None]:
 def export_models(
     models: Sequence[nn.Module], inputs: Callable[[int], tuple], *, modes: Sequence[bool],
     aten_spellings: Mapping[Any, Converter], keyword_names: Sequence[str] = (),
+    start: ExportedShapes | None = None,
 ) -> dict[bool, list[fx.GraphModule]]:
     """Each model's normalised graph in each mode, with one ``torch.export`` per mode for
     each group of models that run the same program (:mod:`.same_program`), not one per model.
 
     ``inputs(i)`` is model ``i``'s example inputs, its last ``len(keyword_names)`` passed
     as those keywords (``**kwargs`` inputs; placeholders after the positional ones, in
-    that order); ``aten_spellings`` as for
-    :func:`export_model`.  Model ``i`` reuses the program of the
+    that order); ``aten_spellings`` as for :func:`export_model`; ``start``: the first of
+    :data:`SHAPE_TRIES` to try (how an earlier export of these models went).
+    Model ``i`` reuses the program of the
     first model found alike, normalised at its own parameters and buffers::
 
         models    T5 T5 T5 T5 (p=0.2) T5       program_difference against the first alike
@@ -222,11 +262,17 @@ def export_models(
     gives it no value to specialise on, but an unbacked symbol whose uses the graph may
     have refined) is not reused: each model of the group is exported itself.
     The groups are found once, before exporting (forward may change Python state).
+
+    Where one export needed sizes fixed (:data:`SHAPE_TRIES`), the next ones start there:
+    the same failure is not waited for again, and the graphs get the same guards, which
+    must match; the models exported before it are exported again so.
     """
     alike = alike_models(models)  # the first model each model runs the program of
     graphs: dict[bool, list[fx.GraphModule]] = {}
+    shapes = start or ExportedShapes()
+    used: set[str] = set()  # (the tries the graphs were exported with)
     for mode in modes:
-        programs: dict[int, torch.export.ExportedProgram] = {}
+        programs: dict[int, tuple[torch.export.ExportedProgram, ExportedShapes]] = {}
         graphs[mode] = []
         for i, model in enumerate(models):
             values = tuple(inputs(i))
@@ -235,15 +281,20 @@ def export_models(
                                       dict(zip(keyword_names, values[positional:])))
             reused = programs.get(alike[i])
             if reused is not None:
-                graphs[mode].append(normalize_exported(reused, model, i, args, kwargs,
-                                                       aten_spellings,
+                graphs[mode].append(normalize_exported(reused[0], model, i, args, kwargs,
+                                                       aten_spellings, shapes=reused[1],
                                                        exported=models[alike[i]]))
                 continue
-            program = _export_program(model, i, training=mode, args=args, kwargs=kwargs)
+            program, shapes = _export_program(model, i, training=mode, args=args,
+                                              kwargs=kwargs, start=shapes)
+            used.add(shapes.dims)
             if alike[i] == i and not reads_tensor_values(program):
-                programs[i] = program
+                programs[i] = program, shapes
             graphs[mode].append(normalize_exported(program, model, i, args, kwargs,
-                                                   aten_spellings))
+                                                   aten_spellings, shapes=shapes))
+    if len(used) > 1:
+        return export_models(models, inputs, modes=modes, aten_spellings=aten_spellings,
+                             keyword_names=keyword_names, start=shapes)
     return graphs
 
 
@@ -258,41 +309,89 @@ def export_model(
     :class:`TraceError` naming the model when ``torch.export`` fails.
     """
     args, kwargs = _unaliased(tuple(args), dict(kwargs or {}))
-    program = _export_program(model, index, training=training, args=args, kwargs=kwargs)
-    return normalize_exported(program, model, index, args, kwargs, aten_spellings)
+    program, shapes = _export_program(model, index, training=training, args=args,
+                                      kwargs=kwargs)
+    return normalize_exported(program, model, index, args, kwargs, aten_spellings,
+                              shapes=shapes)
 
 
 def _export_program(
-    model: nn.Module, index: int, *, training: bool, args: tuple, kwargs: dict
-) -> torch.export.ExportedProgram:
-    """``torch.export`` of ``model`` in one mode, or a :class:`TraceError` naming the model."""
-    try:
-        with uniform_mode(model, training), _quiet(), _inference_mode_refused(index, model), \
-                _traceable_forwards(model):
-            return torch.export.export(
-                model, tuple(args), kwargs,
-                dynamic_shapes=_dynamic_shapes(tuple(args), kwargs, model),
-                strict=False,
-            )
-    except TraceError:  # ours, already naming the model and the fix
-        raise
-    except Exception as exc:  # export raises many types; the user needs the model and the cause
-        where = source_line(exc)
-        if trace_hint(exc):
-            advice = trace_hint(exc).strip()
-        elif "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
-            advice = ("This line decides on tensor values in Python, which torch.export "
-                      "cannot follow: compute both sides and pick with torch.where(condition, "
-                      "a, b), or move the check out of forward.")
-        else:
-            advice = ("Check that example_inputs are valid inputs of the model "
-                      "(model(*example_inputs) runs); Python that decides on tensor values "
-                      "must be rewritten with tensor ops (torch.where).")
-        raise TraceError(
-            f"model {index} ({type(model).__name__}) cannot be traced by torch.export with the "
-            f"given example_inputs ({'train' if training else 'eval'} mode)"
-            f"{f' at {where}' if where else ''}: {plain_message(exc)}. {advice}"
-        ) from exc
+    model: nn.Module, index: int, *, training: bool, args: tuple, kwargs: dict,
+    start: ExportedShapes = ExportedShapes(),
+) -> tuple[torch.export.ExportedProgram, ExportedShapes]:
+    """``torch.export`` of ``model`` in one mode, and how its inputs' sizes were exported:
+    the tries of :data:`SHAPE_TRIES` from ``start.dims`` on, until one exports.  A failure
+    no fixed size mends (Python on tensor values, ours) is raised at once; the last one as
+    a :class:`TraceError` naming the model."""
+    why = start.why
+    for dims in SHAPE_TRIES[SHAPE_TRIES.index(start.dims):]:
+        # (a failed export leaves its symbolic sizes cached on the inputs it was given)
+        args, kwargs = _fresh_copies(args, kwargs)
+        try:
+            with uniform_mode(model, training), _quiet(), \
+                    _inference_mode_refused(index, model), _traceable_forwards(model):
+                program = torch.export.export(
+                    model, tuple(args), kwargs,
+                    dynamic_shapes=_dynamic_shapes(tuple(args), kwargs, model, dims),
+                    strict=False,
+                )
+            return program, ExportedShapes(dims, why)
+        except TraceError:  # ours, already naming the model and the fix
+            raise
+        except Exception as exc:  # export raises many types: the last one is told
+            failure = exc
+            if dims == "static" or _reads_values(exc):
+                break
+            if not why:
+                why = (f"torch.export could not keep {dims} symbolic "
+                       f"({_shortened(plain_message(exc))})")
+    raise _export_failure(model, index, training, failure) from failure
+
+
+def _fresh_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The example inputs as new tensors of the same values, dtypes, strides and
+    ``requires_grad``, for each export: torch.export keeps state on an input it failed to
+    export with symbolic sizes, and failed again with static shapes on that tensor (the
+    same sympy error, also in the next mode's export), where it exports a copy."""
+    def fresh(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        copy = (leaf.detach().clone(memory_format=torch.preserve_format)
+                if leaf.layout is torch.strided else leaf.detach().clone())  # (sparse)
+        return copy.requires_grad_(leaf.requires_grad)
+
+    return pytree.tree_map(fresh, (args, kwargs))
+
+
+def _reads_values(exc: BaseException) -> bool:
+    """An export failure on Python that reads tensor values: no fixed size mends it."""
+    return "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__
+
+
+def _shortened(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit].rstrip() + " ..."
+
+
+def _export_failure(model: nn.Module, index: int, training: bool,
+                    exc: BaseException) -> TraceError:
+    """The :class:`TraceError` for a model torch.export cannot export: the model, the mode,
+    the user's line and what to change."""
+    where = source_line(exc)
+    if trace_hint(exc):
+        advice = trace_hint(exc).strip()
+    elif _reads_values(exc):
+        advice = ("This line decides on tensor values in Python, which torch.export "
+                  "cannot follow: compute both sides and pick with torch.where(condition, "
+                  "a, b), or move the check out of forward.")
+    else:
+        advice = ("Check that example_inputs are valid inputs of the model "
+                  "(model(*example_inputs) runs); Python that decides on tensor values "
+                  "must be rewritten with tensor ops (torch.where).")
+    return TraceError(
+        f"model {index} ({type(model).__name__}) cannot be traced by torch.export with the "
+        f"given example_inputs ({'train' if training else 'eval'} mode)"
+        f"{f' at {where}' if where else ''}: {plain_message(exc)}. {advice}"
+    )
 
 
 # --------------------------------------------------------------------------- normalising
@@ -429,7 +528,7 @@ def _input_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
 def normalize_exported(
     program: torch.export.ExportedProgram, model: nn.Module, index: int, args: tuple,
     kwargs: dict, aten_spellings: Mapping[Any, Converter], *,
-    exported: nn.Module | None = None,
+    exported: nn.Module | None = None, shapes: ExportedShapes = ExportedShapes(),
 ) -> fx.GraphModule:
     """An exported program as a graph in the symbolic front-end's language (module docstring).
 
@@ -439,7 +538,8 @@ def normalize_exported(
     spelled as the symbolic front-end would have seen it.  The returned
     ``GraphModule`` is rooted at the model's own tensors (no copies), also when the
     program was ``exported`` from another model that runs the same program
-    (:func:`export_models`).  In four steps::
+    (:func:`export_models`); ``shapes``, how its inputs' sizes were exported, is in its
+    ``meta[ir.EXPORTED_SHAPES]`` and in the guards' messages.  In four steps::
 
         exported placeholders (USER_INPUT) -> user inputs + their guards   (_emit_inputs)
         exported placeholders (the rest)   -> get_attr of the model's names (_emit_attributes)
@@ -448,12 +548,14 @@ def normalize_exported(
     """
     n = _Normalizing(program, model, index, aten_spellings,
                      model if exported is None else exported)
-    _emit_inputs(n, args, kwargs)
+    _emit_inputs(n, args, kwargs, shapes)
     _emit_attributes(n)
     _emit_ops(n)
     _emit_outputs(n)
     n.graph.lint()
-    return fx.GraphModule(n.attrs, n.graph, class_name=type(model).__name__)
+    gm = fx.GraphModule(n.attrs, n.graph, class_name=type(model).__name__)
+    gm.meta[EXPORTED_SHAPES] = shapes
+    return gm
 
 
 class _Normalizing:
@@ -487,9 +589,10 @@ class _Normalizing:
         return self._device
 
 
-def _emit_inputs(n: _Normalizing, args: tuple, kwargs: dict) -> None:
+def _emit_inputs(n: _Normalizing, args: tuple, kwargs: dict, shapes: ExportedShapes) -> None:
     """The user's inputs, one placeholder per top-level input, parts read off by key path,
-    each checked against what export fixed (lowering/runtime/guards.py)."""
+    each checked against what export fixed (runtime/guards.py; where sizes were fixed for
+    export to succeed, the guard's message says so: ``shapes``)."""
     program, graph, e = n.program, n.graph, n.e
     names = _input_names(n.model, args, kwargs)
     tops: dict[tuple, fx.Node] = {}
@@ -515,7 +618,8 @@ def _emit_inputs(n: _Normalizing, args: tuple, kwargs: dict) -> None:
         value = _emit_path(e, tops[top], path[2:]) if len(path) > 2 else tops[top]
         if isinstance(example, torch.Tensor):
             shape = _exported_shape(node.meta["val"], program.range_constraints)
-            e.call(check_input_shape, value, shape, label)
+            note = shapes.describe()
+            e.call(check_input_shape, value, shape, label, **({"exported": note} if note else {}))
             if n.device_ref is None:
                 n.device_ref, n.example_device = value, example.device
         else:

@@ -24,8 +24,9 @@ import inspect
 import operator
 import os
 import random
-import sysconfig
+import sys
 import traceback
+import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -45,6 +46,9 @@ from ..ir import (
     bind,
     enter_autocast,
     exit_autocast,
+    is_user_file,
+    set_training,
+    user_frame_trace,
 )
 from ..lowering.runtime import attention as rt_attention
 from .closures import rebind_functions
@@ -162,6 +166,8 @@ class _Tracer(fx.Tracer):
         self.constant_inputs: dict[str, Any] = {}
         #: the traced value Python's control flow asked the truth of (the failure's node)
         self.undecidable: fx.Node | None = None
+        #: the frame of :meth:`trace`: a node's line of the user's code is one inside it
+        self._trace_frame: types.FrameType | None = None
 
     def _proxy_placeholder(self, name: str, concrete_args: Any, sig: inspect.Signature,
                            fn_for_analysis: Callable[..., Any]) -> Any:
@@ -171,6 +177,15 @@ class _Tracer(fx.Tracer):
         if name in self.constant_inputs and not (concrete_args and name in concrete_args):
             return self.constant_inputs[name]
         return placeholder
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        # Each node's line of the user's code, which a mismatch between the models names.
+        node = super().create_node(*args, **kwargs)
+        if node.stack_trace is None:
+            trace = user_frame_trace(below=self._trace_frame)
+            if trace is not None:
+                node.stack_trace = trace
+        return node
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         self.undecidable = obj.node
@@ -232,6 +247,7 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        self._trace_frame = sys._getframe()
         with self._buffer_assignments_recorded(root), self._grad_mode_recorded(), \
                 self._autograd_functions_recorded(), self._torch_random_recorded(), \
                 self._autocast_recorded(), self._sequence_packing_recorded(), \
@@ -586,7 +602,7 @@ def _python_random_refused() -> Iterator[None]:
 def uniform_mode(model: nn.Module, training: bool) -> Iterator[None]:
     """Put every submodule in one mode for the duration; restore each one's own flag after."""
     saved = [(m, m.training) for m in model.modules()]
-    model.train(training)
+    set_training(model, training)
     try:
         yield
     finally:
@@ -687,30 +703,13 @@ def constant_inputs(model: nn.Module, given: dict[str, Any] | None = None) -> di
     return constants
 
 
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                      for m in (torch, inspect.getmodule(FusionError)))
-_PACKAGE_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
-                       for k in ("purelib", "platlib")})
-_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
-
-
-def _is_user_file(filename: str) -> bool:
-    """Not torch's, hftc's, Python's own or generated code (``<eval_with_key>``)."""
-    if filename.startswith("<"):
-        return False
-    path = os.path.dirname(os.path.abspath(filename)) + os.sep
-    if path.startswith(_LIBRARY_DIRS):
-        return False
-    return not path.startswith(_STDLIB_DIR) or path.startswith(_PACKAGE_DIRS)
-
-
 def source_line(exc: BaseException) -> str:
     """Where in the user's code ``exc`` was raised: ``file.py:110 in forward: `code```
     (the innermost frame outside torch, hftc and Python's library), with torch's own
     module code it was raised in when that is deeper (``torch/nn/modules/transformer.py:535
     in _detect_is_causal_mask, called from ...``); ``""`` when none is known."""
     frames = traceback.extract_tb(exc.__traceback__)
-    user = next((f for f in reversed(frames) if _is_user_file(f.filename)), None)
+    user = next((f for f in reversed(frames) if is_user_file(f.filename)), None)
     if user is None:
         return ""
     path = user.filename

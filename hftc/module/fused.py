@@ -44,7 +44,7 @@ from ..frontends.symbolic import (
     meta_copy,
     trace_models,
 )
-from ..ir import CONSTANT_INPUTS, PYTHON_STATE
+from ..ir import CONSTANT_INPUTS, EXPORTED_SHAPES, PYTHON_STATE
 from ..lowering.autotune import run_program
 from ..lowering.checkpoint import check_option as check_checkpoint_option
 from ..lowering.compile_guard import compiled_original
@@ -430,7 +430,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             originals = [{n0.name: ni.name for n0, ni in m.items()} for m in matches[mode].mapping]
             self._mode_graphs[mode] = ModeGraphs(graph0, originals, matches[mode].method,
                                                   attr_targets,
-                                                  graphs[mode][0].meta.get(CONSTANT_INPUTS, {}))
+                                                  graphs[mode][0].meta.get(CONSTANT_INPUTS, {}),
+                                                  graphs[mode][0].meta.get(EXPORTED_SHAPES))
         for mode in (True, False):  # let the originals go: keep graphs, not their modules
             for g in graphs[mode][1:]:
                 g.graph.owning_module = None
@@ -511,6 +512,25 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         for name, p in self.named_parameters():
             if name in blocks:  # (read where stock optimizer state is padded into it)
                 p._hftc_width_blocks = blocks[name]
+
+    def train(self, mode: bool = True, *more: Any) -> FusedModule:
+        """``nn.Module.train``: every model in ``mode`` (``fused.eval()`` is ``train(False)``),
+        each module of the tree's flag set as ``nn.Module.train`` sets it, without calling
+        a ``train`` that a module copied from the models defines (its class's own).
+
+        The models' own ``train`` is not fused: pytorch/examples' forward-forward
+        ``Layer.train(x_pos, x_neg)`` is a training loop, which steps an optimizer the
+        fused module does not have; it is refused here with what to do instead."""
+        if more or not isinstance(mode, bool):
+            own = getattr(type(self._template), "train", None)
+            theirs = (f" {self.source_type}.train is the models' own method, which hftc does "
+                      f"not fuse: call it on the models one by one (fused.unfuse()) or write "
+                      f"its step with the fused module's outputs."
+                      if own is not None and own is not nn.Module.train else "")
+            raise FusionTypeError(
+                f"fused.train(mode) takes one bool (train or eval mode), got "
+                f"{', '.join(type(a).__name__ for a in (mode, *more))}.{theirs}")
+        return ir.set_training(self, mode)
 
     def to(self, *args: Any, **kwargs: Any) -> FusedModule:
         """``nn.Module.to``; a ``memory_format`` is not applied to the stacked tensors.

@@ -50,6 +50,7 @@ from torch.fx.graph_module import _format_import_block, _forward_from_src
 from torch.package import sys_importer
 
 from ..errors import UnsupportedOperatorError
+from ..ir import set_training
 from .padding import NodeRecorder, PaddedLeafTracer, PaddedModule
 
 # ---------------------------------------------------------------- the rewritten ops
@@ -280,7 +281,7 @@ _POINTWISE_STOCK = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU
 
 def _trace(model: nn.Module, training: bool, concrete: dict[str, Any]) -> fx.GraphModule:
     was = [(m, m.training) for m in model.modules()]
-    model.train(training)
+    set_training(model, training)
     try:
         tracer = PaddedLeafTracer()
         graph = tracer.trace(model, concrete_args=concrete or None)
@@ -293,7 +294,7 @@ def _trace(model: nn.Module, training: bool, concrete: dict[str, Any]) -> fx.Gra
 def _run(model: nn.Module, training: bool, concrete: dict[str, Any], args: Sequence[Any]
          ) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
     gm = _trace(model, training, concrete)
-    runner = copy.deepcopy(gm).train(training)  # (running statistics are not touched)
+    runner = set_training(copy.deepcopy(gm), training)  # (running statistics are not touched)
     recorder = NodeRecorder(runner)
     with torch.no_grad():
         recorder.run(*args)

@@ -39,8 +39,10 @@ from ..frontends.symbolic import (
     OutputSpec,
     is_python_constant,
     same_constant,
+    source_line,
     trace_model,
 )
+from ..ir import EXPORTED_SHAPES
 from ..lowering.autotune import ProgramChoice, run_program
 from ..lowering.check import (
     CheckResult,
@@ -72,6 +74,9 @@ class ModeGraphs:
     attr_targets: dict[str, str]
     #: the inputs traced as Python constants, and their values (ir.CONSTANT_INPUTS)
     constants: dict[str, Any] = field(default_factory=dict)
+    #: how torch.export kept the example inputs' sizes (ir.EXPORTED_SHAPES: an
+    #: ``ExportedShapes``); None for symbolic tracing
+    exported_shapes: Any = None
 
     def graph_module(self, template: nn.Module) -> fx.GraphModule:
         """Model 0's graph rooted at the meta template, for shape propagation and fusion."""
@@ -91,7 +96,8 @@ def guard_failure(graph: fx.Graph, values: Sequence[Any],
         for user in node.users:
             if user.target is check_input_shape and isinstance(value, torch.Tensor):
                 try:
-                    check_input_shape(model_slice(value, 0) if b else value, *user.args[1:])
+                    check_input_shape(model_slice(value, 0) if b else value, *user.args[1:],
+                                      **user.kwargs)
                 except FusionArgumentError as exc:
                     return exc
     return None
@@ -214,20 +220,26 @@ class ProgramCache:
     def _use_export(self, key: tuple, merged: Sequence[Any], batched: Sequence[bool],
                     refused: FusionArgumentError | None = None, keywords: int = 0) -> None:
         """This call runs the graphs exported for ``key`` (exported now if not yet).
-        ``refused``: the guard that sent the call here (a size export fixed), raised as it
-        is when the models cannot be exported with these inputs either (a size their code
-        fixes): that message says what the models take.  ``keywords``: how many of the
-        last inputs are exported as keywords (names in ``key``)."""
+        ``refused``: the guard that sent the call here (a size export fixed), raised when
+        the models cannot be exported with these inputs either (a size their code fixes):
+        that message says what the models take, and this one adds where their code fails
+        at these sizes.  ``keywords``: how many of the last inputs are exported as keywords
+        (names in ``key``)."""
         self.__dict__["_call_graph_key"] = key
         graphs = self.__dict__.setdefault("_reexported_graphs", {})
         if (self.training, key) not in graphs:
             try:
                 names = [name for name, _ in key[len(merged) - keywords:len(merged)]]
                 graphs[(self.training, key)] = self._export_again(merged, batched, names)
-            except TraceError:
+            except TraceError as again:
                 if refused is None:
                     raise
-                raise refused from None
+                cause = again.__cause__ or again
+                where = source_line(cause)
+                raise type(refused)(
+                    f"{refused} At this call's shapes the models' own code fails (exported "
+                    f"again with these inputs){f' at {where}' if where else ''}: "
+                    f"{plain_message(cause)}.") from None
 
     def _matched_mode_graphs(self, graphs: list, models: Sequence[nn.Module],
                              constants: dict[str, Any] | None = None) -> ModeGraphs:
@@ -244,7 +256,7 @@ class ProgramCache:
             g.graph.owning_module = None
         originals = [{n0.name: ni.name for n0, ni in m.items()} for m in match.mapping]
         return ModeGraphs(graphs[0].graph, originals, match.method, attr_targets,
-                           constants or {})
+                           constants or {}, graphs[0].meta.get(EXPORTED_SHAPES))
 
     def _export_again(self, merged: Sequence[Any], batched: Sequence[bool],
                       keyword_names: Sequence[str] = ()) -> ModeGraphs:
@@ -257,7 +269,9 @@ class ProgramCache:
         graphs = export_models(
             models, lambda i: tuple(model_slice(v, i) if b else v for v, b in zip(merged, batched)),
             modes=(self.training,), aten_spellings=aten_spellings(),
-            keyword_names=keyword_names)[self.training]
+            keyword_names=keyword_names,
+            # (the sizes kept symbolic at fusing: a try that failed then is not waited for)
+            start=self._mode_graphs[self.training].exported_shapes)[self.training]
         return self._matched_mode_graphs(graphs, models)
 
     def _rewriting_padded_ops(self, make: Callable[[], Any], values: Sequence[Any],
@@ -377,6 +391,8 @@ class ProgramCache:
                                                  checkpoint=getattr(self, "checkpoint", False)))
         if getattr(self, "padding", None) is not None:
             program.report.padding = self.padding.summary()
+        shapes = self._graphs_for(values).exported_shapes
+        program.report.exported = None if shapes is None else shapes.describe() or None
         return program
 
     def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,

@@ -80,6 +80,9 @@ class FusionReport:
     strategy: Any = None
     #: pad_widths=True: how the models were padded and what it costs (hftc.module.padding).
     padding: str | None = None
+    #: frontend='export' where not every input dim could be kept symbolic: how the sizes
+    #: were exported and why ("with static shapes (the example inputs' sizes): ...").
+    exported: str | None = None
 
     @property
     def fallbacks(self) -> list[FusionRecord]:
@@ -139,6 +142,9 @@ class FusionReport:
         if self.padding is not None:
             lines.append("")
             lines.append(f"  {self.padding}")
+        if self.exported is not None:
+            lines.append("")
+            lines.append(f"  torch.export: the example inputs exported {self.exported}")
         if self.lowerings:
             lines.append("")
             lines.append("  lowerings chosen by autotune (median forward + backward per call):")

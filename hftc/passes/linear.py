@@ -68,13 +68,20 @@ def add_product(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     ("call_function", torch.bmm), ("call_method", "bmm"),
     ("call_function", torch.mm), ("call_method", "mm"),
     ("call_function", torch.mv), ("call_method", "mv"),
-    aten=dict.fromkeys((aten.addmm, aten.baddbmm, aten.addbmm, aten.addmv), add_product),
+    ("call_function", torch.sparse.mm),
+    aten={**dict.fromkeys((aten.addmm, aten.baddbmm, aten.addbmm, aten.addmv), add_product),
+          aten._sparse_mm: torch.sparse.mm},
 )
 def fuse_matmul(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """Every spelling of a matrix product, sparse operands included (``torch.spmm`` is
+    traced as ``torch.mm``; ``torch.sparse.mm`` keeps its sparse operand's gradient sparse)."""
+    if len(group.args) > 2 or group.kwargs:  # torch.sparse.mm(a, b, reduce="amax")
+        raise NotFusable("a product with a reduction other than the sum")
     a, b = group.args[0], group.args[1]
+    sparse = {"sparse_gradient": True} if group.node.target is torch.sparse.mm else {}
     return builder.call(
-        rt_linear.matmul, a, b, a_batched=builder.is_batched(a), b_batched=builder.is_batched(b)
-    )
+        rt_linear.matmul, a, b, a_batched=builder.is_batched(a), b_batched=builder.is_batched(b),
+        **sparse)
 
 
 _EINSUM_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"

@@ -380,4 +380,5 @@ def fuse_getitem(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 def fuse_check_input_shape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The export front-end's guard: a stacked input's fixed sizes sit after its model dim."""
     x, shape, name = group.args[:3]
-    return builder.call(rt_guards.check_input_shape, x, shape, name, offset=1, batched=False)
+    return builder.call(rt_guards.check_input_shape, x, shape, name, offset=1, batched=False,
+                        **group.kwargs)  # (``exported``: how its sizes were exported)

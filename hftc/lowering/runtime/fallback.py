@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from ...errors import FusionError, RaggedResultError
+from ...ir import set_training
 
 
 def _stack_results(outs: list[Any], name: str) -> Any:
@@ -128,7 +129,7 @@ def loop_module(module: torch.nn.Module, n: int, batched: Any,
         if template is None:
             outs.append(module(*a, **k))
             continue
-        template.train(module.training)
+        set_training(template, module.training)
         tensors = {name: t[i] for name, t in module.named_parameters(remove_duplicate=False)}
         tensors.update({name: t[i] for name, t in module.named_buffers(remove_duplicate=False)})
         outs.append(torch.func.functional_call(template, tensors, a, k, strict=True))

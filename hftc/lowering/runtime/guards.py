@@ -15,15 +15,18 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ...errors import FusionArgumentError
+from ...errors import FusionArgumentError, InputShapeError
 
 
-def check_input_shape(x: Any, shape: tuple, name: str, offset: int = 0) -> None:
+def check_input_shape(x: Any, shape: tuple, name: str, offset: int = 0,
+                      exported: str = "") -> None:
     """Raise unless ``x`` has the rank and the fixed sizes the model was exported with.
 
     ``shape`` has an int for every dim export fixed, ``None`` for free symbolic
     ones and ``(low, high)`` for bounded ones (``None`` for no bound); ``offset``
-    skips leading model dims (1 for an input stacked per model).
+    skips leading model dims (1 for an input stacked per model); ``exported`` says how
+    the sizes were exported where not every dim could be kept symbolic
+    (:meth:`hftc.frontends.export.ExportedShapes.describe`).
     """
     if not isinstance(x, torch.Tensor):
         raise FusionArgumentError(
@@ -41,11 +44,13 @@ def check_input_shape(x: Any, shape: tuple, name: str, offset: int = 0) -> None:
         want = "[" + ", ".join(
             "*" if s is None else f"{s[0] or ''}..{s[1] or ''}" if isinstance(s, tuple)
             else str(s) for s in shape) + "]"
-        raise FusionArgumentError(
+        fixed = (f"exported {exported}" if exported else
+                 "the sizes given as numbers were fixed by the model's code or by the example "
+                 "(export specialises sizes 0 and 1, so give example inputs with a batch size "
+                 "of at least 2)")
+        raise InputShapeError(
             f"input `{name}` has shape {list(got)}, but the models were exported (torch.export, "
-            f"from example_inputs) with shape {want}: the sizes given as numbers were fixed by "
-            f"the model's code or by the example (export specialises sizes 0 and 1, so give "
-            f"example inputs with a batch size of at least 2). Call with that shape, or fuse "
+            f"from example_inputs) with shape {want}: {fixed}. Call with that shape, or fuse "
             f"again with example_inputs of the new shape."
         )
 
@@ -72,3 +77,8 @@ def check_input_structure(value: Any, expected: str, name: str) -> None:
             f"from example_inputs) with {expected}; fuse again with example_inputs of this "
             f"structure"
         )
+
+
+#: The guards, which compute nothing of the model's (a mismatch between the models'
+#: graphs is looked for past them: a guard differs where the models' own code does).
+INPUT_GUARDS = frozenset({check_input_shape, check_input_value, check_input_structure})

@@ -21,6 +21,7 @@ under autocast, and without the Function where no gradient is recorded.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -193,13 +194,22 @@ def batched_product(x3: Tensor, weight: Tensor, bias: Tensor | None,
     return torch.bmm(x3, wt) if bias is None else torch.baddbmm(bias.unsqueeze(1), x3, wt)
 
 
-def matmul(a: Tensor, b: Tensor, *, a_batched: bool, b_batched: bool) -> Tensor:
-    """Per-model ``torch.matmul(a, b)`` (also ``bmm`` and ``@``) with either operand shared.
+def matmul(a: Tensor, b: Tensor, *, a_batched: bool, b_batched: bool,
+           sparse_gradient: bool = False) -> Tensor:
+    """Per-model ``torch.matmul(a, b)`` (also ``bmm``, ``mm`` and ``@``) with either operand
+    shared.
 
     1-D operands become matrices (and the added dim is dropped after); batched
     operands get their per-model batch dims padded after the model dim so that
     ``torch.matmul``'s broadcasting lines up per model, not across models.
+    A sparse operand goes to :func:`sparse_matmul` (``torch.matmul``'s broadcasting views
+    a sparse tensor with ``as_strided``, which sparse tensors do not have); its product is
+    ``torch.sparse.mm`` with ``sparse_gradient`` (the models' call: the sparse operand's
+    gradient sparse as it is), else ``torch.mm``.
     """
+    if a.layout is not torch.strided or b.layout is not torch.strided:
+        return sparse_matmul(a, b, a_batched=a_batched, b_batched=b_batched,
+                             product=torch.sparse.mm if sparse_gradient else torch.mm)
     a_nd = a.dim() - a_batched
     b_nd = b.dim() - b_batched
     if a_nd == 1:
@@ -221,6 +231,37 @@ def matmul(a: Tensor, b: Tensor, *, a_batched: bool, b_batched: bool) -> Tensor:
     if a_nd == 1:
         y = y.squeeze(-2 if b_nd != 1 else -1)
     return y
+
+
+def sparse_matmul(a: Tensor, b: Tensor, *, a_batched: bool, b_batched: bool,
+                  product: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """Per-model ``product(a, b)`` (``torch.mm`` or ``torch.sparse.mm``) where an operand is
+    sparse.  A sparse matrix all models share times a stacked dense one is one product,
+    the models' columns side by side (graph convolution's ``torch.spmm(adj, support)``)::
+
+        adj [n, k] sparse, support [N, k, f]
+            -> adj @ support.permute(1, 0, 2).reshape(k, N*f)  [n, N*f]  -> [N, n, f]
+
+    and a stacked dense matrix times a shared sparse one is one product over the models'
+    rows: ``x [N, m, k] -> x.reshape(N*m, k) @ W -> [N, m, f]``.  Each output element sums
+    the same terms in the same order as the model's own product, so the values are the
+    models' bit for bit; gradients flow through the dense side's reshape (and to a shared
+    sparse operand that requires one, summed over the models as their N products give it).
+    A sparse operand per model (stacked), or anything but matrices, runs model by model.
+    """
+    a_sparse, b_sparse = a.layout is not torch.strided, b.layout is not torch.strided
+    n = a.shape[0] if a_batched else b.shape[0] if b_batched else None
+    if n is None:  # (both shared: the driver computes such a product once, as it is)
+        return product(a, b)
+    if a_sparse and not b_sparse and not a_batched and a.dim() == 2 and b.dim() == 3:
+        k, f = b.shape[1:]
+        columns = product(a, b.permute(1, 0, 2).reshape(k, n * f))
+        return columns.reshape(a.shape[0], n, f).permute(1, 0, 2)
+    if b_sparse and not a_sparse and not b_batched and b.dim() == 2 and a.dim() == 3:
+        m, k = a.shape[1:]
+        return product(a.reshape(n * m, k), b).reshape(n, m, b.shape[1])
+    return torch.stack([product(a[i] if a_batched else a, b[i] if b_batched else b)
+                        for i in range(n)])
 
 
 def linear_chain(x: Tensor, weights: tuple[Tensor, ...], biases: tuple[Tensor | None, ...], *,
