@@ -243,6 +243,13 @@ def test_lstm_under_cpu_autocast_runs_in_its_lower_precision(given_state):
     fused = hftc.fuse(models)
     x = torch.randn(2, 5, 8)
     state = (torch.randn(1, 2, 8), torch.randn(1, 2, 8)) if given_state else None
+    try:  # stock torch's own bf16 LSTM first: oneDNN has none on some CPUs (AMD EPYC)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            models[0](x, state)
+    except RuntimeError as exc:
+        if "primitive descriptor" not in str(exc):
+            raise
+        pytest.skip(f"stock torch's bf16 LSTM does not run on this CPU: {exc}")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outs = fused(x, state)
         wants = [m(x, state) for m in models]
