@@ -40,3 +40,14 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_mode_restored():
+    # Lightning's Trainer(deterministic=True) turns torch.use_deterministic_algorithms on
+    # for the process, under which hftc times nothing (strategy="timed", autotune): each
+    # test starts with the mode it found.
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

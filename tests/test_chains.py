@@ -45,7 +45,7 @@ def sequential(sizes=(6, 9, 7, 4)):
 
 
 def chain_calls(fused) -> int:
-    return fused.last_program().source.count("hftc_runtime_linear_linear_chain(")
+    return fused.last_program().source.count("hftc_lowering_runtime_linear_linear_chain(")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -313,7 +313,7 @@ def every_size_model_by_model(monkeypatch):
 
 
 def tail_calls(fused) -> int:
-    return fused.last_program().source.count("hftc_runtime_linear_linear_log_softmax(")
+    return fused.last_program().source.count("hftc_lowering_runtime_linear_linear_log_softmax(")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

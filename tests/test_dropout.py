@@ -140,7 +140,7 @@ def test_fused_dropouts_run_hftcs_kernel_and_each_model_draws_its_own_mask():
     x = torch.randn(256, 16)
     out = fused(x)
     source = fused.last_program().source
-    assert source.count("hftc_runtime_random_dropout(") == 3, source
+    assert source.count("hftc_lowering_runtime_random_dropout(") == 3, source
     assert "functional_dropout" not in source and "torch.dropout" not in source
     keep = 0.75 * 0.5 * 0.9
     for i in range(3):

@@ -91,7 +91,7 @@ def test_stochastic_depth_is_one_fused_draw_each_model_its_own_rate(mode):
         out = fused(x)
         rows.append(out.detach())
     source = fused.last_program().source
-    assert source.count("hftc_runtime_random_stochastic_depth(") == 1, source
+    assert source.count("hftc_lowering_runtime_random_stochastic_depth(") == 1, source
     assert fused.fusion_report.fallbacks == []
     out = torch.cat(rows, 1)  # [N, calls * B, 8]
     kept = (out != 0).all(-1).double()  # whole rows are kept or dropped
@@ -247,8 +247,8 @@ def test_shifted_window_attention_is_fused_and_equals_the_loop(window, shift, he
     fused(x)
     source = fused.last_program().source
     assert fused.fusion_report.fallbacks == [], source
-    assert "hftc_runtime_attention_shifted_window_attention(" in source
-    assert "hftc_runtime_attention_relative_position_bias(" in source
+    assert "hftc_lowering_runtime_attention_shifted_window_attention(" in source
+    assert "hftc_lowering_runtime_attention_relative_position_bias(" in source
     for dtype in (torch.float64, torch.float32):
         for train in (True, False):
             check_equivalence(models, x, dtype=dtype, train=train)

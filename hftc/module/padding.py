@@ -512,7 +512,7 @@ def _agree(want: object, got: object) -> bool:
 def _user_frame(stack_trace: str) -> str:
     """``file:line, in function`` of the innermost frame of a node's stack trace outside
     torch and hftc: the model's own line."""
-    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent))
+    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))  # hftc/
     for found in reversed(re.findall(r'File "([^"]+)", line (\d+), in (\S+)', stack_trace)):
         if not found[0].startswith(skip):
             return f"{found[0]}:{found[1]}, in {found[2]}"

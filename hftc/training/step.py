@@ -651,7 +651,7 @@ _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 
 _THIS_FILE = os.path.abspath(__file__)
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_HFTC_DIR = os.path.dirname(_THIS_FILE) + os.sep
+_HFTC_DIR = os.path.dirname(os.path.dirname(_THIS_FILE)) + os.sep  # the package, not training/
 
 
 _HFTC = "hftc"
