@@ -170,19 +170,10 @@ def sweep(
         raise SweepError(f"hftc.ray.sweep: workers must be a positive int, got {workers!r}")
     start = time.perf_counter()
     spec = _shippable(spec, "hftc.ray.sweep")
-    local_spec = load_spec(spec).replace(**overrides)
-    study_name = study_name or local_spec.name
-    out = Path(out if out is not None else Path("sweeps") / study_name).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    storage = storage or f"sqlite:///{out / 'study.db'}"
+    local_spec, study_name, out, storage = _study_made(
+        load_spec(spec).replace(**overrides), study_name, out, storage,
+        make_storage, heartbeat_interval, grace_period)
     say = log if log is not None else (lambda msg: None)
-
-    # The study exists before any actor starts: a replacement (resume=True) finds it.
-    import optuna
-
-    optuna.create_study(study_name=study_name, direction=local_spec.direction,
-                        storage=make_storage(storage, heartbeat_interval, grace_period),
-                        load_if_exists=True)
 
     if not ray.is_initialized():
         ray.init(address=address, logging_level="warning", log_to_driver=log is not None)
@@ -191,58 +182,28 @@ def sweep(
     options = {"out": str(out), "storage": storage, "study_name": study_name,
                "heartbeat_interval": heartbeat_interval, "grace_period": grace_period,
                "progress": False, "log": print if log is not None else None}
-    Actor = ray.remote(_SweepActor).options(
+    actors = _Actors(ray, ray.remote(_SweepActor).options(
         num_cpus=1, num_gpus=1 if gpus else 0, scheduling_strategy="SPREAD",
-        max_restarts=0)
-    limit = 2 * workers if max_replacements is None else max_replacements
-    replaced, summaries, every_actor = 0, [], []
-
-    def start_actor() -> Any:
-        actor = Actor.remote(spec, overrides, options, "cuda" if gpus else None)
-        every_actor.append(actor)
-        return actor
-
-    def wait_all(calls: dict[Any, Any], again: str) -> list[tuple[Any, Any]]:
-        """(actor, result) of each of ``calls`` (ref -> actor); an actor that dies (or
-        whose node does) is replaced by a new one that calls ``again`` (``run`` with
-        resume=True: it takes over the dead worker's trials)."""
-        nonlocal replaced
-        results = []
-        while calls:
-            (done,), _ = ray.wait(list(calls), num_returns=1)
-            actor = calls.pop(done)
-            try:
-                results.append((actor, ray.get(done)))
-            except Exception as exc:
-                if not _actor_died(ray, exc) or replaced >= limit:
-                    raise
-                replaced += 1
-                say(f"a sweep actor died ({type(exc).__name__}); starting another "
-                    f"({replaced} replaced)")
-                actor = start_actor()
-                call = actor.load.remote() if again == "load" else actor.run.remote(True)
-                calls[call] = actor
-        return results
-
+        max_restarts=0), (spec, overrides, options, "cuda" if gpus else None),
+        2 * workers if max_replacements is None else max_replacements, say)
     try:
         # Every worker loaded (spec, data, imports) before any asks: they share the work.
-        loaded = wait_all({a.load.remote(): a for a in [start_actor() for _ in range(workers)]},
-                          "load")
-        summaries = [s for _, s in wait_all({a.run.remote(resume): a for a, _ in loaded},
-                                            "run")]
+        loaded = actors.wait_all({a.load.remote(): a for a in
+                                  [actors.start() for _ in range(workers)]}, "load")
+        summaries = [s for _, s in actors.wait_all({a.run.remote(resume): a
+                                                    for a, _ in loaded}, "run")]
     except ray.exceptions.RayTaskError as exc:  # the sweep's code raised: say what
         raise (exc.cause if getattr(exc, "cause", None) is not None else exc) from None
     except Exception as exc:
         if not _actor_died(ray, exc):
             raise
         raise SweepError(
-            f"hftc.ray.sweep: {replaced + 1} sweep actors died (the last: "
+            f"hftc.ray.sweep: {actors.replaced + 1} sweep actors died (the last: "
             f"{type(exc).__name__}); the study {study_name!r} keeps its trials: run again "
             f"with resume=True (--resume) once the cluster is healthy") from exc
     finally:
-        for actor in every_actor:  # on an error, the others stop too
-            with contextlib.suppress(Exception):
-                ray.kill(actor)
+        actors.kill_all()  # on an error, the others stop too
+    replaced = actors.replaced
 
     # Every trial is done: the results, written once, here.
     final = Sweep(local_spec, out=out, storage=storage, study_name=study_name,
@@ -255,6 +216,67 @@ def sweep(
         final, wall_s=time.perf_counter() - start,
         train_s=sum(s["train_s"] for s in summaries),
         trial_epochs=sum(s["trial_epochs"] for s in summaries), timings=timings)
+
+
+
+def _study_made(local_spec: Any, study_name: str | None, out: str | Path | None,
+                storage: str | None, make_storage: Any, heartbeat_interval: int,
+                grace_period: int | None) -> tuple[Any, str, Path, str]:
+    """The study's name, folder and storage, and the study made in it before any actor
+    starts (a replacement, resume=True, finds it)."""
+    import optuna
+
+    study_name = study_name or local_spec.name
+    out = Path(out if out is not None else Path("sweeps") / study_name).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    storage = storage or f"sqlite:///{out / 'study.db'}"
+    optuna.create_study(study_name=study_name, direction=local_spec.direction,
+                        storage=make_storage(storage, heartbeat_interval, grace_period),
+                        load_if_exists=True)
+    return local_spec, study_name, out, storage
+
+
+class _Actors:
+    """The sweep's Ray actors: started with ``arguments``, waited for, and each that dies
+    (or whose node does) replaced by a new one, at most ``limit`` times."""
+
+    def __init__(self, ray: Any, actor_class: Any, arguments: tuple, limit: int,
+                 say: Any) -> None:
+        self.ray, self.actor_class, self.arguments = ray, actor_class, arguments
+        self.limit, self.say = limit, say
+        self.replaced = 0
+        self.every: list[Any] = []
+
+    def start(self) -> Any:
+        actor = self.actor_class.remote(*self.arguments)
+        self.every.append(actor)
+        return actor
+
+    def wait_all(self, calls: dict[Any, Any], again: str) -> list[tuple[Any, Any]]:
+        """(actor, result) of each of ``calls`` (ref -> actor); an actor that dies is
+        replaced by a new one that calls ``again`` (``run`` with resume=True: it takes
+        over the dead worker's trials)."""
+        results = []
+        while calls:
+            (done,), _ = self.ray.wait(list(calls), num_returns=1)
+            actor = calls.pop(done)
+            try:
+                results.append((actor, self.ray.get(done)))
+            except Exception as exc:
+                if not _actor_died(self.ray, exc) or self.replaced >= self.limit:
+                    raise
+                self.replaced += 1
+                self.say(f"a sweep actor died ({type(exc).__name__}); starting another "
+                         f"({self.replaced} replaced)")
+                actor = self.start()
+                call = actor.load.remote() if again == "load" else actor.run.remote(True)
+                calls[call] = actor
+        return results
+
+    def kill_all(self) -> None:
+        for actor in self.every:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor)
 
 
 # ---------------------------------------------------------------------- Ray Tune

@@ -144,6 +144,21 @@ def _aten_lstm_per_model(
     return (output, h_n, c_n) if flat_states else (output, (h_n, c_n))
 
 
+def _state_dtype(mode: str, input: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype the recurrence's states run in: the weights', or under autocast ATen's."""
+    dtype = weight.dtype
+    if dtype.is_floating_point and torch.is_autocast_enabled(weight.device.type):
+        if mode == "LSTM":
+            # ATen's autocast runs lstm in its lower precision (states included): a float32
+            # cell state kept the fused recurrence, and its outputs, in float32.
+            return torch.get_autocast_dtype(weight.device.type)
+        if mode == "GRU" and input.is_floating_point():
+            # gru is not on autocast's lists: ATen runs it at its input's precision (a bf16
+            # input from an autocast layer gives bf16 states and outputs).
+            return input.dtype
+    return dtype
+
+
 def rnn(
     mode: str, input: Tensor, hx: Tensor | Sequence[Tensor] | None, weights: Sequence[Tensor],
     has_biases: bool, num_layers: int, dropout: float, training: bool, bidirectional: bool,
@@ -177,17 +192,7 @@ def rnn(
     bsz = x.shape[int(x_batched) + 1]
     hidden = weights[1].shape[-1]  # W_hh: [N, G*H, Hout]
     cell_size = weights[0].shape[1] // GATES[mode]
-    dtype, device = weights[0].dtype, weights[0].device
-    if dtype.is_floating_point and torch.is_autocast_enabled(device.type):
-        if mode == "LSTM":
-            # ATen's autocast runs lstm in its lower precision (states included): a float32
-            # cell state kept the fused recurrence, and its outputs, in float32.
-            dtype = torch.get_autocast_dtype(device.type)
-        elif mode == "GRU" and input.is_floating_point():
-            # gru is not on autocast's lists: ATen runs it at its input's precision (a bf16
-            # input from an autocast layer gives bf16 states and outputs).
-            dtype = input.dtype
-
+    dtype, device = _state_dtype(mode, input, weights[0]), weights[0].device
     states: list[Tensor | None] = []
     hx_parts = [] if hx is None else ([hx] if isinstance(hx, Tensor) else list(hx))
     for k, size in enumerate([hidden, cell_size][: 2 if mode == "LSTM" else 1]):
