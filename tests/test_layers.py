@@ -174,3 +174,16 @@ def test_the_old_module_names_are_the_new_modules():
     from hftc.lowering.runtime.modules import StackedModule
 
     assert old_modules.StackedModule is StackedModule
+
+
+def test_no_function_is_over_100_lines():
+    # A function a newcomer reads in one sitting: longer ones are split into named steps.
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+                if node.end_lineno - start + 1 > 100:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.name} "
+                                f"({node.end_lineno - start + 1} lines)")
+    assert not long, long
