@@ -532,7 +532,9 @@ def markers(block: str = "") -> tuple[str, str]:
 
 
 def update_docs(doc: Path, text: str, block: str = "") -> None:
-    """Replace the generated part of ``doc`` (between the block's markers) with ``text``."""
+    """Replace the generated part of ``doc`` (between the block's markers) with ``text``;
+    for a repository's docs/BENCHMARKS.md, then the numbers of its README and guides
+    (:mod:`hftc.bench.docs_numbers`)."""
     begin, end = markers(block)
     body = doc.read_text() if doc.exists() else f"# Benchmarks\n\n{begin}\n{end}\n"
     if begin not in body or end not in body:
@@ -540,6 +542,14 @@ def update_docs(doc: Path, text: str, block: str = "") -> None:
     head, rest = body.split(begin, 1)
     _, tail = rest.split(end, 1)
     doc.write_text(f"{head}{begin}\n{text}{end}{tail}")
+    root = doc.resolve().parent.parent
+    if doc.name == "BENCHMARKS.md" and doc.resolve().parent.name == "docs" \
+            and (root / "README.md").exists():
+        # README's and the guides' numbers are generated from these tables
+        from .docs_numbers import update as update_numbers
+
+        for path in update_numbers(root):
+            print(f"updated {path}")
 
 
 def merge(results: list[dict]) -> dict:
