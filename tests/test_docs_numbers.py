@@ -210,3 +210,11 @@ def test_widths_are_described_with_pad_widths():
                        "(pad_widths=True, fuse_groups):\n" + "\n".join(wrong))
     for page in ("README.md", "docs/guides/sweep-with-optuna.md", "docs/reference/fuse.md"):
         assert "pad_widths=True" in (ROOT / page).read_text(), page
+
+
+@pytest.mark.parametrize("path", docs_numbers.pages(ROOT, also=True), ids=_page_id)
+def test_every_opened_block_is_closed(path):
+    text = path.read_text()
+    assert text.count("<!-- hftc:numbers name=") == len(BLOCK.findall(text)), (
+        f"{_page_id(path)}: a `<!-- hftc:numbers name=... -->` without its "
+        f"`<!-- /hftc:numbers -->`")

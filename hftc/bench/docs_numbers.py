@@ -37,10 +37,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = Path("docs") / "BENCHMARKS.md"
-#: The pages whose measured numbers come from BENCHMARKS.md (relative to the repository).
+#: The pages whose measured numbers come from BENCHMARKS.md (relative to the repository):
+#: every measured ratio of theirs is in a block (tests/test_docs_numbers.py).
 PAGES = ("README.md", "docs/index.md", "docs/guides/*.md")
+#: Pages that hold blocks too, beside hand-written numbers (BENCHMARKS.md's own prose).
+ALSO = (str(BENCHMARKS),)
 
-BLOCK = re.compile(r"<!-- hftc:numbers name=(\S+) -->(.*?)<!-- /hftc:numbers -->", re.S)
+BLOCK = re.compile(r"<!-- hftc:numbers name=(\S+) -->((?:(?!<!-- hftc:numbers ).)*?)"
+                   r"<!-- /hftc:numbers -->", re.S)
 _BENCH_BEGIN = re.compile(r"<!-- bench:(?:([\w.+-]+):)?begin -->")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -315,9 +319,9 @@ NAMED: dict[str, Callable[[Benchmarks], str]] = {
 # --------------------------------------------------------------------------- the pages
 
 
-def pages(root: Path = ROOT) -> list[Path]:
-    """The pages whose numbers come from BENCHMARKS.md."""
-    return sorted(p for pattern in PAGES for p in root.glob(pattern))
+def pages(root: Path = ROOT, also: bool = False) -> list[Path]:
+    """The pages whose numbers come from BENCHMARKS.md (``also``: and :data:`ALSO`)."""
+    return sorted(p for pattern in (*PAGES, *(ALSO if also else ())) for p in root.glob(pattern))
 
 
 def _body(text: str) -> str:
@@ -338,7 +342,7 @@ def render(text: str, bench: Benchmarks) -> str:
 def stale(root: Path = ROOT) -> list[str]:
     """Each block whose content differs from BENCHMARKS.md: ``file: name: has X, source Y``."""
     bench, found = Benchmarks.read(root), []
-    for path in pages(root):
+    for path in pages(root, also=True):
         for m in BLOCK.finditer(path.read_text()):
             want = _body(figure(bench, m.group(1)))
             if m.group(2) != want:
@@ -350,7 +354,7 @@ def stale(root: Path = ROOT) -> list[str]:
 def update(root: Path = ROOT) -> list[Path]:
     """Rewrite every block of the pages from BENCHMARKS.md; the files changed."""
     bench, changed = Benchmarks.read(root), []
-    for path in pages(root):
+    for path in pages(root, also=True):
         text = path.read_text()
         new = render(text, bench)
         if new != text:
