@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import Coefficients, FusedOptimizer, addcdiv_, addcmul_
+from .coefficients import Coefficients, addcdiv_, addcmul_
+from .optimizer import FusedOptimizer
 
 __all__ = ["Adam", "AdamW"]
 
