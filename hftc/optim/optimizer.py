@@ -269,11 +269,8 @@ class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, Captura
     # step that calls it): the update already runs one kernel per op for all N models,
     # and its per-step Python scalars (bias corrections from each model's step count)
     # would be traced as constants, one recompilation per step.
-    # Compiling the update with those scalars as tensors cannot match stock bit for bit on
-    # the CPU either: eager ``lerp_`` and ``addcmul_`` round once through an FMA, which
-    # inductor's C++ code never emits, and eager ``sqrt`` (MKL's vector math) differs from
-    # the correctly rounded one inductor emits in ~16% of elements.  Compiling only what
-    # follows an eager ``sqrt`` is exact, and saves too little to pay (docs/DESIGN_NOTES.md).
+    # Compiled with tensor scalars it would not match stock bit for bit on the CPU either
+    # (FMA and ``sqrt`` rounding: docs/DESIGN_NOTES.md, "Why the optimizer step is eager").
     @torch.no_grad()
     @run_eagerly
     def step(self, closure=None, *, skip_models: Sequence[bool] | Tensor | None = None):
