@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
-import hftc.lowering.autotune as autotune
 import hftc.lowering.strategy as strategy
 import hftc.lowering.timing as timing
 from hftc.errors import FusionArgumentError
