@@ -64,8 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "another worker (default: 4 heartbeats)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run --workers Ray actors on the cluster at ADDRESS (auto, "
-                        "host:6379, ray://host:10001; none: a running cluster, else a local Ray), each holding one "
-                        "GPU where there are GPUs; needs pip install 'hftc[ray]' (see "
+                        "host:6379, ray://host:10001; none: a running cluster, else a local "
+                        "Ray; it says which and how long it took), each holding one GPU where "
+                        "there are GPUs; needs pip install 'hftc[ray]' (see "
                         "docs/guides/ray.md)")
     p.add_argument("--workers", type=positive_int,
                    help="with --ray: the number of sweep actors (default 2)")
