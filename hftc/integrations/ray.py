@@ -403,7 +403,7 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, epochs: int | None = Non
     alone. The trial ends when its array
     is empty or after ``epochs``. Give the scheduler here, not to ``tune.TuneConfig``
     (where it would stop whole arrays). Call after ``ray.init()``: the scheduler lives
-    in an actor of the driver.
+    in an actor of the driver (:func:`connect` reuses a running cluster).
 
     A configuration's seed is its ``"seed"`` parameter, else the spec's seed plus a hash
     of its trial and position.
