@@ -145,15 +145,8 @@ def _listing(title: str, entries: dict[str, str]) -> str:
     return f"{title}:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, text in entries.items())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line; builds without importing torch (tests/test_cli.py checks)."""
-    from .sweep.cli import add_arguments as add_sweep_arguments
-    from .sweep.cli import add_demo_arguments
-
-    parser = argparse.ArgumentParser(
-        prog="hftc", description="hftc: fuse N PyTorch models into one module.",
-        epilog="`hftc COMMAND --help` for a command's options; `python -m hftc` is the same.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _add_inspect(sub) -> None:
+    """``hftc inspect``'s parser."""
     p = sub.add_parser(
         "inspect", help="fuse N models from a factory; print what became of each op (or draw "
                         "the fused graph)", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -194,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "'strategy:' line says which runs")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(fn=cmd_inspect)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; builds without importing torch (tests/test_cli.py checks)."""
+    from .sweep.cli import add_arguments as add_sweep_arguments
+    from .sweep.cli import add_demo_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="hftc", description="hftc: fuse N PyTorch models into one module.",
+        epilog="`hftc COMMAND --help` for a command's options; `python -m hftc` is the same.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_inspect(sub)
     p = sub.add_parser("demo", help="the demo (make demo): a fused Optuna sweep of a CNN on "
                                     "8x8 digits and its speedup over training trials one by one")
     add_demo_arguments(p)
