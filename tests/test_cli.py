@@ -85,7 +85,17 @@ def test_inspect_writes_dot(tmp_path):
     assert dot.startswith('digraph "') and "fuse_batch_norm" in dot and "->" in dot
     # a frame per residual block, a legend, model 0's shapes and the lowering each conv runs
     assert "subgraph cluster_layer1_0 {" in dot and "subgraph cluster_legend {" in dot
-    assert re.search(r'label="conv1: conv -> \w+\\n\[2, 8, 32, 32\]"', dot), dot[:3000]
+    assert re.search(r'label="conv1: conv -> \w+\\n\[N, 2, 8, 32, 32\]"', dot), dot[:3000]
+
+
+def test_inspect_dot_names_the_users_ops(tmp_path):
+    target = tmp_path / "g.dot"
+    assert main(["inspect", f"{ZOO}:lenet5_mnist", "--input-shape", "2,1,28,28",
+                 "--format", "dot", "-o", str(target)]) == 0
+    dot = target.read_text()
+    assert re.search(r'label="max_pool2d\\n\[N, 2, 6, 14, 14\]"', dot), dot[:3000]
+    assert re.search(r'label="max_pool2d_1: max_pool2d\\n\[N, 2, 16, 5, 5\]"', dot)
+    assert not re.search(r'label="[^"]*channelwise', dot)  # hftc's kernel names stay out
 
 
 def test_inspect_svg_without_graphviz_says_what_to_install(tmp_path, monkeypatch):
