@@ -61,10 +61,23 @@ def _example_input(spec: InputSpec, model) -> object:
     return torch.randint(0, high, spec.shape, dtype=dtype)
 
 
+def _settle_strategy(fused, inputs, most_calls: int = 200) -> None:
+    """Call the fused module until a strategy timed on the first calls has chosen, so that
+    the report says what runs (not "alternates ..." while it times)."""
+    from .lowering.strategy import TIMING_CALLS
+
+    for _ in range(most_calls):
+        plan = fused.last_program().plan
+        if getattr(plan, "reason", None) != TIMING_CALLS:
+            return
+        fused(*inputs)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     import hftc
 
     from .cli.graph import graph_to_dot
+    from .cli.report import inspect_text
 
     specs = list(args.input or [])
     if args.input_shape:
@@ -78,9 +91,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     inputs = [_example_input(spec, models[0]) for spec in specs]
     fused = hftc.fuse(models, autotune=args.autotune, strategy=args.strategy)
     fused.compile(*inputs)
-    program = fused.last_program()
+    _settle_strategy(fused, inputs)
     if args.format == "text":
-        text = f"{program.report}\n\nfused graph (generated forward):\n{program.source}"
+        text = inspect_text(fused, f"{args.factory}", code=args.code)
         if args.output:
             Path(args.output).write_text(text)
         else:
@@ -132,20 +145,15 @@ def _listing(title: str, entries: dict[str, str]) -> str:
     return f"{title}:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, text in entries.items())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line; builds without importing torch (tests/test_cli.py checks)."""
-    from .sweep.cli import add_arguments as add_sweep_arguments
-    from .sweep.cli import add_demo_arguments
-
-    parser = argparse.ArgumentParser(
-        prog="hftc", description="hftc: fuse N PyTorch models into one module.",
-        epilog="`hftc COMMAND --help` for a command's options; `python -m hftc` is the same.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+def _add_inspect(sub) -> None:
+    """``hftc inspect``'s parser."""
     p = sub.add_parser(
-        "inspect", help="fuse N models from a factory; print the fusion report and the fused "
-                        "graph", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Fuse N models made by FACTORY, compile them for example inputs and print "
-                    "the fusion report and the generated forward, or draw the fused graph.",
+        "inspect", help="fuse N models from a factory; print what became of each op (or draw "
+                        "the fused graph)", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Fuse N models made by FACTORY, compile them for example inputs and "
+                    "print each op of the model: what hftc did with it, its output's shape "
+                    "[N, ...] (N: the model axis) and how the program runs (--code: the "
+                    "generated forward too), or draw the fused graph.",
         epilog="examples:\n"
                "  hftc inspect tests/zoo.py:resnet_small --input 8,3,32,32\n"
                "  hftc inspect mymodels:make_gpt --input long:8,64            # token ids\n"
@@ -162,9 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-shape", type=int_list, metavar="SHAPE",
                    help="the same as --input SHAPE (one float input)")
     p.add_argument("--format", choices=["text", "dot", "svg", "png"], default="text",
-                   help="text (default): the fusion report and the generated forward; dot: "
+                   help="text (default): each op of the model, what hftc did with it and its "
+                        "output's shape [N, ...] (--code: the generated forward too); dot: "
                         "the fused graph as Graphviz DOT (shapes, chosen kernels, a legend); "
                         "svg, png: that graph drawn by Graphviz's `dot` (needs -o)")
+    p.add_argument("--code", action="store_true",
+                   help="with --format text: print the generated fused forward too")
     p.add_argument("--autotune", action="store_true",
                    help="time the kernels' lowerings and keep the fastest, as "
                         "hftc.fuse(..., autotune=True) (default: the cost model's choice)")
@@ -176,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "'strategy:' line says which runs")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(fn=cmd_inspect)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; builds without importing torch (tests/test_cli.py checks)."""
+    from .sweep.cli import add_arguments as add_sweep_arguments
+    from .sweep.cli import add_demo_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="hftc", description="hftc: fuse N PyTorch models into one module.",
+        epilog="`hftc COMMAND --help` for a command's options; `python -m hftc` is the same.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_inspect(sub)
     p = sub.add_parser("demo", help="the demo (make demo): a fused Optuna sweep of a CNN on "
                                     "8x8 digits and its speedup over training trials one by one")
     add_demo_arguments(p)

@@ -1,4 +1,5 @@
-"""python -m hftc: inspect prints the fusion report and the fused graph; dot output; errors."""
+"""python -m hftc: inspect prints each op (the user's names, shapes [N, ...], the strategy's
+choice; the generated forward with --code); dot output; errors."""
 
 from __future__ import annotations
 
@@ -15,14 +16,59 @@ ZOO = str(Path(__file__).parent / "zoo.py")
 FACTORIES = str(Path(__file__).parent / "cli_factories.py")
 
 
-def test_inspect_prints_report_and_graph(capsys):
+def _row(out: str, node: str) -> list[str]:
+    """The cells of ``node``'s row of the op table (columns two spaces apart)."""
+    line = next(line for line in out.splitlines() if line.startswith(f"  {node} "))
+    return re.split(r"\s{2,}", line.strip())
+
+
+def test_inspect_prints_each_op_as_the_user_wrote_it(capsys):
     assert main(["inspect", f"{ZOO}:lenet5_mnist", "-n", "3", "--input-shape", "2,1,28,28"]) == 0
     out = capsys.readouterr().out
-    assert "hftc fusion report: 3 models" in out
-    assert "fuse_conv" in out and "fuse_linear" in out
-    assert "0 per-model loops" in out
-    assert "def forward(self, x):" in out  # the generated fused forward
+    assert out.startswith(f"hftc inspect {ZOO}:lenet5_mnist: 3 models (N = 3)")
+    assert "13 ops fused, 0 computed once (shared), 0 run model by model" in out
+    # the user's op names, the fused shapes with the model axis N, model 0's shape after it
+    assert _row(out, "conv1") == ["conv1", "Conv2d", "conv1", "fused", "[N, 2, 6, 28, 28]"]
+    assert _row(out, "max_pool2d") == ["max_pool2d", "max_pool2d", "-", "fused",
+                                       "[N, 2, 6, 14, 14]"]
+    assert _row(out, "view") == ["view", "view", "-", "fused", "[N, 2, 400]"]
+    assert _row(out, "fc3") == ["fc3", "Linear", "fc3", "fused", "[N, 2, 10]"]
+    assert "channelwise" not in out and "fuse_" not in out  # hftc's names stay inside
     assert "strategy: runs the fused program (forced)" in out  # the suite's HFTC_STRATEGY
+    assert "def forward" not in out and "--code" in out  # the code only on request
+
+
+def test_inspect_code_shows_the_generated_forward(capsys):
+    assert main(["inspect", f"{ZOO}:lenet5_mnist", "-n", "2", "--input-shape", "2,1,28,28",
+                 "--code"]) == 0
+    out = capsys.readouterr().out
+    assert "the generated forward:\ndef forward(self, x):" in out
+    assert out.index("strategy:") < out.index("def forward")
+
+
+def test_inspect_columns_hold_with_long_names(capsys):
+    assert main(["inspect", f"{FACTORIES}:long_names", "-n", "2", "--input", "4,8"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("\n\n")[1].splitlines()
+    header = table[0]
+    starts = [header.index(name) for name in ("op", "module path", "kind", "output")]
+    long = "encoder_projection_to_hidden_features_layer"
+    for line in table[1:]:  # every cell starts under its heading, after a gap of two
+        for start in starts:
+            assert line[start - 2:start] == "  " and line[start] != " ", (line, header)
+    assert _row(out, long) == [long, "Linear", long, "fused", "[N, 4, 16]"]
+    assert _row(out, "max_pool1d")[1] == "max_pool1d"
+
+
+def test_inspect_says_what_the_timed_strategy_chose(capsys):
+    """strategy='timed' times on the first calls: inspect calls until it has chosen and
+    says which way runs, not that the calls still alternate."""
+    assert main(["inspect", f"{ZOO}:mlp", "-n", "2", "--input-shape", "2,64",
+                 "--strategy", "timed"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("strategy: "))
+    assert re.match(r"strategy: runs (the fused program|the models one by one) \(timed", line)
+    assert "alternates" not in out
 
 
 def test_inspect_strategy_option(capsys):
@@ -39,7 +85,17 @@ def test_inspect_writes_dot(tmp_path):
     assert dot.startswith('digraph "') and "fuse_batch_norm" in dot and "->" in dot
     # a frame per residual block, a legend, model 0's shapes and the lowering each conv runs
     assert "subgraph cluster_layer1_0 {" in dot and "subgraph cluster_legend {" in dot
-    assert re.search(r'label="conv1: conv -> \w+\\n\[2, 8, 32, 32\]"', dot), dot[:3000]
+    assert re.search(r'label="conv1: conv -> \w+\\n\[N, 2, 8, 32, 32\]"', dot), dot[:3000]
+
+
+def test_inspect_dot_names_the_users_ops(tmp_path):
+    target = tmp_path / "g.dot"
+    assert main(["inspect", f"{ZOO}:lenet5_mnist", "--input-shape", "2,1,28,28",
+                 "--format", "dot", "-o", str(target)]) == 0
+    dot = target.read_text()
+    assert re.search(r'label="max_pool2d\\n\[N, 2, 6, 14, 14\]"', dot), dot[:3000]
+    assert re.search(r'label="max_pool2d_1: max_pool2d\\n\[N, 2, 16, 5, 5\]"', dot)
+    assert not re.search(r'label="[^"]*channelwise', dot)  # hftc's kernel names stay out
 
 
 def test_inspect_svg_without_graphviz_says_what_to_install(tmp_path, monkeypatch):
@@ -98,14 +154,17 @@ def test_inspect_embedding_model_with_token_ids(capsys):
     """--input-shape built a float randn: nn.Embedding refused it."""
     assert main(["inspect", f"{FACTORIES}:tiny_gpt", "-n", "2", "--input", "long:4,16"]) == 0
     out = capsys.readouterr().out
-    assert "fuse_embedding" in out and "def forward(self, idx):" in out
+    assert _row(out, "wte") == ["wte", "Embedding", "wte", "fused", "[N, 4, 16, 32]"]
+    assert _row(out, "arange") == ["arange", "arange", "-", "shared", "[16]"]  # once: no N
+    assert "def forward" not in out
 
 
 def test_inspect_model_with_two_inputs(capsys):
     assert main(["inspect", f"{FACTORIES}:ids_and_features", "-n", "2",
                  "--input", "long:4,16:30", "--input", "float:4,8"]) == 0
     out = capsys.readouterr().out
-    assert "hftc fusion report: 2 models" in out and "def forward(self, ids, feats):" in out
+    assert "2 models (N = 2)" in out and _row(out, "embed")[1:] == ["Embedding", "embed",
+                                                                    "fused", "[N, 4, 16, 16]"]
 
 
 def test_inspect_names_a_missing_input(capsys):

@@ -21,7 +21,7 @@ from test_zoo import _zoo_models
 from zoo import make_input
 
 import hftc
-from hftc.lowering import autotune
+from hftc.lowering import timing
 from hftc.lowering.runtime import conv as rt_conv
 from hftc.lowering.runtime import linear as rt_linear
 
@@ -110,7 +110,7 @@ AUTOTUNE_SEEDS = {"lenet5_cifar": 37, "resnet": 38, "mlp": 38}
 @pytest.mark.parametrize("name", ["lenet5_cifar", "resnet", "mlp"])
 def test_autotune_on_cuda_times_on_the_gpu_and_stays_equivalent(name, tmp_path, monkeypatch):
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(autotune, "_MEMORY", {})
+    monkeypatch.setattr(timing, "_MEMORY", {})
     models = [m.cuda() for m in _zoo_models(name, 3, train=True)]
     x = make_input(name, 8, seed=AUTOTUNE_SEEDS[name]).cuda()
     assert relu_margin(models, x) > 4e-6  # else pick another seed: see AUTOTUNE_SEEDS

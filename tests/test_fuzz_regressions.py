@@ -43,10 +43,10 @@ def test_group_norm_on_the_inputs_is_never_run_channels_last(tmp_path, monkeypat
     # as the whole-model loop with channels-last inputs.  torch's CPU group-norm backward
     # crashes the process on a channels-last input that needs no gradient of its own;
     # a model with a group norm now keeps its inputs as given on the CPU (layout.safe).
-    from hftc.lowering import autotune
+    from hftc.lowering import timing
 
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # every candidate runs: no cache
-    monkeypatch.setattr(autotune, "_MEMORY", {})
+    monkeypatch.setattr(timing, "_MEMORY", {})
     spec = {"family": "image", "input": (1, 3, 5, 5),
             "layers": [("group", 3, 3), ("pool", "adaptive"), ("act", "tanh", 3)],
             "head": ("mean", 3, 8, 3, "gelu")}
@@ -62,10 +62,10 @@ def test_strided_1x1_conv_over_few_channels_is_never_run_channels_last(tmp_path,
     # given on the CPU (layout.safe), and conv.conv runs such a conv on contiguous maps.
     from fuzz_models import FuzzNet
 
-    from hftc.lowering import autotune
+    from hftc.lowering import timing
 
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # every candidate runs: no cache
-    monkeypatch.setattr(autotune, "_MEMORY", {})
+    monkeypatch.setattr(timing, "_MEMORY", {})
     spec = {"family": "image", "input": (3, 4, 8, 8),
             "layers": [("dropout",), ("dropout",), ("conv", 4, 3, 1, 2, 1, 1, "reflect", False),
                        ("conv", 3, 1, 2, 2, 1, 1, "zeros", False)],

@@ -75,7 +75,7 @@ def test_the_key_separates_inputs_widths_and_dtypes():
     assert grouping_key([mlp(32), mlp(64)], x) != key
     assert grouping_key([m.float() for m in models], x.float()) != key
     assert grouping_key(models + [mlp(128)], x) != key
-    assert json.loads(key)[1] == hftc.lowering.autotune.device_key(torch.device("cpu"))
+    assert json.loads(key)[1] == hftc.lowering.timing.device_key(torch.device("cpu"))
     # another batch size: nothing recorded for it, the estimate decides (1.60x: apart)
     other = torch.randn(16, 20, dtype=torch.float64)
     assert _arrays(hftc.fuse_groups(models, pad_widths=True, example_inputs=other)) == [[0], [1]]

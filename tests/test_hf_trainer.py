@@ -96,7 +96,7 @@ def test_fused_trainer_equals_a_trainer_per_model(name, tmp_path):
     assert fused.fusion_report.fallbacks == [], str(fused.fusion_report)  # all of it fused
     fused_eval = trainer.evaluate()
     trainer.save_model()
-    fused_logs = [log for log in trainer.state.log_history if "loss" in log]
+    fused_logs = [log for log in trainer.state.log_history if "loss/model_0" in log]
     assert len(fused_logs) == STEPS
 
     for k, model in enumerate(models):
@@ -108,11 +108,11 @@ def test_fused_trainer_equals_a_trainer_per_model(name, tmp_path):
         alone_logs = [log for log in alone.state.log_history if "loss" in log]
         for step, (mine, theirs) in enumerate(zip(fused_logs, alone_logs)):
             # (the Trainer sums its logged loss in float32)
-            assert mine[f"loss_model_{k}"] == pytest.approx(theirs["loss"], rel=1e-6), step
-            assert mine[f"grad_norm_model_{k}"] == pytest.approx(theirs["grad_norm"], rel=1e-9)
+            assert mine[f"loss/model_{k}"] == pytest.approx(theirs["loss"], rel=1e-6), step
+            assert mine[f"grad_norm/model_{k}"] == pytest.approx(theirs["grad_norm"], rel=1e-9)
             if per_model_lr:
-                assert mine[f"learning_rate_model_{k}"] == pytest.approx(theirs["learning_rate"])
-        assert fused_eval[f"eval_loss_model_{k}"] == pytest.approx(alone_eval["eval_loss"],
+                assert mine[f"learning_rate/model_{k}"] == pytest.approx(theirs["learning_rate"])
+        assert fused_eval[f"eval_loss/model_{k}"] == pytest.approx(alone_eval["eval_loss"],
                                                                    rel=1e-6)  # (float32)
         saved = type(model).from_pretrained(hftc_hf.model_dir(tmp_path / "fused", k))
         trained = dict(model.named_parameters())
@@ -121,9 +121,8 @@ def test_fused_trainer_equals_a_trainer_per_model(name, tmp_path):
                                        rtol=1e-9, atol=1e-12, msg=param_name)
             torch.testing.assert_close(fused.get_parameter(param_name)[k].detach(),
                                        trained[param_name].detach(), rtol=1e-9, atol=1e-12)
-    # the Trainer's loss is the sum of the models' losses
-    for log in fused_logs:
-        assert log["loss"] == pytest.approx(sum(log[f"loss_model_{k}"] for k in range(N)))
+    # each model's loss is logged, not the models' sum
+    assert all("loss" not in log for log in fused_logs) and "eval_loss" not in fused_eval
 
 
 def test_resuming_from_a_checkpoint_reads_each_models_folder(tmp_path):
@@ -159,7 +158,68 @@ def test_a_model_that_is_not_fused_or_a_loss_per_model_is_refused(tmp_path):
     with pytest.raises(hftc.errors.FusionArgumentError, match=r"label_smoothing_factor"):
         hftc_hf.FusedTrainer(model=fused, args=_args(tmp_path, "x", label_smoothing_factor=0.1))
     with pytest.raises(hftc.errors.FusionArgumentError,
-                       match=r"load_best_model_at_end would load one step's checkpoint for all"):
+                       match=r"save_total_limit with load_best_model_at_end would keep one"):
         hftc_hf.FusedTrainer(model=fused, args=_args(
             tmp_path, "x", load_best_model_at_end=True, eval_strategy="steps",
-            save_strategy="steps"))
+            save_strategy="steps", save_total_limit=2))
+
+
+def _accuracy(prediction: transformers.EvalPrediction) -> dict[str, float]:
+    """One model's predictions [samples, classes] (as compute_metrics gets them alone)."""
+    assert prediction.predictions.ndim == 2, prediction.predictions.shape
+    return {"accuracy": float((prediction.predictions.argmax(-1)
+                               == prediction.label_ids).mean()),
+            "mean_logit": float(prediction.predictions.mean())}
+
+
+def test_best_models_early_stopping_and_metrics_act_per_model(tmp_path):
+    """EarlyStoppingCallback, metric_for_best_model and load_best_model_at_end per model:
+    each model ends as it would with its own Trainer (the same early stop, its own best
+    checkpoint loaded), compute_metrics sees one model's predictions, each logged as
+    eval_<name>/model_k. The learning rates differ so that the models' bests differ."""
+    data = _dataset("classify", size=16)
+    example = (torch.stack([row["input_ids"] for row in data[:2]]),)
+    lrs = [3e-2, 3e-3]
+    extra = dict(max_steps=10, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                 save_steps=1, load_best_model_at_end=True, metric_for_best_model="accuracy",
+                 per_device_train_batch_size=8)
+
+    def stopper():
+        return transformers.EarlyStoppingCallback(early_stopping_patience=2)
+
+    models = _models(_bert)
+    fused = hftc.fuse(models, example_inputs=example)
+    trainer = hftc_hf.FusedTrainer(
+        model=fused, args=_args(tmp_path, "fused", **extra), train_dataset=data,
+        eval_dataset=data[:12], compute_metrics=_accuracy, callbacks=[stopper()],
+        optimizers=(hftc.optim.AdamW(fused.parameters(), lr=lrs, weight_decay=0.0), None))
+    assert [type(c).__name__ for c in trainer.callback_handler.callbacks].count(
+        "PerModelEarlyStopping") == 1
+    trainer.train()
+    evals = [log for log in trainer.state.log_history if "eval_loss/model_0" in log]
+    stops = []
+    for k, model in enumerate(models):
+        alone = transformers.Trainer(
+            model=model, args=_args(tmp_path, f"alone{k}", **extra, learning_rate=lrs[k]),
+            train_dataset=data, eval_dataset=data[:12], compute_metrics=_accuracy,
+            callbacks=[stopper()])
+        alone.train()
+        theirs = [log for log in alone.state.log_history if "eval_loss" in log]
+        stops.append(alone.state.global_step)
+        for mine, their in zip(evals, theirs):  # the same steps, each model's own numbers
+            assert mine["step"] == their["step"]
+            assert mine[f"eval_loss/model_{k}"] == pytest.approx(their["eval_loss"], rel=1e-6)
+            for name in ("accuracy", "mean_logit"):
+                assert mine[f"eval_{name}/model_{k}"] == pytest.approx(their[f"eval_{name}"],
+                                                                      rel=1e-9, abs=1e-12)
+        assert trainer.best_steps[k] == alone.state.best_global_step
+        if alone.state.global_step < 10:  # it stopped early, at the fused model's step
+            assert trainer.stopped_models[k] == alone.state.global_step
+        # the best checkpoint loaded at the end: model k's weights are alone's
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(fused.get_parameter(name)[k].detach(), p.detach(),
+                                       rtol=1e-9, atol=1e-12, msg=name)
+    assert min(stops) < max(stops) < 10  # both stopped early, at different steps
+    assert trainer.state.global_step == max(stops)  # training stopped once both had
+    assert len(set(trainer.best_steps)) == 2, trainer.best_steps  # the bests differ
+    assert all("eval_loss" not in log and "eval_accuracy" not in log for log in evals)

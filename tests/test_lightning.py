@@ -132,7 +132,7 @@ def test_a_fused_lightning_run_equals_a_lightning_run_per_model(tmp_path):
         assert len(in_array) == ran, (k, len(in_array), ran)
         for epoch, (mine, (theirs, _)) in enumerate(zip(in_array, record.epochs)):
             for name in ("val_loss", "train_loss"):
-                assert mine[f"{name}_model_{k}"] == pytest.approx(theirs[name], rel=1e-9), \
+                assert mine[f"{name}/model_{k}"] == pytest.approx(theirs[name], rel=1e-9), \
                     (k, epoch, name)
         if ran < MAX_EPOCHS:
             assert stopping.stopped_epochs[k] == ran - 1
@@ -144,6 +144,10 @@ def test_a_fused_lightning_run_equals_a_lightning_run_per_model(tmp_path):
         for name, p in saved.named_parameters():
             torch.testing.assert_close(p, model.get_parameter(name), rtol=1e-9, atol=1e-12,
                                        msg=(k, name))
+    # each model's metric under <name>/model_<id> (loggers group them: one chart a name)
+    first_epoch = fused_record.epochs[0][0]
+    assert {"val_loss/model_0", "val_loss/model_1", "train_loss/model_2"} <= set(first_epoch)
+    assert not any(k.startswith(("val_loss_", "train_loss_")) for k in first_epoch)
     # the test means something: models left the array at different epochs, one stayed
     assert len({stopping.stopped_epochs[k] for k in stopped}) == 2, stopping.stopped_epochs
     assert module.model_ids == [0] and module.fused.num_models == 1

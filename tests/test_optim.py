@@ -28,7 +28,7 @@ from optim_helpers import (
 
 import hftc.optim as ho
 import hftc.optim.adam as adam_module
-import hftc.optim.optimizer as optimizer_module
+import hftc.optim.coefficients as coefficients_module
 import hftc.optim.sgd as sgd_module
 from hftc.errors import FusionArgumentError
 
@@ -349,7 +349,7 @@ def test_per_model_addcdiv_values_either_way_are_stock_bit_for_bit(case, per_mod
     # with its own value= (stock's call), or on the product y * value over [N, ...]
     # first (addcdiv_ computes value * y first, so the rounding is the same).
     monkeypatch.setattr(adam_module, "_FOREACH_MAX_NUMEL", 0)
-    monkeypatch.setattr(optimizer_module, "PER_MODEL_CALLS_MIN", per_model_calls_min)
+    monkeypatch.setattr(coefficients_module, "PER_MODEL_CALLS_MIN", per_model_calls_min)
     for dtype in DTYPES:
         assert_stock_bit_for_bit(case, dtype)
 
@@ -880,8 +880,8 @@ def test_per_model_addcdiv_in_half_types_is_stocks_call(dtype):
     want = x.clone()
     for i, v in enumerate(values):
         want[i].addcdiv_(y[i], z[i], value=v)
-    got = optimizer_module.addcdiv_(x.clone(), y, z,
-                                    optimizer_module.Coefficients({"neg_lr": values}), "neg_lr")
+    got = coefficients_module.addcdiv_(x.clone(), y, z,
+                                    coefficients_module.Coefficients({"neg_lr": values}), "neg_lr")
     assert torch.equal(got, want)
 
 
@@ -992,7 +992,7 @@ def test_new_optimizers_refuse_bad_values_naming_the_model():
 def test_zero_and_minus_zero_are_not_one_shared_coefficient():
     # RAdam's foreach update divides by a per-model -0.0 (an unrectified model): a row
     # of 0.0 and -0.0 taken as one shared 0.0 gives one model the other's infinity.
-    coef = optimizer_module.Coefficients({"bc2_step": [0.0, -0.0], "same": [-0.0, -0.0]})
+    coef = coefficients_module.Coefficients({"bc2_step": [0.0, -0.0], "same": [-0.0, -0.0]})
     like = torch.ones(2, 3)
     shared = coef.get("bc2_step", like)
     assert isinstance(shared, torch.Tensor)

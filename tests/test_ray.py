@@ -6,6 +6,7 @@ CPUs each. Skipped where Ray is not installed (``pip install 'hftc[ray]'``; CI h
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -89,6 +90,8 @@ def test_digits_on_two_nodes_gives_the_one_worker_results(cluster, tmp_path: Pat
             printed = capsys.readouterr().out
             assert "best: trial" in printed and "nothing to train" not in printed
             assert "2 Ray actors on 2 node(s), 0 replaced" in printed
+            # this process is attached to the cluster: reused, said at the start
+            assert re.match(r"Ray: already attached to Ray at [\d.:]+, \d+\.\d s\n", printed)
             assert (out / "results.csv").exists()
         trials = optuna.load_study(study_name="digits", storage=storage).trials
         assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
@@ -144,6 +147,20 @@ def test_tune_asha_16_configurations_in_arrays_of_4(cluster, tiny_spec: Path, tm
 
     stopped = ray.get(trainable.scheduler_actor.stopped_configs.remote())
     assert len(stopped) == stopped_early
+
+    # one result per configuration, not per array: the best first, each as trained alone
+    rows = hray.config_results(results, "loss", mode="min")
+    assert len(rows) == 16 and len({row["config_id"] for row in rows}) == 16
+    assert [row["loss"] for row in rows] == sorted(row["loss"] for row in rows)
+    assert sum(row["stopped"] for row in rows) == stopped_early
+    assert {row["config_id"] for row in rows if row["stopped"]} == {c for c, _ in stopped}
+    for row in rows[:3]:
+        assert row["epochs"] == (dict(stopped).get(row["config_id"]) or epochs)
+        _, alone = hs.train_alone(spec, row["config"], row["seed"], orders[:row["epochs"]],
+                                  data)
+        assert row["loss"] == pytest.approx(alone[-1], abs=1e-9)
+        assert row["best_loss"] == pytest.approx(min(alone), abs=1e-9)
+    assert hray.config_results(results) == rows  # the metric the trials reported
 
 
 def _trials(storage: str, name: str) -> list:
@@ -219,6 +236,49 @@ def test_an_error_in_the_spec_stops_the_sweep_with_its_message(cluster, tiny_spe
                                                                tmp_path: Path):
     with pytest.raises(SweepError, match="unknown pruner 'bogus'"):
         hray.sweep(tiny_spec, workers=2, out=tmp_path / "bad", n_trials=2, pruner="bogus")
+
+
+def test_connect_reuses_a_running_cluster_from_another_process(cluster):
+    """A new driver process with no address: ray.init(address="auto") joins the cluster
+    that runs (no second Ray started), and says so and how long it took."""
+    code = ("import hftc.ray, ray; s = hftc.ray.connect(); print(s); "
+            "print(len(ray.nodes()), s.how, s.seconds >= 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120, check=True).stdout
+    assert re.search(r"^Ray: joined the running Ray cluster at [\d.:]+, \d+\.\d s$", out, re.M)
+    assert out.splitlines()[-1] == "2 joined True"  # the fixture's two nodes
+
+
+class _FakeRay:
+    """ray's init and context as connect() calls them: a cluster runs or not."""
+
+    def __init__(self, running: bool):
+        self.running, self.calls = running, []
+
+    def is_initialized(self):
+        return False
+
+    def init(self, address=None, **kwargs):
+        self.calls.append(address)
+        if address == "auto" and not self.running:
+            raise ConnectionError("Could not find any running Ray instance.")
+
+    def get_runtime_context(self):
+        return type("Context", (), {"gcs_address": "127.0.0.1:6379"})()
+
+
+@pytest.mark.parametrize("running, address, how, calls", [
+    (True, None, "joined", ["auto"]),            # a running cluster: reused
+    (False, None, "started", ["auto", None]),    # none: a local Ray, as ray.init() does
+    (True, "ray://head:10001", "connected", ["ray://head:10001"])])
+def test_connect_joins_else_starts(monkeypatch, running, address, how, calls):
+    fake = _FakeRay(running)
+    monkeypatch.setattr(hray, "_import_ray", lambda what="ray": fake)
+    reached = hray.connect(address)
+    assert (reached.how, fake.calls, reached.address) == (how, calls, "127.0.0.1:6379")
+    assert str(reached).startswith("Ray: ") and str(reached).endswith(" s")
+    if how == "started":
+        assert "started a local Ray at 127.0.0.1:6379 (none was running)" in str(reached)
 
 
 def test_workers_without_ray_is_refused(tiny_spec: Path, capsys):

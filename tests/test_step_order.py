@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hftc
-from hftc.lowering.strategy import _MARGIN, IN_ORDER, StepOrder, StepOrderTiming
+from hftc.lowering.strategy import IN_ORDER, StepOrder
 
 LRS = [1e-2, 3e-2, 5e-2]
 
@@ -113,30 +113,12 @@ def test_models_in_order_train_as_the_serial_loop_bit_for_bit(dtype, n):
                 assert torch.equal(got[i], p.grad), (i, name)
 
 
-def test_the_rule_keeps_the_fused_step_only_where_it_is_faster_by_the_margin():
-    def decided(fused_s: float, in_order_s: float) -> StepOrder:
-        timing = StepOrderTiming(torch.device("cpu"), budget_s=0.0)
-        while timing.order is None:
-            way = timing.way()
-            timing.record(way, fused_s if way == "fused" else in_order_s)
-        return timing.order
-
-    assert decided(0.90, 1.00).chosen == "fused"
-    assert decided(1.00, 1.00).chosen == IN_ORDER  # a tie: the serial loop's order
-    assert decided(1.0 - _MARGIN / 2, 1.00).chosen == IN_ORDER
-    assert decided(1.10, 1.00).chosen == IN_ORDER
-    order = decided(0.5, 1.0)
-    assert order.reason == "timed on the first steps" and order.ratio == 0.5
-    assert order.times == {"fused": 0.5, IN_ORDER: 1.0} and order.cycles >= 2
-    assert "runs the fused step (timed on the first steps: fused 500 ms" in str(order)
-
-
-def test_the_default_step_times_both_ways_and_keeps_training_the_models(tmp_path,
+def test_a_timed_fused_module_s_choice_decides_the_step_order(tmp_path,
                                                                         monkeypatch):
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))  # nothing chosen before
-    import hftc.lowering.autotune as autotune
+    import hftc.lowering.timing as timing
 
-    monkeypatch.setattr(autotune, "_MEMORY", {})
+    monkeypatch.setattr(timing, "_MEMORY", {})
 
     class Plain(nn.Module):  # no random draws: the fused module times its own calls
         def __init__(self):
@@ -153,8 +135,11 @@ def test_the_default_step_times_both_ways_and_keeps_training_the_models(tmp_path
                 torch.randint(0, 4, (16,), generator=g)) for _ in range(70)]
     fused, losses, step = _stepped(models, batches, LRS, strategy="timed")
     assert fused.plan.reason != "timing the first calls"
-    assert step.order is not None and step.order.reason in (
-        "timed on the first steps", "the fused module runs the models one by one")
+    # the step times nothing of its own: it follows the fused module's one choice
+    loop = fused.plan.chosen == "model_loop"
+    assert step.order is not None and step.order.chosen == ("in_order" if loop else "fused")
+    assert step.order.reason == ("the fused module runs the models one by one" if loop
+                                 else f"the fused module's choice: {fused.plan}")
     # each step ran one way or the other: both the models' own answers
     serial, serial_losses = _serial(models, batches, LRS)
     for got, want in zip(losses, serial_losses):

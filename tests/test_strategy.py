@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
-import hftc.lowering.autotune as autotune
 import hftc.lowering.strategy as strategy
+import hftc.lowering.timing as timing
 from hftc.errors import FusionArgumentError
 from tests.equivalence import check_equivalence
 
@@ -44,11 +44,11 @@ def _fresh_cache(tmp_path, monkeypatch):
     """Each test its own disk cache, none in memory, and the timed strategy ("timed")."""
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("HFTC_STRATEGY", "timed")
-    saved = dict(autotune._MEMORY)
-    autotune._MEMORY.clear()
+    saved = dict(timing._MEMORY)
+    timing._MEMORY.clear()
     yield
-    autotune._MEMORY.clear()
-    autotune._MEMORY.update(saved)
+    timing._MEMORY.clear()
+    timing._MEMORY.update(saved)
 
 
 class _Clock:
@@ -89,6 +89,7 @@ def _slow(monkeypatch, which: str) -> list[str]:
     monkeypatch.setattr(strategy, "run_tuning_step", run_step)
     monkeypatch.setattr(strategy.CallTiming, "way", way)
     monkeypatch.setattr(strategy, "time", clock)
+    monkeypatch.setattr(timing, "time", clock)  # the one measurement loop's clock
     return ran
 
 
@@ -273,7 +274,7 @@ def test_choice_is_cached_on_disk_per_mode(monkeypatch, tmp_path):
     assert len(strategy_entries) == 2
     assert all(e["chosen"] == "model_loop" for e in strategy_entries)
 
-    autotune._MEMORY.clear()
+    timing._MEMORY.clear()
     ran.clear()
     again = hftc.fuse(copy.deepcopy(models))
     again(_x())
@@ -399,9 +400,9 @@ def test_a_choice_cached_by_other_hftc_code_is_timed_again(monkeypatch, tmp_path
     models = _models()
     hftc.fuse(copy.deepcopy(models))(_x())
     assert ran
-    autotune._MEMORY.clear()
+    timing._MEMORY.clear()
     ran.clear()
-    monkeypatch.setattr(autotune, "hftc_code_fingerprint", lambda: "other-hftc")
+    monkeypatch.setattr(timing, "hftc_code_fingerprint", lambda: "other-hftc")
     again = hftc.fuse(copy.deepcopy(models))
     again(_x())
     assert again.plan.reason == "timed" and ran

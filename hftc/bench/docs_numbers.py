@@ -128,14 +128,6 @@ class Benchmarks:
                         for r in rows}
         raise FigureError(f"### {workload} of block {block!r} has no throughput table")
 
-    def section_table(self, heading: str) -> list[dict[str, str]]:
-        """The first table under the (hand-written) section whose heading starts so."""
-        m = re.search(rf"^#+ {re.escape(heading)}.*$", self.text, re.M)
-        if not m:
-            raise FigureError(f"docs/BENCHMARKS.md has no section {heading!r}")
-        _, header, rows = tables(self.text[m.end():])[0]
-        return [dict(zip(header, r)) for r in rows]
-
 
 # --------------------------------------------------------------------------- figures
 
@@ -245,16 +237,7 @@ def _hfta_published(bench: Benchmarks) -> str:
     return m.group(1)
 
 
-def _step_order(column: str) -> Callable[[Benchmarks], str]:
-    """GPT at N = 2 in "`compile_step` runs the models in order" (every repeat)."""
-    def values(bench: Benchmarks) -> str:
-        rows = bench.section_table("`compile_step` runs the models in order")
-        return ratio([_value(r[column]) for r in rows
-                      if r["workload"].startswith("gpt") and r["N"] == "2"])
-    return values
-
-
-#: (workload, machine, N, block, the N of the block, the columns) of the README's table.
+#: The speedup table's rows: (workload, machine, N, block, ``WORKLOAD/N`` in the block).
 _SPEEDUP_ROWS = [
     ("MLP", "NVIDIA H200", "32", "cuda-h200", "mlp/32"),
     ("LeNet-5", "NVIDIA H200", "32", "cuda-h200", "lenet5/32"),
@@ -311,8 +294,6 @@ NAMED: dict[str, Callable[[Benchmarks], str]] = {
     "h200-mps-beat-step-where": _mps_where("cuda-h200", "hftc|hftc+step"),
     "h100-mps-beat-eager": _mps_count("cuda", "hftc"),
     "hfta-lowest-published": _hfta_published,
-    "gpt2-step-vs-serial": _step_order("serial / step"),
-    "gpt2-loop-vs-serial": _step_order("serial / loop"),
 }
 
 

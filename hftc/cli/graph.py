@@ -4,7 +4,8 @@ One box per fused op (parameters and buffers left out), e.g.::
 
     conv1: conv -> grouped      <- the module path (within its block's frame), hftc's kernel
                                    and the lowering it runs (autotune's, else the cost model's)
-    [2, 8, 32, 32]              <- the shape of model 0's output (a tuple: each part's)
+    [N, 2, 8, 32, 32]           <- the fused output's shape: the model axis N, then model 0's
+                                   (a tuple: each part's; a shared value has no N)
 
 coloured by what hftc did with it (the legend: fused, computed once for all models, a
 per-model loop), and grouped in one frame per block of the model (``layer1.0``,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..ir import EXAMPLE_VALUE, RULE, SOURCE
+from ..ir import EXAMPLE_VALUE, ORIGIN, RULE, SOURCE
 from ..lowering.runtime.tuning import lowerings_of
 
 _KINDS = {  # rule -> (legend text, fill colour)
@@ -54,13 +55,21 @@ def _block(path: str) -> str:
     return ""
 
 
-def _shape(value: Any) -> str:
+def _shape(value: Any, batched: bool) -> str:
+    """Model 0's value -> the fused one's shape, ``[N, ...]`` where it has the model axis."""
     if hasattr(value, "shape"):
-        return str(list(value.shape))
+        return "[" + ", ".join(["N"] * batched + [str(d) for d in value.shape]) + "]"
     if isinstance(value, (tuple, list)):
-        shapes = [_shape(v) for v in value]
+        shapes = [_shape(v, batched) for v in value]
         return "(" + ", ".join(s for s in shapes if s) + ")" if any(shapes) else ""
     return ""
+
+
+def _user_name(node) -> str:
+    """The user's node (model 0's) a fused node computes: ``max_pool2d``, not hftc's
+    ``channelwise__max_pool2d``."""
+    origin = node.meta.get(ORIGIN)
+    return str(origin[0]) if isinstance(origin, (list, tuple)) and origin else node.name
 
 
 def _cost_model_lowering(node, root) -> str | None:
@@ -108,7 +117,8 @@ def _operation(node, root) -> str:
     if node.op == "call_module":
         inner = re.search(r"\[(.*)\]", rule)
         return inner.group(1) if inner else rule or "module"
-    name = getattr(node.target, "__name__", str(node.target))
+    inner = re.search(r"\[(.*)\]", rule)  # fuse_channelwise[max_pool2d]: the user's op
+    name = inner.group(1) if inner else getattr(node.target, "__name__", str(node.target))
     lowering = node.kwargs.get("lowering")
     if lowering:
         return f"{name} -> {lowering} (autotune)"
@@ -135,7 +145,7 @@ def graph_to_dot(fused, title: str = "fused") -> str:
     lines = [f'digraph "{_quote(title)}" {{', "  rankdir=TB; newrank=true; ranksep=0.25; "
              "nodesep=0.2;", '  node [shape=box, style="rounded,filled", fontname="monospace", '
              'fontsize=10, margin="0.1,0.03"];', '  edge [arrowsize=0.6];']
-    lines += ['  subgraph cluster_legend {', '    label="legend (shapes: model 0\'s output)"; '
+    lines += ['  subgraph cluster_legend {', '    label="legend (shapes: [N, model 0\'s ...])"; '
               'fontname="monospace"; '
               'fontsize=10; style=dashed;']
     legend = [f"legend_{kind}" for kind in _KINDS]
@@ -148,11 +158,11 @@ def graph_to_dot(fused, title: str = "fused") -> str:
         # within a block's frame its path is relative: conv1, not layer1.0.conv1
         block = block_of[node.name]
         path = _module_path(node).removeprefix(f"{block}.") if block else _module_path(node)
-        name = path if path and path not in (block, "<root>") else node.name
+        name = path if path and path not in (block, "<root>") else _user_name(node)
         operation = _operation(node, fused)
         head = name if operation == name or node.op == "placeholder" else f"{name}: {operation}"
         label = "\\n".join(_quote(part) for part in (
-            head, _shape(node.meta.get(EXAMPLE_VALUE))) if part)
+            head, _shape(node.meta.get(EXAMPLE_VALUE), _kind(node) in ("fused", "loop"))) if part)
         color = _KINDS[_kind(node)][1]
         tooltip = _quote(f"{node.name}: {node.meta.get('hftc_rule', node.op)}")
         by_block.setdefault(block_of[node.name], []).append(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,6 +62,7 @@ def time_training_step(
 ) -> StepTiming:
     """Time one training step of N models, serial loop vs fused, interleaved round by round."""
     import hftc
+    from hftc.lowering import timing
     from hftc.lowering.strategy import TIMING_CALLS
 
     factory, shape = WORKLOADS[workload]
@@ -96,14 +96,10 @@ def time_training_step(
         fused_step()
         if fused.plan.reason != TIMING_CALLS:
             break
-    serial_s, fused_s = [], []
-    for r in range(warmup + rounds):
-        for step, sink in ((serial_step, serial_s), (fused_step, fused_s)):
-            start = time.perf_counter()
-            step()
-            elapsed = time.perf_counter() - start
-            if r >= warmup:
-                sink.append(elapsed)
+    device = torch.device("cpu")
+    timing.measure({"serial": serial_step, "fused": fused_step}, device, rounds=warmup)
+    times = timing.measure({"serial": serial_step, "fused": fused_step}, device, rounds=rounds)
+    serial_s, fused_s = times["serial"], times["fused"]
     return StepTiming(workload, num_models, batch, serial_s, fused_s)
 
 

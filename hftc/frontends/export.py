@@ -140,9 +140,8 @@ def _dynamic_shapes(args: tuple, kwargs: dict, model: nn.Module | None = None,
             parameters = inspect.signature(model.forward).parameters
             if any(parameters[name].kind == inspect.Parameter.VAR_KEYWORD
                    for name in bound.arguments):
-                # torch 2.13 refuses any dynamic_shapes for an input taken by **kwargs
-                # ("Must provide a tree_name"): static shapes; the graph's guards send a
-                # call of other sizes to an export of its own.
+                # torch refuses dynamic_shapes for an input taken by **kwargs (docs/
+                # DESIGN_NOTES.md, "torch behaviour"): static shapes, one export per size.
                 return None
             return {name: pytree.tree_map(spec, value)
                     for name, value in bound.arguments.items()}

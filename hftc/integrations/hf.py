@@ -6,21 +6,29 @@
     fused = hftc.fuse(models, example_inputs=(input_ids,))
     trainer = hftc.hf.FusedTrainer(model=fused, args=TrainingArguments(...),
                                    train_dataset=train, eval_dataset=val)
-    trainer.train()        # logs loss_model_0 ... loss_model_3 (and grad_norm_model_k)
+    trainer.train()        # logs loss/model_0 ... loss/model_3 (and grad_norm/model_k)
     trainer.save_model()   # output_dir/model_0 ... model_3, each from_pretrained-loadable
 
 :class:`FusedTrainer` is ``transformers.Trainer`` with what N models in one module change:
 
 - the loss: each batch gives the N models' losses ``out.loss`` (shape ``[N]``); their sum is
-  backpropagated (model ``k``'s gradient is its own loss's: the models share no weights);
-  the Trainer's ``loss`` is that sum, and each model's loss is logged as ``loss_model_k``
-  (``eval_loss_model_k`` in evaluation), the gradient norms as ``grad_norm_model_k``
-  (clipping with ``max_grad_norm`` is per model: hftc's ``clip_grad_norm_``), and with an
-  ``hftc.optim`` optimizer of per-model learning rates, ``learning_rate_model_k``;
+  backpropagated (model ``k``'s gradient is its own loss's: the models share no weights).
+  The logs hold each model's, not the sum: ``loss/model_k`` (``eval_loss/model_k`` in
+  evaluation), the gradient norms ``grad_norm/model_k`` (clipping with ``max_grad_norm``
+  is per model: hftc's ``clip_grad_norm_``), and with an ``hftc.optim`` optimizer of
+  per-model learning rates, ``learning_rate/model_k``;
+- ``compute_metrics`` gets one model's predictions at a time (``[samples, ...]``, as for
+  one model) and its metrics are logged per model: ``eval_accuracy/model_k``;
+- the best model: ``metric_for_best_model`` is read per model (``eval_loss/model_k``),
+  ``load_best_model_at_end`` loads each model from its own best checkpoint, and a
+  ``transformers.EarlyStoppingCallback`` given to the Trainer decides per model, with its
+  patience and threshold: a model that stops keeps the best checkpoint it had (it trains
+  on in the array, but its best is no longer updated: what it would be alone), and
+  training stops when every model has (``stopped_models``: model -> step);
 - the forward's inputs: the Trainer calls ``model(input_ids=..., labels=...)`` with its own
   keywords; the export front-end exports the models again for each new pattern of inputs;
   columns are kept or dropped by the models' own ``forward`` signature;
-- predictions for ``compute_metrics``: ``[samples, N, ...]`` (the model axis second, so the
+- predictions (``trainer.predict``): ``[samples, N, ...]`` (the model axis second, so the
   Trainer's concatenation of batches along the first axis stays right);
 - ``save_model`` / checkpoints: ``output_dir/model_k`` for each model, written by the
   model class's ``save_pretrained`` (and read back by ``from_pretrained``); resuming
@@ -54,7 +62,7 @@ except ImportError as exc:  # pragma: no cover - the test environment has them
     raise MissingExtraError(f"hftc.hf needs transformers and accelerate ({_missing} is not "
                             f"installed): pip install 'hftc[hf]'", extra="hf") from exc
 
-__all__ = ["FusedTrainer", "model_dir"]
+__all__ = ["FusedTrainer", "PerModelEarlyStopping", "model_dir"]
 
 
 def model_dir(output_dir: str | os.PathLike, index: int) -> str:
@@ -75,7 +83,8 @@ class FusedTrainer(transformers.Trainer):
     Raises ``FusionTypeError`` for a model that is not a fused module of ``PreTrainedModel``\\ s
     and ``FusionArgumentError`` for what would treat the N models as one:
     ``label_smoothing_factor`` (the Trainer smooths the logits as one model's),
-    ``load_best_model_at_end`` (one step for all N, by the summed loss) and
+    ``save_total_limit`` with ``load_best_model_at_end`` (the Trainer keeps one best
+    checkpoint, the models' bests differ), ``batch_eval_metrics`` and
     ``DataParallel`` over several GPUs of one process (use DDP: ``torchrun`` /
     ``accelerate launch``, each process the fused module on its own GPU).
     """
@@ -107,13 +116,29 @@ class FusedTrainer(transformers.Trainer):
                 "FusedTrainer: label_smoothing_factor is applied by the Trainer to the logits "
                 "as one model's, but the fused logits are [N, batch, ...]; set it to 0 and use "
                 "the models' own loss (or a compute_loss_func giving N losses)")
-        if args is not None and args.load_best_model_at_end:
+        if args is not None and args.load_best_model_at_end and args.save_total_limit:
             raise FusionArgumentError(
-                "FusedTrainer: load_best_model_at_end would load one step's checkpoint for "
-                "all N models, picked by their summed eval_loss, where each model's best "
-                "step differs; train without it and take model k from the checkpoint whose "
-                "eval_loss_model_k is lowest (checkpoint-*/model_k)")
+                "FusedTrainer: save_total_limit with load_best_model_at_end would keep one "
+                "best checkpoint, where each model's best step differs; leave "
+                "save_total_limit unset (each model's best checkpoint is kept)")
+        if args is not None and args.batch_eval_metrics:
+            raise FusionArgumentError(
+                "FusedTrainer: batch_eval_metrics calls compute_metrics on the batches of all "
+                "N models at once; set it to False (compute_metrics then gets one model's "
+                "predictions at a time)")
+        #: per model: its best metric_for_best_model value and the step it was at
+        self.best_metrics: list[float | None] = []
+        self.best_steps: list[int | None] = []
+        #: model -> the step its early stopping stopped it at
+        self.stopped_models: dict[int, int] = {}
         super().__init__(model, args, *rest, **kwargs)
+        self.best_metrics = [None] * model.num_models
+        self.best_steps = [None] * model.num_models
+        for callback in list(self.callback_handler.callbacks):
+            if type(callback) is transformers.EarlyStoppingCallback:  # per model instead
+                self.callback_handler.remove_callback(callback)
+                self.add_callback(PerModelEarlyStopping(
+                    self, callback.early_stopping_patience, callback.early_stopping_threshold))
         if self.args.n_gpu > 1:
             raise FusionArgumentError(
                 f"FusedTrainer: {self.args.n_gpu} GPUs in one process would run the fused "
@@ -209,13 +234,13 @@ class FusedTrainer(transformers.Trainer):
         steps = self.state.global_step - self._globalstep_last_logged
         if self.control.should_log and steps > 0 and self._train_losses is not None:
             losses = self._per_model_mean(self._train_losses) / steps
-            logs = {f"loss_model_{k}": v.item() for k, v in enumerate(losses)}
+            logs = {f"loss/model_{k}": v.item() for k, v in enumerate(losses)}
             if self._grad_norms is not None:
-                logs.update((f"grad_norm_model_{k}", v.item())
+                logs.update((f"grad_norm/model_{k}", v.item())
                             for k, v in enumerate(self._grad_norms.double()))
             if kwargs.get("learning_rate") is None:  # (else read before the scheduler's step)
                 self._get_learning_rate()
-            logs.update((f"learning_rate_model_{k}", lr) for k, lr in enumerate(self._model_lrs))
+            logs.update((f"learning_rate/model_{k}", lr) for k, lr in enumerate(self._model_lrs))
             self._pending_model_logs = logs
             self._train_losses = None
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
@@ -228,7 +253,9 @@ class FusedTrainer(transformers.Trainer):
         return super()._get_learning_rate()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's logs with each model's loss in place of the models' summed one."""
         if "loss" in logs and self._pending_model_logs:
+            del logs["loss"]
             logs.update(self._pending_model_logs)
             self._pending_model_logs = {}
         super().log(logs, start_time)
@@ -257,7 +284,7 @@ class FusedTrainer(transformers.Trainer):
         count = self._per_model_sum(torch.full((self.num_models,), float(self._eval_count),
                                                device=self._eval_sums.device))
         self._eval_sums = None
-        return {f"{prefix}_loss_model_{k}": (s / c).item()
+        return {f"{prefix}_loss/model_{k}": (s / c).item()
                 for k, (s, c) in enumerate(zip(sums, count))}
 
     def evaluation_loop(self, dataloader: Any, description: str,
@@ -265,13 +292,73 @@ class FusedTrainer(transformers.Trainer):
                         ignore_keys: list[str] | None = None,
                         metric_key_prefix: str = "eval") -> Any:
         """``Trainer.evaluation_loop`` (under ``evaluate`` and ``predict``), with
-        ``{prefix}_loss_model_k`` for each model: its mean loss over the samples (as
-        ``{prefix}_loss`` is the mean of the summed losses)."""
+        ``{prefix}_loss/model_k`` for each model, its mean loss over the samples, in place
+        of the summed ``{prefix}_loss``, and ``compute_metrics`` called for each model on
+        its own predictions: ``{prefix}_{name}/model_k``."""
         self._eval_sums, self._eval_count = None, 0
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only,
-                                         ignore_keys, metric_key_prefix)
+        compute_metrics, self.compute_metrics = self.compute_metrics, None
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only,
+                                             ignore_keys, metric_key_prefix)
+        finally:
+            self.compute_metrics = compute_metrics
+        output.metrics.pop(f"{metric_key_prefix}_loss", None)
         output.metrics.update(self._model_eval_metrics(metric_key_prefix))
+        if (compute_metrics is not None and output.predictions is not None
+                and output.label_ids is not None):
+            for k in range(self.num_models):
+                metrics = compute_metrics(transformers.EvalPrediction(
+                    predictions=_model_slice(output.predictions, k),
+                    label_ids=output.label_ids))
+                output.metrics.update(
+                    (f"{metric_key_prefix}_{name.removeprefix(f'{metric_key_prefix}_')}"
+                     f"/model_{k}", value) for name, value in metrics.items())
         return output
+
+    # ------------------------------------------------------------------ the best models
+
+    def _metric_key(self, k: int) -> str:
+        name = self.args.metric_for_best_model
+        return f"{name if name.startswith('eval_') else f'eval_{name}'}/model_{k}"
+
+    def _improves(self, value: float, best: float | None, threshold: float = 0.0) -> bool:
+        if best is None:
+            return True
+        better = value > best if self.args.greater_is_better else value < best
+        return bool(better and abs(value - best) > threshold)
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial: Any) -> bool:
+        """``Trainer._determine_best_metric`` per model: model ``k``'s best
+        ``metric_for_best_model`` (``eval_loss/model_k``) and its step; a model stopped
+        early at an earlier evaluation keeps its best.  True if any model's improved."""
+        if self.args.metric_for_best_model is None:
+            return False
+        improved = False
+        for k in range(self.num_models):
+            if self.stopped_models.get(k, self.state.global_step) < self.state.global_step:
+                continue
+            key = self._metric_key(k)
+            if key not in metrics:
+                raise FusionArgumentError(
+                    f"FusedTrainer: metric_for_best_model={self.args.metric_for_best_model!r} "
+                    f"is read per model as {key!r}, which the evaluation did not give (it "
+                    f"gave {sorted(metrics)}); name a metric of compute_metrics, or 'loss'")
+            if self._improves(metrics[key], self.best_metrics[k]):
+                self.best_metrics[k], self.best_steps[k] = metrics[key], self.state.global_step
+                improved = True
+        if improved and self.args.save_strategy != "no":
+            self.state.best_global_step = self.state.global_step  # (a best checkpoint: now)
+        self.state.best_metric = None  # (no one value for N models)
+        return improved
+
+    def _load_best_model(self) -> None:
+        """Each model from its own best step's checkpoint (``checkpoint-S/model_k``)."""
+        run_dir = self._get_output_dir(trial=None)
+        for k, step in enumerate(self.best_steps):
+            if step is not None:
+                folder = os.path.join(run_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}"
+                                               f"-{step}")
+                self._load_models(folder, [k])
 
     # ------------------------------------------------------------------ saving
 
@@ -292,18 +379,22 @@ class FusedTrainer(transformers.Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:
         """Model ``k`` of the array from ``resume_from_checkpoint/model_k``."""
+        self._load_models(resume_from_checkpoint, range(self.num_models), model)
+
+    def _load_models(self, checkpoint: str, indices: Any,
+                     model: torch.nn.Module | None = None) -> None:
         fused = self.accelerator.unwrap_model(model if model is not None else self.model)
-        missing = [model_dir(resume_from_checkpoint, k) for k in range(fused.num_models)
-                   if not os.path.isdir(model_dir(resume_from_checkpoint, k))]
+        missing = [model_dir(checkpoint, k) for k in indices
+                   if not os.path.isdir(model_dir(checkpoint, k))]
         if missing:
             raise FusionArgumentError(
-                f"FusedTrainer: cannot resume from {resume_from_checkpoint}: no folder "
+                f"FusedTrainer: cannot load from {checkpoint}: no folder "
                 f"{missing[0]} (a FusedTrainer checkpoint holds model_0 ... "
                 f"model_{fused.num_models - 1}, one per model of the array)")
         cls = type(self._template_model)
         with torch.no_grad():
-            for k in range(fused.num_models):
-                saved = cls.from_pretrained(model_dir(resume_from_checkpoint, k))
+            for k in indices:
+                saved = cls.from_pretrained(model_dir(checkpoint, k))
                 own = dict(saved.named_parameters(remove_duplicate=False))
                 own.update(saved.named_buffers(remove_duplicate=False))
                 for name, stacked in [*fused.named_parameters(remove_duplicate=False),
@@ -311,6 +402,42 @@ class FusedTrainer(transformers.Trainer):
                     if name in own:
                         stacked[k].copy_(own[name].to(stacked.dtype))
 
+
+class PerModelEarlyStopping(transformers.EarlyStoppingCallback):
+    """``transformers.EarlyStoppingCallback`` for each model of a :class:`FusedTrainer`
+    (which puts one in place of a stock one it is given): model ``k``'s counter runs on
+    ``eval_<metric>/model_k`` against its own best, as the stock callback's against the
+    best of one model; a model whose patience runs out stops (its best checkpoint stays
+    its best), and training stops when every model has."""
+
+    def __init__(self, trainer: FusedTrainer, early_stopping_patience: int = 1,
+                 early_stopping_threshold: float = 0.0) -> None:
+        super().__init__(early_stopping_patience, early_stopping_threshold)
+        self.trainer = trainer
+        self.counters = [0] * trainer.num_models
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, float],
+                    **kwargs: Any) -> None:
+        trainer = self.trainer
+        for k in range(trainer.num_models):
+            if k in trainer.stopped_models or trainer._metric_key(k) not in metrics:
+                continue
+            value = metrics[trainer._metric_key(k)]
+            if trainer._improves(value, trainer.best_metrics[k], self.early_stopping_threshold):
+                self.counters[k] = 0
+            else:
+                self.counters[k] += 1
+            if self.counters[k] >= self.early_stopping_patience:
+                trainer.stopped_models[k] = state.global_step
+        if len(trainer.stopped_models) == trainer.num_models:
+            control.should_training_stop = True
+
+
+def _model_slice(value: Any, k: int) -> Any:
+    """Model ``k``'s predictions of ``[samples, N, ...]`` (each part of a tuple)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_model_slice(v, k) for v in value)
+    return value[:, k] if getattr(value, "ndim", 0) >= 2 else value
 
 
 def _model_axis_second(value: Any) -> Any:

@@ -8,7 +8,7 @@ that shrinks the array, and a checkpoint file per model.
             x, y = batch
             out = self(x)                                          # [N, B, classes]
             losses = torch.stack([F.cross_entropy(o, y) for o in out])
-            self.log_per_model("train_loss", losses)               # train_loss_model_<id>
+            self.log_per_model("train_loss", losses)               # train_loss/model_<id>
             return losses.sum()                                    # each model's own gradient
 
         def validation_step(self, batch, _):
@@ -26,7 +26,7 @@ that shrinks the array, and a checkpoint file per model.
     trainer.fit(module, train_loader, val_loader)
 
 Models keep the *id* they were fused with (their index in the list given) when others
-leave the array: metrics are ``{name}_model_{id}`` and files ``model_{id}.pt`` throughout,
+leave the array: metrics are ``{name}/model_{id}`` and files ``model_{id}.pt`` throughout,
 ``module.model_ids`` lists the ids in the array, in order.
 
 :class:`PerModelEarlyStopping` is Lightning's ``EarlyStopping`` per model (one of them per
@@ -67,8 +67,10 @@ __all__ = ["FusedLightningModule", "PerModelCheckpoint", "PerModelEarlyStopping"
 
 
 def model_metric(name: str, model_id: int) -> str:
-    """The name model ``model_id``'s value of metric ``name`` is logged under."""
-    return f"{name}_model_{model_id}"
+    """The name model ``model_id``'s value of metric ``name`` is logged under:
+    ``loss``, 3 -> ``loss/model_3`` (TensorBoard and the other loggers group by the part
+    before the slash: one chart of ``loss`` with a line per model)."""
+    return f"{name}/model_{model_id}"
 
 
 class FusedLightningModule(pl.LightningModule):
@@ -100,7 +102,7 @@ class FusedLightningModule(pl.LightningModule):
 
     def log_per_model(self, name: str, values: torch.Tensor | Sequence[Any],
                       **log_kwargs: Any) -> None:
-        """``self.log(f"{name}_model_{id}", values[j], ...)`` for each model ``j`` in the
+        """``self.log(f"{name}/model_{id}", values[j], ...)`` for each model ``j`` in the
         array (``values``: one per model, e.g. the ``[N]`` losses)."""
         if len(values) != len(self.model_ids):
             raise FusionArgumentError(
@@ -166,7 +168,7 @@ def _fused_module(pl_module: Any, who: str) -> FusedLightningModule:
 
 class PerModelEarlyStopping(Callback):
     """Lightning's ``EarlyStopping`` for each model of the array, on its own metric
-    ``{monitor}_model_{id}`` (log it with :meth:`FusedLightningModule.log_per_model`).
+    ``{monitor}/model_{id}`` (log it with :meth:`FusedLightningModule.log_per_model`).
 
     Takes ``EarlyStopping``'s arguments (``patience``, ``min_delta``, ``mode``,
     ``stopping_threshold``, ``check_on_train_epoch_end`` ...) and decides for each model
@@ -254,7 +256,7 @@ class PerModelCheckpoint(Callback):
         monitor: None (default): each model's file is written at every epoch's end while
             it is in the array, so it holds the model as training left it (a model that
             stopped early: as it stopped).  A metric name: written when the model's
-            ``{monitor}_model_{id}`` improves (``mode`` "min" or "max").
+            ``{monitor}/model_{id}`` improves (``mode`` "min" or "max").
     """
 
     def __init__(self, dirpath: str | os.PathLike, monitor: str | None = None,

@@ -38,7 +38,7 @@ from typing import Any
 
 from ..errors import MissingExtraError, SweepError
 
-__all__ = ["sweep", "tune_trainable", "ARRAY_KEY"]
+__all__ = ["sweep", "tune_trainable", "ARRAY_KEY", "connect", "RayStart", "config_results"]
 
 #: The key of a Tune trial's config that holds its array's configurations (a list).
 ARRAY_KEY = "configs"
@@ -71,6 +71,59 @@ def _shippable(spec: Any, where: str) -> Any:
                 f"give the file's path ({where}('path/to/spec.py', ...)) instead of the "
                 f"loaded SweepSpec, and spec fields as keyword arguments")
     return spec
+
+
+# ---------------------------------------------------------------------- connecting
+
+
+@dataclasses.dataclass(frozen=True)
+class RayStart:
+    """How :func:`connect` reached Ray, and how long it took."""
+
+    #: "attached" (this process already was), "joined" (a running cluster),
+    #: "connected" (the address given), "started" (a new local Ray)
+    how: str
+    seconds: float
+    address: str = ""
+
+    def __str__(self) -> str:
+        where = f" at {self.address}" if self.address else ""
+        what = {"attached": f"already attached to Ray{where}",
+                "joined": f"joined the running Ray cluster{where}",
+                "connected": f"connected to Ray{where}",
+                "started": f"started a local Ray{where} (none was running)"}[self.how]
+        return f"Ray: {what}, {self.seconds:.1f} s"
+
+
+def connect(address: str | None = None, **init_kwargs: Any) -> RayStart:
+    """Reach Ray once, reusing what runs: this process's Ray if it is attached; else with
+    ``address=None`` a running cluster (``ray.init(address="auto")``: one started by
+    ``ray start`` or another driver's), else a new local Ray; a given ``address`` as is.
+
+    ::
+
+        connect()          # -> RayStart("joined", 0.8, "127.0.0.1:6379") or ("started", 9.6)
+        connect("ray://head:10001")
+
+    Returns a :class:`RayStart` (``str()``: ``Ray: joined the running Ray cluster at ...,
+    0.8 s``), which ``hftc sweep --ray`` prints."""
+    ray = _import_ray()
+    start = time.perf_counter()
+    init_kwargs = {"logging_level": "warning", **init_kwargs}
+    if ray.is_initialized():
+        how = "attached"
+    elif address is None:
+        try:
+            ray.init(address="auto", **init_kwargs)
+            how = "joined"
+        except ConnectionError:  # nothing running: Ray's own default, a local instance
+            ray.init(**init_kwargs)
+            how = "started"
+    else:
+        ray.init(address=address, **init_kwargs)
+        how = "connected"
+    gcs = getattr(ray.get_runtime_context(), "gcs_address", "") or ""
+    return RayStart(how, time.perf_counter() - start, gcs)
 
 
 # ---------------------------------------------------------------------- sweep on actors
@@ -142,8 +195,8 @@ def sweep(
             importable module (pickled to the actors; one loaded from a file by path is
             refused with a :class:`~hftc.errors.SweepError`).
         address: the Ray cluster (``"auto"``, ``"ray://host:10001"``, ``host:6379``);
-            ``None`` connects to the one this process is attached to, or starts a local
-            one.
+            ``None``: the one this process is attached to, else a running cluster
+            (``ray.init(address="auto")``), else a new local Ray (:func:`connect`).
         workers: the number of actors; each holds one GPU where the cluster has GPUs
             (``gpus=None``; ``gpus=False`` forces CPUs), else one CPU.
         out: the folder of checkpoints and results (default ``sweeps/<study>``); every
@@ -160,7 +213,8 @@ def sweep(
 
     Returns the :class:`~hftc.sweep.SweepResult` of the study (leaderboard and files), its
     ``timings`` holding ``workers``, ``replaced`` (actors), ``nodes`` (those the finishing
-    actors ran on) and the actors' summed ``train`` seconds.
+    actors ran on), the actors' summed ``train`` seconds and ``ray_start`` (the seconds
+    reaching Ray took: :func:`connect`, whose line ``log`` gets).
     """
     ray = _import_ray()
     from ..sweep.engine import Sweep, make_storage
@@ -175,8 +229,8 @@ def sweep(
         make_storage, heartbeat_interval, grace_period)
     say = log if log is not None else (lambda msg: None)
 
-    if not ray.is_initialized():
-        ray.init(address=address, logging_level="warning", log_to_driver=log is not None)
+    reached = connect(address, log_to_driver=log is not None)
+    say(str(reached))
     if gpus is None:
         gpus = ray.cluster_resources().get("GPU", 0) >= 1
     options = {"out": str(out), "storage": storage, "study_name": study_name,
@@ -211,7 +265,8 @@ def sweep(
                   progress=False).run()
     timings = {**final.timings, "train": sum(s["train_s"] for s in summaries),
                "workers": workers, "replaced": replaced,
-               "nodes": len({summary["node"] for summary in summaries})}
+               "nodes": len({summary["node"] for summary in summaries}),
+               "ray_start": reached.seconds}
     return dataclasses.replace(
         final, wall_s=time.perf_counter() - start,
         train_s=sum(s["train_s"] for s in summaries),
@@ -333,7 +388,11 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, epochs: int | None = Non
     the trial trains its live configurations as one fused module, then reports::
 
         {"config_0/<metric>": ..., "config_1/<metric>": ..., "<metric>": best live value,
-         "live": number of live configurations}
+         "live": number of live configurations, "config_<j>/stopped": the scheduler
+         stopped it here}
+
+    :func:`config_results` turns the run's ``ResultGrid`` (one result per array) into
+    one result per configuration.
 
     ``scheduler`` (Tune's ``ASHAScheduler`` / ``AsyncHyperBandScheduler``: it decides from
     results alone; schedulers that need Tune's trial runner, such as PBT or the median
@@ -344,7 +403,7 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, epochs: int | None = Non
     alone. The trial ends when its array
     is empty or after ``epochs``. Give the scheduler here, not to ``tune.TuneConfig``
     (where it would stop whole arrays). Call after ``ray.init()``: the scheduler lives
-    in an actor of the driver.
+    in an actor of the driver (:func:`connect` reuses a running cluster).
 
     A configuration's seed is its ``"seed"`` parameter, else the spec's seed plus a hash
     of its trial and position.
@@ -379,6 +438,56 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, epochs: int | None = Non
 
     train_array.scheduler_actor = decider
     return train_array
+
+
+def config_results(results: Any, metric: str | None = None,
+                   mode: str = "min") -> list[dict[str, Any]]:
+    """One result per configuration, not per array: a Tune ``ResultGrid`` of
+    :func:`tune_trainable` trials (each an array) -> a row for each configuration, the
+    best first (by its last reported ``metric``; ``mode`` "min" or "max")::
+
+        results = tune.Tuner(trainable, param_space=hftc.ray.array_space(space, 4), ...).fit()
+        rows = hftc.ray.config_results(results, "loss")
+        rows[0] == {"config_id": "<tune trial id>/2", "config": {"lr": 0.03, ...},
+                    "loss": 0.41, "best_loss": 0.40, "epochs": 4, "seed": 1234,
+                    "stopped": False, "path": ...}
+
+    ``epochs``: how many it trained (fewer where the scheduler stopped it: ``stopped``).
+    ``metric`` defaults to the one the trials reported (``config_<j>/<metric>``)."""
+    if mode not in ("min", "max"):
+        raise SweepError(f"hftc.ray.config_results: mode is 'min' or 'max', got {mode!r}")
+    rows: list[dict[str, Any]] = []
+    for result in results:
+        if result.error is not None or result.metrics_dataframe is None:
+            continue
+        reports = result.metrics_dataframe.to_dict("records")
+        metric = metric or _reported_metric(reports)
+        trial_id = result.metrics.get("trial_id", "trial")
+        for j, params in enumerate(result.config[ARRAY_KEY]):
+            mine = [r for r in reports if _present(r.get(f"config_{j}/{metric}"))]
+            if not mine:
+                continue
+            values = [r[f"config_{j}/{metric}"] for r in mine]
+            rows.append({"config_id": f"{trial_id}/{j}", "config": params, metric: values[-1],
+                         f"best_{metric}": (min if mode == "min" else max)(values),
+                         "epochs": len(values), "seed": int(mine[0][f"config_{j}/seed"]),
+                         "stopped": bool(mine[-1].get(f"config_{j}/stopped", False)),
+                         "path": result.path})
+    rows.sort(key=lambda row: row[metric], reverse=mode == "max")
+    return rows
+
+
+def _present(value: Any) -> bool:
+    """A reported value (the metrics table holds NaN where a configuration had left)."""
+    return value is not None and value == value
+
+
+def _reported_metric(reports: list[dict[str, Any]]) -> str:
+    for key in reports[0]:
+        if key.startswith("config_0/") and key != "config_0/seed":
+            return key.split("/", 1)[1]
+    raise SweepError("hftc.ray.config_results: these results hold no config_<j>/<metric> "
+                     "(were they trained by hftc.ray.tune_trainable?)")
 
 
 def array_space(space: dict[str, Any], per_array: int) -> dict[str, Any]:
@@ -451,6 +560,7 @@ def _train_array(spec: Any, config: dict[str, Any], decider: Any) -> None:
         elif decider is not None:
             ray.get([decider.complete.remote(names[c]) for c in live])
         report["stopped"] = len(live) - len(keep)
+        report.update({f"config_{c}/stopped": j not in keep for j, c in enumerate(live)})
         tune.report(report)
         if len(keep) < len(live):
             live = [live[j] for j in keep]

@@ -10,7 +10,7 @@ on the real inputs and, at each node that calls a tunable kernel::
               interleaved round by round, median time
     drop a candidate whose output differs from the cost model's choice
     node.kwargs["lowering"] = the fastest, if it beats the cost model's
-                              choice by _OP_MARGIN, else the cost model's
+                              choice by timing.MARGIN, else the cost model's
 
 ``loop`` (N separate calls, what the serial loop runs) is always a candidate,
 so a tuned op is never slower than the N ops it replaces, as timed (within the
@@ -31,9 +31,6 @@ import functools
 import hashlib
 import json
 import operator
-import os
-import platform
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -48,39 +45,34 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from .. import ir
-from . import layout
+from . import layout, timing
 from .check import gradient_tolerance, input_copies, lowering_tolerance, preserved_state
 from .runtime.memory import peak_memory
 from .runtime.model_loop import ModelLoop, plain_output
 from .runtime.tuning import lowerings_of
+from .timing import (
+    cache_path,
+    choose,
+    describe_values,
+    device_key,
+    lookup_entry,
+    measure,
+    medians,
+    store_entry,
+    synchronize,
+)
 
 #: Seconds of work per timed measurement (repeats are added until it is reached).
 _TARGET_S = 0.004
-_ROUNDS = 5
-#: How much faster (a fraction) another way to run the whole forward (the whole-model
-#: loop, another input layout) must measure to replace the fused program as given.
-_LOOP_MARGIN = 0.02
-#: The whole-forward candidates get up to this many times ``_ROUNDS`` rounds while the
-#: fastest two are closer than ``_CLOSE``: a whole step is long and a noisy machine
-#: (other jobs on the same cores) moves single rounds by 10-20%.
+#: The whole-forward candidates get up to this many times ``ROUNDS`` rounds while the
+#: fastest two are closer than ``_CLOSE``: a whole step is long, and a noisy machine moves
+#: single rounds far more than the margin.
 _MORE_ROUNDS = 3
 _CLOSE = 0.05
-#: After each block of ``_ROUNDS`` rounds, a whole-forward candidate this much (a
-#: fraction) slower than the fastest median is timed no more: it cannot be chosen, and
-#: with six candidates a long step's tuning took minutes (ResNet-18 N = 4 on one CPU
-#: core: 130 s of set-up, against 74 s with four candidates timed to the end).
+#: After each block of ``ROUNDS`` rounds, a whole-forward candidate this much (a
+#: fraction) slower than the fastest median is timed no more: it cannot be chosen, and six
+#: candidates of a long step timed to the end took minutes (docs/DESIGN_NOTES.md).
 _DROP = 0.10
-#: Between ways to run the whole forward that tie on time (within ``_LOOP_MARGIN`` of
-#: the chosen one), one whose peak memory over a forward + backward is at least this
-#: fraction below the chosen one's is taken instead: a larger N then fits, for no time
-#: (docs/DESIGN_NOTES.md has the case that set it).
-_MEMORY_MARGIN = 0.2
-#: How much faster (a fraction) than the cost model's choice a single op's other
-#: lowering must measure to replace it.  An op timed alone is not the op in its
-#: program: what its output's layout costs the next op is not in its time.  Between
-#: near-ties the cost model's choice is the better guess, and it keeps choices from
-#: flipping from run to run (docs/DESIGN_NOTES.md has the case that set it).
-_OP_MARGIN = 0.05
 
 
 @dataclass
@@ -116,106 +108,6 @@ class LoweringChoice:
                 f"(cost model: {self.default}; {source}{note})")
 
 
-# --------------------------------------------------------------------------- the cache
-
-
-def cache_path() -> Path:
-    """Where choices persist: ``$HFTC_CACHE_DIR`` / ``$XDG_CACHE_HOME/hftc`` / ``~/.cache/hftc``."""
-    root = os.environ.get("HFTC_CACHE_DIR")
-    if root is None:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "hftc")
-    return Path(root) / "autotune.json"
-
-
-#: entries read or written by this process, by file and key
-_MEMORY: dict[tuple[str, str], dict[str, Any]] = {}
-
-
-def _load(path: Path) -> dict[str, dict[str, Any]]:
-    try:
-        with open(path) as f:
-            entries = json.load(f)
-        return entries if isinstance(entries, dict) else {}
-    except (OSError, ValueError):
-        return {}  # no cache yet, or a torn/corrupt one: tune again
-
-
-def lookup_entry(key: str, path: Path) -> dict[str, Any] | None:
-    """The cached entry for ``key``; one that is not ``{"chosen": str, "times": {str:
-    number}}`` (a file edited or damaged) counts as none: the op is tuned again."""
-    if (str(path), key) not in _MEMORY:
-        entry = _load(path).get(key)
-        if not _well_formed(entry):
-            return None
-        _MEMORY[str(path), key] = entry
-    return _MEMORY[str(path), key]
-
-
-def _well_formed(entry: Any) -> bool:
-    times = entry.get("times") if isinstance(entry, dict) else None
-    return (isinstance(entry, dict) and isinstance(entry.get("chosen"), str)
-            and isinstance(times, dict) and all(
-                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                for k, v in times.items()))
-
-
-def store_entry(key: str, entry: dict[str, Any], path: Path) -> None:
-    """Merge into the file and replace it atomically (concurrent trials lose nothing
-    worse than an entry to re-time)."""
-    _MEMORY[str(path), key] = entry
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        entries = _load(path)
-        entries[key] = entry
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as exc:  # a read-only home: keep the choice for this process
-        warnings.warn(f"hftc autotune: cannot write its cache {path}: {exc}", stacklevel=3)
-
-
-def device_key(device: torch.device) -> str:
-    """The hardware and software a timing holds for: the device, torch's version and
-    hftc's own code (a changed kernel choice inside a runtime function leaves the generated
-    program, and so the rest of the key, as it was)."""
-    software = f"torch {torch.__version__}:hftc {hftc_code_fingerprint()}"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return f"cuda:{name}:{software}"
-    return f"{device.type}:{_cpu_name()}:{torch.get_num_threads()} threads:{software}"
-
-
-@functools.cache
-def hftc_code_fingerprint() -> str:
-    """A hash of the source of every hftc module: timings cached by another hftc are stale."""
-    package = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha1()
-    for path in sorted(package.rglob("*.py")):
-        digest.update(str(path.relative_to(package)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def describe_values(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return [list(value.shape), list(value.stride()), str(value.dtype)]
-    if isinstance(value, (tuple, list)):
-        return [describe_values(v) for v in value]
-    return repr(value)
-
-
 # --------------------------------------------------------------------------- timing
 
 
@@ -226,11 +118,6 @@ def _same(a: Tensor, b: Tensor) -> bool:
     return b.numel() == 0 or (a - b).abs().max().item() <= lowering_tolerance(b) * scale
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _Candidate:
     """One lowering of one node, runnable on that node's inputs."""
 
@@ -239,7 +126,6 @@ class _Candidate:
         self.kernel, self.name = kernel, name
         self.args, self.kwargs = args, {**kwargs, "lowering": name}
         self.grad_flags, self.grad_out = grad_flags, grad_out
-        self.times: list[float] = []
         self.repeats = 1
 
     def run(self) -> Tensor:
@@ -257,20 +143,12 @@ class _Candidate:
             y.backward(self.grad_out)
         return y.detach(), [a.grad for a, flag in zip(leaves, self.grad_flags) if flag]
 
-    def measure(self, device: torch.device) -> None:
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(self.repeats):
-            self.run()
-        synchronize(device)
-        self.times.append((time.perf_counter() - start) / self.repeats)
-
 
 def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[str, Any],
               grad_flags: Sequence[bool], *, node: str = "?",
               path: Path | None = None) -> LoweringChoice:
     """Time ``kernel``'s lowerings on these arguments and return the fastest, or the
-    cost model's choice if that is within ``_OP_MARGIN`` of it (cached)."""
+    cost model's choice unless another beats it by ``timing.MARGIN`` (cached)."""
     names = lowerings_of(kernel)(*args, **kwargs)
     backward = any(grad_flags)
     device = next(a.device for a in args if isinstance(a, Tensor))
@@ -314,21 +192,18 @@ def tune_call(kernel: Callable[..., Tensor], args: Sequence[Any], kwargs: dict[s
             continue
         candidate.repeats = max(1, min(50, int(_TARGET_S / max(elapsed, 1e-7))))
         candidates.append(candidate)
-    for _ in range(_ROUNDS):  # interleaved, so machine noise hits every candidate alike
-        for candidate in candidates:
-            candidate.measure(device)
-    choice.times = {c.name: statistics.median(c.times) for c in candidates}
+    times = measure({c.name: c.run for c in candidates}, device, rounds=timing.ROUNDS,
+                    repeats={c.name: c.repeats for c in candidates})
+    choice.times = medians(times)
     choice.chosen = _pick(choice.times, names[0])
     store_entry(key, {"chosen": choice.chosen, "times": choice.times}, path)
     return choice
 
 
 def _pick(times: dict[str, float], default: str) -> str:
-    """The fastest lowering, or ``default`` unless that is slower by ``_OP_MARGIN``."""
-    fastest = min(times, key=times.get)
-    if default in times and times[fastest] >= (1 - _OP_MARGIN) * times[default]:
-        return default
-    return fastest
+    """An op's lowering from its median times: :func:`~hftc.lowering.timing.choose`'s
+    rule, the cost model's choice the default."""
+    return choose(times, default)
 
 
 # --------------------------------------------------------------------------- the graph
@@ -440,7 +315,7 @@ def cost_model_graph(graph: fx.Graph, choices: Sequence[LoweringChoice]) -> fx.G
     ResNet-18 at N = 4 on one CPU core: two channels-last convs, three per-model loops
     and an im2col stem, each faster alone, made the step 1.39-1.55 s where the cost
     model's took 1.16-1.27 s.  :func:`choose_program` times this program beside
-    autotune's, so tuning ends at most ``_LOOP_MARGIN`` slower than not tuning, as timed
+    autotune's, so tuning ends at most ``timing.MARGIN`` slower than not tuning, as timed
     (the cost model's program must win by that margin to replace autotune's)."""
     defaults = {c.node: c.default for c in choices if c.chosen != c.default}
     if not defaults:
@@ -606,7 +481,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     (+ backward), interleaved over rounds (more while the fastest two are close; after
     each block of rounds a candidate ``_DROP`` behind the fastest is timed no more).  A
     candidate other than the fused program as given is taken only if it is faster by
-    ``_LOOP_MARGIN``.  ``key_source`` (the
+    ``timing.MARGIN`` (:func:`~hftc.lowering.timing.choose`).  ``key_source`` (the
     generated code) identifies the program in the disk cache.  ``channels_last``: whether
     the inputs may be laid out channels-last (:func:`.layout.safe`).  ``cost_model``: the
     program compiled from :func:`cost_model_graph`, a candidate too (the chosen
@@ -660,21 +535,16 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
                 run_tuning_step(fused, program_forward, how, values, batched, backward)
         timed = list(valid)
         for _extra in range(_MORE_ROUNDS):
-            for _ in range(_ROUNDS):  # interleaved rounds, as for single ops
-                for name in timed:
-                    how = valid[name]
-                    synchronize(device)
-                    start = time.perf_counter()
-                    run_tuning_step(fused, program_forward, how, values, batched, backward)
-                    synchronize(device)
-                    times[name].append(time.perf_counter() - start)
-            medians = {name: statistics.median(times[name]) for name in timed}
-            fastest = min(medians.values())
-            timed = [name for name in timed if medians[name] <= (1 + _DROP) * fastest]
-            close = sorted(medians[name] for name in timed)
+            measure({name: functools.partial(run_tuning_step, fused, program_forward,
+                                             valid[name], values, batched, backward)
+                     for name in timed}, device, rounds=timing.ROUNDS, times=times)
+            now = medians({name: times[name] for name in timed})
+            fastest = min(now.values())
+            timed = [name for name in timed if now[name] <= (1 + _DROP) * fastest]
+            close = sorted(now[name] for name in timed)
             if len(close) < 2 or close[1] > (1 + _CLOSE) * close[0]:
                 break  # a clear winner
-    choice.times = {k: statistics.median(v) for k, v in times.items()}
+    choice.times = medians(times)
     choice.peaks = {k: how.peak / 2**20 for k, how in valid.items() if how.peak is not None}
     choice.chosen = _pick_program(choice.times, {k: how.peak for k, how in valid.items()})
     store_entry(key, {"chosen": choice.chosen, "times": choice.times, "peaks": choice.peaks}, path)
@@ -682,22 +552,10 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
 
 
 def _pick_program(times: dict[str, float], peaks: dict[str, int | None]) -> str:
-    """The whole forward's choice from its candidates' median times and peak bytes.
-
-    Another candidate than the fused program as given must win by ``_LOOP_MARGIN``:
-    between medians within the noise the fused program stays, so a choice does not flip
-    from run to run.  Then a tie on time goes to the smaller footprint: a candidate
-    within ``_LOOP_MARGIN`` of the chosen one's time that peaks ``_MEMORY_MARGIN`` lower.
-    """
-    bar = (1 - _LOOP_MARGIN) * times["fused"]
-    winners = [name for name, t in times.items() if t < bar]
-    chosen = min(winners, key=times.get) if winners else "fused"
-    if peaks.get(chosen) is None:
-        return chosen
-    lighter = [name for name, t in times.items()
-               if t <= (1 + _LOOP_MARGIN) * times[chosen] and peaks.get(name) is not None
-               and peaks[name] <= (1 - _MEMORY_MARGIN) * peaks[chosen]]
-    return min(lighter, key=peaks.get) if lighter else chosen
+    """The whole forward's program from its candidates' median times and peak bytes:
+    :func:`~hftc.lowering.timing.choose`'s rule (the fused program as given the default;
+    a tie on time to the smaller footprint)."""
+    return choose(times, "fused", peaks)
 
 
 __all__ = ["LoweringChoice", "ProgramChoice", "autotune_graph", "cache_path",

@@ -303,8 +303,7 @@ def _tensor_difference(got: Tensor, want: Tensor, where: str, shapes_only: bool,
     diff = (got - want).norm().item()
     scale = max(got.norm().item(), want.norm().item())
     # An absolute floor, for outputs that are zero but for rounding (``h - h.mean(0)``
-    # summed): each side's noise is then 100% of its norm.  1e-6 per element in float32
-    # (1e-9 in float64) is far below any difference a wrong program makes.
+    # summed), where each side's noise is all of its norm; far below any wrong program's.
     floor = limit * 1e-3 * math.sqrt(want.numel())
     errors.append(diff / scale if scale else 0.0)
     if diff <= limit * scale or diff <= floor:

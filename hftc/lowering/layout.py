@@ -90,7 +90,8 @@ def _unsafe_conv_call(node: fx.Node) -> bool:
 
 
 
-#: Norms whose CPU backward torch 2.13 gets wrong on channels-last tensors (:func:`safe`).
+#: Norms whose CPU backward torch gets wrong on channels-last tensors (:func:`safe`;
+#: docs/DESIGN_NOTES.md, "torch behaviour").
 _UNSAFE_MODULES = (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
 

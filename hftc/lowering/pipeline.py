@@ -28,17 +28,19 @@ that is not one of hftc's own (which say what and where) carries a note naming t
 (``hftc: raised in the compile stage 'fusion'``); its class and message are unchanged.
 
 This layer sits below :mod:`hftc.module.fused`: the FusedModule the program is for is passed in
-(``state.fused``) and only its methods are called.
+(``state.fused``), typed as the :class:`ProgramHost` it is to the pipeline: only those
+methods are called.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
+from torch import Tensor, nn
 
 from ..errors import FusionError, TraceError
 from ..frontends.symbolic import OutputSpec, annotate_example_values, output_spec
@@ -99,11 +101,61 @@ class CompileOptions:
 
 
 @dataclass
+class ModeGraphs:
+    """Model 0's graph for one mode, rooted at the meta template, and its matching."""
+
+    graph: fx.Graph  # not owned by any module, so deepcopy and pickle keep it whole
+    originals: list[dict[str, str]]  # per model: model 0's node name -> model i's node name
+    match_method: str
+    attr_targets: dict[str, str]
+    #: the inputs traced as Python constants, and their values (ir.CONSTANT_INPUTS)
+    constants: dict[str, Any] = field(default_factory=dict)
+    #: how torch.export kept the example inputs' sizes (ir.EXPORTED_SHAPES: an
+    #: ``ExportedShapes``); None for symbolic tracing
+    exported_shapes: Any = None
+
+    def graph_module(self, template: nn.Module) -> fx.GraphModule:
+        """Model 0's graph rooted at the meta template, for shape propagation and fusion."""
+        gm = fx.GraphModule(template, self.graph)
+        self.graph.owning_module = None
+        return gm
+
+
+class ProgramHost(Protocol):
+    """What the pipeline asks of the module a program is for: a ``FusedModule``, whose
+    program cache (:mod:`hftc.module.programs`) implements these.  Declared here, so that
+    this layer names what it calls without importing the module layer above it."""
+
+    num_models: int
+    training: bool
+    #: model 0's module on meta (its tensors synced by :meth:`_sync_template`)
+    _template: nn.Module
+
+    def parameters(self, recurse: bool = True) -> Iterator[Tensor]: ...
+
+    def _sync_template(self) -> None: ...
+
+    def _model_tensors(self, index: int = 0) -> dict[str, Tensor]: ...
+
+    def _explain_input_mismatch(self, values: Sequence[Any], batched: Sequence[bool],
+                                cause: Exception) -> None: ...
+
+    def _why_not_fused(self, report: FusionReport, forward: Any, spec: OutputSpec | None,
+                       values: Sequence[Any], batched: Sequence[bool], graph: fx.Graph,
+                       model_graph: fx.Graph) -> str | None: ...
+
+    def _model_loop_program(self, program: Program, values: Sequence[Any],
+                            batched: Sequence[bool], why: str) -> Program: ...
+
+    def _models_one_by_one(self) -> ModelLoop: ...
+
+
+@dataclass
 class ProgramState:
     """The program as the stages build it; each stage fills in its fields."""
 
-    fused: Any  # the FusedModule the program is for
-    mode_graphs: Any  # fused._ModeGraphs: model 0's graph, its matching, its constants
+    fused: ProgramHost  # the FusedModule the program is for
+    mode_graphs: ModeGraphs  # model 0's graph, its matching, its constants
     values: Sequence[Any]
     batched: Sequence[bool]
     graph: fx.Graph | None = None  # the fused graph (fusion)

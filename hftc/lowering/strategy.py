@@ -29,7 +29,7 @@ from its start to the next call's (the user's backward and optimizer step includ
                and only the forwards differ: what is compared is then the forwards)
     choice:    after _MIN_CYCLES or more whole cycles once the counted intervals add up
                to _BUDGET_S, or after _MAX_CYCLES: the loop if median(loop / fused per
-               cycle) < 1 - _MARGIN, else fused; no extra step, only the trial calls
+               cycle) < 1 - timing.MARGIN, else fused; no extra step, only the trial calls
                that ran the slower way cost (``plan.seconds`` estimates it)
 
 Programs that draw random numbers (dropout) would give other draws fused than one by
@@ -41,7 +41,7 @@ they are timed on extra steps whose draws and buffer updates are undone::
                hits both), at least _MIN_ROUNDS, then until _BUDGET_S (counted from
                the warm-up) is spent or _MAX_ROUNDS: the choice costs about
                max(_BUDGET_S, 6 steps)
-    choice:    the loop if median(loop / fused per round) < 1 - _MARGIN, else fused
+    choice:    the loop if median(loop / fused per round) < 1 - timing.MARGIN, else fused
 
 Either way the choice is stored on disk (autotune's file) per device, threads, torch,
 program, input shapes, N and mode: the next process times nothing.  Both ways compute
@@ -59,10 +59,10 @@ nothing).  ``autotune=True`` times the loop among its whole-forward candidates
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -73,20 +73,22 @@ import torch
 from torch import Tensor
 
 from ..errors import FusionArgumentError
-from .autotune import (
-    ProgramChoice,
+from .autotune import ProgramChoice, rng_state, run_program, run_tuning_step
+from .check import input_copies, preserved_state
+from .runtime.model_loop import plain_output
+from .timing import (
     cache_path,
+    choose,
     describe_values,
     device_key,
     lookup_entry,
-    rng_state,
-    run_program,
-    run_tuning_step,
+    measure,
+    medians,
+    ratios,
     store_entry,
     synchronize,
+    timing_allowed,
 )
-from .check import input_copies, preserved_state
-from .runtime.model_loop import plain_output
 
 STRATEGIES = ("auto", "fused", "model_loop", "timed")
 #: The environment variable that sets the default strategy (``fuse(strategy=None)``).
@@ -96,9 +98,6 @@ STRATEGY_ENV = "HFTC_STRATEGY"
 _BUDGET_S = 1.0
 _MIN_ROUNDS = 2
 _MAX_ROUNDS = 15
-#: How much faster (a fraction, median of the per-round ratios) the loop must be to be
-#: taken: between ties the fused program stays, so the choice does not flip with noise.
-_MARGIN = 0.03
 #: Timing on the user's calls (:class:`CallTiming`): one cycle of counted intervals, and
 #: at most this many cycles.
 _CYCLE = ("fused", "model_loop", "model_loop", "fused")
@@ -115,12 +114,6 @@ NOT_TIMED = "checked; not timed, the same program every run"
 DETERMINISTIC = "not timed: torch.use_deterministic_algorithms(True)"
 #: The reasons of a choice that timing made (on this run or an earlier one, the cache's).
 TIMED_REASONS = ("timed", "timed on the first calls", TIMING_CALLS, "cache", "autotune")
-
-
-def timing_allowed() -> bool:
-    """Whether a choice between numerically different programs may be made by timing:
-    not under ``torch.use_deterministic_algorithms(True)``."""
-    return not torch.are_deterministic_algorithms_enabled()
 
 
 def resolve_strategy(strategy: str | None, autotune: bool = False) -> str:
@@ -235,16 +228,17 @@ class CallTiming:
 
     def _decide(self, program: Any) -> None:
         timed = self.intervals[2:]
-        ratio = _median_cycle_ratio(timed, "model_loop", "fused")
-        chosen = "model_loop" if ratio < 1 - _MARGIN else "fused"
-        medians = {name: statistics.median(t for n, t in timed if n == name)
-                   for name in ("fused", "model_loop")}
-        slower_cost = sum(max(0.0, t - medians[chosen]) for n, t in self.intervals
+        per_cycle = _per_cycle(timed)  # a cycle's two calls of each way: one round
+        chosen = choose(per_cycle, "fused")
+        ratio = ratios(per_cycle, "fused")["model_loop"]
+        times = medians({name: [t for n, t in timed if n == name]
+                         for name in ("fused", "model_loop")})
+        slower_cost = sum(max(0.0, t - times[chosen]) for n, t in self.intervals
                           if n != chosen)
-        store_entry(self.key, {"chosen": chosen, "times": medians, "ratio": ratio}, self.path)
+        store_entry(self.key, {"chosen": chosen, "times": times, "ratio": ratio}, self.path)
         program.how = self.ways[chosen]
         program.plan = program.report.strategy = StrategyChoice(
-            chosen, "timed on the first calls", medians, ratio, len(timed) // len(_CYCLE),
+            chosen, "timed on the first calls", times, ratio, len(timed) // len(_CYCLE),
             self.setup_s + slower_cost, self.backward)
         program.trial = None
 
@@ -258,75 +252,18 @@ class StepOrder:
     """How ``hftc.compile_step`` runs an eager step for one input signature, and why
     (``step.order``): ``chosen`` is "fused" (the fused module's forward of all N models,
     one backward) or "in_order" (each model's forward, loss and backward in turn,
-    :meth:`~hftc.lowering.runtime.model_loop.ModelLoop.forward_backward`)."""
+    :meth:`~hftc.lowering.runtime.model_loop.ModelLoop.forward_backward`).  Nothing is
+    timed: the models run in order exactly where the fused module runs them one by one."""
 
     chosen: str
-    #: "timed on the first steps" (:class:`StepOrderTiming`), "the fused module runs the
-    #: models one by one" (its strategy chose or forces the loop: in order is that loop
-    #: in the serial loop's order), "hooks on the fused parameters", or "the fused
-    #: module's choice: ..." (it never ran the models one by one on these inputs)
+    #: "the fused module runs the models one by one" (its strategy chose or forces the
+    #: loop: in order is that loop in the serial loop's order), "hooks on the fused
+    #: parameters", or "the fused module's choice: ..." (its fused program)
     reason: str
-    #: way -> median seconds of one whole step
-    times: dict[str, float] = field(default_factory=dict)
-    #: median of the per-cycle ratios fused / in order
-    ratio: float | None = None
-    cycles: int = 0
 
     def __str__(self) -> str:
         what = {"fused": "the fused step", IN_ORDER: "the models in order"}
-        text = f"runs {what[self.chosen]} ({self.reason}"
-        if self.times:
-            text += (f": fused {self.times['fused'] * 1e3:.3g} ms, in order "
-                     f"{self.times[IN_ORDER] * 1e3:.3g} ms a step, median ratio "
-                     f"{self.ratio:.3f} over {self.cycles} cycles")
-        return text + ")"
-
-
-class StepOrderTiming:
-    """``hftc.compile_step``'s eager choice for one input signature between the fused
-    step and the models in order, timed on the step's own calls once the fused module
-    has chosen to run its fused program (its own first-call timing done)::
-
-        steps:   fused, in order (warm-up), then cycles of fused, in order, in order, fused
-        choice:  after _MIN_CYCLES or more cycles once they add up to _BUDGET_S, or after
-                 _MAX_CYCLES: fused if median(fused / in order per cycle) < 1 - _MARGIN,
-                 else in order
-
-    Between ties the models run in order, the serial loop's own order and kernels with
-    one fused optimizer step: a way that cannot lose to the serial loop, where the fused
-    step can lose a few % (N models' activations outgrow a cache one model's fit).
-    Both ways compute the models' answers on the same tensors (in order exactly the
-    serial loop's), so the steps timed are real steps: none is extra."""
-
-    def __init__(self, device: torch.device, budget_s: float = _BUDGET_S):
-        self.device, self.budget_s = device, budget_s
-        #: (way, seconds of its whole step), in order; the first two are the warm-ups
-        self.steps: list[tuple[str, float]] = []
-        self.order: StepOrder | None = None
-
-    def way(self) -> str:
-        """How the next step runs."""
-        if self.order is not None:
-            return self.order.chosen
-        count = len(self.steps)
-        name = ("fused", "model_loop")[count] if count < 2 else _CYCLE[(count - 2) % len(_CYCLE)]
-        return "fused" if name == "fused" else IN_ORDER
-
-    def record(self, way: str, seconds: float) -> None:
-        """A step ran ``way`` in ``seconds`` (to its end, kernels included); decides once
-        enough cycles are timed."""
-        if self.order is not None:
-            return
-        self.steps.append((way, seconds))
-        timed = self.steps[2:]
-        if not _cycles_done(timed, self.budget_s):
-            return
-        ratio = _median_cycle_ratio(timed, "fused", IN_ORDER)
-        medians = {name: statistics.median(t for n, t in timed if n == name)
-                   for name in ("fused", IN_ORDER)}
-        self.order = StepOrder("fused" if ratio < 1 - _MARGIN else IN_ORDER,
-                               "timed on the first steps", medians, ratio,
-                               len(timed) // len(_CYCLE))
+        return f"runs {what[self.chosen]} ({self.reason})"
 
 
 def _cycles_done(timed: Sequence[tuple[str, float]], budget_s: float) -> bool:
@@ -337,12 +274,11 @@ def _cycles_done(timed: Sequence[tuple[str, float]], budget_s: float) -> bool:
         sum(t for _, t in timed) >= budget_s or cycles >= _MAX_CYCLES)
 
 
-def _median_cycle_ratio(timed: Sequence[tuple[str, float]], top: str, bottom: str) -> float:
-    """The median over whole cycles of ``timed`` of (``top``'s seconds / ``bottom``'s)."""
+def _per_cycle(timed: Sequence[tuple[str, float]]) -> dict[str, list[float]]:
+    """Each way's seconds per whole cycle of ``timed`` (its calls in the cycle summed)."""
     cycles = [timed[i:i + len(_CYCLE)] for i in range(0, len(timed), len(_CYCLE))]
-    return statistics.median(sum(t for name, t in c if name == top)
-                             / max(sum(t for name, t in c if name == bottom), 1e-12)
-                             for c in cycles)
+    return {way: [sum(t for name, t in c if name == way) for c in cycles]
+            for way in ("fused", "model_loop")}
 
 
 def strategy_key(fused: torch.nn.Module, values: Sequence[Any], batched: Sequence[bool],
@@ -413,29 +349,20 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
                             backward)
         except Exception:  # noqa: BLE001 - models that cannot run one by one keep fused
             return None, StrategyChoice("fused", "loop failed", backward=backward), None
-        times: dict[str, list[float]] = {"fused": [], "model_loop": []}
-        ratios: list[float] = []
-        for round_ in range(_MAX_ROUNDS):
-            order = ((("fused", fused_way), ("model_loop", loop_way)) if round_ % 2 == 0
-                     else (("model_loop", loop_way), ("fused", fused_way)))
-            for name, way in order:
-                synchronize(device)
-                begin = time.perf_counter()
-                run_tuning_step(fused, program_forward, way, copies, batched, backward)
-                synchronize(device)
-                times[name].append(time.perf_counter() - begin)
-            ratios.append(times["model_loop"][-1] / max(times["fused"][-1], 1e-12))
-            if len(ratios) >= _MIN_ROUNDS and time.perf_counter() - warm_from >= budget_s:
-                break
-    ratio = statistics.median(ratios)
-    chosen = "model_loop" if ratio < 1 - _MARGIN else "fused"
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    store_entry(key, {"chosen": chosen, "times": medians, "ratio": ratio}, path)
-    choice = StrategyChoice(chosen, "timed", medians, ratio, len(ratios),
+        ways = {name: functools.partial(run_tuning_step, fused, program_forward, way, copies,
+                                        batched, backward)
+                for name, way in (("fused", fused_way), ("model_loop", loop_way))}
+        times = measure(ways, device, rounds=_MAX_ROUNDS, min_rounds=_MIN_ROUNDS,
+                        budget_s=max(0.0, budget_s - (time.perf_counter() - warm_from)))
+    ratio = ratios(times, "fused")["model_loop"]
+    chosen = choose(times, "fused")
+    seconds = medians(times)
+    store_entry(key, {"chosen": chosen, "times": seconds, "ratio": ratio}, path)
+    choice = StrategyChoice(chosen, "timed", seconds, ratio, len(times["fused"]),
                             time.perf_counter() - start, backward)
     return (loop_way if chosen == "model_loop" else None), choice, None
 
 
-__all__ = ["DETERMINISTIC", "NOT_TIMED", "STRATEGIES", "STRATEGY_ENV", "TIMED_REASONS",
-           "TIMING_CALLS", "CallTiming", "StrategyChoice", "choose_strategy",
-           "resolve_strategy", "strategy_key", "timing_allowed"]
+__all__ = ["DETERMINISTIC", "IN_ORDER", "NOT_TIMED", "STRATEGIES", "STRATEGY_ENV",
+           "TIMED_REASONS", "TIMING_CALLS", "CallTiming", "StepOrder", "StrategyChoice",
+           "choose_strategy", "resolve_strategy", "strategy_key", "timing_allowed"]

@@ -48,7 +48,7 @@ from ..ir import CONSTANT_INPUTS, EXPORTED_SHAPES, PYTHON_STATE
 from ..lowering.autotune import run_program
 from ..lowering.checkpoint import check_option as check_checkpoint_option
 from ..lowering.compile_guard import compiled_original
-from ..lowering.pipeline import Program
+from ..lowering.pipeline import ModeGraphs, Program
 from ..lowering.runtime.layout import model_slice
 from ..lowering.runtime.model_loop import ModelLoop
 from ..lowering.runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
@@ -58,7 +58,7 @@ from ..passes.registry import aten_spellings, per_model_table
 from .copies import ModelCopies
 from .inputs import InDims, InputHandling, check_in_dims
 from .padding import WidthPadding, mask_padded_gradients, pad_models
-from .programs import ModeGraphs, ProgramCache
+from .programs import ProgramCache
 from .stacking import build_module_tree
 from .unfuse import Unfusing
 

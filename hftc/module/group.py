@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from ..errors import FusionArgumentError, MismatchError, TraceError, UnsupportedOperatorError
 from ..frontends.same_program import alike_models
 from ..frontends.symbolic import trace_model
-from ..lowering import autotune
+from ..lowering import timing
 from ..match import node_signature
 from ..passes.registry import aten_spellings, per_model_table
 from .fused import FusedModule, check_models, example_constants
@@ -67,8 +65,8 @@ def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> s
 
 
 #: ``fuse_groups(..., pad_widths=True)``'s default ``max_padding``: pad widths into one
-#: array while it does at most this many times the models' own arithmetic (on one CPU
-#: thread padding 2.39x cost 2.6x the serial step: docs/BENCHMARKS.md).
+#: array while it does at most this many times the models' own arithmetic (the case that
+#: set it: docs/DESIGN_NOTES.md, "Padding's limit").
 MAX_PADDING = 1.25
 
 
@@ -106,7 +104,8 @@ def pad_or_split(models: Sequence[nn.Module], groups: Sequence[list[int]],
                 verdict = (f"measured {padded_s * 1e3:.3g} ms a step padded into one array vs "
                            f"{apart_s * 1e3:.3g} ms apart ({ratio:.2f}x the models' own "
                            f"arithmetic padded)")
-                if padded_s <= apart_s:
+                # the one tie rule: one array unless apart is faster by timing.MARGIN
+                if timing.choose({"pad": padded_s, "split": apart_s}, "pad") == "pad":
                     current, why_joined = joined, verdict
                     continue
                 arrays.append((sorted(current), _padding_reason(
@@ -144,26 +143,23 @@ def _padding_reason(indices: list[int], shapes: dict[int, dict], max_padding: fl
 #
 # fuse_groups(..., pad_widths=True, autotune=True) times, on the real example inputs, each
 # pad-or-split decision (one padded array against the two arrays apart, forward and
-# backward) and keeps the times in ``grouping.json`` next to autotune's cache; later
-# calls (a sweep fuses an array per round) read them instead of the estimate.
-
-#: interleaved timed rounds per decision (after one untimed round of each candidate)
-_GROUPING_ROUNDS = 5
-
+# backward) and keeps the times in ``grouping.json`` next to the timing cache
+# (:mod:`hftc.lowering.timing`); later calls (a sweep fuses an array per round) read them
+# instead of the estimate.
 
 def _grouping_path() -> Path:
-    return autotune.cache_path().with_name("grouping.json")
+    return timing.cache_path().with_name("grouping.json")
 
 
 def grouping_key(models: Sequence[nn.Module], example_inputs: Any) -> str:
     """The measured-cost table's key for padding ``models`` into one array or not: the
-    device and software (:func:`hftc.lowering.autotune.device_key`), the structure up to
+    device and software (:func:`hftc.lowering.timing.device_key`), the structure up to
     widths, each model's weight shapes in order, and the inputs' shapes and dtypes."""
     tensors = [t for t in tree_leaves(example_inputs) if isinstance(t, Tensor)]
     first = next(iter(models[0].parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     dtype = first.dtype if first is not None else torch.get_default_dtype()
-    return json.dumps(["grouping-1", autotune.device_key(device), str(dtype),
+    return json.dumps(["grouping-1", timing.device_key(device), str(dtype),
                        hashlib.sha1(widths_key(models[0]).encode()).hexdigest(),
                        [[list(s) for s in weight_shapes(m).values()] for m in models],
                        [[list(t.shape), str(t.dtype)] for t in tensors]])
@@ -172,14 +168,15 @@ def grouping_key(models: Sequence[nn.Module], example_inputs: Any) -> str:
 def record_grouping_cost(key: str, padded_s: float, apart_s: float) -> None:
     """Store a measured step time of one padded array (``padded_s``) and of the same models
     in their arrays apart (``apart_s``) under :func:`grouping_key`'s ``key``."""
-    autotune.store_entry(key, {"chosen": "pad" if padded_s <= apart_s else "split",
+    times = {"pad": padded_s, "split": apart_s}
+    timing.store_entry(key, {"chosen": timing.choose(times, "pad"),
                                "times": {"pad": padded_s, "split": apart_s}},
                          _grouping_path())
 
 
 def grouping_cost(key: str) -> tuple[float, float] | None:
     """The recorded ``(padded_s, apart_s)`` for ``key``, or None."""
-    entry = autotune.lookup_entry(key, _grouping_path())
+    entry = timing.lookup_entry(key, _grouping_path())
     if entry is None or set(entry["times"]) != {"pad", "split"}:
         return None
     return entry["times"]["pad"], entry["times"]["split"]
@@ -205,19 +202,13 @@ def _measure_grouping(models: Sequence[nn.Module], current: list[int], group: li
     padded, apart = make(current + group), [make(current), make(group)]
     device = args[0].device if args and isinstance(args[0], Tensor) else torch.device("cpu")
     cuda = [device] if device.type == "cuda" else []
-    times: dict[str, list[float]] = {"pad": [], "split": []}
     with torch.random.fork_rng(devices=cuda):
         for candidate in [padded, *apart]:  # untimed: compile, autotune, first-call check
             _step(candidate, args)
-        for _ in range(_GROUPING_ROUNDS):
-            for name, arrays in (("pad", [padded]), ("split", apart)):
-                autotune.synchronize(device)
-                start = time.perf_counter()
-                for fused in arrays:
-                    _step(fused, args)
-                autotune.synchronize(device)
-                times[name].append(time.perf_counter() - start)
-    return statistics.median(times["pad"]), statistics.median(times["split"])
+        times = timing.medians(timing.measure(
+            {"pad": lambda: _step(padded, args),
+             "split": lambda: [_step(fused, args) for fused in apart]}, device))
+    return times["pad"], times["split"]
 
 
 def _grouping_measurement(models: Sequence[nn.Module], example_inputs: Any,

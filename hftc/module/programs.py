@@ -16,7 +16,6 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,7 +51,7 @@ from ..lowering.check import (
     preserved_state,
 )
 from ..lowering.compile_guard import run_eagerly
-from ..lowering.pipeline import CompileOptions, Program, compile_program
+from ..lowering.pipeline import CompileOptions, ModeGraphs, Program, compile_program
 from ..lowering.runtime.layout import model_slice
 from ..lowering.runtime.model_loop import ModelLoop
 from ..lowering.strategy import StrategyChoice
@@ -62,27 +61,6 @@ from ..passes.driver import SHARED_CONSTANT_PREFIX
 from ..passes.registry import aten_spellings, per_model_table
 from .padding import locate_difference as locate_padding_difference
 from .padding_graph import compute_over_real_units
-
-
-@dataclass
-class ModeGraphs:
-    """Model 0's graph for one mode, rooted at the meta template, and its matching."""
-
-    graph: fx.Graph  # not owned by any module, so deepcopy and pickle keep it whole
-    originals: list[dict[str, str]]  # per model: model 0's node name -> model i's node name
-    match_method: str
-    attr_targets: dict[str, str]
-    #: the inputs traced as Python constants, and their values (ir.CONSTANT_INPUTS)
-    constants: dict[str, Any] = field(default_factory=dict)
-    #: how torch.export kept the example inputs' sizes (ir.EXPORTED_SHAPES: an
-    #: ``ExportedShapes``); None for symbolic tracing
-    exported_shapes: Any = None
-
-    def graph_module(self, template: nn.Module) -> fx.GraphModule:
-        """Model 0's graph rooted at the meta template, for shape propagation and fusion."""
-        gm = fx.GraphModule(template, self.graph)
-        self.graph.owning_module = None
-        return gm
 
 
 def guard_failure(graph: fx.Graph, values: Sequence[Any],

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, addcmul_
+from .coefficients import addcmul_
+from .optimizer import FusedOptimizer
 
 __all__ = ["Adadelta"]
 

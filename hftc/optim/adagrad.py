@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from ..errors import FusionArgumentError
-from .optimizer import Coefficients, FusedOptimizer, addcdiv_
+from .coefficients import Coefficients, addcdiv_
+from .optimizer import FusedOptimizer
 
 __all__ = ["Adagrad"]
 

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import Coefficients, FusedOptimizer, addcdiv_, addcmul_
+from .coefficients import Coefficients, addcdiv_, addcmul_
+from .optimizer import FusedOptimizer
 
 __all__ = ["Adam", "AdamW"]
 
@@ -30,9 +31,8 @@ _BLOCK_NUMEL = 1 << 18
 #: On the CPU, a parameter of at least this many elements per model is updated model by
 #: model in contiguous chunks of ``_ROW_CHUNK_NUMEL`` elements (:meth:`Adam._update_rows`):
 #: stock's very calls with model i's values, each chunk in cache across the update's ops.
-#: Column blocks of such wide rows (N strips far apart in memory) stayed in cache far
-#: worse: about 2.3x the time per element.  Narrower rows take the whole-tensor ops, where
-#: N chunks' calls would cost more than the passes they save (docs/DESIGN_NOTES.md).
+#: Column blocks of such wide rows (N strips far apart in memory) stay in cache far worse;
+#: narrower rows take the whole-tensor ops (measured: docs/DESIGN_NOTES.md, "Adam's rows").
 _ROW_CHUNKS_MIN_WIDTH = 1 << 15
 _ROW_CHUNK_NUMEL = 1 << 16
 

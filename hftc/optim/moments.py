@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import Coefficients, FusedOptimizer, addcmul_
+from .coefficients import Coefficients, addcmul_
+from .optimizer import FusedOptimizer
 
 
 @dataclass

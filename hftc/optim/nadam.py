@@ -7,8 +7,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .coefficients import Coefficients, addcdiv_, scalar_dtype
 from .moments import AdamMoments
-from .optimizer import Coefficients, FusedOptimizer, addcdiv_, scalar_dtype
+from .optimizer import FusedOptimizer
 
 __all__ = ["NAdam"]
 

@@ -50,219 +50,39 @@ models' results are then selected with ``torch.where``, never blended.
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
 import weakref
-from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
 from ..errors import FusionArgumentError
 from ..lowering.compile_guard import run_eagerly
-from ..lowering.runtime.per_model import values_on
+from .capture import CapturableStep
+from .coefficients import (
+    HALF_DTYPES,
+    Coefficients,
+    addcdiv_,
+    addcmul_,
+    copy_model_state,
+    scalar_dtype,
+    takes_stock_update,
+)
+from .hyperparameters import HyperParameterGroups
+from .memory import UpdateMemory
+from .saving import OptimizerState
 from .slicing import stock_keeps
 
-__all__ = ["FusedOptimizer"]
-
-
-def scalar_dtype() -> torch.dtype:
-    # The dtype stock optimizers give state["step"] (torch.optim.optimizer._get_scalar_dtype).
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def _is_number(x: Any) -> bool:
-    if isinstance(x, Tensor):
-        return x.dim() == 0
-    return isinstance(x, numbers.Real)
-
-
-def _is_sequence(x: Any) -> bool:
-    if isinstance(x, (str, bytes, dict)):
-        return False
-    if isinstance(x, Tensor):
-        return x.dim() == 1
-    return isinstance(x, Sequence) or hasattr(x, "__len__") and hasattr(x, "__getitem__")
-
-
-def _as_float(name: str, value: Any, model: int | None = None) -> float:
-    where = f"{name}[{model}]" if model is not None else name
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{where} must be a number, got a tensor of shape {list(value.shape)}")
-        return float(value.item())
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where} must be a number, got {type(value).__name__}: {value!r}")
-    return float(value)
-
-
-def _as_flag(name: str, value: Any, model: int | None = None) -> bool:
-    where = f"{name}[{model}]" if model is not None else name
-    if isinstance(value, Tensor) and value.numel() == 1:
-        value = value.item()
-    if not isinstance(value, (bool, numbers.Integral)):
-        raise TypeError(f"{where} must be a bool, got {type(value).__name__}: {value!r}")
-    return bool(value)
-
-
-def _as_pair(name: str, value: Any, model: int | None = None) -> tuple[float, float]:
-    where = f"{name}[{model}]" if model is not None else name
-    if not _is_sequence(value) or len(value) != 2 or not all(_is_number(v) for v in value):
-        raise TypeError(f"{where} must be a pair of numbers, got {value!r}")
-    return (_as_float(name, value[0], model), _as_float(name, value[1], model))
-
-
-#: Half types, whose parameters each model's stock optimizer updates, as complex ones
-#: (:meth:`FusedOptimizer._update_by_stock`).
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def _takes_stock_update(p: Tensor) -> bool:
-    """Is ``p`` updated model by model by the stock class (a half or complex dtype)?"""
-    return p.dtype in _HALF_DTYPES or p.is_complex()
+# The subclasses' building blocks, importable from here as before the split.
+__all__ = ["FusedOptimizer", "Coefficients", "addcdiv_", "addcmul_", "copy_model_state",
+           "scalar_dtype"]
 
 
 def _per_model(value: Any, n: int) -> bool:
     """Is ``value`` a state tensor with one entry per model (``[N, ...]``)?"""
     return isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n
-
-
-class Coefficients:
-    """Per-model scalars, as ``[N, 1, ..., 1]`` tensors that broadcast over ``[N, *shape]``.
-
-    Built from Python values once per step (one host-to-device copy per dtype and
-    device, not one per parameter or per coefficient).
-
-    ``persistent`` (a capturable step, :meth:`FusedOptimizer.refresh_hyperparameters`):
-    every row stays a tensor (no shared value becomes a Python scalar, which a CUDA graph
-    would keep as a constant), and :meth:`assign` writes new values into the same tensors.
-    """
-
-    def __init__(self, values: dict[str, Sequence[float]], persistent: bool = False):
-        self._row = {name: k for k, name in enumerate(values)}
-        self.persistent = persistent
-        self._cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-        self._views: dict[tuple[Any, ...], Tensor] = {}
-        self._set_rows(values)
-
-    def _set_rows(self, values: dict[str, Sequence[float]]) -> None:
-        self._rows = [[float(v) for v in vs] for vs in values.values()]
-        # Shared by all N models -> that value; else False.  (NaN never compares equal,
-        # so a NaN hyper-parameter takes the tensor path; 0.0 and -0.0 are not shared:
-        # dividing by them gives infinities of opposite signs.)
-        self._uniform: dict[str, float | bool] = {
-            name: row[0] if not self.persistent and all(
-                v == row[0] and math.copysign(1.0, v) == math.copysign(1.0, row[0])
-                for v in row) else False
-            for name, row in zip(values, self._rows)
-        }
-
-    def assign(self, values: dict[str, Sequence[float]]) -> None:
-        """New values for the same rows, written into the tensors made so far in place
-        (their views, held by a captured graph, then read the new values)."""
-        if list(values) != list(self._row):
-            raise ValueError(f"rows {list(values)} are not {list(self._row)}")
-        self._set_rows(values)
-        for (dtype, device), table in self._cache.items():
-            table.copy_(values_on(self._rows, dtype, device), non_blocking=True)
-
-    def __call__(self, name: str, like: Tensor) -> Tensor:
-        """Row ``name`` in ``like``'s dtype and device, shaped to broadcast over ``like``."""
-        # Memoised per (row, dtype, device, rank): an update asks for the same few views
-        # once per parameter, and each view costs more than the op it feeds at small N.
-        view_key = (name, like.dtype, like.device, like.dim())
-        view = self._views.get(view_key)
-        if view is not None:
-            return view
-        key = (like.dtype, like.device)
-        table = self._cache.get(key)
-        if table is None:
-            if self.persistent and like.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise FusionArgumentError(
-                    "a fused optimizer's step is being captured in a CUDA graph before an "
-                    "eager step made its coefficient tensors: run optimizer.step() once "
-                    "eagerly (a warm-up step) before capturing it")
-            # Its own copy: values_on's GPU tensors are shared read-only, and assign()
-            # writes into this one.
-            table = self._cache[key] = values_on(self._rows, like.dtype, like.device).clone()
-        view = table[self._row[name]].view(-1, *([1] * (like.dim() - 1)))
-        self._views[view_key] = view
-        return view
-
-    def row(self, name: str) -> list[float]:
-        """Row ``name`` as N Python floats (model i's value at index i)."""
-        return self._rows[self._row[name]]
-
-    def mask(self, name: str, like: Tensor) -> Tensor:
-        """Row ``name`` (0/1 values) as a bool ``[N, 1, ..., 1]`` tensor on ``like``'s device."""
-        return self(name, like) != 0
-
-    def get(self, name: str, like: Tensor) -> float | Tensor:
-        """Row ``name`` as one Python float if all N models share it, else as ``self(name, like)``.
-
-        A shared value then goes to the kernel as a Python scalar, exactly as stock torch
-        passes it (one op fewer where the tensor form needs a multiply first, and the
-        scalar fast paths of the elementwise kernels).
-        """
-        uniform = self._uniform[name]
-        return self(name, like) if uniform is False else uniform
-
-
-def addcmul_(x: Tensor, y: Tensor, z: Tensor, c: float | Tensor) -> Tensor:
-    """``x += c * y * z`` as stock writes ``x.addcmul_(y, z, value=c)``, with ``c`` per model."""
-    if isinstance(c, Tensor):
-        return x.addcmul_(y * c, z)
-    return x.addcmul_(y, z, value=c)
-
-
-#: On the CPU, a per-model ``value`` of :func:`addcdiv_` over slices of at least this many
-#: elements per model is applied by one ``addcdiv_`` per model (stock's very call, its
-#: value a Python float): one pass over ``[N, ...]`` fewer than the product ``y * c``
-#: first.  Below, the calls cost more than the pass (docs/DESIGN_NOTES.md).
-PER_MODEL_CALLS_MIN = 1 << 15
-
-
-def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: Coefficients, name: str,
-             scratch: Tensor | None = None, per_model_calls: bool = True) -> Tensor:
-    """``x += c * y / z`` as stock writes ``x.addcdiv_(y, z, value=c)``, with ``c`` the
-    per-model row ``name`` of ``coef``.
-
-    One value for all models: stock's call.  Per model: one call per model with its
-    own value where the slices are large (``PER_MODEL_CALLS_MIN``, unless
-    ``per_model_calls`` is false) or of a half type,
-    else one call on the product ``y * c`` (into ``scratch`` if given), which rounds as
-    stock does in float32 and float64: ``addcdiv_`` computes ``(value * y) / z``.  In
-    float16 / bfloat16 it computes that in float32 and rounds once, where the product
-    rounds first (fp16 Adam: 695 of 768 elements a step off stock's by an ulp; 0 / 0
-    where ``y * c`` underflows).
-    """
-    c = coef.get(name, x)
-    if not isinstance(c, Tensor):
-        return x.addcdiv_(y, z, value=c)
-    half = x.dtype in (torch.float16, torch.bfloat16)
-    if half or (per_model_calls and x.device.type == "cpu"
-                and x.numel() // x.shape[0] >= PER_MODEL_CALLS_MIN):
-        for i, value in enumerate(coef.row(name)):
-            x[i].addcdiv_(y[i], z[i], value=value)
-        return x
-    return x.addcdiv_(torch.mul(y, c, out=scratch) if scratch is not None else y * c, z)
-
-
-def copy_model_state(target: Tensor, value: Tensor, blocks: int = 1) -> None:
-    """``target.copy_(value)``; a ``value`` narrower than ``target`` (a model padded to the
-    widest, ``hftc.fuse(..., pad_widths=True)``) goes where the padding put the model's
-    entries (the leading ones; ``blocks`` > 1: each of dim 0's blocks, as
-    ``in_proj_weight``'s q, k, v), zeros on the padding."""
-    if isinstance(value, Tensor) and value.dim() == target.dim() and value.shape != target.shape:
-        from ..module.padding import into_padded
-
-        into_padded(target, value, blocks)
-        return
-    target.copy_(value)
 
 
 #: Every live ``hftc.optim`` optimizer, weakly: :func:`hftc.keep_models` given no
@@ -282,7 +102,7 @@ def _note_stock_optimizer_step(optimizer: Optimizer, args: Any, kwargs: Any) -> 
         STEPPED_STOCK_OPTIMIZERS.add(optimizer)
 
 
-class FusedOptimizer(Optimizer):
+class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, CapturableStep):
     """Base class: the bookkeeping shared by ``hftc.optim.SGD``, ``Adam``, ``AdamW``, ...
 
     Subclasses declare their hyper-parameters and implement ``_init_state`` and
@@ -390,238 +210,10 @@ class FusedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ set-up
 
-    def _split_groups(self, items: list[Any], flags: dict[str, Any] | None = None
-                      ) -> tuple[list[Any], list[int], list[dict]]:
-        """Param-group dicts, as torch takes them, -> one flat list of parameters, each
-        parameter's group index, and each group's hyper-parameters (``[]`` for none)::
-
-            AdamW([{"params": matrices, "weight_decay": 0.1},      # nanoGPT's grouping
-                   {"params": biases_and_norms, "weight_decay": 0.0}], lr=[...])
-
-        A group's values (one shared, or N per model) hold for its parameters, the
-        constructor's for the rest.  Not ``lr``: ``param_groups[i]`` is model i, whose
-        learning rate its scheduler sets for all of its parameters.  A group may name a
-        flag (``foreach``, ...) only with the optimizer's value: it holds for all of them."""
-        if not any(isinstance(x, dict) for x in items):
-            return items, [0] * len(items), [{}]
-        cls = type(self).__name__
-        if not all(isinstance(x, dict) for x in items):
-            raise TypeError(f"{cls} takes stacked parameters or param-group dicts, not both")
-        flat, group_of, overrides = [], [], []
-        for k, group in enumerate(items):
-            if "params" not in group:
-                raise TypeError(f"{cls}: param group {k} has no 'params'")
-            params = group["params"]
-            params = [params] if isinstance(params, Tensor) else list(params)
-            extra = {key: value for key, value in group.items() if key != "params"}
-            group_flags = {key: extra.pop(key) for key in self._flags if key in extra}
-            if group_flags and flags is not None:
-                checked = self._check_flags({**flags, **group_flags}, f"param group {k}: ")
-                if checked != flags:
-                    differ = sorted(key for key in group_flags if checked[key] != flags[key])
-                    raise FusionArgumentError(
-                        f"{cls}: param group {k} sets "
-                        f"{', '.join(f'{key}={group_flags[key]!r}' for key in differ)}, "
-                        f"which picks how the update runs for all parameters and models at "
-                        f"once; give it to the constructor instead")
-            if "lr" in extra:
-                raise TypeError(
-                    f"{cls}: param group {k} sets lr; param_groups[i] of a fused optimizer "
-                    f"is model i, whose learning rate (and its scheduler) holds for all its "
-                    f"parameters. Give those parameters a second fused optimizer instead")
-            unknown = sorted(set(extra) - set(self._hyperparameters))
-            if unknown:
-                raise TypeError(f"{cls}: param group {k} has unknown hyper-parameter(s) "
-                                f"{unknown}; {cls} takes {sorted(self._hyperparameters)}")
-            flat += params
-            group_of += [k] * len(params)
-            overrides.append(extra)
-        return flat, group_of, overrides
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_group_of"] = self.__dict__.get("_group_of")
-        state["_group_overrides"] = self.__dict__.get("_group_overrides")
-        return state
-
     @property
     def num_models(self) -> int:
         """N, the number of fused models (one param group each)."""
         return len(self.param_groups)
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's ``state_dict``, and under ``"hftc"`` N and the per-parameter
-        hyper-parameters of param-group dicts (which torch's groups, one per model, do
-        not hold), so that ``load_state_dict`` restores them as torch restores a group's."""
-        saved = super().state_dict()
-        saved["hftc"] = {
-            "num_models": self.num_models,
-            "group_of": list(self._group_of),
-            "group_overrides": [{k: list(v) for k, v in extra.items()}
-                                for extra in self._group_overrides],
-        }
-        return saved
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's ``load_state_dict``, refusing a state dict that is not a fused
-        optimizer's over the same N models and parameters (a stock optimizer's loaded
-        into N = 1 failed on the next step, inside the update)."""
-        extra = state_dict.get("hftc")
-        groups = state_dict.get("param_groups", [])
-        n, cls = self.num_models, type(self).__name__
-        fix = ("N stock optimizers' state goes into a fused one through "
-               "hftc.optim.fuse_optimizers(fused, stock_optimizers), which converts it")
-        saved_n = extra["num_models"] if extra is not None else len(groups)
-        if saved_n != n or len(groups) != n:
-            raise FusionArgumentError(
-                f"{cls}.load_state_dict: the state dict has {len(groups)} param group(s); "
-                f"this fused optimizer has one per model, {n}: it is a stock optimizer's or "
-                f"a fused one's over another number of models; {fix}")
-        params = self.param_groups[0]["params"]
-        for index, p in zip(groups[0]["params"], params):
-            for key, value in state_dict.get("state", {}).get(index, {}).items():
-                if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == p.numel() \
-                        and value.shape not in (p.shape, (n,)):  # (n,): per-model step counts
-                    raise FusionArgumentError(
-                        f"{cls}.load_state_dict: state {key!r} of parameter {index} has shape "
-                        f"{list(value.shape)}, its stacked parameter {list(p.shape)}: not a "
-                        f"fused optimizer's state; {fix}")
-        for group in groups:  # what the constructor refuses (differentiable=True, ...)
-            self._check_flags({k: group[k] for k in self._flags if k in group},
-                              "load_state_dict: ")
-        if extra is not None and len(extra["group_of"]) != len(params):
-            raise FusionArgumentError(
-                f"{cls}.load_state_dict: the state dict is for {len(extra['group_of'])} "
-                f"parameters, this optimizer has {len(params)}")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "hftc"})
-        self.__dict__.pop("_momentum_ready", None)  # state the update knew is replaced
-        # torch moves a fused or capturable group's step counts to the parameter's device
-        # as float32, where those updates read them, and NAdam's mu_product to the
-        # parameter's device and dtype; hftc keeps the others on the CPU as saved.
-        for index, p in zip(groups[0]["params"], params):
-            for key in self._per_model_scalar_state:
-                if key == "step" and (self._capturable() or self._flag("fused")):
-                    continue  # where _new_steps puts them, as torch does
-                saved = state_dict.get("state", {}).get(index, {}).get(key)
-                loaded = self.state[p].get(key) if p in self.state else None
-                if isinstance(saved, Tensor) and isinstance(loaded, Tensor) \
-                        and (loaded.device != saved.device or loaded.dtype != saved.dtype):
-                    self.state[p][key] = saved.to("cpu").clone()
-        if extra is not None:  # as torch restores each group's hyper-parameters
-            self._group_of = list(extra["group_of"])
-            self._group_overrides = [
-                {k: list(v) for k, v in overrides.items()}
-                for overrides in extra["group_overrides"]]
-
-    def _infer_num_models(self, names, tensors, num_models, hyperparameters) -> int:
-        cls = type(self).__name__
-        for name, t in zip(names, tensors):
-            if t.dim() == 0:
-                raise ValueError(
-                    f"{cls}: parameter {name} is a 0-dim tensor; fused parameters are "
-                    f"stacked [N, *shape] (N = number of models)"
-                )
-        leading = {t.shape[0] for t in tensors}
-        if len(leading) > 1:
-            shapes = ", ".join(f"{n}: {list(t.shape)}" for n, t in zip(names, tensors))
-            raise ValueError(
-                f"{cls}: fused parameters must all be stacked [N, *shape] with one N, "
-                f"but their leading dims differ ({shapes})"
-            )
-        n = leading.pop()
-        if num_models is not None and num_models != n:
-            bad = next(name for name, t in zip(names, tensors) if t.shape[0] != num_models)
-            shape = list(tensors[names.index(bad)].shape)
-            raise ValueError(
-                f"{cls}: num_models={num_models}, but parameter {bad} has shape {shape}: "
-                f"each fused parameter must be [N, *shape] with N = {num_models}"
-            )
-        for key, kind in self._hyperparameters.items():
-            value = hyperparameters[key]
-            if self._is_per_model(kind, value) and len(value) != n:
-                raise ValueError(
-                    f"{cls}: {key} has {len(value)} values but there are {n} models "
-                    f"(the parameters' leading dim); give one value per model or one shared value"
-                )
-        return n
-
-    @staticmethod
-    def _is_per_model(kind: str, value: Any) -> bool:
-        if kind == "pair":
-            # (0.9, 0.999) is one shared pair; [(0.9, 0.999), (0.8, 0.99)] is one per model.
-            return _is_sequence(value) and len(value) > 0 and all(_is_sequence(v) for v in value)
-        return _is_sequence(value)
-
-    def _expand(self, key: str, kind: str, value: Any, n: int) -> list[Any]:
-        convert = {"float": _as_float, "flag": _as_flag, "pair": _as_pair}[kind]
-        if self._is_per_model(kind, value):
-            return [convert(key, v, i) for i, v in enumerate(value)]
-        return [convert(key, value)] * n
-
-    def _default_of(self, key: str, value: Any) -> Any:
-        # optimizer.defaults only has to name the hyper-parameters (OneCycleLR and
-        # CyclicLR look for "momentum" / "betas" there); model 0's value stands in.
-        return self._expand(key, self._hyperparameters[key], value, 1)[0]
-
-    def _check_hyperparameters(self, hp: dict[str, Any], model: int) -> None:
-        """Raise ``ValueError`` for model ``model``'s bad values, as the stock class would."""
-        for key in ("lr", "eps", "weight_decay", "momentum", "lr_decay",
-                    "initial_accumulator_value", "alpha"):
-            if key in hp and not hp[key] >= 0.0:
-                raise ValueError(f"Invalid {key} for model {model}: {hp[key]} (must be >= 0)")
-        if "betas" in hp:
-            for k, b in enumerate(hp["betas"]):
-                if not 0.0 <= b < 1.0:
-                    raise ValueError(
-                        f"Invalid beta parameter at index {k} for model {model}: {b} "
-                        f"(must be in [0, 1))"
-                    )
-
-    @classmethod
-    def _check_flags(cls, flags: dict[str, Any], where: str = "") -> dict[str, Any]:
-        """The constructor's implementation flags, checked: one bool (or ``None``) each;
-        ``fused`` as a bool.  What hftc cannot honour raises ``FusionArgumentError``
-        saying what to do instead: ``differentiable=True``, ``capturable=True``, and
-        ``fused=True`` with ``foreach=True`` (which torch refuses too)."""
-        name = cls.__name__
-        out: dict[str, Any] = {}
-        for key, value in flags.items():
-            if isinstance(value, Tensor) and value.numel() == 1:
-                value = value.item()
-            if value is not None and not isinstance(value, (bool, numbers.Integral)):
-                raise FusionArgumentError(
-                    f"{name}: {where}{key} takes one bool (or None) for all N models: it "
-                    f"picks how the update runs, not a value per model; got {value!r}")
-            out[key] = value if value is None else bool(value)
-        if "fused" in out:
-            out["fused"] = bool(out["fused"])
-        if out.get("differentiable"):
-            raise FusionArgumentError(
-                f"{name}: {where}differentiable=True is not supported: the fused step "
-                f"updates the stacked parameters in place under torch.no_grad(), so autograd "
-                f"cannot differentiate through it. Pass differentiable=False (the default). "
-                f"To differentiate through optimizer steps (meta-learning), step each of "
-                f"fused.unfuse()'s models with torch.optim.{name}(..., differentiable=True), "
-                f"or write the update functionally (torch.func)")
-        if out.get("capturable") and not cls._capturable_supported:
-            raise FusionArgumentError(
-                f"{name}: {where}capturable=True is not supported: each model's step count "
-                f"stays on the CPU and every step prepares the models' coefficients on the "
-                f"host (as torch.optim.{name} does with capturable=False), which a CUDA graph "
-                f"replay would not repeat. Pass capturable=False (the default): the step "
-                f"already runs each op once for all N models, and a torch.compile'd training "
-                f"step runs it eagerly")
-        if out.get("capturable") and out.get("fused"):
-            raise FusionArgumentError(
-                f"{name}: {where}capturable=True and fused=True cannot both be set: the "
-                f"fused kernels take each model's learning rate as a host number, which a "
-                f"CUDA graph replay would not update. Pass capturable=True alone (its step "
-                f"runs each op once for all N models)")
-        if out.get("fused") and out.get("foreach"):
-            raise FusionArgumentError(
-                f"{name}: {where}fused=True and foreach=True cannot both be set "
-                f"(torch.optim.{name} refuses them together too); pass one of them")
-        return out
 
     def _fused_kernel_first(self, params: list[Tensor], hp: dict[str, list[Any]]
                             ) -> list[Tensor]:
@@ -634,43 +226,6 @@ class FusedOptimizer(Optimizer):
         dense = [self._dense(p) for p in params]
         self._update_fused([p for p, d in zip(params, dense) if d], hp)
         return [p for p, d in zip(params, dense) if not d]
-
-    def _flag(self, key: str) -> bool:
-        """Flag ``key`` (``fused``) as every param group holds it: it picks how the whole
-        update runs, so the N models' groups must agree (a user or a loaded state dict
-        could set one group's)."""
-        groups = self.param_groups
-        value = bool(groups[0].get(key))
-        for g in groups:
-            if bool(g.get(key)) is not value:
-                raise FusionArgumentError(
-                    f"{type(self).__name__}: the param groups (one per model) disagree on "
-                    f"{key} ({[g.get(key) for g in groups]}); it picks how the update runs "
-                    f"for all N models at once: set one value in every group")
-        return value
-
-    def _stock_foreach(self, params: list[Tensor]) -> list[bool]:
-        """Per model, whether its stock optimizer would run its ``foreach`` update on
-        ``params`` rather than its for-loop one (``torch.optim.optimizer.
-        _default_to_fused_or_foreach``: ``foreach=None`` means foreach where every
-        parameter is on a device with foreach kernels, CUDA, not the CPU).
-
-        For the classes whose two updates round differently (NAdam, RAdam): each model
-        gets the one its group's ``foreach`` picks (``fuse_optimizers`` copies it per model).
-        """
-        default = all(p.device.type in _get_foreach_kernels_supported_devices() for p in params)
-        return [default if g.get("foreach") is None else bool(g["foreach"])
-                for g in self.param_groups]
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Only used while constructing: groups are models, so none can be added later."""
-        if getattr(self, "_groups_frozen", True):
-            raise NotImplementedError(
-                f"{type(self).__name__}.add_param_group: param_groups[i] is model i's "
-                f"hyper-parameters, so groups cannot be added; build a new fused optimizer "
-                f"over all the stacked parameters instead"
-            )
-        super().add_param_group(param_group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -687,64 +242,7 @@ class FusedOptimizer(Optimizer):
             self._group_of = [0] * len(self.param_groups[0]["params"])
             self._group_overrides = [{}]
 
-    def _keep_models(self, keep: Sequence[int]) -> None:
-        """Keep only models ``keep`` (checked, distinct indices), in that order, in place::
-
-            param_groups  [g_0, ..., g_N-1]  ->  [g_keep[0], ...]  (the same dicts; the
-                          stacked parameters stay in the first group, the same objects)
-            state[p][key] [N, ...]           ->  state[p][key][keep]   (moments, steps ...)
-
-        with the per-parameter hyper-parameters of param-group dicts sliced the same way.
-        What :func:`hftc.keep_models` calls, together with the fused module's."""
-        groups = self.param_groups
-        n = len(groups)
-        first = groups[0]
-        kept = [groups[i] for i in keep]
-        moved = {key: first[key] for key in ("params", "param_names") if key in first}
-        for k, group in enumerate(kept):
-            for key, value in moved.items():
-                group[key] = value if k == 0 else []
-        self.param_groups = kept
-        for p in moved["params"]:
-            state = self.state.get(p)
-            if not state:
-                continue
-            for key, value in state.items():
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == n:
-                    index = torch.tensor(list(keep), dtype=torch.long, device=value.device)
-                    state[key] = value.index_select(0, index)
-        self._group_overrides = [{key: [values[i] for i in keep] for key, values in extra.items()}
-                                 for extra in self._group_overrides]
-        for cache in ("_momentum_ready", "_coefficient_cache", "_captured_switches",
-                      "_scratch_views", "_group_in_update"):
-            self.__dict__.pop(cache, None)  # made for the N models
-
     # -------------------------------------------------------------- the step
-
-    def hyperparameters(self) -> dict[str, list[Any]]:
-        """Each hyper-parameter's current value per model: ``{"lr": [lr_0, ..., lr_{N-1}], ...}``.
-
-        Read from ``param_groups`` on every step, so schedulers' changes apply at once.
-        """
-        out = {}
-        groups = self.param_groups
-        for key, kind in self._hyperparameters.items():
-            values = [g[key] for g in groups]
-            # The common case, plain Python values, needs no conversion; checking it is
-            # far cheaper than converting, which runs every step.
-            if kind == "float" and all(type(v) is float for v in values):
-                out[key] = values
-                continue
-            if kind == "flag" and all(type(v) is bool for v in values):
-                out[key] = values
-                continue
-            if kind == "pair" and all(type(v) is tuple and len(v) == 2 and type(v[0]) is float
-                                      and type(v[1]) is float for v in values):
-                out[key] = values
-                continue
-            convert = {"float": _as_float, "flag": _as_flag, "pair": _as_pair}[kind]
-            out[key] = [convert(key, v, i) for i, v in enumerate(values)]
-        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``, for the few stacked parameters a fused
@@ -771,11 +269,8 @@ class FusedOptimizer(Optimizer):
     # step that calls it): the update already runs one kernel per op for all N models,
     # and its per-step Python scalars (bias corrections from each model's step count)
     # would be traced as constants, one recompilation per step.
-    # Compiling the update with those scalars as tensors cannot match stock bit for bit on
-    # the CPU either: eager ``lerp_`` and ``addcmul_`` round once through an FMA, which
-    # inductor's C++ code never emits, and eager ``sqrt`` (MKL's vector math) differs from
-    # the correctly rounded one inductor emits in ~16% of elements.  Compiling only what
-    # follows an eager ``sqrt`` is exact, and saves too little to pay (docs/DESIGN_NOTES.md).
+    # Compiled with tensor scalars it would not match stock bit for bit on the CPU either
+    # (FMA and ``sqrt`` rounding: docs/DESIGN_NOTES.md, "Why the optimizer step is eager").
     @torch.no_grad()
     @run_eagerly
     def step(self, closure=None, *, skip_models: Sequence[bool] | Tensor | None = None):
@@ -870,10 +365,10 @@ class FusedOptimizer(Optimizer):
                     self._switches(group_hp[k])
             self._group_in_update = k
             if self._stock is not None:
-                by_stock = [p for p in group if _takes_stock_update(p)]
+                by_stock = [p for p in group if takes_stock_update(p)]
                 if by_stock:
                     self._update_by_stock(by_stock, group_hp[k])
-                    group = [p for p in group if not _takes_stock_update(p)]
+                    group = [p for p in group if not takes_stock_update(p)]
             if group:
                 self._update(group, group_hp[k])
         if saved is not None:
@@ -908,7 +403,7 @@ class FusedOptimizer(Optimizer):
         which the stacked update does not.  A buffer stock makes on its first step (SGD's
         momentum) is copied into the stacked state and marked in its ``has_<key>`` flags."""
         dtype = params[0].dtype
-        half = dtype in _HALF_DTYPES
+        half = dtype in HALF_DTYPES
         if params[0].is_cuda and torch.cuda.is_current_stream_capturing():
             raise FusionArgumentError(
                 f"{type(self).__name__}: a step over {dtype} parameters is being captured "
@@ -999,127 +494,6 @@ class FusedOptimizer(Optimizer):
             for k, v in state_saved.items():
                 self.state[p][k].index_copy_(0, idx.to(v.device), v)
 
-    def _scratch(self, like: Tensor, slot: int = 0) -> Tensor:
-        """A reusable temporary shaped like ``like``: slot ``slot`` of a buffer kept across steps.
-
-        The update's temporaries (Adam's denominator, a per-model step) would otherwise
-        be allocated and freed once per parameter per step; freed large blocks go back
-        to the OS and come back as fresh page faults, which cost more than the
-        arithmetic (docs/DESIGN_NOTES.md).  One buffer per slot holds the
-        largest parameter, so the memory cost is ``slots x`` the largest parameter, not
-        a copy of the model.  Not part of ``state_dict`` (nor of pickling, which
-        ``torch.optim.Optimizer.__getstate__`` limits to defaults, state, groups).
-        """
-        views = self.__dict__.setdefault("_scratch_views", {})
-        view = views.get((slot, like))
-        if view is not None and view.shape == like.shape and view.dtype == like.dtype \
-                and view.device == like.device:
-            return view
-        buffers = self.__dict__.setdefault("_scratch_buffers", {})
-        key = (slot, like.dtype, like.device)
-        buf = buffers.get(key)
-        if buf is None or buf.numel() < like.numel():
-            buf = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-            buffers[key] = buf
-            views.clear()  # views of the old buffer would keep it alive
-        view = buf[: like.numel()].view(like.shape)
-        views[(slot, like)] = view
-        return view
-
-    def _column_blocks(self, tensors: list[Tensor], scratch_slots: int, block_numel: int):
-        """Yield ``(blocks, scratch)``: the same column block of every tensor's ``[N, numel / N]``
-        view (all shaped like ``tensors[0]`` and contiguous), and ``scratch_slots`` scratch
-        tensors of the block's shape::
-
-            whole tensors:  op1 over P, op2 over P, ...          (each pass from memory)
-            in blocks:      op1, op2, ... over P[:, 0:c], then P[:, c:2c], ...   (in cache)
-
-        Every element sees the same ops in the same order, so the results do not change;
-        only the passes over memory do (one read and write per tensor instead of one per op).
-        """
-        n = self.num_models
-        width = tensors[0].numel() // n
-        columns = max(64, block_numel // n // 64 * 64)  # whole vectors per row of a block
-        rows = [t.view(n, width) for t in tensors]
-        scratch = [self._scratch(tensors[0], k).view(-1) for k in range(scratch_slots)]
-        for start in range(0, width, columns):
-            c = min(columns, width - start)
-            yield ([t[:, start:start + c] for t in rows],
-                   [s[: n * c].view(n, c) for s in scratch])
-
-    def _row_chunks(self, tensors: list[Tensor], chunk_numel: int
-                    ) -> tuple[list[int], list[tuple[Tensor, ...]]]:
-        """Model by model, consecutive 1-D pieces of each row of every tensor's
-        ``[N, numel / N]`` view (all shaped like ``tensors[0]`` and contiguous)::
-
-            whole tensors:  op1 over P, op2 over P, ...          (each pass from memory)
-            in row chunks:  op1, op2, ... over P[0, 0:c], P[0, c:2c], ..., P[N-1, ...]
-
-        Returns ``(sizes, pieces)``: ``sizes`` one row's piece sizes (whole multiples of 64
-        elements of ``chunk_numel`` float32 elements' bytes, the last ragged) and
-        ``pieces[t][i * len(sizes) + j]`` tensor ``t``'s piece ``j`` of model ``i``'s row.
-        Within a piece every element is model ``i``'s, so an update can call stock's very
-        ops with model ``i``'s values as Python scalars, on contiguous memory in cache.
-        Every piece but a row's last is a whole number of the kernels' vector steps, so
-        each element meets the vectorised or the scalar-tail code exactly as in stock's
-        call over model ``i``'s tensor: the same ops, the same rounding.
-        """
-        width = tensors[0].numel() // self.num_models
-        chunk = max(64, chunk_numel * 4 // tensors[0].element_size() // 64 * 64)
-        sizes = [chunk] * (width // chunk) + ([width % chunk] if width % chunk else [])
-        # All pieces of a tensor in one call (cheaper than a slice per piece).
-        return sizes, [t.view(-1).split(sizes * self.num_models) for t in tensors]
-
-    def _row_scratch(self, like: Tensor, numel: int, slots: int) -> list[Tensor]:
-        """``slots`` reusable ``numel``-element buffers in ``like``'s dtype (for the
-        updates in :meth:`_row_chunks`: small enough to stay in cache)."""
-        buffers = self.__dict__.setdefault("_row_scratch_buffers", {})
-        key = (like.dtype, like.device)
-        buf = buffers.get(key)
-        if buf is None or buf.numel() < slots * numel:
-            buf = buffers[key] = torch.empty(slots * numel, dtype=like.dtype,
-                                             device=like.device)
-        return [buf[k * numel:(k + 1) * numel] for k in range(slots)]
-
-    def _row_scalars(self, dtype: torch.dtype, rows: list[list[float]]) -> list[tuple]:
-        """Model i's values of ``rows`` (the operands of ``mul_``, ``div_``, ``add_``) as
-        ``scalars[i]``: in float32 / float64 as 0-dim tensors of ``dtype``, made once per
-        step for all parameters (a Python float is wrapped and cast to the tensor's dtype on
-        every call; the 0-dim tensor is the same CPU scalar to the kernel), else the floats."""
-        per_model = list(zip(*rows))
-        if dtype not in (torch.float32, torch.float64):
-            return per_model
-        cache = self.__dict__.setdefault("_row_scalar_cache", {})
-        key = array("d", [v for row in rows for v in row]).tobytes()  # bit for bit: -0.0
-        hit = cache.get(dtype)
-        if hit is None or hit[0] != key:
-            values = torch.tensor(per_model, dtype=dtype)
-            hit = cache[dtype] = (key, [tuple(row.unbind()) for row in values])
-        return hit[1]
-
-    def _coefficients(self, values: dict[str, Sequence[float]]) -> Coefficients:
-        """``Coefficients(values)``, the very object of the last step while the values stay
-        the same (compared bit for bit, so ``-0.0`` is not ``0.0``): its per-model tensors
-        and their views are then made once, not on every step (on a GPU also one
-        host-to-device copy per step).  One cache entry per set of row names, i.e. per
-        call site; a scheduler's change misses once and replaces the entry."""
-        cache = self.__dict__.setdefault("_coefficient_cache", {})
-        names = tuple(values)
-        persistent = self._capturable()
-        if persistent:  # one entry per param group (their values differ)
-            names = (self.__dict__.get("_group_in_update", 0), *names)
-        key = tuple(array("d", row).tobytes() for row in values.values())
-        hit = cache.get(names)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        if persistent and hit is not None and hit[1].persistent:
-            hit[1].assign(values)  # in place: a captured step reads the same tensors
-            cache[names] = (key, hit[1])
-            return hit[1]
-        coef = Coefficients(values, persistent)
-        cache[names] = (key, coef)
-        return coef
-
     def _new_steps(self, p: Tensor) -> Tensor:
         """Zero step counts, one per model, where and as stock keeps them: on the
         parameter's device with ``capturable=True`` or ``fused=True`` (the CUDA kernels
@@ -1130,72 +504,6 @@ class FusedOptimizer(Optimizer):
         return torch.zeros(self.num_models, dtype=dtype, device=device)
 
     # -------------------------------------------------------- capturable steps
-
-    @property
-    def is_capturable(self) -> bool:
-        """Whether :meth:`step` can be captured in a CUDA graph (``hftc.compile_step``
-        captures it then): see :meth:`refresh_hyperparameters`.  Not where a parameter
-        takes each model's stock update (:meth:`_update_by_stock`, half and complex
-        dtypes: its values are host numbers), so ``compile_step`` runs the step after
-        the graph."""
-        return self._capturable() and not (self._stock is not None and any(
-            _takes_stock_update(p) for p in self.param_groups[0]["params"]))
-
-    def _capturable(self) -> bool:
-        """Whether the step is graph-safe: coefficient tensors made once and refreshed in
-        place, every per-model value a tensor, step counts on the parameters' device, no
-        host sync.  ``capturable=True`` where the stock class takes that flag; subclasses
-        whose stock class has none (SGD) decide otherwise."""
-        return "capturable" in self._flags and self._flag("capturable")
-
-    def _coefficient_rows(self, hp: dict[str, list[Any]]) -> dict[str, list[float]]:
-        """The per-model coefficient rows a capturable step reads (``_coefficients``)."""
-        raise NotImplementedError
-
-    def _switches(self, hp: dict[str, list[Any]]) -> dict[str, list[bool]]:
-        """What picks the ops of a capturable step rather than their values: every flag
-        and which values are zero (a weight decay or momentum of 0 drops its ops).  A
-        captured graph replays the ops of its capture, so these may not change."""
-        out = {}
-        for key, kind in self._hyperparameters.items():
-            if kind == "flag":
-                out[key] = list(hp[key])
-            elif key in ("weight_decay", "momentum"):
-                out[key] = [v != 0 for v in hp[key]]
-        return out
-
-    def refresh_hyperparameters(self) -> None:
-        """Copy the current values of ``param_groups`` (which schedulers write) into the
-        step's coefficient tensors in place, without reallocating them: a CUDA graph that
-        captured ``step()`` then replays it with the new values.  Call it before each
-        replay (``hftc.compile_step`` does).
-
-        Raises ``FusionArgumentError`` if the optimizer is not capturable, or if a value
-        changed that picks the step's ops (a flag such as ``nesterov`` or ``amsgrad``, a
-        weight decay or momentum to or from 0): the captured graph cannot follow that;
-        capture the step again."""
-        cls = type(self).__name__
-        if not self._capturable():
-            raise FusionArgumentError(
-                f"{cls}.refresh_hyperparameters: this optimizer's step is not capturable "
-                f"(it reads its values on the host at every step); construct it with "
-                f"capturable=True" + (" (SGD: with its parameters on a CUDA device)"
-                                      if "capturable" not in self._flags else ""))
-        hp = self.hyperparameters()
-        captured = self.__dict__.get("_captured_switches", {})
-        for k, overrides in enumerate(self._group_overrides):
-            group_hp = {**hp, **overrides}
-            before, now = captured.get(k), self._switches(group_hp)
-            if before is not None and before != now:
-                changed = sorted(key for key in now if now[key] != before[key])
-                values = ", ".join(f"{key}: {before[key]} -> {now[key]}" for key in changed)
-                raise FusionArgumentError(
-                    f"{cls}.refresh_hyperparameters: {', '.join(changed)} changed since the "
-                    f"step was captured ({values}); "
-                    f"they pick the step's ops, which a captured graph replays unchanged. "
-                    f"Run optimizer.step() eagerly and capture it again")
-            self._group_in_update = k
-            self._coefficients(self._coefficient_rows(group_hp))
 
     def _count_steps(self, params: list[Tensor]) -> list[Tensor]:
         """Add one to every parameter's per-model step counts (``state["step"]``, as
@@ -1215,20 +523,4 @@ class FusedOptimizer(Optimizer):
     def _update(self, params: list[Tensor], hp: dict[str, list[Any]]) -> None:
         """Apply one step to every parameter in ``params`` (all have a ``.grad``)."""
         raise NotImplementedError
-
-    def _import_model_state(self, p: Tensor, model: int, stock_state: dict[str, Any]) -> None:
-        """Copy a stock optimizer's ``state[p_i]`` into slice ``model`` of ``state[p]``."""
-        state = self.state[p]
-        for key, value in stock_state.items():
-            if value is None:
-                continue
-            if key not in state:
-                raise ValueError(
-                    f"{type(self).__name__}: the stock optimizer of model {model} has state "
-                    f"{key!r}, which {type(self).__name__} does not keep"
-                )
-            if key == "step":
-                state["step"][model] = float(value)
-            else:
-                copy_model_state(state[key][model], value, getattr(p, "_hftc_width_blocks", 1))
 

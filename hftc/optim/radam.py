@@ -7,8 +7,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .coefficients import Coefficients
 from .moments import AdamMoments
-from .optimizer import Coefficients, FusedOptimizer
+from .optimizer import FusedOptimizer
 
 __all__ = ["RAdam"]
 

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import FusedOptimizer, addcdiv_
+from .coefficients import addcdiv_
+from .optimizer import FusedOptimizer
 
 __all__ = ["RMSprop"]
 

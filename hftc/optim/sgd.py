@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .optimizer import Coefficients, FusedOptimizer, copy_model_state
+from .coefficients import Coefficients, copy_model_state
+from .optimizer import FusedOptimizer
 
 __all__ = ["SGD"]
 

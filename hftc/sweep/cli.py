@@ -64,8 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "another worker (default: 4 heartbeats)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run --workers Ray actors on the cluster at ADDRESS (auto, "
-                        "host:6379, ray://host:10001; none: a local Ray), each holding one "
-                        "GPU where there are GPUs; needs pip install 'hftc[ray]' (see "
+                        "host:6379, ray://host:10001; none: a running cluster, else a local "
+                        "Ray; it says which and how long it took), each holding one GPU where "
+                        "there are GPUs; needs pip install 'hftc[ray]' (see "
                         "docs/guides/ray.md)")
     p.add_argument("--workers", type=positive_int,
                    help="with --ray: the number of sweep actors (default 2)")
@@ -111,6 +112,9 @@ def main(args: argparse.Namespace) -> int:
         if ray_address is not None:
             from ..integrations import ray as hftc_ray
 
+            # Ray reached first, saying how and how long (a running cluster is reused)
+            print(hftc_ray.connect(ray_address or None, log_to_driver=log is not None),
+                  flush=True)
             run = lambda spec, **kw: hftc_ray.sweep(  # noqa: E731
                 spec, address=ray_address or None, workers=workers or 2,
                 **{k: v for k, v in kw.items() if k != "progress"})

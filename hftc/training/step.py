@@ -18,8 +18,8 @@ and runs it one of three ways (``mode``):
 
 - ``"eager"``: the loop above (the CPU default: :data:`CPU_DEFAULT`, measured in
   docs/BENCHMARKS.md), or the same step with the models in order, where the fused module
-  runs them one by one or where the first steps time that no slower than the fused step
-  (:meth:`CompiledStep._step_way`; ``step.order`` says which, and why)::
+  runs them one by one (:meth:`CompiledStep._step_way`; ``step.order`` says which, and
+  why)::
 
       for i in range(N):   loss_fn(model_i(x), y).backward()     (the serial loop's order)
       clip_grad_norm_;  optimizer.step()                          (one fused step)
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -66,7 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FusionArgumentError, StepCaptureError
 from ..lowering.runtime.memory import keep_freed_memory_for_tuning
-from ..lowering.strategy import IN_ORDER, StepOrder, StepOrderTiming
+from ..lowering.strategy import IN_ORDER, StepOrder
 
 __all__ = ["CompiledStep", "compile_step", "CPU_DEFAULT", "MODES"]
 
@@ -76,10 +75,6 @@ MODES = ("auto", "eager", "compile", "cuda_graph")
 #: the eager step on lenet5 and the transformer and tied on the MLP (docs/BENCHMARKS.md,
 #: "hftc.compile_step on the CPU"), and costs seconds of compiling per input shape.
 CPU_DEFAULT = "eager"
-
-#: The fused module's reasons for its fused program (``fused.plan.reason``) after which
-#: the models are known to run one by one on these inputs (the choice ran them).
-_LOOP_RAN = ("timed", "timed on the first calls", "cache")
 
 #: At most this many input signatures get a graph (or a compiled program) each; a step
 #: whose inputs keep changing shape is refused past it (pad them, or drop the last batch).
@@ -221,10 +216,9 @@ class CompiledStep:
     def order(self) -> StepOrder | None:
         """How eager steps with the last call's inputs run, and why: a
         :class:`~hftc.lowering.strategy.StepOrder` (``order.chosen``: ``"fused"`` or
-        ``"in_order"``); ``None`` while the first steps are timed, in the other modes,
+        ``"in_order"``); ``None`` before the fused module has chosen, in the other modes,
         and where only the fused step can run (see :meth:`_step_way`)."""
-        choice = self._orders.get(self._last_key)
-        return getattr(choice, "order", choice)
+        return self._orders.get(self._last_key)
 
     @property
     def captures_optimizer(self) -> bool:
@@ -332,35 +326,29 @@ class CompiledStep:
         else:
             self.optimizer.step()
 
-    def _step_way(self, key: tuple) -> tuple[str, Any]:
+    def _step_way(self, key: tuple) -> str:
         """How an eager step with input signature ``key`` runs: ``"fused"`` (the fused
         module's forward of all N models, then one backward) or ``"in_order"`` (each
-        model's forward, loss and backward in turn), and the timing that is choosing
-        (None once chosen, or where only the fused step can run).
+        model's forward, loss and backward in turn).
 
-        The models run in order in ``"eager"`` mode where the fused module runs them one
-        by one (its strategy chose the loop, or forces it: in order is that loop in the
-        serial loop's order) and, where it runs its fused program by its own choice
-        (``strategy="timed"``), if the first steps time them no slower
-        (:class:`~hftc.lowering.strategy.StepOrderTiming`).  Only the fused step with
-        ``strategy="fused"``, a loss of the N outputs (``per_model_loss=False``), a grad
-        scaler, padded widths, checkpointing or hooks on the fused parameters, and where
-        the fused module's choice never ran the models one by one (``autotune=True``, a
-        loop that failed): what the models in order cannot run, or are not known to."""
+        The models run in order in ``"eager"`` mode exactly where the fused module runs
+        them one by one (its strategy chose the loop, or forces it: in order is that loop
+        in the serial loop's order); nothing is timed here (the fused module's choice is
+        the one choice).  Only the fused step with ``strategy="fused"``, a loss of the N
+        outputs (``per_model_loss=False``), a grad scaler, padded widths, checkpointing or
+        hooks on the fused parameters: what the models in order cannot run."""
         fused = self.fused
         if self.mode != "eager" or self._losses_of is self.loss_fn \
                 or (self.scaler is not None and self.scaler.is_enabled()) \
                 or getattr(fused, "strategy", "fused") == "fused" \
                 or getattr(fused, "padding", None) is not None \
                 or getattr(fused, "checkpoint", False):
-            return "fused", None
+            return "fused"
         choice = self._orders.get(key)
-        if isinstance(choice, StepOrder):
-            return choice.chosen, None
         if choice is None:  # the fused module has not run (or not chosen) for these inputs
             program = self._fused_programs.get(key)
             if program is None or getattr(program, "trial", None) is not None:
-                return "fused", None
+                return "fused"
             how, plan = getattr(program, "how", None), getattr(program, "plan", None)
             if any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
                    for p in fused.parameters()):
@@ -369,21 +357,14 @@ class CompiledStep:
             elif fused.strategy == "model_loop" or (how is not None
                                                     and how.model_loop is not None):
                 choice = StepOrder(IN_ORDER, "the fused module runs the models one by one")
-            elif plan is not None and plan.reason in _LOOP_RAN:
-                choice = StepOrderTiming(self.device)
-            else:  # the models were not run one by one on these inputs: not known to work
+            else:
                 choice = StepOrder("fused", f"the fused module's choice: {plan}")
             self._orders[key] = choice
-            if self.device.type == "cpu" and getattr(choice, "chosen", IN_ORDER) == IN_ORDER:
+            if self.device.type == "cpu" and choice.chosen == IN_ORDER:
                 # each step in order makes the N models' stacked gradients anew, which
-                # glibc faulted in page by page every step (GPT N = 2: +5% a step)
+                # glibc faulted in page by page every step (docs/DESIGN_NOTES.md)
                 keep_freed_memory_for_tuning()
-            if isinstance(choice, StepOrder):
-                return choice.chosen, None
-        if choice.order is not None:
-            self._orders[key] = choice.order
-            return choice.order.chosen, None
-        return choice.way(), choice
+        return choice.chosen
 
     def _losses_in_order(self, inputs: Any, target: Any) -> Tensor:
         """Each model's forward, loss and backward in turn (:meth:`ModelLoop.forward_backward
@@ -406,10 +387,9 @@ class CompiledStep:
     def _eager_step(self, inputs: Any, target: Any, *, watched: bool,
                     key: tuple | None = None) -> Tensor:
         """One eager step: the fused step (:meth:`_fused_eager_step`) or, in ``"eager"``
-        mode, the models in order (:meth:`_step_way`), timed while that choice is made."""
-        way, timing = self._step_way(key) if key is not None else ("fused", None)
+        mode, the models in order (:meth:`_step_way`)."""
+        way = self._step_way(key) if key is not None else "fused"
         self._last_key = key
-        start = time.perf_counter()
         if way == "fused":
             losses = self._fused_eager_step(inputs, target, watched=watched)
             self._fused_programs[key] = self.fused.__dict__.get("_last_call_program")
@@ -417,10 +397,6 @@ class CompiledStep:
             self.optimizer.zero_grad(set_to_none=True)
             losses = self._losses_in_order(inputs, target)
             self._clip_and_step()
-        if timing is not None:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            timing.record(way, time.perf_counter() - start)
         return losses
 
     def _fused_eager_step(self, inputs: Any, target: Any, *, watched: bool) -> Tensor:

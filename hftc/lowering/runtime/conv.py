@@ -97,10 +97,8 @@ def conv_lowerings(
     vmapped = layout.vmap_batched(x) or layout.vmap_batched(weight)
     if spatial == 2 and has_batch and not vmapped and not _onednn_unsafe(x, weight, stride):
         few_channels = weight.shape[2] <= 8 and weight.shape[3] * weight.shape[4] >= 25
-        # oneDNN's NCHW grouped kernels block a group's channels by 16 on this CPU: a
-        # model's conv with another channel count (fast_neural_style's 16 -> 3 9x9 output
-        # conv, MobileNet's 24) takes a slow path, 2-6x the channels-last time forward and
-        # backward (docs/DESIGN_NOTES.md).
+        # oneDNN's NCHW grouped kernels block a group's channels by 16: another channel
+        # count takes a slow path (docs/DESIGN_NOTES.md, "oneDNN and channels-last").
         ragged = x.device.type == "cpu" and groups == 1 and (
             weight.shape[1] % _ONEDNN_BLOCK != 0 or weight.shape[2] % _ONEDNN_BLOCK != 0)
         # A map that arrives channels-last (after a shared_im2col stem, a channels-last

@@ -50,9 +50,8 @@ def _canonical_strides(x: Tensor) -> Tensor:
     if x.is_contiguous():
         order = list(range(x.dim()))
     elif x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        # The same for channels-last memory: [1, C, H, W] with batch stride 2 instead
-        # of C*H*W (B = 1 after a movedim) made ATen's CPU batch-norm backward return
-        # wrong gradients (torch 2.13, float32 and float64; an odd stride on H = 1 too).
+        # The same for channels-last memory: an odd batch stride (B = 1 after a movedim)
+        # gets wrong CPU batch-norm gradients (docs/DESIGN_NOTES.md, "torch behaviour").
         order = [0, 2, 3, 1]
     elif x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
         order = [0, 2, 3, 4, 1]  # volumes alike: [1, C, D, H, W], batch stride C
@@ -137,9 +136,7 @@ def broadcast_per_model(tensors: Sequence[Tensor], batched: Sequence[bool]) -> t
 #: input to unit stride in a workspace that is too small when a group has fewer input
 #: channels than oneDNN's channel block (8 with AVX2, 16 with AVX-512): the weight
 #: gradient is wrong, and the write past the workspace corrupts the heap (a crash, or a
-#: hang: uxlfoundation/oneDNN#6035).  Measured here (AVX2, float32, 8x8 maps): 1x1
-#: stride 2 over 2-4 input channels, wrong weight gradients with 2 threads and "double
-#: free or corruption" with one.
+#: hang: uxlfoundation/oneDNN#6035; what was seen: docs/DESIGN_NOTES.md, "torch behaviour").
 _ONEDNN_CHANNEL_BLOCK = 16
 
 

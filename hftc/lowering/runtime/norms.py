@@ -96,11 +96,9 @@ def instance_norm(
             _channel_view(bias), training or not track_running_stats,
             momentum if momentum is not None else 0.0, eps)
     if xf.shape[0] == 1 and xf[0, 0].numel() > 1:
-        # One sample: ATen's instance_norm is batch_norm on the contiguous input viewed
-        # as [1, C, *S], and the backward of that view hands batch_norm a channels-last
-        # gradient an odd batch stride, for which it returns wrong input gradients
-        # (torch 2.13; canonical_grad).  The same batch_norm called here, whose output
-        # unfold_channels hooks, reads the gradient restrided (values unchanged).
+        # One sample: ATen's instance_norm's view hands batch_norm's backward a gradient
+        # with an odd batch stride, which it gets wrong (docs/DESIGN_NOTES.md, "torch
+        # behaviour"); called here, unfold_channels' hook restrides it (values unchanged).
         y = F.batch_norm(xf.contiguous(), *args)
         canonical_grad(y)  # here: the squeeze below would hide it from unfold_channels'
     else:

@@ -1,0 +1,293 @@
+"""Each model's hyper-parameters: scalar-or-list arguments checked and expanded into one
+param group per model, and read back on every step::
+
+    SGD(fused.parameters(), lr=[0.1, 0.01], momentum=0.9)
+        -> param_groups = [{"lr": 0.1, "momentum": 0.9, "params": [P, ...]},
+                           {"lr": 0.01, "momentum": 0.9, "params": []}]
+
+The mixin :class:`HyperParameterGroups` of :class:`~hftc.optim.optimizer.FusedOptimizer`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+from ..errors import FusionArgumentError
+
+__all__ = ["HyperParameterGroups"]
+
+
+def _is_number(x: Any) -> bool:
+    if isinstance(x, Tensor):
+        return x.dim() == 0
+    return isinstance(x, numbers.Real)
+
+
+def _is_sequence(x: Any) -> bool:
+    if isinstance(x, (str, bytes, dict)):
+        return False
+    if isinstance(x, Tensor):
+        return x.dim() == 1
+    return isinstance(x, Sequence) or hasattr(x, "__len__") and hasattr(x, "__getitem__")
+
+
+def _as_float(name: str, value: Any, model: int | None = None) -> float:
+    where = f"{name}[{model}]" if model is not None else name
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{where} must be a number, got a tensor of shape {list(value.shape)}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} must be a number, got {type(value).__name__}: {value!r}")
+    return float(value)
+
+
+def _as_flag(name: str, value: Any, model: int | None = None) -> bool:
+    where = f"{name}[{model}]" if model is not None else name
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, (bool, numbers.Integral)):
+        raise TypeError(f"{where} must be a bool, got {type(value).__name__}: {value!r}")
+    return bool(value)
+
+
+def _as_pair(name: str, value: Any, model: int | None = None) -> tuple[float, float]:
+    where = f"{name}[{model}]" if model is not None else name
+    if not _is_sequence(value) or len(value) != 2 or not all(_is_number(v) for v in value):
+        raise TypeError(f"{where} must be a pair of numbers, got {value!r}")
+    return (_as_float(name, value[0], model), _as_float(name, value[1], model))
+
+
+class HyperParameterGroups(Optimizer):
+    """Hyper-parameters per model: validation, expansion into param groups, the
+    implementation flags (one for all models), and their current values each step."""
+
+    _hyperparameters: ClassVar[dict[str, str]]
+    _flags: ClassVar[dict[str, Any]]
+    _capturable_supported: ClassVar[bool]
+
+    def _split_groups(self, items: list[Any], flags: dict[str, Any] | None = None
+                      ) -> tuple[list[Any], list[int], list[dict]]:
+        """Param-group dicts, as torch takes them, -> one flat list of parameters, each
+        parameter's group index, and each group's hyper-parameters (``[]`` for none)::
+
+            AdamW([{"params": matrices, "weight_decay": 0.1},      # nanoGPT's grouping
+                   {"params": biases_and_norms, "weight_decay": 0.0}], lr=[...])
+
+        A group's values (one shared, or N per model) hold for its parameters, the
+        constructor's for the rest.  Not ``lr``: ``param_groups[i]`` is model i, whose
+        learning rate its scheduler sets for all of its parameters.  A group may name a
+        flag (``foreach``, ...) only with the optimizer's value: it holds for all of them."""
+        if not any(isinstance(x, dict) for x in items):
+            return items, [0] * len(items), [{}]
+        cls = type(self).__name__
+        if not all(isinstance(x, dict) for x in items):
+            raise TypeError(f"{cls} takes stacked parameters or param-group dicts, not both")
+        flat, group_of, overrides = [], [], []
+        for k, group in enumerate(items):
+            if "params" not in group:
+                raise TypeError(f"{cls}: param group {k} has no 'params'")
+            params = group["params"]
+            params = [params] if isinstance(params, Tensor) else list(params)
+            extra = {key: value for key, value in group.items() if key != "params"}
+            group_flags = {key: extra.pop(key) for key in self._flags if key in extra}
+            if group_flags and flags is not None:
+                checked = self._check_flags({**flags, **group_flags}, f"param group {k}: ")
+                if checked != flags:
+                    differ = sorted(key for key in group_flags if checked[key] != flags[key])
+                    raise FusionArgumentError(
+                        f"{cls}: param group {k} sets "
+                        f"{', '.join(f'{key}={group_flags[key]!r}' for key in differ)}, "
+                        f"which picks how the update runs for all parameters and models at "
+                        f"once; give it to the constructor instead")
+            if "lr" in extra:
+                raise TypeError(
+                    f"{cls}: param group {k} sets lr; param_groups[i] of a fused optimizer "
+                    f"is model i, whose learning rate (and its scheduler) holds for all its "
+                    f"parameters. Give those parameters a second fused optimizer instead")
+            unknown = sorted(set(extra) - set(self._hyperparameters))
+            if unknown:
+                raise TypeError(f"{cls}: param group {k} has unknown hyper-parameter(s) "
+                                f"{unknown}; {cls} takes {sorted(self._hyperparameters)}")
+            flat += params
+            group_of += [k] * len(params)
+            overrides.append(extra)
+        return flat, group_of, overrides
+
+    def _infer_num_models(self, names, tensors, num_models, hyperparameters) -> int:
+        cls = type(self).__name__
+        for name, t in zip(names, tensors):
+            if t.dim() == 0:
+                raise ValueError(
+                    f"{cls}: parameter {name} is a 0-dim tensor; fused parameters are "
+                    f"stacked [N, *shape] (N = number of models)"
+                )
+        leading = {t.shape[0] for t in tensors}
+        if len(leading) > 1:
+            shapes = ", ".join(f"{n}: {list(t.shape)}" for n, t in zip(names, tensors))
+            raise ValueError(
+                f"{cls}: fused parameters must all be stacked [N, *shape] with one N, "
+                f"but their leading dims differ ({shapes})"
+            )
+        n = leading.pop()
+        if num_models is not None and num_models != n:
+            bad = next(name for name, t in zip(names, tensors) if t.shape[0] != num_models)
+            shape = list(tensors[names.index(bad)].shape)
+            raise ValueError(
+                f"{cls}: num_models={num_models}, but parameter {bad} has shape {shape}: "
+                f"each fused parameter must be [N, *shape] with N = {num_models}"
+            )
+        for key, kind in self._hyperparameters.items():
+            value = hyperparameters[key]
+            if self._is_per_model(kind, value) and len(value) != n:
+                raise ValueError(
+                    f"{cls}: {key} has {len(value)} values but there are {n} models "
+                    f"(the parameters' leading dim); give one value per model or one shared value"
+                )
+        return n
+
+    @staticmethod
+    def _is_per_model(kind: str, value: Any) -> bool:
+        if kind == "pair":
+            # (0.9, 0.999) is one shared pair; [(0.9, 0.999), (0.8, 0.99)] is one per model.
+            return _is_sequence(value) and len(value) > 0 and all(_is_sequence(v) for v in value)
+        return _is_sequence(value)
+
+    def _expand(self, key: str, kind: str, value: Any, n: int) -> list[Any]:
+        convert = {"float": _as_float, "flag": _as_flag, "pair": _as_pair}[kind]
+        if self._is_per_model(kind, value):
+            return [convert(key, v, i) for i, v in enumerate(value)]
+        return [convert(key, value)] * n
+
+    def _default_of(self, key: str, value: Any) -> Any:
+        # optimizer.defaults only has to name the hyper-parameters (OneCycleLR and
+        # CyclicLR look for "momentum" / "betas" there); model 0's value stands in.
+        return self._expand(key, self._hyperparameters[key], value, 1)[0]
+
+    def _check_hyperparameters(self, hp: dict[str, Any], model: int) -> None:
+        """Raise ``ValueError`` for model ``model``'s bad values, as the stock class would."""
+        for key in ("lr", "eps", "weight_decay", "momentum", "lr_decay",
+                    "initial_accumulator_value", "alpha"):
+            if key in hp and not hp[key] >= 0.0:
+                raise ValueError(f"Invalid {key} for model {model}: {hp[key]} (must be >= 0)")
+        if "betas" in hp:
+            for k, b in enumerate(hp["betas"]):
+                if not 0.0 <= b < 1.0:
+                    raise ValueError(
+                        f"Invalid beta parameter at index {k} for model {model}: {b} "
+                        f"(must be in [0, 1))"
+                    )
+
+    @classmethod
+    def _check_flags(cls, flags: dict[str, Any], where: str = "") -> dict[str, Any]:
+        """The constructor's implementation flags, checked: one bool (or ``None``) each;
+        ``fused`` as a bool.  What hftc cannot honour raises ``FusionArgumentError``
+        saying what to do instead: ``differentiable=True``, ``capturable=True``, and
+        ``fused=True`` with ``foreach=True`` (which torch refuses too)."""
+        name = cls.__name__
+        out: dict[str, Any] = {}
+        for key, value in flags.items():
+            if isinstance(value, Tensor) and value.numel() == 1:
+                value = value.item()
+            if value is not None and not isinstance(value, (bool, numbers.Integral)):
+                raise FusionArgumentError(
+                    f"{name}: {where}{key} takes one bool (or None) for all N models: it "
+                    f"picks how the update runs, not a value per model; got {value!r}")
+            out[key] = value if value is None else bool(value)
+        if "fused" in out:
+            out["fused"] = bool(out["fused"])
+        if out.get("differentiable"):
+            raise FusionArgumentError(
+                f"{name}: {where}differentiable=True is not supported: the fused step "
+                f"updates the stacked parameters in place under torch.no_grad(), so autograd "
+                f"cannot differentiate through it. Pass differentiable=False (the default). "
+                f"To differentiate through optimizer steps (meta-learning), step each of "
+                f"fused.unfuse()'s models with torch.optim.{name}(..., differentiable=True), "
+                f"or write the update functionally (torch.func)")
+        if out.get("capturable") and not cls._capturable_supported:
+            raise FusionArgumentError(
+                f"{name}: {where}capturable=True is not supported: each model's step count "
+                f"stays on the CPU and every step prepares the models' coefficients on the "
+                f"host (as torch.optim.{name} does with capturable=False), which a CUDA graph "
+                f"replay would not repeat. Pass capturable=False (the default): the step "
+                f"already runs each op once for all N models, and a torch.compile'd training "
+                f"step runs it eagerly")
+        if out.get("capturable") and out.get("fused"):
+            raise FusionArgumentError(
+                f"{name}: {where}capturable=True and fused=True cannot both be set: the "
+                f"fused kernels take each model's learning rate as a host number, which a "
+                f"CUDA graph replay would not update. Pass capturable=True alone (its step "
+                f"runs each op once for all N models)")
+        if out.get("fused") and out.get("foreach"):
+            raise FusionArgumentError(
+                f"{name}: {where}fused=True and foreach=True cannot both be set "
+                f"(torch.optim.{name} refuses them together too); pass one of them")
+        return out
+
+    def _flag(self, key: str) -> bool:
+        """Flag ``key`` (``fused``) as every param group holds it: it picks how the whole
+        update runs, so the N models' groups must agree (a user or a loaded state dict
+        could set one group's)."""
+        groups = self.param_groups
+        value = bool(groups[0].get(key))
+        for g in groups:
+            if bool(g.get(key)) is not value:
+                raise FusionArgumentError(
+                    f"{type(self).__name__}: the param groups (one per model) disagree on "
+                    f"{key} ({[g.get(key) for g in groups]}); it picks how the update runs "
+                    f"for all N models at once: set one value in every group")
+        return value
+
+    def hyperparameters(self) -> dict[str, list[Any]]:
+        """Each hyper-parameter's current value per model: ``{"lr": [lr_0, ..., lr_{N-1}], ...}``.
+
+        Read from ``param_groups`` on every step, so schedulers' changes apply at once.
+        """
+        out = {}
+        groups = self.param_groups
+        for key, kind in self._hyperparameters.items():
+            values = [g[key] for g in groups]
+            # The common case, plain Python values, needs no conversion; checking it is
+            # far cheaper than converting, which runs every step.
+            if kind == "float" and all(type(v) is float for v in values):
+                out[key] = values
+                continue
+            if kind == "flag" and all(type(v) is bool for v in values):
+                out[key] = values
+                continue
+            if kind == "pair" and all(type(v) is tuple and len(v) == 2 and type(v[0]) is float
+                                      and type(v[1]) is float for v in values):
+                out[key] = values
+                continue
+            convert = {"float": _as_float, "flag": _as_flag, "pair": _as_pair}[kind]
+            out[key] = [convert(key, v, i) for i, v in enumerate(values)]
+        return out
+
+    def _stock_foreach(self, params: list[Tensor]) -> list[bool]:
+        """Per model, whether its stock optimizer would run its ``foreach`` update on
+        ``params`` rather than its for-loop one (``torch.optim.optimizer.
+        _default_to_fused_or_foreach``: ``foreach=None`` means foreach where every
+        parameter is on a device with foreach kernels, CUDA, not the CPU).
+
+        For the classes whose two updates round differently (NAdam, RAdam): each model
+        gets the one its group's ``foreach`` picks (``fuse_optimizers`` copies it per model).
+        """
+        default = all(p.device.type in _get_foreach_kernels_supported_devices() for p in params)
+        return [default if g.get("foreach") is None else bool(g["foreach"])
+                for g in self.param_groups]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only used while constructing: groups are models, so none can be added later."""
+        if getattr(self, "_groups_frozen", True):
+            raise NotImplementedError(
+                f"{type(self).__name__}.add_param_group: param_groups[i] is model i's "
+                f"hyper-parameters, so groups cannot be added; build a new fused optimizer "
+                f"over all the stacked parameters instead"
+            )
+        super().add_param_group(param_group)
