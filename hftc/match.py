@@ -424,9 +424,19 @@ _FIXES = {
     "requires_grad": "Freeze the same parameters in every model "
                      "(p.requires_grad_(False) in each, or in none).",
     "mode": "Put every model in the same mode (.train() or .eval() on each) before fusing.",
+    "widths": "Models that differ only in layer widths fuse with hftc.fuse(models, "
+              "pad_widths=True) (each zero-padded to the widest, exactly), or apart by "
+              "width with hftc.fuse_groups(models, pad_widths=True).",
     "structure": "hftc fuses models of the same architecture and hyper-parameters: "
                  "hftc.fuse_groups splits a mixed list into groups that can be fused.",
 }
+
+#: Module attributes that are a layer's width: models that differ only in these (and in
+#: their tensors' sizes) may fuse padded (``pad_widths=True``).
+_WIDTH_ATTRIBUTES = frozenset({
+    "in_features", "out_features", "in_channels", "out_channels", "num_features",
+    "num_channels", "hidden_size", "input_size", "embed_dim", "embedding_dim", "kdim",
+    "vdim", "normalized_shape", "proj_size", "d_model", "dim_feedforward"})
 
 
 def class_name(module: nn.Module) -> str:
@@ -453,11 +463,13 @@ def _tensor_differences(label: str, value: Any, reference: Any) -> tuple[list[st
     if value.kind != reference.kind:
         texts.append(f"{label}: a {value.kind} vs a {reference.kind}")
         kinds.add("structure")
-    for field, kind in (("shape", "structure"), ("dtype", "dtype"), ("device", "device"),
+    for field, kind in (("shape", "widths"), ("dtype", "dtype"), ("device", "device"),
                         ("requires_grad", "requires_grad")):
         mine, theirs = getattr(value, field), getattr(reference, field)
         if mine != theirs:
             texts.append(f"{label}: {field} {_value_text(mine)} vs {_value_text(theirs)}")
+            if kind == "widths" and len(mine) != len(theirs):
+                kind = "structure"  # another rank is no width
             kinds.add(kind)
     return texts, kinds
 
@@ -522,14 +534,18 @@ def describe_differences(sig: dict[str, Any], reference: dict[str, Any], *,
             found = [f"{label} {text}" for text in found]
         else:
             found = [f"{label} {_value_text(value)} vs {_value_text(ref)}"]
-            found_kinds = {"mode" if key == "train/eval mode" else "structure"}
+            found_kinds = {"mode" if key == "train/eval mode" else
+                           "widths" if key in _WIDTH_ATTRIBUTES else "structure"}
         texts += found
         kinds |= found_kinds
     return texts, kinds
 
 
 def fixes_for(kinds: set[str]) -> str:
-    """What to change for these kinds of difference (keys of :data:`_FIXES`), in sentences."""
+    """What to change for these kinds of difference (keys of :data:`_FIXES`), in sentences
+    (padding widths only where widths are all that differs in structure)."""
+    if "structure" in kinds:
+        kinds = kinds - {"widths"}
     return " ".join(fix for kind, fix in _FIXES.items() if kind in kinds)
 
 

@@ -263,10 +263,12 @@ def _frozen_fc(model):
     ([TwoLayer(), TwoLayer(), TwoLayer(32)],
      r"model 2's `fc` \(nn.Linear\) differs from model 0's: out_features 32 vs 16; parameter "
      r"`fc.weight`: shape \(32, 8\) vs \(16, 8\); parameter `fc.bias`: shape \(32,\) vs \(16,\)"
-     r"(?s:.*)hftc fuses models of the same architecture"),
+     r"(?s:.*)Models that differ only in layer widths fuse with hftc.fuse\(models, "
+     r"pad_widths=True\)"),
     ([nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 5)],
      r"model 1 \(the model itself, nn.Conv2d\) differs from model 0: kernel_size \(5, 5\) vs "
-     r"\(3, 3\); parameter `weight`: shape \(4, 3, 5, 5\) vs \(4, 3, 3, 3\)"),
+     r"\(3, 3\); parameter `weight`: shape \(4, 3, 5, 5\) vs \(4, 3, 3, 3\)\n"
+     r"hftc fuses models of the same architecture"),  # a kernel size is no width
     ([nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3).double()],
      r"model 2 \(the model itself, nn.Conv2d\) differs from model 0: parameter `weight`: dtype "
      r"float64 vs float32; parameter `bias`: dtype float64 vs float32\nConvert every model"),
@@ -299,8 +301,8 @@ def _with_unused(model, **tensors):
      r"\(3,\)\)\. Register the same parameters in every model"),
     ([_with_unused(TwoLayer(), extra=nn.Parameter(torch.zeros(3))),
       _with_unused(TwoLayer(), extra=nn.Parameter(torch.zeros(5)))],
-     r"model 1's parameter `extra` differs from model 0's: shape \(5,\) vs \(3,\)\. hftc fuses "
-     r"models of the same architecture"),
+     r"model 1's parameter `extra` differs from model 0's: shape \(5,\) vs \(3,\)\. Models "
+     r"that differ only in layer widths fuse with hftc.fuse\(models, pad_widths=True\)"),
     ([_with_unused(TwoLayer(), steps=torch.zeros(2)),
       _with_unused(TwoLayer(), steps=torch.zeros(2, dtype=torch.float64))],
      r"model 1's buffer `steps` differs from model 0's: dtype float64 vs float32\. Convert "
