@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..frontends.export import Emitter
-from ..ir import bind_arguments
+from ..ir import EXAMPLE_VALUE, bind_arguments
 from ..lowering.runtime import conv as rt_conv
+from ..lowering.runtime import layout as rt_layout
 from .registry import FusionGroup, GraphBuilder, rule
 
 aten = torch.ops.aten
@@ -81,8 +82,27 @@ def convolution_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     return e.call(fn, *common, a["dilation"], a["groups"])
 
 
+def channels_last_safe(conv: nn.Module | fx.Node) -> bool:
+    """May a CPU program run channels-last with this conv (module or call)?  Not a strided
+    1x1 2-d / 3-d conv over few channels (:func:`~hftc.lowering.runtime.layout.
+    unsafe_strided_pointwise_conv`: oneDNN's weight gradients), nor one not known."""
+    if isinstance(conv, nn.Module):
+        return not (isinstance(conv, (nn.Conv2d, nn.Conv3d)) and rt_layout.
+                    unsafe_strided_pointwise_conv(conv.in_channels // conv.groups,
+                                                  conv.kernel_size, conv.stride))
+    if conv.op != "call_function" or conv.target not in (F.conv2d, F.conv3d):
+        return True
+    weight = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
+    shape = getattr(getattr(weight, "meta", {}).get(EXAMPLE_VALUE), "shape", None)
+    stride = conv.args[3] if len(conv.args) > 3 else conv.kwargs.get("stride", 1)
+    if shape is None or not isinstance(stride, (int, tuple, list)):
+        return False  # not known: assume the worst
+    return not rt_layout.unsafe_strided_pointwise_conv(shape[1], shape[2:], stride)
+
+
 @rule(*[("call_module", cls) for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d)],
-      *[("call_function", fn) for fn in _CONVS], aten={aten.convolution: convolution_as_functional})
+      *[("call_function", fn) for fn in _CONVS], aten={aten.convolution: convolution_as_functional},
+      channels_last=channels_last_safe)
 def fuse_conv(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     spatial = _spatial(group, _CONVS)
     a = group.arguments(builder, conv_parameters)

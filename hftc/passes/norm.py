@@ -21,7 +21,7 @@ from torch import nn
 from ..frontends.export import same_names
 from ..lowering.runtime import norms as rt_norms
 from ..lowering.runtime import per_model as rt_per_model
-from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule
+from .registry import FusionGroup, GraphBuilder, NotFusable, Reduces, per_model_loop, rule
 
 aten = torch.ops.aten
 
@@ -73,8 +73,11 @@ def fuse_batch_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 _INSTANCE_NORMS = {nn.InstanceNorm1d: 1, nn.InstanceNorm2d: 2, nn.InstanceNorm3d: 3}
 
 
+# channels_last=False (group and instance norms): torch's CPU backward of these norms is
+# wrong or crashes on channels-last tensors (hftc.lowering.layout.safe says which).
 @rule(*_modules(*_INSTANCE_NORMS), ("call_function", F.instance_norm),
-      per_model=("momentum", "eps"), aten={aten.instance_norm: same_names(F.instance_norm)})
+      per_model=("momentum", "eps"), aten={aten.instance_norm: same_names(F.instance_norm)},
+      channels_last=False)
 def fuse_instance_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if group.per_model:
         raise NotFusable("instance norms whose momentum or eps differ per model")
@@ -100,11 +103,11 @@ def fuse_instance_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 rule(("call_module", nn.modules.batchnorm._BatchNorm), name="per_model_loop[batch norm]",
      per_model=("momentum", "eps"))(per_model_loop)
 rule(("call_module", nn.modules.instancenorm._InstanceNorm), name="per_model_loop[instance norm]",
-     per_model=("momentum", "eps"))(per_model_loop)
+     per_model=("momentum", "eps"), channels_last=False)(per_model_loop)
 
 
 @rule(("call_module", nn.GroupNorm), ("call_function", F.group_norm), per_model=("eps",),
-      aten={aten.group_norm: same_names(F.group_norm)})
+      aten={aten.group_norm: same_names(F.group_norm)}, channels_last=False)
 def fuse_group_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = _arguments(group, builder, F.group_norm)
     kernel, eps = _per_model_kernel(group, a["eps"], rt_norms.group_norm, rt_per_model.group_norm)
@@ -114,8 +117,16 @@ def fuse_group_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
+def layer_norm_over_real_units(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """``F.layer_norm``'s arguments for ``padding_graph.reduce`` (pad_widths=True): the
+    normalized dims (the last ones) over each model's real units (a module's: refused)."""
+    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+    return {"dim": tuple(range(-k, 0)), "weight": weight, "bias": bias, "eps": eps}
+
+
 @rule(("call_module", nn.LayerNorm), ("call_function", F.layer_norm), per_model=("eps",),
-      aten={aten.layer_norm: same_names(F.layer_norm)})
+      aten={aten.layer_norm: same_names(F.layer_norm)},
+      padding=Reduces("layer_norm", layer_norm_over_real_units))
 def fuse_layer_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = _arguments(group, builder, F.layer_norm)
     x = a["input"]

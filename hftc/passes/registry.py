@@ -166,9 +166,63 @@ class RuleEntry:
     #: For keys that name a library's function by a string: a Python function with its
     #: signature (where ``per_model``'s positions and defaults come from).
     signature: Callable[..., Any] | None = None
+    #: What the op computes over a dim ``pad_widths=True`` padded with zeros: a
+    #: :data:`PADDING_KINDS` kind, a :class:`Reduces`, or a function of the node giving one
+    #: (None: hftc does not know, and refuses the op over a padded dim).
+    padding: Any = None
+    #: May a CPU program run channels-last with this op (``hftc.lowering.layout.safe``):
+    #: True, False, or a function of the module or call node that says.
+    channels_last: bool | Callable[[Any], bool] = True
+    #: The op's link in a linear chain (``hftc.lowering.chains``): which fused nodes it
+    #: emits that a chain may take.
+    chain: ChainLink | None = None
 
     def signature_of(self, target: Any) -> Any:
         return self.signature if isinstance(target, str) and self.signature else target
+
+
+#: ``padding=`` kinds: what an op computes over a dim padded with zeros (pad_widths=True,
+#: every padded tensor laid out as each model's real units first, padding after).
+EXACT = "exact"  # each real unit's result reads real units only: exact as it is
+MOVES = "moves"  # only moves (copies, casts) units: checked by running it on unit numbers
+SPLITS = "splits"  # split along a dim: each piece's real units, its padding after them
+CONTRACTS = "contracts"  # a product contracting its first operand's last dim: zeroed first
+ATTENDS = "attends"  # attention: the contracted head dim zeroed; a padded sequence refused
+PER_CHANNEL = "per_channel"  # per channel over whole spatial dims (pooling)
+PADDING_KINDS = (EXACT, MOVES, SPLITS, CONTRACTS, ATTENDS, PER_CHANNEL)
+
+
+@dataclass(frozen=True)
+class Reduces:
+    """``padding=`` of a reduction or normalisation: computed over each model's real units
+    (``hftc.module.padding_graph.reduce(op, x, pad, count, arguments)``)::
+
+        @rule(*spellings("var"), padding=Reduces("var", var_over_real_units))
+
+    ``parameters``: a function with the op's parameters (its tensors are graph nodes, its
+    Python values the call's) returning ``reduce``'s arguments (``dim``, ``keepdim``, ...),
+    or None where this call reduces nothing (``torch.max(a, b)``);
+    ``torch_parameters``: the ``torch.*`` and method spellings' where they differ (softmax's
+    ``dtype``); ``one_dim``: the op takes one dim, not a tuple; ``otherwise``: the kind of
+    a call that reduces nothing; ``as_function``: for a module key, the functional call it
+    is (``nn.Softmax(dim)`` -> ``F.softmax``, ``{"dim": dim}``) or None (refused)."""
+
+    op: str
+    parameters: Callable[..., dict | None]
+    torch_parameters: Callable[..., dict | None] | None = None
+    one_dim: bool = False
+    otherwise: str | None = None
+    as_function: Callable[[nn.Module], tuple[Callable[..., Any], dict] | None] | None = None
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    """``chain=``: the fused nodes of this op that a linear chain may take
+    (``hftc.lowering.chains``): ``role`` "linear" (a link) or "relu" (the activation
+    between two), ``accepts(node, root)`` says whether this fused node is one."""
+
+    role: str
+    accepts: Callable[[fx.Node, nn.Module], bool]
 
 
 RULES: dict[Key, RuleEntry] = {}
@@ -183,7 +237,9 @@ class DuplicateRuleError(Exception):
 def rule(*keys: Key, name: str | None = None, random: bool = False,
          per_model: Sequence[str] = (),
          aten: Mapping[Any, Callable[..., Any]] | None = None,
-         signature: Callable[..., Any] | None = None) -> Callable[[Rule], Rule]:
+         signature: Callable[..., Any] | None = None, padding: Any = None,
+         channels_last: bool | Callable[[Any], bool] = True,
+         chain: ChainLink | None = None) -> Callable[[Rule], Rule]:
     """Register a rule for ``keys`` (the one way to declare one)::
 
         @rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))
@@ -207,6 +263,10 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
     -> node`` (:mod:`hftc.frontends.export`).  ``signature``: for keys that name a
     library's function by a string (``"torchvision.ops.stochastic_depth.stochastic_depth"``),
     a Python function with the same parameters, where ``per_model`` finds its positions.
+    ``padding``: what the op computes over a padded dim (``pad_widths=True``: a
+    :data:`PADDING_KINDS` kind, :class:`Reduces`, or a function of the node giving one);
+    ``channels_last``: whether a CPU program may run channels-last with it (or a function
+    of its module or call node that says); ``chain``: its :class:`ChainLink` in a linear chain.
     A key or ATen op registered twice raises :class:`DuplicateRuleError` at import,
     whatever the order the rule files load in.
     """
@@ -217,7 +277,10 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
 
     def wrap(body: Rule) -> Rule:
         entry = RuleEntry(body, name or body.__name__, random, tuple(per_model), converters,
-                          signature)
+                          signature, padding, channels_last, chain)
+        if isinstance(padding, str) and padding not in PADDING_KINDS:
+            raise TypeError(f"rule `{entry.name}`: padding={padding!r} is none of "
+                            f"{PADDING_KINDS}, a Reduces, or a function of the node")
         for op, _ in converters:
             if not isinstance(op, torch._ops.OpOverloadPacket):
                 raise TypeError(f"rule `{entry.name}`: aten= takes ATen ops such as "
@@ -281,6 +344,53 @@ def per_model_table() -> PerModelTable:
         arguments[target] = {parameter_position(fn, name): name for name in entry.per_model}
         defaults[target] = positional_defaults(fn, max(arguments[target]))
     return PerModelTable(tuple(modules), arguments, defaults, elementwise_op=elementwise_op)
+
+
+def padding_of(node: fx.Node, module: nn.Module | None = None) -> Any:
+    """What the op at ``node`` computes over a padded dim, as its rule declares it
+    (``@rule(..., padding=...)``): a :data:`PADDING_KINDS` kind, a :class:`Reduces`, or
+    None (no rule, or its rule declares nothing: refused over a padded dim)."""
+    try:
+        entry = lookup(node, module)
+    except TypeError:  # an unhashable target
+        return None
+    fact = None if entry is None else entry.padding
+    return fact(node) if callable(fact) and not isinstance(fact, Reduces) else fact
+
+
+def channels_last_safe(op: nn.Module | fx.Node) -> bool:
+    """May a CPU program run channels-last with this module (any subclass of a module key
+    that declares ``channels_last=``) or call node, as the rules declare it?"""
+    if isinstance(op, nn.Module):
+        facts = [entry.channels_last for (kind, cls), entry in RULES.items()
+                 if kind == "call_module" and entry.channels_last is not True
+                 and isinstance(op, cls)]
+    elif op.op != "call_function":
+        return True
+    else:
+        # a function declared unsafe by name: its spellings (torch.group_norm, ATen's
+        # native_group_norm) with it
+        name = getattr(op.target, "__name__", "")
+        if any(unsafe in name for unsafe in _unsafe_function_names()):
+            return False
+        try:
+            entry = RULES.get((op.op, op.target))
+        except TypeError:  # an unhashable target
+            entry = None
+        facts = [] if entry is None else [entry.channels_last]
+    return all(fact(op) if callable(fact) else fact for fact in facts)
+
+
+def _unsafe_function_names() -> set[str]:
+    return {target.__name__ for (kind, target), entry in RULES.items()
+            if kind == "call_function" and entry.channels_last is False
+            and not isinstance(target, str)}
+
+
+def chain_links(role: str) -> list[ChainLink]:
+    """The rules' :class:`ChainLink` of ``role`` ("linear" or "relu"), one per rule."""
+    return list({id(e.chain): e.chain for e in RULES.values()
+                 if e.chain is not None and e.chain.role == role}.values())
 
 
 def per_model_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
