@@ -32,7 +32,17 @@ from ..ir import EXAMPLE_VALUE, TORCH_RANDOM_DRAWS, bind_arguments
 from ..lowering.runtime import layout as rt_layout
 from ..lowering.runtime import per_model as rt_per_model
 from ..lowering.runtime import random as rt_random
-from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule, spellings
+from .registry import (
+    EXACT,
+    MOVES,
+    ChainLink,
+    FusionGroup,
+    GraphBuilder,
+    NotFusable,
+    per_model_loop,
+    rule,
+    spellings,
+)
 
 aten = torch.ops.aten
 
@@ -254,6 +264,20 @@ def fuse_slope(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(kernel, builder.broadcast(group.args[0]), tuple(values))
 
 
+def chained_relu(node: fx.Node, root: nn.Module) -> bool:
+    """Is this fused node a ReLU between two linears of a chain (:mod:`hftc.lowering.chains`):
+    ``F.relu``, ``torch.relu``, ``x.relu()`` or ``nn.ReLU`` (out of place or in place)?"""
+    if len(node.args) != 1 or set(node.kwargs) - {"inplace"}:
+        return False
+    if node.op == "call_function":
+        return node.target in (F.relu, torch.relu)
+    if node.op == "call_method":
+        return node.target == "relu"
+    if node.op == "call_module":
+        return type(root.get_submodule(node.target)) is nn.ReLU
+    return False
+
+
 def fuse_new_tensor(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``x.new_zeros(shape)``: only x's dtype and device are read; the result is shared."""
     return builder.copy(group, batched=False)
@@ -312,26 +336,37 @@ EXPORTED_AS = {
     F.alpha_dropout: {aten.alpha_dropout: F.alpha_dropout},
 }
 
+#: Over a padded dim (``@rule(padding=...)``) an elementwise op is exact as it is (each
+#: real unit reads its own units); these copy their input, whose layout is checked.
+COPIES = ("contiguous", "clone", "detach")
+#: The ReLUs a linear chain takes between two linears (``@rule(chain=...)``).
+RELU_LINK = ChainLink("relu", chained_relu)
+
 for _name in UNARY + BINARY:
     rule(*(key for key in spellings(_name, inplace=True) if key not in SLOPE_KEYS),
-         name=f"fuse_pointwise[{_name}]", aten=EXPORTED_AS.get(_name))(fuse_pointwise)
+         name=f"fuse_pointwise[{_name}]", aten=EXPORTED_AS.get(_name),
+         padding=MOVES if _name in COPIES else EXACT,
+         chain=RELU_LINK if _name == "relu" else None)(fuse_pointwise)
 for _key, _slope in SLOPE_KEYS.items():
     rule(_key, name=f"fuse_slope[{_key[1].__name__}]", per_model=(_slope,),
-         aten=EXPORTED_AS.get(_key[1]))(fuse_slope)
+         aten=EXPORTED_AS.get(_key[1]), padding=EXACT)(fuse_slope)
 for _name in RANDOM_LIKE:
     rule(*spellings(_name, inplace=True), name=f"fuse_random[{_name}]", random=True)(fuse_random)
 for _op in OPERATORS:
-    rule(("call_function", _op), name=f"fuse_pointwise[{_op.__name__}]")(fuse_pointwise)
+    rule(("call_function", _op), name=f"fuse_pointwise[{_op.__name__}]",
+         padding=EXACT)(fuse_pointwise)
 for _name in DUNDER:
-    rule(("call_method", _name), name=f"fuse_pointwise[{_name}]")(fuse_pointwise)
+    rule(("call_method", _name), name=f"fuse_pointwise[{_name}]", padding=EXACT)(fuse_pointwise)
 for _cls in ELEMENTWISE_MODULES:
-    rule(("call_module", _cls), name=f"fuse_pointwise[{_cls.__name__}]")(fuse_pointwise)
+    rule(("call_module", _cls), name=f"fuse_pointwise[{_cls.__name__}]", padding=EXACT,
+         chain=RELU_LINK if _cls is nn.ReLU else None)(fuse_pointwise)
 for _fn, (_cls, _torch_fn) in _DROPOUTS.items():
     rule(("call_module", _cls), ("call_function", _fn), ("call_function", _torch_fn),
          name=f"fuse_dropout[{_fn.__name__}]", random=True, per_model=("p",),
-         aten=EXPORTED_AS.get(_fn))(fuse_dropout)
+         aten=EXPORTED_AS.get(_fn), padding=EXACT)(fuse_dropout)
 for _name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
-    rule(("call_method", _name), name=f"fuse_random[{_name}]", random=True)(fuse_random)
+    rule(("call_method", _name), name=f"fuse_random[{_name}]", random=True,
+         padding=EXACT if _name.startswith("dropout") else None)(fuse_random)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     rule(("call_method", _name), name=f"fuse_new_tensor[{_name}]")(fuse_new_tensor)
 
@@ -339,6 +374,7 @@ for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
 #: input (one draw for all of them made every model's result the same).  RReLU's slopes
 #: (in training) and fractional max-pooling's regions are drawn too; their deterministic
 #: uses (RReLU in eval, given regions) run as the per-model loop as well: exact.
+_RRELU = (F.rrelu, F.rrelu_, torch.rrelu, torch.rrelu_)
 RANDOM_DRAWS = [
     *(getattr(torch, name) for name in TORCH_RANDOM_DRAWS if name not in RANDOM_LIKE),
     F.rrelu, F.rrelu_, torch.rrelu, torch.rrelu_,
@@ -351,4 +387,6 @@ RANDOM_DRAW_MODULES = [nn.RReLU, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d]
 rule(*(("call_function", fn) for fn in RANDOM_DRAWS),
      *(("call_method", name) for name in RANDOM_DRAW_METHODS),
      *(("call_module", cls) for cls in RANDOM_DRAW_MODULES),
-     name="per_model_loop[random]", random=True)(per_model_loop)
+     name="per_model_loop[random]", random=True,
+     # RReLU is elementwise: exact over a padded dim as it is
+     padding=lambda node: EXACT if node.target in _RRELU else None)(per_model_loop)
