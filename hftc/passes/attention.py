@@ -45,7 +45,7 @@ from torch import nn
 from ..frontends.symbolic import encoder_nested_padding
 from ..ir import bind_arguments
 from ..lowering.runtime import attention as rt_attention
-from .registry import FusionGroup, GraphBuilder, NotFusable, rule
+from .registry import ATTENDS, FusionGroup, GraphBuilder, NotFusable, rule
 
 
 def _bind(group: FusionGroup, fn: Any, *leading: Any) -> tuple[dict, dict]:
@@ -92,7 +92,7 @@ def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.No
 
 @rule(("call_function", F.scaled_dot_product_attention), random=True,
       aten={torch.ops.aten.scaled_dot_product_attention: F.scaled_dot_product_attention},
-      per_model=("dropout_p",))
+      per_model=("dropout_p",), padding=ATTENDS)
 def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The model dim joins the batch dim: one SDPA over ``N*B`` batches (random: dropout)."""
     if group.per_model_values("dropout_p") is not None:

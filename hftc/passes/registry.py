@@ -201,15 +201,13 @@ class Reduces:
 
     ``parameters``: a function with the op's parameters (its tensors are graph nodes, its
     Python values the call's) returning ``reduce``'s arguments (``dim``, ``keepdim``, ...),
-    or None where this call reduces nothing (``torch.max(a, b)``);
-    ``torch_parameters``: the ``torch.*`` and method spellings' where they differ (softmax's
-    ``dtype``); ``one_dim``: the op takes one dim, not a tuple; ``otherwise``: the kind of
-    a call that reduces nothing; ``as_function``: for a module key, the functional call it
-    is (``nn.Softmax(dim)`` -> ``F.softmax``, ``{"dim": dim}``) or None (refused)."""
+    or None where this call reduces nothing (``torch.max(a, b)``); ``one_dim``: the op
+    takes one dim, not a tuple; ``otherwise``: the kind of a call that reduces nothing;
+    ``as_function``: for a module key, the functional call it is (``nn.Softmax(dim)`` ->
+    ``F.softmax``, ``{"dim": dim}``) or None (refused)."""
 
     op: str
     parameters: Callable[..., dict | None]
-    torch_parameters: Callable[..., dict | None] | None = None
     one_dim: bool = False
     otherwise: str | None = None
     as_function: Callable[[nn.Module], tuple[Callable[..., Any], dict] | None] | None = None
