@@ -45,7 +45,7 @@ from ..ir import (
 )
 from ..lowering.runtime import layout as rt_layout
 from ..match import PerModelTable, describe_node, function_name, target_name
-from .per_model_ops import elementwise_op
+from .per_model_ops import PerModelOp, declare_per_model_op, elementwise_op
 
 
 class NotFusable(Exception):
@@ -176,6 +176,8 @@ class RuleEntry:
     #: The op's link in a linear chain (``hftc.lowering.chains``): which fused nodes it
     #: emits that a chain may take.
     chain: ChainLink | None = None
+    #: The elementwise ops of these keys that may differ per model (:class:`PerModelOp`).
+    per_model_ops: tuple[PerModelOp, ...] = ()
 
     def signature_of(self, target: Any) -> Any:
         return self.signature if isinstance(target, str) and self.signature else target
@@ -228,6 +230,7 @@ RULES: dict[Key, RuleEntry] = {}
 _ATEN: dict[Any, Converter] = {}
 
 
+
 class DuplicateRuleError(Exception):
     """Two rules registered for one key: which one fuses the op would depend on import order."""
 
@@ -237,7 +240,8 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
          aten: Mapping[Any, Callable[..., Any]] | None = None,
          signature: Callable[..., Any] | None = None, padding: Any = None,
          channels_last: bool | Callable[[Any], bool] = True,
-         chain: ChainLink | None = None) -> Callable[[Rule], Rule]:
+         chain: ChainLink | None = None,
+         per_model_op: PerModelOp | Sequence[PerModelOp] = ()) -> Callable[[Rule], Rule]:
     """Register a rule for ``keys`` (the one way to declare one)::
 
         @rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))
@@ -264,18 +268,21 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
     ``padding``: what the op computes over a padded dim (``pad_widths=True``: a
     :data:`PADDING_KINDS` kind, :class:`Reduces`, or a function of the node giving one);
     ``channels_last``: whether a CPU program may run channels-last with it (or a function
-    of its module or call node that says); ``chain``: its :class:`ChainLink` in a linear chain.
+    of its module or call node that says); ``chain``: its :class:`ChainLink` in a linear chain;
+    ``per_model_op``: the :class:`PerModelOp` (or several) its keys spell, an elementwise op
+    that may differ per model.
     A key or ATen op registered twice raises :class:`DuplicateRuleError` at import,
     whatever the order the rule files load in.
     """
     functions = {target for op, target in keys if op == "call_function"}
+    ops = (per_model_op,) if isinstance(per_model_op, PerModelOp) else tuple(per_model_op)
     converters = tuple(
         (op, same_arguments(spelling) if spelling in functions else spelling)
         for op, spelling in (aten or {}).items())
 
     def wrap(body: Rule) -> Rule:
         entry = RuleEntry(body, name or body.__name__, random, tuple(per_model), converters,
-                          signature, padding, channels_last, chain)
+                          signature, padding, channels_last, chain, ops)
         if isinstance(padding, str) and padding not in PADDING_KINDS:
             raise TypeError(f"rule `{entry.name}`: padding={padding!r} is none of "
                             f"{PADDING_KINDS}, a Reduces, or a function of the node")
@@ -311,6 +318,8 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
                     f"`{RULES[key].name}` and `{entry.name}`: register it with one of them")
             RULES[key] = entry
         _ATEN.update(converters)
+        for op in ops:
+            declare_per_model_op(op, keys, entry.name)
         return body
 
     return wrap
