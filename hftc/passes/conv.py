@@ -22,11 +22,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UnsupportedOperatorError
 from ..frontends.export import Emitter
 from ..ir import EXAMPLE_VALUE, bind_arguments
 from ..lowering.runtime import conv as rt_conv
 from ..lowering.runtime import layout as rt_layout
-from .registry import FusionGroup, GraphBuilder, rule
+from . import padded
+from .registry import FusionGroup, GraphBuilder, Widens, rule
 
 aten = torch.ops.aten
 
@@ -100,9 +102,20 @@ def channels_last_safe(conv: nn.Module | fx.Node) -> bool:
     return not rt_layout.unsafe_strided_pointwise_conv(shape[1], shape[2:], stride)
 
 
+def widened_conv(conv: nn.Module, others, widths, where) -> nn.Module:
+    """A convolution at the widest channels (pad_widths=True); not a grouped one."""
+    if conv.groups != 1:
+        raise UnsupportedOperatorError(
+            f"pad_widths=True cannot pad {where}: groups={conv.groups} (a grouped "
+            f"conv's channels per group would move with the padding). Give every model "
+            f"the same channels there, or groups=1", [type(conv).__name__])
+    out_channels, in_channels = widths["weight"][:2]
+    return padded.widened(conv, widths, in_channels=in_channels, out_channels=out_channels)
+
+
 @rule(*[("call_module", cls) for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d)],
       *[("call_function", fn) for fn in _CONVS], aten={aten.convolution: convolution_as_functional},
-      channels_last=channels_last_safe)
+      channels_last=channels_last_safe, widens=Widens(widened_conv, weight=True))
 def fuse_conv(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     spatial = _spatial(group, _CONVS)
     a = group.arguments(builder, conv_parameters)

@@ -28,7 +28,8 @@ from torch import nn
 from ..frontends.export import Emitter, aten_name
 from ..ir import bind_arguments
 from ..lowering.runtime import linear as rt_linear
-from .registry import CONTRACTS, ChainLink, FusionGroup, GraphBuilder, NotFusable, rule
+from . import padded
+from .registry import CONTRACTS, ChainLink, FusionGroup, GraphBuilder, NotFusable, Widens, rule
 
 aten = torch.ops.aten
 
@@ -47,8 +48,14 @@ def chained_linear(node: fx.Node, root: nn.Module) -> bool:
             and node.kwargs.get("lowering") in CHAINABLE_LOWERINGS)
 
 
+def widened_linear(linear: nn.Linear, others, widths, where) -> nn.Module:
+    """``nn.Linear`` at the widest ``in_features`` / ``out_features`` (pad_widths=True)."""
+    out_features, in_features = widths["weight"]
+    return padded.widened(linear, widths, in_features=in_features, out_features=out_features)
+
+
 @rule(("call_module", nn.Linear), ("call_function", F.linear), aten={aten.linear: F.linear},
-      chain=ChainLink("linear", chained_linear))
+      chain=ChainLink("linear", chained_linear), widens=Widens(widened_linear, weight=True))
 def fuse_linear(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = group.arguments(builder, F.linear)
     x, bias = a["input"], a["bias"]

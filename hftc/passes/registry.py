@@ -178,6 +178,8 @@ class RuleEntry:
     chain: ChainLink | None = None
     #: The elementwise ops of these keys that may differ per model (:class:`PerModelOp`).
     per_model_ops: tuple[PerModelOp, ...] = ()
+    #: How ``pad_widths=True`` pads a module key's module (:class:`Widens`).
+    widens: Widens | None = None
 
     def signature_of(self, target: Any) -> Any:
         return self.signature if isinstance(target, str) and self.signature else target
@@ -216,6 +218,27 @@ class Reduces:
 
 
 @dataclass(frozen=True)
+class Widens:
+    """``widens=``: how ``pad_widths=True`` pads a module to the widest model's widths
+    (:func:`hftc.module.padding.pad_models`, with :mod:`hftc.passes.padded`)::
+
+        @rule(("call_module", nn.Linear), ..., widens=Widens(widened_linear, weight=True))
+
+    ``pad(module, others, widths, where)``: model i's ``module`` at the widest widths
+    (``others``: every model's module at its path; ``widths``: its own tensors' widest
+    shapes; ``where`` names it for an error it raises); ``weight``: its ``weight``'s
+    entries count the arithmetic padding multiplies (a Linear's, Conv's, Embedding's);
+    ``attributes``: its width may be only in its attributes (a norm without parameters);
+    ``blocks(module)``: its tensors padded as equal blocks along dim 0, each on its own
+    (name -> blocks: attention's packed q, k, v)."""
+
+    pad: Callable[..., nn.Module]
+    weight: bool = False
+    attributes: bool = False
+    blocks: Callable[[nn.Module], dict[str, int]] | None = None
+
+
+@dataclass(frozen=True)
 class ChainLink:
     """``chain=``: the fused nodes of this op that a linear chain may take
     (``hftc.lowering.chains``): ``role`` "linear" (a link) or "relu" (the activation
@@ -241,7 +264,8 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
          signature: Callable[..., Any] | None = None, padding: Any = None,
          channels_last: bool | Callable[[Any], bool] = True,
          chain: ChainLink | None = None,
-         per_model_op: PerModelOp | Sequence[PerModelOp] = ()) -> Callable[[Rule], Rule]:
+         per_model_op: PerModelOp | Sequence[PerModelOp] = (),
+         widens: Widens | None = None) -> Callable[[Rule], Rule]:
     """Register a rule for ``keys`` (the one way to declare one)::
 
         @rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))
@@ -270,7 +294,8 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
     ``channels_last``: whether a CPU program may run channels-last with it (or a function
     of its module or call node that says); ``chain``: its :class:`ChainLink` in a linear chain;
     ``per_model_op``: the :class:`PerModelOp` (or several) its keys spell, an elementwise op
-    that may differ per model.
+    that may differ per model; ``widens``: how ``pad_widths=True`` pads its module
+    (:class:`Widens`).
     A key or ATen op registered twice raises :class:`DuplicateRuleError` at import,
     whatever the order the rule files load in.
     """
@@ -282,7 +307,7 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
 
     def wrap(body: Rule) -> Rule:
         entry = RuleEntry(body, name or body.__name__, random, tuple(per_model), converters,
-                          signature, padding, channels_last, chain, ops)
+                          signature, padding, channels_last, chain, ops, widens)
         if isinstance(padding, str) and padding not in PADDING_KINDS:
             raise TypeError(f"rule `{entry.name}`: padding={padding!r} is none of "
                             f"{PADDING_KINDS}, a Reduces, or a function of the node")
@@ -392,6 +417,21 @@ def _unsafe_function_names() -> set[str]:
     return {target.__name__ for (kind, target), entry in RULES.items()
             if kind == "call_function" and entry.channels_last is False
             and not isinstance(target, str)}
+
+
+def widens_of(module: nn.Module) -> Widens | None:
+    """How ``pad_widths=True`` pads ``module`` (an instance of a module key that declares
+    ``widens=``), or None: no rule says."""
+    return next((entry.widens for (kind, cls), entry in RULES.items()
+                 if kind == "call_module" and entry.widens is not None
+                 and isinstance(module, cls)), None)
+
+
+def widened_modules() -> list[str]:
+    """The module classes ``pad_widths=True`` pads, by name (for its error messages)."""
+    return list(dict.fromkeys(f"nn.{cls.__name__}" for (kind, cls), entry in RULES.items()
+                              if kind == "call_module" and entry.widens is not None
+                              and not cls.__name__.startswith("_")))
 
 
 def chain_links(role: str) -> list[ChainLink]:
