@@ -248,7 +248,52 @@ class ChainLink:
     accepts: Callable[[fx.Node, nn.Module], bool]
 
 
-RULES: dict[Key, RuleEntry] = {}
+class _RuleTable(dict):
+    """The rule table: a dict that counts its changes (``version``), so that what is
+    derived from it (the chain links, the module facts) is derived again after a change."""
+
+    version = 0
+
+    def __setitem__(self, key: Key, entry: RuleEntry) -> None:
+        self.version += 1
+        super().__setitem__(key, entry)
+
+    def __delitem__(self, key: Key) -> None:
+        self.version += 1
+        super().__delitem__(key)
+
+    def pop(self, *args: Any) -> Any:
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[Key, RuleEntry]:
+        self.version += 1
+        return super().popitem()
+
+    def setdefault(self, key: Key, default: Any = None) -> Any:
+        self.version += 1
+        return super().setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
+
+
+RULES: dict[Key, RuleEntry] = _RuleTable()
+_DERIVED: dict[str, tuple[int, Any]] = {}
+
+
+def _derived(name: str, make: Callable[[], Any]) -> Any:
+    """``make()``, made again only after the rule table changed."""
+    version = RULES.version  # type: ignore[attr-defined]
+    cached = _DERIVED.get(name)
+    if cached is None or cached[0] != version:
+        cached = _DERIVED[name] = (version, make())
+    return cached[1]
 #: ATen op (overload packet) -> its converter, from every rule's ``aten=``.
 _ATEN: dict[Any, Converter] = {}
 
@@ -394,9 +439,8 @@ def channels_last_safe(op: nn.Module | fx.Node) -> bool:
     """May a CPU program run channels-last with this module (any subclass of a module key
     that declares ``channels_last=``) or call node, as the rules declare it?"""
     if isinstance(op, nn.Module):
-        facts = [entry.channels_last for (kind, cls), entry in RULES.items()
-                 if kind == "call_module" and entry.channels_last is not True
-                 and isinstance(op, cls)]
+        facts = [entry.channels_last for cls, entry in _module_facts()
+                 if entry.channels_last is not True and isinstance(op, cls)]
     elif op.op != "call_function":
         return True
     else:
@@ -414,17 +458,24 @@ def channels_last_safe(op: nn.Module | fx.Node) -> bool:
 
 
 def _unsafe_function_names() -> set[str]:
-    return {target.__name__ for (kind, target), entry in RULES.items()
-            if kind == "call_function" and entry.channels_last is False
-            and not isinstance(target, str)}
+    return _derived("unsafe functions", lambda: {
+        target.__name__ for (kind, target), entry in RULES.items()
+        if kind == "call_function" and entry.channels_last is False
+        and not isinstance(target, str)})
+
+
+def _module_facts() -> list[tuple[type, RuleEntry]]:
+    """The module keys' classes and rules that declare channels-last or widening facts."""
+    return _derived("module facts", lambda: [
+        (cls, entry) for (kind, cls), entry in RULES.items() if kind == "call_module"
+        and (entry.channels_last is not True or entry.widens is not None)])
 
 
 def widens_of(module: nn.Module) -> Widens | None:
     """How ``pad_widths=True`` pads ``module`` (an instance of a module key that declares
     ``widens=``), or None: no rule says."""
-    return next((entry.widens for (kind, cls), entry in RULES.items()
-                 if kind == "call_module" and entry.widens is not None
-                 and isinstance(module, cls)), None)
+    return next((entry.widens for cls, entry in _module_facts()
+                 if entry.widens is not None and isinstance(module, cls)), None)
 
 
 def widened_modules() -> list[str]:
@@ -436,8 +487,9 @@ def widened_modules() -> list[str]:
 
 def chain_links(role: str) -> list[ChainLink]:
     """The rules' :class:`ChainLink` of ``role`` ("linear" or "relu"), one per rule."""
-    return list({id(e.chain): e.chain for e in RULES.values()
-                 if e.chain is not None and e.chain.role == role}.values())
+    return _derived(f"chain links {role}", lambda: list(
+        {id(e.chain): e.chain for e in RULES.values()
+         if e.chain is not None and e.chain.role == role}.values()))
 
 
 def per_model_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
