@@ -201,3 +201,33 @@ def test_a_per_model_op_declared_on_a_new_rule_fuses_models_that_differ_there():
         per_model_ops.OP_PARAMETERS.pop("expit", None)
         per_model_ops._SPELLINGS.pop(key, None)
     assert not per_model_ops.is_elementwise_function(torch.special.expit)
+
+
+class AliasesOverHidden(nn.Module):
+    """Elementwise ops the padding tables of before missed (their aliases, a cast, a
+    parameterless activation module), over padded hidden units, then a sum over them."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc, self.act = nn.Linear(4, hidden), nn.Softsign()
+
+    def forward(self, x):
+        h = torch.subtract(self.act(self.fc(x)), 0.25).absolute()
+        keep = torch.greater(h, 0.1).float()
+        return torch.multiply(h, keep).sum(-1) + torch.negative(h).amax(-1)
+
+
+def test_every_elementwise_rule_is_exact_over_a_padded_dim(single_thread):  # noqa: F811
+    """The elementwise rules declare ``padding=EXACT`` for every spelling (``subtract`` as
+    ``sub``, ``nn.Softsign`` as ``F.softsign``): the padded models equal their own runs."""
+    torch.manual_seed(0)
+    models = [AliasesOverHidden(h) for h in (3, 6)]
+    x = torch.randn(7, 4)
+    for key in [("call_function", torch.subtract), ("call_method", "absolute"),
+                ("call_function", torch.greater), ("call_module", nn.Softsign)]:
+        assert RULES[key].padding == EXACT, key
+    fused = hftc.fuse(models, pad_widths=True, example_inputs=(x,))
+    out = fused(x)
+    assert fused.padding is not None and not fused.fusion_report.fallbacks
+    for i, model in enumerate(models):
+        torch.testing.assert_close(out[i], model(x), rtol=1e-6, atol=1e-6)

@@ -10,9 +10,10 @@ padded with zeros to the widest so that they fuse into one array.
 The padded models are the stock modules at the widest widths (nn.Linear, Conv, Embedding,
 BatchNorm, MultiheadAttention, whose packed q, k, v rows are padded block by block: each
 module class as its rule declares, ``@rule(..., widens=Widens(...))``, built from
-:mod:`hftc.passes.padded`), so the fused forward is the one of equal-width models.  It is exact because a padded weight
-entry is exactly 0: it adds exact zeros to the real units whatever the padded units hold
-(a padded unit after a sigmoid is 0.5, times a zero column).  The padded entries stay 0
+:mod:`hftc.passes.padded`), so the fused forward is the one of equal-width models.  It
+is exact because a padded weight entry is exactly 0: it adds exact zeros to the real
+units whatever the padded units hold (a padded unit after a sigmoid is 0.5, times a zero
+column).  The padded entries stay 0
 because their GRADIENTS are masked: :func:`mask_padded_gradients` hooks every padded
 fused parameter, zeroing those entries of ``.grad`` as autograd accumulates it; every
 stock optimizer's update of an entry whose gradient and state are 0 is 0 (SGD with
