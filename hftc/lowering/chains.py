@@ -36,44 +36,25 @@ from copy import deepcopy
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ir
+from ..passes.registry import chain_links
 from .runtime import linear as rt_linear
 from .runtime import reduction as rt_reduction
 from .runtime import spatial as rt_spatial
 
-#: Lowerings of ``linear`` a chain can run (``None``: the cost model's, decided
-#: on the shapes at run time; the chain falls back to the layers one by one where that
-#: is none of these).
-
-
-#: Lowerings of ``linear.linear`` a chain can run (``None``: the cost model's, decided
-#: on the shapes at run time; the chain falls back to the layers one by one where that
-#: is none of these).
-_CHAINABLE = (None, "baddbmm", "baddbmm_t")
-
-
 
 def _is_linear(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target is rt_linear.linear
-            and len(node.args) == 3 and "x_batched" in node.kwargs
-            and set(node.kwargs) <= {"x_batched", "lowering"}
-            and node.kwargs.get("lowering") in _CHAINABLE)
-
+    """A fused linear a chain may take, as its rule declares (``@rule(chain=ChainLink("linear",
+    ...))``: :func:`hftc.passes.linear.chained_linear`)."""
+    return any(link.accepts(node, None) for link in chain_links("linear"))
 
 
 def _is_relu(node: fx.Node, root: nn.Module) -> bool:
-    if len(node.args) != 1 or set(node.kwargs) - {"inplace"}:
-        return False
-    if node.op == "call_function":
-        return node.target in (F.relu, torch.relu)
-    if node.op == "call_method":
-        return node.target == "relu"
-    if node.op == "call_module":
-        return type(root.get_submodule(node.target)) is nn.ReLU
-    return False
+    """A ReLU between two linears, as its rules declare (``@rule(chain=ChainLink("relu",
+    ...))``: :func:`hftc.passes.elementwise.chained_relu`)."""
+    return any(link.accepts(node, root) for link in chain_links("relu"))
 
 
 

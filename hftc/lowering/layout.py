@@ -33,7 +33,8 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils import _pytree as pytree
 
-from ..ir import CHANNELS_LAST, EXAMPLE_VALUE
+from ..ir import CHANNELS_LAST
+from ..passes.registry import channels_last_safe
 from .runtime.layout import is_channels_last, unsafe_strided_pointwise_conv
 
 
@@ -67,39 +68,6 @@ def applies(values: Sequence[Any], batched: Sequence[bool]) -> bool:
 
 
 
-def _unsafe_conv_module(m: nn.Module) -> bool:
-    return isinstance(m, (nn.Conv2d, nn.Conv3d)) and unsafe_strided_pointwise_conv(
-        m.in_channels // m.groups, m.kernel_size, m.stride)
-
-
-
-_CONV_FUNCTIONS = {torch.nn.functional.conv2d, torch.nn.functional.conv3d, torch.conv2d,
-                   torch.conv3d}
-
-
-
-def _unsafe_conv_call(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.target not in _CONV_FUNCTIONS:
-        return False
-    weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    shape = getattr(getattr(weight, "meta", {}).get(EXAMPLE_VALUE), "shape", None)
-    stride = node.args[3] if len(node.args) > 3 else node.kwargs.get("stride", 1)
-    if shape is None or not isinstance(stride, (int, tuple, list)):
-        return True  # not known: assume the worst
-    return unsafe_strided_pointwise_conv(shape[1], shape[2:], stride)
-
-
-
-#: Norms whose CPU backward torch gets wrong on channels-last tensors (:func:`safe`;
-#: docs/DESIGN_NOTES.md, "torch behaviour").
-_UNSAFE_MODULES = (nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
-
-
-
-_UNSAFE_FUNCTIONS = ("group_norm", "instance_norm")
-
-
-
 def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
     """May the program run channels-last on ``device``?  Not on the CPU if the model
     has a group or instance norm, or a strided 1x1 convolution over few channels
@@ -121,14 +89,14 @@ def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
     model keeps its inputs as given on the CPU.  (hftc's own fused kernels
     are exact in either layout: ``norms.instance_norm``, ``conv.conv``; the
     whole-model loop runs the models' own modules.)
+
+    Which ops are unsafe is declared on their rules (``@rule(..., channels_last=...)``:
+    :func:`hftc.passes.registry.channels_last_safe`).
     """
     if device.type != "cpu":
         return True
-    if any(isinstance(m, _UNSAFE_MODULES) or _unsafe_conv_module(m) for m in model.modules()):
-        return False
-    return not any((node.op == "call_function" and any(
-        f in getattr(node.target, "__name__", "") for f in _UNSAFE_FUNCTIONS))
-        or _unsafe_conv_call(node) for node in graph.nodes)
+    return all(channels_last_safe(m) for m in model.modules()) and all(
+        channels_last_safe(node) for node in graph.nodes)
 
 
 

@@ -8,10 +8,12 @@ padded with zeros to the widest so that they fuse into one array.
                H = max_i h_i; model i's weights in the first rows / columns, zeros after
 
 The padded models are the stock modules at the widest widths (nn.Linear, Conv, Embedding,
-BatchNorm, MultiheadAttention, whose packed q, k, v rows are padded block by block), so
-the fused forward is the one of equal-width models.  It is exact because a padded weight
-entry is exactly 0: it adds exact zeros to the real units whatever the padded units hold
-(a padded unit after a sigmoid is 0.5, times a zero column).  The padded entries stay 0
+BatchNorm, MultiheadAttention, whose packed q, k, v rows are padded block by block: each
+module class as its rule declares, ``@rule(..., widens=Widens(...))``, built from
+:mod:`hftc.passes.padded`), so the fused forward is the one of equal-width models.  It
+is exact because a padded weight entry is exactly 0: it adds exact zeros to the real
+units whatever the padded units hold (a padded unit after a sigmoid is 0.5, times a zero
+column).  The padded entries stay 0
 because their GRADIENTS are masked: :func:`mask_padded_gradients` hooks every padded
 fused parameter, zeroing those entries of ``.grad`` as autograd accumulates it; every
 stock optimizer's update of an entry whose gradient and state are 0 is 0 (SGD with
@@ -46,187 +48,13 @@ from torch import Tensor, nn
 from ..errors import MismatchError, UnsupportedOperatorError
 from ..frontends.symbolic import deepcopy_module, meta_copy
 from ..lowering.check import ConstantRandomness
+from ..passes import padded as padded_modules
+from ..passes.registry import widened_modules, widens_of
 
-# ---------------------------------------------------------------- padded tensors and norms
-
-
-def _mask(shape: Sequence[int], real: Sequence[int], like: Tensor) -> Tensor:
-    """1 on ``[:real[0], :real[1], ...]`` of a ``shape`` tensor, 0 elsewhere."""
-    mask = torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
-    mask[tuple(slice(0, r) for r in real)] = 1
-    return mask
-
-
-def _padded(t: Tensor, shape: Sequence[int]) -> Tensor:
-    """``t`` in the first entries of a zero tensor of ``shape``."""
-    out = torch.zeros(tuple(shape), dtype=t.dtype, device=t.device)
-    out[tuple(slice(0, s) for s in t.shape)] = t.detach()
-    return out
-
-
-def _like(module: nn.Module) -> Tensor:
-    """A tensor of the module's dtype and device, for its masks: its first parameter or
-    buffer, else (a norm without affine parameters) the model's, which
-    :func:`pad_models` records as ``module._hftc_model_like``."""
-    own = next(iter(module.parameters()), None)
-    return own if own is not None else module.__dict__["_hftc_model_like"]
-
-
-class PaddedModule(nn.Module):
-    """Holds padded parameters and their masks: ``self.masked(name)`` is the parameter
-    times its mask (the mask a non-persistent buffer, so ``state_dict`` has only the
-    parameters and buffers the original module had)."""
-
-    def _take(self, source: nn.Module, widths: dict[str, Sequence[int]]) -> None:
-        for name, p in source.named_parameters(recurse=False):
-            shape = widths[name]
-            self.register_parameter(name, nn.Parameter(_padded(p, shape), p.requires_grad))
-            self.register_buffer(f"{name}_mask", _mask(shape, p.shape, p), persistent=False)
-        for name, b in source.named_buffers(recurse=False):
-            shape = widths.get(name, b.shape)
-            self.register_buffer(name, _padded(b, shape) if b.dim() else b.detach().clone())
-        for name in ("weight", "bias"):
-            if name not in self._parameters:
-                self.register_parameter(name, None)
-        self.training = source.training
-
-    def masked(self, name: str) -> Tensor | None:
-        p = getattr(self, name)
-        return None if p is None else p * getattr(self, f"{name}_mask")
-
-    def _real_units(self, source: nn.Module, normalized_shape: Sequence[int]) -> None:
-        """A norm over the widest ``normalized_shape``: ``unit_mask`` (1 on the source's
-        real units) and ``count`` (how many), for statistics over the real units only."""
-        real = tuple(source.normalized_shape)
-        self.normalized_shape = tuple(normalized_shape)
-        like = _like(source)
-        self.register_buffer("unit_mask", _mask(normalized_shape, real, like), persistent=False)
-        self.register_buffer("count", torch.tensor(float(torch.Size(real).numel()),
-                                                   dtype=like.dtype), persistent=False)
-
-
-def _widened(source: nn.Module, widths: dict[str, Sequence[int]],
-              blocks: dict[str, int] | None = None, **sizes: int) -> nn.Module:
-    """``source`` at the widest widths: a copy of the same class and settings whose own
-    tensors are zero-padded to ``widths`` (``blocks[name]`` blocks along dim 0 padded
-    each on its own: a packed q, k, v projection), with its size attributes ``sizes``.
-    Its forward is the stock one: the padded entries are exactly zero and their
-    gradients are masked (module docstring), so they add exact zeros to the real units."""
-    wide = copy.deepcopy(source)
-    wide.__dict__.pop("_hftc_model_like", None)  # pad_models' note on the source
-    for name, p in source.named_parameters(recurse=False):
-        value = _padded_blocks(p, widths[name], (blocks or {}).get(name, 1))
-        wide._parameters[name] = nn.Parameter(value, p.requires_grad)
-    for name, b in source.named_buffers(recurse=False):
-        if b is not None and b.dim():
-            wide._buffers[name] = _padded(b, widths.get(name, b.shape))
-    for name, value in sizes.items():
-        setattr(wide, name, value)
-    return wide
-
-
-def _padded_blocks(t: Tensor, shape: Sequence[int], blocks: int) -> Tensor:
-    """``t`` padded to ``shape``, its dim 0 as ``blocks`` equal blocks each padded alone::
-
-        [q_i; k_i; v_i]  ([3 e_i, e_i])  ->  [q_i, 0; k_i, 0; v_i, 0]  ([3 E, E])
-    """
-    if blocks == 1:
-        return _padded(t, shape)
-    inner = (shape[0] // blocks, *shape[1:])
-    parts = [_padded(part, inner) for part in t.detach().chunk(blocks, 0)]
-    return torch.cat(parts, 0)
-
-
-class MaskedLayerNorm(PaddedModule):
-    """``nn.LayerNorm`` over the widest normalized shape, its statistics over the real
-    units only::
-
-        mean = sum(x * m) / count;  xc = (x - mean) * m;  var = sum(xc**2) / count
-        y = xc / sqrt(var + eps) * (weight * m) + bias * m
-    """
-
-    def __init__(self, source: nn.LayerNorm, widths: dict[str, Sequence[int]],
-                 normalized_shape: Sequence[int]):
-        super().__init__()
-        self.eps = source.eps
-        self._real_units(source, normalized_shape)
-        self._take(source, widths)
-
-    def forward(self, x: Tensor) -> Tensor:
-        dims = tuple(range(-len(self.normalized_shape), 0))
-        mean = (x * self.unit_mask).sum(dims, keepdim=True) / self.count
-        centred = (x - mean) * self.unit_mask
-        var = (centred * centred).sum(dims, keepdim=True) / self.count
-        y = centred * torch.rsqrt(var + self.eps)
-        if self.weight is not None:
-            y = y * self.masked("weight")
-        if self.bias is not None:
-            y = y + self.masked("bias")
-        return y
-
-
-class MaskedRMSNorm(PaddedModule):
-    """``nn.RMSNorm`` over the widest normalized shape, the mean square over the real
-    units only: ``y = x * m / sqrt(sum((x * m)**2) / count + eps) * (weight * m)``."""
-
-    def __init__(self, source: nn.Module, widths: dict[str, Sequence[int]],
-                 normalized_shape: Sequence[int]):
-        super().__init__()
-        # eps=None is the input dtype's machine epsilon: the model's dtype (a traced
-        # forward cannot read an input's dtype)
-        self.eps = torch.finfo(_like(source).dtype).eps if source.eps is None else source.eps
-        self._real_units(source, normalized_shape)
-        self._take(source, widths)
-
-    def forward(self, x: Tensor) -> Tensor:
-        dims = tuple(range(-len(self.normalized_shape), 0))
-        eps = self.eps
-        real = x * self.unit_mask
-        y = real * torch.rsqrt((real * real).sum(dims, keepdim=True) / self.count + eps)
-        return y if self.weight is None else y * self.masked("weight")
-
-
-class MaskedGroupNorm(PaddedModule):
-    """``nn.GroupNorm`` at the widest channels, each group's statistics over its real
-    channels only.  Channel c of model i is in group ``c // (C_i / G_i)``
-    (``group_onehot[c, g]``); padded channels are in none::
-
-        group_sum[b, g] = sum_c,s x[b, c, s] * group_onehot[c, g]    (the same for var)
-        mean[b, c] = (group_sum / group_size)[b, :] @ group_onehot[c, :]
-    """
-
-    def __init__(self, source: nn.GroupNorm, widths: dict[str, Sequence[int]],
-                 channels: int, groups: int):
-        super().__init__()
-        self.num_channels, self.num_groups, self.eps = channels, groups, source.eps
-        self.affine = source.affine
-        like = _like(source)
-        size = source.num_channels // source.num_groups
-        onehot = torch.zeros(channels, groups, dtype=like.dtype)
-        real = torch.arange(source.num_channels)
-        onehot[real, real // size] = 1
-        # a padded group counts 1 channel (its sums are zero): no 0 / 0
-        group_size = torch.ones(groups, dtype=like.dtype)
-        group_size[:source.num_groups] = size
-        self.register_buffer("group_onehot", onehot, persistent=False)
-        self.register_buffer("group_onehot_t", onehot.t().contiguous(), persistent=False)
-        self.register_buffer("group_size", group_size, persistent=False)
-        self.register_buffer("channel_mask", _mask([channels], [source.num_channels], like)
-                             .unsqueeze(-1), persistent=False)
-        self._take(source, widths)
-
-    def forward(self, x: Tensor) -> Tensor:
-        flat = x.flatten(2) * self.channel_mask  # [B, C, L]
-        count = self.group_size * flat.shape[-1]
-        mean = (flat.sum(-1) @ self.group_onehot / count) @ self.group_onehot_t
-        centred = (flat - mean.unsqueeze(-1)) * self.channel_mask
-        var = (centred * centred).sum(-1) @ self.group_onehot / count
-        y = centred * (torch.rsqrt(var + self.eps) @ self.group_onehot_t).unsqueeze(-1)
-        y = y.view_as(x)
-        if self.affine:
-            shape = (-1,) + (1,) * (x.dim() - 2)
-            y = y * self.masked("weight").view(shape) + self.masked("bias").view(shape)
-        return y
+# the padded modules (hftc.passes.padded), by their old names too (pickles name them so)
+MaskedGroupNorm, MaskedLayerNorm, MaskedRMSNorm = (
+    padded_modules.MaskedGroupNorm, padded_modules.MaskedLayerNorm, padded_modules.MaskedRMSNorm)
+PaddedModule = padded_modules.PaddedModule
 
 
 # ---------------------------------------------------------------- the padding plan
@@ -372,10 +200,10 @@ def width_blocks(model: nn.Module) -> dict[str, int]:
     ``nn.MultiheadAttention``'s packed ``in_proj_weight`` / ``in_proj_bias`` (q, k, v)."""
     found = {}
     for path, module in model.named_modules():
-        if isinstance(module, nn.MultiheadAttention):
+        fact = widens_of(module)
+        if fact is not None and fact.blocks is not None:
             prefix = f"{path}." if path else ""
-            found.update({prefix + name: 3 for name in ("in_proj_weight", "in_proj_bias")
-                          if getattr(module, name, None) is not None})
+            found.update({prefix + name: k for name, k in fact.blocks(module).items()})
     return found
 
 
@@ -554,9 +382,6 @@ def _first_differing(nodes: Sequence[torch.fx.Node], wants: dict, gots: dict,
     return None
 
 
-_WEIGHTED = (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)
-
-
 def widths_key(model: nn.Module) -> str:
     """Equal for two models that ``pad_widths=True`` may pad into one array: the same
     module paths and classes, the same tensor names and ranks, whatever their widths."""
@@ -568,7 +393,14 @@ def weight_shapes(model: nn.Module) -> dict[str, torch.Size]:
     """The Linear / Conv / Embedding weights' shapes: their entries count the arithmetic
     (per output position) that padding multiplies."""
     return {f"{p}.weight" if p else "weight": m.weight.shape
-            for p, m in model.named_modules() if isinstance(m, _WEIGHTED)}
+            for p, m in model.named_modules() if _counts_weight(m)}
+
+
+def _counts_weight(module: nn.Module) -> bool:
+    """Its ``weight``'s entries count its arithmetic, as its rule declares
+    (``Widens(weight=True)``: a Linear's, Conv's, Embedding's)."""
+    fact = widens_of(module)
+    return fact is not None and fact.weight
 
 
 def padding_ratio(shapes: Sequence[dict[str, torch.Size]]) -> float:
@@ -644,10 +476,6 @@ def _own_shapes(module: nn.Module) -> dict[str, torch.Size]:
             + list(module.named_buffers(recurse=False))}
 
 
-#: norms that may have no parameter, their width only in their attributes
-_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
-
-
 def _width_attributes(module: nn.Module) -> dict[str, object]:
     """A module's plain int and int-tuple attributes (``normalized_shape``,
     ``num_features``): a norm without parameters has its width only there."""
@@ -659,84 +487,32 @@ def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn
                    widths: dict[str, Sequence[int]], blocks: dict[str, int]
                    ) -> nn.Module | None:
     """The padded module for model ``index``'s ``module`` (``others``: every model's at
-    this path), or None where no model's module holds a tensor of its own narrower than
-    the widest.  ``blocks`` gets the tensors padded block by block (name -> blocks)."""
+    this path), as its rule pads it (``@rule(..., widens=Widens(...))``), or None where no
+    model's module holds a tensor of its own narrower than the widest.  ``blocks`` gets
+    the tensors padded block by block (name -> blocks)."""
+    fact = widens_of(module)
     if all(tuple(s) == tuple(widths[n]) for m in others for n, s in _own_shapes(m).items()) \
-            and (not isinstance(module, _NORMS) or all(
+            and (fact is None or not fact.attributes or all(
                 _width_attributes(m) == _width_attributes(module) for m in others)):
         return None
     own = _own_shapes(module)
     where = f"model {index}'s module `{path or '<root>'}` ({type(module).__name__})"
-    if isinstance(module, nn.Linear):
-        out_features, in_features = widths["weight"]
-        return _widened(module, widths, in_features=in_features, out_features=out_features)
-    if isinstance(module, nn.modules.conv._ConvNd) and not module.transposed:
-        if module.groups != 1:
-            raise UnsupportedOperatorError(
-                f"pad_widths=True cannot pad {where}: groups={module.groups} (a grouped "
-                f"conv's channels per group would move with the padding). Give every model "
-                f"the same channels there, or groups=1", [type(module).__name__])
-        out_channels, in_channels = widths["weight"][:2]
-        return _widened(module, widths, in_channels=in_channels, out_channels=out_channels)
-    if isinstance(module, nn.Embedding):
-        if module.max_norm is not None or module.sparse:
-            raise UnsupportedOperatorError(
-                f"pad_widths=True cannot pad {where}: max_norm / sparse=True. Give every "
-                f"model the same embedding widths", [type(module).__name__])
-        num_embeddings, embedding_dim = widths["weight"]
-        return _widened(module, widths, num_embeddings=num_embeddings,
-                        embedding_dim=embedding_dim)
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return _widened(module, widths, num_features=max(m.num_features for m in others))
-    if isinstance(module, nn.MultiheadAttention):
-        return _widened_attention(module, others, widths, blocks, where)
-    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-        shapes = [tuple(m.normalized_shape) for m in others]
-        if len({len(s) for s in shapes}) > 1:
-            raise MismatchError(f"pad_widths=True: {where} normalizes over another number "
-                                f"of dims than other models' ({shapes})")
-        widest = tuple(max(d) for d in zip(*shapes))
-        cls = MaskedLayerNorm if isinstance(module, nn.LayerNorm) else MaskedRMSNorm
-        return cls(module, widths, widest)
-    if isinstance(module, nn.GroupNorm):
-        return MaskedGroupNorm(module, widths, max(m.num_channels for m in others),
-                               max(m.num_groups for m in others))
+    if fact is not None:
+        if fact.blocks is not None:
+            blocks.update(fact.blocks(module))
+        return fact.pad(module, others, widths, where)
     if type(module).__module__.startswith("torch.nn"):
         raise UnsupportedOperatorError(
             f"pad_widths=True cannot pad {where}: its tensors "
             + ", ".join(f"`{n}` {tuple(own[n])}" for n in own
                         if tuple(own[n]) != tuple(widths[n]))
-            + " differ in width from the widest model's, and hftc pads only nn.Linear, "
-            "nn.Conv1d/2d/3d, nn.Embedding, nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, "
-            "nn.GroupNorm and nn.MultiheadAttention among torch.nn's layers. Give every "
+            + " differ in width from the widest model's, and hftc pads only "
+            + ", ".join(widened_modules()) + " among torch.nn's layers. Give every "
             "model the same widths there", [type(module).__name__])
     # The model's own module holding tensors of its own (minGPT's pos_emb, nanoGPT's
     # LayerNorm weight): padded with zeros, gradients masked; its forward's ops over a
     # padded dim are hftc.module.padding_graph's, the first-call check judges the rest.
-    return _widened(module, widths)
-
-
-def _widened_attention(module: nn.MultiheadAttention, others: Sequence[nn.Module],
-                       widths: dict[str, Sequence[int]], blocks: dict[str, int],
-                       where: str) -> nn.Module:
-    """``nn.MultiheadAttention`` at the widest ``embed_dim`` and ``num_heads`` of an equal
-    head dim: ``in_proj_weight`` / ``in_proj_bias`` padded as three blocks (q, k, v),
-    so that each model's heads are the first of the widest model's and the padded heads
-    (q, k, v all zero) add exact zeros through the zero columns of ``out_proj``."""
-    head_dims = {m.embed_dim // m.num_heads for m in others}
-    if not module._qkv_same_embed_dim or len(head_dims) > 1:
-        raise UnsupportedOperatorError(
-            f"pad_widths=True cannot pad {where}: "
-            + ("kdim / vdim other than embed_dim" if not module._qkv_same_embed_dim else
-               f"the models' head dims differ ({sorted(head_dims)})")
-            + "; pad attention of one head dim, q, k and v of embed_dim (more heads for a "
-            "wider model)", [type(module).__name__])
-    embed_dim = max(m.embed_dim for m in others)
-    for name in ("in_proj_weight", "in_proj_bias"):
-        if getattr(module, name, None) is not None:
-            blocks[name] = 3
-    return _widened(module, widths, blocks, embed_dim=embed_dim, kdim=embed_dim,
-                    vdim=embed_dim, num_heads=embed_dim // head_dims.pop())
+    return padded_modules.widened(module, widths)
 
 
 def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPadding | None]:
@@ -792,9 +568,8 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
         _tie_as_in(model, padded)
         padded_models.append(padded)
     plan.weight_names = tuple(
-        name for name in padded_shapes if name.rpartition(".")[2] == "weight" and isinstance(
-            models[0].get_submodule(name.rpartition(".")[0]),
-            (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)))
+        name for name in padded_shapes if name.rpartition(".")[2] == "weight"
+        and _counts_weight(models[0].get_submodule(name.rpartition(".")[0])))
     return padded_models, plan
 
 

@@ -13,20 +13,24 @@ Given the call's inputs (``example_inputs``), each ORIGINAL model and its padded
 traced with the same leaves (the padded modules and stock ``torch.nn`` modules; the
 user's modules traced through), so that the graphs match node by node, and run once: a
 dim where the padded value is larger than model i's is padded, model i's size there is
-its real extent.  Then, in the padded graph:
+its real extent.  Then, in the padded graph, each op over a padded dim does what its rule
+declares (``@rule(..., padding=...)`` in :mod:`hftc.passes`; the kinds are
+:data:`hftc.passes.registry.PADDING_KINDS`):
 
-* reductions and normalisations over a padded dim (sum, mean, var, std, amax, amin, max,
-  min, argmax, argmin, logsumexp, softmax, log_softmax, F.layer_norm, F.normalize, norm)
+* ``Reduces``: reductions and normalisations (sum, mean, var, std, amax, amin, max, min,
+  argmax, argmin, logsumexp, softmax, log_softmax, F.layer_norm, F.normalize, norm)
   take a mask of the padding (``pad_i``, True on padded units) and the real count
   (:func:`reduce`);
-* split / chunk / tensor_split along a padded dim take each piece's real units with the
-  padding after it (:func:`split`: ``index_select`` with model i's indices, then padding
-  zeroed), so that piece k is model i's own piece k, padded;
-* a matmul contracting a padded dim zeroes one operand's padding first;
-* ops that only move units (view, reshape, transpose, getitem ...) are checked to keep
-  each model's units where its prefix layout expects them, by running them on indices;
-* element-wise ops and the padded modules are exact as they are; anything else over a
-  padded dim is refused (:class:`UnsupportedOperatorError`, naming the op and its line).
+* ``SPLITS``: split / chunk / tensor_split along a padded dim take each piece's real
+  units with the padding after it (:func:`split`: ``index_select`` with model i's
+  indices, then padding zeroed), so that piece k is model i's own piece k, padded;
+* ``CONTRACTS``: a matmul contracting a padded dim zeroes one operand's padding first;
+* ``MOVES``: ops that only move units (view, reshape, transpose, getitem ...) are checked
+  to keep each model's units where its prefix layout expects them, by running them on
+  indices;
+* ``EXACT``: element-wise ops (and the padded modules) are exact as they are; an op that
+  no rule knows is exact where ATen tags it pointwise; anything else over a padded dim
+  is refused (:class:`UnsupportedOperatorError`, naming the op and its line).
 
 The per-model masks, counts and indices are non-persistent buffers of each padded model's
 root (not in ``state_dict``; the fused module stacks them per model, as the padded
@@ -38,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +54,17 @@ from torch.package import sys_importer
 
 from ..errors import UnsupportedOperatorError
 from ..ir import set_training
+from ..passes.registry import (
+    ATTENDS,
+    CONTRACTS,
+    EXACT,
+    MOVES,
+    PER_CHANNEL,
+    SPLITS,
+    Reduces,
+    lookup,
+    padding_of,
+)
 from .padding import NodeRecorder, PaddedLeafTracer, PaddedModule
 
 # ---------------------------------------------------------------- the rewritten ops
@@ -172,108 +186,44 @@ def _dims(dim: Any, ndim: int) -> tuple[int, ...]:
     return tuple(d % ndim for d in dims)
 
 
-_SIGNATURES: dict[str, Callable[..., dict[str, Any]]] = {
-    "sum": lambda input, dim=None, keepdim=False, dtype=None: locals(),
-    "nansum": lambda input, dim=None, keepdim=False, dtype=None: locals(),
-    "mean": lambda input, dim=None, keepdim=False, dtype=None: locals(),
-    "amax": lambda input, dim=(), keepdim=False: locals(),
-    "amin": lambda input, dim=(), keepdim=False: locals(),
-    "logsumexp": lambda input, dim, keepdim=False: locals(),
-    "var": lambda input, dim=None, unbiased=None, keepdim=False, correction=None: locals(),
-    "std": lambda input, dim=None, unbiased=None, keepdim=False, correction=None: locals(),
-    "max": lambda input, dim=None, keepdim=False: locals(),
-    "min": lambda input, dim=None, keepdim=False: locals(),
-    "argmax": lambda input, dim=None, keepdim=False: locals(),
-    "argmin": lambda input, dim=None, keepdim=False: locals(),
-    "softmax": lambda input, dim=None, dtype=None, _stacklevel=3: locals(),
-    "log_softmax": lambda input, dim=None, dtype=None, _stacklevel=3: locals(),
-    "layer_norm": lambda input, normalized_shape, weight=None, bias=None, eps=1e-5: locals(),
-    "normalize": lambda input, p=2.0, dim=1, eps=1e-12, out=None: locals(),
-    "norm": lambda input, p="fro", dim=None, keepdim=False, dtype=None: locals(),
-    "vector_norm": lambda x, ord=2, dim=None, keepdim=False, dtype=None: locals(),
-}
-
-
-def _reduction(node: fx.Node, name: str, values: dict[fx.Node, Any], ndim: int
+def _reduction(node: fx.Node, fact: Reduces, values: dict[fx.Node, Any], ndim: int
                ) -> tuple[str, dict[str, Any], tuple[int, ...]] | None:
-    """(op, normalised arguments, reduced dims) of a reduction / normalisation node, or
-    None where the node is not one (``torch.max(a, b)``: element-wise)."""
-    args, kwargs = list(node.args), dict(node.kwargs)
-    if name in ("softmax", "log_softmax") and node.target is getattr(torch, name) or \
-            node.op == "call_method" and name in ("softmax", "log_softmax"):
-        kwargs.setdefault("dtype", args.pop(2)) if len(args) > 2 else None
+    """(op, normalised arguments, reduced dims) of a reduction / normalisation node, as its
+    rule declares it (``@rule(padding=Reduces(...))``), or None where the call reduces
+    nothing (``torch.max(a, b)``).  Tensors are passed to the rule's function as graph
+    nodes, the rest as their values."""
+    def value(a: Any) -> Any:
+        return a if not isinstance(a, fx.Node) or isinstance(values.get(a), Tensor) \
+            else values.get(a, a)
+
+    args = [value(a) for a in node.args]
+    kwargs = {k: value(v) for k, v in node.kwargs.items()}
     try:
-        bound = _SIGNATURES[name](*args, **kwargs)
+        bound = fact.parameters(*args, **kwargs)
     except TypeError:
         return None
-    bound = {k: values.get(v, v) if isinstance(v, fx.Node) else v for k, v in bound.items()
-             if k not in ("input", "x")}
-    if name in ("max", "min") and isinstance(bound["dim"], Tensor):
-        return None  # torch.max(a, b)
-    if name in ("var", "std"):
-        if isinstance(bound["dim"], bool):
-            bound["unbiased"], bound["dim"] = bound["dim"], None
-        correction = bound.pop("correction")
-        unbiased = bound.pop("unbiased")
-        bound["correction"] = correction if correction is not None else (
-            0 if unbiased is False else 1)
-    if name == "vector_norm":
-        name = "norm"
-    elif name == "norm":
-        p = bound.pop("p")
-        bound["ord"] = 2 if p == "fro" else p
-    if name == "normalize":
-        bound["ord"] = bound.pop("p")
-        bound.pop("out")
-    if name in ("softmax", "log_softmax"):
-        bound.pop("_stacklevel")
-        if bound["dim"] is None:
-            return None
-    if name == "layer_norm":
-        shape = bound.pop("normalized_shape")
-        k = 1 if isinstance(shape, int) else len(shape)
-        bound["dim"] = tuple(range(ndim - k, ndim))
-        for key in ("weight", "bias"):  # tensors: passed as graph nodes again
-            value = dict(zip(("input", "normalized_shape", "weight", "bias"), node.args)
-                         ).get(key, node.kwargs.get(key))
-            bound[key] = value
-    if name in ("norm", "normalize") and not (isinstance(bound["ord"], (int, float))
-                                              and bound["ord"] > 0):
+    if bound is None:
         return None
     dims = _dims(bound["dim"], ndim)
-    if name in ("softmax", "log_softmax", "normalize", "argmax", "argmin", "max", "min") \
-            and bound["dim"] is not None:
-        bound["dim"] = dims[0]
-    elif bound["dim"] is not None and name != "layer_norm":
-        bound["dim"] = dims
-    return name, bound, dims
+    if bound["dim"] is not None:
+        bound["dim"] = dims[0] if fact.one_dim else dims
+    return fact.op, bound, dims
 
 
-#: ops that only move units (or copy / cast them): checked by running them on indices
-_MOVES = {"view", "reshape", "flatten", "unflatten", "permute", "transpose", "t", "movedim",
-          "squeeze", "unsqueeze", "contiguous", "expand", "expand_as", "view_as",
-          "reshape_as", "repeat", "getitem", "narrow", "select", "index_select", "clone",
-          "detach", "split", "chunk", "tensor_split", "unbind", "flip", "roll", "cat",
-          "concat", "stack", "swapaxes", "transpose_", "tile", "broadcast_to"}
-#: ops exact on a prefix layout: each real unit's result reads real units only
-_PREFIX_EXACT = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-                 "feature_alpha_dropout", "to", "float", "double", "half", "bfloat16",
-                 "type_as", "type", "tril", "triu", "cumsum", "cumprod", "cummax", "cummin",
-                 "requires_grad_", "size", "dim", "numel", "masked_fill", "where"}
-_MATMULS = {"matmul", "bmm", "mm", "__matmul__"}
-
-
-def _pointwise(name: str) -> bool:
+def _unknown_pointwise(node: fx.Node) -> bool:
+    """An op no rule knows, exact over a padded dim because ATen tags it pointwise."""
+    try:
+        if lookup(node, None) is not None:
+            return False
+    except TypeError:  # an unhashable target
+        pass
+    name = _op_name(node)
+    if name is None:
+        return False
     op = getattr(torch.ops.aten, name.rstrip("_"), None) or getattr(torch.ops.aten, name, None)
     if not isinstance(op, torch._ops.OpOverloadPacket):
         return False
     return any(torch.Tag.pointwise in getattr(op, o).tags for o in op.overloads())
-
-
-_OPERATOR_NAMES = {operator.getitem: "getitem", operator.matmul: "matmul", getattr: "getattr"}
-_POINTWISE_STOCK = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU,
-                    nn.Mish, nn.Hardswish, nn.Hardtanh, nn.ReLU6, nn.Softplus, nn.Identity,
-                    nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
 
 # ---------------------------------------------------------------- tracing and values
@@ -391,59 +341,47 @@ class _Rewriter:
     def describe(self, node: fx.Node) -> str:
         if node.op == "call_module":
             return f"{type(self.gm.get_submodule(node.target)).__name__} ({node.target})"
-        name = _op_name(node) or _OPERATOR_NAMES.get(node.target) or getattr(
-            node.target, "__name__", str(node.target))
-        return name
+        return _op_name(node) or getattr(node.target, "__name__", str(node.target))
 
     def visit(self, node: fx.Node, inputs: list[fx.Node]) -> None:
-        if node.op == "call_module":
-            module = self.gm.get_submodule(node.target)
-            if isinstance(module, _POINTWISE_STOCK) or self.padded_by_pad_models(node):
-                return
-            if isinstance(module, (nn.Softmax, nn.LogSoftmax)) and module.dim is not None:
-                name = "softmax" if isinstance(module, nn.Softmax) else "log_softmax"
-                node.op, node.target = "call_function", getattr(F, name)
-                node.kwargs = {**node.kwargs, "dim": module.dim}
-                return self.visit(node, inputs)
-            pools = (nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd,
-                     nn.modules.pooling._AvgPoolNd, nn.modules.pooling._MaxPoolNd)
-            if isinstance(module, pools):  # per channel: the spatial dims must be whole
-                x = inputs[0]
-                spatial = range(self.values[x].dim() - len(self.values[node].shape[2:]),
-                                self.values[x].dim())
-                if not set(self.padded_dims(x)) & set(spatial):
-                    return
-            if isinstance(module, (nn.Flatten, nn.Unflatten)):
-                return self.check_moves(node, inputs)
-            raise _Refused("hftc does not know what this module computes over a padded dim")
-        name = _op_name(node) or _OPERATOR_NAMES.get(node.target)
-        if name is None and node.op == "call_function" and getattr(
-                node.target, "__module__", "") == "_operator":
-            name = {"truediv": "div", "floordiv": "floor_divide", "inv": "bitwise_not",
-                    "invert": "bitwise_not", "and_": "bitwise_and", "or_": "bitwise_or",
-                    "xor": "bitwise_xor"}.get(node.target.__name__, node.target.__name__)
-        if name is None:
-            raise _Refused("hftc does not know what this op computes over a padded dim")
-        x = inputs[0]
-        if name == "getattr":  # x.shape, x.dtype: no units; x.T, x.mT: moves
-            if node.args[1] in ("T", "mT", "H", "mH"):
-                return self.check_moves(node, inputs)
+        """The op over a padded dim, as its rule declares (``@rule(padding=...)``:
+        :func:`hftc.passes.registry.padding_of`): left as it is, checked, rewritten to
+        compute over each model's real units, or refused."""
+        module = self.gm.get_submodule(node.target) if node.op == "call_module" else None
+        if module is not None and self.padded_by_pad_models(node):
             return
-        if name in _SIGNATURES and node.args and node.args[0] is x:
-            found = _reduction(node, name, self.values, self.values[x].dim())
+        fact = padding_of(node, module)
+        if isinstance(fact, Reduces) and module is not None:
+            call = fact.as_function(module) if fact.as_function else None
+            if call is None:
+                raise _Refused("hftc does not know what this module computes over a padded dim")
+            node.op, node.target = "call_function", call[0]
+            node.kwargs = {**node.kwargs, **call[1]}
+            return self.visit(node, inputs)
+        x = inputs[0]
+        if isinstance(fact, Reduces):
+            found = _reduction(node, fact, self.values, self.values[x].dim()) \
+                if node.args and node.args[0] is x else None
             if found is not None:
                 return self.rewrite_reduction(node, x, *found)
-        if name in ("split", "chunk", "tensor_split"):
-            return self.rewrite_split(node, x)
-        if name in _MOVES:
-            return self.check_moves(node, inputs)
-        if name in _MATMULS:
-            return self.rewrite_matmul(node)
-        if name == "scaled_dot_product_attention":
-            return self.check_attention(node)
-        if name in _PREFIX_EXACT or _pointwise(name):
-            return
-        raise _Refused("hftc does not know what this op computes over a padded dim")
+            fact = fact.otherwise
+        if fact == EXACT or (fact is None and module is None and _unknown_pointwise(node)):
+            return None
+        if fact == PER_CHANNEL:  # the spatial dims must be whole
+            return self.check_per_channel(node, x)
+        if fact is not None:
+            return {SPLITS: self.rewrite_split, MOVES: self.check_moves,
+                    CONTRACTS: self.rewrite_matmul, ATTENDS: self.check_attention}[fact](
+                        node, inputs)
+        what = "module" if module is not None else "op"
+        raise _Refused(f"hftc does not know what this {what} computes over a padded dim")
+
+    def check_per_channel(self, node: fx.Node, x: fx.Node) -> None:
+        out = self.values[node]
+        spatial = range(self.values[x].dim() - len(out.shape[2:]), self.values[x].dim()) \
+            if isinstance(out, Tensor) else range(self.values[x].dim())
+        if set(self.padded_dims(x)) & set(spatial):
+            raise _Refused("pooling over a padded spatial dim")
 
     def padded_by_pad_models(self, node: fx.Node) -> bool:
         """A module :func:`hftc.module.padding.pad_models` padded (a masked norm, a Linear or
@@ -482,7 +420,8 @@ class _Rewriter:
         node.args, node.kwargs = (op, x, pad, count, args), {}
         self.changed = True
 
-    def rewrite_split(self, node: fx.Node, x: fx.Node) -> None:
+    def rewrite_split(self, node: fx.Node, inputs: list[fx.Node]) -> None:
+        x = inputs[0]
         dim_arg = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
         shape = self.values[x].shape
         dim = dim_arg % len(shape)
@@ -506,7 +445,7 @@ class _Rewriter:
         node.args, node.kwargs = (x, select_node, dim, sizes), {}
         self.changed = True
 
-    def rewrite_matmul(self, node: fx.Node) -> None:
+    def rewrite_matmul(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         a, b = node.args[0], node.args[1]
         if not isinstance(self.values.get(a), Tensor):
             raise _Refused("a matmul of a non-tensor")
@@ -518,7 +457,7 @@ class _Rewriter:
             node.args = (zeroed, b, *node.args[2:])
             self.changed = True
 
-    def check_attention(self, node: fx.Node) -> None:
+    def check_attention(self, node: fx.Node, inputs: list[fx.Node]) -> None:
         q, k = node.args[0], node.args[1]
         for t, what in ((q, "the query's"), (k, "the key's")):
             if self.values[t].dim() - 2 in self.padded_dims(t):

@@ -14,6 +14,9 @@
 | recurrent.py    | LSTM/GRU/RNN (+ cells, torch.lstm & co.): one bmm per time step  |
 | loss.py         | losses inside forward (F.cross_entropy, nn.MSELoss ...): N losses |
 | driver.py       | walks the graph, applies the rules, falls back to loops          |
+| registry.py     | ``@rule``: an op's keys and facts (ATen spellings, per-model      |
+|                 | arguments, padding, channels-last, chaining, per-model ops)       |
+| padded.py       | the padded modules ``pad_widths=True`` builds (``widens=``)       |
 """
 
 from . import (  # noqa: F401  (each module registers its rules)

@@ -42,10 +42,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UnsupportedOperatorError
 from ..frontends.symbolic import encoder_nested_padding
 from ..ir import bind_arguments
 from ..lowering.runtime import attention as rt_attention
-from .registry import FusionGroup, GraphBuilder, NotFusable, rule
+from . import padded
+from .registry import ATTENDS, FusionGroup, GraphBuilder, NotFusable, Widens, rule
 
 
 def _bind(group: FusionGroup, fn: Any, *leading: Any) -> tuple[dict, dict]:
@@ -61,7 +63,33 @@ def _constant(value: Any, what: str) -> Any:
     return value
 
 
-@rule(("call_module", nn.MultiheadAttention))
+def packed_projections(mha: nn.Module) -> dict[str, int]:
+    """The tensors of ``nn.MultiheadAttention`` padded as three blocks (q, k, v) each."""
+    return {name: 3 for name in ("in_proj_weight", "in_proj_bias")
+            if getattr(mha, name, None) is not None}
+
+
+def widened_attention(mha: nn.MultiheadAttention, others, widths, where) -> nn.Module:
+    """``nn.MultiheadAttention`` at the widest ``embed_dim`` and ``num_heads`` of an equal
+    head dim (pad_widths=True): ``in_proj_weight`` / ``in_proj_bias`` padded as three
+    blocks (q, k, v), so that each model's heads are the first of the widest model's and
+    the padded heads (q, k, v all zero) add exact zeros through the zero columns of
+    ``out_proj``."""
+    head_dims = {m.embed_dim // m.num_heads for m in others}
+    if not mha._qkv_same_embed_dim or len(head_dims) > 1:
+        raise UnsupportedOperatorError(
+            f"pad_widths=True cannot pad {where}: "
+            + ("kdim / vdim other than embed_dim" if not mha._qkv_same_embed_dim else
+               f"the models' head dims differ ({sorted(head_dims)})")
+            + "; pad attention of one head dim, q, k and v of embed_dim (more heads for a "
+            "wider model)", [type(mha).__name__])
+    embed_dim = max(m.embed_dim for m in others)
+    return padded.widened(mha, widths, packed_projections(mha), embed_dim=embed_dim,
+                          kdim=embed_dim, vdim=embed_dim, num_heads=embed_dim // head_dims.pop())
+
+
+@rule(("call_module", nn.MultiheadAttention),
+      widens=Widens(widened_attention, blocks=packed_projections))
 def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """N attention modules -> one :func:`~hftc.lowering.runtime.attention.multi_head_attention`."""
     mha = group.module
@@ -92,7 +120,7 @@ def fuse_multihead_attention(group: FusionGroup, builder: GraphBuilder) -> fx.No
 
 @rule(("call_function", F.scaled_dot_product_attention), random=True,
       aten={torch.ops.aten.scaled_dot_product_attention: F.scaled_dot_product_attention},
-      per_model=("dropout_p",))
+      per_model=("dropout_p",), padding=ATTENDS)
 def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The model dim joins the batch dim: one SDPA over ``N*B`` batches (random: dropout)."""
     if group.per_model_values("dropout_p") is not None:

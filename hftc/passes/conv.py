@@ -22,10 +22,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import UnsupportedOperatorError
 from ..frontends.export import Emitter
-from ..ir import bind_arguments
+from ..ir import EXAMPLE_VALUE, bind_arguments
 from ..lowering.runtime import conv as rt_conv
-from .registry import FusionGroup, GraphBuilder, rule
+from ..lowering.runtime import layout as rt_layout
+from . import padded
+from .registry import FusionGroup, GraphBuilder, Widens, rule
 
 aten = torch.ops.aten
 
@@ -81,8 +84,38 @@ def convolution_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     return e.call(fn, *common, a["dilation"], a["groups"])
 
 
+def channels_last_safe(conv: nn.Module | fx.Node) -> bool:
+    """May a CPU program run channels-last with this conv (module or call)?  Not a strided
+    1x1 2-d / 3-d conv over few channels (:func:`~hftc.lowering.runtime.layout.
+    unsafe_strided_pointwise_conv`: oneDNN's weight gradients), nor one not known."""
+    if isinstance(conv, nn.Module):
+        return not (isinstance(conv, (nn.Conv2d, nn.Conv3d)) and rt_layout.
+                    unsafe_strided_pointwise_conv(conv.in_channels // conv.groups,
+                                                  conv.kernel_size, conv.stride))
+    if conv.op != "call_function" or conv.target not in (F.conv2d, F.conv3d):
+        return True
+    weight = conv.args[1] if len(conv.args) > 1 else conv.kwargs.get("weight")
+    shape = getattr(getattr(weight, "meta", {}).get(EXAMPLE_VALUE), "shape", None)
+    stride = conv.args[3] if len(conv.args) > 3 else conv.kwargs.get("stride", 1)
+    if shape is None or not isinstance(stride, (int, tuple, list)):
+        return False  # not known: assume the worst
+    return not rt_layout.unsafe_strided_pointwise_conv(shape[1], shape[2:], stride)
+
+
+def widened_conv(conv: nn.Module, others, widths, where) -> nn.Module:
+    """A convolution at the widest channels (pad_widths=True); not a grouped one."""
+    if conv.groups != 1:
+        raise UnsupportedOperatorError(
+            f"pad_widths=True cannot pad {where}: groups={conv.groups} (a grouped "
+            f"conv's channels per group would move with the padding). Give every model "
+            f"the same channels there, or groups=1", [type(conv).__name__])
+    out_channels, in_channels = widths["weight"][:2]
+    return padded.widened(conv, widths, in_channels=in_channels, out_channels=out_channels)
+
+
 @rule(*[("call_module", cls) for cls in (nn.Conv1d, nn.Conv2d, nn.Conv3d)],
-      *[("call_function", fn) for fn in _CONVS], aten={aten.convolution: convolution_as_functional})
+      *[("call_function", fn) for fn in _CONVS], aten={aten.convolution: convolution_as_functional},
+      channels_last=channels_last_safe, widens=Widens(widened_conv, weight=True))
 def fuse_conv(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     spatial = _spatial(group, _CONVS)
     a = group.arguments(builder, conv_parameters)

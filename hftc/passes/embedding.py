@@ -19,7 +19,8 @@ from ..ir import bind_arguments
 from ..lowering.runtime import embedding as rt_embedding
 from ..lowering.runtime import spatial as rt_spatial
 from ..match import describe_node
-from .registry import FusionGroup, GraphBuilder, rule
+from . import padded
+from .registry import FusionGroup, GraphBuilder, Widens, rule
 
 aten = torch.ops.aten
 
@@ -43,8 +44,20 @@ def embedding_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
                   a["scale_grad_by_freq"], a["sparse"])
 
 
+def widened_embedding(embedding: nn.Embedding, others, widths, where) -> nn.Module:
+    """``nn.Embedding`` at the widest vocabulary and width (pad_widths=True)."""
+    if embedding.max_norm is not None or embedding.sparse:
+        raise UnsupportedOperatorError(
+            f"pad_widths=True cannot pad {where}: max_norm / sparse=True. Give every "
+            f"model the same embedding widths", [type(embedding).__name__])
+    num_embeddings, embedding_dim = widths["weight"]
+    return padded.widened(embedding, widths, num_embeddings=num_embeddings,
+                          embedding_dim=embedding_dim)
+
+
 @rule(("call_module", nn.Embedding), ("call_function", F.embedding),
-      aten={aten.embedding: embedding_as_functional})
+      aten={aten.embedding: embedding_as_functional},
+      widens=Widens(widened_embedding, weight=True))
 def fuse_embedding(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = group.arguments(builder, F.embedding)
     idx = a["input"]

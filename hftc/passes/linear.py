@@ -28,12 +28,34 @@ from torch import nn
 from ..frontends.export import Emitter, aten_name
 from ..ir import bind_arguments
 from ..lowering.runtime import linear as rt_linear
-from .registry import FusionGroup, GraphBuilder, NotFusable, rule
+from . import padded
+from .registry import CONTRACTS, ChainLink, FusionGroup, GraphBuilder, NotFusable, Widens, rule
 
 aten = torch.ops.aten
 
 
-@rule(("call_module", nn.Linear), ("call_function", F.linear), aten={aten.linear: F.linear})
+#: Lowerings of ``runtime.linear.linear`` a linear chain can run (``None``: the cost
+#: model's, decided on the shapes at run time; the chain falls back to the layers one by
+#: one where that is none of these).
+CHAINABLE_LOWERINGS = (None, "baddbmm", "baddbmm_t")
+
+
+def chained_linear(node: fx.Node, root: nn.Module) -> bool:
+    """Is this fused node a linear a chain may take (:mod:`hftc.lowering.chains`)?"""
+    return (node.op == "call_function" and node.target is rt_linear.linear
+            and len(node.args) == 3 and "x_batched" in node.kwargs
+            and set(node.kwargs) <= {"x_batched", "lowering"}
+            and node.kwargs.get("lowering") in CHAINABLE_LOWERINGS)
+
+
+def widened_linear(linear: nn.Linear, others, widths, where) -> nn.Module:
+    """``nn.Linear`` at the widest ``in_features`` / ``out_features`` (pad_widths=True)."""
+    out_features, in_features = widths["weight"]
+    return padded.widened(linear, widths, in_features=in_features, out_features=out_features)
+
+
+@rule(("call_module", nn.Linear), ("call_function", F.linear), aten={aten.linear: F.linear},
+      chain=ChainLink("linear", chained_linear), widens=Widens(widened_linear, weight=True))
 def fuse_linear(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = group.arguments(builder, F.linear)
     x, bias = a["input"], a["bias"]
@@ -71,6 +93,9 @@ def add_product(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     ("call_function", torch.sparse.mm),
     aten={**dict.fromkeys((aten.addmm, aten.baddbmm, aten.addbmm, aten.addmv), add_product),
           aten._sparse_mm: torch.sparse.mm},
+    # over a padded dim: the first operand's padding zeroed where it is contracted (not
+    # known for a matrix-vector or sparse product: refused)
+    padding=lambda node: None if node.target in (torch.mv, "mv", torch.sparse.mm) else CONTRACTS,
 )
 def fuse_matmul(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """Every spelling of a matrix product, sparse operands included (``torch.spmm`` is

@@ -18,10 +18,20 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import MismatchError
 from ..frontends.export import same_names
 from ..lowering.runtime import norms as rt_norms
 from ..lowering.runtime import per_model as rt_per_model
-from .registry import FusionGroup, GraphBuilder, NotFusable, per_model_loop, rule
+from . import padded
+from .registry import (
+    FusionGroup,
+    GraphBuilder,
+    NotFusable,
+    Reduces,
+    Widens,
+    per_model_loop,
+    rule,
+)
 
 aten = torch.ops.aten
 
@@ -49,8 +59,39 @@ def _modules(*classes: type) -> list:
     return [("call_module", cls) for cls in classes]
 
 
+def widened_batch_norm(norm: nn.Module, others, widths, where) -> nn.Module:
+    """A batch norm at the widest channels (pad_widths=True): its statistics are per channel,
+    a padded channel's all zeros."""
+    return padded.widened(norm, widths, num_features=max(m.num_features for m in others))
+
+
+def masked_layer_norm(norm: nn.Module, others, widths, where) -> nn.Module:
+    """A layer or RMS norm over the widest normalized shape, its statistics over each
+    model's real units (:class:`~hftc.passes.padded.MaskedLayerNorm`, ``MaskedRMSNorm``)."""
+    shapes = [tuple(m.normalized_shape) for m in others]
+    if len({len(s) for s in shapes}) > 1:
+        raise MismatchError(f"pad_widths=True: {where} normalizes over another number "
+                            f"of dims than other models' ({shapes})")
+    widest = tuple(max(d) for d in zip(*shapes))
+    cls = padded.MaskedLayerNorm if isinstance(norm, nn.LayerNorm) else padded.MaskedRMSNorm
+    return cls(norm, widths, widest)
+
+
+def masked_group_norm(norm: nn.GroupNorm, others, widths, where) -> nn.Module:
+    """A group norm at the widest channels and groups, each group's statistics over its
+    real channels (:class:`~hftc.passes.padded.MaskedGroupNorm`)."""
+    return padded.MaskedGroupNorm(norm, widths, max(m.num_channels for m in others),
+                                  max(m.num_groups for m in others))
+
+
+#: pad_widths=True: batch norms at the widest channels (a norm may have no parameter: its
+#: width is then in its attributes).
+_WIDENED_BATCH_NORM = Widens(widened_batch_norm, attributes=True)
+
+
 @rule(*_modules(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), ("call_function", F.batch_norm),
-      per_model=("momentum", "eps"), aten={aten.batch_norm: same_names(F.batch_norm)})
+      per_model=("momentum", "eps"), aten={aten.batch_norm: same_names(F.batch_norm)},
+      widens=_WIDENED_BATCH_NORM)
 def fuse_batch_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = _arguments(group, builder, F.batch_norm)
     running_mean = a["running_mean"]
@@ -73,8 +114,11 @@ def fuse_batch_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 _INSTANCE_NORMS = {nn.InstanceNorm1d: 1, nn.InstanceNorm2d: 2, nn.InstanceNorm3d: 3}
 
 
+# channels_last=False (group and instance norms): torch's CPU backward of these norms is
+# wrong or crashes on channels-last tensors (hftc.lowering.layout.safe says which).
 @rule(*_modules(*_INSTANCE_NORMS), ("call_function", F.instance_norm),
-      per_model=("momentum", "eps"), aten={aten.instance_norm: same_names(F.instance_norm)})
+      per_model=("momentum", "eps"), aten={aten.instance_norm: same_names(F.instance_norm)},
+      channels_last=False)
 def fuse_instance_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if group.per_model:
         raise NotFusable("instance norms whose momentum or eps differ per model")
@@ -98,13 +142,14 @@ def fuse_instance_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 #: loop, which sets each model's own ``momentum`` and ``eps``.  (A base-class entry is their
 #: rule only where they keep its ``forward``, and then it loops too: ``per_model_loop``.)
 rule(("call_module", nn.modules.batchnorm._BatchNorm), name="per_model_loop[batch norm]",
-     per_model=("momentum", "eps"))(per_model_loop)
+     per_model=("momentum", "eps"), widens=_WIDENED_BATCH_NORM)(per_model_loop)
 rule(("call_module", nn.modules.instancenorm._InstanceNorm), name="per_model_loop[instance norm]",
-     per_model=("momentum", "eps"))(per_model_loop)
+     per_model=("momentum", "eps"), channels_last=False)(per_model_loop)
 
 
 @rule(("call_module", nn.GroupNorm), ("call_function", F.group_norm), per_model=("eps",),
-      aten={aten.group_norm: same_names(F.group_norm)})
+      aten={aten.group_norm: same_names(F.group_norm)}, channels_last=False,
+      widens=Widens(masked_group_norm, attributes=True))
 def fuse_group_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = _arguments(group, builder, F.group_norm)
     kernel, eps = _per_model_kernel(group, a["eps"], rt_norms.group_norm, rt_per_model.group_norm)
@@ -114,8 +159,17 @@ def fuse_group_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
+def layer_norm_over_real_units(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """``F.layer_norm``'s arguments for ``padding_graph.reduce`` (pad_widths=True): the
+    normalized dims (the last ones) over each model's real units (a module's: refused)."""
+    k = 1 if isinstance(normalized_shape, int) else len(normalized_shape)
+    return {"dim": tuple(range(-k, 0)), "weight": weight, "bias": bias, "eps": eps}
+
+
 @rule(("call_module", nn.LayerNorm), ("call_function", F.layer_norm), per_model=("eps",),
-      aten={aten.layer_norm: same_names(F.layer_norm)})
+      aten={aten.layer_norm: same_names(F.layer_norm)},
+      padding=Reduces("layer_norm", layer_norm_over_real_units),
+      widens=Widens(masked_layer_norm, attributes=True))
 def fuse_layer_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = _arguments(group, builder, F.layer_norm)
     x = a["input"]
@@ -127,7 +181,7 @@ def fuse_layer_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 
 @rule(("call_module", nn.RMSNorm), ("call_function", F.rms_norm), per_model=("eps",),
-      aten={aten.rms_norm: F.rms_norm})
+      aten={aten.rms_norm: F.rms_norm}, widens=Widens(masked_layer_norm, attributes=True))
 def fuse_rms_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = _arguments(group, builder, F.rms_norm)
     x = a["input"]

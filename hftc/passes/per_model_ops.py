@@ -17,80 +17,58 @@ other difference is refused as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from ..lowering.runtime import per_model_ops as rt_per_model_ops
 
 Op = rt_per_model_ops.Op
 
-_INPLACE = (("inplace", False),)
+@dataclass(frozen=True)
+class PerModelOp:
+    """``per_model_op=``: an elementwise, shape-preserving op that may differ per model (ReLU
+    in some models, GELU in others: :mod:`hftc.passes.per_model_ops`)::
 
-#: Each op's parameters besides its input, with their defaults (every spelling of an op
-#: fills them in, so ``F.relu(x)`` and ``nn.ReLU()`` are one op).
-OP_PARAMETERS: dict[str, tuple[tuple[str, Any], ...]] = {
-    "identity": (), "relu": _INPLACE, "relu6": _INPLACE, "gelu": (("approximate", "none"),),
-    "silu": _INPLACE, "mish": _INPLACE, "tanh": (), "tanh_": (), "sigmoid": (), "sigmoid_": (),
-    "leaky_relu": (("negative_slope", 0.01), ("inplace", False)),
-    "elu": (("alpha", 1.0), ("inplace", False)), "selu": _INPLACE,
-    "celu": (("alpha", 1.0), ("inplace", False)),
-    "softplus": (("beta", 1.0), ("threshold", 20.0)), "hardswish": _INPLACE,
-    "hardsigmoid": _INPLACE,
-    "hardtanh": (("min_val", -1.0), ("max_val", 1.0), ("inplace", False)),
-    "softsign": (), "tanhshrink": (), "logsigmoid": (),
-    # a module's dropout has no `training` here: it follows the fused module's flag
-    "dropout": (("p", 0.5), ("inplace", False)),
-}
+        PerModelOp("leaky_relu", F.leaky_relu, (("negative_slope", 0.01), ("inplace", False)),
+                   ((("call_function", F.leaky_relu), ("negative_slope", "inplace"), ()),
+                    (("call_module", nn.LeakyReLU), (), ())))
 
-#: Modules (their exact class: a subclass may compute something else) -> the op.
-MODULE_OPS: dict[type, str] = {
-    nn.Identity: "identity", nn.ReLU: "relu", nn.ReLU6: "relu6", nn.GELU: "gelu",
-    nn.SiLU: "silu", nn.Mish: "mish", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
-    nn.LeakyReLU: "leaky_relu", nn.ELU: "elu", nn.SELU: "selu", nn.CELU: "celu",
-    nn.Softplus: "softplus", nn.Hardswish: "hardswish", nn.Hardsigmoid: "hardsigmoid",
-    nn.Hardtanh: "hardtanh", nn.Softsign: "softsign", nn.Tanhshrink: "tanhshrink",
-    nn.LogSigmoid: "logsigmoid", nn.Dropout: "dropout",
-}
+    ``name``: how the generated code names it; ``function``: ``function(x, **keywords)`` on
+    a model's slice computes what the model computes; ``parameters``: its parameters
+    besides the input, with their defaults; ``spellings``: the keys read as this op, each
+    with the parameters it takes by position after the input and the keywords it fixes
+    (``torch.relu_``: ``inplace=True``); a module key reads its attributes.  A spelling
+    counts on a rule that has its key."""
 
-#: A function or method call -> (the op, its positional parameters after the input, the
-#: keywords the spelling fixes).
-_FUNCTION_OPS: dict[tuple[str, Any], tuple[str, tuple[str, ...], dict[str, Any]]] = {}
+    name: str
+    function: Callable[..., Any]
+    parameters: tuple[tuple[str, Any], ...] = ()
+    spellings: tuple[tuple[tuple[str, Any], tuple[str, ...], tuple[tuple[str, Any], ...]], ...] = ()
 
 
-def _spell(name: str, keys: list[tuple[str, Any]], positional: tuple[str, ...] = (),
-           **fixed: Any) -> None:
-    for key in keys:
-        _FUNCTION_OPS.setdefault(key, (name, positional, fixed))
+#: Key -> (the op, the parameters it takes by position after its input, the keywords it
+#: fixes), and op name -> its parameters with their defaults: from every rule's
+#: ``per_model_op=`` (:func:`declare_per_model_op`).
+_SPELLINGS: dict[tuple[str, Any], tuple[PerModelOp, tuple[str, ...], dict[str, Any]]] = {}
+OP_PARAMETERS: dict[str, tuple[tuple[str, Any], ...]] = {}
 
 
-def _function(fn: Any) -> tuple[str, Any]:
-    return ("call_function", fn)
+def declare_per_model_op(op: PerModelOp, keys: Sequence[tuple[str, Any]], rule: str) -> None:
+    """A rule's ``per_model_op=`` (:func:`hftc.passes.registry.rule`): its spellings among
+    the rule's ``keys`` read as ``op``, whose function the generated code calls by name
+    (:data:`~hftc.lowering.runtime.per_model_ops.ELEMENTWISE_OPS`)."""
+    known = rt_per_model_ops.ELEMENTWISE_OPS.setdefault(op.name, op.function)
+    if known is not op.function or OP_PARAMETERS.setdefault(op.name, op.parameters) \
+            != op.parameters:
+        raise TypeError(f"rule `{rule}`: per-model op `{op.name}` is declared twice, "
+                        f"with another function or parameters")
+    _SPELLINGS.update({key: (op, positional, dict(fixed))
+                       for key, positional, fixed in op.spellings if key in keys})
 
-
-for _name in ("relu", "tanh", "sigmoid"):
-    _spell(_name, [_function(getattr(torch, _name)), ("call_method", _name)])
-    _spell(_name if _name == "relu" else f"{_name}_",
-           [_function(getattr(torch, f"{_name}_")), ("call_method", f"{_name}_")],
-           **({"inplace": True} if _name == "relu" else {}))
-_spell("tanh", [_function(F.tanh)])
-_spell("sigmoid", [_function(F.sigmoid)])
-for _name in ("relu", "relu6", "silu", "mish", "selu", "hardswish", "hardsigmoid"):
-    _spell(_name, [_function(getattr(F, _name))], ("inplace",))
-_spell("gelu", [_function(F.gelu)], ("approximate",))
-_spell("leaky_relu", [_function(F.leaky_relu)], ("negative_slope", "inplace"))
-_spell("leaky_relu", [_function(F.leaky_relu_)], ("negative_slope",), inplace=True)
-_spell("elu", [_function(F.elu)], ("alpha", "inplace"))
-_spell("celu", [_function(F.celu)], ("alpha", "inplace"))
-_spell("softplus", [_function(F.softplus)], ("beta", "threshold"))
-_spell("hardtanh", [_function(F.hardtanh)], ("min_val", "max_val", "inplace"))
-for _name in ("softsign", "tanhshrink", "logsigmoid"):
-    _spell(_name, [_function(getattr(F, _name))])
-_spell("dropout", [_function(F.dropout)], ("p", "training", "inplace"))
-_spell("dropout", [_function(torch.dropout)], ("p", "train"))
 
 _PLAIN = (bool, int, float, str)
 
@@ -99,7 +77,7 @@ def is_elementwise_function(value: Any) -> bool:
     """Is ``value`` a function :func:`elementwise_op` reads (``F.gelu``, ``torch.tanh``), as
     a model may hold one (``self.act = F.gelu``)?"""
     try:
-        return ("call_function", value) in _FUNCTION_OPS
+        return ("call_function", value) in _SPELLINGS
     except TypeError:  # unhashable
         return False
 
@@ -124,19 +102,22 @@ def elementwise_op(node: fx.Node, root: nn.Module) -> Op | None:
     ("inplace", False)))``), or None for any other node."""
     if node.op == "call_module":
         module = root.get_submodule(str(node.target))
-        name = MODULE_OPS.get(type(module))
-        if name is None or len(node.args) != 1 or node.kwargs:
+        # its exact class: a subclass may compute something else
+        found = _SPELLINGS.get(("call_module", type(module)))
+        if found is None or len(node.args) != 1 or node.kwargs:
             return None
+        name = found[0].name
         return _op(name, {key: getattr(module, key) for key, _ in OP_PARAMETERS[name]})
     if node.op not in ("call_function", "call_method"):
         return None
     try:
-        found = _FUNCTION_OPS.get((node.op, node.target))
+        found = _SPELLINGS.get((node.op, node.target))
     except TypeError:  # an unhashable target
         return None
     if found is None:
         return None
-    name, positional, fixed = found
+    op, positional, fixed = found
+    name = op.name
     args, kwargs = list(node.args), dict(node.kwargs)
     if not args:
         if "input" not in kwargs:

@@ -30,7 +30,7 @@ from ..frontends.export import Emitter
 from ..ir import bind_arguments
 from ..lowering.runtime import random as rt_random
 from ..lowering.runtime import spatial as rt_spatial
-from .registry import FusionGroup, GraphBuilder, NotFusable, rule
+from .registry import EXACT, PER_CHANNEL, FusionGroup, GraphBuilder, NotFusable, rule
 
 aten = torch.ops.aten
 
@@ -215,11 +215,21 @@ _EXPORTED_AS = {
         F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d)},
 }
 
+#: What these compute over a padded dim (``@rule(padding=...)``): pooling is per channel,
+#: exact while its spatial dims are whole; channel dropout is elementwise.
+_PADDING = {
+    **dict.fromkeys((F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d,
+                     F.avg_pool3d, F.adaptive_max_pool1d, F.adaptive_max_pool2d,
+                     F.adaptive_max_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+                     F.adaptive_avg_pool3d), PER_CHANNEL),
+    **dict.fromkeys(_RANDOM_FUNCTIONS, EXACT),
+}
+
 for _fn, _modules in _MODULES_OF.items():
     rule(*(("call_module", cls) for cls in _modules), ("call_function", _fn),
          name=f"fuse_channelwise[{_fn.__name__}]", random=_fn in _RANDOM_FUNCTIONS,
-         per_model=("p",) if _fn in _RANDOM_FUNCTIONS else (), aten=_EXPORTED_AS.get(_fn))(
-        fuse_channelwise)
+         per_model=("p",) if _fn in _RANDOM_FUNCTIONS else (), aten=_EXPORTED_AS.get(_fn),
+         padding=_PADDING.get(_fn))(fuse_channelwise)
 for _key in _SAMPLEWISE:
     rule(_key, name=f"fuse_samplewise[{_key[1].__name__}]")(fuse_samplewise)
 _SPATIAL_FUNCTIONS[F.pad] = None  # (fuse_pad's non-constant modes fold channels)

@@ -22,7 +22,7 @@ from ..ir import EXAMPLE_VALUE, bind_arguments
 from ..lowering.runtime import layout as rt_layout
 from ..lowering.runtime import reduction as rt_reduction
 from .elementwise import fuse_pointwise
-from .registry import FusionGroup, GraphBuilder, NotFusable, rule, spellings
+from .registry import EXACT, FusionGroup, GraphBuilder, NotFusable, Reduces, rule, spellings
 from .shape import shift_dim_arg
 
 aten = torch.ops.aten
@@ -86,14 +86,75 @@ def _reduction_rule(op_name: str, position: int | None):
     return fuse_reduction
 
 
+# ---------------------------------------------------------------- over padded dims
+# What padding_graph.reduce (pad_widths=True) takes for each reduction: the op's
+# parameters -> reduce's arguments, or None where the call reduces nothing.
+
+
+def _summed(input, dim=None, keepdim=False, dtype=None):  # sum, nansum, mean
+    return {"dim": dim, "keepdim": keepdim, "dtype": dtype}
+
+
+def _extreme(input, dim=(), keepdim=False):  # amax, amin
+    return {"dim": dim, "keepdim": keepdim}
+
+
+def _logsumexp(input, dim, keepdim=False):
+    return {"dim": dim, "keepdim": keepdim}
+
+
+def _spread(input, dim=None, unbiased=None, keepdim=False, correction=None):  # var, std
+    if isinstance(dim, bool):  # var(x, unbiased)
+        unbiased, dim = dim, None
+    return {"dim": dim, "keepdim": keepdim,
+            "correction": correction if correction is not None else 0 if unbiased is False else 1}
+
+
+def _selected(input, dim=None, keepdim=False):  # max, min, argmax, argmin
+    if isinstance(dim, fx.Node):  # torch.max(a, b): elementwise
+        return None
+    return {"dim": dim, "keepdim": keepdim}
+
+
+def _norm(input, p="fro", dim=None, keepdim=False, dtype=None):
+    p = 2 if p == "fro" else p
+    if not (isinstance(p, (int, float)) and p > 0):
+        return None
+    return {"dim": dim, "keepdim": keepdim, "dtype": dtype, "ord": p}
+
+
+def _vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):  # noqa: A002 - torch's
+    return _norm(x, ord, dim, keepdim, dtype)
+
+
+def _softmax(input, dim=None, dtype=None, _stacklevel=3):  # (a dtype by position too)
+    return None if dim is None else {"dim": dim, "dtype": dtype}
+
+
+def _softmax_module(module: nn.Module):
+    return None if module.dim is None else (
+        F.log_softmax if isinstance(module, nn.LogSoftmax) else F.softmax, {"dim": module.dim})
+
+
+#: ``@rule(padding=...)`` of the reductions hftc computes over each model's real units.
+_OVER_PADDING = {
+    **{name: Reduces(name, _summed) for name in ("sum", "nansum", "mean")},
+    **{name: Reduces(name, _extreme) for name in ("amax", "amin")},
+    "logsumexp": Reduces("logsumexp", _logsumexp),
+    **{name: Reduces(name, _spread) for name in ("var", "std")},
+    **{name: Reduces(name, _selected, one_dim=True, otherwise=EXACT) for name in ("max", "min")},
+    **{name: Reduces(name, _selected, one_dim=True) for name in ("argmax", "argmin")},
+    "norm": Reduces("norm", _norm),
+}
+
 for _name, _pos in REDUCTIONS.items():
-    rule(*spellings(_name, functional=False), name=f"fuse_reduction[{_name}]")(
-        _reduction_rule(_name, _pos)
-    )
+    rule(*spellings(_name, functional=False), name=f"fuse_reduction[{_name}]",
+         padding=_OVER_PADDING.get(_name))(_reduction_rule(_name, _pos))
 
 
 @rule(("call_function", torch.linalg.vector_norm),
-      aten={aten.linalg_vector_norm: torch.linalg.vector_norm})
+      aten={aten.linalg_vector_norm: torch.linalg.vector_norm},
+      padding=Reduces("norm", _vector_norm))
 def fuse_vector_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.linalg.vector_norm(x, ord, dim, keepdim)`` (what ``F.normalize`` exports to)
     over each model's dims; over all of them: ``vector_norm(x.flatten(1), ord, 1)``."""
@@ -177,7 +238,10 @@ for _fn, _cls, _aten in [
     (F.softmin, nn.Softmin, ()),
 ]:
     rule(*spellings(_fn.__name__), ("call_module", _cls), name=f"fuse_softmax[{_fn.__name__}]",
-         aten=dict.fromkeys(_aten, softmax_as_torch))(_softmax_rule(_fn))
+         aten=dict.fromkeys(_aten, softmax_as_torch),
+         padding=None if _fn is F.softmin else Reduces(
+             _fn.__name__, _softmax, one_dim=True,
+             as_function=_softmax_module))(_softmax_rule(_fn))
 
 
 @rule(("call_module", nn.GLU), *spellings("glu"), aten={aten.glu: F.glu})

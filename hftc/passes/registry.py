@@ -45,7 +45,7 @@ from ..ir import (
 )
 from ..lowering.runtime import layout as rt_layout
 from ..match import PerModelTable, describe_node, function_name, target_name
-from .per_model_ops import elementwise_op
+from .per_model_ops import PerModelOp, declare_per_model_op, elementwise_op
 
 
 class NotFusable(Exception):
@@ -166,14 +166,137 @@ class RuleEntry:
     #: For keys that name a library's function by a string: a Python function with its
     #: signature (where ``per_model``'s positions and defaults come from).
     signature: Callable[..., Any] | None = None
+    #: What the op computes over a dim ``pad_widths=True`` padded with zeros: a
+    #: :data:`PADDING_KINDS` kind, a :class:`Reduces`, or a function of the node giving one
+    #: (None: hftc does not know, and refuses the op over a padded dim).
+    padding: Any = None
+    #: May a CPU program run channels-last with this op (``hftc.lowering.layout.safe``):
+    #: True, False, or a function of the module or call node that says.
+    channels_last: bool | Callable[[Any], bool] = True
+    #: The op's link in a linear chain (``hftc.lowering.chains``): which fused nodes it
+    #: emits that a chain may take.
+    chain: ChainLink | None = None
+    #: The elementwise ops of these keys that may differ per model (:class:`PerModelOp`).
+    per_model_ops: tuple[PerModelOp, ...] = ()
+    #: How ``pad_widths=True`` pads a module key's module (:class:`Widens`).
+    widens: Widens | None = None
 
     def signature_of(self, target: Any) -> Any:
         return self.signature if isinstance(target, str) and self.signature else target
 
 
-RULES: dict[Key, RuleEntry] = {}
+#: ``padding=`` kinds: what an op computes over a dim padded with zeros (pad_widths=True,
+#: every padded tensor laid out as each model's real units first, padding after).
+EXACT = "exact"  # each real unit's result reads real units only: exact as it is
+MOVES = "moves"  # only moves (copies, casts) units: checked by running it on unit numbers
+SPLITS = "splits"  # split along a dim: each piece's real units, its padding after them
+CONTRACTS = "contracts"  # a product contracting its first operand's last dim: zeroed first
+ATTENDS = "attends"  # attention: the contracted head dim zeroed; a padded sequence refused
+PER_CHANNEL = "per_channel"  # per channel over whole spatial dims (pooling)
+PADDING_KINDS = (EXACT, MOVES, SPLITS, CONTRACTS, ATTENDS, PER_CHANNEL)
+
+
+@dataclass(frozen=True)
+class Reduces:
+    """``padding=`` of a reduction or normalisation: computed over each model's real units
+    (``hftc.module.padding_graph.reduce(op, x, pad, count, arguments)``)::
+
+        @rule(*spellings("var"), padding=Reduces("var", var_over_real_units))
+
+    ``parameters``: a function with the op's parameters (its tensors are graph nodes, its
+    Python values the call's) returning ``reduce``'s arguments (``dim``, ``keepdim``, ...),
+    or None where this call reduces nothing (``torch.max(a, b)``); ``one_dim``: the op
+    takes one dim, not a tuple; ``otherwise``: the kind of a call that reduces nothing;
+    ``as_function``: for a module key, the functional call it is (``nn.Softmax(dim)`` ->
+    ``F.softmax``, ``{"dim": dim}``) or None (refused)."""
+
+    op: str
+    parameters: Callable[..., dict | None]
+    one_dim: bool = False
+    otherwise: str | None = None
+    as_function: Callable[[nn.Module], tuple[Callable[..., Any], dict] | None] | None = None
+
+
+@dataclass(frozen=True)
+class Widens:
+    """``widens=``: how ``pad_widths=True`` pads a module to the widest model's widths
+    (:func:`hftc.module.padding.pad_models`, with :mod:`hftc.passes.padded`)::
+
+        @rule(("call_module", nn.Linear), ..., widens=Widens(widened_linear, weight=True))
+
+    ``pad(module, others, widths, where)``: model i's ``module`` at the widest widths
+    (``others``: every model's module at its path; ``widths``: its own tensors' widest
+    shapes; ``where`` names it for an error it raises); ``weight``: its ``weight``'s
+    entries count the arithmetic padding multiplies (a Linear's, Conv's, Embedding's);
+    ``attributes``: its width may be only in its attributes (a norm without parameters);
+    ``blocks(module)``: its tensors padded as equal blocks along dim 0, each on its own
+    (name -> blocks: attention's packed q, k, v)."""
+
+    pad: Callable[..., nn.Module]
+    weight: bool = False
+    attributes: bool = False
+    blocks: Callable[[nn.Module], dict[str, int]] | None = None
+
+
+@dataclass(frozen=True)
+class ChainLink:
+    """``chain=``: the fused nodes of this op that a linear chain may take
+    (``hftc.lowering.chains``): ``role`` "linear" (a link) or "relu" (the activation
+    between two), ``accepts(node, root)`` says whether this fused node is one."""
+
+    role: str
+    accepts: Callable[[fx.Node, nn.Module], bool]
+
+
+class _RuleTable(dict):
+    """The rule table: a dict that counts its changes (``version``), so that what is
+    derived from it (the chain links, the module facts) is derived again after a change."""
+
+    version = 0
+
+    def __setitem__(self, key: Key, entry: RuleEntry) -> None:
+        self.version += 1
+        super().__setitem__(key, entry)
+
+    def __delitem__(self, key: Key) -> None:
+        self.version += 1
+        super().__delitem__(key)
+
+    def pop(self, *args: Any) -> Any:
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[Key, RuleEntry]:
+        self.version += 1
+        return super().popitem()
+
+    def setdefault(self, key: Key, default: Any = None) -> Any:
+        self.version += 1
+        return super().setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
+
+
+RULES: dict[Key, RuleEntry] = _RuleTable()
+_DERIVED: dict[str, tuple[int, Any]] = {}
+
+
+def _derived(name: str, make: Callable[[], Any]) -> Any:
+    """``make()``, made again only after the rule table changed."""
+    version = RULES.version  # type: ignore[attr-defined]
+    cached = _DERIVED.get(name)
+    if cached is None or cached[0] != version:
+        cached = _DERIVED[name] = (version, make())
+    return cached[1]
 #: ATen op (overload packet) -> its converter, from every rule's ``aten=``.
 _ATEN: dict[Any, Converter] = {}
+
 
 
 class DuplicateRuleError(Exception):
@@ -183,7 +306,11 @@ class DuplicateRuleError(Exception):
 def rule(*keys: Key, name: str | None = None, random: bool = False,
          per_model: Sequence[str] = (),
          aten: Mapping[Any, Callable[..., Any]] | None = None,
-         signature: Callable[..., Any] | None = None) -> Callable[[Rule], Rule]:
+         signature: Callable[..., Any] | None = None, padding: Any = None,
+         channels_last: bool | Callable[[Any], bool] = True,
+         chain: ChainLink | None = None,
+         per_model_op: PerModelOp | Sequence[PerModelOp] = (),
+         widens: Widens | None = None) -> Callable[[Rule], Rule]:
     """Register a rule for ``keys`` (the one way to declare one)::
 
         @rule(("call_module", nn.Conv2d), ("call_function", F.conv2d))
@@ -207,17 +334,28 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
     -> node`` (:mod:`hftc.frontends.export`).  ``signature``: for keys that name a
     library's function by a string (``"torchvision.ops.stochastic_depth.stochastic_depth"``),
     a Python function with the same parameters, where ``per_model`` finds its positions.
+    ``padding``: what the op computes over a padded dim (``pad_widths=True``: a
+    :data:`PADDING_KINDS` kind, :class:`Reduces`, or a function of the node giving one);
+    ``channels_last``: whether a CPU program may run channels-last with it (or a function
+    of its module or call node that says); ``chain``: its :class:`ChainLink` in a linear chain;
+    ``per_model_op``: the :class:`PerModelOp` (or several) its keys spell, an elementwise op
+    that may differ per model; ``widens``: how ``pad_widths=True`` pads its module
+    (:class:`Widens`).
     A key or ATen op registered twice raises :class:`DuplicateRuleError` at import,
     whatever the order the rule files load in.
     """
     functions = {target for op, target in keys if op == "call_function"}
+    ops = (per_model_op,) if isinstance(per_model_op, PerModelOp) else tuple(per_model_op)
     converters = tuple(
         (op, same_arguments(spelling) if spelling in functions else spelling)
         for op, spelling in (aten or {}).items())
 
     def wrap(body: Rule) -> Rule:
         entry = RuleEntry(body, name or body.__name__, random, tuple(per_model), converters,
-                          signature)
+                          signature, padding, channels_last, chain, ops, widens)
+        if isinstance(padding, str) and padding not in PADDING_KINDS:
+            raise TypeError(f"rule `{entry.name}`: padding={padding!r} is none of "
+                            f"{PADDING_KINDS}, a Reduces, or a function of the node")
         for op, _ in converters:
             if not isinstance(op, torch._ops.OpOverloadPacket):
                 raise TypeError(f"rule `{entry.name}`: aten= takes ATen ops such as "
@@ -250,6 +388,8 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
                     f"`{RULES[key].name}` and `{entry.name}`: register it with one of them")
             RULES[key] = entry
         _ATEN.update(converters)
+        for op in ops:
+            declare_per_model_op(op, keys, entry.name)
         return body
 
     return wrap
@@ -281,6 +421,75 @@ def per_model_table() -> PerModelTable:
         arguments[target] = {parameter_position(fn, name): name for name in entry.per_model}
         defaults[target] = positional_defaults(fn, max(arguments[target]))
     return PerModelTable(tuple(modules), arguments, defaults, elementwise_op=elementwise_op)
+
+
+def padding_of(node: fx.Node, module: nn.Module | None = None) -> Any:
+    """What the op at ``node`` computes over a padded dim, as its rule declares it
+    (``@rule(..., padding=...)``): a :data:`PADDING_KINDS` kind, a :class:`Reduces`, or
+    None (no rule, or its rule declares nothing: refused over a padded dim)."""
+    try:
+        entry = lookup(node, module)
+    except TypeError:  # an unhashable target
+        return None
+    fact = None if entry is None else entry.padding
+    return fact(node) if callable(fact) and not isinstance(fact, Reduces) else fact
+
+
+def channels_last_safe(op: nn.Module | fx.Node) -> bool:
+    """May a CPU program run channels-last with this module (any subclass of a module key
+    that declares ``channels_last=``) or call node, as the rules declare it?"""
+    if isinstance(op, nn.Module):
+        facts = [entry.channels_last for cls, entry in _module_facts()
+                 if entry.channels_last is not True and isinstance(op, cls)]
+    elif op.op != "call_function":
+        return True
+    else:
+        # a function declared unsafe by name: its spellings (torch.group_norm, ATen's
+        # native_group_norm) with it
+        name = getattr(op.target, "__name__", "")
+        if any(unsafe in name for unsafe in _unsafe_function_names()):
+            return False
+        try:
+            entry = RULES.get((op.op, op.target))
+        except TypeError:  # an unhashable target
+            entry = None
+        facts = [] if entry is None else [entry.channels_last]
+    return all(fact(op) if callable(fact) else fact for fact in facts)
+
+
+def _unsafe_function_names() -> set[str]:
+    return _derived("unsafe functions", lambda: {
+        target.__name__ for (kind, target), entry in RULES.items()
+        if kind == "call_function" and entry.channels_last is False
+        and not isinstance(target, str)})
+
+
+def _module_facts() -> list[tuple[type, RuleEntry]]:
+    """The module keys' classes and rules that declare channels-last or widening facts."""
+    return _derived("module facts", lambda: [
+        (cls, entry) for (kind, cls), entry in RULES.items() if kind == "call_module"
+        and (entry.channels_last is not True or entry.widens is not None)])
+
+
+def widens_of(module: nn.Module) -> Widens | None:
+    """How ``pad_widths=True`` pads ``module`` (an instance of a module key that declares
+    ``widens=``), or None: no rule says."""
+    return next((entry.widens for cls, entry in _module_facts()
+                 if entry.widens is not None and isinstance(module, cls)), None)
+
+
+def widened_modules() -> list[str]:
+    """The module classes ``pad_widths=True`` pads, by name (for its error messages)."""
+    return list(dict.fromkeys(f"nn.{cls.__name__}" for (kind, cls), entry in RULES.items()
+                              if kind == "call_module" and entry.widens is not None
+                              and not cls.__name__.startswith("_")))
+
+
+def chain_links(role: str) -> list[ChainLink]:
+    """The rules' :class:`ChainLink` of ``role`` ("linear" or "relu"), one per rule."""
+    return _derived(f"chain links {role}", lambda: list(
+        {id(e.chain): e.chain for e in RULES.values()
+         if e.chain is not None and e.chain.role == role}.values()))
 
 
 def per_model_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:

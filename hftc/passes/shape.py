@@ -29,7 +29,18 @@ from ..lowering.runtime import guards as rt_guards
 from ..lowering.runtime import layout as rt_layout
 from ..lowering.runtime import spatial as rt_spatial
 from ..lowering.runtime.spatial import shift_dim
-from .registry import FusionGroup, GraphBuilder, NotFusable, rule, spellings
+from .registry import (
+    EXACT,
+    MOVES,
+    SPLITS,
+    FusionGroup,
+    GraphBuilder,
+    NotFusable,
+    Reduces,
+    per_model_loop,
+    rule,
+    spellings,
+)
 
 aten = torch.ops.aten
 
@@ -104,7 +115,7 @@ def shift_dim_arg(builder: GraphBuilder, dims: Any) -> Any:
     return shift_dim(dims)
 
 
-@rule(*spellings("view", torch_fn=False), *spellings("reshape"))
+@rule(*spellings("view", torch_fn=False), *spellings("reshape"), padding=MOVES)
 def fuse_reshape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, rest = _self_and_rest(group)
     shape = rest or (group.kwargs.get("shape") or group.kwargs.get("size"),)
@@ -118,7 +129,8 @@ def alias_as_view_as(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
 
 
 @rule(*spellings("view_as", torch_fn=False), *spellings("reshape_as", torch_fn=False),
-               *spellings("expand_as", torch_fn=False), aten={aten.alias: alias_as_view_as})
+      *spellings("expand_as", torch_fn=False), aten={aten.alias: alias_as_view_as},
+      padding=MOVES)
 def fuse_as(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, other = group.args[0], group.args[1]
     size = (builder.call(rt_spatial.size, other, batched=False) if builder.is_batched(other)
@@ -137,7 +149,7 @@ def unflatten_parameters(input, dim, sizes):
     """``torch.unflatten``'s parameters (and a named-dim schema), to bind by."""
 
 
-@rule(*spellings("flatten"), ("call_module", nn.Flatten))
+@rule(*spellings("flatten"), ("call_module", nn.Flatten), padding=MOVES)
 def fuse_flatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.flatten(x, 1)``, ``x.flatten(1)`` or ``nn.Flatten()(x)`` -> ``x.flatten(2)``,
     bound by name (a module's dims are its attributes)."""
@@ -149,7 +161,7 @@ def fuse_flatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                           shift_dim_arg(builder, a["end_dim"]))
 
 
-@rule(*spellings("unflatten"), ("call_module", nn.Unflatten))
+@rule(*spellings("unflatten"), ("call_module", nn.Unflatten), padding=MOVES)
 def fuse_unflatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.unflatten(x, 1, (2, 3))`` or ``nn.Unflatten(1, (2, 3))(x)`` -> ``x.unflatten(2,
     (2, 3))``, bound by name (a module's sizes are its ``unflattened_size``)."""
@@ -163,38 +175,38 @@ def _input_example(group: FusionGroup) -> Any:
     return group.arg_example(0 if group.node.args else "input")
 
 
-@rule(*spellings("permute"))
+@rule(*spellings("permute"), padding=MOVES)
 def fuse_permute(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, dims = _self_and_rest(group)
     dims = dims or (group.kwargs["dims"],)
     return builder.call(rt_spatial.permute, x, *dims)
 
 
-@rule(*spellings("transpose"), *spellings("swapaxes"), *spellings("swapdims"))
+@rule(*spellings("transpose"), *spellings("swapaxes"), *spellings("swapdims"), padding=MOVES)
 def fuse_transpose(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.method("transpose", group.args[0], shift_dim_arg(builder, group.arg(1, "dim0")),
                           shift_dim_arg(builder, group.arg(2, "dim1")))
 
 
-@rule(*spellings("movedim"), *spellings("moveaxis"))
+@rule(*spellings("movedim"), *spellings("moveaxis"), padding=MOVES)
 def fuse_movedim(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.method("movedim", group.args[0], shift_dim_arg(builder, group.arg(1, "source")),
                           shift_dim_arg(builder, group.arg(2, "destination")))
 
 
-@rule(*spellings("t"))
+@rule(*spellings("t"), padding=MOVES)
 def fuse_t(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if group.arg_example(0).dim() < 2:  # t() of a vector is the vector
         return builder.method("view_as", group.args[0], group.args[0])
     return builder.method("transpose", group.args[0], 1, 2)
 
 
-@rule(*spellings("unsqueeze"))
+@rule(*spellings("unsqueeze"), padding=MOVES)
 def fuse_unsqueeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.method("unsqueeze", group.args[0], shift_dim_arg(builder, group.arg(1, "dim")))
 
 
-@rule(*spellings("squeeze"))
+@rule(*spellings("squeeze"), padding=MOVES)
 def fuse_squeeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     dim = group.arg(1, "dim")
     if dim is None:
@@ -202,16 +214,25 @@ def fuse_squeeze(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.method("squeeze", group.args[0], shift_dim_arg(builder, dim))
 
 
-@rule(*spellings("expand", torch_fn=False), aten={aten.expand: expand_as_method})
+@rule(*spellings("expand", torch_fn=False), aten={aten.expand: expand_as_method},
+      padding=MOVES)
 def fuse_expand(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, sizes = _self_and_rest(group)
     return builder.call(rt_spatial.expand, x, *(sizes or (group.kwargs["size"],)))
 
 
-@rule(*spellings("repeat", torch_fn=False))
+@rule(*spellings("repeat", torch_fn=False), padding=MOVES)
 def fuse_repeat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, sizes = _self_and_rest(group)
     return builder.call(rt_spatial.repeat, x, *(sizes or (group.kwargs["repeats"],)))
+
+
+def normalize_over_real_units(input, p=2.0, dim=1, eps=1e-12, out=None):
+    """``F.normalize``'s arguments for ``padding_graph.reduce`` (pad_widths=True), or None
+    for a norm it does not compute (``p`` not a positive number)."""
+    if not (isinstance(p, (int, float)) and p > 0):
+        return None
+    return {"ord": p, "dim": dim, "eps": eps}
 
 
 def _dim_rule(position: int, name: str, default: int):
@@ -233,6 +254,12 @@ def _dim_rule(position: int, name: str, default: int):
 
 #: The ATen ops torch.export records for these ops under another name (``@rule(aten=...)``).
 _EXPORTED_AS = {"split": {aten.split: torch.split}}
+#: What these compute over a padded dim (``@rule(padding=...)``); the others are refused
+#: there (a sort, a difference: not known).
+_PADDING = {**dict.fromkeys(("chunk", "split", "tensor_split"), SPLITS),
+            **dict.fromkeys(("unbind", "narrow", "select", "flip"), MOVES),
+            **dict.fromkeys(("cumsum", "cumprod", "cummax", "cummin"), EXACT),
+            "normalize": Reduces("normalize", normalize_over_real_units, one_dim=True)}
 
 for op_name, pos, kw, default in [
     ("chunk", 2, "dim", 0), ("split", 2, "dim", 0), ("tensor_split", 2, "dim", 0),
@@ -244,7 +271,7 @@ for op_name, pos, kw, default in [
     ("normalize", 2, "dim", 1), ("split_with_sizes", 2, "dim", 0),
 ]:
     rule(*spellings(op_name, inplace=False), name=f"fuse_dim_op[{op_name}]",
-         aten=_EXPORTED_AS.get(op_name))(
+         aten=_EXPORTED_AS.get(op_name), padding=_PADDING.get(op_name))(
         _dim_rule(pos, kw, default)
     )
 
@@ -261,7 +288,7 @@ def fuse_broadcast_tensors(group: FusionGroup, builder: GraphBuilder) -> fx.Node
                         [builder.is_batched(t) for t in tensors])
 
 
-@rule(*spellings("roll"))
+@rule(*spellings("roll"), padding=MOVES)
 def fuse_roll(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     dims = group.arg(2, "dims")
     if dims is None:
@@ -270,7 +297,7 @@ def fuse_roll(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                         shift_dim_arg(builder, dims))
 
 
-@rule(*spellings("index_select"))
+@rule(*spellings("index_select"), padding=MOVES)
 def fuse_index_select(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     index = group.arg(2, "index")
     if builder.is_batched(index):
@@ -287,7 +314,7 @@ def fuse_gather(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 
 @rule(("call_function", torch.cat), ("call_function", torch.concat),
-               ("call_function", torch.concatenate), ("call_function", torch.stack))
+      ("call_function", torch.concatenate), ("call_function", torch.stack), padding=MOVES)
 def fuse_cat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     tensors = group.arg(0, "tensors")
     dim = group.arg(1, "dim", group.kwargs.get("axis", 0))
@@ -301,26 +328,31 @@ def fuse_cat(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                         shift_dim_arg(builder, dim), flags)
 
 
-@rule(("call_method", "size"), aten={aten.sym_size: sym_size_as_method})
+@rule(("call_method", "size"), aten={aten.sym_size: sym_size_as_method}, padding=EXACT)
 def fuse_size(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(rt_spatial.size, group.args[0], group.arg(1, "dim"), batched=False)
 
 
-@rule(("call_method", "dim"), ("call_method", "ndimension"))
+@rule(("call_method", "dim"), ("call_method", "ndimension"), padding=EXACT)
 def fuse_ndim(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(operator.sub, builder.method("dim", group.args[0], batched=False), 1,
                         batched=False)
 
 
 @rule(("call_method", "numel"), ("call_function", torch.numel),
-      aten={aten.sym_numel: sym_numel_as_method})
+      aten={aten.sym_numel: sym_numel_as_method}, padding=EXACT)
 def fuse_numel(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     total = builder.method("numel", group.args[0], batched=False)
     count = builder.method("size", group.args[0], 0, batched=False)
     return builder.call(operator.floordiv, total, count, batched=False)
 
 
-@rule(("call_function", builtins.getattr))
+#: Tensor attributes that move units (``x.T``); the others (``x.shape``, ``x.dtype``) hold none.
+_MOVING_ATTRIBUTES = ("T", "mT", "H", "mH")
+
+
+@rule(("call_function", builtins.getattr),
+      padding=lambda node: MOVES if node.args[1] in _MOVING_ATTRIBUTES else EXACT)
 def fuse_getattr(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x, name = group.args[0], group.args[1]
     example = group.arg_example(0)
@@ -366,7 +398,7 @@ def _index_is_fusable(group: FusionGroup, builder: GraphBuilder) -> None:
 
 
 @rule(("call_function", operator.getitem),
-      aten={aten.slice: slice_as_getitem, aten.index: index_as_getitem})
+      aten={aten.slice: slice_as_getitem, aten.index: index_as_getitem}, padding=MOVES)
 def fuse_getitem(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     container = group.arg_example(0)
     if not isinstance(container, torch.Tensor):  # a tuple/list/Size of per-model values
@@ -382,3 +414,9 @@ def fuse_check_input_shape(group: FusionGroup, builder: GraphBuilder) -> fx.Node
     x, shape, name = group.args[:3]
     return builder.call(rt_guards.check_input_shape, x, shape, name, offset=1, batched=False,
                         **group.kwargs)  # (``exported``: how its sizes were exported)
+
+
+#: Ops no rule fuses (each model runs its own), declared for what they compute over a
+#: padded dim: they move units.
+rule(*spellings("tile"), *spellings("broadcast_to"), ("call_method", "transpose_"),
+     name="per_model_loop[moves]", padding=MOVES)(per_model_loop)

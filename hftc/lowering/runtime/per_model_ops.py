@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import random as rt_random
@@ -37,31 +36,10 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
 
 
 #: The elementwise, shape-preserving ops that may differ per model, by name: each
-#: ``fn(x, **keywords)`` on a model's slice computes what the model computes.
-ELEMENTWISE_OPS: dict[str, Any] = {
-    "identity": identity,
-    "relu": F.relu,
-    "relu6": F.relu6,
-    "gelu": F.gelu,
-    "silu": F.silu,
-    "mish": F.mish,
-    "tanh": torch.tanh,
-    "tanh_": torch.tanh_,
-    "sigmoid": torch.sigmoid,
-    "sigmoid_": torch.sigmoid_,
-    "leaky_relu": F.leaky_relu,
-    "elu": F.elu,
-    "selu": F.selu,
-    "celu": F.celu,
-    "softplus": F.softplus,
-    "hardswish": F.hardswish,
-    "hardsigmoid": F.hardsigmoid,
-    "hardtanh": F.hardtanh,
-    "softsign": F.softsign,
-    "tanhshrink": F.tanhshrink,
-    "logsigmoid": F.logsigmoid,
-    "dropout": dropout,
-}
+#: ``fn(x, **keywords)`` on a model's slice computes what the model computes.  Filled by
+#: the rules that declare them (``@rule(..., per_model_op=...)`` in
+#: :mod:`hftc.passes.elementwise`).
+ELEMENTWISE_OPS: dict[str, Any] = {}
 
 Op = tuple[str, tuple[tuple[str, Any], ...]]
 
