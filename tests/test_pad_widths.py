@@ -493,10 +493,10 @@ def test_the_locating_message_names_the_op():
         padded.fc2.weight.zero_()
         padded.fc2.weight[:, :8] = original.fc2.weight
         padded.fc2.bias.copy_(original.fc2.bias)
-    where = hftc.module.padding.locate_difference(original, padded, [torch.randn(2, 4)])
-    assert re.search(r"the input of `fc2` \(Linear\) differs while the modules before it "
-                     r"agree: the op `softmax` \(.*test_pad_widths.py:\d+, in forward\)",
-                     where), where
+    where = hftc.module.padding.locate_padded_op(original, padded, [torch.randn(2, 4)])
+    assert re.search(r"^the op `softmax` \(.*test_pad_widths.py:\d+, in forward\)$", where), where
+    # the original against itself: nothing differs, nothing is named
+    assert hftc.module.padding.locate_padded_op(original, original, [torch.randn(2, 4)]) == ""
 
 
 def test_outputs_of_different_widths_are_refused():
@@ -733,3 +733,23 @@ def test_stock_optimizer_state_of_attention_goes_in_block_by_block(optimizer):
             else:
                 got_k = got[key]
             assert _relative(got_k, want) <= 1e-9, (i, key)
+
+
+def test_a_refused_padded_program_names_the_module_and_the_op(monkeypatch):
+    """Where no rewrite helps, the refusal says where the padded program parts from the
+    original model: the first module whose output differs on the model's own units (the
+    one locate_difference of the first-call check) and the op of forward's own code."""
+    import hftc.module.programs as programs
+
+    monkeypatch.setattr(programs, "compute_over_real_units",
+                        lambda originals, padded, args: padded)  # no rewrite helps
+    torch.manual_seed(0)
+    fused = hftc.fuse([SoftmaxOverHidden(8), SoftmaxOverHidden(16)], pad_widths=True)
+    with pytest.raises(MismatchError) as caught:
+        fused(torch.randn(2, 4))
+    message = str(caught.value)
+    assert "pad_widths=True refused" in message
+    assert "the first module whose output differs is module `fc2` (Linear)" in message, message
+    assert re.search(r"the first op of forward's own code that differs on the model's own "
+                     r"units is the op `softmax` \(.*test_pad_widths.py:\d+, in forward\)",
+                     message), message

@@ -1034,6 +1034,46 @@ def deepcopy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn
     return copied
 
 
+
+class LeafTracer(fx.Tracer):
+    """torch.fx's own tracer with torch.nn's modules and those ``leaf`` picks as leaves,
+    buffers as proxies (``self.mask[:T, :T]`` is a node) and every node's stack trace
+    kept: a model's own forward op for op, so that two models of one structure (a model
+    and its padded model, ``pad_widths=True``) give graphs that match node by node.  The
+    fusing trace is :func:`trace_model`'s (through the modules it knows, autocast and
+    grad modes and random draws as nodes); this one compares and rewrites forwards."""
+
+    proxy_buffer_attributes = True
+
+    def __init__(self, leaf: Callable[[nn.Module], bool]) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        self._leaf = leaf
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return self._leaf(m) or super().is_leaf_module(m, qualname)
+
+
+def trace_with_leaves(model: nn.Module, leaf: Callable[[nn.Module], bool],
+                      concrete_args: dict[str, Any] | None = None) -> fx.GraphModule:
+    """``model``'s forward as a GraphModule traced by :class:`LeafTracer`."""
+    tracer = LeafTracer(leaf)
+    graph = tracer.trace(model, concrete_args=concrete_args or None)
+    return fx.GraphModule(tracer.root, graph)
+
+
+def record_values(gm: fx.GraphModule, *args: Any) -> dict[fx.Node, Any]:
+    """Run ``gm`` once on ``args``; every node's value."""
+    values: dict[fx.Node, Any] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            values[n] = out = super().run_node(n)
+            return out
+
+    Recorder(gm).run(*args)
+    return values
+
 class _Recorder(fx.Interpreter):
     """Runs a graph and stores every node's value in ``node.meta[EXAMPLE_VALUE]``."""
 

@@ -581,22 +581,37 @@ def _within_own_rounding(fused: nn.Module, i: int, args: Sequence[Any], got: Any
 
 def locate_difference(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
                       records: Sequence[Any], values: Sequence[Any], batched: Sequence[bool],
-                      index: int) -> str:
+                      index: int, real_units: bool = False) -> str:
     """Where model ``index``'s outputs part: the first of its leaf modules (in model 0's
     traced graph, in order) whose output in the fused program differs from its output in
     the model's own forward (read with forward hooks on an unfused copy), or that its own
     forward did not run as often.  Both run on copies of ``values`` with constant
     randomness; ``records``: the fusion report's, which name each node's fused value.
+    ``real_units`` (a program of models padded to the widest, ``pad_widths=True``): each
+    fused value is compared on the model's own units, the leading ones of each dim.
     Best effort: a diagnosis that cannot be made is ``""``."""
     try:
-        return _locate(fused, fused_graph, model_graph, records, values, batched, index)
+        return _locate(fused, fused_graph, model_graph, records, values, batched, index,
+                       real_units)
     except Exception:  # noqa: BLE001 - a diagnosis must never make the error worse
         return ""
 
 
+def _real_units(got: Any, want: Any) -> Any:
+    """``got`` (a padded model's value) cut to ``want``'s shape, leaf by leaf: a padded
+    tensor holds the model's own units first in every dim."""
+    if isinstance(got, Tensor) and isinstance(want, Tensor) and got.dim() == want.dim() \
+            and all(g >= w for g, w in zip(got.shape, want.shape)):
+        return got[tuple(slice(0, w) for w in want.shape)]
+    if isinstance(got, (tuple, list)) and isinstance(want, (tuple, list)) \
+            and len(got) == len(want):
+        return type(got)(_real_units(g, w) for g, w in zip(got, want))
+    return got
+
+
 def _locate(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
             records: Sequence[Any], values: Sequence[Any], batched: Sequence[bool],
-            index: int) -> str:
+            index: int, real_units: bool) -> str:
     by_node = {r.node: r for r in records if r.value}
     calls = [(n.name, str(n.target)) for n in model_graph.nodes
              if n.op == "call_module" and n.name in by_node]
@@ -639,6 +654,8 @@ def _locate(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
                     f"in the traced program")
         got = fused_values[record.value]
         got = got if record.kind == "shared" else model_slice(got, index)
+        if real_units:
+            got = _real_units(got, outs[k])
         problem = output_difference(got, outs[k], where=f"its output (call {k + 1})")
         if problem:
             return f"the first module whose output differs is {what}: {problem}"

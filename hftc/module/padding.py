@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import MismatchError, UnsupportedOperatorError
-from ..frontends.symbolic import deepcopy_module, meta_copy
+from ..frontends.symbolic import deepcopy_module, meta_copy, record_values, trace_with_leaves
 from ..lowering.check import ConstantRandomness
 from ..passes import padded as padded_modules
 from ..passes.registry import widened_modules, widens_of
@@ -242,85 +242,16 @@ def _zero_padded_gradient(fused_ref: weakref.ref, name: str) -> Any:
     return hook
 
 
-def locate_difference(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
-    """Where model ``original`` and its ``padded`` model first part (both run once, draws
-    made constant): the first module, in call order, whose input or output differs in the
-    original's units.  An input that differs where the modules before agree was changed
-    by forward's own code between them."""
-    def record(model: nn.Module) -> list[tuple[str, str, Tensor]]:
-        seen: list[tuple[str, str, Tensor]] = []
-        handles = []
-        for path, sub in model.named_modules():
-            def hook(module, inputs, output, path=path):
-                if inputs and isinstance(inputs[0], Tensor):
-                    seen.append((path, "input", inputs[0].detach()))
-                if isinstance(output, Tensor):
-                    seen.append((path, "output", output.detach()))
-            if path:
-                handles.append(sub.register_forward_hook(hook))
-        try:
-            with torch.no_grad(), ConstantRandomness():
-                model(*args)
-        except Exception:  # noqa: BLE001 - whatever ran until then is compared
-            pass
-        finally:
-            for h in handles:
-                h.remove()
-        return seen
-
-    wants, gots = record(original), record(padded)
-    for (path, kind, want), (_, _, got) in zip(wants, gots):
-        if got.dim() != want.dim() or any(g < w for g, w in zip(got.shape, want.shape)):
-            differs = True
-        else:
-            got = got[tuple(slice(0, w) for w in want.shape)]
-            differs = not torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6)
-        if differs:
-            module = type(original.get_submodule(path)).__name__
-            if kind == "input":
-                op = _locate_op(original, padded, args)
-                return (f"the input of `{path}` ({module}) differs while the modules before "
-                        f"it agree: {op or 'an op of forward' + chr(39) + 's own code'} "
-                        f"before `{path}` mixes across a padded width")
-            return f"the output of `{path}` ({module}) differs"
-    return ""
-
-
-class PaddedLeafTracer(torch.fx.Tracer):
-    """torch.nn's modules and the padded modules as leaves, the user's own traced through,
-    so that a model and its padded model give graphs that match node by node.  Buffers are
-    proxies (``self.mask[:T, :T]`` is a node); every node keeps its stack trace (the
-    refusal names the user's line)."""
-
-    proxy_buffer_attributes = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.record_stack_traces = True
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, PaddedModule) or super().is_leaf_module(m, qualname)
-
-
-class NodeRecorder(torch.fx.Interpreter):
-    """Runs a graph once, keeping every node's value in ``values``."""
-
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.values: dict[torch.fx.Node, object] = {}
-
-    def run_node(self, n: torch.fx.Node) -> object:
-        self.values[n] = out = super().run_node(n)
-        return out
+def is_padded(module: nn.Module) -> bool:
+    """A padded module (a leaf of :func:`~hftc.frontends.symbolic.trace_with_leaves`)."""
+    return isinstance(module, PaddedModule)
 
 
 def _node_values(model: nn.Module, args: Sequence) -> tuple[torch.fx.Graph, dict[str, object]]:
-    tracer = PaddedLeafTracer()
-    graph = tracer.trace(model)
-    recorder = NodeRecorder(torch.fx.GraphModule(tracer.root, graph))
+    gm = trace_with_leaves(model, is_padded)
     with torch.no_grad(), ConstantRandomness():
-        recorder.run(*args)
-    return graph, {n.name: v for n, v in recorder.values.items()}
+        values = record_values(gm, *args)
+    return gm.graph, {n.name: v for n, v in values.items()}
 
 
 def _agree(want: object, got: object) -> bool:
@@ -347,10 +278,13 @@ def _user_frame(stack_trace: str) -> str:
     return ""
 
 
-def _locate_op(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
+def locate_padded_op(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
     """The first op of forward's own code whose inputs agree on the original's units and
-    whose output does not (both models traced with :class:`PaddedLeafTracer` and run on
-    ``args``), named with its source line; "" where the models do not trace alike."""
+    whose output does not (both models traced alike,
+    :func:`~hftc.frontends.symbolic.trace_with_leaves`, and run on ``args``), named with
+    its source line; "" where the models do not trace alike.  The op-level pinpoint that
+    :func:`hftc.lowering.check.locate_difference` (the module whose output differs) is
+    followed by for a padded program."""
     try:
         graph, wants = _node_values(original, args)
         padded_graph, gots = _node_values(padded, args)
@@ -581,6 +515,6 @@ def _op_name(node: torch.fx.Node) -> str:
         node.target, "__name__", str(node.target))
 
 
-__all__ = ["WidthPadding", "into_padded", "locate_difference", "mask_padded_gradients",
+__all__ = ["WidthPadding", "into_padded", "is_padded", "locate_padded_op", "mask_padded_gradients",
            "own_part", "pad_models", "padding_ratio", "weight_shapes", "width_blocks",
            "widths_key"]

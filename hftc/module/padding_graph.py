@@ -53,6 +53,7 @@ from torch.fx.graph_module import _format_import_block, _forward_from_src
 from torch.package import sys_importer
 
 from ..errors import UnsupportedOperatorError
+from ..frontends.symbolic import record_values, trace_with_leaves
 from ..ir import set_training
 from ..passes.registry import (
     ATTENDS,
@@ -65,7 +66,7 @@ from ..passes.registry import (
     lookup,
     padding_of,
 )
-from .padding import NodeRecorder, PaddedLeafTracer, PaddedModule
+from .padding import PaddedModule, is_padded
 
 # ---------------------------------------------------------------- the rewritten ops
 
@@ -233,9 +234,7 @@ def _trace(model: nn.Module, training: bool, concrete: dict[str, Any]) -> fx.Gra
     was = [(m, m.training) for m in model.modules()]
     set_training(model, training)
     try:
-        tracer = PaddedLeafTracer()
-        graph = tracer.trace(model, concrete_args=concrete or None)
-        return fx.GraphModule(tracer.root, graph)
+        return trace_with_leaves(model, is_padded, concrete)
     finally:
         for m, mode in was:
             m.training = mode
@@ -245,11 +244,10 @@ def _run(model: nn.Module, training: bool, concrete: dict[str, Any], args: Seque
          ) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
     gm = _trace(model, training, concrete)
     runner = set_training(copy.deepcopy(gm), training)  # (running statistics are not touched)
-    recorder = NodeRecorder(runner)
     with torch.no_grad():
-        recorder.run(*args)
+        values = record_values(runner, *args)
     nodes = dict(zip(runner.graph.nodes, gm.graph.nodes))
-    return gm, {nodes[n]: v for n, v in recorder.values.items()}
+    return gm, {nodes[n]: v for n, v in values.items()}
 
 
 # ---------------------------------------------------------------- the analysis

@@ -59,7 +59,7 @@ from ..match import GraphMatch, match_graphs
 from ..passes import FusionReport
 from ..passes.driver import SHARED_CONSTANT_PREFIX
 from ..passes.registry import aten_spellings, per_model_table
-from .padding import locate_difference as locate_padding_difference
+from .padding import locate_padded_op
 from .padding_graph import compute_over_real_units
 
 
@@ -401,11 +401,18 @@ class ProgramCache:
             return str(report.check.raised)
         if report.check.passed:
             return None
-        if getattr(self, "padding", None) is not None:
-            i = report.check.failed_model
-            where = locate_padding_difference(
-                self.unfuse_model(i), self.padded_model(i),
-                [model_slice(v, i) if b else v for v, b in zip(input_copies(values), batched)])
+        index = report.check.failed_model
+        padded = getattr(self, "padding", None) is not None
+        where = locate_difference(self, graph, model_graph, report.records, values, batched,
+                                  index, real_units=padded)
+        if padded:
+            op = locate_padded_op(
+                self.unfuse_model(index), self.padded_model(index),
+                [model_slice(v, index) if b else v
+                 for v, b in zip(input_copies(values), batched)])
+            where = "; ".join(w for w in (where, op and f"the first op of forward's own code "
+                                          f"that differs on the model's own units is {op}")
+                              if w)
             where = f" ({where})" if where else ""
             return (f"{report.check.difference}{where}: padded to the widest model "
                     f"(pad_widths=True), the fused program does not compute what the "
@@ -420,8 +427,6 @@ class ProgramCache:
                     f"modules that pad (nn.LayerNorm for a hand-written norm, "
                     f"nn.MultiheadAttention or three nn.Linear for a packed q, k, v "
                     f"projection)")
-        where = locate_difference(self, graph, model_graph, report.records, values, batched,
-                                  report.check.failed_model)
         if where:
             report.check.difference += f" ({where})"
         return (f"{report.check.difference}. The fused program, traced from the models' "
