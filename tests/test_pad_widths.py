@@ -753,3 +753,26 @@ def test_a_refused_padded_program_names_the_module_and_the_op(monkeypatch):
     assert re.search(r"the first op of forward's own code that differs on the model's own "
                      r"units is the op `softmax` \(.*test_pad_widths.py:\d+, in forward\)",
                      message), message
+
+
+def test_ops_over_a_padded_dim_are_computed_before_the_check(monkeypatch):
+    """The pass over forward runs on the first call before the first-call check: the
+    program the check compares is the one that runs (never refused, then rebuilt)."""
+    import hftc.module.programs as programs
+
+    checks = []
+    real = programs.compare_with_models
+
+    def recorded(*args, **kwargs):
+        checks.append(real(*args, **kwargs))
+        return checks[-1]
+
+    monkeypatch.setattr(programs, "compare_with_models", recorded)
+    torch.manual_seed(0)
+    models = [SoftmaxOverHidden(8), SoftmaxOverHidden(16)]
+    fused = hftc.fuse(copy.deepcopy(models), pad_widths=True)
+    x = torch.randn(2, 4)
+    out = fused(x)
+    assert checks and all(c.passed for c in checks)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))

@@ -382,21 +382,11 @@ class _Rewriter:
             raise _Refused("pooling over a padded spatial dim")
 
     def padded_by_pad_models(self, node: fx.Node) -> bool:
-        """A module :func:`hftc.module.padding.pad_models` padded (a masked norm, a Linear or
-        attention at the widest widths, a layer holding them): exact on padded inputs by
-        its construction, and any of its tensors wider than some model's own."""
-        module = self.gm.get_submodule(node.target)
-        if any(isinstance(m, PaddedModule) for m in module.modules()):
-            return True
-        mine = {n: t.shape for n, t in [*module.named_parameters(), *module.named_buffers()]}
-        for i in range(self.n):
-            original = self.original_nodes[i][node]
-            owner = original.graph.owning_module.get_submodule(original.target)
-            theirs = {n: t.shape for n, t in [*owner.named_parameters(),
-                                              *owner.named_buffers()]}
-            if any(theirs.get(n, shape) != shape for n, shape in mine.items()):
-                return True
-        return False
+        """A module :func:`hftc.module.padding.pad_models` padded: exact on padded inputs
+        by its construction (:func:`_padded_by_pad_models`)."""
+        originals = [self.original_nodes[i][node].graph.owning_module for i in range(self.n)]
+        return _padded_by_pad_models(node.target, self.gm.get_submodule(node.target),
+                                     originals)
 
     def rewrite_reduction(self, node: fx.Node, x: fx.Node, op: str, args: dict[str, Any],
                           dims: tuple[int, ...]) -> None:
@@ -526,6 +516,8 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
     given = {p.name for p in params[:len(example_args[0])]}
     concrete = {p.name: p.default for p in params if p.name not in given
                 and p.default is not inspect.Parameter.empty}
+    if _nothing_to_rewrite(originals, padded, concrete):
+        return list(padded)
     sources: dict[str, str] = {}
     constants: dict[str, list[Tensor]] = {}
     for training in (True, False):
@@ -558,6 +550,45 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
                 value = value.to(like.dtype)
             model.register_buffer(name, value.to(like.device), persistent=False)
     return list(padded)
+
+
+def _nothing_to_rewrite(originals: Sequence[nn.Module], padded: Sequence[nn.Module],
+                        concrete: dict[str, Any]) -> bool:
+    """Whether no op of forward can see a padded dim otherwise than exactly: every call
+    is a module :func:`~hftc.module.padding.pad_models` padded, or an op or module whose
+    rule declares it ``EXACT`` (one trace of model 0's padded forward, nothing run: the
+    common case, a stack of layers, costs no analysis)."""
+    try:
+        gm = _trace(padded[0], True, concrete)
+    except Exception:  # noqa: BLE001 - the analysis decides (and says why)
+        return False
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if module is not None and _padded_by_pad_models(node.target, module, originals):
+            continue
+        fact = padding_of(node, module) if node.op != "get_attr" else None
+        if fact == EXACT or (fact is None and node.op in ("call_function", "call_method")
+                             and _unknown_pointwise(node)):
+            continue
+        return False
+    return True
+
+
+def _padded_by_pad_models(path: str, module: nn.Module, originals: Sequence[nn.Module]) -> bool:
+    """Module ``path`` of a padded model is one :func:`~hftc.module.padding.pad_models`
+    padded (a masked norm, a layer at the widest widths, one holding them): any of its
+    tensors wider than some original model's own."""
+    if any(isinstance(m, PaddedModule) for m in module.modules()):
+        return True
+    mine = {n: t.shape for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    for original in originals:
+        owner = original.get_submodule(path)
+        theirs = {n: t.shape for n, t in [*owner.named_parameters(), *owner.named_buffers()]}
+        if any(theirs.get(n, shape) != shape for n, shape in mine.items()):
+            return True
+    return False
 
 
 _REWRITTEN: dict[tuple, type] = {}

@@ -254,30 +254,33 @@ class ProgramCache:
 
     def _rewriting_padded_ops(self, make: Callable[[], Any], values: Sequence[Any],
                               batched: Sequence[bool]) -> Any:
-        """``make()`` (this call's program); where the first-call check refuses a padded
-        program, again after :meth:`_rewrite_padded_ops` (the refusal stands where no
-        rewrite helps; an op it cannot compute on the real units is named)."""
+        """``make()`` (this call's program), for models padded to the widest after one
+        pass over their forward on this first call's inputs: its ops over a padded dim
+        computed on each model's real units (:meth:`_rewrite_padded_ops`), so that the
+        first-call check sees the program as it will run.  An op that pass cannot
+        compute is named in place of the check's refusal, where the check refuses."""
+        if self.padding is None or self.__dict__.get("_padded_ops_rewritten"):
+            return make()
+        cannot: UnsupportedOperatorError | None = None
+        try:
+            self._rewrite_padded_ops(values, batched)
+        except UnsupportedOperatorError as exc:
+            cannot = exc  # an op over a padded dim: it matters only if the check refuses
+        except Exception:  # noqa: BLE001 - forward not traceable alone: the check decides
+            pass
+        if cannot is None:
+            return make()
         try:
             return make()
-        except MismatchError as refused:
-            if self.padding is None:
-                raise
-            try:
-                rewritten = self._rewrite_padded_ops(values, batched)
-            except UnsupportedOperatorError:
-                raise
-            except Exception:  # noqa: BLE001 - the rewrite failed: the refusal stands
-                raise refused from None
-            if not rewritten:
-                raise
-            return make()
+        except MismatchError:
+            raise cannot from None
 
     def _rewrite_padded_ops(self, values: Sequence[Any], batched: Sequence[bool]) -> bool:
-        """After the first-call check refused a padded program: rebuild this module from
-        padded models whose forwards compute their ops over a padded dim on each model's
-        real units (:func:`hftc.module.padding_graph.compute_over_real_units`, run on this
-        call's inputs), keeping the parameter objects; False where no rewrite helps (the
-        refusal stands).  Once per module."""
+        """Rebuild this module from padded models whose forwards compute their ops over a
+        padded dim on each model's real units
+        (:func:`hftc.module.padding_graph.compute_over_real_units`, run on this call's
+        inputs), keeping the parameter objects; False where no op needs it (the module
+        stays as it is).  Once per module."""
         if self.__dict__.get("_padded_ops_rewritten"):
             return False
         self._padded_ops_rewritten = True
