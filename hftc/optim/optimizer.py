@@ -65,6 +65,7 @@ from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 from ..errors import FusionArgumentError
 from ..lowering.compile_guard import run_eagerly
 from ..lowering.runtime.per_model import values_on
+from ..training import mistakes
 from .slicing import stock_keeps
 
 __all__ = ["FusedOptimizer"]
@@ -822,6 +823,7 @@ class FusedOptimizer(Optimizer):
             self._step_models(params, skip_on_device=self._skip_flags(skip_models))
             return loss
         skip = self._skip_indices(skip_models)
+        mistakes.check_fused_step(self, params, skip)  # (copies unfuse() gave; skip + norms)
         if len(skip) == self.num_models:
             return loss
         self._step_models(params, skip=skip)

@@ -1,22 +1,45 @@
 """The mistakes a user makes first when training a fused module with stock code, caught
-with a message that names the fix (installed by :mod:`hftc.patches`)::
+with a message that names the fix and the user's line (installed by :mod:`hftc.patches`)::
 
     torch.optim.SGD(fused.parameters(),   a stock optimizer given one value per model:
                     lr=[0.1, 0.2])        FusionTypeError -> hftc.optim.SGD(..., lr=[...])
+    F.cross_entropy(fused(x), y)          a stock class loss on a fused output, as for one
+    nn.CrossEntropyLoss()(fused(x), y)    model's: FusionArgumentError -> hftc.per_model
+    F.mse_loss(fused(x), y)               a mean over all N models (one model's target
+                                          broadcast): UsageWarning -> hftc.per_model
+    hftc.per_model(loss)(out, y).mean()   each model's gradient / N: UsageWarning -> .sum()
+    opt.step() after training the         the copies do not follow: UsageWarning -> train
+      models fused.unfuse() gave          the fused module, unfuse() after
+    opt.step(skip_models=...)             its batch norm still learned: UsageWarning ->
+      to freeze a model                   hftc.keep_models / hftc.EarlyStopping
 
 A stock optimizer is only refused where torch's own check failed on a list or tuple of
-values: what torch accepts runs as torch runs it.
+values: what torch accepts runs as torch runs it.  The losses of ``torch.nn.functional``
+keep their identity (``F.cross_entropy is F.cross_entropy`` for every table keyed by it,
+torch.fx's targets, dynamo's rules): :func:`guard_losses` gives each function object a
+new ``__code__`` that checks its first argument and calls a copy of the original; a
+tensor that is not a fused output (:mod:`hftc.module.usage`) costs one attribute lookup.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
-from collections.abc import Callable
+import inspect
+import linecache
+import sys
+import types
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from ..errors import FusionTypeError
+from ..errors import FusionArgumentError, FusionTypeError, UsageWarning, user_stacklevel
+from ..lowering.runtime.modules import FUSED_MODULES
+from ..module.usage import OUTPUT_MARK, UNFUSED_COPIES
 
 
 def refusing_per_model_values(init: Callable[..., None]) -> Callable[..., None]:
@@ -56,4 +79,265 @@ def stock_optimizer_classes() -> list[type]:
     return found
 
 
-__all__ = ["refusing_per_model_values", "stock_optimizer_classes"]
+# --------------------------------------------------------------------------- stock losses
+
+#: torch.nn.functional's losses whose target is a class index (or probabilities) per row.
+CLASS_LOSSES = ("cross_entropy", "nll_loss")
+#: ... and those over elements, which broadcast a target of another shape ...
+ELEMENTWISE_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+                      "soft_margin_loss", "poisson_nll_loss")
+#: ... or refuse it (torch's ValueError: ours names the fix).
+SAME_SHAPE_LOSSES = ("binary_cross_entropy", "binary_cross_entropy_with_logits")
+#: the losses whose code :func:`guard_losses` gave the check, by name
+GUARDED_LOSSES: dict[str, Callable[..., Tensor]] = {}
+
+
+def guard_losses() -> None:
+    """Give each loss of :data:`CLASS_LOSSES`, :data:`ELEMENTWISE_LOSSES` and
+    :data:`SAME_SHAPE_LOSSES` a first statement, on its docstring's closing line::
+
+        def mse_loss(input, target, ..., reduction="mean", ...):
+            \"\"\"...\"\"\"; _hftc_check_loss("mse_loss", input, target, reduction, ...)
+            ... torch's body, unchanged ...
+
+    compiled from torch's own source at its own lines, as the same function object's
+    ``__code__``: its identity (every table keyed by it, torch.fx's targets, dynamo's
+    rules), signature, source (``inspect.getsource``, TorchScript) and line numbers are
+    torch's, and a warning torch's body gives still names the caller's line."""
+    for name in (*CLASS_LOSSES, *ELEMENTWISE_LOSSES, *SAME_SHAPE_LOSSES):
+        function = getattr(F, name, None)
+        if function is None or name in GUARDED_LOSSES or function.__closure__:
+            continue
+        code = _guarded_code(function)
+        if code is not None:
+            function.__globals__["_hftc_check_loss"] = check_loss_call
+            function.__code__ = code
+            GUARDED_LOSSES[name] = function
+
+
+def _guarded_code(function: Callable[..., Tensor]) -> types.CodeType | None:
+    """``function``'s code with the check after its docstring (None: no source, or no
+    docstring to put it after)."""
+    try:
+        lines, first = inspect.getsourcelines(function)
+    except (OSError, TypeError):
+        return None
+    source = "".join(lines)
+    tree = ast.parse(source)
+    node = tree.body[0]
+    params = [a.arg for a in node.args.args]
+    doc = node.body[0] if node.body else None
+    if not isinstance(node, ast.FunctionDef) or node.decorator_list or len(params) < 2 \
+            or not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)):
+        return None
+    given = ", ".join(k if k in params else "None" for k in ("reduction", "size_average",
+                                                              "reduce"))
+    check = f"; _hftc_check_loss({node.name!r}, {params[0]}, {params[1]}, {given})"
+    lines = source.splitlines(keepends=True)
+    row, end = doc.end_lineno - 1, doc.end_col_offset  # (a byte offset, as ast gives)
+    raw = lines[row].encode()
+    lines[row] = (raw[:end] + check.encode() + raw[end:]).decode()
+    namespace = dict(function.__globals__)
+    exec(compile("\n" * (first - 1) + "".join(lines), function.__code__.co_filename, "exec"),
+         namespace)
+    return namespace[node.name].__code__
+
+
+def check_loss_call(name: str, input: Any, target: Any, reduction: Any, size_average: Any,
+                    reduce: Any) -> None:
+    """The first statement of torch's loss ``name``: nothing unless ``input`` is a fused
+    output (a marked tensor, :mod:`hftc.module.usage`) taken as one model's output
+    (:func:`_check_fused_loss`)."""
+    if not isinstance(input, Tensor) or torch.compiler.is_compiling():
+        return
+    n = getattr(input, OUTPUT_MARK, None)
+    if n is None or n < 2 or not isinstance(target, Tensor):
+        return
+    if size_average is not None or reduce is not None:  # torch's legacy spelling
+        reduction = "sum" if size_average is False and reduce is not False else "other"
+    _check_fused_loss(name, input, target, n, reduction)
+
+
+def _loss_called_as() -> tuple[str, str]:
+    """``(how the user called the loss, what to pass hftc.per_model)``: a loss module
+    (``nn.CrossEntropyLoss()``) where the frame that called the functional loss is one's
+    ``forward``, else the function; found above this module and the guarded loss."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_globals.get("__name__") == __name__
+                                 or frame.f_code.co_name in GUARDED_LOSSES):
+        frame = frame.f_back
+    owner = frame.f_locals.get("self") if frame is not None else None
+    if frame is not None and frame.f_code.co_name == "forward" \
+            and isinstance(owner, nn.modules.loss._Loss):
+        return f"nn.{type(owner).__name__}()", f"nn.{type(owner).__name__}()"
+    return "", ""
+
+
+def _user_line() -> str:
+    """`` at file:line: `code` `` of the user's frame."""
+    frame = sys._getframe(user_stacklevel() - 1)
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f" at {frame.f_code.co_filename}:{frame.f_lineno}" + (f": `{code}`" if code else "")
+
+
+def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
+                      reduction: str) -> None:
+    """A stock loss taken on a fused output ``[N, B, ...]`` as if it were one model's:
+
+    - a class loss (``cross_entropy``, ``nll_loss``) given one model's target (or the N
+      models' stacked): FusionArgumentError (torch would read the N models as the batch);
+    - a loss that needs the input's shape (``binary_cross_entropy``) given one model's
+      target: FusionArgumentError (torch refuses it, not saying why);
+    - an elementwise loss with ``reduction="mean"`` given one model's target (broadcast)
+      or the N models' (stacked): the mean over all N models, each model's gradient
+      divided by N: UsageWarning.
+
+    Each names the user's line and ``hftc.per_model``."""
+    one_row = input.shape[1:2] + input.shape[3:]  # one model's class-index target
+    classes = name in CLASS_LOSSES
+    shared = target.shape in ((one_row, input.shape[1:]) if classes else (input.shape[1:],))
+    stacked = target.shape in (((n, *one_row), input.shape) if classes else (input.shape,))
+    if input.dim() < 2 or not (shared or stacked):
+        return
+    module, module_arg = _loss_called_as()
+    called = module or f"F.{name}"
+    dims = "" if shared else ", in_dims=(0, 0)"
+    target_text = (f"one model's target {list(target.shape)}" if shared
+                   else f"a target stacked per model {list(target.shape)}")
+    use = (f"Take each model's loss with hftc.per_model: losses = hftc.per_model("
+           f"{module_arg or f'F.{name}'}{dims})(out, y) ([{n}], one per model), then "
+           f"losses.sum().backward() (the sum: each model gets its own gradient)")
+    if classes or (shared and name in SAME_SHAPE_LOSSES):
+        why = (f"torch would take the {n} models for the batch" if classes else
+               "torch refuses a target of another shape than the input")
+        raise FusionArgumentError(
+            f"{called} got a fused module's output {list(input.shape)} ({n} models) and "
+            f"{target_text}, as for one model's output{_user_line()}; {why}. {use}")
+    if reduction == "mean":
+        warnings.warn(
+            f"{called} on a fused module's output {list(input.shape)} ({n} models) and "
+            f"{target_text}{_user_line()}: "
+            + ("the target is broadcast over the models and " if shared else "")
+            + f"the mean is over all {n} models, so each model's gradient is divided by "
+            f"{n} (with SGD: a learning rate {n} times smaller). {use}", UsageWarning,
+            stacklevel=user_stacklevel())
+
+
+# --------------------------------------------------------------------------- .mean() of N losses
+
+#: The user's lines whose per-model losses' gradient was checked once (file, line).
+_CHECKED_LOSS_LINES: set[tuple[str, int]] = set()
+
+
+def check_loss_reduction(losses: Tensor) -> None:
+    """On the first backward through ``hftc.per_model``'s ``[N]`` losses made at a user's
+    line: a gradient of exactly ``1/N`` for each is ``losses.mean()``, which divides
+    each model's gradient by N; warned (once per line) saying to take ``.sum()``."""
+    if not isinstance(losses, Tensor) or losses.dim() != 1 or losses.shape[0] < 2 \
+            or not losses.requires_grad or torch.compiler.is_compiling() \
+            or torch._C._functorch.peek_interpreter_stack() is not None:
+        return
+    frame = sys._getframe(user_stacklevel() - 1)
+    site = (frame.f_code.co_filename, frame.f_lineno)
+    if site in _CHECKED_LOSS_LINES:
+        return
+    if losses.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    n = losses.shape[0]
+    module = frame.f_globals.get("__name__", "")
+
+    def hook(grad: Tensor) -> None:
+        if site in _CHECKED_LOSS_LINES:
+            return
+        _CHECKED_LOSS_LINES.add(site)
+        if grad.dim() == 1 and torch.allclose(grad * n, torch.ones_like(grad), rtol=1e-5,
+                                              atol=0.0):
+            code = linecache.getline(site[0], site[1]).strip()
+            warnings.warn_explicit(
+                f"the gradient reaching the {n} per-model losses of hftc.per_model"
+                f"{f' (`{code}`)' if code else ''} is 1/{n} for each model: their .mean() "
+                f"divides each model's gradient by {n} (with SGD: a learning rate {n} times "
+                f"smaller, with Adam a different epsilon). Take losses.sum().backward(): "
+                f"each model's loss is its own, the sum gives each model exactly the "
+                f"gradient it gets alone.", UsageWarning, site[0], site[1], module)
+
+    losses.register_hook(hook)
+
+
+# --------------------------------------------------------------------------- fused optimizer steps
+
+#: optimizers (ids) that warned about skip_models and batch norm already
+_WARNED_SKIPS: set[int] = set()
+
+
+def check_fused_step(optimizer: Any, params: Sequence[Tensor], skipped: Sequence[int]) -> None:
+    """Before a fused optimizer's step over ``params``: the copies ``unfuse()`` gave that
+    got gradients (trained on their own: the fused module does not follow), and
+    ``skip_models`` by the user's code on models whose batch norm learned in this step's
+    forward (it is not frozen by the skip); each warned once, saying what to do."""
+    if UNFUSED_COPIES:
+        _check_trained_copies(params)
+    if skipped and id(optimizer) not in _WARNED_SKIPS and _called_by_user():
+        _check_skipped_norms(optimizer, params, skipped)
+
+
+def _check_trained_copies(params: Sequence[Tensor]) -> None:
+    ids = {id(p) for p in params}
+    for copy in list(UNFUSED_COPIES):
+        fused, model = copy.fused(), copy.model()
+        if fused is None or model is None:
+            UNFUSED_COPIES.remove(copy)
+            continue
+        if not any(p.grad is not None for p in model.parameters()) \
+                or not any(id(p) in ids for p in fused.parameters()):
+            continue
+        UNFUSED_COPIES.remove(copy)
+        warnings.warn(
+            f"model {copy.model_id}'s copy that fused.unfuse() gave (at {copy.line}) has "
+            f"gradients, but this fused optimizer steps the fused module's own stacked "
+            f"parameters: a copy is a snapshot, it neither follows the fused module nor "
+            f"is it followed. Train the fused module (out = fused(x); hftc.per_model(loss)"
+            f"(out, y).sum().backward(); opt.step()) and call fused.unfuse() again when you "
+            f"need the models; or train the copies with an optimizer of their own.",
+            UsageWarning, stacklevel=user_stacklevel())
+
+
+def _called_by_user() -> bool:
+    """The step's caller is the user's code (not hftc.amp.GradScaler's skip of the models
+    whose gradients overflowed, which stock's skip matches)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__") or ""
+        if not name.startswith(("torch", "hftc.optim", "hftc.lowering", __name__)):
+            return not name.startswith("hftc")
+        frame = frame.f_back
+    return True
+
+
+def _check_skipped_norms(optimizer: Any, params: Sequence[Tensor],
+                         skipped: Sequence[int]) -> None:
+    ids = {id(p) for p in params}
+    for fused in list(FUSED_MODULES):
+        if not fused.training or not any(id(p) in ids for p in fused.parameters()):
+            continue
+        norms = sorted({name.rpartition(".")[0] for name, _ in fused.named_buffers()
+                        if name.endswith(("running_mean", "running_var"))})
+        if not norms:
+            continue
+        _WARNED_SKIPS.add(id(optimizer))
+        model_ids = getattr(fused, "model_ids", list(range(fused.num_models)))
+        which = [model_ids[i] for i in skipped]
+        warnings.warn(
+            f"opt.step(skip_models=...) leaves model(s) {which}'s parameters and optimizer "
+            f"state as they were, but the forward in training mode has updated their batch "
+            f"norms' running statistics ({', '.join(norms[:3])}{' ...' if len(norms) > 3 else ''})"
+            f": skipping a step does not freeze a model. To stop training a model, drop it: "
+            f"hftc.keep_models(fused, [positions to keep]) (its optimizers and schedulers are "
+            f"cut too; hftc.EarlyStopping does it per model id), and save it first "
+            f"(fused.unfuse_model(j), hftc.BestCheckpoint).", UsageWarning,
+            stacklevel=user_stacklevel())
+        return
+
+
+__all__ = ["check_fused_step", "check_loss_call", "check_loss_reduction", "guard_losses",
+           "refusing_per_model_values", "stock_optimizer_classes"]

@@ -253,12 +253,18 @@ def per_model(loss_fn: Callable[..., Tensor], *,
                     f"per_model: every argument marked 0 in in_dims must be a tensor (or a "
                     f"tuple, list or dict of tensors) with leading dim N = {n}; got shape "
                     f"{list(t.shape)}")
-        fast = _flattened_loss(loss_fn, args, dims, n, kwargs)
-        if fast is not None:
-            return fast
-        return _vmapped_or_looped(loss_fn, args, dims, kwargs, n, stacked)
+        result = _flattened_loss(loss_fn, args, dims, n, kwargs)
+        if result is None:
+            result = _vmapped_or_looped(loss_fn, args, dims, kwargs, n, stacked)
+        for check in RESULT_CHECKS:  # (hftc.training.mistakes: a .mean() of the N losses)
+            check(result)
+        return result
 
     return losses
+
+
+#: Functions called with each result of a ``per_model`` loss (installed by hftc.patches).
+RESULT_CHECKS: list[Callable[[Tensor], None]] = []
 
 
 def _vmapped_or_looped(loss_fn: Callable[..., Tensor], args: Sequence[Any],
