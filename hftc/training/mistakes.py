@@ -330,8 +330,9 @@ def _check_skipped_norms(optimizer: Any, params: Sequence[Tensor],
         warnings.warn(
             f"opt.step(skip_models=...) leaves model(s) {which}'s parameters and optimizer "
             f"state as they were, but the forward in training mode has updated their batch "
-            f"norms' running statistics ({', '.join(norms[:3])}{' ...' if len(norms) > 3 else ''})"
-            f": skipping a step does not freeze a model. To stop training a model, drop it: "
+            f"norms' running statistics ({', '.join(f'`{m}`' for m in norms[:3])}"
+            f"{' ...' if len(norms) > 3 else ''}): skipping a step does not freeze a model. "
+            f"To stop training a model, drop it: "
             f"hftc.keep_models(fused, [positions to keep]) (its optimizers and schedulers are "
             f"cut too; hftc.EarlyStopping does it per model id), and save it first "
             f"(fused.unfuse_model(j), hftc.BestCheckpoint).", UsageWarning,
