@@ -308,3 +308,24 @@ def test_skip_models_without_batch_norm_or_by_the_grad_scaler_is_quiet():
         losses = losses * torch.tensor([1.0, float("inf"), 1.0])  # model 1 overflows
         scaler.scale(losses).sum().backward()
         scaler.step(opt)
+
+
+def test_training_only_the_copies_then_stepping_the_fused_optimizer_warns():
+    # the fused module has no gradient at all: the step does nothing, and says why
+    fused = _classifier()
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    before = fused.model_state_dict(0)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    models = fused.unfuse()
+    for m in models:
+        F.cross_entropy(m(x), y).backward()
+    with pytest.warns(hftc.UsageWarning, match="model 0's copy that fused.unfuse"):
+        opt.step()
+    torch.testing.assert_close(fused.model_state_dict(0), before, rtol=0, atol=0)
+
+
+def test_a_class_loss_on_one_fused_model_is_caught_too():
+    fused = _classifier(n=1)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with pytest.raises(FusionArgumentError, match=r"output \[1, 16, 5\] \(1 models\)"):
+        F.cross_entropy(fused(x), y)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -60,37 +59,25 @@ class UnfusedCopy:
         self.model_id, self.line = model_id, line
 
 
-#: The live copies unfuse() gave (dead ones are dropped when read).
+#: The live copies unfuse() gave, the latest :data:`KEPT_COPIES` (dead ones are dropped).
 UNFUSED_COPIES: list[UnfusedCopy] = []
-_quiet = [0]
-
-
-@contextlib.contextmanager
-def copies_not_noted() -> Iterator[None]:
-    """Copies made inside are hftc's own (a best checkpoint's template): not noted."""
-    _quiet[0] += 1
-    try:
-        yield
-    finally:
-        _quiet[0] -= 1
+KEPT_COPIES = 32
 
 
 def note_copy(fused: nn.Module, model: nn.Module, model_id: int) -> None:
     """Remember that ``unfuse()`` gave ``model`` (model ``model_id`` of ``fused``) to the
     user's code (hftc's own calls, replace_models' and the fused methods', are not)."""
-    if _quiet[0]:
-        return
     caller = sys._getframe(1)
     while caller is not None and caller.f_globals.get("__name__") in (__name__,
                                                                       "hftc.module.unfuse"):
         caller = caller.f_back
     if caller is None or (caller.f_globals.get("__name__") or "").startswith("hftc."):
         return
-    UNFUSED_COPIES[:] = [c for c in UNFUSED_COPIES if c.model() is not None]
+    UNFUSED_COPIES[:] = [c for c in UNFUSED_COPIES if c.model() is not None][1 - KEPT_COPIES:]
     frame = sys._getframe(user_stacklevel() - 1)
     line = f"{frame.f_code.co_filename}:{frame.f_lineno}"
     UNFUSED_COPIES.append(UnfusedCopy(fused, model, model_id, line))
 
 
-__all__ = ["OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy", "copies_not_noted",
+__all__ = ["KEPT_COPIES", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
            "fused_output_models", "mark_outputs", "note_copy"]

@@ -807,6 +807,8 @@ class FusedOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for p in self.param_groups[0]["params"] if p.grad is not None]
+        # (the copies unfuse() gave, trained instead; skip_models on models with batch norm)
+        mistakes.check_fused_step(self, self.param_groups[0]["params"], skip_models)
         if not params:
             return loss
         if params[0].shape[0] != self.num_models:
@@ -823,7 +825,6 @@ class FusedOptimizer(Optimizer):
             self._step_models(params, skip_on_device=self._skip_flags(skip_models))
             return loss
         skip = self._skip_indices(skip_models)
-        mistakes.check_fused_step(self, params, skip)  # (copies unfuse() gave; skip + norms)
         if len(skip) == self.num_models:
             return loss
         self._step_models(params, skip=skip)

@@ -30,6 +30,7 @@ import linecache
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -151,7 +152,7 @@ def check_loss_call(name: str, input: Any, target: Any, reduction: Any, size_ave
     if not isinstance(input, Tensor) or torch.compiler.is_compiling():
         return
     n = getattr(input, OUTPUT_MARK, None)
-    if n is None or n < 2 or not isinstance(target, Tensor):
+    if n is None or not isinstance(target, Tensor):
         return
     if size_average is not None or reduce is not None:  # torch's legacy spelling
         reduction = "sum" if size_average is False and reduce is not False else "other"
@@ -201,6 +202,7 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
         return
     module, module_arg = _loss_called_as()
     called = module or f"F.{name}"
+    models = f"{n} model{'s' if n != 1 else ''}"
     dims = "" if shared else ", in_dims=(0, 0)"
     target_text = (f"one model's target {list(target.shape)}" if shared
                    else f"a target stacked per model {list(target.shape)}")
@@ -211,11 +213,11 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
         why = (f"torch would take the {n} models for the batch" if classes else
                "torch refuses a target of another shape than the input")
         raise FusionArgumentError(
-            f"{called} got a fused module's output {list(input.shape)} ({n} models) and "
+            f"{called} got a fused module's output {list(input.shape)} ({models}) and "
             f"{target_text}, as for one model's output{_user_line()}; {why}. {use}")
-    if reduction == "mean":
+    if reduction == "mean" and n > 1:
         warnings.warn(
-            f"{called} on a fused module's output {list(input.shape)} ({n} models) and "
+            f"{called} on a fused module's output {list(input.shape)} ({models}) and "
             f"{target_text}{_user_line()}: "
             + ("the target is broadcast over the models and " if shared else "")
             + f"the mean is over all {n} models, so each model's gradient is divided by "
@@ -266,19 +268,27 @@ def check_loss_reduction(losses: Tensor) -> None:
 
 # --------------------------------------------------------------------------- fused optimizer steps
 
-#: optimizers (ids) that warned about skip_models and batch norm already
-_WARNED_SKIPS: set[int] = set()
+#: optimizers that warned about skip_models and batch norm already
+_WARNED_SKIPS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
-def check_fused_step(optimizer: Any, params: Sequence[Tensor], skipped: Sequence[int]) -> None:
+def check_fused_step(optimizer: Any, params: Sequence[Tensor], skip_models: Any) -> None:
     """Before a fused optimizer's step over ``params``: the copies ``unfuse()`` gave that
     got gradients (trained on their own: the fused module does not follow), and
     ``skip_models`` by the user's code on models whose batch norm learned in this step's
-    forward (it is not frozen by the skip); each warned once, saying what to do."""
+    forward (it is not frozen by the skip); each warned once, saying what to do.  Flags
+    on a device are not read (a capturable step never reads them on the host)."""
     if UNFUSED_COPIES:
         _check_trained_copies(params)
-    if skipped and id(optimizer) not in _WARNED_SKIPS and _called_by_user():
-        _check_skipped_norms(optimizer, params, skipped)
+    if skip_models is None or optimizer in _WARNED_SKIPS or (
+            isinstance(skip_models, Tensor) and skip_models.device.type != "cpu"):
+        return
+    try:
+        skipped = torch.as_tensor(skip_models).reshape(-1).to(torch.bool).nonzero()
+    except (TypeError, ValueError, RuntimeError):
+        return  # (the step's own check says what is wrong)
+    if skipped.numel() and _called_by_user():
+        _check_skipped_norms(optimizer, params, skipped.flatten().tolist())
 
 
 def _check_trained_copies(params: Sequence[Tensor]) -> None:
@@ -324,7 +334,7 @@ def _check_skipped_norms(optimizer: Any, params: Sequence[Tensor],
                         if name.endswith(("running_mean", "running_var"))})
         if not norms:
             continue
-        _WARNED_SKIPS.add(id(optimizer))
+        _WARNED_SKIPS.add(optimizer)
         model_ids = getattr(fused, "model_ids", list(range(fused.num_models)))
         which = [model_ids[i] for i in skipped]
         warnings.warn(
