@@ -327,5 +327,5 @@ def test_training_only_the_copies_then_stepping_the_fused_optimizer_warns():
 def test_a_class_loss_on_one_fused_model_is_caught_too():
     fused = _classifier(n=1)
     x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
-    with pytest.raises(FusionArgumentError, match=r"output \[1, 16, 5\] \(1 models\)"):
+    with pytest.raises(FusionArgumentError, match=r"output \[1, 16, 5\] \(1 model\)"):
         F.cross_entropy(fused(x), y)
