@@ -272,8 +272,12 @@ def test_copies_used_to_evaluate_or_save_are_quiet():
     with torch.no_grad():
         best(x)
     state = fused.unfuse_model(0).state_dict()
+    tuned = fused.unfuse_model(1)  # fine-tuned apart, by an optimizer of its own: meant so
+    tuned_opt = torch.optim.SGD(tuned.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", hftc.UsageWarning)
+        F.cross_entropy(tuned(x), y).backward()
+        tuned_opt.step()
         hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
         opt.step()
     assert state

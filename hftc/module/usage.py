@@ -5,6 +5,7 @@ its outputs (marked with N) and the copies ``unfuse()`` gave (weakly).
 
     out = fused(x)              out._hftc_num_models == N   (a stock loss on it is checked)
     m = fused.unfuse_model(2)   noted: a fused optimizer's step warns if m got gradients
+                                and nothing stepped it
 
 A mark is a plain attribute of the output tensor object: an op on it makes a new tensor
 without one, and nothing is marked where torch.compile traces (a compiled region sees
@@ -50,13 +51,23 @@ def fused_output_models(t: Any) -> int | None:
 
 class UnfusedCopy:
     """One model ``unfuse()`` gave: weak references to it and its fused module, the
-    model's id and the user's line that asked for it."""
+    model's id, the user's line that asked for it and its parameters' versions then
+    (an optimizer of its own that stepped it changed them)."""
 
-    __slots__ = ("fused", "model", "model_id", "line")
+    __slots__ = ("fused", "model", "model_id", "line", "versions")
 
     def __init__(self, fused: nn.Module, model: nn.Module, model_id: int, line: str) -> None:
         self.fused, self.model = weakref.ref(fused), weakref.ref(model)
         self.model_id, self.line = model_id, line
+        self.versions = [p._version for p in model.parameters()]
+
+    def trained_alone(self) -> bool:
+        """Gradients reached the copy, and nothing stepped it: trained as if the fused
+        module would follow (a copy stepped by an optimizer of its own is meant so)."""
+        model = self.model()
+        params = list(model.parameters()) if model is not None else []
+        return any(p.grad is not None for p in params) \
+            and [p._version for p in params] == self.versions
 
 
 #: The live copies unfuse() gave, the latest :data:`KEPT_COPIES` (dead ones are dropped).

@@ -298,18 +298,18 @@ def _check_trained_copies(params: Sequence[Tensor]) -> None:
         if fused is None or model is None:
             UNFUSED_COPIES.remove(copy)
             continue
-        if not any(p.grad is not None for p in model.parameters()) \
-                or not any(id(p) in ids for p in fused.parameters()):
+        if not copy.trained_alone() or not any(id(p) in ids for p in fused.parameters()):
             continue
         UNFUSED_COPIES.remove(copy)
         warnings.warn(
             f"model {copy.model_id}'s copy that fused.unfuse() gave (at {copy.line}) has "
-            f"gradients, but this fused optimizer steps the fused module's own stacked "
-            f"parameters: a copy is a snapshot, it neither follows the fused module nor "
-            f"is it followed. Train the fused module (out = fused(x); hftc.per_model(loss)"
-            f"(out, y).sum().backward(); opt.step()) and call fused.unfuse() again when you "
-            f"need the models; or train the copies with an optimizer of their own.",
-            UsageWarning, stacklevel=user_stacklevel())
+            f"gradients and was not stepped, but this fused optimizer steps the fused "
+            f"module's own stacked parameters: a copy is a snapshot, it neither follows "
+            f"the fused module nor is it followed. Train the fused module (out = "
+            f"fused(x); hftc.per_model(loss)(out, y).sum().backward(); opt.step()) and "
+            f"call fused.unfuse() again when you need the models; or step the copies "
+            f"with optimizers of their own (hftc.optim.unfuse_optimizers gives them with "
+            f"the fused one's state).", UsageWarning, stacklevel=user_stacklevel())
 
 
 def _called_by_user() -> bool:
