@@ -333,3 +333,18 @@ def test_a_class_loss_on_one_fused_model_is_caught_too():
     x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
     with pytest.raises(FusionArgumentError, match=r"output \[1, 16, 5\] \(1 model\)"):
         F.cross_entropy(fused(x), y)
+
+
+def test_a_class_loss_on_a_tensor_made_from_a_fused_output_names_per_model():
+    fused = _classifier()
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with pytest.raises(FusionArgumentError, match=r"F\.nll_loss got a tensor of a fused "
+                                                  r"module's output's shape \[3, 16, 5\]"):
+        F.nll_loss(F.log_softmax(fused(x), -1), y)
+    with pytest.raises(FusionArgumentError, match=r"48 rows = 3 models x 16.*"
+                                                  r"hftc\.per_model\(F\.cross_entropy\)"):
+        F.cross_entropy(fused(x).reshape(-1, 5), y)
+    # torch's own error where no fused module of that N is alive
+    with pytest.raises(ValueError, match="Expected input batch_size") as caught:
+        F.cross_entropy(torch.randn(7, 16, 5), y)
+    assert not isinstance(caught.value, FusionArgumentError)

@@ -147,16 +147,53 @@ def _guarded_code(function: Callable[..., Tensor]) -> types.CodeType | None:
 def check_loss_call(name: str, input: Any, target: Any, reduction: Any, size_average: Any,
                     reduce: Any) -> None:
     """The first statement of torch's loss ``name``: nothing unless ``input`` is a fused
-    output (a marked tensor, :mod:`hftc.module.usage`) taken as one model's output
-    (:func:`_check_fused_loss`)."""
-    if not isinstance(input, Tensor) or torch.compiler.is_compiling():
+    output (a marked tensor, :mod:`hftc.module.usage`) taken as one model's output, or a
+    tensor of that shape made from one (``F.log_softmax(out, -1)``) where torch itself
+    would refuse or broadcast the call (:func:`_check_fused_loss`)."""
+    if not isinstance(input, Tensor) or not isinstance(target, Tensor) \
+            or torch.compiler.is_compiling():
         return
     n = getattr(input, OUTPUT_MARK, None)
-    if n is None or not isinstance(target, Tensor):
-        return
+    if n is None:
+        n = _fused_models_behind(name, input, target)
+        if n is None:
+            return
     if size_average is not None or reduce is not None:  # torch's legacy spelling
         reduction = "sum" if size_average is False and reduce is not False else "other"
-    _check_fused_loss(name, input, target, n, reduction)
+    _check_fused_loss(name, input, target, n, reduction,
+                      marked=getattr(input, OUTPUT_MARK, None) is not None)
+
+
+def _fused_models_behind(name: str, input: Tensor, target: Tensor) -> int | None:
+    """N where ``input``, not marked, has the shape of a live fused module's output taken
+    as one model's (``[N, B, ...]``, one model's target): only where torch refuses the
+    call (a class loss, a loss of one shape) or broadcasts it.  A class loss on the N
+    outputs flattened (``[N*B, C]`` and one model's ``[B]``, which torch refuses too) is
+    refused here."""
+    if input.dim() < 2:
+        return None
+    live = {m.num_models for m in list(FUSED_MODULES)}
+    if name in CLASS_LOSSES:
+        if input.dim() >= 3 and target.shape in (input.shape[1:2] + input.shape[3:],
+                                                 input.shape[1:]):
+            return input.shape[0] if input.shape[0] in live else None
+        rows, batch = input.shape[0], target.shape[0] if target.dim() else 0
+        if target.dim() == input.dim() - 1 and batch and rows != batch \
+                and rows % batch == 0 and rows // batch in live \
+                and target.shape[1:] == input.shape[2:]:
+            n = rows // batch
+            raise FusionArgumentError(
+                f"F.{name} got {list(input.shape)} and a target {list(target.shape)}: "
+                f"{rows} rows = {n} models x {batch}, a fused module's outputs flattened "
+                f"(out.view(-1, C)) with one model's target{_user_line()}; torch refuses "
+                f"it (and with the target repeated N times the mean would divide each "
+                f"model's gradient by {n}). Take each model's loss on the fused output "
+                f"[N, B, C]: losses = hftc.per_model(F.{name})(out, y) ([{n}]), then "
+                f"losses.sum().backward()")
+        return None
+    if target.shape == input.shape[1:] and input.shape[0] in live:
+        return input.shape[0]
+    return None
 
 
 def _loss_called_as() -> tuple[str, str]:
@@ -182,7 +219,7 @@ def _user_line() -> str:
 
 
 def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
-                      reduction: str) -> None:
+                      reduction: str, marked: bool = True) -> None:
     """A stock loss taken on a fused output ``[N, B, ...]`` as if it were one model's:
 
     - a class loss (``cross_entropy``, ``nll_loss``) given one model's target (or the N
@@ -203,6 +240,8 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
     module, module_arg = _loss_called_as()
     called = module or f"F.{name}"
     models = f"{n} model{'s' if n != 1 else ''}"
+    what = ("a fused module's output" if marked else
+            "a tensor of a fused module's output's shape")
     dims = "" if shared else ", in_dims=(0, 0)"
     target_text = (f"one model's target {list(target.shape)}" if shared
                    else f"a target stacked per model {list(target.shape)}")
@@ -213,11 +252,11 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
         why = (f"torch would take the {n} models for the batch" if classes else
                "torch refuses a target of another shape than the input")
         raise FusionArgumentError(
-            f"{called} got a fused module's output {list(input.shape)} ({models}) and "
+            f"{called} got {what} {list(input.shape)} ({models}) and "
             f"{target_text}, as for one model's output{_user_line()}; {why}. {use}")
     if reduction == "mean" and n > 1:
         warnings.warn(
-            f"{called} on a fused module's output {list(input.shape)} ({models}) and "
+            f"{called} on {what} {list(input.shape)} ({models}) and "
             f"{target_text}{_user_line()}: "
             + ("the target is broadcast over the models and " if shared else "")
             + f"the mean is over all {n} models, so each model's gradient is divided by "
