@@ -348,3 +348,18 @@ def test_a_class_loss_on_a_tensor_made_from_a_fused_output_names_per_model():
     with pytest.raises(ValueError, match="Expected input batch_size") as caught:
         F.cross_entropy(torch.randn(7, 16, 5), y)
     assert not isinstance(caught.value, FusionArgumentError)
+
+
+def test_loading_one_models_state_dict_into_the_fused_module_says_what_to_do():
+    fused = _with_batch_norm()
+    one = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 5)).state_dict()
+    with pytest.raises(FusionArgumentError, match=r"one model's state dict \(`0\.weight` is "
+                                                  r"\[6, 4\], the fused module's \[3, 6, 4\].*"
+                                                  r"hftc\.replace_models"):
+        fused.load_state_dict(one)
+    stacked = {k: torch.stack([v] * 3) for k, v in one.items()}
+    fused.load_state_dict(stacked)  # as the message says
+    torch.testing.assert_close(fused.model_state_dict(2)["0.weight"], one["0.weight"])
+    with pytest.raises(RuntimeError, match="size mismatch") as caught:  # torch's own
+        fused.load_state_dict({**stacked, "0.weight": torch.zeros(2, 6, 4)})
+    assert not isinstance(caught.value, FusionArgumentError)

@@ -547,7 +547,11 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         return super().to(device=device, dtype=dtype, non_blocking=non_blocking)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        try:
+            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as exc:
+            self._refuse_one_models_state(state_dict, exc)  # (one model's: say what to do)
+            raise
         self._mark_stacked()
         return result
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from .. import ir
 from ..errors import (
+    FusionArgumentError,
     FusionIndexError,
     FusionTypeError,
 )
@@ -86,6 +88,27 @@ class Unfusing:
             return {k: padding.unpad(index, k, v[index]).clone()
                     for k, v in self.state_dict().items()}
         return {k: v[index].clone() for k, v in self.state_dict().items()}
+
+    def _refuse_one_models_state(self, state_dict: Any, exc: Exception) -> None:
+        """``load_state_dict`` of one model's state dict (each tensor without the leading
+        N): a FusionArgumentError saying what to do instead, else nothing (torch's error
+        stands)."""
+        own = self.state_dict()
+        given = [(k, v) for k, v in dict(state_dict).items()
+                 if k in own and isinstance(v, torch.Tensor) and own[k].dim() > 0]
+        if not given or any(tuple(v.shape) != tuple(own[k].shape[1:]) for k, v in given):
+            return
+        key, value = next(((k, v) for k, v in given if v.dim() > 0), given[0])
+        n = self.num_models
+        raise FusionArgumentError(
+            f"fused.load_state_dict got one model's state dict (`{key}` is "
+            f"{list(value.shape)}, the fused module's {list(own[key].shape)}: every tensor "
+            f"stacked over the {n} models). To start every model from it, load it into "
+            f"each model before fusing (for m in models: m.load_state_dict(sd); then "
+            f"hftc.fuse(models)); to put it in place j: model.load_state_dict(sd); "
+            f"hftc.replace_models(fused, {{j: model}}); a fused state dict stacks the "
+            f"models': {{k: torch.stack([sd_0[k], ..., sd_{n - 1}[k]]) for k in sd_0}}"
+        ) from exc
 
     def _check_index(self, index: int) -> int:
         """``index`` as an int, or an error that says what a model index is."""
