@@ -363,3 +363,15 @@ def test_loading_one_models_state_dict_into_the_fused_module_says_what_to_do():
     with pytest.raises(RuntimeError, match="size mismatch") as caught:  # torch's own
         fused.load_state_dict({**stacked, "0.weight": torch.zeros(2, 6, 4)})
     assert not isinstance(caught.value, FusionArgumentError)
+
+
+def test_per_model_with_stacked_targets_marked_shared_names_in_dims():
+    fused = _classifier()
+    x = torch.randn(16, 4)
+    out = fused(x)
+    for loss, targets in ((F.cross_entropy, torch.randint(0, 5, (3, 16))),
+                          (F.mse_loss, torch.randn(3, 16, 5))):
+        with pytest.raises(FusionArgumentError, match=r"in_dims=\(0, 0\)"):
+            hftc.per_model(loss)(out, targets)
+        losses = hftc.per_model(loss, in_dims=(0, 0))(out, targets)
+        torch.testing.assert_close(losses[2], loss(out[2], targets[2]))
