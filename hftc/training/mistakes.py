@@ -12,6 +12,9 @@ with a message that names the fix and the user's line (installed by :mod:`hftc.p
       models fused.unfuse() gave          the fused module, unfuse() after
     opt.step(skip_models=...)             its batch norm still learned: UsageWarning ->
       to freeze a model                   hftc.keep_models / hftc.EarlyStopping
+    F.nll_loss(F.log_softmax(out, -1), y) a tensor of a fused output's shape (a live
+    F.cross_entropy(out.view(-1, C), y)   fused module's N), where torch would refuse
+                                          it: FusionArgumentError -> hftc.per_model
 
 A stock optimizer is only refused where torch's own check failed on a list or tuple of
 values: what torch accepts runs as torch runs it.  The losses of ``torch.nn.functional``
