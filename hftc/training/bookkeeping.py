@@ -195,7 +195,8 @@ class EarlyStopping(_PerModelBest):
 
     One model run alone with ``if val_loss < best: best, bad = val_loss, 0 else: bad +=
     1; if bad >= patience: break`` stops at the same epoch: the fused module trains on
-    with the others, each exactly as before.
+    with the others, each exactly as before.  As after any :func:`hftc.keep_models`, an
+    ``hftc.compile_step`` or ``hftc.amp.GradScaler`` made for the N models is made again.
 
     Args:
         fused: the fused module.

@@ -323,13 +323,14 @@ def check_fused_step(optimizer: Any, params: Sequence[Tensor], skip_models: Any)
     if UNFUSED_COPIES:
         _check_trained_copies(params)
     if skip_models is None or optimizer in _WARNED_SKIPS or (
-            isinstance(skip_models, Tensor) and skip_models.device.type != "cpu"):
+            isinstance(skip_models, Tensor) and skip_models.device.type != "cpu") \
+            or not _called_by_user():
         return
     try:
         skipped = torch.as_tensor(skip_models).reshape(-1).to(torch.bool).nonzero()
     except (TypeError, ValueError, RuntimeError):
         return  # (the step's own check says what is wrong)
-    if skipped.numel() and _called_by_user():
+    if skipped.numel():
         _check_skipped_norms(optimizer, params, skipped.flatten().tolist())
 
 
