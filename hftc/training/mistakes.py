@@ -319,12 +319,12 @@ def check_fused_step(optimizer: Any, params: Sequence[Tensor], skip_models: Any)
     got gradients (trained on their own: the fused module does not follow), and
     ``skip_models`` by the user's code on models whose batch norm learned in this step's
     forward (it is not frozen by the skip); each warned once, saying what to do.  Flags
-    on a device are not read (a capturable step never reads them on the host)."""
+    given as a tensor are not read (a capturable step never reads them on the host):
+    the list the user's code spells (``skip_models=[False, True]``) is."""
     if UNFUSED_COPIES:
         _check_trained_copies(params)
-    if skip_models is None or optimizer in _WARNED_SKIPS or (
-            isinstance(skip_models, Tensor) and skip_models.device.type != "cpu") \
-            or not _called_by_user():
+    if skip_models is None or isinstance(skip_models, Tensor) \
+            or optimizer in _WARNED_SKIPS or not _called_by_user():
         return
     try:
         skipped = torch.as_tensor(skip_models).reshape(-1).to(torch.bool).nonzero()
