@@ -142,9 +142,13 @@ def _guarded_code(function: Callable[..., Tensor]) -> types.CodeType | None:
     raw = lines[row].encode()
     lines[row] = (raw[:end] + check.encode() + raw[end:]).decode()
     namespace = dict(function.__globals__)
-    exec(compile("\n" * (first - 1) + "".join(lines), function.__code__.co_filename, "exec"),
-         namespace)
-    return namespace[node.name].__code__
+    try:  # (another torch's source that does not compile so: the loss stays as it is)
+        exec(compile("\n" * (first - 1) + "".join(lines), function.__code__.co_filename,
+                     "exec"), namespace)
+    except Exception:  # noqa: BLE001
+        return None
+    code = namespace[node.name].__code__
+    return code if code.co_freevars == function.__code__.co_freevars else None
 
 
 def check_loss_call(name: str, input: Any, target: Any, reduction: Any, size_average: Any,
