@@ -375,3 +375,21 @@ def test_per_model_with_stacked_targets_marked_shared_names_in_dims():
             hftc.per_model(loss)(out, targets)
         losses = hftc.per_model(loss, in_dims=(0, 0))(out, targets)
         torch.testing.assert_close(losses[2], loss(out[2], targets[2]))
+
+
+def test_an_optimizer_on_the_original_models_warns_naming_the_fused_parameters():
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 5) for _ in range(3)]
+    fused = hftc.fuse(models)
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+    with pytest.warns(hftc.UsageWarning, match=r"hftc\.optim\.SGD\(fused\.parameters\(\)"):
+        opt.step()
+    right = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    own = torch.optim.SGD(models[0].parameters(), lr=0.1)  # a model trained on its own
+    F.cross_entropy(models[0](x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hftc.UsageWarning)
+        right.step()
+        own.step()

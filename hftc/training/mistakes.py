@@ -10,6 +10,8 @@ with a message that names the fix and the user's line (installed by :mod:`hftc.p
     hftc.per_model(loss)(out, y).mean()   each model's gradient / N: UsageWarning -> .sum()
     opt.step() after training the         the copies do not follow: UsageWarning -> train
       models fused.unfuse() gave          the fused module, unfuse() after
+    torch.optim.SGD(models[0].parameters  the originals hftc.fuse copied: UsageWarning
+      ()) stepped after fused(x)'s loss     -> hftc.optim.SGD(fused.parameters(), ...)
     opt.step(skip_models=...)             its batch norm still learned: UsageWarning ->
       to freeze a model                   hftc.keep_models / hftc.EarlyStopping
     F.nll_loss(F.log_softmax(out, -1), y) a tensor of a fused output's shape (a live
@@ -338,6 +340,35 @@ def check_fused_step(optimizer: Any, params: Sequence[Tensor], skip_models: Any)
         _check_skipped_norms(optimizer, params, skipped.flatten().tolist())
 
 
+#: optimizers whose first step was checked by :func:`check_any_step`
+_CHECKED_OPTIMIZERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def check_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """torch global optimizer step pre-hook: on an optimizer's first step, where its
+    parameters are a live fused module's models' originals and none has a gradient
+    (the fused module was trained, not the models it copied), warn (UsageWarning) that
+    it steps nothing the fused module computes with."""
+    if not FUSED_MODULES or optimizer in _CHECKED_OPTIMIZERS:
+        return
+    _CHECKED_OPTIMIZERS.add(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params or any(p.grad is not None for p in params):
+        return
+    ids = {id(p) for p in params}
+    for fused in list(FUSED_MODULES):
+        sources = getattr(fused, "source_parameter_names", None) or []
+        if any(ids & set(names) for names in sources):
+            warnings.warn(
+                f"{type(optimizer).__name__} steps the parameters of the models given to "
+                f"hftc.fuse, which the fused module copied: they get no gradient and the "
+                f"fused module's own parameters are never stepped. Build the optimizer on "
+                f"the fused module: hftc.optim.{type(optimizer).__name__}(fused."
+                f"parameters(), ...) (each hyper-parameter a value or a list of N)",
+                UsageWarning, stacklevel=user_stacklevel())
+            return
+
+
 def _check_trained_copies(params: Sequence[Tensor]) -> None:
     ids = {id(p) for p in params}
     for copy in list(UNFUSED_COPIES):
@@ -397,5 +428,5 @@ def _check_skipped_norms(optimizer: Any, params: Sequence[Tensor],
         return
 
 
-__all__ = ["check_fused_step", "check_loss_call", "check_loss_reduction", "guard_losses",
-           "refusing_per_model_values", "stock_optimizer_classes"]
+__all__ = ["check_any_step", "check_fused_step", "check_loss_call", "check_loss_reduction",
+           "guard_losses", "refusing_per_model_values", "stock_optimizer_classes"]
