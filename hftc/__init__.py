@@ -38,15 +38,18 @@ _PUBLIC = {
     "keep_freed_memory": "lowering.runtime.memory", "per_model": "utils",
     "compile_step": "training.step", "CompiledStep": "training.step",
     "keep_models": "training.shrink", "replace_models": "training.shrink",
+    "BestCheckpoint": "training.bookkeeping", "EarlyStopping": "training.bookkeeping",
+    "per_model_accuracy": "training.bookkeeping",
     "FusionError": "errors", "FusionWarning": "errors", "MismatchError": "errors",
-    "TraceError": "errors", "UnsupportedOperatorError": "errors",
+    "TraceError": "errors", "UnsupportedOperatorError": "errors", "UsageWarning": "errors",
     "amp": "", "errors": "", "optim": "", "utils": "",
 }
 __all__ = sorted(_PUBLIC)
 
 # The core's modules, in the order the package imports them.
 _CORE = ("amp", "errors", "optim", "utils", "module.fused", "module.group",
-         "lowering.runtime.memory", "training.step", "training.shrink", "patches")
+         "lowering.runtime.memory", "training.step", "training.shrink",
+         "training.bookkeeping", "patches")
 
 #: Module names of an earlier layout -> where the module is now: ``import hftc.amp``,
 #: ``hftc.hf.FusedTrainer`` and pickles of fused modules (``hftc.runtime.modules``) keep

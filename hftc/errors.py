@@ -42,6 +42,15 @@ class FusionWarning(UserWarning):
     check found the fused program's outputs not the models': they run one by one)."""
 
 
+class UsageWarning(UserWarning):
+    """hftc runs the code as written, but the code is very likely not what was meant with
+    a fused module, and the message says what to write instead: a loss taken over all N
+    models at once (``F.mse_loss(fused(x), y)``, ``losses.mean()``: each model's gradient
+    divided by N), the models ``unfuse()`` returned trained while the fused module is
+    stepped, ``skip_models`` used to freeze a model whose batch norm still learns.
+    Shown once per line of the user's code (Python's default filter)."""
+
+
 class FusionArgumentError(FusionError, ValueError):
     """A bad argument to ``hftc.fuse`` or to a fused module (list, inputs, in_dims)."""
 

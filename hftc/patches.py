@@ -24,6 +24,15 @@ beside the code they serve; this module only installs them (docs/API.md describe
     torch.optim.*.__init__                    where torch refuses a list of values (one
                                               per model): pointing to hftc.optim's
                                               (hftc/training/mistakes.py)
+    torch.nn.functional's losses              the same function objects, a new __code__:
+      (cross_entropy, nll_loss, mse_loss ...)   on a fused output taken as one model's,
+                                              an error or a UsageWarning pointing to
+                                              hftc.per_model (hftc/training/mistakes.py)
+    hftc.per_model's results                  a .mean() over the N losses: a UsageWarning
+                                              on the first backward (training/mistakes.py)
+    a global optimizer step pre-hook          an optimizer's first step over the models
+                                              hftc.fuse copied, none with a gradient:
+                                              a UsageWarning (training/mistakes.py)
 
 Everything else is torch's own: on tensors that are not a fused module's, each
 replacement calls torch's original.
@@ -35,6 +44,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import utils
+from .lowering.runtime import losses
 from .optim import coupled, lr_scheduler, optimizer
 from .training import mistakes
 
@@ -57,8 +67,11 @@ def install() -> None:
     for cls in lr_scheduler.torch_scheduler_classes():
         cls.__init__ = lr_scheduler.registering_init(cls.__init__)
     register_optimizer_step_pre_hook(optimizer._note_stock_optimizer_step)
+    register_optimizer_step_pre_hook(mistakes.check_any_step)
     for cls in mistakes.stock_optimizer_classes():
         cls.__init__ = mistakes.refusing_per_model_values(cls.__init__)
+    mistakes.guard_losses()
+    losses.RESULT_CHECKS.append(mistakes.check_loss_reduction)
     _installed = True
 
 

@@ -35,7 +35,7 @@ _DIRECTIVE = re.compile(r"^::: ([\w.]+)", re.M)
 # FusedModule's own public API (its nn.Module methods are torch's).
 FUSED_MODULE_API = ("compile", "last_program", "fusion_report", "plan", "fused_graph",
                     "model_state_dict", "unfuse", "unfuse_model", "source_parameter_names",
-                    "with_in_dims")
+                    "with_in_dims", "model_ids")
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:

@@ -1,18 +1,23 @@
-"""A user's first mistakes with a fused module get a message naming the fix (issue 46
-item 1): a stock optimizer given one value per model, and a fallback's warning at the
-user's line naming the op."""
+"""A user's first mistakes with a fused module get a message naming the fix and the user's
+line (issue 46 item 1): a stock optimizer given one value per model, a fallback's warning
+naming the op, a stock loss on a fused output taken as one model's, the ``.mean()`` of the
+N per-model losses, training the copies ``unfuse()`` gave, ``skip_models`` to freeze a
+model with batch norm."""
 
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import hftc
-from hftc.errors import FusionTypeError
+from hftc.errors import FusionArgumentError, FusionTypeError
 
 
 def _fused():
@@ -64,3 +69,327 @@ def test_a_fallback_warns_at_the_users_line_naming_the_op():
     [warning] = [w for w in caught if issubclass(w.category, hftc.FusionWarning)]
     assert (warning.filename, warning.lineno) == (__file__, line)
     assert "`Tensor.item()` returned different Python values" in str(warning.message)
+
+
+# --------------------------------------------------------------------------- stock losses
+
+def _classifier(n=3, classes=5):
+    torch.manual_seed(0)
+    return hftc.fuse([nn.Linear(4, classes) for _ in range(n)])
+
+
+def _line_of(text):
+    """The line number of ``text`` in this file (the user's line a message names)."""
+    lines = inspect.getsource(inspect.getmodule(_line_of)).splitlines()
+    return next(k + 1 for k, line in enumerate(lines) if text in line)
+
+
+@pytest.mark.parametrize("loss, spelled", [
+    (lambda out, y: F.cross_entropy(out, y), r"F\.cross_entropy"),
+    (lambda out, y: nn.CrossEntropyLoss()(out, y), r"nn\.CrossEntropyLoss\(\)"),
+    (lambda out, y: F.nll_loss(out, y), r"F\.nll_loss"),
+])
+def test_a_class_loss_on_a_fused_output_as_for_one_model_names_per_model(loss, spelled):
+    fused = _classifier()
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with pytest.raises(FusionArgumentError) as caught:
+        loss(fused(x), y)
+    message = str(caught.value)
+    assert re.search(spelled + r" got a fused module's output \[3, 16, 5\] \(3 models\) and "
+                     r"one model's target \[16\]", message), message
+    assert "torch would take the 3 models for the batch" in message
+    assert "hftc.per_model(" in message and "losses.sum().backward()" in message
+    assert f"{__file__}:" in message  # the user's line
+
+
+def test_the_message_shows_the_users_line():
+    fused = _classifier()
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with pytest.raises(FusionArgumentError) as caught:
+        loss = F.cross_entropy(fused(x), y)  # the user's line  # noqa: F841
+    line = _line_of("loss = F.cross_entropy(fused(x), y)  # the user's line  #")
+    assert f"{__file__}:{line}: `loss = F.cross_entropy(fused(x), y)" in str(caught.value)
+
+
+def test_a_class_loss_with_stacked_targets_names_in_dims():
+    fused = _classifier()
+    x, ys = torch.randn(16, 4), torch.randint(0, 5, (3, 16))
+    with pytest.raises(FusionArgumentError, match=r"stacked per model \[3, 16\].*"
+                                                  r"hftc\.per_model\(F\.cross_entropy, "
+                                                  r"in_dims=\(0, 0\)\)"):
+        F.cross_entropy(fused(x), ys)
+
+
+def test_a_loss_that_refuses_other_shapes_names_per_model():
+    fused = _classifier(classes=1)
+    x, y = torch.randn(16, 4), torch.rand(16, 1)
+    with pytest.raises(FusionArgumentError, match=r"F\.binary_cross_entropy_with_logits got"
+                                                  r".*hftc\.per_model"):
+        F.binary_cross_entropy_with_logits(fused(x), y)
+
+
+@pytest.mark.parametrize("loss, target_shape, text", [
+    (lambda out, y: F.mse_loss(out, y), (16, 5), "the target is broadcast over the models"),
+    (lambda out, y: nn.MSELoss()(out, y), (16, 5), "the target is broadcast over the models"),
+    (lambda out, y: F.l1_loss(out, y), (3, 16, 5), "a target stacked per model"),
+])
+def test_an_elementwise_mean_over_the_models_warns_at_the_users_line(loss, target_shape, text):
+    fused = _classifier()
+    x, y = torch.randn(16, 4), torch.randn(*target_shape)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss(fused(x), y)
+    [warning] = [w for w in caught if issubclass(w.category, hftc.UsageWarning)]
+    message = str(warning.message)
+    assert text in message and "each model's gradient is divided by 3" in message
+    assert "hftc.per_model(" in message
+    assert warning.filename == __file__
+    # torch's own broadcasting warning names what it named before: never hftc's code
+    package = str(Path(hftc.__file__).parent)
+    assert not any(w.filename.startswith(package) for w in caught)
+
+
+def test_what_is_right_on_a_fused_output_runs_as_torch_runs_it():
+    fused = _classifier()
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fused(x)
+        losses = hftc.per_model(F.cross_entropy)(out, y)
+        torch.testing.assert_close(losses[1], F.cross_entropy(out[1], y))
+        ys = torch.randn(3, 16, 5)
+        total = F.mse_loss(out, ys, reduction="sum")  # the sum of the N models' sums: exact
+        torch.testing.assert_close(total, sum(F.mse_loss(out[i], ys[i], reduction="sum")
+                                              for i in range(3)))
+        F.cross_entropy(out.reshape(-1, 5), y.repeat(3))  # flattened by hand: not a mark
+        F.cross_entropy(torch.randn(4, 5), torch.tensor([0, 1, 2, 3]))  # any other tensor
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_the_losses_keep_their_identity_signature_and_source():
+    import hftc.lowering.runtime.losses as losses_module
+    from hftc.passes import loss as loss_pass
+
+    assert F.cross_entropy in losses_module._CLASS_LOSSES
+    assert F.mse_loss in loss_pass._LOSSES and F.cross_entropy in loss_pass._LOSSES
+    assert list(inspect.signature(F.cross_entropy).parameters)[:3] == ["input", "target",
+                                                                      "weight"]
+    assert inspect.getsource(F.cross_entropy).startswith("def cross_entropy(")
+    assert "_hftc_check_loss" not in inspect.getsource(F.mse_loss)
+
+    class WithLoss(nn.Module):
+        def forward(self, a, b):
+            return F.cross_entropy(a, b)
+
+    graph = torch.fx.symbolic_trace(WithLoss()).graph
+    assert any(node.target is F.cross_entropy for node in graph.nodes)
+    scripted = torch.jit.script(WithLoss())
+    a, b = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])
+    torch.testing.assert_close(scripted(a, b), F.cross_entropy(a, b))
+
+
+def test_models_with_their_loss_inside_still_fuse():
+    class WithLabels(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 5)
+            self.mse = nn.MSELoss()
+
+        def forward(self, x, labels):
+            logits = self.fc(x)
+            return F.cross_entropy(logits, labels) + self.mse(logits, logits.detach() * 0.5)
+
+    torch.manual_seed(0)
+    models = [WithLabels() for _ in range(3)]
+    fused = hftc.fuse(models)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hftc.UsageWarning)
+        out = fused(x, y)
+    assert out.shape == (3,)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x, y))
+
+
+# --------------------------------------------------------------------------- .mean() of N losses
+
+def test_the_mean_of_the_per_model_losses_warns_once_at_its_line():
+    fused = _classifier()
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            hftc.per_model(F.cross_entropy)(fused(x), y).mean().backward()  # the mean line
+    found = [w for w in caught if issubclass(w.category, hftc.UsageWarning)]
+    assert len(found) == 1, [str(w.message) for w in found]
+    assert (found[0].filename, found[0].lineno) == (__file__, _line_of("# the mean line"))
+    assert "1/3 for each model" in str(found[0].message)
+    assert "losses.sum().backward()" in str(found[0].message)
+
+
+def test_the_sum_of_the_per_model_losses_is_quiet():
+    fused = _classifier()
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hftc.UsageWarning)
+        hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+        (hftc.per_model(F.cross_entropy)(fused(x), y) * torch.tensor([1.0, 2.0, 3.0])
+         ).sum().backward()
+
+
+# --------------------------------------------------------------------------- fused steps
+
+def _with_batch_norm(n=3):
+    torch.manual_seed(0)
+    return hftc.fuse([nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 5))
+                      for _ in range(n)])
+
+
+def test_training_an_unfused_copy_then_stepping_the_fused_optimizer_warns():
+    fused = _with_batch_norm()
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    models = fused.unfuse()  # the unfuse line
+    F.cross_entropy(models[1](x), y).backward()
+    hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+        opt.step()  # once per copy
+    [warning] = [w for w in caught if issubclass(w.category, hftc.UsageWarning)]
+    message = str(warning.message)
+    assert message.startswith("model 1's copy that fused.unfuse() gave")
+    assert f"{__file__}:{_line_of('# the unfuse line')}" in message
+    assert "call fused.unfuse() again" in message
+    assert warning.filename == __file__
+
+
+def test_copies_used_to_evaluate_or_save_are_quiet():
+    fused = _with_batch_norm()
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    best = fused.unfuse_model(2).eval()
+    with torch.no_grad():
+        best(x)
+    state = fused.unfuse_model(0).state_dict()
+    tuned = fused.unfuse_model(1)  # fine-tuned apart, by an optimizer of its own: meant so
+    tuned_opt = torch.optim.SGD(tuned.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hftc.UsageWarning)
+        F.cross_entropy(tuned(x), y).backward()
+        tuned_opt.step()
+        hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+        opt.step()
+    assert state
+
+
+def test_skip_models_on_models_with_batch_norm_warns_and_names_keep_models():
+    fused = _with_batch_norm()
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step(skip_models=[False, True, False])
+    [warning] = [w for w in caught if issubclass(w.category, hftc.UsageWarning)]
+    assert "model(s) [1]'s parameters" in str(warning.message)
+    assert "hftc.keep_models" in str(warning.message)
+    assert warning.filename == __file__
+
+
+def test_skip_models_without_batch_norm_or_by_the_grad_scaler_is_quiet():
+    fused = _classifier()
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hftc.UsageWarning)
+        hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+        opt.step(skip_models=[False, True, False])
+        fused = _with_batch_norm()
+        opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+        scaler = hftc.amp.GradScaler("cpu")
+        losses = hftc.per_model(F.cross_entropy)(fused(x), y)
+        losses = losses * torch.tensor([1.0, float("inf"), 1.0])  # model 1 overflows
+        scaler.scale(losses).sum().backward()
+        scaler.step(opt)
+
+
+def test_training_only_the_copies_then_stepping_the_fused_optimizer_warns():
+    # the fused module has no gradient at all: the step does nothing, and says why
+    fused = _classifier()
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    before = fused.model_state_dict(0)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    models = fused.unfuse()
+    for m in models:
+        F.cross_entropy(m(x), y).backward()
+    with pytest.warns(hftc.UsageWarning, match="model 0's copy that fused.unfuse"):
+        opt.step()
+    torch.testing.assert_close(fused.model_state_dict(0), before, rtol=0, atol=0)
+
+
+def test_a_class_loss_on_one_fused_model_is_caught_too():
+    fused = _classifier(n=1)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with pytest.raises(FusionArgumentError, match=r"output \[1, 16, 5\] \(1 model\)"):
+        F.cross_entropy(fused(x), y)
+
+
+def test_a_class_loss_on_a_tensor_made_from_a_fused_output_names_per_model():
+    fused = _classifier()
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    with pytest.raises(FusionArgumentError, match=r"F\.nll_loss got a tensor of a fused "
+                                                  r"module's output's shape \[3, 16, 5\]"):
+        F.nll_loss(F.log_softmax(fused(x), -1), y)
+    with pytest.raises(FusionArgumentError, match=r"48 rows = 3 models x 16.*"
+                                                  r"hftc\.per_model\(F\.cross_entropy\)"):
+        F.cross_entropy(fused(x).reshape(-1, 5), y)
+    # torch's own error where no fused module of that N is alive
+    with pytest.raises(ValueError, match="Expected input batch_size") as caught:
+        F.cross_entropy(torch.randn(7, 16, 5), y)
+    assert not isinstance(caught.value, FusionArgumentError)
+
+
+def test_loading_one_models_state_dict_into_the_fused_module_says_what_to_do():
+    fused = _with_batch_norm()
+    one = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 5)).state_dict()
+    with pytest.raises(FusionArgumentError, match=r"one model's state dict \(`0\.weight` is "
+                                                  r"\[6, 4\], the fused module's \[3, 6, 4\].*"
+                                                  r"hftc\.replace_models"):
+        fused.load_state_dict(one)
+    stacked = {k: torch.stack([v] * 3) for k, v in one.items()}
+    fused.load_state_dict(stacked)  # as the message says
+    torch.testing.assert_close(fused.model_state_dict(2)["0.weight"], one["0.weight"])
+    with pytest.raises(RuntimeError, match="size mismatch") as caught:  # torch's own
+        fused.load_state_dict({**stacked, "0.weight": torch.zeros(2, 6, 4)})
+    assert not isinstance(caught.value, FusionArgumentError)
+
+
+def test_per_model_with_stacked_targets_marked_shared_names_in_dims():
+    fused = _classifier()
+    x = torch.randn(16, 4)
+    out = fused(x)
+    for loss, targets in ((F.cross_entropy, torch.randint(0, 5, (3, 16))),
+                          (F.mse_loss, torch.randn(3, 16, 5))):
+        with pytest.raises(FusionArgumentError, match=r"in_dims=\(0, 0\)"):
+            hftc.per_model(loss)(out, targets)
+        losses = hftc.per_model(loss, in_dims=(0, 0))(out, targets)
+        torch.testing.assert_close(losses[2], loss(out[2], targets[2]))
+
+
+def test_an_optimizer_on_the_original_models_warns_naming_the_fused_parameters():
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 5) for _ in range(3)]
+    fused = hftc.fuse(models)
+    opt = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1)
+    x, y = torch.randn(16, 4), torch.randint(0, 5, (16,))
+    hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+    with pytest.warns(hftc.UsageWarning, match=r"hftc\.optim\.SGD\(fused\.parameters\(\)"):
+        opt.step()
+    right = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    own = torch.optim.SGD(models[0].parameters(), lr=0.1)  # a model trained on its own
+    F.cross_entropy(models[0](x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hftc.UsageWarning)
+        right.step()
+        own.step()

@@ -61,6 +61,7 @@ from .padding import WidthPadding, mask_padded_gradients, pad_models
 from .programs import ProgramCache
 from .stacking import build_module_tree
 from .unfuse import Unfusing
+from .usage import mark_outputs
 
 
 def _hook_hint(hooks: Sequence[Any]) -> str:
@@ -546,7 +547,11 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         return super().to(device=device, dtype=dtype, non_blocking=non_blocking)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        try:
+            result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as exc:
+            self._refuse_one_models_state(state_dict, exc)  # (one model's: say what to do)
+            raise
         self._mark_stacked()
         return result
 
@@ -574,9 +579,11 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         try:
             with ir.modes_restored_on_error():
                 if how is not None:  # the whole-model loop and/or autotune's layout
-                    return run_program(self, program.forward, how, values, batched)
+                    out = run_program(self, program.forward, how, values, batched)
+                    return mark_outputs(out, self.num_models)
                 out = program.forward(self, *values)
-            return out if program.output_spec is None else program.output_spec.rebuild(out)
+            out = out if program.output_spec is None else program.output_spec.rebuild(out)
+            return mark_outputs(out, self.num_models)  # (a stock loss on it is checked)
         except RuntimeError as exc:
             if program.trial is not None:  # (a failed call's time counts for no way)
                 program.trial.last = None

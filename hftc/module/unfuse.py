@@ -15,17 +15,20 @@ from __future__ import annotations
 import copy
 import operator
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from .. import ir
 from ..errors import (
+    FusionArgumentError,
     FusionIndexError,
     FusionTypeError,
 )
 from ..lowering.runtime.modules import StackedModule
 from ..passes.driver import SHARED_CONSTANT_PREFIX
+from .usage import note_copy
 
 
 def _drop_grad_accumulator(p: torch.Tensor) -> None:
@@ -49,6 +52,33 @@ _MADE_FROM_MODELS = ("_shared_model_loop", "_method_loop", "_method_modules",
 class Unfusing:
     """(see the module docstring)"""
 
+    @property
+    def model_ids(self) -> list[int]:
+        """The original index of each position: ``[0, 1, ..., N-1]`` as fused, then kept
+        through :func:`hftc.keep_models` (``keep_models(fused, [3, 1])`` -> ``[3, 1]``)
+        and :func:`hftc.replace_models` (a new model gets a new id, never one used
+        before)::
+
+            fused = hftc.fuse(models)            # fused.model_ids == [0, 1, 2, 3]
+            hftc.keep_models(fused, [3, 1])      # fused.model_ids == [3, 1]
+            hftc.replace_models(fused, {0: m})   # fused.model_ids == [4, 1]
+
+        ``out[j]`` of ``fused(x)`` is model ``fused.model_ids[j]``'s.  A copy (a list)."""
+        ids = self.__dict__.get("_model_ids")
+        return list(range(self.num_models)) if ids is None else list(ids)
+
+    def _set_model_ids(self, ids: Sequence[int]) -> None:
+        """Record the original index of each position (and the next id to give)."""
+        ids = [int(i) for i in ids]
+        self.__dict__["_model_ids"] = ids
+        self.__dict__["_next_model_id"] = max(
+            [self.__dict__.get("_next_model_id", 0), *(i + 1 for i in ids)])
+
+    def _new_model_ids(self, count: int) -> list[int]:
+        """``count`` ids no model of this module ever had (for replace_models)."""
+        first = max([self.__dict__.get("_next_model_id", 0), *(i + 1 for i in self.model_ids)])
+        return list(range(first, first + count))
+
     def model_state_dict(self, index: int) -> dict[str, torch.Tensor]:
         """Model ``index``'s ``state_dict`` with the original keys (copies), at its own
         widths (``pad_widths=True``)."""
@@ -58,6 +88,27 @@ class Unfusing:
             return {k: padding.unpad(index, k, v[index]).clone()
                     for k, v in self.state_dict().items()}
         return {k: v[index].clone() for k, v in self.state_dict().items()}
+
+    def _refuse_one_models_state(self, state_dict: Any, exc: Exception) -> None:
+        """``load_state_dict`` of one model's state dict (each tensor without the leading
+        N): a FusionArgumentError saying what to do instead, else nothing (torch's error
+        stands)."""
+        own = self.state_dict()
+        given = [(k, v) for k, v in dict(state_dict).items()
+                 if k in own and isinstance(v, torch.Tensor) and own[k].dim() > 0]
+        if not given or any(tuple(v.shape) != tuple(own[k].shape[1:]) for k, v in given):
+            return
+        key, value = next(((k, v) for k, v in given if v.dim() > 0), given[0])
+        n = self.num_models
+        raise FusionArgumentError(
+            f"fused.load_state_dict got one model's state dict (`{key}` is "
+            f"{list(value.shape)}, the fused module's {list(own[key].shape)}: every tensor "
+            f"stacked over the {n} models). To start every model from it, load it into "
+            f"each model before fusing (for m in models: m.load_state_dict(sd); then "
+            f"hftc.fuse(models)); to put it in place j: model.load_state_dict(sd); "
+            f"hftc.replace_models(fused, {{j: model}}); a fused state dict stacks the "
+            f"models': {{k: torch.stack([sd_0[k], ..., sd_{n - 1}[k]]) for k in sd_0}}"
+        ) from exc
 
     def _check_index(self, index: int) -> int:
         """``index`` as an int, or an error that says what a model index is."""
@@ -84,7 +135,9 @@ class Unfusing:
         index = self._check_index(index)
         padded = self.padded_model(index)
         padding = getattr(self, "padding", None)
-        return padded if padding is None else padding.original_model(index, padded)
+        model = padded if padding is None else padding.original_model(index, padded)
+        note_copy(self, model, self.model_ids[index])  # (a fused step warns if it trains)
+        return model
 
     def padded_model(self, index: int) -> nn.Module:
         """Model ``index`` as the fused program holds it: with ``pad_widths=True``, padded
@@ -114,6 +167,8 @@ class Unfusing:
         programs are dropped (they were made for N models): the next call compiles anew."""
         index = torch.tensor(list(keep), dtype=torch.long)
         n = len(keep)
+        ids = self.model_ids
+        self._set_model_ids([ids[i] for i in keep])
         with torch.no_grad():
             for p in self.parameters():  # (each tied parameter once)
                 grad = p.grad
@@ -178,4 +233,7 @@ class Unfusing:
         # shells ran a replaced model with its predecessor's Python attributes.
         for key in _MADE_FROM_MODELS:
             self.__dict__.pop(key, None)
+        ids = {key: self.__dict__[key] for key in ("_model_ids", "_next_model_id")
+               if key in self.__dict__}
         self.__dict__.update(other.__dict__)
+        self.__dict__.update(ids)  # (the positions' ids are the caller's to change)

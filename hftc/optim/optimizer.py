@@ -60,6 +60,7 @@ from torch.optim import Optimizer
 
 from ..errors import FusionArgumentError
 from ..lowering.compile_guard import run_eagerly
+from ..training import mistakes
 from .capture import CapturableStep
 from .coefficients import (
     HALF_DTYPES,
@@ -301,6 +302,8 @@ class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, Captura
             with torch.enable_grad():
                 loss = closure()
         params = [p for p in self.param_groups[0]["params"] if p.grad is not None]
+        # (the copies unfuse() gave, trained instead; skip_models on models with batch norm)
+        mistakes.check_fused_step(self, self.param_groups[0]["params"], skip_models)
         if not params:
             return loss
         if params[0].shape[0] != self.num_models:

@@ -1,22 +1,51 @@
 """The mistakes a user makes first when training a fused module with stock code, caught
-with a message that names the fix (installed by :mod:`hftc.patches`)::
+with a message that names the fix and the user's line (installed by :mod:`hftc.patches`)::
 
     torch.optim.SGD(fused.parameters(),   a stock optimizer given one value per model:
                     lr=[0.1, 0.2])        FusionTypeError -> hftc.optim.SGD(..., lr=[...])
+    F.cross_entropy(fused(x), y)          a stock class loss on a fused output, as for one
+    nn.CrossEntropyLoss()(fused(x), y)    model's: FusionArgumentError -> hftc.per_model
+    F.mse_loss(fused(x), y)               a mean over all N models (one model's target
+                                          broadcast): UsageWarning -> hftc.per_model
+    hftc.per_model(loss)(out, y).mean()   each model's gradient / N: UsageWarning -> .sum()
+    opt.step() after training the         the copies do not follow: UsageWarning -> train
+      models fused.unfuse() gave          the fused module, unfuse() after
+    torch.optim.SGD(models[0].parameters  the originals hftc.fuse copied: UsageWarning
+      ()) stepped after fused(x)'s loss     -> hftc.optim.SGD(fused.parameters(), ...)
+    opt.step(skip_models=...)             its batch norm still learned: UsageWarning ->
+      to freeze a model                   hftc.keep_models / hftc.EarlyStopping
+    F.nll_loss(F.log_softmax(out, -1), y) a tensor of a fused output's shape (a live
+    F.cross_entropy(out.view(-1, C), y)   fused module's N), where torch would refuse
+                                          it: FusionArgumentError -> hftc.per_model
 
 A stock optimizer is only refused where torch's own check failed on a list or tuple of
-values: what torch accepts runs as torch runs it.
+values: what torch accepts runs as torch runs it.  The losses of ``torch.nn.functional``
+keep their identity (``F.cross_entropy is F.cross_entropy`` for every table keyed by it,
+torch.fx's targets, dynamo's rules): :func:`guard_losses` gives each function object a
+new ``__code__`` that checks its first argument and calls a copy of the original; a
+tensor that is not a fused output (:mod:`hftc.module.usage`) costs one attribute lookup.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
-from collections.abc import Callable
+import inspect
+import linecache
+import sys
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from ..errors import FusionTypeError
+from ..errors import FusionArgumentError, FusionTypeError, UsageWarning, user_stacklevel
+from ..lowering.runtime.modules import FUSED_MODULES
+from ..module.usage import OUTPUT_MARK, UNFUSED_COPIES
 
 
 def refusing_per_model_values(init: Callable[..., None]) -> Callable[..., None]:
@@ -56,4 +85,348 @@ def stock_optimizer_classes() -> list[type]:
     return found
 
 
-__all__ = ["refusing_per_model_values", "stock_optimizer_classes"]
+# --------------------------------------------------------------------------- stock losses
+
+#: torch.nn.functional's losses whose target is a class index (or probabilities) per row.
+CLASS_LOSSES = ("cross_entropy", "nll_loss")
+#: ... and those over elements, which broadcast a target of another shape ...
+ELEMENTWISE_LOSSES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div",
+                      "soft_margin_loss", "poisson_nll_loss")
+#: ... or refuse it (torch's ValueError: ours names the fix).
+SAME_SHAPE_LOSSES = ("binary_cross_entropy", "binary_cross_entropy_with_logits")
+#: the losses whose code :func:`guard_losses` gave the check, by name
+GUARDED_LOSSES: dict[str, Callable[..., Tensor]] = {}
+
+
+def guard_losses() -> None:
+    """Give each loss of :data:`CLASS_LOSSES`, :data:`ELEMENTWISE_LOSSES` and
+    :data:`SAME_SHAPE_LOSSES` a first statement, on its docstring's closing line::
+
+        def mse_loss(input, target, ..., reduction="mean", ...):
+            \"\"\"...\"\"\"; _hftc_check_loss("mse_loss", input, target, reduction, ...)
+            ... torch's body, unchanged ...
+
+    compiled from torch's own source at its own lines, as the same function object's
+    ``__code__``: its identity (every table keyed by it, torch.fx's targets, dynamo's
+    rules), signature, source (``inspect.getsource``, TorchScript) and line numbers are
+    torch's, and a warning torch's body gives still names the caller's line."""
+    for name in (*CLASS_LOSSES, *ELEMENTWISE_LOSSES, *SAME_SHAPE_LOSSES):
+        function = getattr(F, name, None)
+        if function is None or name in GUARDED_LOSSES or function.__closure__:
+            continue
+        code = _guarded_code(function)
+        if code is not None:
+            function.__globals__["_hftc_check_loss"] = check_loss_call
+            function.__code__ = code
+            GUARDED_LOSSES[name] = function
+
+
+def _guarded_code(function: Callable[..., Tensor]) -> types.CodeType | None:
+    """``function``'s code with the check after its docstring (None: no source, or no
+    docstring to put it after)."""
+    try:
+        lines, first = inspect.getsourcelines(function)
+    except (OSError, TypeError):
+        return None
+    source = "".join(lines)
+    tree = ast.parse(source)
+    node = tree.body[0]
+    params = [a.arg for a in node.args.args]
+    doc = node.body[0] if node.body else None
+    if not isinstance(node, ast.FunctionDef) or node.decorator_list or len(params) < 2 \
+            or not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)):
+        return None
+    given = ", ".join(k if k in params else "None" for k in ("reduction", "size_average",
+                                                              "reduce"))
+    check = f"; _hftc_check_loss({node.name!r}, {params[0]}, {params[1]}, {given})"
+    lines = source.splitlines(keepends=True)
+    row, end = doc.end_lineno - 1, doc.end_col_offset  # (a byte offset, as ast gives)
+    raw = lines[row].encode()
+    lines[row] = (raw[:end] + check.encode() + raw[end:]).decode()
+    namespace = dict(function.__globals__)
+    try:  # (another torch's source that does not compile so: the loss stays as it is)
+        exec(compile("\n" * (first - 1) + "".join(lines), function.__code__.co_filename,
+                     "exec"), namespace)
+    except Exception:  # noqa: BLE001
+        return None
+    code = namespace[node.name].__code__
+    return code if code.co_freevars == function.__code__.co_freevars else None
+
+
+def check_loss_call(name: str, input: Any, target: Any, reduction: Any, size_average: Any,
+                    reduce: Any) -> None:
+    """The first statement of torch's loss ``name``: nothing unless ``input`` is a fused
+    output (a marked tensor, :mod:`hftc.module.usage`) taken as one model's output, or a
+    tensor of that shape made from one (``F.log_softmax(out, -1)``) where torch itself
+    would refuse or broadcast the call (:func:`_check_fused_loss`)."""
+    if not isinstance(input, Tensor) or not isinstance(target, Tensor) \
+            or torch.compiler.is_compiling():
+        return
+    n = getattr(input, OUTPUT_MARK, None)
+    if n is None:
+        n = _fused_models_behind(name, input, target)
+        if n is None:
+            return
+    if size_average is not None or reduce is not None:  # torch's legacy spelling
+        reduction = "sum" if size_average is False and reduce is not False else "other"
+    _check_fused_loss(name, input, target, n, reduction,
+                      marked=getattr(input, OUTPUT_MARK, None) is not None)
+
+
+def _fused_models_behind(name: str, input: Tensor, target: Tensor) -> int | None:
+    """N where ``input``, not marked, has the shape of a live fused module's output taken
+    as one model's (``[N, B, ...]``, one model's target): only where torch refuses the
+    call (a class loss, a loss of one shape) or broadcasts it.  A class loss on the N
+    outputs flattened (``[N*B, C]`` and one model's ``[B]``, which torch refuses too) is
+    refused here."""
+    if input.dim() < 2:
+        return None
+    live = {m.num_models for m in list(FUSED_MODULES)}
+    if name in CLASS_LOSSES:
+        if input.dim() >= 3 and target.shape in (input.shape[1:2] + input.shape[3:],
+                                                 input.shape[1:]):
+            return input.shape[0] if input.shape[0] in live else None
+        rows, batch = input.shape[0], target.shape[0] if target.dim() else 0
+        if target.dim() == input.dim() - 1 and batch and rows != batch \
+                and rows % batch == 0 and rows // batch in live \
+                and target.shape[1:] == input.shape[2:]:
+            n = rows // batch
+            raise FusionArgumentError(
+                f"F.{name} got {list(input.shape)} and a target {list(target.shape)}: "
+                f"{rows} rows = {n} models x {batch}, a fused module's outputs flattened "
+                f"(out.view(-1, C)) with one model's target{_user_line()}; torch refuses "
+                f"it (and with the target repeated N times the mean would divide each "
+                f"model's gradient by {n}). Take each model's loss on the fused output "
+                f"[N, B, C]: losses = hftc.per_model(F.{name})(out, y) ([{n}]), then "
+                f"losses.sum().backward()")
+        return None
+    if target.shape == input.shape[1:] and input.shape[0] in live:
+        return input.shape[0]
+    return None
+
+
+def _loss_called_as() -> tuple[str, str]:
+    """``(how the user called the loss, what to pass hftc.per_model)``: a loss module
+    (``nn.CrossEntropyLoss()``) where the frame that called the functional loss is one's
+    ``forward``, else the function; found above this module and the guarded loss."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_globals.get("__name__") == __name__
+                                 or frame.f_code.co_name in GUARDED_LOSSES):
+        frame = frame.f_back
+    owner = frame.f_locals.get("self") if frame is not None else None
+    if frame is not None and frame.f_code.co_name == "forward" \
+            and isinstance(owner, nn.modules.loss._Loss):
+        return f"nn.{type(owner).__name__}()", f"nn.{type(owner).__name__}()"
+    return "", ""
+
+
+def _user_line() -> str:
+    """`` at file:line: `code` `` of the user's frame."""
+    frame = sys._getframe(user_stacklevel() - 1)
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f" at {frame.f_code.co_filename}:{frame.f_lineno}" + (f": `{code}`" if code else "")
+
+
+def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
+                      reduction: str, marked: bool = True) -> None:
+    """A stock loss taken on a fused output ``[N, B, ...]`` as if it were one model's:
+
+    - a class loss (``cross_entropy``, ``nll_loss``) given one model's target (or the N
+      models' stacked): FusionArgumentError (torch would read the N models as the batch);
+    - a loss that needs the input's shape (``binary_cross_entropy``) given one model's
+      target: FusionArgumentError (torch refuses it, not saying why);
+    - an elementwise loss with ``reduction="mean"`` given one model's target (broadcast)
+      or the N models' (stacked): the mean over all N models, each model's gradient
+      divided by N: UsageWarning.
+
+    Each names the user's line and ``hftc.per_model``."""
+    one_row = input.shape[1:2] + input.shape[3:]  # one model's class-index target
+    classes = name in CLASS_LOSSES
+    shared = target.shape in ((one_row, input.shape[1:]) if classes else (input.shape[1:],))
+    stacked = target.shape in (((n, *one_row), input.shape) if classes else (input.shape,))
+    if input.dim() < 2 or not (shared or stacked):
+        return
+    module, module_arg = _loss_called_as()
+    called = module or f"F.{name}"
+    models = f"{n} model{'s' if n != 1 else ''}"
+    what = ("a fused module's output" if marked else
+            "a tensor of a fused module's output's shape")
+    dims = "" if shared else ", in_dims=(0, 0)"
+    target_text = (f"one model's target {list(target.shape)}" if shared
+                   else f"a target stacked per model {list(target.shape)}")
+    use = (f"Take each model's loss with hftc.per_model: losses = hftc.per_model("
+           f"{module_arg or f'F.{name}'}{dims})(out, y) ([{n}], one per model), then "
+           f"losses.sum().backward() (the sum: each model gets its own gradient)")
+    if classes or (shared and name in SAME_SHAPE_LOSSES):
+        why = (f"torch would take the {n} models for the batch" if classes else
+               "torch refuses a target of another shape than the input")
+        raise FusionArgumentError(
+            f"{called} got {what} {list(input.shape)} ({models}) and "
+            f"{target_text}, as for one model's output{_user_line()}; {why}. {use}")
+    if reduction == "mean" and n > 1:
+        warnings.warn(
+            f"{called} on {what} {list(input.shape)} ({models}) and "
+            f"{target_text}{_user_line()}: "
+            + ("the target is broadcast over the models and " if shared else "")
+            + f"the mean is over all {n} models, so each model's gradient is divided by "
+            f"{n} (with SGD: a learning rate {n} times smaller). {use}", UsageWarning,
+            stacklevel=user_stacklevel())
+
+
+# --------------------------------------------------------------------------- .mean() of N losses
+
+#: The user's lines whose per-model losses' gradient was checked once (file, line).
+_CHECKED_LOSS_LINES: set[tuple[str, int]] = set()
+
+
+def check_loss_reduction(losses: Tensor) -> None:
+    """On the first backward through ``hftc.per_model``'s ``[N]`` losses made at a user's
+    line: a gradient of exactly ``1/N`` for each is ``losses.mean()``, which divides
+    each model's gradient by N; warned (once per line) saying to take ``.sum()``."""
+    if not isinstance(losses, Tensor) or losses.dim() != 1 or losses.shape[0] < 2 \
+            or not losses.requires_grad or torch.compiler.is_compiling() \
+            or torch._C._functorch.peek_interpreter_stack() is not None:
+        return
+    frame = sys._getframe(user_stacklevel() - 1)
+    site = (frame.f_code.co_filename, frame.f_lineno)
+    if site in _CHECKED_LOSS_LINES:
+        return
+    if losses.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    n = losses.shape[0]
+    module = frame.f_globals.get("__name__", "")
+
+    def hook(grad: Tensor) -> None:
+        if site in _CHECKED_LOSS_LINES:
+            return
+        _CHECKED_LOSS_LINES.add(site)
+        if grad.dim() == 1 and torch.allclose(grad * n, torch.ones_like(grad), rtol=1e-5,
+                                              atol=0.0):
+            code = linecache.getline(site[0], site[1]).strip()
+            warnings.warn_explicit(
+                f"the gradient reaching the {n} per-model losses of hftc.per_model"
+                f"{f' (`{code}`)' if code else ''} is 1/{n} for each model: their .mean() "
+                f"divides each model's gradient by {n} (with SGD: a learning rate {n} times "
+                f"smaller, with Adam a different epsilon). Take losses.sum().backward(): "
+                f"each model's loss is its own, the sum gives each model exactly the "
+                f"gradient it gets alone.", UsageWarning, site[0], site[1], module)
+
+    losses.register_hook(hook)
+
+
+# --------------------------------------------------------------------------- fused optimizer steps
+
+#: optimizers that warned about skip_models and batch norm already
+_WARNED_SKIPS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def check_fused_step(optimizer: Any, params: Sequence[Tensor], skip_models: Any) -> None:
+    """Before a fused optimizer's step over ``params``: the copies ``unfuse()`` gave that
+    got gradients (trained on their own: the fused module does not follow), and
+    ``skip_models`` by the user's code on models whose batch norm learned in this step's
+    forward (it is not frozen by the skip); each warned once, saying what to do.  Flags
+    given as a tensor are not read (a capturable step never reads them on the host):
+    the list the user's code spells (``skip_models=[False, True]``) is."""
+    if UNFUSED_COPIES:
+        _check_trained_copies(params)
+    if skip_models is None or isinstance(skip_models, Tensor) \
+            or optimizer in _WARNED_SKIPS or not _called_by_user():
+        return
+    try:
+        skipped = torch.as_tensor(skip_models).reshape(-1).to(torch.bool).nonzero()
+    except (TypeError, ValueError, RuntimeError):
+        return  # (the step's own check says what is wrong)
+    if skipped.numel():
+        _check_skipped_norms(optimizer, params, skipped.flatten().tolist())
+
+
+#: optimizers whose first step was checked by :func:`check_any_step`
+_CHECKED_OPTIMIZERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def check_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """torch global optimizer step pre-hook: on an optimizer's first step, where its
+    parameters are a live fused module's models' originals and none has a gradient
+    (the fused module was trained, not the models it copied), warn (UsageWarning) that
+    it steps nothing the fused module computes with."""
+    if not FUSED_MODULES or optimizer in _CHECKED_OPTIMIZERS:
+        return
+    _CHECKED_OPTIMIZERS.add(optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params or any(p.grad is not None for p in params):
+        return
+    ids = {id(p) for p in params}
+    for fused in list(FUSED_MODULES):
+        sources = getattr(fused, "source_parameter_names", None) or []
+        if any(ids & set(names) for names in sources):
+            warnings.warn(
+                f"{type(optimizer).__name__} steps the parameters of the models given to "
+                f"hftc.fuse, which the fused module copied: they get no gradient and the "
+                f"fused module's own parameters are never stepped. Build the optimizer on "
+                f"the fused module: hftc.optim.{type(optimizer).__name__}(fused."
+                f"parameters(), ...) (each hyper-parameter a value or a list of N)",
+                UsageWarning, stacklevel=user_stacklevel())
+            return
+
+
+def _check_trained_copies(params: Sequence[Tensor]) -> None:
+    ids = {id(p) for p in params}
+    for copy in list(UNFUSED_COPIES):
+        fused, model = copy.fused(), copy.model()
+        if fused is None or model is None:
+            UNFUSED_COPIES.remove(copy)
+            continue
+        if not copy.trained_alone() or not any(id(p) in ids for p in fused.parameters()):
+            continue
+        UNFUSED_COPIES.remove(copy)
+        warnings.warn(
+            f"model {copy.model_id}'s copy that fused.unfuse() gave (at {copy.line}) has "
+            f"gradients and was not stepped, but this fused optimizer steps the fused "
+            f"module's own stacked parameters: a copy is a snapshot, it neither follows "
+            f"the fused module nor is it followed. Train the fused module (out = "
+            f"fused(x); hftc.per_model(loss)(out, y).sum().backward(); opt.step()) and "
+            f"call fused.unfuse() again when you need the models; or step the copies "
+            f"with optimizers of their own (hftc.optim.unfuse_optimizers gives them with "
+            f"the fused one's state).", UsageWarning, stacklevel=user_stacklevel())
+
+
+def _called_by_user() -> bool:
+    """The step's caller is the user's code (not hftc.amp.GradScaler's skip of the models
+    whose gradients overflowed, which stock's skip matches)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__") or ""
+        if not name.startswith(("torch", "hftc.optim", "hftc.lowering", __name__)):
+            return not name.startswith("hftc")
+        frame = frame.f_back
+    return True
+
+
+def _check_skipped_norms(optimizer: Any, params: Sequence[Tensor],
+                         skipped: Sequence[int]) -> None:
+    ids = {id(p) for p in params}
+    for fused in list(FUSED_MODULES):
+        if not fused.training or not any(id(p) in ids for p in fused.parameters()):
+            continue
+        norms = sorted({name.rpartition(".")[0] for name, _ in fused.named_buffers()
+                        if name.endswith(("running_mean", "running_var"))})
+        if not norms:
+            continue
+        _WARNED_SKIPS.add(optimizer)
+        model_ids = getattr(fused, "model_ids", list(range(fused.num_models)))
+        which = [model_ids[i] for i in skipped]
+        warnings.warn(
+            f"opt.step(skip_models=...) leaves model(s) {which}'s parameters and optimizer "
+            f"state as they were, but the forward in training mode has updated their batch "
+            f"norms' running statistics ({', '.join(f'`{m}`' for m in norms[:3])}"
+            f"{' ...' if len(norms) > 3 else ''}): skipping a step does not freeze a model. "
+            f"To stop training a model, drop it: "
+            f"hftc.keep_models(fused, [positions to keep]) (its optimizers and schedulers are "
+            f"cut too; hftc.EarlyStopping does it per model id), and save it first "
+            f"(fused.unfuse_model(j), hftc.BestCheckpoint).", UsageWarning,
+            stacklevel=user_stacklevel())
+        return
+
+
+__all__ = ["check_any_step", "check_fused_step", "check_loss_call", "check_loss_reduction",
+           "guard_losses", "refusing_per_model_values", "stock_optimizer_classes"]

@@ -156,9 +156,11 @@ def keep_models(
             optimizers cut is found and cut (their per-model values), as one left with
             ``N`` models' lists would give model ``j`` old model ``j``'s schedule.
 
-    Returns the indices kept (normalized: ``-1`` is ``N - 1``).  The kept models continue
-    exactly as they would have: the same parameters, buffers, gradients, optimizer state
-    and schedule position; the compiled programs are dropped and the next call compiles
+    Returns the indices kept (normalized: ``-1`` is ``N - 1``); ``fused.model_ids``
+    becomes ``[fused.model_ids[i] for i in keep]``, the original index of each model.
+    The kept models continue exactly as they would have: the same parameters, buffers,
+    gradients, optimizer state and schedule position; the compiled programs are dropped
+    and the next call compiles
     for the smaller N.  ``hftc.compile_step`` and ``hftc.amp.GradScaler`` objects made
     for N models are not cut: make them again.
 
@@ -231,8 +233,10 @@ def replace_models(
     (:meth:`FusedModule.unfuse`, :func:`hftc.optim.unfuse_optimizers`) and fused again
     with the new ones (the fuse options of before), and the result is written into the
     same ``fused``, parameter and optimizer objects, so the loop's references stay valid
-    and the other models continue bit for bit.  A new model starts with no optimizer
-    state (a stock optimizer's first step), its gradients zero.  Schedulers on the
+    and the other models continue bit for bit.  Each new model gets a new id in
+    ``fused.model_ids`` (one no model of ``fused`` had before); the others keep theirs.
+    A new model starts with no optimizer state (a stock optimizer's first step), its
+    gradients zero.  Schedulers on the
     optimizers are refused: torch's keep one position for all param groups, which a
     model starting at its own step 0 does not share; build them per array without
     replacement.  Compiled programs are dropped, as by :func:`keep_models`.
@@ -267,7 +271,10 @@ def replace_models(
             stocks[id(opt)][i] = _fresh_stock_optimizer(
                 stocks[id(opt)][i], old_models[i], new_models[i],
                 _hyper_for(hyper[i], opt))
+    ids = fused.model_ids
+    fresh = iter(fused._new_model_ids(len(models)))
     fused._become(refused)
+    fused._set_model_ids([next(fresh) if i in models else ids[i] for i in range(len(ids))])
     for opt in optimizers:
         made = fuse_optimizers(fused, stocks[id(opt)])
         LIVE_OPTIMIZERS.discard(made)  # ``opt`` is the one the loop holds

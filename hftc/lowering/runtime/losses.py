@@ -253,12 +253,38 @@ def per_model(loss_fn: Callable[..., Tensor], *,
                     f"per_model: every argument marked 0 in in_dims must be a tensor (or a "
                     f"tuple, list or dict of tensors) with leading dim N = {n}; got shape "
                     f"{list(t.shape)}")
-        fast = _flattened_loss(loss_fn, args, dims, n, kwargs)
-        if fast is not None:
-            return fast
-        return _vmapped_or_looped(loss_fn, args, dims, kwargs, n, stacked)
+        _check_target_not_stacked(loss_fn, args, dims, n)
+        result = _flattened_loss(loss_fn, args, dims, n, kwargs)
+        if result is None:
+            result = _vmapped_or_looped(loss_fn, args, dims, kwargs, n, stacked)
+        for check in RESULT_CHECKS:  # (hftc.training.mistakes: a .mean() of the N losses)
+            check(result)
+        return result
 
     return losses
+
+
+def _check_target_not_stacked(loss_fn: Callable[..., Tensor], args: Sequence[Any],
+                              dims: Sequence[int | None], n: int) -> None:
+    """A target marked shared (``in_dims`` None) that is stacked per model (``[N, *one
+    model's target]``) would be broadcast against each model's output, or refused by the
+    loss: refused here, saying ``in_dims=(0, 0)``."""
+    if len(args) < 2 or dims[0] != 0 or dims[1] is not None or n < 2:
+        return
+    out, target = args[0], args[1]
+    if not isinstance(out, Tensor) or not isinstance(target, Tensor) or out.dim() < 2:
+        return
+    ones = (out.shape[1:], out.shape[1:2] + out.shape[3:])  # elementwise, class-index
+    if target.dim() and target.shape[0] == n and target.shape[1:] in ones:
+        raise FusionArgumentError(
+            f"per_model({_loss_name(loss_fn)}): the target {list(target.shape)} holds one "
+            f"per model ([{n}, ...]) but in_dims marks it shared (None: every model gets "
+            f"all {n}); pass in_dims=(0, 0): hftc.per_model({_loss_name(loss_fn)}, "
+            f"in_dims=(0, 0))(out, targets)")
+
+
+#: Functions called with each result of a ``per_model`` loss (installed by hftc.patches).
+RESULT_CHECKS: list[Callable[[Tensor], None]] = []
 
 
 def _vmapped_or_looped(loss_fn: Callable[..., Tensor], args: Sequence[Any],

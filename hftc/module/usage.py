@@ -1,0 +1,94 @@
+"""What the user holds of a fused module, remembered for :mod:`hftc.training.mistakes`:
+its outputs (marked with N) and the copies ``unfuse()`` gave (weakly).
+
+::
+
+    out = fused(x)              out._hftc_num_models == N   (a stock loss on it is checked)
+    m = fused.unfuse_model(2)   noted: a fused optimizer's step warns if m got gradients
+                                and nothing stepped it
+
+A mark is a plain attribute of the output tensor object: an op on it makes a new tensor
+without one, and nothing is marked where torch.compile traces (a compiled region sees
+no attribute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import user_stacklevel
+
+#: The attribute of a fused module's output tensors: the N models it stacks.
+OUTPUT_MARK = "_hftc_num_models"
+
+
+def mark_outputs(out: Any, num_models: int) -> Any:
+    """``out`` (a tensor, or a tuple, list or dict of them) with each ``[N, ...]`` tensor
+    marked as a fused output of ``num_models`` models; returned as it is."""
+    if torch.compiler.is_compiling():
+        return out
+    values = (out.values() if isinstance(out, dict)
+              else out if isinstance(out, (tuple, list)) else (out,))
+    for t in values:
+        if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == num_models:
+            with contextlib.suppress(AttributeError, RuntimeError):  # (a functorch wrapper)
+                setattr(t, OUTPUT_MARK, num_models)
+    return out
+
+
+def fused_output_models(t: Any) -> int | None:
+    """N where ``t`` is a marked fused output, else None (a Proxy or any other object)."""
+    if not isinstance(t, Tensor):
+        return None
+    return getattr(t, OUTPUT_MARK, None)
+
+
+class UnfusedCopy:
+    """One model ``unfuse()`` gave: weak references to it and its fused module, the
+    model's id, the user's line that asked for it and its parameters' versions then
+    (an optimizer of its own that stepped it changed them)."""
+
+    __slots__ = ("fused", "model", "model_id", "line", "versions")
+
+    def __init__(self, fused: nn.Module, model: nn.Module, model_id: int, line: str) -> None:
+        self.fused, self.model = weakref.ref(fused), weakref.ref(model)
+        self.model_id, self.line = model_id, line
+        self.versions = [p._version for p in model.parameters()]
+
+    def trained_alone(self) -> bool:
+        """Gradients reached the copy, and nothing stepped it: trained as if the fused
+        module would follow (a copy stepped by an optimizer of its own is meant so)."""
+        model = self.model()
+        params = list(model.parameters()) if model is not None else []
+        return any(p.grad is not None for p in params) \
+            and [p._version for p in params] == self.versions
+
+
+#: The live copies unfuse() gave, the latest :data:`KEPT_COPIES` (dead ones are dropped).
+UNFUSED_COPIES: list[UnfusedCopy] = []
+KEPT_COPIES = 32
+
+
+def note_copy(fused: nn.Module, model: nn.Module, model_id: int) -> None:
+    """Remember that ``unfuse()`` gave ``model`` (model ``model_id`` of ``fused``) to the
+    user's code (hftc's own calls, replace_models' and the fused methods', are not)."""
+    caller = sys._getframe(1)
+    while caller is not None and caller.f_globals.get("__name__") in (__name__,
+                                                                      "hftc.module.unfuse"):
+        caller = caller.f_back
+    if caller is None or (caller.f_globals.get("__name__") or "").startswith("hftc."):
+        return
+    UNFUSED_COPIES[:] = [c for c in UNFUSED_COPIES if c.model() is not None][1 - KEPT_COPIES:]
+    frame = sys._getframe(user_stacklevel() - 1)
+    line = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    UNFUSED_COPIES.append(UnfusedCopy(fused, model, model_id, line))
+
+
+__all__ = ["KEPT_COPIES", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
+           "fused_output_models", "mark_outputs", "note_copy"]
