@@ -62,6 +62,7 @@ from ..module.padding import own_part, padding_ratio, weight_shapes, width_block
 from ..optim.mixed import MixedOptimizer
 from ..optim.slicing import fused_param_names, load_model_slice
 from .files import atomic_write, save
+from .pruning import Reference, in_sequence, prune_in_sequence
 from .sampling import TrialSeededSampler
 from .spec import SpecError, SweepSpec, hook_name
 from .training import (
@@ -370,7 +371,7 @@ def _make_sampler(spec: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:
     raise SweepError(f"unknown sampler {s!r}: use 'tpe', 'random' or an optuna sampler")
 
 
-def _make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
+def make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
     p = spec.pruner
     if isinstance(p, optuna.pruners.BasePruner):
         return p
@@ -490,21 +491,6 @@ def _counts(study: optuna.Study) -> dict[str, int]:
     return c
 
 
-class _CompletedView:
-    """The part of a study a percentile pruner reads (its direction, its complete trials),
-    read once. ``get_trials`` with other states goes to the study itself."""
-
-    def __init__(self, study: optuna.Study):
-        self._study = study
-        self.direction = study.direction
-        self._complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-
-    def get_trials(self, deepcopy: bool = True, states=None):
-        if states is not None and tuple(states) == (TrialState.COMPLETE,):
-            return list(self._complete)
-        return self._study.get_trials(deepcopy=deepcopy, states=states)
-
-
 # ---------------------------------------------------------------------- the worker
 
 
@@ -568,6 +554,8 @@ class Sweep:
         self.timings = {"train": 0.0, "fuse": 0.0, "optuna": 0.0, "checkpoint": 0.0,
                         "on_epoch": 0.0}
         self._loss = hftc.per_model(spec.loss)
+        self._view: tuple[list, list] | None = None  # (complete, running elsewhere): _decide
+        self._out_now: set[int] = set()  # trials pruned or failed in this round's decisions
 
     # ------------------------------------------------------------------ set-up
 
@@ -606,7 +594,7 @@ class Sweep:
             sampler = TrialSeededSampler(sampler, self.spec.seed)
         self.study = optuna.create_study(
             study_name=self.study_name, storage=self.storage, load_if_exists=True,
-            direction=self.spec.direction, sampler=sampler, pruner=_make_pruner(self.spec),
+            direction=self.spec.direction, sampler=sampler, pruner=make_pruner(self.spec),
         )
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Made under a hidden name, locked, then renamed: no other worker ever sees this
@@ -1053,8 +1041,10 @@ class Sweep:
     def _decide(self, runs: list[_Run]) -> None:
         """Report each trial's new metrics, then complete, prune or keep it."""
         done: list[_Run] = []
-        self._view = None  # read the complete trials afresh: other workers finish some too
-        for run in runs:
+        # The complete and running trials, read once per round (other workers finish some
+        # too); the trials this round prunes or fails are out of the later ones' reference.
+        self._view, self._out_now = None, set()
+        for run in sorted(runs, key=lambda r: r.number):
             trial = run.trial
             try:
                 for step in range(run.reported + 1, run.epoch + 1):
@@ -1067,18 +1057,19 @@ class Sweep:
                     self._record(run)
                     self._fail(trial, f"diverged: {self.spec.metric_name} is {value}{weights} "
                                       f"after epoch {run.epoch}")
+                    self._out_now.add(run.number)
                     done.append(run)
                     self.log(f"trial {run.number} failed (diverged) at epoch {run.epoch}")
                 elif run.epoch >= self.spec.epochs:
                     self._save_if_best(run, value)
                     self._record(run)
                     self._tell(trial, value)
-                    self._view = None  # one more complete trial for the pruner to compare
                     done.append(run)
                     self.log(f"trial {run.number} complete: {value:.6g}")
                 elif self._should_prune(run):
                     self._record(run)
                     self._tell(trial, state=TrialState.PRUNED)
+                    self._out_now.add(run.number)
                     done.append(run)
                     self.log(f"trial {run.number} pruned at epoch {run.epoch}: {value:.6g}")
                 else:  # kept: recorded, for a resumed worker (see _KEPT_AT)
@@ -1096,24 +1087,28 @@ class Sweep:
             self.live.remove(run)
 
     def _should_prune(self, run: _Run) -> bool:
-        """``trial.should_prune()``, with one storage read per round instead of one per
-        trial for the pruners that only compare with complete trials (median, percentile):
-        with N trials per array, N reads of the whole study per epoch cost more than the
-        epoch on a small model."""
+        """``trial.should_prune()``; for the pruners that compare with complete trials
+        (median, percentile), against the trials a one-at-a-time study would have
+        finished before this one (pruning.py: the complete ones, and those numbered
+        below it still training, here or elsewhere), with one storage read per round."""
         pruner = self.study.pruner
         if isinstance(pruner, optuna.pruners.NopPruner):
             return False
-        if type(pruner) not in (optuna.pruners.MedianPruner, optuna.pruners.PercentilePruner):
+        if not in_sequence(pruner):
             return run.trial.should_prune()
-        if getattr(self, "_view", None) is None:
-            self._view = _CompletedView(self.study)
-        frozen = optuna.trial.FrozenTrial(
-            number=run.number, state=TrialState.RUNNING, value=None, datetime_start=None,
-            datetime_complete=None, params={}, distributions={}, user_attrs={},
-            system_attrs={}, trial_id=run.trial_id,
-            intermediate_values={k + 1: v for k, v in enumerate(run.history)},
-        )
-        return pruner.prune(self._view, frozen)
+        if self._view is None:
+            trials = self.study.get_trials(deepcopy=False,
+                                           states=(TrialState.COMPLETE, TrialState.RUNNING))
+            mine = {r.trial_id for r in self.live}
+            self._view = ([t for t in trials if t.state == TrialState.COMPLETE],
+                          [Reference(t.number, t.intermediate_values) for t in trials
+                           if t.state == TrialState.RUNNING and t._trial_id not in mine])
+        complete, elsewhere = self._view
+        here = [Reference(r.number, {k + 1: v for k, v in enumerate(r.history)})
+                for r in self.live if r.number not in self._out_now and r is not run]
+        return prune_in_sequence(pruner, self.study, run.number, run.trial_id,
+                                 {k + 1: v for k, v in enumerate(run.history)},
+                                 complete, here + elsewhere)
 
     def _record(self, run: _Run) -> None:
         """What it takes to retrain the trial alone: the data order keys of its epochs."""

@@ -39,6 +39,7 @@ import hftc
 from ..errors import FusionError, SweepError
 from ..training.shrink import check_replaceable
 from .engine import finite_models
+from .pruning import Reference, in_sequence, prune_in_sequence
 
 __all__ = ["TrialArray", "optimize"]
 
@@ -225,14 +226,43 @@ class TrialArray:
                 if self._epoch_of[trial.number] >= self._epochs:
                     self.study.tell(trial, value)
                     dropped.append(j)
-                    continue
-            if trial.should_prune():
-                self.study.tell(trial, state=TrialState.PRUNED)
-                dropped.append(j)
+        # Every value reported first, then the pruner, in trial-number order: a trial is
+        # compared with those numbered below it still training (hftc.sweep.pruning).
+        pruned = self._to_prune([j for j in range(len(self.trials)) if j not in dropped])
+        for j in pruned:
+            self.study.tell(self.trials[j], state=TrialState.PRUNED)
+        dropped = sorted(dropped + pruned)
         self.replaced = self._take_places(dropped)
         dropped = [j for j in dropped if j not in self.replaced]
         self.drop(dropped)
         return dropped
+
+    def _to_prune(self, positions: list[int]) -> list[int]:
+        """Which of the trials at ``positions`` (reported at this step) the study's
+        pruner prunes: for a median / percentile pruner, each compared with the complete
+        trials and the running ones numbered below it (one storage read, pruning.py);
+        for any other, ``trial.should_prune()``."""
+        pruner = self.study.pruner
+        if isinstance(pruner, optuna.pruners.NopPruner) or not positions:
+            return []
+        order = sorted(positions, key=lambda j: self.trials[j].number)
+        if not in_sequence(pruner):
+            return sorted(j for j in order if self.trials[j].should_prune())
+        trials = self.study.get_trials(deepcopy=False,
+                                       states=(TrialState.COMPLETE, TrialState.RUNNING))
+        complete = [t for t in trials if t.state == TrialState.COMPLETE]
+        running = {t.number: Reference(t.number, t.intermediate_values)
+                   for t in trials if t.state == TrialState.RUNNING}
+        pruned = []
+        for j in order:
+            trial = self.trials[j]
+            mine = running.get(trial.number)
+            values = mine.intermediate_values if mine is not None else {}
+            if prune_in_sequence(pruner, self.study, trial.number, trial._trial_id, values,
+                                 complete, running.values()):
+                pruned.append(j)
+                running.pop(trial.number, None)  # out of the reference of those after it
+        return sorted(pruned)
 
     def _take_places(self, freed: list[int]) -> list[int]:
         """New trials in ``freed`` places while the budget lasts (``refill_with``); the

@@ -1,0 +1,126 @@
+"""The same study one trial at a time with stock Optuna: what a fused sweep is compared
+with.
+
+::
+
+    study = optuna.create_study(storage="sqlite:///OUT/serial.db", sampler=TPE(seed),
+                                pruner=the spec's pruner, direction=...)
+    study.optimize(objective, n_trials)      # objective(trial): the spec's space, a stock
+                                             # model and optimizer, an epoch at a time,
+                                             # trial.report / trial.should_prune
+
+No hftc in the loop: a stock model, the spec's stock optimizer(s) and scheduler(s),
+Optuna's own storage (its defaults), sampler and pruner. The wall clock includes
+Optuna's share and the start-up (the storage, the study), as a user's script pays them.
+``hftc sweep SPEC --serial`` runs it; ``hftc bench --workload sweep`` runs both sides.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from .spec import SweepSpec
+from .training import build_model, epochs_alone, load_data
+
+__all__ = ["SerialResult", "run_serial", "stock_sampler"]
+
+
+@dataclass
+class SerialResult:
+    """What the one-at-a-time study took: its wall clock, the part spent training (the
+    epochs themselves), and what it found."""
+
+    study: optuna.Study
+    wall_s: float
+    train_s: float
+    trial_epochs: int
+
+    @property
+    def optuna_s(self) -> float:
+        """Everything but the epochs: Optuna (ask, report, prune, tell, storage), the
+        study's start-up and building the models."""
+        return self.wall_s - self.train_s
+
+    @property
+    def best_value(self) -> float | None:
+        try:
+            return self.study.best_value
+        except ValueError:
+            return None
+
+
+def stock_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
+    """The sampler a one-at-a-time user would make: the spec's, seeded with its seed."""
+    s = spec.sampler
+    if isinstance(s, optuna.samplers.BaseSampler):
+        return s
+    if s in (None, "tpe"):
+        return optuna.samplers.TPESampler(seed=spec.seed)
+    if s == "random":
+        return optuna.samplers.RandomSampler(seed=spec.seed)
+    return s(spec.seed)
+
+
+def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
+               data: Any = None) -> SerialResult:
+    """Run ``spec``'s study one trial at a time with stock Optuna (``study.optimize``) in
+    ``out`` (its SQLite file ``serial.db``, made afresh, unless ``storage``)."""
+    from .engine import make_pruner
+
+    start = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if storage is None:
+        (out / "serial.db").unlink(missing_ok=True)
+        storage = f"sqlite:///{out / 'serial.db'}"
+    data = data if data is not None else load_data(spec)
+    trained = {"s": 0.0, "epochs": 0}
+
+    def objective(trial: optuna.Trial) -> float:
+        params = spec.space(trial)
+        params = dict(trial.params) if params is None else params
+        seed = int(params.get("seed", spec.seed + trial.number))
+        model = build_model(spec, params, seed)
+        keys = [spec.seed * 1_000_003 + e for e in range(spec.epochs)]
+        value = float("nan")
+        t0 = time.perf_counter()
+        for epoch, value in enumerate(epochs_alone(spec, params, model, keys, data), 1):
+            trained["s"] += time.perf_counter() - t0
+            trained["epochs"] += 1
+            trial.report(value, epoch)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+            t0 = time.perf_counter()
+        return value
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study = optuna.create_study(storage=storage, sampler=stock_sampler(spec),
+                                        pruner=make_pruner(spec), direction=spec.direction,
+                                        study_name=f"{spec.name}-serial", load_if_exists=False)
+            study.optimize(objective, n_trials=spec.n_trials)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    wall = time.perf_counter() - start
+    return SerialResult(study, wall, trained["s"], trained["epochs"])
+
+
+def describe(result: SerialResult) -> str:
+    """The one-at-a-time study in a line: wall clock, where it went, what it found."""
+    n = len(result.study.get_trials(deepcopy=False))
+    pruned = len(result.study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)))
+    best = result.best_value
+    return (f"one at a time (stock Optuna study.optimize): {result.wall_s:.1f} s wall clock "
+            f"for {result.trial_epochs} trial-epochs of {n} trials ({pruned} pruned): "
+            f"training {result.train_s:.1f} s, Optuna and the rest {result.optuna_s:.1f} s"
+            + (f"; best {best:.4f}" if best is not None else ""))
