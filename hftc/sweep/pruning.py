@@ -50,8 +50,9 @@ __all__ = ["in_sequence", "Reference", "prune_in_sequence"]
 
 def in_sequence(pruner: optuna.pruners.BasePruner) -> bool:
     """Does the rule of this module apply to ``pruner``? (Optuna's pruners that compare
-    with complete trials only: ``MedianPruner`` and ``PercentilePruner``.)"""
-    return type(pruner) in (optuna.pruners.MedianPruner, optuna.pruners.PercentilePruner)
+    with complete trials only: ``MedianPruner`` and ``PercentilePruner``, and their
+    subclasses, whose ``prune`` reads the study it is given.)"""
+    return isinstance(pruner, optuna.pruners.PercentilePruner)
 
 
 @dataclass
