@@ -292,9 +292,9 @@ def test_orphan_without_heartbeat_on_a_shared_storage_is_retried(spec_file: Path
     trial left RUNNING by a worker killed while asking it never gets a heartbeat, which
     Optuna's stale check skips: it is failed and retried once it has stayed without one
     for the wait (a CI run hung on this with PostgreSQL)."""
-    import hftc.sweep.engine as engine
+    import hftc.sweep.recovery as recovery
 
-    monkeypatch.setattr(engine, "_NO_HEARTBEAT_S", 0.0)
+    monkeypatch.setattr(recovery, "NO_HEARTBEAT_S", 0.0)
     spec = hs.load_spec(spec_file).replace(n_trials=3, epochs=1, pruner="none")
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     study = optuna.create_study(study_name="tiny", storage=hs.make_storage(url),
