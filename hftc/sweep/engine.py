@@ -103,6 +103,13 @@ class SweepResult:
     #: and classes
     padded: list[tuple[list[int], int, float]] = field(default_factory=list)
     mixed: list[tuple[list[int], list[str]]] = field(default_factory=list)
+    #: the one-at-a-time side, measured: its Optuna share (the same study's trials asked,
+    #: reported, pruned and told through stock Optuna, off the clock: serial.replay_optuna),
+    #: the trial-epochs it trains for the same learning curves, and the data's loading
+    #: (a start-up both sides pay); None where not measured (a study shared or resumed)
+    serial_optuna_s: float | None = None
+    serial_trial_epochs: int | None = None
+    load_s: float = 0.0
 
     @property
     def summary(self) -> str:
@@ -145,18 +152,24 @@ class Sweep(Recovery, Arrays, Decisions):
         on_round: a function of the worker, called after every round off the clock.
         estimate_serial: how many epochs to train alone (stock, off the clock, one after
             each of the first rounds) to estimate the one-by-one time of the summary.
+        compare_serial: after the sweep, off its clock, measure the one-at-a-time
+            study's Optuna share for these trials (:func:`hftc.sweep.serial.replay_optuna`),
+            charged to the one-by-one side of the summary's speedup.
     """
 
     def __init__(self, spec: SweepSpec, *, out: str | Path | None = None,
                  storage: str | None = None, study_name: str | None = None,
                  resume: bool = False, heartbeat_interval: int = 30,
                  grace_period: int | None = None, progress: bool | None = None,
-                 log=None, on_round=None, estimate_serial: int = 3):
+                 log=None, on_round=None, estimate_serial: int = 3,
+                 compare_serial: bool = True):
         self.spec = spec
         # on_round(sweep) runs after every round, off the clock (the demo times a serial
         # epoch there, so both sides are measured under the same machine load).
         self.on_round = on_round
         self.estimate_serial = estimate_serial
+        self.compare_serial = compare_serial
+        self.load_s, self.fresh = 0.0, False
         self.serial_epoch_s: list[float] = []
         self.formations: list[tuple[int, ...]] = []
         self.apart: dict[str, None] = {}  # why trials could not share an array (ordered set)
@@ -195,7 +208,9 @@ class Sweep(Recovery, Arrays, Decisions):
 
     def _open(self) -> None:
         # The spec's data first: a spec error stops the sweep before it writes anything.
+        start = time.perf_counter()
         self.data = load_data(self.spec)
+        self.load_s = time.perf_counter() - start
         if self.resume and self.default_storage and not (self.out / "study.db").exists():
             raise self._nothing_to_resume()
         self._make_folders()
@@ -221,6 +236,7 @@ class Sweep(Recovery, Arrays, Decisions):
         # state the sweep cannot find: past the trials already there, and apart from other
         # workers when the storage is shared, it does not repeat their samples.
         seed = self.spec.seed + n_before
+        self.fresh = n_before == 0 and not self.resume
         if not self.default_storage:
             seed += uuid.uuid4().int % 1_000_000
         sampler = make_sampler(self.spec, seed)
@@ -496,10 +512,24 @@ class Sweep(Recovery, Arrays, Decisions):
         shutil.rmtree(self.dir, ignore_errors=True)
         if getattr(self, "_lock", None) is not None:
             self._lock.close()
+        replay = self._replay_serial()
         return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
                            files, board, dict(self.timings), self.spec.metric_name,
                            list(self.serial_epoch_s), list(self.formations), list(self.apart),
-                           list(self.padded), list(self.mixed))
+                           list(self.padded), list(self.mixed), *replay, self.load_s)
+
+    def _replay_serial(self) -> tuple[float | None, int | None]:
+        """After the sweep, off its clock: the one-at-a-time study's Optuna share and
+        trial-epochs for these trials (serial.replay_optuna), where this worker ran the
+        whole study (its own folder's storage, started afresh, some epoch timed alone)."""
+        if not (self.default_storage and self.fresh and self.trial_epochs
+                and self.compare_serial):
+            return None, None
+        from .serial import replay_optuna
+
+        with torch.random.fork_rng(devices=[]):
+            return replay_optuna(self.spec, self.study.get_trials(deepcopy=False),
+                                 self.out / "trials")
 
     def _run(self, start: float, verbosity: int) -> tuple[float, dict[str, Path], str]:
         from .report import write_results

@@ -27,9 +27,9 @@ import optuna
 from optuna.trial import TrialState
 
 from .spec import SweepSpec
-from .training import build_model, epochs_alone, load_data
+from .training import build_model, epochs_alone, load_data, make_optimizers
 
-__all__ = ["SerialResult", "run_serial", "stock_sampler"]
+__all__ = ["SerialResult", "run_serial", "stock_sampler", "replay_optuna", "describe"]
 
 
 @dataclass
@@ -124,3 +124,52 @@ def describe(result: SerialResult) -> str:
             f"for {result.trial_epochs} trial-epochs of {n} trials ({pruned} pruned): "
             f"training {result.train_s:.1f} s, Optuna and the rest {result.optuna_s:.1f} s"
             + (f"; best {best:.4f}" if best is not None else ""))
+
+
+def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path) -> tuple[float, int]:
+    """The Optuna share of the same study one trial at a time, measured: a scratch stock
+    Optuna study in ``folder`` (its own SQLite file, Optuna's defaults) asked for as many
+    trials as ``trials`` (the sweep's, in number order), each through the spec's space,
+    a stock model and optimizer built, and the sweep trial's values reported one epoch at
+    a time with ``should_prune`` after each, as a one-at-a-time objective does, then
+    told. Nothing is trained. Returns (seconds, trial-epochs it would have trained): the
+    second is the sequential pruning of the same learning curves (a curve the sweep cut
+    shorter than one at a time would ends where the sweep cut it)."""
+    from .engine import make_pruner
+
+    start = time.perf_counter()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    db = folder / "replay.db"
+    db.unlink(missing_ok=True)
+    curves = [[t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+              for t in sorted(trials, key=lambda t: t.number) if t.intermediate_values]
+    epochs = 0
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            study = optuna.create_study(storage=f"sqlite:///{db}", sampler=stock_sampler(spec),
+                                        pruner=make_pruner(spec), direction=spec.direction)
+            for curve in curves:
+                trial = study.ask()
+                params = spec.space(trial)
+                params = dict(trial.params) if params is None else params
+                model = build_model(spec, params, spec.seed + trial.number)
+                make_optimizers(spec, params, model)
+                state = TrialState.COMPLETE
+                for epoch, value in enumerate(curve, 1):
+                    epochs += 1
+                    trial.report(value, epoch)
+                    if trial.should_prune():
+                        state = TrialState.PRUNED
+                        break
+                if state == TrialState.PRUNED or len(curve) < spec.epochs:
+                    study.tell(trial, state=TrialState.PRUNED)
+                else:
+                    study.tell(trial, curve[-1])
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+        db.unlink(missing_ok=True)
+    return time.perf_counter() - start, epochs
