@@ -72,7 +72,7 @@ def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
                data: Any = None) -> SerialResult:
     """Run ``spec``'s study one trial at a time with stock Optuna (``study.optimize``) in
     ``out`` (its SQLite file ``serial.db``, made afresh, unless ``storage``)."""
-    from .engine import make_pruner
+    from .storage import make_pruner
 
     start = time.perf_counter()
     out = Path(out)
@@ -135,7 +135,7 @@ def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path) -> tuple[fl
     told. Nothing is trained. Returns (seconds, trial-epochs it would have trained): the
     second is the sequential pruning of the same learning curves (a curve the sweep cut
     shorter than one at a time would ends where the sweep cut it)."""
-    from .engine import make_pruner
+    from .storage import make_pruner
 
     start = time.perf_counter()
     folder = Path(folder)

@@ -40,7 +40,7 @@ import hftc
 
 from ..errors import FusionError, SweepError
 from ..training.shrink import check_replaceable
-from .engine import finite_models
+from .arrays import finite_models
 from .pruning import Reference, in_sequence, prune_in_sequence
 
 __all__ = ["TrialArray", "optimize"]
