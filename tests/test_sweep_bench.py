@@ -93,3 +93,18 @@ def test_the_summary_charges_the_serial_side_its_optuna(tmp_path):
     summary = result.summary
     assert "against the same study one trial at a time with stock Optuna" in summary
     assert "+ Optuna " in summary and "+ data " in summary
+
+
+def test_a_sweep_too_small_to_gain_says_so_and_runs_one_at_a_time(tmp_path):
+    import pytest
+
+    from hftc.errors import SweepWarning
+
+    with pytest.warns(SweepWarning, match="too small to gain from fusing.*per_array=1"):
+        result = hs.run(_spec_file(tmp_path), per_array=1, out=tmp_path / "out",
+                        progress=False)
+    assert len(result.study.trials) == 4 and result.timings["fuse"] == 0.0
+    assert result.study.study_name.endswith("-serial")
+    assert "note: run one trial at a time with stock Optuna" in result.summary
+    assert {"results", "curves", "best_json", "best"} <= set(result.files)
+    assert result.files["best"].exists()

@@ -110,6 +110,8 @@ class SweepResult:
     serial_optuna_s: float | None = None
     serial_trial_epochs: int | None = None
     load_s: float = 0.0
+    #: set where the sweep ran without fusing (too small to gain: serial.too_small)
+    note: str = ""
 
     @property
     def summary(self) -> str:

@@ -151,7 +151,7 @@ def summary(result) -> str:
     other = result.wall_s - sum(tm.values())
     lines = [f"time: {result.wall_s:.1f} s wall clock for {result.trial_epochs} "
              f"trial-epochs: {', '.join(parts)}, start-up and other {max(other, 0.0):.1f} s"]
-    lines.append(speedup_line(result))
+    lines.append(f"note: {result.note}" if result.note else speedup_line(result))
     if result.formations:
         sizes = [n for formation in result.formations for n in formation]
         shown = ", ".join("+".join(map(str, f)) for f in result.formations[:8])

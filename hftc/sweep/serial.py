@@ -26,6 +26,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from .files import save
 from .spec import SweepSpec
 from .training import build_model, epochs_alone, load_data, make_optimizers
 
@@ -56,6 +57,14 @@ class SerialResult:
             return None
 
 
+def _best_so_far(study: optuna.Study, value: float, direction: str) -> bool:
+    try:
+        best = study.best_value
+    except ValueError:
+        return True
+    return value >= best if direction == "maximize" else value <= best
+
+
 def stock_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
     """The sampler a one-at-a-time user would make: the spec's, seeded with its seed."""
     s = spec.sampler
@@ -69,9 +78,11 @@ def stock_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
 
 
 def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
-               data: Any = None) -> SerialResult:
+               data: Any = None, save_best: bool = False) -> SerialResult:
     """Run ``spec``'s study one trial at a time with stock Optuna (``study.optimize``) in
-    ``out`` (its SQLite file ``serial.db``, made afresh, unless ``storage``)."""
+    ``out`` (its SQLite file ``serial.db``, made afresh, unless ``storage``); with
+    ``save_best``, the weights of each trial that completes best so far in
+    ``out/trials/trial-N.pt`` (as the fused sweep keeps them)."""
     from .storage import make_pruner
 
     start = time.perf_counter()
@@ -98,6 +109,9 @@ def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
             if trial.should_prune():
                 raise optuna.TrialPruned()
             t0 = time.perf_counter()
+        if save_best and _best_so_far(trial.study, value, spec.direction):
+            (out / "trials").mkdir(exist_ok=True)
+            save(model.state_dict(), out / "trials" / f"trial-{trial.number}.pt")
         return value
 
     verbosity = optuna.logging.get_verbosity()
@@ -173,3 +187,36 @@ def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path) -> tuple[fl
         optuna.logging.set_verbosity(verbosity)
         db.unlink(missing_ok=True)
     return time.perf_counter() - start, epochs
+
+
+def too_small(spec: SweepSpec) -> str | None:
+    """Why a sweep cannot gain from fusing, in words, or None: its arrays would hold one
+    trial each (``per_array`` or ``n_trials`` of 1), so every epoch would pay fusing's
+    cost and save nothing."""
+    size = min(spec.per_array, spec.n_trials)
+    if size < 2:
+        return (f"each fused array would hold {size} trial (per_array={spec.per_array}, "
+                f"n_trials={spec.n_trials}): fusing saves nothing there")
+    return None
+
+
+def run_one_by_one(spec: SweepSpec, out: str | Path, log=None) -> Any:
+    """A sweep too small to gain (:func:`too_small`), run as it would be without hftc:
+    :func:`run_serial` in ``out`` (its study in ``out/serial.db``), with the sweep's
+    results (results.csv, curves.png, best.json) and a :class:`~hftc.sweep.SweepResult`."""
+    from types import SimpleNamespace
+
+    from .engine import SweepResult
+    from .report import write_results
+
+    out = Path(out)
+    why = too_small(spec) or "asked to"
+    if log is not None:
+        log(f"one trial at a time with stock Optuna: {why}")
+    result = run_serial(spec, out, save_best=True)
+    files, board = write_results(SimpleNamespace(study=result.study, out=out, spec=spec))
+    timings = {"train": result.train_s, "fuse": 0.0, "optuna": result.optuna_s,
+               "checkpoint": 0.0}
+    return SweepResult(result.study, out, result.wall_s, result.train_s, result.trial_epochs,
+                       files, board, timings, spec.metric_name,
+                       note=f"run one trial at a time with stock Optuna, no fusing ({why})")
