@@ -17,6 +17,7 @@ Optuna's share and the start-up (the storage, the study), as a user's script pay
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ def stock_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
     """The sampler a one-at-a-time user would make: the spec's, seeded with its seed."""
     s = spec.sampler
     if isinstance(s, optuna.samplers.BaseSampler):
-        return s
+        return copy.deepcopy(s)  # its own state: the sweep's sampler is not touched
     if s in (None, "tpe"):
         return optuna.samplers.TPESampler(seed=spec.seed)
     if s == "random":
@@ -179,10 +180,15 @@ def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path) -> tuple[fl
                     if trial.should_prune():
                         state = TrialState.PRUNED
                         break
-                if state == TrialState.PRUNED or len(curve) < spec.epochs:
-                    study.tell(trial, state=TrialState.PRUNED)
-                else:
-                    study.tell(trial, curve[-1])
+                try:
+                    if state == TrialState.PRUNED or len(curve) < spec.epochs:
+                        study.tell(trial, state=TrialState.PRUNED)
+                    else:
+                        study.tell(trial, curve[-1])
+                except RuntimeError as exc:  # a sampler's study.stop() (GridSampler)
+                    if "Study.stop" not in str(exc):
+                        raise
+                    break
     finally:
         optuna.logging.set_verbosity(verbosity)
         db.unlink(missing_ok=True)
