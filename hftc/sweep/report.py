@@ -192,8 +192,8 @@ def serial_estimate(result) -> tuple[float, str] | None:
         return train, how + ("; it leaves out the serial run's own Optuna and start-up "
                              "(not measured: a shared or resumed study)")
     total = train + result.serial_optuna_s + result.load_s
-    return total, (how + f" + Optuna {result.serial_optuna_s:.1f} s (these trials through a "
-                   f"stock Optuna study one at a time, off the clock) + data "
+    return total, (how + f" + Optuna {result.serial_optuna_s:.1f} s (a sample of these trials "
+                   f"through a stock Optuna study one at a time, scaled; off the clock) + data "
                    f"{result.load_s:.1f} s")
 
 

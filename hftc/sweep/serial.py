@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+import torch
 from optuna.trial import TrialState
 
 from .files import save
@@ -141,58 +142,77 @@ def describe(result: SerialResult) -> str:
             + (f"; best {best:.4f}" if best is not None else ""))
 
 
-def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path) -> tuple[float, int]:
-    """The Optuna share of the same study one trial at a time, measured: a scratch stock
-    Optuna study in ``folder`` (its own SQLite file, Optuna's defaults) asked for as many
-    trials as ``trials`` (the sweep's, in number order), each through the spec's space,
-    a stock model and optimizer built, and the sweep trial's values reported one epoch at
-    a time with ``should_prune`` after each, as a one-at-a-time objective does, then
-    told. Nothing is trained. Returns (seconds, trial-epochs it would have trained): the
-    second is the sequential pruning of the same learning curves (a curve the sweep cut
-    shorter than one at a time would ends where the sweep cut it)."""
-    from .storage import make_pruner
+def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path, sample: int = 12,
+                  ) -> tuple[float, int]:
+    """The same study one trial at a time, its Optuna share measured on a sample and its
+    trial-epochs counted, without training: ``trials`` (the sweep's) in number order, each
+    asked, suggested through the spec's space, a stock model and optimizer built, its
+    learning curve reported one epoch at a time with ``should_prune`` after each, told,
+    as a one-at-a-time objective does.
 
-    start = time.perf_counter()
+    * trial-epochs: every curve through the spec's pruner in an in-memory study: the
+      sequential pruning of the same curves (a curve the sweep cut shorter than one at
+      a time would ends where the sweep cut it);
+    * seconds: the first ``sample`` trials through a stock Optuna study on its own SQLite
+      file in ``folder`` (Optuna's defaults, the spec's sampler), timed, scaled to all
+      the trials; the study's creation counted once.
+
+    Returns (seconds, trial-epochs)."""
+    curves = [[t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+              for t in sorted(trials, key=lambda t: t.number) if t.intermediate_values]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     db = folder / "replay.db"
     db.unlink(missing_ok=True)
-    curves = [[t.intermediate_values[s] for s in sorted(t.intermediate_values)]
-              for t in sorted(trials, key=lambda t: t.number) if t.intermediate_values]
-    epochs = 0
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            study = optuna.create_study(storage=f"sqlite:///{db}", sampler=stock_sampler(spec),
-                                        pruner=make_pruner(spec), direction=spec.direction)
-            for curve in curves:
-                trial = study.ask()
-                params = spec.space(trial)
-                params = dict(trial.params) if params is None else params
-                model = build_model(spec, params, spec.seed + trial.number)
-                make_optimizers(spec, params, model)
-                state = TrialState.COMPLETE
-                for epoch, value in enumerate(curve, 1):
-                    epochs += 1
-                    trial.report(value, epoch)
-                    if trial.should_prune():
-                        state = TrialState.PRUNED
-                        break
-                try:
-                    if state == TrialState.PRUNED or len(curve) < spec.epochs:
-                        study.tell(trial, state=TrialState.PRUNED)
-                    else:
-                        study.tell(trial, curve[-1])
-                except RuntimeError as exc:  # a sampler's study.stop() (GridSampler)
-                    if "Study.stop" not in str(exc):
-                        raise
-                    break
+            epochs = _replay(spec, curves, None, optuna.samplers.RandomSampler(seed=0))[0]
+            start = time.perf_counter()
+            _, made_s = _replay(spec, curves[:sample], f"sqlite:///{db}", stock_sampler(spec))
+            seconds = time.perf_counter() - start
     finally:
         optuna.logging.set_verbosity(verbosity)
         db.unlink(missing_ok=True)
-    return time.perf_counter() - start, epochs
+    scale = len(curves) / max(1, min(sample, len(curves)))
+    return made_s + (seconds - made_s) * scale, epochs
+
+
+def _replay(spec: SweepSpec, curves: list[list[float]], storage: str | None,
+            sampler: optuna.samplers.BaseSampler) -> tuple[int, float]:
+    """:func:`replay_optuna`'s loop: (trial-epochs reported, seconds to make the study)."""
+    from .storage import make_pruner
+
+    start = time.perf_counter()
+    study = optuna.create_study(storage=storage, sampler=sampler, pruner=make_pruner(spec),
+                                direction=spec.direction)
+    made_s, epochs = time.perf_counter() - start, 0
+    with torch.random.fork_rng(devices=[]):
+        for curve in curves:
+            trial = study.ask()
+            params = spec.space(trial)
+            params = dict(trial.params) if params is None else params
+            if storage is not None:  # as the objective does (the count needs no model)
+                make_optimizers(spec, params, build_model(spec, params, spec.seed))
+            pruned = False
+            for epoch, value in enumerate(curve, 1):
+                epochs += 1
+                trial.report(value, epoch)
+                if trial.should_prune():
+                    pruned = True
+                    break
+            try:
+                if pruned or len(curve) < spec.epochs:
+                    study.tell(trial, state=TrialState.PRUNED)
+                else:
+                    study.tell(trial, curve[-1])
+            except RuntimeError as exc:  # a sampler's study.stop() (GridSampler)
+                if "Study.stop" not in str(exc):
+                    raise
+                break
+    return epochs, made_s
 
 
 def too_small(spec: SweepSpec) -> str | None:
