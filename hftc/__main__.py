@@ -140,6 +140,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return sweep_main(args)
 
 
+def _bench_sweep_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sweep", nargs="?", const="hftc.sweep.digits", default=None,
+                   metavar="SPEC",
+                   help="instead of the suite: a whole sweep of SPEC (default: the demo's) "
+                        "both ways as whole processes, alternated --rounds times (default "
+                        "3): hftc sweep vs stock Optuna one trial at a time")
+    p.set_defaults(fn=cmd_bench)
+
+
 def _listing(title: str, entries: dict[str, str]) -> str:
     width = max(map(len, entries))
     return f"{title}:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, text in entries.items())
@@ -249,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", default="", help="also update this markdown file's tables")
     p.add_argument("--plots", default="",
                    help="also write PNG plots into this folder (created if missing)")
-    p.set_defaults(fn=cmd_bench)
+    _bench_sweep_option(p)  # and fn=cmd_bench
     p = sub.add_parser("sweep", help="a fused hyper-parameter sweep with Optuna over a spec "
                                      "file")
     add_sweep_arguments(p)

@@ -292,9 +292,9 @@ def test_orphan_without_heartbeat_on_a_shared_storage_is_retried(spec_file: Path
     trial left RUNNING by a worker killed while asking it never gets a heartbeat, which
     Optuna's stale check skips: it is failed and retried once it has stayed without one
     for the wait (a CI run hung on this with PostgreSQL)."""
-    import hftc.sweep.engine as engine
+    import hftc.sweep.recovery as recovery
 
-    monkeypatch.setattr(engine, "_NO_HEARTBEAT_S", 0.0)
+    monkeypatch.setattr(recovery, "NO_HEARTBEAT_S", 0.0)
     spec = hs.load_spec(spec_file).replace(n_trials=3, epochs=1, pruner="none")
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     study = optuna.create_study(study_name="tiny", storage=hs.make_storage(url),
@@ -351,8 +351,9 @@ def test_resume_restarts_a_trial_killed_before_its_first_manifest(spec_file: Pat
 
 
 def test_median_pruner_decides_as_optuna_does():
-    """The sweep asks the median pruner with one read per round; its answers are Optuna's."""
-    from hftc.sweep.engine import _CompletedView
+    """With no trial numbered below it still running (one at a time), the sweep's rule
+    (hftc.sweep.pruning) answers as Optuna's median pruner does."""
+    from hftc.sweep.pruning import prune_in_sequence
 
     pruner = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1)
     study = optuna.create_study(pruner=pruner)
@@ -364,12 +365,10 @@ def test_median_pruner_decides_as_optuna_does():
         trial = study.ask()
         for s, v in enumerate(values, 1):
             trial.report(v, s)
-        frozen = optuna.trial.FrozenTrial(
-            number=trial.number, state=TrialState.RUNNING, value=None, datetime_start=None,
-            datetime_complete=None, params={}, distributions={}, user_attrs={},
-            system_attrs={}, trial_id=trial._trial_id,
-            intermediate_values={s: v for s, v in enumerate(values, 1)})
-        assert pruner.prune(_CompletedView(study), frozen) == trial.should_prune(), values
+        complete = study.get_trials(states=(TrialState.COMPLETE,))
+        ours = prune_in_sequence(pruner, study, trial.number, trial._trial_id,
+                                 dict(enumerate(values, 1)), complete, [])
+        assert ours == trial.should_prune(), values
         study.tell(trial, state=TrialState.FAIL)
 
 

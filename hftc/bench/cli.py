@@ -94,6 +94,19 @@ def docs_block(cfg) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "sweep", None):
+        from .sweep import format_sweep_bench, run_sweep_bench
+
+        result = run_sweep_bench(args.sweep, rounds=args.rounds or 3,
+                                 threads=args.threads or 1)
+        print("\n" + format_sweep_bench(result))
+        if args.out:
+            import json
+
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+            print(f"results: {args.out}")
+        return 0
     cfg = config_from_args(args)
     out = Path(args.out) if args.out else RESULTS_DIR / f"{cfg.name}.json"
     # Every output place is made (or refused) before the run, not after minutes of it.

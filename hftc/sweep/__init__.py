@@ -46,6 +46,12 @@ def __getattr__(name: str) -> Any:
     return getattr(module, name)
 
 
+def _too_small(spec: Any) -> str | None:
+    from .serial import too_small
+
+    return too_small(spec)
+
+
 def run(
     spec: Any,
     *,
@@ -72,6 +78,21 @@ def run(
 
     spec = load_spec(spec).replace(n_trials=n_trials, per_array=per_array, epochs=epochs,
                                    sampler=sampler, pruner=pruner, seed=seed)
+    small = _too_small(spec) if storage is None and not resume else None
+    if small is not None:
+        # Said before it starts; then run as without hftc, which loses nothing.
+        import warnings
+
+        from ..errors import SweepWarning
+        from .serial import run_one_by_one
+
+        message = (f"this sweep is too small to gain from fusing ({small}): its trials run "
+                   f"one at a time with stock Optuna")
+        warnings.warn(message, SweepWarning, stacklevel=2)
+        if log is not None:
+            log(message)
+        return run_one_by_one(spec, out if out is not None else Path("sweeps") / (
+            study_name or spec.name))
     return Sweep(spec, out=out, storage=storage, study_name=study_name, resume=resume,
                  heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                  progress=progress, log=log).run()

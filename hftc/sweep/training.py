@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from .spec import SpecError, SweepSpec, hook_name
 
 __all__ = ["SweepData", "LoaderData", "load_data", "epoch_order", "batches", "build_model",
-           "metric_value", "train_alone", "evaluate", "evaluate_all", "round_seed",
+           "metric_value", "train_alone", "epochs_alone", "evaluate", "evaluate_all", "round_seed",
            "make_optimizers", "make_schedulers", "step_scheduler", "step_losses"]
 
 
@@ -360,9 +360,17 @@ def train_alone(
     model and its metric after every epoch (what the sweep reported)."""
     data = data or load_data(spec)
     model = build_model(spec, params, seed)
+    history = list(epochs_alone(spec, params, model, orders, data))
+    return model, history
+
+
+def epochs_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
+                 orders: Sequence[int], data: SweepData | LoaderData) -> Iterator[float]:
+    """:func:`train_alone`'s loop on ``model`` (built by :func:`build_model`), one epoch
+    per order key: yields the metric after each epoch (a one-at-a-time study reports it
+    and asks its pruner between two epochs)."""
     optimizers = make_optimizers(spec, params, model)
     schedulers = make_schedulers(spec, params, optimizers)
-    history = []
     for key in orders:
         torch.manual_seed(round_seed(key))
         model.train()
@@ -378,11 +386,11 @@ def train_alone(
                 optimizer.step()
         model.eval()
         (out,), targets = evaluate_all([model], data, spec.eval_batch_size, batch_dim=0)
-        history.append(metric_value(spec, out, targets))
+        value = metric_value(spec, out, targets)
         for scheduler in schedulers:
             if scheduler is not None:
-                step_scheduler(scheduler, history[-1])
-    return model, history
+                step_scheduler(scheduler, value)
+        yield value
 
 
 def is_finite(value: float) -> bool:

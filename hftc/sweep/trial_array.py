@@ -5,8 +5,8 @@
 a time and calls ``objective(array)`` once per N::
 
     def objective(array):                                   # array: a TrialArray
-        lrs = [t.suggest_float("lr", 1e-4, 1e-1, log=True) for t in array.trials]
-        fused = array.fuse([Net() for _ in array.trials])   # hftc.fuse, remembered
+        lrs = array.suggest_float("lr", 1e-4, 1e-1, log=True)  # one value per trial
+        fused = array.fuse(lambda trial: Net())             # hftc.fuse, one model per trial
         opt = hftc.optim.SGD(fused.parameters(), lr=lrs, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)   # both cut with fused
         for epoch in range(epochs):
@@ -25,8 +25,10 @@ objective (``optimize`` catches it).
 
 from __future__ import annotations
 
+import gc
 import math
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import optuna
@@ -38,7 +40,8 @@ import hftc
 
 from ..errors import FusionError, SweepError
 from ..training.shrink import check_replaceable
-from .engine import finite_models
+from .arrays import finite_models
+from .pruning import Reference, in_sequence, prune_in_sequence
 
 __all__ = ["TrialArray", "optimize"]
 
@@ -62,8 +65,10 @@ class TrialArray:
 
     def __init__(self, study: optuna.Study, trials: Sequence[optuna.Trial],
                  asks_left: Callable[[], int] | None = None,
-                 asked: Callable[[], None] | None = None):
+                 asked: Callable[[], None] | None = None,
+                 told: Callable[[optuna.trial.FrozenTrial], None] | None = None):
         self.study = study
+        self._told = told  # optimize's callbacks and progress bar, per finished trial
         self.trials: list[optuna.Trial] = list(trials)
         #: The fused modules of this array, in the order ``fuse`` made them.
         self.fused_modules: list[hftc.FusedModule] = []
@@ -91,10 +96,46 @@ class TrialArray:
         """The fused module ``fuse`` made last (``None`` before)."""
         return self.fused_modules[-1] if self.fused_modules else None
 
-    def fuse(self, models: Sequence[nn.Module], **fuse_kwargs: Any) -> hftc.FusedModule:
+    # One value per live trial, in model order: ``lrs = array.suggest_float("lr", 1e-4,
+    # 0.1, log=True)`` is ``[t.suggest_float("lr", 1e-4, 0.1, log=True) for t in
+    # array.trials]``.
+
+    def suggest_float(self, name: str, low: float, high: float, *, step: float | None = None,
+                      log: bool = False) -> list[float]:
+        """``trial.suggest_float(name, low, high, step=step, log=log)`` for every live
+        trial: one value per model, in the order of :attr:`trials` (an ``lr=`` list for
+        ``hftc.optim``)."""
+        return [t.suggest_float(name, low, high, step=step, log=log) for t in self.trials]
+
+    def suggest_int(self, name: str, low: int, high: int, *, step: int = 1,
+                    log: bool = False) -> list[int]:
+        """``trial.suggest_int(name, low, high, step=step, log=log)`` for every live trial."""
+        return [t.suggest_int(name, low, high, step=step, log=log) for t in self.trials]
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> list[Any]:
+        """``trial.suggest_categorical(name, choices)`` for every live trial."""
+        return [t.suggest_categorical(name, choices) for t in self.trials]
+
+    def params(self) -> list[dict[str, Any]]:
+        """Every live trial's ``trial.params`` (what it suggested so far), in model order."""
+        return [dict(t.params) for t in self.trials]
+
+    def should_prune(self) -> list[bool]:
+        """``trial.should_prune()`` for every live trial after its last report, as the
+        array decides it (each compared with the trials numbered below it, pruning.py);
+        it tells and drops nothing (:meth:`report` does both)."""
+        pruned = set(self._to_prune(list(range(len(self.trials)))))
+        return [j in pruned for j in range(len(self.trials))]
+
+    def fuse(self, models: Sequence[nn.Module] | Callable[[optuna.Trial], nn.Module],
+             **fuse_kwargs: Any) -> hftc.FusedModule:
         """``hftc.fuse(models, **fuse_kwargs)``, model ``j`` being ``trials[j]``'s; the
         array cuts this module, and the ``hftc.optim`` optimizers and schedulers built on
-        it, when trials leave.  Call it once per kind of model (a GAN's two nets)."""
+        it, when trials leave.  Call it once per kind of model (a GAN's two nets).
+        ``models`` may be a function of a trial: ``array.fuse(lambda t: Net())`` builds
+        one model per live trial, in order."""
+        if callable(models) and not isinstance(models, nn.Module):
+            models = [models(t) for t in self.trials]
         models = list(models)
         if len(models) != len(self.trials):
             raise SweepError(f"TrialArray.fuse got {len(models)} models for {len(self.trials)} "
@@ -174,7 +215,13 @@ class TrialArray:
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         trial.set_user_attr("hftc_fail_reason", reason)
-        self.study.tell(trial, state=TrialState.FAIL)
+        self._tell(trial, state=TrialState.FAIL)
+
+    def _tell(self, trial: optuna.Trial, *args: Any, **kwargs: Any) -> None:
+        """``study.tell``, then ``optimize``'s callbacks with the finished trial."""
+        frozen = self.study.tell(trial, *args, **kwargs)
+        if self._told is not None:
+            self._told(frozen)
 
     def drop(self, positions: Sequence[int]) -> None:
         """Remove the models at ``positions`` (already told) from the array, the fused
@@ -223,16 +270,45 @@ class TrialArray:
             if self._epochs is not None:
                 self._epoch_of[trial.number] = self._epoch_of.get(trial.number, 0) + 1
                 if self._epoch_of[trial.number] >= self._epochs:
-                    self.study.tell(trial, value)
+                    self._tell(trial, value)
                     dropped.append(j)
-                    continue
-            if trial.should_prune():
-                self.study.tell(trial, state=TrialState.PRUNED)
-                dropped.append(j)
+        # Every value reported first, then the pruner, in trial-number order: a trial is
+        # compared with those numbered below it still training (hftc.sweep.pruning).
+        pruned = self._to_prune([j for j in range(len(self.trials)) if j not in dropped])
+        for j in pruned:
+            self._tell(self.trials[j], state=TrialState.PRUNED)
+        dropped = sorted(dropped + pruned)
         self.replaced = self._take_places(dropped)
         dropped = [j for j in dropped if j not in self.replaced]
         self.drop(dropped)
         return dropped
+
+    def _to_prune(self, positions: list[int]) -> list[int]:
+        """Which of the trials at ``positions`` (reported at this step) the study's
+        pruner prunes: for a median / percentile pruner, each compared with the complete
+        trials and the running ones numbered below it (one storage read, pruning.py);
+        for any other, ``trial.should_prune()``."""
+        pruner = self.study.pruner
+        if isinstance(pruner, optuna.pruners.NopPruner) or not positions:
+            return []
+        order = sorted(positions, key=lambda j: self.trials[j].number)
+        if not in_sequence(pruner):
+            return sorted(j for j in order if self.trials[j].should_prune())
+        trials = self.study.get_trials(deepcopy=False,
+                                       states=(TrialState.COMPLETE, TrialState.RUNNING))
+        complete = [t for t in trials if t.state == TrialState.COMPLETE]
+        running = {t.number: Reference(t.number, t.intermediate_values)
+                   for t in trials if t.state == TrialState.RUNNING}
+        pruned = []
+        for j in order:
+            trial = self.trials[j]
+            mine = running.get(trial.number)
+            values = mine.intermediate_values if mine is not None else {}
+            if prune_in_sequence(pruner, self.study, trial.number, trial._trial_id, values,
+                                 complete, running.values()):
+                pruned.append(j)
+                running.pop(trial.number, None)  # out of the reference of those after it
+        return sorted(pruned)
 
     def _take_places(self, freed: list[int]) -> list[int]:
         """New trials in ``freed`` places while the budget lasts (``refill_with``); the
@@ -288,7 +364,7 @@ class TrialArray:
         values = _as_values(values, len(self.trials), "TrialArray.finish")
         for trial, value in zip(self.trials, values):
             if math.isfinite(value):
-                self.study.tell(trial, value)
+                self._tell(trial, value)
             else:
                 self._fail(trial, f"diverged: its final value is {value}")
         self.trials = []
@@ -302,55 +378,121 @@ class TrialArray:
 def optimize(
     study: optuna.Study,
     objective: Callable[[TrialArray], Sequence[float] | torch.Tensor | None],
-    n_trials: int,
-    array_size: int,
+    n_trials: int | None = None,
+    array_size: int = 16,
     *,
-    catch: tuple[type[Exception], ...] = (),
+    timeout: float | None = None,
+    n_jobs: int = 1,
+    catch: Iterable[type[Exception]] | type[Exception] = (),
+    callbacks: Iterable[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]] | None = None,
+    gc_after_trial: bool = False,
+    show_progress_bar: bool = False,
 ) -> None:
     """``study.optimize`` for fused trials: ask ``array_size`` trials at a time (fewer
     for the last array), call ``objective(array)`` with them as a :class:`TrialArray`,
     and tell each live trial the objective's return (one value per live trial, in the
     order of ``array.trials``), unless ``array.finish(values)`` did already.
 
-    An exception in the objective fails the array's live trials (the message in their
-    ``hftc_fail_reason`` user attribute) and is raised again, unless it is one of
-    ``catch``; ``optuna.TrialPruned`` prunes them.  Any sampler, pruner and storage
-    work, several processes on one storage included (each asks its own trials)."""
-    if not isinstance(n_trials, int) or n_trials < 1:
-        raise SweepError(f"optimize: n_trials must be a positive int, got {n_trials!r}")
-    if not isinstance(array_size, int) or array_size < 1:
-        raise SweepError(f"optimize: array_size must be a positive int, got {array_size!r}")
-    asked = 0
+    The arguments are ``optuna.Study.optimize``'s, with its meaning: ``n_trials`` trials
+    in all (``None``: no limit), no new array (nor refill) once ``timeout`` seconds have
+    passed, ``callbacks`` called as ``callback(study, frozen_trial)`` after each trial is
+    told (pruned ones within the array too), ``study.stop()`` from the objective or a
+    callback ends the loop after the current array, ``gc_after_trial`` runs
+    ``gc.collect()`` after each array, ``show_progress_bar`` a tqdm bar of the finished
+    trials. ``n_jobs`` must be 1: the array is the parallelism (run several processes on
+    one storage for more). An exception in the objective fails the array's live trials
+    (the message in their ``hftc_fail_reason`` user attribute) and is raised again,
+    unless it is one of ``catch``; ``optuna.TrialPruned`` prunes them.  Any sampler,
+    pruner and storage work, several processes on one storage included."""
+    _check_optimize_args(n_trials, array_size, timeout, n_jobs)
+    catch = tuple(catch) if isinstance(catch, Iterable) else (catch,)
+    callbacks = list(callbacks or [])
+    start, asked = time.perf_counter(), 0
+    bar = _progress_bar(show_progress_bar, n_trials, timeout)
+
+    def stopped() -> bool:
+        out_of_time = timeout is not None and time.perf_counter() - start >= timeout
+        return out_of_time or bool(getattr(study, "_stop_flag", False))
 
     def asks_left() -> int:
-        return n_trials - asked
+        if stopped():
+            return 0
+        return (n_trials - asked) if n_trials is not None else 1
 
     def one_more() -> None:
         nonlocal asked
         asked += 1
 
-    while asked < n_trials:
-        size = min(array_size, n_trials - asked)
-        array = TrialArray(study, [study.ask() for _ in range(size)],
-                           asks_left=asks_left, asked=one_more)
-        asked += size
-        try:
-            values = objective(array)
-        except optuna.TrialPruned:
-            for trial in array.trials:
-                study.tell(trial, state=TrialState.PRUNED)
-            continue
-        except Exception as exc:
-            array._fail_all(f"{type(exc).__name__}: {exc}")
-            if isinstance(exc, catch):
-                continue
-            raise
-        if array.trials:
-            if values is None:
-                numbers = array.numbers
-                array._fail_all("the objective returned None and did not call array.finish")
-                raise SweepError(
-                    f"optimize: the objective returned None for trials {numbers}; "
-                    f"return one value per live trial (in the order of array.trials) or "
-                    f"call array.finish(values)")
-            array.finish(values)
+    def told(frozen: optuna.trial.FrozenTrial) -> None:
+        if bar is not None:
+            bar.update(1)
+        for callback in callbacks:
+            callback(study, frozen)
+
+    local = getattr(study, "_thread_local", None)
+    if local is not None:  # study.stop() works inside optimize only: here too
+        study._stop_flag, local.in_optimize_loop = False, True
+    try:
+        while asks_left() > 0:
+            size = array_size if n_trials is None else min(array_size, n_trials - asked)
+            array = TrialArray(study, [study.ask() for _ in range(size)],
+                               asks_left=asks_left, asked=one_more, told=told)
+            asked += size
+            _run_array(study, objective, array, catch)
+            if gc_after_trial:
+                gc.collect()
+    finally:
+        if local is not None:
+            local.in_optimize_loop = False
+        if bar is not None:
+            bar.close()
+
+
+def _check_optimize_args(n_trials: Any, array_size: Any, timeout: Any, n_jobs: Any) -> None:
+    if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
+        raise SweepError(f"optimize: n_trials must be a positive int or None, got {n_trials!r}")
+    if not isinstance(array_size, int) or array_size < 1:
+        raise SweepError(f"optimize: array_size must be a positive int, got {array_size!r}")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+        raise SweepError(f"optimize: timeout must be seconds (>= 0) or None, got {timeout!r}")
+    if n_jobs != 1:
+        raise SweepError(f"optimize: n_jobs={n_jobs!r}: the array trains its trials at once "
+                         f"in one process; raise array_size, or run more processes on one "
+                         f"storage")
+
+
+def _progress_bar(show: bool, n_trials: int | None, timeout: float | None) -> Any:
+    if not show:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=n_trials, desc="trials", unit="trial",
+                postfix=None if timeout is None else f"timeout {timeout:g} s")
+
+
+def _run_array(study: optuna.Study, objective: Callable, array: TrialArray,
+               catch: tuple[type[Exception], ...]) -> None:
+    """One array: the objective, then its live trials told (pruned, failed or valued)."""
+    try:
+        values = objective(array)
+    except optuna.TrialPruned:
+        for trial in list(array.trials):
+            array._tell(trial, state=TrialState.PRUNED)
+        array.trials = []
+        return
+    except Exception as exc:
+        array._fail_all(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, catch):
+            return
+        raise
+    if array.trials:
+        if values is None:
+            numbers = array.numbers
+            array._fail_all("the objective returned None and did not call array.finish")
+            raise SweepError(
+                f"optimize: the objective returned None for trials {numbers}; "
+                f"return one value per live trial (in the order of array.trials) or "
+                f"call array.finish(values)")
+        array.finish(values)

@@ -1,0 +1,345 @@
+"""A sweep's live trials and the fused arrays they train in: which trials may share an
+array (their optimizers, their structures), forming the arrays from the live trials,
+dissolving them when trials leave, and their checkpoints and the worker's manifest."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+import torch
+from torch import nn
+
+import hftc
+
+from ..module.padding import own_part, padding_ratio, weight_shapes, width_blocks, widths_key
+from ..optim.mixed import MixedOptimizer
+from ..optim.slicing import fused_param_names, load_model_slice
+from .files import atomic_write, save
+
+__all__ = ["LiveTrial", "FusedArray", "Arrays", "finite_models"]
+
+
+def finite_models(fused: nn.Module) -> list[bool]:
+    """Per model: are all its weights finite?"""
+    n = fused.num_models
+    finite = torch.ones(n, dtype=torch.bool)
+    with torch.no_grad():
+        for p in fused.parameters():
+            finite &= torch.isfinite(p.reshape(n, -1)).all(dim=1).cpu()
+    return finite.tolist()
+
+
+@dataclass
+class OptimizerSlot:
+    """What one position of a trial's optimizers must agree on with the other trials of
+    its array: a class of one array may mix with others (``fuse_optimizers``' mixed path
+    gives a MixedOptimizer), but its optimizers need equal param groups and ``fused``
+    flags, every class the same parameters, and a capturable one its class alone."""
+
+    cls: type
+    groups: int
+    fused_flag: bool
+    capturable: bool
+    params: frozenset[str]
+
+    def text(self) -> str:
+        return self.cls.__name__ + (f" ({self.groups} param groups)" if self.groups > 1 else "")
+
+
+def optimizer_slots(run: LiveTrial) -> list[OptimizerSlot]:
+    names = {id(p): name for name, p in run.module.named_parameters()}
+    return [OptimizerSlot(type(o), len(o.param_groups),
+                           any(bool(g.get("fused")) for g in o.param_groups),
+                           any(bool(g.get("capturable")) for g in o.param_groups),
+                           frozenset(names.get(id(p), "?") for g in o.param_groups
+                                     for p in g["params"]))
+            for o in run.optimizers]
+
+
+def optimizers_apart(bucket: list[list[OptimizerSlot]], slots: list[OptimizerSlot],
+                      ) -> str | None:
+    """Why a trial of optimizer ``slots`` cannot share fused optimizers with the trials of
+    ``bucket`` (their slots), or None when it can (mixed classes included)."""
+    first = bucket[0]
+    if len(slots) != len(first):
+        return f"{len(first)} optimizer(s) per trial vs {len(slots)}"
+    for k, slot in enumerate(slots):
+        where = f"optimizer {k}: " if len(slots) > 1 else ""
+        if slot.params != first[k].params:
+            return f"{where}optimizers over other parameters"
+        for other in (member[k] for member in bucket):
+            if other.cls is slot.cls and other.groups != slot.groups:
+                return f"{where}optimizers {other.text()} vs {slot.text()}"
+            if other.cls is slot.cls and other.fused_flag != slot.fused_flag:
+                return f"{where}{slot.cls.__name__} fused={other.fused_flag} vs {slot.fused_flag}"
+            if other.cls is not slot.cls and (other.capturable or slot.capturable):
+                return (f"{where}{other.cls.__name__} vs {slot.cls.__name__} with "
+                        f"capturable=True (a mixed fused optimizer cannot be captured)")
+    return None
+
+
+def own_widths(stacked: dict[str, torch.Tensor], index: int,
+                module: nn.Module) -> dict[str, torch.Tensor]:
+    """Model ``index``'s state from a fused ``state_dict()`` at ``module``'s own widths:
+    a padded array (pad_widths) holds each model in the first entries of every dim (of
+    each q, k, v block of an attention's packed projection)."""
+    own, blocks = module.state_dict(), width_blocks(module)
+    return {k: own_part(v[index], own[k].shape, blocks.get(k, 1))
+            if k in own and v[index].dim() == own[k].dim() else v[index]
+            for k, v in stacked.items()}
+
+
+def structure_key(module: nn.Module) -> tuple:
+    return (type(module).__name__,
+            tuple((name, tuple(p.shape)) for name, p in module.named_parameters()))
+
+
+def mismatch_reason(a: nn.Module, b: nn.Module, example: Any) -> str:
+    """Why hftc.fuse keeps ``b`` from ``a``'s array, in a line: its mismatch message's
+    differences: the layer, its out_features 128 vs 64, its parameters' shapes ..."""
+    try:
+        hftc.fuse([a, b], example_inputs=example)
+    except Exception as exc:  # noqa: BLE001 - the reason is the message, whatever raised it
+        lines = [ln.strip().replace("model 1's ", "").replace(" differs from model 0's:", ":")
+                 for ln in str(exc).splitlines() if "differs from model 0's" in ln]
+        parts = "; ".join(lines).split("; ")
+        text = "; ".join(parts[:3]) + ("; ..." if len(parts) > 3 else "") if lines else \
+            str(exc).splitlines()[0]
+        return text + (": different shapes" if "shape" in text else "")
+    return "different traced graphs"
+
+
+@dataclass
+class LiveTrial:
+    """A live trial of this worker: where its weights are and what it has done."""
+
+    trial: optuna.Trial
+    params: dict[str, Any]
+    seed: int
+    module: nn.Module  # the trial's own module (its Python attributes are the trial's)
+    # The trial's stock optimizers, for its whole life: current while not in an array;
+    # its schedulers are built on them and step them (their lr then goes to the array's).
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    array: FusedArray | None = None
+    slot: int = 0
+    epoch: int = 0
+    history: list[float] = field(default_factory=list)
+    orders: list[int] = field(default_factory=list)
+    reported: int = 0  # the last step reported to the storage
+    weights_finite: bool = True  # False once a weight is NaN or inf: diverged
+    train_loss: float | None = None  # the last epoch's mean training loss, for on_epoch
+    ckpt: tuple[str, int] | None = None  # (checkpoint file, index in it)
+
+    @property
+    def number(self) -> int:
+        return self.trial.number
+
+    @property
+    def trial_id(self) -> int:
+        return self.trial._trial_id
+
+
+@dataclass
+class FusedArray:
+    """One fused group: trials whose models have one structure, trained as one module."""
+
+    fused: hftc.FusedModule
+    optimizers: list[torch.optim.Optimizer]  # fused, one per stock optimizer of a trial
+    members: list[LiveTrial]
+
+
+class Arrays:
+    """The arrays part of :class:`hftc.sweep.Sweep` (a mixin: the worker's state is its)."""
+
+    # ------------------------------------------------------------------ arrays
+
+    def _take_out(self, array: FusedArray) -> None:
+        """Dissolve an array: each live member gets its weights and its stock optimizers'
+        state back (its schedulers, built on them, stay as they are)."""
+        states = [o.state_dict() for o in array.optimizers]
+        names = [fused_param_names(array.fused, o) for o in array.optimizers]
+        live = {id(r) for r in self.live}
+        for j, run in enumerate(array.members):
+            if id(run) not in live or run.array is not array:
+                continue
+            # Into the trial's own module, not fused.unfuse_model(j): unfuse rebuilds every
+            # model from model 0's template, so per-model attributes (Dropout.p) would be lost.
+            run.module.load_state_dict(array.fused.model_state_dict(j))
+            for k, optimizer in enumerate(run.optimizers):
+                load_model_slice(states[k], names[k], j, optimizer, run.module)
+            run.array = None
+        self.arrays.remove(array)
+
+    def _regroup(self) -> None:
+        """Fuse the live trials into arrays, with their state, once any trial joined or
+        left: every array is re-formed from the live trials, in their order (grouped by
+        structure, hftc.fuse_groups), never only the shrunk ones. So the arrays, and the
+        dropout draws that depend on them, are a function of the live trials alone,
+        which a resumed worker, fusing all its trials at once, forms alike."""
+        live = {id(r) for r in self.live}
+        changed = any(r.array is None for r in self.live) or any(
+            id(m) not in live for a in self.arrays for m in a.members)
+        if not changed or self._cut_in_place():
+            return
+        for array in list(self.arrays):
+            self._take_out(array)
+        loose = list(self.live)
+        if not loose:
+            return
+        # One fused optimizer per array and position; trials whose optimizer() picked other
+        # classes (a categorical SGD / Adam choice) share it (a MixedOptimizer), those
+        # whose optimizers cannot be fused together (other counts of optimizers or param
+        # groups) go into other arrays.
+        buckets: list[tuple[list[list[OptimizerSlot]], list[LiveTrial]]] = []
+        for r in loose:
+            slots = optimizer_slots(r)
+            for bucket_slots, members in buckets:
+                if optimizers_apart(bucket_slots, slots) is None:
+                    bucket_slots.append(slots)
+                    members.append(r)
+                    break
+            else:
+                buckets.append(([slots], [r]))
+        for bucket_slots, members in buckets[1:]:
+            self._note_apart(buckets[0][1], members,
+                             optimizers_apart(buckets[0][0], bucket_slots[0]))
+        # A batch of the training data as example_inputs: a model symbolic tracing cannot
+        # read (a Hugging Face model, say) is traced by torch.export from it.
+        if self._example is None:
+            self._example = self.data.example(self.spec.batch_size)
+        example = self._example
+        padding = ({"pad_widths": True, "max_padding": self.spec.max_padding}
+                   if self.spec.pad_widths else {})
+        for _, same in buckets:
+            groups = hftc.fuse_groups([r.module for r in same], example_inputs=example,
+                                      **padding)
+            for fused, indices in groups[1:]:
+                first, other = [same[i] for i in groups[0][1]], [same[i] for i in indices]
+                self._note_apart(first, other, self._padding_apart(
+                    first, other, str(getattr(fused, "grouping", ""))), example)
+            for fused, indices in groups:
+                members = [same[i] for i in indices]
+                optimizers = [hftc.optim.fuse_optimizers(fused, [r.optimizers[k] for r in members])
+                              for k in range(len(members[0].optimizers))]
+                array = FusedArray(fused, optimizers, members)
+                for j, r in enumerate(members):
+                    r.array, r.slot = array, j
+                self.arrays.append(array)
+                self._note_array(array)
+        # In the order of the trials: a resumed worker, which fuses all its trials at once,
+        # runs the arrays (and draws their dropout) in the order the dead worker did.
+        position = {id(r): k for k, r in enumerate(self.live)}
+        self.arrays.sort(key=lambda a: position[id(a.members[0])])
+        self.formations.append(tuple(len(a.members) for a in self.arrays))
+        sizes = ", ".join(str(len(a.members)) for a in self.arrays)
+        self.log(f"arrays re-formed: {len(self.live)} trials in {len(self.arrays)} fused "
+                 f"array(s) of {sizes}")
+
+
+    def _cut_in_place(self) -> bool:
+        """Trials only left the one array (none joined): cut it with ``hftc.keep_models``
+        (its fused module and optimizers, in place: a few times cheaper than fusing
+        again) instead of re-forming it. The survivors keep their order, so the array is
+        the one a fresh fusing of the live trials makes (a resumed worker's). Not with
+        padded widths or mixed optimizer classes, whose grouping may change as trials
+        leave. True when it cut."""
+        if len(self.arrays) != 1 or self.spec.pad_widths or any(
+                r.array is None for r in self.live):
+            return False
+        array = self.arrays[0]
+        if any(isinstance(o, MixedOptimizer) for o in array.optimizers):
+            return False
+        live = {id(r) for r in self.live}
+        keep = [j for j, m in enumerate(array.members) if id(m) in live]
+        if not keep:
+            return False
+        hftc.keep_models(array.fused, keep)
+        array.members = [array.members[j] for j in keep]
+        for j, r in enumerate(array.members):
+            r.slot = j
+        self.formations.append((len(keep),))
+        self.log(f"array cut in place: {len(keep)} trials")
+        return True
+
+    def _padding_apart(self, first: list[LiveTrial], other: list[LiveTrial],
+                       grouping: str) -> str | None:
+        """Why fuse_groups kept ``other``'s models out of ``first``'s array when padding is
+        on and it was padding's cost (or its failure: ``grouping`` says); else None (the
+        structures differ beyond widths: hftc.fuse says how)."""
+        if not self.spec.pad_widths:
+            return None
+        if grouping.startswith("not padded") or "measured" in grouping:
+            return grouping
+        if widths_key(first[0].module) != widths_key(other[0].module):
+            return None
+        ratio = padding_ratio([weight_shapes(r.module) for r in first + other])
+        return (f"widths too far apart: padded into one array they would do {ratio:.2f}x "
+                f"the models' own arithmetic (> max_padding={self.spec.max_padding})")
+
+    def _note_array(self, array: FusedArray) -> None:
+        """Record what an array joins that used to be kept apart: models padded to one
+        width (and what that costs), optimizers of several classes."""
+        numbers = [r.number for r in array.members]
+        padding = getattr(array.fused, "padding", None)
+        if padding is not None:
+            widths = len({tuple(sorted((k, tuple(v)) for k, v in own.items()))
+                          for own in padding.shapes})
+            self.padded.append((numbers, widths, padding.arithmetic_ratio))
+        classes = [type(o).__name__ for o in array.optimizers[0].parts()] if isinstance(
+            array.optimizers[0], MixedOptimizer) else []
+        if classes:
+            self.mixed.append((numbers, classes))
+
+    def _note_apart(self, first: list[LiveTrial], other: list[LiveTrial], reason: str | None,
+                    example: Any = None) -> None:
+        """Record why ``other`` could not share ``first``'s array: the reason given, or
+        what hftc.fuse says of their models (once per pair of structures)."""
+        if reason is None:
+            pair = (structure_key(first[0].module), structure_key(other[0].module))
+            if pair not in self._apart_cache:
+                self._apart_cache[pair] = mismatch_reason(first[0].module, other[0].module, example)
+            reason = self._apart_cache[pair]
+        if not any(reason in text for text in self.apart):
+            self.apart[f"trials {[r.number for r in other]} vs {[r.number for r in first]}: "
+                       f"{reason}"] = None
+
+    def _checkpoint(self) -> None:
+        """Every array's fused state, its optimizers' states and its trials' schedulers'
+        states, then the manifest that points at them: after a crash, a trial restarts
+        from its last completed epoch."""
+        for k, a in enumerate(self.arrays):
+            name = f"array-{self.round}-{k}.pt"
+            save({
+                "trials": [r.number for r in a.members],
+                "model": a.fused.state_dict(),
+                "optimizer": [o.state_dict() for o in a.optimizers],
+                "param_names": [fused_param_names(a.fused, o) for o in a.optimizers],
+                "schedulers": [[None if s is None else s.state_dict() for s in r.schedulers]
+                               for r in a.members],
+                "epochs": [r.epoch for r in a.members],
+            }, self.dir / name)
+            for j, r in enumerate(a.members):
+                r.ckpt = (name, j)
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        manifest = {
+            "study": self.study_name,
+            "worker": self.worker_id,
+            "round": self.round,
+            "written": time.time(),
+            "trials": [{"number": r.number, "trial_id": r.trial_id, "epoch": r.epoch,
+                        "history": r.history, "orders": r.orders,
+                        "ckpt": list(r.ckpt) if r.ckpt else None} for r in self.live],
+        }
+        atomic_write(self.dir / "manifest.json", json.dumps(manifest, indent=1).encode())
+        used = {r.ckpt[0] for r in self.live if r.ckpt}
+        for f in self.dir.glob("array-*.pt"):
+            if f.name not in used:
+                f.unlink(missing_ok=True)
+

@@ -1,0 +1,248 @@
+"""The same study one trial at a time with stock Optuna: what a fused sweep is compared
+with.
+
+::
+
+    study = optuna.create_study(storage="sqlite:///OUT/serial.db", sampler=TPE(seed),
+                                pruner=the spec's pruner, direction=...)
+    study.optimize(objective, n_trials)      # objective(trial): the spec's space, a stock
+                                             # model and optimizer, an epoch at a time,
+                                             # trial.report / trial.should_prune
+
+No hftc in the loop: a stock model, the spec's stock optimizer(s) and scheduler(s),
+Optuna's own storage (its defaults), sampler and pruner. The wall clock includes
+Optuna's share and the start-up (the storage, the study), as a user's script pays them.
+``hftc sweep SPEC --serial`` runs it; ``hftc bench --workload sweep`` runs both sides.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import torch
+from optuna.trial import TrialState
+
+from .files import save
+from .spec import SweepSpec
+from .training import build_model, epochs_alone, load_data, make_optimizers
+
+__all__ = ["SerialResult", "run_serial", "stock_sampler", "replay_optuna", "describe"]
+
+
+@dataclass
+class SerialResult:
+    """What the one-at-a-time study took: its wall clock, the part spent training (the
+    epochs themselves), and what it found."""
+
+    study: optuna.Study
+    wall_s: float
+    train_s: float
+    trial_epochs: int
+
+    @property
+    def optuna_s(self) -> float:
+        """Everything but the epochs: Optuna (ask, report, prune, tell, storage), the
+        study's start-up and building the models."""
+        return self.wall_s - self.train_s
+
+    @property
+    def best_value(self) -> float | None:
+        try:
+            return self.study.best_value
+        except ValueError:
+            return None
+
+
+def _best_so_far(study: optuna.Study, value: float, direction: str) -> bool:
+    try:
+        best = study.best_value
+    except ValueError:
+        return True
+    return value >= best if direction == "maximize" else value <= best
+
+
+def stock_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
+    """The sampler a one-at-a-time user would make: the spec's, seeded with its seed."""
+    s = spec.sampler
+    if isinstance(s, optuna.samplers.BaseSampler):
+        return copy.deepcopy(s)  # its own state: the sweep's sampler is not touched
+    if s in (None, "tpe"):
+        return optuna.samplers.TPESampler(seed=spec.seed)
+    if s == "random":
+        return optuna.samplers.RandomSampler(seed=spec.seed)
+    return s(spec.seed)
+
+
+def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
+               data: Any = None, save_best: bool = False) -> SerialResult:
+    """Run ``spec``'s study one trial at a time with stock Optuna (``study.optimize``) in
+    ``out`` (its SQLite file ``serial.db``, made afresh, unless ``storage``); with
+    ``save_best``, the weights of each trial that completes best so far in
+    ``out/trials/trial-N.pt`` (as the fused sweep keeps them)."""
+    from .storage import make_pruner
+
+    start = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if storage is None:
+        (out / "serial.db").unlink(missing_ok=True)
+        storage = f"sqlite:///{out / 'serial.db'}"
+    data = data if data is not None else load_data(spec)
+    trained = {"s": 0.0, "epochs": 0}
+
+    def objective(trial: optuna.Trial) -> float:
+        params = spec.space(trial)
+        params = dict(trial.params) if params is None else params
+        seed = int(params.get("seed", spec.seed + trial.number))
+        model = build_model(spec, params, seed)
+        keys = [spec.seed * 1_000_003 + e for e in range(spec.epochs)]
+        value = float("nan")
+        t0 = time.perf_counter()
+        for epoch, value in enumerate(epochs_alone(spec, params, model, keys, data), 1):
+            trained["s"] += time.perf_counter() - t0
+            trained["epochs"] += 1
+            trial.report(value, epoch)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+            t0 = time.perf_counter()
+        if save_best and _best_so_far(trial.study, value, spec.direction):
+            (out / "trials").mkdir(exist_ok=True)
+            save(model.state_dict(), out / "trials" / f"trial-{trial.number}.pt")
+        return value
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study = optuna.create_study(storage=storage, sampler=stock_sampler(spec),
+                                        pruner=make_pruner(spec), direction=spec.direction,
+                                        study_name=f"{spec.name}-serial", load_if_exists=False)
+            study.optimize(objective, n_trials=spec.n_trials)
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    wall = time.perf_counter() - start
+    return SerialResult(study, wall, trained["s"], trained["epochs"])
+
+
+def describe(result: SerialResult) -> str:
+    """The one-at-a-time study in a line: wall clock, where it went, what it found."""
+    n = len(result.study.get_trials(deepcopy=False))
+    pruned = len(result.study.get_trials(deepcopy=False, states=(TrialState.PRUNED,)))
+    best = result.best_value
+    return (f"one at a time (stock Optuna study.optimize): {result.wall_s:.1f} s wall clock "
+            f"for {result.trial_epochs} trial-epochs of {n} trials ({pruned} pruned): "
+            f"training {result.train_s:.1f} s, Optuna and the rest {result.optuna_s:.1f} s"
+            + (f"; best {best:.4f}" if best is not None else ""))
+
+
+def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path, sample: int = 12,
+                  ) -> tuple[float, int]:
+    """The same study one trial at a time, its Optuna share measured on a sample and its
+    trial-epochs counted, without training: ``trials`` (the sweep's) in number order, each
+    asked, suggested through the spec's space, a stock model and optimizer built, its
+    learning curve reported one epoch at a time with ``should_prune`` after each, told,
+    as a one-at-a-time objective does.
+
+    * trial-epochs: every curve through the spec's pruner in an in-memory study: the
+      sequential pruning of the same curves (a curve the sweep cut shorter than one at
+      a time would ends where the sweep cut it);
+    * seconds: the first ``sample`` trials through a stock Optuna study on its own SQLite
+      file in ``folder`` (Optuna's defaults, the spec's sampler), timed, scaled to all
+      the trials; the study's creation counted once.
+
+    Returns (seconds, trial-epochs)."""
+    curves = [[t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+              for t in sorted(trials, key=lambda t: t.number) if t.intermediate_values]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    db = folder / "replay.db"
+    db.unlink(missing_ok=True)
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            epochs = _replay(spec, curves, None, optuna.samplers.RandomSampler(seed=0))[0]
+            start = time.perf_counter()
+            _, made_s = _replay(spec, curves[:sample], f"sqlite:///{db}", stock_sampler(spec))
+            seconds = time.perf_counter() - start
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+        db.unlink(missing_ok=True)
+    scale = len(curves) / max(1, min(sample, len(curves)))
+    return made_s + (seconds - made_s) * scale, epochs
+
+
+def _replay(spec: SweepSpec, curves: list[list[float]], storage: str | None,
+            sampler: optuna.samplers.BaseSampler) -> tuple[int, float]:
+    """:func:`replay_optuna`'s loop: (trial-epochs reported, seconds to make the study)."""
+    from .storage import make_pruner
+
+    start = time.perf_counter()
+    study = optuna.create_study(storage=storage, sampler=sampler, pruner=make_pruner(spec),
+                                direction=spec.direction)
+    made_s, epochs = time.perf_counter() - start, 0
+    with torch.random.fork_rng(devices=[]):
+        for curve in curves:
+            trial = study.ask()
+            params = spec.space(trial)
+            params = dict(trial.params) if params is None else params
+            if storage is not None:  # as the objective does (the count needs no model)
+                make_optimizers(spec, params, build_model(spec, params, spec.seed))
+            pruned = False
+            for epoch, value in enumerate(curve, 1):
+                epochs += 1
+                trial.report(value, epoch)
+                if trial.should_prune():
+                    pruned = True
+                    break
+            try:
+                if pruned or len(curve) < spec.epochs:
+                    study.tell(trial, state=TrialState.PRUNED)
+                else:
+                    study.tell(trial, curve[-1])
+            except RuntimeError as exc:  # a sampler's study.stop() (GridSampler)
+                if "Study.stop" not in str(exc):
+                    raise
+                break
+    return epochs, made_s
+
+
+def too_small(spec: SweepSpec) -> str | None:
+    """Why a sweep cannot gain from fusing, in words, or None: its arrays would hold one
+    trial each (``per_array`` or ``n_trials`` of 1), so every epoch would pay fusing's
+    cost and save nothing."""
+    size = min(spec.per_array, spec.n_trials)
+    if size < 2:
+        return (f"each fused array would hold {size} trial (per_array={spec.per_array}, "
+                f"n_trials={spec.n_trials}): fusing saves nothing there")
+    return None
+
+
+def run_one_by_one(spec: SweepSpec, out: str | Path, log=None) -> Any:
+    """A sweep too small to gain (:func:`too_small`), run as it would be without hftc:
+    :func:`run_serial` in ``out`` (its study in ``out/serial.db``), with the sweep's
+    results (results.csv, curves.png, best.json) and a :class:`~hftc.sweep.SweepResult`."""
+    from types import SimpleNamespace
+
+    from .engine import SweepResult
+    from .report import write_results
+
+    out = Path(out)
+    why = too_small(spec) or "asked to"
+    if log is not None:
+        log(f"one trial at a time with stock Optuna: {why}")
+    result = run_serial(spec, out, save_best=True)
+    files, board = write_results(SimpleNamespace(study=result.study, out=out, spec=spec))
+    timings = {"train": result.train_s, "fuse": 0.0, "optuna": result.optuna_s,
+               "checkpoint": 0.0}
+    return SweepResult(result.study, out, result.wall_s, result.train_s, result.trial_epochs,
+                       files, board, timings, spec.metric_name,
+                       note=f"run one trial at a time with stock Optuna, no fusing ({why})")

@@ -1,0 +1,208 @@
+"""A sweep's Optuna side: the RDB storage (SQLite tuned for many small commits, PostgreSQL
+with its driver named), the sampler and pruner a spec names, one heartbeat thread for
+every trial a worker holds, and the trial counts that decide how many more to ask."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from ..errors import SweepError
+from .spec import SweepSpec
+
+__all__ = ["make_storage", "make_sampler", "make_pruner", "Heartbeat", "count_trials", "masked_url"]
+
+
+# ---------------------------------------------------------------------- storage
+
+
+def _retry_callback() -> Any:
+    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    if cls is None:  # optuna < 4.9
+        cls = optuna.storages.RetryFailedTrialCallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "experimental" since 2.8
+        return cls(max_retry=3)
+
+
+def masked_url(url: str) -> str:
+    head, sep, tail = url.partition("@")
+    if not sep or "://" not in head:
+        return url
+    scheme, _, creds = head.partition("://")
+    user = creds.partition(":")[0]
+    return f"{scheme}://{user}:***@{tail}"
+
+
+def _with_driver(url: str) -> str:
+    """``postgresql://`` names no driver, and SQLAlchemy's default changed (psycopg2 up to
+    2.0, psycopg 3 from 2.1): name the one that is installed, psycopg 3 first."""
+    if not url.startswith(("postgresql://", "postgres://")):
+        return url
+    import importlib.util
+
+    rest = url.split("://", 1)[1]
+    for module, dialect in (("psycopg", "postgresql+psycopg"), ("psycopg2", "postgresql+psycopg2")):
+        if importlib.util.find_spec(module) is not None:
+            return f"{dialect}://{rest}"
+    return url
+
+
+def make_storage(url: str, heartbeat_interval: int = 30,
+                 grace_period: int | None = None) -> optuna.storages.RDBStorage:
+    """An Optuna RDB storage (``sqlite:///...`` or ``postgresql://...``) with heartbeats
+    on, and stale trials retried (same parameters) by whichever worker asks next."""
+    kwargs: dict[str, Any] = {"heartbeat_interval": int(heartbeat_interval),
+                              "grace_period": int(grace_period or 4 * heartbeat_interval)}
+    try:
+        import inspect
+        accepted = inspect.signature(optuna.storages.RDBStorage).parameters
+        key = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in accepted
+               else "failed_trial_callback")
+    except (TypeError, ValueError):
+        key = "failed_trial_callback"
+    kwargs[key] = _retry_callback()
+    url = _with_driver(url)
+    if url.startswith("sqlite"):
+        # The heartbeat thread writes while the main thread does: wait for the lock.
+        engine_kwargs = {"connect_args": {"timeout": 60}}
+    else:
+        engine_kwargs = {"pool_pre_ping": True}
+    try:
+        for attempt in range(4):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs,
+                                                         **kwargs)
+                break
+            except ImportError:
+                raise
+            except Exception:
+                # Workers started together on a fresh database race to create its tables;
+                # the losers find them made a moment later.
+                if attempt == 3:
+                    raise
+                time.sleep(0.5 + attempt)
+    except ImportError as exc:
+        missing = getattr(exc.__cause__, "name", None) or exc.name or "its database driver"
+        raise SweepError(
+            f"the storage {masked_url(url)} needs the Python module {missing!r}: "
+            f"pip install 'hftc[sweep]' (it brings psycopg for postgresql:// URLs)"
+        ) from exc
+    except Exception as exc:
+        raise SweepError(f"cannot open the Optuna storage {masked_url(url)}: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    if storage.engine.name == "sqlite":
+        _fast_sqlite(storage)
+    return storage
+
+
+def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
+    """Write-ahead logging and fsync at checkpoints only: a sweep commits a few times per
+    trial and epoch, and a full fsync per commit costs more than the training on a
+    small model. A killed process loses nothing (the WAL is in the OS's hands); a power
+    cut may lose the last commits, never the database."""
+    import sqlalchemy
+
+    def pragmas(dbapi_connection, _record) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    sqlalchemy.event.listen(storage.engine, "connect", pragmas)
+    storage.engine.dispose()  # connections opened before the listener reconnect with it
+
+
+def make_sampler(spec: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:
+    s = spec.sampler
+    if isinstance(s, optuna.samplers.BaseSampler):
+        return s
+    if s in (None, "tpe"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # constant_liar: an array asks N trials before any finishes.
+            return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+    if s == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if callable(s):
+        return s(seed)
+    raise SweepError(f"unknown sampler {s!r}: use 'tpe', 'random' or an optuna sampler")
+
+
+def make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
+    p = spec.pruner
+    if isinstance(p, optuna.pruners.BasePruner):
+        return p
+    if p in (None, "none", False):
+        return optuna.pruners.NopPruner()
+    if p == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=4,
+                                           n_warmup_steps=min(2, spec.epochs - 1))
+    if p in ("sha", "asha", "successive_halving"):
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=3)
+    if p == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=spec.epochs,
+                                              reduction_factor=3)
+    raise SweepError(f"unknown pruner {p!r}: use 'median', 'sha', 'hyperband', 'none' or an "
+                     f"optuna pruner")
+
+
+class Heartbeat(threading.Thread):
+    """Records a heartbeat for every trial this worker holds, every ``interval`` seconds.
+
+    ``study.optimize`` runs one such thread per trial; a fused array holds N trials,
+    so one thread beats for all of them."""
+
+    def __init__(self, storage: optuna.storages.RDBStorage, interval: int):
+        super().__init__(name="hftc-sweep-heartbeat", daemon=True)
+        self.storage, self.interval = storage, interval
+        self.ids: set[int] = set()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+
+    def add(self, trial_id: int) -> None:
+        with self.lock:
+            self.ids.add(trial_id)
+        self.storage.record_heartbeat(trial_id)
+
+    def discard(self, trial_id: int) -> None:
+        with self.lock:
+            self.ids.discard(trial_id)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            with self.lock:
+                ids = list(self.ids)
+            for tid in ids:
+                with contextlib.suppress(Exception):  # a blip must not kill the beat
+                    self.storage.record_heartbeat(tid)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def count_trials(study: optuna.Study) -> dict[str, int]:
+    """Trials that use the budget (finished, running, or failed for a reason of their own:
+    a heartbeat-stale failure is retried, and its retry counts instead), and waiting ones."""
+    c = {"budget": 0, "waiting": 0, "running": 0, "finished": 0}
+    for t in study.get_trials(deepcopy=False):
+        if t.state == TrialState.WAITING:
+            c["waiting"] += 1
+        elif t.state == TrialState.RUNNING:
+            c["running"] += 1
+            c["budget"] += 1
+        elif t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (
+                t.state == TrialState.FAIL and "hftc_fail_reason" in t.user_attrs):
+            c["finished"] += 1
+            c["budget"] += 1
+    return c
+
+

@@ -1,0 +1,110 @@
+"""hftc bench --sweep: both sides of a sweep for real, as whole processes; the summary's
+and serial.replay_optuna's account of the one-at-a-time side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+import hftc.sweep as hs
+from hftc.sweep.serial import replay_optuna, run_serial
+
+SPEC = '''
+import torch
+from torch import nn
+
+name = "benchtiny"
+metric = "accuracy"
+epochs = 3
+batch_size = 32
+n_trials = 4
+per_array = 4
+pruner = "median"
+
+
+def space(trial):
+    return {"lr": trial.suggest_float("lr", 1e-3, 0.5, log=True)}
+
+
+def model(params):
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(160, 8, generator=g)
+    y = (x @ torch.randn(8, 3, generator=g)).argmax(1)
+    return (x[:128], y[:128]), (x[128:], y[128:])
+'''
+
+
+def _spec_file(tmp_path: Path) -> Path:
+    path = tmp_path / "benchtiny.py"
+    path.write_text(SPEC)
+    return path
+
+
+def test_bench_sweep_runs_both_sides_as_processes(tmp_path):
+    from hftc.bench.sweep import format_sweep_bench, run_sweep_bench
+
+    lines = []
+    result = run_sweep_bench(str(_spec_file(tmp_path)), rounds=1, log=lines.append)
+    fused, serial = result["rows"]["fused"][0], result["rows"]["serial"][0]
+    assert fused["trials"] == serial["trials"] == 4
+    assert 4 <= fused["trial_epochs"] <= 12 and 4 <= serial["trial_epochs"] <= 12
+    assert result["speedup"] == serial["wall_s"] / fused["wall_s"]
+    text = format_sweep_bench(result)
+    assert "stock Optuna, one trial at a time" in text and "speedup: " in text
+    assert len(lines) == 2
+
+
+def test_serial_side_is_stock_optuna_one_at_a_time(tmp_path):
+    spec = hs.load_spec(_spec_file(tmp_path))
+    result = run_serial(spec, tmp_path / "serial")
+    trials = result.study.get_trials()
+    assert len(trials) == 4 and result.trial_epochs == sum(
+        len(t.intermediate_values) for t in trials)
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    assert 0 < result.train_s < result.wall_s
+
+
+def test_replay_prunes_the_curves_one_at_a_time(tmp_path):
+    """The replay reports each trial's curve in number order through the spec's pruner:
+    a curve below the median of the complete ones is cut where one at a time cuts it."""
+    spec = hs.load_spec(_spec_file(tmp_path)).replace(epochs=4)
+    study = optuna.create_study(direction="maximize")
+    curves = [[0.5, 0.6, 0.7, 0.8]] * 4 + [[0.1, 0.1, 0.1, 0.1], [0.9, 0.9, 0.9, 0.9]]
+    for curve in curves:
+        study.add_trial(optuna.trial.create_trial(
+            value=curve[-1], intermediate_values=dict(enumerate(curve, 1)), params={},
+            distributions={}))
+    seconds, epochs = replay_optuna(spec, study.get_trials(), tmp_path / "replay")
+    # median pruner: 4 startup trials, warm-up min(2, epochs - 1) = 2: the fifth is cut
+    # at step 2, the others train all 4 epochs
+    assert epochs == 4 * 4 + 2 + 4 and seconds > 0
+
+
+def test_the_summary_charges_the_serial_side_its_optuna(tmp_path):
+    result = hs.run(_spec_file(tmp_path), out=tmp_path / "out", progress=False)
+    assert result.serial_optuna_s is not None and result.serial_optuna_s > 0
+    assert result.serial_trial_epochs is not None
+    summary = result.summary
+    assert "against the same study one trial at a time with stock Optuna" in summary
+    assert "+ Optuna " in summary and "+ data " in summary
+
+
+def test_a_sweep_too_small_to_gain_says_so_and_runs_one_at_a_time(tmp_path):
+    import pytest
+
+    from hftc.errors import SweepWarning
+
+    with pytest.warns(SweepWarning, match="too small to gain from fusing.*per_array=1"):
+        result = hs.run(_spec_file(tmp_path), per_array=1, out=tmp_path / "out",
+                        progress=False)
+    assert len(result.study.trials) == 4 and result.timings["fuse"] == 0.0
+    assert result.study.study_name.endswith("-serial")
+    assert "note: run one trial at a time with stock Optuna" in result.summary
+    assert {"results", "curves", "best_json", "best"} <= set(result.files)
+    assert result.files["best"].exists()

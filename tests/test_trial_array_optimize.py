@@ -1,0 +1,170 @@
+"""hftc.sweep.optimize takes what optuna.Study.optimize takes, with its meaning; TrialArray's
+one-liners equal the list comprehensions over array.trials they stand for."""
+
+from __future__ import annotations
+
+import gc
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+from torch import nn
+
+import hftc
+import hftc.sweep as hs
+from hftc.errors import SweepError
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def _study(seed=0, pruner=None):
+    return optuna.create_study(direction="maximize",
+                               sampler=optuna.samplers.RandomSampler(seed=seed),
+                               pruner=pruner or optuna.pruners.NopPruner())
+
+
+def _values(array):
+    return [float(t.number) for t in array.trials]
+
+
+def test_suggestions_are_one_value_per_trial_as_the_comprehension():
+    seen = {}
+
+    def objective(array):
+        seen["lr"] = array.suggest_float("lr", 1e-4, 1e-1, log=True)
+        seen["width"] = array.suggest_int("width", 4, 32, step=4)
+        seen["act"] = array.suggest_categorical("act", ["relu", "tanh"])
+        seen["q"] = array.suggest_float("q", 0.0, 1.0, step=0.25)
+        seen["params"] = array.params()
+        return _values(array)
+
+    a, b = _study(3), _study(3)
+    hs.optimize(a, objective, n_trials=4, array_size=4)
+
+    def by_hand(array):
+        lrs = [t.suggest_float("lr", 1e-4, 1e-1, log=True) for t in array.trials]
+        widths = [t.suggest_int("width", 4, 32, step=4) for t in array.trials]
+        acts = [t.suggest_categorical("act", ["relu", "tanh"]) for t in array.trials]
+        qs = [t.suggest_float("q", 0.0, 1.0, step=0.25) for t in array.trials]
+        assert (lrs, widths, acts, qs) == (seen["lr"], seen["width"], seen["act"], seen["q"])
+        return _values(array)
+
+    hs.optimize(b, by_hand, n_trials=4, array_size=4)
+    assert len(seen["lr"]) == 4 and all(w % 4 == 0 for w in seen["width"])
+    assert seen["params"] == [t.params for t in a.get_trials()]
+
+
+def test_fuse_takes_a_function_of_the_trial():
+    def objective(array):
+        widths = array.suggest_int("width", 2, 2)
+        fused = array.fuse(lambda t: nn.Linear(3, t.params["width"]))
+        assert isinstance(fused, hftc.FusedModule) and fused.num_models == len(widths) == 3
+        return _values(array)
+
+    hs.optimize(_study(), objective, n_trials=3, array_size=3)
+
+
+def test_should_prune_answers_per_trial_without_dropping():
+    study = _study(pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0))
+    scores = [0.9, 0.8, 0.1, 0.95]
+    answers = {}
+
+    def objective(array):
+        for t in array.trials:
+            t.report(scores[t.number], 0)
+        answers["prune"] = array.should_prune()
+        assert len(array) == 4  # nothing dropped
+        return [scores[t.number] for t in array.trials]
+
+    hs.optimize(study, objective, n_trials=4, array_size=4)
+    assert answers["prune"] == [False, False, True, False]
+
+
+def test_callbacks_see_every_finished_trial_pruned_ones_included():
+    study = _study(pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0))
+    finished = []
+
+    def objective(array):
+        array.report([1.0 - 0.1 * t.number for t in array.trials], 0)
+        return [1.0 - 0.1 * t.number for t in array.trials]
+
+    hs.optimize(study, objective, n_trials=6, array_size=3,
+                callbacks=[lambda s, ft: finished.append((ft.number, ft.state))])
+    assert sorted(n for n, _ in finished) == list(range(6))
+    states = dict(finished)
+    assert states == {t.number: t.state for t in study.get_trials()}
+    assert TrialState.PRUNED in states.values()
+
+
+def test_study_stop_in_a_callback_ends_after_the_array():
+    study = _study()
+
+    def stop_at_4(s, frozen):
+        if frozen.number == 4:
+            s.stop()
+
+    hs.optimize(study, _values, n_trials=None, array_size=3, callbacks=[stop_at_4])
+    assert len(study.trials) == 6  # the array of trials 3-5 finishes, no other starts
+
+
+def test_timeout_starts_no_new_array():
+    study = _study()
+    hs.optimize(study, _values, n_trials=None, array_size=2, timeout=0.0)
+    assert len(study.trials) == 0  # as Optuna's optimize: the clock is read before a trial
+    reference = _study()
+    reference.optimize(lambda t: 0.0, n_trials=None, timeout=0.0)
+    assert len(reference.trials) == 0
+
+    def slow(array):
+        import time
+
+        time.sleep(0.3)
+        return _values(array)
+
+    study = _study()
+    hs.optimize(study, slow, n_trials=None, array_size=2, timeout=0.2)
+    assert len(study.trials) == 2  # the first array ran out the clock: no second
+
+
+def test_n_trials_none_with_timeout_and_gc(monkeypatch):
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collected.append(1) or 0)
+    study = _study()
+    hs.optimize(study, _values, n_trials=5, array_size=2, gc_after_trial=True)
+    assert len(study.trials) == 5 and len(collected) == 3  # arrays of 2, 2, 1
+
+
+def test_catch_fails_and_continues_others_raise():
+    study = _study()
+
+    def objective(array):
+        if array.trials[0].number == 0:
+            raise ValueError("bad array")
+        return _values(array)
+
+    hs.optimize(study, objective, n_trials=4, array_size=2, catch=ValueError)
+    states = [t.state for t in study.get_trials()]
+    assert states == [TrialState.FAIL] * 2 + [TrialState.COMPLETE] * 2
+    with pytest.raises(ValueError, match="bad array"):
+        hs.optimize(_study(), objective, n_trials=4, array_size=2, catch=(KeyError,))
+
+
+def test_progress_bar_and_bad_arguments(capsys):
+    hs.optimize(_study(), _values, n_trials=2, array_size=2, show_progress_bar=True)
+    with pytest.raises(SweepError, match="n_jobs"):
+        hs.optimize(_study(), _values, n_trials=2, array_size=2, n_jobs=2)
+    with pytest.raises(SweepError, match="timeout"):
+        hs.optimize(_study(), _values, n_trials=2, array_size=2, timeout=-1)
+    with pytest.raises(SweepError, match="n_trials"):
+        hs.optimize(_study(), _values, n_trials=0, array_size=2)
+
+
+def test_report_takes_a_tensor():
+    def objective(array):
+        array.report(torch.tensor([0.5] * len(array)), 0)
+        return torch.tensor([0.5] * len(array))
+
+    study = _study()
+    hs.optimize(study, objective, n_trials=2, array_size=2)
+    assert [t.value for t in study.get_trials()] == [0.5, 0.5]
