@@ -171,12 +171,13 @@ def _trials(storage: str, name: str) -> list:
 
 
 def _trials_meanwhile(storage: str, name: str) -> list:
-    """The trials, read while the sweep may be creating the database's tables."""
+    """The trials, read while the sweep may be creating the database's tables (this
+    reader and the sweep may both try to stamp the schema's version: one loses)."""
     import sqlalchemy
 
     try:
         return _trials(storage, name)
-    except sqlalchemy.exc.OperationalError:
+    except (sqlalchemy.exc.OperationalError, sqlalchemy.exc.IntegrityError):
         return []
 
 
