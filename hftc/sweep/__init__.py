@@ -23,7 +23,7 @@ from typing import Any
 
 _LAZY = {
     "Sweep": "engine", "SweepError": "engine", "SweepFileError": "engine",
-    "SweepResult": "engine", "make_storage": "engine",
+    "SweepResult": "engine", "make_storage": "storage",
     "fused_param_names": ".optim.slicing", "load_model_slice": ".optim.slicing",
     "SpecError": "spec", "SweepSpec": "spec", "default_optimizer": "spec", "load_spec": "spec",
     "SweepData": "training", "epoch_order": "training", "train_alone": "training",
@@ -84,7 +84,7 @@ def run(
         import warnings
 
         from ..errors import SweepWarning
-        from .serial import run_one_by_one
+        from .small import run_one_by_one
 
         message = (f"this sweep is too small to gain from fusing ({small}): its trials run "
                    f"one at a time with stock Optuna")

@@ -32,7 +32,7 @@ from .files import save
 from .spec import SweepSpec
 from .training import build_model, epochs_alone, load_data, make_optimizers
 
-__all__ = ["SerialResult", "run_serial", "stock_sampler", "replay_optuna", "describe"]
+__all__ = ["SerialResult", "run_serial", "stock_sampler", "replay_optuna", "describe", "too_small"]
 
 
 @dataclass
@@ -76,7 +76,9 @@ def stock_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
         return optuna.samplers.TPESampler(seed=spec.seed)
     if s == "random":
         return optuna.samplers.RandomSampler(seed=spec.seed)
-    return s(spec.seed)
+    from .storage import make_sampler
+
+    return make_sampler(spec, spec.seed)  # a callable, or the sweep's error for others
 
 
 def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
@@ -224,25 +226,3 @@ def too_small(spec: SweepSpec) -> str | None:
         return (f"each fused array would hold {size} trial (per_array={spec.per_array}, "
                 f"n_trials={spec.n_trials}): fusing saves nothing there")
     return None
-
-
-def run_one_by_one(spec: SweepSpec, out: str | Path, log=None) -> Any:
-    """A sweep too small to gain (:func:`too_small`), run as it would be without hftc:
-    :func:`run_serial` in ``out`` (its study in ``out/serial.db``), with the sweep's
-    results (results.csv, curves.png, best.json) and a :class:`~hftc.sweep.SweepResult`."""
-    from types import SimpleNamespace
-
-    from .engine import SweepResult
-    from .report import write_results
-
-    out = Path(out)
-    why = too_small(spec) or "asked to"
-    if log is not None:
-        log(f"one trial at a time with stock Optuna: {why}")
-    result = run_serial(spec, out, save_best=True)
-    files, board = write_results(SimpleNamespace(study=result.study, out=out, spec=spec))
-    timings = {"train": result.train_s, "fuse": 0.0, "optuna": result.optuna_s,
-               "checkpoint": 0.0}
-    return SweepResult(result.study, out, result.wall_s, result.train_s, result.trial_epochs,
-                       files, board, timings, spec.metric_name,
-                       note=f"run one trial at a time with stock Optuna, no fusing ({why})")

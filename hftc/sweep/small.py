@@ -1,0 +1,41 @@
+"""A sweep too small to gain from fusing (:func:`hftc.sweep.serial.too_small`), run as it
+would be without hftc: one trial at a time with stock Optuna, with the sweep's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import SweepFileError
+from .serial import run_serial, too_small
+from .spec import SweepSpec
+
+__all__ = ["run_one_by_one"]
+
+
+def run_one_by_one(spec: SweepSpec, out: str | Path, log=None) -> Any:
+    """A sweep too small to gain (:func:`too_small`), run as it would be without hftc:
+    :func:`run_serial` in ``out`` (its study in ``out/serial.db``), with the sweep's
+    results (results.csv, curves.png, best.json) and a :class:`~hftc.sweep.SweepResult`."""
+    from types import SimpleNamespace
+
+    from .engine import SweepResult
+    from .report import write_results
+
+    out = Path(out)
+    try:  # a folder that cannot be written stops it at the start, as the sweep's does
+        (out / "trials").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SweepFileError(
+            f"cannot write in the sweep's folder {out} ({exc.strerror or exc}): make it "
+            f"writable or give another --out", str(out)) from exc
+    why = too_small(spec) or "asked to"
+    if log is not None:
+        log(f"one trial at a time with stock Optuna: {why}")
+    result = run_serial(spec, out, save_best=True)
+    files, board = write_results(SimpleNamespace(study=result.study, out=out, spec=spec))
+    timings = {"train": result.train_s, "fuse": 0.0, "optuna": result.optuna_s,
+               "checkpoint": 0.0}
+    return SweepResult(result.study, out, result.wall_s, result.train_s, result.trial_epochs,
+                       files, board, timings, spec.metric_name,
+                       note=f"run one trial at a time with stock Optuna, no fusing ({why})")
