@@ -393,3 +393,22 @@ def test_an_optimizer_on_the_original_models_warns_naming_the_fused_parameters()
         warnings.simplefilter("error", hftc.UsageWarning)
         right.step()
         own.step()
+
+
+def test_a_compiled_fused_step_beside_a_live_fused_module_keeps_its_groups():
+    """torch.compile(opt.step) while another fused module is alive: the global step check
+    of stock optimizers is not traced (dynamo's optimizer handling rewrote the groups'
+    capturable flags, and the step refused its own param groups)."""
+    import torch._dynamo
+
+    alive = hftc.fuse([torch.nn.Linear(3, 2) for _ in range(2)])
+    alive(torch.randn(4, 3))
+    fused = hftc.fuse([torch.nn.Linear(3, 2).double() for _ in range(3)])
+    opt = hftc.optim.Adam(fused.parameters(), lr=[1e-3, 2e-3, 3e-3])
+    torch._dynamo.reset()
+    step = torch.compile(opt.step)
+    for _ in range(2):
+        opt.zero_grad()
+        fused(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+        step()
+    assert [g.get("capturable") for g in opt.param_groups] == [False] * 3

@@ -349,7 +349,10 @@ def check_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     parameters are a live fused module's models' originals and none has a gradient
     (the fused module was trained, not the models it copied), warn (UsageWarning) that
     it steps nothing the fused module computes with."""
-    if not FUSED_MODULES or optimizer in _CHECKED_OPTIMIZERS:
+    # (not while dynamo traces torch.compile(opt.step): its optimizer handling would
+    # rewrite the param groups this reads; not hftc's own, which step fused modules)
+    if not FUSED_MODULES or torch.compiler.is_compiling() \
+            or type(optimizer).__module__.startswith("hftc.") or optimizer in _CHECKED_OPTIMIZERS:
         return
     _CHECKED_OPTIMIZERS.add(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
