@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
-import hftc.lowering.autotune as autotune
+import hftc.lowering.timing as timing
 import hftc.lowering.strategy as strategy
 from hftc.bench.torchvision_ops import StochasticDepth
 from hftc.bench.workloads import WORKLOADS
@@ -217,7 +217,7 @@ def measure(name: str, n: int, rounds: int) -> dict:
     auto, auto_step = fused_stepper("auto")
     fused_step()
     loop_step()
-    autotune._MEMORY.clear()  # an empty cache: the default times
+    timing._MEMORY.clear()  # an empty cache: the default times
     start = time.perf_counter()
     calls = 0
     while calls < 80:  # the default decides on its first calls (or on extra steps)

@@ -28,7 +28,7 @@ import tempfile
 import torch
 
 import hftc
-import hftc.lowering.autotune as autotune
+import hftc.lowering.timing as timing
 from hftc.bench.contenders import learning_rates, make_models
 from hftc.bench.workloads import WORKLOADS
 from hftc.lowering.strategy import TIMING_CALLS
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     results = []
     with tempfile.TemporaryDirectory() as cache:
         os.environ["HFTC_CACHE_DIR"] = cache  # an empty cache: the defaults time
-        autotune._MEMORY.clear()
+        timing._MEMORY.clear()
         print("| workload | N | serial ms | serial / loop | serial / step | "
               "serial / in order | the step's choice |")
         print("|---|---|---|---|---|---|---|")
