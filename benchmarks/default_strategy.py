@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
-import hftc.lowering.timing as timing
 import hftc.lowering.strategy as strategy
+import hftc.lowering.timing as timing
 from hftc.bench.torchvision_ops import StochasticDepth
 from hftc.bench.workloads import WORKLOADS
 
