@@ -50,6 +50,7 @@ import torch
 from ..errors import FusionArgumentError, FusionTypeError, MissingExtraError
 from ..module.fused import FusedModule
 from ..optim.optimizer import FusedOptimizer
+from ..utils import clip_grad_norm_ as hftc_clip_grad_norm_
 
 try:
     import accelerate  # noqa: F401  (transformers.Trainer runs on it)
@@ -165,6 +166,18 @@ class FusedTrainer(transformers.Trainer):
     @property
     def num_models(self) -> int:
         return self.model.num_models
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # accelerate's clip_grad_norm_ takes one norm over all parameters (newer versions
+        # compute it themselves, past torch's clip_grad_norm_): clip each model by its own.
+        accelerator = self.accelerator
+
+        def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+            accelerator.unscale_gradients()
+            return hftc_clip_grad_norm_(list(parameters), max_norm, norm_type)
+
+        accelerator.clip_grad_norm_ = clip_grad_norm_
 
     # ------------------------------------------------------------------ the models' inputs
 
