@@ -78,21 +78,66 @@ def test_alike_models_float32(traces):
     assert len(traces) == 2
 
 
-def test_a_python_scale_that_differs_is_traced_per_group(traces):
-    """``self.scale`` differs (a per-model scalar of the fused multiply): the models with
-    2.0 are traced apart from those with 0.5 (two groups, four traces) and keep theirs."""
+def test_a_python_scale_that_differs_is_each_models_in_one_trace(traces):
+    """``self.scale`` differs (a per-model scalar of the fused multiply) and forward only
+    passes it on to an op: one trace per mode with the scale as a token
+    (hftc/frontends/numbers.py), each model's graph with its own value."""
     x = torch.randn(5, 4, dtype=torch.float64)
     check_equivalence([Net(0.5), Net(2.0), Net(0.5), Net(0.5)], x, fuser=_fuse)
-    assert len(traces) == 4
+    assert len(traces) == 2
 
 
 def test_a_per_model_eps_is_each_models(traces):
-    """LayerNorm eps differs (a per-model hyper-parameter): not proven alike, so traced per
-    group, and each model normalizes with its own eps."""
+    """LayerNorm eps differs (a per-model hyper-parameter): one trace per mode, and each
+    model normalizes with its own eps."""
     x = torch.randn(5, 4, dtype=torch.float64) * 1e-3
     models = [Net(eps=1e-1), Net(eps=1e-5), Net(eps=1e-1)]
     check_equivalence(models, x, fuser=_fuse)
-    assert len(traces) == 4
+    assert len(traces) == 2
+
+
+def test_dropout_p_that_differs_is_each_models_in_one_trace(traces):
+    """A sweep over dropout p: every model differs in `drop.p` only; one trace per mode,
+    and each model drops with its own p (p = 0 keeps everything, p = 1 nothing)."""
+    models = [Net().double() for _ in range(3)]
+    for model, p in zip(models, (0.0, 1.0, 0.0)):
+        model.drop.p = p
+    x = torch.randn(5, 4, dtype=torch.float64)
+    fused = hftc.fuse(models, check=False)
+    out = fused(x)
+    assert len(traces) == 2
+    for k, model in enumerate(models):  # (p = 1 drops all of `h`: only out's bias is left)
+        torch.testing.assert_close(out[k], model(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[1], models[1].out.bias.expand(5, 4))
+
+
+class ScaleBranch(Net):
+    """Branches on its float: the program depends on the value."""
+
+    def extra(self, x):
+        return x if self.scale > 1.0 else 0.0
+
+
+def test_a_float_forward_branches_on_is_traced_per_group(traces):
+    """``self.scale > 1.0`` reads the token in Python: each group is traced itself, and
+    the two programs do not match (refused), never model 0's branch for model 1."""
+    with pytest.raises(MismatchError, match="model 1"):
+        hftc.fuse([ScaleBranch(0.5).double(), ScaleBranch(2.0).double()], check=False)
+    assert len(traces) == 2 + 4  # the token trace per mode, then each group itself
+    x = torch.randn(5, 4, dtype=torch.float64)
+    check_equivalence([ScaleBranch(2.0), ScaleBranch(3.0)], x, fuser=_fuse)
+
+
+class ScaleComputed(Net):
+    """Computes with its float in Python before an op gets it."""
+
+    def extra(self, x):
+        return x * (self.scale * 2.0 - 1.0)
+
+
+def test_a_float_forward_computes_with_is_each_models(traces):
+    x = torch.randn(5, 4, dtype=torch.float64)
+    check_equivalence([ScaleComputed(0.5), ScaleComputed(2.0)], x, fuser=_fuse)
 
 
 class Residual(Net):

@@ -65,9 +65,38 @@ def program_difference(model0: nn.Module, model: nn.Module) -> str | None:
         return "an attribute is nested too deeply to compare"
 
 
+def number_differences(model0: nn.Module, model: nn.Module) -> list[tuple[str, str]] | None:
+    """The (module path, attribute) of the float attributes whose values differ, when
+    nothing else :func:`program_difference` compares does; None when something else
+    differs, or nothing::
+
+        number_differences(MLP(p=0.1), MLP(p=0.2))     -> [("drop", "p")]
+        number_differences(MLP(p=0.1), MLP(p=0.1))     -> None (alike)
+    """
+    modules0 = list(model0.named_modules(remove_duplicate=False))
+    modules = list(model.named_modules(remove_duplicate=False))
+    if ([(p, type(m)) for p, m in modules0] != [(p, type(m)) for p, m in modules]
+            or _tying(modules0) != _tying(modules)):
+        return None
+    compare = _Comparison(model0, model)
+    numbers = [(path, key) for (path, sub0), (_, sub) in zip(modules0, modules)
+               for key, value in vars(sub0).items()
+               if type(value) is float and type(vars(sub).get(key)) is float
+               and not compare.same(value, vars(sub)[key])]
+    if not numbers:
+        return None
+    try:
+        if _state_difference(model0, model, modules0, modules, set(numbers)) is not None:
+            return None
+    except RecursionError:
+        return None
+    return numbers
+
+
 def _state_difference(model0: nn.Module, model: nn.Module,
                       modules0: list[tuple[str, nn.Module]],
-                      modules: list[tuple[str, nn.Module]]) -> str | None:
+                      modules: list[tuple[str, nn.Module]],
+                      ignored: set[tuple[str, str]] = frozenset()) -> str | None:
     compare = _Comparison(model0, model)
     for (path, sub0), (_, sub) in zip(modules0, modules):
         where = f"module `{path or '<root>'}`"
@@ -84,7 +113,8 @@ def _state_difference(model0: nn.Module, model: nn.Module,
         if state0.keys() != state.keys():
             return f"{where}: the attributes differ ({sorted(state0.keys() ^ state.keys())})"
         for key, value0 in state0.items():
-            if key not in _REGISTRIES and not compare.same(value0, state[key]):
+            if key not in _REGISTRIES and (path, key) not in ignored and not compare.same(
+                    value0, state[key]):
                 return f"{where}: attribute `{key}` differs"
     if _tensor_tying(model0) != _tensor_tying(model):
         return "parameters or buffers are tied differently"
@@ -103,15 +133,45 @@ def alike_models(models: Sequence[nn.Module]) -> list[int]:
 
         models   Net Net Net(p=0.2) Net Net(p=0.2)
         alike    0   0   2          0   2
+
+    A model is compared only with the models of its :func:`fingerprint`: N models that
+    all differ in a number (a sweep over dropout p) cost N fingerprints, no comparison.
     """
     alike: list[int] = []
-    candidates: list[int] = []
+    candidates: dict[tuple, list[int]] = {}
     for i, model in enumerate(models):
-        first = next((j for j in candidates if program_difference(models[j], model) is None), i)
-        if first == i and len(candidates) < ALIKE_CANDIDATES:
-            candidates.append(i)
+        same_print = candidates.setdefault(fingerprint(model), [])
+        first = next((j for j in same_print if program_difference(models[j], model) is None), i)
+        if first == i and len(same_print) < ALIKE_CANDIDATES:
+            same_print.append(i)
         alike.append(first)
     return alike
+
+
+#: The plain values a fingerprint holds: hashable, and equal whenever ``_Comparison``
+#: finds them the same (floats go in by their bits, every NaN alike).
+_PRINTED_TYPES = (bool, int, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def fingerprint(model: nn.Module) -> tuple:
+    """What :func:`program_difference` compares that a hash can hold: the module tree
+    (paths, classes) and each module's attribute names and plain values (numbers,
+    strings, dtypes). Models with different fingerprints differ; equal ones may still
+    differ elsewhere (a dict, a tensor), which only :func:`program_difference` sees::
+
+        fingerprint(Net(p=0.1)) != fingerprint(Net(p=0.2))    # differ: no comparison
+    """
+    printed: list[Any] = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        state = vars(module)
+        printed.append((path, type(module), tuple(sorted(state))))
+        for key, value in state.items():
+            kind = type(value)
+            if kind is float:
+                printed.append((key, "nan" if math.isnan(value) else value.hex()))
+            elif kind in _PRINTED_TYPES:
+                printed.append((key, kind, value))
+    return tuple(printed)
 
 
 def reads_tensor_values(program: torch.export.ExportedProgram) -> bool:

@@ -945,21 +945,68 @@ def trace_models(models: Sequence[nn.Module], *, modes: Sequence[bool],
     groups: dict[int, list[int]] = {}
     for i, first in enumerate(alike):
         groups.setdefault(first, []).append(i)
+    numbers = _number_groups(models, list(groups), constants)
     graphs: dict[bool, list[fx.GraphModule]] = {}
     for mode in modes:
-        traced: dict[int, fx.GraphModule] = {}
+        traced = _trace_with_numbers(models, numbers, mode, constants) if numbers else {}
         for first, members in groups.items():
-            read: list[str] = []
-            traced[first] = trace_model(models[first], first, training=mode,
-                                        constants=constants[first],
-                                        values_read=read if len(members) > 1 else None)
-            shared = not read and _reads_only_the_model(traced[first], models[first])
+            shared = first in traced
+            if not shared:
+                read: list[str] = []
+                traced[first] = trace_model(models[first], first, training=mode,
+                                            constants=constants[first],
+                                            values_read=read if len(members) > 1 else None)
+                shared = not read and _reads_only_the_model(traced[first], models[first])
             for i in members[1:]:
                 traced[i] = (_shared_trace(traced[first], models[i])
                              if shared and _same_constants(constants[i], constants[first])
                              else trace_model(models[i], i, training=mode,
                                               constants=constants[i]))
         graphs[mode] = [traced[i] for i in range(len(models))]
+    return graphs
+
+
+def _number_groups(models: Sequence[nn.Module], firsts: list[int],
+                   constants: Sequence[dict[str, Any]]) -> dict[int, list[tuple[str, str]]]:
+    """The first model of each group that differs from the first group's only in float
+    attributes (:func:`~.same_program.number_differences`), with those attributes; the
+    first group's model maps to ``[]``. Empty where no group does."""
+    from .same_program import number_differences
+
+    base = firsts[0]
+    found = {}
+    for first in firsts[1:]:
+        differences = (number_differences(models[base], models[first])
+                       if _same_constants(constants[first], constants[base]) else None)
+        if differences:
+            found[first] = differences
+    return {base: [], **found} if found else {}
+
+
+def _trace_with_numbers(models: Sequence[nn.Module], numbers: dict[int, list[tuple[str, str]]],
+                        mode: bool, constants: Sequence[dict[str, Any]]
+                        ) -> dict[int, fx.GraphModule]:
+    """One trace of the first of ``numbers``' models with the differing floats as tokens
+    (hftc/frontends/numbers.py), and each of those models' graph with its own values;
+    empty where forward used a token in Python or read a model's values (each is then
+    traced itself)."""
+    from .numbers import graph_with_numbers, watched_numbers
+
+    base = next(iter(numbers))
+    attributes = sorted({a for found in numbers.values() for a in found})
+    uses: list[str] = []
+    read: list[str] = []
+    try:
+        with watched_numbers(models[base], attributes, uses) as tokens:
+            gm = trace_model(models[base], base, training=mode, constants=constants[base],
+                             values_read=read)
+    except Exception:  # traced again the plain way, which says what went wrong
+        return {}
+    if uses or read or not _reads_only_the_model(gm, models[base]):
+        return {}
+    graphs = {i: _shared_trace(gm, models[i]) for i in numbers}
+    if not all(graph_with_numbers(graphs[i], models[i], tokens) for i in numbers):
+        return {}
     return graphs
 
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ..frontends.same_program import program_difference
+from ..frontends.same_program import fingerprint, program_difference
 from ..frontends.symbolic import deepcopy_module, meta_copy
 
 
@@ -47,8 +47,9 @@ class ModelCopies:
             None if s else dict(p) for s, p in zip(same, paths)]
         #: The models whose Python state differs from model 0's (what the first-call check
         #: compares besides models 0, N // 2 and N - 1).
-        self.differing = [i for i, m in enumerate(models)
-                          if i and program_difference(models[0], m) is not None]
+        first = fingerprint(models[0]) if len(models) > 1 else None
+        self.differing = [i for i, m in enumerate(models) if i and (
+            fingerprint(m) != first or program_difference(models[0], m) is not None)]
 
     def __len__(self) -> int:
         return len(self.templates)
