@@ -945,10 +945,10 @@ def trace_models(models: Sequence[nn.Module], *, modes: Sequence[bool],
     groups: dict[int, list[int]] = {}
     for i, first in enumerate(alike):
         groups.setdefault(first, []).append(i)
-    numbers = _number_groups(models, list(groups), constants)
+    numbers = number_groups(models, list(groups), constants)
     graphs: dict[bool, list[fx.GraphModule]] = {}
     for mode in modes:
-        traced = _trace_with_numbers(models, numbers, mode, constants) if numbers else {}
+        traced = trace_number_variants(models, numbers, mode, constants) if numbers else {}
         for first, members in groups.items():
             shared = first in traced
             if not shared:
@@ -966,8 +966,9 @@ def trace_models(models: Sequence[nn.Module], *, modes: Sequence[bool],
     return graphs
 
 
-def _number_groups(models: Sequence[nn.Module], firsts: list[int],
-                   constants: Sequence[dict[str, Any]]) -> dict[int, list[tuple[str, str]]]:
+def number_groups(models: Sequence[nn.Module], firsts: list[int],
+                  constants: Sequence[dict[str, Any]] | dict[int, dict[str, Any]]
+                  ) -> dict[int, list[tuple[str, str]]]:
     """The first model of each group that differs from the first group's only in float
     attributes (:func:`~.same_program.number_differences`), with those attributes; the
     first group's model maps to ``[]``. Empty where no group does."""
@@ -983,9 +984,10 @@ def _number_groups(models: Sequence[nn.Module], firsts: list[int],
     return {base: [], **found} if found else {}
 
 
-def _trace_with_numbers(models: Sequence[nn.Module], numbers: dict[int, list[tuple[str, str]]],
-                        mode: bool, constants: Sequence[dict[str, Any]]
-                        ) -> dict[int, fx.GraphModule]:
+def trace_number_variants(models: Sequence[nn.Module],
+                          numbers: dict[int, list[tuple[str, str]]], mode: bool,
+                          constants: Sequence[dict[str, Any]] | dict[int, dict[str, Any]]
+                          ) -> dict[int, fx.GraphModule]:
     """One trace of the first of ``numbers``' models with the differing floats as tokens
     (hftc/frontends/numbers.py), and each of those models' graph with its own values;
     empty where forward used a token in Python or read a model's values (each is then

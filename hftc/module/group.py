@@ -26,12 +26,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from ..errors import FusionArgumentError, MismatchError, TraceError, UnsupportedOperatorError
 from ..frontends.same_program import alike_models
-from ..frontends.symbolic import trace_model
+from ..frontends.symbolic import (
+    constant_inputs,
+    number_groups,
+    trace_model,
+    trace_number_variants,
+)
 from ..lowering import timing
 from ..match import node_signature
 from ..passes.registry import aten_spellings, per_model_table
@@ -39,14 +45,17 @@ from .fused import FusedModule, check_models, example_constants
 from .padding import padding_ratio, weight_shapes, widths_key
 
 
-def structure_key(model: nn.Module, index: int, example_inputs: Any = None) -> str:
+def structure_key(model: nn.Module, index: int, example_inputs: Any = None,
+                  traced: fx.GraphModule | None = None) -> str:
     """A string equal for two models exactly when their traced graphs match in trace order.
 
-    Traced symbolically, or, where that fails and ``example_inputs`` (shared by all
-    models) are given, by torch.export, as :func:`hftc.fuse` would trace them."""
+    Traced symbolically (or ``traced``, the model's graph already made), or, where that
+    fails and ``example_inputs`` (shared by all models) are given, by torch.export, as
+    :func:`hftc.fuse` would trace them."""
     try:
-        gm = trace_model(model, index, training=model.training,
-                         constants=example_constants(model, example_inputs))
+        gm = traced if traced is not None else trace_model(
+            model, index, training=model.training,
+            constants=example_constants(model, example_inputs))
     except TraceError:
         if example_inputs is None:
             raise
@@ -235,6 +244,23 @@ def _grouping_measurement(models: Sequence[nn.Module], example_inputs: Any,
     return measured
 
 
+def _number_variants(models: Sequence[nn.Module], alike: list[int],
+                     example: Any) -> dict[int, fx.GraphModule]:
+    """The graphs of the first models of the groups that differ from the first group's
+    only in float attributes (dropout p), from one trace (frontends/numbers.py)."""
+    firsts = [i for i in dict.fromkeys(alike)
+              if models[i].training == models[alike[0]].training]
+    if len(firsts) < 2:
+        return {}
+    constants = {i: example_constants(models[i], example) for i in firsts}
+    constants = {i: constant_inputs(models[i]) if c is None else c
+                 for i, c in constants.items()}  # (trace_model's default)
+    numbers = number_groups(models, firsts, constants)
+    if not numbers:
+        return {}
+    return trace_number_variants(models, numbers, models[firsts[0]].training, constants)
+
+
 def fuse_groups(
     models: Iterable[nn.Module], *, max_padding: float = MAX_PADDING, **fuse_kwargs: Any
 ) -> list[tuple[FusedModule, list[int]]]:
@@ -259,11 +285,12 @@ def fuse_groups(
     # Models proved to run one program (same code, equal Python state: same_program.py)
     # have one structure key: trace or export only the first of them.
     alike = alike_models(models)
+    traced = _number_variants(models, alike, example)
     keys: dict[int, str] = {}
     groups: dict[str, list[int]] = {}
     for i, m in enumerate(models):
         if alike[i] not in keys:
-            keys[alike[i]] = structure_key(m, i, example)
+            keys[alike[i]] = structure_key(m, i, example, traced.get(alike[i]))
         groups.setdefault(keys[alike[i]], []).append(i)
     if fuse_kwargs.get("pad_widths"):
         arrays = pad_or_split(models, list(groups.values()), max_padding,
