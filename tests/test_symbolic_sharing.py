@@ -209,3 +209,28 @@ def test_reading_parameter_metadata_still_shares_the_trace(traces):
     x = torch.randn(5, 4, dtype=torch.float64)
     check_equivalence([DtypeOfParameters() for _ in range(3)], x, fuser=_fuse)
     assert len(traces) == 2
+
+
+def test_models_proven_by_the_token_trace_are_not_checked_again():
+    """Models that differ from model 0 only in floats forward passes on (proven by the token
+    trace) need no reference of their own in the first-call check; a model that differs in
+    a float forward branches on does."""
+    alike_but_p = [Net().double() for _ in range(4)]
+    for k, model in enumerate(alike_but_p):
+        model.drop.p = 0.1 * k
+    assert hftc.fuse(alike_but_p).model_copies.differing == []
+    branching = [ScaleBranch(2.0).double(), ScaleBranch(3.0).double(), ScaleBranch(2.0).double()]
+    assert hftc.fuse(branching).model_copies.differing == [1]
+
+
+class ScaleNamed(Net):
+    """Makes a name of its float (``repr``): the program may depend on the text."""
+
+    def extra(self, x):
+        return x if repr(self.scale) == "2.0" else 0.0
+
+
+def test_a_float_forward_formats_is_traced_per_group(traces):
+    with pytest.raises(MismatchError, match="model 1"):
+        hftc.fuse([ScaleNamed(2.0).double(), ScaleNamed(3.0).double()], check=False)
+    assert len(traces) == 2 + 4

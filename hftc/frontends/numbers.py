@@ -18,6 +18,7 @@ against its own forward.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 
 import torch.fx as fx
@@ -25,8 +26,8 @@ from torch import nn
 
 __all__ = ["WatchedNumber", "watched_numbers", "graph_with_numbers"]
 
-#: ``float``'s methods through which Python reads the value (``__repr__`` is left out:
-#: fx writes the graph's code with it).
+#: ``float``'s methods through which Python reads the value (and ``__repr__``, called
+#: from outside torch.fx, which writes the graph's code with it).
 _READS = ("__abs__", "__add__", "__bool__", "__ceil__", "__divmod__", "__eq__", "__float__",
           "__floor__", "__floordiv__", "__format__", "__ge__", "__gt__", "__hash__",
           "__int__", "__le__", "__lt__", "__mod__", "__mul__", "__ne__", "__neg__",
@@ -54,6 +55,12 @@ class WatchedNumber(float):
     def __deepcopy__(self, memo: dict) -> WatchedNumber:
         self.uses.append("__deepcopy__")
         return self
+
+    def __repr__(self) -> str:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if not caller.startswith("torch.fx"):
+            self.uses.append("__repr__")
+        return float.__repr__(self)
 
 
 def _noting(name: str):

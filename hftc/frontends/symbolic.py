@@ -40,6 +40,7 @@ from ..ir import (
     BUFFER_ASSIGNMENT,
     CONSTANT_INPUTS,
     EXAMPLE_VALUE,
+    NUMBERS_TRACED,
     PYTHON_STATE,
     TORCH_RANDOM_DRAWS,
     apply_function,
@@ -1009,6 +1010,8 @@ def trace_number_variants(models: Sequence[nn.Module],
     graphs = {i: _shared_trace(gm, models[i]) for i in numbers}
     if not all(graph_with_numbers(graphs[i], models[i], tokens) for i in numbers):
         return {}
+    for graph in graphs.values():
+        graph.meta[NUMBERS_TRACED] = True
     return graphs
 
 
@@ -1043,6 +1046,8 @@ def _shared_trace(traced: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     gm = _UncompiledGraphModule(model, copy.deepcopy(traced.graph), type(model).__name__)
     gm.meta[PYTHON_STATE] = list(traced.meta[PYTHON_STATE])
     gm.meta[CONSTANT_INPUTS] = dict(traced.meta[CONSTANT_INPUTS])
+    if traced.meta.get(NUMBERS_TRACED):
+        gm.meta[NUMBERS_TRACED] = True
     return gm
 
 

@@ -44,7 +44,7 @@ from ..frontends.symbolic import (
     meta_copy,
     trace_models,
 )
-from ..ir import CONSTANT_INPUTS, EXPORTED_SHAPES, PYTHON_STATE
+from ..ir import CONSTANT_INPUTS, EXPORTED_SHAPES, NUMBERS_TRACED, PYTHON_STATE
 from ..lowering.autotune import run_program
 from ..lowering.checkpoint import check_option as check_checkpoint_option
 from ..lowering.compile_guard import compiled_original
@@ -337,8 +337,10 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         object.__setattr__(self, "_template", template)
         #: Each model's own object (its Python state, no tensors): every per-model module
         #: hftc makes (the check's references, the models one by one, unfuse()) is one.
-        self.model_copies = ModelCopies(models, name_maps,
-                                        _module_path_maps(matches[True], graphs[True], name_maps))
+        self.model_copies = ModelCopies(
+            models, name_maps, _module_path_maps(matches[True], graphs[True], name_maps),
+            numbers_traced=[all(graphs[mode][i].meta.get(NUMBERS_TRACED, False)
+                                for mode in (True, False)) for i in range(len(models))])
         root, sources = build_module_tree(models, template, name_maps)
         self._adopt(root, models[0])
         fused_names = {id(p): name for name, p in self.named_parameters()}
