@@ -216,6 +216,10 @@ class Sweep(Recovery, Arrays, Decisions):
         if self.resume and self.default_storage and not (self.out / "study.db").exists():
             raise self._nothing_to_resume()
         self._make_folders()
+        # torch.optim's first optimizer imports torch._dynamo (about a second, once per
+        # process, as in any script): paid here, in start-up, not as the first trial's
+        # share of Optuna (the one-at-a-time side's replay has it imported already).
+        import torch._dynamo  # noqa: F401
         self.storage = make_storage(self.storage_url, self.heartbeat_interval, self.grace_period)
         existing = None
         with contextlib.suppress(KeyError):
