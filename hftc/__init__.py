@@ -65,6 +65,7 @@ OLD_NAMES = {
     "hftc.compile_guard": "hftc.lowering.compile_guard",
     "hftc.speed": "hftc.cli.speed", "hftc.cli_args": "hftc.cli.args",
     "hftc.cli_graph": "hftc.cli.graph",
+    "hftc.lowering.runtime.model_loop": "hftc.lowering.runtime.one_by_one",
 }
 
 

@@ -286,7 +286,7 @@ def bind(kernel: Callable[..., Any], fn: Any) -> Callable[..., Any]:
     """``kernel`` with ``fn`` as its first argument, as a named function a graph can call.
 
     torch.fx cannot print a function as an argument of a node, so a kernel that
-    wraps another op (``channelwise(F.max_pool2d, ...)``, the per-model loop) is
+    wraps another op (``channelwise(F.max_pool2d, ...)``, the one-by-one fallback) is
     emitted as ``channelwise__max_pool2d(x, ...)``.  Cached: one function per pair.
     """
     key = (kernel, fn)

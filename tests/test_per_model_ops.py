@@ -181,7 +181,7 @@ def test_activation_of_a_shared_input():
 
 
 def test_models_run_one_by_one_run_their_own_activation():
-    """The whole-model loop (strategy='model_loop') runs each model's own activation, not
+    """The models one by one (strategy='model_loop') runs each model's own activation, not
     model 0's, and so does keep_models' smaller array."""
     models = _models(mlp, ["relu", "gelu", "tanh"])
     check_equivalence(models, torch.randn(4, 6),

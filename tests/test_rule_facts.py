@@ -28,8 +28,8 @@ from hftc.passes.registry import (
     RULES,
     PerModelOp,
     Widens,
-    per_model_loop,
     rule,
+    runs_one_by_one,
 )
 from tests.optim_helpers import single_thread  # noqa: F401  (fixture)
 
@@ -39,7 +39,7 @@ def declared(*keys, **facts):
     """A rule for ``keys`` (the per-model loop) with ``facts``, for the test's length."""
     saved = {key: RULES.pop(key) for key in keys if key in RULES}
     try:
-        rule(*keys, name="test_rule_facts", **facts)(per_model_loop)
+        rule(*keys, name="test_rule_facts", **facts)(runs_one_by_one)
         yield
     finally:
         for key in keys:
@@ -78,7 +78,7 @@ def test_an_op_is_computed_over_a_padded_dim_as_its_rule_declares(single_thread)
 
 def test_a_padding_fact_is_a_known_kind():
     with pytest.raises(TypeError, match=r"padding='elementwise' is none of"):
-        rule(("call_function", torch.special.expit), padding="elementwise")(per_model_loop)
+        rule(("call_function", torch.special.expit), padding="elementwise")(runs_one_by_one)
     assert ("call_function", torch.special.expit) not in RULES
 
 

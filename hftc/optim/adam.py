@@ -256,7 +256,7 @@ class Adam(FusedOptimizer):
     def _update_rows(self, tensors: list[Tensor], hp: dict[str, list[Any]],
                      coef: Coefficients, step_coef: Coefficients) -> None:
         """Stock's single-tensor update on ``[p, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)]``
-        (contiguous, on the CPU), model by model in chunks of each model's row::
+        (contiguous, on the CPU), one by one in chunks of each model's row::
 
             for i in models:  for chunk in row i (64-element multiples, the last ragged):
                 stock's ops on the chunk with model i's values as Python floats

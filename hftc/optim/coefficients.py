@@ -34,7 +34,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def takes_stock_update(p: Tensor) -> bool:
-    """Is ``p`` updated model by model by the stock class (a half or complex dtype)?"""
+    """Is ``p`` updated one by one by the stock class (a half or complex dtype)?"""
     return p.dtype in HALF_DTYPES or p.is_complex()
 
 

@@ -8,7 +8,7 @@ Walks model 0's graph in order.  For each node, with its N matched counterparts:
    numbers: the op runs once, unchanged, and its result stays shared
    (``x.size(0)``, arithmetic on shapes, a pooling of the shared input).
 4. A rule in the registry: the rule emits the fused op(s).
-5. No rule, or the rule raised :class:`NotFusable`: a per-model loop inside the
+5. No rule, or the rule raised :class:`NotFusable`: the one-by-one fallback inside the
    fused graph (exact, slow, reported as a fallback).
 
 Before and after, with N = 3::
@@ -67,7 +67,7 @@ class FusionRecord:
 
 @dataclass
 class FusionReport:
-    """Which operators fused into what, and what fell back to a per-model loop."""
+    """Which operators fused into what, and what fell back to running one by one."""
 
     num_models: int
     records: list[FusionRecord]
@@ -173,7 +173,7 @@ def _leaf_flags(builder: GraphBuilder, args: Any, kwargs: Any) -> Any:
 
 
 def _emit_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """Emit the per-model loop for a node no rule fuses."""
+    """Emit the one-by-one fallback for a node no rule fuses."""
     node = group.node
     flags = _leaf_flags(builder, group.args, group.kwargs)
     batched_out = _contains_tensor(group.example)

@@ -41,8 +41,8 @@ from .registry import (
     GraphBuilder,
     NotFusable,
     PerModelOp,
-    per_model_loop,
     rule,
+    runs_one_by_one,
     spellings,
 )
 
@@ -299,7 +299,7 @@ SLOPE_KEYS = {
 
 def elu_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     """``aten.elu(x, alpha, scale, input_scale)`` -> ``F.elu(x, alpha)`` where the scales
-    are 1 (``nn.ELU``); SELU-like scales stay ATen (the per-model loop)."""
+    are 1 (``nn.ELU``); SELU-like scales stay ATen (the one-by-one fallback)."""
     a = bind_arguments(e.source.target, args, kwargs)
     if a["scale"] == 1 and a["input_scale"] == 1:
         return e.call(F.elu, a["input"], a["alpha"])
@@ -433,10 +433,10 @@ for _name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "nor
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     rule(("call_method", _name), name=f"fuse_new_tensor[{_name}]")(fuse_new_tensor)
 
-#: Draws no rule fuses: each model draws its own in the per-model loop, even from a shared
+#: Draws no rule fuses: each model draws its own in the one-by-one fallback, even from a shared
 #: input (one draw for all of them made every model's result the same).  RReLU's slopes
 #: (in training) and fractional max-pooling's regions are drawn too; their deterministic
-#: uses (RReLU in eval, given regions) run as the per-model loop as well: exact.
+#: uses (RReLU in eval, given regions) run as the one-by-one fallback as well: exact.
 _RRELU = (F.rrelu, F.rrelu_, torch.rrelu, torch.rrelu_)
 RANDOM_DRAWS = [
     *(getattr(torch, name) for name in TORCH_RANDOM_DRAWS if name not in RANDOM_LIKE),
@@ -450,6 +450,6 @@ RANDOM_DRAW_MODULES = [nn.RReLU, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d]
 rule(*(("call_function", fn) for fn in RANDOM_DRAWS),
      *(("call_method", name) for name in RANDOM_DRAW_METHODS),
      *(("call_module", cls) for cls in RANDOM_DRAW_MODULES),
-     name="per_model_loop[random]", random=True,
+     name="one_by_one[random]", random=True,
      # RReLU is elementwise: exact over a padded dim as it is
-     padding=lambda node: EXACT if node.target in _RRELU else None)(per_model_loop)
+     padding=lambda node: EXACT if node.target in _RRELU else None)(runs_one_by_one)

@@ -4,8 +4,8 @@ A rule takes a :class:`FusionGroup` (model 0's node, its N counterparts, its
 arguments already rewritten into the fused graph) and a :class:`GraphBuilder`
 (which emits nodes into the fused graph), and returns the fused node, whose
 value is every model's result stacked along a leading model dim.  A rule that
-cannot fuse a particular use raises :class:`NotFusable`; the driver then falls
-back to a per-model loop and says so in the fusion report.
+cannot fuse a particular use raises :class:`NotFusable`; the driver then runs
+the op one by one (the fallback) and says so in the fusion report.
 
 Keys are ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
 ``("call_method", "name")``; a library's function that hftc does not import (a
@@ -63,7 +63,7 @@ class FusionGroup:
     """
 
     node: fx.Node
-    nodes: list[str]  # the names of the N matched nodes, model by model
+    nodes: list[str]  # the names of the N matched nodes, one per model
     args: tuple
     kwargs: dict
     module: nn.Module | None = None
@@ -492,9 +492,9 @@ def chain_links(role: str) -> list[ChainLink]:
          if e.chain is not None and e.chain.role == role}.values()))
 
 
-def per_model_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+def runs_one_by_one(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The body of a rule table entry that declares facts about an op (it draws random
-    numbers) but fuses nothing: the op runs as the per-model loop."""
+    numbers) but fuses nothing: the op runs as the one-by-one fallback."""
     if group.module is not None:
         raise NotFusable(f"no fusion rule for module {type(group.module).__name__}")
     raise NotFusable(f"no fusion rule for {target_name(group.node)}")
@@ -536,7 +536,7 @@ def lookup(node: fx.Node, module: nn.Module | None) -> RuleEntry | None:
         if parametrize.is_parametrized(module):
             # Its weight is computed from other tensors on every access (weight_norm,
             # spectral_norm, orthogonal ...), which the fused op would not recompute:
-            # the per-model loop runs the module itself.
+            # the one-by-one fallback runs the module itself.
             return None
         forward = type(module).forward
         for cls in type(module).__mro__:

@@ -20,7 +20,7 @@ Gate formulas follow ATen's CPU cells (``aten/src/ATen/native/RNN.cpp``):
 Between layers, dropout (training only) draws each model's own mask.
 
 An LSTM on the CPU with many rows per step (batch x hidden >= 2048) runs instead as
-ATen's LSTM model by model (:func:`_aten_lstm_per_model`), whose oneDNN backward
+ATen's LSTM one by one (:func:`_aten_lstm_per_model`), whose oneDNN backward
 computes each weight gradient over all the steps at once.
 """
 
@@ -91,7 +91,7 @@ def _join(parts: Sequence[Tensor | None]) -> Tensor | None:
     return torch.stack(list(parts), dim=1).flatten(0, 1)
 
 
-#: Rows per step (batch x hidden) from which ATen's LSTM, model by model, beats the batched
+#: Rows per step (batch x hidden) from which ATen's LSTM, one by one, beats the batched
 #: recurrence on the CPU (docs/BENCHMARKS.md, "EfficientNet's blocks and the word
 #: language model").
 _ATEN_LSTM_MIN_ROWS_X_HIDDEN = 2048
