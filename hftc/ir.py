@@ -57,8 +57,8 @@ PER_MODEL = "hftc_per_model"
 
 #: ``node.meta`` key: ``[op of model 0, ..., op of model N-1]`` for an elementwise op
 #: (an activation, dropout or identity) that differs between the models, each a
-#: :data:`hftc.lowering.runtime.per_model_ops.Op` (absent when they all agree).
-PER_MODEL_OPS = "hftc_per_model_ops"
+#: :data:`hftc.lowering.runtime.differing_ops.Op` (absent when they all agree).
+DIFFERING_OPS = "hftc_per_model_ops"  # (the key as stored: pickled graphs keep it)
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,7 @@ def test_forced_strategy_equals_the_serial_loop(monkeypatch, forced, dtype):
     fused(_x(dtype))
     assert fused.plan.chosen == forced and fused.plan.reason == "forced"
     assert (fused.last_program().one_by_one is not None) == (forced == "model_loop")
+    assert fused.last_program().model_loop is fused.last_program().one_by_one  # the old name
 
 
 def test_model_loop_is_the_serial_loop_with_dropout():

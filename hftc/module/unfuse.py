@@ -204,9 +204,9 @@ class Unfusing:
                 if per_model:
                     node.meta[ir.PER_MODEL] = {key: [values[i] for i in keep]
                                                for key, values in per_model.items()}
-                ops = node.meta.get(ir.PER_MODEL_OPS)
+                ops = node.meta.get(ir.DIFFERING_OPS)
                 if ops:
-                    node.meta[ir.PER_MODEL_OPS] = [ops[i] for i in keep]
+                    node.meta[ir.DIFFERING_OPS] = [ops[i] for i in keep]
         loop = self.__dict__.get("_shared_one_by_one")
         if loop is not None:  # the shells keep the Python attributes forward changed
             loop.subset(keep)

@@ -45,7 +45,7 @@ from ..ir import (
 )
 from ..lowering.runtime import layout as rt_layout
 from ..match import PerModelTable, describe_node, function_name, target_name
-from .per_model_ops import PerModelOp, declare_per_model_op, elementwise_op
+from .differing_ops import DifferingOp, declare_differing_op, elementwise_op
 
 
 class NotFusable(Exception):
@@ -176,8 +176,8 @@ class RuleEntry:
     #: The op's link in a linear chain (``hftc.lowering.chains``): which fused nodes it
     #: emits that a chain may take.
     chain: ChainLink | None = None
-    #: The elementwise ops of these keys that may differ per model (:class:`PerModelOp`).
-    per_model_ops: tuple[PerModelOp, ...] = ()
+    #: The elementwise ops of these keys that may differ per model (:class:`DifferingOp`).
+    differing_ops: tuple[DifferingOp, ...] = ()
     #: How ``pad_widths=True`` pads a module key's module (:class:`Widens`).
     widens: Widens | None = None
 
@@ -309,7 +309,7 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
          signature: Callable[..., Any] | None = None, padding: Any = None,
          channels_last: bool | Callable[[Any], bool] = True,
          chain: ChainLink | None = None,
-         per_model_op: PerModelOp | Sequence[PerModelOp] = (),
+         differing_op: DifferingOp | Sequence[DifferingOp] = (),
          widens: Widens | None = None) -> Callable[[Rule], Rule]:
     """Register a rule for ``keys`` (the one way to declare one)::
 
@@ -338,14 +338,14 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
     :data:`PADDING_KINDS` kind, :class:`Reduces`, or a function of the node giving one);
     ``channels_last``: whether a CPU program may run channels-last with it (or a function
     of its module or call node that says); ``chain``: its :class:`ChainLink` in a linear chain;
-    ``per_model_op``: the :class:`PerModelOp` (or several) its keys spell, an elementwise op
+    ``differing_op``: the :class:`DifferingOp` (or several) its keys spell, an elementwise op
     that may differ per model; ``widens``: how ``pad_widths=True`` pads its module
     (:class:`Widens`).
     A key or ATen op registered twice raises :class:`DuplicateRuleError` at import,
     whatever the order the rule files load in.
     """
     functions = {target for op, target in keys if op == "call_function"}
-    ops = (per_model_op,) if isinstance(per_model_op, PerModelOp) else tuple(per_model_op)
+    ops = (differing_op,) if isinstance(differing_op, DifferingOp) else tuple(differing_op)
     converters = tuple(
         (op, same_arguments(spelling) if spelling in functions else spelling)
         for op, spelling in (aten or {}).items())
@@ -389,7 +389,7 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
             RULES[key] = entry
         _ATEN.update(converters)
         for op in ops:
-            declare_per_model_op(op, keys, entry.name)
+            declare_differing_op(op, keys, entry.name)
         return body
 
     return wrap
@@ -409,7 +409,7 @@ def target_name_of(target: Any) -> str:
 def per_model_table() -> PerModelTable:
     """The hyper-parameters that may differ between the models, as the rules declare them
     (``@rule(..., per_model=...)``), and the elementwise ops that may differ per model
-    (:mod:`hftc.passes.per_model_ops`), for :func:`hftc.match.match_graphs`."""
+    (:mod:`hftc.passes.differing_ops`), for :func:`hftc.match.match_graphs`."""
     modules, arguments, defaults = [], {}, {}
     for (op, target), entry in RULES.items():
         if not entry.per_model:

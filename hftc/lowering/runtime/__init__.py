@@ -16,6 +16,7 @@ Before this package, ``hftc/lowering/kernels.py`` held every kernel; now, by top
     reduction.py   reductions, softmax                   losses.py   per-model losses
     fallback.py    an op with no fused kernel, one by one
     per_model.py   per-model scalars (the bottom of the hyper-parameter kernels)
+    differing_ops.py an elementwise op that differs per model (a differing op), on each slice
     tuning.py      ``@tunable(lowerings)``: a kernel's lowerings, which autotune times
     attention.py, recurrent.py, one_by_one.py (the N models one by one), memory.py (malloc
     settings), modules.py (the stacked-module tree)

@@ -453,7 +453,7 @@ def linear_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tu
     the cache when its log-softmax reads them and when its GEMMs read its gradient; all N
     models' at once are not, and each of these memory-bound passes over them took about
     twice as long per byte as the serial loop's (docs/BENCHMARKS.md, lstm_lm).  Taken where
-    :func:`_per_model_log_softmax` says so; elsewhere (and with a ``lowering`` autotune
+    :func:`_one_by_one_log_softmax` says so; elsewhere (and with a ``lowering`` autotune
     chose) the unchanged ops, :func:`linear` then :func:`~hftc.lowering.runtime.reduction.softmax`.
     Same formulas as ``F.linear`` + ``F.log_softmax`` per model (the serial loop's
     ``addmm``), so results agree with the batched product within a rounding.
@@ -461,7 +461,7 @@ def linear_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tu
     from .reduction import softmax
     from .spatial import reshape
 
-    rows = _per_model_log_softmax(x, weight, bias, shape, dim, x_batched, lowering)
+    rows = _one_by_one_log_softmax(x, weight, bias, shape, dim, x_batched, lowering)
     if rows is None:
         y = linear(x, weight, bias, x_batched=x_batched, lowering=lowering)
         return softmax(y if shape is None else reshape(y, *shape), dim, log=True)
@@ -477,7 +477,7 @@ _PER_MODEL_BLOCK_BYTES = 512 * 1024
 _PER_MODEL_TOTAL_BYTES = 4 * 1024 * 1024
 
 
-def _per_model_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple | None,
+def _one_by_one_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple | None,
                            dim: int, x_batched: bool, lowering: str | None) -> int | None:
     """Each model's row count ``M`` where :func:`linear_log_softmax` runs one by one,
     else None: the CPU, float32/64 alike, no autocast, ``torch.func`` or ``torch.compile``
