@@ -44,7 +44,7 @@ def contenders(n: int, rows: int, hidden: int, vocabulary: int) -> dict:
     def per_model():
         nll(rt_linear.linear_log_softmax(h, w, b, None, 2, x_batched=True), y).sum().backward()
 
-    assert rt_linear._per_model_log_softmax(h, w, b, None, 2, True, None) == rows
+    assert rt_linear._one_by_one_log_softmax(h, w, b, None, 2, True, None) == rows
     return {"serial": serial, "batched": batched, "per model": per_model}
 
 

@@ -65,6 +65,9 @@ OLD_NAMES = {
     "hftc.compile_guard": "hftc.lowering.compile_guard",
     "hftc.speed": "hftc.cli.speed", "hftc.cli_args": "hftc.cli.args",
     "hftc.cli_graph": "hftc.cli.graph",
+    "hftc.lowering.runtime.model_loop": "hftc.lowering.runtime.one_by_one",
+    "hftc.lowering.runtime.per_model_ops": "hftc.lowering.runtime.differing_ops",
+    "hftc.passes.per_model_ops": "hftc.passes.differing_ops",
 }
 
 

@@ -62,8 +62,8 @@ PER_MODEL = "hftc_per_model"
 
 #: ``node.meta`` key: ``[op of model 0, ..., op of model N-1]`` for an elementwise op
 #: (an activation, dropout or identity) that differs between the models, each a
-#: :data:`hftc.lowering.runtime.per_model_ops.Op` (absent when they all agree).
-PER_MODEL_OPS = "hftc_per_model_ops"
+#: :data:`hftc.lowering.runtime.differing_ops.Op` (absent when they all agree).
+DIFFERING_OPS = "hftc_per_model_ops"  # (the key as stored: pickled graphs keep it)
 
 
 @dataclass(frozen=True)
@@ -291,7 +291,7 @@ def bind(kernel: Callable[..., Any], fn: Any) -> Callable[..., Any]:
     """``kernel`` with ``fn`` as its first argument, as a named function a graph can call.
 
     torch.fx cannot print a function as an argument of a node, so a kernel that
-    wraps another op (``channelwise(F.max_pool2d, ...)``, the per-model loop) is
+    wraps another op (``channelwise(F.max_pool2d, ...)``, the one-by-one fallback) is
     emitted as ``channelwise__max_pool2d(x, ...)``.  Cached: one function per pair.
     """
     key = (kernel, fn)

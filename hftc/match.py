@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .errors import MismatchError
-from .ir import PER_MODEL, PER_MODEL_OPS, ArgKey, user_line
+from .ir import DIFFERING_OPS, PER_MODEL, ArgKey, user_line
 from .lowering.runtime.guards import INPUT_GUARDS
 
 if TYPE_CHECKING:  # networkx: imported where two graphs need VF2, not by import hftc
@@ -78,7 +78,7 @@ class PerModelTable:
     #: ``LeakyReLU(0.01)`` against ``LeakyReLU(0.02)`` was ``(x,)`` against ``(x, 0.02)``.)
     defaults: Mapping[Any, tuple] = dataclasses.field(default_factory=dict)
     #: ``(node, root) -> op or None``: the elementwise op a node computes where that op may
-    #: differ per model (:func:`hftc.passes.per_model_ops.elementwise_op`); such nodes match
+    #: differ per model (:func:`hftc.passes.differing_ops.elementwise_op`); such nodes match
     #: any node of the same kind (module, function or method) that computes one too.
     elementwise_op: Callable[[fx.Node, nn.Module], Any] | None = None
 
@@ -754,14 +754,14 @@ def _record_per_model_values(
 ) -> None:
     """Store each node's differing per-model scalars on model 0's node (``meta[PER_MODEL]``),
     and each model's elementwise op where the models' ops differ beyond those scalars
-    (``meta[PER_MODEL_OPS]``: ReLU in one model, GELU in another)."""
+    (``meta[DIFFERING_OPS]``: ReLU in one model, GELU in another)."""
     plain = dataclasses.replace(soft, elementwise_op=None)
     for node in graphs[0].graph.nodes:
-        node.meta.pop(PER_MODEL_OPS, None)
+        node.meta.pop(DIFFERING_OPS, None)
         if soft.elementwise_op is not None and soft.elementwise_op(node, graphs[0]) is not None:
             signatures = [node_signature(m[node], g, plain) for m, g in zip(mapping, graphs)]
             if any(sig != signatures[0] for sig in signatures[1:]):
-                node.meta[PER_MODEL_OPS] = [soft.elementwise_op(m[node], g)
+                node.meta[DIFFERING_OPS] = [soft.elementwise_op(m[node], g)
                                             for m, g in zip(mapping, graphs)]
                 node.meta.pop(PER_MODEL, None)
                 continue

@@ -53,14 +53,14 @@ def _spelling(op: str, target: object) -> str:
 
 def operator_table() -> list[str]:
     from hftc.passes import RULES
-    from hftc.passes.registry import per_model_loop
+    from hftc.passes.registry import runs_one_by_one
 
     groups: dict[str, list[str]] = defaultdict(list)
     count = 0
     for (op, target), entry in RULES.items():
         if op == "call_function" and not callable(target):
             continue  # ``torch.float`` is a dtype, not a function: no spelling to list
-        if entry.rule is per_model_loop:
+        if entry.rule is runs_one_by_one:
             continue  # declared (it draws random numbers), not fused
         groups[entry.name].append(_spelling(op, target))
         count += 1

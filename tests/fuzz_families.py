@@ -351,7 +351,7 @@ def _act(spec: dict, name: str) -> tuple:
 def mutated(draw, specs=families):
     """``(spec, mutation, what)``: the mutation differs from ``spec`` in one structural
     thing (``what``): a layer's width, one layer more, a softmax where ``spec`` has an
-    activation (another activation fuses: tests/test_per_model_ops.py), a vocabulary."""
+    activation (another activation fuses: tests/test_differing_ops.py), a vocabulary."""
     spec = draw(specs)
     other = {**spec, "layers": list(spec["layers"])}
     choices = ["width", "extra", "act"] + (["vocab"] if spec["family"] == "tokens" else [])

@@ -226,7 +226,7 @@ def test_autotune_keeps_the_fused_program_that_checkpointing_needs(tmp_path, mon
                               fuser=functools.partial(hftc.fuse, autotune=True,
                                                       checkpoint=2))
     program = fused.last_program()
-    assert isinstance(program.forward, CheckpointedForward) and program.model_loop is None
+    assert isinstance(program.forward, CheckpointedForward) and program.one_by_one is None
     whole = next(c for c in fused.fusion_report.lowerings if c.node == "<whole model>")
     assert not any(name.startswith("model_loop") for name in [*whole.times, *whole.rejected])
     assert timed and set(timed) == {CheckpointedForward}

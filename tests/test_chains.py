@@ -330,7 +330,7 @@ def test_decoder_and_log_softmax_run_model_by_model_as_the_loop(every_size_model
     assert every_size_model_by_model[-1] == (3, 28, 12)
 
 
-def test_linear_log_softmax_at_a_language_models_size_against_the_per_model_ops():
+def test_linear_log_softmax_at_a_language_models_size_against_the_differing_ops():
     # word_language_model's decoder at the benchmark's size (bptt 35, batch 20, 200 ->
     # 2,000 words: 5.6 MB of logits a model): the default thresholds take the per-model
     # schedule; forward and every gradient against F.linear + F.log_softmax per model.
@@ -340,7 +340,7 @@ def test_linear_log_softmax_at_a_language_models_size_against_the_per_model_ops(
         x = torch.randn(n, *rows, cols[0], dtype=dtype, requires_grad=True)
         w = (0.1 * torch.randn(n, cols[1], cols[0], dtype=dtype)).requires_grad_()
         b = torch.randn(n, cols[1], dtype=dtype, requires_grad=True)
-        assert rt_linear._per_model_log_softmax(x, w, b, (-1, cols[1]), 2, True, None) == 700
+        assert rt_linear._one_by_one_log_softmax(x, w, b, (-1, cols[1]), 2, True, None) == 700
         out = rt_linear.linear_log_softmax(x, w, b, (-1, cols[1]), 2, x_batched=True)
         node = out.grad_fn  # (through the reshape's view)
         while node.name() == "ViewBackward0":
@@ -373,7 +373,7 @@ def test_what_takes_the_per_model_decoder_and_what_runs_the_ops_unchanged(
     torch.manual_seed(0)
     x = torch.randn(2, 3, 4, requires_grad=True)
     w, b = torch.randn(2, 5, 4), torch.randn(2, 5)
-    per_model = rt_linear._per_model_log_softmax
+    per_model = rt_linear._one_by_one_log_softmax
     assert per_model(x, w, b, None, -1, True, None) == 3
     assert per_model(x, w, b, (-1, 5), 2, True, None) == 3
     assert per_model(x, w, b, None, 1, True, None) is None          # not over the logits
@@ -393,7 +393,7 @@ def test_what_takes_the_per_model_decoder_and_what_runs_the_ops_unchanged(
 def test_default_sizes_keep_small_heads_batched():
     # An MNIST-style 10-class head: 40 bytes a row; batched, as before.
     x, w, b = torch.randn(4, 64, 32), torch.randn(4, 10, 32), torch.randn(4, 10)
-    assert rt_linear._per_model_log_softmax(x, w, b, None, -1, True, None) is None
+    assert rt_linear._one_by_one_log_softmax(x, w, b, None, -1, True, None) is None
 
 
 def test_a_chain_ending_in_log_softmax_stays_a_chain():

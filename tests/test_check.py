@@ -67,7 +67,7 @@ def test_isinstance_on_an_input_runs_the_models_one_by_one_and_warns():
         torch.testing.assert_close(out[i], m(x, mask))
     report = fused.fusion_report
     assert not report.check.passed and "FAILED" in str(report)
-    assert fused.last_program().model_loop is not None
+    assert fused.last_program().one_by_one is not None
     # The same program on the next call: no second warning, still right.
     x2 = torch.randn(5, 4)
     out = fused(x2, mask)
@@ -89,7 +89,7 @@ def test_export_traces_the_branch_and_fuses():
     x, mask = torch.randn(5, 4), (torch.rand(5, 1) > 0.5).float()
     fused = hftc.fuse(models, example_inputs=(x, mask), frontend="export")
     out = fused(x, mask)  # a FusionWarning would fail this test (pyproject filterwarnings)
-    assert fused.last_program().model_loop is None and fused.fusion_report.check.passed
+    assert fused.last_program().one_by_one is None and fused.fusion_report.check.passed
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x, mask))
 
@@ -98,7 +98,7 @@ def test_check_false_skips_the_check():
     models = models_of(ExactTypeCheck)
     fused = hftc.fuse(models, check=False)
     fused(torch.randn(6, 4))
-    assert fused.fusion_report.check is None and fused.last_program().model_loop is None
+    assert fused.fusion_report.check is None and fused.last_program().one_by_one is None
     with pytest.raises(hftc.errors.FusionArgumentError, match="check must be True or False"):
         hftc.fuse(models, check="yes")
 
@@ -347,7 +347,7 @@ def test_traced_values_kept_in_attributes_are_not_python_state():
     fused = hftc.fuse(models)
     assert not any(hasattr(m, "last_hidden") for m in models)  # no Proxy left behind
     fused(torch.randn(5, 4))
-    assert fused.fusion_report.check.passed and fused.last_program().model_loop is None
+    assert fused.fusion_report.check.passed and fused.last_program().one_by_one is None
 
 
 def test_a_wrong_fused_op_is_named_by_module(monkeypatch):
@@ -530,7 +530,7 @@ def test_bf16_rounding_of_a_cancelling_output_is_not_a_difference():
         warnings.simplefilter("error", FusionWarning)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = fused(x)
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
     for i, m in enumerate(models):
         exact = copy.deepcopy(m).double()(x[i].double())
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -162,7 +162,7 @@ def test_fused_mingpt_forward_and_backward_equal_the_models(frontend, check):
     sum(losses(out, targets)).backward()
     sum(losses(want, targets)).backward()
     assert_fused_equals(fused, models)
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
     if check:
         assert fused.fusion_report.check.passed
 
@@ -178,7 +178,7 @@ def test_functions_in_other_shapes_are_each_models_own(style, monkeypatch):
     idx, _ = batch()
     with pytest.warns(FusionWarning, match="one by one.*the test asks for it"):
         out = fused(idx)
-    assert fused.last_program().model_loop is not None
+    assert fused.last_program().one_by_one is not None
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(idx), atol=1e-10, rtol=1e-10)
 
@@ -214,7 +214,7 @@ def test_mingpt_trains_as_three_separate_runs(how, monkeypatch):
             o.zero_grad()
             (losses([m(idx)], targets)[0] * (i + 1)).backward()
             o.step()
-    assert (fused.last_program().model_loop is not None) == (how == "one by one")
+    assert (fused.last_program().one_by_one is not None) == (how == "one by one")
     assert_fused_equals(fused, alone, tol=1e-9)
     assert all(p.grad is None for m in models for p in m.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, [p for m in models

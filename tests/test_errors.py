@@ -72,7 +72,7 @@ def test_extra_layer_is_reported():
 
 
 def test_an_activation_that_cannot_differ_per_model_is_reported():
-    # (ReLU against Tanh fuses: tests/test_per_model_ops.py)
+    # (ReLU against Tanh fuses: tests/test_differing_ops.py)
     a = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     b = nn.Sequential(nn.Linear(4, 4), nn.Softmax(dim=-1))
     with pytest.raises(MismatchError, match=r"class Softmax vs ReLU; only an elementwise op"):
@@ -89,7 +89,7 @@ def test_functional_activation_difference():
         def forward(self, x):
             return self.fn(self.fc(x))
 
-    # (F.relu against F.gelu fuses: tests/test_per_model_ops.py)
+    # (F.relu against F.gelu fuses: tests/test_differing_ops.py)
     with pytest.raises(MismatchError, match=r"model 1's node `normalize` \(torch.nn.functional."
                                             r"normalize in the model's own forward\) differs "
                                             r"from model 0's node `relu` \(torch.nn.functional."

@@ -437,7 +437,7 @@ def test_nanogpt_with_the_token_ids_passed_as_targets_in_the_example(kind, check
     targets = torch.randint(0, 17, (4, 8))
     fused = check_equivalence(models, (idx, targets), steps=2,
                               fuser=_export_fuser(example, check=check))
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
 
 
 def _converted(op, args: tuple, kwargs: dict):

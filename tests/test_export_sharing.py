@@ -212,7 +212,7 @@ def test_a_config_object_is_compared_field_by_field(exports):
     """Configs equal field by field (not the same object): one program.  A field forward
     branches on or counts with differs: model 0's program is not reused for those models,
     whose own graphs differ and are refused by name (model 3's count; model 2's activation,
-    tanh against sigmoid, fuses: hftc/passes/per_model_ops.py)."""
+    tanh against sigmoid, fuses: hftc/passes/differing_ops.py)."""
     x = torch.randn(5, 4, dtype=torch.float64)
     check_equivalence([Configured(Config()) for _ in range(3)], x, fuser=_fuser((x,)))
     assert len(exports) == 2

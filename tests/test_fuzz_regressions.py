@@ -40,7 +40,7 @@ def test_fuzz_regression(spec, n, stacked, train):
 
 def test_group_norm_on_the_inputs_is_never_run_channels_last(tmp_path, monkeypatch):
     # Found with random lowerings: a group norm on the (stacked) inputs, tried by autotune
-    # as the whole-model loop with channels-last inputs.  torch's CPU group-norm backward
+    # as the models one by one with channels-last inputs.  torch's CPU group-norm backward
     # crashes the process on a channels-last input that needs no gradient of its own;
     # a model with a group norm now keeps its inputs as given on the CPU (layout.safe).
     from hftc.lowering import timing
@@ -55,7 +55,7 @@ def test_group_norm_on_the_inputs_is_never_run_channels_last(tmp_path, monkeypat
 
 def test_strided_1x1_conv_over_few_channels_is_never_run_channels_last(tmp_path, monkeypatch):
     # Found fuzzing in float32 with random lowerings: the process died ("Aborted",
-    # "Segmentation fault") in autotune's whole-model loop with channels-last inputs.
+    # "Segmentation fault") in autotune's models one by one with channels-last inputs.
     # oneDNN's 1x1 conv with a stride over < 16 input channels (here 4 -> 3, stride 2,
     # after a reflect pad) writes past its workspace on channels-last inputs and gets the
     # weight gradient wrong (uxlfoundation/oneDNN#6035): such a model keeps its inputs as

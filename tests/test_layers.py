@@ -174,6 +174,14 @@ def test_the_old_module_names_are_the_new_modules():
     from hftc.lowering.runtime.modules import StackedModule
 
     assert old_modules.StackedModule is StackedModule
+    # The one-word renames (docs/ARCHITECTURE.md's "Words"): the old class names too.
+    from hftc.lowering.runtime.model_loop import ModelLoop
+    from hftc.passes.per_model_ops import PerModelOp
+
+    from hftc.lowering.runtime.one_by_one import OneByOne
+    from hftc.passes.differing_ops import DifferingOp
+
+    assert ModelLoop is OneByOne and PerModelOp is DifferingOp
 
 
 def test_no_function_is_over_100_lines():

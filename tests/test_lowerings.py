@@ -42,7 +42,7 @@ from hftc.lowering.runtime import norms as rt_norms
 from hftc.lowering.runtime import reduction as rt_reduction
 from hftc.lowering.runtime import spatial as rt_spatial
 from hftc.lowering.runtime.memory import peak_memory
-from hftc.lowering.runtime.model_loop import ModelLoop
+from hftc.lowering.runtime.one_by_one import OneByOne
 from hftc.lowering.runtime.tuning import lowerings_of, tunable
 
 DTYPES = [torch.float64, torch.float32]
@@ -293,7 +293,7 @@ def test_autotuned_fusion_matches_the_loop(workload, train, dtype, cache_dir):
                               fuser=functools.partial(hftc.fuse, autotune=True))
     choices = fused.fusion_report.lowerings
     assert [c.kernel for c in choices] == (["conv", "conv"] if workload is LeNet5 else []) \
-        + ["linear"] * 3 + ["forward"]  # the last: fused program or whole-model loop
+        + ["linear"] * 3 + ["forward"]  # the last: fused program or models one by one
     assert all(c.chosen in c.times or c.cached for c in choices)
     assert "lowerings chosen by autotune" in str(fused.fusion_report)
     # The choices are in the generated code, so a reader sees what runs.
@@ -302,7 +302,7 @@ def test_autotuned_fusion_matches_the_loop(workload, train, dtype, cache_dir):
 
 def test_autotune_chooses_the_whole_forward_for_one_model_too(cache_dir):
     # At N = 1 the fused program still folds and unfolds its feature maps; the model's
-    # own forward (the whole-model loop) measured faster for ResNet-18 (517 vs 552 ms
+    # own forward (the models one by one) measured faster for ResNet-18 (517 vs 552 ms
     # forward + backward, one core) and MobileNetV2 (174 vs 235 ms, channels-last).
     torch.manual_seed(0)
     fused = check_equivalence([LeNet5()], torch.randn(4, 1, 28, 28), dtype=torch.float32,
@@ -318,7 +318,7 @@ def test_autotune_cache_is_reused_across_fusions(cache_dir, monkeypatch):
     first = hftc.fuse([LeNet5() for _ in range(2)], autotune=True)
     first(x)
     stored = json.loads((cache_dir / "autotune.json").read_text())
-    assert len(stored) == 6  # 2 convs + 3 linears + fused program vs whole-model loop
+    assert len(stored) == 6  # 2 convs + 3 linears + fused program vs models one by one
     chosen = [c.chosen for c in first.fusion_report.lowerings]
 
     monkeypatch.setattr(timing, "_MEMORY", {})  # a new process: only the file is left
@@ -584,7 +584,7 @@ def test_a_whole_forward_candidate_far_behind_is_timed_no_more(monkeypatch, cach
 
     def slow_loop(fused, forward, how, *args):
         runs[how.name] += 1
-        time.sleep(0.01 + (0.05 if how.model_loop is not None else 0.0))
+        time.sleep(0.01 + (0.05 if how.one_by_one is not None else 0.0))
         return run_step(fused, forward, how, *args)
 
     monkeypatch.setattr(autotune, "run_tuning_step", slow_loop)
@@ -609,14 +609,14 @@ def test_autotune_must_be_a_bool():
         hftc.fuse([MLP(), MLP()], autotune="fast")
 
 
-# --------------------------------------------------------------------------- the whole-model loop
+# --------------------------------------------------------------------------- the models one by one
 
 
 def _force_program(monkeypatch, loop: bool = True, layout: str | None = None):
-    """Make autotune run the whole forward as the whole-model loop and/or with channels-last
+    """Make autotune run the whole forward as the models one by one and/or with channels-last
     inputs, as it does where that measured faster."""
     def choose(fused, forward, values, batched, **kwargs):
-        how = autotune.ProgramChoice(ModelLoop(fused) if loop else None, layout,
+        how = autotune.ProgramChoice(OneByOne(fused) if loop else None, layout,
                                      sample_shapes(values, batched))
         return how, autotune.LoweringChoice("<whole model>", "forward", how.name, "fused")
 
@@ -636,7 +636,7 @@ def test_model_loop_matches_the_loop(name, train, loop, layout, monkeypatch, cac
     x = make_input(name, 4, seed=1)
     fused = check_equivalence(models, x, train=train, steps=2 if train else 1,
                               fuser=functools.partial(hftc.fuse, autotune=True))
-    assert (fused.last_program().model_loop is not None) == loop
+    assert (fused.last_program().one_by_one is not None) == loop
     assert fused.last_program().how.layout == layout
     assert fused.fusion_report.lowerings[-1].chosen == fused.last_program().how.name
 
@@ -649,7 +649,7 @@ def test_model_loop_of_one_model_copies_no_gradient(monkeypatch, cache_dir):
     x = make_input("resnet", 4, seed=1)
     fused = check_equivalence(models, x, train=True, steps=2,
                               fuser=functools.partial(hftc.fuse, autotune=True))
-    assert fused.last_program().model_loop is not None
+    assert fused.last_program().one_by_one is not None
     loss = fused(x.double()).sum()
     with torch.profiler.profile() as prof:
         loss.backward()
@@ -689,7 +689,7 @@ class ViewNet(nn.Module):
 def test_channels_last_runs_only_on_the_shapes_it_was_checked_on(monkeypatch, cache_dir):
     # Tuned on 3x3 inputs (a 1x1 map: views fine channels-last); a 6x6 input (a 4x4 map
     # that would not view channels-last) runs with its inputs as given.
-    # (The whole-model loop runs ViewNet's own .view.)
+    # (The models one by one runs ViewNet's own .view.)
     _force_program(monkeypatch, loop=True, layout="channels_last")
     torch.manual_seed(0)
     models = [ViewNet() for _ in range(2)]
@@ -719,13 +719,13 @@ def test_a_whole_forward_with_right_outputs_and_wrong_gradients_is_rejected(monk
                                                                             cache_dir):
     # As torch's CPU norms did for channels-last gradients with odd strides: the outputs
     # agree, the gradients do not.  Autotune compares both.
-    call = ModelLoop.__call__
+    call = OneByOne.__call__
 
     def doubled_gradients(self, fused, values, batched):
         out = call(self, fused, values, batched)
         return out.detach() + 2 * (out - out.detach())
 
-    monkeypatch.setattr(ModelLoop, "__call__", doubled_gradients)
+    monkeypatch.setattr(OneByOne, "__call__", doubled_gradients)
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)) for _ in range(2)]
     fused = hftc.fuse(models, autotune=True)
@@ -733,7 +733,7 @@ def test_a_whole_forward_with_right_outputs_and_wrong_gradients_is_rejected(monk
     out = fused(x)
     choice = fused.fusion_report.lowerings[-1]
     assert choice.node == "<whole model>" and "model_loop" in choice.rejected
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x))
     with torch.no_grad():  # no backward to compare: the loop is a candidate
@@ -1052,7 +1052,7 @@ def test_a_strided_1x1_conv_over_few_channels_is_never_run_channels_last_on_the_
         assert any("channels_last" in name for name in tried) == allowed, (cin, kernel, tried)
 
     # Inputs the caller laid out channels-last: the fused program's convs guard themselves
-    # (conv.conv), the whole-model loop would run the models' own: it is not a candidate.
+    # (conv.conv), the models one by one would run the models' own: it is not a candidate.
     # (The cost model's program is the fused program with other lowerings, as guarded.)
     torch.manual_seed(0)
     models = [StridedPointwise(4, 1, 2, functional) for _ in range(2)]
@@ -1076,7 +1076,7 @@ def test_model_loop_with_stacked_inputs(dtype, monkeypatch, cache_dir):
     x = x + 0.1 * torch.randn_like(x)
     fused = check_equivalence(models, x, in_dims=0, dtype=dtype, steps=2,
                               fuser=functools.partial(hftc.fuse, autotune=True))
-    assert fused.last_program().model_loop is not None
+    assert fused.last_program().one_by_one is not None
 
 
 def test_autotune_leaves_running_stats_and_rng_alone(cache_dir):
@@ -1092,14 +1092,14 @@ def test_autotune_leaves_running_stats_and_rng_alone(cache_dir):
 
 
 def test_a_model_loop_with_other_outputs_is_rejected(cache_dir, monkeypatch):
-    run = ModelLoop.__call__
-    monkeypatch.setattr(ModelLoop, "__call__", lambda self, *a: run(self, *a) + 1)
+    run = OneByOne.__call__
+    monkeypatch.setattr(OneByOne, "__call__", lambda self, *a: run(self, *a) + 1)
     fused = hftc.fuse([MLP() for _ in range(2)], autotune=True)
     fused.compile(torch.randn(8, 64))
     choice = fused.fusion_report.lowerings[-1]
     # the fused program runs, with autotune's lowerings or the cost model's (as timed)
     assert choice.rejected == ["model_loop"] and choice.chosen in ("fused", "cost_model")
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
 
 
 @pytest.mark.parametrize("cls", [TiedLM, TiedLMUntraceable], ids=["symbolic", "export"])
@@ -1111,7 +1111,7 @@ def test_model_loop_keeps_tied_weights_tied(cls, monkeypatch, cache_dir):
     fused = check_equivalence(
         [cls() for _ in range(3)], ids, steps=2,
         fuser=functools.partial(hftc.fuse, autotune=True, example_inputs=(ids,)))
-    assert fused.last_program().model_loop is not None
+    assert fused.last_program().one_by_one is not None
     assert fused.head.weight is fused.embed.weight
 
 
@@ -1122,7 +1122,7 @@ def test_model_loop_leaves_no_view_of_the_stacked_tensors_in_its_shells(monkeypa
     torch.manual_seed(0)
     fused = hftc.fuse([MLP() for _ in range(2)], autotune=True)
     fused(torch.randn(8, 64)).sum().backward()
-    loop = fused.last_program().model_loop
+    loop = fused.last_program().one_by_one
     assert loop is not None
 
     def held(shell):

@@ -340,16 +340,16 @@ def test_sgd_row_pieces_in_every_dtype_are_stock_bit_for_bit(dtype, monkeypatch)
                            stock[i].state[solos[i]]["momentum_buffer"]), i
 
 
-@pytest.mark.parametrize("per_model_calls_min", [0, 1 << 62], ids=["per-model-calls", "product"])
+@pytest.mark.parametrize("one_by_one_min", [0, 1 << 62], ids=["one-by-one", "product"])
 @pytest.mark.parametrize("case", ["adam", "adam_plain", "adam_decoupled_mixed", "adamw",
                                   "rmsprop_plain", "adagrad"])
-def test_per_model_addcdiv_values_either_way_are_stock_bit_for_bit(case, per_model_calls_min,
+def test_per_model_addcdiv_values_either_way_are_stock_bit_for_bit(case, one_by_one_min,
                                                                    monkeypatch):
     # Models with different learning rates: the last addcdiv_ runs as one call per model
     # with its own value= (stock's call), or on the product y * value over [N, ...]
     # first (addcdiv_ computes value * y first, so the rounding is the same).
     monkeypatch.setattr(adam_module, "_FOREACH_MAX_NUMEL", 0)
-    monkeypatch.setattr(coefficients_module, "PER_MODEL_CALLS_MIN", per_model_calls_min)
+    monkeypatch.setattr(coefficients_module, "ONE_BY_ONE_MIN", one_by_one_min)
     for dtype in DTYPES:
         assert_stock_bit_for_bit(case, dtype)
 

@@ -188,7 +188,7 @@ def softplus_per_model(x: torch.Tensor, betas: tuple[float, ...]) -> torch.Tenso
 def test_a_rule_declares_the_hyper_parameters_that_may_differ_per_model():
     """``@rule(..., per_model=("lambd",))`` is all it takes: models whose Hardshrink ``lambd``
     differs match, and the rule receives one value per model; without it they are refused.
-    (Hardshrink: the activations of hftc.passes.per_model_ops, Softplus's ``beta`` among
+    (Hardshrink: the activations of hftc.passes.differing_ops, Softplus's ``beta`` among
     them, differ per model without a rule.)"""
     from hftc.errors import MismatchError
     from hftc.passes.registry import RULES, rule

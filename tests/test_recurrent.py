@@ -257,7 +257,7 @@ def test_lstm_under_cpu_autocast_runs_in_its_lower_precision(given_state):
         assert got.dtype == want[0].dtype == torch.bfloat16
         for i, w in enumerate(want):
             torch.testing.assert_close(got[i].float(), w.float(), rtol=5e-2, atol=5e-2)
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
 
 
 class _ProjectedGRU(nn.Module):
@@ -290,7 +290,7 @@ def test_gru_under_cpu_autocast_runs_at_its_inputs_precision(projected):
         assert got.dtype == wants[0][k].dtype == (torch.bfloat16 if projected else torch.float32)
         for i, want in enumerate(wants):
             torch.testing.assert_close(got[i].float(), want[k].float(), rtol=2e-2, atol=2e-2)
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
     # backward: each model's gradients, as its own bf16 backward gives them
     sum(o.float().sum() for o in outs).backward()
     sum(o.float().sum() for want in wants for o in want).backward()

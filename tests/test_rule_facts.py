@@ -2,7 +2,7 @@
 and only there: what it computes over a padded dim (``padding=``, ``pad_widths=True``), how a
 padded model pads its module (``widens=``), whether a CPU program may run channels-last
 with it (``channels_last=``), its link in a linear chain (``chain=``) and the elementwise op
-that may differ per model (``per_model_op=``).  Each fact declared on a new rule takes
+that may differ per model (``differing_op=``).  Each fact declared on a new rule takes
 effect with nothing else changed, and the tables the rest of the pipeline reads are the
 rules' declarations.
 """
@@ -20,16 +20,16 @@ from torch import nn
 import hftc
 from hftc.errors import MismatchError, UnsupportedOperatorError
 from hftc.lowering import chains, layout
-from hftc.lowering.runtime import per_model_ops as rt_per_model_ops
+from hftc.lowering.runtime import differing_ops as rt_differing_ops
+from hftc.passes import differing_ops, registry
 from hftc.passes import padded as padded_modules
-from hftc.passes import per_model_ops, registry
 from hftc.passes.registry import (
     EXACT,
     RULES,
-    PerModelOp,
+    DifferingOp,
     Widens,
-    per_model_loop,
     rule,
+    runs_one_by_one,
 )
 from tests.optim_helpers import single_thread  # noqa: F401  (fixture)
 
@@ -39,7 +39,7 @@ def declared(*keys, **facts):
     """A rule for ``keys`` (the per-model loop) with ``facts``, for the test's length."""
     saved = {key: RULES.pop(key) for key in keys if key in RULES}
     try:
-        rule(*keys, name="test_rule_facts", **facts)(per_model_loop)
+        rule(*keys, name="test_rule_facts", **facts)(runs_one_by_one)
         yield
     finally:
         for key in keys:
@@ -78,7 +78,7 @@ def test_an_op_is_computed_over_a_padded_dim_as_its_rule_declares(single_thread)
 
 def test_a_padding_fact_is_a_known_kind():
     with pytest.raises(TypeError, match=r"padding='elementwise' is none of"):
-        rule(("call_function", torch.special.expit), padding="elementwise")(per_model_loop)
+        rule(("call_function", torch.special.expit), padding="elementwise")(runs_one_by_one)
     assert ("call_function", torch.special.expit) not in RULES
 
 
@@ -165,16 +165,16 @@ def test_the_chain_links_are_the_rules():
 def test_the_per_model_op_tables_are_the_rules_declarations():
     """Every op the runtime runs per model by name is one a rule declares, with its
     function, and every spelling read as one is a key of a rule that declares it."""
-    declared_ops = {op.name: op for entry in RULES.values() for op in entry.per_model_ops}
-    assert rt_per_model_ops.ELEMENTWISE_OPS == {n: op.function for n, op in declared_ops.items()}
-    assert per_model_ops.OP_PARAMETERS == {n: op.parameters for n, op in declared_ops.items()}
-    for key, (op, _, _) in per_model_ops._SPELLINGS.items():
-        assert op in RULES[key].per_model_ops, key
+    declared_ops = {op.name: op for entry in RULES.values() for op in entry.differing_ops}
+    assert rt_differing_ops.ELEMENTWISE_OPS == {n: op.function for n, op in declared_ops.items()}
+    assert differing_ops.OP_PARAMETERS == {n: op.parameters for n, op in declared_ops.items()}
+    for key, (op, _, _) in differing_ops._SPELLINGS.items():
+        assert op in RULES[key].differing_ops, key
 
 
 def test_a_per_model_op_declared_on_a_new_rule_fuses_models_that_differ_there():
     """Models with ``F.softsign`` against ``torch.special.expit``: refused while expit is no
-    declared per-model op; one ``per_model_op=`` later they fuse, each model's op on its
+    declared differing op; one ``differing_op=`` later they fuse, each model's op on its
     slice, forward and backward as the models (:func:`tests.equivalence.check_equivalence`)."""
     class Act(nn.Module):
         def __init__(self, act):
@@ -190,17 +190,17 @@ def test_a_per_model_op_declared_on_a_new_rule_fuses_models_that_differ_there():
     key = ("call_function", torch.special.expit)
     with pytest.raises(MismatchError):
         hftc.fuse(models)
-    expit = PerModelOp("expit", torch.special.expit, (), ((key, (), ()),))
+    expit = DifferingOp("expit", torch.special.expit, (), ((key, (), ()),))
     try:
-        with declared(key, per_model_op=expit):
-            assert per_model_ops.is_elementwise_function(torch.special.expit)
+        with declared(key, differing_op=expit):
+            assert differing_ops.is_elementwise_function(torch.special.expit)
             fused = check_equivalence(models, x, steps=2)
             assert [r.rule for r in fused.fusion_report.per_model] == ["per_model_op"]
     finally:
-        rt_per_model_ops.ELEMENTWISE_OPS.pop("expit", None)
-        per_model_ops.OP_PARAMETERS.pop("expit", None)
-        per_model_ops._SPELLINGS.pop(key, None)
-    assert not per_model_ops.is_elementwise_function(torch.special.expit)
+        rt_differing_ops.ELEMENTWISE_OPS.pop("expit", None)
+        differing_ops.OP_PARAMETERS.pop("expit", None)
+        differing_ops._SPELLINGS.pop(key, None)
+    assert not differing_ops.is_elementwise_function(torch.special.expit)
 
 
 class AliasesOverHidden(nn.Module):

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hftc
-from hftc.lowering.strategy import IN_ORDER, StepOrder
+from hftc.lowering.strategy import ONE_BY_ONE, StepOrder
 
 LRS = [1e-2, 3e-2, 5e-2]
 
@@ -93,7 +93,7 @@ def test_models_in_order_train_as_the_serial_loop_bit_for_bit(dtype, n):
     models, batches, lrs = _models(n, dtype), _batches(5, dtype), LRS[:n]
     fused, losses, step = _stepped(models, batches, lrs, strategy="model_loop")
     # the first step runs the fused module's way (its program compiles), the rest in order
-    assert step.order == StepOrder(IN_ORDER, "the fused module runs the models one by one")
+    assert step.order == StepOrder(ONE_BY_ONE, "the fused module runs the models one by one")
     serial, serial_losses = _serial(models, batches, lrs)
     for k, (got, want) in enumerate(zip(losses, serial_losses)):
         assert got.shape == (n,) and not got.requires_grad
@@ -225,7 +225,7 @@ def test_a_model_of_several_outputs_steps_in_order_as_the_serial_loop():
                 torch.testing.assert_close(got[i], loss.detach())
             else:
                 assert torch.equal(got[i], loss.detach()), (k, i)
-    assert step.order.chosen == IN_ORDER
+    assert step.order.chosen == ONE_BY_ONE
     for i, m in enumerate(serial):
         for name, p in m.named_parameters():
             assert torch.equal(fused.state_dict()[name][i], p.detach()), (i, name)

@@ -72,7 +72,7 @@ def _slow(monkeypatch, which: str) -> list[str]:
     ran: list[str] = []
 
     def run_step(fused, forward, how, *args, **kwargs):
-        name = "fused" if how.model_loop is None else "model_loop"
+        name = "fused" if how.one_by_one is None else "model_loop"
         ran.append(name)
         if name == which:
             clock.now += 0.05
@@ -80,7 +80,7 @@ def _slow(monkeypatch, which: str) -> list[str]:
 
     def way(self, program, call_number):
         how = real_way(self, program, call_number)
-        name = "fused" if how is None or how.model_loop is None else "model_loop"
+        name = "fused" if how is None or how.one_by_one is None else "model_loop"
         ran.append(f"call:{name}")
         if name == which:  # counted in this call's interval (up to the next call)
             clock.now += 0.05
@@ -116,7 +116,8 @@ def test_forced_strategy_equals_the_serial_loop(monkeypatch, forced, dtype):
     fused = hftc.fuse(copy.deepcopy(models))
     fused(_x(dtype))
     assert fused.plan.chosen == forced and fused.plan.reason == "forced"
-    assert (fused.last_program().model_loop is not None) == (forced == "model_loop")
+    assert (fused.last_program().one_by_one is not None) == (forced == "model_loop")
+    assert fused.last_program().model_loop is fused.last_program().one_by_one  # the old name
 
 
 def test_model_loop_is_the_serial_loop_with_dropout():
@@ -195,7 +196,7 @@ def test_auto_takes_the_faster_on_the_first_calls_keeping_parameters_and_optimiz
     assert plan.chosen == "model_loop" and plan.reason == "timed on the first calls"
     assert plan.backward and plan.rounds == strategy._MAX_CYCLES and plan.ratio < 0.97
     assert 0 < plan.seconds < 2  # the 14 fused calls' extra 50 ms (and the check run)
-    assert fused.last_program().model_loop is not None
+    assert fused.last_program().one_by_one is not None
     assert [id(p) for p in fused.parameters()] == [id(p) for p in params]
     assert {id(p) for p in opt.state} == {id(p) for p in params}
     assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in params]
@@ -211,7 +212,7 @@ def test_auto_keeps_the_fused_program_where_it_is_faster(monkeypatch):
     fused = hftc.fuse([m.eval() for m in _models()])  # eval: no dropout, timed on calls
     _calls_until_decided(fused, _x())
     assert fused.plan.chosen == "fused" and fused.plan.reason == "timed on the first calls"
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
     assert set(fused.plan.times) == {"fused", "model_loop"}
 
 
@@ -279,7 +280,7 @@ def test_choice_is_cached_on_disk_per_mode(monkeypatch, tmp_path):
     again = hftc.fuse(copy.deepcopy(models))
     again(_x())
     assert again.plan.reason == "cache" and again.plan.chosen == "model_loop"
-    assert again.last_program().model_loop is not None
+    assert again.last_program().one_by_one is not None
     again.eval()
     again(_x())
     assert again.plan.reason == "cache" and again.plan.chosen == "model_loop"

@@ -475,7 +475,7 @@ def test_per_model_norms_under_autocast_return_their_inputs_precision(train):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = fused(x)
         refs = [m(x) for m in models]
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
     assert out.dtype == refs[0].dtype == torch.bfloat16
     for i, ref in enumerate(refs):
         torch.testing.assert_close(out[i].float(), ref.float(), rtol=2e-2, atol=2e-2)
@@ -506,7 +506,7 @@ def test_shared_norm_under_autocast_keeps_atens_precision(norm):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = fused(x)
         refs = [m(x) for m in models]
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
     assert out.dtype == refs[0].dtype == torch.bfloat16
     out.float().sum().backward()
     sum(r.float().sum() for r in refs).backward()
@@ -606,7 +606,7 @@ def test_autocast_regions_in_forward_are_kept():
     x = torch.randn(4, 8)
     fused = hftc.fuse(copy.deepcopy(models))
     out, h = fused(x)
-    assert fused.last_program().model_loop is None and "enter_autocast" in \
+    assert fused.last_program().one_by_one is None and "enter_autocast" in \
         fused.last_program().source
     assert h.dtype == torch.bfloat16
     for i, m in enumerate(models):

@@ -74,7 +74,7 @@ def test_vit_is_causal_flag_is_a_constant_of_the_trace(fused_attn):
     models = [ViT(fused_attn=fused_attn) for _ in range(N)]
     x = torch.randn(2, 3, 8, 8)
     fused = check_equivalence(models, (x,), steps=2, fuser=_no_check)
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
     check_equivalence(models, (x, None, True), steps=2, fuser=_no_check)
     # one fused module, the flag changing from call to call
     fused = hftc.fuse(copy.deepcopy(models), check=False)
@@ -129,7 +129,7 @@ def test_word_language_model_without_a_mask_through_example_inputs():
     fused = check_equivalence(
         models, (src, False), steps=2,
         fuser=lambda ms, in_dims: _no_check(ms, in_dims, example_inputs=(src, False)))
-    assert fused.last_program().model_loop is None
+    assert fused.last_program().one_by_one is None
     fused = hftc.fuse(copy.deepcopy(models), example_inputs=(src, False), check=False)
     longer = torch.randint(0, 19, (9, 3))  # the sequence length is not fixed
     out = fused(longer, False)

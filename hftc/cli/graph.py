@@ -7,8 +7,8 @@ One box per fused op (parameters and buffers left out), e.g.::
     [N, 2, 8, 32, 32]           <- the fused output's shape: the model axis N, then model 0's
                                    (a tuple: each part's; a shared value has no N)
 
-coloured by what hftc did with it (the legend: fused, computed once for all models, a
-per-model loop), and grouped in one frame per block of the model (``layer1.0``,
+coloured by what hftc did with it (the legend: fused, computed once for all models, run
+one by one), and grouped in one frame per block of the model (``layer1.0``,
 ``features.3``: the module path up to its first index), so a ResNet-18 reads block by block.
 """
 

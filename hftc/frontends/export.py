@@ -33,7 +33,7 @@ the caller as ``aten_spellings``: ops whose canonical spelling is ``F.*`` with o
 argument orders, slicing, ``addmm``), then ``torch.NAME`` when it is the native binding of
 the same ATen function (same arguments), then ``F.NAME`` when that is the
 native binding, then the Tensor method ``NAME``; an op none of these spell stays
-an ATen call, which the driver runs as a per-model loop (exact, reported).
+an ATen call, which the driver runs one by one (exact, reported).
 
 Train/eval: export bakes the mode into the graph (``aten.dropout(x, p, True)``,
 ``batch_norm(..., training=True)``, the ``num_batches_tracked.add_(1)`` of a

@@ -358,7 +358,7 @@ class _Tracer(fx.Tracer):
         """While tracing, ``nn.utils.rnn.pack_padded_sequence(x, lengths)`` and its kin are
         one node each (as fx's ``wrap`` makes them), where fx would trace into their
         Python and fail (``lengths`` made a list, sorted).  The recurrent layer given the
-        PackedSequence then runs model by model (reported), the packing once if shared."""
+        PackedSequence then runs one by one (reported), the packing once if shared."""
         with self._calls_recorded(torch.nn.utils.rnn, _SEQUENCE_PACKING, only_traced=True):
             yield
 

@@ -48,7 +48,7 @@ from .. import ir
 from . import layout, timing
 from .check import gradient_tolerance, input_copies, lowering_tolerance, preserved_state
 from .runtime.memory import peak_memory
-from .runtime.model_loop import ModelLoop, plain_output
+from .runtime.one_by_one import OneByOne, plain_output
 from .runtime.tuning import lowerings_of
 from .timing import (
     cache_path,
@@ -280,14 +280,14 @@ def rng_state(device: torch.device) -> Tensor:
 @dataclass
 class ProgramChoice:
     """How the whole forward runs: the fused program (with autotune's per-op lowerings,
-    or with the cost model's: ``forward``) or the whole-model loop, and in which input
+    or with the cost model's: ``forward``) or the models one by one, and in which input
     layout (``None``: as given; ``"channels_last"``: :mod:`.layout`).
 
     ``layout_shapes``: the feature maps' per-sample shapes the layout was tuned and
     checked on; inputs of other shapes run as given (model code that calls ``.view()``
     on a map can work on channels-last maps of one size and not of another)."""
 
-    model_loop: ModelLoop | None = None
+    one_by_one: OneByOne | None = None
     layout: str | None = None
     layout_shapes: tuple | None = None
     #: peak bytes of one forward (+ backward) (:func:`.heap.peak_memory`)
@@ -298,7 +298,8 @@ class ProgramChoice:
 
     @property
     def name(self) -> str:
-        run = ("model_loop" if self.model_loop is not None
+        # "model_loop": one by one's public spelling (fused.plan, the disk cache)
+        run = ("model_loop" if self.one_by_one is not None
                else "cost_model" if self.forward is not None else "fused")
         return run if self.layout is None else f"{run}+{self.layout}"
 
@@ -312,7 +313,7 @@ def cost_model_graph(graph: fx.Graph, choices: Sequence[LoweringChoice]) -> fx.G
 
     An op timed alone is not the op in its program: what its output's layout costs the
     next op is not in its time, and choices that each win alone can lose together.
-    ResNet-18 at N = 4 on one CPU core: two channels-last convs, three per-model loops
+    ResNet-18 at N = 4 on one CPU core: two channels-last convs, three one-by-one fallbacks
     and an im2col stem, each faster alone, made the step 1.39-1.55 s where the cost
     model's took 1.16-1.27 s.  :func:`choose_program` times this program beside
     autotune's, so tuning ends at most ``timing.MARGIN`` slower than not tuning, as timed
@@ -334,8 +335,8 @@ def run_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
         how.layout_shapes
     if relayout:
         values = layout.to_layout(values, batched)
-    if how.model_loop is not None:
-        out = how.model_loop(fused, values, batched)
+    if how.one_by_one is not None:
+        out = how.one_by_one(fused, values, batched)
     else:
         out = (how.forward or program_forward)(fused, *values)
     return layout.contiguous_outputs(out) if relayout else out
@@ -345,19 +346,19 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
                        values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
                        channels_last: bool = True,
                        cost_model: Callable[..., Any] | None = None,
-                       model_loop: bool = True,
+                       one_by_one: bool = True,
                        ) -> tuple[dict[str, ProgramChoice], list[str]]:
     """The ways to run the whole forward on these inputs whose outputs (and parameter
     gradients) equal the fused program's (the fused program as given first), and the
     names of those that failed or differed::
 
         fused program | with the cost model's lowerings (``cost_model``, if given)
-                      | whole-model loop (:mod:`.model_loop`)
+                      | the models one by one (:mod:`.one_by_one`)
           x  inputs as given | feature maps channels-last (:mod:`.layout`)
 
     Channels-last only where ``channels_last`` (:func:`.layout.safe`); where not, no
-    whole-model loop on inputs the caller laid out channels-last either.  No whole-model
-    loop at all without ``model_loop`` (``strategy="fused"``).
+    models one by one on inputs the caller laid out channels-last either.  Not one by
+    one at all without ``one_by_one`` (``strategy="fused"``).
     Each runs once, forward (+ parameter gradients when ``backward``), and its peak
     memory is measured (``ProgramChoice.peak``); the caller keeps buffers and the RNG
     (:func:`preserved_state`)."""
@@ -376,7 +377,7 @@ def program_candidates(fused: torch.nn.Module, program_forward: Callable[..., An
     try:
         # The loop runs the models' own modules, which on inputs the caller laid out
         # channels-last meet what ``channels_last`` rules out (hftc's kernels do not).
-        loop = ModelLoop(fused) if model_loop and (
+        loop = OneByOne(fused) if one_by_one and (
             channels_last or not layout.given(values, batched)) else None
     except Exception:  # noqa: BLE001 - a model the loop cannot run keeps the fused program
         loop = None
@@ -458,7 +459,7 @@ def _close_gradients(grads: Sequence[Tensor | None], want: Sequence[Tensor | Non
     Not element by element, as for one op (:func:`_same_gradients`): two equal programs
     that round differently drift apart through a deep network, and most of all in the
     elements a training-mode batch norm's backward cancels.  ResNet-18 at N = 2 in
-    float32: the fused program's and the whole-model loop's weight gradients differed by
+    float32: the fused program's and the one-by-one weight gradients differed by
     up to 1% of their largest element (each was 0.5% from float64's with the real loss),
     and by at most 0.2% in norm.  The bugs this check is for (a kernel's wrong gradient
     for some memory layout) are off by far more than that."""
@@ -475,7 +476,7 @@ def _close_gradients(grads: Sequence[Tensor | None], want: Sequence[Tensor | Non
 def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
                    values: Sequence[Any], batched: Sequence[bool], *, backward: bool,
                    key_source: str, path: Path | None = None, channels_last: bool = True,
-                   cost_model: Callable[..., Any] | None = None, model_loop: bool = True,
+                   cost_model: Callable[..., Any] | None = None, one_by_one: bool = True,
                    ) -> tuple[ProgramChoice, LoweringChoice]:
     """Time the whole forward's :func:`program_candidates` on the real inputs, forward
     (+ backward), interleaved over rounds (more while the fastest two are close; after
@@ -485,7 +486,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
     generated code) identifies the program in the disk cache.  ``channels_last``: whether
     the inputs may be laid out channels-last (:func:`.layout.safe`).  ``cost_model``: the
     program compiled from :func:`cost_model_graph`, a candidate too (the chosen
-    ``ProgramChoice.forward`` is then it).  ``model_loop=False`` (``strategy="fused"``, or
+    ``ProgramChoice.forward`` is then it).  ``one_by_one=False`` (``strategy="fused"``, or
     ``checkpoint=``: the fused program is what is checkpointed): the N models one by one
     are no candidate."""
     choice = LoweringChoice("<whole model>", "forward", "fused", "fused")
@@ -502,18 +503,18 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
                       hashlib.sha1(key_source.encode()).hexdigest(),
                       describe_values([v for v in values if isinstance(v, Tensor)]), list(batched),
                       backward, [list(p.shape) for p in fused.parameters()]]
-                     + ([] if model_loop else ["no model_loop"]))
+                     + ([] if one_by_one else ["no model_loop"]))  # (the key as cached)
     path = path or cache_path()
     entry = lookup_entry(key, path)
     wanted = entry.get("chosen") if entry is not None else None
     run, _, lay = wanted.partition("+") if isinstance(wanted, str) else ("", "", "")
-    if run == "fused" or (run == "model_loop" and model_loop) or (
+    if run == "fused" or (run == "model_loop" and one_by_one) or (
             run == "cost_model" and cost_model is not None):
         if (lay == "" and (run != "model_loop" or channels_last
                            or not layout.given(values, batched))
                 or (lay == ir.CHANNELS_LAST and channels_last)):
             with contextlib.suppress(Exception):  # a model the loop cannot run: tune again
-                how = ProgramChoice(ModelLoop(fused) if run == "model_loop" else None,
+                how = ProgramChoice(OneByOne(fused) if run == "model_loop" else None,
                                     lay or None, layout.sample_shapes(values, batched),
                                     forward=cost_model if run == "cost_model" else None)
                 choice.chosen, choice.times, choice.cached = wanted, entry["times"], True
@@ -524,7 +525,7 @@ def choose_program(fused: torch.nn.Module, program_forward: Callable[..., Any],
                                                     backward=backward,
                                                     channels_last=channels_last,
                                                     cost_model=cost_model,
-                                                    model_loop=model_loop)
+                                                    one_by_one=one_by_one)
         if len(valid) == 1:
             return ProgramChoice(), choice
         times: dict[str, list[float]] = {name: [] for name in valid}

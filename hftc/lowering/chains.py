@@ -111,7 +111,7 @@ def _find_log_softmax_tails(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node | No
     log-softmax over one dim, through at most one reshape used only there (a language
     model's decoder, ``decoded.view(-1, ntoken)``, ``F.log_softmax(decoded, dim=1)``).
     :func:`~hftc.lowering.runtime.linear.linear_log_softmax` decides at run time, on the shapes,
-    whether to run it model by model."""
+    whether to run it one by one."""
     tails = []
     for node in graph.nodes:
         if not _is_linear(node) or not node.kwargs.get("x_batched"):

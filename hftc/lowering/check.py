@@ -24,8 +24,8 @@ Random numbers are made equal for both (:class:`ConstantRandomness`): dropout ke
 every element, ``rand`` is 0, ``randn`` 0 ..., so a training-mode program with
 dropout is compared by value too.  Nothing the check runs is kept: buffers and the
 RNG are restored (``preserved_state``) and the copies are dropped.  Where the outputs
-differ, the fused module runs the N models one by one instead (the whole-model loop,
-:mod:`.runtime.model_loop`) and warns (:class:`~hftc.errors.FusionWarning`), saying
+differ, the fused module runs the N models one by one instead
+(:mod:`.runtime.one_by_one`) and warns (:class:`~hftc.errors.FusionWarning`), saying
 where the outputs part (:func:`locate_difference`: the first leaf module whose output
 differs, or forward's own code between modules).
 """
@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import ir
 from ..errors import plain_message
-from .runtime.model_loop import call_model
+from .runtime.one_by_one import call_model
 
 aten = torch.ops.aten
 

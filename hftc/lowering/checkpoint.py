@@ -25,7 +25,7 @@ What keeps the recomputation exact:
   cannot see into) is refused on the forward that does it (``FusionArgumentError``).
 
 Where the program runs the N models one by one (the first-call check's fallback,
-autotune's whole-model loop) nothing is checkpointed.
+autotune's models one by one) nothing is checkpointed.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ program's inputs once lays out the whole chain of feature maps channels-last:
 no permute between consecutive convolutions.  On a CPU core, oneDNN's
 convolutions run some models faster that way and others slower
 (docs/DESIGN_NOTES.md), so it is not a default: ``hftc.fuse(...,
-autotune=True)`` times the fused program and the whole-model loop in both
+autotune=True)`` times the fused program and the models one by one in both
 layouts (:func:`hftc.lowering.autotune.choose_program`) and keeps the fastest.
 
 Values are unchanged (only strides move), and so are the program's results,
@@ -88,7 +88,7 @@ def safe(model: nn.Module, graph: fx.Graph, device: torch.device) -> bool:
     how large a batch will be, is not known when the program is chosen, so such a
     model keeps its inputs as given on the CPU.  (hftc's own fused kernels
     are exact in either layout: ``norms.instance_norm``, ``conv.conv``; the
-    whole-model loop runs the models' own modules.)
+    models one by one run their own modules.)
 
     Which ops are unsafe is declared on their rules (``@rule(..., channels_last=...)``:
     :func:`hftc.passes.registry.channels_last_safe`).

@@ -53,7 +53,7 @@ from .checkpoint import checkpointed_forward
 from .codegen import compile_graph
 from .runtime.layout import model_slice
 from .runtime.memory import keep_freed_memory_for_tuning
-from .runtime.model_loop import ModelLoop
+from .runtime.one_by_one import OneByOne
 from .strategy import (
     DETERMINISTIC,
     NOT_TIMED,
@@ -76,7 +76,7 @@ class Program:
     output_spec: OutputSpec | None = None
     #: How the forward runs, when autotune measured something faster than the fused
     #: program on the inputs as given: the N models one by one
-    #: (hftc.lowering.runtime.model_loop), channels-last inputs (hftc.lowering.layout), or both.
+    #: (hftc.lowering.runtime.one_by_one), channels-last inputs (hftc.lowering.layout), or both.
     how: ProgramChoice | None = None
     #: Whether the forward runs fused or the models one by one, and why (``fused.plan``).
     plan: StrategyChoice | None = None
@@ -84,8 +84,15 @@ class Program:
     trial: CallTiming | None = None
 
     @property
-    def model_loop(self) -> ModelLoop | None:
-        return None if self.how is None else self.how.model_loop
+    def one_by_one(self) -> OneByOne | None:
+        """The N models one by one (:mod:`hftc.lowering.runtime.one_by_one`) where that is
+        how this program runs, else ``None``."""
+        return None if self.how is None else self.how.one_by_one
+
+    @property
+    def model_loop(self) -> OneByOne | None:
+        """:attr:`one_by_one` by its earlier name (kept: ``last_program()`` is public)."""
+        return self.one_by_one
 
 
 @dataclass(frozen=True)
@@ -144,10 +151,10 @@ class ProgramHost(Protocol):
                        values: Sequence[Any], batched: Sequence[bool], graph: fx.Graph,
                        model_graph: fx.Graph) -> str | None: ...
 
-    def _model_loop_program(self, program: Program, values: Sequence[Any],
+    def _one_by_one_program(self, program: Program, values: Sequence[Any],
                             batched: Sequence[bool], why: str) -> Program: ...
 
-    def _models_one_by_one(self) -> ModelLoop: ...
+    def _models_one_by_one(self) -> OneByOne: ...
 
 
 @dataclass
@@ -221,7 +228,7 @@ def check(state: ProgramState, options: CompileOptions) -> None:
     why = fused._why_not_fused(state.report, state.forward, state.spec, state.values,
                                state.batched, state.graph, state.mode_graphs.graph)
     if why is not None:
-        state.final = fused._model_loop_program(state.program(), state.values, state.batched,
+        state.final = fused._one_by_one_program(state.program(), state.values, state.batched,
                                                 why)
         state.final.plan = state.final.report.strategy = StrategyChoice("model_loop", "check")
 
@@ -315,7 +322,7 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
         key_source=state.source,
         channels_last=layout.safe(fused._template, state.mode_graphs.graph, device),
         cost_model=cost_forward,
-        model_loop=options.strategy != "fused" and not options.checkpoint)
+        one_by_one=options.strategy != "fused" and not options.checkpoint)
     if how.forward is not None:  # the cost model's lowerings ran faster together
         state.forward, state.graph, state.source = how.forward, cost_graph, cost_source
         state.code_graph = chain_linears(cost_graph, fused)
@@ -328,7 +335,7 @@ def choose_layout(state: ProgramState, options: CompileOptions) -> None:
     state.how = how if how.name != "fused" else None
     report.lowerings.append(choice)
     state.plan = report.strategy = StrategyChoice(
-        "model_loop" if how.model_loop is not None else "fused",
+        "model_loop" if how.one_by_one is not None else "fused",
         "autotune" + ("" if how.layout is None else f", {how.layout} inputs"),
         {name: t for name, t in choice.times.items() if name in ("fused", "model_loop")},
         backward=state.backward)
@@ -339,7 +346,7 @@ def checkpoint_segments(state: ProgramState, options: CompileOptions) -> None:
     backward (:mod:`.checkpoint`); not where the N models run one by one.  With autotune
     the layout choice does it first, so that its candidates run checkpointed."""
     if not options.checkpoint or state.checkpointed or (
-            state.how is not None and state.how.model_loop is not None):
+            state.how is not None and state.how.one_by_one is not None):
         return
     state.checkpointed = True
     state.forward, source = checkpointed_forward(state.code_graph, options.checkpoint,

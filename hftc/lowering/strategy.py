@@ -75,7 +75,7 @@ from torch import Tensor
 from ..errors import FusionArgumentError
 from .autotune import ProgramChoice, rng_state, run_program, run_tuning_step
 from .check import input_copies, preserved_state
-from .runtime.model_loop import plain_output
+from .runtime.one_by_one import plain_output
 from .timing import (
     cache_path,
     choose,
@@ -90,6 +90,8 @@ from .timing import (
     timing_allowed,
 )
 
+#: The strategies ``hftc.fuse(strategy=...)`` accepts; "model_loop" is the public spelling
+#: of one by one (the N models each run by itself), kept as ``fused.plan.chosen`` too.
 STRATEGIES = ("auto", "fused", "model_loop", "timed")
 #: The environment variable that sets the default strategy (``fuse(strategy=None)``).
 STRATEGY_ENV = "HFTC_STRATEGY"
@@ -188,9 +190,9 @@ class CallTiming:
     docstring): :meth:`way` says how each call runs until the choice is made, then sets
     the program's ``how`` and ``plan`` and stores the choice."""
 
-    def __init__(self, loop_way: ProgramChoice, key: str, path: Path, backward: bool,
+    def __init__(self, one_by_one_way: ProgramChoice, key: str, path: Path, backward: bool,
                  budget_s: float, setup_s: float, device: torch.device):
-        self.ways: dict[str, ProgramChoice | None] = {"fused": None, "model_loop": loop_way}
+        self.ways: dict[str, ProgramChoice | None] = {"fused": None, "model_loop": one_by_one_way}
         self.device = device
         self.key, self.path, self.backward = key, path, backward
         self.budget_s, self.setup_s = budget_s, setup_s
@@ -243,8 +245,9 @@ class CallTiming:
         program.trial = None
 
 
-#: :class:`StepOrder`'s way for the models' forward and backward in turn.
-IN_ORDER = "in_order"
+#: :class:`StepOrder`'s way for the models one by one (forward, loss and backward each);
+#: ``"in_order"`` is its public spelling (``step.order.chosen``).
+ONE_BY_ONE = "in_order"
 
 
 @dataclass
@@ -252,17 +255,17 @@ class StepOrder:
     """How ``hftc.compile_step`` runs an eager step for one input signature, and why
     (``step.order``): ``chosen`` is "fused" (the fused module's forward of all N models,
     one backward) or "in_order" (each model's forward, loss and backward in turn,
-    :meth:`~hftc.lowering.runtime.model_loop.ModelLoop.forward_backward`).  Nothing is
-    timed: the models run in order exactly where the fused module runs them one by one."""
+    :meth:`~hftc.lowering.runtime.one_by_one.OneByOne.forward_backward`).  Nothing is
+    timed: the step runs the models one by one exactly where the fused module does."""
 
     chosen: str
     #: "the fused module runs the models one by one" (its strategy chose or forces the
-    #: loop: in order is that loop in the serial loop's order), "hooks on the fused
+    #: models one by one: the step's is the same, in the serial loop's order), "hooks on the fused
     #: parameters", or "the fused module's choice: ..." (its fused program)
     reason: str
 
     def __str__(self) -> str:
-        what = {"fused": "the fused step", IN_ORDER: "the models in order"}
+        what = {"fused": "the fused step", ONE_BY_ONE: "the models in order"}
         return f"runs {what[self.chosen]} ({self.reason})"
 
 
@@ -298,7 +301,7 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
                     *, backward: bool, key_source: str, path: Path | None = None,
                     budget_s: float = _BUDGET_S, on_calls: bool = True,
                     ) -> tuple[ProgramChoice | None, StrategyChoice, CallTiming | None]:
-    """The fused program or the whole-model loop (``loop()`` makes it), as the disk cache
+    """The fused program or the models one by one (``loop()`` makes it), as the disk cache
     says, or to be timed on the user's calls (the :class:`CallTiming` returned; where
     ``on_calls`` and the models draw no random numbers), or as timed now on copies of
     ``values`` (see the module docstring); ``None`` for the fused program."""
@@ -319,10 +322,10 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
     device = next((v.device for v in values if isinstance(v, Tensor)), torch.device("cpu"))
     if on_calls:
         try:
-            loop_way = ProgramChoice(loop())
+            one_by_one_way = ProgramChoice(loop())
             with preserved_state(fused), torch.no_grad():
                 rng = rng_state(device)
-                out = run_program(fused, program_forward, loop_way, input_copies(values),
+                out = run_program(fused, program_forward, one_by_one_way, input_copies(values),
                                   batched)
                 draws = not torch.equal(rng, rng_state(device))
         except Exception:  # noqa: BLE001 - models that cannot run one by one keep fused
@@ -331,7 +334,7 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
             return None, StrategyChoice("fused", "outputs not only tensors: not timed",
                                         backward=backward), None
         if not draws:
-            timing = CallTiming(loop_way, key, path, backward, budget_s,
+            timing = CallTiming(one_by_one_way, key, path, backward, budget_s,
                                 time.perf_counter() - start, device)
             return None, StrategyChoice("fused", TIMING_CALLS, backward=backward), timing
     copies = input_copies(values)
@@ -344,14 +347,14 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
                                         backward=backward), None
         del out
         try:
-            loop_way = ProgramChoice(loop())
-            run_tuning_step(fused, program_forward, loop_way, input_copies(values), batched,
+            one_by_one_way = ProgramChoice(loop())
+            run_tuning_step(fused, program_forward, one_by_one_way, input_copies(values), batched,
                             backward)
         except Exception:  # noqa: BLE001 - models that cannot run one by one keep fused
             return None, StrategyChoice("fused", "loop failed", backward=backward), None
         ways = {name: functools.partial(run_tuning_step, fused, program_forward, way, copies,
                                         batched, backward)
-                for name, way in (("fused", fused_way), ("model_loop", loop_way))}
+                for name, way in (("fused", fused_way), ("model_loop", one_by_one_way))}
         times = measure(ways, device, rounds=_MAX_ROUNDS, min_rounds=_MIN_ROUNDS,
                         budget_s=max(0.0, budget_s - (time.perf_counter() - warm_from)))
     ratio = ratios(times, "fused")["model_loop"]
@@ -360,9 +363,9 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
     store_entry(key, {"chosen": chosen, "times": seconds, "ratio": ratio}, path)
     choice = StrategyChoice(chosen, "timed", seconds, ratio, len(times["fused"]),
                             time.perf_counter() - start, backward)
-    return (loop_way if chosen == "model_loop" else None), choice, None
+    return (one_by_one_way if chosen == "model_loop" else None), choice, None
 
 
-__all__ = ["DETERMINISTIC", "IN_ORDER", "NOT_TIMED", "STRATEGIES", "STRATEGY_ENV",
+__all__ = ["DETERMINISTIC", "ONE_BY_ONE", "NOT_TIMED", "STRATEGIES", "STRATEGY_ENV",
            "TIMED_REASONS", "TIMING_CALLS", "CallTiming", "StepOrder", "StrategyChoice",
            "choose_strategy", "resolve_strategy", "strategy_key", "timing_allowed"]

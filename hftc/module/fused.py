@@ -50,8 +50,8 @@ from ..lowering.checkpoint import check_option as check_checkpoint_option
 from ..lowering.compile_guard import compiled_original
 from ..lowering.pipeline import ModeGraphs, Program
 from ..lowering.runtime.layout import model_slice
-from ..lowering.runtime.model_loop import ModelLoop
 from ..lowering.runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
+from ..lowering.runtime.one_by_one import OneByOne
 from ..lowering.strategy import resolve_strategy
 from ..match import GraphMatch, match_graphs
 from ..passes.registry import aten_spellings, per_model_table
@@ -580,7 +580,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         self.__dict__["_last_call_program"] = program  # (hftc.compile_step reads its plan)
         try:
             with ir.modes_restored_on_error():
-                if how is not None:  # the whole-model loop and/or autotune's layout
+                if how is not None:  # the models one by one and/or autotune's layout
                     out = run_program(self, program.forward, how, values, batched)
                     return mark_outputs(out, self.num_models)
                 out = program.forward(self, *values)
@@ -705,9 +705,9 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         merged, batched = self._merge_inputs(
             values, [n in given or n.startswith("*") for n in names[:len(values)]],
             names[:len(values)])
-        loop = self.__dict__.get("_method_loop")
+        loop = self.__dict__.get("_method_one_by_one")
         if loop is None:
-            loop = self.__dict__["_method_loop"] = ModelLoop(self)
+            loop = self.__dict__["_method_one_by_one"] = OneByOne(self)
         return loop(self, merged, batched, method=name, kwargs=bound.kwargs)
 
     # ------------------------------------------------------------------ inspection
@@ -729,6 +729,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
     # ------------------------------------------------------------------ pickling
 
     def __setstate__(self, state: dict) -> None:
+        if "_shared_model_loop" in state:  # pickled before the loop's name was one_by_one
+            state["_shared_one_by_one"] = state.pop("_shared_model_loop")
         super().__setstate__(state)
         self._mark_stacked()
 
@@ -739,7 +741,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         state["_programs"] = {}  # generated code is recompiled on the next call
         # The models' other methods are fused again on their next call (the shared loop's
         # shells are kept: they hold the Python attributes forward changed).
-        for key in ("_method_modules", "_method_loop", "_last_call_program"):
+        for key in ("_method_modules", "_method_one_by_one", "_last_call_program"):
             state.pop(key, None)
         return state
 
@@ -752,7 +754,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         memo[id(self)] = twin
         memo.setdefault(id(memo), []).append(self)  # deepcopy's keep-alive: ids stay unique
         twin.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        loop = twin.__dict__.get("_shared_model_loop")
+        loop = twin.__dict__.get("_shared_one_by_one")
         for module in (twin, twin._template, *twin.model_copies.templates,
                        *(loop.shells if loop is not None else ())):
             rebind_functions(module, memo)
@@ -809,7 +811,7 @@ def fuse(
             ``torch.export`` (``frontend="auto"``).
         frontend: ``"auto"``, ``"symbolic"`` or ``"export"``.
         autotune: time each fused op's lowerings (grouped conv in NCHW or channels-last,
-            im2col, batched GEMM, a per-model loop ...) on the real shapes and keep the
+            im2col, batched GEMM, one call per model ...) on the real shapes and keep the
             fastest, cached on disk per device and shape; otherwise a cost model picks.
         check: run each new program once against models 0, N // 2 and N-1's own forward,
             and every model's whose Python state differs from model 0's (a config dict,

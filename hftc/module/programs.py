@@ -53,7 +53,7 @@ from ..lowering.check import (
 from ..lowering.compile_guard import run_eagerly
 from ..lowering.pipeline import CompileOptions, ModeGraphs, Program, compile_program
 from ..lowering.runtime.layout import model_slice
-from ..lowering.runtime.model_loop import ModelLoop
+from ..lowering.runtime.one_by_one import OneByOne
 from ..lowering.strategy import StrategyChoice
 from ..match import GraphMatch, match_graphs
 from ..passes import FusionReport
@@ -449,7 +449,7 @@ class ProgramCache:
             out = forward(self, *values)
         return out if spec is None else spec.rebuild(out)
 
-    def _model_loop_program(self, program: Program, values: Sequence[Any],
+    def _one_by_one_program(self, program: Program, values: Sequence[Any],
                             batched: Sequence[bool], why: str) -> Program:
         """The program for models the fused program does not compute: the N models one by
         one, with a warning that says ``why``."""
@@ -459,7 +459,7 @@ class ProgramCache:
             raise MismatchError(f"pad_widths=True refused: {why}")
         try:  # a trial run, on shells of its own (forward may change their attributes)
             with preserved_state(self), torch.no_grad():
-                run_program(self, program.forward, ProgramChoice(ModelLoop(self)),
+                run_program(self, program.forward, ProgramChoice(OneByOne(self)),
                             input_copies(values), batched)
             how = ProgramChoice(self._models_one_by_one())
         except Exception as exc:  # noqa: BLE001 - any failure means: no correct way to run
@@ -471,15 +471,15 @@ class ProgramCache:
         program.how = how
         return program
 
-    def _models_one_by_one(self) -> ModelLoop:
-        """The whole-model loop every program that runs the models one by one shares: one
+    def _models_one_by_one(self) -> OneByOne:
+        """The one :class:`OneByOne` every program that runs the models one by one shares: one
         set of shells, so the Python attributes forward changes (``self.calls += 1``) are
         each model's own across modes and input signatures, and ``unfuse()`` gives them
         back (a loop per program counted each program's calls apart)."""
-        loop = self.__dict__.get("_shared_model_loop")
+        loop = self.__dict__.get("_shared_one_by_one")
         if loop is None:
-            loop = ModelLoop(self)
-            self.__dict__["_shared_model_loop"] = loop
+            loop = OneByOne(self)
+            self.__dict__["_shared_one_by_one"] = loop
         return loop
 
     def _model_tensors(self, index: int = 0) -> dict[str, torch.Tensor]:
@@ -540,7 +540,7 @@ class ProgramCache:
     @property
     def fusion_report(self) -> FusionReport:
         """The last compiled program's report: every node, the rule that fused it, the N
-        originals it replaced, and what runs as a per-model loop (``.fallbacks``)."""
+        originals it replaced, and what runs one by one (``.fallbacks``)."""
         return self.last_program().report
 
     @property

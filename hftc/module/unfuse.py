@@ -44,7 +44,7 @@ def _drop_grad_accumulator(p: torch.Tensor) -> None:
 
 #: ``FusedModule.__dict__`` entries made lazily from its models, dropped where it takes
 #: another module's models over (:meth:`FusedModule._become`).
-_MADE_FROM_MODELS = ("_shared_model_loop", "_method_loop", "_method_modules",
+_MADE_FROM_MODELS = ("_shared_one_by_one", "_method_one_by_one", "_method_modules",
                      "_last_call_program")
 
 
@@ -144,7 +144,7 @@ class Unfusing:
         to the widest model (hftc.module.padding's modules); else :meth:`unfuse_model`'s model."""
         index = self._check_index(index)
         model = self.model_copies.build(index, self)
-        loop = self.__dict__.get("_shared_model_loop")
+        loop = self.__dict__.get("_shared_one_by_one")
         if loop is not None and self._python_state:
             # the attributes forward changed, as model ``index``'s forwards left them
             shell = loop.shells[index]
@@ -204,10 +204,10 @@ class Unfusing:
                 if per_model:
                     node.meta[ir.PER_MODEL] = {key: [values[i] for i in keep]
                                                for key, values in per_model.items()}
-                ops = node.meta.get(ir.PER_MODEL_OPS)
+                ops = node.meta.get(ir.DIFFERING_OPS)
                 if ops:
-                    node.meta[ir.PER_MODEL_OPS] = [ops[i] for i in keep]
-        loop = self.__dict__.get("_shared_model_loop")
+                    node.meta[ir.DIFFERING_OPS] = [ops[i] for i in keep]
+        loop = self.__dict__.get("_shared_one_by_one")
         if loop is not None:  # the shells keep the Python attributes forward changed
             loop.subset(keep)
         self._programs = {}

@@ -251,12 +251,12 @@ class Adam(FusedOptimizer):
         # y * c (two calls), not N calls with their own values (and 3N slicing ops).
         for block, scratch in self._column_blocks(tensors, 2, _BLOCK_NUMEL):
             self._adam_math(block, scratch, hp, coef, step_coef, any_coupled, any_decoupled,
-                            per_model_calls=False)
+                            one_by_one=False)
 
     def _update_rows(self, tensors: list[Tensor], hp: dict[str, list[Any]],
                      coef: Coefficients, step_coef: Coefficients) -> None:
         """Stock's single-tensor update on ``[p, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)]``
-        (contiguous, on the CPU), model by model in chunks of each model's row::
+        (contiguous, on the CPU), one by one in chunks of each model's row::
 
             for i in models:  for chunk in row i (64-element multiples, the last ragged):
                 stock's ops on the chunk with model i's values as Python floats
@@ -308,7 +308,7 @@ class Adam(FusedOptimizer):
     @staticmethod
     def _adam_math(tensors: list[Tensor], scratch: Sequence[Tensor], hp: dict[str, list[Any]],
                    coef: Coefficients, step_coef: Coefficients, any_coupled: bool,
-                   any_decoupled: bool, per_model_calls: bool = True) -> None:
+                   any_decoupled: bool, one_by_one: bool = True) -> None:
         """The update on ``[p, grad, exp_avg, exp_avg_sq(, max_exp_avg_sq)]`` (a whole
         stacked parameter or a block of it), with two scratch tensors shaped like ``p``."""
         p, grad, exp_avg, exp_avg_sq = tensors[:4]
@@ -333,7 +333,7 @@ class Adam(FusedOptimizer):
         denom = torch.sqrt(second, out=scratch[0])
         denom.div_(step_coef.get("bc2_sqrt", p)).add_(coef.get("eps", p))
         addcdiv_(p, exp_avg, denom, step_coef, "neg_step_size", scratch[1],  # value=-step_size
-                 per_model_calls=per_model_calls)
+                 one_by_one=one_by_one)
 
     def _update_foreach(self, params: list[Tensor], coef: Coefficients,
                         step_coef: Coefficients, any_coupled: bool,

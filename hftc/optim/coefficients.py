@@ -34,7 +34,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def takes_stock_update(p: Tensor) -> bool:
-    """Is ``p`` updated model by model by the stock class (a half or complex dtype)?"""
+    """Is ``p`` updated one by one by the stock class (a half or complex dtype)?"""
     return p.dtype in HALF_DTYPES or p.is_complex()
 
 
@@ -130,17 +130,17 @@ def addcmul_(x: Tensor, y: Tensor, z: Tensor, c: float | Tensor) -> Tensor:
 #: elements per model is applied by one ``addcdiv_`` per model (stock's very call, its
 #: value a Python float): one pass over ``[N, ...]`` fewer than the product ``y * c``
 #: first.  Below, the calls cost more than the pass (docs/DESIGN_NOTES.md).
-PER_MODEL_CALLS_MIN = 1 << 15
+ONE_BY_ONE_MIN = 1 << 15
 
 
 def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: Coefficients, name: str,
-             scratch: Tensor | None = None, per_model_calls: bool = True) -> Tensor:
+             scratch: Tensor | None = None, one_by_one: bool = True) -> Tensor:
     """``x += c * y / z`` as stock writes ``x.addcdiv_(y, z, value=c)``, with ``c`` the
     per-model row ``name`` of ``coef``.
 
-    One value for all models: stock's call.  Per model: one call per model with its
-    own value where the slices are large (``PER_MODEL_CALLS_MIN``, unless
-    ``per_model_calls`` is false) or of a half type,
+    One value for all models: stock's call.  Per model: one call per model, one by one,
+    each with its own value where the slices are large (``ONE_BY_ONE_MIN``, unless
+    ``one_by_one`` is false) or of a half type,
     else one call on the product ``y * c`` (into ``scratch`` if given), which rounds as
     stock does in float32 and float64: ``addcdiv_`` computes ``(value * y) / z``.  In
     float16 / bfloat16 it computes that in float32 and rounds once, where the product
@@ -151,8 +151,8 @@ def addcdiv_(x: Tensor, y: Tensor, z: Tensor, coef: Coefficients, name: str,
     if not isinstance(c, Tensor):
         return x.addcdiv_(y, z, value=c)
     half = x.dtype in (torch.float16, torch.bfloat16)
-    if half or (per_model_calls and x.device.type == "cpu"
-                and x.numel() // x.shape[0] >= PER_MODEL_CALLS_MIN):
+    if half or (one_by_one and x.device.type == "cpu"
+                and x.numel() // x.shape[0] >= ONE_BY_ONE_MIN):
         for i, value in enumerate(coef.row(name)):
             x[i].addcdiv_(y[i], z[i], value=value)
         return x

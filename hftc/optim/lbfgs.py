@@ -98,7 +98,7 @@ class LBFGS(Optimizer):
         per_model = {key: self._expand(key, value, n) for key, value in given.items()}
         groups = []
         for i in range(n):
-            # Stock's checks and its max_eval default, model by model.
+            # Stock's checks and its max_eval default, one by one.
             probe = torch.optim.LBFGS([torch.zeros(1, dtype=tensors[0].dtype)],
                                       **{k: v[i] for k, v in per_model.items()})
             values = {k: probe.param_groups[0][k] for k in _HYPERPARAMETERS}

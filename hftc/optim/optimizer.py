@@ -137,7 +137,7 @@ class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, Captura
 
     #: The stock class whose update each model gets (``torch.optim.Adam``): what
     #: ``fuse_optimizers`` converts from and ``unfuse_optimizers`` back to, and what
-    #: updates float16 / bfloat16 / complex parameters model by model
+    #: updates float16 / bfloat16 / complex parameters one by one
     #: (:meth:`_update_by_stock`).
     _stock: ClassVar[type[Optimizer] | None] = None
 

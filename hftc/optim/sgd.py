@@ -208,7 +208,7 @@ class SGD(FusedOptimizer):
     def _update_rows(self, tensors: list[Tensor], coef: Coefficients, common: _SGDStep
                      ) -> None:
         """Stock's single-tensor update on ``[p, grad(, momentum_buffer)]`` (contiguous, on
-        the CPU), model by model in pieces of each row (:meth:`_row_chunks`)::
+        the CPU), one by one in pieces of each row (:meth:`_row_chunks`)::
 
             for i in models:  for piece in row i:
                 g = -grad if maximize_i;  g = g.add(p, alpha=wd_i) if wd_i != 0

@@ -13,9 +13,9 @@
 | attention.py    | MultiheadAttention, F.scaled_dot_product_attention, Transformer* |
 | recurrent.py    | LSTM/GRU/RNN (+ cells, torch.lstm & co.): one bmm per time step  |
 | loss.py         | losses inside forward (F.cross_entropy, nn.MSELoss ...): N losses |
-| driver.py       | walks the graph, applies the rules, falls back to loops          |
+| driver.py       | walks the graph, applies the rules, runs the rest one by one      |
 | registry.py     | ``@rule``: an op's keys and facts (ATen spellings, per-model      |
-|                 | arguments, padding, channels-last, chaining, per-model ops)       |
+|                 | arguments, padding, channels-last, chaining, differing ops)       |
 | padded.py       | the padded modules ``pad_widths=True`` builds (``widens=``)       |
 """
 

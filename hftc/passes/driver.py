@@ -8,7 +8,7 @@ Walks model 0's graph in order.  For each node, with its N matched counterparts:
    numbers: the op runs once, unchanged, and its result stays shared
    (``x.size(0)``, arithmetic on shapes, a pooling of the shared input).
 4. A rule in the registry: the rule emits the fused op(s).
-5. No rule, or the rule raised :class:`NotFusable`: a per-model loop inside the
+5. No rule, or the rule raised :class:`NotFusable`: the one-by-one fallback inside the
    fused graph (exact, slow, reported as a fallback).
 
 Before and after, with N = 3::
@@ -36,12 +36,12 @@ from torch.utils import _pytree as pytree
 
 from .. import ir
 from ..errors import FusionError, UnsupportedOperatorError, plain_message
-from ..ir import EXAMPLE_VALUE, PER_MODEL_OPS, node_writes_in_place
+from ..ir import DIFFERING_OPS, EXAMPLE_VALUE, node_writes_in_place
+from ..lowering.runtime import differing_ops as rt_differing_ops
 from ..lowering.runtime import fallback as rt_fallback
 from ..lowering.runtime import layout as rt_layout
-from ..lowering.runtime import per_model_ops as rt_per_model_ops
 from ..match import describe_node, module_path, target_name
-from .per_model_ops import describe_ops
+from .differing_ops import describe_ops
 from .registry import FusionGroup, GraphBuilder, NotFusable, RuleEntry, lookup
 
 #: The fused module's name for a constant tensor every model holds equal (one copy, shared;
@@ -54,7 +54,9 @@ class FusionRecord:
 
     node: str
     source: str
-    #: "per_model": the models' ops differ (an activation), each runs on its slice
+    #: "loop": the op runs one by one (the fallback); "per_model": a differing op (the
+    #: models' ops differ, an activation), each runs on its slice (docs/ARCHITECTURE.md's
+    #: "Words": these spellings are public, kept)
     kind: str  # "fused" | "shared" | "loop" | "per_model" | "input" | "parameter"
     rule: str = ""
     fused_nodes: list[str] = field(default_factory=list)
@@ -67,7 +69,7 @@ class FusionRecord:
 
 @dataclass
 class FusionReport:
-    """Which operators fused into what, and what fell back to a per-model loop."""
+    """Which operators fused into what, and what fell back to running one by one."""
 
     num_models: int
     records: list[FusionRecord]
@@ -94,8 +96,8 @@ class FusionReport:
 
     @property
     def per_model(self) -> list[FusionRecord]:
-        """The nodes whose op differs per model (ReLU in one, GELU in another), run on each
-        model's slice of the fused tensor."""
+        """The differing ops: the nodes whose op differs per model (ReLU in one, GELU in
+        another), run on each model's slice of the fused tensor."""
         return [r for r in self.records if r.kind == "per_model"]
 
     def rule_counts(self) -> dict[str, int]:
@@ -173,7 +175,7 @@ def _leaf_flags(builder: GraphBuilder, args: Any, kwargs: Any) -> Any:
 
 
 def _emit_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """Emit the per-model loop for a node no rule fuses."""
+    """Emit the one-by-one fallback for a node no rule fuses."""
     node = group.node
     flags = _leaf_flags(builder, group.args, group.kwargs)
     batched_out = _contains_tensor(group.example)
@@ -314,22 +316,22 @@ class _Fusion:
             own = _per_model_copy(node, group, builder, env)
             group = FusionGroup(node, names, (own, *group.args[1:]), group.kwargs, module)
             builder.current, writes_shared = group, False
-        per_model_ops = node.meta.get(ir.PER_MODEL_OPS)
-        if per_model_ops:
+        differing_ops = node.meta.get(ir.DIFFERING_OPS)
+        if differing_ops:
             # ReLU in some models, GELU in others: each model's op on its slice.
-            why_not = check_per_model_op(node)
-            writes = any(map(rt_per_model_ops.writes_in_place, per_model_ops))
+            why_not = check_differing_op(node)
+            writes = any(map(rt_differing_ops.writes_in_place, differing_ops))
             if why_not is None and not any_batched and writes:
                 why_not = "some models' op writes in place into a value all models share"
             builder.current_rule = rule_name = "per_model_op"
-            kind, reason = "per_model", f"the op differs per model: {describe_ops(per_model_ops)}"
+            kind, reason = "per_model", f"the op differs per model: {describe_ops(differing_ops)}"
             if why_not is not None:
                 self.unsupported.append(
                     f"{describe_node(node, self.graph_module)}: the models run different ops here "
-                    f"({describe_ops(per_model_ops)}), which hftc runs on each model's slice, "
+                    f"({describe_ops(differing_ops)}), which hftc runs on each model's slice, "
                     f"but {why_not}; use the out-of-place form (inplace=False)")
                 kind = "refused"
-            new = fuse_per_model_op(group, builder)
+            new = fuse_differing_op(group, builder)
         elif not any_batched and not _has_state(module) and not random and not group.per_model:
             builder.current_rule = "shared"
             new, kind, rule_name = builder.copy(group, batched=False), "shared", "shared"
@@ -442,18 +444,18 @@ def _map_pair(value: Any, example: Any, fn: Any) -> Any:
     return fn(value, example)
 
 
-# ------------------------------------------------------------ ops that differ per model
+# ------------------------------------------------------------------------------ differing ops
 
-def fuse_per_model_op(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
-    """The node whose op differs per model (``meta[PER_MODEL_OPS]``): each model's own op on
-    its slice (:func:`~hftc.lowering.runtime.per_model_ops.per_model_elementwise`); a shared input
+def fuse_differing_op(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """The node whose op differs per model (``meta[DIFFERING_OPS]``): each model's own op on
+    its slice (:func:`~hftc.lowering.runtime.differing_ops.differing_elementwise`); a shared input
     is expanded first, so that each model applies its op to the values it sees."""
     node = group.node
-    ops = tuple(node.meta[PER_MODEL_OPS])
+    ops = tuple(node.meta[DIFFERING_OPS])
     x = group.args[0] if group.args else group.kwargs["input"]
     x = builder.broadcast(x)
     training = builder.training_flag(group) if node.op == "call_module" else True
-    return builder.call(rt_per_model_ops.per_model_elementwise, x, ops, training)
+    return builder.call(rt_differing_ops.differing_elementwise, x, ops, training)
 
 
 def _aliases_written_later(node: fx.Node) -> bool:
@@ -476,13 +478,13 @@ def _aliases_written_later(node: fx.Node) -> bool:
     return False
 
 
-def check_per_model_op(node: fx.Node) -> str | None:
-    """Why the per-model op at ``node`` cannot run exactly, or None.  Where some models'
+def check_differing_op(node: fx.Node) -> str | None:
+    """Why the differing op at ``node`` cannot run exactly, or None.  Where some models'
     op writes in place and others' does not, the fused result is a new tensor for all:
     exact unless forward later writes in place into that result (which, in the in-place
     models, would write into their input too)."""
-    ops = node.meta[PER_MODEL_OPS]
-    inplace = [rt_per_model_ops.writes_in_place(op) for op in ops]
+    ops = node.meta[DIFFERING_OPS]
+    inplace = [rt_differing_ops.writes_in_place(op) for op in ops]
     if any(inplace) and not all(inplace) and _aliases_written_later(node):
         return ("some models' op writes in place into its input and others' does not, and "
                 "forward writes in place into the result later")

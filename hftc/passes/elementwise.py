@@ -29,20 +29,20 @@ from torch import nn
 
 from ..frontends.export import Emitter, aten_name
 from ..ir import EXAMPLE_VALUE, TORCH_RANDOM_DRAWS, bind_arguments
+from ..lowering.runtime import differing_ops as rt_differing_ops
 from ..lowering.runtime import layout as rt_layout
 from ..lowering.runtime import per_model as rt_per_model
-from ..lowering.runtime import per_model_ops as rt_per_model_ops
 from ..lowering.runtime import random as rt_random
 from .registry import (
     EXACT,
     MOVES,
     ChainLink,
+    DifferingOp,
     FusionGroup,
     GraphBuilder,
     NotFusable,
-    PerModelOp,
-    per_model_loop,
     rule,
+    runs_one_by_one,
     spellings,
 )
 
@@ -299,7 +299,7 @@ SLOPE_KEYS = {
 
 def elu_as_functional(e: Emitter, args: tuple, kwargs: dict) -> fx.Node:
     """``aten.elu(x, alpha, scale, input_scale)`` -> ``F.elu(x, alpha)`` where the scales
-    are 1 (``nn.ELU``); SELU-like scales stay ATen (the per-model loop)."""
+    are 1 (``nn.ELU``); SELU-like scales stay ATen (the one-by-one fallback)."""
     a = bind_arguments(e.source.target, args, kwargs)
     if a["scale"] == 1 and a["input_scale"] == 1:
         return e.call(F.elu, a["input"], a["alpha"])
@@ -338,61 +338,61 @@ EXPORTED_AS = {
     F.alpha_dropout: {aten.alpha_dropout: F.alpha_dropout},
 }
 
-def _per_model_op(name: str, function, parameters=(), spellings=(), module=None) -> PerModelOp:
-    """A :class:`PerModelOp` whose spellings are ``(function, positional parameters after the
+def _differing_op(name: str, function, parameters=(), spellings=(), module=None) -> DifferingOp:
+    """A :class:`DifferingOp` whose spellings are ``(function, positional parameters after the
     input, fixed keywords)`` or ``(method name, ...)``, and its ``module`` class."""
     keys = [(("call_method", f) if isinstance(f, str) else ("call_function", f), p, tuple(k))
             for f, p, k in spellings]
     if module is not None:
         keys.append((("call_module", module), (), ()))
-    return PerModelOp(name, function, tuple(parameters), tuple(keys))
+    return DifferingOp(name, function, tuple(parameters), tuple(keys))
 
 
 _INPLACE = (("inplace", False),)
 _IN_PLACE = {"inplace": True}.items()
-#: The elementwise, shape-preserving ops that may differ per model (``@rule(per_model_op=
-#: ...)``: :mod:`hftc.passes.per_model_ops`), each with its spellings.
-PER_MODEL_OPS = [
-    _per_model_op("identity", rt_per_model_ops.identity, module=nn.Identity),
-    _per_model_op("relu", F.relu, _INPLACE, [
+#: The elementwise, shape-preserving ops that may differ per model (``@rule(differing_op=
+#: ...)``: :mod:`hftc.passes.differing_ops`), each with its spellings.
+DIFFERING_OPS = [
+    _differing_op("identity", rt_differing_ops.identity, module=nn.Identity),
+    _differing_op("relu", F.relu, _INPLACE, [
         (torch.relu, (), ()), ("relu", (), ()), (torch.relu_, (), _IN_PLACE),
         ("relu_", (), _IN_PLACE), (F.relu, ("inplace",), ())], nn.ReLU),
-    *(_per_model_op(name, getattr(torch, name), (), [
+    *(_differing_op(name, getattr(torch, name), (), [
         (getattr(torch, name), (), ()), (name, (), ()), (getattr(F, name), (), ())],
         getattr(nn, name.title())) for name in ("tanh", "sigmoid")),
-    *(_per_model_op(f"{name}_", getattr(torch, f"{name}_"), (), [
+    *(_differing_op(f"{name}_", getattr(torch, f"{name}_"), (), [
         (getattr(torch, f"{name}_"), (), ()), (f"{name}_", (), ())])
       for name in ("tanh", "sigmoid")),
-    *(_per_model_op(name, getattr(F, name), _INPLACE, [(getattr(F, name), ("inplace",), ())],
+    *(_differing_op(name, getattr(F, name), _INPLACE, [(getattr(F, name), ("inplace",), ())],
                     module) for name, module in (
         ("relu6", nn.ReLU6), ("silu", nn.SiLU), ("mish", nn.Mish), ("selu", nn.SELU),
         ("hardswish", nn.Hardswish), ("hardsigmoid", nn.Hardsigmoid))),
-    _per_model_op("gelu", F.gelu, [("approximate", "none")], [(F.gelu, ("approximate",), ())],
+    _differing_op("gelu", F.gelu, [("approximate", "none")], [(F.gelu, ("approximate",), ())],
                   nn.GELU),
-    _per_model_op("leaky_relu", F.leaky_relu, [("negative_slope", 0.01), ("inplace", False)], [
+    _differing_op("leaky_relu", F.leaky_relu, [("negative_slope", 0.01), ("inplace", False)], [
         (F.leaky_relu, ("negative_slope", "inplace"), ()),
         (F.leaky_relu_, ("negative_slope",), _IN_PLACE)], nn.LeakyReLU),
-    *(_per_model_op(name, getattr(F, name), [("alpha", 1.0), ("inplace", False)],
+    *(_differing_op(name, getattr(F, name), [("alpha", 1.0), ("inplace", False)],
                     [(getattr(F, name), ("alpha", "inplace"), ())], module)
       for name, module in (("elu", nn.ELU), ("celu", nn.CELU))),
-    _per_model_op("softplus", F.softplus, [("beta", 1.0), ("threshold", 20.0)],
+    _differing_op("softplus", F.softplus, [("beta", 1.0), ("threshold", 20.0)],
                   [(F.softplus, ("beta", "threshold"), ())], nn.Softplus),
-    _per_model_op("hardtanh", F.hardtanh, [("min_val", -1.0), ("max_val", 1.0), ("inplace", False)],
+    _differing_op("hardtanh", F.hardtanh, [("min_val", -1.0), ("max_val", 1.0), ("inplace", False)],
                   [(F.hardtanh, ("min_val", "max_val", "inplace"), ())], nn.Hardtanh),
-    *(_per_model_op(name, getattr(F, name), (), [(getattr(F, name), (), ())], module)
+    *(_differing_op(name, getattr(F, name), (), [(getattr(F, name), (), ())], module)
       for name, module in (("softsign", nn.Softsign), ("tanhshrink", nn.Tanhshrink),
                            ("logsigmoid", nn.LogSigmoid))),
     # a module's dropout has no `training` here: it follows the fused module's flag
-    _per_model_op("dropout", rt_per_model_ops.dropout, [("p", 0.5), ("inplace", False)], [
+    _differing_op("dropout", rt_differing_ops.dropout, [("p", 0.5), ("inplace", False)], [
         (F.dropout, ("p", "training", "inplace"), ()), (torch.dropout, ("p", "train"), ())],
         nn.Dropout),
 ]
 
 
-def _per_model_ops(keys) -> tuple[PerModelOp, ...]:
-    """The per-model ops some of ``keys`` spell."""
+def _differing_ops(keys) -> tuple[DifferingOp, ...]:
+    """The differing ops some of ``keys`` spell."""
     keys = set(keys)
-    return tuple(op for op in PER_MODEL_OPS if any(k in keys for k, _, _ in op.spellings))
+    return tuple(op for op in DIFFERING_OPS if any(k in keys for k, _, _ in op.spellings))
 
 
 #: Over a padded dim (``@rule(padding=...)``) an elementwise op is exact as it is (each
@@ -406,11 +406,11 @@ for _name in UNARY + BINARY:
     rule(*_keys, name=f"fuse_pointwise[{_name}]", aten=EXPORTED_AS.get(_name),
          padding=MOVES if _name in COPIES else EXACT,
          chain=RELU_LINK if _name == "relu" else None,
-         per_model_op=_per_model_ops(_keys))(fuse_pointwise)
+         differing_op=_differing_ops(_keys))(fuse_pointwise)
 for _key, _slope in SLOPE_KEYS.items():
     rule(_key, name=f"fuse_slope[{_key[1].__name__}]", per_model=(_slope,),
          aten=EXPORTED_AS.get(_key[1]), padding=EXACT,
-         per_model_op=_per_model_ops([_key]))(fuse_slope)
+         differing_op=_differing_ops([_key]))(fuse_slope)
 for _name in RANDOM_LIKE:
     rule(*spellings(_name, inplace=True), name=f"fuse_random[{_name}]", random=True)(fuse_random)
 for _op in OPERATORS:
@@ -421,22 +421,22 @@ for _name in DUNDER:
 for _cls in ELEMENTWISE_MODULES:
     rule(("call_module", _cls), name=f"fuse_pointwise[{_cls.__name__}]", padding=EXACT,
          chain=RELU_LINK if _cls is nn.ReLU else None,
-         per_model_op=_per_model_ops([("call_module", _cls)]))(fuse_pointwise)
+         differing_op=_differing_ops([("call_module", _cls)]))(fuse_pointwise)
 for _fn, (_cls, _torch_fn) in _DROPOUTS.items():
     _keys = [("call_module", _cls), ("call_function", _fn), ("call_function", _torch_fn)]
     rule(*_keys, name=f"fuse_dropout[{_fn.__name__}]", random=True, per_model=("p",),
          aten=EXPORTED_AS.get(_fn), padding=EXACT,
-         per_model_op=_per_model_ops(_keys))(fuse_dropout)
+         differing_op=_differing_ops(_keys))(fuse_dropout)
 for _name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
     rule(("call_method", _name), name=f"fuse_random[{_name}]", random=True,
          padding=EXACT if _name.startswith("dropout") else None)(fuse_random)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     rule(("call_method", _name), name=f"fuse_new_tensor[{_name}]")(fuse_new_tensor)
 
-#: Draws no rule fuses: each model draws its own in the per-model loop, even from a shared
+#: Draws no rule fuses: each model draws its own in the one-by-one fallback, even from a shared
 #: input (one draw for all of them made every model's result the same).  RReLU's slopes
 #: (in training) and fractional max-pooling's regions are drawn too; their deterministic
-#: uses (RReLU in eval, given regions) run as the per-model loop as well: exact.
+#: uses (RReLU in eval, given regions) run as the one-by-one fallback as well: exact.
 _RRELU = (F.rrelu, F.rrelu_, torch.rrelu, torch.rrelu_)
 RANDOM_DRAWS = [
     *(getattr(torch, name) for name in TORCH_RANDOM_DRAWS if name not in RANDOM_LIKE),
@@ -450,6 +450,6 @@ RANDOM_DRAW_MODULES = [nn.RReLU, nn.FractionalMaxPool2d, nn.FractionalMaxPool3d]
 rule(*(("call_function", fn) for fn in RANDOM_DRAWS),
      *(("call_method", name) for name in RANDOM_DRAW_METHODS),
      *(("call_module", cls) for cls in RANDOM_DRAW_MODULES),
-     name="per_model_loop[random]", random=True,
+     name="one_by_one[random]", random=True,
      # RReLU is elementwise: exact over a padded dim as it is
-     padding=lambda node: EXACT if node.target in _RRELU else None)(per_model_loop)
+     padding=lambda node: EXACT if node.target in _RRELU else None)(runs_one_by_one)

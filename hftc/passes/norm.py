@@ -29,8 +29,8 @@ from .registry import (
     NotFusable,
     Reduces,
     Widens,
-    per_model_loop,
     rule,
+    runs_one_by_one,
 )
 
 aten = torch.ops.aten
@@ -138,13 +138,13 @@ def fuse_instance_norm(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     )
 
 
-#: The other batch and instance norms (SyncBatchNorm, the lazy ones) run as the per-model
-#: loop, which sets each model's own ``momentum`` and ``eps``.  (A base-class entry is their
-#: rule only where they keep its ``forward``, and then it loops too: ``per_model_loop``.)
-rule(("call_module", nn.modules.batchnorm._BatchNorm), name="per_model_loop[batch norm]",
-     per_model=("momentum", "eps"), widens=_WIDENED_BATCH_NORM)(per_model_loop)
-rule(("call_module", nn.modules.instancenorm._InstanceNorm), name="per_model_loop[instance norm]",
-     per_model=("momentum", "eps"), channels_last=False)(per_model_loop)
+#: The other batch and instance norms (SyncBatchNorm, the lazy ones) run one by one (the
+#: fallback), which sets each model's own ``momentum`` and ``eps``.  (A base-class entry is their
+#: rule only where they keep its ``forward``, and then it loops too: ``runs_one_by_one``.)
+rule(("call_module", nn.modules.batchnorm._BatchNorm), name="one_by_one[batch norm]",
+     per_model=("momentum", "eps"), widens=_WIDENED_BATCH_NORM)(runs_one_by_one)
+rule(("call_module", nn.modules.instancenorm._InstanceNorm), name="one_by_one[instance norm]",
+     per_model=("momentum", "eps"), channels_last=False)(runs_one_by_one)
 
 
 @rule(("call_module", nn.GroupNorm), ("call_function", F.group_norm), per_model=("eps",),

@@ -4,8 +4,8 @@ A rule takes a :class:`FusionGroup` (model 0's node, its N counterparts, its
 arguments already rewritten into the fused graph) and a :class:`GraphBuilder`
 (which emits nodes into the fused graph), and returns the fused node, whose
 value is every model's result stacked along a leading model dim.  A rule that
-cannot fuse a particular use raises :class:`NotFusable`; the driver then falls
-back to a per-model loop and says so in the fusion report.
+cannot fuse a particular use raises :class:`NotFusable`; the driver then runs
+the op one by one (the fallback) and says so in the fusion report.
 
 Keys are ``("call_module", ModuleClass)``, ``("call_function", fn)`` or
 ``("call_method", "name")``; a library's function that hftc does not import (a
@@ -45,7 +45,7 @@ from ..ir import (
 )
 from ..lowering.runtime import layout as rt_layout
 from ..match import PerModelTable, describe_node, function_name, target_name
-from .per_model_ops import PerModelOp, declare_per_model_op, elementwise_op
+from .differing_ops import DifferingOp, declare_differing_op, elementwise_op
 
 
 class NotFusable(Exception):
@@ -63,7 +63,7 @@ class FusionGroup:
     """
 
     node: fx.Node
-    nodes: list[str]  # the names of the N matched nodes, model by model
+    nodes: list[str]  # the names of the N matched nodes, one per model
     args: tuple
     kwargs: dict
     module: nn.Module | None = None
@@ -176,8 +176,8 @@ class RuleEntry:
     #: The op's link in a linear chain (``hftc.lowering.chains``): which fused nodes it
     #: emits that a chain may take.
     chain: ChainLink | None = None
-    #: The elementwise ops of these keys that may differ per model (:class:`PerModelOp`).
-    per_model_ops: tuple[PerModelOp, ...] = ()
+    #: The elementwise ops of these keys that may differ per model (:class:`DifferingOp`).
+    differing_ops: tuple[DifferingOp, ...] = ()
     #: How ``pad_widths=True`` pads a module key's module (:class:`Widens`).
     widens: Widens | None = None
 
@@ -309,7 +309,7 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
          signature: Callable[..., Any] | None = None, padding: Any = None,
          channels_last: bool | Callable[[Any], bool] = True,
          chain: ChainLink | None = None,
-         per_model_op: PerModelOp | Sequence[PerModelOp] = (),
+         differing_op: DifferingOp | Sequence[DifferingOp] = (),
          widens: Widens | None = None) -> Callable[[Rule], Rule]:
     """Register a rule for ``keys`` (the one way to declare one)::
 
@@ -338,14 +338,14 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
     :data:`PADDING_KINDS` kind, :class:`Reduces`, or a function of the node giving one);
     ``channels_last``: whether a CPU program may run channels-last with it (or a function
     of its module or call node that says); ``chain``: its :class:`ChainLink` in a linear chain;
-    ``per_model_op``: the :class:`PerModelOp` (or several) its keys spell, an elementwise op
+    ``differing_op``: the :class:`DifferingOp` (or several) its keys spell, an elementwise op
     that may differ per model; ``widens``: how ``pad_widths=True`` pads its module
     (:class:`Widens`).
     A key or ATen op registered twice raises :class:`DuplicateRuleError` at import,
     whatever the order the rule files load in.
     """
     functions = {target for op, target in keys if op == "call_function"}
-    ops = (per_model_op,) if isinstance(per_model_op, PerModelOp) else tuple(per_model_op)
+    ops = (differing_op,) if isinstance(differing_op, DifferingOp) else tuple(differing_op)
     converters = tuple(
         (op, same_arguments(spelling) if spelling in functions else spelling)
         for op, spelling in (aten or {}).items())
@@ -389,7 +389,7 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
             RULES[key] = entry
         _ATEN.update(converters)
         for op in ops:
-            declare_per_model_op(op, keys, entry.name)
+            declare_differing_op(op, keys, entry.name)
         return body
 
     return wrap
@@ -409,7 +409,7 @@ def target_name_of(target: Any) -> str:
 def per_model_table() -> PerModelTable:
     """The hyper-parameters that may differ between the models, as the rules declare them
     (``@rule(..., per_model=...)``), and the elementwise ops that may differ per model
-    (:mod:`hftc.passes.per_model_ops`), for :func:`hftc.match.match_graphs`."""
+    (:mod:`hftc.passes.differing_ops`), for :func:`hftc.match.match_graphs`."""
     modules, arguments, defaults = [], {}, {}
     for (op, target), entry in RULES.items():
         if not entry.per_model:
@@ -492,9 +492,9 @@ def chain_links(role: str) -> list[ChainLink]:
          if e.chain is not None and e.chain.role == role}.values()))
 
 
-def per_model_loop(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+def runs_one_by_one(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The body of a rule table entry that declares facts about an op (it draws random
-    numbers) but fuses nothing: the op runs as the per-model loop."""
+    numbers) but fuses nothing: the op runs as the one-by-one fallback."""
     if group.module is not None:
         raise NotFusable(f"no fusion rule for module {type(group.module).__name__}")
     raise NotFusable(f"no fusion rule for {target_name(group.node)}")
@@ -536,7 +536,7 @@ def lookup(node: fx.Node, module: nn.Module | None) -> RuleEntry | None:
         if parametrize.is_parametrized(module):
             # Its weight is computed from other tensors on every access (weight_norm,
             # spectral_norm, orthogonal ...), which the fused op would not recompute:
-            # the per-model loop runs the module itself.
+            # the one-by-one fallback runs the module itself.
             return None
         forward = type(module).forward
         for cls in type(module).__mro__:

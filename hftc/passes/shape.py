@@ -37,8 +37,8 @@ from .registry import (
     GraphBuilder,
     NotFusable,
     Reduces,
-    per_model_loop,
     rule,
+    runs_one_by_one,
     spellings,
 )
 
@@ -101,7 +101,7 @@ def shift_dim_arg(builder: GraphBuilder, dims: Any) -> Any:
     the fused graph shifts it when it runs (``spatial.shift_dims(dim)``), so the dim is
     right for every call, however it was computed (also from sizes, which the program
     is not specialized on).  A node whose value is not an int dim, or one that carries
-    the model dim, is not fused (the per-model loop runs the op)."""
+    the model dim, is not fused (the one-by-one fallback runs the op)."""
     if isinstance(dims, fx.Node):
         example = dims.meta.get(EXAMPLE_VALUE)
         if builder.is_batched(dims):
@@ -419,4 +419,4 @@ def fuse_check_input_shape(group: FusionGroup, builder: GraphBuilder) -> fx.Node
 #: Ops no rule fuses (each model runs its own), declared for what they compute over a
 #: padded dim: they move units.
 rule(*spellings("tile"), *spellings("broadcast_to"), ("call_method", "transpose_"),
-     name="per_model_loop[moves]", padding=MOVES)(per_model_loop)
+     name="one_by_one[moves]", padding=MOVES)(runs_one_by_one)

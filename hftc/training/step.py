@@ -17,15 +17,15 @@ One call does what this eager loop does, for all N models at once::
 and runs it one of three ways (``mode``):
 
 - ``"eager"``: the loop above (the CPU default: :data:`CPU_DEFAULT`, measured in
-  docs/BENCHMARKS.md), or the same step with the models in order, where the fused module
-  runs them one by one (:meth:`CompiledStep._step_way`; ``step.order`` says which, and
-  why)::
+  docs/BENCHMARKS.md), or the same step with the models one by one (forward, loss and
+  backward each), where the fused module runs them one by one
+  (:meth:`CompiledStep._step_way`; ``step.order`` says which, and why)::
 
       for i in range(N):   loss_fn(model_i(x), y).backward()     (the serial loop's order)
       clip_grad_norm_;  optimizer.step()                          (one fused step)
 
   The loop above runs every forward before any backward, as any module called from a
-  training loop must (the loss exists only after the forward); model by model, each
+  training loop must (the loss exists only after the forward); one by one, each
   model's activations are still in the cache when its backward reads them, and each
   model's gradient is the serial loop's, bit for bit;
 - ``"compile"``: forward and loss under ``torch.compile`` (backward through AOTAutograd's
@@ -65,7 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import FusionArgumentError, StepCaptureError
 from ..lowering.runtime.memory import keep_freed_memory_for_tuning
-from ..lowering.strategy import IN_ORDER, StepOrder
+from ..lowering.strategy import ONE_BY_ONE, StepOrder
 
 __all__ = ["CompiledStep", "compile_step", "CPU_DEFAULT", "MODES"]
 
@@ -202,7 +202,7 @@ class CompiledStep:
         self._side_stream = None
         self._max_norm_tensor: Tensor | None = None
         #: input signature -> the eager step's choice between the fused step and the
-        #: models in order (:meth:`_step_way`)
+        #: models one by one (:meth:`_step_way`)
         self._orders: dict[tuple, Any] = {}
         self._last_key: tuple | None = None
         #: input signature -> the fused module's program its last fused step ran
@@ -216,8 +216,9 @@ class CompiledStep:
     def order(self) -> StepOrder | None:
         """How eager steps with the last call's inputs run, and why: a
         :class:`~hftc.lowering.strategy.StepOrder` (``order.chosen``: ``"fused"`` or
-        ``"in_order"``); ``None`` before the fused module has chosen, in the other modes,
-        and where only the fused step can run (see :meth:`_step_way`)."""
+        ``"in_order"``, one by one's public spelling); ``None`` before the fused module has
+        chosen, in the other modes, and where only the fused step can run (see
+        :meth:`_step_way`)."""
         return self._orders.get(self._last_key)
 
     @property
@@ -331,12 +332,13 @@ class CompiledStep:
         module's forward of all N models, then one backward) or ``"in_order"`` (each
         model's forward, loss and backward in turn).
 
-        The models run in order in ``"eager"`` mode exactly where the fused module runs
-        them one by one (its strategy chose the loop, or forces it: in order is that loop
-        in the serial loop's order); nothing is timed here (the fused module's choice is
-        the one choice).  Only the fused step with ``strategy="fused"``, a loss of the N
-        outputs (``per_model_loss=False``), a grad scaler, padded widths, checkpointing or
-        hooks on the fused parameters: what the models in order cannot run."""
+        The step runs the models one by one in ``"eager"`` mode exactly where the fused
+        module runs them one by one (its strategy chose it, or forces it: the step's is the
+        same one by one, in the serial loop's order); nothing is timed here (the fused
+        module's choice is the one choice).  Only the fused step with ``strategy="fused"``,
+        a loss of the N outputs (``per_model_loss=False``), a grad scaler, padded widths,
+        checkpointing or hooks on the fused parameters: what the models one by one cannot
+        run."""
         fused = self.fused
         if self.mode != "eager" or self._losses_of is self.loss_fn \
                 or (self.scaler is not None and self.scaler.is_enabled()) \
@@ -355,20 +357,20 @@ class CompiledStep:
                 # (each model's own leaves would take the gradients: the hooks never fire)
                 choice = StepOrder("fused", "hooks on the fused parameters")
             elif fused.strategy == "model_loop" or (how is not None
-                                                    and how.model_loop is not None):
-                choice = StepOrder(IN_ORDER, "the fused module runs the models one by one")
+                                                    and how.one_by_one is not None):
+                choice = StepOrder(ONE_BY_ONE, "the fused module runs the models one by one")
             else:
                 choice = StepOrder("fused", f"the fused module's choice: {plan}")
             self._orders[key] = choice
-            if self.device.type == "cpu" and choice.chosen == IN_ORDER:
-                # each step in order makes the N models' stacked gradients anew, which
+            if self.device.type == "cpu" and choice.chosen == ONE_BY_ONE:
+                # each step one by one makes the N models' stacked gradients anew, which
                 # glibc faulted in page by page every step (docs/DESIGN_NOTES.md)
                 keep_freed_memory_for_tuning()
         return choice.chosen
 
-    def _losses_in_order(self, inputs: Any, target: Any) -> Tensor:
-        """Each model's forward, loss and backward in turn (:meth:`ModelLoop.forward_backward
-        <hftc.lowering.runtime.model_loop.ModelLoop.forward_backward>`), the forward and loss under
+    def _losses_one_by_one(self, inputs: Any, target: Any) -> Tensor:
+        """Each model's forward, loss and backward in turn (:meth:`OneByOne.forward_backward
+        <hftc.lowering.runtime.one_by_one.OneByOne.forward_backward>`), the forward and loss under
         the step's autocast; the N losses ``[N]``."""
         fused = self.fused
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -387,7 +389,7 @@ class CompiledStep:
     def _eager_step(self, inputs: Any, target: Any, *, watched: bool,
                     key: tuple | None = None) -> Tensor:
         """One eager step: the fused step (:meth:`_fused_eager_step`) or, in ``"eager"``
-        mode, the models in order (:meth:`_step_way`)."""
+        mode, the models one by one (:meth:`_step_way`)."""
         way = self._step_way(key) if key is not None else "fused"
         self._last_key = key
         if way == "fused":
@@ -395,7 +397,7 @@ class CompiledStep:
             self._fused_programs[key] = self.fused.__dict__.get("_last_call_program")
         else:
             self.optimizer.zero_grad(set_to_none=True)
-            losses = self._losses_in_order(inputs, target)
+            losses = self._losses_one_by_one(inputs, target)
             self._clip_and_step()
         return losses
 

@@ -14,10 +14,11 @@ Before this package, ``hftc/lowering/kernels.py`` held every kernel; now, by top
     embedding.py   embedding lookups                     random.py   dropout, Bernoulli masks
     spatial.py     channel-wise / per-sample ops, pooling, shapes
     reduction.py   reductions, softmax                   losses.py   per-model losses
-    fallback.py    an op with no fused kernel, model by model
+    fallback.py    an op with no fused kernel, one by one
     per_model.py   per-model scalars (the bottom of the hyper-parameter kernels)
+    differing_ops.py an elementwise op that differs per model (a differing op), on each slice
     tuning.py      ``@tunable(lowerings)``: a kernel's lowerings, which autotune times
-    attention.py, recurrent.py, model_loop.py (the whole-model loop), memory.py (malloc
+    attention.py, recurrent.py, one_by_one.py (the N models one by one), memory.py (malloc
     settings), modules.py (the stacked-module tree)
 
 Compiling a fused module (tracing, matching, the passes, the compile stages) writes an

@@ -1,4 +1,4 @@
-"""The fallback: an op with no fused kernel runs model by model, and the results are stacked.
+"""The fallback: an op with no fused kernel runs one by one, and the results are stacked.
 
 ::
 

@@ -247,7 +247,7 @@ def sparse_matmul(a: Tensor, b: Tensor, *, a_batched: bool, b_batched: bool,
     the same terms in the same order as the model's own product, so the values are the
     models' bit for bit; gradients flow through the dense side's reshape (and to a shared
     sparse operand that requires one, summed over the models as their N products give it).
-    A sparse operand per model (stacked), or anything but matrices, runs model by model.
+    A sparse operand per model (stacked), or anything but matrices, runs one by one.
     """
     a_sparse, b_sparse = a.layout is not torch.strided, b.layout is not torch.strided
     n = a.shape[0] if a_batched else b.shape[0] if b_batched else None
@@ -440,7 +440,7 @@ def _recomputed_gradients(ctx: Any, grad: Tensor, x3: Tensor, params: list) -> l
 def linear_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple | None,
                        dim: int, *, x_batched: bool, lowering: str | None = None) -> Tensor:
     """``softmax(reshape(linear(x, W, b), *shape), dim, log=True)``: a fused decoder and
-    its log-softmax, model by model where the logits are large (``shape`` None: no reshape).
+    its log-softmax, one by one where the logits are large (``shape`` None: no reshape).
 
     ::
 
@@ -453,7 +453,7 @@ def linear_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tu
     the cache when its log-softmax reads them and when its GEMMs read its gradient; all N
     models' at once are not, and each of these memory-bound passes over them took about
     twice as long per byte as the serial loop's (docs/BENCHMARKS.md, lstm_lm).  Taken where
-    :func:`_per_model_log_softmax` says so; elsewhere (and with a ``lowering`` autotune
+    :func:`_one_by_one_log_softmax` says so; elsewhere (and with a ``lowering`` autotune
     chose) the unchanged ops, :func:`linear` then :func:`~hftc.lowering.runtime.reduction.softmax`.
     Same formulas as ``F.linear`` + ``F.log_softmax`` per model (the serial loop's
     ``addmm``), so results agree with the batched product within a rounding.
@@ -461,7 +461,7 @@ def linear_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tu
     from .reduction import softmax
     from .spatial import reshape
 
-    rows = _per_model_log_softmax(x, weight, bias, shape, dim, x_batched, lowering)
+    rows = _one_by_one_log_softmax(x, weight, bias, shape, dim, x_batched, lowering)
     if rows is None:
         y = linear(x, weight, bias, x_batched=x_batched, lowering=lowering)
         return softmax(y if shape is None else reshape(y, *shape), dim, log=True)
@@ -477,9 +477,9 @@ _PER_MODEL_BLOCK_BYTES = 512 * 1024
 _PER_MODEL_TOTAL_BYTES = 4 * 1024 * 1024
 
 
-def _per_model_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple | None,
+def _one_by_one_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape: tuple | None,
                            dim: int, x_batched: bool, lowering: str | None) -> int | None:
-    """Each model's row count ``M`` where :func:`linear_log_softmax` runs model by model,
+    """Each model's row count ``M`` where :func:`linear_log_softmax` runs one by one,
     else None: the CPU, float32/64 alike, no autocast, ``torch.func`` or ``torch.compile``
     (the Function's backward writes into preallocated outputs), the cost model's lowering,
     a batched input, and a log-softmax over the logits' last dim."""
@@ -510,7 +510,7 @@ def _per_model_log_softmax(x: Tensor, weight: Tensor, bias: Tensor | None, shape
 
 
 class _PerModelLinearLogSoftmax(torch.autograd.Function):
-    """``log_softmax(x3[n] @ W[n]^T + b[n])`` model by model (:func:`linear_log_softmax`).
+    """``log_softmax(x3[n] @ W[n]^T + b[n])`` one by one (:func:`linear_log_softmax`).
 
     ``x3`` ``[N, M, in]``, ``W`` ``[N, out, in]``, ``b`` ``[N, out]`` -> ``[N, M, out]``.
     The backward runs ATen's ``_log_softmax_backward_data`` and the GEMMs per model into

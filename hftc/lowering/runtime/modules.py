@@ -72,7 +72,7 @@ class StackedModule(ContainerAccess, nn.Module):
     """N modules' parameters and buffers stacked ``[N, *shape]`` under their own names.
 
     ``_hftc_template`` (not a submodule: it holds no data) is model 0's module on
-    the meta device, used for the per-model loop fallback and for ``unfuse()``.
+    the meta device, used for the one-by-one fallback and for ``unfuse()``.
     """
 
     def __init__(self, source: nn.Module, num_models: int):

@@ -20,7 +20,7 @@ Gate formulas follow ATen's CPU cells (``aten/src/ATen/native/RNN.cpp``):
 Between layers, dropout (training only) draws each model's own mask.
 
 An LSTM on the CPU with many rows per step (batch x hidden >= 2048) runs instead as
-ATen's LSTM model by model (:func:`_aten_lstm_per_model`), whose oneDNN backward
+ATen's LSTM one by one (:func:`_aten_lstm_one_by_one`), whose oneDNN backward
 computes each weight gradient over all the steps at once.
 """
 
@@ -91,7 +91,7 @@ def _join(parts: Sequence[Tensor | None]) -> Tensor | None:
     return torch.stack(list(parts), dim=1).flatten(0, 1)
 
 
-#: Rows per step (batch x hidden) from which ATen's LSTM, model by model, beats the batched
+#: Rows per step (batch x hidden) from which ATen's LSTM, one by one, beats the batched
 #: recurrence on the CPU (docs/BENCHMARKS.md, "EfficientNet's blocks and the word
 #: language model").
 _ATEN_LSTM_MIN_ROWS_X_HIDDEN = 2048
@@ -111,7 +111,7 @@ def _aten_lstm_wins(mode: str, input: Tensor, weights: Sequence[Tensor], proj: b
     return rows * weights[1].shape[-1] >= _ATEN_LSTM_MIN_ROWS_X_HIDDEN
 
 
-def _aten_lstm_per_model(
+def _aten_lstm_one_by_one(
     input: Tensor, hx: Sequence[Tensor] | None, weights: Sequence[Tensor], has_biases: bool,
     num_layers: int, dropout: float, training: bool, bidirectional: bool, batch_first: bool,
     *, input_batched: bool, hx_batched: Sequence[bool], flat_states: bool,
@@ -179,7 +179,7 @@ def rnn(
     proj = mode == "LSTM" and per == 2 + 2 * has_biases + 1
     unbatched = input.dim() - input_batched == 2
     if _aten_lstm_wins(mode, input, weights, proj, unbatched, batch_first, input_batched):
-        return _aten_lstm_per_model(input, hx, weights, has_biases, num_layers, dropout,
+        return _aten_lstm_one_by_one(input, hx, weights, has_biases, num_layers, dropout,
                                     training, bidirectional, batch_first,
                                     input_batched=input_batched, hx_batched=hx_batched,
                                     flat_states=flat_states)

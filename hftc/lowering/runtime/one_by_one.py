@@ -1,4 +1,6 @@
-"""The whole-model loop: each model's own forward on its slice of the stacked parameters.
+"""The N models one by one: each model's own forward on its slice of the stacked parameters
+(``strategy="model_loop"``, that word's public spelling; before, this module was
+``model_loop.py`` and :class:`OneByOne` ``ModelLoop``: both names still import).
 
 ::
 
@@ -13,9 +15,9 @@ parameters, their gradients (``unbind``'s backward stacks the N gradients in
 one copy; with one model the slice is a ``squeeze``, and no copy is made), the
 running statistics (updated in place through the views; a buffer forward assigns
 anew is copied into its slice), the state_dict and the fused optimizer stay as they
-are; only how the forward runs changes.  :meth:`ModelLoop.forward_backward` runs
+are; only how the forward runs changes.  :meth:`OneByOne.forward_backward` runs
 each model's forward, loss and backward in turn instead (``hftc.compile_step``'s step
-in order).
+one by one, ``step.order.chosen == "in_order"``).
 ``hftc.fuse(..., autotune=True)`` times it against the fused program and takes
 it where the fused program was slower: on a CPU, activations that fit a cache
 one model at a time but not N at a time (PointNet's ``[B, 1024, P]`` feature
@@ -38,7 +40,7 @@ from ...errors import TraceError
 from .layout import model_slice
 
 
-class ModelLoop:
+class OneByOne:
     """Runs a fused module's N models one by one (see the module docstring)."""
 
     def __init__(self, fused: nn.Module):
@@ -288,6 +290,10 @@ class ModelLoop:
                     f"its shape and dtype")
             with torch.no_grad():
                 slice_.copy_(new)
+
+
+#: The earlier name (a pickled fused module may name it).
+ModelLoop = OneByOne
 
 
 def call_model(model: nn.Module, args: Sequence[Any], fused: nn.Module) -> Any:

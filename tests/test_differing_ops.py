@@ -1,7 +1,7 @@
 """Models that are one program except for an elementwise op fuse: an activation (ReLU, GELU,
 SiLU, Tanh, LeakyReLU, Identity; as modules and as F.* / torch.* calls) or dropout on in
 some models and off in others.  The differing op runs on each model's slice of the fused
-tensor (hftc/passes/per_model_ops.py); everything else is fused.
+tensor (hftc/passes/differing_ops.py); everything else is fused.
 
 Deterministic cases are checked against the loop over the original models (forward,
 backward, and training steps with hftc.optim against stock torch.optim, float64 and
@@ -181,7 +181,7 @@ def test_activation_of_a_shared_input():
 
 
 def test_models_run_one_by_one_run_their_own_activation():
-    """The whole-model loop (strategy='model_loop') runs each model's own activation, not
+    """The models one by one (strategy='model_loop') runs each model's own activation, not
     model 0's, and so does keep_models' smaller array."""
     models = _models(mlp, ["relu", "gelu", "tanh"])
     check_equivalence(models, torch.randn(4, 6),

@@ -1,5 +1,5 @@
-"""An elementwise op that differs per model (an activation, dropout on or off), run on each
-model's slice of the stacked tensor::
+"""Differing ops: an elementwise op that differs per model (an activation, dropout on or
+off), run on each model's slice of the stacked tensor (before: ``per_model_ops.py``)::
 
     models:  relu(x_0)   relu(x_1)   gelu(x_2, approximate="tanh")   identity(x_3)
     fused:   cat([relu(x[0:2]), gelu(x[2:3], approximate="tanh"), x[3:4]])
@@ -37,7 +37,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
 
 #: The elementwise, shape-preserving ops that may differ per model, by name: each
 #: ``fn(x, **keywords)`` on a model's slice computes what the model computes.  Filled by
-#: the rules that declare them (``@rule(..., per_model_op=...)`` in
+#: the rules that declare them (``@rule(..., differing_op=...)`` in
 #: :mod:`hftc.passes.elementwise`).
 ELEMENTWISE_OPS: dict[str, Any] = {}
 
@@ -60,7 +60,7 @@ def apply_op(op: Op, x: Tensor, training: bool) -> Tensor:
     return ELEMENTWISE_OPS[name](x, **kwargs)
 
 
-def per_model_elementwise(x: Tensor, ops: Sequence[Op], training: bool = True) -> Tensor:
+def differing_elementwise(x: Tensor, ops: Sequence[Op], training: bool = True) -> Tensor:
     """Model i's op ``ops[i]`` on its slice ``x[i]`` of ``x`` ``[N, ...]``, the results
     stacked ``[N, ...]`` again (see the module docstring).
 

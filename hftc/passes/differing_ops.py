@@ -1,18 +1,20 @@
-"""Ops that may differ per model: which elementwise op a node is (the fused node that runs
-each model's own on its slice is the driver's: :func:`hftc.passes.driver.fuse_per_model_op`).
+"""Differing ops (ops that may differ per model): which elementwise op a node is (the
+fused node that runs each model's own on its slice is the driver's:
+:func:`hftc.passes.driver.fuse_differing_op`).
 
 Models that are one program except for an activation (ReLU in some, GELU or Tanh in
 others) or dropout on in some and off in others (``nn.Dropout`` against ``nn.Identity``)
 fuse: the matcher reads such a node as "an elementwise op" (:func:`elementwise_op`, through
 :class:`hftc.match.PerModelTable`), records each model's op on model 0's node where they
-differ (``meta[PER_MODEL_OPS]``), and the driver emits::
+differ (``meta[DIFFERING_OPS]``), and the driver emits::
 
     nn.ReLU()(h) | nn.GELU()(h) | nn.Identity()(h)    (models 0, 1, 2)
-    -> per_model_elementwise(h [3, ...], (("relu", ...), ("gelu", ...), ("identity", ())))
+    -> differing_elementwise(h [3, ...], (("relu", ...), ("gelu", ...), ("identity", ())))
 
-(:func:`hftc.lowering.runtime.per_model_ops.per_model_elementwise`: each model's op on its slice,
+(:func:`hftc.lowering.runtime.differing_ops.differing_elementwise`: each model's op on its slice,
 exact in forward and backward).  Only elementwise, shape-preserving ops are read so: any
-other difference is refused as before.
+other difference is refused as before.  (Before, this module was ``per_model_ops.py``
+and :class:`DifferingOp` ``PerModelOp``: both names still import.)
 """
 
 from __future__ import annotations
@@ -24,16 +26,17 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from ..lowering.runtime import per_model_ops as rt_per_model_ops
+from ..lowering.runtime import differing_ops as rt_differing_ops
 
-Op = rt_per_model_ops.Op
+Op = rt_differing_ops.Op
+
 
 @dataclass(frozen=True)
-class PerModelOp:
-    """``per_model_op=``: an elementwise, shape-preserving op that may differ per model (ReLU
-    in some models, GELU in others: :mod:`hftc.passes.per_model_ops`)::
+class DifferingOp:
+    """``differing_op=``: an elementwise, shape-preserving op that may differ per model (ReLU
+    in some models, GELU in others: :mod:`hftc.passes.differing_ops`)::
 
-        PerModelOp("leaky_relu", F.leaky_relu, (("negative_slope", 0.01), ("inplace", False)),
+        DifferingOp("leaky_relu", F.leaky_relu, (("negative_slope", 0.01), ("inplace", False)),
                    ((("call_function", F.leaky_relu), ("negative_slope", "inplace"), ()),
                     (("call_module", nn.LeakyReLU), (), ())))
 
@@ -50,21 +53,25 @@ class PerModelOp:
     spellings: tuple[tuple[tuple[str, Any], tuple[str, ...], tuple[tuple[str, Any], ...]], ...] = ()
 
 
+#: The earlier name.
+PerModelOp = DifferingOp
+
+
 #: Key -> (the op, the parameters it takes by position after its input, the keywords it
 #: fixes), and op name -> its parameters with their defaults: from every rule's
-#: ``per_model_op=`` (:func:`declare_per_model_op`).
-_SPELLINGS: dict[tuple[str, Any], tuple[PerModelOp, tuple[str, ...], dict[str, Any]]] = {}
+#: ``differing_op=`` (:func:`declare_differing_op`).
+_SPELLINGS: dict[tuple[str, Any], tuple[DifferingOp, tuple[str, ...], dict[str, Any]]] = {}
 OP_PARAMETERS: dict[str, tuple[tuple[str, Any], ...]] = {}
 
 
-def declare_per_model_op(op: PerModelOp, keys: Sequence[tuple[str, Any]], rule: str) -> None:
-    """A rule's ``per_model_op=`` (:func:`hftc.passes.registry.rule`): its spellings among
+def declare_differing_op(op: DifferingOp, keys: Sequence[tuple[str, Any]], rule: str) -> None:
+    """A rule's ``differing_op=`` (:func:`hftc.passes.registry.rule`): its spellings among
     the rule's ``keys`` read as ``op``, whose function the generated code calls by name
-    (:data:`~hftc.lowering.runtime.per_model_ops.ELEMENTWISE_OPS`)."""
-    known = rt_per_model_ops.ELEMENTWISE_OPS.setdefault(op.name, op.function)
+    (:data:`~hftc.lowering.runtime.differing_ops.ELEMENTWISE_OPS`)."""
+    known = rt_differing_ops.ELEMENTWISE_OPS.setdefault(op.name, op.function)
     if known is not op.function or OP_PARAMETERS.setdefault(op.name, op.parameters) \
             != op.parameters:
-        raise TypeError(f"rule `{rule}`: per-model op `{op.name}` is declared twice, "
+        raise TypeError(f"rule `{rule}`: differing op `{op.name}` is declared twice, "
                         f"with another function or parameters")
     _SPELLINGS.update({key: (op, positional, dict(fixed))
                        for key, positional, fixed in op.spellings if key in keys})
@@ -98,7 +105,7 @@ def _op(name: str, given: dict[str, Any]) -> Op | None:
 
 def elementwise_op(node: fx.Node, root: nn.Module) -> Op | None:
     """The elementwise, shape-preserving op ``node`` computes on its one tensor input, as a
-    :data:`~hftc.lowering.runtime.per_model_ops.Op` (``("leaky_relu", (("negative_slope", 0.2),
+    :data:`~hftc.lowering.runtime.differing_ops.Op` (``("leaky_relu", (("negative_slope", 0.2),
     ("inplace", False)))``), or None for any other node."""
     if node.op == "call_module":
         module = root.get_submodule(str(node.target))
