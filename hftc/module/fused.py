@@ -705,9 +705,9 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         merged, batched = self._merge_inputs(
             values, [n in given or n.startswith("*") for n in names[:len(values)]],
             names[:len(values)])
-        loop = self.__dict__.get("_method_one_by_one")
+        loop = self.__dict__.get("_methods_one_by_one")
         if loop is None:
-            loop = self.__dict__["_method_one_by_one"] = OneByOne(self)
+            loop = self.__dict__["_methods_one_by_one"] = OneByOne(self)
         return loop(self, merged, batched, method=name, kwargs=bound.kwargs)
 
     # ------------------------------------------------------------------ inspection
@@ -741,7 +741,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         state["_programs"] = {}  # generated code is recompiled on the next call
         # The models' other methods are fused again on their next call (the shared loop's
         # shells are kept: they hold the Python attributes forward changed).
-        for key in ("_method_modules", "_method_one_by_one", "_last_call_program"):
+        for key in ("_method_modules", "_methods_one_by_one", "_last_call_program"):
             state.pop(key, None)
         return state
 

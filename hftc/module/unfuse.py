@@ -44,7 +44,7 @@ def _drop_grad_accumulator(p: torch.Tensor) -> None:
 
 #: ``FusedModule.__dict__`` entries made lazily from its models, dropped where it takes
 #: another module's models over (:meth:`FusedModule._become`).
-_MADE_FROM_MODELS = ("_shared_one_by_one", "_method_one_by_one", "_method_modules",
+_MADE_FROM_MODELS = ("_shared_one_by_one", "_methods_one_by_one", "_method_modules",
                      "_last_call_program")
 
 
