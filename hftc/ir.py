@@ -41,11 +41,6 @@ PYTHON_STATE = "hftc_python_state"
 #: ``GraphModule.meta`` key: forward's inputs traced as Python constants, ``{name: value}``.
 CONSTANT_INPUTS = "hftc_constant_inputs"
 
-#: ``GraphModule.meta`` key, True where the graph is model 0's trace with this model's own
-#: values of the float attributes it differs in (hftc/frontends/numbers.py): the model
-#: differs from model 0 in nothing else forward reads.
-NUMBERS_TRACED = "hftc_numbers_traced"
-
 #: ``GraphModule.meta`` key of an exported graph: how torch.export kept the example inputs'
 #: sizes (:class:`hftc.frontends.export.ExportedShapes`: every dim symbolic, the leading
 #: dim only, or static shapes, and why).

@@ -10,6 +10,9 @@ how many symbolic traces ran.
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -37,6 +40,11 @@ def traces(monkeypatch):
 
 def _fuse(models, in_dims):
     return hftc.fuse(models, in_dims=in_dims, check=False)
+
+
+def _fuse_checked(models, in_dims):
+    """With the first-call check, which the token trace of differing floats needs."""
+    return hftc.fuse(models, in_dims=in_dims)
 
 
 class Net(nn.Module):
@@ -83,8 +91,15 @@ def test_a_python_scale_that_differs_is_each_models_in_one_trace(traces):
     passes it on to an op: one trace per mode with the scale as a token
     (hftc/frontends/numbers.py), each model's graph with its own value."""
     x = torch.randn(5, 4, dtype=torch.float64)
-    check_equivalence([Net(0.5), Net(2.0), Net(0.5), Net(0.5)], x, fuser=_fuse)
+    check_equivalence([Net(0.5), Net(2.0), Net(0.5), Net(0.5)], x, fuser=_fuse_checked)
     assert len(traces) == 2
+
+
+def test_without_the_check_floats_that_differ_are_traced_per_group(traces):
+    """check=False: nothing would run a model's own forward, so no token trace."""
+    x = torch.randn(5, 4, dtype=torch.float64)
+    check_equivalence([Net(0.5), Net(2.0), Net(0.5), Net(0.5)], x, fuser=_fuse)
+    assert len(traces) == 4
 
 
 def test_a_per_model_eps_is_each_models(traces):
@@ -92,7 +107,7 @@ def test_a_per_model_eps_is_each_models(traces):
     model normalizes with its own eps."""
     x = torch.randn(5, 4, dtype=torch.float64) * 1e-3
     models = [Net(eps=1e-1), Net(eps=1e-5), Net(eps=1e-1)]
-    check_equivalence(models, x, fuser=_fuse)
+    check_equivalence(models, x, fuser=_fuse_checked)
     assert len(traces) == 2
 
 
@@ -103,7 +118,7 @@ def test_dropout_p_that_differs_is_each_models_in_one_trace(traces):
     for model, p in zip(models, (0.0, 1.0, 0.0)):
         model.drop.p = p
     x = torch.randn(5, 4, dtype=torch.float64)
-    fused = hftc.fuse(models, check=False)
+    fused = hftc.fuse(models)
     out = fused(x)
     assert len(traces) == 2
     for k, model in enumerate(models):  # (p = 1 drops all of `h`: only out's bias is left)
@@ -122,7 +137,7 @@ def test_a_float_forward_branches_on_is_traced_per_group(traces):
     """``self.scale > 1.0`` reads the token in Python: each group is traced itself, and
     the two programs do not match (refused), never model 0's branch for model 1."""
     with pytest.raises(MismatchError, match="model 1"):
-        hftc.fuse([ScaleBranch(0.5).double(), ScaleBranch(2.0).double()], check=False)
+        hftc.fuse([ScaleBranch(0.5).double(), ScaleBranch(2.0).double()])
     assert len(traces) == 2 + 4  # the token trace per mode, then each group itself
     x = torch.randn(5, 4, dtype=torch.float64)
     check_equivalence([ScaleBranch(2.0), ScaleBranch(3.0)], x, fuser=_fuse)
@@ -211,16 +226,34 @@ def test_reading_parameter_metadata_still_shares_the_trace(traces):
     assert len(traces) == 2
 
 
-def test_models_proven_by_the_token_trace_are_not_checked_again():
-    """Models that differ from model 0 only in floats forward passes on (proven by the token
-    trace) need no reference of their own in the first-call check; a model that differs in
-    a float forward branches on does."""
-    alike_but_p = [Net().double() for _ in range(4)]
-    for k, model in enumerate(alike_but_p):
+def test_the_check_runs_every_model_the_token_trace_shared():
+    """The token trace's models differ from model 0 in Python state: the first-call check
+    runs each of them against its own forward."""
+    models = [Net().double() for _ in range(4)]
+    for k, model in enumerate(models):
         model.drop.p = 0.1 * k
-    assert hftc.fuse(alike_but_p).model_copies.differing == []
-    branching = [ScaleBranch(2.0).double(), ScaleBranch(3.0).double(), ScaleBranch(2.0).double()]
-    assert hftc.fuse(branching).model_copies.differing == [1]
+    assert hftc.fuse(models).model_copies.differing == [1, 2, 3]
+
+
+class ScaleInC(Net):
+    """Reads its float in C (math.exp takes a float's value without a method call): the
+    token notes nothing and model 0's exp(scale) is baked into the shared graph."""
+
+    def extra(self, x):
+        return x * math.exp(self.scale)
+
+
+def test_a_float_read_in_c_is_caught_by_the_check():
+    """The first-call check runs model 1's own forward: the fused module gives each
+    model its own exp(scale), never model 0's."""
+    models = [ScaleInC(0.5).double(), ScaleInC(2.0).double()]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = hftc.fuse(models)
+        out = fused(x)
+    for k, model in enumerate(models):
+        torch.testing.assert_close(out[k], model(x), rtol=1e-12, atol=1e-12)
 
 
 class ScaleNamed(Net):
@@ -232,5 +265,5 @@ class ScaleNamed(Net):
 
 def test_a_float_forward_formats_is_traced_per_group(traces):
     with pytest.raises(MismatchError, match="model 1"):
-        hftc.fuse([ScaleNamed(2.0).double(), ScaleNamed(3.0).double()], check=False)
+        hftc.fuse([ScaleNamed(2.0).double(), ScaleNamed(3.0).double()])
     assert len(traces) == 2 + 4

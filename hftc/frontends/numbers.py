@@ -10,9 +10,10 @@ dropout p): the numbers are traced as tokens and each model's graph gets its own
 A :class:`WatchedNumber` is a ``float`` that notes every use Python makes of it
 (arithmetic, comparison, ``bool``, formatting, hashing): a number forward only passes on
 to an op reaches the graph as the token itself, one forward computes or branches on is
-used, and then each model is traced itself (the program may depend on the value).  The
-first-call check still runs every model whose Python state differs from model 0's
-against its own forward.
+used, and then each model is traced itself (the program may depend on the value).  A
+read in C (``math.exp(self.p)`` takes a float's value without a method call) goes
+unnoted: the first-call check runs every model whose Python state differs from model 0's
+against its own forward, and without the check (``check=False``) models are each traced.
 """
 
 from __future__ import annotations

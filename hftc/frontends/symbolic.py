@@ -40,7 +40,6 @@ from ..ir import (
     BUFFER_ASSIGNMENT,
     CONSTANT_INPUTS,
     EXAMPLE_VALUE,
-    NUMBERS_TRACED,
     PYTHON_STATE,
     TORCH_RANDOM_DRAWS,
     apply_function,
@@ -922,7 +921,7 @@ class _ModelValuesWatched(torch.overrides.TorchFunctionMode):
 
 
 def trace_models(models: Sequence[nn.Module], *, modes: Sequence[bool],
-                 constants: Sequence[dict[str, Any] | None]
+                 constants: Sequence[dict[str, Any] | None], share_numbers: bool = True
                  ) -> dict[bool, list[fx.GraphModule]]:
     """Each model's graph in each mode (:func:`trace_model`, ``constants[i]`` model i's),
     tracing one model of each group :func:`~.same_program.alike_models` proves alike and
@@ -946,7 +945,10 @@ def trace_models(models: Sequence[nn.Module], *, modes: Sequence[bool],
     groups: dict[int, list[int]] = {}
     for i, first in enumerate(alike):
         groups.setdefault(first, []).append(i)
-    numbers = number_groups(models, list(groups), constants)
+    # Models that differ only in floats: one token trace (numbers.py), where the first-call
+    # check then runs each such model's own forward (a float read in C, math.exp(self.p),
+    # is no use a token can note).
+    numbers = number_groups(models, list(groups), constants) if share_numbers else {}
     graphs: dict[bool, list[fx.GraphModule]] = {}
     for mode in modes:
         traced = trace_number_variants(models, numbers, mode, constants) if numbers else {}
@@ -1010,8 +1012,6 @@ def trace_number_variants(models: Sequence[nn.Module],
     graphs = {i: _shared_trace(gm, models[i]) for i in numbers}
     if not all(graph_with_numbers(graphs[i], models[i], tokens) for i in numbers):
         return {}
-    for graph in graphs.values():
-        graph.meta[NUMBERS_TRACED] = True
     return graphs
 
 
@@ -1046,8 +1046,6 @@ def _shared_trace(traced: fx.GraphModule, model: nn.Module) -> fx.GraphModule:
     gm = _UncompiledGraphModule(model, copy.deepcopy(traced.graph), type(model).__name__)
     gm.meta[PYTHON_STATE] = list(traced.meta[PYTHON_STATE])
     gm.meta[CONSTANT_INPUTS] = dict(traced.meta[CONSTANT_INPUTS])
-    if traced.meta.get(NUMBERS_TRACED):
-        gm.meta[NUMBERS_TRACED] = True
     return gm
 
 

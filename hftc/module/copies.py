@@ -36,7 +36,7 @@ class ModelCopies:
     is model 0's, names and paths alike, the common case)."""
 
     def __init__(self, models: Sequence[nn.Module], names: Sequence[dict[str, str]],
-                 paths: Sequence[dict[str, str]], numbers_traced: Sequence[bool] = ()):
+                 paths: Sequence[dict[str, str]]):
         self.templates = [meta_copy(m) for m in models]
         own_paths = [[p for p, _ in m.named_modules(remove_duplicate=False)] for m in models]
         same = [own_paths[i] == own_paths[0] and all(k == v for k, v in names[i].items())
@@ -46,12 +46,9 @@ class ModelCopies:
         self.paths: list[dict[str, str] | None] = [
             None if s else dict(p) for s, p in zip(same, paths)]
         #: The models whose Python state differs from model 0's (what the first-call check
-        #: compares besides models 0, N // 2 and N - 1), but those whose graph is model
-        #: 0's trace with their own float attributes (``numbers_traced``: the program
-        #: proven model 0's, hftc/frontends/numbers.py).
+        #: compares besides models 0, N // 2 and N - 1).
         first = fingerprint(models[0]) if len(models) > 1 else None
-        proven = list(numbers_traced) or [False] * len(models)
-        self.differing = [i for i, m in enumerate(models) if i and not proven[i] and (
+        self.differing = [i for i, m in enumerate(models) if i and (
             fingerprint(m) != first or program_difference(models[0], m) is not None)]
 
     def __len__(self) -> int:

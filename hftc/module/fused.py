@@ -44,7 +44,7 @@ from ..frontends.symbolic import (
     meta_copy,
     trace_models,
 )
-from ..ir import CONSTANT_INPUTS, EXPORTED_SHAPES, NUMBERS_TRACED, PYTHON_STATE
+from ..ir import CONSTANT_INPUTS, EXPORTED_SHAPES, PYTHON_STATE
 from ..lowering.autotune import run_program
 from ..lowering.checkpoint import check_option as check_checkpoint_option
 from ..lowering.compile_guard import compiled_original
@@ -337,10 +337,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         object.__setattr__(self, "_template", template)
         #: Each model's own object (its Python state, no tensors): every per-model module
         #: hftc makes (the check's references, the models one by one, unfuse()) is one.
-        self.model_copies = ModelCopies(
-            models, name_maps, _module_path_maps(matches[True], graphs[True], name_maps),
-            numbers_traced=[all(graphs[mode][i].meta.get(NUMBERS_TRACED, False)
-                                for mode in (True, False)) for i in range(len(models))])
+        self.model_copies = ModelCopies(models, name_maps,
+                                        _module_path_maps(matches[True], graphs[True], name_maps))
         root, sources = build_module_tree(models, template, name_maps)
         self._adopt(root, models[0])
         fused_names = {id(p): name for name, p in self.named_parameters()}
@@ -474,7 +472,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         if frontend != "export":
             try:
                 return trace_models(models, modes=(True, False), constants=[
-                    example_constants(m, example_inputs) for m in models])
+                    example_constants(m, example_inputs) for m in models],
+                    share_numbers=self.check is not False)
             except TraceError:
                 if example_inputs is None or frontend == "symbolic":
                     raise
