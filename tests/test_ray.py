@@ -66,14 +66,22 @@ def test_digits_on_two_nodes_gives_the_one_worker_results(cluster, tmp_path: Pat
     ``hftc sweep --ray ADDRESS --workers 2`` (2 actors on 2 nodes, arrays of 2) report
     the same accuracies epoch by epoch."""
     c, _ = cluster
-    spec_file = tmp_path / "digits64.py"
-    # The digits spec as it is, in float64; its loss paced (2 s an epoch) so that each
-    # actor asks its 2 trials before the other has trained them: both take them in its
-    # rounds 0..2, as the one worker does (a trial's data order is its round's).
-    spec_file.write_text(
-        "import time\n\nimport torch\n\nfrom hftc.sweep.digits import *  # noqa: F403\n\n"
-        "dtype = torch.float64\nepochs = 3\npruner = 'none'\nn_trials = 4\n\n\n"
-        "def loss(output, target):\n    time.sleep(0.05)\n"
+    # The digits spec as it is, in float64. Each actor asks its 2 trials before the other
+    # has trained them, as the one worker asks its 4 (a trial's data order is its round's):
+    # the loss waits, on its first call, until the study has no trial left to ask.
+    spec_source = (
+        "import time\n\nimport optuna\nimport torch\nfrom optuna.trial import TrialState\n\n"
+        "from hftc.sweep.digits import *  # noqa: F403\n\n"
+        "dtype = torch.float64\nepochs = 3\npruner = 'none'\nn_trials = 4\n"
+        "STORAGE = {storage!r}\nasked = []\n\n\n"
+        "def loss(output, target):\n"
+        "    deadline = time.monotonic() + 120\n"
+        "    while not asked and time.monotonic() < deadline:\n"
+        "        trials = optuna.load_study(study_name='digits', storage=STORAGE).trials\n"
+        "        if all(t.state != TrialState.WAITING for t in trials):\n"
+        "            asked.append(True)\n"
+        "        else:\n"
+        "            time.sleep(0.2)\n"
         "    return torch.nn.functional.cross_entropy(output, target)\n")
     values = {}
     for label, per_array in (("one", 4), ("ray", 2)):
@@ -81,6 +89,8 @@ def test_digits_on_two_nodes_gives_the_one_worker_results(cluster, tmp_path: Pat
         out.mkdir()
         storage = f"sqlite:///{out / 'study.db'}"
         _digits_study(storage, "digits", DIGITS_CONFIGS)
+        spec_file = out / "digits64.py"
+        spec_file.write_text(spec_source.format(storage=storage))
         if label == "one":
             spec = hs.load_spec(spec_file).replace(per_array=per_array)
             hs.Sweep(spec, out=out, storage=storage, progress=False).run()

@@ -148,6 +148,9 @@ class _SweepActor:
         if self.device is not None:
             spec = spec.replace(device=self.device)
         SweepData.from_spec(spec)  # imports and reads the data (a bad data() fails here)
+        # The sweep's start-up import (a second or more on a loaded node) paid here too, so
+        # that no actor begins asking trials long after the others.
+        import torch._dynamo  # noqa: F401
         self.spec = spec
         return self.where()
 
