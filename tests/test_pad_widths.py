@@ -20,7 +20,7 @@ from torch import nn
 import hftc
 import hftc.module.padding
 from hftc.errors import FusionArgumentError, MismatchError, UnsupportedOperatorError
-from hftc.lowering.check import ConstantRandomness
+from hftc.lowering.check import ConstantRandomness, first_differing_op
 from tests.optim_helpers import single_thread  # noqa: F401  (fixture)
 
 # ---------------------------------------------------------------- models
@@ -493,10 +493,11 @@ def test_the_locating_message_names_the_op():
         padded.fc2.weight.zero_()
         padded.fc2.weight[:, :8] = original.fc2.weight
         padded.fc2.bias.copy_(original.fc2.bias)
-    where = hftc.module.padding.locate_padded_op(original, padded, [torch.randn(2, 4)])
-    assert re.search(r"^the op `softmax` \(.*test_pad_widths.py:\d+, in forward\)$", where), where
+    where = first_differing_op(original, padded, [torch.randn(2, 4)])
+    assert re.search(r"^the op `softmax` \(.*test_pad_widths.py:\d+ in forward: `.*softmax.*`\)$",
+                     where), where
     # the original against itself: nothing differs, nothing is named
-    assert hftc.module.padding.locate_padded_op(original, original, [torch.randn(2, 4)]) == ""
+    assert first_differing_op(original, original, [torch.randn(2, 4)]) == ""
 
 
 def test_outputs_of_different_widths_are_refused():
@@ -751,7 +752,7 @@ def test_a_refused_padded_program_names_the_module_and_the_op(monkeypatch):
     assert "pad_widths=True refused" in message
     assert "the first module whose output differs is module `fc2` (Linear)" in message, message
     assert re.search(r"the first op of forward's own code that differs on the model's own "
-                     r"units is the op `softmax` \(.*test_pad_widths.py:\d+, in forward\)",
+                     r"units is the op `softmax` \(.*test_pad_widths.py:\d+ in forward: ",
                      message), message
 
 

@@ -144,11 +144,14 @@ class _Tracer(fx.Tracer):
     buffer assignments and custom autograd Functions are recorded too, and Python's
     random draws refused; torch's random draws are nodes even from constant arguments, and
     so are autocast regions (the context managers below, entered by :meth:`trace`).
+
+    ``leaf``: modules it keeps as ``call_module`` nodes besides torch.nn's (the padded
+    modules of ``pad_widths=True``, whose analysis compares two models node by node).
     """
 
     proxy_buffer_attributes = True
 
-    def __init__(self) -> None:
+    def __init__(self, leaf: Callable[[nn.Module], bool] | None = None) -> None:
         # ``from torch.nn.utils.rnn import pack_padded_sequence`` in a model's module: fx
         # wraps such global names; attribute calls are wrapped by _sequence_packing_recorded.
         super().__init__(autowrap_functions=tuple(
@@ -168,6 +171,7 @@ class _Tracer(fx.Tracer):
         self.undecidable: fx.Node | None = None
         #: the frame of :meth:`trace`: a node's line of the user's code is one inside it
         self._trace_frame: types.FrameType | None = None
+        self._leaf = leaf
 
     def _proxy_placeholder(self, name: str, concrete_args: Any, sig: inspect.Signature,
                            fn_for_analysis: Callable[..., Any]) -> Any:
@@ -242,6 +246,8 @@ class _Tracer(fx.Tracer):
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if self._leaf is not None and self._leaf(m):
+            return True
         if traceable_forward(m) is not None:
             return False
         return super().is_leaf_module(m, module_qualified_name)
@@ -1087,29 +1093,13 @@ def deepcopy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn
 
 
 
-class LeafTracer(fx.Tracer):
-    """torch.fx's own tracer with torch.nn's modules and those ``leaf`` picks as leaves,
-    buffers as proxies (``self.mask[:T, :T]`` is a node) and every node's stack trace
-    kept: a model's own forward op for op, so that two models of one structure (a model
-    and its padded model, ``pad_widths=True``) give graphs that match node by node.  The
-    fusing trace is :func:`trace_model`'s (through the modules it knows, autocast and
-    grad modes and random draws as nodes); this one compares and rewrites forwards."""
-
-    proxy_buffer_attributes = True
-
-    def __init__(self, leaf: Callable[[nn.Module], bool]) -> None:
-        super().__init__()
-        self.record_stack_traces = True
-        self._leaf = leaf
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return self._leaf(m) or super().is_leaf_module(m, qualname)
-
-
 def trace_with_leaves(model: nn.Module, leaf: Callable[[nn.Module], bool],
                       concrete_args: dict[str, Any] | None = None) -> fx.GraphModule:
-    """``model``'s forward as a GraphModule traced by :class:`LeafTracer`."""
-    tracer = LeafTracer(leaf)
+    """``model``'s forward as a GraphModule, traced as for fusing (the one tracer) with
+    the modules ``leaf`` picks as leaves too: a model's own forward op for op, so that two
+    models of one structure (a model and its padded model, ``pad_widths=True``) give
+    graphs that match node by node."""
+    tracer = _Tracer(leaf)
     graph = tracer.trace(model, concrete_args=concrete_args or None)
     return fx.GraphModule(tracer.root, graph)
 

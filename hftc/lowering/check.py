@@ -46,6 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import ir
 from ..errors import plain_message
+from ..frontends.symbolic import record_values, trace_with_leaves
+from ..passes.padded import PaddedModule
 from .runtime.one_by_one import call_model
 
 aten = torch.ops.aten
@@ -581,20 +583,76 @@ def _within_own_rounding(fused: nn.Module, i: int, args: Sequence[Any], got: Any
 
 def locate_difference(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
                       records: Sequence[Any], values: Sequence[Any], batched: Sequence[bool],
-                      index: int, real_units: bool = False) -> str:
+                      index: int, padded: nn.Module | None = None) -> str:
     """Where model ``index``'s outputs part: the first of its leaf modules (in model 0's
     traced graph, in order) whose output in the fused program differs from its output in
     the model's own forward (read with forward hooks on an unfused copy), or that its own
     forward did not run as often.  Both run on copies of ``values`` with constant
     randomness; ``records``: the fusion report's, which name each node's fused value.
-    ``real_units`` (a program of models padded to the widest, ``pad_widths=True``): each
-    fused value is compared on the model's own units, the leading ones of each dim.
+    ``padded`` (model ``index`` padded to the widest, ``pad_widths=True``): each fused
+    value is compared on the model's own units, the leading ones of each dim, and then
+    the first op of forward's own code that parts is named (:func:`first_differing_op`).
     Best effort: a diagnosis that cannot be made is ``""``."""
     try:
-        return _locate(fused, fused_graph, model_graph, records, values, batched, index,
-                       real_units)
+        where = _locate(fused, fused_graph, model_graph, records, values, batched, index,
+                        padded is not None)
     except Exception:  # noqa: BLE001 - a diagnosis must never make the error worse
+        where = ""
+    if padded is None:
+        return where
+    args = [model_slice(v, index) if b else v for v, b in zip(input_copies(values), batched)]
+    op = first_differing_op(fused.unfuse_model(index), padded, args)
+    return "; ".join(w for w in (where, op and f"the first op of forward's own code that "
+                                 f"differs on the model's own units is {op}") if w)
+
+
+def first_differing_op(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
+    """The first op of forward's own code whose inputs agree on ``original``'s units and
+    whose output does not, in ``padded`` (the model padded to the widest): both traced
+    by the one tracer with the padded modules as leaves, so that the graphs match node by
+    node, and run on ``args``; named with the user's line.  ``""`` where the models do
+    not trace alike, or nothing differs."""
+    try:
+        graph, wants = _node_values(original, args)
+        padded_graph, gots = _node_values(padded, args)
+    except Exception:  # noqa: BLE001 - an untraceable forward: the module-level answer
         return ""
+    nodes, padded_nodes = list(graph.nodes), list(padded_graph.nodes)
+    if [n.op for n in nodes] != [n.op for n in padded_nodes]:
+        return ""
+    to_padded = dict(zip(nodes, padded_nodes))
+    for node in nodes:
+        if node.op not in ("call_function", "call_method") or node.name not in wants:
+            continue
+        inputs_agree = all(_agree(wants[a.name], gots.get(to_padded[a].name))
+                           for a in node.all_input_nodes if a.name in wants)
+        if inputs_agree and not _agree(wants[node.name], gots.get(to_padded[node].name)):
+            name = node.target if isinstance(node.target, str) else getattr(
+                node.target, "__name__", str(node.target))
+            where = ir.user_line(node)
+            return f"the op `{name}` ({where})" if where else f"the op `{name}`"
+    return ""
+
+
+def _node_values(model: nn.Module, args: Sequence) -> tuple[fx.Graph, dict[str, object]]:
+    gm = trace_with_leaves(model, lambda m: isinstance(m, PaddedModule))
+    with torch.no_grad(), ConstantRandomness():
+        values = record_values(gm, *args)
+    return gm.graph, {n.name: v for n, v in values.items()}
+
+
+def _agree(want: object, got: object) -> bool:
+    """``got`` (the padded model's) equals ``want`` on the original's units."""
+    if isinstance(want, (tuple, list)) and isinstance(got, (tuple, list)):
+        return len(want) == len(got) and all(_agree(w, g) for w, g in zip(want, got))
+    if not isinstance(want, Tensor) or not isinstance(got, Tensor):
+        return True  # sizes and Python values: the widths differ on purpose
+    if got.dim() != want.dim() or any(g < w for g, w in zip(got.shape, want.shape)):
+        return False
+    got = got[tuple(slice(0, w) for w in want.shape)]
+    if not want.is_floating_point():
+        return torch.equal(got, want)
+    return torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6)
 
 
 def _real_units(got: Any, want: Any) -> Any:
@@ -663,5 +721,6 @@ def _locate(fused: nn.Module, fused_graph: fx.Graph, model_graph: fx.Graph,
             f"difference arises in forward's own code between modules")
 
 
-__all__ = ["CheckResult", "ConstantRandomness", "compare_with_models", "locate_difference",
+__all__ = ["CheckResult", "ConstantRandomness", "compare_with_models", "first_differing_op",
+           "locate_difference",
            "model_slice", "output_difference", "tolerance"]

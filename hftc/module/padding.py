@@ -35,19 +35,16 @@ or refuses it, named; nothing inexact runs.
 from __future__ import annotations
 
 import copy
-import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import MismatchError, UnsupportedOperatorError
-from ..frontends.symbolic import deepcopy_module, meta_copy, record_values, trace_with_leaves
-from ..lowering.check import ConstantRandomness
+from ..frontends.symbolic import deepcopy_module, meta_copy
 from ..passes import padded as padded_modules
 from ..passes.registry import widened_modules, widens_of
 
@@ -247,75 +244,6 @@ def is_padded(module: nn.Module) -> bool:
     return isinstance(module, PaddedModule)
 
 
-def _node_values(model: nn.Module, args: Sequence) -> tuple[torch.fx.Graph, dict[str, object]]:
-    gm = trace_with_leaves(model, is_padded)
-    with torch.no_grad(), ConstantRandomness():
-        values = record_values(gm, *args)
-    return gm.graph, {n.name: v for n, v in values.items()}
-
-
-def _agree(want: object, got: object) -> bool:
-    """``got`` (the padded model's) equals ``want`` on the original's units."""
-    if isinstance(want, (tuple, list)) and isinstance(got, (tuple, list)):
-        return len(want) == len(got) and all(_agree(w, g) for w, g in zip(want, got))
-    if not isinstance(want, Tensor) or not isinstance(got, Tensor):
-        return True  # sizes and Python values: the widths differ on purpose
-    if got.dim() != want.dim() or any(g < w for g, w in zip(got.shape, want.shape)):
-        return False
-    got = got[tuple(slice(0, w) for w in want.shape)]
-    if not want.is_floating_point():
-        return torch.equal(got, want)
-    return torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-6)
-
-
-def _user_frame(stack_trace: str) -> str:
-    """``file:line, in function`` of the innermost frame of a node's stack trace outside
-    torch and hftc: the model's own line."""
-    skip = (str(Path(torch.__file__).parent), str(Path(__file__).parent.parent))  # hftc/
-    for found in reversed(re.findall(r'File "([^"]+)", line (\d+), in (\S+)', stack_trace)):
-        if not found[0].startswith(skip):
-            return f"{found[0]}:{found[1]}, in {found[2]}"
-    return ""
-
-
-def locate_padded_op(original: nn.Module, padded: nn.Module, args: Sequence) -> str:
-    """The first op of forward's own code whose inputs agree on the original's units and
-    whose output does not (both models traced alike,
-    :func:`~hftc.frontends.symbolic.trace_with_leaves`, and run on ``args``), named with
-    its source line; "" where the models do not trace alike.  The op-level pinpoint that
-    :func:`hftc.lowering.check.locate_difference` (the module whose output differs) is
-    followed by for a padded program."""
-    try:
-        graph, wants = _node_values(original, args)
-        padded_graph, gots = _node_values(padded, args)
-    except Exception:  # noqa: BLE001 - an untraceable forward: the module-level answer
-        return ""
-    nodes, padded_nodes = list(graph.nodes), list(padded_graph.nodes)
-    if [n.op for n in nodes] != [n.op for n in padded_nodes]:
-        return ""
-    at = _first_differing(nodes, wants, gots, dict(zip(nodes, padded_nodes)))
-    if at is None:
-        return ""
-    where = _user_frame(nodes[at].stack_trace or "")
-    name = _op_name(nodes[at])
-    return f"the op `{name}` ({where})" if where else f"the op `{name}`"
-
-
-def _first_differing(nodes: Sequence[torch.fx.Node], wants: dict, gots: dict,
-                     to_padded: dict[torch.fx.Node, torch.fx.Node]) -> int | None:
-    """The position of the first op whose inputs agree on the original's units
-    (``wants``: the original graph's values, ``gots``: the padded one's) and whose
-    output does not."""
-    for k, node in enumerate(nodes):
-        if node.op not in ("call_function", "call_method") or node.name not in wants:
-            continue
-        inputs_agree = all(_agree(wants[a.name], gots.get(to_padded[a].name))
-                           for a in node.all_input_nodes if a.name in wants)
-        if inputs_agree and not _agree(wants[node.name], gots.get(to_padded[node].name)):
-            return k
-    return None
-
-
 def widths_key(model: nn.Module) -> str:
     """Equal for two models that ``pad_widths=True`` may pad into one array: the same
     module paths and classes, the same tensor names and ranks, whatever their widths."""
@@ -510,11 +438,6 @@ def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPaddi
 
 
 
-def _op_name(node: torch.fx.Node) -> str:
-    return node.target if isinstance(node.target, str) else getattr(
-        node.target, "__name__", str(node.target))
-
-
-__all__ = ["WidthPadding", "into_padded", "is_padded", "locate_padded_op", "mask_padded_gradients",
+__all__ = ["WidthPadding", "into_padded", "is_padded", "mask_padded_gradients",
            "own_part", "pad_models", "padding_ratio", "weight_shapes", "width_blocks",
            "widths_key"]

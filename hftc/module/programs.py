@@ -59,7 +59,6 @@ from ..match import GraphMatch, match_graphs
 from ..passes import FusionReport
 from ..passes.driver import SHARED_CONSTANT_PREFIX
 from ..passes.registry import aten_spellings, per_model_table
-from .padding import locate_padded_op
 from .padding_graph import compute_over_real_units
 
 
@@ -407,15 +406,8 @@ class ProgramCache:
         index = report.check.failed_model
         padded = getattr(self, "padding", None) is not None
         where = locate_difference(self, graph, model_graph, report.records, values, batched,
-                                  index, real_units=padded)
+                                  index, self.padded_model(index) if padded else None)
         if padded:
-            op = locate_padded_op(
-                self.unfuse_model(index), self.padded_model(index),
-                [model_slice(v, index) if b else v
-                 for v, b in zip(input_copies(values), batched)])
-            where = "; ".join(w for w in (where, op and f"the first op of forward's own code "
-                                          f"that differs on the model's own units is {op}")
-                              if w)
             where = f" ({where})" if where else ""
             return (f"{report.check.difference}{where}: padded to the widest model "
                     f"(pad_widths=True), the fused program does not compute what the "
