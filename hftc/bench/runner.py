@@ -186,8 +186,10 @@ def worker_main(conn: Connection, spec: dict[str, Any]) -> None:
         else:
             step_peak = _status_mib()["VmHWM"]
         if phases is not None and spec.get("phases", True):
-            # where a warm step's time goes, apart from the timed rounds
+            # where a warm step's time goes, apart from the timed rounds; then warm again:
+            # the profiler's aftermath slowed the next steps (docs/BENCHMARKS.md)
             info = dict(info, phases=phases())
+            warm += [timed(1) for _ in range(spec.get("warmup", 2))]
         if on_gpu:
             _release_device_cache()
         conn.send(("ready", {"build_s": build_s, "first_step_s": first_s, "warm_s": warm,
