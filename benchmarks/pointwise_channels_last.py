@@ -1,5 +1,6 @@
 """N 1x1 convs of a folded channels-last map: ``pointwise_channels_last`` against
-``pointwise_bmm`` and the per-model loop, forward + backward, one thread, interleaved rounds.
+``pointwise_bmm`` and one call per model (``loop``), forward + backward, one thread,
+interleaved rounds.
 
     python benchmarks/pointwise_channels_last.py [--n 4] [--rounds 15]
 

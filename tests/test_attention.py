@@ -2,7 +2,7 @@
 
 Every case is the equivalence harness (fused vs a loop over the originals,
 float64, forward + every gradient), plus structure checks: attention is one
-fused op, never a per-model loop.
+fused op, never run model by model.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def test_real_model_workloads_train_like_the_serial_loop(name):
         assert got[k].dtype == torch.float32, k
         torch.testing.assert_close(got[k][trained[k]], want[k][trained[k]], rtol=1e-3,
                                    atol=2e-5, msg=lambda m, k=k: f"float32 {k}: {m}")
-    # hftc has no rule for stochastic depth yet (a per-model loop); everything else fuses.
+    # hftc has no rule for stochastic depth yet (run model by model); everything else fuses.
     assert all(f.startswith("stochastic_depth") for f in fallbacks), fallbacks
 
 

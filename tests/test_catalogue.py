@@ -412,7 +412,7 @@ class SizeArguments(nn.Module):
 
 
 def test_size_arguments_of_ops_that_run_per_model():
-    """The per-model loop flattened its arguments at run time with pytree, which splits a
+    """The one-by-one fallback flattened its arguments at run time with pytree, which splits a
     ``torch.Size`` into its ints, while its flags counted the Size as one value: every such
     call failed with a pytree 'leaves has length 3 but the spec refers to 6' error."""
     check_equivalence([SizeArguments() for _ in range(3)], torch.randn(2, 3, 4, 4))

@@ -178,7 +178,7 @@ def test_what_is_chained_and_what_is_not(model, chains_expected):
 
 
 def test_an_autotuned_loop_lowering_breaks_the_chain(monkeypatch, tmp_path):
-    # A layer autotune runs as a per-model loop is left to linear.linear.
+    # A layer autotune runs model by model (lowering "loop") is left to linear.linear.
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
     models = [sequential((6, 9, 7, 4)) for _ in range(3)]

@@ -467,7 +467,7 @@ class KeepsPositiveRows(nn.Module):
 
 
 def test_results_of_different_shapes_run_the_models_one_by_one():
-    # The per-model loop's stack of ragged results crashed in a bare torch.stack error.
+    # The one-by-one fallback's stack of ragged results crashed in a bare torch.stack error.
     torch.manual_seed(0)
     models = [KeepsPositiveRows().double() for _ in range(3)]
     x = torch.randn(8, 4, dtype=torch.float64)

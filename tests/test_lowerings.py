@@ -127,7 +127,7 @@ def _check_every_lowering(kernel, cls, kwargs, shape, n, x_batched, batch, dtype
     tol = DEFAULT_TOL[dtype]
 
     names = lowerings_of(kernel)(x, weight, bias, **layer_args)
-    assert "loop" in names, "the per-model loop must always be a candidate"
+    assert "loop" in names, "one call per model (\"loop\") must always be a candidate"
     for name in names:
         xl = x.detach().requires_grad_()
         wl = weight.detach().requires_grad_()
@@ -199,8 +199,8 @@ def _assert_close_to_scale(got: torch.Tensor, want: torch.Tensor, tol: float, ms
     A weight gradient is a sum over the batch and every output position; its rounding
     error scales with the size of the terms, not of the sum. An element that cancels to
     near 0 (|w| = 0.05 where the largest is 42, a 3-d conv's weight gradient in float32)
-    is then off by ~1e-5 in any summation order: the per-model loop's own result was
-    1.4e-5 from float64's, measured under AVX512 (oneDNN's kernels differ by ISA).
+    is then off by ~1e-5 in any summation order: the one-call-per-model lowering's own
+    result was 1.4e-5 from float64's, measured under AVX512 (oneDNN's kernels differ by ISA).
     """
     scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=msg)
@@ -882,7 +882,7 @@ class _ConvNeXtStage(nn.Module):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_convnext_stage_runs_its_depthwise_convs_as_depthwise_wgrad_conv(dtype):
     # The cost model's default: each depthwise conv's backward is the lowering's own,
-    # and two training steps match the per-model loop (values, every gradient).
+    # and two training steps match one call per model (values, every gradient).
     torch.manual_seed(0)
     models = [_ConvNeXtStage() for _ in range(3)]
     fused = check_equivalence(models, torch.randn(2, 4, 9, 9), dtype=dtype, steps=2)

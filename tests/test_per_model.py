@@ -66,7 +66,7 @@ def test_per_model_scalars_match_the_loop(name, train):
     fused = check_equivalence(models, torch.randn(INPUTS.get(name, (5, 4))), train=train,
                               steps=2 if train else 1)
     assert fused.num_models == 3
-    # instance norm and celu with per-model values run as exact per-model loops
+    # instance norm and celu with per-model values run model by model, exactly
     loops = [r.node for r in fused.fusion_report.fallbacks]
     expected = {"instancenorm_eps": ["_1"], "celu": ["_1"], "functional_slopes": ["celu"]}
     assert loops == expected.get(name, [])

@@ -1,6 +1,6 @@
 """The ``pointwise_channels_last`` lowering of N 1x1 convs (hftc.lowering.runtime.conv): one GEMM
 per model on its column slice of the folded channels-last map, in place.  Checked
-against the per-model loop (forward, input, weight and bias gradients; float64 and
+against the models one by one (forward, input, weight and bias gradients; float64 and
 float32; a grid of shapes and N), for the layouts it keeps, its double backward, and
 the batched GEMM it falls back to where the map is not channels-last."""
 
@@ -38,7 +38,7 @@ def _run(x, weight, bias, grad_out, lowering):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "N{}-B{}-{}to{}-{}x{}-bias{}".format(*s))
-def test_pointwise_channels_last_matches_the_per_model_loop(shape, dtype):
+def test_pointwise_channels_last_matches_the_models_one_by_one(shape, dtype):
     n, batch, cin, cout, height, width, has_bias = shape
     torch.manual_seed(0)
     x = _channels_last_map(n, batch, cin, height, width, dtype)

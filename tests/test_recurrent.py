@@ -2,7 +2,7 @@
 
 Equivalence (float64, forward, every gradient, returned states) over a grid of
 layers, directions, batch_first, initial states given or not, shared or stacked
-inputs; structure: one fused recurrence, no per-model loop.
+inputs; structure: one fused recurrence, nothing run model by model.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from tests.optim_helpers import single_thread  # noqa: F401  (fixture)
 
 @contextlib.contextmanager
 def declared(*keys, **facts):
-    """A rule for ``keys`` (the per-model loop) with ``facts``, for the test's length."""
+    """A rule for ``keys`` (the one-by-one fallback) with ``facts``, for the test's length."""
     saved = {key: RULES.pop(key) for key in keys if key in RULES}
     try:
         rule(*keys, name="test_rule_facts", **facts)(runs_one_by_one)

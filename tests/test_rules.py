@@ -421,7 +421,7 @@ def test_rule_float32(case, train):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_rule_case_fuses_every_op(case):
-    """Each case exercises rules: none of its ops may fall back to the per-model loop."""
+    """Each case exercises rules: none of its ops may fall back to running model by model."""
     fused = hftc.fuse([m.double() for m in _models(case, 2)])
     fused(_inputs(case, 2, False))
     assert [(r.source, r.reason) for r in fused.fusion_report.fallbacks] == []

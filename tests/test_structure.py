@@ -1,7 +1,7 @@
 """Structure: what the fused graph looks like, not only what it computes.
 
 N conv nodes become exactly one conv node; likewise linear and norms; an op no
-rule covers becomes a reported per-model loop; a graph with nothing to fuse is
+rule covers runs model by model, reported; a graph with nothing to fuse is
 left as it was.  Also the module-level contract of API.md: stacked parameter
 names and shapes, unfuse, model_state_dict, state_dict round trips, dtype.
 """
@@ -101,11 +101,11 @@ def test_unfusable_op_falls_back_to_a_reported_loop():
     report = fused.fusion_report
     assert [r.node for r in report.fallbacks] == ["fft_rfft"]
     assert "no fusion rule" in report.fallbacks[0].reason
-    assert "per-model loop" in str(report)
+    assert "run model by model (exact, but not faster):" in str(report)
 
 
 @pytest.mark.parametrize("parametrization", ["weight_norm", "spectral_norm", "orthogonal"])
-def test_parametrized_module_runs_as_a_reported_per_model_loop(parametrization):
+def test_parametrized_module_runs_model_by_model_reported(parametrization):
     # Its weight is computed from other tensors on every access (spectral_norm's power
     # iteration also updates buffers): the module runs per model on its slices of the
     # stacked originals, not as a fused linear that reads a `weight` that is not there.

@@ -365,7 +365,8 @@ def _workload_tables(name: str, entry: dict, contenders: list[str], peak_gflops:
                     for node, by_n in lowerings.items()) + "."]
     fallbacks = {f for _, r in hftc for f in (r.get("info") or {}).get("fallbacks", [])}
     if fallbacks:
-        out += ["", "hftc fell back to per-model loops for: " + "; ".join(sorted(fallbacks)) + "."]
+        out += ["", "hftc ran model by model (no rule fuses them): "
+                + "; ".join(sorted(fallbacks)) + "."]
     return out + [""]
 
 

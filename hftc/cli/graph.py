@@ -8,22 +8,22 @@ One box per fused op (parameters and buffers left out), e.g.::
                                    (a tuple: each part's; a shared value has no N)
 
 coloured by what hftc did with it (the legend: fused, computed once for all models, run
-one by one), and grouped in one frame per block of the model (``layer1.0``,
+model by model), and grouped in one frame per block of the model (``layer1.0``,
 ``features.3``: the module path up to its first index), so a ResNet-18 reads block by block.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from ..ir import EXAMPLE_VALUE, ORIGIN, RULE, SOURCE
 from ..lowering.runtime.tuning import lowerings_of
+from ..passes.report_text import shape_text
 
 _KINDS = {  # rule -> (legend text, fill colour)
     "fused": ("fused: one op for all N models", "lightblue"),
     "shared": ("shared: computed once, same for all models", "lightgrey"),
-    "loop": ("loop: run model by model", "mistyrose"),
+    "loop": ("model by model: no rule fuses it, each model runs it in turn", "mistyrose"),
     "io": ("input / output", "white"),
 }
 _MODULE_PATH = re.compile(r"module path `([^`]*)`")
@@ -55,14 +55,10 @@ def _block(path: str) -> str:
     return ""
 
 
-def _shape(value: Any, batched: bool) -> str:
-    """Model 0's value -> the fused one's shape, ``[N, ...]`` where it has the model axis."""
-    if hasattr(value, "shape"):
-        return "[" + ", ".join(["N"] * batched + [str(d) for d in value.shape]) + "]"
-    if isinstance(value, (tuple, list)):
-        shapes = [_shape(v, batched) for v in value]
-        return "(" + ", ".join(s for s in shapes if s) + ")" if any(shapes) else ""
-    return ""
+def _shape(node) -> str:
+    """The fused value's shape, ``[N, ...]`` where it has the model axis; "" for none."""
+    shape = shape_text(node.meta.get(EXAMPLE_VALUE), _kind(node) in ("fused", "loop"))
+    return "" if shape == "-" else shape
 
 
 def _user_name(node) -> str:
@@ -162,7 +158,7 @@ def graph_to_dot(fused, title: str = "fused") -> str:
         operation = _operation(node, fused)
         head = name if operation == name or node.op == "placeholder" else f"{name}: {operation}"
         label = "\\n".join(_quote(part) for part in (
-            head, _shape(node.meta.get(EXAMPLE_VALUE), _kind(node) in ("fused", "loop"))) if part)
+            head, _shape(node)) if part)
         color = _KINDS[_kind(node)][1]
         tooltip = _quote(f"{node.name}: {node.meta.get('hftc_rule', node.op)}")
         by_block.setdefault(block_of[node.name], []).append(

@@ -532,7 +532,8 @@ class ProgramCache:
     @property
     def fusion_report(self) -> FusionReport:
         """The last compiled program's report: every node, the rule that fused it, the N
-        originals it replaced, and what runs one by one (``.fallbacks``)."""
+        originals it replaced, and what runs model by model (``.fallbacks``);
+        ``print(report)`` shows one row per op as the user wrote it."""
         return self.last_program().report
 
     @property

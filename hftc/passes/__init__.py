@@ -17,6 +17,7 @@
 | registry.py     | ``@rule``: an op's keys and facts (ATen spellings, per-model      |
 |                 | arguments, padding, channels-last, chaining, differing ops)       |
 | padded.py       | the padded modules ``pad_widths=True`` builds (``widens=``)       |
+| report_text.py  | the fusion report as text (``print(report)``, ``hftc inspect``)   |
 """
 
 from . import (  # noqa: F401  (each module registers its rules)

@@ -43,6 +43,7 @@ from ..lowering.runtime import layout as rt_layout
 from ..match import describe_node, module_path, target_name
 from .differing_ops import describe_ops
 from .registry import FusionGroup, GraphBuilder, NotFusable, RuleEntry, lookup
+from .report_text import report_lines, shape_text
 
 #: The fused module's name for a constant tensor every model holds equal (one copy, shared;
 #: other constants are stacked ``[N, ...]``).  It starts like every constant's name.
@@ -65,6 +66,9 @@ class FusionRecord:
     #: The fused node that holds this node's value (``[N, ...]`` unless ``kind`` is
     #: "shared"), for :func:`hftc.lowering.check.locate_difference`.
     value: str = ""
+    #: The fused value's shape as the report prints it, ``[N, 2, 6, 28, 28]``
+    #: (:func:`~hftc.passes.report_text.shape_text`; a shared value's has no ``N``).
+    shape: str = ""
 
 
 @dataclass
@@ -108,50 +112,8 @@ class FusionReport:
         return counts
 
     def __str__(self) -> str:
-        lines = [
-            f"hftc fusion report: {self.num_models} models, graphs matched by {self.match_method}",
-            f"  {len(self.fused)} ops fused, "
-            f"{sum(r.kind == 'shared' for r in self.records)} computed once (shared), "
-            f"{len(self.fallbacks)} per-model loops"
-            + (f", {len(self.per_model)} ops that differ per model" if self.per_model else ""),
-            "",
-            f"  {'node':<24} {'kind':<9} {'rule':<28} fused node(s)   <- originals",
-        ]
-        for r in self.records:
-            if r.kind in ("input", "parameter"):
-                continue
-            origin = ", ".join(r.originals[:3]) + (" ..." if len(r.originals) > 3 else "")
-            lines.append(
-                f"  {r.node:<24} {r.kind:<9} {r.rule:<28} {', '.join(r.fused_nodes) or '-'}"
-                f"   <- {origin}"
-            )
-        if self.fallbacks:
-            lines.append("")
-            lines.append("  fell back to a per-model loop (exact, but not faster):")
-            for r in self.fallbacks:
-                lines.append(f"    {r.source}: {r.reason}")
-        if self.per_model:
-            lines.append("")
-            lines.append("  run on each model's slice (the models' ops differ; exact):")
-            for r in self.per_model:
-                lines.append(f"    {r.source}: {r.reason}")
-        if self.check is not None:
-            lines.append("")
-            lines.append(f"  {self.check}")
-        if self.strategy is not None:
-            lines.append("")
-            lines.append(f"  strategy: {self.strategy}")
-        if self.padding is not None:
-            lines.append("")
-            lines.append(f"  {self.padding}")
-        if self.exported is not None:
-            lines.append("")
-            lines.append(f"  torch.export: the example inputs exported {self.exported}")
-        if self.lowerings:
-            lines.append("")
-            lines.append("  lowerings chosen by autotune (median forward + backward per call):")
-            lines.extend(f"    {choice}" for choice in self.lowerings)
-        return "\n".join(lines)
+        """One row per op, the user's names (hftc.passes.report_text's docstring shows it)."""
+        return "\n".join(report_lines(self, "hftc fusion report"))
 
 
 def _has_state(module: nn.Module | None) -> bool:
@@ -361,7 +323,8 @@ class _Fusion:
         env[node] = new
         self.records.append(FusionRecord(
             node.name, describe_node(node, self.graph_module), kind, rule_name,
-            [m.name for m in made], reason, names, new.name if isinstance(new, fx.Node) else ""))
+            [m.name for m in made], reason, names, new.name if isinstance(new, fx.Node) else "",
+            shape_text(node.meta.get(EXAMPLE_VALUE), kind != "shared")))
 
 
 def _apply_rule(entry: RuleEntry | None, group: FusionGroup,

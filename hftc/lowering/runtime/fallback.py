@@ -111,7 +111,7 @@ def loop_over_models(
 
 def loop_module(module: torch.nn.Module, n: int, batched: Any,
                 args: tuple, kwargs: dict, overrides: Sequence[Sequence] | None = None) -> Any:
-    """Per-model loop over a module no rule fuses.
+    """A module no rule fuses, run model by model.
 
     ``module`` is the fused tree's node for it: a
     :class:`~hftc.lowering.runtime.modules.StackedModule`
