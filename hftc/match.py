@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
 import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -286,9 +287,27 @@ def module_path(node: fx.Node) -> str:
     return "<root>"
 
 
+#: A custom ``torch.autograd.Function``'s node (:func:`hftc.ir.apply_function`, bound per class).
+_FUNCTION_APPLY = "hftc.ir.apply_function__"
+#: ``torch.fft.rfft`` and its kin, as torch names them (``torch._C._fft.fft_rfft``).
+_NAMESPACED = re.compile(r"^torch\._C\._(fft|linalg|special)\.\1_(\w+)$")
+
+
+def public_name(op: str) -> str:
+    """A target's name as the user's code spells it where torch or hftc name it otherwise:
+    ``hftc.ir.apply_function__ReverseGradient`` -> ``ReverseGradient.apply``;
+    ``torch._C._fft.fft_rfft`` -> ``torch.fft.rfft``; anything else as it is."""
+    if op.startswith(_FUNCTION_APPLY):
+        return op[len(_FUNCTION_APPLY):] + ".apply"
+    namespaced = _NAMESPACED.match(op)
+    if namespaced:
+        return f"torch.{namespaced.group(1)}.{namespaced.group(2)}"
+    return op
+
+
 def describe_node(node: fx.Node, root: nn.Module | None = None) -> str:
     """``node `conv1` (module path `conv1`, Conv2d)``: how errors name a node."""
-    what = target_name(node)
+    what = public_name(target_name(node))
     if node.op == "call_module" and root is not None:
         what = type(root.get_submodule(node.target)).__name__
     return f"node `{node.name}` (module path `{module_path(node)}`, {what})"
@@ -572,7 +591,7 @@ def _where(node: fx.Node, graph: fx.GraphModule, model: nn.Module | None) -> tup
         return "output", ""
     path = module_path(node)
     inside = "the model's own forward" if path == "<root>" else f"`{path}`"
-    return f"node `{node.name}` ({target_name(node)} in {inside})", ""
+    return f"node `{node.name}` ({public_name(target_name(node))} in {inside})", ""
 
 
 def _owner(root: nn.Module, path: str) -> nn.Module | None:

@@ -40,7 +40,7 @@ from ..ir import DIFFERING_OPS, EXAMPLE_VALUE, node_writes_in_place
 from ..lowering.runtime import differing_ops as rt_differing_ops
 from ..lowering.runtime import fallback as rt_fallback
 from ..lowering.runtime import layout as rt_layout
-from ..match import describe_node, module_path, target_name
+from ..match import describe_node, module_path, public_name, target_name
 from .differing_ops import describe_ops
 from .registry import FusionGroup, GraphBuilder, NotFusable, RuleEntry, lookup
 from .report_text import report_lines, shape_text
@@ -332,7 +332,7 @@ def _apply_rule(entry: RuleEntry | None, group: FusionGroup,
     """The node's rule applied: its fused node, or None and why it is not fused."""
     node, module = group.node, group.module
     if entry is None:
-        reason = f"no fusion rule for {target_name(node)}"
+        reason = f"no fusion rule for {public_name(target_name(node))}"
         if node.op == "call_module":
             reason = f"no fusion rule for module {type(module).__name__}"
             if parametrize.is_parametrized(module):

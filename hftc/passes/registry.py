@@ -44,7 +44,7 @@ from ..ir import (
     positional_defaults,
 )
 from ..lowering.runtime import layout as rt_layout
-from ..match import PerModelTable, describe_node, function_name, target_name
+from ..match import PerModelTable, describe_node, function_name, public_name, target_name
 from .differing_ops import DifferingOp, declare_differing_op, elementwise_op
 
 
@@ -497,7 +497,7 @@ def runs_one_by_one(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     numbers) but fuses nothing: the op runs as the one-by-one fallback."""
     if group.module is not None:
         raise NotFusable(f"no fusion rule for module {type(group.module).__name__}")
-    raise NotFusable(f"no fusion rule for {target_name(group.node)}")
+    raise NotFusable(f"no fusion rule for {public_name(target_name(group.node))}")
 
 
 def is_random(node: fx.Node, module: nn.Module | None = None) -> bool:

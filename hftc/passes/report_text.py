@@ -35,14 +35,12 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from ..match import public_name
+
 #: A record's kind, in the words of the report (docs/ARCHITECTURE.md's "Words").
 KIND_WORDS = {"fused": "fused", "shared": "shared", "loop": "model by model",
               "per_model": "per model (ops differ)"}
 _SOURCE = re.compile(r"module path `([^`]*)`, (.*)\)$")
-#: A custom ``torch.autograd.Function``'s node (:func:`hftc.ir.apply_function`, bound per class).
-_FUNCTION_APPLY = "hftc.ir.apply_function__"
-#: ``torch.fft.rfft`` and its kin, as torch names them (``torch._C._fft.fft_rfft``).
-_NAMESPACED = re.compile(r"^torch\._C\._(fft|linalg|special)\.\1_(\w+)$")
 _PREFIXES = ("torch._C._nn.", "torch.nn.functional.", "torch.Tensor.", "Tensor.", "torch.",
              "operator.", "_operator.", "builtins.")
 
@@ -56,12 +54,9 @@ def user_op(source: str) -> str:
     found = _SOURCE.search(source)
     if not found:
         return source
-    op = found.group(2)
-    if op.startswith(_FUNCTION_APPLY):
-        return op[len(_FUNCTION_APPLY):] + ".apply"
-    namespaced = _NAMESPACED.match(op)
-    if namespaced:
-        return f"{namespaced.group(1)}.{namespaced.group(2)}"
+    op = public_name(found.group(2))
+    if op.startswith("torch.") and op.count(".") == 2 and not op.startswith(_PREFIXES[:3]):
+        return op[len("torch."):]  # torch.fft.rfft -> fft.rfft
     for prefix in _PREFIXES:
         if op.startswith(prefix):
             return op[len(prefix):]
