@@ -30,6 +30,10 @@ beside the code they serve; this module only installs them (docs/API.md describe
                                               hftc.per_model (hftc/training/mistakes.py)
     hftc.per_model's results                  a .mean() over the N losses: a UsageWarning
                                               on the first backward (training/mistakes.py)
+    torch.autograd.backward                   (Tensor.backward calls it) from the N
+                                              per-model losses or a fused output without
+                                              a gradient, which torch refuses: an error
+                                              naming .sum() (training/mistakes.py)
     a global optimizer step pre-hook          an optimizer's first step over the models
                                               hftc.fuse copied, none with a gradient:
                                               a UsageWarning (training/mistakes.py)
@@ -72,6 +76,8 @@ def install() -> None:
         cls.__init__ = mistakes.refusing_per_model_values(cls.__init__)
     mistakes.guard_losses()
     losses.RESULT_CHECKS.append(mistakes.check_loss_reduction)
+    losses.RESULT_CHECKS.append(mistakes.mark_per_model_losses)
+    torch.autograd.backward = mistakes.backward_naming_the_sum(torch.autograd.backward)
     _installed = True
 
 

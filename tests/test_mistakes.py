@@ -412,3 +412,55 @@ def test_a_compiled_fused_step_beside_a_live_fused_module_keeps_its_groups():
         fused(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
         step()
     assert [g.get("capturable") for g in opt.param_groups] == [False] * 3
+
+
+def test_backward_from_the_per_model_losses_unreduced_names_the_sum():
+    fused = _fused()
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    losses = hftc.per_model(F.cross_entropy)(fused(x), y)
+    with pytest.raises(FusionArgumentError,
+                       match=r"3 per-model losses \[3\] at .*test_mistakes\.py:\d+: "
+                             r"`losses\.backward\(\)`.*losses\.sum\(\)\.backward\(\)") as caught:
+        losses.backward()
+    assert isinstance(caught.value.__cause__, RuntimeError)  # torch's own, kept as the cause
+    none = hftc.per_model(F.cross_entropy, reduction="none")(fused(x), y)  # [3, 5]
+    with pytest.raises(FusionArgumentError, match=r"losses \[3, 5\]"):
+        torch.autograd.backward(none)
+    # as the message says: each model's gradient is the one it gets alone
+    losses.sum().backward()
+    for i, model in enumerate(fused.unfuse()):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        torch.testing.assert_close(fused.weight.grad[i], model.weight.grad)
+
+
+def test_backward_from_a_fused_output_names_the_per_model_loss():
+    fused = _fused()
+    with pytest.raises(FusionArgumentError, match=r"fused module's output \[3, 5, 2\] \(3 "
+                                                  r"models' outputs stacked\).*hftc\.per_model"):
+        fused(torch.randn(5, 4)).backward()
+
+
+def test_backward_of_other_tensors_is_torchs_own():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="implicitly created only for scalar") as caught:
+        (x * 2).backward()
+    assert not isinstance(caught.value, FusionArgumentError)
+    (x * 2).backward(torch.ones(3))  # with a gradient, as torch takes it
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    losses = hftc.per_model(F.mse_loss, in_dims=0)(_fused()(torch.randn(5, 4)),
+                                                   torch.zeros(3, 5, 2))
+    losses.backward(torch.ones(3))  # an explicit gradient: torch's own backward
+
+
+def test_an_input_the_models_cannot_take_names_model_0s_op_not_hftcs_kernel():
+    torch.manual_seed(0)
+    fused = hftc.fuse([nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+                       for _ in range(3)])
+    fused(torch.randn(5, 4))  # compiled for these inputs; other batch sizes run it too
+    with pytest.raises(hftc.errors.FusionError,
+                       match=r"model 0 \(Sequential\) fails on this call's inputs \(`input` "
+                             r"\[5, 7\].*module path `0`, Linear\): RuntimeError: mat1 and "
+                             r"mat2 shapes cannot be multiplied \(5x7 and 4x8\)"):
+        fused(torch.randn(5, 7))
+    assert fused(torch.randn(2, 4)).shape == (3, 2, 3)  # and it still runs what fits

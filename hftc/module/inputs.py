@@ -352,11 +352,25 @@ class InputHandling:
                 f"state fed back). To give model i slice i, fuse with in_dims: "
                 f"hftc.fuse(models, in_dims={in_dims!r}){expand}"
             ) from cause
+        if not isinstance(cause, FusionError):
+            # Raised inside the fused program on inputs of sizes it had not seen: where
+            # model 0 cannot take its share either, say so in its own op's words.
+            own = self._model_error(values, batched)
+            if isinstance(own, FusionError):
+                raise own from cause
 
     def _model_runs_on_slices(self, values: Sequence[Any], batched: Sequence[bool],
                               stacked: Sequence[int]) -> bool:
         """Whether model 0's graph runs on its slices of the inputs, taking slice 0 of the
-        shared inputs ``stacked`` too (shape propagation on a copy of its graph)."""
+        shared inputs ``stacked`` too."""
+        return self._model_error(values, batched, stacked) is None
+
+    def _model_error(self, values: Sequence[Any], batched: Sequence[bool],
+                     stacked: Sequence[int] = ()) -> Exception | None:
+        """What model 0's own graph raises on its slices of the inputs (and slice 0 of the
+        shared inputs ``stacked``), shape propagation on a copy of its graph on meta
+        tensors: a ``TraceError`` naming its op, module path and torch's words; ``None``
+        where it runs."""
         graph = self._mode_graphs[self.training].graph
         trial = fx.Graph()
         trial.output(trial.graph_copy(graph, {}))
@@ -364,6 +378,6 @@ class InputHandling:
                      for k, (v, b) in enumerate(zip(values, batched))]
         try:
             annotate_example_values(trial, self._template, per_model, {}, self._model_tensors)
-        except Exception:  # noqa: BLE001 - it does not: the inputs are wrong some other way
-            return False
-        return True
+        except Exception as exc:  # noqa: BLE001 - it does not: the caller says how
+            return exc
+        return None

@@ -8,6 +8,8 @@ with a message that names the fix and the user's line (installed by :mod:`hftc.p
     F.mse_loss(fused(x), y)               a mean over all N models (one model's target
                                           broadcast): UsageWarning -> hftc.per_model
     hftc.per_model(loss)(out, y).mean()   each model's gradient / N: UsageWarning -> .sum()
+    hftc.per_model(loss)(out, y)          torch's "grad can be implicitly created only for
+      .backward()                           scalar outputs": FusionArgumentError -> .sum()
     opt.step() after training the         the copies do not follow: UsageWarning -> train
       models fused.unfuse() gave          the fused module, unfuse() after
     torch.optim.SGD(models[0].parameters  the originals hftc.fuse copied: UsageWarning
@@ -312,6 +314,54 @@ def check_loss_reduction(losses: Tensor) -> None:
                 f"gradient it gets alone.", UsageWarning, site[0], site[1], module)
 
     losses.register_hook(hook)
+
+
+#: A mark on ``hftc.per_model``'s results (a plain attribute, as fused outputs carry
+#: theirs: :data:`~hftc.module.usage.OUTPUT_MARK`): their number of models.
+LOSSES_MARK = "_hftc_per_model_losses"
+
+
+def mark_per_model_losses(losses: Tensor) -> None:
+    """Mark ``hftc.per_model``'s result, so that a ``.backward()`` on it unreduced is
+    explained (:func:`backward_naming_the_sum`)."""
+    if isinstance(losses, Tensor) and losses.dim() >= 1:
+        setattr(losses, LOSSES_MARK, losses.shape[0])
+
+
+def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None]:
+    """``torch.autograd.backward`` (which ``Tensor.backward`` calls) that, where torch
+    refuses a backward from a tensor of more than one element without a gradient, says
+    what the tensor is when it is hftc's: the N per-model losses (take ``.sum()``) or a
+    fused module's output (take each model's loss first)."""
+
+    @functools.wraps(backward)
+    def checked(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> None:
+        try:
+            return backward(tensors, grad_tensors, *args, **kwargs)
+        except RuntimeError as exc:
+            first = tensors if isinstance(tensors, Tensor) else (
+                tensors[0] if isinstance(tensors, (tuple, list)) and tensors else None)
+            if grad_tensors is not None or not isinstance(first, Tensor) \
+                    or "implicitly created only for scalar outputs" not in str(exc):
+                raise
+            losses, outputs = getattr(first, LOSSES_MARK, None), getattr(first, OUTPUT_MARK, None)
+            shape = list(first.shape)
+            if losses is not None:
+                raise FusionArgumentError(
+                    f"backward() from hftc.per_model's {losses} per-model losses {shape}"
+                    f"{_user_line()}, not one number: take losses.sum().backward() (the "
+                    f"sum gives each model exactly the gradient it gets alone; .mean() "
+                    f"would divide each model's gradient by {losses})") from exc
+            if outputs is not None:
+                raise FusionArgumentError(
+                    f"backward() from a fused module's output {shape} ({outputs} models' "
+                    f"outputs stacked){_user_line()}, not a loss: take each model's loss with "
+                    f"hftc.per_model, then their sum: hftc.per_model(F.cross_entropy)"
+                    f"(out, y).sum().backward()") from exc
+            raise
+
+    checked.__hftc_original__ = backward
+    return checked
 
 
 # --------------------------------------------------------------------------- fused optimizer steps
