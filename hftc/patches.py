@@ -34,6 +34,10 @@ beside the code they serve; this module only installs them (docs/API.md describe
                                               per-model losses or a fused output without
                                               a gradient, which torch refuses: an error
                                               naming .sum() (training/mistakes.py)
+    torch.nn.Module.load_state_dict           a fused module's state dict (N models
+                                              stacked) into one model, which torch
+                                              refuses: an error naming
+                                              fused.model_state_dict(i) (mistakes.py)
     a global optimizer step pre-hook          an optimizer's first step over the models
                                               hftc.fuse copied, none with a gradient:
                                               a UsageWarning (training/mistakes.py)
@@ -78,6 +82,8 @@ def install() -> None:
     losses.RESULT_CHECKS.append(mistakes.check_loss_reduction)
     losses.RESULT_CHECKS.append(mistakes.mark_per_model_losses)
     torch.autograd.backward = mistakes.backward_naming_the_sum(torch.autograd.backward)
+    torch.nn.Module.load_state_dict = mistakes.load_state_dict_naming_model_state_dict(
+        torch.nn.Module.load_state_dict)
     _installed = True
 
 

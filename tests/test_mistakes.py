@@ -464,3 +464,19 @@ def test_an_input_the_models_cannot_take_names_model_0s_op_not_hftcs_kernel():
                              r"mat2 shapes cannot be multiplied \(5x7 and 4x8\)"):
         fused(torch.randn(5, 7))
     assert fused(torch.randn(2, 4)).shape == (3, 2, 3)  # and it still runs what fits
+
+
+def test_a_fused_state_dict_loaded_into_one_model_names_model_state_dict():
+    fused = _with_batch_norm()
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 5))
+    with pytest.raises(FusionArgumentError,
+                       match=r"Sequential\.load_state_dict at .*test_mistakes\.py:\d+.* got a "
+                             r"fused module's state dict \(`0\.weight` is \[3, 6, 4\], this "
+                             r"module's \[6, 4\]: 3 models' tensors stacked\).*"
+                             r"fused\.model_state_dict\(i\)"):
+        model.load_state_dict(fused.state_dict())
+    model.load_state_dict(fused.model_state_dict(1))  # as the message says
+    torch.testing.assert_close(model[0].weight, fused.model_state_dict(1)["0.weight"])
+    with pytest.raises(RuntimeError, match="size mismatch") as caught:  # torch's own
+        model.load_state_dict({**model.state_dict(), "0.weight": torch.zeros(6, 5)})
+    assert not isinstance(caught.value, FusionArgumentError)

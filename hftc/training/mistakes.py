@@ -8,6 +8,8 @@ with a message that names the fix and the user's line (installed by :mod:`hftc.p
     F.mse_loss(fused(x), y)               a mean over all N models (one model's target
                                           broadcast): UsageWarning -> hftc.per_model
     hftc.per_model(loss)(out, y).mean()   each model's gradient / N: UsageWarning -> .sum()
+    model.load_state_dict(                a fused module's state dict into one model:
+      fused.state_dict())                   FusionArgumentError -> fused.model_state_dict(i)
     hftc.per_model(loss)(out, y)          torch's "grad can be implicitly created only for
       .backward()                           scalar outputs": FusionArgumentError -> .sum()
     opt.step() after training the         the copies do not follow: UsageWarning -> train
@@ -361,6 +363,41 @@ def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None
             raise
 
     checked.__hftc_original__ = backward
+    return checked
+
+
+def load_state_dict_naming_model_state_dict(load: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module.load_state_dict`` that, where torch refuses a state dict whose every
+    mismatched tensor is this module's shape with one leading dim more (the same N for
+    all: a fused module's, N models stacked), says to take one model's:
+    ``fused.model_state_dict(i)``.  Torch's own error otherwise; a fused module's own
+    ``load_state_dict`` says the converse (one model's into the fused module)."""
+
+    @functools.wraps(load)
+    def checked(self: nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return load(self, state_dict, *args, **kwargs)
+        except RuntimeError as exc:
+            if self in FUSED_MODULES or "size mismatch" not in str(exc):
+                raise
+            own = self.state_dict()
+            given = {k: v for k, v in dict(state_dict).items()
+                     if k in own and isinstance(v, Tensor) and v.shape != own[k].shape}
+            counts = {v.shape[0] if v.dim() == own[k].dim() + 1
+                      and v.shape[1:] == own[k].shape else None for k, v in given.items()}
+            if not given or len(counts) != 1 or None in counts:
+                raise
+            key = next(iter(given))
+            n = counts.pop()
+            raise FusionArgumentError(
+                f"{type(self).__name__}.load_state_dict{_user_line()} got a fused module's "
+                f"state dict (`{key}` is {list(given[key].shape)}, this module's "
+                f"{list(own[key].shape)}: {n} models' tensors stacked). Load one model's: "
+                f"model.load_state_dict(fused.model_state_dict(i)) for model i, or from a "
+                f"saved fused state dict sd: {{k: v[i] for k, v in sd.items()}}; "
+                f"fused.unfuse() gives every model at once") from exc
+
+    checked.__hftc_original__ = load
     return checked
 
 
