@@ -480,3 +480,20 @@ def test_a_fused_state_dict_loaded_into_one_model_names_model_state_dict():
     with pytest.raises(RuntimeError, match="size mismatch") as caught:  # torch's own
         model.load_state_dict({**model.state_dict(), "0.weight": torch.zeros(6, 5)})
     assert not isinstance(caught.value, FusionArgumentError)
+
+
+def test_per_model_given_one_models_output_says_what_it_read():
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 3) for _ in range(2)]
+    fused = hftc.fuse(models)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    with pytest.raises(FusionArgumentError,
+                       match=r"per_model\(cross_entropy\) failed on each model's share of "
+                             r"argument 0 \[5, 3\] \(read as 5 models' stacked: dim 0\); "
+                             r"argument 1 \[5\] \(shared by the models\): ValueError: .*"
+                             r"a fused module's output \[N, B, \.\.\.\]") as caught:
+        hftc.per_model(F.cross_entropy)(models[0](x), y)  # one model's, not fused(x)
+    assert isinstance(caught.value.__cause__, ValueError)  # torch's own, kept
+    with pytest.raises(hftc.errors.FusionTypeError, match=r"argument 1 list"):
+        hftc.per_model(F.cross_entropy)(fused(x), [y, y])
+    assert hftc.per_model(F.cross_entropy)(fused(x), y).shape == (2,)  # as it says

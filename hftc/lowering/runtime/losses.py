@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from ...errors import FusionArgumentError, FusionTypeError
+from ...errors import FusionArgumentError, FusionError, FusionTypeError
 from .function_apply import apply_function_fast
 from .layout import model_slice
 from .reduction import short_rows
@@ -254,9 +254,14 @@ def per_model(loss_fn: Callable[..., Tensor], *,
                     f"tuple, list or dict of tensors) with leading dim N = {n}; got shape "
                     f"{list(t.shape)}")
         _check_target_not_stacked(loss_fn, args, dims, n)
-        result = _flattened_loss(loss_fn, args, dims, n, kwargs)
-        if result is None:
-            result = _vmapped_or_looped(loss_fn, args, dims, kwargs, n, stacked)
+        try:
+            result = _flattened_loss(loss_fn, args, dims, n, kwargs)
+            if result is None:
+                result = _vmapped_or_looped(loss_fn, args, dims, kwargs, n, stacked)
+        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+            if not isinstance(exc, (FusionError, torch.OutOfMemoryError)):
+                _explain_loss_failure(loss_fn, args, dims, n, exc)
+            raise
         for check in RESULT_CHECKS:  # (hftc.training.mistakes: a .mean() of the N losses)
             check(result)
         return result
@@ -329,6 +334,27 @@ def _vmapped_or_looped(loss_fn: Callable[..., Tensor], args: Sequence[Any],
             f"the loss takes (out['logits'], out.logits, out[0]), or give a loss that "
             f"takes the {type(fields).__name__}") from exc
     return torch.stack(outs)
+
+
+def _explain_loss_failure(loss_fn: Callable[..., Tensor], args: Sequence[Any],
+                          dims: Sequence[int | None], n: int, exc: Exception) -> None:
+    """A loss that failed on model 0's share of its arguments, said with what per_model
+    read them as (dim 0 of each stacked argument: the N models; the others shared), so
+    that one model's output given for the fused one (``[B, C]`` read as B models) or a
+    target of the wrong kind is seen as such; torch's words and error kept as the cause."""
+    shares = []
+    for k, (a, d) in enumerate(zip(args, dims)):
+        shape = (f"{list(a.shape)}" if isinstance(a, Tensor) else type(a).__name__)
+        shares.append(f"argument {k} {shape}" + (f" (read as {n} models' stacked: dim 0)"
+                                                 if d == 0 else " (shared by the models)"))
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    cls = FusionTypeError if isinstance(exc, TypeError) else FusionArgumentError
+    raise cls(
+        f"hftc.per_model({_loss_name(loss_fn)}) failed on each model's share of "
+        f"{'; '.join(shares)}: {type(exc).__name__}: {said}. per_model takes a fused "
+        f"module's output [N, B, ...] (dim 0 the models, as fused(x) returns it), each "
+        f"model's loss then as for one model; a target stacked per model [N, B] needs "
+        f"in_dims=(0, 0); one model's own output takes the stock loss itself") from exc
 
 
 def _loss_name(loss_fn: Callable[..., Tensor]) -> str:
