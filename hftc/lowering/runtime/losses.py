@@ -254,14 +254,7 @@ def per_model(loss_fn: Callable[..., Tensor], *,
                     f"tuple, list or dict of tensors) with leading dim N = {n}; got shape "
                     f"{list(t.shape)}")
         _check_target_not_stacked(loss_fn, args, dims, n)
-        try:
-            result = _flattened_loss(loss_fn, args, dims, n, kwargs)
-            if result is None:
-                result = _vmapped_or_looped(loss_fn, args, dims, kwargs, n, stacked)
-        except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-            if not isinstance(exc, (FusionError, torch.OutOfMemoryError)):
-                _explain_loss_failure(loss_fn, args, dims, n, exc)
-            raise
+        result = _per_model_losses(loss_fn, args, dims, kwargs, n, stacked)
         for check in RESULT_CHECKS:  # (hftc.training.mistakes: a .mean() of the N losses)
             check(result)
         return result
@@ -334,6 +327,22 @@ def _vmapped_or_looped(loss_fn: Callable[..., Tensor], args: Sequence[Any],
             f"the loss takes (out['logits'], out.logits, out[0]), or give a loss that "
             f"takes the {type(fields).__name__}") from exc
     return torch.stack(outs)
+
+
+def _per_model_losses(loss_fn: Callable[..., Tensor], args: Sequence[Any],
+                      dims: Sequence[int | None], kwargs: dict[str, Any], n: int,
+                      stacked: Sequence[Any]) -> Tensor:
+    """The N losses: flattened into one call where the loss allows, else under vmap or in
+    a loop; a failure on the models' shares said as such (:func:`_explain_loss_failure`)."""
+    try:
+        result = _flattened_loss(loss_fn, args, dims, n, kwargs)
+        if result is None:
+            result = _vmapped_or_looped(loss_fn, args, dims, kwargs, n, stacked)
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        if not isinstance(exc, (FusionError, torch.OutOfMemoryError)):
+            _explain_loss_failure(loss_fn, args, dims, n, exc)
+        raise
+    return result
 
 
 def _explain_loss_failure(loss_fn: Callable[..., Tensor], args: Sequence[Any],
