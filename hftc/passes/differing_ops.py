@@ -73,7 +73,7 @@ def declare_differing_op(op: DifferingOp, keys: Sequence[tuple[str, Any]], rule:
             != op.parameters:
         raise TypeError(f"rule `{rule}`: differing op `{op.name}` is declared twice, "
                         f"with another function or parameters")
-    wanted = set(keys)  # (a list: comparing torch's op objects one by one cost 70 ms)
+    wanted = set(keys)  # (a list compared torch's op objects one by one: slow at import)
     _SPELLINGS.update({key: (op, positional, dict(fixed))
                        for key, positional, fixed in op.spellings if key in wanted})
 

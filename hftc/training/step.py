@@ -271,7 +271,7 @@ class CompiledStep:
         """What a graph or compiled program is specific to: each tensor's shape, dtype,
         device; each other argument's value; train or eval mode; autocast."""
         if isinstance(inputs, Tensor) and isinstance(target, Tensor):  # (most steps: no
-            spec, leaves = _TENSOR_PAIR, (inputs, target)             # pytree, ~40 us)
+            spec, leaves = _TENSOR_PAIR, (inputs, target)             # pytree flatten)
         else:
             flat, tree = pytree.tree_flatten((inputs, target))
             spec, leaves = repr(tree), flat
