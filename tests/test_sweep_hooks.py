@@ -410,3 +410,23 @@ def test_sigkill_then_resume_gives_the_uninterrupted_results(
     # from checkpoints, epochs in: weights, optimizer and scheduler states came back
     assert re.search(r"resumed \d+ trial\(s\): .*@epoch [1-9]", resumed.stdout), resumed.stdout
     assert _outcome(f"sqlite:///{out / 'study.db'}") == uninterrupted
+
+
+def test_the_serial_estimate_charges_the_one_at_a_time_side_its_start_up():
+    """The one-at-a-time side's estimate: its epochs trained alone, its Optuna share, the
+    data's loading and torch._dynamo's import (which the first torch.optim optimizer of
+    any script makes), each said; an import the process had made before is not charged."""
+    from types import SimpleNamespace
+
+    from hftc.sweep.report import serial_estimate
+
+    result = SimpleNamespace(serial_epoch_s=[0.03, 0.01, 0.02], trial_epochs=100,
+                             serial_trial_epochs=90, serial_optuna_s=2.0, load_s=1.0,
+                             dynamo_import_s=0.9)
+    total, how = serial_estimate(result)
+    assert total == pytest.approx(90 * 0.02 + 2.0 + 1.0 + 0.9)
+    assert "90 trial-epochs x 20.0 ms" in how and "+ data 1.0 s" in how
+    assert "torch._dynamo's import 0.9 s" in how
+    result.dynamo_import_s = 0.0
+    total, how = serial_estimate(result)
+    assert total == pytest.approx(90 * 0.02 + 2.0 + 1.0) and "_dynamo" not in how

@@ -110,6 +110,10 @@ class SweepResult:
     serial_optuna_s: float | None = None
     serial_trial_epochs: int | None = None
     load_s: float = 0.0
+    #: the seconds start-up spent importing torch._dynamo, which the first torch.optim
+    #: optimizer of any script imports: the one-at-a-time side pays it too (0 where the
+    #: process had imported it before the sweep)
+    dynamo_import_s: float = 0.0
     #: set where the sweep ran without fusing (too small to gain: serial.too_small)
     note: str = ""
 
@@ -171,7 +175,7 @@ class Sweep(Recovery, Arrays, Decisions):
         self.on_round = on_round
         self.estimate_serial = estimate_serial
         self.compare_serial = compare_serial
-        self.load_s, self.fresh = 0.0, False
+        self.load_s, self.fresh, self.dynamo_import_s = 0.0, False, 0.0
         self.serial_epoch_s: list[float] = []
         self.formations: list[tuple[int, ...]] = []
         self.apart: dict[str, None] = {}  # why trials could not share an array (ordered set)
@@ -219,7 +223,9 @@ class Sweep(Recovery, Arrays, Decisions):
         # torch.optim's first optimizer imports torch._dynamo (about a second, once per
         # process, as in any script): paid here, in start-up, not as the first trial's
         # share of Optuna (the one-at-a-time side's replay has it imported already).
+        start = time.perf_counter()
         import torch._dynamo  # noqa: F401
+        self.dynamo_import_s = time.perf_counter() - start
         self.storage = make_storage(self.storage_url, self.heartbeat_interval, self.grace_period)
         existing = None
         with contextlib.suppress(KeyError):
@@ -522,7 +528,8 @@ class Sweep(Recovery, Arrays, Decisions):
         return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
                            files, board, dict(self.timings), self.spec.metric_name,
                            list(self.serial_epoch_s), list(self.formations), list(self.apart),
-                           list(self.padded), list(self.mixed), *replay, self.load_s)
+                           list(self.padded), list(self.mixed), *replay, self.load_s,
+                           self.dynamo_import_s)
 
     def _replay_serial(self) -> tuple[float | None, int | None]:
         """After the sweep, off its clock: the one-at-a-time study's Optuna share and

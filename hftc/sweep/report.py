@@ -191,10 +191,12 @@ def serial_estimate(result) -> tuple[float, str] | None:
     if result.serial_optuna_s is None:
         return train, how + ("; it leaves out the serial run's own Optuna and start-up "
                              "(not measured: a shared or resumed study)")
-    total = train + result.serial_optuna_s + result.load_s
+    total = train + result.serial_optuna_s + result.load_s + result.dynamo_import_s
+    dynamo = (f" + torch._dynamo's import {result.dynamo_import_s:.1f} s (which a script's "
+              f"first torch.optim optimizer makes)" if result.dynamo_import_s >= 0.05 else "")
     return total, (how + f" + Optuna {result.serial_optuna_s:.1f} s (a sample of these trials "
                    f"through a stock Optuna study one at a time, scaled; off the clock) + data "
-                   f"{result.load_s:.1f} s")
+                   f"{result.load_s:.1f} s" + dynamo)
 
 
 def speedup_line(result) -> str:
