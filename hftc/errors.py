@@ -61,6 +61,12 @@ class InputShapeError(FusionArgumentError):
     symbolic); the message names the input, its shape, the shape exported and what to do."""
 
 
+class ModelInputError(FusionError, RuntimeError):
+    """A call's inputs the models cannot take, raised inside the fused program: said in
+    model 0's own op's words (its node, module path and torch's message). A
+    ``RuntimeError``, as torch's own error was."""
+
+
 class FusionTypeError(FusionError, TypeError):
     """An argument of the wrong type (a non-module in the model list, say)."""
 

@@ -23,9 +23,11 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from .. import ir
 from ..errors import (
     FusionArgumentError,
     FusionError,
+    ModelInputError,
 )
 from ..frontends.symbolic import (
     annotate_example_values,
@@ -357,7 +359,7 @@ class InputHandling:
             # model 0 cannot take its share either, say so in its own op's words.
             own = self._model_error(values, batched)
             if isinstance(own, FusionError):
-                raise own from cause
+                raise ModelInputError(str(own)) from cause
 
     def _model_runs_on_slices(self, values: Sequence[Any], batched: Sequence[bool],
                               stacked: Sequence[int]) -> bool:
@@ -377,7 +379,10 @@ class InputHandling:
         per_model = [model_slice(v, 0) if b or k in stacked else v
                      for k, (v, b) in enumerate(zip(values, batched))]
         try:
-            annotate_example_values(trial, self._template, per_model, {}, self._model_tensors)
+            # (a graph that fails inside an autocast or no-grad region it entered leaves it)
+            with ir.modes_restored_on_error():
+                annotate_example_values(trial, self._template, per_model, {},
+                                        self._model_tensors)
         except Exception as exc:  # noqa: BLE001 - it does not: the caller says how
             return exc
         return None
