@@ -458,11 +458,13 @@ def test_an_input_the_models_cannot_take_names_model_0s_op_not_hftcs_kernel():
     fused = hftc.fuse([nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
                        for _ in range(3)])
     fused(torch.randn(5, 4))  # compiled for these inputs; other batch sizes run it too
-    with pytest.raises(hftc.errors.FusionError,
+    with pytest.raises(hftc.errors.ModelInputError,  # a RuntimeError, as torch's was
                        match=r"model 0 \(Sequential\) fails on this call's inputs \(`input` "
                              r"\[5, 7\].*module path `0`, Linear\): RuntimeError: mat1 and "
                              r"mat2 shapes cannot be multiplied \(5x7 and 4x8\)"):
         fused(torch.randn(5, 7))
+    assert issubclass(hftc.errors.ModelInputError, RuntimeError)
+    assert not torch.is_autocast_enabled("cpu") and torch.is_grad_enabled()
     assert fused(torch.randn(2, 4)).shape == (3, 2, 3)  # and it still runs what fits
 
 
