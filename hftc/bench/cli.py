@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
         result = run_sweep_bench(args.sweep, rounds=args.rounds or 3,
                                  threads=args.threads or 1,
-                                 same_trials=getattr(args, "same_trials", False))
+                                 same_trials=getattr(args, "same_trials", None))
         print("\n" + format_sweep_bench(result))
         if args.out:
             import json

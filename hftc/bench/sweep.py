@@ -13,18 +13,20 @@ its own SQLite file and trains every trial; its wall clock is timed from outside
 to exit. Reported: the median wall clock of each side and the median of the per-round
 ratios, the trial-epochs each trained, the best value each found.
 
-``--same-trials``: both sides train the very same configurations, so their trial-epochs
-differ by the pruning alone, not by what each side's sampler asked (TPE one at a time
-against TPE in batches of ``per_array``)::
+``--same-trials [SOURCE]``: both sides train the very same configurations, so their
+trial-epochs differ by the pruning, not by what each side's sampler asked (TPE one at a
+time against TPE in batches of ``per_array``)::
 
-    configs = draw_trials(spec)        # n_trials dicts, once, from the spec's space with
-                                       # RandomSampler(seed=spec.seed), in the parent
-    fused:   study.enqueue_trial(c) for c in configs, then hftc.sweep.run(spec)
-    serial:  study.enqueue_trial(c) for c in configs, then study.optimize(n_trials)
+    random (default):  configs = draw_trials(spec)   # n_trials dicts, once, from the
+                                                      # spec's space, RandomSampler(seed)
+    fused:             the fused sweep samples (its sampler), configs = its trials' params
+    serial:            the one-at-a-time study samples first, configs = its trials' params
+    the other side(s): study.enqueue_trial(c) for c in configs, then it runs as usual
 
 Trial k has the same parameters and the same seed (``spec.seed + k``) on both sides, and
 the same pruner; what differs is the data order of a trial the sweep starts after round
-0 (a fused array trains its trials on its round's order) and what the pruner is shown.
+0 (a fused array trains its trials on its round's order), its dropout masks (a fused
+model draws its own, never the stock model's) and what the pruner is shown.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["run_sweep_bench", "format_sweep_bench", "draw_trials"]
+__all__ = ["run_sweep_bench", "format_sweep_bench", "draw_trials", "SAME_TRIALS"]
 
 
 def draw_trials(spec, n: int | None = None) -> list[dict]:
@@ -112,35 +114,58 @@ def _side(which: str, spec_ref: str, out: str, threads: int,
             "epochs": [len(t.intermediate_values) for t in ordered]}
 
 
+#: ``--same-trials SOURCE``: where both sides' configurations come from, in words
+SAME_TRIALS = {"random": "drawn at random", "fused": "the fused sweep's",
+               "serial": "the one-at-a-time study's"}
+
+
+def _one_process(which: str, spec_ref: str, out: Path, threads: int, env: dict,
+                 trials_file: Path | None) -> dict:
+    """One side as a whole process, timed from outside: its report and wall clock."""
+    report = out / "report.json"
+    cmd = [sys.executable, "-m", "hftc.bench.sweep", which, spec_ref, str(out), str(threads),
+           str(report), *([str(trials_file)] if trials_file is not None else [])]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"hftc bench --sweep: the {which} side failed:\n"
+                         f"{proc.stderr[-2000:]}")
+    return json.loads(report.read_text()) | {"wall_s": wall}
+
+
 def run_sweep_bench(spec_ref: str = "hftc.sweep.digits", rounds: int = 3, threads: int = 1,
-                    log=print, same_trials: bool = False) -> dict:
+                    log=print, same_trials: str | None = None) -> dict:
     """``rounds`` alternated pairs of whole processes (fused, then serial); the figures.
-    With ``same_trials``, both sides train the configurations of :func:`draw_trials`."""
+
+    ``same_trials`` (a key of :data:`SAME_TRIALS`): both sides train the same
+    configurations, enqueued: ``"random"``, those of :func:`draw_trials`; ``"fused"``
+    (``"serial"``), those the fused sweep's (the one-at-a-time study's) own sampler
+    asked, that side run first in each round and the other given its trials."""
+    if same_trials is not None and same_trials not in SAME_TRIALS:
+        raise SystemExit(f"hftc bench --sweep --same-trials {same_trials}: use one of "
+                         f"{', '.join(SAME_TRIALS)}")
     env = dict(os.environ, PYTHONHASHSEED="0")
     rows: dict[str, list[dict]] = {"fused": [], "serial": []}
+    order = ("serial", "fused") if same_trials == "serial" else ("fused", "serial")
     with tempfile.TemporaryDirectory(prefix="hftc-bench-sweep-") as tmp:
-        extra = []
-        if same_trials:
+        trials_file = None
+        if same_trials == "random":
             from ..sweep.spec import load_spec
 
             trials_file = Path(tmp) / "trials.json"
             trials_file.write_text(json.dumps(draw_trials(load_spec(spec_ref))))
-            extra = [str(trials_file)]
         for k in range(rounds):
-            for which in ("fused", "serial"):
-                out = Path(tmp) / f"{which}-{k}"
-                report = out / "report.json"
-                cmd = [sys.executable, "-m", "hftc.bench.sweep", which, spec_ref, str(out),
-                       str(threads), str(report), *extra]
-                start = time.perf_counter()
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                wall = time.perf_counter() - start
-                if proc.returncode != 0:
-                    raise SystemExit(f"hftc bench --sweep: the {which} side failed:\n"
-                                     f"{proc.stderr[-2000:]}")
-                row = json.loads(report.read_text()) | {"wall_s": wall}
+            if same_trials in ("fused", "serial"):
+                trials_file = None  # the first side samples; the second trains its trials
+            for which in order:
+                row = _one_process(which, spec_ref, Path(tmp) / f"{which}-{k}", threads, env,
+                                   trials_file)
                 rows[which].append(row)
-                log(f"round {k + 1}/{rounds} {which:6s} {wall:6.1f} s  "
+                if same_trials in ("fused", "serial") and trials_file is None:
+                    trials_file = Path(tmp) / f"trials-{k}.json"
+                    trials_file.write_text(json.dumps(row["params"]))
+                log(f"round {k + 1}/{rounds} {which:6s} {row['wall_s']:6.1f} s  "
                     f"{row['trial_epochs']} trial-epochs ({row['pruned']} pruned)  "
                     f"best {row['best']}")
     ratios = [s["wall_s"] / f["wall_s"] for f, s in zip(rows["fused"], rows["serial"])]
@@ -162,7 +187,8 @@ def format_sweep_bench(result: dict) -> str:
     return "\n".join([
         f"sweep {result['spec']}: {result['rounds']} round(s) of whole processes, "
         f"{result['threads']} thread(s) each, alternated"
-        + (", the same trials on both sides" if result.get("same_trials") else ""),
+        + (f", the same trials on both sides ({SAME_TRIALS[result['same_trials']]})"
+           if result.get("same_trials") else ""),
         f"  hftc sweep (fused arrays):           median {result['fused_wall_s']:.1f} s, "
         f"{median(f, 'trial_epochs'):.0f} trial-epochs, best {median(f, 'best'):.4f}",
         f"  stock Optuna, one trial at a time:   median {result['serial_wall_s']:.1f} s, "
