@@ -146,6 +146,13 @@ def _bench_sweep_option(p: argparse.ArgumentParser) -> None:
                    help="instead of the suite: a whole sweep of SPEC (default: the demo's) "
                         "both ways as whole processes, alternated --rounds times (default "
                         "3): hftc sweep vs stock Optuna one trial at a time")
+    p.add_argument("--same-trials", nargs="?", const="random", default=None,
+                   choices=("random", "fused", "serial"), metavar="SOURCE",
+                   help="with --sweep: both sides train the same configurations, enqueued, "
+                        "so the trial-epochs differ by the pruning only: 'random' (default) "
+                        "n_trials drawn once from the spec's space with a seeded "
+                        "RandomSampler; 'fused' / 'serial' the trials that side's own "
+                        "sampler asked (it runs first in each round)")
     p.set_defaults(fn=cmd_bench)
 
 

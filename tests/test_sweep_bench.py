@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 import hftc.sweep as hs
@@ -58,6 +59,43 @@ def test_bench_sweep_runs_both_sides_as_processes(tmp_path):
     text = format_sweep_bench(result)
     assert "stock Optuna, one trial at a time" in text and "speedup: " in text
     assert len(lines) == 2
+
+
+@pytest.mark.parametrize("source", ["random", "fused", "serial"])
+def test_bench_sweep_same_trials_trains_the_same_configurations_on_both_sides(tmp_path,
+                                                                             source):
+    """--same-trials: the configurations drawn once (seeded RandomSampler), or those one
+    side's own sampler asked, are what trial 0, 1, ... trained on both sides; with 4
+    trials the median pruner's 4 startup trials are never all before a trial (one at a
+    time, or in the array's order), so neither side prunes and both train every epoch."""
+    from hftc.bench.sweep import draw_trials, format_sweep_bench, run_sweep_bench
+
+    spec_file = _spec_file(tmp_path)
+    drawn = draw_trials(hs.load_spec(spec_file))
+    assert drawn == draw_trials(hs.load_spec(spec_file))  # seeded: drawn alike each time
+    lines = []
+    result = run_sweep_bench(str(spec_file), rounds=1, log=lines.append, same_trials=source)
+    fused, serial = result["rows"]["fused"][0], result["rows"]["serial"][0]
+    assert fused["params"] == serial["params"]
+    assert len({p["lr"] for p in fused["params"]}) == 4
+    if source == "random":
+        assert fused["params"] == drawn
+    elif source == "fused":  # the sweep's sampler asked them (reseeded per trial:
+        assert fused["params"] != drawn  # sampling.py), not draw_trials' RandomSampler
+    for side in (fused, serial):
+        assert side["trials"] == 4 and side["pruned"] == 0
+        assert side["epochs"] == [3, 3, 3, 3] and side["trial_epochs"] == 12
+    first = "serial" if source == "serial" else "fused"
+    assert lines[0].startswith(f"round 1/1 {first}")
+    assert result["same_trials"] == source
+    assert "the same trials on both sides" in format_sweep_bench(result)
+
+
+def test_bench_sweep_same_trials_refuses_an_unknown_source(tmp_path):
+    from hftc.bench.sweep import run_sweep_bench
+
+    with pytest.raises(SystemExit, match="use one of random, fused, serial"):
+        run_sweep_bench(str(_spec_file(tmp_path)), rounds=1, same_trials="tpe")
 
 
 def test_serial_side_is_stock_optuna_one_at_a_time(tmp_path):

@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         from .sweep import format_sweep_bench, run_sweep_bench
 
         result = run_sweep_bench(args.sweep, rounds=args.rounds or 3,
-                                 threads=args.threads or 1)
+                                 threads=args.threads or 1,
+                                 same_trials=getattr(args, "same_trials", None))
         print("\n" + format_sweep_bench(result))
         if args.out:
             import json

@@ -12,6 +12,21 @@ Each process imports what it needs (torch, optuna, the spec's data), builds its 
 its own SQLite file and trains every trial; its wall clock is timed from outside, start
 to exit. Reported: the median wall clock of each side and the median of the per-round
 ratios, the trial-epochs each trained, the best value each found.
+
+``--same-trials [SOURCE]``: both sides train the very same configurations, so their
+trial-epochs differ by the pruning, not by what each side's sampler asked (TPE one at a
+time against TPE in batches of ``per_array``)::
+
+    random (default):  configs = draw_trials(spec)   # n_trials dicts, once, from the
+                                                      # spec's space, RandomSampler(seed)
+    fused:             the fused sweep samples (its sampler), configs = its trials' params
+    serial:            the one-at-a-time study samples first, configs = its trials' params
+    the other side(s): study.enqueue_trial(c) for c in configs, then it runs as usual
+
+Trial k has the same parameters and the same seed (``spec.seed + k``) on both sides, and
+the same pruner; what differs is the data order of a trial the sweep starts after round
+0 (a fused array trains its trials on its round's order), its dropout masks (a fused
+model draws its own, never the stock model's) and what the pruner is shown.
 """
 
 from __future__ import annotations
@@ -25,58 +40,139 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["run_sweep_bench", "format_sweep_bench"]
+__all__ = ["run_sweep_bench", "format_sweep_bench", "draw_trials", "run_fused", "SAME_TRIALS"]
 
 
-def _side(which: str, spec_ref: str, out: str, threads: int) -> dict:
-    """One side, in this process: the fused sweep or the one-at-a-time stock study."""
+def draw_trials(spec, n: int | None = None) -> list[dict]:
+    """``n`` (default ``spec.n_trials``) parameter dicts from ``spec.space``, drawn with
+    ``RandomSampler(seed=spec.seed)`` in a study in memory: what ``--same-trials``
+    enqueues on both sides."""
+    import warnings
+
+    import optuna
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=spec.seed),
+                                        direction=spec.direction)
+            drawn = []
+            for _ in range(spec.n_trials if n is None else n):
+                trial = study.ask()
+                spec.space(trial)
+                drawn.append(dict(trial.params))
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    return drawn
+
+
+def run_fused(spec, out: Path, trials: list[dict] | None = None):
+    """The fused sweep in ``out``; with ``trials``, its study made first with them
+    enqueued (the sweep asks the waiting trials first, in their numbers' order). A study
+    not made by the sweep skips the summary's one-at-a-time replay (engine.py,
+    ``_replay_serial``): about a second less in the process than without ``trials``."""
+    from ..sweep import run
+
+    if trials is not None:
+        import optuna
+
+        out.mkdir(parents=True, exist_ok=True)
+        study = optuna.create_study(study_name=spec.name, direction=spec.direction,
+                                    storage=f"sqlite:///{out.resolve() / 'study.db'}")
+        for params in trials:
+            study.enqueue_trial(params)
+    return run(spec, out=out, progress=False)
+
+
+def _side(which: str, spec_ref: str, out: str, threads: int,
+          trials: list[dict] | None = None) -> dict:
+    """One side, in this process: the fused sweep or the one-at-a-time stock study; with
+    ``trials``, these configurations enqueued (``--same-trials``)."""
     import torch
 
     torch.set_num_threads(threads)
     from ..sweep.spec import load_spec
 
     spec = load_spec(spec_ref)
+    if trials is not None:
+        spec = spec.replace(n_trials=len(trials))
     if which == "fused":
-        from ..sweep import run
-
-        result = run(spec, out=Path(out) / "fused", progress=False)
-        study, epochs = result.study, result.trial_epochs
+        result = run_fused(spec, Path(out) / "fused", trials)
     else:
         from ..sweep.serial import run_serial
 
-        result = run_serial(spec, Path(out) / "serial")
-        study, epochs = result.study, result.trial_epochs
+        result = run_serial(spec, Path(out) / "serial", enqueue=trials)
+    study, epochs = result.study, result.trial_epochs
     try:
         best = study.best_value
     except ValueError:
         best = None
-    return {"trial_epochs": epochs, "best": best, "trials": len(study.trials)}
+    ordered = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+    return {"trial_epochs": epochs, "best": best, "trials": len(ordered),
+            "pruned": sum(t.state.name == "PRUNED" for t in ordered),
+            "params": [t.params for t in ordered],
+            "epochs": [len(t.intermediate_values) for t in ordered]}
+
+
+#: ``--same-trials SOURCE``: where both sides' configurations come from, in words
+SAME_TRIALS = {"random": "drawn at random", "fused": "the fused sweep's",
+               "serial": "the one-at-a-time study's"}
+
+
+def _one_process(which: str, spec_ref: str, out: Path, threads: int, env: dict,
+                 trials_file: Path | None) -> dict:
+    """One side as a whole process, timed from outside: its report and wall clock."""
+    report = out / "report.json"
+    cmd = [sys.executable, "-m", "hftc.bench.sweep", which, spec_ref, str(out), str(threads),
+           str(report), *([str(trials_file)] if trials_file is not None else [])]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"hftc bench --sweep: the {which} side failed:\n"
+                         f"{proc.stderr[-2000:]}")
+    return json.loads(report.read_text()) | {"wall_s": wall}
 
 
 def run_sweep_bench(spec_ref: str = "hftc.sweep.digits", rounds: int = 3, threads: int = 1,
-                    log=print) -> dict:
-    """``rounds`` alternated pairs of whole processes (fused, then serial); the figures."""
+                    log=print, same_trials: str | None = None) -> dict:
+    """``rounds`` alternated pairs of whole processes (fused, then serial); the figures.
+
+    ``same_trials`` (a key of :data:`SAME_TRIALS`): both sides train the same
+    configurations, enqueued: ``"random"``, those of :func:`draw_trials`; ``"fused"``
+    (``"serial"``), those the fused sweep's (the one-at-a-time study's) own sampler
+    asked, that side run first in each round and the other given its trials."""
+    if same_trials is not None and same_trials not in SAME_TRIALS:
+        raise SystemExit(f"hftc bench --sweep --same-trials {same_trials}: use one of "
+                         f"{', '.join(SAME_TRIALS)}")
     env = dict(os.environ, PYTHONHASHSEED="0")
     rows: dict[str, list[dict]] = {"fused": [], "serial": []}
+    order = ("serial", "fused") if same_trials == "serial" else ("fused", "serial")
     with tempfile.TemporaryDirectory(prefix="hftc-bench-sweep-") as tmp:
+        trials_file = None
+        if same_trials == "random":
+            from ..sweep.spec import load_spec
+
+            trials_file = Path(tmp) / "trials.json"
+            trials_file.write_text(json.dumps(draw_trials(load_spec(spec_ref))))
         for k in range(rounds):
-            for which in ("fused", "serial"):
-                out = Path(tmp) / f"{which}-{k}"
-                report = out / "report.json"
-                cmd = [sys.executable, "-m", "hftc.bench.sweep", which, spec_ref, str(out),
-                       str(threads), str(report)]
-                start = time.perf_counter()
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                wall = time.perf_counter() - start
-                if proc.returncode != 0:
-                    raise SystemExit(f"hftc bench --sweep: the {which} side failed:\n"
-                                     f"{proc.stderr[-2000:]}")
-                row = json.loads(report.read_text()) | {"wall_s": wall}
+            if same_trials in ("fused", "serial"):
+                trials_file = None  # the first side samples; the second trains its trials
+            for which in order:
+                row = _one_process(which, spec_ref, Path(tmp) / f"{which}-{k}", threads, env,
+                                   trials_file)
                 rows[which].append(row)
-                log(f"round {k + 1}/{rounds} {which:6s} {wall:6.1f} s  "
-                    f"{row['trial_epochs']} trial-epochs  best {row['best']}")
+                if same_trials in ("fused", "serial") and trials_file is None:
+                    trials_file = Path(tmp) / f"trials-{k}.json"
+                    trials_file.write_text(json.dumps(row["params"]))
+                log(f"round {k + 1}/{rounds} {which:6s} {row['wall_s']:6.1f} s  "
+                    f"{row['trial_epochs']} trial-epochs ({row['pruned']} pruned)  "
+                    f"best {row['best']}")
     ratios = [s["wall_s"] / f["wall_s"] for f, s in zip(rows["fused"], rows["serial"])]
     return {"spec": spec_ref, "rounds": rounds, "threads": threads, "rows": rows,
+            "same_trials": same_trials,
             "fused_wall_s": statistics.median(r["wall_s"] for r in rows["fused"]),
             "serial_wall_s": statistics.median(r["wall_s"] for r in rows["serial"]),
             "speedup": statistics.median(ratios), "ratios": ratios}
@@ -92,7 +188,9 @@ def format_sweep_bench(result: dict) -> str:
 
     return "\n".join([
         f"sweep {result['spec']}: {result['rounds']} round(s) of whole processes, "
-        f"{result['threads']} thread(s) each, alternated",
+        f"{result['threads']} thread(s) each, alternated"
+        + (f", the same trials on both sides ({SAME_TRIALS[result['same_trials']]})"
+           if result.get("same_trials") else ""),
         f"  hftc sweep (fused arrays):           median {result['fused_wall_s']:.1f} s, "
         f"{median(f, 'trial_epochs'):.0f} trial-epochs, best {median(f, 'best'):.4f}",
         f"  stock Optuna, one trial at a time:   median {result['serial_wall_s']:.1f} s, "
@@ -102,7 +200,8 @@ def format_sweep_bench(result: dict) -> str:
     ])
 
 
-if __name__ == "__main__":  # one side, as a whole process: which spec out threads report
+if __name__ == "__main__":  # one side, as a process: which spec out threads report [trials]
     which, spec_ref, out, threads, report = sys.argv[1:6]
+    enqueued = json.loads(Path(sys.argv[6]).read_text()) if len(sys.argv) > 6 else None
     Path(report).parent.mkdir(parents=True, exist_ok=True)
-    Path(report).write_text(json.dumps(_side(which, spec_ref, out, int(threads))))
+    Path(report).write_text(json.dumps(_side(which, spec_ref, out, int(threads), enqueued)))

@@ -82,11 +82,13 @@ def stock_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
 
 
 def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
-               data: Any = None, save_best: bool = False) -> SerialResult:
+               data: Any = None, save_best: bool = False,
+               enqueue: list[dict[str, Any]] | None = None) -> SerialResult:
     """Run ``spec``'s study one trial at a time with stock Optuna (``study.optimize``) in
     ``out`` (its SQLite file ``serial.db``, made afresh, unless ``storage``); with
     ``save_best``, the weights of each trial that completes best so far in
-    ``out/trials/trial-N.pt`` (as the fused sweep keeps them)."""
+    ``out/trials/trial-N.pt`` (as the fused sweep keeps them); with ``enqueue``, these
+    parameters first (``study.enqueue_trial``, trial k gets ``enqueue[k]``)."""
     from .storage import make_pruner
 
     start = time.perf_counter()
@@ -126,6 +128,8 @@ def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
             study = optuna.create_study(storage=storage, sampler=stock_sampler(spec),
                                         pruner=make_pruner(spec), direction=spec.direction,
                                         study_name=f"{spec.name}-serial", load_if_exists=False)
+            for params in enqueue or ():
+                study.enqueue_trial(params)
             study.optimize(objective, n_trials=spec.n_trials)
     finally:
         optuna.logging.set_verbosity(verbosity)
