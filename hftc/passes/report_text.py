@@ -55,8 +55,6 @@ def user_op(source: str) -> str:
     if not found:
         return source
     op = public_name(found.group(2))
-    if op.startswith("torch.") and op.count(".") == 2 and not op.startswith(_PREFIXES[:3]):
-        return op[len("torch."):]  # torch.fft.rfft -> fft.rfft
     for prefix in _PREFIXES:
         if op.startswith(prefix):
             return op[len(prefix):]

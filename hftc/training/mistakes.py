@@ -326,7 +326,8 @@ LOSSES_MARK = "_hftc_per_model_losses"
 def mark_per_model_losses(losses: Tensor) -> None:
     """Mark ``hftc.per_model``'s result, so that a ``.backward()`` on it unreduced is
     explained (:func:`backward_naming_the_sum`)."""
-    if isinstance(losses, Tensor) and losses.dim() >= 1:
+    if isinstance(losses, Tensor) and losses.dim() >= 1 \
+            and not torch.compiler.is_compiling():  # (a traced value: no attribute to keep)
         setattr(losses, LOSSES_MARK, losses.shape[0])
 
 
