@@ -316,7 +316,11 @@ class _Actors:
         over the dead worker's trials)."""
         results = []
         while calls:
-            (done,), _ = self.ray.wait(list(calls), num_returns=1)
+            # A bounded wait: in between, Python handles signals (Ctrl-C, a timeout's).
+            ready, _ = self.ray.wait(list(calls), num_returns=1, timeout=1.0)
+            if not ready:
+                continue
+            done = ready[0]
             actor = calls.pop(done)
             try:
                 results.append((actor, self.ray.get(done)))

@@ -16,7 +16,8 @@ from optuna.trial import TrialState
 from ..errors import SweepError
 from .spec import SweepSpec
 
-__all__ = ["make_storage", "make_sampler", "make_pruner", "Heartbeat", "count_trials", "masked_url"]
+__all__ = ["make_storage", "one_worker_per_trial", "make_sampler", "make_pruner", "Heartbeat",
+           "count_trials", "masked_url"]
 
 
 # ---------------------------------------------------------------------- storage
@@ -118,7 +119,32 @@ def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
         cursor.close()
 
     sqlalchemy.event.listen(storage.engine, "connect", pragmas)
-    storage.engine.dispose()  # connections opened before the listener reconnect with it
+    one_worker_per_trial(storage)
+
+
+def one_worker_per_trial(storage: Any) -> None:
+    """Make every transaction of a SQLite storage begin with ``BEGIN IMMEDIATE`` (the
+    write lock first). Optuna pops an enqueued or retried trial with ``SELECT ... FOR
+    UPDATE``, which SQLite ignores: two workers asking at once would both read the trial
+    WAITING, both set it RUNNING and both train it. Other databases lock the row: left
+    as they are. Idempotent; ``storage`` may be the cache Optuna wraps around it."""
+    import sqlalchemy
+
+    engine = getattr(getattr(storage, "_backend", storage), "engine", None)
+    if (not isinstance(engine, sqlalchemy.engine.Engine) or engine.dialect.name != "sqlite"
+            or sqlalchemy.event.contains(engine, "begin", _begin_immediate)):
+        return
+    sqlalchemy.event.listen(engine, "connect", _no_implicit_begin)
+    sqlalchemy.event.listen(engine, "begin", _begin_immediate)
+    engine.dispose()  # connections opened before the listeners reconnect with them
+
+
+def _no_implicit_begin(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None  # begun by _begin_immediate, not by sqlite3
+
+
+def _begin_immediate(connection: Any) -> None:
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def make_sampler(spec: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:

@@ -42,6 +42,7 @@ from ..errors import FusionError, SweepError
 from ..training.shrink import check_replaceable
 from .arrays import finite_models
 from .pruning import Reference, in_sequence, prune_in_sequence
+from .storage import one_worker_per_trial
 
 __all__ = ["TrialArray", "optimize"]
 
@@ -405,6 +406,7 @@ def optimize(
     unless it is one of ``catch``; ``optuna.TrialPruned`` prunes them.  Any sampler,
     pruner and storage work, several processes on one storage included."""
     _check_optimize_args(n_trials, array_size, timeout, n_jobs)
+    one_worker_per_trial(getattr(study, "_storage", None))  # several processes, one SQLite
     catch = tuple(catch) if isinstance(catch, Iterable) else (catch,)
     callbacks = list(callbacks or [])
     start, asked = time.perf_counter(), 0
