@@ -36,8 +36,14 @@ def cluster():
     c.wait_for_nodes()
     ray.init(address=c.address, logging_level="error", log_to_driver=False)
     yield c, worker
-    ray.shutdown()
-    c.shutdown()
+    # Bounded: after a failure (pytest -x) nothing times this teardown, and a cluster
+    # that does not stop would hang the run; then Ray's own `ray stop --force`.
+    stopping = threading.Thread(target=lambda: (ray.shutdown(), c.shutdown()), daemon=True)
+    stopping.start()
+    stopping.join(120)
+    if stopping.is_alive():
+        subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"],
+                       timeout=120, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +178,74 @@ def test_tune_asha_16_configurations_in_arrays_of_4(cluster, tiny_spec: Path, tm
         assert row["loss"] == pytest.approx(alone[-1], abs=1e-9)
         assert row["best_loss"] == pytest.approx(min(alone), abs=1e-9)
     assert hray.config_results(results) == rows  # the metric the trials reported
+
+
+def test_tuner_gives_one_result_per_configuration_as_tune_does(cluster, tmp_path: Path):
+    """hftc.ray.Tuner takes tune.Tuner's arguments with one configuration's space (a grid
+    and a random domain, num_samples, ASHA in TuneConfig) and returns one result per
+    configuration: 2 grid points x 5 samples = 10 configurations in arrays of 4 (the
+    last of 2), each reported as trained alone from its own seed, the best the best, the
+    same configurations drawn again by the same script."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    spec_file = tmp_path / "fast_spec.py"
+    spec_file.write_text(SPEC_SOURCE)
+    epochs = 3
+    space = {"lr": tune.loguniform(0.01, 0.5), "momentum": tune.grid_search([0.0, 0.8]),
+             "weight_decay": 1e-4}
+
+    def tuner(**tune_config):
+        return hray.Tuner(
+            spec_file, param_space=space, per_array=4, epochs=epochs,
+            tune_config=tune.TuneConfig(num_samples=5, **tune_config),
+            run_config=tune.RunConfig(storage_path=str(tmp_path), name="tuner", verbose=0))
+
+    asha = ASHAScheduler(time_attr="training_iteration", max_t=epochs, grace_period=1,
+                         reduction_factor=2)
+    made = tuner(scheduler=asha, metric="loss", mode="min")
+    assert made.configurations() == tuner().configurations()  # the same script, the same
+    results = made.fit()
+    assert len(results) == 10 and results.num_errors == 0 and results.num_terminated == 10
+    assert len(results.grid) == 3  # Tune's own: arrays of 4, 4 and 2
+    assert sorted(r.config["momentum"] for r in results) == [0.0] * 5 + [0.8] * 5
+    assert len({r.config["lr"] for r in results}) == 10
+    assert all(set(r.config) == {"lr", "momentum", "weight_decay"} for r in results)
+    spec = hs.load_spec(spec_file)
+    data = hs.SweepData.from_spec(spec)
+    orders = [spec.seed * 1_000_003 + e for e in range(epochs)]
+    for r in results:
+        losses = list(r.metrics_dataframe["loss"])
+        assert list(r.metrics_dataframe["training_iteration"]) == list(range(1, len(losses) + 1))
+        assert r.metrics["stopped"] == (len(losses) < epochs)
+        _, alone = hs.train_alone(spec, r.config, r.metrics["seed"], orders[:len(losses)], data)
+        assert losses == pytest.approx(alone, abs=1e-9)
+        assert r.metrics["loss"] == losses[-1]
+    assert any(r.metrics["stopped"] for r in results)  # ASHA stopped some, per configuration
+    best = results.get_best_result()
+    finished = [r for r in results if not r.metrics["stopped"]]
+    assert best.metrics["loss"] == min(r.metrics["loss"] for r in results)
+    assert best in finished or best.metrics["loss"] <= min(r.metrics["loss"] for r in finished)
+    assert results.get_best_result("loss", "max").metrics["loss"] == max(
+        r.metrics["loss"] for r in results)
+    frame = results.get_dataframe()
+    assert len(frame) == 10 and {"loss", "config/lr", "config/momentum"} <= set(frame.columns)
+
+
+def test_tuner_refuses_what_cannot_act_per_configuration(tmp_path: Path):
+    from ray import tune
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    spec_file = tmp_path / "fast_spec.py"
+    spec_file.write_text(SPEC_SOURCE)
+    with pytest.raises(SweepError, match="search_alg=BasicVariantGenerator.*per Tune trial"):
+        hray.Tuner(spec_file, param_space={"lr": 0.1},
+                   tune_config=tune.TuneConfig(search_alg=BasicVariantGenerator()))
+    with pytest.raises(SweepError, match="report 'loss', best at 'min'"):
+        hray.Tuner(spec_file, param_space={"lr": 0.1},
+                   tune_config=tune.TuneConfig(metric="accuracy", mode="max"))
+    with pytest.raises(SweepError, match="per_array must be a positive int"):
+        hray.Tuner(spec_file, param_space={"lr": 0.1}, per_array=0)
 
 
 def _trials(storage: str, name: str) -> list:

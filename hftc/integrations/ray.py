@@ -31,17 +31,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..errors import MissingExtraError, SweepError
 
-__all__ = ["sweep", "tune_trainable", "ARRAY_KEY", "connect", "RayStart", "config_results"]
+__all__ = ["sweep", "tune_trainable", "ARRAY_KEY", "connect", "RayStart", "config_results",
+           "array_space", "Tuner", "ConfigResult", "ConfigResults"]
 
 #: The key of a Tune trial's config that holds its array's configurations (a list).
 ARRAY_KEY = "configs"
+#: The key of a configuration that holds its seed, where :class:`Tuner` drew it.
+SEED_KEY = "hftc_seed"
 
 
 def _import_ray(what: str = "ray") -> Any:
@@ -460,28 +465,43 @@ def config_results(results: Any, metric: str | None = None,
                     "stopped": False, "path": ...}
 
     ``epochs``: how many it trained (fewer where the scheduler stopped it: ``stopped``).
-    ``metric`` defaults to the one the trials reported (``config_<j>/<metric>``)."""
+    ``metric`` defaults to the one the trials reported (``config_<j>/<metric>``).
+    :class:`Tuner` gives the same as Tune's own results, one per configuration."""
     if mode not in ("min", "max"):
         raise SweepError(f"hftc.ray.config_results: mode is 'min' or 'max', got {mode!r}")
     rows: list[dict[str, Any]] = []
     for result in results:
         if result.error is not None or result.metrics_dataframe is None:
             continue
-        reports = result.metrics_dataframe.to_dict("records")
-        metric = metric or _reported_metric(reports)
-        trial_id = result.metrics.get("trial_id", "trial")
-        for j, params in enumerate(result.config[ARRAY_KEY]):
-            mine = [r for r in reports if _present(r.get(f"config_{j}/{metric}"))]
-            if not mine:
+        for config_id, params, seed, history in _configurations_of(result, metric):
+            if not history:
                 continue
-            values = [r[f"config_{j}/{metric}"] for r in mine]
-            rows.append({"config_id": f"{trial_id}/{j}", "config": params, metric: values[-1],
-                         f"best_{metric}": (min if mode == "min" else max)(values),
-                         "epochs": len(values), "seed": int(mine[0][f"config_{j}/seed"]),
-                         "stopped": bool(mine[-1].get(f"config_{j}/stopped", False)),
+            values = [h[1] for h in history]
+            rows.append({"config_id": config_id, "config": params, history[0][2]: values[-1],
+                         f"best_{history[0][2]}": (min if mode == "min" else max)(values),
+                         "epochs": len(values), "seed": seed, "stopped": history[-1][3],
                          "path": result.path})
-    rows.sort(key=lambda row: row[metric], reverse=mode == "max")
+    if rows:
+        name = next(k for k in rows[0] if k not in ("config_id", "config"))  # the metric
+        rows.sort(key=lambda row: row[name], reverse=mode == "max")
     return rows
+
+
+def _configurations_of(result: Any, metric: str | None,
+                       ) -> Iterator[tuple[str, dict, int | None, list[tuple]]]:
+    """``(config id, params, seed, history)`` of each configuration of one Tune result of
+    :func:`tune_trainable`, ``history`` its ``(epoch, value, metric, stopped)`` reports."""
+    frame = result.metrics_dataframe
+    reports = frame.to_dict("records") if frame is not None and len(frame) else []
+    metric = metric or (_reported_metric(reports) if reports else None)
+    trial_id = (result.metrics or {}).get("trial_id", "trial")
+    for j, params in enumerate((result.config or {}).get(ARRAY_KEY, [])):
+        mine = [r for r in reports if _present(r.get(f"config_{j}/{metric}"))]
+        seed = int(mine[0][f"config_{j}/seed"]) if mine else params.get(SEED_KEY)
+        history = [(int(r.get("training_iteration", e + 1)), r[f"config_{j}/{metric}"], metric,
+                    bool(r.get(f"config_{j}/stopped", False))) for e, r in enumerate(mine)]
+        yield (f"{trial_id}/{j}", {k: v for k, v in params.items() if k != SEED_KEY}, seed,
+               history)
 
 
 def _present(value: Any) -> bool:
@@ -501,6 +521,207 @@ def array_space(space: dict[str, Any], per_array: int) -> dict[str, Any]:
     """A Tune ``param_space`` whose every sample is an array of ``per_array``
     configurations, each drawn from ``space`` (a dict of Tune domains)."""
     return {ARRAY_KEY: [dict(space) for _ in range(per_array)]}
+
+
+# ---------------------------------------------------------------------- Tune's own API
+
+
+@dataclasses.dataclass
+class ConfigResult:
+    """One configuration's result, as Tune's ``Result`` says a trial's: ``config`` (its
+    parameters), ``metrics`` (its last report: the metric, ``training_iteration`` its
+    epochs, ``seed``, ``stopped`` where the scheduler stopped it, ``config_id``),
+    ``metrics_dataframe`` (one row per epoch), ``path`` (its array's Tune trial folder),
+    ``error`` (its array's, where the array failed)."""
+
+    config: dict[str, Any]
+    metrics: dict[str, Any]
+    metrics_dataframe: Any
+    path: str | None
+    error: BaseException | None = None
+    checkpoint: Any = None
+
+
+class ConfigResults:
+    """Tune's ``ResultGrid``, one :class:`ConfigResult` per configuration (in the order
+    they were drawn) rather than one per array: ``len``, indexing, iteration,
+    :meth:`get_best_result`, :meth:`get_dataframe`, ``errors``, ``num_errors``,
+    ``num_terminated``. ``grid`` is Tune's own, one result per array."""
+
+    def __init__(self, results: list[ConfigResult], grid: Any, metric: str, mode: str):
+        self._results, self.grid, self.metric, self.mode = results, grid, metric, mode
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    def __getitem__(self, i: int) -> ConfigResult:
+        return self._results[i]
+
+    def __iter__(self) -> Iterator[ConfigResult]:
+        return iter(self._results)
+
+    @property
+    def errors(self) -> list[BaseException]:
+        return [r.error for r in self._results if r.error is not None]
+
+    @property
+    def num_errors(self) -> int:
+        return len(self.errors)
+
+    @property
+    def num_terminated(self) -> int:
+        return len(self._results) - self.num_errors
+
+    @property
+    def experiment_path(self) -> str:
+        return self.grid.experiment_path
+
+    def get_best_result(self, metric: str | None = None, mode: str | None = None,
+                        scope: str = "last", filter_nan_and_inf: bool = True) -> ConfigResult:
+        """The best configuration by ``metric`` (default: TuneConfig's, else the spec's),
+        ``mode`` "min" / "max", ``scope`` "last" (its last epoch) or "all" (its best
+        epoch), as ``ResultGrid.get_best_result``."""
+        metric, mode = metric or self.metric, mode or self.mode
+        if mode not in ("min", "max") or scope not in ("last", "all"):
+            raise SweepError(f"hftc.ray.ConfigResults.get_best_result: mode is 'min' or "
+                             f"'max' and scope 'last' or 'all', got {mode!r}, {scope!r}")
+        best = min if mode == "min" else max
+
+        def value(r: ConfigResult) -> float:
+            values = list(r.metrics_dataframe[metric])
+            return float(values[-1] if scope == "last" else best(values))
+
+        candidates = [r for r in self._results if r.error is None and len(r.metrics_dataframe)
+                      and (not filter_nan_and_inf or math.isfinite(value(r)))]
+        if not candidates:
+            raise SweepError(f"hftc.ray.ConfigResults: no configuration reported a finite "
+                             f"{metric!r}")
+        return best(candidates, key=value)
+
+    def get_dataframe(self) -> Any:
+        """One row per configuration: its last metrics and ``config/<name>`` columns."""
+        import pandas as pd
+
+        return pd.DataFrame([{**r.metrics, **{f"config/{k}": v for k, v in r.config.items()}}
+                             for r in self._results])
+
+
+class Tuner:
+    """``ray.tune.Tuner`` for fused arrays: the same arguments, one result per
+    configuration::
+
+        tuner = hftc.ray.Tuner("spec.py", param_space={"lr": tune.loguniform(1e-3, 0.3)},
+                               tune_config=tune.TuneConfig(num_samples=16,
+                                                           scheduler=ASHAScheduler()),
+                               per_array=4)
+        results = tuner.fit()            # 16 ConfigResults: one per configuration
+        best = results.get_best_result() # TuneConfig's metric and mode, else the spec's
+        best.config == {"lr": ...}, best.metrics["loss"], best.metrics_dataframe
+
+    ``param_space`` is one configuration's space (Tune domains, ``tune.grid_search``);
+    ``num_samples`` configurations are drawn from it (times each grid point), as Tune
+    would, with Tune's variant generator seeded by the spec's seed, and each gets its own
+    seed: the same script draws and trains the same configurations. They train in
+    arrays of ``per_array`` (one Tune trial each, the last smaller); TuneConfig's
+    ``scheduler`` (ASHA) decides per configuration, as :func:`tune_trainable` says.
+    A ``search_alg`` (Tune's Optuna, HyperOpt ...) suggests per Tune trial, so per array:
+    refused here (:func:`hftc.sweep.run` drives Optuna's samplers per trial). ``epochs``
+    and ``overrides`` are spec fields."""
+
+    def __init__(self, spec: Any, *, param_space: dict[str, Any], tune_config: Any = None,
+                 run_config: Any = None, per_array: int = 4, epochs: int | None = None,
+                 **overrides: Any):
+        from ..sweep.spec import load_spec
+
+        if not isinstance(per_array, int) or isinstance(per_array, bool) or per_array < 1:
+            raise SweepError(f"hftc.ray.Tuner: per_array must be a positive int, got "
+                             f"{per_array!r}")
+        if not isinstance(param_space, dict):
+            raise SweepError(f"hftc.ray.Tuner: param_space is one configuration's space (a "
+                             f"dict of Tune domains), got {type(param_space).__name__}")
+        tune = _import_ray("ray.tune")
+        self.spec, self.param_space, self.per_array = spec, param_space, per_array
+        self.tune_config = tune_config if tune_config is not None else tune.TuneConfig()
+        self.run_config, self.epochs, self.overrides = run_config, epochs, overrides
+        spec_obj = load_spec(_shippable(spec, "hftc.ray.Tuner")).replace(**overrides)
+        self.seed = spec_obj.seed
+        self.metric, self.mode = _metric_and_mode(self.tune_config, spec_obj)
+        if self.tune_config.search_alg is not None:
+            search = type(self.tune_config.search_alg).__name__
+            raise SweepError(
+                f"hftc.ray.Tuner: TuneConfig(search_alg={search}) suggests one config per "
+                f"Tune trial, and a Tune trial here is "
+                f"an array of {per_array}: drop search_alg (Tune's variant generator draws "
+                f"the configurations), or run the Optuna sampler per trial with "
+                f"hftc.sweep.run / `hftc sweep SPEC --ray`")
+
+    def configurations(self) -> list[dict[str, Any]]:
+        """The configurations :meth:`fit` trains, each with its seed (``SEED_KEY``)."""
+        import numpy as np
+        from ray.tune.search.variant_generator import generate_variants
+
+        from ..sweep.sampling import draw_seed
+
+        random_state = np.random.RandomState(self.seed % 2**32)
+        drawn = [config for _ in range(max(1, int(self.tune_config.num_samples)))
+                 for _, config in generate_variants(dict(self.param_space),
+                                                    random_state=random_state)]
+        return [{**config, SEED_KEY: draw_seed(self.seed, "tune", k)}
+                for k, config in enumerate(drawn)]
+
+    def fit(self) -> ConfigResults:
+        tune = _import_ray("ray.tune")
+        configs = self.configurations()
+        arrays = [configs[i:i + self.per_array] for i in range(0, len(configs), self.per_array)]
+        trainable = tune_trainable(self.spec, scheduler=self.tune_config.scheduler,
+                                   epochs=self.epochs, **self.overrides)
+        # Tune runs the arrays, one trial each, first in first out; the scheduler is the
+        # configurations' (in tune_trainable), and every array is drawn already.
+        per_array_config = dataclasses.replace(self.tune_config, scheduler=None, metric=None,
+                                               mode=None, num_samples=1)
+        grid = tune.Tuner(trainable, param_space={ARRAY_KEY: tune.grid_search(arrays)},
+                          tune_config=per_array_config, run_config=self.run_config).fit()
+        order = {config[SEED_KEY]: k for k, config in enumerate(configs)}
+        results: list[ConfigResult | None] = [None] * len(configs)
+        for result in grid:
+            for config_id, params, seed, history in _configurations_of(result, self.metric):
+                k = order.get(seed)
+                if k is not None:
+                    results[k] = _config_result(config_id, params, seed, history, result,
+                                                self.metric)
+        missing = [k for k, r in enumerate(results) if r is None]
+        for k in missing:  # an array Tune never reported (it failed before its first epoch)
+            results[k] = _config_result("", {n: v for n, v in configs[k].items()
+                                              if n != SEED_KEY}, configs[k][SEED_KEY], [],
+                                        None, self.metric)
+        return ConfigResults(results, grid, self.metric, self.mode)
+
+
+def _metric_and_mode(tune_config: Any, spec: Any) -> tuple[str, str]:
+    """The metric every configuration reports is the spec's; TuneConfig may name it."""
+    metric, mode = spec.metric_name, spec.direction[:3]
+    if tune_config.metric not in (None, metric) or tune_config.mode not in (None, mode):
+        raise SweepError(
+            f"hftc.ray.Tuner: TuneConfig(metric={tune_config.metric!r}, "
+            f"mode={tune_config.mode!r}), but the spec's configurations report "
+            f"{metric!r}, best at {mode!r} (its metric and direction): name those, or none")
+    return metric, mode
+
+
+def _config_result(config_id: str, params: dict, seed: Any, history: list[tuple],
+                   result: Any, metric: str) -> ConfigResult:
+    import pandas as pd
+
+    frame = pd.DataFrame([{"training_iteration": epoch, metric: value}
+                          for epoch, value, _, _ in history],
+                         columns=["training_iteration", metric])
+    last = {metric: history[-1][1], "training_iteration": history[-1][0]} if history else {}
+    error = None if result is None else result.error
+    if result is None:
+        error = SweepError(f"hftc.ray.Tuner: configuration {params} never reported")
+    return ConfigResult(params, {**last, "seed": seed, "config_id": config_id,
+                                 "stopped": bool(history and history[-1][3])},
+                        frame, None if result is None else result.path, error)
 
 
 def _train_array(spec: Any, config: dict[str, Any], decider: Any) -> None:
@@ -530,8 +751,9 @@ def _train_array(spec: Any, config: dict[str, Any], decider: Any) -> None:
         spec = spec.replace(device="cuda")
     data = SweepData.from_spec(spec)
     names = [f"{trial_id}/{j}" for j in range(len(params))]
-    seeds = [int(p["seed"]) if "seed" in p else
+    seeds = [int(p[SEED_KEY]) if SEED_KEY in p else int(p["seed"]) if "seed" in p else
              spec.seed + zlib.crc32(name.encode()) % 1_000_000 for p, name in zip(params, names)]
+    params = [{k: v for k, v in p.items() if k != SEED_KEY} for p in params]
     modules = [build_model(spec, p, s) for p, s in zip(params, seeds)]
     fused = hftc.fuse(modules, example_inputs=tuple(x[:spec.batch_size]
                                                     for x in data.x_train))
