@@ -18,10 +18,14 @@ Two ways in:
   default) where every actor sees OUT (one machine, or nodes on one host as in the tests),
   ``postgresql://...`` across machines.
 
-* :func:`tune_trainable`, for Ray Tune users: each Tune trial trains an array of
-  ``per_array`` configurations fused on one device and reports each configuration's
-  metric; a Tune scheduler (``ASHAScheduler``) decides per configuration, and a stopped
-  configuration leaves its array (:func:`hftc.keep_models`, in place).
+* :class:`Tuner`, for Ray Tune users: ``tune.Tuner``'s arguments (one configuration's
+  ``param_space``, ``TuneConfig(num_samples, scheduler)``) and one result per
+  configuration, the configurations trained in arrays of ``per_array``.
+  :func:`tune_trainable`, under it, for a Tune script of one's own: each Tune trial
+  trains an array of ``per_array`` configurations fused on one device and reports each
+  configuration's metric; a Tune scheduler (``ASHAScheduler``) decides per
+  configuration, and a stopped configuration leaves its array (:func:`hftc.keep_models`,
+  in place).
 
 ``import hftc`` never imports Ray; this module imports it on first use, and a missing
 Ray raises :class:`hftc.errors.MissingExtraError` naming ``pip install 'hftc[ray]'``.
