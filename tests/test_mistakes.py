@@ -132,6 +132,7 @@ def test_a_loss_that_refuses_other_shapes_names_per_model():
     (lambda out, y: F.mse_loss(out, y), (16, 5), "the target is broadcast over the models"),
     (lambda out, y: nn.MSELoss()(out, y), (16, 5), "the target is broadcast over the models"),
     (lambda out, y: F.l1_loss(out, y), (3, 16, 5), "a target stacked per model"),
+    (lambda out, y: nn.SmoothL1Loss()(out, y), (1, 16, 5), "one model's target [1, 16, 5]"),
 ])
 def test_an_elementwise_mean_over_the_models_warns_at_the_users_line(loss, target_shape, text):
     fused = _classifier()
@@ -147,6 +148,25 @@ def test_an_elementwise_mean_over_the_models_warns_at_the_users_line(loss, targe
     # torch's own broadcasting warning names what it named before: never hftc's code
     package = str(Path(hftc.__file__).parent)
     assert not any(w.filename.startswith(package) for w in caught)
+
+
+def test_kl_div_batchmean_on_a_fused_output_divides_by_the_models_and_says_so():
+    fused = _classifier()
+    x, p = torch.randn(16, 4), torch.softmax(torch.randn(16, 5), -1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        F.kl_div(F.log_softmax(fused(x), -1), p, reduction="batchmean")
+    [warning] = [w for w in caught if issubclass(w.category, hftc.UsageWarning)]
+    message = str(warning.message)
+    assert "'batchmean' divides by the input's first dimension, the 3 models" in message
+    assert "hftc.per_model(F.kl_div)" in message and warning.filename == __file__
+    out = fused(x)  # what it says to do: each model's own batchmean, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        losses = hftc.per_model(lambda o, t: F.kl_div(o, t, reduction="batchmean"))(
+            F.log_softmax(out, -1), p)
+    torch.testing.assert_close(losses[2], F.kl_div(F.log_softmax(out[2], -1), p,
+                                                   reduction="batchmean"))
 
 
 def test_what_is_right_on_a_fused_output_runs_as_torch_runs_it():

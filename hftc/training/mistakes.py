@@ -204,7 +204,7 @@ def _fused_models_behind(name: str, input: Tensor, target: Tensor) -> int | None
                 f"[N, B, C]: losses = hftc.per_model(F.{name})(out, y) ([{n}]), then "
                 f"losses.sum().backward()")
         return None
-    if target.shape == input.shape[1:] and input.shape[0] in live:
+    if target.shape in (input.shape[1:], (1, *input.shape[1:])) and input.shape[0] in live:
         return input.shape[0]
     return None
 
@@ -239,14 +239,16 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
       models' stacked): FusionArgumentError (torch would read the N models as the batch);
     - a loss that needs the input's shape (``binary_cross_entropy``) given one model's
       target: FusionArgumentError (torch refuses it, not saying why);
-    - an elementwise loss with ``reduction="mean"`` given one model's target (broadcast)
-      or the N models' (stacked): the mean over all N models, each model's gradient
-      divided by N: UsageWarning.
+    - an elementwise loss with ``reduction="mean"`` given one model's target (broadcast,
+      ``[B, ...]`` or ``[1, B, ...]``) or the N models' (stacked): the mean over all N
+      models, each model's gradient divided by N; ``kl_div``'s ``"batchmean"``, which
+      divides by N, not B: UsageWarning.
 
     Each names the user's line and ``hftc.per_model``."""
     one_row = input.shape[1:2] + input.shape[3:]  # one model's class-index target
     classes = name in CLASS_LOSSES
-    shared = target.shape in ((one_row, input.shape[1:]) if classes else (input.shape[1:],))
+    shared = target.shape in ((one_row, input.shape[1:]) if classes else
+                              (input.shape[1:], (1, *input.shape[1:])))
     stacked = target.shape in (((n, *one_row), input.shape) if classes else (input.shape,))
     if input.dim() < 2 or not (shared or stacked):
         return
@@ -267,14 +269,17 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
         raise FusionArgumentError(
             f"{called} got {what} {list(input.shape)} ({models}) and "
             f"{target_text}, as for one model's output{_user_line()}; {why}. {use}")
-    if reduction == "mean" and n > 1:
+    if reduction in ("mean", "batchmean") and n > 1:
+        scale = (f"the mean is over all {n} models, so each model's gradient is divided by "
+                 f"{n} (with SGD: a learning rate {n} times smaller)" if reduction == "mean"
+                 else f"'batchmean' divides by the input's first dimension, the {n} models, "
+                 f"not the batch of {input.shape[1]}: each model's gradient is "
+                 f"{input.shape[1]}/{n} times its own")
         warnings.warn(
             f"{called} on {what} {list(input.shape)} ({models}) and "
             f"{target_text}{_user_line()}: "
             + ("the target is broadcast over the models and " if shared else "")
-            + f"the mean is over all {n} models, so each model's gradient is divided by "
-            f"{n} (with SGD: a learning rate {n} times smaller). {use}", UsageWarning,
-            stacklevel=user_stacklevel())
+            + f"{scale}. {use}", UsageWarning, stacklevel=user_stacklevel())
 
 
 # --------------------------------------------------------------------------- .mean() of N losses
