@@ -232,6 +232,28 @@ def test_tuner_gives_one_result_per_configuration_as_tune_does(cluster, tmp_path
     assert len(frame) == 10 and {"loss", "config/lr", "config/momentum"} <= set(frame.columns)
 
 
+def test_tuner_an_array_that_fails_gives_its_configurations_the_error(cluster, tmp_path):
+    """A configuration whose model cannot be built fails its array (one Tune trial): its
+    configurations carry the error, the other array's train, the best is among them."""
+    from ray import tune
+
+    spec_file = tmp_path / "failing_spec.py"
+    spec_file.write_text(SPEC_SOURCE.replace(
+        "def model(params):\n",
+        "def model(params):\n    if params['k'] >= 2:\n"
+        "        raise ValueError(f\"no model for k={params['k']}\")\n"))
+    results = hray.Tuner(
+        spec_file, param_space={"lr": 0.1, "momentum": 0.5, "weight_decay": 1e-4,
+                                "k": tune.grid_search([0, 1, 2, 3])},
+        per_array=2, epochs=2,
+        run_config=tune.RunConfig(storage_path=str(tmp_path), name="fails", verbose=0)).fit()
+    assert len(results) == 4 and results.num_errors == 2 and results.num_terminated == 2
+    assert [r.error is None for r in results] == [True, True, False, False]
+    assert all("no model for k=" in str(error) for error in results.errors)
+    assert [len(r.metrics_dataframe) for r in results] == [2, 2, 0, 0]
+    assert results.get_best_result().config["k"] in (0, 1)
+
+
 def test_tuner_refuses_what_cannot_act_per_configuration(tmp_path: Path):
     from ray import tune
     from ray.tune.search.basic_variant import BasicVariantGenerator
