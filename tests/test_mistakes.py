@@ -519,3 +519,33 @@ def test_per_model_given_one_models_output_says_what_it_read():
     with pytest.raises(hftc.errors.FusionTypeError, match=r"argument 1 list"):
         hftc.per_model(F.cross_entropy)(fused(x), [y, y])
     assert hftc.per_model(F.cross_entropy)(fused(x), y).shape == (2,)  # as it says
+
+
+def test_eval_on_the_models_given_to_fuse_warns_at_the_fused_forward():
+    """``for m in models: m.eval()`` reaches none of the fused module's copies: the next
+    fused forward (still in train mode, dropout on) warns once, naming fused.eval()."""
+    models = [nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)) for _ in range(3)]
+    x = torch.randn(5, 4)
+    fused = hftc.fuse(models, example_inputs=(x,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fused(x)
+        fused.eval()  # the fused module's own mode: no warning, nor with the models kept
+        fused(x)
+        fused.train()
+        models[0].eval()  # one model only: not the mistake
+        fused(x)
+    for m in models:
+        m.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused(x)
+        fused(x)
+    [warning] = [w for w in caught if issubclass(w.category, hftc.UsageWarning)]
+    assert "switched to eval mode since, but the fused module runs in train mode" in str(
+        warning.message) and "Call fused.eval()" in str(warning.message)
+    assert warning.filename == __file__
+    fused.eval()  # what it says: the fused module in eval mode, as the models, and quiet
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(fused(x)[1], models[1](x))

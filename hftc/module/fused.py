@@ -61,7 +61,7 @@ from .padding import WidthPadding, mask_padded_gradients, pad_models
 from .programs import ProgramCache
 from .stacking import build_module_tree
 from .unfuse import Unfusing
-from .usage import mark_outputs
+from .usage import check_source_modes, mark_outputs, note_sources
 
 
 def _hook_hint(hooks: Sequence[Any]) -> str:
@@ -310,6 +310,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                              "pad_widths": pad_widths}
         models = check_models(models)
         unpadded = models
+        note_sources(self, models)
         models, strategy = self._padded_models(models, pad_widths, check, strategy, checkpoint,
                                                _padded)
         self._set_options(models, in_dims, autotune, check, strategy, checkpoint)
@@ -571,6 +572,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        check_source_modes(self)
         if self.padding is not None:
             mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import user_stacklevel
+from ..errors import UsageWarning, user_stacklevel
 
 #: The attribute of a fused module's output tensors: the N models it stacks.
 OUTPUT_MARK = "_hftc_num_models"
@@ -90,5 +92,45 @@ def note_copy(fused: nn.Module, model: nn.Module, model_id: int) -> None:
     UNFUSED_COPIES.append(UnfusedCopy(fused, model, model_id, line))
 
 
+# --------------------------------------------------------------------------- the models' modes
+
+#: fused module -> (weak references to the models hftc.fuse was given, their modes then)
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def note_sources(fused: nn.Module, models: Sequence[nn.Module]) -> None:
+    """Remember (weakly) the models ``fused`` was made from and their train / eval modes."""
+    with contextlib.suppress(TypeError):  # (a model that refuses weak references)
+        _SOURCES[fused] = ([weakref.ref(m) for m in models], [m.training for m in models])
+
+
+def check_source_modes(fused: nn.Module) -> None:
+    """Before a forward of ``fused``: every model it was made from switched to the other
+    mode since (``for m in models: m.eval()``) while ``fused`` stays in this one is the
+    user's ``eval()`` meant for the fused module, which copied the models and keeps its
+    own mode (dropout would stay on in a validation). A UsageWarning, once per module.
+    One weak reference read where model 0 kept its mode (the common case)."""
+    if torch.compiler.is_compiling():
+        return
+    sources = _SOURCES.get(fused)
+    if sources is None:
+        return
+    refs, modes = sources
+    first = refs[0]()
+    if first is None or first.training == modes[0] or first.training == fused.training:
+        return
+    models = [r() for r in refs]
+    if any(m is None or m.training == fused.training for m in models):
+        return
+    del _SOURCES[fused]
+    now, kept = ("eval", "train") if fused.training else ("train", "eval")
+    warnings.warn(
+        f"the {len(models)} models given to hftc.fuse were switched to {now} mode since, "
+        f"but the fused module runs in {kept} mode: it copied them and keeps its own mode "
+        f"(a model's {now}() does not reach it). Call fused.{now}() instead.",
+        UsageWarning, stacklevel=user_stacklevel())
+
+
 __all__ = ["KEPT_COPIES", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
-           "fused_output_models", "mark_outputs", "note_copy"]
+           "check_source_modes", "fused_output_models", "mark_outputs", "note_copy",
+           "note_sources"]
