@@ -94,14 +94,17 @@ def note_copy(fused: nn.Module, model: nn.Module, model_id: int) -> None:
 
 # --------------------------------------------------------------------------- the models' modes
 
-#: fused module -> (weak references to the models hftc.fuse was given, their modes then)
-_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: id(fused module) -> (weak references to the models hftc.fuse was given, their modes
+#: then); an entry leaves with its module. (By id: a WeakKeyDictionary's lookup makes a
+#: weak reference, at every forward.)
+_SOURCES: dict[int, tuple[list[weakref.ref], list[bool]]] = {}
 
 
 def note_sources(fused: nn.Module, models: Sequence[nn.Module]) -> None:
     """Remember (weakly) the models ``fused`` was made from and their train / eval modes."""
     with contextlib.suppress(TypeError):  # (a model that refuses weak references)
-        _SOURCES[fused] = ([weakref.ref(m) for m in models], [m.training for m in models])
+        _SOURCES[id(fused)] = ([weakref.ref(m) for m in models], [m.training for m in models])
+        weakref.finalize(fused, _SOURCES.pop, id(fused), None)
 
 
 def check_source_modes(fused: nn.Module) -> None:
@@ -112,7 +115,7 @@ def check_source_modes(fused: nn.Module) -> None:
     One weak reference read where model 0 kept its mode (the common case)."""
     if torch.compiler.is_compiling():
         return
-    sources = _SOURCES.get(fused)
+    sources = _SOURCES.get(id(fused))
     if sources is None:
         return
     refs, modes = sources
@@ -122,7 +125,7 @@ def check_source_modes(fused: nn.Module) -> None:
     models = [r() for r in refs]
     if any(m is None or m.training == fused.training for m in models):
         return
-    del _SOURCES[fused]
+    _SOURCES.pop(id(fused), None)
     now, kept = ("eval", "train") if fused.training else ("train", "eval")
     warnings.warn(
         f"the {len(models)} models given to hftc.fuse were switched to {now} mode since, "
