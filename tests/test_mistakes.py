@@ -549,3 +549,35 @@ def test_eval_on_the_models_given_to_fuse_warns_at_the_fused_forward():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch.testing.assert_close(fused(x)[1], models[1](x))
+
+
+def test_saving_a_model_given_to_fuse_after_training_the_fused_module_warns():
+    """The habit kept from the one-model script, ``torch.save(model.state_dict(), ...)``
+    with ``model`` one of the models given to hftc.fuse, saves the weights of the fusing:
+    warned once trained, naming fused.model_state_dict(i); quiet before, for the fused
+    module's own, and for a model trained by itself."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(3)]
+    x, y = torch.randn(6, 4), torch.randint(0, 2, (6,))
+    fused = hftc.fuse(models, example_inputs=(x,))
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        models[1].state_dict()  # not trained yet: the same weights
+        hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+        opt.step()
+        saved = fused.model_state_dict(1)  # the trained ones
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        models[1].state_dict()
+    [warning] = [w for w in caught if issubclass(w.category, hftc.UsageWarning)]
+    assert "fused.model_state_dict(1)" in str(warning.message)
+    assert "`0.weight` differs" in str(warning.message) and warning.filename == __file__
+    assert not torch.equal(saved["0.weight"], models[1].state_dict()["0.weight"])
+    own = torch.optim.SGD(models[2].parameters(), lr=0.1)  # model 2 trained by itself
+    F.cross_entropy(models[2](x), y).backward()
+    own.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        models[2].state_dict()
+        fused.state_dict()

@@ -98,6 +98,9 @@ def note_copy(fused: nn.Module, model: nn.Module, model_id: int) -> None:
 #: then); an entry leaves with its module. (By id: a WeakKeyDictionary's lookup makes a
 #: weak reference, at every forward.)
 _SOURCES: dict[int, tuple[list[weakref.ref], list[bool]]] = {}
+#: id(a model given to hftc.fuse) -> (the fused module, weakly; its position; its first
+#: parameter's version then): what :func:`stale_source` reads.
+_ORIGINALS: dict[int, tuple[weakref.ref, int, int]] = {}
 
 
 def note_sources(fused: nn.Module, models: Sequence[nn.Module]) -> None:
@@ -105,6 +108,36 @@ def note_sources(fused: nn.Module, models: Sequence[nn.Module]) -> None:
     with contextlib.suppress(TypeError):  # (a model that refuses weak references)
         _SOURCES[id(fused)] = ([weakref.ref(m) for m in models], [m.training for m in models])
         weakref.finalize(fused, _SOURCES.pop, id(fused), None)
+        for i, m in enumerate(models):
+            first = next(m.parameters(), None)
+            if first is not None:
+                _ORIGINALS[id(m)] = (weakref.ref(fused), i, first._version)
+                weakref.finalize(m, _ORIGINALS.pop, id(m), None)
+
+
+def stale_source(model: nn.Module) -> tuple[nn.Module, int, str] | None:
+    """``(fused module, position, parameter name)`` where ``model`` was given to
+    hftc.fuse, was not trained since (its first parameter's version is the one of then)
+    and that parameter differs from the fused module's copy of it (which trained): its
+    weights are the ones of the fusing, not the training's. Else None."""
+    noted = _ORIGINALS.get(id(model))
+    first = next(model.parameters(), None)
+    fused = noted[0]() if noted is not None else None
+    if fused is None or first is None or first._version != noted[2]:
+        return None
+    position = noted[1]
+    names = getattr(fused, "source_parameter_names", None) or []
+    name = names[position].get(id(first)) if position < len(names) else None
+    if name is None:
+        return None
+    copy = fused.get_parameter(name)
+    if copy.shape[1:] != first.shape or position >= copy.shape[0] \
+            or copy.device != first.device or copy.dtype != first.dtype:
+        return None
+    with torch.no_grad():
+        differs = not torch.equal(copy[position], first)
+    own_name = next((n for n, p in model.named_parameters() if p is first), name)
+    return (fused, position, own_name) if differs else None
 
 
 def check_source_modes(fused: nn.Module) -> None:
@@ -136,4 +169,4 @@ def check_source_modes(fused: nn.Module) -> None:
 
 __all__ = ["KEPT_COPIES", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
            "check_source_modes", "fused_output_models", "mark_outputs", "note_copy",
-           "note_sources"]
+           "note_sources", "stale_source"]

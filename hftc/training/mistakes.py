@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from ..errors import FusionArgumentError, FusionTypeError, UsageWarning, user_stacklevel
 from ..lowering.runtime.modules import FUSED_MODULES
-from ..module.usage import OUTPUT_MARK, UNFUSED_COPIES
+from ..module.usage import OUTPUT_MARK, UNFUSED_COPIES, stale_source
 
 
 def refusing_per_model_values(init: Callable[..., None]) -> Callable[..., None]:
@@ -369,6 +369,34 @@ def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None
             raise
 
     checked.__hftc_original__ = backward
+    return checked
+
+
+def state_dict_noting_stale_models(state_dict: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.Module.state_dict`` that, called on a model given to hftc.fuse whose weights
+    are still the ones the fused module copied while the fused module trained its own
+    (:func:`hftc.module.usage.stale_source`), warns (UsageWarning) that it saves the
+    weights of the fusing: take ``fused.model_state_dict(i)``. Checked at the root call
+    only (torch's recursion passes a prefix), where a fused module lives."""
+
+    @functools.wraps(state_dict)
+    def checked(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = state_dict(self, *args, **kwargs)
+        if not args and not kwargs.get("prefix") and FUSED_MODULES \
+                and not torch.compiler.is_compiling():
+            stale = stale_source(self)
+            if stale is not None:
+                _, position, name = stale
+                warnings.warn(
+                    f"{type(self).__name__}.state_dict(){_user_line()}: this model was "
+                    f"given to hftc.fuse, which copied its weights; the fused module has "
+                    f"trained its copy since (`{name}` differs) and this model still holds "
+                    f"the weights of the fusing. Save the trained ones: "
+                    f"fused.model_state_dict({position}) (fused.unfuse() gives every model)",
+                    UsageWarning, stacklevel=user_stacklevel())
+        return out
+
+    checked.__hftc_original__ = state_dict
     return checked
 
 
