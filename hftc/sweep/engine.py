@@ -80,6 +80,10 @@ __all__ = ["Sweep", "SweepError", "SweepFileError", "SweepResult", "make_storage
            "finite_models"]
 
 
+#: A running array is refilled once 1 / REFILL_PARTS of its places are free (Sweep._refill).
+REFILL_PARTS = 4
+
+
 @dataclass
 class SweepResult:
     """What a worker leaves: the study, the files it wrote and how long it took."""
@@ -354,15 +358,25 @@ class Sweep(Recovery, Arrays, Decisions):
         return LiveTrial(trial, params, seed, module, optimizers, schedulers)
 
     def _refill(self) -> bool:
-        """Ask trials until the array is full or the budget is spent; True if any came."""
+        """Ask trials until the array is full or the budget is spent; True if any came.
+
+        A running array is refilled once a quarter of its places are free (or all the
+        trials the budget has left fit): each refill fuses the array again (tens of
+        milliseconds, a few training steps of the whole array), and one free place of
+        sixteen costs the array's throughput less than that."""
         spec, came = self.spec, False
         room = 0
+        first = True
         while len(self.live) < spec.per_array and not self.sampler_stopped:
             if room == 0 or not self.default_storage:
                 # On a shared storage, count before every ask: other workers ask too.
                 c = count_trials(self.study)
                 # Waiting trials (retries, enqueued ones) run first and use the budget too.
                 room = c["waiting"] + max(0, spec.n_trials - c["budget"] - c["waiting"])
+            if first and self.live and spec.per_array - len(self.live) < min(
+                    room, max(1, spec.per_array // REFILL_PARTS)):
+                break
+            first = False
             exhausted = getattr(self.study.sampler, "is_exhausted", None)
             if room == 0 or (exhausted is not None and exhausted(self.study)):
                 break  # (a GridSampler whose every point is taken would repeat one)
