@@ -68,10 +68,12 @@ def bernoulli_mask(shape: Sequence[int], keep: float | Tensor, like: Tensor) -> 
         if isinstance(keep, Tensor):
             return torch.bernoulli(keep.to(like.dtype).expand(shape))
         return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(keep)
-    if isinstance(keep, Tensor):  # int64 thresholds: keep = 1 is 2**31, past int32
-        threshold = (keep.double() * 2**_MASK_BITS).round().to(torch.int64)
+    if isinstance(keep, Tensor):
+        # bits < t as bits <= t - 1: t = 2**31 (keep = 1) is past int32, t - 1 is not, and
+        # an int32 threshold compares without widening every bit to int64.
+        threshold = (keep.double() * 2**_MASK_BITS).round().sub_(1).to(torch.int32)
         bits = torch.empty(shape, dtype=torch.int32, device=like.device).random_()
-        return torch.lt(bits, threshold).to(like.dtype)
+        return torch.le(bits, threshold).to(like.dtype)
     threshold = round(keep * 2**_MASK_BITS)
     if threshold >= 2**_MASK_BITS:
         return torch.ones(shape, dtype=like.dtype, device=like.device)
@@ -91,7 +93,9 @@ def per_model_dropout(x: Tensor, p: Sequence[float], training: bool, *,
         mask_shape[-1 - d] = 1
     mask = bernoulli_mask(mask_shape, keep, x)
     scale = torch.where(keep > 0, 1 / keep.clamp_min(torch.finfo(keep.dtype).tiny), 0)
-    return x * mask * scale
+    # x * (mask * scale), one pass over x forward and backward: mask is 0 or 1, so the
+    # values are x * mask * scale's bit for bit.
+    return x * mask.mul_(scale)
 
 
 def stochastic_depth(x: Tensor, p: Sequence[float], mode: str) -> Tensor:
