@@ -133,6 +133,32 @@ def test_the_summary_charges_the_serial_side_its_optuna(tmp_path):
     assert "+ Optuna " in summary and "+ data " in summary
 
 
+def test_no_estimate_skips_the_estimate_and_changes_no_trial(tmp_path, monkeypatch, capsys):
+    """``hftc sweep --no-estimate``: no epoch trained alone, no replay through stock
+    Optuna, the summary says why there is no speedup; every trial's curve is the one
+    the default run (with its estimate) gives."""
+    import hftc.sweep.engine as engine
+    import hftc.sweep.serial as serial
+    from hftc.__main__ import main
+
+    spec = _spec_file(tmp_path)
+    default = hs.run(spec, out=tmp_path / "default", progress=False)
+    assert default.serial_epoch_s and default.serial_optuna_s is not None
+    calls = []
+    monkeypatch.setattr(engine, "train_alone", lambda *a, **k: calls.append("train_alone"))
+    monkeypatch.setattr(serial, "replay_optuna", lambda *a, **k: calls.append("replay"))
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "quiet"), "--no-progress",
+                 "--no-estimate"]) == 0
+    out = capsys.readouterr().out
+    assert calls == []
+    assert "speedup: not estimated (--no-estimate)" in out
+    quiet = optuna.load_study(study_name="benchtiny",
+                              storage=f"sqlite:///{tmp_path / 'quiet' / 'study.db'}")
+    curves = {t.number: (t.state, t.intermediate_values) for t in quiet.get_trials()}
+    assert curves == {t.number: (t.state, t.intermediate_values)
+                      for t in default.study.get_trials()}
+
+
 def test_a_sweep_too_small_to_gain_says_so_and_runs_one_at_a_time(tmp_path):
     import pytest
 

@@ -2,7 +2,8 @@
 
 ::
 
-    fused:   python -m hftc.bench.sweep fused  SPEC OUT   # hftc.sweep.run(spec): arrays
+    fused:   python -m hftc.bench.sweep fused  SPEC OUT   # hftc.sweep.run(spec, estimate=False):
+                                                          # hftc sweep --no-estimate, arrays
     serial:  python -m hftc.bench.sweep serial SPEC OUT   # optuna study.optimize, one
                                                           # stock trial at a time
     rounds:  fused, serial, fused, serial, ...            # alternated: a machine whose
@@ -10,7 +11,8 @@
 
 Each process imports what it needs (torch, optuna, the spec's data), builds its study on
 its own SQLite file and trains every trial; its wall clock is timed from outside, start
-to exit. Reported: the median wall clock of each side and the median of the per-round
+to exit. The fused side runs without its summary's speedup estimate (epochs trained
+alone, a sample of trials through stock Optuna: what this bench measures for real). Reported: the median wall clock of each side and the median of the per-round
 ratios, the trial-epochs each trained, the best value each found.
 
 ``--same-trials [SOURCE]``: both sides train the very same configurations, so their
@@ -69,10 +71,9 @@ def draw_trials(spec, n: int | None = None) -> list[dict]:
 
 
 def run_fused(spec, out: Path, trials: list[dict] | None = None):
-    """The fused sweep in ``out``; with ``trials``, its study made first with them
-    enqueued (the sweep asks the waiting trials first, in their numbers' order). A study
-    not made by the sweep skips the summary's one-at-a-time replay (engine.py,
-    ``_replay_serial``): about a second less in the process than without ``trials``."""
+    """The fused sweep in ``out`` as ``hftc sweep --no-estimate`` runs it; with ``trials``,
+    its study made first with them enqueued (the sweep asks the waiting trials first, in
+    their numbers' order)."""
     from ..sweep import run
 
     if trials is not None:
@@ -83,7 +84,7 @@ def run_fused(spec, out: Path, trials: list[dict] | None = None):
                                     storage=f"sqlite:///{out.resolve() / 'study.db'}")
         for params in trials:
             study.enqueue_trial(params)
-    return run(spec, out=out, progress=False)
+    return run(spec, out=out, progress=False, estimate=False)
 
 
 def _side(which: str, spec_ref: str, out: str, threads: int,
@@ -191,7 +192,7 @@ def format_sweep_bench(result: dict) -> str:
         f"{result['threads']} thread(s) each, alternated"
         + (f", the same trials on both sides ({SAME_TRIALS[result['same_trials']]})"
            if result.get("same_trials") else ""),
-        f"  hftc sweep (fused arrays):           median {result['fused_wall_s']:.1f} s, "
+        f"  hftc sweep --no-estimate (fused):    median {result['fused_wall_s']:.1f} s, "
         f"{median(f, 'trial_epochs'):.0f} trial-epochs, best {median(f, 'best'):.4f}",
         f"  stock Optuna, one trial at a time:   median {result['serial_wall_s']:.1f} s, "
         f"{median(s, 'trial_epochs'):.0f} trial-epochs, best {median(s, 'best'):.4f}",

@@ -69,10 +69,16 @@ def run(
     grace_period: int | None = None,
     progress: bool | None = None,
     log=None,
+    estimate: bool = True,
 ) -> Any:
     """Run one sweep worker to the end (see :class:`Sweep`); arguments given here
     override the spec's. ``spec`` is a :class:`SweepSpec`, a spec file or module (see
-    :func:`load_spec`). Returns a :class:`SweepResult` (study, files, leaderboard)."""
+    :func:`load_spec`). Returns a :class:`SweepResult` (study, files, leaderboard).
+
+    ``estimate=False`` (``hftc sweep --no-estimate``) leaves out what the summary's
+    speedup is estimated from: a few epochs trained alone and, after the sweep, a sample
+    of its trials through a stock Optuna study (under a second on a small model, which
+    a whole-process timing such as ``hftc bench --sweep`` would count)."""
     from .engine import Sweep
     from .spec import load_spec
 
@@ -95,4 +101,5 @@ def run(
             study_name or spec.name))
     return Sweep(spec, out=out, storage=storage, study_name=study_name, resume=resume,
                  heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                 progress=progress, log=log).run()
+                 progress=progress, log=log, estimate_serial=3 if estimate else 0,
+                 compare_serial=estimate).run()

@@ -72,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --ray: the number of sweep actors (default 2)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line per started, pruned and finished trial")
+    p.add_argument("--no-estimate", dest="estimate", action="store_false",
+                   help="no speedup estimate in the summary: skip the epochs trained alone "
+                        "and the sample of trials through stock Optuna it is made from "
+                        "(under a second on a small model)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -117,13 +121,14 @@ def main(args: argparse.Namespace) -> int:
                   flush=True)
             run = lambda spec, **kw: hftc_ray.sweep(  # noqa: E731
                 spec, address=ray_address or None, workers=workers or 2,
-                **{k: v for k, v in kw.items() if k != "progress"})
+                **{k: v for k, v in kw.items() if k not in ("progress", "estimate")})
         result = run(args.spec, n_trials=args.trials, per_array=args.per_array,
                      epochs=args.epochs, out=args.out, storage=args.storage,
                      study_name=args.study, resume=args.resume, sampler=args.sampler,
                      pruner=args.pruner, seed=args.seed,
                      heartbeat_interval=args.heartbeat_interval,
-                     grace_period=args.grace_period, progress=args.progress, log=log)
+                     grace_period=args.grace_period, progress=args.progress, log=log,
+                     estimate=args.estimate)
     except (SpecError, SweepError, MissingExtraError) as exc:
         print(f"hftc sweep: {exc}", file=sys.stderr)
         return 2

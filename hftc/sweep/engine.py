@@ -120,6 +120,8 @@ class SweepResult:
     dynamo_import_s: float = 0.0
     #: set where the sweep ran without fusing (too small to gain: serial.too_small)
     note: str = ""
+    #: False where the sweep was asked for no speedup estimate (``--no-estimate``)
+    estimated: bool = True
 
     @property
     def summary(self) -> str:
@@ -543,7 +545,7 @@ class Sweep(Recovery, Arrays, Decisions):
                            files, board, dict(self.timings), self.spec.metric_name,
                            list(self.serial_epoch_s), list(self.formations), list(self.apart),
                            list(self.padded), list(self.mixed), *replay, self.load_s,
-                           self.dynamo_import_s)
+                           self.dynamo_import_s, estimated=self.estimate_serial > 0)
 
     def _replay_serial(self) -> tuple[float | None, int | None]:
         """After the sweep, off its clock: the one-at-a-time study's Optuna share and

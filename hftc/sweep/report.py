@@ -202,6 +202,8 @@ def serial_estimate(result) -> tuple[float, str] | None:
 def speedup_line(result) -> str:
     """``speedup: 2.10x wall clock against ...``: the summary's line on the speedup."""
     estimate = serial_estimate(result)
+    if estimate is None and result.trial_epochs and not result.estimated:
+        return "speedup: not estimated (--no-estimate)"
     if estimate is None:
         return "speedup: not estimated (no epoch was trained alone: nothing trained)"
     serial_s, how = estimate
