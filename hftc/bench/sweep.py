@@ -12,8 +12,9 @@
 Each process imports what it needs (torch, optuna, the spec's data), builds its study on
 its own SQLite file and trains every trial; its wall clock is timed from outside, start
 to exit. The fused side runs without its summary's speedup estimate (epochs trained
-alone, a sample of trials through stock Optuna: what this bench measures for real). Reported: the median wall clock of each side and the median of the per-round
-ratios, the trial-epochs each trained, the best value each found.
+alone, a sample of trials through stock Optuna: what this bench measures for real).
+Reported: the median wall clock of each side and the median of the per-round ratios,
+the trial-epochs each trained, the best value each found.
 
 ``--same-trials [SOURCE]``: both sides train the very same configurations, so their
 trial-epochs differ by the pruning, not by what each side's sampler asked (TPE one at a
