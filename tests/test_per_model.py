@@ -115,6 +115,20 @@ def test_fuse_groups_sweep_of_dropout_and_width():
             torch.testing.assert_close(out[j], models[i].eval()(x))
 
 
+def test_group_models_gives_fuse_groups_arrays_without_fusing(monkeypatch):
+    """group_models: the arrays fuse_groups fuses (indices in order, why together),
+    interleaved widths included, and nothing fused."""
+    from hftc.module import group
+
+    models = [nn.Sequential(nn.Linear(6, w), nn.ReLU(), nn.Dropout(p), nn.Linear(w, 3))
+              for w, p in ((8, 0.1), (16, 0.2), (8, 0.3), (16, 0.1), (8, 0.0))]
+    fused = [indices for _, indices in hftc.fuse_groups(models)]
+    monkeypatch.setattr(group, "FusedModule", None)  # grouping alone builds none
+    assert group.group_models(models) == [([0, 2, 4], "one structure"),
+                                          ([1, 3], "one structure")]
+    assert fused == [[0, 2, 4], [1, 3]]
+
+
 def test_widths_still_refuse_to_fuse_directly():
     with pytest.raises(hftc.MismatchError, match="out_features 16 vs 8"):
         hftc.fuse([nn.Sequential(nn.Linear(2, 8)), nn.Sequential(nn.Linear(2, 16))])

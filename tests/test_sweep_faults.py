@@ -81,7 +81,7 @@ def data():
 '''
 
 # The sweep of SPEC_SOURCE, round by round (5 batches a round):
-#   round 0: trials 0 and 1 fused (fuse_groups call 1); checkpoint 1; trial 0 pruned
+#   round 0: trials 0 and 1 fused (hftc.fuse call 1); checkpoint 1; trial 0 pruned
 #   ask trial 2 (a manifest with it at epoch 0); fuse 1 and 2 (call 2)
 #   round 1: batches 6-10; checkpoint 2 (array file, then manifest write 5) ...
 #   round 2: trial 1 completes; ask trial 3; rounds 3-5: trials 2 and 3 complete.
@@ -116,13 +116,13 @@ def reached():
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-if point == "fuse":  # after grouping, before the fused optimizers
-    fuse_groups = hftc.fuse_groups
-    def _fuse_groups(*args, **kwargs):
-        groups = fuse_groups(*args, **kwargs)
+if point == "fuse":  # an array fused, before its fused optimizers
+    fuse = hftc.fuse
+    def _fuse(*args, **kwargs):
+        fused = fuse(*args, **kwargs)
         reached()
-        return groups
-    hftc.fuse_groups = _fuse_groups
+        return fused
+    hftc.fuse = _fuse
 elif point == "batch":  # before the nth training batch
     batches = engine.batches
     def _batches(*args):

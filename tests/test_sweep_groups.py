@@ -195,6 +195,51 @@ def test_sampled_widths_and_classes_keep_the_array_full(spec_file: Path, tmp_pat
         assert abs(alone[-1] - t.value) <= 1e-9 * abs(alone[-1]), (t.number, alone, t.value)
 
 
+def _width_by_number(trial):
+    # trials 0, 1, 4, 5 of width 6; 2, 3 of width 16 (not padded: two arrays)
+    return {"lr": trial.suggest_float("lr", 1e-2, 1e-1, log=True),
+            "width": 16 if trial.number in (2, 3) else 6,
+            "opt": "adam" if trial.number == 3 else "sgd"}
+
+
+class _PruneOneThenFour(optuna.pruners.BasePruner):
+    """Trial 1 after epoch 1, trial 4 after its second: only the width-6 array changes."""
+
+    def prune(self, study, trial):
+        return trial.number in (1, 4) and trial.last_step == (1 if trial.number == 1 else 2)
+
+
+def test_an_array_whose_trials_did_not_change_is_kept_as_it_is(spec_file: Path,
+                                                               tmp_path: Path):
+    """Two arrays (widths 6 and 16, not padded). The width-6 array is fused anew when
+    trial 4 takes pruned trial 1's place and when 5 takes 4's, and cut in place when 0
+    completes; the width-16 array of trials 2 and 3 stays one fused module all along
+    (fused once, its programs kept), and every trial equals itself trained alone."""
+    seen = []
+    spec = hs.load_spec(spec_file).replace(space=_width_by_number, pad_widths=False,
+                                           n_trials=6, per_array=4, epochs=4,
+                                           pruner=_PruneOneThenFour())
+    result = hs.Sweep(spec, out=tmp_path / "out", progress=False, on_round=lambda sweep: seen.append(
+        {tuple(r.number for r in a.members): a.fused for a in sweep.arrays})).run()
+    trials = result.study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED,
+                                         TrialState.COMPLETE, TrialState.COMPLETE,
+                                         TrialState.PRUNED, TrialState.COMPLETE]
+    assert [sorted(arrays) for arrays in seen[:5]] == [
+        [(0, 1), (2, 3)], [(0, 4), (2, 3)], [(0, 4), (2, 3)], [(0, 5), (2, 3)], [(5,)]]
+    wide = [arrays[(2, 3)] for arrays in seen[:4]]
+    assert all(f is wide[0] for f in wide)
+    assert seen[1][(0, 4)] is not seen[0][(0, 1)] and seen[3][(0, 5)] is not seen[2][(0, 4)]
+    assert seen[4][(5,)] is seen[3][(0, 5)]  # cut in place
+    assert result.formations == [(2, 2), (2, 2), (2, 2), (1,)], result.formations
+    for t in trials:
+        fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+        _, alone = _alone(spec, t)
+        assert len(alone) == len(fused) >= 1
+        for a, b in zip(alone, fused):
+            assert abs(a - b) <= 1e-9 * abs(a), (t.number, alone, fused)
+
+
 def _cli(spec_file: Path, out: Path, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HFTC_TEST_KILL=kill)
     return subprocess.run([sys.executable, "-m", "hftc", "sweep", str(spec_file), "--out",

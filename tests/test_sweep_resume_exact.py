@@ -95,7 +95,8 @@ KILLS = {
     "right after the first ask": [("ask", 1)],
     # trial 1's lr drawn and stored, its momentum not
     "while sampling trial 1": [("sample_independent", 6)],
-    "during the first array's fusing": [("fuse_groups", 1)],
+    # the first array fused, the second not yet
+    "during the first formation's fusing": [("fuse", 1)],
     "between the two arrays of a batch": [("step", 2)],
     "mid-array, round 1": [("batch", 8)],
     # after round 2's decisions, before asking trials 4-7 (the next formation)
@@ -105,7 +106,7 @@ KILLS = {
     # trial 5's parameters drawn and stored, not yet in the manifest
     "after sampling trial 5": [("space", 6)],
     "mid-decisions": [("tell", 3)],
-    "twice: mid-round, then the resumer while fusing": [("batch", 13), ("fuse_groups", 1)],
+    "twice: mid-round, then the resumer while fusing": [("batch", 13), ("fuse", 1)],
     "thrice": [("sample_relative", 6), ("step", 3), ("tell", 2)],
 }
 
@@ -187,7 +188,7 @@ def _kill_at(point: str, nth: int) -> None:
         "ask": (optuna.Study, "ask", False),  # the trial made, none of its space sampled
         "sample_independent": (TrialSeededSampler, "sample_independent", True),
         "sample_relative": (TrialSeededSampler, "sample_relative", True),
-        "fuse_groups": (hftc, "fuse_groups", False),  # grouped, no fused optimizers yet
+        "fuse": (hftc, "fuse", False),  # an array fused, its fused optimizers not yet made
         "step": (engine.Sweep, "_step", True),  # one array's step of a batch
         "space": (engine.Sweep, "_params", False),  # spec.space(trial) returned
         "refill": (engine.Sweep, "_refill", True),

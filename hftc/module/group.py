@@ -261,24 +261,19 @@ def _number_variants(models: Sequence[nn.Module], alike: list[int],
     return trace_number_variants(models, numbers, models[firsts[0]].training, constants)
 
 
-def fuse_groups(
-    models: Iterable[nn.Module], *, max_padding: float = MAX_PADDING, **fuse_kwargs: Any
-) -> list[tuple[FusedModule, list[int]]]:
-    """Partition ``models`` into structurally identical groups and fuse each.
-
-    Returns ``[(fused_module, indices), ...]`` in order of each group's first model;
-    ``indices`` are positions in ``models``, so ``fused(x)[j]`` is
-    ``models[indices[j]](x)``.  ``fuse_kwargs`` go to :func:`hftc.fuse`.  With
-    ``pad_widths=True``, groups that differ only in widths share an array where padding
-    them costs at most ``max_padding`` times their own arithmetic (:func:`pad_or_split`);
-    each fused module's ``grouping`` says why it holds what it holds.
-    """
-    models = check_models(models)
+def _check_max_padding(max_padding: Any) -> None:
     if isinstance(max_padding, bool) or not isinstance(max_padding, (int, float)) or \
             not max_padding >= 1:
         raise FusionArgumentError(
             f"max_padding must be a number >= 1 (the padded arithmetic over the models' "
             f"own that fuse_groups may pad into one array), got {max_padding!r}")
+
+
+def _arrays(models: list[nn.Module], max_padding: Any, fuse_kwargs: dict[str, Any]
+            ) -> tuple[list[tuple[list[int], str]], dict[str, list[int]]]:
+    """The arrays to fuse (indices, why together) and the structure groups (structure key
+    -> indices), each in order of its first model."""
+    _check_max_padding(max_padding)
     # Shared example inputs also trace the models that only torch.export can read.
     shared = fuse_kwargs.get("in_dims") is None and fuse_kwargs.get("frontend") != "symbolic"
     example = fuse_kwargs.get("example_inputs") if shared else None
@@ -297,6 +292,32 @@ def fuse_groups(
                               _grouping_measurement(models, example, fuse_kwargs))
     else:
         arrays = [(indices, "one structure") for indices in groups.values()]
+    return arrays, groups
+
+
+def group_models(models: Iterable[nn.Module], *, max_padding: float = MAX_PADDING,
+                 **fuse_kwargs: Any) -> list[tuple[list[int], str]]:
+    """The arrays :func:`fuse_groups` would fuse, without fusing them: ``[(indices, why),
+    ...]`` in order of each array's first model (a sweep re-fuses only the arrays whose
+    trials changed and keeps the others as they are). With ``pad_widths=True`` an array
+    that fails to pad is split by fusing it; this does not try."""
+    return _arrays(check_models(models), max_padding, fuse_kwargs)[0]
+
+
+def fuse_groups(
+    models: Iterable[nn.Module], *, max_padding: float = MAX_PADDING, **fuse_kwargs: Any
+) -> list[tuple[FusedModule, list[int]]]:
+    """Partition ``models`` into structurally identical groups and fuse each.
+
+    Returns ``[(fused_module, indices), ...]`` in order of each group's first model;
+    ``indices`` are positions in ``models``, so ``fused(x)[j]`` is
+    ``models[indices[j]](x)``.  ``fuse_kwargs`` go to :func:`hftc.fuse`.  With
+    ``pad_widths=True``, groups that differ only in widths share an array where padding
+    them costs at most ``max_padding`` times their own arithmetic (:func:`pad_or_split`);
+    each fused module's ``grouping`` says why it holds what it holds.
+    """
+    models = check_models(models)
+    arrays, groups = _arrays(models, max_padding, fuse_kwargs)
     by_model = {i: indices for indices in groups.values() for i in indices}
     fused_arrays = []
     for indices, reason in arrays:

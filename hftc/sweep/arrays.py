@@ -15,6 +15,7 @@ from torch import nn
 
 import hftc
 
+from ..module.group import group_models
 from ..module.padding import own_part, padding_ratio, weight_shapes, width_blocks, widths_key
 from ..optim.mixed import MixedOptimizer
 from ..optim.slicing import fused_param_names, load_model_slice
@@ -158,18 +159,26 @@ class Arrays:
 
     # ------------------------------------------------------------------ arrays
 
+    def _live_members(self, array: FusedArray) -> list[tuple[int, LiveTrial]]:
+        live = {id(r) for r in self.live}
+        return [(j, run) for j, run in enumerate(array.members)
+                if id(run) in live and run.array is array]
+
+    def _sync_modules(self, array: FusedArray) -> None:
+        """Each live member's own module gets its current weights and buffers from the
+        array (which keeps training them): what grouping the trials reads is theirs."""
+        for j, run in self._live_members(array):
+            # Into the trial's own module, not fused.unfuse_model(j): the trial's module is
+            # its own object (its Python attributes, Dropout.p, are the trial's).
+            run.module.load_state_dict(array.fused.model_state_dict(j))
+
     def _take_out(self, array: FusedArray) -> None:
         """Dissolve an array: each live member gets its weights and its stock optimizers'
         state back (its schedulers, built on them, stay as they are)."""
+        self._sync_modules(array)
         states = [o.state_dict() for o in array.optimizers]
         names = [fused_param_names(array.fused, o) for o in array.optimizers]
-        live = {id(r) for r in self.live}
-        for j, run in enumerate(array.members):
-            if id(run) not in live or run.array is not array:
-                continue
-            # Into the trial's own module, not fused.unfuse_model(j): unfuse rebuilds every
-            # model from model 0's template, so per-model attributes (Dropout.p) would be lost.
-            run.module.load_state_dict(array.fused.model_state_dict(j))
+        for j, run in self._live_members(array):
             for k, optimizer in enumerate(run.optimizers):
                 load_model_slice(states[k], names[k], j, optimizer, run.module)
             run.array = None
@@ -177,26 +186,28 @@ class Arrays:
 
     def _regroup(self) -> None:
         """Fuse the live trials into arrays, with their state, once any trial joined or
-        left: every array is re-formed from the live trials, in their order (grouped by
-        structure, hftc.fuse_groups), never only the shrunk ones. So the arrays, and the
-        dropout draws that depend on them, are a function of the live trials alone,
-        which a resumed worker, fusing all its trials at once, forms alike."""
+        left. The arrays are those a fusing of all the live trials at once makes, in their
+        order (grouped by optimizers, then by structure: group_models): a function of the
+        live trials alone, which a resumed worker, fusing all its trials at once, forms
+        alike, and so are the dropout draws that depend on them. An array whose trials
+        are still the trials of its group, in their order, is kept as it is (fusing its
+        trials again would make the same array); one that only lost trials is cut
+        (:meth:`_cut`); the others are fused anew."""
         live = {id(r) for r in self.live}
         changed = any(r.array is None for r in self.live) or any(
             id(m) not in live for a in self.arrays for m in a.members)
-        if not changed or self._cut_in_place():
+        if not self.live:
+            for array in list(self.arrays):
+                self._take_out(array)
             return
-        for array in list(self.arrays):
-            self._take_out(array)
-        loose = list(self.live)
-        if not loose:
+        if not changed or self._cut_in_place():
             return
         # One fused optimizer per array and position; trials whose optimizer() picked other
         # classes (a categorical SGD / Adam choice) share it (a MixedOptimizer), those
         # whose optimizers cannot be fused together (other counts of optimizers or param
         # groups) go into other arrays.
         buckets: list[tuple[list[list[OptimizerSlot]], list[LiveTrial]]] = []
-        for r in loose:
+        for r in self.live:
             slots = optimizer_slots(r)
             for bucket_slots, members in buckets:
                 if optimizers_apart(bucket_slots, slots) is None:
@@ -213,24 +224,10 @@ class Arrays:
         if self._example is None:
             self._example = self.data.example(self.spec.batch_size)
         example = self._example
-        padding = ({"pad_widths": True, "max_padding": self.spec.max_padding}
-                   if self.spec.pad_widths else {})
-        for _, same in buckets:
-            groups = hftc.fuse_groups([r.module for r in same], example_inputs=example,
-                                      **padding)
-            for fused, indices in groups[1:]:
-                first, other = [same[i] for i in groups[0][1]], [same[i] for i in indices]
-                self._note_apart(first, other, self._padding_apart(
-                    first, other, str(getattr(fused, "grouping", ""))), example)
-            for fused, indices in groups:
-                members = [same[i] for i in indices]
-                optimizers = [hftc.optim.fuse_optimizers(fused, [r.optimizers[k] for r in members])
-                              for k in range(len(members[0].optimizers))]
-                array = FusedArray(fused, optimizers, members)
-                for j, r in enumerate(members):
-                    r.array, r.slot = array, j
-                self.arrays.append(array)
-                self._note_array(array)
+        if self.spec.pad_widths:
+            self._fuse_padded([same for _, same in buckets], example)
+        else:
+            self._fuse_changed([same for _, same in buckets], example)
         # In the order of the trials: a resumed worker, which fuses all its trials at once,
         # runs the arrays (and draws their dropout) in the order the dead worker did.
         position = {id(r): k for k, r in enumerate(self.live)}
@@ -240,30 +237,105 @@ class Arrays:
         self.log(f"arrays re-formed: {len(self.live)} trials in {len(self.arrays)} fused "
                  f"array(s) of {sizes}")
 
-
-    def _cut_in_place(self) -> bool:
-        """Trials only left the one array (none joined): cut it with ``hftc.keep_models``
-        (its fused module and optimizers, in place: a few times cheaper than fusing
-        again) instead of re-forming it. The survivors keep their order, so the array is
-        the one a fresh fusing of the live trials makes (a resumed worker's). Not with
-        padded widths or mixed optimizer classes, whose grouping may change as trials
-        leave. True when it cut."""
-        if len(self.arrays) != 1 or self.spec.pad_widths or any(
-                r.array is None for r in self.live):
-            return False
-        array = self.arrays[0]
-        if any(isinstance(o, MixedOptimizer) for o in array.optimizers):
-            return False
+    def _fuse_changed(self, buckets: list[list[LiveTrial]], example: Any) -> None:
+        """The arrays of ``buckets`` (trials whose optimizers fuse together), grouped by
+        structure: those whose trials are an array's, in its order, kept (cut where that
+        array lost trials); the others' arrays dissolved and their groups fused anew."""
+        for array in self.arrays:  # (a trace that reads a weight reads the trial's own)
+            self._sync_modules(array)
+        groups: list[list[LiveTrial]] = []
+        for same in buckets:
+            found = group_models([r.module for r in same], example_inputs=example)
+            for indices, _ in found[1:]:
+                self._note_apart([same[i] for i in found[0][0]], [same[i] for i in indices],
+                                 None, example)
+            groups += [[same[i] for i in indices] for indices, _ in found]
         live = {id(r) for r in self.live}
+        kept: dict[int, FusedArray] = {}  # position in groups -> the array it keeps
+        for k, members in enumerate(groups):
+            array = members[0].array
+            if array is not None and [m for m in array.members if id(m) in live] == members \
+                    and (len(members) == len(array.members) or self._cuttable(array)):
+                kept[k] = array
+        for array in list(self.arrays):
+            if not any(array is a for a in kept.values()):
+                self._take_out(array)
+        for k, members in enumerate(groups):
+            if k in kept:
+                self._cut(kept[k], live)
+                continue
+            fused = hftc.fuse([r.module for r in members], example_inputs=example)
+            self._add_array(fused, members)
+
+    def _fuse_padded(self, buckets: list[list[LiveTrial]], example: Any) -> None:
+        """With padded widths every array is fused anew (its grouping depends on all the
+        widths that are live, and a padding that fails splits it)."""
+        for array in list(self.arrays):
+            self._take_out(array)
+        padding = {"pad_widths": True, "max_padding": self.spec.max_padding}
+        for same in buckets:
+            groups = hftc.fuse_groups([r.module for r in same], example_inputs=example,
+                                      **padding)
+            for fused, indices in groups[1:]:
+                first, other = [same[i] for i in groups[0][1]], [same[i] for i in indices]
+                self._note_apart(first, other, self._padding_apart(
+                    first, other, str(getattr(fused, "grouping", ""))), example)
+            for fused, indices in groups:
+                self._add_array(fused, [same[i] for i in indices])
+
+    def _add_array(self, fused: hftc.FusedModule, members: list[LiveTrial]) -> None:
+        """A new array of ``members`` (their models fused in ``fused``), with its fused
+        optimizers made from the members' stock ones."""
+        optimizers = [hftc.optim.fuse_optimizers(fused, [r.optimizers[k] for r in members])
+                      for k in range(len(members[0].optimizers))]
+        array = FusedArray(fused, optimizers, members)
+        for j, r in enumerate(members):
+            r.array, r.slot = array, j
+        self.arrays.append(array)
+        self._note_array(array)
+
+    def _cuttable(self, array: FusedArray) -> bool:
+        """Can ``array`` lose trials in place (:meth:`_cut`)? Not with padded widths or
+        mixed optimizer classes, whose grouping may change as trials leave."""
+        return not self.spec.pad_widths and not any(
+            isinstance(o, MixedOptimizer) for o in array.optimizers)
+
+    def _cut(self, array: FusedArray, live: set[int]) -> None:
+        """Keep only ``array``'s live trials, in their order, with ``hftc.keep_models`` (its
+        fused module and optimizers, in place: a few times cheaper than fusing again).
+        The array is then the one a fresh fusing of those trials makes."""
         keep = [j for j, m in enumerate(array.members) if id(m) in live]
-        if not keep:
-            return False
+        if len(keep) == len(array.members):
+            return
         hftc.keep_models(array.fused, keep)
         array.members = [array.members[j] for j in keep]
         for j, r in enumerate(array.members):
             r.slot = j
-        self.formations.append((len(keep),))
-        self.log(f"array cut in place: {len(keep)} trials")
+
+    def _cut_in_place(self) -> bool:
+        """Trials only left (none joined): cut each array that lost trials instead of
+        re-forming the arrays (the survivors keep their order and their groups: the
+        arrays a fresh fusing of the live trials makes, a resumed worker's). Not where an
+        array that lost trials cannot be cut (:meth:`_cuttable`). True when it cut."""
+        if not self.live or any(r.array is None for r in self.live):
+            return False
+        live = {id(r) for r in self.live}
+        left = [a for a in self.arrays if any(id(m) not in live for m in a.members)]
+        if any(not self._cuttable(a) for a in left):
+            return False
+        if len(self.arrays) > 1 and any(g.get("capturable") for a in self.arrays
+                                        for o in a.optimizers for g in o.param_groups):
+            # A capturable optimizer keeps other classes out of its array (optimizers_apart):
+            # once it leaves, a fresh fusing may join arrays that cutting keeps apart.
+            return False
+        for array in left:
+            if any(id(m) in live for m in array.members):
+                self._cut(array, live)
+            else:
+                self.arrays.remove(array)
+        self.formations.append(tuple(len(a.members) for a in self.arrays))
+        self.log(f"arrays cut in place: {', '.join(str(len(a.members)) for a in self.arrays)}"
+                 f" trials")
         return True
 
     def _padding_apart(self, first: list[LiveTrial], other: list[LiveTrial],
