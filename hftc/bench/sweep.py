@@ -207,3 +207,7 @@ if __name__ == "__main__":  # one side, as a process: which spec out threads rep
     enqueued = json.loads(Path(sys.argv[6]).read_text()) if len(sys.argv) > 6 else None
     Path(report).parent.mkdir(parents=True, exist_ok=True)
     Path(report).write_text(json.dumps(_side(which, spec_ref, out, int(threads), enqueued)))
+    if which == "fused":  # as `hftc sweep` ends (a stock script's process does not)
+        from ..sweep.heap import freeze_at_exit
+
+        freeze_at_exit()

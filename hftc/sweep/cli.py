@@ -84,6 +84,7 @@ def main(args: argparse.Namespace) -> int:
 
     from ..errors import MissingExtraError
     from .engine import SweepError
+    from .heap import freeze_at_exit
     from .spec import SpecError
 
     if args.threads:
@@ -105,6 +106,7 @@ def main(args: argparse.Namespace) -> int:
             run_demo(args.out or "sweeps/demo-digits", n_trials=args.trials,
                      per_array=args.per_array, epochs=args.epochs,
                      threads=args.threads or 1, progress=args.progress)
+            freeze_at_exit()
             return 0
         if not args.spec:
             print("hftc sweep: give a SPEC (path/to/spec.py or a module path), or --demo",
@@ -149,4 +151,5 @@ def main(args: argparse.Namespace) -> int:
         tm = result.timings
         print(f"{tm['workers']} Ray actors on {tm['nodes']} node(s), {tm['replaced']} replaced")
     print("files: " + ", ".join(str(p) for p in result.files.values()))
+    freeze_at_exit()
     return 0

@@ -57,6 +57,7 @@ import hftc
 from ..errors import SweepError, SweepFileError, SweepWarning
 from .arrays import Arrays, FusedArray, LiveTrial, finite_models
 from .decisions import Decisions
+from .heap import frozen_heap, paused_collection
 from .recovery import Recovery, try_lock
 from .sampling import TrialSeededSampler
 from .spec import SpecError, SweepSpec, hook_name
@@ -529,18 +530,20 @@ class Sweep(Recovery, Arrays, Decisions):
         start = time.perf_counter()
         verbosity = optuna.logging.get_verbosity()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        try:
-            wall, files, board = self._run(start, verbosity)
-        except BaseException:
-            # The folder stays (manifest and checkpoints, for --resume); the lock goes, as
-            # it would with the process.
+        # Collections off while it starts, the heap frozen once started (heap.py)
+        with contextlib.ExitStack() as self._heap:
+            try:
+                wall, files, board = self._run(start, verbosity)
+            except BaseException:
+                # The folder stays (manifest and checkpoints, for --resume); the lock goes,
+                # as it would with the process.
+                if getattr(self, "_lock", None) is not None:
+                    self._lock.close()
+                raise
+            shutil.rmtree(self.dir, ignore_errors=True)
             if getattr(self, "_lock", None) is not None:
                 self._lock.close()
-            raise
-        shutil.rmtree(self.dir, ignore_errors=True)
-        if getattr(self, "_lock", None) is not None:
-            self._lock.close()
-        replay = self._replay_serial()
+            replay = self._replay_serial()
         return SweepResult(self.study, self.out, wall, self.train_s, self.trial_epochs,
                            files, board, dict(self.timings), self.spec.metric_name,
                            list(self.serial_epoch_s), list(self.formations), list(self.apart),
@@ -574,7 +577,9 @@ class Sweep(Recovery, Arrays, Decisions):
             warnings.filterwarnings("ignore", message=".*already reported.*")
             warnings.filterwarnings("ignore", category=FutureWarning, module="optuna")
             try:
-                self._open()
+                with paused_collection():
+                    self._open()
+                self._heap.enter_context(frozen_heap())
                 dead = self._dead_workers()
                 pending = [d for d in dead if any(
                     self.storage.get_trial(e["trial_id"]).state == TrialState.RUNNING
