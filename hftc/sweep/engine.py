@@ -579,7 +579,9 @@ class Sweep(Recovery, Arrays, Decisions):
             try:
                 with paused_collection():
                     self._open()
-                self._heap.enter_context(frozen_heap())
+                    # (frozen before collection resumes: no collection walks start-up's
+                    # objects, not even the young one that would follow)
+                    self._heap.enter_context(frozen_heap())
                 dead = self._dead_workers()
                 pending = [d for d in dead if any(
                     self.storage.get_trial(e["trial_id"]).state == TrialState.RUNNING
