@@ -213,6 +213,13 @@ def test_one_demo(monkeypatch):
         n_trials=4, per_array=2, epochs=1, threads=1, progress=False))
 
 
+def test_the_demo_refuses_no_estimate(capsys):
+    """The demo is its measured speedup: `sweep --demo --no-estimate` says so (exit 2)
+    instead of running it with the flag ignored."""
+    assert main(["sweep", "--demo", "--no-estimate"]) == 2
+    assert "--demo measures its speedup" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["sweep", "spec.py", "--threads", "-1"], "--threads: must be at least 1"),
     (["inspect", "m:f", "--input-shape", "8,x"], "--input-shape: '8,x': expected a whole"),

@@ -101,6 +101,10 @@ def main(args: argparse.Namespace) -> int:
                 print("hftc sweep: --demo runs its own spec on this machine; leave out SPEC "
                       "and --ray", file=sys.stderr)
                 return 2
+            if not getattr(args, "estimate", True):
+                print("hftc sweep: --demo measures its speedup (that is the demo); leave out "
+                      "--no-estimate", file=sys.stderr)
+                return 2
             from .demo import run_demo
 
             run_demo(args.out or "sweeps/demo-digits", n_trials=args.trials,
