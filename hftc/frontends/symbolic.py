@@ -27,6 +27,7 @@ import random
 import sys
 import traceback
 import types
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -1082,6 +1083,12 @@ def deepcopy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn
     (:func:`hftc.frontends.closures.rebind_functions`): deepcopy keeps a function as it is, and a
     copy of minGPT's block called the original's MLP through ``self.mlpf``."""
     memo = {} if memo is None else memo
+    # Each module's empty hook OrderedDicts (a dozen a module) copied up front: deepcopy's
+    # generic path for them costs more than the rest of a small model's copy.
+    for sub in module.modules():
+        for value in sub.__dict__.values():
+            if type(value) is OrderedDict and not value and not vars(value):
+                memo.setdefault(id(value), OrderedDict())
     copied = copy.deepcopy(module, memo)
     rebind_functions(copied, memo)
     for (_, original), (_, twin) in zip(module.named_modules(remove_duplicate=False),
