@@ -208,6 +208,6 @@ if __name__ == "__main__":  # one side, as a process: which spec out threads rep
     Path(report).parent.mkdir(parents=True, exist_ok=True)
     Path(report).write_text(json.dumps(_side(which, spec_ref, out, int(threads), enqueued)))
     if which == "fused":  # as `hftc sweep` ends (a stock script's process does not)
-        from ..sweep.heap import freeze_at_exit
+        from ..sweep.collector import freeze_at_exit
 
         freeze_at_exit()

@@ -83,8 +83,8 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from ..errors import MissingExtraError
+    from .collector import freeze_at_exit
     from .engine import SweepError
-    from .heap import freeze_at_exit
     from .spec import SpecError
 
     if args.threads:

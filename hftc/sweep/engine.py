@@ -56,8 +56,8 @@ import hftc
 
 from ..errors import SweepError, SweepFileError, SweepWarning
 from .arrays import Arrays, FusedArray, LiveTrial, finite_models
+from .collector import frozen_objects, paused_collection
 from .decisions import Decisions
-from .heap import frozen_heap, paused_collection
 from .recovery import Recovery, try_lock
 from .sampling import TrialSeededSampler
 from .spec import SpecError, SweepSpec, hook_name
@@ -530,8 +530,9 @@ class Sweep(Recovery, Arrays, Decisions):
         start = time.perf_counter()
         verbosity = optuna.logging.get_verbosity()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        # Collections off while it starts, the heap frozen once started (heap.py)
-        with contextlib.ExitStack() as self._heap:
+        # Collection off while it starts, start-up's objects frozen once started
+        # (collector.py)
+        with contextlib.ExitStack() as self._collector:
             try:
                 wall, files, board = self._run(start, verbosity)
             except BaseException:
@@ -581,7 +582,7 @@ class Sweep(Recovery, Arrays, Decisions):
                     self._open()
                     # (frozen before collection resumes: no collection walks start-up's
                     # objects, not even the young one that would follow)
-                    self._heap.enter_context(frozen_heap())
+                    self._collector.enter_context(frozen_objects())
                 dead = self._dead_workers()
                 pending = [d for d in dead if any(
                     self.storage.get_trial(e["trial_id"]).state == TrialState.RUNNING

@@ -1,11 +1,11 @@
-"""hftc.sweep.heap: the sweep's garbage collection paused while it starts and the heap
-frozen while it runs, each given back as the caller had it."""
+"""hftc.sweep.collector: the sweep's garbage collection paused while it starts and the
+objects start-up made frozen while it runs, each given back as the caller had it."""
 
 from __future__ import annotations
 
 import gc
 
-from hftc.sweep.heap import frozen_heap, paused_collection
+from hftc.sweep.collector import frozen_objects, paused_collection
 
 
 def test_paused_collection_restores_the_callers_setting():
@@ -22,25 +22,25 @@ def test_paused_collection_restores_the_callers_setting():
         gc.enable()
 
 
-def test_frozen_heap_freezes_then_gives_the_objects_back():
+def test_frozen_objects_freezes_then_gives_the_objects_back():
     assert gc.get_freeze_count() == 0
-    with frozen_heap():
+    with frozen_objects():
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
 
 
-def test_frozen_heap_leaves_a_callers_freeze_as_it_is():
+def test_frozen_objects_leaves_a_callers_freeze_as_it_is():
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
-        with frozen_heap():
+        with frozen_objects():
             assert gc.get_freeze_count() == frozen
         assert gc.get_freeze_count() == frozen  # not unfrozen by the sweep
     finally:
         gc.unfreeze()
 
 
-def test_a_sweep_gives_the_heap_back_and_collects_its_garbage_after(tmp_path):
+def test_a_sweep_unfreezes_and_collects_its_garbage_after(tmp_path):
     """The spec's data loads with collection paused, the rounds run frozen; after the
     sweep the caller's process collects as before: nothing stays frozen, a cycle made
     during the rounds is garbage for the next collection."""
@@ -75,13 +75,13 @@ def test_a_sweep_gives_the_heap_back_and_collects_its_garbage_after(tmp_path):
 
 def test_freeze_at_exit_freezes_at_shutdown_not_before():
     """The CLI's hook: nothing frozen while the process goes on (a test calling the
-    CLI's main keeps collecting), the heap frozen before shutdown's last collection."""
+    CLI's main keeps collecting), every object frozen before shutdown's last collection."""
     import subprocess
     import sys
 
     code = ("import atexit, gc\n"
             "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0))\n"
-            "from hftc.sweep.heap import freeze_at_exit\n"
+            "from hftc.sweep.collector import freeze_at_exit\n"
             "freeze_at_exit(); freeze_at_exit()\n"
             "print('frozen before:', gc.get_freeze_count() > 0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
