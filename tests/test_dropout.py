@@ -119,6 +119,59 @@ def test_bernoulli_mask_with_a_keep_probability_per_model():
     assert not rt_random.bernoulli_mask((1000,), 1e-12, torch.empty(0)).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_per_model_dropout_is_each_models_bits_below_its_threshold(dtype):
+    """Per-model rates, against the rule written out model by model on the same draws:
+    element kept where its 31-bit draw is below round(keep * 2**31), scaled by
+    1 / keep; the gradient through the same mask and scale. Rates 0 and 1, one a bit
+    above 0 and one a bit below 1 (the thresholds' ends), and inf / NaN inputs."""
+    p = [0.0, 1.0, 0.3, 2**-31, 1 - 2**-31, 0.5]
+    x = torch.randn(len(p), 7, 50, dtype=dtype)
+    x[2, 0, 0], x[3, 0, 1] = float("inf"), float("nan")
+    x.requires_grad_()
+    torch.manual_seed(11)
+    out = rt_random.per_model_dropout(x, p, True)
+    g = torch.randn_like(out)
+    out.backward(g)
+    torch.manual_seed(11)
+    bits = torch.empty(x.shape, dtype=torch.int32).random_()
+    for i, rate in enumerate(p):
+        keep = torch.tensor(1 - rate, dtype=dtype)
+        threshold = round(float(keep.double()) * 2**31)
+        kept = (bits[i].long() < threshold).to(dtype)
+        scale = 1 / keep if keep > 0 else torch.zeros((), dtype=dtype)
+        want = x[i].detach() * kept * scale
+        assert torch.equal(out[i].detach().isnan(), want.isnan()), i
+        assert torch.equal(out[i].detach().nan_to_num(), want.nan_to_num()), i
+        assert torch.equal(x.grad[i], g[i] * kept * scale), i
+    assert out[0].detach().nan_to_num().ne(0).all()  # p = 0 keeps every element
+
+
+def test_a_per_model_keep_threshold_is_exact_at_its_ends():
+    """Draws forced to one 31-bit value v (random_ filled with it): an element is kept
+    exactly where v < round(keep * 2**31), at both sides of every end: keep 0 and 1, and
+    thresholds v and v + 1."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Drawn(TorchDispatchMode):
+        def __init__(self, value):
+            super().__init__()
+            self.value = value
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.random_.default:
+                return args[0].fill_(self.value)
+            return func(*args, **(kwargs or {}))
+
+    for v in (0, 1, 2**30, 2**31 - 2, 2**31 - 1):
+        keeps = [0.0, 1.0, v / 2**31, (v + 1) / 2**31]
+        keep = torch.tensor(keeps, dtype=torch.float64).reshape(-1, 1)
+        with Drawn(v):
+            mask = rt_random.bernoulli_mask((len(keeps), 3), keep, torch.empty(0))
+        want = [float(v < round(k * 2**31)) for k in keeps]
+        assert mask[:, 0].tolist() == want and (mask == mask[:, :1]).all(), (v, mask)
+
+
 class Dropouts(nn.Module):
     """Every spelling the dropout kernel takes."""
 

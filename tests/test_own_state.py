@@ -309,3 +309,31 @@ def test_a_partial_is_refused_or_each_models_own():
     out = fused(x)
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x))
+
+
+def test_a_copy_shares_no_hook_or_ordered_dict_with_its_model():
+    """deepcopy_module (every per-model copy: templates, the check's references,
+    unfuse): the copy's hook dicts and an empty OrderedDict the model keeps are its own
+    objects (a hook registered on the copy never reaches the model), and a hook the
+    model has is copied with it."""
+    from collections import OrderedDict
+
+    from hftc.frontends.symbolic import deepcopy_module
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
+    model.cache = OrderedDict()
+    calls = []
+    model[1].register_forward_hook(lambda *a: calls.append("model's"))
+    copied = deepcopy_module(model)
+    for original, twin in zip(model.modules(), copied.modules()):
+        for name, value in vars(original).items():
+            if isinstance(value, dict):
+                assert getattr(twin, name) is not value, name
+    assert copied.cache == OrderedDict() and copied.cache is not model.cache
+    copied[0].register_forward_hook(lambda *a: calls.append("copy's"))
+    copied.cache["k"] = 1
+    model(torch.randn(2, 3))
+    assert calls == ["model's"] and model.cache == OrderedDict()
+    assert not model[0]._forward_hooks
+    copied(torch.randn(2, 3))
+    assert calls == ["model's", "copy's", "model's"]

@@ -112,6 +112,16 @@ def _alone(spec_file: Path | hs.SweepSpec, t: optuna.trial.FrozenTrial):
                           t.user_attrs["hftc_orders"])
 
 
+def _assert_each_curve_as_alone(spec, trials) -> None:
+    """Every reported epoch of every trial is the same trial's trained alone (1e-9)."""
+    for t in trials:
+        fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+        _, alone = _alone(spec, t)
+        assert len(alone) == len(fused) >= 1
+        for a, b in zip(alone, fused):
+            assert abs(a - b) <= 1e-9 * abs(a), (t.number, alone, fused)
+
+
 def test_classes_and_widths_share_an_array_each_trial_as_alone(spec_file: Path, swept):
     result, out = swept
     trials = result.study.trials
@@ -129,12 +139,7 @@ def test_classes_and_widths_share_an_array_each_trial_as_alone(spec_file: Path, 
     summary = result.summary
     assert "padded widths: " in summary and "optimizer classes in one array: " in summary
     assert "SGD + Adam" in summary
-    for t in trials:
-        fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
-        _, alone = _alone(spec_file, t)
-        assert len(alone) == len(fused) >= 1
-        for a, b in zip(alone, fused):
-            assert abs(a - b) <= 1e-9 * abs(a), (t.number, alone, fused)
+    _assert_each_curve_as_alone(spec_file, trials)
     # best.pt: the best trial's weights at its own width, those it ends with alone.
     best = result.study.best_trial
     model, _ = _alone(spec_file, best)
@@ -232,12 +237,7 @@ def test_an_array_whose_trials_did_not_change_is_kept_as_it_is(spec_file: Path,
     assert seen[1][(0, 4)] is not seen[0][(0, 1)] and seen[3][(0, 5)] is not seen[2][(0, 4)]
     assert seen[4][(5,)] is seen[3][(0, 5)]  # cut in place
     assert result.formations == [(2, 2), (2, 2), (2, 2), (1,)], result.formations
-    for t in trials:
-        fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
-        _, alone = _alone(spec, t)
-        assert len(alone) == len(fused) >= 1
-        for a, b in zip(alone, fused):
-            assert abs(a - b) <= 1e-9 * abs(a), (t.number, alone, fused)
+    _assert_each_curve_as_alone(spec, trials)
 
 
 def _cli(spec_file: Path, out: Path, *extra: str, kill: str = "") -> subprocess.CompletedProcess:

@@ -176,6 +176,11 @@ class Arrays:
         """Dissolve an array: each live member gets its weights and its stock optimizers'
         state back (its schedulers, built on them, stay as they are)."""
         self._sync_modules(array)
+        self._release(array)
+
+    def _release(self, array: FusedArray) -> None:
+        """:meth:`_take_out` once the members' modules are synced: each live member's
+        stock optimizers get their state back, and the array goes."""
         states = [o.state_dict() for o in array.optimizers]
         names = [fused_param_names(array.fused, o) for o in array.optimizers]
         for j, run in self._live_members(array):
@@ -259,7 +264,7 @@ class Arrays:
                 kept[k] = array
         for array in list(self.arrays):
             if not any(array is a for a in kept.values()):
-                self._take_out(array)
+                self._release(array)  # (its modules synced above)
         for k, members in enumerate(groups):
             if k in kept:
                 self._cut(kept[k], live)
