@@ -149,9 +149,11 @@ def test_default_fuse_on_cpu_keeps_freed_memory_so_fused_steps_do_not_fault(tmp_
                                        "HFTC_STRATEGY": strategy})
     assert result["before"] is False and result["after"] is True, result
     if result["plan"] == "fused":
-        # Under the defaults 30,720 faults every step (measured); kept, none in most steps
-        # once the heap has grown to the step's peak (a rare step still grows it).
-        assert sorted(result["faults"][3:])[4] < 2_000, result
+        # Under the defaults 30,720 faults every step (the 40 MiB buffers, measured); kept,
+        # none in most steps here once the heap has grown to the step's peak. A CI machine
+        # faulted 2,560 (one model's 10 MiB) in most steps, its heap laid out otherwise:
+        # the bound is the fused buffers' quarter, which the defaults fault in every step.
+        assert sorted(result["faults"][3:])[4] < 7_680, result
 
 
 def test_default_fuse_leaves_glibc_alone_when_told_or_when_the_loop_is_forced(tmp_path):
