@@ -28,6 +28,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import time
 from typing import Any
 
 __version__ = "0.1.0"
@@ -71,9 +72,16 @@ OLD_NAMES = {
 }
 
 
+#: Seconds the core's import took (a script without hftc does not pay them: the sweep's
+#: summary leaves them out of the one-at-a-time side's start-up, hftc/sweep/clock.py).
+_CORE_LOAD_S = 0.0
+
+
 def _load_core() -> None:
     """Import hftc's core, install its torch patches (:mod:`hftc.patches`) and bind the
     public names."""
+    global _CORE_LOAD_S
+    start = time.perf_counter()
     _LoadCoreAfterTorch.uninstall()
     for name in _CORE:
         importlib.import_module(f"{__name__}.{name}")
@@ -82,6 +90,8 @@ def _load_core() -> None:
     for name, where in _PUBLIC.items():
         source = sys.modules[f"{__name__}.{where or name}"]
         setattr(module, name, source if not where else getattr(source, name))
+    # (the outermost call's: a core module that reads a public name loads it nested)
+    _CORE_LOAD_S = max(_CORE_LOAD_S, time.perf_counter() - start)
 
 
 def __getattr__(name: str) -> Any:

@@ -80,6 +80,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run the ``sweep`` subcommand; returns the exit status."""
+    from .clock import command_process
+
+    with command_process():  # this process is the sweep's: its start-up counts
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     import torch
 
     from ..errors import MissingExtraError

@@ -56,6 +56,7 @@ import hftc
 
 from ..errors import SweepError, SweepFileError, SweepWarning
 from .arrays import Arrays, FusedArray, LiveTrial, finite_models
+from .clock import before_sweep
 from .collector import frozen_objects, paused_collection
 from .decisions import Decisions
 from .recovery import Recovery, try_lock
@@ -123,6 +124,11 @@ class SweepResult:
     note: str = ""
     #: False where the sweep was asked for no speedup estimate (``--no-estimate``)
     estimated: bool = True
+    #: the seconds the process ran before the sweep's clock (Python, its imports, the
+    #: spec), where the process is the ``hftc`` command (clock.py), else None; and of
+    #: them hftc's core import, which a script without hftc does not pay
+    before_s: float | None = None
+    hftc_import_s: float = 0.0
 
     @property
     def summary(self) -> str:
@@ -210,9 +216,10 @@ class Sweep(Recovery, Arrays, Decisions):
         self.round = 0
         self.train_s = 0.0
         self.trial_epochs = 0
-        # Where the wall clock went: training, fusing, Optuna (ask/report/tell), checkpoints.
+        # Where the wall clock went: training, fusing, Optuna (ask/report/tell),
+        # checkpoints, the spec's on_epoch, the result files (csv, curves plot, best).
         self.timings = {"train": 0.0, "fuse": 0.0, "optuna": 0.0, "checkpoint": 0.0,
-                        "on_epoch": 0.0}
+                        "on_epoch": 0.0, "results": 0.0}
         self._loss = hftc.per_model(spec.loss)
         self._view: tuple[list, list] | None = None  # (complete, running elsewhere): _decide
         self._out_now: set[int] = set()  # trials pruned or failed in this round's decisions
@@ -528,6 +535,7 @@ class Sweep(Recovery, Arrays, Decisions):
         """Run this worker until the study has ``n_trials`` finished trials and none
         is running anywhere; then write the results. Returns a :class:`SweepResult`."""
         start = time.perf_counter()
+        before_s = before_sweep()
         verbosity = optuna.logging.get_verbosity()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         # Collection off while it starts, start-up's objects frozen once started
@@ -549,7 +557,8 @@ class Sweep(Recovery, Arrays, Decisions):
                            files, board, dict(self.timings), self.spec.metric_name,
                            list(self.serial_epoch_s), list(self.formations), list(self.apart),
                            list(self.padded), list(self.mixed), *replay, self.load_s,
-                           self.dynamo_import_s, estimated=self.estimate_serial > 0)
+                           self.dynamo_import_s, estimated=self.estimate_serial > 0,
+                           before_s=before_s, hftc_import_s=hftc._CORE_LOAD_S)
 
     def _replay_serial(self) -> tuple[float | None, int | None]:
         """After the sweep, off its clock: the one-at-a-time study's Optuna share and
@@ -606,8 +615,9 @@ class Sweep(Recovery, Arrays, Decisions):
                 if hasattr(self, "heartbeat"):
                     self.heartbeat.stop()
                 optuna.logging.set_verbosity(verbosity)
+            with self._timed("results"):
+                files, board = write_results(self)
             wall = time.perf_counter() - start - self.excluded_s
-            files, board = write_results(self)
         return wall, files, board
 
     @contextlib.contextmanager

@@ -146,11 +146,15 @@ def summary(result) -> str:
     parts = [f"training {tm.get('train', 0.0):.1f} s", f"fusing {tm.get('fuse', 0.0):.1f} s",
              f"Optuna {tm.get('optuna', 0.0):.1f} s",
              f"checkpoints {tm.get('checkpoint', 0.0):.1f} s"]
-    if tm.get("on_epoch", 0.0) >= 0.05:
-        parts.append(f"on_epoch {tm['on_epoch']:.1f} s")
+    for key, words in (("on_epoch", "on_epoch"), ("results", "result files")):
+        if tm.get(key, 0.0) >= 0.05:
+            parts.append(f"{words} {tm[key]:.1f} s")
     other = result.wall_s - sum(tm.values())
+    before = (f" (and {result.before_s:.1f} s before it: Python, the imports, the spec)"
+              if result.before_s is not None else "")
     lines = [f"time: {result.wall_s:.1f} s wall clock for {result.trial_epochs} "
-             f"trial-epochs: {', '.join(parts)}, start-up and other {max(other, 0.0):.1f} s"]
+             f"trial-epochs: {', '.join(parts)}, start-up and other {max(other, 0.0):.1f} s"
+             + before]
     lines.append(f"note: {result.note}" if result.note else speedup_line(result))
     if result.formations:
         sizes = [n for formation in result.formations for n in formation]
@@ -194,9 +198,29 @@ def serial_estimate(result) -> tuple[float, str] | None:
     total = train + result.serial_optuna_s + result.load_s + result.dynamo_import_s
     dynamo = (f" + torch._dynamo's import {result.dynamo_import_s:.1f} s (which a script's "
               f"first torch.optim optimizer makes)" if result.dynamo_import_s >= 0.05 else "")
+    before = ""
+    if result.before_s is not None:
+        charged = serial_before(result)
+        total += charged
+        before = (f" + its process's start {charged:.1f} s (this one's before the sweep, "
+                  f"less hftc's import {result.hftc_import_s:.1f} s)")
     return total, (how + f" + Optuna {result.serial_optuna_s:.1f} s (a sample of these trials "
                    f"through a stock Optuna study one at a time, scaled; off the clock) + data "
-                   f"{result.load_s:.1f} s" + dynamo)
+                   f"{result.load_s:.1f} s" + dynamo + before)
+
+
+def serial_before(result) -> float:
+    """The one-at-a-time script's start-up before its study: this process's before the
+    sweep (Python, torch, optuna, the spec) less hftc's core import (clock.py)."""
+    return max(0.0, (result.before_s or 0.0) - result.hftc_import_s)
+
+
+def fused_seconds(result) -> float:
+    """The fused side's seconds, as the estimate beside it counts its own: the sweep's
+    wall clock, and the process's start where the estimate charges the serial side its
+    own (both, or neither)."""
+    counted = result.before_s is not None and result.serial_optuna_s is not None
+    return result.wall_s + (result.before_s if counted else 0.0)
 
 
 def speedup_line(result) -> str:
@@ -210,7 +234,10 @@ def speedup_line(result) -> str:
     train = result.timings.get("train", 0.0)
     samples = sorted(result.serial_epoch_s)
     alone = samples[len(samples) // 2] * result.trial_epochs / train if train > 0 else None
-    return (f"speedup: {serial_s / result.wall_s:.2f}x wall clock against the same study one "
+    fused_s = fused_seconds(result)
+    whole = (f" ({fused_s:.1f} s, the process's start included)" if fused_s != result.wall_s
+             else "")
+    return (f"speedup: {serial_s / fused_s:.2f}x wall clock{whole} against the same study one "
             f"trial at a time with stock Optuna, estimated: {serial_s:.1f} s = {how}"
             + (f"; training alone: {alone:.2f}x" if alone else ""))
 
