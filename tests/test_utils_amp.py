@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -691,6 +693,66 @@ def test_torch_clip_grad_norm_clips_a_fused_module_per_model():
                 torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad)
         with pytest.raises(hftc.errors.FusionArgumentError, match="together with other"):
             torch.nn.utils.clip_grad_norm_([*fused.parameters(), *alone[0].parameters()], 1.0)
+
+_BOUND_BEFORE_IMPORT = """
+import copy
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils import clip_grad_norm_, get_total_norm, clip_grads_with_norm_
+import hftc
+
+torch.manual_seed(0)
+models = [nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4)).double()
+          for _ in range(3)]
+with torch.no_grad():  # norms far apart: one norm for all three clips each wrongly
+    for i, m in enumerate(models):
+        for p in m.parameters():
+            p.mul_(1 + 3 * i)
+alone = copy.deepcopy(models)
+data = [(torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,)))
+        for _ in range(3)]
+for m in alone:
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+fused = hftc.fuse(models)
+opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+for step, (x, y) in enumerate(data):
+    opt.zero_grad()
+    hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+    if step == 0:
+        norms = clip_grad_norm_(fused.parameters(), 1.0)
+    else:  # torch's two-step form, bound early too
+        params = list(fused.parameters())
+        norms = get_total_norm([p.grad for p in params])
+        clip_grads_with_norm_(params, 1.0, norms)
+    assert norms.shape == (3,), norms
+    opt.step()
+worst = max((fused.model_state_dict(i)[k] - v).abs().max().item()
+            for i, m in enumerate(alone) for k, v in m.state_dict().items())
+p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+p.grad = torch.full((4,), 3.0, dtype=torch.float64)
+print(worst, clip_grad_norm_([p], 1.0).item(), p.grad.norm().item())
+"""
+
+
+def test_torch_clipping_bound_before_import_hftc_clips_per_model_too():
+    """``from torch.nn.utils import clip_grad_norm_`` above ``import hftc`` (the convert
+    guide adds ``import hftc`` below a script's imports) bound torch's own function
+    object, which clipped all N models by one norm: model 0's weights ended 0.05 off its
+    own run, silently.  Now torch's function objects themselves clip a fused module per
+    model (the two-step form too), and other parameters as torch does."""
+    out = subprocess.run([sys.executable, "-c", _BOUND_BEFORE_IMPORT], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    worst, norm, clipped = map(float, out.stdout.split())
+    assert worst <= 1e-12
+    assert norm == pytest.approx(6.0) and clipped == pytest.approx(1.0, rel=1e-5)
+
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_torch_two_step_clipping_clips_a_fused_module_per_model(norm_type):
