@@ -148,7 +148,10 @@ def _clip_grads_with_norm_per_model(parameters: Tensor | Iterable[Tensor], max_n
 
 
 def route_bound_names() -> None:
-    """Make torch's own clipping function objects clip a fused module per model too.
+    """Make torch's own clipping function objects clip a fused module per model too, and
+    torch's ``update_bn`` refuse one (``from torch.optim.swa_utils import AveragedModel,
+    SWALR, update_bn``, the SWA tutorial's line, above ``import hftc`` recomputed no
+    statistics, silently).
 
     ``from torch.nn.utils import clip_grad_norm_`` above ``import hftc`` (the convert
     guide adds ``import hftc`` below a script's imports) binds torch's function object,
@@ -161,7 +164,8 @@ def route_bound_names() -> None:
             (torch.nn.utils.clip_grad.clip_grad_norm_, _clip_grad_norm_per_model),
             (torch.nn.utils.clip_grad._get_total_norm, _get_total_norm_per_model),
             (torch.nn.utils.clip_grad._clip_grads_with_norm_,
-             _clip_grads_with_norm_per_model)):
+             _clip_grads_with_norm_per_model),
+            (torch.optim.swa_utils.update_bn, _update_bn_refusing_fused)):
         if original is replacement:
             continue
         cell = _func_cell(original)
@@ -169,7 +173,7 @@ def route_bound_names() -> None:
             cell.cell_contents = replacement
 
 
-_torch_update_bn = torch.optim.swa_utils.update_bn
+_torch_update_bn = _stock_twin(torch.optim.swa_utils.update_bn)
 
 
 @functools.wraps(_torch_update_bn)

@@ -832,6 +832,35 @@ def test_swa_update_bn_on_a_fused_module_is_refused():
     assert plain[1].num_batches_tracked == 2
 
 
+_UPDATE_BN_BOUND_BEFORE_IMPORT = """
+import torch, torch.nn as nn
+from torch.optim.swa_utils import AveragedModel, SWALR, update_bn
+import hftc
+models = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+          for _ in range(2)]
+swa = AveragedModel(hftc.fuse(models))
+loader = [torch.randn(16, 4) * 5 + 3 for _ in range(2)]
+try:
+    update_bn(loader, swa)
+except hftc.errors.FusionArgumentError as error:
+    print("refused" if "unfuse(): update_bn" in str(error) else error)
+plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+update_bn(loader, plain)
+print(int(plain[1].num_batches_tracked), bool(plain[1].running_mean.abs().sum() > 0))
+"""
+
+
+def test_swa_update_bn_bound_before_import_hftc_is_refused_too():
+    """The SWA tutorial's ``from torch.optim.swa_utils import AveragedModel, SWALR,
+    update_bn`` above ``import hftc`` bound torch's own function, which recomputed no
+    statistics of a fused module, silently (the patch replaced only the module's name).
+    Torch's function object itself now refuses a fused module; other models: torch's."""
+    out = subprocess.run([sys.executable, "-c", _UPDATE_BN_BOUND_BEFORE_IMPORT],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["refused", "2", "True"], out.stdout
+
+
 def test_scaler_takes_torch_grad_scalers_device_argument():
     """``torch.amp.GradScaler("cuda")`` is the habit: hftc's took the device string as N and
     failed at ``scale()`` with 'the scaler has cuda models'. A device in N's place (or as
