@@ -203,18 +203,18 @@ def _grads_and_num_models(parameters, num_models: int | None, fn: str) -> tuple[
     grads = [p.grad for p in params if p.grad is not None]
     leading = {g.shape[0] if g.dim() > 0 else None for g in grads}
     if None in leading:
-        raise ValueError(f"{fn}: a gradient is 0-dim; fused gradients are [N, *shape]")
+        raise FusionArgumentError(f"{fn}: a gradient is 0-dim; fused gradients are [N, *shape]")
     if len(leading) > 1:
-        raise ValueError(
+        raise FusionArgumentError(
             f"{fn}: gradients must all be [N, *shape] with one N, but their leading dims "
             f"are {sorted(leading)}"
         )
     if num_models is None:
         if not leading:
-            raise ValueError(f"{fn}: no gradients, and num_models was not given")
+            raise FusionArgumentError(f"{fn}: no gradients, and num_models was not given")
         num_models = leading.pop()
     elif leading and leading != {num_models}:
-        raise ValueError(
+        raise FusionArgumentError(
             f"{fn}: num_models={num_models}, but the gradients' leading dim is {leading.pop()}"
         )
     return grads, num_models
@@ -227,7 +227,7 @@ def _per_model_values(name: str, value: float | Sequence[float] | Tensor, n: int
     if t.numel() == 1:
         t = t.expand(n)
     elif t.numel() != n:
-        raise ValueError(f"{name} has {t.numel()} values but there are {n} models")
+        raise FusionArgumentError(f"{name} has {t.numel()} values but there are {n} models")
     return t.to(device=like.device, dtype=like.dtype)
 
 
