@@ -276,11 +276,20 @@ def test_per_model_generic_losses_via_vmap_and_via_a_loop():
 
 
 def test_per_model_argument_errors():
-    with pytest.raises(ValueError, match="in_dims entries must be 0 or None"):
+    # hftc.errors classes (they were builtin ValueErrors from hftc's internals)
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match="in_dims entries must be 0 or None"):
         per_model(F.mse_loss, in_dims=(1, None))
     out = torch.randn(3, 4, 2)
-    with pytest.raises(ValueError, match="leading dim N = 3"):
+    with pytest.raises(hftc.errors.FusionArgumentError, match="leading dim N = 3"):
         per_model(F.mse_loss, in_dims=0)(out, torch.randn(2, 4, 2))
+    # in_dims=(0, 0) with the one target all models share: it says to mark it None
+    logits, y = torch.randn(3, 8, 4), torch.randint(0, 4, (8,))
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"per_model\(cross_entropy\): .*argument 1 has shape \[8\]; a "
+                             r"target all models share .* is marked None: "
+                             r"hftc\.per_model\(cross_entropy, in_dims=\(0, None\)\)"):
+        per_model(F.cross_entropy, in_dims=(0, 0))(logits, y)
     # a fused module's dict / ModelOutput / tuple output given to a loss of one tensor
     # (was: AttributeError on .shape)
     for output in ({"logits": out}, [out]):
@@ -289,7 +298,7 @@ def test_per_model_argument_errors():
             per_model(F.cross_entropy)(output, torch.randint(0, 2, (4,)))
     with pytest.raises(ValueError, match=r"is a tuple of int, not of tensors stacked"):
         per_model(F.cross_entropy)((1, 2), torch.randint(0, 2, (4,)))
-    with pytest.raises(ValueError, match=r"leading dim N = 3; got shape \[2, 4\]"):
+    with pytest.raises(ValueError, match=r"leading dim N = 3 .*has shape \[2, 4\]"):
         per_model(F.cross_entropy)((out, torch.randn(2, 4)), torch.randint(0, 2, (4,)))
 
 

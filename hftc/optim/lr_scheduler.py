@@ -18,7 +18,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as _torch_sched
 
-from ..errors import FusionArgumentError, FusionTypeError
+from ..errors import FusionArgumentError, FusionError, FusionTypeError
 
 __all__ = ["ReduceLROnPlateau"]
 
@@ -140,7 +140,21 @@ def registering_init(init: Any) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         from .optimizer import FusedOptimizer  # (the optimizers import this package)
 
-        init(self, *args, **kwargs)
+        try:
+            init(self, *args, **kwargs)
+        except ValueError as exc:
+            optimizer = kwargs.get("optimizer", args[0] if args else None)
+            if not isinstance(optimizer, FusedOptimizer) or isinstance(exc, FusionError) \
+                    or not ("param_groups" in str(exc) or "lr_lambdas" in str(exc)):
+                raise
+            # torch's "max_lr has 2 values, param_groups has 3": a fused optimizer's
+            # param_groups[i] is model i, which its message does not say.
+            n = len(optimizer.param_groups)
+            raise FusionArgumentError(
+                f"{type(self).__name__} on a fused optimizer of {n} models: "
+                f"{str(exc).rstrip('.')}. "
+                f"param_groups[i] of a fused optimizer is model i: give one value per "
+                f"model ({n} values, in the models' order) or one value for all") from exc
         if isinstance(getattr(self, "optimizer", None), FusedOptimizer):
             SCHEDULERS_ON_FUSED.add(self)
 
