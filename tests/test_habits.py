@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -82,6 +83,57 @@ def test_unfuse_optimizers_gives_back_nanogpts_two_param_groups():
     for i, (m, ref) in enumerate(zip(plain, alone)):
         for (name, p), q in zip(m.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=f"model {i} {name}")
+
+
+def _configure_optimizers(model: nn.Module, weight_decay, learning_rate, betas,
+                          cls=torch.optim.AdamW, decayed=lambda p: p.dim() >= 2):
+    """nanoGPT's configure_optimizers, verbatim but for the class and the test of a
+    decayed parameter."""
+    param_dict = {pn: p for pn, p in model.named_parameters() if p.requires_grad}
+    decay_params = [p for n, p in param_dict.items() if decayed(p)]
+    nodecay_params = [p for n, p in param_dict.items() if not decayed(p)]
+    optim_groups = [{"params": decay_params, "weight_decay": weight_decay},
+                    {"params": nodecay_params, "weight_decay": 0.0}]
+    return cls(optim_groups, lr=learning_rate, betas=betas)
+
+
+@pytest.mark.parametrize("cls", [ho.AdamW, torch.optim.AdamW])
+def test_nanogpts_grouping_by_dim_on_the_fused_parameters_warns_and_the_advice_trains_exactly(
+        cls):
+    """nanoGPT's configure_optimizers verbatim on the fused module put every bias and
+    LayerNorm weight (2-d there: the model dim) in the decay group, and the no-decay
+    group was empty: each model's biases decayed unlike its own run (0.02 off after 4
+    steps), silently.  It warns at the user's line, naming the fix; the fix (each model's
+    dims, ``p.dim() - 1 >= 2``) trains each model as its own run, and warns not."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+              .double() for _ in range(N)]
+    alone = [copy.deepcopy(m) for m in models]
+    batches = [(torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,)))
+               for _ in range(4)]
+    for m in alone:
+        opt = _configure_optimizers(m, 0.5, 1e-2, (0.9, 0.95))
+        for x, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+    fused = hftc.fuse(models)
+    with pytest.warns(hftc.UsageWarning, match=r"param group 1 \(weight_decay=0\.0\) is "
+                                               r"empty .*p\.dim\(\) - 1 >= 2") as caught:
+        _configure_optimizers(fused, 0.5, 1e-2, (0.9, 0.95), cls)
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = _configure_optimizers(fused, 0.5, 1e-2, (0.9, 0.95), cls,
+                                    decayed=lambda p: p.dim() - 1 >= 2)
+    for x, y in batches:
+        opt.zero_grad()
+        hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+        opt.step()
+    for i, m in enumerate(alone):
+        for name, value in m.state_dict().items():
+            torch.testing.assert_close(fused.model_state_dict(i)[name], value, rtol=0,
+                                       atol=1e-12)
 
 
 # ------------------------------------------------------------- in_dims for a tuple input

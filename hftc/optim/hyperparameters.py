@@ -11,6 +11,7 @@ The mixin :class:`HyperParameterGroups` of :class:`~hftc.optim.optimizer.FusedOp
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -18,9 +19,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
-from ..errors import FusionArgumentError, FusionTypeError
+from ..errors import FusionArgumentError, FusionTypeError, UsageWarning, user_stacklevel
 
-__all__ = ["HyperParameterGroups"]
+__all__ = ["HyperParameterGroups", "warn_of_grouping_by_stacked_dims"]
 
 
 def _is_number(x: Any) -> bool:
@@ -63,6 +64,49 @@ def _as_pair(name: str, value: Any, model: int | None = None) -> tuple[float, fl
     if not _is_sequence(value) or len(value) != 2 or not all(_is_number(v) for v in value):
         raise FusionTypeError(f"{where} must be a pair of numbers, got {value!r}")
     return (_as_float(name, value[0], model), _as_float(name, value[1], model))
+
+
+def _warn_of_grouping_by_stacked_dims(cls: str, groups: list[dict],
+                                      overrides: list[dict]) -> None:
+    """(the check below on a fused optimizer's param-group dicts)"""
+    params = [[p for p in ([g["params"]] if isinstance(g["params"], Tensor)
+                           else list(g["params"])) if isinstance(p, Tensor)] for g in groups]
+    warn_of_grouping_by_stacked_dims(cls, params, overrides)
+
+
+def warn_of_grouping_by_stacked_dims(cls: str, params: list[list[Tensor]],
+                                     overrides: list[dict]) -> None:
+    """nanoGPT's ``configure_optimizers`` verbatim on a fused module (``p.dim() >= 2``
+    decays, the rest not) puts every parameter in the decay group: a stacked parameter's
+    ``dim()`` counts the model dim, so each model's biases and norms (1-d in the model)
+    are 2-d there, and the no-decay group is empty.  It trains as written, each model's
+    biases decayed unlike its own run: a :class:`UsageWarning` at the user's line, where
+    a group is empty, another holds each model's 1-d parameters with its matrices, and
+    the groups' values differ."""
+    empty = [k for k, ps in enumerate(params) if not ps]
+    mixed = [k for k, ps in enumerate(params)
+             if any(p.dim() - 1 < 2 for p in ps) and any(p.dim() - 1 >= 2 for p in ps)]
+    differ = [(e, m) for e in empty for m in mixed if overrides[e] != overrides[m]]
+    if not differ:
+        return
+    e, m = differ[0]
+    keys = [key for key in {**overrides[e], **overrides[m]}
+            if overrides[e].get(key) != overrides[m].get(key)]
+
+    def spelled(k: int) -> str:
+        return ", ".join(f"{key}={overrides[k][key]!r}" if key in overrides[k] else
+                         f"{key}: the constructor's" for key in keys)
+
+    warnings.warn(
+        f"{cls}: param group {e} ({spelled(e)}) is empty and param group {m} "
+        f"({spelled(m)}) holds each model's 1-d parameters (biases, norms) with its "
+        f"matrices: they get group {m}'s values. If the groups were made by p.dim() "
+        f"(nanoGPT's p.dim() >= 2 for weight decay) on the fused module's parameters: a "
+        f"stacked parameter's dim() counts the model dim ([N, *shape]), so every bias is "
+        f"2-d there. Group by each model's dims, p.dim() - 1 >= 2 on fused.parameters(), "
+        f"or by the names of a plain model's parameters ({{n for n, p in "
+        f"models[0].named_parameters() if p.dim() >= 2}})",
+        UsageWarning, stacklevel=user_stacklevel())
 
 
 class HyperParameterGroups(Optimizer):
@@ -120,6 +164,7 @@ class HyperParameterGroups(Optimizer):
             flat += params
             group_of += [k] * len(params)
             overrides.append(extra)
+        _warn_of_grouping_by_stacked_dims(cls, items, overrides)
         return flat, group_of, overrides
 
     def _infer_num_models(self, names, tensors, num_models, hyperparameters) -> int:
