@@ -6,7 +6,8 @@ place before any code can bind one of these torch names.  The replacements are d
 beside the code they serve; this module only installs them (docs/API.md describes each)::
 
     torch.nn.utils.clip_grad_norm_            a fused module's parameters: each model
-      (and torch.nn.utils.clip_grad's)        clipped by its own norm (hftc/utils.py)
+      (and torch.nn.utils.clip_grad's; torch's  clipped by its own norm (hftc/utils.py)
+      function objects too, for a name bound before import hftc)
     torch.nn.utils.get_total_norm             the gradients of stacked parameters: the
     torch.nn.utils.clip_grads_with_norm_      N norms, applied per model (hftc/utils.py)
     torch.optim.swa_utils.update_bn           refused on a fused module (hftc/utils.py)
@@ -68,6 +69,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    utils.route_bound_names()  # (before the names below: it reads torch's own objects)
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         module.clip_grad_norm_ = utils._clip_grad_norm_per_model
         module.get_total_norm = utils._get_total_norm_per_model

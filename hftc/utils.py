@@ -29,7 +29,32 @@ __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
 
 # --------------------------------------------------------------------------- torch's own clipping
 
-_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+def _stock_twin(function: Any) -> Any:
+    """A new function object that runs what torch's ``function`` runs now: the one hftc's
+    replacement calls for other parameters, once :func:`route_bound_names` has made
+    ``function`` itself call the replacement (no recursion through it)."""
+    cell = _func_cell(function)
+    if cell is None:
+        return function
+    raw = cell.cell_contents
+
+    @functools.wraps(raw)
+    def stock(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return raw(*args, **kwargs)
+    return stock
+
+
+def _func_cell(function: Any) -> Any:
+    """The closure cell of torch's ``_no_grad`` wrapper that holds the wrapped function
+    (None for another shape of function: another torch's)."""
+    names = getattr(getattr(function, "__code__", None), "co_freevars", ())
+    if "func" not in names or function.__closure__ is None:
+        return None
+    return function.__closure__[names.index("func")]
+
+
+_torch_clip_grad_norm_ = _stock_twin(torch.nn.utils.clip_grad_norm_)
 
 
 @functools.wraps(_torch_clip_grad_norm_)
@@ -66,8 +91,8 @@ def _stacked_gradients(tensors: Sequence[Tensor]) -> list[tuple[Tensor, int]]:
             if p.grad is not None and id(p.grad) in ids]
 
 
-_torch_get_total_norm = torch.nn.utils.get_total_norm
-_torch_clip_grads_with_norm_ = torch.nn.utils.clip_grads_with_norm_
+_torch_get_total_norm = _stock_twin(torch.nn.utils.get_total_norm)
+_torch_clip_grads_with_norm_ = _stock_twin(torch.nn.utils.clip_grads_with_norm_)
 
 
 @functools.wraps(_torch_get_total_norm)
@@ -122,7 +147,33 @@ def _clip_grads_with_norm_per_model(parameters: Tensor | Iterable[Tensor], max_n
         _clip_by_norms(grads, max_norm, total.reshape(n).to(grads[0].device))
 
 
-_torch_update_bn = torch.optim.swa_utils.update_bn
+def route_bound_names() -> None:
+    """Make torch's own clipping function objects clip a fused module per model too, and
+    torch's ``update_bn`` refuse one (``from torch.optim.swa_utils import AveragedModel,
+    SWALR, update_bn``, the SWA tutorial's line, above ``import hftc`` recomputed no
+    statistics, silently).
+
+    ``from torch.nn.utils import clip_grad_norm_`` above ``import hftc`` (the convert
+    guide adds ``import hftc`` below a script's imports) binds torch's function object,
+    which the patch of ``torch.nn.utils``' names does not reach: it clipped all N models
+    by one norm, silently.  Each of torch's three is a ``_no_grad`` wrapper; its cell
+    holding the wrapped function now holds hftc's replacement (which calls its stock
+    twin above for other parameters), so the name bound early, torch's own
+    ``clip_grad_norm_`` body (which calls the other two) and the patched names agree."""
+    for original, replacement in (
+            (torch.nn.utils.clip_grad.clip_grad_norm_, _clip_grad_norm_per_model),
+            (torch.nn.utils.clip_grad._get_total_norm, _get_total_norm_per_model),
+            (torch.nn.utils.clip_grad._clip_grads_with_norm_,
+             _clip_grads_with_norm_per_model),
+            (torch.optim.swa_utils.update_bn, _update_bn_refusing_fused)):
+        if original is replacement:
+            continue
+        cell = _func_cell(original)
+        if cell is not None:
+            cell.cell_contents = replacement
+
+
+_torch_update_bn = _stock_twin(torch.optim.swa_utils.update_bn)
 
 
 @functools.wraps(_torch_update_bn)
@@ -152,18 +203,18 @@ def _grads_and_num_models(parameters, num_models: int | None, fn: str) -> tuple[
     grads = [p.grad for p in params if p.grad is not None]
     leading = {g.shape[0] if g.dim() > 0 else None for g in grads}
     if None in leading:
-        raise ValueError(f"{fn}: a gradient is 0-dim; fused gradients are [N, *shape]")
+        raise FusionArgumentError(f"{fn}: a gradient is 0-dim; fused gradients are [N, *shape]")
     if len(leading) > 1:
-        raise ValueError(
+        raise FusionArgumentError(
             f"{fn}: gradients must all be [N, *shape] with one N, but their leading dims "
             f"are {sorted(leading)}"
         )
     if num_models is None:
         if not leading:
-            raise ValueError(f"{fn}: no gradients, and num_models was not given")
+            raise FusionArgumentError(f"{fn}: no gradients, and num_models was not given")
         num_models = leading.pop()
     elif leading and leading != {num_models}:
-        raise ValueError(
+        raise FusionArgumentError(
             f"{fn}: num_models={num_models}, but the gradients' leading dim is {leading.pop()}"
         )
     return grads, num_models
@@ -176,7 +227,7 @@ def _per_model_values(name: str, value: float | Sequence[float] | Tensor, n: int
     if t.numel() == 1:
         t = t.expand(n)
     elif t.numel() != n:
-        raise ValueError(f"{name} has {t.numel()} values but there are {n} models")
+        raise FusionArgumentError(f"{name} has {t.numel()} values but there are {n} models")
     return t.to(device=like.device, dtype=like.dtype)
 
 

@@ -430,6 +430,21 @@ def test_fusing_fused_modules_says_to_fuse_the_originals():
         hftc.fuse([nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), wrapper])
 
 
+def test_models_wrapped_in_data_parallel_say_to_fuse_the_models_inside():
+    """The ImageNet example's ``model = torch.nn.DataParallel(model)`` before fusing was a
+    TraceError about "Proxy object cannot be iterated" and tensor-valued branches; it names
+    the wrapper and says to fuse ``m.module`` and wrap the fused module."""
+    models = [nn.DataParallel(TwoLayer()) for _ in range(2)]
+    with pytest.raises(FusionTypeError,
+                       match=r"model 0 is wrapped in nn\.DataParallel \(TwoLayer inside\).*"
+                             r"hftc\.fuse\(\[m\.module for m in models\]\).*"
+                             r"DistributedDataParallel\(fused\)"):
+        hftc.fuse(models)
+    fused = hftc.fuse([m.module for m in models])  # the advice works
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(fused(x)[1], models[1](x))
+
+
 class Generator(nn.Module):
     """A DCGAN-style generator (pytorch/examples dcgan, small): z -> 3x8x8 images."""
 

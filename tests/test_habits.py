@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import copy
+import io
+import warnings
 
 import pytest
 import torch
@@ -82,6 +84,57 @@ def test_unfuse_optimizers_gives_back_nanogpts_two_param_groups():
     for i, (m, ref) in enumerate(zip(plain, alone)):
         for (name, p), q in zip(m.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12, msg=f"model {i} {name}")
+
+
+def _configure_optimizers(model: nn.Module, weight_decay, learning_rate, betas,
+                          cls=torch.optim.AdamW, decayed=lambda p: p.dim() >= 2):
+    """nanoGPT's configure_optimizers, verbatim but for the class and the test of a
+    decayed parameter."""
+    param_dict = {pn: p for pn, p in model.named_parameters() if p.requires_grad}
+    decay_params = [p for n, p in param_dict.items() if decayed(p)]
+    nodecay_params = [p for n, p in param_dict.items() if not decayed(p)]
+    optim_groups = [{"params": decay_params, "weight_decay": weight_decay},
+                    {"params": nodecay_params, "weight_decay": 0.0}]
+    return cls(optim_groups, lr=learning_rate, betas=betas)
+
+
+@pytest.mark.parametrize("cls", [ho.AdamW, torch.optim.AdamW])
+def test_nanogpts_grouping_by_dim_on_the_fused_parameters_warns_and_the_advice_trains_exactly(
+        cls):
+    """nanoGPT's configure_optimizers verbatim on the fused module put every bias and
+    LayerNorm weight (2-d there: the model dim) in the decay group, and the no-decay
+    group was empty: each model's biases decayed unlike its own run (0.02 off after 4
+    steps), silently.  It warns at the user's line, naming the fix; the fix (each model's
+    dims, ``p.dim() - 1 >= 2``) trains each model as its own run, and warns not."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+              .double() for _ in range(N)]
+    alone = [copy.deepcopy(m) for m in models]
+    batches = [(torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,)))
+               for _ in range(4)]
+    for m in alone:
+        opt = _configure_optimizers(m, 0.5, 1e-2, (0.9, 0.95))
+        for x, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+    fused = hftc.fuse(models)
+    with pytest.warns(hftc.UsageWarning, match=r"param group 1 \(weight_decay=0\.0\) is "
+                                               r"empty .*p\.dim\(\) - 1 >= 2") as caught:
+        _configure_optimizers(fused, 0.5, 1e-2, (0.9, 0.95), cls)
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = _configure_optimizers(fused, 0.5, 1e-2, (0.9, 0.95), cls,
+                                    decayed=lambda p: p.dim() - 1 >= 2)
+    for x, y in batches:
+        opt.zero_grad()
+        hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+        opt.step()
+    for i, m in enumerate(alone):
+        for name, value in m.state_dict().items():
+            torch.testing.assert_close(fused.model_state_dict(i)[name], value, rtol=0,
+                                       atol=1e-12)
 
 
 # ------------------------------------------------------------- in_dims for a tuple input
@@ -411,3 +464,128 @@ def test_a_length_export_fixed_is_exported_again_for_a_new_length():
                 torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad,
                                            rtol=1e-9, atol=1e-12, msg=f"model {i} {name}")
     assert len(fused.__dict__["_reexported_graphs"]) == 2  # (idx) and (idx, targets)
+
+
+# ------------------------------------------------- a user's loop, end to end
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.ln(self.fc1(x))))
+
+
+def _groups(model: nn.Module, weight_decay, plain: nn.Module) -> list[dict]:
+    matrices = {n for n, p in plain.named_parameters() if p.dim() >= 2}
+    return [{"params": [p for n, p in model.named_parameters() if n in matrices],
+             "weight_decay": weight_decay},
+            {"params": [p for n, p in model.named_parameters() if n not in matrices],
+             "weight_decay": 0.0}]
+
+
+def test_accumulation_loss_weights_onecycle_clipping_and_an_ema_train_each_model_as_alone():
+    """AdamW with per-model betas and decay on the matrices only, gradient accumulation
+    over 2 batches, per-model loss weights, label smoothing, OneCycleLR, clipping,
+    zero_grad(set_to_none=True) and a hand-written EMA of the weights: each model and its
+    EMA as its own run, float64."""
+    torch.manual_seed(0)
+    models = [_MLP().double() for _ in range(N)]
+    alone = [copy.deepcopy(m) for m in models]
+    lrs, decays = [1e-3, 3e-3, 1e-2], [0.0, 0.1, 0.01]
+    betas, weights = [(0.9, 0.999), (0.8, 0.99), (0.95, 0.95)], [1.0, 0.5, 2.0]
+    batches = [(torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,)))
+               for _ in range(8)]
+
+    def train(model, opt, sched, ema, loss_of):
+        for k, (x, y) in enumerate(batches):
+            (loss_of(model(x), y) / 2).backward()
+            if k % 2 == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    for e, p in zip(ema.parameters(), model.parameters()):
+                        e.mul_(0.9).add_(p, alpha=0.1)
+
+    emas = []
+    for m, lr, wd, b, w in zip(alone, lrs, decays, betas, weights):
+        opt = torch.optim.AdamW(_groups(m, wd, m), lr=lr, betas=b)
+        emas.append(copy.deepcopy(m))
+        train(m, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr * 10, total_steps=4),
+              emas[-1], lambda out, y, w=w: w * F.cross_entropy(out, y, label_smoothing=0.1))
+    fused = hftc.fuse(models)
+    opt = ho.AdamW(_groups(fused, decays, models[0]), lr=lrs, betas=betas)
+    ema = copy.deepcopy(fused)
+    w = torch.tensor(weights, dtype=torch.float64)
+    train(fused, opt, torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=[lr * 10 for lr in lrs], total_steps=4), ema,
+        lambda out, y: (w * hftc.per_model(F.cross_entropy, label_smoothing=0.1)(out, y)).sum())
+    for i in range(N):
+        for fused_side, own in ((fused, alone[i]), (ema, emas[i])):
+            for name, value in own.state_dict().items():
+                torch.testing.assert_close(fused_side.model_state_dict(i)[name], value,
+                                           rtol=0, atol=1e-12)
+
+
+def test_a_checkpoint_mid_training_resumes_model_optimizer_plateau_and_swa_ema_exactly():
+    """torch.save of the fused module's, the fused Adam's, hftc's ReduceLROnPlateau's (per
+    model metrics) and an AveragedModel EMA's state dicts and the RNG state mid-training,
+    loaded into a new array: the rest of the run (dropout included) as the uninterrupted
+    run, bit for bit."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.drop, self.fc2 = nn.Linear(6, 16), nn.Dropout(0.3), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.fc2(self.drop(F.relu(self.fc1(x))))
+
+    torch.manual_seed(0)
+    models = [Net().double() for _ in range(N)]
+    batches = [(torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,)))
+               for _ in range(6)]
+
+    def make():
+        fused = hftc.fuse(copy.deepcopy(models))
+        opt = ho.Adam(fused.parameters(), lr=[1e-3, 3e-3, 1e-2])
+        return (fused, opt, ho.ReduceLROnPlateau(opt, patience=0, factor=0.5),
+                AveragedModel(fused, multi_avg_fn=get_ema_multi_avg_fn(0.9)))
+
+    def run(fused, opt, plateau, ema, part):
+        for x, y in part:
+            fused.train()
+            opt.zero_grad()
+            hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+            opt.step()
+            ema.update_parameters(fused)
+            fused.eval()
+            with torch.no_grad():
+                plateau.step(hftc.per_model(F.cross_entropy)(fused(x), y))
+
+    torch.manual_seed(1)
+    whole = make()
+    run(*whole, batches)
+    torch.manual_seed(1)
+    first = make()
+    run(*first, batches[:3])
+    buffer = io.BytesIO()
+    torch.save({"parts": [part.state_dict() for part in first],
+                "rng": torch.get_rng_state()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    resumed = make()
+    for part, state in zip(resumed, saved["parts"]):
+        part.load_state_dict(state)
+    torch.set_rng_state(saved["rng"])
+    run(*resumed, batches[3:])
+    for a, b in ((whole[0], resumed[0]), (whole[3], resumed[3])):
+        for name, value in a.state_dict().items():
+            assert torch.equal(value, b.state_dict()[name]), name
+    assert [g["lr"] for g in whole[1].param_groups] == \
+        [g["lr"] for g in resumed[1].param_groups]

@@ -41,6 +41,31 @@ def test_a_stock_optimizer_given_one_value_per_model_names_hftc_optim(cls, kwarg
         torch.optim.SGD(fused.parameters(), [0.1, 0.2, 0.3])  # lr by position
 
 
+@pytest.mark.parametrize("build, text", [
+    (lambda fused, models: hftc.optim.SGD(fused.parameters(), lr=[0.1, 0.2]),
+     r"lr has 2 values but there are 3 models"),
+    (lambda fused, models: hftc.optim.Adam(fused.parameters(), betas=[(0.9, 0.99)] * 4),
+     r"betas has 4 values but there are 3 models"),
+    (lambda fused, models: hftc.optim.AdamW(fused.parameters(), weight_decay=[0.1] * 2),
+     r"weight_decay has 2 values"),
+    (lambda fused, models: hftc.optim.SGD(models[0].parameters(), lr=0.1),
+     r"one model's parameters: build the optimizer on the fused module's, "
+     r"SGD\(fused\.parameters\(\), \.\.\.\)"),
+    (lambda fused, models: hftc.optim.SGD(fused.parameters(), lr=[0.1, -0.1, 0.2]),
+     r"Invalid lr for model 1"),
+])
+def test_hftc_optim_given_the_wrong_n_or_one_models_parameters_raises_an_hftc_error(build,
+                                                                                     text):
+    """A list of values of another length than N, and one model's parameters in place of
+    the fused module's, raised a builtin ValueError from hftc's internals; they are
+    hftc.errors classes (still ValueErrors) saying what to give."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)) for _ in range(3)]
+    fused = hftc.fuse(models)
+    with pytest.raises(FusionArgumentError, match=text):
+        build(fused, models)
+
+
 def test_stock_optimizers_otherwise_run_as_torch_runs_them():
     fused = _fused()
     opt = torch.optim.Adam(fused.parameters(), lr=1e-3, betas=(0.8, 0.99))

@@ -217,3 +217,31 @@ def test_stock_reduce_lr_on_plateau_with_one_metric_per_model_points_to_hftcs():
     stock.step(1.0)
     stock.step(torch.tensor(2.0))
     assert stock.get_last_lr() == [0.05, 0.1, 0.15]
+
+
+@pytest.mark.parametrize("build, text", [
+    (lambda opt: sched.OneCycleLR(opt, max_lr=[0.1, 0.2], total_steps=10),
+     r"OneCycleLR on a fused optimizer of 3 models: max_lr must have the same length"),
+    (lambda opt: sched.LambdaLR(opt, [lambda e: 1.0] * 2),
+     r"LambdaLR on a fused optimizer of 3 models: Expected 3 lr_lambdas, but got 2"),
+    (lambda opt: sched.CyclicLR(opt, base_lr=[0.01] * 4, max_lr=0.1),
+     r"CyclicLR on a fused optimizer of 3 models"),
+])
+def test_a_scheduler_given_another_number_of_values_than_models_says_param_groups_are_models(
+        build, text):
+    """torch's "max_lr has 2 values, param_groups has 3" on a fused optimizer, a builtin
+    ValueError that does not say a fused optimizer's param groups are its models: an
+    hftc error that says so (still a ValueError, torch's message kept)."""
+    from hftc.errors import FusionArgumentError
+
+    opt = ho.SGD(StackedModels(make_models(3)).parameters(), lr=[0.1, 0.2, 0.3],
+                 momentum=0.9)
+    with pytest.raises(FusionArgumentError, match=text) as caught:
+        build(opt)
+    assert "param_groups[i] of a fused optimizer is model i: give one value per model " \
+           "(3 values" in str(caught.value)
+    sched.OneCycleLR(opt, max_lr=[0.1, 0.2, 0.3], total_steps=10)  # N values: torch's own
+    stock = torch.optim.SGD(make_models(1)[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="max_lr must have the same length") as caught:
+        sched.OneCycleLR(stock, max_lr=[0.1, 0.2], total_steps=10)
+    assert not isinstance(caught.value, FusionArgumentError)  # other optimizers: torch's

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import io
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -274,11 +276,20 @@ def test_per_model_generic_losses_via_vmap_and_via_a_loop():
 
 
 def test_per_model_argument_errors():
-    with pytest.raises(ValueError, match="in_dims entries must be 0 or None"):
+    # hftc.errors classes (they were builtin ValueErrors from hftc's internals)
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match="in_dims entries must be 0 or None"):
         per_model(F.mse_loss, in_dims=(1, None))
     out = torch.randn(3, 4, 2)
-    with pytest.raises(ValueError, match="leading dim N = 3"):
+    with pytest.raises(hftc.errors.FusionArgumentError, match="leading dim N = 3"):
         per_model(F.mse_loss, in_dims=0)(out, torch.randn(2, 4, 2))
+    # in_dims=(0, 0) with the one target all models share: it says to mark it None
+    logits, y = torch.randn(3, 8, 4), torch.randint(0, 4, (8,))
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"per_model\(cross_entropy\): .*argument 1 has shape \[8\]; a "
+                             r"target all models share .* is marked None: "
+                             r"hftc\.per_model\(cross_entropy, in_dims=\(0, None\)\)"):
+        per_model(F.cross_entropy, in_dims=(0, 0))(logits, y)
     # a fused module's dict / ModelOutput / tuple output given to a loss of one tensor
     # (was: AttributeError on .shape)
     for output in ({"logits": out}, [out]):
@@ -287,7 +298,7 @@ def test_per_model_argument_errors():
             per_model(F.cross_entropy)(output, torch.randint(0, 2, (4,)))
     with pytest.raises(ValueError, match=r"is a tuple of int, not of tensors stacked"):
         per_model(F.cross_entropy)((1, 2), torch.randint(0, 2, (4,)))
-    with pytest.raises(ValueError, match=r"leading dim N = 3; got shape \[2, 4\]"):
+    with pytest.raises(ValueError, match=r"leading dim N = 3 .*has shape \[2, 4\]"):
         per_model(F.cross_entropy)((out, torch.randn(2, 4)), torch.randint(0, 2, (4,)))
 
 
@@ -692,6 +703,66 @@ def test_torch_clip_grad_norm_clips_a_fused_module_per_model():
         with pytest.raises(hftc.errors.FusionArgumentError, match="together with other"):
             torch.nn.utils.clip_grad_norm_([*fused.parameters(), *alone[0].parameters()], 1.0)
 
+_BOUND_BEFORE_IMPORT = """
+import copy
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils import clip_grad_norm_, get_total_norm, clip_grads_with_norm_
+import hftc
+
+torch.manual_seed(0)
+models = [nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4)).double()
+          for _ in range(3)]
+with torch.no_grad():  # norms far apart: one norm for all three clips each wrongly
+    for i, m in enumerate(models):
+        for p in m.parameters():
+            p.mul_(1 + 3 * i)
+alone = copy.deepcopy(models)
+data = [(torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,)))
+        for _ in range(3)]
+for m in alone:
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+fused = hftc.fuse(models)
+opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+for step, (x, y) in enumerate(data):
+    opt.zero_grad()
+    hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+    if step == 0:
+        norms = clip_grad_norm_(fused.parameters(), 1.0)
+    else:  # torch's two-step form, bound early too
+        params = list(fused.parameters())
+        norms = get_total_norm([p.grad for p in params])
+        clip_grads_with_norm_(params, 1.0, norms)
+    assert norms.shape == (3,), norms
+    opt.step()
+worst = max((fused.model_state_dict(i)[k] - v).abs().max().item()
+            for i, m in enumerate(alone) for k, v in m.state_dict().items())
+p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+p.grad = torch.full((4,), 3.0, dtype=torch.float64)
+print(worst, clip_grad_norm_([p], 1.0).item(), p.grad.norm().item())
+"""
+
+
+def test_torch_clipping_bound_before_import_hftc_clips_per_model_too():
+    """``from torch.nn.utils import clip_grad_norm_`` above ``import hftc`` (the convert
+    guide adds ``import hftc`` below a script's imports) bound torch's own function
+    object, which clipped all N models by one norm: model 0's weights ended 0.05 off its
+    own run, silently.  Now torch's function objects themselves clip a fused module per
+    model (the two-step form too), and other parameters as torch does."""
+    out = subprocess.run([sys.executable, "-c", _BOUND_BEFORE_IMPORT], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    worst, norm, clipped = map(float, out.stdout.split())
+    assert worst <= 1e-12
+    assert norm == pytest.approx(6.0) and clipped == pytest.approx(1.0, rel=1e-5)
+
+
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_torch_two_step_clipping_clips_a_fused_module_per_model(norm_type):
     """torch's two-step form of clip_grad_norm_, ``get_total_norm`` of the gradients then
@@ -768,6 +839,35 @@ def test_swa_update_bn_on_a_fused_module_is_refused():
     plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
     update_bn(loader, plain)  # other models: torch's own
     assert plain[1].num_batches_tracked == 2
+
+
+_UPDATE_BN_BOUND_BEFORE_IMPORT = """
+import torch, torch.nn as nn
+from torch.optim.swa_utils import AveragedModel, SWALR, update_bn
+import hftc
+models = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+          for _ in range(2)]
+swa = AveragedModel(hftc.fuse(models))
+loader = [torch.randn(16, 4) * 5 + 3 for _ in range(2)]
+try:
+    update_bn(loader, swa)
+except hftc.errors.FusionArgumentError as error:
+    print("refused" if "unfuse(): update_bn" in str(error) else error)
+plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+update_bn(loader, plain)
+print(int(plain[1].num_batches_tracked), bool(plain[1].running_mean.abs().sum() > 0))
+"""
+
+
+def test_swa_update_bn_bound_before_import_hftc_is_refused_too():
+    """The SWA tutorial's ``from torch.optim.swa_utils import AveragedModel, SWALR,
+    update_bn`` above ``import hftc`` bound torch's own function, which recomputed no
+    statistics of a fused module, silently (the patch replaced only the module's name).
+    Torch's function object itself now refuses a fused module; other models: torch's."""
+    out = subprocess.run([sys.executable, "-c", _UPDATE_BN_BOUND_BEFORE_IMPORT],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["refused", "2", "True"], out.stdout
 
 
 def test_scaler_takes_torch_grad_scalers_device_argument():

@@ -207,6 +207,15 @@ def check_models(models: Any) -> list[nn.Module]:
     # module if wanted (fused.compile()).
     models = [compiled_original(m) for m in models]
     for i, m in enumerate(models):
+        if isinstance(m, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            wrapper = type(m).__name__
+            raise FusionTypeError(
+                f"model {i} is wrapped in nn.{wrapper} ({type(m.module).__name__} inside): "
+                f"hftc fuses the models themselves, and the wrapper's forward (scatter to "
+                f"devices, gather) does not trace. Fuse the models inside, "
+                f"hftc.fuse([m.module for m in models]) (or fuse before wrapping), then wrap "
+                f"the fused module for several devices: DistributedDataParallel(fused) "
+                f"(docs/guides/several-gpus-and-machines.md)")
         path = next((p for p, sub in m.named_modules() if isinstance(sub, FusedModule)), None)
         if path is not None:
             what = (f"model {i} is a FusedModule ({m.num_models} models fused)" if path == ""

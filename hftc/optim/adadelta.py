@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import FusionArgumentError
 from .coefficients import addcmul_
 from .optimizer import FusedOptimizer
 
@@ -52,8 +53,9 @@ class Adadelta(FusedOptimizer):
     def _check_hyperparameters(self, hp: dict[str, Any], model: int) -> None:
         super()._check_hyperparameters(hp, model)
         if not 0.0 <= hp["rho"] <= 1.0:
-            raise ValueError(f"Invalid rho value for model {model}: {hp['rho']} "
-                             f"(must be in [0, 1])")
+            raise FusionArgumentError(
+                f"Invalid rho value for model {model}: {hp['rho']} "
+                f"(must be in [0, 1])")
 
     def _init_state(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
         state = self.state[p]

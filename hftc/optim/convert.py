@@ -116,7 +116,7 @@ def _fuse_mixed(fused: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
     flat = {i: [name for group in names[i] for name in group] for i in names}
     for i in range(1, n):
         if set(flat[i]) != set(flat[0]):
-            raise ValueError(
+            raise FusionArgumentError(
                 f"optimizers[0] ({type(optimizers[0]).__name__}) and optimizers[{i}] "
                 f"({type(optimizers[i]).__name__}) optimize different parameters (only in 0: "
                 f"{sorted(set(flat[0]) - set(flat[i]))}; only in {i}: "
@@ -146,7 +146,7 @@ def _fused_module(fused: torch.nn.Module) -> tuple[int, Sequence[dict[int, str]]
     n = getattr(fused, "num_models", None)
     sources = getattr(fused, "source_parameter_names", None)
     if n is None or sources is None:
-        raise TypeError(
+        raise FusionTypeError(
             f"fuse_optimizers needs a fused module (hftc.fuse(models)) with num_models "
             f"and source_parameter_names; got {type(fused).__name__}"
         )
@@ -157,14 +157,15 @@ def _fused_classes(optimizers: list[torch.optim.Optimizer],
                    n: int) -> list[type[FusedOptimizer]]:
     """Each model's fused class (``_FUSED_CLASS`` of its stock optimizer's exact class)."""
     if len(optimizers) != n:
-        raise ValueError(
+        raise FusionArgumentError(
             f"fuse_optimizers got {len(optimizers)} optimizers for {n} fused models; "
             f"give one per model, in the order the models were fused"
         )
     classes = []
     for i, opt in enumerate(optimizers):
         if not isinstance(opt, torch.optim.Optimizer):
-            raise TypeError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch optimizer")
+            raise FusionTypeError(
+                f"optimizers[{i}] is a {type(opt).__name__}, not a torch optimizer")
         cls = type(opt)
         if cls not in _FUSED_CLASS:
             supported = ", ".join(f"torch.optim.{c.__name__}" for c in _FUSED_CLASS)
@@ -189,12 +190,12 @@ def _check_groups(optimizers: list[torch.optim.Optimizer],
     for k, opt in enumerate(optimizers):
         i = labels[k]
         if len(opt.param_groups) != len(optimizers[0].param_groups):
-            raise ValueError(
+            raise FusionArgumentError(
                 f"optimizers[{labels[0]}] has {len(optimizers[0].param_groups)} param groups "
                 f"and optimizers[{i}] {len(opt.param_groups)}; every model's optimizer "
                 f"{scope}needs the same groups")
         if len({g["lr"] for g in opt.param_groups}) > 1:
-            raise ValueError(
+            raise FusionArgumentError(
                 f"optimizers[{i}]'s param groups have different learning rates "
                 f"({[g['lr'] for g in opt.param_groups]}); param_groups[i] of the fused "
                 f"optimizer is model i, whose lr holds for all its parameters: fuse such "
@@ -227,7 +228,7 @@ def _parameter_names(optimizers: list[torch.optim.Optimizer],
                 only_i = sorted(set(group_i) - set(group0))
                 where = f"param group {k} of " if len(names[0]) > 1 else ""
                 first, other = labels[0], labels[i]
-                raise ValueError(
+                raise FusionArgumentError(
                     f"{where}optimizers[{first}] and optimizers[{other}] optimize different "
                     f"parameters (only in {first}: {only_0}; only in {other}: {only_i}); every "
                     f"model's optimizer must cover the same parameters"
@@ -298,7 +299,7 @@ def _fused_names(model: int, group: dict[str, Any], source: dict[int, str]) -> l
     for k, p in enumerate(group["params"]):
         name = source.get(id(p))
         if name is None:
-            raise ValueError(
+            raise FusionArgumentError(
                 f"optimizers[{model}] holds a parameter (#{k}, shape {list(p.shape)}) that is "
                 f"not a parameter of model {model}; build optimizer i on the parameters of "
                 f"the module passed as models[i] to hftc.fuse"
@@ -330,13 +331,15 @@ def unfuse_optimizers(fused: torch.nn.Module, optimizer: FusedOptimizer,
 
     stock_of = {fused_cls: stock for stock, fused_cls in _FUSED_CLASS.items()}
     if type(optimizer) not in stock_of and not isinstance(optimizer, MixedOptimizer):
-        raise TypeError(f"unfuse_optimizers takes an hftc.optim optimizer "
-                        f"({', '.join(c.__name__ for c in _FUSED_CLASS.values())}, or the "
-                        f"MixedOptimizer of fuse_optimizers), got {type(optimizer).__name__}")
+        raise FusionTypeError(
+            f"unfuse_optimizers takes an hftc.optim optimizer "
+            f"({', '.join(c.__name__ for c in _FUSED_CLASS.values())}, or the "
+            f"MixedOptimizer of fuse_optimizers), got {type(optimizer).__name__}")
     models = list(fused.unfuse() if models is None else models)
     if len(models) != optimizer.num_models:
-        raise ValueError(f"unfuse_optimizers: {len(models)} models for a fused optimizer "
-                         f"of {optimizer.num_models}")
+        raise FusionArgumentError(
+            f"unfuse_optimizers: {len(models)} models for a fused optimizer "
+            f"of {optimizer.num_models}")
     state, names = optimizer.state_dict(), fused_param_names(fused, optimizer)
 
     def stock_optimizer(model: torch.nn.Module, index: int) -> torch.optim.Optimizer:

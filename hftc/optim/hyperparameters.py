@@ -11,6 +11,7 @@ The mixin :class:`HyperParameterGroups` of :class:`~hftc.optim.optimizer.FusedOp
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -18,9 +19,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
-from ..errors import FusionArgumentError
+from ..errors import FusionArgumentError, FusionTypeError, UsageWarning, user_stacklevel
 
-__all__ = ["HyperParameterGroups"]
+__all__ = ["HyperParameterGroups", "warn_of_grouping_by_stacked_dims"]
 
 
 def _is_number(x: Any) -> bool:
@@ -41,10 +42,11 @@ def _as_float(name: str, value: Any, model: int | None = None) -> float:
     where = f"{name}[{model}]" if model is not None else name
     if isinstance(value, Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{where} must be a number, got a tensor of shape {list(value.shape)}")
+            raise FusionArgumentError(
+                f"{where} must be a number, got a tensor of shape {list(value.shape)}")
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where} must be a number, got {type(value).__name__}: {value!r}")
+        raise FusionTypeError(f"{where} must be a number, got {type(value).__name__}: {value!r}")
     return float(value)
 
 
@@ -53,15 +55,58 @@ def _as_flag(name: str, value: Any, model: int | None = None) -> bool:
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
     if not isinstance(value, (bool, numbers.Integral)):
-        raise TypeError(f"{where} must be a bool, got {type(value).__name__}: {value!r}")
+        raise FusionTypeError(f"{where} must be a bool, got {type(value).__name__}: {value!r}")
     return bool(value)
 
 
 def _as_pair(name: str, value: Any, model: int | None = None) -> tuple[float, float]:
     where = f"{name}[{model}]" if model is not None else name
     if not _is_sequence(value) or len(value) != 2 or not all(_is_number(v) for v in value):
-        raise TypeError(f"{where} must be a pair of numbers, got {value!r}")
+        raise FusionTypeError(f"{where} must be a pair of numbers, got {value!r}")
     return (_as_float(name, value[0], model), _as_float(name, value[1], model))
+
+
+def _warn_of_grouping_by_stacked_dims(cls: str, groups: list[dict],
+                                      overrides: list[dict]) -> None:
+    """(the check below on a fused optimizer's param-group dicts)"""
+    params = [[p for p in ([g["params"]] if isinstance(g["params"], Tensor)
+                           else list(g["params"])) if isinstance(p, Tensor)] for g in groups]
+    warn_of_grouping_by_stacked_dims(cls, params, overrides)
+
+
+def warn_of_grouping_by_stacked_dims(cls: str, params: list[list[Tensor]],
+                                     overrides: list[dict]) -> None:
+    """nanoGPT's ``configure_optimizers`` verbatim on a fused module (``p.dim() >= 2``
+    decays, the rest not) puts every parameter in the decay group: a stacked parameter's
+    ``dim()`` counts the model dim, so each model's biases and norms (1-d in the model)
+    are 2-d there, and the no-decay group is empty.  It trains as written, each model's
+    biases decayed unlike its own run: a :class:`UsageWarning` at the user's line, where
+    a group is empty, another holds each model's 1-d parameters with its matrices, and
+    the groups' values differ."""
+    empty = [k for k, ps in enumerate(params) if not ps]
+    mixed = [k for k, ps in enumerate(params)
+             if any(p.dim() - 1 < 2 for p in ps) and any(p.dim() - 1 >= 2 for p in ps)]
+    differ = [(e, m) for e in empty for m in mixed if overrides[e] != overrides[m]]
+    if not differ:
+        return
+    e, m = differ[0]
+    keys = [key for key in {**overrides[e], **overrides[m]}
+            if overrides[e].get(key) != overrides[m].get(key)]
+
+    def spelled(k: int) -> str:
+        return ", ".join(f"{key}={overrides[k][key]!r}" if key in overrides[k] else
+                         f"{key}: the constructor's" for key in keys)
+
+    warnings.warn(
+        f"{cls}: param group {e} ({spelled(e)}) is empty and param group {m} "
+        f"({spelled(m)}) holds each model's 1-d parameters (biases, norms) with its "
+        f"matrices: they get group {m}'s values. If the groups were made by p.dim() "
+        f"(nanoGPT's p.dim() >= 2 for weight decay) on the fused module's parameters: a "
+        f"stacked parameter's dim() counts the model dim ([N, *shape]), so every bias is "
+        f"2-d there. Group by each model's dims, p.dim() - 1 >= 2 on fused.parameters(), "
+        f"or by the names of a plain model's parameters ({{n for n, p in "
+        f"models[0].named_parameters() if p.dim() >= 2}})",
+        UsageWarning, stacklevel=user_stacklevel())
 
 
 class HyperParameterGroups(Optimizer):
@@ -88,11 +133,11 @@ class HyperParameterGroups(Optimizer):
             return items, [0] * len(items), [{}]
         cls = type(self).__name__
         if not all(isinstance(x, dict) for x in items):
-            raise TypeError(f"{cls} takes stacked parameters or param-group dicts, not both")
+            raise FusionTypeError(f"{cls} takes stacked parameters or param-group dicts, not both")
         flat, group_of, overrides = [], [], []
         for k, group in enumerate(items):
             if "params" not in group:
-                raise TypeError(f"{cls}: param group {k} has no 'params'")
+                raise FusionTypeError(f"{cls}: param group {k} has no 'params'")
             params = group["params"]
             params = [params] if isinstance(params, Tensor) else list(params)
             extra = {key: value for key, value in group.items() if key != "params"}
@@ -107,46 +152,51 @@ class HyperParameterGroups(Optimizer):
                         f"which picks how the update runs for all parameters and models at "
                         f"once; give it to the constructor instead")
             if "lr" in extra:
-                raise TypeError(
+                raise FusionTypeError(
                     f"{cls}: param group {k} sets lr; param_groups[i] of a fused optimizer "
                     f"is model i, whose learning rate (and its scheduler) holds for all its "
                     f"parameters. Give those parameters a second fused optimizer instead")
             unknown = sorted(set(extra) - set(self._hyperparameters))
             if unknown:
-                raise TypeError(f"{cls}: param group {k} has unknown hyper-parameter(s) "
-                                f"{unknown}; {cls} takes {sorted(self._hyperparameters)}")
+                raise FusionTypeError(
+                    f"{cls}: param group {k} has unknown hyper-parameter(s) "
+                    f"{unknown}; {cls} takes {sorted(self._hyperparameters)}")
             flat += params
             group_of += [k] * len(params)
             overrides.append(extra)
+        _warn_of_grouping_by_stacked_dims(cls, items, overrides)
         return flat, group_of, overrides
 
     def _infer_num_models(self, names, tensors, num_models, hyperparameters) -> int:
         cls = type(self).__name__
         for name, t in zip(names, tensors):
             if t.dim() == 0:
-                raise ValueError(
+                raise FusionArgumentError(
                     f"{cls}: parameter {name} is a 0-dim tensor; fused parameters are "
-                    f"stacked [N, *shape] (N = number of models)"
+                    f"stacked [N, *shape] (N = number of models): build the optimizer on "
+                    f"the fused module's parameters, {cls}(fused.parameters(), ...)"
                 )
         leading = {t.shape[0] for t in tensors}
         if len(leading) > 1:
             shapes = ", ".join(f"{n}: {list(t.shape)}" for n, t in zip(names, tensors))
-            raise ValueError(
+            raise FusionArgumentError(
                 f"{cls}: fused parameters must all be stacked [N, *shape] with one N, "
-                f"but their leading dims differ ({shapes})"
+                f"but their leading dims differ ({shapes}); these look like one model's "
+                f"parameters: build the optimizer on the fused module's, "
+                f"{cls}(fused.parameters(), ...)"
             )
         n = leading.pop()
         if num_models is not None and num_models != n:
             bad = next(name for name, t in zip(names, tensors) if t.shape[0] != num_models)
             shape = list(tensors[names.index(bad)].shape)
-            raise ValueError(
+            raise FusionArgumentError(
                 f"{cls}: num_models={num_models}, but parameter {bad} has shape {shape}: "
                 f"each fused parameter must be [N, *shape] with N = {num_models}"
             )
         for key, kind in self._hyperparameters.items():
             value = hyperparameters[key]
             if self._is_per_model(kind, value) and len(value) != n:
-                raise ValueError(
+                raise FusionArgumentError(
                     f"{cls}: {key} has {len(value)} values but there are {n} models "
                     f"(the parameters' leading dim); give one value per model or one shared value"
                 )
@@ -175,11 +225,12 @@ class HyperParameterGroups(Optimizer):
         for key in ("lr", "eps", "weight_decay", "momentum", "lr_decay",
                     "initial_accumulator_value", "alpha"):
             if key in hp and not hp[key] >= 0.0:
-                raise ValueError(f"Invalid {key} for model {model}: {hp[key]} (must be >= 0)")
+                raise FusionArgumentError(
+                    f"Invalid {key} for model {model}: {hp[key]} (must be >= 0)")
         if "betas" in hp:
             for k, b in enumerate(hp["betas"]):
                 if not 0.0 <= b < 1.0:
-                    raise ValueError(
+                    raise FusionArgumentError(
                         f"Invalid beta parameter at index {k} for model {model}: {b} "
                         f"(must be in [0, 1))"
                     )

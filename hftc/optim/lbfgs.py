@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..errors import FusionArgumentError
+from ..errors import FusionArgumentError, FusionTypeError
 from ..lowering.runtime.modules import FUSED_MODULES
 
 __all__ = ["LBFGS"]
@@ -74,8 +74,9 @@ class LBFGS(Optimizer):
                 params, "num_models", None)
             params = params.parameters()
         if isinstance(params, Tensor):
-            raise TypeError("LBFGS takes an iterable of stacked parameters "
-                            "(fused.parameters()), got a single Tensor")
+            raise FusionTypeError(
+                "LBFGS takes an iterable of stacked parameters "
+                "(fused.parameters()), got a single Tensor")
         tensors = list(params)
         if not tensors or not all(isinstance(p, Tensor) for p in tensors):
             raise FusionArgumentError(
@@ -167,8 +168,9 @@ class LBFGS(Optimizer):
     def step(self, closure: Callable[[], Tensor]) -> Tensor:  # type: ignore[override]
         """One stock L-BFGS step per model; returns the N losses of the closure's first call."""
         if closure is None:
-            raise FusionArgumentError("hftc.optim.LBFGS.step needs a closure that returns "
-                                      "the N per-model losses, as torch.optim.LBFGS needs one")
+            raise FusionArgumentError(
+                "hftc.optim.LBFGS.step needs a closure that returns "
+                "the N per-model losses, as torch.optim.LBFGS needs one")
         n = self.num_models
         models = self._model_optimizers()
         params = self.param_groups[0]["params"]

@@ -18,7 +18,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim import lr_scheduler as _torch_sched
 
-from ..errors import FusionArgumentError
+from ..errors import FusionArgumentError, FusionError, FusionTypeError
 
 __all__ = ["ReduceLROnPlateau"]
 
@@ -48,7 +48,7 @@ def _per_model(name: str, value: Any, n: int) -> list[Any]:
         return [value.item()] * n
     values = list(value)
     if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} values but there are {n} models")
+        raise FusionArgumentError(f"{name} has {len(values)} values but there are {n} models")
     return values
 
 
@@ -70,7 +70,7 @@ class ReduceLROnPlateau:
     def __init__(self, optimizer: Optimizer, mode="min", factor=0.1, patience=10,
                  threshold=1e-4, threshold_mode="rel", cooldown=0, min_lr=0.0, eps=1e-8):
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+            raise FusionTypeError(f"{type(optimizer).__name__} is not an Optimizer")
         n = len(optimizer.param_groups)
         self.optimizer = optimizer
         args = {
@@ -97,7 +97,7 @@ class ReduceLROnPlateau:
         else:
             values = [float(m) for m in metrics]
         if len(values) != self.num_models:
-            raise ValueError(
+            raise FusionArgumentError(
                 f"ReduceLROnPlateau.step got {len(values)} metrics but there are "
                 f"{self.num_models} models (one metric per model)"
             )
@@ -115,7 +115,7 @@ class ReduceLROnPlateau:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         states = state_dict["schedulers"]
         if len(states) != self.num_models:
-            raise ValueError(
+            raise FusionArgumentError(
                 f"state dict has {len(states)} models' schedules, this one {self.num_models}"
             )
         for sched, state in zip(self.schedulers, states):
@@ -140,7 +140,21 @@ def registering_init(init: Any) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         from .optimizer import FusedOptimizer  # (the optimizers import this package)
 
-        init(self, *args, **kwargs)
+        try:
+            init(self, *args, **kwargs)
+        except ValueError as exc:
+            optimizer = kwargs.get("optimizer", args[0] if args else None)
+            if not isinstance(optimizer, FusedOptimizer) or isinstance(exc, FusionError) \
+                    or not ("param_groups" in str(exc) or "lr_lambdas" in str(exc)):
+                raise
+            # torch's "max_lr has 2 values, param_groups has 3": a fused optimizer's
+            # param_groups[i] is model i, which its message does not say.
+            n = len(optimizer.param_groups)
+            raise FusionArgumentError(
+                f"{type(self).__name__} on a fused optimizer of {n} models: "
+                f"{str(exc).rstrip('.')}. "
+                f"param_groups[i] of a fused optimizer is model i: give one value per "
+                f"model ({n} values, in the models' order) or one value for all") from exc
         if isinstance(getattr(self, "optimizer", None), FusedOptimizer):
             SCHEDULERS_ON_FUSED.add(self)
 

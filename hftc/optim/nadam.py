@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import FusionArgumentError
 from .coefficients import Coefficients, addcdiv_, scalar_dtype
 from .moments import AdamMoments
 from .optimizer import FusedOptimizer
@@ -60,8 +61,9 @@ class NAdam(FusedOptimizer):
     def _check_hyperparameters(self, hp: dict[str, Any], model: int) -> None:
         super()._check_hyperparameters(hp, model)
         if not hp["momentum_decay"] >= 0.0:
-            raise ValueError(f"Invalid momentum_decay for model {model}: "
-                             f"{hp['momentum_decay']} (must be >= 0)")
+            raise FusionArgumentError(
+                f"Invalid momentum_decay for model {model}: "
+                f"{hp['momentum_decay']} (must be >= 0)")
 
     def _init_state(self, p: Tensor, hp: dict[str, list[Any]]) -> None:
         state = self.state[p]

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..errors import FusionArgumentError
+from ..errors import FusionArgumentError, FusionTypeError
 from ..lowering.compile_guard import run_eagerly
 from ..training import mistakes
 from .capture import CapturableStep
@@ -154,13 +154,13 @@ class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, Captura
                 num_models = getattr(params, "num_models", None)
             params = params.named_parameters()
         if isinstance(params, Tensor):
-            raise TypeError(
+            raise FusionTypeError(
                 f"{type(self).__name__} takes an iterable of stacked parameters "
                 f"(fused.parameters()), got a single Tensor"
             )
         items = list(params)
         if not items:
-            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+            raise FusionArgumentError(f"{type(self).__name__} got an empty parameter list")
         items, group_of, overrides = self._split_groups(items, flags)
         named = all(isinstance(x, tuple) and len(x) == 2 for x in items)
         if named:
@@ -171,7 +171,7 @@ class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, Captura
             tensors = items
         for name, t in zip(names, tensors):
             if not isinstance(t, Tensor):
-                raise TypeError(
+                raise FusionTypeError(
                     f"{type(self).__name__} can only optimize Tensors, but parameter "
                     f"{name} is a {type(t).__name__}"
                 )
@@ -459,7 +459,7 @@ class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, Captura
     def _skip_flags(self, skip_models: Tensor) -> Tensor:
         """``skip_models`` as a ``[N]`` bool tensor where it is, checked by shape only."""
         if skip_models.shape != (self.num_models,):
-            raise ValueError(
+            raise FusionArgumentError(
                 f"skip_models has shape {list(skip_models.shape)} but there are "
                 f"{self.num_models} models: give one flag per model, shape [{self.num_models}]")
         return skip_models.detach().to(torch.bool)
@@ -469,7 +469,7 @@ class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, Captura
             return []
         flags = torch.as_tensor(skip_models).detach().to("cpu", torch.bool).reshape(-1)
         if flags.numel() != self.num_models:
-            raise ValueError(
+            raise FusionArgumentError(
                 f"skip_models has {flags.numel()} entries but there are {self.num_models} models"
             )
         return flags.nonzero().flatten().tolist()

@@ -139,7 +139,7 @@ class OptimizerState(Optimizer):
             if value is None:
                 continue
             if key not in state:
-                raise ValueError(
+                raise FusionArgumentError(
                     f"{type(self).__name__}: the stock optimizer of model {model} has state "
                     f"{key!r}, which {type(self).__name__} does not keep"
                 )

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import FusionArgumentError
 from .coefficients import Coefficients, copy_model_state
 from .optimizer import FusedOptimizer
 
@@ -135,7 +136,7 @@ class SGD(FusedOptimizer):
     def _check_hyperparameters(self, hp: dict[str, Any], model: int) -> None:
         super()._check_hyperparameters(hp, model)
         if hp["nesterov"] and (hp["momentum"] <= 0 or hp["dampening"] != 0):
-            raise ValueError(
+            raise FusionArgumentError(
                 f"Nesterov momentum requires a momentum and zero dampening (model {model}: "
                 f"momentum={hp['momentum']}, dampening={hp['dampening']})"
             )
@@ -151,7 +152,7 @@ class SGD(FusedOptimizer):
         buf = stock_state.get("momentum_buffer")
         if buf is not None:
             if "momentum_buffer" not in self.state[p]:
-                raise ValueError(
+                raise FusionArgumentError(
                     f"SGD: the stock optimizer of model {model} has a momentum buffer, but "
                     f"no model has a momentum"
                 )

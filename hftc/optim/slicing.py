@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import FusionArgumentError
+
 __all__ = ["fused_param_names", "load_model_slice"]
 
 
@@ -33,8 +35,9 @@ def fused_param_names(fused: nn.Module, optimizer: torch.optim.Optimizer) -> lis
     try:
         return [names[id(p)] for p in optimizer.param_groups[0]["params"]]
     except KeyError as exc:
-        raise ValueError("the fused optimizer holds a parameter that is not one of the fused "
-                         "module's; build it on fused.parameters()") from exc
+        raise FusionArgumentError(
+            "the fused optimizer holds a parameter that is not one of the fused "
+            "module's; build it on fused.parameters()") from exc
 
 
 def stock_keeps(key: str, state: dict[str, Any], index: int, group: dict[str, Any]) -> bool:
@@ -90,9 +93,10 @@ def load_model_slice(
     # ``index``'s values, then fused group k's own overrides (its ``weight_decay`` ...).
     overrides = (fused_state.get("hftc") or {}).get("group_overrides") or [{}]
     if len(optimizer.param_groups) not in (1, len(overrides)):
-        raise ValueError(f"the stock optimizer has {len(optimizer.param_groups)} param groups "
-                         f"and the fused one {len(overrides)}; give it one group per param "
-                         f"group of the fused optimizer, in its order")
+        raise FusionArgumentError(
+            f"the stock optimizer has {len(optimizer.param_groups)} param groups "
+            f"and the fused one {len(overrides)}; give it one group per param "
+            f"group of the fused optimizer, in its order")
     group = groups[index]
     for k, stock_group in enumerate(optimizer.param_groups):
         for key in stock_group:
@@ -107,14 +111,16 @@ def load_model_slice(
     by_name = dict(model.named_parameters())
     order = groups[0]["params"]
     if len(order) != len(param_names):
-        raise ValueError(f"param_names has {len(param_names)} names for {len(order)} fused "
-                         f"parameters")
+        raise FusionArgumentError(
+            f"param_names has {len(param_names)} names for {len(order)} fused "
+            f"parameters")
     stock_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     for pid, name in zip(order, param_names):
         p = by_name.get(name)
         if p is None or id(p) not in stock_params:
-            raise ValueError(f"parameter {name!r} of the fused optimizer is not among the stock "
-                             f"optimizer's parameters of the model")
+            raise FusionArgumentError(
+                f"parameter {name!r} of the fused optimizer is not among the stock "
+                f"optimizer's parameters of the model")
         state = fused_state["state"].get(pid)
         if not state:
             optimizer.state.pop(p, None)  # not stepped yet, as stock would be

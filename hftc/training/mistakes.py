@@ -72,9 +72,26 @@ def refusing_per_model_values(init: Callable[..., None]) -> Callable[..., None]:
                 f"{dict(given)[lists[0]]!r}; for one value per model of a fused module, "
                 f"use hftc.optim.{cls}(fused.parameters(), {lists[0]}=[...]) (the same "
                 f"arguments, each hyper-parameter a value or a list of N)") from exc
+        if type(self).__init__ is checked and len(self.param_groups) > 1:
+            _check_grouping(self)
 
     checked.__hftc_original__ = init
     return checked
+
+
+def _check_grouping(optimizer: torch.optim.Optimizer) -> None:
+    """nanoGPT's ``configure_optimizers`` grouping by ``p.dim()`` on a fused module's
+    stacked parameters, given to a stock optimizer: the warning hftc.optim's give."""
+    from ..lowering.runtime.modules import stacked_counts
+    from ..optim.hyperparameters import warn_of_grouping_by_stacked_dims
+
+    params = [list(g["params"]) for g in optimizer.param_groups]
+    flat = [p for ps in params for p in ps]
+    if not flat or any(n is None for n in stacked_counts(flat)):
+        return
+    values = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    warn_of_grouping_by_stacked_dims(f"torch.optim.{type(optimizer).__name__}", params,
+                                     values)
 
 
 def stock_optimizer_classes() -> list[type]:

@@ -212,7 +212,8 @@ def per_model(loss_fn: Callable[..., Tensor], *,
     """
     for d in in_dims if isinstance(in_dims, tuple) else (in_dims,):
         if d not in (0, None):
-            raise ValueError(f"per_model: in_dims entries must be 0 or None, got {in_dims}")
+            raise FusionArgumentError(
+                f"per_model: in_dims entries must be 0 or None, got {in_dims}")
     signature = _loss_signature(loss_fn)
     if signature is not None and loss_kwargs:
         try:
@@ -232,7 +233,9 @@ def per_model(loss_fn: Callable[..., Tensor], *,
             loss_fn, signature, in_dims, args, {**loss_kwargs, **kwargs})
         stacked = [a for a, d in zip(args, dims) if d == 0]
         if not stacked:
-            raise ValueError("per_model: in_dims marks no argument as stacked (0)")
+            raise FusionArgumentError(
+                "per_model: in_dims marks no argument as stacked (0): mark the fused "
+                "output 0, as in_dims=(0, None) (the default) does")
         # A fused module's output with several fields (a tuple, a dict, a ModelOutput) is
         # stacked field by field: each field is model i's at [i], as under vmap.
         leaves = [t for a in stacked for t in pytree.tree_leaves(a)]
@@ -241,7 +244,7 @@ def per_model(loss_fn: Callable[..., Tensor], *,
                 continue
             fields = pytree.tree_leaves(a)
             if not fields or not all(isinstance(t, Tensor) for t in fields):
-                raise ValueError(
+                raise FusionArgumentError(
                     f"per_model: an argument marked 0 in in_dims is a {type(a).__name__} "
                     f"of {', '.join(sorted({type(t).__name__ for t in fields})) or 'nothing'}"
                     f", not of tensors stacked per model; pass the field the loss takes "
@@ -249,10 +252,19 @@ def per_model(loss_fn: Callable[..., Tensor], *,
         n = leaves[0].shape[0] if leaves[0].dim() else None
         for t in leaves:
             if t.dim() == 0 or t.shape[0] != n:
-                raise ValueError(
-                    f"per_model: every argument marked 0 in in_dims must be a tensor (or a "
-                    f"tuple, list or dict of tensors) with leading dim N = {n}; got shape "
-                    f"{list(t.shape)}")
+                where = next((k for k, (a, d) in enumerate(zip(args, dims)) if d == 0 and any(
+                    t is leaf for leaf in pytree.tree_leaves(a))), None)
+                hint = ""
+                if where is not None and where > 0:
+                    marks = tuple(None if k == where else d for k, d in enumerate(dims))
+                    hint = (f"; a target all models share (one model's, as its own run "
+                            f"takes it) is marked None: hftc.per_model({_loss_name(loss_fn)}, "
+                            f"in_dims={marks})")
+                raise FusionArgumentError(
+                    f"per_model({_loss_name(loss_fn)}): every argument marked 0 in in_dims "
+                    f"must be a tensor (or a tuple, list or dict of tensors) stacked per "
+                    f"model, with leading dim N = {n} (argument 0's); argument "
+                    f"{where if where is not None else '?'} has shape {list(t.shape)}{hint}")
         _check_target_not_stacked(loss_fn, args, dims, n)
         result = _per_model_losses(loss_fn, args, dims, kwargs, n, stacked)
         for check in RESULT_CHECKS:  # (hftc.training.mistakes: a .mean() of the N losses)
@@ -320,7 +332,7 @@ def _vmapped_or_looped(loss_fn: Callable[..., Tensor], args: Sequence[Any],
         fields = next((a for a in stacked if not isinstance(a, Tensor)), None)
         if fields is None:
             raise
-        raise ValueError(
+        raise FusionArgumentError(
             f"per_model({_loss_name(loss_fn)}): an argument marked 0 in in_dims is a "
             f"{type(fields).__name__} of stacked tensors, and the loss failed on model "
             f"0's {type(fields).__name__} ({type(exc).__name__}: {exc}); pass the field "
