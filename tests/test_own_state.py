@@ -494,3 +494,46 @@ def test_fusing_leaves_no_traced_value_in_a_models_list_or_copy():
         torch.testing.assert_close(own(torch.ones(1, 4)), models[i](torch.ones(1, 4)))
     assert out.shape == (3, 2, 4)
 
+
+def test_model_state_dict_is_each_models_own_keys_and_extra_state():
+    """fused.model_state_dict(i) gave model 0's keys for a model of another class (which
+    its own class then refused to load) and dropped each model's get_extra_state."""
+
+    class A(nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.scale = s
+
+        def forward(self, x):
+            return self.fc(x).relu() * self.scale
+
+        def get_extra_state(self):
+            return {"scale": self.scale}
+
+        def set_extra_state(self, state):
+            self.scale = state["scale"]
+
+    class B(A):
+        def __init__(self, s):
+            nn.Module.__init__(self)
+            self.lin = nn.Linear(4, 4)
+            self.scale = s
+
+        def forward(self, x):
+            return self.lin(x).relu() * self.scale
+
+    torch.manual_seed(0)
+    models = [A(1.0), B(2.0), A(3.0)]
+    x = torch.randn(2, 4)
+    for strategy in ("fused", "model_loop"):
+        fused = _fused(models, strategy)
+        fused(x).sum().backward()
+        for i, m in enumerate(models):
+            own = fused.model_state_dict(i)
+            assert list(own) == list(m.state_dict()), i
+            assert own["_extra_state"] == {"scale": m.scale}
+            fresh = type(m)(0.0)
+            fresh.load_state_dict(own)  # strict: every key its own
+            assert fresh.scale == m.scale
+            torch.testing.assert_close(fresh(x), m(x))
