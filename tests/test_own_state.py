@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import io
 import types
+import typing
 import warnings
 
 import pytest
@@ -117,8 +118,77 @@ class BranchOnConfig(nn.Module):  # the config picks the code path (tanh or relu
         return torch.tanh(y) if self.config.act == "tanh" else F.relu(y)
 
 
+@dataclasses.dataclass(frozen=True)
+class FrozenConfig:
+    scale: float
+    shift: float = 0.5
+
+
+class Frozen(nn.Module):  # a frozen dataclass config (timm's / HF's style)
+    def __init__(self, s):
+        super().__init__()
+        self.cfg = FrozenConfig(s, shift=s / 4)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.cfg.scale - self.cfg.shift
+
+
+class Hyper(typing.NamedTuple):
+    scale: float
+    layers: tuple
+
+
+class NamedTupleConfig(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.hp = Hyper(s, ({"gain": s}, {"gain": 1.0}))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.hp.scale) * self.hp.layers[0]["gain"]
+
+
+class Head(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, x):
+        return x * self.cfg.scale
+
+
+class SharedConfig(nn.Module):  # one config object held by the model and a submodule
+    def __init__(self, s):
+        super().__init__()
+        self.config = Config(s)
+        self.lin = nn.Linear(4, 4)
+        self.head = Head(self.config)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(x))) + self.config.scale
+
+
+class LeakyAct:  # a callable options object, not a module
+    def __init__(self, slope):
+        self.slope = slope
+
+    def __call__(self, x):
+        return F.leaky_relu(x, self.slope)
+
+
+class CallableConfig(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = LeakyAct(s / 10)
+
+    def forward(self, x):
+        return self.act(self.lin(x) - 0.5)
+
+
 PATTERNS = [DictConfig, DataclassConfig, Namespace, OptionsObject, NestedDict, Closure,
-            BranchOnConfig]
+            BranchOnConfig, Frozen, NamedTupleConfig, SharedConfig, CallableConfig]
 CASES = [(n, pos) for n in (3, 5, 8) for pos in range(n)]
 
 
@@ -337,3 +407,133 @@ def test_a_copy_shares_no_hook_or_ordered_dict_with_its_model():
     assert not model[0]._forward_hooks
     copied(torch.randn(2, 3))
     assert calls == ["model's", "copy's", "model's"]
+
+
+class _Warmup(nn.Module):
+    """A warm-up schedule kept in a config dict and advanced by forward."""
+
+    def __init__(self, warmup):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.sched = {"step": 0, "warmup": warmup}
+
+    def forward(self, x):
+        self.sched["step"] += 1
+        return self.lin(x) * min(1.0, self.sched["step"] / self.sched["warmup"])
+
+
+class _Counted(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+        self.scale = s
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * self.scale + self.calls
+
+
+def _state(model):
+    return model.sched if isinstance(model, _Warmup) else model.calls
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+@pytest.mark.parametrize("strategy", ["auto", "fused", "model_loop"])
+def test_state_forward_changes_in_place_is_each_models_own(strategy, frontend):
+    """Tracing ran forward on the user's models: a dict it changed in place stayed
+    changed (models 0 and 2 began at step 2), unseen, so their copies ran other warm-up
+    factors than the models alone; under torch.export a plain counter went unseen and
+    the fused program kept the value of its trace (right at the first call only)."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for cls, values in ((_Warmup, (4.0, 4.0, 8.0)), (_Counted, (1.0, 1.0, 3.0))):
+        torch.manual_seed(0)
+        models = [cls(v).double() for v in values]
+        torch.manual_seed(0)
+        alone = [cls(v).double() for v in values]
+        options = {} if frontend == "symbolic" else {"example_inputs": (x,)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", hftc.FusionWarning)
+            fused = hftc.fuse(models, strategy=strategy, frontend=frontend, **options)
+        assert [_state(m) for m in models] == [_state(m) for m in alone]  # as they were
+        for call in range(3):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", hftc.FusionWarning)
+                out = fused(x)
+            for i, m in enumerate(alone):
+                torch.testing.assert_close(out[i], m(x), msg=f"{cls.__name__} call {call} "
+                                                             f"model {i}")
+        assert [_state(own) for own in fused.unfuse()] == [_state(m) for m in alone]
+        assert _state(alone[0]) in (3, {"step": 3, "warmup": 4.0})
+
+
+def test_fusing_leaves_no_traced_value_in_a_models_list_or_copy():
+    """A forward that keeps its activations for inspection (``self.maps.append(h)``):
+    tracing appended fx Proxies to model 0's own list, which unfuse() gave back."""
+
+    class Recording(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.maps = []
+            self.seen = types.SimpleNamespace(first=True)
+
+        def forward(self, x):
+            h = self.lin(x).softmax(-1)
+            self.maps.append(h.detach())
+            return h
+
+    models = [Recording() for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = hftc.fuse(models)
+        out = fused(torch.randn(2, 4))
+    assert [m.maps for m in models] == [[], [], []]
+    for i, own in enumerate(fused.unfuse()):
+        assert not any(isinstance(v, torch.fx.Proxy) for v in own.maps), i
+        torch.testing.assert_close(own(torch.ones(1, 4)), models[i](torch.ones(1, 4)))
+    assert out.shape == (3, 2, 4)
+
+
+def test_model_state_dict_is_each_models_own_keys_and_extra_state():
+    """fused.model_state_dict(i) gave model 0's keys for a model of another class (which
+    its own class then refused to load) and dropped each model's get_extra_state."""
+
+    class A(nn.Module):
+        def __init__(self, s):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.scale = s
+
+        def forward(self, x):
+            return self.fc(x).relu() * self.scale
+
+        def get_extra_state(self):
+            return {"scale": self.scale}
+
+        def set_extra_state(self, state):
+            self.scale = state["scale"]
+
+    class B(A):
+        def __init__(self, s):
+            nn.Module.__init__(self)
+            self.lin = nn.Linear(4, 4)
+            self.scale = s
+
+        def forward(self, x):
+            return self.lin(x).relu() * self.scale
+
+    torch.manual_seed(0)
+    models = [A(1.0), B(2.0), A(3.0)]
+    x = torch.randn(2, 4)
+    for strategy in ("fused", "model_loop"):
+        fused = _fused(models, strategy)
+        fused(x).sum().backward()
+        for i, m in enumerate(models):
+            own = fused.model_state_dict(i)
+            assert list(own) == list(m.state_dict()), i
+            assert own["_extra_state"] == {"scale": m.scale}
+            fresh = type(m)(0.0)
+            fresh.load_state_dict(own)  # strict: every key its own
+            assert fresh.scale == m.scale
+            torch.testing.assert_close(fresh(x), m(x))

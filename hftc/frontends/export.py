@@ -77,10 +77,17 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import TraceError, plain_message
-from ..ir import EXPORTED_SHAPES, bind_arguments, call_signature
+from ..ir import EXPORTED_SHAPES, PYTHON_STATE, bind_arguments, call_signature
 from ..lowering.runtime.guards import check_input_shape, check_input_structure, check_input_value
 from .same_program import alike_models, reads_tensor_values
-from .symbolic import OutputSpec, source_line, trace_hint, traceable_forward, uniform_mode
+from .symbolic import (
+    OutputSpec,
+    python_state_watched,
+    source_line,
+    trace_hint,
+    traceable_forward,
+    uniform_mode,
+)
 
 aten = torch.ops.aten
 
@@ -283,14 +290,19 @@ def export_models(
                 graphs[mode].append(normalize_exported(reused[0], model, i, args, kwargs,
                                                        aten_spellings, shapes=reused[1],
                                                        exported=models[alike[i]]))
+                # (the attributes its forward changes: the alike model's, by name)
+                graphs[mode][-1].meta[PYTHON_STATE] = list(
+                    graphs[mode][alike[i]].meta[PYTHON_STATE])
                 continue
+            changes: list[str] = []
             program, shapes = _export_program(model, i, training=mode, args=args,
-                                              kwargs=kwargs, start=shapes)
+                                              kwargs=kwargs, start=shapes, changes=changes)
             used.add(shapes.dims)
             if alike[i] == i and not reads_tensor_values(program):
                 programs[i] = program, shapes
             graphs[mode].append(normalize_exported(program, model, i, args, kwargs,
                                                    aten_spellings, shapes=shapes))
+            graphs[mode][-1].meta[PYTHON_STATE] = changes
     if len(used) > 1:
         return export_models(models, inputs, modes=modes, aten_spellings=aten_spellings,
                              keyword_names=keyword_names, start=shapes)
@@ -316,24 +328,29 @@ def export_model(
 
 def _export_program(
     model: nn.Module, index: int, *, training: bool, args: tuple, kwargs: dict,
-    start: ExportedShapes = ExportedShapes(),
+    start: ExportedShapes = ExportedShapes(), changes: list[str] | None = None,
 ) -> tuple[torch.export.ExportedProgram, ExportedShapes]:
     """``torch.export`` of ``model`` in one mode, and how its inputs' sizes were exported:
     the tries of :data:`SHAPE_TRIES` from ``start.dims`` on, until one exports.  A failure
     no fixed size mends (Python on tensor values, ours) is raised at once; the last one as
-    a :class:`TraceError` naming the model."""
+    a :class:`TraceError` naming the model.  ``changes`` gets the plain attributes the
+    exported forward changed (:func:`~.symbolic.python_state_watched`)."""
     why = start.why
     for dims in SHAPE_TRIES[SHAPE_TRIES.index(start.dims):]:
         # (a failed export leaves its symbolic sizes cached on the inputs it was given)
         args, kwargs = _fresh_copies(args, kwargs)
+        found: list[str] = []
         try:
             with uniform_mode(model, training), _quiet(), \
-                    _inference_mode_refused(index, model), _traceable_forwards(model):
+                    _inference_mode_refused(index, model), _traceable_forwards(model), \
+                    python_state_watched(model, found):
                 program = torch.export.export(
                     model, tuple(args), kwargs,
                     dynamic_shapes=_dynamic_shapes(tuple(args), kwargs, model, dims),
                     strict=False,
                 )
+            if changes is not None:
+                changes.extend(found)
             return program, ExportedShapes(dims, why)
         except TraceError:  # ours, already naming the model and the fix
             raise

@@ -624,8 +624,177 @@ _MODULE_INTERNALS = frozenset(vars(nn.Module()))
 def _unchanged(new: Any, old: Any) -> bool:
     if new is old:
         return True
+    if type(new) is not type(old):
+        return False
+    if isinstance(new, tuple):  # (an equal tuple made anew: torch.export's normalized_shape)
+        return len(new) == len(old) and all(map(_unchanged, new, old))
     plain = (bool, int, float, complex, str, bytes, type(None))
-    return type(new) is type(old) and isinstance(new, plain) and new == old
+    return isinstance(new, plain) and new == old
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+#: What a snapshot does not look into: objects with no Python contents of the model's
+#: (modules and tensors are the model's registered state; functions, classes and C
+#: objects are kept as they are).
+_OPAQUE = (nn.Module, torch.Tensor, fx.Proxy, type, types.FunctionType, types.MethodType,
+           types.BuiltinFunctionType, types.ModuleType, functools.partial)
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
+
+
+class _Contents:
+    """The contents of every mutable Python object reachable from a model's plain
+    attributes (dicts, lists, sets, and objects of Python classes: a config dict, a
+    dataclass, an options object, a list forward appends to), recorded before tracing,
+    so that what forward changed in place (``self.cfg["step"] += 1``,
+    ``self.maps.append(h)``) is found and put back in the same objects afterwards.
+
+    ``record(value)`` returns the ids of the objects reachable from ``value``."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, tuple[Any, tuple[str, Any]]] = {}  # id -> (object, contents)
+        self._reached: dict[int, list[int]] = {}  # (a config every submodule holds: once)
+
+    def record(self, value: Any) -> list[int]:
+        if id(value) in self._reached:
+            return self._reached[id(value)]
+        reached = self._reached[id(value)] = []
+        seen: set[int] = set()
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, (*_PLAIN, *_OPAQUE)) or id(v) in seen:
+                continue
+            seen.add(id(v))
+            if isinstance(v, tuple):  # immutable, its items perhaps not
+                stack.extend(v)
+                continue
+            contents = _contents(v)
+            if contents is None:
+                continue
+            reached.append(id(v))
+            self.saved.setdefault(id(v), (v, contents))
+            stack.extend(_children(contents))
+        return reached
+
+    def changed(self, restore: bool, traced: tuple[type, ...]) -> dict[int, bool]:
+        """The recorded objects forward changed, each with whether its new contents hold
+        a traced value (a ``traced`` instance); ``restore``: each is put back as it was."""
+        changed = {}
+        for key, (v, before) in self.saved.items():
+            now = _contents(v)
+            if _same_contents(now, before):
+                continue
+            changed[key] = any(isinstance(leaf, traced)
+                               for leaf in torch.utils._pytree.tree_leaves(_children(now)))
+            if restore:
+                _restore(v, before)
+        return changed
+
+
+def _contents(v: Any) -> tuple[str, Any] | None:
+    """``v``'s contents as a (kind, shallow copy), or None for what has none to record (a
+    C object: a Generator, a lock, a numpy array)."""
+    if isinstance(v, dict):
+        return "dict", list(v.items())
+    if isinstance(v, list):
+        return "list", list(v)
+    if isinstance(v, set):
+        return "set", set(v)
+    if not type(v).__flags__ & _HEAP_TYPE:
+        return None
+    slots = {s: getattr(v, s, _NOT_SET) for c in type(v).__mro__
+             for s in getattr(c, "__slots__", ()) if s not in ("__dict__", "__weakref__")}
+    return "object", (dict(vars(v)) if hasattr(v, "__dict__") else {}, slots)
+
+
+_NOT_SET = object()
+
+
+def _children(contents: tuple[str, Any]) -> list[Any]:
+    kind, items = contents
+    if kind == "dict":
+        return [x for pair in items for x in pair]
+    if kind == "object":
+        return [*items[0].values(), *items[1].values()]
+    return list(items)
+
+
+def _same_contents(now: tuple[str, Any] | None, before: tuple[str, Any]) -> bool:
+    if now is None or now[0] != before[0]:
+        return False
+    kind, old = before
+    new = now[1]
+    if kind == "set":
+        return new == old
+    if kind == "object":
+        return all(a.keys() == b.keys() and all(_unchanged(a[k], b[k]) for k in b)
+                   for a, b in zip(new, old))
+    return len(new) == len(old) and all(
+        _unchanged(a, b) if kind == "list" else _unchanged(a[0], b[0]) and _unchanged(a[1], b[1])
+        for a, b in zip(new, old))
+
+
+def _restore(v: Any, before: tuple[str, Any]) -> None:
+    kind, old = before
+    if kind == "dict":
+        v.clear()
+        v.update(old)
+    elif kind == "list":
+        v[:] = old
+    elif kind == "set":
+        v.clear()
+        v.update(old)
+    else:
+        state, slots = old
+        if hasattr(v, "__dict__"):
+            vars(v).clear()
+            vars(v).update(state)
+        for name, value in slots.items():
+            if value is _NOT_SET:
+                if hasattr(v, name):
+                    object.__delattr__(v, name)
+            else:
+                object.__setattr__(v, name, value)
+
+
+class _PythonState:
+    """A model's plain attributes and what they hold, as they were when made: what
+    forward changed since (:meth:`changes`), and putting them back."""
+
+    def __init__(self, model: nn.Module, traced: tuple[type, ...] = (fx.Proxy,),
+                 own_classes_only: bool = False):
+        # own_classes_only: torch's own modules left out (under torch.export, nn.RNN's
+        # forward rebuilds its _flat_weights lists for the parameters export swapped in)
+        self.saved = [(path, m, dict(m.__dict__)) for path, m in model.named_modules()
+                      if not own_classes_only or not type(m).__module__.startswith("torch.")]
+        self.traced = traced  # what a traced value is (torch.export's: a fake tensor)
+        self.contents = _Contents()
+        self.reaches = [(f"{path}.{key}" if path else key, self.contents.record(value))
+                        for path, m, before in self.saved for key, value in before.items()
+                        if key not in _MODULE_INTERNALS]
+
+    def changes(self, restore: bool) -> list[str]:
+        """The attributes forward changed to values it did not trace (see
+        :func:`_python_state_kept`); ``restore``: and put everything back."""
+        inside = self.contents.changed(restore, self.traced)
+        changes = []
+        for path, module, before in self.saved:
+            for key, value in module.__dict__.items():
+                if key in _MODULE_INTERNALS or key in before and _unchanged(value, before[key]):
+                    continue
+                if any(isinstance(leaf, self.traced)
+                       for leaf in torch.utils._pytree.tree_leaves(value)):
+                    continue
+                changes.append(f"{path}.{key}" if path else key)
+            if restore:
+                module.__dict__.clear()
+                module.__dict__.update(before)
+        for name, ids in self.reaches:
+            if name not in changes and any(key in inside and not inside[key] for key in ids):
+                changes.append(name)
+        return changes
 
 
 @contextlib.contextmanager
@@ -635,21 +804,46 @@ def _python_state_kept(model: nn.Module, changes: list[str]) -> Iterator[None]:
     ``self.calls += 1``, a flag set on the first call): fusing must not change the
     user's models, and a traced program keeps such a value as it was while tracing
     (``FusedModule`` then runs the models' own forwards).  Traced values assigned to an
-    attribute (``self.last = h``, for inspection) are not listed."""
-    saved = [(path, m, dict(m.__dict__)) for path, m in model.named_modules()]
+    attribute (``self.last = h``, for inspection) are not listed.
+
+    The same holds inside the objects an attribute holds: a config dict, a dataclass or
+    a list forward changes in place (``self.sched["step"] += 1``) is put back in place
+    (the same objects, so what two modules share stays shared) and the attribute is
+    listed; one that only took traced values (``self.maps.append(h)``) is put back and
+    not listed."""
+    state = _PythonState(model)
     try:
         yield
     finally:
-        for path, module, before in saved:
-            for key, value in module.__dict__.items():
-                if key in _MODULE_INTERNALS or key in before and _unchanged(value, before[key]):
-                    continue
-                if any(isinstance(leaf, fx.Proxy)
-                       for leaf in torch.utils._pytree.tree_leaves(value)):
-                    continue
-                changes.append(f"{path}.{key}" if path else key)
-            module.__dict__.clear()
-            module.__dict__.update(before)
+        changes.extend(state.changes(restore=True))
+
+
+@contextlib.contextmanager
+def python_state_watched(model: nn.Module, changes: list[str]) -> Iterator[None]:
+    """``changes`` as :func:`_python_state_kept` lists them, around ``torch.export``, which
+    swaps the module's parameters in before forward runs and puts its attributes back
+    itself before it returns: the attributes are read as forward starts and as it returns
+    (forward hooks on the root, for the duration), then everything is put back."""
+    states: list[_PythonState] = []
+
+    def started(module: nn.Module, args: Any) -> None:
+        states.append(_PythonState(model, traced=(fx.Proxy, torch.Tensor),
+                                   own_classes_only=True))
+
+    def returned(module: nn.Module, args: Any, output: Any) -> None:
+        if states:
+            found = states.pop().changes(restore=False)
+            changes.extend(n for n in found if n not in changes)
+
+    before = _PythonState(model)
+    handles = [model.register_forward_pre_hook(started),
+               model.register_forward_hook(returned)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        before.changes(restore=True)
 
 
 def trace_hint(exc: BaseException) -> str:

@@ -330,7 +330,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         _check_shared_tensors(models)
         graphs = self._trace(models, example_inputs, frontend)
         #: Which front-end traced the models: "symbolic" (torch.fx) or "export".
-        self.frontend = "symbolic" if PYTHON_STATE in graphs[True][0].meta else "export"
+        self.frontend = "export" if EXPORTED_SHAPES in graphs[True][0].meta else "symbolic"
         matches = {mode: match_graphs(graphs[mode], models, soft=per_model_table())
                    for mode in (True, False)}
         #: (model index, attributes) of the first model whose forward changed plain
@@ -456,7 +456,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                        for p in self._mode_graphs[True].graph.nodes)
         retraceable = optional or self._mode_graphs[True].constants
         #: Traced again from the models' own copies (:meth:`_graphs_for`).
-        self._retraceable = bool(retraceable) and PYTHON_STATE in graphs[True][0].meta
+        self._retraceable = bool(retraceable) and self.frontend == "symbolic"
 
     # ------------------------------------------------------------------ construction
 

@@ -79,15 +79,13 @@ class Unfusing:
         first = max([self.__dict__.get("_next_model_id", 0), *(i + 1 for i in self.model_ids)])
         return list(range(first, first + count))
 
-    def model_state_dict(self, index: int) -> dict[str, torch.Tensor]:
-        """Model ``index``'s ``state_dict`` with the original keys (copies), at its own
-        widths (``pad_widths=True``)."""
-        index = self._check_index(index)
-        padding = getattr(self, "padding", None)
-        if padding is not None:
-            return {k: padding.unpad(index, k, v[index]).clone()
-                    for k, v in self.state_dict().items()}
-        return {k: v[index].clone() for k, v in self.state_dict().items()}
+    def model_state_dict(self, index: int) -> dict[str, Any]:
+        """Model ``index``'s ``state_dict`` (copies), as its own module gives it: its own
+        keys (a model of another class names its tensors its own way), persistent buffers
+        and extra state (``get_extra_state``), at its own widths (``pad_widths=True``):
+        what ``models[index].state_dict()`` would hold had it trained alone, which
+        ``load_state_dict`` of a model built as model ``index`` was takes."""
+        return self._own_model(self._check_index(index)).state_dict()
 
     def _refuse_one_models_state(self, state_dict: Any, exc: Exception) -> None:
         """``load_state_dict`` of one model's state dict (each tensor without the leading
@@ -133,11 +131,15 @@ class Unfusing:
         buffers and hyper-parameters (what ``unfuse()[index]`` is), at its own widths
         (``pad_widths=True``)."""
         index = self._check_index(index)
-        padded = self.padded_model(index)
-        padding = getattr(self, "padding", None)
-        model = padded if padding is None else padding.original_model(index, padded)
+        model = self._own_model(index)
         note_copy(self, model, self.model_ids[index])  # (a fused step warns if it trains)
         return model
+
+    def _own_model(self, index: int) -> nn.Module:
+        """Model ``index``'s own module (:meth:`unfuse_model`'s, not noted as a copy)."""
+        padded = self.padded_model(index)
+        padding = getattr(self, "padding", None)
+        return padded if padding is None else padding.original_model(index, padded)
 
     def padded_model(self, index: int) -> nn.Module:
         """Model ``index`` as the fused program holds it: with ``pad_widths=True``, padded
