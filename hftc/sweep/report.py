@@ -150,8 +150,9 @@ def summary(result) -> str:
         if tm.get(key, 0.0) >= 0.05:
             parts.append(f"{words} {tm[key]:.1f} s")
     other = result.wall_s - sum(tm.values())
-    before = (f" (and {result.before_s:.1f} s before it: Python, the imports, the spec)"
-              if result.before_s is not None else "")
+    before_s = _before_s(result)
+    before = (f" (and {before_s:.1f} s before it: Python, the imports, the spec)"
+              if before_s is not None else "")
     lines = [f"time: {result.wall_s:.1f} s wall clock for {result.trial_epochs} "
              f"trial-epochs: {', '.join(parts)}, start-up and other {max(other, 0.0):.1f} s"
              + before]
@@ -199,11 +200,11 @@ def serial_estimate(result) -> tuple[float, str] | None:
     dynamo = (f" + torch._dynamo's import {result.dynamo_import_s:.1f} s (which a script's "
               f"first torch.optim optimizer makes)" if result.dynamo_import_s >= 0.05 else "")
     before = ""
-    if result.before_s is not None:
+    if _before_s(result) is not None:
         charged = serial_before(result)
         total += charged
         before = (f" + its process's start {charged:.1f} s (this one's before the sweep, "
-                  f"less hftc's import {result.hftc_import_s:.1f} s)")
+                  f"less hftc's import {getattr(result, 'hftc_import_s', 0.0):.1f} s)")
     return total, (how + f" + Optuna {result.serial_optuna_s:.1f} s (a sample of these trials "
                    f"through a stock Optuna study one at a time, scaled; off the clock) + data "
                    f"{result.load_s:.1f} s" + dynamo + before)
@@ -212,15 +213,22 @@ def serial_estimate(result) -> tuple[float, str] | None:
 def serial_before(result) -> float:
     """The one-at-a-time script's start-up before its study: this process's before the
     sweep (Python, torch, optuna, the spec) less hftc's core import (clock.py)."""
-    return max(0.0, (result.before_s or 0.0) - result.hftc_import_s)
+    return max(0.0, (_before_s(result) or 0.0) - getattr(result, "hftc_import_s", 0.0))
+
+
+def _before_s(result) -> float | None:
+    """The result's seconds before the sweep's clock; None where not measured (or a
+    result object of its own, e.g. a test's, that does not carry them)."""
+    return getattr(result, "before_s", None)
 
 
 def fused_seconds(result) -> float:
     """The fused side's seconds, as the estimate beside it counts its own: the sweep's
     wall clock, and the process's start where the estimate charges the serial side its
     own (both, or neither)."""
-    counted = result.before_s is not None and result.serial_optuna_s is not None
-    return result.wall_s + (result.before_s if counted else 0.0)
+    before_s = _before_s(result)
+    counted = before_s is not None and result.serial_optuna_s is not None
+    return result.wall_s + (before_s if counted else 0.0)
 
 
 def speedup_line(result) -> str:
