@@ -263,6 +263,67 @@ def test_spec_errors_say_what_is_missing(tmp_path: Path, capsys):
     assert "give a SPEC" in capsys.readouterr().err
 
 
+def test_a_misspelled_spec_field_is_an_error_not_ignored(spec_file: Path, tmp_path: Path,
+                                                          capsys):
+    """A spec whose ``optimiser`` (or ``epoch = 1``) the sweep silently did not read trained
+    with SGD (or 10 epochs): a SpecError names the file, the name and the field meant."""
+    typo = tmp_path / "typo_spec.py"
+    typo.write_text(SPEC_SOURCE + "\n\ndef optimiser(params, module):\n"
+                    "    return torch.optim.Adam(module.parameters(), lr=params['lr'])\n")
+    with pytest.raises(hs.SpecError, match=r"typo_spec.py defines optimiser \(.*typo_spec.py:\d+"
+                       r"\), which the sweep does not read: did you mean optimizer\(params, "
+                       r"module\)\? Rename it to 'optimizer'"):
+        hs.load_spec(typo)
+    assert main(["sweep", str(typo), "--out", str(tmp_path / "out")]) == 2
+    assert "did you mean optimizer(params, module)?" in capsys.readouterr().err
+    typo.write_text(SPEC_SOURCE.replace("epochs = 4", "epoch = 1"))
+    with pytest.raises(hs.SpecError, match=r"defines epoch = 1, .*did you mean epochs\?"):
+        hs.load_spec(typo)
+    # Not typos: a field and a near name both defined, helpers of other kinds or arguments,
+    # private names, imported functions.
+    typo.write_text(SPEC_SOURCE + "\nEPOCHS = 3\nseeds = [0, 1]\n_optimiser = None\n"
+                    "from torch.nn.functional import mse_loss as losses\n"
+                    "def schedule(epoch):\n    return 0.5 ** epoch\n"
+                    "def models(params):\n    return None\n")
+    assert hs.load_spec(typo).epochs == 4
+
+
+def test_spec_functions_returning_the_wrong_thing_are_named(spec_file: Path, tmp_path: Path):
+    """model() returning None, space() a list, a metric a tensor per sample, a loss a float,
+    data() a bare pair: each is a SpecError naming the function and where it is defined
+    (the metric's and the loss's were a RuntimeError / FusionTypeError from inside)."""
+    spec = hs.load_spec(spec_file).replace(n_trials=2, per_array=2, epochs=1, pruner="none")
+    where = r" \(.*test_sweep.py:\d+\)"
+
+    def no_model(params):
+        spec.model(params)
+
+    def space_list(trial):
+        return [trial.suggest_float("lr", 0.01, 0.1)]
+
+    def per_sample(output, target):
+        return (output.argmax(-1) == target).double()
+
+    def float_loss(output, target):
+        return F.cross_entropy(output, target).item()
+
+    cases = [(dict(model=no_model), rf"spec.model{where} returned a NoneType, not an nn.Module"),
+             (dict(space=space_list), rf"spec.space{where} returned a list; return a dict"),
+             (dict(metric=per_sample), rf"spec.metric{where} returned a tensor of shape "
+                                       r"\(80,\); return one number"),
+             (dict(loss=float_loss, metric="accuracy"),
+              rf"spec.loss{where} returned a float on one model's output \(32, 3\) and the "
+              r"targets \(32,\); the training loss must return a scalar tensor")]
+    for k, (change, message) in enumerate(cases):
+        with pytest.raises(hs.SpecError, match=message):
+            hs.run(spec.replace(**change), out=tmp_path / f"out{k}", progress=False,
+                   estimate=False)
+    (xt, yt), _ = spec.data()
+    with pytest.raises(hs.SpecError, match=r"the train split must be a pair .*\(spec.data is "
+                                           r"defined at .*test_sweep.py:\d+\)"):
+        hs.run(spec.replace(data=lambda: (xt, yt)), out=tmp_path / "out", progress=False)
+
+
 def _assert_failed_once_and_retried(trials, orphan, n_finished: int) -> None:
     """``orphan`` failed, and exactly one finished trial retried it with its parameters."""
     assert trials[orphan.number].state == TrialState.FAIL
