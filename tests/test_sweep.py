@@ -324,6 +324,95 @@ def test_spec_functions_returning_the_wrong_thing_are_named(spec_file: Path, tmp
         hs.run(spec.replace(data=lambda: (xt, yt)), out=tmp_path / "out", progress=False)
 
 
+def test_an_unknown_pruner_is_refused_before_anything_is_written(spec_file: Path,
+                                                                 tmp_path: Path, capsys):
+    """An unknown pruner name was refused after the output folder and its study.db were
+    made; now before, saying where it came from."""
+    out = tmp_path / "out"
+    assert main(["sweep", str(spec_file), "--out", str(out), "--pruner", "asha2"]) == 2
+    assert "unknown pruner 'asha2' (the spec's pruner, or --pruner)" in capsys.readouterr().err
+    assert not out.exists()
+
+
+USER_SPEC = '''
+"""Minimize val loss; Adam vs SGD; width/depth choice; scheduler; random sampler; sha."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+name = "spec-a"
+metric = "loss"
+direction = "minimize"
+epochs = 3
+batch_size = 25
+n_trials = 7
+per_array = 3
+pruner = "sha"
+sampler = "random"
+dtype = torch.float64
+seed = 3
+
+
+def space(trial):
+    return {
+        "lr": trial.suggest_float("lr", 1e-3, 1e-1, log=True),
+        "opt": trial.suggest_categorical("opt", ["adam", "sgd"]),
+        "hidden": trial.suggest_categorical("hidden", [8, 16]),
+        "layers": trial.suggest_int("layers", 1, 2),
+        "gamma": trial.suggest_float("gamma", 0.5, 0.9),
+    }
+
+
+def model(params):
+    layers = [nn.Linear(10, params["hidden"]), nn.ReLU()]
+    for _ in range(params["layers"] - 1):
+        layers += [nn.Linear(params["hidden"], params["hidden"]), nn.Tanh()]
+    layers.append(nn.Linear(params["hidden"], 3))
+    return nn.Sequential(*layers)
+
+
+def optimizer(params, module):
+    if params["opt"] == "adam":
+        return torch.optim.Adam(module.parameters(), lr=params["lr"])
+    return torch.optim.SGD(module.parameters(), lr=params["lr"], momentum=0.9)
+
+
+def scheduler(optimizer, params):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=params["gamma"])
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 10, generator=g)
+    y = (x[:, :3] @ torch.randn(3, 3, generator=g)).argmax(1)
+    return (x[:200], y[:200]), (x[200:], y[200:])
+'''
+
+
+def test_a_users_spec_of_choices_matches_alone_and_reruns_alike(tmp_path: Path):
+    """A spec as a user writes it: minimize the loss, Adam or SGD, a width and a depth
+    choice (arrays split by structure), a StepLR per trial, the random sampler, successive
+    halving, 7 trials through arrays of 3. Each trial reports what it reports trained
+    alone, and the same spec in a fresh folder gives the same trials and values."""
+    path = tmp_path / "user_spec.py"
+    path.write_text(USER_SPEC)
+    spec = hs.load_spec(path)
+    runs = [hs.run(spec, out=tmp_path / f"out{k}", progress=False, estimate=False)
+            for k in range(2)]
+    trials = runs[0].study.trials
+    assert len(trials) == 7 and {t.state for t in trials} <= {TrialState.COMPLETE,
+                                                             TrialState.PRUNED}
+    assert len({(t.params["hidden"], t.params["layers"]) for t in trials}) >= 2
+    assert any("different shapes" in why for why in runs[0].apart)
+    for t in trials:
+        _, history = hs.train_alone(spec, dict(t.params), t.user_attrs["hftc_seed"],
+                                    t.user_attrs["hftc_orders"])
+        fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+        assert max(abs(a - b) for a, b in zip(history, fused)) <= 1e-9, t.number
+    assert [(t.state, t.value, t.params) for t in runs[1].study.trials] == [
+        (t.state, t.value, t.params) for t in trials]
+
+
 def _assert_failed_once_and_retried(trials, orphan, n_finished: int) -> None:
     """``orphan`` failed, and exactly one finished trial retried it with its parameters."""
     assert trials[orphan.number].state == TrialState.FAIL

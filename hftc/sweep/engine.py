@@ -227,7 +227,11 @@ class Sweep(Recovery, Arrays, Decisions):
     # ------------------------------------------------------------------ set-up
 
     def _open(self) -> None:
-        # The spec's data first: a spec error stops the sweep before it writes anything.
+        # The spec's pruner and sampler names, and its data, first: a spec error stops the
+        # sweep before it writes anything.
+        make_pruner(self.spec)
+        if isinstance(self.spec.sampler, str) and self.spec.sampler not in ("tpe", "random"):
+            make_sampler(self.spec, self.spec.seed)  # (its error)
         start = time.perf_counter()
         self.data = load_data(self.spec)
         self.load_s = time.perf_counter() - start
