@@ -263,6 +263,156 @@ def test_spec_errors_say_what_is_missing(tmp_path: Path, capsys):
     assert "give a SPEC" in capsys.readouterr().err
 
 
+def test_a_misspelled_spec_field_is_an_error_not_ignored(spec_file: Path, tmp_path: Path,
+                                                          capsys):
+    """A spec whose ``optimiser`` (or ``epoch = 1``) the sweep silently did not read trained
+    with SGD (or 10 epochs): a SpecError names the file, the name and the field meant."""
+    typo = tmp_path / "typo_spec.py"
+    typo.write_text(SPEC_SOURCE + "\n\ndef optimiser(params, module):\n"
+                    "    return torch.optim.Adam(module.parameters(), lr=params['lr'])\n")
+    with pytest.raises(hs.SpecError, match=r"typo_spec.py defines optimiser \(.*typo_spec.py:\d+"
+                       r"\), which the sweep does not read: did you mean optimizer\(params, "
+                       r"module\)\? Rename it to 'optimizer'"):
+        hs.load_spec(typo)
+    assert main(["sweep", str(typo), "--out", str(tmp_path / "out")]) == 2
+    assert "did you mean optimizer(params, module)?" in capsys.readouterr().err
+    typo.write_text(SPEC_SOURCE.replace("epochs = 4", "epoch = 1"))
+    with pytest.raises(hs.SpecError, match=r"defines epoch = 1, .*did you mean epochs\?"):
+        hs.load_spec(typo)
+    # Not typos: a field and a near name both defined, helpers of other kinds or arguments,
+    # private names, imported functions.
+    typo.write_text(SPEC_SOURCE + "\nEPOCHS = 3\nseeds = [0, 1]\n_optimiser = None\n"
+                    "from torch.nn.functional import mse_loss as losses\n"
+                    "def schedule(epoch):\n    return 0.5 ** epoch\n"
+                    "def models(params):\n    return None\n")
+    assert hs.load_spec(typo).epochs == 4
+
+
+def test_spec_functions_returning_the_wrong_thing_are_named(spec_file: Path, tmp_path: Path):
+    """model() returning None, space() a list, a metric a tensor per sample, a loss a float,
+    data() a bare pair: each is a SpecError naming the function and where it is defined
+    (the metric's and the loss's were a RuntimeError / FusionTypeError from inside)."""
+    spec = hs.load_spec(spec_file).replace(n_trials=2, per_array=2, epochs=1, pruner="none")
+    where = r" \(.*test_sweep.py:\d+\)"
+
+    def no_model(params):
+        spec.model(params)
+
+    def space_list(trial):
+        return [trial.suggest_float("lr", 0.01, 0.1)]
+
+    def per_sample(output, target):
+        return (output.argmax(-1) == target).double()
+
+    def float_loss(output, target):
+        return F.cross_entropy(output, target).item()
+
+    cases = [(dict(model=no_model), rf"spec.model{where} returned a NoneType, not an nn.Module"),
+             (dict(space=space_list), rf"spec.space{where} returned a list; return a dict"),
+             (dict(metric=per_sample), rf"spec.metric{where} returned a tensor of shape "
+                                       r"\(80,\); return one number"),
+             (dict(loss=float_loss, metric="accuracy"),
+              rf"spec.loss{where} returned a float on one model's output \(32, 3\) and the "
+              r"targets \(32,\); the training loss must return a scalar tensor")]
+    for k, (change, message) in enumerate(cases):
+        with pytest.raises(hs.SpecError, match=message):
+            hs.run(spec.replace(**change), out=tmp_path / f"out{k}", progress=False,
+                   estimate=False)
+    (xt, yt), _ = spec.data()
+    with pytest.raises(hs.SpecError, match=r"the train split must be a pair .*\(spec.data is "
+                                           r"defined at .*test_sweep.py:\d+\)"):
+        hs.run(spec.replace(data=lambda: (xt, yt)), out=tmp_path / "out", progress=False)
+
+
+def test_an_unknown_pruner_is_refused_before_anything_is_written(spec_file: Path,
+                                                                 tmp_path: Path, capsys):
+    """An unknown pruner name was refused after the output folder and its study.db were
+    made; now before, saying where it came from."""
+    out = tmp_path / "out"
+    assert main(["sweep", str(spec_file), "--out", str(out), "--pruner", "asha2"]) == 2
+    assert "unknown pruner 'asha2' (the spec's pruner, or --pruner)" in capsys.readouterr().err
+    assert not out.exists()
+
+
+USER_SPEC = '''
+"""Minimize val loss; Adam vs SGD; width/depth choice; scheduler; random sampler; sha."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+name = "spec-a"
+metric = "loss"
+direction = "minimize"
+epochs = 3
+batch_size = 25
+n_trials = 7
+per_array = 3
+pruner = "sha"
+sampler = "random"
+dtype = torch.float64
+seed = 3
+
+
+def space(trial):
+    return {
+        "lr": trial.suggest_float("lr", 1e-3, 1e-1, log=True),
+        "opt": trial.suggest_categorical("opt", ["adam", "sgd"]),
+        "hidden": trial.suggest_categorical("hidden", [8, 16]),
+        "layers": trial.suggest_int("layers", 1, 2),
+        "gamma": trial.suggest_float("gamma", 0.5, 0.9),
+    }
+
+
+def model(params):
+    layers = [nn.Linear(10, params["hidden"]), nn.ReLU()]
+    for _ in range(params["layers"] - 1):
+        layers += [nn.Linear(params["hidden"], params["hidden"]), nn.Tanh()]
+    layers.append(nn.Linear(params["hidden"], 3))
+    return nn.Sequential(*layers)
+
+
+def optimizer(params, module):
+    if params["opt"] == "adam":
+        return torch.optim.Adam(module.parameters(), lr=params["lr"])
+    return torch.optim.SGD(module.parameters(), lr=params["lr"], momentum=0.9)
+
+
+def scheduler(optimizer, params):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=params["gamma"])
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 10, generator=g)
+    y = (x[:, :3] @ torch.randn(3, 3, generator=g)).argmax(1)
+    return (x[:200], y[:200]), (x[200:], y[200:])
+'''
+
+
+def test_a_users_spec_of_choices_matches_alone_and_reruns_alike(tmp_path: Path):
+    """A spec as a user writes it: minimize the loss, Adam or SGD, a width and a depth
+    choice (arrays split by structure), a StepLR per trial, the random sampler, successive
+    halving, 7 trials through arrays of 3. Each trial reports what it reports trained
+    alone, and the same spec in a fresh folder gives the same trials and values."""
+    path = tmp_path / "user_spec.py"
+    path.write_text(USER_SPEC)
+    spec = hs.load_spec(path)
+    runs = [hs.run(spec, out=tmp_path / f"out{k}", progress=False, estimate=False)
+            for k in range(2)]
+    trials = runs[0].study.trials
+    assert len(trials) == 7 and {t.state for t in trials} <= {TrialState.COMPLETE,
+                                                             TrialState.PRUNED}
+    assert len({(t.params["hidden"], t.params["layers"]) for t in trials}) >= 2
+    assert any("different shapes" in why for why in runs[0].apart)
+    for t in trials:
+        _, history = hs.train_alone(spec, dict(t.params), t.user_attrs["hftc_seed"],
+                                    t.user_attrs["hftc_orders"])
+        fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+        assert max(abs(a - b) for a, b in zip(history, fused)) <= 1e-9, t.number
+    assert [(t.state, t.value, t.params) for t in runs[1].study.trials] == [
+        (t.state, t.value, t.params) for t in trials]
+
+
 def _assert_failed_once_and_retried(trials, orphan, n_finished: int) -> None:
     """``orphan`` failed, and exactly one finished trial retried it with its parameters."""
     assert trials[orphan.number].state == TrialState.FAIL

@@ -172,3 +172,47 @@ def test_a_sweep_too_small_to_gain_says_so_and_runs_one_at_a_time(tmp_path):
     assert "note: run one trial at a time with stock Optuna" in result.summary
     assert {"results", "curves", "best_json", "best"} <= set(result.files)
     assert result.files["best"].exists()
+
+
+def test_a_sweep_run_one_at_a_time_records_what_a_fused_one_does(tmp_path):
+    """Run one at a time (too small to gain), the trials had no seed, data order or params
+    of space() recorded (results.csv's seed empty, best.json's seed and orders null, its
+    params without the constants), so none could be replayed alone; a diverged trial
+    completed with the accuracy of its NaN weights. Now each is recorded and replays alone
+    exactly, a diverged trial fails with its reason while the others go on, and --resume
+    runs the study again to the same results."""
+    import csv
+    import json
+    import warnings
+
+    from hftc.errors import SweepWarning
+
+    spec = hs.load_spec(_spec_file(tmp_path))
+
+    def space(trial):
+        lr = trial.suggest_float("lr", 1e-3, 0.5, log=True)
+        return {"lr": float("inf") if trial.number == 1 else lr, "momentum": 0.5}
+
+    spec = spec.replace(space=space, n_trials=3, epochs=2, pruner="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SweepWarning)
+        result = hs.run(spec, per_array=1, out=tmp_path / "out", progress=False)
+        again = hs.run(spec, per_array=1, out=tmp_path / "out", progress=False, resume=True)
+    trials = result.study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.FAIL,
+                                         TrialState.COMPLETE]
+    assert trials[1].user_attrs["hftc_fail_reason"].startswith("diverged: accuracy is ")
+    for t in (trials[0], trials[2]):
+        assert t.user_attrs["hftc_seed"] == t.number and t.user_attrs["hftc_params"] == {
+            **t.params, "momentum": 0.5}
+        _, history = hs.train_alone(spec, t.user_attrs["hftc_params"], t.user_attrs["hftc_seed"],
+                                    t.user_attrs["hftc_orders"])
+        assert history == [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+    rows = list(csv.DictReader(open(tmp_path / "out" / "results.csv")))
+    assert [r["seed"] for r in rows] == ["0", "1", "2"]
+    best = json.loads((tmp_path / "out" / "best.json").read_text())
+    assert best["params"]["momentum"] == 0.5 and best["seed"] == best["number"]
+    assert best["orders"] == [0, 1]
+    assert [(t.state, t.value, t.params) for t in again.study.trials] == [
+        (t.state, t.value, t.params) for t in trials]
+    assert "result files" in result.summary or result.timings["results"] < 0.05

@@ -95,3 +95,17 @@ def test_trial_array_prunes_within_the_array(tmp_path):
     # {0, 1, 3}: median 0.9 > 0.85, pruned: as one at a time (0 and 1 complete first)
     assert states == {0: TrialState.COMPLETE, 1: TrialState.COMPLETE, 2: TrialState.PRUNED,
                       3: TrialState.COMPLETE, 4: TrialState.PRUNED, 5: TrialState.PRUNED}
+
+
+def test_the_leaderboard_shows_a_huge_loss_in_a_few_digits():
+    """A trial whose loss grew to 1e172 (finite: it completes) made the leaderboard's metric
+    column 180 characters wide (f"{v:.4f}")."""
+    from hftc.sweep.report import leaderboard
+
+    study = optuna.create_study(direction="minimize")
+    for value in (0.5, 1.1786207461281906e172):
+        study.add_trial(optuna.trial.create_trial(value=value, params={}, distributions={},
+                                                  intermediate_values={1: value}))
+    board = leaderboard(study, "loss")
+    assert "0.5000" in board and "1.179e+172" in board
+    assert max(len(line) for line in board.splitlines()) < 60

@@ -84,7 +84,11 @@ def run(
 
     spec = load_spec(spec).replace(n_trials=n_trials, per_array=per_array, epochs=epochs,
                                    sampler=sampler, pruner=pruner, seed=seed)
-    small = _too_small(spec) if storage is None and not resume else None
+    small = _too_small(spec) if storage is None else None
+    folder = Path(out) if out is not None else Path("sweeps") / (study_name or spec.name)
+    if small is not None and resume and ((folder / "study.db").exists()
+                                         or not (folder / "serial.db").exists()):
+        small = None  # a fused sweep to resume (or none at all: the engine says so)
     if small is not None:
         # Said before it starts; then run as without hftc, which loses nothing.
         import warnings
@@ -94,11 +98,14 @@ def run(
 
         message = (f"this sweep is too small to gain from fusing ({small}): its trials run "
                    f"one at a time with stock Optuna")
+        if resume:  # one at a time keeps no checkpoints: --resume runs it again
+            message += (f" (--resume: a sweep run one at a time has no checkpoints; its "
+                        f"study in {folder / 'serial.db'} is run again from the start, to the "
+                        f"same trials and results)")
         warnings.warn(message, SweepWarning, stacklevel=2)
         if log is not None:
             log(message)
-        return run_one_by_one(spec, out if out is not None else Path("sweeps") / (
-            study_name or spec.name))
+        return run_one_by_one(spec, folder)
     return Sweep(spec, out=out, storage=storage, study_name=study_name, resume=resume,
                  heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                  progress=progress, log=log, estimate_serial=3 if estimate else 0,

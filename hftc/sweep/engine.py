@@ -227,7 +227,11 @@ class Sweep(Recovery, Arrays, Decisions):
     # ------------------------------------------------------------------ set-up
 
     def _open(self) -> None:
-        # The spec's data first: a spec error stops the sweep before it writes anything.
+        # The spec's pruner and sampler names, and its data, first: a spec error stops the
+        # sweep before it writes anything.
+        make_pruner(self.spec)
+        if isinstance(self.spec.sampler, str) and self.spec.sampler not in ("tpe", "random"):
+            make_sampler(self.spec, self.spec.seed)  # (its error)
         start = time.perf_counter()
         self.data = load_data(self.spec)
         self.load_s = time.perf_counter() - start
@@ -335,8 +339,9 @@ class Sweep(Recovery, Arrays, Decisions):
         if params is None:
             params = dict(trial.params)
         if not isinstance(params, dict):
-            raise SweepError(f"spec.space(trial) returned a {type(params).__name__}; return "
-                             f"a dict of hyper-parameters (or None for trial.params)")
+            raise SpecError(f"{hook_name('space', self.spec.space)} returned a "
+                            f"{type(params).__name__}; return a dict of hyper-parameters (or "
+                            f"None for trial.params)")
         return params
 
     def _seed(self, trial: optuna.Trial, params: dict[str, Any]) -> int:
@@ -474,7 +479,21 @@ class Sweep(Recovery, Arrays, Decisions):
             return step_losses(self.spec, returned, len(a.members))
         for optimizer in a.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        losses = self._loss(a.fused(*xb), yb)
+        out = a.fused(*xb)
+        try:
+            losses = self._loss(out, yb)
+        except hftc.errors.FusionTypeError:
+            # The spec's loss on one model's output, to say what it returns instead
+            one = self.spec.loss(out[0].detach(), yb)
+            if not (isinstance(one, torch.Tensor) and one.dim() == 0):
+                what = (f"a tensor of shape {tuple(one.shape)}" if isinstance(one, torch.Tensor)
+                        else f"a {type(one).__name__}")
+                raise SpecError(
+                    f"{hook_name('loss', self.spec.loss)} returned {what} on one model's "
+                    f"output {tuple(out.shape[1:])} and the targets {tuple(yb.shape)}; the "
+                    f"training loss must return a scalar tensor that backward() goes "
+                    f"through (no .item() or float(); a mean over the batch)") from None
+            raise
         losses.sum().backward()
         for optimizer in a.optimizers:
             optimizer.step()

@@ -24,6 +24,12 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _value(v: float) -> str:
+    """A metric in the leaderboard: 4 decimals, or 4 digits where that would be a column
+    of hundreds of characters (a trial whose loss grew to 1e172 without overflowing)."""
+    return f"{v:.4f}" if abs(v) < 1e6 else f"{v:.4g}"
+
+
 def _sorted_complete(study: optuna.Study) -> list[FrozenTrial]:
     done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
             if t.value is not None and math.isfinite(t.value)]
@@ -36,7 +42,7 @@ def leaderboard(study: optuna.Study, metric: str = "value", top: int = 10) -> st
     ranked = _sorted_complete(study)[:top]
     names = sorted({k for t in ranked for k in t.params})
     header = ["rank", "trial", metric, "epochs", *names]
-    rows = [[str(i + 1), str(t.number), f"{t.value:.4f}", str(len(t.intermediate_values)),
+    rows = [[str(i + 1), str(t.number), _value(t.value), str(len(t.intermediate_values)),
              *(_fmt(t.params.get(k, "")) for k in names)] for i, t in enumerate(ranked)]
     widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)),

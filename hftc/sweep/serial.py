@@ -17,7 +17,10 @@ Optuna's share and the start-up (the storage, the study), as a user's script pay
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -81,14 +84,23 @@ def stock_sampler(spec: SweepSpec) -> optuna.samplers.BaseSampler:
     return make_sampler(spec, spec.seed)  # a callable, or the sweep's error for others
 
 
+class _Diverged(Exception):
+    """A trial's metric or weights went NaN / inf: it fails (with ``hftc_fail_reason``), and
+    the study goes on, as the fused sweep fails a diverged trial alone."""
+
+
 def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
                data: Any = None, save_best: bool = False,
-               enqueue: list[dict[str, Any]] | None = None) -> SerialResult:
+               enqueue: list[dict[str, Any]] | None = None,
+               record: bool = False) -> SerialResult:
     """Run ``spec``'s study one trial at a time with stock Optuna (``study.optimize``) in
     ``out`` (its SQLite file ``serial.db``, made afresh, unless ``storage``); with
     ``save_best``, the weights of each trial that completes best so far in
     ``out/trials/trial-N.pt`` (as the fused sweep keeps them); with ``enqueue``, these
-    parameters first (``study.enqueue_trial``, trial k gets ``enqueue[k]``)."""
+    parameters first (``study.enqueue_trial``, trial k gets ``enqueue[k]``); with
+    ``record``, what the fused sweep records of each trial (the user attributes
+    ``hftc_seed``, ``hftc_params``, ``hftc_orders``: ``train_alone`` replays it from them)
+    and diverged trials failed with ``hftc_fail_reason`` (the others go on)."""
     from .storage import make_pruner
 
     start = time.perf_counter()
@@ -104,6 +116,11 @@ def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
         params = spec.space(trial)
         params = dict(trial.params) if params is None else params
         seed = int(params.get("seed", spec.seed + trial.number))
+        if record:
+            trial.set_user_attr("hftc_seed", seed)
+            if params != trial.params:  # what space() returned (best.json gives it)
+                with contextlib.suppress(TypeError, ValueError):
+                    trial.set_user_attr("hftc_params", json.loads(json.dumps(params)))
         model = build_model(spec, params, seed)
         keys = [spec.seed * 1_000_003 + e for e in range(spec.epochs)]
         value = float("nan")
@@ -111,6 +128,14 @@ def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
         for epoch, value in enumerate(epochs_alone(spec, params, model, keys, data), 1):
             trained["s"] += time.perf_counter() - t0
             trained["epochs"] += 1
+            if record:
+                trial.set_user_attr("hftc_orders", keys[:epoch])
+                finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+                if not (math.isfinite(value) and finite):
+                    weights = "" if finite else ", its weights not finite,"
+                    trial.set_user_attr("hftc_fail_reason", f"diverged: {spec.metric_name} is "
+                                                            f"{value}{weights} after epoch {epoch}")
+                    raise _Diverged(trial.number)
             trial.report(value, epoch)
             if trial.should_prune():
                 raise optuna.TrialPruned()
@@ -130,7 +155,7 @@ def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
                                         study_name=f"{spec.name}-serial", load_if_exists=False)
             for params in enqueue or ():
                 study.enqueue_trial(params)
-            study.optimize(objective, n_trials=spec.n_trials)
+            study.optimize(objective, n_trials=spec.n_trials, catch=(_Diverged,))
     finally:
         optuna.logging.set_verbosity(verbosity)
     wall = time.perf_counter() - start

@@ -3,12 +3,15 @@ would be without hftc: one trial at a time with stock Optuna, with the sweep's f
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import SweepFileError
+from .clock import before_sweep
 from .serial import run_serial, too_small
 from .spec import SweepSpec
+from .training import load_data
 
 __all__ = ["run_one_by_one"]
 
@@ -32,10 +35,23 @@ def run_one_by_one(spec: SweepSpec, out: str | Path, log=None) -> Any:
     why = too_small(spec) or "asked to"
     if log is not None:
         log(f"one trial at a time with stock Optuna: {why}")
-    result = run_serial(spec, out, save_best=True)
+    start = time.perf_counter()
+    before_s = before_sweep()
+    data = load_data(spec)  # start-up, as the fused sweep's (the spec's errors first)
+    load_s = time.perf_counter() - start
+    # torch.optim's first optimizer imports torch._dynamo (about a second, once per
+    # process): start-up, as in the fused sweep, not the first trial's training.
+    dynamo_start = time.perf_counter()
+    import torch._dynamo  # noqa: F401
+    dynamo_import_s = time.perf_counter() - dynamo_start
+    result = run_serial(spec, out, data=data, save_best=True, record=True)
+    results_start = time.perf_counter()
     files, board = write_results(SimpleNamespace(study=result.study, out=out, spec=spec))
+    results_s = time.perf_counter() - results_start
     timings = {"train": result.train_s, "fuse": 0.0, "optuna": result.optuna_s,
-               "checkpoint": 0.0}
-    return SweepResult(result.study, out, result.wall_s, result.train_s, result.trial_epochs,
-                       files, board, timings, spec.metric_name,
+               "checkpoint": 0.0, "results": results_s}
+    return SweepResult(result.study, out, time.perf_counter() - start, result.train_s,
+                       result.trial_epochs, files, board, timings, spec.metric_name,
+                       load_s=load_s, dynamo_import_s=dynamo_import_s,
+                       before_s=before_s,
                        note=f"run one trial at a time with stock Optuna, no fusing ({why})")

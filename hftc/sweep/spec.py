@@ -18,10 +18,12 @@ A spec file is plain Python that names the pieces (see ``docs/SWEEP.md``)::
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -34,7 +36,8 @@ from torch import nn
 from ..errors import SpecError
 from ..module.group import MAX_PADDING
 
-__all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer", "hook_name"]
+__all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer", "hook_name",
+           "defined_at"]
 
 #: The arguments each hook is called with, in order (``metric`` when it is a function).
 HOOK_ARGUMENTS: dict[str, tuple[str, ...]] = {
@@ -59,6 +62,14 @@ def hook_name(key: str, fn: Any) -> str:
     if code is None:
         return f"spec.{key}"
     return f"spec.{key} ({code.co_filename}:{code.co_firstlineno})"
+
+
+def defined_at(key: str, fn: Any) -> str:
+    """``spec.data is defined at spec.py:12`` (or ``spec.data`` where the place is unknown)."""
+    name = hook_name(key, fn)
+    if " (" not in name:
+        return name
+    return f"{name.partition(' (')[0]} is defined at {name.partition(' (')[2][:-1]}"
 
 
 def _check_hook(key: str, fn: Any) -> None:
@@ -264,10 +275,55 @@ def load_spec(target: str | Path | Any) -> SweepSpec:
             f"space(trial), model(params) and data() (see docs/SWEEP.md)"
         )
     values = {k: getattr(module, k) for k in _spec_fields() if hasattr(module, k)}
+    _check_misspelled(module, where)
     if "name" not in values:
         values["name"] = Path(str(where)).stem if str(where).endswith(".py") else str(
             getattr(module, "__name__", "sweep")).rpartition(".")[2]
     return SweepSpec(**values)
+
+
+def _misspelling(module: Any, name: str, value: Any) -> str | None:
+    """The spec field ``name`` was likely meant as (``optimiser`` -> ``optimizer``, ``epoch``
+    -> ``epochs``), or None: a field it is close to, that the spec does not define, and
+    whose kind ``value`` has (a function taking the hook's arguments; a number, string,
+    dtype or bool where the field is one)."""
+    if name.startswith("_") or name in ("spec", "SPEC", "extra") or name in _spec_fields():
+        return None
+    close = [f for f in difflib.get_close_matches(name, _spec_fields(), n=3, cutoff=0.8)
+             if f != name and not hasattr(module, f)]
+    for wanted in close:
+        if wanted in HOOK_ARGUMENTS:
+            if not isinstance(value, types.FunctionType) or \
+                    getattr(value, "__module__", None) != module.__name__:
+                continue  # a function of the spec's own, not one it imported
+            try:
+                inspect.signature(value).bind(*HOOK_ARGUMENTS[wanted])
+            except (TypeError, ValueError):
+                continue
+            return wanted
+        default = next(f.default for f in fields(SweepSpec) if f.name == wanted)
+        kinds = {"sampler": (str,), "pruner": (str,), "dtype": (torch.dtype, str),
+                 "max_padding": (int, float)}.get(wanted, (type(default),))
+        if isinstance(value, kinds) and isinstance(value, bool) == isinstance(default, bool):
+            return wanted
+    return None
+
+
+def _check_misspelled(module: Any, where: str) -> None:
+    """A module-level name that is a spec field misspelled is an error, not a spec that
+    quietly runs without it (``def optimiser(params, module)`` would train with SGD)."""
+    for name, value in vars(module).items():
+        wanted = _misspelling(module, name, value)
+        if wanted is None:
+            continue
+        what = (hook_name(name, value).replace("spec.", "", 1) if callable(value)
+                else f"{name} = {value!r}")
+        arguments = (f"{wanted}({', '.join(HOOK_ARGUMENTS[wanted])})"
+                     if wanted in HOOK_ARGUMENTS else wanted)
+        raise SpecError(
+            f"the sweep spec {where} defines {what}, which the sweep does not read: did you "
+            f"mean {arguments}? Rename it to {wanted!r} (the spec fields are listed in "
+            f"docs/SWEEP.md), or start its name with '_' if it is a helper of your own")
 
 
 def _import(target: str):

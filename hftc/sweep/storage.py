@@ -160,7 +160,8 @@ def make_sampler(spec: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:
         return optuna.samplers.RandomSampler(seed=seed)
     if callable(s):
         return s(seed)
-    raise SweepError(f"unknown sampler {s!r}: use 'tpe', 'random' or an optuna sampler")
+    raise SweepError(f"unknown sampler {s!r} (the spec's sampler, or --sampler): use 'tpe', "
+                     f"'random', an optuna sampler or a function sampler(seed) -> sampler")
 
 
 def make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
@@ -177,8 +178,8 @@ def make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
     if p == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=1, max_resource=spec.epochs,
                                               reduction_factor=3)
-    raise SweepError(f"unknown pruner {p!r}: use 'median', 'sha', 'hyperband', 'none' or an "
-                     f"optuna pruner")
+    raise SweepError(f"unknown pruner {p!r} (the spec's pruner, or --pruner): use 'median', "
+                     f"'sha', 'hyperband', 'none' or an optuna pruner")
 
 
 class Heartbeat(threading.Thread):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .spec import SpecError, SweepSpec, hook_name
+from .spec import SpecError, SweepSpec, defined_at, hook_name
 
 __all__ = ["SweepData", "LoaderData", "load_data", "epoch_order", "batches", "build_model",
            "metric_value", "train_alone", "epochs_alone", "evaluate", "evaluate_all", "round_seed",
@@ -144,14 +144,17 @@ def load_data(spec: SweepSpec) -> SweepData | LoaderData:
     from torch.utils.data import DataLoader, IterableDataset
 
     raw = spec.data()
-    if isinstance(raw, (tuple, list)) and len(raw) == 2 and any(map(_is_loader, raw)):
-        if not all(map(_is_loader, raw)):
-            raise SpecError("spec.data(): give both splits as DataLoaders (or "
-                            "IterableDatasets), or neither")
-        train, val = (DataLoader(s, batch_size=b) if isinstance(s, IterableDataset) else s
-                      for s, b in zip(raw, (spec.batch_size, spec.eval_batch_size)))
-        return LoaderData(spec, train, val)
-    return SweepData.from_raw(spec, raw)
+    try:
+        if isinstance(raw, (tuple, list)) and len(raw) == 2 and any(map(_is_loader, raw)):
+            if not all(map(_is_loader, raw)):
+                raise SpecError("spec.data(): give both splits as DataLoaders (or "
+                                "IterableDatasets), or neither")
+            train, val = (DataLoader(s, batch_size=b) if isinstance(s, IterableDataset) else s
+                          for s, b in zip(raw, (spec.batch_size, spec.eval_batch_size)))
+            return LoaderData(spec, train, val)
+        return SweepData.from_raw(spec, raw)
+    except SpecError as exc:
+        raise SpecError(f"{exc} ({defined_at('data', spec.data)})") from None
 
 
 def _check_splits_agree(xt: tuple[Tensor, ...], yt: Tensor, xv: tuple[Tensor, ...],
@@ -231,7 +234,8 @@ def build_model(spec: SweepSpec, params: dict[str, Any], seed: int) -> nn.Module
     torch.manual_seed(seed)
     model = spec.model(params)
     if not isinstance(model, nn.Module):
-        raise SpecError(f"spec.model(params) returned a {type(model).__name__}, not an nn.Module")
+        raise SpecError(f"{hook_name('model', spec.model)} returned a {type(model).__name__}, "
+                        f"not an nn.Module: return the trial's model (did it forget `return`?)")
     return model.to(device=spec.device, dtype=spec.dtype)
 
 
@@ -242,7 +246,17 @@ def metric_value(spec: SweepSpec, output: Tensor, target: Tensor) -> float:
     if spec.metric == "loss":
         return float(spec.loss(output, target))
     value = spec.metric(output, target)
-    return float(value.item() if isinstance(value, Tensor) else value)
+    try:
+        if isinstance(value, Tensor) and value.numel() != 1:
+            raise TypeError
+        return float(value.item() if isinstance(value, Tensor) else value)
+    except (TypeError, ValueError, RuntimeError):
+        what = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor)
+                else f"a {type(value).__name__}: {value!r}"[:200])
+        raise SpecError(
+            f"{hook_name('metric', spec.metric)} returned {what}; return one number for "
+            f"the model's whole validation output (e.g. a mean: "
+            f"(output.argmax(-1) == target).float().mean())") from None
 
 
 @torch.no_grad()
