@@ -231,40 +231,7 @@ def per_model(loss_fn: Callable[..., Tensor], *,
     def losses(*args: Any, **kwargs: Any) -> Tensor:
         args, kwargs, dims = _bind_loss_arguments(
             loss_fn, signature, in_dims, args, {**loss_kwargs, **kwargs})
-        stacked = [a for a, d in zip(args, dims) if d == 0]
-        if not stacked:
-            raise FusionArgumentError(
-                "per_model: in_dims marks no argument as stacked (0): mark the fused "
-                "output 0, as in_dims=(0, None) (the default) does")
-        # A fused module's output with several fields (a tuple, a dict, a ModelOutput) is
-        # stacked field by field: each field is model i's at [i], as under vmap.
-        leaves = [t for a in stacked for t in pytree.tree_leaves(a)]
-        for a in stacked:
-            if isinstance(a, Tensor):
-                continue
-            fields = pytree.tree_leaves(a)
-            if not fields or not all(isinstance(t, Tensor) for t in fields):
-                raise FusionArgumentError(
-                    f"per_model: an argument marked 0 in in_dims is a {type(a).__name__} "
-                    f"of {', '.join(sorted({type(t).__name__ for t in fields})) or 'nothing'}"
-                    f", not of tensors stacked per model; pass the field the loss takes "
-                    f"(out['logits'], out.logits, out[0]) or mark it None in in_dims")
-        n = leaves[0].shape[0] if leaves[0].dim() else None
-        for t in leaves:
-            if t.dim() == 0 or t.shape[0] != n:
-                where = next((k for k, (a, d) in enumerate(zip(args, dims)) if d == 0 and any(
-                    t is leaf for leaf in pytree.tree_leaves(a))), None)
-                hint = ""
-                if where is not None and where > 0:
-                    marks = tuple(None if k == where else d for k, d in enumerate(dims))
-                    hint = (f"; a target all models share (one model's, as its own run "
-                            f"takes it) is marked None: hftc.per_model({_loss_name(loss_fn)}, "
-                            f"in_dims={marks})")
-                raise FusionArgumentError(
-                    f"per_model({_loss_name(loss_fn)}): every argument marked 0 in in_dims "
-                    f"must be a tensor (or a tuple, list or dict of tensors) stacked per "
-                    f"model, with leading dim N = {n} (argument 0's); argument "
-                    f"{where if where is not None else '?'} has shape {list(t.shape)}{hint}")
+        stacked, n = _stacked_arguments(loss_fn, args, dims)
         _check_target_not_stacked(loss_fn, args, dims, n)
         result = _per_model_losses(loss_fn, args, dims, kwargs, n, stacked)
         for check in RESULT_CHECKS:  # (hftc.training.mistakes: a .mean() of the N losses)
@@ -272,6 +239,47 @@ def per_model(loss_fn: Callable[..., Tensor], *,
         return result
 
     return losses
+
+
+def _stacked_arguments(loss_fn: Callable[..., Tensor], args: Sequence[Any],
+                       dims: Sequence[int | None]) -> tuple[list[Any], int | None]:
+    """The arguments marked 0 in ``in_dims`` and their models' count N, each checked to be
+    a tensor (or a tuple, list or dict of tensors) with leading dim N."""
+    stacked = [a for a, d in zip(args, dims) if d == 0]
+    if not stacked:
+        raise FusionArgumentError(
+            "per_model: in_dims marks no argument as stacked (0): mark the fused "
+            "output 0, as in_dims=(0, None) (the default) does")
+    # A fused module's output with several fields (a tuple, a dict, a ModelOutput) is
+    # stacked field by field: each field is model i's at [i], as under vmap.
+    leaves = [t for a in stacked for t in pytree.tree_leaves(a)]
+    for a in stacked:
+        if isinstance(a, Tensor):
+            continue
+        fields = pytree.tree_leaves(a)
+        if not fields or not all(isinstance(t, Tensor) for t in fields):
+            raise FusionArgumentError(
+                f"per_model: an argument marked 0 in in_dims is a {type(a).__name__} "
+                f"of {', '.join(sorted({type(t).__name__ for t in fields})) or 'nothing'}"
+                f", not of tensors stacked per model; pass the field the loss takes "
+                f"(out['logits'], out.logits, out[0]) or mark it None in in_dims")
+    n = leaves[0].shape[0] if leaves[0].dim() else None
+    for t in leaves:
+        if t.dim() == 0 or t.shape[0] != n:
+            where = next((k for k, (a, d) in enumerate(zip(args, dims)) if d == 0 and any(
+                t is leaf for leaf in pytree.tree_leaves(a))), None)
+            hint = ""
+            if where is not None and where > 0:
+                marks = tuple(None if k == where else d for k, d in enumerate(dims))
+                hint = (f"; a target all models share (one model's, as its own run "
+                        f"takes it) is marked None: hftc.per_model({_loss_name(loss_fn)}, "
+                        f"in_dims={marks})")
+            raise FusionArgumentError(
+                f"per_model({_loss_name(loss_fn)}): every argument marked 0 in in_dims "
+                f"must be a tensor (or a tuple, list or dict of tensors) stacked per "
+                f"model, with leading dim N = {n} (argument 0's); argument "
+                f"{where if where is not None else '?'} has shape {list(t.shape)}{hint}")
+    return stacked, n
 
 
 def _check_target_not_stacked(loss_fn: Callable[..., Tensor], args: Sequence[Any],
