@@ -1,6 +1,7 @@
-"""``hftc.fuse_groups(..., pad_widths=True)`` decides pad-or-split from a measured step
-time where one is recorded (``autotune=True`` records it), from the arithmetic estimate
-otherwise, and says which decided (hftc/module/group.py)."""
+"""``hftc.fuse_groups(..., pad_widths=True)`` decides pad-or-split, with
+``autotune=True``, from a measured step time (recorded, else measured and recorded);
+without it from the arithmetic estimate, whatever the table holds, so that the arrays
+(and the bits) are the same every run; and says which decided (hftc/module/group.py)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_a_measurement_favouring_split_overrides_an_estimate_favouring_padding()
     assert _arrays(hftc.fuse_groups(models, pad_widths=True, example_inputs=x)) == [[0, 1]]
     # the widest group first, then the next: the key's model order
     record_grouping_cost(grouping_key([models[1], models[0]], x), padded_s=2e-3, apart_s=1e-3)
-    groups = hftc.fuse_groups(models, pad_widths=True, example_inputs=x)
+    groups = hftc.fuse_groups(models, pad_widths=True, example_inputs=x, autotune=True)
     assert _arrays(groups) == [[0], [1]]
     assert "the next narrower models are apart: measured 2 ms a step padded into one " \
            "array vs 1 ms apart (1.14x" in groups[1][0].grouping
@@ -57,7 +58,8 @@ def test_a_measurement_favouring_padding_overrides_an_estimate_favouring_split()
     x = torch.randn(8, 20, dtype=torch.float64)
     assert _arrays(hftc.fuse_groups(models, pad_widths=True, example_inputs=x)) == [[0], [1]]
     record_grouping_cost(grouping_key([models[1], models[0]], x), padded_s=1e-3, apart_s=3e-3)
-    [(fused, indices)] = hftc.fuse_groups(models, pad_widths=True, example_inputs=x)
+    [(fused, indices)] = hftc.fuse_groups(models, pad_widths=True, example_inputs=x,
+                                          autotune=True)
     assert indices == [0, 1] and fused.padding is not None
     assert fused.grouping == ("2 widths padded into one array: measured 1 ms a step padded "
                               "into one array vs 3 ms apart (1.60x the models' own arithmetic "
@@ -79,6 +81,21 @@ def test_the_key_separates_inputs_widths_and_dtypes():
     # another batch size: nothing recorded for it, the estimate decides (1.60x: apart)
     other = torch.randn(16, 20, dtype=torch.float64)
     assert _arrays(hftc.fuse_groups(models, pad_widths=True, example_inputs=other)) == [[0], [1]]
+
+
+def test_without_autotune_the_table_decides_nothing():
+    """The default's arrays are the same with an empty table or one whose measurement
+    says the opposite of the estimate: which models share an array changes the bits."""
+    torch.manual_seed(3)
+    models = [mlp(96), mlp(128)]  # padded: 1.14x, within max_padding: one array
+    x = torch.randn(8, 20, dtype=torch.float64)
+    before = hftc.fuse_groups(models, pad_widths=True, example_inputs=x)
+    record_grouping_cost(grouping_key([models[1], models[0]], x), padded_s=2e-3, apart_s=1e-3)
+    after = hftc.fuse_groups(models, pad_widths=True, example_inputs=x)
+    assert _arrays(before) == _arrays(after) == [[0, 1]]
+    assert before[0][0].grouping == after[0][0].grouping
+    assert "estimated" in after[0][0].grouping and "measured" not in after[0][0].grouping
+    assert all(torch.equal(a, b) for a, b in zip(before[0][0](x), after[0][0](x)))
 
 
 def test_the_table_survives_a_new_process(own_cache):
@@ -110,8 +127,8 @@ def test_autotune_measures_records_and_the_result_is_each_model_alone(single_thr
            f"{apart_s * 1e3:.3g} ms apart" in reasons
     assert _arrays(groups) == ([[0, 1]] if padded_s <= apart_s else [[0], [1]])
     _equal_alone(groups, models, x)
-    # a later call without autotune reads the measurement
-    again = hftc.fuse_groups(models, pad_widths=True, example_inputs=x)
+    # a later call with autotune reads the measurement: nothing is timed again
+    again = hftc.fuse_groups(models, pad_widths=True, example_inputs=x, autotune=True)
     assert _arrays(again) == _arrays(groups)
     assert " ".join(fused.grouping for fused, _ in again) == reasons
 

@@ -223,16 +223,17 @@ def _measure_grouping(models: Sequence[nn.Module], current: list[int], group: li
 def _grouping_measurement(models: Sequence[nn.Module], example_inputs: Any,
                           fuse_kwargs: dict[str, Any]
                           ) -> Callable[[list[int], list[int]], tuple[float, float] | None]:
-    """``measured`` for :func:`pad_or_split`: the table's entry, else (with
-    ``autotune=True``) a new measurement, stored; else None (the estimate decides)."""
+    """``measured`` for :func:`pad_or_split`: with ``autotune=True``, the table's entry,
+    else a new measurement, stored; without it None, whatever the table holds: the
+    estimate decides, so the arrays (and so the bits) are the same every run."""
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
 
     def measured(current: list[int], group: list[int]) -> tuple[float, float] | None:
-        if example_inputs is None:
+        if example_inputs is None or not fuse_kwargs.get("autotune"):
             return None
         key = grouping_key([models[i] for i in current + group], example_inputs)
         found = grouping_cost(key)
-        if found is not None or not fuse_kwargs.get("autotune"):
+        if found is not None:
             return found
         try:
             padded_s, apart_s = _measure_grouping(models, current, group, args, fuse_kwargs)
