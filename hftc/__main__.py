@@ -223,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="training-step throughput of hftc against serial, concurrent, "
                       "torch.func and hand-fused baselines",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=_listing("workloads", bench_names.WORKLOADS) + "\n\n"
+        epilog=_listing("workloads", bench_names.WORKLOADS)
+        + "\n  sweep              the demo's whole sweep, hftc sweep vs stock Optuna one "
+          "trial at a time,\n                     as processes (alone; --sweep SPEC for "
+          "another spec)\n\n"
         + _listing("contenders", bench_names.CONTENDERS)
         + "\n\nexample: hftc bench --workloads mlp --sizes 2 --contenders serial,hftc "
           "--rounds 1 --compile-sizes '' --max-n ''   (seconds)")

@@ -216,3 +216,50 @@ def test_a_sweep_run_one_at_a_time_records_what_a_fused_one_does(tmp_path):
     assert [(t.state, t.value, t.params) for t in again.study.trials] == [
         (t.state, t.value, t.params) for t in trials]
     assert "result files" in result.summary or result.timings["results"] < 0.05
+
+
+def test_sweep_serial_runs_the_stock_study_with_the_sweeps_files(tmp_path, capsys):
+    """``hftc sweep SPEC --serial``: what the fused sweep is compared with, one trial at a
+    time with stock Optuna, in OUT/serial.db, with the sweep's files and summary."""
+    from hftc.__main__ import main
+
+    out = tmp_path / "out"
+    assert main(["sweep", str(_spec_file(tmp_path)), "--serial", "--out", str(out),
+                 "--trials", "3", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "note: run one trial at a time with stock Optuna, no fusing (--serial)" in text
+    assert (out / "serial.db").exists() and not (out / "study.db").exists()
+    assert (out / "results.csv").exists() and (out / "best.json").exists()
+    study = optuna.load_study(study_name="benchtiny-serial", storage=f"sqlite:///{out}/serial.db")
+    assert len(study.trials) == 3
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+
+
+@pytest.mark.parametrize("extra", [["--resume"], ["--storage", "sqlite:///x.db"], ["--ray"]])
+def test_sweep_serial_refuses_the_options_it_cannot_honour(tmp_path, capsys, extra):
+    from hftc.__main__ import main
+
+    assert main(["sweep", str(_spec_file(tmp_path)), "--serial", "--out", str(tmp_path / "o"),
+                 *extra]) == 2
+    assert "--serial runs stock Optuna one trial at a time" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_workloads_sweep_is_the_demos_sweep_bench(monkeypatch, capsys):
+    import hftc.bench.sweep as bench_sweep
+    from hftc.__main__ import main
+
+    asked = []
+
+    def fake_bench(spec_ref, rounds, threads, same_trials):
+        asked.append((spec_ref, rounds, threads, same_trials))
+        return {"rows": {}, "speedup": 1.0}
+
+    monkeypatch.setattr(bench_sweep, "run_sweep_bench", fake_bench)
+    monkeypatch.setattr(bench_sweep, "format_sweep_bench", lambda result: "formatted")
+    assert main(["bench", "--workloads", "sweep", "--rounds", "2"]) == 0
+    assert asked == [("hftc.sweep.digits", 2, 1, None)]
+    assert "formatted" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="the sweep workload runs alone"):
+        main(["bench", "--workloads", "sweep,mlp"])
+    assert len(asked) == 1

@@ -93,7 +93,25 @@ def docs_block(cfg) -> str:
     return "-".join(parts)
 
 
+#: ``--workloads sweep``: the whole-sweep bench of the demo's spec (``--sweep``'s default)
+SWEEP_WORKLOAD = "sweep"
+
+
+def _sweep_workload(args: argparse.Namespace) -> None:
+    """``--workloads sweep`` is ``--sweep`` (the demo's spec): a whole sweep both ways
+    as processes, which times no training step and so runs apart from the suite."""
+    names = [w for w in (args.workloads or "").split(",") if w]
+    if SWEEP_WORKLOAD not in names:
+        return
+    if len(names) > 1 or getattr(args, "sweep", None):
+        raise SystemExit(f"hftc bench: --workloads {args.workloads}: the sweep workload runs "
+                         f"alone (whole sweeps as processes, not training steps); run it as "
+                         f"--workloads sweep or --sweep SPEC, and the others apart")
+    args.sweep = "hftc.sweep.digits"
+
+
 def run(args: argparse.Namespace) -> int:
+    _sweep_workload(args)
     if getattr(args, "sweep", None):
         from .sweep import format_sweep_bench, run_sweep_bench
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from ..cli.args import positive_int
 
@@ -72,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --ray: the number of sweep actors (default 2)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a line per started, pruned and finished trial")
+    p.add_argument("--serial", action="store_true",
+                   help="instead of fusing: the same study one trial at a time with stock "
+                        "Optuna (study.optimize, a stock model each; OUT/serial.db), what "
+                        "the fused sweep is compared with")
     p.add_argument("--no-estimate", dest="estimate", action="store_false",
                    help="no speedup estimate in the summary: skip the epochs trained alone "
                         "and the sample of trials through stock Optuna it is made from "
@@ -126,6 +131,13 @@ def _main(args: argparse.Namespace) -> int:
         from . import run
 
         log = (lambda msg: print(msg, flush=True)) if args.verbose else None
+        if getattr(args, "serial", False):
+            if ray_address is not None or args.storage or args.resume:
+                print("hftc sweep: --serial runs stock Optuna one trial at a time in this "
+                      "process, on OUT/serial.db made afresh; leave out --ray, --storage "
+                      "and --resume", file=sys.stderr)
+                return 2
+            run = _serial_run
         if ray_address is not None:
             from ..integrations import ray as hftc_ray
 
@@ -164,3 +176,20 @@ def _main(args: argparse.Namespace) -> int:
     print("files: " + ", ".join(str(p) for p in result.files.values()))
     freeze_at_exit()
     return 0
+
+
+
+def _serial_run(spec: Any, *, n_trials=None, epochs=None, out=None, study_name=None,
+                sampler=None, pruner=None, seed=None, log=None, **_fused_only: Any) -> Any:
+    """``hftc sweep SPEC --serial``: :func:`hftc.sweep.run`'s arguments, the study run one
+    trial at a time with stock Optuna in ``OUT/serial.db`` (no fusing), with the sweep's
+    files and summary."""
+    from pathlib import Path
+
+    from .small import run_one_by_one
+    from .spec import load_spec
+
+    spec = load_spec(spec).replace(n_trials=n_trials, epochs=epochs, sampler=sampler,
+                                   pruner=pruner, seed=seed)
+    folder = Path(out) if out is not None else Path("sweeps") / (study_name or spec.name)
+    return run_one_by_one(spec, folder, log=log, why="--serial")

@@ -12,7 +12,8 @@ with.
 No hftc in the loop: a stock model, the spec's stock optimizer(s) and scheduler(s),
 Optuna's own storage (its defaults), sampler and pruner. The wall clock includes
 Optuna's share and the start-up (the storage, the study), as a user's script pays them.
-``hftc sweep SPEC --serial`` runs it; ``hftc bench --workload sweep`` runs both sides.
+``hftc sweep SPEC --serial`` runs it; ``hftc bench --sweep SPEC`` (``--workloads
+sweep``: the demo's spec) runs both sides as processes.
 """
 
 from __future__ import annotations

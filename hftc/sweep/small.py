@@ -16,10 +16,11 @@ from .training import load_data
 __all__ = ["run_one_by_one"]
 
 
-def run_one_by_one(spec: SweepSpec, out: str | Path, log=None) -> Any:
-    """A sweep too small to gain (:func:`too_small`), run as it would be without hftc:
-    :func:`run_serial` in ``out`` (its study in ``out/serial.db``), with the sweep's
-    results (results.csv, curves.png, best.json) and a :class:`~hftc.sweep.SweepResult`."""
+def run_one_by_one(spec: SweepSpec, out: str | Path, log=None, why: str | None = None) -> Any:
+    """A sweep too small to gain (:func:`too_small`), or asked to (``why``: ``hftc sweep
+    --serial``), run as it would be without hftc: :func:`run_serial` in ``out`` (its study
+    in ``out/serial.db``), with the sweep's results (results.csv, curves.png, best.json)
+    and a :class:`~hftc.sweep.SweepResult`."""
     from types import SimpleNamespace
 
     from .engine import SweepResult
@@ -32,7 +33,7 @@ def run_one_by_one(spec: SweepSpec, out: str | Path, log=None) -> Any:
         raise SweepFileError(
             f"cannot write in the sweep's folder {out} ({exc.strerror or exc}): make it "
             f"writable or give another --out", str(out)) from exc
-    why = too_small(spec) or "asked to"
+    why = why or too_small(spec) or "asked to"
     if log is not None:
         log(f"one trial at a time with stock Optuna: {why}")
     start = time.perf_counter()
