@@ -359,7 +359,7 @@ def test_the_pruner_is_asked_once_per_trial_and_epoch_across_kills(
         spec: hs.SweepSpec, uninterrupted: list[tuple], tmp_path: Path):
     """A resumed worker asked the pruner again about every trial it re-attached (one that
     counts, samples or reads the trials told since would answer otherwise). Now a trial
-    kept at an epoch is recorded so (``hftc_kept_at_epoch``), and is not asked again: every
+    kept at an epoch is recorded so (the worker folder's ``kept.txt``), and is not asked again: every
     (trial, step) once, as in the uninterrupted sweep."""
     log = tmp_path / "asked.txt"
     logged = spec.replace(pruner=_LoggedMedianPruner(log))

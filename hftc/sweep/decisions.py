@@ -3,22 +3,45 @@ prune (pruning.py) or keep it, and record what a resumed worker needs to decide 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import optuna
 import torch
 from optuna.trial import TrialState
 
 from .arrays import LiveTrial
-from .files import save
+from .files import append_line, save
 from .pruning import Reference, in_sequence, prune_in_sequence
 from .training import is_finite
 
-__all__ = ["Decisions", "KEPT_AT"]
+__all__ = ["Decisions", "KEPT_AT", "KEPT_FILE", "kept_decisions"]
 
-#: The system attribute that records "the pruner kept trial K at epoch E", as [K, E]: a
-#: resumed worker does not ask the pruner again for that epoch (it would see the trials
-#: told since, and a pruner that counts or samples would answer anew). K, because a
-#: retry inherits the system attributes of the trial it retries.
+#: The system attribute in which sweeps before the worker's decisions file recorded "the
+#: pruner kept trial K at epoch E", as [K, E] (a retry inherits the system attributes of
+#: the trial it retries, hence K): read when resuming such a sweep.
 KEPT_AT = "hftc_kept_at_epoch"
+
+#: The worker folder's record of "the pruner kept the trial of this id at this epoch", a
+#: line ``TRIAL_ID EPOCH`` each, appended as it is decided: a resumed worker does not ask
+#: the pruner again for that epoch (it would see the trials told since, and a pruner that
+#: counts or samples would answer anew). A file beside the checkpoints it goes with, not
+#: a storage write (a commit) per trial and epoch.
+KEPT_FILE = "kept.txt"
+
+
+def kept_decisions(folder: Path) -> set[tuple[int, int]]:
+    """The ``(trial id, epoch)`` pairs a worker's folder records as kept (KEPT_FILE); a
+    line a crash cut short is not one."""
+    try:
+        text = (folder / KEPT_FILE).read_text()
+    except OSError:
+        return set()
+    kept = set()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and all(p.isdigit() for p in parts):
+            kept.add((int(parts[0]), int(parts[1])))
+    return kept
 
 
 class Decisions:
@@ -65,9 +88,8 @@ class Decisions:
                     self._out_now.add(run.number)
                     done.append(run)
                     self.log(f"trial {run.number} pruned at epoch {run.epoch}: {value:.6g}")
-                else:  # kept: recorded, for a resumed worker (see KEPT_AT)
-                    self.storage.set_trial_system_attr(run.trial_id, KEPT_AT,
-                                                       [run.number, run.epoch])
+                else:  # kept: recorded, for a resumed worker (see KEPT_FILE)
+                    append_line(self.dir / KEPT_FILE, f"{run.trial_id} {run.epoch}\n")
             except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:
                 state = self.storage.get_trial(run.trial_id).state
                 if state == TrialState.RUNNING:

@@ -30,7 +30,7 @@ Resumed equals uninterrupted, bit for bit: trial k's parameters depend on the se
 and the trials before k only (sampling.py), and a resumed worker asks at the points the
 dead one did (after the round's decisions), with the same history; the arrays are a
 function of the live trials (:meth:`Sweep._regroup`); each round's random draws are
-seeded from its number; the pruner is asked once per trial and epoch (``KEPT_AT``).
+seeded from its number; the pruner is asked once per trial and epoch (``KEPT_FILE``).
 """
 
 from __future__ import annotations

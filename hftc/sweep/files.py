@@ -14,7 +14,7 @@ import torch
 
 from ..errors import SweepFileError
 
-__all__ = ["atomic_write", "save"]
+__all__ = ["atomic_write", "append_line", "save"]
 
 
 #: What to do after the output folder failed a write; the trials wait, RUNNING.
@@ -56,6 +56,20 @@ def atomic_write(path: Path, data: bytes | memoryview) -> None:
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        raise _write_error(path, exc) from exc
+
+
+def append_line(path: Path, line: str) -> None:
+    """``line`` appended to ``path`` in one write (a killed process loses none of it; a
+    reader skips a line a power cut left short). A failed write raises a
+    :class:`SweepFileError` that names the folder."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
         raise _write_error(path, exc) from exc
 
 

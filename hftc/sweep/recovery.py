@@ -18,7 +18,8 @@ from optuna.trial import TrialState
 
 from ..optim.slicing import load_model_slice
 from .arrays import LiveTrial, own_widths
-from .decisions import KEPT_AT
+from .decisions import KEPT_AT, KEPT_FILE, kept_decisions
+from .files import append_line
 from .training import build_model, make_optimizers, make_schedulers
 
 __all__ = ["Recovery", "try_lock", "read_manifest", "NO_HEARTBEAT_S"]
@@ -115,6 +116,13 @@ class Recovery:
                     chosen[entry["trial_id"]] = (folder, entry)
             self.round = max(self.round, int(manifest.get("round", 0)))
         files: dict[tuple[Path, str], dict | None] = {}
+        kept: dict[Path, set[tuple[int, int]]] = {}
+
+        def kept_in(folder: Path) -> set[tuple[int, int]]:
+            if folder not in kept:
+                kept[folder] = kept_decisions(folder)
+            return kept[folder]
+
         # In the order of their numbers, the order the dead worker asked them in and held
         # them live: its arrays (and their dropout draws) and its decisions had that order.
         for folder, entry in sorted(chosen.values(), key=lambda fe: fe[1]["number"]):
@@ -154,8 +162,11 @@ class Recovery:
                        reported=max(frozen.intermediate_values, default=0))
             self.live.append(run)
             adopted.append(run)
-            if epoch > 0 and frozen.system_attrs.get(KEPT_AT) != [frozen.number, epoch]:
+            if epoch > 0 and (entry["trial_id"], epoch) not in kept_in(folder) and \
+                    frozen.system_attrs.get(KEPT_AT) != [frozen.number, epoch]:
                 undecided.append(run)
+            elif epoch > 0:  # kept there: recorded here too, before that folder goes
+                append_line(self.dir / KEPT_FILE, f"{entry['trial_id']} {epoch}\n")
         if adopted:
             self.log(f"resumed {len(adopted)} trial(s): "
                      + ", ".join(f"{r.number}@epoch {r.epoch}" for r in adopted))
