@@ -370,3 +370,36 @@ def test_the_pruner_is_asked_once_per_trial_and_epoch_across_kills(
     once = Counter((t.number, step) for t in trials for step in t.intermediate_values
                    if not (t.state == TrialState.COMPLETE and step == spec.epochs))
     assert asked == once
+
+
+class _TaggedNet(torch.nn.Module):
+    """The spec's Net with extra state (``get_extra_state``): its trial's tag, which
+    torch saves beside the tensors and a checkpoint must give back."""
+
+    def __init__(self, p: float, width: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(12, width)
+        self.dropout = torch.nn.Dropout(p)
+        self.fc2 = torch.nn.Linear(width, 3)
+        self.tag = f"p={p:.3f}"
+
+    def forward(self, x):
+        return self.fc2(self.dropout(torch.relu(self.fc1(x))))
+
+    def get_extra_state(self):
+        return {"tag": self.tag}
+
+    def set_extra_state(self, state):
+        self.tag = state["tag"]
+
+
+def test_a_model_with_extra_state_is_checkpointed_and_resumed_exactly(
+        spec: hs.SweepSpec, tmp_path: Path):
+    """A fused state dict holds each model's extra state (a list of the N models' own):
+    the checkpoint of an array of such models resumes (torch's strict load wanted
+    ``_extra_state``, which the fused state dict lacked) to the uninterrupted sweep."""
+    tagged = spec.replace(model=lambda params: _TaggedNet(params["dropout"], params["width"]),
+                          n_trials=6)
+    full = _sweep(tagged, tmp_path / "full", resume=False)
+    trials = _killed_then_resumed(tagged, tmp_path / "out", [("batch", 8)])
+    assert _outcome(trials) == _outcome(full.study.trials)

@@ -20,12 +20,25 @@ compares besides its sample: a model unlike the others is never left out of the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
+from ..errors import FusionArgumentError
 from ..frontends.same_program import fingerprint, program_difference
 from ..frontends.symbolic import deepcopy_module, meta_copy
+
+#: the key torch gives a module's ``get_extra_state()`` in its state dict
+EXTRA_STATE_KEY = "_extra_state"
+
+
+def has_extra_state(module: nn.Module) -> bool:
+    """Whether ``module``'s class keeps state besides its tensors (``get_extra_state``),
+    which torch saves under ``PATH._extra_state``."""
+    return type(module).get_extra_state is not nn.Module.get_extra_state
 
 
 class ModelCopies:
@@ -107,6 +120,66 @@ class ModelCopies:
                     else modes.get(path.rpartition(".")[0], fused.training))
             modes[path] = sub.training = mode
         return model
+
+    def own_path(self, index: int, fused_path: str) -> str | None:
+        """Model ``index``'s module path for the fused module's ``fused_path`` (None: none)."""
+        paths = self.paths[index]
+        if paths is None:
+            return fused_path
+        return next((own for own, fused in paths.items() if fused == fused_path), None)
+
+    def extra_state_paths(self) -> list[str]:
+        """The fused module paths (model 0's) whose module keeps extra state in any model."""
+        found: dict[str, None] = {}
+        for i, template in enumerate(self.templates):
+            for path, sub in template.named_modules(remove_duplicate=False):
+                fused_path = self.fused_path(i, path)
+                if fused_path is not None and has_extra_state(sub):
+                    found[fused_path] = None
+        return list(found)
+
+    def extra_states(self, path: str, own_model: Callable[[int], nn.Module]) -> list[Any]:
+        """Each model's ``get_extra_state()`` of its module at fused ``path`` (None where a
+        model has none there); ``own_model(i)`` builds model i with its tensors, for an
+        extra state that holds them (a template's are on the meta device)."""
+        states = []
+        for i, template in enumerate(self.templates):
+            own = self.own_path(i, path)
+            sub = None if own is None else template.get_submodule(own)
+            if sub is None or not has_extra_state(sub):
+                states.append(None)
+                continue
+            state = sub.get_extra_state()
+            if any(isinstance(leaf, torch.Tensor) and leaf.is_meta
+                   for leaf in pytree.tree_leaves(state)):
+                state = own_model(i).get_submodule(own).get_extra_state()
+            states.append(state)
+        return states
+
+    def load_extra_states(self, key: str, path: str, states: Any) -> str | None:
+        """``set_extra_state`` of each model's module at fused ``path`` from ``states`` (a
+        fused state dict's ``key``: one per model). Returns None where that changes
+        nothing the fused program was built from, else what it changes, in words (the
+        caller fuses the models anew)."""
+        n = len(self.templates)
+        if not isinstance(states, (list, tuple)) or len(states) != n:
+            raise FusionArgumentError(
+                f"load_state_dict: `{key}` must hold the {n} models' extra states, a list of "
+                f"{n} (what fused.state_dict() saves), got {type(states).__name__}"
+                + (f" of {len(states)}" if isinstance(states, (list, tuple)) else "")
+                + "; one model's extra state goes into that model (model.load_state_dict)")
+        changed = None
+        for i, (template, state) in enumerate(zip(list(self.templates), states)):
+            own = self.own_path(i, path)
+            if own is None or not has_extra_state(template.get_submodule(own)):
+                continue
+            twin = deepcopy_module(template)
+            twin.get_submodule(own).set_extra_state(state)
+            difference = program_difference(template, twin)
+            if difference is not None and changed is None:
+                changed = f"model {i}'s, at `{own or '<root>'}`: {difference}"
+            self.templates[i] = twin
+        return changed
 
     def deepcopy_templates(self) -> list[nn.Module]:
         """Fresh copies of the templates (what tracing again runs, so that a forward which

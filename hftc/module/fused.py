@@ -55,7 +55,7 @@ from ..lowering.runtime.one_by_one import OneByOne
 from ..lowering.strategy import resolve_strategy
 from ..match import GraphMatch, match_graphs
 from ..passes.registry import aten_spellings, per_model_table
-from .copies import ModelCopies
+from .copies import EXTRA_STATE_KEY, ModelCopies
 from .inputs import InDims, InputHandling, check_in_dims
 from .padding import WidthPadding, mask_padded_gradients, pad_models
 from .programs import ProgramCache
@@ -286,6 +286,10 @@ def example_constants(model: nn.Module, example_inputs: Any) -> dict[str, Any] |
     return constant_inputs(model, dict(given))
 
 
+
+
+def _extra_state_key(prefix: str, path: str) -> str:
+    return f"{prefix}{path + '.' if path else ''}{EXTRA_STATE_KEY}"
 
 
 class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Module):
@@ -556,6 +560,52 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         if memory_format is None:
             return super().to(*args, **kwargs)
         return super().to(device=device, dtype=dtype, non_blocking=non_blocking)
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
+                            keep_vars: bool) -> None:
+        """The stacked tensors, and each module's extra state (``get_extra_state``) as a
+        list of the N models' own under torch's key::
+
+            model i:  {"norm._extra_state": state_i, ...}
+            fused:    {"norm._extra_state": [state_0, ..., state_{N-1}], ...}
+        """
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for path in self.model_copies.extra_state_paths():
+            destination[_extra_state_key(prefix, path)] = self.model_copies.extra_states(
+                path, self._own_model)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any,
+                              **kwargs: Any) -> None:
+        # (the extra states taken out first: no stacked module of ours would claim them)
+        strict, missing = args[1], args[2]
+        changed = []
+        for path in self.model_copies.extra_state_paths():
+            key = _extra_state_key(prefix, path)
+            if key in state_dict:
+                change = self.model_copies.load_extra_states(key, path, state_dict.pop(key))
+                changed += [change] if change is not None else []
+            elif strict:
+                missing.append(key)
+        if changed:
+            self._fuse_own_models_anew(changed[0])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _fuse_own_models_anew(self, why: str) -> None:
+        """Fuse the models again as their own objects now are (an extra state loaded into
+        them changed what the program was built from), keeping this module's parameter
+        objects: the program runs each model's new Python state, never its old one."""
+        models = [self._own_model(i) for i in range(self.num_models)]
+        try:
+            refused = type(self)(models, **self.fuse_options)
+        except Exception as exc:
+            raise FusionArgumentError(
+                f"load_state_dict: the extra state loaded changes {why}, and the models "
+                f"with it do not fuse again ({type(exc).__name__}: {exc}); load each "
+                f"model's state into a model of its own and fuse those: "
+                f"m.load_state_dict(state_i); hftc.fuse(models)") from exc
+        ids = self.model_ids
+        self._become(refused)
+        self._set_model_ids(ids)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         try:

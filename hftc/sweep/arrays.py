@@ -89,9 +89,10 @@ def own_widths(stacked: dict[str, torch.Tensor], index: int,
     a padded array (pad_widths) holds each model in the first entries of every dim (of
     each q, k, v block of an attention's packed projection)."""
     own, blocks = module.state_dict(), width_blocks(module)
+    # (an extra state is a list of the models' own: v[index] is model index's)
     return {k: own_part(v[index], own[k].shape, blocks.get(k, 1))
-            if k in own and v[index].dim() == own[k].dim() else v[index]
-            for k, v in stacked.items()}
+            if k in own and isinstance(v, torch.Tensor) and v[index].dim() == own[k].dim()
+            else v[index] for k, v in stacked.items()}
 
 
 def structure_key(module: nn.Module) -> tuple:

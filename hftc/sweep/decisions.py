@@ -52,7 +52,8 @@ class Decisions:
     def _model_state(self, run: LiveTrial) -> dict[str, torch.Tensor]:
         if run.array is not None:
             return run.array.fused.model_state_dict(run.slot)
-        return {k: v.detach().clone() for k, v in run.module.state_dict().items()}
+        return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v  # (extra state)
+                for k, v in run.module.state_dict().items()}
 
     def _decide(self, runs: list[LiveTrial]) -> None:
         """Report each trial's new metrics, then complete, prune or keep it."""

@@ -306,8 +306,9 @@ def _hyper_for(values: dict[Any, Any], opt: FusedOptimizer) -> dict[str, Any]:
 
 
 def _check_same_tensors(fused: FusedModule, refused: FusedModule) -> None:
-    shapes = {n: t.shape for n, t in fused.state_dict().items()}
-    new = {n: t.shape for n, t in refused.state_dict().items()}
+    # (the tensors: an extra state is a list of the models' own, not a fused tensor)
+    shapes = {n: t.shape for n, t in fused.state_dict().items() if isinstance(t, torch.Tensor)}
+    new = {n: t.shape for n, t in refused.state_dict().items() if isinstance(t, torch.Tensor)}
     if shapes != new:
         name = next(n for n in [*shapes, *new] if shapes.get(n) != new.get(n))
         raise FusionArgumentError(

@@ -1,0 +1,150 @@
+"""A fused state dict holds each model's extra state (``get_extra_state``), as torch
+keys it, a list of the N models' own::
+
+    model i:  {"_extra_state": s_i, "norm._extra_state": t_i, "fc.weight": W_i, ...}
+    fused:    {"_extra_state": [s_0 .. s_N-1], "norm._extra_state": [t_0 ..], "fc.weight": [N, ...]}
+
+``fused.load_state_dict`` gives each model its own back; where that changes Python state
+the fused program was built from, the models are fused anew (same parameter objects),
+so the program runs each model's loaded state, never the old one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hftc
+from hftc.errors import FusionArgumentError
+
+
+class Tagged(nn.Linear):
+    """A submodule whose extra state the forward does not read."""
+
+    def get_extra_state(self):
+        return {"note": getattr(self, "note", "none")}
+
+    def set_extra_state(self, state):
+        self.note = state["note"]
+
+
+class Scaled(nn.Module):
+    """Extra state the forward reads: the scale."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+        self.head = Tagged(5, 3)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x)) * self.scale)
+
+    def get_extra_state(self):
+        return {"scale": self.scale}
+
+    def set_extra_state(self, state):
+        self.scale = state["scale"]
+
+
+def _models(scales, dtype=torch.float64):
+    torch.manual_seed(0)
+    models = [Scaled(s).to(dtype) for s in scales]
+    for i, m in enumerate(models):
+        m.head.note = f"model {i}"
+    return models
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_the_state_dict_holds_each_models_extra_state(n):
+    models = _models([1.0 + i for i in range(n)])
+    fused = hftc.fuse(models)
+    sd = fused.state_dict()
+    assert sd["_extra_state"] == [{"scale": 1.0 + i} for i in range(n)]
+    assert sd["head._extra_state"] == [{"note": f"model {i}"} for i in range(n)]
+    for i, m in enumerate(models):
+        own = fused.model_state_dict(i)
+        assert own["_extra_state"] == m.state_dict()["_extra_state"]
+        assert own["head._extra_state"] == {"note": f"model {i}"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("strategy", ["fused", "model_loop"])
+def test_loading_extra_state_the_forward_reads_runs_each_models_loaded_state(dtype, strategy):
+    saved_models = _models([0.5, 2.0, 3.0], dtype)
+    saved = hftc.fuse(saved_models, strategy=strategy).state_dict()
+    torch.manual_seed(1)
+    fused = hftc.fuse([Scaled(1.0).to(dtype) for _ in range(3)], strategy=strategy)
+    params = [id(p) for p in fused.parameters()]
+    optimizer = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    fused.load_state_dict(saved)
+    assert [id(p) for p in fused.parameters()] == params  # the optimizer's still
+    x = torch.randn(4, 6, dtype=dtype)
+    out = fused(x)
+    tol = {} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-6}
+    for i, m in enumerate(saved_models):
+        torch.testing.assert_close(out[i], m(x), **tol)
+    assert [m.scale for m in fused.unfuse()] == [0.5, 2.0, 3.0]
+    assert [m.head.note for m in fused.unfuse()] == ["model 0", "model 1", "model 2"]
+    # backward and a step on the same parameters, each model its own gradient
+    out.sum().backward()
+    for i, m in enumerate(saved_models):
+        m.zero_grad()
+        m(x).sum().backward()
+        torch.testing.assert_close(fused.fc.weight.grad[i], m.fc.weight.grad, **tol)
+    optimizer.step()
+
+
+def test_a_round_trip_changes_nothing():
+    models = _models([1.0, 2.0])
+    fused = hftc.fuse(models)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    before = fused(x)
+    fused.load_state_dict(fused.state_dict())
+    assert torch.equal(fused(x), before)
+
+
+def test_a_fused_module_inside_a_users_module_saves_and_loads_under_its_prefix():
+    class Holder(nn.Module):
+        def __init__(self, fused):
+            super().__init__()
+            self.fused = fused
+
+    holder = Holder(hftc.fuse(_models([1.0, 4.0])))
+    sd = holder.state_dict()
+    assert sd["fused._extra_state"] == [{"scale": 1.0}, {"scale": 4.0}]
+    other = Holder(hftc.fuse(_models([1.0, 1.0])))
+    other.load_state_dict(sd)
+    assert [m.scale for m in other.fused.unfuse()] == [1.0, 4.0]
+
+
+def test_a_missing_or_malformed_extra_state_is_refused():
+    fused = hftc.fuse(_models([1.0, 2.0]))
+    sd = fused.state_dict()
+    missing = {k: v for k, v in sd.items() if k != "head._extra_state"}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "head._extra_state"'):
+        fused.load_state_dict(missing)
+    fused.load_state_dict(missing, strict=False)  # as torch: what is there is loaded
+    with pytest.raises(FusionArgumentError, match=r"`_extra_state` must hold the 2 models' "
+                                                  r"extra states, a list of 2"):
+        fused.load_state_dict({**sd, "_extra_state": {"scale": 3.0}})
+
+
+def test_replace_models_and_keep_models_keep_each_models_extra_state():
+    models = _models([1.0, 2.0, 3.0])
+    fused = hftc.fuse(models)
+    optimizer = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    newcomer = _models([7.0])[0]
+    hftc.replace_models(fused, {1: newcomer})
+    assert fused.state_dict()["_extra_state"] == [{"scale": 1.0}, {"scale": 7.0},
+                                                  {"scale": 3.0}]
+    x = torch.randn(2, 6, dtype=torch.float64)
+    torch.testing.assert_close(fused(x)[1], newcomer(x))
+    hftc.keep_models(fused, [2, 1])
+    assert fused.state_dict()["_extra_state"] == [{"scale": 3.0}, {"scale": 7.0}]
+    out = fused(x)
+    torch.testing.assert_close(out[0], models[2](x))
+    torch.testing.assert_close(out[1], newcomer(x))
+    out.sum().backward()
+    optimizer.step()  # the optimizer follows the kept models (hftc.keep_models)
+    assert optimizer.num_models == 2
