@@ -218,3 +218,16 @@ def test_every_opened_block_is_closed(path):
     assert text.count("<!-- hftc:numbers name=") == len(BLOCK.findall(text)), (
         f"{_page_id(path)}: a `<!-- hftc:numbers name=... -->` without its "
         f"`<!-- /hftc:numbers -->`")
+
+
+def test_the_sweep_table_is_the_sweeps_blocks_table_less_the_best_column():
+    text = ("<!-- bench:sweeps:begin -->\n\n"
+            "| sweep | machine | hftc sweep | speedup (median of rounds) | best (hftc / stock) |\n"
+            "|---|---|---|---|---|\n"
+            "| MLP | CPU | 6.8 s | 1.25x [1.21-1.29] | 0.97 / 0.98 |\n\n"
+            "<!-- bench:sweeps:end -->\n")
+    assert figure(Benchmarks(text), "sweep-table") == (
+        "| sweep | machine | hftc sweep | speedup (median of rounds) |\n|---|---|---|---|\n"
+        "| MLP | CPU | 6.8 s | 1.25x [1.21-1.29] |")
+    with pytest.raises(FigureError, match="no generated block 'sweeps'"):
+        figure(Benchmarks(_BENCH), "sweep-table")

@@ -285,9 +285,24 @@ def h200_mps_table(bench: Benchmarks) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(bench: Benchmarks) -> str:
+    """Whole sweeps, ``hftc sweep`` against the same study run one trial at a time with
+    stock Optuna, both as whole processes (the block ``sweeps``: the latest run's)."""
+    for _, header, rows in tables(bench.block("sweeps")):
+        if header[:2] == ["sweep", "machine"]:
+            keep = [header.index(c) for c in header if c != "best (hftc / stock)"]
+            lines = ["| " + " | ".join(header[k] for k in keep) + " |",
+                     "|" + "---|" * len(keep)]
+            lines += ["| " + " | ".join(row[k] for k in keep) + " |" for row in rows]
+            return "\n".join(lines)
+    raise FigureError("docs/BENCHMARKS.md's block `sweeps` holds no table headed "
+                      "| sweep | machine | ...")
+
+
 #: Figures and tables that are more than one address.
 NAMED: dict[str, Callable[[Benchmarks], str]] = {
     "speedup-table": speedup_table,
+    "sweep-table": sweep_table,
     "h200-mps-table": h200_mps_table,
     "h200-mps-beat-eager": _mps_count("cuda-h200", "hftc"),
     "h200-mps-beat-step": _mps_count("cuda-h200", "hftc|hftc+step"),
