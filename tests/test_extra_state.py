@@ -148,3 +148,27 @@ def test_replace_models_and_keep_models_keep_each_models_extra_state():
     out.sum().backward()
     optimizer.step()  # the optimizer follows the kept models (hftc.keep_models)
     assert optimizer.num_models == 2
+
+
+class ScaledWidth(Scaled):
+    def __init__(self, width: int, scale: float):
+        super().__init__(scale)
+        self.fc = nn.Linear(6, width)
+        self.head = Tagged(width, 3)
+
+
+def test_pad_widths_models_take_their_loaded_extra_state_at_their_own_widths():
+    """A padded array keeps each model's own object twice (padded, and at its own widths
+    for unfuse): a loaded extra state reaches both, and the program runs it."""
+    torch.manual_seed(0)
+    saved_models = [ScaledWidth(w, s).double() for w, s in ((8, 1.0), (12, 2.0), (16, 3.0))]
+    saved = hftc.fuse(saved_models, pad_widths=True).state_dict()
+    torch.manual_seed(1)
+    fused = hftc.fuse([ScaledWidth(w, 1.0).double() for w in (8, 12, 16)], pad_widths=True)
+    fused.load_state_dict(saved)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    out = fused(x)
+    for i, m in enumerate(saved_models):
+        torch.testing.assert_close(out[i], m(x))
+    assert [m.scale for m in fused.unfuse()] == [1.0, 2.0, 3.0]
+    assert [m.fc.out_features for m in fused.unfuse()] == [8, 12, 16]

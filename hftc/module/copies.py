@@ -156,9 +156,11 @@ class ModelCopies:
             states.append(state)
         return states
 
-    def load_extra_states(self, key: str, path: str, states: Any) -> str | None:
+    def load_extra_states(self, key: str, path: str, states: Any,
+                          originals: list[nn.Module] | None = None) -> str | None:
         """``set_extra_state`` of each model's module at fused ``path`` from ``states`` (a
-        fused state dict's ``key``: one per model). Returns None where that changes
+        fused state dict's ``key``: one per model), and of ``originals[i]``'s (the models
+        at their own widths, ``pad_widths=True``) alike. Returns None where that changes
         nothing the fused program was built from, else what it changes, in words (the
         caller fuses the models anew)."""
         n = len(self.templates)
@@ -179,6 +181,8 @@ class ModelCopies:
             if difference is not None and changed is None:
                 changed = f"model {i}'s, at `{own or '<root>'}`: {difference}"
             self.templates[i] = twin
+            if originals is not None:
+                originals[i].get_submodule(own).set_extra_state(state)
         return changed
 
     def deepcopy_templates(self) -> list[nn.Module]:

@@ -582,7 +582,10 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         for path in self.model_copies.extra_state_paths():
             key = _extra_state_key(prefix, path)
             if key in state_dict:
-                change = self.model_copies.load_extra_states(key, path, state_dict.pop(key))
+                padding = getattr(self, "padding", None)
+                change = self.model_copies.load_extra_states(
+                    key, path, state_dict.pop(key),
+                    None if padding is None else padding.originals)
                 changed += [change] if change is not None else []
             elif strict:
                 missing.append(key)
