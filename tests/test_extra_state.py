@@ -148,3 +148,44 @@ def test_replace_models_and_keep_models_keep_each_models_extra_state():
     out.sum().backward()
     optimizer.step()  # the optimizer follows the kept models (hftc.keep_models)
     assert optimizer.num_models == 2
+
+
+class Counted(nn.Module):
+    """A step counter that forward advances and the extra state holds (the models then
+    run one by one, each in a shell that keeps its own count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        return self.fc(x) * (1.0 + 0.0 * self.steps)
+
+    def get_extra_state(self):
+        return {"steps": self.steps}
+
+    def set_extra_state(self, state):
+        self.steps = state["steps"]
+
+
+@pytest.mark.filterwarnings("ignore::hftc.errors.FusionWarning")  # (one by one, said below)
+def test_extra_state_a_forward_changes_is_saved_and_loaded_as_the_forwards_left_it():
+    torch.manual_seed(0)
+    fused = hftc.fuse([Counted().double() for _ in range(3)])
+    x = torch.randn(2, 4, dtype=torch.float64)
+    with pytest.warns(hftc.FusionWarning, match="steps"):
+        fused(x)
+    fused(x)
+    fused(x)
+    # saved as the forwards left it (the template kept the count of fusing: 0)
+    assert fused.state_dict()["_extra_state"] == [{"steps": 3}] * 3
+    sd = {**fused.state_dict(), "_extra_state": [{"steps": s} for s in (10, 20, 30)]}
+    fused.load_state_dict(sd)
+    # loaded into what the models run in (the shells' old counts overrode it)
+    assert [m.steps for m in fused.unfuse()] == [10, 20, 30]
+    assert fused.state_dict()["_extra_state"] == [{"steps": s} for s in (10, 20, 30)]
+    fused(x)
+    assert [m.steps for m in fused.unfuse()] == [11, 21, 31]
+    assert [fused.model_state_dict(i)["_extra_state"]["steps"] for i in range(3)] == [11, 21, 31]

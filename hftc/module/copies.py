@@ -20,6 +20,7 @@ compares besides its sample: a model unlike the others is never left out of the 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -138,16 +139,22 @@ class ModelCopies:
                     found[fused_path] = None
         return list(found)
 
-    def extra_states(self, path: str, own_model: Callable[[int], nn.Module]) -> list[Any]:
+    def extra_states(self, path: str, own_model: Callable[[int], nn.Module],
+                     live: bool = False) -> list[Any]:
         """Each model's ``get_extra_state()`` of its module at fused ``path`` (None where a
         model has none there); ``own_model(i)`` builds model i with its tensors, for an
-        extra state that holds them (a template's are on the meta device)."""
+        extra state that holds them (a template's are on the meta device).  ``live``: the
+        models' forwards change their Python state (a step counter), which the templates
+        keep as fused: each model's own module, as its forwards left it, is asked."""
         states = []
         for i, template in enumerate(self.templates):
             own = self.own_path(i, path)
             sub = None if own is None else template.get_submodule(own)
             if sub is None or not has_extra_state(sub):
                 states.append(None)
+                continue
+            if live:
+                states.append(own_model(i).get_submodule(own).get_extra_state())
                 continue
             state = sub.get_extra_state()
             if any(isinstance(leaf, torch.Tensor) and leaf.is_meta
@@ -156,11 +163,13 @@ class ModelCopies:
             states.append(state)
         return states
 
-    def load_extra_states(self, key: str, path: str, states: Any) -> str | None:
+    def load_extra_states(self, key: str, path: str, states: Any,
+                          shells: Sequence[nn.Module] = ()) -> str | None:
         """``set_extra_state`` of each model's module at fused ``path`` from ``states`` (a
-        fused state dict's ``key``: one per model). Returns None where that changes
-        nothing the fused program was built from, else what it changes, in words (the
-        caller fuses the models anew)."""
+        fused state dict's ``key``: one per model), in its template and in ``shells[i]``
+        (the module model i runs in one by one, whose Python state forwards change and
+        ``unfuse()`` reads). Returns None where that changes nothing the fused program
+        was built from, else what it changes, in words (the caller fuses anew)."""
         n = len(self.templates)
         if not isinstance(states, (list, tuple)) or len(states) != n:
             raise FusionArgumentError(
@@ -175,6 +184,8 @@ class ModelCopies:
                 continue
             twin = deepcopy_module(template)
             twin.get_submodule(own).set_extra_state(state)
+            if shells:  # (else the shell's old attributes overrode the loaded ones)
+                shells[i].get_submodule(own).set_extra_state(copy.deepcopy(state))
             difference = program_difference(template, twin)
             if difference is not None and changed is None:
                 changed = f"model {i}'s, at `{own or '<root>'}`: {difference}"

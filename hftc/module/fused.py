@@ -570,19 +570,24 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             fused:    {"norm._extra_state": [state_0, ..., state_{N-1}], ...}
         """
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        # (a forward that changes Python state runs in the loop's shells, which hold it)
+        live = self._python_state is not None and "_shared_one_by_one" in self.__dict__
         for path in self.model_copies.extra_state_paths():
             destination[_extra_state_key(prefix, path)] = self.model_copies.extra_states(
-                path, self._own_model)
+                path, self._own_model, live)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any,
                               **kwargs: Any) -> None:
         # (the extra states taken out first: no stacked module of ours would claim them)
         strict, missing = args[1], args[2]
         changed = []
+        loop = self.__dict__.get("_shared_one_by_one")
+        shells = loop.shells if loop is not None else ()
         for path in self.model_copies.extra_state_paths():
             key = _extra_state_key(prefix, path)
             if key in state_dict:
-                change = self.model_copies.load_extra_states(key, path, state_dict.pop(key))
+                change = self.model_copies.load_extra_states(key, path, state_dict.pop(key),
+                                                             shells)
                 changed += [change] if change is not None else []
             elif strict:
                 missing.append(key)
