@@ -189,3 +189,45 @@ def test_extra_state_a_forward_changes_is_saved_and_loaded_as_the_forwards_left_
     fused(x)
     assert [m.steps for m in fused.unfuse()] == [11, 21, 31]
     assert [fused.model_state_dict(i)["_extra_state"]["steps"] for i in range(3)] == [11, 21, 31]
+
+
+class Branching(nn.Module):
+    """Extra state a Python branch of forward reads: models that differ in it do not fuse."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.head = Tagged(3, 2)
+        self.gated = False
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.head(torch.relu(h) if self.gated else h)
+
+    def get_extra_state(self):
+        return {"gated": self.gated}
+
+    def set_extra_state(self, state):
+        self.gated = state["gated"]
+
+
+def test_a_refused_load_leaves_each_model_the_state_its_program_was_built_from():
+    torch.manual_seed(0)
+    fused = hftc.fuse([Branching().double() for _ in range(3)])
+    x = torch.randn(5, 4, dtype=torch.float64)
+    fused(x)
+    before = fused.state_dict()
+    gated = {**before, "_extra_state": [{"gated": False}, {"gated": True}, {"gated": False}]}
+    with pytest.raises(FusionArgumentError, match="do not fuse again"):
+        fused.load_state_dict(gated)
+    # a malformed later key (the root's is read first): the earlier ones are not kept
+    with pytest.raises(FusionArgumentError, match="`head._extra_state` must hold"):
+        fused.load_state_dict({**before, "_extra_state": [{"gated": True}] * 3,
+                               "head._extra_state": [{"note": "loaded"}]})
+    after = fused.state_dict()
+    assert after["_extra_state"] == [{"gated": False}] * 3
+    assert after["head._extra_state"] == before["head._extra_state"]
+    out = fused(x)
+    for i, model in enumerate(fused.unfuse()):
+        assert model.gated is False
+        torch.testing.assert_close(out[i], model(x))

@@ -21,6 +21,7 @@ compares besides its sample: a model unlike the others is never left out of the 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -164,12 +165,15 @@ class ModelCopies:
         return states
 
     def load_extra_states(self, key: str, path: str, states: Any,
-                          shells: Sequence[nn.Module] = ()) -> str | None:
+                          shells: Sequence[nn.Module] = (),
+                          undo: list[Callable[[], None]] | None = None) -> str | None:
         """``set_extra_state`` of each model's module at fused ``path`` from ``states`` (a
         fused state dict's ``key``: one per model), in its template and in ``shells[i]``
         (the module model i runs in one by one, whose Python state forwards change and
         ``unfuse()`` reads). Returns None where that changes nothing the fused program
-        was built from, else what it changes, in words (the caller fuses anew)."""
+        was built from, else what it changes, in words (the caller fuses anew).
+        ``undo`` gets what puts each change back (run last first), for a caller whose
+        fusing anew fails: the program it keeps was built from the old state."""
         n = len(self.templates)
         if not isinstance(states, (list, tuple)) or len(states) != n:
             raise FusionArgumentError(
@@ -185,11 +189,17 @@ class ModelCopies:
             twin = deepcopy_module(template)
             twin.get_submodule(own).set_extra_state(state)
             if shells:  # (else the shell's old attributes overrode the loaded ones)
-                shells[i].get_submodule(own).set_extra_state(copy.deepcopy(state))
+                shell = shells[i].get_submodule(own)
+                old = shell.get_extra_state()
+                shell.set_extra_state(copy.deepcopy(state))
+                if undo is not None:
+                    undo.append(functools.partial(shell.set_extra_state, old))
             difference = program_difference(template, twin)
             if difference is not None and changed is None:
                 changed = f"model {i}'s, at `{own or '<root>'}`: {difference}"
             self.templates[i] = twin
+            if undo is not None:
+                undo.append(functools.partial(self.templates.__setitem__, i, template))
         return changed
 
     def deepcopy_templates(self) -> list[nn.Module]:

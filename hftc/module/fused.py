@@ -580,19 +580,26 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                               **kwargs: Any) -> None:
         # (the extra states taken out first: no stacked module of ours would claim them)
         strict, missing = args[1], args[2]
-        changed = []
+        changed, undo = [], []
         loop = self.__dict__.get("_shared_one_by_one")
         shells = loop.shells if loop is not None else ()
-        for path in self.model_copies.extra_state_paths():
-            key = _extra_state_key(prefix, path)
-            if key in state_dict:
-                change = self.model_copies.load_extra_states(key, path, state_dict.pop(key),
-                                                             shells)
-                changed += [change] if change is not None else []
-            elif strict:
-                missing.append(key)
-        if changed:
-            self._fuse_own_models_anew(changed[0])
+        try:
+            for path in self.model_copies.extra_state_paths():
+                key = _extra_state_key(prefix, path)
+                if key in state_dict:
+                    change = self.model_copies.load_extra_states(
+                        key, path, state_dict.pop(key), shells, undo)
+                    changed += [change] if change is not None else []
+                elif strict:
+                    missing.append(key)
+            if changed:
+                self._fuse_own_models_anew(changed[0])
+        except Exception:
+            # refused: the models keep the state the program they run was built from
+            # (else unfuse()[i] had the loaded state and fused(x)[i] the old one)
+            for put_back in reversed(undo):
+                put_back()
+            raise
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _fuse_own_models_anew(self, why: str) -> None:
