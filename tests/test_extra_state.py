@@ -231,3 +231,44 @@ def test_a_refused_load_leaves_each_model_the_state_its_program_was_built_from()
     for i, model in enumerate(fused.unfuse()):
         assert model.gated is False
         torch.testing.assert_close(out[i], model(x))
+
+
+class Quantized(nn.Module):
+    """``set_extra_state`` writes the module's own tensor (a non-persistent scale buffer,
+    TransformerEngine's way with its FP8 scales): torch's load runs it on the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("scale", torch.ones(3), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+    def get_extra_state(self):
+        return {"scale": self.scale.clone()}
+
+    def set_extra_state(self, state):
+        self.scale.copy_(state["scale"])
+
+
+@pytest.mark.parametrize("strategy", ["fused", "model_loop"])
+def test_a_set_extra_state_that_writes_the_modules_tensors_writes_each_models(strategy):
+    torch.manual_seed(0)
+    saved_models = [Quantized() for _ in range(3)]
+    for i, m in enumerate(saved_models):
+        m.scale.fill_(1.0 + i)
+    saved = hftc.fuse(saved_models, strategy=strategy).state_dict()
+    torch.manual_seed(1)
+    fused = hftc.fuse([Quantized() for _ in range(3)], strategy=strategy)
+    fused.load_state_dict(saved)
+    # each model's scale, as loading model i's own state dict into model i gives it
+    assert torch.equal(fused.scale, torch.tensor([[1.0] * 3, [2.0] * 3, [3.0] * 3]))
+    x = torch.randn(2, 4)
+    out = fused(x)
+    for i, m in enumerate(saved_models):
+        own = Quantized()
+        own.load_state_dict(fused.model_state_dict(i))
+        assert torch.equal(own.scale, m.scale)
+        torch.testing.assert_close(out[i], m(x))
+        torch.testing.assert_close(fused.unfuse_model(i)(x), m(x))

@@ -20,7 +20,6 @@ compares besides its sample: a model unlike the others is never left out of the 
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -164,16 +163,9 @@ class ModelCopies:
             states.append(state)
         return states
 
-    def load_extra_states(self, key: str, path: str, states: Any,
-                          shells: Sequence[nn.Module] = (),
-                          undo: list[Callable[[], None]] | None = None) -> str | None:
-        """``set_extra_state`` of each model's module at fused ``path`` from ``states`` (a
-        fused state dict's ``key``: one per model), in its template and in ``shells[i]``
-        (the module model i runs in one by one, whose Python state forwards change and
-        ``unfuse()`` reads). Returns None where that changes nothing the fused program
-        was built from, else what it changes, in words (the caller fuses anew).
-        ``undo`` gets what puts each change back (run last first), for a caller whose
-        fusing anew fails: the program it keeps was built from the old state."""
+    def check_extra_states(self, key: str, states: Any) -> None:
+        """``states`` (a fused state dict's ``key``) is a list of one per model, or an error
+        saying what it should be."""
         n = len(self.templates)
         if not isinstance(states, (list, tuple)) or len(states) != n:
             raise FusionArgumentError(
@@ -181,26 +173,40 @@ class ModelCopies:
                 f"{n} (what fused.state_dict() saves), got {type(states).__name__}"
                 + (f" of {len(states)}" if isinstance(states, (list, tuple)) else "")
                 + "; one model's extra state goes into that model (model.load_state_dict)")
-        changed = None
-        for i, (template, state) in enumerate(zip(list(self.templates), states)):
-            own = self.own_path(i, path)
-            if own is None or not has_extra_state(template.get_submodule(own)):
+
+    def load_extra_states(self, states: dict[str, Sequence[Any]],
+                          own_model: Callable[[int], nn.Module],
+                          undo: list[Callable[[], None]],
+                          ) -> tuple[str | None, dict[int, nn.Module]]:
+        """``set_extra_state`` of each model's modules from ``states`` (fused path -> one
+        state per model, checked), as torch's load calls it: on model i's own module with
+        its tensors (``own_model(i)``: a ``set_extra_state`` may write them, a non-persistent
+        scale buffer), whose Python state becomes model i's template::
+
+            model_i = own_model(i); model_i.<path>.set_extra_state(states[path][i]) ...
+            templates[i] = meta_copy(model_i)      -> returned: {i: model_i}, to take the tensors
+
+        Returns what that changes of what the fused program was built from, in words
+        (None: nothing; else the caller fuses anew), and the models.  ``undo`` gets what
+        puts each template back, for a caller whose fusing anew fails."""
+        changed, loaded = None, {}
+        for i, template in enumerate(list(self.templates)):
+            mine = [(own, path) for path in states
+                    if (own := self.own_path(i, path)) is not None
+                    and has_extra_state(template.get_submodule(own))]
+            if not mine:
                 continue
-            twin = deepcopy_module(template)
-            twin.get_submodule(own).set_extra_state(state)
-            if shells:  # (else the shell's old attributes overrode the loaded ones)
-                shell = shells[i].get_submodule(own)
-                old = shell.get_extra_state()
-                shell.set_extra_state(copy.deepcopy(state))
-                if undo is not None:
-                    undo.append(functools.partial(shell.set_extra_state, old))
+            model = own_model(i)
+            for own, path in mine:
+                model.get_submodule(own).set_extra_state(states[path][i])
+            twin = meta_copy(model)
             difference = program_difference(template, twin)
             if difference is not None and changed is None:
-                changed = f"model {i}'s, at `{own or '<root>'}`: {difference}"
+                changed = f"model {i}'s: {difference}"
             self.templates[i] = twin
-            if undo is not None:
-                undo.append(functools.partial(self.templates.__setitem__, i, template))
-        return changed
+            undo.append(functools.partial(self.templates.__setitem__, i, template))
+            loaded[i] = model
+        return changed, loaded
 
     def deepcopy_templates(self) -> list[nn.Module]:
         """Fresh copies of the templates (what tracing again runs, so that a forward which

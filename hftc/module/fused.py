@@ -22,7 +22,7 @@ import copy
 import functools
 import inspect
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -580,27 +580,66 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                               **kwargs: Any) -> None:
         # (the extra states taken out first: no stacked module of ours would claim them)
         strict, missing = args[1], args[2]
-        changed, undo = [], []
-        loop = self.__dict__.get("_shared_one_by_one")
-        shells = loop.shells if loop is not None else ()
+        copies = self.model_copies
+        states = {}
+        for path in copies.extra_state_paths():
+            key = _extra_state_key(prefix, path)
+            if key in state_dict:
+                copies.check_extra_states(key, state_dict[key])
+                states[path] = state_dict.pop(key)
+            elif strict:
+                missing.append(key)
+        undo: list[Callable[[], None]] = []
         try:
-            for path in self.model_copies.extra_state_paths():
-                key = _extra_state_key(prefix, path)
-                if key in state_dict:
-                    change = self.model_copies.load_extra_states(
-                        key, path, state_dict.pop(key), shells, undo)
-                    changed += [change] if change is not None else []
-                elif strict:
-                    missing.append(key)
-            if changed:
-                self._fuse_own_models_anew(changed[0])
+            changed, loaded = copies.load_extra_states(states, self.padded_model, undo)
+            self._give_shells_python_state(loaded, undo)
+            if changed is not None:
+                self._fuse_own_models_anew(changed)
         except Exception:
             # refused: the models keep the state the program they run was built from
             # (else unfuse()[i] had the loaded state and fused(x)[i] the old one)
             for put_back in reversed(undo):
                 put_back()
             raise
+        for i, model in loaded.items():
+            self._take_own_tensors(i, model)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _give_shells_python_state(self, models: dict[int, nn.Module],
+                                  undo: list[Callable[[], None]]) -> None:
+        """The attributes forward changes (``self.steps``), as ``models[i]`` holds them, in
+        the shell model i runs in one by one: ``unfuse()`` and the next call read the
+        shell's (:meth:`padded_model`), which would otherwise override a loaded value."""
+        loop = self.__dict__.get("_shared_one_by_one")
+        if loop is None or not self._python_state:
+            return
+        for i, model in models.items():
+            for name in self._python_state[1]:
+                path, _, key = name.rpartition(".")
+                try:
+                    shell, value = loop.shells[i].get_submodule(path), getattr(
+                        model.get_submodule(path), key)
+                    old = getattr(shell, key)
+                except AttributeError:  # (model i's tree names it otherwise)
+                    continue
+                setattr(shell, key, copy.deepcopy(value))
+                undo.append(functools.partial(setattr, shell, key, old))
+
+    def _take_own_tensors(self, index: int, model: nn.Module) -> None:
+        """Row ``index`` of each stacked tensor from ``model`` (model ``index``'s own, at
+        the fused widths) where they differ: what its ``set_extra_state`` wrote."""
+        names = self.model_copies.names[index]
+        own = dict(model.named_parameters(remove_duplicate=False))
+        own.update(model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for name, t in [*self.named_parameters(remove_duplicate=False),
+                            *self.named_buffers(remove_duplicate=False)]:
+                mine = own.get(name if names is None else names.get(name, name))
+                if (mine is None or name.rpartition(".")[2].startswith("_hftc_constant_")
+                        or mine.shape != t.shape[1:]):
+                    continue
+                if not torch.equal(mine.to(t.device, t.dtype), t[index]):
+                    t[index].copy_(mine)
 
     def _fuse_own_models_anew(self, why: str) -> None:
         """Fuse the models again as their own objects now are (an extra state loaded into
