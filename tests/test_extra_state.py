@@ -95,12 +95,20 @@ def test_loading_extra_state_the_forward_reads_runs_each_models_loaded_state(dty
     optimizer.step()
 
 
-def test_a_round_trip_changes_nothing():
+@pytest.mark.parametrize("mode", ["train", "eval", "head eval"])
+def test_a_round_trip_changes_nothing(mode, monkeypatch):
     models = _models([1.0, 2.0])
     fused = hftc.fuse(models)
+    fused.train(mode == "train")
+    if mode == "head eval":
+        fused.train()
+        fused.head.eval()
     x = torch.randn(3, 6, dtype=torch.float64)
     before = fused(x)
+    anew = []
+    monkeypatch.setattr(type(fused), "_fuse_own_models_anew", lambda self, why: anew.append(why))
     fused.load_state_dict(fused.state_dict())
+    assert anew == []  # (the fused module's modes are no change of the models' programs)
     assert torch.equal(fused(x), before)
 
 

@@ -200,6 +200,11 @@ class ModelCopies:
             for own, path in mine:
                 model.get_submodule(own).set_extra_state(states[path][i])
             twin = meta_copy(model)
+            # (the template's modes, not the fused module's that ``model`` was built with:
+            # the modes are the fused module's to set, and no change of the program)
+            for (_, sub), (_, was) in zip(twin.named_modules(remove_duplicate=False),
+                                          template.named_modules(remove_duplicate=False)):
+                sub.training = was.training
             difference = program_difference(template, twin)
             if difference is not None and changed is None:
                 changed = f"model {i}'s: {difference}"
