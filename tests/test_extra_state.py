@@ -138,6 +138,17 @@ def test_a_missing_or_malformed_extra_state_is_refused():
         fused.load_state_dict({**sd, "_extra_state": {"scale": 3.0}})
 
 
+def test_one_models_state_dict_or_another_ns_is_refused_saying_what_to_do():
+    fused = hftc.fuse(_models([1.0, 2.0, 3.0]))
+    # one model's (its `_extra_state` a dict, read before its tensors): the tensors' advice
+    with pytest.raises(FusionArgumentError, match=r"got one model's state dict .*"
+                                                  r"hftc.replace_models\(fused, \{j: model\}\)"):
+        fused.load_state_dict(fused.model_state_dict(1))
+    with pytest.raises(FusionArgumentError, match="a fused module of 2 models saved it"):
+        fused.load_state_dict(hftc.fuse(_models([1.0, 2.0])).state_dict())
+    assert [m.scale for m in fused.unfuse()] == [1.0, 2.0, 3.0]
+
+
 def test_replace_models_and_keep_models_keep_each_models_extra_state():
     models = _models([1.0, 2.0, 3.0])
     fused = hftc.fuse(models)

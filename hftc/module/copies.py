@@ -168,11 +168,14 @@ class ModelCopies:
         saying what it should be."""
         n = len(self.templates)
         if not isinstance(states, (list, tuple)) or len(states) != n:
+            other_n = isinstance(states, (list, tuple))
             raise FusionArgumentError(
                 f"load_state_dict: `{key}` must hold the {n} models' extra states, a list of "
                 f"{n} (what fused.state_dict() saves), got {type(states).__name__}"
-                + (f" of {len(states)}" if isinstance(states, (list, tuple)) else "")
-                + "; one model's extra state goes into that model (model.load_state_dict)")
+                + (f" of {len(states)}: a fused module of {len(states)} models saved it; "
+                   f"load it into one of as many models (hftc.keep_models cuts one)"
+                   if other_n else
+                   "; one model's extra state goes into that model (model.load_state_dict)"))
 
     def load_extra_states(self, states: dict[str, Sequence[Any]],
                           own_model: Callable[[int], nn.Module],

@@ -661,8 +661,9 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         try:
             result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        except RuntimeError as exc:
-            self._refuse_one_models_state(state_dict, exc)  # (one model's: say what to do)
+        except (RuntimeError, FusionArgumentError) as exc:
+            # (one model's: say what to do; its `_extra_state` is refused before its tensors)
+            self._refuse_one_models_state(state_dict, exc)
             raise
         self._mark_stacked()
         return result
