@@ -291,3 +291,35 @@ def test_a_set_extra_state_that_writes_the_modules_tensors_writes_each_models(st
         assert torch.equal(own.scale, m.scale)
         torch.testing.assert_close(out[i], m(x))
         torch.testing.assert_close(fused.unfuse_model(i)(x), m(x))
+
+
+class Counting(nn.Module):
+    """``get_extra_state`` reads tensor values into Python numbers (``int(self.seen)``,
+    ``.item()``), which a template's meta tensors cannot give."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return self.fc(x)
+
+    def get_extra_state(self):
+        return {"seen": int(self.seen), "norm": self.fc.weight.norm().item()}
+
+    def set_extra_state(self, state):
+        self.seen_when_saved = state["seen"]
+
+
+def test_an_extra_state_read_from_the_tensors_values_is_each_models():
+    torch.manual_seed(0)
+    models = [Counting() for _ in range(3)]
+    fused = hftc.fuse(models)
+    fused(torch.randn(2, 4))
+    fused(torch.randn(5, 4))
+    states = fused.state_dict()["_extra_state"]
+    assert [s["seen"] for s in states] == [7, 7, 7]
+    assert [s["norm"] for s in states] == [m.fc.weight.norm().item() for m in models]
+    assert states == [fused.model_state_dict(i)["_extra_state"] for i in range(3)]

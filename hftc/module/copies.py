@@ -143,7 +143,7 @@ class ModelCopies:
                      live: bool = False) -> list[Any]:
         """Each model's ``get_extra_state()`` of its module at fused ``path`` (None where a
         model has none there); ``own_model(i)`` builds model i with its tensors, for an
-        extra state that holds them (a template's are on the meta device).  ``live``: the
+        extra state that holds or reads them (a template's are on the meta device).  ``live``: the
         models' forwards change their Python state (a step counter), which the templates
         keep as fused: each model's own module, as its forwards left it, is asked."""
         states = []
@@ -156,9 +156,13 @@ class ModelCopies:
             if live:
                 states.append(own_model(i).get_submodule(own).get_extra_state())
                 continue
-            state = sub.get_extra_state()
-            if any(isinstance(leaf, torch.Tensor) and leaf.is_meta
-                   for leaf in pytree.tree_leaves(state)):
+            try:
+                state = sub.get_extra_state()
+                on_meta = any(isinstance(leaf, torch.Tensor) and leaf.is_meta
+                              for leaf in pytree.tree_leaves(state))
+            except (RuntimeError, NotImplementedError):  # it read a meta tensor's values
+                on_meta = True  # (`int(self.seen)`, `.item()`: "cannot be called on meta")
+            if on_meta:
                 state = own_model(i).get_submodule(own).get_extra_state()
             states.append(state)
         return states

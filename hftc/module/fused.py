@@ -572,9 +572,10 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         super()._save_to_state_dict(destination, prefix, keep_vars)
         # (a forward that changes Python state runs in the loop's shells, which hold it)
         live = self._python_state is not None and "_shared_one_by_one" in self.__dict__
+        own_model = functools.cache(self._own_model)  # (each model built once, if at all)
         for path in self.model_copies.extra_state_paths():
             destination[_extra_state_key(prefix, path)] = self.model_copies.extra_states(
-                path, self._own_model, live)
+                path, own_model, live)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any,
                               **kwargs: Any) -> None:
