@@ -323,3 +323,21 @@ def test_an_extra_state_read_from_the_tensors_values_is_each_models():
     assert [s["seen"] for s in states] == [7, 7, 7]
     assert [s["norm"] for s in states] == [m.fc.weight.norm().item() for m in models]
     assert states == [fused.model_state_dict(i)["_extra_state"] for i in range(3)]
+
+
+def test_after_a_load_that_fuses_anew_the_users_models_are_still_the_ones_fused():
+    models = _models([1.0, 2.0, 3.0])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1 * (i + 1)) for i, m in enumerate(models)]
+    fused = hftc.fuse(models)
+    saved = fused.state_dict()
+    fused.load_state_dict({**saved, "_extra_state": [{"scale": s} for s in (5.0, 6.0, 7.0)]})
+    # (fused anew from copies: their parameters were the ones fuse_optimizers looked for)
+    fused_optimizer = hftc.optim.fuse_optimizers(fused, optimizers)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    fused(x).sum().backward()
+    fused_optimizer.step()
+    for i, (m, scale) in enumerate(zip(models, (5.0, 6.0, 7.0))):
+        m.scale = scale
+        m(x).sum().backward()
+        optimizers[i].step()
+        torch.testing.assert_close(fused.fc.weight[i], m.fc.weight)

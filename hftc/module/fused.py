@@ -655,9 +655,12 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                 f"with it do not fuse again ({type(exc).__name__}: {exc}); load each "
                 f"model's state into a model of its own and fuse those: "
                 f"m.load_state_dict(state_i); hftc.fuse(models)") from exc
-        ids = self.model_ids
+        ids, sources = self.model_ids, self.source_parameter_names
         self._become(refused)
         self._set_model_ids(ids)
+        # the user's models are still the ones fused (not the copies fused anew):
+        # hftc.optim.fuse_optimizers on their optimizers finds their parameters
+        self.source_parameter_names = sources
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         try:
