@@ -335,6 +335,9 @@ def test_after_a_load_that_fuses_anew_the_users_models_are_still_the_ones_fused(
     fused_optimizer = hftc.optim.fuse_optimizers(fused, optimizers)
     x = torch.randn(4, 6, dtype=torch.float64)
     fused(x).sum().backward()
+    # a load between backward and step leaves the gradients, as torch's does
+    fused.load_state_dict({**saved, "_extra_state": [{"scale": s} for s in (5.0, 6.0, 7.1)]})
+    fused.load_state_dict({**saved, "_extra_state": [{"scale": s} for s in (5.0, 6.0, 7.0)]})
     fused_optimizer.step()
     for i, (m, scale) in enumerate(zip(models, (5.0, 6.0, 7.0))):
         m.scale = scale

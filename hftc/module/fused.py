@@ -656,8 +656,11 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                 f"model's state into a model of its own and fuse those: "
                 f"m.load_state_dict(state_i); hftc.fuse(models)") from exc
         ids, sources = self.model_ids, self.source_parameter_names
+        grads = [(p, p.grad) for p in self.parameters()]
         self._become(refused)
         self._set_model_ids(ids)
+        for p, grad in grads:  # (as torch's load leaves them; _become's are for new shapes)
+            p.grad = grad
         # the user's models are still the ones fused (not the copies fused anew):
         # hftc.optim.fuse_optimizers on their optimizers finds their parameters
         self.source_parameter_names = sources
