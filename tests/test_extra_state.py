@@ -344,3 +344,46 @@ def test_after_a_load_that_fuses_anew_the_users_models_are_still_the_ones_fused(
         m(x).sum().backward()
         optimizers[i].step()
         torch.testing.assert_close(fused.fc.weight[i], m.fc.weight)
+
+
+class Masked(nn.Module):
+    """Of a width; extra state: a scale the forward reads and a mask buffer it writes."""
+
+    def __init__(self, width: int, scale: float = 1.0):
+        super().__init__()
+        self.fc = nn.Linear(4, width)
+        self.out = nn.Linear(width, 2)
+        self.scale = scale
+        self.register_buffer("mask", torch.ones(width), persistent=False)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(x)) * self.mask) * self.scale
+
+    def get_extra_state(self):
+        return {"scale": self.scale, "mask": self.mask.clone()}
+
+    def set_extra_state(self, state):
+        self.scale = state["scale"]
+        self.mask.copy_(state["mask"])
+
+
+def test_pad_widths_loads_each_models_extra_state_at_its_own_widths():
+    torch.manual_seed(0)
+    saved_models = [Masked(w, s) for w, s in [(3, 1.0), (5, 2.0), (4, 3.0)]]
+    for m in saved_models:
+        m.mask[0] = 0.0
+    x = torch.randn(2, 4)
+    saved_fused = hftc.fuse(saved_models, pad_widths=True)
+    saved_fused(x)
+    saved = saved_fused.state_dict()
+    assert [s["mask"].shape[0] for s in saved["_extra_state"]] == [3, 5, 4]  # its own widths
+    torch.manual_seed(1)
+    fused = hftc.fuse([Masked(w) for w in (3, 5, 4)], pad_widths=True)
+    fused(x)
+    fused.load_state_dict(saved)  # (the originals kept the old scale: 1.0 for every model)
+    out = fused(x)
+    for i, m in enumerate(saved_models):
+        torch.testing.assert_close(out[i], m(x))
+        own = fused.unfuse_model(i)
+        assert own.scale == m.scale and torch.equal(own.mask, m.mask)
+    assert [s["scale"] for s in fused.state_dict()["_extra_state"]] == [1.0, 2.0, 3.0]

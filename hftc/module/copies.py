@@ -140,14 +140,17 @@ class ModelCopies:
         return list(found)
 
     def extra_states(self, path: str, own_model: Callable[[int], nn.Module],
-                     live: bool = False) -> list[Any]:
+                     live: bool = False, sources: Sequence[nn.Module] | None = None
+                     ) -> list[Any]:
         """Each model's ``get_extra_state()`` of its module at fused ``path`` (None where a
         model has none there); ``own_model(i)`` builds model i with its tensors, for an
         extra state that holds or reads them (a template's are on the meta device).  ``live``: the
         models' forwards change their Python state (a step counter), which the templates
-        keep as fused: each model's own module, as its forwards left it, is asked."""
+        keep as fused: each model's own module, as its forwards left it, is asked.
+        ``sources``: the models' own objects where the templates are not (pad_widths=True:
+        the templates are padded, the originals at their own widths)."""
         states = []
-        for i, template in enumerate(self.templates):
+        for i, template in enumerate(self.templates if sources is None else sources):
             own = self.own_path(i, path)
             sub = None if own is None else template.get_submodule(own)
             if sub is None or not has_extra_state(sub):
@@ -184,6 +187,7 @@ class ModelCopies:
     def load_extra_states(self, states: dict[str, Sequence[Any]],
                           own_model: Callable[[int], nn.Module],
                           undo: list[Callable[[], None]],
+                          into: list[nn.Module] | None = None,
                           ) -> tuple[str | None, dict[int, nn.Module]]:
         """``set_extra_state`` of each model's modules from ``states`` (fused path -> one
         state per model, checked), as torch's load calls it: on model i's own module with
@@ -195,9 +199,11 @@ class ModelCopies:
 
         Returns what that changes of what the fused program was built from, in words
         (None: nothing; else the caller fuses anew), and the models.  ``undo`` gets what
-        puts each template back, for a caller whose fusing anew fails."""
+        puts each template back, for a caller whose fusing anew fails.  ``into``: the
+        models' own objects where the templates are not (pad_widths=True: the originals)."""
         changed, loaded = None, {}
-        for i, template in enumerate(list(self.templates)):
+        into = self.templates if into is None else into
+        for i, template in enumerate(list(into)):
             mine = [(own, path) for path in states
                     if (own := self.own_path(i, path)) is not None
                     and has_extra_state(template.get_submodule(own))]
@@ -215,8 +221,8 @@ class ModelCopies:
             difference = program_difference(template, twin)
             if difference is not None and changed is None:
                 changed = f"model {i}'s: {difference}"
-            self.templates[i] = twin
-            undo.append(functools.partial(self.templates.__setitem__, i, template))
+            into[i] = twin
+            undo.append(functools.partial(into.__setitem__, i, template))
             loaded[i] = model
         return changed, loaded
 

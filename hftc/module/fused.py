@@ -57,7 +57,7 @@ from ..match import GraphMatch, match_graphs
 from ..passes.registry import aten_spellings, per_model_table
 from .copies import EXTRA_STATE_KEY, ModelCopies
 from .inputs import InDims, InputHandling, check_in_dims
-from .padding import WidthPadding, mask_padded_gradients, pad_models
+from .padding import WidthPadding, into_padded, mask_padded_gradients, pad_models
 from .programs import ProgramCache
 from .stacking import build_module_tree
 from .unfuse import Unfusing
@@ -573,9 +573,10 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         # (a forward that changes Python state runs in the loop's shells, which hold it)
         live = self._python_state is not None and "_shared_one_by_one" in self.__dict__
         own_model = functools.cache(self._own_model)  # (each model built once, if at all)
+        originals = self.padding.originals if self.padding is not None else None
         for path in self.model_copies.extra_state_paths():
             destination[_extra_state_key(prefix, path)] = self.model_copies.extra_states(
-                path, own_model, live)
+                path, own_model, live, originals)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any,
                               **kwargs: Any) -> None:
@@ -591,8 +592,13 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             elif strict:
                 missing.append(key)
         undo: list[Callable[[], None]] = []
+        # (pad_widths=True: into each model at its own widths, as it was saved; the models
+        # are then padded anew if that changed them)
+        padding = self.padding
         try:
-            changed, loaded = copies.load_extra_states(states, self.padded_model, undo)
+            changed, loaded = copies.load_extra_states(
+                states, self.padded_model if padding is None else self._own_model, undo,
+                None if padding is None else padding.originals)
             self._give_shells_python_state(loaded, undo)
             if changed is not None:
                 self._fuse_own_models_anew(changed)
@@ -629,18 +635,23 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
     def _take_own_tensors(self, index: int, model: nn.Module) -> None:
         """Row ``index`` of each stacked tensor from ``model`` (model ``index``'s own, at
         the fused widths) where they differ: what its ``set_extra_state`` wrote."""
-        names = self.model_copies.names[index]
+        names, padding = self.model_copies.names[index], self.padding
         own = dict(model.named_parameters(remove_duplicate=False))
         own.update(model.named_buffers(remove_duplicate=False))
         with torch.no_grad():
             for name, t in [*self.named_parameters(remove_duplicate=False),
                             *self.named_buffers(remove_duplicate=False)]:
                 mine = own.get(name if names is None else names.get(name, name))
-                if (mine is None or name.rpartition(".")[2].startswith("_hftc_constant_")
-                        or mine.shape != t.shape[1:]):
+                if mine is None or name.rpartition(".")[2].startswith("_hftc_constant_"):
                     continue
-                if not torch.equal(mine.to(t.device, t.dtype), t[index]):
+                row = t[index] if padding is None else padding.unpad(index, name, t[index])
+                if mine.shape != row.shape or torch.equal(mine.to(t.device, t.dtype), row):
+                    continue
+                if mine.shape == t.shape[1:]:
                     t[index].copy_(mine)
+                else:  # (a narrower model's, pad_widths=True)
+                    into_padded(t[index], mine.to(t.device, t.dtype),
+                                padding.blocks.get(name, 1))
 
     def _fuse_own_models_anew(self, why: str) -> None:
         """Fuse the models again as their own objects now are (an extra state loaded into
