@@ -387,3 +387,46 @@ def test_pad_widths_loads_each_models_extra_state_at_its_own_widths():
         own = fused.unfuse_model(i)
         assert own.scale == m.scale and torch.equal(own.mask, m.mask)
     assert [s["scale"] for s in fused.state_dict()["_extra_state"]] == [1.0, 2.0, 3.0]
+
+
+class Gate(nn.Module):
+    """No tensors, extra state: the fused tree copied model 0's, whose own saving and
+    loading then stood for every model's."""
+
+    def __init__(self, on: float):
+        super().__init__()
+        self.on = on
+
+    def forward(self, x):
+        return x * self.on
+
+    def get_extra_state(self):
+        return {"on": self.on}
+
+    def set_extra_state(self, state):
+        self.on = state["on"]
+
+
+class Gated(nn.Module):
+    def __init__(self, on: float):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.gate = Gate(on)
+
+    def forward(self, x):
+        return self.gate(self.fc(x))
+
+
+def test_a_module_without_tensors_saves_and_loads_each_models_extra_state():
+    torch.manual_seed(0)
+    saved_models = [Gated(on) for on in (1.0, 2.0, 3.0)]
+    saved = hftc.fuse(saved_models).state_dict()
+    assert saved["gate._extra_state"] == [{"on": 1.0}, {"on": 2.0}, {"on": 3.0}]  # not model 0's
+    torch.manual_seed(1)
+    fused = hftc.fuse([Gated(1.0) for _ in range(3)])
+    assert fused.load_state_dict(saved) is not None  # strict: nothing missing, nothing left
+    x = torch.randn(2, 4)
+    out = fused(x)
+    for i, m in enumerate(saved_models):
+        torch.testing.assert_close(out[i], m(x))
+        assert fused.unfuse_model(i).gate.on == m.gate.on
