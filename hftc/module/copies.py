@@ -144,9 +144,9 @@ class ModelCopies:
                      ) -> list[Any]:
         """Each model's ``get_extra_state()`` of its module at fused ``path`` (None where a
         model has none there); ``own_model(i)`` builds model i with its tensors, for an
-        extra state that holds or reads them (a template's are on the meta device).  ``live``: the
-        models' forwards change their Python state (a step counter), which the templates
-        keep as fused: each model's own module, as its forwards left it, is asked.
+        extra state that holds or reads them (a template's are on the meta device).
+        ``live``: the models' forwards change their Python state (a step counter), which
+        the templates keep as fused: each model's own module, as its forwards left it.
         ``sources``: the models' own objects where the templates are not (pad_widths=True:
         the templates are padded, the originals at their own widths)."""
         states = []
@@ -180,7 +180,7 @@ class ModelCopies:
                 f"load_state_dict: `{key}` must hold the {n} models' extra states, a list of "
                 f"{n} (what fused.state_dict() saves), got {type(states).__name__}"
                 + (f" of {len(states)}: a fused module of {len(states)} models saved it; "
-                   f"load it into one of as many models (hftc.keep_models cuts one)"
+                   f"load it into a fused module of as many models"
                    if other_n else
                    "; one model's extra state goes into that model (model.load_state_dict)"))
 
