@@ -170,8 +170,9 @@ def test_replace_models_and_keep_models_keep_each_models_extra_state():
 
 
 class Counted(nn.Module):
-    """A step counter that forward advances and the extra state holds (the models then
-    run one by one, each in a shell that keeps its own count)."""
+    """A step counter that forward advances and the extra state holds.
+
+    The models then run one by one, each in a shell that keeps its own count."""
 
     def __init__(self):
         super().__init__()
@@ -253,8 +254,9 @@ def test_a_refused_load_leaves_each_model_the_state_its_program_was_built_from()
 
 
 class Quantized(nn.Module):
-    """``set_extra_state`` writes the module's own tensor (a non-persistent scale buffer,
-    TransformerEngine's way with its FP8 scales): torch's load runs it on the module."""
+    """``set_extra_state`` writes the module's own tensor: a non-persistent scale buffer.
+
+    TransformerEngine's way with its FP8 scales; torch's load runs it on the module."""
 
     def __init__(self):
         super().__init__()
@@ -294,8 +296,9 @@ def test_a_set_extra_state_that_writes_the_modules_tensors_writes_each_models(st
 
 
 class Counting(nn.Module):
-    """``get_extra_state`` reads tensor values into Python numbers (``int(self.seen)``,
-    ``.item()``), which a template's meta tensors cannot give."""
+    """``get_extra_state`` reads tensor values into Python numbers.
+
+    ``int(self.seen)``, ``.item()``: a template's meta tensors cannot give them."""
 
     def __init__(self):
         super().__init__()
@@ -390,8 +393,9 @@ def test_pad_widths_loads_each_models_extra_state_at_its_own_widths():
 
 
 class Gate(nn.Module):
-    """No tensors, extra state: the fused tree copied model 0's, whose own saving and
-    loading then stood for every model's."""
+    """No tensors, but extra state.
+
+    The fused tree copied model 0's, whose own saving and loading stood for every model's."""
 
     def __init__(self, on: float):
         super().__init__()
