@@ -20,6 +20,7 @@ compares besides its sample: a model unlike the others is never left out of the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -138,52 +139,92 @@ class ModelCopies:
                     found[fused_path] = None
         return list(found)
 
-    def extra_states(self, path: str, own_model: Callable[[int], nn.Module]) -> list[Any]:
+    def extra_states(self, path: str, own_model: Callable[[int], nn.Module],
+                     live: bool = False, sources: Sequence[nn.Module] | None = None
+                     ) -> list[Any]:
         """Each model's ``get_extra_state()`` of its module at fused ``path`` (None where a
         model has none there); ``own_model(i)`` builds model i with its tensors, for an
-        extra state that holds them (a template's are on the meta device)."""
+        extra state that holds or reads them (a template's are on the meta device).
+        ``live``: the models' forwards change their Python state (a step counter), which
+        the templates keep as fused: each model's own module, as its forwards left it.
+        ``sources``: the models' own objects where the templates are not (pad_widths=True:
+        the templates are padded, the originals at their own widths)."""
         states = []
-        for i, template in enumerate(self.templates):
+        for i, template in enumerate(self.templates if sources is None else sources):
             own = self.own_path(i, path)
             sub = None if own is None else template.get_submodule(own)
             if sub is None or not has_extra_state(sub):
                 states.append(None)
                 continue
-            state = sub.get_extra_state()
-            if any(isinstance(leaf, torch.Tensor) and leaf.is_meta
-                   for leaf in pytree.tree_leaves(state)):
+            if live:
+                states.append(own_model(i).get_submodule(own).get_extra_state())
+                continue
+            try:
+                state = sub.get_extra_state()
+                on_meta = any(isinstance(leaf, torch.Tensor) and leaf.is_meta
+                              for leaf in pytree.tree_leaves(state))
+            except (RuntimeError, NotImplementedError):  # it read a meta tensor's values
+                on_meta = True  # (`int(self.seen)`, `.item()`: "cannot be called on meta")
+            if on_meta:
                 state = own_model(i).get_submodule(own).get_extra_state()
             states.append(state)
         return states
 
-    def load_extra_states(self, key: str, path: str, states: Any,
-                          originals: list[nn.Module] | None = None) -> str | None:
-        """``set_extra_state`` of each model's module at fused ``path`` from ``states`` (a
-        fused state dict's ``key``: one per model), and of ``originals[i]``'s (the models
-        at their own widths, ``pad_widths=True``) alike. Returns None where that changes
-        nothing the fused program was built from, else what it changes, in words (the
-        caller fuses the models anew)."""
+    def check_extra_states(self, key: str, states: Any) -> None:
+        """``states`` (a fused state dict's ``key``) is a list of one per model, or an error
+        saying what it should be."""
         n = len(self.templates)
         if not isinstance(states, (list, tuple)) or len(states) != n:
+            other_n = isinstance(states, (list, tuple))
             raise FusionArgumentError(
                 f"load_state_dict: `{key}` must hold the {n} models' extra states, a list of "
                 f"{n} (what fused.state_dict() saves), got {type(states).__name__}"
-                + (f" of {len(states)}" if isinstance(states, (list, tuple)) else "")
-                + "; one model's extra state goes into that model (model.load_state_dict)")
-        changed = None
-        for i, (template, state) in enumerate(zip(list(self.templates), states)):
-            own = self.own_path(i, path)
-            if own is None or not has_extra_state(template.get_submodule(own)):
+                + (f" of {len(states)}: a fused module of {len(states)} models saved it; "
+                   f"load it into a fused module of as many models"
+                   if other_n else
+                   "; one model's extra state goes into that model (model.load_state_dict)"))
+
+    def load_extra_states(self, states: dict[str, Sequence[Any]],
+                          own_model: Callable[[int], nn.Module],
+                          undo: list[Callable[[], None]],
+                          into: list[nn.Module] | None = None,
+                          ) -> tuple[str | None, dict[int, nn.Module]]:
+        """``set_extra_state`` of each model's modules from ``states`` (fused path -> one
+        state per model, checked), as torch's load calls it: on model i's own module with
+        its tensors (``own_model(i)``: a ``set_extra_state`` may write them, a non-persistent
+        scale buffer), whose Python state becomes model i's template::
+
+            model_i = own_model(i); model_i.<path>.set_extra_state(states[path][i]) ...
+            templates[i] = meta_copy(model_i)      -> returned: {i: model_i}, to take the tensors
+
+        Returns what that changes of what the fused program was built from, in words
+        (None: nothing; else the caller fuses anew), and the models.  ``undo`` gets what
+        puts each template back, for a caller whose fusing anew fails.  ``into``: the
+        models' own objects where the templates are not (pad_widths=True: the originals)."""
+        changed, loaded = None, {}
+        into = self.templates if into is None else into
+        for i, template in enumerate(list(into)):
+            mine = [(own, path) for path in states
+                    if (own := self.own_path(i, path)) is not None
+                    and has_extra_state(template.get_submodule(own))]
+            if not mine:
                 continue
-            twin = deepcopy_module(template)
-            twin.get_submodule(own).set_extra_state(state)
+            model = own_model(i)
+            for own, path in mine:
+                model.get_submodule(own).set_extra_state(states[path][i])
+            twin = meta_copy(model)
+            # (the template's modes, not the fused module's that ``model`` was built with:
+            # the modes are the fused module's to set, and no change of the program)
+            for (_, sub), (_, was) in zip(twin.named_modules(remove_duplicate=False),
+                                          template.named_modules(remove_duplicate=False)):
+                sub.training = was.training
             difference = program_difference(template, twin)
             if difference is not None and changed is None:
-                changed = f"model {i}'s, at `{own or '<root>'}`: {difference}"
-            self.templates[i] = twin
-            if originals is not None:
-                originals[i].get_submodule(own).set_extra_state(state)
-        return changed
+                changed = f"model {i}'s: {difference}"
+            into[i] = twin
+            undo.append(functools.partial(into.__setitem__, i, template))
+            loaded[i] = model
+        return changed, loaded
 
     def deepcopy_templates(self) -> list[nn.Module]:
         """Fresh copies of the templates (what tracing again runs, so that a forward which

@@ -22,7 +22,7 @@ import copy
 import functools
 import inspect
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ from ..match import GraphMatch, match_graphs
 from ..passes.registry import aten_spellings, per_model_table
 from .copies import EXTRA_STATE_KEY, ModelCopies
 from .inputs import InDims, InputHandling, check_in_dims
-from .padding import WidthPadding, mask_padded_gradients, pad_models
+from .padding import WidthPadding, into_padded, mask_padded_gradients, pad_models
 from .programs import ProgramCache
 from .stacking import build_module_tree
 from .unfuse import Unfusing
@@ -570,28 +570,88 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             fused:    {"norm._extra_state": [state_0, ..., state_{N-1}], ...}
         """
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        # (a forward that changes Python state runs in the loop's shells, which hold it)
+        live = self._python_state is not None and "_shared_one_by_one" in self.__dict__
+        own_model = functools.cache(self._own_model)  # (each model built once, if at all)
+        originals = self.padding.originals if self.padding is not None else None
         for path in self.model_copies.extra_state_paths():
             destination[_extra_state_key(prefix, path)] = self.model_copies.extra_states(
-                path, self._own_model)
+                path, own_model, live, originals)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any,
                               **kwargs: Any) -> None:
         # (the extra states taken out first: no stacked module of ours would claim them)
         strict, missing = args[1], args[2]
-        changed = []
-        for path in self.model_copies.extra_state_paths():
+        copies = self.model_copies
+        states = {}
+        for path in copies.extra_state_paths():
             key = _extra_state_key(prefix, path)
             if key in state_dict:
-                padding = getattr(self, "padding", None)
-                change = self.model_copies.load_extra_states(
-                    key, path, state_dict.pop(key),
-                    None if padding is None else padding.originals)
-                changed += [change] if change is not None else []
+                copies.check_extra_states(key, state_dict[key])
+                states[path] = state_dict.pop(key)
             elif strict:
                 missing.append(key)
-        if changed:
-            self._fuse_own_models_anew(changed[0])
+        undo: list[Callable[[], None]] = []
+        # (pad_widths=True: into each model at its own widths, as it was saved; the models
+        # are then padded anew if that changed them)
+        padding = self.padding
+        try:
+            changed, loaded = copies.load_extra_states(
+                states, self.padded_model if padding is None else self._own_model, undo,
+                None if padding is None else padding.originals)
+            self._give_shells_python_state(loaded, undo)
+            if changed is not None:
+                self._fuse_own_models_anew(changed)
+        except Exception:
+            # refused: the models keep the state the program they run was built from
+            # (else unfuse()[i] had the loaded state and fused(x)[i] the old one)
+            for put_back in reversed(undo):
+                put_back()
+            raise
+        for i, model in loaded.items():
+            self._take_own_tensors(i, model)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _give_shells_python_state(self, models: dict[int, nn.Module],
+                                  undo: list[Callable[[], None]]) -> None:
+        """The attributes forward changes (``self.steps``), as ``models[i]`` holds them, in
+        the shell model i runs in one by one: ``unfuse()`` and the next call read the
+        shell's (:meth:`padded_model`), which would otherwise override a loaded value."""
+        loop = self.__dict__.get("_shared_one_by_one")
+        if loop is None or not self._python_state:
+            return
+        for i, model in models.items():
+            for name in self._python_state[1]:
+                path, _, key = name.rpartition(".")
+                try:
+                    shell, value = loop.shells[i].get_submodule(path), getattr(
+                        model.get_submodule(path), key)
+                    old = getattr(shell, key)
+                except AttributeError:  # (model i's tree names it otherwise)
+                    continue
+                setattr(shell, key, copy.deepcopy(value))
+                undo.append(functools.partial(setattr, shell, key, old))
+
+    def _take_own_tensors(self, index: int, model: nn.Module) -> None:
+        """Row ``index`` of each stacked tensor from ``model`` (model ``index``'s own, at
+        the fused widths) where they differ: what its ``set_extra_state`` wrote."""
+        names, padding = self.model_copies.names[index], self.padding
+        own = dict(model.named_parameters(remove_duplicate=False))
+        own.update(model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for name, t in [*self.named_parameters(remove_duplicate=False),
+                            *self.named_buffers(remove_duplicate=False)]:
+                mine = own.get(name if names is None else names.get(name, name))
+                if mine is None or name.rpartition(".")[2].startswith("_hftc_constant_"):
+                    continue
+                row = t[index] if padding is None else padding.unpad(index, name, t[index])
+                if mine.shape != row.shape or torch.equal(mine.to(t.device, t.dtype), row):
+                    continue
+                if mine.shape == t.shape[1:]:
+                    t[index].copy_(mine)
+                else:  # (a narrower model's, pad_widths=True)
+                    into_padded(t[index], mine.to(t.device, t.dtype),
+                                padding.blocks.get(name, 1))
 
     def _fuse_own_models_anew(self, why: str) -> None:
         """Fuse the models again as their own objects now are (an extra state loaded into
@@ -606,15 +666,22 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                 f"with it do not fuse again ({type(exc).__name__}: {exc}); load each "
                 f"model's state into a model of its own and fuse those: "
                 f"m.load_state_dict(state_i); hftc.fuse(models)") from exc
-        ids = self.model_ids
+        ids, sources = self.model_ids, self.source_parameter_names
+        grads = [(p, p.grad) for p in self.parameters()]
         self._become(refused)
         self._set_model_ids(ids)
+        for p, grad in grads:  # (as torch's load leaves them; _become's are for new shapes)
+            p.grad = grad
+        # the user's models are still the ones fused (not the copies fused anew):
+        # hftc.optim.fuse_optimizers on their optimizers finds their parameters
+        self.source_parameter_names = sources
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         try:
             result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        except RuntimeError as exc:
-            self._refuse_one_models_state(state_dict, exc)  # (one model's: say what to do)
+        except (RuntimeError, FusionArgumentError) as exc:
+            # (one model's: say what to do; its `_extra_state` is refused before its tensors)
+            self._refuse_one_models_state(state_dict, exc)
             raise
         self._mark_stacked()
         return result

@@ -22,6 +22,7 @@ from torch import nn
 from ..errors import MismatchError
 from ..lowering.runtime.modules import StackedModule
 from ..match import describe_differences, fixes_for, tensor_signature
+from .copies import has_extra_state
 
 
 def _has_state(module: nn.Module) -> bool:
@@ -135,7 +136,13 @@ def _check_ties(name, per_model, tables, name_maps) -> None:
 
 
 def _make_node(source: nn.Module, template: nn.Module, num_models: int) -> nn.Module:
-    if not _has_state(source):
+    """The fused tree's module for model 0's ``source``: a StackedModule, or a copy of a
+    module with neither tensors nor extra state (an ``nn.ReLU`` the program may call).
+    A copy of one with extra state would save model 0's as every model's::
+
+        fused.state_dict()["gate._extra_state"] == [s_0, ..., s_N-1]   (not s_0)
+    """
+    if not _has_state(source) and not has_extra_state(source):
         from ..frontends.symbolic import deepcopy_module
 
         return deepcopy_module(source)
