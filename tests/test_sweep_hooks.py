@@ -322,6 +322,12 @@ BAD_SPECS = {
         "    return torch.tensor(1.0)\n",
         r"spec.train_step \(.*bad_spec.py:\d+\) returned a tensor of shape \(\); return the 2 "
         r"models' training losses"),
+    "param groups at two learning rates": (  # a backbone / head split: two optimizers
+        "def optimizer(params, module):\n"
+        "    return torch.optim.SGD([{'params': [module.weight], 'lr': params['lr']},\n"
+        "                            {'params': [module.bias], 'lr': 10 * params['lr']}])\n",
+        r"spec.optimizer \(.*bad_spec.py:\d+\) returned a torch.optim.SGD whose param groups "
+        r"have different learning rates .*return one optimizer per learning rate"),
 }
 
 BAD_BASE = """

@@ -24,7 +24,7 @@ from .spec import SpecError, SweepSpec, defined_at, hook_name
 
 __all__ = ["SweepData", "LoaderData", "load_data", "epoch_order", "batches", "build_model",
            "metric_value", "train_alone", "epochs_alone", "evaluate", "evaluate_all", "round_seed",
-           "make_optimizers", "make_schedulers", "step_scheduler", "step_losses"]
+           "make_optimizers", "check_one_lr", "make_schedulers", "step_scheduler", "step_losses"]
 
 
 def round_seed(order_key: int) -> int:
@@ -292,6 +292,23 @@ def make_optimizers(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
         raise SpecError(f"{hook_name('optimizer', spec.optimizer)} returned {got}; return a "
                         f"torch.optim optimizer on the module's parameters, or a list of them")
     return optimizers
+
+
+def check_one_lr(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Each of a trial's optimizers has one lr for all its param groups: a fused optimizer
+    holds one lr per model (its param_groups[j] is model j), so a backbone / head split at
+    two rates is two optimizers. Said of spec.optimizer, not from inside the fusing."""
+    for k, optimizer in enumerate(optimizers):
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        if len(set(lrs)) > 1:
+            which = f"optimizer {k} (a torch.optim.{type(optimizer).__name__})" if len(optimizers) > 1 \
+                else f"a torch.optim.{type(optimizer).__name__}"
+            raise SpecError(
+                f"{hook_name('optimizer', spec.optimizer)} returned {which} whose param "
+                f"groups have different learning rates {lrs}; a fused optimizer has one lr "
+                f"per trial: return one optimizer per learning rate instead, e.g. "
+                f"[SGD(module.backbone.parameters(), lr=a), SGD(module.head.parameters(), "
+                f"lr=b)] (param groups may still differ in weight decay and the rest)")
 
 
 def make_schedulers(spec: SweepSpec, params: dict[str, Any],
