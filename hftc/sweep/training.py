@@ -301,8 +301,9 @@ def check_one_lr(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer]) -
     for k, optimizer in enumerate(optimizers):
         lrs = [g["lr"] for g in optimizer.param_groups]
         if len(set(lrs)) > 1:
-            which = f"optimizer {k} (a torch.optim.{type(optimizer).__name__})" if len(optimizers) > 1 \
-                else f"a torch.optim.{type(optimizer).__name__}"
+            which = f"a torch.optim.{type(optimizer).__name__}"
+            if len(optimizers) > 1:
+                which = f"optimizer {k} ({which})"
             raise SpecError(
                 f"{hook_name('optimizer', spec.optimizer)} returned {which} whose param "
                 f"groups have different learning rates {lrs}; a fused optimizer has one lr "
