@@ -322,6 +322,12 @@ BAD_SPECS = {
         "    return torch.tensor(1.0)\n",
         r"spec.train_step \(.*bad_spec.py:\d+\) returned a tensor of shape \(\); return the 2 "
         r"models' training losses"),
+    "loss per sample": (  # it trained on the batch's sum, then failed inside the sweep
+        "import functools\nimport torch.nn.functional as F\n"
+        "loss = functools.partial(F.cross_entropy, reduction='none')\n",
+        r"spec.loss returned a tensor of shape \(16,\) on one model's output \(16, 3\) and "
+        r"the targets \(16,\); the training loss must return a scalar tensor .* not "
+        r"reduction='none'"),
     "param groups at two learning rates": (  # a backbone / head split: two optimizers
         "def optimizer(params, module):\n"
         "    return torch.optim.SGD([{'params': [module.weight], 'lr': params['lr']},\n"
@@ -361,6 +367,16 @@ def test_a_bad_hook_is_named_with_its_problem(case: str, tmp_path: Path, capsys)
         hs.run(path, out=tmp_path / "out", progress=False)
     assert main(["sweep", str(path), "--out", str(tmp_path / "out2"), "--no-progress"]) == 2
     assert "hftc sweep: spec." in capsys.readouterr().err
+
+
+def test_a_per_sample_loss_is_named_alone_too(tmp_path: Path):
+    """train_alone (the serial side, --serial) says what the fused sweep says of a loss
+    that gives one value per sample, not torch's backward() error."""
+    source, message = BAD_SPECS["loss per sample"]
+    path = tmp_path / "bad_spec.py"
+    path.write_text(BAD_BASE + source)
+    with pytest.raises(hs.SpecError, match=message):
+        hs.train_alone(hs.load_spec(path), {"lr": 0.1}, 0, [0])
 
 
 def test_postgresql_storage(spec_file: Path, tmp_path: Path, postgres_url: str):  # noqa: F811

@@ -73,6 +73,7 @@ from .training import (
     make_optimizers,
     make_schedulers,
     metric_value,
+    not_a_loss,
     round_seed,
     step_losses,
     step_scheduler,
@@ -486,16 +487,12 @@ class Sweep(Recovery, Arrays, Decisions):
             losses = self._loss(out, yb)
         except hftc.errors.FusionTypeError:
             # The spec's loss on one model's output, to say what it returns instead
-            one = self.spec.loss(out[0].detach(), yb)
-            if not (isinstance(one, torch.Tensor) and one.dim() == 0):
-                what = (f"a tensor of shape {tuple(one.shape)}" if isinstance(one, torch.Tensor)
-                        else f"a {type(one).__name__}")
-                raise SpecError(
-                    f"{hook_name('loss', self.spec.loss)} returned {what} on one model's "
-                    f"output {tuple(out.shape[1:])} and the targets {tuple(yb.shape)}; the "
-                    f"training loss must return a scalar tensor that backward() goes "
-                    f"through (no .item() or float(); a mean over the batch)") from None
+            error = not_a_loss(self.spec, self.spec.loss(out[0].detach(), yb), out.shape[1:], yb)
+            if error is not None:
+                raise error from None
             raise
+        if losses.shape != (len(a.members),):  # per sample: one model's, to say its shape
+            raise not_a_loss(self.spec, self.spec.loss(out[0].detach(), yb), out.shape[1:], yb)
         losses.sum().backward()
         for optimizer in a.optimizers:
             optimizer.step()

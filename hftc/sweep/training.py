@@ -24,7 +24,8 @@ from .spec import SpecError, SweepSpec, defined_at, hook_name
 
 __all__ = ["SweepData", "LoaderData", "load_data", "epoch_order", "batches", "build_model",
            "metric_value", "train_alone", "epochs_alone", "evaluate", "evaluate_all", "round_seed",
-           "make_optimizers", "check_one_lr", "make_schedulers", "step_scheduler", "step_losses"]
+           "make_optimizers", "check_one_lr", "make_schedulers", "step_scheduler", "step_losses",
+           "not_a_loss"]
 
 
 def round_seed(order_key: int) -> int:
@@ -341,6 +342,22 @@ def step_scheduler(scheduler: Any, metric: float) -> None:
         scheduler.step()
 
 
+def not_a_loss(spec: SweepSpec, one: Any, output_shape: tuple, target: Tensor,
+               ) -> SpecError | None:
+    """The error for a training loss that did not give one model one scalar (``one``: its
+    value on one model's output of ``output_shape``), or None. A per-sample loss
+    (``reduction="none"``) would train on the batch's sum, not its mean, and then fail."""
+    if isinstance(one, Tensor) and one.dim() == 0:
+        return None
+    what = (f"a tensor of shape {tuple(one.shape)}" if isinstance(one, Tensor)
+            else f"a {type(one).__name__}")
+    return SpecError(
+        f"{hook_name('loss', spec.loss)} returned {what} on one model's output "
+        f"{tuple(output_shape)} and the targets {tuple(target.shape)}; the training loss "
+        f"must return a scalar tensor that backward() goes through (no .item() or float(); "
+        f"a mean over the batch, not reduction='none')")
+
+
 def step_losses(spec: SweepSpec, returned: Any, n: int) -> Tensor | None:
     """What ``train_step`` returned, as ``n`` detached per-model losses (None for None)."""
     if returned is None:
@@ -413,7 +430,10 @@ def epochs_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
                 continue
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
-            spec.loss(model(*xs), y).backward()
+            loss = spec.loss(model(*xs), y)
+            if not (isinstance(loss, Tensor) and loss.dim() == 0):
+                raise not_a_loss(spec, loss, model(*xs).shape, y)
+            loss.backward()
             for optimizer in optimizers:
                 optimizer.step()
         model.eval()
