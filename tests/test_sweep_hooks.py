@@ -328,6 +328,11 @@ BAD_SPECS = {
         r"spec.loss returned a tensor of shape \(16,\) on one model's output \(16, 3\) and "
         r"the targets \(16,\); the training loss must return a scalar tensor .* not "
         r"reduction='none'"),
+    "loss on targets of another kind": (  # was per_model's error, of a call the user never made
+        "import torch.nn.functional as F\nloss = F.mse_loss\n",
+        r"spec.loss \(.*functional.py:\d+\), on one model's output \(16, 3\) \(torch.float32\) "
+        r"and the targets \(16,\) \(torch.int64\), raised RuntimeError: The size of tensor a "
+        r"\(3\) must match"),
     "param groups at two learning rates": (  # a backbone / head split: two optimizers
         "def optimizer(params, module):\n"
         "    return torch.optim.SGD([{'params': [module.weight], 'lr': params['lr']},\n"
@@ -369,10 +374,12 @@ def test_a_bad_hook_is_named_with_its_problem(case: str, tmp_path: Path, capsys)
     assert "hftc sweep: spec." in capsys.readouterr().err
 
 
-def test_a_per_sample_loss_is_named_alone_too(tmp_path: Path):
+@pytest.mark.filterwarnings("ignore:Using a target size")  # (mse_loss's broadcasting)
+@pytest.mark.parametrize("case", ["loss per sample", "loss on targets of another kind"])
+def test_a_bad_loss_is_named_alone_too(case: str, tmp_path: Path):
     """train_alone (the serial side, --serial) says what the fused sweep says of a loss
-    that gives one value per sample, not torch's backward() error."""
-    source, message = BAD_SPECS["loss per sample"]
+    that gives one value per sample or fails on the targets, not torch's own error."""
+    source, message = BAD_SPECS[case]
     path = tmp_path / "bad_spec.py"
     path.write_text(BAD_BASE + source)
     with pytest.raises(hs.SpecError, match=message):

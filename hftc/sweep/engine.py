@@ -70,6 +70,7 @@ from .training import (
     check_one_lr,
     evaluate_all,
     load_data,
+    loss_failed,
     make_optimizers,
     make_schedulers,
     metric_value,
@@ -485,12 +486,10 @@ class Sweep(Recovery, Arrays, Decisions):
         out = a.fused(*xb)
         try:
             losses = self._loss(out, yb)
-        except hftc.errors.FusionTypeError:
-            # The spec's loss on one model's output, to say what it returns instead
-            error = not_a_loss(self.spec, self.spec.loss(out[0].detach(), yb), out.shape[1:], yb)
-            if error is not None:
-                raise error from None
-            raise
+        except (hftc.errors.FusionTypeError, hftc.errors.FusionArgumentError) as exc:
+            # The user wrote spec.loss, not the per_model call: said of the spec's loss on
+            # one model's output (what it raises, or returns instead of a scalar)
+            raise loss_failed(self.spec, exc, out[0].detach(), yb) from exc.__cause__
         if losses.shape != (len(a.members),):  # per sample: one model's, to say its shape
             raise not_a_loss(self.spec, self.spec.loss(out[0].detach(), yb), out.shape[1:], yb)
         losses.sum().backward()

@@ -25,7 +25,7 @@ from .spec import SpecError, SweepSpec, defined_at, hook_name
 __all__ = ["SweepData", "LoaderData", "load_data", "epoch_order", "batches", "build_model",
            "metric_value", "train_alone", "epochs_alone", "evaluate", "evaluate_all", "round_seed",
            "make_optimizers", "check_one_lr", "make_schedulers", "step_scheduler", "step_losses",
-           "not_a_loss"]
+           "not_a_loss", "loss_failed"]
 
 
 def round_seed(order_key: int) -> int:
@@ -358,6 +358,25 @@ def not_a_loss(spec: SweepSpec, one: Any, output_shape: tuple, target: Tensor,
         f"a mean over the batch, not reduction='none')")
 
 
+def loss_failed(spec: SweepSpec, exc: Exception, output: Tensor, target: Tensor) -> Exception:
+    """What to raise for ``hftc.per_model(spec.loss)``'s error ``exc``: the spec's loss
+    tried on one model's ``output``, a SpecError naming it with its own error (a target
+    of the wrong shape or kind) or with what it returned instead of a scalar; else
+    ``exc`` itself (hftc's own failure)."""
+    try:
+        one = spec.loss(output, target)
+    except Exception as own:  # noqa: BLE001 - the user's loss: its error is the message
+        said = (str(own).strip().splitlines() or [""])[0]
+        error = SpecError(
+            f"{hook_name('loss', spec.loss)}, on one model's output {tuple(output.shape)} "
+            f"({output.dtype}) and the targets {tuple(target.shape)} ({target.dtype}), "
+            f"raised {type(own).__name__}: {said} -- give a loss(output, target) that takes "
+            f"one model's output and the batch's targets as data() gives them")
+        error.__cause__ = own
+        return error
+    return not_a_loss(spec, one, output.shape, target) or exc
+
+
 def step_losses(spec: SweepSpec, returned: Any, n: int) -> Tensor | None:
     """What ``train_step`` returned, as ``n`` detached per-model losses (None for None)."""
     if returned is None:
@@ -430,9 +449,13 @@ def epochs_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
                 continue
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
-            loss = spec.loss(model(*xs), y)
+            out = model(*xs)
+            try:
+                loss = spec.loss(out, y)
+            except Exception as exc:  # said as the fused sweep says it
+                raise loss_failed(spec, exc, out.detach(), y) from exc
             if not (isinstance(loss, Tensor) and loss.dim() == 0):
-                raise not_a_loss(spec, loss, model(*xs).shape, y)
+                raise not_a_loss(spec, loss, out.shape, y)
             loss.backward()
             for optimizer in optimizers:
                 optimizer.step()
