@@ -337,8 +337,13 @@ BAD_SPECS = {
         "def optimizer(params, module):\n"
         "    return torch.optim.SGD([{'params': [module.weight], 'lr': params['lr']},\n"
         "                            {'params': [module.bias], 'lr': 10 * params['lr']}])\n",
-        r"spec.optimizer \(.*bad_spec.py:\d+\) returned a torch.optim.SGD whose param groups "
-        r"have different learning rates .*return one optimizer per learning rate"),
+        r"spec.optimizer \(.*bad_spec.py:\d+\) returned a torch.optim.sgd.SGD whose param "
+        r"groups have different learning rates .*return one optimizer per learning rate"),
+    "an optimizer hftc cannot fuse": (
+        "def optimizer(params, module):\n"
+        "    return torch.optim.LBFGS(module.parameters(), lr=params['lr'])\n",
+        r"spec.optimizer \(.*bad_spec.py:\d+\) returned a torch.optim.lbfgs.LBFGS, which hftc "
+        r"cannot fuse; return one of torch.optim.SGD, .*--serial"),
 }
 
 BAD_BASE = """

@@ -67,7 +67,7 @@ from .training import (
     batch_for_hook,
     batches,
     build_model,
-    check_one_lr,
+    check_fusable,
     evaluate_all,
     load_data,
     loss_failed,
@@ -372,7 +372,7 @@ class Sweep(Recovery, Arrays, Decisions):
                 trial.set_user_attr("hftc_params", json.loads(json.dumps(params)))
         module = build_model(self.spec, params, seed)
         optimizers = make_optimizers(self.spec, params, module)
-        check_one_lr(self.spec, optimizers)
+        check_fusable(self.spec, optimizers)
         schedulers = make_schedulers(self.spec, params, optimizers)
         return LiveTrial(trial, params, seed, module, optimizers, schedulers)
 

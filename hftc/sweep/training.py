@@ -24,7 +24,7 @@ from .spec import SpecError, SweepSpec, defined_at, hook_name
 
 __all__ = ["SweepData", "LoaderData", "load_data", "epoch_order", "batches", "build_model",
            "metric_value", "train_alone", "epochs_alone", "evaluate", "evaluate_all", "round_seed",
-           "make_optimizers", "check_one_lr", "make_schedulers", "step_scheduler", "step_losses",
+           "make_optimizers", "check_fusable", "make_schedulers", "step_scheduler", "step_losses",
            "not_a_loss", "loss_failed"]
 
 
@@ -295,16 +295,26 @@ def make_optimizers(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
     return optimizers
 
 
-def check_one_lr(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Each of a trial's optimizers has one lr for all its param groups: a fused optimizer
-    holds one lr per model (its param_groups[j] is model j), so a backbone / head split at
-    two rates is two optimizers. Said of spec.optimizer, not from inside the fusing."""
+def check_fusable(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Each of a trial's optimizers is one fuse_optimizers can fuse, said of spec.optimizer
+    before any trial trains, not from inside the fusing: a class it has (not LBFGS, not a
+    subclass of one), and one lr for all its param groups (a fused optimizer holds one lr
+    per model, its param_groups[j] being model j: a backbone / head at two rates is two
+    optimizers)."""
+    from ..optim.convert import _FUSED_CLASS
+
     for k, optimizer in enumerate(optimizers):
+        which = f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        if len(optimizers) > 1:
+            which = f"optimizer {k} ({which})"
+        if type(optimizer) not in _FUSED_CLASS:
+            raise SpecError(
+                f"{hook_name('optimizer', spec.optimizer)} returned {which}, which hftc "
+                f"cannot fuse; return one of "
+                f"{', '.join(f'torch.optim.{c.__name__}' for c in _FUSED_CLASS)} (--serial "
+                f"runs the study with any optimizer, one trial at a time)")
         lrs = [g["lr"] for g in optimizer.param_groups]
         if len(set(lrs)) > 1:
-            which = f"a torch.optim.{type(optimizer).__name__}"
-            if len(optimizers) > 1:
-                which = f"optimizer {k} ({which})"
             raise SpecError(
                 f"{hook_name('optimizer', spec.optimizer)} returned {which} whose param "
                 f"groups have different learning rates {lrs}; a fused optimizer has one lr "
