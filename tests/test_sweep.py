@@ -625,8 +625,11 @@ def test_a_trial_whose_model_raises_is_named_in_the_others_reasons(spec_file: Pa
             raise RuntimeError("this model refuses these params")
         return spec.model(params)
 
-    with pytest.raises(RuntimeError, match="refuses"):
+    with pytest.raises(RuntimeError, match="refuses") as raised:
         hs.run(spec.replace(model=model, pruner="none"), out=tmp_path / "out", progress=False)
+    # (the user's own error and traceback, noted with the trial and its params)
+    [note] = raised.value.__notes__
+    assert note.startswith("hftc sweep: raised while starting trial 1 (params {'lr': ")
     study = optuna.load_study(study_name=None, storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
     reasons = {t.number: t.user_attrs["hftc_fail_reason"] for t in study.trials}
     assert reasons[1].startswith("error while starting the trial: RuntimeError")

@@ -408,6 +408,13 @@ class Sweep(Recovery, Arrays, Decisions):
                 self._fail(trial, f"error while starting the trial: {type(exc).__name__}: {exc}")
                 with contextlib.suppress(AttributeError):
                     exc.hftc_trial = trial.number
+                if not isinstance(exc, SpecError):  # the spec's own code raised: its traceback
+                    exc.add_note(  # stays, said for which trial (its params) and what now
+                        f"hftc sweep: raised while starting trial {trial.number} (params "
+                        f"{trial.params}) in the spec's space(), model(), optimizer() or "
+                        f"scheduler() (the traceback's last lines); its live trials are failed "
+                        f"with this reason. Make the spec's function take these params, or "
+                        f"leave them out of space()")
                 raise
             self.live.append(run)
             came = True
