@@ -333,6 +333,9 @@ BAD_SPECS = {
         r"spec.loss \(.*functional.py:\d+\), on one model's output \(16, 3\) \(torch.float32\) "
         r"and the targets \(16,\) \(torch.int64\), raised RuntimeError: The size of tensor a "
         r"\(3\) must match"),
+    "a device torch does not have": (  # was torch's error from inside the data's move
+        "device = 'gpu'\n",
+        r"spec.device is 'gpu', which this process cannot use \(Expected one of cpu, cuda"),
     "param groups at two learning rates": (  # a backbone / head split: two optimizers
         "def optimizer(params, module):\n"
         "    return torch.optim.SGD([{'params': [module.weight], 'lr': params['lr']},\n"

@@ -139,11 +139,26 @@ def _is_loader(split: Any) -> bool:
     return isinstance(split, (DataLoader, IterableDataset))
 
 
+def check_device(spec: SweepSpec) -> None:
+    """``spec.device`` is one this process can use: checked where the data is loaded (on
+    the worker: a Ray driver may well lack the workers' GPUs), before anything is written,
+    not found by torch inside the first tensor's move."""
+    try:
+        torch.empty(0, device=spec.device)
+    except (RuntimeError, AssertionError, TypeError) as exc:
+        said = (str(exc).strip().splitlines() or [""])[0]
+        raise SpecError(
+            f"spec.device is {spec.device!r}, which this process cannot use ({said}); give a "
+            f"device torch has here (torch.cuda.is_available() is "
+            f"{torch.cuda.is_available()}), e.g. device = \"cpu\"") from None
+
+
 def load_data(spec: SweepSpec) -> SweepData | LoaderData:
     """The spec's data: tensors (or map-style Datasets, read into memory) as
     :class:`SweepData`, DataLoaders / IterableDatasets as :class:`LoaderData`."""
     from torch.utils.data import DataLoader, IterableDataset
 
+    check_device(spec)
     raw = spec.data()
     try:
         if isinstance(raw, (tuple, list)) and len(raw) == 2 and any(map(_is_loader, raw)):
