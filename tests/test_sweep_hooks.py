@@ -297,6 +297,28 @@ def test_the_summary_of_a_plain_spec(tmp_path: Path):
     assert len(lines) == 3  # nothing kept apart
 
 
+TUPLE_MODEL = """
+import torch.nn.functional as F
+
+
+class _LogitsAndAux(nn.Module):  # (logits, an auxiliary scalar), as a model with aux heads
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.fc(x)
+        return out, out.pow(2).mean()
+
+
+def model(params):
+    return _LogitsAndAux()
+
+
+def loss(output, target):
+    return F.cross_entropy(output[0], target) + 0.01 * output[1]
+"""
+
 BAD_SPECS = {
     "train_step of three arguments": (
         "def train_step(model, batch, optimizers):\n    pass\n",
@@ -336,6 +358,11 @@ BAD_SPECS = {
     "a device torch does not have": (  # was torch's error from inside the data's move
         "device = 'gpu'\n",
         r"spec.device is 'gpu', which this process cannot use \(Expected one of cpu, cuda"),
+    "accuracy of models returning a tuple": (  # was a TypeError from the outputs' torch.cat
+        TUPLE_MODEL,
+        r"spec.metric is 'accuracy' \(the argmax of the model's output\), but spec.model "
+        r"\(.*bad_spec.py:\d+\)'s models return a tuple of \(\(16, 3\), \(1,\)\); give a "
+        r"function metric\(output, target\)"),
     "param groups at two learning rates": (  # a backbone / head split: two optimizers
         "def optimizer(params, module):\n"
         "    return torch.optim.SGD([{'params': [module.weight], 'lr': params['lr']},\n"
@@ -392,6 +419,28 @@ def test_a_bad_loss_is_named_alone_too(case: str, tmp_path: Path):
     path.write_text(BAD_BASE + source)
     with pytest.raises(hs.SpecError, match=message):
         hs.train_alone(hs.load_spec(path), {"lr": 0.1}, 0, [0])
+
+
+def test_models_returning_a_tuple_are_evaluated_field_by_field(tmp_path: Path):
+    """Models returning (logits, aux): the validation outputs are joined field by field
+    and each trial's metric gets its own model's fields (a metric of both), as alone."""
+    path = tmp_path / "tuple_spec.py"
+    path.write_text(BAD_BASE + TUPLE_MODEL + "dtype = torch.float64\n\n\n"
+                    "def data():  # the same data for train_alone\n"
+                    "    g = torch.Generator().manual_seed(0)\n"
+                    "    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), "
+                    "generator=g)\n"
+                    "    return (x, y), (x, y)\n\n\n"
+                    "def metric(output, target):\n"
+                    "    return F.cross_entropy(output[0], target).item() + output[1].sum().item()\n")
+    result = hs.run(path, out=tmp_path / "out", progress=False, pruner="none", epochs=2)
+    trials = result.study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    assert trials[0].value != trials[1].value
+    for t in trials:
+        _, history = hs.train_alone(hs.load_spec(path), t.params, t.user_attrs["hftc_seed"],
+                                    t.user_attrs["hftc_orders"])
+        assert history == [t.intermediate_values[k] for k in sorted(t.intermediate_values)]
 
 
 def test_postgresql_storage(spec_file: Path, tmp_path: Path, postgres_url: str):  # noqa: F811

@@ -74,6 +74,7 @@ from .training import (
     make_optimizers,
     make_schedulers,
     metric_value,
+    model_output,
     not_a_loss,
     round_seed,
     step_losses,
@@ -470,7 +471,7 @@ class Sweep(Recovery, Arrays, Decisions):
         for a, out, loss_sum in zip(self.arrays, outs, loss_sums):
             finite = finite_models(a.fused)
             for j, run in enumerate(a.members):
-                run.history.append(metric_value(spec, out[j], targets))
+                run.history.append(metric_value(spec, model_output(out, j), targets))
                 run.weights_finite = finite[j]
                 run.train_loss = None if loss_sum is None else float(loss_sum[j]) / n_batches
                 run.orders.append(key)
@@ -496,13 +497,20 @@ class Sweep(Recovery, Arrays, Decisions):
         except (hftc.errors.FusionTypeError, hftc.errors.FusionArgumentError) as exc:
             # The user wrote spec.loss, not the per_model call: said of the spec's loss on
             # one model's output (what it raises, or returns instead of a scalar)
-            raise loss_failed(self.spec, exc, out[0].detach(), yb) from exc.__cause__
+            raise loss_failed(self.spec, exc, self._first_output(out), yb) from exc.__cause__
         if losses.shape != (len(a.members),):  # per sample: one model's, to say its shape
-            raise not_a_loss(self.spec, self.spec.loss(out[0].detach(), yb), out.shape[1:], yb)
+            first = self._first_output(out)
+            raise not_a_loss(self.spec, self.spec.loss(first, yb), first, yb)
         losses.sum().backward()
         for optimizer in a.optimizers:
             optimizer.step()
         return losses.detach()
+
+    @staticmethod
+    def _first_output(out: Any) -> Any:
+        """Model 0's output, detached (the spec's loss tried on it, to say what is wrong)."""
+        return model_output(torch.utils._pytree.tree_map(
+            lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), 0)
 
     def _step_schedulers(self, run: LiveTrial) -> None:
         """Step the trial's schedulers (on its stock optimizers, with its metric) and give

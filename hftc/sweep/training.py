@@ -19,13 +19,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from .spec import SpecError, SweepSpec, defined_at, hook_name
 
 __all__ = ["SweepData", "LoaderData", "load_data", "epoch_order", "batches", "build_model",
            "metric_value", "train_alone", "epochs_alone", "evaluate", "evaluate_all", "round_seed",
            "make_optimizers", "check_fusable", "make_schedulers", "step_scheduler", "step_losses",
-           "not_a_loss", "loss_failed"]
+           "not_a_loss", "loss_failed",
+           "model_output"]
 
 
 def round_seed(order_key: int) -> int:
@@ -255,9 +257,29 @@ def build_model(spec: SweepSpec, params: dict[str, Any], seed: int) -> nn.Module
     return model.to(device=spec.device, dtype=spec.dtype)
 
 
-def metric_value(spec: SweepSpec, output: Tensor, target: Tensor) -> float:
+def model_output(out: Any, j: int) -> Any:
+    """Model ``j``'s part of a fused output ``[N, B, ...]``, field by field where the
+    models return a tuple or dict of tensors (``(logits, aux)``)."""
+    return tree_map(lambda t: t[j] if isinstance(t, Tensor) else t, out)
+
+
+def shape_text(out: Any) -> str:
+    """An output's shape, or its fields' shapes (``((32, 3), ())``) for a tuple or dict."""
+    if isinstance(out, Tensor):
+        return str(tuple(out.shape))
+    return str(tree_map(lambda t: tuple(t.shape) if isinstance(t, Tensor) else t, out))
+
+
+def metric_value(spec: SweepSpec, output: Any, target: Tensor) -> float:
     """One model's metric from its validation output (all samples)."""
     if spec.metric == "accuracy":
+        if not isinstance(output, Tensor):
+            raise SpecError(
+                f"spec.metric is 'accuracy' (the argmax of the model's output), but "
+                f"{hook_name('model', spec.model)}'s models return a "
+                f"{type(output).__name__} of {shape_text(output)}; give a function "
+                f"metric(output, target) that reads it, e.g. "
+                f"(output[0].argmax(-1) == target).double().mean().item()")
         return (output.argmax(-1) == target).double().mean().item()
     if spec.metric == "loss":
         return float(spec.loss(output, target))
@@ -294,7 +316,21 @@ def evaluate_all(forwards: Sequence[Callable[..., Tensor]], data: SweepData | Lo
         for k, forward in enumerate(forwards):
             outs[k].append(forward(*xs))
         targets.append(y)
-    return [torch.cat(o, dim=batch_dim) for o in outs], torch.cat(targets)
+    return [_join(o, batch_dim) for o in outs], torch.cat(targets)
+
+
+def _join(outputs: list[Any], batch_dim: int) -> Any:
+    """The batches' outputs as one, field by field for tuple or dict outputs: tensors with
+    a batch dim concatenated along it, the others (a scalar per batch, per model) stacked
+    there, one entry per batch."""
+    def join(*parts: Any) -> Any:
+        if not isinstance(parts[0], Tensor):
+            return parts[0]
+        if parts[0].dim() > batch_dim:
+            return torch.cat(parts, dim=batch_dim)
+        return torch.stack(parts, dim=batch_dim)
+
+    return tree_map(join, *outputs)
 
 
 def make_optimizers(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
@@ -367,10 +403,9 @@ def step_scheduler(scheduler: Any, metric: float) -> None:
         scheduler.step()
 
 
-def not_a_loss(spec: SweepSpec, one: Any, output_shape: tuple, target: Tensor,
-               ) -> SpecError | None:
+def not_a_loss(spec: SweepSpec, one: Any, output: Any, target: Tensor) -> SpecError | None:
     """The error for a training loss that did not give one model one scalar (``one``: its
-    value on one model's output of ``output_shape``), or None. A per-sample loss
+    value on one model's ``output``), or None. A per-sample loss
     (``reduction="none"``) would train on the batch's sum, not its mean, and then fail."""
     if isinstance(one, Tensor) and one.dim() == 0:
         return None
@@ -378,12 +413,12 @@ def not_a_loss(spec: SweepSpec, one: Any, output_shape: tuple, target: Tensor,
             else f"a {type(one).__name__}")
     return SpecError(
         f"{hook_name('loss', spec.loss)} returned {what} on one model's output "
-        f"{tuple(output_shape)} and the targets {tuple(target.shape)}; the training loss "
+        f"{shape_text(output)} and the targets {tuple(target.shape)}; the training loss "
         f"must return a scalar tensor that backward() goes through (no .item() or float(); "
         f"a mean over the batch, not reduction='none')")
 
 
-def loss_failed(spec: SweepSpec, exc: Exception, output: Tensor, target: Tensor) -> Exception:
+def loss_failed(spec: SweepSpec, exc: Exception, output: Any, target: Tensor) -> Exception:
     """What to raise for ``hftc.per_model(spec.loss)``'s error ``exc``: the spec's loss
     tried on one model's ``output``, a SpecError naming it with its own error (a target
     of the wrong shape or kind) or with what it returned instead of a scalar; else
@@ -393,13 +428,14 @@ def loss_failed(spec: SweepSpec, exc: Exception, output: Tensor, target: Tensor)
     except Exception as own:  # noqa: BLE001 - the user's loss: its error is the message
         said = (str(own).strip().splitlines() or [""])[0]
         error = SpecError(
-            f"{hook_name('loss', spec.loss)}, on one model's output {tuple(output.shape)} "
-            f"({output.dtype}) and the targets {tuple(target.shape)} ({target.dtype}), "
+            f"{hook_name('loss', spec.loss)}, on one model's output {shape_text(output)} "
+            f"({getattr(output, 'dtype', type(output).__name__)}) and the targets "
+            f"{tuple(target.shape)} ({target.dtype}), "
             f"raised {type(own).__name__}: {said} -- give a loss(output, target) that takes "
             f"one model's output and the batch's targets as data() gives them")
         error.__cause__ = own
         return error
-    return not_a_loss(spec, one, output.shape, target) or exc
+    return not_a_loss(spec, one, output, target) or exc
 
 
 def step_losses(spec: SweepSpec, returned: Any, n: int) -> Tensor | None:
@@ -478,9 +514,9 @@ def epochs_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
             try:
                 loss = spec.loss(out, y)
             except Exception as exc:  # said as the fused sweep says it
-                raise loss_failed(spec, exc, out.detach(), y) from exc
+                raise loss_failed(spec, exc, tree_map(_detached, out), y) from exc
             if not (isinstance(loss, Tensor) and loss.dim() == 0):
-                raise not_a_loss(spec, loss, out.shape, y)
+                raise not_a_loss(spec, loss, out, y)
             loss.backward()
             for optimizer in optimizers:
                 optimizer.step()
@@ -491,6 +527,10 @@ def epochs_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
             if scheduler is not None:
                 step_scheduler(scheduler, value)
         yield value
+
+
+def _detached(t: Any) -> Any:
+    return t.detach() if isinstance(t, Tensor) else t
 
 
 def is_finite(value: float) -> bool:
