@@ -352,17 +352,17 @@ def check_fusable(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer]) 
     subclass of one), and one lr for all its param groups (a fused optimizer holds one lr
     per model, its param_groups[j] being model j: a backbone / head at two rates is two
     optimizers)."""
-    from ..optim.convert import _FUSED_CLASS
+    from ..optim.convert import fusable_classes
 
     for k, optimizer in enumerate(optimizers):
         which = f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}"
         if len(optimizers) > 1:
             which = f"optimizer {k} ({which})"
-        if type(optimizer) not in _FUSED_CLASS:
+        if type(optimizer) not in fusable_classes():
             raise SpecError(
                 f"{hook_name('optimizer', spec.optimizer)} returned {which}, which hftc "
                 f"cannot fuse; return one of "
-                f"{', '.join(f'torch.optim.{c.__name__}' for c in _FUSED_CLASS)} (--serial "
+                f"{', '.join(f'torch.optim.{c.__name__}' for c in fusable_classes())} (--serial "
                 f"runs the study with any optimizer, one trial at a time)")
         lrs = [g["lr"] for g in optimizer.param_groups]
         if len(set(lrs)) > 1:
