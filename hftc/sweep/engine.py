@@ -500,7 +500,9 @@ class Sweep(Recovery, Arrays, Decisions):
             raise loss_failed(self.spec, exc, self._first_output(out), yb) from exc.__cause__
         if losses.shape != (len(a.members),):  # per sample: one model's, to say its shape
             first = self._first_output(out)
-            raise not_a_loss(self.spec, self.spec.loss(first, yb), first, yb)
+            error = not_a_loss(self.spec, self.spec.loss(first, yb), first, yb)
+            if error is not None:
+                raise error
         losses.sum().backward()
         for optimizer in a.optimizers:
             optimizer.step()
