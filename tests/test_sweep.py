@@ -279,6 +279,15 @@ def test_a_misspelled_spec_field_is_an_error_not_ignored(spec_file: Path, tmp_pa
     typo.write_text(SPEC_SOURCE.replace("epochs = 4", "epoch = 1"))
     with pytest.raises(hs.SpecError, match=r"defines epoch = 1, .*did you mean epochs\?"):
         hs.load_spec(typo)
+    # Fields whose default's type does not say their kinds: a metric by name, a direction
+    # (default None), a pruner object
+    for line, meant in (("metrics = 'loss'", "metric"), ("directions = 'maximize'", "direction"),
+                        ("import optuna\nprunner = optuna.pruners.NopPruner()", "pruner")):
+        source = SPEC_SOURCE.replace('metric = "loss"', "").replace('pruner = "sha"', "")
+        typo.write_text(source + "\n" + line + "\n")
+        with pytest.raises(hs.SpecError, match=rf"which the sweep does not read: did you mean "
+                           rf"{meant}\? Rename it to '{meant}'"):
+            hs.load_spec(typo)
     # Not typos: a field and a near name both defined, helpers of other kinds or arguments,
     # private names, imported functions.
     typo.write_text(SPEC_SOURCE + "\nEPOCHS = 3\nseeds = [0, 1]\n_optimiser = None\n"
