@@ -362,8 +362,7 @@ def check_fusable(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer]) 
             raise SpecError(
                 f"{hook_name('optimizer', spec.optimizer)} returned {which}, which hftc "
                 f"cannot fuse; return one of "
-                f"{', '.join(f'torch.optim.{c.__name__}' for c in fusable_classes())} (--serial "
-                f"runs the study with any optimizer, one trial at a time)")
+                f"{', '.join(f'torch.optim.{c.__name__}' for c in fusable_classes())}")
         lrs = [g["lr"] for g in optimizer.param_groups]
         if len(set(lrs)) > 1:
             raise SpecError(
