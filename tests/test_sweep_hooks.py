@@ -363,6 +363,14 @@ BAD_SPECS = {
         r"spec.metric is 'accuracy' \(the argmax of the model's output\), but spec.model "
         r"\(.*bad_spec.py:\d+\)'s models return a tuple of \(\(16, 3\), \(1,\)\); give a "
         r"function metric\(output, target\)"),
+    "one module for every trial": (  # each trial started from the others' weights, silently
+        "_SHARED = nn.Linear(4, 3)\n\n\ndef model(params):\n    return _SHARED\n",
+        r"spec.model \(.*bad_spec.py:\d+\) returned, for trial 1, the module it returned for "
+        r"trial 0 \(the same objects\)"),
+    "a layer shared by every trial": (
+        "_EMBED = nn.Linear(4, 4)\n\n\ndef model(params):\n"
+        "    return nn.Sequential(_EMBED, nn.Linear(4, 3))\n",
+        r"returned, for trial 1, trainable parameters it returned for trial 0"),
     "param groups at two learning rates": (  # a backbone / head split: two optimizers
         "def optimizer(params, module):\n"
         "    return torch.optim.SGD([{'params': [module.weight], 'lr': params['lr']},\n"

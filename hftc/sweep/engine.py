@@ -372,10 +372,26 @@ class Sweep(Recovery, Arrays, Decisions):
             with contextlib.suppress(TypeError, ValueError):
                 trial.set_user_attr("hftc_params", json.loads(json.dumps(params)))
         module = build_model(self.spec, params, seed)
+        self._check_own_module(trial.number, module)
         optimizers = make_optimizers(self.spec, params, module)
         check_fusable(self.spec, optimizers)
         schedulers = make_schedulers(self.spec, params, optimizers)
         return LiveTrial(trial, params, seed, module, optimizers, schedulers)
+
+    def _check_own_module(self, number: int, module: torch.nn.Module) -> None:
+        """The trial's module, and its trainable parameters, are not a live trial's: a
+        module made once at the spec's top level and returned by every model() call would
+        have each trial start from (and write back into) the weights of the others."""
+        own = {id(p) for p in module.parameters() if p.requires_grad}
+        for run in self.live:
+            shared = run.module is module or any(id(p) in own for p in run.module.parameters())
+            if shared:
+                what = "the module" if run.module is module else "trainable parameters"
+                raise SpecError(
+                    f"{hook_name('model', self.spec.model)} returned, for trial {number}, "
+                    f"{what} it returned for trial {run.number} (the same objects): each "
+                    f"trial trains weights of its own; build a new module in every call (a "
+                    f"module or layer made once at the spec's top level is shared by all)")
 
     def _refill(self) -> bool:
         """Ask trials until the array is full or the budget is spent; True if any came.
