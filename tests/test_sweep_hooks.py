@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from optuna.trial import TrialState
 from test_sweep_distributed import postgres_url  # noqa: F401  (a fixture)
 
+import hftc.errors
 import hftc.sweep as hs
 from hftc.__main__ import main
 from hftc.sweep.training import round_seed
@@ -449,6 +450,19 @@ def test_models_returning_a_tuple_are_evaluated_field_by_field(tmp_path: Path):
         _, history = hs.train_alone(hs.load_spec(path), t.params, t.user_attrs["hftc_seed"],
                                     t.user_attrs["hftc_orders"])
         assert history == [t.intermediate_values[k] for k in sorted(t.intermediate_values)]
+
+
+def test_a_space_naming_the_batch_size_is_warned_once(tmp_path: Path):
+    """space() suggesting batch_size (or epochs) trained every trial with the spec's, and
+    said nothing: a SweepWarning says so, once per sweep."""
+    path = tmp_path / "batch_spec.py"
+    path.write_text(BAD_BASE + "\n\ndef space(trial):\n    return {'lr': 0.05, "
+                    "'batch_size': trial.suggest_categorical('batch_size', [4, 8])}\n")
+    with pytest.warns(hftc.errors.SweepWarning, match=r"spec.space \(.*batch_spec.py:\d+\) "
+                      r"returns batch_size, which the sweep does not read .* the spec's "
+                      r"batch_size = 64") as caught:
+        hs.run(path, out=tmp_path / "out", progress=False, estimate=False)
+    assert sum("returns batch_size" in str(w.message) for w in caught) == 1
 
 
 def test_postgresql_storage(spec_file: Path, tmp_path: Path, postgres_url: str):  # noqa: F811

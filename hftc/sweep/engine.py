@@ -371,12 +371,29 @@ class Sweep(Recovery, Arrays, Decisions):
             # lacks): best.json gives these, so model(best["params"]) builds the model.
             with contextlib.suppress(TypeError, ValueError):
                 trial.set_user_attr("hftc_params", json.loads(json.dumps(params)))
+        self._warn_unread(params)
         module = build_model(self.spec, params, seed)
         self._check_own_module(trial.number, module)
         optimizers = make_optimizers(self.spec, params, module)
         check_fusable(self.spec, optimizers)
         schedulers = make_schedulers(self.spec, params, optimizers)
         return LiveTrial(trial, params, seed, module, optimizers, schedulers)
+
+    def _warn_unread(self, params: dict[str, Any]) -> None:
+        """Once per sweep: space() names a field of the whole sweep (batch_size, epochs),
+        which the sweep does not read from a trial's params: the trials of an array share
+        their batches and epochs, and every trial would train with the spec's value."""
+        unread = sorted(set(params) & {"batch_size", "eval_batch_size", "epochs", "dtype",
+                                        "device"})
+        if not unread or getattr(self, "_warned_unread", False):
+            return
+        self._warned_unread = True
+        self._warn(
+            f"{hook_name('space', self.spec.space)} returns {', '.join(unread)}, which the "
+            f"sweep does not read from a trial's params: every trial trains with the spec's "
+            f"{', '.join(f'{k} = {getattr(self.spec, k)!r}' for k in unread)} (the trials of "
+            f"an array share their batches and epochs). Set it in the spec instead (a value "
+            f"your own model() / optimizer() / scheduler() reads: give it another name)")
 
     def _check_own_module(self, number: int, module: torch.nn.Module) -> None:
         """The trial's module, and its trainable parameters, are not a live trial's: a
