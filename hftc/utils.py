@@ -57,6 +57,20 @@ def _func_cell(function: Any) -> Any:
 _torch_clip_grad_norm_ = _stock_twin(torch.nn.utils.clip_grad_norm_)
 
 
+def _one_model_max_norm(max_norm: Any) -> Any:
+    """``max_norm`` for one model's (unfused) parameters: a list of one value per model is
+    that value, so code written for a fused module (``[p["clip"] for p in params]``) runs
+    on a stock model too (a sweep's train_step alone: ``train_alone``, ``--serial``)."""
+    if isinstance(max_norm, Tensor) and max_norm.dim() == 1 or isinstance(max_norm,
+                                                                          (list, tuple)):
+        if len(max_norm) != 1:
+            raise FusionArgumentError(
+                f"torch.nn.utils.clip_grad_norm_ got {len(max_norm)} max_norm values (one per "
+                f"model) for parameters that are not a fused module's: one model's take one")
+        return float(max_norm[0])
+    return max_norm
+
+
 @functools.wraps(_torch_clip_grad_norm_)
 def _clip_grad_norm_per_model(parameters: Tensor | Iterable[Tensor], max_norm: float,
                               norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -69,8 +83,8 @@ def _clip_grad_norm_per_model(parameters: Tensor | Iterable[Tensor], max_norm: f
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     stacked = [n is not None for n in stacked_counts(params)]
     if not any(stacked):
-        return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
-                                      foreach)
+        return _torch_clip_grad_norm_(params, _one_model_max_norm(max_norm), norm_type,
+                                      error_if_nonfinite, foreach)
     if not all(stacked):
         raise FusionArgumentError(
             "torch.nn.utils.clip_grad_norm_ got a fused module's stacked parameters together "
@@ -125,7 +139,8 @@ def _clip_grads_with_norm_per_model(parameters: Tensor | Iterable[Tensor], max_n
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     numbers = stacked_counts(params)
     if all(n is None for n in numbers):
-        return _torch_clip_grads_with_norm_(params, max_norm, total_norm, foreach)
+        return _torch_clip_grads_with_norm_(params, _one_model_max_norm(max_norm), total_norm,
+                                            foreach)
     counts = set(numbers)
     if None in counts or len(counts) > 1:
         raise FusionArgumentError(

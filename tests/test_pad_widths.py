@@ -358,6 +358,27 @@ def test_same_widths_pad_nothing():
     assert padding is None
 
 
+def test_one_width_of_other_activations_pads_nothing():
+    """Models of one width whose activations differ (a categorical ReLU / GELU choice),
+    which the ordinary fusion puts in one array: pad_widths=True fuses them as it would
+    (it once refused them with the padding's same-layers check, and a sweep with
+    pad_widths = True failed every trial); another width among them splits, as before."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, h), act(), nn.Linear(h, 3)).double()
+              for h, act in [(6, nn.ReLU), (6, nn.GELU), (5, nn.GELU)]]
+    x = torch.randn(4, 8, dtype=torch.float64)
+    fused = hftc.fuse(models[:2], pad_widths=True)
+    assert fused.padding is None
+    out = fused(x)
+    for i in range(2):
+        assert _relative(out[i], models[i](x)) <= 1e-12
+    groups = hftc.fuse_groups(models, pad_widths=True, example_inputs=x)
+    assert [indices for _, indices in groups] == [[0, 1], [2]]
+    for f, indices in groups:
+        for j, i in enumerate(indices):
+            assert _relative(f(x)[j], models[i](x)) <= 1e-12
+
+
 # ---------------------------------------------------------------- refusals
 
 

@@ -279,6 +279,15 @@ def test_a_misspelled_spec_field_is_an_error_not_ignored(spec_file: Path, tmp_pa
     typo.write_text(SPEC_SOURCE.replace("epochs = 4", "epoch = 1"))
     with pytest.raises(hs.SpecError, match=r"defines epoch = 1, .*did you mean epochs\?"):
         hs.load_spec(typo)
+    # Fields whose default's type does not say their kinds: a metric by name, a direction
+    # (default None), a pruner object
+    for line, meant in (("metrics = 'loss'", "metric"), ("directions = 'maximize'", "direction"),
+                        ("import optuna\nprunner = optuna.pruners.NopPruner()", "pruner")):
+        source = SPEC_SOURCE.replace('metric = "loss"', "").replace('pruner = "sha"', "")
+        typo.write_text(source + "\n" + line + "\n")
+        with pytest.raises(hs.SpecError, match=rf"which the sweep does not read: did you mean "
+                           rf"{meant}\? Rename it to '{meant}'"):
+            hs.load_spec(typo)
     # Not typos: a field and a near name both defined, helpers of other kinds or arguments,
     # private names, imported functions.
     typo.write_text(SPEC_SOURCE + "\nEPOCHS = 3\nseeds = [0, 1]\n_optimiser = None\n"
@@ -625,8 +634,11 @@ def test_a_trial_whose_model_raises_is_named_in_the_others_reasons(spec_file: Pa
             raise RuntimeError("this model refuses these params")
         return spec.model(params)
 
-    with pytest.raises(RuntimeError, match="refuses"):
+    with pytest.raises(RuntimeError, match="refuses") as raised:
         hs.run(spec.replace(model=model, pruner="none"), out=tmp_path / "out", progress=False)
+    # (the user's own error and traceback, noted with the trial and its params)
+    [note] = raised.value.__notes__
+    assert note.startswith("hftc sweep: raised while starting trial 1 (params {'lr': ")
     study = optuna.load_study(study_name=None, storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
     reasons = {t.number: t.user_attrs["hftc_fail_reason"] for t in study.trials}
     assert reasons[1].startswith("error while starting the trial: RuntimeError")

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from optuna.trial import TrialState
 from test_sweep_distributed import postgres_url  # noqa: F401  (a fixture)
 
+import hftc.errors
 import hftc.sweep as hs
 from hftc.__main__ import main
 from hftc.sweep.training import round_seed
@@ -297,6 +298,28 @@ def test_the_summary_of_a_plain_spec(tmp_path: Path):
     assert len(lines) == 3  # nothing kept apart
 
 
+TUPLE_MODEL = """
+import torch.nn.functional as F
+
+
+class _LogitsAndAux(nn.Module):  # (logits, an auxiliary scalar), as a model with aux heads
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        out = self.fc(x)
+        return out, out.pow(2).mean()
+
+
+def model(params):
+    return _LogitsAndAux()
+
+
+def loss(output, target):
+    return F.cross_entropy(output[0], target) + 0.01 * output[1]
+"""
+
 BAD_SPECS = {
     "train_step of three arguments": (
         "def train_step(model, batch, optimizers):\n    pass\n",
@@ -322,6 +345,44 @@ BAD_SPECS = {
         "    return torch.tensor(1.0)\n",
         r"spec.train_step \(.*bad_spec.py:\d+\) returned a tensor of shape \(\); return the 2 "
         r"models' training losses"),
+    "loss per sample": (  # it trained on the batch's sum, then failed inside the sweep
+        "import functools\nimport torch.nn.functional as F\n"
+        "loss = functools.partial(F.cross_entropy, reduction='none')\n",
+        r"spec.loss returned a tensor of shape \(16,\) on one model's output \(16, 3\) and "
+        r"the targets \(16,\); the training loss must return a scalar tensor .* not "
+        r"reduction='none'"),
+    "loss on targets of another kind": (  # was per_model's error, of a call the user never made
+        "import torch.nn.functional as F\nloss = F.mse_loss\n",
+        r"spec.loss \(.*functional.py:\d+\), on one model's output \(16, 3\) \(torch.float32\) "
+        r"and the targets \(16,\) \(torch.int64\), raised RuntimeError: The size of tensor a "
+        r"\(3\) must match"),
+    "a device torch does not have": (  # was torch's error from inside the data's move
+        "device = 'gpu'\n",
+        r"spec.device is 'gpu', which this process cannot use \(Expected one of cpu, cuda"),
+    "accuracy of models returning a tuple": (  # was a TypeError from the outputs' torch.cat
+        TUPLE_MODEL,
+        r"spec.metric is 'accuracy' \(the argmax of the model's output\), but spec.model "
+        r"\(.*bad_spec.py:\d+\)'s models return a tuple of \(\(16, 3\), \(1,\)\); give a "
+        r"function metric\(output, target\)"),
+    "one module for every trial": (  # each trial started from the others' weights, silently
+        "_SHARED = nn.Linear(4, 3)\n\n\ndef model(params):\n    return _SHARED\n",
+        r"spec.model \(.*bad_spec.py:\d+\) returned, for trial 1, the module it returned for "
+        r"trial 0 \(the same objects\)"),
+    "a layer shared by every trial": (
+        "_EMBED = nn.Linear(4, 4)\n\n\ndef model(params):\n"
+        "    return nn.Sequential(_EMBED, nn.Linear(4, 3))\n",
+        r"returned, for trial 1, trainable parameters it returned for trial 0"),
+    "param groups at two learning rates": (  # a backbone / head split: two optimizers
+        "def optimizer(params, module):\n"
+        "    return torch.optim.SGD([{'params': [module.weight], 'lr': params['lr']},\n"
+        "                            {'params': [module.bias], 'lr': 10 * params['lr']}])\n",
+        r"spec.optimizer \(.*bad_spec.py:\d+\) returned a torch.optim.sgd.SGD whose param "
+        r"groups have different learning rates .*return one optimizer per learning rate"),
+    "an optimizer hftc cannot fuse": (
+        "def optimizer(params, module):\n"
+        "    return torch.optim.LBFGS(module.parameters(), lr=params['lr'])\n",
+        r"spec.optimizer \(.*bad_spec.py:\d+\) returned a torch.optim.lbfgs.LBFGS, which hftc "
+        r"cannot fuse; return one of torch.optim.SGD, "),
 }
 
 BAD_BASE = """
@@ -355,6 +416,53 @@ def test_a_bad_hook_is_named_with_its_problem(case: str, tmp_path: Path, capsys)
         hs.run(path, out=tmp_path / "out", progress=False)
     assert main(["sweep", str(path), "--out", str(tmp_path / "out2"), "--no-progress"]) == 2
     assert "hftc sweep: spec." in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")  # (mse_loss's broadcasting)
+@pytest.mark.parametrize("case", ["loss per sample", "loss on targets of another kind"])
+def test_a_bad_loss_is_named_alone_too(case: str, tmp_path: Path):
+    """train_alone (the serial side, --serial) says what the fused sweep says of a loss
+    that gives one value per sample or fails on the targets, not torch's own error."""
+    source, message = BAD_SPECS[case]
+    path = tmp_path / "bad_spec.py"
+    path.write_text(BAD_BASE + source)
+    with pytest.raises(hs.SpecError, match=message):
+        hs.train_alone(hs.load_spec(path), {"lr": 0.1}, 0, [0])
+
+
+def test_models_returning_a_tuple_are_evaluated_field_by_field(tmp_path: Path):
+    """Models returning (logits, aux): the validation outputs are joined field by field
+    and each trial's metric gets its own model's fields (a metric of both), as alone."""
+    path = tmp_path / "tuple_spec.py"
+    path.write_text(BAD_BASE + TUPLE_MODEL + "dtype = torch.float64\n\n\n"
+                    "def data():  # the same data for train_alone\n"
+                    "    g = torch.Generator().manual_seed(0)\n"
+                    "    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), "
+                    "generator=g)\n"
+                    "    return (x, y), (x, y)\n\n\n"
+                    "def metric(output, target):\n"
+                    "    return F.cross_entropy(output[0], target).item() + output[1].sum().item()\n")
+    result = hs.run(path, out=tmp_path / "out", progress=False, pruner="none", epochs=2)
+    trials = result.study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    assert trials[0].value != trials[1].value
+    for t in trials:
+        _, history = hs.train_alone(hs.load_spec(path), t.params, t.user_attrs["hftc_seed"],
+                                    t.user_attrs["hftc_orders"])
+        assert history == [t.intermediate_values[k] for k in sorted(t.intermediate_values)]
+
+
+def test_a_space_naming_the_batch_size_is_warned_once(tmp_path: Path):
+    """space() suggesting batch_size (or epochs) trained every trial with the spec's, and
+    said nothing: a SweepWarning says so, once per sweep."""
+    path = tmp_path / "batch_spec.py"
+    path.write_text(BAD_BASE + "\n\ndef space(trial):\n    return {'lr': 0.05, "
+                    "'batch_size': trial.suggest_categorical('batch_size', [4, 8])}\n")
+    with pytest.warns(hftc.errors.SweepWarning, match=r"spec.space \(.*batch_spec.py:\d+\) "
+                      r"returns batch_size, which the sweep does not read .* the spec's "
+                      r"batch_size = 64") as caught:
+        hs.run(path, out=tmp_path / "out", progress=False, estimate=False)
+    assert sum("returns batch_size" in str(w.message) for w in caught) == 1
 
 
 def test_postgresql_storage(spec_file: Path, tmp_path: Path, postgres_url: str):  # noqa: F811

@@ -763,6 +763,29 @@ def test_torch_clipping_bound_before_import_hftc_clips_per_model_too():
     assert norm == pytest.approx(6.0) and clipped == pytest.approx(1.0, rel=1e-5)
 
 
+def test_torch_clipping_takes_one_per_model_max_norm_for_one_model():
+    """A sweep's train_step clips each trial by its own max_norm
+    (``clip_grad_norm_(model.parameters(), [p["clip"] for p in params])``); alone
+    (train_alone, --serial, the speedup estimate) the same code gets a stock model and a
+    list of one: torch's clip_grad_norm_ raised a TypeError (float() of a list), which
+    stopped the whole sweep in its estimate. One value per model, for one model."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    twin = copy.deepcopy(model)
+    (model(x) ** 2).sum().backward()
+    (twin(x) ** 2).sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), [0.1])
+    assert norm == torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.1) and norm > 0.1
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), (0.01,), total)
+    assert torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]) <= 0.0101
+    with pytest.raises(hftc.errors.FusionArgumentError, match="2 max_norm values"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), [0.1, 0.2])
+
+
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_torch_two_step_clipping_clips_a_fused_module_per_model(norm_type):
     """torch's two-step form of clip_grad_norm_, ``get_total_norm`` of the gradients then

@@ -380,15 +380,16 @@ def _padded_module(path: str, index: int, module: nn.Module, others: Sequence[nn
 def pad_models(models: Sequence[nn.Module]) -> tuple[list[nn.Module], WidthPadding | None]:
     """Each model rebuilt at the widest model's widths (see the module docstring), and
     the plan; the models themselves when every tensor already has one shape (None)."""
-    _check_same_structure(models)
     own_shapes = [{n: t.shape for n, t in _tensors(m).items()} for m in models]
+    if all(s == own_shapes[0] for s in own_shapes):
+        # One width: nothing to pad, and the ordinary fusion judges what differs (n_head at
+        # one d_model, a ReLU in one model where another has a GELU), not the padding's
+        # stricter same-layers check
+        return list(models), None
+    _check_same_structure(models)
     padded_shapes = {name: torch.Size(max(dims) for dims in zip(*(s[name] for s in own_shapes)))
                      for name in own_shapes[0]}
     paths = [p for p, _ in models[0].named_modules()]
-    if all(s == padded_shapes for s in own_shapes):
-        # one width: attributes that differ (n_head at one d_model) are per-model
-        # hyper-parameters for the ordinary fusion, not widths
-        return list(models), None
     plan = WidthPadding(own_shapes, padded_shapes, [meta_copy(m) for m in models])
     padded_models = []
     for i, model in enumerate(models):

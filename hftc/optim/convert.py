@@ -20,7 +20,7 @@ from .radam import RAdam
 from .rmsprop import RMSprop
 from .sgd import SGD
 
-__all__ = ["fuse_optimizers", "unfuse_optimizers"]
+__all__ = ["fuse_optimizers", "unfuse_optimizers", "fusable_classes"]
 
 # Exact classes (each fused class names its stock one): AdamW subclasses Adam in torch,
 # and must map to AdamW.
@@ -28,6 +28,12 @@ _FUSED_CLASS: dict[type, type[FusedOptimizer]] = {
     cls._stock: cls for cls in (SGD, Adam, AdamW, RMSprop, Adagrad, Adadelta, Adamax, NAdam,
                                 RAdam)
 }
+
+def fusable_classes() -> tuple[type, ...]:
+    """The stock ``torch.optim`` classes :func:`fuse_optimizers` continues (exactly these,
+    not their subclasses): a sweep checks a spec's optimizers against them up front."""
+    return tuple(_FUSED_CLASS)
+
 
 # Group keys not copied into the fused optimizer's groups: the parameters, and the flags
 # the fused constructor takes once for all models (``foreach``, one per model in torch's

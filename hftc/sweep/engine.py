@@ -67,11 +67,15 @@ from .training import (
     batch_for_hook,
     batches,
     build_model,
+    check_fusable,
     evaluate_all,
     load_data,
+    loss_failed,
     make_optimizers,
     make_schedulers,
     metric_value,
+    model_output,
+    not_a_loss,
     round_seed,
     step_losses,
     step_scheduler,
@@ -367,10 +371,44 @@ class Sweep(Recovery, Arrays, Decisions):
             # lacks): best.json gives these, so model(best["params"]) builds the model.
             with contextlib.suppress(TypeError, ValueError):
                 trial.set_user_attr("hftc_params", json.loads(json.dumps(params)))
+        self._warn_unread(params)
         module = build_model(self.spec, params, seed)
+        self._check_own_module(trial.number, module)
         optimizers = make_optimizers(self.spec, params, module)
+        check_fusable(self.spec, optimizers)
         schedulers = make_schedulers(self.spec, params, optimizers)
         return LiveTrial(trial, params, seed, module, optimizers, schedulers)
+
+    def _warn_unread(self, params: dict[str, Any]) -> None:
+        """Once per sweep: space() names a field of the whole sweep (batch_size, epochs),
+        which the sweep does not read from a trial's params: the trials of an array share
+        their batches and epochs, and every trial would train with the spec's value."""
+        unread = sorted(set(params) & {"batch_size", "eval_batch_size", "epochs", "dtype",
+                                        "device"})
+        if not unread or getattr(self, "_warned_unread", False):
+            return
+        self._warned_unread = True
+        self._warn(
+            f"{hook_name('space', self.spec.space)} returns {', '.join(unread)}, which the "
+            f"sweep does not read from a trial's params: every trial trains with the spec's "
+            f"{', '.join(f'{k} = {getattr(self.spec, k)!r}' for k in unread)} (the trials of "
+            f"an array share their batches and epochs). Set it in the spec instead (a value "
+            f"your own model() / optimizer() / scheduler() reads: give it another name)")
+
+    def _check_own_module(self, number: int, module: torch.nn.Module) -> None:
+        """The trial's module, and its trainable parameters, are not a live trial's: a
+        module made once at the spec's top level and returned by every model() call would
+        have each trial start from (and write back into) the weights of the others."""
+        own = {id(p) for p in module.parameters() if p.requires_grad}
+        for run in self.live:
+            shared = run.module is module or any(id(p) in own for p in run.module.parameters())
+            if shared:
+                what = "the module" if run.module is module else "trainable parameters"
+                raise SpecError(
+                    f"{hook_name('model', self.spec.model)} returned, for trial {number}, "
+                    f"{what} it returned for trial {run.number} (the same objects): each "
+                    f"trial trains weights of its own; build a new module in every call (a "
+                    f"module or layer made once at the spec's top level is shared by all)")
 
     def _refill(self) -> bool:
         """Ask trials until the array is full or the budget is spent; True if any came.
@@ -404,6 +442,13 @@ class Sweep(Recovery, Arrays, Decisions):
                 self._fail(trial, f"error while starting the trial: {type(exc).__name__}: {exc}")
                 with contextlib.suppress(AttributeError):
                     exc.hftc_trial = trial.number
+                if not isinstance(exc, SpecError):  # the spec's own code raised: its traceback
+                    exc.add_note(  # stays, said for which trial (its params) and what now
+                        f"hftc sweep: raised while starting trial {trial.number} (params "
+                        f"{trial.params}) in the spec's space(), model(), optimizer() or "
+                        f"scheduler() (the traceback's last lines); its live trials are failed "
+                        f"with this reason. Make the spec's function take these params, or "
+                        f"leave them out of space()")
                 raise
             self.live.append(run)
             came = True
@@ -459,7 +504,7 @@ class Sweep(Recovery, Arrays, Decisions):
         for a, out, loss_sum in zip(self.arrays, outs, loss_sums):
             finite = finite_models(a.fused)
             for j, run in enumerate(a.members):
-                run.history.append(metric_value(spec, out[j], targets))
+                run.history.append(metric_value(spec, model_output(out, j), targets))
                 run.weights_finite = finite[j]
                 run.train_loss = None if loss_sum is None else float(loss_sum[j]) / n_batches
                 run.orders.append(key)
@@ -482,22 +527,25 @@ class Sweep(Recovery, Arrays, Decisions):
         out = a.fused(*xb)
         try:
             losses = self._loss(out, yb)
-        except hftc.errors.FusionTypeError:
-            # The spec's loss on one model's output, to say what it returns instead
-            one = self.spec.loss(out[0].detach(), yb)
-            if not (isinstance(one, torch.Tensor) and one.dim() == 0):
-                what = (f"a tensor of shape {tuple(one.shape)}" if isinstance(one, torch.Tensor)
-                        else f"a {type(one).__name__}")
-                raise SpecError(
-                    f"{hook_name('loss', self.spec.loss)} returned {what} on one model's "
-                    f"output {tuple(out.shape[1:])} and the targets {tuple(yb.shape)}; the "
-                    f"training loss must return a scalar tensor that backward() goes "
-                    f"through (no .item() or float(); a mean over the batch)") from None
-            raise
+        except (hftc.errors.FusionTypeError, hftc.errors.FusionArgumentError) as exc:
+            # The user wrote spec.loss, not the per_model call: said of the spec's loss on
+            # one model's output (what it raises, or returns instead of a scalar)
+            raise loss_failed(self.spec, exc, self._first_output(out), yb) from exc.__cause__
+        if losses.shape != (len(a.members),):  # per sample: one model's, to say its shape
+            first = self._first_output(out)
+            error = not_a_loss(self.spec, self.spec.loss(first, yb), first, yb)
+            if error is not None:
+                raise error
         losses.sum().backward()
         for optimizer in a.optimizers:
             optimizer.step()
         return losses.detach()
+
+    @staticmethod
+    def _first_output(out: Any) -> Any:
+        """Model 0's output, detached (the spec's loss tried on it, to say what is wrong)."""
+        return model_output(torch.utils._pytree.tree_map(
+            lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), 0)
 
     def _step_schedulers(self, run: LiveTrial) -> None:
         """Step the trial's schedulers (on its stock optimizers, with its metric) and give

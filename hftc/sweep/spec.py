@@ -282,6 +282,17 @@ def load_spec(target: str | Path | Any) -> SweepSpec:
     return SweepSpec(**values)
 
 
+def _optuna_bases(name: str) -> tuple[type, ...]:
+    """Optuna's base class ``samplers.BaseSampler`` (or ``pruners.BasePruner``), or none
+    where optuna is not installed (the spec cannot use its objects then)."""
+    try:
+        import optuna
+    except ImportError:
+        return ()
+    package, _, cls = name.partition(".")
+    return (getattr(getattr(optuna, package), cls),)
+
+
 def _misspelling(module: Any, name: str, value: Any) -> str | None:
     """The spec field ``name`` was likely meant as (``optimiser`` -> ``optimizer``, ``epoch``
     -> ``epochs``), or None: a field it is close to, that the spec does not define, and
@@ -292,6 +303,8 @@ def _misspelling(module: Any, name: str, value: Any) -> str | None:
     close = [f for f in difflib.get_close_matches(name, _spec_fields(), n=3, cutoff=0.8)
              if f != name and not hasattr(module, f)]
     for wanted in close:
+        if wanted == "metric" and isinstance(value, str):
+            return wanted  # (metrics = "loss": the metric may be named, not only a function)
         if wanted in HOOK_ARGUMENTS:
             if not isinstance(value, types.FunctionType) or \
                     getattr(value, "__module__", None) != module.__name__:
@@ -302,8 +315,13 @@ def _misspelling(module: Any, name: str, value: Any) -> str | None:
                 continue
             return wanted
         default = next(f.default for f in fields(SweepSpec) if f.name == wanted)
-        kinds = {"sampler": (str,), "pruner": (str,), "dtype": (torch.dtype, str),
-                 "max_padding": (int, float)}.get(wanted, (type(default),))
+        # The kinds a field's value may have where its default's type does not say them
+        # all (direction's default is None; a sampler or pruner is a name or an object)
+        kinds = {"sampler": (str, *_optuna_bases("samplers.BaseSampler")),
+                 "pruner": (str, *_optuna_bases("pruners.BasePruner")),
+                 "dtype": (torch.dtype, str), "max_padding": (int, float),
+                 "direction": (str,), "device": (str, torch.device)}.get(
+                     wanted, (type(default),))
         if isinstance(value, kinds) and isinstance(value, bool) == isinstance(default, bool):
             return wanted
     return None
@@ -319,7 +337,7 @@ def _check_misspelled(module: Any, where: str) -> None:
         what = (hook_name(name, value).replace("spec.", "", 1) if callable(value)
                 else f"{name} = {value!r}")
         arguments = (f"{wanted}({', '.join(HOOK_ARGUMENTS[wanted])})"
-                     if wanted in HOOK_ARGUMENTS else wanted)
+                     if wanted in HOOK_ARGUMENTS and callable(value) else wanted)
         raise SpecError(
             f"the sweep spec {where} defines {what}, which the sweep does not read: did you "
             f"mean {arguments}? Rename it to {wanted!r} (the spec fields are listed in "

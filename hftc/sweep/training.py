@@ -19,12 +19,15 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from .spec import SpecError, SweepSpec, defined_at, hook_name
 
 __all__ = ["SweepData", "LoaderData", "load_data", "epoch_order", "batches", "build_model",
            "metric_value", "train_alone", "epochs_alone", "evaluate", "evaluate_all", "round_seed",
-           "make_optimizers", "make_schedulers", "step_scheduler", "step_losses"]
+           "make_optimizers", "check_fusable", "make_schedulers", "step_scheduler", "step_losses",
+           "not_a_loss", "loss_failed",
+           "model_output"]
 
 
 def round_seed(order_key: int) -> int:
@@ -138,11 +141,26 @@ def _is_loader(split: Any) -> bool:
     return isinstance(split, (DataLoader, IterableDataset))
 
 
+def check_device(spec: SweepSpec) -> None:
+    """``spec.device`` is one this process can use: checked where the data is loaded (on
+    the worker: a Ray driver may well lack the workers' GPUs), before anything is written,
+    not found by torch inside the first tensor's move."""
+    try:
+        torch.empty(0, device=spec.device)
+    except (RuntimeError, AssertionError, TypeError) as exc:
+        said = (str(exc).strip().splitlines() or [""])[0]
+        raise SpecError(
+            f"spec.device is {spec.device!r}, which this process cannot use ({said}); give a "
+            f"device torch has here (torch.cuda.is_available() is "
+            f"{torch.cuda.is_available()}), e.g. device = \"cpu\"") from None
+
+
 def load_data(spec: SweepSpec) -> SweepData | LoaderData:
     """The spec's data: tensors (or map-style Datasets, read into memory) as
     :class:`SweepData`, DataLoaders / IterableDatasets as :class:`LoaderData`."""
     from torch.utils.data import DataLoader, IterableDataset
 
+    check_device(spec)
     raw = spec.data()
     try:
         if isinstance(raw, (tuple, list)) and len(raw) == 2 and any(map(_is_loader, raw)):
@@ -239,9 +257,29 @@ def build_model(spec: SweepSpec, params: dict[str, Any], seed: int) -> nn.Module
     return model.to(device=spec.device, dtype=spec.dtype)
 
 
-def metric_value(spec: SweepSpec, output: Tensor, target: Tensor) -> float:
+def model_output(out: Any, j: int) -> Any:
+    """Model ``j``'s part of a fused output ``[N, B, ...]``, field by field where the
+    models return a tuple or dict of tensors (``(logits, aux)``)."""
+    return tree_map(lambda t: t[j] if isinstance(t, Tensor) else t, out)
+
+
+def shape_text(out: Any) -> str:
+    """An output's shape, or its fields' shapes (``((32, 3), ())``) for a tuple or dict."""
+    if isinstance(out, Tensor):
+        return str(tuple(out.shape))
+    return str(tree_map(lambda t: tuple(t.shape) if isinstance(t, Tensor) else t, out))
+
+
+def metric_value(spec: SweepSpec, output: Any, target: Tensor) -> float:
     """One model's metric from its validation output (all samples)."""
     if spec.metric == "accuracy":
+        if not isinstance(output, Tensor):
+            raise SpecError(
+                f"spec.metric is 'accuracy' (the argmax of the model's output), but "
+                f"{hook_name('model', spec.model)}'s models return a "
+                f"{type(output).__name__} of {shape_text(output)}; give a function "
+                f"metric(output, target) that reads it, e.g. "
+                f"(output[0].argmax(-1) == target).double().mean().item()")
         return (output.argmax(-1) == target).double().mean().item()
     if spec.metric == "loss":
         return float(spec.loss(output, target))
@@ -278,7 +316,21 @@ def evaluate_all(forwards: Sequence[Callable[..., Tensor]], data: SweepData | Lo
         for k, forward in enumerate(forwards):
             outs[k].append(forward(*xs))
         targets.append(y)
-    return [torch.cat(o, dim=batch_dim) for o in outs], torch.cat(targets)
+    return [_join(o, batch_dim) for o in outs], torch.cat(targets)
+
+
+def _join(outputs: list[Any], batch_dim: int) -> Any:
+    """The batches' outputs as one, field by field for tuple or dict outputs: tensors with
+    a batch dim concatenated along it, the others (a scalar per batch, per model) stacked
+    there, one entry per batch."""
+    def join(*parts: Any) -> Any:
+        if not isinstance(parts[0], Tensor):
+            return parts[0]
+        if parts[0].dim() > batch_dim:
+            return torch.cat(parts, dim=batch_dim)
+        return torch.stack(parts, dim=batch_dim)
+
+    return tree_map(join, *outputs)
 
 
 def make_optimizers(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
@@ -292,6 +344,33 @@ def make_optimizers(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
         raise SpecError(f"{hook_name('optimizer', spec.optimizer)} returned {got}; return a "
                         f"torch.optim optimizer on the module's parameters, or a list of them")
     return optimizers
+
+
+def check_fusable(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Each of a trial's optimizers is one fuse_optimizers can fuse, said of spec.optimizer
+    before any trial trains, not from inside the fusing: a class it has (not LBFGS, not a
+    subclass of one), and one lr for all its param groups (a fused optimizer holds one lr
+    per model, its param_groups[j] being model j: a backbone / head at two rates is two
+    optimizers)."""
+    from ..optim.convert import fusable_classes
+
+    for k, optimizer in enumerate(optimizers):
+        which = f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        if len(optimizers) > 1:
+            which = f"optimizer {k} ({which})"
+        if type(optimizer) not in fusable_classes():
+            raise SpecError(
+                f"{hook_name('optimizer', spec.optimizer)} returned {which}, which hftc "
+                f"cannot fuse; return one of "
+                f"{', '.join(f'torch.optim.{c.__name__}' for c in fusable_classes())}")
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        if len(set(lrs)) > 1:
+            raise SpecError(
+                f"{hook_name('optimizer', spec.optimizer)} returned {which} whose param "
+                f"groups have different learning rates {lrs}; a fused optimizer has one lr "
+                f"per trial: return one optimizer per learning rate instead, e.g. "
+                f"[SGD(module.backbone.parameters(), lr=a), SGD(module.head.parameters(), "
+                f"lr=b)] (param groups may still differ in weight decay and the rest)")
 
 
 def make_schedulers(spec: SweepSpec, params: dict[str, Any],
@@ -321,6 +400,41 @@ def step_scheduler(scheduler: Any, metric: float) -> None:
         scheduler.step(metric)
     else:
         scheduler.step()
+
+
+def not_a_loss(spec: SweepSpec, one: Any, output: Any, target: Tensor) -> SpecError | None:
+    """The error for a training loss that did not give one model one scalar (``one``: its
+    value on one model's ``output``), or None. A per-sample loss
+    (``reduction="none"``) would train on the batch's sum, not its mean, and then fail."""
+    if isinstance(one, Tensor) and one.dim() == 0:
+        return None
+    what = (f"a tensor of shape {tuple(one.shape)}" if isinstance(one, Tensor)
+            else f"a {type(one).__name__}")
+    return SpecError(
+        f"{hook_name('loss', spec.loss)} returned {what} on one model's output "
+        f"{shape_text(output)} and the targets {tuple(target.shape)}; the training loss "
+        f"must return a scalar tensor that backward() goes through (no .item() or float(); "
+        f"a mean over the batch, not reduction='none')")
+
+
+def loss_failed(spec: SweepSpec, exc: Exception, output: Any, target: Tensor) -> Exception:
+    """What to raise for ``hftc.per_model(spec.loss)``'s error ``exc``: the spec's loss
+    tried on one model's ``output``, a SpecError naming it with its own error (a target
+    of the wrong shape or kind) or with what it returned instead of a scalar; else
+    ``exc`` itself (hftc's own failure)."""
+    try:
+        one = spec.loss(output, target)
+    except Exception as own:  # noqa: BLE001 - the user's loss: its error is the message
+        said = (str(own).strip().splitlines() or [""])[0]
+        error = SpecError(
+            f"{hook_name('loss', spec.loss)}, on one model's output {shape_text(output)} "
+            f"({getattr(output, 'dtype', type(output).__name__)}) and the targets "
+            f"{tuple(target.shape)} ({target.dtype}), "
+            f"raised {type(own).__name__}: {said} -- give a loss(output, target) that takes "
+            f"one model's output and the batch's targets as data() gives them")
+        error.__cause__ = own
+        return error
+    return not_a_loss(spec, one, output, target) or exc
 
 
 def step_losses(spec: SweepSpec, returned: Any, n: int) -> Tensor | None:
@@ -395,7 +509,14 @@ def epochs_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
                 continue
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
-            spec.loss(model(*xs), y).backward()
+            out = model(*xs)
+            try:
+                loss = spec.loss(out, y)
+            except Exception as exc:  # said as the fused sweep says it
+                raise loss_failed(spec, exc, tree_map(_detached, out), y) from exc
+            if not (isinstance(loss, Tensor) and loss.dim() == 0):
+                raise not_a_loss(spec, loss, out, y)
+            loss.backward()
             for optimizer in optimizers:
                 optimizer.step()
         model.eval()
@@ -405,6 +526,10 @@ def epochs_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
             if scheduler is not None:
                 step_scheduler(scheduler, value)
         yield value
+
+
+def _detached(t: Any) -> Any:
+    return t.detach() if isinstance(t, Tensor) else t
 
 
 def is_finite(value: float) -> bool:
