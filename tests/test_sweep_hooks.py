@@ -538,3 +538,26 @@ def test_the_serial_estimate_charges_the_one_at_a_time_side_its_start_up():
     result.dynamo_import_s = 0.0
     total, how = serial_estimate(result)
     assert total == pytest.approx(90 * 0.02 + 2.0 + 1.0) and "_dynamo" not in how
+
+
+def _smoothed_loss(out, y, smoothing=0.0):
+    return F.cross_entropy(out, y, label_smoothing=smoothing)
+
+
+def test_a_partial_hook_is_named_by_the_function_it_wraps_and_where_that_is():
+    """``loss = functools.partial(my_loss, smoothing=0.1)``: the messages name my_loss
+    and its file:line (a partial has no code of its own)."""
+    import functools
+
+    from hftc.sweep.spec import defined_at, hook_name
+
+    line = _smoothed_loss.__code__.co_firstlineno
+    name = hook_name("loss", functools.partial(_smoothed_loss, smoothing=0.1))
+    assert name == (f"spec.loss (functools.partial of {__name__}._smoothed_loss, "
+                    f"{__file__}:{line})")
+    assert defined_at("loss", functools.partial(_smoothed_loss)) == (
+        f"spec.loss (functools.partial of {__name__}._smoothed_loss) is defined at "
+        f"{__file__}:{line}")
+    assert hook_name("loss", functools.partial(max)) == \
+        "spec.loss (functools.partial of builtins.max)"
+    assert hook_name("loss", _smoothed_loss) == f"spec.loss ({__file__}:{line})"

@@ -19,6 +19,7 @@ A spec file is plain Python that names the pieces (see ``docs/SWEEP.md``)::
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -56,12 +57,18 @@ HOOK_ARGUMENTS: dict[str, tuple[str, ...]] = {
 def hook_name(key: str, fn: Any) -> str:
     """``spec.<key>`` and where the function is defined: ``spec.train_step (spec.py:12)``."""
     target = inspect.unwrap(fn) if callable(fn) else fn
+    partial = isinstance(target, functools.partial)
+    while isinstance(target, functools.partial):  # partial(my_loss, smoothing=0.1)
+        target = inspect.unwrap(target.func)
+    of = (f"functools.partial of {getattr(target, '__module__', None) or '?'}."
+          f"{getattr(target, '__qualname__', type(target).__name__)}" if partial else "")
     code = getattr(target, "__code__", None)
     if code is None:  # a callable object: its class's __call__
         code = getattr(vars(type(target)).get("__call__"), "__code__", None)
     if code is None:
-        return f"spec.{key}"
-    return f"spec.{key} ({code.co_filename}:{code.co_firstlineno})"
+        return f"spec.{key}" + (f" ({of})" if of else "")
+    where = f"{code.co_filename}:{code.co_firstlineno}"
+    return f"spec.{key} ({of}, {where})" if of else f"spec.{key} ({where})"
 
 
 def defined_at(key: str, fn: Any) -> str:
@@ -69,7 +76,11 @@ def defined_at(key: str, fn: Any) -> str:
     name = hook_name(key, fn)
     if " (" not in name:
         return name
-    return f"{name.partition(' (')[0]} is defined at {name.partition(' (')[2][:-1]}"
+    head, _, inner = name.partition(" (")
+    of, _, where = inner[:-1].rpartition(", ")  # (a partial's: "functools.partial of f, ")
+    if ":" not in where:  # a partial whose function has no code: no place
+        return name
+    return f"{head} ({of}) is defined at {where}" if of else f"{head} is defined at {where}"
 
 
 def _check_hook(key: str, fn: Any) -> None:
