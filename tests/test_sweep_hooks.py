@@ -348,7 +348,8 @@ BAD_SPECS = {
     "loss per sample": (  # it trained on the batch's sum, then failed inside the sweep
         "import functools\nimport torch.nn.functional as F\n"
         "loss = functools.partial(F.cross_entropy, reduction='none')\n",
-        r"spec.loss returned a tensor of shape \(16,\) on one model's output \(16, 3\) and "
+        r"spec.loss \(functools.partial of torch.nn.functional.cross_entropy\) returned a "
+        r"tensor of shape \(16,\) on one model's output \(16, 3\) and "
         r"the targets \(16,\); the training loss must return a scalar tensor .* not "
         r"reduction='none'"),
     "loss on targets of another kind": (  # was per_model's error, of a call the user never made
@@ -561,3 +562,6 @@ def test_a_partial_hook_is_named_by_the_function_it_wraps_and_where_that_is():
     assert hook_name("loss", functools.partial(max)) == \
         "spec.loss (functools.partial of builtins.max)"
     assert hook_name("loss", _smoothed_loss) == f"spec.loss ({__file__}:{line})"
+    # a library's function: its file is none of the user's
+    assert hook_name("loss", functools.partial(F.cross_entropy, label_smoothing=0.1)) == \
+        "spec.loss (functools.partial of torch.nn.functional.cross_entropy)"

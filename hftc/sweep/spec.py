@@ -65,7 +65,10 @@ def hook_name(key: str, fn: Any) -> str:
     code = getattr(target, "__code__", None)
     if code is None:  # a callable object: its class's __call__
         code = getattr(vars(type(target)).get("__call__"), "__code__", None)
-    if code is None:
+    # (a partial of a library's function, F.cross_entropy: its file is none of the user's)
+    library = of and any(d in Path(code.co_filename).parts
+                         for d in ("site-packages", "dist-packages")) if code else False
+    if code is None or library:
         return f"spec.{key}" + (f" ({of})" if of else "")
     where = f"{code.co_filename}:{code.co_firstlineno}"
     return f"spec.{key} ({of}, {where})" if of else f"spec.{key} ({where})"
