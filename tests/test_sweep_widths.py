@@ -139,3 +139,33 @@ def test_pad_widths_must_be_a_bool(spec_file: Path):
         hs.load_spec(spec_file).replace(pad_widths="yes")
     with pytest.raises(hs.SpecError, match="max_padding must be a number >= 1"):
         hs.load_spec(spec_file).replace(max_padding=0.5)
+
+
+def _width_and_activation(trial: optuna.Trial) -> dict:
+    # trial 2 alone has another width, and it has ReLU where trial 0 has GELU
+    return {"lr": trial.suggest_float("lr", 0.01, 0.1, log=True),
+            "hidden": 16 if trial.number == 2 else 8,
+            "act": "relu" if trial.number in (2, 3) else "gelu", "opt": "sgd"}
+
+
+def _model_of_activation(params):
+    act = torch.nn.ReLU() if params["act"] == "relu" else torch.nn.GELU()
+    return torch.nn.Sequential(torch.nn.Linear(12, params["hidden"]), act,
+                               torch.nn.Linear(params["hidden"], 3))
+
+
+def test_trials_apart_for_their_layers_say_so_not_different_shapes(spec_file: Path,
+                                                                    tmp_path: Path):
+    """With pad_widths, trials of another width and another activation are apart because
+    padding joins widths only: the summary says that, not "different shapes" (which
+    padding would have joined)."""
+    spec = hs.load_spec(spec_file).replace(space=_width_and_activation,
+                                           model=_model_of_activation, n_trials=4,
+                                           epochs=1)
+    result = hs.run(spec, out=tmp_path / "out", progress=False, estimate=False)
+    assert result.formations[0] == (3, 1), result.formations
+    apart = [line for line in result.summary.splitlines() if "not in one array" in line]
+    assert apart == ["  not in one array: trials [2] vs [0, 1, 3]: pad_widths=True pads "
+                     "widths only, but their modules differ from the others' at `1` (GELU): "
+                     "the models must have the same layers, in the same order, of any "
+                     "widths"], result.summary

@@ -100,9 +100,18 @@ def structure_key(module: nn.Module) -> tuple:
             tuple((name, tuple(p.shape)) for name, p in module.named_parameters()))
 
 
-def mismatch_reason(a: nn.Module, b: nn.Module, example: Any) -> str:
+def mismatch_reason(a: nn.Module, b: nn.Module, example: Any, pad_widths: bool = False) -> str:
     """Why hftc.fuse keeps ``b`` from ``a``'s array, in a line: its mismatch message's
-    differences: the layer, its out_features 128 vs 64, its parameters' shapes ..."""
+    differences: the layer, its out_features 128 vs 64, its parameters' shapes ...; with
+    ``pad_widths``, what differs beyond the widths (the layers), which padding cannot
+    join (``a`` and ``b`` called model 0 and model 1)."""
+    if pad_widths:
+        try:
+            hftc.fuse([a, b], example_inputs=example, pad_widths=True)
+        except hftc.errors.MismatchError as exc:
+            return str(exc).splitlines()[0]
+        except Exception:  # noqa: BLE001 - not the padding's refusal: the plain reason
+            pass
     try:
         hftc.fuse([a, b], example_inputs=example)
     except Exception as exc:  # noqa: BLE001 - the reason is the message, whatever raised it
@@ -380,7 +389,9 @@ class Arrays:
         if reason is None:
             pair = (structure_key(first[0].module), structure_key(other[0].module))
             if pair not in self._apart_cache:
-                self._apart_cache[pair] = mismatch_reason(first[0].module, other[0].module, example)
+                self._apart_cache[pair] = mismatch_reason(  # (said of "trials B vs A")
+                    first[0].module, other[0].module, example, self.spec.pad_widths,
+                ).replace("model 1's", "their").replace("model 0's", "the others'")
             reason = self._apart_cache[pair]
         if not any(reason in text for text in self.apart):
             self.apart[f"trials {[r.number for r in other]} vs {[r.number for r in first]}: "
