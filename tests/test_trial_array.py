@@ -178,7 +178,8 @@ def test_errors_fail_the_arrays_trials_and_say_what_to_do(digits, tmp_path):
     def returns_none(array):
         array.fuse([make_model(t.number) for t in array.trials])
 
-    with pytest.raises(SweepError, match=r"the objective returned None for trials \[4, 5\]"):
+    with pytest.raises(SweepError, match=r"the objective returns_none \(.*test_trial_array"
+                                         r"\.py:\d+\) returned None for trials \[4, 5\]"):
         hftc.sweep.optimize(study, returns_none, n_trials=2, array_size=2)
     assert all(t.state.name == "FAIL" for t in study.get_trials())
 

@@ -168,3 +168,62 @@ def test_report_takes_a_tensor():
     study = _study()
     hs.optimize(study, objective, n_trials=2, array_size=2)
     assert [t.value for t in study.get_trials()] == [0.5, 0.5]
+
+
+def test_a_return_of_the_wrong_shape_fails_the_trials_and_names_the_objective():
+    """``return losses.mean()`` for N trials: a SweepError naming the objective's file and
+    line, and the array's trials FAIL (they were left RUNNING in storage)."""
+    def objective(array):
+        return torch.tensor([1.0, 2.0]).mean()
+
+    study = _study()
+    with pytest.raises(SweepError, match=r"objective objective \(.*test_trial_array_optimize"
+                                         r"\.py:\d+\) returned.*one number.*not their \.mean"):
+        hs.optimize(study, objective, n_trials=2, array_size=2)
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL] * 2
+    assert "one number" in study.trials[0].user_attrs["hftc_fail_reason"]
+    with pytest.raises(SweepError, match=r"one number \(0\.5\) for the array's 2"):
+        hs.optimize(_study(), lambda array: array.report(0.5, 0), n_trials=2, array_size=2)
+
+
+def test_an_array_of_one_takes_a_plain_number_as_objective_trial_returns():
+    def objective(array):
+        array.report(float(array.trials[0].number), 0)
+        return float(array.trials[0].number)
+
+    study = _study()
+    hs.optimize(study, objective, n_trials=3, array_size=1)
+    assert [t.value for t in study.get_trials()] == [0.0, 1.0, 2.0]
+    assert [t.intermediate_values for t in study.get_trials()] == [{0: 0.0}, {0: 1.0}, {0: 2.0}]
+
+
+def test_a_multi_objective_study_takes_each_trials_values():
+    """``directions=[...]``: each trial's values, a list of K per trial or an [N, K]
+    tensor; report, which Optuna refuses for several objectives, says so."""
+    def as_lists(array):
+        return [[float(n), -float(n)] for n in array.numbers]
+
+    def as_tensor(array):
+        n = torch.tensor(array.numbers, dtype=torch.float64)
+        return torch.stack([n, -n], 1)
+
+    for objective in (as_lists, as_tensor):
+        study = optuna.create_study(directions=["minimize", "maximize"])
+        hs.optimize(study, objective, n_trials=3, array_size=2)
+        assert [t.values for t in study.get_trials()] == [[0.0, -0.0], [1.0, -1.0], [2.0, -2.0]]
+    study = optuna.create_study(directions=["minimize", "maximize"])
+    with pytest.raises(SweepError, match="2 objectives.*return each trial's values"):
+        hs.optimize(study, lambda array: array.report([0.0] * len(array), 0), n_trials=2)
+    with pytest.raises(SweepError, match=r"the value for trial 0 is 1\.0.*2 values"):
+        hs.optimize(optuna.create_study(directions=["minimize", "maximize"]),
+                    lambda array: [1.0, 2.0, 3.0], n_trials=3, array_size=3)
+
+
+def test_ctrl_c_fails_the_arrays_trials_as_optuna_does():
+    def objective(array):
+        raise KeyboardInterrupt
+
+    study = _study()
+    with pytest.raises(KeyboardInterrupt):
+        hs.optimize(study, objective, n_trials=2, array_size=2)
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL] * 2

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gc
 import math
+import numbers
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -47,14 +48,53 @@ from .storage import one_worker_per_trial
 __all__ = ["TrialArray", "optimize"]
 
 
-def _as_values(values: Any, n: int, what: str) -> list[float]:
-    if isinstance(values, torch.Tensor):
-        values = values.detach().reshape(-1).tolist()
-    values = [float(v) for v in values]
+def _per_model(values: Any, objectives: int) -> Any:
+    """A tensor as a list, one entry per model: ``[N]`` (or ``[N, 1]``) -> N floats, and
+    ``[N, K]`` -> N lists of K for a study of K objectives; anything else as given."""
+    if not isinstance(values, torch.Tensor):
+        return values
+    values = values.detach()
+    if values.dim() == 0:
+        return values.item()
+    return values.reshape(-1).tolist() if objectives == 1 else values.tolist()
+
+
+def _as_values(values: Any, n: int, what: str, objectives: int = 1) -> list[Any]:
+    """One float per live trial (or, for a study of K objectives, K floats per trial):
+    ``tensor([0.3, 0.1])`` -> ``[0.3, 0.1]``; a single number only for an array of one
+    trial (it is an Optuna objective's habit, and one value for N trials is a mistake:
+    ``losses.mean()`` for ``losses``)."""
+    values = _per_model(values, objectives)
+    per = "one value" if objectives == 1 else f"{objectives} values (one per direction)"
+    if _is_number(values):
+        if n == 1 and objectives == 1:
+            return [float(values)]
+        raise SweepError(f"{what} got one number ({values!r}) for the array's {n} live "
+                         f"trials; give {per} per trial, in the order of array.trials (a "
+                         f"list, or a tensor of the models' values: not their .mean())")
+    values = list(values)
+    if objectives > 1 and n == 1 and len(values) == objectives and all(map(_is_number, values)):
+        values = [values]  # one trial's values, as objective(trial) returns them
     if len(values) != n:
         raise SweepError(f"{what} got {len(values)} values for the array's {n} live trials; "
-                         f"give one per model, in the order of array.trials")
-    return values
+                         f"give {per} per model, in the order of array.trials")
+    out = []
+    for j, value in enumerate(values):
+        value = _per_model(value, 1)
+        if objectives == 1 and _is_number(value):
+            out.append(float(value))
+        elif objectives > 1 and isinstance(value, (list, tuple)) and len(value) == objectives \
+                and all(map(_is_number, value)):
+            out.append([float(v) for v in value])
+        else:
+            raise SweepError(f"{what}: the value for trial {j} is {value!r}; the study has "
+                             f"{objectives} objective(s): give {per} per trial")
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor)
+                                               and value.dim() == 0)
 
 
 class TrialArray:
@@ -250,6 +290,11 @@ class TrialArray:
         In :meth:`epochs`, ``step`` defaults to each trial's own epoch and a trial at its
         last epoch is completed with its value; with :meth:`refill_with`, freed places
         go to new trials instead of being dropped (:attr:`replaced` lists them)."""
+        if len(self.study.directions) > 1:
+            raise SweepError(f"TrialArray.report: the study has {len(self.study.directions)} "
+                             f"objectives, and Optuna reports and prunes single-objective "
+                             f"trials only; return each trial's values from the objective "
+                             f"instead (or call array.finish(values))")
         values = _as_values(values, len(self.trials), "TrialArray.report")
         if step is None and self._epochs is None:
             raise SweepError("TrialArray.report needs step= (or run the loop in "
@@ -354,17 +399,19 @@ class TrialArray:
     def finish(self, values: Sequence[float] | torch.Tensor) -> None:
         """Complete every live trial with its final value (a non-finite one fails it).
 
-        ``values`` has one value per live trial, or one per model of the last ``report``
-        that dropped some (the loop's last values, computed before that report): the
+        ``values`` has one value per live trial (a multi-objective study's: one list of
+        ``len(study.directions)`` values per trial, or an ``[N, K]`` tensor), or one per
+        model of the last ``report`` that dropped some (the loop's last values, computed
+        before that report): the
         live trials' are taken."""
-        values = (values.detach().reshape(-1).tolist() if isinstance(values, torch.Tensor)
-                  else list(values))
+        objectives = len(self.study.directions)
+        values = _per_model(values, objectives)
         keep, seen = self._last_drop
-        if len(keep) < seen and len(values) == seen:
+        if not _is_number(values) and len(keep) < seen and len(values) == seen:
             values = [values[j] for j in keep]
-        values = _as_values(values, len(self.trials), "TrialArray.finish")
+        values = _as_values(values, len(self.trials), "TrialArray.finish", objectives)
         for trial, value in zip(self.trials, values):
-            if math.isfinite(value):
+            if all(map(math.isfinite, value if objectives > 1 else [value])):
                 self._tell(trial, value)
             else:
                 self._fail(trial, f"diverged: its final value is {value}")
@@ -484,17 +531,33 @@ def _run_array(study: optuna.Study, objective: Callable, array: TrialArray,
             array._tell(trial, state=TrialState.PRUNED)
         array.trials = []
         return
-    except Exception as exc:
+    except (Exception, KeyboardInterrupt) as exc:  # Ctrl-C fails them too, as in Optuna
         array._fail_all(f"{type(exc).__name__}: {exc}")
         if isinstance(exc, catch):
             return
         raise
-    if array.trials:
-        if values is None:
-            numbers = array.numbers
-            array._fail_all("the objective returned None and did not call array.finish")
-            raise SweepError(
-                f"optimize: the objective returned None for trials {numbers}; "
-                f"return one value per live trial (in the order of array.trials) or "
-                f"call array.finish(values)")
+    if not array.trials:
+        return
+    where = _where(objective)
+    if values is None:
+        numbers = array.numbers
+        array._fail_all("the objective returned None and did not call array.finish")
+        raise SweepError(
+            f"optimize: the objective{where} returned None for trials {numbers}; "
+            f"return one value per live trial (in the order of array.trials) or "
+            f"call array.finish(values)")
+    try:
         array.finish(values)
+    except SweepError as exc:  # a return of the wrong shape: no trial left RUNNING
+        array._fail_all(f"the objective's return: {exc}")
+        raise SweepError(f"optimize: the value the objective{where} returned: {exc}") from None
+
+
+def _where(objective: Callable) -> str:
+    """`` objective (train.py:12)``: where the user's function is, for an error about
+    what it returned (its line is no longer in the traceback)."""
+    code = getattr(objective, "__code__", None)
+    if code is None:
+        return ""
+    name = getattr(objective, "__name__", "objective")
+    return f" {name} ({code.co_filename}:{code.co_firstlineno})"
