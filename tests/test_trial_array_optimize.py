@@ -227,3 +227,23 @@ def test_ctrl_c_fails_the_arrays_trials_as_optuna_does():
     with pytest.raises(KeyboardInterrupt):
         hs.optimize(study, objective, n_trials=2, array_size=2)
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL] * 2
+
+
+def test_trials_of_other_architectures_are_refused_with_what_to_do_in_an_array():
+    """``suggest_int("n_layers")`` per trial: the MismatchError names each trial's params
+    and the array's ways out (pad_widths, one optimize per architecture), not
+    fuse_groups, which cannot make one module of them."""
+    def objective(array):
+        layers = array.suggest_int("n_layers", 1, 2)
+        array.fuse([nn.Sequential(*[nn.Linear(4, 4) for _ in range(k)]) for k in layers])
+        return _values(array)
+
+    study = _study(seed=1)
+    for params in ({"n_layers": 1}, {"n_layers": 2}):
+        study.enqueue_trial(params)
+    with pytest.raises(hftc.errors.MismatchError) as info:
+        hs.optimize(study, objective, n_trials=2, array_size=2)
+    text = str(info.value)
+    assert "trial 0: {'n_layers': 1}; trial 1: {'n_layers': 2}" in text
+    assert "pad_widths=True" in text and "one hftc.sweep.optimize per architecture" in text
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL] * 2

@@ -39,7 +39,7 @@ from torch import nn
 
 import hftc
 
-from ..errors import FusionError, SweepError
+from ..errors import FusionError, MismatchError, SweepError
 from ..training.shrink import check_replaceable
 from .arrays import finite_models
 from .pruning import Reference, in_sequence, prune_in_sequence
@@ -181,9 +181,21 @@ class TrialArray:
         if len(models) != len(self.trials):
             raise SweepError(f"TrialArray.fuse got {len(models)} models for {len(self.trials)} "
                              f"trials; build one model per trial, in the order of array.trials")
-        fused = hftc.fuse(models, **fuse_kwargs)
+        try:
+            fused = hftc.fuse(models, **fuse_kwargs)
+        except MismatchError as exc:  # fuse_groups, its hint, makes several modules: not here
+            raise MismatchError(f"TrialArray.fuse: {exc}\n{self._apart_hint()}") from None
         self.fused_modules.append(fused)
         return fused
+
+    def _apart_hint(self) -> str:
+        params = "; ".join(f"trial {t.number}: {t.params}" for t in self.trials)
+        return (f"The array's trials train as one fused module, so their models must have "
+                f"one architecture ({params}). Widths may differ with "
+                f"array.fuse(models, pad_widths=True); for other layers, run one "
+                f"hftc.sweep.optimize per architecture (a study each, or the choice fixed "
+                f"outside the objective), or `hftc sweep`, whose arrays group the trials "
+                f"by structure.")
 
     def track(self, *objects: Any) -> Any:
         """Check that ``objects`` are ``hftc.optim`` optimizers or LR schedulers, which the
