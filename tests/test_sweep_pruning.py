@@ -39,6 +39,41 @@ def test_rule_is_for_percentile_pruners_only():
     assert not in_sequence(optuna.pruners.NopPruner())
 
 
+
+def test_a_patient_pruner_wrapping_a_median_one_prunes_as_one_at_a_time():
+    """``PatientPruner(MedianPruner())``: the trial's own patience, then the median
+    against the complete trials and the running ones numbered below (it compared with
+    the complete ones only, so an array whose trials start together pruned none)."""
+    import warnings
+
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    scores = {0: [1.0, 1.0, 1.0], 1: [0.9, 0.5, 0.4], 2: [1.1, 1.2, 1.3]}  # 1 gets worse
+
+    def pruner():
+        return optuna.pruners.PatientPruner(optuna.pruners.MedianPruner(n_startup_trials=1),
+                                            patience=0)
+
+    def alone(trial):
+        for step, value in enumerate(scores[trial.number]):
+            trial.report(value, step)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        return value
+
+    def objective(array):
+        for step in range(3):
+            array.report([scores[n][step] for n in array.numbers], step)
+        return [scores[n][2] for n in array.numbers]
+
+    one_at_a_time, fused = _study(pruner()), _study(pruner())
+    one_at_a_time.optimize(alone, n_trials=3)
+    hs.optimize(fused, objective, n_trials=3, array_size=3)
+    states = [(t.state, t.last_step) for t in fused.get_trials()]
+    assert states == [(t.state, t.last_step) for t in one_at_a_time.get_trials()]
+    assert states[1] == (TrialState.PRUNED, 1)
+    assert in_sequence(pruner()) and not in_sequence(optuna.pruners.PatientPruner(None, 1))
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()

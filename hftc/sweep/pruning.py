@@ -51,7 +51,12 @@ __all__ = ["in_sequence", "Reference", "prune_in_sequence"]
 def in_sequence(pruner: optuna.pruners.BasePruner) -> bool:
     """Does the rule of this module apply to ``pruner``? (Optuna's pruners that compare
     with complete trials only: ``MedianPruner`` and ``PercentilePruner``, and their
-    subclasses, whose ``prune`` reads the study it is given.)"""
+    subclasses, whose ``prune`` reads the study it is given; and a ``PatientPruner``
+    wrapping one: ``PatientPruner(MedianPruner())`` checks the trial's own patience, then
+    asks the median pruner with the study it was given, so the rule applies to it too.)"""
+    if isinstance(pruner, optuna.pruners.PatientPruner):
+        wrapped = pruner._wrapped_pruner  # no public accessor; None: patience alone
+        return wrapped is not None and in_sequence(wrapped)
     return isinstance(pruner, optuna.pruners.PercentilePruner)
 
 
