@@ -247,3 +247,18 @@ def test_trials_of_other_architectures_are_refused_with_what_to_do_in_an_array()
     assert "trial 0: {'n_layers': 1}; trial 1: {'n_layers': 2}" in text
     assert "pad_widths=True" in text and "one hftc.sweep.optimize per architecture" in text
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL] * 2
+
+
+def test_values_may_be_one_element_tensors_or_numpy_numbers_as_float_takes_them():
+    import numpy as np
+
+    def objective(array):
+        array.report([torch.tensor([float(n)]) for n in array.numbers], 0)
+        array.report(np.array(array.numbers, dtype=np.float32), 1)
+        return [np.float64(n) for n in array.numbers]
+
+    study = _study()
+    hs.optimize(study, objective, n_trials=2, array_size=2)
+    assert [t.intermediate_values for t in study.get_trials()] == [{0: 0.0, 1: 0.0},
+                                                                   {0: 1.0, 1: 1.0}]
+    assert [t.value for t in study.get_trials()] == [0.0, 1.0]

@@ -66,35 +66,43 @@ def _as_values(values: Any, n: int, what: str, objectives: int = 1) -> list[Any]
     ``losses.mean()`` for ``losses``)."""
     values = _per_model(values, objectives)
     per = "one value" if objectives == 1 else f"{objectives} values (one per direction)"
-    if _is_number(values):
+    if _scalar(values) is not None:
         if n == 1 and objectives == 1:
-            return [float(values)]
+            return [_scalar(values)]
         raise SweepError(f"{what} got one number ({values!r}) for the array's {n} live "
                          f"trials; give {per} per trial, in the order of array.trials (a "
                          f"list, or a tensor of the models' values: not their .mean())")
     values = list(values)
-    if objectives > 1 and n == 1 and len(values) == objectives and all(map(_is_number, values)):
+    if objectives > 1 and n == 1 and len(values) == objectives \
+            and all(_scalar(v) is not None for v in values):
         values = [values]  # one trial's values, as objective(trial) returns them
     if len(values) != n:
         raise SweepError(f"{what} got {len(values)} values for the array's {n} live trials; "
                          f"give {per} per model, in the order of array.trials")
     out = []
     for j, value in enumerate(values):
-        value = _per_model(value, 1)
-        if objectives == 1 and _is_number(value):
-            out.append(float(value))
+        value = _per_model(value, objectives) if _scalar(value) is None else value
+        if objectives == 1 and _scalar(value) is not None:
+            out.append(_scalar(value))
         elif objectives > 1 and isinstance(value, (list, tuple)) and len(value) == objectives \
-                and all(map(_is_number, value)):
-            out.append([float(v) for v in value])
+                and all(_scalar(v) is not None for v in value):
+            out.append([_scalar(v) for v in value])
         else:
             raise SweepError(f"{what}: the value for trial {j} is {value!r}; the study has "
                              f"{objectives} objective(s): give {per} per trial")
     return out
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor)
-                                               and value.dim() == 0)
+def _scalar(value: Any) -> float | None:
+    """``value`` as a float if it is one number (a Python or NumPy number, or a tensor /
+    array of one element, as ``float()`` and Optuna take it), else ``None``."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    if hasattr(value, "ndim") and getattr(value, "size", None) == 1:  # a NumPy array
+        return float(value)
+    return None
 
 
 class TrialArray:
@@ -419,7 +427,7 @@ class TrialArray:
         objectives = len(self.study.directions)
         values = _per_model(values, objectives)
         keep, seen = self._last_drop
-        if not _is_number(values) and len(keep) < seen and len(values) == seen:
+        if _scalar(values) is None and len(keep) < seen and len(values) == seen:
             values = [values[j] for j in keep]
         values = _as_values(values, len(self.trials), "TrialArray.finish", objectives)
         for trial, value in zip(self.trials, values):
