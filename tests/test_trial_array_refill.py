@@ -292,3 +292,25 @@ def test_replace_models_in_a_padded_array_with_mixed_optimizer_classes():
             torch.testing.assert_close(got[k], v, rtol=1e-12, atol=1e-14)
     weight = dict(fused.named_parameters())["2.weight"]
     assert not weight[0, :, 8:].any() and not weight[1, :, 12:].any()
+
+
+def test_an_error_taking_a_freed_place_is_raised_as_it_is_and_told_trials_stay_told():
+    """build(trial) fails for the newcomer after trials 0 and 1 completed their epoch:
+    its error comes out (it was hidden by Optuna's UpdateFinishedTrialError, optimize
+    failing the told trials again), 0 and 1 stay COMPLETE, the newcomer FAILs."""
+    def build(trial):
+        raise ValueError("no model for this trial")
+
+    def objective(array):
+        fused = array.fuse([nn.Linear(2, 2) for _ in array.trials])
+        hftc.optim.SGD(fused.parameters(), lr=0.1)
+        array.refill_with(build)
+        for _ in array.epochs(1):
+            array.report([0.5] * len(array))
+
+    study = optuna.create_study()
+    with pytest.raises(ValueError, match="no model for this trial"):
+        hftc.sweep.optimize(study, objective, n_trials=3, array_size=2)
+    states = [t.state.name for t in study.get_trials()]
+    assert states == ["COMPLETE", "COMPLETE", "FAIL"]
+    assert "build(trial) failed: ValueError" in study.trials[2].user_attrs["hftc_fail_reason"]

@@ -344,7 +344,13 @@ class TrialArray:
         for j in pruned:
             self._tell(self.trials[j], state=TrialState.PRUNED)
         dropped = sorted(dropped + pruned)
-        self.replaced = self._take_places(dropped)
+        try:
+            self.replaced = self._take_places(dropped)
+        except Exception:
+            # They are told: out of the array, or optimize would fail them again (Optuna's
+            # UpdateFinishedTrialError) and hide this error.
+            self.trials = [t for j, t in enumerate(self.trials) if j not in dropped]
+            raise
         dropped = [j for j in dropped if j not in self.replaced]
         self.drop(dropped)
         return dropped
