@@ -262,3 +262,26 @@ def test_values_may_be_one_element_tensors_or_numpy_numbers_as_float_takes_them(
     assert [t.intermediate_values for t in study.get_trials()] == [{0: 0.0, 1: 0.0},
                                                                    {0: 1.0, 1: 1.0}]
     assert [t.value for t in study.get_trials()] == [0.0, 1.0]
+
+
+def test_a_callbacks_error_comes_out_and_no_trial_is_told_twice_or_left_running():
+    """A callback raising on a pruned trial within ``report`` (and on a completed one):
+    its error comes out as study.optimize lets it (not Optuna's UpdateFinishedTrialError,
+    optimize failing the told trial again), the told trial keeps its state and the
+    others FAIL."""
+    class PruneTrial0(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return trial.number == 0
+
+    def callback(study, frozen):
+        raise RuntimeError(f"callback on trial {frozen.number}")
+
+    def objective(array):
+        array.report(_values(array), 0)
+        return _values(array)
+
+    for pruner, first in ((PruneTrial0(), TrialState.PRUNED), (None, TrialState.COMPLETE)):
+        study = _study(pruner=pruner)
+        with pytest.raises(RuntimeError, match="callback on trial 0"):
+            hs.optimize(study, objective, n_trials=3, array_size=3, callbacks=[callback])
+        assert [t.state for t in study.get_trials()] == [first] + [TrialState.FAIL] * 2

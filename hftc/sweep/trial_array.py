@@ -131,6 +131,7 @@ class TrialArray:
         self._epochs: int | None = None  # array.epochs(E): each trial's own epoch count
         self._epoch_of: dict[int, int] = {}
         self._reported = False
+        self._told_numbers: set[int] = set()  # the trials this array told (not to fail)
 
     def __len__(self) -> int:
         return len(self.trials)
@@ -274,14 +275,16 @@ class TrialArray:
         """How many epochs the trial at ``position`` has reported (its own epoch now)."""
         return self._epoch_of.get(self.trials[position].number, 0)
 
-    def _fail(self, trial: optuna.Trial, reason: str) -> None:
+    def _fail(self, trial: optuna.Trial, reason: str, notify: bool = True) -> None:
         trial.set_user_attr("hftc_fail_reason", reason)
-        self._tell(trial, state=TrialState.FAIL)
+        self._tell(trial, state=TrialState.FAIL, notify=notify)
 
-    def _tell(self, trial: optuna.Trial, *args: Any, **kwargs: Any) -> None:
-        """``study.tell``, then ``optimize``'s callbacks with the finished trial."""
+    def _tell(self, trial: optuna.Trial, *args: Any, notify: bool = True, **kwargs: Any) -> None:
+        """``study.tell``, then ``optimize``'s callbacks with the finished trial (not for
+        trials failed by an error that optimize raises: study.optimize calls none then)."""
         frozen = self.study.tell(trial, *args, **kwargs)
-        if self._told is not None:
+        self._told_numbers.add(trial.number)
+        if self._told is not None and notify:
             self._told(frozen)
 
     def drop(self, positions: Sequence[int]) -> None:
@@ -401,7 +404,7 @@ class TrialArray:
                     raise SweepError(f"build(trial) gave {len(models)} models for the array's "
                                      f"{len(self.fused_modules)} fused modules")
             except Exception as exc:
-                self._fail(trial, f"build(trial) failed: {type(exc).__name__}: {exc}")
+                self._fail(trial, f"build(trial) failed: {type(exc).__name__}: {exc}", False)
                 raise
             places.append(j)
             newcomers.append((trial, models, dict(hyper or {})))
@@ -414,7 +417,7 @@ class TrialArray:
                                                      for j, new in zip(places, newcomers)})
         except Exception as exc:
             for trial, _, _ in newcomers:
-                self._fail(trial, f"could not take a freed place: {exc}")
+                self._fail(trial, f"could not take a freed place: {exc}", False)
             raise SweepError(f"TrialArray: new trials could not take the freed places: "
                              f"{exc}") from exc
         for j, (trial, _, _) in zip(places, newcomers):
@@ -443,9 +446,10 @@ class TrialArray:
                 self._fail(trial, f"diverged: its final value is {value}")
         self.trials = []
 
-    def _fail_all(self, reason: str) -> None:
+    def _fail_all(self, reason: str, notify: bool = True) -> None:
         for trial in self.trials:
-            self._fail(trial, reason)
+            if trial.number not in self._told_numbers:  # told, then a callback raised
+                self._fail(trial, reason, notify)
         self.trials = []
 
 
@@ -558,7 +562,7 @@ def _run_array(study: optuna.Study, objective: Callable, array: TrialArray,
         array.trials = []
         return
     except (Exception, KeyboardInterrupt) as exc:  # Ctrl-C fails them too, as in Optuna
-        array._fail_all(f"{type(exc).__name__}: {exc}")
+        array._fail_all(f"{type(exc).__name__}: {exc}", notify=isinstance(exc, catch))
         if isinstance(exc, catch):
             return
         raise
@@ -567,7 +571,7 @@ def _run_array(study: optuna.Study, objective: Callable, array: TrialArray,
     where = _where(objective)
     if values is None:
         numbers = array.numbers
-        array._fail_all("the objective returned None and did not call array.finish")
+        array._fail_all("the objective returned None and did not call array.finish", False)
         raise SweepError(
             f"optimize: the objective{where} returned None for trials {numbers}; "
             f"return one value per live trial (in the order of array.trials) or "
@@ -575,8 +579,11 @@ def _run_array(study: optuna.Study, objective: Callable, array: TrialArray,
     try:
         array.finish(values)
     except SweepError as exc:  # a return of the wrong shape: no trial left RUNNING
-        array._fail_all(f"the objective's return: {exc}")
+        array._fail_all(f"the objective's return: {exc}", notify=False)
         raise SweepError(f"optimize: the value the objective{where} returned: {exc}") from None
+    except Exception as exc:  # a callback's error: the trials not told yet fail
+        array._fail_all(f"{type(exc).__name__}: {exc}", notify=False)
+        raise
 
 
 def _where(objective: Callable) -> str:
