@@ -214,6 +214,9 @@ def test_a_multi_objective_study_takes_each_trials_values():
     study = optuna.create_study(directions=["minimize", "maximize"])
     with pytest.raises(SweepError, match="2 objectives.*return each trial's values"):
         hs.optimize(study, lambda array: array.report([0.0] * len(array), 0), n_trials=2)
+    with pytest.raises(SweepError, match="should_prune: the study has 2 objectives"):
+        hs.optimize(optuna.create_study(directions=["minimize", "maximize"]),
+                    lambda array: array.should_prune(), n_trials=2)
     with pytest.raises(SweepError, match=r"the value for trial 0 is 1\.0.*2 values"):
         hs.optimize(optuna.create_study(directions=["minimize", "maximize"]),
                     lambda array: [1.0, 2.0, 3.0], n_trials=3, array_size=3)

@@ -174,8 +174,16 @@ class TrialArray:
         """``trial.should_prune()`` for every live trial after its last report, as the
         array decides it (each compared with the trials numbered below it, pruning.py);
         it tells and drops nothing (:meth:`report` does both)."""
+        self._one_objective("should_prune")
         pruned = set(self._to_prune(list(range(len(self.trials)))))
         return [j in pruned for j in range(len(self.trials))]
+
+    def _one_objective(self, what: str) -> None:
+        if len(self.study.directions) > 1:
+            raise SweepError(f"TrialArray.{what}: the study has {len(self.study.directions)} "
+                             f"objectives, and Optuna reports and prunes single-objective "
+                             f"trials only; return each trial's values from the objective "
+                             f"instead (or call array.finish(values))")
 
     def fuse(self, models: Sequence[nn.Module] | Callable[[optuna.Trial], nn.Module],
              **fuse_kwargs: Any) -> hftc.FusedModule:
@@ -313,11 +321,7 @@ class TrialArray:
         In :meth:`epochs`, ``step`` defaults to each trial's own epoch and a trial at its
         last epoch is completed with its value; with :meth:`refill_with`, freed places
         go to new trials instead of being dropped (:attr:`replaced` lists them)."""
-        if len(self.study.directions) > 1:
-            raise SweepError(f"TrialArray.report: the study has {len(self.study.directions)} "
-                             f"objectives, and Optuna reports and prunes single-objective "
-                             f"trials only; return each trial's values from the objective "
-                             f"instead (or call array.finish(values))")
+        self._one_objective("report")
         values = _as_values(values, len(self.trials), "TrialArray.report")
         if step is None and self._epochs is None:
             raise SweepError("TrialArray.report needs step= (or run the loop in "
