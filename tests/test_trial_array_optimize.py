@@ -288,3 +288,39 @@ def test_a_callbacks_error_comes_out_and_no_trial_is_told_twice_or_left_running(
         with pytest.raises(RuntimeError, match="callback on trial 0"):
             hs.optimize(study, objective, n_trials=3, array_size=3, callbacks=[callback])
         assert [t.state for t in study.get_trials()] == [first] + [TrialState.FAIL] * 2
+
+
+def test_if_and_equality_on_per_trial_values_raise_instead_of_asking_the_list():
+    """``if array.should_prune(): raise optuna.TrialPruned()`` (a non-empty list is true:
+    every trial pruned at the first report) and ``array.suggest_categorical(...) == "Adam"``
+    (always false: every trial built the other way while its params say Adam) were
+    silent; they raise a SweepError saying to take each trial's value."""
+    def objective(array):
+        array.report(_values(array), 0)
+        if array.should_prune():
+            raise optuna.TrialPruned()
+        return _values(array)
+
+    study = _study()
+    with pytest.raises(SweepError, match=r"`if` \(bool\) on array.should_prune\(\).*"
+                                         r"zip\(array.trials, values\).*report.*drops"):
+        hs.optimize(study, objective, n_trials=2, array_size=2)
+
+    def by_name(array):
+        if array.suggest_categorical("optimizer", ["Adam", "SGD"]) == "Adam":
+            pass
+        return _values(array)
+
+    with pytest.raises(SweepError, match=r"`== 'Adam'` on array.suggest_categorical"
+                                         r"\('optimizer', \.\.\.\)"):
+        hs.optimize(_study(), by_name, n_trials=2, array_size=2)
+
+    def per_trial(array):  # what the message says: each trial's own value
+        names = array.suggest_categorical("optimizer", ["Adam", "SGD"])
+        assert names == [t.params["optimizer"] for t in array.trials] and len(names) == 2
+        assert [n == "Adam" for n in names] == [t.params["optimizer"] == "Adam"
+                                                 for t in array.trials]
+        assert not any(array.should_prune())
+        return _values(array)
+
+    hs.optimize(_study(), per_trial, n_trials=2, array_size=2)

@@ -45,7 +45,7 @@ from .arrays import finite_models
 from .pruning import Reference, in_sequence, prune_in_sequence
 from .storage import one_worker_per_trial
 
-__all__ = ["TrialArray", "optimize"]
+__all__ = ["PerTrial", "TrialArray", "optimize"]
 
 
 def _per_model(values: Any, objectives: int) -> Any:
@@ -105,6 +105,43 @@ def _scalar(value: Any) -> float | None:
     return None
 
 
+class PerTrial(list):
+    """One value per live trial (``array.suggest_*``, ``array.should_prune()``): a list,
+    except that the habits of ``objective(trial)`` raise instead of asking about the list
+    (``if array.should_prune():`` is true for any non-empty list; ``if
+    array.suggest_categorical("opt", ["Adam", "SGD"]) == "Adam":`` is always false)::
+
+        if array.should_prune(): ...          # SweepError: each trial's, or any() / all()
+        for t, prune in zip(array.trials, array.should_prune()): ...   # per trial
+    """
+
+    def __init__(self, values: Iterable[Any] = (), what: str = "suggest_*"):  # copyable
+        super().__init__(values)
+        self.what = what
+
+    def _refuse(self, how: str) -> SweepError:
+        return SweepError(
+            f"{how} on array.{self.what}, which is one value per live trial ({list(self)}), "
+            f"asks about the list, not a trial: take each trial's value (zip(array.trials, "
+            f"values)), or any(...) / all(...)"
+            + ("; array.report(values, step) drops the trials the pruner prunes itself, "
+               "the others go on (raising optuna.TrialPruned prunes them all)"
+               if self.what == "should_prune()" else ""))
+
+    def __bool__(self) -> bool:
+        raise self._refuse("`if` (bool)")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list):
+            return list(self) == other
+        raise self._refuse(f"`== {other!r}`")
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment]  (a list's)
+
+
 class TrialArray:
     """N live ``optuna.Trial`` s trained as one fused module (see the module docstring).
 
@@ -155,16 +192,19 @@ class TrialArray:
         """``trial.suggest_float(name, low, high, step=step, log=log)`` for every live
         trial: one value per model, in the order of :attr:`trials` (an ``lr=`` list for
         ``hftc.optim``)."""
-        return [t.suggest_float(name, low, high, step=step, log=log) for t in self.trials]
+        return PerTrial((t.suggest_float(name, low, high, step=step, log=log)
+                         for t in self.trials), f"suggest_float({name!r}, ...)")
 
     def suggest_int(self, name: str, low: int, high: int, *, step: int = 1,
                     log: bool = False) -> list[int]:
         """``trial.suggest_int(name, low, high, step=step, log=log)`` for every live trial."""
-        return [t.suggest_int(name, low, high, step=step, log=log) for t in self.trials]
+        return PerTrial((t.suggest_int(name, low, high, step=step, log=log)
+                         for t in self.trials), f"suggest_int({name!r}, ...)")
 
     def suggest_categorical(self, name: str, choices: Sequence[Any]) -> list[Any]:
         """``trial.suggest_categorical(name, choices)`` for every live trial."""
-        return [t.suggest_categorical(name, choices) for t in self.trials]
+        return PerTrial((t.suggest_categorical(name, choices) for t in self.trials),
+                        f"suggest_categorical({name!r}, ...)")
 
     def params(self) -> list[dict[str, Any]]:
         """Every live trial's ``trial.params`` (what it suggested so far), in model order."""
@@ -176,7 +216,7 @@ class TrialArray:
         it tells and drops nothing (:meth:`report` does both)."""
         self._one_objective("should_prune")
         pruned = set(self._to_prune(list(range(len(self.trials)))))
-        return [j in pruned for j in range(len(self.trials))]
+        return PerTrial((j in pruned for j in range(len(self.trials))), "should_prune()")
 
     def _one_objective(self, what: str) -> None:
         if len(self.study.directions) > 1:
