@@ -64,6 +64,8 @@ def _as_values(values: Any, n: int, what: str, objectives: int = 1) -> list[Any]
     ``tensor([0.3, 0.1])`` -> ``[0.3, 0.1]``; a single number only for an array of one
     trial (it is an Optuna objective's habit, and one value for N trials is a mistake:
     ``losses.mean()`` for ``losses``)."""
+    shape = (f" (a tensor of shape {list(values.shape)})"
+             if isinstance(values, torch.Tensor) and values.dim() > 1 else "")
     values = _per_model(values, objectives)
     per = "one value" if objectives == 1 else f"{objectives} values (one per direction)"
     if _scalar(values) is not None:
@@ -77,8 +79,9 @@ def _as_values(values: Any, n: int, what: str, objectives: int = 1) -> list[Any]
             and all(_scalar(v) is not None for v in values):
         values = [values]  # one trial's values, as objective(trial) returns them
     if len(values) != n:
-        raise SweepError(f"{what} got {len(values)} values for the array's {n} live trials; "
-                         f"give {per} per model, in the order of array.trials")
+        raise SweepError(f"{what} got {len(values)} values{shape} for the array's {n} live "
+                         f"trials; give {per} per model, in the order of array.trials"
+                         + (" (reduce each model's values to one: .mean(1))" if shape else ""))
     out = []
     for j, value in enumerate(values):
         value = _per_model(value, objectives) if _scalar(value) is None else value
@@ -478,10 +481,9 @@ class TrialArray:
         before that report): the
         live trials' are taken."""
         objectives = len(self.study.directions)
-        values = _per_model(values, objectives)
         keep, seen = self._last_drop
         if _scalar(values) is None and len(keep) < seen and len(values) == seen:
-            values = [values[j] for j in keep]
+            values = values[keep] if isinstance(values, torch.Tensor) else [values[j] for j in keep]
         values = _as_values(values, len(self.trials), "TrialArray.finish", objectives)
         for trial, value in zip(self.trials, values):
             if all(map(math.isfinite, value if objectives > 1 else [value])):
