@@ -327,3 +327,25 @@ def test_if_and_equality_on_per_trial_values_raise_instead_of_asking_the_list():
         return _values(array)
 
     hs.optimize(_study(), per_trial, n_trials=2, array_size=2)
+
+
+def test_a_stock_optimizer_is_refused_at_the_first_drop_naming_report():
+    """The stock optimizer stepped, then report drops trial 0: the FusionTypeError says
+    it comes from TrialArray.report dropping it, with hftc.optim.SGD to use."""
+    class PruneTrial0(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return trial.number == 0
+
+    def objective(array):
+        fused = array.fuse([nn.Linear(2, 1) for _ in array.trials])
+        opt = torch.optim.SGD(fused.parameters(), lr=0.1)
+        fused(torch.ones(3, 2)).sum().backward()
+        opt.step()
+        array.report(_values(array), 0)
+
+    study = _study(pruner=PruneTrial0())
+    with pytest.raises(hftc.errors.FusionTypeError,
+                       match=r"TrialArray.report, dropping the pruned / failed models \[0\] "
+                             r"\(hftc.keep_models\): .*stock torch.optim.SGD.*hftc.optim.SGD"):
+        hs.optimize(study, objective, n_trials=2, array_size=2)
+    assert [t.state for t in study.get_trials()] == [TrialState.PRUNED, TrialState.FAIL]

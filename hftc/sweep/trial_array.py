@@ -39,7 +39,7 @@ from torch import nn
 
 import hftc
 
-from ..errors import FusionError, MismatchError, SweepError
+from ..errors import FusionArgumentError, FusionError, FusionTypeError, MismatchError, SweepError
 from ..training.shrink import check_replaceable
 from .arrays import finite_models
 from .pruning import Reference, in_sequence, prune_in_sequence
@@ -352,7 +352,11 @@ class TrialArray:
             raise optuna.TrialPruned("every trial of the array is pruned, failed or complete")
         if gone:
             for fused in self.fused_modules:  # with the optimizers and schedulers built on it
-                hftc.keep_models(fused, keep)
+                try:
+                    hftc.keep_models(fused, keep)
+                except (FusionTypeError, FusionArgumentError) as exc:  # the user's call: report
+                    raise type(exc)(f"TrialArray.report, dropping the pruned / failed models "
+                                    f"{sorted(gone)} (hftc.keep_models): {exc}") from None
 
     def report(self, values: Sequence[float] | torch.Tensor, step: int | None = None
                ) -> list[int]:
