@@ -349,3 +349,27 @@ def test_a_stock_optimizer_is_refused_at_the_first_drop_naming_report():
                              r"\(hftc.keep_models\): .*stock torch.optim.SGD.*hftc.optim.SGD"):
         hs.optimize(study, objective, n_trials=2, array_size=2)
     assert [t.state for t in study.get_trials()] == [TrialState.PRUNED, TrialState.FAIL]
+
+
+def test_raising_trial_pruned_per_trial_warns_that_it_prunes_the_kept_trials_too():
+    """``t.report(v, step); if t.should_prune(): raise optuna.TrialPruned()`` per trial
+    prunes the whole array: a SweepWarning at the raise names the trials the pruner
+    keeps and array.report (what drops the pruned one only)."""
+    class PruneTrial0(optuna.pruners.BasePruner):
+        def prune(self, study, trial):
+            return trial.number == 0
+
+    def objective(array):
+        for t in array.trials:
+            t.report(float(t.number), 0)
+            if t.should_prune():
+                raise optuna.TrialPruned()
+        return _values(array)
+
+    study = _study(pruner=PruneTrial0())
+    with pytest.warns(hftc.errors.SweepWarning,
+                      match=r"TrialPruned raised at .*test_trial_array_optimize.py:\d+ prunes "
+                            r"all 2 live trials of the array \[0, 1\], trials \[1\] too.*"
+                            r"array.report\(values, step\)"):
+        hs.optimize(study, objective, n_trials=2, array_size=2)
+    assert [t.state for t in study.get_trials()] == [TrialState.PRUNED] * 2  # as documented

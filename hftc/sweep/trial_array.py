@@ -29,6 +29,8 @@ import gc
 import math
 import numbers
 import time
+import traceback
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -39,7 +41,14 @@ from torch import nn
 
 import hftc
 
-from ..errors import FusionArgumentError, FusionError, FusionTypeError, MismatchError, SweepError
+from ..errors import (
+    FusionArgumentError,
+    FusionError,
+    FusionTypeError,
+    MismatchError,
+    SweepError,
+    SweepWarning,
+)
 from ..training.shrink import check_replaceable
 from .arrays import finite_models
 from .pruning import Reference, in_sequence, prune_in_sequence
@@ -606,7 +615,8 @@ def _run_array(study: optuna.Study, objective: Callable, array: TrialArray,
     """One array: the objective, then its live trials told (pruned, failed or valued)."""
     try:
         values = objective(array)
-    except optuna.TrialPruned:
+    except optuna.TrialPruned as exc:
+        _warn_pruned_all(array, exc)
         for trial in list(array.trials):
             array._tell(trial, state=TrialState.PRUNED)
         array.trials = []
@@ -634,6 +644,26 @@ def _run_array(study: optuna.Study, objective: Callable, array: TrialArray,
     except Exception as exc:  # a callback's error: the trials not told yet fail
         array._fail_all(f"{type(exc).__name__}: {exc}", notify=False)
         raise
+
+
+def _warn_pruned_all(array: TrialArray, exc: BaseException) -> None:
+    """``if trial.should_prune(): raise optuna.TrialPruned()`` per trial, the habit of
+    ``objective(trial)``, prunes every live trial of the array, those the pruner keeps
+    too: say so at the raise (``report``'s own raise leaves no trial live)."""
+    if len(array.trials) < 2:
+        return
+    try:
+        kept = [t.number for t, prune in zip(array.trials, array.should_prune()) if not prune]
+    except Exception:  # noqa: BLE001  (a multi-objective study, a pruner's error: no advice)
+        return
+    if not kept:
+        return
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    warnings.warn(SweepWarning(
+        f"optuna.TrialPruned raised at {frame.filename}:{frame.lineno} prunes all "
+        f"{len(array.trials)} live trials of the array {array.numbers}, trials {kept} too, "
+        f"which the pruner keeps; call array.report(values, step) instead: it drops each "
+        f"pruned trial and the others go on"), stacklevel=2)
 
 
 def _where(objective: Callable) -> str:
