@@ -373,3 +373,24 @@ def test_raising_trial_pruned_per_trial_warns_that_it_prunes_the_kept_trials_too
                             r"array.report\(values, step\)"):
         hs.optimize(study, objective, n_trials=2, array_size=2)
     assert [t.state for t in study.get_trials()] == [TrialState.PRUNED] * 2  # as documented
+
+
+def test_a_grid_sampler_runs_its_grid_as_study_optimize_does_no_repeats():
+    """A grid of 3 with arrays of 4: one array of the 3 points (it asked a 4th, a repeat
+    of a running point), then the grid's study.stop() ends the loop, as study.optimize."""
+    import warnings
+
+    def objective(array):
+        return [t.suggest_float("lr", 1e-4, 1.0) for t in array.trials]
+
+    def grid_study():
+        return optuna.create_study(
+            sampler=optuna.samplers.GridSampler({"lr": [0.1, 0.01, 0.001]}, seed=0))
+
+    fused, one_at_a_time = grid_study(), grid_study()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Optuna warns when it re-evaluates a grid point
+        hs.optimize(fused, objective, n_trials=10, array_size=4)
+    one_at_a_time.optimize(lambda t: t.suggest_float("lr", 1e-4, 1.0), n_trials=10)
+    assert sorted(t.params["lr"] for t in fused.trials) == [0.001, 0.01, 0.1]
+    assert len(fused.trials) == len(one_at_a_time.trials) == 3

@@ -552,10 +552,14 @@ def optimize(
         out_of_time = timeout is not None and time.perf_counter() - start >= timeout
         return out_of_time or bool(getattr(study, "_stop_flag", False))
 
-    def asks_left() -> int:
+    def budget() -> int:
         if stopped():
             return 0
-        return (n_trials - asked) if n_trials is not None else 1
+        return (n_trials - asked) if n_trials is not None else array_size
+
+    def asks_left() -> int:  # a refill's: none past a GridSampler's grid
+        grid = _grid_left(study)
+        return budget() if grid is None else min(budget(), grid)
 
     def one_more() -> None:
         nonlocal asked
@@ -571,8 +575,11 @@ def optimize(
     if local is not None:  # study.stop() works inside optimize only: here too
         study._stop_flag, local.in_optimize_loop = False, True
     try:
-        while asks_left() > 0:
-            size = array_size if n_trials is None else min(array_size, n_trials - asked)
+        while budget() > 0:
+            # the grid's last points, not an array of repeats: study.optimize stops at the
+            # grid (a done grid: one repeat, as study.optimize, whose sampler then stops it)
+            grid = _grid_left(study)
+            size = min(array_size, budget(), array_size if grid is None else max(grid, 1))
             array = TrialArray(study, [study.ask() for _ in range(size)],
                                asks_left=asks_left, asked=one_more, told=told)
             asked += size
@@ -584,6 +591,24 @@ def optimize(
             local.in_optimize_loop = False
         if bar is not None:
             bar.close()
+
+
+def _grid_left(study: optuna.Study) -> int | None:
+    """How many points of a ``GridSampler`` 's grid no trial has taken (``None``: another
+    sampler).  Asked N at a time past them, the grid would repeat points (Optuna gives a
+    running grid's points to no other trial while some are free), where study.optimize
+    stops: the sampler's ``after_trial`` calls ``study.stop()`` at the last one."""
+    sampler = study.sampler
+    grids = getattr(sampler, "_all_grids", None)
+    same = getattr(sampler, "_same_search_space", None)
+    if not isinstance(sampler, optuna.samplers.GridSampler) or grids is None or same is None:
+        return None
+    taken = set()
+    for t in study.get_trials(deepcopy=False):
+        attrs = t.system_attrs
+        if "grid_id" in attrs and same(attrs.get("search_space", {})):
+            taken.add(attrs["grid_id"])  # finished or running: either way not free
+    return len(grids) - len(taken)
 
 
 def _check_optimize_args(n_trials: Any, array_size: Any, timeout: Any, n_jobs: Any) -> None:
