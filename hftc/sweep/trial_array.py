@@ -533,14 +533,16 @@ def optimize(
     The arguments are ``optuna.Study.optimize``'s, with its meaning: ``n_trials`` trials
     in all (``None``: no limit), no new array (nor refill) once ``timeout`` seconds have
     passed, ``callbacks`` called as ``callback(study, frozen_trial)`` after each trial is
-    told (pruned ones within the array too), ``study.stop()`` from the objective or a
+    told (pruned ones within the array too; not those failed by an exception that
+    optimize raises, as study.optimize), ``study.stop()`` from the objective or a
     callback ends the loop after the current array, ``gc_after_trial`` runs
     ``gc.collect()`` after each array, ``show_progress_bar`` a tqdm bar of the finished
     trials. ``n_jobs`` must be 1: the array is the parallelism (run several processes on
     one storage for more). An exception in the objective fails the array's live trials
     (the message in their ``hftc_fail_reason`` user attribute) and is raised again,
     unless it is one of ``catch``; ``optuna.TrialPruned`` prunes them.  Any sampler,
-    pruner and storage work, several processes on one storage included."""
+    pruner and storage work, several processes on one storage included; a
+    multi-objective study takes K values per trial (and has no ``report``)."""
     _check_optimize_args(n_trials, array_size, timeout, n_jobs)
     one_worker_per_trial(getattr(study, "_storage", None))  # several processes, one SQLite
     catch = tuple(catch) if isinstance(catch, Iterable) else (catch,)
