@@ -491,8 +491,7 @@ class TrialArray:
         ``values`` has one value per live trial (a multi-objective study's: one list of
         ``len(study.directions)`` values per trial, or an ``[N, K]`` tensor), or one per
         model of the last ``report`` that dropped some (the loop's last values, computed
-        before that report): the
-        live trials' are taken."""
+        before that report): the live trials' are taken."""
         objectives = len(self.study.directions)
         keep, seen = self._last_drop
         if _scalar(values) is None and len(keep) < seen and len(values) == seen:
