@@ -394,3 +394,17 @@ def test_a_grid_sampler_runs_its_grid_as_study_optimize_does_no_repeats():
     one_at_a_time.optimize(lambda t: t.suggest_float("lr", 1e-4, 1.0), n_trials=10)
     assert sorted(t.params["lr"] for t in fused.trials) == [0.001, 0.01, 0.1]
     assert len(fused.trials) == len(one_at_a_time.trials) == 3
+
+
+def test_fuse_of_one_sequential_is_refused_not_fused_layer_by_layer():
+    """``array.fuse(nn.Sequential(a, b))`` with 2 trials fused the two layers as the two
+    trials' models (a Sequential iterates over its layers); it is refused."""
+    def objective(array):
+        array.fuse(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+        return _values(array)
+
+    study = _study()
+    with pytest.raises(SweepError, match=r"fuse got one Sequential, not one model per trial.*"
+                                         r"lambda trial: Net\(\)"):
+        hs.optimize(study, objective, n_trials=2, array_size=2)
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL] * 2

@@ -244,7 +244,12 @@ class TrialArray:
         it, when trials leave.  Call it once per kind of model (a GAN's two nets).
         ``models`` may be a function of a trial: ``array.fuse(lambda t: Net())`` builds
         one model per live trial, in order."""
-        if callable(models) and not isinstance(models, nn.Module):
+        if isinstance(models, nn.Module):  # an nn.Sequential iterates over its layers
+            raise SweepError(
+                f"TrialArray.fuse got one {type(models).__name__}, not one model per trial; "
+                f"build one per trial: array.fuse([Net() for _ in array.trials]) or "
+                f"array.fuse(lambda trial: Net())")
+        if callable(models):
             models = [models(t) for t in self.trials]
         models = list(models)
         if len(models) != len(self.trials):
