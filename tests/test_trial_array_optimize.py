@@ -187,6 +187,9 @@ def test_a_return_of_the_wrong_shape_fails_the_trials_and_names_the_objective():
     with pytest.raises(SweepError, match=r"got 6 values \(a tensor of shape \[2, 3\]\) for "
                                          r"the array's 2 live trials.*\.mean\(1\)"):
         hs.optimize(_study(), lambda array: torch.zeros(2, 3), n_trials=2, array_size=2)
+    with pytest.raises(SweepError, match=r"got a dict; give a list in the order of array"):
+        hs.optimize(_study(), lambda array: array.report({n: 0.5 for n in array.numbers}, 0),
+                    n_trials=2, array_size=2)  # list(dict) reported the trial numbers
 
 
 def test_an_array_of_one_takes_a_plain_number_as_objective_trial_returns():

@@ -31,7 +31,7 @@ import numbers
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -83,6 +83,9 @@ def _as_values(values: Any, n: int, what: str, objectives: int = 1) -> list[Any]
         raise SweepError(f"{what} got one number ({values!r}) for the array's {n} live "
                          f"trials; give {per} per trial, in the order of array.trials (a "
                          f"list, or a tensor of the models' values: not their .mean())")
+    if isinstance(values, Mapping):  # list() would give its keys: trial numbers as values
+        raise SweepError(f"{what} got a {type(values).__name__}; give a list in the order of "
+                         f"array.trials: [values[t.number] for t in array.trials]")
     values = list(values)
     if objectives > 1 and n == 1 and len(values) == objectives \
             and all(_scalar(v) is not None for v in values):
