@@ -411,3 +411,37 @@ def test_fuse_of_one_sequential_is_refused_not_fused_layer_by_layer():
                                          r"lambda trial: Net\(\)"):
         hs.optimize(study, objective, n_trials=2, array_size=2)
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL] * 2
+
+
+def test_a_heartbeat_storage_beats_for_the_arrays_trials_and_fails_stale_ones(tmp_path):
+    """``RDBStorage(heartbeat_interval=...)``: as study.optimize, optimize fails a dead
+    worker's stale trials before asking, and records a heartbeat for each live trial of
+    the array while it trains (it recorded none: a crashed worker's trials stayed RUNNING
+    for ever, where docs/SWEEP.md said Optuna's heartbeat applies)."""
+    import time
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # experimental heartbeat; the ask below warns
+        storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'hb.db'}",
+                                             heartbeat_interval=60, grace_period=120)
+        study = optuna.create_study(storage=storage)
+        dead = study.ask()  # a worker that died with its trial running (Optuna warns)
+    storage._get_stale_trial_ids = lambda study_id: [dead._trial_id]  # as if 120 s passed
+    beats = set()
+    record = storage.record_heartbeat
+    storage.record_heartbeat = lambda trial_id: (record(trial_id), beats.add(trial_id))
+
+    def objective(array):
+        storage._get_stale_trial_ids = lambda study_id: []
+        ids = {t._trial_id for t in array.trials}
+        for _ in range(300):  # the heartbeat thread's first beat (it beats at once)
+            if ids <= beats:
+                break
+            time.sleep(0.1)
+        assert ids <= beats, (ids, beats)
+        return _values(array)
+
+    hs.optimize(study, objective, n_trials=2, array_size=2)
+    states = [t.state for t in study.get_trials()]
+    assert states == [TrialState.FAIL, TrialState.COMPLETE, TrialState.COMPLETE]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import math
 import numbers
+import threading
 import time
 import traceback
 import warnings
@@ -462,7 +463,7 @@ class TrialArray:
         for j in freed:
             if self._asks_left() <= 0:
                 break
-            trial = self.study.ask()
+            trial = _ask(self.study)
             self._asked()
             try:
                 built = self._build(trial)
@@ -589,10 +590,12 @@ def optimize(
             # grid (a done grid: one repeat, as study.optimize, whose sampler then stops it)
             grid = _grid_left(study)
             size = min(array_size, budget(), array_size if grid is None else max(grid, 1))
-            array = TrialArray(study, [study.ask() for _ in range(size)],
+            _fail_stale_trials(study)
+            array = TrialArray(study, [_ask(study) for _ in range(size)],
                                asks_left=asks_left, asked=one_more, told=told)
             asked += size
-            _run_array(study, objective, array, catch)
+            with _Heartbeat(study, array):
+                _run_array(study, objective, array, catch)
             if gc_after_trial:
                 gc.collect()
     finally:
@@ -600,6 +603,59 @@ def optimize(
             local.in_optimize_loop = False
         if bar is not None:
             bar.close()
+
+
+def _ask(study: optuna.Study) -> optuna.Trial:
+    """``study.ask()``, without Optuna's warning that a heartbeat storage is for
+    study.optimize: optimize beats as study.optimize does (:class:`_Heartbeat`)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed")
+        return study.ask()
+
+
+def _fail_stale_trials(study: optuna.Study) -> None:
+    """As study.optimize before each trial: with a heartbeat storage
+    (``RDBStorage(heartbeat_interval=...)``), fail the running trials of dead workers
+    (and run the storage's failed-trial callback, RetryFailedTrialCallback)."""
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    if is_heartbeat_enabled(study._storage):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+
+
+class _Heartbeat:
+    """Optuna's heartbeat for every live trial of an array, refilled ones too (one thread,
+    as study.optimize runs one per trial), so another worker's ``fail_stale_trials``
+    fails them if this process dies, and leaves them alone while it runs."""
+
+    def __init__(self, study: optuna.Study, array: TrialArray):
+        from optuna.storages._heartbeat import is_heartbeat_enabled
+
+        self._storage = study._storage if is_heartbeat_enabled(study._storage) else None
+        self._array, self._stop = array, threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _beat(self, interval: float) -> None:
+        while True:
+            for trial in list(self._array.trials):
+                if trial.number not in self._array._told_numbers:
+                    self._storage.record_heartbeat(trial._trial_id)
+            if self._stop.wait(timeout=interval):
+                return
+
+    def __enter__(self) -> _Heartbeat:
+        if self._storage is not None:
+            self._thread = threading.Thread(
+                target=self._beat, args=(self._storage.get_heartbeat_interval(),), daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
 
 
 def _grid_left(study: optuna.Study) -> int | None:
