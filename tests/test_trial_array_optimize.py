@@ -327,6 +327,8 @@ def test_if_and_equality_on_per_trial_values_raise_instead_of_asking_the_list():
         assert [n == "Adam" for n in names] == [t.params["optimizer"] == "Adam"
                                                  for t in array.trials]
         assert not any(array.should_prune())
+        lrs = array.suggest_float("lr", 0.1, 0.1)  # a list's comparisons still answer
+        assert lrs == pytest.approx([0.1, 0.1]) and lrs != [0.2, 0.2] and lrs != (0.1, 0.1)
         return _values(array)
 
     hs.optimize(_study(), per_trial, n_trials=2, array_size=2)

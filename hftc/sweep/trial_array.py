@@ -147,13 +147,14 @@ class PerTrial(list):
     def __bool__(self) -> bool:
         raise self._refuse("`if` (bool)")
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, list):
-            return list(self) == other
-        raise self._refuse(f"`== {other!r}`")
+    def __eq__(self, other: object) -> Any:
+        if isinstance(other, (str, bytes, numbers.Number)) or other is None:  # one trial's?
+            raise self._refuse(f"`== {other!r}`")
+        return list.__eq__(self, other)  # a list's answer (pytest.approx's: its own)
 
-    def __ne__(self, other: object) -> bool:
-        return not self.__eq__(other)
+    def __ne__(self, other: object) -> Any:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
 
     __hash__ = None  # type: ignore[assignment]  (a list's)
 
