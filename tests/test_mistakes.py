@@ -606,3 +606,51 @@ def test_saving_a_model_given_to_fuse_after_training_the_fused_module_warns():
         warnings.simplefilter("error")
         models[2].state_dict()
         fused.state_dict()
+
+
+@pytest.mark.parametrize("classes", [(torch.optim.SGD,) * 3,
+                                     (torch.optim.SGD, torch.optim.Adam, torch.optim.SGD)])
+def test_a_scheduler_left_on_a_stock_optimizer_after_fuse_optimizers_is_refused(classes):
+    """StepLR built on each model's stock optimizer, then ``fuse_optimizers``: stepping
+    the stock schedulers changed the stock optimizers' rates, which the fused optimizer
+    never reads (each model silently kept its first rate). The fused step is refused
+    before changing anything, naming the model, the rate and the user's line; schedulers
+    on the fused optimizer then train each model as its own stock run."""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 5).double() for _ in range(3)]
+    alone = [nn.Linear(4, 5).double() for _ in range(3)]
+    for a, m in zip(alone, models):
+        a.load_state_dict(m.state_dict())
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 5, (8,))
+    lrs = [0.1, 0.2, 0.3]
+    opts = [cls(m.parameters(), lr=lr) for cls, m, lr in zip(classes, models, lrs)]
+    stale = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
+    fused = hftc.fuse(models)
+    opt = hftc.optim.fuse_optimizers(fused, opts)
+    hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+    for sched in stale:
+        with warnings.catch_warnings():  # (torch: a scheduler step before any step)
+            warnings.simplefilter("ignore", UserWarning)
+            sched.step()
+    before = [p.detach().clone() for p in fused.parameters()]
+    with pytest.raises(FusionArgumentError, match=r"(?s)test_mistakes\.py:\d+: `opt\.step\(\)`"
+                       r".*optimizers\[0\].*'lr' changed from 0\.1 to 0\.05.*StepLR\(opt"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(fused.parameters(), before))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    own = [cls(a.parameters(), lr=lr) for cls, a, lr in zip(classes, alone, lrs)]
+    own_scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in own]
+    for _ in range(3):
+        opt.zero_grad()
+        hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+        opt.step()
+        sched.step()
+        for a, o, s in zip(alone, own, own_scheds):
+            o.zero_grad()
+            F.cross_entropy(a(x), y).backward()
+            o.step()
+            s.step()
+    for i, a in enumerate(alone):
+        for name, value in a.state_dict().items():
+            torch.testing.assert_close(fused.model_state_dict(i)[name], value, rtol=0,
+                                       atol=1e-12)

@@ -467,6 +467,8 @@ def check_fused_step(optimizer: Any, params: Sequence[Tensor], skip_models: Any)
     the list the user's code spells (``skip_models=[False, True]``) is."""
     if UNFUSED_COPIES:
         _check_trained_copies(params)
+    if optimizer in _FUSED_FROM:
+        _check_stock_changes(optimizer)
     if skip_models is None or isinstance(skip_models, Tensor) \
             or optimizer in _WARNED_SKIPS or not _called_by_user():
         return
@@ -476,6 +478,59 @@ def check_fused_step(optimizer: Any, params: Sequence[Tensor], skip_models: Any)
         return  # (the step's own check says what is wrong)
     if skipped.numel():
         _check_skipped_norms(optimizer, params, skipped.flatten().tolist())
+
+
+#: fused optimizer -> the stock optimizers ``fuse_optimizers`` built it from, each with
+#: its param groups' hyper-parameters then (model i's at [i])
+_FUSED_FROM: weakref.WeakKeyDictionary[Any, list[tuple[Any, list[dict[str, Any]]]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    return [{k: v.detach().clone() if isinstance(v, Tensor) else v
+             for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def note_fused_optimizers(fused_optimizer: Any, optimizers: Sequence[Any]) -> None:
+    """``hftc.optim.fuse_optimizers(fused, optimizers)`` gave ``fused_optimizer``: keep
+    (weakly) each stock optimizer's hyper-parameters, so that a step after a change made
+    to the stock one is refused (:func:`_check_stock_changes`)."""
+    _FUSED_FROM[fused_optimizer] = [(weakref.ref(opt), _hyperparameters(opt))
+                                    for opt in optimizers]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return bool(torch.equal(torch.as_tensor(a), torch.as_tensor(b)))
+    return bool(a == b)
+
+
+def _check_stock_changes(optimizer: Any) -> None:
+    """A fused optimizer of ``fuse_optimizers`` about to step, where a stock optimizer it
+    was built from had a hyper-parameter changed since (``StepLR(opt_i)`` built before
+    fusing and stepped, ``for g in opt_i.param_groups: g['lr'] /= 4``): the fused
+    optimizer copied the values once and never reads them again, so the schedule would
+    silently not happen. Refused, naming model i, the value and what to step instead."""
+    noted = _FUSED_FROM[optimizer]
+    if len(noted) != optimizer.num_models:  # (hftc.keep_models cut it: rows moved)
+        del _FUSED_FROM[optimizer]
+        return
+    for i, (ref, then) in enumerate(noted):
+        stock = ref()
+        now = _hyperparameters(stock) if stock is not None else then
+        changed = [(k, v, group[k]) for old, group in zip(then, now) for k, v in old.items()
+                   if k in group and not _same(v, group[k])]
+        if changed or len(now) != len(then):
+            del _FUSED_FROM[optimizer]  # (once: a new scheduler on the fused one is right)
+            key, old, new = changed[0] if changed else ("param_groups", len(then), len(now))
+            raise FusionArgumentError(
+                f"{type(optimizer).__name__}.step{_user_line()}: optimizers[{i}] given to "
+                f"hftc.optim.fuse_optimizers (model {i}'s {type(stock).__name__}) had its "
+                f"{key!r} changed from {old} to {new} after fusing (a scheduler built on it, "
+                f"or param_groups set by hand), but the fused optimizer copied its values "
+                f"once and steps with its own: model {i} would not get that schedule. Build "
+                f"schedulers on the fused optimizer (torch.optim.lr_scheduler.StepLR(opt, "
+                f"...), param_groups[i] is model i's) and set opt.param_groups[{i}][{key!r}]")
 
 
 #: optimizers whose first step was checked by :func:`check_any_step`
@@ -570,4 +625,5 @@ def _check_skipped_norms(optimizer: Any, params: Sequence[Tensor],
 
 
 __all__ = ["check_any_step", "check_fused_step", "check_loss_call", "check_loss_reduction",
-           "guard_losses", "refusing_per_model_values", "stock_optimizer_classes"]
+           "guard_losses", "note_fused_optimizers", "refusing_per_model_values",
+           "stock_optimizer_classes"]
