@@ -215,7 +215,7 @@ def _fused_models_behind(name: str, input: Tensor, target: Tensor) -> int | None
             raise FusionArgumentError(
                 f"F.{name} got {list(input.shape)} and a target {list(target.shape)}: "
                 f"{rows} rows = {n} models x {batch}, a fused module's outputs flattened "
-                f"(out.view(-1, C)) with one model's target{_user_line()}; torch refuses "
+                f"(out.view(-1, C)) with one model's target{user_line()}; torch refuses "
                 f"it (and with the target repeated N times the mean would divide each "
                 f"model's gradient by {n}). Take each model's loss on the fused output "
                 f"[N, B, C]: losses = hftc.per_model(F.{name})(out, y) ([{n}]), then "
@@ -241,7 +241,7 @@ def _loss_called_as() -> tuple[str, str]:
     return "", ""
 
 
-def _user_line() -> str:
+def user_line() -> str:
     """`` at file:line: `code` `` of the user's frame."""
     frame = sys._getframe(user_stacklevel() - 1)
     code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
@@ -285,7 +285,7 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
                "torch refuses a target of another shape than the input")
         raise FusionArgumentError(
             f"{called} got {what} {list(input.shape)} ({models}) and "
-            f"{target_text}, as for one model's output{_user_line()}; {why}. {use}")
+            f"{target_text}, as for one model's output{user_line()}; {why}. {use}")
     if reduction in ("mean", "batchmean") and n > 1:
         scale = (f"the mean is over all {n} models, so each model's gradient is divided by "
                  f"{n} (with SGD: a learning rate {n} times smaller)" if reduction == "mean"
@@ -294,7 +294,7 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
                  f"{input.shape[1]}/{n} times its own")
         warnings.warn(
             f"{called} on {what} {list(input.shape)} ({models}) and "
-            f"{target_text}{_user_line()}: "
+            f"{target_text}{user_line()}: "
             + ("the target is broadcast over the models and " if shared else "")
             + f"{scale}. {use}", UsageWarning, stacklevel=user_stacklevel())
 
@@ -374,13 +374,13 @@ def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None
             if losses is not None:
                 raise FusionArgumentError(
                     f"backward() from hftc.per_model's {losses} per-model losses {shape}"
-                    f"{_user_line()}, not one number: take losses.sum().backward() (the "
+                    f"{user_line()}, not one number: take losses.sum().backward() (the "
                     f"sum gives each model exactly the gradient it gets alone; .mean() "
                     f"would divide each model's gradient by {losses})") from exc
             if outputs is not None:
                 raise FusionArgumentError(
                     f"backward() from a fused module's output {shape} ({outputs} models' "
-                    f"outputs stacked){_user_line()}, not a loss: take each model's loss with "
+                    f"outputs stacked){user_line()}, not a loss: take each model's loss with "
                     f"hftc.per_model, then their sum: hftc.per_model(F.cross_entropy)"
                     f"(out, y).sum().backward()") from exc
             raise
@@ -405,7 +405,7 @@ def state_dict_noting_stale_models(state_dict: Callable[..., Any]) -> Callable[.
             if stale is not None:
                 _, position, name = stale
                 warnings.warn(
-                    f"{type(self).__name__}.state_dict(){_user_line()}: this model was "
+                    f"{type(self).__name__}.state_dict(){user_line()}: this model was "
                     f"given to hftc.fuse, which copied its weights; the fused module has "
                     f"trained its copy since (`{name}` differs) and this model still holds "
                     f"the weights of the fusing. Save the trained ones: "
@@ -441,7 +441,7 @@ def load_state_dict_naming_model_state_dict(load: Callable[..., Any]) -> Callabl
             key = next(iter(given))
             n = counts.pop()
             raise FusionArgumentError(
-                f"{type(self).__name__}.load_state_dict{_user_line()} got a fused module's "
+                f"{type(self).__name__}.load_state_dict{user_line()} got a fused module's "
                 f"state dict (`{key}` is {list(given[key].shape)}, this module's "
                 f"{list(own[key].shape)}: {n} models' tensors stacked). Load one model's: "
                 f"model.load_state_dict(fused.model_state_dict(i)) for model i, or from a "
@@ -524,7 +524,7 @@ def _check_stock_changes(optimizer: Any) -> None:
             del _FUSED_FROM[optimizer]  # (once: a new scheduler on the fused one is right)
             key, old, new = changed[0] if changed else ("param_groups", len(then), len(now))
             raise FusionArgumentError(
-                f"{type(optimizer).__name__}.step{_user_line()}: optimizers[{i}] given to "
+                f"{type(optimizer).__name__}.step{user_line()}: optimizers[{i}] given to "
                 f"hftc.optim.fuse_optimizers (model {i}'s {type(stock).__name__}) had its "
                 f"{key!r} changed from {old} to {new} after fusing (a scheduler built on it, "
                 f"or param_groups set by hand), but the fused optimizer copied its values "
@@ -626,4 +626,4 @@ def _check_skipped_norms(optimizer: Any, params: Sequence[Tensor],
 
 __all__ = ["check_any_step", "check_fused_step", "check_loss_call", "check_loss_reduction",
            "guard_losses", "note_fused_optimizers", "refusing_per_model_values",
-           "stock_optimizer_classes"]
+           "stock_optimizer_classes", "user_line"]
