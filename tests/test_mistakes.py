@@ -479,6 +479,44 @@ def test_backward_from_the_per_model_losses_unreduced_names_the_sum():
         torch.testing.assert_close(fused.weight.grad[i], model.weight.grad)
 
 
+@pytest.mark.parametrize("made", [
+    lambda losses: losses / 2,                                   # gradient accumulation
+    lambda losses: torch.tensor([1.0, 0.5, 2.0]) * losses,       # loss weights
+    lambda losses: hftc.amp.GradScaler("cpu").scale(losses),     # AMP
+])
+def test_backward_from_a_tensor_made_from_the_per_model_losses_names_the_sum(made):
+    """``loss = loss / accumulation_steps; loss.backward()`` (or ``scaler.scale(loss)
+    .backward()``) on the N per-model losses: torch's bare "grad can be implicitly created
+    only for scalar outputs" (the division's result had no mark); now hftc's error at the
+    user's line, found through the losses' autograd node."""
+    fused = _fused()
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    scaled = made(hftc.per_model(F.cross_entropy)(fused(x), y))
+    with pytest.raises(FusionArgumentError, match=r"tensor \[3\] made from hftc\.per_model's "
+                       r"3 per-model losses .* at .*test_mistakes\.py:\d+: `scaled\.backward"
+                       r"\(\)`.*its\.sum\(\)\.backward\(\)") as caught:
+        scaled.backward()
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    scaled.sum().backward()  # as it says
+    assert fused.weight.grad is not None
+    x3 = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="scalar outputs") as caught:  # not from losses
+        (x3 * 2 + fused(x).sum().detach()).backward()
+    assert not isinstance(caught.value, FusionArgumentError)
+
+
+def test_the_grad_scaler_given_the_summed_losses_names_the_line():
+    fused = _fused()
+    losses = hftc.per_model(F.cross_entropy)(fused(torch.randn(5, 4)), torch.zeros(5).long())
+    with pytest.raises(FusionArgumentError, match=r"GradScaler\.scale at .*test_mistakes\.py:"
+                       r"\d+: .*not their sum.*scaler\.scale\(losses\)\.sum\(\)"):
+        hftc.amp.GradScaler("cpu").scale(losses.sum())
+    with pytest.raises(FusionTypeError, match="hftc.optim optimizers"):
+        scaler = hftc.amp.GradScaler("cpu")
+        scaler.scale(losses)
+        scaler.step(torch.optim.SGD(fused.parameters(), lr=0.1))
+
+
 def test_backward_from_a_fused_output_names_the_per_model_loss():
     fused = _fused()
     with pytest.raises(FusionArgumentError, match=r"fused module's output \[3, 5, 2\] \(3 "

@@ -351,6 +351,25 @@ def mark_per_model_losses(losses: Tensor) -> None:
     if isinstance(losses, Tensor) and losses.dim() >= 1 \
             and not torch.compiler.is_compiling():  # (a traced value: no attribute to keep)
         setattr(losses, LOSSES_MARK, losses.shape[0])
+        if losses.grad_fn is not None:  # (found behind `(losses / k).backward()`)
+            losses.grad_fn.metadata[LOSSES_MARK] = losses.shape[0]
+
+
+def _losses_behind(tensor: Tensor, limit: int = 64) -> int | None:
+    """N where ``tensor`` was made from ``hftc.per_model``'s N losses by a few ops
+    (``losses / accumulation_steps``, ``scaler.scale(losses)``, ``w * losses``): the
+    mark on their autograd node, looked for among the ``limit`` nodes nearest."""
+    todo, seen = [tensor.grad_fn], 0
+    while todo and seen < limit:
+        node = todo.pop(0)
+        if node is None:
+            continue
+        seen += 1
+        n = node.metadata.get(LOSSES_MARK)
+        if n is not None:
+            return n
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return None
 
 
 def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None]:
@@ -370,11 +389,18 @@ def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None
                     or "implicitly created only for scalar outputs" not in str(exc):
                 raise
             losses, outputs = getattr(first, LOSSES_MARK, None), getattr(first, OUTPUT_MARK, None)
+            made = losses is None and outputs is None and first.dim() == 1
+            if made:
+                losses = _losses_behind(first)
             shape = list(first.shape)
             if losses is not None:
+                what = (f"a tensor {shape} made from hftc.per_model's {losses} per-model "
+                        f"losses (divided, weighted or scaled)" if made else
+                        f"hftc.per_model's {losses} per-model losses {shape}")
                 raise FusionArgumentError(
-                    f"backward() from hftc.per_model's {losses} per-model losses {shape}"
-                    f"{user_line()}, not one number: take losses.sum().backward() (the "
+                    f"backward() from {what}"
+                    f"{user_line()}, not one number: take {'its' if made else 'losses'}.sum()"
+                    f".backward() (the "
                     f"sum gives each model exactly the gradient it gets alone; .mean() "
                     f"would divide each model's gradient by {losses})") from exc
             if outputs is not None:
