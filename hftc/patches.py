@@ -39,6 +39,9 @@ beside the code they serve; this module only installs them (docs/API.md describe
                                               stacked) into one model, which torch
                                               refuses: an error naming
                                               fused.model_state_dict(i) (mistakes.py)
+    torch.optim.Optimizer.load_state_dict     a fused optimizer's state dict into a stock
+                                              one: an error naming
+                                              hftc.optim.unfuse_optimizers (mistakes.py)
     torch.nn.Module.state_dict                of a model given to hftc.fuse, still at the
                                               weights of the fusing while the fused module
                                               trained: a UsageWarning naming
@@ -90,6 +93,8 @@ def install() -> None:
     torch.autograd.backward = mistakes.backward_naming_the_sum(torch.autograd.backward)
     torch.nn.Module.load_state_dict = mistakes.load_state_dict_naming_model_state_dict(
         torch.nn.Module.load_state_dict)
+    torch.optim.Optimizer.load_state_dict = mistakes.optimizer_load_naming_unfuse_optimizers(
+        torch.optim.Optimizer.load_state_dict)
     torch.nn.Module.state_dict = mistakes.state_dict_noting_stale_models(
         torch.nn.Module.state_dict)
     _installed = True

@@ -692,3 +692,34 @@ def test_a_scheduler_left_on_a_stock_optimizer_after_fuse_optimizers_is_refused(
         for name, value in a.state_dict().items():
             torch.testing.assert_close(fused.model_state_dict(i)[name], value, rtol=0,
                                        atol=1e-12)
+
+
+def test_a_fused_optimizers_state_dict_loaded_into_one_models_optimizer_names_unfuse():
+    """Resuming one model alone from a fused run's optimizer checkpoint: torch's bare
+    "different number of parameter groups" (or, N=1, the stacked state loaded as it is);
+    now hftc's error at the user's line naming unfuse_optimizers, whose state loads."""
+    import io
+
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 2) for _ in range(3)]
+    fused = hftc.fuse(models)
+    opt = hftc.optim.Adam(fused.parameters(), lr=[1e-3, 2e-3, 3e-3])
+    hftc.per_model(F.cross_entropy)(fused(torch.randn(5, 4)), torch.zeros(5).long()).sum() \
+        .backward()
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    one = torch.optim.Adam(nn.Linear(4, 2).parameters())
+    with pytest.raises(FusionArgumentError, match=r"Adam\.load_state_dict at .*test_mistakes"
+                       r"\.py:\d+: `one\.load_state_dict\(saved\)`.*unfuse_optimizers"):
+        one.load_state_dict(saved)
+    copies = fused.unfuse()
+    stock = hftc.optim.unfuse_optimizers(fused, opt, copies)
+    own = torch.optim.Adam(copies[1].parameters())
+    own.load_state_dict(stock[1].state_dict())  # as it says: model 1's loads
+    assert own.param_groups[0]["lr"] == 2e-3
+    again = hftc.optim.Adam(fused.parameters(), lr=1.0)
+    again.load_state_dict(saved)  # into a fused optimizer: as before
+    assert [g["lr"] for g in again.param_groups] == [1e-3, 2e-3, 3e-3]

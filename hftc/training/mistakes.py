@@ -478,6 +478,34 @@ def load_state_dict_naming_model_state_dict(load: Callable[..., Any]) -> Callabl
     return checked
 
 
+def optimizer_load_naming_unfuse_optimizers(load: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.optim.Optimizer.load_state_dict`` that, given a fused optimizer's state
+    dict (its ``"hftc"`` entry: N models' param groups and stacked state) on a stock
+    optimizer of one model, where torch said only "loaded state dict has a different
+    number of parameter groups" (or loaded the stacked state into one model's), names
+    ``hftc.optim.unfuse_optimizers``, which gives model i's."""
+
+    @functools.wraps(load)
+    def checked(self: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        from ..optim.optimizer import FusedOptimizer  # (it imports this module)
+
+        fused = isinstance(state_dict, dict) and isinstance(state_dict.get("hftc"), dict)
+        if fused and not isinstance(self, FusedOptimizer) \
+                and not type(self).__module__.startswith("hftc."):
+            n = len(state_dict.get("param_groups", ()))
+            raise FusionArgumentError(
+                f"{type(self).__name__}.load_state_dict{user_line()} got a fused optimizer's "
+                f"state dict ({n} models' param groups, each state tensor [N, ...] "
+                f"stacked): load one model's. Save model i's from the fused run with "
+                f"hftc.optim.unfuse_optimizers(fused, opt, models)[i].state_dict() (stock "
+                f"optimizers over `models`, default fused.unfuse()), or load this one into "
+                f"a fused optimizer of the same N models")
+        return load(self, state_dict, *args, **kwargs)
+
+    checked.__hftc_original__ = load
+    return checked
+
+
 # --------------------------------------------------------------------------- fused optimizer steps
 
 #: optimizers that warned about skip_models and batch norm already
@@ -651,5 +679,5 @@ def _check_skipped_norms(optimizer: Any, params: Sequence[Tensor],
 
 
 __all__ = ["check_any_step", "check_fused_step", "check_loss_call", "check_loss_reduction",
-           "guard_losses", "note_fused_optimizers", "refusing_per_model_values",
-           "stock_optimizer_classes", "user_line"]
+           "guard_losses", "note_fused_optimizers", "optimizer_load_naming_unfuse_optimizers",
+           "refusing_per_model_values", "stock_optimizer_classes", "user_line"]
