@@ -10,6 +10,8 @@ beside the code they serve; this module only installs them (docs/API.md describe
       function objects too, for a name bound before import hftc)
     torch.nn.utils.get_total_norm             the gradients of stacked parameters: the
     torch.nn.utils.clip_grads_with_norm_      N norms, applied per model (hftc/utils.py)
+    torch.nn.utils.clip_grad_value_           one value per model on a fused module's
+                                              parameters: model i's by value i (utils.py)
     torch.optim.swa_utils.update_bn           refused on a fused module (hftc/utils.py)
     torch.optim.{LBFGS, Adafactor, Muon}      refused on stacked parameters: their update
       .add_param_group                        couples the models (hftc/optim/coupled.py)
@@ -77,6 +79,7 @@ def install() -> None:
         module.clip_grad_norm_ = utils._clip_grad_norm_per_model
         module.get_total_norm = utils._get_total_norm_per_model
         module.clip_grads_with_norm_ = utils._clip_grads_with_norm_per_model
+        module.clip_grad_value_ = utils._clip_grad_value_per_model
     torch.optim.swa_utils.update_bn = utils._update_bn_refusing_fused
     for base in coupled._COUPLING:
         base.add_param_group = coupled.refusing_add_param_group(base)
