@@ -675,6 +675,13 @@ def test_a_scheduler_left_on_a_stock_optimizer_after_fuse_optimizers_is_refused(
                        r".*optimizers\[0\].*'lr' changed from 0\.1 to 0\.05.*StepLR\(opt"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(fused.parameters(), before))
+    followed = hftc.optim.fuse_optimizers(fused, opts)  # code that copies the stock rates
+    for sched in stale:                                 # into the fused groups is right
+        sched.step()
+    for i, o in enumerate(opts):
+        followed.param_groups[i]["lr"] = o.param_groups[0]["lr"]
+    fused.zero_grad(set_to_none=True)
+    followed.step()  # (checked, and no gradient: nothing moves)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     own = [cls(a.parameters(), lr=lr) for cls, a, lr in zip(classes, alone, lrs)]
     own_scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in own]

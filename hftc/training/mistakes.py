@@ -571,12 +571,17 @@ def _check_stock_changes(optimizer: Any) -> None:
         return
     for i, (ref, then) in enumerate(noted):
         stock = ref()
-        now = _hyperparameters(stock) if stock is not None else then
-        changed = [(k, v, group[k]) for old, group in zip(then, now) for k, v in old.items()
-                   if k in group and not _same(v, group[k])]
-        if changed or len(now) != len(then):
+        if stock is None or not stock.param_groups:
+            continue
+        # (changed since, and not followed by the fused group: code that copies a stock
+        # schedule into the fused optimizer, as the sweep engine does, is right)
+        now, own = stock.param_groups[0], optimizer.param_groups[i]
+        changed = [(k, v, now[k]) for k, v in then[0].items()
+                   if k in now and k in own and not _same(v, now[k])
+                   and not _same(own[k], now[k])]
+        if changed:
             del _FUSED_FROM[optimizer]  # (once: a new scheduler on the fused one is right)
-            key, old, new = changed[0] if changed else ("param_groups", len(then), len(now))
+            key, old, new = changed[0]
             raise FusionArgumentError(
                 f"{type(optimizer).__name__}.step{user_line()}: optimizers[{i}] given to "
                 f"hftc.optim.fuse_optimizers (model {i}'s {type(stock).__name__}) had its "
