@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import linecache
 import operator
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -92,19 +94,17 @@ def _warn_shared_fused_output(what: str, value: torch.Tensor, n: int) -> None:
     Where model 0 cannot run on them the call is refused (``_explain_input_mismatch``);
     where it can (a Linear discriminator: ``D(fakes)`` gave ``[N, N*B]``) it ran
     silently, each discriminator scoring every generator's fakes. Warned once a line."""
-    import sys
-
-    from ..training.mistakes import user_line
-
     frame = sys._getframe(user_stacklevel() - 1)
     site = (frame.f_code.co_filename, frame.f_lineno)
     if site in _WARNED_SHARED or torch.compiler.is_compiling():
         return
     _WARNED_SHARED.add(site)
+    code = linecache.getline(*site).strip()
     warnings.warn(
-        f"{what}{user_line()} is a fused module's output {list(value.shape)} ({n} models' "
-        f"outputs stacked), and this fused module shares it among its {n} models: each "
-        f"model gets all {n} slices, not its own. To give model i slice i (a GAN's "
+        f"{what} at {site[0]}:{site[1]}{f': `{code}`' if code else ''} is a fused "
+        f"module's output {list(value.shape)} ({n} models' outputs stacked), and this "
+        f"fused module shares it among its {n} models: each model gets all {n} slices, "
+        f"not its own. To give model i slice i (a GAN's "
         f"discriminator on its generator's fakes, a hidden state fed back), fuse with "
         f"in_dims (hftc.fuse(models, in_dims=0)) or call fused.with_in_dims(0)(x); to "
         f"share it on purpose, pass a copy (x.detach(), x.clone())", UsageWarning,

@@ -487,11 +487,9 @@ def optimizer_load_naming_unfuse_optimizers(load: Callable[..., Any]) -> Callabl
 
     @functools.wraps(load)
     def checked(self: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        from ..optim.optimizer import FusedOptimizer  # (it imports this module)
-
         fused = isinstance(state_dict, dict) and isinstance(state_dict.get("hftc"), dict)
-        if fused and not isinstance(self, FusedOptimizer) \
-                and not type(self).__module__.startswith("hftc."):
+        # (hftc's optimizers and a user's subclass of one load it: a class of hftc's above)
+        if fused and not any(c.__module__.startswith("hftc.") for c in type(self).__mro__):
             n = len(state_dict.get("param_groups", ()))
             raise FusionArgumentError(
                 f"{type(self).__name__}.load_state_dict{user_line()} got a fused optimizer's "
