@@ -10,6 +10,8 @@ beside the code they serve; this module only installs them (docs/API.md describe
       function objects too, for a name bound before import hftc)
     torch.nn.utils.get_total_norm             the gradients of stacked parameters: the
     torch.nn.utils.clip_grads_with_norm_      N norms, applied per model (hftc/utils.py)
+    torch.nn.utils.clip_grad_value_           one value per model on a fused module's
+                                              parameters: model i's by value i (utils.py)
     torch.optim.swa_utils.update_bn           refused on a fused module (hftc/utils.py)
     torch.optim.{LBFGS, Adafactor, Muon}      refused on stacked parameters: their update
       .add_param_group                        couples the models (hftc/optim/coupled.py)
@@ -39,6 +41,9 @@ beside the code they serve; this module only installs them (docs/API.md describe
                                               stacked) into one model, which torch
                                               refuses: an error naming
                                               fused.model_state_dict(i) (mistakes.py)
+    torch.optim.Optimizer.load_state_dict     a fused optimizer's state dict into a stock
+                                              one: an error naming
+                                              hftc.optim.unfuse_optimizers (mistakes.py)
     torch.nn.Module.state_dict                of a model given to hftc.fuse, still at the
                                               weights of the fusing while the fused module
                                               trained: a UsageWarning naming
@@ -74,6 +79,7 @@ def install() -> None:
         module.clip_grad_norm_ = utils._clip_grad_norm_per_model
         module.get_total_norm = utils._get_total_norm_per_model
         module.clip_grads_with_norm_ = utils._clip_grads_with_norm_per_model
+        module.clip_grad_value_ = utils._clip_grad_value_per_model
     torch.optim.swa_utils.update_bn = utils._update_bn_refusing_fused
     for base in coupled._COUPLING:
         base.add_param_group = coupled.refusing_add_param_group(base)
@@ -90,6 +96,8 @@ def install() -> None:
     torch.autograd.backward = mistakes.backward_naming_the_sum(torch.autograd.backward)
     torch.nn.Module.load_state_dict = mistakes.load_state_dict_naming_model_state_dict(
         torch.nn.Module.load_state_dict)
+    torch.optim.Optimizer.load_state_dict = mistakes.optimizer_load_naming_unfuse_optimizers(
+        torch.optim.Optimizer.load_state_dict)
     torch.nn.Module.state_dict = mistakes.state_dict_noting_stale_models(
         torch.nn.Module.state_dict)
     _installed = True

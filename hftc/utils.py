@@ -57,7 +57,7 @@ def _func_cell(function: Any) -> Any:
 _torch_clip_grad_norm_ = _stock_twin(torch.nn.utils.clip_grad_norm_)
 
 
-def _one_model_max_norm(max_norm: Any) -> Any:
+def _one_model_max_norm(max_norm: Any, called: str = "clip_grad_norm_ got {} max_norm") -> Any:
     """``max_norm`` for one model's (unfused) parameters: a list of one value per model is
     that value, so code written for a fused module (``[p["clip"] for p in params]``) runs
     on a stock model too (a sweep's train_step alone: ``train_alone``, ``--serial``)."""
@@ -65,8 +65,8 @@ def _one_model_max_norm(max_norm: Any) -> Any:
                                                                           (list, tuple)):
         if len(max_norm) != 1:
             raise FusionArgumentError(
-                f"torch.nn.utils.clip_grad_norm_ got {len(max_norm)} max_norm values (one per "
-                f"model) for parameters that are not a fused module's: one model's take one")
+                f"torch.nn.utils.{called.format(len(max_norm))} values (one per model) for "
+                f"parameters that are not a fused module's: one model's take one")
         return float(max_norm[0])
     return max_norm
 
@@ -91,6 +91,34 @@ def _clip_grad_norm_per_model(parameters: Tensor | Iterable[Tensor], max_norm: f
             "with other parameters; clip the fused ones on their own (each model by its own "
             "norm: hftc.utils.clip_grad_norm_) and the others apart")
     return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
+
+_torch_clip_grad_value_ = _stock_twin(torch.nn.utils.clip_grad_value_)
+
+
+@functools.wraps(_torch_clip_grad_value_)
+def _clip_grad_value_per_model(parameters: Tensor | Iterable[Tensor], clip_value: Any,
+                               foreach: bool | None = None) -> None:
+    """``torch.nn.utils.clip_grad_value_`` as installed by ``import hftc``: on a fused
+    module's parameters, one value per model (``clip_grad_value_(model.parameters(),
+    [0.5, 1.0, 5.0])``, as ``clip_grad_norm_`` takes them; torch failed in ``float()`` of
+    the list) clamps model i's by value i (:func:`clip_grad_value_`). One value, or other
+    parameters: torch's own (an elementwise clamp is each model's already)."""
+    params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    counts = stacked_counts(params)
+    stacked = [n is not None for n in counts]
+    per_model = isinstance(clip_value, (list, tuple)) or (
+        isinstance(clip_value, Tensor) and clip_value.dim() == 1)
+    if not any(stacked) or not per_model:
+        value = (_one_model_max_norm(clip_value, "clip_grad_value_ got {} clip_value")
+                 if not any(stacked) else clip_value)
+        return _torch_clip_grad_value_(params, value, foreach)
+    if not all(stacked):
+        raise FusionArgumentError(
+            "torch.nn.utils.clip_grad_value_ got a fused module's stacked parameters together "
+            "with other parameters and one clip value per model; clip the fused ones on their "
+            "own (hftc.utils.clip_grad_value_) and the others apart")
+    return clip_grad_value_(params, clip_value, num_models=next(n for n in counts if n))
 
 
 # torch's two-step form of clip_grad_norm_: ``total = get_total_norm(grads)`` then
@@ -178,6 +206,7 @@ def route_bound_names() -> None:
     for original, replacement in (
             (torch.nn.utils.clip_grad.clip_grad_norm_, _clip_grad_norm_per_model),
             (torch.nn.utils.clip_grad._get_total_norm, _get_total_norm_per_model),
+            (torch.nn.utils.clip_grad.clip_grad_value_, _clip_grad_value_per_model),
             (torch.nn.utils.clip_grad._clip_grads_with_norm_,
              _clip_grads_with_norm_per_model),
             (torch.optim.swa_utils.update_bn, _update_bn_refusing_fused)):

@@ -589,3 +589,45 @@ def test_a_checkpoint_mid_training_resumes_model_optimizer_plateau_and_swa_ema_e
             assert torch.equal(value, b.state_dict()[name]), name
     assert [g["lr"] for g in whole[1].param_groups] == \
         [g["lr"] for g in resumed[1].param_groups]
+
+
+def test_a_fused_output_shared_by_another_fused_module_warns_at_the_users_line():
+    """A GAN with a Linear discriminator fused with shared inputs (the default), called on
+    the fused generator's fakes ``[N, B, 12]``: each discriminator ran on all N
+    generators' fakes (``[N, N*B]``), silently, where a conv discriminator is refused.
+    Now a UsageWarning at the user's line names in_dims; per-call ``with_in_dims(0)``,
+    ``in_dims=0`` and the real images shared are quiet, and give each model its own."""
+    class G(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 12)
+
+        def forward(self, z):
+            return torch.tanh(self.fc(z))
+
+    class D(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(12, 1)
+
+        def forward(self, x):
+            return self.fc(x).view(-1)
+
+    torch.manual_seed(0)
+    gs, ds = [G() for _ in range(N)], [D() for _ in range(N)]
+    fused_g, fused_d = hftc.fuse(gs), hftc.fuse(ds)
+    z, real = torch.randn(5, 6), torch.randn(5, 12)
+    fakes = fused_g(z)
+    with pytest.warns(hftc.UsageWarning, match=r"(?s)input `x` \(input 0\) at .*test_habits"
+                      r"\.py:\d+: `.*fused_d\(fakes\).*` is a fused module's output \[3, 5, 12\].*"
+                      r"in_dims=0"):
+        assert fused_d(fakes).shape == (N, N * 5)  # what it computed: every model all fakes
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hftc.UsageWarning)
+        out_real = fused_d(real)
+        out_fake = fused_d.with_in_dims(0)(fakes)
+        again = hftc.fuse(ds, in_dims=0)(fakes)
+    for i, d in enumerate(ds):
+        torch.testing.assert_close(out_real[i], d(real))
+        torch.testing.assert_close(out_fake[i], d(gs[i](z)))
+        torch.testing.assert_close(again[i], d(gs[i](z)))

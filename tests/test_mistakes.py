@@ -479,6 +479,44 @@ def test_backward_from_the_per_model_losses_unreduced_names_the_sum():
         torch.testing.assert_close(fused.weight.grad[i], model.weight.grad)
 
 
+@pytest.mark.parametrize("made", [
+    lambda losses: losses / 2,                                   # gradient accumulation
+    lambda losses: torch.tensor([1.0, 0.5, 2.0]) * losses,       # loss weights
+    lambda losses: hftc.amp.GradScaler("cpu").scale(losses),     # AMP
+])
+def test_backward_from_a_tensor_made_from_the_per_model_losses_names_the_sum(made):
+    """``loss = loss / accumulation_steps; loss.backward()`` (or ``scaler.scale(loss)
+    .backward()``) on the N per-model losses: torch's bare "grad can be implicitly created
+    only for scalar outputs" (the division's result had no mark); now hftc's error at the
+    user's line, found through the losses' autograd node."""
+    fused = _fused()
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    scaled = made(hftc.per_model(F.cross_entropy)(fused(x), y))
+    with pytest.raises(FusionArgumentError, match=r"tensor \[3\] made from hftc\.per_model's "
+                       r"3 per-model losses .* at .*test_mistakes\.py:\d+: `scaled\.backward"
+                       r"\(\)`.*its\.sum\(\)\.backward\(\)") as caught:
+        scaled.backward()
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    scaled.sum().backward()  # as it says
+    assert fused.weight.grad is not None
+    x3 = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="scalar outputs") as caught:  # not from losses
+        (x3 * 2 + fused(x).sum().detach()).backward()
+    assert not isinstance(caught.value, FusionArgumentError)
+
+
+def test_the_grad_scaler_given_the_summed_losses_names_the_line():
+    fused = _fused()
+    losses = hftc.per_model(F.cross_entropy)(fused(torch.randn(5, 4)), torch.zeros(5).long())
+    with pytest.raises(FusionArgumentError, match=r"GradScaler\.scale at .*test_mistakes\.py:"
+                       r"\d+: .*not their sum.*scaler\.scale\(losses\)\.sum\(\)"):
+        hftc.amp.GradScaler("cpu").scale(losses.sum())
+    with pytest.raises(FusionTypeError, match="hftc.optim optimizers"):
+        scaler = hftc.amp.GradScaler("cpu")
+        scaler.scale(losses)
+        scaler.step(torch.optim.SGD(fused.parameters(), lr=0.1))
+
+
 def test_backward_from_a_fused_output_names_the_per_model_loss():
     fused = _fused()
     with pytest.raises(FusionArgumentError, match=r"fused module's output \[3, 5, 2\] \(3 "
@@ -606,3 +644,89 @@ def test_saving_a_model_given_to_fuse_after_training_the_fused_module_warns():
         warnings.simplefilter("error")
         models[2].state_dict()
         fused.state_dict()
+
+
+@pytest.mark.parametrize("classes", [(torch.optim.SGD,) * 3,
+                                     (torch.optim.SGD, torch.optim.Adam, torch.optim.SGD)])
+def test_a_scheduler_left_on_a_stock_optimizer_after_fuse_optimizers_is_refused(classes):
+    """StepLR built on each model's stock optimizer, then ``fuse_optimizers``: stepping
+    the stock schedulers changed the stock optimizers' rates, which the fused optimizer
+    never reads (each model silently kept its first rate). The fused step is refused
+    before changing anything, naming the model, the rate and the user's line; schedulers
+    on the fused optimizer then train each model as its own stock run."""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 5).double() for _ in range(3)]
+    alone = [nn.Linear(4, 5).double() for _ in range(3)]
+    for a, m in zip(alone, models):
+        a.load_state_dict(m.state_dict())
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 5, (8,))
+    lrs = [0.1, 0.2, 0.3]
+    opts = [cls(m.parameters(), lr=lr) for cls, m, lr in zip(classes, models, lrs)]
+    stale = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
+    fused = hftc.fuse(models)
+    opt = hftc.optim.fuse_optimizers(fused, opts)
+    hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+    for sched in stale:
+        with warnings.catch_warnings():  # (torch: a scheduler step before any step)
+            warnings.simplefilter("ignore", UserWarning)
+            sched.step()
+    before = [p.detach().clone() for p in fused.parameters()]
+    with pytest.raises(FusionArgumentError, match=r"(?s)test_mistakes\.py:\d+: `opt\.step\(\)`"
+                       r".*optimizers\[0\].*'lr' changed from 0\.1 to 0\.05.*StepLR\(opt"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(fused.parameters(), before))
+    followed = hftc.optim.fuse_optimizers(fused, opts)  # code that copies the stock rates
+    for sched in stale:                                 # into the fused groups is right
+        sched.step()
+    for i, o in enumerate(opts):
+        followed.param_groups[i]["lr"] = o.param_groups[0]["lr"]
+    fused.zero_grad(set_to_none=True)
+    followed.step()  # (checked, and no gradient: nothing moves)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    own = [cls(a.parameters(), lr=lr) for cls, a, lr in zip(classes, alone, lrs)]
+    own_scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in own]
+    for _ in range(3):
+        opt.zero_grad()
+        hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+        opt.step()
+        sched.step()
+        for a, o, s in zip(alone, own, own_scheds):
+            o.zero_grad()
+            F.cross_entropy(a(x), y).backward()
+            o.step()
+            s.step()
+    for i, a in enumerate(alone):
+        for name, value in a.state_dict().items():
+            torch.testing.assert_close(fused.model_state_dict(i)[name], value, rtol=0,
+                                       atol=1e-12)
+
+
+def test_a_fused_optimizers_state_dict_loaded_into_one_models_optimizer_names_unfuse():
+    """Resuming one model alone from a fused run's optimizer checkpoint: torch's bare
+    "different number of parameter groups" (or, N=1, the stacked state loaded as it is);
+    now hftc's error at the user's line naming unfuse_optimizers, whose state loads."""
+    import io
+
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 2) for _ in range(3)]
+    fused = hftc.fuse(models)
+    opt = hftc.optim.Adam(fused.parameters(), lr=[1e-3, 2e-3, 3e-3])
+    hftc.per_model(F.cross_entropy)(fused(torch.randn(5, 4)), torch.zeros(5).long()).sum() \
+        .backward()
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    one = torch.optim.Adam(nn.Linear(4, 2).parameters())
+    with pytest.raises(FusionArgumentError, match=r"Adam\.load_state_dict at .*test_mistakes"
+                       r"\.py:\d+: `one\.load_state_dict\(saved\)`.*unfuse_optimizers"):
+        one.load_state_dict(saved)
+    copies = fused.unfuse()
+    stock = hftc.optim.unfuse_optimizers(fused, opt, copies)
+    own = torch.optim.Adam(copies[1].parameters())
+    own.load_state_dict(stock[1].state_dict())  # as it says: model 1's loads
+    assert own.param_groups[0]["lr"] == 2e-3
+    again = hftc.optim.Adam(fused.parameters(), lr=1.0)
+    again.load_state_dict(saved)  # into a fused optimizer: as before
+    assert [g["lr"] for g in again.param_groups] == [1e-3, 2e-3, 3e-3]

@@ -245,3 +245,34 @@ def test_a_scheduler_given_another_number_of_values_than_models_says_param_group
     with pytest.raises(ValueError, match="max_lr must have the same length") as caught:
         sched.OneCycleLR(stock, max_lr=[0.1, 0.2], total_steps=10)
     assert not isinstance(caught.value, FusionArgumentError)  # other optimizers: torch's
+
+
+@pytest.mark.parametrize("build, name", [
+    (lambda opt: sched.StepLR(opt, step_size=1, gamma=[0.7, 0.5, 0.9]), "gamma"),
+    (lambda opt: sched.ExponentialLR(opt, gamma=torch.tensor([0.7, 0.5, 0.9])), "gamma"),
+    (lambda opt: sched.CosineAnnealingLR(opt, T_max=[5, 10, 20]), "T_max"),
+    (lambda opt: sched.ReduceLROnPlateau(opt, factor=(0.1, 0.5, 0.2)), "factor"),
+])
+def test_a_shared_scheduler_argument_given_one_value_per_model_names_lambda_lr(build, name):
+    """pytorch/examples' MNIST ``StepLR(opt, step_size=1, gamma=args.gamma)`` converted with
+    one gamma per model, as hftc.optim takes its hyper-parameters: torch built it and
+    failed at the first decaying ``step()`` inside torch ("can't multiply sequence by
+    non-int"). Refused when built, at the user's line, naming the LambdaLR that does it;
+    that LambdaLR then gives each model its own StepLR schedule."""
+    from hftc.errors import FusionArgumentError
+
+    opt = ho.SGD(StackedModels(make_models(3)).parameters(), lr=[0.1, 0.2, 0.3])
+    with pytest.raises(FusionArgumentError, match=rf"(?s)\({name}=.*test_optim_schedulers\.py:"
+                       rf"\d+: `.*`: torch's \w+ takes one {name} for all param groups.*"
+                       r"LambdaLR\(opt, "):
+        build(opt)
+    if name != "gamma":
+        return
+    gammas = [0.7, 0.5, 0.9]
+    fused, solos, fused_lrs, solo_lrs = run(
+        ho.SGD, torch.optim.SGD, SGD_CONFIGS,
+        lambda opt: sched.LambdaLR(opt, [lambda e, g=g: g ** (e // 2) for g in gammas]),
+        lambda opt, i: sched.StepLR(opt, step_size=2, gamma=gammas[i]))
+    for got, want in zip(fused_lrs, solo_lrs):
+        assert got == pytest.approx(want, rel=1e-12)
+    assert_all_match(fused, solos, 1e-9)

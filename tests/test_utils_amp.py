@@ -105,6 +105,37 @@ def test_clip_grad_value_shared_and_per_model():
     assert_grads_match(fused, solos, 0.0)
 
 
+def test_torch_clip_grad_value_takes_one_value_per_model_on_a_fused_module():
+    """``torch.nn.utils.clip_grad_value_(model.parameters(), [0.01, 0.1, 1.0])`` on a fused
+    module, one value per model as ``clip_grad_norm_`` takes them: torch failed in
+    ``float()`` of the list; now model i is clamped by value i, as alone. One value, and
+    one model's parameters with a list of one, are torch's own."""
+    from torch.nn.utils.clip_grad import clip_grad_value_ as bound  # torch's own object
+
+    def grads(clip, value, values):
+        torch.manual_seed(0)
+        models = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+                  for _ in range(3)]
+        x = torch.randn(5, 4, dtype=torch.float64)
+        fused = hftc.fuse(copy.deepcopy(models))
+        scale = torch.tensor([1.0, 30.0, 0.01], dtype=torch.float64).view(3, 1, 1)
+        (fused(x) * scale).pow(2).sum().backward()
+        clip(fused.parameters(), value)
+        for i, (m, s) in enumerate(zip(models, [1.0, 30.0, 0.01])):
+            (m(x) * s).pow(2).sum().backward()
+            torch.nn.utils.clip_grad_value_(m.parameters(), values[i])
+            for name, p in m.named_parameters():
+                torch.testing.assert_close(dict(fused.named_parameters())[name].grad[i],
+                                           p.grad, rtol=1e-10, atol=1e-14)
+        return models
+
+    for clip in (torch.nn.utils.clip_grad_value_, bound):
+        grads(clip, [0.01, 0.1, 1.0], [[0.01], [0.1], [1.0]])  # one model: a list of one
+    models = grads(torch.nn.utils.clip_grad_value_, 0.05, [0.05] * 3)
+    with pytest.raises(hftc.errors.FusionArgumentError, match="2 clip_value values"):
+        torch.nn.utils.clip_grad_value_(models[0].parameters(), [0.1, 0.2])
+
+
 def test_clip_errors():
     fused, _ = fused_and_solo_grads()
     with pytest.raises(ValueError, match="max_norm has 2 values but there are 3 models"):

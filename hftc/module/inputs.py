@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import linecache
 import operator
 import re
+import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,12 +31,15 @@ from ..errors import (
     FusionArgumentError,
     FusionError,
     ModelInputError,
+    UsageWarning,
+    user_stacklevel,
 )
 from ..frontends.symbolic import (
     annotate_example_values,
 )
 from ..lowering.runtime.layout import expand_models, model_slice
 from .programs import guard_failure, input_shapes
+from .usage import fused_output_models
 
 #: What ``in_dims`` takes: as ``torch.func.vmap``'s.
 InDims = int | None | Sequence[int | None]
@@ -76,6 +82,33 @@ def check_in_dims(in_dims: Any) -> InDims:
 #: ``x.float()`` for a float32 model: how a message says to cast an input.
 _CAST_METHODS = {torch.float32: "float()", torch.float64: "double()", torch.float16: "half()",
                  torch.bfloat16: "bfloat16()"}
+
+
+#: The user's lines warned by :func:`_warn_shared_fused_output` (file, line).
+_WARNED_SHARED: set[tuple[str, int]] = set()
+
+
+def _warn_shared_fused_output(what: str, value: torch.Tensor, n: int) -> None:
+    """A fused module's output ``[N, ...]`` (a fused generator's fakes, a recurrent
+    state) passed as an input this fused module shares: every model gets all N slices.
+    Where model 0 cannot run on them the call is refused (``_explain_input_mismatch``);
+    where it can (a Linear discriminator: ``D(fakes)`` gave ``[N, N*B]``) it ran
+    silently, each discriminator scoring every generator's fakes. Warned once a line."""
+    frame = sys._getframe(user_stacklevel() - 1)
+    site = (frame.f_code.co_filename, frame.f_lineno)
+    if site in _WARNED_SHARED or torch.compiler.is_compiling():
+        return
+    _WARNED_SHARED.add(site)
+    code = linecache.getline(*site).strip()
+    warnings.warn(
+        f"{what} at {site[0]}:{site[1]}{f': `{code}`' if code else ''} is a fused "
+        f"module's output {list(value.shape)} ({n} models' outputs stacked), and this "
+        f"fused module shares it among its {n} models: each model gets all {n} slices, "
+        f"not its own. To give model i slice i (a GAN's "
+        f"discriminator on its generator's fakes, a hidden state fed back), fuse with "
+        f"in_dims (hftc.fuse(models, in_dims=0)) or call fused.with_in_dims(0)(x); to "
+        f"share it on purpose, pass a copy (x.detach(), x.clone())", UsageWarning,
+        stacklevel=user_stacklevel())
 
 
 class InDimsCall:
@@ -140,11 +173,14 @@ class InputHandling:
         given = [True] * len(values) if given is None else given
         merged, batched = [], []
         for k, (a, d) in enumerate(zip(values, self._in_dims_for(given, names))):
+            what = f"input {k}" if names is None else f"input `{names[k]}` (input {k})"
             if d is None:
+                if isinstance(a, torch.Tensor) and self.num_models > 1 \
+                        and fused_output_models(a) == self.num_models:
+                    _warn_shared_fused_output(what, a, self.num_models)
                 merged.append(a)
                 batched.append(False)
                 continue
-            what = f"input {k}" if names is None else f"input `{names[k]}` (input {k})"
             if isinstance(a, torch.Tensor) and isinstance(d, int):
                 merged.append(self._stacked_input(a, d, what))
                 batched.append(True)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import FusionArgumentError, FusionTypeError
+from ..training import mistakes
 from .adadelta import Adadelta
 from .adagrad import Adagrad
 from .adam import Adam, AdamW
@@ -82,13 +83,15 @@ def fuse_optimizers(fused: torch.nn.Module,
     optimizers = list(optimizers)
     classes = _fused_classes(optimizers, n)
     if len(set(classes)) > 1:
-        return _fuse_mixed(fused, optimizers, classes, sources, n)
-    fused_cls = classes[0]
-    fused_flag = _check_groups(optimizers, fused_cls)
-    names = _parameter_names(optimizers, sources, n)
-    by_name = dict(fused.named_parameters())
-    out = _construct(fused_cls, optimizers, names, by_name, fused_flag, n)
-    _import_state(out, optimizers, names, by_name)
+        out: FusedOptimizer = _fuse_mixed(fused, optimizers, classes, sources, n)
+    else:
+        fused_flag = _check_groups(optimizers, classes[0])
+        names = _parameter_names(optimizers, sources, n)
+        by_name = dict(fused.named_parameters())
+        out = _construct(classes[0], optimizers, names, by_name, fused_flag, n)
+        _import_state(out, optimizers, names, by_name)
+    # (a scheduler left on a stock optimizer steps its rates, never the fused one's)
+    mistakes.note_fused_optimizers(out, optimizers)
     return out
 
 

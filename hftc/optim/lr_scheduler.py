@@ -10,6 +10,7 @@ torch's own), watching only model i's group and stepped with model i's metric.
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -140,6 +141,7 @@ def registering_init(init: Any) -> Any:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         from .optimizer import FusedOptimizer  # (the optimizers import this package)
 
+        _refuse_per_model_scalars(self, init, args, kwargs)
         try:
             init(self, *args, **kwargs)
         except ValueError as exc:
@@ -160,6 +162,47 @@ def registering_init(init: Any) -> Any:
 
     __init__._hftc_registers = True  # type: ignore[attr-defined]
     return __init__
+
+
+#: torch schedulers' arguments that take one value for every param group: given N values
+#: on a fused optimizer, torch failed at a later ``step()`` (``group["lr"] * self.gamma``:
+#: "can't multiply sequence by non-int") or, a tensor, multiplied every rate by N values.
+SHARED_ARGUMENTS = ("gamma", "step_size", "T_max", "eta_min", "total_iters", "power",
+                    "start_factor", "end_factor", "factor", "T_0", "T_mult", "pct_start",
+                    "div_factor", "final_div_factor", "patience", "threshold", "cooldown",
+                    "step_size_up", "step_size_down", "anneal_epochs")
+
+
+def _refuse_per_model_scalars(scheduler: Any, init: Any, args: Any, kwargs: Any) -> None:
+    """Before a torch scheduler's ``__init__`` on a fused optimizer: an argument of
+    :data:`SHARED_ARGUMENTS` given one value per model (``StepLR(opt, 3, gamma=[0.5,
+    0.7, 0.9])``, as ``hftc.optim`` takes its hyper-parameters) is refused, naming the
+    user's line and the ``LambdaLR`` of one function per model that does it."""
+    from .optimizer import FusedOptimizer  # (the optimizers import this package)
+
+    try:
+        bound = inspect.signature(init).bind(scheduler, *args, **kwargs).arguments
+    except TypeError:
+        return  # (torch's own call says what is wrong)
+    if not isinstance(bound.get("optimizer"), FusedOptimizer):
+        return
+    for name in SHARED_ARGUMENTS:
+        value = bound.get(name)
+        if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor)
+                                                and value.numel() > 1):
+            from ..training.mistakes import user_line
+
+            cls = type(scheduler).__name__
+            example = ("[lambda epoch, g=g: g ** (epoch // step_size) for g in gammas]"
+                       if cls == "StepLR" else "[lambda epoch, g=g: g ** epoch for g in "
+                       "gammas]" if cls == "ExponentialLR" else "[f_0, ..., f_N-1]")
+            plateau = (" (or hftc.optim.ReduceLROnPlateau, whose arguments are each one "
+                       "value or one per model)" if cls == "ReduceLROnPlateau" else "")
+            raise FusionArgumentError(
+                f"{cls}({name}={value!r}){user_line()}: torch's {cls} takes one {name} "
+                f"for all param groups, here all models. For one schedule per model give "
+                f"LambdaLR one function per model: torch.optim.lr_scheduler.LambdaLR(opt, "
+                f"{example}), model i's at [i]{plateau}")
 
 
 def torch_scheduler_classes() -> list[type]:

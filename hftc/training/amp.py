@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import FusionArgumentError, FusionTypeError
 from ..optim.optimizer import FusedOptimizer
 
 __all__ = ["GradScaler"]
@@ -119,10 +120,12 @@ class GradScaler:
             return outputs
         if isinstance(outputs, Tensor):
             if outputs.dim() == 0:
-                raise ValueError(
-                    "GradScaler.scale needs the per-model losses (a [N] tensor, e.g. from "
-                    "hftc.per_model), not their sum: each model is scaled by its own factor"
-                )
+                from .mistakes import user_line  # (mistakes imports the optimizers)
+
+                raise FusionArgumentError(
+                    f"GradScaler.scale{user_line()} needs the per-model losses (a [N] "
+                    f"tensor, e.g. from hftc.per_model), not their sum: each model is "
+                    f"scaled by its own factor. Take scaler.scale(losses).sum().backward()")
             self._lazy_init(outputs.shape[0], outputs.device)
             return outputs * self._scale.view(-1, *([1] * (outputs.dim() - 1)))
         outputs = list(outputs)
@@ -133,7 +136,7 @@ class GradScaler:
 
     def _check_optimizer(self, optimizer) -> None:
         if not isinstance(optimizer, FusedOptimizer):
-            raise TypeError(
+            raise FusionTypeError(
                 f"hftc.amp.GradScaler works with hftc.optim optimizers (it skips single "
                 f"models); got {type(optimizer).__name__}. Use torch.amp.GradScaler for "
                 f"stock optimizers"

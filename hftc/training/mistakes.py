@@ -215,7 +215,7 @@ def _fused_models_behind(name: str, input: Tensor, target: Tensor) -> int | None
             raise FusionArgumentError(
                 f"F.{name} got {list(input.shape)} and a target {list(target.shape)}: "
                 f"{rows} rows = {n} models x {batch}, a fused module's outputs flattened "
-                f"(out.view(-1, C)) with one model's target{_user_line()}; torch refuses "
+                f"(out.view(-1, C)) with one model's target{user_line()}; torch refuses "
                 f"it (and with the target repeated N times the mean would divide each "
                 f"model's gradient by {n}). Take each model's loss on the fused output "
                 f"[N, B, C]: losses = hftc.per_model(F.{name})(out, y) ([{n}]), then "
@@ -241,7 +241,7 @@ def _loss_called_as() -> tuple[str, str]:
     return "", ""
 
 
-def _user_line() -> str:
+def user_line() -> str:
     """`` at file:line: `code` `` of the user's frame."""
     frame = sys._getframe(user_stacklevel() - 1)
     code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
@@ -285,7 +285,7 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
                "torch refuses a target of another shape than the input")
         raise FusionArgumentError(
             f"{called} got {what} {list(input.shape)} ({models}) and "
-            f"{target_text}, as for one model's output{_user_line()}; {why}. {use}")
+            f"{target_text}, as for one model's output{user_line()}; {why}. {use}")
     if reduction in ("mean", "batchmean") and n > 1:
         scale = (f"the mean is over all {n} models, so each model's gradient is divided by "
                  f"{n} (with SGD: a learning rate {n} times smaller)" if reduction == "mean"
@@ -294,7 +294,7 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
                  f"{input.shape[1]}/{n} times its own")
         warnings.warn(
             f"{called} on {what} {list(input.shape)} ({models}) and "
-            f"{target_text}{_user_line()}: "
+            f"{target_text}{user_line()}: "
             + ("the target is broadcast over the models and " if shared else "")
             + f"{scale}. {use}", UsageWarning, stacklevel=user_stacklevel())
 
@@ -351,6 +351,25 @@ def mark_per_model_losses(losses: Tensor) -> None:
     if isinstance(losses, Tensor) and losses.dim() >= 1 \
             and not torch.compiler.is_compiling():  # (a traced value: no attribute to keep)
         setattr(losses, LOSSES_MARK, losses.shape[0])
+        if losses.grad_fn is not None:  # (found behind `(losses / k).backward()`)
+            losses.grad_fn.metadata[LOSSES_MARK] = losses.shape[0]
+
+
+def _losses_behind(tensor: Tensor, limit: int = 64) -> int | None:
+    """N where ``tensor`` was made from ``hftc.per_model``'s N losses by a few ops
+    (``losses / accumulation_steps``, ``scaler.scale(losses)``, ``w * losses``): the
+    mark on their autograd node, looked for among the ``limit`` nodes nearest."""
+    todo, seen = [tensor.grad_fn], 0
+    while todo and seen < limit:
+        node = todo.pop(0)
+        if node is None:
+            continue
+        seen += 1
+        n = node.metadata.get(LOSSES_MARK)
+        if n is not None:
+            return n
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return None
 
 
 def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None]:
@@ -370,17 +389,24 @@ def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None
                     or "implicitly created only for scalar outputs" not in str(exc):
                 raise
             losses, outputs = getattr(first, LOSSES_MARK, None), getattr(first, OUTPUT_MARK, None)
+            made = losses is None and outputs is None and first.dim() == 1
+            if made:
+                losses = _losses_behind(first)
             shape = list(first.shape)
             if losses is not None:
+                what = (f"a tensor {shape} made from hftc.per_model's {losses} per-model "
+                        f"losses (divided, weighted or scaled)" if made else
+                        f"hftc.per_model's {losses} per-model losses {shape}")
                 raise FusionArgumentError(
-                    f"backward() from hftc.per_model's {losses} per-model losses {shape}"
-                    f"{_user_line()}, not one number: take losses.sum().backward() (the "
+                    f"backward() from {what}"
+                    f"{user_line()}, not one number: take {'its' if made else 'losses'}.sum()"
+                    f".backward() (the "
                     f"sum gives each model exactly the gradient it gets alone; .mean() "
                     f"would divide each model's gradient by {losses})") from exc
             if outputs is not None:
                 raise FusionArgumentError(
                     f"backward() from a fused module's output {shape} ({outputs} models' "
-                    f"outputs stacked){_user_line()}, not a loss: take each model's loss with "
+                    f"outputs stacked){user_line()}, not a loss: take each model's loss with "
                     f"hftc.per_model, then their sum: hftc.per_model(F.cross_entropy)"
                     f"(out, y).sum().backward()") from exc
             raise
@@ -405,7 +431,7 @@ def state_dict_noting_stale_models(state_dict: Callable[..., Any]) -> Callable[.
             if stale is not None:
                 _, position, name = stale
                 warnings.warn(
-                    f"{type(self).__name__}.state_dict(){_user_line()}: this model was "
+                    f"{type(self).__name__}.state_dict(){user_line()}: this model was "
                     f"given to hftc.fuse, which copied its weights; the fused module has "
                     f"trained its copy since (`{name}` differs) and this model still holds "
                     f"the weights of the fusing. Save the trained ones: "
@@ -441,12 +467,38 @@ def load_state_dict_naming_model_state_dict(load: Callable[..., Any]) -> Callabl
             key = next(iter(given))
             n = counts.pop()
             raise FusionArgumentError(
-                f"{type(self).__name__}.load_state_dict{_user_line()} got a fused module's "
+                f"{type(self).__name__}.load_state_dict{user_line()} got a fused module's "
                 f"state dict (`{key}` is {list(given[key].shape)}, this module's "
                 f"{list(own[key].shape)}: {n} models' tensors stacked). Load one model's: "
                 f"model.load_state_dict(fused.model_state_dict(i)) for model i, or from a "
                 f"saved fused state dict sd: {{k: v[i] for k, v in sd.items()}}; "
                 f"fused.unfuse() gives every model at once") from exc
+
+    checked.__hftc_original__ = load
+    return checked
+
+
+def optimizer_load_naming_unfuse_optimizers(load: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.optim.Optimizer.load_state_dict`` that, given a fused optimizer's state
+    dict (its ``"hftc"`` entry: N models' param groups and stacked state) on a stock
+    optimizer of one model, where torch said only "loaded state dict has a different
+    number of parameter groups" (or loaded the stacked state into one model's), names
+    ``hftc.optim.unfuse_optimizers``, which gives model i's."""
+
+    @functools.wraps(load)
+    def checked(self: Any, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        fused = isinstance(state_dict, dict) and isinstance(state_dict.get("hftc"), dict)
+        # (hftc's optimizers and a user's subclass of one load it: a class of hftc's above)
+        if fused and not any(c.__module__.startswith("hftc.") for c in type(self).__mro__):
+            n = len(state_dict.get("param_groups", ()))
+            raise FusionArgumentError(
+                f"{type(self).__name__}.load_state_dict{user_line()} got a fused optimizer's "
+                f"state dict ({n} models' param groups, each state tensor [N, ...] "
+                f"stacked): load one model's. Save model i's from the fused run with "
+                f"hftc.optim.unfuse_optimizers(fused, opt, models)[i].state_dict() (stock "
+                f"optimizers over `models`, default fused.unfuse()), or load this one into "
+                f"a fused optimizer of the same N models")
+        return load(self, state_dict, *args, **kwargs)
 
     checked.__hftc_original__ = load
     return checked
@@ -467,6 +519,8 @@ def check_fused_step(optimizer: Any, params: Sequence[Tensor], skip_models: Any)
     the list the user's code spells (``skip_models=[False, True]``) is."""
     if UNFUSED_COPIES:
         _check_trained_copies(params)
+    if optimizer in _FUSED_FROM:
+        _check_stock_changes(optimizer)
     if skip_models is None or isinstance(skip_models, Tensor) \
             or optimizer in _WARNED_SKIPS or not _called_by_user():
         return
@@ -476,6 +530,64 @@ def check_fused_step(optimizer: Any, params: Sequence[Tensor], skip_models: Any)
         return  # (the step's own check says what is wrong)
     if skipped.numel():
         _check_skipped_norms(optimizer, params, skipped.flatten().tolist())
+
+
+#: fused optimizer -> the stock optimizers ``fuse_optimizers`` built it from, each with
+#: its param groups' hyper-parameters then (model i's at [i])
+_FUSED_FROM: weakref.WeakKeyDictionary[Any, list[tuple[Any, list[dict[str, Any]]]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _hyperparameters(optimizer: Any) -> list[dict[str, Any]]:
+    return [{k: v.detach().clone() if isinstance(v, Tensor) else v
+             for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def note_fused_optimizers(fused_optimizer: Any, optimizers: Sequence[Any]) -> None:
+    """``hftc.optim.fuse_optimizers(fused, optimizers)`` gave ``fused_optimizer``: keep
+    (weakly) each stock optimizer's hyper-parameters, so that a step after a change made
+    to the stock one is refused (:func:`_check_stock_changes`)."""
+    _FUSED_FROM[fused_optimizer] = [(weakref.ref(opt), _hyperparameters(opt))
+                                    for opt in optimizers]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return bool(torch.equal(torch.as_tensor(a), torch.as_tensor(b)))
+    return bool(a == b)
+
+
+def _check_stock_changes(optimizer: Any) -> None:
+    """A fused optimizer of ``fuse_optimizers`` about to step, where a stock optimizer it
+    was built from had a hyper-parameter changed since (``StepLR(opt_i)`` built before
+    fusing and stepped, ``for g in opt_i.param_groups: g['lr'] /= 4``): the fused
+    optimizer copied the values once and never reads them again, so the schedule would
+    silently not happen. Refused, naming model i, the value and what to step instead."""
+    noted = _FUSED_FROM[optimizer]
+    if len(noted) != optimizer.num_models:  # (hftc.keep_models cut it: rows moved)
+        del _FUSED_FROM[optimizer]
+        return
+    for i, (ref, then) in enumerate(noted):
+        stock = ref()
+        if stock is None or not stock.param_groups:
+            continue
+        # (changed since, and not followed by the fused group: code that copies a stock
+        # schedule into the fused optimizer, as the sweep engine does, is right)
+        now, own = stock.param_groups[0], optimizer.param_groups[i]
+        changed = [(k, v, now[k]) for k, v in then[0].items()
+                   if k in now and k in own and not _same(v, now[k])
+                   and not _same(own[k], now[k])]
+        if changed:
+            del _FUSED_FROM[optimizer]  # (once: a new scheduler on the fused one is right)
+            key, old, new = changed[0]
+            raise FusionArgumentError(
+                f"{type(optimizer).__name__}.step{user_line()}: optimizers[{i}] given to "
+                f"hftc.optim.fuse_optimizers (model {i}'s {type(stock).__name__}) had its "
+                f"{key!r} changed from {old} to {new} after fusing (a scheduler built on it, "
+                f"or param_groups set by hand), but the fused optimizer copied its values "
+                f"once and steps with its own: model {i} would not get that schedule. Build "
+                f"schedulers on the fused optimizer (torch.optim.lr_scheduler.StepLR(opt, "
+                f"...), param_groups[i] is model i's) and set opt.param_groups[{i}][{key!r}]")
 
 
 #: optimizers whose first step was checked by :func:`check_any_step`
@@ -570,4 +682,5 @@ def _check_skipped_norms(optimizer: Any, params: Sequence[Tensor],
 
 
 __all__ = ["check_any_step", "check_fused_step", "check_loss_call", "check_loss_reduction",
-           "guard_losses", "refusing_per_model_values", "stock_optimizer_classes"]
+           "guard_losses", "note_fused_optimizers", "optimizer_load_naming_unfuse_optimizers",
+           "refusing_per_model_values", "stock_optimizer_classes", "user_line"]
