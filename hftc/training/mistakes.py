@@ -547,14 +547,29 @@ def note_fused_optimizers(fused_optimizer: Any, optimizers: Sequence[Any]) -> No
     """``hftc.optim.fuse_optimizers(fused, optimizers)`` gave ``fused_optimizer``: keep
     (weakly) each stock optimizer's hyper-parameters, so that a step after a change made
     to the stock one is refused (:func:`_check_stock_changes`)."""
-    _FUSED_FROM[fused_optimizer] = [(weakref.ref(opt), _hyperparameters(opt))
+    _FUSED_FROM[fused_optimizer] = [(weakref.ref(opt), _hyperparameters(opt), _plain_values(opt))
                                     for opt in optimizers]
+
+
+def _plain_values(optimizer: Any) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """The first group's keys whose values are plain (numbers, flags, tuples of them) and
+    those values: what :func:`_check_stock_changes` compares at C speed every step."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    keys = tuple(k for k, v in group.items() if k != "params" and (
+        type(v) in _PLAIN or type(v) is tuple and all(type(x) in _PLAIN for x in v)))
+    return keys, tuple(group[k] for k in keys)
 
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, Tensor) or isinstance(b, Tensor):
         return bool(torch.equal(torch.as_tensor(a), torch.as_tensor(b)))
     return bool(a == b)
+
+
+#: hyper-parameter values :func:`_plain_values` compares with ``==`` (not tensors)
+_PLAIN = (float, int, bool, str, type(None))
+
+
 
 
 def _check_stock_changes(optimizer: Any) -> None:
@@ -567,10 +582,13 @@ def _check_stock_changes(optimizer: Any) -> None:
     if len(noted) != optimizer.num_models:  # (hftc.keep_models cut it: rows moved)
         del _FUSED_FROM[optimizer]
         return
-    for i, (ref, then) in enumerate(noted):
+    for i, (ref, then, (keys, values)) in enumerate(noted):
         stock = ref()
         if stock is None or not stock.param_groups:
             continue
+        group = stock.param_groups[0]
+        if len(keys) == len(group) - 1 and tuple(map(group.get, keys)) == values:
+            continue  # (the common case, every step: nothing changed, no tensor values)
         # (changed since, and not followed by the fused group: code that copies a stock
         # schedule into the fused optimizer, as the sweep engine does, is right)
         now, own = stock.param_groups[0], optimizer.param_groups[i]
