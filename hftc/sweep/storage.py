@@ -8,6 +8,7 @@ import contextlib
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import optuna
@@ -186,11 +187,14 @@ class Heartbeat(threading.Thread):
     """Records a heartbeat for every trial this worker holds, every ``interval`` seconds.
 
     ``study.optimize`` runs one such thread per trial; a fused array holds N trials,
-    so one thread beats for all of them."""
+    so one thread beats for all of them: those :meth:`add` gave it, or, with ``live``,
+    the ids ``live()`` returns at each beat (a ``TrialArray``'s live trials), beaten at
+    the start too."""
 
-    def __init__(self, storage: optuna.storages.RDBStorage, interval: int):
+    def __init__(self, storage: optuna.storages.BaseStorage, interval: float,
+                 live: Callable[[], Iterable[int]] | None = None):
         super().__init__(name="hftc-sweep-heartbeat", daemon=True)
-        self.storage, self.interval = storage, interval
+        self.storage, self.interval, self.live = storage, interval, live
         self.ids: set[int] = set()
         self.lock = threading.Lock()
         self.stopped = threading.Event()
@@ -205,12 +209,20 @@ class Heartbeat(threading.Thread):
             self.ids.discard(trial_id)
 
     def run(self) -> None:
+        if self.live is not None:
+            self._beat()
         while not self.stopped.wait(self.interval):
+            self._beat()
+
+    def _beat(self) -> None:
+        if self.live is not None:
+            ids = list(self.live())
+        else:
             with self.lock:
                 ids = list(self.ids)
-            for tid in ids:
-                with contextlib.suppress(Exception):  # a blip must not kill the beat
-                    self.storage.record_heartbeat(tid)
+        for tid in ids:
+            with contextlib.suppress(Exception):  # a blip must not kill the beat
+                self.storage.record_heartbeat(tid)
 
     def stop(self) -> None:
         self.stopped.set()

@@ -25,10 +25,10 @@ objective (``optimize`` catches it).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import numbers
-import threading
 import time
 import traceback
 import warnings
@@ -53,7 +53,7 @@ from ..errors import (
 from ..training.shrink import check_replaceable
 from .arrays import finite_models
 from .pruning import Reference, in_sequence, prune_in_sequence
-from .storage import one_worker_per_trial
+from .storage import Heartbeat, one_worker_per_trial
 
 __all__ = ["PerTrial", "TrialArray", "optimize"]
 
@@ -595,7 +595,7 @@ def optimize(
             array = TrialArray(study, [_ask(study) for _ in range(size)],
                                asks_left=asks_left, asked=one_more, told=told)
             asked += size
-            with _Heartbeat(study, array):
+            with _beating(study, array):
                 _run_array(study, objective, array, catch)
             if gc_after_trial:
                 gc.collect()
@@ -608,7 +608,7 @@ def optimize(
 
 def _ask(study: optuna.Study) -> optuna.Trial:
     """``study.ask()``, without Optuna's warning that a heartbeat storage is for
-    study.optimize: optimize beats as study.optimize does (:class:`_Heartbeat`)."""
+    study.optimize: optimize beats as study.optimize does (:func:`_beating`)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed")
         return study.ask()
@@ -626,37 +626,26 @@ def _fail_stale_trials(study: optuna.Study) -> None:
             optuna.storages.fail_stale_trials(study)
 
 
-class _Heartbeat:
-    """Optuna's heartbeat for every live trial of an array, refilled ones too (one thread,
-    as study.optimize runs one per trial), so another worker's ``fail_stale_trials``
-    fails them if this process dies, and leaves them alone while it runs."""
+@contextlib.contextmanager
+def _beating(study: optuna.Study, array: TrialArray) -> Iterator[None]:
+    """Optuna's heartbeat for every live trial of ``array``, refilled ones too, while the
+    objective runs (one thread, :class:`~hftc.sweep.storage.Heartbeat`, as study.optimize
+    runs one per trial), so another worker's ``fail_stale_trials`` fails them if this
+    process dies, and leaves them alone while it runs."""
+    from optuna.storages._heartbeat import is_heartbeat_enabled
 
-    def __init__(self, study: optuna.Study, array: TrialArray):
-        from optuna.storages._heartbeat import is_heartbeat_enabled
-
-        self._storage = study._storage if is_heartbeat_enabled(study._storage) else None
-        self._array, self._stop = array, threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _beat(self, interval: float) -> None:
-        while True:
-            for trial in list(self._array.trials):
-                if trial.number not in self._array._told_numbers:
-                    self._storage.record_heartbeat(trial._trial_id)
-            if self._stop.wait(timeout=interval):
-                return
-
-    def __enter__(self) -> _Heartbeat:
-        if self._storage is not None:
-            self._thread = threading.Thread(
-                target=self._beat, args=(self._storage.get_heartbeat_interval(),), daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
+    if not is_heartbeat_enabled(study._storage):
+        yield
+        return
+    beat = Heartbeat(study._storage, study._storage.get_heartbeat_interval(),
+                     live=lambda: [t._trial_id for t in list(array.trials)
+                                   if t.number not in array._told_numbers])
+    beat.start()
+    try:
+        yield
+    finally:
+        beat.stop()
+        beat.join()
 
 
 def _grid_left(study: optuna.Study) -> int | None:
