@@ -730,3 +730,39 @@ def test_a_fused_optimizers_state_dict_loaded_into_one_models_optimizer_names_un
     again = hftc.optim.Adam(fused.parameters(), lr=1.0)
     again.load_state_dict(saved)  # into a fused optimizer: as before
     assert [g["lr"] for g in again.param_groups] == [1e-3, 2e-3, 3e-3]
+
+
+def test_a_compiled_step_does_not_recompile_as_fused_modules_come_and_go():
+    """torch's optimizer step pre-hook of ``import hftc`` read the live fused modules'
+    count before it saw it was being compiled: ``torch.compile(opt.step)`` then guarded
+    on that count, and recompiled the step whenever a fused module (another test's, one
+    the user dropped) was collected."""
+    import gc
+
+    import torch._dynamo
+
+    from hftc.optim.optimizer import STEPPED_STOCK_OPTIMIZERS
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    eager = nn.Linear(4, 3).double()
+    eager.load_state_dict(model.state_dict())
+    # (no momentum: torch's own compiled step recompiles once its state is made)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    torch._dynamo.reset()
+    step = torch.compile(opt.step)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for k in range(4):
+            fused = hftc.fuse([nn.Linear(4, 3) for _ in range(k + 2)])  # one more live
+            for m, o in ((model, opt), (eager, eager_opt)):
+                o.zero_grad()
+                m(x).pow(2).sum().backward()
+            step()
+            eager_opt.step()
+            del fused
+            gc.collect()  # and gone again
+    assert opt in STEPPED_STOCK_OPTIMIZERS  # (hftc.keep_models' refusal still sees it)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)

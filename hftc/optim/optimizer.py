@@ -97,8 +97,11 @@ LIVE_OPTIMIZERS: weakref.WeakSet[FusedOptimizer] = weakref.WeakSet()
 STEPPED_STOCK_OPTIMIZERS: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
+@run_eagerly
 def _note_stock_optimizer_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-    """torch global optimizer step pre-hook: remember stock optimizers (weakly)."""
+    """torch global optimizer step pre-hook: remember stock optimizers (weakly). Run
+    eagerly under ``torch.compile(opt.step)``: traced, the set's contents were a guard,
+    and the step recompiled once it held the optimizer."""
     if not isinstance(optimizer, FusedOptimizer):
         STEPPED_STOCK_OPTIMIZERS.add(optimizer)
 

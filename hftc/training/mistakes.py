@@ -618,8 +618,10 @@ def check_any_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     (the fused module was trained, not the models it copied), warn (UsageWarning) that
     it steps nothing the fused module computes with."""
     # (not while dynamo traces torch.compile(opt.step): its optimizer handling would
-    # rewrite the param groups this reads; not hftc's own, which step fused modules)
-    if not FUSED_MODULES or torch.compiler.is_compiling() \
+    # rewrite the param groups this reads, and read first, the live fused modules' count
+    # became a guard that recompiled the step whenever one was collected; not hftc's own
+    # optimizers, which step fused modules)
+    if torch.compiler.is_compiling() or not FUSED_MODULES \
             or type(optimizer).__module__.startswith("hftc.") or optimizer in _CHECKED_OPTIMIZERS:
         return
     _CHECKED_OPTIMIZERS.add(optimizer)
