@@ -459,3 +459,65 @@ def test_a_module_without_tensors_saves_and_loads_each_models_extra_state():
         torch.testing.assert_close(out[i], m(x))
         assert fused.unfuse_model(i).gate.on == m.gate.on
 
+
+
+class Calibrated(nn.Module):
+    """A ``set_extra_state`` that reads the loaded weight and writes a persistent buffer of
+    its own module, as a quantization observer's does: torch calls it after the module's
+    own tensors load (and before its submodules')."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, 4))
+        self.register_buffer("scale", torch.ones(()))
+        self.margin = 1.0
+
+    def forward(self, x):
+        return x @ self.weight.t() / self.scale
+
+    def get_extra_state(self):
+        return {"margin": self.margin}
+
+    def set_extra_state(self, state):
+        self.margin = state["margin"]
+        with torch.no_grad():
+            self.scale.copy_(self.weight.abs().max() * self.margin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n", [2, 3])
+def test_extra_state_is_set_after_the_tensors_load_as_torch_does(n, dtype):
+    torch.manual_seed(0)
+    models = [Calibrated(3).to(dtype) for _ in range(n)]
+    saved = [Calibrated(3).to(dtype) for _ in range(n)]
+    for i, m in enumerate(saved):
+        m.margin = 1.0 + i
+    states = [m.state_dict() for m in saved]
+    fused = hftc.fuse([Calibrated(3).to(dtype) for _ in range(n)])
+    stacked = {key: (torch.stack([s[key] for s in states]) if torch.is_tensor(states[0][key])
+                     else [s[key] for s in states]) for key in states[0]}
+    fused.load_state_dict(stacked)
+    for m, s in zip(models, states):
+        m.load_state_dict(s)
+    assert [float(m.scale) for m in models] == [
+        float(m.weight.detach().abs().max() * m.margin) for m in saved]  # (torch's order)
+    x = torch.randn(5, 4, dtype=dtype)
+    out = fused(x)
+    for i, (m, back) in enumerate(zip(models, fused.unfuse())):
+        torch.testing.assert_close(out[i], m(x), rtol=0, atol=0)
+        assert torch.equal(back.scale, m.scale) and back.margin == m.margin
+
+
+def test_a_hook_on_the_fused_module_survives_a_load_that_fuses_anew():
+    models = _models([1.0, 2.0])
+    fused = hftc.fuse(models)
+    calls = []
+    fused.register_forward_hook(lambda module, args, out: calls.append(module))
+    state = fused.state_dict()
+    state["_extra_state"] = [{"scale": 3.0}, {"scale": 4.0}]  # (the program reads it)
+    fused.load_state_dict(state)
+    x = torch.randn(2, 6, dtype=torch.float64)
+    out = fused(x)
+    assert calls == [fused]
+    torch.testing.assert_close(out[1], fused.unfuse()[1](x))
+    assert fused.unfuse()[1].scale == 4.0

@@ -292,6 +292,14 @@ def _extra_state_key(prefix: str, path: str) -> str:
     return f"{prefix}{path + '.' if path else ''}{EXTRA_STATE_KEY}"
 
 
+def _set_loaded_extra_states(module: FusedModule, incompatible_keys: Any) -> None:
+    """The load-state-dict post hook of a fused module (called once its tensors and its
+    submodules' are loaded): the extra states its ``_load_from_state_dict`` took out."""
+    states = module.__dict__.pop("_loaded_extra_states", None)
+    if states:
+        module._set_extra_states(states)
+
+
 class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Module):
     """N models fused into one: ``fused(x)[i] == models[i](x)``.
 
@@ -580,23 +588,34 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any,
                               **kwargs: Any) -> None:
-        # (the extra states taken out first: no stacked module of ours would claim them)
+        # The extra states are taken out (no stacked module of ours would claim them) and
+        # set once every tensor below is loaded, as torch sets a module's after its tensors
+        # (:func:`_set_loaded_extra_states`: a set_extra_state may read or write them).
         strict, missing = args[1], args[2]
-        copies = self.model_copies
         states = {}
-        for path in copies.extra_state_paths():
+        for path in self.model_copies.extra_state_paths():
             key = _extra_state_key(prefix, path)
             if key in state_dict:
-                copies.check_extra_states(key, state_dict[key])
+                self.model_copies.check_extra_states(key, state_dict[key])
                 states[path] = state_dict.pop(key)
             elif strict:
                 missing.append(key)
+        self.__dict__["_loaded_extra_states"] = states
+        hooks = self._load_state_dict_post_hooks
+        if _set_loaded_extra_states not in hooks.values():  # (a module pickled before)
+            self.register_load_state_dict_post_hook(_set_loaded_extra_states)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _set_extra_states(self, states: dict[str, Sequence[Any]]) -> None:
+        """Each model's ``set_extra_state`` with its own state, on its own module holding
+        the tensors just loaded; the rows it wrote taken back, and the models fused anew
+        where the state changes what the program was built from."""
         undo: list[Callable[[], None]] = []
         # (pad_widths=True: into each model at its own widths, as it was saved; the models
         # are then padded anew if that changed them)
         padding = self.padding
         try:
-            changed, loaded = copies.load_extra_states(
+            changed, loaded = self.model_copies.load_extra_states(
                 states, self.padded_model if padding is None else self._own_model, undo,
                 None if padding is None else padding.originals)
             self._give_shells_python_state(loaded, undo)
@@ -610,7 +629,6 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             raise
         for i, model in loaded.items():
             self._take_own_tensors(i, model)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _give_shells_python_state(self, models: dict[int, nn.Module],
                                   undo: list[Callable[[], None]]) -> None:

@@ -235,7 +235,9 @@ class Unfusing:
         # shells ran a replaced model with its predecessor's Python attributes.
         for key in _MADE_FROM_MODELS:
             self.__dict__.pop(key, None)
-        ids = {key: self.__dict__[key] for key in ("_model_ids", "_next_model_id")
-               if key in self.__dict__}
+        # (the positions' ids are the caller's to change; the hooks registered on this
+        # module, the user's and the load's in progress, stay this module's)
+        ids = {key: value for key, value in self.__dict__.items()
+               if key in ("_model_ids", "_next_model_id") or "_hook" in key}
         self.__dict__.update(other.__dict__)
-        self.__dict__.update(ids)  # (the positions' ids are the caller's to change)
+        self.__dict__.update(ids)
