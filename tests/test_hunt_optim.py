@@ -1,0 +1,134 @@
+"""Fused optimizers and schedulers against stock ``torch.optim``: the cases a bug hunt
+found wrong, each checked against N stock optimizers on the original models."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from optim_helpers import single_thread  # noqa: F401  (autouse fixture)
+from torch import nn
+from torch.optim import lr_scheduler
+
+import hftc
+from hftc.errors import FusionArgumentError
+
+N = 3
+LRS = [0.01, 0.02, 0.03]
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _models() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [_net() for _ in range(N)]
+
+
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 6, generator=g, dtype=torch.float64),
+             torch.randint(0, 3, (5,), generator=g)) for _ in range(steps)]
+
+
+def _matrices_and_rest(module: nn.Module, stacked: bool) -> list[list[nn.Parameter]]:
+    """nanoGPT's grouping (matrices / biases and norms), by each model's own dims."""
+    model_dims = [(p, p.dim() - int(stacked)) for p in module.parameters()]
+    return [[p for p, d in model_dims if d >= 2], [p for p, d in model_dims if d < 2]]
+
+
+def _fused_step(fused, opt, x, y) -> None:
+    opt.zero_grad()
+    hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+    opt.step()
+
+
+# ---------------------------------------------------------------- group dicts + schedulers
+
+@pytest.mark.parametrize("make_scheduler", [
+    lambda o: lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10),
+    lambda o: lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=2),
+], ids=["OneCycleLR", "CyclicLR"])
+def test_cycled_momentum_over_a_group_with_its_own_momentum_is_refused(make_scheduler):
+    """Stock OneCycleLR / CyclicLR write the cycled momentum into every param group; a
+    fused group dict's own momentum kept its value instead (a silently different step)."""
+    fused = hftc.fuse(_models())
+    groups = _matrices_and_rest(fused, stacked=True)
+    opt = hftc.optim.SGD([{"params": groups[0], "momentum": 0.5}, {"params": groups[1]}],
+                         lr=LRS, momentum=0.9)
+    sched = make_scheduler(opt)
+    with pytest.raises(FusionArgumentError, match=r"param_groups\[0\]\['momentum'\].*"
+                                                  r"param group 0: 0.5.*cycle_momentum=False"):
+        for x, y in _batches(3):  # CyclicLR starts at its max momentum, 0.9: then cycles
+            _fused_step(fused, opt, x, y)
+            sched.step()
+
+
+def test_fused_stock_groups_with_their_own_betas_under_onecycle_are_refused():
+    """fuse_optimizers of AdamW with decay / no-decay groups whose betas differ, then a
+    OneCycleLR (it cycles beta1 in every stock group): refused, not a different step."""
+    models = _models()
+    fused = hftc.fuse(models)
+    stock = [torch.optim.AdamW([{"params": g[0], "betas": (0.8, 0.99)},
+                                {"params": g[1], "weight_decay": 0.0}], lr=lr)
+             for lr, g in zip(LRS, (_matrices_and_rest(m, stacked=False) for m in models))]
+    opt = hftc.optim.fuse_optimizers(fused, stock)
+    lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    x, y = _batches(1)[0]
+    with pytest.raises(FusionArgumentError, match="betas"):
+        _fused_step(fused, opt, x, y)
+
+
+def test_onecycle_with_group_dicts_that_keep_momentum_trains_as_stock():
+    """Group dicts that set only weight decay: OneCycleLR's momentum reaches every
+    parameter, as in stock, and a mid-training state_dict resumes to the same bits."""
+    models = _models()
+    solos = copy.deepcopy(models)
+
+    def groups(module, stacked):
+        matrices, rest = _matrices_and_rest(module, stacked)
+        return [{"params": matrices, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+    def schedule(o):
+        return lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10)
+
+    stock = [torch.optim.SGD(groups(m, False), lr=lr, momentum=0.9) for m, lr in zip(solos, LRS)]
+    stock_sched = [schedule(o) for o in stock]
+    fused = hftc.fuse(copy.deepcopy(models))
+    opt = hftc.optim.SGD(groups(fused, True), lr=LRS, momentum=0.9)
+    sched = schedule(opt)
+    batches = _batches(6)
+    saved = None
+    for k, (x, y) in enumerate(batches):
+        for m, o, s in zip(solos, stock, stock_sched):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            s.step()
+        _fused_step(fused, opt, x, y)
+        sched.step()
+        if k == 2:
+            saved = io.BytesIO()
+            torch.save({"m": fused.state_dict(), "o": opt.state_dict(),
+                        "s": sched.state_dict()}, saved)
+    by_name = dict(fused.named_parameters())
+    for i, m in enumerate(solos):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(by_name[name][i], p, rtol=1e-12, atol=1e-14)
+    saved.seek(0)
+    ck = torch.load(saved, weights_only=False)
+    again = hftc.fuse(_models())
+    again.load_state_dict(ck["m"])
+    opt2 = hftc.optim.SGD(groups(again, True), lr=LRS, momentum=0.9)
+    sched2 = schedule(opt2)
+    opt2.load_state_dict(ck["o"])
+    sched2.load_state_dict(ck["s"])
+    for x, y in batches[3:]:
+        _fused_step(again, opt2, x, y)
+        sched2.step()
+    for name, p in again.named_parameters():
+        assert torch.equal(p, by_name[name]), name
