@@ -132,3 +132,68 @@ def test_onecycle_with_group_dicts_that_keep_momentum_trains_as_stock():
         sched2.step()
     for name, p in again.named_parameters():
         assert torch.equal(p, by_name[name]), name
+
+
+# ---------------------------------------------------------------- MixedOptimizer + cycling
+
+def _train_mixed_against_stock(makers, make_scheduler, steps=5):
+    models = _models()[:len(makers)]
+    solos = copy.deepcopy(models)
+    stock = [make(m) for make, m in zip(makers, solos)]
+    stock_sched = [make_scheduler(o) for o in stock]
+    fused = hftc.fuse(models)
+    opt = hftc.optim.fuse_optimizers(fused, [make(m) for make, m in zip(makers, models)])
+    sched = make_scheduler(opt)
+    for x, y in _batches(steps):
+        for m, o, s in zip(solos, stock, stock_sched):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            s.step()
+        _fused_step(fused, opt, x, y)
+        sched.step()
+    by_name = dict(fused.named_parameters())
+    for i, m in enumerate(solos):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(by_name[name][i], p, rtol=1e-12, atol=1e-12)
+    return opt, stock
+
+
+_ONE_CYCLE = lambda o: lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10)  # noqa: E731
+_CYCLIC = lambda o: lr_scheduler.CyclicLR(o, base_lr=0.01, max_lr=0.1, step_size_up=2)  # noqa: E731
+
+
+@pytest.mark.parametrize("make_scheduler", [_ONE_CYCLE, _CYCLIC], ids=["OneCycleLR", "CyclicLR"])
+@pytest.mark.parametrize("makers", [
+    [lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+     lambda m: torch.optim.RMSprop(m.parameters(), lr=0.01, momentum=0.5)],
+    [lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+     lambda m: torch.optim.NAdam(m.parameters(), lr=0.02),
+     lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, amsgrad=True)],
+], ids=["momentum", "betas"])
+def test_mixed_classes_sharing_a_momentum_key_cycle_it_as_stock(makers, make_scheduler):
+    """OneCycleLR / CyclicLR (cycle_momentum=True, their default) on a MixedOptimizer
+    raised torch's "optimizer must support momentum or beta1" (its defaults named
+    neither), though each stock optimizer takes it: now they cycle as stock does."""
+    opt, stock = _train_mixed_against_stock(makers, make_scheduler)
+    key = "betas" if "betas" in stock[0].defaults else "momentum"
+    assert [g[key] for g in opt.param_groups] == [o.param_groups[0][key] for o in stock]
+
+
+@pytest.mark.parametrize("make_scheduler", [_ONE_CYCLE, _CYCLIC], ids=["OneCycleLR", "CyclicLR"])
+def test_mixed_sgd_and_adam_under_cycle_momentum_get_a_clear_error(make_scheduler):
+    """SGD cycles momentum, Adam betas[0]: torch's one key for all groups cannot do both;
+    refused naming the classes and models and what to pass, not torch's bare message."""
+    models = _models()[:2]
+    fused = hftc.fuse(models)
+    opt = hftc.optim.fuse_optimizers(fused, [
+        torch.optim.SGD(models[0].parameters(), lr=0.1, momentum=0.9),
+        torch.optim.Adam(models[1].parameters(), lr=0.01)])
+    with pytest.raises(FusionArgumentError, match=r"SGD: models \[0\]; Adam: models \[1\].*"
+                                                  r"cycle_momentum=False") as info:
+        make_scheduler(opt)
+    assert "test_hunt_optim.py" in str(info.value)  # the user's line
+    _train_mixed_against_stock(  # and cycle_momentum=False trains as stock
+        [lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+         lambda m: torch.optim.Adam(m.parameters(), lr=0.01)],
+        lambda o: lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10, cycle_momentum=False))

@@ -146,6 +146,7 @@ def registering_init(init: Any) -> Any:
             init(self, *args, **kwargs)
         except ValueError as exc:
             optimizer = kwargs.get("optimizer", args[0] if args else None)
+            _refuse_mixed_cycle_momentum(self, optimizer, exc)
             if not isinstance(optimizer, FusedOptimizer) or isinstance(exc, FusionError) \
                     or not ("param_groups" in str(exc) or "lr_lambdas" in str(exc)):
                 raise
@@ -162,6 +163,29 @@ def registering_init(init: Any) -> Any:
 
     __init__._hftc_registers = True  # type: ignore[attr-defined]
     return __init__
+
+
+def _refuse_mixed_cycle_momentum(scheduler: Any, optimizer: Any, exc: ValueError) -> None:
+    """torch's "optimizer must support momentum or beta1" for a ``MixedOptimizer``: its
+    classes name their momentum differently (SGD ``momentum``, Adam ``betas``), and
+    OneCycleLR / CyclicLR cycle one key in every group, though each stock optimizer
+    alone would take it."""
+    from .mixed import MixedOptimizer  # (mixed imports the optimizers, which import this)
+
+    if not isinstance(optimizer, MixedOptimizer) or "cycle_momentum" not in str(exc):
+        return
+    from ..training.mistakes import user_line
+
+    classes = {}
+    for part, rows in zip(optimizer.parts(), optimizer.part_rows()):
+        classes.setdefault(type(part).__name__, []).extend(rows)
+    which = "; ".join(f"{cls}: models {rows}" for cls, rows in classes.items())
+    raise FusionArgumentError(
+        f"{type(scheduler).__name__}(cycle_momentum=True){user_line()} on a MixedOptimizer "
+        f"({which}): torch's {type(scheduler).__name__} cycles one key in every param "
+        f"group, momentum or betas[0], and these classes do not share one (or have "
+        f"neither: Adagrad, Adadelta). Pass cycle_momentum=False, or fuse each class's "
+        f"models into a fused optimizer (and a scheduler) of their own") from exc
 
 
 #: torch schedulers' arguments that take one value for every param group: given N values
