@@ -197,3 +197,56 @@ def test_mixed_sgd_and_adam_under_cycle_momentum_get_a_clear_error(make_schedule
         [lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
          lambda m: torch.optim.Adam(m.parameters(), lr=0.01)],
         lambda o: lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10, cycle_momentum=False))
+
+
+# ---------------------------------------------------------------- group keys fuse_optimizers drops
+
+def test_fuse_optimizers_refuses_groups_that_differ_in_a_key_it_would_drop():
+    """timm's layer decay puts ``lr_scale`` in each group (its schedulers multiply each
+    group's lr by it): the fused model dict kept group 0's 0.5 for every parameter and
+    dropped the head's 1.0, silently. Refused, naming the model, key and values."""
+    models = _models()
+    fused = hftc.fuse(models)
+    stock = [torch.optim.AdamW([{"params": m[0].parameters(), "lr_scale": 0.5},
+                                {"params": m[3].parameters(), "lr_scale": 1.0}], lr=0.01)
+             for m in models]
+    with pytest.raises(FusionArgumentError, match=r"optimizers\[0\]'s \(model 0's\) param "
+                                                  r"groups differ in 'lr_scale' \(0.5, 1.0\)"):
+        hftc.optim.fuse_optimizers(fused, stock)
+
+
+def test_fuse_optimizers_keeps_group_keys_that_agree_and_one_optimizer_per_group_trains():
+    """The same extra key in every group is kept; the way out the error names, one stock
+    optimizer per group fused on its own, trains as the stock pairs."""
+    models = _models()
+    solos = copy.deepcopy(models)
+    fused = hftc.fuse(models)
+    same = hftc.optim.fuse_optimizers(fused, [torch.optim.AdamW(
+        [{"params": m[0].parameters(), "tag": "all"}, {"params": m[3].parameters(), "tag": "all"}],
+        lr=0.01) for m in models])
+    assert [g["tag"] for g in same.param_groups] == ["all"] * N
+
+    def pair(m):
+        return [torch.optim.AdamW(m[0].parameters(), lr=0.005),
+                torch.optim.AdamW(list(m[1].parameters()) + list(m[3].parameters()), lr=0.01)]
+
+    stock = [pair(m) for m in solos]
+    pairs = [pair(m) for m in models]
+    backbone = hftc.optim.fuse_optimizers(fused, [p[0] for p in pairs])
+    head = hftc.optim.fuse_optimizers(fused, [p[1] for p in pairs])
+    for x, y in _batches(3):
+        for m, opts in zip(solos, stock):
+            for o in opts:
+                o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            for o in opts:
+                o.step()
+        backbone.zero_grad()
+        head.zero_grad()
+        hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+        backbone.step()
+        head.step()
+    by_name = dict(fused.named_parameters())
+    for i, m in enumerate(solos):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(by_name[name][i], p, rtol=1e-12, atol=1e-14)

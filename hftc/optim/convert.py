@@ -209,6 +209,7 @@ def _check_groups(optimizers: list[torch.optim.Optimizer],
                 f"({[g['lr'] for g in opt.param_groups]}); param_groups[i] of the fused "
                 f"optimizer is model i, whose lr holds for all its parameters: fuse such "
                 f"groups into separate fused optimizers")
+        _refuse_differing_extra_keys(opt, i, fused_cls)
         for key in ("differentiable", "capturable"):
             if any(g.get(key, False) for g in opt.param_groups):
                 fused_cls._check_flags({key: True}, f"optimizers[{i}]: ")  # raises, saying why
@@ -220,6 +221,43 @@ def _check_groups(optimizers: list[torch.optim.Optimizer],
             f"optimizer runs one implementation for all N models: build them all with "
             f"fused=True or all without")
     return fused_flag.pop()
+
+
+def _refuse_differing_extra_keys(opt: torch.optim.Optimizer, i: int,
+                                 fused_cls: type[FusedOptimizer]) -> None:
+    """A key that is not one of the class's hyper-parameters (timm's ``lr_scale``, a
+    group's ``name``) and differs between model i's groups: the fused optimizer's one dict
+    for model i took group 0's value, and a scheduler reading it (timm's multiplies each
+    group's lr by its ``lr_scale``) would have applied it to every parameter, silently."""
+    groups = opt.param_groups
+    for key in dict.fromkeys(k for g in groups for k in g):
+        if key in _IGNORED_KEYS or key in fused_cls._hyperparameters or key in fused_cls._flags:
+            continue
+        values = [g.get(key, _MISSING) for g in groups]
+        if all(_same_value(v, values[0]) for v in values[1:]):
+            continue
+        shown = ", ".join("(none)" if v is _MISSING else repr(v) for v in values)
+        raise FusionArgumentError(
+            f"fuse_optimizers: optimizers[{i}]'s (model {i}'s) param groups differ in "
+            f"{key!r} ({shown}), which {fused_cls.__name__} does not use itself; "
+            f"param_groups[{i}] of the fused optimizer is one dict for all of model {i}'s "
+            f"parameters, so it can hold one {key!r} (what reads it, such as a scheduler "
+            f"scaling each group's lr by it, would apply group 0's to every parameter). "
+            f"Give every group the same {key!r}, or give each group's parameters a fused "
+            f"optimizer of their own (fuse_optimizers of one stock optimizer per group)")
+
+
+_MISSING = object()
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+            and a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # (an array's ambiguous truth value)
+        return a is b
 
 
 def _parameter_names(optimizers: list[torch.optim.Optimizer],
