@@ -250,3 +250,52 @@ def test_fuse_optimizers_keeps_group_keys_that_agree_and_one_optimizer_per_group
     for i, m in enumerate(solos):
         for name, p in m.named_parameters():
             torch.testing.assert_close(by_name[name][i], p, rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------- unfuse_optimizers of a subset
+
+def test_unfuse_optimizers_of_a_head_only_optimizer_holds_only_the_head():
+    """A fused optimizer over some of the parameters (the head, or one of a backbone /
+    head pair): unfuse_optimizers built each stock optimizer over model.parameters(), so
+    it also stepped the backbone (twice, beside the backbone's own optimizer)."""
+    models = _models()
+    solos = copy.deepcopy(models)
+    fused = hftc.fuse(models)
+    backbone_names, head_names = ["0.weight", "0.bias", "1.weight", "1.bias"], ["3.weight", "3.bias"]
+    backbone = hftc.optim.SGD([fused.get_parameter(n) for n in backbone_names], lr=0.1,
+                              momentum=0.9)
+    head = hftc.optim.Adam([fused.get_parameter(n) for n in head_names], lr=LRS)
+    stock = [(torch.optim.SGD([m.get_parameter(n) for n in backbone_names], lr=0.1, momentum=0.9),
+              torch.optim.Adam([m.get_parameter(n) for n in head_names], lr=lr))
+             for m, lr in zip(solos, LRS)]
+    batches = _batches(6)
+
+    def stock_step(m, opts, x, y):
+        for o in opts:
+            o.zero_grad()
+        F.cross_entropy(m(x), y).backward()
+        for o in opts:
+            o.step()
+
+    for x, y in batches[:3]:
+        for m, opts in zip(solos, stock):
+            stock_step(m, opts, x, y)
+        backbone.zero_grad()
+        head.zero_grad()
+        hftc.per_model(F.cross_entropy)(fused(x), y).sum().backward()
+        backbone.step()
+        head.step()
+    alone = fused.unfuse()
+    back_backbone = hftc.optim.unfuse_optimizers(fused, backbone, alone)
+    back_head = hftc.optim.unfuse_optimizers(fused, head, alone)
+    for i, m in enumerate(alone):
+        assert [p for g in back_head[i].param_groups for p in g["params"]] == \
+            [m.get_parameter(n) for n in head_names]
+    for x, y in batches[3:]:
+        for m, opts in zip(solos, stock):
+            stock_step(m, opts, x, y)
+        for m, opts in zip(alone, zip(back_backbone, back_head)):
+            stock_step(m, opts, x, y)
+    for m, solo in zip(alone, solos):
+        for (name, p), q in zip(m.named_parameters(), solo.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14, msg=name)

@@ -402,12 +402,17 @@ def unfuse_optimizers(fused: torch.nn.Module, optimizer: FusedOptimizer,
         flags = {"fused": True} if owner.param_groups[0].get("fused") else {}
         group_of = list(getattr(owner, "_group_of", None) or [0] * len(order))
         n_groups = len(getattr(owner, "_group_overrides", [{}]))
-        if n_groups == 1:
-            params: Any = model.parameters()
-        else:
-            by_name = dict(model.named_parameters())
-            params = [{"params": [by_name[names[k]] for k, g_k in zip(order, group_of)
-                                  if g_k == g]} for g in range(n_groups)]
+        # Only the parameters the fused optimizer holds (a head's optimizer, or one of a
+        # backbone / head pair, must not step the rest of the model), in its order.
+        by_name = dict(model.named_parameters())
+        missing = sorted({names[k] for k in order} - set(by_name))
+        if missing:
+            raise FusionArgumentError(
+                f"unfuse_optimizers: models[{index}] has no parameter {missing[0]!r}, which "
+                f"the fused optimizer holds; give the models of fused.unfuse(), whose "
+                f"parameter names are the fused module's")
+        params: Any = [{"params": [by_name[names[k]] for k, g_k in zip(order, group_of)
+                                   if g_k == g]} for g in range(n_groups)]
         return stock_of[type(owner)](params, **flags)
 
     return [load_model_slice(state, names, i, stock_optimizer(model, i), model)
