@@ -299,3 +299,33 @@ def test_unfuse_optimizers_of_a_head_only_optimizer_holds_only_the_head():
     for m, solo in zip(alone, solos):
         for (name, p), q in zip(m.named_parameters(), solo.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14, msg=name)
+
+
+# ---------------------------------------------------------------- Rprop / ASGD
+
+@pytest.mark.parametrize("cls, kwargs", [(torch.optim.Rprop, {"lr": 0.01}),
+                                         (torch.optim.ASGD, {"lr": 0.05, "t0": 2,
+                                                             "weight_decay": 0.1})],
+                         ids=["Rprop", "ASGD"])
+def test_rprop_and_asgd_are_refused_by_fuse_optimizers_naming_the_stock_class_on_fused(
+        cls, kwargs):
+    """fuse_optimizers refuses them (no fused class); the error now names what works:
+    the stock class on the stacked parameters, elementwise, trains each model as alone."""
+    models = _models()
+    solos = copy.deepcopy(models)
+    fused = hftc.fuse(models)
+    with pytest.raises(hftc.errors.FusionTypeError,
+                       match=rf"torch.optim.{cls.__name__}\(fused.parameters\(\), \.\.\.\)"):
+        hftc.optim.fuse_optimizers(fused, [cls(m.parameters(), **kwargs) for m in models])
+    stock = [cls(m.parameters(), **kwargs) for m in solos]
+    opt = cls(fused.parameters(), **kwargs)
+    for x, y in _batches(5):
+        for m, o in zip(solos, stock):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        _fused_step(fused, opt, x, y)
+    by_name = dict(fused.named_parameters())
+    for i, m in enumerate(solos):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(by_name[name][i], p, rtol=1e-12, atol=1e-14)

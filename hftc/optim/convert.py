@@ -30,6 +30,11 @@ _FUSED_CLASS: dict[type, type[FusedOptimizer]] = {
                                 RAdam)
 }
 
+#: Stock classes with no fused counterpart whose update is elementwise: on the stacked
+#: parameters, with one value for all models, each model trains as alone.
+_ELEMENTWISE_STOCK = (torch.optim.Rprop, torch.optim.ASGD)
+
+
 def fusable_classes() -> tuple[type, ...]:
     """The stock ``torch.optim`` classes :func:`fuse_optimizers` continues (exactly these,
     not their subclasses): a sweep checks a spec's optimizers against them up front."""
@@ -181,10 +186,15 @@ def _fused_classes(optimizers: list[torch.optim.Optimizer],
             others = {type(o).__name__ for o in optimizers} - {cls.__name__}
             mixed = (f" (nor fuse it with the other models' {', '.join(sorted(others))}: "
                      f"train model {i} in an array of its own, or alone)" if others else "")
+            elementwise = (
+                f". {cls.__name__} updates each element on its own: with the same values "
+                f"for all models, torch.optim.{cls.__name__}(fused.parameters(), ...) on the "
+                f"stacked parameters trains each model as its own would (from a fresh "
+                f"state)" if cls in _ELEMENTWISE_STOCK else "")
             raise FusionTypeError(
                 f"fuse_optimizers does not support {cls.__name__}: optimizers[{i}] (model "
                 f"{i}) is a {cls.__module__}.{cls.__qualname__}{mixed}; supported: "
-                f"{supported}")
+                f"{supported}{elementwise}")
         classes.append(_FUSED_CLASS[cls])
     return classes
 
