@@ -329,3 +329,34 @@ def test_rprop_and_asgd_are_refused_by_fuse_optimizers_naming_the_stock_class_on
     for i, m in enumerate(solos):
         for name, p in m.named_parameters():
             torch.testing.assert_close(by_name[name][i], p, rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------- tensor lr in param groups
+
+def test_fuse_optimizers_takes_groups_with_equal_tensor_learning_rates():
+    """Two groups each given lr=torch.tensor(0.01) (one value): refused as "different
+    learning rates ([tensor(0.0100), tensor(0.0100)])", the set of lrs holding two
+    tensors by identity. Now fused, and trained as the stock optimizers train."""
+    models = _models()
+    solos = copy.deepcopy(models)
+
+    def make(m, lr):  # (in the parameters' dtype: stock's step size is lr's dtype)
+        return torch.optim.Adam(
+            [{"params": m[0].parameters(), "lr": torch.tensor(lr, dtype=torch.float64)},
+             {"params": m[3].parameters(), "lr": torch.tensor(lr, dtype=torch.float64),
+              "weight_decay": 0.1}])
+
+    stock = [make(m, lr) for m, lr in zip(solos, LRS)]
+    fused = hftc.fuse(models)
+    opt = hftc.optim.fuse_optimizers(fused, [make(m, lr) for m, lr in zip(models, LRS)])
+    assert [g["lr"] for g in opt.param_groups] == LRS
+    for x, y in _batches(4):
+        for m, o in zip(solos, stock):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        _fused_step(fused, opt, x, y)
+    by_name = dict(fused.named_parameters())
+    for i, m in enumerate(solos):
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(by_name[name][i], p, rtol=1e-12, atol=1e-14)

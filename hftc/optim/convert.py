@@ -213,7 +213,8 @@ def _check_groups(optimizers: list[torch.optim.Optimizer],
                 f"optimizers[{labels[0]}] has {len(optimizers[0].param_groups)} param groups "
                 f"and optimizers[{i}] {len(opt.param_groups)}; every model's optimizer "
                 f"{scope}needs the same groups")
-        if len({g["lr"] for g in opt.param_groups}) > 1:
+        # (by value: a tensor lr hashes by identity, and equal tensors in two groups agree)
+        if len({float(g["lr"]) for g in opt.param_groups}) > 1:
             raise FusionArgumentError(
                 f"optimizers[{i}]'s param groups have different learning rates "
                 f"({[g['lr'] for g in opt.param_groups]}); param_groups[i] of the fused "
