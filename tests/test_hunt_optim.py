@@ -360,3 +360,26 @@ def test_fuse_optimizers_takes_groups_with_equal_tensor_learning_rates():
     for i, m in enumerate(solos):
         for name, p in m.named_parameters():
             torch.testing.assert_close(by_name[name][i], p, rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------- schedulers' per-group args
+
+@pytest.mark.parametrize("make_scheduler", [
+    lambda o, v: lr_scheduler.OneCycleLR(o, max_lr=v, total_steps=5),
+    lambda o, v: lr_scheduler.CyclicLR(o, base_lr=v, max_lr=0.5),
+], ids=["OneCycleLR-max_lr", "CyclicLR-base_lr"])
+def test_a_tensor_of_n_values_for_a_per_group_scheduler_argument_is_refused(make_scheduler):
+    """hftc.optim takes lr=torch.tensor([...N]); torch's schedulers take per-group values
+    as a list and gave the tensor whole to every group: the step then failed (OneCycleLR:
+    "lr[0] must be a number, got a tensor of shape [3]", CyclicLR: torch's "fill_ only
+    supports 0-dimension value tensor"). Refused at the scheduler, asking for a list."""
+    fused = hftc.fuse(_models())
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(FusionArgumentError, match=r"Tensor of 3 values\) at .*"
+                                                  r"test_hunt_optim.py.*\.tolist\(\)"):
+        make_scheduler(opt, torch.tensor([0.1, 0.2, 0.3]))
+    sched = make_scheduler(opt, [0.1, 0.2, 0.3])  # the list works, per model
+    x, y = _batches(1)[0]
+    _fused_step(fused, opt, x, y)
+    sched.step()
+    assert len({g["lr"] for g in opt.param_groups}) == N
