@@ -383,3 +383,4 @@ def test_a_tensor_of_n_values_for_a_per_group_scheduler_argument_is_refused(make
     _fused_step(fused, opt, x, y)
     sched.step()
     assert len({g["lr"] for g in opt.param_groups}) == N
+

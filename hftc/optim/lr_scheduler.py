@@ -210,6 +210,7 @@ def _refuse_per_model_scalars(scheduler: Any, init: Any, args: Any, kwargs: Any)
         return  # (torch's own call says what is wrong)
     if not isinstance(bound.get("optimizer"), FusedOptimizer):
         return
+    _refuse_per_model_arrays(scheduler, bound, len(bound["optimizer"].param_groups))
     for name in SHARED_ARGUMENTS:
         value = bound.get(name)
         if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor)
@@ -227,6 +228,33 @@ def _refuse_per_model_scalars(scheduler: Any, init: Any, args: Any, kwargs: Any)
                 f"for all param groups, here all models. For one schedule per model give "
                 f"LambdaLR one function per model: torch.optim.lr_scheduler.LambdaLR(opt, "
                 f"{example}), model i's at [i]{plateau}")
+
+
+#: torch schedulers' arguments that take one value per param group (a list, or one value
+#: for all): a tensor or array of N values was given whole to every group, and failed at a
+#: later step (``lr[0] must be a number, got a tensor of shape [3]``, or torch's ``fill_``).
+PER_GROUP_ARGUMENTS = ("max_lr", "base_lr", "max_momentum", "base_momentum", "min_lr",
+                       "swa_lr")
+
+
+def _refuse_per_model_arrays(scheduler: Any, bound: dict[str, Any], n: int) -> None:
+    """A :data:`PER_GROUP_ARGUMENTS` argument given as a tensor or array of several values
+    (as ``hftc.optim`` takes its hyper-parameters): refused, asking for a list."""
+    for name in PER_GROUP_ARGUMENTS:
+        value = bound.get(name)
+        size = getattr(value, "size", None)
+        count = value.numel() if isinstance(value, torch.Tensor) else \
+            size if isinstance(size, int) and hasattr(value, "shape") else 1
+        if count > 1:
+            from ..training.mistakes import user_line
+
+            cls = type(scheduler).__name__
+            raise FusionArgumentError(
+                f"{cls}({name}={type(value).__name__} of {count} values){user_line()}: "
+                f"torch's {cls} takes one {name} per param group as a list (or one number "
+                f"for all), and gives a tensor or array whole to every group. On a fused "
+                f"optimizer of {n} models pass {name}=[v_0, ..., v_{n - 1}] (model i's at "
+                f"[i]), e.g. {name}={name}.tolist()")
 
 
 def torch_scheduler_classes() -> list[type]:
