@@ -384,3 +384,37 @@ def test_a_tensor_of_n_values_for_a_per_group_scheduler_argument_is_refused(make
     sched.step()
     assert len({g["lr"] for g in opt.param_groups}) == N
 
+
+# ---------------------------------------------------------------- pickled ReduceLROnPlateau
+
+@pytest.mark.parametrize("round_trip", [
+    copy.deepcopy,
+    lambda obj: torch.load(_saved(obj), weights_only=False),
+], ids=["deepcopy", "torch.save"])
+def test_a_pickled_per_model_plateau_scheduler_steps_its_own_optimizer(round_trip):
+    """copy.deepcopy / torch.save of {optimizer, hftc.optim.ReduceLROnPlateau}, as a
+    stock pair pickles: its per-model schedulers' optimizer views lost their optimizer
+    (torch's Optimizer pickles defaults, state and param_groups only) and the next step
+    raised AttributeError '_ModelGroups' object has no attribute '_optimizer'."""
+    fused = hftc.fuse(_models())
+    opt = hftc.optim.SGD(fused.parameters(), lr=LRS)
+    sched = hftc.optim.ReduceLROnPlateau(opt, patience=[0, 1, 0])
+    sched.step([1.0, 1.0, 1.0])
+    copied = round_trip({"opt": opt, "sched": sched})
+    for metrics in ([2.0, 2.0, 0.5], [3.0, 3.0, 0.6]):
+        copied["sched"].step(metrics)
+    stock = [torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr) for lr in LRS]
+    plateaus = [lr_scheduler.ReduceLROnPlateau(o, patience=p) for o, p in zip(stock, [0, 1, 0])]
+    for metrics in ([1.0, 1.0, 1.0], [2.0, 2.0, 0.5], [3.0, 3.0, 0.6]):
+        for s, m in zip(plateaus, metrics):
+            s.step(m)
+    assert [g["lr"] for g in copied["opt"].param_groups] == [o.param_groups[0]["lr"] for o in stock]
+    assert copied["sched"].get_last_lr() == [s.get_last_lr()[0] for s in plateaus]
+    assert [g["lr"] for g in opt.param_groups] == LRS  # the original untouched
+
+
+def _saved(obj) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf

@@ -41,6 +41,15 @@ class _ModelGroups(Optimizer):
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return [self._optimizer.param_groups[self._model]]
 
+    # torch's Optimizer pickles defaults, state and param_groups only: a pickled or
+    # deepcopied scheduler lost its optimizer and model, and failed at its next step.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_optimizer": self._optimizer, "_model": self._model,
+                "defaults": self.defaults, "state": self.state}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
 
 def _per_model(name: str, value: Any, n: int) -> list[Any]:
     if isinstance(value, (str, int, float)) or value is None:
