@@ -213,6 +213,10 @@ def test_fuse_optimizers_refuses_groups_that_differ_in_a_key_it_would_drop():
     with pytest.raises(FusionArgumentError, match=r"optimizers\[0\]'s \(model 0's\) param "
                                                   r"groups differ in 'lr_scale' \(0.5, 1.0\)"):
         hftc.optim.fuse_optimizers(fused, stock)
+    labelled = [torch.optim.AdamW([{"params": m[0].parameters(), "name": "backbone"},
+                                   {"params": m[3].parameters(), "name": "head"}], lr=0.01)
+                for m in models]  # a label changes no step: taken (group 0's kept)
+    assert hftc.optim.fuse_optimizers(fused, labelled).param_groups[1]["name"] == "backbone"
 
 
 def test_fuse_optimizers_keeps_group_keys_that_agree_and_one_optimizer_per_group_trains():

@@ -245,8 +245,9 @@ def _refuse_differing_extra_keys(opt: torch.optim.Optimizer, i: int,
         if key in _IGNORED_KEYS or key in fused_cls._hyperparameters or key in fused_cls._flags:
             continue
         values = [g.get(key, _MISSING) for g in groups]
-        if all(_same_value(v, values[0]) for v in values[1:]):
-            continue
+        if all(_same_value(v, values[0]) for v in values[1:]) \
+                or all(isinstance(v, str) for v in values):
+            continue  # (a label such as a group's "name" changes no step: group 0's kept)
         shown = ", ".join("(none)" if v is _MISSING else repr(v) for v in values)
         raise FusionArgumentError(
             f"fuse_optimizers: optimizers[{i}]'s (model {i}'s) param groups differ in "
