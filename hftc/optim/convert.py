@@ -81,8 +81,9 @@ def fuse_optimizers(fused: torch.nn.Module,
             model), or ``fused`` is not fused.
         ValueError: wrong number of optimizers, more than one param group, or a
             parameter that is not one of model i's; ``FusionArgumentError`` (a
-            ``ValueError``) for flags hftc cannot honour or optimizers that differ in
-            ``fused``.
+            ``ValueError``) for flags hftc cannot honour, optimizers that differ in
+            ``fused``, or a model's groups that differ in ``lr`` or in a key the class does
+            not use (timm's ``lr_scale``): one dict per model holds one value of each.
     """
     n, sources = _fused_module(fused)
     optimizers = list(optimizers)

@@ -126,7 +126,8 @@ class MixedOptimizer(FusedOptimizer):
     ``state`` of the composite is empty: each model's state (momentum, Adam's moments,
     step counts) lives in its part, ``parts()[c].state``; ``state_dict()`` holds every
     part's under ``["hftc"]["mixed"]``.  Not capturable (the parts are stepped one after
-    the other, with host-side gathers).
+    the other, with host-side gathers).  OneCycleLR / CyclicLR cycle momentum where every
+    class names it alike (SGD and RMSprop ``momentum``, the Adam family ``betas``).
     """
 
     def __init__(self, params: Sequence[Tensor], parts: Sequence[Part]):
