@@ -422,3 +422,14 @@ def _saved(obj) -> io.BytesIO:
     torch.save(obj, buf)
     buf.seek(0)
     return buf
+
+
+def test_fuse_optimizers_in_another_order_than_the_models_names_whose_parameter_it_is():
+    """Optimizers given in reverse order: the error said only "not a parameter of model
+    0"; it now names the model and parameter it is, and the order to give."""
+    models = _models()
+    fused = hftc.fuse(models)
+    with pytest.raises(FusionArgumentError, match=r"not a parameter of model 0: it is model 2's "
+                                                  r"'0.weight' \(give the optimizers in the order"):
+        hftc.optim.fuse_optimizers(fused, [torch.optim.SGD(m.parameters(), lr=0.1)
+                                           for m in models[::-1]])

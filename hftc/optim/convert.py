@@ -279,7 +279,8 @@ def _parameter_names(optimizers: list[torch.optim.Optimizer],
     """``names[i][k]``: model i's group k, as fused parameter names (the same for all i).
     ``labels``: each optimizer's index in the user's list (one class of a mixed list)."""
     labels = list(range(n) if labels is None else labels)
-    names = [[_fused_names(labels[i], g, sources[i]) for g in opt.param_groups]
+    others = dict(zip(labels, sources))
+    names = [[_fused_names(labels[i], g, sources[i], others) for g in opt.param_groups]
              for i, opt in enumerate(optimizers)]
     for i in range(1, n):
         for k, (group0, group_i) in enumerate(zip(names[0], names[i])):
@@ -354,15 +355,21 @@ def _import_state(out: FusedOptimizer, optimizers: list[torch.optim.Optimizer],
                 out._import_model_state(p, i, stock_state)
 
 
-def _fused_names(model: int, group: dict[str, Any], source: dict[int, str]) -> list[str]:
+def _fused_names(model: int, group: dict[str, Any], source: dict[int, str],
+                 others: dict[int, dict[int, str]]) -> list[str]:
+    """Model ``model``'s fused name of each parameter in ``group`` (``source``: its
+    parameters' names; ``others``: every model's, to say whose a stray parameter is)."""
     names = []
     for k, p in enumerate(group["params"]):
         name = source.get(id(p))
         if name is None:
+            owner = next((j for j, names_j in others.items() if id(p) in names_j), None)
+            whose = (f": it is model {owner}'s {others[owner][id(p)]!r} (give the optimizers "
+                     f"in the order of the models)" if owner is not None else "")
             raise FusionArgumentError(
                 f"optimizers[{model}] holds a parameter (#{k}, shape {list(p.shape)}) that is "
-                f"not a parameter of model {model}; build optimizer i on the parameters of "
-                f"the module passed as models[i] to hftc.fuse"
+                f"not a parameter of model {model}{whose}; build optimizer i on the "
+                f"parameters of the module passed as models[i] to hftc.fuse"
             )
         names.append(name)
     return names
