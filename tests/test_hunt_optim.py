@@ -433,3 +433,22 @@ def test_fuse_optimizers_in_another_order_than_the_models_names_whose_parameter_
                                                   r"'0.weight' \(give the optimizers in the order"):
         hftc.optim.fuse_optimizers(fused, [torch.optim.SGD(m.parameters(), lr=0.1)
                                            for m in models[::-1]])
+
+
+def test_replace_models_keeps_a_head_only_optimizer_on_the_head():
+    """hftc.replace_models re-forms each fused optimizer through unfuse_optimizers: a
+    head-only fused Adam came back holding every parameter, and trained the backbone."""
+    models = _models()
+    fused = hftc.fuse(models)
+    head_names = ["3.weight", "3.bias"]
+    head = hftc.optim.Adam([fused.get_parameter(n) for n in head_names], lr=LRS)
+    x, y = _batches(1)[0]
+    _fused_step(fused, head, x, y)
+    hftc.replace_models(fused, {1: _net()})
+    names = {id(p): n for n, p in fused.named_parameters()}
+    assert [names[id(p)] for p in head.param_groups[0]["params"]] == head_names
+    backbone = {n: p.detach().clone() for n, p in fused.named_parameters() if n not in head_names}
+    _fused_step(fused, head, x, y)
+    for n, p in fused.named_parameters():
+        if n not in head_names:
+            assert torch.equal(p, backbone[n]), n

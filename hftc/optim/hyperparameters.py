@@ -342,6 +342,9 @@ class HyperParameterGroups(Optimizer):
             now = hp[key]
             if now == before:
                 continue
+            if len(now) != len(before):  # (models cut or added by code that did not say)
+                self._note_group_bases()
+                return
             i = next(i for i, (a, b) in enumerate(zip(before, now)) if a != b)
             groups = [k for k, extra in enumerate(self._group_overrides) if key in extra]
             values = ", ".join(f"param group {k}: {self._group_overrides[k][key][i]!r}"
