@@ -452,3 +452,14 @@ def test_replace_models_keeps_a_head_only_optimizer_on_the_head():
     for n, p in fused.named_parameters():
         if n not in head_names:
             assert torch.equal(p, backbone[n]), n
+
+
+def test_per_model_plateau_on_a_stock_optimizer_over_fused_parameters_says_what_to_build():
+    """A stock Adam over fused.parameters() has one group for all models: the error was
+    "patience has 3 values but there are 1 models" for 3 fused models."""
+    fused = hftc.fuse(_models())
+    opt = torch.optim.Adam(fused.parameters(), lr=0.01)
+    with pytest.raises(hftc.errors.FusionTypeError,
+                       match=r"torch.optim.adam.Adam has 1 param group\(s\), not one per "
+                             r"model. Build hftc.optim.Adam\(fused.parameters\(\)"):
+        hftc.optim.ReduceLROnPlateau(opt, patience=[0, 1, 2])

@@ -79,8 +79,21 @@ class ReduceLROnPlateau:
 
     def __init__(self, optimizer: Optimizer, mode="min", factor=0.1, patience=10,
                  threshold=1e-4, threshold_mode="rel", cooldown=0, min_lr=0.0, eps=1e-8):
+        from .optimizer import FusedOptimizer  # (the optimizers import this package)
+
         if not isinstance(optimizer, Optimizer):
             raise FusionTypeError(f"{type(optimizer).__name__} is not an Optimizer")
+        if not isinstance(optimizer, FusedOptimizer):
+            # (its N models counted as its param groups: "patience has 3 values but
+            # there are 1 models" for a stock Adam over fused.parameters())
+            cls = type(optimizer)
+            raise FusionTypeError(
+                f"hftc.optim.ReduceLROnPlateau schedules each model of an hftc.optim "
+                f"optimizer (param_groups[i] is model i); {cls.__module__}.{cls.__name__} "
+                f"has {len(optimizer.param_groups)} param group(s), not one per model. "
+                f"Build hftc.optim.{cls.__name__}(fused.parameters(), ...) (or fuse the "
+                f"stock ones with hftc.optim.fuse_optimizers), or give this one "
+                f"torch.optim.lr_scheduler.ReduceLROnPlateau and one metric")
         n = len(optimizer.param_groups)
         self.optimizer = optimizer
         args = {
