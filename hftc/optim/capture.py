@@ -77,6 +77,7 @@ class CapturableStep(Optimizer):
                 f"capturable=True" + (" (SGD: with its parameters on a CUDA device)"
                                       if "capturable" not in self._flags else ""))
         hp = self.hyperparameters()
+        self._check_group_bases(hp)
         captured = self.__dict__.get("_captured_switches", {})
         for k, overrides in enumerate(self._group_overrides):
             group_hp = {**hp, **overrides}

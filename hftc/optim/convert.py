@@ -30,6 +30,11 @@ _FUSED_CLASS: dict[type, type[FusedOptimizer]] = {
                                 RAdam)
 }
 
+#: Stock classes with no fused counterpart whose update is elementwise: on the stacked
+#: parameters, with one value for all models, each model trains as alone.
+_ELEMENTWISE_STOCK = (torch.optim.Rprop, torch.optim.ASGD)
+
+
 def fusable_classes() -> tuple[type, ...]:
     """The stock ``torch.optim`` classes :func:`fuse_optimizers` continues (exactly these,
     not their subclasses): a sweep checks a spec's optimizers against them up front."""
@@ -76,8 +81,9 @@ def fuse_optimizers(fused: torch.nn.Module,
             model), or ``fused`` is not fused.
         ValueError: wrong number of optimizers, more than one param group, or a
             parameter that is not one of model i's; ``FusionArgumentError`` (a
-            ``ValueError``) for flags hftc cannot honour or optimizers that differ in
-            ``fused``.
+            ``ValueError``) for flags hftc cannot honour, optimizers that differ in
+            ``fused``, or a model's groups that differ in ``lr`` or in a key the class does
+            not use (timm's ``lr_scale``): one dict per model holds one value of each.
     """
     n, sources = _fused_module(fused)
     optimizers = list(optimizers)
@@ -181,10 +187,15 @@ def _fused_classes(optimizers: list[torch.optim.Optimizer],
             others = {type(o).__name__ for o in optimizers} - {cls.__name__}
             mixed = (f" (nor fuse it with the other models' {', '.join(sorted(others))}: "
                      f"train model {i} in an array of its own, or alone)" if others else "")
+            elementwise = (
+                f". {cls.__name__} updates each element on its own: with the same values "
+                f"for all models, torch.optim.{cls.__name__}(fused.parameters(), ...) on the "
+                f"stacked parameters trains each model as its own would (from a fresh "
+                f"state)" if cls in _ELEMENTWISE_STOCK else "")
             raise FusionTypeError(
                 f"fuse_optimizers does not support {cls.__name__}: optimizers[{i}] (model "
                 f"{i}) is a {cls.__module__}.{cls.__qualname__}{mixed}; supported: "
-                f"{supported}")
+                f"{supported}{elementwise}")
         classes.append(_FUSED_CLASS[cls])
     return classes
 
@@ -203,12 +214,14 @@ def _check_groups(optimizers: list[torch.optim.Optimizer],
                 f"optimizers[{labels[0]}] has {len(optimizers[0].param_groups)} param groups "
                 f"and optimizers[{i}] {len(opt.param_groups)}; every model's optimizer "
                 f"{scope}needs the same groups")
-        if len({g["lr"] for g in opt.param_groups}) > 1:
+        # (by value: a tensor lr hashes by identity, and equal tensors in two groups agree)
+        if len({float(g["lr"]) for g in opt.param_groups}) > 1:
             raise FusionArgumentError(
                 f"optimizers[{i}]'s param groups have different learning rates "
                 f"({[g['lr'] for g in opt.param_groups]}); param_groups[i] of the fused "
                 f"optimizer is model i, whose lr holds for all its parameters: fuse such "
                 f"groups into separate fused optimizers")
+        _refuse_differing_extra_keys(opt, i, fused_cls)
         for key in ("differentiable", "capturable"):
             if any(g.get(key, False) for g in opt.param_groups):
                 fused_cls._check_flags({key: True}, f"optimizers[{i}]: ")  # raises, saying why
@@ -222,13 +235,52 @@ def _check_groups(optimizers: list[torch.optim.Optimizer],
     return fused_flag.pop()
 
 
+def _refuse_differing_extra_keys(opt: torch.optim.Optimizer, i: int,
+                                 fused_cls: type[FusedOptimizer]) -> None:
+    """A key that is not one of the class's hyper-parameters (timm's ``lr_scale``, a
+    group's ``name``) and differs between model i's groups: the fused optimizer's one dict
+    for model i took group 0's value, and a scheduler reading it (timm's multiplies each
+    group's lr by its ``lr_scale``) would have applied it to every parameter, silently."""
+    groups = opt.param_groups
+    for key in dict.fromkeys(k for g in groups for k in g):
+        if key in _IGNORED_KEYS or key in fused_cls._hyperparameters or key in fused_cls._flags:
+            continue
+        values = [g.get(key, _MISSING) for g in groups]
+        if all(_same_value(v, values[0]) for v in values[1:]) \
+                or all(isinstance(v, str) for v in values):
+            continue  # (a label such as a group's "name" changes no step: group 0's kept)
+        shown = ", ".join("(none)" if v is _MISSING else repr(v) for v in values)
+        raise FusionArgumentError(
+            f"fuse_optimizers: optimizers[{i}]'s (model {i}'s) param groups differ in "
+            f"{key!r} ({shown}), which {fused_cls.__name__} does not use itself; "
+            f"param_groups[{i}] of the fused optimizer is one dict for all of model {i}'s "
+            f"parameters, so it can hold one {key!r} (what reads it, such as a scheduler "
+            f"scaling each group's lr by it, would apply group 0's to every parameter). "
+            f"Give every group the same {key!r}, or give each group's parameters a fused "
+            f"optimizer of their own (fuse_optimizers of one stock optimizer per group)")
+
+
+_MISSING = object()
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+            and a.shape == b.shape and bool(torch.equal(a, b))
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # (an array's ambiguous truth value)
+        return a is b
+
+
 def _parameter_names(optimizers: list[torch.optim.Optimizer],
                      sources: Sequence[dict[int, str]], n: int,
                      labels: Sequence[int] | None = None) -> list[list[list[str]]]:
     """``names[i][k]``: model i's group k, as fused parameter names (the same for all i).
     ``labels``: each optimizer's index in the user's list (one class of a mixed list)."""
     labels = list(range(n) if labels is None else labels)
-    names = [[_fused_names(labels[i], g, sources[i]) for g in opt.param_groups]
+    others = dict(zip(labels, sources))
+    names = [[_fused_names(labels[i], g, sources[i], others) for g in opt.param_groups]
              for i, opt in enumerate(optimizers)]
     for i in range(1, n):
         for k, (group0, group_i) in enumerate(zip(names[0], names[i])):
@@ -303,15 +355,21 @@ def _import_state(out: FusedOptimizer, optimizers: list[torch.optim.Optimizer],
                 out._import_model_state(p, i, stock_state)
 
 
-def _fused_names(model: int, group: dict[str, Any], source: dict[int, str]) -> list[str]:
+def _fused_names(model: int, group: dict[str, Any], source: dict[int, str],
+                 others: dict[int, dict[int, str]]) -> list[str]:
+    """Model ``model``'s fused name of each parameter in ``group`` (``source``: its
+    parameters' names; ``others``: every model's, to say whose a stray parameter is)."""
     names = []
     for k, p in enumerate(group["params"]):
         name = source.get(id(p))
         if name is None:
+            owner = next((j for j, names_j in others.items() if id(p) in names_j), None)
+            whose = (f": it is model {owner}'s {others[owner][id(p)]!r} (give the optimizers "
+                     f"in the order of the models)" if owner is not None else "")
             raise FusionArgumentError(
                 f"optimizers[{model}] holds a parameter (#{k}, shape {list(p.shape)}) that is "
-                f"not a parameter of model {model}; build optimizer i on the parameters of "
-                f"the module passed as models[i] to hftc.fuse"
+                f"not a parameter of model {model}{whose}; build optimizer i on the "
+                f"parameters of the module passed as models[i] to hftc.fuse"
             )
         names.append(name)
     return names
@@ -364,12 +422,17 @@ def unfuse_optimizers(fused: torch.nn.Module, optimizer: FusedOptimizer,
         flags = {"fused": True} if owner.param_groups[0].get("fused") else {}
         group_of = list(getattr(owner, "_group_of", None) or [0] * len(order))
         n_groups = len(getattr(owner, "_group_overrides", [{}]))
-        if n_groups == 1:
-            params: Any = model.parameters()
-        else:
-            by_name = dict(model.named_parameters())
-            params = [{"params": [by_name[names[k]] for k, g_k in zip(order, group_of)
-                                  if g_k == g]} for g in range(n_groups)]
+        # Only the parameters the fused optimizer holds (a head's optimizer, or one of a
+        # backbone / head pair, must not step the rest of the model), in its order.
+        by_name = dict(model.named_parameters())
+        missing = sorted({names[k] for k in order} - set(by_name))
+        if missing:
+            raise FusionArgumentError(
+                f"unfuse_optimizers: models[{index}] has no parameter {missing[0]!r}, which "
+                f"the fused optimizer holds; give the models of fused.unfuse(), whose "
+                f"parameter names are the fused module's")
+        params: Any = [{"params": [by_name[names[k]] for k, g_k in zip(order, group_of)
+                                   if g_k == g]} for g in range(n_groups)]
         return stock_of[type(owner)](params, **flags)
 
     return [load_model_slice(state, names, i, stock_optimizer(model, i), model)

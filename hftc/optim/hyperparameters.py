@@ -320,6 +320,46 @@ class HyperParameterGroups(Optimizer):
             out[key] = [convert(key, v, i) for i, v in enumerate(values)]
         return out
 
+    def _note_group_bases(self) -> None:
+        """Record each model's current value of every key a param-group dict overrides
+        (``_group_overrides``), which :meth:`_check_group_bases` compares at each step."""
+        keys = sorted({key for extra in self._group_overrides for key in extra})
+        hp = self.hyperparameters() if keys else {}
+        self._group_bases = {key: list(hp[key]) for key in keys}
+
+    def _check_group_bases(self, hp: dict[str, list[Any]]) -> None:
+        """Refuse a change of ``param_groups[i][key]`` where a param-group dict sets its
+        own ``key``: stock's model i has one group per dict, and what changed it (torch's
+        OneCycleLR and CyclicLR cycle ``momentum`` / ``betas``) would have written every
+        one of them, or only some (code that schedules the decaying groups' weight decay);
+        the fused group cannot tell which, so the step would silently keep the group's
+        own value where stock took the new one, or the reverse."""
+        bases = self.__dict__.get("_group_bases")
+        if bases is None:  # a pickle of hftc before the check: from now on
+            self._note_group_bases()
+            return
+        for key, before in bases.items():
+            now = hp[key]
+            if now == before:
+                continue
+            if len(now) != len(before):  # (models cut or added by code that did not say)
+                self._note_group_bases()
+                return
+            i = next(i for i, (a, b) in enumerate(zip(before, now)) if a != b)
+            groups = [k for k, extra in enumerate(self._group_overrides) if key in extra]
+            values = ", ".join(f"param group {k}: {self._group_overrides[k][key][i]!r}"
+                               for k in groups)
+            raise FusionArgumentError(
+                f"{type(self).__name__}.step: param_groups[{i}][{key!r}] (model {i}) changed "
+                f"from {before[i]!r} to {now[i]!r} since the optimizer was built, and the "
+                f"param-group dicts it was built with set their own {key} ({values}). A "
+                f"stock optimizer's scheduler writes each of its groups (OneCycleLR and "
+                f"CyclicLR cycle momentum / betas in all of them); param_groups[{i}] is all "
+                f"of model {i}'s parameters, so hftc cannot tell which groups the change is "
+                f"for. Give those parameters a second fused optimizer (with its own "
+                f"scheduler), leave {key!r} out of the group dicts, or pass "
+                f"cycle_momentum=False to OneCycleLR / CyclicLR")
+
     def _stock_foreach(self, params: list[Tensor]) -> list[bool]:
         """Per model, whether its stock optimizer would run its ``foreach`` update on
         ``params`` rather than its for-loop one (``torch.optim.optimizer.

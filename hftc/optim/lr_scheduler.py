@@ -41,6 +41,15 @@ class _ModelGroups(Optimizer):
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return [self._optimizer.param_groups[self._model]]
 
+    # torch's Optimizer pickles defaults, state and param_groups only: a pickled or
+    # deepcopied scheduler lost its optimizer and model, and failed at its next step.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_optimizer": self._optimizer, "_model": self._model,
+                "defaults": self.defaults, "state": self.state}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
 
 def _per_model(name: str, value: Any, n: int) -> list[Any]:
     if isinstance(value, (str, int, float)) or value is None:
@@ -70,8 +79,21 @@ class ReduceLROnPlateau:
 
     def __init__(self, optimizer: Optimizer, mode="min", factor=0.1, patience=10,
                  threshold=1e-4, threshold_mode="rel", cooldown=0, min_lr=0.0, eps=1e-8):
+        from .optimizer import FusedOptimizer  # (the optimizers import this package)
+
         if not isinstance(optimizer, Optimizer):
             raise FusionTypeError(f"{type(optimizer).__name__} is not an Optimizer")
+        if not isinstance(optimizer, FusedOptimizer):
+            # (its N models counted as its param groups: "patience has 3 values but
+            # there are 1 models" for a stock Adam over fused.parameters())
+            cls = type(optimizer)
+            raise FusionTypeError(
+                f"hftc.optim.ReduceLROnPlateau schedules each model of an hftc.optim "
+                f"optimizer (param_groups[i] is model i); {cls.__module__}.{cls.__name__} "
+                f"has {len(optimizer.param_groups)} param group(s), not one per model. "
+                f"Build hftc.optim.{cls.__name__}(fused.parameters(), ...) (or fuse the "
+                f"stock ones with hftc.optim.fuse_optimizers), or give this one "
+                f"torch.optim.lr_scheduler.ReduceLROnPlateau and one metric")
         n = len(optimizer.param_groups)
         self.optimizer = optimizer
         args = {
@@ -146,6 +168,7 @@ def registering_init(init: Any) -> Any:
             init(self, *args, **kwargs)
         except ValueError as exc:
             optimizer = kwargs.get("optimizer", args[0] if args else None)
+            _refuse_mixed_cycle_momentum(self, optimizer, exc)
             if not isinstance(optimizer, FusedOptimizer) or isinstance(exc, FusionError) \
                     or not ("param_groups" in str(exc) or "lr_lambdas" in str(exc)):
                 raise
@@ -162,6 +185,29 @@ def registering_init(init: Any) -> Any:
 
     __init__._hftc_registers = True  # type: ignore[attr-defined]
     return __init__
+
+
+def _refuse_mixed_cycle_momentum(scheduler: Any, optimizer: Any, exc: ValueError) -> None:
+    """torch's "optimizer must support momentum or beta1" for a ``MixedOptimizer``: its
+    classes name their momentum differently (SGD ``momentum``, Adam ``betas``), and
+    OneCycleLR / CyclicLR cycle one key in every group, though each stock optimizer
+    alone would take it."""
+    from .mixed import MixedOptimizer  # (mixed imports the optimizers, which import this)
+
+    if not isinstance(optimizer, MixedOptimizer) or "cycle_momentum" not in str(exc):
+        return
+    from ..training.mistakes import user_line
+
+    classes = {}
+    for part, rows in zip(optimizer.parts(), optimizer.part_rows()):
+        classes.setdefault(type(part).__name__, []).extend(rows)
+    which = "; ".join(f"{cls}: models {rows}" for cls, rows in classes.items())
+    raise FusionArgumentError(
+        f"{type(scheduler).__name__}(cycle_momentum=True){user_line()} on a MixedOptimizer "
+        f"({which}): torch's {type(scheduler).__name__} cycles one key in every param "
+        f"group, momentum or betas[0], and these classes do not share one (or have "
+        f"neither: Adagrad, Adadelta). Pass cycle_momentum=False, or fuse each class's "
+        f"models into a fused optimizer (and a scheduler) of their own") from exc
 
 
 #: torch schedulers' arguments that take one value for every param group: given N values
@@ -186,6 +232,7 @@ def _refuse_per_model_scalars(scheduler: Any, init: Any, args: Any, kwargs: Any)
         return  # (torch's own call says what is wrong)
     if not isinstance(bound.get("optimizer"), FusedOptimizer):
         return
+    _refuse_per_model_arrays(scheduler, bound, len(bound["optimizer"].param_groups))
     for name in SHARED_ARGUMENTS:
         value = bound.get(name)
         if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor)
@@ -203,6 +250,33 @@ def _refuse_per_model_scalars(scheduler: Any, init: Any, args: Any, kwargs: Any)
                 f"for all param groups, here all models. For one schedule per model give "
                 f"LambdaLR one function per model: torch.optim.lr_scheduler.LambdaLR(opt, "
                 f"{example}), model i's at [i]{plateau}")
+
+
+#: torch schedulers' arguments that take one value per param group (a list, or one value
+#: for all): a tensor or array of N values was given whole to every group, and failed at a
+#: later step (``lr[0] must be a number, got a tensor of shape [3]``, or torch's ``fill_``).
+PER_GROUP_ARGUMENTS = ("max_lr", "base_lr", "max_momentum", "base_momentum", "min_lr",
+                       "swa_lr")
+
+
+def _refuse_per_model_arrays(scheduler: Any, bound: dict[str, Any], n: int) -> None:
+    """A :data:`PER_GROUP_ARGUMENTS` argument given as a tensor or array of several values
+    (as ``hftc.optim`` takes its hyper-parameters): refused, asking for a list."""
+    for name in PER_GROUP_ARGUMENTS:
+        value = bound.get(name)
+        size = getattr(value, "size", None)
+        count = value.numel() if isinstance(value, torch.Tensor) else \
+            size if isinstance(size, int) and hasattr(value, "shape") else 1
+        if count > 1:
+            from ..training.mistakes import user_line
+
+            cls = type(scheduler).__name__
+            raise FusionArgumentError(
+                f"{cls}({name}={type(value).__name__} of {count} values){user_line()}: "
+                f"torch's {cls} takes one {name} per param group as a list (or one number "
+                f"for all), and gives a tensor or array whole to every group. On a fused "
+                f"optimizer of {n} models pass {name}=[v_0, ..., v_{n - 1}] (model i's at "
+                f"[i]), e.g. {name}={name}.tolist()")
 
 
 def torch_scheduler_classes() -> list[type]:

@@ -109,6 +109,15 @@ class Part:
             proxy.grad = None
 
 
+def _shared_momentum(parts: Sequence[Part]) -> dict[str, Any]:
+    """The momentum key (``momentum`` or ``betas``) that every part's class has, as a
+    default: torch's OneCycleLR and CyclicLR cycle the one their optimizer's defaults
+    name, in every group, so SGD with RMSprop (or Adam with NAdam) cycle as their stock
+    optimizers do; with no shared key they refuse (``registering_init`` says why)."""
+    return {key: parts[0].optimizer.defaults[key] for key in ("momentum", "betas")
+            if all(key in part.optimizer.defaults for part in parts)}
+
+
 class MixedOptimizer(FusedOptimizer):
     """One fused optimizer for models trained with different optimizer classes (see the
     module docstring); ``hftc.optim.fuse_optimizers`` builds it from N stock optimizers
@@ -117,7 +126,8 @@ class MixedOptimizer(FusedOptimizer):
     ``state`` of the composite is empty: each model's state (momentum, Adam's moments,
     step counts) lives in its part, ``parts()[c].state``; ``state_dict()`` holds every
     part's under ``["hftc"]["mixed"]``.  Not capturable (the parts are stepped one after
-    the other, with host-side gathers).
+    the other, with host-side gathers).  OneCycleLR / CyclicLR cycle momentum where every
+    class names it alike (SGD and RMSprop ``momentum``, the Adam family ``betas``).
     """
 
     def __init__(self, params: Sequence[Tensor], parts: Sequence[Part]):
@@ -138,7 +148,7 @@ class MixedOptimizer(FusedOptimizer):
         self._group_of = [0] * len(params)
         self._group_overrides = [{}]
         self._groups_frozen = False
-        Optimizer.__init__(self, groups, {"differentiable": False})
+        Optimizer.__init__(self, groups, {"differentiable": False, **_shared_momentum(parts)})
         self._groups_frozen = True
         LIVE_OPTIMIZERS.add(self)  # found by hftc.keep_models / replace_models
 

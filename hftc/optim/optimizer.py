@@ -210,6 +210,7 @@ class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, Captura
         self._groups_frozen = False
         super().__init__(groups, defaults)
         self._groups_frozen = True
+        self._note_group_bases()
         LIVE_OPTIMIZERS.add(self)
 
     # ------------------------------------------------------------------ set-up
@@ -345,6 +346,7 @@ class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, Captura
         still decays Adam's moments and weights, and 0 * inf is NaN); host indices copy
         only the skipped models' slices."""
         hp = self.hyperparameters()
+        self._check_group_bases(hp)
         # Parameters by param group (one unless groups set their own hyper-parameters).
         groups: dict[int, list[Tensor]] = {0: params}
         if len(self._group_overrides) > 1:

@@ -34,6 +34,7 @@ class OptimizerState(Optimizer):
         state = super().__getstate__()
         state["_group_of"] = self.__dict__.get("_group_of")
         state["_group_overrides"] = self.__dict__.get("_group_overrides")
+        state["_group_bases"] = self.__dict__.get("_group_bases")
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -46,6 +47,8 @@ class OptimizerState(Optimizer):
             "group_of": list(self._group_of),
             "group_overrides": [{k: list(v) for k, v in extra.items()}
                                 for extra in self._group_overrides],
+            "group_bases": {k: list(v)
+                            for k, v in (self.__dict__.get("_group_bases") or {}).items()},
         }
         return saved
 
@@ -99,6 +102,10 @@ class OptimizerState(Optimizer):
             self._group_overrides = [
                 {k: list(v) for k, v in overrides.items()}
                 for overrides in extra["group_overrides"]]
+        if extra is not None and "group_bases" in extra:
+            self._group_bases = {k: list(v) for k, v in extra["group_bases"].items()}
+        else:  # a state dict of hftc before the check: its values as saved
+            self._note_group_bases()
 
     def _keep_models(self, keep: Sequence[int]) -> None:
         """Keep only models ``keep`` (checked, distinct indices), in that order, in place::
@@ -128,6 +135,8 @@ class OptimizerState(Optimizer):
                     state[key] = value.index_select(0, index)
         self._group_overrides = [{key: [values[i] for i in keep] for key, values in extra.items()}
                                  for extra in self._group_overrides]
+        self._group_bases = {key: [values[i] for i in keep]
+                             for key, values in (self.__dict__.get("_group_bases") or {}).items()}
         for cache in ("_momentum_ready", "_coefficient_cache", "_captured_switches",
                       "_scratch_views", "_group_in_update"):
             self.__dict__.pop(cache, None)  # made for the N models
