@@ -117,6 +117,8 @@ SCALAR_ARITHMETIC = {
     operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
     torch.mul, torch.div, "add", "sub", "mul", "div", "__mul__", "__rmul__", "__add__",
     "__radd__", "__sub__", "__rsub__", "__truediv__", "__rtruediv__",
+    # in place: timm's drop_path scales its mask by ``random_tensor.div_(keep_prob)``
+    "add_", "sub_", "mul_", "div_",
 }
 
 

@@ -159,6 +159,10 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     # A float constant that differs per model (x * 0.5 in one, x * 0.7 in another) becomes
     # a [N, 1, ..., 1] tensor of the dtype the Python scalar would have promoted to.
     if group.per_model:
+        if isinstance(group.node.target, str) and group.node.target.endswith("_") and (
+                args[0] not in builder.batched):
+            # x.div_(p_n) on a tensor the models share would write N values into one
+            raise NotFusable("an in-place op with per-model scalars on a shared tensor")
         like = next(f for f, o in zip(args, group.node.args)
                     if isinstance(o, fx.Node) and _is_tensor(o.meta.get(EXAMPLE_VALUE)))
         for pos in range(len(args)):
@@ -171,9 +175,18 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
 
 def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.rand_like(x)`` and the random methods (``x.bernoulli_()``): a shared input
-    is expanded so every model draws its own numbers; the op runs on the fused tensor."""
+    is expanded so every model draws its own numbers; the op runs on the fused tensor.
+    A per-model probability (timm's ``drop_path`` at each model's rate)::
+
+        x.bernoulli_(p_n)  ->  random.per_model_bernoulli_(x [N, ...], (p_0, ..., p_N-1))
+    """
     if group.per_model:
-        raise NotFusable("per-model arguments of a random op")
+        p = group.per_model_arg(1, "p")
+        if group.node.target != "bernoulli_" or p is None or len(group.per_model) > 1 or any(
+                isinstance(v, fx.Node) for v in p):
+            raise NotFusable("per-model arguments of a random op")
+        return builder.call(rt_random.per_model_bernoulli_, builder.broadcast(group.args[0]),
+                            tuple(p))
     args = (builder.broadcast(group.args[0]), *group.args[1:])
     return builder.copy(FusionGroup(group.node, group.nodes, args, group.kwargs, group.module),
                         batched=True)
@@ -427,9 +440,17 @@ for _fn, (_cls, _torch_fn) in _DROPOUTS.items():
     rule(*_keys, name=f"fuse_dropout[{_fn.__name__}]", random=True, per_model=("p",),
          aten=EXPORTED_AS.get(_fn), padding=EXACT,
          differing_op=_differing_ops(_keys))(fuse_dropout)
-for _name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
+for _name in ("dropout", "dropout_", "bernoulli", "uniform_", "normal_"):
     rule(("call_method", _name), name=f"fuse_random[{_name}]", random=True,
          padding=EXACT if _name.startswith("dropout") else None)(fuse_random)
+
+
+def _bernoulli_signature(self, p=0.5, *, generator=None):
+    """``Tensor.bernoulli_``'s parameters (for ``per_model``'s positions)."""
+
+
+rule(("call_method", "bernoulli_"), name="fuse_random[bernoulli_]", random=True,
+     per_model=("p",), signature=_bernoulli_signature)(fuse_random)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     rule(("call_method", _name), name=f"fuse_new_tensor[{_name}]")(fuse_new_tensor)
 

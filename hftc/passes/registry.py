@@ -372,7 +372,8 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
                 continue
             try:
                 positions = [parameter_position(entry.signature_of(target), p)
-                             for p in per_model] if op == "call_function" else [None]
+                             for p in per_model] if op == "call_function" or (
+                                 op == "call_method" and entry.signature) else [None]
             except KeyError as missing:
                 positions = [None]
                 what = f"has no parameter {missing}"

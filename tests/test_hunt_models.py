@@ -1,0 +1,58 @@
+"""Real-style architectures (tests/hunt_models_zoo.py: timm's ConvNeXt and DropPath,
+transformers' T5 ...) fused with per-model hyper-parameters kept where real code keeps them.
+
+- timm's ``drop_path`` at each model's own rate (``x.new_empty(shape).bernoulli_(keep)``,
+  ``random_tensor.div_(keep)``) fuses: each model draws its mask at its own rate and scales
+  by its own ``1 / keep`` (it was a MismatchError; the draw into the shared ``new_empty``
+  took model 0's rate for every model once the rate could differ).
+- T5's ``if self.weight.dtype in [torch.float16, torch.bfloat16]`` in forward: the trace
+  error says to pass example_inputs (torch.export follows it), not that nothing can.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from equivalence import check_equivalence
+from hunt_models_zoo import ConvNeXt, DropPath, LlamaConfig, LlamaForCausalLM
+
+import hftc
+from hftc.lowering.check import ConstantRandomness
+
+DTYPES = [torch.float64, torch.float32]
+RATES = [0.1, 0.5, 0.8]
+
+
+def test_drop_path_draws_each_model_at_its_own_rate():
+    fused = hftc.fuse([DropPath(p) for p in RATES])
+    x = torch.ones(20000, 3, dtype=torch.float64)
+    out = fused(x)
+    assert fused.fusion_report.fallbacks == []
+    for i, p in enumerate(RATES):
+        dropped = (out[i] == 0).double().mean().item()
+        assert abs(dropped - p) < 0.02, (i, p, dropped)   # 20000 draws: sd < 0.004
+        kept = out[i][out[i] != 0]
+        torch.testing.assert_close(kept, torch.full_like(kept, 1 / (1 - p)), rtol=0, atol=0)
+        # a sample is dropped whole (timm's shape (B, 1, ...))
+        assert ((out[i] == 0).all(1) | (out[i] != 0).all(1)).all()
+    fused.eval()
+    torch.testing.assert_close(fused(x), x.expand(3, -1, -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_convnext_per_model_drop_path_and_layer_scale(dtype):
+    """Forward, backward and two SGD steps, with every draw made a constant on both sides
+    (each mask keeps all: the per-model 1 / keep scales are compared exactly)."""
+    models = [ConvNeXt(drop_path_rate=p, ls_init_value=ls) for p, ls in zip(RATES, [0.5, 0.1, 1.0])]
+    x = torch.randn(2, 3, 8, 8)
+    with ConstantRandomness():
+        fused = check_equivalence(models, x, dtype=dtype, steps=2)
+    assert fused.fusion_report.fallbacks == []
+    check_equivalence(models, x, dtype=dtype, train=False)
+
+
+@pytest.mark.parametrize("repeat_interleave", [False, True])
+def test_llama_gqa_rope_per_model_eps(repeat_interleave):
+    models = [LlamaForCausalLM(LlamaConfig(rms_norm_eps=eps), repeat_interleave)
+              for eps in (1e-6, 1e-3)]
+    check_equivalence(models, torch.randint(0, 29, (2, 6)), steps=2)
