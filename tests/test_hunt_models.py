@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 from equivalence import check_equivalence
-from hunt_models_zoo import ConvNeXt, DropPath, LlamaConfig, LlamaForCausalLM
+from hunt_models_zoo import ConvNeXt, DropPath, LlamaConfig, LlamaForCausalLM, T5Encoder
 
 import hftc
+from hftc.errors import TraceError
 from hftc.lowering.check import ConstantRandomness
 
 DTYPES = [torch.float64, torch.float32]
@@ -49,6 +50,22 @@ def test_convnext_per_model_drop_path_and_layer_scale(dtype):
         fused = check_equivalence(models, x, dtype=dtype, steps=2)
     assert fused.fusion_report.fallbacks == []
     check_equivalence(models, x, dtype=dtype, train=False)
+
+
+def test_t5_dtype_branch_points_to_example_inputs():
+    models = [T5Encoder(eps=eps) for eps in (1e-6, 1e-3, 1e-5)]
+    ids = torch.randint(1, 19, (2, 6))
+    with pytest.raises(TraceError) as info:
+        hftc.fuse(models)(ids)
+    message = str(info.value)
+    assert "self.weight.dtype" in message and "hunt_models_zoo.py" in message
+    assert "example_inputs=(...)" in message and "neither" not in message
+
+    def fuser(ms, in_dims=None):
+        return hftc.fuse(ms, in_dims=in_dims, example_inputs=(ids,))
+
+    for dtype in DTYPES:
+        check_equivalence(models, ids, dtype=dtype, fuser=fuser)
 
 
 @pytest.mark.parametrize("repeat_interleave", [False, True])

@@ -932,11 +932,18 @@ def source_line(exc: BaseException) -> str:
 
 _SIZE_READS = frozenset({"size", "dim", "numel", "ndimension", "nelement", "shape", "ndim"})
 
+#: A tensor's properties that forward may branch on (``if x.dtype == torch.float16``):
+#: torch.export knows them, symbolic tracing makes them traced values.
+_PROPERTY_READS = ("dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized",
+                   "requires_grad", "is_meta")
+_PROPERTY_METHODS = ("is_floating_point", "is_complex", "get_device", "is_contiguous")
+
 
 def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
     """What a traced value that Python's control flow asked about is made from, and the
     inputs involved: ``"size"`` (sizes and ranks of inputs: ``t <= block_size`` where
-    ``b, t = idx.size()``), ``"input"`` (an input itself: ``if has_mask:``) or
+    ``b, t = idx.size()``), ``"input"`` (an input itself: ``if has_mask:``), ``"property"``
+    (a dtype or device: ``if self.weight.dtype == torch.float16``, which export knows) or
     ``"value"`` (tensor values: ``x.sum() > 0``, a parameter, a random draw)."""
     inputs: list[str] = []
     kinds: set[str] = set()
@@ -950,8 +957,14 @@ def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
         size_read = (n.op == "call_method" and n.target in _SIZE_READS) or (
             n.op == "call_function" and n.target is getattr and n.args[1:2] in (("shape",),
                                                                                   ("ndim",)))
+        property_read = n.op == "call_function" and n.target is getattr and (
+            n.args[1:2] in [(name,) for name in _PROPERTY_READS]) or (
+            n.op == "call_method" and n.target in _PROPERTY_METHODS)
         if size_read:
             kinds.add("size")
+            inputs += [a.target for a in n.all_input_nodes if a.op == "placeholder"]
+        elif property_read:  # T5LayerNorm: `if self.weight.dtype in [torch.float16, ...]`
+            kinds.add("property")
             inputs += [a.target for a in n.all_input_nodes if a.op == "placeholder"]
         elif n.op == "placeholder":
             kinds.add("input")
@@ -961,8 +974,9 @@ def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
             stack.extend(n.all_input_nodes)
         else:
             kinds.add("value")
-    kind = next(k for k in ("value", "input", "size") if k in kinds | {"size"})
+    kind = next(k for k in ("value", "input", "property", "size") if k in kinds | {"size"})
     return kind, list(dict.fromkeys(inputs))
+
 
 
 def _traced_value_in(exc: BaseException) -> fx.Node | None:
@@ -992,6 +1006,11 @@ def _trace_advice(exc: BaseException, node: fx.Node | None) -> str:
                 f"unknown. Pass one call's inputs as example_inputs=(...) to hftc.fuse: "
                 f"torch.export then traces forward with real sizes (kept symbolic where the "
                 f"code allows).")
+    if kind == "property":
+        return ("This line decides on a tensor's dtype or device in Python, which symbolic "
+                "tracing leaves unknown. Pass one call's inputs as example_inputs=(...) to "
+                "hftc.fuse: torch.export then traces forward with the real tensors (or read "
+                "the property outside forward, in __init__).")
     if kind == "input":
         return (f"This line asks Python the truth of input {names}, which symbolic tracing "
                 f"makes a traced value. If it is a Python value (a flag, a number), give it a "
