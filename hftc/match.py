@@ -119,7 +119,16 @@ SCALAR_ARITHMETIC = {
     "__radd__", "__sub__", "__rsub__", "__truediv__", "__rtruediv__",
     # in place: timm's drop_path scales its mask by ``random_tensor.div_(keep_prob)``
     "add_", "sub_", "mul_", "div_",
+    # a per-model exponent (timm's GeM pooling: ``x.clamp(min=eps).pow(self.p)``)
+    torch.pow, "pow", operator.pow, "__pow__",
 }
+
+#: Elementwise ops whose float bounds, given by keyword too, may differ between models
+#: (``x.clamp(-self.clip, self.clip)``, ``torch.clamp(x, min=self.lo, max=self.hi)``).
+SCALAR_BOUNDS = {torch.clamp: ("min", "max"), torch.clip: ("min", "max"),
+                 "clamp": ("min", "max"), "clip": ("min", "max"),
+                 torch.clamp_min: ("min",), torch.clamp_max: ("max",),
+                 "clamp_min": ("min",), "clamp_max": ("max",)}
 
 
 def canonical_args(node: fx.Node, soft: PerModelTable) -> tuple:
@@ -150,10 +159,14 @@ def _soft_argument_keys(node: fx.Node, soft: PerModelTable) -> dict[ArgKey, Any]
             found[ArgKey(position=pos)] = args[pos]
         elif isinstance(node.kwargs.get(name), (int, float)):
             found[ArgKey(keyword=name)] = node.kwargs[name]
-    if node.target in SCALAR_ARITHMETIC and any(isinstance(a, fx.Node) for a in node.args):
+    scalar_op = node.target in SCALAR_ARITHMETIC or node.target in SCALAR_BOUNDS
+    if scalar_op and any(isinstance(a, fx.Node) for a in node.args):
         for pos, a in enumerate(node.args):
             if isinstance(a, float):
                 found[ArgKey(position=pos)] = a
+        for name in SCALAR_BOUNDS.get(node.target, ()):
+            if isinstance(node.kwargs.get(name), float):
+                found[ArgKey(keyword=name)] = node.kwargs[name]
     return found
 
 

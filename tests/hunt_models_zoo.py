@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree
 import torch.utils.checkpoint
 
 # --------------------------------------------------------------------------- timm helpers
@@ -401,6 +402,10 @@ class BaseModelOutputWithPooling:
     pooler_output: torch.Tensor = None
 
 
+# transformers registers its ModelOutput classes with torch's pytree (torch.export needs it)
+torch.utils._pytree.register_dataclass(BaseModelOutputWithPooling)
+
+
 class BertEmbeddings(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -480,6 +485,10 @@ class BertModel(nn.Module):
                                     for _ in range(self.config.num_hidden_layers)])
         self.pooler = nn.Linear(self.config.hidden_size, self.config.hidden_size)
 
+    @property
+    def dtype(self):  # transformers' ModuleUtilsMixin.dtype: the parameters' dtype
+        return next(self.parameters()).dtype
+
     def get_extended_attention_mask(self, attention_mask, dtype):
         extended = attention_mask[:, None, None, :].to(dtype=dtype)
         return (1.0 - extended) * torch.finfo(dtype).min
@@ -488,7 +497,7 @@ class BertModel(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones(input_ids.shape, device=input_ids.device)
         h = self.embeddings(input_ids, token_type_ids)
-        ext = self.get_extended_attention_mask(attention_mask, h.dtype)
+        ext = self.get_extended_attention_mask(attention_mask, self.dtype)
         for layer in self.layer:
             h = layer(h, ext)
         pooled = torch.tanh(self.pooler(h[:, 0]))

@@ -7,12 +7,15 @@ transformers' T5 ...) fused with per-model hyper-parameters kept where real code
   took model 0's rate for every model once the rate could differ).
 - T5's ``if self.weight.dtype in [torch.float16, torch.bfloat16]`` in forward: the trace
   error says to pass example_inputs (torch.export follows it), not that nothing can.
+- A per-model float in ``x.pow(self.p)`` or ``x.clamp(min=self.lo, max=self.hi)`` fuses.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from equivalence import check_equivalence
 from hunt_models_zoo import ConvNeXt, DropPath, LlamaConfig, LlamaForCausalLM, T5Encoder
 
@@ -73,3 +76,42 @@ def test_llama_gqa_rope_per_model_eps(repeat_interleave):
     models = [LlamaForCausalLM(LlamaConfig(rms_norm_eps=eps), repeat_interleave)
               for eps in (1e-6, 1e-3)]
     check_equivalence(models, torch.randint(0, 29, (2, 6)), steps=2)
+
+
+class GeM(nn.Module):
+    """timm's generalized-mean pooling at a per-model exponent."""
+
+    def __init__(self, p=3.0, eps=1e-6):
+        super().__init__()
+        self.p, self.eps = p, eps
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = F.avg_pool2d(x.clamp(min=self.eps).pow(self.p), (x.size(-2), x.size(-1)))
+        return x.pow(1.0 / self.p).flatten(1)
+
+
+class Clipped(nn.Module):
+    """Bounds kept on the module, by position and by keyword (an RL value clip)."""
+
+    def __init__(self, lo=-1.0, hi=1.0):
+        super().__init__()
+        self.lo, self.hi = lo, hi
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        h = x.clamp(self.lo, self.hi)
+        return torch.clamp(self.fc(h), min=self.lo, max=self.hi) + torch.clip(h, max=self.hi)[:, :5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_model_exponent_and_clamp_bounds_fuse(dtype):
+    """A per-model float in pow's exponent or clamp's bounds fuses, as a per-model scale
+    does (they were a MismatchError)."""
+    fused = check_equivalence([GeM(p) for p in (3.0, 2.0, 4.0)], torch.randn(2, 3, 6, 6),
+                              dtype=dtype, steps=2)
+    assert fused.fusion_report.fallbacks == []
+    fused = check_equivalence([Clipped(lo, hi) for lo, hi in ((-1.0, 1.0), (-0.2, 0.3))],
+                              torch.randn(5, 6), dtype=dtype, steps=2)
+    assert fused.fusion_report.fallbacks == []

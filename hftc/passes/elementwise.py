@@ -165,10 +165,17 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             raise NotFusable("an in-place op with per-model scalars on a shared tensor")
         like = next(f for f, o in zip(args, group.node.args)
                     if isinstance(o, fx.Node) and _is_tensor(o.meta.get(EXAMPLE_VALUE)))
+        if not out.is_floating_point():
+            # a tensor of bounds would promote an integer result to float
+            raise NotFusable("per-model float constants of an op with a non-float result")
         for pos in range(len(args)):
             values = group.per_model_arg(pos, "")
             if values is not None:
                 args[pos] = builder.call(rt_per_model.scalars, tuple(values), like, rank)
+        for key in group.per_model:  # clamp(x, min=lo_n, max=hi_n)
+            if key.keyword is not None:
+                kwargs[key.keyword] = builder.call(
+                    rt_per_model.scalars, tuple(group.per_model[key]), like, rank)
     aligned = FusionGroup(group.node, group.nodes, tuple(args), kwargs, group.module)
     return builder.copy(aligned, batched=True)
 
