@@ -121,14 +121,20 @@ SCALAR_ARITHMETIC = {
     "add_", "sub_", "mul_", "div_",
     # a per-model exponent (timm's GeM pooling: ``x.clamp(min=eps).pow(self.p)``)
     torch.pow, "pow", operator.pow, "__pow__",
+    # an EMA at a per-model decay: ``self.shadow.lerp_(x, 1 - self.decay)``
+    torch.lerp, "lerp", "lerp_",
 }
 
-#: Elementwise ops whose float bounds, given by keyword too, may differ between models
-#: (``x.clamp(-self.clip, self.clip)``, ``torch.clamp(x, min=self.lo, max=self.hi)``).
-SCALAR_BOUNDS = {torch.clamp: ("min", "max"), torch.clip: ("min", "max"),
-                 "clamp": ("min", "max"), "clip": ("min", "max"),
-                 torch.clamp_min: ("min",), torch.clamp_max: ("max",),
-                 "clamp_min": ("min",), "clamp_max": ("max",)}
+#: Elementwise ops whose float arguments given by keyword may differ between models too:
+#: bounds (``torch.clamp(x, min=self.lo, max=self.hi)``), an interpolation weight, the
+#: scale of an added operand (``self.shadow.mul_(d).add_(x, alpha=1 - d)``).
+SCALAR_KEYWORDS = {torch.clamp: ("min", "max"), torch.clip: ("min", "max"),
+                   "clamp": ("min", "max"), "clip": ("min", "max"),
+                   torch.clamp_min: ("min",), torch.clamp_max: ("max",),
+                   "clamp_min": ("min",), "clamp_max": ("max",),
+                   torch.lerp: ("weight",), "lerp": ("weight",), "lerp_": ("weight",),
+                   **{op: ("alpha",) for op in (torch.add, torch.sub, "add", "sub", "add_",
+                                                "sub_")}}
 
 
 def canonical_args(node: fx.Node, soft: PerModelTable) -> tuple:
@@ -159,12 +165,12 @@ def _soft_argument_keys(node: fx.Node, soft: PerModelTable) -> dict[ArgKey, Any]
             found[ArgKey(position=pos)] = args[pos]
         elif isinstance(node.kwargs.get(name), (int, float)):
             found[ArgKey(keyword=name)] = node.kwargs[name]
-    scalar_op = node.target in SCALAR_ARITHMETIC or node.target in SCALAR_BOUNDS
+    scalar_op = node.target in SCALAR_ARITHMETIC or node.target in SCALAR_KEYWORDS
     if scalar_op and any(isinstance(a, fx.Node) for a in node.args):
         for pos, a in enumerate(node.args):
             if isinstance(a, float):
                 found[ArgKey(position=pos)] = a
-        for name in SCALAR_BOUNDS.get(node.target, ()):
+        for name in SCALAR_KEYWORDS.get(node.target, ()):
             if isinstance(node.kwargs.get(name), float):
                 found[ArgKey(keyword=name)] = node.kwargs[name]
     return found

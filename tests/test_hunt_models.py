@@ -115,3 +115,35 @@ def test_per_model_exponent_and_clamp_bounds_fuse(dtype):
     fused = check_equivalence([Clipped(lo, hi) for lo, hi in ((-1.0, 1.0), (-0.2, 0.3))],
                               torch.randn(5, 6), dtype=dtype, steps=2)
     assert fused.fusion_report.fallbacks == []
+
+
+class EMAHead(nn.Module):
+    """A linear head centred by an EMA of its outputs, updated in forward at the model's own
+    decay, written as ``lerp_`` or as ``mul_(d).add_(y, alpha=1 - d)`` (DINO's centre)."""
+
+    def __init__(self, decay=0.99, lerp=True):
+        super().__init__()
+        self.decay, self.lerp = decay, lerp
+        self.fc = nn.Linear(6, 4)
+        self.register_buffer("center", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.fc(x)
+        if self.training:
+            with torch.no_grad():
+                if self.lerp:
+                    self.center.lerp_(y.mean(0), 1 - self.decay)
+                else:
+                    self.center.mul_(self.decay).add_(y.mean(0), alpha=1 - self.decay)
+        return y - self.center
+
+
+@pytest.mark.parametrize("lerp", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ema_buffer_at_per_model_decay(lerp, dtype):
+    """The buffer of each model moves at its own decay (was a MismatchError on lerp_'s
+    weight / add_'s alpha); the buffers are compared after every forward."""
+    models = [EMAHead(d, lerp) for d in (0.99, 0.9, 0.5)]
+    fused = check_equivalence(models, torch.randn(5, 6), dtype=dtype, steps=3)
+    assert fused.fusion_report.fallbacks == []
+    check_equivalence(models, torch.randn(5, 6), dtype=dtype, train=False)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..frontends.export import Emitter, aten_name
-from ..ir import EXAMPLE_VALUE, TORCH_RANDOM_DRAWS, bind_arguments
+from ..ir import EXAMPLE_VALUE, TORCH_RANDOM_DRAWS, ArgKey, bind_arguments
 from ..lowering.runtime import differing_ops as rt_differing_ops
 from ..lowering.runtime import layout as rt_layout
 from ..lowering.runtime import per_model as rt_per_model
@@ -172,10 +172,12 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             values = group.per_model_arg(pos, "")
             if values is not None:
                 args[pos] = builder.call(rt_per_model.scalars, tuple(values), like, rank)
-        for key in group.per_model:  # clamp(x, min=lo_n, max=hi_n)
-            if key.keyword is not None:
-                kwargs[key.keyword] = builder.call(
-                    rt_per_model.scalars, tuple(group.per_model[key]), like, rank)
+        for name in group.per_model_keywords():  # clamp(x, min=lo_n, max=hi_n)
+            values = group.per_model[ArgKey(keyword=name)]
+            kwargs[name] = builder.call(rt_per_model.scalars, tuple(values), like, rank)
+        if "alpha" in group.per_model_keywords():
+            # add(x, y, alpha=a_n) takes only a number: x + y * a, a a [N, 1, ...] tensor
+            args[1] = builder.call(operator.mul, args[1], kwargs.pop("alpha"))
     aligned = FusionGroup(group.node, group.nodes, tuple(args), kwargs, group.module)
     return builder.copy(aligned, batched=True)
 
