@@ -147,3 +147,44 @@ def test_ema_buffer_at_per_model_decay(lerp, dtype):
     fused = check_equivalence(models, torch.randn(5, 6), dtype=dtype, steps=3)
     assert fused.fusion_report.fallbacks == []
     check_equivalence(models, torch.randn(5, 6), dtype=dtype, train=False)
+
+
+class GrowingRotary(nn.Module):
+    """transformers 4.3x's LlamaRotaryEmbedding: the cos/sin cache re-registered, longer,
+    when a call is longer than the cache."""
+
+    def __init__(self, dim=8, max_position_embeddings=8, base=10000.0):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._set_cos_sin_cache(max_position_embeddings)
+
+    def _set_cos_sin_cache(self, seq_len):
+        self.max_seq_len_cached = seq_len
+        freqs = torch.outer(torch.arange(seq_len, dtype=self.inv_freq.dtype), self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cached", emb.cos(), persistent=False)
+        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+
+    def forward(self, x):
+        seq_len = x.shape[1]
+        if seq_len > self.max_seq_len_cached:
+            self._set_cos_sin_cache(seq_len)
+        return x * self.cos_cached[:seq_len] + x.flip(-1) * self.sin_cached[:seq_len]
+
+
+def test_a_cache_grown_in_forward_names_the_buffer_first():
+    """A longer call than the exported one: neither the fused program nor the loop can keep
+    the longer buffer. The error leads with the buffer forward re-registers and the fix
+    (it led with the fused check's generic 'isinstance(x, torch.Tensor) ...' causes)."""
+    models = [nn.Sequential(nn.Linear(8, 8), GrowingRotary(base=b)) for b in (1e4, 500.0)]
+    short = torch.randn(2, 6, 8)
+    fused = hftc.fuse(models, example_inputs=(short,), strategy="auto")
+    torch.testing.assert_close(fused(short)[1], models[1](short))
+    with pytest.raises(TraceError) as info:
+        fused(torch.randn(2, 12, 8))
+    message = str(info.value)
+    assert message.startswith("The models can run neither fused nor one by one")
+    assert "`1.cos_cached` anew ([12, 8] torch.float32" in message
+    assert "largest size in __init__" in message
+    assert message.index("anew") < message.index("isinstance")
