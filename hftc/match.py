@@ -241,11 +241,18 @@ def module_hyperparameters(module: nn.Module, soft: PerModelTable) -> dict[str, 
     left out, and so are the scalars that may differ per model (``p``, ``eps``).
     """
     differing = soft.module_attributes(module)
+    init_only = _INIT_ONLY.get(type(module), ())
     params = {
         k: _python_scalars(v) for k, v in vars(module).items()
         if not k.startswith("_") and k != "training" and k not in differing
+        and k not in init_only
     }
     return {k: v for k, v in sorted(params.items()) if _simple(v)}
+
+
+#: torch.nn attributes that only ``__init__`` / ``reset_parameters`` read: models that
+#: differ in one (a sweep over ``nn.PReLU(init=a)``) differ only in their weights' values.
+_INIT_ONLY: dict[type, tuple[str, ...]] = {nn.PReLU: ("init",)}
 
 
 def _python_scalars(value: Any) -> Any:

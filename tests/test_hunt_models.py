@@ -188,3 +188,16 @@ def test_a_cache_grown_in_forward_names_the_buffer_first():
     assert "`1.cos_cached` anew ([12, 8] torch.float32" in message
     assert "largest size in __init__" in message
     assert message.index("anew") < message.index("isinstance")
+
+
+def test_prelu_init_sweep_fuses():
+    """Conv-TasNet's PReLU at a per-model initial slope: only the weights differ (``init`` is
+    read by reset_parameters alone), so the models fuse (was a MismatchError on `init`)."""
+    models = [nn.Sequential(nn.Conv1d(1, 4, 3), nn.PReLU(4, init=a), nn.Conv1d(4, 2, 1))
+              for a in (0.25, 0.1, 0.5)]
+    fused = check_equivalence(models, torch.randn(2, 1, 16), steps=2)
+    assert fused.fusion_report.fallbacks == []
+    fused = hftc.fuse(models)
+    for i, (alone, a) in enumerate(zip(fused.unfuse(), (0.25, 0.1, 0.5))):
+        assert alone[1].init == a      # each model's own attribute, as its weights
+        torch.testing.assert_close(alone[1].weight, torch.full((4,), a))
