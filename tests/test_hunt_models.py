@@ -198,6 +198,6 @@ def test_prelu_init_sweep_fuses():
     fused = check_equivalence(models, torch.randn(2, 1, 16), steps=2)
     assert fused.fusion_report.fallbacks == []
     fused = hftc.fuse(models)
-    for i, (alone, a) in enumerate(zip(fused.unfuse(), (0.25, 0.1, 0.5))):
+    for alone, a in zip(fused.unfuse(), (0.25, 0.1, 0.5)):
         assert alone[1].init == a      # each model's own attribute, as its weights
         torch.testing.assert_close(alone[1].weight, torch.full((4,), a))
