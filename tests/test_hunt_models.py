@@ -201,3 +201,28 @@ def test_prelu_init_sweep_fuses():
     for alone, a in zip(fused.unfuse(), (0.25, 0.1, 0.5)):
         assert alone[1].init == a      # each model's own attribute, as its weights
         torch.testing.assert_close(alone[1].weight, torch.full((4,), a))
+
+
+@pytest.mark.parametrize("make, n_inputs", [
+    (lambda: nn.MultiheadAttention(8, 2, batch_first=True), 3),
+    (lambda: nn.LSTM(8, 4, batch_first=True), 1),
+    (lambda: nn.BatchNorm1d(5), 1),
+])
+def test_a_bare_torch_module_is_told_to_pass_example_inputs(make, n_inputs):
+    """hftc.fuse([nn.MultiheadAttention(...), ...]): torch's own forward, which symbolic
+    tracing cannot follow and the user cannot rewrite. The error says to pass example_inputs
+    or to hold the module in a model of one's own (for MultiheadAttention it said that
+    neither symbolic tracing nor torch.export could follow it, and to rewrite forward)."""
+    models = [make() for _ in range(2)]
+    x = (torch.randn(2, 5, 8),) * n_inputs
+    cls = type(models[0]).__name__
+    with pytest.raises(TraceError) as info:
+        hftc.fuse(models)(*x)
+    message = str(info.value)
+    assert f"torch.nn's own {cls}" in message and "example_inputs=(...)" in message
+    assert f"self.layer = nn.{cls}(...)" in message and "neither" not in message
+
+    def fuser(ms, in_dims=None):  # the harness's float64 copies: float64 example inputs
+        return hftc.fuse(ms, in_dims=in_dims, example_inputs=tuple(t.double() for t in x))
+
+    check_equivalence(models, x, fuser=fuser, check_input_grads=False)

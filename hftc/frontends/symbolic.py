@@ -1081,11 +1081,25 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
         hint = trace_hint(exc)
         advice = hint.strip() if hint else _trace_advice(
             exc, tracer.undecidable or _traced_value_in(exc))
+        if type(model).__module__.startswith("torch.nn."):
+            # torch's own forward, which the user cannot rewrite: what to do instead
+            advice = _bare_module_advice(model)
         raise TraceError(
             f"model {index} ({type(model).__name__}) cannot be traced by "
             f"torch.fx.symbolic_trace{f' at {where}' if where else ''}: "
             f"{plain_message(exc)}. {advice}"
         ) from exc
+
+
+def _bare_module_advice(model: nn.Module) -> str:
+    """For a model that is a torch.nn module itself (``hftc.fuse([nn.LSTM(8, 4), ...])``),
+    whose forward, torch's, symbolic tracing cannot follow."""
+    cls = type(model).__name__
+    return (f"The model is torch.nn's own {cls}, whose forward (torch's code, not yours) "
+            f"checks its inputs in Python. Pass one call's inputs as example_inputs=(...) to "
+            f"hftc.fuse (torch.export traces that forward with real inputs), or fuse models "
+            f"of your own that hold the {cls} as a submodule (self.layer = nn.{cls}(...); "
+            f"forward returns self.layer(x)): hftc fuses it there as one op.")
 
 
 class _ModelValuesWatched(torch.overrides.TorchFunctionMode):
