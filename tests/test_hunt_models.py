@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from equivalence import check_equivalence
-from hunt_models_zoo import ConvNeXt, DropPath, LlamaConfig, LlamaForCausalLM, T5Encoder
+from hunt_models_zoo import ConvNeXt, DropPath, LlamaConfig, LlamaForCausalLM, Swin, T5Encoder
 
 import hftc
 from hftc.errors import TraceError
@@ -226,3 +226,29 @@ def test_a_bare_torch_module_is_told_to_pass_example_inputs(make, n_inputs):
         return hftc.fuse(ms, in_dims=in_dims, example_inputs=tuple(t.double() for t in x))
 
     check_equivalence(models, x, fuser=fuser, check_input_grads=False)
+
+
+class TableLookup(nn.Module):
+    """A table indexed by a per-model index buffer, and a shared table by a per-model one."""
+
+    def __init__(self, perm):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, 3))
+        self.register_buffer("index", torch.tensor(perm).view(2, 3))
+        self.register_buffer("shared", torch.arange(18.0).view(6, 3))
+
+    def forward(self, x):
+        return x @ self.table[self.index].sum(0).t() + self.shared[self.index[0]].sum()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_indexing_with_a_per_model_index_buffer_fuses(dtype):
+    """Swin's relative_position_bias_table[relative_position_index.view(-1)]: each model's
+    rows of its own table, fused (it ran model by model: 'indexing with per-model index
+    tensors'), with the index buffer differing per model too."""
+    fused = check_equivalence([Swin(attn_drop=0.0) for _ in range(3)], torch.randn(2, 3, 8, 8),
+                              dtype=dtype, steps=2)
+    assert fused.fusion_report.fallbacks == []
+    models = [TableLookup(p) for p in ([0, 1, 2, 3, 4, 5], [5, 5, -1, 0, 2, 2], [1, 0, 3, 3, 3, 4])]
+    fused = check_equivalence(models, torch.randn(4, 3), dtype=dtype, steps=2)
+    assert fused.fusion_report.fallbacks == []
