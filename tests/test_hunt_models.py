@@ -16,8 +16,17 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from equivalence import check_equivalence
-from hunt_models_zoo import ConvNeXt, DropPath, LlamaConfig, LlamaForCausalLM, Swin, T5Encoder
+from hunt_models_zoo import (
+    CheckpointedMLP,
+    ConvNeXt,
+    DropPath,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Swin,
+    T5Encoder,
+)
 
 import hftc
 from hftc.errors import TraceError
@@ -252,3 +261,33 @@ def test_indexing_with_a_per_model_index_buffer_fuses(dtype):
     models = [TableLookup(p) for p in ([0, 1, 2, 3, 4, 5], [5, 5, -1, 0, 2, 2], [1, 0, 3, 3, 3, 4])]
     fused = check_equivalence(models, torch.randn(4, 3), dtype=dtype, steps=2)
     assert fused.fusion_report.fallbacks == []
+
+
+class CheckpointedPair(nn.Module):
+    """A reentrant checkpoint of a function returning a tuple, then a head outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def pair(self, x):
+        return torch.tanh(self.a(x)), self.b(x)
+
+    def forward(self, x):
+        h, g = torch.utils.checkpoint.checkpoint(self.pair, x, use_reentrant=True)
+        return self.head(h * g)
+
+
+@pytest.mark.parametrize("make", [lambda: CheckpointedMLP(use_reentrant=True), CheckpointedPair])
+def test_reentrant_checkpoint_without_input_grad_trains_as_torch_does(make):
+    """torch's reentrant checkpoint gives the checkpointed layers no gradient where no input
+    requires grad (with its warning); the fused program gave them one, so training with an
+    optimizer diverged from the models' own (the blocks moved, stock's did not)."""
+    models = [make() for _ in range(3)]
+    x = torch.randn(5, 6)                       # a data batch: no grad
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        fused = check_equivalence(models, x, steps=3, check_input_grads=False)
+    inside = [n for n, _ in models[0].named_parameters() if not n.startswith("head")]
+    assert inside and all(fused.get_parameter(n).grad is None for n in inside)
+    assert fused.get_parameter("head.weight").grad is not None
+    check_equivalence(models, x, steps=2)       # an input that requires grad: all train

@@ -48,6 +48,7 @@ from ..ir import (
     enter_autocast,
     exit_autocast,
     is_user_file,
+    reentrant_checkpoint_output,
     set_training,
     user_frame_trace,
 )
@@ -289,8 +290,13 @@ class _Tracer(fx.Tracer):
                 # without gradient (and the end of fn's own no_grad as no_grad again,
                 # which left the caller's grad mode off).  The fused program keeps fn's
                 # activations (no recompute in backward: the memory it saves is not).
+                # Without an input that requires grad, torch's output has no gradient
+                # (each traced output goes through ir.reentrant_checkpoint_output).
                 function, _preserve_rng_state, *inputs = args
-                return function(*inputs)
+                return torch.utils._pytree.tree_map(
+                    lambda out: tracer.create_proxy(
+                        "call_function", reentrant_checkpoint_output, (out, *inputs), {})
+                    if isinstance(out, fx.Proxy) else out, function(*inputs))
             # Another Function given a callable is traced through, as before: its
             # callable is the model's own code, and what it computes is recorded op by
             # op (a change of grad mode inside it is refused: :meth:`_grad_mode_recorded`).

@@ -420,6 +420,13 @@ def fuse_getitem(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     return builder.call(rt_spatial.getitem, group.args[0], group.args[1])
 
 
+@rule(("call_function", ir.reentrant_checkpoint_output), padding=EXACT)
+def fuse_reentrant_checkpoint_output(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """The gate of a reentrant checkpoint's output (:func:`hftc.ir.reentrant_checkpoint_
+    output`) on the fused values: whether an input requires grad is the same for all N."""
+    return builder.copy(group, batched=builder.is_batched(group.args[0]))
+
+
 @rule(("call_function", rt_guards.check_input_shape))
 def fuse_check_input_shape(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """The export front-end's guard: a stacked input's fixed sizes sit after its model dim."""
