@@ -29,7 +29,7 @@ from hunt_models_zoo import (
 )
 
 import hftc
-from hftc.errors import TraceError
+from hftc.errors import MismatchError, TraceError
 from hftc.lowering.check import ConstantRandomness
 
 DTYPES = [torch.float64, torch.float32]
@@ -291,3 +291,39 @@ def test_reentrant_checkpoint_without_input_grad_trains_as_torch_does(make):
     assert inside and all(fused.get_parameter(n).grad is None for n in inside)
     assert fused.get_parameter("head.weight").grad is not None
     check_equivalence(models, x, steps=2)       # an input that requires grad: all train
+
+
+class Gated(nn.Module):
+    """A per-model temperature and threshold kept on the module (a sparse gate)."""
+
+    def __init__(self, temperature=1.0, threshold=0.0):
+        super().__init__()
+        self.temperature, self.threshold = temperature, threshold
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        h = self.fc(x) / self.temperature
+        return h * (h > self.threshold) + (h <= -self.threshold).float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_model_threshold_fuses(dtype):
+    """``h > self.threshold`` at a per-model float fuses (was a MismatchError)."""
+    models = [Gated(t, c) for t, c in ((1.0, 0.0), (2.0, 0.5), (0.5, -0.1))]
+    fused = check_equivalence(models, torch.randn(8, 6), dtype=dtype, steps=2)
+    assert fused.fusion_report.fallbacks == []
+
+
+def test_per_model_int_constants_are_told_to_be_floats():
+    """``x / self.temperature`` with temperatures 1 and 2.5 (or 1 and 2): the error names
+    the values, not the matcher's '<per-model scalar>' stand-in, and says to make them
+    floats, with which they fuse."""
+    for temps in ((1, 2.5), (1, 2)):
+        with pytest.raises(MismatchError) as info:
+            hftc.fuse([Gated(t) for t in temps])
+        message = str(info.value)
+        assert "<per-model scalar>" not in message
+        assert f"argument 1: {temps[1]!r} vs {temps[0]!r}" in message
+        assert f"make them {float(temps[1])!r} and {float(temps[0])!r}" in message
+        assert "test_hunt_models.py" in message and "self.temperature" in message
+    check_equivalence([Gated(float(t)) for t in (1, 2)], torch.randn(8, 6))

@@ -33,6 +33,7 @@ from ..lowering.runtime import differing_ops as rt_differing_ops
 from ..lowering.runtime import layout as rt_layout
 from ..lowering.runtime import per_model as rt_per_model
 from ..lowering.runtime import random as rt_random
+from ..match import COMPARISONS
 from .registry import (
     EXACT,
     MOVES,
@@ -165,7 +166,7 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             raise NotFusable("an in-place op with per-model scalars on a shared tensor")
         like = next(f for f, o in zip(args, group.node.args)
                     if isinstance(o, fx.Node) and _is_tensor(o.meta.get(EXAMPLE_VALUE)))
-        if not out.is_floating_point():
+        if not out.is_floating_point() and group.node.target not in COMPARISONS:
             # a tensor of bounds would promote an integer result to float
             raise NotFusable("per-model float constants of an op with a non-float result")
         for pos in range(len(args)):
