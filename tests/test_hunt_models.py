@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from equivalence import check_equivalence
 from hunt_models_zoo import (
+    BertConfig,
+    BertModel,
     CheckpointedMLP,
     ConvNeXt,
     DropPath,
@@ -327,3 +329,33 @@ def test_per_model_int_constants_are_told_to_be_floats():
         assert f"make them {float(temps[1])!r} and {float(temps[0])!r}" in message
         assert "test_hunt_models.py" in message and "self.temperature" in message
     check_equivalence([Gated(float(t)) for t in (1, 2)], torch.randn(8, 6))
+
+
+class BertMaskFromHidden(BertModel):
+    """The extended attention mask built from the hidden states' dtype (older BERT ports)."""
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embeddings(input_ids)
+        ext = self.get_extended_attention_mask(attention_mask, h.dtype)
+        for layer in self.layer:
+            h = layer(h, ext)
+        return h
+
+
+def test_finfo_of_a_traced_dtype_says_what_to_do():
+    """``torch.finfo(h.dtype).min`` in forward: torch's TypeError ('requires a floating point
+    input type. Use torch.iinfo') now comes with the fix, and the model fuses either way."""
+    ids, mask = torch.randint(1, 23, (2, 6)), torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])
+    models = [BertMaskFromHidden(BertConfig(layer_norm_eps=e)) for e in (1e-12, 1e-5)]
+    with pytest.raises(TraceError) as info:
+        hftc.fuse(models)(ids, mask)
+    message = str(info.value)
+    assert "torch.finfo(dtype).min" in message and "hunt_models_zoo.py" in message
+    assert "next(self.parameters()).dtype" in message and "example_inputs=(...)" in message
+
+    def fuser(ms, in_dims=None):
+        return hftc.fuse(ms, in_dims=in_dims, example_inputs=(ids, mask))
+
+    check_equivalence(models, (ids, mask), fuser=fuser)
+    check_equivalence([BertModel(BertConfig(layer_norm_eps=e)) for e in (1e-12, 1e-5)],
+                      (ids, mask))   # transformers' way: the parameters' dtype
