@@ -872,9 +872,9 @@ def trace_hint(exc: BaseException) -> str:
                 "traces it), or give the batch norm a momentum.")
     if "finfo" in str(exc) or "iinfo" in str(exc):  # torch.finfo(h.dtype): a traced dtype
         return (" The line reads a tensor's dtype (torch.finfo(x.dtype)), which symbolic "
-                "tracing leaves unknown: take the dtype of the model's parameters as "
-                "transformers does (next(self.parameters()).dtype), or pass example_inputs="
-                "(...) to hftc.fuse, which traces forward with torch.export.")
+                "tracing leaves unknown: pass example_inputs=(...) to hftc.fuse, which "
+                "traces forward with torch.export, or take the parameters' dtype "
+                "(next(self.parameters()).dtype, transformers' self.dtype).")
     if "Cache" in str(exc) and "pytree" in str(exc):
         return (" The models return a key/value cache object (Hugging Face's DynamicCache, "
                 "returned while use_cache is on), which is not a tensor structure: build them "
