@@ -31,7 +31,7 @@ from hunt_models_zoo import (
 )
 
 import hftc
-from hftc.errors import MismatchError, TraceError
+from hftc.errors import FusionWarning, MismatchError, RaggedResultError, TraceError
 from hftc.lowering.check import ConstantRandomness
 
 DTYPES = [torch.float64, torch.float32]
@@ -359,3 +359,35 @@ def test_finfo_of_a_traced_dtype_says_what_to_do():
     check_equivalence(models, (ids, mask), fuser=fuser)
     check_equivalence([BertModel(BertConfig(layer_norm_eps=e)) for e in (1e-12, 1e-5)],
                       (ids, mask))   # transformers' way: the parameters' dtype
+
+
+class SizeScaled(nn.Module):
+    """timm-style scale from a size and a per-model number, computed before the tensor."""
+
+    def __init__(self, t):
+        super().__init__()
+        self.t = t
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scale = x.shape[-1] ** -0.5 / self.t
+        return self.fc(x) * scale
+
+
+def test_a_per_model_number_in_size_arithmetic_is_never_model_0s():
+    """``x.shape[-1] ** -0.5 / self.t`` is a Python number per model. The fused program
+    computed it with model 0's t for every model: with check=False model 1's output was
+    wrong, and the check's warning blamed isinstance checks. Now that op runs per model:
+    a RaggedResultError (check=False) or the models one by one, with a warning naming the
+    op and the fix; written tensor first it fuses."""
+    models, x = [SizeScaled(t) for t in (1.0, 3.0)], torch.randn(3, 4)
+    with pytest.raises(RaggedResultError, match=r"`truediv` returned different Python values "
+                                                r"for different models \(\[0.5, 0.1666"):
+        hftc.fuse(models, check=False, strategy="fused")(x)
+    fused = hftc.fuse(models)
+    with pytest.warns(FusionWarning, match=r"model's own number in arithmetic on a size.*"
+                                           r"the tensor first"):
+        out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x))
+    assert fused.plan.chosen == "model_loop"

@@ -140,6 +140,10 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if not _is_tensor(out):
         if isinstance(out, (tuple, list)) or out is None:
             raise NotFusable("elementwise op with a non-tensor result")
+        if group.per_model:
+            # x.shape[-1] ** -0.5 / self.t: a Python number per model, which the copy
+            # below would compute with model 0's t for all
+            raise NotFusable("Python arithmetic on sizes with a per-model number")
         return builder.copy(group, batched=builder.is_batched((group.args, group.kwargs)))
     if group.node.target == "where" or group.node.target is torch.where:
         if len(group.args) + len(group.kwargs) == 1:
