@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -132,16 +133,18 @@ SCALAR_ARITHMETIC = {
     *COMPARISONS,
 }
 
-#: Elementwise ops whose float arguments given by keyword may differ between models too:
-#: bounds (``torch.clamp(x, min=self.lo, max=self.hi)``), an interpolation weight, the
-#: scale of an added operand (``self.shadow.mul_(d).add_(x, alpha=1 - d)``).
+#: Ops whose float arguments given by keyword may differ between models too: bounds
+#: (``torch.clamp(x, min=self.lo, max=self.hi)``), an interpolation weight, the scale of an
+#: added operand (``self.shadow.mul_(d).add_(x, alpha=1 - d)``), attention's keyword-only
+#: softmax scale (its rule runs a per-model one model by model).
 SCALAR_KEYWORDS = {torch.clamp: ("min", "max"), torch.clip: ("min", "max"),
                    "clamp": ("min", "max"), "clip": ("min", "max"),
                    torch.clamp_min: ("min",), torch.clamp_max: ("max",),
                    "clamp_min": ("min",), "clamp_max": ("max",),
                    torch.lerp: ("weight",), "lerp": ("weight",), "lerp_": ("weight",),
                    **{op: ("alpha",) for op in (torch.add, torch.sub, "add", "sub", "add_",
-                                                "sub_")}}
+                                                "sub_")},
+                   F.scaled_dot_product_attention: ("scale",)}
 
 
 def canonical_args(node: fx.Node, soft: PerModelTable) -> tuple:

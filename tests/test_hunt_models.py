@@ -391,3 +391,27 @@ def test_a_per_model_number_in_size_arithmetic_is_never_model_0s():
     for i, m in enumerate(models):
         torch.testing.assert_close(out[i], m(x))
     assert fused.plan.chosen == "model_loop"
+
+
+class ScaledAttention(nn.Module):
+    """Attention at a per-model softmax scale (a muP sweep: 1 / d against 1 / sqrt(d))."""
+
+    def __init__(self, scale):
+        super().__init__()
+        self.scale = scale
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_model_attention_scale_fuses_around_sdpa(dtype):
+    """F.scaled_dot_product_attention(..., scale=self.scale) at per-model scales was a
+    MismatchError; now the models fuse and only the attention call runs per model."""
+    models = [ScaledAttention(s) for s in (0.25, 0.5, 1.0)]
+    fused = check_equivalence(models, torch.randn(2, 5, 8), dtype=dtype, steps=2)
+    assert [r.reason for r in fused.fusion_report.fallbacks] == ["a per-model attention scale"]
