@@ -54,6 +54,26 @@ def test_drop_path_draws_each_model_at_its_own_rate():
     torch.testing.assert_close(fused(x), x.expand(3, -1, -1))
 
 
+class OwnMask(nn.Module):
+    """A mask drawn into a tensor of the model's own (not a shared new_empty)."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.empty_like(self.fc(x)).bernoulli_(1 - self.p)
+
+
+def test_bernoulli_into_a_per_model_tensor_at_per_model_rates():
+    fused = hftc.fuse([OwnMask(p) for p in RATES])
+    masks = fused(torch.randn(20000, 4))
+    assert fused.fusion_report.fallbacks == []
+    for i, p in enumerate(RATES):
+        assert abs((masks[i] == 0).double().mean().item() - p) < 0.02
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_convnext_per_model_drop_path_and_layer_scale(dtype):
     """Forward, backward and two SGD steps, with every draw made a constant on both sides
