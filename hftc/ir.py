@@ -23,6 +23,7 @@ import sys
 import sysconfig
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -280,6 +281,24 @@ def apply_function(function: type, *args: Any, **kwargs: Any) -> Any:
     """``function.apply(*args)``: a custom ``torch.autograd.Function`` of the models' code
     as one node of a graph (:func:`bind` names it per class); it runs per model."""
     return function.apply(*args, **kwargs)
+
+
+def reentrant_checkpoint_output(output: Any, *inputs: Any) -> Any:
+    """``torch.utils.checkpoint(fn, *inputs, use_reentrant=True)``'s output, given
+    ``fn(*inputs)``: where no tensor input requires grad, torch's CheckpointFunction gives
+    an output without gradient (fn's parameters get none, with torch's warning), so the
+    output is detached as torch's is::
+
+        fn(x) with x.requires_grad   -> fn(x)
+        fn(x), x without grad        -> fn(x).detach()   (warns as torch does)
+    """
+    leaves = torch.utils._pytree.tree_leaves(inputs)
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        return output
+    if torch.is_grad_enabled():  # torch's own message (torch/utils/checkpoint.py)
+        warnings.warn("None of the inputs have requires_grad=True. Gradients will be None",
+                      stacklevel=2)
+    return output.detach() if isinstance(output, torch.Tensor) else output
 
 
 def bind(kernel: Callable[..., Any], fn: Any) -> Callable[..., Any]:

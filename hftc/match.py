@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -112,12 +113,38 @@ def function_name(target: Any) -> str | None:
         return None
     return f"{target.__module__}.{target.__qualname__}"
 
+#: Comparisons, whose float threshold may differ between models (a bool result).
+COMPARISONS = (operator.gt, operator.ge, operator.lt, operator.le, torch.gt, torch.ge,
+               torch.lt, torch.le, "gt", "ge", "lt", "le", "__gt__", "__ge__", "__lt__",
+               "__le__")
+
 #: Arithmetic whose float constants may differ between models (a per-model scale).
 SCALAR_ARITHMETIC = {
     operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub,
     torch.mul, torch.div, "add", "sub", "mul", "div", "__mul__", "__rmul__", "__add__",
     "__radd__", "__sub__", "__rsub__", "__truediv__", "__rtruediv__",
+    # in place: timm's drop_path scales its mask by ``random_tensor.div_(keep_prob)``
+    "add_", "sub_", "mul_", "div_",
+    # a per-model exponent (timm's GeM pooling: ``x.clamp(min=eps).pow(self.p)``)
+    torch.pow, "pow", operator.pow, "__pow__",
+    # an EMA at a per-model decay: ``self.shadow.lerp_(x, 1 - self.decay)``
+    torch.lerp, "lerp", "lerp_",
+    # a per-model threshold: ``h * (h > self.threshold)``
+    *COMPARISONS,
 }
+
+#: Ops whose float arguments given by keyword may differ between models too: bounds
+#: (``torch.clamp(x, min=self.lo, max=self.hi)``), an interpolation weight, the scale of an
+#: added operand (``self.shadow.mul_(d).add_(x, alpha=1 - d)``), attention's keyword-only
+#: softmax scale (its rule runs a per-model one model by model).
+SCALAR_KEYWORDS = {torch.clamp: ("min", "max"), torch.clip: ("min", "max"),
+                   "clamp": ("min", "max"), "clip": ("min", "max"),
+                   torch.clamp_min: ("min",), torch.clamp_max: ("max",),
+                   "clamp_min": ("min",), "clamp_max": ("max",),
+                   torch.lerp: ("weight",), "lerp": ("weight",), "lerp_": ("weight",),
+                   **{op: ("alpha",) for op in (torch.add, torch.sub, "add", "sub", "add_",
+                                                "sub_")},
+                   F.scaled_dot_product_attention: ("scale",)}
 
 
 def canonical_args(node: fx.Node, soft: PerModelTable) -> tuple:
@@ -148,10 +175,14 @@ def _soft_argument_keys(node: fx.Node, soft: PerModelTable) -> dict[ArgKey, Any]
             found[ArgKey(position=pos)] = args[pos]
         elif isinstance(node.kwargs.get(name), (int, float)):
             found[ArgKey(keyword=name)] = node.kwargs[name]
-    if node.target in SCALAR_ARITHMETIC and any(isinstance(a, fx.Node) for a in node.args):
+    scalar_op = node.target in SCALAR_ARITHMETIC or node.target in SCALAR_KEYWORDS
+    if scalar_op and any(isinstance(a, fx.Node) for a in node.args):
         for pos, a in enumerate(node.args):
             if isinstance(a, float):
                 found[ArgKey(position=pos)] = a
+        for name in SCALAR_KEYWORDS.get(node.target, ()):
+            if isinstance(node.kwargs.get(name), float):
+                found[ArgKey(keyword=name)] = node.kwargs[name]
     return found
 
 
@@ -220,11 +251,18 @@ def module_hyperparameters(module: nn.Module, soft: PerModelTable) -> dict[str, 
     left out, and so are the scalars that may differ per model (``p``, ``eps``).
     """
     differing = soft.module_attributes(module)
+    init_only = _INIT_ONLY.get(type(module), ())
     params = {
         k: _python_scalars(v) for k, v in vars(module).items()
         if not k.startswith("_") and k != "training" and k not in differing
+        and k not in init_only
     }
     return {k: v for k, v in sorted(params.items()) if _simple(v)}
+
+
+#: torch.nn attributes that only ``__init__`` / ``reset_parameters`` read: models that
+#: differ in one (a sweep over ``nn.PReLU(init=a)``) differ only in their weights' values.
+_INIT_ONLY: dict[type, tuple[str, ...]] = {nn.PReLU: ("init",)}
 
 
 def _python_scalars(value: Any) -> Any:
@@ -354,11 +392,12 @@ def node_signature(node: fx.Node, root: nn.Module,
     return sig
 
 
-def _argument_skeleton(node: fx.Node, soft: PerModelTable) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of ``node`` with each tensor argument :data:`_SLOT` and each
-    scalar that may differ per model :data:`_PER_MODEL`."""
+def _argument_skeleton(node: fx.Node, soft: PerModelTable,
+                       stand_ins: bool = True) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of ``node`` with each tensor argument :data:`_SLOT` and (with
+    ``stand_ins``) each scalar that may differ per model :data:`_PER_MODEL`."""
     args, kwargs = list(canonical_args(node, soft)), dict(node.kwargs)
-    for key in _soft_argument_keys(node, soft):  # scalars that may differ per model
+    for key in _soft_argument_keys(node, soft) if stand_ins else ():
         if key.keyword is None:
             args[key.position] = _PER_MODEL
         else:
@@ -498,16 +537,37 @@ def _argument_differences(node: fx.Node, reference: fx.Node, soft: PerModelTable
     that differ from model 0's (``<tensor>`` stands for a tensor argument)."""
     (args, kwargs), (args0, kwargs0) = (_argument_skeleton(node, soft),
                                         _argument_skeleton(reference, soft))
+    # Compared as skeletons; shown as the values ``x / 2.5`` and ``x / 1`` pass, not as the
+    # skeleton's stand-in for a per-model scalar (``<per-model scalar> vs 1``).
+    (shown, shown_kw), (shown0, shown0_kw) = (_argument_skeleton(node, soft, False),
+                                              _argument_skeleton(reference, soft, False))
     texts = []
     if len(args) != len(args0):
         texts.append(f"{len(args)} positional arguments vs {len(args0)}")
-    texts += [f"argument {k}: {_value_text(a)} vs {_value_text(b)}"
+    arithmetic = node.target in SCALAR_ARITHMETIC or node.target in SCALAR_KEYWORDS
+    arithmetic = arithmetic and any(isinstance(a, fx.Node) for a in node.args)
+    texts += [f"argument {k}: {_value_text(shown[k])} vs {_value_text(shown0[k])}"
+              f"{_as_floats(shown[k], shown0[k], _PER_MODEL in (a, b) or arithmetic)}"
               for k, (a, b) in enumerate(zip(args, args0)) if a != b]
-    texts += [f"argument `{key}`: {_value_text(kwargs.get(key, _ABSENT))} vs "
-              f"{_value_text(kwargs0.get(key, _ABSENT))}"
-              for key in dict.fromkeys([*kwargs, *kwargs0])
-              if kwargs.get(key, _ABSENT) != kwargs0.get(key, _ABSENT)]
+    floats_differ = SCALAR_KEYWORDS.get(node.target, ()) if arithmetic else ()
+    for key in dict.fromkeys([*kwargs, *kwargs0]):
+        a, b = kwargs.get(key, _ABSENT), kwargs0.get(key, _ABSENT)
+        if a != b:
+            mine, theirs = shown_kw.get(key, _ABSENT), shown0_kw.get(key, _ABSENT)
+            per_model = _PER_MODEL in (a, b) or key in floats_differ
+            texts.append(f"argument `{key}`: {_value_text(mine)} vs {_value_text(theirs)}"
+                         f"{_as_floats(mine, theirs, per_model)}")
     return texts
+
+
+def _as_floats(a: Any, b: Any, per_model: bool) -> str:
+    """The fix where models pass an int (``self.t = 1``) to an argument whose floats may
+    differ per model (``per_model``: ``x / self.t``): floats in every model."""
+    kinds = {type(v) for v in (a, b)}
+    if per_model and kinds <= {int, float} and int in kinds:
+        return (f" (a per-model number fuses as a float in every model: make them "
+                f"{float(a)!r} and {float(b)!r})")
+    return ""
 
 
 #: A signature entry one model has and the other lacks.

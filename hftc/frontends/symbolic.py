@@ -48,6 +48,7 @@ from ..ir import (
     enter_autocast,
     exit_autocast,
     is_user_file,
+    reentrant_checkpoint_output,
     set_training,
     user_frame_trace,
 )
@@ -289,8 +290,13 @@ class _Tracer(fx.Tracer):
                 # without gradient (and the end of fn's own no_grad as no_grad again,
                 # which left the caller's grad mode off).  The fused program keeps fn's
                 # activations (no recompute in backward: the memory it saves is not).
+                # Without an input that requires grad, torch's output has no gradient
+                # (each traced output goes through ir.reentrant_checkpoint_output).
                 function, _preserve_rng_state, *inputs = args
-                return function(*inputs)
+                return torch.utils._pytree.tree_map(
+                    lambda out: tracer.create_proxy(
+                        "call_function", reentrant_checkpoint_output, (out, *inputs), {})
+                    if isinstance(out, fx.Proxy) else out, function(*inputs))
             # Another Function given a callable is traced through, as before: its
             # callable is the model's own code, and what it computes is recorded op by
             # op (a change of grad mode inside it is refused: :meth:`_grad_mode_recorded`).
@@ -864,6 +870,11 @@ def trace_hint(exc: BaseException) -> str:
                 "average), which reads num_batches_tracked as a Python number: torch.export "
                 "cannot trace that. Fuse without example_inputs (the symbolic front-end "
                 "traces it), or give the batch norm a momentum.")
+    if "finfo" in str(exc) or "iinfo" in str(exc):  # torch.finfo(h.dtype): a traced dtype
+        return (" The line reads a tensor's dtype (torch.finfo(x.dtype)), which symbolic "
+                "tracing leaves unknown: pass example_inputs=(...) to hftc.fuse, which "
+                "traces forward with torch.export, or take the parameters' dtype "
+                "(next(self.parameters()).dtype, transformers' self.dtype).")
     if "Cache" in str(exc) and "pytree" in str(exc):
         return (" The models return a key/value cache object (Hugging Face's DynamicCache, "
                 "returned while use_cache is on), which is not a tensor structure: build them "
@@ -932,11 +943,18 @@ def source_line(exc: BaseException) -> str:
 
 _SIZE_READS = frozenset({"size", "dim", "numel", "ndimension", "nelement", "shape", "ndim"})
 
+#: A tensor's properties that forward may branch on (``if x.dtype == torch.float16``):
+#: torch.export knows them, symbolic tracing makes them traced values.
+_PROPERTY_READS = ("dtype", "device", "layout", "is_cuda", "is_sparse", "is_quantized",
+                   "requires_grad", "is_meta")
+_PROPERTY_METHODS = ("is_floating_point", "is_complex", "get_device", "is_contiguous")
+
 
 def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
     """What a traced value that Python's control flow asked about is made from, and the
     inputs involved: ``"size"`` (sizes and ranks of inputs: ``t <= block_size`` where
-    ``b, t = idx.size()``), ``"input"`` (an input itself: ``if has_mask:``) or
+    ``b, t = idx.size()``), ``"input"`` (an input itself: ``if has_mask:``), ``"property"``
+    (a dtype or device: ``if self.weight.dtype == torch.float16``, which export knows) or
     ``"value"`` (tensor values: ``x.sum() > 0``, a parameter, a random draw)."""
     inputs: list[str] = []
     kinds: set[str] = set()
@@ -950,8 +968,14 @@ def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
         size_read = (n.op == "call_method" and n.target in _SIZE_READS) or (
             n.op == "call_function" and n.target is getattr and n.args[1:2] in (("shape",),
                                                                                   ("ndim",)))
+        property_read = n.op == "call_function" and n.target is getattr and (
+            n.args[1:2] in [(name,) for name in _PROPERTY_READS]) or (
+            n.op == "call_method" and n.target in _PROPERTY_METHODS)
         if size_read:
             kinds.add("size")
+            inputs += [a.target for a in n.all_input_nodes if a.op == "placeholder"]
+        elif property_read:  # T5LayerNorm: `if self.weight.dtype in [torch.float16, ...]`
+            kinds.add("property")
             inputs += [a.target for a in n.all_input_nodes if a.op == "placeholder"]
         elif n.op == "placeholder":
             kinds.add("input")
@@ -961,8 +985,9 @@ def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
             stack.extend(n.all_input_nodes)
         else:
             kinds.add("value")
-    kind = next(k for k in ("value", "input", "size") if k in kinds | {"size"})
+    kind = next(k for k in ("value", "input", "property", "size") if k in kinds | {"size"})
     return kind, list(dict.fromkeys(inputs))
+
 
 
 def _traced_value_in(exc: BaseException) -> fx.Node | None:
@@ -992,6 +1017,11 @@ def _trace_advice(exc: BaseException, node: fx.Node | None) -> str:
                 f"unknown. Pass one call's inputs as example_inputs=(...) to hftc.fuse: "
                 f"torch.export then traces forward with real sizes (kept symbolic where the "
                 f"code allows).")
+    if kind == "property":
+        return ("This line decides on a tensor's dtype or device in Python, which symbolic "
+                "tracing leaves unknown. Pass one call's inputs as example_inputs=(...) to "
+                "hftc.fuse: torch.export then traces forward with the real tensors (or read "
+                "the property outside forward, in __init__).")
     if kind == "input":
         return (f"This line asks Python the truth of input {names}, which symbolic tracing "
                 f"makes a traced value. If it is a Python value (a flag, a number), give it a "
@@ -1062,11 +1092,25 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
         hint = trace_hint(exc)
         advice = hint.strip() if hint else _trace_advice(
             exc, tracer.undecidable or _traced_value_in(exc))
+        if type(model).__module__.startswith("torch.nn."):
+            # torch's own forward, which the user cannot rewrite: what to do instead
+            advice = _bare_module_advice(model)
         raise TraceError(
             f"model {index} ({type(model).__name__}) cannot be traced by "
             f"torch.fx.symbolic_trace{f' at {where}' if where else ''}: "
             f"{plain_message(exc)}. {advice}"
         ) from exc
+
+
+def _bare_module_advice(model: nn.Module) -> str:
+    """For a model that is a torch.nn module itself (``hftc.fuse([nn.LSTM(8, 4), ...])``),
+    whose forward, torch's, symbolic tracing cannot follow."""
+    cls = type(model).__name__
+    return (f"The model is torch.nn's own {cls}, whose forward (torch's code, not yours) "
+            f"checks its inputs in Python. Pass one call's inputs as example_inputs=(...) to "
+            f"hftc.fuse (torch.export traces that forward with real inputs), or fuse models "
+            f"of your own that hold the {cls} as a submodule (self.layer = nn.{cls}(...); "
+            f"forward returns self.layer(x)): hftc fuses it there as one op.")
 
 
 class _ModelValuesWatched(torch.overrides.TorchFunctionMode):

@@ -455,6 +455,13 @@ class ProgramCache:
                             input_copies(values), batched)
             how = ProgramChoice(self._models_one_by_one())
         except Exception as exc:  # noqa: BLE001 - any failure means: no correct way to run
+            if isinstance(exc, FusionError):
+                # hftc's own refusal names the cause and the fix (a buffer forward assigns
+                # anew at another shape: a cache grown in forward), which the fused
+                # program's difference follows from: it goes first
+                raise TraceError(f"The models can run neither fused nor one by one: "
+                                 f"{plain_message(exc)} (the fused program's check: "
+                                 f"{message})") from exc
             raise TraceError(f"{message} The models cannot run one by one either "
                              f"({plain_message(exc)})") from exc
         warnings.warn(f"hftc runs the {self.num_models} models one by one (not fused: no "

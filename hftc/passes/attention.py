@@ -44,7 +44,7 @@ from torch import nn
 
 from ..errors import UnsupportedOperatorError
 from ..frontends.symbolic import encoder_nested_padding
-from ..ir import bind_arguments
+from ..ir import ArgKey, bind_arguments
 from ..lowering.runtime import attention as rt_attention
 from . import padded
 from .registry import ATTENDS, FusionGroup, GraphBuilder, NotFusable, Widens, rule
@@ -126,6 +126,10 @@ def fuse_scaled_dot_product_attention(group: FusionGroup, builder: GraphBuilder)
     if group.per_model_values("dropout_p") is not None:
         # one SDPA call takes one rate: models with their own run one by one
         raise NotFusable("a per-model attention dropout rate")
+    if ArgKey(keyword="scale") in group.per_model:  # keyword-only: match.SCALAR_KEYWORDS
+        # a sweep over the softmax scale (muP's 1 / d against 1 / sqrt(d)): one SDPA call
+        # takes one scale, so the models run it one by one, the rest fused
+        raise NotFusable("a per-model attention scale")
     fused, _ = _bind(group, F.scaled_dot_product_attention)
     flags = tuple(builder.is_batched(fused[name]) for name in
                   ("query", "key", "value", "attn_mask"))

@@ -303,8 +303,10 @@ class _Fusion:
             # each model draws its own, into its own copy, which later reads of the
             # tensor see too.
             builder.current_rule = rule_name = "per_model_draw"
-            own = _per_model_copy(node, group, builder, env)
-            new = builder.method(node.target, own, *group.args[1:], **group.kwargs)
+            new, reason = _draw_into_own_copy(entry, group, builder, env)
+            if new is None:
+                self.unsupported.append(f"{describe_node(node)}: {reason}")
+                new, kind = builder.copy(group, batched=False), "refused"
         elif writes_shared:
             self.unsupported.append(
                 f"{describe_node(node)}: in-place `{node.target}` writes a value shared by "
@@ -325,6 +327,23 @@ class _Fusion:
             node.name, describe_node(node, self.graph_module), kind, rule_name,
             [m.name for m in made], reason, names, new.name if isinstance(new, fx.Node) else "",
             shape_text(node.meta.get(EXAMPLE_VALUE), kind != "shared")))
+
+
+def _draw_into_own_copy(entry: RuleEntry | None, group: FusionGroup, builder: GraphBuilder,
+                        env: dict[fx.Node, Any]) -> tuple[fx.Node | None, str]:
+    """A draw into a shared tensor, into each model's own copy::
+
+        t.normal_()         -> own = t expanded to [N, ...], cloned; own.normal_()
+        t.bernoulli_(p_n)   -> the rule's draw into own, each model at its own p_n
+
+    A per-model argument goes to the op's rule: the plain method would draw every model
+    at model 0's value."""
+    node = group.node
+    own = _per_model_copy(node, group, builder, env)
+    if not group.per_model:
+        return builder.method(node.target, own, *group.args[1:], **group.kwargs), ""
+    return _apply_rule(entry, FusionGroup(node, group.nodes, (own, *group.args[1:]),
+                                          group.kwargs, group.module), builder)
 
 
 def _apply_rule(entry: RuleEntry | None, group: FusionGroup,

@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..frontends.export import Emitter, aten_name
-from ..ir import EXAMPLE_VALUE, TORCH_RANDOM_DRAWS, bind_arguments
+from ..ir import EXAMPLE_VALUE, TORCH_RANDOM_DRAWS, ArgKey, bind_arguments
 from ..lowering.runtime import differing_ops as rt_differing_ops
 from ..lowering.runtime import layout as rt_layout
 from ..lowering.runtime import per_model as rt_per_model
 from ..lowering.runtime import random as rt_random
+from ..match import COMPARISONS
 from .registry import (
     EXACT,
     MOVES,
@@ -139,6 +140,10 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if not _is_tensor(out):
         if isinstance(out, (tuple, list)) or out is None:
             raise NotFusable("elementwise op with a non-tensor result")
+        if group.per_model:
+            # x.shape[-1] ** -0.5 / self.t: a Python number per model, which the copy
+            # below would compute with model 0's t for all
+            raise NotFusable("Python arithmetic on sizes with a per-model number")
         return builder.copy(group, batched=builder.is_batched((group.args, group.kwargs)))
     if group.node.target == "where" or group.node.target is torch.where:
         if len(group.args) + len(group.kwargs) == 1:
@@ -159,21 +164,43 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     # A float constant that differs per model (x * 0.5 in one, x * 0.7 in another) becomes
     # a [N, 1, ..., 1] tensor of the dtype the Python scalar would have promoted to.
     if group.per_model:
+        if isinstance(group.node.target, str) and group.node.target.endswith("_") and (
+                args[0] not in builder.batched):
+            # x.div_(p_n) on a tensor the models share would write N values into one
+            raise NotFusable("an in-place op with per-model scalars on a shared tensor")
         like = next(f for f, o in zip(args, group.node.args)
                     if isinstance(o, fx.Node) and _is_tensor(o.meta.get(EXAMPLE_VALUE)))
+        if not out.is_floating_point() and group.node.target not in COMPARISONS:
+            # a tensor of bounds would promote an integer result to float
+            raise NotFusable("per-model float constants of an op with a non-float result")
         for pos in range(len(args)):
             values = group.per_model_arg(pos, "")
             if values is not None:
                 args[pos] = builder.call(rt_per_model.scalars, tuple(values), like, rank)
+        for name in group.per_model_keywords():  # clamp(x, min=lo_n, max=hi_n)
+            values = group.per_model[ArgKey(keyword=name)]
+            kwargs[name] = builder.call(rt_per_model.scalars, tuple(values), like, rank)
+        if "alpha" in group.per_model_keywords():
+            # add(x, y, alpha=a_n) takes only a number: x + y * a, a a [N, 1, ...] tensor
+            args[1] = builder.call(operator.mul, args[1], kwargs.pop("alpha"))
     aligned = FusionGroup(group.node, group.nodes, tuple(args), kwargs, group.module)
     return builder.copy(aligned, batched=True)
 
 
 def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``torch.rand_like(x)`` and the random methods (``x.bernoulli_()``): a shared input
-    is expanded so every model draws its own numbers; the op runs on the fused tensor."""
+    is expanded so every model draws its own numbers; the op runs on the fused tensor.
+    A per-model probability (timm's ``drop_path`` at each model's rate)::
+
+        x.bernoulli_(p_n)  ->  random.per_model_bernoulli_(x [N, ...], (p_0, ..., p_N-1))
+    """
     if group.per_model:
-        raise NotFusable("per-model arguments of a random op")
+        p = group.per_model_arg(1, "p")
+        if group.node.target != "bernoulli_" or p is None or len(group.per_model) > 1 or any(
+                isinstance(v, fx.Node) for v in p):
+            raise NotFusable("per-model arguments of a random op")
+        return builder.call(rt_random.per_model_bernoulli_, builder.broadcast(group.args[0]),
+                            tuple(p))
     args = (builder.broadcast(group.args[0]), *group.args[1:])
     return builder.copy(FusionGroup(group.node, group.nodes, args, group.kwargs, group.module),
                         batched=True)
@@ -427,9 +454,17 @@ for _fn, (_cls, _torch_fn) in _DROPOUTS.items():
     rule(*_keys, name=f"fuse_dropout[{_fn.__name__}]", random=True, per_model=("p",),
          aten=EXPORTED_AS.get(_fn), padding=EXACT,
          differing_op=_differing_ops(_keys))(fuse_dropout)
-for _name in ("dropout", "dropout_", "bernoulli", "bernoulli_", "uniform_", "normal_"):
+for _name in ("dropout", "dropout_", "bernoulli", "uniform_", "normal_"):
     rule(("call_method", _name), name=f"fuse_random[{_name}]", random=True,
          padding=EXACT if _name.startswith("dropout") else None)(fuse_random)
+
+
+def _bernoulli_signature(self, p=0.5, *, generator=None):
+    """``Tensor.bernoulli_``'s parameters (for ``per_model``'s positions)."""
+
+
+rule(("call_method", "bernoulli_"), name="fuse_random[bernoulli_]", random=True,
+     per_model=("p",), signature=_bernoulli_signature)(fuse_random)
 for _name in ("new_zeros", "new_ones", "new_full", "new_empty", "new_tensor"):
     rule(("call_method", _name), name=f"fuse_new_tensor[{_name}]")(fuse_new_tensor)
 

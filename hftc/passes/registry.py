@@ -101,6 +101,11 @@ class FusionGroup:
         values = self.per_model
         return values.get(ArgKey(position=position), values.get(ArgKey(keyword=name)))
 
+    def per_model_keywords(self) -> set[str]:
+        """The names of the per-model arguments the call passes by keyword."""
+        return {key.keyword for key in self.per_model
+                if isinstance(key, ArgKey) and key.keyword is not None}
+
     def per_model_values(self, name: str) -> list | None:
         """The per-model values of hyper-parameter ``name`` (a module's attribute or a
         function's argument, however the call passed it), or None if the models agree."""
@@ -372,7 +377,8 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
                 continue
             try:
                 positions = [parameter_position(entry.signature_of(target), p)
-                             for p in per_model] if op == "call_function" else [None]
+                             for p in per_model] if op == "call_function" or (
+                                 op == "call_method" and entry.signature) else [None]
             except KeyError as missing:
                 positions = [None]
                 what = f"has no parameter {missing}"

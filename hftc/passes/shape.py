@@ -397,6 +397,10 @@ def _index_is_fusable(group: FusionGroup, builder: GraphBuilder) -> None:
         raise NotFusable("advanced indices separated by slices move their dims to the front")
 
 
+#: Index tensors that pick elements (a bool or uint8 one is a mask).
+_INTEGER_INDICES = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
 @rule(("call_function", operator.getitem),
       aten={aten.slice: slice_as_getitem, aten.index: index_as_getitem}, padding=MOVES)
 def fuse_getitem(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
@@ -404,8 +408,23 @@ def fuse_getitem(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     if not isinstance(container, torch.Tensor):  # a tuple/list/Size of per-model values
         batched = builder.is_batched(group.args[0]) and _has_tensor(group.example)
         return builder.copy(group, batched=batched)
+    index = group.node.args[1]
+    example = index.meta.get(EXAMPLE_VALUE) if isinstance(index, fx.Node) else None
+    if builder.is_batched(group.args[1]) and isinstance(example, torch.Tensor) and (
+            example.dtype in _INTEGER_INDICES):
+        # Swin's relative_position_bias_table[self.relative_position_index.view(-1)]: a
+        # stacked index buffer picks rows of each model's own table
+        return builder.call(rt_spatial.getitem_per_model, builder.broadcast(group.args[0]),
+                            group.args[1])
     _index_is_fusable(group, builder)
     return builder.call(rt_spatial.getitem, group.args[0], group.args[1])
+
+
+@rule(("call_function", ir.reentrant_checkpoint_output), padding=EXACT)
+def fuse_reentrant_checkpoint_output(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
+    """The gate of a reentrant checkpoint's output (:func:`hftc.ir.reentrant_checkpoint_
+    output`) on the fused values: whether an input requires grad is the same for all N."""
+    return builder.copy(group, batched=builder.is_batched(group.args[0]))
 
 
 @rule(("call_function", rt_guards.check_input_shape))

@@ -56,9 +56,12 @@ def _stack_results(outs: list[Any], name: str) -> Any:
                 raise RaggedResultError(
                     f"`{name}` returned different Python values for different models "
                     f"({column}), which one fused program cannot hold (.item() of a "
-                    f"per-model tensor, a size that depends on the data). The fused module "
-                    f"runs the models one by one where its first call finds this; to fuse "
-                    f"them, compute with the tensor instead of its Python value"
+                    f"per-model tensor, a size that depends on the data, a model's own "
+                    f"number in arithmetic on a size: x.shape[-1] ** -0.5 / self.t). The "
+                    f"fused module runs the models one by one where its first call finds "
+                    f"this; to fuse them, compute with the tensor instead of its Python "
+                    f"value (h * x.shape[-1] ** -0.5 / self.t: the tensor first, each "
+                    f"model's number then scales it)"
                 )
             stacked.append(leaf)
     return pytree.tree_unflatten(stacked, out_spec)

@@ -281,13 +281,17 @@ class OneByOne:
                 what = ("None" if new is None else f"a {type(new).__name__}" if not
                         isinstance(new, Tensor) else f"{list(new.shape)} {new.dtype}")
                 kind = "buffer" if name in self.buffer_names else "parameter"
+                grown = isinstance(new, Tensor) and new.dtype == slice_.dtype and (
+                    new.dim() == slice_.dim())
+                hint = (" (a cache that forward grows, as transformers' rotary cos/sin "
+                        "cache did: make it at its largest size in __init__)") if grown else ""
                 raise TraceError(
                     f"model {i}'s {method} assigns its {kind} `{name}` anew ({what}, where "
                     f"the fused module stacks one of {list(slice_.shape)} {slice_.dtype} per "
                     f"model); hftc runs these models one by one on its stacked tensors and "
                     f"can keep only a {kind} of the same shape and dtype. Update it in "
                     f"place ({name.rpartition('.')[2]}.copy_(...), .mul_(...)), or keep "
-                    f"its shape and dtype")
+                    f"its shape and dtype{hint}")
             with torch.no_grad():
                 slice_.copy_(new)
 

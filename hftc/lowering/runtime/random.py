@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .per_model import scalars
+from .per_model import scalars, values_on
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Tensor:
@@ -96,6 +96,13 @@ def per_model_dropout(x: Tensor, p: Sequence[float], training: bool, *,
     # x * (mask * scale), one pass over x forward and backward: mask is 0 or 1, so the
     # values are x * mask * scale's bit for bit.
     return x * mask.mul_(scale)
+
+
+def per_model_bernoulli_(x: Tensor, p: Sequence[float]) -> Tensor:
+    """``x_n.bernoulli_(p_n)`` for each model n's slice of the stacked ``[N, ...]`` x, in
+    place (timm's ``drop_path`` draws its mask so, at each model's own rate)."""
+    keep = values_on(list(p), torch.float64, x.device).reshape(len(p), *[1] * (x.dim() - 1))
+    return x.copy_(bernoulli_mask(x.shape, keep, x))
 
 
 def stochastic_depth(x: Tensor, p: Sequence[float], mode: str) -> Tensor:

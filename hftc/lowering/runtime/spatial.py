@@ -251,6 +251,16 @@ def getitem(x: Tensor, index: Any) -> Tensor:
     return x[(slice(None), *index)]
 
 
+def getitem_per_model(x: Tensor, index: Tensor) -> Tensor:
+    """``x_n[index_n]`` for every model n, one integer index tensor each::
+
+        x [N, R, ...], index [N, *I]  ->  x[arange(N).view(N, 1, ...), index]  [N, *I, ...]
+    """
+    n = x.shape[0]
+    rows = torch.arange(n, device=x.device).view(n, *[1] * (index.dim() - 1))
+    return x[rows, index]
+
+
 def stack_or_cat(fn: Callable[..., Tensor], tensors: Sequence[Any], dim: int,
                  batched: Sequence[bool]) -> Tensor:
     """``torch.cat`` / ``torch.stack`` of batched and shared tensors: shared ones are expanded."""
