@@ -59,6 +59,8 @@ from .arrays import Arrays, FusedArray, LiveTrial, finite_models
 from .clock import before_sweep
 from .collector import frozen_objects, paused_collection
 from .decisions import Decisions
+from .fingerprint import ATTR as FINGERPRINT
+from .fingerprint import check_same_spec, spec_fingerprint
 from .recovery import Recovery, try_lock
 from .sampling import TrialSeededSampler
 from .spec import SpecError, SweepSpec, hook_name
@@ -280,6 +282,7 @@ class Sweep(Recovery, Arrays, Decisions):
             study_name=self.study_name, storage=self.storage, load_if_exists=True,
             direction=self.spec.direction, sampler=sampler, pruner=make_pruner(self.spec),
         )
+        self._same_spec()
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Made under a hidden name, locked, then renamed: no other worker ever sees this
         # folder unlocked (and takes it for a dead one).
@@ -300,6 +303,21 @@ class Sweep(Recovery, Arrays, Decisions):
                 self.study.sampler.reseed_rng()
         self.heartbeat = Heartbeat(self.storage, self.heartbeat_interval)
         self.heartbeat.start()
+
+    def _same_spec(self) -> None:
+        """The spec the study's trials trained with is this one (fingerprint.py): a resume
+        or a rerun after an edit of the spec is refused, not mixed into one study; a new
+        study records it."""
+        recorded = self.study.user_attrs.get(FINGERPRINT)
+        if recorded is None:
+            self.study.set_user_attr(FINGERPRINT, spec_fingerprint(self.spec))
+            return
+        where = self.out if self.default_storage else masked_url(self.storage_url)
+        constants = check_same_spec(recorded, self.spec, self.study_name, str(where))
+        if constants:
+            self._warn(f"the sweep {self.study_name!r} in {where} was started with other "
+                       f"values of the spec's module constants: {'; '.join(constants)}; its "
+                       f"resumed and new trials train with these")
 
     def _nothing_to_resume(self) -> SweepError:
         db = self.out / "study.db"

@@ -1,0 +1,95 @@
+"""Bugs found hunting through fused Optuna sweeps end to end (specs, the command line,
+kill and resume, the Python API)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+
+import hftc.sweep as hs
+from hftc.errors import SweepError, SweepWarning
+
+SPEC = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+name = "edited"
+epochs = 1
+batch_size = 16
+n_trials = 2
+per_array = 2
+pruner = "none"
+dtype = torch.float64
+HIDDEN = 8
+ACTS = {"relu": nn.ReLU, "tanh": nn.Tanh}
+
+
+class Net(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.fc1 = nn.Linear(6, HIDDEN)
+        self.act = ACTS[act]()
+        self.fc2 = nn.Linear(HIDDEN, 3)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def space(trial):
+    return {"lr": trial.suggest_float("lr", 0.01, 0.5, log=True),
+            "act": trial.suggest_categorical("act", ["relu", "tanh"])}
+
+
+def model(params):
+    return Net(params["act"])
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return (x[:48], y[:48]), (x[48:], y[48:])
+'''
+
+
+def _run(tmp_path: Path, source: str, **kwargs):
+    path = tmp_path / "spec.py"
+    path.write_text(source)
+    return hs.run(str(path), out=tmp_path / "out", estimate=False, **kwargs)
+
+
+@pytest.mark.parametrize("edit, said", [
+    (("0.01, 0.5, log=True", "0.001, 0.05, log=True"), "spec.space"),   # another range
+    (("self.fc2(self.act(", "self.fc2(0.5 * self.act("), "spec.model"),   # the class it builds
+    (('"tanh": nn.Tanh}', '"tanh": nn.GELU}'), "spec.model"),             # a class it picks
+    (("epochs = 1", "epochs = 2"), "epochs was 1, now 2"),
+    (("batch_size = 16", "batch_size = 8"), "batch_size was 16, now 8"),
+])
+def test_a_sweep_continued_with_an_edited_spec_is_refused(tmp_path: Path, edit, said):
+    """Before: a sweep extended (--trials) or resumed (--resume) after an edit of its spec
+    trained the new trials with the edited spec, silently, in the same study: trials of
+    another search space, model, or number of epochs ranked side by side (Optuna only
+    warned of 'inconsistent parameter values' for an edited range)."""
+    first = _run(tmp_path, SPEC)
+    assert len(first.study.trials) == 2
+    with pytest.raises(SweepError, match="started with another spec") as info:
+        _run(tmp_path, SPEC.replace(*edit), n_trials=4)
+    assert said in str(info.value) and "another --out, or --study" in str(info.value)
+    study = optuna.load_study(study_name="edited",
+                              storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
+    assert len(study.trials) == 2  # nothing asked with the edited spec
+
+
+def test_a_sweep_continued_with_the_same_spec_goes_on(tmp_path: Path):
+    """What does not change a trial is no edit: comments, moved lines, n_trials,
+    per_array; a module constant the spec reads (a knob from the environment) is said."""
+    _run(tmp_path, SPEC)
+    moved = "\n\n# the same spec, commented\n" + SPEC.replace("    return Net(", "    # here\n    return Net(")
+    result = _run(tmp_path, moved, n_trials=3, per_array=3)
+    assert len(result.study.trials) == 3
+    with pytest.warns(SweepWarning, match="HIDDEN was 8, now 12"):
+        result = _run(tmp_path, SPEC.replace("HIDDEN = 8", "HIDDEN = 12"), n_trials=4)
+    assert len(result.study.trials) == 4
