@@ -461,12 +461,15 @@ class Sweep(Recovery, Arrays, Decisions):
                 with contextlib.suppress(AttributeError):
                     exc.hftc_trial = trial.number
                 if not isinstance(exc, SpecError):  # the spec's own code raised: its traceback
+                    others = [r.number for r in self.live]
+                    kept = (f"; trials {others} are not failed: rerun with --resume to continue "
+                            f"them from their last epoch" if others else "")
                     exc.add_note(  # stays, said for which trial (its params) and what now
                         f"hftc sweep: raised while starting trial {trial.number} (params "
                         f"{trial.params}) in the spec's space(), model(), optimizer() or "
-                        f"scheduler() (the traceback's last lines); its live trials are failed "
-                        f"with this reason. Make the spec's function take these params, or "
-                        f"leave them out of space()")
+                        f"scheduler() (the traceback's last lines); that trial is failed"
+                        f"{kept}. Make the spec's function take these params, or leave them "
+                        f"out of space()")
                 raise
             self.live.append(run)
             came = True
@@ -761,6 +764,12 @@ class Sweep(Recovery, Arrays, Decisions):
             # A bug in the spec (or ours) would fail the same way on every retry: fail the
             # live trials for good, with the reason, instead of leaving them to be retried.
             culprit = getattr(exc, "hftc_trial", None)  # set where one trial's code raised
+            if culprit is not None and not isinstance(exc, SpecError):
+                # One trial's params made the spec's code raise (an out-of-memory model, a
+                # value it cannot take): that trial alone fails, as in study.optimize, and
+                # the others stay RUNNING in the manifest, their last epoch checkpointed
+                # (--resume continues them), not failed for another trial's error.
+                raise
             for run in list(self.live):
                 reason = f"error: {type(exc).__name__}: {exc}"
                 if culprit is not None and culprit != run.number:
