@@ -93,3 +93,17 @@ def test_a_sweep_continued_with_the_same_spec_goes_on(tmp_path: Path):
     with pytest.warns(SweepWarning, match="HIDDEN was 8, now 12"):
         result = _run(tmp_path, SPEC.replace("HIDDEN = 8", "HIDDEN = 12"), n_trials=4)
     assert len(result.study.trials) == 4
+
+
+def test_numpy_values_for_an_array_of_one_trial():
+    """``array.report(losses.numpy(), step)`` once the array was down to one trial (the
+    others pruned) raised NumPy 2's "TypeError: only 0-dimensional arrays can be converted
+    to Python scalars" from inside hftc: a NumPy array of shape [1] is that trial's value,
+    as a tensor of shape [1] is."""
+    import numpy as np
+
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    array = hs.TrialArray(study, [study.ask()])
+    assert array.report(np.array([0.5]), step=0) == []
+    array.finish(np.array([0.25]))
+    assert study.trials[0].intermediate_values == {0: 0.5} and study.trials[0].value == 0.25

@@ -117,7 +117,7 @@ def _scalar(value: Any) -> float | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value)
     if hasattr(value, "ndim") and getattr(value, "size", None) == 1:  # a NumPy array
-        return float(value)
+        return float(value.item())  # (NumPy 2 refuses float() of an array of shape [1])
     return None
 
 
