@@ -107,3 +107,20 @@ def test_numpy_values_for_an_array_of_one_trial():
     assert array.report(np.array([0.5]), step=0) == []
     array.finish(np.array([0.25]))
     assert study.trials[0].intermediate_values == {0: 0.5} and study.trials[0].value == 0.25
+
+
+def test_values_with_their_graph_are_taken_without_a_warning():
+    """``array.report([loss_j for loss_j in losses], step)`` with the losses still
+    attached to their graph made torch warn, from inside hftc, that a tensor requiring
+    grad was converted to a scalar: the values are read detached."""
+    import warnings
+
+    import torch
+
+    study = optuna.create_study(pruner=optuna.pruners.NopPruner())
+    array = hs.TrialArray(study, [study.ask(), study.ask()])
+    w = torch.ones(2, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        array.report([w[0] * 0.5, w[1] * 0.25], step=0)
+    assert [t.intermediate_values for t in study.trials] == [{0: 0.5}, {0: 0.25}]

@@ -115,7 +115,7 @@ def _scalar(value: Any) -> float | None:
     if isinstance(value, numbers.Real):
         return float(value)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value)
+        return float(value.detach())  # (a loss with its graph: no autograd warning)
     if hasattr(value, "ndim") and getattr(value, "size", None) == 1:  # a NumPy array
         return float(value.item())  # (NumPy 2 refuses float() of an array of shape [1])
     return None
