@@ -62,7 +62,7 @@ from .decisions import Decisions
 from .fingerprint import ATTR as FINGERPRINT
 from .fingerprint import check_same_spec, spec_fingerprint
 from .recovery import Recovery, try_lock
-from .sampling import TrialSeededSampler
+from .sampling import TrialSeededSampler, grid_left
 from .spec import SpecError, SweepSpec, hook_name
 from .storage import Heartbeat, count_trials, make_pruner, make_sampler, make_storage, masked_url
 from .training import (
@@ -448,9 +448,12 @@ class Sweep(Recovery, Arrays, Decisions):
                     room, max(1, spec.per_array // REFILL_PARTS)):
                 break
             first = False
-            exhausted = getattr(self.study.sampler, "is_exhausted", None)
-            if room == 0 or (exhausted is not None and exhausted(self.study)):
-                break  # (a GridSampler whose every point is taken would repeat one)
+            if room == 0 or (grid_left(self.study) == 0
+                             and count_trials(self.study)["waiting"] == 0):  # (retries run)
+                # A GridSampler whose every point is taken, by finished or running trials,
+                # would hand out a running one again (its is_exhausted counts the finished
+                # only): the grid's points once each, as study.optimize and --serial.
+                break
             room -= 1
             trial = self.study.ask()
             self.heartbeat.add(trial._trial_id)
