@@ -124,3 +124,25 @@ def test_values_with_their_graph_are_taken_without_a_warning():
         warnings.simplefilter("error")
         array.report([w[0] * 0.5, w[1] * 0.25], step=0)
     assert [t.intermediate_values for t in study.trials] == [{0: 0.5}, {0: 0.25}]
+
+
+def test_an_optimizer_on_another_modules_parameters_is_a_spec_error(tmp_path: Path):
+    """``optimizer(params, module)`` building its optimizer on ``model(params)`` (a new
+    module, not the one given) was refused from inside the fusing, as a FusionArgumentError
+    about ``optimizers[0]`` and ``models[i]`` passed to ``hftc.fuse``, which the spec never
+    calls; alone (``train_alone``) it trained weights the model does not use. Now a
+    SpecError names spec.optimizer and its line, fused and alone alike."""
+    from hftc.errors import SpecError
+
+    source = SPEC + '''
+
+def optimizer(params, module):
+    return torch.optim.SGD(model(params).parameters(), lr=params["lr"])
+'''
+    with pytest.raises(SpecError, match=r"spec\.optimizer \(.*spec\.py:\d+\) returned the "
+                                        r"optimizer on a tensor .* not a parameter of the "
+                                        r"module it was given"):
+        _run(tmp_path, source)
+    spec = hs.load_spec(tmp_path / "spec.py")
+    with pytest.raises(SpecError, match="not a parameter of the module it was given"):
+        hs.train_alone(spec, {"lr": 0.1, "act": "relu"}, 0, [0])

@@ -343,7 +343,29 @@ def make_optimizers(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
         got = type(bad[0]).__name__ if bad else "an empty list"
         raise SpecError(f"{hook_name('optimizer', spec.optimizer)} returned {got}; return a "
                         f"torch.optim optimizer on the module's parameters, or a list of them")
+    _check_own_parameters(spec, optimizers, model)
     return optimizers
+
+
+def _check_own_parameters(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer],
+                          model: nn.Module) -> None:
+    """Every tensor an optimizer steps is a parameter of the trial's module: one on another
+    module's (``model(params).parameters()``, a module of the spec's top level) would train
+    weights the trial never uses, alone as fused (where hftc.fuse_optimizers' own error
+    named no spec function)."""
+    own = {id(p) for p in model.parameters()}
+    for k, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                if id(p) in own:
+                    continue
+                which = f"optimizer {k}" if len(optimizers) > 1 else "the optimizer"
+                raise SpecError(
+                    f"{hook_name('optimizer', spec.optimizer)} returned {which} on a tensor "
+                    f"(#{i} of its param group, shape {list(p.shape)}) that is not a "
+                    f"parameter of the module it was given: the trial would not train its "
+                    f"own weights; build it on module.parameters() (or a part of them), "
+                    f"not on another module's")
 
 
 def check_fusable(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer]) -> None:
