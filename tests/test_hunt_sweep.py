@@ -146,3 +146,19 @@ def optimizer(params, module):
     spec = hs.load_spec(tmp_path / "spec.py")
     with pytest.raises(SpecError, match="not a parameter of the module it was given"):
         hs.train_alone(spec, {"lr": 0.1, "act": "relu"}, 0, [0])
+
+
+def test_the_same_spec_object_run_again_in_one_process_is_the_same_spec(tmp_path: Path):
+    """A notebook's habit: run(spec), interrupted or done, then run(spec, ...) again with
+    the same objects; a pruner that sets its own attributes as it runs (hyperband's
+    brackets, made at its first call) or a loss object are no edit of the spec."""
+    import torch
+
+    path = tmp_path / "spec.py"
+    path.write_text(SPEC)
+    spec = hs.load_spec(path).replace(
+        pruner=optuna.pruners.HyperbandPruner(min_resource=1, max_resource=2), epochs=2,
+        loss=torch.nn.CrossEntropyLoss(label_smoothing=0.1))
+    hs.run(spec, out=tmp_path / "out", estimate=False)
+    result = hs.run(spec, out=tmp_path / "out", estimate=False, n_trials=4)
+    assert len(result.study.trials) == 4

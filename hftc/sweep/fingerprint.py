@@ -16,7 +16,8 @@ functions and classes of its own module it uses (``model`` building the spec's
 ``space`` or layer in ``CNN`` does, and is refused. A module constant that changed
 (``SLOW = float(os.environ.get(...))``, a data path) is said in a ``SweepWarning``.
 ``n_trials`` and ``per_array`` are left out (a sweep may be extended or run with other
-arrays), and so is ``on_epoch`` (logging)."""
+arrays), and so are ``on_epoch`` (logging), the sampler and the pruner (they choose and
+stop trials, not what a trial trains)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ __all__ = ["spec_fingerprint", "check_same_spec", "ATTR"]
 ATTR = "hftc_spec"
 _VALUES = ("epochs", "batch_size", "eval_batch_size", "seed", "dtype", "device", "direction",
            "pad_widths", "max_padding")
-_FUNCTIONS = ("space", "model", "data", "optimizer", "loss", "train_step", "scheduler", "metric",
-              "sampler", "pruner")
+# (not the sampler nor the pruner: they pick and stop trials, not what one trains, and an
+# Optuna pruner or sampler object changes its own attributes as it runs)
+_FUNCTIONS = ("space", "model", "data", "optimizer", "loss", "train_step", "scheduler", "metric")
 _LIBRARIES = ("torch", "optuna", "hftc", "numpy", "sklearn")
+_UNKNOWN = "?"
 _SIMPLE = (int, float, str, bool, bytes, type(None))
 
 
@@ -109,7 +112,7 @@ class _Digest:
                 elif not key.startswith("__"):
                     out.append(f"{key}={_simple(member)}")
         else:
-            # an Optuna sampler or pruner, a builtin, a callable object: its class's name
+            # a builtin, a callable object (an nn.Module loss): its class's name
             # and simple state (not its module, named after the spec file)
             name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
             state = getattr(obj, "__dict__", None) or {}
@@ -147,7 +150,11 @@ def spec_fingerprint(spec: SweepSpec) -> dict[str, Any]:
     record: dict[str, Any] = {key: str(getattr(spec, key)) for key in _VALUES}
     constants: dict[str, str] = {}
     for key in _FUNCTIONS:
-        digest = _Digest.of(getattr(spec, key))
+        try:
+            digest = _Digest.of(getattr(spec, key))
+        except Exception:  # noqa: BLE001  (an object we cannot read: not compared)
+            record[key] = _UNKNOWN
+            continue
         record[key] = hashlib.sha256("\n".join(digest.out).encode()).hexdigest()[:16]
         constants.update(digest.constants)
     record["constants"] = constants
@@ -175,7 +182,7 @@ def check_same_spec(recorded: dict[str, Any] | None, spec: SweepSpec, study: str
         return []  # a study from before the record, or made by hand: nothing to compare
     now = spec_fingerprint(spec)
     changed = [key for key in now if key != "constants" and key in recorded
-               and recorded[key] != now[key]]
+               and recorded[key] != now[key] and _UNKNOWN not in (recorded[key], now[key])]
     before = recorded.get("constants") if isinstance(recorded.get("constants"), dict) else {}
     constants = [f"{name} was {before[name]}, now {value}"
                  for name, value in now["constants"].items()
@@ -188,5 +195,5 @@ def check_same_spec(recorded: dict[str, Any] | None, spec: SweepSpec, study: str
         f"the sweep {study!r} in {where} was started with another spec: "
         f"{'; '.join(said + constants)}. Its trials so far trained with the first; resumed "
         f"or new ones would train with this one, and one study would mix the two. Undo the "
-        f"change (and any --epochs / --seed / --pruner / --sampler that differs) to "
+        f"change (and any --epochs / --seed that differs) to "
         f"continue it, or start a new sweep (another --out, or --study)")
