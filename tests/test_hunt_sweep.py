@@ -162,3 +162,49 @@ def test_the_same_spec_object_run_again_in_one_process_is_the_same_spec(tmp_path
     hs.run(spec, out=tmp_path / "out", estimate=False)
     result = hs.run(spec, out=tmp_path / "out", estimate=False, n_trials=4)
     assert len(result.study.trials) == 4
+
+
+INTERRUPTED = SPEC + '''
+import os
+
+
+def space(trial):
+    if os.environ.get("HFTC_TEST_INTERRUPT") == "space":
+        raise KeyboardInterrupt  # Ctrl-C while the first trial is sampled
+    return {"lr": trial.suggest_float("lr", 0.01, 0.5, log=True),
+            "act": trial.suggest_categorical("act", ["relu", "tanh"])}
+
+
+def data():
+    if os.environ.get("HFTC_TEST_INTERRUPT") == "data":
+        raise KeyboardInterrupt  # Ctrl-C while the data loads, before the study is made
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    return (x[:48], y[:48]), (x[48:], y[48:])
+'''
+
+
+@pytest.mark.parametrize("where, extra, said, resumes", [
+    ("data", (), "nothing to resume: rerun the same command, without --resume", False),
+    ("space", (), "rerun the same command with --resume to continue", True),
+    ("data", ("--serial",), "--serial keeps no checkpoints: rerun the same command", None),
+])
+def test_ctrl_c_says_what_to_run_next(tmp_path: Path, capsys, monkeypatch, where, extra, said,
+                                      resumes):
+    """Ctrl-C always said "rerun the same command with --resume to continue": before the
+    study was made (the data loading) that --resume was then refused as "no sweep to
+    resume", and --serial refuses --resume always."""
+    from hftc.__main__ import main
+
+    path = tmp_path / "spec.py"
+    path.write_text(INTERRUPTED)
+    args = ["sweep", str(path), "--out", str(tmp_path / "out"), "--no-progress",
+            "--no-estimate", *extra]
+    monkeypatch.setenv("HFTC_TEST_INTERRUPT", where)
+    assert main(args) == 130
+    assert said in capsys.readouterr().err
+    if resumes is None:
+        return
+    monkeypatch.delenv("HFTC_TEST_INTERRUPT")
+    assert main([*args, "--resume"]) == (0 if resumes else 2)

@@ -634,11 +634,14 @@ class Sweep(Recovery, Arrays, Decisions):
         with contextlib.ExitStack() as self._collector:
             try:
                 wall, files, board = self._run(start, verbosity)
-            except BaseException:
+            except BaseException as exc:
                 # The folder stays (manifest and checkpoints, for --resume); the lock goes,
                 # as it would with the process.
                 if getattr(self, "_lock", None) is not None:
                     self._lock.close()
+                if isinstance(exc, KeyboardInterrupt):  # (--resume needs the study made)
+                    exc.hftc_resumable = getattr(self, "study", None) is not None or (
+                        self.resume or (self.default_storage and (self.out / "study.db").exists()))
                 raise
             shutil.rmtree(self.dir, ignore_errors=True)
             if getattr(self, "_lock", None) is not None:
