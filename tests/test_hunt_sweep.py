@@ -208,3 +208,26 @@ def test_ctrl_c_says_what_to_run_next(tmp_path: Path, capsys, monkeypatch, where
         return
     monkeypatch.delenv("HFTC_TEST_INTERRUPT")
     assert main([*args, "--resume"]) == (0 if resumes else 2)
+
+
+REGRESSION = SPEC.replace('name = "edited"', 'name = "regression"\nloss = F.mse_loss').replace(
+    "nn.Linear(HIDDEN, 3)", "nn.Linear(HIDDEN, 1)").replace(
+    "return self.fc2(self.act(self.fc1(x)))", "return self.fc2(self.act(self.fc1(x))).squeeze(-1)"
+).replace("y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()", "y = 2 * x[:, 0] + x[:, 1]")
+
+
+def test_accuracy_on_regression_targets_is_a_spec_error(tmp_path: Path):
+    """A regression spec (loss = F.mse_loss, float targets, one output per sample) that
+    kept the default metric "accuracy" scored every trial 0.0 (argmax over a size-1 dim
+    against float targets) and the sweep maximized that: a leaderboard of zeros and an
+    arbitrary best trial. Now a SpecError says to set metric = 'loss'."""
+    from hftc.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"spec\.metric is 'accuracy' .* output \(16,\) for "
+                                        r"validation targets \(16,\) \(torch\.float64\); "
+                                        r"for a regression set metric = 'loss'"):
+        _run(tmp_path, REGRESSION)
+    (tmp_path / "loss").mkdir()
+    result = _run(tmp_path / "loss", REGRESSION + "\nmetric = 'loss'\n")
+    assert result.study.direction == optuna.study.StudyDirection.MINIMIZE
+    assert all(t.value > 0 for t in result.study.trials)

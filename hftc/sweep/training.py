@@ -280,6 +280,16 @@ def metric_value(spec: SweepSpec, output: Any, target: Tensor) -> float:
                 f"{type(output).__name__} of {shape_text(output)}; give a function "
                 f"metric(output, target) that reads it, e.g. "
                 f"(output[0].argmax(-1) == target).double().mean().item()")
+        if target.is_floating_point() or output.shape[:-1] != target.shape:
+            # (a regression's float targets, or one output per sample: argmax(-1) would
+            # score every trial 0 or compare along the batch, a sweep of noise)
+            raise SpecError(
+                f"spec.metric is 'accuracy' (the argmax of the model's output over its last "
+                f"dimension against class labels), but {hook_name('model', spec.model)}'s "
+                f"models output {shape_text(output)} for validation targets "
+                f"{shape_text(target)} ({target.dtype}); for a regression set metric = "
+                f"'loss' (spec.loss on the validation set, minimized), else give a function "
+                f"metric(output, target) -> float")
         return (output.argmax(-1) == target).double().mean().item()
     if spec.metric == "loss":
         return float(spec.loss(output, target))
