@@ -231,3 +231,46 @@ def test_accuracy_on_regression_targets_is_a_spec_error(tmp_path: Path):
     result = _run(tmp_path / "loss", REGRESSION + "\nmetric = 'loss'\n")
     assert result.study.direction == optuna.study.StudyDirection.MINIMIZE
     assert all(t.value > 0 for t in result.study.trials)
+
+
+OUT_OF_MEMORY = SPEC.replace("n_trials = 2\nper_array = 2", "n_trials = 4\nper_array = 4").replace(
+    "epochs = 1", "epochs = 2") + '''
+import os
+
+
+def on_epoch(logs):
+    if os.environ.get("HFTC_TEST_OOM") == "1":  # as a GPU would, for an array this size
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+'''
+
+
+def test_out_of_memory_keeps_the_trials_for_a_resume_with_smaller_arrays(tmp_path: Path,
+                                                                          monkeypatch):
+    """An out-of-memory error in a round (an array too big for the GPU) failed every live
+    trial for good ("error: OutOfMemoryError"), their epochs lost, and hftc sweep printed a
+    raw traceback; and a resume could not have helped: it fused all the trials it
+    re-attached into one array, whatever --per-array said. Now the trials stay RUNNING,
+    the error says to resume with a smaller --per-array, and the resumed arrays hold at
+    most that many, each trial as if alone."""
+    import torch
+
+    from hftc.sweep.training import train_alone
+
+    monkeypatch.setenv("HFTC_TEST_OOM", "1")
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        _run(tmp_path, OUT_OF_MEMORY)
+    note = "".join(raised.value.__notes__)
+    assert "trials [0, 1, 2, 3] are not failed: rerun with --resume and a smaller" in note
+    storage = f"sqlite:///{tmp_path / 'out' / 'study.db'}"
+    study = optuna.load_study(study_name="edited", storage=storage)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.RUNNING] * 4
+    monkeypatch.delenv("HFTC_TEST_OOM")
+    result = _run(tmp_path, OUT_OF_MEMORY, resume=True, per_array=2)
+    assert max(max(f) for f in result.formations) == 2, result.formations
+    spec = hs.load_spec(tmp_path / "spec.py")
+    for t in result.study.trials:
+        assert t.state == optuna.trial.TrialState.COMPLETE
+        _, alone = train_alone(spec, t.params, t.user_attrs["hftc_seed"],
+                               t.user_attrs["hftc_orders"])
+        fused = [t.intermediate_values[k] for k in sorted(t.intermediate_values)]
+        assert len(fused) == 2 and max(abs(a - b) / abs(b) for a, b in zip(alone, fused)) < 1e-12

@@ -157,6 +157,11 @@ def _main(args: argparse.Namespace) -> int:
     except (SpecError, SweepError, MissingExtraError) as exc:
         print(f"hftc sweep: {exc}", file=sys.stderr)
         return 2
+    except _out_of_memory() as exc:  # the arrays' size: the trials wait for --resume
+        notes = [n for n in getattr(exc, "__notes__", []) if n.startswith("hftc sweep:")]
+        print(f"hftc sweep: {type(exc).__name__}: {exc}" + "".join(f"\n{n}" for n in notes),
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:
         print(f"hftc sweep: interrupted; {_after_interrupt(args, exc)}", file=sys.stderr)
         return 130
@@ -176,6 +181,13 @@ def _main(args: argparse.Namespace) -> int:
     freeze_at_exit()
     return 0
 
+
+
+def _out_of_memory() -> type[BaseException]:
+    """torch.OutOfMemoryError (torch imported only once an error is on its way)."""
+    import torch
+
+    return torch.OutOfMemoryError
 
 
 def _after_interrupt(args: Any, exc: KeyboardInterrupt) -> str:

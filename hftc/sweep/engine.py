@@ -770,6 +770,17 @@ class Sweep(Recovery, Arrays, Decisions):
             # A bug in the spec (or ours) would fail the same way on every retry: fail the
             # live trials for good, with the reason, instead of leaving them to be retried.
             culprit = getattr(exc, "hftc_trial", None)  # set where one trial's code raised
+            if isinstance(exc, torch.OutOfMemoryError):
+                # The array's size ran out of memory, not a trial: they stay RUNNING, their
+                # last epoch checkpointed, for --resume with smaller arrays.
+                sizes = sorted({len(a.members) for a in self.arrays}, reverse=True)
+                exc.add_note(
+                    f"hftc sweep: the fused arrays ({', '.join(map(str, sizes)) or '?'} trials "
+                    f"each, per_array={self.spec.per_array}) ran out of memory; trials "
+                    f"{sorted(r.number for r in self.live)} are not failed: rerun with "
+                    f"--resume and a smaller --per-array to continue them from their last "
+                    f"epoch")
+                raise
             if culprit is not None and not isinstance(exc, SpecError):
                 # One trial's params made the spec's code raise (an out-of-memory model, a
                 # value it cannot take): that trial alone fails, as in study.optimize, and
