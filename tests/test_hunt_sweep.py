@@ -274,3 +274,12 @@ def test_out_of_memory_keeps_the_trials_for_a_resume_with_smaller_arrays(tmp_pat
                                t.user_attrs["hftc_orders"])
         fused = [t.intermediate_values[k] for k in sorted(t.intermediate_values)]
         assert len(fused) == 2 and max(abs(a - b) / abs(b) for a, b in zip(alone, fused)) < 1e-12
+
+
+def test_where_and_in_which_arrays_trials_run_is_no_edit(tmp_path: Path):
+    """Another machine's device, a smaller eval batch or other padding choose where and
+    in which arrays the trials run, not what one trains: a worker with them joins."""
+    _run(tmp_path, SPEC)
+    edited = SPEC.replace("pruner = \"none\"", "pruner = \"none\"\neval_batch_size = 7\n"
+                          "pad_widths = True\nmax_padding = 2.0")
+    assert len(_run(tmp_path, edited, n_trials=3).study.trials) == 3

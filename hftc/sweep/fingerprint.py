@@ -15,9 +15,10 @@ functions and classes of its own module it uses (``model`` building the spec's
 ``class CNN``): an edited comment or a moved line changes nothing, an edited range in
 ``space`` or layer in ``CNN`` does, and is refused. A module constant that changed
 (``SLOW = float(os.environ.get(...))``, a data path) is said in a ``SweepWarning``.
-``n_trials`` and ``per_array`` are left out (a sweep may be extended or run with other
-arrays), and so are ``on_epoch`` (logging), the sampler and the pruner (they choose and
-stop trials, not what a trial trains)."""
+``n_trials``, ``per_array``, ``device``, ``eval_batch_size`` and the padding are left
+out (a sweep may be extended, or run with other arrays on another machine), and so are
+``on_epoch`` (logging), the sampler and the pruner (they choose and stop trials, not what
+a trial trains)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ from .spec import SweepSpec, hook_name
 __all__ = ["spec_fingerprint", "check_same_spec", "ATTR"]
 
 ATTR = "hftc_spec"
-_VALUES = ("epochs", "batch_size", "eval_batch_size", "seed", "dtype", "device", "direction",
-           "pad_widths", "max_padding")
+# (not device, eval_batch_size, pad_widths / max_padding: where and in which arrays the
+# trials run, not what one trains; a worker on another machine or after an out-of-memory
+# error may change them)
+_VALUES = ("epochs", "batch_size", "seed", "dtype", "direction")
 # (not the sampler nor the pruner: they pick and stop trials, not what one trains, and an
 # Optuna pruner or sampler object changes its own attributes as it runs)
 _FUNCTIONS = ("space", "model", "data", "optimizer", "loss", "train_step", "scheduler", "metric")
