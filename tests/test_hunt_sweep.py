@@ -283,3 +283,26 @@ def test_where_and_in_which_arrays_trials_run_is_no_edit(tmp_path: Path):
     edited = SPEC.replace("pruner = \"none\"", "pruner = \"none\"\neval_batch_size = 7\n"
                           "pad_widths = True\nmax_padding = 2.0")
     assert len(_run(tmp_path, edited, n_trials=3).study.trials) == 3
+
+
+def test_an_on_epoch_error_keeps_the_trials_for_a_resume(tmp_path: Path, monkeypatch):
+    """A logging hook that raised (a full TensorBoard disk, a typo in on_epoch) failed
+    every live trial for good, their epochs lost, though the epoch was checkpointed and
+    on_epoch changes nothing a trial trains. Now they stay RUNNING and --resume, with
+    on_epoch fixed, ends with the uninterrupted sweep's trials."""
+    source = OUT_OF_MEMORY.replace('raise torch.OutOfMemoryError("CUDA out of memory. Tried '
+                                   'to allocate 20.00 GiB")', 'raise OSError("disk full")')
+    monkeypatch.setenv("HFTC_TEST_OOM", "1")
+    with pytest.raises(OSError, match="disk full") as raised:
+        _run(tmp_path, source)
+    assert "trials [0, 1, 2, 3] are not failed" in "".join(raised.value.__notes__)
+    monkeypatch.delenv("HFTC_TEST_OOM")
+    resumed = _run(tmp_path, source, resume=True).study.trials
+    (tmp_path / "whole").mkdir()
+    whole = _run(tmp_path / "whole", source).study.trials  # never interrupted
+
+    def key(t):
+        return t.number, t.state, t.params, t.intermediate_values, t.value
+
+    assert [key(t) for t in resumed] == [key(t) for t in whole]
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in resumed)

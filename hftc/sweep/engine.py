@@ -606,7 +606,16 @@ class Sweep(Recovery, Arrays, Decisions):
             logs.append({"trial": run.number, "epoch": run.epoch, "params": run.params,
                          self.spec.metric_name: run.history[-1],
                          "train_loss": run.train_loss, "lr": group["lr"]})
-        self.spec.on_epoch(logs)
+        try:
+            self.spec.on_epoch(logs)
+        except Exception as exc:
+            # A logging hook's error is not the trials': their epoch is checkpointed, and
+            # on_epoch is no part of the spec a resume compares (fingerprint.py).
+            exc.hftc_keep_trials = True
+            exc.add_note(f"hftc sweep: {hook_name('on_epoch', self.spec.on_epoch)} raised; "
+                         f"trials {[r.number for r in self.live]} are not failed (their epoch "
+                         f"is checkpointed): fix it and rerun with --resume to continue them")
+            raise
 
     def _estimate_serial(self, runs: list[LiveTrial]) -> None:
         """Off the clock, train one of this round's trials alone for its last epoch (stock
@@ -781,7 +790,8 @@ class Sweep(Recovery, Arrays, Decisions):
                     f"--resume and a smaller --per-array to continue them from their last "
                     f"epoch")
                 raise
-            if culprit is not None and not isinstance(exc, SpecError):
+            if getattr(exc, "hftc_keep_trials", False) or (
+                    culprit is not None and not isinstance(exc, SpecError)):
                 # One trial's params made the spec's code raise (an out-of-memory model, a
                 # value it cannot take): that trial alone fails, as in study.optimize, and
                 # the others stay RUNNING in the manifest, their last epoch checkpointed
