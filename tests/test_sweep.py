@@ -590,17 +590,18 @@ def test_a_categorical_optimizer_choice_shares_one_array(spec_file: Path, tmp_pa
 def test_a_grid_sampler_running_out_ends_the_sweep(spec_file: Path, tmp_path: Path):
     """optuna's GridSampler calls study.stop() when its grid is used up, which raises
     outside study.optimize: the sweep crashed and failed a trial that had trained. Now it
-    asks for no more trials once the grid is done, and ends. (While grid points still run,
-    optuna's GridSampler hands them out again, as it does to parallel workers: an array of
-    2 over a grid of 3 may train one point twice.)"""
+    asks for no more trials once the grid is done, and ends. Nor does it ask while every
+    point is taken by a running trial: optuna's GridSampler would hand one out again (its
+    is_exhausted counts finished trials only), and an array of 2 over a grid of 3 trained
+    one point twice (a grid of 6 in arrays of 4: one point three times)."""
     grid = {"lr": [0.01, 0.03, 0.1], "momentum": [0.5], "weight_decay": [1e-4]}
     spec = hs.load_spec(spec_file).replace(
         sampler=optuna.samplers.GridSampler(grid, seed=0), n_trials=5, per_array=2,
         pruner="none", epochs=2)
     trials = hs.run(spec, out=tmp_path / "out", progress=False).study.trials
-    assert 3 <= len(trials) <= 4
+    assert len(trials) == 3
     assert all(t.state == TrialState.COMPLETE for t in trials)
-    assert sorted({t.params["lr"] for t in trials}) == grid["lr"]
+    assert sorted(t.params["lr"] for t in trials) == grid["lr"]  # each point once
 
 
 def _space_with_derived_values(trial):
@@ -621,28 +622,42 @@ def test_best_json_gives_the_params_space_returned(spec_file: Path, tmp_path: Pa
     assert abs(history[-1] - result.study.best_trial.value) <= 1e-9
 
 
-def test_a_trial_whose_model_raises_is_named_in_the_others_reasons(spec_file: Path,
-                                                                   tmp_path: Path):
-    """model() raising for one trial failed the other live trials with that trial's error,
-    as if their own: their reason now says the sweep stopped on the other trial's."""
-    spec = hs.load_spec(spec_file)
-    calls = []
+def test_a_trial_whose_model_raises_fails_alone_and_the_others_resume(spec_file: Path,
+                                                                     tmp_path: Path):
+    """model() raising for one trial failed the other live trials with that trial's error
+    (later: named as the other trial's), their work lost and their budget spent, where
+    study.optimize fails the trial that raised alone. Now the others stay RUNNING with
+    their checkpoints, and --resume trains them to the end, each as if alone."""
+    spec = hs.load_spec(spec_file).replace(pruner="none", n_trials=4, per_array=2, epochs=2)
+    seen: list[dict] = []
 
     def model(params):
-        calls.append(params)
-        if len(calls) == 2:
+        if params not in seen:
+            seen.append(dict(params))
+        if len(seen) > 2 and params == seen[2]:  # trial 2, asked with trials 0 and 1
             raise RuntimeError("this model refuses these params")
         return spec.model(params)
 
     with pytest.raises(RuntimeError, match="refuses") as raised:
-        hs.run(spec.replace(model=model, pruner="none"), out=tmp_path / "out", progress=False)
+        hs.run(spec.replace(model=model, per_array=3), out=tmp_path / "out", progress=False)
     # (the user's own error and traceback, noted with the trial and its params)
     [note] = raised.value.__notes__
-    assert note.startswith("hftc sweep: raised while starting trial 1 (params {'lr': ")
-    study = optuna.load_study(study_name=None, storage=f"sqlite:///{tmp_path / 'out' / 'study.db'}")
-    reasons = {t.number: t.user_attrs["hftc_fail_reason"] for t in study.trials}
-    assert reasons[1].startswith("error while starting the trial: RuntimeError")
-    assert reasons[0].startswith("the sweep stopped on trial 1's error: RuntimeError")
+    assert note.startswith("hftc sweep: raised while starting trial 2 (params {'lr': ")
+    assert "trials [0, 1] are not failed: rerun with --resume" in note
+    storage = f"sqlite:///{tmp_path / 'out' / 'study.db'}"
+    study = optuna.load_study(study_name=None, storage=storage)
+    states = {t.number: t.state for t in study.trials}
+    assert states == {0: TrialState.RUNNING, 1: TrialState.RUNNING, 2: TrialState.FAIL}
+    assert study.trials[2].user_attrs["hftc_fail_reason"].startswith(
+        "error while starting the trial: RuntimeError")
+
+    trials = hs.run(spec.replace(model=model, per_array=3), out=tmp_path / "out",
+                    progress=False, resume=True).study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE,
+                                         TrialState.FAIL, TrialState.COMPLETE]
+    for t in (trials[0], trials[1], trials[3]):
+        fused = [t.intermediate_values[k] for k in sorted(t.intermediate_values)]
+        assert max(abs(a - b) for a, b in zip(retrain_alone(spec, t), fused)) <= 1e-9
 
 
 class _ExportOnly(torch.nn.Module):

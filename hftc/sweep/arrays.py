@@ -234,6 +234,12 @@ class Arrays:
         for bucket_slots, members in buckets[1:]:
             self._note_apart(buckets[0][1], members,
                              optimizers_apart(buckets[0][0], bucket_slots[0]))
+        # At most per_array trials an array: a worker holds no more, except one resumed
+        # with a smaller --per-array (after the arrays ran out of memory) that re-attached
+        # more trials than that.
+        size = self.spec.per_array
+        buckets = [(slots[i:i + size], same[i:i + size]) for slots, same in buckets
+                   for i in range(0, len(same), size)]
         # A batch of the training data as example_inputs: a model symbolic tracing cannot
         # read (a Hugging Face model, say) is traced by torch.export from it.
         if self._example is None:

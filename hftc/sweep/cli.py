@@ -157,9 +157,13 @@ def _main(args: argparse.Namespace) -> int:
     except (SpecError, SweepError, MissingExtraError) as exc:
         print(f"hftc sweep: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("hftc sweep: interrupted; rerun the same command with --resume to continue",
+    except _out_of_memory() as exc:  # the arrays' size: the trials wait for --resume
+        notes = [n for n in getattr(exc, "__notes__", []) if n.startswith("hftc sweep:")]
+        print(f"hftc sweep: {type(exc).__name__}: {exc}" + "".join(f"\n{n}" for n in notes),
               file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        print(f"hftc sweep: interrupted; {_after_interrupt(args, exc)}", file=sys.stderr)
         return 130
     if result.trial_epochs == 0:
         print(f"nothing to train: study {result.study.study_name!r} already has its trials "
@@ -177,6 +181,25 @@ def _main(args: argparse.Namespace) -> int:
     freeze_at_exit()
     return 0
 
+
+
+def _out_of_memory() -> type[BaseException]:
+    """torch.OutOfMemoryError (torch imported only once an error is on its way)."""
+    import torch
+
+    return torch.OutOfMemoryError
+
+
+def _after_interrupt(args: Any, exc: KeyboardInterrupt) -> str:
+    """What to run after Ctrl-C: --resume only where it continues something (--serial
+    refuses it; before the study is made there is no sweep to resume)."""
+    if getattr(args, "serial", False):
+        return ("--serial keeps no checkpoints: rerun the same command to run its study "
+                "again from the start")
+    if getattr(exc, "hftc_resumable", True) is False:
+        return ("it stopped before it made its study, so there is nothing to resume: rerun "
+                "the same command, without --resume")
+    return "rerun the same command with --resume to continue"
 
 
 def _serial_run(spec: Any, *, n_trials=None, epochs=None, out=None, study_name=None,

@@ -59,8 +59,10 @@ from .arrays import Arrays, FusedArray, LiveTrial, finite_models
 from .clock import before_sweep
 from .collector import frozen_objects, paused_collection
 from .decisions import Decisions
+from .fingerprint import ATTR as FINGERPRINT
+from .fingerprint import check_same_spec, spec_fingerprint
 from .recovery import Recovery, try_lock
-from .sampling import TrialSeededSampler
+from .sampling import TrialSeededSampler, grid_left
 from .spec import SpecError, SweepSpec, hook_name
 from .storage import Heartbeat, count_trials, make_pruner, make_sampler, make_storage, masked_url
 from .training import (
@@ -280,6 +282,7 @@ class Sweep(Recovery, Arrays, Decisions):
             study_name=self.study_name, storage=self.storage, load_if_exists=True,
             direction=self.spec.direction, sampler=sampler, pruner=make_pruner(self.spec),
         )
+        self._same_spec()
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Made under a hidden name, locked, then renamed: no other worker ever sees this
         # folder unlocked (and takes it for a dead one).
@@ -300,6 +303,21 @@ class Sweep(Recovery, Arrays, Decisions):
                 self.study.sampler.reseed_rng()
         self.heartbeat = Heartbeat(self.storage, self.heartbeat_interval)
         self.heartbeat.start()
+
+    def _same_spec(self) -> None:
+        """The spec the study's trials trained with is this one (fingerprint.py): a resume
+        or a rerun after an edit of the spec is refused, not mixed into one study; a new
+        study records it."""
+        recorded = self.study.user_attrs.get(FINGERPRINT)
+        if recorded is None:
+            self.study.set_user_attr(FINGERPRINT, spec_fingerprint(self.spec))
+            return
+        where = self.out if self.default_storage else masked_url(self.storage_url)
+        constants = check_same_spec(recorded, self.spec, self.study_name, str(where))
+        if constants:
+            self._warn(f"the sweep {self.study_name!r} in {where} was started with other "
+                       f"values of the spec's module constants: {'; '.join(constants)}; its "
+                       f"resumed and new trials train with these")
 
     def _nothing_to_resume(self) -> SweepError:
         db = self.out / "study.db"
@@ -430,9 +448,12 @@ class Sweep(Recovery, Arrays, Decisions):
                     room, max(1, spec.per_array // REFILL_PARTS)):
                 break
             first = False
-            exhausted = getattr(self.study.sampler, "is_exhausted", None)
-            if room == 0 or (exhausted is not None and exhausted(self.study)):
-                break  # (a GridSampler whose every point is taken would repeat one)
+            if room == 0 or (grid_left(self.study) == 0
+                             and count_trials(self.study)["waiting"] == 0):  # (retries run)
+                # A GridSampler whose every point is taken, by finished or running trials,
+                # would hand out a running one again (its is_exhausted counts the finished
+                # only): the grid's points once each, as study.optimize and --serial.
+                break
             room -= 1
             trial = self.study.ask()
             self.heartbeat.add(trial._trial_id)
@@ -443,12 +464,15 @@ class Sweep(Recovery, Arrays, Decisions):
                 with contextlib.suppress(AttributeError):
                     exc.hftc_trial = trial.number
                 if not isinstance(exc, SpecError):  # the spec's own code raised: its traceback
+                    others = [r.number for r in self.live]
+                    kept = (f"; trials {others} are not failed: rerun with --resume to continue "
+                            f"them from their last epoch" if others else "")
                     exc.add_note(  # stays, said for which trial (its params) and what now
                         f"hftc sweep: raised while starting trial {trial.number} (params "
                         f"{trial.params}) in the spec's space(), model(), optimizer() or "
-                        f"scheduler() (the traceback's last lines); its live trials are failed "
-                        f"with this reason. Make the spec's function take these params, or "
-                        f"leave them out of space()")
+                        f"scheduler() (the traceback's last lines); that trial is failed"
+                        f"{kept}. Make the spec's function take these params, or leave them "
+                        f"out of space()")
                 raise
             self.live.append(run)
             came = True
@@ -582,7 +606,16 @@ class Sweep(Recovery, Arrays, Decisions):
             logs.append({"trial": run.number, "epoch": run.epoch, "params": run.params,
                          self.spec.metric_name: run.history[-1],
                          "train_loss": run.train_loss, "lr": group["lr"]})
-        self.spec.on_epoch(logs)
+        try:
+            self.spec.on_epoch(logs)
+        except Exception as exc:
+            # A logging hook's error is not the trials': their epoch is checkpointed, and
+            # on_epoch is no part of the spec a resume compares (fingerprint.py).
+            exc.hftc_keep_trials = True
+            exc.add_note(f"hftc sweep: {hook_name('on_epoch', self.spec.on_epoch)} raised; "
+                         f"trials {[r.number for r in self.live]} are not failed (their epoch "
+                         f"is checkpointed): fix it and rerun with --resume to continue them")
+            raise
 
     def _estimate_serial(self, runs: list[LiveTrial]) -> None:
         """Off the clock, train one of this round's trials alone for its last epoch (stock
@@ -610,11 +643,14 @@ class Sweep(Recovery, Arrays, Decisions):
         with contextlib.ExitStack() as self._collector:
             try:
                 wall, files, board = self._run(start, verbosity)
-            except BaseException:
+            except BaseException as exc:
                 # The folder stays (manifest and checkpoints, for --resume); the lock goes,
                 # as it would with the process.
                 if getattr(self, "_lock", None) is not None:
                     self._lock.close()
+                if isinstance(exc, KeyboardInterrupt):  # (--resume needs the study made)
+                    exc.hftc_resumable = getattr(self, "study", None) is not None or (
+                        self.resume or (self.default_storage and (self.out / "study.db").exists()))
                 raise
             shutil.rmtree(self.dir, ignore_errors=True)
             if getattr(self, "_lock", None) is not None:
@@ -743,6 +779,24 @@ class Sweep(Recovery, Arrays, Decisions):
             # A bug in the spec (or ours) would fail the same way on every retry: fail the
             # live trials for good, with the reason, instead of leaving them to be retried.
             culprit = getattr(exc, "hftc_trial", None)  # set where one trial's code raised
+            if isinstance(exc, torch.OutOfMemoryError):
+                # The array's size ran out of memory, not a trial: they stay RUNNING, their
+                # last epoch checkpointed, for --resume with smaller arrays.
+                sizes = sorted({len(a.members) for a in self.arrays}, reverse=True)
+                exc.add_note(
+                    f"hftc sweep: the fused arrays ({', '.join(map(str, sizes)) or '?'} trials "
+                    f"each, per_array={self.spec.per_array}) ran out of memory; trials "
+                    f"{sorted(r.number for r in self.live)} are not failed: rerun with "
+                    f"--resume and a smaller --per-array to continue them from their last "
+                    f"epoch")
+                raise
+            if getattr(exc, "hftc_keep_trials", False) or (
+                    culprit is not None and not isinstance(exc, SpecError)):
+                # One trial's params made the spec's code raise (an out-of-memory model, a
+                # value it cannot take): that trial alone fails, as in study.optimize, and
+                # the others stay RUNNING in the manifest, their last epoch checkpointed
+                # (--resume continues them), not failed for another trial's error.
+                raise
             for run in list(self.live):
                 reason = f"error: {type(exc).__name__}: {exc}"
                 if culprit is not None and culprit != run.number:

@@ -29,7 +29,7 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-__all__ = ["TrialSeededSampler", "draw_seed", "random_streams"]
+__all__ = ["TrialSeededSampler", "draw_seed", "grid_left", "random_streams"]
 
 
 def draw_seed(*key: Any) -> int:
@@ -119,3 +119,23 @@ class TrialSeededSampler(optuna.samplers.BaseSampler):
 
     def reseed_rng(self) -> None:
         self.wrapped.reseed_rng()
+
+
+def grid_left(study: optuna.Study) -> int | None:
+    """How many points of a ``GridSampler`` 's grid no trial has taken (``None``: another
+    sampler).  Asked N at a time past them, the grid would repeat points (Optuna gives a
+    running grid's points to no other trial while some are free), where study.optimize
+    stops: the sampler's ``after_trial`` calls ``study.stop()`` at the last one."""
+    sampler = study.sampler
+    while isinstance(sampler, TrialSeededSampler):  # hftc sweep's wrapper: the grid inside
+        sampler = sampler.wrapped
+    grids = getattr(sampler, "_all_grids", None)
+    same = getattr(sampler, "_same_search_space", None)
+    if not isinstance(sampler, optuna.samplers.GridSampler) or grids is None or same is None:
+        return None
+    taken = set()
+    for t in study.get_trials(deepcopy=False):
+        attrs = t.system_attrs
+        if "grid_id" in attrs and same(attrs.get("search_space", {})):
+            taken.add(attrs["grid_id"])  # finished or running: either way not free
+    return len(grids) - len(taken)

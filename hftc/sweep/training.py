@@ -280,6 +280,16 @@ def metric_value(spec: SweepSpec, output: Any, target: Tensor) -> float:
                 f"{type(output).__name__} of {shape_text(output)}; give a function "
                 f"metric(output, target) that reads it, e.g. "
                 f"(output[0].argmax(-1) == target).double().mean().item()")
+        if target.is_floating_point() or output.shape[:-1] != target.shape:
+            # (a regression's float targets, or one output per sample: argmax(-1) would
+            # score every trial 0 or compare along the batch, a sweep of noise)
+            raise SpecError(
+                f"spec.metric is 'accuracy' (the argmax of the model's output over its last "
+                f"dimension against class labels), but {hook_name('model', spec.model)}'s "
+                f"models output {shape_text(output)} for validation targets "
+                f"{shape_text(target)} ({target.dtype}); for a regression set metric = "
+                f"'loss' (spec.loss on the validation set, minimized), else give a function "
+                f"metric(output, target) -> float")
         return (output.argmax(-1) == target).double().mean().item()
     if spec.metric == "loss":
         return float(spec.loss(output, target))
@@ -343,7 +353,29 @@ def make_optimizers(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
         got = type(bad[0]).__name__ if bad else "an empty list"
         raise SpecError(f"{hook_name('optimizer', spec.optimizer)} returned {got}; return a "
                         f"torch.optim optimizer on the module's parameters, or a list of them")
+    _check_own_parameters(spec, optimizers, model)
     return optimizers
+
+
+def _check_own_parameters(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer],
+                          model: nn.Module) -> None:
+    """Every tensor an optimizer steps is a parameter of the trial's module: one on another
+    module's (``model(params).parameters()``, a module of the spec's top level) would train
+    weights the trial never uses, alone as fused (where hftc.fuse_optimizers' own error
+    named no spec function)."""
+    own = {id(p) for p in model.parameters()}
+    for k, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                if id(p) in own:
+                    continue
+                which = f"optimizer {k}" if len(optimizers) > 1 else "the optimizer"
+                raise SpecError(
+                    f"{hook_name('optimizer', spec.optimizer)} returned {which} on a tensor "
+                    f"(#{i} of its param group, shape {list(p.shape)}) that is not a "
+                    f"parameter of the module it was given: the trial would not train its "
+                    f"own weights; build it on module.parameters() (or a part of them), "
+                    f"not on another module's")
 
 
 def check_fusable(spec: SweepSpec, optimizers: Sequence[torch.optim.Optimizer]) -> None:

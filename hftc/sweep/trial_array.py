@@ -53,6 +53,7 @@ from ..errors import (
 from ..training.shrink import check_replaceable
 from .arrays import finite_models
 from .pruning import Reference, in_sequence, prune_in_sequence
+from .sampling import grid_left as _grid_left
 from .storage import Heartbeat, one_worker_per_trial
 
 __all__ = ["PerTrial", "TrialArray", "optimize"]
@@ -115,9 +116,9 @@ def _scalar(value: Any) -> float | None:
     if isinstance(value, numbers.Real):
         return float(value)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value)
+        return float(value.detach())  # (a loss with its graph: no autograd warning)
     if hasattr(value, "ndim") and getattr(value, "size", None) == 1:  # a NumPy array
-        return float(value)
+        return float(value.item())  # (NumPy 2 refuses float() of an array of shape [1])
     return None
 
 
@@ -646,24 +647,6 @@ def _beating(study: optuna.Study, array: TrialArray) -> Iterator[None]:
     finally:
         beat.stop()
         beat.join()
-
-
-def _grid_left(study: optuna.Study) -> int | None:
-    """How many points of a ``GridSampler`` 's grid no trial has taken (``None``: another
-    sampler).  Asked N at a time past them, the grid would repeat points (Optuna gives a
-    running grid's points to no other trial while some are free), where study.optimize
-    stops: the sampler's ``after_trial`` calls ``study.stop()`` at the last one."""
-    sampler = study.sampler
-    grids = getattr(sampler, "_all_grids", None)
-    same = getattr(sampler, "_same_search_space", None)
-    if not isinstance(sampler, optuna.samplers.GridSampler) or grids is None or same is None:
-        return None
-    taken = set()
-    for t in study.get_trials(deepcopy=False):
-        attrs = t.system_attrs
-        if "grid_id" in attrs and same(attrs.get("search_space", {})):
-            taken.add(attrs["grid_id"])  # finished or running: either way not free
-    return len(grids) - len(taken)
 
 
 def _check_optimize_args(n_trials: Any, array_size: Any, timeout: Any, n_jobs: Any) -> None:

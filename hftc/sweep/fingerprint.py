@@ -1,0 +1,202 @@
+"""What a sweep's trials were trained with, recorded in its study, so that a worker that
+joins the study later (``--resume`` after an edit of the spec, a second machine, a rerun
+with ``--trials`` to extend it) with another spec is refused instead of mixing the two.
+
+The record is the study's user attribute ``hftc_spec``: one string per field that
+changes what a trial trains or reports, a digest of each function of the spec, and the
+simple module constants those functions read::
+
+    {"epochs": "6", "batch_size": "16", "dtype": "torch.float64", ...,
+     "space": "3f2a...", "model": "9c01...", ..., "constants": {"SLOW": "0.3"}}
+
+A function's digest is of its compiled code (bytecode, constants, names; not its line
+numbers or comments), its simple default values, and, by the names it reads, the
+functions and classes of its own module it uses (``model`` building the spec's
+``class CNN``): an edited comment or a moved line changes nothing, an edited range in
+``space`` or layer in ``CNN`` does, and is refused. A module constant that changed
+(``SLOW = float(os.environ.get(...))``, a data path) is said in a ``SweepWarning``.
+``n_trials``, ``per_array``, ``device``, ``eval_batch_size`` and the padding are left
+out (a sweep may be extended, or run with other arrays on another machine), and so are
+``on_epoch`` (logging), the sampler and the pruner (they choose and stop trials, not what
+a trial trains)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import types
+from typing import Any
+
+from ..errors import SweepError
+from .spec import SweepSpec, hook_name
+
+__all__ = ["spec_fingerprint", "check_same_spec", "ATTR"]
+
+ATTR = "hftc_spec"
+# (not device, eval_batch_size, pad_widths / max_padding: where and in which arrays the
+# trials run, not what one trains; a worker on another machine or after an out-of-memory
+# error may change them)
+_VALUES = ("epochs", "batch_size", "seed", "dtype", "direction")
+# (not the sampler nor the pruner: they pick and stop trials, not what one trains, and an
+# Optuna pruner or sampler object changes its own attributes as it runs)
+_FUNCTIONS = ("space", "model", "data", "optimizer", "loss", "train_step", "scheduler", "metric")
+_LIBRARIES = ("torch", "optuna", "hftc", "numpy", "sklearn")
+_UNKNOWN = "?"
+_SIMPLE = (int, float, str, bool, bytes, type(None))
+
+
+def _simple(value: Any) -> str | None:
+    """The repr of a constant made of numbers, strings, tuples, lists and dicts (None for
+    anything whose repr may hold an address)."""
+    if isinstance(value, _SIMPLE):
+        return repr(value)
+    if isinstance(value, (tuple, list, frozenset, set)):
+        parts = [_simple(v) for v in value]
+        if isinstance(value, (set, frozenset)):
+            parts = sorted(p for p in parts if p is not None) if None not in parts else parts
+        return None if None in parts else f"{type(value).__name__}({parts})"
+    if isinstance(value, dict):
+        parts = [(_simple(k), _simple(v)) for k, v in value.items()]
+        return None if any(None in p for p in parts) else f"dict({parts})"
+    return None
+
+
+def _code_parts(code: types.CodeType, out: list[str], names: set[str]) -> None:
+    out.append(code.co_code.hex())
+    out.append(repr(code.co_names))
+    out.append(repr(code.co_varnames))
+    names.update(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _code_parts(const, out, names)
+        else:
+            out.append(_simple(const) or type(const).__name__)
+
+
+class _Digest:
+    """One field's digest: the code it runs (``out``) and the simple constants of its
+    module it reads (``constants``, by name), kept apart: an edited layer or range is
+    another spec, a knob read from the environment (``SLOW = float(os.environ[...])``)
+    is said, not refused."""
+
+    def __init__(self) -> None:
+        self.out: list[str] = []
+        self.seen: set[int] = set()
+        self.constants: dict[str, str] = {}
+
+    def add(self, obj: Any, module: str | None) -> None:
+        out = self.out
+        if id(obj) in self.seen:
+            return
+        self.seen.add(id(obj))
+        fn = getattr(obj, "__func__", obj)  # a bound method: its function
+        if isinstance(fn, functools.partial):  # partial(my_loss, smoothing=0.1)
+            out.append(repr([_simple(a) for a in fn.args]) + repr(sorted(
+                (k, _simple(v)) for k, v in fn.keywords.items())))
+            self.add(fn.func, module)
+        elif isinstance(fn, types.FunctionType) and fn.__module__.startswith(_LIBRARIES):
+            out.append(f"{fn.__module__}.{fn.__qualname__}")  # default_optimizer: by name
+        elif isinstance(fn, types.FunctionType):
+            names: set[str] = set()
+            _code_parts(fn.__code__, out, names)
+            out.append(repr([_simple(d) for d in (fn.__defaults__ or ())]))
+            for name in sorted(names):  # what it uses of its own module (a class, a helper)
+                if name in fn.__globals__:
+                    self.add_global(name, fn.__globals__[name], fn.__module__)
+        elif isinstance(obj, type):
+            if obj.__module__ != module or obj.__module__.startswith(_LIBRARIES):
+                out.append(f"{obj.__module__}.{obj.__qualname__}")
+                return
+            for key, member in sorted(vars(obj).items()):
+                if isinstance(member, (types.FunctionType, staticmethod, classmethod, property)):
+                    out.append(key)
+                    self.add(getattr(member, "fget", None) or getattr(member, "__func__", member),
+                             module)
+                elif not key.startswith("__"):
+                    out.append(f"{key}={_simple(member)}")
+        else:
+            # a builtin, a callable object (an nn.Module loss): its class's name
+            # and simple state (not its module, named after the spec file)
+            name = getattr(obj, "__qualname__", None) or type(obj).__qualname__
+            state = getattr(obj, "__dict__", None) or {}
+            out.append(f"{name}{ {k: _simple(v) for k, v in sorted(state.items()) if _simple(v)} }")
+
+    def add_global(self, name: str, value: Any, module: str) -> None:
+        """A global a function reads: its own module's functions and classes by their
+        code, simple constants by value (apart); anything else (torch, a module) not."""
+        if isinstance(value, (types.FunctionType, type)) and value.__module__ == module:
+            self.out.append(getattr(value, "__qualname__", ""))
+            self.add(value, module)
+        elif not isinstance(value, types.ModuleType) and _simple(value) is not None:
+            self.constants[name] = _simple(value)
+        elif isinstance(value, dict) and all(isinstance(k, _SIMPLE) for k in value):
+            for key, item in value.items():  # ACTS = {"relu": nn.ReLU, ...}
+                self.out.append(repr(key))
+                if isinstance(item, (types.FunctionType, type)) and item.__module__ != module:
+                    self.out.append(f"{item.__module__}.{item.__qualname__}")
+                else:
+                    self.add_global(name, item, module)
+
+    @classmethod
+    def of(cls, obj: Any) -> _Digest:
+        digest = cls()
+        if obj is None or isinstance(obj, str):
+            digest.out.append(repr(obj))
+        else:
+            digest.add(obj, getattr(obj, "__module__", None))
+        return digest
+
+
+def spec_fingerprint(spec: SweepSpec) -> dict[str, Any]:
+    """The study's record of ``spec`` (the module docstring): the values, each function's
+    code digest, and under ``"constants"`` the simple module constants they read."""
+    record: dict[str, Any] = {key: str(getattr(spec, key)) for key in _VALUES}
+    constants: dict[str, str] = {}
+    for key in _FUNCTIONS:
+        try:
+            digest = _Digest.of(getattr(spec, key))
+        except Exception:  # noqa: BLE001  (an object we cannot read: not compared)
+            record[key] = _UNKNOWN
+            continue
+        record[key] = hashlib.sha256("\n".join(digest.out).encode()).hexdigest()[:16]
+        constants.update(digest.constants)
+    record["constants"] = constants
+    return record
+
+
+def _said(spec: SweepSpec, key: str) -> str:
+    value = getattr(spec, key)
+    if key in _VALUES or isinstance(value, str) or value is None:
+        return f"{key} = {value!r}" if not isinstance(value, str) else f"{key} = '{value}'"
+    try:
+        return (f"{hook_name(key, value)} (its code, or that of a function or class of "
+                f"its module it uses)")
+    except Exception:  # noqa: BLE001  (an object without a source: its name)
+        return f"{key} ({type(value).__name__})"
+
+
+def check_same_spec(recorded: dict[str, Any] | None, spec: SweepSpec, study: str,
+                    where: str) -> list[str]:
+    """Refuse a spec other than the one the study's trials were trained with: a
+    :class:`~hftc.errors.SweepError` saying which fields changed. Returns what changed
+    that is only said (a module constant the spec's functions read: a knob set from the
+    environment, a path), for a warning."""
+    if not isinstance(recorded, dict):
+        return []  # a study from before the record, or made by hand: nothing to compare
+    now = spec_fingerprint(spec)
+    changed = [key for key in now if key != "constants" and key in recorded
+               and recorded[key] != now[key] and _UNKNOWN not in (recorded[key], now[key])]
+    before = recorded.get("constants") if isinstance(recorded.get("constants"), dict) else {}
+    constants = [f"{name} was {before[name]}, now {value}"
+                 for name, value in now["constants"].items()
+                 if name in before and before[name] != value]
+    if not changed:
+        return constants
+    said = [f"{key} was {recorded[key]}, now {now[key]}" if key in _VALUES
+            else f"{_said(spec, key)} changed" for key in changed]
+    raise SweepError(
+        f"the sweep {study!r} in {where} was started with another spec: "
+        f"{'; '.join(said + constants)}. Its trials so far trained with the first; resumed "
+        f"or new ones would train with this one, and one study would mix the two. Undo the "
+        f"change (and any --epochs / --seed that differs) to "
+        f"continue it, or start a new sweep (another --out, or --study)")
