@@ -50,7 +50,13 @@ from ..lowering.checkpoint import check_option as check_checkpoint_option
 from ..lowering.compile_guard import compiled_original
 from ..lowering.pipeline import ModeGraphs, Program
 from ..lowering.runtime.layout import model_slice
-from ..lowering.runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
+from ..lowering.runtime.modules import (
+    ContainerAccess,
+    StackedModule,
+    mark_stacked,
+    refuse_model_attribute,
+    register_fused,
+)
 from ..lowering.runtime.one_by_one import OneByOne
 from ..lowering.strategy import resolve_strategy
 from ..match import GraphMatch, match_graphs
@@ -741,6 +747,11 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
 
     # ------------------------------------------------------------------ other methods
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # (fused.temperature = 0.5: the program holds each model's own, not this one)
+        refuse_model_attribute(self, "fused", name, value, self.__dict__.get("_template"))
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         """nn.Module's (parameters, buffers, submodules), then the models' own methods
