@@ -91,3 +91,54 @@ def test_a_buffer_changed_after_fusing_is_each_models_own(strategy):
     for i, (m, own) in enumerate(zip(models, fused.unfuse())):
         torch.testing.assert_close(out[i], m(x), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(own(x), m(x), rtol=1e-12, atol=1e-12)
+
+
+class WithCopies(nn.Module):  # tensor-less modules: the fused tree holds model 0's copies
+    def __init__(self, slope: float):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.LeakyReLU(slope)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.act(self.lin(x)))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "model_loop"])
+@pytest.mark.parametrize("slopes", [(0.1, 0.1, 0.1), (0.1, 0.2, 0.3)], ids=["equal", "differ"])
+def test_a_copied_modules_attribute_changed_after_fusing_is_refused(strategy, slopes):
+    """``fused.act`` is model 0's LeakyReLU: where the N slopes were equal the fused
+    program called it for every model (a new slope reached all N in the fused program and
+    none in the models one by one or unfuse()), where they differ it read each model's
+    own (the change reached none); ``m.p = 0.0`` over fused.modules() left dropout on."""
+    torch.manual_seed(0)
+    models = [WithCopies(s).double().eval() for s in slopes]
+    fused = hftc.fuse(copy.deepcopy(models), strategy=strategy)
+    x = _x()
+    fused(x)
+    fused.act.negative_slope = 0.9
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"fused\.act\.negative_slope was set to 0\.9 after fusing "
+                             r"\(it was 0\.1\).*Set it back"):
+        fused(x)
+    fused.act.negative_slope = 0.1  # set back: runs, each model's own
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x), rtol=1e-12, atol=1e-12)
+    for module in fused.train().modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    with pytest.raises(hftc.errors.FusionArgumentError, match=r"fused\.eval\(\) turns dropout"):
+        fused(x)
+
+
+def test_a_models_module_replaced_on_the_fused_module_is_refused():
+    torch.manual_seed(0)
+    fused = hftc.fuse([WithCopies(0.1).double() for _ in range(3)])
+    with pytest.raises(hftc.errors.FusionArgumentError, match=r"fused\.act = Tanh\(\.\.\.\)"):
+        fused.act = nn.Tanh()
+    with pytest.raises(hftc.errors.FusionArgumentError, match=r"fused\.lin = Linear"):
+        fused.lin = nn.Linear(4, 4)
+    assert isinstance(fused.act, nn.LeakyReLU)
+    fused.extra = nn.ReLU()  # a module the models do not hold is added as usual
+    assert fused.extra in list(fused.modules())

@@ -67,7 +67,13 @@ from .padding import WidthPadding, into_padded, mask_padded_gradients, pad_model
 from .programs import ProgramCache
 from .stacking import build_module_tree
 from .unfuse import Unfusing
-from .usage import check_source_modes, mark_outputs, note_sources
+from .usage import (
+    check_copied_modules,
+    check_source_modes,
+    mark_outputs,
+    note_copied_modules,
+    note_sources,
+)
 
 
 def _hook_hint(hooks: Sequence[Any]) -> str:
@@ -361,6 +367,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                                         _module_path_maps(matches[True], graphs[True], name_maps))
         root, sources = build_module_tree(models, template, name_maps)
         self._adopt(root, models[0])
+        note_copied_modules(self)
         fused_names = {id(p): name for name, p in self.named_parameters()}
         self.source_parameter_names: list[dict[int, str]] = [
             {id(p): fused_names[id(sources[id(p)])] for p in m.parameters() if id(p) in sources}
@@ -708,6 +715,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         check_source_modes(self)
+        check_copied_modules(self)
         if self.padding is not None:
             mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)

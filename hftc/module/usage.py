@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import UsageWarning, user_stacklevel
+from ..errors import FusionArgumentError, UsageWarning, user_stacklevel
+from ..lowering.runtime.modules import StackedModule
 
 #: The attribute of a fused module's output tensors: the N models it stacks.
 OUTPUT_MARK = "_hftc_num_models"
@@ -167,6 +168,61 @@ def check_source_modes(fused: nn.Module) -> None:
         UsageWarning, stacklevel=user_stacklevel())
 
 
+# --------------------------------------------------------------------------- the tree's copies
+
+#: The key of a fused module's ``__dict__`` that holds what :func:`note_copied_modules` noted.
+_COPIED = "_hftc_copied_modules"
+
+
+def note_copied_modules(fused: nn.Module) -> None:
+    """Note the plain attributes of the fused tree's copies of model 0's tensor-less
+    modules (``fused.drop``: an ``nn.Dropout``, ``fused.act``: an ``nn.LeakyReLU``) as they
+    are when fused: :func:`check_copied_modules` compares them before each forward."""
+    noted = []
+    for path, module in fused.named_modules():
+        if path and not isinstance(module, StackedModule):
+            noted += [(path, module, key, value) for key, value in vars(module).items()
+                      if not key.startswith("_") and key != "training" and _plain(value)]
+    # (one tuple compared per call: equal element by element by identity, where unchanged)
+    fused.__dict__[_COPIED] = (noted, tuple(value for *_, value in noted))
+
+
+def _plain(value: Any) -> bool:
+    """A value ``==`` compares as it is (a number, a string, a tuple of them)."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return value is None or type(value) in (bool, int, float, str, torch.dtype)
+
+
+def check_copied_modules(fused: nn.Module) -> None:
+    """Before a forward of ``fused``: a plain attribute of a copied tensor-less module
+    changed since fusing (``for m in fused.modules(): m.p = 0.0`` to turn dropout off) is
+    refused.  The fused program calls such a copy for every model where the models'
+    modules are equal (a change reached all N there, and nothing else: the models one by
+    one and ``unfuse()`` run each model's own), and reads each model's own value where
+    they differ (the change reached none): either way not what was meant.  An identity
+    test per attribute, where nothing changed."""
+    noted, values = fused.__dict__.get(_COPIED, ((), ()))
+    if not noted or torch.compiler.is_compiling() or tuple(
+            [module.__dict__.get(key, _COPIED) for _, module, key, _ in noted]) == values:
+        return
+    for path, module, key, value in noted:
+        now = module.__dict__.get(key, _COPIED)
+        if now is value or (type(now) is type(value) and now == value):
+            continue
+        fix = (" (fused.eval() turns dropout off for every model)"
+               if isinstance(module, nn.modules.dropout._DropoutNd) else "")
+        raise FusionArgumentError(
+            f"fused.{path}.{key} was set to {now!r} after fusing (it was {value!r}): "
+            f"fused.{path} is model 0's {type(module).__name__}, copied when fused; the "
+            f"models one by one and unfuse() run each model's own `{key}` as it was then, "
+            f"and the fused program reads this copy's only where the models' are equal, "
+            f"so the change would not be each model's{fix}. Set it back "
+            f"(fused.{path}.{key} = {value!r}), or set it on each model "
+            f"(models = fused.unfuse()) and fuse them again")
+
+
 __all__ = ["KEPT_COPIES", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
-           "check_source_modes", "fused_output_models", "mark_outputs", "note_copy",
-           "note_sources", "stale_source"]
+           "check_copied_modules", "check_source_modes", "fused_output_models",
+           "mark_outputs", "note_copied_modules", "note_copy", "note_sources",
+           "stale_source"]

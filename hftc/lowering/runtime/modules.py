@@ -78,22 +78,36 @@ def refuse_model_attribute(owner: nn.Module, where: str, name: str, value: Any,
     nothing hftc runs reads the fused module's, so the assignment changed nothing while a
     read of it gave the new value back.  A name the fused module holds itself (its own
     options, ``training``) or a private one is set as usual."""
-    if (template is None or name.startswith("_") or name == "training"
-            or name in owner.__dict__ or hasattr(type(owner), name)
+    if template is None or name.startswith("_"):
+        return
+    cls = type(template).__name__
+    if name in owner._modules and isinstance(value, nn.Module) \
+            and value is not owner._modules[name]:
+        raise FusionArgumentError(
+            f"{where}.{name} = {type(value).__name__}(...) would not be each model's: the "
+            f"fused program was built from each model's own `{name}` "
+            f"({type(owner._modules[name]).__name__} of {cls}) and reads the fused "
+            f"module's tree, the models one by one and unfuse() each model's own, copied "
+            f"when fused" + _at_user_line() +
+            "\nSet it on each model (models = fused.unfuse()) and fuse them again")
+    if (name == "training" or name in owner.__dict__ or hasattr(type(owner), name)
             or name not in vars(template) or isinstance(value, nn.Module)):
         return
-    line = ir.user_frame_trace()
-    cls = type(template).__name__
     raise FusionArgumentError(
         f"{where}.{name} = {value!r} would change nothing: the fused program was built "
         f"from each model's own `{name}` (a plain attribute of {cls}; model 0's is "
         f"{getattr(template, name)!r}) and does not read the fused module's"
-        + (f"\n  {line}" if line else "") +
+        + _at_user_line() +
         f"\nTo change it between calls, keep it in a buffer "
         f"(self.register_buffer('{name}', torch.tensor(...)) in {cls}.__init__): the fused "
         f"module holds it stacked, one per model, and {where}.{name}.fill_(v) or "
         f"{where}.{name}[i] = v sets model i's. Or set it on each model "
         f"(models = fused.unfuse()) and fuse them again")
+
+
+def _at_user_line() -> str:
+    line = ir.user_frame_trace()
+    return f"\n  {line}" if line else ""
 
 
 class StackedModule(ContainerAccess, nn.Module):
