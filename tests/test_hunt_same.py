@@ -8,6 +8,7 @@ user's line and the buffer that can change between calls.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -142,3 +143,69 @@ def test_a_models_module_replaced_on_the_fused_module_is_refused():
     assert isinstance(fused.act, nn.LeakyReLU)
     fused.extra = nn.ReLU()  # a module the models do not hold is added as usual
     assert fused.extra in list(fused.modules())
+
+
+def test_a_models_attribute_changed_after_fusing_warns_naming_it():
+    """``for m in models: m.temperature = t`` after fusing: the fused module copied the
+    models and runs each one's fuse-time value; a UsageWarning says so (within N calls,
+    one model compared a call), once."""
+    torch.manual_seed(0)
+    models = [Tempered(i).double() for i in range(3)]
+    fused = hftc.fuse(models)
+    x = _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):  # unchanged: nothing to say
+            fused(x)
+    models[2].attn.scale = 9.0
+    with pytest.warns(hftc.UsageWarning, match=r"model 2 given to hftc\.fuse has "
+                      r"`attn\.scale` = 9\.0 now \(3\.0 when fused\)") as record:
+        for _ in range(3):
+            fused(x)
+    assert len(record) == 1 and record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per module
+        for _ in range(3):
+            fused(x)
+
+
+class Counted(nn.Module):  # forward changes a plain attribute itself: no warning
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_an_attribute_the_models_forward_changes_is_not_a_users_change():
+    torch.manual_seed(0)
+    models = [Counted().double() for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hftc.FusionWarning)
+        fused = hftc.fuse(models)
+    x = _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hftc.FusionWarning)  # (run one by one: said so)
+        warnings.simplefilter("error", hftc.UsageWarning)
+        for _ in range(3):
+            models[0](x)  # the user's own call of an original model
+            models[1](x)
+            fused(x)
+
+
+def test_a_torch_modules_attribute_changed_on_a_model_after_fusing_warns():
+    """torch.nn's modules are compared a few a call: ``models[1].drop.p = 0.0`` is seen
+    within their count's calls."""
+    torch.manual_seed(0)
+    models = [WithCopies(0.1).double() for _ in range(3)]
+    fused = hftc.fuse(models)
+    x = _x()
+    fused(x)
+    models[1].drop.p = 0.0
+    with pytest.warns(hftc.UsageWarning, match=r"model 1 given to hftc\.fuse has `drop\.p` "
+                      r"= 0\.0 now \(0\.5 when fused\)"):
+        for _ in range(len(list(fused.modules())) * 3):
+            fused(x)

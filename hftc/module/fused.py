@@ -69,6 +69,7 @@ from .stacking import build_module_tree
 from .unfuse import Unfusing
 from .usage import (
     check_copied_modules,
+    check_source_attributes,
     check_source_modes,
     mark_outputs,
     note_copied_modules,
@@ -716,6 +717,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         check_source_modes(self)
         check_copied_modules(self)
+        check_source_attributes(self)
         if self.padding is not None:
             mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)

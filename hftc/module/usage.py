@@ -15,11 +15,12 @@ no attribute).
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 import warnings
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -109,6 +110,8 @@ def note_sources(fused: nn.Module, models: Sequence[nn.Module]) -> None:
     with contextlib.suppress(TypeError):  # (a model that refuses weak references)
         _SOURCES[id(fused)] = ([weakref.ref(m) for m in models], [m.training for m in models])
         weakref.finalize(fused, _SOURCES.pop, id(fused), None)
+        _SOURCE_ATTRIBUTES[id(fused)] = _note_attributes(models)
+        weakref.finalize(fused, _SOURCE_ATTRIBUTES.pop, id(fused), None)
         for i, m in enumerate(models):
             first = next(m.parameters(), None)
             if first is not None:
@@ -168,6 +171,93 @@ def check_source_modes(fused: nn.Module) -> None:
         UsageWarning, stacklevel=user_stacklevel())
 
 
+# --------------------------------------------------------------------------- the models' attributes
+
+#: id(fused module) -> the plain attributes of the models hftc.fuse was given, as they
+#: were then: for each model, its own classes' modules (where a value the user changes
+#: lives: ``self.temperature``), and torch.nn's modules of all models in one list.
+_SOURCE_ATTRIBUTES: dict[int, tuple[list[list[_Noted]], list[_Noted]]] = {}
+#: Of torch.nn's modules, how many are compared per call (in turn).
+_TORCH_MODULES_A_CALL = 4
+
+
+class _Noted(NamedTuple):
+    model: int
+    module: weakref.ref
+    path: str
+    keys: tuple[str, ...]
+    get: Callable[[Any], Any]  # the values from a module's __dict__ (operator.itemgetter)
+    values: Any  # what ``get`` gave then
+
+
+def _note_attributes(models: Sequence[nn.Module]) -> tuple[list[list[_Noted]], list[_Noted]]:
+    own: list[list[_Noted]] = [[] for _ in models]
+    torch_modules: list[_Noted] = []
+    for i, model in enumerate(models):
+        for path, module in model.named_modules():
+            state = vars(module)
+            keys = tuple(k for k, v in state.items()
+                         if not k.startswith("_") and k != "training" and _plain(v))
+            if keys:
+                get = operator.itemgetter(*keys)
+                noted = _Noted(i, weakref.ref(module), path, keys, get, get(state))
+                is_torch = type(module).__module__.startswith("torch.")
+                (torch_modules if is_torch else own[i]).append(noted)
+    return own, torch_modules
+
+
+def check_source_attributes(fused: nn.Module) -> None:
+    """Before a forward of ``fused``: a plain attribute of a model it was made from changed
+    since (``for m in models: m.temperature = t``, a temperature the loop anneals) is the
+    user's change meant for the fused module, which copied the models and runs each one's
+    value as it was then.  A UsageWarning, once per module, naming the model and the
+    attribute.  Each call compares one model's own classes' modules (in turn: a change
+    is seen within N calls) and a few of torch.nn's (``m.drop.p = 0.0``, seen later);
+    attributes the models' forward itself changes (``self.calls += 1``) are not."""
+    noted = _SOURCE_ATTRIBUTES.get(id(fused))
+    if noted is None or torch.compiler.is_compiling():
+        return
+    own, torch_modules = noted
+    turn = fused.__dict__.get("_hftc_attribute_turn", 0)
+    fused.__dict__["_hftc_attribute_turn"] = turn + 1
+    start = turn * _TORCH_MODULES_A_CALL % max(1, len(torch_modules))
+    for entry in (*own[turn % len(own)],
+                  *torch_modules[start:start + _TORCH_MODULES_A_CALL]):
+        module = entry.module()
+        try:
+            if module is None or entry.get(module.__dict__) == entry.values:
+                continue
+        except KeyError:  # (an attribute deleted: as changed)
+            pass
+        if _warn_changed(fused, entry, module):
+            return
+
+
+def _warn_changed(fused: nn.Module, entry: _Noted, module: nn.Module) -> bool:
+    """Warn of the first of ``entry``'s attributes that changed (not one forward changes
+    itself, nor model of a place hftc.replace_models gave another model)."""
+    ids = fused.__dict__.get("_model_ids") or range(fused.num_models)
+    if entry.model not in ids:
+        return False
+    changed_by_forward = set((fused.__dict__.get("_python_state") or (0, ()))[1])
+    values = entry.values if len(entry.keys) > 1 else (entry.values,)
+    for key, value in zip(entry.keys, values):
+        now = module.__dict__.get(key, _SOURCE_ATTRIBUTES)
+        name = f"{entry.path}.{key}" if entry.path else key
+        if now == value or name in changed_by_forward:
+            continue
+        _SOURCE_ATTRIBUTES.pop(id(fused), None)
+        warnings.warn(
+            f"model {entry.model} given to hftc.fuse has `{name}` = {now!r} now ({value!r} "
+            f"when fused), but the fused module copied the models and runs each model's "
+            f"`{name}` as it was then: a change to the models does not reach it. Keep a "
+            f"value that changes between calls in a buffer (register_buffer), which the "
+            f"fused module holds per model (fused.{name}.fill_(v)), or fuse the changed "
+            f"models again.", UsageWarning, stacklevel=user_stacklevel())
+        return True
+    return False
+
+
 # --------------------------------------------------------------------------- the tree's copies
 
 #: The key of a fused module's ``__dict__`` that holds what :func:`note_copied_modules` noted.
@@ -223,6 +313,6 @@ def check_copied_modules(fused: nn.Module) -> None:
 
 
 __all__ = ["KEPT_COPIES", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
-           "check_copied_modules", "check_source_modes", "fused_output_models",
-           "mark_outputs", "note_copied_modules", "note_copy", "note_sources",
-           "stale_source"]
+           "check_copied_modules", "check_source_attributes", "check_source_modes",
+           "fused_output_models", "mark_outputs", "note_copied_modules", "note_copy",
+           "note_sources", "stale_source"]
