@@ -209,3 +209,31 @@ def test_a_torch_modules_attribute_changed_on_a_model_after_fusing_warns():
                       r"= 0\.0 now \(0\.5 when fused\)"):
         for _ in range(len(list(fused.modules())) * 3):
             fused(x)
+
+
+class Noisy(nn.Module):  # draws from a torch.Generator it holds
+    def __init__(self, gen: torch.Generator):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gen = gen
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h + torch.randn(h.shape, generator=self.gen, dtype=h.dtype)
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+@pytest.mark.parametrize("shared", [True, False], ids=["one generator", "one each"])
+def test_a_draw_from_a_generator_the_model_holds_is_refused_by_name(frontend, shared):
+    """fx kept the generator as a graph constant (``_opaque_obj0``), which model 0's
+    copy lacked: a raw UnboundLocalError from hftc's shape propagation (or a
+    MismatchError naming ``_opaque_obj0``), where one program would have drawn every
+    model's numbers from model 0's generator."""
+    one = torch.Generator().manual_seed(7)
+    models = [Noisy(one if shared else torch.Generator().manual_seed(i)).double()
+              for i in range(3)]
+    x = _x()
+    with pytest.raises(hftc.TraceError, match=r"model 0 \(Noisy\) at .*test_hunt_same\.py:\d+ "
+                       r"in forward: .*random numbers from self\.gen \(a torch\.Generator"
+                       r".*Draw from the default generator"):
+        hftc.fuse(models, frontend=frontend, example_inputs=(x,))
