@@ -237,3 +237,30 @@ def test_a_draw_from_a_generator_the_model_holds_is_refused_by_name(frontend, sh
                        r"in forward: .*random numbers from self\.gen \(a torch\.Generator"
                        r".*Draw from the default generator"):
         hftc.fuse(models, frontend=frontend, example_inputs=(x,))
+
+
+class Picky(nn.Module):  # a module no rule fuses, whose call fails for one model's value
+    def __init__(self):
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x):
+        if self.scale > 2:
+            raise ValueError("scale too large")
+        return x * self.scale
+
+
+def test_the_fallback_puts_model_0s_value_back_when_a_models_call_raises():
+    """The one-by-one fallback of a module sets model i's own hyper-parameters on model
+    0's copy in turn; an error in model i's call left model i's there, so the next call
+    (the user's retry) ran model 0 with model i's value."""
+    from hftc.lowering.runtime.fallback import loop_module
+
+    module = Picky()
+    x = torch.ones(3, 2, 4)
+    overrides = tuple((("scale", v),) for v in (1.0, 3.0, 1.5))
+    with pytest.raises(ValueError, match="scale too large"):
+        loop_module(module, 3, ((True,), {}), (x,), {}, overrides)
+    assert module.scale == 1.0
+    out = loop_module(module, 3, ((True,), {}), (x,), {}, ((("scale", 1.0),),) * 3)
+    torch.testing.assert_close(out, x)

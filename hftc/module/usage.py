@@ -214,8 +214,10 @@ def check_source_attributes(fused: nn.Module) -> None:
     attribute.  Each call compares one model's own classes' modules (in turn: a change
     is seen within N calls) and a few of torch.nn's (``m.drop.p = 0.0``, seen later);
     attributes the models' forward itself changes (``self.calls += 1``) are not."""
+    if torch.compiler.is_compiling():  # (first: what is read while traced becomes a guard)
+        return
     noted = _SOURCE_ATTRIBUTES.get(id(fused))
-    if noted is None or torch.compiler.is_compiling():
+    if noted is None:
         return
     own, torch_modules = noted
     turn = fused.__dict__.get("_hftc_attribute_turn", 0)
@@ -292,8 +294,10 @@ def check_copied_modules(fused: nn.Module) -> None:
     one and ``unfuse()`` run each model's own), and reads each model's own value where
     they differ (the change reached none): either way not what was meant.  An identity
     test per attribute, where nothing changed."""
+    if torch.compiler.is_compiling():  # (first: what is read while traced becomes a guard)
+        return
     noted, values = fused.__dict__.get(_COPIED, ((), ()))
-    if not noted or torch.compiler.is_compiling() or tuple(
+    if not noted or tuple(
             [module.__dict__.get(key, _COPIED) for _, module, key, _ in noted]) == values:
         return
     for path, module, key, value in noted:
