@@ -264,3 +264,35 @@ def test_the_fallback_puts_model_0s_value_back_when_a_models_call_raises():
     assert module.scale == 1.0
     out = loop_module(module, 3, ((True,), {}), (x,), {}, ((("scale", 1.0),),) * 3)
     torch.testing.assert_close(out, x)
+
+
+class Gained(nn.Module):
+    GAIN = 1.0  # a knob of the class, read by every instance's forward
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * self.GAIN
+
+
+@pytest.mark.parametrize("strategy", ["auto", "model_loop"])
+def test_a_class_attribute_changed_after_fusing_warns(strategy, monkeypatch):
+    """``Gained.GAIN = 2.0`` after fusing: the fused program kept 1.0 (traced), the models
+    one by one and unfuse() read 2.0, so fused(x) depended on the strategy, silently."""
+    monkeypatch.setattr(Gained, "GAIN", 1.0)
+    torch.manual_seed(0)
+    fused = hftc.fuse([Gained().double() for _ in range(3)], strategy=strategy)
+    x = _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fused(x)
+    Gained.GAIN = 2.0
+    with pytest.warns(hftc.UsageWarning, match=r"class attribute Gained\.GAIN was set to "
+                      r"2\.0 after fusing \(it was 1\.0\)") as record:
+        fused(x)
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per module
+        fused(x)

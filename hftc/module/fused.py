@@ -68,10 +68,12 @@ from .programs import ProgramCache
 from .stacking import build_module_tree
 from .unfuse import Unfusing
 from .usage import (
+    check_class_attributes,
     check_copied_modules,
     check_source_attributes,
     check_source_modes,
     mark_outputs,
+    note_class_attributes,
     note_copied_modules,
     note_sources,
 )
@@ -369,6 +371,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         root, sources = build_module_tree(models, template, name_maps)
         self._adopt(root, models[0])
         note_copied_modules(self)
+        note_class_attributes(self, models)
         fused_names = {id(p): name for name, p in self.named_parameters()}
         self.source_parameter_names: list[dict[int, str]] = [
             {id(p): fused_names[id(sources[id(p)])] for p in m.parameters() if id(p) in sources}
@@ -717,6 +720,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         check_source_modes(self)
         check_copied_modules(self)
+        check_class_attributes(self)
         check_source_attributes(self)
         if self.padding is not None:
             mask_padded_gradients(self)

@@ -260,6 +260,59 @@ def _warn_changed(fused: nn.Module, entry: _Noted, module: nn.Module) -> bool:
     return False
 
 
+# --------------------------------------------------------------------------- class attributes
+
+#: The key of a fused module's ``__dict__`` that holds what :func:`note_class_attributes` noted.
+_CLASS_NOTED = "_hftc_class_attributes"
+
+
+def note_class_attributes(fused: nn.Module, models: Sequence[nn.Module]) -> None:
+    """Note the plain class attributes of the models' own classes (``class Net: GAIN =
+    1.0``; not torch's) as they are when fused: :func:`check_class_attributes` compares
+    them before each forward."""
+    noted, seen = [], set()
+    for model in models:
+        for module in model.modules():
+            for klass in type(module).__mro__:
+                if klass in seen or klass.__module__.startswith(("torch.", "hftc.", "builtins")):
+                    continue
+                seen.add(klass)
+                noted += [(klass, key, value) for key, value in vars(klass).items()
+                          if not key.startswith("_") and _plain(value)]
+    fused.__dict__[_CLASS_NOTED] = (noted, tuple(value for *_, value in noted))
+
+
+def check_class_attributes(fused: nn.Module) -> None:
+    """Before a forward of ``fused``: a class attribute of the models' classes changed
+    since fusing (``Net.GAIN = 2.0``) warns, once (a UsageWarning: a change forward does
+    not read, an instance counter, is no mistake).  The fused program holds the value it
+    was traced with, while the models one by one and ``unfuse()`` (instances of the same
+    class) read the new one: the answer would depend on how the models run.  One tuple
+    compared."""
+    if torch.compiler.is_compiling():  # (first: what is read while traced becomes a guard)
+        return
+    noted, values = fused.__dict__.get(_CLASS_NOTED, ((), ()))
+    if not noted or tuple([klass.__dict__.get(key, _CLASS_NOTED)
+                           for klass, key, _ in noted]) == values:
+        return
+    for klass, key, value in noted:
+        now = klass.__dict__.get(key, _CLASS_NOTED)
+        if now is value or (type(now) is type(value) and now == value):
+            continue
+        del fused.__dict__[_CLASS_NOTED]
+        now_text = "deleted" if now is _CLASS_NOTED else f"set to {now!r}"
+        warnings.warn(
+            f"the class attribute {klass.__name__}.{key} was {now_text} after fusing (it "
+            f"was {value!r}): the fused program was traced with {value!r}, while the models "
+            f"one by one and unfuse() read the class's value now, so the answer depends on "
+            f"how the models run. Where forward reads it, set it back "
+            f"({klass.__name__}.{key} = {value!r}) or fuse the models again after changing "
+            f"it (hftc.fuse(fused.unfuse())); a value that changes between calls belongs in "
+            f"a buffer (register_buffer), which the fused module holds per model.",
+            UsageWarning, stacklevel=user_stacklevel())
+        return
+
+
 # --------------------------------------------------------------------------- the tree's copies
 
 #: The key of a fused module's ``__dict__`` that holds what :func:`note_copied_modules` noted.
@@ -317,6 +370,7 @@ def check_copied_modules(fused: nn.Module) -> None:
 
 
 __all__ = ["KEPT_COPIES", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
-           "check_copied_modules", "check_source_attributes", "check_source_modes",
-           "fused_output_models", "mark_outputs", "note_copied_modules", "note_copy",
-           "note_sources", "stale_source"]
+           "check_class_attributes", "check_copied_modules", "check_source_attributes",
+           "check_source_modes", "fused_output_models", "mark_outputs",
+           "note_class_attributes", "note_copied_modules", "note_copy", "note_sources",
+           "stale_source"]
