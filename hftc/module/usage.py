@@ -177,8 +177,10 @@ def check_source_modes(fused: nn.Module) -> None:
 #: were then: for each model, its own classes' modules (where a value the user changes
 #: lives: ``self.temperature``), and torch.nn's modules of all models in one list.
 _SOURCE_ATTRIBUTES: dict[int, tuple[list[list[_Noted]], list[_Noted]]] = {}
-#: Of torch.nn's modules, how many are compared per call (in turn).
+#: Of torch.nn's modules, how many are compared per check (in turn).
 _TORCH_MODULES_A_CALL = 4
+#: One call in this many compares (a tiny model's forward pays about 0.5 us, not 2).
+_CALLS_A_CHECK = 4
 
 
 class _Noted(NamedTuple):
@@ -211,17 +213,19 @@ def check_source_attributes(fused: nn.Module) -> None:
     since (``for m in models: m.temperature = t``, a temperature the loop anneals) is the
     user's change meant for the fused module, which copied the models and runs each one's
     value as it was then.  A UsageWarning, once per module, naming the model and the
-    attribute.  Each call compares one model's own classes' modules (in turn: a change
-    is seen within N calls) and a few of torch.nn's (``m.drop.p = 0.0``, seen later);
+    attribute.  Every fourth call compares one model's own classes' modules (in turn: a
+    change is seen within 4N calls) and a few of torch.nn's (``m.drop.p = 0.0``, later);
     attributes the models' forward itself changes (``self.calls += 1``) are not."""
     if torch.compiler.is_compiling():  # (first: what is read while traced becomes a guard)
         return
-    noted = _SOURCE_ATTRIBUTES.get(id(fused))
+    state = fused.__dict__
+    turn = state.get("_hftc_attribute_turn", 0) + 1
+    state["_hftc_attribute_turn"] = turn
+    noted = _SOURCE_ATTRIBUTES.get(id(fused)) if turn % _CALLS_A_CHECK == 0 else None
     if noted is None:
         return
     own, torch_modules = noted
-    turn = fused.__dict__.get("_hftc_attribute_turn", 0)
-    fused.__dict__["_hftc_attribute_turn"] = turn + 1
+    turn //= _CALLS_A_CHECK
     start = turn * _TORCH_MODULES_A_CALL % max(1, len(torch_modules))
     for entry in (*own[turn % len(own)],
                   *torch_modules[start:start + _TORCH_MODULES_A_CALL]):
