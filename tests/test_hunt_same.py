@@ -296,3 +296,31 @@ def test_a_class_attribute_changed_after_fusing_warns(strategy, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per module
         fused(x)
+
+
+_SCALES: dict[int, float] = {}
+
+
+class Registered(nn.Module):  # per-model state outside the model, keyed by its identity
+    def __init__(self, scale: float):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        _SCALES[id(self)] = scale
+
+    def forward(self, x):
+        return self.lin(x) * _SCALES[id(self)]
+
+
+@pytest.mark.parametrize("strategy", ["auto", "fused", "model_loop"])
+def test_state_kept_outside_the_model_is_refused_by_name(strategy):
+    """Models whose Python state is equal share model 0's trace; the first-call check,
+    which would catch a value kept outside the model, runs copies, whose lookup raised,
+    and a check that could not run a model passed (CheckResult.skipped): model 0's scale
+    for every model, silently.  A copy that raises inside its own forward now fails the
+    check, and the models cannot run one by one either: refused, naming the lookup."""
+    torch.manual_seed(0)
+    models = [Registered(1.0 + i).double() for i in range(3)]
+    with pytest.raises(hftc.TraceError, match=r"model 0's own forward, run on its copy, "
+                       r"raised KeyError: \d+ at .*test_hunt_same\.py:\d+ in forward: "
+                       r".*_SCALES\[id\(self\)\].*keep each model's values on the model"):
+        hftc.fuse(models, strategy=strategy)(_x())
