@@ -8,6 +8,7 @@ user's line and the buffer that can change between calls.
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -324,3 +325,33 @@ def test_state_kept_outside_the_model_is_refused_by_name(strategy):
                        r"raised KeyError: \d+ at .*test_hunt_same\.py:\d+ in forward: "
                        r".*_SCALES\[id\(self\)\].*keep each model's values on the model"):
         hftc.fuse(models, strategy=strategy)(_x())
+
+
+TEMPERATURE = 1.0  # a module global the forward below reads
+
+
+class GlobalTempered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) / TEMPERATURE
+
+
+@pytest.mark.parametrize("strategy", ["auto", "model_loop"])
+def test_a_global_forward_reads_changed_after_fusing_warns(strategy, monkeypatch):
+    """``TEMPERATURE = 2.0`` after fusing: traced, the fused program kept 1.0, while the
+    models one by one and unfuse() read 2.0; pickled, the module compares what it loads."""
+    monkeypatch.setitem(globals(), "TEMPERATURE", 1.0)
+    torch.manual_seed(0)
+    fused = hftc.fuse([GlobalTempered().double() for _ in range(3)], strategy=strategy)
+    x = _x()
+    fused(x)
+    twin = pickle.loads(pickle.dumps(fused))
+    twin(x)  # (its program compiled anew, at 1.0)
+    globals()["TEMPERATURE"] = 2.0
+    for module in (fused, twin):
+        with pytest.warns(hftc.UsageWarning, match=r"the global .*test_hunt_same\.TEMPERATURE "
+                          r"was set to 2\.0 after fusing \(it was 1\.0\)"):
+            module(x)

@@ -68,6 +68,7 @@ from .programs import ProgramCache
 from .stacking import build_module_tree
 from .unfuse import Unfusing
 from .usage import (
+    NOT_PICKLED,
     check_class_attributes,
     check_copied_modules,
     check_source_attributes,
@@ -888,6 +889,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             state["_shared_one_by_one"] = state.pop("_shared_model_loop")
         super().__setstate__(state)
         self._mark_stacked()
+        if "model_copies" in state:  # (the values as loaded are the ones compared)
+            note_class_attributes(self, self.model_copies.templates)
 
     def __getstate__(self) -> dict:
         # nn.Module's drops a compiled forward (fused.compile()), which is bound to this
@@ -896,7 +899,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         state["_programs"] = {}  # generated code is recompiled on the next call
         # The models' other methods are fused again on their next call (the shared loop's
         # shells are kept: they hold the Python attributes forward changed).
-        for key in ("_method_modules", "_methods_one_by_one", "_last_call_program"):
+        for key in ("_method_modules", "_methods_one_by_one", "_last_call_program",
+                    *NOT_PICKLED):
             state.pop(key, None)
         return state
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -272,8 +273,9 @@ _CLASS_NOTED = "_hftc_class_attributes"
 
 def note_class_attributes(fused: nn.Module, models: Sequence[nn.Module]) -> None:
     """Note the plain class attributes of the models' own classes (``class Net: GAIN =
-    1.0``; not torch's) as they are when fused: :func:`check_class_attributes` compares
-    them before each forward."""
+    1.0``; not torch's) and the plain module globals their forward reads (``x /
+    TEMPERATURE``) as they are when fused: :func:`check_class_attributes` compares them
+    before each forward."""
     noted, seen = [], set()
     for model in models:
         for module in model.modules():
@@ -281,38 +283,62 @@ def note_class_attributes(fused: nn.Module, models: Sequence[nn.Module]) -> None
                 if klass in seen or klass.__module__.startswith(("torch.", "hftc.", "builtins")):
                     continue
                 seen.add(klass)
-                noted += [(klass, key, value) for key, value in vars(klass).items()
+                noted += [(f"the class attribute {klass.__name__}.{key}",
+                           f"{klass.__name__}.{key}", vars(klass), key, value)
+                          for key, value in vars(klass).items()
                           if not key.startswith("_") and _plain(value)]
+                noted += _globals_read(klass)
     fused.__dict__[_CLASS_NOTED] = (noted, tuple(value for *_, value in noted))
 
 
+def _globals_read(klass: type) -> list[tuple[str, str, Any, str, Any]]:
+    """The plain module globals that ``klass``'s forward and its other methods read (not
+    ``__init__`` and the ones that initialise: a global read once, when built)."""
+    found = []
+    for name, function in vars(klass).items():
+        code = getattr(function, "__code__", None)
+        if code is None or name.startswith("__") or "init" in name or "reset" in name:
+            continue
+        scope = function.__globals__
+        codes, names = [code], set()
+        while codes:
+            c = codes.pop()
+            names.update(c.co_names)
+            codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        found += [(f"the global {scope.get('__name__', '?')}.{key}", key, scope, key, scope[key])
+                  for key in sorted(names) if key in scope and _plain(scope[key])
+                  and not key.startswith("__")]
+    return found
+
+
 def check_class_attributes(fused: nn.Module) -> None:
-    """Before a forward of ``fused``: a class attribute of the models' classes changed
-    since fusing (``Net.GAIN = 2.0``) warns, once (a UsageWarning: a change forward does
-    not read, an instance counter, is no mistake).  The fused program holds the value it
+    """Before a forward of ``fused``: a class attribute of the models' classes or a module
+    global their forward reads, changed since fusing (``Net.GAIN = 2.0``, ``TEMPERATURE =
+    2.0``), warns, once (a UsageWarning: a change forward does not read, an instance
+    counter, is no mistake).  The fused program holds the value it
     was traced with, while the models one by one and ``unfuse()`` (instances of the same
     class) read the new one: the answer would depend on how the models run.  One tuple
     compared."""
     if torch.compiler.is_compiling():  # (first: what is read while traced becomes a guard)
         return
     noted, values = fused.__dict__.get(_CLASS_NOTED, ((), ()))
-    if not noted or tuple([klass.__dict__.get(key, _CLASS_NOTED)
-                           for klass, key, _ in noted]) == values:
+    if not noted or tuple([scope.get(key, _CLASS_NOTED)
+                           for _, _, scope, key, _ in noted]) == values:
         return
-    for klass, key, value in noted:
-        now = klass.__dict__.get(key, _CLASS_NOTED)
+    for what, spelling, scope, key, value in noted:
+        now = scope.get(key, _CLASS_NOTED)
         if now is value or (type(now) is type(value) and now == value):
             continue
         del fused.__dict__[_CLASS_NOTED]
         now_text = "deleted" if now is _CLASS_NOTED else f"set to {now!r}"
         warnings.warn(
-            f"the class attribute {klass.__name__}.{key} was {now_text} after fusing (it "
-            f"was {value!r}): the fused program was traced with {value!r}, while the models "
-            f"one by one and unfuse() read the class's value now, so the answer depends on "
-            f"how the models run. Where forward reads it, set it back "
-            f"({klass.__name__}.{key} = {value!r}) or fuse the models again after changing "
-            f"it (hftc.fuse(fused.unfuse())); a value that changes between calls belongs in "
-            f"a buffer (register_buffer), which the fused module holds per model.",
+            f"{what} was {now_text} "
+            f"after fusing (it was {value!r}): the fused program was traced with "
+            f"{value!r}, while the models one by one and unfuse() read the value now, so "
+            f"the answer depends on how the models run. Where forward reads it, set it "
+            f"back ({spelling} = {value!r}) or fuse the models again after changing it "
+            f"(hftc.fuse(fused.unfuse())); a value that changes between calls belongs in a "
+            f"buffer (register_buffer), which the fused module holds per model.",
             UsageWarning, stacklevel=user_stacklevel())
         return
 
@@ -373,7 +399,12 @@ def check_copied_modules(fused: nn.Module) -> None:
             f"(models = fused.unfuse()) and fuse them again")
 
 
-__all__ = ["KEPT_COPIES", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
+#: What a pickle or a copy of a fused module leaves out (:func:`note_class_attributes`
+#: holds the classes' and modules' own dicts): noted again when it is loaded.
+NOT_PICKLED = (_CLASS_NOTED,)
+
+
+__all__ = ["KEPT_COPIES", "NOT_PICKLED", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
            "check_class_attributes", "check_copied_modules", "check_source_attributes",
            "check_source_modes", "fused_output_models", "mark_outputs",
            "note_class_attributes", "note_copied_modules", "note_copy", "note_sources",
