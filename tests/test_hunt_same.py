@@ -355,3 +355,31 @@ def test_a_global_forward_reads_changed_after_fusing_warns(strategy, monkeypatch
         with pytest.warns(hftc.UsageWarning, match=r"the global .*test_hunt_same\.TEMPERATURE "
                           r"was set to 2\.0 after fusing \(it was 1\.0\)"):
             module(x)
+
+
+class DirectLSTM(nn.Module):  # reads the LSTM's _flat_weights itself (torch.lstm by hand)
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5)
+
+    def forward(self, x):
+        h0 = x.new_zeros(1, x.shape[1], 5)
+        out, _, _ = torch.lstm(x, (h0, h0), self.lstm._flat_weights, True, 1, 0.0,
+                               self.training, False, False)
+        return out
+
+
+def test_an_unfused_lstm_holds_its_own_flat_weights():
+    """A model's copy (unfuse(), the first-call check's) registered its own parameters
+    but kept the meta template's in nn.LSTM's _flat_weights: torch.lstm on them failed
+    ('parameter tensor at meta'), which the check then took for a model it cannot call."""
+    torch.manual_seed(0)
+    models = [DirectLSTM().double() for _ in range(2)]
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    fused = hftc.fuse(models)
+    out = fused(x)
+    assert "checked against" in str(fused.fusion_report.check)
+    for i, (own, m) in enumerate(zip(fused.unfuse(), models)):
+        assert all(w.device.type == "cpu" for w in own.lstm._flat_weights)
+        torch.testing.assert_close(own(x), m(x), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out[i], m(x), rtol=1e-12, atol=1e-12)
