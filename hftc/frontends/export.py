@@ -76,12 +76,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .. import ir
 from ..errors import TraceError, plain_message
 from ..ir import EXPORTED_SHAPES, PYTHON_STATE, bind_arguments, call_signature
 from ..lowering.runtime.guards import check_input_shape, check_input_structure, check_input_value
 from .same_program import alike_models, reads_tensor_values
 from .symbolic import (
     OutputSpec,
+    generator_refusal,
     python_state_watched,
     source_line,
     trace_hint,
@@ -653,6 +655,11 @@ def _emit_attributes(n: _Normalizing) -> None:
         target = spec.target
         if spec.kind in (n.kinds.CONSTANT_TENSOR, n.kinds.CUSTOM_OBJ):
             value = n.program.constants[target]
+            if isinstance(value, torch.Generator):
+                user = next(iter(node.users), None)
+                where = f" at {ir.user_line(user) or _where(user)}" if user is not None else ""
+                raise TraceError(f"model {n.index} ({type(n.model).__name__}){where}: "
+                                 f"{generator_refusal(n.model, value)}")
             try:
                 owned = _get_path(n.exported, target)
             except AttributeError:

@@ -240,6 +240,8 @@ class _Tracer(fx.Tracer):
                 kwargs = {f.name: self.create_arg(getattr(a, f.name))
                           for f in dataclasses.fields(a) if f.init or not every}
                 return self.create_node("call_function", build_dataclass, (type(a),), kwargs)
+        if isinstance(a, torch.Generator):
+            raise TraceError(generator_refusal(self.root, a))
         return super().create_arg(a)
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
@@ -915,6 +917,25 @@ def constant_inputs(model: nn.Module, given: dict[str, Any] | None = None) -> di
     return constants
 
 
+def generator_refusal(root: nn.Module, generator: torch.Generator) -> str:
+    """Why a draw from a ``torch.Generator`` the model holds (``generator=self.gen``) is
+    refused: fx kept the object as a constant of the graph (``_opaque_obj0``), which the
+    fused module's copies of the models do not hold, and one program would draw every
+    model's numbers from model 0's generator."""
+    held = [(f"self.{path + '.' if path else ''}{key}", value)
+            for path, module in root.named_modules()
+            for key, value in vars(module).items() if isinstance(value, torch.Generator)]
+    # (torch.export draws from a copy of the model's: the one generator it holds, then)
+    name = next((n for n, value in held if value is generator),
+                held[0][0] if len(held) == 1 else None)
+    return (f"forward draws random numbers from "
+            f"{f'{name} (a torch.Generator ' if name else 'a torch.Generator ('}passed as "
+            f"generator=), which a traced program would keep as one object: every model "
+            f"would draw from model 0's generator, not its own. Draw from the default "
+            f"generator (no generator=; torch.manual_seed seeds it), from which the fused "
+            f"module draws each model's own numbers, or run the models one by one yourself")
+
+
 def source_line(exc: BaseException) -> str:
     """Where in the user's code ``exc`` was raised: ``file.py:110 in forward: `code```
     (the innermost frame outside torch, hftc and Python's library), with torch's own
@@ -1450,6 +1471,7 @@ def annotate_example_values(
     # With its output node: a graph of placeholders alone (``return x``) compiled to a
     # function with no body.
     copied.output(copied.graph_copy(graph, {}))
+    recorder = None  # (the GraphModule itself may fail: an attribute the template lacks)
     try:
         recorder = _Recorder(fx.GraphModule(template, copied), list(graph.nodes))
         with torch.no_grad():
@@ -1459,7 +1481,7 @@ def annotate_example_values(
         raise
     except Exception as exc:
         meta_error = exc
-    failed_on_meta = recorder.failed
+    failed_on_meta = recorder.failed if recorder is not None else None
     real = deepcopy_module(template)
     for name, tensor in real_tensors().items():
         owner_path, _, leaf = name.rpartition(".")

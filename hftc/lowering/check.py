@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import ir
 from ..errors import plain_message
-from ..frontends.symbolic import record_values, trace_with_leaves
+from ..frontends.symbolic import record_values, source_line, trace_with_leaves
 from ..passes.padded import PaddedModule
 from .runtime.one_by_one import call_model
 
@@ -397,6 +397,8 @@ class CheckResult:
     raised: BaseException | None = None
     #: A random op the constants do not cover ran: only shapes and dtypes were compared.
     shapes_only: bool = False
+    #: Model ``failed_model``'s copy raised inside its own forward (``difference`` says).
+    copy_raised: bool = False
     #: The largest relative difference (in norm) of a floating output compared.
     largest: float = 0.0
     #: The model whose outputs differed (with ``difference``).
@@ -506,6 +508,21 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
                 result.shapes_only |= any(not torch.equal(a, b)
                                           for a, b in zip(drawn, _rng_states()))
             except Exception as exc:  # noqa: BLE001 - a model we cannot call like this
+                if _raised_in_forward(exc, shell):
+                    # the copy (what unfuse() and the models one by one run) is not the
+                    # model the program was traced from: not a pass
+                    where = source_line(exc)
+                    where = f" at {where}" if where else ""
+                    result.copy_raised = True
+                    result.difference = (
+                        f"model {i}'s own forward, run on its copy, raised "
+                        f"{plain_message(exc)}{where}: hftc's copy of a model (the first-call "
+                        f"check's, unfuse()'s, the models one by one's) holds its "
+                        f"attributes, parameters and buffers, not state kept outside it "
+                        f"(a dict keyed by id(self), a registry of modules); keep each "
+                        f"model's values on the model (an attribute or a buffer)")
+                    result.failed_model = i
+                    return result
                 result.skipped = f"model {i}'s own forward raised {plain_message(exc)}"
                 return result
             own_buffers = dict(shell.named_buffers()) if buffers else {}
@@ -532,6 +549,18 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
                 result.failed_model = i
                 break
     return result
+
+
+def _raised_in_forward(exc: BaseException, model: nn.Module) -> bool:
+    """Whether ``exc`` came from inside ``model``'s own forward (a lookup its copy fails),
+    not from the call itself (inputs forward's signature does not take)."""
+    code = getattr(type(model).forward, "__code__", None)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _within_own_rounding(fused: nn.Module, i: int, args: Sequence[Any], got: Any,

@@ -113,6 +113,9 @@ class ModelCopies:
             if name in skipped or leaf.startswith("_hftc_constant_"):
                 continue
             model.get_submodule(owner)._buffers[leaf] = b[index].clone()
+        for sub in model.modules():
+            if isinstance(sub, nn.RNNBase):  # (its _flat_weights still held the meta ones)
+                sub._init_flat_weights()
         fused_modules = dict(fused.named_modules(remove_duplicate=False))
         modes: dict[str, bool] = {}
         for path, sub in model.named_modules(remove_duplicate=False):

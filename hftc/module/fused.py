@@ -50,7 +50,13 @@ from ..lowering.checkpoint import check_option as check_checkpoint_option
 from ..lowering.compile_guard import compiled_original
 from ..lowering.pipeline import ModeGraphs, Program
 from ..lowering.runtime.layout import model_slice
-from ..lowering.runtime.modules import ContainerAccess, StackedModule, mark_stacked, register_fused
+from ..lowering.runtime.modules import (
+    ContainerAccess,
+    StackedModule,
+    mark_stacked,
+    refuse_model_attribute,
+    register_fused,
+)
 from ..lowering.runtime.one_by_one import OneByOne
 from ..lowering.strategy import resolve_strategy
 from ..match import GraphMatch, match_graphs
@@ -61,7 +67,17 @@ from .padding import WidthPadding, into_padded, mask_padded_gradients, pad_model
 from .programs import ProgramCache
 from .stacking import build_module_tree
 from .unfuse import Unfusing
-from .usage import check_source_modes, mark_outputs, note_sources
+from .usage import (
+    NOT_PICKLED,
+    check_class_attributes,
+    check_copied_modules,
+    check_source_attributes,
+    check_source_modes,
+    mark_outputs,
+    note_class_attributes,
+    note_copied_modules,
+    note_sources,
+)
 
 
 def _hook_hint(hooks: Sequence[Any]) -> str:
@@ -363,6 +379,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                                         _module_path_maps(matches[True], graphs[True], name_maps))
         root, sources = build_module_tree(models, template, name_maps)
         self._adopt(root, models[0])
+        note_copied_modules(self)
+        note_class_attributes(self, models)
         fused_names = {id(p): name for name, p in self.named_parameters()}
         self.source_parameter_names: list[dict[int, str]] = [
             {id(p): fused_names[id(sources[id(p)])] for p in m.parameters() if id(p) in sources}
@@ -720,6 +738,9 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         check_source_modes(self)
+        check_copied_modules(self)
+        check_class_attributes(self)
+        check_source_attributes(self)
         if self.padding is not None:
             mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)
@@ -759,6 +780,11 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
 
     # ------------------------------------------------------------------ other methods
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # (fused.temperature = 0.5: the program holds each model's own, not this one)
+        refuse_model_attribute(self, "fused", name, value, self.__dict__.get("_template"))
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         """nn.Module's (parameters, buffers, submodules), then the models' own methods
@@ -881,6 +907,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             state["_shared_one_by_one"] = state.pop("_shared_model_loop")
         super().__setstate__(state)
         self._mark_stacked()
+        if "model_copies" in state:  # (the values as loaded are the ones compared)
+            note_class_attributes(self, self.model_copies.templates)
 
     def __getstate__(self) -> dict:
         # nn.Module's drops a compiled forward (fused.compile()), which is bound to this
@@ -889,7 +917,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         state["_programs"] = {}  # generated code is recompiled on the next call
         # The models' other methods are fused again on their next call (the shared loop's
         # shells are kept: they hold the Python attributes forward changed).
-        for key in ("_method_modules", "_methods_one_by_one", "_last_call_program"):
+        for key in ("_method_modules", "_methods_one_by_one", "_last_call_program",
+                    *NOT_PICKLED):
             state.pop(key, None)
         return state
 

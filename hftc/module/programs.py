@@ -403,6 +403,8 @@ class ProgramCache:
             return str(report.check.raised)
         if report.check.passed:
             return None
+        if report.check.copy_raised:  # (the copies cannot run: no program to locate)
+            return report.check.difference
         index = report.check.failed_model
         padded = getattr(self, "padding", None) is not None
         where = locate_difference(self, graph, model_graph, report.records, values, batched,

@@ -42,7 +42,7 @@ def build_module_tree(
     """
     num_models = len(models)
     model0 = models[0]
-    root = _make_node(model0, templates, num_models)
+    root = _make_node(model0, templates, num_models, "")
     nodes: dict[str, nn.Module] = {"": root}
     for path, sub in model0.named_modules(remove_duplicate=False):
         if path == "":
@@ -50,7 +50,7 @@ def build_module_tree(
         parent_path, _, leaf = path.rpartition(".")
         if path in nodes:
             continue
-        node = _make_node(sub, templates.get_submodule(path), num_models)
+        node = _make_node(sub, templates.get_submodule(path), num_models, path)
         setattr(nodes[parent_path], leaf, node)
         nodes[path] = node
 
@@ -135,7 +135,8 @@ def _check_ties(name, per_model, tables, name_maps) -> None:
             )
 
 
-def _make_node(source: nn.Module, template: nn.Module, num_models: int) -> nn.Module:
+def _make_node(source: nn.Module, template: nn.Module, num_models: int,
+               path: str) -> nn.Module:
     """The fused tree's module for model 0's ``source``: a StackedModule, or a copy of a
     module with neither tensors nor extra state (an ``nn.ReLU`` the program may call).
     A copy of one with extra state would save model 0's as every model's::
@@ -148,4 +149,5 @@ def _make_node(source: nn.Module, template: nn.Module, num_models: int) -> nn.Mo
         return deepcopy_module(source)
     node = StackedModule(source, num_models)
     object.__setattr__(node, "_hftc_template", template)
+    object.__setattr__(node, "_hftc_path", path)  # (what an error names it by)
     return node

@@ -15,16 +15,19 @@ no attribute).
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
+import types
 import warnings
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from ..errors import UsageWarning, user_stacklevel
+from ..errors import FusionArgumentError, UsageWarning, user_stacklevel
+from ..lowering.runtime.modules import StackedModule
 
 #: The attribute of a fused module's output tensors: the N models it stacks.
 OUTPUT_MARK = "_hftc_num_models"
@@ -108,6 +111,8 @@ def note_sources(fused: nn.Module, models: Sequence[nn.Module]) -> None:
     with contextlib.suppress(TypeError):  # (a model that refuses weak references)
         _SOURCES[id(fused)] = ([weakref.ref(m) for m in models], [m.training for m in models])
         weakref.finalize(fused, _SOURCES.pop, id(fused), None)
+        _SOURCE_ATTRIBUTES[id(fused)] = _note_attributes(models)
+        weakref.finalize(fused, _SOURCE_ATTRIBUTES.pop, id(fused), None)
         for i, m in enumerate(models):
             first = next(m.parameters(), None)
             if first is not None:
@@ -167,6 +172,240 @@ def check_source_modes(fused: nn.Module) -> None:
         UsageWarning, stacklevel=user_stacklevel())
 
 
-__all__ = ["KEPT_COPIES", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
-           "check_source_modes", "fused_output_models", "mark_outputs", "note_copy",
-           "note_sources", "stale_source"]
+# --------------------------------------------------------------------------- the models' attributes
+
+#: id(fused module) -> the plain attributes of the models hftc.fuse was given, as they
+#: were then: for each model, its own classes' modules (where a value the user changes
+#: lives: ``self.temperature``), and torch.nn's modules of all models in one list.
+_SOURCE_ATTRIBUTES: dict[int, tuple[list[list[_Noted]], list[_Noted]]] = {}
+#: Of torch.nn's modules, how many are compared per check (in turn).
+_TORCH_MODULES_A_CALL = 4
+#: One call in this many compares (a tiny model's forward pays about 0.5 us, not 2).
+_CALLS_A_CHECK = 4
+
+
+class _Noted(NamedTuple):
+    model: int
+    module: weakref.ref
+    path: str
+    keys: tuple[str, ...]
+    get: Callable[[Any], Any]  # the values from a module's __dict__ (operator.itemgetter)
+    values: Any  # what ``get`` gave then
+
+
+def _note_attributes(models: Sequence[nn.Module]) -> tuple[list[list[_Noted]], list[_Noted]]:
+    own: list[list[_Noted]] = [[] for _ in models]
+    torch_modules: list[_Noted] = []
+    for i, model in enumerate(models):
+        for path, module in model.named_modules():
+            state = vars(module)
+            keys = tuple(k for k, v in state.items()
+                         if not k.startswith("_") and k != "training" and _plain(v))
+            if keys:
+                get = operator.itemgetter(*keys)
+                noted = _Noted(i, weakref.ref(module), path, keys, get, get(state))
+                is_torch = type(module).__module__.startswith("torch.")
+                (torch_modules if is_torch else own[i]).append(noted)
+    return own, torch_modules
+
+
+def check_source_attributes(fused: nn.Module) -> None:
+    """Before a forward of ``fused``: a plain attribute of a model it was made from changed
+    since (``for m in models: m.temperature = t``, a temperature the loop anneals) is the
+    user's change meant for the fused module, which copied the models and runs each one's
+    value as it was then.  A UsageWarning, once per module, naming the model and the
+    attribute.  Every fourth call compares one model's own classes' modules (in turn: a
+    change is seen within 4N calls) and a few of torch.nn's (``m.drop.p = 0.0``, later);
+    attributes the models' forward itself changes (``self.calls += 1``) are not."""
+    if torch.compiler.is_compiling():  # (first: what is read while traced becomes a guard)
+        return
+    state = fused.__dict__
+    turn = state.get("_hftc_attribute_turn", 0) + 1
+    state["_hftc_attribute_turn"] = turn
+    noted = _SOURCE_ATTRIBUTES.get(id(fused)) if turn % _CALLS_A_CHECK == 0 else None
+    if noted is None:
+        return
+    own, torch_modules = noted
+    turn //= _CALLS_A_CHECK
+    start = turn * _TORCH_MODULES_A_CALL % max(1, len(torch_modules))
+    for entry in (*own[turn % len(own)],
+                  *torch_modules[start:start + _TORCH_MODULES_A_CALL]):
+        module = entry.module()
+        try:
+            if module is None or entry.get(module.__dict__) == entry.values:
+                continue
+        except KeyError:  # (an attribute deleted: as changed)
+            pass
+        if _warn_changed(fused, entry, module):
+            return
+
+
+def _warn_changed(fused: nn.Module, entry: _Noted, module: nn.Module) -> bool:
+    """Warn of the first of ``entry``'s attributes that changed (not one forward changes
+    itself, nor model of a place hftc.replace_models gave another model)."""
+    ids = fused.__dict__.get("_model_ids") or range(fused.num_models)
+    if entry.model not in ids:
+        return False
+    changed_by_forward = set((fused.__dict__.get("_python_state") or (0, ()))[1])
+    values = entry.values if len(entry.keys) > 1 else (entry.values,)
+    for key, value in zip(entry.keys, values):
+        now = module.__dict__.get(key, _SOURCE_ATTRIBUTES)
+        name = f"{entry.path}.{key}" if entry.path else key
+        if now == value or name in changed_by_forward:
+            continue
+        _SOURCE_ATTRIBUTES.pop(id(fused), None)
+        warnings.warn(
+            f"model {entry.model} given to hftc.fuse has `{name}` = {now!r} now ({value!r} "
+            f"when fused), but the fused module copied the models and runs each model's "
+            f"`{name}` as it was then: a change to the models does not reach it. Keep a "
+            f"value that changes between calls in a buffer (register_buffer), which the "
+            f"fused module holds per model (fused.{name}.fill_(v)), or fuse the changed "
+            f"models again.", UsageWarning, stacklevel=user_stacklevel())
+        return True
+    return False
+
+
+# --------------------------------------------------------------------------- class attributes
+
+#: The key of a fused module's ``__dict__`` that holds what :func:`note_class_attributes` noted.
+_CLASS_NOTED = "_hftc_class_attributes"
+
+
+def note_class_attributes(fused: nn.Module, models: Sequence[nn.Module]) -> None:
+    """Note the plain class attributes of the models' own classes (``class Net: GAIN =
+    1.0``; not torch's) and the plain module globals their forward reads (``x /
+    TEMPERATURE``) as they are when fused: :func:`check_class_attributes` compares them
+    before each forward."""
+    noted, seen = [], set()
+    for model in models:
+        for module in model.modules():
+            for klass in type(module).__mro__:
+                if klass in seen or klass.__module__.startswith(("torch.", "hftc.", "builtins")):
+                    continue
+                seen.add(klass)
+                noted += [(f"the class attribute {klass.__name__}.{key}",
+                           f"{klass.__name__}.{key}", vars(klass), key, value)
+                          for key, value in vars(klass).items()
+                          if not key.startswith("_") and _plain(value)]
+                noted += _globals_read(klass)
+    fused.__dict__[_CLASS_NOTED] = (noted, tuple(value for *_, value in noted))
+
+
+def _globals_read(klass: type) -> list[tuple[str, str, Any, str, Any]]:
+    """The plain module globals that ``klass``'s forward and its other methods read (not
+    ``__init__`` and the ones that initialise: a global read once, when built)."""
+    found = []
+    for name, function in vars(klass).items():
+        code = getattr(function, "__code__", None)
+        if code is None or name.startswith("__") or "init" in name or "reset" in name:
+            continue
+        scope = function.__globals__
+        codes, names = [code], set()
+        while codes:
+            c = codes.pop()
+            names.update(c.co_names)
+            codes += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+        found += [(f"the global {scope.get('__name__', '?')}.{key}", key, scope, key, scope[key])
+                  for key in sorted(names) if key in scope and _plain(scope[key])
+                  and not key.startswith("__")]
+    return found
+
+
+def check_class_attributes(fused: nn.Module) -> None:
+    """Before a forward of ``fused``: a class attribute of the models' classes or a module
+    global their forward reads, changed since fusing (``Net.GAIN = 2.0``, ``TEMPERATURE =
+    2.0``), warns, once (a UsageWarning: a change forward does not read, an instance
+    counter, is no mistake).  The fused program holds the value it
+    was traced with, while the models one by one and ``unfuse()`` (instances of the same
+    class) read the new one: the answer would depend on how the models run.  One tuple
+    compared."""
+    if torch.compiler.is_compiling():  # (first: what is read while traced becomes a guard)
+        return
+    noted, values = fused.__dict__.get(_CLASS_NOTED, ((), ()))
+    if not noted or tuple([scope.get(key, _CLASS_NOTED)
+                           for _, _, scope, key, _ in noted]) == values:
+        return
+    for what, spelling, scope, key, value in noted:
+        now = scope.get(key, _CLASS_NOTED)
+        if now is value or (type(now) is type(value) and now == value):
+            continue
+        del fused.__dict__[_CLASS_NOTED]
+        now_text = "deleted" if now is _CLASS_NOTED else f"set to {now!r}"
+        warnings.warn(
+            f"{what} was {now_text} "
+            f"after fusing (it was {value!r}): the fused program was traced with "
+            f"{value!r}, while the models one by one and unfuse() read the value now, so "
+            f"the answer depends on how the models run. Where forward reads it, set it "
+            f"back ({spelling} = {value!r}) or fuse the models again after changing it "
+            f"(hftc.fuse(fused.unfuse())); a value that changes between calls belongs in a "
+            f"buffer (register_buffer), which the fused module holds per model.",
+            UsageWarning, stacklevel=user_stacklevel())
+        return
+
+
+# --------------------------------------------------------------------------- the tree's copies
+
+#: The key of a fused module's ``__dict__`` that holds what :func:`note_copied_modules` noted.
+_COPIED = "_hftc_copied_modules"
+
+
+def note_copied_modules(fused: nn.Module) -> None:
+    """Note the plain attributes of the fused tree's copies of model 0's tensor-less
+    modules (``fused.drop``: an ``nn.Dropout``, ``fused.act``: an ``nn.LeakyReLU``) as they
+    are when fused: :func:`check_copied_modules` compares them before each forward."""
+    noted = []
+    for path, module in fused.named_modules():
+        if path and not isinstance(module, StackedModule):
+            noted += [(path, module, key, value) for key, value in vars(module).items()
+                      if not key.startswith("_") and key != "training" and _plain(value)]
+    # (one tuple compared per call: equal element by element by identity, where unchanged)
+    fused.__dict__[_COPIED] = (noted, tuple(value for *_, value in noted))
+
+
+def _plain(value: Any) -> bool:
+    """A value ``==`` compares as it is (a number, a string, a tuple of them)."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return value is None or type(value) in (bool, int, float, str, torch.dtype)
+
+
+def check_copied_modules(fused: nn.Module) -> None:
+    """Before a forward of ``fused``: a plain attribute of a copied tensor-less module
+    changed since fusing (``for m in fused.modules(): m.p = 0.0`` to turn dropout off) is
+    refused.  The fused program calls such a copy for every model where the models'
+    modules are equal (a change reached all N there, and nothing else: the models one by
+    one and ``unfuse()`` run each model's own), and reads each model's own value where
+    they differ (the change reached none): either way not what was meant.  An identity
+    test per attribute, where nothing changed."""
+    if torch.compiler.is_compiling():  # (first: what is read while traced becomes a guard)
+        return
+    noted, values = fused.__dict__.get(_COPIED, ((), ()))
+    if not noted or tuple(
+            [module.__dict__.get(key, _COPIED) for _, module, key, _ in noted]) == values:
+        return
+    for path, module, key, value in noted:
+        now = module.__dict__.get(key, _COPIED)
+        if now is value or (type(now) is type(value) and now == value):
+            continue
+        fix = (" (fused.eval() turns dropout off for every model)"
+               if isinstance(module, nn.modules.dropout._DropoutNd) else "")
+        raise FusionArgumentError(
+            f"fused.{path}.{key} was set to {now!r} after fusing (it was {value!r}): "
+            f"fused.{path} is model 0's {type(module).__name__}, copied when fused; the "
+            f"models one by one and unfuse() run each model's own `{key}` as it was then, "
+            f"and the fused program reads this copy's only where the models' are equal, "
+            f"so the change would not be each model's{fix}. Set it back "
+            f"(fused.{path}.{key} = {value!r}), or set it on each model "
+            f"(models = fused.unfuse()) and fuse them again")
+
+
+#: What a pickle or a copy of a fused module leaves out (:func:`note_class_attributes`
+#: holds the classes' and modules' own dicts): noted again when it is loaded.
+NOT_PICKLED = (_CLASS_NOTED,)
+
+
+__all__ = ["KEPT_COPIES", "NOT_PICKLED", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
+           "check_class_attributes", "check_copied_modules", "check_source_attributes",
+           "check_source_modes", "fused_output_models", "mark_outputs",
+           "note_class_attributes", "note_copied_modules", "note_copy", "note_sources",
+           "stale_source"]

@@ -126,18 +126,21 @@ def loop_module(module: torch.nn.Module, n: int, batched: Any,
     target = module if template is None else template
     saved = {name: getattr(target, name) for name, _ in (overrides[0] if overrides else ())}
     outs = []
-    for i, (a, k) in enumerate(_per_model_arguments(n, batched, args, kwargs)):
-        for name, value in (overrides[i] if overrides else ()):
-            setattr(target, name, value)  # model i's own hyper-parameter (dropout p, eps ...)
-        if template is None:
-            outs.append(module(*a, **k))
-            continue
-        set_training(template, module.training)
-        tensors = {name: t[i] for name, t in module.named_parameters(remove_duplicate=False)}
-        tensors.update({name: t[i] for name, t in module.named_buffers(remove_duplicate=False)})
-        outs.append(torch.func.functional_call(template, tensors, a, k, strict=True))
-    for name, value in saved.items():
-        setattr(target, name, value)
+    try:
+        for i, (a, k) in enumerate(_per_model_arguments(n, batched, args, kwargs)):
+            for name, value in (overrides[i] if overrides else ()):
+                setattr(target, name, value)  # model i's own hyper-parameter (dropout p, eps)
+            if template is None:
+                outs.append(module(*a, **k))
+                continue
+            set_training(template, module.training)
+            tensors = {name: t[i] for name, t in module.named_parameters(remove_duplicate=False)}
+            tensors.update({name: t[i]
+                            for name, t in module.named_buffers(remove_duplicate=False)})
+            outs.append(torch.func.functional_call(template, tensors, a, k, strict=True))
+    finally:  # (model 0's own values back, also when model i's call raised)
+        for name, value in saved.items():
+            setattr(target, name, value)
     return _stack_results(outs, type(template or module).__name__)
 
 

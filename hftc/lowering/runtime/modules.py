@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor, nn
 
-from ...errors import UnsupportedOperatorError
+from ... import ir
+from ...errors import FusionArgumentError, UnsupportedOperatorError
 
 
 class ContainerAccess:
@@ -68,6 +70,46 @@ class ContainerAccess:
         return iter(self._modules.values())
 
 
+def refuse_model_attribute(owner: nn.Module, where: str, name: str, value: Any,
+                           template: nn.Module | None) -> None:
+    """Refuse ``fused.temperature = 0.5`` (``where`` names the module: ``"fused"``,
+    ``"fused.attn"``) where ``name`` is a plain attribute of the models' module there
+    (``template``, model 0's): the program was built from each model's own value and
+    nothing hftc runs reads the fused module's, so the assignment changed nothing while a
+    read of it gave the new value back.  A name the fused module holds itself (its own
+    options, ``training``) or a private one is set as usual."""
+    if template is None or name.startswith("_"):
+        return
+    cls = type(template).__name__
+    if name in owner._modules and isinstance(value, nn.Module) \
+            and value is not owner._modules[name]:
+        raise FusionArgumentError(
+            f"{where}.{name} = {type(value).__name__}(...) would not be each model's: the "
+            f"fused program was built from each model's own `{name}` "
+            f"({type(owner._modules[name]).__name__} of {cls}) and reads the fused "
+            f"module's tree, the models one by one and unfuse() each model's own, copied "
+            f"when fused" + _at_user_line() +
+            "\nSet it on each model (models = fused.unfuse()) and fuse them again")
+    if (name == "training" or name in owner.__dict__ or hasattr(type(owner), name)
+            or name not in vars(template) or isinstance(value, nn.Module)):
+        return
+    raise FusionArgumentError(
+        f"{where}.{name} = {value!r} would change nothing: the fused program was built "
+        f"from each model's own `{name}` (a plain attribute of {cls}; model 0's is "
+        f"{getattr(template, name)!r}) and does not read the fused module's"
+        + _at_user_line() +
+        f"\nTo change it between calls, keep it in a buffer "
+        f"(self.register_buffer('{name}', torch.tensor(...)) in {cls}.__init__): the fused "
+        f"module holds it stacked, one per model, and {where}.{name}.fill_(v) or "
+        f"{where}.{name}[i] = v sets model i's. Or set it on each model "
+        f"(models = fused.unfuse()) and fuse them again")
+
+
+def _at_user_line() -> str:
+    line = ir.user_frame_trace()
+    return f"\n  {line}" if line else ""
+
+
 class StackedModule(ContainerAccess, nn.Module):
     """N modules' parameters and buffers stacked ``[N, *shape]`` under their own names.
 
@@ -87,6 +129,13 @@ class StackedModule(ContainerAccess, nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.source_type}({self._source_repr}) x {self.num_models}"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # (fused.attn.scale = 2.0: the program holds each model's own scale, not this)
+        path = self.__dict__.get("_hftc_path")
+        refuse_model_attribute(self, f"fused.{path}" if path else "fused", name, value,
+                               self.__dict__.get("_hftc_template"))
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------ hooks never run
 
