@@ -124,6 +124,21 @@ def test_replay_prunes_the_curves_one_at_a_time(tmp_path):
     assert epochs == 4 * 4 + 2 + 4 and seconds > 0
 
 
+def test_the_replay_charges_the_study_made_first_in_a_process(tmp_path):
+    """A one-at-a-time script's create_study is its process's first RDB storage (SQLAlchemy
+    imported, the schema made); the replay's is made second, warm: the sweep's own first
+    creation is what the serial side is charged where it is the larger."""
+    spec = hs.load_spec(_spec_file(tmp_path)).replace(epochs=2)
+    study = optuna.create_study(direction="maximize")
+    for _ in range(3):
+        study.add_trial(optuna.trial.create_trial(
+            value=0.5, intermediate_values={1: 0.5, 2: 0.5}, params={}, distributions={}))
+    warm, _ = replay_optuna(spec, study.get_trials(), tmp_path / "warm")
+    charged, _ = replay_optuna(spec, study.get_trials(), tmp_path / "first",
+                               first_made_s=warm + 5.0)
+    assert charged >= 5.0 > warm  # (the first creation, plus the per-trial share)
+
+
 def test_the_summary_charges_the_serial_side_its_optuna(tmp_path):
     result = hs.run(_spec_file(tmp_path), out=tmp_path / "out", progress=False)
     assert result.serial_optuna_s is not None and result.serial_optuna_s > 0

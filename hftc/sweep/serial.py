@@ -175,7 +175,7 @@ def describe(result: SerialResult) -> str:
 
 
 def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path, sample: int = 12,
-                  ) -> tuple[float, int]:
+                  first_made_s: float = 0.0) -> tuple[float, int]:
     """The same study one trial at a time, its Optuna share measured on a sample and its
     trial-epochs counted, without training: ``trials`` (the sweep's) in number order, each
     asked, suggested through the spec's space, a stock model and optimizer built, its
@@ -187,7 +187,9 @@ def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path, sample: int
       a time would ends where the sweep cut it);
     * seconds: the first ``sample`` trials through a stock Optuna study on its own SQLite
       file in ``folder`` (Optuna's defaults, the spec's sampler), timed, scaled to all
-      the trials; the study's creation counted once.
+      the trials; the study's creation counted once, as the process's first
+      (``first_made_s``: the sweep's own, which paid SQLAlchemy's import and made the
+      schema; the replay's, second in the process, costs a fraction of it).
 
     Returns (seconds, trial-epochs)."""
     curves = [[t.intermediate_values[s] for s in sorted(t.intermediate_values)]
@@ -209,7 +211,7 @@ def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path, sample: int
         optuna.logging.set_verbosity(verbosity)
         db.unlink(missing_ok=True)
     scale = len(curves) / max(1, min(sample, len(curves)))
-    return made_s + (seconds - made_s) * scale, epochs
+    return max(made_s, first_made_s) + (seconds - made_s) * scale, epochs
 
 
 def _replay(spec: SweepSpec, curves: list[list[float]], storage: str | None,
