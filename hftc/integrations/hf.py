@@ -42,6 +42,7 @@ transformers and accelerate raises :class:`hftc.errors.MissingExtraError`, which
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from typing import Any
 
@@ -64,6 +65,10 @@ except ImportError as exc:  # pragma: no cover - the test environment has them
                             f"installed): pip install 'hftc[hf]'", extra="hf") from exc
 
 __all__ = ["FusedTrainer", "PerModelEarlyStopping", "model_dir"]
+
+#: in each checkpoint folder: the models' bests (what trainer_state.json's best_metric and
+#: best_model_checkpoint are for one model), read back by train(resume_from_checkpoint=...)
+PER_MODEL_STATE_NAME = "hftc_per_model_state.json"
 
 
 def model_dir(output_dir: str | os.PathLike, index: int) -> str:
@@ -130,16 +135,20 @@ class FusedTrainer(transformers.Trainer):
         #: per model: its best metric_for_best_model value and the step it was at
         self.best_metrics: list[float | None] = []
         self.best_steps: list[int | None] = []
+        #: per model: the folder of its best checkpoint (``.../checkpoint-S``)
+        self.best_checkpoints: list[str | None] = []
         #: model -> the step its early stopping stopped it at
         self.stopped_models: dict[int, int] = {}
         super().__init__(model, args, *rest, **kwargs)
         self.best_metrics = [None] * model.num_models
         self.best_steps = [None] * model.num_models
+        self.best_checkpoints = [None] * model.num_models
         for callback in list(self.callback_handler.callbacks):
             if type(callback) is transformers.EarlyStoppingCallback:  # per model instead
                 self.callback_handler.remove_callback(callback)
                 self.add_callback(PerModelEarlyStopping(
                     self, callback.early_stopping_patience, callback.early_stopping_threshold))
+        self._attach_early_stopping()
         if self.args.n_gpu > 1:
             raise FusionArgumentError(
                 f"FusedTrainer: {self.args.n_gpu} GPUs in one process would run the fused "
@@ -358,6 +367,9 @@ class FusedTrainer(transformers.Trainer):
                     f"gave {sorted(metrics)}); name a metric of compute_metrics, or 'loss'")
             if self._improves(metrics[key], self.best_metrics[k]):
                 self.best_metrics[k], self.best_steps[k] = metrics[key], self.state.global_step
+                self.best_checkpoints[k] = os.path.join(
+                    self._get_output_dir(trial=trial),
+                    f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
                 improved = True
         if improved and self.args.save_strategy != "no":
             self.state.best_global_step = self.state.global_step  # (a best checkpoint: now)
@@ -365,12 +377,11 @@ class FusedTrainer(transformers.Trainer):
         return improved
 
     def _load_best_model(self) -> None:
-        """Each model from its own best step's checkpoint (``checkpoint-S/model_k``)."""
-        run_dir = self._get_output_dir(trial=None)
-        for k, step in enumerate(self.best_steps):
-            if step is not None:
-                folder = os.path.join(run_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}"
-                                               f"-{step}")
+        """Each model from its own best step's checkpoint (``checkpoint-S/model_k``; that of
+        the run resumed from where the best came before the resume, as the Trainer's
+        ``best_model_checkpoint``)."""
+        for k, folder in enumerate(self.best_checkpoints):
+            if folder is not None:
                 self._load_models(folder, [k])
 
     # ------------------------------------------------------------------ saving
@@ -389,10 +400,46 @@ class FusedTrainer(transformers.Trainer):
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint, and the models' bests in it (``PER_MODEL_STATE_NAME``):
+        its trainer_state.json keeps one best, for one model."""
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial),
+                f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            state = {"best_metrics": self.best_metrics, "best_steps": self.best_steps,
+                     "best_checkpoints": self.best_checkpoints,
+                     "stopped_models": {str(k): v for k, v in self.stopped_models.items()}}
+            with open(os.path.join(folder, PER_MODEL_STATE_NAME), "w") as file:
+                json.dump(state, file, indent=1)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:
-        """Model ``k`` of the array from ``resume_from_checkpoint/model_k``."""
+        """Model ``k`` of the array from ``resume_from_checkpoint/model_k``, and the models'
+        bests and early stops as they were at that checkpoint (as the Trainer reads its one
+        ``best_metric`` back from trainer_state.json)."""
         self._load_models(resume_from_checkpoint, range(self.num_models), model)
+        path = os.path.join(resume_from_checkpoint, PER_MODEL_STATE_NAME)
+        if os.path.isfile(path):
+            with open(path) as file:
+                state = json.load(file)
+            if len(state["best_steps"]) == self.num_models:
+                self.best_metrics, self.best_steps = state["best_metrics"], state["best_steps"]
+                self.best_checkpoints = state["best_checkpoints"]
+                self.stopped_models = {int(k): v for k, v in state["stopped_models"].items()}
+
+    def _load_callback_state(self) -> None:
+        """``restore_callback_states_from_checkpoint``: the Trainer makes each stateful
+        callback anew from its saved arguments, a :class:`PerModelEarlyStopping` without its
+        trainer: give it this one."""
+        super()._load_callback_state()
+        self._attach_early_stopping()
+
+    def _attach_early_stopping(self) -> None:
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, PerModelEarlyStopping) and callback.trainer is None:
+                callback.attach(self)
 
     def _load_models(self, checkpoint: str, indices: Any,
                      model: torch.nn.Module | None = None) -> None:
@@ -423,11 +470,26 @@ class PerModelEarlyStopping(transformers.EarlyStoppingCallback):
     best of one model; a model whose patience runs out stops (its best checkpoint stays
     its best), and training stops when every model has."""
 
-    def __init__(self, trainer: FusedTrainer, early_stopping_patience: int = 1,
+    def __init__(self, trainer: FusedTrainer | None = None, early_stopping_patience: int = 1,
                  early_stopping_threshold: float = 0.0) -> None:
         super().__init__(early_stopping_patience, early_stopping_threshold)
+        self.trainer: FusedTrainer | None = None
+        self.counters: list[int] = []
+        if trainer is not None:
+            self.attach(trainer)
+
+    def attach(self, trainer: FusedTrainer) -> None:
+        """Count for ``trainer``'s models (a :class:`FusedTrainer` attaches one given
+        without it; restored counters of as many models are kept)."""
         self.trainer = trainer
-        self.counters = [0] * trainer.num_models
+        if len(self.counters) != trainer.num_models:
+            self.counters = [0] * trainer.num_models
+
+    def state(self) -> dict:
+        """What ``restore_callback_states_from_checkpoint`` restores: each model's counter."""
+        return {"args": {"early_stopping_patience": self.early_stopping_patience,
+                         "early_stopping_threshold": self.early_stopping_threshold},
+                "attributes": {"counters": list(self.counters)}}
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, float],
                     **kwargs: Any) -> None:

@@ -1,0 +1,87 @@
+"""Bugs found by the integrations hunt (HF Trainer, Lightning, users' training scripts),
+each against what the plain run (one Trainer per model, or the uninterrupted run) does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hftc
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+import hftc.hf as hftc_hf  # noqa: E402  (after the skips: it needs both)
+
+transformers.logging.set_verbosity_error()
+
+VOCAB, LENGTH = 40, 6
+# model 1's rate is so high that its best evaluation is the first (step 2 of 6)
+LRS = [2e-3, 0.3]
+
+
+def _bert():
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=3))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, VOCAB, (LENGTH,), generator=g),
+             "labels": torch.tensor(i % 3)} for i in range(16)]
+
+
+def _run(tmp_path, out, resume=None, epochs=3, callbacks=(), **extra):
+    """An epoch-wise run: evaluated and saved each epoch (2 steps), the best loaded at the
+    end, cosine schedule with warmup, 2 batches a step, clipping, a rate per model."""
+    data = _data()
+    torch.manual_seed(0)
+    fused = hftc.fuse([_bert().double() for _ in LRS],
+                      example_inputs=(torch.stack([d["input_ids"] for d in data[:2]]),))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / out), per_device_train_batch_size=4,
+        per_device_eval_batch_size=5, num_train_epochs=epochs, report_to=[], use_cpu=True,
+        seed=7, disable_tqdm=True, eval_strategy="epoch", save_strategy="epoch",
+        load_best_model_at_end=True, lr_scheduler_type="cosine", warmup_steps=1,
+        gradient_accumulation_steps=2, max_grad_norm=0.3, **extra)
+    trainer = hftc_hf.FusedTrainer(
+        model=fused, args=args, train_dataset=data, eval_dataset=data[:10],
+        optimizers=(hftc.optim.AdamW(fused.parameters(), lr=LRS, weight_decay=0.0), None),
+        callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume)
+    return fused, trainer
+
+
+def test_resuming_keeps_each_models_best_checkpoint(tmp_path):
+    """Resumed after model 1's best (step 2), load_best_model_at_end still loads its
+    checkpoint-2, as the uninterrupted run does (the resumed run forgot the bests it had
+    not seen and loaded model 1's last weights)."""
+    whole, whole_trainer = _run(tmp_path, "whole")
+    assert whole_trainer.best_steps == [6, 2]
+    resumed, trainer = _run(tmp_path, "resumed",
+                            resume=str(tmp_path / "whole" / "checkpoint-4"))
+    assert trainer.best_steps == [6, 2]
+    assert trainer.best_metrics == pytest.approx(whole_trainer.best_metrics, rel=1e-12)
+    for (name, a), b in zip(whole.named_parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_restoring_callback_states_restores_each_models_patience(tmp_path):
+    """restore_callback_states_from_checkpoint=True with an EarlyStoppingCallback: the
+    Trainer remade the per-model callback from its saved arguments, without its trainer
+    (a TypeError from transformers' internals); now each model's counter comes back and
+    the resumed run stops the models where the uninterrupted one does."""
+    def run(out, resume=None):
+        return _run(tmp_path, out, resume=resume, epochs=4,
+                    restore_callback_states_from_checkpoint=True,
+                    callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=3)])
+
+    _, whole = run("whole")
+    assert whole.stopped_models == {1: 8} and whole.best_steps == [8, 2]
+    _, resumed = run("resumed", resume=str(tmp_path / "whole" / "checkpoint-4"))
+    assert resumed.stopped_models == whole.stopped_models
+    assert resumed.best_steps == whole.best_steps
+    stopping = [c for c in resumed.callback_handler.callbacks
+                if isinstance(c, hftc_hf.PerModelEarlyStopping)]
+    assert len(stopping) == 1 and stopping[0].counters == [0, 3]
