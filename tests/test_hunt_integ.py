@@ -85,3 +85,32 @@ def test_restoring_callback_states_restores_each_models_patience(tmp_path):
     stopping = [c for c in resumed.callback_handler.callbacks
                 if isinstance(c, hftc_hf.PerModelEarlyStopping)]
     assert len(stopping) == 1 and stopping[0].counters == [0, 3]
+
+
+def test_the_final_train_loss_is_each_models_not_their_sum(tmp_path):
+    """train()'s final log and metrics: ``train_loss/model_k``, each model's mean loss over
+    the steps as its own Trainer's ``train_loss`` (it was the N models' summed loss)."""
+    data = _data()
+
+    def args(out, **extra):
+        return transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), per_device_train_batch_size=4, max_steps=3,
+            report_to=[], use_cpu=True, seed=7, disable_tqdm=True, save_strategy="no",
+            gradient_accumulation_steps=2, **extra)
+
+    torch.manual_seed(0)
+    models = [_bert().double() for _ in LRS]
+    fused = hftc.fuse(models, example_inputs=(data[0]["input_ids"][None],))
+    trainer = hftc_hf.FusedTrainer(
+        model=fused, args=args("fused"), train_dataset=data,
+        optimizers=(hftc.optim.AdamW(fused.parameters(), lr=LRS, weight_decay=0.0), None))
+    metrics = trainer.train().metrics
+    assert "train_loss" not in metrics
+    assert "train_loss" not in trainer.state.log_history[-1]
+    for k, model in enumerate(models):
+        alone = transformers.Trainer(model=model, args=args(f"alone{k}", learning_rate=LRS[k]),
+                                     train_dataset=data).train()
+        # (the Trainer sums its loss in float32)
+        assert metrics[f"train_loss/model_{k}"] == pytest.approx(alone.training_loss, rel=1e-6)
+        assert (trainer.state.log_history[-1][f"train_loss/model_{k}"]
+                == metrics[f"train_loss/model_{k}"])

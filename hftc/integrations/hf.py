@@ -116,6 +116,7 @@ class FusedTrainer(transformers.Trainer):
         self._eval_sums: torch.Tensor | None = None  # per model, loss x batch size
         self._eval_count = 0
         self._last_losses: torch.Tensor | None = None
+        self._train_loss_totals: torch.Tensor | None = None  # per model, this train() call
         self._model_lrs: list[float] = []  # with an hftc.optim optimizer
         if args is not None and args.label_smoothing_factor:
             raise FusionArgumentError(
@@ -235,7 +236,16 @@ class FusedTrainer(transformers.Trainer):
             per_model = per_model / self.current_gradient_accumulation_steps
         self._train_losses = (per_model if self._train_losses is None
                               else self._train_losses + per_model)
+        self._train_loss_totals = (per_model if self._train_loss_totals is None
+                                   else self._train_loss_totals + per_model)
         return loss
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; its final ``train_loss`` (the mean loss over the steps run) is
+        logged per model, ``train_loss/model_k``; ``TrainOutput.training_loss`` stays the
+        models' summed one (what was backpropagated)."""
+        self._train_loss_totals = None
+        return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------ logging
 
@@ -275,11 +285,18 @@ class FusedTrainer(transformers.Trainer):
         return super()._get_learning_rate()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """The Trainer's logs with each model's loss in place of the models' summed one."""
+        """The Trainer's logs with each model's loss in place of the models' summed one
+        (``loss/model_k``, and at the end of training ``train_loss/model_k``)."""
         if "loss" in logs and self._pending_model_logs:
             del logs["loss"]
             logs.update(self._pending_model_logs)
             self._pending_model_logs = {}
+        if "train_loss" in logs and self._train_loss_totals is not None:
+            # (as the Trainer's: the steps of this call, the losses of all its processes)
+            steps = max(self.state.global_step - self._initial_global_step, 0.001)
+            del logs["train_loss"]
+            logs.update((f"train_loss/model_{k}", v.item() / steps)
+                        for k, v in enumerate(self._per_model_mean(self._train_loss_totals)))
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ evaluation
