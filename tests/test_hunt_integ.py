@@ -114,3 +114,61 @@ def test_the_final_train_loss_is_each_models_not_their_sum(tmp_path):
         assert metrics[f"train_loss/model_{k}"] == pytest.approx(alone.training_loss, rel=1e-6)
         assert (trainer.state.log_history[-1][f"train_loss/model_{k}"]
                 == metrics[f"train_loss/model_{k}"])
+
+
+def test_reduce_lr_on_plateau_reduces_each_models_rate_on_its_own_loss(tmp_path):
+    """lr_scheduler_type="reduce_lr_on_plateau": each model's rate follows its own
+    eval_loss/model_k as its own Trainer's follows eval_loss (it was a KeyError from the
+    Trainer's internals: no eval_loss), the same rates logged and the same weights."""
+    data = _data()
+    lrs = [5e-2, 2e-3]  # model 1 improves by less than the threshold: its rate halves
+
+    def args(out, **extra):
+        return transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), per_device_train_batch_size=4,
+            per_device_eval_batch_size=5, num_train_epochs=4, logging_steps=1, report_to=[],
+            use_cpu=True, seed=7, disable_tqdm=True, save_strategy="no", eval_strategy="epoch",
+            lr_scheduler_type="reduce_lr_on_plateau",
+            lr_scheduler_kwargs={"patience": 0, "factor": 0.5, "threshold": 0.005}, **extra)
+
+    torch.manual_seed(0)
+    models = [_bert().double() for _ in lrs]
+    fused = hftc.fuse(models, example_inputs=(data[0]["input_ids"][None],))
+    trainer = hftc_hf.FusedTrainer(
+        model=fused, args=args("fused"), train_dataset=data, eval_dataset=data[:10],
+        optimizers=(hftc.optim.AdamW(fused.parameters(), lr=lrs, weight_decay=0.0), None))
+    trainer.train()
+    fused_logs = [log for log in trainer.state.log_history if "loss/model_0" in log]
+    reduced = []
+    for k, model in enumerate(models):
+        alone = transformers.Trainer(model=model, args=args(f"alone{k}", learning_rate=lrs[k]),
+                                     train_dataset=data, eval_dataset=data[:10])
+        alone.train()
+        alone_logs = [log for log in alone.state.log_history if "loss" in log]
+        assert len(fused_logs) == len(alone_logs) == 16
+        for mine, theirs in zip(fused_logs, alone_logs):
+            assert mine[f"learning_rate/model_{k}"] == pytest.approx(theirs["learning_rate"],
+                                                                     rel=1e-12)
+        reduced.append(alone_logs[-1]["learning_rate"] < lrs[k])
+        for name, p in model.named_parameters():
+            if name.endswith("key.bias"):  # (its gradient is rounding noise, Adam scales it up)
+                continue
+            torch.testing.assert_close(fused.get_parameter(name)[k].detach(), p.detach(),
+                                       rtol=1e-9, atol=1e-12, msg=name)
+    assert reduced == [False, True]  # (the models' plateaus differ: a per-model schedule)
+
+
+def test_reduce_lr_on_plateau_without_a_rate_per_model_is_refused(tmp_path):
+    data = _data()
+    fused = hftc.fuse([_bert().double() for _ in LRS],
+                      example_inputs=(data[0]["input_ids"][None],))
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "x"), max_steps=2, report_to=[], use_cpu=True,
+        save_strategy="no", eval_strategy="steps", eval_steps=1,
+        lr_scheduler_type="reduce_lr_on_plateau")
+    trainer = hftc_hf.FusedTrainer(model=fused, args=args, train_dataset=data,
+                                   eval_dataset=data[:4])
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"reduce_lr_on_plateau.*AdamW over the stacked parameters.*"
+                             r"hftc.optim.AdamW\(fused.parameters\(\)"):
+        trainer.train()

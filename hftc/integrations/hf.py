@@ -50,6 +50,7 @@ import torch
 
 from ..errors import FusionArgumentError, FusionTypeError, MissingExtraError
 from ..module.fused import FusedModule
+from ..optim.lr_scheduler import ReduceLROnPlateau as PerModelReduceLROnPlateau
 from ..optim.optimizer import FusedOptimizer
 from ..utils import clip_grad_norm_ as hftc_clip_grad_norm_
 
@@ -188,6 +189,51 @@ class FusedTrainer(transformers.Trainer):
             return hftc_clip_grad_norm_(list(parameters), max_norm, norm_type)
 
         accelerator.clip_grad_norm_ = clip_grad_norm_
+
+    # ------------------------------------------------------------------ the schedule
+
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """``lr_scheduler_type="reduce_lr_on_plateau"``: each model's rate reduced on its own
+        ``eval_<metric>/model_k`` (``hftc.optim.ReduceLROnPlateau``), not on one metric."""
+        if (self.lr_scheduler is not None
+                or self.args.lr_scheduler_type != transformers.SchedulerType.REDUCE_ON_PLATEAU):
+            return super().create_scheduler(num_training_steps, optimizer)
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper)
+        if not isinstance(optimizer, FusedOptimizer):
+            raise FusionArgumentError(
+                f"FusedTrainer: lr_scheduler_type='reduce_lr_on_plateau' reduces each model's "
+                f"learning rate on its own eval metric, which needs one param group per model; "
+                f"the optimizer is a {type(optimizer).__name__} over the stacked parameters: pass "
+                f"optimizers=(hftc.optim.AdamW(fused.parameters(), lr=...), None)")
+        self.lr_scheduler = _PerModelPlateau(optimizer, **(self.args.lr_scheduler_kwargs or {}))
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None,
+                  skip_scheduler: bool = False) -> dict[str, float]:
+        """``Trainer._evaluate``, a plateau schedule stepped with each model's metric (the
+        Trainer would step it with ``eval_<metric>``, which the N models do not have)."""
+        scheduler = self.lr_scheduler
+        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        metrics = super()._evaluate(trial, ignore_keys_for_eval,
+                                    skip_scheduler=skip_scheduler or plateau)
+        if plateau and not skip_scheduler:
+            if not isinstance(scheduler, _PerModelPlateau):
+                raise FusionArgumentError(
+                    "FusedTrainer: a torch ReduceLROnPlateau steps every model's learning "
+                    "rate on one metric; set lr_scheduler_type='reduce_lr_on_plateau' with "
+                    "optimizers=(hftc.optim.AdamW(...), None) (each model on its own metric)")
+            keys = [self._metric_key(k) for k in range(self.num_models)]
+            if any(key not in metrics for key in keys):
+                raise FusionArgumentError(
+                    f"FusedTrainer: the plateau schedule reads each model's "
+                    f"metric_for_best_model ({keys[0]!r}, ...), which the evaluation did not "
+                    f"give (it gave {sorted(metrics)}); name a metric of compute_metrics, or "
+                    f"'loss'")
+            scheduler.step([metrics[key] for key in keys])
+        return metrics
 
     # ------------------------------------------------------------------ the models' inputs
 
@@ -523,6 +569,29 @@ class PerModelEarlyStopping(transformers.EarlyStoppingCallback):
                 trainer.stopped_models[k] = state.global_step
         if len(trainer.stopped_models) == trainer.num_models:
             control.should_training_stop = True
+
+
+class _PerModelPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    """``hftc.optim.ReduceLROnPlateau`` as the Trainer knows a plateau schedule (a torch
+    ``ReduceLROnPlateau``: stepped after evaluation, not after each optimizer step);
+    ``step`` takes the N models' metrics (``FusedTrainer._evaluate`` gives them)."""
+
+    def __init__(self, optimizer: FusedOptimizer, **kwargs: Any) -> None:
+        # (no super().__init__: the N torch schedulers inside do the work)
+        self.optimizer = optimizer
+        self.per_model = PerModelReduceLROnPlateau(optimizer, **kwargs)
+
+    def step(self, metrics: Any, epoch: Any = None) -> None:  # type: ignore[override]
+        self.per_model.step(metrics)
+
+    def get_last_lr(self) -> list[float]:
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.per_model.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.per_model.load_state_dict(state_dict)
 
 
 def _model_slice(value: Any, k: int) -> Any:
