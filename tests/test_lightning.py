@@ -172,3 +172,38 @@ def test_the_callbacks_refuse_a_plain_lightning_module_and_say_what_to_do(tmp_pa
     with pytest.raises(hftc.errors.FusionArgumentError,
                        match=r"holds models \[0, 2\] of the array, the module models \[0, 1, 2\]"):
         Fused(_models()).on_load_checkpoint(checkpoint)
+
+
+class RecordValidations(Callback):
+    """Each validation's per-model val_loss and each model's state then."""
+
+    def __init__(self):
+        self.validations = []
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.validations.append({
+                i: (float(trainer.callback_metrics[f"val_loss/model_{i}"]),
+                    pl_module.model_state_dict(i)) for i in pl_module.model_ids})
+
+
+@pytest.mark.parametrize("when", [{"check_val_every_n_epoch": 2}, {"val_check_interval": 3}])
+def test_a_monitored_per_model_checkpoint_holds_the_best_validations_model(tmp_path, when):
+    """PerModelCheckpoint(monitor=...) writes a model's file after the validation where its
+    metric improved, as ModelCheckpoint(monitor=...) does: with validation every other epoch
+    it raised (no metric at the first epoch's end), with validation mid-epoch it wrote the
+    epoch's last weights, which no validation had seen."""
+    record = RecordValidations()
+    checkpoints = hl.PerModelCheckpoint(tmp_path / "best", monitor="val_loss")
+    trainer = pl.Trainer(max_epochs=4, deterministic=True, enable_progress_bar=False,
+                         logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         callbacks=[record, checkpoints], accelerator="cpu", **when)
+    trainer.fit(Fused(_models()), *_loaders())
+    assert len(record.validations) == (2 if "check_val_every_n_epoch" in when else 8)
+    for i in range(len(LRS)):
+        losses = [validation[i][0] for validation in record.validations]
+        best = losses.index(min(losses))
+        saved = torch.load(checkpoints.path(i))
+        for name, value in record.validations[best][i][1].items():
+            torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
+        assert checkpoints.best[i] == losses[best]

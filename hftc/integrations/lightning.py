@@ -256,7 +256,8 @@ class PerModelCheckpoint(Callback):
         monitor: None (default): each model's file is written at every epoch's end while
             it is in the array, so it holds the model as training left it (a model that
             stopped early: as it stopped).  A metric name: written when the model's
-            ``{monitor}/model_{id}`` improves (``mode`` "min" or "max").
+            ``{monitor}/model_{id}`` improves (``mode`` "min" or "max"), checked after each
+            validation (as ``ModelCheckpoint`` with a monitor).
     """
 
     def __init__(self, dirpath: str | os.PathLike, monitor: str | None = None,
@@ -273,7 +274,17 @@ class PerModelCheckpoint(Callback):
         return os.path.join(self.dirpath, f"model_{model_id}.pt")
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        if self.monitor is None:
+            self._save(trainer, pl_module)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # (as ModelCheckpoint with a monitor: after each validation, which need not be at
+        # an epoch's end (val_check_interval) nor at every epoch (check_val_every_n_epoch))
+        if self.monitor is not None:
+            self._save(trainer, pl_module)
+
+    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero or trainer.state.fn != "fit":
             return
         module = _fused_module(pl_module, "PerModelCheckpoint")
         os.makedirs(self.dirpath, exist_ok=True)
