@@ -207,3 +207,30 @@ def test_a_monitored_per_model_checkpoint_holds_the_best_validations_model(tmp_p
         for name, value in record.validations[best][i][1].items():
             torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
         assert checkpoints.best[i] == losses[best]
+
+
+class Unsummed(Fused):
+    def training_step(self, batch, _):
+        return self._losses(batch)  # the N losses: forgot .sum()
+
+
+class UnsummedManual(Fused):
+    def __init__(self, models):
+        super().__init__(models)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, _):
+        self.manual_backward(self._losses(batch))
+
+
+@pytest.mark.parametrize("module", [Unsummed, UnsummedManual])
+def test_unsummed_losses_are_refused_naming_the_training_step(tmp_path, module):
+    """The N losses returned (or given to manual_backward) unsummed: torch's "grad can be
+    implicitly created only for scalar outputs" from deep in Lightning; now the module, the
+    training_step's file and line, and the sum to return."""
+    trainer = _trainer([], tmp_path)
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=rf"{module.__name__}: .* has shape \[3\], not one number "
+                             rf"\(training_step at .*test_lightning.py:\d+\); with 3 models "
+                             rf"return their losses' sum, losses.sum\(\)"):
+        trainer.fit(module(_models()), *_loaders())

@@ -44,6 +44,7 @@ raises :class:`hftc.errors.MissingExtraError`, which says to ``pip install 'hftc
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -99,6 +100,26 @@ class FusedLightningModule(pl.LightningModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.fused(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``backward`` (automatic, and under ``manual_backward``), refusing the
+        N models' losses unsummed (torch's "grad can be implicitly created only for scalar
+        outputs" from deep in Lightning) with what to return."""
+        if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() > 1:
+            step = ("the loss given to manual_backward" if not self.automatic_optimization
+                    else "the loss training_step returned")
+            try:
+                step_fn = type(self).training_step
+                line = inspect.getsourcelines(step_fn)[1]
+                where = f"training_step at {inspect.getsourcefile(step_fn)}:{line}"
+            except (OSError, TypeError):
+                where = "training_step"
+            raise FusionArgumentError(
+                f"{type(self).__name__}: {step} has shape {list(loss.shape)}, not one number "
+                f"({where}); with {len(self.model_ids)} models return their losses' sum, "
+                f"losses.sum() (each model gets its own loss's gradient; a mean would divide "
+                f"each model's gradient by {len(self.model_ids)})")
+        super().backward(loss, *args, **kwargs)
 
     def log_per_model(self, name: str, values: torch.Tensor | Sequence[Any],
                       **log_kwargs: Any) -> None:
