@@ -73,9 +73,11 @@ from .usage import (
     check_copied_modules,
     check_source_attributes,
     check_source_modes,
+    check_source_weights,
     mark_outputs,
     note_class_attributes,
     note_copied_modules,
+    note_source_weights,
     note_sources,
 )
 
@@ -348,6 +350,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         models = check_models(models)
         unpadded = models
         note_sources(self, models)
+        note_source_weights(self, models)
         models, strategy = self._padded_models(models, pad_widths, check, strategy, checkpoint,
                                                _padded)
         self._set_options(models, in_dims, autotune, check, strategy, checkpoint)
@@ -741,6 +744,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         check_copied_modules(self)
         check_class_attributes(self)
         check_source_attributes(self)
+        check_source_weights(self)
         if self.padding is not None:
             mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)
