@@ -88,3 +88,48 @@ def test_replaced_models_and_the_fused_modules_own_training_are_quiet():
     with torch.no_grad():
         models[1].a.weight.zero_()  # no longer model 1 of the fused module
     assert _usage_warnings(step) == []
+
+
+class WithScripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.jit.script(nn.Linear(4, 8)), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda: torch.jit.script(MLP()), "model 0 is a TorchScript module (MLP"),
+    (lambda: torch.jit.trace(MLP(), torch.randn(5, 4)), "model 0 is a TorchScript module (MLP"),
+    (WithScripted, "model 0's submodule `a` is a TorchScript module (Linear"),
+])
+def test_a_torchscript_model_names_the_python_module_to_fuse(make, what):
+    """A model (or a submodule) made by torch.jit.script / trace raised a bare
+    AttributeError from hftc's tracer (``'_CachedForward' object has no attribute
+    '__getattr__'``) or a TypeError of a ParameterDict; now an hftc error naming the
+    model, the submodule and the Python module to fuse instead."""
+    with pytest.raises(hftc.errors.FusionTypeError, match="TorchScript") as caught:
+        hftc.fuse([make() for _ in range(2)])
+    assert what in str(caught.value)
+    assert "net.load_state_dict(scripted.state_dict())" in str(caught.value)
+
+
+def test_models_held_in_a_module_list_fuse_and_in_a_dict_name_its_values():
+    """``hftc.fuse(nn.ModuleList(models))`` was refused as "a single nn.Module; wrap it
+    in a list" (advice that makes a list of one ModuleList), and a dict of models was
+    read by its keys ("model 0 is a str").  A ModuleList is the list of models; a dict
+    or ModuleDict names its values, a Sequential says how to pass the models it holds."""
+    torch.manual_seed(0)
+    models = [MLP() for _ in range(3)]
+    x = torch.randn(5, 4)
+    out = hftc.fuse(nn.ModuleList(models))(x)
+    torch.testing.assert_close(out, torch.stack([m(x) for m in models]))
+    for held in ({"a": models[0], "b": models[1]}, nn.ModuleDict({"a": models[0]})):
+        with pytest.raises(hftc.errors.FusionTypeError,
+                           match=r"hftc\.fuse\(list\(models\.values\(\)\)\)"):
+            hftc.fuse(held)
+    with pytest.raises(hftc.errors.FusionTypeError, match=r"hftc\.fuse\(list\(models\)\)"):
+        hftc.fuse(nn.Sequential(*models))
+    with pytest.raises(hftc.errors.FusionTypeError, match=r"wrap it in a list: hftc\.fuse"):
+        hftc.fuse(models[0])
