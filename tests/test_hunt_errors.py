@@ -133,3 +133,37 @@ def test_models_held_in_a_module_list_fuse_and_in_a_dict_name_its_values():
         hftc.fuse(nn.Sequential(*models))
     with pytest.raises(hftc.errors.FusionTypeError, match=r"wrap it in a list: hftc\.fuse"):
         hftc.fuse(models[0])
+
+
+def test_a_fused_state_dict_of_another_number_of_models_names_both_counts():
+    """A checkpoint of a fused module of 3 models loaded into one of 2 (saved before
+    EarlyStopping dropped one) was torch's bare "size mismatch" RuntimeError; now an
+    hftc error naming both counts and how to pick the models, the rows it names loading."""
+    torch.manual_seed(0)
+    three, two = hftc.fuse([MLP() for _ in range(3)]), hftc.fuse([MLP() for _ in range(2)])
+    sd = three.state_dict()
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"state dict of a fused module of 3 models .*this one holds 2"):
+        two.load_state_dict(sd)
+    two.load_state_dict({k: v[[2, 0]] for k, v in sd.items()})  # what it says
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(two(x), three(x)[[2, 0]])
+    with pytest.raises(RuntimeError, match="size mismatch"):  # another architecture: torch's
+        hftc.fuse([nn.Sequential(nn.Linear(5, 8), nn.Linear(8, 3))] * 3).load_state_dict(
+            hftc.fuse([nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))] * 3).state_dict())
+
+
+def test_replace_models_names_itself_and_the_new_positions():
+    """replace_models with a position out of range said "keep_models: model index 7",
+    naming a function the user did not call; a new model that does not fuse is named
+    by its position."""
+    torch.manual_seed(0)
+    fused = hftc.fuse([MLP() for _ in range(3)])
+    with pytest.raises(hftc.errors.FusionIndexError,
+                       match=r"^replace_models: the positions of models holds model index 7"):
+        hftc.replace_models(fused, {7: MLP()})
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"^replace_models: the new model\(s\) at position\(s\) \[1\]"):
+        hftc.replace_models(fused, {1: MLP().double()})
+    with pytest.raises(hftc.errors.FusionIndexError, match=r"^keep_models: keep holds model"):
+        hftc.keep_models(fused, [0, 3])

@@ -750,6 +750,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         except (RuntimeError, FusionArgumentError) as exc:
             # (one model's: say what to do; its `_extra_state` is refused before its tensors)
             self._refuse_one_models_state(state_dict, exc)
+            self._refuse_other_n_state(state_dict, exc)
             raise
         self._mark_stacked()
         return result
