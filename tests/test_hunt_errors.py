@@ -167,3 +167,19 @@ def test_replace_models_names_itself_and_the_new_positions():
         hftc.replace_models(fused, {1: MLP().double()})
     with pytest.raises(hftc.errors.FusionIndexError, match=r"^keep_models: keep holds model"):
         hftc.keep_models(fused, [0, 3])
+
+
+def test_a_list_of_one_input_per_model_names_torch_stack_and_in_dims():
+    """``fused([x0, x1, x2])`` (one input per model, as a loop over the models passed
+    them) said only that Linear takes no list; it now names the stacking and in_dims,
+    which gives model i its own input."""
+    torch.manual_seed(0)
+    models = [MLP() for _ in range(3)]
+    xs = [torch.randn(5, 4) for _ in range(3)]
+    fused = hftc.fuse(models)
+    with pytest.raises(hftc.errors.TraceError,
+                       match=r"`x` is a list of 3 tensors \[5, 4\]: .*fused\.with_in_dims\(0\)"
+                             r"\(torch\.stack\(x\)\)"):
+        fused(xs)
+    out = fused.with_in_dims(0)(torch.stack(xs))  # what it says
+    torch.testing.assert_close(out, torch.stack([m(x) for m, x in zip(models, xs)]))

@@ -1423,6 +1423,20 @@ class _Recorder(fx.Interpreter):
             f"or give the new value the buffer's shape and dtype")
 
 
+def _list_of_inputs_hint(names: Sequence[Any], args: Sequence[Any]) -> str:
+    """Where an input the model failed on is a list or tuple of tensors of one shape (one
+    input per model, as a loop over the models would pass them), how to pass them."""
+    for name, value in zip(names, args):
+        if isinstance(value, (list, tuple)) and value and all(
+                isinstance(t, torch.Tensor) and t.shape == value[0].shape for t in value):
+            return (f". `{name}` is a {type(value).__name__} of {len(value)} tensors "
+                    f"{list(value[0].shape)}: for one input per model, stack them along a "
+                    f"model dim and say so, fused.with_in_dims(0)(torch.stack({name})) (or "
+                    f"hftc.fuse(models, in_dims=0)); for one input all models share, pass "
+                    f"the tensor itself")
+    return ""
+
+
 def _to_meta(value: Any) -> Any:
     def meta(v: Any) -> Any:
         if isinstance(v, torch.nn.utils.rnn.PackedSequence):
@@ -1509,6 +1523,7 @@ def annotate_example_values(
             f"one model's share){where}: {plain_message(exc)} (on meta tensors: "
             f"{plain_message(meta_error)}). Call the fused module with inputs each model "
             f"takes (a model dim at in_dims for stacked inputs)"
+            f"{_list_of_inputs_hint(names, args)}"
         ) from exc
     for node in graph.nodes:
         node.meta[EXAMPLE_VALUE] = _to_meta(node.meta.get(EXAMPLE_VALUE))
