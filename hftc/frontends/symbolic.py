@@ -1427,7 +1427,7 @@ def _list_of_inputs_hint(names: Sequence[Any], args: Sequence[Any]) -> str:
     """Where an input the model failed on is a list or tuple of tensors of one shape (one
     input per model, as a loop over the models would pass them), how to pass them."""
     for name, value in zip(names, args):
-        if isinstance(value, (list, tuple)) and value and all(
+        if isinstance(value, (list, tuple)) and len(value) > 1 and all(
                 isinstance(t, torch.Tensor) and t.shape == value[0].shape for t in value):
             return (f". `{name}` is a {type(value).__name__} of {len(value)} tensors "
                     f"{list(value[0].shape)}: for one input per model, stack them along a "
