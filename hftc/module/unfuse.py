@@ -115,14 +115,13 @@ class Unfusing:
         both counts and how to pick the N, else nothing (torch's error stands)."""
         own = self.state_dict()
         given = [(k, v) for k, v in dict(state_dict).items()
-                 if k in own and isinstance(v, torch.Tensor) and own[k].dim() > 0
-                 and v.shape != own[k].shape]
+                 if k in own and isinstance(v, torch.Tensor) and own[k].dim() > 0]
         counts = {v.shape[0] if v.dim() == own[k].dim() and v.shape[1:] == own[k].shape[1:]
                   else None for k, v in given}
-        if not given or len(counts) != 1 or None in counts:
+        m, n = (counts.pop() if len(counts) == 1 else None), self.num_models
+        if m is None or m == n:  # (every tensor of M models, or torch's error stands)
             return
         key, value = given[0]
-        m, n = counts.pop(), self.num_models
         raise FusionArgumentError(
             f"fused.load_state_dict got the state dict of a fused module of {m} models "
             f"(`{key}` is {list(value.shape)}), but this one holds {n} (its "
