@@ -62,7 +62,7 @@ from ..lowering.strategy import resolve_strategy
 from ..match import GraphMatch, match_graphs
 from ..passes.registry import aten_spellings, per_model_table
 from .copies import EXTRA_STATE_KEY, ModelCopies
-from .inputs import InDims, InputHandling, check_in_dims
+from .inputs import InDims, InputHandling, check_in_dims, warn_unsaid_stacked_input
 from .padding import WidthPadding, into_padded, mask_padded_gradients, pad_models
 from .programs import ProgramCache
 from .stacking import build_module_tree
@@ -750,7 +750,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         except (RuntimeError, FusionArgumentError) as exc:
             # (one model's: say what to do; its `_extra_state` is refused before its tensors)
             self._refuse_one_models_state(state_dict, exc)
-            self._refuse_other_n_state(state_dict, exc)
+            if not isinstance(exc, FusionArgumentError):  # (extra state's own says it)
+                self._refuse_other_n_state(state_dict, exc)
             raise
         self._mark_stacked()
         return result
@@ -785,9 +786,11 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             with ir.modes_restored_on_error():
                 if how is not None:  # the models one by one and/or autotune's layout
                     out = run_program(self, program.forward, how, values, batched)
+                    warn_unsaid_stacked_input(values, batched, out, self.num_models)
                     return mark_outputs(out, self.num_models)
                 out = program.forward(self, *values)
             out = out if program.output_spec is None else program.output_spec.rebuild(out)
+            warn_unsaid_stacked_input(values, batched, out, self.num_models)
             return mark_outputs(out, self.num_models)  # (a stock loss on it is checked)
         except RuntimeError as exc:
             if program.trial is not None:  # (a failed call's time counts for no way)
