@@ -183,23 +183,3 @@ def test_a_list_of_one_input_per_model_names_torch_stack_and_in_dims():
         fused(xs)
     out = fused.with_in_dims(0)(torch.stack(xs))  # what it says
     torch.testing.assert_close(out, torch.stack([m(x) for m, x in zip(models, xs)]))
-
-
-def test_one_batch_per_model_stacked_without_in_dims_warns_at_the_users_line():
-    """``fused(torch.stack(xs))`` (one batch per model, in_dims not said) ran silently:
-    a Linear takes any leading dims, so every model ran on all N batches and the output
-    was ``[N, N, B, C]``.  It warns once a line, naming in_dims; a shared batch whose
-    size is not N, and the stacked input said so, are quiet."""
-    torch.manual_seed(0)
-    models = [MLP() for _ in range(3)]
-    xs = torch.randn(3, 5, 4)
-    fused = hftc.fuse(models)
-    [warning] = _usage_warnings(lambda: fused(xs), times=2)  # once for the line
-    assert "has dim 0 of size 3, the number of models" in str(warning.message)
-    assert "fused.with_in_dims(0)(x)" in str(warning.message)
-    assert warning.filename == __file__
-    assert _usage_warnings(lambda: fused(torch.randn(5, 4))) == []
-    assert _usage_warnings(lambda: fused(torch.randn(4, 5, 4))) == []
-    out = fused.with_in_dims(0)(xs)  # what it says: model i on batch i, quietly
-    torch.testing.assert_close(out, torch.stack([m(x) for m, x in zip(models, xs)]))
-    assert _usage_warnings(lambda: fused.with_in_dims(0)(xs)) == []

@@ -62,7 +62,7 @@ from ..lowering.strategy import resolve_strategy
 from ..match import GraphMatch, match_graphs
 from ..passes.registry import aten_spellings, per_model_table
 from .copies import EXTRA_STATE_KEY, ModelCopies
-from .inputs import InDims, InputHandling, check_in_dims, warn_unsaid_stacked_input
+from .inputs import InDims, InputHandling, check_in_dims
 from .padding import WidthPadding, into_padded, mask_padded_gradients, pad_models
 from .programs import ProgramCache
 from .stacking import build_module_tree
@@ -786,11 +786,9 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             with ir.modes_restored_on_error():
                 if how is not None:  # the models one by one and/or autotune's layout
                     out = run_program(self, program.forward, how, values, batched)
-                    warn_unsaid_stacked_input(values, batched, out, self.num_models)
                     return mark_outputs(out, self.num_models)
                 out = program.forward(self, *values)
             out = out if program.output_spec is None else program.output_spec.rebuild(out)
-            warn_unsaid_stacked_input(values, batched, out, self.num_models)
             return mark_outputs(out, self.num_models)  # (a stock loss on it is checked)
         except RuntimeError as exc:
             if program.trial is not None:  # (a failed call's time counts for no way)

@@ -88,39 +88,6 @@ _CAST_METHODS = {torch.float32: "float()", torch.float64: "double()", torch.floa
 _WARNED_SHARED: set[tuple[str, int]] = set()
 
 
-def warn_unsaid_stacked_input(values: Sequence[Any], batched: Sequence[bool], out: Any,
-                              n: int) -> None:
-    """A shared input whose dim 0 has size N, and an output ``[N, N, ...]``: each model
-    kept the input's N slices, as for one input holding one slice per model that was not
-    said so (``fused(torch.stack(xs))`` without in_dims: a Linear takes any leading dims,
-    and model i ran on every model's data, silently).  A UsageWarning once a line; a
-    fused output given as input is warned where it is passed (_warn_shared_fused_output)."""
-    if n < 2 or any(batched) or torch.compiler.is_compiling():
-        return
-    first = out[0] if isinstance(out, (tuple, list)) and out else out
-    if not isinstance(first, torch.Tensor) or tuple(first.shape[:2]) != (n, n):
-        return
-    k = next((k for k, v in enumerate(values) if isinstance(v, torch.Tensor) and v.dim() > 1
-              and v.shape[0] == n and fused_output_models(v) is None), None)
-    if k is None:
-        return
-    frame = sys._getframe(user_stacklevel() - 1)
-    site = (frame.f_code.co_filename, frame.f_lineno)
-    if site in _WARNED_SHARED:
-        return
-    _WARNED_SHARED.add(site)
-    code = linecache.getline(*site).strip()
-    warnings.warn(
-        f"input {k} {list(values[k].shape)} at {site[0]}:{site[1]}"
-        f"{f': `{code}`' if code else ''} has dim 0 of size {n}, the number of models, and "
-        f"is shared by them (no in_dims): each model ran on all {n} slices, and the output "
-        f"is {list(first.shape)}. If it holds one slice per model (torch.stack of one "
-        f"batch per model), say so: fused.with_in_dims(0)(x), or hftc.fuse(models, "
-        f"in_dims=0); if each model takes it whole on purpose, the warning is once a line "
-        f"(warnings.filterwarnings('ignore', category=hftc.UsageWarning))", UsageWarning,
-        stacklevel=user_stacklevel())
-
-
 def _warn_shared_fused_output(what: str, value: torch.Tensor, n: int) -> None:
     """A fused module's output ``[N, ...]`` (a fused generator's fakes, a recurrent
     state) passed as an input this fused module shares: every model gets all N slices.
