@@ -183,3 +183,16 @@ def test_a_list_of_one_input_per_model_names_torch_stack_and_in_dims():
         fused(xs)
     out = fused.with_in_dims(0)(torch.stack(xs))  # what it says
     torch.testing.assert_close(out, torch.stack([m(x) for m, x in zip(models, xs)]))
+
+
+def test_an_input_the_models_cannot_take_names_the_users_call_and_the_models_line():
+    """The TraceError of a first call with inputs the models cannot take named the node
+    and its module path, but neither the user's call nor the line of the model's forward;
+    it names both now."""
+    fused = hftc.fuse([MLP() for _ in range(2)])
+    with pytest.raises(hftc.errors.TraceError) as caught:
+        fused(torch.randn(5, 7))  # the call named
+    text = str(caught.value)
+    assert f"at {__file__}:" in text and "`fused(torch.randn(5, 7))  # the call named`" in text
+    assert "node `a` (module path `a`, Linear) (" in text
+    assert "in forward: `return self.b(F.relu(self.a(x)))`" in text
