@@ -196,3 +196,23 @@ def test_an_input_the_models_cannot_take_names_the_users_call_and_the_models_lin
     assert f"at {__file__}:" in text and "`fused(torch.randn(5, 7))  # the call named`" in text
     assert "node `a` (module path `a`, Linear) (" in text
     assert "in forward: `return self.b(F.relu(self.a(x)))`" in text
+
+
+@pytest.mark.parametrize("loss, target", [
+    (F.cross_entropy, lambda y, n: y.repeat(n)),
+    (F.mse_loss, lambda y, n: torch.cat([y.float().unsqueeze(1)] * n)),
+])
+def test_a_target_repeated_for_the_models_says_per_model_shares_one(loss, target):
+    """``hftc.per_model(loss)(out, y.repeat(N))`` (the target as one loss over all models
+    would take it) failed with torch's batch-size words only; the message now says the
+    target is N x the batch and that per_model shares one model's, which then runs."""
+    torch.manual_seed(0)
+    fused = hftc.fuse([MLP() for _ in range(3)])
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    out = fused(x)[..., :1] if loss is F.mse_loss else fused(x)
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"Argument 1's dim 0 is 3 x the batch 5: a target repeated "
+                             r"for the 3 models \(y\.repeat\(3\)"):
+        hftc.per_model(loss)(out, target(y, 3))
+    one = y if loss is F.cross_entropy else y.float().unsqueeze(1)
+    assert hftc.per_model(loss)(out, one).shape == (3,)  # what it says
