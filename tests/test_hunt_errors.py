@@ -216,3 +216,26 @@ def test_a_target_repeated_for_the_models_says_per_model_shares_one(loss, target
         hftc.per_model(loss)(out, target(y, 3))
     one = y if loss is F.cross_entropy else y.float().unsqueeze(1)
     assert hftc.per_model(loss)(out, one).shape == (3,)  # what it says
+
+
+def test_a_whole_fused_module_loaded_as_a_state_dict_names_model_state_dict(tmp_path):
+    """``torch.save(fused, path)``, then ``model.load_state_dict(torch.load(path, ...))``
+    was torch's "Expected state_dict to be dict-like, got FusedModule"; now an hftc error
+    at the user's line naming model_state_dict(i), which then loads."""
+    torch.manual_seed(0)
+    fused = hftc.fuse([MLP() for _ in range(3)])
+    torch.save(fused, tmp_path / "fused.pt")
+    loaded = torch.load(tmp_path / "fused.pt", weights_only=False)
+    one = MLP()
+    with pytest.raises(hftc.errors.FusionTypeError,
+                       match=r"MLP\.load_state_dict at .*got a fused module of 3 models .*"
+                             r"model\.load_state_dict\(loaded\.model_state_dict\(i\)\)"):
+        one.load_state_dict(loaded)
+    with pytest.raises(hftc.errors.FusionTypeError,
+                       match=r"fused\.load_state_dict\(loaded\.state_dict\(\)\)"):
+        fused.load_state_dict(loaded)
+    one.load_state_dict(loaded.model_state_dict(2))  # what it says
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(one(x), fused(x)[2])
+    with pytest.raises(TypeError, match="dict-like"):  # anything else: torch's own
+        one.load_state_dict(nn.Linear(2, 2))
