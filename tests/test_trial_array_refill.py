@@ -203,8 +203,9 @@ def test_a_scheduler_or_another_width_cannot_take_a_place():
     fused = hftc.fuse(models)
     opt = hftc.optim.SGD(fused.parameters(), lr=[0.1, 0.2])
     wide = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10)).double()
-    with pytest.raises(FusionArgumentError, match=r"the new models do not fuse with the "
-                                                  r"others(.|\n)*out_features 24 vs 32"):
+    with pytest.raises(FusionArgumentError,
+                       match=r"the new model\(s\) at position\(s\) \[0\] do not fuse with "
+                             r"the others(.|\n)*out_features 24 vs 32"):
         hftc.replace_models(fused, {0: wide})
     # with padding, another width would change the padded tensors
     padded = hftc.fuse([make_model(0), wide], pad_widths=True)
