@@ -67,3 +67,68 @@ def test_a_per_model_width_read_in_c_pads_and_trains_as_alone():
         got = fused.model_state_dict(i)
         for name, want in m.state_dict().items():
             assert _relative(got[name], want) <= 1e-12, (i, name)
+
+
+class SingleHead(nn.Module):
+    """One attention head of width ``d`` (a width sweep), scaled by its key's size, and a
+    hand-written centring by the hidden size: both read a padded dim's size in Python."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(6, d), nn.Linear(6, d), nn.Linear(6, d)
+        self.out = nn.Linear(d, 4)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        h = att.softmax(-1) @ v
+        h = h - h.sum(-1, keepdim=True) / h.shape[-1]
+        return self.out(h * h.size(-1) ** -0.5)
+
+
+def test_a_size_of_a_padded_dim_in_python_arithmetic_is_each_models():
+    """k.size(-1), h.shape[-1] of a padded dim are each model's own width (d = 4 and 10
+    padded to 10), trained with SGD momentum and weight decay as alone (float64), and
+    unfuse() gives back each width. Before, the sizes were the padded width in every
+    model, and pad_widths=True was refused (MismatchError, even with example_inputs)."""
+    torch.manual_seed(2)
+    models = [SingleHead(d).double() for d in (4, 10, 7)]
+    alone = [copy.deepcopy(m) for m in models]
+    fused = hftc.fuse(models, pad_widths=True)
+    kwargs = [dict(lr=0.05 * (i + 1), momentum=0.9, weight_decay=1e-2) for i in range(3)]
+    opt = hftc.optim.SGD(fused.parameters(), **{k: [d[k] for d in kwargs] for k in kwargs[0]})
+    opts = [torch.optim.SGD(m.parameters(), **kw) for m, kw in zip(alone, kwargs)]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(3, 5, 6, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        out = fused(x)
+        sum(out[i].square().mean() for i in range(3)).backward()
+        opt.step()
+        for i, (m, o) in enumerate(zip(alone, opts)):
+            o.zero_grad()
+            want = m(x)
+            assert _relative(out[i].detach(), want.detach()) <= 1e-12
+            want.square().mean().backward()
+            o.step()
+    assert fused.strategy == "fused" and fused.padding is not None
+    for i, (back, m) in enumerate(zip(fused.unfuse(), alone)):
+        assert back.q.out_features == m.q.out_features
+        for (name, got), want in zip(back.state_dict().items(), m.state_dict().values()):
+            assert _relative(got, want) <= 1e-12, (i, name)
+
+
+def test_a_size_of_a_padded_dim_float32():
+    torch.manual_seed(4)
+    models = [SingleHead(d) for d in (4, 10)]
+    fused = hftc.fuse(models, pad_widths=True)
+    x = torch.randn(3, 5, 6)
+    out = fused(x)
+    out.square().sum().backward()
+    for i, model in enumerate(models):
+        want = model(x)
+        want.square().sum().backward()
+        torch.testing.assert_close(out[i], want, rtol=1e-5, atol=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(fused.padding.unpad(i, name, dict(fused.named_parameters())[name].grad[i]),
+                                       p.grad, rtol=1e-4, atol=1e-6)

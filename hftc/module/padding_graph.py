@@ -28,6 +28,9 @@ declares (``@rule(..., padding=...)`` in :mod:`hftc.passes`; the kinds are
 * ``MOVES``: ops that only move units (view, reshape, transpose, getitem ...) are checked
   to keep each model's units where its prefix layout expects them, by running them on
   indices;
+* a size of a padded dim in Python arithmetic that scales a tensor (``h * h.size(-1) **
+  -0.5``, ``att / math.sqrt(k.size(-1))``) becomes model i's own size, a 0-d tensor
+  (:meth:`_Rewriter.rewrite_sizes`);
 * ``EXACT``: element-wise ops (and the padded modules) are exact as they are; an op that
   no rule knows is exact where ATen tags it pointwise; anything else over a padded dim
   is refused (:class:`UnsupportedOperatorError`, naming the op and its line).
@@ -42,6 +45,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
+import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -142,6 +147,14 @@ def masked(x: Tensor, pad: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- which op is which
+
+#: Python arithmetic on a size that :meth:`_Rewriter.rewrite_sizes` runs on a per-model
+#: 0-d tensor instead, and the element-wise ops through which such a number may scale a
+#: tensor.
+_NUMBER_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
+                         operator.pow, operator.neg, math.sqrt})
+_SCALES = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
+                     torch.add, torch.sub, torch.mul, torch.div})
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -318,6 +331,7 @@ class _Rewriter:
         return masks
 
     def run(self) -> None:
+        self.rewrite_sizes()
         for node in list(self.gm.graph.nodes):
             if node.op not in ("call_function", "call_method", "call_module"):
                 continue
@@ -335,6 +349,51 @@ class _Rewriter:
                     f"amax, amin, max, min, logsumexp, softmax, log_softmax, F.layer_norm, "
                     f"F.normalize, norm over the padded dim; split / chunk along it; views "
                     f"that keep each model's units first)", [self.describe(node)]) from None
+
+    def differs(self, node: fx.Node) -> bool:
+        """A Python number (a size, or computed from one) that some model has another
+        value of than the padded graph."""
+        value = self.values.get(node)
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and any(r.get(node) != value for r in self.real))
+
+    def only_scales(self, node: fx.Node) -> bool:
+        """Every use of the number ``node`` is Python arithmetic (:data:`_NUMBER_OPS`) whose
+        result is used so too, or scales a tensor element-wise (:data:`_SCALES`)."""
+        for user in node.users:
+            value = self.values.get(user)
+            if isinstance(value, Tensor):
+                if user.op != "call_function" or user.target not in _SCALES:
+                    return False
+            elif (not isinstance(value, (int, float)) or user.op != "call_function"
+                  or user.target not in _NUMBER_OPS or not self.only_scales(user)):
+                return False
+        return bool(node.users)
+
+    def rewrite_sizes(self) -> None:
+        """A size of a padded dim in forward's arithmetic (``h * h.size(-1) ** -0.5``)
+        is the padded width in the padded graph: each model's own value instead, as a
+        per-model 0-d tensor (its Python arithmetic then runs on tensors)::
+
+            size = h.size(-1); s = size ** -0.5; y = h * s     # 64 ** -0.5 for all
+            size = self._hftc_real_units_..._size; ...          # 32 ** -0.5 for model i
+        """
+        done: set[fx.Node] = set()
+        for node in list(self.gm.graph.nodes):
+            if node in done or not self.differs(node) or not self.only_scales(node):
+                continue
+            per_model = [torch.tensor(float(r[node]), dtype=torch.float64) for r in self.real]
+            const = self.constant(node, "size", per_model)
+            node.replace_all_uses_with(const)
+            self.gm.graph.erase_node(node) if not node.users else None
+            users = list(const.users)
+            while users:  # its arithmetic now takes a tensor: math.sqrt cannot
+                user = users.pop()
+                if user not in done and not isinstance(self.values.get(user), Tensor):
+                    done.add(user)
+                    user.target = torch.sqrt if user.target is math.sqrt else user.target
+                    users.extend(user.users)
+            self.changed = True
 
     def describe(self, node: fx.Node) -> str:
         if node.op == "call_module":
@@ -562,6 +621,8 @@ def _nothing_to_rewrite(originals: Sequence[nn.Module], padded: Sequence[nn.Modu
         gm = _trace(padded[0], True, concrete)
     except Exception:  # noqa: BLE001 - the analysis decides (and says why)
         return False
+    if any(_scales_by_a_size(node) for node in gm.graph.nodes):
+        return False
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
@@ -574,6 +635,25 @@ def _nothing_to_rewrite(originals: Sequence[nn.Module], padded: Sequence[nn.Modu
             continue
         return False
     return True
+
+
+def _scales_by_a_size(node: fx.Node) -> bool:
+    """Whether ``node`` reads a size (``x.size(-1)``, ``x.shape``, ``x.numel()``) that flows
+    through Python arithmetic into an element-wise op: a padded dim's size there is the
+    padded width, which :meth:`_Rewriter.rewrite_sizes` makes each model's own."""
+    reads = (node.op == "call_method" and node.target in ("size", "numel")) or (
+        node.op == "call_function" and node.target is getattr and node.args[1:2] == ("shape",))
+    users, seen = list(node.users) if reads else [], set()
+    while users:
+        user = users.pop()
+        if user in seen or user.op != "call_function":
+            continue
+        seen.add(user)
+        if user.target in _SCALES:
+            return True
+        if user.target in _NUMBER_OPS or user.target is operator.getitem:
+            users.extend(user.users)
+    return False
 
 
 def _padded_by_pad_models(path: str, module: nn.Module, originals: Sequence[nn.Module]) -> bool:
