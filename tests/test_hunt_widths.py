@@ -132,3 +132,50 @@ def test_a_size_of_a_padded_dim_float32():
         for name, p in model.named_parameters():
             torch.testing.assert_close(fused.padding.unpad(i, name, dict(fused.named_parameters())[name].grad[i]),
                                        p.grad, rtol=1e-4, atol=1e-6)
+
+
+class AnnotatedEmbeddings(nn.Module):
+    """The Annotated Transformer's ``Embeddings``: an int ``d_model`` (which pad_widths
+    widens, as a user's n_embd) read by ``math.sqrt`` to scale a padded tensor and an
+    unpadded one."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.d_model = d_model
+        self.lut = nn.Embedding(11, d_model)
+        self.proj = nn.Linear(d_model, 5)
+
+    def forward(self, idx):
+        h = torch.tanh(self.lut(idx) * math.sqrt(self.d_model))
+        return self.proj(h) / math.sqrt(self.d_model) + self.d_model
+
+
+def test_a_widened_int_attribute_in_arithmetic_is_each_models():
+    """pad_widths widens the user's int d_model to the widest (for views of padded
+    tensors); forward's arithmetic on it gets each model's own value. Before, every model
+    scaled by the widest model's sqrt(d_model) and pad_widths=True was refused."""
+    torch.manual_seed(5)
+    models = [AnnotatedEmbeddings(d).double() for d in (4, 16, 9)]
+    alone = [copy.deepcopy(m) for m in models]
+    fused = hftc.fuse(models, pad_widths=True)
+    opt = hftc.optim.Adam(fused.parameters(), lr=[1e-2] * 3, weight_decay=[1e-2] * 3)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=1e-2) for m in alone]
+    g = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        idx = torch.randint(0, 11, (4, 3), generator=g)
+        opt.zero_grad()
+        out = fused(idx)
+        sum(out[i].square().mean() for i in range(3)).backward()
+        opt.step()
+        for i, (m, o) in enumerate(zip(alone, opts)):
+            o.zero_grad()
+            want = m(idx)
+            assert _relative(out[i].detach(), want.detach()) <= 1e-12
+            want.square().mean().backward()
+            o.step()
+    assert fused.strategy == "fused"
+    for i, m in enumerate(alone):
+        got = fused.model_state_dict(i)
+        for name, want in m.state_dict().items():
+            assert _relative(got[name], want) <= 1e-12, (i, name)
+    assert [m.d_model for m in fused.unfuse()] == [4, 16, 9]

@@ -332,6 +332,7 @@ class _Rewriter:
 
     def run(self) -> None:
         self.rewrite_sizes()
+        self.rewrite_scalars()
         for node in list(self.gm.graph.nodes):
             if node.op not in ("call_function", "call_method", "call_module"):
                 continue
@@ -394,6 +395,33 @@ class _Rewriter:
                     user.target = torch.sqrt if user.target is math.sqrt else user.target
                     users.extend(user.users)
             self.changed = True
+
+    def rewrite_scalars(self) -> None:
+        """A number an element-wise op takes that is another in the models' own graphs: a
+        user's int attribute padding widened (``math.sqrt(self.d_model)`` is the widest
+        model's in the padded graph), as each model's own, a per-model 0-d tensor::
+
+            x * 2.83   (the padded graph: d_model 8)    ->  x * self._hftc_..._scalar
+            x * 2.0    (model 0's own: d_model 4)           (2.0 for model 0, 2.83 for 1)
+        """
+        for node in list(self.gm.graph.nodes):
+            value = self.values.get(node)
+            if (node.op != "call_function" or node.target not in _SCALES
+                    or not isinstance(value, Tensor) or not value.is_floating_point()):
+                continue
+            args = list(node.args)
+            if any(len(self.original_nodes[i][node].args) != len(args) for i in range(self.n)):
+                continue
+            for k, arg in enumerate(args):
+                if isinstance(arg, bool) or not isinstance(arg, (int, float)):
+                    continue
+                own = [self.original_nodes[i][node].args[k] for i in range(self.n)]
+                if all(o == arg for o in own):
+                    continue
+                per_model = [torch.tensor(float(o), dtype=torch.float64) for o in own]
+                args[k] = self.constant(node, "scalar", per_model)
+                self.changed = True
+            node.args = tuple(args)
 
     def describe(self, node: fx.Node) -> str:
         if node.op == "call_module":
@@ -621,7 +649,8 @@ def _nothing_to_rewrite(originals: Sequence[nn.Module], padded: Sequence[nn.Modu
         gm = _trace(padded[0], True, concrete)
     except Exception:  # noqa: BLE001 - the analysis decides (and says why)
         return False
-    if any(_scales_by_a_size(node) for node in gm.graph.nodes):
+    if any(_scales_by_a_size(node) for node in gm.graph.nodes) or _widened_ints(
+            originals, padded):
         return False
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -635,6 +664,20 @@ def _nothing_to_rewrite(originals: Sequence[nn.Module], padded: Sequence[nn.Modu
             continue
         return False
     return True
+
+
+def _widened_ints(originals: Sequence[nn.Module], padded: Sequence[nn.Module]) -> bool:
+    """Whether :func:`~hftc.module.padding.pad_models` widened an int attribute of the
+    user's modules (``self.d_model``), which forward's arithmetic may read."""
+    for original, pad in zip(originals, padded):
+        for path, module in original.named_modules():
+            if type(module).__module__.startswith("torch.nn"):
+                continue
+            mine = vars(pad.get_submodule(path))
+            if any(isinstance(v, int) and not isinstance(v, bool) and mine.get(k) != v
+                   for k, v in vars(module).items()):
+                return True
+    return False
 
 
 def _scales_by_a_size(node: fx.Node) -> bool:
