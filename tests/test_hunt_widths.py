@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hftc
+from hftc.lowering.check import ConstantRandomness
 from tests.optim_helpers import single_thread  # noqa: F401  (fixture)
 
 
@@ -179,3 +180,106 @@ def test_a_widened_int_attribute_in_arithmetic_is_each_models():
         for name, want in m.state_dict().items():
             assert _relative(got[name], want) <= 1e-12, (i, name)
     assert [m.d_model for m in fused.unfuse()] == [4, 16, 9]
+
+
+class NanoLayerNorm(nn.Module):
+    """nanoGPT's LayerNorm (raw parameters, F.layer_norm over the padded dim)."""
+
+    def __init__(self, n_embd: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n_embd))
+        self.bias = nn.Parameter(torch.zeros(n_embd))
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention: a packed q, k, v split, head dim 8, and its float
+    ``self.dropout`` passed to scaled_dot_product_attention."""
+
+    def __init__(self, n_embd: int, dropout: float):
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd, self.dropout = n_embd // 8, n_embd, dropout
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training
+                                           else 0, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, n_embd: int, dropout: float):
+        super().__init__()
+        self.wte = nn.Embedding(11, n_embd)
+        self.ln, self.ln_f = NanoLayerNorm(n_embd), NanoLayerNorm(n_embd)
+        self.attn = NanoAttention(n_embd, dropout)
+        self.head = nn.Linear(n_embd, 11)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        x = x + self.attn(self.ln(x))
+        return self.head(self.ln_f(x))
+
+
+def test_a_sweep_over_widths_and_a_float_in_forward_trains_as_alone():
+    """n_embd x dropout (nanoGPT's F.scaled_dot_product_attention(dropout_p=self.dropout)):
+    padding's rewrite of the split and layer norms is one graph for all models, each
+    reading its own dropout. Before, the padded models' graphs differed in that float, so
+    nothing was rewritten and pad_widths=True was refused, blaming the split."""
+    torch.manual_seed(7)
+    models = [NanoGPT(d, p).double() for d, p in ((16, 0.0), (32, 0.3), (24, 0.1))]
+    alone = [copy.deepcopy(m) for m in models]
+    idx = torch.randint(0, 11, (2, 6))
+    with ConstantRandomness():
+        fused = hftc.fuse(models, pad_widths=True)
+        opt = hftc.optim.Adam(fused.parameters(), lr=[1e-2, 2e-2, 3e-2], weight_decay=[1e-2] * 3)
+        opts = [torch.optim.Adam(m.parameters(), lr=1e-2 * (i + 1), weight_decay=1e-2)
+                for i, m in enumerate(alone)]
+        for _ in range(3):
+            opt.zero_grad()
+            out = fused(idx)
+            sum(out[i].square().mean() for i in range(3)).backward()
+            opt.step()
+            for i, (m, o) in enumerate(zip(alone, opts)):
+                o.zero_grad()
+                want = m(idx)
+                assert _relative(out[i].detach(), want.detach()) <= 1e-12
+                want.square().mean().backward()
+                o.step()
+    assert fused.strategy == "fused" and fused.padding is not None
+    for i, m in enumerate(alone):
+        got = fused.model_state_dict(i)
+        for name, want in m.state_dict().items():
+            assert _relative(got[name], want) <= 1e-12, (i, name)
+    fused.eval()
+    out = fused(idx)
+    for i, m in enumerate(alone):
+        assert _relative(out[i], m.eval()(idx)) <= 1e-12
+
+
+class SlopeSoftmax(nn.Module):
+    def __init__(self, hidden: int, slope: float):
+        super().__init__()
+        self.slope = slope
+        self.fc, self.out = nn.Linear(5, hidden), nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        return self.out(F.leaky_relu(self.fc(x), self.slope).softmax(-1))
+
+
+def test_a_per_model_float_beside_an_op_padding_rewrites():
+    torch.manual_seed(8)
+    models = [SlopeSoftmax(4, 0.1).double(), SlopeSoftmax(8, 0.3).double()]
+    fused = hftc.fuse(models, pad_widths=True)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    out = fused(x)
+    assert fused.strategy == "fused"
+    for i, m in enumerate(models):
+        assert _relative(out[i], m(x)) <= 1e-12

@@ -607,6 +607,7 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
         return list(padded)
     sources: dict[str, str] = {}
     constants: dict[str, list[Tensor]] = {}
+    numbers: dict[str, list[float]] = {}
     for training in (True, False):
         mode = "train" if training else "eval"
         try:
@@ -614,14 +615,16 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
             pads = [_run(m, training, concrete, a) for m, a in zip(padded, example_args)]
         except Exception:  # noqa: BLE001 - not traceable so: the first-call check judges
             return list(padded)
-        same = all(p[0].code == pads[0][0].code for p in pads) and all(
+        same = all(_signature(p[0]) == _signature(pads[0][0]) for p in pads) and all(
             [(n.op, n.target) for n in r[0].graph.nodes]
             == [(n.op, n.target) for n in pads[0][0].graph.nodes] for r in runs)
         if not same:
             return list(padded)
+        floats = _differing_floats([p[0] for p in pads])
         rewriter = _Rewriter(pads[0][0], pads[0][1], runs, mode)
         rewriter.run()
         if rewriter.changed:
+            numbers.update(_floats_as_attributes(rewriter.gm, floats, mode))
             code = rewriter.gm.graph.python_code(root_module="self")
             sources[mode] = _format_import_block(code.globals, sys_importer) + "\n" + code.src
             constants.update(rewriter.constants)
@@ -636,7 +639,63 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
             if value.is_floating_point():
                 value = value.to(like.dtype)
             model.register_buffer(name, value.to(like.device), persistent=False)
+        for name, values in numbers.items():
+            vars(model)[name] = values[i]
     return list(padded)
+
+
+def _signature(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
+    """Each node's op, target and arguments (nodes by name, floats as ``float``): the
+    padded models' graphs are one program when these agree; their floats (a per-model
+    dropout p) may differ (:func:`_differing_floats`)."""
+    def mask(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return a.name
+        return float if isinstance(a, float) else a
+
+    return [(n.op, n.target, fx.node.map_aggregate(n.args, mask),
+             fx.node.map_aggregate(n.kwargs, mask)) for n in gm.graph.nodes]
+
+
+def _differing_floats(graphs: Sequence[fx.GraphModule]
+                      ) -> list[tuple[fx.Node, int | str, list[float]]]:
+    """(node of ``graphs[0]``, argument index or keyword, each graph's value) of every
+    top-level float argument that differs among the padded models' graphs."""
+    found = []
+    for nodes in zip(*(g.graph.nodes for g in graphs)):
+        first = nodes[0]
+        for key in [*range(len(first.args)), *first.kwargs]:
+            values = [n.args[key] if isinstance(key, int) else n.kwargs[key] for n in nodes]
+            if isinstance(values[0], float) and any(v != values[0] for v in values):
+                found.append((first, key, values))
+    return found
+
+
+def _floats_as_attributes(gm: fx.GraphModule,
+                          floats: list[tuple[fx.Node, int | str, list[float]]], mode: str
+                          ) -> dict[str, list[float]]:
+    """The rewritten graph (traced from model 0's padded model, so holding its floats)
+    reads each differing float from an attribute of the root, each model's own value
+    there (the fusion then treats it as any per-model float attribute)::
+
+        sdpa(q, k, v, dropout_p=0.1)  ->  sdpa(q, k, v, dropout_p=self._hftc_float_train_0)
+    """
+    numbers: dict[str, list[float]] = {}
+    for node, key, values in floats:
+        current = node.args[key] if isinstance(key, int) else node.kwargs[key]
+        if node.graph is not gm.graph or not isinstance(current, float) \
+                or current != values[0]:  # rewritten since (a per-model 0-d tensor)
+            continue
+        name = f"_hftc_float_{mode}_{len(numbers)}"
+        numbers[name] = values
+        vars(gm)[name] = values[0]
+        with gm.graph.inserting_before(node):
+            read = gm.graph.create_node("get_attr", name)  # (a float: no tensor warning)
+        if isinstance(key, int):
+            node.args = (*node.args[:key], read, *node.args[key + 1:])
+        else:
+            node.kwargs = {**node.kwargs, key: read}
+    return numbers
 
 
 def _nothing_to_rewrite(originals: Sequence[nn.Module], padded: Sequence[nn.Module],
