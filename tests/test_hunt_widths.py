@@ -8,11 +8,13 @@ import copy
 import math
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import hftc
+from hftc.errors import UnsupportedOperatorError
 from hftc.lowering.check import ConstantRandomness
 from tests.optim_helpers import single_thread  # noqa: F401  (fixture)
 
@@ -283,3 +285,34 @@ def test_a_per_model_float_beside_an_op_padding_rewrites():
     assert fused.strategy == "fused"
     for i, m in enumerate(models):
         assert _relative(out[i], m(x)) <= 1e-12
+
+
+class TopTwo(nn.Module):
+    def __init__(self, hidden: int, how: str):
+        super().__init__()
+        self.how = how
+        self.fc, self.out = nn.Linear(5, hidden), nn.Linear(2, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        top = (h.topk(2, dim=-1).values if self.how == "topk"
+               else h.sort(-1, descending=True).values[..., :2])
+        return self.out(top)
+
+
+@pytest.mark.parametrize("how", ["topk", "sort"])
+def test_an_op_padding_cannot_compute_is_refused_even_where_the_check_passes(how):
+    """topk(2) over model 0's 4 units padded with 4 zeros picks a zero once fewer than
+    two units are positive. Model 0's units all positive on the first call: the check
+    passed there and hftc went on with padding's own refusal dropped; a later batch then
+    gave model 0 wrong outputs (0.28 relative) without a word. Now refused on the first
+    call, naming the op and the user's line."""
+    torch.manual_seed(9)
+    models = [TopTwo(4, how).double(), TopTwo(8, how).double()]
+    with torch.no_grad():
+        models[0].fc.bias.fill_(10.0)  # the first call: every unit of model 0 positive
+    fused = hftc.fuse(models, pad_widths=True)
+    x = torch.randn(4, 5, dtype=torch.float64)
+    with pytest.raises(UnsupportedOperatorError, match=f"cannot compute `{how}` in the root "
+                       r"\(.*test_hunt_widths.py:\d+"):
+        fused(x)

@@ -70,6 +70,7 @@ from ..passes.registry import (
     Reduces,
     lookup,
     padding_of,
+    widens_of,
 )
 from .padding import PaddedModule, is_padded
 
@@ -761,14 +762,20 @@ def _scales_by_a_size(node: fx.Node) -> bool:
 def _padded_by_pad_models(path: str, module: nn.Module, originals: Sequence[nn.Module]) -> bool:
     """Module ``path`` of a padded model is one :func:`~hftc.module.padding.pad_models`
     padded (a masked norm, a layer at the widest widths, one holding them): any of its
-    tensors wider than some original model's own."""
+    tensors wider than some original model's own, or, for a layer padding widens
+    (``@rule(widens=...)``) without tensors (``BatchNorm1d(affine=False,
+    track_running_stats=False)``), a width attribute (``num_features``) widened."""
     if any(isinstance(m, PaddedModule) for m in module.modules()):
         return True
     mine = {n: t.shape for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    sizes = {k: v for k, v in vars(module).items() if not k.startswith("_")
+             and isinstance(v, (int, tuple)) and not isinstance(v, bool)} \
+        if not mine and widens_of(module) is not None else {}
     for original in originals:
         owner = original.get_submodule(path)
         theirs = {n: t.shape for n, t in [*owner.named_parameters(), *owner.named_buffers()]}
-        if any(theirs.get(n, shape) != shape for n, shape in mine.items()):
+        if any(theirs.get(n, shape) != shape for n, shape in mine.items()) or any(
+                vars(owner).get(k, v) != v for k, v in sizes.items()):
             return True
     return False
 
