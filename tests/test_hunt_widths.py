@@ -316,3 +316,33 @@ def test_an_op_padding_cannot_compute_is_refused_even_where_the_check_passes(how
     with pytest.raises(UnsupportedOperatorError, match=f"cannot compute `{how}` in the root "
                        r"\(.*test_hunt_widths.py:\d+"):
         fused(x)
+
+
+class ShiftedLinear(nn.Linear):
+    """A Linear subclass whose own forward calls F.linear with a computed weight (its
+    padded columns 1, not 0) on an input whose padding is sigmoid(0) = 0.5."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight + 1.0, self.bias)
+
+
+def test_f_linear_over_a_padded_dim_zeroes_the_inputs_padding():
+    """F.linear contracts its input's last dim: the input's padding is zeroed first
+    (as a matmul's), so the product is each model's own whatever the weight's padding.
+    It also keeps a Linear subclass's forward from being refused now that an op padding
+    cannot compute is refused even where the check passes."""
+    torch.manual_seed(10)
+    models = [nn.Sequential(nn.Linear(5, h), nn.Sigmoid(), ShiftedLinear(h, 3)).double()
+              for h in (4, 8)]
+    fused = hftc.fuse(models, pad_widths=True)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    out = fused(x)
+    out.square().sum().backward()
+    params = dict(fused.named_parameters())
+    for i, m in enumerate(models):
+        want = m(x)
+        assert _relative(out[i].detach(), want.detach()) <= 1e-12
+        want.square().sum().backward()
+        for name, p in m.named_parameters():
+            got = fused.padding.unpad(i, name, params[name].grad[i])
+            assert _relative(got, p.grad) <= 1e-12, (i, name)
