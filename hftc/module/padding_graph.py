@@ -154,6 +154,11 @@ def masked(x: Tensor, pad: Tensor) -> Tensor:
 #: tensor.
 _NUMBER_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
                          operator.pow, operator.neg, math.sqrt})
+#: Ops that pick units by their values: over a padded dim, whether a padded zero is
+#: picked depends on the inputs, so they are refused even where the first call's check
+#: passes.
+_SELECTS = frozenset({"sort", "argsort", "msort", "topk", "kthvalue", "median", "nanmedian",
+                      "mode", "quantile", "nanquantile"})
 _SCALES = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
                      torch.add, torch.sub, torch.mul, torch.div})
 
@@ -343,14 +348,17 @@ class _Rewriter:
                     continue
                 self.visit(node, inputs)
             except _Refused as why:
-                raise UnsupportedOperatorError(
+                refused = UnsupportedOperatorError(
                     f"pad_widths=True cannot compute `{self.describe(node)}` {_where(node)} "
                     f"over each model's real units: {why}. Give every model the same width "
                     f"there (hftc.fuse_groups fuses models of one width together), or write "
                     f"the op as one hftc computes over the real units (sum, mean, var, std, "
                     f"amax, amin, max, min, logsumexp, softmax, log_softmax, F.layer_norm, "
                     f"F.normalize, norm over the padded dim; split / chunk along it; views "
-                    f"that keep each model's units first)", [self.describe(node)]) from None
+                    f"that keep each model's units first)", [self.describe(node)])
+                # a selection's exactness depends on the values: no check vouches for it
+                refused.values_decide = _op_name(node) in _SELECTS
+                raise refused from None
 
     def differs(self, node: fx.Node) -> bool:
         """A Python number (a size, or computed from one) that some model has another
@@ -460,6 +468,10 @@ class _Rewriter:
                     CONTRACTS: self.rewrite_matmul, ATTENDS: self.check_attention}[fact](
                         node, inputs)
         what = "module" if module is not None else "op"
+        if _op_name(node) in _SELECTS:
+            raise _Refused("it selects among the units by value, and the padding's zeros "
+                           "would rank among them on some inputs (the first-call check "
+                           "cannot vouch for the others)")
         raise _Refused(f"hftc does not know what this {what} computes over a padded dim")
 
     def check_per_channel(self, node: fx.Node, x: fx.Node) -> None:
