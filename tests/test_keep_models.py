@@ -181,7 +181,7 @@ def test_keep_models_refuses_bad_arguments_and_changes_nothing():
     other = hftc.fuse([make_model(i) for i in range(N)])
     other_opt = hftc.optim.SGD(other.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-    with pytest.raises(FusionIndexError, match=r"model index 4 out of range for 4 models"):
+    with pytest.raises(FusionIndexError, match=r"keep holds model index 4, out of range for 4 models"):
         hftc.keep_models(fused, [0, 4], optimizers=[opt])
     with pytest.raises(FusionArgumentError, match=r"keep names model\(s\) \[1\] more than once"):
         hftc.keep_models(fused, [1, 1])

@@ -172,3 +172,65 @@ def test_the_callbacks_refuse_a_plain_lightning_module_and_say_what_to_do(tmp_pa
     with pytest.raises(hftc.errors.FusionArgumentError,
                        match=r"holds models \[0, 2\] of the array, the module models \[0, 1, 2\]"):
         Fused(_models()).on_load_checkpoint(checkpoint)
+
+
+class RecordValidations(Callback):
+    """Each validation's per-model val_loss and each model's state then."""
+
+    def __init__(self):
+        self.validations = []
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self.validations.append({
+                i: (float(trainer.callback_metrics[f"val_loss/model_{i}"]),
+                    pl_module.model_state_dict(i)) for i in pl_module.model_ids})
+
+
+@pytest.mark.parametrize("when", [{"check_val_every_n_epoch": 2}, {"val_check_interval": 3}])
+def test_a_monitored_per_model_checkpoint_holds_the_best_validations_model(tmp_path, when):
+    """PerModelCheckpoint(monitor=...) writes a model's file after the validation where its
+    metric improved, as ModelCheckpoint(monitor=...) does: with validation every other epoch
+    it raised (no metric at the first epoch's end), with validation mid-epoch it wrote the
+    epoch's last weights, which no validation had seen."""
+    record = RecordValidations()
+    checkpoints = hl.PerModelCheckpoint(tmp_path / "best", monitor="val_loss")
+    trainer = pl.Trainer(max_epochs=4, deterministic=True, enable_progress_bar=False,
+                         logger=False, enable_checkpointing=False, enable_model_summary=False,
+                         callbacks=[record, checkpoints], accelerator="cpu", **when)
+    trainer.fit(Fused(_models()), *_loaders())
+    assert len(record.validations) == (2 if "check_val_every_n_epoch" in when else 8)
+    for i in range(len(LRS)):
+        losses = [validation[i][0] for validation in record.validations]
+        best = losses.index(min(losses))
+        saved = torch.load(checkpoints.path(i))
+        for name, value in record.validations[best][i][1].items():
+            torch.testing.assert_close(saved[name], value, rtol=0, atol=0, msg=name)
+        assert checkpoints.best[i] == losses[best]
+
+
+class Unsummed(Fused):
+    def training_step(self, batch, _):
+        return self._losses(batch)  # the N losses: forgot .sum()
+
+
+class UnsummedManual(Fused):
+    def __init__(self, models):
+        super().__init__(models)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, _):
+        self.manual_backward(self._losses(batch))
+
+
+@pytest.mark.parametrize("module", [Unsummed, UnsummedManual])
+def test_unsummed_losses_are_refused_naming_the_training_step(tmp_path, module):
+    """The N losses returned (or given to manual_backward) unsummed: torch's "grad can be
+    implicitly created only for scalar outputs" from deep in Lightning; now the module, the
+    training_step's file and line, and the sum to return."""
+    trainer = _trainer([], tmp_path)
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=rf"{module.__name__}: .* has shape \[3\], not one number "
+                             rf"\(training_step at .*test_lightning.py:\d+\); with 3 models "
+                             rf"return their losses' sum, losses.sum\(\)"):
+        trainer.fit(module(_models()), *_loaders())

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import linecache
 import operator
 import os
 import random
@@ -36,7 +37,13 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointFunction
 
-from ..errors import FusionError, TraceError, UnsupportedOperatorError, plain_message
+from ..errors import (
+    FusionError,
+    TraceError,
+    UnsupportedOperatorError,
+    plain_message,
+    user_stacklevel,
+)
 from ..ir import (
     BUFFER_ASSIGNMENT,
     CONSTANT_INPUTS,
@@ -51,6 +58,7 @@ from ..ir import (
     reentrant_checkpoint_output,
     set_training,
     user_frame_trace,
+    user_line,
 )
 from ..lowering.runtime import attention as rt_attention
 from .closures import rebind_functions
@@ -1461,6 +1469,28 @@ class _Recorder(fx.Interpreter):
             f"or give the new value the buffer's shape and dtype")
 
 
+def _call_site() -> str:
+    """`` at file:line: `code` ``: the user's line that called the fused module (the
+    innermost frame outside hftc and torch)."""
+    frame = sys._getframe(user_stacklevel() - 1)
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f" at {frame.f_code.co_filename}:{frame.f_lineno}" + (f": `{code}`" if code else "")
+
+
+def _list_of_inputs_hint(names: Sequence[Any], args: Sequence[Any]) -> str:
+    """Where an input the model failed on is a list or tuple of tensors of one shape (one
+    input per model, as a loop over the models would pass them), how to pass them."""
+    for name, value in zip(names, args):
+        if isinstance(value, (list, tuple)) and len(value) > 1 and all(
+                isinstance(t, torch.Tensor) and t.shape == value[0].shape for t in value):
+            return (f". `{name}` is a {type(value).__name__} of {len(value)} tensors "
+                    f"{list(value[0].shape)}: for one input per model, stack them along a "
+                    f"model dim and say so, fused.with_in_dims(0)(torch.stack({name})) (or "
+                    f"hftc.fuse(models, in_dims=0)); for one input all models share, pass "
+                    f"the tensor itself")
+    return ""
+
+
 def _to_meta(value: Any) -> Any:
     def meta(v: Any) -> Any:
         if isinstance(v, torch.nn.utils.rnn.PackedSequence):
@@ -1536,7 +1566,9 @@ def annotate_example_values(
         from ..match import describe_node  # (match reads graphs this module makes)
 
         node = recorder.failed or failed_on_meta
-        where = f" at {describe_node(node, template)}" if node is not None else ""
+        where = f", at {describe_node(node, template)}" if node is not None else ""
+        source = user_line(node) if node is not None else ""
+        where += f" ({source})" if source else ""
         names = [n.target for n in graph.nodes if n.op == "placeholder"]
         given = ", ".join(
             f"`{name}` {list(v.shape)} {str(v.dtype).replace('torch.', '')}"
@@ -1544,9 +1576,10 @@ def annotate_example_values(
             for name, v in zip(names, args))
         raise TraceError(
             f"model 0 ({type(template).__name__}) fails on this call's inputs ({given}; "
-            f"one model's share){where}: {plain_message(exc)} (on meta tensors: "
+            f"one model's share){_call_site()}{where}: {plain_message(exc)} (on meta tensors: "
             f"{plain_message(meta_error)}). Call the fused module with inputs each model "
             f"takes (a model dim at in_dims for stacked inputs)"
+            f"{_list_of_inputs_hint(names, args)}"
         ) from exc
     for node in graph.nodes:
         node.meta[EXAMPLE_VALUE] = _to_meta(node.meta.get(EXAMPLE_VALUE))

@@ -42,6 +42,7 @@ transformers and accelerate raises :class:`hftc.errors.MissingExtraError`, which
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from typing import Any
 
@@ -49,6 +50,7 @@ import torch
 
 from ..errors import FusionArgumentError, FusionTypeError, MissingExtraError
 from ..module.fused import FusedModule
+from ..optim.lr_scheduler import ReduceLROnPlateau as PerModelReduceLROnPlateau
 from ..optim.optimizer import FusedOptimizer
 from ..utils import clip_grad_norm_ as hftc_clip_grad_norm_
 
@@ -64,6 +66,10 @@ except ImportError as exc:  # pragma: no cover - the test environment has them
                             f"installed): pip install 'hftc[hf]'", extra="hf") from exc
 
 __all__ = ["FusedTrainer", "PerModelEarlyStopping", "model_dir"]
+
+#: in each checkpoint folder: the models' bests (what trainer_state.json's best_metric and
+#: best_model_checkpoint are for one model), read back by train(resume_from_checkpoint=...)
+PER_MODEL_STATE_NAME = "hftc_per_model_state.json"
 
 
 def model_dir(output_dir: str | os.PathLike, index: int) -> str:
@@ -111,6 +117,7 @@ class FusedTrainer(transformers.Trainer):
         self._eval_sums: torch.Tensor | None = None  # per model, loss x batch size
         self._eval_count = 0
         self._last_losses: torch.Tensor | None = None
+        self._train_loss_totals: torch.Tensor | None = None  # per model, this train() call
         self._model_lrs: list[float] = []  # with an hftc.optim optimizer
         if args is not None and args.label_smoothing_factor:
             raise FusionArgumentError(
@@ -130,16 +137,20 @@ class FusedTrainer(transformers.Trainer):
         #: per model: its best metric_for_best_model value and the step it was at
         self.best_metrics: list[float | None] = []
         self.best_steps: list[int | None] = []
+        #: per model: the folder of its best checkpoint (``.../checkpoint-S``)
+        self.best_checkpoints: list[str | None] = []
         #: model -> the step its early stopping stopped it at
         self.stopped_models: dict[int, int] = {}
         super().__init__(model, args, *rest, **kwargs)
         self.best_metrics = [None] * model.num_models
         self.best_steps = [None] * model.num_models
+        self.best_checkpoints = [None] * model.num_models
         for callback in list(self.callback_handler.callbacks):
             if type(callback) is transformers.EarlyStoppingCallback:  # per model instead
                 self.callback_handler.remove_callback(callback)
                 self.add_callback(PerModelEarlyStopping(
                     self, callback.early_stopping_patience, callback.early_stopping_threshold))
+        self._attach_early_stopping()
         if self.args.n_gpu > 1:
             raise FusionArgumentError(
                 f"FusedTrainer: {self.args.n_gpu} GPUs in one process would run the fused "
@@ -178,6 +189,51 @@ class FusedTrainer(transformers.Trainer):
             return hftc_clip_grad_norm_(list(parameters), max_norm, norm_type)
 
         accelerator.clip_grad_norm_ = clip_grad_norm_
+
+    # ------------------------------------------------------------------ the schedule
+
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """``lr_scheduler_type="reduce_lr_on_plateau"``: each model's rate reduced on its own
+        ``eval_<metric>/model_k`` (``hftc.optim.ReduceLROnPlateau``), not on one metric."""
+        if (self.lr_scheduler is not None
+                or self.args.lr_scheduler_type != transformers.SchedulerType.REDUCE_ON_PLATEAU):
+            return super().create_scheduler(num_training_steps, optimizer)
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # (accelerate's wrapper)
+        if not isinstance(optimizer, FusedOptimizer):
+            raise FusionArgumentError(
+                f"FusedTrainer: lr_scheduler_type='reduce_lr_on_plateau' reduces each model's "
+                f"learning rate on its own eval metric, which needs one param group per model; "
+                f"the optimizer is a {type(optimizer).__name__} over the stacked parameters: pass "
+                f"optimizers=(hftc.optim.AdamW(fused.parameters(), lr=...), None)")
+        self.lr_scheduler = _PerModelPlateau(optimizer, **(self.args.lr_scheduler_kwargs or {}))
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None,
+                  skip_scheduler: bool = False) -> dict[str, float]:
+        """``Trainer._evaluate``, a plateau schedule stepped with each model's metric (the
+        Trainer would step it with ``eval_<metric>``, which the N models do not have)."""
+        scheduler = self.lr_scheduler
+        plateau = isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        metrics = super()._evaluate(trial, ignore_keys_for_eval,
+                                    skip_scheduler=skip_scheduler or plateau)
+        if plateau and not skip_scheduler:
+            if not isinstance(scheduler, _PerModelPlateau):
+                raise FusionArgumentError(
+                    "FusedTrainer: a torch ReduceLROnPlateau steps every model's learning "
+                    "rate on one metric; set lr_scheduler_type='reduce_lr_on_plateau' with "
+                    "optimizers=(hftc.optim.AdamW(...), None) (each model on its own metric)")
+            keys = [self._metric_key(k) for k in range(self.num_models)]
+            if any(key not in metrics for key in keys):
+                raise FusionArgumentError(
+                    f"FusedTrainer: the plateau schedule reads each model's "
+                    f"metric_for_best_model ({keys[0]!r}, ...), which the evaluation did not "
+                    f"give (it gave {sorted(metrics)}); name a metric of compute_metrics, or "
+                    f"'loss'")
+            scheduler.step([metrics[key] for key in keys])
+        return metrics
 
     # ------------------------------------------------------------------ the models' inputs
 
@@ -226,7 +282,16 @@ class FusedTrainer(transformers.Trainer):
             per_model = per_model / self.current_gradient_accumulation_steps
         self._train_losses = (per_model if self._train_losses is None
                               else self._train_losses + per_model)
+        self._train_loss_totals = (per_model if self._train_loss_totals is None
+                                   else self._train_loss_totals + per_model)
         return loss
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; its final ``train_loss`` (the mean loss over the steps run) is
+        logged per model, ``train_loss/model_k``; ``TrainOutput.training_loss`` stays the
+        models' summed one (what was backpropagated)."""
+        self._train_loss_totals = None
+        return super().train(*args, **kwargs)
 
     # ------------------------------------------------------------------ logging
 
@@ -266,11 +331,18 @@ class FusedTrainer(transformers.Trainer):
         return super()._get_learning_rate()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """The Trainer's logs with each model's loss in place of the models' summed one."""
+        """The Trainer's logs with each model's loss in place of the models' summed one
+        (``loss/model_k``, and at the end of training ``train_loss/model_k``)."""
         if "loss" in logs and self._pending_model_logs:
             del logs["loss"]
             logs.update(self._pending_model_logs)
             self._pending_model_logs = {}
+        if "train_loss" in logs and self._train_loss_totals is not None:
+            # (as the Trainer's: the steps of this call, the losses of all its processes)
+            steps = max(self.state.global_step - self._initial_global_step, 0.001)
+            del logs["train_loss"]
+            logs.update((f"train_loss/model_{k}", v.item() / steps)
+                        for k, v in enumerate(self._per_model_mean(self._train_loss_totals)))
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ evaluation
@@ -358,6 +430,9 @@ class FusedTrainer(transformers.Trainer):
                     f"gave {sorted(metrics)}); name a metric of compute_metrics, or 'loss'")
             if self._improves(metrics[key], self.best_metrics[k]):
                 self.best_metrics[k], self.best_steps[k] = metrics[key], self.state.global_step
+                self.best_checkpoints[k] = os.path.join(
+                    self._get_output_dir(trial=trial),
+                    f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
                 improved = True
         if improved and self.args.save_strategy != "no":
             self.state.best_global_step = self.state.global_step  # (a best checkpoint: now)
@@ -365,12 +440,11 @@ class FusedTrainer(transformers.Trainer):
         return improved
 
     def _load_best_model(self) -> None:
-        """Each model from its own best step's checkpoint (``checkpoint-S/model_k``)."""
-        run_dir = self._get_output_dir(trial=None)
-        for k, step in enumerate(self.best_steps):
-            if step is not None:
-                folder = os.path.join(run_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}"
-                                               f"-{step}")
+        """Each model from its own best step's checkpoint (``checkpoint-S/model_k``; that of
+        the run resumed from where the best came before the resume, as the Trainer's
+        ``best_model_checkpoint``)."""
+        for k, folder in enumerate(self.best_checkpoints):
+            if folder is not None:
                 self._load_models(folder, [k])
 
     # ------------------------------------------------------------------ saving
@@ -389,10 +463,46 @@ class FusedTrainer(transformers.Trainer):
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The Trainer's checkpoint, and the models' bests in it (``PER_MODEL_STATE_NAME``):
+        its trainer_state.json keeps one best, for one model."""
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial),
+                f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            state = {"best_metrics": self.best_metrics, "best_steps": self.best_steps,
+                     "best_checkpoints": self.best_checkpoints,
+                     "stopped_models": {str(k): v for k, v in self.stopped_models.items()}}
+            with open(os.path.join(folder, PER_MODEL_STATE_NAME), "w") as file:
+                json.dump(state, file, indent=1)
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:
-        """Model ``k`` of the array from ``resume_from_checkpoint/model_k``."""
+        """Model ``k`` of the array from ``resume_from_checkpoint/model_k``, and the models'
+        bests and early stops as they were at that checkpoint (as the Trainer reads its one
+        ``best_metric`` back from trainer_state.json)."""
         self._load_models(resume_from_checkpoint, range(self.num_models), model)
+        path = os.path.join(resume_from_checkpoint, PER_MODEL_STATE_NAME)
+        if os.path.isfile(path):
+            with open(path) as file:
+                state = json.load(file)
+            if len(state["best_steps"]) == self.num_models:
+                self.best_metrics, self.best_steps = state["best_metrics"], state["best_steps"]
+                self.best_checkpoints = state["best_checkpoints"]
+                self.stopped_models = {int(k): v for k, v in state["stopped_models"].items()}
+
+    def _load_callback_state(self) -> None:
+        """``restore_callback_states_from_checkpoint``: the Trainer makes each stateful
+        callback anew from its saved arguments, a :class:`PerModelEarlyStopping` without its
+        trainer: give it this one."""
+        super()._load_callback_state()
+        self._attach_early_stopping()
+
+    def _attach_early_stopping(self) -> None:
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, PerModelEarlyStopping) and callback.trainer is None:
+                callback.attach(self)
 
     def _load_models(self, checkpoint: str, indices: Any,
                      model: torch.nn.Module | None = None) -> None:
@@ -423,11 +533,26 @@ class PerModelEarlyStopping(transformers.EarlyStoppingCallback):
     best of one model; a model whose patience runs out stops (its best checkpoint stays
     its best), and training stops when every model has."""
 
-    def __init__(self, trainer: FusedTrainer, early_stopping_patience: int = 1,
+    def __init__(self, trainer: FusedTrainer | None = None, early_stopping_patience: int = 1,
                  early_stopping_threshold: float = 0.0) -> None:
         super().__init__(early_stopping_patience, early_stopping_threshold)
+        self.trainer: FusedTrainer | None = None
+        self.counters: list[int] = []
+        if trainer is not None:
+            self.attach(trainer)
+
+    def attach(self, trainer: FusedTrainer) -> None:
+        """Count for ``trainer``'s models (a :class:`FusedTrainer` attaches one given
+        without it; restored counters of as many models are kept)."""
         self.trainer = trainer
-        self.counters = [0] * trainer.num_models
+        if len(self.counters) != trainer.num_models:
+            self.counters = [0] * trainer.num_models
+
+    def state(self) -> dict:
+        """What ``restore_callback_states_from_checkpoint`` restores: each model's counter."""
+        return {"args": {"early_stopping_patience": self.early_stopping_patience,
+                         "early_stopping_threshold": self.early_stopping_threshold},
+                "attributes": {"counters": list(self.counters)}}
 
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, float],
                     **kwargs: Any) -> None:
@@ -444,6 +569,29 @@ class PerModelEarlyStopping(transformers.EarlyStoppingCallback):
                 trainer.stopped_models[k] = state.global_step
         if len(trainer.stopped_models) == trainer.num_models:
             control.should_training_stop = True
+
+
+class _PerModelPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
+    """``hftc.optim.ReduceLROnPlateau`` as the Trainer knows a plateau schedule (a torch
+    ``ReduceLROnPlateau``: stepped after evaluation, not after each optimizer step);
+    ``step`` takes the N models' metrics (``FusedTrainer._evaluate`` gives them)."""
+
+    def __init__(self, optimizer: FusedOptimizer, **kwargs: Any) -> None:
+        # (no super().__init__: the N torch schedulers inside do the work)
+        self.optimizer = optimizer
+        self.per_model = PerModelReduceLROnPlateau(optimizer, **kwargs)
+
+    def step(self, metrics: Any, epoch: Any = None) -> None:  # type: ignore[override]
+        self.per_model.step(metrics)
+
+    def get_last_lr(self) -> list[float]:
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.per_model.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.per_model.load_state_dict(state_dict)
 
 
 def _model_slice(value: Any, k: int) -> Any:

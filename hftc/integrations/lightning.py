@@ -44,6 +44,7 @@ raises :class:`hftc.errors.MissingExtraError`, which says to ``pip install 'hftc
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -99,6 +100,26 @@ class FusedLightningModule(pl.LightningModule):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.fused(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``backward`` (automatic, and under ``manual_backward``), refusing the
+        N models' losses unsummed (torch's "grad can be implicitly created only for scalar
+        outputs" from deep in Lightning) with what to return."""
+        if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() > 1:
+            step = ("the loss given to manual_backward" if not self.automatic_optimization
+                    else "the loss training_step returned")
+            try:
+                step_fn = type(self).training_step
+                line = inspect.getsourcelines(step_fn)[1]
+                where = f"training_step at {inspect.getsourcefile(step_fn)}:{line}"
+            except (OSError, TypeError):
+                where = "training_step"
+            raise FusionArgumentError(
+                f"{type(self).__name__}: {step} has shape {list(loss.shape)}, not one number "
+                f"({where}); with {len(self.model_ids)} models return their losses' sum, "
+                f"losses.sum() (each model gets its own loss's gradient; a mean would divide "
+                f"each model's gradient by {len(self.model_ids)})")
+        super().backward(loss, *args, **kwargs)
 
     def log_per_model(self, name: str, values: torch.Tensor | Sequence[Any],
                       **log_kwargs: Any) -> None:
@@ -256,7 +277,8 @@ class PerModelCheckpoint(Callback):
         monitor: None (default): each model's file is written at every epoch's end while
             it is in the array, so it holds the model as training left it (a model that
             stopped early: as it stopped).  A metric name: written when the model's
-            ``{monitor}/model_{id}`` improves (``mode`` "min" or "max").
+            ``{monitor}/model_{id}`` improves (``mode`` "min" or "max"), checked after each
+            validation (as ``ModelCheckpoint`` with a monitor).
     """
 
     def __init__(self, dirpath: str | os.PathLike, monitor: str | None = None,
@@ -273,7 +295,17 @@ class PerModelCheckpoint(Callback):
         return os.path.join(self.dirpath, f"model_{model_id}.pt")
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or not trainer.is_global_zero:
+        if self.monitor is None:
+            self._save(trainer, pl_module)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # (as ModelCheckpoint with a monitor: after each validation, which need not be at
+        # an epoch's end (val_check_interval) nor at every epoch (check_val_every_n_epoch))
+        if self.monitor is not None:
+            self._save(trainer, pl_module)
+
+    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero or trainer.state.fn != "fit":
             return
         module = _fused_module(pl_module, "PerModelCheckpoint")
         os.makedirs(self.dirpath, exist_ok=True)

@@ -73,9 +73,11 @@ from .usage import (
     check_copied_modules,
     check_source_attributes,
     check_source_modes,
+    check_source_weights,
     mark_outputs,
     note_class_attributes,
     note_copied_modules,
+    note_source_weights,
     note_sources,
 )
 
@@ -201,14 +203,42 @@ def _check_shared_tensors(models: Sequence[nn.Module]) -> None:
                 f"it compute the same.)")
 
 
-def check_models(models: Any) -> list[nn.Module]:
-    if isinstance(models, nn.Module):
+def _check_container(models: Any) -> None:
+    """Refuse what is not a list of models: a single model, or the models held in a
+    dict or ``nn.ModuleDict`` / ``nn.Sequential`` (iterating a dict gives its keys)."""
+    if isinstance(models, (dict, nn.ModuleDict)):
         raise FusionTypeError(
-            "hftc.fuse takes a list of models, got a single nn.Module; "
-            "wrap it in a list: hftc.fuse([model])"
-        )
+            f"hftc.fuse takes a list of models, got a {type(models).__name__} (its keys "
+            f"{list(models)[:3]}...); pass its values: hftc.fuse(list(models.values()))")
+    if isinstance(models, nn.Module) and not isinstance(models, nn.ModuleList):
+        held = (f"; if this {type(models).__name__} holds the N models, pass them as a list: "
+                f"hftc.fuse(list(models))" if isinstance(models, nn.Sequential) else "")
+        raise FusionTypeError(
+            f"hftc.fuse takes a list of models, got a single nn.Module "
+            f"({type(models).__name__}); wrap it in a list: hftc.fuse([model]){held}")
     if not isinstance(models, Iterable) or isinstance(models, (str, bytes)):
         raise FusionTypeError(f"hftc.fuse takes a list of nn.Module, got {type(models).__name__}")
+
+
+def _check_not_scripted(i: int, model: nn.Module) -> None:
+    """Refuse a TorchScript module (``torch.jit.script`` / ``torch.jit.trace``), or a model
+    holding one: its forward is TorchScript's compiled code, which hftc cannot trace."""
+    path, scripted = next(((p, sub) for p, sub in model.named_modules()
+                           if isinstance(sub, torch.jit.ScriptModule)), (None, None))
+    if scripted is None:
+        return
+    what = f"model {i}" if path == "" else f"model {i}'s submodule `{path}`"
+    original = getattr(scripted, "original_name", type(scripted).__name__)
+    raise FusionTypeError(
+        f"{what} is a TorchScript module ({original}, made by torch.jit.script or "
+        f"torch.jit.trace): hftc traces a model's Python forward, which TorchScript "
+        f"replaced by its own compiled code. Fuse the Python modules before scripting "
+        f"(hftc.fuse([Net() for _ in range(n)])); to keep a scripted model's weights, load "
+        f"them into one: net = Net(); net.load_state_dict(scripted.state_dict())")
+
+
+def check_models(models: Any) -> list[nn.Module]:
+    _check_container(models)
     models = list(models)
     if not models:
         raise FusionArgumentError("hftc.fuse needs at least one model, got an empty list")
@@ -223,6 +253,7 @@ def check_models(models: Any) -> list[nn.Module]:
     # module if wanted (fused.compile()).
     models = [compiled_original(m) for m in models]
     for i, m in enumerate(models):
+        _check_not_scripted(i, m)
         if isinstance(m, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             wrapper = type(m).__name__
             raise FusionTypeError(
@@ -348,6 +379,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         models = check_models(models)
         unpadded = models
         note_sources(self, models)
+        note_source_weights(self, models)
         models, strategy = self._padded_models(models, pad_widths, check, strategy, checkpoint,
                                                _padded)
         self._set_options(models, in_dims, autotune, check, strategy, checkpoint)
@@ -718,6 +750,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         except (RuntimeError, FusionArgumentError) as exc:
             # (one model's: say what to do; its `_extra_state` is refused before its tensors)
             self._refuse_one_models_state(state_dict, exc)
+            if not isinstance(exc, FusionArgumentError):  # (extra state's own says it)
+                self._refuse_other_n_state(state_dict, exc)
             raise
         self._mark_stacked()
         return result
@@ -741,6 +775,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         check_copied_modules(self)
         check_class_attributes(self)
         check_source_attributes(self)
+        check_source_weights(self)
         if self.padding is not None:
             mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)

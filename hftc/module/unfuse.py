@@ -108,6 +108,29 @@ class Unfusing:
             f"models': {{k: torch.stack([sd_0[k], ..., sd_{n - 1}[k]]) for k in sd_0}}"
         ) from exc
 
+    def _refuse_other_n_state(self, state_dict: Any, exc: Exception) -> None:
+        """``load_state_dict`` of a fused state dict of M models into this one of N (every
+        mismatched tensor this one's shape but dim 0: a checkpoint saved before
+        EarlyStopping dropped models, or of another sweep): a FusionArgumentError naming
+        both counts and how to pick the N, else nothing (torch's error stands)."""
+        own = self.state_dict()
+        given = [(k, v) for k, v in dict(state_dict).items()
+                 if k in own and isinstance(v, torch.Tensor) and own[k].dim() > 0]
+        counts = {v.shape[0] if v.dim() == own[k].dim() and v.shape[1:] == own[k].shape[1:]
+                  else None for k, v in given}
+        m, n = (counts.pop() if len(counts) == 1 else None), self.num_models
+        if m is None or m == n:  # (every tensor of M models, or torch's error stands)
+            return
+        key, value = given[0]
+        raise FusionArgumentError(
+            f"fused.load_state_dict got the state dict of a fused module of {m} models "
+            f"(`{key}` is {list(value.shape)}), but this one holds {n} (its "
+            f"{list(own[key].shape)}). Load it into a fused module of {m} models, then keep "
+            f"the ones wanted (hftc.keep_models(fused, ids)); or take {n} of its models: "
+            f"{{k: v[ids] for k, v in sd.items()}} with ids a list of {n} indices in "
+            f"range({m}) (fused.model_ids gives the original index of each model kept)"
+        ) from exc
+
     def _check_index(self, index: int) -> int:
         """``index`` as an int, or an error that says what a model index is."""
         try:

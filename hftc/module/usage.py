@@ -265,6 +265,58 @@ def _warn_changed(fused: nn.Module, entry: _Noted, module: nn.Module) -> bool:
     return False
 
 
+# --------------------------------------------------------------------------- the models' weights
+
+#: id(fused module) -> for each model hftc.fuse was given: (its parameters, weakly, with
+#: their names, and their versions then); an entry leaves with its module.
+_SOURCE_WEIGHTS: dict[int, list[tuple[list[tuple[str, weakref.ref]], list[int]]]] = {}
+
+
+def note_source_weights(fused: nn.Module, models: Sequence[nn.Module]) -> None:
+    """Note the versions of the parameters of the models ``fused`` is made from (an
+    in-place write bumps one: ``w.zero_()``, ``nn.init``, ``load_state_dict``)."""
+    noted = []
+    for model in models:
+        named = [(name, weakref.ref(p)) for name, p in model.named_parameters()]
+        noted.append((named, [r()._version for _, r in named]))
+    _SOURCE_WEIGHTS[id(fused)] = noted
+    weakref.finalize(fused, _SOURCE_WEIGHTS.pop, id(fused), None)
+
+
+def check_source_weights(fused: nn.Module) -> None:
+    """Before a forward of ``fused``: a parameter of a model it was made from written in
+    place since (``models[1].load_state_dict(ckpt)``, ``nn.init.zeros_(models[0].fc.weight)``,
+    a stock optimizer stepping ``models[i]``) is a change meant for the fused module, which
+    copied the weights and runs the ones of the fusing.  A UsageWarning, once per module,
+    naming the model and the parameter.  Every fourth call reads one model's versions (in
+    turn: a change is seen within 4N calls); models replace_models replaced are not."""
+    if torch.compiler.is_compiling():
+        return
+    state = fused.__dict__
+    turn = state.get("_hftc_weights_turn", 0) + 1
+    state["_hftc_weights_turn"] = turn
+    noted = _SOURCE_WEIGHTS.get(id(fused)) if turn % _CALLS_A_CHECK == 0 else None
+    if not noted:
+        return
+    model = turn // _CALLS_A_CHECK % len(noted)
+    named, versions = noted[model]
+    ids = state.get("_model_ids") or range(len(noted))
+    changed = next((name for (name, ref), version in zip(named, versions)
+                    if (p := ref()) is not None and p._version != version), None)
+    if changed is None or model not in ids:
+        return
+    _SOURCE_WEIGHTS.pop(id(fused), None)
+    warnings.warn(
+        f"model {model} given to hftc.fuse had its parameter `{changed}` written in place "
+        f"since it was fused, but the fused module copied the weights and runs model "
+        f"{model}'s `{changed}` as it was then: a change to the models does not reach it. "
+        f"Change the fused module's copy (with torch.no_grad(): "
+        f"fused.get_parameter({changed!r})[{list(ids).index(model)}].copy_(w); "
+        f"fused.load_state_dict for all N), give it the changed model "
+        f"(hftc.replace_models(fused, {{{list(ids).index(model)}: model}})), or change the "
+        f"models before fusing", UsageWarning, stacklevel=user_stacklevel())
+
+
 # --------------------------------------------------------------------------- class attributes
 
 #: The key of a fused module's ``__dict__`` that holds what :func:`note_class_attributes` noted.
@@ -406,6 +458,6 @@ NOT_PICKLED = (_CLASS_NOTED,)
 
 __all__ = ["KEPT_COPIES", "NOT_PICKLED", "OUTPUT_MARK", "UNFUSED_COPIES", "UnfusedCopy",
            "check_class_attributes", "check_copied_modules", "check_source_attributes",
-           "check_source_modes", "fused_output_models", "mark_outputs",
-           "note_class_attributes", "note_copied_modules", "note_copy", "note_sources",
-           "stale_source"]
+           "check_source_modes", "check_source_weights", "fused_output_models",
+           "mark_outputs", "note_class_attributes", "note_copied_modules", "note_copy",
+           "note_source_weights", "note_sources", "stale_source"]

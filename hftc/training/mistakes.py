@@ -452,6 +452,17 @@ def load_state_dict_naming_model_state_dict(load: Callable[..., Any]) -> Callabl
 
     @functools.wraps(load)
     def checked(self: nn.Module, state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        # torch.load of a torch.save(fused) gives the module itself, not a state dict
+        if isinstance(state_dict, nn.Module) and state_dict in FUSED_MODULES:
+            n = state_dict.num_models
+            fix = ("fused.load_state_dict(loaded.state_dict())" if self in FUSED_MODULES
+                   else "model.load_state_dict(loaded.model_state_dict(i)) for model i "
+                        "(loaded.unfuse() gives every model)")
+            raise FusionTypeError(
+                f"{type(self).__name__}.load_state_dict{user_line()} got a fused module of "
+                f"{n} models (what torch.load gives of a torch.save(fused)), not a state "
+                f"dict. Load from it: {fix}; or save fused.state_dict() (or "
+                f"fused.model_state_dict(i) for one model) instead")
         try:
             return load(self, state_dict, *args, **kwargs)
         except RuntimeError as exc:

@@ -40,30 +40,32 @@ _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "base_momentums",
 _NOT_PER_GROUP = ("_schedulers", "_milestones", "_schedule_phases")
 
 
-def _check_keep(fused: FusedModule, keep: Any) -> list[int]:
+def _check_keep(fused: FusedModule, keep: Any, who: str = "keep_models: keep") -> list[int]:
+    """``keep`` as positions in ``range(N)``, or an error naming ``who`` (the function and
+    its argument: replace_models checks the positions of its models with it too)."""
     n = fused.num_models
     if isinstance(keep, torch.Tensor):
         keep = keep.tolist()
     if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
-        raise FusionTypeError(f"keep_models: keep must be a list of model indices (ints in "
+        raise FusionTypeError(f"{who} must be a list of model indices (ints in "
                               f"range({n})), got {keep!r}")
     indices = []
     for k in keep:
         try:
             i = operator.index(k)
         except TypeError:
-            raise FusionTypeError(f"keep_models: keep holds {k!r} ({type(k).__name__}); "
+            raise FusionTypeError(f"{who} holds {k!r} ({type(k).__name__}); "
                                   f"give model indices, ints in range({n})") from None
         if not -n <= i < n:
-            raise FusionIndexError(f"keep_models: model index {i} out of range for {n} "
+            raise FusionIndexError(f"{who} holds model index {i}, out of range for {n} "
                                    f"models: give ints in range({n})")
         indices.append(i % n)
     if not indices:
-        raise FusionArgumentError("keep_models: keep is empty; a fused module keeps at least "
-                                  "one model (to drop them all, drop the fused module)")
+        raise FusionArgumentError(f"{who} is empty; a fused module keeps at least one model "
+                                  f"(to drop them all, drop the fused module)")
     twice = sorted({i for i in indices if indices.count(i) > 1})
     if twice:
-        raise FusionArgumentError(f"keep_models: keep names model(s) {twice} more than once; "
+        raise FusionArgumentError(f"{who} names model(s) {twice} more than once; "
                                   f"each model can be kept once")
     return indices
 
@@ -251,7 +253,7 @@ def replace_models(
         raise FusionTypeError(f"replace_models takes a fused module (hftc.fuse(models)), got "
                               f"a {type(fused).__name__}")
     given = list(models)
-    positions = _check_keep(fused, given)
+    positions = _check_keep(fused, given, "replace_models: the positions of models")
     hyper = {i: dict((hyperparameters or {}).get(k, {})) for i, k in zip(positions, given)}
     models = {i: models[k] for i, k in zip(positions, given)}
     optimizers = check_replaceable(fused)
@@ -264,7 +266,8 @@ def replace_models(
         refused = FusedModule(new_models, **fused.fuse_options)
     except Exception as exc:
         raise FusionArgumentError(
-            f"replace_models: the new models do not fuse with the others ({exc})") from exc
+            f"replace_models: the new model(s) at position(s) {sorted(models)} do not fuse "
+            f"with the others ({exc})") from exc
     _check_same_tensors(fused, refused)
     for opt in optimizers:
         for i in models:

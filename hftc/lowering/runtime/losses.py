@@ -376,14 +376,34 @@ def _explain_loss_failure(loss_fn: Callable[..., Tensor], args: Sequence[Any],
         shape = (f"{list(a.shape)}" if isinstance(a, Tensor) else type(a).__name__)
         shares.append(f"argument {k} {shape}" + (f" (read as {n} models' stacked: dim 0)"
                                                  if d == 0 else " (shared by the models)"))
-    said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    said = (str(exc).strip().splitlines()[0] if str(exc).strip() else "").rstrip(".")
     cls = FusionTypeError if isinstance(exc, TypeError) else FusionArgumentError
     raise cls(
         f"hftc.per_model({_loss_name(loss_fn)}) failed on each model's share of "
         f"{'; '.join(shares)}: {type(exc).__name__}: {said}. per_model takes a fused "
         f"module's output [N, B, ...] (dim 0 the models, as fused(x) returns it), each "
         f"model's loss then as for one model; a target stacked per model [N, B] needs "
-        f"in_dims=(0, 0); one model's own output takes the stock loss itself") from exc
+        f"in_dims=(0, 0); one model's own output takes the stock loss itself"
+        f"{_repeated_target_hint(args, dims, n)}") from exc
+
+
+def _repeated_target_hint(args: Sequence[Any], dims: Sequence[int | None], n: int) -> str:
+    """Where a shared argument holds N times the batch of the stacked output
+    (``y.repeat(N)``, ``torch.cat([y] * N)``, as one loss over all models would take it):
+    say that per_model shares one model's target with each."""
+    stacked = next((a for a, d in zip(args, dims) if d == 0 and isinstance(a, Tensor)
+                    and a.dim() > 1), None)
+    if stacked is None:
+        return ""
+    batch = stacked.shape[1]
+    for k, (a, d) in enumerate(zip(args, dims)):
+        if d is None and isinstance(a, Tensor) and a.dim() > 0 and n > 1 \
+                and a.shape[0] == n * batch:
+            return (f". Argument {k}'s dim 0 is {n} x the batch {batch}: a target repeated "
+                    f"for the {n} models (y.repeat({n}), torch.cat([y] * {n})) is not needed; "
+                    f"pass one model's target y [{batch}, ...], which per_model gives each "
+                    f"model, or one per model stacked [{n}, {batch}, ...] with in_dims=(0, 0)")
+    return ""
 
 
 def _loss_name(loss_fn: Callable[..., Tensor]) -> str:
