@@ -89,10 +89,11 @@ def test_alike_models_float32(traces):
 def test_a_python_scale_that_differs_is_each_models_in_one_trace(traces):
     """``self.scale`` differs (a per-model scalar of the fused multiply) and forward only
     passes it on to an op: one trace per mode with the scale as a token
-    (hftc/frontends/numbers.py), each model's graph with its own value."""
+    (hftc/frontends/numbers.py), run again with the tokens holding model 1's values to
+    find a float read in C, each model's graph with its own value."""
     x = torch.randn(5, 4, dtype=torch.float64)
     check_equivalence([Net(0.5), Net(2.0), Net(0.5), Net(0.5)], x, fuser=_fuse_checked)
-    assert len(traces) == 2
+    assert len(traces) == 4  # two token traces per mode (the second finds C reads)
 
 
 def test_without_the_check_floats_that_differ_are_traced_per_group(traces):
@@ -108,7 +109,7 @@ def test_a_per_model_eps_is_each_models(traces):
     x = torch.randn(5, 4, dtype=torch.float64) * 1e-3
     models = [Net(eps=1e-1), Net(eps=1e-5), Net(eps=1e-1)]
     check_equivalence(models, x, fuser=_fuse_checked)
-    assert len(traces) == 2
+    assert len(traces) == 4  # two token traces per mode (the second finds C reads)
 
 
 def test_dropout_p_that_differs_is_each_models_in_one_trace(traces):
@@ -120,7 +121,7 @@ def test_dropout_p_that_differs_is_each_models_in_one_trace(traces):
     x = torch.randn(5, 4, dtype=torch.float64)
     fused = hftc.fuse(models)
     out = fused(x)
-    assert len(traces) == 2
+    assert len(traces) == 4  # two token traces per mode (the second finds C reads)
     for k, model in enumerate(models):  # (p = 1 drops all of `h`: only out's bias is left)
         torch.testing.assert_close(out[k], model(x), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out[1], models[1].out.bias.expand(5, 4))
@@ -243,15 +244,20 @@ class ScaleInC(Net):
         return x * math.exp(self.scale)
 
 
-def test_a_float_read_in_c_is_caught_by_the_check():
-    """The first-call check runs model 1's own forward: the fused module gives each
-    model its own exp(scale), never model 0's."""
+def test_a_float_read_in_c_is_each_models_and_fused(traces):
+    """math.exp(self.scale) bakes the token's value into the graph unnoted: the second
+    token trace (the tokens holding model 1's values) gives another graph, so each model
+    is traced itself and fuses with its own exp(scale) as a per-model constant. Before,
+    model 0's was in both graphs: the first-call check found model 1 wrong and the
+    models ran one by one with a FusionWarning blaming isinstance checks."""
     models = [ScaleInC(0.5).double(), ScaleInC(2.0).double()]
     x = torch.randn(5, 4, dtype=torch.float64)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("error")
         fused = hftc.fuse(models)
         out = fused(x)
+    assert fused.strategy == "fused"
+    assert len(traces) == 4 + 4  # two token traces per mode, then each model per mode
     for k, model in enumerate(models):
         torch.testing.assert_close(out[k], model(x), rtol=1e-12, atol=1e-12)
 

@@ -12,7 +12,9 @@ A :class:`WatchedNumber` is a ``float`` that notes every use Python makes of it
 to an op reaches the graph as the token itself, one forward computes or branches on is
 used, and then each model is traced itself (the program may depend on the value).  A
 read in C (``math.exp(self.p)`` takes a float's value without a method call) goes
-unnoted: the first-call check runs every model whose Python state differs from model 0's
+unnoted, so the token trace is run twice, its tokens holding another model's values the
+second time: graphs that then differ read a value in C, and each model is traced itself.
+The first-call check still runs every model whose Python state differs from model 0's
 against its own forward, and without the check (``check=False``) models are each traced.
 """
 
@@ -81,17 +83,19 @@ for _name in _READS:
 
 @contextlib.contextmanager
 def watched_numbers(model: nn.Module, attributes: Sequence[tuple[str, str]],
-                    uses: list[str]) -> Iterator[dict[int, tuple[str, str]]]:
+                    uses: list[str], values: dict[tuple[str, str], float] | None = None
+                    ) -> Iterator[dict[int, tuple[str, str]]]:
     """``model``'s float ``attributes`` ((module path, name)) as :class:`WatchedNumber`\\ s
     while the block runs (their uses appended to ``uses``); yields token id -> attribute.
-    The model's own floats are back afterwards, whatever happened."""
+    A token holds ``values[attribute]`` where given, else the model's own value. The
+    model's own floats are back afterwards, whatever happened."""
     tokens: dict[int, tuple[str, str]] = {}
     saved: list[tuple[nn.Module, str, float]] = []
     try:
         for path, name in attributes:
             module = model.get_submodule(path)
             value = vars(module)[name]
-            token = WatchedNumber(value, uses)
+            token = WatchedNumber((values or {}).get((path, name), value), uses)
             saved.append((module, name, value))
             vars(module)[name] = token
             tokens[id(token)] = (path, name)

@@ -1268,25 +1268,63 @@ def trace_number_variants(models: Sequence[nn.Module],
     """One trace of the first of ``numbers``' models with the differing floats as tokens
     (hftc/frontends/numbers.py), and each of those models' graph with its own values;
     empty where forward used a token in Python or read a model's values (each is then
-    traced itself)."""
-    from .numbers import graph_with_numbers, watched_numbers
+    traced itself).
 
+    A float read in C (``math.sqrt(self.d_model)``) calls no method a token notes and
+    bakes the base model's value into the graph; so the base is traced a second time
+    with its tokens holding another model's values, and the two must give every model
+    the same graph::
+
+        x * math.sqrt(self.d)   d = 4.0 | 9.0:   mul(x, 2.0)  vs  mul(x, 3.0)  -> {}
+    """
     base = next(iter(numbers))
     attributes = sorted({a for found in numbers.values() for a in found})
+    others = {a: next((float(vars(models[i].get_submodule(a[0]))[a[1]]) for i in numbers
+                       if a in numbers[i]), None) for a in attributes}
+    first = _token_trace(models, numbers, base, attributes, mode, constants, None)
+    if first is None:
+        return {}
+    second = _token_trace(models, numbers, base, attributes, mode, constants, others)
+    if second is None or any(
+            _graph_signature(first[i]) != _graph_signature(second[i]) for i in numbers):
+        return {}
+    return first
+
+
+def _token_trace(models: Sequence[nn.Module], numbers: dict[int, list[tuple[str, str]]],
+                 base: int, attributes: list[tuple[str, str]], mode: bool,
+                 constants: Sequence[dict[str, Any]] | dict[int, dict[str, Any]],
+                 values: dict[tuple[str, str], float] | None
+                 ) -> dict[int, fx.GraphModule] | None:
+    """:func:`trace_number_variants`' one token trace of ``models[base]`` (its tokens
+    holding ``values`` where given), as each of ``numbers``' models' graph; None where
+    it cannot be shared."""
+    from .numbers import graph_with_numbers, watched_numbers
+
     uses: list[str] = []
     read: list[str] = []
     try:
-        with watched_numbers(models[base], attributes, uses) as tokens:
+        with watched_numbers(models[base], attributes, uses, values) as tokens:
             gm = trace_model(models[base], base, training=mode, constants=constants[base],
                              values_read=read)
     except Exception:  # traced again the plain way, which says what went wrong
-        return {}
+        return None
     if uses or read or not _reads_only_the_model(gm, models[base]):
-        return {}
+        return None
     graphs = {i: _shared_trace(gm, models[i]) for i in numbers}
     if not all(graph_with_numbers(graphs[i], models[i], tokens) for i in numbers):
-        return {}
+        return None
     return graphs
+
+
+def _graph_signature(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
+    """Each node's op, target and arguments (other nodes by name): equal for graphs of
+    one program with the same constants."""
+    def name(n: fx.Node) -> str:
+        return n.name
+
+    return [(n.op, n.target, fx.node.map_arg(n.args, name), fx.node.map_arg(n.kwargs, name))
+            for n in gm.graph.nodes]
 
 
 def _reads_only_the_model(gm: fx.GraphModule, model: nn.Module) -> bool:

@@ -28,6 +28,9 @@ declares (``@rule(..., padding=...)`` in :mod:`hftc.passes`; the kinds are
 * ``MOVES``: ops that only move units (view, reshape, transpose, getitem ...) are checked
   to keep each model's units where its prefix layout expects them, by running them on
   indices;
+* a size of a padded dim in Python arithmetic that scales a tensor (``h * h.size(-1) **
+  -0.5``, ``att / math.sqrt(k.size(-1))``) becomes model i's own size, a 0-d tensor
+  (:meth:`_Rewriter.rewrite_sizes`);
 * ``EXACT``: element-wise ops (and the padded modules) are exact as they are; an op that
   no rule knows is exact where ATen tags it pointwise; anything else over a padded dim
   is refused (:class:`UnsupportedOperatorError`, naming the op and its line).
@@ -42,6 +45,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
+import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,6 +70,7 @@ from ..passes.registry import (
     Reduces,
     lookup,
     padding_of,
+    widens_of,
 )
 from .padding import PaddedModule, is_padded
 
@@ -142,6 +148,19 @@ def masked(x: Tensor, pad: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- which op is which
+
+#: Python arithmetic on a size that :meth:`_Rewriter.rewrite_sizes` runs on a per-model
+#: 0-d tensor instead, and the element-wise ops through which such a number may scale a
+#: tensor.
+_NUMBER_OPS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
+                         operator.pow, operator.neg, math.sqrt})
+#: Ops that pick units by their values: over a padded dim, whether a padded zero is
+#: picked depends on the inputs, so they are refused even where the first call's check
+#: passes.
+_SELECTS = frozenset({"sort", "argsort", "msort", "topk", "kthvalue", "median", "nanmedian",
+                      "mode", "quantile", "nanquantile"})
+_SCALES = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
+                     torch.add, torch.sub, torch.mul, torch.div})
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -318,6 +337,8 @@ class _Rewriter:
         return masks
 
     def run(self) -> None:
+        self.rewrite_sizes()
+        self.rewrite_scalars()
         for node in list(self.gm.graph.nodes):
             if node.op not in ("call_function", "call_method", "call_module"):
                 continue
@@ -327,14 +348,89 @@ class _Rewriter:
                     continue
                 self.visit(node, inputs)
             except _Refused as why:
-                raise UnsupportedOperatorError(
+                refused = UnsupportedOperatorError(
                     f"pad_widths=True cannot compute `{self.describe(node)}` {_where(node)} "
                     f"over each model's real units: {why}. Give every model the same width "
                     f"there (hftc.fuse_groups fuses models of one width together), or write "
                     f"the op as one hftc computes over the real units (sum, mean, var, std, "
                     f"amax, amin, max, min, logsumexp, softmax, log_softmax, F.layer_norm, "
                     f"F.normalize, norm over the padded dim; split / chunk along it; views "
-                    f"that keep each model's units first)", [self.describe(node)]) from None
+                    f"that keep each model's units first)", [self.describe(node)])
+                # a selection's exactness depends on the values: no check vouches for it
+                refused.values_decide = _op_name(node) in _SELECTS
+                raise refused from None
+
+    def differs(self, node: fx.Node) -> bool:
+        """A Python number (a size, or computed from one) that some model has another
+        value of than the padded graph."""
+        value = self.values.get(node)
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and any(r.get(node) != value for r in self.real))
+
+    def only_scales(self, node: fx.Node) -> bool:
+        """Every use of the number ``node`` is Python arithmetic (:data:`_NUMBER_OPS`) whose
+        result is used so too, or scales a tensor element-wise (:data:`_SCALES`)."""
+        for user in node.users:
+            value = self.values.get(user)
+            if isinstance(value, Tensor):
+                if user.op != "call_function" or user.target not in _SCALES:
+                    return False
+            elif (not isinstance(value, (int, float)) or user.op != "call_function"
+                  or user.target not in _NUMBER_OPS or not self.only_scales(user)):
+                return False
+        return bool(node.users)
+
+    def rewrite_sizes(self) -> None:
+        """A size of a padded dim in forward's arithmetic (``h * h.size(-1) ** -0.5``)
+        is the padded width in the padded graph: each model's own value instead, as a
+        per-model 0-d tensor (its Python arithmetic then runs on tensors)::
+
+            size = h.size(-1); s = size ** -0.5; y = h * s     # 64 ** -0.5 for all
+            size = self._hftc_real_units_..._size; ...          # 32 ** -0.5 for model i
+        """
+        done: set[fx.Node] = set()
+        for node in list(self.gm.graph.nodes):
+            if node in done or not self.differs(node) or not self.only_scales(node):
+                continue
+            per_model = [torch.tensor(float(r[node]), dtype=torch.float64) for r in self.real]
+            const = self.constant(node, "size", per_model)
+            node.replace_all_uses_with(const)
+            self.gm.graph.erase_node(node) if not node.users else None
+            users = list(const.users)
+            while users:  # its arithmetic now takes a tensor: math.sqrt cannot
+                user = users.pop()
+                if user not in done and not isinstance(self.values.get(user), Tensor):
+                    done.add(user)
+                    user.target = torch.sqrt if user.target is math.sqrt else user.target
+                    users.extend(user.users)
+            self.changed = True
+
+    def rewrite_scalars(self) -> None:
+        """A number an element-wise op takes that is another in the models' own graphs: a
+        user's int attribute padding widened (``math.sqrt(self.d_model)`` is the widest
+        model's in the padded graph), as each model's own, a per-model 0-d tensor::
+
+            x * 2.83   (the padded graph: d_model 8)    ->  x * self._hftc_..._scalar
+            x * 2.0    (model 0's own: d_model 4)           (2.0 for model 0, 2.83 for 1)
+        """
+        for node in list(self.gm.graph.nodes):
+            value = self.values.get(node)
+            if (node.op != "call_function" or node.target not in _SCALES
+                    or not isinstance(value, Tensor) or not value.is_floating_point()):
+                continue
+            args = list(node.args)
+            if any(len(self.original_nodes[i][node].args) != len(args) for i in range(self.n)):
+                continue
+            for k, arg in enumerate(args):
+                if isinstance(arg, bool) or not isinstance(arg, (int, float)):
+                    continue
+                own = [self.original_nodes[i][node].args[k] for i in range(self.n)]
+                if all(o == arg for o in own):
+                    continue
+                per_model = [torch.tensor(float(o), dtype=torch.float64) for o in own]
+                args[k] = self.constant(node, "scalar", per_model)
+                self.changed = True
+            node.args = tuple(args)
 
     def describe(self, node: fx.Node) -> str:
         if node.op == "call_module":
@@ -372,6 +468,10 @@ class _Rewriter:
                     CONTRACTS: self.rewrite_matmul, ATTENDS: self.check_attention}[fact](
                         node, inputs)
         what = "module" if module is not None else "op"
+        if _op_name(node) in _SELECTS:
+            raise _Refused("it selects among the units by value, and the padding's zeros "
+                           "would rank among them on some inputs (the first-call check "
+                           "cannot vouch for the others)")
         raise _Refused(f"hftc does not know what this {what} computes over a padded dim")
 
     def check_per_channel(self, node: fx.Node, x: fx.Node) -> None:
@@ -520,6 +620,7 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
         return list(padded)
     sources: dict[str, str] = {}
     constants: dict[str, list[Tensor]] = {}
+    numbers: dict[str, list[float]] = {}
     for training in (True, False):
         mode = "train" if training else "eval"
         try:
@@ -527,14 +628,16 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
             pads = [_run(m, training, concrete, a) for m, a in zip(padded, example_args)]
         except Exception:  # noqa: BLE001 - not traceable so: the first-call check judges
             return list(padded)
-        same = all(p[0].code == pads[0][0].code for p in pads) and all(
+        same = all(_signature(p[0]) == _signature(pads[0][0]) for p in pads) and all(
             [(n.op, n.target) for n in r[0].graph.nodes]
             == [(n.op, n.target) for n in pads[0][0].graph.nodes] for r in runs)
         if not same:
             return list(padded)
+        floats = _differing_floats([p[0] for p in pads])
         rewriter = _Rewriter(pads[0][0], pads[0][1], runs, mode)
         rewriter.run()
         if rewriter.changed:
+            numbers.update(_floats_as_attributes(rewriter.gm, floats, mode))
             code = rewriter.gm.graph.python_code(root_module="self")
             sources[mode] = _format_import_block(code.globals, sys_importer) + "\n" + code.src
             constants.update(rewriter.constants)
@@ -549,7 +652,63 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
             if value.is_floating_point():
                 value = value.to(like.dtype)
             model.register_buffer(name, value.to(like.device), persistent=False)
+        for name, values in numbers.items():
+            vars(model)[name] = values[i]
     return list(padded)
+
+
+def _signature(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
+    """Each node's op, target and arguments (nodes by name, floats as ``float``): the
+    padded models' graphs are one program when these agree; their floats (a per-model
+    dropout p) may differ (:func:`_differing_floats`)."""
+    def mask(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return a.name
+        return float if isinstance(a, float) else a
+
+    return [(n.op, n.target, fx.node.map_aggregate(n.args, mask),
+             fx.node.map_aggregate(n.kwargs, mask)) for n in gm.graph.nodes]
+
+
+def _differing_floats(graphs: Sequence[fx.GraphModule]
+                      ) -> list[tuple[fx.Node, int | str, list[float]]]:
+    """(node of ``graphs[0]``, argument index or keyword, each graph's value) of every
+    top-level float argument that differs among the padded models' graphs."""
+    found = []
+    for nodes in zip(*(g.graph.nodes for g in graphs)):
+        first = nodes[0]
+        for key in [*range(len(first.args)), *first.kwargs]:
+            values = [n.args[key] if isinstance(key, int) else n.kwargs[key] for n in nodes]
+            if isinstance(values[0], float) and any(v != values[0] for v in values):
+                found.append((first, key, values))
+    return found
+
+
+def _floats_as_attributes(gm: fx.GraphModule,
+                          floats: list[tuple[fx.Node, int | str, list[float]]], mode: str
+                          ) -> dict[str, list[float]]:
+    """The rewritten graph (traced from model 0's padded model, so holding its floats)
+    reads each differing float from an attribute of the root, each model's own value
+    there (the fusion then treats it as any per-model float attribute)::
+
+        sdpa(q, k, v, dropout_p=0.1)  ->  sdpa(q, k, v, dropout_p=self._hftc_float_train_0)
+    """
+    numbers: dict[str, list[float]] = {}
+    for node, key, values in floats:
+        current = node.args[key] if isinstance(key, int) else node.kwargs[key]
+        if node.graph is not gm.graph or not isinstance(current, float) \
+                or current != values[0]:  # rewritten since (a per-model 0-d tensor)
+            continue
+        name = f"_hftc_float_{mode}_{len(numbers)}"
+        numbers[name] = values
+        vars(gm)[name] = values[0]
+        with gm.graph.inserting_before(node):
+            read = gm.graph.create_node("get_attr", name)  # (a float: no tensor warning)
+        if isinstance(key, int):
+            node.args = (*node.args[:key], read, *node.args[key + 1:])
+        else:
+            node.kwargs = {**node.kwargs, key: read}
+    return numbers
 
 
 def _nothing_to_rewrite(originals: Sequence[nn.Module], padded: Sequence[nn.Module],
@@ -561,6 +720,9 @@ def _nothing_to_rewrite(originals: Sequence[nn.Module], padded: Sequence[nn.Modu
     try:
         gm = _trace(padded[0], True, concrete)
     except Exception:  # noqa: BLE001 - the analysis decides (and says why)
+        return False
+    if any(_scales_by_a_size(node) for node in gm.graph.nodes) or _widened_ints(
+            originals, padded):
         return False
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -576,17 +738,56 @@ def _nothing_to_rewrite(originals: Sequence[nn.Module], padded: Sequence[nn.Modu
     return True
 
 
+def _widened_ints(originals: Sequence[nn.Module], padded: Sequence[nn.Module]) -> bool:
+    """Whether :func:`~hftc.module.padding.pad_models` widened an int attribute of the
+    user's modules (``self.d_model``), which forward's arithmetic may read."""
+    for original, pad in zip(originals, padded):
+        for path, module in original.named_modules():
+            if type(module).__module__.startswith("torch.nn"):
+                continue
+            mine = vars(pad.get_submodule(path))
+            if any(isinstance(v, int) and not isinstance(v, bool) and mine.get(k) != v
+                   for k, v in vars(module).items()):
+                return True
+    return False
+
+
+def _scales_by_a_size(node: fx.Node) -> bool:
+    """Whether ``node`` reads a size (``x.size(-1)``, ``x.shape``, ``x.numel()``) that flows
+    through Python arithmetic into an element-wise op: a padded dim's size there is the
+    padded width, which :meth:`_Rewriter.rewrite_sizes` makes each model's own."""
+    reads = (node.op == "call_method" and node.target in ("size", "numel")) or (
+        node.op == "call_function" and node.target is getattr and node.args[1:2] == ("shape",))
+    users, seen = list(node.users) if reads else [], set()
+    while users:
+        user = users.pop()
+        if user in seen or user.op != "call_function":
+            continue
+        seen.add(user)
+        if user.target in _SCALES:
+            return True
+        if user.target in _NUMBER_OPS or user.target is operator.getitem:
+            users.extend(user.users)
+    return False
+
+
 def _padded_by_pad_models(path: str, module: nn.Module, originals: Sequence[nn.Module]) -> bool:
     """Module ``path`` of a padded model is one :func:`~hftc.module.padding.pad_models`
     padded (a masked norm, a layer at the widest widths, one holding them): any of its
-    tensors wider than some original model's own."""
+    tensors wider than some original model's own, or, for a layer padding widens
+    (``@rule(widens=...)``) without tensors (``BatchNorm1d(affine=False,
+    track_running_stats=False)``), a width attribute (``num_features``) widened."""
     if any(isinstance(m, PaddedModule) for m in module.modules()):
         return True
     mine = {n: t.shape for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    sizes = {k: v for k, v in vars(module).items() if not k.startswith("_")
+             and isinstance(v, (int, tuple)) and not isinstance(v, bool)} \
+        if not mine and widens_of(module) is not None else {}
     for original in originals:
         owner = original.get_submodule(path)
         theirs = {n: t.shape for n, t in [*owner.named_parameters(), *owner.named_buffers()]}
-        if any(theirs.get(n, shape) != shape for n, shape in mine.items()):
+        if any(theirs.get(n, shape) != shape for n, shape in mine.items()) or any(
+                vars(owner).get(k, v) != v for k, v in sizes.items()):
             return True
     return False
 

@@ -257,13 +257,18 @@ class ProgramCache:
         pass over their forward on this first call's inputs: its ops over a padded dim
         computed on each model's real units (:meth:`_rewrite_padded_ops`), so that the
         first-call check sees the program as it will run.  An op that pass cannot
-        compute is named in place of the check's refusal, where the check refuses."""
+        compute is named in place of the check's refusal, where the check refuses; one
+        whose exactness depends on the values (a sort, a topk, a median: topk(2) of
+        model 0's four units and four padded zeros picks a zero once fewer than two
+        units are positive) is refused even where this call's check passes."""
         if self.padding is None or self.__dict__.get("_padded_ops_rewritten"):
             return make()
         cannot: UnsupportedOperatorError | None = None
         try:
             self._rewrite_padded_ops(values, batched)
         except UnsupportedOperatorError as exc:
+            if getattr(exc, "values_decide", False):
+                raise
             cannot = exc  # an op over a padded dim: it matters only if the check refuses
         except Exception:  # noqa: BLE001 - forward not traceable alone: the check decides
             pass

@@ -55,7 +55,10 @@ def widened_linear(linear: nn.Linear, others, widths, where) -> nn.Module:
 
 
 @rule(("call_module", nn.Linear), ("call_function", F.linear), aten={aten.linear: F.linear},
-      chain=ChainLink("linear", chained_linear), widens=Widens(widened_linear, weight=True))
+      chain=ChainLink("linear", chained_linear), widens=Widens(widened_linear, weight=True),
+      # F.linear(x, w) contracts x's last dim (a Linear subclass's own forward calls it);
+      # an nn.Linear over a padded dim is padding's own padded module
+      padding=lambda node: CONTRACTS if node.op == "call_function" else None)
 def fuse_linear(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     a = group.arguments(builder, F.linear)
     x, bias = a["input"], a["bias"]
