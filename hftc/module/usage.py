@@ -283,6 +283,16 @@ def note_source_weights(fused: nn.Module, models: Sequence[nn.Module]) -> None:
     weakref.finalize(fused, _SOURCE_WEIGHTS.pop, id(fused), None)
 
 
+def source_weights_written(fused: nn.Module) -> None:
+    """The models ``fused`` was made from were written on purpose (the sweep gives each
+    trial's own module its trained weights): their parameters' versions now are the ones
+    :func:`check_source_weights` compares with."""
+    for module in fused.modules():  # (fuse_groups: a fused module per group)
+        for named, versions in _SOURCE_WEIGHTS.get(id(module), ()):
+            versions[:] = [p._version if (p := ref()) is not None else v
+                           for (_, ref), v in zip(named, versions)]
+
+
 def check_source_weights(fused: nn.Module) -> None:
     """Before a forward of ``fused``: a parameter of a model it was made from written in
     place since (``models[1].load_state_dict(ckpt)``, ``nn.init.zeros_(models[0].fc.weight)``,

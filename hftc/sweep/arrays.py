@@ -17,6 +17,7 @@ import hftc
 
 from ..module.group import group_models
 from ..module.padding import own_part, padding_ratio, weight_shapes, width_blocks, widths_key
+from ..module.usage import source_weights_written
 from ..optim.mixed import MixedOptimizer
 from ..optim.slicing import fused_param_names, load_model_slice
 from .files import atomic_write, save
@@ -181,6 +182,7 @@ class Arrays:
             # Into the trial's own module, not fused.unfuse_model(j): the trial's module is
             # its own object (its Python attributes, Dropout.p, are the trial's).
             run.module.load_state_dict(array.fused.model_state_dict(j))
+        source_weights_written(array.fused)  # (on purpose: no warning at the next step)
 
     def _take_out(self, array: FusedArray) -> None:
         """Dissolve an array: each live member gets its weights and its stock optimizers'
