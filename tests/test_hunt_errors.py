@@ -13,14 +13,6 @@ from torch import nn
 import hftc
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
