@@ -77,18 +77,20 @@ class Decisions:
                     self._out_now.add(run.number)
                     done.append(run)
                     self.log(f"trial {run.number} failed (diverged) at epoch {run.epoch}")
+                elif self._should_prune(run):
+                    # (at the last epoch too: Optuna's loop asks after every report, and
+                    # a trial pruned there is not one of the complete trials)
+                    self._record(run)
+                    self._tell(trial, state=TrialState.PRUNED)
+                    self._out_now.add(run.number)
+                    done.append(run)
+                    self.log(f"trial {run.number} pruned at epoch {run.epoch}: {value:.6g}")
                 elif run.epoch >= self.spec.epochs:
                     self._save_if_best(run, value)
                     self._record(run)
                     self._tell(trial, value)
                     done.append(run)
                     self.log(f"trial {run.number} complete: {value:.6g}")
-                elif self._should_prune(run):
-                    self._record(run)
-                    self._tell(trial, state=TrialState.PRUNED)
-                    self._out_now.add(run.number)
-                    done.append(run)
-                    self.log(f"trial {run.number} pruned at epoch {run.epoch}: {value:.6g}")
                 else:  # kept: recorded, for a resumed worker (see KEPT_FILE)
                     append_line(self.dir / KEPT_FILE, f"{run.trial_id} {run.epoch}\n")
             except (optuna.exceptions.UpdateFinishedTrialError, ValueError) as exc:

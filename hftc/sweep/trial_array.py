@@ -397,7 +397,7 @@ class TrialArray:
         finite = [True] * len(values)
         for fused in self.fused_modules:
             finite = [a and b for a, b in zip(finite, finite_models(fused))]
-        dropped = []
+        dropped, last = [], []
         for j, (trial, value) in enumerate(zip(self.trials, values)):
             if not math.isfinite(value) or not finite[j]:
                 weights = "" if finite[j] else " and its weights are not finite"
@@ -410,14 +410,18 @@ class TrialArray:
             if self._epochs is not None:
                 self._epoch_of[trial.number] = self._epoch_of.get(trial.number, 0) + 1
                 if self._epoch_of[trial.number] >= self._epochs:
-                    self._tell(trial, value)
-                    dropped.append(j)
+                    last.append(j)
         # Every value reported first, then the pruner, in trial-number order: a trial is
-        # compared with those numbered below it still training (hftc.sweep.pruning).
+        # compared with those numbered below it still training (hftc.sweep.pruning). The
+        # trials at their last epoch are asked too (objective(trial)'s loop asks after
+        # every report), and those kept complete with their value.
         pruned = self._to_prune([j for j in range(len(self.trials)) if j not in dropped])
         for j in pruned:
             self._tell(self.trials[j], state=TrialState.PRUNED)
-        dropped = sorted(dropped + pruned)
+        for j in last:
+            if j not in pruned:
+                self._tell(self.trials[j], values[j])
+        dropped = sorted(set(dropped + pruned + last))
         try:
             self.replaced = self._take_places(dropped)
         except Exception:

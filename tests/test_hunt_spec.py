@@ -1,0 +1,117 @@
+"""The sweep spec and the fused trials API as an Optuna user writes them: the same
+decisions as the same study run one trial at a time with stock Optuna, on the same
+enqueued trials."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+from optuna.trial import TrialState
+from torch import nn
+
+import hftc.sweep as hs
+from hftc.sweep.serial import run_serial
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+class _Const(nn.Module):
+    """Scores ``q`` every epoch (zero weight, bias ``q``, trained with lr 0): a learning
+    curve set by the trial's parameter, through the sweep's whole loop."""
+
+    def __init__(self, q: float):
+        super().__init__()
+        self.fc = nn.Linear(1, 1)
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.bias.fill_(q)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _data():
+    x, y = torch.ones(16, 1), torch.zeros(16, dtype=torch.long)
+    return (x, y), (x, y)
+
+
+def _space(trial):
+    return {"q": trial.suggest_float("q", 0.0, 1.0), "lr": 0.0}
+
+
+def _score(output, target):
+    return float(output.mean())
+
+
+def _const_spec(pruner, n_trials: int, **kw) -> hs.SweepSpec:
+    return hs.SweepSpec(name="const", space=_space, model=lambda p: _Const(p["q"]), data=_data,
+                        metric=_score, direction="maximize", epochs=2, batch_size=16,
+                        n_trials=n_trials, per_array=n_trials, pruner=pruner,
+                        sampler="random", **kw)
+
+
+def _enqueued_study(folder: Path, qs: list[float]) -> None:
+    folder.mkdir(parents=True)
+    study = optuna.create_study(study_name="const", storage=f"sqlite:///{folder}/study.db",
+                                direction="maximize")
+    for q in qs:
+        study.enqueue_trial({"q": q})
+
+
+def _states(study: optuna.Study) -> list[tuple[float, str]]:
+    return [(round(t.params["q"], 6), t.state.name) for t in study.get_trials()]
+
+
+def test_the_pruner_is_asked_at_the_last_epoch_as_in_optunas_loop(tmp_path: Path):
+    """Optuna's loop (report, should_prune, every epoch; then return the value) prunes a
+    trial at its last epoch too: trial 2 (0.6, below the median 0.75 of 0 and 1) is pruned
+    there, one at a time. The fused sweep completed every trial that reached the last
+    epoch without asking the pruner, so the study's complete trials (TPE's and the median's
+    view of it, best_trial's candidates) were not the one-at-a-time study's."""
+    qs = [0.5, 1.0, 0.6, 0.9]
+
+    def pruner():  # warm-up to the last epoch: the last epoch is the only one it prunes at
+        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=2)
+
+    _enqueued_study(tmp_path / "fused", qs)
+    fused = hs.run(_const_spec(pruner(), 4), out=tmp_path / "fused", progress=False,
+                   estimate=False)
+    serial = run_serial(_const_spec(pruner(), 4), tmp_path / "serial",
+                        enqueue=[{"q": q} for q in qs])
+    assert _states(serial.study)[2] == (0.6, "PRUNED")
+    assert _states(fused.study) == _states(serial.study)
+    assert fused.study.best_trial.params == serial.study.best_trial.params
+
+
+def test_trial_array_epochs_asks_the_pruner_at_the_last_epoch():
+    """``for _ in array.epochs(E)`` completed a trial at its E-th report without asking the
+    pruner, where ``objective(trial)`` asks it after every report."""
+    scores = [0.5, 1.0, 0.6, 0.9]
+
+    def pruner():
+        return optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1)
+
+    def alone(trial):
+        for step in range(2):
+            trial.report(scores[trial.number], step)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        return scores[trial.number]
+
+    def objective(array):
+        for _ in array.epochs(2):
+            array.report([scores[n] for n in array.numbers])
+
+    one_at_a_time = optuna.create_study(direction="maximize", pruner=pruner())
+    one_at_a_time.optimize(alone, n_trials=4)
+    fused = optuna.create_study(direction="maximize", pruner=pruner())
+    hs.optimize(fused, objective, n_trials=4, array_size=4)
+    expected = [(t.state, t.last_step) for t in one_at_a_time.get_trials()]
+    assert expected[2] == (TrialState.PRUNED, 1)
+    assert [(t.state, t.last_step) for t in fused.get_trials()] == expected
