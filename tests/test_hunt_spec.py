@@ -115,3 +115,31 @@ def test_trial_array_epochs_asks_the_pruner_at_the_last_epoch():
     expected = [(t.state, t.last_step) for t in one_at_a_time.get_trials()]
     assert expected[2] == (TrialState.PRUNED, 1)
     assert [(t.state, t.last_step) for t in fused.get_trials()] == expected
+
+
+class _LoggingMedian(optuna.pruners.MedianPruner):
+    """A user's pruner: Optuna's median, reading more of the study than Optuna's does."""
+
+    seen: list = []
+
+    def prune(self, study, trial):
+        self.seen.append((len(study.trials), study.directions[0].name, study.study_name))
+        return super().prune(study, trial)
+
+
+def test_a_users_median_pruner_subclass_may_read_the_study():
+    """The study a median pruner sees inside an array (pruning.py's one-at-a-time view)
+    had get_trials and direction only: a subclass reading study.trials raised an
+    AttributeError from hftc's internals."""
+    scores = [0.5, 1.0, 0.2, 0.9]
+
+    def objective(array):
+        for step in range(2):
+            array.report([scores[n] for n in array.numbers], step)
+        return [scores[n] for n in array.numbers]
+
+    study = optuna.create_study(direction="maximize", study_name="mine",
+                                pruner=_LoggingMedian(n_startup_trials=1, n_warmup_steps=0))
+    hs.optimize(study, objective, n_trials=4, array_size=4)
+    assert _LoggingMedian.seen and _LoggingMedian.seen[0] == (4, "MAXIMIZE", "mine")
+    assert [t.state for t in study.get_trials()][2] == TrialState.PRUNED

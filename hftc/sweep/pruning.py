@@ -76,6 +76,14 @@ class _AsSequential:
         self._study, self._reference = study, reference
         self.direction = study.direction
 
+    def __getattr__(self, name: str):
+        # A user's pruner (a MedianPruner subclass) may read more of the study than
+        # Optuna's does: study.trials, study.directions, study.user_attrs ...
+        study = self.__dict__.get("_study")
+        if study is None:
+            raise AttributeError(name)
+        return getattr(study, name)
+
     def get_trials(self, deepcopy: bool = True, states=None):
         if states is not None and tuple(states) == (TrialState.COMPLETE,):
             return list(self._reference)
