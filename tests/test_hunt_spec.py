@@ -143,3 +143,35 @@ def test_a_users_median_pruner_subclass_may_read_the_study():
     hs.optimize(study, objective, n_trials=4, array_size=4)
     assert _LoggingMedian.seen and _LoggingMedian.seen[0] == (4, "MAXIMIZE", "mine")
     assert [t.state for t in study.get_trials()][2] == TrialState.PRUNED
+
+
+def test_a_brute_force_sampler_runs_its_points_once_as_study_optimize_does(tmp_path: Path):
+    """``BruteForceSampler`` (a define-by-run grid) asked N at a time past its last free
+    points gave the extra trials repeated points (it samples at random once nothing is
+    free), where ``study.optimize`` stops at the last point: 6 trials of 4 points."""
+
+    def alone(trial):
+        return trial.suggest_categorical("a", [1, 2]) * 10 + trial.suggest_int("b", 0, 1)
+
+    def objective(array):
+        a, b = array.suggest_categorical("a", [1, 2]), array.suggest_int("b", 0, 1)
+        return [x * 10 + y for x, y in zip(a, b)]
+
+    def points(study):
+        return [tuple(t.params.values()) for t in study.get_trials()]
+
+    one_at_a_time = optuna.create_study(sampler=optuna.samplers.BruteForceSampler(seed=0))
+    one_at_a_time.optimize(alone, n_trials=6)
+    assert len(points(one_at_a_time)) == 4
+    for size in (3, 4):
+        fused = optuna.create_study(sampler=optuna.samplers.BruteForceSampler(seed=0))
+        hs.optimize(fused, objective, n_trials=6, array_size=size)
+        assert sorted(points(fused)) == sorted(points(one_at_a_time)), size
+
+    def space(trial):
+        return {"q": trial.suggest_categorical("q", [0.2, 0.4, 0.6, 0.8]), "lr": 0.0}
+
+    spec = _const_spec("none", 6).replace(space=space, per_array=3,
+                                                       sampler=optuna.samplers.BruteForceSampler())
+    result = hs.run(spec, out=tmp_path / "fused", progress=False, estimate=False)
+    assert sorted(t.params["q"] for t in result.study.get_trials()) == [0.2, 0.4, 0.6, 0.8]

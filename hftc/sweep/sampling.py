@@ -125,10 +125,15 @@ def grid_left(study: optuna.Study) -> int | None:
     """How many points of a ``GridSampler`` 's grid no trial has taken (``None``: another
     sampler).  Asked N at a time past them, the grid would repeat points (Optuna gives a
     running grid's points to no other trial while some are free), where study.optimize
-    stops: the sampler's ``after_trial`` calls ``study.stop()`` at the last one."""
+    stops: the sampler's ``after_trial`` calls ``study.stop()`` at the last one.
+
+    A ``BruteForceSampler`` 's too (a define-by-run grid): at least this many points no
+    trial has taken, as far as the trials so far show its space (1 before any shows it)."""
     sampler = study.sampler
     while isinstance(sampler, TrialSeededSampler):  # hftc sweep's wrapper: the grid inside
         sampler = sampler.wrapped
+    if isinstance(sampler, optuna.samplers.BruteForceSampler):
+        return _brute_force_left(sampler, study)
     grids = getattr(sampler, "_all_grids", None)
     same = getattr(sampler, "_same_search_space", None)
     if not isinstance(sampler, optuna.samplers.GridSampler) or grids is None or same is None:
@@ -139,3 +144,21 @@ def grid_left(study: optuna.Study) -> int | None:
         if "grid_id" in attrs and same(attrs.get("search_space", {})):
             taken.add(attrs["grid_id"])  # finished or running: either way not free
     return len(grids) - len(taken)
+
+
+def _brute_force_left(sampler: optuna.samplers.BruteForceSampler, study: optuna.Study
+                      ) -> int | None:
+    """The branches of ``sampler`` 's tree of the study's trials that no trial has taken
+    (each holds one free point at least): the tree its ``after_trial`` builds to decide
+    ``study.stop()``, with the running trials too (asked N at a time, a done tree would
+    give the last ones repeated points, where study.optimize stops at it)."""
+    from optuna.samplers._brute_force import _TreeNode
+
+    states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING, TrialState.FAIL)
+    trials = [t for t in study._storage.get_all_trials(study._study_id, deepcopy=False,
+                                                       states=states) if t.params]
+    tree = _TreeNode()
+    sampler._populate_tree(tree, trials, {})
+    if tree.children is None:  # no trial has shown the space yet: the first one will
+        return 1
+    return tree.count_unexpanded(exclude_running=not sampler._avoid_premature_stop)
