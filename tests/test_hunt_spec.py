@@ -175,3 +175,20 @@ def test_a_brute_force_sampler_runs_its_points_once_as_study_optimize_does(tmp_p
                                                        sampler=optuna.samplers.BruteForceSampler())
     result = hs.run(spec, out=tmp_path / "fused", progress=False, estimate=False)
     assert sorted(t.params["q"] for t in result.study.get_trials()) == [0.2, 0.4, 0.6, 0.8]
+
+
+def test_enqueued_trials_past_n_trials_wait_as_in_study_optimize(tmp_path: Path):
+    """``n_trials`` is the study's size: four enqueued trials and ``n_trials = 2`` ran all
+    four (waiting trials were run whatever the budget, for the retries of dead workers'
+    trials); study.optimize(n_trials=2) runs the first two and leaves two WAITING."""
+    qs = [0.2, 0.5, 0.9, 0.7]
+    _enqueued_study(tmp_path / "fused", qs)
+    fused = hs.run(_const_spec("none", 2).replace(per_array=4), out=tmp_path / "fused",
+                   progress=False, estimate=False)
+    one_at_a_time = optuna.create_study()
+    for q in qs:
+        one_at_a_time.enqueue_trial({"q": q})
+    one_at_a_time.optimize(lambda t: t.suggest_float("q", 0.0, 1.0), n_trials=2)
+    expected = [(t.state, t.params) for t in one_at_a_time.get_trials()]
+    assert [s for s, _ in expected] == [TrialState.COMPLETE] * 2 + [TrialState.WAITING] * 2
+    assert [(t.state, t.params) for t in fused.study.get_trials()] == expected

@@ -64,7 +64,15 @@ from .fingerprint import check_same_spec, spec_fingerprint
 from .recovery import Recovery, try_lock
 from .sampling import TrialSeededSampler, grid_left
 from .spec import SpecError, SweepSpec, hook_name
-from .storage import Heartbeat, count_trials, make_pruner, make_sampler, make_storage, masked_url
+from .storage import (
+    Heartbeat,
+    count_trials,
+    make_pruner,
+    make_sampler,
+    make_storage,
+    masked_url,
+    room_for,
+)
 from .training import (
     batch_for_hook,
     batches,
@@ -446,8 +454,8 @@ class Sweep(Recovery, Arrays, Decisions):
             if room == 0 or not self.default_storage:
                 # On a shared storage, count before every ask: other workers ask too.
                 c = count_trials(self.study)
-                # Waiting trials (retries, enqueued ones) run first and use the budget too.
-                room = c["waiting"] + max(0, spec.n_trials - c["budget"] - c["waiting"])
+                # Waiting trials run first: retries always, enqueued ones within the budget.
+                room = room_for(c, spec.n_trials)
             if first and self.live and spec.per_array - len(self.live) < min(
                     room, max(1, spec.per_array // REFILL_PARTS)):
                 break
@@ -747,8 +755,9 @@ class Sweep(Recovery, Arrays, Decisions):
                     self._refill()
                 if not self.live:
                     c = count_trials(self.study)
-                    if c["running"] == 0 and c["waiting"] == 0:
-                        break
+                    runnable = min(c["waiting"], room_for(c, self.spec.n_trials))
+                    if c["running"] == 0 and runnable == 0:
+                        break  # (enqueued trials past the budget stay WAITING)
                     if self._reap_orphans():
                         continue
                     # Trials still run elsewhere: wait, and retry them should their worker die.

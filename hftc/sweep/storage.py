@@ -18,7 +18,7 @@ from ..errors import SweepError
 from .spec import SweepSpec
 
 __all__ = ["make_storage", "one_worker_per_trial", "make_sampler", "make_pruner", "Heartbeat",
-           "count_trials", "masked_url"]
+           "count_trials", "room_for", "masked_url"]
 
 
 # ---------------------------------------------------------------------- storage
@@ -230,11 +230,13 @@ class Heartbeat(threading.Thread):
 
 def count_trials(study: optuna.Study) -> dict[str, int]:
     """Trials that use the budget (finished, running, or failed for a reason of their own:
-    a heartbeat-stale failure is retried, and its retry counts instead), and waiting ones."""
-    c = {"budget": 0, "waiting": 0, "running": 0, "finished": 0}
+    a heartbeat-stale failure is retried, and its retry counts instead), waiting ones, and
+    of those the retries (a dead worker's trial again, Optuna's ``failed_trial``)."""
+    c = {"budget": 0, "waiting": 0, "running": 0, "finished": 0, "retries": 0}
     for t in study.get_trials(deepcopy=False):
         if t.state == TrialState.WAITING:
             c["waiting"] += 1
+            c["retries"] += "failed_trial" in t.system_attrs
         elif t.state == TrialState.RUNNING:
             c["running"] += 1
             c["budget"] += 1
@@ -245,3 +247,11 @@ def count_trials(study: optuna.Study) -> dict[str, int]:
     return c
 
 
+
+
+def room_for(c: dict[str, int], n_trials: int) -> int:
+    """How many trials may still be asked, from :func:`count_trials` ' ``c``: the retries
+    always (a dead worker's trials are no new ones: its work, never lost), then new or
+    enqueued trials up to ``n_trials`` (``study.enqueue_trial`` of more than the budget
+    leaves the rest WAITING, as ``study.optimize(n_trials=...)`` does)."""
+    return c["retries"] + max(0, n_trials - c["budget"] - c["retries"])
