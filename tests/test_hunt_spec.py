@@ -192,3 +192,64 @@ def test_enqueued_trials_past_n_trials_wait_as_in_study_optimize(tmp_path: Path)
     expected = [(t.state, t.params) for t in one_at_a_time.get_trials()]
     assert [s for s, _ in expected] == [TrialState.COMPLETE] * 2 + [TrialState.WAITING] * 2
     assert [(t.state, t.params) for t in fused.study.get_trials()] == expected
+
+
+def test_a_space_that_raises_trial_pruned_prunes_that_trial_alone(tmp_path: Path):
+    """``raise optuna.TrialPruned()`` in space() (a configuration the model cannot take,
+    Optuna's habit) stopped the whole sweep, failing that trial and leaving the others
+    RUNNING; study.optimize prunes that trial and goes on."""
+
+    def space(trial):
+        q = trial.suggest_float("q", 0.0, 1.0)
+        if q > 0.8:
+            raise optuna.TrialPruned("q is too large for this model")
+        return {"q": q, "lr": 0.0}
+
+    qs = [0.2, 0.9, 0.5, 0.7]
+    _enqueued_study(tmp_path / "fused", qs)
+    fused = hs.run(_const_spec("none", 4).replace(space=space), out=tmp_path / "fused",
+                   progress=False, estimate=False)
+    one_at_a_time = optuna.create_study()
+    for q in qs:
+        one_at_a_time.enqueue_trial({"q": q})
+    one_at_a_time.optimize(lambda t: space(t)["q"], n_trials=4)
+    assert [t.state.name for t in one_at_a_time.get_trials()] == [
+        "COMPLETE", "PRUNED", "COMPLETE", "COMPLETE"]
+    assert _states(fused.study) == [(round(t.params["q"], 6), t.state.name)
+                                    for t in one_at_a_time.get_trials()]
+
+
+def test_a_refill_build_that_raises_trial_pruned_prunes_only_the_newcomer():
+    """``build(trial)`` of ``refill_with`` raising optuna.TrialPruned failed the new trial
+    and the raise ended the objective, pruning every live trial of the array with it."""
+    import hftc
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randn(16, 1, dtype=torch.float64)
+
+    def build(trial):
+        lr = trial.suggest_float("lr", 1e-3, 1e-1, log=True)
+        if lr > 0.05:
+            raise optuna.TrialPruned("lr too large")
+        return nn.Linear(4, 1).double(), {"lr": lr}
+
+    def objective(array):
+        built = [build(t) for t in array.trials]
+        fused = array.fuse([m for m, _ in built])
+        opt = hftc.optim.SGD(fused.parameters(), lr=[h["lr"] for _, h in built])
+        array.refill_with(build)
+        for _ in array.epochs(2):
+            opt.zero_grad()
+            losses = hftc.per_model(nn.functional.mse_loss)(fused(x), y)
+            losses.sum().backward()
+            opt.step()
+            values = [float("nan") if t.number == 1 else v  # trial 1 diverges: a free place
+                      for t, v in zip(array.trials, losses.tolist())]
+            array.report(values)
+
+    study = optuna.create_study()
+    for lr in (0.01, 0.02, 0.09, 0.03):
+        study.enqueue_trial({"lr": lr})
+    hs.optimize(study, objective, n_trials=4, array_size=2)
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "FAIL", "PRUNED",
+                                                          "COMPLETE"]

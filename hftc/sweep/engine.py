@@ -471,6 +471,13 @@ class Sweep(Recovery, Arrays, Decisions):
             self.heartbeat.add(trial._trial_id)
             try:
                 run = self._new_run(trial)
+            except optuna.TrialPruned as exc:
+                # objective(trial)'s habit for a configuration it will not train (space()
+                # or model() raising it): pruned, as study.optimize prunes it; the rest go on
+                self._tell(trial, state=TrialState.PRUNED)
+                self.heartbeat.discard(trial._trial_id)
+                self.log(f"trial {trial.number} pruned before training: {exc}")
+                continue
             except Exception as exc:
                 self._fail(trial, f"error while starting the trial: {type(exc).__name__}: {exc}")
                 with contextlib.suppress(AttributeError):

@@ -466,13 +466,22 @@ class TrialArray:
         if self._build is None or not freed:
             return []
         places, newcomers = [], []
-        for j in freed:
-            if self._asks_left() <= 0:
-                break
+        free = list(freed)
+        while free and self._asks_left() > 0:
             trial = _ask(self.study)
             self._asked()
             try:
                 built = self._build(trial)
+            except optuna.TrialPruned:
+                # objective(trial)'s habit for a configuration it will not train: that
+                # trial is pruned, as study.optimize prunes it, and the place asks again
+                self._tell(trial, state=TrialState.PRUNED)
+                continue
+            except Exception as exc:
+                self._fail(trial, f"build(trial) failed: {type(exc).__name__}: {exc}", False)
+                raise
+            j = free.pop(0)
+            try:
                 models, hyper = built
                 models = list(models) if isinstance(models, (list, tuple)) else [models]
                 if len(models) != len(self.fused_modules):
