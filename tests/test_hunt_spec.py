@@ -253,3 +253,22 @@ def test_a_refill_build_that_raises_trial_pruned_prunes_only_the_newcomer():
     hs.optimize(study, objective, n_trials=4, array_size=2)
     assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "FAIL", "PRUNED",
                                                           "COMPLETE"]
+
+
+def test_a_study_in_the_folder_is_continued_by_arrays_of_one_not_replaced(tmp_path: Path):
+    """A sweep of arrays of one (``per_array = 1``: too small to gain, run with stock
+    Optuna in a fresh ``serial.db``) ignored the study already in ``--out``: its enqueued
+    trials did not run, its finished trials were not counted in ``n_trials``, and
+    results.csv / best.json were written over with the fresh study's."""
+    import json
+
+    out = tmp_path / "sweep"
+    _enqueued_study(out, [0.2, 0.9, 0.5])
+    first = hs.run(_const_spec("none", 2), out=out, progress=False, estimate=False)
+    assert [t.params.get("q") for t in first.study.get_trials()] == [0.2, 0.9, None]
+    again = hs.run(_const_spec("none", 3).replace(per_array=1), out=out, progress=False,
+                   estimate=False)
+    assert [round(t.params["q"], 6) for t in again.study.get_trials()] == [0.2, 0.9, 0.5]
+    assert all(t.state == TrialState.COMPLETE for t in again.study.get_trials())
+    assert json.loads((out / "best.json").read_text())["params"]["q"] == 0.9
+    assert len((out / "results.csv").read_text().strip().splitlines()) == 1 + 3

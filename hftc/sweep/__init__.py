@@ -86,9 +86,12 @@ def run(
                                    sampler=sampler, pruner=pruner, seed=seed)
     small = _too_small(spec) if storage is None else None
     folder = Path(out) if out is not None else Path("sweeps") / (study_name or spec.name)
-    if small is not None and resume and ((folder / "study.db").exists()
-                                         or not (folder / "serial.db").exists()):
-        small = None  # a fused sweep to resume (or none at all: the engine says so)
+    if small is not None and ((folder / "study.db").exists()
+                              or resume and not (folder / "serial.db").exists()):
+        # a fused sweep's study there (its trials, enqueued ones, its result files: the
+        # one-at-a-time study, made afresh, would ignore them and write over its files), to
+        # continue or resume; or none at all to resume: the engine says so
+        small = None
     if small is not None:
         # Said before it starts; then run as without hftc, which loses nothing.
         import warnings
