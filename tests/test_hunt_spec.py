@@ -272,3 +272,24 @@ def test_a_study_in_the_folder_is_continued_by_arrays_of_one_not_replaced(tmp_pa
     assert all(t.state == TrialState.COMPLETE for t in again.study.get_trials())
     assert json.loads((out / "best.json").read_text())["params"]["q"] == 0.9
     assert len((out / "results.csv").read_text().strip().splitlines()) == 1 + 3
+
+
+def test_a_multi_objective_spec_is_a_spec_error_saying_what_to_do(tmp_path: Path):
+    """``directions = ["minimize", "maximize"]`` (optuna.create_study's name) in a spec
+    file was read as a helper of the user's: the sweep ran one objective, the default
+    direction, silently. A list in ``direction`` is refused with the same advice."""
+    from hftc.errors import SpecError
+
+    spec = tmp_path / "multi.py"
+    spec.write_text(
+        "import torch\nfrom torch import nn\n"
+        "directions = ['minimize', 'maximize']\n"
+        "def space(trial):\n    return {'lr': trial.suggest_float('lr', 1e-3, 1e-1)}\n"
+        "def model(params):\n    return nn.Linear(2, 2)\n"
+        "def data():\n    x = torch.randn(8, 2)\n    y = torch.zeros(8, dtype=torch.long)\n"
+        "    return (x, y), (x, y)\n")
+    with pytest.raises(SpecError, match=r"defines directions = \['minimize', 'maximize'\].*"
+                                        r"one objective.*hftc\.sweep\.optimize"):
+        hs.load_spec(spec)
+    with pytest.raises(SpecError, match="spec.direction is .*one objective"):
+        _const_spec("none", 2).replace(direction=["minimize", "maximize"])

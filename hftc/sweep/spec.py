@@ -220,6 +220,8 @@ class SweepSpec:
             _check_hook("metric", self.metric)
         if self.direction is None:
             self.direction = "maximize" if self.metric == "accuracy" else "minimize"
+        if isinstance(self.direction, (list, tuple)):
+            raise SpecError(_multi_objective(f"spec.direction is {self.direction!r}"))
         if self.direction not in ("maximize", "minimize"):
             raise SpecError(f"spec.direction must be 'maximize' or 'minimize', got "
                             f"{self.direction!r}")
@@ -341,9 +343,21 @@ def _misspelling(module: Any, name: str, value: Any) -> str | None:
     return None
 
 
+def _multi_objective(what: str) -> str:
+    return (f"{what}: a sweep spec has one objective (its metric, which the pruner "
+            f"compares; Optuna's multi-objective studies cannot prune). Give direction = "
+            f"'maximize' or 'minimize'; for several objectives, keep your loop and run "
+            f"hftc.sweep.optimize(optuna.create_study(directions=[...]), objective), whose "
+            f"objective returns each trial's values (docs/SWEEP.md)")
+
+
 def _check_misspelled(module: Any, where: str) -> None:
     """A module-level name that is a spec field misspelled is an error, not a spec that
     quietly runs without it (``def optimiser(params, module)`` would train with SGD)."""
+    if "directions" in vars(module):  # optuna.create_study's name, for several objectives
+        raise SpecError(_multi_objective(
+            f"the sweep spec {where} defines directions = {vars(module)['directions']!r}, "
+            f"which the sweep does not read"))
     for name, value in vars(module).items():
         wanted = _misspelling(module, name, value)
         if wanted is None:
