@@ -354,7 +354,8 @@ def _multi_objective(what: str) -> str:
 def _check_misspelled(module: Any, where: str) -> None:
     """A module-level name that is a spec field misspelled is an error, not a spec that
     quietly runs without it (``def optimiser(params, module)`` would train with SGD)."""
-    if "directions" in vars(module):  # optuna.create_study's name, for several objectives
+    if isinstance(vars(module).get("directions"), (list, tuple)):  # create_study's, for
+        # several objectives (a string there is a misspelled direction: said below)
         raise SpecError(_multi_objective(
             f"the sweep spec {where} defines directions = {vars(module)['directions']!r}, "
             f"which the sweep does not read"))
