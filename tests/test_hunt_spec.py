@@ -293,3 +293,29 @@ def test_a_multi_objective_spec_is_a_spec_error_saying_what_to_do(tmp_path: Path
         hs.load_spec(spec)
     with pytest.raises(SpecError, match="spec.direction is .*one objective"):
         _const_spec("none", 2).replace(direction=["minimize", "maximize"])
+
+
+@pytest.mark.parametrize("line, said", [
+    ("storage = 'sqlite:///shared.db'", r"storage = 'sqlite:///shared\.db'.*--storage URL"),
+    ("study_name = 'lr-sweep-3'", r"study_name = 'lr-sweep-3'.*name = \.\.\."),
+    ("timeout = 3600", r"timeout = 3600.*no time limit.*hftc\.sweep\.optimize"),
+    ("n_jobs = 4", r"n_jobs = 4.*per_array"),
+    ("callbacks = [print]", r"callbacks = .*on_epoch"),
+])
+def test_optunas_arguments_in_a_spec_are_a_spec_error_not_ignored(tmp_path: Path, line, said):
+    """study.optimize's / create_study's names in a spec were read by nothing: a
+    ``storage`` URL left each machine its own SQLite study, a ``timeout`` never stopped
+    the sweep. Now a SpecError names the line's value and what the sweep has instead."""
+    from hftc.errors import SpecError
+
+    spec = tmp_path / "optuna_habits.py"
+    spec.write_text(
+        "import torch\nfrom torch import nn\n" + line + "\n"
+        "def space(trial):\n    return {'lr': trial.suggest_float('lr', 1e-3, 1e-1)}\n"
+        "def model(params):\n    return nn.Linear(2, 2)\n"
+        "def data():\n    x = torch.randn(8, 2)\n    y = torch.zeros(8, dtype=torch.long)\n"
+        "    return (x, y), (x, y)\n")
+    with pytest.raises(SpecError, match=said):
+        hs.load_spec(spec)
+    spec.write_text(spec.read_text().replace(line.split(" =")[0], "_" + line.split(" =")[0]))
+    assert hs.load_spec(spec).name == "optuna_habits"  # a value of the user's own: fine

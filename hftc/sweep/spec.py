@@ -351,6 +351,35 @@ def _multi_objective(what: str) -> str:
             f"objective returns each trial's values (docs/SWEEP.md)")
 
 
+#: study.optimize's and create_study's arguments, which an Optuna user may write in a spec
+#: as fields: the kinds of value they take, and what the sweep has instead.
+_OPTUNA_ARGUMENTS: dict[str, tuple[tuple[type, ...], str]] = {
+    "storage": ((str,), "give it on the command line, --storage URL, or as "
+                        "hftc.sweep.run(spec, storage=URL)"),
+    "study_name": ((str,), "name the study with the spec's name = ... (or --study NAME)"),
+    "timeout": ((int, float), "the sweep has no time limit: its size is n_trials (stop it "
+                              "with Ctrl-C and continue it with --resume); a time limit "
+                              "needs your own loop, hftc.sweep.optimize(..., timeout=...)"),
+    "n_jobs": ((int,), "the trials of an array train at once: per_array = N (or more "
+                       "workers, --workers)"),
+    "callbacks": ((list, tuple), "use on_epoch(logs) (after every epoch), or your own loop "
+                                 "with hftc.sweep.optimize(..., callbacks=[...])"),
+}
+
+
+def _check_optuna_arguments(module: Any, where: str) -> None:
+    """``storage = "postgresql://..."`` or ``timeout = 3600`` in a spec (study.optimize's
+    and create_study's names) would be read by nothing: every machine would run its own
+    SQLite study, the sweep would not stop at the hour. Said, with what to write."""
+    for name, (kinds, instead) in _OPTUNA_ARGUMENTS.items():
+        value = vars(module).get(name)
+        if isinstance(value, kinds) and not isinstance(value, bool):
+            raise SpecError(f"the sweep spec {where} defines {name} = {value!r}, which is "
+                            f"optuna's argument and no field of a sweep spec: the sweep "
+                            f"would run without it; {instead} (or start its name with '_' if "
+                            f"it is a value of your own)")
+
+
 def _check_misspelled(module: Any, where: str) -> None:
     """A module-level name that is a spec field misspelled is an error, not a spec that
     quietly runs without it (``def optimiser(params, module)`` would train with SGD)."""
@@ -359,6 +388,7 @@ def _check_misspelled(module: Any, where: str) -> None:
         raise SpecError(_multi_objective(
             f"the sweep spec {where} defines directions = {vars(module)['directions']!r}, "
             f"which the sweep does not read"))
+    _check_optuna_arguments(module, where)
     for name, value in vars(module).items():
         wanted = _misspelling(module, name, value)
         if wanted is None:
