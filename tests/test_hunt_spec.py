@@ -319,3 +319,41 @@ def test_optunas_arguments_in_a_spec_are_a_spec_error_not_ignored(tmp_path: Path
         hs.load_spec(spec)
     spec.write_text(spec.read_text().replace(line.split(" =")[0], "_" + line.split(" =")[0]))
     assert hs.load_spec(spec).name == "optuna_habits"  # a value of the user's own: fine
+
+
+def test_the_one_at_a_time_replay_puts_trials_in_the_sweeps_hyperband_brackets(tmp_path):
+    """The summary's one-at-a-time trial-epochs (serial.replay_optuna) replayed the curves
+    in an unnamed study: a HyperbandPruner's bracket of trial k is hash(study name, k), so
+    each run pruned them in other, random brackets (another count each time)."""
+    import math
+
+    from hftc.sweep.serial import replay_optuna
+
+    epochs = 9
+    spec = _const_spec(optuna.pruners.HyperbandPruner(min_resource=1, max_resource=epochs,
+                                                      reduction_factor=3), 24)
+    spec = spec.replace(epochs=epochs, name="hb-sweep")
+    curves = [[abs(math.sin(k * 1.7)) + 1.0 / (e + 1) for e in range(epochs)] for k in range(24)]
+    trials = [optuna.trial.create_trial(value=c[-1], params={}, distributions={},
+                                        intermediate_values=dict(enumerate(c, 1)))
+              for c in curves]
+    for k, t in enumerate(trials):
+        t.number = k
+    one_at_a_time = optuna.create_study(study_name="hb-sweep", direction="maximize",
+                                        pruner=optuna.pruners.HyperbandPruner(
+                                            min_resource=1, max_resource=epochs,
+                                            reduction_factor=3))
+    expected = 0
+    for curve in curves:
+        trial, state = one_at_a_time.ask(), TrialState.COMPLETE
+        for step, value in enumerate(curve, 1):
+            expected += 1
+            trial.report(value, step)
+            if trial.should_prune():
+                state = TrialState.PRUNED
+                break
+        one_at_a_time.tell(trial, curve[-1] if state == TrialState.COMPLETE else None,
+                           state=state)
+    assert expected < 24 * epochs  # (Hyperband pruned some)
+    counts = {replay_optuna(spec, trials, tmp_path / f"r{i}", sample=2)[1] for i in range(2)}
+    assert counts == {expected}

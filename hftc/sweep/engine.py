@@ -695,7 +695,8 @@ class Sweep(Recovery, Arrays, Decisions):
             with torch.random.fork_rng(devices=[]):
                 return replay_optuna(self.spec, self.study.get_trials(deepcopy=False),
                                      self.out / "trials",
-                                     first_made_s=getattr(self, "study_made_s", 0.0))
+                                     first_made_s=getattr(self, "study_made_s", 0.0),
+                                     study_name=self.study_name)
         except Exception as exc:  # noqa: BLE001 - a measurement never fails the sweep
             self.log(f"the one-at-a-time Optuna share was not measured: {exc}")
             return None, None

@@ -175,7 +175,8 @@ def describe(result: SerialResult) -> str:
 
 
 def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path, sample: int = 12,
-                  first_made_s: float = 0.0) -> tuple[float, int]:
+                  first_made_s: float = 0.0, study_name: str | None = None
+                  ) -> tuple[float, int]:
     """The same study one trial at a time, its Optuna share measured on a sample and its
     trial-epochs counted, without training: ``trials`` (the sweep's) in number order, each
     asked, suggested through the spec's space, a stock model and optimizer built, its
@@ -191,7 +192,12 @@ def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path, sample: int
       (``first_made_s``: the sweep's own, which paid SQLAlchemy's import and made the
       schema; the replay's, second in the process, costs a fraction of it).
 
+    The replay's studies are named ``study_name`` (the sweep's; default ``spec.name``): a
+    ``HyperbandPruner`` puts trial k in the bracket of hash(study name, k), so an unnamed
+    study (a random name) would prune the curves in other brackets, another count each run.
+
     Returns (seconds, trial-epochs)."""
+    name = study_name or spec.name
     curves = [[t.intermediate_values[s] for s in sorted(t.intermediate_values)]
               for t in sorted(trials, key=lambda t: t.number) if t.intermediate_values]
     folder = Path(folder)
@@ -203,9 +209,11 @@ def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path, sample: int
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            epochs = _replay(spec, curves, None, optuna.samplers.RandomSampler(seed=0))[0]
+            epochs = _replay(spec, curves, None, optuna.samplers.RandomSampler(seed=0),
+                             name)[0]
             start = time.perf_counter()
-            _, made_s = _replay(spec, curves[:sample], f"sqlite:///{db}", stock_sampler(spec))
+            _, made_s = _replay(spec, curves[:sample], f"sqlite:///{db}", stock_sampler(spec),
+                                name)
             seconds = time.perf_counter() - start
     finally:
         optuna.logging.set_verbosity(verbosity)
@@ -215,13 +223,13 @@ def replay_optuna(spec: SweepSpec, trials: list, folder: str | Path, sample: int
 
 
 def _replay(spec: SweepSpec, curves: list[list[float]], storage: str | None,
-            sampler: optuna.samplers.BaseSampler) -> tuple[int, float]:
+            sampler: optuna.samplers.BaseSampler, study_name: str) -> tuple[int, float]:
     """:func:`replay_optuna`'s loop: (trial-epochs reported, seconds to make the study)."""
     from .storage import make_pruner
 
     start = time.perf_counter()
     study = optuna.create_study(storage=storage, sampler=sampler, pruner=make_pruner(spec),
-                                direction=spec.direction)
+                                direction=spec.direction, study_name=study_name)
     made_s, epochs = time.perf_counter() - start, 0
     with torch.random.fork_rng(devices=[]):
         for curve in curves:
