@@ -158,7 +158,10 @@ def _brute_force_left(sampler: optuna.samplers.BruteForceSampler, study: optuna.
     trials = [t for t in study._storage.get_all_trials(study._study_id, deepcopy=False,
                                                        states=states) if t.params]
     tree = _TreeNode()
-    sampler._populate_tree(tree, trials, {})
+    try:
+        sampler._populate_tree(tree, trials, {})
+    except ValueError:  # a space it cannot enumerate (a float without step): the sampler's
+        return None     # own error comes at its next draw, as in study.optimize
     if tree.children is None:  # no trial has shown the space yet: the first one will
         return 1
     return tree.count_unexpanded(exclude_running=not sampler._avoid_premature_stop)
