@@ -357,3 +357,24 @@ def test_the_one_at_a_time_replay_puts_trials_in_the_sweeps_hyperband_brackets(t
     assert expected < 24 * epochs  # (Hyperband pruned some)
     counts = {replay_optuna(spec, trials, tmp_path / f"r{i}", sample=2)[1] for i in range(2)}
     assert counts == {expected}
+
+
+def test_a_sampler_or_pruner_class_without_parentheses_is_made_with_its_defaults(tmp_path):
+    """``sampler = optuna.samplers.TPESampler`` (the class) was called as a function
+    ``sampler(seed)``: TPESampler(0) is consider_prior=0, CmaEsSampler(seed) is x0=seed;
+    a sampler that needs arguments (GridSampler) failed inside Optuna."""
+    from hftc.errors import SpecError
+    from hftc.sweep.storage import make_pruner, make_sampler
+
+    spec = _const_spec(optuna.pruners.MedianPruner, 3).replace(
+        sampler=optuna.samplers.TPESampler, seed=5)
+    sampler = make_sampler(spec, 7)
+    assert type(sampler) is optuna.samplers.TPESampler
+    default = optuna.samplers.TPESampler(seed=7)
+    assert sampler._parzen_estimator_parameters == default._parzen_estimator_parameters
+    assert type(make_pruner(spec)) is optuna.pruners.MedianPruner
+    result = hs.run(spec, out=tmp_path / "s", progress=False, estimate=False)
+    assert [t.state for t in result.study.get_trials()] == [TrialState.COMPLETE] * 3
+    with pytest.raises(SpecError, match=r"spec.sampler is the class GridSampler.*"
+                                        r"optuna\.samplers\.GridSampler\(\.\.\.\)"):
+        make_sampler(spec.replace(sampler=optuna.samplers.GridSampler), 0)

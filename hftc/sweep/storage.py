@@ -5,6 +5,7 @@ every trial a worker holds, and the trial counts that decide how many more to as
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import time
 import warnings
@@ -14,7 +15,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from ..errors import SweepError
+from ..errors import SpecError, SweepError
 from .spec import SweepSpec
 
 __all__ = ["make_storage", "one_worker_per_trial", "make_sampler", "make_pruner", "Heartbeat",
@@ -148,8 +149,23 @@ def _begin_immediate(connection: Any) -> None:
     connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def _an_instance(value: Any, base: type, what: str, **kwargs: Any) -> Any:
+    """``sampler = optuna.samplers.TPESampler`` (the class, the parentheses forgotten):
+    an instance with its defaults (``seed=`` where it takes one), not ``TPESampler(seed)``,
+    which would pass the seed as its first argument (``consider_prior``; CMA-ES's ``x0``)."""
+    if not (isinstance(value, type) and issubclass(value, base)):
+        return value
+    takes = inspect.signature(value).parameters
+    try:
+        return value(**{k: v for k, v in kwargs.items() if k in takes})
+    except TypeError as exc:
+        raise SpecError(f"spec.{what} is the class {value.__name__}, which needs arguments "
+                        f"({exc}); give an instance: {what} = {value.__module__.split('._')[0]}"
+                        f".{value.__name__}(...)") from None
+
+
 def make_sampler(spec: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:
-    s = spec.sampler
+    s = _an_instance(spec.sampler, optuna.samplers.BaseSampler, "sampler", seed=seed)
     if isinstance(s, optuna.samplers.BaseSampler):
         return s
     if s in (None, "tpe"):
@@ -166,7 +182,7 @@ def make_sampler(spec: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:
 
 
 def make_pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
-    p = spec.pruner
+    p = _an_instance(spec.pruner, optuna.pruners.BasePruner, "pruner")
     if isinstance(p, optuna.pruners.BasePruner):
         return p
     if p in (None, "none", False):
