@@ -166,7 +166,8 @@ class SweepSpec:
             floating dtype. device: where training runs.
         sampler / pruner: Optuna objects, or names (``"tpe"``, ``"random"``;
             ``"median"``, ``"sha"``, ``"hyperband"``, ``"none"``); a function
-            ``sampler(seed)`` that returns one. Every draw of the sampler is seeded
+            ``sampler(seed)`` that returns one (an Optuna class, ``TPESampler`` without
+            parentheses, is made with its defaults). Every draw of the sampler is seeded
             from ``seed`` and the trial number (``hftc.sweep.sampling``), not from
             the sampler's own seed.
         pad_widths / max_padding: with ``pad_widths = True``, trials whose models differ
