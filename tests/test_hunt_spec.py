@@ -378,3 +378,26 @@ def test_a_sampler_or_pruner_class_without_parentheses_is_made_with_its_defaults
     with pytest.raises(SpecError, match=r"spec.sampler is the class GridSampler.*"
                                         r"optuna\.samplers\.GridSampler\(\.\.\.\)"):
         make_sampler(spec.replace(sampler=optuna.samplers.GridSampler), 0)
+
+
+class _CountingMedian(optuna.pruners.MedianPruner):
+    """A user's pruner that writes down each decision it is asked for (its own log)."""
+
+    def __init__(self):
+        super().__init__(n_startup_trials=1, n_warmup_steps=0)
+        self.asked: list[tuple[int, int]] = []
+
+    def prune(self, study, trial):
+        self.asked.append((trial.number, trial.last_step))
+        return super().prune(study, trial)
+
+
+def test_the_speedup_estimates_replay_does_not_call_the_users_pruner(tmp_path: Path):
+    """After the sweep, off its clock, the summary's estimate replays the learning curves
+    through a stock Optuna study: with the spec's own pruner object, whose log (TensorBoard,
+    a file, a count) then held each decision twice, the second ones about no real trial."""
+    pruner = _CountingMedian()
+    result = hs.run(_const_spec(pruner, 4), out=tmp_path / "s", progress=False)
+    assert result.estimated and pruner.asked
+    decided = [(t.number, s) for t in result.study.get_trials() for s in t.intermediate_values]
+    assert sorted(pruner.asked) == sorted(decided)

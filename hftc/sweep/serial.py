@@ -228,7 +228,10 @@ def _replay(spec: SweepSpec, curves: list[list[float]], storage: str | None,
     from .storage import make_pruner
 
     start = time.perf_counter()
-    study = optuna.create_study(storage=storage, sampler=sampler, pruner=make_pruner(spec),
+    pruner = make_pruner(spec)
+    with contextlib.suppress(Exception):  # a pruner of the user's (one that logs or counts
+        pruner = copy.deepcopy(pruner)    # its calls) sees the sweep's decisions, not these
+    study = optuna.create_study(storage=storage, sampler=sampler, pruner=pruner,
                                 direction=spec.direction, study_name=study_name)
     made_s, epochs = time.perf_counter() - start, 0
     with torch.random.fork_rng(devices=[]):
