@@ -401,3 +401,22 @@ def test_the_speedup_estimates_replay_does_not_call_the_users_pruner(tmp_path: P
     assert result.estimated and pruner.asked
     decided = [(t.number, s) for t in result.study.get_trials() for s in t.intermediate_values]
     assert sorted(pruner.asked) == sorted(decided)
+
+
+class _BrokenSampler(optuna.samplers.RandomSampler):
+    """A sampler that cannot sample (CmaEsSampler without its cmaes package raises so)."""
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        raise ModuleNotFoundError("No module named 'cmaes'")
+
+
+def test_a_samplers_error_at_the_start_of_a_trial_names_the_sampler(tmp_path: Path):
+    """The note on an error raised while a trial started blamed the spec's space(),
+    model(), optimizer() or scheduler() and its params ({} here: nothing was suggested yet)
+    where the study's sampler had raised inside trial.suggest_*."""
+    spec = _const_spec("none", 2).replace(sampler=_BrokenSampler())
+    with pytest.raises(ModuleNotFoundError) as raised:
+        hs.run(spec, out=tmp_path / "s", progress=False, estimate=False)
+    note = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "raised in the study's sampler (_BrokenSampler)" in note, note
+    assert "Make the spec's function take these params" not in note

@@ -42,6 +42,7 @@ import shutil
 import socket
 import sys
 import time
+import traceback
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -486,12 +487,7 @@ class Sweep(Recovery, Arrays, Decisions):
                     others = [r.number for r in self.live]
                     kept = (f"; trials {others} are not failed: rerun with --resume to continue "
                             f"them from their last epoch" if others else "")
-                    exc.add_note(  # stays, said for which trial (its params) and what now
-                        f"hftc sweep: raised while starting trial {trial.number} (params "
-                        f"{trial.params}) in the spec's space(), model(), optimizer() or "
-                        f"scheduler() (the traceback's last lines); that trial is failed"
-                        f"{kept}. Make the spec's function take these params, or leave them "
-                        f"out of space()")
+                    exc.add_note(self._start_note(exc, trial, kept))  # for which trial
                 raise
             self.live.append(run)
             came = True
@@ -500,6 +496,27 @@ class Sweep(Recovery, Arrays, Decisions):
             self._write_manifest()
             self.log(f"trial {trial.number} started: {run.params}")
         return came
+
+    def _start_note(self, exc: BaseException, trial: optuna.Trial, kept: str) -> str:
+        """What a trial's start raised in: the spec's functions, or the sampler that its
+        space() suggested through (CmaEsSampler without the cmaes package): not the spec's
+        params then."""
+        sampler = self.study.sampler
+        sampler = getattr(sampler, "wrapped", sampler)  # (TrialSeededSampler's)
+        frames = traceback.extract_tb(exc.__traceback__)
+        calls = ("sample_relative", "sample_independent", "infer_relative_search_space",
+                 "before_trial")  # the sampler's methods, which trial.suggest_* calls
+        if any(f.name in calls for f in frames):
+            return (f"hftc sweep: raised in the study's sampler ({type(sampler).__name__}) "
+                    f"while space() suggested trial {trial.number}'s params (so far "
+                    f"{trial.params}; the traceback's last lines); that trial is failed"
+                    f"{kept}. Fix the spec's sampler (a package it needs, the space it takes), "
+                    f"or use another")
+        return (f"hftc sweep: raised while starting trial {trial.number} (params "
+                f"{trial.params}) in the spec's space(), model(), optimizer() or "
+                f"scheduler() (the traceback's last lines); that trial is failed"
+                f"{kept}. Make the spec's function take these params, or leave them "
+                f"out of space()")
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         with contextlib.suppress(Exception):
