@@ -420,3 +420,24 @@ def test_a_samplers_error_at_the_start_of_a_trial_names_the_sampler(tmp_path: Pa
     note = "\n".join(getattr(raised.value, "__notes__", []))
     assert "raised in the study's sampler (_BrokenSampler)" in note, note
     assert "Make the spec's function take these params" not in note
+
+
+def test_best_json_keeps_derived_numpy_values_of_the_space(tmp_path: Path):
+    """``"width": np.power(2, trial.suggest_int("log_width", 2, 4))`` is an np.int64, which
+    json.dumps refuses: the sweep then recorded no params of space()'s, and best.json gave
+    trial.params, without the derived values model(best["params"]) needs."""
+    import json
+
+    import numpy as np
+
+    def space(trial):
+        return {"q": trial.suggest_float("q", 0.0, 1.0), "lr": np.float32(0.0),
+                "width": np.power(2, trial.suggest_int("log_width", 2, 4)),
+                "scale": torch.tensor(0.5, dtype=torch.float64)}
+
+    result = hs.run(_const_spec("none", 2).replace(space=space), out=tmp_path / "s",
+                    progress=False, estimate=False)
+    best = json.loads((tmp_path / "s" / "best.json").read_text())
+    trial = result.study.best_trial
+    assert best["params"] == {"q": trial.params["q"], "lr": 0.0, "scale": 0.5,
+                              "width": 2 ** trial.params["log_width"]}

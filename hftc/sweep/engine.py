@@ -36,7 +36,6 @@ seeded from its number; the pruner is asked once per trial and epoch (``KEPT_FIL
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import socket
@@ -64,7 +63,7 @@ from .fingerprint import ATTR as FINGERPRINT
 from .fingerprint import check_same_spec, spec_fingerprint
 from .recovery import Recovery, try_lock
 from .sampling import TrialSeededSampler, grid_left
-from .spec import SpecError, SweepSpec, hook_name
+from .spec import SpecError, SweepSpec, hook_name, plain_params
 from .storage import (
     Heartbeat,
     count_trials,
@@ -400,8 +399,8 @@ class Sweep(Recovery, Arrays, Decisions):
         if params != trial.params:
             # What space() returned (derived values and constants too, which trial.params
             # lacks): best.json gives these, so model(best["params"]) builds the model.
-            with contextlib.suppress(TypeError, ValueError):
-                trial.set_user_attr("hftc_params", json.loads(json.dumps(params)))
+            if plain_params(params) is not None:
+                trial.set_user_attr("hftc_params", plain_params(params))
         self._warn_unread(params)
         module = build_model(self.spec, params, seed)
         self._check_own_module(trial.number, module)

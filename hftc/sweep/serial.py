@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import time
 import warnings
@@ -33,7 +32,7 @@ import torch
 from optuna.trial import TrialState
 
 from .files import save
-from .spec import SweepSpec
+from .spec import SweepSpec, plain_params
 from .training import build_model, epochs_alone, load_data, make_optimizers
 
 __all__ = ["SerialResult", "run_serial", "stock_sampler", "replay_optuna", "describe", "too_small"]
@@ -120,8 +119,8 @@ def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
         if record:
             trial.set_user_attr("hftc_seed", seed)
             if params != trial.params:  # what space() returned (best.json gives it)
-                with contextlib.suppress(TypeError, ValueError):
-                    trial.set_user_attr("hftc_params", json.loads(json.dumps(params)))
+                if plain_params(params) is not None:
+                    trial.set_user_attr("hftc_params", plain_params(params))
         model = build_model(spec, params, seed)
         keys = [spec.seed * 1_000_003 + e for e in range(spec.epochs)]
         value = float("nan")

@@ -23,6 +23,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import sys
 import types
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from ..errors import SpecError
 from ..module.group import MAX_PADDING
 
 __all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer", "hook_name",
-           "defined_at"]
+           "defined_at", "plain_params"]
 
 #: The arguments each hook is called with, in order (``metric`` when it is a function).
 HOOK_ARGUMENTS: dict[str, tuple[str, ...]] = {
@@ -103,6 +104,21 @@ def _check_hook(key: str, fn: Any) -> None:
             f"{hook_name(key, fn)} has the signature {key}{signature}, but the sweep calls "
             f"it as {key}({', '.join(expected)}) ({exc}); give it exactly those "
             f"{len(expected)} positional argument(s)") from None
+
+
+def plain_params(params: dict[str, Any]) -> dict[str, Any] | None:
+    """What space() returned, as JSON values (best.json, the ``hftc_params`` attribute):
+    NumPy numbers and one-element tensors as numbers (``np.power(2, trial.suggest_int(...))``
+    is an ``np.int64``); None where a value has no JSON form (a class)."""
+    def number(value: Any) -> Any:
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+            return value.item()
+        raise TypeError(type(value).__name__)
+
+    try:
+        return json.loads(json.dumps(params, default=number))
+    except (TypeError, ValueError):
+        return None
 
 
 def default_optimizer(params: dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:
