@@ -441,3 +441,32 @@ def test_best_json_keeps_derived_numpy_values_of_the_space(tmp_path: Path):
     trial = result.study.best_trial
     assert best["params"] == {"q": trial.params["q"], "lr": 0.0, "scale": 0.5,
                               "width": 2 ** trial.params["log_width"]}
+
+
+def test_the_benchs_one_at_a_time_side_names_its_study_as_the_fused_one(tmp_path, monkeypatch):
+    """``hftc bench --sweep --same-trials``: the one-at-a-time study was ``<name>-serial``
+    and the fused one ``<name>``; a HyperbandPruner's bracket of trial k is hash(study
+    name, k), so the same trials were pruned in other brackets on the two sides."""
+    import hftc.sweep.serial as serial
+    from hftc.bench.sweep import _side
+
+    spec_file = tmp_path / "hb.py"
+    spec_file.write_text(
+        "import torch\nfrom torch import nn\n"
+        "pruner = 'hyperband'\nepochs = 3\nn_trials = 3\n"
+        "def space(trial):\n    return {'lr': trial.suggest_float('lr', 1e-3, 1e-1)}\n"
+        "def model(params):\n    return nn.Linear(2, 2)\n"
+        "def data():\n    x = torch.randn(16, 2)\n    y = torch.zeros(16, dtype=torch.long)\n"
+        "    return (x, y), (x, y)\n")
+    names = []
+    real = serial.run_serial
+
+    def recording(spec, out, **kw):
+        result = real(spec, out, **kw)
+        names.append(result.study.study_name)
+        return result
+
+    monkeypatch.setattr(serial, "run_serial", recording)
+    side = _side("serial", str(spec_file), str(tmp_path / "out"), 1,
+                 [{"lr": 0.01}, {"lr": 0.05}, {"lr": 0.09}])
+    assert side["trials"] == 3 and names == ["hb"]

@@ -105,7 +105,8 @@ def _side(which: str, spec_ref: str, out: str, threads: int,
     else:
         from ..sweep.serial import run_serial
 
-        result = run_serial(spec, Path(out) / "serial", enqueue=trials)
+        # (the fused side's study name: a HyperbandPruner puts trial k in the same bracket)
+        result = run_serial(spec, Path(out) / "serial", enqueue=trials, study_name=spec.name)
     study, epochs = result.study, result.trial_epochs
     try:
         best = study.best_value

@@ -92,7 +92,7 @@ class _Diverged(Exception):
 def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
                data: Any = None, save_best: bool = False,
                enqueue: list[dict[str, Any]] | None = None,
-               record: bool = False) -> SerialResult:
+               record: bool = False, study_name: str | None = None) -> SerialResult:
     """Run ``spec``'s study one trial at a time with stock Optuna (``study.optimize``) in
     ``out`` (its SQLite file ``serial.db``, made afresh, unless ``storage``); with
     ``save_best``, the weights of each trial that completes best so far in
@@ -100,7 +100,9 @@ def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
     parameters first (``study.enqueue_trial``, trial k gets ``enqueue[k]``); with
     ``record``, what the fused sweep records of each trial (the user attributes
     ``hftc_seed``, ``hftc_params``, ``hftc_orders``: ``train_alone`` replays it from them)
-    and diverged trials failed with ``hftc_fail_reason`` (the others go on)."""
+    and diverged trials failed with ``hftc_fail_reason`` (the others go on). The study is
+    ``<spec.name>-serial``, or ``study_name``: a comparison with a fused study gives its
+    name, since a HyperbandPruner's bracket of trial k is hash(study name, k)."""
     from .storage import make_pruner
 
     start = time.perf_counter()
@@ -152,7 +154,8 @@ def run_serial(spec: SweepSpec, out: str | Path, *, storage: str | None = None,
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study = optuna.create_study(storage=storage, sampler=stock_sampler(spec),
                                         pruner=make_pruner(spec), direction=spec.direction,
-                                        study_name=f"{spec.name}-serial", load_if_exists=False)
+                                        study_name=study_name or f"{spec.name}-serial",
+                                        load_if_exists=False)
             for params in enqueue or ():
                 study.enqueue_trial(params)
             study.optimize(objective, n_trials=spec.n_trials, catch=(_Diverged,))
