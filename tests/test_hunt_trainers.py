@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -62,3 +63,56 @@ def test_torch_save_of_a_fused_mnist_net_after_training_loads_and_trains_on(tmp_
     F.nll_loss(alone(x), y).backward()
     torch.optim.SGD(alone.parameters(), lr=0.3).step()
     torch.testing.assert_close(loaded.unfuse()[2](x), alone(x))
+
+
+def test_lightning_hftc_reduce_lr_on_plateau_follows_each_models_metric(tmp_path):
+    # configure_optimizers returning {"scheduler": hftc.optim.ReduceLROnPlateau(opt),
+    # "monitor": "val_loss"} was refused by Lightning ("doesn't follow PyTorch's
+    # LRScheduler API"), and there is no "val_loss" beside "val_loss/model_k" to read.
+    pytest.importorskip("lightning")
+    pytest.importorskip("sklearn")
+    import test_lightning as tl
+
+    plateau = dict(patience=0, factor=0.5, threshold=0.01, threshold_mode="abs")
+
+    class Fused(tl.Fused):
+        def configure_optimizers(self):
+            opt = hftc.optim.SGD(self.fused.parameters(), lr=tl.LRS, momentum=tl.MOMENTA)
+            return {"optimizer": opt, "lr_scheduler": {
+                "scheduler": hftc.optim.ReduceLROnPlateau(opt, **plateau), "monitor": "val_loss"}}
+
+    class Alone(tl.Alone):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.model.parameters(), lr=self.lr, momentum=self.momentum)
+            return {"optimizer": opt, "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(opt, **plateau),
+                "monitor": "val_loss"}}
+
+    class Rates(tl.Callback):
+        def __init__(self):
+            self.epochs = []
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            ids = getattr(pl_module, "model_ids", [0])
+            groups = trainer.optimizers[0].param_groups
+            self.epochs.append(dict(zip(ids, (g["lr"] for g in groups))))
+
+    models = tl._models()
+    stopping = tl.hl.PerModelEarlyStopping("val_loss", patience=2, min_delta=tl.MIN_DELTA)
+    rates, record = Rates(), tl.Record()
+    tl._trainer([stopping, rates, record], tmp_path).fit(Fused(models), *tl._loaders())
+    assert stopping.stopped_epochs  # models left the array: the monitor was re-pointed
+    reduced = False
+    for k, model in enumerate(models):
+        alone_rates, alone_record = Rates(), tl.Record()
+        early = tl.EarlyStopping("val_loss", patience=2, min_delta=tl.MIN_DELTA)
+        tl._trainer([early, alone_rates, alone_record], tmp_path).fit(
+            Alone(model, tl.LRS[k], tl.MOMENTA[k]), *tl._loaders())
+        mine = [epoch[k] for epoch in rates.epochs if k in epoch]
+        theirs = [epoch[0] for epoch in alone_rates.epochs]
+        assert mine == pytest.approx(theirs, rel=1e-12), k
+        reduced |= theirs[-1] < theirs[0]
+        losses = [m[f"val_loss/model_{k}"] for m, ids in record.epochs if k in ids]
+        assert losses == pytest.approx([m["val_loss"] for m, _ in alone_record.epochs],
+                                       rel=1e-9), k
+    assert reduced  # the test means something: some model's rate was cut

@@ -54,6 +54,7 @@ from torch import nn
 
 from ..errors import FusionArgumentError, FusionTypeError, MissingExtraError
 from ..module.fused import FusedModule, fuse
+from ..optim.lr_scheduler import ReduceLROnPlateau as PerModelReduceLROnPlateau
 from ..training.shrink import keep_models
 
 try:
@@ -97,6 +98,8 @@ class FusedLightningModule(pl.LightningModule):
         self.fused = fused if fused is not None else fuse(list(models), **fuse_kwargs)
         #: the id (index in the models first given) of each model in the array, in order
         self.model_ids: list[int] = list(range(self.fused.num_models))
+        #: id(scheduler config) -> the metric name its hftc.optim.ReduceLROnPlateau monitors
+        self._plateau_monitors: dict[int, str] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.fused(*args, **kwargs)
@@ -148,6 +151,59 @@ class FusedLightningModule(pl.LightningModule):
                       if trainer is not None else [])
         keep_models(self.fused, keep, optimizers=optimizers, schedulers=schedulers)
         self.model_ids = [self.model_ids[j] for j in keep]
+        self._point_plateaus_at_models()
+
+    def on_fit_start(self) -> None:
+        """Each ``hftc.optim.ReduceLROnPlateau`` of ``configure_optimizers`` stepped as
+        Lightning steps a plateau schedule (after validation), on each model's own
+        ``{monitor}/model_{id}`` (:meth:`lr_scheduler_step`)."""
+        self._point_plateaus_at_models()
+
+    def _point_plateaus_at_models(self) -> None:
+        """Lightning steps a plateau schedule only where ``callback_metrics[monitor]``
+        exists, and there is no ``val_loss`` beside ``val_loss/model_k``: its config is
+        marked a plateau one and pointed at the first model's metric (re-pointed as models
+        leave); :meth:`lr_scheduler_step` reads every model's."""
+        trainer = self._trainer
+        if trainer is None or not self.model_ids:
+            return
+        for config in trainer.lr_scheduler_configs:
+            if not isinstance(config.scheduler, PerModelReduceLROnPlateau):
+                continue
+            if id(config) not in self._plateau_monitors:
+                if config.monitor is None:
+                    raise FusionArgumentError(
+                        f"{type(self).__name__}.configure_optimizers: "
+                        f"hftc.optim.ReduceLROnPlateau needs the metric each model's rate "
+                        f"follows: return {{'optimizer': opt, 'lr_scheduler': {{'scheduler': "
+                        f"sched, 'monitor': 'val_loss'}}}} with the name given to "
+                        f"self.log_per_model")
+                self._plateau_monitors[id(config)] = config.monitor
+            config.reduce_on_plateau = True
+            config.monitor = model_metric(self._plateau_monitors[id(config)], self.model_ids[0])
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Lightning's, and an ``hftc.optim.ReduceLROnPlateau`` stepped with each model's
+        own ``{monitor}/model_{id}`` (not the one value Lightning read)."""
+        if not isinstance(scheduler, PerModelReduceLROnPlateau):
+            super().lr_scheduler_step(scheduler, metric)
+            return
+        config = next(c for c in self.trainer.lr_scheduler_configs if c.scheduler is scheduler)
+        monitor = self._plateau_monitors.get(id(config))
+        if monitor is None:
+            raise FusionArgumentError(
+                f"{type(self).__name__}.on_fit_start does not call super().on_fit_start(): "
+                f"hftc.optim.ReduceLROnPlateau is then stepped before validation, with no "
+                f"metric per model; call it")
+        names = [model_metric(monitor, model_id) for model_id in self.model_ids]
+        metrics = self.trainer.callback_metrics
+        missing = [name for name in names if name not in metrics]
+        if missing:
+            raise FusionArgumentError(
+                f"hftc.optim.ReduceLROnPlateau monitors {monitor!r}: {missing} were not "
+                f"logged (logged: {sorted(metrics)}); log one value per model with "
+                f"self.log_per_model({monitor!r}, values)")
+        scheduler.step([float(metrics[name]) for name in names])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["hftc_model_ids"] = list(self.model_ids)
