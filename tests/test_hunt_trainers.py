@@ -116,3 +116,26 @@ def test_lightning_hftc_reduce_lr_on_plateau_follows_each_models_metric(tmp_path
         assert losses == pytest.approx([m["val_loss"] for m, _ in alone_record.epochs],
                                        rel=1e-9), k
     assert reduced  # the test means something: some model's rate was cut
+
+
+def test_a_mean_of_each_models_own_losses_is_warned_as_per_models_mean_is():
+    # torch.stack([F.nll_loss(o, y) for o in out]).mean() (the Lightning guide's way of
+    # making each model's loss, then a mean) divided each model's gradient by N, silently:
+    # only hftc.per_model(...)(out, y).mean() was warned of.
+    import warnings
+
+    fused = hftc.fuse(_mnist_models())
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 1, 14, 14, dtype=torch.float64), torch.randint(0, 10, (8,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fused(x)
+        torch.stack([F.nll_loss(o, y) for o in out]).sum().backward()  # right: no warning
+        out = fused(x)
+        torch.stack([F.nll_loss(o, y) for o in out]).mean().backward()
+        torch.stack([F.nll_loss(o, y).mean() for o in out]).shape  # (not a backward)
+        F.nll_loss(fused(x)[0], y, reduction="none").mean().backward()  # a batch mean
+    usage = [w for w in caught if issubclass(w.category, hftc.UsageWarning)]
+    assert len(usage) == 1, [str(w.message) for w in usage]
+    assert usage[0].filename == __file__ and ".sum()" in str(usage[0].message)
+    assert "divides each model's gradient by 3" in str(usage[0].message)
