@@ -138,3 +138,29 @@ def test_a_mean_of_each_models_own_losses_is_warned_as_per_models_mean_is():
     assert len(usage) == 1, [str(w.message) for w in usage]
     assert usage[0].filename == __file__ and ".sum()" in str(usage[0].message)
     assert "divides each model's gradient by 3" in str(usage[0].message)
+
+
+def test_an_ema_of_a_fused_module_that_models_left_is_refused_not_broadcast():
+    # After hftc.EarlyStopping / keep_models cut the array to [2], an AveragedModel made
+    # of the three went on: torch's lerp broadcast model 2's [1, ...] weights into the
+    # averages of models 0 and 1 and left model 2's own average as it was.
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    fused = hftc.fuse(_mnist_models())
+    opt = hftc.optim.SGD(fused.parameters(), lr=[0.1, 0.2, 0.3])
+    ema = AveragedModel(fused, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 1, 14, 14, dtype=torch.float64), torch.randint(0, 10, (8,))
+    hftc.per_model(F.nll_loss)(fused(x), y).sum().backward()
+    opt.step()
+    ema.update_parameters(fused)  # the same models: torch's own update
+    hftc.keep_models(fused, [2], optimizers=[opt])
+    before = [p.clone() for p in ema.parameters()]
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"models \[2\].*models \[0, 1, 2\].*keep_models\(ema.module, \[2\]\)"):
+        ema.update_parameters(fused)
+    assert all(torch.equal(a, b) for a, b in zip(before, ema.parameters()))
+    hftc.keep_models(ema.module, [2])  # what it says to do: then each average its own
+    ema.update_parameters(fused)
+    want = 0.9 * before[0][2] + 0.1 * fused.get_parameter("conv1.weight")[0]
+    torch.testing.assert_close(ema.module.get_parameter("conv1.weight")[0], want)
