@@ -75,6 +75,11 @@ def model_metric(name: str, model_id: int) -> str:
     return f"{name}/model_{model_id}"
 
 
+#: The attribute of a Lightning scheduler config holding the metric name its
+#: hftc.optim.ReduceLROnPlateau monitors (its ``monitor`` then names one model's).
+_PLATEAU_MONITOR = "_hftc_plateau_monitor"
+
+
 class FusedLightningModule(pl.LightningModule):
     """A ``LightningModule`` around ``hftc.fuse(models)``: ``self.fused``, called by
     ``self(...)``; write ``training_step`` / ``validation_step`` / ``configure_optimizers``
@@ -98,8 +103,6 @@ class FusedLightningModule(pl.LightningModule):
         self.fused = fused if fused is not None else fuse(list(models), **fuse_kwargs)
         #: the id (index in the models first given) of each model in the array, in order
         self.model_ids: list[int] = list(range(self.fused.num_models))
-        #: id(scheduler config) -> the metric name its hftc.optim.ReduceLROnPlateau monitors
-        self._plateau_monitors: dict[int, str] = {}
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.fused(*args, **kwargs)
@@ -170,7 +173,7 @@ class FusedLightningModule(pl.LightningModule):
         for config in trainer.lr_scheduler_configs:
             if not isinstance(config.scheduler, PerModelReduceLROnPlateau):
                 continue
-            if id(config) not in self._plateau_monitors:
+            if getattr(config, _PLATEAU_MONITOR, None) is None:
                 if config.monitor is None:
                     raise FusionArgumentError(
                         f"{type(self).__name__}.configure_optimizers: "
@@ -178,9 +181,9 @@ class FusedLightningModule(pl.LightningModule):
                         f"follows: return {{'optimizer': opt, 'lr_scheduler': {{'scheduler': "
                         f"sched, 'monitor': 'val_loss'}}}} with the name given to "
                         f"self.log_per_model")
-                self._plateau_monitors[id(config)] = config.monitor
+                setattr(config, _PLATEAU_MONITOR, config.monitor)
             config.reduce_on_plateau = True
-            config.monitor = model_metric(self._plateau_monitors[id(config)], self.model_ids[0])
+            config.monitor = model_metric(getattr(config, _PLATEAU_MONITOR), self.model_ids[0])
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
         """Lightning's, and an ``hftc.optim.ReduceLROnPlateau`` stepped with each model's
@@ -189,7 +192,7 @@ class FusedLightningModule(pl.LightningModule):
             super().lr_scheduler_step(scheduler, metric)
             return
         config = next(c for c in self.trainer.lr_scheduler_configs if c.scheduler is scheduler)
-        monitor = self._plateau_monitors.get(id(config))
+        monitor = getattr(config, _PLATEAU_MONITOR, None)
         if monitor is None:
             raise FusionArgumentError(
                 f"{type(self).__name__}.on_fit_start does not call super().on_fit_start(): "
