@@ -164,3 +164,27 @@ def test_an_ema_of_a_fused_module_that_models_left_is_refused_not_broadcast():
     ema.update_parameters(fused)
     want = 0.9 * before[0][2] + 0.1 * fused.get_parameter("conv1.weight")[0]
     torch.testing.assert_close(ema.module.get_parameter("conv1.weight")[0], want)
+
+
+def test_a_compile_step_made_before_early_stopping_cut_the_array_says_to_make_it_again():
+    # hftc.EarlyStopping dropped a model; the step made for the three then said "the loss
+    # nll_loss gave shape [2] for the 3 fused models ... give a loss reduced to a scalar",
+    # which sends the user to the wrong line.
+    fused = hftc.fuse(_mnist_models())
+    opt = hftc.optim.SGD(fused.parameters(), lr=[0.1, 0.2, 0.3])
+    step = hftc.compile_step(fused, F.nll_loss, opt, clip_grad_norm=[0.1, 0.2, 0.3])
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 1, 14, 14, dtype=torch.float64), torch.randint(0, 10, (8,))
+    step(x, y)
+    stopper = hftc.EarlyStopping(fused, patience=1)
+    stopper.step(torch.tensor([1.0, 1.0, 1.0]))
+    stopper.step(torch.tensor([0.5, 2.0, 0.5]))  # model 1 stops, leaves the array
+    assert fused.model_ids == [0, 2]
+    weights = [p.clone() for p in fused.parameters()]
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"made for models \[0, 1, 2\].*now holds models \[0, 2\].*"
+                             r"hftc.compile_step\(fused, "):
+        step(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(weights, fused.parameters()))
+    step = hftc.compile_step(fused, F.nll_loss, opt, clip_grad_norm=[0.1, 0.3])
+    assert step(x, y).shape == (2,)
