@@ -188,3 +188,21 @@ def test_a_compile_step_made_before_early_stopping_cut_the_array_says_to_make_it
     assert all(torch.equal(a, b) for a, b in zip(weights, fused.parameters()))
     step = hftc.compile_step(fused, F.nll_loss, opt, clip_grad_norm=[0.1, 0.3])
     assert step(x, y).shape == (2,)
+
+
+def test_a_grad_scaler_of_the_array_before_keep_models_says_what_to_do():
+    # A bare ValueError ("got 2 per-model losses but the scaler has 3 models") from hftc's
+    # internals, naming neither keep_models nor the fix.
+    fused = hftc.fuse(_mnist_models())
+    opt = hftc.optim.SGD(fused.parameters(), lr=[0.1, 0.2, 0.3])
+    scaler = hftc.amp.GradScaler()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 1, 14, 14, dtype=torch.float64), torch.randint(0, 10, (8,))
+    scaler.scale(hftc.per_model(F.nll_loss)(fused(x), y)).sum().backward()
+    scaler.step(opt)
+    scaler.update()
+    hftc.keep_models(fused, [0, 2], optimizers=[opt])
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"2 per-model losses but the scaler has 3.*keep_models.*"
+                             r"hftc.amp.GradScaler"):
+        scaler.scale(hftc.per_model(F.nll_loss)(fused(x), y))
