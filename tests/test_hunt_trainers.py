@@ -206,3 +206,30 @@ def test_a_grad_scaler_of_the_array_before_keep_models_says_what_to_do():
                        match=r"2 per-model losses but the scaler has 3.*keep_models.*"
                              r"hftc.amp.GradScaler"):
         scaler.scale(hftc.per_model(F.nll_loss)(fused(x), y))
+
+
+def test_lightning_stochastic_weight_averaging_over_batch_norms_is_refused(tmp_path):
+    # Lightning's SWA callback resets and recomputes batch norms found by class: a fused
+    # module's are stacked, so it trained on and ended with the statistics of the last
+    # weights, not of the averages (0.03 to 4.4 off a Lightning run per model).
+    pytest.importorskip("lightning")
+    pytest.importorskip("sklearn")
+    import test_lightning as tl
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    class WithNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.bn, self.fc2 = nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 10)
+
+        def forward(self, x):
+            return self.fc2(torch.relu(self.bn(self.fc1(x.flatten(1)))))
+
+    torch.manual_seed(0)
+    module = tl.Fused([WithNorm().double() for _ in tl.LRS])
+    before = {k: v.clone() for k, v in module.fused.state_dict().items()}
+    swa = StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=2)
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"StochasticWeightAveraging.*\bbn\b.*AveragedModel.*update_bn"):
+        tl._trainer([swa], tmp_path).fit(module, *tl._loaders())
+    assert all(torch.equal(v, module.fused.state_dict()[k]) for k, v in before.items())

@@ -159,7 +159,9 @@ class FusedLightningModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         """Each ``hftc.optim.ReduceLROnPlateau`` of ``configure_optimizers`` stepped as
         Lightning steps a plateau schedule (after validation), on each model's own
-        ``{monitor}/model_{id}`` (:meth:`lr_scheduler_step`)."""
+        ``{monitor}/model_{id}`` (:meth:`lr_scheduler_step`); Lightning's
+        ``StochasticWeightAveraging`` refused over batch norms (:func:`_refuse_swa_over_bn`)."""
+        _refuse_swa_over_bn(self)
         self._point_plateaus_at_models()
 
     def _point_plateaus_at_models(self) -> None:
@@ -236,6 +238,29 @@ class FusedLightningModule(pl.LightningModule):
                 f"model id {model_id} is not in the array (ids {self.model_ids}): it stopped "
                 f"(its checkpoint file holds it) or never was")
         return self.model_ids.index(model_id)
+
+
+def _refuse_swa_over_bn(module: FusedLightningModule) -> None:
+    """Lightning's ``StochasticWeightAveraging`` recomputes the batch norms' statistics for
+    the averaged weights, finding them by class (``_BatchNorm``); a fused module's are
+    stacked tensors of another class, so the run would end with the statistics of the
+    last weights trained, not of the averages, silently.  Refused before training."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    trainer = module._trainer
+    callbacks = getattr(trainer, "callbacks", None) or []
+    if not any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
+        return
+    norms = sorted({name.rsplit(".", 1)[0] for name, _ in module.fused.named_buffers()
+                    if name.endswith("running_mean")})
+    if norms:
+        raise FusionArgumentError(
+            f"{type(module).__name__}: Lightning's StochasticWeightAveraging finds batch norms "
+            f"by their class, and the fused module holds them ({', '.join(norms[:3])}) as "
+            f"stacked tensors, so it would not recompute their statistics for the averaged "
+            f"weights. Average each model with torch.optim.swa_utils.AveragedModel(self.fused) "
+            f"in training_step/on_train_epoch_end, then recompute the statistics per model: "
+            f"for m in averaged.module.unfuse(): update_bn(loader, m)")
 
 
 def _fused_module(pl_module: Any, who: str) -> FusedLightningModule:
