@@ -233,3 +233,25 @@ def test_lightning_stochastic_weight_averaging_over_batch_norms_is_refused(tmp_p
                        match=r"StochasticWeightAveraging.*\bbn\b.*AveragedModel.*update_bn"):
         tl._trainer([swa], tmp_path).fit(module, *tl._loaders())
     assert all(torch.equal(v, module.fused.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("which", ["torch", "hftc"])
+def test_lightning_16_bit_loss_scaling_of_the_summed_loss_is_refused_before_training(
+        tmp_path, which):
+    # Lightning's MixedPrecision scales the one summed loss: torch's scaler failed at the
+    # first optimizer step, hftc's said "take scaler.scale(losses).sum()" at Lightning's
+    # own line, which the user cannot change.
+    pytest.importorskip("lightning")
+    pytest.importorskip("sklearn")
+    import test_lightning as tl
+    from lightning.pytorch.plugins import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu") if which == "torch" else hftc.amp.GradScaler()
+    module = tl.Fused(tl._models())
+    trainer = tl._trainer([], tmp_path)
+    trainer.strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    before = {k: v.clone() for k, v in module.fused.state_dict().items()}
+    with pytest.raises(hftc.errors.FusionArgumentError,
+                       match=r"one loss training_step returns.*bf16-mixed.*hftc.amp.GradScaler"):
+        trainer.fit(module, *tl._loaders())
+    assert all(torch.equal(v, module.fused.state_dict()[k]) for k, v in before.items())

@@ -162,6 +162,7 @@ class FusedLightningModule(pl.LightningModule):
         ``{monitor}/model_{id}`` (:meth:`lr_scheduler_step`); Lightning's
         ``StochasticWeightAveraging`` refused over batch norms (:func:`_refuse_swa_over_bn`)."""
         _refuse_swa_over_bn(self)
+        _refuse_one_loss_scale(self)
         self._point_plateaus_at_models()
 
     def _point_plateaus_at_models(self) -> None:
@@ -261,6 +262,26 @@ def _refuse_swa_over_bn(module: FusedLightningModule) -> None:
             f"weights. Average each model with torch.optim.swa_utils.AveragedModel(self.fused) "
             f"in training_step/on_train_epoch_end, then recompute the statistics per model: "
             f"for m in averaged.module.unfuse(): update_bn(loader, m)")
+
+
+def _refuse_one_loss_scale(module: FusedLightningModule) -> None:
+    """``precision="16-mixed"`` scales the one loss ``training_step`` returns, the N
+    models' sum: torch's GradScaler (one scale, refused by hftc's optimizers at the first
+    step) or hftc's, which needs the N losses, cannot be right there.  Refused before
+    training, saying what works."""
+    trainer = module._trainer
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is None:  # (manual_backward scales with it too)
+        return
+    raise FusionArgumentError(
+        f"{type(module).__name__}: Lightning's 16-bit mixed precision scales the one loss "
+        f"training_step returns (the {len(module.model_ids)} models' sum) with one "
+        f"{type(scaler).__name__}; each model needs its own loss scale. Train with "
+        f"precision='bf16-mixed' (no loss scaling), or keep precision='32-true' and scale "
+        f"each model's loss yourself in a manual-optimization training_step "
+        f"(self.automatic_optimization = False; torch.autocast, hftc.amp.GradScaler: "
+        f"self.manual_backward(scaler.scale(losses).sum()); scaler.step(opt); "
+        f"scaler.update())")
 
 
 def _fused_module(pl_module: Any, who: str) -> FusedLightningModule:
