@@ -255,3 +255,19 @@ def test_lightning_16_bit_loss_scaling_of_the_summed_loss_is_refused_before_trai
                        match=r"one loss training_step returns.*bf16-mixed.*hftc.amp.GradScaler"):
         trainer.fit(module, *tl._loaders())
     assert all(torch.equal(v, module.fused.state_dict()[k]) for k, v in before.items())
+
+
+def test_hf_neftune_is_refused_by_the_fused_trainer_not_traced(tmp_path):
+    # TrainingArguments(neftune_noise_alpha=5) made the Trainer call
+    # fused.get_input_embeddings(), which hftc fused as a method and failed in a long
+    # TraceError about Python inspecting values in forward.
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import test_hf_trainer as th
+
+    data = th._dataset("classify")
+    fused = hftc.fuse(th._models(th._bert), example_inputs=(data[0]["input_ids"][None],))
+    with pytest.raises(hftc.errors.FusionArgumentError, match=r"neftune_noise_alpha.*None"):
+        th.hftc_hf.FusedTrainer(model=fused, args=th._args(tmp_path, "f", neftune_noise_alpha=5.0),
+                                train_dataset=data)
+    assert transformers is not None
