@@ -13,6 +13,9 @@ beside the code they serve; this module only installs them (docs/API.md describe
     torch.nn.utils.clip_grad_value_           one value per model on a fused module's
                                               parameters: model i's by value i (utils.py)
     torch.optim.swa_utils.update_bn           refused on a fused module (hftc/utils.py)
+    torch.optim.swa_utils.AveragedModel       from a fused module holding other models than
+      .update_parameters                      the average (after keep_models): refused,
+                                              naming keep_models(ema.module, ...)
     torch.optim.{LBFGS, Adafactor, Muon}      refused on stacked parameters: their update
       .add_param_group                        couples the models (hftc/optim/coupled.py)
     torch.optim.lr_scheduler                  N metrics for a fused optimizer: refused,
@@ -81,6 +84,8 @@ def install() -> None:
         module.clip_grads_with_norm_ = utils._clip_grads_with_norm_per_model
         module.clip_grad_value_ = utils._clip_grad_value_per_model
     torch.optim.swa_utils.update_bn = utils._update_bn_refusing_fused
+    torch.optim.swa_utils.AveragedModel.update_parameters = \
+        utils._update_parameters_checking_models
     for base in coupled._COUPLING:
         base.add_param_group = coupled.refusing_add_param_group(base)
     torch.optim.lr_scheduler.ReduceLROnPlateau.step = lr_scheduler._plateau_step_on_fused

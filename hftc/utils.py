@@ -236,6 +236,31 @@ def _update_bn_refusing_fused(loader: Any, model: nn.Module, device: Any = None)
     return _torch_update_bn(loader, model, device)
 
 
+_torch_update_parameters = torch.optim.swa_utils.AveragedModel.update_parameters
+
+
+@functools.wraps(_torch_update_parameters)
+def _update_parameters_checking_models(self: Any, model: nn.Module) -> None:
+    """``AveragedModel.update_parameters`` as installed by ``import hftc``: an average of a
+    fused module's N models, updated from the fused module after ``hftc.keep_models``
+    (``hftc.EarlyStopping``) dropped some, would broadcast the kept models' stacked
+    weights over every model's average (``[1, ...]`` into ``[N, ...]``) or fail on a
+    shape.  Refused, naming the models on each side and how to cut the average too."""
+    averaged = getattr(getattr(self, "module", None), "model_ids", None)
+    training = getattr(model, "model_ids", None)
+    if averaged is not None and training is not None and list(averaged) != list(training):
+        kept = [averaged.index(i) for i in training if i in averaged]
+        cut = (f"save the averages of the models that left (ema.module.model_state_dict(j), "
+               f"j their positions), then cut it as the array was: "
+               f"hftc.keep_models(ema.module, {kept})" if len(kept) == len(training) else
+               "make a new AveragedModel of the fused module")
+        raise FusionArgumentError(
+            f"AveragedModel.update_parameters: the fused module holds models {list(training)} "
+            f"(model_ids), this AveragedModel averages models {list(averaged)}; torch would "
+            f"mix one model's weights into another's average. {cut[0].upper()}{cut[1:]}")
+    return _torch_update_parameters(self, model)
+
+
 def _grads_and_num_models(parameters, num_models: int | None, fn: str) -> tuple[list[Tensor], int]:
     if isinstance(parameters, nn.Module):
         if num_models is None:

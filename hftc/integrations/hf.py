@@ -90,6 +90,7 @@ class FusedTrainer(transformers.Trainer):
     Raises ``FusionTypeError`` for a model that is not a fused module of ``PreTrainedModel``\\ s
     and ``FusionArgumentError`` for what would treat the N models as one:
     ``label_smoothing_factor`` (the Trainer smooths the logits as one model's),
+    ``neftune_noise_alpha`` (a hook on one model's input embeddings),
     ``save_total_limit`` with ``load_best_model_at_end`` (the Trainer keeps one best
     checkpoint, the models' bests differ), ``batch_eval_metrics`` and
     ``DataParallel`` over several GPUs of one process (use DDP: ``torchrun`` /
@@ -124,6 +125,13 @@ class FusedTrainer(transformers.Trainer):
                 "FusedTrainer: label_smoothing_factor is applied by the Trainer to the logits "
                 "as one model's, but the fused logits are [N, batch, ...]; set it to 0 and use "
                 "the models' own loss (or a compute_loss_func giving N losses)")
+        if args is not None and getattr(args, "neftune_noise_alpha", None):
+            # (the Trainer hooks model.get_input_embeddings(): one module of one model)
+            raise FusionArgumentError(
+                "FusedTrainer: neftune_noise_alpha adds noise through a hook on "
+                "model.get_input_embeddings(), one model's embedding module, which a fused "
+                "module of N models has not (its call failed in hftc's tracing); set it to "
+                "None (each model's noise would not be its own run's draws either)")
         if args is not None and args.load_best_model_at_end and args.save_total_limit:
             raise FusionArgumentError(
                 "FusedTrainer: save_total_limit with load_best_model_at_end would keep one "

@@ -54,6 +54,7 @@ from torch import nn
 
 from ..errors import FusionArgumentError, FusionTypeError, MissingExtraError
 from ..module.fused import FusedModule, fuse
+from ..optim.lr_scheduler import ReduceLROnPlateau as PerModelReduceLROnPlateau
 from ..training.shrink import keep_models
 
 try:
@@ -72,6 +73,11 @@ def model_metric(name: str, model_id: int) -> str:
     ``loss``, 3 -> ``loss/model_3`` (TensorBoard and the other loggers group by the part
     before the slash: one chart of ``loss`` with a line per model)."""
     return f"{name}/model_{model_id}"
+
+
+#: The attribute of a Lightning scheduler config holding the metric name its
+#: hftc.optim.ReduceLROnPlateau monitors (its ``monitor`` then names one model's).
+_PLATEAU_MONITOR = "_hftc_plateau_monitor"
 
 
 class FusedLightningModule(pl.LightningModule):
@@ -148,6 +154,62 @@ class FusedLightningModule(pl.LightningModule):
                       if trainer is not None else [])
         keep_models(self.fused, keep, optimizers=optimizers, schedulers=schedulers)
         self.model_ids = [self.model_ids[j] for j in keep]
+        self._point_plateaus_at_models()
+
+    def on_fit_start(self) -> None:
+        """Each ``hftc.optim.ReduceLROnPlateau`` of ``configure_optimizers`` stepped as
+        Lightning steps a plateau schedule (after validation), on each model's own
+        ``{monitor}/model_{id}`` (:meth:`lr_scheduler_step`); Lightning's
+        ``StochasticWeightAveraging`` refused over batch norms (:func:`_refuse_swa_over_bn`)."""
+        _refuse_swa_over_bn(self)
+        _refuse_one_loss_scale(self)
+        self._point_plateaus_at_models()
+
+    def _point_plateaus_at_models(self) -> None:
+        """Lightning steps a plateau schedule only where ``callback_metrics[monitor]``
+        exists, and there is no ``val_loss`` beside ``val_loss/model_k``: its config is
+        marked a plateau one and pointed at the first model's metric (re-pointed as models
+        leave); :meth:`lr_scheduler_step` reads every model's."""
+        trainer = self._trainer
+        if trainer is None or not self.model_ids:
+            return
+        for config in trainer.lr_scheduler_configs:
+            if not isinstance(config.scheduler, PerModelReduceLROnPlateau):
+                continue
+            if getattr(config, _PLATEAU_MONITOR, None) is None:
+                if config.monitor is None:
+                    raise FusionArgumentError(
+                        f"{type(self).__name__}.configure_optimizers: "
+                        f"hftc.optim.ReduceLROnPlateau needs the metric each model's rate "
+                        f"follows: return {{'optimizer': opt, 'lr_scheduler': {{'scheduler': "
+                        f"sched, 'monitor': 'val_loss'}}}} with the name given to "
+                        f"self.log_per_model")
+                setattr(config, _PLATEAU_MONITOR, config.monitor)
+            config.reduce_on_plateau = True
+            config.monitor = model_metric(getattr(config, _PLATEAU_MONITOR), self.model_ids[0])
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        """Lightning's, and an ``hftc.optim.ReduceLROnPlateau`` stepped with each model's
+        own ``{monitor}/model_{id}`` (not the one value Lightning read)."""
+        if not isinstance(scheduler, PerModelReduceLROnPlateau):
+            super().lr_scheduler_step(scheduler, metric)
+            return
+        config = next(c for c in self.trainer.lr_scheduler_configs if c.scheduler is scheduler)
+        monitor = getattr(config, _PLATEAU_MONITOR, None)
+        if monitor is None:
+            raise FusionArgumentError(
+                f"{type(self).__name__}.on_fit_start does not call super().on_fit_start(): "
+                f"hftc.optim.ReduceLROnPlateau is then stepped before validation, with no "
+                f"metric per model; call it")
+        names = [model_metric(monitor, model_id) for model_id in self.model_ids]
+        metrics = self.trainer.callback_metrics
+        missing = [name for name in names if name not in metrics]
+        if missing:
+            raise FusionArgumentError(
+                f"hftc.optim.ReduceLROnPlateau monitors {monitor!r}: {missing} were not "
+                f"logged (logged: {sorted(metrics)}); log one value per model with "
+                f"self.log_per_model({monitor!r}, values)")
+        scheduler.step([float(metrics[name]) for name in names])
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["hftc_model_ids"] = list(self.model_ids)
@@ -177,6 +239,49 @@ class FusedLightningModule(pl.LightningModule):
                 f"model id {model_id} is not in the array (ids {self.model_ids}): it stopped "
                 f"(its checkpoint file holds it) or never was")
         return self.model_ids.index(model_id)
+
+
+def _refuse_swa_over_bn(module: FusedLightningModule) -> None:
+    """Lightning's ``StochasticWeightAveraging`` recomputes the batch norms' statistics for
+    the averaged weights, finding them by class (``_BatchNorm``); a fused module's are
+    stacked tensors of another class, so the run would end with the statistics of the
+    last weights trained, not of the averages, silently.  Refused before training."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    trainer = module._trainer
+    callbacks = getattr(trainer, "callbacks", None) or []
+    if not any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
+        return
+    norms = sorted({name.rsplit(".", 1)[0] for name, _ in module.fused.named_buffers()
+                    if name.endswith("running_mean")})
+    if norms:
+        raise FusionArgumentError(
+            f"{type(module).__name__}: Lightning's StochasticWeightAveraging finds batch norms "
+            f"by their class, and the fused module holds them ({', '.join(norms[:3])}) as "
+            f"stacked tensors, so it would not recompute their statistics for the averaged "
+            f"weights. Average each model with torch.optim.swa_utils.AveragedModel(self.fused) "
+            f"in training_step/on_train_epoch_end, then recompute the statistics per model: "
+            f"for m in averaged.module.unfuse(): update_bn(loader, m)")
+
+
+def _refuse_one_loss_scale(module: FusedLightningModule) -> None:
+    """``precision="16-mixed"`` scales the one loss ``training_step`` returns, the N
+    models' sum: torch's GradScaler (one scale, refused by hftc's optimizers at the first
+    step) or hftc's, which needs the N losses, cannot be right there.  Refused before
+    training, saying what works."""
+    trainer = module._trainer
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is None:  # (manual_backward scales with it too)
+        return
+    raise FusionArgumentError(
+        f"{type(module).__name__}: Lightning's 16-bit mixed precision scales the one loss "
+        f"training_step returns (the {len(module.model_ids)} models' sum) with one "
+        f"{type(scaler).__name__}; each model needs its own loss scale. Train with "
+        f"precision='bf16-mixed' (no loss scaling), or keep precision='32-true' and scale "
+        f"each model's loss yourself in a manual-optimization training_step "
+        f"(self.automatic_optimization = False; torch.autocast, hftc.amp.GradScaler: "
+        f"self.manual_backward(scaler.scale(losses).sum()); scaler.step(opt); "
+        f"scaler.update())")
 
 
 def _fused_module(pl_module: Any, who: str) -> FusedLightningModule:

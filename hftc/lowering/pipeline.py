@@ -34,6 +34,10 @@ methods are called.
 
 from __future__ import annotations
 
+import copy
+import importlib
+import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -126,6 +130,71 @@ class ModeGraphs:
         gm = fx.GraphModule(template, self.graph)
         self.graph.owning_module = None
         return gm
+
+    # pickle stores a call_function target by module and __qualname__; torch's
+    # boolean_dispatch functions (F.max_pool2d, F.adaptive_max_pool2d ...) have the
+    # qualname 'boolean_dispatch.<locals>.fn', so torch.save(fused) failed on them: a
+    # pickled graph names such a target by the module attribute bound to it instead.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if any(_ModuleAttribute.needed(n.target) for n in self.graph.nodes):
+            state["graph"] = _graph_with_targets(self.graph, _ModuleAttribute.of)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if any(isinstance(n.target, _ModuleAttribute) for n in state["graph"].nodes):
+            state["graph"] = _graph_with_targets(state["graph"], _ModuleAttribute.resolve)
+        self.__dict__.update(state)
+
+
+def _graph_with_targets(graph: fx.Graph, change: Callable[[Any], Any]) -> fx.Graph:
+    """A copy of ``graph`` with ``change(target)`` for each target ``change`` takes (a
+    ``_ModuleAttribute`` or a function needing one); node by node, as fx's own lookup
+    table of nodes by target must see the new targets."""
+    copied = fx.Graph(tracer_cls=graph._tracer_cls)
+    copied._codegen = copy.deepcopy(graph._codegen)
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        target = node.target
+        if isinstance(target, _ModuleAttribute) or _ModuleAttribute.needed(target):
+            target = change(target)
+        args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
+        env[node] = copied.create_node(node.op, target, args, kwargs, node.name, node.type)
+        env[node].meta = copy.copy(node.meta)
+    return copied
+
+
+@dataclass(frozen=True)
+class _ModuleAttribute:
+    """A function named by ``module.name`` where its ``__qualname__`` does not find it."""
+
+    module: str
+    name: str
+
+    @staticmethod
+    def needed(target: Any) -> bool:
+        """A Python function pickle cannot find by its qualified name, that its module
+        binds (builtins pickle by their own ``__reduce__``)."""
+        if not isinstance(target, types.FunctionType):
+            return False
+        module = sys.modules.get(target.__module__ or "")
+        if module is None:
+            return False
+        found: Any = module
+        for part in target.__qualname__.split("."):
+            found = getattr(found, part, None)
+        return found is not target and any(v is target for v in vars(module).values())
+
+    @classmethod
+    def of(cls, target: Any) -> _ModuleAttribute:
+        module = sys.modules[target.__module__]
+        return cls(target.__module__, next(k for k, v in vars(module).items() if v is target))
+
+    def resolve(self) -> Any:
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # (fx takes callable targets only)
+        return self.resolve()(*args, **kwargs)
 
 
 class ProgramHost(Protocol):

@@ -44,6 +44,8 @@ def mark_outputs(out: Any, num_models: int) -> Any:
         if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == num_models:
             with contextlib.suppress(AttributeError, RuntimeError):  # (a functorch wrapper)
                 setattr(t, OUTPUT_MARK, num_models)
+                if t.grad_fn is not None:  # (found behind a loss the user made of it)
+                    t.grad_fn.metadata[OUTPUT_MARK] = num_models
     return out
 
 

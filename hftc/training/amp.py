@@ -99,8 +99,13 @@ class GradScaler:
         if self._num_models is None:
             self._num_models = n
         elif n != self._num_models:
-            raise ValueError(
-                f"GradScaler: got {n} per-model losses but the scaler has {self._num_models} models"
+            # (a FusionArgumentError is a ValueError, as this was)
+            raise FusionArgumentError(
+                f"GradScaler: got {n} per-model losses but the scaler has {self._num_models} "
+                f"models (each its own scale). Where hftc.keep_models or hftc.EarlyStopping "
+                f"cut the fused module, make the scaler again for the models kept "
+                f"(scaler = hftc.amp.GradScaler(...)); else give it one loss per model of "
+                f"this fused module"
             )
         if self._scale is None:
             self._scale = torch.full((n,), self._init_scale, dtype=torch.float32, device=device)

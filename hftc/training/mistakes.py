@@ -372,6 +372,49 @@ def _losses_behind(tensor: Tensor, limit: int = 64) -> int | None:
     return None
 
 
+#: The user's lines whose backward from a mean of N values was looked at (once a line).
+_WARNED_MEAN_LINES: set[tuple[str, int]] = set()
+
+
+def _check_mean_of_model_losses(loss: Tensor, limit: int = 1024) -> None:
+    """A backward from ``torch.stack([loss_fn(o, y) for o in out]).mean()`` (each model's
+    loss made by the user, from a fused output of N models): the mean divides each
+    model's gradient by N, as ``hftc.per_model(...)(out, y).mean()`` does (which
+    :func:`check_loss_reduction` finds by its gradient); warned once per line."""
+    node = loss.grad_fn
+    if loss.dim() != 0 or node is None or not FUSED_MODULES or node.name() != "MeanBackward0" \
+            or torch.compiler.is_compiling():
+        return
+    sizes = getattr(node, "_saved_self_sym_sizes", ())
+    if len(sizes) != 1 or int(sizes[0]) < 2:
+        return
+    frame = sys._getframe(user_stacklevel() - 1)
+    site = (frame.f_code.co_filename, frame.f_lineno)
+    if site in _WARNED_MEAN_LINES:  # (a line is looked at once: the walk costs)
+        return
+    _WARNED_MEAN_LINES.add(site)
+    n, todo, seen = int(sizes[0]), [node], 0
+    while todo and seen < limit:
+        current = todo.pop(0)
+        if current is None:
+            continue
+        seen += 1
+        if LOSSES_MARK in current.metadata:  # hftc.per_model's: its own check warns
+            return
+        if current.metadata.get(OUTPUT_MARK) == n:
+            break
+        todo.extend(next_node for next_node, _ in current.next_functions)
+    else:
+        return
+    warnings.warn(
+        f"backward() from the mean of {n} values made from a fused output of {n} models"
+        f"{user_line()}: if they are the models' losses, the mean divides each model's "
+        f"gradient by {n} (with SGD: a learning rate {n} times smaller, with Adam a "
+        f"different epsilon). Take their .sum(): each model's loss is its own, the sum "
+        f"gives each model exactly the gradient it gets alone.", UsageWarning,
+        stacklevel=user_stacklevel())
+
+
 def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None]:
     """``torch.autograd.backward`` (which ``Tensor.backward`` calls) that, where torch
     refuses a backward from a tensor of more than one element without a gradient, says
@@ -380,6 +423,8 @@ def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None
 
     @functools.wraps(backward)
     def checked(tensors: Any, grad_tensors: Any = None, *args: Any, **kwargs: Any) -> None:
+        if grad_tensors is None and isinstance(tensors, Tensor):
+            _check_mean_of_model_losses(tensors)
         try:
             return backward(tensors, grad_tensors, *args, **kwargs)
         except RuntimeError as exc:

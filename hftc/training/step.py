@@ -190,6 +190,8 @@ class CompiledStep:
                 f"mode='eager' to keep the scaler")
         self.fused, self.optimizer, self.scaler = fused, optimizer, scaler
         self.num_models, self.device, self.mode = num_models, device, mode
+        #: the models it was made for (hftc.keep_models cutting the array leaves it stale)
+        self._model_ids = list(getattr(fused, "model_ids", range(num_models)))
         self.loss_fn = loss_fn
         self._losses_of = per_model(loss_fn) if per_model_loss else loss_fn
         self.clip_grad_norm = clip_grad_norm
@@ -236,6 +238,8 @@ class CompiledStep:
             raise FusionArgumentError(
                 "compile_step: the step was called under torch.no_grad(); it runs backward. "
                 "Call it with gradients enabled (evaluate with fused(x) instead)")
+        if getattr(self.fused, "num_models", self.num_models) != self.num_models:
+            self._refuse_cut_array()
         key = self._signature(inputs, target)
         done = self._calls.get(key, 0)
         if done < self.warmup or self.mode == "eager" or self._still_choosing():
@@ -254,6 +258,17 @@ class CompiledStep:
         if self.mode == "compile":
             return self._compiled_step(inputs, target)
         return self._graph_step(key, inputs, target)
+
+    def _refuse_cut_array(self) -> None:
+        """The fused module lost models since (``hftc.keep_models``, ``hftc.EarlyStopping``):
+        the step's per-model values, programs and graphs are the N models'."""
+        raise FusionArgumentError(
+            f"compile_step: this step was made for models {self._model_ids} of the fused "
+            f"module, which now holds models {self.fused.model_ids} (hftc.keep_models or "
+            f"hftc.EarlyStopping cut it); its per-model values, programs and graphs are "
+            f"the old array's. Make the step again for the models kept: "
+            f"step = hftc.compile_step(fused, loss_fn, optimizer, ...) (a clip_grad_norm "
+            f"or GradScaler per model, for the models kept)")
 
     def _still_choosing(self) -> bool:
         """Whether the fused module is still timing its first calls (``strategy="timed"``
