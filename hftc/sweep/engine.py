@@ -64,7 +64,15 @@ from .fingerprint import check_same_spec, spec_fingerprint
 from .recovery import Recovery, try_lock
 from .sampling import TrialSeededSampler, grid_left
 from .spec import SpecError, SweepSpec, hook_name
-from .storage import Heartbeat, count_trials, make_pruner, make_sampler, make_storage, masked_url
+from .storage import (
+    Heartbeat,
+    count_trials,
+    make_pruner,
+    make_sampler,
+    make_storage,
+    masked_url,
+    storage_errors,
+)
 from .training import (
     batch_for_hook,
     batches,
@@ -322,6 +330,19 @@ class Sweep(Recovery, Arrays, Decisions):
             self._warn(f"the sweep {self.study_name!r} in {where} was started with other "
                        f"values of the spec's module constants: {'; '.join(constants)}; its "
                        f"resumed and new trials train with these")
+
+    def _storage_failed(self, exc: BaseException) -> SweepError:
+        """The sweep's database failed mid-sweep: said naming it (password masked), with
+        what becomes of the live trials."""
+        live = sorted(r.number for r in self.live)
+        kept = (f"trials {live} are not failed (their last epoch is checkpointed in "
+                f"{self.out}): " if live else "")
+        others = ("" if self.default_storage else "; or leave it to the other workers, "
+                  "which retry them from epoch 0 once their heartbeat is stale")
+        return SweepError(
+            f"the Optuna storage {masked_url(self.storage_url)} failed: {type(exc).__name__}: "
+            f"{(str(exc).splitlines() or [''])[0]}; {kept}rerun the same command with "
+            f"--resume once the database is reachable{others}")
 
     def _nothing_to_resume(self) -> SweepError:
         db = self.out / "study.db"
@@ -655,6 +676,8 @@ class Sweep(Recovery, Arrays, Decisions):
                 if isinstance(exc, KeyboardInterrupt):  # (--resume needs the study made)
                     exc.hftc_resumable = getattr(self, "study", None) is not None or (
                         self.resume or (self.default_storage and (self.out / "study.db").exists()))
+                if isinstance(exc, storage_errors()):  # opening, resuming, the results
+                    raise self._storage_failed(exc) from exc
                 raise
             shutil.rmtree(self.dir, ignore_errors=True)
             if getattr(self, "_lock", None) is not None:
@@ -780,6 +803,10 @@ class Sweep(Recovery, Arrays, Decisions):
             # The output folder failed (disk full, read-only), not the trials: they stay
             # RUNNING, to be resumed from their last checkpoints.
             raise
+        except storage_errors() as exc:
+            # So did the database (restarted, unreachable): failing the trials for good
+            # would lose them; they stay RUNNING, their last epoch checkpointed.
+            raise self._storage_failed(exc) from exc
         except Exception as exc:
             # A bug in the spec (or ours) would fail the same way on every retry: fail the
             # live trials for good, with the reason, instead of leaving them to be retried.

@@ -18,7 +18,7 @@ from ..errors import SweepError
 from .spec import SweepSpec
 
 __all__ = ["make_storage", "one_worker_per_trial", "make_sampler", "make_pruner", "Heartbeat",
-           "count_trials", "masked_url"]
+           "count_trials", "masked_url", "storage_errors"]
 
 
 # ---------------------------------------------------------------------- storage
@@ -31,6 +31,14 @@ def _retry_callback() -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "experimental" since 2.8
         return cls(max_retry=3)
+
+
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """The errors of the database itself (Optuna's wrapper of a failed commit, SQLAlchemy's
+    own): not a trial's, so never a reason to fail one."""
+    import sqlalchemy.exc
+
+    return (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError)
 
 
 def masked_url(url: str) -> str:

@@ -1,0 +1,65 @@
+"""Hunt: sweeps whose study is shared by several workers, killed and resumed, and their
+storage's failures (SQLite here; PostgreSQL where ``HFTC_TEST_POSTGRES_URL`` reaches one)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from test_sweep import retrain_alone, spec_file  # noqa: F401  (a fixture)
+
+import hftc.sweep as hs
+import hftc.sweep.engine as engine
+from hftc.__main__ import main
+
+
+def _flaky_storage(monkeypatch, fail_at: int) -> dict:
+    """make_storage whose storages raise a database error (a server restart) on the
+    ``fail_at``-th intermediate value written, once."""
+    real_make = engine.make_storage
+    calls = {"n": 0}
+
+    def make(*args, **kwargs):
+        storage = real_make(*args, **kwargs)
+        real = storage.set_trial_intermediate_value
+
+        def flaky(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise optuna.exceptions.StorageInternalError(
+                    "An exception is raised during the commit. (server closed the "
+                    "connection unexpectedly)")
+            return real(*a, **k)
+
+        storage.set_trial_intermediate_value = flaky
+        return storage
+
+    monkeypatch.setattr(engine, "make_storage", make)
+    return calls
+
+
+def test_a_storage_error_mid_sweep_fails_no_trial_and_resume_finishes_them(
+        spec_file, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """A database that fails a write mid-round (PostgreSQL restarted, a network blip) is
+    the storage's failure, not the trials': they stay RUNNING, their epoch checkpointed,
+    the command says so naming the storage (no traceback), and --resume finishes them
+    equal to each trained alone. (They were failed for good, and lost.)"""
+    out = tmp_path / "out"
+    args = ["sweep", str(spec_file), "--out", str(out), "--trials", "4", "--epochs", "2",
+            "--pruner", "none", "--no-progress", "--no-estimate", "--per-array", "3"]
+    _flaky_storage(monkeypatch, fail_at=4)  # round 2's first report
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "storage" in err and "--resume" in err and str(out / "study.db") in err, err
+    storage = f"sqlite:///{out / 'study.db'}"
+    trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    assert [t.state for t in trials] == [TrialState.RUNNING] * 3, [
+        (t.number, t.state.name, t.user_attrs.get("hftc_fail_reason")) for t in trials]
+    monkeypatch.undo()
+    assert main([*args, "--resume"]) == 0
+    trials = optuna.load_study(study_name="tiny", storage=storage).trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    spec = hs.load_spec(spec_file).replace(epochs=2)
+    for t in trials:
+        fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
+        assert max(abs(a - b) for a, b in zip(retrain_alone(spec, t), fused)) <= 1e-9
