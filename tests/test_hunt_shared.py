@@ -63,3 +63,17 @@ def test_a_storage_error_mid_sweep_fails_no_trial_and_resume_finishes_them(
     for t in trials:
         fused = [t.intermediate_values[s] for s in sorted(t.intermediate_values)]
         assert max(abs(a - b) for a, b in zip(retrain_alone(spec, t), fused)) <= 1e-9
+
+
+@pytest.mark.parametrize("url, said", [
+    ("postgresql://hftc:s3cr@t!@127.0.0.1/hftc_test", "%40"),  # an unencoded '@'
+    ("postgresql://hftc:s3cr/t!@127.0.0.1:1/hftc_test", "127.0.0.1:1"),  # nothing listens
+])
+def test_a_bad_or_down_storage_url_is_named_with_its_password_masked(url, said):
+    """The error names the URL with the password masked, all of it: one holding an '@'
+    or a '/' was masked only up to it (and SQLAlchemy took its rest for the host)."""
+    with pytest.raises(hs.SweepError) as info:
+        hs.make_storage(url)
+    message = str(info.value)
+    assert said in message and "hftc:***@127.0.0.1" in message, message
+    assert "s3cr" not in message and "t!" not in message, message

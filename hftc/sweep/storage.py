@@ -42,12 +42,24 @@ def storage_errors() -> tuple[type[BaseException], ...]:
 
 
 def masked_url(url: str) -> str:
-    head, sep, tail = url.partition("@")
-    if not sep or "://" not in head:
+    """``url`` with its password as ``***``: all between the user's ``:`` and the last
+    ``@`` (a password may hold an unencoded ``/`` or ``@``)."""
+    import re
+
+    scheme, sep, rest = url.partition("://")
+    found = re.match(r"([^:/@]*):(.*)@([^@]*)$", rest) if sep else None
+    if found is None:
         return url
-    scheme, _, creds = head.partition("://")
-    user = creds.partition(":")[0]
-    return f"{scheme}://{user}:***@{tail}"
+    return f"{scheme}://{found.group(1)}:***@{found.group(3)}"
+
+
+def _check_url(url: str) -> None:
+    """SQLAlchemy ends the password at its first ``@``: a second one would take the
+    password's rest for the host (and print it in the error)."""
+    if url.partition("://")[2].count("@") > 1:
+        raise SweepError(
+            f"the storage URL {masked_url(url)} has more than one '@': write an '@' in the "
+            f"user name or password as %40 (percent-encoded)")
 
 
 def _with_driver(url: str) -> str:
@@ -78,6 +90,7 @@ def make_storage(url: str, heartbeat_interval: int = 30,
     except (TypeError, ValueError):
         key = "failed_trial_callback"
     kwargs[key] = _retry_callback()
+    _check_url(url)
     url = _with_driver(url)
     if url.startswith("sqlite"):
         # The heartbeat thread writes while the main thread does: wait for the lock.
