@@ -77,3 +77,18 @@ def test_a_bad_or_down_storage_url_is_named_with_its_password_masked(url, said):
     message = str(info.value)
     assert said in message and "hftc:***@127.0.0.1" in message, message
     assert "s3cr" not in message and "t!" not in message, message
+
+
+@pytest.mark.parametrize("interval, grace", [(5, 2), (3, 3), (1, 0), (1, -4)])
+def test_a_grace_period_a_heartbeat_cannot_keep_is_refused(spec_file, tmp_path, capsys,
+                                                           interval, grace):  # noqa: F811
+    """A grace period no longer than the heartbeat interval has every other worker fail a
+    live worker's trials between two of its heartbeats, and train them again (0 was taken
+    for the default, a negative one said as a storage that cannot be opened): refused,
+    naming both options, before anything is written."""
+    out = tmp_path / "out"
+    code = main(["sweep", str(spec_file), "--out", str(out), "--no-progress",
+                 "--heartbeat-interval", str(interval), "--grace-period", str(grace)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--grace-period" in err and "--heartbeat-interval" in err, err
+    assert not (out / "study.db").exists()

@@ -462,7 +462,7 @@ def test_orphan_without_heartbeat_on_a_shared_storage_is_retried(spec_file: Path
     spec.space(orphan)
     logged: list[str] = []
     result = hs.run(spec, out=tmp_path / "out", storage=url, study_name="tiny",
-                    heartbeat_interval=1, grace_period=1, progress=False, log=logged.append)
+                    heartbeat_interval=1, grace_period=2, progress=False, log=logged.append)
     _assert_failed_once_and_retried(result.study.trials, orphan, n_finished=3)
     assert any(f"trial {orphan.number} was running nowhere" in m for m in logged)
 

@@ -66,6 +66,7 @@ from .sampling import TrialSeededSampler, grid_left
 from .spec import SpecError, SweepSpec, hook_name
 from .storage import (
     Heartbeat,
+    check_heartbeat,
     count_trials,
     make_pruner,
     make_sampler,
@@ -220,6 +221,7 @@ class Sweep(Recovery, Arrays, Decisions):
         self.resume = resume
         self.heartbeat_interval = max(1, int(heartbeat_interval))
         self.grace_period = grace_period
+        check_heartbeat(self.heartbeat_interval, grace_period)  # before anything is written
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.log = log if log is not None else (lambda msg: None)
         self.live: list[LiveTrial] = []

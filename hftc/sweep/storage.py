@@ -18,7 +18,7 @@ from ..errors import SweepError
 from .spec import SweepSpec
 
 __all__ = ["make_storage", "one_worker_per_trial", "make_sampler", "make_pruner", "Heartbeat",
-           "count_trials", "masked_url", "storage_errors"]
+           "count_trials", "masked_url", "storage_errors", "check_heartbeat"]
 
 
 # ---------------------------------------------------------------------- storage
@@ -76,10 +76,25 @@ def _with_driver(url: str) -> str:
     return url
 
 
+def check_heartbeat(heartbeat_interval: int, grace_period: int | None) -> None:
+    """A grace period a live worker's heartbeats cannot keep is refused: every other worker
+    would fail its trials between two beats and train them again."""
+    if grace_period is None:
+        return
+    if grace_period <= 0 or grace_period <= heartbeat_interval:
+        raise SweepError(
+            f"--grace-period (grace_period) {grace_period} s must be longer than "
+            f"--heartbeat-interval (heartbeat_interval) {heartbeat_interval} s: a live "
+            f"worker's trials would be taken for dead between two of its heartbeats, failed "
+            f"and trained again by another worker. Leave it out (4 intervals, "
+            f"{4 * heartbeat_interval} s) or give a few intervals")
+
+
 def make_storage(url: str, heartbeat_interval: int = 30,
                  grace_period: int | None = None) -> optuna.storages.RDBStorage:
     """An Optuna RDB storage (``sqlite:///...`` or ``postgresql://...``) with heartbeats
     on, and stale trials retried (same parameters) by whichever worker asks next."""
+    check_heartbeat(heartbeat_interval, grace_period)
     kwargs: dict[str, Any] = {"heartbeat_interval": int(heartbeat_interval),
                               "grace_period": int(grace_period or 4 * heartbeat_interval)}
     try:
