@@ -6,11 +6,18 @@ from __future__ import annotations
 import optuna
 import pytest
 from optuna.trial import TrialState
-from test_sweep import retrain_alone, spec_file  # noqa: F401  (a fixture)
+from test_sweep import SPEC_SOURCE, retrain_alone
 
 import hftc.sweep as hs
 import hftc.sweep.engine as engine
 from hftc.__main__ import main
+
+
+@pytest.fixture
+def spec_file(tmp_path):
+    path = tmp_path / "tiny_spec.py"  # test_sweep's tiny CNN, float64
+    path.write_text(SPEC_SOURCE)
+    return path
 
 
 def _flaky_storage(monkeypatch, fail_at: int) -> dict:
@@ -39,7 +46,7 @@ def _flaky_storage(monkeypatch, fail_at: int) -> dict:
 
 
 def test_a_storage_error_mid_sweep_fails_no_trial_and_resume_finishes_them(
-        spec_file, tmp_path, monkeypatch, capsys):  # noqa: F811
+        spec_file, tmp_path, monkeypatch, capsys):
     """A database that fails a write mid-round (PostgreSQL restarted, a network blip) is
     the storage's failure, not the trials': they stay RUNNING, their epoch checkpointed,
     the command says so naming the storage (no traceback), and --resume finishes them
@@ -80,8 +87,8 @@ def test_a_bad_or_down_storage_url_is_named_with_its_password_masked(url, said):
 
 
 @pytest.mark.parametrize("interval, grace", [(5, 2), (3, 3), (1, 0), (1, -4)])
-def test_a_grace_period_a_heartbeat_cannot_keep_is_refused(spec_file, tmp_path, capsys,
-                                                           interval, grace):  # noqa: F811
+def test_a_grace_period_a_heartbeat_cannot_keep_is_refused(
+        spec_file, tmp_path, capsys, interval, grace):
     """A grace period no longer than the heartbeat interval has every other worker fail a
     live worker's trials between two of its heartbeats, and train them again (0 was taken
     for the default, a negative one said as a storage that cannot be opened): refused,
@@ -92,3 +99,33 @@ def test_a_grace_period_a_heartbeat_cannot_keep_is_refused(spec_file, tmp_path, 
     err = capsys.readouterr().err
     assert code == 2 and "--grace-period" in err and "--heartbeat-interval" in err, err
     assert not (out / "study.db").exists()
+
+
+def test_workers_asking_at_once_never_run_more_than_n_trials(
+        spec_file, tmp_path, monkeypatch):
+    """Two workers on one study both count one trial of budget left and both ask: the one
+    whose trial comes second gives it back, unrun. (Three workers on PostgreSQL with
+    --trials 4 ended with 5 complete trials.)"""
+    spec = hs.load_spec(spec_file).replace(n_trials=3, epochs=1, pruner="none", per_array=3)
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    real_ask = optuna.Study.ask
+    asks = {"n": 0}
+
+    def ask(study, *args, **kwargs):
+        asks["n"] += 1
+        if asks["n"] == 3:  # the other worker asks and finishes one, after our count
+            other = optuna.load_study(study_name="tiny", storage=url)
+            t = real_ask(other)
+            spec.space(t)
+            t.set_user_attr("hftc_seed", spec.seed + t.number)
+            other.tell(t, 1.0)
+        return real_ask(study, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.Study, "ask", ask)
+    result = hs.run(spec, out=tmp_path / "out", storage=url, study_name="tiny",
+                    progress=False, estimate=False)
+    trials = result.study.trials
+    finished = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(finished) == 3, [(t.number, t.state.name) for t in trials]
+    assert [t.state for t in trials if t.state != TrialState.COMPLETE] == [TrialState.FAIL]
+    assert [t.params for t in trials if t.state == TrialState.FAIL] == [{}]  # never ran

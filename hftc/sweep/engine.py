@@ -65,9 +65,11 @@ from .recovery import Recovery, try_lock
 from .sampling import TrialSeededSampler, grid_left
 from .spec import SpecError, SweepSpec, hook_name
 from .storage import (
+    SURPLUS,
     Heartbeat,
     check_heartbeat,
     count_trials,
+    counts_in_budget,
     make_pruner,
     make_sampler,
     make_storage,
@@ -483,6 +485,8 @@ class Sweep(Recovery, Arrays, Decisions):
                 break
             room -= 1
             trial = self.study.ask()
+            if self._over_budget(trial):
+                break
             self.heartbeat.add(trial._trial_id)
             try:
                 run = self._new_run(trial)
@@ -508,6 +512,28 @@ class Sweep(Recovery, Arrays, Decisions):
             self._write_manifest()
             self.log(f"trial {trial.number} started: {run.params}")
         return came
+
+    def _over_budget(self, trial: optuna.Trial) -> bool:
+        """Another worker may ask between this one's count and its ask: a new trial whose
+        earlier trials (by id, the order Optuna made them in) already use the whole
+        budget is one too many. It is failed unrun, marked so that nothing counts it;
+        a trial that was waiting (a retry, an enqueued one) is never one too many."""
+        frozen = self.storage.get_trial(trial._trial_id)
+        if "failed_trial" in frozen.system_attrs or "fixed_params" in frozen.system_attrs:
+            return False
+        before = [t for t in self.study.get_trials(deepcopy=False)
+                  if t._trial_id < trial._trial_id]
+        used = sum(counts_in_budget(t) or t.state == TrialState.WAITING for t in before)
+        if used < self.spec.n_trials:
+            return False
+        with contextlib.suppress(Exception):
+            trial.set_user_attr(SURPLUS, f"asked once {used} trials used the budget of "
+                                         f"{self.spec.n_trials} (another worker asked at once)"
+                                         f"; never ran")
+            self._tell(trial, state=TrialState.FAIL)
+        self.log(f"trial {trial.number} was one too many (another worker asked at once); "
+                 f"given back unrun")
+        return True
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         with contextlib.suppress(Exception):

@@ -18,7 +18,8 @@ from ..errors import SweepError
 from .spec import SweepSpec
 
 __all__ = ["make_storage", "one_worker_per_trial", "make_sampler", "make_pruner", "Heartbeat",
-           "count_trials", "masked_url", "storage_errors", "check_heartbeat"]
+           "count_trials", "counts_in_budget", "SURPLUS", "masked_url", "storage_errors",
+           "check_heartbeat"]
 
 
 # ---------------------------------------------------------------------- storage
@@ -264,9 +265,20 @@ class Heartbeat(threading.Thread):
         self.stopped.set()
 
 
+#: The user attribute of a trial asked past the budget (workers asking at once) and
+#: failed unrun: no count and no report takes it for a trial of the study's.
+SURPLUS = "hftc_surplus"
+
+
+def counts_in_budget(t: optuna.trial.FrozenTrial) -> bool:
+    """Finished, running, or failed for a reason of its own (a heartbeat-stale failure is
+    retried, and its retry counts instead; a trial asked one too many never ran)."""
+    return t.state in (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED) or (
+        t.state == TrialState.FAIL and "hftc_fail_reason" in t.user_attrs)
+
+
 def count_trials(study: optuna.Study) -> dict[str, int]:
-    """Trials that use the budget (finished, running, or failed for a reason of their own:
-    a heartbeat-stale failure is retried, and its retry counts instead), and waiting ones."""
+    """Trials that use the budget (:func:`counts_in_budget`), and waiting ones."""
     c = {"budget": 0, "waiting": 0, "running": 0, "finished": 0}
     for t in study.get_trials(deepcopy=False):
         if t.state == TrialState.WAITING:
@@ -274,10 +286,7 @@ def count_trials(study: optuna.Study) -> dict[str, int]:
         elif t.state == TrialState.RUNNING:
             c["running"] += 1
             c["budget"] += 1
-        elif t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (
-                t.state == TrialState.FAIL and "hftc_fail_reason" in t.user_attrs):
+        elif counts_in_budget(t):
             c["finished"] += 1
             c["budget"] += 1
     return c
-
-
