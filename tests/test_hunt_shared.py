@@ -129,3 +129,29 @@ def test_workers_asking_at_once_never_run_more_than_n_trials(
     assert len(finished) == 3, [(t.number, t.state.name) for t in trials]
     assert [t.state for t in trials if t.state != TrialState.COMPLETE] == [TrialState.FAIL]
     assert [t.params for t in trials if t.state == TrialState.FAIL] == [{}]  # never ran
+
+
+def test_best_pt_is_never_another_trials_weights(spec_file, tmp_path):
+    """A worker whose study's best trial was trained by another worker (its weights in
+    that worker's folder) left its own earlier best.pt in place, beside a best.json naming
+    the other trial: best.pt then held another model's weights. It goes."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    spec = hs.load_spec(spec_file).replace(n_trials=2, epochs=1, pruner="none")
+    out = tmp_path / "a"
+    first = hs.run(spec, out=out, storage=url, study_name="tiny", progress=False,
+                   estimate=False)
+    assert (out / "best.pt").exists()
+    study = first.study
+    done = study.best_trial
+    # Another worker (its folder elsewhere) finished a better trial since.
+    study.add_trial(optuna.trial.create_trial(
+        params=done.params, distributions=done.distributions, value=done.value - 1.0,
+        intermediate_values={1: done.value - 1.0},
+        user_attrs={"hftc_worker": "elsewhere-1", "hftc_seed": 99, "hftc_orders": [0]}))
+    hs.run(spec.replace(n_trials=3), out=out, storage=url, study_name="tiny", progress=False,
+           estimate=False)
+    import json
+
+    best = json.loads((out / "best.json").read_text())
+    assert best["number"] == 2
+    assert not (out / "best.pt").exists()

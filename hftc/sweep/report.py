@@ -139,6 +139,9 @@ def write_results(sweep) -> tuple[dict[str, Path], str]:
             files["best"] = out / "best.pt"
             atomic_write(files["best"], weights.read_bytes())
         else:
+            # An earlier best.pt of this folder is another trial's: it would go with this
+            # best.json as the best model's weights.
+            (out / "best.pt").unlink(missing_ok=True)
             board += (f"\n(best.pt not written: trial {best.number} was trained by worker "
                       f"{best.user_attrs.get('hftc_worker')}; its weights are in that "
                       f"worker's OUT/trials/)")
