@@ -155,3 +155,27 @@ def test_best_pt_is_never_another_trials_weights(spec_file, tmp_path):
     best = json.loads((out / "best.json").read_text())
     assert best["number"] == 2
     assert not (out / "best.pt").exists()
+
+
+def test_a_database_that_never_answers_is_an_error_not_a_hang(monkeypatch):
+    """A PostgreSQL host that takes the connection and never answers (a hung server, a
+    firewall) had the sweep wait forever: the connection has a timeout, and the error
+    names the URL, password masked."""
+    import socket
+
+    import hftc.sweep.storage as storage
+
+    pytest.importorskip("psycopg")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nobody answers
+    port = silent.getsockname()[1]
+    monkeypatch.setattr(storage, "CONNECT_TIMEOUT_S", 1)
+    try:
+        with pytest.raises(hs.SweepError) as info:
+            hs.make_storage(f"postgresql://hftc:s3cret@127.0.0.1:{port}/hftc_test")
+    finally:
+        silent.close()
+    message = str(info.value)
+    assert f"hftc:***@127.0.0.1:{port}" in message and "s3cret" not in message, message
+    assert "timeout" in message.lower(), message

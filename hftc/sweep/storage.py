@@ -25,6 +25,10 @@ __all__ = ["make_storage", "one_worker_per_trial", "make_sampler", "make_pruner"
 # ---------------------------------------------------------------------- storage
 
 
+#: Seconds to wait for a PostgreSQL server to answer a new connection.
+CONNECT_TIMEOUT_S = 20
+
+
 def _retry_callback() -> Any:
     cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
     if cls is None:  # optuna < 4.9
@@ -110,10 +114,15 @@ def make_storage(url: str, heartbeat_interval: int = 30,
     url = _with_driver(url)
     if url.startswith("sqlite"):
         # The heartbeat thread writes while the main thread does: wait for the lock.
-        engine_kwargs = {"connect_args": {"timeout": 60}}
+        engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": 60}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
+        if url.startswith("postgresql") and "connect_timeout" not in url:
+            # (libpq waits for ever on a host that takes the connection and never answers)
+            engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
     try:
+        if not url.startswith("sqlite"):
+            _reach(url, engine_kwargs)  # once: a down server is said now, not retried
         for attempt in range(4):
             try:
                 with warnings.catch_warnings():
@@ -141,6 +150,18 @@ def make_storage(url: str, heartbeat_interval: int = 30,
     if storage.engine.name == "sqlite":
         _fast_sqlite(storage)
     return storage
+
+
+def _reach(url: str, engine_kwargs: dict[str, Any]) -> None:
+    """Connect once and close: its error (refused, timed out, a wrong password) is the
+    server's, which waiting for the table-creation race would only delay."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(url, **engine_kwargs)
+    try:
+        engine.connect().close()
+    finally:
+        engine.dispose()
 
 
 def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
