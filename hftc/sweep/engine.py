@@ -518,6 +518,8 @@ class Sweep(Recovery, Arrays, Decisions):
         earlier trials (by id, the order Optuna made them in) already use the whole
         budget is one too many. It is failed unrun, marked so that nothing counts it;
         a trial that was waiting (a retry, an enqueued one) is never one too many."""
+        if self.default_storage and not self._others_alive():
+            return False  # no one else asks: the count before the ask holds
         frozen = self.storage.get_trial(trial._trial_id)
         if "failed_trial" in frozen.system_attrs or "fixed_params" in frozen.system_attrs:
             return False
