@@ -179,3 +179,69 @@ def test_a_database_that_never_answers_is_an_error_not_a_hang(monkeypatch):
     message = str(info.value)
     assert f"hftc:***@127.0.0.1:{port}" in message and "s3cret" not in message, message
     assert "timeout" in message.lower(), message
+
+
+_NETLIB = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(36, 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(x, 1))
+'''
+
+_IMPORTING_SPEC = '''
+import torch
+from {lib} import Net
+
+name = "imports"
+epochs = 1
+n_trials = 2
+per_array = 2
+pruner = "none"
+dtype = torch.float64
+
+
+def space(trial):
+    return {{"lr": trial.suggest_float("lr", 0.01, 0.1)}}
+
+
+def model(params):
+    return Net()
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1, 6, 6, generator=g)
+    y = (x.flatten(1) @ torch.randn(36, 3, generator=g)).argmax(1)
+    return (x[:48], y[:48]), (x[48:], y[48:])
+'''
+
+
+def test_an_edited_model_class_imported_by_the_spec_is_refused_on_resume(tmp_path):
+    """The spec's model() builds a class of the user's own module beside it (``from
+    models import Net``, as most projects keep it): an edit of that class is another
+    spec, refused when the study is continued, as an edit in the spec file is. (It was
+    digested by its name only: the study mixed two architectures.)"""
+    import sys
+    import uuid
+
+    lib = f"netlib_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{lib}.py").write_text(_NETLIB)
+    spec_path = tmp_path / "importing_spec.py"
+    spec_path.write_text(_IMPORTING_SPEC.format(lib=lib))
+    out = tmp_path / "out"
+    hs.run(hs.load_spec(spec_path), out=out, progress=False, estimate=False)
+    (tmp_path / f"{lib}.py").write_text(_NETLIB.replace(
+        "nn.Linear(36, 3)", "nn.Sequential(nn.Linear(36, 8), nn.ReLU(), nn.Linear(8, 3))"))
+    del sys.modules[lib]  # (as a new process imports it)
+    with pytest.raises(hs.SweepError, match="model"):
+        hs.run(hs.load_spec(spec_path), n_trials=4, out=out, progress=False, estimate=False)
+    del sys.modules[lib]
+    (tmp_path / f"{lib}.py").write_text(_NETLIB + "\n# a comment changes nothing\n")
+    hs.run(hs.load_spec(spec_path), n_trials=3, out=out, progress=False, estimate=False)
