@@ -245,3 +245,12 @@ def test_an_edited_model_class_imported_by_the_spec_is_refused_on_resume(tmp_pat
     del sys.modules[lib]
     (tmp_path / f"{lib}.py").write_text(_NETLIB + "\n# a comment changes nothing\n")
     hs.run(hs.load_spec(spec_path), n_trials=3, out=out, progress=False, estimate=False)
+
+
+@pytest.mark.parametrize("url, said", [
+    ("study.db", "sqlite:///study.db"),  # a path given for a URL
+    ("sqlite:///no/such/folder/study.db", "no/such/folder does not exist"),
+])
+def test_a_storage_url_typo_says_what_to_write(url, said):
+    with pytest.raises(hs.SweepError, match=said):
+        hs.make_storage(url)

@@ -59,8 +59,22 @@ def masked_url(url: str) -> str:
 
 
 def _check_url(url: str) -> None:
-    """SQLAlchemy ends the password at its first ``@``: a second one would take the
-    password's rest for the host (and print it in the error)."""
+    """A path for a URL, a SQLite file in a folder that is not there, or an unencoded
+    ``@`` (SQLAlchemy ends the password at the first, and prints its rest as the host):
+    said before SQLAlchemy says it less clearly."""
+    from pathlib import Path
+
+    if "://" not in url:
+        raise SweepError(
+            f"the storage {masked_url(url)!r} is not a database URL: give "
+            f"sqlite:///{url if url.endswith('.db') else 'path/to/study.db'} (a file) or "
+            f"postgresql://user:password@host/database")
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        folder = Path(url[len("sqlite:///"):].partition("?")[0]).parent
+        if not folder.is_dir():
+            raise SweepError(f"the storage {url}: its folder {folder} does not exist (make "
+                             f"it, or give another path; sqlite:////abs/path for an "
+                             f"absolute one)")
     if url.partition("://")[2].count("@") > 1:
         raise SweepError(
             f"the storage URL {masked_url(url)} has more than one '@': write an '@' in the "
