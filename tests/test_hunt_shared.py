@@ -254,3 +254,25 @@ def test_an_edited_model_class_imported_by_the_spec_is_refused_on_resume(tmp_pat
 def test_a_storage_url_typo_says_what_to_write(url, said):
     with pytest.raises(hs.SweepError, match=said):
         hs.make_storage(url)
+
+
+def test_two_workers_recording_their_spec_at_once_are_compared(spec_file, tmp_path,
+                                                              monkeypatch):
+    """Two workers start a new study at the same moment, one with an edited spec: both
+    read no record, both write theirs, and the second write fails on the unique key (a
+    bare storage error), or wins. Read back, the record is compared: the other spec is
+    refused, not mixed in."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    spec = hs.load_spec(spec_file).replace(n_trials=2, epochs=1, pruner="none")
+    real = optuna.Study.set_user_attr
+
+    def at_once(study, key, value):
+        if key == "hftc_spec":  # the other worker's record, with its epochs, came first
+            real(study, key, {**value, "epochs": "7"})
+            raise optuna.exceptions.StorageInternalError("(IntegrityError) UNIQUE constraint")
+        return real(study, key, value)
+
+    monkeypatch.setattr(optuna.Study, "set_user_attr", at_once)
+    with pytest.raises(hs.SweepError, match="started with another spec: epochs was 7"):
+        hs.run(spec, out=tmp_path / "out", storage=url, study_name="tiny", progress=False,
+               estimate=False)

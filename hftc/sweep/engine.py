@@ -326,8 +326,14 @@ class Sweep(Recovery, Arrays, Decisions):
         study records it."""
         recorded = self.study.user_attrs.get(FINGERPRINT)
         if recorded is None:
-            self.study.set_user_attr(FINGERPRINT, spec_fingerprint(self.spec))
-            return
+            mine = spec_fingerprint(self.spec)
+            with contextlib.suppress(*storage_errors()):  # (a unique key: another wrote it)
+                self.study.set_user_attr(FINGERPRINT, mine)
+            # Read back: a worker started at the same moment may have recorded its spec
+            # instead, and this one must then be the same.
+            recorded = self.study.user_attrs.get(FINGERPRINT)
+            if recorded == json.loads(json.dumps(mine)):
+                return
         where = self.out if self.default_storage else masked_url(self.storage_url)
         constants = check_same_spec(recorded, self.spec, self.study_name, str(where))
         if constants:
