@@ -3,6 +3,9 @@ storage's failures (SQLite here; PostgreSQL where ``HFTC_TEST_POSTGRES_URL`` rea
 
 from __future__ import annotations
 
+import os
+import uuid
+
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -101,20 +104,34 @@ def test_a_grace_period_a_heartbeat_cannot_keep_is_refused(
     assert not (out / "study.db").exists()
 
 
+def _postgres_or_skip() -> str:
+    """A fresh study's URL on the PostgreSQL of HFTC_TEST_POSTGRES_URL (skipped without)."""
+    from test_sweep_distributed import _reachable
+
+    url = os.environ.get("HFTC_TEST_POSTGRES_URL")
+    problem = _reachable(url) if url else "HFTC_TEST_POSTGRES_URL is not set"
+    if problem:
+        pytest.skip(problem)
+    return url
+
+
+@pytest.mark.parametrize("where", ["sqlite", "postgresql"])
 def test_workers_asking_at_once_never_run_more_than_n_trials(
-        spec_file, tmp_path, monkeypatch):
+        spec_file, tmp_path, monkeypatch, where):
     """Two workers on one study both count one trial of budget left and both ask: the one
     whose trial comes second gives it back, unrun. (Three workers on PostgreSQL with
     --trials 4 ended with 5 complete trials.)"""
     spec = hs.load_spec(spec_file).replace(n_trials=3, epochs=1, pruner="none", per_array=3)
-    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    url = (f"sqlite:///{tmp_path / 'shared.db'}" if where == "sqlite"
+           else _postgres_or_skip())
+    name = f"tiny-{uuid.uuid4().hex[:8]}"
     real_ask = optuna.Study.ask
     asks = {"n": 0}
 
     def ask(study, *args, **kwargs):
         asks["n"] += 1
         if asks["n"] == 3:  # the other worker asks and finishes one, after our count
-            other = optuna.load_study(study_name="tiny", storage=url)
+            other = optuna.load_study(study_name=name, storage=url)
             t = real_ask(other)
             spec.space(t)
             t.set_user_attr("hftc_seed", spec.seed + t.number)
@@ -122,7 +139,7 @@ def test_workers_asking_at_once_never_run_more_than_n_trials(
         return real_ask(study, *args, **kwargs)
 
     monkeypatch.setattr(optuna.Study, "ask", ask)
-    result = hs.run(spec, out=tmp_path / "out", storage=url, study_name="tiny",
+    result = hs.run(spec, out=tmp_path / "out", storage=url, study_name=name,
                     progress=False, estimate=False)
     trials = result.study.trials
     finished = [t for t in trials if t.state == TrialState.COMPLETE]
@@ -229,7 +246,6 @@ def test_an_edited_model_class_imported_by_the_spec_is_refused_on_resume(tmp_pat
     spec, refused when the study is continued, as an edit in the spec file is. (It was
     digested by its name only: the study mixed two architectures.)"""
     import sys
-    import uuid
 
     lib = f"netlib_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{lib}.py").write_text(_NETLIB)
