@@ -462,7 +462,7 @@ def test_orphan_without_heartbeat_on_a_shared_storage_is_retried(spec_file: Path
     spec.space(orphan)
     logged: list[str] = []
     result = hs.run(spec, out=tmp_path / "out", storage=url, study_name="tiny",
-                    heartbeat_interval=1, grace_period=1, progress=False, log=logged.append)
+                    heartbeat_interval=1, grace_period=2, progress=False, log=logged.append)
     _assert_failed_once_and_retried(result.study.trials, orphan, n_finished=3)
     assert any(f"trial {orphan.number} was running nowhere" in m for m in logged)
 
@@ -475,7 +475,7 @@ def test_a_trial_asked_a_moment_ago_is_not_taken_for_dead(spec_file: Path, tmp_p
     spec = hs.load_spec(spec_file).replace(n_trials=2, epochs=1, pruner="none")
     url = f"sqlite:///{tmp_path / 'shared.db'}"
     sweep = engine.Sweep(spec, out=tmp_path / "out", storage=url, study_name="tiny",
-                         heartbeat_interval=1, grace_period=1, progress=False)
+                         heartbeat_interval=1, grace_period=2, progress=False)
     sweep.storage = hs.make_storage(url)
     sweep.study = optuna.create_study(study_name="tiny", storage=sweep.storage,
                                       direction="minimize")

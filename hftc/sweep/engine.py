@@ -36,6 +36,7 @@ seeded from its number; the pruner is asked once per trial and epoch (``KEPT_FIL
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -65,13 +66,17 @@ from .recovery import Recovery, try_lock
 from .sampling import TrialSeededSampler, grid_left
 from .spec import SpecError, SweepSpec, hook_name, plain_params
 from .storage import (
+    SURPLUS,
     Heartbeat,
+    check_heartbeat,
     count_trials,
+    counts_in_budget,
     make_pruner,
     make_sampler,
     make_storage,
     masked_url,
     room_for,
+    storage_errors,
 )
 from .training import (
     batch_for_hook,
@@ -220,6 +225,7 @@ class Sweep(Recovery, Arrays, Decisions):
         self.resume = resume
         self.heartbeat_interval = max(1, int(heartbeat_interval))
         self.grace_period = grace_period
+        check_heartbeat(self.heartbeat_interval, grace_period)  # before anything is written
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.log = log if log is not None else (lambda msg: None)
         self.live: list[LiveTrial] = []
@@ -322,14 +328,33 @@ class Sweep(Recovery, Arrays, Decisions):
         study records it."""
         recorded = self.study.user_attrs.get(FINGERPRINT)
         if recorded is None:
-            self.study.set_user_attr(FINGERPRINT, spec_fingerprint(self.spec))
-            return
+            mine = spec_fingerprint(self.spec)
+            with contextlib.suppress(*storage_errors()):  # (a unique key: another wrote it)
+                self.study.set_user_attr(FINGERPRINT, mine)
+            # Read back: a worker started at the same moment may have recorded its spec
+            # instead, and this one must then be the same.
+            recorded = self.study.user_attrs.get(FINGERPRINT)
+            if recorded == json.loads(json.dumps(mine)):
+                return
         where = self.out if self.default_storage else masked_url(self.storage_url)
         constants = check_same_spec(recorded, self.spec, self.study_name, str(where))
         if constants:
             self._warn(f"the sweep {self.study_name!r} in {where} was started with other "
                        f"values of the spec's module constants: {'; '.join(constants)}; its "
                        f"resumed and new trials train with these")
+
+    def _storage_failed(self, exc: BaseException) -> SweepError:
+        """The sweep's database failed mid-sweep: said naming it (password masked), with
+        what becomes of the live trials."""
+        live = sorted(r.number for r in self.live)
+        kept = (f"trials {live} are not failed (their last epoch is checkpointed in "
+                f"{self.out}): " if live else "")
+        others = ("" if self.default_storage else "; or leave it to the other workers, "
+                  "which retry them from epoch 0 once their heartbeat is stale")
+        return SweepError(
+            f"the Optuna storage {masked_url(self.storage_url)} failed: {type(exc).__name__}: "
+            f"{(str(exc).splitlines() or [''])[0]}; {kept}rerun the same command with "
+            f"--resume once the database is reachable{others}")
 
     def _nothing_to_resume(self) -> SweepError:
         db = self.out / "study.db"
@@ -468,6 +493,8 @@ class Sweep(Recovery, Arrays, Decisions):
                 break
             room -= 1
             trial = self.study.ask()
+            if self._over_budget(trial):
+                break
             self.heartbeat.add(trial._trial_id)
             try:
                 run = self._new_run(trial)
@@ -516,6 +543,30 @@ class Sweep(Recovery, Arrays, Decisions):
                 f"scheduler() (the traceback's last lines); that trial is failed"
                 f"{kept}. Make the spec's function take these params, or leave them "
                 f"out of space()")
+
+    def _over_budget(self, trial: optuna.Trial) -> bool:
+        """Another worker may ask between this one's count and its ask: a new trial whose
+        earlier trials (by id, the order Optuna made them in) already use the whole
+        budget is one too many. It is failed unrun, marked so that nothing counts it;
+        a trial that was waiting (a retry, an enqueued one) is never one too many."""
+        if self.default_storage and not self._others_alive():
+            return False  # no one else asks: the count before the ask holds
+        frozen = self.storage.get_trial(trial._trial_id)
+        if "failed_trial" in frozen.system_attrs or "fixed_params" in frozen.system_attrs:
+            return False
+        before = [t for t in self.study.get_trials(deepcopy=False)
+                  if t._trial_id < trial._trial_id]
+        used = sum(counts_in_budget(t) or t.state == TrialState.WAITING for t in before)
+        if used < self.spec.n_trials:
+            return False
+        with contextlib.suppress(Exception):
+            trial.set_user_attr(SURPLUS, f"asked once {used} trials used the budget of "
+                                         f"{self.spec.n_trials} (another worker asked at once)"
+                                         f"; never ran")
+            self._tell(trial, state=TrialState.FAIL)
+        self.log(f"trial {trial.number} was one too many (another worker asked at once); "
+                 f"given back unrun")
+        return True
 
     def _fail(self, trial: optuna.Trial, reason: str) -> None:
         with contextlib.suppress(Exception):
@@ -686,6 +737,8 @@ class Sweep(Recovery, Arrays, Decisions):
                 if isinstance(exc, KeyboardInterrupt):  # (--resume needs the study made)
                     exc.hftc_resumable = getattr(self, "study", None) is not None or (
                         self.resume or (self.default_storage and (self.out / "study.db").exists()))
+                if isinstance(exc, storage_errors()):  # opening, resuming, the results
+                    raise self._storage_failed(exc) from exc
                 raise
             shutil.rmtree(self.dir, ignore_errors=True)
             if getattr(self, "_lock", None) is not None:
@@ -813,6 +866,10 @@ class Sweep(Recovery, Arrays, Decisions):
             # The output folder failed (disk full, read-only), not the trials: they stay
             # RUNNING, to be resumed from their last checkpoints.
             raise
+        except storage_errors() as exc:
+            # So did the database (restarted, unreachable): failing the trials for good
+            # would lose them; they stay RUNNING, their last epoch checkpointed.
+            raise self._storage_failed(exc) from exc
         except Exception as exc:
             # A bug in the spec (or ours) would fail the same way on every retry: fail the
             # live trials for good, with the reason, instead of leaving them to be retried.

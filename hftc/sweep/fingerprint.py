@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import sys
+import sysconfig
 import types
 from typing import Any
 
@@ -43,6 +46,19 @@ _FUNCTIONS = ("space", "model", "data", "optimizer", "loss", "train_step", "sche
 _LIBRARIES = ("torch", "optuna", "hftc", "numpy", "sklearn")
 _UNKNOWN = "?"
 _SIMPLE = (int, float, str, bool, bytes, type(None))
+
+
+def _user_code(obj: Any) -> bool:
+    """A function or class of the user's own modules (``from models import CNN`` beside
+    the spec, a project's package): its code is the spec's as much as the spec file's.
+    Not a library's (installed, the standard library's, or one of ``_LIBRARIES``)."""
+    name = getattr(obj, "__module__", None) or ""
+    path = getattr(sys.modules.get(name), "__file__", None)
+    if not path or name.startswith(_LIBRARIES):
+        return False
+    installed = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    resolved = os.path.realpath(path)
+    return not any(resolved.startswith(os.path.realpath(p) + os.sep) for p in installed if p)
 
 
 def _simple(value: Any) -> str | None:
@@ -104,9 +120,11 @@ class _Digest:
                 if name in fn.__globals__:
                     self.add_global(name, fn.__globals__[name], fn.__module__)
         elif isinstance(obj, type):
-            if obj.__module__ != module or obj.__module__.startswith(_LIBRARIES):
+            if obj.__module__.startswith(_LIBRARIES) or (obj.__module__ != module
+                                                          and not _user_code(obj)):
                 out.append(f"{obj.__module__}.{obj.__qualname__}")
                 return
+            module = obj.__module__  # (its methods' own-module names are its module's)
             for key, member in sorted(vars(obj).items()):
                 if isinstance(member, (types.FunctionType, staticmethod, classmethod, property)):
                     out.append(key)
@@ -124,7 +142,8 @@ class _Digest:
     def add_global(self, name: str, value: Any, module: str) -> None:
         """A global a function reads: its own module's functions and classes by their
         code, simple constants by value (apart); anything else (torch, a module) not."""
-        if isinstance(value, (types.FunctionType, type)) and value.__module__ == module:
+        if isinstance(value, (types.FunctionType, type)) and (value.__module__ == module
+                                                              or _user_code(value)):
             self.out.append(getattr(value, "__qualname__", ""))
             self.add(value, module)
         elif not isinstance(value, types.ModuleType) and _simple(value) is not None:
@@ -132,7 +151,8 @@ class _Digest:
         elif isinstance(value, dict) and all(isinstance(k, _SIMPLE) for k in value):
             for key, item in value.items():  # ACTS = {"relu": nn.ReLU, ...}
                 self.out.append(repr(key))
-                if isinstance(item, (types.FunctionType, type)) and item.__module__ != module:
+                if isinstance(item, (types.FunctionType, type)) and item.__module__ != module \
+                        and not _user_code(item):
                     self.out.append(f"{item.__module__}.{item.__qualname__}")
                 else:
                     self.add_global(name, item, module)

@@ -14,6 +14,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from .files import atomic_write
+from .storage import SURPLUS
 
 __all__ = ["leaderboard", "write_results", "progress_bars", "plot_curves", "summary"]
 
@@ -73,7 +74,7 @@ def write_csv(study: optuna.Study, path: Path, metric: str) -> None:
                     t.user_attrs.get("hftc_seed", ""),
                     f"{duration:.2f}" if duration != "" else "",
                     t.system_attrs.get("failed_trial", ""),
-                    t.user_attrs.get("hftc_fail_reason", "")])
+                    t.user_attrs.get("hftc_fail_reason", "") or t.user_attrs.get(SURPLUS, "")])
     atomic_write(path, text.getvalue().encode())
 
 
@@ -138,6 +139,9 @@ def write_results(sweep) -> tuple[dict[str, Path], str]:
             files["best"] = out / "best.pt"
             atomic_write(files["best"], weights.read_bytes())
         else:
+            # An earlier best.pt of this folder is another trial's: it would go with this
+            # best.json as the best model's weights.
+            (out / "best.pt").unlink(missing_ok=True)
             board += (f"\n(best.pt not written: trial {best.number} was trained by worker "
                       f"{best.user_attrs.get('hftc_worker')}; its weights are in that "
                       f"worker's OUT/trials/)")

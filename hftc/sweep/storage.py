@@ -19,10 +19,15 @@ from ..errors import SpecError, SweepError
 from .spec import SweepSpec
 
 __all__ = ["make_storage", "one_worker_per_trial", "make_sampler", "make_pruner", "Heartbeat",
-           "count_trials", "room_for", "masked_url"]
+           "count_trials", "counts_in_budget", "room_for", "SURPLUS", "masked_url",
+           "storage_errors", "check_heartbeat"]
 
 
 # ---------------------------------------------------------------------- storage
+
+
+#: Seconds to wait for a PostgreSQL server to answer a new connection.
+CONNECT_TIMEOUT_S = 20
 
 
 def _retry_callback() -> Any:
@@ -34,13 +39,47 @@ def _retry_callback() -> Any:
         return cls(max_retry=3)
 
 
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """The errors of the database itself (Optuna's wrapper of a failed commit, SQLAlchemy's
+    own): not a trial's, so never a reason to fail one."""
+    import sqlalchemy.exc
+
+    return (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError)
+
+
 def masked_url(url: str) -> str:
-    head, sep, tail = url.partition("@")
-    if not sep or "://" not in head:
+    """``url`` with its password as ``***``: all between the user's ``:`` and the last
+    ``@`` (a password may hold an unencoded ``/`` or ``@``)."""
+    import re
+
+    scheme, sep, rest = url.partition("://")
+    found = re.match(r"([^:/@]*):(.*)@([^@]*)$", rest) if sep else None
+    if found is None:
         return url
-    scheme, _, creds = head.partition("://")
-    user = creds.partition(":")[0]
-    return f"{scheme}://{user}:***@{tail}"
+    return f"{scheme}://{found.group(1)}:***@{found.group(3)}"
+
+
+def _check_url(url: str) -> None:
+    """A path for a URL, a SQLite file in a folder that is not there, or an unencoded
+    ``@`` (SQLAlchemy ends the password at the first, and prints its rest as the host):
+    said before SQLAlchemy says it less clearly."""
+    from pathlib import Path
+
+    if "://" not in url:
+        raise SweepError(
+            f"the storage {masked_url(url)!r} is not a database URL: give "
+            f"sqlite:///{url if url.endswith('.db') else 'path/to/study.db'} (a file) or "
+            f"postgresql://user:password@host/database")
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        folder = Path(url[len("sqlite:///"):].partition("?")[0]).parent
+        if not folder.is_dir():
+            raise SweepError(f"the storage {url}: its folder {folder} does not exist (make "
+                             f"it, or give another path; sqlite:////abs/path for an "
+                             f"absolute one)")
+    if url.partition("://")[2].count("@") > 1:
+        raise SweepError(
+            f"the storage URL {masked_url(url)} has more than one '@': write an '@' in the "
+            f"user name or password as %40 (percent-encoded)")
 
 
 def _with_driver(url: str) -> str:
@@ -57,10 +96,25 @@ def _with_driver(url: str) -> str:
     return url
 
 
+def check_heartbeat(heartbeat_interval: int, grace_period: int | None) -> None:
+    """A grace period a live worker's heartbeats cannot keep is refused: every other worker
+    would fail its trials between two beats and train them again."""
+    if grace_period is None:
+        return
+    if grace_period <= 0 or grace_period <= heartbeat_interval:
+        raise SweepError(
+            f"--grace-period (grace_period) {grace_period} s must be longer than "
+            f"--heartbeat-interval (heartbeat_interval) {heartbeat_interval} s: a live "
+            f"worker's trials would be taken for dead between two of its heartbeats, failed "
+            f"and trained again by another worker. Leave it out (4 intervals, "
+            f"{4 * heartbeat_interval} s) or give a few intervals")
+
+
 def make_storage(url: str, heartbeat_interval: int = 30,
                  grace_period: int | None = None) -> optuna.storages.RDBStorage:
     """An Optuna RDB storage (``sqlite:///...`` or ``postgresql://...``) with heartbeats
     on, and stale trials retried (same parameters) by whichever worker asks next."""
+    check_heartbeat(heartbeat_interval, grace_period)
     kwargs: dict[str, Any] = {"heartbeat_interval": int(heartbeat_interval),
                               "grace_period": int(grace_period or 4 * heartbeat_interval)}
     try:
@@ -71,13 +125,19 @@ def make_storage(url: str, heartbeat_interval: int = 30,
     except (TypeError, ValueError):
         key = "failed_trial_callback"
     kwargs[key] = _retry_callback()
+    _check_url(url)
     url = _with_driver(url)
     if url.startswith("sqlite"):
         # The heartbeat thread writes while the main thread does: wait for the lock.
-        engine_kwargs = {"connect_args": {"timeout": 60}}
+        engine_kwargs: dict[str, Any] = {"connect_args": {"timeout": 60}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
+        if url.startswith("postgresql") and "connect_timeout" not in url:
+            # (libpq waits for ever on a host that takes the connection and never answers)
+            engine_kwargs["connect_args"] = {"connect_timeout": CONNECT_TIMEOUT_S}
     try:
+        if not url.startswith("sqlite"):
+            _reach(url, engine_kwargs)  # once: a down server is said now, not retried
         for attempt in range(4):
             try:
                 with warnings.catch_warnings():
@@ -105,6 +165,18 @@ def make_storage(url: str, heartbeat_interval: int = 30,
     if storage.engine.name == "sqlite":
         _fast_sqlite(storage)
     return storage
+
+
+def _reach(url: str, engine_kwargs: dict[str, Any]) -> None:
+    """Connect once and close: its error (refused, timed out, a wrong password) is the
+    server's, which waiting for the table-creation race would only delay."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(url, **engine_kwargs)
+    try:
+        engine.connect().close()
+    finally:
+        engine.dispose()
 
 
 def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
@@ -244,10 +316,21 @@ class Heartbeat(threading.Thread):
         self.stopped.set()
 
 
+#: The user attribute of a trial asked past the budget (workers asking at once) and
+#: failed unrun: no count and no report takes it for a trial of the study's.
+SURPLUS = "hftc_surplus"
+
+
+def counts_in_budget(t: optuna.trial.FrozenTrial) -> bool:
+    """Finished, running, or failed for a reason of its own (a heartbeat-stale failure is
+    retried, and its retry counts instead; a trial asked one too many never ran)."""
+    return t.state in (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED) or (
+        t.state == TrialState.FAIL and "hftc_fail_reason" in t.user_attrs)
+
+
 def count_trials(study: optuna.Study) -> dict[str, int]:
-    """Trials that use the budget (finished, running, or failed for a reason of their own:
-    a heartbeat-stale failure is retried, and its retry counts instead), waiting ones, and
-    of those the retries (a dead worker's trial again, Optuna's ``failed_trial``)."""
+    """Trials that use the budget (:func:`counts_in_budget`), waiting ones, and of those
+    the retries (a dead worker's trial again, Optuna's ``failed_trial``)."""
     c = {"budget": 0, "waiting": 0, "running": 0, "finished": 0, "retries": 0}
     for t in study.get_trials(deepcopy=False):
         if t.state == TrialState.WAITING:
@@ -256,13 +339,10 @@ def count_trials(study: optuna.Study) -> dict[str, int]:
         elif t.state == TrialState.RUNNING:
             c["running"] += 1
             c["budget"] += 1
-        elif t.state in (TrialState.COMPLETE, TrialState.PRUNED) or (
-                t.state == TrialState.FAIL and "hftc_fail_reason" in t.user_attrs):
+        elif counts_in_budget(t):
             c["finished"] += 1
             c["budget"] += 1
     return c
-
-
 
 
 def room_for(c: dict[str, int], n_trials: int) -> int:
