@@ -686,6 +686,9 @@ def _emit_ops(n: _Normalizing) -> None:
         if isinstance(target, torch._ops.OpOverload) and \
                 target.name().split("::")[1].split(".")[0] in DROPPED:
             continue
+        if _copy_onto_itself(node):
+            env[node] = env[node.args[0]]  # (copy_ returns its destination)
+            continue
         e.source = node
         if isinstance(target, torch._ops.HigherOrderOperator):
             # e.g. wrap_with_set_grad_enabled around a graph of its own, from a
@@ -739,6 +742,25 @@ def _emit_outputs(n: _Normalizing) -> None:
     else:
         out = graph.output(tuple(flat))
         out.meta[OutputSpec.META_KEY] = OutputSpec(treespec=out_spec)
+
+
+def _copy_onto_itself(node: fx.Node) -> bool:
+    """Whether ``node`` is ``aten.copy_(dst, src)`` with ``src`` being ``dst`` itself, written
+    by in-place ops: ``self.steps += 1`` on a buffer exports ``add_(b_steps, 1)``, then the
+    assignment as ``copy_(b_steps, add_)``.  Nothing to copy; kept, it would change the
+    version of a tensor that later ops (``y * self.steps``) saved for backward, which then
+    fails where the model's own backward does not."""
+    if node.target is not aten.copy_.default or len(node.args) < 2:
+        return False
+    dst, value = node.args[0], node.args[1]
+    while isinstance(value, fx.Node) and value is not dst and value.op == "call_function":
+        schema = getattr(value.target, "_schema", None)
+        first = schema.arguments[0] if schema is not None and schema.arguments else None
+        if first is None or first.alias_info is None or not first.alias_info.is_write \
+                or not value.args:
+            return False
+        value = value.args[0]
+    return value is dst
 
 
 def _exported_shape(val: torch.Tensor, ranges: dict) -> tuple:
