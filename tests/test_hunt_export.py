@@ -53,3 +53,37 @@ def test_returned_buffer_updated_in_forward_fuses(frontend, dtype, n):
         warnings.simplefilter("error", FusionWarning)  # not "runs the models one by one"
         check_equivalence(models, x, dtype=dtype, steps=2, fuser=lambda ms, in_dims: hftc.fuse(
             ms, in_dims=in_dims, frontend=frontend, example_inputs=example))
+
+
+class ObservedLinear(nn.Module):
+    """A fake-quant style observer: the input is scaled by the running max seen so far,
+    then the running max is assigned anew (``self.max_val = torch.maximum(...)``, as
+    torch.ao's MinMaxObserver writes it) -- after the tensor backward saved was read."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.register_buffer("max_val", torch.ones(4))
+        self.register_buffer("scale", torch.ones(3), persistent=False)
+
+    def forward(self, x):
+        y = self.fc(x / self.max_val) * self.scale
+        self.max_val = torch.maximum(self.max_val, x.detach().abs().amax(0))
+        self.scale = self.scale * 0.5 + y.detach().abs().mean(0)
+        return y
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3])
+def test_buffer_assigned_after_a_read_backward_saved(frontend, dtype, n):
+    torch.manual_seed(n)
+    models = [ObservedLinear() for _ in range(n)]
+    x = 3 * torch.randn(2, 4, dtype=dtype)
+    example = (x,) if frontend == "export" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusionWarning)
+        fused = check_equivalence(models, x, dtype=dtype, steps=2, fuser=lambda ms, in_dims: (
+            hftc.fuse(ms, in_dims=in_dims, frontend=frontend, example_inputs=example)))
+    for i, model in enumerate(fused.unfuse()):
+        torch.testing.assert_close(model.max_val, fused.max_val[i])

@@ -83,6 +83,7 @@ from ..lowering.runtime.guards import check_input_shape, check_input_structure, 
 from .same_program import alike_models, reads_tensor_values
 from .symbolic import (
     OutputSpec,
+    clone_reads_before_assignment,
     generator_refusal,
     python_state_watched,
     source_line,
@@ -570,6 +571,7 @@ def normalize_exported(
     _emit_attributes(n)
     _emit_ops(n)
     _emit_outputs(n)
+    clone_reads_before_assignment(n.graph, _buffer_copy)
     n.graph.lint()
     gm = fx.GraphModule(n.attrs, n.graph, class_name=type(model).__name__)
     gm.meta[EXPORTED_SHAPES] = shapes
@@ -742,6 +744,13 @@ def _emit_outputs(n: _Normalizing) -> None:
     else:
         out = graph.output(tuple(flat))
         out.meta[OutputSpec.META_KEY] = OutputSpec(treespec=out_spec)
+
+
+def _buffer_copy(node: fx.Node) -> bool:
+    """``buffer.copy_(value)``: how the exported graph spells ``self.buf = value``."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name == "copy_" and node.op in ("call_method", "call_function") and \
+        bool(node.args) and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
 
 
 def _copy_onto_itself(node: fx.Node) -> bool:

@@ -1068,6 +1068,40 @@ def _trace_advice(exc: BaseException, node: fx.Node | None) -> str:
             "ops.")
 
 
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument (``x.add_(1)``, ``x[i] = v``)."""
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    if node.op == "call_function":
+        return node.target is operator.setitem or getattr(node.target, "__name__", "").endswith("_")
+    return False
+
+
+def clone_reads_before_assignment(graph: fx.Graph,
+                                  is_assignment: Callable[[fx.Node], bool]) -> None:
+    """Reads of a buffer before forward assigns it anew (``y = fc(x) * self.scale;
+    self.scale = self.scale * 1.5``, traced as ``scale.copy_(...)``) read a clone.
+
+    In eager code the assignment rebinds the attribute and the tensor ``y``'s backward
+    saved is left as it was; the graph writes into the buffer instead, and backward then
+    failed (the saved tensor "modified by an inplace operation").  Where an earlier read
+    writes into the buffer itself (``self.scale.mul_(2)``) nothing is changed."""
+    order = {node: k for k, node in enumerate(graph.nodes)}
+    for write in [n for n in graph.nodes if is_assignment(n)]:
+        target = write.args[0].target
+        uses = [(read, use) for read in graph.nodes
+                if read.op == "get_attr" and read.target == target and order[read] < order[write]
+                for use in read.users if use is not write and order[use] < order[write]]
+        if not uses or any(_mutates(use) for _, use in uses):
+            continue
+        for read in {read for read, _ in uses}:
+            with graph.inserting_after(read):
+                clone = graph.call_method("clone", (read,))
+            clone.meta.update({k: v for k, v in read.meta.items() if k != "val"})
+            for _, use in [u for u in uses if u[0] is read]:
+                use.replace_input_with(read, clone)
+
+
 def trace_model(model: nn.Module, index: int, *, training: bool,
                 none_inputs: Iterable[str] = (),
                 constants: dict[str, Any] | None = None,
@@ -1102,6 +1136,7 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
             with watched:
                 graph = tracer.trace(model, {name: None for name in nones} or None)
             _flatten_dataclass_output(graph)
+            clone_reads_before_assignment(graph, lambda n: BUFFER_ASSIGNMENT in n.meta)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         # Constants fx lifted onto the model while tracing (``_tensor_constant0``) are the
         # graph's own attributes (the GraphModule holds them), not the model's state.
