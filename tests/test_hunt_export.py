@@ -10,7 +10,9 @@ the export hunt.
 
 from __future__ import annotations
 
+import copy
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ import torch.nn as nn
 from equivalence import check_equivalence
 
 import hftc
-from hftc.errors import FusionWarning
+from hftc.errors import FusionArgumentError, FusionWarning
 
 DTYPES = [torch.float64, torch.float32]
 
@@ -87,3 +89,61 @@ def test_buffer_assigned_after_a_read_backward_saved(frontend, dtype, n):
             hftc.fuse(ms, in_dims=in_dims, frontend=frontend, example_inputs=example)))
     for i, model in enumerate(fused.unfuse()):
         torch.testing.assert_close(model.max_val, fused.max_val[i])
+
+
+class NamespaceHead(nn.Module):
+    """A head kept in a closure through a namespace object (configs that gather the
+    layers a callback uses: ``ns = SimpleNamespace(proj=..., norm=...)``)."""
+
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+        self.norm = nn.LayerNorm(3)
+        parts = SimpleNamespace(proj=self.proj, norm=self.norm, scale=scale)
+        self.head_fn = lambda x: parts.norm(parts.proj(x)) * parts.scale
+
+    def forward(self, x):
+        return self.head_fn(x.relu())
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_modules_in_a_namespace_in_a_closure_are_each_copys_own(frontend, dtype, n):
+    """Each copy hftc makes (the first-call check's, the models one by one's, unfuse()'s)
+    called the *original* model's layers through the namespace the closure shares: the
+    check then found the fused program "wrong" and ran those copies, whose outputs did not
+    follow the fused parameters (training the fused module changed nothing)."""
+    def built(i):  # (check_equivalence's copy.deepcopy would share the namespace)
+        torch.manual_seed(10 * n + i)
+        return NamespaceHead(scale=1.0 + i).to(dtype)
+
+    models, refs = [built(i) for i in range(n)], [built(i) for i in range(n)]
+    x = torch.randn(2, 4, dtype=dtype)
+    example = (x,) if frontend == "export" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusionWarning)
+        fused = hftc.fuse(models, frontend=frontend, example_inputs=example)
+        out = fused(x)
+    weights = torch.randn(n, 2, 3, dtype=dtype)
+    (out * weights).sum().backward()
+    for i, ref in enumerate(refs):
+        want = ref(x)
+        torch.testing.assert_close(out[i], want)
+        (want * weights[i]).sum().backward()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(dict(fused.named_parameters())[name].grad[i], p.grad)
+    with torch.no_grad():
+        fused.proj.weight.add_(1.0)
+    out = fused(x)
+    for i, model in enumerate(fused.unfuse()):
+        torch.testing.assert_close(model(x), out[i])
+        assert model.head_fn.__closure__[0].cell_contents.proj is model.proj
+
+
+def test_a_namespace_of_another_models_modules_is_refused():
+    first = NamespaceHead()
+    second = copy.deepcopy(first)  # its closure still holds first's namespace
+    with pytest.raises(FusionArgumentError, match=r"model 1's `head_fn \(closure variable "
+                                                  r"`parts`\)\.proj` .*model 0's `proj`"):
+        hftc.fuse([first, second])
