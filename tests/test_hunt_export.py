@@ -147,3 +147,37 @@ def test_a_namespace_of_another_models_modules_is_refused():
     with pytest.raises(FusionArgumentError, match=r"model 1's `head_fn \(closure variable "
                                                   r"`parts`\)\.proj` .*model 0's `proj`"):
         hftc.fuse([first, second])
+
+
+class DecayedStats(nn.Module):
+    """A buffer assigned anew, then updated in place in the same forward (an EMA
+    written as decay, then add_): the buffer must end up with both."""
+
+    def __init__(self, decay=0.9):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.decay = decay
+        self.register_buffer("running", torch.ones(3))
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.running = self.running * self.decay
+        self.running.add_(y.detach().mean(0), alpha=1 - self.decay)
+        return y * self.running
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_buffer_assigned_then_updated_in_place_keeps_both(frontend, check, n):
+    """The symbolic front-end copied the new value into the buffer at the assignment,
+    before the ``add_`` (which then wrote into the value only): with check=False a wrong
+    buffer (and later outputs), with the check the models ran one by one."""
+    torch.manual_seed(n)
+    models = [DecayedStats(decay=0.5 + 0.2 * i) for i in range(n)]
+    x = torch.randn(2, 4)
+    example = (x.double(),) if frontend == "export" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusionWarning)
+        check_equivalence(models, x, steps=3, fuser=lambda ms, in_dims: hftc.fuse(
+            ms, in_dims=in_dims, frontend=frontend, example_inputs=example, check=check))

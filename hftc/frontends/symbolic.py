@@ -1077,6 +1077,23 @@ def _mutates(node: fx.Node) -> bool:
     return False
 
 
+def _assignments_last(graph: fx.Graph) -> None:
+    """Each ``buf.copy_(value)`` traced from ``module.buf = value`` moved to the end of
+    forward, where nothing reads the buffer after it: later code reads ``value`` itself
+    (as eager code reads the new attribute), and writes into it in place
+    (``self.b = self.b * 2; self.b.add_(1)``) reach the buffer only if the copy comes
+    after them (it was copied before, and the buffer missed the ``add_``)."""
+    nodes = list(graph.nodes)
+    output = next(n for n in reversed(nodes) if n.op == "output")
+    for k, write in enumerate(nodes):
+        if BUFFER_ASSIGNMENT not in write.meta or write.users:
+            continue
+        target = write.args[0].target
+        if any(n.op == "get_attr" and n.target == target for n in nodes[k + 1:]):
+            continue
+        output.prepend(write)
+
+
 def clone_reads_before_assignment(graph: fx.Graph,
                                   is_assignment: Callable[[fx.Node], bool]) -> None:
     """Reads of a buffer before forward assigns it anew (``y = fc(x) * self.scale;
@@ -1136,6 +1153,7 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
             with watched:
                 graph = tracer.trace(model, {name: None for name in nones} or None)
             _flatten_dataclass_output(graph)
+            _assignments_last(graph)
             clone_reads_before_assignment(graph, lambda n: BUFFER_ASSIGNMENT in n.meta)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         # Constants fx lifted onto the model while tracing (``_tensor_constant0``) are the
