@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +21,7 @@ import torch.nn as nn
 from equivalence import check_equivalence
 
 import hftc
-from hftc.errors import FusionArgumentError, FusionWarning
+from hftc.errors import FusionArgumentError, FusionWarning, TraceError
 
 DTYPES = [torch.float64, torch.float32]
 
@@ -181,3 +182,33 @@ def test_a_buffer_assigned_then_updated_in_place_keeps_both(frontend, check, n):
         warnings.simplefilter("error", FusionWarning)
         check_equivalence(models, x, steps=3, fuser=lambda ms, in_dims: hftc.fuse(
             ms, in_dims=in_dims, frontend=frontend, example_inputs=example, check=check))
+
+
+@dataclass
+class CausalLMOutput:  # a ModelOutput-like class that is not registered with torch's pytree
+    logits: torch.Tensor = None
+    loss: torch.Tensor | None = None
+
+
+class ReturnsOutputClass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(4, 5)
+
+    def forward(self, x):
+        if x.dim() == 2:  # (what symbolic tracing cannot follow: export is tried)
+            x = x[:, None]
+        return CausalLMOutput(logits=self.lm_head(x))
+
+
+def test_an_unregistered_output_class_says_to_register_it():
+    with pytest.raises(TraceError, match=r"register_dataclass\(TheClass\)"):
+        hftc.fuse([ReturnsOutputClass(), ReturnsOutputClass()],
+                  example_inputs=(torch.randn(2, 4),))
+
+
+def test_a_deepcopied_closure_model_says_which_module_is_outside_it():
+    copied = copy.deepcopy(NamespaceHead())  # its function calls the original's layers
+    with pytest.raises(TraceError, match=r"head_fn.*not a submodule of the model.*"
+                                         r"build each model with its constructor"):
+        hftc.fuse([copied])

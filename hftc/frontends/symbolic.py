@@ -885,6 +885,16 @@ def trace_hint(exc: BaseException) -> str:
                 "tracing leaves unknown: pass example_inputs=(...) to hftc.fuse, which "
                 "traces forward with torch.export, or take the parameters' dtype "
                 "(next(self.parameters()).dtype, transformers' self.dtype).")
+    if "is not installed as a submodule" in str(exc):  # fx: a module outside the model
+        return (" Forward calls a module that is not a submodule of the model (one kept in "
+                "a closure, a plain object or a global): make it one (self.name = module). "
+                "A model made with copy.deepcopy of another keeps the original's functions, "
+                "which call the original's modules: build each model with its constructor.")
+    if "which is not a known type" in str(exc) and "register a pytree" in str(exc):
+        return (" Forward returns an object torch.export cannot take apart (a dataclass of "
+                "outputs, a ModelOutput-like class): register it with torch's pytree "
+                "(torch.utils._pytree.register_dataclass(TheClass), as transformers does for "
+                "its ModelOutput classes), or return a dict or a tuple.")
     if "Cache" in str(exc) and "pytree" in str(exc):
         return (" The models return a key/value cache object (Hugging Face's DynamicCache, "
                 "returned while use_cache is on), which is not a tensor structure: build them "
