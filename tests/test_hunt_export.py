@@ -212,3 +212,28 @@ def test_a_deepcopied_closure_model_says_which_module_is_outside_it():
     with pytest.raises(TraceError, match=r"head_fn.*not a submodule of the model.*"
                                          r"build each model with its constructor"):
         hftc.fuse([copied])
+
+
+class ResetStatsThenNorm(nn.Module):
+    """A batch norm's running mean assigned anew, then the norm called: the assignment
+    must land before the module that reads the buffer (not moved past it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        self.bn.running_mean = self.bn.running_mean * 0.5
+        return self.bn(self.fc(x))
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("check", [True, False])
+def test_an_assigned_buffer_is_written_before_its_module_reads_it(train, check):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FusionWarning)
+        check_equivalence([ResetStatsThenNorm() for _ in range(2)], torch.randn(3, 4),
+                          steps=2, train=train,
+                          fuser=lambda ms, in_dims: hftc.fuse(ms, in_dims=in_dims, check=check))

@@ -1087,21 +1087,31 @@ def _mutates(node: fx.Node) -> bool:
     return False
 
 
+def _reads_buffer(node: fx.Node, target: str) -> bool:
+    """Whether ``node`` may read the buffer ``target``: a ``get_attr`` of it, or a call of
+    the module that holds it (or of one above: ``self.bn(x)`` reads ``bn.running_mean``)."""
+    if node.op == "get_attr":
+        return node.target == target
+    owner = target.rpartition(".")[0]
+    return node.op == "call_module" and (owner == node.target or
+                                         owner.startswith(f"{node.target}."))
+
+
 def _assignments_last(graph: fx.Graph) -> None:
-    """Each ``buf.copy_(value)`` traced from ``module.buf = value`` moved to the end of
-    forward, where nothing reads the buffer after it: later code reads ``value`` itself
-    (as eager code reads the new attribute), and writes into it in place
+    """Each ``buf.copy_(value)`` traced from ``module.buf = value`` moved down to just
+    before the next node that reads the buffer (or the output): code in between reads
+    ``value`` itself (as eager code reads the new attribute), and writes into it in place
     (``self.b = self.b * 2; self.b.add_(1)``) reach the buffer only if the copy comes
     after them (it was copied before, and the buffer missed the ``add_``)."""
     nodes = list(graph.nodes)
-    output = next(n for n in reversed(nodes) if n.op == "output")
     for k, write in enumerate(nodes):
         if BUFFER_ASSIGNMENT not in write.meta or write.users:
             continue
         target = write.args[0].target
-        if any(n.op == "get_attr" and n.target == target for n in nodes[k + 1:]):
-            continue
-        output.prepend(write)
+        reader = next((n for n in nodes[k + 1:] if n.op == "output" or
+                       (n is not write and _reads_buffer(n, target))), None)
+        if reader is not None and reader is not write.next:
+            reader.prepend(write)
 
 
 def clone_reads_before_assignment(graph: fx.Graph,
