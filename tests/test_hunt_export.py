@@ -237,3 +237,30 @@ def test_an_assigned_buffer_is_written_before_its_module_reads_it(train, check):
         check_equivalence([ResetStatsThenNorm() for _ in range(2)], torch.randn(3, 4),
                           steps=2, train=train,
                           fuser=lambda ms, in_dims: hftc.fuse(ms, in_dims=in_dims, check=check))
+
+
+class HolderAssign(nn.Module):
+    """A buffer of a plain holder submodule (never called) assigned anew in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.stats = nn.Module()
+        self.stats.register_buffer("seen", torch.zeros(3))
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.stats.seen = self.stats.seen + y.detach().mean(0)
+        return y
+
+
+@pytest.mark.parametrize("make", [HolderAssign, ResetStatsThenNorm])
+@pytest.mark.parametrize("check", [True, False])
+def test_an_assignment_export_leaves_out_is_refused(make, check):
+    """torch.export's graph has no write of such a buffer: the fused models (check=False)
+    left it as it was, where each model's own forward changes it."""
+    with pytest.raises(TraceError, match=r"model 0 \(\w+\): forward assigns the buffer "
+                                         r"`(stats\.seen|bn\.running_mean)` \(module path "
+                                         r"`(stats|bn)`\).*copy_\(new_value\)"):
+        hftc.fuse([make() for _ in range(2)], frontend="export", check=check,
+                  example_inputs=(torch.randn(3, 4),))

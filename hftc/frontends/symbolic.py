@@ -890,16 +890,16 @@ def trace_hint(exc: BaseException) -> str:
                 "a closure, a plain object or a global): make it one (self.name = module). "
                 "A model made with copy.deepcopy of another keeps the original's functions, "
                 "which call the original's modules: build each model with its constructor.")
-    if "which is not a known type" in str(exc) and "register a pytree" in str(exc):
-        return (" Forward returns an object torch.export cannot take apart (a dataclass of "
-                "outputs, a ModelOutput-like class): register it with torch's pytree "
-                "(torch.utils._pytree.register_dataclass(TheClass), as transformers does for "
-                "its ModelOutput classes), or return a dict or a tuple.")
     if "Cache" in str(exc) and "pytree" in str(exc):
         return (" The models return a key/value cache object (Hugging Face's DynamicCache, "
                 "returned while use_cache is on), which is not a tensor structure: build them "
                 "with use_cache=False (config.use_cache = False) for training, or pass "
                 "use_cache=False to forward.")
+    if "which is not a known type" in str(exc) and "register a pytree" in str(exc):
+        return (" Forward returns an object torch.export cannot take apart (a dataclass of "
+                "outputs, a ModelOutput-like class): register it with torch's pytree "
+                "(torch.utils._pytree.register_dataclass(TheClass), as transformers does for "
+                "its ModelOutput classes), or return a dict or a tuple.")
     return ""
 
 
