@@ -23,12 +23,14 @@ one, ``unfuse()``), so every such copy ran the original's MLP weights.  Two reme
   none of model i's own and not the object model 0 holds there.  A plain value (a
   dropout ``p`` in a closure) is each copy's own: the copy is of model i's function.
 
-Both follow functions, bound methods, ``functools.partial`` and lists, tuples and dicts;
-not other objects in a closure (a namespace object holding modules).
+Both follow functions, bound methods, ``functools.partial``, lists, tuples and dicts,
+and the plain objects a function holds (``ns = SimpleNamespace(fc=self.fc)`` in a
+closure: the copy's function gets a shallow copy of ``ns`` holding the copy's ``fc``).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 from collections.abc import Iterator
@@ -99,7 +101,21 @@ class _Rebinder:
         if isinstance(value, dict) and type(value) is dict:
             items = {k: self.reference(v) for k, v in value.items()}
             return value if all(items[k] is v for k, v in value.items()) else items
+        if _plain_object(value) and self.holds_copied(value, set()):
+            return self.plain_object(value)
         return value
+
+    def plain_object(self, value: Any) -> Any:
+        """A shallow copy of an object a function holds (``ns = SimpleNamespace(fc=self.fc);
+        self.f = lambda x: ns.fc(x)``), its attributes mapped: deepcopy left it shared with
+        the original, whose modules the copy's function then called."""
+        if id(value) in self.functions:
+            return self.functions[id(value)]
+        new = copy.copy(value)
+        self.functions[id(value)] = new  # before the attributes: an object may reach itself
+        for name, item in vars(value).items():
+            new.__dict__[name] = self.reference(item)
+        return new
 
     def holds_copied(self, value: Any, seen: set[int]) -> bool:
         """Whether ``value`` reaches, through what :meth:`reference` maps, an object the
@@ -126,6 +142,8 @@ class _Rebinder:
             contents = list(value)
         elif type(value) is dict:
             contents = list(value.values())
+        elif _plain_object(value):
+            contents = list(vars(value).values())
         else:
             return False
         return any(self.holds_copied(v, seen) for v in contents)
@@ -167,6 +185,15 @@ class _Rebinder:
         return new
 
 
+def _plain_object(value: Any) -> bool:
+    """An instance of a user's class (or a ``SimpleNamespace``) with attributes of its own:
+    what a function's closure may hold modules in. Not modules, tensors, classes, Python
+    modules or functions, which have their own handling (or none to do)."""
+    return hasattr(value, "__dict__") and not isinstance(value, (
+        nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType, types.MethodType,
+        functools.partial)) and isinstance(vars(value), dict)
+
+
 def _rebuilt_tuple(original: tuple, items: list) -> tuple:
     return type(original)(*items) if hasattr(original, "_fields") else type(original)(items)
 
@@ -198,10 +225,17 @@ def _function_references(model: nn.Module) -> Iterator[tuple[str, Any]]:
             if inside:
                 yield where, value
             return
-        if isinstance(value, (types.FunctionType, list, tuple, dict, functools.partial)):
+        plain = inside and _plain_object(value)
+        if plain or isinstance(value, (types.FunctionType, list, tuple, dict, functools.partial)):
             if id(value) in seen:
                 return
             seen.add(id(value))
+        if plain:  # (a namespace object in a closure: its modules and tensors, rebound too)
+            for name, item in vars(value).items():
+                if isinstance(item, (nn.Module, torch.Tensor, types.FunctionType)) or \
+                        _plain_object(item):
+                    yield from walk(item, f"{where}.{name}", True)
+            return
         if isinstance(value, types.FunctionType):
             code = value.__code__
             for var, cell in zip(code.co_freevars, value.__closure__ or ()):

@@ -83,6 +83,7 @@ from ..lowering.runtime.guards import check_input_shape, check_input_structure, 
 from .same_program import alike_models, reads_tensor_values
 from .symbolic import (
     OutputSpec,
+    clone_reads_before_assignment,
     generator_refusal,
     python_state_watched,
     source_line,
@@ -342,15 +343,17 @@ def _export_program(
         # (a failed export leaves its symbolic sizes cached on the inputs it was given)
         args, kwargs = _fresh_copies(args, kwargs)
         found: list[str] = []
+        assigned: list[str] = []
         try:
             with uniform_mode(model, training), _quiet(), \
                     _inference_mode_refused(index, model), _traceable_forwards(model), \
-                    python_state_watched(model, found):
+                    python_state_watched(model, found), _buffer_assignments(model, assigned):
                 program = torch.export.export(
                     model, tuple(args), kwargs,
                     dynamic_shapes=_dynamic_shapes(tuple(args), kwargs, model, dims),
                     strict=False,
                 )
+            _refuse_lost_assignments(program, model, index, assigned)
             if changes is not None:
                 changes.extend(found)
             return program, ExportedShapes(dims, why)
@@ -364,6 +367,53 @@ def _export_program(
                 why = (f"torch.export could not keep {dims} symbolic "
                        f"({_shortened(plain_message(exc))})")
     raise _export_failure(model, index, training, failure) from failure
+
+
+@contextlib.contextmanager
+def _buffer_assignments(model: nn.Module, assigned: list[str]) -> Iterator[None]:
+    """Record the buffers forward assigns anew (``self.inner.s = self.inner.s + 1``), by
+    their names in ``model``, while it is exported."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    setattr_ = nn.Module.__setattr__
+
+    def recording(module: nn.Module, name: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and id(module) in paths and \
+                module.__dict__.get("_buffers", {}).get(name) is not None:
+            path = paths[id(module)]
+            assigned.append(f"{path}.{name}" if path else name)
+        setattr_(module, name, value)
+
+    nn.Module.__setattr__ = recording
+    try:
+        yield
+    finally:
+        nn.Module.__setattr__ = setattr_
+
+
+def _refuse_lost_assignments(program: Any, model: nn.Module, index: int,
+                             assigned: Sequence[str]) -> None:
+    """torch.export drops some buffer assignments from its graph (a buffer of a submodule
+    whose forward is not called: ``self.inner.s = ...``); the fused program would then
+    leave the buffer as it was, where the model's own forward changes it: refused."""
+    kinds = torch.export.graph_signature.OutputKind
+    mutated = {spec.target for spec in program.graph_signature.output_specs
+               if spec.kind == kinds.BUFFER_MUTATION}
+    buffers = program.graph_signature.inputs_to_buffers
+    mutated |= {buffers[node.args[0].name] for node in program.graph.nodes
+                if node.op == "call_function" and node.target is aten.copy_.default
+                and isinstance(node.args[0], fx.Node) and node.args[0].name in buffers}
+    lost = sorted({name for name in assigned if name not in mutated})
+    if any(isinstance(node.target, torch._ops.HigherOrderOperator)
+           for node in program.graph.nodes):
+        return  # (a write inside a graph of its own: _emit_ops refuses those, saying so)
+    if lost:
+        raise TraceError(
+            f"model {index} ({type(model).__name__}): forward assigns the buffer "
+            f"`{lost[0]}` (module path `{lost[0].rpartition('.')[0] or '<root>'}`) a new "
+            f"tensor, and torch.export leaves that assignment out of its graph, so the fused "
+            f"models would not update it. Update the buffer in place "
+            f"(`{lost[0].rpartition('.')[2]}.copy_(new_value)`), or fuse without "
+            f"example_inputs (the symbolic front-end traces the assignment)")
 
 
 def _fresh_copies(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -570,6 +620,7 @@ def normalize_exported(
     _emit_attributes(n)
     _emit_ops(n)
     _emit_outputs(n)
+    clone_reads_before_assignment(n.graph, _buffer_copy)
     n.graph.lint()
     gm = fx.GraphModule(n.attrs, n.graph, class_name=type(model).__name__)
     gm.meta[EXPORTED_SHAPES] = shapes
@@ -686,6 +737,9 @@ def _emit_ops(n: _Normalizing) -> None:
         if isinstance(target, torch._ops.OpOverload) and \
                 target.name().split("::")[1].split(".")[0] in DROPPED:
             continue
+        if _copy_onto_itself(node):
+            env[node] = env[node.args[0]]  # (copy_ returns its destination)
+            continue
         e.source = node
         if isinstance(target, torch._ops.HigherOrderOperator):
             # e.g. wrap_with_set_grad_enabled around a graph of its own, from a
@@ -739,6 +793,32 @@ def _emit_outputs(n: _Normalizing) -> None:
     else:
         out = graph.output(tuple(flat))
         out.meta[OutputSpec.META_KEY] = OutputSpec(treespec=out_spec)
+
+
+def _buffer_copy(node: fx.Node) -> bool:
+    """``buffer.copy_(value)``: how the exported graph spells ``self.buf = value``."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name == "copy_" and node.op in ("call_method", "call_function") and \
+        bool(node.args) and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
+
+
+def _copy_onto_itself(node: fx.Node) -> bool:
+    """Whether ``node`` is ``aten.copy_(dst, src)`` with ``src`` being ``dst`` itself, written
+    by in-place ops: ``self.steps += 1`` on a buffer exports ``add_(b_steps, 1)``, then the
+    assignment as ``copy_(b_steps, add_)``.  Nothing to copy; kept, it would change the
+    version of a tensor that later ops (``y * self.steps``) saved for backward, which then
+    fails where the model's own backward does not."""
+    if node.target is not aten.copy_.default or len(node.args) < 2:
+        return False
+    dst, value = node.args[0], node.args[1]
+    while isinstance(value, fx.Node) and value is not dst and value.op == "call_function":
+        schema = getattr(value.target, "_schema", None)
+        first = schema.arguments[0] if schema is not None and schema.arguments else None
+        if first is None or first.alias_info is None or not first.alias_info.is_write \
+                or not value.args:
+            return False
+        value = value.args[0]
+    return value is dst
 
 
 def _exported_shape(val: torch.Tensor, ranges: dict) -> tuple:

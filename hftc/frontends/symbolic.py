@@ -885,11 +885,21 @@ def trace_hint(exc: BaseException) -> str:
                 "tracing leaves unknown: pass example_inputs=(...) to hftc.fuse, which "
                 "traces forward with torch.export, or take the parameters' dtype "
                 "(next(self.parameters()).dtype, transformers' self.dtype).")
+    if "is not installed as a submodule" in str(exc):  # fx: a module outside the model
+        return (" Forward calls a module that is not a submodule of the model (one kept in "
+                "a closure, a plain object or a global): make it one (self.name = module). "
+                "A model made with copy.deepcopy of another keeps the original's functions, "
+                "which call the original's modules: build each model with its constructor.")
     if "Cache" in str(exc) and "pytree" in str(exc):
         return (" The models return a key/value cache object (Hugging Face's DynamicCache, "
                 "returned while use_cache is on), which is not a tensor structure: build them "
                 "with use_cache=False (config.use_cache = False) for training, or pass "
                 "use_cache=False to forward.")
+    if "which is not a known type" in str(exc) and "register a pytree" in str(exc):
+        return (" Forward returns an object torch.export cannot take apart (a dataclass of "
+                "outputs, a ModelOutput-like class): register it with torch's pytree "
+                "(torch.utils._pytree.register_dataclass(TheClass), as transformers does for "
+                "its ModelOutput classes), or return a dict or a tuple.")
     return ""
 
 
@@ -1068,6 +1078,67 @@ def _trace_advice(exc: BaseException, node: fx.Node | None) -> str:
             "ops.")
 
 
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` writes into its first argument (``x.add_(1)``, ``x[i] = v``)."""
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    if node.op == "call_function":
+        return node.target is operator.setitem or getattr(node.target, "__name__", "").endswith("_")
+    return False
+
+
+def _reads_buffer(node: fx.Node, target: str) -> bool:
+    """Whether ``node`` may read the buffer ``target``: a ``get_attr`` of it, or a call of
+    the module that holds it (or of one above: ``self.bn(x)`` reads ``bn.running_mean``)."""
+    if node.op == "get_attr":
+        return node.target == target
+    owner = target.rpartition(".")[0]
+    return node.op == "call_module" and (owner == node.target or
+                                         owner.startswith(f"{node.target}."))
+
+
+def _assignments_last(graph: fx.Graph) -> None:
+    """Each ``buf.copy_(value)`` traced from ``module.buf = value`` moved down to just
+    before the next node that reads the buffer (or the output): code in between reads
+    ``value`` itself (as eager code reads the new attribute), and writes into it in place
+    (``self.b = self.b * 2; self.b.add_(1)``) reach the buffer only if the copy comes
+    after them (it was copied before, and the buffer missed the ``add_``)."""
+    nodes = list(graph.nodes)
+    for k, write in enumerate(nodes):
+        if BUFFER_ASSIGNMENT not in write.meta or write.users:
+            continue
+        target = write.args[0].target
+        reader = next((n for n in nodes[k + 1:] if n.op == "output" or
+                       (n is not write and _reads_buffer(n, target))), None)
+        if reader is not None and reader is not write.next:
+            reader.prepend(write)
+
+
+def clone_reads_before_assignment(graph: fx.Graph,
+                                  is_assignment: Callable[[fx.Node], bool]) -> None:
+    """Reads of a buffer before forward assigns it anew (``y = fc(x) * self.scale;
+    self.scale = self.scale * 1.5``, traced as ``scale.copy_(...)``) read a clone.
+
+    In eager code the assignment rebinds the attribute and the tensor ``y``'s backward
+    saved is left as it was; the graph writes into the buffer instead, and backward then
+    failed (the saved tensor "modified by an inplace operation").  Where an earlier read
+    writes into the buffer itself (``self.scale.mul_(2)``) nothing is changed."""
+    order = {node: k for k, node in enumerate(graph.nodes)}
+    for write in [n for n in graph.nodes if is_assignment(n)]:
+        target = write.args[0].target
+        uses = [(read, use) for read in graph.nodes
+                if read.op == "get_attr" and read.target == target and order[read] < order[write]
+                for use in read.users if use is not write and order[use] < order[write]]
+        if not uses or any(_mutates(use) for _, use in uses):
+            continue
+        for read in {read for read, _ in uses}:
+            with graph.inserting_after(read):
+                clone = graph.call_method("clone", (read,))
+            clone.meta.update({k: v for k, v in read.meta.items() if k != "val"})
+            for _, use in [u for u in uses if u[0] is read]:
+                use.replace_input_with(read, clone)
+
+
 def trace_model(model: nn.Module, index: int, *, training: bool,
                 none_inputs: Iterable[str] = (),
                 constants: dict[str, Any] | None = None,
@@ -1102,6 +1173,8 @@ def trace_model(model: nn.Module, index: int, *, training: bool,
             with watched:
                 graph = tracer.trace(model, {name: None for name in nones} or None)
             _flatten_dataclass_output(graph)
+            _assignments_last(graph)
+            clone_reads_before_assignment(graph, lambda n: BUFFER_ASSIGNMENT in n.meta)
             gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         # Constants fx lifted onto the model while tracing (``_tensor_constant0``) are the
         # graph's own attributes (the GraphModule holds them), not the model's state.

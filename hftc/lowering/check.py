@@ -484,7 +484,7 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
         try:
             with preserved_state(fused):  # buffers (and the RNG) back after the run
                 with ConstantRandomness() as fused_mode, _ParametersKept(fused):
-                    out = run(input_copies(values))
+                    out = _unaliased_from_buffers(run(input_copies(values)), fused)
                 result.shapes_only = any(not torch.equal(a, b)
                                          for a, b in zip(before, _rng_states()))
                 # What forward wrote into the buffers (running statistics, counts),
@@ -549,6 +549,21 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
                 result.failed_model = i
                 break
     return result
+
+
+def _unaliased_from_buffers(out: Any, module: nn.Module) -> Any:
+    """``out`` with each tensor that shares storage with one of ``module``'s buffers
+    copied: a forward that returns a buffer it updates (a step counter, an EMA) returns
+    a view of it, which :func:`preserved_state` then sets back to the value before the
+    run, and the comparison would read that instead of what the call returned."""
+    storages = {b.untyped_storage().data_ptr() for b in module.buffers()}
+
+    def kept(t: Any) -> Any:
+        if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in storages:
+            return t.detach().clone()
+        return t
+
+    return pytree.tree_map(kept, out)
 
 
 def _raised_in_forward(exc: BaseException, model: nn.Module) -> bool:
