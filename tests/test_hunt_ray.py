@@ -14,15 +14,15 @@ import threading
 import types
 from pathlib import Path
 
+import hftc.ray as hray
 import pytest
 from test_sweep import SPEC_SOURCE
 
 from hftc.__main__ import main
 from hftc.errors import SweepError
+from hftc.sweep.report import summary
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'hftc[ray]'")
-import hftc.ray as hray  # noqa: E402
-from hftc.sweep.report import summary  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
