@@ -93,7 +93,7 @@ def test_summary_does_not_count_a_ray_sweeps_counts_as_seconds():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="error",
              log_to_driver=False)
     yield
     stopping = threading.Thread(target=ray.shutdown, daemon=True)
@@ -135,3 +135,13 @@ def test_cli_summary_says_how_ray_was_reached_and_what_the_actors_did(
     # the actors' arrays and epochs timed alone, not the driver's final pass's (none)
     assert "fused arrays: 2 trials per array as formed" in out
     assert "nothing trained" not in out
+
+
+def test_more_workers_than_the_cluster_holds_is_refused_not_a_hang(local_ray, tmp_path):
+    """3 actors of one CPU each on a 2-CPU Ray: the third could never be placed and the
+    sweep (which waits for every actor to load) hung for ever; refused, saying why."""
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC_SOURCE)
+    with pytest.raises(SweepError, match=r"3 workers need 3 CPUs \(one each\), and the Ray "
+                                         r"cluster has 2: give --workers 2 or fewer"):
+        hray.sweep(spec, workers=3, out=tmp_path / "out", n_trials=3, epochs=1)

@@ -134,9 +134,10 @@ def connect(address: str | None = None, **init_kwargs: Any) -> RayStart:
         try:
             ray.init(address=address, **init_kwargs)
         except ConnectionError as exc:  # "auto" with none running, or the GCS refused
-            raise SweepError(f"hftc.ray: no Ray cluster at {address!r} ({exc}): start one "
-                             f"(`ray start --head`) or give no address to start a local "
-                             f"Ray") from None
+            raise SweepError(f"hftc.ray: could not join Ray at {address!r} ({exc}): check "
+                             f"that a cluster runs there (`ray status`) and lets this "
+                             f"process in, or give no address to start a local Ray"
+                             ) from None
         how = "connected"
     gcs = getattr(ray.get_runtime_context(), "gcs_address", "") or ""
     return RayStart(how, time.perf_counter() - start, gcs)
@@ -209,6 +210,19 @@ class _SweepActor:
 
 #: the SweepResult fields summed over the actors' results into the sweep's
 _MERGED = ("serial_epoch_s", "formations", "apart", "padded", "mixed")
+
+
+def _check_room(ray: Any, workers: int, resource: str) -> None:
+    """Refuse more actors than the cluster has room for: the sweep waits for every
+    actor to load before any runs, and an actor Ray cannot place waits for ever (the
+    sweep hung, its placed actors idle)."""
+    have = ray.cluster_resources().get(resource, 0)
+    if workers > have:
+        raise SweepError(
+            f"hftc.ray.sweep: {workers} workers need {workers} {resource}s (one each), and "
+            f"the Ray cluster has {have:g}: give --workers {int(have) or 1} or fewer "
+            f"(workers={int(have) or 1}), or add nodes before the sweep starts (the sweep "
+            f"does not wait for an autoscaler)")
 
 
 def _cause_with_its_lines(exc: BaseException) -> BaseException:
@@ -310,6 +324,7 @@ def sweep(
         say(str(reached))
     if gpus is None:
         gpus = ray.cluster_resources().get("GPU", 0) >= 1
+    _check_room(ray, workers, "GPU" if gpus else "CPU")
     options = {"out": str(out), "storage": storage, "study_name": study_name,
                "heartbeat_interval": heartbeat_interval, "grace_period": grace_period,
                "progress": False, "log": print if log is not None else None}
