@@ -306,13 +306,7 @@ def sweep(
 
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise SweepError(f"hftc.ray.sweep: workers must be a positive int, got {workers!r}")
-    from ..sweep.clock import before_sweep
-
-    # The clock starts where Ray was reached (a `reached` given: just before this call).
-    start = time.perf_counter() - (reached.seconds if reached is not None else 0.0)
-    before_s = before_sweep()
-    if before_s is not None and reached is not None:
-        before_s = max(0.0, before_s - reached.seconds)
+    start, before_s = _clock_start(reached)
     spec = _shippable(spec, "hftc.ray.sweep")
     local_spec, study_name, out, storage = _study_made(
         load_spec(spec).replace(**overrides), study_name, out, storage,
@@ -349,12 +343,31 @@ def sweep(
             f"with resume=True (--resume) once the cluster is healthy") from exc
     finally:
         actors.kill_all()  # on an error, the others stop too
-    replaced = actors.replaced
 
     # Every trial is done: the results, written once, here.
     final = Sweep(local_spec, out=out, storage=storage, study_name=study_name,
                   heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                   progress=False).run()
+    return _merged_result(final, summaries, time.perf_counter() - start, before_s, reached,
+                          workers, actors.replaced)
+
+
+def _clock_start(reached: RayStart | None) -> tuple[float, float | None]:
+    """The sweep's clock start and the process's seconds before it: where Ray was
+    reached (a ``reached`` given: by a connect() just before the sweep was called)."""
+    from ..sweep.clock import before_sweep
+
+    spent = reached.seconds if reached is not None else 0.0
+    before_s = before_sweep()
+    return time.perf_counter() - spent, (None if before_s is None
+                                         else max(0.0, before_s - spent))
+
+
+def _merged_result(final: Any, summaries: list[dict[str, Any]], wall_s: float,
+                   before_s: float | None, reached: RayStart, workers: int,
+                   replaced: int) -> Any:
+    """The driver's final pass (results written, nothing trained) with what the actors
+    did: their training, epochs timed alone and arrays, and how Ray was reached."""
     nodes = len({summary["node"] for summary in summaries})
     timings = {**final.timings, "train": sum(s["train_s"] for s in summaries),
                "workers": workers, "replaced": replaced, "nodes": nodes,
@@ -362,7 +375,7 @@ def sweep(
     merged = {k: [x for s in summaries for x in s[k]] for k in _MERGED}
     merged["apart"] = list(dict.fromkeys(merged["apart"]))  # the reasons, each once
     return dataclasses.replace(
-        final, wall_s=time.perf_counter() - start,
+        final, wall_s=wall_s,
         train_s=sum(s["train_s"] for s in summaries),
         trial_epochs=sum(s["trial_epochs"] for s in summaries), timings=timings,
         before_s=before_s, **merged,
