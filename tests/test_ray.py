@@ -382,6 +382,7 @@ class _FakeRay:
 def test_connect_joins_else_starts(monkeypatch, running, address, how, calls):
     fake = _FakeRay(running)
     monkeypatch.setattr(hray, "_import_ray", lambda what="ray": fake)
+    monkeypatch.setattr(hray, "_check_reachable", lambda address: None)  # no real head
     reached = hray.connect(address)
     assert (reached.how, fake.calls, reached.address) == (how, calls, "127.0.0.1:6379")
     assert str(reached).startswith("Ray: ") and str(reached).endswith(" s")

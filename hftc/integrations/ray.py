@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import time
 import zlib
 from collections.abc import Iterator
@@ -129,10 +130,37 @@ def connect(address: str | None = None, **init_kwargs: Any) -> RayStart:
             ray.init(**init_kwargs)
             how = "started"
     else:
-        ray.init(address=address, **init_kwargs)
+        _check_reachable(address)
+        try:
+            ray.init(address=address, **init_kwargs)
+        except ConnectionError as exc:  # "auto" with none running, or the GCS refused
+            raise SweepError(f"hftc.ray: could not join Ray at {address!r} ({exc}): check "
+                             f"that a cluster runs there (`ray status`) and lets this "
+                             f"process in, or give no address to start a local Ray"
+                             ) from None
         how = "connected"
     gcs = getattr(ray.get_runtime_context(), "gcs_address", "") or ""
     return RayStart(how, time.perf_counter() - start, gcs)
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Refuse a ``host:port`` (or ``ray://host:port``) where nothing listens: Ray's own
+    ``ray.init`` retries such an address for minutes, printing GCS time-outs, and never
+    says what is wrong. ``"auto"`` and other forms are Ray's to resolve."""
+    import socket
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host or "/" in host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise SweepError(
+            f"hftc.ray: no Ray cluster answers at {address!r} ({exc.strerror or exc}): "
+            f"check the address (`ray status` on the head prints it; the default port is "
+            f"6379, a Ray client's ray://HOST:10001), start one there with `ray start "
+            f"--head --port={port}`, or give no address to join a running cluster or start "
+            f"a local Ray") from None
 
 
 # ---------------------------------------------------------------------- sweep on actors
@@ -173,8 +201,48 @@ class _SweepActor:
         if self.spec is None:
             self.load()
         result = Sweep(self.spec, resume=resume, **self.options).run()
+        # what the driver's summary reports of the actors' work (its own final pass
+        # trains nothing): the epochs timed alone, the arrays formed
         return {"node": self.where(), "trial_epochs": result.trial_epochs,
-                "train_s": result.train_s}
+                "train_s": result.train_s,
+                **{k: getattr(result, k) for k in _MERGED}}
+
+
+#: the SweepResult fields summed over the actors' results into the sweep's
+_MERGED = ("serial_epoch_s", "formations", "apart", "padded", "mixed")
+
+
+def _check_room(ray: Any, workers: int, resource: str) -> None:
+    """Refuse more actors than the cluster has room for: the sweep waits for every
+    actor to load before any runs, and an actor Ray cannot place waits for ever (the
+    sweep hung, its placed actors idle)."""
+    have = ray.cluster_resources().get(resource, 0)
+    if workers > have:
+        raise SweepError(
+            f"hftc.ray.sweep: {workers} workers need {workers} {resource}s (one each), and "
+            f"the Ray cluster has {have:g}: give --workers {int(have) or 1} or fewer "
+            f"(workers={int(have) or 1}), or add nodes before the sweep starts (the sweep "
+            f"does not wait for an autoscaler)")
+
+
+def _cause_with_its_lines(exc: BaseException) -> BaseException:
+    """The exception an actor's code raised, with the traceback it had in the actor as a
+    note: Ray ships the exception without its frames, so the cause raised here alone
+    would show hftc's driver lines and not the spec's line that raised it."""
+    cause = getattr(exc, "cause", None)
+    if cause is None:
+        return exc
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    lines = text.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("  File ")), None)
+    noted = any(n.startswith("hftc.ray: raised in a Ray actor")
+                for n in getattr(cause, "__notes__", []))
+    if first is not None and not noted:
+        where = lines[0].split(")", 1)[-1].strip(" ()") if first else ""
+        cause.add_note(f"hftc.ray: raised in a Ray actor ({where or 'remote'}), where its "
+                       f"traceback was (most recent call last):\n"
+                       + "\n".join(lines[first:]))
+    return cause
 
 
 def _actor_died(ray: Any, exc: BaseException) -> bool:
@@ -197,6 +265,7 @@ def sweep(
     gpus: bool | None = None,
     max_replacements: int | None = None,
     log=None,
+    reached: RayStart | None = None,
     **overrides: Any,
 ) -> Any:
     """Run a fused sweep on ``workers`` Ray actors sharing one Optuna study.
@@ -217,6 +286,9 @@ def sweep(
         storage: an Optuna RDB URL every actor reaches (default
             ``sqlite:///OUT/study.db``: one machine or a shared folder; PostgreSQL across
             machines).
+        reached: the :class:`RayStart` of a :func:`connect` just before (``hftc sweep
+            --ray`` prints it first): Ray is not reached again, and the summary says how
+            it was and how long it took.
         max_replacements: how many dead actors are replaced (default ``2 * workers``);
             past it the sweep stops with a :class:`~hftc.errors.SweepError` (its trials
             stay in the storage, ``resume=True`` continues them).
@@ -234,17 +306,19 @@ def sweep(
 
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise SweepError(f"hftc.ray.sweep: workers must be a positive int, got {workers!r}")
-    start = time.perf_counter()
+    start, before_s = _clock_start(reached)
     spec = _shippable(spec, "hftc.ray.sweep")
     local_spec, study_name, out, storage = _study_made(
         load_spec(spec).replace(**overrides), study_name, out, storage,
         make_storage, heartbeat_interval, grace_period)
     say = log if log is not None else (lambda msg: None)
 
-    reached = connect(address, log_to_driver=log is not None)
-    say(str(reached))
+    if reached is None:
+        reached = connect(address, log_to_driver=log is not None)
+        say(str(reached))
     if gpus is None:
         gpus = ray.cluster_resources().get("GPU", 0) >= 1
+    _check_room(ray, workers, "GPU" if gpus else "CPU")
     options = {"out": str(out), "storage": storage, "study_name": study_name,
                "heartbeat_interval": heartbeat_interval, "grace_period": grace_period,
                "progress": False, "log": print if log is not None else None}
@@ -259,7 +333,7 @@ def sweep(
         summaries = [s for _, s in actors.wait_all({a.run.remote(resume): a
                                                     for a, _ in loaded}, "run")]
     except ray.exceptions.RayTaskError as exc:  # the sweep's code raised: say what
-        raise (exc.cause if getattr(exc, "cause", None) is not None else exc) from None
+        raise _cause_with_its_lines(exc) from None
     except Exception as exc:
         if not _actor_died(ray, exc):
             raise
@@ -269,20 +343,43 @@ def sweep(
             f"with resume=True (--resume) once the cluster is healthy") from exc
     finally:
         actors.kill_all()  # on an error, the others stop too
-    replaced = actors.replaced
 
     # Every trial is done: the results, written once, here.
     final = Sweep(local_spec, out=out, storage=storage, study_name=study_name,
                   heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                   progress=False).run()
+    return _merged_result(final, summaries, time.perf_counter() - start, before_s, reached,
+                          workers, actors.replaced)
+
+
+def _clock_start(reached: RayStart | None) -> tuple[float, float | None]:
+    """The sweep's clock start and the process's seconds before it: where Ray was
+    reached (a ``reached`` given: by a connect() just before the sweep was called)."""
+    from ..sweep.clock import before_sweep
+
+    spent = reached.seconds if reached is not None else 0.0
+    before_s = before_sweep()
+    return time.perf_counter() - spent, (None if before_s is None
+                                         else max(0.0, before_s - spent))
+
+
+def _merged_result(final: Any, summaries: list[dict[str, Any]], wall_s: float,
+                   before_s: float | None, reached: RayStart, workers: int,
+                   replaced: int) -> Any:
+    """The driver's final pass (results written, nothing trained) with what the actors
+    did: their training, epochs timed alone and arrays, and how Ray was reached."""
+    nodes = len({summary["node"] for summary in summaries})
     timings = {**final.timings, "train": sum(s["train_s"] for s in summaries),
-               "workers": workers, "replaced": replaced,
-               "nodes": len({summary["node"] for summary in summaries}),
+               "workers": workers, "replaced": replaced, "nodes": nodes,
                "ray_start": reached.seconds}
+    merged = {k: [x for s in summaries for x in s[k]] for k in _MERGED}
+    merged["apart"] = list(dict.fromkeys(merged["apart"]))  # the reasons, each once
     return dataclasses.replace(
-        final, wall_s=time.perf_counter() - start,
+        final, wall_s=wall_s,
         train_s=sum(s["train_s"] for s in summaries),
-        trial_epochs=sum(s["trial_epochs"] for s in summaries), timings=timings)
+        trial_epochs=sum(s["trial_epochs"] for s in summaries), timings=timings,
+        before_s=before_s, **merged,
+        cluster=f"{reached}; {workers} Ray actors on {nodes} node(s), {replaced} replaced")
 
 
 
@@ -432,16 +529,10 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, epochs: int | None = Non
     spec_obj = load_spec(spec).replace(**overrides)
     metric = spec_obj.metric_name
     decider = None
+    scheduler = _per_config_scheduler(scheduler, "hftc.ray.tune_trainable",
+                                      f"give {type(scheduler).__name__} to tune.TuneConfig "
+                                      f"to schedule whole arrays")
     if scheduler is not None:
-        from ray.tune.schedulers import AsyncHyperBandScheduler
-
-        if not isinstance(scheduler, AsyncHyperBandScheduler):
-            raise SweepError(
-                f"hftc.ray.tune_trainable: {type(scheduler).__name__} decides with Tune's "
-                f"trial runner, which a configuration inside an array does not have; per "
-                f"configuration hftc drives ASHAScheduler (AsyncHyperBandScheduler): give "
-                f"one, or give {type(scheduler).__name__} to tune.TuneConfig to schedule "
-                f"whole arrays")
         # Tune sets a scheduler's metric and mode from TuneConfig; here they are the spec's
         # (a scheduler given its own keeps them).
         scheduler.set_search_properties(metric, spec_obj.direction[:3])
@@ -454,6 +545,24 @@ def tune_trainable(spec: Any, *, scheduler: Any = None, epochs: int | None = Non
 
     train_array.scheduler_actor = decider
     return train_array
+
+
+def _per_config_scheduler(scheduler: Any, where: str, instead: str) -> Any:
+    """The scheduler that decides per configuration: ASHA as given; None for none or
+    Tune's default FIFOScheduler (which never stops a trial: training each configuration
+    to its last epoch is what it does); any other is refused, saying ``instead``."""
+    if scheduler is None:
+        return None
+    from ray.tune.schedulers import AsyncHyperBandScheduler, FIFOScheduler
+
+    if type(scheduler) is FIFOScheduler:
+        return None
+    if not isinstance(scheduler, AsyncHyperBandScheduler):
+        raise SweepError(
+            f"{where}: {type(scheduler).__name__} decides with Tune's trial runner, which a "
+            f"configuration inside an array does not have; per configuration hftc drives "
+            f"ASHAScheduler (AsyncHyperBandScheduler): give one, or {instead}")
+    return scheduler
 
 
 def config_results(results: Any, metric: str | None = None,
@@ -650,6 +759,10 @@ class Tuner:
         spec_obj = load_spec(_shippable(spec, "hftc.ray.Tuner")).replace(**overrides)
         self.seed = spec_obj.seed
         self.metric, self.mode = _metric_and_mode(self.tune_config, spec_obj)
+        # refused here, before Ray starts, rather than in fit()
+        _per_config_scheduler(self.tune_config.scheduler, "hftc.ray.Tuner",
+                              "to schedule whole arrays give it to tune.Tuner with "
+                              "hftc.ray.tune_trainable(spec) and hftc.ray.array_space")
         if self.tune_config.search_alg is not None:
             search = type(self.tune_config.search_alg).__name__
             raise SweepError(

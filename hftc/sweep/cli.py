@@ -141,11 +141,12 @@ def _main(args: argparse.Namespace) -> int:
         if ray_address is not None:
             from ..integrations import ray as hftc_ray
 
-            # Ray reached first, saying how and how long (a running cluster is reused)
-            print(hftc_ray.connect(ray_address or None, log_to_driver=log is not None),
-                  flush=True)
+            # Ray reached first, saying how and how long (a running cluster is reused);
+            # the sweep's summary says it again, from the same RayStart
+            reached = hftc_ray.connect(ray_address or None, log_to_driver=log is not None)
+            print(reached, flush=True)
             run = lambda spec, **kw: hftc_ray.sweep(  # noqa: E731
-                spec, address=ray_address or None, workers=workers or 2,
+                spec, address=ray_address or None, workers=workers or 2, reached=reached,
                 **{k: v for k, v in kw.items() if k not in ("progress", "estimate")})
         result = run(args.spec, n_trials=args.trials, per_array=args.per_array,
                      epochs=args.epochs, out=args.out, storage=args.storage,
@@ -173,10 +174,7 @@ def _main(args: argparse.Namespace) -> int:
     if best is not None:
         print(f"\nbest: trial {best.number}, {result.metric} {best.value:.6g} "
               f"({', '.join(f'{k}={v!r}' for k, v in best.params.items())})")
-    print(result.summary)
-    if ray_address is not None:
-        tm = result.timings
-        print(f"{tm['workers']} Ray actors on {tm['nodes']} node(s), {tm['replaced']} replaced")
+    print(result.summary)  # a Ray sweep's says how Ray was reached, its actors and nodes
     print("files: " + ", ".join(str(p) for p in result.files.values()))
     freeze_at_exit()
     return 0

@@ -148,6 +148,9 @@ class SweepResult:
     #: them hftc's core import, which a script without hftc does not pay
     before_s: float | None = None
     hftc_import_s: float = 0.0
+    #: a sweep on Ray actors (hftc.ray.sweep): how Ray was reached (a running cluster
+    #: reused, or started) and how long it took, the actors and nodes; else ""
+    cluster: str = ""
 
     @property
     def summary(self) -> str:

@@ -148,6 +148,10 @@ def write_results(sweep) -> tuple[dict[str, Path], str]:
     return files, board
 
 
+#: the keys of SweepResult.timings that count things rather than seconds (hftc.ray.sweep)
+_COUNTS = ("workers", "replaced", "nodes")
+
+
 def summary(result) -> str:
     """The end of a sweep in a few lines: where the wall clock went, the speedup over
     training the same trials one by one (estimated from epochs trained alone), the sizes
@@ -159,13 +163,18 @@ def summary(result) -> str:
     for key, words in (("on_epoch", "on_epoch"), ("results", "result files")):
         if tm.get(key, 0.0) >= 0.05:
             parts.append(f"{words} {tm[key]:.1f} s")
-    other = result.wall_s - sum(tm.values())
+    # timings also holds a Ray sweep's counts (workers, nodes, replaced): not seconds
+    other = result.wall_s - sum(v for k, v in tm.items() if k not in _COUNTS)
+    if tm.get("ray_start", 0.0) >= 0.05:
+        parts.append(f"reaching Ray {tm['ray_start']:.1f} s")
     before_s = _before_s(result)
     before = (f" (and {before_s:.1f} s before it: Python, the imports, the spec)"
               if before_s is not None else "")
     lines = [f"time: {result.wall_s:.1f} s wall clock for {result.trial_epochs} "
              f"trial-epochs: {', '.join(parts)}, start-up and other {max(other, 0.0):.1f} s"
              + before]
+    if getattr(result, "cluster", ""):
+        lines.append(result.cluster)
     lines.append(f"note: {result.note}" if result.note else speedup_line(result))
     if result.formations:
         sizes = [n for formation in result.formations for n in formation]
