@@ -442,7 +442,10 @@ class CompiledStep:
                 with self._autocast():
                     return self._forward_losses(inputs, target)
 
-            self._compiled = torch.compile(forward_losses, dynamic=False)
+            # fallback_random: random ops (a model's own F.dropout, run one by one) draw
+            # from torch's generator as the eager step does, not inductor's own RNG.
+            self._compiled = torch.compile(forward_losses, dynamic=False,
+                                           options={"fallback_random": True})
         self.optimizer.zero_grad(set_to_none=True)
         losses = self._compiled(inputs, target)
         self._backward_and_update(losses)
