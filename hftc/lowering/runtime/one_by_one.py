@@ -235,8 +235,11 @@ class OneByOne:
     def _run(self, i: int, fused: nn.Module, modes: list[bool], tensors: dict[str, Tensor],
              args: tuple, method: str | None = None, kwargs: dict[str, Any] | None = None) -> Any:
         """Model i's forward (or ``method``) on ``tensors`` (its slice of each stacked
-        tensor, by fused name), its modules in ``modes``; the shell's placeholders are put
-        back after, so no view of the stacked tensors outlives the call."""
+        tensor, by fused name), its modules in ``modes``.  The slices stay bound after the
+        call: a ``torch.utils.checkpoint`` in the model's forward recomputes in backward
+        and reads them then (the placeholders, 0 elements, failed its matmuls); the next
+        call binds its own, and a copy or pickle of the loop takes the placeholders
+        (:meth:`__getstate__`)."""
         shell, slots = self.shells[i], self.slots[i]
         for sub, mode in zip(self.modules[i], modes[i]):
             if sub.training is not mode:  # nn.Module.__setattr__ is slow: write on change
@@ -259,9 +262,18 @@ class OneByOne:
                 f"models one by one. Fuse them (without the Python state or checks that "
                 f"made hftc run them one by one: see the FusionWarning), or renormalize "
                 f"in the training loop, outside forward") from exc
-        finally:
+
+    def _unbind(self) -> None:
+        """The shells' placeholders back in place of the last call's slices."""
+        for slots in self.slots:
             for registry, key, _, placeholder in slots:
                 registry[key] = placeholder
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A slice of a stacked parameter is no leaf: deepcopy and pickle refuse it, and a
+        # copy holding one would share the original's storage.
+        self._unbind()
+        return self.__dict__
 
     def _keep_reassigned(self, i: int, slots: list, tensors: dict[str, Tensor],
                          method: str) -> None:
