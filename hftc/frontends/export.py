@@ -65,6 +65,7 @@ import inspect
 import io
 import logging
 import operator
+import unittest.mock
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -383,11 +384,8 @@ def _buffer_assignments(model: nn.Module, assigned: list[str]) -> Iterator[None]
             assigned.append(f"{path}.{name}" if path else name)
         setattr_(module, name, value)
 
-    nn.Module.__setattr__ = recording
-    try:
+    with unittest.mock.patch.object(nn.Module, "__setattr__", recording):
         yield
-    finally:
-        nn.Module.__setattr__ = setattr_
 
 
 def _refuse_lost_assignments(program: Any, model: nn.Module, index: int,

@@ -28,6 +28,7 @@ import random
 import sys
 import traceback
 import types
+import unittest.mock
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -506,11 +507,8 @@ class _Tracer(fx.Tracer):
                 return
             setattr_(module, name, value)
 
-        nn.Module.__setattr__ = recording_setattr
-        try:
+        with unittest.mock.patch.object(nn.Module, "__setattr__", recording_setattr):
             yield
-        finally:
-            nn.Module.__setattr__ = setattr_
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple,
                     kwargs: dict) -> Any:
