@@ -67,6 +67,12 @@ class ModelInputError(FusionError, RuntimeError):
     ``RuntimeError``, as torch's own error was."""
 
 
+class FusionNotImplementedError(FusionError, NotImplementedError):
+    """What a plain module or optimizer does and a fused one cannot (``add_param_group``
+    on a fused optimizer, whose param groups are the models); the message says what to do
+    instead.  A ``NotImplementedError``, as torch's own refusals of the kind are."""
+
+
 class FusionTypeError(FusionError, TypeError):
     """An argument of the wrong type (a non-module in the model list, say)."""
 

@@ -463,3 +463,17 @@ def test_per_model_plateau_on_a_stock_optimizer_over_fused_parameters_says_what_
                        match=r"torch.optim.adam.Adam has 1 param group\(s\), not one per "
                              r"model. Build hftc.optim.Adam\(fused.parameters\(\)"):
         hftc.optim.ReduceLROnPlateau(opt, patience=[0, 1, 2])
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "LBFGS"])
+def test_add_param_group_is_hftcs_refusal_naming_the_users_line(name):
+    # (a NotImplementedError still, as before; now hftc's class, with the line and the way)
+    from hftc.errors import FusionNotImplementedError
+    fused = hftc.fuse([torch.nn.Linear(3, 2) for _ in range(2)])
+    opt = getattr(hftc.optim, name)(fused.parameters(), lr=0.1)
+    with pytest.raises(FusionNotImplementedError, match=(
+            rf"add_param_group at .*test_hunt_optim.py:\d+.*groups cannot be added.*"
+            rf"hftc\.optim\.{name}\(fused\.parameters\(\)")) as caught:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    assert isinstance(caught.value, NotImplementedError)
+    assert len(opt.param_groups) == 2  # left as it was

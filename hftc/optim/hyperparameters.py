@@ -19,7 +19,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
-from ..errors import FusionArgumentError, FusionTypeError, UsageWarning, user_stacklevel
+from ..errors import (
+    FusionArgumentError,
+    FusionNotImplementedError,
+    FusionTypeError,
+    UsageWarning,
+    user_stacklevel,
+)
 
 __all__ = ["HyperParameterGroups", "warn_of_grouping_by_stacked_dims"]
 
@@ -376,9 +382,11 @@ class HyperParameterGroups(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only used while constructing: groups are models, so none can be added later."""
         if getattr(self, "_groups_frozen", True):
-            raise NotImplementedError(
-                f"{type(self).__name__}.add_param_group: param_groups[i] is model i's "
-                f"hyper-parameters, so groups cannot be added; build a new fused optimizer "
-                f"over all the stacked parameters instead"
-            )
+            from ..training.mistakes import user_line  # (optim is below training)
+            raise FusionNotImplementedError(
+                f"{type(self).__name__}.add_param_group{user_line()}: param_groups[i] is "
+                f"model i's hyper-parameters, so groups cannot be added. To train "
+                f"parameters left out so far (a backbone unfrozen), make a new fused "
+                f"optimizer over all of them (hftc.optim.{type(self).__name__}(fused."
+                f"parameters(), ...)) and go on with it; its param_groups[i] are model i's")
         super().add_param_group(param_group)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..errors import FusionArgumentError, FusionTypeError
+from ..errors import FusionArgumentError, FusionNotImplementedError, FusionTypeError
 from ..lowering.runtime.modules import FUSED_MODULES
 
 __all__ = ["LBFGS"]
@@ -125,10 +125,11 @@ class LBFGS(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_models", None) is not None:
-            raise NotImplementedError(
-                "hftc.optim.LBFGS.add_param_group: param_groups[i] is model i's "
-                "hyper-parameters, so groups cannot be added; build a new one over all the "
-                "stacked parameters")
+            from ..training.mistakes import user_line  # (optim is below training)
+            raise FusionNotImplementedError(
+                f"hftc.optim.LBFGS.add_param_group{user_line()}: param_groups[i] is model "
+                f"i's hyper-parameters, so groups cannot be added; make a new one over all "
+                f"the stacked parameters (hftc.optim.LBFGS(fused.parameters(), ...))")
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ per-model optimizers
