@@ -292,3 +292,17 @@ def test_two_workers_recording_their_spec_at_once_are_compared(spec_file, tmp_pa
     with pytest.raises(hs.SweepError, match="started with another spec: epochs was 7"):
         hs.run(spec, out=tmp_path / "out", storage=url, study_name="tiny", progress=False,
                estimate=False)
+
+
+@pytest.mark.parametrize("interval", ["0", "-5"])
+def test_a_heartbeat_interval_under_a_second_is_refused(spec_file, tmp_path, capsys,
+                                                        interval):
+    """A --heartbeat-interval of 0 or below was taken as 1 s without a word: refused,
+    naming the option and what it takes, before anything is written."""
+    out = tmp_path / "out"
+    code = main(["sweep", str(spec_file), "--out", str(out), "--no-progress",
+                 "--heartbeat-interval", interval])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--heartbeat-interval (heartbeat_interval) {interval} s" in err, err
+    assert "at least 1" in err
+    assert not (out / "study.db").exists()

@@ -226,9 +226,9 @@ class Sweep(Recovery, Arrays, Decisions):
         self.default_storage = storage is None
         self.storage_url = storage or f"sqlite:///{self.out / 'study.db'}"
         self.resume = resume
-        self.heartbeat_interval = max(1, int(heartbeat_interval))
+        check_heartbeat(heartbeat_interval, grace_period)  # before anything is written
+        self.heartbeat_interval = int(heartbeat_interval)
         self.grace_period = grace_period
-        check_heartbeat(self.heartbeat_interval, grace_period)  # before anything is written
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.log = log if log is not None else (lambda msg: None)
         self.live: list[LiveTrial] = []

@@ -98,7 +98,12 @@ def _with_driver(url: str) -> str:
 
 def check_heartbeat(heartbeat_interval: int, grace_period: int | None) -> None:
     """A grace period a live worker's heartbeats cannot keep is refused: every other worker
-    would fail its trials between two beats and train them again."""
+    would fail its trials between two beats and train them again; so is an interval under
+    a second (Optuna's heartbeat takes whole seconds from 1)."""
+    if not heartbeat_interval >= 1:
+        raise SweepError(
+            f"--heartbeat-interval (heartbeat_interval) {heartbeat_interval} s: give whole "
+            f"seconds, at least 1 (Optuna's heartbeat; the default is 30)")
     if grace_period is None:
         return
     if grace_period <= 0 or grace_period <= heartbeat_interval:
