@@ -92,6 +92,30 @@ def test_early_stopping_stops_each_model_when_its_own_loop_would():
     assert stopper.best == {0: 0.5, 1: 5.0, 2: 2.0, 3: 0.5}
 
 
+def test_early_stopping_resumed_from_its_state_dict_stops_as_uninterrupted(tmp_path):
+    curves = {0: [5, 4, 3, 2, 1, 0.5], 1: [5, 6, 7, 8, 9, 9], 2: [3, 3, 2, 2, 2, 2],
+              3: [1, 2, 0.5, 0.6, 0.7, 0.8]}
+    fused = hftc.fuse(_models())
+    stopper = hftc.EarlyStopping(fused, patience=2)
+    for epoch in range(3):  # model 1 stops at call 2 and is cut; then the "crash"
+        stopper.step([curves[i][epoch] for i in fused.model_ids])
+    torch.save({"fused": fused.state_dict(), "ids": fused.model_ids,
+                "stopper": stopper.state_dict()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed = hftc.fuse(_models())
+    hftc.keep_models(resumed, saved["ids"])
+    again = hftc.EarlyStopping(resumed, patience=2)
+    again.load_state_dict(saved["stopper"])
+    for epoch in range(3, 6):
+        if again.step([curves[i][epoch] for i in resumed.model_ids]):
+            break
+    for i, curve in curves.items():
+        assert again.stopped.get(i) == _one_model_early_stopping(curve, 2), i
+    assert resumed.model_ids == [0]
+    with pytest.raises(FusionArgumentError, match=r"saved with \(patience, mode, min_delta\)"):
+        hftc.EarlyStopping(resumed, patience=3).load_state_dict(saved["stopper"])
+
+
 def test_early_stopping_done_when_every_model_stopped():
     fused = hftc.fuse(_models(2))
     stopper = hftc.EarlyStopping(fused, patience=1, mode="max")

@@ -192,6 +192,7 @@ class EarlyStopping(_PerModelBest):
             if stopper.step(val_losses):   # [N], one per model
                 break                      # every model has stopped
         stopper.stopped                    # {model id: the call (0, 1, ...) it stopped at}
+        stopper.state_dict()               # to resume: stopper.load_state_dict(saved)
 
     One model run alone with ``if val_loss < best: best, bad = val_loss, 0 else: bad +=
     1; if bad >= patience: break`` stops at the same epoch: the fused module trains on
@@ -219,6 +220,28 @@ class EarlyStopping(_PerModelBest):
         #: model id -> the call (counting from 0) at which it stopped
         self.stopped: dict[int, int] = {}
         self.calls = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed loop needs to stop each model where an uninterrupted one would
+        (as a scheduler's): ``torch.save({"stopper": stopper.state_dict(), ...})``; its
+        models by id, so it holds after :func:`hftc.keep_models`."""
+        return {"best": dict(self.best), "waited": dict(self.waited),
+                "stopped": dict(self.stopped), "calls": self.calls,
+                "patience": self.patience, "mode": self.mode, "min_delta": self.min_delta}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict` (made with the same patience, mode, min_delta)."""
+        mine = (self.patience, self.mode, self.min_delta)
+        theirs = (state.get("patience"), state.get("mode"), state.get("min_delta"))
+        if mine != theirs:
+            raise FusionArgumentError(
+                f"EarlyStopping.load_state_dict: the state was saved with (patience, mode, "
+                f"min_delta) {theirs}, this one has {mine}: make it with the saved ones, "
+                f"or start its bookkeeping afresh")
+        self.best = {int(k): float(v) for k, v in state["best"].items()}
+        self.waited = {int(k): int(v) for k, v in state["waited"].items()}
+        self.stopped = {int(k): int(v) for k, v in state["stopped"].items()}
+        self.calls = int(state["calls"])
 
     @property
     def done(self) -> bool:
