@@ -8,6 +8,7 @@ code and what to change.  Internals never leak a bare ``AssertionError`` or
 
 from __future__ import annotations
 
+import linecache
 import sys
 
 
@@ -111,6 +112,14 @@ class SweepWarning(UserWarning):
 
 class FusionIndexError(FusionArgumentError, IndexError):
     """A model index out of range (``fused.model_state_dict(5)`` of 3 models)."""
+
+
+def user_line() -> str:
+    """`` at file:line: `code` `` of the user's frame (:func:`user_stacklevel`'s), for a
+    message."""
+    frame = sys._getframe(user_stacklevel() - 1)
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f" at {frame.f_code.co_filename}:{frame.f_lineno}" + (f": `{code}`" if code else "")
 
 
 #: Where torch.fx / torch.export / dynamo start the debugging text they add to an error's

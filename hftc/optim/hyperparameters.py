@@ -24,6 +24,7 @@ from ..errors import (
     FusionNotImplementedError,
     FusionTypeError,
     UsageWarning,
+    user_line,
     user_stacklevel,
 )
 
@@ -382,7 +383,6 @@ class HyperParameterGroups(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only used while constructing: groups are models, so none can be added later."""
         if getattr(self, "_groups_frozen", True):
-            from ..training.mistakes import user_line  # (optim is below training)
             raise FusionNotImplementedError(
                 f"{type(self).__name__}.add_param_group{user_line()}: param_groups[i] is "
                 f"model i's hyper-parameters, so groups cannot be added. To train "

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..errors import FusionArgumentError, FusionNotImplementedError, FusionTypeError
+from ..errors import FusionArgumentError, FusionNotImplementedError, FusionTypeError, user_line
 from ..lowering.runtime.modules import FUSED_MODULES
 
 __all__ = ["LBFGS"]
@@ -125,7 +125,6 @@ class LBFGS(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_models", None) is not None:
-            from ..training.mistakes import user_line  # (optim is below training)
             raise FusionNotImplementedError(
                 f"hftc.optim.LBFGS.add_param_group{user_line()}: param_groups[i] is model "
                 f"i's hyper-parameters, so groups cannot be added; make a new one over all "

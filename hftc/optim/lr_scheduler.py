@@ -196,7 +196,7 @@ def _refuse_mixed_cycle_momentum(scheduler: Any, optimizer: Any, exc: ValueError
 
     if not isinstance(optimizer, MixedOptimizer) or "cycle_momentum" not in str(exc):
         return
-    from ..training.mistakes import user_line
+    from ..errors import user_line
 
     classes = {}
     for part, rows in zip(optimizer.parts(), optimizer.part_rows()):
@@ -237,7 +237,7 @@ def _refuse_per_model_scalars(scheduler: Any, init: Any, args: Any, kwargs: Any)
         value = bound.get(name)
         if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor)
                                                 and value.numel() > 1):
-            from ..training.mistakes import user_line
+            from ..errors import user_line
 
             cls = type(scheduler).__name__
             example = ("[lambda epoch, g=g: g ** (epoch // step_size) for g in gammas]"
@@ -268,7 +268,7 @@ def _refuse_per_model_arrays(scheduler: Any, bound: dict[str, Any], n: int) -> N
         count = value.numel() if isinstance(value, torch.Tensor) else \
             size if isinstance(size, int) and hasattr(value, "shape") else 1
         if count > 1:
-            from ..training.mistakes import user_line
+            from ..errors import user_line
 
             cls = type(scheduler).__name__
             raise FusionArgumentError(

@@ -125,7 +125,7 @@ class GradScaler:
             return outputs
         if isinstance(outputs, Tensor):
             if outputs.dim() == 0:
-                from .mistakes import user_line  # (mistakes imports the optimizers)
+                from ..errors import user_line
 
                 raise FusionArgumentError(
                     f"GradScaler.scale{user_line()} needs the per-model losses (a [N] "
