@@ -10,6 +10,7 @@ report, the disk cache and the check that drops a lowering with other outputs.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import json
 import platform
@@ -1115,20 +1116,26 @@ def test_model_loop_keeps_tied_weights_tied(cls, monkeypatch, cache_dir):
     assert fused.head.weight is fused.embed.weight
 
 
-def test_model_loop_leaves_no_view_of_the_stacked_tensors_in_its_shells(monkeypatch, cache_dir):
-    # A call puts the slices into the shells' registries and its placeholders back after,
-    # also when the model raises.
+def test_model_loop_shells_hold_no_copy_of_the_stacked_tensors(monkeypatch, cache_dir):
+    # A call binds the slices into the shells' registries (kept after it: a checkpoint in
+    # a model's forward recomputes in backward): views of the stacked tensors, never a
+    # second copy of the weights; a copy or pickle of the loop holds the placeholders.
     _force_program(monkeypatch)
     torch.manual_seed(0)
     fused = hftc.fuse([MLP() for _ in range(2)], autotune=True)
     fused(torch.randn(8, 64)).sum().backward()
     loop = fused.last_program().one_by_one
     assert loop is not None
+    storages = {t.untyped_storage().data_ptr()
+                for t in [*fused.parameters(), *fused.buffers()]}
 
     def held(shell):
-        return [t.numel() for t in [*shell.parameters(), *shell.buffers()]]
+        return [t for t in [*shell.parameters(), *shell.buffers()] if t.numel()]
 
-    assert all(n == 0 for shell in loop.shells for n in held(shell))
+    assert all(t.untyped_storage().data_ptr() in storages
+               for shell in loop.shells for t in held(shell))
+    assert not any(held(shell) for shell in copy.deepcopy(loop).shells)
+    assert not any(held(shell) for shell in loop.shells)  # (the copy put them back)
 
     # Under torch.compile: the same outputs and gradients as the original models.
     for p in fused.parameters():
@@ -1144,7 +1151,8 @@ def test_model_loop_leaves_no_view_of_the_stacked_tensors_in_its_shells(monkeypa
             torch.testing.assert_close(fused.get_parameter(name).grad[i], p.grad)
     with pytest.raises(RuntimeError):
         loop(fused, [torch.randn(8, 5)], [False])  # wrong width: the first linear raises
-    assert all(n == 0 for shell in loop.shells for n in held(shell))
+    assert all(t.untyped_storage().data_ptr() in storages
+               for shell in loop.shells for t in held(shell))
 
 
 def test_autotune_under_inference_mode(cache_dir):
