@@ -17,32 +17,54 @@ from pathlib import Path
 
 from .bench import names as bench_names
 from .cli.args import InputSpec, input_spec, int_list, non_negative_int, positive_int
-from .errors import FusionError
+from .cli.load import run_user_code, user_code_error
+from .errors import CommandLineError, FusionError
 
 
 def _load_factory(spec: str):
-    """``package.module:factory`` or ``path/to/file.py:factory`` -> the factory callable."""
+    """``package.module:factory`` or ``path/to/file.py:factory`` -> the factory callable; a
+    spec that does not load is a CommandLineError (exit 2) naming the user's line."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not attr:
-        raise SystemExit(f"hftc: expected MODULE:FACTORY (e.g. mymodels:make_cnn), got {spec!r}")
+        raise CommandLineError(
+            f"hftc: expected MODULE:FACTORY (e.g. mymodels:make_cnn), got {spec!r}")
     if module_name.endswith(".py") or "/" in module_name:
         path = Path(module_name)
-        if not path.exists():
-            raise SystemExit(f"hftc: no such file {path}")
+        if not path.is_file():
+            raise CommandLineError(f"hftc: no such file {path} (FACTORY is "
+                                   f"path/to/file.py:FACTORY or MODULE:FACTORY)")
         loaded = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(loaded)
         sys.modules[path.stem] = module
-        loaded.loader.exec_module(module)
+        run_user_code(lambda: loaded.loader.exec_module(module), f"hftc: {path}",
+                      CommandLineError)
     else:
         sys.path.insert(0, str(Path.cwd()))
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise SystemExit(f"hftc: cannot import {module_name!r}: {exc}") from exc
+            raise CommandLineError(f"hftc: cannot import {module_name!r}: {exc}") from exc
+        except Exception as exc:  # a SyntaxError or the module's own error, at its line
+            raise CommandLineError(user_code_error(exc, f"hftc: {module_name}")) from exc
     try:
-        return getattr(module, attr)
+        factory = getattr(module, attr)
     except AttributeError as exc:
-        raise SystemExit(f"hftc: {module_name} has no attribute {attr!r}") from exc
+        raise CommandLineError(f"hftc: {module_name} has no attribute {attr!r}") from exc
+    if not callable(factory):
+        raise CommandLineError(f"hftc: {spec} is {factory!r} ({type(factory).__name__}), not a factory "
+                               f"(a function or class called with no arguments that "
+                               f"returns one model)")
+    return factory
+
+
+def _write_output(path: str, text: str) -> None:
+    """``-o FILE``: one that cannot be written is a CommandLineError (exit 2), not a
+    traceback after the fusion's work."""
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise CommandLineError(f"hftc inspect: cannot write -o {path}: "
+                               f"{exc.strerror or exc}") from exc
 
 
 def _example_input(spec: InputSpec, model) -> object:
@@ -87,7 +109,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               "(e.g. --input long:8,16 --input float:8,16)", file=sys.stderr)
         return 2
     factory = _load_factory(args.factory)
-    models = [factory() for _ in range(args.n)]
+    models = [run_user_code(factory, f"hftc inspect: the factory {args.factory}",
+                            CommandLineError) for _ in range(args.n)]
     inputs = [_example_input(spec, models[0]) for spec in specs]
     fused = hftc.fuse(models, autotune=args.autotune, strategy=args.strategy)
     fused.compile(*inputs)
@@ -95,14 +118,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.format == "text":
         text = inspect_text(fused, f"{args.factory}", code=args.code)
         if args.output:
-            Path(args.output).write_text(text)
+            _write_output(args.output, text)
         else:
             print(text)
         return 0
     dot = graph_to_dot(fused, f"{args.factory} x{args.n}")
     if args.format == "dot":
         if args.output:
-            Path(args.output).write_text(dot)
+            _write_output(args.output, dot)
         else:
             print(dot)
         return 0
@@ -114,8 +137,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not args.output:
         print(f"hftc: --format {args.format} needs -o FILE", file=sys.stderr)
         return 2
-    subprocess.run(["dot", f"-T{args.format}", "-o", args.output], input=dot.encode(),
-                   check=True)
+    drawn = subprocess.run(["dot", f"-T{args.format}", "-o", args.output],
+                           input=dot.encode(), capture_output=True)
+    if drawn.returncode:  # -o in a missing folder, say: dot's own words, not a traceback
+        raise CommandLineError(f"hftc inspect: Graphviz's dot could not write -o "
+                               f"{args.output}: {drawn.stderr.decode().strip()}")
     print(f"wrote {args.output}")
     return 0
 
@@ -280,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except CommandLineError as exc:  # a usage error: argparse's exit status
+        print(exc, file=sys.stderr)
+        return 2
     except FusionError as exc:
         print(f"hftc: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -81,6 +81,18 @@ class SpecError(FusionError, ValueError):
     """A sweep spec is missing a piece or has one of the wrong kind (the message says which)."""
 
 
+class CommandLineError(FusionError, SystemExit):
+    """A bad argument on ``hftc``'s command line that argparse cannot see: a FACTORY or
+    SPEC that does not load (no such file, a typo, a SyntaxError or an exception at its
+    import, named at the user's line), an output file that cannot be written.  ``hftc``
+    prints it and exits 2, as argparse's own usage errors do.  A ``SystemExit`` (its
+    ``code`` the message), as the ``SystemExit("hftc: ...")`` it replaces was."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = message
+
+
 class SweepError(FusionError, RuntimeError):
     """A sweep cannot start or go on; the message says what to do."""
 

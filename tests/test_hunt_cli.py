@@ -1,0 +1,97 @@
+"""hftc's command line on a newcomer's mistakes: a FACTORY or SPEC that does not load, a
+seed Optuna cannot take, an -o that cannot be written, bench's unknown names: each one
+paragraph naming the user's file and line, exit status 2 (argparse's), no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hftc.__main__ import main
+from hftc.errors import SpecError
+from hftc.sweep.spec import SweepSpec, load_spec
+
+ZOO = str(Path(__file__).parent / "zoo.py")
+
+
+def _file(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_inspect_factory_file_with_a_syntax_error_names_its_line(tmp_path, capsys):
+    path = _file(tmp_path, "models_syntax.py", "import torch\n\ndef make(:\n    pass\n")
+    assert main(["inspect", f"{path}:make", "--input", "2,3"]) == 2
+    err = capsys.readouterr().err
+    assert f"SyntaxError at {path}:3" in err and "def make(:" in err
+    assert "Traceback" not in err and "importlib" not in err
+
+
+def test_inspect_factory_raising_names_the_users_line(tmp_path, capsys):
+    path = _file(tmp_path, "models_raise.py",
+                 "from torch import nn\n\ndef make():\n    return nn.Linear(3, 4, bais=True)\n")
+    assert main(["inspect", f"{path}:make", "-n", "2", "--input", "2,3"]) == 2
+    err = capsys.readouterr().err
+    assert "the factory" in err and "raised TypeError" in err
+    assert f"{path}:4" in err and "nn.Linear(3, 4, bais=True)" in err
+    # an error at the module's import: the same, at its line
+    path = _file(tmp_path, "models_import.py", "import torch\nSIZE = undefined_name\n")
+    assert main(["inspect", f"{path}:make", "--input", "2,3"]) == 2
+    err = capsys.readouterr().err
+    assert "raised NameError" in err and f"{path}:2" in err and "SIZE = undefined_name" in err
+
+
+@pytest.mark.parametrize("factory, says", [
+    ("no/such/models.py:make", "no such file no/such/models.py"),
+    ("no_such_module_xyz:make", "cannot import 'no_such_module_xyz'"),
+    (f"{ZOO}:ZOO_NOT_THERE", "no attribute 'ZOO_NOT_THERE'"),
+    (f"{ZOO}:__name__", "not a factory"),
+])
+def test_inspect_factory_that_does_not_load_is_a_usage_error(factory, says, capsys):
+    assert main(["inspect", factory, "--input", "2,3"]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_inspect_output_that_cannot_be_written_is_a_usage_error(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for fmt in ("text", "dot"):
+        assert main(["inspect", f"{ZOO}:mlp", "-n", "2", "--input-shape", "2,64",
+                     "--format", fmt, "-o", str(a_file / "out.txt")]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write -o {a_file / 'out.txt'}" in err and "Traceback" not in err
+
+
+def test_sweep_spec_with_a_syntax_error_names_its_line(tmp_path, capsys):
+    path = _file(tmp_path, "spec_syntax.py", "def space(trial)\n    return {}\n")
+    assert main(["sweep", path, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"SyntaxError at {path}:1" in err and "def space(trial)" in err
+    assert "Traceback" not in err
+
+
+def test_sweep_spec_raising_at_import_names_its_line(tmp_path):
+    path = _file(tmp_path, "spec_raise.py", "import torch\nX = torch.zeros(2)[5]\n")
+    with pytest.raises(SpecError, match=r"raised IndexError.*spec_raise.py:2: `X = torch"):
+        load_spec(path)
+
+
+def test_sweep_seed_optuna_cannot_take_is_refused_before_the_sweep(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["sweep", "hftc.sweep.digits", "--seed", "-1", "--trials", "2",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--seed" in err and "2**32 - 1" in err and "Traceback" not in err
+    assert not out.exists()  # refused before anything was made
+    spec = load_spec("hftc.sweep.digits")
+    with pytest.raises(SpecError, match="spec.seed"):
+        spec.replace(seed=2**32)
+    assert isinstance(spec.replace(seed=2**32 - 1), SweepSpec)
+
+
+def test_bench_unknown_workload_is_a_usage_error(capsys):
+    assert main(["bench", "--workloads", "mlpp"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown workloads ['mlpp']" in err and "choose from" in err
