@@ -18,7 +18,7 @@ from pathlib import Path
 from .bench import names as bench_names
 from .cli.args import InputSpec, input_spec, int_list, non_negative_int, positive_int
 from .cli.load import run_user_code, user_code_error
-from .errors import CommandLineError, FusionError
+from .errors import CommandLineError, FusionError, MissingExtraError
 
 
 def _load_factory(spec: str):
@@ -51,9 +51,9 @@ def _load_factory(spec: str):
     except AttributeError as exc:
         raise CommandLineError(f"hftc: {module_name} has no attribute {attr!r}") from exc
     if not callable(factory):
-        raise CommandLineError(f"hftc: {spec} is {factory!r} ({type(factory).__name__}), not a factory "
-                               f"(a function or class called with no arguments that "
-                               f"returns one model)")
+        raise CommandLineError(f"hftc: {spec} is {factory!r} ({type(factory).__name__}), "
+                               f"not a factory (a function or class called with no "
+                               f"arguments that returns one model)")
     return factory
 
 
@@ -308,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except CommandLineError as exc:  # a usage error: argparse's exit status
         print(exc, file=sys.stderr)
+        return 2
+    except MissingExtraError as exc:  # what to pip install; nothing ran
+        print(f"hftc: {exc}", file=sys.stderr)
         return 2
     except FusionError as exc:
         print(f"hftc: {type(exc).__name__}: {exc}", file=sys.stderr)

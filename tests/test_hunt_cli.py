@@ -4,12 +4,13 @@ paragraph naming the user's file and line, exit status 2 (argparse's), no traceb
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from hftc.__main__ import main
-from hftc.errors import SpecError
+from hftc.errors import MissingExtraError, SpecError
 from hftc.sweep.spec import SweepSpec, load_spec
 
 ZOO = str(Path(__file__).parent / "zoo.py")
@@ -95,3 +96,45 @@ def test_bench_unknown_workload_is_a_usage_error(capsys):
     assert main(["bench", "--workloads", "mlpp"]) == 2
     err = capsys.readouterr().err
     assert "unknown workloads ['mlpp']" in err and "choose from" in err
+
+
+@pytest.mark.parametrize("command", [
+    ["sweep", "hftc.sweep.digits", "--trials", "2", "--no-progress"],
+    ["demo", "--trials", "2"],
+])
+def test_sweep_without_optuna_says_what_to_install(monkeypatch, tmp_path, capsys, command):
+    # a plain `pip install hftc`: the sweep's modules import optuna, which is not there
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    import hftc.sweep
+
+    for name in [m for m in sys.modules if m.startswith("hftc.sweep.")
+                 and m not in ("hftc.sweep.cli", "hftc.sweep.clock", "hftc.sweep.spec")]:
+        monkeypatch.delitem(sys.modules, name)
+        short = name.split(".")[2]
+        if hasattr(hftc.sweep, short):  # a re-import rebinds it: the old one comes back
+            monkeypatch.setattr(hftc.sweep, short, getattr(hftc.sweep, short))
+    assert main([*command, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "needs 'optuna'" in err and "pip install 'hftc[sweep]'" in err
+    assert "Traceback" not in err
+
+
+def test_lazy_sweep_names_without_optuna_raise_missing_extra(monkeypatch):
+    import hftc.sweep
+
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    monkeypatch.delitem(sys.modules, "hftc.sweep.engine", raising=False)
+    with pytest.raises(MissingExtraError, match=r"pip install 'hftc\[sweep\]'") as caught:
+        hftc.sweep.Sweep  # noqa: B018
+    assert caught.value.extra == "sweep" and isinstance(caught.value, ModuleNotFoundError)
+
+
+def test_bench_plots_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path,
+                                                                   capsys):
+    import hftc.bench.cli as bench_cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(bench_cli, "run_suite", lambda *a, **k: pytest.fail("it ran"))
+    assert main(["bench", "--workloads", "mlp", "--sizes", "2", "--contenders", "serial",
+                 "--plots", str(tmp_path / "plots"), "--out", str(tmp_path / "r.json")]) == 2
+    assert "pip install 'hftc[plots]'" in capsys.readouterr().err

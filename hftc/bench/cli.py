@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..errors import CommandLineError
+from ..errors import CommandLineError, MissingExtraError
 from .contenders import CONTENDERS
 from .report import markdown, plot, update_docs
 from .suite import RESULTS_DIR, default_config, run_suite
@@ -134,6 +134,13 @@ def run(args: argparse.Namespace) -> int:
     if args.docs and not Path(args.docs).is_file():
         raise CommandLineError(f"hftc bench: --docs {args.docs}: no such file (it updates the "
                          f"tables between the bench markers of an existing markdown file)")
+    if args.plots:  # refused now, not after the minutes of the run
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError as exc:
+            raise MissingExtraError(f"hftc bench --plots needs matplotlib ({exc.name} is not "
+                                    f"installed): pip install 'hftc[plots]'",
+                                    extra="plots") from exc
     for folder in (out.parent, *([Path(args.plots)] if args.plots else [])):
         try:
             folder.mkdir(parents=True, exist_ok=True)

@@ -39,10 +39,10 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'hftc.sweep' has no attribute {name!r}")
     try:
         module = importlib.import_module(f".{_LAZY[name]}", __name__)
-    except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(
-            f"hftc.sweep needs {exc.name!r}: pip install 'hftc[sweep]'", name=exc.name
-        ) from exc
+    except ModuleNotFoundError as exc:  # hftc's MissingExtraError, still a ModuleNotFoundError
+        from .cli import missing_sweep_extra
+
+        raise missing_sweep_extra(exc) from exc
     return getattr(module, name)
 
 

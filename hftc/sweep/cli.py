@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from ..cli.args import positive_int
+from ..errors import MissingExtraError
 
 __all__ = ["add_arguments", "add_demo_arguments", "main"]
 
@@ -87,14 +88,32 @@ def main(args: argparse.Namespace) -> int:
     """Run the ``sweep`` subcommand; returns the exit status."""
     from .clock import command_process
 
-    with command_process():  # this process is the sweep's: its start-up counts
-        return _main(args)
+    try:
+        with command_process():  # this process is the sweep's: its start-up counts
+            return _main(args)
+    except ModuleNotFoundError as exc:  # a plain `pip install hftc`: no Optuna
+        if (exc.name or "").split(".")[0] not in SWEEP_EXTRA:
+            raise
+        print(f"hftc sweep: {missing_sweep_extra(exc)}", file=sys.stderr)
+        return 2
+
+
+#: The top-level packages of ``pip install 'hftc[sweep]'`` (pyproject.toml's sweep extra).
+SWEEP_EXTRA = ("optuna", "sklearn", "matplotlib", "tqdm", "psycopg")
+
+
+def missing_sweep_extra(exc: ModuleNotFoundError) -> MissingExtraError:
+    """The :class:`MissingExtraError` for a package of the sweep extra not installed."""
+    missing = exc.name.split(".")[0]
+    error = MissingExtraError(f"hftc.sweep needs {missing!r} ({missing} is not installed): "
+                              f"pip install 'hftc[sweep]'", extra="sweep")
+    error.name = exc.name
+    return error
 
 
 def _main(args: argparse.Namespace) -> int:
     import torch
 
-    from ..errors import MissingExtraError
     from .collector import freeze_at_exit
     from .engine import SweepError
     from .spec import SpecError
