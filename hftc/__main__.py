@@ -83,6 +83,13 @@ def _example_input(spec: InputSpec, model) -> object:
     return torch.randint(0, high, spec.shape, dtype=dtype)
 
 
+def _spec_text(spec: InputSpec) -> str:
+    """``--input``'s text for ``spec`` (``long:8,16``), as the user could have typed it."""
+    shape = ",".join(map(str, spec.shape))
+    return (f"{spec.dtype}:{shape}" if spec.dtype != "float32" else shape) + (
+        f":{spec.high}" if spec.high else "")
+
+
 def _settle_strategy(fused, inputs, most_calls: int = 200) -> None:
     """Call the fused module until a strategy timed on the first calls has chosen, so that
     the report says what runs (not "alternates ..." while it times)."""
@@ -113,7 +120,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                             CommandLineError) for _ in range(args.n)]
     inputs = [_example_input(spec, models[0]) for spec in specs]
     fused = hftc.fuse(models, autotune=args.autotune, strategy=args.strategy)
-    fused.compile(*inputs)
+    try:
+        fused.compile(*inputs)
+    except FusionError as exc:  # the inputs are the command line's: say which option
+        exc.add_note(f"hftc inspect: the example inputs came from --input "
+                     f"{' --input '.join(_spec_text(spec) for spec in specs)}: give the "
+                     f"shapes (and dtypes) the model's forward takes")
+        raise
     _settle_strategy(fused, inputs)
     if args.format == "text":
         text = inspect_text(fused, f"{args.factory}", code=args.code)
@@ -313,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hftc: {exc}", file=sys.stderr)
         return 2
     except FusionError as exc:
-        print(f"hftc: {type(exc).__name__}: {exc}", file=sys.stderr)
+        notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", ()))
+        print(f"hftc: {type(exc).__name__}: {exc}{notes}", file=sys.stderr)
         return 1
 
 

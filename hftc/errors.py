@@ -158,15 +158,40 @@ class StepCaptureError(FusionError, RuntimeError):
     op and the line, and what to change (or ``mode="eager"``, which runs anything)."""
 
 
+#: hftc's own folder: ``python -m hftc`` runs hftc/__main__.py as ``__main__``, whose
+#: frames are hftc's all the same (they were named as "the user's line").
+_HFTC_DIR = __file__[:-len("errors.py")]
+
+
+def _is_user_frame(frame) -> bool:
+    """Not hftc's or torch's, not code made at run time (a generated forward)."""
+    name = frame.f_globals.get("__name__") or ""
+    filename = frame.f_code.co_filename
+    return name.split(".")[0] not in ("hftc", "torch") and not filename.startswith("<") \
+        and not filename.startswith(_HFTC_DIR)
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` at which ``warnings.warn``, called by this function's caller,
     names the user's line: the innermost frame outside hftc and torch (and outside code
     made at run time, a generated forward)."""
     frame, level = sys._getframe(1), 1
     while frame is not None:
-        name = frame.f_globals.get("__name__") or ""
-        if name.split(".")[0] not in ("hftc", "torch") \
-                and not frame.f_code.co_filename.startswith("<"):
+        if _is_user_frame(frame):
             return level
         frame, level = frame.f_back, level + 1
     return 1
+
+
+def user_call_site() -> str:
+    """`` at file:line: `code` `` of the user's innermost frame; ``""`` where there is none
+    (the whole stack hftc's, as under ``hftc inspect``), rather than hftc's own line."""
+    import linecache
+
+    frame = sys._getframe(1)
+    while frame is not None and not _is_user_frame(frame):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f" at {frame.f_code.co_filename}:{frame.f_lineno}" + (f": `{code}`" if code else "")

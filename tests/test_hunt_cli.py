@@ -138,3 +138,35 @@ def test_bench_plots_without_matplotlib_is_refused_before_the_run(monkeypatch, t
     assert main(["bench", "--workloads", "mlp", "--sizes", "2", "--contenders", "serial",
                  "--plots", str(tmp_path / "plots"), "--out", str(tmp_path / "r.json")]) == 2
     assert "pip install 'hftc[plots]'" in capsys.readouterr().err
+
+
+def test_inspect_inputs_the_model_cannot_take_name_the_option_not_hftcs_line(capsys):
+    # the call comes from hftc's own command line: "the user's line" was hftc's
+    # (frontends/symbolic.py's, or hftc/__main__.py's under python -m hftc)
+    assert main(["inspect", f"{ZOO}:mlp", "-n", "2", "--input", "2,65"]) == 1
+    err = capsys.readouterr().err
+    assert "mat1 and mat2 shapes cannot be multiplied" in err
+    assert "symbolic.py" not in err and "__main__.py" not in err
+    assert "the example inputs came from --input 2,65" in err
+
+
+def test_python_m_hftc_frames_are_not_the_users_line():
+    import subprocess
+
+    code = ("import runpy, sys\n"
+            "sys.argv = ['hftc', 'inspect', sys.argv[1] + ':mlp', '-n', '2', '--input', "
+            "'2,65']\n"
+            "runpy.run_module('hftc', run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-c", code, ZOO], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "mat1 and mat2" in out.stderr and "__main__.py" not in out.stderr, out.stderr
+
+
+def test_user_call_site_skips_hftcs_frames():
+    from hftc.errors import user_call_site
+
+    assert user_call_site().startswith(f" at {__file__}:")  # this test's own line
+    namespace = {"__name__": "hftc.fake", "user_call_site": user_call_site}
+    exec(compile("def site():\n    return user_call_site()\n", "<hftc>", "exec"), namespace)
+    assert namespace["site"]().startswith(f" at {__file__}:")  # hftc's frame skipped

@@ -47,7 +47,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import FusionArgumentError, FusionTypeError, UsageWarning, user_stacklevel
+from ..errors import (
+    FusionArgumentError,
+    FusionTypeError,
+    UsageWarning,
+    user_call_site,
+    user_stacklevel,
+)
 from ..lowering.runtime.modules import FUSED_MODULES
 from ..module.usage import OUTPUT_MARK, UNFUSED_COPIES, stale_source
 
@@ -243,9 +249,7 @@ def _loss_called_as() -> tuple[str, str]:
 
 def user_line() -> str:
     """`` at file:line: `code` `` of the user's frame."""
-    frame = sys._getframe(user_stacklevel() - 1)
-    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    return f" at {frame.f_code.co_filename}:{frame.f_lineno}" + (f": `{code}`" if code else "")
+    return user_call_site()
 
 
 def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
