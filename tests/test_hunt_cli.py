@@ -170,3 +170,23 @@ def test_user_call_site_skips_hftcs_frames():
     namespace = {"__name__": "hftc.fake", "user_call_site": user_call_site}
     exec(compile("def site():\n    return user_call_site()\n", "<hftc>", "exec"), namespace)
     assert namespace["site"]().startswith(f" at {__file__}:")  # hftc's frame skipped
+
+
+@pytest.mark.parametrize("command", [
+    ["bench", "--workloads", "mlp", "--sizes", "2", "--contenders", "serial"],
+    ["bench", "--sweep"],
+])
+def test_bench_out_that_is_a_folder_is_refused_before_the_run(monkeypatch, tmp_path, capsys,
+                                                              command):
+    import hftc.bench.cli as bench_cli
+    import hftc.bench.sweep as bench_sweep
+
+    monkeypatch.setattr(bench_cli, "run_suite", lambda *a, **k: pytest.fail("it ran"))
+    monkeypatch.setattr(bench_sweep, "run_sweep_bench", lambda *a, **k: pytest.fail("it ran"))
+    assert main([*command, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path} is a folder" in err and "results.json" in err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main([*command, "--out", str(a_file / "r.json")]) == 2
+    assert f"cannot create the output folder {a_file}" in capsys.readouterr().err

@@ -112,8 +112,23 @@ def _sweep_workload(args: argparse.Namespace) -> None:
     args.sweep = "hftc.sweep.digits"
 
 
+def _check_out(out: Path) -> None:
+    """``--out`` is the results JSON: a folder there, or a folder for it that cannot be
+    made, is refused before the run, not found after its minutes."""
+    if out.is_dir():
+        raise CommandLineError(f"hftc bench: --out {out} is a folder; --out names the "
+                               f"results JSON file (e.g. --out {out / 'results.json'})")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CommandLineError(f"hftc bench: cannot create the output folder {out.parent}: "
+                               f"{exc.strerror}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     _sweep_workload(args)
+    if args.out:
+        _check_out(Path(args.out))
     if getattr(args, "sweep", None):
         from .sweep import format_sweep_bench, run_sweep_bench
 
