@@ -33,9 +33,14 @@ def _load_factory(spec: str):
         if not path.is_file():
             raise CommandLineError(f"hftc: no such file {path} (FACTORY is "
                                    f"path/to/file.py:FACTORY or MODULE:FACTORY)")
-        loaded = importlib.util.spec_from_file_location(path.stem, path)
+        # A name of its own: under its stem, a models file named copy.py or types.py
+        # replaced that module for torch and hftc (the fused program's check failed)
+        name = f"_hftc_factory_{path.stem}"
+        loaded = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(loaded)
-        sys.modules[path.stem] = module
+        sys.modules[name] = module
+        if str(path.resolve().parent) not in sys.path:  # its neighbours, as for a script
+            sys.path.insert(0, str(path.resolve().parent))
         run_user_code(lambda: loaded.loader.exec_module(module), f"hftc: {path}",
                       CommandLineError)
     else:

@@ -190,3 +190,23 @@ def test_bench_out_that_is_a_folder_is_refused_before_the_run(monkeypatch, tmp_p
     a_file.write_text("")
     assert main([*command, "--out", str(a_file / "r.json")]) == 2
     assert f"cannot create the output folder {a_file}" in capsys.readouterr().err
+
+
+def test_inspect_factory_file_named_like_a_stdlib_module_replaces_nothing(tmp_path, capsys,
+                                                                         monkeypatch):
+    # models in copy.py were registered as sys.modules["copy"]: torch's and hftc's
+    # `import copy` got the user's file, and the check of the fused program failed
+    import copy
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder it adds goes again
+    folder = tmp_path / "models"
+    folder.mkdir()
+    _file(folder, "hunt_cli_blocks.py", "from torch import nn\n\nclass Block(nn.Sequential):\n"
+                               "    def __init__(self):\n"
+                               "        super().__init__(nn.Linear(3, 4), nn.ReLU())\n")
+    path = _file(folder, "copy.py", "from hunt_cli_blocks import Block  # a neighbour\n"
+                                    "\ndef make():\n    return Block()\n")
+    assert main(["inspect", f"{path}:make", "-n", "2", "--input", "2,3"]) == 0
+    out = capsys.readouterr().out
+    assert sys.modules["copy"] is copy
+    assert "values agree" in out and "raised" not in out
