@@ -17,32 +17,59 @@ from pathlib import Path
 
 from .bench import names as bench_names
 from .cli.args import InputSpec, input_spec, int_list, non_negative_int, positive_int
-from .errors import FusionError
+from .cli.load import run_user_code, user_code_error
+from .errors import CommandLineError, FusionError, MissingExtraError
 
 
 def _load_factory(spec: str):
-    """``package.module:factory`` or ``path/to/file.py:factory`` -> the factory callable."""
+    """``package.module:factory`` or ``path/to/file.py:factory`` -> the factory callable; a
+    spec that does not load is a CommandLineError (exit 2) naming the user's line."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not attr:
-        raise SystemExit(f"hftc: expected MODULE:FACTORY (e.g. mymodels:make_cnn), got {spec!r}")
+        raise CommandLineError(
+            f"hftc: expected MODULE:FACTORY (e.g. mymodels:make_cnn), got {spec!r}")
     if module_name.endswith(".py") or "/" in module_name:
         path = Path(module_name)
-        if not path.exists():
-            raise SystemExit(f"hftc: no such file {path}")
-        loaded = importlib.util.spec_from_file_location(path.stem, path)
+        if not path.is_file():
+            raise CommandLineError(f"hftc: no such file {path} (FACTORY is "
+                                   f"path/to/file.py:FACTORY or MODULE:FACTORY)")
+        # A name of its own: under its stem, a models file named copy.py or types.py
+        # replaced that module for torch and hftc (the fused program's check failed)
+        name = f"_hftc_factory_{path.stem}"
+        loaded = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(loaded)
-        sys.modules[path.stem] = module
-        loaded.loader.exec_module(module)
+        sys.modules[name] = module
+        if str(path.resolve().parent) not in sys.path:  # its neighbours, as for a script
+            sys.path.insert(0, str(path.resolve().parent))
+        run_user_code(lambda: loaded.loader.exec_module(module), f"hftc: {path}",
+                      CommandLineError)
     else:
         sys.path.insert(0, str(Path.cwd()))
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise SystemExit(f"hftc: cannot import {module_name!r}: {exc}") from exc
+            raise CommandLineError(f"hftc: cannot import {module_name!r}: {exc}") from exc
+        except Exception as exc:  # a SyntaxError or the module's own error, at its line
+            raise CommandLineError(user_code_error(exc, f"hftc: {module_name}")) from exc
     try:
-        return getattr(module, attr)
+        factory = getattr(module, attr)
     except AttributeError as exc:
-        raise SystemExit(f"hftc: {module_name} has no attribute {attr!r}") from exc
+        raise CommandLineError(f"hftc: {module_name} has no attribute {attr!r}") from exc
+    if not callable(factory):
+        raise CommandLineError(f"hftc: {spec} is {factory!r} ({type(factory).__name__}), "
+                               f"not a factory (a function or class called with no "
+                               f"arguments that returns one model)")
+    return factory
+
+
+def _write_output(path: str, text: str) -> None:
+    """``-o FILE``: one that cannot be written is a CommandLineError (exit 2), not a
+    traceback after the fusion's work."""
+    try:
+        Path(path).write_text(text)
+    except OSError as exc:
+        raise CommandLineError(f"hftc inspect: cannot write -o {path}: "
+                               f"{exc.strerror or exc}") from exc
 
 
 def _example_input(spec: InputSpec, model) -> object:
@@ -59,6 +86,13 @@ def _example_input(spec: InputSpec, model) -> object:
                              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))),
                             default=2)
     return torch.randint(0, high, spec.shape, dtype=dtype)
+
+
+def _spec_text(spec: InputSpec) -> str:
+    """``--input``'s text for ``spec`` (``long:8,16``), as the user could have typed it."""
+    shape = ",".join(map(str, spec.shape))
+    return (f"{spec.dtype}:{shape}" if spec.dtype != "float32" else shape) + (
+        f":{spec.high}" if spec.high else "")
 
 
 def _settle_strategy(fused, inputs, most_calls: int = 200) -> None:
@@ -87,22 +121,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               "(e.g. --input long:8,16 --input float:8,16)", file=sys.stderr)
         return 2
     factory = _load_factory(args.factory)
-    models = [factory() for _ in range(args.n)]
+    models = [run_user_code(factory, f"hftc inspect: the factory {args.factory}",
+                            CommandLineError) for _ in range(args.n)]
     inputs = [_example_input(spec, models[0]) for spec in specs]
     fused = hftc.fuse(models, autotune=args.autotune, strategy=args.strategy)
-    fused.compile(*inputs)
+    try:
+        fused.compile(*inputs)
+    except FusionError as exc:  # the inputs are the command line's: say which option
+        exc.add_note(f"hftc inspect: the example inputs came from --input "
+                     f"{' --input '.join(_spec_text(spec) for spec in specs)}: give the "
+                     f"shapes (and dtypes) the model's forward takes")
+        raise
     _settle_strategy(fused, inputs)
     if args.format == "text":
         text = inspect_text(fused, f"{args.factory}", code=args.code)
         if args.output:
-            Path(args.output).write_text(text)
+            _write_output(args.output, text)
         else:
             print(text)
         return 0
     dot = graph_to_dot(fused, f"{args.factory} x{args.n}")
     if args.format == "dot":
         if args.output:
-            Path(args.output).write_text(dot)
+            _write_output(args.output, dot)
         else:
             print(dot)
         return 0
@@ -114,8 +155,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if not args.output:
         print(f"hftc: --format {args.format} needs -o FILE", file=sys.stderr)
         return 2
-    subprocess.run(["dot", f"-T{args.format}", "-o", args.output], input=dot.encode(),
-                   check=True)
+    drawn = subprocess.run(["dot", f"-T{args.format}", "-o", args.output],
+                           input=dot.encode(), capture_output=True)
+    if drawn.returncode:  # -o in a missing folder, say: dot's own words, not a traceback
+        raise CommandLineError(f"hftc inspect: Graphviz's dot could not write -o "
+                               f"{args.output}: {drawn.stderr.decode().strip()}")
     print(f"wrote {args.output}")
     return 0
 
@@ -280,8 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except CommandLineError as exc:  # a usage error: argparse's exit status
+        print(exc, file=sys.stderr)
+        return 2
+    except MissingExtraError as exc:  # what to pip install; nothing ran
+        print(f"hftc: {exc}", file=sys.stderr)
+        return 2
     except FusionError as exc:
-        print(f"hftc: {type(exc).__name__}: {exc}", file=sys.stderr)
+        notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", ()))
+        print(f"hftc: {type(exc).__name__}: {exc}{notes}", file=sys.stderr)
         return 1
 
 

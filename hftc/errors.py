@@ -82,6 +82,18 @@ class SpecError(FusionError, ValueError):
     """A sweep spec is missing a piece or has one of the wrong kind (the message says which)."""
 
 
+class CommandLineError(FusionError, SystemExit):
+    """A bad argument on ``hftc``'s command line that argparse cannot see: a FACTORY or
+    SPEC that does not load (no such file, a typo, a SyntaxError or an exception at its
+    import, named at the user's line), an output file that cannot be written.  ``hftc``
+    prints it and exits 2, as argparse's own usage errors do.  A ``SystemExit`` (its
+    ``code`` the message), as the ``SystemExit("hftc: ...")`` it replaces was."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = message
+
+
 class SweepError(FusionError, RuntimeError):
     """A sweep cannot start or go on; the message says what to do."""
 
@@ -112,14 +124,6 @@ class SweepWarning(UserWarning):
 
 class FusionIndexError(FusionArgumentError, IndexError):
     """A model index out of range (``fused.model_state_dict(5)`` of 3 models)."""
-
-
-def user_line() -> str:
-    """`` at file:line: `code` `` of the user's frame (:func:`user_stacklevel`'s), for a
-    message."""
-    frame = sys._getframe(user_stacklevel() - 1)
-    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    return f" at {frame.f_code.co_filename}:{frame.f_lineno}" + (f": `{code}`" if code else "")
 
 
 #: Where torch.fx / torch.export / dynamo start the debugging text they add to an error's
@@ -155,15 +159,38 @@ class StepCaptureError(FusionError, RuntimeError):
     op and the line, and what to change (or ``mode="eager"``, which runs anything)."""
 
 
+#: hftc's own folder: ``python -m hftc`` runs hftc/__main__.py as ``__main__``, whose
+#: frames are hftc's all the same (they were named as "the user's line").
+_HFTC_DIR = __file__[:-len("errors.py")]
+
+
+def _is_user_frame(frame) -> bool:
+    """Not hftc's or torch's, not code made at run time (a generated forward)."""
+    name = frame.f_globals.get("__name__") or ""
+    filename = frame.f_code.co_filename
+    return name.split(".")[0] not in ("hftc", "torch") and not filename.startswith("<") \
+        and not filename.startswith(_HFTC_DIR)
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` at which ``warnings.warn``, called by this function's caller,
     names the user's line: the innermost frame outside hftc and torch (and outside code
     made at run time, a generated forward)."""
     frame, level = sys._getframe(1), 1
     while frame is not None:
-        name = frame.f_globals.get("__name__") or ""
-        if name.split(".")[0] not in ("hftc", "torch") \
-                and not frame.f_code.co_filename.startswith("<"):
+        if _is_user_frame(frame):
             return level
         frame, level = frame.f_back, level + 1
     return 1
+
+
+def user_line() -> str:
+    """`` at file:line: `code` `` of the user's innermost frame; ``""`` where there is none
+    (the whole stack hftc's, as under ``hftc inspect``), rather than hftc's own line."""
+    frame = sys._getframe(1)
+    while frame is not None and not _is_user_frame(frame):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f" at {frame.f_code.co_filename}:{frame.f_lineno}" + (f": `{code}`" if code else "")

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..errors import CommandLineError, MissingExtraError
 from .contenders import CONTENDERS
 from .report import markdown, plot, update_docs
 from .suite import RESULTS_DIR, default_config, run_suite
@@ -22,7 +23,7 @@ def config_from_args(args: argparse.Namespace):
         import torch
 
         if not device.startswith("cuda") or not torch.cuda.is_available():
-            raise SystemExit(f"hftc bench: --device {device}: no such device here "
+            raise CommandLineError(f"hftc bench: --device {device}: no such device here "
                              f"(torch.cuda.is_available() is {torch.cuda.is_available()})")
     cfg = default_config(quick=args.quick, device=device)
     cfg.precision = args.precision
@@ -30,7 +31,7 @@ def config_from_args(args: argparse.Namespace):
         names = args.workloads.split(",")
         unknown = [w for w in names if w not in WORKLOADS]
         if unknown:
-            raise SystemExit(f"hftc bench: unknown workloads {unknown}; "
+            raise CommandLineError(f"hftc bench: unknown workloads {unknown}; "
                              f"choose from {list(WORKLOADS)}")
         cfg.workloads = names
         cfg.max_n = [s for s in cfg.max_n if s["workload"] in names]
@@ -46,7 +47,8 @@ def config_from_args(args: argparse.Namespace):
         names = args.contenders.split(",")
         unknown = [c for c in names if c not in CONTENDERS]
         if unknown:
-            raise SystemExit(f"hftc bench: unknown contenders {unknown}; choose from {CONTENDERS}")
+            raise CommandLineError(f"hftc bench: unknown contenders {unknown}; "
+                                   f"choose from {CONTENDERS}")
         cfg.contenders = names
     if args.rounds:
         cfg.rounds = {w: args.rounds for w in cfg.workloads}
@@ -60,7 +62,7 @@ def config_from_args(args: argparse.Namespace):
             workload, _, contender = item.partition(":")
             contender = contender or "hftc"
             if workload not in WORKLOADS or contender not in CONTENDERS:
-                raise SystemExit(f"hftc bench: --max-n {item}: choose a workload from "
+                raise CommandLineError(f"hftc bench: --max-n {item}: choose a workload from "
                                  f"{list(WORKLOADS)} and a contender from {list(CONTENDERS)}")
             cfg.max_n.append({"workload": workload, "contender": contender, "cap_mib": cap})
     else:
@@ -104,14 +106,29 @@ def _sweep_workload(args: argparse.Namespace) -> None:
     if SWEEP_WORKLOAD not in names:
         return
     if len(names) > 1 or getattr(args, "sweep", None):
-        raise SystemExit(f"hftc bench: --workloads {args.workloads}: the sweep workload runs "
+        raise CommandLineError(f"hftc bench: --workloads {args.workloads}: the sweep workload runs "
                          f"alone (whole sweeps as processes, not training steps); run it as "
                          f"--workloads sweep or --sweep SPEC, and the others apart")
     args.sweep = "hftc.sweep.digits"
 
 
+def _check_out(out: Path) -> None:
+    """``--out`` is the results JSON: a folder there, or a folder for it that cannot be
+    made, is refused before the run, not found after its minutes."""
+    if out.is_dir():
+        raise CommandLineError(f"hftc bench: --out {out} is a folder; --out names the "
+                               f"results JSON file (e.g. --out {out / 'results.json'})")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CommandLineError(f"hftc bench: cannot create the output folder {out.parent}: "
+                               f"{exc.strerror}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     _sweep_workload(args)
+    if args.out:
+        _check_out(Path(args.out))
     if getattr(args, "sweep", None):
         from .sweep import format_sweep_bench, run_sweep_bench
 
@@ -130,13 +147,20 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else RESULTS_DIR / f"{cfg.name}.json"
     # Every output place is made (or refused) before the run, not after minutes of it.
     if args.docs and not Path(args.docs).is_file():
-        raise SystemExit(f"hftc bench: --docs {args.docs}: no such file (it updates the "
+        raise CommandLineError(f"hftc bench: --docs {args.docs}: no such file (it updates the "
                          f"tables between the bench markers of an existing markdown file)")
+    if args.plots:  # refused now, not after the minutes of the run
+        try:
+            import matplotlib  # noqa: F401
+        except ModuleNotFoundError as exc:
+            raise MissingExtraError(f"hftc bench --plots needs matplotlib ({exc.name} is not "
+                                    f"installed): pip install 'hftc[plots]'",
+                                    extra="plots") from exc
     for folder in (out.parent, *([Path(args.plots)] if args.plots else [])):
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise SystemExit(f"hftc bench: cannot create the output folder {folder}: "
+            raise CommandLineError(f"hftc bench: cannot create the output folder {folder}: "
                              f"{exc.strerror}") from None
     result = run_suite(cfg, out=out)
     text = markdown(result)

@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import linecache
 import operator
 import os
 import random
@@ -38,12 +37,12 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointFunction
 
+from .. import errors
 from ..errors import (
     FusionError,
     TraceError,
     UnsupportedOperatorError,
     plain_message,
-    user_stacklevel,
 )
 from ..ir import (
     BUFFER_ASSIGNMENT,
@@ -1543,9 +1542,7 @@ class _Recorder(fx.Interpreter):
 def _call_site() -> str:
     """`` at file:line: `code` ``: the user's line that called the fused module (the
     innermost frame outside hftc and torch)."""
-    frame = sys._getframe(user_stacklevel() - 1)
-    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    return f" at {frame.f_code.co_filename}:{frame.f_lineno}" + (f": `{code}`" if code else "")
+    return errors.user_line()  # (ir.user_line is a node's)
 
 
 def _list_of_inputs_hint(names: Sequence[Any], args: Sequence[Any]) -> str:

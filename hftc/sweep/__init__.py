@@ -21,6 +21,8 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from ..errors import MissingExtraError
+
 _LAZY = {
     "Sweep": "engine", "SweepError": "engine", "SweepFileError": "engine",
     "SweepResult": "engine", "make_storage": "storage",
@@ -33,16 +35,27 @@ _LAZY = {
 __all__ = [*sorted(_LAZY), "run"]
 
 
+#: The top-level packages of ``pip install 'hftc[sweep]'`` (pyproject.toml's sweep extra).
+SWEEP_EXTRA = ("optuna", "sklearn", "matplotlib", "tqdm", "psycopg")
+
+
+def missing_sweep_extra(exc: ModuleNotFoundError) -> MissingExtraError:
+    """The :class:`MissingExtraError` for a package of the sweep extra not installed."""
+    missing = exc.name.split(".")[0]
+    error = MissingExtraError(f"hftc.sweep needs {missing!r} ({missing} is not installed): "
+                              f"pip install 'hftc[sweep]'", extra="sweep")
+    error.name = exc.name
+    return error
+
+
 def __getattr__(name: str) -> Any:
     # Lazy: `python -m hftc --help` and `import hftc` must not need Optuna (an extra).
     if name not in _LAZY:
         raise AttributeError(f"module 'hftc.sweep' has no attribute {name!r}")
     try:
         module = importlib.import_module(f".{_LAZY[name]}", __name__)
-    except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(
-            f"hftc.sweep needs {exc.name!r}: pip install 'hftc[sweep]'", name=exc.name
-        ) from exc
+    except ModuleNotFoundError as exc:  # hftc's MissingExtraError, still a ModuleNotFoundError
+        raise missing_sweep_extra(exc) from exc
     return getattr(module, name)
 
 

@@ -15,6 +15,8 @@ import sys
 from typing import Any
 
 from ..cli.args import positive_int
+from ..errors import MissingExtraError
+from . import SWEEP_EXTRA, missing_sweep_extra
 
 __all__ = ["add_arguments", "add_demo_arguments", "main"]
 
@@ -87,14 +89,19 @@ def main(args: argparse.Namespace) -> int:
     """Run the ``sweep`` subcommand; returns the exit status."""
     from .clock import command_process
 
-    with command_process():  # this process is the sweep's: its start-up counts
-        return _main(args)
+    try:
+        with command_process():  # this process is the sweep's: its start-up counts
+            return _main(args)
+    except ModuleNotFoundError as exc:  # a plain `pip install hftc`: no Optuna
+        if (exc.name or "").split(".")[0] not in SWEEP_EXTRA:
+            raise
+        print(f"hftc sweep: {missing_sweep_extra(exc)}", file=sys.stderr)
+        return 2
 
 
 def _main(args: argparse.Namespace) -> int:
     import torch
 
-    from ..errors import MissingExtraError
     from .collector import freeze_at_exit
     from .engine import SweepError
     from .spec import SpecError

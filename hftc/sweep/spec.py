@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import numbers
 import sys
 import types
 from collections.abc import Callable
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cli.load import run_user_code, user_code_error
 from ..errors import SpecError
 from ..module.group import MAX_PADDING
 
@@ -246,6 +248,12 @@ class SweepSpec:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(f"spec.{key} must be a positive int, got {value!r}")
+        # Optuna's samplers (the stock comparison's, --serial's) take 0 .. 2**32 - 1 only:
+        # a seed out of it failed deep inside numpy, after the sweep had started
+        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) \
+                or not 0 <= self.seed < 2**32:
+            raise SpecError(f"spec.seed (or --seed) must be a whole number from 0 to "
+                            f"2**32 - 1, as Optuna's samplers take, got {self.seed!r}")
         if not isinstance(self.pad_widths, bool):
             raise SpecError(f"spec.pad_widths must be True or False, got {self.pad_widths!r}")
         if isinstance(self.max_padding, bool) or not isinstance(self.max_padding, (int, float)) \
@@ -431,13 +439,16 @@ def _import(target: str):
         sys.modules[name] = module  # so pickling / dataclasses inside the spec work
         # The spec may import its neighbours, also later (inside model()), as a script could.
         _add_to_path(path.resolve().parent)
-        loaded.loader.exec_module(module)
+        run_user_code(lambda: loaded.loader.exec_module(module), f"the sweep spec {path}",
+                      SpecError)
         return module
     _add_to_path(Path.cwd())
     try:
         return importlib.import_module(target)
     except ImportError as exc:
         raise SpecError(f"cannot import the sweep spec module {target!r}: {exc}") from exc
+    except Exception as exc:  # a SyntaxError or an error of the spec's own, at its line
+        raise SpecError(user_code_error(exc, f"the sweep spec module {target!r}")) from exc
 
 
 def _add_to_path(folder: Path) -> None:
