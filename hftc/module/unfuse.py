@@ -24,6 +24,7 @@ from .. import ir
 from ..errors import (
     FusionArgumentError,
     FusionIndexError,
+    FusionNotImplementedError,
     FusionTypeError,
 )
 from ..lowering.runtime.modules import StackedModule
@@ -157,6 +158,43 @@ class Unfusing:
         model = self._own_model(index)
         note_copy(self, model, self.model_ids[index])  # (a fused step warns if it trains)
         return model
+
+    def apply(self, fn: Any) -> Any:
+        """``nn.Module.apply`` as on each model alone: ``fn`` runs over model ``i``'s own
+        modules (its ``nn.Linear``, not the stacked module holding all N), models 0, 1, ...
+        in turn as a loop would (a random init draws in that order), and the tensors it
+        wrote become row ``i``.  torch's ``apply`` gave ``fn`` the stacked modules, which an
+        ``isinstance(m, nn.Linear)`` init skips: the weights were silently left as they were."""
+        models = []
+        for i in range(self.num_models):
+            model = self._own_model(i)
+            model.apply(fn)
+            models.append(model)
+        self._take_requires_grad(models, fn)
+        for i, model in enumerate(models):
+            self._take_own_tensors(i, model)
+        return self
+
+    def _take_requires_grad(self, models: Sequence[nn.Module], fn: Any) -> None:
+        """A ``requires_grad_`` that ``fn`` set on every model alike, on the stacked
+        parameter; one set on some models only is refused (the N share one parameter)."""
+        for name, p in self.named_parameters():
+            flags = set()
+            for i, model in enumerate(models):
+                names = self.model_copies.names[i]
+                mine = dict(model.named_parameters()).get(
+                    name if names is None else names.get(name, name))
+                if mine is not None:
+                    flags.add(mine.requires_grad)
+            if len(flags) > 1:
+                raise FusionNotImplementedError(
+                    f"fused.apply({getattr(fn, '__name__', fn)!r}) set requires_grad on "
+                    f"{name!r} for some models and not others; the {self.num_models} models "
+                    f"share one stacked parameter there: freeze it for all of them "
+                    f"(fused.get_parameter({name!r}).requires_grad_(False)) or fuse the "
+                    f"models whose {name!r} trains apart")
+            if flags and flags != {p.requires_grad}:
+                p.requires_grad_(flags.pop())
 
     def _own_model(self, index: int) -> nn.Module:
         """Model ``index``'s own module (:meth:`unfuse_model`'s, not noted as a copy)."""

@@ -1,0 +1,91 @@
+"""A fused module treated as users treat a plain one: ``apply(init_fn)``, dtype moves,
+submodule flags; each model must end where the loop over the originals treated alike ends."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hftc
+import hftc.optim as ho
+from hftc.errors import FusionNotImplementedError
+
+
+def _convnet() -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 6 * 6, 5)).double()
+
+
+def _init_weights(m: nn.Module) -> None:
+    # (timm / HF style: by class, a random draw)
+    if isinstance(m, (nn.Conv2d, nn.Linear)):
+        nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+        nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.BatchNorm2d):
+        nn.init.constant_(m.weight, 0.5)
+        nn.init.constant_(m.bias, 0.1)
+
+
+def _same_after_step(fused: nn.Module, models: list[nn.Module]) -> None:
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x), rtol=1e-12, atol=1e-12)
+    opt = ho.SGD([p for p in fused.parameters() if p.requires_grad], lr=[0.1, 0.05, 0.2])
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=lr)
+            for m, lr in zip(models, [0.1, 0.05, 0.2])]
+    sum(o.square().mean() for o in fused(x)).backward()
+    opt.step()
+    for m, o in zip(models, opts):
+        m(x).square().mean().backward()
+        o.step()
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x), rtol=1e-12, atol=1e-12)
+
+
+def test_apply_init_gives_each_model_its_own_init():
+    torch.manual_seed(0)
+    models = [_convnet() for _ in range(3)]
+    fused = hftc.fuse([copy.deepcopy(m) for m in models])
+    torch.manual_seed(1)
+    assert fused.apply(_init_weights) is fused
+    torch.manual_seed(1)
+    for m in models:
+        m.apply(_init_weights)
+    _same_after_step(fused, models)
+
+
+def test_apply_freezing_every_model_alike_freezes_the_stacked_parameter():
+    torch.manual_seed(0)
+    models = [_convnet() for _ in range(3)]
+    fused = hftc.fuse([copy.deepcopy(m) for m in models])
+
+    def freeze_bn(m: nn.Module) -> None:
+        if isinstance(m, nn.BatchNorm2d):
+            m.requires_grad_(False)
+
+    fused.apply(freeze_bn)
+    for m in models:
+        m.apply(freeze_bn)
+    assert [n for n, p in fused.named_parameters() if not p.requires_grad] == [
+        "1.weight", "1.bias"]
+    _same_after_step(fused, models)
+
+
+def test_apply_freezing_one_model_only_is_refused():
+    torch.manual_seed(0)
+    fused = hftc.fuse([_convnet() for _ in range(3)])
+    seen = []
+
+    def freeze_first(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            seen.append(m)
+            if len(seen) == 1:
+                m.requires_grad_(False)
+
+    with pytest.raises(FusionNotImplementedError, match="4.weight"):
+        fused.apply(freeze_first)
