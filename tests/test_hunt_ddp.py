@@ -11,7 +11,7 @@ from torch import nn
 
 import hftc
 import hftc.optim as ho
-from hftc.errors import FusionNotImplementedError
+from hftc.errors import FusionArgumentError, FusionNotImplementedError
 
 
 def _convnet() -> nn.Sequential:
@@ -89,3 +89,74 @@ def test_apply_freezing_one_model_only_is_refused():
 
     with pytest.raises(FusionNotImplementedError, match="4.weight"):
         fused.apply(freeze_first)
+
+
+def test_apply_changing_a_python_attribute_fuses_the_models_anew():
+    # (YOLOv5's initialize_weights: BatchNorm eps/momentum set by class)
+    torch.manual_seed(0)
+    models = [_convnet() for _ in range(3)]
+    fused = hftc.fuse([copy.deepcopy(m) for m in models])
+    params = list(fused.parameters())
+
+    def yolo_init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.1)
+        if isinstance(m, nn.BatchNorm2d):
+            m.eps, m.momentum = 0.5, 0.9  # (large: an old eps would show in the outputs)
+
+    torch.manual_seed(3)
+    fused.apply(yolo_init)
+    torch.manual_seed(3)
+    for m in models:
+        m.apply(yolo_init)
+    assert list(fused.parameters()) == params  # (an optimizer made before still steps them)
+    assert fused.unfuse_model(1)[1].eps == 0.5
+    _same_after_step(fused, models)
+    for i, m in enumerate(models):  # (the new momentum in the running stats)
+        assert torch.allclose(fused.unfuse_model(i)[1].running_mean, m[1].running_mean)
+
+
+def test_apply_registering_a_hook_that_does_not_fuse_is_refused_unchanged():
+    fused = hftc.fuse([_convnet() for _ in range(3)])
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+
+    def add_hook(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.zeros_(m.bias)
+        if isinstance(m, nn.ReLU):
+            m.register_forward_hook(lambda mod, args, out: print(out.shape))
+
+    try:
+        fused.apply(add_hook)
+    except FusionArgumentError as exc:
+        assert "model 0's attribute '2._forward_hooks'" in str(exc)
+        assert "m.apply(add_hook)" in str(exc)
+        for k, v in fused.state_dict().items():
+            assert torch.equal(v, before[k]), k
+    else:  # (fused anew with the hook: each model runs it)
+        assert all(len(m._forward_hooks) == 1 for m in fused.unfuse() if isinstance(m[2], nn.ReLU))
+
+
+def test_apply_with_pad_widths_inits_each_model_at_its_own_width():
+    def net(w: int) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(6, w), nn.Tanh(), nn.Linear(w, 3)).double()
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            nn.init.constant_(m.bias, 0.01)
+
+    torch.manual_seed(0)
+    models = [net(w) for w in (4, 8, 6)]
+    fused = hftc.fuse([copy.deepcopy(m) for m in models], pad_widths=True)
+    torch.manual_seed(2)
+    fused.apply(init)
+    torch.manual_seed(2)
+    for m in models:
+        m.apply(init)
+    x = torch.randn(5, 6, dtype=torch.float64)
+    out = fused(x)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x), rtol=1e-12, atol=1e-12)
+        for (n, p), q in zip(fused.unfuse_model(i).named_parameters(), m.parameters()):
+            assert torch.equal(p, q), (i, n)
