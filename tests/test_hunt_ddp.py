@@ -11,7 +11,11 @@ from torch import nn
 
 import hftc
 import hftc.optim as ho
-from hftc.errors import FusionArgumentError, FusionNotImplementedError
+from hftc.errors import (
+    FusionArgumentError,
+    FusionNotImplementedError,
+    UnsupportedOperatorError,
+)
 
 
 def _convnet() -> nn.Sequential:
@@ -160,3 +164,40 @@ def test_apply_with_pad_widths_inits_each_model_at_its_own_width():
         torch.testing.assert_close(out[i], m(x), rtol=1e-12, atol=1e-12)
         for (n, p), q in zip(fused.unfuse_model(i).named_parameters(), m.parameters()):
             assert torch.equal(p, q), (i, n)
+
+
+@pytest.mark.parametrize("parametrize", [
+    torch.nn.utils.parametrizations.weight_norm,
+    torch.nn.utils.parametrizations.spectral_norm,
+    lambda m: torch.nn.utils.parametrizations.orthogonal(m, "weight"),
+])
+def test_parametrizing_a_fused_submodule_is_refused_unchanged(parametrize):
+    # (after a first call: the cached program went on with the stale stacked weight)
+    torch.manual_seed(0)
+    fused = hftc.fuse([nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+                       for _ in range(3)])
+    x = torch.randn(2, 6)
+    before = fused(x)
+    with pytest.raises(UnsupportedOperatorError, match=r"(?s)fused\.0 .*before fusing"):
+        parametrize(fused.get_submodule("0"))
+    assert type(fused.get_submodule("0")).__name__ == "StackedModule"
+    assert [n for n, _ in fused.named_parameters()] == ["0.weight", "0.bias", "2.weight",
+                                                        "2.bias"]
+    torch.testing.assert_close(fused(x), before, rtol=0, atol=0)
+
+
+def test_models_parametrized_before_fusing_train_as_their_own():
+    torch.manual_seed(0)
+    models = [_convnet() for _ in range(3)]
+    for m in models:
+        torch.nn.utils.parametrizations.weight_norm(m[4])
+    fused = hftc.fuse([copy.deepcopy(m) for m in models])
+    assert "4.parametrizations.weight.original0" in dict(fused.named_parameters())
+    _same_after_step(fused, models)
+
+
+def test_deleting_a_stacked_tensor_is_refused():
+    fused = hftc.fuse([nn.Sequential(nn.Linear(4, 4)) for _ in range(2)])
+    with pytest.raises(UnsupportedOperatorError, match=r"del fused\.0\.bias"):
+        del fused.get_submodule("0").bias
+    assert "0.bias" in dict(fused.named_parameters())
