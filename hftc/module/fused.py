@@ -670,7 +670,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                 None if padding is None else padding.originals)
             self._give_shells_python_state(loaded, undo)
             if changed is not None:
-                self._fuse_own_models_anew(changed)
+                self._fuse_own_models_anew(
+                    f"load_state_dict: the extra state loaded changes {changed}")
         except Exception:
             # refused: the models keep the state the program they run was built from
             # (else unfuse()[i] had the loaded state and fused(x)[i] the old one)
@@ -721,19 +722,22 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                     into_padded(t[index], mine.to(t.device, t.dtype),
                                 padding.blocks.get(name, 1))
 
-    def _fuse_own_models_anew(self, why: str) -> None:
+    def _fuse_own_models_anew(self, why: str, models: Sequence[nn.Module] | None = None,
+                              instead: str = "") -> None:
         """Fuse the models again as their own objects now are (an extra state loaded into
-        them changed what the program was built from), keeping this module's parameter
-        objects: the program runs each model's new Python state, never its old one."""
-        models = [self._own_model(i) for i in range(self.num_models)]
+        them, or ``fused.apply(fn)``, changed what the program was built from), keeping
+        this module's parameter objects: the program runs each model's new Python state,
+        never its old one.  ``models``: those objects (else each model's own, as built)."""
+        if models is None:
+            models = [self._own_model(i) for i in range(self.num_models)]
+        instead = instead or ("load each model's state into a model of its own and fuse "
+                              "those: m.load_state_dict(state_i); hftc.fuse(models)")
         try:
-            refused = type(self)(models, **self.fuse_options)
+            refused = type(self)(list(models), **self.fuse_options)
         except Exception as exc:
             raise FusionArgumentError(
-                f"load_state_dict: the extra state loaded changes {why}, and the models "
-                f"with it do not fuse again ({type(exc).__name__}: {exc}); load each "
-                f"model's state into a model of its own and fuse those: "
-                f"m.load_state_dict(state_i); hftc.fuse(models)") from exc
+                f"{why}, and the models with it do not fuse again ({type(exc).__name__}: "
+                f"{exc}); {instead}") from exc
         ids, sources = self.model_ids, self.source_parameter_names
         grads = [(p, p.grad) for p in self.parameters()]
         self._become(refused)

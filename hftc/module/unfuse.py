@@ -24,6 +24,7 @@ from .. import ir
 from ..errors import (
     FusionArgumentError,
     FusionIndexError,
+    FusionNotImplementedError,
     FusionTypeError,
 )
 from ..lowering.runtime.modules import StackedModule
@@ -47,6 +48,38 @@ def _drop_grad_accumulator(p: torch.Tensor) -> None:
 _MADE_FROM_MODELS = ("_shared_one_by_one", "_methods_one_by_one", "_method_modules",
                      "_last_call_program")
 
+
+
+_TENSOR_SLOTS = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def _python_state(model: nn.Module) -> dict[str, tuple[type, dict[str, Any]]]:
+    """Each module's class and plain attributes (``eps``, ``training``, its hooks' dicts
+    copied), by path: what an ``apply(fn)`` could change besides tensors."""
+    return {path: (type(m), {k: copy.copy(v) if isinstance(v, (dict, list, set)) else v
+                             for k, v in vars(m).items() if k not in _TENSOR_SLOTS})
+            for path, m in model.named_modules(remove_duplicate=False)}
+
+
+def _changed_python_state(before: dict[str, Any], after: dict[str, Any],
+                          index: int) -> str | None:
+    """Model ``index``'s first module attribute (``'1.eps'``) or submodule that differs."""
+    for path in [*before, *(p for p in after if p not in before)]:
+        if path not in before or path not in after or before[path][0] is not after[path][0]:
+            return f"model {index}'s submodule {path!r}"
+        old, new = before[path][1], after[path][1]
+        for key in [*old, *(k for k in new if k not in old)]:
+            a, b = old.get(key, _TENSOR_SLOTS), new.get(key, _TENSOR_SLOTS)
+            if a is b:
+                continue
+            try:
+                same = bool(a == b)
+            except Exception:  # (an object whose == is not a bool)
+                same = False
+            if not same:
+                name = f"{path}.{key}" if path else key
+                return f"model {index}'s attribute {name!r}"
+    return None
 
 
 class Unfusing:
@@ -157,6 +190,54 @@ class Unfusing:
         model = self._own_model(index)
         note_copy(self, model, self.model_ids[index])  # (a fused step warns if it trains)
         return model
+
+    def apply(self, fn: Any) -> Any:
+        """``nn.Module.apply`` as on each model alone: ``fn`` runs over model ``i``'s own
+        modules (its ``nn.Linear``, not the stacked module holding all N), models 0, 1, ...
+        in turn as a loop would (a random init draws in that order), and the tensors it
+        wrote become row ``i``.  torch's ``apply`` gave ``fn`` the stacked modules, which an
+        ``isinstance(m, nn.Linear)`` init skips: the weights were silently left as they were."""
+        models, changed = [], None
+        for i in range(self.num_models):
+            model = self._own_model(i)
+            before = _python_state(model)
+            model.apply(fn)
+            changed = changed or _changed_python_state(before, _python_state(model), i)
+            models.append(model)
+        name = getattr(fn, "__name__", repr(fn))
+        self._take_requires_grad(models, name)
+        if changed is not None:
+            # (``bn.eps = 1e-3``: the program was built from the old value; fused anew, or
+            # refused with the fused module as it was)
+            self._fuse_own_models_anew(
+                f"fused.apply({name}) changed {changed} (not a tensor)", models,
+                instead=f"apply it to the models before fusing: for m in models: "
+                        f"m.apply({name}); then hftc.fuse(models)")
+            return self
+        for i, model in enumerate(models):
+            self._take_own_tensors(i, model)
+        return self
+
+    def _take_requires_grad(self, models: Sequence[nn.Module], fn: str) -> None:
+        """A ``requires_grad_`` that ``fn`` set on every model alike, on the stacked
+        parameter; one set on some models only is refused (the N share one parameter)."""
+        for name, p in self.named_parameters():
+            flags = set()
+            for i, model in enumerate(models):
+                names = self.model_copies.names[i]
+                mine = dict(model.named_parameters()).get(
+                    name if names is None else names.get(name, name))
+                if mine is not None:
+                    flags.add(mine.requires_grad)
+            if len(flags) > 1:
+                raise FusionNotImplementedError(
+                    f"fused.apply({fn}) set requires_grad on "
+                    f"{name!r} for some models and not others; the {self.num_models} models "
+                    f"share one stacked parameter there: freeze it for all of them "
+                    f"(fused.get_parameter({name!r}).requires_grad_(False)) or fuse the "
+                    f"models whose {name!r} trains apart")
+            if flags and flags != {p.requires_grad}:
+                p.requires_grad_(flags.pop())
 
     def _own_model(self, index: int) -> nn.Module:
         """Model ``index``'s own module (:meth:`unfuse_model`'s, not noted as a copy)."""

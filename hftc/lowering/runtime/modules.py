@@ -16,6 +16,7 @@ the refusals of coupling optimizers ask.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -110,6 +111,19 @@ def _at_user_line() -> str:
     return f"\n  {line}" if line else ""
 
 
+def _registering_parametrization() -> bool:
+    """Whether torch's ``register_parametrization`` is the caller (via is_parametrized)."""
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name == "register_parametrization"
+                and frame.f_code.co_filename.endswith("parametrize.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class StackedModule(ContainerAccess, nn.Module):
     """N modules' parameters and buffers stacked ``[N, *shape]`` under their own names.
 
@@ -136,6 +150,35 @@ class StackedModule(ContainerAccess, nn.Module):
         refuse_model_attribute(self, f"fused.{path}" if path else "fused", name, value,
                                self.__dict__.get("_hftc_template"))
         super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        # (torch.nn.utils.parametrize.register_parametrization deletes the tensor: the
+        # program would go on reading the stale stacked one)
+        if name in self._parameters or name in self._buffers:
+            self._refuse_parametrization(name)
+        super().__delattr__(name)
+
+    def __getattr__(self, name: str) -> Any:
+        # register_parametrization asks for ``parametrizations`` first, before its
+        # right_inverse (orthogonal's) writes the stacked tensor in place: refused there,
+        # the fused module is left as it was
+        if name == "parametrizations" and _registering_parametrization():
+            self._refuse_parametrization(None)
+        return super().__getattr__(name)
+
+    def _refuse_parametrization(self, name: str | None) -> None:
+        path = self.__dict__.get("_hftc_path")
+        where = f"fused.{path}" if path else "fused"
+        what = f"`del {where}.{name}`, as they do," if name else f"on {where}"
+        raise UnsupportedOperatorError(
+            f"torch's parametrizations (weight_norm, spectral_norm, orthogonal, "
+            f"register_parametrization) {what} ({self.source_type}, stacked by hftc) "
+            f"would take model tensors from the fused program, which reads them stacked "
+            f"[N, ...]; a parametrization there would see all N models' rows as one "
+            f"tensor" + _at_user_line() +
+            "\nParametrize each model before fusing (for m in models: "
+            "torch.nn.utils.parametrizations.weight_norm(m.<module>); then "
+            "hftc.fuse(models)): each model's parametrization then runs on its own")
 
     # ------------------------------------------------------------ hooks never run
 
