@@ -221,12 +221,12 @@ class Unfusing:
     def _take_requires_grad(self, models: Sequence[nn.Module], fn: str) -> None:
         """A ``requires_grad_`` that ``fn`` set on every model alike, on the stacked
         parameter; one set on some models only is refused (the N share one parameter)."""
+        own = [dict(model.named_parameters()) for model in models]
         for name, p in self.named_parameters():
             flags = set()
-            for i, model in enumerate(models):
+            for i, params in enumerate(own):
                 names = self.model_copies.names[i]
-                mine = dict(model.named_parameters()).get(
-                    name if names is None else names.get(name, name))
+                mine = params.get(name if names is None else names.get(name, name))
                 if mine is not None:
                     flags.add(mine.requires_grad)
             if len(flags) > 1:

@@ -158,13 +158,15 @@ class StackedModule(ContainerAccess, nn.Module):
             self._refuse_parametrization(name)
         super().__delattr__(name)
 
-    def __getattr__(self, name: str) -> Any:
+    @property
+    def parametrizations(self) -> Any:
         # register_parametrization asks for ``parametrizations`` first, before its
         # right_inverse (orthogonal's) writes the stacked tensor in place: refused there,
-        # the fused module is left as it was
-        if name == "parametrizations" and _registering_parametrization():
+        # the fused module is left as it was.  (A property, not a __getattr__ of its own:
+        # every read of a stacked tensor goes through nn.Module.__getattr__.)
+        if _registering_parametrization():
             self._refuse_parametrization(None)
-        return super().__getattr__(name)
+        raise AttributeError("parametrizations")  # none: is_parametrized() reads False
 
     def _refuse_parametrization(self, name: str | None) -> None:
         path = self.__dict__.get("_hftc_path")
