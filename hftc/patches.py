@@ -54,6 +54,11 @@ beside the code they serve; this module only installs them (docs/API.md describe
     a global optimizer step pre-hook          an optimizer's first step over the models
                                               hftc.fuse copied, none with a gradient:
                                               a UsageWarning (training/mistakes.py)
+    torch.optim.Optimizer.{zero_grad,          run as they are until torch._dynamo is
+      add_param_group, state_dict,              imported, torch's own from then on: a
+      load_state_dict}, the meta kernels'      process that never compiles skips its
+      and dispatch modes' (hftc's among        import (about 1 s; lowering/compile_guard.py)
+      them) dynamo guards
 
 Everything else is torch's own: on tensors that are not a fused module's, each
 replacement calls torch's original.
@@ -62,9 +67,12 @@ replacement calls torch's original.
 from __future__ import annotations
 
 import torch
+import torch._decomp
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import utils
+from .lowering import compile_guard
 from .lowering.runtime import losses
 from .optim import coupled, lr_scheduler, optimizer
 from .training import mistakes
@@ -78,6 +86,13 @@ def install() -> None:
     if _installed:
         return
     utils.route_bound_names()  # (before the names below: it reads torch's own objects)
+    optimizer_class = torch.optim.Optimizer
+    compile_guard.defer_dynamo_import(
+        optimizer_class.zero_grad, optimizer_class.add_param_group, optimizer_class.state_dict,
+        optimizer_class.load_state_dict,
+        *(fn for table in torch._decomp.global_decomposition_table.values()
+          for fn in table.values()),
+        *(vars(mode).get("__torch_dispatch__") for mode in _subclasses(TorchDispatchMode)))
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         module.clip_grad_norm_ = utils._clip_grad_norm_per_model
         module.get_total_norm = utils._get_total_norm_per_model
@@ -106,6 +121,16 @@ def install() -> None:
     torch.nn.Module.state_dict = mistakes.state_dict_noting_stale_models(
         torch.nn.Module.state_dict)
     _installed = True
+
+
+def _subclasses(cls: type) -> list[type]:
+    """Every subclass of ``cls`` defined so far, at any depth."""
+    found, todo = [], [cls]
+    while todo:
+        children = todo.pop().__subclasses__()
+        found.extend(children)
+        todo.extend(children)
+    return found
 
 
 __all__ = ["install"]

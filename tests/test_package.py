@@ -38,6 +38,41 @@ print('ok')
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+def test_training_with_torch_optim_leaves_torch_dynamo_unimported_until_compiling():
+    """torch's ``@torch._disable_dynamo`` guards (Optimizer.zero_grad / add_param_group /
+    state_dict / load_state_dict, the meta kernels hftc's shape propagation runs, hftc's
+    dispatch modes) import torch._dynamo on their first call
+    in stock torch; with hftc they run as they are until torch._dynamo is imported, then
+    they are torch's own again: a compiled caller graph-breaks at them, as in stock torch."""
+    code = """
+import sys, torch, hftc
+models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+          for _ in range(3)]
+fused = hftc.fuse(models)
+opt = hftc.optim.fuse_optimizers(fused, [torch.optim.SGD(m.parameters(), lr=0.1)
+                                         for m in models])
+stock = torch.optim.Adam(models[0].parameters())
+stock.load_state_dict(stock.state_dict())
+x = torch.randn(5, 4, requires_grad=True)
+for _ in range(2):
+    opt.zero_grad()
+    fused(x).sum().backward()
+    opt.step()
+stock.zero_grad()
+assert 'torch._dynamo' not in sys.modules, 'imported torch._dynamo'
+import torch._dynamo
+fn = torch.optim.Optimizer.zero_grad.__wrapped__
+assert getattr(fn, '__dynamo_disable', None) is None, 'still deferred after the import'
+def step():
+    stock.zero_grad()
+    return models[0](x.detach()).sum()
+torch.testing.assert_close(torch.compile(step, backend='eager')(), step())
+assert fn.__dynamo_disable is not fn   # torch's own disabled function, made by torch
+print('ok')
+"""
+    assert _run(code) == "ok"
+
+
 def _run(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -102,3 +102,6 @@ def test_the_command_reports_its_start(tmp_path: Path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "before it: Python, the imports, the spec" in out.stdout
+    # The fused side never imports torch._dynamo (hftc/patches.py); the one-at-a-time
+    # script's first stock step does, and its estimate is charged the import, measured.
+    assert "torch._dynamo's import" in out.stdout

@@ -36,6 +36,7 @@ seeded from its number; the pruner is asked once per trial and epoch (``KEPT_FIL
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -135,9 +136,10 @@ class SweepResult:
     serial_optuna_s: float | None = None
     serial_trial_epochs: int | None = None
     load_s: float = 0.0
-    #: the seconds start-up spent importing torch._dynamo, which the first torch.optim
-    #: optimizer of any script imports: the one-at-a-time side pays it too (0 where the
-    #: process had imported it before the sweep)
+    #: the seconds torch._dynamo's import took, which the first step of a stock torch.optim
+    #: optimizer makes in any script: charged to the one-at-a-time side (the fused side
+    #: skips it, hftc/patches.py); measured before the first epoch trained alone, 0 where
+    #: the process had imported it before
     dynamo_import_s: float = 0.0
     #: set where the sweep ran without fusing (too small to gain: serial.too_small)
     note: str = ""
@@ -261,12 +263,6 @@ class Sweep(Recovery, Arrays, Decisions):
         if self.resume and self.default_storage and not (self.out / "study.db").exists():
             raise self._nothing_to_resume()
         self._make_folders()
-        # torch.optim's first optimizer imports torch._dynamo (about a second, once per
-        # process, as in any script): paid here, in start-up, not as the first trial's
-        # share of Optuna (the one-at-a-time side's replay has it imported already).
-        start = time.perf_counter()
-        import torch._dynamo  # noqa: F401
-        self.dynamo_import_s = time.perf_counter() - start
         opened = time.perf_counter()
         self.storage = make_storage(self.storage_url, self.heartbeat_interval, self.grace_period)
         existing = None
@@ -713,6 +709,13 @@ class Sweep(Recovery, Arrays, Decisions):
         if len(self.serial_epoch_s) >= self.estimate_serial or not runs:
             return
         run = runs[len(self.serial_epoch_s) % len(runs)]
+        if not self.serial_epoch_s and "torch._dynamo" not in sys.modules:
+            # A stock optimizer's step imports torch._dynamo (about a second, once per
+            # process; hftc's patches spare the fused side): the one-at-a-time script's
+            # start-up, not its first epoch.
+            start = time.perf_counter()
+            importlib.import_module("torch._dynamo")
+            self.dynamo_import_s = time.perf_counter() - start
         with torch.random.fork_rng(devices=[]):  # the sweep's random draws stay its own
             start = time.perf_counter()
             train_alone(self.spec, run.params, run.seed, run.orders[-1:], self.data)
