@@ -73,6 +73,7 @@ def _run_demo(out, n_trials, per_array, epochs, serial_per_round, progress) -> d
         arrays = [r for a in sweep.arrays for r in a.members]
         if len(serial) >= 8 * serial_per_round:  # a median of 8 holds; more costs demo time
             return
+        sweep.charge_dynamo_import()
         for k in range(serial_per_round):
             run = arrays[(sweep.round + k) % len(arrays)]
             with torch.random.fork_rng(devices=[]):  # the sweep's dropout masks stay its own

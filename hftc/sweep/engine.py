@@ -702,6 +702,15 @@ class Sweep(Recovery, Arrays, Decisions):
                          f"is checkpointed): fix it and rerun with --resume to continue them")
             raise
 
+    def charge_dynamo_import(self) -> None:
+        """Before the first epoch trained alone: a stock optimizer's step imports
+        torch._dynamo (about a second, once per process; hftc's patches spare the fused
+        side), timed here as the one-at-a-time script's start-up, not its first epoch."""
+        if "torch._dynamo" not in sys.modules:
+            start = time.perf_counter()
+            importlib.import_module("torch._dynamo")
+            self.dynamo_import_s = time.perf_counter() - start
+
     def _estimate_serial(self, runs: list[LiveTrial]) -> None:
         """Off the clock, train one of this round's trials alone for its last epoch (stock
         model, optimizers, schedulers, the spec's train_step): a sample of the one-by-one
@@ -709,13 +718,7 @@ class Sweep(Recovery, Arrays, Decisions):
         if len(self.serial_epoch_s) >= self.estimate_serial or not runs:
             return
         run = runs[len(self.serial_epoch_s) % len(runs)]
-        if not self.serial_epoch_s and "torch._dynamo" not in sys.modules:
-            # A stock optimizer's step imports torch._dynamo (about a second, once per
-            # process; hftc's patches spare the fused side): the one-at-a-time script's
-            # start-up, not its first epoch.
-            start = time.perf_counter()
-            importlib.import_module("torch._dynamo")
-            self.dynamo_import_s = time.perf_counter() - start
+        self.charge_dynamo_import()
         with torch.random.fork_rng(devices=[]):  # the sweep's random draws stay its own
             start = time.perf_counter()
             train_alone(self.spec, run.params, run.seed, run.orders[-1:], self.data)
