@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 import time
 from typing import Any
@@ -72,6 +73,11 @@ OLD_NAMES = {
 }
 
 
+#: ``HFTC_STOCK_TORCH=1`` in the environment: the core loads without its torch patches
+#: (:mod:`hftc.patches`), for a process that measures stock torch with hftc's code around
+#: it (``hftc bench --sweep``'s one-at-a-time side); no fused module works right there.
+STOCK_TORCH = "HFTC_STOCK_TORCH"
+
 #: Seconds the core's import took (a script without hftc does not pay them: the sweep's
 #: summary leaves them out of the one-at-a-time side's start-up, hftc/sweep/clock.py).
 _CORE_LOAD_S = 0.0
@@ -85,7 +91,8 @@ def _load_core() -> None:
     _LoadCoreAfterTorch.uninstall()
     for name in _CORE:
         importlib.import_module(f"{__name__}.{name}")
-    sys.modules[f"{__name__}.patches"].install()
+    if os.environ.get(STOCK_TORCH) != "1":
+        sys.modules[f"{__name__}.patches"].install()
     module = sys.modules[__name__]
     for name, where in _PUBLIC.items():
         source = sys.modules[f"{__name__}.{where or name}"]

@@ -56,6 +56,9 @@ def test_bench_sweep_runs_both_sides_as_processes(tmp_path):
     assert fused["trials"] == serial["trials"] == 4
     assert 4 <= fused["trial_epochs"] <= 12 and 4 <= serial["trial_epochs"] <= 12
     assert result["speedup"] == serial["wall_s"] / fused["wall_s"]
+    # The one-at-a-time side is stock torch: no hftc patch, hftc's import not charged.
+    assert fused["torch_patched"] and not serial["torch_patched"]
+    assert serial["hftc_import_s"] > 0.0
     text = format_sweep_bench(result)
     assert "stock Optuna, one trial at a time" in text and "speedup: " in text
     assert len(lines) == 2

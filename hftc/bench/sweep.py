@@ -11,8 +11,11 @@
 
 Each process imports what it needs (torch, optuna, the spec's data), builds its study on
 its own SQLite file and trains every trial; its wall clock is timed from outside, start
-to exit. The fused side runs without its summary's speedup estimate (epochs trained
-alone, a sample of trials through stock Optuna: what this bench measures for real).
+to exit. The one-at-a-time side is stock torch: its loop is hftc.sweep.serial's, but it
+runs without hftc's torch patches (``HFTC_STOCK_TORCH=1``: no step hooks, no checked
+losses) and its wall clock leaves out hftc's core import, measured in the process, as a
+script without hftc would. The fused side runs without its summary's speedup estimate
+(epochs trained alone, a sample of trials through stock Optuna: what this bench measures for real).
 Reported: the median wall clock of each side and the median of the per-round ratios,
 the trial-epochs each trained, the best value each found.
 
@@ -113,7 +116,11 @@ def _side(which: str, spec_ref: str, out: str, threads: int,
     except ValueError:
         best = None
     ordered = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
-    return {"trial_epochs": epochs, "best": best, "trials": len(ordered),
+    import hftc
+
+    return {"trial_epochs": epochs, "hftc_import_s": hftc._CORE_LOAD_S,
+            "torch_patched": sys.modules["hftc.patches"]._installed, "best": best,
+            "trials": len(ordered),
             "pruned": sum(t.state.name == "PRUNED" for t in ordered),
             "params": [t.params for t in ordered],
             "epochs": [len(t.intermediate_values) for t in ordered]}
@@ -127,16 +134,23 @@ SAME_TRIALS = {"random": "drawn at random", "fused": "the fused sweep's",
 def _one_process(which: str, spec_ref: str, out: Path, threads: int, env: dict,
                  trials_file: Path | None) -> dict:
     """One side as a whole process, timed from outside: its report and wall clock."""
+    import hftc
+
     report = out / "report.json"
     cmd = [sys.executable, "-m", "hftc.bench.sweep", which, spec_ref, str(out), str(threads),
            str(report), *([str(trials_file)] if trials_file is not None else [])]
+    if which == "serial":  # stock torch, as a script without hftc runs it
+        env = dict(env, **{hftc.STOCK_TORCH: "1"})
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"hftc bench --sweep: the {which} side failed:\n"
                          f"{proc.stderr[-2000:]}")
-    return json.loads(report.read_text()) | {"wall_s": wall}
+    row = json.loads(report.read_text())
+    # The one-at-a-time side imports hftc's code (its loop is hftc.sweep.serial's), which a
+    # stock script does not: its wall clock less that import, measured in the process.
+    return row | {"wall_s": wall - (row["hftc_import_s"] if which == "serial" else 0.0)}
 
 
 def run_sweep_bench(spec_ref: str = "hftc.sweep.digits", rounds: int = 3, threads: int = 1,
