@@ -137,19 +137,38 @@ def test_a_killed_sweep_resumed_with_another_search_is_refused(tmp_path: Path, c
     assert [t[1] for t in _trials(out)] == [TrialState.COMPLETE] * 4
 
 
-EDITED_PRUNER = SPEC.replace('dtype = torch.float64', 'dtype = torch.float64\nimport optuna\n'
-                             'pruner = optuna.pruners.MedianPruner(n_startup_trials=1)')
+MEDIAN = SPEC.replace('dtype = torch.float64', 'dtype = torch.float64\nimport optuna\n'
+                      'pruner = optuna.pruners.MedianPruner(n_startup_trials=1)')
+OWN_PRUNER = SPEC.replace('dtype = torch.float64', """dtype = torch.float64
+import optuna
 
 
-def test_a_pruner_edited_in_the_spec_between_kill_and_resume_is_refused(tmp_path: Path):
-    """The spec's pruner object edited (its warm-up, its startup trials) between the kill
-    and the resume trained on: the trials before and after were pruned by other rules."""
-    spec, out = _killed_sweep(tmp_path, EDITED_PRUNER)
-    spec.write_text(EDITED_PRUNER.replace("n_startup_trials=1", "n_startup_trials=3"))
-    with pytest.raises(SweepError, match=r"pruner was MedianPruner\(n_startup_trials=1\), now "
-                                         r"MedianPruner\(n_startup_trials=3\)"):
+class PruneTrialOne(optuna.pruners.BasePruner):
+    def prune(self, study, trial):
+        return trial.number == 1 and len(trial.intermediate_values) >= 1
+
+
+pruner = PruneTrialOne()""")
+
+
+@pytest.mark.parametrize("source, edit, said", [
+    (MEDIAN, ("n_startup_trials=1", "n_startup_trials=3"),
+     r"pruner was MedianPruner\(n_startup_trials=1\), now MedianPruner\(n_startup_trials=3\)"),
+    (OWN_PRUNER, ("trial.number == 1", "trial.number == 2"),
+     r"pruner was PruneTrialOne \(its code \w+\), now PruneTrialOne \(its code \w+\)"),
+], ids=["median", "own class"])
+def test_a_pruner_edited_in_the_spec_between_kill_and_resume_is_refused(tmp_path: Path, source,
+                                                                        edit, said):
+    """The spec's pruner edited between the kill and the resume (the median pruner's
+    startup trials, the rule of a pruner class of the spec's own) trained on: the trials
+    before and after the kill were pruned by other rules, in one study."""
+    spec, out = _killed_sweep(tmp_path, source)
+    before = _trials(out)
+    spec.write_text(source.replace(*edit))
+    with pytest.raises(SweepError, match=said):
         hs.run(spec, out=out, resume=True, progress=False, estimate=False)
-    spec.write_text(EDITED_PRUNER)
+    assert _trials(out) == before
+    spec.write_text(source)
     done = hs.run(spec, out=out, resume=True, progress=False, estimate=False)
     assert {t.state for t in done.study.trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
 

@@ -23,7 +23,8 @@ The sampler and the pruner are recorded too, by what they are: the Optuna class 
 constructor's arguments as the object holds them (``MedianPruner(n_startup_trials=4,
 n_warmup_steps=2, ...)``; not a sampler's seed, which the sweep reseeds per trial): they
 choose the trials to come and which stop, so a resume with another ``--pruner`` or
-``--sampler`` would make one study of two searches. An argument Optuna resolves on first
+``--sampler`` would make one study of two searches. A class of the user's own (a pruner
+defined in the spec) is recorded by its code as well. An argument Optuna resolves on first
 use (``max_resource="auto"``, a ``None`` default) is compared only where both are set:
 a spec object run again in one process is no edit."""
 
@@ -205,6 +206,9 @@ def describe_optuna(obj: Any) -> dict[str, Any]:
         {"class": "optuna.pruners._median.MedianPruner", "n_startup_trials": "4", ...}"""
     cls = type(obj)
     described: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}"}
+    if not cls.__module__.startswith(_LIBRARIES):  # a pruner of the user's own: by its code
+        # (not its module's name, which is the spec file's)
+        described.update({"class": cls.__qualname__, "code": _hashed(_Digest.of(cls))})
     held = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
     for value in list(held.values()):  # a NamedTuple of arguments (TPE's)
         if isinstance(value, tuple) and hasattr(value, "_asdict"):
@@ -251,9 +255,15 @@ def _shown(described: Any, only: list[str]) -> str:
         return str(described)
     shown = {k: _shown(v, sorted(v)) if isinstance(v, dict) else v
              for k, v in described.items()}
-    args = ", ".join(f"{k}={shown[k]}" for k in sorted(only) if k != "class" and k in shown)
+    args = ", ".join(f"{k}={shown[k]}" for k in sorted(only)
+                     if k not in ("class", "code") and k in shown)
     name = str(described.get("class", "?")).rsplit(".", 1)[-1]
-    return name if "class" in only and not args else f"{name}({args})"
+    code = f" (its code {described['code']})" if "code" in only and "code" in described else ""
+    return (name if "class" in only or (code and not args) else f"{name}({args})") + code
+
+
+def _hashed(digest: _Digest) -> str:
+    return hashlib.sha256("\n".join(digest.out).encode()).hexdigest()[:16]
 
 
 def spec_fingerprint(spec: SweepSpec) -> dict[str, Any]:
@@ -269,7 +279,7 @@ def spec_fingerprint(spec: SweepSpec) -> dict[str, Any]:
         except Exception:  # noqa: BLE001  (an object we cannot read: not compared)
             record[key] = _UNKNOWN
             continue
-        record[key] = hashlib.sha256("\n".join(digest.out).encode()).hexdigest()[:16]
+        record[key] = _hashed(digest)
         constants.update(digest.constants)
     record["constants"] = constants
     return record
