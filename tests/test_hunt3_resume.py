@@ -197,3 +197,17 @@ def test_optuna_objects_run_again_in_one_process_are_no_edit_but_others_are(tmp_
                                          r"PatientPruner\(patience=2\)"):
         hs.run(spec.replace(n_trials=5, pruner=other), out=tmp_path / "out", estimate=False,
                progress=False)
+
+
+def test_a_killed_sweep_resumed_with_another_direction_says_how_to_continue_it(
+        tmp_path: Path):
+    """An edited ``direction`` on resume said only "pick another --study name": the way
+    to continue the killed sweep (set the direction back) went unsaid."""
+    spec, out = _killed_sweep(tmp_path, SPEC)
+    before = _trials(out)
+    spec.write_text(SPEC.replace('metric = "loss"', 'metric = "loss"\ndirection = "maximize"'))
+    with pytest.raises(SweepError, match=r"is minimize, but the spec's direction is "
+                                         r"'maximize'.*set direction = 'minimize' in the "
+                                         r"spec to continue it, or pick another --study"):
+        hs.run(spec, out=out, resume=True, progress=False, estimate=False)
+    assert _trials(out) == before
