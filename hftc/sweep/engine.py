@@ -275,10 +275,12 @@ class Sweep(Recovery, Arrays, Decisions):
             n_before = len(self.storage.get_all_trials(existing, deepcopy=False))
             directions = self.storage.get_study_directions(existing)
             if [d.name.lower() for d in directions] != [self.spec.direction]:
+                was = '/'.join(d.name.lower() for d in directions)
                 raise SweepError(
                     f"the study {self.study_name!r} in {masked_url(self.storage_url)} is "
-                    f"{'/'.join(d.name.lower() for d in directions)}, but the spec says "
-                    f"{self.spec.direction}; pick another --study name"
+                    f"{was}, but the spec's direction is {self.spec.direction!r} (or its "
+                    f"metric's default): set direction = {was!r} in the spec to continue "
+                    f"it, or pick another --study name"
                 )
         # Every draw is reseeded from (spec.seed, trial number, what is drawn): trial k
         # gets the parameters it gets in an uninterrupted sweep, from any process

@@ -16,22 +16,34 @@ functions and classes of its own module it uses (``model`` building the spec's
 ``space`` or layer in ``CNN`` does, and is refused. A module constant that changed
 (``SLOW = float(os.environ.get(...))``, a data path) is said in a ``SweepWarning``.
 ``n_trials``, ``per_array``, ``device``, ``eval_batch_size`` and the padding are left
-out (a sweep may be extended, or run with other arrays on another machine), and so are
-``on_epoch`` (logging), the sampler and the pruner (they choose and stop trials, not what
-a trial trains)."""
+out (a sweep may be extended, or run with other arrays on another machine), and so is
+``on_epoch`` (logging).
+
+The sampler and the pruner are recorded too, by what they are: the Optuna class and its
+constructor's arguments as the object holds them (``MedianPruner(n_startup_trials=4,
+n_warmup_steps=2, ...)``; not a sampler's seed, which the sweep reseeds per trial): they
+choose the trials to come and which stop, so a resume with another ``--pruner`` or
+``--sampler`` would make one study of two searches. A class of the user's own (a pruner
+defined in the spec) is recorded by its code as well. An argument Optuna resolves on first
+use (``max_resource="auto"``, a ``None`` default) is compared only where both are set:
+a spec object run again in one process is no edit."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import os
 import sys
 import sysconfig
 import types
 from typing import Any
 
+import optuna
+
 from ..errors import SweepError
 from .spec import SweepSpec, hook_name
+from .storage import make_pruner, make_sampler
 
 __all__ = ["spec_fingerprint", "check_same_spec", "ATTR"]
 
@@ -40,11 +52,17 @@ ATTR = "hftc_spec"
 # trials run, not what one trains; a worker on another machine or after an out-of-memory
 # error may change them)
 _VALUES = ("epochs", "batch_size", "seed", "dtype", "direction")
-# (not the sampler nor the pruner: they pick and stop trials, not what one trains, and an
-# Optuna pruner or sampler object changes its own attributes as it runs)
 _FUNCTIONS = ("space", "model", "data", "optimizer", "loss", "train_step", "scheduler", "metric")
 _LIBRARIES = ("torch", "optuna", "hftc", "numpy", "sklearn")
+# the search: which trials come, which stop (described by the objects made of them)
+_CHOOSERS = {"sampler": lambda spec: make_sampler(spec, spec.seed), "pruner": make_pruner}
+# (a sampler's seed: every draw is reseeded from the spec's seed, sampling.py)
+_NOT_COMPARED = ("self", "args", "kwargs", "seed")
+# the options of `hftc sweep` that set a field, for the error to name
+_OPTIONS = {"epochs": "--epochs", "seed": "--seed", "sampler": "--sampler",
+            "pruner": "--pruner"}
 _UNKNOWN = "?"
+_LAZY = ("None", "'auto'")  # an argument Optuna sets on first use
 _SIMPLE = (int, float, str, bool, bytes, type(None))
 
 
@@ -167,10 +185,93 @@ class _Digest:
         return digest
 
 
+def _argument(value: Any) -> str | dict[str, Any]:
+    """One constructor argument as an Optuna object holds it: a constant by its repr, a
+    nested sampler or pruner (``PatientPruner``'s) by its description, a function or
+    class by its name, anything else by its type."""
+    if _simple(value) is not None:
+        return _simple(value)
+    if isinstance(value, (optuna.samplers.BaseSampler, optuna.pruners.BasePruner)):
+        return describe_optuna(value)
+    if isinstance(value, (types.FunctionType, type)):
+        return f"{value.__module__}.{value.__qualname__}"
+    return type(value).__qualname__
+
+
+def describe_optuna(obj: Any) -> dict[str, Any]:
+    """A sampler or pruner by its class and its constructor's arguments, read back from
+    the attributes Optuna keeps them in (``_n_startup_trials``; TPE's prior in its
+    ``_parzen_estimator_parameters``)::
+
+        {"class": "optuna.pruners._median.MedianPruner", "n_startup_trials": "4", ...}"""
+    cls = type(obj)
+    described: dict[str, Any] = {"class": f"{cls.__module__}.{cls.__qualname__}"}
+    if not cls.__module__.startswith(_LIBRARIES):  # a pruner of the user's own: by its code
+        # (not its module's name, which is the spec file's)
+        described.update({"class": cls.__qualname__, "code": _hashed(_Digest.of(cls))})
+    held = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+    for value in list(held.values()):  # a NamedTuple of arguments (TPE's)
+        if isinstance(value, tuple) and hasattr(value, "_asdict"):
+            held.update({f"_{k}": v for k, v in value._asdict().items()})
+    for name in inspect.signature(cls.__init__).parameters:
+        for attr in (f"_{name}", name):
+            if name not in _NOT_COMPARED and attr in held:
+                described[name] = _argument(held[attr])
+                break
+    return described
+
+
+def _chooser(spec: SweepSpec, key: str) -> dict[str, Any] | str:
+    try:
+        return describe_optuna(_CHOOSERS[key](spec))
+    except Exception:  # noqa: BLE001  (a sampler we cannot make or read: not compared)
+        return _UNKNOWN
+
+
+def _differing(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The arguments in which two descriptions differ (``class`` first), those both
+    hold and neither left to Optuna's first use (the module docstring)."""
+    if recorded.get("class") != now.get("class"):
+        return ["class"]
+    return [k for k in recorded.keys() & now.keys() - {"class"}
+            if recorded[k] not in _LAZY and now[k] not in _LAZY
+            and (_differing(recorded[k], now[k]) if isinstance(recorded[k], dict)
+                 and isinstance(now[k], dict) else recorded[k] != now[k])]
+
+
+def _differs(recorded: Any, now: Any) -> bool:
+    """Whether one field's record differs (a sampler's or pruner's: by :func:`_differing`)."""
+    if _UNKNOWN in (recorded, now):
+        return False
+    if isinstance(recorded, dict) and isinstance(now, dict):
+        return bool(_differing(recorded, now))
+    return recorded != now
+
+
+def _shown(described: Any, only: list[str]) -> str:
+    """A description as Python, with the arguments in ``only``: ``MedianPruner(
+    n_warmup_steps=2)``; just the class where the classes differ."""
+    if not isinstance(described, dict):
+        return str(described)
+    shown = {k: _shown(v, sorted(v)) if isinstance(v, dict) else v
+             for k, v in described.items()}
+    args = ", ".join(f"{k}={shown[k]}" for k in sorted(only)
+                     if k not in ("class", "code") and k in shown)
+    name = str(described.get("class", "?")).rsplit(".", 1)[-1]
+    code = f" (its code {described['code']})" if "code" in only and "code" in described else ""
+    return (name if "class" in only or (code and not args) else f"{name}({args})") + code
+
+
+def _hashed(digest: _Digest) -> str:
+    return hashlib.sha256("\n".join(digest.out).encode()).hexdigest()[:16]
+
+
 def spec_fingerprint(spec: SweepSpec) -> dict[str, Any]:
     """The study's record of ``spec`` (the module docstring): the values, each function's
-    code digest, and under ``"constants"`` the simple module constants they read."""
+    code digest, the sampler's and the pruner's description, and under ``"constants"``
+    the simple module constants the functions read."""
     record: dict[str, Any] = {key: str(getattr(spec, key)) for key in _VALUES}
+    record.update({key: _chooser(spec, key) for key in _CHOOSERS})
     constants: dict[str, str] = {}
     for key in _FUNCTIONS:
         try:
@@ -178,7 +279,7 @@ def spec_fingerprint(spec: SweepSpec) -> dict[str, Any]:
         except Exception:  # noqa: BLE001  (an object we cannot read: not compared)
             record[key] = _UNKNOWN
             continue
-        record[key] = hashlib.sha256("\n".join(digest.out).encode()).hexdigest()[:16]
+        record[key] = _hashed(digest)
         constants.update(digest.constants)
     record["constants"] = constants
     return record
@@ -195,6 +296,17 @@ def _said(spec: SweepSpec, key: str) -> str:
         return f"{key} ({type(value).__name__})"
 
 
+def _change(spec: SweepSpec, key: str, was: Any, now: Any) -> str:
+    """One changed field, said with the option that sets it: ``pruner was MedianPruner,
+    now NopPruner (--pruner or the spec's pruner)``."""
+    if key not in _VALUES and key not in _CHOOSERS:
+        return f"{_said(spec, key)} changed"
+    option = f" ({_OPTIONS[key]} or the spec's {key})" if key in _OPTIONS else ""
+    if isinstance(was, dict) and isinstance(now, dict):
+        was, now = (_shown(d, _differing(was, now)) for d in (was, now))
+    return f"{key} was {was}, now {now}{option}"
+
+
 def check_same_spec(recorded: dict[str, Any] | None, spec: SweepSpec, study: str,
                     where: str) -> list[str]:
     """Refuse a spec other than the one the study's trials were trained with: a
@@ -205,18 +317,18 @@ def check_same_spec(recorded: dict[str, Any] | None, spec: SweepSpec, study: str
         return []  # a study from before the record, or made by hand: nothing to compare
     now = spec_fingerprint(spec)
     changed = [key for key in now if key != "constants" and key in recorded
-               and recorded[key] != now[key] and _UNKNOWN not in (recorded[key], now[key])]
+               and _differs(recorded[key], now[key])]
     before = recorded.get("constants") if isinstance(recorded.get("constants"), dict) else {}
     constants = [f"{name} was {before[name]}, now {value}"
                  for name, value in now["constants"].items()
                  if name in before and before[name] != value]
     if not changed:
         return constants
-    said = [f"{key} was {recorded[key]}, now {now[key]}" if key in _VALUES
-            else f"{_said(spec, key)} changed" for key in changed]
+    said = [_change(spec, key, recorded[key], now[key]) for key in changed]
     raise SweepError(
         f"the sweep {study!r} in {where} was started with another spec: "
-        f"{'; '.join(said + constants)}. Its trials so far trained with the first; resumed "
-        f"or new ones would train with this one, and one study would mix the two. Undo the "
-        f"change (and any --epochs / --seed that differs) to "
+        f"{'; '.join(said + constants)}. Its trials so far were sampled, trained and pruned "
+        f"with the first; resumed or new ones would be with this one, and one study would "
+        f"mix the two. Undo the "
+        f"change (give the first run's options again: --epochs, --seed, --sampler, --pruner) to "
         f"continue it, or start a new sweep (another --out, or --study)")

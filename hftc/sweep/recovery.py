@@ -61,10 +61,6 @@ def read_manifest(path: Path) -> dict:
 #: A trial that never recorded a heartbeat is taken for dead (its worker killed while
 #: asking it) once this worker has seen it so for this long, or the grace period if
 #: longer: asking a trial (the sampler) takes well under it.
-
-#: A trial that never recorded a heartbeat is taken for dead (its worker killed while
-#: asking it) once this worker has seen it so for this long, or the grace period if
-#: longer: asking a trial (the sampler) takes well under it.
 NO_HEARTBEAT_S = 30.0
 
 
