@@ -29,6 +29,7 @@ import contextlib
 import gc
 import math
 import numbers
+import sys
 import time
 import traceback
 import warnings
@@ -169,7 +170,7 @@ class TrialArray:
 
     def __init__(self, study: optuna.Study, trials: Sequence[optuna.Trial],
                  asks_left: Callable[[], int] | None = None,
-                 asked: Callable[[], None] | None = None,
+                 asked: Callable[[optuna.Trial], None] | None = None,
                  told: Callable[[optuna.trial.FrozenTrial], None] | None = None):
         self.study = study
         self._told = told  # optimize's callbacks and progress bar, per finished trial
@@ -351,12 +352,15 @@ class TrialArray:
         self._tell(trial, state=TrialState.FAIL, notify=notify)
 
     def _tell(self, trial: optuna.Trial, *args: Any, notify: bool = True, **kwargs: Any) -> None:
-        """``study.tell``, then ``optimize``'s callbacks with the finished trial (not for
-        trials failed by an error that optimize raises: study.optimize calls none then)."""
+        """``study.tell``, then (in ``optimize``) study.optimize's log line for the trial
+        and ``optimize``'s callbacks with it (not for trials failed by an error that
+        optimize raises: study.optimize calls none then)."""
         frozen = self.study.tell(trial, *args, **kwargs)
         self._told_numbers.add(trial.number)
-        if self._told is not None and notify:
-            self._told(frozen)
+        if self._told is not None:
+            _log_told(self.study, frozen)
+            if notify:
+                self._told(frozen)
 
     def drop(self, positions: Sequence[int]) -> None:
         """Remove the models at ``positions`` (already told) from the array, the fused
@@ -469,7 +473,7 @@ class TrialArray:
         free = list(freed)
         while free and self._asks_left() > 0:
             trial = _ask(self.study)
-            self._asked()
+            self._asked(trial)
             try:
                 built = self._build(trial)
             except optuna.TrialPruned:
@@ -577,18 +581,23 @@ def optimize(
         out_of_time = timeout is not None and time.perf_counter() - start >= timeout
         return out_of_time or bool(getattr(study, "_stop_flag", False))
 
+    held: list[int] = []  # the numbers of the trials the current array asked
+
     def budget() -> int:
         if stopped():
             return 0
-        return (n_trials - asked) if n_trials is not None else array_size
+        left = (n_trials - asked) if n_trials is not None else array_size
+        limit = _max_trials_left(study, callbacks, held)  # a MaxTrialsCallback's
+        return left if limit is None else min(left, limit)
 
     def asks_left() -> int:  # a refill's: none past a GridSampler's grid
         grid = _grid_left(study)
         return budget() if grid is None else min(budget(), grid)
 
-    def one_more() -> None:
+    def one_more(trial: optuna.Trial) -> None:
         nonlocal asked
         asked += 1
+        held.append(trial.number)
 
     def told(frozen: optuna.trial.FrozenTrial) -> None:
         if bar is not None:
@@ -609,6 +618,7 @@ def optimize(
             array = TrialArray(study, [_ask(study) for _ in range(size)],
                                asks_left=asks_left, asked=one_more, told=told)
             asked += size
+            held[:] = array.numbers
             with _beating(study, array):
                 _run_array(study, objective, array, catch)
             if gc_after_trial:
@@ -618,6 +628,49 @@ def optimize(
             local.in_optimize_loop = False
         if bar is not None:
             bar.close()
+
+
+#: study.optimize's logger: its "Trial 3 finished with value ..." lines, under Optuna's
+#: verbosity (optuna.logging.set_verbosity).
+_OPTIMIZE_LOG = optuna.logging.get_logger("optuna.study._optimize")
+
+
+def _log_told(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
+    """The line study.optimize logs for a finished trial: "Trial 3 finished with value:
+    0.1 and parameters: {...}. Best is trial 1 ..." (INFO), "Trial 4 pruned." (INFO), or
+    "Trial 5 failed with parameters: {...} because of the following error: ..."
+    (WARNING, the traceback of the error being handled, if any)."""
+    if frozen.state == TrialState.COMPLETE:
+        study._log_completed_trial(frozen.values, frozen.number, frozen.params)
+    elif frozen.state == TrialState.PRUNED:
+        _OPTIMIZE_LOG.info(f"Trial {frozen.number} pruned. ")
+    elif frozen.state == TrialState.FAIL:
+        reason = frozen.user_attrs.get("hftc_fail_reason", "unknown")
+        error = sys.exc_info()
+        _OPTIMIZE_LOG.warning(f"Trial {frozen.number} failed with parameters: {frozen.params} "
+                              f"because of the following error: {reason}.",
+                              exc_info=error if error[0] is not None else None)
+
+
+def _max_trials_left(study: optuna.Study, callbacks: Sequence[Any], held: Iterable[int]
+                     ) -> int | None:
+    """How many more trials the ``MaxTrialsCallback`` s among ``callbacks`` let start
+    (``None``: there is none): study.optimize asks one trial at a time and the callback
+    stops it at the count, but an array asks N at once, so it asks no more than the
+    count leaves. ``held``: the numbers of the trials this array asked; those still
+    running count as if finished in the callback's states (they will be)."""
+    limits = [c for c in callbacks if isinstance(c, optuna.study.MaxTrialsCallback)]
+    if not limits:
+        return None
+    trials = study.get_trials(deepcopy=False)
+    running = {t.number for t in trials if t.state == TrialState.RUNNING}
+    held_running = running.intersection(held)
+    left = []
+    for limit in limits:
+        counted = {t.number for t in trials
+                   if limit._states is None or t.state in limit._states}
+        left.append(max(0, limit._n_trials - len(counted | held_running)))
+    return min(left)
 
 
 def _ask(study: optuna.Study) -> optuna.Trial:

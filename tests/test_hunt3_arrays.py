@@ -1,0 +1,175 @@
+"""hftc.sweep.optimize / TrialArray beside stock Optuna (study.optimize, several
+processes calling optuna.load_study(...).optimize on one storage): what a user's own
+script sees of the study (its trial count, its log, its trials) is a stock study's."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+optuna = pytest.importorskip("optuna")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from optuna.study import MaxTrialsCallback  # noqa: E402
+from optuna.trial import TrialState  # noqa: E402
+from torch import nn  # noqa: E402
+
+import hftc  # noqa: E402
+import hftc.sweep  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+X = torch.linspace(-1, 1, 24, dtype=torch.float64).reshape(8, 3)
+Y = X.sum(1, keepdim=True).sin()
+STEPS = 3
+
+
+def make_model(number: int) -> nn.Module:
+    torch.manual_seed(number)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+
+
+def objective_alone(trial):
+    """The stock objective(trial): one model, stock SGD, report and prune each step."""
+    lr = trial.suggest_float("lr", 1e-3, 1.0, log=True)
+    model = make_model(trial.number)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.5)
+    for step in range(STEPS):
+        opt.zero_grad()
+        F.mse_loss(model(X), Y).backward()
+        opt.step()
+        with torch.no_grad():
+            value = F.mse_loss(model(X), Y).item()
+        trial.report(value, step)
+        if trial.should_prune():
+            raise optuna.TrialPruned()
+    return value
+
+
+def objective_array(array):
+    """The same objective, N trials fused."""
+    lrs = [t.suggest_float("lr", 1e-3, 1.0, log=True) for t in array.trials]
+    fused = array.fuse([make_model(t.number) for t in array.trials])
+    opt = hftc.optim.SGD(fused.parameters(), lr=lrs, momentum=0.5)
+    per_model_mse = hftc.per_model(F.mse_loss)
+    for step in range(STEPS):
+        opt.zero_grad()
+        per_model_mse(fused(X), Y).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            array.report(per_model_mse(fused(X), Y), step)
+    with torch.no_grad():
+        return per_model_mse(fused(X), Y)
+
+
+def quiet_study(**kwargs):
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0), **kwargs)
+
+
+# ------------------------------------------------------------ MaxTrialsCallback
+
+
+@pytest.mark.parametrize("states", [None, (TrialState.COMPLETE,)])
+def test_max_trials_callback_stops_the_study_at_its_count_as_study_optimize(states):
+    counts = {}
+    for kind in ("stock", "hftc"):
+        study = quiet_study(pruner=optuna.pruners.NopPruner())
+        limit = MaxTrialsCallback(6, states=states)
+        if kind == "stock":
+            study.optimize(objective_alone, n_trials=20, callbacks=[limit])
+        else:
+            hftc.sweep.optimize(study, objective_array, n_trials=20, array_size=4,
+                                callbacks=[limit])
+        counts[kind] = len(study.trials)
+    assert counts["hftc"] == counts["stock"] == 6
+
+
+def test_max_trials_callback_counts_refilled_places_too():
+    study = quiet_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=1,
+                                                           n_warmup_steps=0))
+
+    def objective(array):
+        per_model_mse = hftc.per_model(F.mse_loss)
+
+        def build(trial):
+            return make_model(trial.number), {"lr": trial.suggest_float("lr", 1e-3, 1.0,
+                                                                          log=True)}
+
+        lrs = [t.suggest_float("lr", 1e-3, 1.0, log=True) for t in array.trials]
+        fused = array.fuse([make_model(t.number) for t in array.trials])
+        opt = hftc.optim.SGD(fused.parameters(), lr=lrs)
+        array.refill_with(build)
+        for _ in array.epochs(STEPS):
+            opt.zero_grad()
+            per_model_mse(fused(X), Y).sum().backward()
+            opt.step()
+            with torch.no_grad():
+                array.report(per_model_mse(fused(X), Y))
+
+    limit = MaxTrialsCallback(7, states=None)
+    hftc.sweep.optimize(study, objective, n_trials=40, array_size=4, callbacks=[limit])
+    assert len(study.trials) == 7
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+
+
+# ------------------------------------------------------------ the log
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("Trial "):  # without the parameters and values
+            self.lines.append(message.split(" and parameters")[0].split(" with ")[0])
+
+
+def _optuna_log(run) -> list[str]:
+    """The "Trial ..." lines Optuna's loggers write while ``run()`` runs."""
+    lines = _Lines()
+    root = logging.getLogger("optuna")
+    optuna.logging.set_verbosity(optuna.logging.INFO)
+    root.addHandler(lines)
+    try:
+        run()
+    finally:
+        root.removeHandler(lines)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return lines.lines
+
+
+def test_optimize_logs_each_finished_trial_as_study_optimize():
+    logs = {}
+    for kind in ("stock", "hftc"):
+        study = quiet_study(pruner=optuna.pruners.NopPruner())
+        for lr in (0.01, 0.5, 0.02):
+            study.enqueue_trial({"lr": lr})
+        if kind == "stock":
+            logs[kind] = _optuna_log(lambda s=study: s.optimize(objective_alone, 3))
+        else:
+            logs[kind] = _optuna_log(lambda s=study: hftc.sweep.optimize(
+                s, objective_array, n_trials=3, array_size=3))
+    assert logs["hftc"] == logs["stock"]
+    assert logs["stock"] == ["Trial 0 finished", "Trial 1 finished", "Trial 2 finished"]
+
+
+def test_a_caught_error_is_logged_as_study_optimize_logs_it():
+    def boom_alone(trial):
+        raise ValueError("boom")
+
+    def boom_array(array):
+        raise ValueError("boom")
+
+    study = quiet_study()
+    stock = _optuna_log(lambda: study.optimize(boom_alone, 1, catch=(ValueError,)))
+    study = quiet_study()
+    ours = _optuna_log(lambda s=study: hftc.sweep.optimize(
+        study, boom_array, n_trials=2, array_size=2, catch=(ValueError,)))
+    assert any("failed" in line for line in stock)
+    assert [line for line in ours if "failed" in line] == [
+        "Trial 0 failed", "Trial 1 failed"]
