@@ -5,6 +5,12 @@ script sees of the study (its trial count, its log, its trials) is a stock study
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -173,3 +179,100 @@ def test_a_caught_error_is_logged_as_study_optimize_logs_it():
     assert any("failed" in line for line in stock)
     assert [line for line in ours if "failed" in line] == [
         "Trial 0 failed", "Trial 1 failed"]
+
+
+# ------------------------------------------------------------ several processes
+
+WORKER = textwrap.dedent('''
+    import os, sys, warnings
+    sys.path.insert(0, sys.argv[1])
+    import optuna, torch
+    import torch.nn.functional as F
+    import hftc, hftc.sweep
+    from test_hunt3_arrays import X, Y, make_model
+    from optuna.study import MaxTrialsCallback
+
+    url, name, mode, n_trials, array_size, limit = sys.argv[2:8]
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.simplefilter("ignore")
+    beat = {"heartbeat_interval": 1, "grace_period": 2,
+            "failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
+    storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}},
+                                         **(beat if mode != "plain" else {}))
+    study = optuna.load_study(study_name=name, storage=storage)
+    per_model_mse = hftc.per_model(F.mse_loss)
+
+    def build(trial):
+        if mode == "die-in-build":
+            os._exit(3)   # killed while a refill builds its new trial
+        return make_model(trial.number), {"lr": trial.suggest_float("lr", 1e-3, 1.0, log=True)}
+
+    def objective(array):
+        lrs = [t.suggest_float("lr", 1e-3, 1.0, log=True) for t in array.trials]
+        fused = array.fuse([make_model(t.number) for t in array.trials])
+        opt = hftc.optim.SGD(fused.parameters(), lr=lrs)
+        array.refill_with(build)
+        for _ in array.epochs(2):
+            opt.zero_grad()
+            per_model_mse(fused(X), Y).sum().backward()
+            opt.step()
+            with torch.no_grad():
+                array.report(per_model_mse(fused(X), Y))
+
+    callbacks = [MaxTrialsCallback(int(limit), states=None)] if int(limit) else None
+    hftc.sweep.optimize(study, objective, n_trials=int(n_trials) or None,
+                        array_size=int(array_size), callbacks=callbacks)
+''')
+
+
+def _start_workers(tmp_path, url, name, mode, n_trials, array_size, limit=0, count=1):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, str(script), str(Path(__file__).parent), url, name, mode,
+           str(n_trials), str(array_size), str(limit)]
+    return [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for _ in range(count)]
+
+
+def _wait(procs) -> list[int]:
+    codes = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=240)
+        codes.append(proc.returncode)
+        assert proc.returncode in (0, 3), out
+    return codes
+
+
+def _new_study(url: str) -> str:
+    name = f"hunt3-{uuid.uuid4().hex[:8]}"
+    optuna.create_study(study_name=name, storage=url,
+                        sampler=optuna.samplers.RandomSampler(seed=0))
+    return name
+
+
+def test_a_worker_killed_while_a_refill_builds_leaves_no_trial_running(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    name = _new_study(url)
+    assert _wait(_start_workers(tmp_path, url, name, "die-in-build", 4, 2)) == [3]
+    study = optuna.load_study(study_name=name, storage=url)
+    asked = [t for t in study.trials if t.state == TrialState.RUNNING]
+    assert [t.number for t in asked] == [2]  # the newcomer the dead worker was building
+
+    time.sleep(3)  # its grace period (2 s) over: the next worker fails it and retries it
+    assert _wait(_start_workers(tmp_path, url, name, "beat", 1, 1)) == [0]
+    states = {t.number: t.state for t in optuna.load_study(study_name=name,
+                                                           storage=url).trials}
+    assert TrialState.RUNNING not in states.values(), states
+    assert states[2] == TrialState.FAIL and states[3] == TrialState.COMPLETE
+
+
+def test_max_trials_callback_across_two_workers_started_at_once(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    name = _new_study(url)
+    assert _wait(_start_workers(tmp_path, url, name, "plain", 0, 4, limit=10,
+                                count=2)) == [0, 0]
+    trials = optuna.load_study(study_name=name, storage=url).trials
+    assert len(trials) == 10  # study.optimize in two processes: 10 or 11
+    assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}

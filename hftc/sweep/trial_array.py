@@ -188,6 +188,7 @@ class TrialArray:
         self._epoch_of: dict[int, int] = {}
         self._reported = False
         self._told_numbers: set[int] = set()  # the trials this array told (not to fail)
+        self._joining: list[optuna.Trial] = []  # asked by a refill, not yet in its place
 
     def __len__(self) -> int:
         return len(self.trials)
@@ -473,6 +474,7 @@ class TrialArray:
         free = list(freed)
         while free and self._asks_left() > 0:
             trial = _ask(self.study)
+            self._joining.append(trial)  # the heartbeat's from now on
             self._asked(trial)
             try:
                 built = self._build(trial)
@@ -497,6 +499,7 @@ class TrialArray:
             places.append(j)
             newcomers.append((trial, models, dict(hyper or {})))
         if not places:
+            self._joining.clear()  # (each one told)
             return []
         try:
             for k, fused in enumerate(self.fused_modules):
@@ -511,7 +514,14 @@ class TrialArray:
         for j, (trial, _, _) in zip(places, newcomers):
             self.trials[j] = trial
             self._epoch_of[trial.number] = 0
+        self._joining.clear()  # in their places (the others told)
         return places
+
+    def _holding(self) -> list[int]:
+        """The ids of the trials this array holds and has not told: the live ones and
+        those a refill asked for and is building (the heartbeat's)."""
+        return [t._trial_id for t in list(self.trials) + list(self._joining)
+                if t.number not in self._told_numbers]
 
     def finish(self, values: Sequence[float] | torch.Tensor) -> None:
         """Complete every live trial with its final value (a non-finite one fails it).
@@ -675,10 +685,18 @@ def _max_trials_left(study: optuna.Study, callbacks: Sequence[Any], held: Iterab
 
 def _ask(study: optuna.Study) -> optuna.Trial:
     """``study.ask()``, without Optuna's warning that a heartbeat storage is for
-    study.optimize: optimize beats as study.optimize does (:func:`_beating`)."""
+    study.optimize: optimize beats as study.optimize does (:func:`_beating`), and a
+    first beat now, as its heartbeat starts with the trial: a trial that never beat is
+    never stale, and a worker killed before its array's heartbeat starts (asking the
+    array's other trials, a refill's build(trial)) would leave it RUNNING for ever."""
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed")
-        return study.ask()
+        trial = study.ask()
+    if is_heartbeat_enabled(study._storage):
+        study._storage.record_heartbeat(trial._trial_id)
+    return trial
 
 
 def _fail_stale_trials(study: optuna.Study) -> None:
@@ -705,8 +723,7 @@ def _beating(study: optuna.Study, array: TrialArray) -> Iterator[None]:
         yield
         return
     beat = Heartbeat(study._storage, study._storage.get_heartbeat_interval(),
-                     live=lambda: [t._trial_id for t in list(array.trials)
-                                   if t.number not in array._told_numbers])
+                     live=array._holding)
     beat.start()
     try:
         yield
