@@ -276,3 +276,37 @@ def test_max_trials_callback_across_two_workers_started_at_once(tmp_path):
     trials = optuna.load_study(study_name=name, storage=url).trials
     assert len(trials) == 10  # study.optimize in two processes: 10 or 11
     assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
+
+
+def test_a_refilled_array_fails_and_retries_a_dead_workers_trials_as_it_goes(tmp_path):
+    # study.optimize fails the stale trials before each trial; one refilled array may run
+    # the whole budget, and the dead worker's trial was left RUNNING for ever
+    with pytest.warns(Warning):
+        storage = optuna.storages.RDBStorage(
+            f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1, grace_period=2,
+            failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
+    study = optuna.create_study(storage=storage, sampler=optuna.samplers.RandomSampler(seed=0))
+    dead = study.ask({"lr": optuna.distributions.FloatDistribution(1e-3, 1.0, log=True)})
+    storage.record_heartbeat(dead._trial_id)  # its worker beat once, then died
+
+    def objective(array):
+        lrs = [t.suggest_float("lr", 1e-3, 1.0, log=True) for t in array.trials]
+        fused = array.fuse([make_model(t.number) for t in array.trials])
+        opt = hftc.optim.SGD(fused.parameters(), lr=lrs)
+        array.refill_with(lambda t: (make_model(t.number),
+                                     {"lr": t.suggest_float("lr", 1e-3, 1.0, log=True)}))
+        for _ in array.epochs(2):
+            opt.zero_grad()
+            hftc.per_model(F.mse_loss)(fused(X), Y).sum().backward()
+            opt.step()
+            time.sleep(0.5)
+            with torch.no_grad():
+                array.report(hftc.per_model(F.mse_loss)(fused(X), Y))
+
+    hftc.sweep.optimize(study, objective, n_trials=8, array_size=2)
+    trials = study.trials
+    assert trials[0].state == TrialState.FAIL  # stale: failed, then retried
+    retries = [t for t in trials if t.system_attrs.get("failed_trial") == 0]
+    assert len(retries) == 1 and retries[0].state == TrialState.COMPLETE
+    assert retries[0].params == trials[0].params
+    assert TrialState.RUNNING not in {t.state for t in trials}

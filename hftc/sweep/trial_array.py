@@ -473,6 +473,9 @@ class TrialArray:
         places, newcomers = [], []
         free = list(freed)
         while free and self._asks_left() > 0:
+            # as study.optimize before each trial: a dead worker's trials fail and their
+            # retries come first (one refilled array may run all the study's trials)
+            _fail_stale_trials(self.study)
             trial = _ask(self.study)
             self._joining.append(trial)  # the heartbeat's from now on
             self._asked(trial)
