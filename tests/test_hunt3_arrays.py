@@ -310,3 +310,35 @@ def test_a_refilled_array_fails_and_retries_a_dead_workers_trials_as_it_goes(tmp
     assert len(retries) == 1 and retries[0].state == TrialState.COMPLETE
     assert retries[0].params == trials[0].params
     assert TrialState.RUNNING not in {t.state for t in trials}
+
+
+# ------------------------------------------------------------ multi-objective
+
+
+@pytest.mark.parametrize("array_size", [2, 3])
+def test_a_multi_objective_return_of_one_tensor_per_direction_is_each_trials_values(
+        array_size):
+    # objective(trial)'s `return loss, accuracy`, fused: K per-model [N] tensors; with
+    # N == K they were read as rows (trial 0 got both models' losses), else refused
+    xs = [0.1, 0.7, 0.4]
+
+    def alone(trial):
+        x = torch.tensor(trial.suggest_float("x", 0, 1), dtype=torch.float64)
+        return (x * 10).item(), (x + 100).item()
+
+    def fused(array):
+        x = torch.tensor(array.suggest_float("x", 0, 1), dtype=torch.float64)
+        return x * 10, x + 100
+
+    values = {}
+    for kind in ("stock", "hftc"):
+        study = quiet_study(directions=["minimize", "maximize"])
+        for x in xs[:array_size]:
+            study.enqueue_trial({"x": x})
+        if kind == "stock":
+            study.optimize(alone, n_trials=array_size)
+        else:
+            hftc.sweep.optimize(study, fused, n_trials=array_size, array_size=array_size)
+        values[kind] = [t.values for t in study.trials]
+        assert [t.number for t in study.best_trials] == list(range(array_size))
+    assert values["hftc"] == values["stock"]

@@ -78,7 +78,7 @@ def _as_values(values: Any, n: int, what: str, objectives: int = 1) -> list[Any]
     ``losses.mean()`` for ``losses``)."""
     shape = (f" (a tensor of shape {list(values.shape)})"
              if isinstance(values, torch.Tensor) and values.dim() > 1 else "")
-    values = _per_model(values, objectives)
+    values = _per_model(_by_trial(values, n, objectives), objectives)
     per = "one value" if objectives == 1 else f"{objectives} values (one per direction)"
     if _scalar(values) is not None:
         if n == 1 and objectives == 1:
@@ -109,6 +109,21 @@ def _as_values(values: Any, n: int, what: str, objectives: int = 1) -> list[Any]
             raise SweepError(f"{what}: the value for trial {j} is {value!r}; the study has "
                              f"{objectives} objective(s): give {per} per trial")
     return out
+
+
+def _by_trial(values: Any, n: int, objectives: int) -> Any:
+    """A multi-objective study's ``return losses, accuracies``, K per-model ``[N]``
+    tensors (one per direction, as ``objective(trial)`` returns ``loss, accuracy``), as
+    the ``[N, K]`` tensor of each trial's K values; anything else as given. (Read as one
+    row per trial, the K tensors would give trial 0 every model's loss when N == K.)"""
+    if objectives == 1 or not isinstance(values, (tuple, list)) or len(values) != objectives:
+        return values
+    columns = []
+    for column in values:
+        if not (getattr(column, "ndim", None) == 1 and len(column) == n):
+            return values
+        columns.append(torch.as_tensor(column).detach().double())
+    return torch.stack(columns, dim=1)
 
 
 def _scalar(value: Any) -> float | None:
@@ -530,7 +545,8 @@ class TrialArray:
         """Complete every live trial with its final value (a non-finite one fails it).
 
         ``values`` has one value per live trial (a multi-objective study's: one list of
-        ``len(study.directions)`` values per trial, or an ``[N, K]`` tensor), or one per
+        ``len(study.directions)`` values per trial, an ``[N, K]`` tensor, or K ``[N]``
+        tensors, one per direction: ``return losses, accuracies``), or one per
         model of the last ``report`` that dropped some (the loop's last values, computed
         before that report): the live trials' are taken."""
         objectives = len(self.study.directions)
@@ -582,7 +598,8 @@ def optimize(
     (the message in their ``hftc_fail_reason`` user attribute) and is raised again,
     unless it is one of ``catch``; ``optuna.TrialPruned`` prunes them.  Any sampler,
     pruner and storage work, several processes on one storage included; a
-    multi-objective study takes K values per trial (and has no ``report``)."""
+    multi-objective study takes K values per trial (a list each, an ``[N, K]`` tensor, or
+    K per-model ``[N]`` tensors: ``return losses, accuracies``; it has no ``report``)."""
     _check_optimize_args(n_trials, array_size, timeout, n_jobs)
     one_worker_per_trial(getattr(study, "_storage", None))  # several processes, one SQLite
     catch = tuple(catch) if isinstance(catch, Iterable) else (catch,)
