@@ -342,3 +342,34 @@ def test_a_multi_objective_return_of_one_tensor_per_direction_is_each_trials_val
         values[kind] = [t.values for t in study.trials]
         assert [t.number for t in study.best_trials] == list(range(array_size))
     assert values["hftc"] == values["stock"]
+
+
+# ------------------------------------------------------------ refills
+
+
+def test_refill_in_a_range_loop_is_refused_not_a_newcomer_completed_after_fewer_steps():
+    # in range(E) a refilled trial reported at the array's steps ({1: ..., 2: ...}) and
+    # completed after E - 1 steps of training with that value
+    study = quiet_study(pruner=optuna.pruners.MedianPruner(n_startup_trials=0,
+                                                           n_warmup_steps=0))
+    per_model_mse = hftc.per_model(F.mse_loss)
+
+    def objective(array):
+        lrs = array.suggest_float("lr", 1e-3, 1.0, log=True)
+        fused = array.fuse([make_model(t.number) for t in array.trials])
+        opt = hftc.optim.SGD(fused.parameters(), lr=lrs)
+        array.refill_with(lambda t: (make_model(t.number),
+                                     {"lr": t.suggest_float("lr", 1e-3, 1.0, log=True)}))
+        for step in range(STEPS):
+            opt.zero_grad()
+            per_model_mse(fused(X), Y).sum().backward()
+            opt.step()
+            with torch.no_grad():
+                values = per_model_mse(fused(X), Y)
+            array.report(values, step)
+        return values
+
+    with pytest.raises(hftc.errors.SweepError, match=r"array\.epochs\(E\)"):
+        hftc.sweep.optimize(study, objective, n_trials=8, array_size=3)
+    for trial in study.trials:  # none completed with the value of fewer steps
+        assert trial.state == TrialState.FAIL

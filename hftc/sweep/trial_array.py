@@ -319,9 +319,10 @@ class TrialArray:
         that order) and its optimizer hyper-parameters (``{"lr": ...}``, for every
         ``hftc.optim`` optimizer on the array; or ``{optimizer: {...}}``).  The new model
         starts at its own step 0 in the place (:func:`hftc.replace_models`: fresh
-        optimizer state, its own epoch count); with :meth:`epochs`, each trial trains its
-        own number of epochs.  Exact only where a trial's data order does not depend on
-        the array's epoch (docs/SWEEP.md); refused with a scheduler on the optimizers."""
+        optimizer state, its own epoch count); the loop is :meth:`epochs`'s, in which each
+        trial trains its own number of epochs.  Exact only where a trial's data order does
+        not depend on the array's epoch (docs/SWEEP.md); refused with a scheduler on the
+        optimizers."""
         if not callable(build):
             raise SweepError(f"TrialArray.refill_with takes a function build(trial) -> "
                              f"(model, hyperparameters), got {build!r}")
@@ -410,6 +411,13 @@ class TrialArray:
         go to new trials instead of being dropped (:attr:`replaced` lists them)."""
         self._one_objective("report")
         values = _as_values(values, len(self.trials), "TrialArray.report")
+        if self._build is not None and self._epochs is None:
+            # in range(E), a new trial would report at the array's steps, train the steps
+            # left and complete with that value: one no run of it alone gives
+            raise SweepError("TrialArray.refill_with needs the loop in array.epochs(E) "
+                             "(for _ in array.epochs(E): ... array.report(values)), which "
+                             "counts each trial's own epochs, not range(E): a trial that "
+                             "joins in a freed place trains its own E epochs")
         if step is None and self._epochs is None:
             raise SweepError("TrialArray.report needs step= (or run the loop in "
                              "array.epochs(E), which counts each trial's epochs)")
