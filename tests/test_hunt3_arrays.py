@@ -373,3 +373,17 @@ def test_refill_in_a_range_loop_is_refused_not_a_newcomer_completed_after_fewer_
         hftc.sweep.optimize(study, objective, n_trials=8, array_size=3)
     for trial in study.trials:  # none completed with the value of fewer steps
         assert trial.state == TrialState.FAIL
+
+
+def test_ctrl_c_while_an_array_is_asked_leaves_no_trial_running():
+    class InterruptedSampler(optuna.samplers.RandomSampler):
+        def before_trial(self, study, trial):
+            if trial.number == 2:
+                raise KeyboardInterrupt  # Ctrl-C while the array's third trial is asked
+
+    study = optuna.create_study(sampler=InterruptedSampler(seed=0))
+    with pytest.raises(KeyboardInterrupt):
+        hftc.sweep.optimize(study, objective_array, n_trials=4, array_size=4)
+    states = [t.state for t in study.trials[:2]]
+    assert states == [TrialState.FAIL, TrialState.FAIL]  # not RUNNING for ever
+    assert "KeyboardInterrupt" in study.trials[0].user_attrs["hftc_fail_reason"]

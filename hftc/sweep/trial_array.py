@@ -653,7 +653,7 @@ def optimize(
             grid = _grid_left(study)
             size = min(array_size, budget(), array_size if grid is None else max(grid, 1))
             _fail_stale_trials(study)
-            array = TrialArray(study, [_ask(study) for _ in range(size)],
+            array = TrialArray(study, _ask_array(study, size),
                                asks_left=asks_left, asked=one_more, told=told)
             asked += size
             held[:] = array.numbers
@@ -725,6 +725,24 @@ def _ask(study: optuna.Study) -> optuna.Trial:
     if is_heartbeat_enabled(study._storage):
         study._storage.record_heartbeat(trial._trial_id)
     return trial
+
+
+def _ask_array(study: optuna.Study, size: int) -> list[optuna.Trial]:
+    """``size`` trials of the study; if asking one fails (Ctrl-C, the storage, the
+    sampler), those asked before it fail with the reason, then the error goes on: none
+    is left RUNNING for ever, as study.optimize leaves no trial it asked unrun."""
+    trials: list[optuna.Trial] = []
+    try:
+        for _ in range(size):
+            trials.append(_ask(study))
+    except (Exception, KeyboardInterrupt) as exc:
+        for trial in trials:
+            with contextlib.suppress(Exception):  # the storage's own error: the first one
+                trial.set_user_attr("hftc_fail_reason", f"asking the array's other trials "
+                                    f"failed: {type(exc).__name__}: {exc}")
+                study.tell(trial, state=TrialState.FAIL)
+        raise
+    return trials
 
 
 def _fail_stale_trials(study: optuna.Study) -> None:
