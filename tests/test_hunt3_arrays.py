@@ -387,3 +387,28 @@ def test_ctrl_c_while_an_array_is_asked_leaves_no_trial_running():
     states = [t.state for t in study.trials[:2]]
     assert states == [TrialState.FAIL, TrialState.FAIL]  # not RUNNING for ever
     assert "KeyboardInterrupt" in study.trials[0].user_attrs["hftc_fail_reason"]
+
+
+def test_ctrl_c_in_a_refills_build_fails_the_new_trial_too():
+    study = quiet_study()
+
+    def build(trial):
+        trial.suggest_float("lr", 1e-3, 1.0, log=True)
+        raise KeyboardInterrupt
+
+    def objective(array):
+        lrs = array.suggest_float("lr", 1e-3, 1.0, log=True)
+        fused = array.fuse([make_model(t.number) for t in array.trials])
+        opt = hftc.optim.SGD(fused.parameters(), lr=lrs)
+        array.refill_with(build)
+        for _ in array.epochs(1):
+            opt.zero_grad()
+            hftc.per_model(F.mse_loss)(fused(X), Y).sum().backward()
+            opt.step()
+            with torch.no_grad():
+                array.report(hftc.per_model(F.mse_loss)(fused(X), Y))
+
+    with pytest.raises(KeyboardInterrupt):
+        hftc.sweep.optimize(study, objective, n_trials=4, array_size=2)
+    states = [t.state for t in study.trials]
+    assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.FAIL], states

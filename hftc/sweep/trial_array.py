@@ -570,10 +570,12 @@ class TrialArray:
         self.trials = []
 
     def _fail_all(self, reason: str, notify: bool = True) -> None:
-        for trial in self.trials:
+        """Fail every trial the array holds and has not told: the live ones, and a
+        refill's new ones (Ctrl-C in build(trial))."""
+        for trial in self.trials + self._joining:
             if trial.number not in self._told_numbers:  # told, then a callback raised
                 self._fail(trial, reason, notify)
-        self.trials = []
+        self.trials, self._joining = [], []
 
 
 def optimize(
