@@ -197,7 +197,8 @@ WORKER = textwrap.dedent('''
     warnings.simplefilter("ignore")
     beat = {"heartbeat_interval": 1, "grace_period": 2,
             "failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
-    storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}},
+    lock = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    storage = optuna.storages.RDBStorage(url, engine_kwargs=lock,
                                          **(beat if mode != "plain" else {}))
     study = optuna.load_study(study_name=name, storage=storage)
     per_model_mse = hftc.per_model(F.mse_loss)
@@ -268,8 +269,20 @@ def test_a_worker_killed_while_a_refill_builds_leaves_no_trial_running(tmp_path)
     assert states[2] == TrialState.FAIL and states[3] == TrialState.COMPLETE
 
 
-def test_max_trials_callback_across_two_workers_started_at_once(tmp_path):
-    url = f"sqlite:///{tmp_path / 'study.db'}"
+def _storage_url(kind: str, tmp_path: Path) -> str:
+    """A SQLite file, or the PostgreSQL database of HFTC_TEST_POSTGRES_URL (skipped
+    without it)."""
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path / 'study.db'}"
+    url = os.environ.get("HFTC_TEST_POSTGRES_URL")
+    if not url:
+        pytest.skip("HFTC_TEST_POSTGRES_URL is not set")
+    return url
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_max_trials_callback_across_two_workers_started_at_once(tmp_path, kind):
+    url = _storage_url(kind, tmp_path)
     name = _new_study(url)
     assert _wait(_start_workers(tmp_path, url, name, "plain", 0, 4, limit=10,
                                 count=2)) == [0, 0]
