@@ -299,7 +299,8 @@ def test_a_refilled_array_fails_and_retries_a_dead_workers_trials_as_it_goes(tmp
             f"sqlite:///{tmp_path / 'study.db'}", heartbeat_interval=1, grace_period=2,
             failed_trial_callback=optuna.storages.RetryFailedTrialCallback(max_retry=1))
     study = optuna.create_study(storage=storage, sampler=optuna.samplers.RandomSampler(seed=0))
-    dead = study.ask({"lr": optuna.distributions.FloatDistribution(1e-3, 1.0, log=True)})
+    with pytest.warns(UserWarning, match="Heartbeat"):  # Optuna's: "for study.optimize"
+        dead = study.ask({"lr": optuna.distributions.FloatDistribution(1e-3, 1.0, log=True)})
     storage.record_heartbeat(dead._trial_id)  # its worker beat once, then died
 
     def objective(array):
