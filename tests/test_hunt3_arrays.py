@@ -426,3 +426,17 @@ def test_ctrl_c_in_a_refills_build_fails_the_new_trial_too():
         hftc.sweep.optimize(study, objective, n_trials=4, array_size=2)
     states = [t.state for t in study.trials]
     assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.FAIL], states
+
+
+def test_a_multi_objective_numpy_array_of_each_trials_values_is_taken_as_a_tensor():
+    import numpy as np
+
+    def fused(array):
+        x = np.array(array.suggest_float("x", 0, 1))
+        return np.stack([x * 10, x + 100], 1)  # [N, K], as torch.stack(..., 1) is taken
+
+    study = quiet_study(directions=["minimize", "maximize"])
+    hftc.sweep.optimize(study, fused, n_trials=3, array_size=3)
+    for trial in study.trials:
+        x = trial.params["x"]
+        assert trial.values == [x * 10, x + 100]

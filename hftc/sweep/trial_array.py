@@ -62,9 +62,12 @@ __all__ = ["PerTrial", "TrialArray", "optimize"]
 
 def _per_model(values: Any, objectives: int) -> Any:
     """A tensor as a list, one entry per model: ``[N]`` (or ``[N, 1]``) -> N floats, and
-    ``[N, K]`` -> N lists of K for a study of K objectives; anything else as given."""
+    ``[N, K]`` -> N lists of K for a study of K objectives (a NumPy array too);
+    anything else as given."""
     if not isinstance(values, torch.Tensor):
-        return values
+        if not (getattr(values, "ndim", 0) >= 1 and hasattr(values, "tolist")):
+            return values
+        values = torch.as_tensor(values)  # a NumPy array: its rows, as a tensor's
     values = values.detach()
     if values.dim() == 0:
         return values.item()
