@@ -440,3 +440,15 @@ def test_a_multi_objective_numpy_array_of_each_trials_values_is_taken_as_a_tenso
     for trial in study.trials:
         x = trial.params["x"]
         assert trial.values == [x * 10, x + 100]
+
+
+def test_n_trials_zero_and_numpy_ints_are_taken_as_study_optimize_takes_them():
+    import numpy as np
+
+    study = quiet_study()
+    study.optimize(objective_alone, n_trials=0)  # stock: no trial (a resumed script's
+    hftc.sweep.optimize(study, objective_array, n_trials=0, array_size=2)  # `total - done`)
+    assert len(study.trials) == 0
+    hftc.sweep.optimize(study, objective_array, n_trials=np.int64(3), array_size=np.int64(2))
+    study.optimize(objective_alone, n_trials=np.int64(1))
+    assert len(study.trials) == 4

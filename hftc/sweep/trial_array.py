@@ -614,6 +614,7 @@ def optimize(
     multi-objective study takes K values per trial (a list each, an ``[N, K]`` tensor, or
     K per-model ``[N]`` tensors: ``return losses, accuracies``; it has no ``report``)."""
     _check_optimize_args(n_trials, array_size, timeout, n_jobs)
+    n_trials, array_size = (None if n_trials is None else int(n_trials)), int(array_size)
     one_worker_per_trial(getattr(study, "_storage", None))  # several processes, one SQLite
     catch = tuple(catch) if isinstance(catch, Iterable) else (catch,)
     callbacks = list(callbacks or [])
@@ -784,9 +785,10 @@ def _beating(study: optuna.Study, array: TrialArray) -> Iterator[None]:
 
 
 def _check_optimize_args(n_trials: Any, array_size: Any, timeout: Any, n_jobs: Any) -> None:
-    if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
-        raise SweepError(f"optimize: n_trials must be a positive int or None, got {n_trials!r}")
-    if not isinstance(array_size, int) or array_size < 1:
+    # (0 runs no trial, as study.optimize: a resumed script's `total - len(study.trials)`)
+    if n_trials is not None and (not _an_int(n_trials) or n_trials < 0):
+        raise SweepError(f"optimize: n_trials must be an int >= 0 or None, got {n_trials!r}")
+    if not _an_int(array_size) or array_size < 1:
         raise SweepError(f"optimize: array_size must be a positive int, got {array_size!r}")
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
         raise SweepError(f"optimize: timeout must be seconds (>= 0) or None, got {timeout!r}")
@@ -794,6 +796,11 @@ def _check_optimize_args(n_trials: Any, array_size: Any, timeout: Any, n_jobs: A
         raise SweepError(f"optimize: n_jobs={n_jobs!r}: the array trains its trials at once "
                          f"in one process; raise array_size, or run more processes on one "
                          f"storage")
+
+
+def _an_int(value: Any) -> bool:
+    """An int as study.optimize takes it: a NumPy integer too, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _progress_bar(show: bool, n_trials: int | None, timeout: float | None) -> Any:
