@@ -449,6 +449,7 @@ def test_n_trials_zero_and_numpy_ints_are_taken_as_study_optimize_takes_them():
     study.optimize(objective_alone, n_trials=0)  # stock: no trial (a resumed script's
     hftc.sweep.optimize(study, objective_array, n_trials=0, array_size=2)  # `total - done`)
     assert len(study.trials) == 0
-    hftc.sweep.optimize(study, objective_array, n_trials=np.int64(3), array_size=np.int64(2))
+    hftc.sweep.optimize(study, objective_array, n_trials=np.int64(3), array_size=np.int64(2),
+                        timeout=np.float32(600))
     study.optimize(objective_alone, n_trials=np.int64(1))
     assert len(study.trials) == 4

@@ -790,7 +790,7 @@ def _check_optimize_args(n_trials: Any, array_size: Any, timeout: Any, n_jobs: A
         raise SweepError(f"optimize: n_trials must be an int >= 0 or None, got {n_trials!r}")
     if not _an_int(array_size) or array_size < 1:
         raise SweepError(f"optimize: array_size must be a positive int, got {array_size!r}")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+    if timeout is not None and not (isinstance(timeout, numbers.Real) and timeout >= 0):
         raise SweepError(f"optimize: timeout must be seconds (>= 0) or None, got {timeout!r}")
     if n_jobs != 1:
         raise SweepError(f"optimize: n_jobs={n_jobs!r}: the array trains its trials at once "
