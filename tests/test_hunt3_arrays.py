@@ -287,7 +287,8 @@ def test_max_trials_callback_across_two_workers_started_at_once(tmp_path, kind):
     assert _wait(_start_workers(tmp_path, url, name, "plain", 0, 4, limit=10,
                                 count=2)) == [0, 0]
     trials = optuna.load_study(study_name=name, storage=url).trials
-    assert len(trials) == 10  # study.optimize in two processes: 10 or 11
+    # study.optimize in two processes: 10, or 11 where both asked at once (was 16)
+    assert len(trials) in (10, 11)
     assert {t.state for t in trials} <= {TrialState.COMPLETE, TrialState.PRUNED}
 
 

@@ -634,6 +634,10 @@ def optimize(
         limit = _max_trials_left(study, callbacks, held)  # a MaxTrialsCallback's
         return left if limit is None else min(left, limit)
 
+    def room(asking: list[optuna.Trial]) -> bool:  # before each ask of an array
+        limit = _max_trials_left(study, callbacks, [t.number for t in asking])
+        return limit is None or limit > 0
+
     def asks_left() -> int:  # a refill's: none past a GridSampler's grid
         grid = _grid_left(study)
         return budget() if grid is None else min(budget(), grid)
@@ -659,7 +663,7 @@ def optimize(
             grid = _grid_left(study)
             size = min(array_size, budget(), array_size if grid is None else max(grid, 1))
             _fail_stale_trials(study)
-            array = TrialArray(study, _ask_array(study, size),
+            array = TrialArray(study, _ask_array(study, size, room),
                                asks_left=asks_left, asked=one_more, told=told)
             asked += size
             held[:] = array.numbers
@@ -733,13 +737,18 @@ def _ask(study: optuna.Study) -> optuna.Trial:
     return trial
 
 
-def _ask_array(study: optuna.Study, size: int) -> list[optuna.Trial]:
-    """``size`` trials of the study; if asking one fails (Ctrl-C, the storage, the
-    sampler), those asked before it fail with the reason, then the error goes on: none
-    is left RUNNING for ever, as study.optimize leaves no trial it asked unrun."""
+def _ask_array(study: optuna.Study, size: int,
+               room: Callable[[list[optuna.Trial]], bool]) -> list[optuna.Trial]:
+    """``size`` trials of the study, or fewer where ``room(asked so far)`` says no more
+    (a MaxTrialsCallback's count, read again before each ask as study.optimize reads it
+    after each trial: other workers ask at the same time); if asking one fails (Ctrl-C,
+    the storage, the sampler), those asked before it fail with the reason, then the
+    error goes on: none is left RUNNING for ever."""
     trials: list[optuna.Trial] = []
     try:
         for _ in range(size):
+            if trials and not room(trials):
+                break
             trials.append(_ask(study))
     except (Exception, KeyboardInterrupt) as exc:
         for trial in trials:
