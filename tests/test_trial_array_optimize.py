@@ -157,7 +157,7 @@ def test_progress_bar_and_bad_arguments(capsys):
     with pytest.raises(SweepError, match="timeout"):
         hs.optimize(_study(), _values, n_trials=2, array_size=2, timeout=-1)
     with pytest.raises(SweepError, match="n_trials"):
-        hs.optimize(_study(), _values, n_trials=0, array_size=2)
+        hs.optimize(_study(), _values, n_trials=-1, array_size=2)
 
 
 def test_report_takes_a_tensor():

@@ -29,6 +29,7 @@ import contextlib
 import gc
 import math
 import numbers
+import sys
 import time
 import traceback
 import warnings
@@ -61,9 +62,12 @@ __all__ = ["PerTrial", "TrialArray", "optimize"]
 
 def _per_model(values: Any, objectives: int) -> Any:
     """A tensor as a list, one entry per model: ``[N]`` (or ``[N, 1]``) -> N floats, and
-    ``[N, K]`` -> N lists of K for a study of K objectives; anything else as given."""
+    ``[N, K]`` -> N lists of K for a study of K objectives (a NumPy array too);
+    anything else as given."""
     if not isinstance(values, torch.Tensor):
-        return values
+        if not (getattr(values, "ndim", 0) >= 1 and hasattr(values, "tolist")):
+            return values
+        values = torch.as_tensor(values)  # a NumPy array: its rows, as a tensor's
     values = values.detach()
     if values.dim() == 0:
         return values.item()
@@ -77,7 +81,7 @@ def _as_values(values: Any, n: int, what: str, objectives: int = 1) -> list[Any]
     ``losses.mean()`` for ``losses``)."""
     shape = (f" (a tensor of shape {list(values.shape)})"
              if isinstance(values, torch.Tensor) and values.dim() > 1 else "")
-    values = _per_model(values, objectives)
+    values = _per_model(_by_trial(values, n, objectives), objectives)
     per = "one value" if objectives == 1 else f"{objectives} values (one per direction)"
     if _scalar(values) is not None:
         if n == 1 and objectives == 1:
@@ -108,6 +112,21 @@ def _as_values(values: Any, n: int, what: str, objectives: int = 1) -> list[Any]
             raise SweepError(f"{what}: the value for trial {j} is {value!r}; the study has "
                              f"{objectives} objective(s): give {per} per trial")
     return out
+
+
+def _by_trial(values: Any, n: int, objectives: int) -> Any:
+    """A multi-objective study's ``return losses, accuracies``, K per-model ``[N]``
+    tensors (one per direction, as ``objective(trial)`` returns ``loss, accuracy``), as
+    the ``[N, K]`` tensor of each trial's K values; anything else as given. (Read as one
+    row per trial, the K tensors would give trial 0 every model's loss when N == K.)"""
+    if objectives == 1 or not isinstance(values, (tuple, list)) or len(values) != objectives:
+        return values
+    columns = []
+    for column in values:
+        if not (getattr(column, "ndim", None) == 1 and len(column) == n):
+            return values
+        columns.append(torch.as_tensor(column).detach().double())
+    return torch.stack(columns, dim=1)
 
 
 def _scalar(value: Any) -> float | None:
@@ -169,7 +188,7 @@ class TrialArray:
 
     def __init__(self, study: optuna.Study, trials: Sequence[optuna.Trial],
                  asks_left: Callable[[], int] | None = None,
-                 asked: Callable[[], None] | None = None,
+                 asked: Callable[[optuna.Trial], None] | None = None,
                  told: Callable[[optuna.trial.FrozenTrial], None] | None = None):
         self.study = study
         self._told = told  # optimize's callbacks and progress bar, per finished trial
@@ -187,6 +206,7 @@ class TrialArray:
         self._epoch_of: dict[int, int] = {}
         self._reported = False
         self._told_numbers: set[int] = set()  # the trials this array told (not to fail)
+        self._joining: list[optuna.Trial] = []  # asked by a refill, not yet in its place
 
     def __len__(self) -> int:
         return len(self.trials)
@@ -302,9 +322,10 @@ class TrialArray:
         that order) and its optimizer hyper-parameters (``{"lr": ...}``, for every
         ``hftc.optim`` optimizer on the array; or ``{optimizer: {...}}``).  The new model
         starts at its own step 0 in the place (:func:`hftc.replace_models`: fresh
-        optimizer state, its own epoch count); with :meth:`epochs`, each trial trains its
-        own number of epochs.  Exact only where a trial's data order does not depend on
-        the array's epoch (docs/SWEEP.md); refused with a scheduler on the optimizers."""
+        optimizer state, its own epoch count); the loop is :meth:`epochs`'s, in which each
+        trial trains its own number of epochs.  Exact only where a trial's data order does
+        not depend on the array's epoch (docs/SWEEP.md); refused with a scheduler on the
+        optimizers."""
         if not callable(build):
             raise SweepError(f"TrialArray.refill_with takes a function build(trial) -> "
                              f"(model, hyperparameters), got {build!r}")
@@ -351,12 +372,15 @@ class TrialArray:
         self._tell(trial, state=TrialState.FAIL, notify=notify)
 
     def _tell(self, trial: optuna.Trial, *args: Any, notify: bool = True, **kwargs: Any) -> None:
-        """``study.tell``, then ``optimize``'s callbacks with the finished trial (not for
-        trials failed by an error that optimize raises: study.optimize calls none then)."""
+        """``study.tell``, then (in ``optimize``) study.optimize's log line for the trial
+        and ``optimize``'s callbacks with it (not for trials failed by an error that
+        optimize raises: study.optimize calls none then)."""
         frozen = self.study.tell(trial, *args, **kwargs)
         self._told_numbers.add(trial.number)
-        if self._told is not None and notify:
-            self._told(frozen)
+        if self._told is not None:
+            _log_told(self.study, frozen)
+            if notify:
+                self._told(frozen)
 
     def drop(self, positions: Sequence[int]) -> None:
         """Remove the models at ``positions`` (already told) from the array, the fused
@@ -390,6 +414,13 @@ class TrialArray:
         go to new trials instead of being dropped (:attr:`replaced` lists them)."""
         self._one_objective("report")
         values = _as_values(values, len(self.trials), "TrialArray.report")
+        if self._build is not None and self._epochs is None:
+            # in range(E), a new trial would report at the array's steps, train the steps
+            # left and complete with that value: one no run of it alone gives
+            raise SweepError("TrialArray.refill_with needs the loop in array.epochs(E) "
+                             "(for _ in array.epochs(E): ... array.report(values)), which "
+                             "counts each trial's own epochs, not range(E): a trial that "
+                             "joins in a freed place trains its own E epochs")
         if step is None and self._epochs is None:
             raise SweepError("TrialArray.report needs step= (or run the loop in "
                              "array.epochs(E), which counts each trial's epochs)")
@@ -468,8 +499,12 @@ class TrialArray:
         places, newcomers = [], []
         free = list(freed)
         while free and self._asks_left() > 0:
+            # as study.optimize before each trial: a dead worker's trials fail and their
+            # retries come first (one refilled array may run all the study's trials)
+            _fail_stale_trials(self.study)
             trial = _ask(self.study)
-            self._asked()
+            self._joining.append(trial)  # the heartbeat's from now on
+            self._asked(trial)
             try:
                 built = self._build(trial)
             except optuna.TrialPruned:
@@ -493,6 +528,7 @@ class TrialArray:
             places.append(j)
             newcomers.append((trial, models, dict(hyper or {})))
         if not places:
+            self._joining.clear()  # (each one told)
             return []
         try:
             for k, fused in enumerate(self.fused_modules):
@@ -507,13 +543,21 @@ class TrialArray:
         for j, (trial, _, _) in zip(places, newcomers):
             self.trials[j] = trial
             self._epoch_of[trial.number] = 0
+        self._joining.clear()  # in their places (the others told)
         return places
+
+    def _holding(self) -> list[int]:
+        """The ids of the trials this array holds and has not told: the live ones and
+        those a refill asked for and is building (the heartbeat's)."""
+        return [t._trial_id for t in list(self.trials) + list(self._joining)
+                if t.number not in self._told_numbers]
 
     def finish(self, values: Sequence[float] | torch.Tensor) -> None:
         """Complete every live trial with its final value (a non-finite one fails it).
 
         ``values`` has one value per live trial (a multi-objective study's: one list of
-        ``len(study.directions)`` values per trial, or an ``[N, K]`` tensor), or one per
+        ``len(study.directions)`` values per trial, an ``[N, K]`` tensor, or K ``[N]``
+        tensors, one per direction: ``return losses, accuracies``), or one per
         model of the last ``report`` that dropped some (the loop's last values, computed
         before that report): the live trials' are taken."""
         objectives = len(self.study.directions)
@@ -529,10 +573,12 @@ class TrialArray:
         self.trials = []
 
     def _fail_all(self, reason: str, notify: bool = True) -> None:
-        for trial in self.trials:
+        """Fail every trial the array holds and has not told: the live ones, and a
+        refill's new ones (Ctrl-C in build(trial))."""
+        for trial in self.trials + self._joining:
             if trial.number not in self._told_numbers:  # told, then a callback raised
                 self._fail(trial, reason, notify)
-        self.trials = []
+        self.trials, self._joining = [], []
 
 
 def optimize(
@@ -565,8 +611,10 @@ def optimize(
     (the message in their ``hftc_fail_reason`` user attribute) and is raised again,
     unless it is one of ``catch``; ``optuna.TrialPruned`` prunes them.  Any sampler,
     pruner and storage work, several processes on one storage included; a
-    multi-objective study takes K values per trial (and has no ``report``)."""
+    multi-objective study takes K values per trial (a list each, an ``[N, K]`` tensor, or
+    K per-model ``[N]`` tensors: ``return losses, accuracies``; it has no ``report``)."""
     _check_optimize_args(n_trials, array_size, timeout, n_jobs)
+    n_trials, array_size = (None if n_trials is None else int(n_trials)), int(array_size)
     one_worker_per_trial(getattr(study, "_storage", None))  # several processes, one SQLite
     catch = tuple(catch) if isinstance(catch, Iterable) else (catch,)
     callbacks = list(callbacks or [])
@@ -577,18 +625,27 @@ def optimize(
         out_of_time = timeout is not None and time.perf_counter() - start >= timeout
         return out_of_time or bool(getattr(study, "_stop_flag", False))
 
+    held: list[int] = []  # the numbers of the trials the current array asked
+
     def budget() -> int:
         if stopped():
             return 0
-        return (n_trials - asked) if n_trials is not None else array_size
+        left = (n_trials - asked) if n_trials is not None else array_size
+        limit = _max_trials_left(study, callbacks, held)  # a MaxTrialsCallback's
+        return left if limit is None else min(left, limit)
+
+    def room(asking: list[optuna.Trial]) -> bool:  # before each ask of an array
+        limit = _max_trials_left(study, callbacks, [t.number for t in asking])
+        return limit is None or limit > 0
 
     def asks_left() -> int:  # a refill's: none past a GridSampler's grid
         grid = _grid_left(study)
         return budget() if grid is None else min(budget(), grid)
 
-    def one_more() -> None:
+    def one_more(trial: optuna.Trial) -> None:
         nonlocal asked
         asked += 1
+        held.append(trial.number)
 
     def told(frozen: optuna.trial.FrozenTrial) -> None:
         if bar is not None:
@@ -606,9 +663,10 @@ def optimize(
             grid = _grid_left(study)
             size = min(array_size, budget(), array_size if grid is None else max(grid, 1))
             _fail_stale_trials(study)
-            array = TrialArray(study, [_ask(study) for _ in range(size)],
+            array = TrialArray(study, _ask_array(study, size, room),
                                asks_left=asks_left, asked=one_more, told=told)
             asked += size
+            held[:] = array.numbers
             with _beating(study, array):
                 _run_array(study, objective, array, catch)
             if gc_after_trial:
@@ -620,12 +678,86 @@ def optimize(
             bar.close()
 
 
+#: study.optimize's logger: its "Trial 3 finished with value ..." lines, under Optuna's
+#: verbosity (optuna.logging.set_verbosity).
+_OPTIMIZE_LOG = optuna.logging.get_logger("optuna.study._optimize")
+
+
+def _log_told(study: optuna.Study, frozen: optuna.trial.FrozenTrial) -> None:
+    """The line study.optimize logs for a finished trial: "Trial 3 finished with value:
+    0.1 and parameters: {...}. Best is trial 1 ..." (INFO), "Trial 4 pruned." (INFO), or
+    "Trial 5 failed with parameters: {...} because of the following error: ..."
+    (WARNING, the traceback of the error being handled, if any)."""
+    if frozen.state == TrialState.COMPLETE:
+        study._log_completed_trial(frozen.values, frozen.number, frozen.params)
+    elif frozen.state == TrialState.PRUNED:
+        _OPTIMIZE_LOG.info(f"Trial {frozen.number} pruned. ")
+    elif frozen.state == TrialState.FAIL:
+        reason = frozen.user_attrs.get("hftc_fail_reason", "unknown")
+        error = sys.exc_info()
+        _OPTIMIZE_LOG.warning(f"Trial {frozen.number} failed with parameters: {frozen.params} "
+                              f"because of the following error: {reason}.",
+                              exc_info=error if error[0] is not None else None)
+
+
+def _max_trials_left(study: optuna.Study, callbacks: Sequence[Any], held: Iterable[int]
+                     ) -> int | None:
+    """How many more trials the ``MaxTrialsCallback`` s among ``callbacks`` let start
+    (``None``: there is none): study.optimize asks one trial at a time and the callback
+    stops it at the count, but an array asks N at once, so it asks no more than the
+    count leaves. ``held``: the numbers of the trials this array asked; those still
+    running count as if finished in the callback's states (they will be)."""
+    limits = [c for c in callbacks if isinstance(c, optuna.study.MaxTrialsCallback)]
+    if not limits:
+        return None
+    trials = study.get_trials(deepcopy=False)
+    running = {t.number for t in trials if t.state == TrialState.RUNNING}
+    held_running = running.intersection(held)
+    left = []
+    for limit in limits:
+        counted = {t.number for t in trials
+                   if limit._states is None or t.state in limit._states}
+        left.append(max(0, limit._n_trials - len(counted | held_running)))
+    return min(left)
+
+
 def _ask(study: optuna.Study) -> optuna.Trial:
     """``study.ask()``, without Optuna's warning that a heartbeat storage is for
-    study.optimize: optimize beats as study.optimize does (:func:`_beating`)."""
+    study.optimize: optimize beats as study.optimize does (:func:`_beating`), and a
+    first beat now, as its heartbeat starts with the trial: a trial that never beat is
+    never stale, and a worker killed before its array's heartbeat starts (asking the
+    array's other trials, a refill's build(trial)) would leave it RUNNING for ever."""
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed")
-        return study.ask()
+        trial = study.ask()
+    if is_heartbeat_enabled(study._storage):
+        study._storage.record_heartbeat(trial._trial_id)
+    return trial
+
+
+def _ask_array(study: optuna.Study, size: int,
+               room: Callable[[list[optuna.Trial]], bool]) -> list[optuna.Trial]:
+    """``size`` trials of the study, or fewer where ``room(asked so far)`` says no more
+    (a MaxTrialsCallback's count, read again before each ask as study.optimize reads it
+    after each trial: other workers ask at the same time); if asking one fails (Ctrl-C,
+    the storage, the sampler), those asked before it fail with the reason, then the
+    error goes on: none is left RUNNING for ever."""
+    trials: list[optuna.Trial] = []
+    try:
+        for _ in range(size):
+            if trials and not room(trials):
+                break
+            trials.append(_ask(study))
+    except (Exception, KeyboardInterrupt) as exc:
+        for trial in trials:
+            with contextlib.suppress(Exception):  # the storage's own error: the first one
+                trial.set_user_attr("hftc_fail_reason", f"asking the array's other trials "
+                                    f"failed: {type(exc).__name__}: {exc}")
+                study.tell(trial, state=TrialState.FAIL)
+        raise
+    return trials
 
 
 def _fail_stale_trials(study: optuna.Study) -> None:
@@ -652,8 +784,7 @@ def _beating(study: optuna.Study, array: TrialArray) -> Iterator[None]:
         yield
         return
     beat = Heartbeat(study._storage, study._storage.get_heartbeat_interval(),
-                     live=lambda: [t._trial_id for t in list(array.trials)
-                                   if t.number not in array._told_numbers])
+                     live=array._holding)
     beat.start()
     try:
         yield
@@ -663,16 +794,22 @@ def _beating(study: optuna.Study, array: TrialArray) -> Iterator[None]:
 
 
 def _check_optimize_args(n_trials: Any, array_size: Any, timeout: Any, n_jobs: Any) -> None:
-    if n_trials is not None and (not isinstance(n_trials, int) or n_trials < 1):
-        raise SweepError(f"optimize: n_trials must be a positive int or None, got {n_trials!r}")
-    if not isinstance(array_size, int) or array_size < 1:
+    # (0 runs no trial, as study.optimize: a resumed script's `total - len(study.trials)`)
+    if n_trials is not None and (not _an_int(n_trials) or n_trials < 0):
+        raise SweepError(f"optimize: n_trials must be an int >= 0 or None, got {n_trials!r}")
+    if not _an_int(array_size) or array_size < 1:
         raise SweepError(f"optimize: array_size must be a positive int, got {array_size!r}")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout >= 0):
+    if timeout is not None and not (isinstance(timeout, numbers.Real) and timeout >= 0):
         raise SweepError(f"optimize: timeout must be seconds (>= 0) or None, got {timeout!r}")
     if n_jobs != 1:
         raise SweepError(f"optimize: n_jobs={n_jobs!r}: the array trains its trials at once "
                          f"in one process; raise array_size, or run more processes on one "
                          f"storage")
+
+
+def _an_int(value: Any) -> bool:
+    """An int as study.optimize takes it: a NumPy integer too, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _progress_bar(show: bool, n_trials: int | None, timeout: float | None) -> Any:
