@@ -454,3 +454,15 @@ def test_n_trials_zero_and_numpy_ints_are_taken_as_study_optimize_takes_them():
                         timeout=np.float32(600))
     study.optimize(objective_alone, n_trials=np.int64(1))
     assert len(study.trials) == 4
+
+
+def test_a_call_ported_from_study_optimize_with_a_positional_timeout_is_refused():
+    """``study.optimize(objective, 20, 600)`` is 20 trials in 600 s; hftc.sweep.optimize's
+    third positional argument after the objective is n_trials too, and nothing after it
+    is positional: the 600 is refused, not taken for an array of 600 trials."""
+    import optuna
+
+    study = optuna.create_study()
+    with pytest.raises(TypeError, match="positional"):
+        hftc.sweep.optimize(study, lambda array: [0.0] * len(array.trials), 20, 600)
+    assert study.trials == []

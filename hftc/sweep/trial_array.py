@@ -585,8 +585,8 @@ def optimize(
     study: optuna.Study,
     objective: Callable[[TrialArray], Sequence[float] | torch.Tensor | None],
     n_trials: int | None = None,
-    array_size: int = 16,
     *,
+    array_size: int = 16,
     timeout: float | None = None,
     n_jobs: int = 1,
     catch: Iterable[type[Exception]] | type[Exception] = (),
@@ -599,7 +599,9 @@ def optimize(
     and tell each live trial the objective's return (one value per live trial, in the
     order of ``array.trials``), unless ``array.finish(values)`` did already.
 
-    The arguments are ``optuna.Study.optimize``'s, with its meaning: ``n_trials`` trials
+    The arguments are ``optuna.Study.optimize``'s, with its meaning (``array_size`` and
+    what follows keyword-only: ``optimize(study, objective, 20, 600)``, a timeout in
+    ``study.optimize``, is refused, not taken for 600 trials an array): ``n_trials`` trials
     in all (``None``: no limit), no new array (nor refill) once ``timeout`` seconds have
     passed, ``callbacks`` called as ``callback(study, frozen_trial)`` after each trial is
     told (pruned ones within the array too; not those failed by an exception that
