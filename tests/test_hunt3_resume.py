@@ -211,3 +211,21 @@ def test_a_killed_sweep_resumed_with_another_direction_says_how_to_continue_it(
                                          r"spec to continue it, or pick another --study"):
         hs.run(spec, out=out, resume=True, progress=False, estimate=False)
     assert _trials(out) == before
+
+
+def test_a_study_run_with_trials_goes_on_to_them_when_a_later_run_gives_none(tmp_path: Path):
+    """Before: ``hftc sweep spec.py --trials 2`` then the same command without ``--trials``
+    (``--resume``, or run again) went on to the spec's ``n_trials`` (4), the study grown
+    silently. Now the study records the number a run gave and a run that gives none goes
+    on to it; a run that gives one (``--trials 3``) extends the study, and is recorded."""
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC)
+    args = ["sweep", str(spec), "--out", str(tmp_path / "out"), "--no-progress",
+            "--no-estimate"]
+    assert main([*args, "--trials", "2"]) == 0
+    assert len(_trials(tmp_path / "out")) == 2
+    assert main(args) == 0
+    assert len(_trials(tmp_path / "out")) == 2, "a run without --trials grew the study"
+    assert main([*args, "--trials", "3"]) == 0
+    assert main(args) == 0
+    assert [t[1] for t in _trials(tmp_path / "out")] == [TrialState.COMPLETE] * 3

@@ -125,4 +125,4 @@ def run(
     return Sweep(spec, out=out, storage=storage, study_name=study_name, resume=resume,
                  heartbeat_interval=heartbeat_interval, grace_period=grace_period,
                  progress=progress, log=log, estimate_serial=3 if estimate else 0,
-                 compare_serial=estimate).run()
+                 compare_serial=estimate, n_trials_given=n_trials is not None).run()

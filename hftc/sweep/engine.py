@@ -101,6 +101,9 @@ from .training import (
 __all__ = ["Sweep", "SweepError", "SweepFileError", "SweepResult", "make_storage", "make_pruner",
            "finite_models"]
 
+#: the study's user attribute holding the n_trials a run gave (--trials), if any
+N_TRIALS = "hftc_n_trials"
+
 
 #: A running array is refilled once 1 / REFILL_PARTS of its places are free (Sweep._refill).
 REFILL_PARTS = 4
@@ -198,6 +201,9 @@ class Sweep(Recovery, Arrays, Decisions):
         compare_serial: after the sweep, off its clock, measure the one-at-a-time
             study's Optuna share for these trials (:func:`hftc.sweep.serial.replay_optuna`),
             charged to the one-by-one side of the summary's speedup.
+        n_trials_given: ``spec.n_trials`` was given for this run (``--trials``), not the
+            spec's own: a later run of the study that gives none (``--resume`` as the
+            command was) goes on to this number, not to the spec's.
     """
 
     def __init__(self, spec: SweepSpec, *, out: str | Path | None = None,
@@ -205,8 +211,9 @@ class Sweep(Recovery, Arrays, Decisions):
                  resume: bool = False, heartbeat_interval: int = 30,
                  grace_period: int | None = None, progress: bool | None = None,
                  log=None, on_round=None, estimate_serial: int = 3,
-                 compare_serial: bool = True):
+                 compare_serial: bool = True, n_trials_given: bool = False):
         self.spec = spec
+        self.n_trials_given = n_trials_given
         # on_round(sweep) runs after every round, off the clock (the demo times a serial
         # epoch there, so both sides are measured under the same machine load).
         self.on_round = on_round
@@ -302,6 +309,7 @@ class Sweep(Recovery, Arrays, Decisions):
         # one-at-a-time script's create_study pays as well; the replay's, made second, not)
         self.study_made_s = time.perf_counter() - opened
         self._same_spec()
+        self._same_n_trials()
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # Made under a hidden name, locked, then renamed: no other worker ever sees this
         # folder unlocked (and takes it for a dead one).
@@ -322,6 +330,19 @@ class Sweep(Recovery, Arrays, Decisions):
                 self.study.sampler.reseed_rng()
         self.heartbeat = Heartbeat(self.storage, self.heartbeat_interval)
         self.heartbeat.start()
+
+    def _same_n_trials(self) -> None:
+        """A study made with ``--trials K`` goes on to K trials when a later run gives no
+        ``--trials`` (``--resume``, the command as it was), not to the spec's
+        ``n_trials``; a run that gives one records it (a sweep is extended so)."""
+        recorded = self.study.user_attrs.get(N_TRIALS)
+        if self.n_trials_given:
+            if recorded != self.spec.n_trials:
+                self.study.set_user_attr(N_TRIALS, self.spec.n_trials)
+        elif recorded is not None and recorded != self.spec.n_trials:
+            self.log(f"the study was run with --trials {recorded}: going on to {recorded} "
+                     f"trials, not the spec's {self.spec.n_trials} (give --trials to change it)")
+            self.spec = self.spec.replace(n_trials=int(recorded))
 
     def _same_spec(self) -> None:
         """The spec the study's trials trained with is this one (fingerprint.py): a resume
