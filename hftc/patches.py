@@ -54,6 +54,10 @@ beside the code they serve; this module only installs them (docs/API.md describe
     a global optimizer step pre-hook          an optimizer's first step over the models
                                               hftc.fuse copied, none with a gradient:
                                               a UsageWarning (training/mistakes.py)
+    torch.nn.init's initialisers (kaiming_,   on a fused module's stacked parameter: run
+      xavier_, orthogonal_ ...) and fan        on each model's row in turn, with that
+      helpers (the same function objects,      model's fans and the draws a loop over the
+      a new __code__)                          models makes (hftc/weight_init.py)
 
 Everything else is torch's own: on tensors that are not a fused module's, each
 replacement calls torch's original.
@@ -64,7 +68,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import utils
+from . import utils, weight_init
 from .lowering.runtime import losses
 from .optim import coupled, lr_scheduler, optimizer
 from .training import mistakes
@@ -105,6 +109,7 @@ def install() -> None:
         torch.optim.Optimizer.load_state_dict)
     torch.nn.Module.state_dict = mistakes.state_dict_noting_stale_models(
         torch.nn.Module.state_dict)
+    weight_init.install_per_model_init()
     _installed = True
 
 
