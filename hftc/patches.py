@@ -57,7 +57,7 @@ beside the code they serve; this module only installs them (docs/API.md describe
     torch.nn.init's initialisers (kaiming_,   on a fused module's stacked parameter: run
       xavier_, orthogonal_ ...) and fan        on each model's row in turn, with that
       helpers (the same function objects,      model's fans and the draws a loop over the
-      a new __code__)                          models makes (hftc/weight_init.py)
+      a new __code__)                          models makes (training/weight_init.py)
 
 Everything else is torch's own: on tensors that are not a fused module's, each
 replacement calls torch's original.
@@ -68,10 +68,10 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import utils, weight_init
+from . import utils
 from .lowering.runtime import losses
 from .optim import coupled, lr_scheduler, optimizer
-from .training import mistakes
+from .training import mistakes, weight_init
 
 _installed = False
 

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import FusionNotImplementedError, user_line
-from .lowering.runtime.modules import FUSED_MODULES, STACKED_MARK
+from ..errors import FusionNotImplementedError, user_line
+from ..lowering.runtime.modules import FUSED_MODULES, STACKED_MARK
 
 #: The initialisers whose result depends on the tensor's shape or draws from the RNG
 #: (``constant_``, ``ones_``, ``zeros_`` fill every row alike and stay torch's).
