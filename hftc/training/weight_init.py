@@ -38,22 +38,21 @@ FAN_HELPERS = ("_calculate_fan_in_and_fan_out", "_calculate_correct_fan")
 _STOCK: dict[str, types.FunctionType] = {}
 
 
-def _stacked_models(tensor: Any) -> tuple[int, Tensor] | None:
-    """``(N, parameter)`` where ``tensor`` is a fused module's stacked parameter (or its
-    ``.data``: ``nn.init.xavier_uniform_(m.weight.data)``), else None."""
+def _stacked_models(tensor: Any) -> tuple[int, bool] | None:
+    """``(N, padded)`` where ``tensor`` is a fused module's stacked parameter (or its
+    ``.data``: ``nn.init.xavier_uniform_(m.weight.data)``), ``padded`` where that module
+    was fused with ``pad_widths=True``; else None."""
     if not isinstance(tensor, Tensor) or tensor.dim() == 0:
         return None
     mark = getattr(tensor, STACKED_MARK, None)
-    if mark is not None:
-        return mark, tensor
-    if not FUSED_MODULES:
+    if mark is None and not FUSED_MODULES:
         return None
     pointer = tensor.data_ptr()
     for module in list(FUSED_MODULES):
         for p in module.parameters():
             if p is tensor or (p.data_ptr() == pointer and p.shape == tensor.shape):
-                return module.num_models, p
-    return None
+                return module.num_models, getattr(module, "padding", None) is not None
+    return None if mark is None else (mark, False)
 
 
 def _init_per_model(name: str, args: tuple, kwargs: dict) -> Any:
@@ -64,7 +63,7 @@ def _init_per_model(name: str, args: tuple, kwargs: dict) -> Any:
     found = _stacked_models(tensor)
     if found is None:
         return stock(*args, **kwargs)
-    num_models, parameter = found
+    num_models, padded = found
 
     def on_row(row: Tensor) -> Any:
         if in_kwargs:
@@ -73,7 +72,7 @@ def _init_per_model(name: str, args: tuple, kwargs: dict) -> Any:
 
     if name in FAN_HELPERS:
         return on_row(tensor[0].detach())
-    if getattr(parameter, "_hftc_width_blocks", None) is not None:
+    if padded:
         raise FusionNotImplementedError(
             f"torch.nn.init.{name} on a stacked parameter of a module fused with "
             f"pad_widths=True{user_line()}: its rows are padded to the widest model, so "
