@@ -245,6 +245,33 @@ def test_reset_parameters_over_fused_modules_zeroes_each_models_padding_row():
     assert fused.head.weight.std() > 0.2  # (a fan-in of 3 * 4 would give ~0.17)
 
 
+def test_hf_init_weights_on_a_stacked_embedding_is_refused_not_given_model_ks_table():
+    # HF's _init_weights: weight.data[module.padding_idx].zero_() on the stacked
+    # [N, num, dim] weight would zero model padding_idx's whole table
+    def init_weights(module):
+        if isinstance(module, nn.Embedding):
+            module.weight.data.normal_(mean=0.0, std=0.02)
+            if module.padding_idx is not None:
+                module.weight.data[module.padding_idx].zero_()
+
+    class Encoder(nn.Module):
+        def __init__(self, padding_idx):
+            super().__init__()
+            self.embed = nn.Embedding(5, 4, padding_idx=padding_idx)
+
+        def forward(self, tokens):
+            return self.embed(tokens).sum(1)
+
+    fused = hftc.fuse([Encoder(1) for _ in range(N)])
+    with pytest.raises(FusionArgumentError, match=r"weight\[:, 1\]"):
+        for m in fused.modules():
+            init_weights(m)
+    plain = hftc.fuse([Encoder(None) for _ in range(N)])  # (no padding row: as torch)
+    for m in plain.modules():
+        init_weights(m)
+    assert plain.embed.padding_idx is None
+
+
 def _ema_update(ema, model, decay=0.9):
     with torch.no_grad():
         for p_ema, p in zip(ema.parameters(), model.parameters()):

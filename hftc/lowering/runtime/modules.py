@@ -230,14 +230,31 @@ MIRRORED_CLASSES = (
 def _fill_padding_idx_per_model(self: nn.Module) -> None:
     """``nn.Embedding``'s padding row zeroed in each model's table (``weight[:, idx]``;
     torch's ``weight[idx]`` would zero model ``idx``'s whole table)."""
-    if self.padding_idx is not None:
+    index = self.__dict__["_hftc_template"].padding_idx
+    if index is not None:
         with torch.no_grad():
-            self.weight[:, self.padding_idx].fill_(0)
+            self.weight[:, index].fill_(0)
+
+
+def _padding_idx(self: nn.Module) -> int | None:
+    """None where the models have no padding index; else refused: HF's ``_init_weights``
+    zeroes ``weight.data[module.padding_idx]``, which in the stacked ``[N, num, dim]``
+    weight is model ``padding_idx``'s whole table."""
+    index = self.__dict__["_hftc_template"].padding_idx
+    if index is None:
+        return None
+    path = self.__dict__.get("_hftc_path")
+    raise FusionArgumentError(
+        f"fused.{path}.padding_idx: this nn.Embedding is the {self.num_models} models' "
+        f"stacked (weight [N, num_embeddings, embedding_dim]), so "
+        f"weight[padding_idx] would be model {index}'s whole table" + _at_user_line() +
+        f"\nIndex each model's padding row with weight[:, {index}], or run the init on "
+        f"each model's own modules: fused.apply(init_fn)")
 
 
 def _stacked_class(base: type) -> type:
-    extra = ({"_fill_padding_idx_with_zero": _fill_padding_idx_per_model}
-             if base is nn.Embedding else {})
+    extra = ({"_fill_padding_idx_with_zero": _fill_padding_idx_per_model,
+              "padding_idx": property(_padding_idx)} if base is nn.Embedding else {})
     name = f"Stacked{base.__name__}"
     return type(name, (StackedModule, base), {"__module__": __name__, "__qualname__": name,
                                               "__doc__": f"A stacked {base.__name__}.",
@@ -274,6 +291,7 @@ def stacked_module(source: nn.Module, num_models: int,
         others = [p for p in peers if p is not source]
         mirrored = {name: value for name, value in vars(source).items()
                     if not name.startswith("_") and name != "training"
+                    and not isinstance(getattr(type(node), name, None), property)
                     and not isinstance(value, (Tensor, nn.Module))
                     and all(p is not None and hasattr(p, name) for p in others)
                     and _same([value, *(getattr(p, name) for p in others)])}
