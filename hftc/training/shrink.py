@@ -20,6 +20,7 @@ does when it prunes trials (``hftc.sweep.TrialArray`` calls it).
 
 from __future__ import annotations
 
+import gc
 import operator
 import warnings
 from collections.abc import Iterable, Sequence
@@ -214,6 +215,10 @@ def keep_models(
             if isinstance(value, (list, tuple)) and len(value) == n:
                 setattr(part, attr, type(value)(value[i] for i in indices))
     copies = fused._live_copies(list(FUSED_MODULES))
+    if copies:  # (one the user dropped may wait for the cycle collector: not live)
+        del copies
+        gc.collect()
+        copies = fused._live_copies(list(FUSED_MODULES))
     fused._keep_models(indices)
     for twin, line in copies:
         _warn_of_stale_copy(fused, twin, line)

@@ -17,6 +17,7 @@ model's fans.  Other tensors get torch's own functions.  Installed by :mod:`hftc
 
 from __future__ import annotations
 
+import threading
 import types
 from typing import Any
 
@@ -36,6 +37,9 @@ FAN_HELPERS = ("_calculate_fan_in_and_fan_out", "_calculate_correct_fan")
 
 #: name -> torch's own function (a new function object on torch's code).
 _STOCK: dict[str, types.FunctionType] = {}
+#: ``rows``: whether this thread runs an initialiser row by row now (its inner calls,
+#: kaiming_'s fans, are torch's own).
+_ON_ROWS = threading.local()
 
 
 def _stacked_models(tensor: Any) -> tuple[int, bool] | None:
@@ -45,8 +49,8 @@ def _stacked_models(tensor: Any) -> tuple[int, bool] | None:
     if not isinstance(tensor, Tensor) or tensor.dim() == 0:
         return None
     mark = getattr(tensor, STACKED_MARK, None)
-    if mark is None and not FUSED_MODULES:
-        return None
+    if mark is None and (not FUSED_MODULES or isinstance(tensor, torch.nn.Parameter)):
+        return None  # (a fused module marks its parameters, also after a load or a copy)
     pointer = tensor.data_ptr()
     for module in list(FUSED_MODULES):
         for p in module.parameters():
@@ -58,6 +62,8 @@ def _stacked_models(tensor: Any) -> tuple[int, bool] | None:
 def _init_per_model(name: str, args: tuple, kwargs: dict) -> Any:
     """What ``torch.nn.init.<name>`` runs after ``import hftc`` (see the module docstring)."""
     stock = _STOCK[name]
+    if getattr(_ON_ROWS, "rows", False):
+        return stock(*args, **kwargs)
     in_kwargs = not args
     tensor = kwargs.get("tensor") if in_kwargs else args[0]
     found = _stacked_models(tensor)
@@ -79,9 +85,13 @@ def _init_per_model(name: str, args: tuple, kwargs: dict) -> Any:
             f"torch would read the padded shape's fans and fill the padding. Initialise "
             f"each model at its own widths: fused.apply(init_fn) (init_fn(m) runs on each "
             f"model's own modules), or initialise the models before fusing")
-    with torch.no_grad():
-        for i in range(num_models):
-            on_row(tensor[i])
+    _ON_ROWS.rows = True
+    try:
+        with torch.no_grad():
+            for i in range(num_models):
+                on_row(tensor[i])
+    finally:
+        _ON_ROWS.rows = False
     return tensor
 
 
