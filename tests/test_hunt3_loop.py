@@ -219,6 +219,31 @@ def test_weight_decay_groups_and_frozen_batch_norms_train_each_model_as_alone():
                                torch.stack([m.bn.running_mean for m in models]))
 
 
+def _timm_weight_decay_groups(model, weight_decay):
+    # timm.optim.param_groups_weight_decay, what create_optimizer_v2 groups by
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.ndim <= 1 or name.endswith(".bias"):
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    return [{"params": no_decay, "weight_decay": 0.0},
+            {"params": decay, "weight_decay": weight_decay}]
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, hftc.optim.AdamW])
+def test_timms_weight_decay_groups_on_the_stacked_parameters_warn(optimizer):
+    # each model's batch / layer norm weights ([N, C] stacked) went to the decay group,
+    # silently: decayed unlike the model's own run
+    fused = hftc.fuse(_models())
+    with pytest.warns(UsageWarning, match=r"holds only 1-d parameters.*p\.dim\(\) - 1") as got:
+        optimizer(_timm_weight_decay_groups(fused, 0.05), lr=0.01)
+    assert got[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UsageWarning)
+        optimizer(_decay_groups(fused, 0.05), lr=0.01)  # (by class: each model's own)
+
+
 def test_reset_parameters_over_fused_modules_zeroes_each_models_padding_row():
     class Tagger(nn.Module):
         def __init__(self):
