@@ -170,6 +170,18 @@ def test_isinstance_modules_hold_the_models_attributes_and_refuse_setting_them()
     assert not hasattr(hftc.fuse(models).bn, "momentum")
 
 
+def test_a_hook_loop_over_fused_modules_is_refused_not_skipped():
+    # activation statistics: a hook on every nn.Linear; the stacked ones were skipped
+    # (isinstance False), so the hooks silently never ran
+    from hftc.errors import UnsupportedOperatorError
+
+    fused = hftc.fuse(_models())
+    with pytest.raises(UnsupportedOperatorError, match="Register hooks on the fused module"):
+        for m in fused.modules():
+            if isinstance(m, nn.Linear):
+                m.register_forward_hook(lambda module, args, out: None)
+
+
 def _decay_groups(model, weight_decay):
     # minGPT's configure_optimizers: decay the Linear / Conv weights, not the norms' nor
     # any bias; every parameter in one group
