@@ -27,7 +27,7 @@ N = 3
 
 
 class ConvNet(nn.Module):
-    """torchvision style: conv, batch norm, an embedding of the class, a linear head."""
+    """torchvision style: a conv, a batch norm, a linear head and a layer norm."""
 
     def __init__(self):
         super().__init__()
@@ -330,7 +330,7 @@ def test_a_hand_written_ema_after_keep_models_is_warned_of_and_the_advice_works(
         warnings.simplefilter("error")
         if ema.model_ids != fused.model_ids:  # the advice, as a loop writes it
             hftc.keep_models(ema, [ema.model_ids.index(i) for i in fused.model_ids])
-    for step in range(2):
+    for _ in range(2):
         _ema_update(ema, fused)
         _ema_update(plain_emas[2], models[2])
     for name, _ in models[2].named_parameters():
