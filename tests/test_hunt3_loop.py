@@ -182,6 +182,25 @@ def test_a_hook_loop_over_fused_modules_is_refused_not_skipped():
                 m.register_forward_hook(lambda module, args, out: None)
 
 
+def test_pruning_the_linears_of_fused_modules_is_refused_before_it_changes_anything():
+    # found by isinstance now: prune renamed the stacked weight to weight_orig, then a
+    # bare KeyError, the fused module's output changed
+    import torch.nn.utils.prune as prune
+
+    from hftc.errors import UnsupportedOperatorError
+
+    fused = hftc.fuse(_models())
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    before = fused(x)
+    names = [n for n, _ in fused.named_parameters()]
+    with pytest.raises(UnsupportedOperatorError, match="Prune each model before fusing"):
+        for m in fused.modules():
+            if isinstance(m, (nn.Linear, nn.Conv2d)):
+                prune.l1_unstructured(m, "weight", amount=0.3)
+    assert [n for n, _ in fused.named_parameters()] == names
+    torch.testing.assert_close(fused(x), before, rtol=0, atol=0)
+
+
 def _decay_groups(model, weight_decay):
     # minGPT's configure_optimizers: decay the Linear / Conv weights, not the norms' nor
     # any bias; every parameter in one group

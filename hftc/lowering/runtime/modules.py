@@ -175,6 +175,22 @@ class StackedModule(ContainerAccess, nn.Module):
             self._refuse_parametrization(None)
         raise AttributeError("parametrizations")  # none: is_parametrized() reads False
 
+    def register_parameter(self, name: str, param: Any) -> None:
+        # torch.nn.utils.prune renames the weight to ``weight_orig`` first, then would
+        # mask it from a hook that never runs (and its mask is over all N models' rows):
+        # refused before it changes anything
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.endswith(("nn/utils/prune.py", "nn\\utils\\prune.py")):
+            path = self.__dict__.get("_hftc_path")
+            raise UnsupportedOperatorError(
+                f"torch.nn.utils.prune on fused.{path} ({self.source_type}, stacked by "
+                f"hftc) would mask the stacked [N, ...] tensor from a forward pre-hook the "
+                f"fused program never runs, its amounts over all N models' rows at once"
+                + _at_user_line() + "\nPrune each model before fusing (for m in models: "
+                "prune.l1_unstructured(m.<module>, 'weight', amount); "
+                "prune.remove(m.<module>, 'weight'); then hftc.fuse(models))")
+        super().register_parameter(name, param)
+
     def _refuse_parametrization(self, name: str | None) -> None:
         path = self.__dict__.get("_hftc_path")
         where = f"fused.{path}" if path else "fused"
