@@ -165,10 +165,12 @@ _HFTC_DIR = __file__[:-len("errors.py")]
 
 
 def _is_user_frame(frame) -> bool:
-    """Not hftc's or torch's, not code made at run time (a generated forward)."""
+    """Not hftc's, torch's or ``copy``'s (a ``copy.deepcopy`` of a fused module names the
+    line that called it), not code made at run time (a generated forward)."""
     name = frame.f_globals.get("__name__") or ""
     filename = frame.f_code.co_filename
-    return name.split(".")[0] not in ("hftc", "torch") and not filename.startswith("<") \
+    return name.split(".")[0] not in ("hftc", "torch", "copy") \
+        and not filename.startswith("<") \
         and not filename.startswith(_HFTC_DIR)
 
 

@@ -59,6 +59,10 @@ beside the code they serve; this module only installs them (docs/API.md describe
       load_state_dict}, the meta kernels'      process that never compiles skips its
       and dispatch modes' (hftc's among        import (about 1 s; lowering/compile_guard.py)
       them) dynamo guards
+    torch.nn.init's initialisers (kaiming_,   on a fused module's stacked parameter: run
+      xavier_, orthogonal_ ...) and fan        on each model's row in turn, with that
+      helpers (the same function objects,      model's fans and the draws a loop over the
+      a new __code__)                          models makes (training/weight_init.py)
 
 Everything else is torch's own: on tensors that are not a fused module's, each
 replacement calls torch's original.
@@ -75,7 +79,7 @@ from . import utils
 from .lowering import compile_guard
 from .lowering.runtime import losses
 from .optim import coupled, lr_scheduler, optimizer
-from .training import mistakes
+from .training import mistakes, weight_init
 
 _installed = False
 
@@ -120,6 +124,7 @@ def install() -> None:
         torch.optim.Optimizer.load_state_dict)
     torch.nn.Module.state_dict = mistakes.state_dict_noting_stale_models(
         torch.nn.Module.state_dict)
+    weight_init.install_per_model_init()
     _installed = True
 
 

@@ -66,7 +66,7 @@ from .inputs import InDims, InputHandling, check_in_dims
 from .padding import WidthPadding, into_padded, mask_padded_gradients, pad_models
 from .programs import ProgramCache
 from .stacking import build_module_tree
-from .unfuse import Unfusing
+from .unfuse import COPY_RECORDS, Unfusing
 from .usage import (
     NOT_PICKLED,
     check_class_attributes,
@@ -957,7 +957,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         # The models' other methods are fused again on their next call (the shared loop's
         # shells are kept: they hold the Python attributes forward changed).
         for key in ("_method_modules", "_methods_one_by_one", "_last_call_program",
-                    *NOT_PICKLED):
+                    *NOT_PICKLED, *COPY_RECORDS):
             state.pop(key, None)
         return state
 
@@ -974,6 +974,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         for module in (twin, twin._template, *twin.model_copies.templates,
                        *(loop.shells if loop is not None else ())):
             rebind_functions(module, memo)
+        twin._note_copied_from(self)
         return twin
 
     def extra_repr(self) -> str:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import MismatchError
-from ..lowering.runtime.modules import StackedModule
+from ..lowering.runtime.modules import StackedModule, stacked_module
 from ..match import describe_differences, fixes_for, tensor_signature
 from .copies import has_extra_state
 
@@ -50,7 +50,8 @@ def build_module_tree(
         parent_path, _, leaf = path.rpartition(".")
         if path in nodes:
             continue
-        node = _make_node(sub, templates.get_submodule(path), num_models, path)
+        node = _make_node(sub, templates.get_submodule(path), num_models, path,
+                          [_submodule_or_none(m, path) for m in models])
         setattr(nodes[parent_path], leaf, node)
         nodes[path] = node
 
@@ -135,8 +136,15 @@ def _check_ties(name, per_model, tables, name_maps) -> None:
             )
 
 
+def _submodule_or_none(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:  # (a model of another class names its modules its own way)
+        return None
+
+
 def _make_node(source: nn.Module, template: nn.Module, num_models: int,
-               path: str) -> nn.Module:
+               path: str, peers: Sequence[nn.Module | None] = ()) -> nn.Module:
     """The fused tree's module for model 0's ``source``: a StackedModule, or a copy of a
     module with neither tensors nor extra state (an ``nn.ReLU`` the program may call).
     A copy of one with extra state would save model 0's as every model's::
@@ -147,7 +155,7 @@ def _make_node(source: nn.Module, template: nn.Module, num_models: int,
         from ..frontends.symbolic import deepcopy_module
 
         return deepcopy_module(source)
-    node = StackedModule(source, num_models)
+    node = stacked_module(source, num_models, peers)
     object.__setattr__(node, "_hftc_template", template)
     object.__setattr__(node, "_hftc_path", path)  # (what an error names it by)
     return node

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from ..errors import (
     FusionIndexError,
     FusionNotImplementedError,
     FusionTypeError,
+    user_line,
 )
 from ..lowering.runtime.modules import StackedModule
 from ..passes.driver import SHARED_CONSTANT_PREFIX
@@ -82,8 +84,30 @@ def _changed_python_state(before: dict[str, Any], after: dict[str, Any],
     return None
 
 
+#: What a ``copy.deepcopy`` of a fused module records of its source (a weak reference
+#: and the user's line): not pickled, not copied on.
+COPY_RECORDS = ("_hftc_copied_from", "_hftc_copied_at")
+
+
 class Unfusing:
     """(see the module docstring)"""
+
+    def _note_copied_from(self, source: nn.Module) -> None:
+        """Record that this module is ``copy.deepcopy(source)`` (an EMA, a teacher, a
+        target network): :func:`hftc.keep_models` of ``source`` names it."""
+        self.__dict__["_hftc_copied_from"] = weakref.ref(source)
+        self.__dict__["_hftc_copied_at"] = user_line()
+
+    def _live_copies(self, modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
+        """The copies (``copy.deepcopy``) of this module among ``modules`` that still hold its
+        models, in its order, and the line each was copied at."""
+        ids = self.model_ids
+        found = []
+        for module in modules:
+            ref = module.__dict__.get("_hftc_copied_from")
+            if ref is not None and ref() is self and module.model_ids == ids:
+                found.append((module, module.__dict__.get("_hftc_copied_at", "")))
+        return found
 
     @property
     def model_ids(self) -> list[int]:

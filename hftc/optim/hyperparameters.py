@@ -87,13 +87,15 @@ def warn_of_grouping_by_stacked_dims(cls: str, params: list[list[Tensor]],
     decays, the rest not) puts every parameter in the decay group: a stacked parameter's
     ``dim()`` counts the model dim, so each model's biases and norms (1-d in the model)
     are 2-d there, and the no-decay group is empty.  It trains as written, each model's
-    biases decayed unlike its own run: a :class:`UsageWarning` at the user's line, where
-    a group is empty, another holds each model's 1-d parameters with its matrices, and
-    the groups' values differ."""
-    empty = [k for k, ps in enumerate(params) if not ps]
+    biases decayed unlike its own run.  timm's ``param_groups_weight_decay`` (``p.ndim <=
+    1 or name.endswith(".bias")``, what ``create_optimizer_v2`` groups by) leaves the
+    biases alone and decays each model's norm weights, 2-d there.  A :class:`UsageWarning`
+    at the user's line, where a group holds only each model's 1-d parameters (or none),
+    another holds some with its matrices, and the groups' values differ."""
+    one_d = [k for k, ps in enumerate(params) if all(p.dim() - 1 < 2 for p in ps)]
     mixed = [k for k, ps in enumerate(params)
              if any(p.dim() - 1 < 2 for p in ps) and any(p.dim() - 1 >= 2 for p in ps)]
-    differ = [(e, m) for e in empty for m in mixed if overrides[e] != overrides[m]]
+    differ = [(e, m) for e in one_d for m in mixed if overrides[e] != overrides[m]]
     if not differ:
         return
     e, m = differ[0]
@@ -104,15 +106,17 @@ def warn_of_grouping_by_stacked_dims(cls: str, params: list[list[Tensor]],
         return ", ".join(f"{key}={overrides[k][key]!r}" if key in overrides[k] else
                          f"{key}: the constructor's" for key in keys)
 
+    held = "is empty" if not params[e] else "holds only 1-d parameters"
     warnings.warn(
-        f"{cls}: param group {e} ({spelled(e)}) is empty and param group {m} "
+        f"{cls}: param group {e} ({spelled(e)}) {held} and param group {m} "
         f"({spelled(m)}) holds each model's 1-d parameters (biases, norms) with its "
         f"matrices: they get group {m}'s values. If the groups were made by p.dim() "
-        f"(nanoGPT's p.dim() >= 2 for weight decay) on the fused module's parameters: a "
-        f"stacked parameter's dim() counts the model dim ([N, *shape]), so every bias is "
-        f"2-d there. Group by each model's dims, p.dim() - 1 >= 2 on fused.parameters(), "
-        f"or by the names of a plain model's parameters ({{n for n, p in "
-        f"models[0].named_parameters() if p.dim() >= 2}})",
+        f"(nanoGPT's p.dim() >= 2, timm's p.ndim <= 1 for no weight decay) on the fused "
+        f"module's parameters: a stacked parameter's dim() counts the model dim "
+        f"([N, *shape]), so every bias and norm weight is 2-d there. Group by each model's "
+        f"dims, p.dim() - 1 >= 2 on fused.parameters(), or by the names of a plain "
+        f"model's parameters ({{n for n, p in models[0].named_parameters() if p.dim() >= "
+        f"2}}); by name or class on purpose (biases only), this warning is moot",
         UsageWarning, stacklevel=user_stacklevel())
 
 

@@ -20,13 +20,22 @@ does when it prunes trials (``hftc.sweep.TrialArray`` calls it).
 
 from __future__ import annotations
 
+import gc
 import operator
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from ..errors import FusionArgumentError, FusionIndexError, FusionTypeError
+from ..errors import (
+    FusionArgumentError,
+    FusionIndexError,
+    FusionTypeError,
+    UsageWarning,
+    user_stacklevel,
+)
+from ..lowering.runtime.modules import FUSED_MODULES
 from ..module.fused import FusedModule
 from ..optim.lr_scheduler import SCHEDULERS_ON_FUSED, ReduceLROnPlateau, keep_plateau_models
 from ..optim.optimizer import LIVE_OPTIMIZERS, STEPPED_STOCK_OPTIMIZERS, FusedOptimizer
@@ -205,8 +214,37 @@ def keep_models(
             value = getattr(part, attr, None)
             if isinstance(value, (list, tuple)) and len(value) == n:
                 setattr(part, attr, type(value)(value[i] for i in indices))
+    copies = fused._live_copies(list(FUSED_MODULES))
+    if copies:  # (one the user dropped may wait for the cycle collector: not live)
+        del copies
+        gc.collect()
+        copies = fused._live_copies(list(FUSED_MODULES))
     fused._keep_models(indices)
+    for twin, line in copies:
+        _warn_of_stale_copy(fused, twin, line)
     return indices
+
+
+def _warn_of_stale_copy(fused: FusedModule, twin: FusedModule, line: str) -> None:
+    """A UsageWarning for a ``copy.deepcopy(fused)`` that still holds the models ``fused``
+    held: an EMA updated from ``fused`` (``p_ema.mul_(d).add_(p, alpha=1 - d)`` over
+    ``zip(ema.parameters(), fused.parameters())``) would broadcast the one model left
+    over every model's average, silently, or fail on a shape; a teacher's ``out[j]``
+    would be another model's."""
+    held = twin.model_ids
+    kept = [held.index(i) for i in fused.model_ids]
+    warnings.warn(
+        f"hftc.keep_models: a copy of this fused module (copy.deepcopy{line}: an EMA, a "
+        f"teacher, a target network) still holds models {held}, and the fused module now "
+        f"holds {fused.model_ids}: position j of the two is no longer one model, and an "
+        f"update of the copy from the fused module (p_ema.mul_(d).add_(p, alpha=1 - d)) "
+        f"would mix models (broadcast a [1, ...] tensor over all {len(held)}, or fail on "
+        f"a shape). Save what the copy holds of the models that left "
+        f"(copy.model_state_dict(j)), then cut it as the fused module was: "
+        f"hftc.keep_models(copy, {kept}); in a loop (after hftc.EarlyStopping.step): if "
+        f"copy.model_ids != fused.model_ids: hftc.keep_models(copy, "
+        f"[copy.model_ids.index(i) for i in fused.model_ids])",
+        UsageWarning, stacklevel=user_stacklevel())
 
 
 def replace_models(

@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ... import ir
@@ -72,7 +73,7 @@ class ContainerAccess:
 
 
 def refuse_model_attribute(owner: nn.Module, where: str, name: str, value: Any,
-                           template: nn.Module | None) -> None:
+                           template: nn.Module | None, mirrored: Any = ()) -> None:
     """Refuse ``fused.temperature = 0.5`` (``where`` names the module: ``"fused"``,
     ``"fused.attn"``) where ``name`` is a plain attribute of the models' module there
     (``template``, model 0's): the program was built from each model's own value and
@@ -91,7 +92,8 @@ def refuse_model_attribute(owner: nn.Module, where: str, name: str, value: Any,
             f"module's tree, the models one by one and unfuse() each model's own, copied "
             f"when fused" + _at_user_line() +
             "\nSet it on each model (models = fused.unfuse()) and fuse them again")
-    if (name == "training" or name in owner.__dict__ or hasattr(type(owner), name)
+    if (name == "training" or (name in owner.__dict__ and name not in mirrored)
+            or hasattr(type(owner), name)
             or name not in vars(template) or isinstance(value, nn.Module)):
         return
     raise FusionArgumentError(
@@ -132,7 +134,7 @@ class StackedModule(ContainerAccess, nn.Module):
     """
 
     def __init__(self, source: nn.Module, num_models: int):
-        super().__init__()
+        nn.Module.__init__(self)  # (not a mirrored torch class's __init__: see stacked_module)
         self.source_type = type(source).__name__
         self._source_repr = source.extra_repr()
         self.num_models = num_models
@@ -144,11 +146,16 @@ class StackedModule(ContainerAccess, nn.Module):
     def extra_repr(self) -> str:
         return f"{self.source_type}({self._source_repr}) x {self.num_models}"
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # (a mirrored class's own, _ConvNd's, would set a missing attribute: refused here)
+        nn.Module.__setstate__(self, state)
+
     def __setattr__(self, name: str, value: Any) -> None:
         # (fused.attn.scale = 2.0: the program holds each model's own scale, not this)
         path = self.__dict__.get("_hftc_path")
         refuse_model_attribute(self, f"fused.{path}" if path else "fused", name, value,
-                               self.__dict__.get("_hftc_template"))
+                               self.__dict__.get("_hftc_template"),
+                               self.__dict__.get("_hftc_mirrored", ()))
         super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
@@ -167,6 +174,22 @@ class StackedModule(ContainerAccess, nn.Module):
         if _registering_parametrization():
             self._refuse_parametrization(None)
         raise AttributeError("parametrizations")  # none: is_parametrized() reads False
+
+    def register_parameter(self, name: str, param: Any) -> None:
+        # torch.nn.utils.prune renames the weight to ``weight_orig`` first, then would
+        # mask it from a hook that never runs (and its mask is over all N models' rows):
+        # refused before it changes anything
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.endswith(("nn/utils/prune.py", "nn\\utils\\prune.py")):
+            path = self.__dict__.get("_hftc_path")
+            raise UnsupportedOperatorError(
+                f"torch.nn.utils.prune on fused.{path} ({self.source_type}, stacked by "
+                f"hftc) would mask the stacked [N, ...] tensor from a forward pre-hook the "
+                f"fused program never runs, its amounts over all N models' rows at once"
+                + _at_user_line() + "\nPrune each model before fusing (for m in models: "
+                "prune.l1_unstructured(m.<module>, 'weight', amount); "
+                "prune.remove(m.<module>, 'weight'); then hftc.fuse(models))")
+        super().register_parameter(name, param)
 
     def _refuse_parametrization(self, name: str | None) -> None:
         path = self.__dict__.get("_hftc_path")
@@ -202,6 +225,95 @@ class StackedModule(ContainerAccess, nn.Module):
             f"a StackedModule ({self.source_type}) holds stacked tensors for the fused graph; "
             f"call the FusedModule, not its submodules"
         )
+
+
+# --------------------------------------------------------------------------- torch's classes
+
+#: torch.nn's classes whose stacked module is also one of them: ``isinstance(m,
+#: nn.Linear)`` over ``fused.modules()`` (a weight-decay group, an init loop, freezing
+#: batch norms with ``m.eval()``) finds it, as it finds the models' own.  Their methods
+#: (``reset_parameters``, ``reset_running_stats``) read only the stacked tensors, the
+#: attributes mirrored from the models and ``torch.nn.init``, which is per model on
+#: stacked parameters (:mod:`hftc.training.weight_init`).  Classes with a state of their own
+#: (RNNs' flat weights, attention) or code of the user's stay plain StackedModules.
+MIRRORED_CLASSES = (
+    nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+    nn.ConvTranspose3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm, nn.LayerNorm,
+    nn.RMSNorm, nn.Embedding)
+
+
+def _fill_padding_idx_per_model(self: nn.Module) -> None:
+    """``nn.Embedding``'s padding row zeroed in each model's table (``weight[:, idx]``;
+    torch's ``weight[idx]`` would zero model ``idx``'s whole table)."""
+    index = self.__dict__["_hftc_template"].padding_idx
+    if index is not None:
+        with torch.no_grad():
+            self.weight[:, index].fill_(0)
+
+
+def _padding_idx(self: nn.Module) -> int | None:
+    """None where the models have no padding index; else refused: HF's ``_init_weights``
+    zeroes ``weight.data[module.padding_idx]``, which in the stacked ``[N, num, dim]``
+    weight is model ``padding_idx``'s whole table."""
+    index = self.__dict__["_hftc_template"].padding_idx
+    if index is None:
+        return None
+    path = self.__dict__.get("_hftc_path")
+    raise FusionArgumentError(
+        f"fused.{path}.padding_idx: this nn.Embedding is the {self.num_models} models' "
+        f"stacked (weight [N, num_embeddings, embedding_dim]), so "
+        f"weight[padding_idx] would be model {index}'s whole table" + _at_user_line() +
+        f"\nIndex each model's padding row with weight[:, {index}], or run the init on "
+        f"each model's own modules: fused.apply(init_fn)")
+
+
+def _stacked_class(base: type) -> type:
+    extra = ({"_fill_padding_idx_with_zero": _fill_padding_idx_per_model,
+              "padding_idx": property(_padding_idx)} if base is nn.Embedding else {})
+    name = f"Stacked{base.__name__}"
+    return type(name, (StackedModule, base), {"__module__": __name__, "__qualname__": name,
+                                              "__doc__": f"A stacked {base.__name__}.",
+                                              **extra})
+
+
+#: torch's class -> its stacked class (module globals, so pickle finds them by name).
+STACKED_CLASSES = {base: _stacked_class(base) for base in MIRRORED_CLASSES}
+globals().update({cls.__name__: cls for cls in STACKED_CLASSES.values()})
+
+
+def _same(values: Sequence[Any]) -> bool:
+    try:
+        return all(bool(v == values[0]) for v in values[1:])
+    except Exception:  # (an object whose == is not a bool)
+        return False
+
+
+def stacked_module(source: nn.Module, num_models: int,
+                   peers: Sequence[nn.Module | None] = ()) -> StackedModule:
+    """The StackedModule for model 0's ``source`` (``peers``: every model's module at its
+    path, None where one has none).  Where ``source`` is (a subclass of) one of
+    :data:`MIRRORED_CLASSES`, it is of that class's stacked class, holding the public
+    plain attributes every model has alike (``in_features``, ``eps``; one that differs
+    is left out: a read of it raises, rather than give model 0's)::
+
+        isinstance(fused.fc, nn.Linear)    # True; fused.fc.weight is [N, out, in]
+        fused.fc.in_features = 8           # refused, as for any model attribute
+    """
+    base = next((c for c in type(source).__mro__ if c in STACKED_CLASSES), None)
+    node = StackedModule.__new__(StackedModule if base is None else STACKED_CLASSES[base])
+    StackedModule.__init__(node, source, num_models)
+    if base is not None:
+        others = [p for p in peers if p is not source]
+        mirrored = {name: value for name, value in vars(source).items()
+                    if not name.startswith("_") and name != "training"
+                    and not isinstance(getattr(type(node), name, None), property)
+                    and not isinstance(value, (Tensor, nn.Module))
+                    and all(p is not None and hasattr(p, name) for p in others)
+                    and _same([value, *(getattr(p, name) for p in others)])}
+        node.__dict__.update(mirrored)
+        node.__dict__["_hftc_mirrored"] = frozenset(mirrored)
+    return node
 
 
 # --------------------------------------------------------------------------- stacked parameters
