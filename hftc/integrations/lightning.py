@@ -395,6 +395,13 @@ class PerModelCheckpoint(Callback):
         self.monitor, self.mode = monitor, mode
         self.best: dict[int, float] = {}
 
+    @property
+    def state_key(self) -> str:
+        # (unique per folder and metric, as ModelCheckpoint's: a Trainer may hold a
+        # monitored one for the bests beside one for the last states)
+        return self._generate_state_key(dirpath=self.dirpath, monitor=self.monitor,
+                                        mode=self.mode)
+
     def path(self, model_id: int) -> str:
         """Model ``model_id``'s file."""
         return os.path.join(self.dirpath, f"model_{model_id}.pt")

@@ -1,0 +1,95 @@
+"""Hunt 3, trainers: saving and resuming under the Hugging Face Trainer and Lightning, each
+model's checkpoints its own, against stock Lightning / transformers runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hftc
+
+pytest.importorskip("lightning")
+import hftc.lightning as hl  # noqa: E402
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+LRS = [0.05, 0.01, 0.002]
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _models():
+    torch.manual_seed(0)
+    return [MLP().double() for _ in LRS]
+
+
+def _loaders(shuffle=True):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 6, generator=g, dtype=torch.float64)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    data = torch.utils.data.TensorDataset(x, y)
+    return (torch.utils.data.DataLoader(data, batch_size=16, shuffle=shuffle,
+                                        generator=torch.Generator().manual_seed(3)),
+            torch.utils.data.DataLoader(data, batch_size=32))
+
+
+class Fused(hl.FusedLightningModule):
+    def _losses(self, batch):
+        x, y = batch
+        out = self(x)
+        return torch.stack([F.cross_entropy(out[j], y) for j in range(len(self.model_ids))])
+
+    def training_step(self, batch, _):
+        losses = self._losses(batch)
+        self.log_per_model("train_loss", losses)
+        return losses.sum()
+
+    def validation_step(self, batch, _):
+        self.log_per_model("val_loss", self._losses(batch))
+
+    def configure_optimizers(self):
+        opt = hftc.optim.Adam(self.fused.parameters(), lr=LRS)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
+
+
+def _trainer(folder, epochs, callbacks=()):
+    return pl.Trainer(max_epochs=epochs, default_root_dir=folder, logger=False,
+                      callbacks=[ModelCheckpoint(dirpath=folder, save_last=True), *callbacks],
+                      enable_progress_bar=False, enable_model_summary=False,
+                      accelerator="cpu", deterministic=True)
+
+
+def test_a_best_and_a_last_per_model_checkpoint_resume_side_by_side(tmp_path):
+    """Two PerModelCheckpoints (each model's best by val_loss, and its last state), as
+    users keep two ModelCheckpoints: Lightning refused the pair ("more than one stateful
+    callback of type PerModelCheckpoint"); after fit(ckpt_path="last") each keeps its own
+    bests, the files those of the uninterrupted run."""
+    def run(name, epochs, ckpt_path=None):
+        torch.manual_seed(5)
+        best = hl.PerModelCheckpoint(tmp_path / name / "best", monitor="val_loss")
+        last = hl.PerModelCheckpoint(tmp_path / name / "last")
+        train, val = _loaders(shuffle=False)  # (Lightning's resume reshuffles)
+        _trainer(tmp_path / name, epochs, [best, last]).fit(Fused(_models()), train, val,
+                                                              ckpt_path=ckpt_path)
+        return best
+
+    whole = run("whole", 4)
+    run("resumed", 2)
+    resumed = run("resumed", 4, "last")
+    assert resumed.best == whole.best
+    for k in range(len(LRS)):
+        for kind in ("best", "last"):
+            mine = torch.load(tmp_path / "resumed" / kind / f"model_{k}.pt")
+            theirs = torch.load(tmp_path / "whole" / kind / f"model_{k}.pt")
+            for name, value in theirs.items():
+                torch.testing.assert_close(mine[name], value, rtol=0, atol=0)
