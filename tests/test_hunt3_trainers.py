@@ -93,3 +93,78 @@ def test_a_best_and_a_last_per_model_checkpoint_resume_side_by_side(tmp_path):
             theirs = torch.load(tmp_path / "whole" / kind / f"model_{k}.pt")
             for name, value in theirs.items():
                 torch.testing.assert_close(mine[name], value, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- the Hugging Face Trainer
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+import hftc.hf as hftc_hf  # noqa: E402  (after the skips: it needs both)
+
+transformers.logging.set_verbosity_error()
+VOCAB, HF_LRS = 40, [3e-2, 3e-3]
+
+
+def _berts():
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=3)
+    torch.manual_seed(0)
+    return [transformers.BertForSequenceClassification(config).double() for _ in HF_LRS]
+
+
+def _rows():
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": torch.randint(0, VOCAB, (6,), generator=g),
+             "labels": torch.tensor(i % 3)} for i in range(16)]
+
+
+def _accuracy(prediction):
+    return {"accuracy": float((prediction.predictions.argmax(-1)
+                               == prediction.label_ids).mean())}
+
+
+def _hf_args(folder, **kwargs):
+    options = dict(output_dir=str(folder), per_device_train_batch_size=8, max_steps=8,
+                   logging_steps=1, report_to=[], use_cpu=True, seed=7, disable_tqdm=True,
+                   eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                   metric_for_best_model="accuracy")
+    options.update(kwargs)
+    return transformers.TrainingArguments(**options)
+
+
+def _checkpoints(folder):
+    return {path.name for path in folder.glob("checkpoint-*")}
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_save_total_limit_keeps_each_models_best_checkpoint(tmp_path, limit):
+    """save_total_limit with load_best_model_at_end (refused before) and without: the
+    Trainer's rotation kept the one best of trainer_state.json and deleted the other
+    models' bests (trainer.best_checkpoints[k] then named a deleted folder). Each model's
+    best is kept as its own Trainer keeps it: the folders are the union of theirs, and each
+    model ends with its own Trainer's weights."""
+    rows = _rows()
+    models = _berts()
+    fused = hftc.fuse(models, example_inputs=(rows[0]["input_ids"][None],))
+    extra = dict(save_total_limit=limit, load_best_model_at_end=limit == 1)
+    trainer = hftc_hf.FusedTrainer(
+        model=fused, args=_hf_args(tmp_path / "fused", **extra), train_dataset=rows,
+        eval_dataset=rows[:12], compute_metrics=_accuracy,
+        optimizers=(hftc.optim.AdamW(fused.parameters(), lr=HF_LRS, weight_decay=0.0), None))
+    trainer.train()
+    kept = set()
+    for k, model in enumerate(models):
+        alone = transformers.Trainer(
+            model=model, args=_hf_args(tmp_path / f"alone{k}", learning_rate=HF_LRS[k], **extra),
+            train_dataset=rows, eval_dataset=rows[:12], compute_metrics=_accuracy)
+        alone.train()
+        kept |= _checkpoints(tmp_path / f"alone{k}")
+        assert trainer.best_steps[k] == alone.state.best_global_step
+        assert trainer.best_checkpoints[k].endswith(alone.state.best_model_checkpoint[-13:])
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(fused.get_parameter(name)[k].detach(), p.detach(),
+                                       rtol=1e-9, atol=1e-12, msg=name)
+    assert len(set(trainer.best_steps)) == 2, trainer.best_steps  # (the bests differ)
+    assert _checkpoints(tmp_path / "fused") == kept

@@ -41,9 +41,12 @@ transformers and accelerate raises :class:`hftc.errors.MissingExtraError`, which
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,9 +93,7 @@ class FusedTrainer(transformers.Trainer):
     Raises ``FusionTypeError`` for a model that is not a fused module of ``PreTrainedModel``\\ s
     and ``FusionArgumentError`` for what would treat the N models as one:
     ``label_smoothing_factor`` (the Trainer smooths the logits as one model's),
-    ``neftune_noise_alpha`` (a hook on one model's input embeddings),
-    ``save_total_limit`` with ``load_best_model_at_end`` (the Trainer keeps one best
-    checkpoint, the models' bests differ), ``batch_eval_metrics`` and
+    ``neftune_noise_alpha`` (a hook on one model's input embeddings), ``batch_eval_metrics`` and
     ``DataParallel`` over several GPUs of one process (use DDP: ``torchrun`` /
     ``accelerate launch``, each process the fused module on its own GPU).
     """
@@ -132,11 +133,6 @@ class FusedTrainer(transformers.Trainer):
                 "model.get_input_embeddings(), one model's embedding module, which a fused "
                 "module of N models has not (its call failed in hftc's tracing); set it to "
                 "None (each model's noise would not be its own run's draws either)")
-        if args is not None and args.load_best_model_at_end and args.save_total_limit:
-            raise FusionArgumentError(
-                "FusedTrainer: save_total_limit with load_best_model_at_end would keep one "
-                "best checkpoint, where each model's best step differs; leave "
-                "save_total_limit unset (each model's best checkpoint is kept)")
         if args is not None and args.batch_eval_metrics:
             raise FusionArgumentError(
                 "FusedTrainer: batch_eval_metrics calls compute_metrics on the batches of all "
@@ -473,17 +469,62 @@ class FusedTrainer(transformers.Trainer):
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint, and the models' bests in it (``PER_MODEL_STATE_NAME``):
-        its trainer_state.json keeps one best, for one model."""
-        super()._save_checkpoint(model, trial)
+        its trainer_state.json keeps one best, for one model.  ``save_total_limit`` keeps
+        every model's best checkpoint (the Trainer's rotation would keep one)."""
+        with self._own_checkpoint_rotation() as save_total_limit:
+            super()._save_checkpoint(model, trial)
         if self.args.should_save:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial),
-                f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            run_dir = self._get_output_dir(trial=trial)
+            prefix = transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+            folder = os.path.join(run_dir, f"{prefix}-{self.state.global_step}")
             state = {"best_metrics": self.best_metrics, "best_steps": self.best_steps,
                      "best_checkpoints": self.best_checkpoints,
                      "stopped_models": {str(k): v for k, v in self.stopped_models.items()}}
             with open(os.path.join(folder, PER_MODEL_STATE_NAME), "w") as file:
                 json.dump(state, file, indent=1)
+            self._rotate_checkpoints_keeping_bests(run_dir, save_total_limit)
+
+    @contextlib.contextmanager
+    def _own_checkpoint_rotation(self) -> Any:
+        """The Trainer's ``save_total_limit`` off inside (its rotation and end-of-training
+        clean-up protect one best checkpoint); yields it, for
+        :meth:`_rotate_checkpoints_keeping_bests`."""
+        save_total_limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            yield save_total_limit
+        finally:
+            self.args.save_total_limit = save_total_limit
+
+    def _rotate_checkpoints_keeping_bests(self, run_dir: str, save_total_limit: int | None,
+                                          keep_last: bool = True) -> None:
+        """``transformers.trainer_utils.rotate_checkpoints`` protecting every model's best
+        checkpoint (and the last, to resume from, unless ``keep_last`` is False: the
+        Trainer's clean-up at the end of training with ``save_total_limit=1``)."""
+        if not save_total_limit or save_total_limit <= 0 or not self.args.should_save:
+            return
+        checkpoints = transformers.trainer_utils.sort_checkpoints(run_dir, use_mtime=True)
+        protected = {str(Path(best)) for best in self.best_checkpoints if best is not None}
+        if keep_last or not protected:
+            protected |= set(checkpoints[-1:])
+        keep = save_total_limit if keep_last else 0
+        extra = len(checkpoints) - max(keep, len(protected))
+        for checkpoint in checkpoints:
+            if extra <= 0:
+                break
+            if checkpoint not in protected:
+                shutil.rmtree(checkpoint, ignore_errors=True)
+                extra -= 1
+
+    def _finalize_training(self, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer._finalize_training``; with ``save_total_limit=1`` and a best per model,
+        only the models' best checkpoints are kept (the Trainer keeps its one best)."""
+        with self._own_checkpoint_rotation() as save_total_limit:
+            output = super()._finalize_training(trial, *args, **kwargs)
+        if save_total_limit == 1 and any(best is not None for best in self.best_checkpoints):
+            self._rotate_checkpoints_keeping_bests(self._get_output_dir(trial=trial), 1,
+                                                   keep_last=False)
+        return output
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:
