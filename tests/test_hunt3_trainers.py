@@ -168,3 +168,24 @@ def test_save_total_limit_keeps_each_models_best_checkpoint(tmp_path, limit):
                                        rtol=1e-9, atol=1e-12, msg=name)
     assert len(set(trainer.best_steps)) == 2, trainer.best_steps  # (the bests differ)
     assert _checkpoints(tmp_path / "fused") == kept
+
+
+def test_each_saved_model_folder_holds_the_tokenizer(tmp_path):
+    """save_model with a processing_class: one model's Trainer writes the tokenizer beside
+    the model; FusedTrainer wrote it only in output_dir, so AutoTokenizer / pipeline on
+    output_dir/model_k silently made a default BertTokenizer without the vocabulary (every
+    word [UNK]). Each model folder loads alone as one model's output_dir does."""
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"w{i}" for i in range(VOCAB - 5))]
+    tokenizer = transformers.BertTokenizer(vocab={word: i for i, word in enumerate(words)})
+    assert tokenizer("w1 w7")["input_ids"] == [2, 6, 12, 3]
+    rows = _rows()
+    fused = hftc.fuse(_berts(), example_inputs=(rows[0]["input_ids"][None],))
+    trainer = hftc_hf.FusedTrainer(
+        model=fused, train_dataset=rows, processing_class=tokenizer,
+        args=_hf_args(tmp_path / "fused", max_steps=1, eval_strategy="no", save_strategy="no",
+                      metric_for_best_model=None))
+    trainer.train()
+    trainer.save_model()
+    for k in range(fused.num_models):
+        loaded = transformers.AutoTokenizer.from_pretrained(hftc_hf.model_dir(tmp_path / "fused", k))
+        assert loaded("w1 w7")["input_ids"] == tokenizer("w1 w7")["input_ids"]

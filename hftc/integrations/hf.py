@@ -455,16 +455,21 @@ class FusedTrainer(transformers.Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Each model with its class's ``save_pretrained`` in ``output_dir/model_k`` (the
-        stacked state_dict of the fused module is no ``from_pretrained`` checkpoint)."""
+        stacked state_dict of the fused module is no ``from_pretrained`` checkpoint), with
+        the tokenizer (``processing_class``) beside it, as one model's Trainer saves it:
+        ``pipeline(model="out/model_k")`` would load a default one, without its vocabulary,
+        from a folder that has none."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
         fused = self.accelerator.unwrap_model(self.model)
-        for k in range(fused.num_models):
-            fused.unfuse_model(k).save_pretrained(model_dir(output_dir, k))
+        folders = [model_dir(output_dir, k) for k in range(fused.num_models)]
+        for k, folder in enumerate(folders):
+            fused.unfuse_model(k).save_pretrained(folder)
         if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
+            for folder in [output_dir, *folders]:
+                self.processing_class.save_pretrained(folder)
         torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
