@@ -3,6 +3,8 @@ model's checkpoints its own, against stock Lightning / transformers runs."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -138,17 +140,25 @@ def _checkpoints(folder):
     return {path.name for path in folder.glob("checkpoint-*")}
 
 
-@pytest.mark.parametrize("limit", [1, 2])
-def test_save_total_limit_keeps_each_models_best_checkpoint(tmp_path, limit):
-    """save_total_limit with load_best_model_at_end (refused before) and without: the
-    Trainer's rotation kept the one best of trainer_state.json and deleted the other
-    models' bests (trainer.best_checkpoints[k] then named a deleted folder). Each model's
-    best is kept as its own Trainer keeps it: the folders are the union of theirs, and each
-    model ends with its own Trainer's weights."""
+BEST_CHECKPOINT_CASES = {
+    "limit_1_load_best": dict(save_total_limit=1, load_best_model_at_end=True),
+    "limit_2": dict(save_total_limit=2),
+    "saves_every_other_evaluation": dict(eval_steps=2, save_steps=4, load_best_model_at_end=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BEST_CHECKPOINT_CASES))
+def test_each_models_best_checkpoint_is_its_own_trainers(tmp_path, case):
+    """Each model's best checkpoint as its own Trainer keeps it (the folders are the union
+    of theirs, trainer.best_checkpoints[k] its best_model_checkpoint, each model ends with
+    its own Trainer's weights).  save_total_limit: the Trainer's rotation kept the one best
+    of trainer_state.json and deleted the other models' (and was refused with
+    load_best_model_at_end); a best step evaluated between saves has no folder: it was
+    recorded all the same, and load_best_model_at_end failed at the end of training."""
+    extra = BEST_CHECKPOINT_CASES[case]
     rows = _rows()
     models = _berts()
     fused = hftc.fuse(models, example_inputs=(rows[0]["input_ids"][None],))
-    extra = dict(save_total_limit=limit, load_best_model_at_end=limit == 1)
     trainer = hftc_hf.FusedTrainer(
         model=fused, args=_hf_args(tmp_path / "fused", **extra), train_dataset=rows,
         eval_dataset=rows[:12], compute_metrics=_accuracy,
@@ -162,7 +172,9 @@ def test_save_total_limit_keeps_each_models_best_checkpoint(tmp_path, limit):
         alone.train()
         kept |= _checkpoints(tmp_path / f"alone{k}")
         assert trainer.best_steps[k] == alone.state.best_global_step
-        assert trainer.best_checkpoints[k].endswith(alone.state.best_model_checkpoint[-13:])
+        theirs = alone.state.best_model_checkpoint
+        mine = trainer.best_checkpoints[k]
+        assert (mine and os.path.basename(mine)) == (theirs and os.path.basename(theirs))
         for name, p in model.named_parameters():
             torch.testing.assert_close(fused.get_parameter(name)[k].detach(), p.detach(),
                                        rtol=1e-9, atol=1e-12, msg=name)

@@ -434,9 +434,6 @@ class FusedTrainer(transformers.Trainer):
                     f"gave {sorted(metrics)}); name a metric of compute_metrics, or 'loss'")
             if self._improves(metrics[key], self.best_metrics[k]):
                 self.best_metrics[k], self.best_steps[k] = metrics[key], self.state.global_step
-                self.best_checkpoints[k] = os.path.join(
-                    self._get_output_dir(trial=trial),
-                    f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
                 improved = True
         if improved and self.args.save_strategy != "no":
             self.state.best_global_step = self.state.global_step  # (a best checkpoint: now)
@@ -478,9 +475,15 @@ class FusedTrainer(transformers.Trainer):
         every model's best checkpoint (the Trainer's rotation would keep one)."""
         with self._own_checkpoint_rotation() as save_total_limit:
             super()._save_checkpoint(model, trial)
+        run_dir = self._get_output_dir(trial=trial)
+        prefix = transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+        for k, step in enumerate(self.best_steps):
+            # (as the Trainer's best_model_checkpoint: a best step's folder once it exists;
+            # an evaluation between saves has none, and the earlier best's stays)
+            best = os.path.join(run_dir, f"{prefix}-{step}")
+            if step is not None and os.path.isdir(best):
+                self.best_checkpoints[k] = best
         if self.args.should_save:
-            run_dir = self._get_output_dir(trial=trial)
-            prefix = transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
             folder = os.path.join(run_dir, f"{prefix}-{self.state.global_step}")
             state = {"best_metrics": self.best_metrics, "best_steps": self.best_steps,
                      "best_checkpoints": self.best_checkpoints,
