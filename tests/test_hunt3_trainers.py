@@ -4,6 +4,7 @@ model's checkpoints its own, against stock Lightning / transformers runs."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -201,3 +202,47 @@ def test_each_saved_model_folder_holds_the_tokenizer(tmp_path):
     for k in range(fused.num_models):
         loaded = transformers.AutoTokenizer.from_pretrained(hftc_hf.model_dir(tmp_path / "fused", k))
         assert loaded("w1 w7")["input_ids"] == tokenizer("w1 w7")["input_ids"]
+
+
+def test_resuming_after_a_models_best_checkpoint_was_deleted_goes_on_as_a_trainer_does(tmp_path):
+    """Resuming from checkpoint-4 after the other checkpoints were deleted (kept only the
+    last to resume from): the Trainer ignores a recorded best_model_checkpoint that no
+    longer exists; FusedTrainer kept each model's (trainer.best_checkpoints[k] a deleted
+    folder, which load_best_model_at_end reads once any model's best is saved again). Each
+    model ends as its own Trainer resumed the same way."""
+    rows = _rows()
+    extra = dict(max_steps=6, load_best_model_at_end=True)
+
+    def run_and_resume(folder, make_trainer):
+        make_trainer(folder, dict(extra, max_steps=4)).train()
+        for checkpoint in folder.glob("checkpoint-*"):
+            if checkpoint.name != "checkpoint-4":
+                shutil.rmtree(checkpoint)
+        trainer = make_trainer(folder, extra)
+        trainer.train(resume_from_checkpoint=str(folder / "checkpoint-4"))
+        return trainer
+
+    def fused_trainer(folder, options):
+        fused = hftc.fuse(_berts(), example_inputs=(rows[0]["input_ids"][None],))
+        return hftc_hf.FusedTrainer(
+            model=fused, args=_hf_args(folder, **options), train_dataset=rows,
+            eval_dataset=rows[:12], compute_metrics=_accuracy,
+            optimizers=(hftc.optim.AdamW(fused.parameters(), lr=HF_LRS, weight_decay=0.0),
+                        None))
+
+    trainer = run_and_resume(tmp_path / "fused", fused_trainer)
+    fused = trainer.model
+    for k in range(len(HF_LRS)):
+        def alone_trainer(folder, options, k=k):
+            model = _berts()[k]
+            return transformers.Trainer(
+                model=model, args=_hf_args(folder, learning_rate=HF_LRS[k], **options),
+                train_dataset=rows, eval_dataset=rows[:12], compute_metrics=_accuracy)
+
+        alone = run_and_resume(tmp_path / f"alone{k}", alone_trainer)
+        theirs = alone.state.best_model_checkpoint
+        mine = trainer.best_checkpoints[k]
+        assert (mine and os.path.basename(mine)) == (theirs and os.path.basename(theirs))
+        for name, p in alone.model.named_parameters():
+            torch.testing.assert_close(fused.get_parameter(name)[k].detach(), p.detach(),
+                                       rtol=1e-9, atol=1e-12, msg=name)

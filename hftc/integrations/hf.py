@@ -70,6 +70,8 @@ except ImportError as exc:  # pragma: no cover - the test environment has them
 
 __all__ = ["FusedTrainer", "PerModelEarlyStopping", "model_dir"]
 
+_logger = transformers.utils.logging.get_logger(__name__)
+
 #: in each checkpoint folder: the models' bests (what trainer_state.json's best_metric and
 #: best_model_checkpoint are for one model), read back by train(resume_from_checkpoint=...)
 PER_MODEL_STATE_NAME = "hftc_per_model_state.json"
@@ -546,8 +548,19 @@ class FusedTrainer(transformers.Trainer):
                 state = json.load(file)
             if len(state["best_steps"]) == self.num_models:
                 self.best_metrics, self.best_steps = state["best_metrics"], state["best_steps"]
-                self.best_checkpoints = state["best_checkpoints"]
+                self.best_checkpoints = [self._existing_best(k, folder) for k, folder
+                                         in enumerate(state["best_checkpoints"])]
                 self.stopped_models = {int(k): v for k, v in state["stopped_models"].items()}
+
+    @staticmethod
+    def _existing_best(k: int, folder: str | None) -> str | None:
+        """A resumed model's best checkpoint, None if its folder is gone (as the Trainer
+        ignores a best_model_checkpoint that no longer exists, warning)."""
+        if folder is None or os.path.isdir(folder):
+            return folder
+        _logger.warning(f"The best checkpoint {folder} of model {k} recorded in the resumed "
+                        f"state does not exist anymore. Ignoring it for this run.")
+        return None
 
     def _load_callback_state(self) -> None:
         """``restore_callback_states_from_checkpoint``: the Trainer makes each stateful
