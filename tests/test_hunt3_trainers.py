@@ -3,6 +3,7 @@ model's checkpoints its own, against stock Lightning / transformers runs."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
@@ -246,3 +247,23 @@ def test_resuming_after_a_models_best_checkpoint_was_deleted_goes_on_as_a_traine
         for name, p in alone.model.named_parameters():
             torch.testing.assert_close(fused.get_parameter(name)[k].detach(), p.detach(),
                                        rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_a_monitored_per_model_checkpoint_after_a_nan_validation_saves_the_next_best(tmp_path):
+    """A metric that is NaN at the first validation (an F1 with no positive prediction yet):
+    ModelCheckpoint counts it as the worst value and saves the next validation's model;
+    PerModelCheckpoint kept NaN as the best, which no value beats, and never saved again."""
+    class NanFirst(Fused):
+        def validation_step(self, batch, _):
+            losses = self._losses(batch)
+            self.log_per_model("score", losses * (math.nan if self.current_epoch == 0 else 1))
+
+    torch.manual_seed(5)
+    best = hl.PerModelCheckpoint(tmp_path / "best", monitor="score")
+    last = hl.PerModelCheckpoint(tmp_path / "last")
+    train, val = _loaders(shuffle=False)
+    _trainer(tmp_path, 2, [best, last]).fit(NanFirst(_models()), train, val)
+    for k in range(len(LRS)):  # epoch 1's validation is the best: the models' last states
+        mine = torch.load(best.path(k))
+        for name, value in torch.load(last.path(k)).items():
+            torch.testing.assert_close(mine[name], value, rtol=0, atol=0)

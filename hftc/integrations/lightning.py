@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -429,6 +430,8 @@ class PerModelCheckpoint(Callback):
                         f"PerModelCheckpoint: no metric {name!r} (monitor={self.monitor!r}); "
                         f"log it with self.log_per_model({self.monitor!r}, values)")
                 value = float(trainer.callback_metrics[name])
+                if math.isnan(value):  # (as ModelCheckpoint: the worst value, not a best
+                    value = math.inf if self.mode == "min" else -math.inf  # none can beat)
                 best = self.best.get(model_id)
                 if best is not None and not (value < best if self.mode == "min" else value > best):
                     continue
