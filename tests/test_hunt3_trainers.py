@@ -267,3 +267,24 @@ def test_a_monitored_per_model_checkpoint_after_a_nan_validation_saves_the_next_
         mine = torch.load(best.path(k))
         for name, value in torch.load(last.path(k)).items():
             torch.testing.assert_close(mine[name], value, rtol=0, atol=0)
+
+
+def test_each_training_log_holds_each_models_values_in_place_of_the_trainers(tmp_path):
+    """A training log of one model's Trainer holds loss, grad_norm and learning_rate; the
+    fused one held loss/model_k etc. and beside them the norm of all N models' gradients
+    as grad_norm and model 0's rate as learning_rate, values of no one model."""
+    rows = _rows()
+    models = _berts()
+    fused = hftc.fuse(models, example_inputs=(rows[0]["input_ids"][None],))
+    options = dict(max_steps=2, eval_strategy="no", save_strategy="no", metric_for_best_model=None)
+    trainer = hftc_hf.FusedTrainer(
+        model=fused, args=_hf_args(tmp_path / "fused", **options), train_dataset=rows,
+        optimizers=(hftc.optim.AdamW(fused.parameters(), lr=HF_LRS, weight_decay=0.0), None))
+    trainer.train()
+    alone = transformers.Trainer(model=models[0], args=_hf_args(tmp_path / "alone", **options),
+                                 train_dataset=rows)
+    alone.train()
+    for mine, theirs in zip(trainer.state.log_history, alone.state.log_history[:-1]):
+        per_model = {key for key in theirs if key not in ("epoch", "step")}
+        assert set(mine) == {"epoch", "step", *(f"{key}/model_{k}" for key in per_model
+                                                for k in range(len(models)))}

@@ -338,9 +338,16 @@ class FusedTrainer(transformers.Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's logs with each model's loss in place of the models' summed one
-        (``loss/model_k``, and at the end of training ``train_loss/model_k``)."""
+        (``loss/model_k``; ``grad_norm/model_k`` and ``learning_rate/model_k`` in place of
+        the norm of all N models' gradients and model 0's rate; at the end of training
+        ``train_loss/model_k``)."""
         if "loss" in logs and self._pending_model_logs:
             del logs["loss"]
+            # (and the one gradient norm of all N models, model 0's learning rate under the
+            # Trainer's name: each model's own is logged in their place)
+            for name in ("grad_norm", "learning_rate"):
+                if f"{name}/model_0" in self._pending_model_logs:
+                    logs.pop(name, None)
             logs.update(self._pending_model_logs)
             self._pending_model_logs = {}
         if "train_loss" in logs and self._train_loss_totals is not None:
