@@ -288,3 +288,56 @@ def test_each_training_log_holds_each_models_values_in_place_of_the_trainers(tmp
         per_model = {key for key in theirs if key not in ("epoch", "step")}
         assert set(mine) == {"epoch", "step", *(f"{key}/model_{k}" for key in per_model
                                                 for k in range(len(models)))}
+
+
+class Alone(pl.LightningModule):
+    """One model's Lightning run, as Fused trains each."""
+
+    def __init__(self, model, lr):
+        super().__init__()
+        self.model, self.lr = model, lr
+
+    def _loss(self, batch):
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def training_step(self, batch, _):
+        return self._loss(batch)
+
+    def validation_step(self, batch, _):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)]
+
+
+def test_a_model_stopped_at_a_validation_within_an_epoch_stops_there(tmp_path):
+    """val_check_interval=0.5: EarlyStopping stops a model's own run at the validation
+    within the epoch; PerModelEarlyStopping kept the model in the array to the epoch's
+    end, so its PerModelCheckpoint file (and its weights) held 4 steps more than its run."""
+    def run(module, folder, stopper, callbacks=()):
+        torch.manual_seed(5)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 6, generator=g, dtype=torch.float64)
+        data = torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+        trainer = pl.Trainer(max_epochs=4, default_root_dir=folder, val_check_interval=0.5,
+                             callbacks=[stopper, *callbacks], enable_checkpointing=False,
+                             logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, accelerator="cpu", deterministic=True)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8),
+                    torch.utils.data.DataLoader(data, batch_size=32))
+        return trainer
+
+    files = hl.PerModelCheckpoint(tmp_path / "last")
+    stopping = hl.PerModelEarlyStopping("val_loss", patience=1, min_delta=0.02)
+    run(Fused(_models()), tmp_path / "fused", stopping, [files])
+    steps = []
+    for k, model in enumerate(_models()):
+        alone = run(Alone(model, LRS[k]), tmp_path / f"alone{k}",
+                    pl.callbacks.EarlyStopping("val_loss", patience=1, min_delta=0.02))
+        steps.append(alone.global_step)
+        mine = torch.load(files.path(k))
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(mine[name], p.detach(), rtol=1e-9, atol=1e-12, msg=name)
+    assert any(step % 8 for step in steps), steps  # (one stopped within an epoch)
