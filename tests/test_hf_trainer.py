@@ -157,11 +157,6 @@ def test_a_model_that_is_not_fused_or_a_loss_per_model_is_refused(tmp_path):
     fused = hftc.fuse(_models(_bert), example_inputs=(data[0]["input_ids"][None],))
     with pytest.raises(hftc.errors.FusionArgumentError, match=r"label_smoothing_factor"):
         hftc_hf.FusedTrainer(model=fused, args=_args(tmp_path, "x", label_smoothing_factor=0.1))
-    with pytest.raises(hftc.errors.FusionArgumentError,
-                       match=r"save_total_limit with load_best_model_at_end would keep one"):
-        hftc_hf.FusedTrainer(model=fused, args=_args(
-            tmp_path, "x", load_best_model_at_end=True, eval_strategy="steps",
-            save_strategy="steps", save_total_limit=2))
 
 
 def _accuracy(prediction: transformers.EvalPrediction) -> dict[str, float]:

@@ -41,9 +41,12 @@ transformers and accelerate raises :class:`hftc.errors.MissingExtraError`, which
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,6 +69,8 @@ except ImportError as exc:  # pragma: no cover - the test environment has them
                             f"installed): pip install 'hftc[hf]'", extra="hf") from exc
 
 __all__ = ["FusedTrainer", "PerModelEarlyStopping", "model_dir"]
+
+_logger = transformers.utils.logging.get_logger(__name__)
 
 #: in each checkpoint folder: the models' bests (what trainer_state.json's best_metric and
 #: best_model_checkpoint are for one model), read back by train(resume_from_checkpoint=...)
@@ -90,9 +95,7 @@ class FusedTrainer(transformers.Trainer):
     Raises ``FusionTypeError`` for a model that is not a fused module of ``PreTrainedModel``\\ s
     and ``FusionArgumentError`` for what would treat the N models as one:
     ``label_smoothing_factor`` (the Trainer smooths the logits as one model's),
-    ``neftune_noise_alpha`` (a hook on one model's input embeddings),
-    ``save_total_limit`` with ``load_best_model_at_end`` (the Trainer keeps one best
-    checkpoint, the models' bests differ), ``batch_eval_metrics`` and
+    ``neftune_noise_alpha`` (a hook on one model's input embeddings), ``batch_eval_metrics`` and
     ``DataParallel`` over several GPUs of one process (use DDP: ``torchrun`` /
     ``accelerate launch``, each process the fused module on its own GPU).
     """
@@ -132,11 +135,6 @@ class FusedTrainer(transformers.Trainer):
                 "model.get_input_embeddings(), one model's embedding module, which a fused "
                 "module of N models has not (its call failed in hftc's tracing); set it to "
                 "None (each model's noise would not be its own run's draws either)")
-        if args is not None and args.load_best_model_at_end and args.save_total_limit:
-            raise FusionArgumentError(
-                "FusedTrainer: save_total_limit with load_best_model_at_end would keep one "
-                "best checkpoint, where each model's best step differs; leave "
-                "save_total_limit unset (each model's best checkpoint is kept)")
         if args is not None and args.batch_eval_metrics:
             raise FusionArgumentError(
                 "FusedTrainer: batch_eval_metrics calls compute_metrics on the batches of all "
@@ -340,9 +338,16 @@ class FusedTrainer(transformers.Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's logs with each model's loss in place of the models' summed one
-        (``loss/model_k``, and at the end of training ``train_loss/model_k``)."""
+        (``loss/model_k``; ``grad_norm/model_k`` and ``learning_rate/model_k`` in place of
+        the norm of all N models' gradients and model 0's rate; at the end of training
+        ``train_loss/model_k``)."""
         if "loss" in logs and self._pending_model_logs:
             del logs["loss"]
+            # (and the one gradient norm of all N models, model 0's learning rate under the
+            # Trainer's name: each model's own is logged in their place)
+            for name in ("grad_norm", "learning_rate"):
+                if f"{name}/model_0" in self._pending_model_logs:
+                    logs.pop(name, None)
             logs.update(self._pending_model_logs)
             self._pending_model_logs = {}
         if "train_loss" in logs and self._train_loss_totals is not None:
@@ -438,9 +443,6 @@ class FusedTrainer(transformers.Trainer):
                     f"gave {sorted(metrics)}); name a metric of compute_metrics, or 'loss'")
             if self._improves(metrics[key], self.best_metrics[k]):
                 self.best_metrics[k], self.best_steps[k] = metrics[key], self.state.global_step
-                self.best_checkpoints[k] = os.path.join(
-                    self._get_output_dir(trial=trial),
-                    f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
                 improved = True
         if improved and self.args.save_strategy != "no":
             self.state.best_global_step = self.state.global_step  # (a best checkpoint: now)
@@ -459,31 +461,87 @@ class FusedTrainer(transformers.Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Each model with its class's ``save_pretrained`` in ``output_dir/model_k`` (the
-        stacked state_dict of the fused module is no ``from_pretrained`` checkpoint)."""
+        stacked state_dict of the fused module is no ``from_pretrained`` checkpoint), with
+        the tokenizer (``processing_class``) beside it, as one model's Trainer saves it:
+        ``pipeline(model="out/model_k")`` would load a default one, without its vocabulary,
+        from a folder that has none."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
         fused = self.accelerator.unwrap_model(self.model)
-        for k in range(fused.num_models):
-            fused.unfuse_model(k).save_pretrained(model_dir(output_dir, k))
+        folders = [model_dir(output_dir, k) for k in range(fused.num_models)]
+        for k, folder in enumerate(folders):
+            fused.unfuse_model(k).save_pretrained(folder)
         if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
+            for folder in [output_dir, *folders]:
+                self.processing_class.save_pretrained(folder)
         torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """The Trainer's checkpoint, and the models' bests in it (``PER_MODEL_STATE_NAME``):
-        its trainer_state.json keeps one best, for one model."""
-        super()._save_checkpoint(model, trial)
+        its trainer_state.json keeps one best, for one model.  ``save_total_limit`` keeps
+        every model's best checkpoint (the Trainer's rotation would keep one)."""
+        with self._own_checkpoint_rotation() as save_total_limit:
+            super()._save_checkpoint(model, trial)
+        run_dir = self._get_output_dir(trial=trial)
+        prefix = transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+        for k, step in enumerate(self.best_steps):
+            # (as the Trainer's best_model_checkpoint: a best step's folder once it exists;
+            # an evaluation between saves has none, and the earlier best's stays)
+            best = os.path.join(run_dir, f"{prefix}-{step}")
+            if step is not None and os.path.isdir(best):
+                self.best_checkpoints[k] = best
         if self.args.should_save:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial),
-                f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = os.path.join(run_dir, f"{prefix}-{self.state.global_step}")
             state = {"best_metrics": self.best_metrics, "best_steps": self.best_steps,
                      "best_checkpoints": self.best_checkpoints,
                      "stopped_models": {str(k): v for k, v in self.stopped_models.items()}}
             with open(os.path.join(folder, PER_MODEL_STATE_NAME), "w") as file:
                 json.dump(state, file, indent=1)
+            self._rotate_checkpoints_keeping_bests(run_dir, save_total_limit)
+
+    @contextlib.contextmanager
+    def _own_checkpoint_rotation(self) -> Any:
+        """The Trainer's ``save_total_limit`` off inside (its rotation and end-of-training
+        clean-up protect one best checkpoint); yields it, for
+        :meth:`_rotate_checkpoints_keeping_bests`."""
+        save_total_limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            yield save_total_limit
+        finally:
+            self.args.save_total_limit = save_total_limit
+
+    def _rotate_checkpoints_keeping_bests(self, run_dir: str, save_total_limit: int | None,
+                                          keep_last: bool = True) -> None:
+        """``transformers.trainer_utils.rotate_checkpoints`` protecting every model's best
+        checkpoint (and the last, to resume from, unless ``keep_last`` is False: the
+        Trainer's clean-up at the end of training with ``save_total_limit=1``)."""
+        if not save_total_limit or save_total_limit <= 0 or not self.args.should_save:
+            return
+        checkpoints = transformers.trainer_utils.sort_checkpoints(run_dir, use_mtime=True)
+        protected = {str(Path(best)) for best in self.best_checkpoints if best is not None}
+        if keep_last or not protected:
+            protected |= set(checkpoints[-1:])
+        keep = save_total_limit if keep_last else 0
+        extra = len(checkpoints) - max(keep, len(protected))
+        for checkpoint in checkpoints:
+            if extra <= 0:
+                break
+            if checkpoint not in protected:
+                shutil.rmtree(checkpoint, ignore_errors=True)
+                extra -= 1
+
+    def _finalize_training(self, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer._finalize_training``; with ``save_total_limit=1`` and a best per model,
+        only the models' best checkpoints are kept (the Trainer keeps its one best)."""
+        with self._own_checkpoint_rotation() as save_total_limit:
+            output = super()._finalize_training(trial, *args, **kwargs)
+        if save_total_limit == 1 and any(best is not None for best in self.best_checkpoints):
+            self._rotate_checkpoints_keeping_bests(self._get_output_dir(trial=trial), 1,
+                                                   keep_last=False)
+        return output
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str,
                               model: torch.nn.Module | None = None) -> None:
@@ -497,8 +555,19 @@ class FusedTrainer(transformers.Trainer):
                 state = json.load(file)
             if len(state["best_steps"]) == self.num_models:
                 self.best_metrics, self.best_steps = state["best_metrics"], state["best_steps"]
-                self.best_checkpoints = state["best_checkpoints"]
+                self.best_checkpoints = [self._existing_best(k, folder) for k, folder
+                                         in enumerate(state["best_checkpoints"])]
                 self.stopped_models = {int(k): v for k, v in state["stopped_models"].items()}
+
+    @staticmethod
+    def _existing_best(k: int, folder: str | None) -> str | None:
+        """A resumed model's best checkpoint, None if its folder is gone (as the Trainer
+        ignores a best_model_checkpoint that no longer exists, warning)."""
+        if folder is None or os.path.isdir(folder):
+            return folder
+        _logger.warning(f"The best checkpoint {folder} of model {k} recorded in the resumed "
+                        f"state does not exist anymore. Ignoring it for this run.")
+        return None
 
     def _load_callback_state(self) -> None:
         """``restore_callback_states_from_checkpoint``: the Trainer makes each stateful

@@ -32,7 +32,8 @@ leave the array: metrics are ``{name}/model_{id}`` and files ``model_{id}.pt`` t
 :class:`PerModelEarlyStopping` is Lightning's ``EarlyStopping`` per model (one of them per
 id, with its arguments, deciding on that model's metric at the same point of the loop): a
 model that stops leaves the array (``hftc.keep_models``, its optimizer state and
-scheduler entries too) before the next epoch starts, after that epoch's checkpoints; the
+scheduler entries too) before the next training step, after that epoch's checkpoints
+(or, stopped at a validation within an epoch, where its own run would stop); the
 run stops when every model has.  :class:`PerModelCheckpoint` writes each model's
 ``state_dict`` (as the original class has it: ``MLP().load_state_dict(torch.load(path))``)
 at every epoch's end, or, with ``monitor``, when the model's metric improves.
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -149,6 +151,10 @@ class FusedLightningModule(pl.LightningModule):
                 f"{self.model_ids}); give ids of models still training")
         keep = [j for j, model_id in enumerate(self.model_ids) if model_id in set(keep_ids)]
         trainer = self._trainer
+        leaving = [model_id for model_id in self.model_ids if model_id not in set(keep_ids)]
+        for callback in getattr(trainer, "callbacks", None) or []:
+            if isinstance(callback, PerModelCheckpoint):  # (the last state, as it leaves)
+                callback.on_models_leaving(trainer, self, leaving)
         optimizers = list(trainer.optimizers) if trainer is not None else []
         schedulers = ([config.scheduler for config in trainer.lr_scheduler_configs]
                       if trainer is not None else [])
@@ -299,7 +305,9 @@ class PerModelEarlyStopping(Callback):
     Takes ``EarlyStopping``'s arguments (``patience``, ``min_delta``, ``mode``,
     ``stopping_threshold``, ``check_on_train_epoch_end`` ...) and decides for each model
     as that callback would for the model trained alone.  A model that stops leaves the
-    array when the next epoch starts (so the epoch's checkpoints still hold it); the run
+    array before the next training step (where its own run would stop: after the epoch's
+    checkpoints, or at a validation within the epoch, its PerModelCheckpoint file
+    written as it leaves); the run
     stops when all have.  ``stopped_epochs``: model id -> the epoch it stopped at.
     """
 
@@ -327,6 +335,16 @@ class PerModelEarlyStopping(Callback):
         self._template.setup(trainer, pl_module, stage)  # when to check, as EarlyStopping
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._leave(pl_module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             batch: Any, batch_idx: int) -> None:
+        self._leave(pl_module)
+
+    def _leave(self, pl_module: pl.LightningModule) -> None:
+        """The models that stopped leave before the next step: where ``EarlyStopping``
+        stops its run, at an epoch's end or at a validation within the epoch
+        (``val_check_interval``), not at the next epoch's start."""
         if self._leaving:
             module = _fused_module(pl_module, "PerModelEarlyStopping")
             module.keep_models([i for i in module.model_ids if i not in self._leaving])
@@ -395,6 +413,13 @@ class PerModelCheckpoint(Callback):
         self.monitor, self.mode = monitor, mode
         self.best: dict[int, float] = {}
 
+    @property
+    def state_key(self) -> str:
+        # (unique per folder and metric, as ModelCheckpoint's: a Trainer may hold a
+        # monitored one for the bests beside one for the last states)
+        return self._generate_state_key(dirpath=self.dirpath, monitor=self.monitor,
+                                        mode=self.mode)
+
     def path(self, model_id: int) -> str:
         """Model ``model_id``'s file."""
         return os.path.join(self.dirpath, f"model_{model_id}.pt")
@@ -403,18 +428,26 @@ class PerModelCheckpoint(Callback):
         if self.monitor is None:
             self._save(trainer, pl_module)
 
+    def on_models_leaving(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                          model_ids: Sequence[int]) -> None:
+        """Without a monitor, the files of the models leaving the array: their last states
+        (a model stopped at a validation within an epoch leaves before its end)."""
+        if self.monitor is None:
+            self._save(trainer, pl_module, model_ids)
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # (as ModelCheckpoint with a monitor: after each validation, which need not be at
         # an epoch's end (val_check_interval) nor at every epoch (check_val_every_n_epoch))
         if self.monitor is not None:
             self._save(trainer, pl_module)
 
-    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+              model_ids: Sequence[int] | None = None) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero or trainer.state.fn != "fit":
             return
         module = _fused_module(pl_module, "PerModelCheckpoint")
         os.makedirs(self.dirpath, exist_ok=True)
-        for model_id in module.model_ids:
+        for model_id in module.model_ids if model_ids is None else model_ids:
             if self.monitor is not None:
                 name = model_metric(self.monitor, model_id)
                 if name not in trainer.callback_metrics:
@@ -422,6 +455,8 @@ class PerModelCheckpoint(Callback):
                         f"PerModelCheckpoint: no metric {name!r} (monitor={self.monitor!r}); "
                         f"log it with self.log_per_model({self.monitor!r}, values)")
                 value = float(trainer.callback_metrics[name])
+                if math.isnan(value):  # (as ModelCheckpoint: the worst value, not a best
+                    value = math.inf if self.mode == "min" else -math.inf  # none can beat)
                 best = self.best.get(model_id)
                 if best is not None and not (value < best if self.mode == "min" else value > best):
                     continue
