@@ -250,10 +250,11 @@ class _Comparison:
             # a constant to export: its value may be baked into the program
             return _same_metadata(a, b) and _same_bytes(a, b)
         if isinstance(a, float):
-            return math.isnan(a) and math.isnan(b) or (a == b and math.copysign(1, a) ==
-                                                       math.copysign(1, b))
+            return (math.isnan(a) and math.isnan(b) or (a == b and math.copysign(1, a) ==
+                                                        math.copysign(1, b))) \
+                and self._same_attributes(a, b)
         if isinstance(a, _VALUE_TYPES):
-            return bool(a == b)
+            return bool(a == b) and self._same_attributes(a, b)
         if isinstance(a, (enum.Enum, type, types.BuiltinFunctionType, types.ModuleType)):
             return False  # not the same object (checked above)
         key = (id(a), id(b))
@@ -265,25 +266,33 @@ class _Comparison:
         finally:
             self._assumed.discard(key)
 
+    def _same_attributes(self, a: Any, b: Any) -> bool:
+        """The Python attributes an object of a builtin kind carries besides its value (a
+        ``str`` or ``dict`` subclass's ``__dict__``, a function's ``f.gain = 0.5``)."""
+        return not hasattr(a, "__dict__") or self.same(vars(a), vars(b))
+
     def _same_contents(self, a: Any, b: Any) -> bool:
         if isinstance(a, (tuple, list)):
-            return len(a) == len(b) and all(map(self.same, a, b)) and (
-                not hasattr(a, "__dict__") or self.same(vars(a), vars(b)))
+            return len(a) == len(b) and all(map(self.same, a, b)) and self._same_attributes(a, b)
         if isinstance(a, dict):
+            # (a defaultdict's factory gives what forward reads at a missing key)
             return (list(a) == list(b) and all(self.same(a[k], b[k]) for k in a)
-                    and (not hasattr(a, "__dict__") or self.same(vars(a), vars(b))))
+                    and self.same(getattr(a, "default_factory", None),
+                                  getattr(b, "default_factory", None))
+                    and self._same_attributes(a, b))
         if isinstance(a, (set, frozenset)):
-            return a == b and all(isinstance(v, _VALUE_TYPES + (float,)) for v in a)
+            return a == b and all(isinstance(v, _VALUE_TYPES + (float,)) for v in a) \
+                and self._same_attributes(a, b)
         if isinstance(a, types.FunctionType):  # a lambda made per instance: same code and cells
             return (a.__code__ is b.__code__ and a.__globals__ is b.__globals__
                     and self.same(a.__defaults__, b.__defaults__)
                     and self.same(a.__kwdefaults__, b.__kwdefaults__)
-                    and self.same(_cells(a), _cells(b)))
+                    and self.same(_cells(a), _cells(b)) and self._same_attributes(a, b))
         if isinstance(a, types.MethodType):
             return self.same(a.__func__, b.__func__) and self.same(a.__self__, b.__self__)
         if isinstance(a, functools.partial):
             return (self.same(a.func, b.func) and self.same(a.args, b.args)
-                    and self.same(a.keywords, b.keywords))
+                    and self.same(a.keywords, b.keywords) and self._same_attributes(a, b))
         if isinstance(a, weakref.ref):
             return self.same(a(), b())
         if type(a).__module__ == "numpy":

@@ -346,6 +346,9 @@ class _DepthwiseConv2d(torch.autograd.Function):
                 padding: tuple) -> Tensor:
         return F.conv2d(x, weight, bias, stride, padding, 1, weight.shape[0])
 
+    #: Under forward-mode AD (:func:`apply_function_fast`): the forward is stock ops.
+    in_plain_ops = forward
+
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
         x, weight, bias, stride, padding = inputs
@@ -525,6 +528,13 @@ class _PointwiseRows(torch.autograd.Function):
             else:
                 torch.addmm(bias[i], x_i, weight[i].t(), out=y_i)
         return out
+
+    @staticmethod
+    def in_plain_ops(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """The forward in differentiable ops, for forward-mode AD (:func:`apply_function_fast`)."""
+        n, _, cin = weight.shape
+        return torch.cat([F.linear(rows[:, i * cin:(i + 1) * cin], weight[i],
+                                   None if bias is None else bias[i]) for i in range(n)], dim=1)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:

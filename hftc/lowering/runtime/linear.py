@@ -149,6 +149,9 @@ class _BatchedLinear(torch.autograd.Function):
     def forward(x3: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool) -> Tensor:
         return batched_product(x3, weight, bias, transposed)
 
+    #: Under forward-mode AD (:func:`apply_function_fast`): the forward is stock ops.
+    in_plain_ops = forward
+
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
         x3, weight, bias, _ = inputs
@@ -353,6 +356,10 @@ class _LinearChain(torch.autograd.Function):
         y, inputs = _forward(x3, list(params), activations, transposed)
         return (y, *inputs[1:])
 
+    #: Under forward-mode AD (:func:`apply_function_fast`): the forward is stock ops (its
+    #: in-place ReLUs on the products' fresh outputs, which forward mode differentiates).
+    in_plain_ops = forward
+
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         ctx.mark_non_differentiable(*output[1:])
@@ -528,6 +535,13 @@ class _PerModelLinearLogSoftmax(torch.autograd.Function):
                       else torch.addmm(bias[i], x3[i], weight[i].t()))
             torch._log_softmax(logits, 1, False, out=out[i])
         return out
+
+    @staticmethod
+    def in_plain_ops(x3: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """The forward in differentiable ops, for forward-mode AD (:func:`apply_function_fast`)."""
+        logits = torch.bmm(x3, weight.transpose(1, 2)) if bias is None else torch.baddbmm(
+            bias.unsqueeze(1), x3, weight.transpose(1, 2))
+        return F.log_softmax(logits, -1)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:

@@ -1,0 +1,250 @@
+"""Hunt 3: ``torch.func`` / ``torch.autograd`` transforms through a fused module, and each
+model's own Python state.
+
+- Forward-mode AD (``torch.func.jvp``, ``jacfwd``, ``hessian``, ``torch.autograd.forward_ad``
+  dual numbers) through a fused module failed with torch's bare ``NotImplementedError``
+  ("You must implement the jvp function for custom autograd.Function") wherever the fused
+  program ran one of hftc's own autograd Functions (the batched linear, the linear chain,
+  the 2-d max pool through channels-last, the contiguous gradient of a reduction, the
+  short-row softmax and cross-entropy), though the models themselves differentiate
+  fine: each result is now the models' own.
+- Two models whose Python state differs only in a function's attributes
+  (``f.gain = 0.5``) or in the attributes of a value of a builtin kind (an ``int``
+  subclass carrying a ``.scale``) were proved to run one program
+  (``same_program.program_difference``): one trace served both and the first-call check
+  skipped the differing model, so a model in the middle silently ran model 0's value.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, hessian, jacfwd, jvp
+
+import hftc
+from hftc.lowering.runtime import linear as rt_linear
+from hftc.lowering.runtime import losses as rt_losses
+from hftc.lowering.runtime import reduction as rt_reduction
+from hftc.lowering.runtime import spatial as rt_spatial
+
+F64 = {"rtol": 1e-10, "atol": 1e-12}
+F32 = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def plain_calls(monkeypatch, function) -> list[int]:
+    """``[calls]`` of ``function.in_plain_ops`` from now on (a spy, the result unchanged)."""
+    calls = [0]
+    plain = function.in_plain_ops
+
+    def spy(*args):
+        calls[0] += 1
+        return plain(*args)
+
+    monkeypatch.setattr(function, "in_plain_ops", staticmethod(spy))
+    return calls
+
+
+def mlp(sizes=(6, 16, 16, 4)) -> nn.Sequential:
+    layers = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv(x)).contiguous())
+        return self.fc(x.amax(dim=(2, 3)))
+
+
+def params_of(module) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in module.named_parameters()}
+
+
+def tangents_like(params: dict) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return {k: torch.randn(v.shape, dtype=v.dtype, generator=generator) for k, v in params.items()}
+
+
+def own_jvp(models, fused_tangents, x):
+    """Each model's ``d out / d params . tangent`` by stock ``torch.func.jvp``, stacked."""
+    outs = []
+    for i, m in enumerate(models):
+        own = params_of(m)
+        outs.append(jvp(lambda p, m=m: functional_call(m, p, (x,)), (own,),
+                        ({k: fused_tangents[k][i] for k in own},))[1])
+    return torch.stack(outs)
+
+
+@pytest.fixture
+def pool_through_channels_last(monkeypatch):
+    monkeypatch.setattr(rt_spatial, "_POOL_VIA_CHANNELS_LAST_MIN_NUMEL", 1)
+
+
+@pytest.fixture
+def short_rows(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+
+
+@pytest.mark.parametrize("make", [mlp, CNN], ids=["mlp", "cnn"])
+def test_forward_mode_ad_through_a_fused_module_is_each_models_own(
+        monkeypatch, pool_through_channels_last, make):
+    torch.manual_seed(0)
+    models = [make().double() for _ in range(3)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(4, 6) if make is mlp else torch.randn(2, 3, 8, 8)
+    x = x.double()
+    functions = [rt_linear._LinearChain] if make is mlp else [
+        rt_spatial._MaxPool2dThroughChannelsLast, rt_reduction._ContiguousGradient,
+        rt_linear._BatchedLinear]
+    calls = [plain_calls(monkeypatch, function) for function in functions]
+    t = torch.randn_like(x)
+    # d out / d x . t, the first call (which compiles and checks) inside jvp
+    out, tangent = jvp(fused, (x,), (t,))
+    torch.testing.assert_close(out, torch.stack([m(x) for m in models]), **F64)
+    torch.testing.assert_close(tangent, torch.stack([jvp(m, (x,), (t,))[1] for m in models]),
+                               **F64)
+    # over the parameters, by torch.func and by forward_ad's dual numbers
+    params = params_of(fused)
+    tangents = tangents_like(params)
+    want = own_jvp(models, tangents, x)
+    got = jvp(lambda p: functional_call(fused, p, (x,)), (params,), (tangents,))[1]
+    torch.testing.assert_close(got, want, **F64)
+    with fwAD.dual_level():
+        duals = {k: fwAD.make_dual(v, tangents[k]) for k, v in params.items()}
+        got = fwAD.unpack_dual(functional_call(fused, duals, (x,))).tangent
+    torch.testing.assert_close(got, want, **F64)
+    # jacfwd, and hessian (jacfwd of jacrev) of a function calling the fused module
+    torch.testing.assert_close(jacfwd(fused)(x), torch.stack([jacfwd(m)(x) for m in models]),
+                               **F64)
+    got = hessian(lambda v: fused(v).tanh().sum())(x)
+    want = sum(hessian(lambda v, m=m: m(v).tanh().sum())(x) for m in models)
+    torch.testing.assert_close(got, want, **F64)
+    assert [c[0] >= 1 for c in calls] == [True] * len(calls), calls
+
+
+def test_hessian_over_a_fused_modules_parameters_is_block_diagonal_per_model():
+    torch.manual_seed(0)
+    models = [mlp((3, 4, 2)).double() for _ in range(2)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(5, 3, dtype=torch.float64)
+    params = params_of(fused)
+    got = hessian(lambda p: functional_call(fused, p, (x,)).square().sum())(params)
+    for i, m in enumerate(models):
+        want = hessian(lambda p, m=m: functional_call(m, p, (x,)).square().sum())(params_of(m))
+        for a in want:
+            for b in want[a]:  # got[a][b]: [N, *shape_a, N, *shape_b]; model i's own block
+                block = got[a][b][i][(slice(None),) * (params[a].dim() - 1) + (i,)]
+                torch.testing.assert_close(block, want[a][b], **F64)
+
+
+def test_forward_mode_through_the_short_row_softmax_and_cross_entropy(monkeypatch, short_rows):
+    # float32 classifiers of 10 classes: hftc's _ShortRowSoftmax (the models' own
+    # log_softmax) and _ShortRowCrossEntropy (the per-model loss) under jvp.
+    class LogSoftmaxClassifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(12, 32), nn.Linear(32, 10)
+
+        def forward(self, x):
+            return F.log_softmax(self.fc2(torch.tanh(self.fc1(x))), dim=-1)
+
+    torch.manual_seed(0)
+    models = [LogSoftmaxClassifier() for _ in range(4)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x, y = torch.randn(64, 12), torch.randint(0, 10, (64,))
+    y[:3] = -100
+    fused(x)
+    softmax = plain_calls(monkeypatch, rt_reduction._ShortRowSoftmax)
+    cross_entropy = plain_calls(monkeypatch, rt_losses._ShortRowCrossEntropy)
+    params = params_of(fused)
+    tangents = tangents_like(params)
+    got = jvp(lambda p: functional_call(fused, p, (x,)), (params,), (tangents,))[1]
+    torch.testing.assert_close(got, own_jvp(models, tangents, x), **F32)
+    assert softmax[0] == 1
+    for reduction in ("mean", "sum", "none"):
+        def loss(p, reduction=reduction):
+            logits = functional_call(fused, p, (x,)).exp()  # (cross-entropy over its exp)
+            return hftc.per_model(F.cross_entropy)(logits, y, reduction=reduction)
+
+        value, tangent = jvp(loss, (params,), (tangents,))
+        want_values, want_tangents = [], []
+        for i, m in enumerate(models):
+            own = params_of(m)
+            v, t = jvp(lambda p, m=m, r=reduction: F.cross_entropy(
+                functional_call(m, p, (x,)).exp(), y, reduction=r),
+                (own,), ({k: tangents[k][i] for k in own},))
+            want_values.append(v)
+            want_tangents.append(t)
+        torch.testing.assert_close(value, torch.stack(want_values), **F32)
+        torch.testing.assert_close(tangent, torch.stack(want_tangents), **F32)
+    assert cross_entropy[0] == 3
+
+
+# ------------------------------------------------------------------ each model's own state
+
+
+def _function_with_gain(gain):
+    def scale(t):
+        return t * scale.gain
+
+    scale.gain = gain  # (a function attribute: what functools.wraps and decorators set)
+    return scale
+
+
+class FunctionAttribute(nn.Module):
+    def __init__(self, gain):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.post = _function_with_gain(gain)
+
+    def forward(self, x):
+        return self.post(self.lin(x))
+
+
+class Level(int):
+    """An int that carries attributes (an IntEnum-like level with its own scale)."""
+
+
+class IntWithAttributes(nn.Module):
+    def __init__(self, gain):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.level = Level(2)
+        self.level.gain = gain
+
+    def forward(self, x):
+        return self.lin(x) * self.level.gain
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+@pytest.mark.parametrize("cls", [FunctionAttribute, IntWithAttributes], ids=lambda c: c.__name__)
+def test_state_in_a_functions_or_an_ints_attributes_is_each_models_own(cls, frontend):
+    # The differing model at 1 of 6: not one of the check's own picks (0, N // 2, N - 1).
+    torch.manual_seed(0)
+    models = [cls(3.0 if i == 1 else 1.0).double() for i in range(6)]
+    x = torch.randn(3, 4, dtype=torch.float64)
+    options = {} if frontend == "symbolic" else {"example_inputs": (x,)}
+    for strategy in ("auto", "fused"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", hftc.FusionWarning)
+            fused = hftc.fuse(copy.deepcopy(models), strategy=strategy, frontend=frontend,
+                              **options)
+            for _ in range(2):
+                out = fused(x)
+                for i, m in enumerate(models):
+                    torch.testing.assert_close(out[i], m(x), msg=lambda s, i=i: f"{i}: {s}")
+        for own, m in zip(fused.unfuse(), models):
+            torch.testing.assert_close(own(x), m(x))
