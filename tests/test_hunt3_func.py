@@ -248,3 +248,57 @@ def test_state_in_a_functions_or_an_ints_attributes_is_each_models_own(cls, fron
                     torch.testing.assert_close(out[i], m(x), msg=lambda s, i=i: f"{i}: {s}")
         for own, m in zip(fused.unfuse(), models):
             torch.testing.assert_close(own(x), m(x))
+
+
+# ------------------------------------------------------------------ refusals name the attribute
+
+
+class HFStyleConfig:
+    """A transformers-style config object (``self.config.use_cache``)."""
+
+    def __init__(self, use_cache=True, num_heads=2):
+        self.use_cache, self.num_heads, self.layer_norm_eps = use_cache, num_heads, 1e-12
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h.view(x.shape[0], self.config.num_heads, -1).softmax(-1).flatten(1)
+
+
+class CachedModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.attn = Attention(config)
+        self.opts = {"heads": [config.num_heads]}
+
+    def forward(self, x):
+        h = self.attn(x)
+        if self.config.use_cache:
+            return h
+        return h * 2
+
+
+@pytest.mark.parametrize("differing, said", [
+    (dict(use_cache=False), ["`config.use_cache` (False vs True)",
+                             "`attn.config.use_cache` (False vs True)"]),
+    (dict(num_heads=4), ["`config.num_heads` (4 vs 2)", "`opts['heads'][0]` (4 vs 2)"]),
+])
+def test_a_refusal_names_the_attribute_path_whose_value_differs(differing, said):
+    # The MismatchError named the op and the line that differ, but not the user's value
+    # that made them differ (a config flag, a dict entry), nor where it sits.
+    models = [CachedModel(HFStyleConfig(**(differing if i == 2 else {}))) for i in range(4)]
+    with pytest.raises(hftc.MismatchError) as info:
+        hftc.fuse(models)
+    message = str(info.value)
+    assert "model 2 of 4 cannot be fused" in message
+    line = next(line for line in message.splitlines() if "Python state" in line)
+    assert line.startswith("  model 2's Python state differs from model 0's at ")
+    for path in said:
+        assert path in line, (path, line)
