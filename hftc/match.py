@@ -143,8 +143,12 @@ SCALAR_KEYWORDS = {torch.clamp: ("min", "max"), torch.clip: ("min", "max"),
                    torch.clamp_min: ("min",), torch.clamp_max: ("max",),
                    "clamp_min": ("min",), "clamp_max": ("max",),
                    torch.lerp: ("weight",), "lerp": ("weight",), "lerp_": ("weight",),
-                   **{op: ("alpha",) for op in (torch.add, torch.sub, "add", "sub", "add_",
-                                                "sub_")},
+                   # the operand by keyword: torch.mul(x, other=self.scale) as x * self.scale
+                   **{op: ("other",) for op in (torch.mul, torch.div, "mul", "div", "mul_",
+                                                "div_")},
+                   **{op: ("other", "alpha") for op in (torch.add, torch.sub, "add", "sub",
+                                                         "add_", "sub_")},
+                   torch.pow: ("exponent",), "pow": ("exponent",), "pow_": ("exponent",),
                    F.scaled_dot_product_attention: ("scale",)}
 
 

@@ -28,6 +28,7 @@ from torch import nn
 from torch.func import functional_call, hessian, jacfwd, jvp
 
 import hftc
+import hftc.errors
 from hftc.lowering.runtime import linear as rt_linear
 from hftc.lowering.runtime import losses as rt_losses
 from hftc.lowering.runtime import reduction as rt_reduction
@@ -302,3 +303,71 @@ def test_a_refusal_names_the_attribute_path_whose_value_differs(differing, said)
     assert line.startswith("  model 2's Python state differs from model 0's at ")
     for path in said:
         assert path in line, (path, line)
+
+
+# ------------------------------------------------------------------ functional_call's tensors
+
+
+@pytest.mark.parametrize("first_call", [True, False])
+@pytest.mark.parametrize("name, shape", [("0.weight", (8, 6)), ("0.weight", (3, 8, 6)),
+                                         ("0.bias", (8,))])
+def test_functional_call_with_unstacked_tensors_says_what_they_must_be(first_call, name, shape):
+    # One model's [8, 6] weight (or a stack of another N) given to functional_call raised
+    # a bare IndexError / RuntimeError from the batched linear's kernel.
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)) for _ in range(2)]
+    fused = hftc.fuse(models)
+    x = torch.randn(5, 6)
+    if not first_call:
+        fused(x)
+    with pytest.raises(hftc.errors.FusionArgumentError) as info:
+        functional_call(fused, {name: torch.randn(shape)}, (x,))
+    message = str(info.value)
+    own = list(dict(models[0].named_parameters())[name].shape)
+    assert f"`{name}` is {list(shape)} on this call" in message
+    assert f"built for {[2, *own]}" in message and "stack_module_state" in message
+    assert "test_hunt3_func.py" in message  # the user's line
+    stacked = {k: torch.stack([dict(m.named_parameters())[k].detach() for m in models])
+               for k in [name]}
+    torch.testing.assert_close(functional_call(fused, stacked, (x,)),
+                               torch.stack([m(x) for m in models]))
+
+
+# ------------------------------------------------------------------ a per-model number by keyword
+
+
+class KeywordScalar(nn.Module):
+    def __init__(self, form, value):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.form, self.value = form, value
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.form == "torch.mul":
+            return torch.mul(h, other=self.value)
+        if self.form == "Tensor.div":
+            return h.div(other=self.value)
+        if self.form == "torch.add":
+            return torch.add(h, other=self.value)
+        if self.form == "torch.sub alpha":
+            return torch.sub(h, other=h.tanh(), alpha=self.value)
+        return torch.pow(h.abs() + 1, exponent=self.value)
+
+
+@pytest.mark.parametrize("form", ["torch.mul", "Tensor.div", "torch.add", "torch.sub alpha",
+                                  "torch.pow"])
+def test_a_per_model_number_passed_by_keyword_fuses_as_by_position(form):
+    # torch.mul(h, other=self.scale) was a MismatchError ("argument `other`: 2.0 vs 0.5")
+    # where torch.mul(h, self.scale) and h * self.scale fuse, each model its own number.
+    torch.manual_seed(0)
+    models = [KeywordScalar(form, v).double() for v in (0.5, 0.5, 2.0, 0.5)]
+    fused = hftc.fuse(copy.deepcopy(models), strategy="fused")
+    x = torch.randn(3, 4, dtype=torch.float64)
+    out = fused(x)
+    assert fused.fusion_report.fallbacks == []
+    out.square().sum().backward()
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(x), **F64)
+        m(x).square().sum().backward()
+        torch.testing.assert_close(fused.lin.weight.grad[i], m.lin.weight.grad, **F64)
