@@ -371,3 +371,100 @@ def test_a_per_model_number_passed_by_keyword_fuses_as_by_position(form):
         torch.testing.assert_close(out[i], m(x), **F64)
         m(x).square().sum().backward()
         torch.testing.assert_close(fused.lin.weight.grad[i], m.lin.weight.grad, **F64)
+
+
+# ------------------------------------------------------------------ batched gradients through convs
+
+
+class ConvNet(nn.Module):
+    """A 1x1 conv after a depthwise one (the pointwise kernels and their layout hook), a
+    pool and a linear head; eval-mode batch norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.pw = nn.Conv2d(8, 6, 1)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.c1(x)))
+        x = F.relu(self.pw(self.dw(x)))
+        return self.fc(self.pool(x.contiguous()).amax((2, 3)))
+
+
+def test_batched_gradients_through_fused_convs_are_each_models_own(pool_through_channels_last):
+    # jacrev, per-sample gradients (vmap(grad)) and is_grads_batched=True failed in the
+    # fused convs: the 1x1 conv's gradient-layout hook copied vmap's batched gradient into
+    # a plain tensor ("vmap: inplace arithmetic ... not possible"), the pointwise kernel's
+    # backward wrote with out= ("Batching rule not implemented for aten::mm.out"), and a
+    # stacked input under vmap was made channels-last ("NYI: Tensor.clone(memory_format)").
+    torch.manual_seed(0)
+    models = [ConvNet().double().eval() for _ in range(3)]
+    fused = hftc.fuse(copy.deepcopy(models)).eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    y = torch.randint(0, 5, (2,))
+    torch.testing.assert_close(torch.func.jacrev(fused)(x),
+                               torch.stack([torch.func.jacrev(m)(x) for m in models]), **F64)
+    xr = x.clone().requires_grad_()
+    out = fused(xr)
+    grads = torch.randn(4, *out.shape, dtype=torch.float64)
+    got, = torch.autograd.grad(out, xr, grads, is_grads_batched=True)
+    want = torch.stack([sum(torch.autograd.grad(m(xr), xr, grads[k, i])[0]
+                            for i, m in enumerate(models)) for k in range(4)])
+    torch.testing.assert_close(got, want, **F64)
+    buffers = {k: v.detach() for k, v in fused.named_buffers()}
+    for stacked_inputs in (False, True):
+        module = hftc.fuse(copy.deepcopy(models), in_dims=0).eval() if stacked_inputs else fused
+        inputs = torch.randn(3, *x.shape, dtype=torch.float64) if stacked_inputs else x
+
+        def loss(p, xi, yi, module=module):
+            out = functional_call(module, (p, buffers), (xi.unsqueeze(-4),))
+            return hftc.per_model(F.cross_entropy)(out, yi[None]).sum()
+
+        per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, int(stacked_inputs), 0))(
+            params_of(module), inputs, y)
+        for s in range(2):
+            for i, m in enumerate(models):
+                m.zero_grad()
+                own = inputs[i] if stacked_inputs else inputs
+                F.cross_entropy(m(own[s:s + 1]), y[s:s + 1]).backward()
+                for name, p in m.named_parameters():
+                    torch.testing.assert_close(per_sample[name][s, i], p.grad, **F64)
+
+
+def test_is_grads_batched_through_a_fused_log_softmax_head(monkeypatch):
+    # The per-model log-softmax head (large logits: one model at a time) wrote its
+    # backward's GEMMs with out=, which torch.autograd.grad(..., is_grads_batched=True)
+    # and autograd.functional.jacobian(vectorize=True) cannot batch.
+    monkeypatch.setattr(rt_linear, "_PER_MODEL_BLOCK_BYTES", 0)
+    monkeypatch.setattr(rt_linear, "_PER_MODEL_TOTAL_BYTES", 0)
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 7)
+
+        def forward(self, x):
+            return F.log_softmax(self.fc2(torch.tanh(self.fc1(x))), dim=-1)
+
+    torch.manual_seed(0)
+    models = [Head().double() for _ in range(3)]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    calls = [0]
+    backward = rt_linear._PerModelLinearLogSoftmax.backward
+    monkeypatch.setattr(rt_linear._PerModelLinearLogSoftmax, "backward", staticmethod(
+        lambda *a: calls.__setitem__(0, calls[0] + 1) or backward(*a)))
+    out = fused(x)
+    grads = torch.randn(3, *out.shape, dtype=torch.float64)
+    got, = torch.autograd.grad(out, x, grads, is_grads_batched=True)
+    assert calls[0] == 1
+    want = torch.stack([sum(torch.autograd.grad(m(x), x, grads[k, i])[0]
+                            for i, m in enumerate(models)) for k in range(3)])
+    torch.testing.assert_close(got, want, **F64)
+    jacobian = torch.autograd.functional.jacobian(fused, x.detach(), vectorize=True)
+    torch.testing.assert_close(jacobian, torch.stack(
+        [torch.autograd.functional.jacobian(m, x.detach()) for m in models]), **F64)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .function_apply import apply_function_fast, unwrap_dead_wrappers
-from .layout import pad_model_dims
+from .layout import batched_gradient, pad_model_dims
 from .tuning import check_lowering, tunable
 
 
@@ -417,7 +417,7 @@ def _relu_backward_into(g: Tensor, h: Tensor) -> Tensor:
     own fresh product, which nothing else reads): the same values, without a new
     ``[N, M, width]`` tensor each layer (its pages cost about as much as the pass).
     Out of place under torch.func transforms and torch.compile, which take no ``out=``."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling() or batched_gradient(g):
         return torch.ops.aten.threshold_backward(g, h, 0)
     return torch.ops.aten.threshold_backward.grad_input(g, h, 0, grad_input=g)
 
@@ -554,7 +554,8 @@ class _PerModelLinearLogSoftmax(torch.autograd.Function):
         x3, weight, out = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         need_b = need_b and ctx.has_bias
-        if torch.is_grad_enabled():  # create_graph: differentiable ops
+        # create_graph, or gradients vmap batches (no out=): differentiable ops
+        if torch.is_grad_enabled() or batched_gradient(grad):
             d = grad - out.exp() * grad.sum(-1, keepdim=True)
             return (torch.bmm(d, weight) if need_x else None,
                     torch.bmm(d.transpose(1, 2), x3) if need_w else None,
