@@ -47,6 +47,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .errors import MismatchError
+from .frontends.same_program import attribute_differences
 from .ir import DIFFERING_OPS, PER_MODEL, ArgKey, user_line
 from .lowering.runtime.guards import INPUT_GUARDS
 
@@ -142,8 +143,12 @@ SCALAR_KEYWORDS = {torch.clamp: ("min", "max"), torch.clip: ("min", "max"),
                    torch.clamp_min: ("min",), torch.clamp_max: ("max",),
                    "clamp_min": ("min",), "clamp_max": ("max",),
                    torch.lerp: ("weight",), "lerp": ("weight",), "lerp_": ("weight",),
-                   **{op: ("alpha",) for op in (torch.add, torch.sub, "add", "sub", "add_",
-                                                "sub_")},
+                   # the operand by keyword: torch.mul(x, other=self.scale) as x * self.scale
+                   **{op: ("other",) for op in (torch.mul, torch.div, "mul", "div", "mul_",
+                                                "div_")},
+                   **{op: ("other", "alpha") for op in (torch.add, torch.sub, "add", "sub",
+                                                         "add_", "sub_")},
+                   torch.pow: ("exponent",), "pow": ("exponent",), "pow_": ("exponent",),
                    F.scaled_dot_product_attention: ("scale",)}
 
 
@@ -723,7 +728,21 @@ def _explain_mismatch(
         lines.append("  the nodes agree one by one, but their argument edges differ "
                      "(the same layers, connected in another order)")
         kinds.add("structure")
+    if len(models) == len(graphs):
+        lines += _state_lines(models, failed)
     return "\n".join(lines), kinds
+
+
+def _state_lines(models: Sequence[nn.Module], failed: list[int]) -> list[str]:
+    """Where each failed model's Python state (a config, a dict, an attribute forward
+    reads) differs from model 0's, by attribute path: what made its code differ."""
+    lines = []
+    for i in failed[:5]:
+        paths = attribute_differences(models[0], models[i])
+        if paths:
+            lines.append(f"  model {i}'s Python state differs from model 0's at "
+                         f"{', '.join(paths)}")
+    return lines
 
 
 def _is_guard(node: fx.Node) -> bool:

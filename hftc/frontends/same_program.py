@@ -121,6 +121,86 @@ def _state_difference(model0: nn.Module, model: nn.Module,
     return None
 
 
+def attribute_differences(model0: nn.Module, model: nn.Module, limit: int = 3) -> list[str]:
+    """The attribute paths where ``model``'s Python state differs from ``model0``'s, with
+    both values where they are plain, for a refusal to name (at most ``limit``)::
+
+        attribute_differences(Bert(use_cache=True), Bert(use_cache=False))
+            -> ["`config.use_cache` (False vs True)"]
+        attribute_differences(Net({"heads": 2}), Net({"heads": 4}))
+            -> ["`cfg['heads']` (4 vs 2)"]
+
+    Empty where the module trees differ (the refusal names those) or nothing differs."""
+    modules0 = list(model0.named_modules(remove_duplicate=False))
+    modules = list(model.named_modules(remove_duplicate=False))
+    if [(p, type(m)) for p, m in modules0] != [(p, type(m)) for p, m in modules]:
+        return []
+    try:
+        return _attribute_differences(modules0, modules, _Comparison(model0, model), limit)
+    except RecursionError:  # an attribute nested deeper than Python compares
+        return []
+
+
+def _attribute_differences(modules0: list[tuple[str, nn.Module]],
+                           modules: list[tuple[str, nn.Module]], compare: _Comparison,
+                           limit: int) -> list[str]:
+    """:func:`attribute_differences` over the two module trees (alike in paths and classes)."""
+    found: list[str] = []
+    for (path, sub0), (_, sub) in zip(modules0, modules):
+        if type(sub).__module__.startswith("torch."):
+            continue  # (torch's modules: the refusal names their hyper-parameters already)
+        state0, state = vars(sub0), vars(sub)
+        for key in [k for k in state if k not in _REGISTRIES]:
+            where = f"{path}.{key}" if path else key
+            if key not in state0:
+                found.append(f"`{where}` (model 0 has none)")
+            else:
+                _differing_leaves(compare, state[key], state0[key], where, found, depth=0)
+            if len(found) >= limit:
+                return found[:limit]
+        found += [f"`{path}.{k}` (only model 0 has one)" if path else f"`{k}` (only model 0 "
+                  f"has one)" for k in state0 if k not in state]
+    return found[:limit]
+
+
+def _differing_leaves(compare: _Comparison, value: Any, value0: Any, where: str,
+                      found: list[str], depth: int) -> None:
+    """Append to ``found`` the paths below ``where`` at which ``value`` and ``value0`` differ:
+    into dicts, lists and tuples, and objects' attributes (a dataclass, a namespace, a
+    transformers config), down to the values that differ."""
+    if compare.same(value, value0):
+        return
+    before = len(found)
+    if isinstance(value, functools.partial) and isinstance(value0, functools.partial) \
+            and compare.same(value.func, value0.func) and compare.same(value.args, value0.args):
+        value, value0, where = value.keywords, value0.keywords, f"{where}.keywords"
+    if depth < 8 and type(value) is type(value0) and not isinstance(
+            value, (nn.Module, torch.Tensor, str, bytes, enum.Enum)):
+        if isinstance(value, dict):
+            if list(value) == list(value0):
+                for k in value:
+                    _differing_leaves(compare, value[k], value0[k], f"{where}[{k!r}]", found,
+                                      depth + 1)
+                if len(found) > before:
+                    return
+        elif isinstance(value, (list, tuple)) and len(value) == len(value0):
+            for k, (v, v0) in enumerate(zip(value, value0)):
+                _differing_leaves(compare, v, v0, f"{where}[{k}]", found, depth + 1)
+            if len(found) > before:
+                return
+        elif hasattr(value, "__dict__") and not callable(value) and vars(value).keys() == \
+                vars(value0).keys():
+            for k in vars(value):
+                _differing_leaves(compare, vars(value)[k], vars(value0)[k], f"{where}.{k}",
+                                  found, depth + 1)
+            if len(found) > before:
+                return
+    plain = (float, enum.Enum) + _PRINTED_TYPES
+    both = (f" ({value!r} vs {value0!r})" if isinstance(value, plain) and isinstance(
+        value0, plain) and len(repr(value)) + len(repr(value0)) < 80 else "")
+    found.append(f"`{where}`{both}")
+
+
 #: How many distinct programs :func:`alike_models` compares a model with: past that many,
 #: a model alike none of them is its own (traced itself), so grouping N models that all
 #: differ (a sweep over dropout p) costs O(N), not O(N**2) comparisons.
@@ -250,10 +330,11 @@ class _Comparison:
             # a constant to export: its value may be baked into the program
             return _same_metadata(a, b) and _same_bytes(a, b)
         if isinstance(a, float):
-            return math.isnan(a) and math.isnan(b) or (a == b and math.copysign(1, a) ==
-                                                       math.copysign(1, b))
+            return (math.isnan(a) and math.isnan(b) or (a == b and math.copysign(1, a) ==
+                                                        math.copysign(1, b))) \
+                and self._same_attributes(a, b)
         if isinstance(a, _VALUE_TYPES):
-            return bool(a == b)
+            return bool(a == b) and self._same_attributes(a, b)
         if isinstance(a, (enum.Enum, type, types.BuiltinFunctionType, types.ModuleType)):
             return False  # not the same object (checked above)
         key = (id(a), id(b))
@@ -265,25 +346,33 @@ class _Comparison:
         finally:
             self._assumed.discard(key)
 
+    def _same_attributes(self, a: Any, b: Any) -> bool:
+        """The Python attributes an object of a builtin kind carries besides its value (a
+        ``str`` or ``dict`` subclass's ``__dict__``, a function's ``f.gain = 0.5``)."""
+        return not hasattr(a, "__dict__") or self.same(vars(a), vars(b))
+
     def _same_contents(self, a: Any, b: Any) -> bool:
         if isinstance(a, (tuple, list)):
-            return len(a) == len(b) and all(map(self.same, a, b)) and (
-                not hasattr(a, "__dict__") or self.same(vars(a), vars(b)))
+            return len(a) == len(b) and all(map(self.same, a, b)) and self._same_attributes(a, b)
         if isinstance(a, dict):
+            # (a defaultdict's factory gives what forward reads at a missing key)
             return (list(a) == list(b) and all(self.same(a[k], b[k]) for k in a)
-                    and (not hasattr(a, "__dict__") or self.same(vars(a), vars(b))))
+                    and self.same(getattr(a, "default_factory", None),
+                                  getattr(b, "default_factory", None))
+                    and self._same_attributes(a, b))
         if isinstance(a, (set, frozenset)):
-            return a == b and all(isinstance(v, _VALUE_TYPES + (float,)) for v in a)
+            return a == b and all(isinstance(v, _VALUE_TYPES + (float,)) for v in a) \
+                and self._same_attributes(a, b)
         if isinstance(a, types.FunctionType):  # a lambda made per instance: same code and cells
             return (a.__code__ is b.__code__ and a.__globals__ is b.__globals__
                     and self.same(a.__defaults__, b.__defaults__)
                     and self.same(a.__kwdefaults__, b.__kwdefaults__)
-                    and self.same(_cells(a), _cells(b)))
+                    and self.same(_cells(a), _cells(b)) and self._same_attributes(a, b))
         if isinstance(a, types.MethodType):
             return self.same(a.__func__, b.__func__) and self.same(a.__self__, b.__self__)
         if isinstance(a, functools.partial):
             return (self.same(a.func, b.func) and self.same(a.args, b.args)
-                    and self.same(a.keywords, b.keywords))
+                    and self.same(a.keywords, b.keywords) and self._same_attributes(a, b))
         if isinstance(a, weakref.ref):
             return self.same(a(), b())
         if type(a).__module__ == "numpy":

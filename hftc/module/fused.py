@@ -783,8 +783,12 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         if self.padding is not None:
             mask_padded_gradients(self)
         values, batched = self._inputs(args, kwargs)
-        program, how = self._rewriting_padded_ops(
-            lambda: self._program_and_way(values, batched), values, batched)
+        try:
+            program, how = self._rewriting_padded_ops(
+                lambda: self._program_and_way(values, batched), values, batched)
+        except (RuntimeError, IndexError, ValueError) as exc:
+            self._explain_tensor_mismatch(exc)
+            raise
         self.__dict__["_last_call_program"] = program  # (hftc.compile_step reads its plan)
         try:
             with ir.modes_restored_on_error():
@@ -794,10 +798,12 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
                 out = program.forward(self, *values)
             out = out if program.output_spec is None else program.output_spec.rebuild(out)
             return mark_outputs(out, self.num_models)  # (a stock loss on it is checked)
-        except RuntimeError as exc:
+        except (RuntimeError, IndexError, ValueError) as exc:
             if program.trial is not None:  # (a failed call's time counts for no way)
                 program.trial.last = None
-            self._explain_input_mismatch(values, batched, exc)
+            self._explain_tensor_mismatch(exc)
+            if isinstance(exc, RuntimeError):
+                self._explain_input_mismatch(values, batched, exc)
             raise
 
 

@@ -32,6 +32,7 @@ from ..errors import (
     FusionError,
     ModelInputError,
     UsageWarning,
+    user_line,
     user_stacklevel,
 )
 from ..frontends.symbolic import (
@@ -328,6 +329,30 @@ class InputHandling:
         if self.__dict__.get("_in_dims_per_call") or not isinstance(self.in_dims, tuple):
             return self.in_dims
         return None
+
+    def _explain_tensor_mismatch(self, cause: Exception) -> None:
+        """A parameter or buffer of another shape than the stacked one the program was built
+        for, said as such: ``torch.func.functional_call(fused, params, x)`` with one model's
+        ``[8, 6]`` weight, or a stack of another N, failed deep in a kernel ("Dimension out
+        of range", "The expanded size of the tensor")."""
+        template, n = self.__dict__.get("_template"), self.num_models
+        if template is None:
+            return
+        own = dict(template.named_parameters(remove_duplicate=False))
+        own.update(template.named_buffers(remove_duplicate=False))
+        for name, t in [*self.named_parameters(remove_duplicate=False),
+                        *self.named_buffers(remove_duplicate=False)]:
+            if name not in own or t is None or tuple(t.shape) == (n, *own[name].shape):
+                continue
+            stacked = [n, *own[name].shape]
+            raise FusionArgumentError(
+                f"the fused module's `{name}` is {list(t.shape)} on this call, but the fused "
+                f"program was built for {stacked}: each of the {n} models' own "
+                f"{list(own[name].shape)} stacked along dim 0. A tensor given in its place "
+                f"(torch.func.functional_call(fused, params, ...), an assignment) must hold "
+                f"one per model, stacked, as fused.named_parameters() and "
+                f"torch.func.stack_module_state(models) give them{user_line()}"
+            ) from cause
 
     def _explain_input_mismatch(self, values: Sequence[Any], batched: Sequence[bool],
                                 cause: Exception) -> None:

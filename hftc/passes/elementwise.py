@@ -182,7 +182,11 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
             kwargs[name] = builder.call(rt_per_model.scalars, tuple(values), like, rank)
         if "alpha" in group.per_model_keywords():
             # add(x, y, alpha=a_n) takes only a number: x + y * a, a a [N, 1, ...] tensor
-            args[1] = builder.call(operator.mul, args[1], kwargs.pop("alpha"))
+            alpha = kwargs.pop("alpha")
+            if len(args) > 1:
+                args[1] = builder.call(operator.mul, args[1], alpha)
+            else:  # add(x, other=y, alpha=a_n)
+                kwargs["other"] = builder.call(operator.mul, kwargs["other"], alpha)
     aligned = FusionGroup(group.node, group.nodes, tuple(args), kwargs, group.module)
     return builder.copy(aligned, batched=True)
 

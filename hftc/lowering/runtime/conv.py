@@ -206,10 +206,11 @@ def conv(
     else:
         has_batch = x.dim() == spatial + 2
         xf = x
-    if lowering == "grouped_channels_last":
+    if lowering == "grouped_channels_last" and not torch._C._are_functorch_transforms_active():
         # oneDNN's NCHW kernel for grouped convolutions with few input channels per
         # group and large kernels (LeNet's 6 -> 16, 5x5) is slower than its channels-last
-        # one; not so for 3x3 kernels or wider layers (docs/DESIGN_NOTES.md).
+        # one; not so for 3x3 kernels or wider layers (docs/DESIGN_NOTES.md).  (Not under
+        # torch.func transforms: vmap's batched maps take no memory format.)
         xf = xf.contiguous(memory_format=torch.channels_last)
     elif lowering == "grouped":
         # NCHW as named: a channels-last map would make oneDNN reorder the weight on
@@ -345,6 +346,9 @@ class _DepthwiseConv2d(torch.autograd.Function):
     def forward(x: Tensor, weight: Tensor, bias: Tensor | None, stride: tuple,
                 padding: tuple) -> Tensor:
         return F.conv2d(x, weight, bias, stride, padding, 1, weight.shape[0])
+
+    #: Under forward-mode AD (:func:`apply_function_fast`): the forward is stock ops.
+    in_plain_ops = forward
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
@@ -527,6 +531,13 @@ class _PointwiseRows(torch.autograd.Function):
         return out
 
     @staticmethod
+    def in_plain_ops(rows: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """The forward in differentiable ops, for forward-mode AD (:func:`apply_function_fast`)."""
+        n, _, cin = weight.shape
+        return torch.cat([F.linear(rows[:, i * cin:(i + 1) * cin], weight[i],
+                                   None if bias is None else bias[i]) for i in range(n)], dim=1)
+
+    @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
         rows, weight, bias = inputs
         ctx.save_for_backward(rows, weight)
@@ -540,7 +551,8 @@ class _PointwiseRows(torch.autograd.Function):
         grads = [grad[:, i * cout:(i + 1) * cout] for i in range(n)]
         inputs = [rows[:, i * cin:(i + 1) * cin] for i in range(n)]
         grad_rows = grad_w = grad_b = None
-        if torch.is_grad_enabled():  # create_graph: products autograd can differentiate
+        # create_graph, or gradients vmap batches: products autograd can differentiate
+        if torch.is_grad_enabled() or layout.batched_gradient(grad):
             if need_rows:
                 grad_rows = torch.cat([g @ weight[i] for i, g in enumerate(grads)], dim=1)
             if need_w:
@@ -567,18 +579,18 @@ def _gradient_in_layout_of(x: Tensor) -> None:
     ``[B, N*C, H, W]`` layout, and ATen's CPU backward kernels for mixed layouts are its
     slow strided ones (batch-norm backward ~10x).  One copy here instead.
     """
-    shape, layout = x.shape, x.stride()
+    shape, strides = x.shape, x.stride()
     dense = 1
-    for size, stride in sorted(zip(shape, layout), key=lambda dim: dim[1]):
+    for size, stride in sorted(zip(shape, strides), key=lambda dim: dim[1]):
         if size != 1:
             if stride != dense:  # overlapping or gapped (an expanded x): no layout to match
                 return
             dense *= size
 
     def restride(grad: Tensor) -> Tensor:
-        if grad.stride() == layout or grad.shape != shape:
+        if layout.batched_gradient(grad) or grad.stride() == strides or grad.shape != shape:
             return grad
-        return torch.empty_strided(shape, layout, dtype=grad.dtype,
+        return torch.empty_strided(shape, strides, dtype=grad.dtype,
                                    device=grad.device).copy_(grad)
 
     x.register_hook(restride)

@@ -156,6 +156,15 @@ def vmap_batched(x: Tensor) -> bool:
     return torch._C._are_functorch_transforms_active() and torch._C._functorch.is_batchedtensor(x)
 
 
+def batched_gradient(grad: Tensor) -> bool:
+    """Whether a backward runs on gradients vmap batches: under a ``torch.func`` transform
+    (``jacrev``, ``vmap(grad(...))``) or ``torch.autograd.grad(..., is_grads_batched=True)``
+    (its legacy batching).  Such a gradient takes no ``out=`` and no copy into a plain
+    tensor of a chosen layout, which would not hold its batch."""
+    return torch._C._are_functorch_transforms_active() or \
+        torch._C._functorch.is_legacy_batchedtensor(grad)
+
+
 def is_channels_last(x: Tensor) -> bool:
     """A 4-D (5-D) tensor that ATen's CPU convolution reads as channels-last."""
     formats = {4: torch.channels_last, 5: torch.channels_last_3d}

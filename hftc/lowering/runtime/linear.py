@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .function_apply import apply_function_fast, unwrap_dead_wrappers
-from .layout import pad_model_dims
+from .layout import batched_gradient, pad_model_dims
 from .tuning import check_lowering, tunable
 
 
@@ -148,6 +148,9 @@ class _BatchedLinear(torch.autograd.Function):
     @staticmethod
     def forward(x3: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool) -> Tensor:
         return batched_product(x3, weight, bias, transposed)
+
+    #: Under forward-mode AD (:func:`apply_function_fast`): the forward is stock ops.
+    in_plain_ops = forward
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
@@ -353,6 +356,10 @@ class _LinearChain(torch.autograd.Function):
         y, inputs = _forward(x3, list(params), activations, transposed)
         return (y, *inputs[1:])
 
+    #: Under forward-mode AD (:func:`apply_function_fast`): the forward is stock ops (its
+    #: in-place ReLUs on the products' fresh outputs, which forward mode differentiates).
+    in_plain_ops = forward
+
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         ctx.mark_non_differentiable(*output[1:])
@@ -410,7 +417,7 @@ def _relu_backward_into(g: Tensor, h: Tensor) -> Tensor:
     own fresh product, which nothing else reads): the same values, without a new
     ``[N, M, width]`` tensor each layer (its pages cost about as much as the pass).
     Out of place under torch.func transforms and torch.compile, which take no ``out=``."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling() or batched_gradient(g):
         return torch.ops.aten.threshold_backward(g, h, 0)
     return torch.ops.aten.threshold_backward.grad_input(g, h, 0, grad_input=g)
 
@@ -530,6 +537,13 @@ class _PerModelLinearLogSoftmax(torch.autograd.Function):
         return out
 
     @staticmethod
+    def in_plain_ops(x3: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """The forward in differentiable ops, for forward-mode AD (:func:`apply_function_fast`)."""
+        logits = torch.bmm(x3, weight.transpose(1, 2)) if bias is None else torch.baddbmm(
+            bias.unsqueeze(1), x3, weight.transpose(1, 2))
+        return F.log_softmax(logits, -1)
+
+    @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
         x3, weight, bias = inputs
         ctx.save_for_backward(x3, weight, output)
@@ -540,7 +554,8 @@ class _PerModelLinearLogSoftmax(torch.autograd.Function):
         x3, weight, out = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         need_b = need_b and ctx.has_bias
-        if torch.is_grad_enabled():  # create_graph: differentiable ops
+        # create_graph, or gradients vmap batches (no out=): differentiable ops
+        if torch.is_grad_enabled() or batched_gradient(grad):
             d = grad - out.exp() * grad.sum(-1, keepdim=True)
             return (torch.bmm(d, weight) if need_x else None,
                     torch.bmm(d.transpose(1, 2), x3) if need_w else None,

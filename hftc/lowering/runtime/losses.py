@@ -112,6 +112,19 @@ class _ShortRowCrossEntropy(torch.autograd.Function):
         return loss, exp, total, index, ignored, counts
 
     @staticmethod
+    def in_plain_ops(x: Tensor, target: Tensor, num_models: int, reduction: str,
+                     ignore_index: int) -> tuple[Tensor]:
+        """``(loss,)`` by ATen's own cross-entropy, for forward-mode AD
+        (:func:`apply_function_fast`): each model's rows reduced as its own loss reduces them."""
+        loss = F.cross_entropy(x, target, reduction="none", ignore_index=ignore_index)
+        if reduction == "none":
+            return (loss,)
+        loss = loss.view(num_models, -1).sum(1)
+        if reduction == "mean":
+            loss = loss / (target != ignore_index).view(num_models, -1).sum(1)
+        return (loss,)
+
+    @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
         x, _, ctx.num_models, ctx.reduction, _ = inputs
         _, exp, total, index, ignored, counts = output

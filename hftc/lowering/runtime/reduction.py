@@ -92,6 +92,9 @@ class _ContiguousGradient(torch.autograd.Function):
         # place (`y = h.amax(2); y.mul_(2)` failed); the reduced tensor is small.
         return t.clone()
 
+    #: Under forward-mode AD (:func:`apply_function_fast`): the forward is stock ops.
+    in_plain_ops = forward
+
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
         pass
@@ -170,6 +173,11 @@ class _ShortRowSoftmax(torch.autograd.Function):
             return shifted.sub_(shifted.exp().sum(-1, keepdim=True).log_())
         out = shifted.exp_()
         return out.div_(out.sum(-1, keepdim=True))
+
+    @staticmethod
+    def in_plain_ops(x: Tensor, log: bool) -> Tensor:
+        """ATen's own (log-)softmax, for forward-mode AD (:func:`apply_function_fast`)."""
+        return F.log_softmax(x, -1) if log else F.softmax(x, -1)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:

@@ -148,6 +148,12 @@ class _MaxPool2dThroughChannelsLast(torch.autograd.Function):
         return values.contiguous(), indices.contiguous()
 
     @staticmethod
+    def in_plain_ops(x: Tensor, kernel_size: Any, stride: Any, padding: Any, dilation: Any,
+                     ceil_mode: bool) -> tuple[Tensor, Tensor]:
+        """The NCHW pool itself, for forward-mode AD (:func:`apply_function_fast`)."""
+        return F.max_pool2d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode)
+
+    @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
         x, *args = inputs
         indices = output[1]
