@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from .bench import names as bench_names
 from .cli.args import InputSpec, input_spec, int_list, non_negative_int, positive_int
-from .cli.load import run_user_code, user_code_error
+from .cli.load import make_models, run_user_code, user_code_error
 from .errors import CommandLineError, FusionError, MissingExtraError
 
 
@@ -121,8 +122,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               "(e.g. --input long:8,16 --input float:8,16)", file=sys.stderr)
         return 2
     factory = _load_factory(args.factory)
-    models = [run_user_code(factory, f"hftc inspect: the factory {args.factory}",
-                            CommandLineError) for _ in range(args.n)]
+    models = make_models(factory, args.factory, args.n)
     inputs = [_example_input(spec, models[0]) for spec in specs]
     fused = hftc.fuse(models, autotune=args.autotune, strategy=args.strategy)
     try:
@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     except FusionError as exc:
         notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", ()))
         print(f"hftc: {type(exc).__name__}: {exc}{notes}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `hftc inspect ... | head` closed the pipe: the reader has enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no 2nd error at exit
         return 1
 
 

@@ -1,0 +1,129 @@
+"""``hftc inspect`` on a user's models and mistakes: a factory that returns something other
+than N new models of one class, raises inside torch or takes arguments, an output pipe
+closed early; and that what the report and the graph say of each op is true for every
+model (a per-model op is not drawn as "one op for all N models")."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hftc.__main__ import main
+
+MODELS = '''\
+import itertools
+import torch
+from torch import nn
+
+_calls = itertools.count()
+_one = nn.Linear(8, 4)
+
+
+def not_a_module():
+    return 3
+
+
+def the_class():
+    return nn.Linear
+
+
+def mixed_classes():
+    return nn.Linear(8, 4) if next(_calls) % 2 == 0 else nn.Sequential(nn.Linear(8, 4))
+
+
+def the_same_model():
+    return _one
+
+
+def takes_a_width(width):
+    return nn.Linear(8, width)
+
+
+def bad_layer_argument():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding_mode="mirror"))
+
+
+class ActNet(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = act
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.act(self.fc(x)))
+
+
+def activations():
+    return ActNet([nn.ReLU(), nn.GELU(), nn.Tanh()][next(_calls) % 3])
+
+
+class FFTNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.fft.rfft(self.fc(x)).abs()
+'''
+
+
+@pytest.fixture
+def models_file(tmp_path: Path) -> str:
+    path = tmp_path / "user_models.py"
+    path.write_text(MODELS)
+    return str(path)
+
+
+def _line_of(path: str, text: str) -> int:
+    return next(i for i, line in enumerate(Path(path).read_text().splitlines(), 1)
+                if text in line)
+
+
+def _inspect_error(capsys, *argv: str) -> str:
+    assert main(["inspect", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("factory, says", [
+    ("not_a_module", "returned 3 (int) on call 1, not a torch.nn.Module"),
+    ("the_class", "return an instance, Linear(...), not the class"),
+    ("mixed_classes", "returned a Linear on call 1 and a Sequential on call 2"),
+    ("the_same_model", "returned the same Linear object on calls 1 and 2"),
+])
+def test_a_factory_that_does_not_return_n_new_models_of_one_class_is_a_usage_error(
+        models_file, factory, says, capsys):
+    # before: hftc.fuse's FusionTypeError about "model 0" (exit 1), a MismatchError, or
+    # (the same object N times) a report as if N models had fused
+    err = _inspect_error(capsys, f"{models_file}:{factory}", "--input", "2,8")
+    assert says in err, err
+    assert f"{models_file}:{_line_of(models_file, f'def {factory}(')}" in err
+
+
+def test_a_factory_failing_inside_torch_names_the_users_line_not_torchs(models_file, capsys):
+    err = _inspect_error(capsys, f"{models_file}:bad_layer_argument", "--input", "2,8")
+    assert f"{models_file}:{_line_of(models_file, 'padding_mode=')}" in err, err
+    assert "site-packages" not in err and "torch/nn" not in err
+
+
+def test_a_factory_that_takes_arguments_names_its_definition(models_file, capsys):
+    # before: "raised TypeError: takes_a_width() missing ..." and no file or line at all
+    err = _inspect_error(capsys, f"{models_file}:takes_a_width", "--input", "2,8")
+    assert "missing 1 required positional argument" in err
+    assert f"{models_file}:{_line_of(models_file, 'def takes_a_width(')}" in err
+
+
+def test_output_pipe_closed_early_is_not_a_traceback(models_file):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hftc", "inspect", f"{models_file}:FFTNet", "--input", "2,8",
+         "--code"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    process.stdout.close()  # `| head -0`: the reader is gone before hftc prints
+    err = process.stderr.read().decode()
+    process.wait(timeout=300)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
