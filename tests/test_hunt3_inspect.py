@@ -61,6 +61,16 @@ def activations():
     return ActNet([nn.ReLU(), nn.GELU(), nn.Tanh()][next(_calls) % 3])
 
 
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(),
+                                 nn.Conv2d(16, 16, 3), nn.Flatten(), nn.Linear(16 * 12 * 12, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
 class FFTNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -127,3 +137,42 @@ def test_output_pipe_closed_early_is_not_a_traceback(models_file):
     err = process.stderr.read().decode()
     process.wait(timeout=300)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def _dot_labels(capsys, *argv: str) -> dict[str, str]:
+    """``hftc inspect --format dot``'s boxes: label -> the box's line."""
+    assert main(["inspect", *argv, "--format", "dot"]) == 0
+    dot = capsys.readouterr().out
+    return {line.split('label="')[1].split('"')[0]: line
+            for line in dot.splitlines() if 'label="' in line and "legend" not in line}
+
+
+def test_dot_draws_a_per_model_op_as_each_models_op_not_one_op_for_all(models_file, capsys):
+    # before: lightblue, the legend's "fused: one op for all N models", labelled with hftc's
+    # kernel `differing_elementwise` while model 1 ran GELU and model 2 Tanh
+    boxes = _dot_labels(capsys, f"{models_file}:activations", "--input", "2,8")
+    (act,) = [line for label, line in boxes.items() if label.startswith("act")]
+    assert "relu (model 0)" in act and "gelu (model 1)" in act and "tanh (model 2)" in act
+    assert "fillcolor=lightblue" not in act and "differing_elementwise\\n" not in act
+    assert main(["inspect", f"{models_file}:activations", "--input", "2,8"]) == 0
+    text = capsys.readouterr().out
+    assert "per model (ops differ)" in text  # the text table says the same
+
+
+def test_dot_names_the_users_op_of_a_box_run_model_by_model(models_file, capsys):
+    # before: "fft_rfft: loop_over_models__fft_rfft", hftc's name for its loop
+    boxes = _dot_labels(capsys, f"{models_file}:FFTNet", "--input", "2,8")
+    (fft,) = [line for label, line in boxes.items() if label.startswith("fft_rfft")]
+    assert 'label="fft_rfft: fft.rfft\\n' in fft and "fillcolor=mistyrose" in fft
+
+
+def test_inspect_output_is_the_same_run_to_run(models_file, capsys):
+    # before: unseeded models and example inputs, so the check's "largest difference"
+    # changed from run to run of the same command
+    for fmt in ("text", "dot"):
+        outputs = []
+        for _ in range(3):
+            assert main(["inspect", f"{models_file}:ConvNet", "--input", "4,3,16,16",
+                         "--format", fmt]) == 0
+            outputs.append(capsys.readouterr().out)
+        assert outputs[0] == outputs[1] == outputs[2]

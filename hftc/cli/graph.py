@@ -8,7 +8,8 @@ One box per fused op (parameters and buffers left out), e.g.::
                                    (a tuple: each part's; a shared value has no N)
 
 coloured by what hftc did with it (the legend: fused, computed once for all models, run
-model by model), and grouped in one frame per block of the model (``layer1.0``,
+model by model, a different op per model), as the fusion report's table says (each box's
+record in ``fused.fusion_report``: one owner for both), and grouped in one frame per block of the model (``layer1.0``,
 ``features.3``: the module path up to its first index), so a ResNet-18 reads block by block.
 """
 
@@ -18,22 +19,25 @@ import re
 
 from ..ir import EXAMPLE_VALUE, ORIGIN, RULE, SOURCE
 from ..lowering.runtime.tuning import lowerings_of
-from ..passes.report_text import shape_text
+from ..passes.report_text import shape_text, user_op
 
 _KINDS = {  # rule -> (legend text, fill colour)
     "fused": ("fused: one op for all N models", "lightblue"),
     "shared": ("shared: computed once, same for all models", "lightgrey"),
     "loop": ("model by model: no rule fuses it, each model runs it in turn", "mistyrose"),
+    "per_model": ("per model: the models' ops differ, each runs its own on its slice",
+                  "khaki"),
     "io": ("input / output", "white"),
 }
 _MODULE_PATH = re.compile(r"module path `([^`]*)`")
 
 
-def _kind(node) -> str:
+def _kind(node, record) -> str:
+    """The legend's kind of a fused node: its record's (the report's "kind" column)."""
     if node.op in ("placeholder", "output"):
         return "io"
-    rule = node.meta.get(RULE, "")
-    return rule if rule in ("shared", "loop") else "fused"
+    kind = getattr(record, "kind", "")
+    return kind if kind in _KINDS else "fused"
 
 
 def _module_path(node) -> str:
@@ -55,9 +59,9 @@ def _block(path: str) -> str:
     return ""
 
 
-def _shape(node) -> str:
+def _shape(node, kind: str) -> str:
     """The fused value's shape, ``[N, ...]`` where it has the model axis; "" for none."""
-    shape = shape_text(node.meta.get(EXAMPLE_VALUE), _kind(node) in ("fused", "loop"))
+    shape = shape_text(node.meta.get(EXAMPLE_VALUE), kind not in ("shared", "io"))
     return "" if shape == "-" else shape
 
 
@@ -105,10 +109,17 @@ def _values(args, root) -> list:
     return out
 
 
-def _operation(node, root) -> str:
-    """What the box computes: hftc's kernel and the lowering it runs, or the op's name."""
+def _operation(node, root, record) -> str:
+    """What the box computes: hftc's kernel and the lowering it runs, or the op's name; for
+    an op run model by model the user's op (``linalg.qr``, not hftc's
+    ``loop_over_models__linalg_qr``), for a differing op each model's."""
     if node.op in ("placeholder", "output"):
         return node.op
+    kind = getattr(record, "kind", "")
+    if kind == "loop":
+        return user_op(record.source)
+    if kind == "per_model":
+        return record.reason.partition(": ")[2] or user_op(record.source)
     rule = str(node.meta.get(RULE, ""))
     if node.op == "call_module":
         inner = re.search(r"\[(.*)\]", rule)
@@ -130,6 +141,8 @@ def graph_to_dot(fused, title: str = "fused") -> str:
     """A fused module's last compiled program (``fused.last_program()``) as Graphviz DOT."""
     program = fused.last_program()
     nodes = [n for n in program.graph.nodes if n.op != "get_attr"]
+    record_of = {name: record for record in program.report.records
+                 for name in record.fused_nodes}
     block_of: dict[str, str] = {}
     for node in nodes:
         block = _block(_module_path(node))
@@ -155,11 +168,12 @@ def graph_to_dot(fused, title: str = "fused") -> str:
         block = block_of[node.name]
         path = _module_path(node).removeprefix(f"{block}.") if block else _module_path(node)
         name = path if path and path not in (block, "<root>") else _user_name(node)
-        operation = _operation(node, fused)
+        record, kind = record_of.get(node.name), _kind(node, record_of.get(node.name))
+        operation = _operation(node, fused, record)
         head = name if operation == name or node.op == "placeholder" else f"{name}: {operation}"
         label = "\\n".join(_quote(part) for part in (
-            head, _shape(node)) if part)
-        color = _KINDS[_kind(node)][1]
+            head, _shape(node, kind)) if part)
+        color = _KINDS[kind][1]
         tooltip = _quote(f"{node.name}: {node.meta.get('hftc_rule', node.op)}")
         by_block.setdefault(block_of[node.name], []).append(
             f'"{node.name}" [label="{label}", fillcolor={color}, tooltip="{tooltip}"];')
