@@ -9,8 +9,9 @@ One box per fused op (parameters and buffers left out), e.g.::
 
 coloured by what hftc did with it (the legend: fused, computed once for all models, run
 model by model, a different op per model), as the fusion report's table says (each box's
-record in ``fused.fusion_report``: one owner for both), and grouped in one frame per block of the model (``layer1.0``,
-``features.3``: the module path up to its first index), so a ResNet-18 reads block by block.
+record in ``fused.fusion_report``: one owner for both), and grouped in one frame per block
+of the model (``layer1.0``, ``features.3``: the module path up to its first index), so a
+ResNet-18 reads block by block.
 """
 
 from __future__ import annotations
