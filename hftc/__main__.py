@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .bench import names as bench_names
 from .cli.args import InputSpec, input_spec, int_list, non_negative_int, positive_int
-from .cli.load import make_models, run_user_code, user_code_error
+from .cli.load import import_user_module, make_models, run_user_code
 from .errors import CommandLineError, FusionError, MissingExtraError
 
 
@@ -46,12 +46,8 @@ def _load_factory(spec: str):
                       CommandLineError)
     else:
         sys.path.insert(0, str(Path.cwd()))
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise CommandLineError(f"hftc: cannot import {module_name!r}: {exc}") from exc
-        except Exception as exc:  # a SyntaxError or the module's own error, at its line
-            raise CommandLineError(user_code_error(exc, f"hftc: {module_name}")) from exc
+        module = import_user_module(module_name, f"hftc: {module_name}",
+                                    f"hftc: cannot import {module_name!r}", CommandLineError)
     try:
         factory = getattr(module, attr)
     except AttributeError as exc:

@@ -176,3 +176,26 @@ def test_inspect_output_is_the_same_run_to_run(models_file, capsys):
                          "--format", fmt]) == 0
             outputs.append(capsys.readouterr().out)
         assert outputs[0] == outputs[1] == outputs[2]
+
+
+MISSING_DEPENDENCY = "import torch\nimport a_package_not_installed_xyz\n\n\ndef make():\n    " \
+                     "return torch.nn.Linear(8, 4)\n"
+
+
+def test_a_module_whose_own_import_fails_names_its_line(tmp_path, monkeypatch, capsys):
+    # before: "cannot import 'models_dep': No module named 'a_package_not_installed_xyz'",
+    # as if models_dep itself were missing, with no file or line (a path FACTORY named both)
+    (tmp_path / "models_dep.py").write_text(MISSING_DEPENDENCY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = _inspect_error(capsys, "models_dep:make", "--input", "2,8")
+    assert "raised ModuleNotFoundError" in err, err
+    assert f"{tmp_path / 'models_dep.py'}:2" in err and "import a_package_not_installed" in err
+    # the sweep spec's MODULE form is loaded the same way
+    from hftc.errors import SpecError
+    from hftc.sweep.spec import load_spec
+    with pytest.raises(SpecError, match=r"raised ModuleNotFoundError.*models_dep.py:2"):
+        load_spec("models_dep")
+    # a module that is not there is still said so
+    err = _inspect_error(capsys, "models_not_there_xyz:make", "--input", "2,8")
+    assert "cannot import 'models_not_there_xyz': No module named" in err

@@ -4,6 +4,7 @@ not a traceback through importlib and hftc."""
 
 from __future__ import annotations
 
+import importlib
 import linecache
 import traceback
 from collections.abc import Callable
@@ -61,6 +62,22 @@ def run_user_code(fn: Callable[[], Any], what: str, error: type[Exception],
         raise
     except Exception as exc:  # the user's code: any error it raises is theirs to fix
         raise error(user_code_error(exc, what, where)) from exc
+
+
+def import_user_module(module_name: str, what: str, missing: str,
+                       error: type[Exception]) -> Any:
+    """``importlib.import_module(module_name)``; a module that is not there is ``error``
+    ``"{missing}: No module named ..."``, an error inside the module (a SyntaxError, its
+    own ``import`` of a package not installed) :func:`user_code_error`'s, at its line."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        parts = module_name.split(".")
+        if exc.name is None or exc.name in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:
+            raise error(f"{missing}: {exc}") from exc
+        raise error(user_code_error(exc, what)) from exc
+    except Exception as exc:  # the module's own error, at its line
+        raise error(user_code_error(exc, what)) from exc
 
 
 def make_models(factory: Callable[[], Any], spec: str, n: int) -> list[Any]:
