@@ -19,7 +19,7 @@ from pathlib import Path
 from .bench import names as bench_names
 from .cli.args import InputSpec, input_spec, int_list, non_negative_int, positive_int
 from .cli.load import import_user_module, make_models, run_user_code
-from .errors import CommandLineError, FusionError, MissingExtraError
+from .errors import CommandLineError, FusionError, MismatchError, MissingExtraError
 
 
 def _load_factory(spec: str):
@@ -125,7 +125,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     factory = _load_factory(args.factory)
     models = make_models(factory, args.factory, args.n)
     inputs = [_example_input(spec, models[0]) for spec in specs]
-    fused = hftc.fuse(models, autotune=args.autotune, strategy=args.strategy)
+    try:
+        fused = hftc.fuse(models, autotune=args.autotune, strategy=args.strategy,
+                          pad_widths=args.pad_widths)
+    except MismatchError as exc:  # its advice is hftc.fuse's keyword: say the option
+        if "pad_widths=True" in str(exc) and not args.pad_widths:
+            exc.add_note("hftc inspect: --pad-widths fuses them so")
+        raise
     try:
         fused.compile(*inputs)
     except FusionError as exc:  # the inputs are the command line's: say which option
@@ -246,6 +252,10 @@ def _add_inspect(sub) -> None:
                         "runs the fused program the check found exact; timed times it "
                         "against the models one by one and keeps the faster; the report's "
                         "'strategy:' line says which runs")
+    p.add_argument("--pad-widths", action="store_true",
+                   help="as hftc.fuse(..., pad_widths=True): models that differ only in "
+                        "layer widths fuse, each zero-padded to the widest (exact); the "
+                        "report's padding line says what it costs")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(fn=cmd_inspect)
 

@@ -71,6 +71,20 @@ class ConvNet(nn.Module):
         return self.net(x)
 
 
+class TwoLayer(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.fc1 = nn.Linear(8, width)
+        self.fc2 = nn.Linear(width, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def widths():
+    return TwoLayer(16 * (1 + next(_calls) % 3))
+
+
 class FFTNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -199,3 +213,12 @@ def test_a_module_whose_own_import_fails_names_its_line(tmp_path, monkeypatch, c
     # a module that is not there is still said so
     err = _inspect_error(capsys, "models_not_there_xyz:make", "--input", "2,8")
     assert "cannot import 'models_not_there_xyz': No module named" in err
+
+
+def test_models_of_different_widths_inspect_with_pad_widths(models_file, capsys):
+    # before: the MismatchError's advice, hftc.fuse(models, pad_widths=True), had no option
+    assert main(["inspect", f"{models_file}:widths", "--input", "2,8"]) == 1
+    assert "hftc inspect: --pad-widths fuses them" in capsys.readouterr().err
+    assert main(["inspect", f"{models_file}:widths", "--input", "2,8", "--pad-widths"]) == 0
+    out = capsys.readouterr().out
+    assert "padded widths (pad_widths=True)" in out and "values agree" in out
