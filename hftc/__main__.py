@@ -69,9 +69,10 @@ def _write_output(path: str, text: str) -> None:
                                f"{exc.strerror or exc}") from exc
 
 
-def _example_input(spec: InputSpec, model) -> object:
+def _example_input(spec: InputSpec, models) -> object:
     """A random tensor for ``spec``; integer values in [0, HIGH), HIGH by default the
-    smallest ``num_embeddings`` of the model's embeddings (else 2), so token ids are valid."""
+    smallest ``num_embeddings`` of the models' embeddings (else 2), so token ids are valid
+    for every model (with --pad-widths their vocabularies may differ)."""
     import torch
 
     dtype = getattr(torch, spec.dtype)
@@ -79,7 +80,7 @@ def _example_input(spec: InputSpec, model) -> object:
         return torch.randn(spec.shape, dtype=dtype)
     if dtype == torch.bool:
         return torch.randint(0, 2, spec.shape).bool()
-    high = spec.high or min((m.num_embeddings for m in model.modules()
+    high = spec.high or min((m.num_embeddings for model in models for m in model.modules()
                              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))),
                             default=2)
     return torch.randint(0, high, spec.shape, dtype=dtype)
@@ -124,7 +125,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     factory = _load_factory(args.factory)
     models = make_models(factory, args.factory, args.n)
-    inputs = [_example_input(spec, models[0]) for spec in specs]
+    inputs = [_example_input(spec, models) for spec in specs]
     try:
         fused = hftc.fuse(models, autotune=args.autotune, strategy=args.strategy,
                           pad_widths=args.pad_widths)

@@ -85,6 +85,20 @@ def widths():
     return TwoLayer(16 * (1 + next(_calls) % 3))
 
 
+class Bag(nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 16)
+        self.fc = nn.Linear(16, 2)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids).mean(1))
+
+
+def vocabularies():
+    return Bag([50, 30, 40][next(_calls) % 3])
+
+
 class FFTNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -222,3 +236,11 @@ def test_models_of_different_widths_inspect_with_pad_widths(models_file, capsys)
     assert main(["inspect", f"{models_file}:widths", "--input", "2,8", "--pad-widths"]) == 0
     out = capsys.readouterr().out
     assert "padded widths (pad_widths=True)" in out and "values agree" in out
+
+
+def test_token_ids_drawn_for_padded_vocabularies_are_valid_for_every_model(models_file, capsys):
+    # before: ids in [0, model 0's 50), out of range for model 1's 30: an IndexError in
+    # model 1's own forward, reported as a MismatchError about state kept outside the model
+    assert main(["inspect", f"{models_file}:vocabularies", "--input", "long:4,8",
+                 "--pad-widths"]) == 0
+    assert "values agree" in capsys.readouterr().out
