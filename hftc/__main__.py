@@ -126,15 +126,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     factory = _load_factory(args.factory)
     models = make_models(factory, args.factory, args.n)
     inputs = [_example_input(spec, models) for spec in specs]
-    try:
-        fused = hftc.fuse(models, autotune=args.autotune, strategy=args.strategy,
-                          pad_widths=args.pad_widths)
+    try:  # example_inputs, as a script that has them: torch.export traces what fx cannot
+        fused = hftc.fuse(models, example_inputs=tuple(inputs), autotune=args.autotune,
+                          strategy=args.strategy, pad_widths=args.pad_widths)
     except MismatchError as exc:  # its advice is hftc.fuse's keyword: say the option
         if "pad_widths=True" in str(exc) and not args.pad_widths:
             exc.add_note("hftc inspect: --pad-widths fuses them so")
         raise
-    try:
-        fused.compile(*inputs)
     except FusionError as exc:  # the inputs are the command line's: say which option
         exc.add_note(f"hftc inspect: the example inputs came from --input "
                      f"{' --input '.join(_spec_text(spec) for spec in specs)}: give the "

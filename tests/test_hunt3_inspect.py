@@ -99,6 +99,19 @@ def vocabularies():
     return Bag([50, 30, 40][next(_calls) % 3])
 
 
+class ShapeChecked(nn.Module):
+    """A forward that checks its input's rank in Python, as many user models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if x.dim() != 3:
+            raise ValueError(f"expected [B, T, 8], got {tuple(x.shape)}")
+        return self.fc(x)
+
+
 class FFTNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -244,3 +257,27 @@ def test_token_ids_drawn_for_padded_vocabularies_are_valid_for_every_model(model
     assert main(["inspect", f"{models_file}:vocabularies", "--input", "long:4,8",
                  "--pad-widths"]) == 0
     assert "values agree" in capsys.readouterr().out
+
+
+def test_a_model_fx_cannot_trace_is_inspected_with_the_example_inputs(models_file, capsys):
+    # before: inspect fused without its --input as example_inputs: a TraceError whose
+    # advice was to "pass example_inputs=(...) to hftc.fuse", which the command had
+    import torch
+
+    import hftc
+    shape_checked = _load(models_file, "ShapeChecked")
+    models = [shape_checked() for _ in range(2)]
+    hftc.fuse(models, example_inputs=(torch.randn(2, 5, 8),))  # the library takes them
+    assert main(["inspect", f"{models_file}:ShapeChecked", "--input", "2,5,8"]) == 0
+    out = capsys.readouterr().out
+    assert "values agree" in out
+    # the input guard torch.export's graph holds is hftc's, not a path into its internals
+    assert "hftc's check_input_shape" in out and "hftc.lowering" not in out
+
+
+def _load(path: str, name: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_hunt3_models", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)

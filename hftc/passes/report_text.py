@@ -50,11 +50,15 @@ def user_op(source: str) -> str:
     `fc1`, Linear)`` -> ``Linear``; ``..., torch.nn.functional.max_pool2d)`` ->
     ``max_pool2d``; ``..., Tensor.view)`` -> ``view``; ``..., torch._C._fft.fft_rfft)`` ->
     ``fft.rfft``; ``..., hftc.ir.apply_function__ReverseGradient)`` ->
-    ``ReverseGradient.apply``."""
+    ``ReverseGradient.apply``; an op hftc's tracing put in model 0's graph, not the user
+    (``hftc.lowering.runtime.guards.check_input_shape``, torch.export's input guard) ->
+    ``hftc's check_input_shape``, not a path into hftc's internals."""
     found = _SOURCE.search(source)
     if not found:
         return source
     op = public_name(found.group(2))
+    if op.startswith("hftc."):
+        return f"hftc's {op.rpartition('.')[2]}"
     for prefix in _PREFIXES:
         if op.startswith(prefix):
             return op[len(prefix):]
