@@ -63,7 +63,7 @@ def _write_output(path: str, text: str) -> None:
     """``-o FILE``: one that cannot be written is a CommandLineError (exit 2), not a
     traceback after the fusion's work."""
     try:
-        Path(path).write_text(text)
+        Path(path).write_text(text + "\n")  # as print writes it to stdout: a last newline
     except OSError as exc:
         raise CommandLineError(f"hftc inspect: cannot write -o {path}: "
                                f"{exc.strerror or exc}") from exc

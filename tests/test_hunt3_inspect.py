@@ -281,3 +281,13 @@ def _load(path: str, name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return getattr(module, name)
+
+
+@pytest.mark.parametrize("fmt", ["text", "dot"])
+def test_o_file_holds_what_stdout_shows(models_file, tmp_path, capsys, fmt):
+    # before: the file lacked stdout's last newline (a DOT or text file not ending in one)
+    argv = ["inspect", f"{models_file}:ConvNet", "--input", "4,3,16,16", "--format", fmt]
+    assert main(argv) == 0
+    shown = capsys.readouterr().out
+    assert main([*argv, "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out").read_text() == shown and shown.endswith("}\n" * (fmt == "dot"))
