@@ -118,6 +118,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("hftc inspect: give the model's inputs: --input [DTYPE:]SHAPE, once per input "
               "(e.g. --input long:8,16 --input float:8,16)", file=sys.stderr)
         return 2
+    if args.format in ("svg", "png"):  # refused before the fusion's work, not after it
+        if shutil.which("dot") is None:
+            print(f"hftc: --format {args.format} needs Graphviz's `dot` program, which is not "
+                  f"installed (Debian: apt-get install graphviz). Use --format dot to write "
+                  f"the DOT text.", file=sys.stderr)
+            return 2
+        if not args.output:
+            print(f"hftc: --format {args.format} needs -o FILE", file=sys.stderr)
+            return 2
     import torch
 
     # seeded: the same command draws the same models and example inputs, so it prints the
@@ -153,14 +162,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print(dot)
         return 0
-    if shutil.which("dot") is None:
-        print(f"hftc: --format {args.format} needs Graphviz's `dot` program, which is not "
-              f"installed (Debian: apt-get install graphviz). Use --format dot to write the DOT "
-              f"text.", file=sys.stderr)
-        return 2
-    if not args.output:
-        print(f"hftc: --format {args.format} needs -o FILE", file=sys.stderr)
-        return 2
     drawn = subprocess.run(["dot", f"-T{args.format}", "-o", args.output],
                            input=dot.encode(), capture_output=True)
     if drawn.returncode:  # -o in a missing folder, say: dot's own words, not a traceback

@@ -291,3 +291,15 @@ def test_o_file_holds_what_stdout_shows(models_file, tmp_path, capsys, fmt):
     shown = capsys.readouterr().out
     assert main([*argv, "-o", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out").read_text() == shown and shown.endswith("}\n" * (fmt == "dot"))
+
+
+def test_png_that_cannot_be_drawn_is_refused_before_the_models_are_made(tmp_path, capsys):
+    # before: the factory ran and the models fused (minutes for a large one), then the
+    # usage error: no Graphviz `dot`, or no -o
+    path = tmp_path / "counted.py"
+    path.write_text("from pathlib import Path\nfrom torch import nn\n\n\ndef make():\n"
+                    f"    Path({str(tmp_path / 'called')!r}).write_text('yes')\n"
+                    "    return nn.Linear(8, 4)\n")
+    assert main(["inspect", f"{path}:make", "--input", "2,8", "--format", "png"]) == 2
+    assert "needs" in capsys.readouterr().err
+    assert not (tmp_path / "called").exists()
