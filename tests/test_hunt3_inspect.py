@@ -5,6 +5,7 @@ model (a per-model op is not drawn as "one op for all N models")."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -303,3 +304,17 @@ def test_png_that_cannot_be_drawn_is_refused_before_the_models_are_made(tmp_path
     assert main(["inspect", f"{path}:make", "--input", "2,8", "--format", "png"]) == 2
     assert "needs" in capsys.readouterr().err
     assert not (tmp_path / "called").exists()
+
+
+@pytest.mark.parametrize("typed, says", [
+    ("2,,3", "expected a whole number, got ''"),   # before: silently the shape (2, 3)
+    ("2.5,3", "expected a whole number, got '2.5'"),  # before: "unknown dtype '2.5,3'"
+    ("", "expected [DTYPE:]SHAPE"),                # before: "unknown dtype ''"
+])
+def test_input_typos_are_named_as_shape_errors(typed, says):
+    import argparse
+
+    from hftc.cli.args import input_spec
+    with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
+        input_spec(typed)
+    assert input_spec("long:8,16,").shape == (8, 16)  # a trailing comma, as Python's
