@@ -113,6 +113,28 @@ class ShapeChecked(nn.Module):
         return self.fc(x)
 
 
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.relu(self.fc(x))
+
+
+class Stack(nn.Module):
+    """Residual blocks (blocks.0, blocks.1), leaf layers at an index (features.0), a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.blocks = nn.Sequential(Residual(), Residual())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.features(x)).mean(1))
+
+
 class FFTNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -318,3 +340,31 @@ def test_input_typos_are_named_as_shape_errors(typed, says):
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
         input_spec(typed)
     assert input_spec("long:8,16,").shape == (8, 16)  # a trailing comma, as Python's
+
+
+def _clusters(dot: str) -> dict[str, list[str]]:
+    """The DOT's frames: block -> the labels of its boxes ("" for those in no frame)."""
+    clusters: dict[str, list[str]] = {"": []}
+    current = ""
+    for line in dot.splitlines():
+        if line.startswith("  subgraph cluster_") and "legend" not in line:
+            current = line.split("cluster_")[1].split(" ")[0]
+            clusters[current] = []
+        elif line == "  }":
+            current = ""
+        elif 'label="' in line and "legend" not in line and line.strip().startswith('"'):
+            clusters[current].append(line.split('label="')[1].split('"')[0].split("\\n")[0])
+    return clusters
+
+
+def test_dot_frames_hold_their_blocks_ops_and_the_head_stays_outside(models_file, capsys):
+    # before: the head (mean, fc) was drawn inside the last block's frame, blocks.1's
+    # residual add inside blocks.0's (each joined the frame of its first input)
+    assert main(["inspect", f"{models_file}:Stack", "--input", "2,4,8", "--format", "dot"]) == 0
+    clusters = _clusters(capsys.readouterr().out)
+    assert set(clusters) == {"", "blocks_0", "blocks_1"}  # features.0 is a layer, no frame
+    assert any(label.startswith("head") for label in clusters[""])
+    assert any(label.startswith("mean") for label in clusters[""])
+    adds = {block: [x for x in labels if x.startswith("add")]
+            for block, labels in clusters.items()}
+    assert adds == {"": [], "blocks_0": ["add"], "blocks_1": ["add_1: add"]}, clusters

@@ -50,14 +50,25 @@ def _module_path(node) -> str:
     return ""
 
 
-def _block(path: str) -> str:
+def _block(path: str, root) -> str:
     """``layer1.0.conv1`` -> ``layer1.0``; ``features.3.conv.0`` -> ``features.3``; a path
-    without an index (``conv1``, ``fc``) belongs to no block."""
+    without an index (``conv1``, ``fc``) belongs to no block, nor a leaf layer at an index
+    (``features.0``, a VGG's Conv2d); a block itself (``encoder.layers.1``, the module path
+    of an op written in its forward, the residual add) is its own block."""
     parts = path.split(".")
-    for i, part in enumerate(parts[:-1]):
+    for i, part in enumerate(parts):
         if part.isdigit():
-            return ".".join(parts[: i + 1])
+            block = ".".join(parts[: i + 1])
+            if i < len(parts) - 1 or _has_children(root, block):
+                return block
     return ""
+
+
+def _has_children(root, path: str) -> bool:
+    module = root
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return any(True for _ in getattr(module, "children", list)())
 
 
 def _shape(node, kind: str) -> str:
@@ -121,6 +132,10 @@ def _operation(node, root, record) -> str:
         return user_op(record.source)
     if kind == "per_model":
         return record.reason.partition(": ")[2] or user_op(record.source)
+    if record is not None and record.value and node.name != record.value:
+        # a helper the rule made for the op (each model's scalars of ``h / self.cfg.t``):
+        # its own kernel, not a second box named as the op
+        return getattr(node.target, "__name__", str(node.target))
     rule = str(node.meta.get(RULE, ""))
     if node.op == "call_module":
         inner = re.search(r"\[(.*)\]", rule)
@@ -146,9 +161,11 @@ def graph_to_dot(fused, title: str = "fused") -> str:
                  for name in record.fused_nodes}
     block_of: dict[str, str] = {}
     for node in nodes:
-        block = _block(_module_path(node))
-        if not block and node.op not in ("placeholder", "output"):
-            # functional ops (a residual add) join the block of their first input
+        path = _module_path(node)
+        block = _block(path, fused)
+        if not path and node.op not in ("placeholder", "output"):
+            # a node that names no module path joins the block of its first input; one
+            # written in the root's forward (`<root>`: the head's pooling) stays outside
             block = next((block_of[a.name] for a in node.all_input_nodes
                           if block_of.get(a.name)), "")
         block_of[node.name] = block
