@@ -135,6 +135,20 @@ class Stack(nn.Module):
         return self.head(self.blocks(self.features(x)).mean(1))
 
 
+class Tempered(nn.Module):
+    def __init__(self, temperature):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.temperature = temperature
+
+    def forward(self, x):
+        return self.fc(x) / self.temperature
+
+
+def temperatures():
+    return Tempered([1.0, 2.0, 0.5][next(_calls) % 3])
+
+
 class FFTNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -368,3 +382,11 @@ def test_dot_frames_hold_their_blocks_ops_and_the_head_stays_outside(models_file
     adds = {block: [x for x in labels if x.startswith("add")]
             for block, labels in clusters.items()}
     assert adds == {"": [], "blocks_0": ["add"], "blocks_1": ["add_1: add"]}, clusters
+
+
+def test_dot_labels_a_rules_helper_by_its_kernel_not_as_the_op_again(models_file, capsys):
+    # before: two boxes "truediv", one of them each model's temperatures (no shape)
+    boxes = _dot_labels(capsys, f"{models_file}:temperatures", "--input", "2,8")
+    heads = [label.split("\\n")[0] for label in boxes]
+    assert heads.count("truediv") == 1, heads
+    assert any(head.startswith("truediv: ") and "scalars" in head for head in heads), heads
