@@ -234,7 +234,10 @@ def test_dot_draws_a_per_model_op_as_each_models_op_not_one_op_for_all(models_fi
     assert "fillcolor=lightblue" not in act and "differing_elementwise\\n" not in act
     assert main(["inspect", f"{models_file}:activations", "--input", "2,8"]) == 0
     text = capsys.readouterr().out
-    assert "per model (ops differ)" in text  # the text table says the same
+    # the text table's op column too: each model's op, not model 0's ReLU alone
+    (row,) = [line for line in text.splitlines() if line.startswith("  act ")]
+    assert "relu (model 0), gelu (model 1), tanh (model 2)" in row
+    assert "per model (ops differ)" in row
 
 
 def test_dot_names_the_users_op_of_a_box_run_model_by_model(models_file, capsys):

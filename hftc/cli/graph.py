@@ -20,7 +20,7 @@ import re
 
 from ..ir import EXAMPLE_VALUE, ORIGIN, RULE, SOURCE
 from ..lowering.runtime.tuning import lowerings_of
-from ..passes.report_text import shape_text, user_op
+from ..passes.report_text import record_op, shape_text
 
 _KINDS = {  # rule -> (legend text, fill colour)
     "fused": ("fused: one op for all N models", "lightblue"),
@@ -127,11 +127,8 @@ def _operation(node, root, record) -> str:
     ``loop_over_models__linalg_qr``), for a differing op each model's."""
     if node.op in ("placeholder", "output"):
         return node.op
-    kind = getattr(record, "kind", "")
-    if kind == "loop":
-        return user_op(record.source)
-    if kind == "per_model":
-        return record.reason.partition(": ")[2] or user_op(record.source)
+    if getattr(record, "kind", "") in ("loop", "per_model"):
+        return record_op(record)
     if record is not None and record.value and node.name != record.value:
         # a helper the rule made for the op (each model's scalars of ``h / self.cfg.t``):
         # its own kernel, not a second box named as the op

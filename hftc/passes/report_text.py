@@ -23,7 +23,8 @@ is ``self.fc(torch.fft.rfft(self.conv(x).flatten(1)).abs()[:, :5] * x.size(0))``
     checked against models 0, 1 and 2's own forward: values agree (largest difference ...)
 
 The op is the user's (``Conv2d``, ``max_pool2d``, ``view``), not hftc's kernel
-(``channelwise__max_pool2d``); the kind in words (:data:`KIND_WORDS`); the fused output's
+(``channelwise__max_pool2d``); where the models' ops differ, each model's (``relu (models
+0, 2), gelu (model 1)``); the kind in words (:data:`KIND_WORDS`); the fused output's
 shape with the model axis written ``N`` (model 0's shape after it; a value computed once
 for all models has none); hftc's rule last, where asked for (``hftc inspect`` leaves it
 out).  The columns are as wide as their longest entry, so long names keep them straight.
@@ -65,6 +66,15 @@ def user_op(source: str) -> str:
     return op
 
 
+def record_op(record: Any) -> str:
+    """A record's op as the report and the graph show it: the user's (:func:`user_op`);
+    for an op that differs per model, each model's (``relu (models 0, 2), gelu (model 1)``,
+    not model 0's alone)."""
+    if record.kind == "per_model":
+        return record.reason.partition(": ")[2] or user_op(record.source)
+    return user_op(record.source)
+
+
 def module_path_text(source: str) -> str:
     """The module path of a record's source: ``node `fc1` (module path `fc1`, Linear)`` ->
     ``fc1``; ``-`` for the root module (an op written in forward itself)."""
@@ -101,7 +111,7 @@ def op_rows(records: Sequence[Any], rules: bool = True) -> list[tuple[str, ...]]
     for r in records:
         if r.kind in ("input", "parameter"):
             continue
-        rows.append((r.node, user_op(r.source), module_path_text(r.source),
+        rows.append((r.node, record_op(r), module_path_text(r.source),
                      KIND_WORDS.get(r.kind, r.kind), r.shape or "-") + (r.rule,) * rules)
     return rows
 
