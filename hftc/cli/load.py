@@ -104,9 +104,15 @@ def make_models(factory: Callable[[], Any], spec: str, n: int) -> list[Any]:
             raise CommandLineError(
                 f"{what} returned the same {type(model).__name__} object on calls {earlier} "
                 f"and {call}: build a new model in each call (hftc fuses N separate models)")
-        if type(model) is not type(models[0]):
+        if _class_name(model) != _class_name(models[0]):
             raise CommandLineError(
-                f"{what} returned a {type(models[0]).__name__} on call 1 and a "
-                f"{type(model).__name__} on call {call}: hftc inspect fuses N models of one "
+                f"{what} returned a {_class_name(models[0])} on call 1 and a "
+                f"{_class_name(model)} on call {call}: hftc inspect fuses N models of one "
                 f"class (hftc.fuse_groups sorts a mixed list into groups that fuse)")
     return models
+
+
+def _class_name(model: Any) -> str:
+    """``torch.nn.modules.linear.Linear``: a class by its name, so that a class defined in
+    the factory's body (a new class object each call, ``make.<locals>.Net``) is one."""
+    return f"{type(model).__module__}.{type(model).__qualname__}"
