@@ -299,6 +299,11 @@ def test_models_of_different_widths_inspect_with_pad_widths(models_file, capsys)
     assert main(["inspect", f"{models_file}:widths", "--input", "2,8", "--pad-widths"]) == 0
     out = capsys.readouterr().out
     assert "padded widths (pad_widths=True)" in out and "values agree" in out
+    # the graph's shapes are the widest model's (fc1: 48), not "model 0's" (16)
+    assert main(["inspect", f"{models_file}:widths", "--input", "2,8", "--pad-widths",
+                 "--format", "dot"]) == 0
+    dot = capsys.readouterr().out
+    assert "[N, 2, 48]" in dot and "shapes: [N, the widest model's ...]" in dot
 
 
 def test_token_ids_drawn_for_padded_vocabularies_are_valid_for_every_model(models_file, capsys):

@@ -169,7 +169,9 @@ def graph_to_dot(fused, title: str = "fused") -> str:
     lines = [f'digraph "{_quote(title)}" {{', "  rankdir=TB; newrank=true; ranksep=0.25; "
              "nodesep=0.2;", '  node [shape=box, style="rounded,filled", fontname="monospace", '
              'fontsize=10, margin="0.1,0.03"];', '  edge [arrowsize=0.6];']
-    lines += ['  subgraph cluster_legend {', '    label="legend (shapes: [N, model 0\'s ...])"; '
+    # pad_widths: every model's value is padded to the widest model's, not model 0's own
+    shapes = "the widest model's" if program.report.padding else "model 0's"
+    lines += ['  subgraph cluster_legend {', f'    label="legend (shapes: [N, {shapes} ...])"; '
               'fontname="monospace"; '
               'fontsize=10; style=dashed;']
     legend = [f"legend_{kind}" for kind in _KINDS]
