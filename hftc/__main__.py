@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from .bench import names as bench_names
 from .cli.args import InputSpec, input_spec, int_list, non_negative_int, positive_int
-from .cli.load import run_user_code, user_code_error
-from .errors import CommandLineError, FusionError, MissingExtraError
+from .cli.load import import_user_module, make_models, run_user_code
+from .errors import CommandLineError, FusionError, MismatchError, MissingExtraError
 
 
 def _load_factory(spec: str):
@@ -45,12 +46,8 @@ def _load_factory(spec: str):
                       CommandLineError)
     else:
         sys.path.insert(0, str(Path.cwd()))
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise CommandLineError(f"hftc: cannot import {module_name!r}: {exc}") from exc
-        except Exception as exc:  # a SyntaxError or the module's own error, at its line
-            raise CommandLineError(user_code_error(exc, f"hftc: {module_name}")) from exc
+        module = import_user_module(module_name, f"hftc: {module_name}",
+                                    f"hftc: cannot import {module_name!r}", CommandLineError)
     try:
         factory = getattr(module, attr)
     except AttributeError as exc:
@@ -66,15 +63,16 @@ def _write_output(path: str, text: str) -> None:
     """``-o FILE``: one that cannot be written is a CommandLineError (exit 2), not a
     traceback after the fusion's work."""
     try:
-        Path(path).write_text(text)
+        Path(path).write_text(text + "\n")  # as print writes it to stdout: a last newline
     except OSError as exc:
         raise CommandLineError(f"hftc inspect: cannot write -o {path}: "
                                f"{exc.strerror or exc}") from exc
 
 
-def _example_input(spec: InputSpec, model) -> object:
+def _example_input(spec: InputSpec, models) -> object:
     """A random tensor for ``spec``; integer values in [0, HIGH), HIGH by default the
-    smallest ``num_embeddings`` of the model's embeddings (else 2), so token ids are valid."""
+    smallest ``num_embeddings`` of the models' embeddings (else 2), so token ids are valid
+    for every model (with --pad-widths their vocabularies may differ)."""
     import torch
 
     dtype = getattr(torch, spec.dtype)
@@ -82,7 +80,7 @@ def _example_input(spec: InputSpec, model) -> object:
         return torch.randn(spec.shape, dtype=dtype)
     if dtype == torch.bool:
         return torch.randint(0, 2, spec.shape).bool()
-    high = spec.high or min((m.num_embeddings for m in model.modules()
+    high = spec.high or min((m.num_embeddings for model in models for m in model.modules()
                              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))),
                             default=2)
     return torch.randint(0, high, spec.shape, dtype=dtype)
@@ -120,13 +118,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("hftc inspect: give the model's inputs: --input [DTYPE:]SHAPE, once per input "
               "(e.g. --input long:8,16 --input float:8,16)", file=sys.stderr)
         return 2
+    if args.format in ("svg", "png"):  # refused before the fusion's work, not after it
+        if shutil.which("dot") is None:
+            print(f"hftc: --format {args.format} needs Graphviz's `dot` program, which is not "
+                  f"installed (Debian: apt-get install graphviz). Use --format dot to write "
+                  f"the DOT text.", file=sys.stderr)
+            return 2
+        if not args.output:
+            print(f"hftc: --format {args.format} needs -o FILE", file=sys.stderr)
+            return 2
+    import torch
+
+    # seeded: the same command draws the same models and example inputs, so it prints the
+    # same report (the check's largest difference too), as a seeded script would
+    torch.manual_seed(0)
     factory = _load_factory(args.factory)
-    models = [run_user_code(factory, f"hftc inspect: the factory {args.factory}",
-                            CommandLineError) for _ in range(args.n)]
-    inputs = [_example_input(spec, models[0]) for spec in specs]
-    fused = hftc.fuse(models, autotune=args.autotune, strategy=args.strategy)
-    try:
-        fused.compile(*inputs)
+    models = make_models(factory, args.factory, args.n)
+    inputs = [_example_input(spec, models) for spec in specs]
+    try:  # example_inputs, as a script that has them: torch.export traces what fx cannot
+        fused = hftc.fuse(models, example_inputs=tuple(inputs), autotune=args.autotune,
+                          strategy=args.strategy, pad_widths=args.pad_widths)
+    except MismatchError as exc:  # its advice is hftc.fuse's keyword: say the option
+        if "pad_widths=True" in str(exc) and not args.pad_widths:
+            exc.add_note("hftc inspect: --pad-widths fuses them so")
+        raise
     except FusionError as exc:  # the inputs are the command line's: say which option
         exc.add_note(f"hftc inspect: the example inputs came from --input "
                      f"{' --input '.join(_spec_text(spec) for spec in specs)}: give the "
@@ -147,14 +162,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print(dot)
         return 0
-    if shutil.which("dot") is None:
-        print(f"hftc: --format {args.format} needs Graphviz's `dot` program, which is not "
-              f"installed (Debian: apt-get install graphviz). Use --format dot to write the DOT "
-              f"text.", file=sys.stderr)
-        return 2
-    if not args.output:
-        print(f"hftc: --format {args.format} needs -o FILE", file=sys.stderr)
-        return 2
     drawn = subprocess.run(["dot", f"-T{args.format}", "-o", args.output],
                            input=dot.encode(), capture_output=True)
     if drawn.returncode:  # -o in a missing folder, say: dot's own words, not a traceback
@@ -245,6 +252,10 @@ def _add_inspect(sub) -> None:
                         "runs the fused program the check found exact; timed times it "
                         "against the models one by one and keeps the faster; the report's "
                         "'strategy:' line says which runs")
+    p.add_argument("--pad-widths", action="store_true",
+                   help="as hftc.fuse(..., pad_widths=True): models that differ only in "
+                        "layer widths fuse, each zero-padded to the widest (exact); the "
+                        "report's padding line says what it costs")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
     p.set_defaults(fn=cmd_inspect)
 
@@ -333,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     except FusionError as exc:
         notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", ()))
         print(f"hftc: {type(exc).__name__}: {exc}{notes}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `hftc inspect ... | head` closed the pipe: the reader has enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no 2nd error at exit
         return 1
 
 

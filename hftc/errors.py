@@ -164,7 +164,7 @@ class StepCaptureError(FusionError, RuntimeError):
 _HFTC_DIR = __file__[:-len("errors.py")]
 
 
-def _is_user_frame(frame) -> bool:
+def is_user_frame(frame) -> bool:
     """Not hftc's, torch's or ``copy``'s (a ``copy.deepcopy`` of a fused module names the
     line that called it), not code made at run time (a generated forward)."""
     name = frame.f_globals.get("__name__") or ""
@@ -180,7 +180,7 @@ def user_stacklevel() -> int:
     made at run time, a generated forward)."""
     frame, level = sys._getframe(1), 1
     while frame is not None:
-        if _is_user_frame(frame):
+        if is_user_frame(frame):
             return level
         frame, level = frame.f_back, level + 1
     return 1
@@ -190,7 +190,7 @@ def user_line() -> str:
     """`` at file:line: `code` `` of the user's innermost frame; ``""`` where there is none
     (the whole stack hftc's, as under ``hftc inspect``), rather than hftc's own line."""
     frame = sys._getframe(1)
-    while frame is not None and not _is_user_frame(frame):
+    while frame is not None and not is_user_frame(frame):
         frame = frame.f_back
     if frame is None:
         return ""

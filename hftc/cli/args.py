@@ -65,13 +65,19 @@ def input_spec(text: str) -> InputSpec:
     dtype = "float"
     if parts[0].strip().lower() in INPUT_DTYPES:
         dtype = parts.pop(0).strip().lower()
-    elif not parts[0].replace(",", "").replace(" ", "").isdigit():
+    elif parts[0].strip() and not any(c.isdigit() for c in parts[0]):  # a word: a dtype
         raise argparse.ArgumentTypeError(
             f"{text!r}: unknown dtype {parts[0]!r}; use one of {', '.join(INPUT_DTYPES)}")
     if not parts or len(parts) > 2 or not parts[0].strip():
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected [DTYPE:]SHAPE[:HIGH], e.g. long:8,16 or 8,3,32,32")
-    shape = tuple(positive_int(p) for p in int_list(parts[0]).split(",") if p.strip())
+    dims = [p.strip() for p in parts[0].split(",")]
+    if dims[-1] == "" and len(dims) > 1:  # "8,16,": a trailing comma, as Python allows
+        dims.pop()
+    try:  # each dim a whole number >= 1: "2,,3" or "2.5,3" is a typo, not the shape (2, 3)
+        shape = tuple(positive_int(d) for d in dims)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: SHAPE {parts[0]!r}: {exc}") from None
     high = None
     if len(parts) == 2:
         if INPUT_DTYPES[dtype] not in ("int64", "int32"):

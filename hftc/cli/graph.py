@@ -8,8 +8,10 @@ One box per fused op (parameters and buffers left out), e.g.::
                                    (a tuple: each part's; a shared value has no N)
 
 coloured by what hftc did with it (the legend: fused, computed once for all models, run
-model by model), and grouped in one frame per block of the model (``layer1.0``,
-``features.3``: the module path up to its first index), so a ResNet-18 reads block by block.
+model by model, a different op per model), as the fusion report's table says (each box's
+record in ``fused.fusion_report``: one owner for both), and grouped in one frame per block
+of the model (``layer1.0``, ``features.3``: the module path up to its first index), so a
+ResNet-18 reads block by block.
 """
 
 from __future__ import annotations
@@ -18,22 +20,25 @@ import re
 
 from ..ir import EXAMPLE_VALUE, ORIGIN, RULE, SOURCE
 from ..lowering.runtime.tuning import lowerings_of
-from ..passes.report_text import shape_text
+from ..passes.report_text import record_op, shape_text
 
 _KINDS = {  # rule -> (legend text, fill colour)
     "fused": ("fused: one op for all N models", "lightblue"),
     "shared": ("shared: computed once, same for all models", "lightgrey"),
     "loop": ("model by model: no rule fuses it, each model runs it in turn", "mistyrose"),
+    "per_model": ("per model: the models' ops differ, each runs its own on its slice",
+                  "khaki"),
     "io": ("input / output", "white"),
 }
 _MODULE_PATH = re.compile(r"module path `([^`]*)`")
 
 
-def _kind(node) -> str:
+def _kind(node, record) -> str:
+    """The legend's kind of a fused node: its record's (the report's "kind" column)."""
     if node.op in ("placeholder", "output"):
         return "io"
-    rule = node.meta.get(RULE, "")
-    return rule if rule in ("shared", "loop") else "fused"
+    kind = getattr(record, "kind", "")
+    return kind if kind in _KINDS else "fused"
 
 
 def _module_path(node) -> str:
@@ -45,19 +50,30 @@ def _module_path(node) -> str:
     return ""
 
 
-def _block(path: str) -> str:
+def _block(path: str, root) -> str:
     """``layer1.0.conv1`` -> ``layer1.0``; ``features.3.conv.0`` -> ``features.3``; a path
-    without an index (``conv1``, ``fc``) belongs to no block."""
+    without an index (``conv1``, ``fc``) belongs to no block, nor a leaf layer at an index
+    (``features.0``, a VGG's Conv2d); a block itself (``encoder.layers.1``, the module path
+    of an op written in its forward, the residual add) is its own block."""
     parts = path.split(".")
-    for i, part in enumerate(parts[:-1]):
+    for i, part in enumerate(parts):
         if part.isdigit():
-            return ".".join(parts[: i + 1])
+            block = ".".join(parts[: i + 1])
+            if i < len(parts) - 1 or _has_children(root, block):
+                return block
     return ""
 
 
-def _shape(node) -> str:
+def _has_children(root, path: str) -> bool:
+    module = root
+    for part in path.split("."):
+        module = getattr(module, part, None)
+    return any(True for _ in getattr(module, "children", list)())
+
+
+def _shape(node, kind: str) -> str:
     """The fused value's shape, ``[N, ...]`` where it has the model axis; "" for none."""
-    shape = shape_text(node.meta.get(EXAMPLE_VALUE), _kind(node) in ("fused", "loop"))
+    shape = shape_text(node.meta.get(EXAMPLE_VALUE), kind not in ("shared", "io"))
     return "" if shape == "-" else shape
 
 
@@ -105,10 +121,18 @@ def _values(args, root) -> list:
     return out
 
 
-def _operation(node, root) -> str:
-    """What the box computes: hftc's kernel and the lowering it runs, or the op's name."""
+def _operation(node, root, record) -> str:
+    """What the box computes: hftc's kernel and the lowering it runs, or the op's name; for
+    an op run model by model the user's op (``linalg.qr``, not hftc's
+    ``loop_over_models__linalg_qr``), for a differing op each model's."""
     if node.op in ("placeholder", "output"):
         return node.op
+    if getattr(record, "kind", "") in ("loop", "per_model"):
+        return record_op(record)
+    if record is not None and record.value and node.name != record.value:
+        # a helper the rule made for the op (each model's scalars of ``h / self.cfg.t``):
+        # its own kernel, not a second box named as the op
+        return getattr(node.target, "__name__", str(node.target))
     rule = str(node.meta.get(RULE, ""))
     if node.op == "call_module":
         inner = re.search(r"\[(.*)\]", rule)
@@ -130,18 +154,24 @@ def graph_to_dot(fused, title: str = "fused") -> str:
     """A fused module's last compiled program (``fused.last_program()``) as Graphviz DOT."""
     program = fused.last_program()
     nodes = [n for n in program.graph.nodes if n.op != "get_attr"]
+    record_of = {name: record for record in program.report.records
+                 for name in record.fused_nodes}
     block_of: dict[str, str] = {}
     for node in nodes:
-        block = _block(_module_path(node))
-        if not block and node.op not in ("placeholder", "output"):
-            # functional ops (a residual add) join the block of their first input
+        path = _module_path(node)
+        block = _block(path, fused)
+        if not path and node.op not in ("placeholder", "output"):
+            # a node that names no module path joins the block of its first input; one
+            # written in the root's forward (`<root>`: the head's pooling) stays outside
             block = next((block_of[a.name] for a in node.all_input_nodes
                           if block_of.get(a.name)), "")
         block_of[node.name] = block
     lines = [f'digraph "{_quote(title)}" {{', "  rankdir=TB; newrank=true; ranksep=0.25; "
              "nodesep=0.2;", '  node [shape=box, style="rounded,filled", fontname="monospace", '
              'fontsize=10, margin="0.1,0.03"];', '  edge [arrowsize=0.6];']
-    lines += ['  subgraph cluster_legend {', '    label="legend (shapes: [N, model 0\'s ...])"; '
+    # pad_widths: every model's value is padded to the widest model's, not model 0's own
+    shapes = "the widest model's" if program.report.padding else "model 0's"
+    lines += ['  subgraph cluster_legend {', f'    label="legend (shapes: [N, {shapes} ...])"; '
               'fontname="monospace"; '
               'fontsize=10; style=dashed;']
     legend = [f"legend_{kind}" for kind in _KINDS]
@@ -155,11 +185,12 @@ def graph_to_dot(fused, title: str = "fused") -> str:
         block = block_of[node.name]
         path = _module_path(node).removeprefix(f"{block}.") if block else _module_path(node)
         name = path if path and path not in (block, "<root>") else _user_name(node)
-        operation = _operation(node, fused)
+        record, kind = record_of.get(node.name), _kind(node, record_of.get(node.name))
+        operation = _operation(node, fused, record)
         head = name if operation == name or node.op == "placeholder" else f"{name}: {operation}"
         label = "\\n".join(_quote(part) for part in (
-            head, _shape(node)) if part)
-        color = _KINDS[_kind(node)][1]
+            head, _shape(node, kind)) if part)
+        color = _KINDS[kind][1]
         tooltip = _quote(f"{node.name}: {node.meta.get('hftc_rule', node.op)}")
         by_block.setdefault(block_of[node.name], []).append(
             f'"{node.name}" [label="{label}", fillcolor={color}, tooltip="{tooltip}"];')

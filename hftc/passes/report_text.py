@@ -23,7 +23,8 @@ is ``self.fc(torch.fft.rfft(self.conv(x).flatten(1)).abs()[:, :5] * x.size(0))``
     checked against models 0, 1 and 2's own forward: values agree (largest difference ...)
 
 The op is the user's (``Conv2d``, ``max_pool2d``, ``view``), not hftc's kernel
-(``channelwise__max_pool2d``); the kind in words (:data:`KIND_WORDS`); the fused output's
+(``channelwise__max_pool2d``); where the models' ops differ, each model's (``relu (models
+0, 2), gelu (model 1)``); the kind in words (:data:`KIND_WORDS`); the fused output's
 shape with the model axis written ``N`` (model 0's shape after it; a value computed once
 for all models has none); hftc's rule last, where asked for (``hftc inspect`` leaves it
 out).  The columns are as wide as their longest entry, so long names keep them straight.
@@ -50,15 +51,28 @@ def user_op(source: str) -> str:
     `fc1`, Linear)`` -> ``Linear``; ``..., torch.nn.functional.max_pool2d)`` ->
     ``max_pool2d``; ``..., Tensor.view)`` -> ``view``; ``..., torch._C._fft.fft_rfft)`` ->
     ``fft.rfft``; ``..., hftc.ir.apply_function__ReverseGradient)`` ->
-    ``ReverseGradient.apply``."""
+    ``ReverseGradient.apply``; an op hftc's tracing put in model 0's graph, not the user
+    (``hftc.lowering.runtime.guards.check_input_shape``, torch.export's input guard) ->
+    ``hftc's check_input_shape``, not a path into hftc's internals."""
     found = _SOURCE.search(source)
     if not found:
         return source
     op = public_name(found.group(2))
+    if op.startswith("hftc."):
+        return f"hftc's {op.rpartition('.')[2]}"
     for prefix in _PREFIXES:
         if op.startswith(prefix):
             return op[len(prefix):]
     return op
+
+
+def record_op(record: Any) -> str:
+    """A record's op as the report and the graph show it: the user's (:func:`user_op`);
+    for an op that differs per model, each model's (``relu (models 0, 2), gelu (model 1)``,
+    not model 0's alone)."""
+    if record.kind == "per_model":
+        return record.reason.partition(": ")[2] or user_op(record.source)
+    return user_op(record.source)
 
 
 def module_path_text(source: str) -> str:
@@ -97,7 +111,7 @@ def op_rows(records: Sequence[Any], rules: bool = True) -> list[tuple[str, ...]]
     for r in records:
         if r.kind in ("input", "parameter"):
             continue
-        rows.append((r.node, user_op(r.source), module_path_text(r.source),
+        rows.append((r.node, record_op(r), module_path_text(r.source),
                      KIND_WORDS.get(r.kind, r.kind), r.shape or "-") + (r.rule,) * rules)
     return rows
 

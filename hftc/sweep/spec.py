@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cli.load import run_user_code, user_code_error
+from ..cli.load import import_user_module, run_user_code
 from ..errors import SpecError
 from ..module.group import MAX_PADDING
 
@@ -443,12 +443,8 @@ def _import(target: str):
                       SpecError)
         return module
     _add_to_path(Path.cwd())
-    try:
-        return importlib.import_module(target)
-    except ImportError as exc:
-        raise SpecError(f"cannot import the sweep spec module {target!r}: {exc}") from exc
-    except Exception as exc:  # a SyntaxError or an error of the spec's own, at its line
-        raise SpecError(user_code_error(exc, f"the sweep spec module {target!r}")) from exc
+    return import_user_module(target, f"the sweep spec module {target!r}",
+                              f"cannot import the sweep spec module {target!r}", SpecError)
 
 
 def _add_to_path(folder: Path) -> None:
