@@ -356,6 +356,12 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
     input rank/dtype), when shapes are known.
     """
 
+    def _not_a_container_hint(self) -> str:
+        # (fused[i], len(fused), torch.optim.SGD(fused): a reach for the N models)
+        return ("fused[i] is not model i: model i's output is fused(x)[i], model i itself "
+                "fused.unfuse_model(i) (all N: fused.unfuse()), an optimizer's parameters "
+                "fused.parameters()")
+
     def __init__(
         self,
         models: Sequence[nn.Module],

@@ -443,8 +443,8 @@ def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None
                         f"hftc.per_model's {losses} per-model losses {shape}")
                 raise FusionArgumentError(
                     f"backward() from {what}"
-                    f"{user_line()}, not one number: take {'its' if made else 'losses'}.sum()"
-                    f".backward() (the "
+                    f"{user_line()}, not one number: take "
+                    f"{'its sum: (...).sum()' if made else 'losses.sum()'}.backward() (the "
                     f"sum gives each model exactly the gradient it gets alone; .mean() "
                     f"would divide each model's gradient by {losses})") from exc
             if outputs is not None:

@@ -24,7 +24,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from ... import ir
-from ...errors import FusionArgumentError, UnsupportedOperatorError
+from ...errors import FusionArgumentError, FusionTypeError, UnsupportedOperatorError, user_line
 
 
 class ContainerAccess:
@@ -43,8 +43,17 @@ class ContainerAccess:
     def _container_of(self, what: str) -> str:
         container = self.__dict__.get("_container")
         if container is None:
-            raise TypeError(f"'{self.source_type}' (stacked by hftc) does not support {what}")
+            raise FusionTypeError(
+                f"'{self.source_type}' (stacked by hftc) does not support {what}{user_line()}, "
+                f"as one {self.source_type} does not; {self._not_a_container_hint()}")
         return container
+
+    def _not_a_container_hint(self) -> str:
+        """What a user reaching for one model's share of this module takes instead."""
+        path = self.__dict__.get("_hftc_path")
+        name = next((name for name, _ in self.named_parameters()), "weight")
+        return (f"each of its tensors is stacked [N, *shape], model i's at index i "
+                f"(fused.{path}.{name}[i]), and model i itself is fused.unfuse_model(i)")
 
     def __getitem__(self, key: int | str) -> nn.Module:
         """``fused.blocks[0]`` as ``model.blocks[0]`` (``fused.heads["a"]`` for a ModuleDict):

@@ -1,0 +1,113 @@
+"""hftc as a newcomer meets it: the first mistakes get an hftc error naming what to change,
+and the pages' claims hold when their snippets are run as a user runs them."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hftc
+from hftc.errors import FusionArgumentError, FusionTypeError
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _fused(n=2):
+    torch.manual_seed(0)
+    return hftc.fuse([Net() for _ in range(n)])
+
+
+@pytest.mark.parametrize("reach", ["index", "len", "iterate", "stock optimizer"])
+def test_reaching_for_model_i_through_the_fused_module_names_unfuse_model(reach):
+    """``fused[i]`` (model i?), ``len(fused)``, ``torch.optim.SGD(fused)``: was a bare
+    TypeError "'Net' (stacked by hftc) does not support indexing" saying nothing of what
+    to write instead."""
+    fused = _fused()
+    calls = {"index": lambda: fused[0], "len": lambda: len(fused),
+             "iterate": lambda: list(fused),
+             "stock optimizer": lambda: torch.optim.SGD(fused, lr=0.1)}
+    with pytest.raises(FusionTypeError) as caught:
+        calls[reach]()
+    message = str(caught.value)
+    assert "fused.unfuse_model(i)" in message and "fused(x)[i]" in message
+    assert "fused.parameters()" in message
+    assert __file__ in message  # the user's line
+    assert isinstance(caught.value, TypeError)  # what torch's own refusal is
+
+
+def test_indexing_a_stacked_submodule_says_its_tensors_are_stacked():
+    fused = _fused()
+    with pytest.raises(FusionTypeError, match=r"fused\.fc1\.weight\[i\]"):
+        fused.fc1[0]
+
+
+def test_a_checkpoint_loaded_into_a_model_before_the_first_fused_call_warns():
+    """The newcomer's script: fuse, load each model's checkpoint into the models (not the
+    fused module), evaluate. The first fused forwards ran the weights of the fusing with
+    no word (the check read one model every 4th call)."""
+    torch.manual_seed(0)
+    models = [Net() for _ in range(3)]
+    fused = hftc.fuse(models)
+    models[2].load_state_dict(Net().state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused(torch.randn(5, 4))
+    [warning] = [w for w in caught if issubclass(w.category, hftc.UsageWarning)]
+    assert "model 2 given to hftc.fuse had its parameter `fc1.weight` written in place" \
+        in str(warning.message)
+    assert warning.filename == __file__
+
+
+def test_untouched_models_keep_the_first_call_quiet():
+    fused = _fused(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hftc.UsageWarning)
+        fused(torch.randn(5, 4))
+
+
+@pytest.mark.parametrize("skip", [[1, 0], [0], (2,), torch.tensor([1, 2])])
+def test_skip_models_given_model_indices_is_refused(skip):
+    """``opt.step(skip_models=[1, 0])`` (models 1 and 0, as the name reads) was read as
+    flags: model 0 skipped, model 1 stepped, silently; ``[2, 3]`` skipped every model."""
+    fused = _fused()
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    hftc.per_model(F.cross_entropy)(fused(torch.randn(5, 4)),
+                                    torch.randint(0, 3, (5,))).sum().backward()
+    before = [p.detach().clone() for p in fused.parameters()]
+    with pytest.raises(FusionArgumentError, match=r"one bool per model.*range\(2\)"):
+        opt.step(skip_models=skip)
+    assert all(torch.equal(p, b) for p, b in zip(fused.parameters(), before))
+
+
+def test_skip_models_flags_still_skip():
+    fused = _fused()
+    opt = hftc.optim.SGD(fused.parameters(), lr=0.1)
+    hftc.per_model(F.cross_entropy)(fused(torch.randn(5, 4)),
+                                    torch.randint(0, 3, (5,))).sum().backward()
+    before = fused.fc1.weight.detach().clone()
+    opt.step(skip_models=torch.tensor([0.0, 1.0]))
+    assert not torch.equal(fused.fc1.weight[0], before[0])
+    assert torch.equal(fused.fc1.weight[1], before[1])
+
+
+def test_backward_from_scaled_per_model_losses_names_the_sum_in_words():
+    """The message read "take its.sum().backward()"."""
+    fused = _fused()
+    losses = hftc.per_model(F.cross_entropy)(fused(torch.randn(5, 4)),
+                                             torch.randint(0, 3, (5,)))
+    with pytest.raises(FusionArgumentError) as caught:
+        (losses / 4).backward()
+    assert "its.sum()" not in str(caught.value)
+    assert "(...).sum().backward()" in str(caught.value)
