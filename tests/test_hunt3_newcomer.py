@@ -111,3 +111,16 @@ def test_backward_from_scaled_per_model_losses_names_the_sum_in_words():
         (losses / 4).backward()
     assert "its.sum()" not in str(caught.value)
     assert "(...).sum().backward()" in str(caught.value)
+
+
+@pytest.mark.parametrize("helper", ["BestCheckpoint", "EarlyStopping"])
+def test_one_number_for_all_models_names_the_per_model_values(helper):
+    """``best.update(val_loss.mean().item())``: was a bare "'float' object is not
+    iterable"."""
+    fused = _fused(3)
+    tracker = (hftc.BestCheckpoint(fused) if helper == "BestCheckpoint"
+               else hftc.EarlyStopping(fused, patience=2))
+    record = tracker.update if helper == "BestCheckpoint" else tracker.step
+    with pytest.raises(FusionArgumentError, match=r"one number per model \(3 models") as caught:
+        record(0.5)
+    assert __file__ in str(caught.value)
