@@ -124,3 +124,15 @@ def test_one_number_for_all_models_names_the_per_model_values(helper):
     with pytest.raises(FusionArgumentError, match=r"one number per model \(3 models") as caught:
         record(0.5)
     assert __file__ in str(caught.value)
+
+
+def test_calling_a_fused_submodule_names_what_to_call_instead():
+    """``fused.features(x)`` (a torchvision habit) was a bare RuntimeError."""
+    fused = _fused()
+    with pytest.raises(hftc.errors.FusionNotImplementedError) as caught:
+        fused.fc1(torch.randn(5, 4))
+    message = str(caught.value)
+    assert "fused.fc1(...)" in message and __file__ in message
+    assert "hftc.fuse([m.fc1 for m in models])" in message
+    assert "fused.unfuse_model(i).fc1(x)" in message
+    assert isinstance(caught.value, RuntimeError)  # what it was

@@ -24,7 +24,13 @@ from typing import Any
 from torch import Tensor, nn
 
 from ... import ir
-from ...errors import FusionArgumentError, FusionTypeError, UnsupportedOperatorError, user_line
+from ...errors import (
+    FusionArgumentError,
+    FusionNotImplementedError,
+    FusionTypeError,
+    UnsupportedOperatorError,
+    user_line,
+)
 
 
 class ContainerAccess:
@@ -206,11 +212,14 @@ class StackedModule(ContainerAccess, nn.Module):
     register_full_backward_pre_hook = _no_hooks
     register_backward_hook = _no_hooks
 
-    def forward(self, *args, **kwargs):  # pragma: no cover - the fused graph never calls it
-        raise RuntimeError(
-            f"a StackedModule ({self.source_type}) holds stacked tensors for the fused graph; "
-            f"call the FusedModule, not its submodules"
-        )
+    def forward(self, *args, **kwargs):  # (the fused graph never calls it; a user's line may)
+        path = self.__dict__.get("_hftc_path") or "<submodule>"
+        raise FusionNotImplementedError(
+            f"fused.{path}(...){user_line()}: a StackedModule ({self.source_type}) holds "
+            f"the N models' stacked tensors for the fused program and computes nothing "
+            f"itself. Call the fused module (fused(x): each model's whole forward), fuse "
+            f"this part of the models apart (hftc.fuse([m.{path} for m in models]), e.g. a "
+            f"backbone's features), or run model i's own: fused.unfuse_model(i).{path}(x)")
 
 
 # --------------------------------------------------------------------------- stacked parameters
