@@ -217,6 +217,34 @@ def route_bound_names() -> None:
             cell.cell_contents = replacement
 
 
+# --------------------------------------------------------------------------- torch's own init
+
+#: ``torch.nn.init``'s functions whose draw depends on the tensor's shape (its fans, its
+#: matrix): on a stacked ``[N, out, in]`` weight they would read N as the fan-out and
+#: ``out * in`` as the fan-in (orthogonal_: one matrix over all N), silently.
+SHAPED_INITS = ("xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
+                "orthogonal_", "sparse_", "eye_", "dirac_")
+
+
+def per_model_init(init: Any) -> Any:
+    """``init`` (one of :data:`SHAPED_INITS`) as installed by ``import hftc``: on a fused
+    module's stacked parameter (``nn.init.kaiming_normal_(fused.fc.weight)``, the habit of
+    initializing after building) it initializes each model's slice as ``init`` does that
+    model's own weight, models 0, 1, ... in turn as a loop over the models would; other
+    tensors are torch's."""
+    @functools.wraps(init)
+    def per_model(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        [n] = stacked_counts([tensor]) if isinstance(tensor, Tensor) else [None]
+        if n is None or tensor.dim() == 0 or tensor.shape[0] != n:
+            return init(tensor, *args, **kwargs)
+        with torch.no_grad():
+            for own in tensor.unbind(0):
+                init(own, *args, **kwargs)
+        return tensor
+    per_model.__wrapped_init__ = init
+    return per_model
+
+
 _torch_update_bn = _stock_twin(torch.optim.swa_utils.update_bn)
 
 

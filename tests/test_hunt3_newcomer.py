@@ -136,3 +136,22 @@ def test_calling_a_fused_submodule_names_what_to_call_instead():
     assert "hftc.fuse([m.fc1 for m in models])" in message
     assert "fused.unfuse_model(i).fc1(x)" in message
     assert isinstance(caught.value, RuntimeError)  # what it was
+
+
+@pytest.mark.parametrize("init", ["kaiming_normal_", "xavier_uniform_", "orthogonal_"])
+def test_a_shaped_init_of_a_stacked_weight_is_each_models_own(init):
+    """``nn.init.kaiming_normal_(fused.fc1.weight)`` read the [N, out, in] weight's fan-in
+    as out * in (a std sqrt(out) times too small) and orthogonal_ made one matrix of all
+    N, silently; now it equals the loop over the models' own weights, bit for bit."""
+    fused = _fused(3)
+    torch.manual_seed(1)
+    getattr(nn.init, init)(fused.fc1.weight)
+    torch.manual_seed(1)
+    want = torch.stack([getattr(nn.init, init)(torch.empty(8, 4)) for _ in range(3)])
+    assert torch.equal(fused.fc1.weight.detach(), want)
+
+
+def test_a_shaped_init_of_a_stacked_bias_is_refused_as_for_one_model():
+    fused = _fused()
+    with pytest.raises(ValueError, match="fewer than 2 dimensions"):
+        nn.init.xavier_uniform_(fused.fc1.bias)  # [N, 8]: torch's fan-in N otherwise
