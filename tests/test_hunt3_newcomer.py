@@ -155,3 +155,15 @@ def test_a_shaped_init_of_a_stacked_bias_is_refused_as_for_one_model():
     fused = _fused()
     with pytest.raises(ValueError, match="fewer than 2 dimensions"):
         nn.init.xavier_uniform_(fused.fc1.bias)  # [N, 8]: torch's fan-in N otherwise
+
+
+@pytest.mark.parametrize("fuse", [hftc.fuse, hftc.fuse_groups], ids=["fuse", "fuse_groups"])
+def test_the_models_given_one_by_one_name_the_list(fuse):
+    """``hftc.fuse(m0, m1, m2)``: was Python's bare "fuse() takes 1 positional argument
+    but 3 were given"."""
+    models = [Net() for _ in range(3)]
+    with pytest.raises(FusionTypeError) as caught:
+        fuse(*models)
+    message = str(caught.value)
+    assert f"hftc.{fuse.__name__}([m0, m1, ...])" in message and __file__ in message
+    assert fuse(models)  # the list, as before
