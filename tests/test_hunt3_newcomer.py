@@ -167,3 +167,17 @@ def test_the_models_given_one_by_one_name_the_list(fuse):
     message = str(caught.value)
     assert f"hftc.{fuse.__name__}([m0, m1, ...])" in message and __file__ in message
     assert fuse(models)  # the list, as before
+
+
+def test_one_input_per_model_as_n_arguments_names_with_in_dims():
+    """``fused(x0, x1)`` (one input per model, each an argument) said only to call it as
+    one model, not how to give each model its own."""
+    fused = _fused()
+    x = torch.randn(5, 4)
+    with pytest.raises(FusionArgumentError) as caught:
+        fused(x, x + 1)
+    message = str(caught.value)
+    assert "fused.with_in_dims(0)(torch.stack([x_0, ..., x_1]))" in message
+    assert __file__ in message
+    out = fused.with_in_dims(0)(torch.stack([x, x + 1]))
+    torch.testing.assert_close(out[1], fused(x + 1)[1])
