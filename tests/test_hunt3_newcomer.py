@@ -181,3 +181,38 @@ def test_one_input_per_model_as_n_arguments_names_with_in_dims():
     assert __file__ in message
     out = fused.with_in_dims(0)(torch.stack([x, x + 1]))
     torch.testing.assert_close(out[1], fused(x + 1)[1])
+
+
+def _own_losses(fused):
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    return [F.cross_entropy(o, y) for o in fused(x)]
+
+
+@pytest.mark.parametrize("backward", ["stacked", "one by one"])
+def test_backward_from_the_models_own_losses_names_the_sum(backward):
+    """``torch.stack(losses).backward()`` and ``for loss in losses: loss.backward()`` (each
+    model's loss taken by the user, as N separate models would take them): were torch's
+    bare "grad can be implicitly created only for scalar outputs" / "Trying to backward
+    through the graph a second time"."""
+    fused = _fused()
+    losses = _own_losses(fused)
+    with pytest.raises(FusionArgumentError) as caught:
+        if backward == "stacked":
+            torch.stack(losses).backward()
+        else:
+            for loss in losses:
+                loss.backward()
+    message = str(caught.value)
+    assert "torch.stack(losses).sum().backward()" in message and __file__ in message
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_the_sum_of_the_models_own_losses_and_torchs_own_errors_stand():
+    fused = _fused()
+    torch.stack(_own_losses(fused)).sum().backward()  # what the message says: each its own
+    model = nn.Linear(2, 1)
+    loss = model(torch.randn(3, 2)).pow(2).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="second time") as caught:
+        loss.backward()  # nothing of a fused module's: torch's error as it is
+    assert not isinstance(caught.value, hftc.FusionError)
