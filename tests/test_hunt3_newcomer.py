@@ -216,3 +216,16 @@ def test_the_sum_of_the_models_own_losses_and_torchs_own_errors_stand():
     with pytest.raises(RuntimeError, match="second time") as caught:
         loss.backward()  # nothing of a fused module's: torch's error as it is
     assert not isinstance(caught.value, hftc.FusionError)
+
+
+@pytest.mark.parametrize("flags", [[True, False], [True, False, True],
+                                   torch.tensor([True, False, True])])
+def test_keep_models_given_flags_is_refused_naming_the_indices(flags):
+    """``hftc.keep_models(fused, [True, False])`` (a mask, as skip_models takes) read
+    True as 1: models [1, 0] kept, swapped, silently (a full mask: "names model(s) [1]
+    more than once")."""
+    fused = _fused(3)
+    before = fused.fc1.weight.detach().clone()
+    with pytest.raises(FusionTypeError, match=r"not model indices.*enumerate\(flags\)"):
+        hftc.keep_models(fused, flags)
+    assert fused.model_ids == [0, 1, 2] and torch.equal(fused.fc1.weight, before)
