@@ -229,3 +229,20 @@ def test_keep_models_given_flags_is_refused_naming_the_indices(flags):
     with pytest.raises(FusionTypeError, match=r"not model indices.*enumerate\(flags\)"):
         hftc.keep_models(fused, flags)
     assert fused.model_ids == [0, 1, 2] and torch.equal(fused.fc1.weight, before)
+
+
+@pytest.mark.parametrize(("given", "named"), [("epoch", "did you mean epochs="),
+                                              ("n_trial", "did you mean n_trials="),
+                                              ("storage", "--storage URL")])
+def test_sweep_spec_given_no_field_names_the_field_meant(given, named):
+    """``SweepSpec(..., epoch=3)``: was Python's bare "unexpected keyword argument", where
+    the same name in a spec file is a SpecError naming the field."""
+    import hftc.sweep
+
+    def space(trial):
+        return {"lr": trial.suggest_float("lr", 1e-3, 1.0)}
+
+    with pytest.raises(hftc.errors.SpecError, match=named) as caught:
+        hftc.sweep.SweepSpec(space=space, model=lambda params: Net(), data=lambda: None,
+                             **{given: 3 if given != "storage" else "sqlite:///s.db"})
+    assert __file__ in str(caught.value)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cli.load import run_user_code, user_code_error
-from ..errors import SpecError
+from ..errors import SpecError, user_line
 from ..module.group import MAX_PADDING
 
 __all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer", "hook_name",
@@ -281,6 +281,30 @@ class SweepSpec:
 
 
 _FIELDS = None
+
+
+def _refusing_unknown_fields(init: Callable[..., None]) -> Callable[..., None]:
+    """The dataclass's ``__init__``, where a keyword that is no field
+    (``SweepSpec(epoch=3)``, ``storage=...``) is a SpecError naming the field meant (or
+    what the sweep has instead of Optuna's argument), not Python's bare "unexpected
+    keyword argument", as the same name in a spec file is (:func:`_check_misspelled`)."""
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        known = {f.name for f in fields(SweepSpec)}
+        for name in kwargs:
+            if name in known:
+                continue
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.7)
+            instead = (_OPTUNA_ARGUMENTS[name][1] if name in _OPTUNA_ARGUMENTS else
+                       f"did you mean {close[0]}=?" if close else
+                       "the spec fields are listed in docs/SWEEP.md")
+            raise SpecError(f"SweepSpec got {name}={kwargs[name]!r}{user_line()}, which is "
+                            f"no field of a sweep spec: {instead}")
+        init(self, *args, **kwargs)
+    return checked
+
+
+SweepSpec.__init__ = _refusing_unknown_fields(SweepSpec.__init__)
 
 
 def _spec_fields() -> list[str]:
