@@ -246,3 +246,18 @@ def test_sweep_spec_given_no_field_names_the_field_meant(given, named):
         hftc.sweep.SweepSpec(space=space, model=lambda params: Net(), data=lambda: None,
                              **{given: 3 if given != "storage" else "sqlite:///s.db"})
     assert __file__ in str(caught.value)
+
+
+def test_compile_step_given_a_per_model_loss_takes_it_as_it_is():
+    """``hftc.compile_step(fused, hftc.per_model(F.cross_entropy), opt)`` (the loss as the
+    guides write it): was wrapped in per_model again and failed, reading each model's
+    [B, C] output as B models."""
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    steps = []
+    for loss_fn in (F.cross_entropy, hftc.per_model(F.cross_entropy)):
+        fused = _fused(3)
+        opt = hftc.optim.SGD(fused.parameters(), lr=[0.1, 0.2, 0.3])
+        step = hftc.compile_step(fused, loss_fn, opt)
+        steps.append((step(x, y), fused.fc1.weight.detach().clone()))
+    (stock_losses, stock_weight), (given_losses, given_weight) = steps
+    assert torch.equal(stock_losses, given_losses) and torch.equal(stock_weight, given_weight)
