@@ -261,3 +261,15 @@ def test_compile_step_given_a_per_model_loss_takes_it_as_it_is():
         steps.append((step(x, y), fused.fc1.weight.detach().clone()))
     (stock_losses, stock_weight), (given_losses, given_weight) = steps
     assert torch.equal(stock_losses, given_losses) and torch.equal(stock_weight, given_weight)
+
+
+def test_a_sweep_spec_given_a_per_model_loss_says_to_give_one_models():
+    """``loss = hftc.per_model(F.cross_entropy)`` in a spec (the loss as the guides write
+    it): failed at the first batch, read each model's [B, C] output as B models, and named
+    torch's functional.py as where the loss is defined."""
+    import hftc.sweep
+
+    with pytest.raises(hftc.errors.SpecError, match=r"spec\.loss is hftc\.per_model"
+                                                     r"\(cross_entropy\).*F\.cross_entropy"):
+        hftc.sweep.SweepSpec(space=lambda trial: {}, model=lambda params: Net(),
+                             data=lambda: None, loss=hftc.per_model(F.cross_entropy))

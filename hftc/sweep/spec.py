@@ -38,6 +38,7 @@ from torch import nn
 
 from ..cli.load import run_user_code, user_code_error
 from ..errors import SpecError, user_line
+from ..lowering.runtime.losses import PER_MODEL_MARK
 from ..module.group import MAX_PADDING
 
 __all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer", "hook_name",
@@ -244,6 +245,13 @@ class SweepSpec:
         if self.direction not in ("maximize", "minimize"):
             raise SpecError(f"spec.direction must be 'maximize' or 'minimize', got "
                             f"{self.direction!r}")
+        if PER_MODEL_MARK in getattr(self.loss, "__dict__", {}):
+            raise SpecError(
+                f"spec.loss is hftc.per_model({getattr(self.loss, '__name__', 'loss')}), the "
+                f"N models' losses: the sweep takes each model's loss itself "
+                f"(hftc.per_model(spec.loss)), and trains a trial alone with it too. Give one "
+                f"model's loss: loss = F.cross_entropy (with keywords: "
+                f"functools.partial(F.cross_entropy, label_smoothing=0.1))")
         for key in ("epochs", "batch_size", "eval_batch_size", "n_trials", "per_array"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
