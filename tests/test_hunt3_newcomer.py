@@ -273,3 +273,28 @@ def test_a_sweep_spec_given_a_per_model_loss_says_to_give_one_models():
                                                      r"\(cross_entropy\).*F\.cross_entropy"):
         hftc.sweep.SweepSpec(space=lambda trial: {}, model=lambda params: Net(),
                              data=lambda: None, loss=hftc.per_model(F.cross_entropy))
+
+
+class Tagger(nn.Module):
+    """A tokenizer-fed model, forward(input_ids, attention_mask=None), as HF's."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.embed(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        return self.head(h.mean(1))
+
+
+def test_a_batch_dict_given_as_one_input_names_fused_of_the_unpacked_batch():
+    """``fused(batch)`` for ``fused(**batch)``: the error named only the Embedding's
+    TypeError on a dict."""
+    fused = hftc.fuse([Tagger() for _ in range(2)])
+    batch = {"input_ids": torch.randint(0, 10, (3, 5)), "attention_mask": torch.ones(3, 5)}
+    with pytest.raises(hftc.errors.TraceError, match=r"`input_ids` is a dict.*fused\(\*\*batch\)"):
+        fused(batch)
+    assert fused(**batch).shape == (2, 3, 2)
