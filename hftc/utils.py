@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .errors import FusionArgumentError
 from .lowering.runtime.losses import per_model
-from .lowering.runtime.modules import live_stacked, stacked_counts
+from .lowering.runtime.modules import STACKED_MARK, live_stacked, stacked_counts
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
 
@@ -234,7 +234,8 @@ def per_model_init(init: Any) -> Any:
     tensors are torch's."""
     @functools.wraps(init)
     def per_model(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        [n] = stacked_counts([tensor]) if isinstance(tensor, Tensor) else [None]
+        n = getattr(tensor, STACKED_MARK, None)  # (the mark only: torch's own layers'
+        # reset_parameters call these for every layer built)
         if n is None or tensor.dim() == 0 or tensor.shape[0] != n:
             return init(tensor, *args, **kwargs)
         with torch.no_grad():
