@@ -1556,6 +1556,11 @@ def _list_of_inputs_hint(names: Sequence[Any], args: Sequence[Any]) -> str:
                     f"model dim and say so, fused.with_in_dims(0)(torch.stack({name})) (or "
                     f"hftc.fuse(models, in_dims=0)); for one input all models share, pass "
                     f"the tensor itself")
+        if isinstance(value, dict) and set(value) & set(map(str, names)):
+            # (a batch dict, a tokenizer's output, keyed by the forward's inputs' names)
+            return (f". `{name}` is a dict (keys {', '.join(map(repr, list(value)[:4]))}"
+                    f"{', ...' if len(value) > 4 else ''}): to pass its entries as the "
+                    f"forward's inputs, unpack it, fused(**batch), as for one model")
     return ""
 
 

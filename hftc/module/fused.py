@@ -37,6 +37,7 @@ from ..errors import (
     MismatchError,
     TraceError,
     UnsupportedOperatorError,
+    user_line,
 )
 from ..frontends.closures import check_function_references, rebind_functions
 from ..frontends.symbolic import (
@@ -355,6 +356,12 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
     The fused forward is compiled on the first call (and again for a new mode or
     input rank/dtype), when shapes are known.
     """
+
+    def _not_a_container_hint(self) -> str:
+        # (fused[i], len(fused), torch.optim.SGD(fused): a reach for the N models)
+        return ("fused[i] is not model i: model i's output is fused(x)[i], model i itself "
+                "fused.unfuse_model(i) (all N: fused.unfuse()), an optimizer's parameters "
+                "fused.parameters()")
 
     def __init__(
         self,
@@ -1007,7 +1014,24 @@ def _method_as_forward(cls: type, name: str) -> type:
 
 
 
+def takes_one_list_of_models(function: Any) -> Any:
+    """``function(models, **options)`` refusing the models given one by one
+    (``hftc.fuse(m0, m1, m2)``, where Python's own "takes 1 positional argument but 3
+    were given" says nothing of the list)."""
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1:
+            kinds = ", ".join(type(a).__name__ for a in args[:3])
+            raise FusionTypeError(
+                f"hftc.{function.__name__} got {len(args)} positional arguments ({kinds}"
+                f"{', ...' if len(args) > 3 else ''}){user_line()}: it takes the models as "
+                f"one list, hftc.{function.__name__}([m0, m1, ...]), and its options by "
+                f"keyword")
+        return function(*args, **kwargs)
+    return checked
 
+
+@takes_one_list_of_models
 def fuse(
     models: Iterable[nn.Module],
     *,
@@ -1081,4 +1105,4 @@ def fuse(
                        checkpoint=checkpoint, pad_widths=pad_widths)
 
 
-__all__ = ["FusedModule", "Program", "fuse", "StackedModule"]
+__all__ = ["FusedModule", "Program", "fuse", "StackedModule", "takes_one_list_of_models"]

@@ -41,7 +41,7 @@ from ..frontends.symbolic import (
 from ..lowering import timing
 from ..match import node_signature
 from ..passes.registry import aten_spellings, per_model_table
-from .fused import FusedModule, check_models, example_constants
+from .fused import FusedModule, check_models, example_constants, takes_one_list_of_models
 from .padding import padding_ratio, weight_shapes, widths_key
 
 
@@ -305,6 +305,7 @@ def group_models(models: Iterable[nn.Module], *, max_padding: float = MAX_PADDIN
     return _arrays(check_models(models), max_padding, fuse_kwargs)[0]
 
 
+@takes_one_list_of_models
 def fuse_groups(
     models: Iterable[nn.Module], *, max_padding: float = MAX_PADDING, **fuse_kwargs: Any
 ) -> list[tuple[FusedModule, list[int]]]:

@@ -254,10 +254,13 @@ class InputHandling:
                         " As traced by torch.export, forward takes the inputs example_inputs "
                         "gave: give example_inputs every input the fused module will be "
                         "called with.")
+            per_model = ("" if len(args) != self.num_models or len(placeholders) != 1 else
+                         f" For one input per model (x_i for model i): "
+                         f"fused.with_in_dims(0)(torch.stack([x_0, ..., x_{len(args) - 1}])).")
             raise FusionArgumentError(
                 f"the fused module got {len(args)} positional inputs, but the models' "
-                f"forward takes {takes}: call it as you would call one model "
-                f"(fused(x) for forward(self, x)).{exported}"
+                f"forward takes {takes}{user_line()}: call it as you would call one model "
+                f"(fused(x) for forward(self, x)).{per_model}{exported}"
             )
         kwargs = dict(kwargs)
         values, given = list(args), [True] * len(args)

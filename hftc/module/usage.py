@@ -300,22 +300,25 @@ def check_source_weights(fused: nn.Module) -> None:
     place since (``models[1].load_state_dict(ckpt)``, ``nn.init.zeros_(models[0].fc.weight)``,
     a stock optimizer stepping ``models[i]``) is a change meant for the fused module, which
     copied the weights and runs the ones of the fusing.  A UsageWarning, once per module,
-    naming the model and the parameter.  Every fourth call reads one model's versions (in
-    turn: a change is seen within 4N calls); models replace_models replaced are not."""
+    naming the model and the parameter.  The first call reads every model's versions (the
+    checkpoints loaded into the models between fusing and a first evaluation), then every
+    fourth call one model's (in turn: a change is seen within 4N calls); models
+    replace_models replaced are not."""
     if torch.compiler.is_compiling():
         return
     state = fused.__dict__
     turn = state.get("_hftc_weights_turn", 0) + 1
     state["_hftc_weights_turn"] = turn
-    noted = _SOURCE_WEIGHTS.get(id(fused)) if turn % _CALLS_A_CHECK == 0 else None
+    noted = _SOURCE_WEIGHTS.get(id(fused)) if turn % _CALLS_A_CHECK == 0 or turn == 1 else None
     if not noted:
         return
-    model = turn // _CALLS_A_CHECK % len(noted)
-    named, versions = noted[model]
     ids = state.get("_model_ids") or range(len(noted))
-    changed = next((name for (name, ref), version in zip(named, versions)
-                    if (p := ref()) is not None and p._version != version), None)
-    if changed is None or model not in ids:
+    read = range(len(noted)) if turn == 1 else [turn // _CALLS_A_CHECK % len(noted)]
+    changed, model = next(((name, model) for model in read if model in ids
+                           for (name, ref), version in zip(*noted[model])
+                           if (p := ref()) is not None and p._version != version),
+                          (None, None))
+    if changed is None:
         return
     _SOURCE_WEIGHTS.pop(id(fused), None)
     warnings.warn(

@@ -50,6 +50,7 @@ models' results are then selected with ``torch.where``, never blended.
 from __future__ import annotations
 
 import inspect
+import numbers
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
@@ -58,7 +59,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..errors import FusionArgumentError, FusionTypeError
+from ..errors import FusionArgumentError, FusionTypeError, user_line
 from ..lowering.compile_guard import run_eagerly
 from ..training import mistakes
 from .capture import CapturableStep
@@ -472,7 +473,18 @@ class FusedOptimizer(HyperParameterGroups, OptimizerState, UpdateMemory, Captura
     def _skip_indices(self, skip_models) -> list[int]:
         if skip_models is None:
             return []
-        flags = torch.as_tensor(skip_models).detach().to("cpu", torch.bool).reshape(-1)
+        values = torch.as_tensor(skip_models).detach().to("cpu").reshape(-1)
+        indices = (isinstance(skip_models, Sequence) and any(
+            isinstance(f, numbers.Integral) and not isinstance(f, bool) for f in skip_models)
+        ) or bool(((values != 0) & (values != 1)).any())
+        if indices:  # (read as flags, [1, 0] would skip model 0 only, [2, 3] every model)
+            n = self.num_models
+            raise FusionArgumentError(
+                f"{type(self).__name__}.step(skip_models={skip_models!r}){user_line()}: "
+                f"skip_models takes one bool per model ([{n}] flags, True: leave that model "
+                f"as it is), not model indices; for indices: "
+                f"skip_models=[i in skipped for i in range({n})]")
+        flags = values.to(torch.bool)
         if flags.numel() != self.num_models:
             raise FusionArgumentError(
                 f"skip_models has {flags.numel()} entries but there are {self.num_models} models"

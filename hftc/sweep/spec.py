@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cli.load import import_user_module, run_user_code
-from ..errors import SpecError
+from ..errors import SpecError, user_line
+from ..lowering.runtime.losses import PER_MODEL_MARK
 from ..module.group import MAX_PADDING
 
 __all__ = ["SweepSpec", "SpecError", "load_spec", "default_optimizer", "hook_name",
@@ -244,6 +245,13 @@ class SweepSpec:
         if self.direction not in ("maximize", "minimize"):
             raise SpecError(f"spec.direction must be 'maximize' or 'minimize', got "
                             f"{self.direction!r}")
+        if PER_MODEL_MARK in getattr(self.loss, "__dict__", {}):
+            raise SpecError(
+                f"spec.loss is hftc.per_model({getattr(self.loss, '__name__', 'loss')}), the "
+                f"N models' losses: the sweep takes each model's loss itself "
+                f"(hftc.per_model(spec.loss)), and trains a trial alone with it too. Give one "
+                f"model's loss: loss = F.cross_entropy (with keywords: "
+                f"functools.partial(F.cross_entropy, label_smoothing=0.1))")
         for key in ("epochs", "batch_size", "eval_batch_size", "n_trials", "per_array"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -281,6 +289,30 @@ class SweepSpec:
 
 
 _FIELDS = None
+
+
+def _refusing_unknown_fields(init: Callable[..., None]) -> Callable[..., None]:
+    """The dataclass's ``__init__``, where a keyword that is no field
+    (``SweepSpec(epoch=3)``, ``storage=...``) is a SpecError naming the field meant (or
+    what the sweep has instead of Optuna's argument), not Python's bare "unexpected
+    keyword argument", as the same name in a spec file is (:func:`_check_misspelled`)."""
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        known = {f.name for f in fields(SweepSpec)}
+        for name in kwargs:
+            if name in known:
+                continue
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.7)
+            instead = (_OPTUNA_ARGUMENTS[name][1] if name in _OPTUNA_ARGUMENTS else
+                       f"did you mean {close[0]}=?" if close else
+                       "the spec fields are listed in docs/SWEEP.md")
+            raise SpecError(f"SweepSpec got {name}={kwargs[name]!r}{user_line()}, which is "
+                            f"no field of a sweep spec: {instead}")
+        init(self, *args, **kwargs)
+    return checked
+
+
+SweepSpec.__init__ = _refusing_unknown_fields(SweepSpec.__init__)
 
 
 def _spec_fields() -> list[str]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import FusionArgumentError, FusionTypeError
+from ..errors import FusionArgumentError, FusionTypeError, user_line
 from ..module.fused import FusedModule
 from .shrink import keep_models
 
@@ -89,10 +89,17 @@ class _PerModelBest:
 
     def _values(self, values: Any) -> list[tuple[int, int, float]]:
         """``(position, model id, value)`` of each model of ``values`` ``[N]``."""
+        ids = self.fused.model_ids
         if isinstance(values, Tensor):
             values = values.detach().reshape(-1).tolist()
-        values = [float(v) for v in values]
-        ids = self.fused.model_ids
+        try:
+            values = [float(v) for v in values]
+        except (TypeError, ValueError) as exc:  # (one number: the models' mean or sum)
+            raise FusionArgumentError(
+                f"{type(self).__name__}: got {type(values).__name__} {values!r:.60}"
+                f"{user_line()}, not one number per model ({len(ids)} models, ids {ids}): "
+                f"pass the per-model values [N] themselves (hftc.per_model(...)(out, y), "
+                f"not their .mean(), .sum() or .item())") from exc
         if len(values) != len(ids):
             raise FusionArgumentError(
                 f"{type(self).__name__}: {len(values)} values for {len(ids)} models (ids "

@@ -371,6 +371,48 @@ def _losses_behind(tensor: Tensor, limit: int = 64) -> int | None:
     return None
 
 
+def _fused_output_behind(node: Any, limit: int = 1024) -> int | None:
+    """N where the autograd node ``node`` leads back, within ``limit`` nodes, to a fused
+    output of N models before any ``hftc.per_model`` result (None there, or where none)."""
+    todo, seen = [node], 0
+    while todo and seen < limit:
+        current = todo.pop(0)
+        if current is None:
+            continue
+        seen += 1
+        if LOSSES_MARK in current.metadata:
+            return None
+        if current.metadata.get(OUTPUT_MARK) is not None:
+            return current.metadata[OUTPUT_MARK]
+        todo.extend(next_node for next_node, _ in current.next_functions)
+    return None
+
+
+def _explain_own_losses(first: Tensor, exc: RuntimeError) -> None:
+    """The models' losses taken by the user from a fused output (``[loss_fn(o, y) for o in
+    out]``) where torch refuses their backward: stacked and not reduced, or one by one
+    (the second backward through the one fused forward): a FusionArgumentError naming
+    the sum.  Nothing for other tensors (torch's error stands)."""
+    n = _fused_output_behind(first.grad_fn) if first.grad_fn is not None else None
+    if n is None:
+        return
+    if "implicitly created only for scalar outputs" in str(exc) and first.dim() == 1 \
+            and first.shape[0] == n:
+        done = (f"backward() from {n} values [{n}] made from a fused output of {n} models"
+                f"{user_line()}, not one number")
+    elif "backward through the graph a second time" in str(exc):
+        done = (f"a second backward() through the forward of a fused module of {n} models"
+                f"{user_line()} (one loss per model, each its own backward?): the {n} "
+                f"models ran as one fused forward, whose graph the first backward freed")
+    else:
+        return
+    raise FusionArgumentError(
+        f"{done}. Take the sum of the models' losses and one backward: "
+        f"torch.stack(losses).sum().backward(), or hftc.per_model(F.cross_entropy)(out, "
+        f"y).sum().backward() (the sum gives each model exactly the gradient it gets "
+        f"alone)") from exc
+
+
 #: The user's lines whose backward from a mean of N values was looked at (once a line).
 _WARNED_MEAN_LINES: set[tuple[str, int]] = set()
 
@@ -392,18 +434,8 @@ def _check_mean_of_model_losses(loss: Tensor, limit: int = 1024) -> None:
     if site in _WARNED_MEAN_LINES:  # (a line is looked at once: the walk costs)
         return
     _WARNED_MEAN_LINES.add(site)
-    n, todo, seen = int(sizes[0]), [node], 0
-    while todo and seen < limit:
-        current = todo.pop(0)
-        if current is None:
-            continue
-        seen += 1
-        if LOSSES_MARK in current.metadata:  # hftc.per_model's: its own check warns
-            return
-        if current.metadata.get(OUTPUT_MARK) == n:
-            break
-        todo.extend(next_node for next_node, _ in current.next_functions)
-    else:
+    n = int(sizes[0])
+    if _fused_output_behind(node, limit) != n:  # (None too: hftc.per_model's warns itself)
         return
     warnings.warn(
         f"backward() from the mean of {n} values made from a fused output of {n} models"
@@ -429,8 +461,10 @@ def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None
         except RuntimeError as exc:
             first = tensors if isinstance(tensors, Tensor) else (
                 tensors[0] if isinstance(tensors, (tuple, list)) and tensors else None)
-            if grad_tensors is not None or not isinstance(first, Tensor) \
-                    or "implicitly created only for scalar outputs" not in str(exc):
+            if grad_tensors is not None or not isinstance(first, Tensor) or not FUSED_MODULES:
+                raise
+            if "implicitly created only for scalar outputs" not in str(exc):
+                _explain_own_losses(first, exc)
                 raise
             losses, outputs = getattr(first, LOSSES_MARK, None), getattr(first, OUTPUT_MARK, None)
             made = losses is None and outputs is None and first.dim() == 1
@@ -443,8 +477,8 @@ def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None
                         f"hftc.per_model's {losses} per-model losses {shape}")
                 raise FusionArgumentError(
                     f"backward() from {what}"
-                    f"{user_line()}, not one number: take {'its' if made else 'losses'}.sum()"
-                    f".backward() (the "
+                    f"{user_line()}, not one number: take "
+                    f"{'its sum: (...).sum()' if made else 'losses.sum()'}.backward() (the "
                     f"sum gives each model exactly the gradient it gets alone; .mean() "
                     f"would divide each model's gradient by {losses})") from exc
             if outputs is not None:
@@ -453,6 +487,7 @@ def backward_naming_the_sum(backward: Callable[..., None]) -> Callable[..., None
                     f"outputs stacked){user_line()}, not a loss: take each model's loss with "
                     f"hftc.per_model, then their sum: hftc.per_model(F.cross_entropy)"
                     f"(out, y).sum().backward()") from exc
+            _explain_own_losses(first, exc)
             raise
 
     checked.__hftc_original__ = backward

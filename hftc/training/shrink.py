@@ -33,6 +33,7 @@ from ..errors import (
     FusionIndexError,
     FusionTypeError,
     UsageWarning,
+    user_line,
     user_stacklevel,
 )
 from ..lowering.runtime.modules import FUSED_MODULES
@@ -58,6 +59,13 @@ def _check_keep(fused: FusedModule, keep: Any, who: str = "keep_models: keep") -
     if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
         raise FusionTypeError(f"{who} must be a list of model indices (ints in "
                               f"range({n})), got {keep!r}")
+    keep = list(keep)
+    if any(type(k).__name__ in ("bool", "bool_") for k in keep):
+        # (operator.index reads True as 1: [True, False] kept models [1, 0], swapped)
+        raise FusionTypeError(
+            f"{who} holds flags {keep!r}{user_line()}, not model indices: give the indices "
+            f"of the models to keep, [i for i, kept in enumerate(flags) if kept] (for "
+            f"{keep!r}: {[i for i, kept in enumerate(keep) if kept]})")
     indices = []
     for k in keep:
         try:

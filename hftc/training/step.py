@@ -98,7 +98,8 @@ def compile_step(fused: nn.Module, loss_fn: Callable[..., Tensor],
         fused: the fused module (``hftc.fuse(models)``).
         loss_fn: ``loss_fn(out_i, target)``, one model's loss (``F.cross_entropy``); with
             ``per_model_loss=False``, ``loss_fn(fused_out, target)`` returning the ``[N]``
-            losses itself (an ``hftc.per_model(...)`` with its own ``in_dims``).
+            losses itself (an ``hftc.per_model(...)`` with its own ``in_dims``). An
+            ``hftc.per_model(loss)`` given with ``per_model_loss=True`` is taken as it is.
         optimizer: the optimizer of ``fused``'s parameters (``hftc.optim.Adam(fused.
             parameters(), lr=[...])``, one param group per model).
         mode: ``"auto"`` (``"cuda_graph"`` on CUDA, :data:`CPU_DEFAULT` on the CPU),
@@ -149,7 +150,7 @@ class CompiledStep:
                  optimizer: torch.optim.Optimizer, *, mode: str = "auto",
                  per_model_loss: bool = True, clip_grad_norm: Any = None, scaler: Any = None,
                  autocast_dtype: torch.dtype | None = None, warmup: int = 2):
-        from ..lowering.runtime.losses import per_model
+        from ..lowering.runtime.losses import PER_MODEL_MARK, per_model
 
         if mode not in MODES:
             raise FusionArgumentError(f"compile_step: mode must be one of {MODES}, got {mode!r}")
@@ -193,7 +194,9 @@ class CompiledStep:
         #: the models it was made for (hftc.keep_models cutting the array leaves it stale)
         self._model_ids = list(getattr(fused, "model_ids", range(num_models)))
         self.loss_fn = loss_fn
-        self._losses_of = per_model(loss_fn) if per_model_loss else loss_fn
+        # (compile_step(fused, hftc.per_model(loss), opt): the N losses already, as given)
+        wrapped = per_model_loss and PER_MODEL_MARK not in getattr(loss_fn, "__dict__", {})
+        self._losses_of = per_model(loss_fn) if wrapped else loss_fn
         self.clip_grad_norm = clip_grad_norm
         self.autocast_dtype = autocast_dtype
         self.warmup = warmup

@@ -251,7 +251,12 @@ def per_model(loss_fn: Callable[..., Tensor], *,
             check(result)
         return result
 
+    losses.__dict__[PER_MODEL_MARK] = loss_fn  # (what compile_step must not wrap again)
     return losses
+
+
+#: On ``hftc.per_model``'s results: the one model's loss they wrap.
+PER_MODEL_MARK = "_hftc_per_model_of"
 
 
 def _stacked_arguments(loss_fn: Callable[..., Tensor], args: Sequence[Any],

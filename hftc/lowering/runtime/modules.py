@@ -25,7 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from ... import ir
-from ...errors import FusionArgumentError, UnsupportedOperatorError
+from ...errors import (
+    FusionArgumentError,
+    FusionNotImplementedError,
+    FusionTypeError,
+    UnsupportedOperatorError,
+    user_line,
+)
 
 
 class ContainerAccess:
@@ -44,8 +50,17 @@ class ContainerAccess:
     def _container_of(self, what: str) -> str:
         container = self.__dict__.get("_container")
         if container is None:
-            raise TypeError(f"'{self.source_type}' (stacked by hftc) does not support {what}")
+            raise FusionTypeError(
+                f"'{self.source_type}' (stacked by hftc) does not support {what}{user_line()}, "
+                f"as one {self.source_type} does not; {self._not_a_container_hint()}")
         return container
+
+    def _not_a_container_hint(self) -> str:
+        """What a user reaching for one model's share of this module takes instead."""
+        path = self.__dict__.get("_hftc_path")
+        name = next((name for name, _ in self.named_parameters()), "weight")
+        return (f"each of its tensors is stacked [N, *shape], model i's at index i "
+                f"(fused.{path}.{name}[i]), and model i itself is fused.unfuse_model(i)")
 
     def __getitem__(self, key: int | str) -> nn.Module:
         """``fused.blocks[0]`` as ``model.blocks[0]`` (``fused.heads["a"]`` for a ModuleDict):
@@ -220,11 +235,14 @@ class StackedModule(ContainerAccess, nn.Module):
     register_full_backward_pre_hook = _no_hooks
     register_backward_hook = _no_hooks
 
-    def forward(self, *args, **kwargs):  # pragma: no cover - the fused graph never calls it
-        raise RuntimeError(
-            f"a StackedModule ({self.source_type}) holds stacked tensors for the fused graph; "
-            f"call the FusedModule, not its submodules"
-        )
+    def forward(self, *args, **kwargs):  # (the fused graph never calls it; a user's line may)
+        path = self.__dict__.get("_hftc_path") or "<submodule>"
+        raise FusionNotImplementedError(
+            f"fused.{path}(...){user_line()}: a StackedModule ({self.source_type}) holds "
+            f"the N models' stacked tensors for the fused program and computes nothing "
+            f"itself. Call the fused module (fused(x): each model's whole forward), fuse "
+            f"this part of the models apart (hftc.fuse([m.{path} for m in models]), e.g. a "
+            f"backbone's features), or run model i's own: fused.unfuse_model(i).{path}(x)")
 
 
 # --------------------------------------------------------------------------- torch's classes
