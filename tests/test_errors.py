@@ -393,8 +393,9 @@ def test_too_many_inputs_says_what_forward_takes():
     x = torch.randn(3, 8)
     with pytest.raises(FusionArgumentError, match=r"the fused module got 2 positional inputs, "
                                                   r"but the models' forward takes 1 input "
-                                                  r"\(`x`\): call it as you would call one "
-                                                  r"model \(fused\(x\)") as info:
+                                                  r"\(`x`\) at .*test_errors.py:\d+: "
+                                                  r"`fused\(x, x\)`: call it as you would "
+                                                  r"call one model \(fused\(x\)") as info:
         fused(x, x)
     assert "export" not in str(info.value)
 
