@@ -25,8 +25,13 @@
 #
 # Then merge every part's JSON, on any machine, with one command:
 #   bash scripts/gpu_bench.sh merge DIR...   # the folder(s) the parts came back to
-# which writes the cuda and cuda-bf16 blocks of docs/BENCHMARKS.md and their plots, with
-# the card, its driver, torch's version and each part's exact command.
+# which writes the card's blocks of docs/BENCHMARKS.md (fp32 and bf16: cuda and cuda-bf16
+# for an H100, cuda-h200 and cuda-h200-bf16 for an H200) and their plots
+# (docs/bench_BLOCK_*.png), with the card, its driver, torch's version, each part's exact
+# command and commit. Runs of one card only; a workload that two parts (or leases) ran has
+# each N from the later run. The README's and the guides' numbers follow, or nothing is
+# written where one would be lost: name the earlier lease's folder too, e.g.
+#   bash scripts/gpu_bench.sh merge benchmarks/results/cuda-h200 $NEW_DIR
 #
 # DEVICE=cpu BUDGET_S=120 bash scripts/gpu_bench.sh max-n-pointnet /tmp/x  tries a part's
 # logic on a CPU.
@@ -35,8 +40,28 @@ part=${1:?part: tests, fp32-a, fp32-b, fp32-c, bf16, pointnet-32, profile, max-n
 out=${2:-${OUT:-benchmarks/results/cuda}}
 python=${PYTHON:-python3}
 device=${DEVICE:-cuda}
-mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HFTC_CACHE_DIR=${HFTC_CACHE_DIR:-/tmp/hftc-cache}
+
+if [[ $part == merge ]]; then
+  # Every part's JSON of the folders, fp32 and bf16 apart, each into the block of its card
+  # and precision (report --block auto: cuda for the H100, cuda-h200 for the H200, ...).
+  shift
+  (($#)) || set -- "$out"
+  fp32=() bf16=() status=0
+  for d in "$@"; do
+    [[ -d $d ]] || { echo "merge: no folder $d" >&2; status=1; continue; }
+    for f in "$d"/*.json; do
+      [[ -e $f ]] || continue
+      case $(basename "$f") in bf16-*) bf16+=("$f") ;; *) fp32+=("$f") ;; esac
+    done
+  done
+  ((${#fp32[@]} + ${#bf16[@]})) || { echo "merge: no results JSON in $*" >&2; exit 1; }
+  report() { "$python" -m hftc.bench.report "$@" --docs docs/BENCHMARKS.md --block auto --plots docs; }
+  if ((${#fp32[@]})); then report "${fp32[@]}" || status=1; fi
+  if ((${#bf16[@]})); then report "${bf16[@]}" || status=1; fi
+  exit $status
+fi
+mkdir -p "$out"
 start=$SECONDS
 budget=${BUDGET_S:-390}  # the part's seconds of work (6.5 min)
 
@@ -51,7 +76,8 @@ print(",".join(dict.fromkeys(names)))
 EOF
 ) || contenders=""
 
-left() { echo $((budget - (SECONDS - start))); }
+# The part's seconds left, at least 1 (`timeout 0` would mean no limit at all).
+left() { local s=$((budget - (SECONDS - start))); echo $((s > 1 ? s : 1)); }
 
 bench() {  # name, seconds (cut to what the part has left), then bench arguments
   local name=$1 limit=$2
@@ -80,7 +106,11 @@ case $part in
     # The whole-step graph, the capturable optimizers and the sync-free GradScaler.
     for f in tests/test_step.py tests/test_step_order.py tests/test_cuda_step.py tests/test_optim_capturable.py \
              tests/test_utils_amp.py; do [[ -e $f ]] && tests+=("$f"); done
-    timeout -k 10 "$(left)" "$python" -m pytest -v -p no:cacheprovider -n 16 "${tests[@]}" -rfE --durations=20 \
+    # 16 processes where pytest-xdist is installed (the GPU machines have it), else one.
+    xdist=()
+    "$python" -c "import xdist" 2>/dev/null && xdist=(-n 16)
+    timeout -k 10 "$(left)" "$python" -m pytest -v -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} \
+      "${tests[@]}" -rfE --durations=20 \
       > "$out/tests.log" 2>&1
     echo "exit $?"
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -30 ;;
@@ -126,21 +156,6 @@ case $part in
       bench "max-n-$w-${c/+/-}" 190 --workloads "$w" --sizes '' --contenders hftc \
         --max-n "$w:$c" --max-n-budget $((have > 60 ? have - 30 : 30))
     done ;;
-  merge)
-    shift
-    dirs=("$@")
-    fp32=() bf16=()
-    for d in "${dirs[@]}"; do
-      for f in "$d"/*.json; do
-        [[ -e $f ]] || continue
-        case $(basename "$f") in bf16-*) bf16+=("$f") ;; *) fp32+=("$f") ;; esac
-      done
-    done
-    ((${#fp32[@]})) && "$python" -m hftc.bench.report "${fp32[@]}" --docs docs/BENCHMARKS.md \
-      --block cuda --plots docs --stem bench_cuda
-    ((${#bf16[@]})) && "$python" -m hftc.bench.report "${bf16[@]}" --docs docs/BENCHMARKS.md \
-      --block cuda-bf16 --plots docs --stem bench_cuda-bf16
-    exit 0 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 echo "=== [$((SECONDS - start)) s] done"
