@@ -152,9 +152,12 @@ case $part in
     for c in hftc hftc+ckpt; do
       have=$(left)
       ((have > 190)) && have=190
-      # The search stops itself 30 s before the call's limit (start-up, FLOP count, save).
+      # The search stops itself 45 s before the call's limit: the bench's start-up (CUDA,
+      # the forkserver, the peak matmul, the FLOP count on the CPU: ResNet-18's 426 GFLOP
+      # step on one thread), the probe in flight when the budget ends, the save. (30 s:
+      # on the CPU, DEVICE=cpu BUDGET_S=90, the limit killed ResNet-18's search first.)
       bench "max-n-$w-${c/+/-}" 190 --workloads "$w" --sizes '' --contenders hftc \
-        --max-n "$w:$c" --max-n-budget $((have > 60 ? have - 30 : 30))
+        --max-n "$w:$c" --max-n-budget $((have > 75 ? have - 45 : 30))
     done ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
