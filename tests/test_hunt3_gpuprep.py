@@ -257,3 +257,34 @@ def test_a_probe_out_of_time_is_ended_at_once():
     elapsed = time.perf_counter() - t0
     assert (ok, peak) == (False, None) and "no answer within 2 s" in why
     assert elapsed < 9, elapsed
+
+
+def test_autotune_under_bf16_autocast_keeps_the_candidates_that_agree(tmp_path, monkeypatch):
+    # The bf16 bench part fuses under torch.autocast(bfloat16), as a user's AMP loop does.
+    # Autotune held every candidate's float32 weight gradient (computed through bf16) to
+    # float32's 1e-4, so it rejected them all, N separate convs ('loop') included, each
+    # with a warning: bf16 runs measured the cost model's guess, not the fastest lowering.
+    import warnings
+
+    import torch
+    import torch.nn as nn
+
+    import hftc
+    from hftc.lowering import timing
+
+    monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(timing, "_MEMORY", {})
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv1d(3, 16, 1), nn.BatchNorm1d(16), nn.ReLU(),
+                            nn.Conv1d(16, 32, 1), nn.ReLU()) for _ in range(3)]
+    x = torch.randn(4, 3, 32)
+    fused = hftc.fuse(models, autotune=True)
+    with warnings.catch_warnings(record=True) as caught, \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("always")
+        out = fused(x)
+        want = torch.stack([m(x) for m in models])
+    assert not [str(w.message) for w in caught if "gave other outputs" in str(w.message)]
+    choices = [c for c in fused.fusion_report.lowerings if c.kernel == "conv"]
+    assert choices and all(not c.rejected and len(c.times) > 1 for c in choices), choices
+    torch.testing.assert_close(out.float(), want.float(), rtol=5e-2, atol=5e-2)
