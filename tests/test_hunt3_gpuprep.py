@@ -288,3 +288,31 @@ def test_autotune_under_bf16_autocast_keeps_the_candidates_that_agree(tmp_path, 
     choices = [c for c in fused.fusion_report.lowerings if c.kernel == "conv"]
     assert choices and all(not c.rejected and len(c.times) > 1 for c in choices), choices
     torch.testing.assert_close(out.float(), want.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_a_bench_cut_by_its_time_limit_stops_the_mps_daemon_it_started(tmp_path):
+    # `timeout` ends a part's bench with SIGTERM: Python's default handler died without
+    # the suite's clean-up, and the MPS daemon concurrent-mps had started kept serving the
+    # GPU while the next part started its own.
+    from test_bench import _fake_mps_control
+
+    bin_dir, log = _fake_mps_control(tmp_path, 0)
+    code = ("import time\n"
+            "from hftc.bench.cli import exit_on_sigterm\n"
+            "from hftc.bench.suite import mps_daemon\n"
+            "exit_on_sigterm()\n"
+            "with mps_daemon(log=print):\n"
+            "    print('ready', flush=True)\n"
+            "    time.sleep(120)\n")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.terminate()
+        assert proc.wait(60) == 128 + 15
+    finally:
+        proc.kill()
+    started, stopped = log.read_text().splitlines()
+    assert started.startswith("args=-d") and stopped.startswith("args= ") \
+        and stopped.endswith("stdin=quit")

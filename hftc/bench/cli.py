@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -118,7 +119,19 @@ def _check_out(out: Path) -> None:
                                f"{exc.strerror}") from None
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (``timeout``'s, a part's time limit in scripts/gpu_bench.sh) ends the run as
+    Ctrl-C does: the suite's clean-up runs (its workers closed, the MPS daemon it started
+    told to quit), where the default handler left that daemon serving the GPU under the
+    next part's own."""
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
 def run(args: argparse.Namespace) -> int:
+    exit_on_sigterm()
     _sweep_workload(args)
     if args.out:
         _check_out(Path(args.out))
