@@ -316,3 +316,21 @@ def test_a_bench_cut_by_its_time_limit_stops_the_mps_daemon_it_started(tmp_path)
     started, stopped = log.read_text().splitlines()
     assert started.startswith("args=-d") and stopped.startswith("args= ") \
         and stopped.endswith("stdin=quit")
+
+
+def test_a_run_ended_while_it_saves_keeps_its_last_whole_results(tmp_path, monkeypatch):
+    # A part's time limit can end the bench while it writes its JSON (the suite saves after
+    # every N): the file was left half-written, and the merge could not read it.
+    from hftc.bench.suite import write_results
+
+    out, real_write = tmp_path / "mlp.json", Path.write_text
+    write_results(out, {"configs": [1]})
+
+    def write_then_cut(self, text, *args, **kwargs):
+        real_write(self, text[:len(text) // 2], *args, **kwargs)
+        raise SystemExit(143)
+
+    monkeypatch.setattr(Path, "write_text", write_then_cut)
+    with pytest.raises(SystemExit):
+        write_results(out, {"configs": [1, 2]})
+    assert json.loads(out.read_text()) == {"configs": [1]}

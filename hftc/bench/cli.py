@@ -12,7 +12,7 @@ from ..errors import CommandLineError, MissingExtraError
 from .contenders import CONTENDERS
 from .report import docs_block as report_block
 from .report import markdown, plot, plot_stem, result_block, update_docs
-from .suite import RESULTS_DIR, default_config, run_suite
+from .suite import RESULTS_DIR, default_config, run_suite, write_results
 from .workloads import WORKLOADS
 
 
@@ -143,10 +143,7 @@ def run(args: argparse.Namespace) -> int:
                                  same_trials=getattr(args, "same_trials", None))
         print("\n" + format_sweep_bench(result))
         if args.out:
-            import json
-
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            write_results(Path(args.out), result)
             print(f"results: {args.out}")
         return 0
     cfg = config_from_args(args)
