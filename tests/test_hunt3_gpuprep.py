@@ -334,3 +334,13 @@ def test_a_run_ended_while_it_saves_keeps_its_last_whole_results(tmp_path, monke
     with pytest.raises(SystemExit):
         write_results(out, {"configs": [1, 2]})
     assert json.loads(out.read_text()) == {"configs": [1]}
+
+
+def test_an_unreadable_part_is_named(tmp_path, capsys):
+    # A JSON cut mid-write (by a limit, before saves were whole) stopped the merge with a
+    # bare JSONDecodeError traceback that did not say which of the parts it was.
+    good, cut = tmp_path / "mlp.json", tmp_path / "lenet5.json"
+    good.write_text(json.dumps(_run("mlp", [1])))
+    cut.write_text(json.dumps(_run("lenet5", [1]))[:200])
+    assert report.main([str(good), str(cut)]) == 2
+    assert f"{cut}: not a results JSON" in capsys.readouterr().err

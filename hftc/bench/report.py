@@ -692,8 +692,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:  # e.g. cut mid-write by a time limit before saves were whole
+        raise ValueError(f"{path}: not a results JSON ({exc})") from None
+
+
 def _report(args: argparse.Namespace) -> int:
-    result = merge([json.loads(path.read_text()) for path in args.results])
+    result = merge([_load(path) for path in args.results])
     block = result_block(result) if args.block == "auto" else args.block
     text = markdown(result)
     if args.docs:  # first: where the tables cannot go in, no plot is replaced either
