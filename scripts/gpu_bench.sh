@@ -34,7 +34,8 @@
 #   bash scripts/gpu_bench.sh merge benchmarks/results/cuda-h200 $NEW_DIR
 #
 # DEVICE=cpu BUDGET_S=120 bash scripts/gpu_bench.sh max-n-pointnet /tmp/x  tries a part's
-# logic on a CPU.
+# logic on a CPU (every part was tried so, BUDGET_S=90, on 2026-12-07), and
+# BLOCK=try bash scripts/gpu_bench.sh merge /tmp/x  its merge (in a copy of the checkout).
 set -u
 part=${1:?part: tests, fp32-a, fp32-b, fp32-c, bf16, pointnet-32, profile, max-n-pointnet, max-n-resnet18 or merge}
 out=${2:-${OUT:-benchmarks/results/cuda}}
@@ -56,9 +57,16 @@ if [[ $part == merge ]]; then
     done
   done
   ((${#fp32[@]} + ${#bf16[@]})) || { echo "merge: no results JSON in $*" >&2; exit 1; }
-  report() { "$python" -m hftc.bench.report "$@" --docs docs/BENCHMARKS.md --block auto --plots docs; }
-  if ((${#fp32[@]})); then report "${fp32[@]}" || status=1; fi
-  if ((${#bf16[@]})); then report "${bf16[@]}" || status=1; fi
+  # BLOCK=NAME: into NAME and NAME-bf16 instead (a DEVICE=cpu try-out, on a copy of docs/).
+  report() {  # block, then the JSON files
+    local block=$1
+    shift
+    "$python" -m hftc.bench.report "$@" --docs docs/BENCHMARKS.md --block "$block" --plots docs
+  }
+  block=${BLOCK:-auto} bf16_block=auto
+  [[ $block == auto ]] || bf16_block=$block-bf16
+  if ((${#fp32[@]})); then report "$block" "${fp32[@]}" || status=1; fi
+  if ((${#bf16[@]})); then report "$bf16_block" "${bf16[@]}" || status=1; fi
   exit $status
 fi
 mkdir -p "$out"

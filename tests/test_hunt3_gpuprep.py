@@ -344,3 +344,20 @@ def test_an_unreadable_part_is_named(tmp_path, capsys):
     cut.write_text(json.dumps(_run("lenet5", [1]))[:200])
     assert report.main([str(good), str(cut)]) == 2
     assert f"{cut}: not a results JSON" in capsys.readouterr().err
+
+
+def test_a_cpu_try_out_of_the_merge_goes_to_the_block_it_names(tmp_path):
+    # DEVICE=cpu parts are CPU runs: their own block would be the CPU suite's main one,
+    # whose figures README cites (so nothing is written); BLOCK names a block to try into.
+    repo, out = _repo(tmp_path), tmp_path / "out"
+    _write(out, "mlp", _run("mlp", [1, 2], card=None))
+    _write(out, "bf16-mlp", _run("mlp", [1], card=None, precision="bf16"))
+    env = dict(os.environ, PYTHON=sys.executable, BLOCK="try")
+    done = subprocess.run(["bash", "scripts/gpu_bench.sh", "merge", str(out)], cwd=repo,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    body = (repo / "docs" / "BENCHMARKS.md").read_text()
+    for block, precision in (("try", "fp32"), ("try-bf16", "bf16")):
+        inside = body.split(f"<!-- bench:{block}:begin -->")[1].split("<!-- bench:")[0]
+        assert f"device `cpu`, {precision}" in inside
+    assert DOC.strip() in body
