@@ -25,18 +25,51 @@
 #
 # Then merge every part's JSON, on any machine, with one command:
 #   bash scripts/gpu_bench.sh merge DIR...   # the folder(s) the parts came back to
-# which writes the cuda and cuda-bf16 blocks of docs/BENCHMARKS.md and their plots, with
-# the card, its driver, torch's version and each part's exact command.
+# which writes the card's blocks of docs/BENCHMARKS.md (fp32 and bf16: cuda and cuda-bf16
+# for an H100, cuda-h200 and cuda-h200-bf16 for an H200) and their plots
+# (docs/bench_BLOCK_*.png), with the card, its driver, torch's version, each part's exact
+# command and commit. Runs of one card only; a workload that two parts (or leases) ran has
+# each N from the later run. The README's and the guides' numbers follow, or nothing is
+# written where one would be lost: name the earlier lease's folder too, e.g.
+#   bash scripts/gpu_bench.sh merge benchmarks/results/cuda-h200 $NEW_DIR
 #
 # DEVICE=cpu BUDGET_S=120 bash scripts/gpu_bench.sh max-n-pointnet /tmp/x  tries a part's
-# logic on a CPU.
+# logic on a CPU (every part was tried so, BUDGET_S=90, on 2026-12-07), and
+# BLOCK=try bash scripts/gpu_bench.sh merge /tmp/x  its merge (in a copy of the checkout).
 set -u
 part=${1:?part: tests, fp32-a, fp32-b, fp32-c, bf16, pointnet-32, profile, max-n-pointnet, max-n-resnet18 or merge}
 out=${2:-${OUT:-benchmarks/results/cuda}}
 python=${PYTHON:-python3}
 device=${DEVICE:-cuda}
-mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HFTC_CACHE_DIR=${HFTC_CACHE_DIR:-/tmp/hftc-cache}
+
+if [[ $part == merge ]]; then
+  # Every part's JSON of the folders, fp32 and bf16 apart, each into the block of its card
+  # and precision (report --block auto: cuda for the H100, cuda-h200 for the H200, ...).
+  shift
+  (($#)) || set -- "$out"
+  fp32=() bf16=() status=0
+  for d in "$@"; do
+    [[ -d $d ]] || { echo "merge: no folder $d" >&2; status=1; continue; }
+    for f in "$d"/*.json; do
+      [[ -e $f ]] || continue
+      case $(basename "$f") in bf16-*) bf16+=("$f") ;; *) fp32+=("$f") ;; esac
+    done
+  done
+  ((${#fp32[@]} + ${#bf16[@]})) || { echo "merge: no results JSON in $*" >&2; exit 1; }
+  # BLOCK=NAME: into NAME and NAME-bf16 instead (a DEVICE=cpu try-out, on a copy of docs/).
+  report() {  # block, then the JSON files
+    local block=$1
+    shift
+    "$python" -m hftc.bench.report "$@" --docs docs/BENCHMARKS.md --block "$block" --plots docs
+  }
+  block=${BLOCK:-auto} bf16_block=auto
+  [[ $block == auto ]] || bf16_block=$block-bf16
+  if ((${#fp32[@]})); then report "$block" "${fp32[@]}" || status=1; fi
+  if ((${#bf16[@]})); then report "$bf16_block" "${bf16[@]}" || status=1; fi
+  exit $status
+fi
+mkdir -p "$out"
 start=$SECONDS
 budget=${BUDGET_S:-390}  # the part's seconds of work (6.5 min)
 
@@ -51,7 +84,8 @@ print(",".join(dict.fromkeys(names)))
 EOF
 ) || contenders=""
 
-left() { echo $((budget - (SECONDS - start))); }
+# The part's seconds left, at least 1 (`timeout 0` would mean no limit at all).
+left() { local s=$((budget - (SECONDS - start))); echo $((s > 1 ? s : 1)); }
 
 bench() {  # name, seconds (cut to what the part has left), then bench arguments
   local name=$1 limit=$2
@@ -80,7 +114,11 @@ case $part in
     # The whole-step graph, the capturable optimizers and the sync-free GradScaler.
     for f in tests/test_step.py tests/test_step_order.py tests/test_cuda_step.py tests/test_optim_capturable.py \
              tests/test_utils_amp.py; do [[ -e $f ]] && tests+=("$f"); done
-    timeout -k 10 "$(left)" "$python" -m pytest -v -p no:cacheprovider -n 16 "${tests[@]}" -rfE --durations=20 \
+    # 16 processes where pytest-xdist is installed (the GPU machines have it), else one.
+    xdist=()
+    "$python" -c "import xdist" 2>/dev/null && xdist=(-n 16)
+    timeout -k 10 "$(left)" "$python" -m pytest -v -p no:cacheprovider ${xdist[@]+"${xdist[@]}"} \
+      "${tests[@]}" -rfE --durations=20 \
       > "$out/tests.log" 2>&1
     echo "exit $?"
     grep -E "^(FAILED|ERROR)|passed|failed" "$out/tests.log" | tail -30 ;;
@@ -104,6 +142,9 @@ case $part in
     echo "exit $?"
     grep -E " ms a step" "$out/profile.txt" ;;
   bf16)
+    # torch.func's cells read "failed" on PointNet, ResNet-18 and MobileNetV2: stock
+    # vmap(grad(functional_call)) of a BatchNorm model under autocast raises "expected
+    # scalar type BFloat16 but found Float" (torch 2.13 on the CPU, without hftc).
     bench bf16-mlp 60 --precision bf16 --workloads mlp --sizes 1,8,32 --compile-sizes ''
     bench bf16-lenet5 55 --precision bf16 --workloads lenet5 --sizes 1,8,32 --compile-sizes ''
     bench bf16-transformer 65 --precision bf16 --workloads transformer --sizes 1,8,32 \
@@ -122,25 +163,13 @@ case $part in
     for c in hftc hftc+ckpt; do
       have=$(left)
       ((have > 190)) && have=190
-      # The search stops itself 30 s before the call's limit (start-up, FLOP count, save).
+      # The search stops itself 45 s before the call's limit: the bench's start-up (CUDA,
+      # the forkserver, the peak matmul, the FLOP count on the CPU: ResNet-18's 426 GFLOP
+      # step on one thread), the probe in flight when the budget ends, the save. (30 s:
+      # on the CPU, DEVICE=cpu BUDGET_S=90, the limit killed ResNet-18's search first.)
       bench "max-n-$w-${c/+/-}" 190 --workloads "$w" --sizes '' --contenders hftc \
-        --max-n "$w:$c" --max-n-budget $((have > 60 ? have - 30 : 30))
+        --max-n "$w:$c" --max-n-budget $((have > 75 ? have - 45 : 30))
     done ;;
-  merge)
-    shift
-    dirs=("$@")
-    fp32=() bf16=()
-    for d in "${dirs[@]}"; do
-      for f in "$d"/*.json; do
-        [[ -e $f ]] || continue
-        case $(basename "$f") in bf16-*) bf16+=("$f") ;; *) fp32+=("$f") ;; esac
-      done
-    done
-    ((${#fp32[@]})) && "$python" -m hftc.bench.report "${fp32[@]}" --docs docs/BENCHMARKS.md \
-      --block cuda --plots docs --stem bench_cuda
-    ((${#bf16[@]})) && "$python" -m hftc.bench.report "${bf16[@]}" --docs docs/BENCHMARKS.md \
-      --block cuda-bf16 --plots docs --stem bench_cuda-bf16
-    exit 0 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 echo "=== [$((SECONDS - start)) s] done"

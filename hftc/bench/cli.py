@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from ..errors import CommandLineError, MissingExtraError
 from .contenders import CONTENDERS
-from .report import markdown, plot, update_docs
-from .suite import RESULTS_DIR, default_config, run_suite
+from .report import docs_block as report_block
+from .report import markdown, plot, plot_stem, result_block, update_docs
+from .suite import RESULTS_DIR, default_config, run_suite, write_results
 from .workloads import WORKLOADS
 
 
@@ -79,20 +82,11 @@ def config_from_args(args: argparse.Namespace):
     return cfg
 
 
-def docs_block(cfg) -> str:
-    """The BENCHMARKS.md block (and plot-file infix) of a run: "" for the CPU fp32 default
-    Adam suite on one pinned core, else e.g. "cuda", "cuda-bf16", "adam-fused", "cores-2"."""
-    parts = []
-    if cfg.device != "cpu":
-        parts.append("cuda")
-    elif cfg.cores != 1 or cfg.threads != 1:
-        parts.append(f"cores-{cfg.cores or 'all'}" + (f"-threads-{cfg.threads}"
-                                                      if cfg.threads != max(1, cfg.cores) else ""))
-    if cfg.precision != "fp32":
-        parts.append(cfg.precision)
-    if cfg.adam != "default":
-        parts.append(f"adam-{cfg.adam}")
-    return "-".join(parts)
+def docs_block(cfg, gpu_name: str | None = None) -> str:
+    """The BENCHMARKS.md block (and plot-file infix) of a run (``report.docs_block``): "" for
+    the CPU fp32 default Adam suite on one pinned core, else e.g. "cuda", "cuda-h200-bf16",
+    "adam-fused", "cores-2"."""
+    return report_block(asdict(cfg), gpu_name)
 
 
 #: ``--workloads sweep``: the whole-sweep bench of the demo's spec (``--sweep``'s default)
@@ -125,7 +119,19 @@ def _check_out(out: Path) -> None:
                                f"{exc.strerror}") from None
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (``timeout``'s, a part's time limit in scripts/gpu_bench.sh) ends the run as
+    Ctrl-C does: the suite's clean-up runs (its workers closed, the MPS daemon it started
+    told to quit), where the default handler left that daemon serving the GPU under the
+    next part's own."""
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+
+
 def run(args: argparse.Namespace) -> int:
+    exit_on_sigterm()
     _sweep_workload(args)
     if args.out:
         _check_out(Path(args.out))
@@ -137,10 +143,7 @@ def run(args: argparse.Namespace) -> int:
                                  same_trials=getattr(args, "same_trials", None))
         print("\n" + format_sweep_bench(result))
         if args.out:
-            import json
-
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            write_results(Path(args.out), result)
             print(f"results: {args.out}")
         return 0
     cfg = config_from_args(args)
@@ -166,13 +169,14 @@ def run(args: argparse.Namespace) -> int:
     text = markdown(result)
     print("\n" + text)
     print(f"results: {out}")
-    # A GPU run, a bf16 run, a run with every Adam fused: each its own block and plots.
-    block = docs_block(cfg)
-    if args.plots:
-        for path in plot(result, Path(args.plots), "bench" if not block else f"bench_{block}"):
-            print(f"wrote {path}")
-    if args.docs:
+    # A GPU run (each card its own), a bf16 run, a run with every Adam fused: each its own
+    # block and plots.
+    block = result_block(result)
+    if args.docs:  # first: where the tables cannot go in, no plot is replaced either
         update_docs(Path(args.docs), text, block)
         print(f"updated {args.docs}")
+    if args.plots:
+        for path in plot(result, Path(args.plots), plot_stem(block)):
+            print(f"wrote {path}")
     sys.stdout.flush()
     return 0

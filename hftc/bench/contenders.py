@@ -220,16 +220,22 @@ def _hand_fused(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting) -
     return Step(step, len(models), _named(fused))
 
 
+def _fuse(w: Workload, models, x, **options):
+    """``hftc.fuse(models, **options)``, as every hftc contender calls it: a model that reads
+    its input's sizes in Python is fused from the batch (``example_inputs``)."""
+    import hftc
+
+    example = {"example_inputs": (x,)} if w.example_inputs else {}
+    return hftc.fuse(models, **options, **example)
+
+
 def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
           compile: bool = False, checkpoint: bool = False, defaults: bool = False) -> Step:
     import hftc
 
-    # autotune: each fused op's lowering timed on these shapes (cached on disk); a model
-    # that reads its input's sizes in Python is fused from the batch (example_inputs).
-    # ``defaults``: none of it, the call a new user writes.
-    example = {"example_inputs": (x,)} if w.example_inputs else {}
-    options = {} if defaults else {"autotune": True, "checkpoint": checkpoint}
-    fused = hftc.fuse(models, **options, **example)
+    # ``defaults``: no options, the call a new user writes.
+    fused = _fuse(w, models, x, **({} if defaults else {"autotune": True,
+                                                        "checkpoint": checkpoint}))
     opt = hftc.optim.Adam(fused.parameters(), lr=lrs, **adam_kwargs)
     per_model_loss = hftc.per_model(w.loss_fn)
 
@@ -260,7 +266,8 @@ def _hftc(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting, *,
 def _hftc_step(w: Workload, models, lrs, x, y, adam_kwargs, setting: Setting) -> Step:
     import hftc
 
-    fused = hftc.fuse(models, autotune=True)
+    # autotune: each fused op's lowering timed on these shapes (cached on disk)
+    fused = _fuse(w, models, x, autotune=True)
     opt = hftc.optim.Adam(fused.parameters(), lr=lrs, **adam_kwargs)
     bf16 = torch.bfloat16 if setting.precision == "bf16" else None
     per_model_loss = hftc.per_model(w.loss_fn)

@@ -347,16 +347,22 @@ def stale(root: Path = ROOT) -> list[str]:
     return found
 
 
-def update(root: Path = ROOT) -> list[Path]:
-    """Rewrite every block of the pages from BENCHMARKS.md; the files changed."""
-    bench, changed = Benchmarks.read(root), []
+def update(root: Path = ROOT, benchmarks: str | None = None) -> list[Path]:
+    """Rewrite every block of the pages from BENCHMARKS.md (``benchmarks``: its new text,
+    written with them); the files changed.  Every page is rendered before any is
+    written: a figure the tables lack (FigureError) leaves every file as it was."""
+    source = root / BENCHMARKS
+    bench, new = Benchmarks(benchmarks) if benchmarks is not None else Benchmarks.read(root), {}
     for path in pages(root, also=True):
         text = path.read_text()
-        new = render(text, bench)
-        if new != text:
-            path.write_text(new)
-            changed.append(path)
-    return changed
+        if benchmarks is not None and path.resolve() == source.resolve():
+            new[path] = text = benchmarks  # written whether or not its own blocks change
+        rendered = render(text, bench)
+        if rendered != path.read_text():
+            new[path] = rendered
+    for path, text in new.items():
+        path.write_text(text)
+    return list(new)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..errors import CommandLineError
 from .contenders import CONTENDERS, FUSED
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
@@ -525,6 +528,55 @@ def plot(result: dict, out_dir: Path, stem: str = "bench") -> list[Path]:
     return paths
 
 
+#: The block of docs/BENCHMARKS.md a GPU's runs go to, by the card's model: the first GPU
+#: run's (an H100) is ``cuda``; every other card gets its own, ``cuda-<model>``.
+CARD_BLOCKS = {"h100": "cuda"}
+
+
+def card_block(gpu_name: str | None) -> str:
+    """``cuda`` for an H100 (and a run whose card is unknown), ``cuda-h200`` for an
+    "NVIDIA H200", ``cuda-a100`` for an "NVIDIA A100-SXM4-40GB", ...: one block per card,
+    so that one card's run never overwrites another's numbers."""
+    name = (gpu_name or "").replace("NVIDIA", "").strip()
+    if not name:
+        return "cuda"
+    model = re.search(r"\b[A-Z]{1,2}\d{2,4}\b", name)
+    slug = (model.group() if model else re.sub(r"[^0-9a-z]+", "-", name.lower())).lower()
+    return CARD_BLOCKS.get(slug, f"cuda-{slug.strip('-')}")
+
+
+def docs_block(config: dict[str, Any], gpu_name: str | None = None) -> str:
+    """The BENCHMARKS.md block (and plot-file infix) of a run's ``config`` (a
+    ``SuiteConfig`` as a dict): "" for the CPU fp32 default Adam suite on one pinned core,
+    else e.g. "cuda" (:func:`card_block` of ``gpu_name``), "cuda-h200-bf16",
+    "adam-fused", "cores-2"."""
+    device, precision = config.get("device", "cpu"), config.get("precision", "fp32")
+    cores, threads = config.get("cores", 1), config.get("threads", 1)
+    adam = config.get("adam", "default")
+    parts = []
+    if device != "cpu":
+        parts.append(card_block(gpu_name))
+    elif cores != 1 or threads != 1:
+        parts.append(f"cores-{cores or 'all'}" + (f"-threads-{threads}"
+                                                  if threads != max(1, cores) else ""))
+    if precision != "fp32":
+        parts.append(precision)
+    if adam != "default":
+        parts.append(f"adam-{adam}")
+    return "-".join(parts)
+
+
+def result_block(result: dict[str, Any]) -> str:
+    """:func:`docs_block` of a results JSON: its configuration on its card."""
+    return docs_block(result["config"], (result["machine"].get("gpu") or {}).get("name"))
+
+
+def plot_stem(block: str) -> str:
+    """The plots' file stem of a block: ``bench`` (``bench_throughput.png``), else
+    ``bench_<block>``."""
+    return f"bench_{block}" if block else "bench"
+
+
 def markers(block: str = "") -> tuple[str, str]:
     """The comment lines around a generated block (``block`` names a second one)."""
     if not block:
@@ -534,43 +586,85 @@ def markers(block: str = "") -> tuple[str, str]:
 
 def update_docs(doc: Path, text: str, block: str = "") -> None:
     """Replace the generated part of ``doc`` (between the block's markers) with ``text``;
-    for a repository's docs/BENCHMARKS.md, then the numbers of its README and guides
-    (:mod:`hftc.bench.docs_numbers`)."""
+    for a repository's docs/BENCHMARKS.md, the numbers of its README and guides too
+    (:mod:`hftc.bench.docs_numbers`), all or nothing: where a page names a figure the new
+    tables lack, no file is written and the error says which."""
     begin, end = markers(block)
     body = doc.read_text() if doc.exists() else f"# Benchmarks\n\n{begin}\n{end}\n"
     if begin not in body or end not in body:
-        body = body.rstrip() + f"\n\n{begin}\n{end}\n"
+        body = _with_new_block(body, block)
     head, rest = body.split(begin, 1)
     _, tail = rest.split(end, 1)
-    doc.write_text(f"{head}{begin}\n{text}{end}{tail}")
+    body = f"{head}{begin}\n{text}{end}{tail}"
     root = doc.resolve().parent.parent
-    if doc.name == "BENCHMARKS.md" and doc.resolve().parent.name == "docs" \
-            and (root / "README.md").exists():
-        # README's and the guides' numbers are generated from these tables
-        from .docs_numbers import update as update_numbers
+    if not (doc.name == "BENCHMARKS.md" and doc.resolve().parent.name == "docs"
+            and (root / "README.md").exists()):
+        doc.write_text(body)
+        return
+    # README's and the guides' numbers are generated from these tables
+    from .docs_numbers import FigureError
+    from .docs_numbers import update as update_numbers
 
-        for path in update_numbers(root):
+    try:
+        changed = update_numbers(root, benchmarks=body)
+    except FigureError as exc:
+        raise CommandLineError(
+            f"{doc}: not updated (nor README.md and the guides): with these results "
+            f"{exc}, a figure a page cites. Report the earlier runs of the block "
+            f"{block or 'main'!r} with these (e.g. scripts/gpu_bench.sh merge OLD_DIR NEW_DIR), "
+            f"or change the page's hftc:numbers name") from None
+    for path in changed:
+        if path.resolve() != doc.resolve():
             print(f"updated {path}")
+
+
+def _with_new_block(body: str, block: str) -> str:
+    """``body`` with empty markers for ``block``: after the block it extends (a run's
+    "cuda-h200-bf16" after "cuda-h200"), else at the end."""
+    begin, end = markers(block)
+    parts = block.split("-")
+    for k in range(len(parts) - 1, 0, -1):
+        base_end = markers("-".join(parts[:k]))[1]
+        if base_end in body:
+            head, tail = body.split(base_end, 1)
+            return f"{head}{base_end}\n\n{begin}\n{end}{tail}"
+    return body.rstrip() + f"\n\n{begin}\n{end}\n"
+
+
+def _merge_workload(old: dict | None, new: dict) -> dict:
+    """A workload measured by two runs: the configurations of both, by N, the later
+    run's where both measured an N (a part rerun at some N replaces those only)."""
+    if old is None or not new["configs"]:
+        return old or dict(new, configs=list(new["configs"]))
+    by_n = {cfg["n"]: cfg for cfg in old["configs"]}
+    by_n.update({cfg["n"]: cfg for cfg in new["configs"]})
+    return dict(new, configs=[by_n[n] for n in sorted(by_n)])
 
 
 def merge(results: list[dict]) -> dict:
     """Several runs of one kind (e.g. a GPU suite run workload by workload, each within a
-    time limit) as one: their workloads, peak-rate samples and largest-N searches
-    together, in order; the first run's machine and configuration, the runs' wall times
-    summed.  Runs on other devices or in other precisions are refused."""
-    first = results[0]
+    time limit, over one or more leases) as one, in the order they ran: their workloads
+    (a workload two runs measured: each N from the later run that has it), peak-rate
+    samples and largest-N searches together; the first run's machine and configuration
+    (with every commit the runs were made at), the runs' wall times summed.  Runs on
+    other devices or cards, or in other precisions, are refused."""
     kinds = {(r["config"].get("device", "cpu"), r["config"].get("precision", "fp32"),
-              r["config"].get("adam", "default")) for r in results}
+              r["config"].get("adam", "default"), (r["machine"].get("gpu") or {}).get("name"))
+             for r in results}
     if len(kinds) > 1:
-        raise ValueError(f"cannot merge runs of different kinds (device, precision, adam): "
-                         f"{sorted(kinds)}")
-    merged = dict(first, workloads={}, peak_gflops=[], max_n=[], wall_s=0.0, commands=[])
+        raise ValueError(f"cannot merge runs of different kinds (device, precision, adam, "
+                         f"card): {sorted(kinds, key=str)}")
+    results = sorted(results, key=lambda r: r.get("started", ""))
+    first = results[0]
+    commits = list(dict.fromkeys(r["machine"].get("git_commit", "") for r in results))
+    merged = dict(first, workloads={}, peak_gflops=[], max_n=[], wall_s=0.0, commands=[],
+                  machine=dict(first["machine"], git_commit=", ".join(filter(None, commits))))
     for r in results:
         merged["commands"] += r.get("commands", [])
         # A part that only searched the largest N has its workloads without configurations:
         # they do not replace another part's measurements.
-        merged["workloads"].update({name: entry for name, entry in r["workloads"].items()
-                                    if entry["configs"] or name not in merged["workloads"]})
+        for name, entry in r["workloads"].items():
+            merged["workloads"][name] = _merge_workload(merged["workloads"].get(name), entry)
         merged["peak_gflops"] += r["peak_gflops"]
         merged["max_n"] += r.get("max_n", [])
         merged["wall_s"] += r.get("wall_s", 0.0)
@@ -584,19 +678,39 @@ def main(argv: list[str] | None = None) -> int:
                    help="results JSON; several runs of one kind are merged (merge())")
     p.add_argument("--docs", type=Path, help="update this markdown file between the markers")
     p.add_argument("--plots", type=Path, help="write the PNG plots into this folder")
-    p.add_argument("--block", default="", help="update the block with these markers")
-    p.add_argument("--stem", default="bench", help="plot file names: STEM_throughput.png, ...")
+    p.add_argument("--block", default="",
+                   help="update the block with these markers ('auto': the runs' own, "
+                        "e.g. cuda-h200-bf16 for bf16 runs on an H200)")
+    p.add_argument("--stem", default=None,
+                   help="plot file names: STEM_throughput.png, ... (default: bench, or "
+                        "bench_BLOCK)")
     args = p.parse_args(argv)
-    result = merge([json.loads(path.read_text()) for path in args.results])
+    try:
+        return _report(args)
+    except (CommandLineError, ValueError) as exc:  # runs that cannot merge, a figure lost
+        print(f"python -m hftc.bench.report: {exc}", file=sys.stderr)
+        return 2
+
+
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:  # e.g. cut mid-write by a time limit before saves were whole
+        raise ValueError(f"{path}: not a results JSON ({exc})") from None
+
+
+def _report(args: argparse.Namespace) -> int:
+    result = merge([_load(path) for path in args.results])
+    block = result_block(result) if args.block == "auto" else args.block
     text = markdown(result)
-    if args.plots:
-        for path in plot(result, args.plots, args.stem):
-            print(f"wrote {path}")
-    if args.docs:
-        update_docs(args.docs, text, args.block)
+    if args.docs:  # first: where the tables cannot go in, no plot is replaced either
+        update_docs(args.docs, text, block)
         print(f"updated {args.docs}")
     else:
         print(text)
+    if args.plots:
+        for path in plot(result, args.plots, args.stem or plot_stem(block)):
+            print(f"wrote {path}")
     return 0
 
 

@@ -316,6 +316,12 @@ class Worker:
         except (BrokenPipeError, ConnectionError) as exc:
             raise WorkerError("worker died") from exc
 
+    def kill(self) -> None:
+        """End the process now (one that is not answering would not read a stop)."""
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
     def close(self) -> None:
         if self.process.is_alive():
             try:
@@ -487,6 +493,7 @@ def fits(workload: str, contender: str, n: int, cap_mib: float, threads: int = 1
         peak = w._recv(60)["peak_mib"]
         return peak <= cap_mib, peak, ""
     except WorkerError as exc:
+        w.kill()  # still building when its time ran out: no stop to wait for
         return False, None, str(exc).splitlines()[0]
     finally:
         w.close()

@@ -218,6 +218,15 @@ def flops_per_model_step(workload: str, device: str = "cpu") -> float:
     return float(counter.get_total_flops())
 
 
+def write_results(out: Path, result: dict[str, Any]) -> None:
+    """Write the results JSON whole or not at all: a run its time limit ends mid-write
+    (scripts/gpu_bench.sh's parts) keeps the last save for the merge to read."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(json.dumps(result, indent=1))
+    os.replace(partial, out)
+
+
 def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[str, Any]:
     """Run the suite; return (and write to ``out``, if given) the results as JSON data."""
     import torch
@@ -245,8 +254,7 @@ def run_suite(cfg: SuiteConfig, *, log=print, out: Path | None = None) -> dict[s
 
     def save():
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1))
+            write_results(out, result)
 
     gpu = result["machine"]["gpu"]
     log(f"hftc bench ({cfg.name}): {result['machine']['cpu']}, {os.cpu_count()} cores, "

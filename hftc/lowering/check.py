@@ -243,11 +243,16 @@ def _tf32(t: Tensor) -> bool:
                           or torch.backends.cudnn.allow_tf32)
 
 
+def _autocast() -> bool:
+    """Under ``torch.autocast``: float32 tensors (a parameter's gradient, an output cast
+    back) were computed in bfloat16 or float16 on the way."""
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
 def tolerance(t: Tensor, low_precision: bool = False) -> float:
     """How far (relative, in norm) a fused program's output may be from a model's own;
     ``low_precision``: some op on the way computed in bfloat16 or float16."""
-    if low_precision or t.dtype in _LOW_PRECISION or any(
-            torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+    if low_precision or t.dtype in _LOW_PRECISION or _autocast():
         return 5e-2
     if t.dtype == torch.float64 or t.dtype == torch.complex128:
         return 1e-6
@@ -261,7 +266,7 @@ def lowering_tolerance(t: Tensor) -> float:
     differ on ``t``'s dtype and device (autotune rejects a candidate further off)."""
     if t.dtype == torch.float64:
         return 1e-9
-    if t.dtype == torch.float32:
+    if t.dtype == torch.float32 and not _autocast():
         return 1e-2 if _tf32(t) else 1e-4
     return 2e-2
 
@@ -271,7 +276,7 @@ def gradient_tolerance(t: Tensor) -> float:
     fused program's on ``t``'s dtype and device (autotune's whole-program candidates)."""
     if t.dtype == torch.float64:
         return 1e-7
-    if t.dtype == torch.float32 and not _tf32(t):
+    if t.dtype == torch.float32 and not _tf32(t) and not _autocast():
         return 1e-2
     return 5e-2
 
