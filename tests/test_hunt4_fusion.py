@@ -1,0 +1,81 @@
+"""Regression tests of hunt 4 in the fusion core: calls bound as the models bind them,
+mismatch errors that name both models' lines, per-model scalar arguments, padded widths
+with different activations."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hftc
+from hftc.errors import FusionArgumentError
+from hftc.lowering import strategy
+
+
+def _models_with_forward(forward, n=2):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+    Model.forward = forward
+    torch.manual_seed(0)
+    return [Model() for _ in range(n)]
+
+
+def _keyword_only(self, *, x):
+    return self.fc(x)
+
+
+def _positional_only(self, x, /):
+    return self.fc(x)
+
+
+def _keyword_only_default(self, x, *, scale=2.0):
+    return self.fc(x) * scale
+
+
+@pytest.mark.parametrize("forward, args, kwargs", [
+    (_keyword_only, (torch.randn(5, 4),), {}),
+    (_positional_only, (), {"x": torch.randn(5, 4)}),
+    (_keyword_only_default, (torch.randn(5, 4), 3.0), {}),
+])
+def test_fused_refuses_the_calls_the_models_refuse(forward, args, kwargs):
+    """``fused(x)`` for ``forward(self, *, x)`` ran fused, though each model raises
+    TypeError for ``m(x)``: a wrong script worked only fused."""
+    models = _models_with_forward(forward)
+    with pytest.raises(TypeError):
+        models[0](*args, **kwargs)
+    fused = hftc.fuse(copy.deepcopy(models))
+    with pytest.raises(FusionArgumentError, match="refuses this call"):
+        fused(*args, **kwargs)
+
+
+@pytest.mark.parametrize("forward, args, kwargs", [
+    (_keyword_only, (), {"x": torch.randn(5, 4)}),
+    (_positional_only, (torch.randn(5, 4),), {}),
+    (_keyword_only_default, (torch.randn(5, 4),), {"scale": 3.0}),
+    (_keyword_only_default, (torch.randn(5, 4),), {}),
+])
+def test_fused_takes_the_calls_the_models_take(forward, args, kwargs):
+    models = _models_with_forward(forward, n=3)
+    fused = hftc.fuse(copy.deepcopy(models))
+    out = fused(*args, **kwargs)
+    for i, m in enumerate(models):
+        torch.testing.assert_close(out[i], m(*args, **kwargs))
+
+
+def test_unchecked_program_is_not_reported_checked():
+    """With check=False the strategy said "checked; not timed", the check line "not
+    checked": the report contradicted itself."""
+    models = [nn.Linear(4, 3) for _ in range(2)]
+    fused = hftc.fuse(models, check=False, strategy="auto")
+    fused(torch.randn(2, 4))
+    assert fused.plan.reason == strategy.NOT_TIMED_UNCHECKED
+    assert "(checked;" not in str(fused.last_program().report)
+    checked = hftc.fuse([nn.Linear(4, 3) for _ in range(2)], strategy="auto")
+    checked(torch.randn(2, 4))
+    assert checked.plan.reason == strategy.NOT_TIMED
