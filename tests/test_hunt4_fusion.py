@@ -79,3 +79,39 @@ def test_unchecked_program_is_not_reported_checked():
     checked = hftc.fuse([nn.Linear(4, 3) for _ in range(2)], strategy="auto")
     checked(torch.randn(2, 4))
     assert checked.plan.reason == strategy.NOT_TIMED
+
+
+class _SkipConfig:
+    def __init__(self, use_skip):
+        self.use_skip = use_skip
+
+
+class _ConfiguredBlock(nn.Module):
+    def __init__(self, use_skip):
+        super().__init__()
+        self.cfg = _SkipConfig(use_skip)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.cfg.use_skip:
+            h = h + x
+        return h
+
+
+@pytest.mark.parametrize("flags", [(False, True), (True, False)])
+def test_mismatch_at_the_output_names_both_lines(flags):
+    """A config flag that adds an op at the end of forward: the model without it was
+    "at a line not known" (the output node had no line); both sides name the user's
+    file:line now, the output its ``return``."""
+    import inspect
+
+    with pytest.raises(hftc.errors.MismatchError) as caught:
+        hftc.fuse([_ConfiguredBlock(flag) for flag in flags])(torch.randn(2, 4))
+    message = str(caught.value)
+    assert "not known" not in message
+    lines, start = inspect.getsourcelines(_ConfiguredBlock.forward)
+    skip = start + next(k for k, ln in enumerate(lines) if "h = h + x" in ln)
+    ret = start + next(k for k, ln in enumerate(lines) if "return h" in ln)
+    assert f"test_hunt4_fusion.py:{skip} in forward: `h = h + x`" in message
+    assert f"test_hunt4_fusion.py:{ret} in forward: `return h`" in message
