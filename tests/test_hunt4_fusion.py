@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import hftc
 from hftc.errors import FusionArgumentError
@@ -115,3 +116,54 @@ def test_mismatch_at_the_output_names_both_lines(flags):
     ret = start + next(k for k, ln in enumerate(lines) if "return h" in ln)
     assert f"test_hunt4_fusion.py:{skip} in forward: `h = h + x`" in message
     assert f"test_hunt4_fusion.py:{ret} in forward: `return h`" in message
+
+
+# --------------------------------------------------------------------------- per-model numbers
+
+_NUMBER_OPS = {
+    "where_other": lambda m, h: torch.where(h > 0, h, m.value),
+    "where_input": lambda m, h: torch.where(h > 0, m.value, h),
+    "masked_fill": lambda m, h: h.masked_fill(h < 0, m.value),
+    "torch_masked_fill": lambda m, h: torch.masked_fill(h, h < 0, m.value),
+    "full_like": lambda m, h: h * torch.full_like(h, m.value),
+    "rsub": lambda m, h: torch.rsub(h, m.value),
+    "addcmul": lambda m, h: torch.addcmul(h, h, h.tanh(), value=m.value),
+    "addcmul_method": lambda m, h: h.addcmul(h.sigmoid(), h, value=m.value),
+    "addcdiv": lambda m, h: torch.addcdiv(h, h, h.exp(), value=m.value),
+    "normalize": lambda m, h: F.normalize(h * 1e-3, dim=-1, eps=m.value * 1e-3),
+}
+
+
+class _NumberModel(nn.Module):
+    def __init__(self, op, value):
+        super().__init__()
+        self.op, self.value = op, value
+        self.fc = nn.Linear(6, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(_NUMBER_OPS[self.op](self, self.fc(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("op", sorted(_NUMBER_OPS))
+def test_per_model_numbers_fuse_each_models_own(op, n, dtype):
+    """A number argument that differs per model (``torch.where(c, x, self.value)``,
+    ``masked_fill``, ``full_like``, ``rsub``, ``addcmul(value=)``, ``F.normalize(eps=)``)
+    was refused with a MismatchError; it fuses now, each model with its own value, forward
+    and backward equal to the plain loop."""
+    torch.manual_seed(0)
+    values = [0.3, 0.7, 1.1, 0.05, 0.9][:n]
+    models = [_NumberModel(op, v).to(dtype) for v in values]
+    fused = hftc.fuse(copy.deepcopy(models))
+    x = torch.randn(4, 6, dtype=dtype)
+    out = fused(x)
+    assert "0 run model by model" in str(fused.last_program().report)
+    out.pow(2).sum().backward()
+    for i, m in enumerate(models):
+        expected = m(x)
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(out[i], expected)
+        torch.testing.assert_close(fused.fc.weight.grad[i], m.fc.weight.grad)
+        torch.testing.assert_close(fused.head.weight.grad[i], m.head.weight.grad)
