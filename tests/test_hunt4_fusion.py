@@ -167,3 +167,60 @@ def test_per_model_numbers_fuse_each_models_own(op, n, dtype):
         torch.testing.assert_close(out[i], expected)
         torch.testing.assert_close(fused.fc.weight.grad[i], m.fc.weight.grad)
         torch.testing.assert_close(fused.head.weight.grad[i], m.head.weight.grad)
+
+
+# --------------------------------------------------------------------------- padded widths
+
+
+class _Wide(nn.Module):
+    """fc1 -> relu or tanh (the user's choice, by a string) -> softmax(-1) -> fc2."""
+
+    def __init__(self, width, act="relu", spelling="branch"):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, width), nn.Linear(width, 3)
+        self.act, self.spelling = act, spelling
+        self.fn = {"relu": F.relu, "tanh": torch.tanh, "leaky": F.leaky_relu}[act]
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.spelling == "branch":
+            h = h.relu() if self.act == "relu" else h.tanh()
+        else:
+            h = self.fn(h)
+        return self.fc2(h.softmax(-1))
+
+
+def _check_padded(fused, models, x):
+    out = fused(x)
+    out.pow(2).sum().backward()
+    for i, m in enumerate(models):
+        expected = m(x)
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(out[i], expected)
+        width = m.fc1.out_features  # (the padded rows' gradients aside)
+        torch.testing.assert_close(fused.fc1.weight.grad[i, :width], m.fc1.weight.grad)
+        torch.testing.assert_close(fused.fc2.weight.grad[i, :, :width], m.fc2.weight.grad)
+
+
+@pytest.mark.parametrize("spelling", ["branch", "function"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_padded_widths_with_differing_activations(spelling, grouped):
+    """``W(8, "relu")`` and ``W(6, "tanh")`` with a softmax over the padded width:
+    fuse_groups(pad_widths=True) formed one array of them, which then refused its first
+    call (the real-units rewrite wanted one graph) and advised fuse_groups; each model's
+    own activation is now kept in the rewritten forward, and both spellings fuse exactly."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        acts = ["relu", "tanh", "leaky" if spelling == "function" else "relu"]
+        models = [_Wide(w, a, spelling) for w, a in zip((8, 6, 5), acts)]
+        x = torch.randn(5, 4)
+        if not grouped:
+            _check_padded(hftc.fuse(copy.deepcopy(models), pad_widths=True), models, x)
+            return
+        groups = hftc.fuse_groups(copy.deepcopy(models), pad_widths=True)
+        assert [0, 1] == groups[0][1][:2]  # relu and tanh in one array
+        for fused, indices in groups:
+            _check_padded(fused, [models[i] for i in indices], x)
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -291,15 +291,17 @@ class InputHandling:
         ``forward(self, *, x)`` raises TypeError on each model, and must not run fused,
         where a wrong script would work only fused."""
         forward = type(self._template).forward
+        try:  # (a decorator's wrapper, not the function it wraps: what the models run)
+            signature = inspect.signature(forward, follow_wrapped=False)
+        except (TypeError, ValueError):  # (a signature inspect cannot read: as traced)
+            return
         try:
-            inspect.signature(forward).bind(None, *args, **kwargs)
+            signature.bind(None, *args, **kwargs)
         except TypeError as exc:
             raise FusionArgumentError(
-                f"{type(self._template).__name__}.forward{inspect.signature(forward)} refuses "
-                f"this call ({exc}){user_line()}: call the fused module as you would call "
-                f"one model") from None
-        except ValueError:  # (a forward whose signature inspect cannot read: as traced)
-            return
+                f"{type(self._template).__name__}.forward{signature} refuses this call "
+                f"({exc}){user_line()}: call the fused module as you would call one "
+                f"model") from None
 
     @staticmethod
     def _signature(values: Sequence[Any], batched: Sequence[bool]) -> tuple:
