@@ -118,6 +118,32 @@ def test_mismatch_at_the_output_names_both_lines(flags):
     assert f"test_hunt4_fusion.py:{ret} in forward: `return h`" in message
 
 
+class _NormedBlock(nn.Module):
+    def __init__(self, use_norm):
+        super().__init__()
+        self.use_norm = use_norm
+        self.fc, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.use_norm:
+            h = self.norm(h)
+        return h
+
+
+def test_mismatch_of_a_module_against_the_output_names_both_lines():
+    """A flag that adds a module at the end: no line was named for either side."""
+    import inspect
+
+    with pytest.raises(hftc.errors.MismatchError) as caught:
+        hftc.fuse([_NormedBlock(False), _NormedBlock(True)])
+    lines, start = inspect.getsourcelines(_NormedBlock.forward)
+    norm = start + next(k for k, ln in enumerate(lines) if "h = self.norm(h)" in ln)
+    ret = start + next(k for k, ln in enumerate(lines) if "return h" in ln)
+    assert f"test_hunt4_fusion.py:{norm} in forward: `h = self.norm(h)`" in str(caught.value)
+    assert f"test_hunt4_fusion.py:{ret} in forward: `return h`" in str(caught.value)
+
+
 # --------------------------------------------------------------------------- per-model numbers
 
 _NUMBER_OPS = {
@@ -180,10 +206,14 @@ class _Wide(nn.Module):
         self.fc1, self.fc2 = nn.Linear(4, width), nn.Linear(width, 3)
         self.act, self.spelling = act, spelling
         self.fn = {"relu": F.relu, "tanh": torch.tanh, "leaky": F.leaky_relu}[act]
+        if spelling == "module":
+            self.activation = {"relu": nn.ReLU(), "tanh": nn.Tanh(), "leaky": nn.LeakyReLU()}[act]
 
     def forward(self, x):
         h = self.fc1(x)
-        if self.spelling == "branch":
+        if self.spelling == "module":
+            h = self.activation(h)
+        elif self.spelling == "branch":
             h = h.relu() if self.act == "relu" else h.tanh()
         else:
             h = self.fn(h)
@@ -222,5 +252,18 @@ def test_padded_widths_with_differing_activations(spelling, grouped):
         assert [0, 1] == groups[0][1][:2]  # relu and tanh in one array
         for fused, indices in groups:
             _check_padded(fused, [models[i] for i in indices], x)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_padded_widths_with_differing_activation_modules():
+    """nn.ReLU in one model, nn.Tanh in another: pad_widths=True refused them at
+    hftc.fuse ("pads widths only"), though without padding they fuse as differing ops."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        models = [_Wide(w, a, "module") for w, a in zip((8, 6, 5), ("relu", "tanh", "leaky"))]
+        _check_padded(hftc.fuse(copy.deepcopy(models), pad_widths=True), models,
+                      torch.randn(5, 4))
     finally:
         torch.set_default_dtype(torch.float32)
