@@ -157,6 +157,9 @@ _NUMBER_OPS = {
     "addcmul_method": lambda m, h: h.addcmul(h.sigmoid(), h, value=m.value),
     "addcdiv": lambda m, h: torch.addcdiv(h, h, h.exp(), value=m.value),
     "normalize": lambda m, h: F.normalize(h * 1e-3, dim=-1, eps=m.value * 1e-3),
+    "remainder": lambda m, h: torch.remainder(h, m.value + 0.5),
+    "fmod": lambda m, h: h.fmod(m.value + 0.5),
+    "xlogy": lambda m, h: torch.xlogy(m.value, h.abs() + 1),
 }
 
 

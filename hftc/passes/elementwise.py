@@ -261,6 +261,10 @@ def _rsub_signature(input, other, alpha=1):
     """``torch.rsub(input, other)``: ``other - input``."""
 
 
+def _binary_signature(input, other):
+    """``torch.remainder(input, other)``, ``fmod``, ``xlogy``."""
+
+
 def _addcmul_signature(input, tensor1, tensor2, value=1):
     """``torch.addcmul`` / ``addcdiv`` (``value`` keyword-only in torch; read by name)."""
 
@@ -271,8 +275,9 @@ def _full_like_signature(input, fill_value, *, dtype=None, layout=None, device=N
 
 
 #: op -> its parameters and the numbers that may differ per model
-#: (``torch.where(h > 0, h, self.floor)``, ``x.masked_fill(mask, self.fill)``, ``self.c -
-#: x``, ``torch.addcmul(x, a, b, value=self.rate)``, ``torch.full_like(x, self.init)``).
+#: (``torch.where(h > 0, h, self.floor)``, ``x.masked_fill(mask, self.fill)``,
+#: ``torch.rsub(x, self.c)``, ``torch.addcmul(x, a, b, value=self.rate)``,
+#: ``torch.full_like(x, self.init)``, ``torch.remainder(x, self.period)``).
 PER_MODEL_NUMBERS = {
     "where": (_where_signature, ("input", "other")),
     "masked_fill": (_masked_fill_signature, ("value",)),
@@ -280,6 +285,9 @@ PER_MODEL_NUMBERS = {
     "addcmul": (_addcmul_signature, ("value",)),
     "addcdiv": (_addcmul_signature, ("value",)),
     "full_like": (_full_like_signature, ("fill_value",)),
+    "remainder": (_binary_signature, ("other",)),
+    "fmod": (_binary_signature, ("other",)),
+    "xlogy": (_binary_signature, ("input", "other")),
 }
 
 
