@@ -228,8 +228,8 @@ def _per_model_full_like(group: FusionGroup, builder: GraphBuilder, args: list,
 def _per_model_value(group: FusionGroup, builder: GraphBuilder, args: list,
                      kwargs: dict) -> fx.Node:
     """``addcmul(x, t1, t2, value=v_n)`` / ``addcdiv``: ``value`` takes one number, so
-    ``addcmul(x, t1 * v_n, t2)``; ATen's kernel computes ``x + value * t1 * t2`` (and
-    ``x + value * t1 / t2``) in that order, so the forward is the same bits."""
+    ``addcmul(x, t1 * v_n, t2)``: the same values to rounding (ATen's CPU kernel computes
+    ``x + value * t1 * t2`` and ``x + value * t1 / t2`` in that order: the same bits)."""
     values = group.per_model_arg(3, "value")
     like = builder.broadcast(args[0])
     value = builder.call(rt_per_model.scalars, tuple(values), like, group.example.dim())
