@@ -798,8 +798,10 @@ def _differing_nodes(
 def _source_lines(node: fx.Node, node0: fx.Node) -> str:
     """The user's lines two differing ops come from, for the message (one where they are
     the same line: ``x = x.mean(dim=1) if self.pool == 'mean' else x[:, 0]``).  Not for a
-    module, a parameter or an input, which their paths and names say already."""
-    if "call_function" not in (node.op, node0.op) and "call_method" not in (node.op, node0.op):
+    module, a parameter or an input, which their paths and names say already, unless
+    the other is forward's output (``if cfg.use_norm: h = self.norm(h)`` in one model:
+    its return line and the norm's)."""
+    if not {"call_function", "call_method", "output"} & {node.op, node0.op}:
         return ""
     line, line0 = user_line(node), user_line(node0)
     if not line and not line0:

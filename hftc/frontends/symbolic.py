@@ -56,6 +56,7 @@ from ..ir import (
     exit_autocast,
     is_user_file,
     reentrant_checkpoint_output,
+    return_statement_trace,
     set_training,
     user_frame_trace,
     user_line,
@@ -272,14 +273,25 @@ class _Tracer(fx.Tracer):
                 _size_varargs_packed(), _python_random_refused():
             replacement = traceable_forward(root) if isinstance(root, nn.Module) else None
             if replacement is None:
-                return _unmark_wrapped(super().trace(root, concrete_args))
+                return self._output_line(super().trace(root, concrete_args), root)
             # The root itself is such a module: trace the replacement as its forward.
             original = type(root)
             root.__class__ = type(original.__name__, (original,), {"forward": replacement})
             try:
-                return _unmark_wrapped(super().trace(root, concrete_args))
+                return self._output_line(super().trace(root, concrete_args), root)
             finally:
                 root.__class__ = original
+
+    @staticmethod
+    def _output_line(graph: fx.Graph, root: Any) -> fx.Graph:
+        """``graph`` (its wrapped calls unmarked), its output node on forward's
+        ``return`` line (:func:`~hftc.ir.return_statement_trace`)."""
+        graph = _unmark_wrapped(graph)
+        output = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+        if output is not None and output.stack_trace is None:
+            forward = type(root).forward if isinstance(root, nn.Module) else root
+            output.stack_trace = return_statement_trace(forward)
+        return graph
 
     @contextlib.contextmanager
     def _autograd_functions_recorded(self) -> Iterator[None]:

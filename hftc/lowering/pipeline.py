@@ -61,6 +61,7 @@ from .runtime.one_by_one import OneByOne
 from .strategy import (
     DETERMINISTIC,
     NOT_TIMED,
+    NOT_TIMED_UNCHECKED,
     CallTiming,
     StrategyChoice,
     choose_strategy,
@@ -325,7 +326,7 @@ def choose_strategy_stage(state: ProgramState, options: CompileOptions) -> None:
         timed = options.strategy == "timed" or options.autotune
         state.plan = StrategyChoice("fused", "forced" if options.strategy == "fused" else
                                     DETERMINISTIC if timed and not timing_allowed() else
-                                    NOT_TIMED if options.strategy == "auto" else
+                                    _not_timed(report) if options.strategy == "auto" else
                                     "checkpointed: not timed" if options.checkpoint else
                                     "outputs rebuilt: not timed")
     else:
@@ -334,6 +335,13 @@ def choose_strategy_stage(state: ProgramState, options: CompileOptions) -> None:
             fused, state.forward, fused._models_one_by_one, state.values, state.batched,
             backward=backward, key_source=state.source)
     report.strategy = state.plan
+
+
+def _not_timed(report: Any) -> str:
+    """The default's reason: "checked" only where the check compared the program with the
+    models' own forward (not with ``check=False``, nor where it was skipped)."""
+    compared = report.check is not None and not report.check.skipped
+    return NOT_TIMED if compared else NOT_TIMED_UNCHECKED
 
 
 def _times_backward(fused: Any) -> bool:

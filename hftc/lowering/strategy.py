@@ -110,8 +110,11 @@ _MAX_CYCLES = 6
 _MAX_TRIAL_CALLS = 64
 #: ``plan.reason`` while the first calls are being timed.
 TIMING_CALLS = "timing the first calls"
-#: ``plan.reason`` of the default, which times nothing.
+#: ``plan.reason`` of the default, which times nothing, where the first-call check
+#: compared the program with the models' own forward ...
 NOT_TIMED = "checked; not timed, the same program every run"
+#: ... and where it did not (``check=False``, or skipped: ``report.check`` says why).
+NOT_TIMED_UNCHECKED = "not checked; not timed, the same program every run"
 #: ``plan.reason`` of strategy="timed" under ``torch.use_deterministic_algorithms(True)``.
 DETERMINISTIC = "not timed: torch.use_deterministic_algorithms(True)"
 #: The reasons of a choice that timing made (on this run or an earlier one, the cache's).
@@ -366,6 +369,7 @@ def choose_strategy(fused: torch.nn.Module, program_forward: Callable[..., Any],
     return (one_by_one_way if chosen == "model_loop" else None), choice, None
 
 
-__all__ = ["DETERMINISTIC", "ONE_BY_ONE", "NOT_TIMED", "STRATEGIES", "STRATEGY_ENV",
-           "TIMED_REASONS", "TIMING_CALLS", "CallTiming", "StepOrder", "StrategyChoice",
-           "choose_strategy", "resolve_strategy", "strategy_key", "timing_allowed"]
+__all__ = ["DETERMINISTIC", "ONE_BY_ONE", "NOT_TIMED", "NOT_TIMED_UNCHECKED", "STRATEGIES",
+           "STRATEGY_ENV", "TIMED_REASONS", "TIMING_CALLS", "CallTiming", "StepOrder",
+           "StrategyChoice", "choose_strategy", "resolve_strategy", "strategy_key",
+           "timing_allowed"]

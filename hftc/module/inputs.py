@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import linecache
 import operator
 import re
@@ -262,7 +263,7 @@ class InputHandling:
                 f"forward takes {takes}{user_line()}: call it as you would call one model "
                 f"(fused(x) for forward(self, x)).{per_model}{exported}"
             )
-        kwargs = dict(kwargs)
+        given_kwargs, kwargs = kwargs, dict(kwargs)
         values, given = list(args), [True] * len(args)
         for p in placeholders[len(args):]:
             if p.target in kwargs:
@@ -275,6 +276,7 @@ class InputHandling:
                 raise FusionArgumentError(f"missing input `{p.target}` of the models' forward")
         if kwargs:
             raise FusionArgumentError(f"unexpected keyword inputs {sorted(kwargs)}")
+        self._bind_as_models_do(args, given_kwargs)
         merged, batched = self._merge_inputs(values, given, [p.target for p in placeholders])
         if self.__dict__.get("frontend") == "export":
             refused = guard_failure(self._mode_graphs[self.training].graph, merged, batched)
@@ -282,6 +284,24 @@ class InputHandling:
                 self._use_export(("shapes", input_shapes(merged, batched)), merged, batched,
                                  refused)
         return merged, batched
+
+    def _bind_as_models_do(self, args: tuple, kwargs: dict) -> None:
+        """Refuse a call the models' own forward refuses (its signature: positional-only,
+        keyword-only, defaults, ``*args``, ``**kwargs``): ``fused(x)`` for
+        ``forward(self, *, x)`` raises TypeError on each model, and must not run fused,
+        where a wrong script would work only fused."""
+        forward = type(self._template).forward
+        try:  # (a decorator's wrapper, not the function it wraps: what the models run)
+            signature = inspect.signature(forward, follow_wrapped=False)
+        except (TypeError, ValueError):  # (a signature inspect cannot read: as traced)
+            return
+        try:
+            signature.bind(None, *args, **kwargs)
+        except TypeError as exc:
+            raise FusionArgumentError(
+                f"{type(self._template).__name__}.forward{signature} refuses this call "
+                f"({exc}){user_line()}: call the fused module as you would call one "
+                f"model") from None
 
     @staticmethod
     def _signature(values: Sequence[Any], batched: Sequence[bool]) -> tuple:

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from ..errors import MismatchError, UnsupportedOperatorError
 from ..frontends.symbolic import deepcopy_module, meta_copy
 from ..passes import padded as padded_modules
+from ..passes.differing_ops import is_elementwise_module
 from ..passes.registry import widened_modules, widens_of
 
 # the padded modules (hftc.passes.padded), by their old names too (pickles name them so)
@@ -299,13 +300,22 @@ def _tensors(model: nn.Module) -> dict[str, Tensor]:
 
 
 def _check_same_structure(models: Sequence[nn.Module]) -> None:
-    """Same module paths and classes, same tensor names and ranks, or a MismatchError."""
-    paths0 = {p: type(m) for p, m in models[0].named_modules()}
+    """Same module paths and classes (an elementwise module may differ: a ReLU in one model,
+    a Tanh in another, a differing op to the fusion), same tensor names and ranks, or a
+    MismatchError."""
+    def classes(model: nn.Module) -> dict[str, Any]:
+        return {p: "elementwise" if is_elementwise_module(m) else type(m)
+                for p, m in model.named_modules()}
+
+    paths0 = classes(models[0])
     tensors0 = _tensors(models[0])
     for i, model in enumerate(models[1:], start=1):
-        paths = {p: type(m) for p, m in model.named_modules()}
+        paths = classes(model)
         if paths != paths0:
-            diff = sorted(set(paths.items()) ^ set(paths0.items()), key=str)[0]
+            differing = {p for p in paths.keys() | paths0.keys()
+                         if paths.get(p) != paths0.get(p)}
+            path = sorted(differing)[0]
+            diff = (path, type((model if path in paths else models[0]).get_submodule(path)))
             raise MismatchError(
                 f"pad_widths=True pads widths only, but model {i}'s modules differ from "
                 f"model 0's at `{diff[0] or '<root>'}` ({diff[1].__name__}): the models must "

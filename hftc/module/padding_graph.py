@@ -60,6 +60,7 @@ from torch.package import sys_importer
 from ..errors import UnsupportedOperatorError
 from ..frontends.symbolic import record_values, trace_with_leaves
 from ..ir import set_training
+from ..passes.differing_ops import elementwise_op, op_input
 from ..passes.registry import (
     ATTENDS,
     CONTRACTS,
@@ -620,7 +621,7 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
         return list(padded)
     sources: dict[str, str] = {}
     constants: dict[str, list[Tensor]] = {}
-    numbers: dict[str, list[float]] = {}
+    attributes: dict[str, list[Any]] = {}  # each model's own number or op, by name
     for training in (True, False):
         mode = "train" if training else "eval"
         try:
@@ -628,16 +629,18 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
             pads = [_run(m, training, concrete, a) for m, a in zip(padded, example_args)]
         except Exception:  # noqa: BLE001 - not traceable so: the first-call check judges
             return list(padded)
-        same = all(_signature(p[0]) == _signature(pads[0][0]) for p in pads) and all(
+        ops = _differing_elementwise_ops([p[0] for p in pads])
+        same = ops is not None and all(
             [(n.op, n.target) for n in r[0].graph.nodes]
-            == [(n.op, n.target) for n in pads[0][0].graph.nodes] for r in runs)
+            == [(n.op, n.target) for n in p[0].graph.nodes] for r, p in zip(runs, pads))
         if not same:
             return list(padded)
         floats = _differing_floats([p[0] for p in pads])
         rewriter = _Rewriter(pads[0][0], pads[0][1], runs, mode)
         rewriter.run()
         if rewriter.changed:
-            numbers.update(_floats_as_attributes(rewriter.gm, floats, mode))
+            attributes.update(_floats_as_attributes(rewriter.gm, floats, mode))
+            attributes.update(_ops_as_attributes(rewriter.gm, ops, mode))
             code = rewriter.gm.graph.python_code(root_module="self")
             sources[mode] = _format_import_block(code.globals, sys_importer) + "\n" + code.src
             constants.update(rewriter.constants)
@@ -652,22 +655,96 @@ def compute_over_real_units(originals: Sequence[nn.Module], padded: Sequence[nn.
             if value.is_floating_point():
                 value = value.to(like.dtype)
             model.register_buffer(name, value.to(like.device), persistent=False)
-        for name, values in numbers.items():
+        for name, values in attributes.items():
             vars(model)[name] = values[i]
     return list(padded)
 
 
 def _signature(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
-    """Each node's op, target and arguments (nodes by name, floats as ``float``): the
+    """Each node's op, target and arguments (nodes by position, floats as ``float``): the
     padded models' graphs are one program when these agree; their floats (a per-model
-    dropout p) may differ (:func:`_differing_floats`)."""
+    dropout p) may differ (:func:`_differing_floats`), and so may their elementwise ops
+    (:func:`_differing_elementwise_ops`)."""
+    position = {n: k for k, n in enumerate(gm.graph.nodes)}
+
     def mask(a: Any) -> Any:
         if isinstance(a, fx.Node):
-            return a.name
+            return ("node", position[a])
         return float if isinstance(a, float) else a
 
     return [(n.op, n.target, fx.node.map_aggregate(n.args, mask),
              fx.node.map_aggregate(n.kwargs, mask)) for n in gm.graph.nodes]
+
+
+def _differing_elementwise_ops(graphs: Sequence[fx.GraphModule]
+                               ) -> list[tuple[fx.Node, list[ElementwiseCall]]] | None:
+    """(node of ``graphs[0]``, each graph's op) where the padded models' graphs differ
+    only in an elementwise op on the same input (``F.relu(h)`` in one model,
+    ``torch.tanh(h)`` in another: the fusion's differing ops, exact over a padded dim);
+    None where they differ otherwise (not one program)."""
+    signatures = [_signature(g) for g in graphs]
+    if len({len(s) for s in signatures}) != 1:
+        return None
+    found = []
+    for entries, nodes in zip(zip(*signatures), zip(*(g.graph.nodes for g in graphs))):
+        if all(e == entries[0] for e in entries):
+            continue
+        if any(elementwise_op(n, g) is None or n.op == "call_module"
+               for n, g in zip(nodes, graphs)):
+            return None
+        inputs = [op_input(n) for n in nodes]
+        positions = {list(g.graph.nodes).index(x) for x, g in zip(inputs, graphs)}
+        if len(positions) != 1:
+            return None
+        found.append((nodes[0], [ElementwiseCall.of(n) for n in nodes]))
+    return found
+
+
+class ElementwiseCall:
+    """One model's elementwise op with its constants, called on its input: ``F.leaky_relu(x,
+    0.2)`` as ``ElementwiseCall(F.leaky_relu, (0.2,), {})(x)``, ``x.tanh()`` as
+    ``ElementwiseCall("tanh", (), {})(x)`` (a root attribute the rewritten forward calls,
+    each model's own; tracing it records the op itself, in the model's spelling)."""
+
+    def __init__(self, target: Callable[..., Any] | str, args: tuple, kwargs: dict) -> None:
+        self.target, self.args, self.kwargs = target, args, kwargs
+
+    @classmethod
+    def of(cls, node: fx.Node) -> ElementwiseCall:
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "input"}
+        return cls(node.target, tuple(node.args[1:]), kwargs)
+
+    def __call__(self, x: Any) -> Any:
+        if isinstance(self.target, str):  # a method: x.tanh()
+            return getattr(x, self.target)(*self.args, **self.kwargs)
+        return self.target(x, *self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        name = getattr(self.target, "__name__", self.target)
+        return f"{name}(x, *{self.args}, **{self.kwargs})"
+
+
+def _ops_as_attributes(gm: fx.GraphModule, ops: list[tuple[fx.Node, list[ElementwiseCall]]],
+                       mode: str) -> dict[str, list[ElementwiseCall]]:
+    """The rewritten graph (model 0's) calls each differing elementwise op through an
+    attribute of the root, each model's own op there (the fusion then reads it as a
+    differing op)::
+
+        F.relu(h)  ->  self._hftc_op_train_0(h)     (F.relu in model 0, torch.tanh in 1)
+    """
+    calls: dict[str, list[ElementwiseCall]] = {}
+    for node, per_model in ops:
+        if node.graph is not gm.graph:
+            continue
+        name = f"_hftc_op_{mode}_{len(calls)}"
+        calls[name] = per_model
+        vars(gm)[name] = per_model[0]
+        with gm.graph.inserting_before(node):
+            read = gm.graph.create_node("get_attr", name)
+            call = gm.graph.call_method("__call__", (read, op_input(node)))
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+    return calls
 
 
 def _differing_floats(graphs: Sequence[fx.GraphModule]
@@ -677,6 +754,8 @@ def _differing_floats(graphs: Sequence[fx.GraphModule]
     found = []
     for nodes in zip(*(g.graph.nodes for g in graphs)):
         first = nodes[0]
+        if any(n.target != first.target for n in nodes):
+            continue  # a differing op: its own constants (:func:`_differing_elementwise_ops`)
         for key in [*range(len(first.args)), *first.kwargs]:
             values = [n.args[key] if isinstance(key, int) else n.kwargs[key] for n in nodes]
             if isinstance(values[0], float) and any(v != values[0] for v in values):

@@ -90,6 +90,12 @@ def is_elementwise_function(value: Any) -> bool:
         return False
 
 
+def is_elementwise_module(module: nn.Module) -> bool:
+    """Is ``module`` of a class :func:`elementwise_op` reads (``nn.ReLU``, ``nn.Tanh``: its
+    exact class), one that may differ per model?"""
+    return ("call_module", type(module)) in _SPELLINGS
+
+
 def _op(name: str, given: dict[str, Any]) -> Op | None:
     """``(name, ((parameter, value), ...))`` with every parameter's default filled in; None
     where a value is not a plain constant (computed in forward) or not the op's."""

@@ -168,11 +168,16 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                 args[0] not in builder.batched):
             # x.div_(p_n) on a tensor the models share would write N values into one
             raise NotFusable("an in-place op with per-model scalars on a shared tensor")
-        like = next(f for f, o in zip(args, group.node.args)
-                    if isinstance(o, fx.Node) and _is_tensor(o.meta.get(EXAMPLE_VALUE)))
+        tensors = [(f, o.meta[EXAMPLE_VALUE]) for f, o in zip(args, group.node.args)
+                   if isinstance(o, fx.Node) and _is_tensor(o.meta.get(EXAMPLE_VALUE))]
+        # (the promotion is with the values' operand: torch.where(cond, x, v)'s x, not cond)
+        like = next((f for f, t in tensors if t.is_floating_point()), tensors[0][0])
         if not out.is_floating_point() and group.node.target not in COMPARISONS:
             # a tensor of bounds would promote an integer result to float
             raise NotFusable("per-model float constants of an op with a non-float result")
+        number_only = NUMBER_ONLY.get(_op_name(group.node))
+        if number_only is not None:  # torch takes one number there, not a tensor of N
+            return number_only(group, builder, args, kwargs)
         for pos in range(len(args)):
             values = group.per_model_arg(pos, "")
             if values is not None:
@@ -189,6 +194,101 @@ def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
                 kwargs["other"] = builder.call(operator.mul, kwargs["other"], alpha)
     aligned = FusionGroup(group.node, group.nodes, tuple(args), kwargs, group.module)
     return builder.copy(aligned, batched=True)
+
+
+def _op_name(node: fx.Node) -> str:
+    """``masked_fill`` for ``x.masked_fill_(...)`` and ``torch.masked_fill(...)``."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return name.removesuffix("_")
+
+
+def _in_place(group: FusionGroup) -> bool:
+    return isinstance(group.node.target, str) and group.node.target.endswith("_")
+
+
+def _per_model_masked_fill(group: FusionGroup, builder: GraphBuilder, args: list,
+                           kwargs: dict) -> fx.Node:
+    """``x.masked_fill(mask, value_n)`` -> ``where(mask, value_n, x)`` (masked_fill takes one
+    number): the same values and gradient."""
+    if _in_place(group):
+        raise NotFusable("masked_fill_ with a per-model value (run model by model)")
+    x, mask = builder.broadcast(args[0]), args[1] if len(args) > 1 else kwargs["mask"]
+    return builder.call(rt_per_model.masked_fill, x, mask,
+                        tuple(group.per_model_arg(2, "value")))
+
+
+def _per_model_full_like(group: FusionGroup, builder: GraphBuilder, args: list,
+                         kwargs: dict) -> fx.Node:
+    """``torch.full_like(x, v_n, ...)``: each model's slice filled with its own value."""
+    options = {k: v for k, v in kwargs.items() if k != "fill_value"}
+    return builder.call(rt_per_model.full_like, builder.broadcast(args[0]),
+                        tuple(group.per_model_arg(1, "fill_value")), **options)
+
+
+def _per_model_value(group: FusionGroup, builder: GraphBuilder, args: list,
+                     kwargs: dict) -> fx.Node:
+    """``addcmul(x, t1, t2, value=v_n)`` / ``addcdiv``: ``value`` takes one number, so
+    ``addcmul(x, t1 * v_n, t2)``: the same values to rounding (ATen's CPU kernel computes
+    ``x + value * t1 * t2`` and ``x + value * t1 / t2`` in that order: the same bits)."""
+    values = group.per_model_arg(3, "value")
+    like = builder.broadcast(args[0])
+    value = builder.call(rt_per_model.scalars, tuple(values), like, group.example.dim())
+    kwargs = {k: v for k, v in kwargs.items() if k != "value"}
+    tensors = [*args[1:3]] + [kwargs.pop(k) for k in ("tensor1", "tensor2") if k in kwargs]
+    scaled = builder.call(operator.mul, tensors[0], value)
+    fused = FusionGroup(group.node, group.nodes, (like, scaled, tensors[1]), kwargs,
+                        group.module)
+    return builder.copy(fused, batched=True)
+
+
+#: The ops whose per-model number torch takes only as a Python number (a tensor of N
+#: values is refused): how each runs with every model's own.
+NUMBER_ONLY = {"masked_fill": _per_model_masked_fill, "full_like": _per_model_full_like,
+               "addcmul": _per_model_value, "addcdiv": _per_model_value}
+
+
+# Parameters of the ops whose number arguments may differ per model (``per_model=``'s
+# positions, for every spelling: torch.where has several schemas, a method none).
+def _where_signature(condition, input, other):
+    """``torch.where(condition, input, other)``."""
+
+
+def _masked_fill_signature(input, mask, value):
+    """``Tensor.masked_fill(mask, value)``."""
+
+
+def _rsub_signature(input, other, alpha=1):
+    """``torch.rsub(input, other)``: ``other - input``."""
+
+
+def _binary_signature(input, other):
+    """``torch.remainder(input, other)``, ``fmod``, ``xlogy``."""
+
+
+def _addcmul_signature(input, tensor1, tensor2, value=1):
+    """``torch.addcmul`` / ``addcdiv`` (``value`` keyword-only in torch; read by name)."""
+
+
+def _full_like_signature(input, fill_value, *, dtype=None, layout=None, device=None,
+                         pin_memory=False, requires_grad=False, memory_format=None):
+    """``torch.full_like(input, fill_value, ...)``."""
+
+
+#: op -> its parameters and the numbers that may differ per model
+#: (``torch.where(h > 0, h, self.floor)``, ``x.masked_fill(mask, self.fill)``,
+#: ``torch.rsub(x, self.c)``, ``torch.addcmul(x, a, b, value=self.rate)``,
+#: ``torch.full_like(x, self.init)``, ``torch.remainder(x, self.period)``).
+PER_MODEL_NUMBERS = {
+    "where": (_where_signature, ("input", "other")),
+    "masked_fill": (_masked_fill_signature, ("value",)),
+    "rsub": (_rsub_signature, ("other",)),
+    "addcmul": (_addcmul_signature, ("value",)),
+    "addcdiv": (_addcmul_signature, ("value",)),
+    "full_like": (_full_like_signature, ("fill_value",)),
+    "remainder": (_binary_signature, ("other",)),
+    "fmod": (_binary_signature, ("other",)),
+    "xlogy": (_binary_signature, ("input", "other")),
+}
 
 
 def fuse_random(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
@@ -434,10 +534,11 @@ RELU_LINK = ChainLink("relu", chained_relu)
 
 for _name in UNARY + BINARY:
     _keys = [key for key in spellings(_name, inplace=True) if key not in SLOPE_KEYS]
+    _signature, _per_model = PER_MODEL_NUMBERS.get(_name, (None, ()))
     rule(*_keys, name=f"fuse_pointwise[{_name}]", aten=EXPORTED_AS.get(_name),
          padding=MOVES if _name in COPIES else EXACT,
-         chain=RELU_LINK if _name == "relu" else None,
-         differing_op=_differing_ops(_keys))(fuse_pointwise)
+         chain=RELU_LINK if _name == "relu" else None, per_model=_per_model,
+         signature=_signature, differing_op=_differing_ops(_keys))(fuse_pointwise)
 for _key, _slope in SLOPE_KEYS.items():
     rule(_key, name=f"fuse_slope[{_key[1].__name__}]", per_model=(_slope,),
          aten=EXPORTED_AS.get(_key[1]), padding=EXACT,

@@ -168,8 +168,9 @@ class RuleEntry:
     #: The ATen ops (overload packets) torch.export records for these ops, each with the
     #: converter that spells it back in the keys' vocabulary (:func:`aten_spellings`).
     aten: tuple[tuple[Any, Converter], ...] = ()
-    #: For keys that name a library's function by a string: a Python function with its
-    #: signature (where ``per_model``'s positions and defaults come from).
+    #: A Python function with the keys' parameters (where ``per_model``'s positions and
+    #: defaults come from), for keys that name a library's function by a string, methods,
+    #: and torch builtins of several schemas (``torch.where``); every key then reads it.
     signature: Callable[..., Any] | None = None
     #: What the op computes over a dim ``pad_widths=True`` padded with zeros: a
     #: :data:`PADDING_KINDS` kind, a :class:`Reduces`, or a function of the node giving one
@@ -187,7 +188,7 @@ class RuleEntry:
     widens: Widens | None = None
 
     def signature_of(self, target: Any) -> Any:
-        return self.signature if isinstance(target, str) and self.signature else target
+        return self.signature or target
 
 
 #: ``padding=`` kinds: what an op computes over a dim padded with zeros (pad_widths=True,
@@ -338,7 +339,8 @@ def rule(*keys: Key, name: str | None = None, random: bool = False,
     functions (the same arguments, another name) or a converter ``(emitter, args, kwargs)
     -> node`` (:mod:`hftc.frontends.export`).  ``signature``: for keys that name a
     library's function by a string (``"torchvision.ops.stochastic_depth.stochastic_depth"``),
-    a Python function with the same parameters, where ``per_model`` finds its positions.
+    methods and torch builtins of several schemas, a Python function with the same
+    parameters, where ``per_model`` finds their positions (for every key of the rule).
     ``padding``: what the op computes over a padded dim (``pad_widths=True``: a
     :data:`PADDING_KINDS` kind, :class:`Reduces`, or a function of the node giving one);
     ``channels_last``: whether a CPU program may run channels-last with it (or a function

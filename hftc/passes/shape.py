@@ -27,6 +27,7 @@ from ..frontends.export import Emitter
 from ..ir import EXAMPLE_VALUE, bind_arguments
 from ..lowering.runtime import guards as rt_guards
 from ..lowering.runtime import layout as rt_layout
+from ..lowering.runtime import per_model as rt_per_model
 from ..lowering.runtime import spatial as rt_spatial
 from ..lowering.runtime.spatial import shift_dim
 from .registry import (
@@ -246,6 +247,10 @@ def _dim_rule(position: int, name: str, default: int):
         else:
             kwargs[name] = shift_dim_arg(builder, kwargs.get(name, default))
         args[0] = builder.broadcast(args[0])
+        if group.per_model:  # F.normalize(x, eps=self.eps): each model's own eps
+            bound = bind_arguments(torch.nn.functional.normalize, tuple(args), kwargs)
+            return builder.call(rt_per_model.normalize, bound["input"], bound["p"],
+                                bound["dim"], tuple(group.per_model_arg(3, "eps")))
         return builder.copy(FusionGroup(group.node, group.nodes, tuple(args), kwargs,
                                         group.module), batched=True)
 
@@ -260,6 +265,8 @@ _PADDING = {**dict.fromkeys(("chunk", "split", "tensor_split"), SPLITS),
             **dict.fromkeys(("unbind", "narrow", "select", "flip"), MOVES),
             **dict.fromkeys(("cumsum", "cumprod", "cummax", "cummin"), EXACT),
             "normalize": Reduces("normalize", normalize_over_real_units, one_dim=True)}
+#: The numbers that may differ per model (``@rule(per_model=...)``): F.normalize's eps.
+_PER_MODEL = {"normalize": ("eps",)}
 
 for op_name, pos, kw, default in [
     ("chunk", 2, "dim", 0), ("split", 2, "dim", 0), ("tensor_split", 2, "dim", 0),
@@ -271,7 +278,8 @@ for op_name, pos, kw, default in [
     ("normalize", 2, "dim", 1), ("split_with_sizes", 2, "dim", 0),
 ]:
     rule(*spellings(op_name, inplace=False), name=f"fuse_dim_op[{op_name}]",
-         aten=_EXPORTED_AS.get(op_name), padding=_PADDING.get(op_name))(
+         aten=_EXPORTED_AS.get(op_name), padding=_PADDING.get(op_name),
+         per_model=_PER_MODEL.get(op_name, ()))(
         _dim_rule(pos, kw, default)
     )
 

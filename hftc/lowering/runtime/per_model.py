@@ -21,6 +21,7 @@ layer / RMS / group norms.  The per-model batch norm is in :mod:`hftc.lowering.r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -76,6 +77,31 @@ def scalars(values: Sequence[float], like: Tensor, rank: int) -> Tensor:
     dtype = torch.result_type(like, values[0])
     t = values_on(list(values), dtype, like.device)
     return t.reshape(len(values), *([1] * rank))
+
+
+def _per_model_shape(values: Sequence[float], x: Tensor) -> Tensor:
+    """``values`` in ``x``'s dtype, shaped ``[N, 1, ..., 1]`` to ``x [N, ...]``."""
+    return values_on(list(values), x.dtype, x.device).reshape(len(values), *[1] * (x.dim() - 1))
+
+
+def masked_fill(x: Tensor, mask: Tensor, value: Sequence[float]) -> Tensor:
+    """``x.masked_fill(mask, value_n)`` on each model's slice of ``x [N, ...]``."""
+    return torch.where(mask, _per_model_shape(value, x), x)
+
+
+def full_like(x: Tensor, fill_value: Sequence[float], *, requires_grad: bool = False,
+              **options: Any) -> Tensor:
+    """``torch.full_like(x_n, fill_value_n, **options)`` for each model's slice of ``x``."""
+    out = torch.empty_like(x, **options)
+    out.copy_(_per_model_shape(fill_value, out))
+    return out.requires_grad_(requires_grad)
+
+
+def normalize(x: Tensor, p: float, dim: int, eps: Sequence[float]) -> Tensor:
+    """``F.normalize(x_n, p, dim, eps_n)`` for each model's slice: F.normalize's own
+    formula (the norm clamped at ``eps`` from below), each model its own ``eps``."""
+    denom = x.norm(p, dim, keepdim=True).clamp_min(scalars(eps, x, x.dim() - 1))
+    return x / denom.expand_as(x)
 
 
 def leaky_relu(x: Tensor, negative_slope: Sequence[float]) -> Tensor:
