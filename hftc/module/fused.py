@@ -21,6 +21,8 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import linecache
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -32,6 +34,7 @@ from torch import nn
 from .. import ir
 from ..errors import (
     FusionArgumentError,
+    FusionNotImplementedError,
     FusionTypeError,
     FusionWarning,
     MismatchError,
@@ -53,6 +56,7 @@ from ..lowering.pipeline import ModeGraphs, Program
 from ..lowering.runtime.layout import model_slice
 from ..lowering.runtime.modules import (
     ContainerAccess,
+    RefusedQConfig,
     StackedModule,
     mark_stacked,
     refuse_model_attribute,
@@ -346,6 +350,44 @@ def _set_loaded_extra_states(module: FusedModule, incompatible_keys: Any) -> Non
     states = module.__dict__.pop("_loaded_extra_states", None)
     if states:
         module._set_extra_states(states)
+
+
+#: What ``transformers.Trainer.__init__`` reads off its model first, and how its class
+#: says it trains a fused module (``hftc.integrations.hf.FusedTrainer`` sets it).
+_TRAINER_PROBE = "hf_device_map"
+TRAINS_FUSED_MODULES = "trains_fused_modules"
+
+
+def _refuse_stock_trainer(name: str) -> None:
+    """Refuse ``transformers.Trainer(model=fused)`` (or a subclass of it other than
+    hftc's) when its ``__init__`` first reads the model (``getattr(model, "hf_device_map",
+    None)``, a name no fused module has).  It keeps the dataset columns that forward's
+    signature names, and the fused forward's is ``(*args, **kwargs)``: every column was
+    dropped ("The batch received was empty"), and one loss, one log and one model's
+    checkpoints would follow."""
+    if name != _TRAINER_PROBE:
+        return
+    frame = sys._getframe(2)
+    if not frame.f_code.co_filename.replace("\\", "/").endswith("transformers/trainer.py"):
+        return
+    trainer = frame.f_locals.get("self")
+    if getattr(type(trainer), TRAINS_FUSED_MODULES, False):
+        return
+    caller = frame.f_back
+    while caller is not None and (caller.f_globals.get("__name__") or "").startswith(
+            "transformers"):
+        caller = caller.f_back
+    where = "" if caller is None else (
+        f" at {caller.f_code.co_filename}:{caller.f_lineno}: "
+        f"`{linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip()}`")
+    raise FusionTypeError(
+        f"{type(trainer).__name__}(model=fused){where}: transformers.Trainer trains one "
+        f"model: it keeps the dataset columns its forward's signature names (a fused "
+        f"module's forward takes *args, **kwargs, so it dropped them all: 'The batch "
+        f"received was empty'), and backpropagates, logs, saves and early-stops one model. "
+        f"Use hftc.integrations.hf.FusedTrainer(model=fused, args=args, ...) (the same "
+        f"arguments; subclass it rather than transformers.Trainer): each model's own loss, "
+        f"logs, checkpoints and early stopping (docs/guides/hugging-face-trainer.md)")
 
 
 class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Module):
@@ -845,6 +887,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         try:
             return super().__getattr__(name)
         except AttributeError:
+            _refuse_stock_trainer(name)
             template = self.__dict__.get("_template")
             cls = type(template)
             function = getattr(cls, name, None) if template is not None else None
@@ -992,6 +1035,22 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
     def extra_repr(self) -> str:
         return f"num_models={self.num_models}"
+
+    qconfig = RefusedQConfig()
+
+    @property
+    def __jit_ignored_attributes__(self) -> list[str]:
+        """Read by ``torch.jit.script`` and ``torch.jit.trace`` first of all: refused.  The
+        fused forward runs hftc's generated programs (one per mode and input signature,
+        guarded and checked on each call), which TorchScript neither compiles (forward is
+        ``(*args, **kwargs)`` over Python state) nor records as one graph."""
+        raise FusionNotImplementedError(
+            f"torch.jit.script / torch.jit.trace of a fused module{user_line()}: its forward "
+            f"runs hftc's generated programs (one per mode and input signature, chosen and "
+            f"checked on each call), which TorchScript cannot compile or record as one "
+            f"graph. For speed, compile it with torch.compile(fused) (or fused.compile()); "
+            f"to deploy with TorchScript, script or trace each model: "
+            f"[torch.jit.script(m) for m in fused.unfuse()]")
 
 
 

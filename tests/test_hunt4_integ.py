@@ -1,0 +1,110 @@
+"""Hunt 4, integrations and torch utilities on a whole fused module: each gives each
+model's own result, or an hftc error saying what to do instead of torch's or a library's
+own failure (or a silently unchanged module)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import hftc
+from hftc.errors import FusionNotImplementedError, FusionTypeError, UnsupportedOperatorError
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.bn(self.conv(x)).mean((2, 3)))
+
+
+def _models(n: int = 3) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [Net().eval() for _ in range(n)]
+
+
+X = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+
+
+def _own(models, x=X):
+    return torch.stack([m(x) for m in models])
+
+
+def test_convert_sync_batchnorm_on_a_fused_module_is_refused_and_changes_nothing():
+    # torch put a SyncBatchNorm holding the stacked statistics in the fused tree, which the
+    # fused program never syncs; converting each model before fusing is what works
+    models = _models()
+    fused = hftc.fuse([copy.deepcopy(m) for m in models])
+    with pytest.raises(UnsupportedOperatorError, match=r"convert_sync_batchnorm\(m\) for m in"):
+        nn.SyncBatchNorm.convert_sync_batchnorm(fused)
+    assert type(fused.bn).__name__ == "StackedBatchNorm2d"
+    torch.testing.assert_close(fused(X), _own(models))
+    converted = [nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(m)) for m in models]
+    torch.testing.assert_close(hftc.fuse(converted)(X), _own(converted))
+
+
+@pytest.mark.parametrize("how", ["dynamic", "static"])
+def test_quantization_of_a_fused_module_is_refused_not_silently_float(how):
+    # quantize_dynamic's module swap matched no stacked module: float results came back
+    fused = hftc.fuse(_models())
+    with pytest.raises(UnsupportedOperatorError, match="Quantize each model") as info:
+        if how == "dynamic":
+            torch.ao.quantization.quantize_dynamic(fused, {nn.Linear}, dtype=torch.qint8)
+        else:
+            fused.qconfig = torch.ao.quantization.get_default_qconfig("x86")
+    assert __file__ in str(info.value)  # the user's line, not typing_extensions' wrapper
+    assert not hasattr(fused, "qconfig") and not hasattr(fused.fc, "qconfig")
+
+
+@pytest.mark.parametrize("jit", ["script", "trace"])
+@pytest.mark.parametrize("called", [False, True])
+def test_torchscript_of_a_fused_module_says_what_to_do(jit, called):
+    # script: a bare "Unknown type annotation"; trace: "not been called yet" or a failed
+    # sanity check on hftc's generated classes
+    models = _models()
+    fused = hftc.fuse([copy.deepcopy(m) for m in models])
+    if called:
+        fused(X)
+    with pytest.raises(FusionNotImplementedError, match=r"torch\.compile\(fused\)"):
+        torch.jit.script(fused) if jit == "script" else torch.jit.trace(fused, (X,))
+    torch.testing.assert_close(fused(X), _own(models))
+    scripted = [getattr(torch.jit, jit)(m, *(() if jit == "script" else ((X,),)))
+                for m in fused.unfuse()]
+    torch.testing.assert_close(_own(scripted), _own(models))
+
+
+def test_a_plain_transformers_trainer_points_to_fused_trainer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import hftc.hf as hftc_hf
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=8, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=16,
+                                     max_position_embeddings=16, num_labels=3)
+    models = [transformers.BertForSequenceClassification(config) for _ in range(2)]
+    rows = [{"input_ids": torch.randint(0, 40, (6,)), "labels": torch.tensor(i % 3)}
+            for i in range(4)]
+    fused = hftc.fuse(models, example_inputs=(torch.stack([r["input_ids"] for r in rows]),))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[],
+                                          use_cpu=True, save_strategy="no", disable_tqdm=True)
+
+    class MyTrainer(transformers.Trainer):
+        pass
+
+    for trainer in (transformers.Trainer, MyTrainer):
+        with pytest.raises(FusionTypeError, match="hftc.integrations.hf.FusedTrainer") as info:
+            trainer(model=fused, args=args, train_dataset=rows)
+        assert __file__ in str(info.value)
+
+    class MyFusedTrainer(hftc_hf.FusedTrainer):
+        pass
+
+    MyFusedTrainer(model=fused, args=args, train_dataset=rows).train()
