@@ -45,6 +45,7 @@ raises :class:`hftc.errors.MissingExtraError`, which says to ``pip install 'hftc
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import os
@@ -61,7 +62,7 @@ from ..training.shrink import keep_models
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback, EarlyStopping
+    from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 except ImportError as exc:  # pragma: no cover - the test environment has them
     _missing = (exc.name or "lightning").split(".")[0]
     raise MissingExtraError(f"hftc.lightning needs Lightning ({_missing} is not installed): "
@@ -169,6 +170,7 @@ class FusedLightningModule(pl.LightningModule):
         ``StochasticWeightAveraging`` refused over batch norms (:func:`_refuse_swa_over_bn`)."""
         _refuse_swa_over_bn(self)
         _refuse_one_loss_scale(self)
+        _name_per_model_callbacks(self)
         self._point_plateaus_at_models()
 
     def _point_plateaus_at_models(self) -> None:
@@ -268,6 +270,50 @@ def _refuse_swa_over_bn(module: FusedLightningModule) -> None:
             f"weights. Average each model with torch.optim.swa_utils.AveragedModel(self.fused) "
             f"in training_step/on_train_epoch_end, then recompute the statistics per model: "
             f"for m in averaged.module.unfuse(): update_bn(loader, m)")
+
+
+#: Where Lightning's callbacks read their monitor from the logged metrics (and raise on
+#: a missing one): the method, the per-model callback that takes its place, what it does.
+_MONITOR_READS = {
+    EarlyStopping: ("_validate_condition_metric", "PerModelEarlyStopping({monitor!r}, ...)",
+                    "with the same arguments, each model stopping on its own metric and "
+                    "leaving the array"),
+    ModelCheckpoint: ("_save_topk_checkpoint", "PerModelCheckpoint(dirpath, monitor={monitor!r})",
+                      "a file per model, written when its own metric improves (a "
+                      "ModelCheckpoint without a monitor keeps the whole run for resuming)"),
+}
+
+
+def _name_per_model_callbacks(module: FusedLightningModule) -> None:
+    """Lightning's own ``EarlyStopping("val_loss")`` / ``ModelCheckpoint(monitor=
+    "val_loss")`` over a module that logs ``val_loss/model_k`` failed with Lightning's
+    "not available" / "could not find the monitored key": where the monitor is missing
+    and the models' own metrics are there, the error names the per-model callback."""
+    for callback in getattr(module._trainer, "callbacks", None) or []:
+        kind = next((k for k in _MONITOR_READS if isinstance(callback, k)), None)
+        if kind is None or callback.monitor is None:
+            continue
+        method = _MONITOR_READS[kind][0]
+        read = getattr(callback, method)
+        if getattr(read, "func", None) is not _naming_per_model_callback:  # (once a fit)
+            setattr(callback, method, functools.partial(
+                _naming_per_model_callback, module, callback, kind, read))
+
+
+def _naming_per_model_callback(module: FusedLightningModule, callback: Any, kind: type,
+                               read: Any, *args: Any) -> Any:
+    metrics, monitor = args[-1], callback.monitor
+    per_model = [model_metric(monitor, model_id) for model_id in module.model_ids]
+    if monitor not in metrics and any(name in metrics for name in per_model):
+        _, instead, what = _MONITOR_READS[kind]
+        raise FusionArgumentError(
+            f"{kind.__name__}(monitor={monitor!r}) on {type(module).__name__}: no metric "
+            f"{monitor!r} was logged, each model's is ({', '.join(per_model[:3])}"
+            f"{', ...' if len(per_model) > 3 else ''}: log_per_model). Use "
+            f"hftc.lightning.{instead.format(monitor=monitor)}: {what}; or log one number "
+            f"for the whole array (self.log({monitor!r}, values.mean())) to have "
+            f"{kind.__name__} act on all models at once")
+    return read(*args)
 
 
 def _refuse_one_loss_scale(module: FusedLightningModule) -> None:
