@@ -108,3 +108,92 @@ def test_a_plain_transformers_trainer_points_to_fused_trainer(tmp_path):
         pass
 
     MyFusedTrainer(model=fused, args=args, train_dataset=rows).train()
+
+
+# ---------------------------------------------------------------- Lightning
+
+def _lightning():
+    pytest.importorskip("lightning")
+    pytest.importorskip("sklearn")
+    import test_lightning
+
+    return test_lightning
+
+
+def _lightning_trainer(folder, epochs, callbacks):
+    import lightning.pytorch as pl
+
+    return pl.Trainer(max_epochs=epochs, default_root_dir=folder, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                      deterministic=True, callbacks=callbacks)
+
+
+@pytest.mark.parametrize("stock", ["EarlyStopping", "ModelCheckpoint"])
+def test_lightnings_own_callbacks_on_a_per_model_metric_name_the_per_model_ones(tmp_path,
+                                                                              stock):
+    # Lightning's "Early stopping conditioned on metric `val_loss` which is not available"
+    # / "could not find the monitored key" over a module logging val_loss/model_k
+    tl = _lightning()
+    from lightning.pytorch import callbacks
+
+    callback = (callbacks.EarlyStopping("val_loss") if stock == "EarlyStopping"
+                else callbacks.ModelCheckpoint(dirpath=tmp_path, monitor="val_loss"))
+    per_model = "PerModelEarlyStopping" if stock == "EarlyStopping" else "PerModelCheckpoint"
+    with pytest.raises(hftc.errors.FusionArgumentError, match=f"hftc.lightning.{per_model}"):
+        _lightning_trainer(tmp_path, 1, [callback]).fit(tl.Fused(tl._models()), *tl._loaders())
+
+
+def _unshuffled_loaders():
+    from hftc.sweep.digits import data as digits_data
+
+    (x, y), (xv, yv) = digits_data(n_train=256, n_val=96)
+    train = torch.utils.data.TensorDataset(x.double(), y)
+    val = torch.utils.data.TensorDataset(xv.double(), yv)
+    return (torch.utils.data.DataLoader(train, batch_size=32),  # (a resume reshuffles)
+            torch.utils.data.DataLoader(val, batch_size=48))
+
+
+@pytest.mark.parametrize("stopped_by", [2, 3])
+def test_resuming_after_per_model_early_stopping_shrank_the_array_goes_on_as_the_whole_run(
+        tmp_path, stopped_by):
+    # refused with FusionArgumentError before ("resuming after models left the array is
+    # not supported"); stopped_by=2: saved as the stopped models were about to leave
+    tl = _lightning()
+    import hftc.lightning as hl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(name, epochs, ckpt_path=None):
+        stopping = hl.PerModelEarlyStopping("val_loss", patience=tl.PATIENCE,
+                                            min_delta=tl.MIN_DELTA)
+        files = hl.PerModelCheckpoint(tmp_path / name / "files")
+        module = tl.Fused(tl._models())
+        _lightning_trainer(tmp_path / name, epochs, [
+            ModelCheckpoint(dirpath=tmp_path / name, save_last=True), stopping, files,
+        ]).fit(module, *_unshuffled_loaders(), ckpt_path=ckpt_path)
+        return stopping, module, files
+
+    whole, whole_module, whole_files = run("whole", tl.MAX_EPOCHS)
+    assert whole.stopped_epochs and whole_module.model_ids != [0, 1, 2]
+    run("resumed", stopped_by)
+    resumed, module, files = run("resumed", tl.MAX_EPOCHS, "last")
+    assert resumed.stopped_epochs == whole.stopped_epochs
+    assert module.model_ids == whole_module.model_ids
+    assert module.fused.num_models == len(module.model_ids)
+    for k in range(len(tl.LRS)):
+        mine = torch.load(files.path(k), weights_only=True)
+        theirs = torch.load(whole_files.path(k), weights_only=True)
+        for name, value in theirs.items():
+            torch.testing.assert_close(mine[name], value, rtol=0, atol=0, msg=(k, name))
+
+
+def test_resuming_into_a_module_of_other_models_says_what_to_make(tmp_path):
+    tl = _lightning()
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = tl.Fused(tl._models())
+    _lightning_trainer(tmp_path, 1, [ModelCheckpoint(dirpath=tmp_path, save_last=True)]).fit(
+        module, *_unshuffled_loaders())
+    other = tl.Fused(tl._models()[:2])
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    with pytest.raises(hftc.errors.FusionArgumentError, match="the same list in the same order"):
+        other.on_load_checkpoint(checkpoint)
