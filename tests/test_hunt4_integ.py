@@ -197,3 +197,18 @@ def test_resuming_into_a_module_of_other_models_says_what_to_make(tmp_path):
     checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
     with pytest.raises(hftc.errors.FusionArgumentError, match="the same list in the same order"):
         other.on_load_checkpoint(checkpoint)
+
+
+def test_a_refused_old_style_weight_norm_leaves_the_fused_module_as_it_was():
+    # torch.nn.utils.weight_norm took the stacked weight out of _parameters before the
+    # refusal (at its hook): the fused module then ran without it, its outputs wrong
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)) for _ in range(3)]
+    fused = hftc.fuse([copy.deepcopy(m) for m in models])
+    names = [name for name, _ in fused.named_parameters()]
+    x = torch.randn(2, 4)
+    with pytest.warns(FutureWarning), \
+            pytest.raises(UnsupportedOperatorError, match="Parametrize each model before"):
+        torch.nn.utils.weight_norm(fused[0])
+    assert [name for name, _ in fused.named_parameters()] == names
+    torch.testing.assert_close(fused(x), _own(models, x))

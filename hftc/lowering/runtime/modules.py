@@ -250,8 +250,12 @@ class StackedModule(ContainerAccess, nn.Module):
         # torch.nn.utils.prune renames the weight to ``weight_orig`` first, then would
         # mask it from a hook that never runs (and its mask is over all N models' rows):
         # refused before it changes anything
-        caller = sys._getframe(1).f_code.co_filename
-        if caller.endswith(("nn/utils/prune.py", "nn\\utils\\prune.py")):
+        frame = sys._getframe(1)
+        caller = frame.f_code.co_filename.replace("\\", "/")
+        if caller.endswith("nn/utils/weight_norm.py"):
+            self._put_back_weight_norms_tensor(frame.f_locals)
+            self._refuse_parametrization(None)
+        if caller.endswith("nn/utils/prune.py"):
             path = self.__dict__.get("_hftc_path")
             raise UnsupportedOperatorError(
                 f"torch.nn.utils.prune on fused.{path} ({self.source_type}, stacked by "
@@ -261,6 +265,19 @@ class StackedModule(ContainerAccess, nn.Module):
                 "prune.l1_unstructured(m.<module>, 'weight', amount); "
                 "prune.remove(m.<module>, 'weight'); then hftc.fuse(models))")
         super().register_parameter(name, param)
+
+    def _put_back_weight_norms_tensor(self, apply_locals: dict[str, Any]) -> None:
+        """The stacked tensor ``torch.nn.utils.weight_norm`` took out of ``_parameters``
+        (``del module._parameters[name]``, before it registers ``name_g``) put back, in
+        the models' order of parameters: the fused module as it was before the refusal."""
+        name, weight = apply_locals.get("name"), apply_locals.get("weight")
+        if name is None or name in self._parameters or not isinstance(weight, nn.Parameter):
+            return
+        self._parameters[name] = weight
+        order = list(getattr(self.__dict__.get("_hftc_template"), "_parameters", {}))
+        for key in sorted(self._parameters, key=lambda k: order.index(k) if k in order
+                          else len(order)):
+            self._parameters[key] = self._parameters.pop(key)
 
     def _refuse_parametrization(self, name: str | None) -> None:
         path = self.__dict__.get("_hftc_path")
