@@ -212,3 +212,23 @@ def test_a_refused_old_style_weight_norm_leaves_the_fused_module_as_it_was():
         torch.nn.utils.weight_norm(fused[0])
     assert [name for name, _ in fused.named_parameters()] == names
     torch.testing.assert_close(fused(x), _own(models, x))
+
+
+def test_fuse_modules_on_a_fused_module_says_to_fuse_each_models_first():
+    # torch's bare AssertionError "did not find fuser method for: (StackedConv2d, ...)"
+    class ConvBnRelu(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn, self.relu = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()
+
+        def forward(self, x):
+            return self.relu(self.bn(self.conv(x)))
+
+    torch.manual_seed(0)
+    models = [ConvBnRelu().eval() for _ in range(3)]
+    fused = hftc.fuse([copy.deepcopy(m) for m in models])
+    with pytest.raises(UnsupportedOperatorError, match=r"Fuse each model's modules before"):
+        torch.ao.quantization.fuse_modules(fused, [["conv", "bn", "relu"]], inplace=True)
+    assert type(fused.conv).__name__ == "StackedConv2d"
+    folded = [torch.ao.quantization.fuse_modules(m, [["conv", "bn", "relu"]]) for m in models]
+    torch.testing.assert_close(hftc.fuse(folded)(X), _own(models))

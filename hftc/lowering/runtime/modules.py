@@ -244,6 +244,16 @@ class StackedModule(ContainerAccess, nn.Module):
         # every read of a stacked tensor goes through nn.Module.__getattr__.)
         if _registering_parametrization():
             self._refuse_parametrization(None)
+        # (torch.ao.quantization.fuse_modules reads it through type_before_parametrizations,
+        # then finds no fuser for the stacked classes: a bare AssertionError)
+        if _called_from("fuse_known_modules", "fuse_modules.py", skip=1, frames=4):
+            raise UnsupportedOperatorError(
+                f"torch.ao.quantization.fuse_modules on {_where(self)} ({self.source_type}, "
+                f"stacked by hftc): its fusers fold one model's modules (a conv and its batch "
+                f"norm) into one of torch's classes, not N models' stacked tensors"
+                + _at_user_line() + "\nFuse each model's modules before fusing the models: "
+                "models = [torch.ao.quantization.fuse_modules(m, [['conv', 'bn', 'relu']]) "
+                "for m in models]; then hftc.fuse(models)")
         raise AttributeError("parametrizations")  # none: is_parametrized() reads False
 
     def register_parameter(self, name: str, param: Any) -> None:
