@@ -232,3 +232,44 @@ def test_fuse_modules_on_a_fused_module_says_to_fuse_each_models_first():
     assert type(fused.conv).__name__ == "StackedConv2d"
     folded = [torch.ao.quantization.fuse_modules(m, [["conv", "bn", "relu"]]) for m in models]
     torch.testing.assert_close(hftc.fuse(folded)(X), _own(models))
+
+
+@pytest.mark.parametrize("trace", ["symbolic_trace", "prepare_fx", "optimization.fuse"])
+def test_fx_symbolic_tracing_of_a_fused_module_says_what_to_do(trace):
+    # torch's "Proxy object cannot be iterated" (forward's *args) from deep in fx
+    fused = hftc.fuse(_models())
+    with pytest.raises(FusionNotImplementedError, match="Trace each model") as info:
+        if trace == "symbolic_trace":
+            torch.fx.symbolic_trace(fused)
+        elif trace == "prepare_fx":
+            from torch.ao.quantization import get_default_qconfig_mapping, quantize_fx
+
+            quantize_fx.prepare_fx(fused, get_default_qconfig_mapping("x86"), (X,))
+        else:
+            from torch.fx.experimental import optimization
+
+            optimization.fuse(fused)
+    assert __file__ in str(info.value)
+
+    class Wrapper(nn.Module):  # (a fused module inside a model traced: its forward)
+        def __init__(self) -> None:
+            super().__init__()
+            self.fused = fused
+
+        def forward(self, x):
+            return self.fused(x)
+
+    with pytest.raises(FusionNotImplementedError, match="Trace each model"):
+        torch.fx.symbolic_trace(Wrapper())
+
+
+def test_convert_conv2d_weight_memory_format_leaves_the_stacked_convs_as_fused_to_does():
+    # torch's "required rank 4 tensor to use channels_last format" on the 5-d stacked weight
+    models = _models()
+    fused = hftc.fuse([copy.deepcopy(m) for m in models])
+    assert torch.nn.utils.convert_conv2d_weight_memory_format(fused, torch.channels_last) \
+        is fused
+    torch.testing.assert_close(fused(X), _own(models))
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), fused)  # (torch's own still converts theirs)
+    torch.nn.utils.convert_conv2d_weight_memory_format(plain, torch.channels_last)
+    assert plain[0].weight.is_contiguous(memory_format=torch.channels_last)

@@ -390,6 +390,18 @@ def _refuse_stock_trainer(name: str) -> None:
         f"logs, checkpoints and early stopping (docs/guides/hugging-face-trainer.md)")
 
 
+def _refuse_fx_tracing() -> None:
+    """``torch.fx.symbolic_trace(fused)`` (and what builds on it: ``prepare_fx``,
+    ``torch.fx.experimental.optimization.fuse``) reached hftc's own Python with proxies
+    (torch's "'len' is not supported in symbolic tracing"): refused, saying what works."""
+    raise FusionNotImplementedError(
+        f"torch.fx.symbolic_trace of a fused module{user_line()}: its forward picks, "
+        f"checks and runs hftc's generated programs in Python on the real inputs, which "
+        f"symbolic tracing cannot follow. Trace each model (torch.fx.symbolic_trace(m) for "
+        f"m in fused.unfuse()), take the fused graph hftc built (fused.last_program()), or "
+        f"capture the fused module with torch.export.export(fused, (x,)) / torch.compile")
+
+
 class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Module):
     """N models fused into one: ``fused(x)[i] == models[i](x)``.
 
@@ -824,6 +836,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())):
+            _refuse_fx_tracing()
         check_source_modes(self)
         check_copied_modules(self)
         check_class_attributes(self)
@@ -1035,6 +1049,15 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
     def extra_repr(self) -> str:
         return f"num_models={self.num_models}"
+
+    def _get_name(self) -> str:
+        # (torch.fx's Tracer.trace asks it first, before it unpacks forward's *args, a
+        # Proxy: "Proxy object cannot be iterated")
+        caller = sys._getframe(1).f_code
+        if caller.co_name == "trace" and caller.co_filename.replace("\\", "/").endswith(
+                "torch/fx/_symbolic_trace.py"):
+            _refuse_fx_tracing()
+        return super()._get_name()
 
     qconfig = RefusedQConfig()
 
