@@ -1061,19 +1061,19 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
     qconfig = RefusedQConfig()
 
-    @property
-    def __jit_ignored_attributes__(self) -> list[str]:
-        """Read by ``torch.jit.script`` and ``torch.jit.trace`` first of all: refused.  The
-        fused forward runs hftc's generated programs (one per mode and input signature,
-        guarded and checked on each call), which TorchScript neither compiles (forward is
-        ``(*args, **kwargs)`` over Python state) nor records as one graph."""
+    def __prepare_scriptable__(self) -> nn.Module:
+        """What ``torch.jit.script`` asks a module for first: refused.  The fused forward is
+        ``(*args, **kwargs)`` running hftc's generated programs (one per mode and input
+        signature, guarded and checked on each call) over Python state, which TorchScript
+        cannot compile (its own error: "Unknown type annotation")."""
         raise FusionNotImplementedError(
-            f"torch.jit.script / torch.jit.trace of a fused module{user_line()}: its forward "
-            f"runs hftc's generated programs (one per mode and input signature, chosen and "
-            f"checked on each call), which TorchScript cannot compile or record as one "
-            f"graph. For speed, compile it with torch.compile(fused) (or fused.compile()); "
-            f"to deploy with TorchScript, script or trace each model: "
-            f"[torch.jit.script(m) for m in fused.unfuse()]")
+            f"torch.jit.script of a fused module{user_line()}: its forward runs hftc's "
+            f"generated programs (one per mode and input signature, chosen and checked on "
+            f"each call), which TorchScript cannot compile. For speed, compile it with "
+            f"torch.compile(fused) (or fused.compile()); to deploy with TorchScript, script "
+            f"each model: [torch.jit.script(m) for m in fused.unfuse()] (or "
+            f"torch.jit.trace(fused, (x,), check_trace=False) after a first call, for "
+            f"inputs of that shape)")
 
 
 
