@@ -166,10 +166,11 @@ _HFTC_DIR = __file__[:-len("errors.py")]
 
 def is_user_frame(frame) -> bool:
     """Not hftc's, torch's or ``copy``'s (a ``copy.deepcopy`` of a fused module names the
-    line that called it), not code made at run time (a generated forward)."""
+    line that called it), nor ``typing_extensions``' (the ``deprecated`` wrapper of some
+    of torch's functions), not code made at run time (a generated forward)."""
     name = frame.f_globals.get("__name__") or ""
     filename = frame.f_code.co_filename
-    return name.split(".")[0] not in ("hftc", "torch", "copy") \
+    return name.split(".")[0] not in ("hftc", "torch", "copy", "typing_extensions") \
         and not filename.startswith("<") \
         and not filename.startswith(_HFTC_DIR)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import typing_extensions
 
 # --------------------------------------------------------------------------- meta keys
 
@@ -93,12 +94,15 @@ _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep
 _PACKAGE_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep
                        for k in ("purelib", "platlib")})
 _STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+#: The decorators torch wraps its own functions in (``typing_extensions.deprecated`` on
+#: ``torch.ao.quantization.quantize_dynamic``): their frames are torch's, not the user's.
+_WRAPPER_FILES = (os.path.abspath(typing_extensions.__file__),)
 
 
 @functools.cache
 def is_user_file(filename: str) -> bool:
     """Not torch's, hftc's, Python's own or generated code (``<eval_with_key>``)."""
-    if filename.startswith("<"):
+    if filename.startswith("<") or os.path.abspath(filename) in _WRAPPER_FILES:
         return False
     path = os.path.dirname(os.path.abspath(filename)) + os.sep
     if path.startswith(_LIBRARY_DIRS):

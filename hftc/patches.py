@@ -13,6 +13,9 @@ beside the code they serve; this module only installs them (docs/API.md describe
     torch.nn.utils.clip_grad_value_           one value per model on a fused module's
                                               parameters: model i's by value i (utils.py)
     torch.optim.swa_utils.update_bn           refused on a fused module (hftc/utils.py)
+    torch.nn.utils.convert_conv{2,3}d_weight_   a fused module's stacked convolutions left
+      memory_format                           as they are, as fused.to(memory_format=)
+                                              leaves them (hftc/utils.py)
     torch.optim.swa_utils.AveragedModel       from a fused module holding other models than
       .update_parameters                      the average (after keep_models): refused,
                                               naming keep_models(ema.module, ...)
@@ -103,6 +106,10 @@ def install() -> None:
         module.clip_grads_with_norm_ = utils._clip_grads_with_norm_per_model
         module.clip_grad_value_ = utils._clip_grad_value_per_model
     torch.optim.swa_utils.update_bn = utils._update_bn_refusing_fused
+    for name in ("convert_conv2d_weight_memory_format", "convert_conv3d_weight_memory_format"):
+        convert = utils.skipping_stacked_weights(getattr(torch.nn.utils.memory_format, name))
+        setattr(torch.nn.utils.memory_format, name, convert)  # (torch's recursion reads it)
+        setattr(torch.nn.utils, name, convert)
     torch.optim.swa_utils.AveragedModel.update_parameters = \
         utils._update_parameters_checking_models
     for base in coupled._COUPLING:

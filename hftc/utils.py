@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .errors import FusionArgumentError
 from .lowering.runtime.losses import per_model
-from .lowering.runtime.modules import live_stacked, stacked_counts
+from .lowering.runtime.modules import StackedModule, live_stacked, stacked_counts
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
 
@@ -215,6 +215,25 @@ def route_bound_names() -> None:
         cell = _func_cell(original)
         if cell is not None:
             cell.cell_contents = replacement
+
+
+def skipping_stacked_weights(torch_convert: Any) -> Any:
+    """``torch.nn.utils.convert_conv2d_weight_memory_format`` (or the conv3d one) as
+    installed by ``import hftc``: a fused module's stacked convolutions are left as they
+    are, as ``fused.to(memory_format=...)`` leaves them (a stacked Conv2d weight is 5-d,
+    ``[N, O, I, kh, kw]``, and torch's raised "required rank 4 tensor to use
+    channels_last format"); the fused kernels choose their layouts per call.  Torch's
+    own recursion calls the patched name, so a stacked module deep in a model is
+    skipped too; every other module is converted by torch's."""
+    @functools.wraps(torch_convert)
+    def convert(module: nn.Module, memory_format: torch.memory_format) -> nn.Module:
+        if not isinstance(module, StackedModule):
+            return torch_convert(module, memory_format)
+        for child in module.children():
+            convert(child, memory_format)
+        return module
+
+    return convert
 
 
 _torch_update_bn = _stock_twin(torch.optim.swa_utils.update_bn)

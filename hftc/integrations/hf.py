@@ -100,6 +100,9 @@ class FusedTrainer(transformers.Trainer):
     ``accelerate launch``, each process the fused module on its own GPU).
     """
 
+    #: (a fused module refuses any other Trainer: hftc.module.fused._refuse_stock_trainer)
+    trains_fused_modules = True
+
     def __init__(self, model: FusedModule | None = None,
                  args: transformers.TrainingArguments | None = None, *rest: Any,
                  **kwargs: Any) -> None:

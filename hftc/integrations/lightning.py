@@ -45,6 +45,7 @@ raises :class:`hftc.errors.MissingExtraError`, which says to ``pip install 'hftc
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 import os
@@ -61,7 +62,7 @@ from ..training.shrink import keep_models
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback, EarlyStopping
+    from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 except ImportError as exc:  # pragma: no cover - the test environment has them
     _missing = (exc.name or "lightning").split(".")[0]
     raise MissingExtraError(f"hftc.lightning needs Lightning ({_missing} is not installed): "
@@ -149,12 +150,18 @@ class FusedLightningModule(pl.LightningModule):
             raise FusionArgumentError(
                 f"keep_models: model id(s) {unknown} are not in the array (ids "
                 f"{self.model_ids}); give ids of models still training")
-        keep = [j for j, model_id in enumerate(self.model_ids) if model_id in set(keep_ids)]
         trainer = self._trainer
         leaving = [model_id for model_id in self.model_ids if model_id not in set(keep_ids)]
         for callback in getattr(trainer, "callbacks", None) or []:
             if isinstance(callback, PerModelCheckpoint):  # (the last state, as it leaves)
                 callback.on_models_leaving(trainer, self, leaving)
+        self._cut_to(keep_ids)
+
+    def _cut_to(self, keep_ids: Sequence[int]) -> None:
+        """The array cut to the models ``keep_ids``, with the trainer's optimizers' state
+        and schedulers' entries (no checkpoint written: see :meth:`keep_models`)."""
+        keep = [j for j, model_id in enumerate(self.model_ids) if model_id in set(keep_ids)]
+        trainer = self._trainer
         optimizers = list(trainer.optimizers) if trainer is not None else []
         schedulers = ([config.scheduler for config in trainer.lr_scheduler_configs]
                       if trainer is not None else [])
@@ -169,6 +176,10 @@ class FusedLightningModule(pl.LightningModule):
         ``StochasticWeightAveraging`` refused over batch norms (:func:`_refuse_swa_over_bn`)."""
         _refuse_swa_over_bn(self)
         _refuse_one_loss_scale(self)
+        _name_per_model_callbacks(self)
+        resumed = self.__dict__.pop("_resumed_ids", None)
+        if resumed is not None:  # (the optimizers now made for all N: cut before loading)
+            self._cut_to(resumed)
         self._point_plateaus_at_models()
 
     def _point_plateaus_at_models(self) -> None:
@@ -221,15 +232,54 @@ class FusedLightningModule(pl.LightningModule):
         checkpoint["hftc_model_ids"] = list(self.model_ids)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """A Lightning checkpoint saved after models left the array holds fewer models than
-        a module made anew: refused, saying so (not a size mismatch from load_state_dict)."""
+        """A Lightning checkpoint saved after models left the array (``fit(ckpt_path=
+        "last")`` after per-model early stopping) holds fewer models than the module made
+        anew: the array is cut to the saved models, each resuming its own state, the
+        stopped ones staying out.  In ``fit``, before the optimizers are made (Lightning
+        loads the module's weights first), the checkpoint's stacked tensors are widened to
+        the N models (a stopped model's rows: this module's), ``configure_optimizers``
+        builds for all N as at the start, and :meth:`on_fit_start` cuts the array and
+        optimizers before their saved state loads."""
         saved = checkpoint.get("hftc_model_ids")
         if saved is not None and list(saved) != self.model_ids:
-            raise FusionArgumentError(
-                f"this checkpoint holds models {list(saved)} of the array, the module models "
-                f"{self.model_ids}: resuming after models left the array is not supported; "
-                f"each model's own file (PerModelCheckpoint) holds it")
+            saved = list(saved)
+            if [i for i in self.model_ids if i in saved] != saved:
+                raise FusionArgumentError(
+                    f"this checkpoint holds models {saved} of the array, the module models "
+                    f"{self.model_ids}: make the module from the models of the run it was "
+                    f"saved from, the same list in the same order (the stopped ones too), "
+                    f"and resume; each model's own file (PerModelCheckpoint) holds it alone")
+            trainer = self._trainer
+            if trainer is not None and trainer.state.fn == "fit" and not trainer.optimizers:
+                self._widen_to_array(checkpoint, saved)
+                self.__dict__["_resumed_ids"] = saved
+            else:
+                self._cut_to(saved)
         super().on_load_checkpoint(checkpoint)
+
+    def _widen_to_array(self, checkpoint: dict[str, Any], saved: Sequence[int]) -> None:
+        """The checkpoint's ``fused.`` entries of the ``saved`` models as this module's N:
+        each stacked tensor (and extra states' list) with the saved rows at their models'
+        positions, this module's own at the others'."""
+        rows = [self.model_ids.index(i) for i in saved]
+        state = checkpoint.get("state_dict", {})
+        own = self.state_dict()
+        for key, value in list(state.items()):
+            mine = own.get(key)
+            if not key.startswith("fused.") or mine is None:
+                continue
+            if isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor) \
+                    and value.dim() and mine.shape[1:] == value.shape[1:] \
+                    and (len(value), len(mine)) == (len(rows), len(self.model_ids)):
+                widened = mine.detach().clone()
+                widened[rows] = value.to(widened.device, widened.dtype)
+                state[key] = widened
+            elif isinstance(value, list) and isinstance(mine, list) \
+                    and (len(value), len(mine)) == (len(rows), len(self.model_ids)):
+                widened = list(mine)
+                for row, entry in zip(rows, value):
+                    widened[row] = entry
+                state[key] = widened
 
     def model_state_dict(self, model_id: int) -> dict[str, torch.Tensor]:
         """Model ``model_id``'s ``state_dict`` with its class's keys (copies)."""
@@ -268,6 +318,50 @@ def _refuse_swa_over_bn(module: FusedLightningModule) -> None:
             f"weights. Average each model with torch.optim.swa_utils.AveragedModel(self.fused) "
             f"in training_step/on_train_epoch_end, then recompute the statistics per model: "
             f"for m in averaged.module.unfuse(): update_bn(loader, m)")
+
+
+#: Where Lightning's callbacks read their monitor from the logged metrics (and raise on
+#: a missing one): the method, the per-model callback that takes its place, what it does.
+_MONITOR_READS = {
+    EarlyStopping: ("_validate_condition_metric", "PerModelEarlyStopping({monitor!r}, ...)",
+                    "with the same arguments, each model stopping on its own metric and "
+                    "leaving the array"),
+    ModelCheckpoint: ("_save_topk_checkpoint", "PerModelCheckpoint(dirpath, monitor={monitor!r})",
+                      "a file per model, written when its own metric improves (a "
+                      "ModelCheckpoint without a monitor keeps the whole run for resuming)"),
+}
+
+
+def _name_per_model_callbacks(module: FusedLightningModule) -> None:
+    """Lightning's own ``EarlyStopping("val_loss")`` / ``ModelCheckpoint(monitor=
+    "val_loss")`` over a module that logs ``val_loss/model_k`` failed with Lightning's
+    "not available" / "could not find the monitored key": where the monitor is missing
+    and the models' own metrics are there, the error names the per-model callback."""
+    for callback in getattr(module._trainer, "callbacks", None) or []:
+        kind = next((k for k in _MONITOR_READS if isinstance(callback, k)), None)
+        if kind is None or callback.monitor is None:
+            continue
+        method = _MONITOR_READS[kind][0]
+        read = getattr(callback, method)
+        if getattr(read, "func", None) is not _naming_per_model_callback:  # (once a fit)
+            setattr(callback, method, functools.partial(
+                _naming_per_model_callback, module, callback, kind, read))
+
+
+def _naming_per_model_callback(module: FusedLightningModule, callback: Any, kind: type,
+                               read: Any, *args: Any) -> Any:
+    metrics, monitor = args[-1], callback.monitor
+    per_model = [model_metric(monitor, model_id) for model_id in module.model_ids]
+    if monitor not in metrics and any(name in metrics for name in per_model):
+        _, instead, what = _MONITOR_READS[kind]
+        raise FusionArgumentError(
+            f"{kind.__name__}(monitor={monitor!r}) on {type(module).__name__}: no metric "
+            f"{monitor!r} was logged, each model's is ({', '.join(per_model[:3])}"
+            f"{', ...' if len(per_model) > 3 else ''}: log_per_model). Use "
+            f"hftc.lightning.{instead.format(monitor=monitor)}: {what}; or log one number "
+            f"for the whole array (self.log({monitor!r}, values.mean())) to have "
+            f"{kind.__name__} act on all models at once")
+    return read(*args)
 
 
 def _refuse_one_loss_scale(module: FusedLightningModule) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import linecache
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -32,6 +34,7 @@ from torch import nn
 from .. import ir
 from ..errors import (
     FusionArgumentError,
+    FusionNotImplementedError,
     FusionTypeError,
     FusionWarning,
     MismatchError,
@@ -53,6 +56,7 @@ from ..lowering.pipeline import ModeGraphs, Program
 from ..lowering.runtime.layout import model_slice
 from ..lowering.runtime.modules import (
     ContainerAccess,
+    RefusedQConfig,
     StackedModule,
     mark_stacked,
     refuse_model_attribute,
@@ -346,6 +350,56 @@ def _set_loaded_extra_states(module: FusedModule, incompatible_keys: Any) -> Non
     states = module.__dict__.pop("_loaded_extra_states", None)
     if states:
         module._set_extra_states(states)
+
+
+#: What ``transformers.Trainer.__init__`` reads off its model first, and how its class
+#: says it trains a fused module (``hftc.integrations.hf.FusedTrainer`` sets it).
+_TRAINER_PROBE = "hf_device_map"
+TRAINS_FUSED_MODULES = "trains_fused_modules"
+
+
+def _refuse_stock_trainer(name: str) -> None:
+    """Refuse ``transformers.Trainer(model=fused)`` (or a subclass of it other than
+    hftc's) when its ``__init__`` first reads the model (``getattr(model, "hf_device_map",
+    None)``, a name no fused module has).  It keeps the dataset columns that forward's
+    signature names, and the fused forward's is ``(*args, **kwargs)``: every column was
+    dropped ("The batch received was empty"), and one loss, one log and one model's
+    checkpoints would follow."""
+    if name != _TRAINER_PROBE:
+        return
+    frame = sys._getframe(2)
+    if not frame.f_code.co_filename.replace("\\", "/").endswith("transformers/trainer.py"):
+        return
+    trainer = frame.f_locals.get("self")
+    if getattr(type(trainer), TRAINS_FUSED_MODULES, False):
+        return
+    caller = frame.f_back
+    while caller is not None and (caller.f_globals.get("__name__") or "").startswith(
+            "transformers"):
+        caller = caller.f_back
+    where = "" if caller is None else (
+        f" at {caller.f_code.co_filename}:{caller.f_lineno}: "
+        f"`{linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip()}`")
+    raise FusionTypeError(
+        f"{type(trainer).__name__}(model=fused){where}: transformers.Trainer trains one "
+        f"model: it keeps the dataset columns its forward's signature names (a fused "
+        f"module's forward takes *args, **kwargs, so it dropped them all: 'The batch "
+        f"received was empty'), and backpropagates, logs, saves and early-stops one model. "
+        f"Use hftc.integrations.hf.FusedTrainer(model=fused, args=args, ...) (the same "
+        f"arguments; subclass it rather than transformers.Trainer): each model's own loss, "
+        f"logs, checkpoints and early stopping (docs/guides/hugging-face-trainer.md)")
+
+
+def _refuse_fx_tracing() -> None:
+    """``torch.fx.symbolic_trace(fused)`` (and what builds on it: ``prepare_fx``,
+    ``torch.fx.experimental.optimization.fuse``) reached hftc's own Python with proxies
+    (torch's "'len' is not supported in symbolic tracing"): refused, saying what works."""
+    raise FusionNotImplementedError(
+        f"torch.fx.symbolic_trace of a fused module{user_line()}: its forward picks, "
+        f"checks and runs hftc's generated programs in Python on the real inputs, which "
+        f"symbolic tracing cannot follow. Trace each model (torch.fx.symbolic_trace(m) for "
+        f"m in fused.unfuse()), take the fused graph hftc built (fused.last_program()), or "
+        f"capture the fused module with torch.export.export(fused, (x,)) / torch.compile")
 
 
 class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Module):
@@ -782,6 +836,8 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())):
+            _refuse_fx_tracing()
         check_source_modes(self)
         check_copied_modules(self)
         check_class_attributes(self)
@@ -845,6 +901,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         try:
             return super().__getattr__(name)
         except AttributeError:
+            _refuse_stock_trainer(name)
             template = self.__dict__.get("_template")
             cls = type(template)
             function = getattr(cls, name, None) if template is not None else None
@@ -992,6 +1049,31 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
 
     def extra_repr(self) -> str:
         return f"num_models={self.num_models}"
+
+    def _get_name(self) -> str:
+        # (torch.fx's Tracer.trace asks it first, before it unpacks forward's *args, a
+        # Proxy: "Proxy object cannot be iterated")
+        caller = sys._getframe(1).f_code
+        if caller.co_name == "trace" and caller.co_filename.replace("\\", "/").endswith(
+                "torch/fx/_symbolic_trace.py"):
+            _refuse_fx_tracing()
+        return super()._get_name()
+
+    qconfig = RefusedQConfig()
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """What ``torch.jit.script`` asks a module for first: refused.  The fused forward is
+        ``(*args, **kwargs)`` running hftc's generated programs (one per mode and input
+        signature, guarded and checked on each call) over Python state, which TorchScript
+        cannot compile (its own error: "Unknown type annotation")."""
+        raise FusionNotImplementedError(
+            f"torch.jit.script of a fused module{user_line()}: its forward runs hftc's "
+            f"generated programs (one per mode and input signature, chosen and checked on "
+            f"each call), which TorchScript cannot compile. For speed, compile it with "
+            f"torch.compile(fused) (or fused.compile()); to deploy with TorchScript, script "
+            f"each model: [torch.jit.script(m) for m in fused.unfuse()] (or "
+            f"torch.jit.trace(fused, (x,), check_trace=False) after a first call, for "
+            f"inputs of that shape)")
 
 
 

@@ -128,17 +128,71 @@ def _at_user_line() -> str:
     return f"\n  {line}" if line else ""
 
 
-def _registering_parametrization() -> bool:
-    """Whether torch's ``register_parametrization`` is the caller (via is_parametrized)."""
-    frame = sys._getframe(2)
-    for _ in range(3):
+def _called_from(function: str, file: str, skip: int, frames: int) -> bool:
+    """Whether torch's ``function`` (defined in a file whose name ends with ``file``) runs
+    one of ``frames`` frames above the ``skip`` innermost of the frames that call this
+    (``skip=1``: above the caller's own)."""
+    frame = sys._getframe(skip + 1)
+    for _ in range(frames):
         if frame is None:
             return False
-        if (frame.f_code.co_name == "register_parametrization"
-                and frame.f_code.co_filename.endswith("parametrize.py")):
+        if frame.f_code.co_name == function and frame.f_code.co_filename.endswith(file):
             return True
         frame = frame.f_back
     return False
+
+
+def _registering_parametrization() -> bool:
+    """Whether torch's ``register_parametrization`` is the caller (via is_parametrized)."""
+    return _called_from("register_parametrization", "parametrize.py", skip=2, frames=3)
+
+
+def _where(module: nn.Module) -> str:
+    path = module.__dict__.get("_hftc_path")
+    return f"fused.{path}" if path else "fused"
+
+
+class RefusedQConfig:
+    """The ``qconfig`` of a fused module and of its stacked modules: none to read, and
+    none to set.
+
+    ``torch.ao.quantization`` (``quantize_dynamic``, ``prepare``/``convert``) sets a
+    ``qconfig`` on every module, then swaps the modules whose exact class it maps: a
+    stacked one is none of them, so the fused module came back unquantized, its float
+    results as if quantized.  Refused at the first ``qconfig`` set, before any swap.
+
+    ``nn.SyncBatchNorm.convert_sync_batchnorm`` reads it (``hasattr(module, "qconfig")``)
+    after building the SyncBatchNorm that would replace a stacked batch norm, holding its
+    stacked tensors: the fused program runs its own batch norm, which syncs nothing, so
+    that read is refused too, before the fused tree changes."""
+
+    def __get__(self, module: nn.Module | None, owner: type | None = None) -> Any:
+        if module is None:
+            return self
+        if _called_from("convert_sync_batchnorm", "batchnorm.py", skip=1, frames=1):
+            raise UnsupportedOperatorError(
+                f"nn.SyncBatchNorm.convert_sync_batchnorm on {_where(module)} "
+                f"({module.source_type}, stacked by hftc) would put a SyncBatchNorm holding "
+                f"the N models' stacked statistics in the fused module, whose program runs "
+                f"its own batch norm: no statistics would be synced across processes"
+                + _at_user_line() + "\nConvert each model before fusing (models = "
+                "[nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in models]; then "
+                "hftc.fuse(models), and DDP(fused)): each model's SyncBatchNorm then syncs "
+                "its own statistics")
+        raise AttributeError("qconfig")
+
+    def __set__(self, module: nn.Module, value: Any) -> None:
+        name = getattr(module, "source_type", type(module).__name__)
+        given = "None" if value is None else f"{type(value).__name__}(...)"
+        raise UnsupportedOperatorError(
+            f"torch.ao.quantization on the fused module ({_where(module)}.qconfig = "
+            f"{given} on {name}): its quantized modules would replace modules holding the "
+            f"N models' stacked [N, ...] tensors, which torch's module swap does not "
+            f"recognise, so the fused module would stay unquantized, giving float results "
+            f"as if quantized" + _at_user_line() +
+            "\nQuantize each model (models = fused.unfuse(); "
+            "torch.ao.quantization.quantize_dynamic(m, {nn.Linear}) for m in models): hftc "
+            "fuses float models")
 
 
 class StackedModule(ContainerAccess, nn.Module):
@@ -160,6 +214,8 @@ class StackedModule(ContainerAccess, nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.source_type}({self._source_repr}) x {self.num_models}"
+
+    qconfig = RefusedQConfig()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # (a mirrored class's own, _ConvNd's, would set a missing attribute: refused here)
@@ -188,14 +244,28 @@ class StackedModule(ContainerAccess, nn.Module):
         # every read of a stacked tensor goes through nn.Module.__getattr__.)
         if _registering_parametrization():
             self._refuse_parametrization(None)
+        # (torch.ao.quantization.fuse_modules reads it through type_before_parametrizations,
+        # then finds no fuser for the stacked classes: a bare AssertionError)
+        if _called_from("fuse_known_modules", "fuse_modules.py", skip=1, frames=4):
+            raise UnsupportedOperatorError(
+                f"torch.ao.quantization.fuse_modules on {_where(self)} ({self.source_type}, "
+                f"stacked by hftc): its fusers fold one model's modules (a conv and its batch "
+                f"norm) into one of torch's classes, not N models' stacked tensors"
+                + _at_user_line() + "\nFuse each model's modules before fusing the models: "
+                "models = [torch.ao.quantization.fuse_modules(m, [['conv', 'bn', 'relu']]) "
+                "for m in models]; then hftc.fuse(models)")
         raise AttributeError("parametrizations")  # none: is_parametrized() reads False
 
     def register_parameter(self, name: str, param: Any) -> None:
         # torch.nn.utils.prune renames the weight to ``weight_orig`` first, then would
         # mask it from a hook that never runs (and its mask is over all N models' rows):
         # refused before it changes anything
-        caller = sys._getframe(1).f_code.co_filename
-        if caller.endswith(("nn/utils/prune.py", "nn\\utils\\prune.py")):
+        frame = sys._getframe(1)
+        caller = frame.f_code.co_filename.replace("\\", "/")
+        if caller.endswith("nn/utils/weight_norm.py"):
+            self._put_back_weight_norms_tensor(frame.f_locals)
+            self._refuse_parametrization(None)
+        if caller.endswith("nn/utils/prune.py"):
             path = self.__dict__.get("_hftc_path")
             raise UnsupportedOperatorError(
                 f"torch.nn.utils.prune on fused.{path} ({self.source_type}, stacked by "
@@ -205,6 +275,19 @@ class StackedModule(ContainerAccess, nn.Module):
                 "prune.l1_unstructured(m.<module>, 'weight', amount); "
                 "prune.remove(m.<module>, 'weight'); then hftc.fuse(models))")
         super().register_parameter(name, param)
+
+    def _put_back_weight_norms_tensor(self, apply_locals: dict[str, Any]) -> None:
+        """The stacked tensor ``torch.nn.utils.weight_norm`` took out of ``_parameters``
+        (``del module._parameters[name]``, before it registers ``name_g``) put back, in
+        the models' order of parameters: the fused module as it was before the refusal."""
+        name, weight = apply_locals.get("name"), apply_locals.get("weight")
+        if name is None or name in self._parameters or not isinstance(weight, nn.Parameter):
+            return
+        self._parameters[name] = weight
+        order = list(getattr(self.__dict__.get("_hftc_template"), "_parameters", {}))
+        for key in sorted(self._parameters, key=lambda k: order.index(k) if k in order
+                          else len(order)):
+            self._parameters[key] = self._parameters.pop(key)
 
     def _refuse_parametrization(self, name: str | None) -> None:
         path = self.__dict__.get("_hftc_path")
