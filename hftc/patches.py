@@ -115,6 +115,7 @@ def install() -> None:
     for cls in mistakes.stock_optimizer_classes():
         cls.__init__ = mistakes.refusing_per_model_values(cls.__init__)
     mistakes.guard_losses()
+    losses.ARGUMENT_CHECKS.append(mistakes.check_fused_output_not_shared)
     losses.RESULT_CHECKS.append(mistakes.check_loss_reduction)
     losses.RESULT_CHECKS.append(mistakes.mark_per_model_losses)
     torch.autograd.backward = mistakes.backward_naming_the_sum(torch.autograd.backward)

@@ -246,6 +246,8 @@ def per_model(loss_fn: Callable[..., Tensor], *,
             loss_fn, signature, in_dims, args, {**loss_kwargs, **kwargs})
         stacked, n = _stacked_arguments(loss_fn, args, dims)
         _check_target_not_stacked(loss_fn, args, dims, n)
+        for check in ARGUMENT_CHECKS:  # (hftc.training.mistakes: a fused output shared)
+            check(_loss_name(loss_fn), signature, args, dims, kwargs, n)
         result = _per_model_losses(loss_fn, args, dims, kwargs, n, stacked)
         for check in RESULT_CHECKS:  # (hftc.training.mistakes: a .mean() of the N losses)
             check(result)
@@ -321,6 +323,10 @@ def _check_target_not_stacked(loss_fn: Callable[..., Tensor], args: Sequence[Any
 
 #: Functions called with each result of a ``per_model`` loss (installed by hftc.patches).
 RESULT_CHECKS: list[Callable[[Tensor], None]] = []
+
+#: Functions called with each call's bound arguments before the loss runs: ``(loss name,
+#: signature or None, args, dims, kwargs, N)`` (installed by hftc.patches).
+ARGUMENT_CHECKS: list[Callable[..., None]] = []
 
 
 def _vmapped_or_looped(loss_fn: Callable[..., Tensor], args: Sequence[Any],
