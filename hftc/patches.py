@@ -12,7 +12,7 @@ beside the code they serve; this module only installs them (docs/API.md describe
     torch.nn.utils.clip_grads_with_norm_      N norms, applied per model (hftc/utils.py)
     torch.nn.utils.clip_grad_value_           one value per model on a fused module's
                                               parameters: model i's by value i (utils.py)
-    torch.optim.swa_utils.update_bn           refused on a fused module (hftc/utils.py)
+    torch.optim.swa_utils.update_bn           per model on a fused module (hftc/utils.py)
     torch.optim.swa_utils.AveragedModel       from a fused module holding other models than
       .update_parameters                      the average (after keep_models): refused,
                                               naming keep_models(ema.module, ...)
@@ -102,7 +102,7 @@ def install() -> None:
         module.get_total_norm = utils._get_total_norm_per_model
         module.clip_grads_with_norm_ = utils._clip_grads_with_norm_per_model
         module.clip_grad_value_ = utils._clip_grad_value_per_model
-    torch.optim.swa_utils.update_bn = utils._update_bn_refusing_fused
+    torch.optim.swa_utils.update_bn = utils._update_bn_per_model
     torch.optim.swa_utils.AveragedModel.update_parameters = \
         utils._update_parameters_checking_models
     for base in coupled._COUPLING:

@@ -331,14 +331,14 @@ def check_fused_output_not_shared(name: str, signature: inspect.Signature | None
         f"{' (' + names[k] + ')' if isinstance(k, int) and k < len(names) else ''}"
         f" {list(a.shape)}" for k, a in marked)
     fix = (f"pass in_dims={wanted}: hftc.per_model({name}, in_dims={wanted})"
-           if len(positions) == len(marked) else
-           f"pass it by position and mark it 0 in in_dims")
+           if len(positions) == len(marked) else "pass it by position and mark it 0 in in_dims")
+    one = len(marked) == 1
     raise FusionArgumentError(
-        f"hftc.per_model({name}): {said} {'is a fused output' if len(marked) == 1 else 'are fused outputs'}"
-        f" of the {n} models, but in_dims {tuple(dims)} shares "
-        f"{'it' if len(marked) == 1 else 'them'} with every model (an argument past in_dims' end or "
-        f"passed by keyword is shared), so each model's loss would read all {n} "
-        f"models' values{user_line()}; {fix}. A target shared on purpose is passed as a "
+        f"hftc.per_model({name}): {said} {'is a fused output' if one else 'are fused outputs'}"
+        f" of the {n} models, but in_dims {tuple(dims)} shares {'it' if one else 'them'} "
+        f"with every model (an argument past in_dims' end or passed by keyword is shared), "
+        f"so each model's loss would read all {n} models' values{user_line()}; {fix}. "
+        f"A target shared on purpose is passed as a "
         f"copy (t.clone())")
 
 
