@@ -244,3 +244,40 @@ def test_update_bn_on_a_module_holding_a_fused_module_is_refused():
     with pytest.raises(FusionArgumentError, match=r"Wrapper holds a fused module.*"
                                                   r"update_bn\(loader, fused\)"):
         update_bn([torch.randn(4, 6)], Wrapper())
+
+
+# ------------------------------------- word_language_model's LSTM dropout per model
+
+
+class _WordLSTM(nn.Module):
+    """pytorch/examples' word_language_model RNNModel, small: ``nn.LSTM(..., dropout=p)``
+    (between layers), a sweep's per-model rate."""
+
+    def __init__(self, dropout, hidden=6, mode="LSTM"):
+        super().__init__()
+        self.encoder = nn.Embedding(12, 5)
+        self.rnn = getattr(nn, mode)(5, hidden, 2, dropout=dropout)
+        self.decoder = nn.Linear(hidden, 12)
+
+    def forward(self, input, hidden=None):
+        output, hidden = self.rnn(self.encoder(input), hidden)
+        return F.log_softmax(self.decoder(output), dim=-1), hidden
+
+
+@pytest.mark.parametrize("mode, hidden, batch", [("LSTM", 6, 3), ("GRU", 6, 3),
+                                                 ("LSTM", 64, 200)])  # (ATen's LSTMs)
+def test_word_language_model_with_a_per_model_lstm_dropout_fuses(mode, hidden, batch):
+    """``nn.LSTM(..., dropout=p)`` with p per model was refused ("dropout 0.5 vs 0.1"),
+    though the guide says models differing in a dropout rate fuse: each model now drops
+    at its own rate between layers (rate 0 and rate 1 are exact: no draw, all zeros)."""
+    rates = [0.0, 1.0, 0.0]
+    torch.manual_seed(0)
+    models = [_WordLSTM(p, hidden, mode).to(DTYPE) for p in rates]
+    fused = hftc.fuse(models)
+    tokens = torch.randint(0, 12, (4, batch))
+    out, _ = fused(tokens)
+    for i, model in enumerate(models):
+        torch.testing.assert_close(out[i], model(tokens)[0], rtol=0, atol=1e-12)
+    fused.eval()
+    models[1].eval()
+    torch.testing.assert_close(fused(tokens)[0][1], models[1](tokens)[0], rtol=0, atol=1e-12)
