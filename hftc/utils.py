@@ -243,6 +243,12 @@ def _update_bn_per_model(loader: Any, model: nn.Module, device: Any = None) -> N
             f"torch.optim.swa_utils.update_bn: {type(fused).__name__} holds a fused module "
             f"with batch norms inside it; call update_bn(loader, fused) on the fused module "
             f"itself (or on AveragedModel(fused)), which recomputes each model's statistics")
+    if getattr(fused, "padding", None) is not None:
+        raise FusionArgumentError(
+            "torch.optim.swa_utils.update_bn: the fused module was fused with "
+            "pad_widths=True, whose batch norms hold each model's statistics padded to the "
+            "widest model; recompute them on the models themselves and use those: models "
+            "= fused.unfuse(), then update_bn(loader, m) for each m in models")
     models = fused.unfuse()
     # One pass over the loader, each batch through every model: the batches model i's own
     # update_bn would see (a shuffling loader iterated N times would deal others).

@@ -281,3 +281,12 @@ def test_word_language_model_with_a_per_model_lstm_dropout_fuses(mode, hidden, b
     fused.eval()
     models[1].eval()
     torch.testing.assert_close(fused(tokens)[0][1], models[1](tokens)[0], rtol=0, atol=1e-12)
+
+
+def test_update_bn_on_a_fused_module_of_padded_widths_is_refused_saying_what_works():
+    models = [nn.Sequential(nn.Linear(4, w), nn.BatchNorm1d(w), nn.Linear(w, 2))
+              for w in (6, 8, 5)]
+    fused = hftc.fuse(models, pad_widths=True)
+    loader = [torch.randn(16, 4) for _ in range(2)]
+    with pytest.raises(FusionArgumentError, match=r"pad_widths=True.*fused.unfuse\(\)"):
+        update_bn(loader, AveragedModel(fused))
