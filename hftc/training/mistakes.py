@@ -312,6 +312,8 @@ def check_fused_output_not_shared(name: str, signature: inspect.Signature | None
     ``mu``): each model's loss would read all N models' values (broadcast, or summed
     over), silently.  Refused, naming the ``in_dims`` that stacks it; a copy
     (``t.clone()``) is shared on purpose."""
+    if torch.compiler.is_compiling():  # (no marks there: mark_outputs skips compiled code)
+        return
     names = ([p.name for p in signature.parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
              if signature is not None else [])
