@@ -13,6 +13,9 @@ original runs with the same seeds (hunt 4, scripts):
 - the SWA tutorial's ``update_bn(loader, swa_model)`` on a fused module was refused with
   advice (``update_bn`` on ``unfuse()``'s copies) that left ``swa_model`` predicting with
   stale statistics; it now recomputes each model's, as its own run's ``update_bn``.
+- word_language_model's ``nn.LSTM(..., dropout=p)`` with p per model was refused.
+- a distiller whose ``train(mode)`` keeps the teacher in eval: ``fused.train()`` put the
+  teacher's batch norm in training mode, silently.
 """
 
 from __future__ import annotations
@@ -290,3 +293,61 @@ def test_update_bn_on_a_fused_module_of_padded_widths_is_refused_saying_what_wor
     loader = [torch.randn(16, 4) for _ in range(2)]
     with pytest.raises(FusionArgumentError, match=r"pad_widths=True.*fused.unfuse\(\)"):
         update_bn(loader, AveragedModel(fused))
+
+
+# ------------------------------------------- a distiller whose train() keeps the teacher in eval
+
+
+class _Distiller(nn.Module):
+    """A knowledge-distillation wrapper (a teacher shared by all students, frozen, its batch
+    norm kept in eval mode by the wrapper's own ``train``), the KD loss in forward."""
+
+    def __init__(self, teacher, temperature):
+        super().__init__()
+        self.teacher = teacher
+        self.student = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5))
+        self.T = temperature
+
+    def train(self, mode=True):
+        super().train(mode)
+        self.teacher.eval()
+        return self
+
+    def forward(self, x, y):
+        s = self.student(x)
+        with torch.no_grad():
+            t = self.teacher(x)
+        soft = F.kl_div(F.log_softmax(s / self.T, -1), F.softmax(t / self.T, -1),
+                        reduction="batchmean") * self.T ** 2
+        return soft + F.cross_entropy(s, y)
+
+
+def test_a_models_own_train_keeping_its_teacher_in_eval_is_followed():
+    """``fused.train()`` set every module's flag to train, ignoring the models' own
+    ``train`` that keeps the teacher in eval: the teacher's batch norm normalised by batch
+    statistics and updated its running ones, and each student learned from other targets
+    than its own run's (0.03 off after 3 steps), silently."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+    teacher.requires_grad_(False).eval()
+    models = [_Distiller(teacher, t).to(DTYPE) for t in (1.0, 2.0, 4.0)]
+    alone = copy.deepcopy(models)
+    x, y = torch.randn(10, 4, dtype=DTYPE), torch.randint(0, 5, (10,))
+    fused = hftc.fuse(models)
+    opt = hftc.optim.Adam([p for p in fused.parameters() if p.requires_grad], lr=1e-2)
+    fused.train()
+    assert not fused.teacher[1].training and fused.student[0].training
+    for _ in range(3):
+        opt.zero_grad()
+        fused(x, y).sum().backward()
+        opt.step()
+    for i, model in enumerate(alone):
+        stock = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model.train()
+        for _ in range(3):
+            stock.zero_grad()
+            model(x, y).backward()
+            stock.step()
+        _close_state(fused, i, model.state_dict())
+    fused.eval()
+    assert not any(m.training for m in fused.modules())
