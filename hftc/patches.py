@@ -12,7 +12,7 @@ beside the code they serve; this module only installs them (docs/API.md describe
     torch.nn.utils.clip_grads_with_norm_      N norms, applied per model (hftc/utils.py)
     torch.nn.utils.clip_grad_value_           one value per model on a fused module's
                                               parameters: model i's by value i (utils.py)
-    torch.optim.swa_utils.update_bn           refused on a fused module (hftc/utils.py)
+    torch.optim.swa_utils.update_bn           per model on a fused module (hftc/utils.py)
     torch.nn.utils.convert_conv{2,3}d_weight_   a fused module's stacked convolutions left
       memory_format                           as they are, as fused.to(memory_format=)
                                               leaves them (hftc/utils.py)
@@ -105,7 +105,7 @@ def install() -> None:
         module.get_total_norm = utils._get_total_norm_per_model
         module.clip_grads_with_norm_ = utils._clip_grads_with_norm_per_model
         module.clip_grad_value_ = utils._clip_grad_value_per_model
-    torch.optim.swa_utils.update_bn = utils._update_bn_refusing_fused
+    torch.optim.swa_utils.update_bn = utils._update_bn_per_model
     for name in ("convert_conv2d_weight_memory_format", "convert_conv3d_weight_memory_format"):
         convert = utils.skipping_stacked_weights(getattr(torch.nn.utils.memory_format, name))
         setattr(torch.nn.utils.memory_format, name, convert)  # (torch's recursion reads it)
@@ -122,6 +122,7 @@ def install() -> None:
     for cls in mistakes.stock_optimizer_classes():
         cls.__init__ = mistakes.refusing_per_model_values(cls.__init__)
     mistakes.guard_losses()
+    losses.ARGUMENT_CHECKS.append(mistakes.check_fused_output_not_shared)
     losses.RESULT_CHECKS.append(mistakes.check_loss_reduction)
     losses.RESULT_CHECKS.append(mistakes.mark_per_model_losses)
     torch.autograd.backward = mistakes.backward_naming_the_sum(torch.autograd.backward)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from .errors import FusionArgumentError
 from .lowering.runtime.losses import per_model
 from .lowering.runtime.modules import StackedModule, live_stacked, stacked_counts
+from .module.fused import FusedModule
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "per_model"]
 
@@ -192,9 +193,9 @@ def _clip_grads_with_norm_per_model(parameters: Tensor | Iterable[Tensor], max_n
 
 def route_bound_names() -> None:
     """Make torch's own clipping function objects clip a fused module per model too, and
-    torch's ``update_bn`` refuse one (``from torch.optim.swa_utils import AveragedModel,
-    SWALR, update_bn``, the SWA tutorial's line, above ``import hftc`` recomputed no
-    statistics, silently).
+    torch's ``update_bn`` recompute a fused module's statistics per model (``from
+    torch.optim.swa_utils import AveragedModel, SWALR, update_bn``, the SWA tutorial's
+    line, above ``import hftc`` recomputed none, silently).
 
     ``from torch.nn.utils import clip_grad_norm_`` above ``import hftc`` (the convert
     guide adds ``import hftc`` below a script's imports) binds torch's function object,
@@ -209,7 +210,7 @@ def route_bound_names() -> None:
             (torch.nn.utils.clip_grad.clip_grad_value_, _clip_grad_value_per_model),
             (torch.nn.utils.clip_grad._clip_grads_with_norm_,
              _clip_grads_with_norm_per_model),
-            (torch.optim.swa_utils.update_bn, _update_bn_refusing_fused)):
+            (torch.optim.swa_utils.update_bn, _update_bn_per_model)):
         if original is replacement:
             continue
         cell = _func_cell(original)
@@ -240,19 +241,55 @@ _torch_update_bn = _stock_twin(torch.optim.swa_utils.update_bn)
 
 
 @functools.wraps(_torch_update_bn)
-def _update_bn_refusing_fused(loader: Any, model: nn.Module, device: Any = None) -> None:
-    """``torch.optim.swa_utils.update_bn`` as installed by ``import hftc``: it finds batch
-    norms by type, and a fused module's are stacked tensors in ``StackedModule``s, so on
-    one it would silently recompute nothing.  Refused there, saying what to do."""
-    fused = any(n is not None for n in stacked_counts(list(model.parameters())))
-    if fused and any(name.endswith("running_mean") for name, _ in model.named_buffers()):
+def _update_bn_per_model(loader: Any, model: nn.Module, device: Any = None) -> None:
+    """``torch.optim.swa_utils.update_bn`` as installed by ``import hftc``: on a fused
+    module with batch norms (or an ``AveragedModel`` of one, the SWA tutorial's
+    ``update_bn(loader, swa_model)``) each model's statistics are recomputed by torch's
+    own ``update_bn`` on that model alone (a pass over ``loader`` per model) and written
+    into its row of the fused module's buffers, so ``swa_model(x)`` then predicts with
+    them, as each model's own run would.  Torch's, over the fused module, would set the
+    stacked norms' ``momentum`` (one value the fused program bakes in per model).  A fused
+    module inside a module of the user's is refused, saying where to call it."""
+    fused = model.module if isinstance(model, torch.optim.swa_utils.AveragedModel) else model
+    norms = [name for name, m in fused.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    stacked = any(n is not None for n in stacked_counts(list(fused.parameters()))) or any(
+        isinstance(m, FusedModule) for m in fused.modules())
+    if not stacked or not norms:
+        return _torch_update_bn(loader, model, device)
+    if not isinstance(fused, FusedModule):
         raise FusionArgumentError(
-            "torch.optim.swa_utils.update_bn finds batch norms by their class, and a fused "
-            "module holds them as stacked tensors, so it would recompute no statistics. "
-            "Recompute them per model on the unfused models: for m in "
-            "fused.unfuse(): update_bn(loader, m) (for an AveragedModel, "
-            "swa_model.module.unfuse())")
-    return _torch_update_bn(loader, model, device)
+            f"torch.optim.swa_utils.update_bn: {type(fused).__name__} holds a fused module "
+            f"with batch norms inside it; call update_bn(loader, fused) on the fused module "
+            f"itself (or on AveragedModel(fused)), which recomputes each model's statistics")
+    if getattr(fused, "padding", None) is not None:
+        raise FusionArgumentError(
+            "torch.optim.swa_utils.update_bn: the fused module was fused with "
+            "pad_widths=True, whose batch norms hold each model's statistics padded to the "
+            "widest model; recompute them on the models themselves and use those: models "
+            "= fused.unfuse(), then update_bn(loader, m) for each m in models")
+    models = fused.unfuse()
+    # One pass over the loader, each batch through every model: the batches model i's own
+    # update_bn would see (a shuffling loader iterated N times would deal others).
+    _torch_update_bn(loader, _EachModel(models), device)
+    with torch.no_grad():
+        for row, one in enumerate(models):
+            for norm in norms:
+                for name, buffer in one.get_submodule(norm).named_buffers(recurse=False):
+                    fused.get_buffer(f"{norm}.{name}")[row].copy_(buffer)
+
+
+class _EachModel(nn.Module):
+    """The unfused models as one module whose forward runs each on the input (what
+    torch's ``update_bn`` calls per batch)."""
+
+    def __init__(self, models: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.models = nn.ModuleList(models)
+
+    def forward(self, x: Any) -> None:
+        for model in self.models:
+            model(x)
 
 
 _torch_update_parameters = torch.optim.swa_utils.AveragedModel.update_parameters

@@ -876,52 +876,61 @@ def test_torch_grad_scaler_on_a_fused_optimizer_is_refused():
     assert not torch.equal(fused.weight, before)
 
 
-def test_swa_update_bn_on_a_fused_module_is_refused():
-    """update_bn finds batch norms by class; a fused module's are stacked tensors, so it
-    silently recomputed nothing.  It now says to run it on the unfused models."""
+def test_swa_update_bn_on_a_fused_module_recomputes_each_models_statistics():
+    """update_bn finds batch norms by class and sets their momentum, which a fused module's
+    bake in: it was refused, with advice (update_bn on ``swa.module.unfuse()``'s copies)
+    that left the averaged fused module predicting with its old statistics.  It now
+    recomputes each model's statistics, as update_bn on that model alone does."""
     from torch.optim.swa_utils import AveragedModel, update_bn
 
     torch.manual_seed(0)
     models = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
               for _ in range(2)]
+    alone = [AveragedModel(copy.deepcopy(m)) for m in models]
     swa = AveragedModel(hftc.fuse(models))
-    loader = [torch.randn(16, 4) for _ in range(2)]
-    with pytest.raises(hftc.errors.FusionArgumentError, match=r"unfuse\(\): update_bn"):
-        update_bn(loader, swa)
-    for m in swa.module.unfuse():  # the advice works
-        update_bn(loader, m)
+    loader = [torch.randn(16, 4) * 5 + 3 for _ in range(2)]
+    update_bn(loader, swa)
+    x = torch.randn(5, 4)
+    swa.eval()
+    for i, ref in enumerate(alone):
+        update_bn(loader, ref)
+        ref.eval()
+        torch.testing.assert_close(swa(x)[i], ref(x))
+        for name, value in ref.module.state_dict().items():
+            torch.testing.assert_close(swa.module.model_state_dict(i)[name], value)
     plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
     update_bn(loader, plain)  # other models: torch's own
     assert plain[1].num_batches_tracked == 2
 
 
 _UPDATE_BN_BOUND_BEFORE_IMPORT = """
+import copy
 import torch, torch.nn as nn
 from torch.optim.swa_utils import AveragedModel, SWALR, update_bn
 import hftc
 models = [nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
           for _ in range(2)]
+alone = copy.deepcopy(models[1])
 swa = AveragedModel(hftc.fuse(models))
 loader = [torch.randn(16, 4) * 5 + 3 for _ in range(2)]
-try:
-    update_bn(loader, swa)
-except hftc.errors.FusionArgumentError as error:
-    print("refused" if "unfuse(): update_bn" in str(error) else error)
+update_bn(loader, swa)
+update_bn(loader, alone)
+print(torch.allclose(swa.module.model_state_dict(1)["1.running_mean"], alone[1].running_mean))
 plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
 update_bn(loader, plain)
 print(int(plain[1].num_batches_tracked), bool(plain[1].running_mean.abs().sum() > 0))
 """
 
 
-def test_swa_update_bn_bound_before_import_hftc_is_refused_too():
+def test_swa_update_bn_bound_before_import_hftc_recomputes_per_model_too():
     """The SWA tutorial's ``from torch.optim.swa_utils import AveragedModel, SWALR,
     update_bn`` above ``import hftc`` bound torch's own function, which recomputed no
     statistics of a fused module, silently (the patch replaced only the module's name).
-    Torch's function object itself now refuses a fused module; other models: torch's."""
+    Torch's function object itself now recomputes them per model; other models: torch's."""
     out = subprocess.run([sys.executable, "-c", _UPDATE_BN_BOUND_BEFORE_IMPORT],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["refused", "2", "True"], out.stdout
+    assert out.stdout.split() == ["True", "2", "True"], out.stdout
 
 
 def test_scaler_takes_torch_grad_scalers_device_argument():

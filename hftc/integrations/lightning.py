@@ -316,8 +316,8 @@ def _refuse_swa_over_bn(module: FusedLightningModule) -> None:
             f"by their class, and the fused module holds them ({', '.join(norms[:3])}) as "
             f"stacked tensors, so it would not recompute their statistics for the averaged "
             f"weights. Average each model with torch.optim.swa_utils.AveragedModel(self.fused) "
-            f"in training_step/on_train_epoch_end, then recompute the statistics per model: "
-            f"for m in averaged.module.unfuse(): update_bn(loader, m)")
+            f"in training_step/on_train_epoch_end, then recompute each model's statistics "
+            f"with torch.optim.swa_utils.update_bn(loader, averaged)")
 
 
 #: Where Lightning's callbacks read their monitor from the logged metrics (and raise on

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -665,7 +666,39 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
             raise FusionTypeError(
                 f"fused.train(mode) takes one bool (train or eval mode), got "
                 f"{', '.join(type(a).__name__ for a in (mode, *more))}.{theirs}")
-        return ir.set_training(self, mode)
+        ir.set_training(self, mode)
+        self._follow_models_own_train(mode)
+        return self
+
+    def _follow_models_own_train(self, mode: bool) -> None:
+        """Where the models' classes override ``train(mode)`` to keep some modules in
+        another mode (a distiller's ``self.teacher.eval()``, a frozen backbone's batch
+        norms), each fused submodule takes the flag the models' own ``train(mode)`` gives
+        it, run on their tensor-less copies; the batch norms and dropouts read it at run
+        time.  A ``train`` that is not a mode switch (forward-forward's ``train(x_pos,
+        x_neg)``, reached from a parent's) leaves every flag ``mode``."""
+        copies = self.model_copies
+        if not any(type(m).train is not nn.Module.train for m in copies.templates[0].modules()):
+            return
+        flags = []
+        for template, paths in zip(copies.templates, copies.paths):
+            try:
+                template.train(mode)
+            except Exception:  # noqa: BLE001 - not a mode switch: nn.Module.train's flags hold
+                ir.set_training(template, mode)
+                return
+            flags.append({(paths or {}).get(path, path): sub.training
+                          for path, sub in template.named_modules()})
+        for path, flag in flags[0].items():
+            differ = [i for i, own in enumerate(flags) if own.get(path, flag) != flag]
+            if differ:
+                raise FusionArgumentError(
+                    f"fused.train({mode}): the models' own {self.source_type}.train sets "
+                    f"`{path}` to {'train' if flag else 'eval'} mode in model 0 and not in "
+                    f"model(s) {differ}; a fused module runs one mode per layer for all "
+                    f"models: set the same mode in each, or fuse them in separate groups")
+            with contextlib.suppress(AttributeError):
+                self.get_submodule(path).training = flag
 
     def to(self, *args: Any, **kwargs: Any) -> FusedModule:
         """``nn.Module.to``; a ``memory_format`` is not applied to the stacked tensors.

@@ -73,6 +73,24 @@ def _as_pair(name: str, value: Any, model: int | None = None) -> tuple[float, fl
     return (_as_float(name, value[0], model), _as_float(name, value[1], model))
 
 
+def _check_one_models_values(cls: str, key: str, kind: str, values: list[Any]) -> None:
+    """A scheduler written for one model (nanoGPT's ``for param_group in
+    optimizer.param_groups: param_group['lr'] = lr``) given the N models' values, ``lr`` a
+    list or tensor ``[N]``, put all N in every model's group: refused naming the loop that
+    gives group i (model i's) its own value, not as "lr[0] must be a number"."""
+    n = len(values)
+    for i, v in enumerate(values):
+        many = (_is_sequence(v) and not (kind == "pair" and len(v) == 2)) \
+            or (isinstance(v, Tensor) and v.numel() > 1)
+        if many:
+            raise FusionTypeError(
+                f"{cls}: param_groups[{i}][{key!r}] holds {len(v)} values ({v!r:.80}){user_line()}"
+                f"; param_groups[i] is model i's (one group per model, {n} models), its "
+                f"{key!r} one model's value. Give each model its own: `for i, param_group "
+                f"in enumerate(optimizer.param_groups): param_group[{key!r}] = "
+                f"values[i]`")
+
+
 def _warn_of_grouping_by_stacked_dims(cls: str, groups: list[dict],
                                       overrides: list[dict]) -> None:
     """(the check below on a fused optimizer's param-group dicts)"""
@@ -327,6 +345,7 @@ class HyperParameterGroups(Optimizer):
                                       and type(v[1]) is float for v in values):
                 out[key] = values
                 continue
+            _check_one_models_values(type(self).__name__, key, kind, values)
             convert = {"float": _as_float, "flag": _as_flag, "pair": _as_pair}[kind]
             out[key] = [convert(key, v, i) for i, v in enumerate(values)]
         return out

@@ -58,8 +58,7 @@ _FUNCTION_MODES = {torch.lstm: "LSTM", torch.gru: "GRU", torch.rnn_tanh: "RNN_TA
                    torch.rnn_relu: "RNN_RELU"}
 
 
-@rule(("call_module", nn.LSTM), ("call_module", nn.GRU), ("call_module", nn.RNN),
-      *(("call_function", fn) for fn in _FUNCTION_MODES))
+@rule(*(("call_function", fn) for fn in _FUNCTION_MODES))
 def fuse_rnn(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """``nn.LSTM/GRU/RNN(x, hx)`` and ``torch.lstm(x, hx, params, has_biases, num_layers,
     dropout, train, bidirectional, batch_first)`` (what ``aten.lstm`` becomes) ->
@@ -78,8 +77,11 @@ def fuse_rnn(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     else:
         weights = [builder.attr(f"{group.node.target}.{name}")
                    for name in module._flat_weights_names]
+        rates = group.per_model_values("dropout")  # (a sweep's per-model dropout)
         a = group.arguments(builder, rnn_parameters, params=weights, has_biases=module.bias,
-                            dropout=float(module.dropout), train=builder.training_flag(group))
+                            dropout=float(module.dropout) if rates is None
+                            else tuple(float(r) for r in rates),
+                            train=builder.training_flag(group))
         mode = module.mode
     _check_tensor_input(group)
     x, hx = a["input"], a["hx"]
@@ -89,6 +91,11 @@ def fuse_rnn(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
         a["batch_first"], input_batched=builder.is_batched(x),
         hx_batched=_hx_flags(group, builder, hx), flat_states=module is None,
     )
+
+
+#: The modules' rule: each model its own ``dropout`` between layers.
+rule(("call_module", nn.LSTM), ("call_module", nn.GRU), ("call_module", nn.RNN),
+     per_model=("dropout",))(fuse_rnn)
 
 
 _CELL_MODES = {nn.LSTMCell: "LSTM", nn.GRUCell: "GRU"}

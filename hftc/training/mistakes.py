@@ -304,6 +304,46 @@ def _check_fused_loss(name: str, input: Tensor, target: Tensor, n: int,
 _CHECKED_LOSS_LINES: set[tuple[str, int]] = set()
 
 
+def check_fused_output_not_shared(name: str, signature: inspect.Signature | None,
+                                  args: Sequence[Any], dims: Sequence[int | None],
+                                  kwargs: dict[str, Any], n: int) -> None:
+    """``hftc.per_model(loss)(out, x, mu, logvar)`` where an argument ``in_dims`` shares
+    (past its end, marked None, or a keyword) is a fused output of the N models (a VAE's
+    ``mu``): each model's loss would read all N models' values (broadcast, or summed
+    over), silently.  Refused, naming the ``in_dims`` that stacks it; a copy
+    (``t.clone()``) is shared on purpose."""
+    if torch.compiler.is_compiling():  # (no marks there: mark_outputs skips compiled code)
+        return
+    names = ([p.name for p in signature.parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+             if signature is not None else [])
+    shared = [(k, a) for k, (a, d) in enumerate(zip(args, dims)) if d is None]
+    shared += [(key, a) for key, a in kwargs.items()]
+    marked = [(k, a) for k, a in shared
+              if isinstance(a, Tensor) and getattr(a, OUTPUT_MARK, None) == n]
+    if not marked:
+        return
+    positions = {k for k, _ in marked if isinstance(k, int)}
+    positions |= {names.index(k) for k, _ in marked if k in names}
+    wanted = tuple(0 if k in positions else d
+                   for k, d in enumerate(list(dims) + [None] * (max(positions, default=-1)
+                                                               + 1 - len(dims))))
+    said = ", ".join(
+        f"{'argument ' + str(k) if isinstance(k, int) else k}"
+        f"{' (' + names[k] + ')' if isinstance(k, int) and k < len(names) else ''}"
+        f" {list(a.shape)}" for k, a in marked)
+    fix = (f"pass in_dims={wanted}: hftc.per_model({name}, in_dims={wanted})"
+           if len(positions) == len(marked) else "pass it by position and mark it 0 in in_dims")
+    one = len(marked) == 1
+    raise FusionArgumentError(
+        f"hftc.per_model({name}): {said} {'is a fused output' if one else 'are fused outputs'}"
+        f" of the {n} models, but in_dims {tuple(dims)} shares {'it' if one else 'them'} "
+        f"with every model (an argument past in_dims' end or passed by keyword is shared), "
+        f"so each model's loss would read all {n} models' values{user_line()}; {fix}. "
+        f"A target shared on purpose is passed as a "
+        f"copy (t.clone())")
+
+
 def check_loss_reduction(losses: Tensor) -> None:
     """On the first backward through ``hftc.per_model``'s ``[N]`` losses made at a user's
     line: a gradient of exactly ``1/N`` for each is ``losses.mean()``, which divides

@@ -177,6 +177,7 @@ _ELEMENTWISE_LOSSES = {
     F.binary_cross_entropy_with_logits, F.soft_margin_loss,
 }
 _CLASS_LOSSES = {F.cross_entropy, F.nll_loss}
+_FLATTENED_LOSSES = _CLASS_LOSSES | _ELEMENTWISE_LOSSES
 
 
 def per_model(loss_fn: Callable[..., Tensor], *,
@@ -246,6 +247,8 @@ def per_model(loss_fn: Callable[..., Tensor], *,
             loss_fn, signature, in_dims, args, {**loss_kwargs, **kwargs})
         stacked, n = _stacked_arguments(loss_fn, args, dims)
         _check_target_not_stacked(loss_fn, args, dims, n)
+        for check in ARGUMENT_CHECKS:  # (hftc.training.mistakes: a fused output shared)
+            check(_loss_name(loss_fn), signature, args, dims, kwargs, n)
         result = _per_model_losses(loss_fn, args, dims, kwargs, n, stacked)
         for check in RESULT_CHECKS:  # (hftc.training.mistakes: a .mean() of the N losses)
             check(result)
@@ -321,6 +324,10 @@ def _check_target_not_stacked(loss_fn: Callable[..., Tensor], args: Sequence[Any
 
 #: Functions called with each result of a ``per_model`` loss (installed by hftc.patches).
 RESULT_CHECKS: list[Callable[[Tensor], None]] = []
+
+#: Functions called with each call's bound arguments before the loss runs: ``(loss name,
+#: signature or None, args, dims, kwargs, N)`` (installed by hftc.patches).
+ARGUMENT_CHECKS: list[Callable[..., None]] = []
 
 
 def _vmapped_or_looped(loss_fn: Callable[..., Tensor], args: Sequence[Any],
@@ -485,14 +492,15 @@ def _bind_loss_arguments(loss_fn, signature: inspect.Signature | None, in_dims,
 
 def _flattened_loss(loss_fn, args, dims, n: int, kwargs: dict[str, Any]) -> Tensor | None:
     """The N losses from one call on the flattened [N*B, ...] batch, or None if not applicable."""
-    if len(args) != 2 or dims[0] != 0:
-        return None
+    if len(args) != 2 or dims[0] != 0 or loss_fn not in _FLATTENED_LOSSES:
+        return None  # (any other loss's second argument may be a number per model, [N])
     reduction = kwargs.get("reduction", "mean")
     if reduction not in ("mean", "sum", "none") or kwargs.get("size_average") is not None \
             or kwargs.get("reduce") is not None:
         return None
     out, target = args
-    if not isinstance(out, Tensor) or not isinstance(target, Tensor) or out.dim() < 3:
+    if not isinstance(out, Tensor) or not isinstance(target, Tensor) or out.dim() < 3 \
+            or target.dim() < (2 if dims[1] == 0 else 1):
         return None  # no batch dim per model: nothing to flatten
     shared_target = target if dims[1] is None else None
     if shared_target is not None:

@@ -34,6 +34,7 @@ from torch import Tensor
 from .layout import expand_models
 from .linear import linear
 from .random import dropout as dropout_kernel
+from .random import per_model_dropout
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 
@@ -113,8 +114,8 @@ def _aten_lstm_wins(mode: str, input: Tensor, weights: Sequence[Tensor], proj: b
 
 def _aten_lstm_one_by_one(
     input: Tensor, hx: Sequence[Tensor] | None, weights: Sequence[Tensor], has_biases: bool,
-    num_layers: int, dropout: float, training: bool, bidirectional: bool, batch_first: bool,
-    *, input_batched: bool, hx_batched: Sequence[bool], flat_states: bool,
+    num_layers: int, dropout: float | tuple[float, ...], training: bool, bidirectional: bool,
+    batch_first: bool, *, input_batched: bool, hx_batched: Sequence[bool], flat_states: bool,
 ) -> tuple:
     """N LSTMs as ``nn.LSTM.forward`` runs each: ATen's ``lstm`` on model i's slice of the
     stacked weights (so each model's values, gradients and dropout draws are its own
@@ -126,6 +127,7 @@ def _aten_lstm_one_by_one(
         return t.unbind(0) if batched else [t] * n
 
     inputs, params = per_model(input, input_batched), [per_model(w) for w in weights]
+    rates = dropout if isinstance(dropout, tuple) else (dropout,) * n
     states = None if hx is None else [per_model(s, b) for s, b in zip(hx, hx_batched)]
     outputs, h_n, c_n = [], [], []
     for i, x in enumerate(inputs):
@@ -136,7 +138,7 @@ def _aten_lstm_one_by_one(
         else:
             h0, c0 = states[0][i], states[1][i]
         out, h, c = torch._VF.lstm(x, (h0, c0), [w[i] for w in params], has_biases,
-                                   num_layers, dropout, training, bidirectional, batch_first)
+                                   num_layers, rates[i], training, bidirectional, batch_first)
         outputs.append(out)
         h_n.append(h)
         c_n.append(c)
@@ -161,9 +163,9 @@ def _state_dtype(mode: str, input: Tensor, weight: Tensor) -> torch.dtype:
 
 def rnn(
     mode: str, input: Tensor, hx: Tensor | Sequence[Tensor] | None, weights: Sequence[Tensor],
-    has_biases: bool, num_layers: int, dropout: float, training: bool, bidirectional: bool,
-    batch_first: bool, *, input_batched: bool, hx_batched: Sequence[bool],
-    flat_states: bool = False,
+    has_biases: bool, num_layers: int, dropout: float | tuple[float, ...], training: bool,
+    bidirectional: bool, batch_first: bool, *, input_batched: bool,
+    hx_batched: Sequence[bool], flat_states: bool = False,
 ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
     """N ``nn.LSTM``/``GRU``/``RNN`` modules (or ``torch.lstm`` calls) as one recurrence.
 
@@ -171,7 +173,8 @@ def rnn(
     ``hx`` is ``None``, a tensor (GRU/RNN) or ``(h0, c0)`` (LSTM), each batched or
     shared per ``hx_batched``.  Returns ``(output, h_n)`` / ``(output, (h_n, c_n))``
     with the model dim first, as ``nn.LSTM`` returns them per model
-    (``flat_states``: ``(output, h_n, c_n)``, as ``torch.lstm`` does).
+    (``flat_states``: ``(output, h_n, c_n)``, as ``torch.lstm`` does).  ``dropout``
+    (between layers, training only) is one rate or each model's, a tuple of N.
     """
     n = weights[0].shape[0]
     d = 2 if bidirectional else 1
@@ -237,8 +240,11 @@ def rnn(
         finals[0].append(h.unflatten(0, (n, d)))
         if mode == "LSTM":
             finals[1].append(c.unflatten(0, (n, d)))
-        if dropout > 0 and training and layer < num_layers - 1:
-            x = dropout_kernel(x, dropout)
+        if training and layer < num_layers - 1:
+            if isinstance(dropout, tuple):  # each model its own rate
+                x = per_model_dropout(x, dropout, True)
+            elif dropout > 0:
+                x = dropout_kernel(x, dropout)
     h_n = [torch.cat(f, dim=1) for f in finals]  # [N, L*D, B, H]
     output = x
     if unbatched:
