@@ -200,21 +200,3 @@ def test_python_flags_that_skip_elementwise_ops_fuse_exactly(flags):
         check_equivalence(models, x, train=train)
     check_equivalence(models, x, dtype=torch.float32)
 
-
-def test_a_skipped_op_that_is_not_elementwise_is_still_refused():
-    """A branch that leaves out a layer with weights (another program) stays a
-    MismatchError that names the branch's attribute."""
-    class MaybeLayer(nn.Module):
-        def __init__(self, deep):
-            super().__init__()
-            self.fc1, self.fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
-            self.deep = deep
-
-        def forward(self, x):
-            x = self.fc1(x)
-            if self.deep:
-                x = self.fc2(x)
-            return x
-
-    with pytest.raises(hftc.errors.MismatchError, match="deep"):
-        hftc.fuse([MaybeLayer(True), MaybeLayer(False)])
