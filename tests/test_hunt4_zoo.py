@@ -200,3 +200,57 @@ def test_python_flags_that_skip_elementwise_ops_fuse_exactly(flags):
         check_equivalence(models, x, train=train)
     check_equivalence(models, x, dtype=torch.float32)
 
+
+
+class _MemoryEfficientDenseLayer(_DenseLayer):
+    """torchvision's _DenseLayer with ``memory_efficient=True``: the bottleneck under
+    ``torch.utils.checkpoint`` once any input requires grad."""
+
+    def any_requires_grad(self, input):
+        for tensor in input:
+            if tensor.requires_grad:
+                return True
+        return False
+
+    def call_checkpoint_bottleneck(self, input):
+        def closure(*inputs):
+            return self.bn_function(inputs)
+
+        return torch.utils.checkpoint.checkpoint(closure, *input, use_reentrant=False)
+
+    def forward(self, input):
+        prev_features = [input] if isinstance(input, torch.Tensor) else input
+        if self.any_requires_grad(prev_features):
+            if torch.jit.is_scripting():
+                raise Exception("Memory Efficient not supported in JIT")
+            bottleneck_output = self.call_checkpoint_bottleneck(prev_features)
+        else:
+            bottleneck_output = self.bn_function(prev_features)
+        return self.conv2(self.relu2(self.norm2(bottleneck_output)))
+
+
+def _memory_efficient_densenets(n):
+    models = _densenets([0.0] * n)
+    for model in models:
+        for block in model.features:
+            if isinstance(block, _DenseBlock):
+                for name, layer in list(block.items()):
+                    efficient = _MemoryEfficientDenseLayer.__new__(_MemoryEfficientDenseLayer)
+                    efficient.__dict__.update(layer.__dict__)
+                    block[name] = efficient
+    return models
+
+
+def test_memory_efficient_densenet_names_requires_grad_and_fuses_with_example_inputs():
+    """Symbolic tracing stops at ``if tensor.requires_grad:``; the error names
+    ``requires_grad`` (was: "a tensor's dtype or device", with the advice to read it in
+    __init__, where no input exists), and the example_inputs it points to fuse exactly."""
+    models = _memory_efficient_densenets(2)
+    with pytest.raises(hftc.errors.TraceError) as info:
+        hftc.fuse(copy.deepcopy(models))
+    message = str(info.value)
+    assert "`requires_grad`" in message and "example_inputs" in message
+    assert "dtype or device" not in message and "__init__" not in message
+    x = torch.randn(2, 3, 8, 8)
+    check_equivalence(models, x, fuser=lambda ms, in_dims=None: hftc.fuse(
+        ms, in_dims=in_dims, example_inputs=(x.double().requires_grad_(),)))
