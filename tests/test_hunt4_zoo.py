@@ -254,3 +254,16 @@ def test_memory_efficient_densenet_names_requires_grad_and_fuses_with_example_in
     x = torch.randn(2, 3, 8, 8)
     check_equivalence(models, x, fuser=lambda ms, in_dims=None: hftc.fuse(
         ms, in_dims=in_dims, example_inputs=(x.double().requires_grad_(),)))
+
+
+def test_fuse_groups_keeps_models_that_skip_an_elementwise_op_in_one_array():
+    """hftc.fuse fuses DenseNets at rates 0 and 0.3 as one program, so fuse_groups keeps
+    them in one array (was: split at the rate, [[0, 2], [1]])."""
+    models = _densenets([0.0, 0.3, 0.0])
+    groups = hftc.fuse_groups(copy.deepcopy(models))
+    assert [indices for _, indices in groups] == [[0, 1, 2]]
+    fused = groups[0][0].eval()
+    x = torch.randn(2, 3, 8, 8)
+    out = fused(x)
+    for i, model in enumerate(models):
+        torch.testing.assert_close(out[i], model.eval()(x))
