@@ -961,6 +961,11 @@ def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module], 
     i = 1
     while i < len(graphs):
         found = _try_trace_order(node_lists[0], sigs[0], node_lists[i], sigs[i])
+        if found is None:
+            if g0_nx is None:
+                g0_nx = _to_networkx(node_lists[0], sigs[0])
+            found = _vf2(g0_nx, _to_networkx(node_lists[i], sigs[i]))
+            method = "vf2"
         if found is None and insertions > 0 and soft.elementwise_op is not None \
                 and _insert_skipped_ops(graphs, node_lists, sigs, i):
             # model 0's graph may have changed: match every model against it anew
@@ -969,12 +974,8 @@ def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module], 
             sigs = [[node_signature(n, g, soft) for n in nodes]
                     for g, nodes in zip(graphs, node_lists)]
             mapping, failed, g0_nx, i = [{n: n for n in node_lists[0]}], [], None, 1
+            method = "trace order"
             continue
-        if found is None:
-            if g0_nx is None:
-                g0_nx = _to_networkx(node_lists[0], sigs[0])
-            found = _vf2(g0_nx, _to_networkx(node_lists[i], sigs[i]))
-            method = "vf2"
         if found is None:
             failed.append(i)
         else:

@@ -199,6 +199,9 @@ def test_python_flags_that_skip_elementwise_ops_fuse_exactly(flags):
     for train in (True, False):
         check_equivalence(models, x, train=train)
     check_equivalence(models, x, dtype=torch.float32)
+    # torch.export's graphs (example_inputs) skip the op as well
+    check_equivalence(models, x, fuser=lambda ms, in_dims=None: hftc.fuse(
+        ms, in_dims=in_dims, example_inputs=(x.double(),)))
 
 
 
