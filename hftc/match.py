@@ -458,9 +458,11 @@ def _align_skipping_elementwise(sigs0: list[dict], sigs: list[dict]) -> tuple[
     a per-model rate): ``(position in 0 -> position in i, model 0's skipped positions,
     model i's)``, or None where the lists differ otherwise (or not at all)."""
     def run_before(own: list[dict], start: int, wanted: dict) -> int:
-        """How many elementwise ops from ``start`` on come before a node like ``wanted``."""
+        """How many elementwise functions from ``start`` on come before a node like
+        ``wanted`` (functions only: the identity put for them is one, and a skipped module
+        or method would differ from it in kind)."""
         end = start
-        while end < len(own) and ELEMENTWISE in own[end]:
+        while end < len(own) and ELEMENTWISE in own[end] and own[end]["op"] == "call_function":
             end += 1
             if end < len(own) and own[end] == wanted:
                 return end - start

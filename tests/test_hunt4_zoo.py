@@ -270,3 +270,34 @@ def test_fuse_groups_keeps_models_that_skip_an_elementwise_op_in_one_array():
     out = fused(x)
     for i, model in enumerate(models):
         torch.testing.assert_close(out[i], model.eval()(x))
+
+
+class _OptionalDropoutModule(nn.Module):
+    """``self.drop = nn.Dropout(p)`` only where p > 0, called under the same branch."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.p = p
+        if p > 0:
+            self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.p > 0:
+            h = self.drop(h)
+        return self.fc2(h)
+
+
+def test_a_module_only_some_models_hold_is_split_by_fuse_groups_not_grouped():
+    """A skipped module is another module tree (model 0 has no ``drop``): hftc.fuse still
+    refuses it naming the module, and fuse_groups keeps splitting it rather than grouping
+    what hftc.fuse then refuses; the function form (above) is what fuses."""
+    models = []
+    for seed, p in enumerate([0.0, 0.5, 0.0]):
+        torch.manual_seed(seed)
+        models.append(_OptionalDropoutModule(p))
+    with pytest.raises(hftc.errors.MismatchError, match="nn.Dropout") as info:
+        hftc.fuse(copy.deepcopy(models))
+    assert "differing_ops.identity" not in str(info.value)
+    assert [ix for _, ix in hftc.fuse_groups(copy.deepcopy(models))] == [[0, 2], [1]]

@@ -69,9 +69,10 @@ def structure_key(model: nn.Module, index: int, example_inputs: Any = None,
     soft, parts = per_model_table(), []
     for node in gm.graph.nodes:
         sig = node_signature(node, gm, soft)
-        if ELEMENTWISE in sig and isinstance(op_input(node), fx.Node):
-            # an activation or dropout stands for its input: models whose Python skips
-            # one (`if self.drop_rate > 0:`) fuse as one program (hftc.match)
+        if ELEMENTWISE in sig and node.op == "call_function" \
+                and isinstance(op_input(node), fx.Node):
+            # an activation or dropout function stands for its input: models whose Python
+            # skips one (`if self.drop_rate > 0: F.dropout(...)`) fuse as one (hftc.match)
             position[node] = position[op_input(node)]
             continue
         position[node] = len(parts)
