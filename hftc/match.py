@@ -564,24 +564,26 @@ def _insert_identities(graph: fx.GraphModule, nodes: list[fx.Node],
 
 
 def _insert_skipped_ops(graphs: Sequence[fx.GraphModule], node_lists: list[list[fx.Node]],
-                        sigs: list[list[dict]], i: int) -> bool:
+                        sigs: list[list[dict]], i: int) -> set[int]:
     """Models 0 and i that are one program except for elementwise ops one of them skips:
     an identity where it skips each (:func:`~hftc.lowering.runtime.differing_ops.identity`),
     which the matcher then reads as a differing op (dropout in one model, nothing in the
-    other).  True where it changed a graph."""
+    other).  Returns the models whose graphs it changed (0, i, or none)."""
     aligned = _align_skipping_elementwise(sigs[0], sigs[i])
     if aligned is None:
-        return False
+        return set()
     pairs, skipped0, skipped_i = aligned
     back = {j: k for k, j in pairs.items()}
     plans = (_identities_for_skipped(node_lists[i], skipped_i, node_lists[0], back),
              _identities_for_skipped(node_lists[0], skipped0, node_lists[i], pairs))
     if None in plans:
-        return False
-    for graph, nodes, plan in zip((graphs[0], graphs[i]), (node_lists[0], node_lists[i]), plans):
+        return set()
+    changed = set()
+    for k, plan in zip((0, i), plans):
         if plan:
-            _insert_identities(graph, nodes, plan)
-    return True
+            _insert_identities(graphs[k], node_lists[k], plan)
+            changed.add(k)
+    return changed
 
 
 def _to_networkx(nodes: list[fx.Node], sigs: list[dict]) -> nx.DiGraph:
@@ -967,16 +969,18 @@ def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module], 
             if g0_nx is None:
                 g0_nx = _to_networkx(node_lists[0], sigs[0])
             found = _vf2(g0_nx, _to_networkx(node_lists[i], sigs[i]))
-            method = "vf2"
-        if found is None and insertions > 0 and soft.elementwise_op is not None \
-                and _insert_skipped_ops(graphs, node_lists, sigs, i):
-            # model 0's graph may have changed: match every model against it anew
+            method = "vf2" if found is not None else method
+        changed = _insert_skipped_ops(graphs, node_lists, sigs, i) \
+            if found is None and insertions > 0 and soft.elementwise_op is not None else set()
+        if changed:
             insertions -= 1
-            node_lists = [list(g.graph.nodes) for g in graphs]
-            sigs = [[node_signature(n, g, soft) for n in nodes]
-                    for g, nodes in zip(graphs, node_lists)]
-            mapping, failed, g0_nx, i = [{n: n for n in node_lists[0]}], [], None, 1
-            method = "trace order"
+            for k, g in enumerate(graphs):  # (a graph object two models share changed too)
+                if any(g is graphs[c] for c in changed):
+                    node_lists[k] = list(g.graph.nodes)
+                    sigs[k] = [node_signature(n, g, soft) for n in node_lists[k]]
+            if 0 in changed:  # model 0's graph changed: match every model against it anew
+                mapping, failed, g0_nx, i = [{n: n for n in node_lists[0]}], [], None, 1
+                method = "trace order"
             continue
         if found is None:
             failed.append(i)
