@@ -48,7 +48,8 @@ from torch.nn.utils import parametrize
 
 from .errors import MismatchError
 from .frontends.same_program import attribute_differences
-from .ir import DIFFERING_OPS, PER_MODEL, ArgKey, user_line
+from .ir import DIFFERING_OPS, EXAMPLE_VALUE, PER_MODEL, ArgKey, user_line
+from .lowering.runtime import differing_ops as rt_differing_ops
 from .lowering.runtime.guards import INPUT_GUARDS
 
 if TYPE_CHECKING:  # networkx: imported where two graphs need VF2, not by import hftc
@@ -450,6 +451,141 @@ def _try_trace_order(
     return dict(zip(nodes0, nodes))
 
 
+def _align_skipping_elementwise(sigs0: list[dict], sigs: list[dict]) -> tuple[
+        dict[int, int], list[int], list[int]] | None:
+    """Trace-order alignment of two models' nodes where one runs an elementwise op the
+    other skips (timm / torchvision: ``if self.drop_rate > 0: x = F.dropout(x, ...)`` with
+    a per-model rate): ``(position in 0 -> position in i, model 0's skipped positions,
+    model i's)``, or None where the lists differ otherwise (or not at all)."""
+    def run_before(own: list[dict], start: int, wanted: dict) -> int:
+        """How many elementwise functions from ``start`` on come before a node like
+        ``wanted`` (functions only: the identity put for them is one, and a skipped module
+        or method would differ from it in kind)."""
+        end = start
+        while end < len(own) and ELEMENTWISE in own[end] and own[end]["op"] == "call_function":
+            end += 1
+            if end < len(own) and own[end] == wanted:
+                return end - start
+        return 0
+
+    pairs: dict[int, int] = {}
+    skipped: tuple[list[int], list[int]] = ([], [])
+    k = j = 0
+    while k < len(sigs0) and j < len(sigs):
+        if sigs0[k] == sigs[j]:
+            pairs[k] = j
+            k, j = k + 1, j + 1
+        elif run := run_before(sigs0, k, sigs[j]):
+            skipped[0].extend(range(k, k + run))
+            k += run
+        elif run := run_before(sigs, j, sigs0[k]):
+            skipped[1].extend(range(j, j + run))
+            j += run
+        else:
+            return None
+    if k != len(sigs0) or j != len(sigs) or not (skipped[0] or skipped[1]):
+        return None
+    return pairs, *skipped
+
+
+#: Where to put one identity: after which node, its input, the users to rewire (with
+#: their flat argument positions), and the op the other model runs there.
+_IdentityPlan = tuple[int, fx.Node, list[tuple[fx.Node, list[int]]], fx.Node]
+
+
+def _identities_for_skipped(nodes: list[fx.Node], skipped: list[int], other: list[fx.Node],
+                            pairs: dict[int, int]) -> list[_IdentityPlan] | None:
+    """Where ``other`` lacks the elementwise ops at ``skipped`` of ``nodes`` (``pairs``:
+    position in ``nodes`` -> position in ``other``), the identity calls that make them
+    the same program: ``(position in other to insert after, the input in other, [(user in
+    other, its flat argument positions that read the input)], the skipped op)``; None
+    where a user does not read the input the skipped op reads."""
+    position = {n: k for k, n in enumerate(nodes)}
+    skipped_set = set(skipped)
+
+    def origin(node: fx.Node) -> fx.Node | None:  # a skipped op's input, in other
+        while position.get(node) in skipped_set:
+            node = node.args[0] if node.args else node.kwargs.get("input")
+            if not isinstance(node, fx.Node):
+                return None
+        k = position.get(node)
+        return other[pairs[k]] if k in pairs else None
+
+    plans = []
+    for k in skipped:
+        node, source = nodes[k], origin(nodes[k])
+        if source is None or not node.users:
+            return None
+        before = max((pairs[p] for p in range(k) if p in pairs), default=-1)
+        if before < 0:
+            return None
+        rewired = []
+        for user in node.users:
+            if position[user] in skipped_set:
+                continue  # a skipped op after this one: its identity reads this one's
+            counterpart = other[pairs[position[user]]]
+            leaves, leaves_other = (fx.node.map_aggregate((u.args, u.kwargs), lambda a: a)
+                                    for u in (user, counterpart))
+            flat = torch.utils._pytree.tree_leaves(leaves)
+            flat_other = torch.utils._pytree.tree_leaves(leaves_other)
+            slots = [s for s, a in enumerate(flat) if a is node]
+            if len(flat) != len(flat_other) or any(flat_other[s] is not source for s in slots):
+                return None
+            rewired.append((counterpart, slots))
+        plans.append((before, source, rewired, node))
+    return plans
+
+
+def _insert_identities(graph: fx.GraphModule, nodes: list[fx.Node],
+                       plans: list[_IdentityPlan]) -> None:
+    """Put an identity call where :func:`_identities_for_skipped` planned (in order: a
+    later plan's input may be an earlier plan's identity)."""
+    made: dict[fx.Node, fx.Node] = {}  # the input (origin) -> its latest identity
+    previous: tuple[int, fx.Node | None] = (-1, None)
+    for before, source, rewired, skipped in plans:
+        # after the node before the skipped op, or after the identity put there already
+        anchor = previous[1] if before == previous[0] else nodes[before]
+        with graph.graph.inserting_after(anchor):
+            new = graph.graph.call_function(rt_differing_ops.identity,
+                                            (made.get(source, source),))
+        # where the skipped op is (for the report), and its input's value (the same)
+        new.meta = {k: v for k, v in skipped.meta.items()
+                    if k in ("stack_trace", "nn_module_stack")}
+        if EXAMPLE_VALUE in source.meta:
+            new.meta[EXAMPLE_VALUE] = source.meta[EXAMPLE_VALUE]
+        for user, slots in rewired:
+            flat, spec = torch.utils._pytree.tree_flatten(
+                fx.node.map_aggregate((user.args, user.kwargs), lambda a: a))
+            for s in slots:
+                flat[s] = new
+            user.args, user.kwargs = torch.utils._pytree.tree_unflatten(flat, spec)
+        made[source], previous = new, (before, new)
+    graph.recompile()
+
+
+def _insert_skipped_ops(graphs: Sequence[fx.GraphModule], node_lists: list[list[fx.Node]],
+                        sigs: list[list[dict]], i: int) -> set[int]:
+    """Models 0 and i that are one program except for elementwise ops one of them skips:
+    an identity where it skips each (:func:`~hftc.lowering.runtime.differing_ops.identity`),
+    which the matcher then reads as a differing op (dropout in one model, nothing in the
+    other).  Returns the models whose graphs it changed (0, i, or none)."""
+    aligned = _align_skipping_elementwise(sigs[0], sigs[i])
+    if aligned is None:
+        return set()
+    pairs, skipped0, skipped_i = aligned
+    back = {j: k for k, j in pairs.items()}
+    plans = (_identities_for_skipped(node_lists[i], skipped_i, node_lists[0], back),
+             _identities_for_skipped(node_lists[0], skipped0, node_lists[i], pairs))
+    if None in plans:
+        return set()
+    changed = set()
+    for k, plan in zip((0, i), plans):
+        if plan:
+            _insert_identities(graphs[k], node_lists[k], plan)
+            changed.add(k)
+    return changed
+
+
 def _to_networkx(nodes: list[fx.Node], sigs: list[dict]) -> nx.DiGraph:
     import networkx as nx
 
@@ -827,17 +963,32 @@ def match_graphs(graphs: Sequence[fx.GraphModule], models: Sequence[nn.Module], 
     method = "trace order"
     failed: list[int] = []
     g0_nx: nx.DiGraph | None = None
-    for i in range(1, len(graphs)):
+    insertions = sum(map(len, node_lists))  # (each adds a node: bounded)
+    i = 1
+    while i < len(graphs):
         found = _try_trace_order(node_lists[0], sigs[0], node_lists[i], sigs[i])
         if found is None:
             if g0_nx is None:
                 g0_nx = _to_networkx(node_lists[0], sigs[0])
             found = _vf2(g0_nx, _to_networkx(node_lists[i], sigs[i]))
-            method = "vf2"
+            method = "vf2" if found is not None else method
+        changed = _insert_skipped_ops(graphs, node_lists, sigs, i) \
+            if found is None and insertions > 0 and soft.elementwise_op is not None else set()
+        if changed:
+            insertions -= 1
+            for k, g in enumerate(graphs):  # (a graph object two models share changed too)
+                if any(g is graphs[c] for c in changed):
+                    node_lists[k] = list(g.graph.nodes)
+                    sigs[k] = [node_signature(n, g, soft) for n in node_lists[k]]
+            if 0 in changed:  # model 0's graph changed: match every model against it anew
+                mapping, failed, g0_nx, i = [{n: n for n in node_lists[0]}], [], None, 1
+                method = "trace order"
+            continue
         if found is None:
             failed.append(i)
         else:
             mapping.append(found)
+        i += 1
     if failed:
         label = "model" if len(failed) == 1 else "models"
         explanation, kinds = _explain_mismatch(graphs, models, sigs, failed, soft)

@@ -998,13 +998,15 @@ _PROPERTY_READS = ("dtype", "device", "layout", "is_cuda", "is_sparse", "is_quan
 _PROPERTY_METHODS = ("is_floating_point", "is_complex", "get_device", "is_contiguous")
 
 
-def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
+def _decided_by(node: fx.Node) -> tuple[str, list[str], list[str]]:
     """What a traced value that Python's control flow asked about is made from, and the
     inputs involved: ``"size"`` (sizes and ranks of inputs: ``t <= block_size`` where
     ``b, t = idx.size()``), ``"input"`` (an input itself: ``if has_mask:``), ``"property"``
     (a dtype or device: ``if self.weight.dtype == torch.float16``, which export knows) or
-    ``"value"`` (tensor values: ``x.sum() > 0``, a parameter, a random draw)."""
+    ``"value"`` (tensor values: ``x.sum() > 0``, a parameter, a random draw); and the
+    properties read (``dtype``, ``requires_grad``)."""
     inputs: list[str] = []
+    properties: list[str] = []
     kinds: set[str] = set()
     seen: set[fx.Node] = set()
     stack = [node]
@@ -1024,6 +1026,7 @@ def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
             inputs += [a.target for a in n.all_input_nodes if a.op == "placeholder"]
         elif property_read:  # T5LayerNorm: `if self.weight.dtype in [torch.float16, ...]`
             kinds.add("property")
+            properties.append(str(n.target if n.op == "call_method" else n.args[1]))
             inputs += [a.target for a in n.all_input_nodes if a.op == "placeholder"]
         elif n.op == "placeholder":
             kinds.add("input")
@@ -1034,7 +1037,7 @@ def _decided_by(node: fx.Node) -> tuple[str, list[str]]:
         else:
             kinds.add("value")
     kind = next(k for k in ("value", "input", "property", "size") if k in kinds | {"size"})
-    return kind, list(dict.fromkeys(inputs))
+    return kind, list(dict.fromkeys(inputs)), list(dict.fromkeys(properties))
 
 
 
@@ -1054,10 +1057,11 @@ def _trace_advice(exc: BaseException, node: fx.Node | None) -> str:
     if "'len' is not supported" in str(exc):
         kind = "size"
         inputs = [node.target] if node is not None and node.op == "placeholder" else []
+        properties = []
     elif node is not None:
-        kind, inputs = _decided_by(node)
+        kind, inputs, properties = _decided_by(node)
     else:
-        kind, inputs = "other", []
+        kind, inputs, properties = "other", [], []
     names = ", ".join(f"`{name}`" for name in inputs)
     if kind == "size":
         whose = f" of input {names}" if names else " of an input"
@@ -1066,10 +1070,12 @@ def _trace_advice(exc: BaseException, node: fx.Node | None) -> str:
                 f"torch.export then traces forward with real sizes (kept symbolic where the "
                 f"code allows).")
     if kind == "property":
-        return ("This line decides on a tensor's dtype or device in Python, which symbolic "
-                "tracing leaves unknown. Pass one call's inputs as example_inputs=(...) to "
-                "hftc.fuse: torch.export then traces forward with the real tensors (or read "
-                "the property outside forward, in __init__).")
+        read = " or ".join(f"`{name}`" for name in properties)
+        return (f"This line decides on a tensor's {read} in Python, which symbolic "
+                f"tracing leaves unknown. Pass one call's inputs as example_inputs=(...) to "
+                f"hftc.fuse: torch.export then traces forward with the real tensors"
+                + (" (or read the property outside forward, in __init__)."
+                   if "requires_grad" not in properties else "."))
     if kind == "input":
         return (f"This line asks Python the truth of input {names}, which symbolic tracing "
                 f"makes a traced value. If it is a Python value (a flag, a number), give it a "

@@ -39,7 +39,8 @@ from ..frontends.symbolic import (
     trace_number_variants,
 )
 from ..lowering import timing
-from ..match import node_signature
+from ..match import ELEMENTWISE, node_signature
+from ..passes.differing_ops import op_input
 from ..passes.registry import aten_spellings, per_model_table
 from .fused import FusedModule, check_models, example_constants, takes_one_list_of_models
 from .padding import padding_ratio, weight_shapes, widths_key
@@ -64,10 +65,17 @@ def structure_key(model: nn.Module, index: int, example_inputs: Any = None,
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         gm = export_model(model, index, training=model.training, args=args,
                           aten_spellings=aten_spellings())
-    position = {n: k for k, n in enumerate(gm.graph.nodes)}
+    position: dict[fx.Node, int] = {}
     soft, parts = per_model_table(), []
     for node in gm.graph.nodes:
         sig = node_signature(node, gm, soft)
+        if ELEMENTWISE in sig and node.op == "call_function" \
+                and isinstance(op_input(node), fx.Node):
+            # an activation or dropout function stands for its input: models whose Python
+            # skips one (`if self.drop_rate > 0: F.dropout(...)`) fuse as one (hftc.match)
+            position[node] = position[op_input(node)]
+            continue
+        position[node] = len(parts)
         inputs = [position[a] for a in node.all_input_nodes]
         parts.append(repr((sorted(sig.items(), key=lambda kv: kv[0]), inputs)))
     return "\n".join(parts)

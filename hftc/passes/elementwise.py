@@ -484,7 +484,10 @@ _IN_PLACE = {"inplace": True}.items()
 #: The elementwise, shape-preserving ops that may differ per model (``@rule(differing_op=
 #: ...)``: :mod:`hftc.passes.differing_ops`), each with its spellings.
 DIFFERING_OPS = [
-    _differing_op("identity", rt_differing_ops.identity, module=nn.Identity),
+    # the function: what the matcher puts where a model skips an op the others run
+    # (`if self.drop_rate > 0: x = F.dropout(x, ...)`: hftc.match)
+    _differing_op("identity", rt_differing_ops.identity,
+                  spellings=[(rt_differing_ops.identity, (), ())], module=nn.Identity),
     _differing_op("relu", F.relu, _INPLACE, [
         (torch.relu, (), ()), ("relu", (), ()), (torch.relu_, (), _IN_PLACE),
         ("relu_", (), _IN_PLACE), (F.relu, ("inplace",), ())], nn.ReLU),
@@ -554,6 +557,9 @@ for _cls in ELEMENTWISE_MODULES:
     rule(("call_module", _cls), name=f"fuse_pointwise[{_cls.__name__}]", padding=EXACT,
          chain=RELU_LINK if _cls is nn.ReLU else None,
          differing_op=_differing_ops([("call_module", _cls)]))(fuse_pointwise)
+rule(("call_function", rt_differing_ops.identity), name="fuse_pointwise[identity]",
+     padding=EXACT,
+     differing_op=_differing_ops([("call_function", rt_differing_ops.identity)]))(fuse_pointwise)
 for _fn, (_cls, _torch_fn) in _DROPOUTS.items():
     _keys = [("call_module", _cls), ("call_function", _fn), ("call_function", _torch_fn)]
     rule(*_keys, name=f"fuse_dropout[{_fn.__name__}]", random=True, per_model=("p",),
