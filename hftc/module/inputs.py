@@ -20,6 +20,7 @@ import operator
 import re
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -45,6 +46,10 @@ from .usage import fused_output_models
 
 #: What ``in_dims`` takes: as ``torch.func.vmap``'s.
 InDims = int | None | Sequence[int | None]
+
+#: the models' forward -> its signature (None: one inspect cannot read), for
+#: ``_bind_as_models_do`` on every call
+_FORWARD_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def check_in_dims(in_dims: Any) -> InDims:
@@ -291,9 +296,18 @@ class InputHandling:
         ``forward(self, *, x)`` raises TypeError on each model, and must not run fused,
         where a wrong script would work only fused."""
         forward = type(self._template).forward
-        try:  # (a decorator's wrapper, not the function it wraps: what the models run)
-            signature = inspect.signature(forward, follow_wrapped=False)
-        except (TypeError, ValueError):  # (a signature inspect cannot read: as traced)
+        try:
+            signature = _FORWARD_SIGNATURES.get(forward, False)
+        except TypeError:  # (a forward that is no function: not kept)
+            signature = False
+        if signature is False:  # (read once per forward: inspect costs tens of us a call)
+            try:  # (a decorator's wrapper, not the function it wraps: what the models run)
+                signature = inspect.signature(forward, follow_wrapped=False)
+            except (TypeError, ValueError):  # (a signature inspect cannot read: as traced)
+                signature = None
+            with contextlib.suppress(TypeError):
+                _FORWARD_SIGNATURES[forward] = signature
+        if signature is None:
             return
         try:
             signature.bind(None, *args, **kwargs)
