@@ -236,17 +236,20 @@ def test_extra_state_a_forward_changes_is_saved_and_loaded_as_the_forwards_left_
 
 
 class Branching(nn.Module):
-    """Extra state a Python branch of forward reads: models that differ in it do not fuse."""
+    """Extra state a Python branch of forward reads: models that differ in it do not fuse
+    (a module only some models run; an elementwise op only some run would fuse, each
+    model's own: tests/test_hunt4_zoo.py)."""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 3)
+        self.gate = nn.Linear(3, 3)
         self.head = Tagged(3, 2)
         self.gated = False
 
     def forward(self, x):
         h = self.fc(x)
-        return self.head(torch.relu(h) if self.gated else h)
+        return self.head(self.gate(h) if self.gated else h)
 
     def get_extra_state(self):
         return {"gated": self.gated}
