@@ -47,8 +47,8 @@ from .usage import fused_output_models
 #: What ``in_dims`` takes: as ``torch.func.vmap``'s.
 InDims = int | None | Sequence[int | None]
 
-#: the models' forward -> its signature (None: one inspect cannot read), for
-#: ``_bind_as_models_do`` on every call
+#: the models' forward -> (its signature, None where inspect cannot read it; the call
+#: shapes it took: inputs by position, names by keyword), for ``_bind_as_models_do``
 _FORWARD_SIGNATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -297,17 +297,20 @@ class InputHandling:
         where a wrong script would work only fused."""
         forward = type(self._template).forward
         try:
-            signature = _FORWARD_SIGNATURES.get(forward, False)
+            known = _FORWARD_SIGNATURES.get(forward)
         except TypeError:  # (a forward that is no function: not kept)
-            signature = False
-        if signature is False:  # (read once per forward: inspect costs tens of us a call)
+            known = None
+        if known is None:  # (read once per forward: inspect costs tens of us a call)
             try:  # (a decorator's wrapper, not the function it wraps: what the models run)
-                signature = inspect.signature(forward, follow_wrapped=False)
+                known = (inspect.signature(forward, follow_wrapped=False), set())
             except (TypeError, ValueError):  # (a signature inspect cannot read: as traced)
-                signature = None
+                known = (None, set())
             with contextlib.suppress(TypeError):
-                _FORWARD_SIGNATURES[forward] = signature
-        if signature is None:
+                _FORWARD_SIGNATURES[forward] = known
+        signature, accepted = known
+        # Whether it binds depends on how many inputs by position and which by name only.
+        shape = (len(args), frozenset(kwargs))
+        if signature is None or shape in accepted:
             return
         try:
             signature.bind(None, *args, **kwargs)
@@ -316,6 +319,7 @@ class InputHandling:
                 f"{type(self._template).__name__}.forward{signature} refuses this call "
                 f"({exc}){user_line()}: call the fused module as you would call one "
                 f"model") from None
+        accepted.add(shape)
 
     @staticmethod
     def _signature(values: Sequence[Any], batched: Sequence[bool]) -> tuple:

@@ -314,15 +314,15 @@ def check_fused_output_not_shared(name: str, signature: inspect.Signature | None
     (``t.clone()``) is shared on purpose."""
     if torch.compiler.is_compiling():  # (no marks there: mark_outputs skips compiled code)
         return
-    names = ([p.name for p in signature.parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-             if signature is not None else [])
     shared = [(k, a) for k, (a, d) in enumerate(zip(args, dims)) if d is None]
     shared += [(key, a) for key, a in kwargs.items()]
     marked = [(k, a) for k, a in shared
               if isinstance(a, Tensor) and getattr(a, OUTPUT_MARK, None) == n]
     if not marked:
         return
+    names = ([p.name for p in signature.parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+             if signature is not None else [])
     positions = {k for k, _ in marked if isinstance(k, int)}
     positions |= {names.index(k) for k, _ in marked if k in names}
     wanted = tuple(0 if k in positions else d
