@@ -166,6 +166,6 @@ def test_trials_apart_for_their_layers_say_so_not_different_shapes(spec_file: Pa
     assert result.formations[0] == (3, 1), result.formations
     apart = [line for line in result.summary.splitlines() if "not in one array" in line]
     assert apart == ["  not in one array: trials [2] vs [0, 1, 3]: pad_widths=True pads "
-                     "widths only, but their modules differ from the others' at `1` (GELU): "
-                     "the models must have the same layers, in the same order, of any "
-                     "widths"], result.summary
+                     "widths only, but their modules differ from the others' at `1` (GELU "
+                     "vs ReLU): the sweep's arrays join models of the same layers, in the "
+                     "same order, of any widths"], result.summary

@@ -113,6 +113,15 @@ def mismatch_reason(a: nn.Module, b: nn.Module, example: Any, pad_widths: bool =
             return str(exc).splitlines()[0]
         except Exception:  # noqa: BLE001 - not the padding's refusal: the plain reason
             pass
+        else:  # (hftc.fuse pads them; the arrays' grouping joins widths of like layers only)
+            ours, theirs = dict(a.named_modules()), dict(b.named_modules())
+            path = next((p for p in ours if p in theirs and type(ours[p]) is not type(theirs[p])),
+                        None)
+            if path is not None:
+                return (f"pad_widths=True pads widths only, but their modules differ from the "
+                        f"others' at `{path}` ({type(ours[path]).__name__} vs "
+                        f"{type(theirs[path]).__name__}): the sweep's arrays join models of the "
+                        f"same layers, in the same order, of any widths")
     try:
         hftc.fuse([a, b], example_inputs=example)
     except Exception as exc:  # noqa: BLE001 - the reason is the message, whatever raised it
