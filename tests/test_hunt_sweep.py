@@ -67,6 +67,8 @@ def _run(tmp_path: Path, source: str, **kwargs):
     (('"tanh": nn.Tanh}', '"tanh": nn.GELU}'), "spec.model"),             # a class it picks
     (("epochs = 1", "epochs = 2"), "epochs was 1, now 2"),
     (("batch_size = 16", "batch_size = 8"), "batch_size was 16, now 8"),
+    # a module constant the model reads, its line edited: other trials, not a knob
+    (("HIDDEN = 8", "HIDDEN = 12"), "HIDDEN was 8, now 12 (its line in the spec edited)"),
 ])
 def test_a_sweep_continued_with_an_edited_spec_is_refused(tmp_path: Path, edit, said):
     """Before: a sweep extended (--trials) or resumed (--resume) after an edit of its spec
@@ -83,15 +85,18 @@ def test_a_sweep_continued_with_an_edited_spec_is_refused(tmp_path: Path, edit, 
     assert len(study.trials) == 2  # nothing asked with the edited spec
 
 
-def test_a_sweep_continued_with_the_same_spec_goes_on(tmp_path: Path):
+def test_a_sweep_continued_with_the_same_spec_goes_on(tmp_path: Path, monkeypatch):
     """What does not change a trial is no edit: comments, moved lines, n_trials,
-    per_array; a module constant the spec reads (a knob from the environment) is said."""
-    _run(tmp_path, SPEC)
-    moved = "\n\n# the same spec, commented\n" + SPEC.replace("    return Net(", "    # here\n    return Net(")
+    per_array; a module constant the spec reads from the environment (its line the same,
+    its value another) is said."""
+    knob = SPEC.replace("HIDDEN = 8", "import os\nHIDDEN = int(os.environ.get('HFTC_TEST_HIDDEN', '8'))")
+    _run(tmp_path, knob)
+    moved = "\n\n# the same spec, commented\n" + knob.replace("    return Net(", "    # here\n    return Net(")
     result = _run(tmp_path, moved, n_trials=3, per_array=3)
     assert len(result.study.trials) == 3
+    monkeypatch.setenv("HFTC_TEST_HIDDEN", "12")
     with pytest.warns(SweepWarning, match="HIDDEN was 8, now 12"):
-        result = _run(tmp_path, SPEC.replace("HIDDEN = 8", "HIDDEN = 12"), n_trials=4)
+        result = _run(tmp_path, knob, n_trials=4)
     assert len(result.study.trials) == 4
 
 

@@ -13,8 +13,10 @@ A function's digest is of its compiled code (bytecode, constants, names; not its
 numbers or comments), its simple default values, and, by the names it reads, the
 functions and classes of its own module it uses (``model`` building the spec's
 ``class CNN``): an edited comment or a moved line changes nothing, an edited range in
-``space`` or layer in ``CNN`` does, and is refused. A module constant that changed
-(``SLOW = float(os.environ.get(...))``, a data path) is said in a ``SweepWarning``.
+``space`` or layer in ``CNN`` does, and is refused. A module constant whose assignment
+was edited (``HIDDEN = 8`` -> ``12``) is refused too; one whose line is the same and gives
+another value (``SLOW = float(os.environ.get(...))``, a data path) is said in a
+``SweepWarning``.
 ``n_trials``, ``per_array``, ``device``, ``eval_batch_size`` and the padding are left
 out (a sweep may be extended, or run with other arrays on another machine), and so is
 ``on_epoch`` (logging).
@@ -30,6 +32,7 @@ a spec object run again in one process is no edit."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
@@ -37,6 +40,7 @@ import os
 import sys
 import sysconfig
 import types
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -48,6 +52,8 @@ from .storage import make_pruner, make_sampler
 __all__ = ["spec_fingerprint", "check_same_spec", "ATTR"]
 
 ATTR = "hftc_spec"
+#: the record's key of the digests of the constants' assignments (_Digest.sources)
+_SOURCES = "constant_sources"
 # (not device, eval_batch_size, pad_widths / max_padding: where and in which arrays the
 # trials run, not what one trains; a worker on another machine or after an out-of-memory
 # error may change them)
@@ -117,6 +123,10 @@ class _Digest:
         self.out: list[str] = []
         self.seen: set[int] = set()
         self.constants: dict[str, str] = {}
+        #: a constant's name -> a digest of its assignment's source in the spec's module
+        #: (``HIDDEN = 8``): an edited line is another spec, a value read from the
+        #: environment by the same line is said only
+        self.sources: dict[str, str] = {}
 
     def add(self, obj: Any, module: str | None) -> None:
         out = self.out
@@ -166,6 +176,9 @@ class _Digest:
             self.add(value, module)
         elif not isinstance(value, types.ModuleType) and _simple(value) is not None:
             self.constants[name] = _simple(value)
+            source = _assignments(module).get(name)
+            if source is not None:
+                self.sources[name] = source
         elif isinstance(value, dict) and all(isinstance(k, _SIMPLE) for k in value):
             for key, item in value.items():  # ACTS = {"relu": nn.ReLU, ...}
                 self.out.append(repr(key))
@@ -262,6 +275,27 @@ def _shown(described: Any, only: list[str]) -> str:
     return (name if "class" in only or (code and not args) else f"{name}({args})") + code
 
 
+def _assignments(module: str | None) -> dict[str, str]:
+    """A digest of each top-level assignment's source in ``module`` (its file as it is
+    on disk now), by the names it assigns; {} where it cannot be read."""
+    path = getattr(sys.modules.get(module or ""), "__file__", None)
+    try:
+        text = Path(path).read_text() if path else None
+        tree = ast.parse(text) if text is not None else None
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    found: dict[str, str] = {}
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            code = hashlib.sha256(ast.dump(node.value).encode()).hexdigest()[:16] \
+                if node.value is not None else ""
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    found[target.id] = code
+    return found
+
+
 def _hashed(digest: _Digest) -> str:
     return hashlib.sha256("\n".join(digest.out).encode()).hexdigest()[:16]
 
@@ -273,6 +307,7 @@ def spec_fingerprint(spec: SweepSpec) -> dict[str, Any]:
     record: dict[str, Any] = {key: str(getattr(spec, key)) for key in _VALUES}
     record.update({key: _chooser(spec, key) for key in _CHOOSERS})
     constants: dict[str, str] = {}
+    sources: dict[str, str] = {}
     for key in _FUNCTIONS:
         try:
             digest = _Digest.of(getattr(spec, key))
@@ -281,7 +316,9 @@ def spec_fingerprint(spec: SweepSpec) -> dict[str, Any]:
             continue
         record[key] = _hashed(digest)
         constants.update(digest.constants)
+        sources.update(digest.sources)
     record["constants"] = constants
+    record[_SOURCES] = sources
     return record
 
 
@@ -316,15 +353,23 @@ def check_same_spec(recorded: dict[str, Any] | None, spec: SweepSpec, study: str
     if not isinstance(recorded, dict):
         return []  # a study from before the record, or made by hand: nothing to compare
     now = spec_fingerprint(spec)
-    changed = [key for key in now if key != "constants" and key in recorded
+    changed = [key for key in now if key not in ("constants", _SOURCES) and key in recorded
                and _differs(recorded[key], now[key])]
     before = recorded.get("constants") if isinstance(recorded.get("constants"), dict) else {}
-    constants = [f"{name} was {before[name]}, now {value}"
-                 for name, value in now["constants"].items()
+    was_written = recorded.get(_SOURCES) if isinstance(recorded.get(_SOURCES), dict) else {}
+    differing = [name for name, value in now["constants"].items()
                  if name in before and before[name] != value]
-    if not changed:
+    # An assignment edited in the spec (HIDDEN = 8 -> 12) changes what trials train; the
+    # same line giving another value (a knob read from the environment) is said only.
+    edited = [name for name in differing if name in was_written
+              and name in now[_SOURCES] and was_written[name] != now[_SOURCES][name]]
+    constants = [f"{name} was {before[name]}, now {now['constants'][name]}"
+                 for name in differing if name not in edited]
+    if not changed and not edited:
         return constants
     said = [_change(spec, key, recorded[key], now[key]) for key in changed]
+    said += [f"{name} was {before[name]}, now {now['constants'][name]} (its line in the spec "
+             f"edited)" for name in edited]
     raise SweepError(
         f"the sweep {study!r} in {where} was started with another spec: "
         f"{'; '.join(said + constants)}. Its trials so far were sampled, trained and pruned "
