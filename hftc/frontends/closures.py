@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import functools
 import types
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +45,11 @@ from ..errors import FusionArgumentError
 #: A module's registries: only modules and tensors, which ``copy.deepcopy`` copies.
 _REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})
 _MISSING = object()
+#: What :meth:`_Rebinder.attribute` passes by as it is: values that hold nothing, and
+#: these containers when empty (a module's hook dicts).
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device,
+                    torch.Size})
+_CONTAINERS = frozenset({list, dict, tuple, OrderedDict})
 
 
 class _Rebinder:
@@ -58,6 +64,9 @@ class _Rebinder:
     def attribute(self, value: Any) -> Any:
         """A value of the copy with the functions in it rebound; lists and dicts (the
         copy's own: deepcopy made them) are changed in place."""
+        kind = type(value)
+        if kind in _PLAIN or (kind in _CONTAINERS and not value):
+            return value  # (most of a module's attributes: nothing in them to rebind)
         if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
             return self.reference(value)
         if isinstance(value, (list, dict)) and id(value) not in self.walked:

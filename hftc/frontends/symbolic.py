@@ -1365,6 +1365,8 @@ def trace_number_variants(models: Sequence[nn.Module],
 
         x * math.sqrt(self.d)   d = 4.0 | 9.0:   mul(x, 2.0)  vs  mul(x, 3.0)  -> {}
     """
+    from .numbers import graph_with_numbers
+
     base = next(iter(numbers))
     attributes = sorted({a for found in numbers.values() for a in found})
     others = {a: next((float(vars(models[i].get_submodule(a[0]))[a[1]]) for i in numbers
@@ -1372,22 +1374,30 @@ def trace_number_variants(models: Sequence[nn.Module],
     first = _token_trace(models, numbers, base, attributes, mode, constants, None)
     if first is None:
         return {}
-    second = _token_trace(models, numbers, base, attributes, mode, constants, others)
-    if second is None or any(
-            _graph_signature(first[i]) != _graph_signature(second[i]) for i in numbers):
+    gm, tokens = first
+    graphs = {i: _shared_trace(gm, models[i]) for i in numbers}
+    if not all(graph_with_numbers(graphs[i], models[i], tokens) for i in numbers):
         return {}
-    return first
+    second = _token_trace(models, numbers, base, attributes, mode, constants, others)
+    # (the second trace's graphs are only compared: each model's signature is read off
+    # the one trace with its own values in place of the tokens, no graph copied per model)
+    if second is None or any(
+            _graph_signature(graphs[i]) != _numbers_signature(*second, models[i])
+            for i in numbers):
+        return {}
+    return graphs
 
 
 def _token_trace(models: Sequence[nn.Module], numbers: dict[int, list[tuple[str, str]]],
                  base: int, attributes: list[tuple[str, str]], mode: bool,
                  constants: Sequence[dict[str, Any]] | dict[int, dict[str, Any]],
                  values: dict[tuple[str, str], float] | None
-                 ) -> dict[int, fx.GraphModule] | None:
+                 ) -> tuple[fx.GraphModule, dict[int, tuple[str, str]]] | None:
     """:func:`trace_number_variants`' one token trace of ``models[base]`` (its tokens
-    holding ``values`` where given), as each of ``numbers``' models' graph; None where
-    it cannot be shared."""
-    from .numbers import graph_with_numbers, watched_numbers
+    holding ``values`` where given) and its tokens (id -> attribute), for ``numbers``'
+    models to share; None where it cannot be shared: forward used a token in Python, read
+    the model's values, or holds a token in a top-level attribute of a model's graph."""
+    from .numbers import watched_numbers
 
     uses: list[str] = []
     read: list[str] = []
@@ -1399,10 +1409,33 @@ def _token_trace(models: Sequence[nn.Module], numbers: dict[int, list[tuple[str,
         return None
     if uses or read or not _reads_only_the_model(gm, models[base]):
         return None
-    graphs = {i: _shared_trace(gm, models[i]) for i in numbers}
-    if not all(graph_with_numbers(graphs[i], models[i], tokens) for i in numbers):
-        return None
-    return graphs
+    return gm, tokens
+
+
+def _numbers_signature(gm: fx.GraphModule, tokens: dict[int, tuple[str, str]],
+                       model: nn.Module) -> list[tuple[Any, ...]] | None:
+    """:func:`_graph_signature` of ``_shared_trace(gm, model)`` after
+    :func:`~.numbers.graph_with_numbers` put ``model``'s own values in place of the
+    tokens, without the copy; None where that would have refused (a token in an
+    attribute the copy takes from ``model``: an undotted ``get_attr`` target)."""
+    from .numbers import WatchedNumber
+
+    def own(value: Any) -> Any:
+        if isinstance(value, fx.Node):
+            return value.name
+        if type(value) is WatchedNumber:
+            path, name = tokens[id(value)]
+            return float(vars(model.get_submodule(path))[name])
+        return value
+
+    signature = []
+    for n in gm.graph.nodes:
+        if n.op in ("get_attr", "call_module") and "." not in n.target and \
+                type(getattr(model, n.target, None)) is WatchedNumber:
+            return None
+        signature.append((n.op, n.target, fx.node.map_aggregate(n.args, own),
+                          fx.node.map_aggregate(n.kwargs, own)))
+    return signature
 
 
 def _graph_signature(gm: fx.GraphModule) -> list[tuple[Any, ...]]:

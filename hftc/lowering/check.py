@@ -281,6 +281,20 @@ def gradient_tolerance(t: Tensor) -> float:
     return 5e-2
 
 
+def _non_finite_difference(got: Tensor, want: Tensor, finite: Tensor, got_finite: Tensor,
+                           where: str) -> str | None:
+    """How ``got`` and ``want`` (one model's output) differ in their NaN and infinite
+    elements (``finite``, ``got_finite``: their masks), in words; None: they agree."""
+    if (~got_finite & finite).any():
+        return f"{where} has NaN or infinite elements where the model's own forward does not"
+    if (got_finite & ~finite).any():
+        return (f"{where} is finite where the model's own forward has NaN or infinite "
+                f"elements")
+    if not torch.equal(got[~finite].nan_to_num(), want[~finite].nan_to_num()):
+        return f"{where} has other NaN or infinite values than the model's own forward"
+    return None
+
+
 def _tensor_difference(got: Tensor, want: Tensor, where: str, shapes_only: bool,
                        errors: list[float], low_precision: bool) -> str | None:
     if got.shape != want.shape or got.dtype != want.dtype:
@@ -298,15 +312,17 @@ def _tensor_difference(got: Tensor, want: Tensor, where: str, shapes_only: bool,
     limit = tolerance(want, low_precision)
     finite = torch.isfinite(want)
     got_finite = torch.isfinite(got)
-    if (~got_finite & finite).any():
-        return f"{where} has NaN or infinite elements where the model's own forward does not"
-    if (got_finite & ~finite).any():
-        return (f"{where} is finite where the model's own forward has NaN or infinite "
-                f"elements")
-    if not torch.equal(got[~finite].nan_to_num(), want[~finite].nan_to_num()):
-        return f"{where} has other NaN or infinite values than the model's own forward"
-    got, want = got[finite].to(torch.complex128 if want.is_complex() else torch.float64), \
-        want[finite].to(torch.complex128 if want.is_complex() else torch.float64)
+    if finite.all() and got_finite.all():
+        # (the common case: nothing NaN or infinite on either side, where the checks below
+        # find nothing and the masks keep every element, in order)
+        got, want = got.reshape(-1), want.reshape(-1)
+    else:
+        problem = _non_finite_difference(got, want, finite, got_finite, where)
+        if problem:
+            return problem
+        got, want = got[finite], want[finite]
+    wide = torch.complex128 if want.is_complex() else torch.float64
+    got, want = got.to(wide), want.to(wide)
     diff = (got - want).norm().item()
     scale = max(got.norm().item(), want.norm().item())
     # An absolute floor, for outputs that are zero but for rounding (``h - h.mean(0)``
