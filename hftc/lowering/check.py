@@ -516,17 +516,10 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
         except Exception as exc:  # noqa: BLE001 - the call itself raises it again, explained
             result.skipped, result.raised = f"the fused program raised {type(exc).__name__}", exc
             return result
-        copies = fused.model_copies
-        # (a padded module's copies are its original models, built by unfuse_model)
-        reuse = getattr(fused, "padding", None) is None and \
-            not getattr(fused, "_python_state", None)
         for i in picks:
             # A copy of model i with the weights and buffers the program read, one at a
-            # time (two copies of a large model could be what does not fit); the one an
-            # earlier program's check ran, where its forward changed nothing of it
-            # (ModelCopies.checked_copy: its tensors refreshed from the fused module's).
-            shell, state = copies.checked_copy(i, fused) if reuse else (
-                fused.unfuse_model(i), None)
+            # time (two copies of a large model could be what does not fit).
+            shell = fused.unfuse_model(i)
             args = [model_slice(v, i) if b else v for v, b in zip(input_copies(values), batched)]
             try:
                 drawn = _rng_states()
@@ -554,8 +547,6 @@ def compare_with_models(fused: nn.Module, run: Callable[[Sequence[Any]], Any],
                 result.skipped = f"model {i}'s own forward raised {plain_message(exc)}"
                 return result
             own_buffers = dict(shell.named_buffers()) if buffers else {}
-            if reuse:
-                copies.keep_checked(i, shell, state, fused)
             del shell
             errors: list[float] = []
             low_precision = fused_mode.low_precision or model_mode.low_precision

@@ -21,7 +21,6 @@ compares besides its sample: a model unlike the others is never left out of the 
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,10 +65,6 @@ class ModelCopies:
         self.differing = [i for i, m in enumerate(models) if i and (
             fingerprint(m) != first or program_difference(models[0], m) is not None)]
 
-    def __getstate__(self) -> dict[str, Any]:
-        # (the copies kept for the next check are no state of the models': built anew)
-        return {k: v for k, v in self.__dict__.items() if k != "_kept"}
-
     def __len__(self) -> int:
         return len(self.templates)
 
@@ -80,7 +75,6 @@ class ModelCopies:
     def subset(self, keep: Sequence[int]) -> None:
         """Keep models ``keep`` only, in that order (:func:`hftc.keep_models`)."""
         position = {old: new for new, old in enumerate(keep)}
-        self.forget_checked()
         self.templates = [self.templates[i] for i in keep]
         self.names = [self.names[i] for i in keep]
         self.paths = [self.paths[i] for i in keep]
@@ -122,11 +116,6 @@ class ModelCopies:
         for sub in model.modules():
             if isinstance(sub, nn.RNNBase):  # (its _flat_weights still held the meta ones)
                 sub._init_flat_weights()
-        self._take_modes(index, model, fused)
-        return model
-
-    def _take_modes(self, index: int, model: nn.Module, fused: nn.Module) -> None:
-        """Model ``index``'s copy ``model`` in ``fused``'s train / eval modes."""
         fused_modules = dict(fused.named_modules(remove_duplicate=False))
         modes: dict[str, bool] = {}
         for path, sub in model.named_modules(remove_duplicate=False):
@@ -134,71 +123,7 @@ class ModelCopies:
             mode = (source.training if source is not None
                     else modes.get(path.rpartition(".")[0], fused.training))
             modes[path] = sub.training = mode
-
-    def checked_copy(self, index: int, fused: nn.Module) -> tuple[nn.Module, list | None]:
-        """Model ``index``'s copy for the first-call check (:meth:`build`'s model), and
-        what :meth:`keep_checked` compares after its forward.  The copy an earlier check
-        of this fused module ran (another mode, another input signature) is taken again
-        where its forward left every Python value it holds as built, its tensors given
-        ``fused``'s current values (as :meth:`build` gives them) and its modes ``fused``'s::
-
-            check of program 1:  copy_i = build(i, fused); forward; nothing changed: kept
-            check of program 2:  copy_i's tensors <- fused's row i; forward; ...
-
-        A copy is kept only where all its Python state can be compared (:func:`_state`:
-        no functions, C objects or unregistered tensors), and while the N copies are
-        small (:data:`KEPT_BYTES`): a copy of each model of a large fused module is what
-        may not fit."""
-        kept = self.__dict__.setdefault("_kept", {}).pop(index, None)
-        if kept is not None and kept[0] is self.templates[index] and \
-                self._refresh(index, kept[1], fused):
-            model = kept[1]
-        else:
-            model = self.build(index, fused)
-        return model, _state(model)
-
-    def keep_checked(self, index: int, model: nn.Module, state: list | None,
-                     fused: nn.Module) -> None:
-        """Keep ``model`` (:meth:`checked_copy`'s, its forward run) for the next check,
-        where its Python state is what ``state`` recorded before that forward."""
-        if state is None or not _unchanged(state):
-            return
-        size = sum(t.numel() * t.element_size() for t in (*fused.parameters(), *fused.buffers()))
-        if size <= KEPT_BYTES:
-            self.__dict__.setdefault("_kept", {})[index] = (self.templates[index], model)
-
-    def forget_checked(self) -> None:
-        """Drop the copies kept for the next check (a template changed in place)."""
-        self.__dict__.pop("_kept", None)
-
-    def _refresh(self, index: int, model: nn.Module, fused: nn.Module) -> bool:
-        """Model ``index``'s kept copy given ``fused``'s current tensors (row ``index``) and
-        modes, in place; False where a tensor is not where :meth:`build` put it, of its
-        shape, dtype and device (``fused.double()`` since): the copy is then built anew."""
-        names = self.names[index]
-        own = (lambda name: name) if names is None else (lambda name: names.get(name, name))
-        pairs = []
-        for registry, tensors in (("_parameters", fused.named_parameters(remove_duplicate=False)),
-                                  ("_buffers", fused.named_buffers(remove_duplicate=False))):
-            for name, t in tensors:
-                owner, _, leaf = own(name).rpartition(".")
-                if registry == "_buffers" and leaf.startswith("_hftc_constant_"):
-                    continue
-                try:
-                    mine = vars(model.get_submodule(owner))[registry].get(leaf)
-                except AttributeError:
-                    return False
-                if not isinstance(mine, torch.Tensor) or mine.shape != t.shape[1:] or \
-                        mine.dtype != t.dtype or mine.device != t.device:
-                    return False
-                pairs.append((mine, t))
-        with torch.no_grad():
-            for mine, t in pairs:
-                mine.copy_(t.detach()[index])
-                if isinstance(mine, nn.Parameter):
-                    mine.requires_grad_(t.requires_grad)
-        self._take_modes(index, model, fused)
-        return True
+        return model
 
     def own_path(self, index: int, fused_path: str) -> str | None:
         """Model ``index``'s module path for the fused module's ``fused_path`` (None: none)."""
@@ -309,114 +234,3 @@ class ModelCopies:
         changes its attributes changes no template)."""
         return [deepcopy_module(t) for t in self.templates]
 
-
-
-#: The most a fused module's tensors may take for its first-call check to keep a copy of
-#: each model checked between programs (:meth:`ModelCopies.checked_copy`).
-KEPT_BYTES = 256 * 2**20
-
-#: Values with no state to change (kept as they are by a copy and by a fresh build).
-_ATOMS = frozenset({bool, int, float, complex, str, bytes, type(None), type(Ellipsis),
-                    range, slice, torch.dtype, torch.device, torch.Size, torch.layout,
-                    torch.memory_format})
-_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
-
-
-def _state(model: nn.Module) -> list | None:
-    """Every mutable object reachable from ``model``'s modules (their ``__dict__``, the
-    dicts, lists, sets and Python objects in it, the registered tensors' ``__dict__``)
-    with a shallow copy of its contents, which :func:`_unchanged` compares by identity;
-    None where something is reachable whose changes cannot be seen so (a function and its
-    closure, a C object, a tensor that is no parameter or buffer of the model, a module
-    outside its tree)."""
-    modules = {id(m) for m in model.modules()}
-    tensors = {id(t) for t in (*model.parameters(), *model.buffers())}
-    found: list = []
-    seen: set[int] = set()
-    stack: list[Any] = [model]
-    while stack:
-        v = stack.pop()
-        kind = type(v)
-        if kind in _ATOMS or isinstance(v, type) or id(v) in seen:
-            continue
-        seen.add(id(v))
-        if kind is tuple:
-            stack.extend(v)
-            continue
-        if isinstance(v, torch.Tensor):
-            if id(v) not in tensors:
-                return None
-            contents: Any = _tensor_contents(v)
-        elif isinstance(v, nn.Module) and id(v) not in modules:
-            return None
-        elif kind in (dict, OrderedDict):
-            contents = tuple(v.items())
-            stack.extend(v.values())
-        elif kind is list:
-            contents = tuple(v)
-            stack.extend(v)
-        elif kind is set:
-            contents = frozenset(v)
-            stack.extend(v)
-        elif all(c is object or c.__flags__ & _HEAP_TYPE for c in kind.__mro__) or \
-                isinstance(v, nn.Module):
-            contents = _object_contents(v)
-            if contents is None:
-                return None
-            stack.extend(value for _, value in contents[0])
-            stack.extend(contents[1])
-        else:
-            return None
-        found.append((v, contents))
-    return found
-
-
-def _object_contents(v: Any) -> tuple[tuple, tuple] | None:
-    """An object's ``__dict__`` items and slot values (None: a class with its own
-    ``__getattribute__``, whose reads are not its contents)."""
-    if type(v).__getattribute__ is not object.__getattribute__ and not isinstance(v, nn.Module):
-        return None
-    slots = tuple(getattr(v, s, _UNSET) for c in type(v).__mro__
-                  for s in getattr(c, "__slots__", ()) if s not in ("__dict__", "__weakref__"))
-    return tuple(vars(v).items()) if hasattr(v, "__dict__") else (), slots
-
-
-_UNSET = object()
-
-
-def _tensor_contents(t: torch.Tensor) -> tuple:
-    """A registered tensor's Python attributes, ``requires_grad`` and ``grad`` (a fresh
-    copy's are none, the fused module's flag and None)."""
-    return (*t.__dict__.items(), ("requires_grad", t.requires_grad), ("grad", t.grad))
-
-
-def _same(now: Any, before: Any) -> bool:
-    if isinstance(before, frozenset):
-        return now == before
-    if len(now) != len(before):
-        return False
-    return all(a is b or (type(a) is tuple and type(b) is tuple and len(a) == len(b)
-                          and all(x is y for x, y in zip(a, b)))
-               for a, b in zip(now, before))
-
-
-def _unchanged(state: list) -> bool:
-    """Whether every object :func:`_state` recorded holds what it held then."""
-    for v, before in state:
-        kind = type(v)
-        if isinstance(v, torch.Tensor):
-            now: Any = _tensor_contents(v)
-        elif kind in (dict, OrderedDict):
-            now = tuple(v.items())
-        elif kind is list:
-            now = tuple(v)
-        elif kind is set:
-            now = frozenset(v)
-        else:
-            now = _object_contents(v)
-            if now is None or not (_same(now[0], before[0]) and _same(now[1], before[1])):
-                return False
-            continue
-        if not _same(now, before):
-            return False
-    return True

@@ -680,7 +680,6 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         copies = self.model_copies
         if not any(type(m).train is not nn.Module.train for m in copies.templates[0].modules()):
             return
-        copies.forget_checked()  # (the models' own train() changes the templates in place)
         flags = []
         for template, paths in zip(copies.templates, copies.paths):
             try:
