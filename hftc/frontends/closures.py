@@ -215,8 +215,9 @@ def rebind_functions(copied: nn.Module, memo: dict[int, Any]) -> None:
     rebinder = _Rebinder(memo)
     for sub in copied.modules():
         for name, value in list(vars(sub).items()):
-            if name in _REGISTRIES:
-                continue
+            kind = type(value)
+            if name in _REGISTRIES or kind in _PLAIN or (kind in _CONTAINERS and not value):
+                continue  # (as attribute() passes them by, without the call)
             new = rebinder.attribute(value)
             if new is not value:
                 sub.__dict__[name] = new
