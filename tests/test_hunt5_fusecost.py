@@ -288,3 +288,89 @@ def test_rebinding_passes_plain_values_by_and_still_rebinds_functions():
     assert not torch.equal(model.fns[0](x), ones)  # the original's own, untouched
     rebind_functions(twin, {})  # (nothing in the memo: everything kept as it is)
     assert torch.equal(twin.fns[0](x), ones)
+
+
+class _Config:
+    def __init__(self):
+        self.widths = [4, 4]
+        self.opts = {"scale": 1.5, "names": ("a", "b")}
+
+
+class _Custom(nn.Module):
+    """Its own __deepcopy__: left to copy.deepcopy (which marks the copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def __deepcopy__(self, memo):
+        twin = _Custom().to(self.fc.weight.dtype)
+        twin.load_state_dict(self.state_dict())
+        twin.marked = True
+        return twin
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _Zoo(nn.Module):
+    """A submodule under two paths, a config object, a dict, a closure over a module,
+    a torch module with its own __setstate__, a recurrent layer, a custom copier."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.seq = nn.Sequential(self.shared, nn.ReLU(), nn.LayerNorm(4))
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.table = nn.ModuleDict({"a": nn.Tanh()})
+        self.decoder = nn.TransformerDecoderLayer(4, 2, 8, dropout=0.0,
+                                                  activation=nn.GELU(), batch_first=True)
+        self.rnn = nn.LSTM(4, 4, batch_first=True)
+        self.custom = _Custom()
+        self.cfg = _Config()
+        self.plain = {"k": [1, 2.5, None], "t": (3, "x")}
+        blocks = self.blocks
+        self.head = lambda h: blocks[1](h)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        h = self.table["a"](self.seq(x)) * self.cfg.opts["scale"]
+        h = self.head(self.blocks[0](h) + self.shared(h))
+        h = self.decoder(h.unsqueeze(1), h.unsqueeze(1)).squeeze(1)
+        out, _ = self.rnn(h.unsqueeze(1))
+        return self.custom(out.squeeze(1))
+
+
+def test_deepcopy_module_is_copy_deepcopy_step_for_step():
+    """deepcopy_module's own module copy gives what copy.deepcopy gave: the same Python
+    state (program_difference), sharing (one Linear under two paths), tensors, the same
+    outputs, a custom __deepcopy__ still called, and nothing of the original's reached."""
+    from hftc.frontends.same_program import program_difference
+    from hftc.frontends.symbolic import _module_copy
+
+    torch.manual_seed(3)
+    model = _Zoo().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    slow, fast = copy.deepcopy(model), _module_copy(model, {})
+    assert program_difference(slow, fast) is None
+    assert fast.seq[0] is fast.shared and fast.shared is not model.shared
+    assert fast.custom.marked and not hasattr(model.custom, "marked")
+    assert fast.cfg is not model.cfg and fast.cfg.widths == [4, 4]
+    assert fast.cfg.widths is not model.cfg.widths and fast.plain["k"] is not model.plain["k"]
+    assert vars(fast.decoder).keys() == vars(slow.decoder).keys()  # (its __setstate__)
+    for (name, a), (_, b) in zip(slow.state_dict().items(), fast.state_dict().items()):
+        assert torch.equal(a, b), name
+        assert b.data_ptr() != model.state_dict()[name].data_ptr()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), slow(x), rtol=0, atol=0)
+    # the copy made by deepcopy_module (rebound closure) computes with its own modules
+    twin = deepcopy_module(model)
+    with torch.no_grad():
+        for p in twin.blocks[1].parameters():
+            p.zero_()
+        assert torch.equal(twin.head(x), torch.zeros(3, 4, dtype=torch.float64))
+        assert not torch.equal(model.head(x), torch.zeros(3, 4, dtype=torch.float64))
+    # a memo shared with the caller: what it maps is what the copy holds
+    stand_in = nn.Parameter(torch.ones(4, 4, dtype=torch.float64))
+    mapped = _module_copy(model, {id(model.shared.weight): stand_in})
+    assert mapped.shared.weight is stand_in and mapped.seq[0].weight is stand_in
