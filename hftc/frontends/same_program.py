@@ -34,6 +34,7 @@ import functools
 import math
 import types
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -43,6 +44,9 @@ from torch import nn
 #: Values compared with ``==`` (after an exact type check): no state beyond their value.
 _VALUE_TYPES = (bool, int, complex, str, bytes, type(None), range, slice, type(Ellipsis),
                 torch.dtype, torch.device, torch.Size, torch.memory_format, torch.layout)
+
+#: The exact types among those whose objects carry no ``__dict__``: ``==`` says it all.
+_EXACT_VALUES = frozenset({bool, int, str, bytes, type(None)})
 
 #: ``nn.Module.__dict__`` entries compared structurally, not as attributes.
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -320,8 +324,15 @@ class _Comparison:
     def same(self, a: Any, b: Any) -> bool:
         if a is b:
             return True
-        if type(a) is not type(b):
+        kind = type(a)
+        if kind is not type(b):
             return False
+        if kind in _EXACT_VALUES:  # (no attributes besides the value: compared as below)
+            return bool(a == b)
+        if (kind is dict or kind is list) and not a and not b:
+            return True  # (a module's empty hook dicts, a dozen each: nothing to compare)
+        if kind is OrderedDict and not a and not b and not vars(a) and not vars(b):
+            return True
         if isinstance(a, nn.Module) and (id(a) in self.module_paths0 or id(b) in self.module_paths):
             return self.module_paths0.get(id(a)) == self.module_paths.get(id(b))
         if isinstance(a, torch.Tensor):
