@@ -374,3 +374,40 @@ def test_deepcopy_module_is_copy_deepcopy_step_for_step():
     stand_in = nn.Parameter(torch.ones(4, 4, dtype=torch.float64))
     mapped = _module_copy(model, {id(model.shared.weight): stand_in})
     assert mapped.shared.weight is stand_in and mapped.seq[0].weight is stand_in
+
+
+def test_program_difference_still_sees_small_differences_the_fast_paths_pass():
+    """The comparison's shortcuts (exact ints, strs, None; empty dicts, lists and hook
+    dicts) answer as the full walk did: an int against a bool, a str, a hook dict with
+    an attribute or an entry, an empty list against a non-empty one all differ."""
+    from collections import OrderedDict
+
+    from hftc.frontends.same_program import program_difference
+
+    def pair():
+        torch.manual_seed(0)
+        return DropNet(0.1), DropNet(0.1)
+
+    a, b = pair()
+    assert program_difference(a, b) is None
+    for change in (lambda m: setattr(m, "k", True), lambda m: setattr(m, "k", "2"),
+                   lambda m: setattr(m, "k", None), lambda m: setattr(m, "k", [1]),
+                   lambda m: setattr(m, "k", {"x": 1})):
+        a, b = pair()
+        a.k, b.k = 1, 1
+        change(b)
+        assert program_difference(a, b) is not None
+    a, b = pair()
+    a.k, b.k = [], [0]
+    assert program_difference(a, b) is not None
+    b.k.pop()
+    assert program_difference(a, b) is None
+    a, b = pair()
+    a.extra = OrderedDict()
+    b.extra = OrderedDict()
+    assert program_difference(a, b) is None
+    b.extra.tag = 1  # an attribute on the dict object itself
+    assert program_difference(a, b) is not None
+    a, b = pair()
+    b.fc1.register_forward_hook(lambda *args: None)
+    assert program_difference(a, b) is not None
