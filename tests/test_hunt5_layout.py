@@ -211,3 +211,70 @@ def test_digits_cnn_step_matches_stock_sgd():
     out = fused(x)
     for i, m in enumerate(refs):
         torch.testing.assert_close(out[i], m(x), rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ per-model dropout masks
+
+def _sigmas(kept: float, keep: float, n: int) -> float:
+    return abs(kept - keep) / max(keep * (1 - keep) / n, 1e-300) ** 0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.bfloat16], ids=str)
+def test_per_model_masks_keep_each_models_rate_independently(dtype):
+    from hftc.lowering.runtime import random as rt_random
+    torch.manual_seed(0)
+    p = [0.0, 0.05, 0.3, 0.5, 0.9, 1.0, 0.5]
+    x = torch.ones(len(p), 64, 999, dtype=dtype)  # numel not a multiple of 8
+    out = rt_random.per_model_dropout(x, p, True)
+    for i, rate in enumerate(p):
+        kept = out[i] != 0
+        assert _sigmas(kept.double().mean().item(), 1 - rate, kept.numel()) < 5, i
+        if 0 < rate < 1:  # kept elements scaled by exactly 1 / keep, in x's dtype
+            scale = 1 / (1 - torch.tensor(rate, dtype=dtype))
+            assert torch.equal(out[i][kept], torch.full_like(out[i][kept], scale.item()))
+    # models 3 and 6 share a rate, not their masks; neighbours uncorrelated
+    a, b = (out[3] != 0).double().flatten(), (out[6] != 0).double().flatten()
+    assert not torch.equal(a, b)
+    assert _sigmas((a * b).mean().item(), 0.25, a.numel()) < 5
+    flat = (out[3] != 0).double().flatten()
+    assert _sigmas((flat[1:] * flat[:-1]).mean().item(), 0.25, flat.numel() - 1) < 5
+
+
+def test_masks_follow_the_seed_and_the_rest_draws_are_the_ties_only():
+    from hftc.lowering.runtime import random as rt_random
+    keep = torch.tensor([0.7, 0.2, 0.999]).reshape(3, 1, 1)
+    torch.manual_seed(5)
+    first = rt_random.bernoulli_mask((3, 17, 33), keep, torch.empty(0))
+    torch.manual_seed(5)
+    again = rt_random.bernoulli_mask((3, 17, 33), keep, torch.empty(0))
+    assert torch.equal(first, again)
+    assert not torch.equal(rt_random.bernoulli_mask((3, 17, 33), keep, torch.empty(0)), first)
+
+
+def test_fused_dropout_cnn_runs_the_same_masks_for_the_same_seed_and_passes_the_check():
+    """The demo's CNN with per-model dropout: the first-call check (ConstantRandomness:
+    every element kept) finds the fused program equal to the models, so no warning and
+    the fused strategy; the same seed gives the same step."""
+    import warnings
+
+    from hftc.sweep.digits import DigitsCNN
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+
+    def run():
+        torch.manual_seed(0)
+        models = [DigitsCNN(dropout=0.1 * i) for i in range(4)]
+        fused = hftc.fuse(models)
+        loss = hftc.per_model(F.cross_entropy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", hftc.errors.FusionWarning)
+            out = fused(x)
+        loss(out, y).sum().backward()
+        return out.detach(), [p.grad.clone() for p in fused.parameters()]
+
+    out, grads = run()
+    out2, grads2 = run()
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+    # model 0 (p = 0) is its own model's output
+    torch.manual_seed(0)
+    model0 = DigitsCNN(dropout=0.0)
+    torch.testing.assert_close(out[0], model0(x), rtol=1e-5, atol=1e-6)
