@@ -253,7 +253,9 @@ def _shared_unfold_conv(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, pad
     ::
 
         cols = unfold(x)  [B, Cin*kh*kw, L]     (once, for all N models)
-        y    = cols^T @ W^T + b  [B, L, N*Cout]  = [B, N*Cout, H', W'] in channels-last memory
+        rows = cols^T as [B*L, taps]            (taps = Cin*kh*kw)
+        y    = rows @ W^T + b  [B*L, N*Cout]    = [B, N*Cout, H', W'] in channels-last memory
+        grad W^T = rows^T @ dy  [taps, N*Cout]  (W^T is stored so, for MKL's fast GEMM shape)
 
     The first layer of a sweep's CNNs (LeNet-5's 1 -> 6 5x5, the 3-channel stems
     of ResNet and MobileNet): oneDNN is slower on these few-tap convolutions
