@@ -14,6 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e ".[test,sweep,docs,hf,lightning,ray]" $(TORCH)
+	@# an editable install compiles no bytecode: the first `make demo` would pay it
+	$(PY) -m compileall -q hftc >/dev/null
 	touch $@
 
 install: $(VENV)/.installed

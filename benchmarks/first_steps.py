@@ -10,7 +10,8 @@ its own torch.optim.SGD, ``steps`` steps one model after another (serial); then
 steps, timed from the first call (its trace, check and compile included) and again from
 ``hftc.fuse``. Then one fused module's step times, step by step, and the steady state
 (the median of steps ``steps + 1`` to ``2 * steps``). Reported: the median ratios and
-what the first call costs in serial steps.
+what the first call costs in serial steps, and the serial step against the fused
+step's eight batched GEMMs timed alone: the ceiling of any fused step's ratio here.
 """
 
 from __future__ import annotations
@@ -64,8 +65,27 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         return made - start, sum(times[:steps]), times
 
-    serial(), fused(steps)  # warm-up: torch's and hftc's first uses in the process
-    from_call, from_fuse, steady, first = [], [], [], []
+    def gemms(rounds: int = 20) -> float:
+        """The fused step's eight batched GEMMs alone (forward 3, backward 5), the median
+        of ``rounds``: no fused step is faster, whatever its other ops cost."""
+        x = torch.randn(n, 64, 64)
+        w = [torch.randn(n, 64, 128), torch.randn(n, 128, 128), torch.randn(n, 128, 10)]
+        times = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            h1 = torch.bmm(x, w[0])
+            h2 = torch.bmm(h1, w[1])
+            g3 = torch.bmm(h2, w[2])
+            torch.bmm(h2.transpose(1, 2), g3)
+            g2 = torch.bmm(g3, w[2].transpose(1, 2))
+            torch.bmm(h1.transpose(1, 2), g2)
+            g1 = torch.bmm(g2, w[1].transpose(1, 2))
+            torch.bmm(x.transpose(1, 2), g1)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    serial(), fused(steps), gemms()  # warm-up: torch's and hftc's first uses in the process
+    from_call, from_fuse, steady, first, floor = [], [], [], [], []
     for _ in range(args.rounds):
         s = serial()
         fuse_s, steps_s, times = fused(2 * steps)
@@ -73,6 +93,7 @@ def main() -> None:
         from_fuse.append(s / (fuse_s + steps_s))
         steady.append(s / steps / statistics.median(times[steps:]))
         first.append((times[0] - statistics.median(times[steps:])) / (s / steps))
+        floor.append(s / steps / gemms())
 
     def show(values: list[float]) -> str:
         return f"{statistics.median(values):.2f}x [{min(values):.2f}-{max(values):.2f}]"
@@ -83,6 +104,8 @@ def main() -> None:
     print(f"  the steady state:                        {show(steady)}")
     print(f"  the first call's extra cost: {statistics.median(first):.1f} serial steps "
           f"[{min(first):.1f}-{max(first):.1f}]")
+    print(f"  the serial step against the fused step's GEMMs alone: {show(floor)} (the "
+          f"most a fused step can gain on this CPU)")
 
 
 if __name__ == "__main__":

@@ -119,10 +119,27 @@ def test_bernoulli_mask_with_a_keep_probability_per_model():
     assert not rt_random.bernoulli_mask((1000,), 1e-12, torch.empty(0)).any()
 
 
+def _drawn_values(shape, thresholds, dim=0):
+    """Each element's 31-bit value as ``random._keep_mask`` draws it, from the generator's
+    state now: ``lead * 2**23 + rest``, the lead bytes of full-range int64 draws, the
+    rests (low 23 bits of int32 draws, in order) only where the lead ties the threshold's
+    (``thresholds``: one a slice along ``dim``); elsewhere ``lead * 2**23`` decides alike."""
+    numel = math.prod(shape)
+    words = torch.empty(-(-numel // 8), dtype=torch.int64).random_(-2**63, None)
+    lead = words.view(torch.uint8)[:numel].view(shape).long()
+    t_lead = torch.tensor([min(t >> 23, 255) for t in thresholds])
+    t_lead = t_lead.view(-1, *[1] * (len(shape) - 1 - dim))
+    ties = lead == t_lead
+    rests = torch.empty(int(ties.sum()), dtype=torch.int32).random_().long() & (2**23 - 1)
+    values = lead * 2**23
+    values[ties] += rests
+    return values
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_per_model_dropout_is_each_models_bits_below_its_threshold(dtype):
     """Per-model rates, against the rule written out model by model on the same draws:
-    element kept where its 31-bit draw is below round(keep * 2**31), scaled by
+    element kept where its 31-bit value is below round(keep * 2**31), scaled by
     1 / keep; the gradient through the same mask and scale. Rates 0 and 1, one a bit
     above 0 and one a bit below 1 (the thresholds' ends), and inf / NaN inputs."""
     p = [0.0, 1.0, 0.3, 2**-31, 1 - 2**-31, 0.5]
@@ -133,12 +150,12 @@ def test_per_model_dropout_is_each_models_bits_below_its_threshold(dtype):
     out = rt_random.per_model_dropout(x, p, True)
     g = torch.randn_like(out)
     out.backward(g)
+    keeps = [torch.tensor(1 - rate, dtype=dtype) for rate in p]
+    thresholds = [round(float(keep.double()) * 2**31) for keep in keeps]
     torch.manual_seed(11)
-    bits = torch.empty(x.shape, dtype=torch.int32).random_()
-    for i, rate in enumerate(p):
-        keep = torch.tensor(1 - rate, dtype=dtype)
-        threshold = round(float(keep.double()) * 2**31)
-        kept = (bits[i].long() < threshold).to(dtype)
+    values = _drawn_values(x.shape, thresholds)
+    for i, keep in enumerate(keeps):
+        kept = (values[i] < thresholds[i]).to(dtype)
         scale = 1 / keep if keep > 0 else torch.zeros((), dtype=dtype)
         want = x[i].detach() * kept * scale
         assert torch.equal(out[i].detach().isnan(), want.isnan()), i
@@ -148,28 +165,46 @@ def test_per_model_dropout_is_each_models_bits_below_its_threshold(dtype):
 
 
 def test_a_per_model_keep_threshold_is_exact_at_its_ends():
-    """Draws forced to one 31-bit value v (random_ filled with it): an element is kept
-    exactly where v < round(keep * 2**31), at both sides of every end: keep 0 and 1, and
-    thresholds v and v + 1."""
+    """Draws forced to one 31-bit value v = lead * 2**23 + rest (the int64 draws filled
+    with the byte ``lead``, the int32 ones with ``rest`` and a high bit the sampler drops):
+    an element is kept exactly where v < round(keep * 2**31), at both sides of every end:
+    keep 0 and 1, and thresholds v and v + 1."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Drawn(TorchDispatchMode):
-        def __init__(self, value):
+        def __init__(self, lead, rest):
             super().__init__()
-            self.value = value
+            self.lead, self.rest = lead, rest
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.random_.default:
-                return args[0].fill_(self.value)
+            if func.overloadpacket is torch.ops.aten.random_:
+                if args[0].dtype == torch.int64:
+                    word = int.from_bytes(bytes([self.lead] * 8), "little", signed=True)
+                    return args[0].fill_(word)
+                return args[0].fill_(self.rest | 2**30)
             return func(*args, **(kwargs or {}))
 
-    for v in (0, 1, 2**30, 2**31 - 2, 2**31 - 1):
-        keeps = [0.0, 1.0, v / 2**31, (v + 1) / 2**31]
-        keep = torch.tensor(keeps, dtype=torch.float64).reshape(-1, 1)
-        with Drawn(v):
-            mask = rt_random.bernoulli_mask((len(keeps), 3), keep, torch.empty(0))
-        want = [float(v < round(k * 2**31)) for k in keeps]
-        assert mask[:, 0].tolist() == want and (mask == mask[:, :1]).all(), (v, mask)
+    for lead in (0, 1, 127, 128, 254, 255):
+        for rest in (0, 1, 2**22, 2**23 - 1):
+            v = lead * 2**23 + rest
+            keeps = [0.0, 1.0, v / 2**31, (v + 1) / 2**31, (v + 2**23) / 2**31,
+                     (v - 2**23) / 2**31]
+            keeps = [k for k in keeps if 0 <= k <= 1]
+            keep = torch.tensor(keeps, dtype=torch.float64).reshape(-1, 1)
+            with Drawn(lead, rest):
+                mask = rt_random.bernoulli_mask((len(keeps), 3), keep, torch.empty(0))
+            want = [float(v < round(k * 2**31)) for k in keeps]
+            assert mask[:, 0].tolist() == want and (mask == mask[:, :1]).all(), (v, mask)
+            # a float keep, and with a scale
+            for k in keeps[2:]:
+                with Drawn(lead, rest):
+                    one = rt_random.bernoulli_mask((5,), k, torch.empty(0))
+                assert one.tolist() == [float(v < round(k * 2**31))] * 5, (v, k)
+            scale = torch.arange(1.0, len(keeps) + 1).reshape(-1, 1)
+            with Drawn(lead, rest):
+                scaled = rt_random.bernoulli_mask((len(keeps), 3), keep, torch.empty(0),
+                                                  scale)
+            assert torch.equal(scaled, mask * scale)
 
 
 class Dropouts(nn.Module):

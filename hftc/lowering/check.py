@@ -97,6 +97,15 @@ def _whole_dropout(alpha: bool) -> Callable[[tuple, dict, Any], Any]:
     return constant
 
 
+def _range_constant(args: tuple) -> int:
+    """``random_``'s constant draw: 0 where its range ``[from, to)`` holds 0 (``random_()``,
+    ``random_(to)``, the full-range ``random_(-2**63, None)``), else ``from``."""
+    if len(args) < 3:
+        return 0
+    low, high = args[1], args[2]
+    return 0 if low <= 0 and (high is None or high > 0) else low
+
+
 def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
     return args[index] if len(args) > index else kwargs.get(name, default)
 
@@ -104,10 +113,12 @@ def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
 #: For each random op: its result made a constant that does not depend on the shape of
 #: the draw (the fused program draws for N models at once, each model for itself):
 #: ``(args, kwargs, result) -> result``.  Every uniform draw is its lowest value (0 for
-#: ``rand``, ``from`` for ``uniform_``, ``low`` for ``randint`` and ``random_``), so the
-#: ways of drawing a keep mask agree: ``bernoulli_(keep)`` (ATen's dropout),
-#: ``random_() < keep * 2**31`` (hftc's, :func:`~hftc.lowering.runtime.random.bernoulli_mask`)
-#: and ``rand() < keep`` all keep every element.
+#: ``rand``, ``from`` for ``uniform_``, ``low`` for ``randint`` and ``random_``; 0 for a
+#: ``random_`` whose range holds it, as the full-range int64 draws of random bits do:
+#: their lowest value as bits), so the ways of drawing a keep mask agree:
+#: ``bernoulli_(keep)`` (ATen's dropout), ``31-bit draw < keep * 2**31`` (hftc's,
+#: :func:`~hftc.lowering.runtime.random.bernoulli_mask`) and ``rand() < keep`` all keep
+#: every element.
 _CONSTANT_DRAWS: dict[Any, Callable[[tuple, dict, Any], Any]] = {
     aten.native_dropout: _dropout,
     aten.dropout: _whole_dropout(alpha=False),
@@ -126,7 +137,7 @@ _CONSTANT_DRAWS: dict[Any, Callable[[tuple, dict, Any], Any]] = {
     aten.normal: lambda a, k, out: _mean_fill(out, _arg(a, k, 0, "mean", 0.0)),
     aten.randint: lambda a, k, out: out.fill_(a[0] if len(a) > 2 else 0),
     aten.randint_like: lambda a, k, out: out.fill_(a[1] if len(a) > 2 else 0),
-    aten.random_: lambda a, k, out: out.fill_(a[1] if len(a) > 2 else 0),
+    aten.random_: lambda a, k, out: out.fill_(_range_constant(a)),
     aten.randperm: lambda a, k, out: out.copy_(torch.arange(out.numel(), dtype=out.dtype,
                                                             device=out.device)),
     aten.exponential_: lambda a, k, out: out.fill_(1.0 / _arg(a, k, 1, "lambd", 1.0)),

@@ -33,6 +33,7 @@ from ..lowering.runtime import differing_ops as rt_differing_ops
 from ..lowering.runtime import layout as rt_layout
 from ..lowering.runtime import per_model as rt_per_model
 from ..lowering.runtime import random as rt_random
+from ..lowering.runtime import spatial as rt_spatial
 from ..match import COMPARISONS
 from .registry import (
     EXACT,
@@ -132,6 +133,10 @@ def _out_of_place(group: FusionGroup) -> tuple | None:
 
 def fuse_pointwise(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     """Run the op unchanged, after lining up batched operands with the result's rank."""
+    if group.node.op == "call_method" and group.node.target == "contiguous" and group.args \
+            and builder.is_batched(group.args[0]):
+        # a copy out of channels-last memory whose gradient goes back channels-last
+        return builder.call(rt_spatial.contiguous, *group.args, **group.kwargs)
     out_of_place = _out_of_place(group)
     if out_of_place is not None and len(group.args) == 1 and not group.kwargs:
         fn, constants = out_of_place

@@ -158,8 +158,8 @@ def fuse_flatten(group: FusionGroup, builder: GraphBuilder) -> fx.Node:
     x = a["input"]
     if _input_example(group).dim() == 0:
         return builder.method("reshape", x, -1, 1)
-    return builder.method("flatten", x, shift_dim_arg(builder, a["start_dim"]),
-                          shift_dim_arg(builder, a["end_dim"]))
+    return builder.call(rt_spatial.flatten, x, shift_dim_arg(builder, a["start_dim"]),
+                        shift_dim_arg(builder, a["end_dim"]))
 
 
 @rule(*spellings("unflatten"), ("call_module", nn.Unflatten), padding=MOVES)

@@ -69,6 +69,7 @@ from .spec import SpecError, SweepSpec, hook_name, plain_params
 from .storage import (
     SURPLUS,
     Heartbeat,
+    OwnTrialsCache,
     check_heartbeat,
     count_trials,
     counts_in_budget,
@@ -302,7 +303,7 @@ class Sweep(Recovery, Arrays, Decisions):
         if not isinstance(sampler, TrialSeededSampler):
             sampler = TrialSeededSampler(sampler, self.spec.seed)
         self.study = optuna.create_study(
-            study_name=self.study_name, storage=self.storage, load_if_exists=True,
+            study_name=self.study_name, storage=OwnTrialsCache(self.storage), load_if_exists=True,
             direction=self.spec.direction, sampler=sampler, pruner=make_pruner(self.spec),
         )
         # (the process's first RDB storage: SQLAlchemy's import and the schema, which a

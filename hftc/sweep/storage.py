@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import optuna
+from optuna.storages._cached_storage import _CachedStorage, _StudyInfo
 from optuna.trial import TrialState
 
 from ..errors import SpecError, SweepError
 from .spec import SweepSpec
 
-__all__ = ["make_storage", "one_worker_per_trial", "make_sampler", "make_pruner", "Heartbeat",
+__all__ = ["make_storage", "OwnTrialsCache", "one_worker_per_trial", "make_sampler", "make_pruner",
+           "Heartbeat",
            "count_trials", "counts_in_budget", "room_for", "SURPLUS", "masked_url",
            "storage_errors", "check_heartbeat"]
 
@@ -170,6 +172,109 @@ def make_storage(url: str, heartbeat_interval: int = 30,
     if storage.engine.name == "sqlite":
         _fast_sqlite(storage)
     return storage
+
+
+class OwnTrialsCache(_CachedStorage):
+    """Optuna's cache of an RDB storage, which on each read of a study's trials re-reads
+    only the unfinished trials that can have changed since its last read::
+
+        Optuna's _CachedStorage:  every unfinished trial, every time
+        this one:                 trials made since the last read
+                                  + unfinished trials this object wrote since then
+                                  + unfinished trials it did not make (another worker's)
+
+    An array of 16 running trials read them all on each of the ~4 reads a trial's ask
+    and suggestions make (the sampler's history, the waiting trials): most of a sweep's
+    Optuna time. A trial this object made changes only through its own writes (a worker
+    owns its trials; hftc fails another's only through the raw storage, and those are
+    not this object's), so what a read returns is what Optuna's would: the sampler and
+    the pruner see the same trials and draw the same values; ``get_trial`` of a trial it
+    made and has not written since is the cached one (``ask`` and ``tell`` read their
+    trial). The sweep's own checks of a trial's state read the RDB storage itself."""
+
+    def __init__(self, backend: optuna.storages.RDBStorage):
+        super().__init__(backend)
+        self._made: set[int] = set()     # trial ids created through this object
+        self._written: set[int] = set()  # of those, written since they were last read
+        self._read_to: dict[int, int] = {}  # per study: the largest trial id read
+
+    def __getattr__(self, name: str) -> Any:
+        # the RDB storage's own attributes (scoped_session, engine, url) for hftc's code
+        backend = self.__dict__.get("_backend")
+        if backend is None:
+            raise AttributeError(name)
+        return getattr(backend, name)
+
+    def _wrote(self, trial_id: int) -> None:
+        with self._lock:
+            self._written.add(trial_id)
+
+    def create_new_trial(self, study_id: int, template_trial: Any = None) -> int:
+        trial_id = super().create_new_trial(study_id, template_trial)
+        with self._lock:
+            self._made.add(trial_id)
+        return trial_id
+
+    def set_trial_param(self, trial_id: int, *args: Any, **kwargs: Any) -> None:
+        super().set_trial_param(trial_id, *args, **kwargs)
+        self._wrote(trial_id)
+
+    def set_trial_state_values(self, trial_id: int, *args: Any, **kwargs: Any) -> bool:
+        try:
+            return super().set_trial_state_values(trial_id, *args, **kwargs)
+        finally:
+            self._wrote(trial_id)
+
+    def set_trial_intermediate_value(self, trial_id: int, *args: Any, **kwargs: Any) -> None:
+        super().set_trial_intermediate_value(trial_id, *args, **kwargs)
+        self._wrote(trial_id)
+
+    def set_trial_user_attr(self, trial_id: int, *args: Any, **kwargs: Any) -> None:
+        super().set_trial_user_attr(trial_id, *args, **kwargs)
+        self._wrote(trial_id)
+
+    def set_trial_system_attr(self, trial_id: int, *args: Any, **kwargs: Any) -> None:
+        super().set_trial_system_attr(trial_id, *args, **kwargs)
+        self._wrote(trial_id)
+
+    def get_trial(self, trial_id: int) -> Any:
+        with self._lock:
+            if trial_id in self._made and trial_id not in self._written and \
+                    trial_id in self._trial_id_to_study_id_and_number:
+                study_id, number = self._trial_id_to_study_id_and_number[trial_id]
+                return self._studies[study_id].trials[number]
+        trial = super().get_trial(trial_id)
+        if trial_id in self._made:
+            with self._lock:  # (read afresh: the cache holds it as the database does)
+                self._add_trials_to_cache(self._trial_id_to_study_id_and_number[trial_id][0],
+                                          [trial])
+                self._written.discard(trial_id)
+        return trial
+
+    def _read_trials_from_remote_storage(self, study_id: int) -> None:
+        with self._lock:
+            if study_id not in self._studies:
+                self._studies[study_id] = _StudyInfo()
+            study = self._studies[study_id]
+            unfinished = study.unfinished_trial_ids
+            stale = {t for t in unfinished if t not in self._made or t in self._written}
+            read_to = self._read_to.get(study_id, -1)
+            trials = self._backend._get_trials(study_id, states=None, included_trial_ids=stale,
+                                               trial_id_greater_than=read_to)
+            self._written -= stale
+            if not trials:
+                return
+            self._add_trials_to_cache(study_id, trials)
+            for trial in trials:
+                self._written.discard(trial._trial_id)
+                read_to = max(read_to, trial._trial_id)
+                if trial.state.is_finished():
+                    unfinished.discard(trial._trial_id)
+                    study.last_finished_trial_id = max(study.last_finished_trial_id,
+                                                       trial._trial_id)
+                else:
+                    unfinished.add(trial._trial_id)
+            self._read_to[study_id] = read_to
 
 
 def _reach(url: str, engine_kwargs: dict[str, Any]) -> None:

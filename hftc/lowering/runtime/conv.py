@@ -253,7 +253,9 @@ def _shared_unfold_conv(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, pad
     ::
 
         cols = unfold(x)  [B, Cin*kh*kw, L]     (once, for all N models)
-        y    = cols^T @ W^T + b  [B, L, N*Cout]  = [B, N*Cout, H', W'] in channels-last memory
+        rows = cols^T as [B*L, taps]            (taps = Cin*kh*kw)
+        y    = rows @ W^T + b  [B*L, N*Cout]    = [B, N*Cout, H', W'] in channels-last memory
+        grad W^T = rows^T @ dy  [taps, N*Cout]  (W^T is stored so, for MKL's fast GEMM shape)
 
     The first layer of a sweep's CNNs (LeNet-5's 1 -> 6 5x5, the 3-channel stems
     of ResNet and MobileNet): oneDNN is slower on these few-tap convolutions
@@ -268,7 +270,12 @@ def _shared_unfold_conv(x: Tensor, w: Tensor, b: Tensor | None, stride: Any, pad
     out_h = (height + 2 * padding[0] - dilation[0] * (k[0] - 1) - 1) // stride[0] + 1
     out_w = (width + 2 * padding[1] - dilation[1] * (k[1] - 1) - 1) // stride[1] + 1
     cols = F.unfold(x, tuple(k), dilation=dilation, padding=padding, stride=stride)
-    y = F.linear(cols.transpose(1, 2), w.reshape(w.shape[0], -1), b)       # [B, L, N*Cout]
+    rows = cols.transpose(1, 2).reshape(-1, cols.shape[1])                 # [B*L, taps]
+    # W^T stored [taps, N*Cout]: autograd then takes the weight gradient as rows^T @ dy, a
+    # wide [taps, N*Cout] product; for a transposed W^T it takes (dy^T @ rows)^T, whose
+    # [N*Cout, taps] shape (taps <= 32, K = B*L) MKL runs ~6x slower (docs/DESIGN_NOTES.md).
+    wt = w.reshape(w.shape[0], -1).t().contiguous()
+    y = torch.mm(rows, wt) if b is None else torch.addmm(b, rows, wt)       # [B*L, N*Cout]
     y = y.view(batch, out_h, out_w, -1).permute(0, 3, 1, 2)                # channels-last
     return unfold_channels(y, n, True)
 
@@ -423,7 +430,7 @@ def _pointwise_conv(x: Tensor, weight: Tensor, bias: Tensor | None, spatial: int
     sizes = x.shape[3:]
     xs = x.movedim(2, 1).reshape(n, cin, -1)            # a view if already channel-major
     if x.requires_grad:
-        _gradient_in_layout_of(x)
+        layout.gradient_in_layout_of(x)
     w = weight.reshape(n, cout, cin)
     y = torch.bmm(w, xs) if bias is None else torch.baddbmm(bias.reshape(n, cout, 1), w, xs)
     y = y.view(n, cout, lead, *sizes).movedim(2, 0).contiguous().movedim(0, 1)
@@ -569,31 +576,6 @@ class _PointwiseRows(torch.autograd.Function):
         if need_b and ctx.has_bias:
             grad_b = grad.sum(0).view(n, cout)
         return grad_rows, grad_w, grad_b
-
-
-def _gradient_in_layout_of(x: Tensor) -> None:
-    """Hand ``x``'s producer its gradient in ``x``'s own memory layout.
-
-    The batched GEMM's input gradient comes back in the GEMM's ``[N, Cin, B, H, W]``
-    memory; the ops before a 1x1 conv (batch norm, SiLU, SE's scale) hold the folded
-    ``[B, N*C, H, W]`` layout, and ATen's CPU backward kernels for mixed layouts are its
-    slow strided ones (batch-norm backward ~10x).  One copy here instead.
-    """
-    shape, strides = x.shape, x.stride()
-    dense = 1
-    for size, stride in sorted(zip(shape, strides), key=lambda dim: dim[1]):
-        if size != 1:
-            if stride != dense:  # overlapping or gapped (an expanded x): no layout to match
-                return
-            dense *= size
-
-    def restride(grad: Tensor) -> Tensor:
-        if layout.batched_gradient(grad) or grad.stride() == strides or grad.shape != shape:
-            return grad
-        return torch.empty_strided(shape, strides, dtype=grad.dtype,
-                                   device=grad.device).copy_(grad)
-
-    x.register_hook(restride)
 
 
 def conv_transpose_lowerings(*args: Any, **kwargs: Any) -> list[str]:

@@ -96,6 +96,53 @@ def canonical_grad(y: Tensor) -> None:
         y.register_hook(_canonical_strides)
 
 
+def gradient_in_layout_of(x: Tensor) -> None:
+    """Hand ``x``'s producer its gradient in ``x``'s own memory layout (one copy, where the
+    gradient arrives in another).
+
+    ATen's CPU backward kernels for operands of mixed layouts are its slow strided ones
+    (``threshold_backward`` ~7x, batch-norm backward ~10x), so the backward of an op that
+    left ``x``'s layout (a batched GEMM's ``[N, Cin, B, H, W]``, a channels-last map
+    flattened for a linear) gives its input gradient back in ``x``'s layout.  Only for a
+    dense ``x`` (an expanded one has no layout to match); the values are not touched.
+    """
+    shape, strides = x.shape, x.stride()
+    dense = 1
+    for size, stride in sorted(zip(shape, strides), key=lambda dim: dim[1]):
+        if size != 1:
+            if stride != dense:  # overlapping or gapped (an expanded x): no layout to match
+                return
+            dense *= size
+
+    def restride(grad: Tensor) -> Tensor:
+        if batched_gradient(grad) or grad.stride() == strides or grad.shape != shape:
+            return grad
+        return torch.empty_strided(shape, strides, dtype=grad.dtype,
+                                   device=grad.device).copy_(grad)
+
+    x.register_hook(restride)
+
+
+def layout_copy(x: Tensor, y: Tensor) -> Tensor:
+    """``y``, ``x`` reshaped, flattened or made contiguous; where that copied ``x`` into
+    another layout, ``x``'s gradient comes back in ``x``'s layout (:func:`gradient_in_layout_of`)::
+
+        relu(x) [N, B, C, H, W] channels-last -> flatten(2) copies to [N, B, C*H*W]
+        backward: the flat gradient viewed [N, B, C, H, W] is contiguous -> copied to
+                  channels-last, so relu's backward reads two channels-last operands
+
+    A view (no copy) keeps ``x``'s memory and needs nothing.  Not for leaves (a user's
+    input keeps the gradient autograd gives it), vmap's tensors or ``torch.compile``.
+    """
+    if y is x or not x.requires_grad or x.grad_fn is None or y._is_view() \
+            or torch.compiler.is_compiling() or vmap_batched(x):
+        return y
+    if y.shape == x.shape and y.stride() == x.stride():
+        return y  # the same layout already
+    gradient_in_layout_of(x)
+    return y
+
+
 def expand_models(x: Any, n: int) -> Any:
     """A shared value seen by all N models: every tensor leaf gains a model dim (a view)."""
     return pytree.tree_map(

@@ -12,6 +12,7 @@ is one module (each model's stream differs from its solo run's: see docs/API.md)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -48,37 +49,102 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True, inplace: bool = Fa
     return x.mul_(noise) if inplace else x * noise
 
 
-#: :func:`bernoulli_mask` draws 31-bit integers: ``Tensor.random_`` on int32 is uniform on
-#: [0, 2**31).
+#: :func:`bernoulli_mask`'s resolution: each element keeps with probability ``t / 2**31``.
 _MASK_BITS = 31
+#: Each element's 31 bits as a leading byte, then (only where that byte ties the
+#: threshold's) 23 more (:func:`_kept`).
+_REST_BITS = _MASK_BITS - 8
 
 
-def bernoulli_mask(shape: Sequence[int], keep: float | Tensor, like: Tensor) -> Tensor:
+def bernoulli_mask(shape: Sequence[int], keep: float | Tensor, like: Tensor,
+                   scale: Tensor | None = None) -> Tensor:
     """A ``{0, 1}`` tensor of ``like``'s dtype and device, each element 1 with probability
-    ``keep`` (a float, or a tensor that broadcasts to ``shape``: one per model).
+    ``keep`` (a float, or a tensor that broadcasts to ``shape``: one per model); with
+    ``scale`` (a tensor broadcasting to ``shape``), ``scale`` where 1: ``mask * scale``'s
+    values in one pass.
 
-    On the CPU: uniform 31-bit integers (``Tensor.random_``, the default generator, so
-    ``torch.manual_seed`` reproduces them) compared with ``round(keep * 2**31)``: ``keep``
-    exact to 2**-31, the resolution of ATen's own MKL sampler (MCG31).  ATen's
-    ``bernoulli_`` costs ~7 ns an element on one core of the Xeon, ``random_`` ~2.5 ns:
-    a Transformer's dropout masks were a quarter of its training step.
-    Elsewhere: ``torch.bernoulli``.
+    On the CPU: each element is kept where a uniform 31-bit integer is below
+    ``round(keep * 2**31)`` (:func:`_keep_mask`; the default generator, so
+    ``torch.manual_seed`` reproduces the draws): ``keep`` exact to 2**-31, the
+    resolution of ATen's own MKL sampler (MCG31).  ATen's ``bernoulli_`` costs ~7 ns an
+    element on one core of the Xeon, a ``random_`` draw ~2.5 ns, and :func:`_keep_mask`
+    makes a quarter of a draw an element: a Transformer's dropout masks were a quarter
+    of its training step.  Elsewhere: ``torch.bernoulli``.
     """
     if like.device.type != "cpu":
         if isinstance(keep, Tensor):
-            return torch.bernoulli(keep.to(like.dtype).expand(shape))
-        return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(keep)
+            mask = torch.bernoulli(keep.to(like.dtype).expand(shape))
+        else:
+            mask = torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(keep)
+        return mask if scale is None else mask.mul_(scale)
     if isinstance(keep, Tensor):
-        # bits < t as bits <= t - 1: t = 2**31 (keep = 1) is past int32, t - 1 is not, and
-        # an int32 threshold compares without widening every bit to int64.
-        threshold = (keep.double() * 2**_MASK_BITS).round().sub_(1).to(torch.int32)
-        bits = torch.empty(shape, dtype=torch.int32, device=like.device).random_()
-        return torch.le(bits, threshold).to(like.dtype)
-    threshold = round(keep * 2**_MASK_BITS)
-    if threshold >= 2**_MASK_BITS:
-        return torch.ones(shape, dtype=like.dtype, device=like.device)
-    bits = torch.empty(shape, dtype=torch.int32, device=like.device).random_()
-    return bits.lt_(threshold).to(like.dtype)
+        threshold = (keep.double() * 2**_MASK_BITS).round().long()
+    else:
+        threshold = round(keep * 2**_MASK_BITS)
+        if threshold >= 2**_MASK_BITS and scale is None:
+            return torch.ones(shape, dtype=like.dtype, device=like.device)
+    return _keep_mask(shape, threshold, like, scale)
+
+
+def _keep_mask(shape: Sequence[int], threshold: int | Tensor, like: Tensor,
+               scale: Tensor | None) -> Tensor:
+    """``[*shape]`` of ``like``'s dtype: 1 (or ``scale``) where each element's uniform 31-bit
+    integer ``v`` is below ``threshold`` (an int, or an int64 tensor broadcasting to
+    ``shape``, in [0, 2**31]), else 0.
+
+    ``v`` is drawn a byte first: ``v = lead * 2**23 + rest``, so ``v < t`` is ``lead <
+    t_lead``, or ``lead == t_lead`` and ``rest < t_rest``::
+
+        lead  = the bytes of full-range int64 random_ draws, 8 a draw
+        mask  = lead < t_lead                        (written as floats: vectorized)
+        ties  = lead == t_lead                       (1 element in 256)
+        mask[ties] = rest < t_rest,  rest: the low 23 bits of an int32 random_() each
+
+    (``t_lead = min(t >> 23, 255)``, ``t_rest = t - t_lead * 2**23``: ``t = 2**31`` is
+    ``255, 2**23``.)  Exactly the distribution of one 31-bit draw an element, each
+    element its own draws, for a quarter of the generator's work: a CPU ``random_``
+    makes a generator call an element (two for 64 bits) whatever its dtype.  The demo
+    CNN's [16, 32, 256] mask: 470 -> ~130 us (one core, docs/DESIGN_NOTES.md).
+    """
+    numel, device = math.prod(shape), like.device
+    words = torch.empty(-(-numel // 8), dtype=torch.int64, device=device)
+    words.random_(-2**63, None)  # every bit uniform (random_() leaves the top bit 0)
+    lead = words.view(torch.uint8)[:numel].view(shape)
+    t_lead = threshold >> _REST_BITS
+    if isinstance(t_lead, Tensor):
+        t_lead = t_lead.clamp_(max=255)
+        t_rest = threshold - t_lead * 2**_REST_BITS
+        t_lead = t_lead.to(torch.uint8)
+    else:
+        t_lead = min(t_lead, 255)
+        t_rest = threshold - t_lead * 2**_REST_BITS
+    # comparisons written into float / uint8 outputs run vectorized, into bool not (5x)
+    mask = torch.lt(lead, t_lead, out=torch.empty(shape, dtype=like.dtype, device=device))
+    if scale is not None:
+        mask.mul_(scale)
+    flags = torch.zeros(words.numel() * 8, dtype=torch.uint8, device=device)
+    torch.eq(lead, t_lead, out=flags[:numel].view(shape))
+    ties = _flagged(flags)
+    if ties.numel():
+        rest = torch.empty(ties.numel(), dtype=torch.int32, device=device).random_()
+        at = torch.unravel_index(ties, tuple(shape))
+        below = rest.bitwise_and_(2**_REST_BITS - 1) < (
+            t_rest.expand(shape)[at] if isinstance(t_rest, Tensor) else t_rest)
+        kept = below.to(like.dtype) if scale is None else torch.where(
+            below, scale.expand(shape)[at], 0).to(like.dtype)
+        mask.view(-1)[ties] = kept
+    return mask
+
+
+def _flagged(flags: Tensor) -> Tensor:
+    """The positions of the nonzero bytes of ``flags`` (uint8, a multiple of 8 long), in
+    order: the nonzero int64 words first, then their bytes (``nonzero`` of a whole bool
+    mask costs ~10x a vectorized pass; the flags are rare)."""
+    hit = flags.view(torch.int64).nonzero().view(-1)
+    if not hit.numel():
+        return hit
+    at = flags.view(-1, 8)[hit].nonzero()
+    return hit[at[:, 0]] * 8 + at[:, 1]
 
 
 def per_model_dropout(x: Tensor, p: Sequence[float], training: bool, *,
@@ -91,11 +157,10 @@ def per_model_dropout(x: Tensor, p: Sequence[float], training: bool, *,
     mask_shape = list(x.shape)
     for d in range(feature_dims):
         mask_shape[-1 - d] = 1
-    mask = bernoulli_mask(mask_shape, keep, x)
     scale = torch.where(keep > 0, 1 / keep.clamp_min(torch.finfo(keep.dtype).tiny), 0)
     # x * (mask * scale), one pass over x forward and backward: mask is 0 or 1, so the
     # values are x * mask * scale's bit for bit.
-    return x * mask.mul_(scale)
+    return x * bernoulli_mask(mask_shape, keep, x, scale)
 
 
 def per_model_bernoulli_(x: Tensor, p: Sequence[float]) -> Tensor:

@@ -222,7 +222,19 @@ def reshape(x: Tensor, *shape: Any) -> Tensor:
     """``x.view(*shape)`` / ``x.reshape(*shape)`` per model: prepend the model dim."""
     if len(shape) == 1 and isinstance(shape[0], torch.dtype):
         return x.view(shape[0])
-    return x.reshape(x.shape[0], *shape_arg(shape))
+    return layout.layout_copy(x, x.reshape(x.shape[0], *shape_arg(shape)))
+
+
+def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    """``x.flatten(start_dim, end_dim)`` of the fused value (dims already shifted past the
+    model dim); a copy out of a channels-last map gives its gradient back channels-last
+    (:func:`.layout.layout_copy`)."""
+    return layout.layout_copy(x, x.flatten(start_dim, end_dim))
+
+
+def contiguous(x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """``x.contiguous(...)``, its gradient back in ``x``'s layout (:func:`.layout.layout_copy`)."""
+    return layout.layout_copy(x, x.contiguous(*args, **kwargs))
 
 
 def permute(x: Tensor, *dims: Any) -> Tensor:
