@@ -399,6 +399,28 @@ class Arrays:
         if classes:
             self.mixed.append((numbers, classes))
 
+    def _note_one_by_one(self) -> None:
+        """Record what the arrays ran model by model rather than fused (each model exact,
+        but nothing saved): an op no rule fuses (fusion_report's fallbacks, with why), or a
+        forward that runs the N models one by one (``fused.plan``: the first-call check
+        found the fused program wrong, ...), with the trials it was seen in. Said in the
+        summary and, when first seen, by ``-v``: a sweep that fuses nothing looks like one
+        that does."""
+        for array in self.arrays:
+            numbers = [r.number for r in array.members]
+            for program in list(getattr(array.fused, "_programs", {}).values()):
+                found = [f"{r.source}: {r.reason}" for r in program.report.fallbacks]
+                plan = program.plan
+                if program.one_by_one is not None or (plan is not None
+                                                       and plan.chosen == "model_loop"):
+                    found = [_whole_forward(program)]
+                for what in found:
+                    seen = self.one_by_one.setdefault(what, [])
+                    if not seen:
+                        self.log(f"run model by model in a fused array (exact, not faster): "
+                                 f"trials {numbers}: {what}")
+                    seen.extend(n for n in numbers if n not in seen)
+
     def _note_apart(self, first: list[LiveTrial], other: list[LiveTrial], reason: str | None,
                     example: Any = None) -> None:
         """Record why ``other`` could not share ``first``'s array: the reason given, or
@@ -449,3 +471,12 @@ class Arrays:
             if f.name not in used:
                 f.unlink(missing_ok=True)
 
+
+def _whole_forward(program: Any) -> str:
+    """Why a fused array's forward runs its N models one by one, in words: the first-call
+    check's finding (its FusionWarning says where), or the plan's reason."""
+    if getattr(program.plan, "reason", None) == "check":
+        return ("the whole forward runs the models one by one: the first-call check found "
+                "the fused program's outputs differ from the models' own forward (the "
+                "FusionWarning says where)")
+    return f"the whole forward {program.plan or 'runs the models one by one'}"

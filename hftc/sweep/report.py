@@ -195,6 +195,8 @@ def summary(result) -> str:
                      f"({'; '.join(combos)})")
     for reason in result.apart:
         lines.append(f"  not in one array: {reason}")
+    for what in getattr(result, "one_by_one", ()):
+        lines.append(f"  run model by model, not fused (exact, not faster): {what}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,168 @@
+"""Sweep specs as a newcomer writes them from docs/SWEEP.md (models nobody on the team
+wrote): what the sweep says of them, and that each trial is its run alone."""
+
+from __future__ import annotations
+
+import textwrap
+import warnings
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+
+import hftc.sweep as hs
+from hftc.errors import SweepWarning
+from hftc.sweep.training import load_data, train_alone
+
+# A small MLP on synthetic digits-like data; `#FORWARD` and `#EXTRA` are where a test puts
+# what its model does differently.
+SPEC = '''
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+name = "hunt5"
+epochs = 2
+batch_size = 32
+n_trials = 4
+per_array = 2
+dtype = torch.float64
+#EXTRA
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 12)
+        self.fc2 = nn.Linear(12, 4)
+        #INIT
+
+    def forward(self, x):
+        #FORWARD
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def space(trial):
+    return {"lr": trial.suggest_float("lr", 1e-2, 0.3, log=True),
+            "momentum": trial.suggest_float("momentum", 0.0, 0.9)}
+
+
+def model(params):
+    return Net()
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(160, 16, generator=g)
+    y = (x[:, :4].argmax(1) + (x[:, 4] > 1).long()) % 4
+    return (x[:128], y[:128]), (x[128:], y[128:])
+'''
+
+
+def _spec(tmp_path: Path, **parts: str) -> Path:
+    source = SPEC
+    for marker, text in parts.items():
+        source = source.replace(f"#{marker.upper()}", textwrap.dedent(text).strip())
+    path = tmp_path / "spec.py"
+    path.write_text(source)
+    return path
+
+
+def _run(path: Path, out: Path, **kw):
+    log: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = hs.run(str(path), out=str(out), estimate=False, progress=False,
+                        log=log.append, **kw)
+    return result, log
+
+
+def _assert_alone(result, spec_path: Path) -> None:
+    """Every finished trial's curve is its run alone (stock model and optimizer, float64)."""
+    spec = hs.load_spec(str(spec_path))
+    data = load_data(spec)
+    for t in result.study.trials:
+        if t.state not in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
+            continue
+        fused = [t.intermediate_values[k] for k in sorted(t.intermediate_values)]
+        _, alone = train_alone(spec, t.params, t.user_attrs["hftc_seed"],
+                               t.user_attrs["hftc_orders"][:len(fused)], data)
+        assert fused == pytest.approx(alone, abs=1e-9), t.number
+
+
+# ---------------------------------------------------------------- model by model, said
+
+
+def test_an_op_no_rule_fuses_is_said_in_the_summary_and_by_verbose(tmp_path):
+    """A weight_norm'd layer (torch.nn.utils.parametrize) runs model by model inside the
+    fused array: exact, but nothing saved. The summary said nothing of it (fused arrays:
+    2, 2), so a sweep whose arrays fuse little looked like one that fuses all."""
+    path = _spec(tmp_path, init="self.fc1 = nn.utils.parametrizations.weight_norm(self.fc1)")
+    result, log = _run(path, tmp_path / "out")
+    lines = [line for line in result.summary.splitlines() if "model by model" in line]
+    assert len(lines) == 1, result.summary
+    assert "trials [0, 1, 2, 3]" in lines[0] and "`fc1`" in lines[0]
+    assert "parametrized" in lines[0]
+    assert sum("run model by model" in line for line in log) == 1, log  # -v: once
+    _assert_alone(result, path)
+
+
+def test_a_forward_run_one_by_one_is_said_in_the_summary(tmp_path):
+    """A forward whose Python takes another path when traced (``type(x) is torch.Tensor``)
+    fails the first-call check, and the array runs its models one by one: said only in a
+    FusionWarning per array, never in the summary."""
+    path = _spec(tmp_path, forward="if type(x) is torch.Tensor:\n            x = x * 2")
+    result, _ = _run(path, tmp_path / "out")
+    lines = [line for line in result.summary.splitlines() if "model by model" in line]
+    assert len(lines) == 1, result.summary
+    assert "the whole forward runs the models one by one" in lines[0]
+    assert "first-call check" in lines[0] and "trials [0, 1, 2, 3]" in lines[0]
+    _assert_alone(result, path)
+
+
+def test_a_fully_fused_sweep_says_nothing_of_model_by_model(tmp_path):
+    path = _spec(tmp_path)
+    result, log = _run(path, tmp_path / "out")
+    assert "model by model" not in result.summary
+    assert not any("model by model" in line for line in log)
+    _assert_alone(result, path)
+
+
+# ---------------------------------------------------------------- a spec fixed after its error
+
+
+def test_a_spec_fixed_after_its_models_could_not_be_fused_goes_on(tmp_path, capsys):
+    """The first run's model cannot be fused (a branch on a tensor's value): the sweep
+    fails its first array's trials and stops, naming the line. The user fixes the line and
+    reruns the same command: it was refused ("started with another spec ... its trials so
+    far were sampled, trained and pruned with the first"), though nothing was trained, so
+    the only way on was another --out. Now it goes on in the same study, saying so; a
+    study with a trained trial is still refused (tests/test_hunt_sweep.py)."""
+    from hftc.__main__ import main
+
+    path = _spec(tmp_path, forward="if x.sum().item() > 1e9:\n            x = x * 2")
+    args = ["sweep", str(path), "--out", str(tmp_path / "out"), "--no-progress",
+            "--no-estimate"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "TraceError" in err and "spec.py:" in err
+    assert "the models of spec.model" in err and "trials [0, 1] are failed" in err
+    path.write_text(path.read_text().replace(
+        "if x.sum().item() > 1e9:\n            x = x * 2", "x = torch.where(x.sum() > 1e9, x * 2, x)"))
+    with pytest.warns(SweepWarning, match=r"all failed before any epoch was trained.*"
+                                             r"--trials 6 for 4 trained"):
+        assert main(args) == 0
+    study = optuna.load_study(study_name="hunt5", storage=f"sqlite:///{tmp_path}/out/study.db")
+    states = [t.state for t in sorted(study.trials, key=lambda t: t.number)]
+    assert states[:2] == [optuna.trial.TrialState.FAIL] * 2
+    assert all(s != optuna.trial.TrialState.FAIL for s in states[2:]) and len(states) == 4
+
+
+def test_an_edited_spec_is_still_refused_once_a_trial_trained(tmp_path):
+    path = _spec(tmp_path)
+    _run(path, tmp_path / "out", n_trials=2)
+    path.write_text(path.read_text().replace("nn.Linear(16, 12)", "nn.Linear(16, 10)")
+                    .replace("nn.Linear(12, 4)", "nn.Linear(10, 4)"))
+    with pytest.raises(hs.SweepError, match="started with another spec"):
+        _run(path, tmp_path / "out", n_trials=4)
