@@ -9,7 +9,6 @@ from pathlib import Path
 
 import optuna
 import pytest
-import torch
 
 import hftc.sweep as hs
 from hftc.errors import SweepWarning
@@ -18,7 +17,6 @@ from hftc.sweep.training import load_data, train_alone
 # A small MLP on synthetic digits-like data; `#FORWARD` and `#EXTRA` are where a test puts
 # what its model does differently.
 SPEC = '''
-import torch
 from torch import nn
 import torch.nn.functional as F
 
@@ -166,3 +164,40 @@ def test_an_edited_spec_is_still_refused_once_a_trial_trained(tmp_path):
                     .replace("nn.Linear(12, 4)", "nn.Linear(10, 4)"))
     with pytest.raises(hs.SweepError, match="started with another spec"):
         _run(path, tmp_path / "out", n_trials=4)
+
+
+# ---------------------------------------------------------------- how warnings read
+
+
+def test_the_command_says_a_sweep_warning_without_hftc_s_own_file_and_line(tmp_path):
+    """``hftc sweep spec.py -n 1`` printed ``.../hftc/sweep/cli.py:158: SweepWarning: this
+    sweep is too small ...`` and then the line ``result = run(args.spec, n_trials=...``:
+    hftc's own code, which says nothing to the user. Now ``hftc sweep: warning: ...``, as
+    its errors read; the warning is still a SweepWarning (filters and pytest.warns see it)."""
+    import os
+    import subprocess
+    import sys
+
+    path = _spec(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "hftc", "sweep", str(path), "-n", "1", "--trials", "2",
+         "--out", str(tmp_path / "out"), "--no-progress", "--no-estimate"],
+        capture_output=True, text=True, cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(root), PYTHONWARNINGS="default"))
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    assert "hftc sweep: warning: this sweep is too small to gain from fusing" in err, err
+    assert "cli.py" not in err and "result = run(" not in err
+
+
+def test_other_warnings_keep_their_format_and_the_format_is_put_back():
+    from hftc.sweep.cli import _sweep_warnings_said
+
+    before = warnings.formatwarning
+    with _sweep_warnings_said():
+        said = warnings.formatwarning(SweepWarning("x"), SweepWarning, "f.py", 3, "")
+        other = warnings.formatwarning(UserWarning("y"), UserWarning, "f.py", 3, "")
+    assert said == "hftc sweep: warning: x\n"
+    assert other.startswith("f.py:3: UserWarning: y")
+    assert warnings.formatwarning is before
