@@ -17,6 +17,7 @@ from hftc.sweep.training import load_data, train_alone
 # A small MLP on synthetic digits-like data; `#FORWARD` and `#EXTRA` are where a test puts
 # what its model does differently.
 SPEC = '''
+import torch
 from torch import nn
 import torch.nn.functional as F
 
@@ -201,3 +202,73 @@ def test_other_warnings_keep_their_format_and_the_format_is_put_back():
     assert said == "hftc sweep: warning: x\n"
     assert other.startswith("f.py:3: UserWarning: y")
     assert warnings.formatwarning is before
+
+
+# ---------------------------------------------------------------- a batch of one sample
+
+
+BATCH_NORM = dict(init="self.bn = nn.BatchNorm1d(12)",
+                  forward="x = x  # (the norm below)",
+                  extra="batch_size = 127  # 128 training samples: the last batch holds 1")
+
+
+def _batch_norm_spec(tmp_path: Path) -> Path:
+    path = _spec(tmp_path, **BATCH_NORM)
+    path.write_text(path.read_text().replace("F.relu(self.fc1(x))", "F.relu(self.bn(self.fc1(x)))"))
+    return path
+
+
+def test_a_batch_norm_on_the_epochs_last_single_sample_is_a_spec_error(tmp_path, capsys):
+    """A BatchNorm and a training set that leaves one sample after the full batches: the
+    sweep stopped with torch's raw traceback (ValueError: Expected more than 1 value per
+    channel when training) from inside hftc's fused forward. Now a SpecError (status 2)
+    naming the batch, the sizes and a batch_size that works; the same alone."""
+    from hftc.__main__ import main
+
+    path = _batch_norm_spec(tmp_path)
+    out = tmp_path / "out"
+    args = ["sweep", str(path), "--out", str(out), "--no-progress", "--no-estimate"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "has a batch norm" in err and "spec.model (" in err
+    assert "the epoch's last batch holds 1 sample (128 training samples, batch_size=127)" in err
+    assert "batch_size = 126" in err
+    spec = hs.load_spec(str(path))
+    with pytest.raises(hs.SpecError, match="the epoch's last batch holds 1 sample"):
+        train_alone(spec, {"lr": 0.1, "momentum": 0.0}, 0, [0])
+    # the advice taken, the same command goes on (nothing was trained with the first)
+    path.write_text(path.read_text().replace("batch_size = 127", "batch_size = 126"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(args) == 0
+    _assert_alone(hs.run(str(path), out=str(out), estimate=False, progress=False), path)
+
+
+def test_a_batch_norm_spec_run_one_at_a_time_says_it_too(tmp_path, capsys):
+    from hftc.__main__ import main
+
+    path = _batch_norm_spec(tmp_path)
+    assert main(["sweep", str(path), "--serial", "--out", str(tmp_path / "out")]) == 2
+    assert "the epoch's last batch holds 1 sample" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- why trials are apart
+
+
+def test_trials_of_other_depths_are_said_apart_by_their_layers(tmp_path):
+    """``suggest_int("n_layers", 1, 3)``: the summary said ``not in one array: trials [1,
+    3, 5] vs [0, 2]: optimizers over other parameters``, true of the default SGD but not
+    why (the models have other layers). Now it says how the models differ."""
+    path = _spec(tmp_path)
+    path.write_text(path.read_text().replace(
+        '"momentum": trial.suggest_float("momentum", 0.0, 0.9)}',
+        '"momentum": 0.0, "n_layers": trial.suggest_int("n_layers", 1, 2)}').replace(
+        "return Net()", "return nn.Sequential(nn.Linear(16, 12), nn.ReLU(), *[nn.Linear(12, 12)"
+                        " for _ in range(params['n_layers'] - 1)], nn.Linear(12, 4))"))
+    result, _ = _run(path, tmp_path / "out", n_trials=6, per_array=6)
+    apart = [line for line in result.summary.splitlines() if "not in one array" in line]
+    assert apart, result.summary
+    assert not any("optimizers over other parameters" in line for line in apart), apart
+    assert any("nn.Linear" in line and "shape" in line for line in apart), apart
+    _assert_alone(result, path)

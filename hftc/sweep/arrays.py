@@ -96,6 +96,10 @@ def own_widths(stacked: dict[str, torch.Tensor], index: int,
             else v[index] for k, v in stacked.items()}
 
 
+def _parameter_names(run: LiveTrial) -> frozenset[str]:
+    return frozenset(name for name, _ in run.module.named_parameters())
+
+
 def structure_key(module: nn.Module) -> tuple:
     return (type(module).__name__,
             tuple((name, tuple(p.shape)) for name, p in module.named_parameters()))
@@ -242,20 +246,25 @@ class Arrays:
                     break
             else:
                 buckets.append(([slots], [r]))
+        # A batch of the training data as example_inputs: a model symbolic tracing cannot
+        # read (a Hugging Face model, say) is traced by torch.export from it.
+        if self._example is None:
+            self._example = self.data.example(self.spec.batch_size)
+        example = self._example
         for bucket_slots, members in buckets[1:]:
-            self._note_apart(buckets[0][1], members,
-                             optimizers_apart(buckets[0][0], bucket_slots[0]))
+            first = buckets[0][1]
+            reason = optimizers_apart(buckets[0][0], bucket_slots[0])
+            if _parameter_names(first[0]) != _parameter_names(members[0]):
+                # Optimizers over other parameters because the models have other layers
+                # (suggest_int("n_layers")): said as hftc.fuse says how the models differ.
+                reason = None
+            self._note_apart(first, members, reason, example)
         # At most per_array trials an array: a worker holds no more, except one resumed
         # with a smaller --per-array (after the arrays ran out of memory) that re-attached
         # more trials than that.
         size = self.spec.per_array
         buckets = [(slots[i:i + size], same[i:i + size]) for slots, same in buckets
                    for i in range(0, len(same), size)]
-        # A batch of the training data as example_inputs: a model symbolic tracing cannot
-        # read (a Hugging Face model, say) is traced by torch.export from it.
-        if self._example is None:
-            self._example = self.data.example(self.spec.batch_size)
-        example = self._example
         if self.spec.pad_widths:
             self._fuse_padded([same for _, same in buckets], example)
         else:

@@ -80,6 +80,7 @@ from .storage import (
     storage_errors,
 )
 from .training import (
+    batch_failed,
     batch_for_hook,
     batches,
     build_model,
@@ -653,7 +654,13 @@ class Sweep(Recovery, Arrays, Decisions):
         # (engine.batches by name: the fault tests stop the sweep at a chosen batch)
         for xb, yb in data.epoch_batches(key, spec.batch_size, batches):
             for k, a in enumerate(self.arrays):
-                losses = self._step(a, xb, yb)
+                try:
+                    losses = self._step(a, xb, yb)
+                except ValueError as exc:  # (a batch norm on the epoch's last sample)
+                    said = batch_failed(spec, exc, xb, getattr(data, "n_train", None))
+                    if said is None:
+                        raise
+                    raise said from exc
                 if losses is not None:
                     loss_sums[k] = losses if loss_sums[k] is None else loss_sums[k] + losses
             n_batches += 1
