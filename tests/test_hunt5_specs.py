@@ -86,7 +86,8 @@ def _assert_alone(result, spec_path: Path) -> None:
         if t.state not in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED):
             continue
         fused = [t.intermediate_values[k] for k in sorted(t.intermediate_values)]
-        _, alone = train_alone(spec, t.params, t.user_attrs["hftc_seed"],
+        params = t.user_attrs.get("hftc_params") or t.params  # (what space() returned)
+        _, alone = train_alone(spec, params, t.user_attrs["hftc_seed"],
                                t.user_attrs["hftc_orders"][:len(fused)], data)
         assert fused == pytest.approx(alone, abs=1e-9), t.number
 
