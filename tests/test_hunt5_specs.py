@@ -294,3 +294,63 @@ def test_the_time_line_says_what_start_up_was(tmp_path, per_array):
     other = float(line.split("start-up and other ")[1].split(" s")[0])
     assert data_s <= other + 0.05, line
     assert ("torch._dynamo's import" in said) == (per_array == 1 and result.dynamo_import_s >= 0.05)
+
+
+# ---------------------------------------------------------------- the bench's stock side
+
+
+CLIP_STEP = '''
+import hftc
+
+
+def train_step(model, batch, optimizers, params):
+    x, y = batch
+    for opt in optimizers:
+        opt.zero_grad()
+    losses = hftc.per_model(F.cross_entropy)(model(x), y)
+    losses.sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), [p["clip"] for p in params])
+    torch.nn.utils.clip_grad_value_(model.parameters(), [p["clip"] for p in params])
+    for opt in optimizers:
+        opt.step()
+    return losses.detach()
+'''
+
+
+def test_a_train_step_clipping_per_trial_runs_on_the_bench_s_stock_side(tmp_path):
+    """``clip_grad_norm_(model.parameters(), [p["clip"] for p in params])``, one value per
+    trial as the fused array needs: ``hftc bench --sweep SPEC`` failed on its stock side
+    (torch unpatched, HFTC_STOCK_TORCH=1) with torch's ``float() argument must be a string
+    or a real number, not 'list'``. Now the stock side trains each trial as train_alone
+    does in a process with hftc's patches, to the same bits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = _spec(tmp_path, extra=CLIP_STEP)
+    path.write_text(path.read_text().replace(
+        '"momentum": trial.suggest_float("momentum", 0.0, 0.9)}',
+        '"momentum": 0.5, "clip": trial.suggest_float("clip", 0.05, 0.5)}'))
+    script = (
+        "import json, sys, torch\n"
+        "import hftc\n"
+        "from hftc.sweep.spec import load_spec\n"
+        "from hftc.sweep.training import train_alone\n"
+        "assert not sys.modules['hftc.patches']._installed\n"
+        f"spec = load_spec({str(path)!r})\n"
+        "print(json.dumps([train_alone(spec, {'lr': 0.1, 'momentum': 0.5, 'clip': c}, 0,"
+        " [0, 1])[1] for c in (0.05, 0.3)]))\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(root), HFTC_STOCK_TORCH="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stock = json.loads(proc.stdout.splitlines()[-1])
+    spec = hs.load_spec(str(path))
+    patched = [train_alone(spec, {"lr": 0.1, "momentum": 0.5, "clip": c}, 0, [0, 1])[1]
+               for c in (0.05, 0.3)]
+    assert stock == patched
+    assert stock[0] != stock[1]  # the clip value is used
+    # and the fused sweep trains each trial as that
+    result, _ = _run(path, tmp_path / "out", n_trials=3, per_array=3)
+    _assert_alone(result, path)

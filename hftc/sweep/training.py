@@ -12,7 +12,9 @@ like.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -580,8 +582,9 @@ def _step_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
                 y: Tensor) -> None:
     """One batch of :func:`epochs_alone`: the spec's train_step, or the default step."""
     if spec.train_step is not None:
-        step_losses(spec, spec.train_step(_AloneArray(model), batch_for_hook(xs, y),
-                                          optimizers, [params]), 1)
+        with _one_model_clipping():
+            step_losses(spec, spec.train_step(_AloneArray(model), batch_for_hook(xs, y),
+                                              optimizers, [params]), 1)
         return
     for optimizer in optimizers:
         optimizer.zero_grad(set_to_none=True)
@@ -595,6 +598,34 @@ def _step_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
     loss.backward()
     for optimizer in optimizers:
         optimizer.step()
+
+
+@contextlib.contextmanager
+def _one_model_clipping() -> Iterator[None]:
+    """A train_step written for the fused array clips with one value per model
+    (``clip_grad_norm_(model.parameters(), [p["clip"] for p in params])``); alone it gets
+    ``[params]``, a list of one, which ``import hftc``'s clip_grad_norm_ / clip_grad_value_
+    take as that value. Where torch runs unpatched (``HFTC_STOCK_TORCH=1``: the stock side of
+    ``hftc bench --sweep``) torch's own failed on the list (``float() argument must be ...
+    not 'list'``): during the step, torch.nn.utils' two names are hftc's (which run torch's
+    on a stock model's parameters)."""
+    patches = sys.modules.get("hftc.patches")
+    if patches is None or patches._installed:
+        yield
+        return
+    from .. import utils
+
+    names = {"clip_grad_norm_": utils._clip_grad_norm_per_model,
+             "clip_grad_value_": utils._clip_grad_value_per_model}
+    modules = (torch.nn.utils, torch.nn.utils.clip_grad)
+    saved = [(m, n, getattr(m, n)) for m in modules for n in names]
+    for module, name, _ in saved:
+        setattr(module, name, names[name])
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def _detached(t: Any) -> Any:
