@@ -96,6 +96,10 @@ def own_widths(stacked: dict[str, torch.Tensor], index: int,
             else v[index] for k, v in stacked.items()}
 
 
+def _parameter_names(run: LiveTrial) -> frozenset[str]:
+    return frozenset(name for name, _ in run.module.named_parameters())
+
+
 def structure_key(module: nn.Module) -> tuple:
     return (type(module).__name__,
             tuple((name, tuple(p.shape)) for name, p in module.named_parameters()))
@@ -242,20 +246,25 @@ class Arrays:
                     break
             else:
                 buckets.append(([slots], [r]))
+        # A batch of the training data as example_inputs: a model symbolic tracing cannot
+        # read (a Hugging Face model, say) is traced by torch.export from it.
+        if self._example is None:
+            self._example = self.data.example(self.spec.batch_size)
+        example = self._example
         for bucket_slots, members in buckets[1:]:
-            self._note_apart(buckets[0][1], members,
-                             optimizers_apart(buckets[0][0], bucket_slots[0]))
+            first = buckets[0][1]
+            reason = optimizers_apart(buckets[0][0], bucket_slots[0])
+            if _parameter_names(first[0]) != _parameter_names(members[0]):
+                # Optimizers over other parameters because the models have other layers
+                # (suggest_int("n_layers")): said as hftc.fuse says how the models differ.
+                reason = None
+            self._note_apart(first, members, reason, example)
         # At most per_array trials an array: a worker holds no more, except one resumed
         # with a smaller --per-array (after the arrays ran out of memory) that re-attached
         # more trials than that.
         size = self.spec.per_array
         buckets = [(slots[i:i + size], same[i:i + size]) for slots, same in buckets
                    for i in range(0, len(same), size)]
-        # A batch of the training data as example_inputs: a model symbolic tracing cannot
-        # read (a Hugging Face model, say) is traced by torch.export from it.
-        if self._example is None:
-            self._example = self.data.example(self.spec.batch_size)
-        example = self._example
         if self.spec.pad_widths:
             self._fuse_padded([same for _, same in buckets], example)
         else:
@@ -399,6 +408,28 @@ class Arrays:
         if classes:
             self.mixed.append((numbers, classes))
 
+    def _note_one_by_one(self) -> None:
+        """Record what the arrays ran model by model rather than fused (each model exact,
+        but nothing saved): an op no rule fuses (fusion_report's fallbacks, with why), or a
+        forward that runs the N models one by one (``fused.plan``: the first-call check
+        found the fused program wrong, ...), with the trials it was seen in. Said in the
+        summary and, when first seen, by ``-v``: a sweep that fuses nothing looks like one
+        that does."""
+        for array in self.arrays:
+            numbers = [r.number for r in array.members]
+            for program in list(getattr(array.fused, "_programs", {}).values()):
+                found = [f"{r.source}: {r.reason}" for r in program.report.fallbacks]
+                plan = program.plan
+                if program.one_by_one is not None or (plan is not None
+                                                       and plan.chosen == "model_loop"):
+                    found = [_whole_forward(program)]
+                for what in found:
+                    seen = self.one_by_one.setdefault(what, [])
+                    if not seen:
+                        self.log(f"run model by model in a fused array (exact, not faster): "
+                                 f"trials {numbers}: {what}")
+                    seen.extend(n for n in numbers if n not in seen)
+
     def _note_apart(self, first: list[LiveTrial], other: list[LiveTrial], reason: str | None,
                     example: Any = None) -> None:
         """Record why ``other`` could not share ``first``'s array: the reason given, or
@@ -449,3 +480,12 @@ class Arrays:
             if f.name not in used:
                 f.unlink(missing_ok=True)
 
+
+def _whole_forward(program: Any) -> str:
+    """Why a fused array's forward runs its N models one by one, in words: the first-call
+    check's finding (its FusionWarning says where), or the plan's reason."""
+    if getattr(program.plan, "reason", None) == "check":
+        return ("the whole forward runs the models one by one: the first-call check found "
+                "the fused program's outputs differ from the models' own forward (the "
+                "FusionWarning says where)")
+    return f"the whole forward {program.plan or 'runs the models one by one'}"

@@ -11,11 +11,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from ..cli.args import positive_int
-from ..errors import MissingExtraError
+from ..errors import MissingExtraError, SweepWarning
 from . import SWEEP_EXTRA, missing_sweep_extra
 
 __all__ = ["add_arguments", "add_demo_arguments", "main"]
@@ -90,13 +93,33 @@ def main(args: argparse.Namespace) -> int:
     from .clock import command_process
 
     try:
-        with command_process():  # this process is the sweep's: its start-up counts
+        with command_process(), _sweep_warnings_said():  # (the process's start-up counts)
             return _main(args)
     except ModuleNotFoundError as exc:  # a plain `pip install hftc`: no Optuna
         if (exc.name or "").split(".")[0] not in SWEEP_EXTRA:
             raise
         print(f"hftc sweep: {missing_sweep_extra(exc)}", file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def _sweep_warnings_said() -> Iterator[None]:
+    """A SweepWarning printed as ``hftc sweep: warning: ...``: Python's format put hftc's
+    own file and line first, and the line of code that warned after it (``cli.py:158:
+    SweepWarning: ...`` then ``result = run(args.spec, ...``), which say nothing to the
+    user. Other warnings (torch's, the spec's) keep their place."""
+    previous = warnings.formatwarning
+
+    def said(message, category, filename, lineno, line=None):
+        if issubclass(category, SweepWarning):
+            return f"hftc sweep: warning: {message}\n"
+        return previous(message, category, filename, lineno, line)
+
+    warnings.formatwarning = said
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
 
 
 def _main(args: argparse.Namespace) -> int:

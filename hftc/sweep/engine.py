@@ -81,6 +81,7 @@ from .storage import (
     storage_errors,
 )
 from .training import (
+    batch_failed,
     batch_for_hook,
     batches,
     build_model,
@@ -157,6 +158,9 @@ class SweepResult:
     #: a sweep on Ray actors (hftc.ray.sweep): how Ray was reached (a running cluster
     #: reused, or started) and how long it took, the actors and nodes; else ""
     cluster: str = ""
+    #: what in the fused arrays ran model by model, not fused (exact, not faster): an op
+    #: no rule fuses, or a whole forward run the models one by one (fused.plan), with why
+    one_by_one: list[str] = field(default_factory=list)
 
     @property
     def summary(self) -> str:
@@ -229,6 +233,7 @@ class Sweep(Recovery, Arrays, Decisions):
         self.padded: list[tuple[list[int], int, float]] = []
         self.mixed: list[tuple[list[int], list[str]]] = []
         self._apart_cache: dict[tuple, str] = {}  # (structure, structure) -> why apart
+        self.one_by_one: dict[str, list[int]] = {}  # ran model by model, not fused: trials
         self._example: Any = None  # a training batch's inputs, for tracing
         self.excluded_s = 0.0
         self.study_name = study_name or spec.name
@@ -360,11 +365,37 @@ class Sweep(Recovery, Arrays, Decisions):
             if recorded == json.loads(json.dumps(mine)):
                 return
         where = self.out if self.default_storage else masked_url(self.storage_url)
-        constants = check_same_spec(recorded, self.spec, self.study_name, str(where))
+        try:
+            constants = check_same_spec(recorded, self.spec, self.study_name, str(where))
+        except SweepError as exc:
+            failed = self._failed_untrained()
+            if failed is None:
+                raise
+            # Nothing was trained with the first spec (its error failed every trial before
+            # an epoch): the edit is the fix, and no study mixes two. The record is this one.
+            self.study.set_user_attr(FINGERPRINT, spec_fingerprint(self.spec))
+            self._warn(f"the sweep {self.study_name!r} in {where} was started with another "
+                       f"spec ({str(exc).split('another spec: ')[-1].split('. Its trials')[0]}),"
+                       f" but its trials {failed} all failed before any epoch was trained: "
+                       f"it goes on with this spec, and they stay failed (and count in its "
+                       f"{self.spec.n_trials} trials: --trials "
+                       f"{self.spec.n_trials + len(failed)} for {self.spec.n_trials} trained)")
+            return
         if constants:
             self._warn(f"the sweep {self.study_name!r} in {where} was started with other "
                        f"values of the spec's module constants: {'; '.join(constants)}; its "
                        f"resumed and new trials train with these")
+
+    def _failed_untrained(self) -> list[int] | None:
+        """The study's trials where every one FAILED before reporting an epoch (a spec
+        whose model could not be fused, a data() of the wrong dtype: the whole first
+        array failed at once), else None: then no trial was sampled after, trained or
+        pruned with the spec recorded, and the edited one may take its place."""
+        trials = self.study.get_trials(deepcopy=False)
+        if not trials or any(t.state != TrialState.FAIL or t.intermediate_values
+                             for t in trials):
+            return None
+        return [t.number for t in trials]
 
     def _storage_failed(self, exc: BaseException) -> SweepError:
         """The sweep's database failed mid-sweep: said naming it (password masked), with
@@ -624,7 +655,13 @@ class Sweep(Recovery, Arrays, Decisions):
         # (engine.batches by name: the fault tests stop the sweep at a chosen batch)
         for xb, yb in data.epoch_batches(key, spec.batch_size, batches):
             for k, a in enumerate(self.arrays):
-                losses = self._step(a, xb, yb)
+                try:
+                    losses = self._step(a, xb, yb)
+                except ValueError as exc:  # (a batch norm on the epoch's last sample)
+                    said = batch_failed(spec, exc, xb, getattr(data, "n_train", None))
+                    if said is None:
+                        raise
+                    raise said from exc
                 if losses is not None:
                     loss_sums[k] = losses if loss_sums[k] is None else loss_sums[k] + losses
             n_batches += 1
@@ -645,6 +682,7 @@ class Sweep(Recovery, Arrays, Decisions):
                 self.trial_epochs += 1
                 self._step_schedulers(run)
         self.train_s += time.perf_counter() - start
+        self._note_one_by_one()
 
     def _step(self, a: FusedArray, xb: tuple[torch.Tensor, ...], yb: torch.Tensor,
               ) -> torch.Tensor | None:
@@ -782,7 +820,9 @@ class Sweep(Recovery, Arrays, Decisions):
                            list(self.serial_epoch_s), list(self.formations), list(self.apart),
                            list(self.padded), list(self.mixed), *replay, self.load_s,
                            self.dynamo_import_s, estimated=self.estimate_serial > 0,
-                           before_s=before_s, hftc_import_s=hftc._CORE_LOAD_S)
+                           before_s=before_s, hftc_import_s=hftc._CORE_LOAD_S,
+                           one_by_one=[f"trials {sorted(n)}: {what}"
+                                       for what, n in self.one_by_one.items()])
 
     def _replay_serial(self) -> tuple[float | None, int | None]:
         """After the sweep, off its clock: the one-at-a-time study's Optuna share and
@@ -925,6 +965,14 @@ class Sweep(Recovery, Arrays, Decisions):
                 # the others stay RUNNING in the manifest, their last epoch checkpointed
                 # (--resume continues them), not failed for another trial's error.
                 raise
+            if isinstance(exc, hftc.errors.TraceError) and self.live:
+                # (its advice is for a fused module called by hand; here the sweep called it)
+                exc.add_note(
+                    f"hftc sweep: the models of {hook_name('model', self.spec.model)} cannot "
+                    f"be fused on a training batch of spec.data (batch_size="
+                    f"{self.spec.batch_size}): fix the line named above; trials "
+                    f"{sorted(r.number for r in self.live)} are failed, and a rerun with the "
+                    f"edited spec goes on in the same study")
             for run in list(self.live):
                 reason = f"error: {type(exc).__name__}: {exc}"
                 if culprit is not None and culprit != run.number:

@@ -172,7 +172,7 @@ def summary(result) -> str:
               if before_s is not None else "")
     lines = [f"time: {result.wall_s:.1f} s wall clock for {result.trial_epochs} "
              f"trial-epochs: {', '.join(parts)}, start-up and other {max(other, 0.0):.1f} s"
-             + before]
+             + _start_up(result) + before]
     if getattr(result, "cluster", ""):
         lines.append(result.cluster)
     lines.append(f"note: {result.note}" if result.note else speedup_line(result))
@@ -195,7 +195,19 @@ def summary(result) -> str:
                      f"({'; '.join(combos)})")
     for reason in result.apart:
         lines.append(f"  not in one array: {reason}")
+    for what in getattr(result, "one_by_one", ()):
+        lines.append(f"  run model by model, not fused (exact, not faster): {what}")
     return "\n".join(lines)
+
+
+def _start_up(result) -> str:
+    """What of "start-up and other" was measured: the spec's data() and, run one at a time
+    (where this process's first torch.optim step pays it), torch._dynamo's import."""
+    known = [("data()", getattr(result, "load_s", 0.0) or 0.0)]
+    if getattr(result, "note", ""):  # (the fused side skips that import: hftc/patches.py)
+        known.append(("torch._dynamo's import", getattr(result, "dynamo_import_s", 0.0) or 0.0))
+    said = [f"{what} {seconds:.1f} s" for what, seconds in known if seconds >= 0.05]
+    return f" (of it: {', '.join(said)})" if said else ""
 
 
 def serial_estimate(result) -> tuple[float, str] | None:

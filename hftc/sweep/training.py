@@ -12,7 +12,9 @@ like.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -469,6 +471,30 @@ def loss_failed(spec: SweepSpec, exc: Exception, output: Any, target: Tensor) ->
     return not_a_loss(spec, one, output, target) or exc
 
 
+def batch_failed(spec: SweepSpec, exc: BaseException, xs: tuple[Tensor, ...],
+                 n_train: int | None) -> SpecError | None:
+    """torch's ``Expected more than 1 value per channel when training`` (a BatchNorm on a
+    batch of one sample: the epoch's last, where the training set leaves one after the
+    full batches) as a SpecError saying which batch and what to change, fused or alone;
+    None for any other error (raised as it is)."""
+    if not (isinstance(exc, ValueError) and "more than 1 value per channel" in str(exc)):
+        return None
+    size = int(xs[0].shape[0]) if xs and isinstance(xs[0], Tensor) and xs[0].dim() else None
+    if n_train is not None and spec.batch_size > 1 and n_train % spec.batch_size == 1:
+        other = next(b for b in (spec.batch_size - 1, spec.batch_size + 1, spec.batch_size + 2)
+                     if b > 1 and n_train % b != 1)
+        which = (f"the epoch's last batch holds {n_train % spec.batch_size} sample "
+                 f"({n_train} training samples, batch_size={spec.batch_size}); give a "
+                 f"batch_size that leaves none or more than one (batch_size = {other}), or "
+                 f"one training sample more or less in spec.data")
+    else:
+        which = (f"a training batch of {size if size is not None else 'one'} sample(s) (a "
+                 f"DataLoader's last batch: drop_last=True, or another batch_size)")
+    return SpecError(
+        f"the model of {hook_name('model', spec.model)} has a batch norm, which in training needs "
+        f"more than one sample per batch (torch: {exc}), but {which}")
+
+
 def step_losses(spec: SweepSpec, returned: Any, n: int) -> Tensor | None:
     """What ``train_step`` returned, as ``n`` detached per-model losses (None for None)."""
     if returned is None:
@@ -535,22 +561,13 @@ def epochs_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
         torch.manual_seed(round_seed(key))
         model.train()
         for xs, y in data.epoch_batches(key, spec.batch_size):
-            if spec.train_step is not None:
-                step_losses(spec, spec.train_step(_AloneArray(model), batch_for_hook(xs, y),
-                                                  optimizers, [params]), 1)
-                continue
-            for optimizer in optimizers:
-                optimizer.zero_grad(set_to_none=True)
-            out = model(*xs)
             try:
-                loss = spec.loss(out, y)
-            except Exception as exc:  # said as the fused sweep says it
-                raise loss_failed(spec, exc, tree_map(_detached, out), y) from exc
-            if not (isinstance(loss, Tensor) and loss.dim() == 0):
-                raise not_a_loss(spec, loss, out, y)
-            loss.backward()
-            for optimizer in optimizers:
-                optimizer.step()
+                _step_alone(spec, params, model, optimizers, xs, y)
+            except ValueError as exc:
+                said = batch_failed(spec, exc, xs, getattr(data, "n_train", None))
+                if said is None:
+                    raise
+                raise said from exc
         model.eval()
         (out,), targets = evaluate_all([model], data, spec.eval_batch_size, batch_dim=0)
         value = metric_value(spec, out, targets)
@@ -558,6 +575,57 @@ def epochs_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
             if scheduler is not None:
                 step_scheduler(scheduler, value)
         yield value
+
+
+def _step_alone(spec: SweepSpec, params: dict[str, Any], model: nn.Module,
+                optimizers: Sequence[torch.optim.Optimizer], xs: tuple[Tensor, ...],
+                y: Tensor) -> None:
+    """One batch of :func:`epochs_alone`: the spec's train_step, or the default step."""
+    if spec.train_step is not None:
+        with _one_model_clipping():
+            step_losses(spec, spec.train_step(_AloneArray(model), batch_for_hook(xs, y),
+                                              optimizers, [params]), 1)
+        return
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    out = model(*xs)
+    try:
+        loss = spec.loss(out, y)
+    except Exception as exc:  # said as the fused sweep says it
+        raise loss_failed(spec, exc, tree_map(_detached, out), y) from exc
+    if not (isinstance(loss, Tensor) and loss.dim() == 0):
+        raise not_a_loss(spec, loss, out, y)
+    loss.backward()
+    for optimizer in optimizers:
+        optimizer.step()
+
+
+@contextlib.contextmanager
+def _one_model_clipping() -> Iterator[None]:
+    """A train_step written for the fused array clips with one value per model
+    (``clip_grad_norm_(model.parameters(), [p["clip"] for p in params])``); alone it gets
+    ``[params]``, a list of one, which ``import hftc``'s clip_grad_norm_ / clip_grad_value_
+    take as that value. Where torch runs unpatched (``HFTC_STOCK_TORCH=1``: the stock side of
+    ``hftc bench --sweep``) torch's own failed on the list (``float() argument must be ...
+    not 'list'``): during the step, torch.nn.utils' two names are hftc's (which run torch's
+    on a stock model's parameters)."""
+    patches = sys.modules.get("hftc.patches")
+    if patches is None or patches._installed:
+        yield
+        return
+    from .. import utils
+
+    names = {"clip_grad_norm_": utils._clip_grad_norm_per_model,
+             "clip_grad_value_": utils._clip_grad_value_per_model}
+    modules = (torch.nn.utils, torch.nn.utils.clip_grad)
+    saved = [(m, n, getattr(m, n)) for m in modules for n in names]
+    for module, name, _ in saved:
+        setattr(module, name, names[name])
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 def _detached(t: Any) -> Any:
