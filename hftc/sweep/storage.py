@@ -5,6 +5,7 @@ every trial a worker holds, and the trial counts that decide how many more to as
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import threading
 import time
@@ -242,14 +243,9 @@ class OwnTrialsCache(_CachedStorage):
             if trial_id in self._made and trial_id not in self._written and \
                     trial_id in self._trial_id_to_study_id_and_number:
                 study_id, number = self._trial_id_to_study_id_and_number[trial_id]
-                return self._studies[study_id].trials[number]
-        trial = super().get_trial(trial_id)
-        if trial_id in self._made:
-            with self._lock:  # (read afresh: the cache holds it as the database does)
-                self._add_trials_to_cache(self._trial_id_to_study_id_and_number[trial_id][0],
-                                          [trial])
-                self._written.discard(trial_id)
-        return trial
+                # a copy, as a read gives: optuna.Trial writes into the one it is given
+                return copy.deepcopy(self._studies[study_id].trials[number])
+        return super().get_trial(trial_id)
 
     def _read_trials_from_remote_storage(self, study_id: int) -> None:
         with self._lock:

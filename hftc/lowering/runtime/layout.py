@@ -124,8 +124,9 @@ def gradient_in_layout_of(x: Tensor) -> None:
 
 
 def layout_copy(x: Tensor, y: Tensor) -> Tensor:
-    """``y``, ``x`` reshaped, flattened or made contiguous; where that copied ``x`` into
-    another layout, ``x``'s gradient comes back in ``x``'s layout (:func:`gradient_in_layout_of`)::
+    """``y``, ``x`` reshaped, flattened or made contiguous; where that copied a channels-last
+    map ``x`` into another layout, ``x``'s gradient comes back in ``x``'s layout
+    (:func:`gradient_in_layout_of`)::
 
         relu(x) [N, B, C, H, W] channels-last -> flatten(2) copies to [N, B, C*H*W]
         backward: the flat gradient viewed [N, B, C, H, W] is contiguous -> copied to
@@ -139,7 +140,10 @@ def layout_copy(x: Tensor, y: Tensor) -> Tensor:
         return y
     if y.shape == x.shape and y.stride() == x.stride():
         return y  # the same layout already
-    gradient_in_layout_of(x)
+    if x.dim() in (5, 6) and x.shape[2] > 1 and x.stride(2) == 1:
+        # (only a feature map stored channels-last, [N, B, C, *S] with C innermost: where
+        # the mixed-layout backward was measured; another copy's gradient stays as it was)
+        gradient_in_layout_of(x)
     return y
 
 
