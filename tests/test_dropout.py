@@ -315,3 +315,35 @@ def test_gamma_draws_are_drawn_per_call_and_per_model_and_frozen_ones_refused():
     with pytest.raises(hftc.errors.TraceError, match=r"Tensor.cauchy_\(\) on a tensor made "
                                                      r"from constants.*empty_like"):
         hftc.fuse([_ConstantTensorDraw() for _ in range(2)])
+
+
+@pytest.mark.parametrize("shape", [(5, 64, 33), (3, 7), (4, 2, 3, 5)], ids=str)
+def test_a_rate_per_model_reads_each_tie_at_its_model_as_the_broadcast_path_does(shape):
+    """A keep ``[N, 1, ...]`` reads a tie's threshold and scale at its model
+    (``tie // (numel / N)``); the same keep expanded to the whole shape goes the general
+    way (each tie's broadcast position): on the same draws, the same mask and scale."""
+    n = shape[0]
+    keep = torch.linspace(0.05, 0.95, n, dtype=torch.float64).reshape(n, *[1] * (len(shape) - 1))
+    scale = (1 / keep).float()
+    for s in (None, scale):
+        torch.manual_seed(5)
+        per_model = rt_random.bernoulli_mask(shape, keep, torch.empty(0), s)
+        torch.manual_seed(5)
+        whole = rt_random.bernoulli_mask(shape, keep.expand(shape).contiguous(), torch.empty(0),
+                                         None if s is None else s.expand(shape).contiguous())
+        assert torch.equal(per_model, whole)
+
+
+def test_per_model_dropout_rates_are_made_once_and_follow_new_rates():
+    """The thresholds of a rate list are kept between calls (the program's constants);
+    other rates, dtypes or shapes get their own, and reusing them changes nothing."""
+    x = torch.ones(3, 4000)
+    torch.manual_seed(2)
+    first = rt_random.per_model_dropout(x, [0.1, 0.5, 0.9], True)
+    torch.manual_seed(2)
+    assert torch.equal(rt_random.per_model_dropout(x, [0.1, 0.5, 0.9], True), first)
+    other = rt_random.per_model_dropout(x, [0.9, 0.5, 0.1], True)
+    kept = (other != 0).double().mean(dim=1)
+    assert kept[0] < 0.2 and kept[2] > 0.8
+    half = rt_random.per_model_dropout(x.double(), [0.1, 0.5, 0.9], True)
+    assert half.dtype == torch.float64 and set((half[1][half[1] != 0]).tolist()) == {2.0}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,20 +78,55 @@ def bernoulli_mask(shape: Sequence[int], keep: float | Tensor, like: Tensor,
         else:
             mask = torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(keep)
         return mask if scale is None else mask.mul_(scale)
-    if isinstance(keep, Tensor):
-        threshold = (keep.double() * 2**_MASK_BITS).round().long()
-    else:
-        threshold = round(keep * 2**_MASK_BITS)
-        if threshold >= 2**_MASK_BITS and scale is None:
-            return torch.ones(shape, dtype=like.dtype, device=like.device)
-    return _keep_mask(shape, threshold, like, scale)
+    if not isinstance(keep, Tensor) and round(keep * 2**_MASK_BITS) >= 2**_MASK_BITS \
+            and scale is None:
+        return torch.ones(shape, dtype=like.dtype, device=like.device)
+    return _keep_mask(shape, _Threshold.of(keep, shape, scale), like)
 
 
-def _keep_mask(shape: Sequence[int], threshold: int | Tensor, like: Tensor,
-               scale: Tensor | None) -> Tensor:
-    """``[*shape]`` of ``like``'s dtype: 1 (or ``scale``) where each element's uniform 31-bit
-    integer ``v`` is below ``threshold`` (an int, or an int64 tensor broadcasting to
-    ``shape``, in [0, 2**31]), else 0.
+class _Threshold(NamedTuple):
+    """``keep`` as :func:`_keep_mask` compares with it, made once per rate (a per-model
+    dropout's rates are its program's constants)::
+
+        t     = round(keep * 2**31)                    in [0, 2**31]
+        lead  = min(t >> 23, 255)                      (uint8, broadcasting to the mask)
+        rest  = t - lead * 2**23                       (for the ties: 1 element in 256)
+
+    ``per_model``: ``keep`` holds one rate per model, ``[N, 1, ..., 1]`` of a mask
+    ``[N, ...]``, and ``rest`` / ``tie_scale`` are flat ``[N]``, read at a tie's model
+    ``tie // (numel / N)`` (else a tie's broadcast position, torch.unravel_index).
+    ``scale``: the mask's value where kept (None: 1)."""
+
+    lead: int | Tensor
+    rest: int | Tensor
+    scale: Tensor | None
+    tie_scale: Tensor | None
+    per_model: bool
+
+    @staticmethod
+    def of(keep: float | Tensor, shape: Sequence[int], scale: Tensor | None) -> _Threshold:
+        if not isinstance(keep, Tensor):
+            t = round(keep * 2**_MASK_BITS)
+            lead = min(t >> _REST_BITS, 255)
+            return _Threshold(lead, t - lead * 2**_REST_BITS, scale, scale, False)
+        t = (keep.double() * 2**_MASK_BITS).round().long()
+        lead = (t >> _REST_BITS).clamp_(max=255)
+        rest = t - lead * 2**_REST_BITS
+        if _one_per_model(keep, shape) and (scale is None or _one_per_model(scale, shape)):
+            return _Threshold(lead.to(torch.uint8), rest.reshape(-1), scale,
+                              None if scale is None else scale.reshape(-1), True)
+        return _Threshold(lead.to(torch.uint8), rest, scale, scale, False)
+
+
+def _one_per_model(values: Tensor, shape: Sequence[int]) -> bool:
+    """Is ``values`` ``[N, 1, ..., 1]`` for a mask ``[N, ...]`` (one value per model)?"""
+    return (len(shape) > 0 and values.dim() == len(shape) and values.shape[0] == shape[0]
+            and values.numel() == shape[0])
+
+
+def _keep_mask(shape: Sequence[int], threshold: _Threshold, like: Tensor) -> Tensor:
+    """``[*shape]`` of ``like``'s dtype: 1 (or ``threshold.scale``) where each element's
+    uniform 31-bit integer ``v`` is below its threshold ``t`` (:class:`_Threshold`), else 0.
 
     ``v`` is drawn a byte first: ``v = lead * 2**23 + rest``, so ``v < t`` is ``lead <
     t_lead``, or ``lead == t_lead`` and ``rest < t_rest``::
@@ -110,29 +146,30 @@ def _keep_mask(shape: Sequence[int], threshold: int | Tensor, like: Tensor,
     words = torch.empty(-(-numel // 8), dtype=torch.int64, device=device)
     words.random_(-2**63, None)  # every bit uniform (random_() leaves the top bit 0)
     lead = words.view(torch.uint8)[:numel].view(shape)
-    t_lead = threshold >> _REST_BITS
-    if isinstance(t_lead, Tensor):
-        t_lead = t_lead.clamp_(max=255)
-        t_rest = threshold - t_lead * 2**_REST_BITS
-        t_lead = t_lead.to(torch.uint8)
-    else:
-        t_lead = min(t_lead, 255)
-        t_rest = threshold - t_lead * 2**_REST_BITS
     # comparisons written into float / uint8 outputs run vectorized, into bool not (5x)
-    mask = torch.lt(lead, t_lead, out=torch.empty(shape, dtype=like.dtype, device=device))
-    if scale is not None:
-        mask.mul_(scale)
-    flags = torch.zeros(words.numel() * 8, dtype=torch.uint8, device=device)
-    torch.eq(lead, t_lead, out=flags[:numel].view(shape))
+    mask = torch.lt(lead, threshold.lead, out=torch.empty(shape, dtype=like.dtype,
+                                                          device=device))
+    if threshold.scale is not None:
+        mask.mul_(threshold.scale)
+    flags = torch.empty(words.numel() * 8, dtype=torch.uint8, device=device)
+    flags[numel:].zero_()
+    torch.eq(lead, threshold.lead, out=flags[:numel].view(shape))
     ties = _flagged(flags)
-    if ties.numel():
-        rest = torch.empty(ties.numel(), dtype=torch.int32, device=device).random_()
+    if not ties.numel():
+        return mask
+    rest = torch.empty(ties.numel(), dtype=torch.int32, device=device).random_()
+    rest = rest.bitwise_and_(2**_REST_BITS - 1)
+    t_rest, tie_scale = threshold.rest, threshold.tie_scale
+    if threshold.per_model:  # a tie's model
+        at = torch.div(ties, numel // shape[0], rounding_mode="floor")
+    elif isinstance(t_rest, Tensor) or tie_scale is not None:  # its broadcast position
         at = torch.unravel_index(ties, tuple(shape))
-        below = rest.bitwise_and_(2**_REST_BITS - 1) < (
-            t_rest.expand(shape)[at] if isinstance(t_rest, Tensor) else t_rest)
-        kept = below.to(like.dtype) if scale is None else torch.where(
-            below, scale.expand(shape)[at], 0).to(like.dtype)
-        mask.view(-1)[ties] = kept
+        t_rest = t_rest.expand(shape) if isinstance(t_rest, Tensor) else t_rest
+        tie_scale = None if tie_scale is None else tie_scale.expand(shape)
+    below = rest < (t_rest[at] if isinstance(t_rest, Tensor) else t_rest)
+    kept = below.to(like.dtype) if tie_scale is None else torch.where(
+        below, tie_scale[at], 0).to(like.dtype)
+    mask.view(-1)[ties] = kept
     return mask
 
 
@@ -149,18 +186,49 @@ def _flagged(flags: Tensor) -> Tensor:
 
 def per_model_dropout(x: Tensor, p: Sequence[float], training: bool, *,
                       feature_dims: int = 0) -> Tensor:
-    """Per-model dropout rates; ``feature_dims`` > 0 drops whole channels (Dropout1d/2d/3d)."""
+    """Per-model dropout rates; ``feature_dims`` > 0 drops whole channels (Dropout1d/2d/3d)::
+
+        keep  = 1 - p                 [N, 1, ..., 1], x's dtype (x * p's promotion)
+        scale = 1 / keep, 0 where keep is 0
+        x * (mask * scale)            one pass over x forward and backward: mask is 0 or
+                                      1, so the values are x * mask * scale's bit for bit
+
+    The rates are the program's constants: on the CPU their thresholds and scales are
+    made once (:func:`_rates`), not at every call (a dozen small ops, half the kernel's
+    time on an MLP's [16, 32, 128] activations)."""
     if not training:
         return x
-    rank = x.dim() - 1
-    keep = 1 - scalars(p, x, rank)
     mask_shape = list(x.shape)
     for d in range(feature_dims):
         mask_shape[-1 - d] = 1
-    scale = torch.where(keep > 0, 1 / keep.clamp_min(torch.finfo(keep.dtype).tiny), 0)
-    # x * (mask * scale), one pass over x forward and backward: mask is 0 or 1, so the
-    # values are x * mask * scale's bit for bit.
-    return x * bernoulli_mask(mask_shape, keep, x, scale)
+    if x.device.type != "cpu":
+        keep, scale = _keep_and_scale(p, x)
+        return x * bernoulli_mask(mask_shape, keep, x, scale)
+    return x * _keep_mask(mask_shape, _rates(p, x, mask_shape), x)
+
+
+def _keep_and_scale(p: Sequence[float], x: Tensor) -> tuple[Tensor, Tensor]:
+    keep = 1 - scalars(p, x, x.dim() - 1)
+    return keep, torch.where(keep > 0, 1 / keep.clamp_min(torch.finfo(keep.dtype).tiny), 0)
+
+
+#: :func:`_rates`' thresholds, cleared when full (a rate scheduled to change every
+#: call must not grow it without bound).
+_RATES: dict[tuple, _Threshold] = {}
+_RATES_MAX = 256
+
+
+def _rates(p: Sequence[float], x: Tensor, mask_shape: Sequence[int]) -> _Threshold:
+    """Per-model dropout's :class:`_Threshold` for rates ``p`` on ``x``, made once per
+    (rates, dtype, device, mask shape's rank and N).  Callers never write into it."""
+    key = (tuple(p), x.dtype, x.device, len(mask_shape), mask_shape[0])
+    threshold = _RATES.get(key)
+    if threshold is None:
+        if len(_RATES) >= _RATES_MAX:
+            _RATES.clear()
+        keep, scale = _keep_and_scale(p, x)
+        threshold = _RATES[key] = _Threshold.of(keep, mask_shape, scale)
+    return threshold
 
 
 def per_model_bernoulli_(x: Tensor, p: Sequence[float]) -> Tensor:
