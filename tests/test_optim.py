@@ -299,13 +299,13 @@ def test_sgd_foreach_block_and_row_updates_are_stock_bit_for_bit(case, path, mon
         assert_stock_bit_for_bit(case, dtype)
 
 
-@pytest.mark.parametrize("n, width", [(2, 150_003), (24, 12_000)], ids=["rows", "blocks"])
+@pytest.mark.parametrize("n, width", [(2, 600_003), (80, 14_000)], ids=["rows", "blocks"])
 def test_sgd_blocks_a_large_parameter_as_stock_would_update_it(n, width):
     # Past _FOREACH_MAX_NUMEL elements the update runs piece by piece of each model's
     # row (wide rows) or in column blocks, with the module's own sizes; each model's
     # slice is still stock SGD's, bit for bit.
     assert n * width > sgd_module._FOREACH_MAX_NUMEL
-    assert (width >= sgd_module._ROW_MIN_NUMEL) is (width == 150_003)
+    assert (width >= sgd_module._ROW_MIN_NUMEL) is (width == 600_003)
     fused, solos, g = stacked_and_solos(n, width)
     configs = [dict(lr=1e-2 / (i + 1), momentum=0.9, nesterov=True,
                     weight_decay=0.1 * (i % 2)) for i in range(n)]

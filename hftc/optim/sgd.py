@@ -19,9 +19,9 @@ __all__ = ["SGD"]
 #: more (``SGD._update_rows``: stock's ops with that model's scalars), column
 #: blocks of all N rows otherwise (``_column_blocks``: fewer calls for small rows);
 #: smaller parameters, and all of them on a GPU, together by ``_foreach`` ops (one call
-#: per op, not one per op and parameter). Up to 256K elements (1 MB in fp32) the
+#: per op, not one per op and parameter). Up to 1M elements (4 MB in fp32) the
 #: ``_foreach`` temporaries cost less than the blocks' extra calls (docs/BENCHMARKS.md).
-_FOREACH_MAX_NUMEL = 1 << 18
+_FOREACH_MAX_NUMEL = 1 << 20
 _BLOCK_NUMEL = 1 << 16
 _ROW_MIN_NUMEL = 1 << 14
 
