@@ -204,6 +204,11 @@ def _bench_sweep_option(p: argparse.ArgumentParser) -> None:
                         "n_trials drawn once from the spec's space with a seeded "
                         "RandomSampler; 'fused' / 'serial' the trials that side's own "
                         "sampler asked (it runs first in each round)")
+    p.add_argument("--seeds", default=None, metavar="S0,S1,...",
+                   help="with --sweep: round k runs both sides with the spec's seed set to "
+                        "the k-th of these (cycled; --rounds defaults to their count): a "
+                        "sweep's trial-epochs, and so its wall clock, vary with the seed "
+                        "far more than between the sides")
     p.set_defaults(fn=cmd_bench)
 
 

@@ -64,6 +64,33 @@ def test_bench_sweep_runs_both_sides_as_processes(tmp_path):
     assert len(lines) == 2
 
 
+def test_bench_sweep_seeds_run_both_sides_of_each_round_with_its_seed(tmp_path):
+    """--seeds 3,4: round k's two processes both run the spec with seed seeds[k] (each
+    sampler's first trial differs between the seeds, and a seed's serial side asks what
+    a one-at-a-time study of that seed asks); the total ratio is the rounds' totals'."""
+    from hftc.bench.sweep import format_sweep_bench, run_sweep_bench
+
+    spec_file = _spec_file(tmp_path)
+    result = run_sweep_bench(str(spec_file), rounds=2, log=lambda line: None, seeds=[3, 4])
+    fused, serial = result["rows"]["fused"], result["rows"]["serial"]
+    assert [r["seed"] for r in fused] == [r["seed"] for r in serial] == [3, 4]
+    assert fused[0]["params"][0] != fused[1]["params"][0]
+    assert serial[0]["params"][0] != serial[1]["params"][0]
+    alone = run_serial(hs.load_spec(spec_file).replace(seed=4), tmp_path / "alone")
+    assert serial[1]["params"] == [t.params for t in sorted(alone.study.trials,
+                                                            key=lambda t: t.number)]
+    assert result["total_ratio"] == pytest.approx(
+        sum(r["wall_s"] for r in serial) / sum(r["wall_s"] for r in fused))
+    assert "over the seeds 3, 4: " in format_sweep_bench(result)
+
+
+def test_bench_seeds_must_be_integers(capsys):
+    from hftc.__main__ import main
+
+    with pytest.raises(SystemExit, match="give integers separated by commas"):
+        main(["bench", "--sweep", "hftc.sweep.digits", "--seeds", "1,x"])
+
+
 @pytest.mark.parametrize("source", ["random", "fused", "serial"])
 def test_bench_sweep_same_trials_trains_the_same_configurations_on_both_sides(tmp_path,
                                                                              source):
@@ -269,8 +296,9 @@ def test_bench_workloads_sweep_is_the_demos_sweep_bench(monkeypatch, capsys):
 
     asked = []
 
-    def fake_bench(spec_ref, rounds, threads, same_trials):
+    def fake_bench(spec_ref, rounds, threads, same_trials, seeds):
         asked.append((spec_ref, rounds, threads, same_trials))
+        assert seeds is None
         return {"rows": {}, "speedup": 1.0}
 
     monkeypatch.setattr(bench_sweep, "run_sweep_bench", fake_bench)

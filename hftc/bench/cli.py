@@ -130,6 +130,20 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, terminate)
 
 
+def _seeds(text: str | None) -> list[int] | None:
+    """``--seeds 0,1,2`` as ints (None when not given)."""
+    if text is None:
+        return None
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"hftc bench --seeds {text}: give integers separated by commas, "
+                         f"e.g. --seeds 0,1,2") from None
+    if not seeds:
+        raise SystemExit("hftc bench --seeds: give at least one seed, e.g. --seeds 0,1,2")
+    return seeds
+
+
 def run(args: argparse.Namespace) -> int:
     exit_on_sigterm()
     _sweep_workload(args)
@@ -138,9 +152,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "sweep", None):
         from .sweep import format_sweep_bench, run_sweep_bench
 
-        result = run_sweep_bench(args.sweep, rounds=args.rounds or 3,
+        seeds = _seeds(getattr(args, "seeds", None))
+        result = run_sweep_bench(args.sweep, rounds=args.rounds or (len(seeds) if seeds else 3),
                                  threads=args.threads or 1,
-                                 same_trials=getattr(args, "same_trials", None))
+                                 same_trials=getattr(args, "same_trials", None), seeds=seeds)
         print("\n" + format_sweep_bench(result))
         if args.out:
             write_results(Path(args.out), result)

@@ -92,15 +92,18 @@ def run_fused(spec, out: Path, trials: list[dict] | None = None):
 
 
 def _side(which: str, spec_ref: str, out: str, threads: int,
-          trials: list[dict] | None = None) -> dict:
+          trials: list[dict] | None = None, seed: int | None = None) -> dict:
     """One side, in this process: the fused sweep or the one-at-a-time stock study; with
-    ``trials``, these configurations enqueued (``--same-trials``)."""
+    ``trials``, these configurations enqueued (``--same-trials``); with ``seed``, the
+    spec's seed replaced (``--seeds``)."""
     import torch
 
     torch.set_num_threads(threads)
     from ..sweep.spec import load_spec
 
     spec = load_spec(spec_ref)
+    if seed is not None:
+        spec = spec.replace(seed=seed)
     if trials is not None:
         spec = spec.replace(n_trials=len(trials))
     if which == "fused":
@@ -132,13 +135,14 @@ SAME_TRIALS = {"random": "drawn at random", "fused": "the fused sweep's",
 
 
 def _one_process(which: str, spec_ref: str, out: Path, threads: int, env: dict,
-                 trials_file: Path | None) -> dict:
+                 trials_file: Path | None, seed: int | None = None) -> dict:
     """One side as a whole process, timed from outside: its report and wall clock."""
     import hftc
 
     report = out / "report.json"
     cmd = [sys.executable, "-m", "hftc.bench.sweep", which, spec_ref, str(out), str(threads),
-           str(report), *([str(trials_file)] if trials_file is not None else [])]
+           str(report), "-" if trials_file is None else str(trials_file),
+           "-" if seed is None else str(seed)]
     if which == "serial":  # stock torch, as a script without hftc runs it
         env = dict(env, **{hftc.STOCK_TORCH: "1"})
     start = time.perf_counter()
@@ -150,17 +154,22 @@ def _one_process(which: str, spec_ref: str, out: Path, threads: int, env: dict,
     row = json.loads(report.read_text())
     # The one-at-a-time side imports hftc's code (its loop is hftc.sweep.serial's), which a
     # stock script does not: its wall clock less that import, measured in the process.
-    return row | {"wall_s": wall - (row["hftc_import_s"] if which == "serial" else 0.0)}
+    return row | {"wall_s": wall - (row["hftc_import_s"] if which == "serial" else 0.0),
+                  "seed": seed}
 
 
 def run_sweep_bench(spec_ref: str = "hftc.sweep.digits", rounds: int = 3, threads: int = 1,
-                    log=print, same_trials: str | None = None) -> dict:
+                    log=print, same_trials: str | None = None,
+                    seeds: list[int] | None = None) -> dict:
     """``rounds`` alternated pairs of whole processes (fused, then serial); the figures.
 
     ``same_trials`` (a key of :data:`SAME_TRIALS`): both sides train the same
     configurations, enqueued: ``"random"``, those of :func:`draw_trials`; ``"fused"``
     (``"serial"``), those the fused sweep's (the one-at-a-time study's) own sampler
-    asked, that side run first in each round and the other given its trials."""
+    asked, that side run first in each round and the other given its trials.
+    ``seeds``: round k runs both sides with the spec's seed ``seeds[k % len(seeds)]``
+    (which trials the samplers ask, their seeds, the data order); the figures then also
+    give the rounds' total wall clocks, the whole set of studies either way."""
     if same_trials is not None and same_trials not in SAME_TRIALS:
         raise SystemExit(f"hftc bench --sweep --same-trials {same_trials}: use one of "
                          f"{', '.join(SAME_TRIALS)}")
@@ -169,27 +178,34 @@ def run_sweep_bench(spec_ref: str = "hftc.sweep.digits", rounds: int = 3, thread
     order = ("serial", "fused") if same_trials == "serial" else ("fused", "serial")
     with tempfile.TemporaryDirectory(prefix="hftc-bench-sweep-") as tmp:
         trials_file = None
-        if same_trials == "random":
-            from ..sweep.spec import load_spec
-
-            trials_file = Path(tmp) / "trials.json"
-            trials_file.write_text(json.dumps(draw_trials(load_spec(spec_ref))))
         for k in range(rounds):
+            seed = seeds[k % len(seeds)] if seeds else None
+            if same_trials == "random" and (trials_file is None or seeds):
+                from ..sweep.spec import load_spec
+
+                spec = load_spec(spec_ref)
+                trials_file = Path(tmp) / f"trials-random-{k}.json"
+                trials_file.write_text(json.dumps(draw_trials(
+                    spec if seed is None else spec.replace(seed=seed))))
             if same_trials in ("fused", "serial"):
                 trials_file = None  # the first side samples; the second trains its trials
             for which in order:
                 row = _one_process(which, spec_ref, Path(tmp) / f"{which}-{k}", threads, env,
-                                   trials_file)
+                                   trials_file, seed)
                 rows[which].append(row)
                 if same_trials in ("fused", "serial") and trials_file is None:
                     trials_file = Path(tmp) / f"trials-{k}.json"
                     trials_file.write_text(json.dumps(row["params"]))
-                log(f"round {k + 1}/{rounds} {which:6s} {row['wall_s']:6.1f} s  "
+                log(f"round {k + 1}/{rounds} {which:6s} "
+                    + ("" if seed is None else f"seed {seed}  ")
+                    + f"{row['wall_s']:6.1f} s  "
                     f"{row['trial_epochs']} trial-epochs ({row['pruned']} pruned)  "
                     f"best {row['best']}")
     ratios = [s["wall_s"] / f["wall_s"] for f, s in zip(rows["fused"], rows["serial"])]
     return {"spec": spec_ref, "rounds": rounds, "threads": threads, "rows": rows,
-            "same_trials": same_trials,
+            "same_trials": same_trials, "seeds": seeds,
+            "total_ratio": sum(r["wall_s"] for r in rows["serial"])
+            / sum(r["wall_s"] for r in rows["fused"]),
             "fused_wall_s": statistics.median(r["wall_s"] for r in rows["fused"]),
             "serial_wall_s": statistics.median(r["wall_s"] for r in rows["serial"]),
             "speedup": statistics.median(ratios), "ratios": ratios}
@@ -214,14 +230,20 @@ def format_sweep_bench(result: dict) -> str:
         f"{median(s, 'trial_epochs'):.0f} trial-epochs, best {median(s, 'best'):.4f}",
         f"  speedup: {result['speedup']:.2f}x wall clock (median of the rounds' ratios "
         f"{', '.join(f'{r:.2f}' for r in result['ratios'])})",
+        *([f"  over the seeds {', '.join(map(str, result['seeds']))}: "
+           f"{result['total_ratio']:.2f}x the rounds' total wall clock (stock "
+           f"{sum(r['wall_s'] for r in s):.1f} s, fused {sum(r['wall_s'] for r in f):.1f} s; "
+           f"trial-epochs {sum(r['trial_epochs'] for r in s)} / "
+           f"{sum(r['trial_epochs'] for r in f)})"] if result.get("seeds") else []),
     ])
 
 
-if __name__ == "__main__":  # one side, as a process: which spec out threads report [trials]
-    which, spec_ref, out, threads, report = sys.argv[1:6]
-    enqueued = json.loads(Path(sys.argv[6]).read_text()) if len(sys.argv) > 6 else None
+if __name__ == "__main__":  # one side, as a process: which spec out threads report trials seed
+    which, spec_ref, out, threads, report, trials_arg, seed_arg = sys.argv[1:8]
+    enqueued = None if trials_arg == "-" else json.loads(Path(trials_arg).read_text())
     Path(report).parent.mkdir(parents=True, exist_ok=True)
-    Path(report).write_text(json.dumps(_side(which, spec_ref, out, int(threads), enqueued)))
+    Path(report).write_text(json.dumps(_side(which, spec_ref, out, int(threads), enqueued,
+                                             None if seed_arg == "-" else int(seed_arg))))
     if which == "fused":  # as `hftc sweep` ends (a stock script's process does not)
         from ..sweep.collector import freeze_at_exit
 
