@@ -230,6 +230,27 @@ class OwnTrialsCache(_CachedStorage):
         super().set_trial_intermediate_value(trial_id, *args, **kwargs)
         self._wrote(trial_id)
 
+    def set_trial_intermediate_values(self, writes: list[tuple[int, int, float]]) -> None:
+        """``set_trial_intermediate_value(trial_id, step, value)`` for each of ``writes``,
+        in ONE transaction (one commit, not one per trial and epoch)::
+
+            a round of 16 trials:  16 x (BEGIN, check, INSERT, COMMIT)
+                              ->   BEGIN, 16 x (check, INSERT), COMMIT
+
+        All or none: a trial finished elsewhere (Optuna's UpdateFinishedTrialError) rolls
+        back the lot, and the caller reports one at a time to learn which."""
+        if not writes:
+            return
+        from optuna.storages._rdb.storage import _create_scoped_session
+
+        backend = self._backend
+        with _create_scoped_session(backend.scoped_session, True) as session:
+            for trial_id, step, value in writes:
+                backend._set_trial_intermediate_value_without_commit(session, trial_id, step,
+                                                                      value)
+        for trial_id in {w[0] for w in writes}:
+            self._wrote(trial_id)
+
     def set_trial_user_attr(self, trial_id: int, *args: Any, **kwargs: Any) -> None:
         super().set_trial_user_attr(trial_id, *args, **kwargs)
         self._wrote(trial_id)
