@@ -245,9 +245,7 @@ class OwnTrialsCache(_CachedStorage):
 
         backend = self._backend
         with _create_scoped_session(backend.scoped_session, True) as session:
-            for trial_id, step, value in writes:
-                backend._set_trial_intermediate_value_without_commit(session, trial_id, step,
-                                                                      value)
+            _write_intermediate_values(backend, session, writes)
         for trial_id in {w[0] for w in writes}:
             self._wrote(trial_id)
 
@@ -292,6 +290,35 @@ class OwnTrialsCache(_CachedStorage):
                 else:
                     unfinished.add(trial._trial_id)
             self._read_to[study_id] = read_to
+
+
+def _write_intermediate_values(backend: optuna.storages.RDBStorage, session: Any,
+                               writes: list[tuple[int, int, float]]) -> None:
+    """RDBStorage._set_trial_intermediate_value_without_commit for each of ``writes``
+    (the same rows, the same checks and errors), with the trials' states and their
+    stored steps read in one SELECT each for all of them, not two per write."""
+    from optuna.storages._rdb import models
+
+    ids = sorted({w[0] for w in writes})
+    states = dict(session.query(models.TrialModel.trial_id, models.TrialModel.state)
+                  .filter(models.TrialModel.trial_id.in_(ids)).all())
+    value_model = models.TrialIntermediateValueModel
+    stored = {(r.trial_id, r.step): r for r in
+              session.query(value_model).filter(value_model.trial_id.in_(ids)).all()}
+    for trial_id in ids:  # every check before any row: Optuna's error message reads the
+        if trial_id not in states:  # trial in the same scoped session, and commits it
+            raise KeyError(models.NOT_FOUND_MSG)
+        backend.check_trial_is_updatable(trial_id, states[trial_id])
+    for trial_id, step, value in writes:
+        number, kind = value_model.intermediate_value_to_stored_repr(value)
+        row = stored.get((trial_id, step))
+        if row is None:
+            row = stored[trial_id, step] = value_model(
+                trial_id=trial_id, step=step, intermediate_value=number,
+                intermediate_value_type=kind)
+            session.add(row)
+        else:
+            row.intermediate_value, row.intermediate_value_type = number, kind
 
 
 def _reach(url: str, engine_kwargs: dict[str, Any]) -> None:
