@@ -335,9 +335,10 @@ def _reach(url: str, engine_kwargs: dict[str, Any]) -> None:
 
 def _fast_sqlite(storage: optuna.storages.RDBStorage) -> None:
     """Write-ahead logging and fsync at checkpoints only: a sweep commits a few times per
-    trial and epoch, and a full fsync per commit costs more than the training on a
-    small model. A killed process loses nothing (the WAL is in the OS's hands); a power
-    cut may lose the last commits, never the database."""
+    trial (ask, parameters, tell) and once per round for its reports, and a full fsync
+    per commit costs more than the training on a small model. A killed process loses
+    nothing (the WAL is in the OS's hands); a power cut may lose the last commits, never
+    the database."""
     import sqlalchemy
 
     def pragmas(dbapi_connection, _record) -> None:
