@@ -7,6 +7,7 @@ path that reports one trial at a time, bit for bit."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import optuna
@@ -101,7 +102,6 @@ def test_a_kill_after_the_reports_before_the_decisions_loses_no_decision(
     """SIGKILL right after the round's reports are committed, none of its trials told,
     pruned or kept: the storage has the round's reports, and the resumed sweep decides
     that round as the one that never stopped did."""
-    import os
     import signal
 
     out = tmp_path / "out"
@@ -128,3 +128,26 @@ def test_a_kill_after_the_reports_before_the_decisions_loses_no_decision(
     assert _in_a_fork(lambda: _sweep(spec, out, resume=True)) == "finished"
     result = _sweep(spec, out, resume=True)
     assert _outcome(result.study.trials) == uninterrupted
+
+
+@pytest.mark.skipif(not os.environ.get("HFTC_TEST_POSTGRES_URL"),
+                    reason="needs HFTC_TEST_POSTGRES_URL (a PostgreSQL server)")
+def test_the_batch_on_postgresql_is_all_or_none_and_read_by_a_fresh_study():
+    import uuid
+
+    url = os.environ["HFTC_TEST_POSTGRES_URL"]
+    study = optuna.create_study(study_name=f"hunt6-{uuid.uuid4().hex}",
+                                storage=OwnTrialsCache(make_storage(url)))
+    try:
+        a, b, c = study.ask(), study.ask(), study.ask()
+        study._storage.set_trial_intermediate_values(
+            [(a._trial_id, 1, 0.25), (b._trial_id, 1, float("nan")), (b._trial_id, 2, 1.0)])
+        study.tell(c, 1.0)
+        with pytest.raises(optuna.exceptions.UpdateFinishedTrialError):
+            study._storage.set_trial_intermediate_values([(a._trial_id, 2, 0.5),
+                                                          (c._trial_id, 1, 0.5)])
+        stored = [s[2] for s in _stored(study)]
+        assert stored[0] == {1: 0.25} and stored[2] == {}
+        assert math.isnan(stored[1][1]) and stored[1][2] == 1.0
+    finally:
+        optuna.delete_study(study_name=study.study_name, storage=url)
