@@ -61,7 +61,9 @@ class Decisions:
         # The complete and running trials, read once per round (other workers finish some
         # too); the trials this round prunes or fails are out of the later ones' reference.
         self._view, self._out_now = None, set()
-        for run in sorted(runs, key=lambda r: r.number):
+        runs = sorted(runs, key=lambda r: r.number)
+        self._report_all(runs)
+        for run in runs:
             trial = run.trial
             try:
                 for step in range(run.reported + 1, run.epoch + 1):
@@ -103,6 +105,32 @@ class Decisions:
         for run in done:
             self.heartbeat.discard(run.trial_id)
             self.live.remove(run)
+
+    def _report_all(self, runs: list[LiveTrial]) -> None:
+        """The round's ``trial.report`` of every trial, in one storage transaction (see
+        OwnTrialsCache.set_trial_intermediate_values); committed before any decision, so a
+        worker killed after it resumes with the reports in the storage and decides anew
+        (recovery.py), as one killed between a report and its decision did. Should a
+        trial be finished elsewhere, nothing is written here, and _decide's own
+        ``trial.report`` per trial says which (the reports it finds made are skipped)."""
+        storage = self.study._storage
+        batched = getattr(storage, "set_trial_intermediate_values", None)
+        if batched is None or len(self.study.directions) > 1:
+            return  # (Trial.report refuses multi-objective studies: left to say so)
+        writes: list[tuple[LiveTrial, int, float]] = []
+        for run in runs:
+            known = run.trial._cached_frozen_trial.intermediate_values
+            # Trial.report's conversions and checks, as it would make them
+            writes += [(run, step, float(run.history[step - 1]))
+                       for step in range(run.reported + 1, run.epoch + 1) if step not in known]
+        try:
+            batched([(run.trial_id, step, value) for run, step, value in writes])
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+            return
+        for run, step, value in writes:
+            run.trial._cached_frozen_trial.intermediate_values[step] = value
+        for run in runs:
+            run.reported = max(run.reported, run.epoch)
 
     def _should_prune(self, run: LiveTrial) -> bool:
         """``trial.should_prune()``; for the pruners that compare with complete trials
