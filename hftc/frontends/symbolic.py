@@ -1510,16 +1510,17 @@ def deepcopy_module(module: nn.Module, memo: dict[int, Any] | None = None) -> nn
     (:func:`hftc.frontends.closures.rebind_functions`): deepcopy keeps a function as it is, and a
     copy of minGPT's block called the original's MLP through ``self.mlpf``."""
     memo = {} if memo is None else memo
+    # (one walk of the tree for both loops: the walks cost a small model's copy a fifth)
+    originals = [sub for _, sub in module.named_modules(remove_duplicate=False)]
     # Each module's empty hook OrderedDicts (a dozen a module) copied up front: deepcopy's
     # generic path for them costs more than the rest of a small model's copy.
-    for sub in module.modules():
+    for sub in originals:
         for value in sub.__dict__.values():
             if type(value) is OrderedDict and not value and not vars(value):
                 memo.setdefault(id(value), OrderedDict())
     copied = _module_copy(module, memo)
     rebind_functions(copied, memo)
-    for (_, original), (_, twin) in zip(module.named_modules(remove_duplicate=False),
-                                        copied.named_modules(remove_duplicate=False)):
+    for original, (_, twin) in zip(originals, copied.named_modules(remove_duplicate=False)):
         for name in [k for k in twin.__dict__ if k in twin._modules
                      and k not in original.__dict__]:
             del twin.__dict__[name]

@@ -99,6 +99,13 @@ class ModelCopies:
         its slice of ``fused``'s current parameters and buffers (copies) and ``fused``'s
         modes; ``skip``: fused buffer names that are not the model's (lifted constants)."""
         model = deepcopy_module(self.templates[index])
+        # (its modules by path, walked once: get_submodule per tensor walked the path again)
+        subs = dict(model.named_modules(remove_duplicate=False))
+
+        def owner_of(path: str) -> nn.Module:
+            found = subs.get(path)
+            return model.get_submodule(path) if found is None else found  # (its error)
+
         names = self.names[index]
         own = (lambda name: name) if names is None else (lambda name: names.get(name, name))
         made: dict[int, nn.Parameter] = {}
@@ -106,19 +113,19 @@ class ModelCopies:
             if id(p) not in made:
                 made[id(p)] = nn.Parameter(p.detach()[index].clone(), requires_grad=p.requires_grad)
             owner, _, leaf = own(name).rpartition(".")
-            model.get_submodule(owner).register_parameter(leaf, made[id(p)])
+            owner_of(owner).register_parameter(leaf, made[id(p)])
         skipped = set(skip)
         for name, b in fused.named_buffers(remove_duplicate=False):
             owner, _, leaf = own(name).rpartition(".")
             if name in skipped or leaf.startswith("_hftc_constant_"):
                 continue
-            model.get_submodule(owner)._buffers[leaf] = b[index].clone()
-        for sub in model.modules():
+            owner_of(owner)._buffers[leaf] = b[index].clone()
+        for sub in dict.fromkeys(subs.values()):
             if isinstance(sub, nn.RNNBase):  # (its _flat_weights still held the meta ones)
                 sub._init_flat_weights()
         fused_modules = dict(fused.named_modules(remove_duplicate=False))
         modes: dict[str, bool] = {}
-        for path, sub in model.named_modules(remove_duplicate=False):
+        for path, sub in subs.items():
             source = fused_modules.get(self.fused_path(index, path) or "\0")
             mode = (source.training if source is not None
                     else modes.get(path.rpartition(".")[0], fused.training))
