@@ -13,6 +13,7 @@ from test_sweep import SPEC_SOURCE, retrain_alone
 
 import hftc.sweep as hs
 import hftc.sweep.engine as engine
+import hftc.sweep.storage as storage_module
 from hftc.__main__ import main
 
 
@@ -25,9 +26,23 @@ def spec_file(tmp_path):
 
 def _flaky_storage(monkeypatch, fail_at: int) -> dict:
     """make_storage whose storages raise a database error (a server restart) on the
-    ``fail_at``-th intermediate value written, once."""
+    ``fail_at``-th intermediate value written, once: one report at a time or in a
+    round's one transaction (OwnTrialsCache.set_trial_intermediate_values), which then
+    writes none of its values, as a failed commit."""
     real_make = engine.make_storage
     calls = {"n": 0}
+    real_batch = storage_module._write_intermediate_values
+
+    def flaky_batch(backend, session, writes):
+        before = calls["n"]
+        calls["n"] += len(writes)
+        if before < fail_at <= calls["n"]:
+            raise optuna.exceptions.StorageInternalError(
+                "An exception is raised during the commit. (server closed the "
+                "connection unexpectedly)")
+        return real_batch(backend, session, writes)
+
+    monkeypatch.setattr(storage_module, "_write_intermediate_values", flaky_batch)
 
     def make(*args, **kwargs):
         storage = real_make(*args, **kwargs)
