@@ -143,6 +143,53 @@ def test_compile_step_matches_the_eager_step_and_the_serial_loop():
     _assert_same_models(fused, serial)
 
 
+class _SeenWhileCompiling(dict):
+    """The forward-signature cache, noting each read dynamo traces.  Traced, the weak
+    cache of every forward seen became a dict dynamo guards on by key index; a key
+    collected mid-trace (the models of earlier tests) failed CI with an IndexError."""
+
+    def __init__(self):
+        super().__init__()
+        self.traced: list[bool] = []
+
+    def get(self, key, default=None):
+        if torch.compiler.is_compiling():
+            self.traced.append(True)  # (dynamo replays a traced list append)
+        return super().get(key, default)
+
+
+def test_compile_step_keeps_the_call_binding_out_of_the_traced_graph(monkeypatch):
+    from hftc.module import inputs
+    cache = _SeenWhileCompiling()
+    monkeypatch.setattr(inputs, "_FORWARD_SIGNATURES", cache)
+    dtype = torch.float32
+    models, batches = _models(dtype), _batches(4, dtype)
+    fused, losses, step = _stepped(models, batches, mode="compile")
+    assert step._compiled is not None
+    assert not cache.traced
+    _, loop_losses = _fused_loop(models, batches)
+    for got, want in zip(losses, loop_losses):
+        torch.testing.assert_close(got, want)
+
+
+def test_compiled_fused_call_still_refuses_what_the_models_refuse():
+    class KeywordOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, *, x):
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    fused = hftc.fuse([KeywordOnly() for _ in range(2)])
+    compiled = torch.compile(lambda x: fused(x=x))
+    torch.testing.assert_close(compiled(torch.ones(2, 4)), fused(x=torch.ones(2, 4)))
+    wrong = torch.compile(lambda x: fused(x))
+    with pytest.raises(FusionArgumentError, match="refuses this call"):
+        wrong(torch.ones(2, 4))
+
+
 def test_grad_scaler_in_the_eager_step_is_the_loop():
     models, batches = _models(torch.float32), _batches(3, torch.float32)
     fused = hftc.fuse(copy.deepcopy(models))

@@ -40,6 +40,7 @@ from ..errors import (
 from ..frontends.symbolic import (
     annotate_example_values,
 )
+from ..lowering.compile_guard import run_eagerly
 from ..lowering.runtime.layout import expand_models, model_slice
 from .programs import guard_failure, input_shapes
 from .usage import fused_output_models
@@ -290,11 +291,14 @@ class InputHandling:
                                  refused)
         return merged, batched
 
+    @run_eagerly
     def _bind_as_models_do(self, args: tuple, kwargs: dict) -> None:
         """Refuse a call the models' own forward refuses (its signature: positional-only,
         keyword-only, defaults, ``*args``, ``**kwargs``): ``fused(x)`` for
         ``forward(self, *, x)`` raises TypeError on each model, and must not run fused,
-        where a wrong script would work only fused."""
+        where a wrong script would work only fused.  Eager under torch.compile: traced,
+        the weak cache of signatures became a guarded dict of every forward seen, whose
+        keys dynamo could fail to hash."""
         forward = type(self._template).forward
         try:
             known = _FORWARD_SIGNATURES.get(forward)
