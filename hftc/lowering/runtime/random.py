@@ -152,7 +152,8 @@ def _keep_mask(shape: Sequence[int], threshold: _Threshold, like: Tensor) -> Ten
     if threshold.scale is not None:
         mask.mul_(threshold.scale)
     flags = torch.empty(words.numel() * 8, dtype=torch.uint8, device=device)
-    flags[numel:].zero_()
+    if numel % 8:  # (the last word's unused bytes: read by _flagged as whole words)
+        flags[numel:].zero_()
     torch.eq(lead, threshold.lead, out=flags[:numel].view(shape))
     ties = _flagged(flags)
     if not ties.numel():
