@@ -7,8 +7,9 @@ self.training)``, ``if self.training:``), so the fused module keeps one graph
 per mode and picks the one that matches ``fused.training`` at run time.
 
 Shapes are not needed to trace.  They are propagated later, once per input
-signature, by running model 0's graph on ``meta`` tensors
-(:func:`annotate_example_values`): every node then carries
+signature, by running model 0's graph on ``meta`` tensors, or for real on a copy of
+its tensors where one model's forward is small (:func:`annotate_example_values`):
+every node then carries
 ``node.meta["example_value"]``, the value model 0 computes there (a meta tensor,
 an int, a tuple ...), which is what the fusion rules read to know ranks,
 dtypes and Python types.
@@ -1685,14 +1686,21 @@ def _list_of_inputs_hint(names: Sequence[Any], args: Sequence[Any]) -> str:
     return ""
 
 
-def _to_meta(value: Any) -> Any:
+def _to_meta(value: Any, strides: bool = False) -> Any:
+    """``value`` with each tensor on meta (with its strides where ``strides``: a value
+    computed for real stands for what the meta kernel gives, an expanded view's zero
+    strides included; else ``empty_like``'s)."""
     def meta(v: Any) -> Any:
         if isinstance(v, torch.nn.utils.rnn.PackedSequence):
             # Its constructor demands batch_sizes on the CPU: rebuilt without it, the lengths
             # kept (a small CPU tensor).
             data, batch_sizes, *indices = v
             return tuple.__new__(type(v), (meta(data), batch_sizes, *map(meta, indices)))
-        return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+        if not isinstance(v, torch.Tensor):
+            return v
+        if strides and v.layout == torch.strided:
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return torch.empty_like(v, device="meta")
 
     return torch.utils._pytree.tree_map(
         meta, value, is_leaf=lambda v: isinstance(v, torch.nn.utils.rnn.PackedSequence))
@@ -1712,6 +1720,15 @@ def _bind_placeholders(graph: fx.Graph, inputs: Sequence[Any], kwargs: dict[str,
     return args
 
 
+#: Model 0's parameter and buffer elements times its inputs' elements up to which its
+#: values are propagated on the CPU for real first: a bound (without upsampling) on the
+#: multiply-adds of one model's forward (under 0.2 s of one core; a fused call runs N),
+#: where meta's first use in a process imports sympy (~0.25 s) and its Python kernels
+#: take 10-100x a small CPU kernel (F.batch_norm on [64, 96]: 1.3 ms on meta, 18 us on
+#: the CPU). The MLP sweep's evaluation (26K parameters, [360, 64]): 0.6 Gi.
+REAL_FIRST_MAX_WORK = 1 << 30
+
+
 def annotate_example_values(
     graph: fx.Graph,
     template: nn.Module,
@@ -1721,18 +1738,32 @@ def annotate_example_values(
 ) -> None:
     """Propagate model 0's values through ``graph``, storing them in ``node.meta``.
 
-    First on the meta device: ``template`` is model 0 on meta (:func:`meta_copy`),
-    ``inputs`` one model's inputs, and no data is touched.  A model that reads a
-    tensor's value in Python (``float(self.num_batches_tracked)`` in a batch norm
-    with ``momentum=None``) cannot run on meta; it then runs once for real on a
-    copy of model 0's tensors (``real_tensors()``), with the random number
-    generator state restored afterwards, so nothing the user sees changes.
+    On the meta device, where no data is touched: ``template`` is model 0 on meta
+    (:func:`meta_copy`), ``inputs`` one model's inputs.  Or for real, on a copy of
+    model 0's tensors (``real_tensors()``) with the random number generator state
+    restored afterwards, so that nothing the user sees changes: first where that is
+    cheap (a small model on small inputs on the CPU, :data:`REAL_FIRST_MAX_WORK`),
+    and where meta cannot run the model (it reads a tensor's value in Python:
+    ``float(self.num_batches_tracked)`` in a batch norm with ``momentum=None``).
+    Either way each node's value is then a meta tensor of the shape and dtype model 0
+    computes there (with the strides of the kernels that ran: the CPU's conv of a
+    channels-last input is channels-last, meta's is not).
     """
     args = _bind_placeholders(graph, inputs, kwargs)
     copied = fx.Graph()
     # With its output node: a graph of placeholders alone (``return x``) compiled to a
     # function with no body.
     copied.output(copied.graph_copy(graph, {}))
+    if _cheap_on_the_cpu(template, args):
+        real = _real_copy(template, real_tensors)
+        if real is not None:
+            try:
+                _record_real(graph, copied, real, args)
+                return
+            except FusionError:  # an export guard (lowering/runtime/guards.py) refused
+                raise
+            except Exception:  # noqa: BLE001 - meta next, then real again to explain
+                pass
     recorder = None  # (the GraphModule itself may fail: an attribute the template lacks)
     try:
         recorder = _Recorder(fx.GraphModule(template, copied), list(graph.nodes))
@@ -1744,22 +1775,14 @@ def annotate_example_values(
     except Exception as exc:
         meta_error = exc
     failed_on_meta = recorder.failed if recorder is not None else None
-    real = deepcopy_module(template)
-    for name, tensor in real_tensors().items():
-        owner_path, _, leaf = name.rpartition(".")
-        owner = real.get_submodule(owner_path)
-        if leaf in owner._parameters:
-            owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-        else:
-            owner._buffers[leaf] = tensor
-    recorder = _Recorder(fx.GraphModule(real, copied), list(graph.nodes))
+    real = _real_copy(template, real_tensors, any_device=True)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            recorder.run(*args)
-    except Exception as exc:
+        _record_real(graph, copied, real, args)
+    except _RealRunFailed as failed:
         from ..match import describe_node  # (match reads graphs this module makes)
 
-        node = recorder.failed or failed_on_meta
+        exc = failed.__cause__
+        node = failed.node or failed_on_meta
         where = f", at {describe_node(node, template)}" if node is not None else ""
         source = user_line(node) if node is not None else ""
         where += f" ({source})" if source else ""
@@ -1775,8 +1798,58 @@ def annotate_example_values(
             f"takes (a model dim at in_dims for stacked inputs)"
             f"{_list_of_inputs_hint(names, args)}"
         ) from exc
+
+
+class _RealRunFailed(Exception):
+    """:func:`_record_real`'s run raised (its ``__cause__``) at ``node``."""
+
+    def __init__(self, node: fx.Node | None):
+        super().__init__()
+        self.node = node
+
+
+def _cheap_on_the_cpu(template: nn.Module, args: Sequence[Any]) -> bool:
+    """Is one forward of model 0 on ``args`` cheap enough to run for real
+    (:data:`REAL_FIRST_MAX_WORK`), its inputs all on the CPU?"""
+    leaves = [v for v in torch.utils._pytree.tree_leaves(args) if isinstance(v, torch.Tensor)]
+    if any(v.device.type != "cpu" for v in leaves):
+        return False
+    model = sum(t.numel() for t in (*template.parameters(), *template.buffers()))
+    return model * max(1, sum(v.numel() for v in leaves)) <= REAL_FIRST_MAX_WORK
+
+
+def _real_copy(template: nn.Module, real_tensors: Callable[[], dict[str, torch.Tensor]],
+               any_device: bool = False) -> nn.Module | None:
+    """``template`` holding copies of model 0's tensors (None where one is off the CPU,
+    unless ``any_device``: the random generator restored is the CPU's)."""
+    tensors = real_tensors()
+    if not any_device and any(t.device.type != "cpu" for t in tensors.values()):
+        return None
+    real = deepcopy_module(template)
+    for name, tensor in tensors.items():
+        owner_path, _, leaf = name.rpartition(".")
+        owner = real.get_submodule(owner_path)
+        if leaf in owner._parameters:
+            owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            owner._buffers[leaf] = tensor
+    return real
+
+
+def _record_real(graph: fx.Graph, copied: fx.Graph, real: nn.Module, args: Sequence[Any]
+                 ) -> None:
+    """Run ``copied`` on ``real`` for real, each value into its ``graph`` node as a meta
+    tensor of its shape, strides and dtype; :class:`_RealRunFailed` where it raises."""
+    recorder = _Recorder(fx.GraphModule(real, copied), list(graph.nodes))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            recorder.run(*args)
+    except FusionError:
+        raise
+    except Exception as exc:
+        raise _RealRunFailed(recorder.failed) from exc
     for node in graph.nodes:
-        node.meta[EXAMPLE_VALUE] = _to_meta(node.meta.get(EXAMPLE_VALUE))
+        node.meta[EXAMPLE_VALUE] = _to_meta(node.meta.get(EXAMPLE_VALUE), strides=True)
 
 
 # --------------------------------------------------------------------------- traced through:
