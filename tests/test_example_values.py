@@ -172,3 +172,25 @@ def test_a_model_the_real_run_refuses_is_propagated_on_meta(monkeypatch):
     out = next(n for n in graph.graph.nodes if n.op == "output").args[0]
     assert tuple(out.meta[EXAMPLE_VALUE].shape) == (6, 2)
     assert out.meta[EXAMPLE_VALUE].device.type == "meta"
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.fc(x.relu_())
+
+
+def test_the_real_run_writes_into_copies_of_the_inputs():
+    model = WritesItsInput()
+    graph = trace_model(model, 0, training=True)
+    tensors = {n: t.detach().clone() for n, t in model.named_parameters()}
+    x = torch.randn(3, 4)
+    given = x.clone()
+    annotate_example_values(graph.graph, meta_copy(model), [x], {}, lambda: dict(tensors))
+    assert torch.equal(x, given)
+    out = next(n for n in graph.graph.nodes if n.op == "output").args[0]
+    assert tuple(out.meta[EXAMPLE_VALUE].shape) == (3, 4)

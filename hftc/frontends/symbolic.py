@@ -1686,6 +1686,17 @@ def _list_of_inputs_hint(names: Sequence[Any], args: Sequence[Any]) -> str:
     return ""
 
 
+def _copies(value: Any) -> Any:
+    """``value`` with each tensor cloned (a PackedSequence's parts too)."""
+    def copied(v: Any) -> Any:
+        if isinstance(v, torch.nn.utils.rnn.PackedSequence):
+            return tuple.__new__(type(v), tuple(copied(part) for part in v))
+        return v.clone() if isinstance(v, torch.Tensor) else v
+
+    return torch.utils._pytree.tree_map(
+        copied, value, is_leaf=lambda v: isinstance(v, torch.nn.utils.rnn.PackedSequence))
+
+
 def _to_meta(value: Any, strides: bool = False) -> Any:
     """``value`` with each tensor on meta (with its strides where ``strides``: a value
     computed for real stands for what the meta kernel gives, an expanded view's zero
@@ -1838,12 +1849,13 @@ def _real_copy(template: nn.Module, real_tensors: Callable[[], dict[str, torch.T
 
 def _record_real(graph: fx.Graph, copied: fx.Graph, real: nn.Module, args: Sequence[Any]
                  ) -> None:
-    """Run ``copied`` on ``real`` for real, each value into its ``graph`` node as a meta
-    tensor of its shape, strides and dtype; :class:`_RealRunFailed` where it raises."""
+    """Run ``copied`` on ``real`` for real, on copies of ``args`` (forward may write into
+    its inputs: ``x.mul_(2)``), each value into its ``graph`` node as a meta tensor of
+    its shape, strides and dtype; :class:`_RealRunFailed` where it raises."""
     recorder = _Recorder(fx.GraphModule(real, copied), list(graph.nodes))
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            recorder.run(*args)
+            recorder.run(*_copies(args))
     except FusionError:
         raise
     except Exception as exc:
