@@ -48,10 +48,10 @@ def scheduler(optimizer, params):
 
 def data():
     from sklearn.datasets import load_digits
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target)
-    g = torch.Generator().manual_seed(1)
-    perm = torch.randperm(len(y), generator=g)
-    x, y = x[perm], y[perm]
-    return (x[:1400], y[:1400]), (x[1400:], y[1400:])
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_val, y_train, y_val = train_test_split(x / 16.0, y, test_size=0.2,
+                                                      random_state=1)
+    return ((torch.tensor(x_train, dtype=torch.float32), torch.tensor(y_train)),
+            (torch.tensor(x_val, dtype=torch.float32), torch.tensor(y_val)))

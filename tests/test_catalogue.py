@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from equivalence import check_equivalence
 from torch import nn
+from zoo import WritesItsInput
 
 import hftc
 from hftc.errors import (
@@ -295,16 +296,7 @@ def test_python_random_in_forward_is_refused(use_numpy):
 
 
 def test_in_place_ops_on_inputs_match_each_model_alone():
-    class InPlace(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            x.mul_(2)  # the input itself is modified, as the model alone would
-            return self.fc(x.relu_())
-
-    models = [InPlace() for _ in range(3)]
+    models = [WritesItsInput() for _ in range(3)]
     x = torch.randn(2, 4)
     out = hftc.fuse(models)(x.clone())
     for i, m in enumerate(models):

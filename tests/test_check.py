@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from equivalence import check_equivalence
 from fuzz_families import build
 from torch import nn
+from zoo import WritesItsInput
 
 import hftc
 from hftc.errors import FusionWarning, TraceError
@@ -151,16 +152,7 @@ def test_in_place_writes_into_the_input_happen_once_with_autotune(tmp_path, monk
     (it used to double the input once per tuning run: outputs off by 10x)."""
     monkeypatch.setenv("HFTC_CACHE_DIR", str(tmp_path))
 
-    class InPlace(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
-
-        def forward(self, x):
-            x.mul_(2)
-            return self.fc(x.relu_())
-
-    models = models_of(InPlace)
+    models = models_of(WritesItsInput)
     x = torch.randn(2, 4)
     given = x.clone()
     out = hftc.fuse(models, autotune=True)(given)

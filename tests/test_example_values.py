@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zoo import WritesItsInput
 
 import hftc
 from hftc.frontends import symbolic
@@ -31,16 +32,17 @@ class MLP(nn.Module):
 
 
 class ConvNet(nn.Module):
+    """A conv of a channels-last input (the CPU keeps it channels-last, meta does not)."""
+
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(3, 6, 3, padding=1)
-        self.bn = nn.BatchNorm2d(6)
-        self.fc = nn.Linear(6, 4)
+        self.features = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.BatchNorm2d(5),
+                                      nn.ReLU(inplace=True), nn.MaxPool2d(2))
+        self.head = nn.Linear(5, 4)
 
     def forward(self, x):
-        h = F.relu(self.bn(self.conv(x)), inplace=True)
-        pooled = F.adaptive_avg_pool2d(h, 1).flatten(1)
-        return self.fc(pooled) + pooled.mean(1, keepdim=True).expand(-1, 4)
+        pooled = F.adaptive_avg_pool2d(self.features(x), 1).flatten(1)
+        return self.head(pooled) + pooled.mean(1, keepdim=True).expand(-1, 4)
 
 
 class Recurrent(nn.Module):
@@ -172,16 +174,6 @@ def test_a_model_the_real_run_refuses_is_propagated_on_meta(monkeypatch):
     out = next(n for n in graph.graph.nodes if n.op == "output").args[0]
     assert tuple(out.meta[EXAMPLE_VALUE].shape) == (6, 2)
     assert out.meta[EXAMPLE_VALUE].device.type == "meta"
-
-
-class WritesItsInput(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-
-    def forward(self, x):
-        x.mul_(2)
-        return self.fc(x.relu_())
 
 
 def test_the_real_run_writes_into_copies_of_the_inputs():

@@ -254,3 +254,18 @@ def make_input(
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
     return torch.randn(ZOO[name].input_shape(batch), generator=gen, dtype=dtype)
+
+
+class WritesItsInput(nn.Module):
+    """A forward that writes into its input (``x.mul_(2)``, ``relu_``), as the model alone
+    would: whatever runs it more than once (a check, a tuning run, shape propagation)
+    must run it on copies."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.fc(x.relu_())
+
