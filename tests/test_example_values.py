@@ -163,6 +163,17 @@ def test_the_real_run_restores_the_generator_and_leaves_model_0_alone():
 def test_a_model_the_real_run_refuses_is_propagated_on_meta(monkeypatch):
     """Ids past the embedding's rows fail for real (an IndexError of model 0's data) but
     not on meta, which reads no values: propagation goes on, as before the real run."""
+    refused = []
+    real = symbolic._record_real
+
+    def noted(*args):
+        try:
+            return real(*args)
+        except Exception as exc:
+            refused.append(exc)
+            raise
+
+    monkeypatch.setattr(symbolic, "_record_real", noted)
     model = Recurrent()
     graph = trace_model(model, 0, training=False)
     tensors = {n: t.detach().clone() for n, t in
@@ -171,9 +182,28 @@ def test_a_model_the_real_run_refuses_is_propagated_on_meta(monkeypatch):
     with pytest.raises(IndexError):
         model(ids)
     annotate_example_values(graph.graph, meta_copy(model), [ids], {}, lambda: dict(tensors))
+    assert len(refused) == 1 and isinstance(refused[0].__cause__, IndexError)
     out = next(n for n in graph.graph.nodes if n.op == "output").args[0]
     assert tuple(out.meta[EXAMPLE_VALUE].shape) == (6, 2)
     assert out.meta[EXAMPLE_VALUE].device.type == "meta"
+
+
+def test_a_real_run_records_the_strides_the_cpu_kernels_give():
+    """A conv of a channels-last input is channels-last on the CPU (torch's meta conv
+    says contiguous): the recorded value has the eager conv's strides."""
+    torch.manual_seed(0)
+    model = ConvNet().eval()
+    x = _cases(torch.float32)[1][1]
+    graph = trace_model(model, 0, training=False)
+    tensors = {n: t.detach().clone() for n, t in
+               [*model.named_parameters(), *model.named_buffers()]}
+    annotate_example_values(graph.graph, meta_copy(model), [x], {}, lambda: dict(tensors))
+    conv = next(n for n in graph.graph.nodes if n.op == "call_module"
+                and isinstance(model.get_submodule(n.target), nn.Conv2d))
+    recorded = conv.meta[EXAMPLE_VALUE]
+    eager = model.features[0](x)
+    assert recorded.shape == eager.shape and recorded.stride() == eager.stride()
+    assert eager.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_the_real_run_writes_into_copies_of_the_inputs():

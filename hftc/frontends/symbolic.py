@@ -1733,7 +1733,7 @@ def _bind_placeholders(graph: fx.Graph, inputs: Sequence[Any], kwargs: dict[str,
 
 #: Model 0's parameter and buffer elements times its inputs' elements up to which its
 #: values are propagated on the CPU for real first: a bound (without upsampling) on the
-#: multiply-adds of one model's forward (under 0.2 s of one core; a fused call runs N),
+#: multiply-adds of one model's forward (a fused call computes N of them),
 #: where meta's first use in a process imports sympy (~0.25 s) and its Python kernels
 #: take 10-100x a small CPU kernel (F.batch_norm on [64, 96]: 1.3 ms on meta, 18 us on
 #: the CPU). The MLP sweep's evaluation (26K parameters, [360, 64]): 0.6 Gi.
