@@ -255,3 +255,118 @@ def test_a_loss_still_held_from_before_the_cut_does_not_stop_the_next_backward()
             stock.step()
     assert_close(fused, models, 1e-9)
     assert loss.requires_grad  # (held to the end)
+
+
+# ------------------------------------------------------------ the checks a cut keeps
+
+
+@pytest.fixture
+def checks_run(monkeypatch):
+    """The first-call checks compare_with_models runs, each as the fused module's mode."""
+    import hftc.module.programs as programs
+
+    run = []
+    compare = programs.compare_with_models
+
+    def counted(fused, *args, **kwargs):
+        run.append("train" if fused.training else "eval")
+        return compare(fused, *args, **kwargs)
+
+    monkeypatch.setattr(programs, "compare_with_models", counted)
+    return run
+
+
+def test_a_cut_keeps_the_checks_its_programs_passed(checks_run):
+    # The kept models ran these programs on the checks' word: compiled again for fewer
+    # models, the programs are not checked again, and compute what the models compute.
+    x = batches(1)[0][0]
+    models = [make_model(i) for i in range(N)]  # (BatchNorm momenta differ: all checked)
+    fused = hftc.fuse(models, strategy="fused")
+    fused(x)
+    fused.eval()
+    fused(x)
+    assert checks_run == ["train", "eval"]
+    hftc.keep_models(fused, [3, 1])
+    out = fused(x)
+    fused.train()
+    fused(x)
+    assert checks_run == ["train", "eval"]  # nothing checked again
+    check = fused.last_program().report.check
+    assert check.before_cut and check.passed and check.models == (0, 1)
+    assert "checked before the cut" in str(check)
+    for j, i in enumerate([3, 1]):
+        model = make_model(i)
+        model(x)  # (the first call, in training mode, moved the running statistics)
+        torch.testing.assert_close(out[j], model.eval()(x), rtol=1e-9, atol=1e-12)
+    # A second cut keeps them too, the one compiled since and the one not.
+    hftc.keep_models(fused, [1])
+    fused(x)
+    fused.eval()
+    fused(x)
+    assert checks_run == ["train", "eval"]
+    assert fused.last_program().report.check.models == (0,)
+
+
+def test_a_program_compiled_first_after_a_cut_is_checked(checks_run):
+    x = batches(1)[0][0]
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    fused(x)  # training mode only
+    hftc.keep_models(fused, [0, 2])
+    fused.eval()
+    fused(x)
+    assert checks_run == ["train", "eval"]
+    assert not fused.last_program().report.check.before_cut
+
+
+class _TensorOnly(nn.Module):
+    """forward branches on isinstance(x, Tensor), which a traced Proxy is not: the check
+    finds the fused program (traced without the doubling) off."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc = nn.Linear(6, 3).double()
+
+    def forward(self, x):
+        y = self.fc(x)
+        if isinstance(x, torch.Tensor):
+            y = y * 2
+        return y
+
+
+def test_a_failed_check_is_not_kept_over_a_cut(checks_run):
+    x = batches(1)[0][0]
+    fused = hftc.fuse([_TensorOnly(i) for i in range(3)])
+    with pytest.warns(hftc.errors.FusionWarning):
+        fused(x)
+    hftc.keep_models(fused, [2, 0])
+    with pytest.warns(hftc.errors.FusionWarning):
+        out = fused(x)  # checked again, and refused again: the models run one by one
+    assert checks_run == ["train", "train"]
+    for j, i in enumerate([2, 0]):
+        torch.testing.assert_close(out[j], _TensorOnly(i)(x), rtol=1e-12, atol=0)
+
+
+def test_replacing_models_after_a_cut_checks_the_new_ones(checks_run):
+    x = batches(1)[0][0]
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    hftc.optim.SGD(fused.parameters(), lr=0.1)
+    fused(x)
+    hftc.keep_models(fused, [0, 1, 2])  # the kept check waits for the next compile
+    hftc.replace_models(fused, {1: make_model(3)})
+    out = fused(x)
+    assert checks_run == ["train", "train"]
+    assert not fused.last_program().report.check.before_cut
+    torch.testing.assert_close(out[1], make_model(3)(x), rtol=1e-9, atol=1e-12)
+
+
+def test_copies_of_a_cut_module_check_again(checks_run):
+    import copy
+
+    x = batches(1)[0][0]
+    fused = hftc.fuse([make_model(i) for i in range(N)], strategy="fused")
+    fused(x)
+    hftc.keep_models(fused, [1, 2])
+    twin = copy.deepcopy(fused)
+    twin(x)
+    assert checks_run == ["train", "train"]

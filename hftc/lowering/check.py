@@ -438,15 +438,32 @@ class CheckResult:
     #: In bfloat16/float16, an output beyond the tolerance was found no farther from a
     #: float64 run than the model's own forward is (:func:`_within_own_rounding`).
     within_rounding: bool = False
+    #: Found before :func:`hftc.keep_models` cut the fused module to these models (the
+    #: same program at fewer models), and kept: not run again.
+    before_cut: bool = False
 
     @property
     def passed(self) -> bool:
         return self.difference is None
 
+    def kept(self, keep: Sequence[int]) -> CheckResult | None:
+        """This result for the models ``keep`` (old positions, in their new order) once a
+        cut leaves only them, or None where it is not to be kept: only a check that ran
+        and passed carries over (the kept models ran this program on its word already)."""
+        if not self.passed or self.skipped or self.raised is not None:
+            return None
+        position = {old: new for new, old in enumerate(keep)}
+        return dataclasses.replace(
+            self, models=tuple(sorted(position[i] for i in self.models if i in position)),
+            before_cut=True)
+
     def __str__(self) -> str:
         numbers = [str(i) for i in self.models]
         models = ("model " if len(numbers) == 1 else "models ") + (
             numbers[0] if len(numbers) == 1 else ", ".join(numbers[:-1]) + " and " + numbers[-1])
+        if self.before_cut:
+            models = (f"{models} (positions after hftc.keep_models; checked before the cut)"
+                      if numbers else "models the cut took out (checked before it)")
         if self.skipped:
             return f"not checked against the models' own forward: {self.skipped}"
         if self.difference:

@@ -8,7 +8,8 @@ program being built (:class:`ProgramState`)::
     chains             consecutive fused linears -> one call      chains.py
     codegen            fused fx graph -> forward(self, *inputs)   codegen.py
     check              run once beside models 0, N // 2, N - 1:   check.py
-                       not the same outputs -> the N models one by one (pipeline ends)
+                       not the same outputs -> the N models one by one (pipeline ends);
+                       after a keep_models cut, the check the program passed before it
     strategy choice    (autotune=False) strategy="auto": time     strategy.py
                        the fused program against the models one by
                        one (on the first calls, or extra steps if
@@ -52,7 +53,7 @@ from ..passes import FusionReport, fuse_graph
 from . import layout
 from .autotune import ProgramChoice, autotune_graph, choose_program, cost_model_graph
 from .chains import chain_linears
-from .check import input_copies, preserved_state
+from .check import CheckResult, input_copies, preserved_state
 from .checkpoint import checkpointed_forward
 from .codegen import compile_graph
 from .runtime.layout import model_slice
@@ -247,6 +248,9 @@ class ProgramState:
     plan: StrategyChoice | None = None  # strategy choice (or layout choice)
     trial: CallTiming | None = None  # strategy choice, timed on the user's calls
     checkpointed: bool = False  # state.forward is the checkpointed one (checkpointing)
+    #: The first-call check this program passed before a ``keep_models`` cut (the check
+    #: stage takes it instead of running the check again).
+    kept_check: CheckResult | None = None
     #: Set by a stage that decides the program on its own (the check's fallback to the N
     #: models one by one): the stages after it do not run.
     final: Program | None = None
@@ -295,6 +299,8 @@ def check(state: ProgramState, options: CompileOptions) -> None:
     run (outputs not the models', Python state forward changes), the N models one by one
     with a warning, and the pipeline ends there."""
     fused = state.fused
+    if state.kept_check is not None:
+        state.report.check = state.kept_check
     why = fused._why_not_fused(state.report, state.forward, state.spec, state.values,
                                state.batched, state.graph, state.mode_graphs.graph)
     if why is not None:
@@ -455,9 +461,11 @@ STAGES = (
 
 
 def compile_program(fused: Any, mode_graphs: Any, values: Sequence[Any],
-                    batched: Sequence[bool], options: CompileOptions) -> Program:
-    """Run :data:`STAGES` on model 0's graph (``mode_graphs``) for ``values``."""
-    state = ProgramState(fused, mode_graphs, values, batched)
+                    batched: Sequence[bool], options: CompileOptions,
+                    kept_check: CheckResult | None = None) -> Program:
+    """Run :data:`STAGES` on model 0's graph (``mode_graphs``) for ``values``
+    (``kept_check``: :attr:`ProgramState.kept_check`)."""
+    state = ProgramState(fused, mode_graphs, values, batched, kept_check=kept_check)
     for stage in STAGES:
         if state.final is not None:
             break

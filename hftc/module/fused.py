@@ -1059,7 +1059,7 @@ class FusedModule(ContainerAccess, InputHandling, ProgramCache, Unfusing, nn.Mod
         state["_programs"] = {}  # generated code is recompiled on the next call
         # The models' other methods are fused again on their next call (the shared loop's
         # shells are kept: they hold the Python attributes forward changed).
-        for key in ("_method_modules", "_methods_one_by_one", "_last_call_program",
+        for key in ("_method_modules", "_methods_one_by_one", "_last_call_program", "_kept_checks",
                     *NOT_PICKLED, *COPY_RECORDS):
             state.pop(key, None)
         return state

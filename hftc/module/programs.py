@@ -323,7 +323,9 @@ class ProgramCache:
             key += (exported_again,)
         program = self._programs.get(key)
         if program is None:
-            program = self._compile_program(values, batched)
+            kept = self.__dict__.get("_kept_checks")
+            program = self._compile_program(values, batched,
+                                            None if kept is None else kept.pop(key, None))
             self._programs[key] = program
         return program
 
@@ -369,11 +371,15 @@ class ProgramCache:
             self._retraced_graphs[key] = self._matched_mode_graphs(graphs, models, constants)
         return self._retraced_graphs[key]
 
-    def _compile_program(self, values: Sequence[Any], batched: Sequence[bool]) -> Program:
+    def _compile_program(self, values: Sequence[Any], batched: Sequence[bool],
+                         kept_check: CheckResult | None = None) -> Program:
+        """The program for this call's mode and input signature; ``kept_check``: the
+        first-call check this program passed before a ``keep_models`` cut (not run again)."""
         program = compile_program(self, self._graphs_for(values), values, batched,
                                   CompileOptions(autotune=self.autotune,
                                                  strategy=getattr(self, "strategy", "fused"),
-                                                 checkpoint=getattr(self, "checkpoint", False)))
+                                                 checkpoint=getattr(self, "checkpoint", False)),
+                                  kept_check)
         if getattr(self, "padding", None) is not None:
             program.report.padding = self.padding.summary()
         shapes = self._graphs_for(values).exported_shapes
@@ -400,6 +406,8 @@ class ProgramCache:
                     f"updates per model.")
         if not self.check:
             return None
+        if report.check is not None and report.check.before_cut:
+            return None  # (passed before a cut: the kept models' program, unchanged)
         report.check = compare_with_models(
             self, lambda inputs: self._run_fused(forward, spec, inputs), values, batched)
         if isinstance(report.check.raised, RaggedResultError):

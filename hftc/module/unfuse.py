@@ -48,7 +48,7 @@ def _drop_grad_accumulator(p: torch.Tensor) -> None:
 #: ``FusedModule.__dict__`` entries made lazily from its models, dropped where it takes
 #: another module's models over (:meth:`FusedModule._become`).
 _MADE_FROM_MODELS = ("_shared_one_by_one", "_methods_one_by_one", "_method_modules",
-                     "_last_call_program")
+                     "_last_call_program", "_kept_checks")
 
 
 
@@ -340,8 +340,26 @@ class Unfusing:
         loop = self.__dict__.get("_shared_one_by_one")
         if loop is not None:  # the shells keep the Python attributes forward changed
             loop.subset(keep)
+        self._keep_checks(keep)
         self._programs = {}
         self._mark_stacked()
+
+    def _keep_checks(self, keep: Sequence[int]) -> None:
+        """The first-call checks the programs passed, for the programs compiled anew after a
+        cut to ``keep`` (per program key: ``_compile_program`` takes them instead of
+        checking again). The kept models ran these programs on those checks' word, and the
+        program for fewer of them is the same graph. Not with padded widths (each model is
+        checked against its own widths) nor once a model's forward changed Python state."""
+        kept = {}
+        if getattr(self, "padding", None) is None and self._python_state is None:
+            earlier = self.__dict__.get("_kept_checks", {})
+            # (a program compiled since the last cut has its own check; the others' wait)
+            found = {**earlier,
+                     **{key: program.report.check for key, program in self._programs.items()
+                        if program.report is not None and program.report.check is not None}}
+            kept = {key: made for key, check in found.items()
+                    if (made := check.kept(keep)) is not None}
+        self.__dict__["_kept_checks"] = kept
 
     def _become(self, other: nn.Module) -> None:
         """``other``'s tensors and records in this module, keeping this module's parameter
