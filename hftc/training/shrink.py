@@ -180,8 +180,9 @@ def keep_models(
     The kept models continue exactly as they would have: the same parameters, buffers,
     gradients, optimizer state and schedule position; the compiled programs are dropped
     and the next call compiles for the smaller N, keeping the first-call checks they
-    passed (the kept models ran them on the checks' word: not checked again).  ``hftc.compile_step`` and ``hftc.amp.GradScaler`` objects made
-    for N models are not cut: make them again.
+    passed (the kept models ran them on the checks' word: not checked again).
+    ``hftc.compile_step`` and ``hftc.amp.GradScaler`` objects made for N models are not
+    cut: make them again.
 
     Raises ``FusionIndexError`` / ``FusionArgumentError`` / ``FusionTypeError`` for a bad
     ``keep``, an optimizer not on ``fused``, a scheduler not on those optimizers, a stock
