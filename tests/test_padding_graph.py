@@ -418,3 +418,45 @@ def test_without_example_inputs_the_first_call_rewrites():
     assert list(fused.parameters()) == params and opt.param_groups[0]["params"] == params
     for i, model in enumerate(models):
         torch.testing.assert_close(out[i], model(x), rtol=1e-12, atol=1e-12)
+
+
+class _NormThenSoftmax(nn.Module):
+    """Batch norm, then a softmax over hidden units whose padding is not zero (an op the
+    rewrite computes over each model's real units)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(6, hidden), nn.BatchNorm1d(6), nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(self.norm(x)).sigmoid().softmax(-1))
+
+
+def test_the_rewrite_leaves_each_models_state_as_it_found_it(monkeypatch):
+    # The rewrite's analysis runs every model in both modes on the first inputs; training
+    # mode moves the running statistics, which must be the models' own when the fused
+    # module starts.
+    from hftc.module import padding_graph
+
+    runs = []
+    run = padding_graph._run
+    monkeypatch.setattr(padding_graph, "_run", lambda *a: runs.append(a[1]) or run(*a))
+    torch.manual_seed(4)
+    models = [_NormThenSoftmax(w).double() for w in (8, 16)]
+    alone = [copy.deepcopy(m) for m in models]
+    x = torch.randn(5, 6, dtype=torch.float64)
+    fused = hftc.fuse(models, pad_widths=True, example_inputs=(x,))
+    assert type(fused.padded_model(0)).__mro__[1] is _NormThenSoftmax  # (rewritten)
+    assert sorted(set(runs)) == [False, True]  # (each model analysed in both modes)
+    for i, (back, want) in enumerate(zip(fused.unfuse(), alone)):
+        got = back.state_dict()
+        for name, value in want.state_dict().items():
+            assert torch.equal(got[name], value), (i, name)
+        assert back.training and all(m.training for m in back.modules())
+    out = fused(x)
+    for i, model in enumerate(alone):
+        assert _relative(out[i], model(x)) <= 1e-12, i
+    fused.eval()
+    out = fused(x)
+    for i, model in enumerate(alone):
+        assert _relative(out[i], model.eval()(x)) <= 1e-12, i

@@ -43,7 +43,6 @@ padded models' forward.  The first-call check against the original models stays.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 import operator
@@ -263,11 +262,23 @@ def _trace(model: nn.Module, training: bool, concrete: dict[str, Any]) -> fx.Gra
 def _run(model: nn.Module, training: bool, concrete: dict[str, Any], args: Sequence[Any]
          ) -> tuple[fx.GraphModule, dict[fx.Node, Any]]:
     gm = _trace(model, training, concrete)
-    runner = set_training(copy.deepcopy(gm), training)  # (running statistics are not touched)
-    with torch.no_grad():
-        values = record_values(runner, *args)
-    nodes = dict(zip(runner.graph.nodes, gm.graph.nodes))
-    return gm, {nodes[n]: v for n, v in values.items()}
+    # Run on the model's own modules, not on a deep copy of the trace (one per model and
+    # mode was an eighth of a padded fusing): their training flags and the values of
+    # their parameters and buffers (running statistics) are put back after.
+    tensors = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
+    saved = [(t, t.detach().clone()) for t in tensors.values()]
+    modes = [(m, m.training) for m in gm.modules()]
+    set_training(gm, training)
+    try:
+        with torch.no_grad():
+            values = record_values(gm, *args)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        with torch.no_grad():
+            for t, value in saved:
+                t.copy_(value)
+    return gm, values
 
 
 # ---------------------------------------------------------------- the analysis
