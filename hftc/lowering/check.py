@@ -461,19 +461,20 @@ class CheckResult:
         numbers = [str(i) for i in self.models]
         models = ("model " if len(numbers) == 1 else "models ") + (
             numbers[0] if len(numbers) == 1 else ", ".join(numbers[:-1]) + " and " + numbers[-1])
-        if self.before_cut:
-            models = (f"{models} (positions after hftc.keep_models; checked before the cut)"
-                      if numbers else "models the cut took out (checked before it)")
+        if self.before_cut and not numbers:
+            models = "models the cut took out"
+        # (a kept check names the models by their positions after the cut)
+        cut = " (before hftc.keep_models cut the module)" if self.before_cut else ""
         if self.skipped:
             return f"not checked against the models' own forward: {self.skipped}"
         if self.difference:
             return f"FAILED: {self.difference}; the models run one by one"
         if self.shapes_only:
-            return (f"checked against {models}'s own forward: shapes and dtypes agree (the "
-                    f"program draws random numbers)")
+            return (f"checked against {models}'s own forward{cut}: shapes and dtypes agree "
+                    f"(the program draws random numbers)")
         rounding = (", as close to a float64 run as the models' own low-precision forward"
                     if self.within_rounding else "")
-        return (f"checked against {models}'s own forward: values agree (largest "
+        return (f"checked against {models}'s own forward{cut}: values agree (largest "
                 f"difference {self.largest:.2g}, relative{rounding})")
 
 
